@@ -1,0 +1,392 @@
+"""KV cache specs: what one layer's cache looks like, and how much a request may hold of it.
+
+Mirrors ``vllm/v1/kv_cache_interface.py`` of vLLM 0.33.0 for the spec types kvref models. All
+specs are frozen dataclasses that validate their fields on construction (bad values raise
+:class:`~kvref.spec.errors.InvalidFieldError`, a ``ValueError``), so a spec that exists is sane.
+
+The rule that matters most (seed 000, vLLM #40946, fixing #39734): for sliding-window and
+chunked-local layers, ``max_admission_blocks_per_request`` is the *single* formula both startup
+sizing (``max_memory_usage_bytes``) and the runtime admission gate use. When the two disagreed,
+startup accepted a ``max_model_len`` that the gate could never admit and the scheduler waited
+forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from math import prod
+from typing import TYPE_CHECKING, ClassVar
+
+from .dtypes import canonical_dtype, get_dtype_size
+from .errors import InvalidFieldError, check_choice, check_int
+from .mathutil import cdiv, round_up
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import EngineConfig
+
+
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidFieldError(f"{owner}.{name}", value, "True or False")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base of all specs: ``block_size`` tokens share one block (page) of the pool."""
+
+    block_size: int
+    #: whether decode context parallelism shards this cache's token positions
+    dcp_sharded: bool = field(default=False, kw_only=True)
+
+    #: name of the vLLM single-type manager that runs this spec
+    manager_name: ClassVar[str] = ""
+    #: whether blocks of this spec can be shared through the prefix cache
+    prefix_cacheable: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_int(f"{type(self).__name__}.block_size", self.block_size, minimum=1)
+        _check_bool(type(self).__name__, "dcp_sharded", self.dcp_sharded)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer."""
+        raise NotImplementedError(f"{type(self).__name__} is abstract: use a concrete spec")
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        """Bytes one request of ``max_model_len`` tokens may hold at once (startup sizing)."""
+        raise NotImplementedError(f"{type(self).__name__} is abstract: use a concrete spec")
+
+    def max_memory_usage_blocks(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        """``cdiv(max_memory_usage_bytes, page_size_bytes)``: block ids one request may hold.
+
+        This is what vLLM's ``_max_memory_usage_bytes_from_groups`` and the max-concurrency report
+        count per group.
+        """
+        return cdiv(self.max_memory_usage_bytes(config, max_model_len), self.page_size_bytes)
+
+    def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
+        """Width of the worker-side block table row (not memory accounting)."""
+        return cdiv(max_len, self.block_size)
+
+    def effective_block_size(self, dcp_world_size: int = 1) -> int:
+        """Tokens per block as managers see them (block_size × DCP when sharded)."""
+        return self.block_size * (dcp_world_size if self.dcp_sharded else 1)
+
+    def copy_with_new_block_size(self, block_size: int) -> "KVCacheSpec":
+        from dataclasses import replace
+
+        return replace(self, block_size=block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """Paged K/V: one block holds ``block_size`` tokens × ``num_kv_heads`` × (K + V)."""
+
+    dcp_sharded: bool = True
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    head_size_v: int | None = None
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        check_int(f"{owner}.num_kv_heads", self.num_kv_heads, minimum=1)
+        check_int(f"{owner}.head_size", self.head_size, minimum=1)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, f"{owner}.dtype"))
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        check_int(f"{owner}.head_size_v", self.head_size_v, minimum=0)
+        check_int(f"{owner}.page_size_padded", self.page_size_padded, minimum=1, allow_none=True)
+        if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_size_bytes:
+            raise InvalidFieldError(
+                f"{owner}.page_size_padded", self.page_size_padded,
+                f"None or an int >= the unpadded page size {self.unpadded_page_size_bytes}")
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        assert self.head_size_v is not None
+        return self.num_kv_heads * self.block_size * (self.head_size + self.head_size_v) * get_dtype_size(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.unpadded_page_size_bytes
+
+    def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
+        return cdiv(max_len, self.effective_block_size(config.dcp_world_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full causal attention: a request keeps every block until it finishes (no admission cap).
+
+    ``sliding_window``/``attention_chunk_size`` are only set when the hybrid manager is disabled
+    and a windowed layer was promoted to full attention (compute stays windowed).
+    """
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    manager_name: ClassVar[str] = "FullAttentionManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        check_int(f"{owner}.sliding_window", self.sliding_window, minimum=1, allow_none=True)
+        check_int(f"{owner}.attention_chunk_size", self.attention_chunk_size, minimum=1, allow_none=True)
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise InvalidFieldError(f"{owner}.attention_chunk_size", self.attention_chunk_size,
+                                    "None when sliding_window is set (not both)")
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        m = config.resolved_max_model_len if max_model_len is None else max_model_len
+        if self.dcp_sharded and config.dcp_world_size > 1:
+            m = cdiv(m, config.dcp_world_size)
+        return cdiv(m, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per token (``head_size_v = 0``).
+
+    ``alignment`` pads the page up to a multiple (DeepSeek-V4 style), as vLLM does in
+    ``__post_init__``.
+    """
+
+    head_size_v: int | None = 0
+    cache_dtype_str: str | None = None
+    alignment: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(f"{type(self).__name__}.alignment", self.alignment, minimum=1, allow_none=True)
+        if self.alignment is not None:
+            padded = round_up(self.unpadded_page_size_bytes, self.alignment)
+            if padded != self.unpadded_page_size_bytes:
+                object.__setattr__(self, "page_size_padded", padded)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: blocks wholly before the window are freed as the request advances.
+
+    ``extra_retained_tokens`` keeps that many extra trailing tokens' blocks alive below the window
+    (multi-module MTP re-prefills them); vLLM sets it globally in ``get_global_kv_cache_groups``.
+    """
+
+    sliding_window: int
+    extra_retained_tokens: int = 0
+    manager_name: ClassVar[str] = "SlidingWindowManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        check_int(f"{owner}.sliding_window", self.sliding_window, minimum=1)
+        check_int(f"{owner}.extra_retained_tokens", self.extra_retained_tokens, minimum=0)
+
+    @property
+    def num_retained_tokens(self) -> int:
+        """Tokens below the next position that must stay readable."""
+        return self.sliding_window - 1 + self.extra_retained_tokens
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Blocks one request may hold at once; startup sizing and the runtime gate both use it.
+
+        A request holds the last ``sliding_window - 1`` processed tokens, the extra retained ones and
+        the tokens in flight (frees happen on the processed-token basis), never more than
+        ``max_model_len``; ``+1`` because the window may start mid-block (block size 4, a 6-token
+        window ``[CDEF]`` spans ``[XXCD][EF]``). See vLLM #40946 / #39734.
+        """
+        check_int("max_in_flight_tokens", max_in_flight_tokens, minimum=0)
+        check_int("max_model_len", max_model_len, minimum=1)
+        num_tokens = min(self.sliding_window - 1 + self.extra_retained_tokens + max_in_flight_tokens,
+                         max_model_len)
+        return cdiv(num_tokens, self.block_size) + 1
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        if self.dcp_sharded and config.dcp_world_size != 1:
+            raise InvalidFieldError("dcp_world_size", config.dcp_world_size,
+                                    "1 (decode context parallelism does not support sliding window)")
+        m = config.resolved_max_model_len if max_model_len is None else max_model_len
+        return self.max_admission_blocks_per_request(config.max_in_flight_tokens, m) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention: a token sees only its own ``attention_chunk_size`` chunk."""
+
+    attention_chunk_size: int
+    manager_name: ClassVar[str] = "ChunkedLocalAttentionManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(f"{type(self).__name__}.attention_chunk_size", self.attention_chunk_size, minimum=1)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """One chunk plus the in-flight tokens, at most ``max_model_len``; no ``+1`` (chunks start
+        on their own boundaries). Single source of truth with startup sizing (vLLM #40946)."""
+        check_int("max_in_flight_tokens", max_in_flight_tokens, minimum=0)
+        check_int("max_model_len", max_model_len, minimum=1)
+        num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size)
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        m = config.resolved_max_model_len if max_model_len is None else max_model_len
+        return self.max_admission_blocks_per_request(config.max_in_flight_tokens, m) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Cross-attention of encoder-decoder models: sized by the encoder budget, never cached."""
+
+    manager_name: ClassVar[str] = "CrossAttentionManager"
+    prefix_cacheable: ClassVar[bool] = False
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        return cdiv(config.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Encoder-only attention needs no KV cache."""
+
+    manager_name: ClassVar[str] = ""
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        return 0
+
+
+MAMBA_CACHE_MODES = ("none", "all", "align")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """Recurrent (Mamba/SSM) state: a fixed-size state per request, not per token.
+
+    ``shapes``/``dtypes`` are the state tensors; the page holds all of them. In ``"align"`` cache
+    mode the state is checkpointed at block boundaries so it can be prefix-cached.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    page_size_padded: int | None = None
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    manager_name: ClassVar[str] = "MambaManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        if not isinstance(self.shapes, (tuple, list)) or not self.shapes:
+            raise InvalidFieldError(f"{owner}.shapes", self.shapes, "a non-empty tuple of shape tuples")
+        shapes = []
+        for i, shape in enumerate(self.shapes):
+            if not isinstance(shape, (tuple, list)) or not shape:
+                raise InvalidFieldError(f"{owner}.shapes[{i}]", shape, "a non-empty tuple of positive ints")
+            for d in shape:
+                check_int(f"{owner}.shapes[{i}]", d, minimum=1)
+            shapes.append(tuple(shape))
+        object.__setattr__(self, "shapes", tuple(shapes))
+        if not isinstance(self.dtypes, (tuple, list)) or len(self.dtypes) != len(self.shapes):
+            raise InvalidFieldError(f"{owner}.dtypes", self.dtypes,
+                                    f"a tuple of {len(self.shapes)} dtype names (one per shape)")
+        object.__setattr__(self, "dtypes",
+                           tuple(canonical_dtype(d, f"{owner}.dtypes[{i}]") for i, d in enumerate(self.dtypes)))
+        check_int(f"{owner}.page_size_padded", self.page_size_padded, minimum=1, allow_none=True)
+        check_choice(f"{owner}.mamba_cache_mode", self.mamba_cache_mode, MAMBA_CACHE_MODES)
+        check_int(f"{owner}.num_speculative_blocks", self.num_speculative_blocks, minimum=0)
+        check_int(f"{owner}.num_prefill_checkpoint_blocks", self.num_prefill_checkpoint_blocks, minimum=0)
+        if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_size_bytes:
+            raise InvalidFieldError(f"{owner}.page_size_padded", self.page_size_padded,
+                                    f"None or an int >= the state size {self.unpadded_page_size_bytes}")
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        return sum(prod(s) * get_dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.unpadded_page_size_bytes
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        """``align`` mode: 2 states (+ speculative + checkpoint blocks); else 1 (+ speculative).
+
+        NOTE: vLLM reads the mode from ``cache_config`` here, not from the spec.
+        """
+        if config.mamba_cache_mode == "align":
+            return self.page_size_bytes * (2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks)
+        return self.page_size_bytes * (1 + self.num_speculative_blocks)
+
+    def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
+        if config.mamba_cache_mode == "align":
+            return cdiv(max_len, self.block_size) + self.num_speculative_blocks
+        return cdiv(self.max_memory_usage_bytes(config), self.page_size_bytes)
+
+
+def has_admission_cap(spec: KVCacheSpec) -> bool:
+    """Whether vLLM's manager for this spec gets ``max_admission_blocks_per_request`` (§2.9)."""
+    return isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+
+
+def attention_compare_fields(spec: AttentionSpec) -> tuple:
+    """The fields two attention specs must share to be merged into one group."""
+    return tuple(getattr(spec, f.name) for f in fields(spec) if f.compare)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """One group of layers of the same kind that need different page sizes (e.g. head sizes).
+
+    ``page_size_bytes`` is the sum of the layers' pages; memory is the largest per-layer block count
+    times that sum.
+    """
+
+    kv_cache_specs: dict[str, KVCacheSpec]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.kv_cache_specs, dict) or not self.kv_cache_specs:
+            raise InvalidFieldError("UniformTypeKVCacheSpecs.kv_cache_specs", self.kv_cache_specs,
+                                    "a non-empty dict of layer name -> spec")
+        object.__setattr__(self, "dcp_sharded", next(iter(self.kv_cache_specs.values())).dcp_sharded)
+
+    def __hash__(self) -> int:  # dict field: hash by layer names and specs
+        return hash((self.block_size, tuple(self.kv_cache_specs.items())))
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def manager_name(self) -> str:  # type: ignore[override]
+        return self.first_spec.manager_name
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    def max_memory_usage_pages(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        return max(cdiv(s.max_memory_usage_bytes(config, max_model_len), s.page_size_bytes)
+                   for s in self.kv_cache_specs.values())
+
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        return self.max_memory_usage_pages(config, max_model_len) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table: ``layer_names`` and their common ``kv_cache_spec``."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+    is_eagle_group: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        if not isinstance(self.kv_cache_spec, KVCacheSpec):
+            raise InvalidFieldError("KVCacheGroupSpec.kv_cache_spec", self.kv_cache_spec, "a KVCacheSpec")
