@@ -11,12 +11,60 @@ convert at this boundary, so comparisons never depend on object identity.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
 from .request import Request
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What every implementation is created from: the scheduler-side view of a KV cache plan.
+
+    Mirrors the arguments vLLM's ``KVCacheManager`` takes (``KVCacheConfig.num_blocks`` and
+    groups, ``max_model_len``, ``scheduler_block_size``, ``hash_block_size``,
+    ``max_in_flight_tokens``, ``enable_caching``, ``watermark``, ``use_eagle``).
+    ``num_blocks`` includes the null block 0.
+    """
+
+    num_blocks: int
+    groups: tuple[KVCacheGroupSpec, ...]
+    max_model_len: int
+    scheduler_block_size: int
+    hash_block_size: int
+    max_in_flight_tokens: int | None = None
+    enable_caching: bool = True
+    watermark: float = 0.0
+    use_eagle: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("num_blocks", self.num_blocks, minimum=1)
+        object.__setattr__(self, "groups", tuple(self.groups))
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, KVCacheGroupSpec):
+                raise InvalidFieldError(f"groups[{i}]", g, "a KVCacheGroupSpec")
+        check_int("max_model_len", self.max_model_len, minimum=1)
+        check_int("scheduler_block_size", self.scheduler_block_size, minimum=1)
+        check_int("hash_block_size", self.hash_block_size, minimum=1)
+        check_int("max_in_flight_tokens", self.max_in_flight_tokens, minimum=1, allow_none=True)
+        if not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool) \
+                or not 0.0 <= self.watermark < 1.0:
+            raise InvalidFieldError("watermark", self.watermark, "a float in [0, 1)")
+        # vLLM asserts this in the coordinator (PR 44165, seed 003); kvref rejects it up front.
+        if self.scheduler_block_size % self.hash_block_size:
+            raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,
+                                    f"a multiple of hash_block_size={self.hash_block_size}")
+        for i, g in enumerate(self.groups):
+            if self.scheduler_block_size % g.kv_cache_spec.block_size:
+                raise InvalidFieldError(
+                    "scheduler_block_size", self.scheduler_block_size,
+                    f"a multiple of group {i}'s block_size={g.kv_cache_spec.block_size}")
 
 
 @runtime_checkable
