@@ -1,0 +1,103 @@
+"""The checks ``kvref verify`` runs, in order, and how each is decided.
+
+Each check is a function ``(VerifyContext) -> CheckResult``. Checks import what they need lazily,
+so ``kvref verify --only proofs`` does not pay for torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .report import FAILED, PASSED, SKIPPED, CheckResult
+
+
+@dataclass
+class VerifyContext:
+    profile: str = "fast"
+    against: str | None = None
+    device: str | None = None
+    out_dir: str = "counterexamples"
+    seed: int = 0
+
+    def examples(self, fast: int, ci: int, nightly: int | None = None) -> int:
+        """Example/trace budget for the active profile."""
+        if self.profile == "nightly":
+            return nightly if nightly is not None else ci * 100
+        return ci if self.profile == "ci" else fast
+
+    def ensure_out_dir(self) -> str:
+        os.makedirs(self.out_dir, exist_ok=True)
+        return self.out_dir
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    description: str
+    run: Callable[[VerifyContext], CheckResult]
+    default: bool = True
+
+
+def vllm_available() -> tuple[bool, str]:
+    """Whether vLLM 0.33.0 imports here (and why not)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except Exception as exc:
+        return False, f"vLLM not importable: {exc!r}"
+    from . import VLLM_VERSION
+
+    if vllm.__version__ != VLLM_VERSION:
+        return False, f"vLLM {vllm.__version__} installed; kvref models {VLLM_VERSION}"
+    return True, f"vLLM {vllm.__version__}"
+
+
+def _skip_or_fail_without_vllm(ctx: VerifyContext, name: str) -> CheckResult | None:
+    ok, why = vllm_available()
+    if ok:
+        return None
+    if ctx.against == "vllm":
+        return CheckResult(name, FAILED, f"--against vllm given but {why}")
+    return CheckResult(name, SKIPPED, why + " (install vLLM 0.33.0 to run conformance)")
+
+
+# --------------------------------------------------------------------------------------------
+# spec: the documented vLLM figures, evaluated through kvref.spec
+
+
+def check_spec_examples(ctx: VerifyContext) -> CheckResult:
+    """vLLM's own documented numbers (tests and docstrings of 0.33.0) through kvref.spec."""
+    from kvref.spec import ChunkedLocalAttentionSpec, EngineConfig, SlidingWindowSpec
+
+    failures = []
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float16", sliding_window=1024)
+    for batches, want in ((1, 129), (2, 193)):
+        got = swa.max_admission_blocks_per_request(batches * 1024, 1 << 20)
+        if got != want:
+            failures.append(f"SWA window 1024, bs 16, {batches}x1024 in flight: cap {got}, vLLM says {want}")
+    cl = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float16",
+                                   attention_chunk_size=1024)
+    cfg = EngineConfig(max_model_len=1 << 20, max_num_batched_tokens=1024, max_concurrent_batches=2)
+    if cl.max_memory_usage_blocks(cfg) != 192:
+        failures.append(f"chunked-local 1024 + 2x1024 in flight: {cl.max_memory_usage_blocks(cfg)} blocks, vLLM says 192")
+    small = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=6)
+    if small.max_admission_blocks_per_request(0, 100) != 3:
+        failures.append("window 6 at block size 4 must need cdiv(5,4)+1 = 3 blocks")
+    if failures:
+        return CheckResult("spec", FAILED, f"{len(failures)} documented figure(s) differ", details=failures)
+    return CheckResult("spec", PASSED, "documented vLLM figures reproduced (admission caps, memory bounds)")
+
+
+CHECKS: list[Check] = [
+    Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
+]
+
+
+def select_checks(only=None, skip=(), mutants=False, against=None) -> list[Check]:
+    chosen = [c for c in CHECKS if (c.name in only if only else c.default)]
+    if mutants and not only:
+        chosen += [c for c in CHECKS if c.name == "mutants" and c not in chosen]
+    return [c for c in chosen if c.name not in skip]
