@@ -30,6 +30,16 @@ class Request:
         max_tokens: output tokens to generate before finishing.
         cache_salt: isolates this request's prefix-cache entries (hashed into the first block only).
         priority / arrival_time: order for the PRIORITY policy (lower first).
+        stop_token_ids: sampling one of these finishes the request (vLLM's
+            ``SamplingParams.stop_token_ids``; reason ``"stop"``).
+
+    Scheduler-owned progress (vLLM ``Request`` fields of the same names):
+        num_output_placeholders: async scheduling: tokens sampled by in-flight steps, not yet known.
+        num_stale_output_tokens / drop_stale_output: async scheduling: in-flight output of a
+            preempted request (delivered, or dropped, when it returns).
+        is_prefill_chunk: after the last schedule, the request has not yet reached the end of its
+            known tokens (its step samples nothing).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once FINISHED.
     """
 
     request_id: str
@@ -43,6 +53,12 @@ class Request:
     num_in_flight_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    stop_token_ids: tuple[int, ...] = ()
+    num_output_placeholders: int = 0
+    num_stale_output_tokens: int = 0
+    drop_stale_output: bool = False
+    is_prefill_chunk: bool = False
+    finish_reason: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -54,6 +70,11 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("priority", self.priority)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidFieldError("stop_token_ids", self.stop_token_ids, "a tuple of ints >= 0")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids[i]", t, minimum=0)
+        self.stop_token_ids = tuple(self.stop_token_ids)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidFieldError("cache_salt", self.cache_salt, "None or a str")
 
@@ -68,6 +89,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
