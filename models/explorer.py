@@ -1,0 +1,354 @@
+"""Explicit-state explorer: breadth-first search over every reachable state of a small system.
+
+This is the "model-checked" part of kvref. A :class:`TransitionSystem` says what a state is, which
+actions are enabled in it and what each action does; :func:`explore` then visits every reachable
+state exactly once (state hashing on a canonical key), runs the system's invariant check in every
+state, and reports
+
+* **violations**: an action raised (an ``AssertionError`` from ``check_invariants()``, or any other
+  exception the real code threw, e.g. "Cannot get N free blocks from the pool") — with the
+  shortest trace that reaches it;
+* **deadlocks**: a state with unfinished work and no enabled progress action (vLLM #39734 / #35541
+  were exactly this: a waiting request the gate never admits) — again with the shortest trace.
+
+Breadth-first order is what makes the traces shortest: a state is first reached at its minimal
+depth, and its parent pointer is recorded then.
+
+Symmetry reduction is the system's business: ``key(state)`` may map symmetric states (e.g. two
+requests with identical prompts whose ids are swapped) to the same key. That is sound as long as
+the key is a *complete* description of the state up to the symmetry — two states with the same key
+must have the same future up to renaming. :mod:`kvref.models.explorer_kv` documents why its key is.
+
+The engine knows nothing about KV caches; tests drive it with toy systems too.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Generic, Hashable, Iterable, Protocol, Sequence, TypeVar
+
+S = TypeVar("S")
+
+__all__ = [
+    "TransitionSystem",
+    "Step",
+    "Trace",
+    "Finding",
+    "ExplorationResult",
+    "explore",
+    "render_trace",
+]
+
+
+class TransitionSystem(Protocol[S]):
+    """What the explorer needs from a system under exploration.
+
+    ``step`` must not mutate its input state (copy first); states must stay valid while queued.
+    """
+
+    def initial_states(self) -> Iterable[S]:
+        """The states the search starts from."""
+
+    def actions(self, state: S) -> Sequence[Hashable]:
+        """Actions enabled in ``state`` (a deterministic order keeps traces reproducible)."""
+
+    def step(self, state: S, action: Hashable) -> S:
+        """The successor of ``state`` under ``action``; may raise to report a violation."""
+
+    def key(self, state: S) -> Hashable:
+        """Canonical, hashable description of ``state`` (symmetric states may share a key)."""
+
+    def check(self, state: S) -> None:
+        """Raise ``AssertionError`` if an invariant is broken in ``state``."""
+
+    def is_final(self, state: S) -> bool:
+        """Whether all work is done in ``state`` (a final state is never a deadlock)."""
+
+    def describe(self, state: S) -> dict[str, str]:
+        """Columns shown for ``state`` in a counterexample step table."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One row of a trace: the action taken and the state it led to."""
+
+    action: Hashable | None  # None for the initial state
+    state: dict[str, str]
+
+
+@dataclass
+class Trace:
+    steps: list[Step]
+
+    @property
+    def length(self) -> int:
+        """Number of actions (the initial state is not an action)."""
+        return len(self.steps) - 1
+
+
+@dataclass
+class Finding:
+    """A violation or a deadlock, with the shortest trace that reaches it."""
+
+    kind: str  # "violation" | "deadlock" | "livelock"
+    message: str
+    trace: Trace
+    failed_action: Hashable | None = None  # for violations raised by a step: the action that raised
+
+
+@dataclass
+class ExplorationResult:
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    complete: bool = True  # False if stopped early (max_states / first finding / time)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def states_per_second(self) -> float:
+        return self.states / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def violations(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "violation"]
+
+    @property
+    def deadlocks(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "deadlock"]
+
+    @property
+    def livelocks(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "livelock"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def summary(self) -> str:
+        return (f"{self.states} states, {self.transitions} transitions, depth {self.depth}, "
+                f"{self.seconds:.2f}s ({self.states_per_second:,.0f} states/s), "
+                f"{len(self.violations)} violations, {len(self.deadlocks)} deadlocks"
+                + (f", {len(self.livelocks)} livelocks" if self.livelocks else "")
+                + ("" if self.complete else " [incomplete]"))
+
+
+def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
+            max_seconds: float | None = None, stop_at_first: bool = True,
+            check_deadlocks: bool = True, check_liveness: bool = False,
+            max_findings: int = 10) -> ExplorationResult:
+    """Breadth-first exploration of every state reachable from ``system.initial_states()``.
+
+    Args:
+        system: the system to explore.
+        max_states: stop (``complete=False``) after this many distinct states.
+        max_seconds: stop (``complete=False``) after this much wall time.
+        stop_at_first: stop at the first violation or deadlock (its trace is still the shortest).
+        check_deadlocks: report non-final states in which no action changes the state.
+        check_liveness: after a complete search, also report the shallowest state from which no
+            final state is reachable at all (a livelock: actions exist, but they go round in
+            circles — e.g. admit, preempt, admit). Keeps the reverse edges in memory.
+        max_findings: stop after this many findings when ``stop_at_first`` is False.
+
+    Returns:
+        An :class:`ExplorationResult` with counts, timing and findings (shortest traces first).
+    """
+    t0 = time.perf_counter()
+    res = ExplorationResult()
+    index: dict[Hashable, int] = {}
+    keys: list[Hashable] = []
+    parents: list[int] = []  # -1 for initial states
+    via: list[Hashable | None] = []
+    finals: list[int] = []
+    edge_src: array = array("l")
+    edge_dst: array = array("l")
+    queue: deque[tuple[Any, int, int]] = deque()  # (state, index, depth)
+
+    def finish(complete: bool) -> ExplorationResult:
+        res.complete = complete
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def add_finding(kind: str, message: str, idx: int | None,
+                    failed_action: Hashable | None = None, extra: Step | None = None) -> bool:
+        trace = _rebuild_trace(system, keys, parents, via, idx)
+        if extra is not None:
+            trace.steps.append(extra)
+        res.findings.append(Finding(kind, message, trace, failed_action))
+        return stop_at_first or len(res.findings) >= max_findings
+
+    def register(k: Hashable, parent: int, action: Hashable | None) -> int:
+        i = len(keys)
+        index[k] = i
+        keys.append(k)
+        parents.append(parent)
+        via.append(action)
+        return i
+
+    for s0 in system.initial_states():
+        try:
+            system.check(s0)
+        except AssertionError as e:  # the initial state itself is broken
+            if add_finding("violation", f"initial state: {_fmt_exc(e)}", None,
+                           extra=Step(None, _safe_describe(system, s0))):
+                return finish(False)
+            continue
+        k0 = system.key(s0)
+        if k0 in index:
+            continue
+        queue.append((s0, register(k0, -1, None), 0))
+        res.states += 1
+
+    n = 0
+    while queue:
+        state, idx, depth = queue.popleft()
+        if depth > res.depth:
+            res.depth = depth
+        final = system.is_final(state)
+        if final:
+            finals.append(idx)
+        progressed = False
+        for a in system.actions(state):
+            res.transitions += 1
+            try:
+                nxt = system.step(state, a)
+            except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
+                msg = f"action {_fmt_action(a)} raised {_fmt_exc(e)}"
+                progressed = True  # not a deadlock: something happened (and it was wrong)
+                if add_finding("violation", msg, idx, failed_action=a,
+                               extra=Step(a, {"error": _fmt_exc(e)})):
+                    return finish(False)
+                continue
+            nk = system.key(nxt)
+            j = index.get(nk)
+            if j is not None:
+                if j != idx:
+                    progressed = True
+                    if check_liveness:
+                        edge_src.append(idx)
+                        edge_dst.append(j)
+                continue
+            progressed = True
+            j = register(nk, idx, a)
+            if check_liveness:
+                edge_src.append(idx)
+                edge_dst.append(j)
+            try:
+                system.check(nxt)
+            except AssertionError as e:
+                if add_finding("violation", f"invariant broken after {_fmt_action(a)}: {_fmt_exc(e)}", j):
+                    return finish(False)
+                continue
+            res.states += 1
+            queue.append((nxt, j, depth + 1))
+        if check_deadlocks and not progressed and not final:
+            if add_finding("deadlock", "no action changes the state, but work is unfinished", idx):
+                return finish(False)
+        n += 1
+        if max_seconds is not None and n % 256 == 0 and time.perf_counter() - t0 > max_seconds:
+            return finish(False)
+        if max_states is not None and res.states >= max_states:
+            return finish(False)
+    if check_liveness and not (res.findings and stop_at_first):
+        stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
+        if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):
+            add_finding("livelock", "no final state is reachable from here (actions only cycle)", stuck)
+    return finish(not (res.findings and stop_at_first))
+
+
+def _first_stuck(n: int, finals: list[int], src: array, dst: array, parents: list[int]) -> int | None:
+    """The first state (BFS order = shallowest) from which no final state is reachable."""
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for a, b in zip(src, dst):
+        preds[b].append(a)
+    good = bytearray(n)
+    stack = list(finals)
+    for f in finals:
+        good[f] = 1
+    while stack:
+        b = stack.pop()
+        for a in preds[b]:
+            if not good[a]:
+                good[a] = 1
+                stack.append(a)
+    for i in range(n):  # indices are in BFS discovery order
+        if not good[i]:
+            return i
+    return None
+
+
+def _fmt_exc(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _safe_describe(system: TransitionSystem[Any], state: Any) -> dict[str, str]:
+    try:
+        return system.describe(state)
+    except Exception as e:  # noqa: BLE001 - a broken state may not describe itself
+        return {"state": f"<cannot describe: {_fmt_exc(e)}>"}
+
+
+def _rebuild_trace(system: TransitionSystem[Any], keys: list, parents: list[int], via: list,
+                   idx: int | None) -> Trace:
+    """Replay the action path from an initial state to ``key`` and describe every state.
+
+    States are not stored per key (memory), so the path is re-executed; replay is deterministic
+    because ``step`` is. The replay picks, at each depth, the initial state / successor whose key
+    matches the recorded one.
+    """
+    if idx is None:
+        return Trace([])
+    path: list[tuple[Hashable, Hashable | None]] = []  # (key, action that led to it)
+    i = idx
+    while i >= 0:
+        path.append((keys[i], via[i]))
+        i = parents[i]
+    path.reverse()
+    first_key = path[0][0]
+    state = next(s for s in system.initial_states() if system.key(s) == first_key)
+    steps = [Step(None, _safe_describe(system, state))]
+    for k, a in path[1:]:
+        state = system.step(state, a)
+        steps.append(Step(a, _safe_describe(system, state)))
+    return Trace(steps)
+
+
+def render_trace(trace: Trace, *, title: str = "counterexample", console: Any = None) -> str:
+    """Render ``trace`` as a step table (``rich``); returns the text (and prints it if ``console``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    columns: list[str] = []
+    for st in trace.steps:
+        for c in st.state:
+            if c not in columns:
+                columns.append(c)
+    table = Table(title=f"{title} ({trace.length} steps)", show_lines=False)
+    table.add_column("#", justify="right")
+    table.add_column("action")
+    for c in columns:
+        table.add_column(c)
+    for i, st in enumerate(trace.steps):
+        table.add_row(str(i), "(initial)" if st.action is None else _fmt_action(st.action),
+                      *[st.state.get(c, "") for c in columns])
+    out = Console(width=200, record=True, file=_NullIO()) if console is None else console
+    out.print(table)
+    return out.export_text() if console is None else ""
+
+
+def _fmt_action(a: Hashable) -> str:
+    if isinstance(a, tuple):
+        return " ".join(str(x) for x in a)
+    return str(a)
+
+
+class _NullIO:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
