@@ -1,0 +1,347 @@
+"""The block pool: every KV-cache block, the free queue and the prefix-cache index.
+
+Mirrors vLLM 0.33.0's ``BlockPool`` (``vllm/v1/core/block_pool.py``). One pool is shared by all
+KV-cache groups of a model, so a block id belongs to one group's table at a time.
+
+The rules that decide block ids, and so must match vLLM exactly:
+
+* Block 0 is the null block, taken out of the free queue at construction and never returned.
+* ``get_new_blocks(n)`` pops the ``n`` front blocks of the free queue; a popped block that still
+  carries a prefix-cache hash is evicted (its keys are dropped) at that moment, not earlier.
+* ``free_blocks(blocks)`` decrements reference counts; blocks reaching 0 are split by whether they
+  are cached: **uncached blocks are prepended** to the front (in the given order, so scratch is
+  reused first, LIFO), **cached blocks are appended** to the back (in the given order: LRU). A
+  request's blocks are freed in reverse table order, so its tail is evicted first. (Older vLLM
+  appended everything; the queue's own docstring still says so.)
+* ``touch(blocks)`` takes a prefix-cache hit out of the free queue when its count goes 0 -> 1.
+* The cache index allows duplicates (see ``block_hash_to_block_map``); a block can carry one
+  *primary* key (``block.block_hash``) and further *secondary* keys (partial, fine-grained entries,
+  kept in ``cached_block_hashes_by_block``).
+
+Not modelled: KV-cache events, metrics, reuse watchers (HiSparse ``unpin_blocks``), routing frees
+to another pool, hash lookahead tokens.
+
+Every operation costs O(blocks it touches); nothing scans the pool except ``reset_prefix_cache``
+and ``check_invariants``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvref.spec.errors import InvalidFieldError, check_int
+
+from .block_hash import BlockHash, BlockHashWithGroupId, get_block_hash, get_group_id, resolve_block_hashes
+from .block_hash_to_block_map import BlockHashToBlockMap
+from .errors import BlockRefCountError, NotEnoughFreeBlocksError
+from .free_block_queue import FreeKVCacheBlockQueue
+from .kv_cache_block import KVCacheBlock
+
+
+class BlockPool:
+    """All blocks of one pool.
+
+    Args:
+        num_gpu_blocks: blocks in the pool, including the null block 0 (so at least 1).
+        enable_caching: whether full blocks are published in the prefix cache.
+        hash_block_size: the token granularity of request block hashes; a group's block size is a
+            multiple of it.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+        check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
+        check_int("hash_block_size", hash_block_size, minimum=1)
+        if not isinstance(enable_caching, bool):
+            raise InvalidFieldError("enable_caching", enable_caching, "True or False")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        #: block_id -> secondary keys of a block that already has a primary key
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    # ------------------------------------------------------------------ lookups
+
+    def get_cached_block(self, block_hash: BlockHash,
+                         kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None if any group misses."""
+        found: list[KVCacheBlock] = []
+        get = self.cached_block_hash_to_block.get_one_block
+        for group_id in kv_cache_group_ids:
+            block = get(block_hash + group_id.to_bytes(4, "big"))
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def get_num_free_blocks(self) -> int:
+        """Free-queue length; includes cached blocks that are eviction candidates."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of the usable blocks (all but the null block) not in the free queue."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0.0
+        return 1.0 - self.free_block_queue.num_free_blocks / total
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether the sole owner may overwrite it (not null, one reference, not cached)."""
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    # ------------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the front of the free queue, evicting their hashes.
+
+        Raises:
+            NotEnoughFreeBlocksError: fewer free blocks than asked (nothing is taken).
+        """
+        check_int("num_blocks", num_blocks, minimum=0)
+        num_free = self.free_block_queue.num_free_blocks
+        if num_blocks > num_free:
+            raise NotEnoughFreeBlocksError(num_blocks, num_free)
+        taken = self.free_block_queue.popleft_n(num_blocks)
+        for block in taken:
+            if block._block_hash is not None:
+                self._remove_cached_block_hashes(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
+            block.ref_cnt = 1
+        return taken
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference to each block (a prefix-cache hit); 0 -> 1 leaves the queue."""
+        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        self._check_own(blocks, "blocks")
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 go back to the free queue.
+
+        ``ordered_blocks`` is in eviction priority (first = evicted first). Uncached blocks are
+        prepended in that order, cached ones appended in that order (see the module docstring).
+        Null blocks are skipped.
+
+        Raises:
+            BlockRefCountError: a block is not in use (double free); nothing is changed.
+        """
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        self._check_own(blocks, "ordered_blocks")
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        for idx, block in enumerate(blocks):
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                self._undo_decrements(blocks, idx)
+                raise BlockRefCountError(block.block_id, block.ref_cnt)
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block._block_hash is None or not caching:
+                    evict_first.append(block)
+                else:
+                    evict_last.append(block)
+        self.free_block_queue.prepend_n(evict_first)
+        self.free_block_queue.append_n(evict_last)
+
+    @staticmethod
+    def _undo_decrements(blocks: list[KVCacheBlock], upto: int) -> None:
+        for block in blocks[:upto]:
+            if not block.is_null:
+                block.ref_cnt += 1
+
+    def _check_own(self, blocks: Sequence[KVCacheBlock], field: str) -> None:
+        pool_blocks = self.blocks
+        n = self.num_gpu_blocks
+        for block in blocks:
+            bid = getattr(block, "block_id", None)
+            if type(bid) is not int or not 0 <= bid < n or pool_blocks[bid] is not block:
+                raise InvalidFieldError(field, block, "blocks of this pool")
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          kv_cache_group_id: int, block_mask: Sequence[bool] | None = None) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+
+        Args:
+            block_hashes: the request's hashes at ``hash_block_size`` granularity (viewed at
+                ``block_size`` here).
+            blocks: the request's whole block table in this group.
+            num_cached_blocks / num_full_blocks: the range to publish.
+            block_size: the group's block size (a multiple of ``hash_block_size``).
+            kv_cache_group_id: the group, part of every key.
+            block_mask: aligned with the range; False skips a block that can never serve a hit
+                (sliding-window tails). Null blocks are always skipped.
+
+        A block that already has a key here is a partial entry being promoted to the full block
+        (fine-grained hits): its old keys are removed first.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
+        suffix = kv_cache_group_id.to_bytes(4, "big")
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                continue
+            num_hash_tokens = (i + 1) * block_size
+            if block._block_hash is not None:
+                assert block._block_hash_num_tokens is not None \
+                    and block._block_hash_num_tokens < num_hash_tokens, \
+                    f"block {block.block_id} is already cached for {block._block_hash_num_tokens} tokens"
+                self._remove_cached_block_hashes(block)
+            self._insert_block_hash(hashes[i] + suffix, block, num_hash_tokens)
+
+    def cache_partial_block(self, block_hashes: Sequence[BlockHash], block: KVCacheBlock,
+                            num_tokens: int, kv_cache_group_id: int, block_size: int,
+                            replace_existing_hashes: bool = False) -> BlockHashWithGroupId | None:
+        """Publish ``block`` under the hash of the prefix ending at ``num_tokens``, a hash boundary
+        inside the block (fine-grained hits; full attention's prompt tail in hybrid models).
+
+        The key becomes the block's primary key if it has none, else a secondary key. A block
+        keyed for a shorter prefix is re-keyed (its old keys dropped). Returns the key, or None
+        for the null block.
+        """
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        assert block_size % hbs == 0 and num_tokens % hbs == 0, (block_size, num_tokens, hbs)
+        num_hash_blocks = num_tokens // hbs
+        assert 0 < num_hash_blocks <= len(block_hashes), (num_hash_blocks, len(block_hashes))
+        key = block_hashes[num_hash_blocks - 1] + kv_cache_group_id.to_bytes(4, "big")
+        already_cached = block._block_hash == key or \
+            self.cached_block_hash_to_block.contain(key, block.block_id)
+        if replace_existing_hashes:
+            self._remove_cached_block_hashes(block)
+        elif (not already_cached and block._block_hash is not None
+              and block._block_hash_num_tokens is not None
+              and block._block_hash_num_tokens < num_tokens):
+            self._remove_cached_block_hashes(block)
+        self._insert_block_hash(key, block, num_tokens)
+        return key
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point ``src_block``'s cache entries to ``dst_block`` (Mamba copy-on-write)."""
+        assert dst_block.block_hash is None and dst_block.block_id not in self.cached_block_hashes_by_block
+        num_tokens = src_block.block_hash_num_tokens
+        for key in self._remove_cached_block_hashes(src_block):
+            self._insert_block_hash(key, dst_block, num_tokens)
+
+    def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
+                           num_tokens: int | None) -> None:
+        if block._block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block._block_hash is None:
+            block.set_block_hash(key, num_tokens)
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        """Drop every key of ``block`` from the index and clear its hash; returns the keys removed."""
+        keys: list[BlockHashWithGroupId] = []
+        if block._block_hash is not None:
+            keys.append(block._block_hash)
+        keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return []
+        pop = self.cached_block_hash_to_block.pop
+        removed = [key for key in keys if pop(key, block.block_id) is not None]
+        block.reset_hash()
+        return removed
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache keys of these blocks (connector-driven invalidation).
+
+        Blocks in use stay allocated; free ones stay where they are in the queue, now uncached.
+        """
+        ids = list(block_ids)
+        for bid in ids:
+            if type(bid) is not int or not 0 <= bid < self.num_gpu_blocks:
+                raise InvalidFieldError("block_ids", bid, f"block ids in [0, {self.num_gpu_blocks})")
+        for bid in ids:
+            self._remove_cached_block_hashes(self.blocks[bid])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, but only when no block is in use (else return False)."""
+        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:  # the null block is always "used"
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        return True
+
+    # ------------------------------------------------------------------ inspection
+
+    def cached_blocks(self) -> dict[tuple[int, int], BlockHash]:
+        """``{(group_id, block_id): primary hash bytes}`` for every block with a primary key."""
+        out: dict[tuple[int, int], BlockHash] = {}
+        for key, block in self.cached_block_hash_to_block.items():
+            if block.block_hash == key:
+                out[(get_group_id(key), block.block_id)] = get_block_hash(key)
+        return out
+
+    def free_block_ids(self) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self.free_block_queue.iter_blocks())
+
+    def check_invariants(self) -> None:
+        """Digest §11.1 I1–I8 (I9 needs the managers' tables; I10 is enforced by reset)."""
+        n = self.num_gpu_blocks
+        # I1: one block object per id.
+        assert len(self.blocks) == n
+        for i, block in enumerate(self.blocks):
+            assert block.block_id == i, f"blocks[{i}] has id {block.block_id}"
+        # I2: the null block.
+        null = self.null_block
+        assert null is self.blocks[0] and null.is_null
+        assert null.prev_free_block is None and null.next_free_block is None, "null block is in the free queue"
+        assert null.block_hash is None and null.block_id not in self.cached_block_hashes_by_block
+        assert null.ref_cnt == 0, f"null block ref_cnt changed to {null.ref_cnt}"
+        assert not any(b.is_null for b in self.blocks[1:]), "only block 0 may be the null block"
+        # I5: the queue is a well-formed list with a correct count.
+        self.free_block_queue.check_invariants()
+        in_queue = {b.block_id for b in self.free_block_queue.iter_blocks()}
+        # I3 / I4: in the queue <=> ref_cnt == 0; counts never negative.
+        num_used = 0
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert (block.block_id in in_queue) == (block.ref_cnt == 0), \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_queue={block.block_id in in_queue}"
+            num_used += block.ref_cnt > 0
+        assert self.get_num_free_blocks() + num_used == n - 1
+        # I6: index <-> block hashes agree.
+        num_keys = 0
+        for key, block in self.cached_block_hash_to_block.items():
+            num_keys += 1
+            assert self.blocks[block.block_id] is block and not block.is_null
+            assert block.block_hash == key or key in self.cached_block_hashes_by_block.get(block.block_id, ()), \
+                f"index maps a key to block {block.block_id} which does not carry it"
+        num_expected = 0
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.enable_caching, "a hash was set with caching disabled"
+                assert self.cached_block_hash_to_block.contain(block.block_hash, block.block_id)
+                num_expected += 1
+            else:
+                assert block.block_hash_num_tokens is None
+        for bid, keys in self.cached_block_hashes_by_block.items():
+            assert keys, f"empty secondary key set for block {bid}"
+            assert self.blocks[bid].block_hash is not None, f"block {bid} has secondary keys but no primary"
+            for key in keys:
+                assert self.cached_block_hash_to_block.contain(key, bid)
+            num_expected += len(keys)
+        assert num_keys == num_expected, (num_keys, num_expected)
