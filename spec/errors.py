@@ -37,11 +37,17 @@ class InsufficientKVCacheError(KVRefError):
     is the largest length the pool can serve (0 when not even one token fits).
     """
 
+    #: why: vLLM's three startup failures
+    NO_MEMORY = "no_memory"          # "No available memory for the cache blocks"
+    TOO_LONG = "too_long"            # "To serve at least one request with the model's max seq len"
+    AUTO_FIT_FAILED = "auto_fit"     # "Cannot auto-fit max_model_len"
+
     def __init__(self, message: str, *, estimated_max_model_len: int,
-                 needed_bytes: int = 0, available_bytes: int = 0) -> None:
+                 needed_bytes: int = 0, available_bytes: int = 0, reason: str = "too_long") -> None:
         self.estimated_max_model_len = estimated_max_model_len
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
+        self.reason = reason
         super().__init__(message)
 
 
@@ -61,3 +67,27 @@ def check_choice(field: str, value: Any, choices: "tuple[Any, ...] | list[Any]")
     """Raise :class:`InvalidFieldError` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise InvalidFieldError(field, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+class SpecMergeError(KVRefError):
+    """Layer specs cannot share one KV cache group (vLLM's ``merge`` raises ``AssertionError``).
+
+    Grouping catches it and tries the next strategy, as vLLM does.
+    """
+
+
+class KVCacheGroupingError(KVRefError):
+    """The layers cannot be grouped at all; vLLM's planner fails on the same input.
+
+    Raised where vLLM raises ``ValueError``/``NotImplementedError`` out of ``get_kv_cache_groups``
+    (full-attention layers with different window sizes, a hybrid model that cannot be promoted to
+    one type with the hybrid manager disabled, page sizes that can be neither scaled nor padded).
+    """
+
+
+class WindowSizeMismatchError(KVCacheGroupingError):
+    """Full-attention layers of one group carry different ``sliding_window``/``attention_chunk_size``.
+
+    vLLM's ``FullAttentionSpec.merge_window_sizes`` raises ``ValueError`` here; unlike other merge
+    failures it is *not* caught by ``is_kv_cache_spec_uniform``, so it aborts planning.
+    """

@@ -18,11 +18,15 @@ from math import prod
 from typing import TYPE_CHECKING, ClassVar
 
 from .dtypes import canonical_dtype, get_dtype_size
-from .errors import InvalidFieldError, check_choice, check_int
+from .errors import InvalidFieldError, SpecMergeError, WindowSizeMismatchError, check_choice, check_int
 from .mathutil import cdiv, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import EngineConfig
+
+
+#: filled at the end of the module (the classes must exist first)
+_UNIFORM_TYPE_BASE: "dict[type, type]" = {}
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:
@@ -77,6 +81,36 @@ class KVCacheSpec:
 
         return replace(self, block_size=block_size)
 
+    # -- grouping (vLLM's ``merge`` / ``is_uniform_with_collection``) ---------------------------
+
+    @classmethod
+    def uniform_type_base(cls) -> "type[KVCacheSpec] | None":
+        """The class vLLM's spec registry groups this spec with (``uniform_type_base_spec``).
+
+        None for specs vLLM 0.33.0 does not register (planning rejects them).
+        """
+        for klass in cls.__mro__:
+            if klass in _UNIFORM_TYPE_BASE:
+                return _UNIFORM_TYPE_BASE[klass]
+        return None
+
+    @classmethod
+    def merge(cls, specs: "list[KVCacheSpec]") -> "KVCacheSpec":
+        """One spec for layers that share a group: they must all be equal.
+
+        Raises :class:`SpecMergeError` (vLLM: ``AssertionError``) when they are not.
+        """
+        first = specs[0]
+        if not all(s == first for s in specs[1:]):
+            raise SpecMergeError("All layers in the same KV cache group must be the same.")
+        return first
+
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        """Whether all ``specs`` need the same number of token slots as this one (so they can form
+        one :class:`UniformTypeKVCacheSpecs` group although their page sizes differ)."""
+        base = self.uniform_type_base()
+        return base is not None and all(isinstance(s, base) for s in specs.values())
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec):
@@ -88,10 +122,14 @@ class AttentionSpec(KVCacheSpec):
     dtype: str
     head_size_v: int | None = None
     page_size_padded: int | None = None
+    #: bytes of one (head, token) cell when the backend packs it (vLLM ``state_content_bytes``,
+    #: e.g. 656 for DeepSeek's ``fp8_ds_mla``); None: dense K+V, ``(head_size + head_size_v) * dtype``
+    state_content_bytes: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = type(self).__name__
+        check_int(f"{owner}.state_content_bytes", self.state_content_bytes, minimum=1, allow_none=True)
         check_int(f"{owner}.num_kv_heads", self.num_kv_heads, minimum=1)
         check_int(f"{owner}.head_size", self.head_size, minimum=1)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, f"{owner}.dtype"))
@@ -105,9 +143,16 @@ class AttentionSpec(KVCacheSpec):
                 f"None or an int >= the unpadded page size {self.unpadded_page_size_bytes}")
 
     @property
-    def unpadded_page_size_bytes(self) -> int:
+    def state_content_size_bytes(self) -> int:
+        """Bytes per (head, token) cell of the page."""
+        if self.state_content_bytes is not None:
+            return self.state_content_bytes
         assert self.head_size_v is not None
-        return self.num_kv_heads * self.block_size * (self.head_size + self.head_size_v) * get_dtype_size(self.dtype)
+        return (self.head_size + self.head_size_v) * get_dtype_size(self.dtype)
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * self.state_content_size_bytes
 
     @property
     def page_size_bytes(self) -> int:
@@ -146,6 +191,36 @@ class FullAttentionSpec(AttentionSpec):
             m = cdiv(m, config.dcp_world_size)
         return cdiv(m, self.block_size) * self.page_size_bytes
 
+    @classmethod
+    def merge(cls, specs: "list[KVCacheSpec]") -> "KVCacheSpec":
+        """Merge full-attention layers: the window/chunk sizes set on promoted layers must agree.
+
+        Mirrors vLLM's ``FullAttentionSpec.merge``: the merged spec takes the first layer's fields
+        and the (single) window and chunk size found; every layer must match it on the
+        :class:`AttentionSpec` fields. Different window sizes raise
+        :class:`WindowSizeMismatchError` (vLLM: ``ValueError``), any other mismatch
+        :class:`SpecMergeError` (vLLM: ``AssertionError``).
+        """
+        if not all(isinstance(s, FullAttentionSpec) for s in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be FullAttentionSpec.")
+        windows = {s.sliding_window for s in specs if s.sliding_window is not None}  # type: ignore[attr-defined]
+        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}  # type: ignore[attr-defined]
+        if any(isinstance(s, MLAAttentionSpec) for s in specs):
+            raise SpecMergeError("MLAAttentionSpec layers merge only with MLAAttentionSpec layers.")
+        if len(windows) > 1 or len(chunks) > 1:
+            raise WindowSizeMismatchError(
+                "All attention layers in the same KV cache group must have the same window size "
+                f"(sliding_window values {sorted(windows)}, attention_chunk_size values {sorted(chunks)}).")
+        first = specs[0]
+        assert isinstance(first, AttentionSpec)
+        if windows and chunks:
+            raise SpecMergeError("Model with both sliding window layers and chunked local attention layers "
+                                 "is not supported.")
+        merged = cls(**_attention_fields(first),  # type: ignore[call-arg]
+                     sliding_window=next(iter(windows), None), attention_chunk_size=next(iter(chunks), None))
+        _check_same_attention_fields(specs, merged)
+        return merged
+
 
 @dataclass(frozen=True, kw_only=True)
 class MLAAttentionSpec(FullAttentionSpec):
@@ -166,6 +241,23 @@ class MLAAttentionSpec(FullAttentionSpec):
             padded = round_up(self.unpadded_page_size_bytes, self.alignment)
             if padded != self.unpadded_page_size_bytes:
                 object.__setattr__(self, "page_size_padded", padded)
+
+    @classmethod
+    def merge(cls, specs: "list[KVCacheSpec]") -> "KVCacheSpec":
+        """Merge MLA layers (vLLM's ``MLAAttentionSpec.merge``): same ``cache_dtype_str`` and
+        :class:`AttentionSpec` fields. The merged spec keeps the first layer's page (padding
+        included) but, as in vLLM, not its ``alignment`` or window fields."""
+        if not all(isinstance(s, MLAAttentionSpec) for s in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be MLAAttentionSpec.")
+        if len({s.cache_dtype_str for s in specs}) != 1:  # type: ignore[attr-defined]
+            raise SpecMergeError("All MLA layers in the same KV cache group must use the same cache dtype.")
+        first = specs[0]
+        assert isinstance(first, MLAAttentionSpec)
+        fields_ = _attention_fields(first)
+        fields_.pop("head_size_v")
+        merged = cls(**fields_, cache_dtype_str=first.cache_dtype_str)  # type: ignore[call-arg]
+        _check_same_attention_fields(specs, merged)
+        return merged
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +304,11 @@ class SlidingWindowSpec(AttentionSpec):
         m = config.resolved_max_model_len if max_model_len is None else max_model_len
         return self.max_admission_blocks_per_request(config.max_in_flight_tokens, m) * self.page_size_bytes
 
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        """Sliding-window layers need the same token slots only with the same window."""
+        return all(isinstance(s, SlidingWindowSpec) and s.sliding_window == self.sliding_window
+                   for s in specs.values())
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
@@ -236,13 +333,20 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         m = config.resolved_max_model_len if max_model_len is None else max_model_len
         return self.max_admission_blocks_per_request(config.max_in_flight_tokens, m) * self.page_size_bytes
 
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        return all(isinstance(s, ChunkedLocalAttentionSpec) and s.attention_chunk_size == self.attention_chunk_size
+                   for s in specs.values())
+
 
 @dataclass(frozen=True, kw_only=True)
 class CrossAttentionSpec(AttentionSpec):
-    """Cross-attention of encoder-decoder models: sized by the encoder budget, never cached."""
+    """Cross-attention of encoder-decoder models: sized by the encoder budget.
+
+    NOTE: ``prefix_cacheable`` stays True as in vLLM 0.33.0 (``CrossAttentionSpec`` does not
+    override it), which matters for block-size resolution; its manager never records hits.
+    """
 
     manager_name: ClassVar[str] = "CrossAttentionManager"
-    prefix_cacheable: ClassVar[bool] = False
 
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return cdiv(config.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
@@ -327,6 +431,14 @@ class MambaSpec(KVCacheSpec):
             return cdiv(max_len, self.block_size) + self.num_speculative_blocks
         return cdiv(self.max_memory_usage_bytes(config), self.page_size_bytes)
 
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        """Mamba layers form one group only with equal state pages and extra-block counts."""
+        return all(isinstance(s, MambaSpec)
+                   and s.num_speculative_blocks == self.num_speculative_blocks
+                   and s.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
+                   and s.page_size_bytes == self.page_size_bytes
+                   for s in specs.values())
+
 
 def has_admission_cap(spec: KVCacheSpec) -> bool:
     """Whether vLLM's manager for this spec gets ``max_admission_blocks_per_request`` (§2.9)."""
@@ -334,8 +446,20 @@ def has_admission_cap(spec: KVCacheSpec) -> bool:
 
 
 def attention_compare_fields(spec: AttentionSpec) -> tuple:
-    """The fields two attention specs must share to be merged into one group."""
-    return tuple(getattr(spec, f.name) for f in fields(spec) if f.compare)
+    """The :class:`AttentionSpec` fields two attention specs must share to be merged into one group
+    (vLLM compares ``fields(AttentionSpec)``, not the subclass's extra fields)."""
+    return tuple(getattr(spec, f.name) for f in fields(AttentionSpec) if f.compare)
+
+
+def _attention_fields(spec: AttentionSpec) -> dict:
+    return {f.name: getattr(spec, f.name) for f in fields(AttentionSpec) if f.init}
+
+
+def _check_same_attention_fields(specs: "list[KVCacheSpec]", merged: AttentionSpec) -> None:
+    want = attention_compare_fields(merged)
+    for s in specs:
+        if attention_compare_fields(s) != want:  # type: ignore[arg-type]
+            raise SpecMergeError("All attention layers in the same KV cache group must have the same attention spec.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,6 +501,30 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return self.max_memory_usage_pages(config, max_model_len) * self.page_size_bytes
 
+    @property
+    def prefix_cacheable(self) -> bool:  # type: ignore[override]
+        return all(s.prefix_cacheable for s in self.kv_cache_specs.values())
+
+    @staticmethod
+    def is_uniform_type(specs: "dict[str, KVCacheSpec]") -> bool:
+        """vLLM's ``is_uniform_type``: one block size, one ``dcp_sharded`` value, and the first
+        layer's :meth:`~KVCacheSpec.is_uniform_with_collection` holds for all."""
+        if len({s.block_size for s in specs.values()}) > 1:
+            return False
+        if len({s.dcp_sharded for s in specs.values()}) > 1:
+            return False
+        return next(iter(specs.values())).is_uniform_with_collection(specs)
+
+    @classmethod
+    def from_specs(cls, specs: "dict[str, KVCacheSpec]") -> "UniformTypeKVCacheSpecs | None":
+        """The one group of these layers, or None when they are not of one uniform type."""
+        if not specs or not cls.is_uniform_type(specs):
+            return None
+        return cls(block_size=next(iter(specs.values())).block_size, kv_cache_specs=dict(specs))
+
+    def layer_spec(self, layer_name: str) -> KVCacheSpec:
+        return self.kv_cache_specs[layer_name]
+
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -390,3 +538,15 @@ class KVCacheGroupSpec:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
         if not isinstance(self.kv_cache_spec, KVCacheSpec):
             raise InvalidFieldError("KVCacheGroupSpec.kv_cache_spec", self.kv_cache_spec, "a KVCacheSpec")
+
+
+#: vLLM 0.33.0's ``register_all_kvcache_specs``: which class each spec type groups with.
+#: EncoderOnlyAttentionSpec is not registered there (planning rejects it).
+_UNIFORM_TYPE_BASE.update({
+    FullAttentionSpec: FullAttentionSpec,
+    MLAAttentionSpec: FullAttentionSpec,
+    SlidingWindowSpec: SlidingWindowSpec,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionSpec,
+    MambaSpec: MambaSpec,
+    CrossAttentionSpec: CrossAttentionSpec,
+})

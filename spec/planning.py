@@ -1,0 +1,269 @@
+"""``plan_kv_cache``: the whole startup sizing of vLLM 0.33.0 for one worker, as a pure function.
+
+Replays ``EngineCore._initialize_kv_caches`` → ``get_global_kv_cache_groups`` →
+``get_kv_cache_configs`` → ``generate_scheduler_kv_cache_config`` → ``update_kv_cache_capacity``
+→ ``resolve_kv_cache_block_sizes``, in that order:
+
+1. group the layers (:mod:`kvref.spec.grouping`);
+2. bytes per block (:func:`~kvref.spec.pool_sizing.pool_bytes_per_block`);
+3. ``num_gpu_blocks_override`` replaces the profiled memory by ``override × bytes_per_block``
+   *before* auto-fit and the check (seed 001, vLLM #41069, fixing #35541);
+4. hold back one block for the null block in the check and in auto-fit (vLLM #47272/#48724);
+5. auto-fit ``max_model_len`` when asked (``"auto"``/``-1``);
+6. the enough-memory check (:class:`~kvref.spec.errors.InsufficientKVCacheError` carries the
+   estimated maximum length);
+7. ``num_blocks = memory // bytes_per_block`` (the null block included);
+8. the scheduler's view of the groups, max concurrency, and the scheduler/hash block sizes
+   (seed 003, vLLM #44165).
+
+One worker, no pipeline parallelism, layer-outermost layout (vLLM's default ``LBNHC``); what is
+not modelled is listed in docs/differences.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .block_sizes import resolve_kv_cache_block_sizes
+from .config import EngineConfig
+from .errors import InvalidFieldError, check_int
+from .grouping import check_exact_partition, get_kv_cache_groups
+from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs, has_admission_cap
+from .pool_sizing import (
+    auto_fit_max_model_len,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    group_blocks_per_request,
+    max_concurrency,
+    needed_bytes_for,
+    pool_bytes_per_block,
+)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One KV cache group of a plan, at the plan's final ``max_model_len``.
+
+    Args:
+        layer_names: the layers sharing this group's block table.
+        kv_cache_spec: the group spec as the workers see it (a :class:`UniformTypeKVCacheSpecs`
+            for mixed page sizes of one type).
+        scheduler_spec: the spec the scheduler's managers get (first layer's spec for a
+            uniform-type group, as ``generate_scheduler_kv_cache_config`` does).
+        blocks_per_request: block ids one ``max_model_len`` request may hold in this group.
+        admission_cap: ``max_admission_blocks_per_request`` for sliding-window / chunked-local
+            groups (the runtime gate's cap), else None.
+        num_padding_layers: layers this group lacks to the widest group (their pages are wasted).
+    """
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+    scheduler_spec: KVCacheSpec
+    blocks_per_request: int
+    admission_cap: int | None
+    num_padding_layers: int
+
+    @property
+    def kind(self) -> str:
+        return type(self.scheduler_spec).__name__
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_spec.block_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer of this group (sum of layers for uniform-type groups)."""
+        return self.scheduler_spec.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The result of :func:`plan_kv_cache`: what vLLM would build at startup.
+
+    ``num_blocks`` includes the null block (block 0), so ``num_blocks - 1`` blocks are usable.
+    impl builds its pool from :meth:`pool_config_kwargs` (``PoolConfig(**plan.pool_config_kwargs())``);
+    spec does not import impl.
+    """
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    scheduler_groups: tuple[KVCacheGroupSpec, ...]
+    group_plans: tuple[GroupPlan, ...]
+    bytes_per_block: int
+    memory_bytes: int
+    check_memory_bytes: int
+    num_blocks: int
+    max_model_len: int
+    original_max_model_len: int
+    auto_fitted: bool
+    needed_bytes: int
+    scheduler_block_size: int
+    hash_block_size: int
+    max_concurrency: float
+    kv_cache_size_tokens: int
+    max_servable_len: int
+    max_in_flight_tokens: int
+    enable_caching: bool
+    config: EngineConfig = field(repr=False)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can get: all but the null block."""
+        return self.num_blocks - 1
+
+    @property
+    def blocks_per_request(self) -> tuple[int, ...]:
+        return tuple(g.blocks_per_request for g in self.group_plans)
+
+    @property
+    def admission_caps(self) -> tuple[int | None, ...]:
+        return tuple(g.admission_cap for g in self.group_plans)
+
+    def pool_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``kvref.impl.interface.PoolConfig`` for this plan."""
+        return dict(num_blocks=self.num_blocks, groups=self.scheduler_groups, max_model_len=self.max_model_len,
+                    scheduler_block_size=self.scheduler_block_size, hash_block_size=self.hash_block_size,
+                    max_in_flight_tokens=self.max_in_flight_tokens, enable_caching=self.enable_caching)
+
+    def check_invariants(self) -> None:
+        """The startup guarantees vLLM relies on later (AssertionError when one is broken)."""
+        assert self.bytes_per_block == pool_bytes_per_block(self.groups)
+        assert self.num_blocks * self.bytes_per_block <= self.memory_bytes
+        # S4: one max-length request fits in the usable blocks (null block held back).
+        assert sum(self.blocks_per_request) <= self.num_usable_blocks, (self.blocks_per_request, self.num_blocks)
+        assert self.needed_bytes == self.bytes_per_block * sum(self.blocks_per_request)
+        assert self.needed_bytes <= self.check_memory_bytes
+        # S6 / vLLM #44165: the coordinator's divisibility assertion.
+        assert self.scheduler_block_size % self.hash_block_size == 0
+        for g in self.scheduler_groups:
+            assert self.scheduler_block_size % g.kv_cache_spec.block_size == 0
+        assert 1 <= self.max_model_len <= self.original_max_model_len or not self.auto_fitted
+        assert self.max_servable_len >= self.max_model_len
+        for gp in self.group_plans:
+            if gp.admission_cap is not None and gp.kv_cache_spec is gp.scheduler_spec:
+                # S1: sizing charges exactly the runtime cap
+                assert gp.admission_cap == gp.blocks_per_request
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready) for ``kvref size --json``."""
+        return {
+            "num_blocks": self.num_blocks,
+            "num_usable_blocks": self.num_usable_blocks,
+            "bytes_per_block": self.bytes_per_block,
+            "memory_bytes": self.memory_bytes,
+            "max_model_len": self.max_model_len,
+            "original_max_model_len": self.original_max_model_len,
+            "auto_fitted": self.auto_fitted,
+            "needed_bytes_per_max_len_request": self.needed_bytes,
+            "blocks_per_max_len_request": sum(self.blocks_per_request),
+            "scheduler_block_size": self.scheduler_block_size,
+            "hash_block_size": self.hash_block_size,
+            "max_concurrency": self.max_concurrency,
+            "kv_cache_size_tokens": self.kv_cache_size_tokens,
+            "max_servable_len": self.max_servable_len,
+            "max_in_flight_tokens": self.max_in_flight_tokens,
+            "groups": [
+                {
+                    "kind": g.kind,
+                    "layers": list(g.layer_names),
+                    "num_layers": len(g.layer_names),
+                    "num_padding_layers": g.num_padding_layers,
+                    "block_size": g.block_size,
+                    "page_size_bytes": g.page_size_bytes,
+                    "blocks_per_request": g.blocks_per_request,
+                    "admission_cap": g.admission_cap,
+                }
+                for g in self.group_plans
+            ],
+        }
+
+
+def scheduler_view(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[KVCacheGroupSpec, ...]:
+    """vLLM's ``generate_scheduler_kv_cache_config``: a uniform-type group is represented by its
+    first layer's spec (all its layers need the same token slots)."""
+    out = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.first_spec
+        out.append(KVCacheGroupSpec(g.layer_names, spec, g.is_eagle_group))
+    return tuple(out)
+
+
+def _validate_layers(layers: object) -> dict[str, KVCacheSpec]:
+    if not isinstance(layers, Mapping) or not layers:
+        raise InvalidFieldError("layers", layers,
+                                "a non-empty mapping of layer name -> KVCacheSpec (attention-free models need no plan)")
+    for name, spec in layers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidFieldError("layers", name, "non-empty str layer names")
+        if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
+            raise InvalidFieldError(f"layers[{name!r}]", spec, "a per-layer KVCacheSpec")
+        if spec.uniform_type_base() is None:
+            raise InvalidFieldError(
+                f"layers[{name!r}]", type(spec).__name__,
+                "a spec type vLLM 0.33.0 registers (EncoderOnlyAttentionSpec layers have no KV cache: leave them out)")
+    return dict(layers)
+
+
+def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, available_memory: int) -> KVCachePlan:
+    """Size the KV cache pool for ``layers`` (layer name → spec, model order) as vLLM 0.33.0 does.
+
+    Args:
+        layers: every KV-cache layer of the model, as the worker reports them (the specs vLLM gets
+            after ``get_global_kv_cache_groups`` sets ``extra_retained_tokens``).
+        config: engine settings; ``max_model_len="auto"`` (or -1) auto-fits.
+        available_memory: bytes the profiler left for the KV cache (ignored for the block count
+            when ``num_gpu_blocks_override`` is set, exactly as in vLLM).
+
+    Raises:
+        InvalidFieldError: bad input, an invalid ``prefix_match_unit``, or a sliding-window layer
+            with DCP > 1.
+        KVCacheGroupingError: layers vLLM cannot group.
+        InsufficientKVCacheError: the pool cannot hold one ``max_model_len`` request (or, with
+            auto-fit, a single token); ``estimated_max_model_len`` says what would fit.
+    """
+    if not isinstance(config, EngineConfig):
+        raise InvalidFieldError("config", config, "an EngineConfig")
+    check_int("available_memory", available_memory, minimum=0)
+    layers = _validate_layers(layers)
+
+    groups = get_kv_cache_groups(layers, config.disable_hybrid_kv_cache_manager)
+    check_exact_partition(groups, layers)
+    bpb = pool_bytes_per_block(groups)
+    memory = available_memory
+    if config.num_gpu_blocks_override is not None:
+        memory = config.num_gpu_blocks_override * bpb
+    check_memory = memory - bpb  # the null block is never handed out
+
+    original = config.resolved_max_model_len
+    max_model_len = original
+    if config.auto_fit:
+        max_model_len = auto_fit_max_model_len(groups, config, check_memory, original)
+    check_enough_kv_cache_memory(groups, config, check_memory, max_model_len)
+    num_blocks = memory // bpb
+
+    sched_groups = scheduler_view(groups)
+    widest = max(len(g.layer_names) for g in groups)
+    group_plans = []
+    for g, sg in zip(groups, sched_groups):
+        spec = sg.kv_cache_spec
+        cap = (spec.max_admission_blocks_per_request(config.max_in_flight_tokens, max_model_len)  # type: ignore[attr-defined]
+               if has_admission_cap(spec) else None)
+        group_plans.append(GroupPlan(g.layer_names, g.kv_cache_spec, spec,
+                                     group_blocks_per_request(g.kv_cache_spec, config, max_model_len), cap,
+                                     widest - len(g.layer_names)))
+    concurrency = max_concurrency(sched_groups, config, max_model_len, num_blocks)
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_groups, config)
+    servable = estimate_max_model_len(groups, config, check_memory, max(original, max_model_len))
+    return KVCachePlan(
+        groups=groups, scheduler_groups=sched_groups, group_plans=tuple(group_plans), bytes_per_block=bpb,
+        memory_bytes=memory, check_memory_bytes=check_memory, num_blocks=num_blocks,
+        max_model_len=max_model_len, original_max_model_len=original, auto_fitted=config.auto_fit,
+        needed_bytes=needed_bytes_for(groups, config, max_model_len),
+        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+        max_concurrency=concurrency,
+        kv_cache_size_tokens=int(concurrency * max_model_len) if concurrency != float("inf") else -1,
+        max_servable_len=servable, max_in_flight_tokens=config.max_in_flight_tokens,
+        enable_caching=config.enable_prefix_caching, config=config)
