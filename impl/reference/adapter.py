@@ -1,0 +1,115 @@
+"""The reference behind the shared protocol: :class:`ReferenceKVCacheManager` speaks plain ids.
+
+It wraps :class:`~kvref.impl.reference.kv_cache_manager.KVCacheManager` and converts at the
+boundary (block objects <-> ints, ``KVCacheBlocks`` <-> tuples per group), so the conformance
+state machine can compare it with the vLLM adapter and the torch implementation without object
+identity.
+"""
+
+from __future__ import annotations
+
+from kvref.impl.interface import BlockIds, KVCacheManagerLike, PoolConfig
+from kvref.impl.request import Request
+from kvref.spec.errors import InvalidFieldError
+
+from .block_hash import get_block_hash
+from .kv_cache_manager import KVCacheBlocks, KVCacheManager
+
+
+class ReferenceKVCacheManager(KVCacheManagerLike):
+    """``KVCacheManagerLike`` for the reference runtime. ``.manager`` is the rich object."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.manager = KVCacheManager(config)
+        self.num_groups = self.manager.num_kv_cache_groups
+
+    def _ids(self, blocks: KVCacheBlocks) -> BlockIds:
+        return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
+
+    def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        return self._ids(blocks), num_hit
+
+    def _blocks_from_ids(self, ids: BlockIds | None) -> KVCacheBlocks | None:
+        if ids is None:
+            return None
+        pool = self.manager.block_pool
+        if not isinstance(ids, (tuple, list)) or len(ids) != self.num_groups:
+            raise InvalidFieldError("new_computed_block_ids", ids, f"None or {self.num_groups} tuples of ids")
+        groups = []
+        for group in ids:
+            blocks = []
+            for bid in group:
+                if type(bid) is not int or not 0 <= bid < pool.num_gpu_blocks:
+                    raise InvalidFieldError("new_computed_block_ids", bid,
+                                            f"block ids in [0, {pool.num_gpu_blocks})")
+                blocks.append(pool.blocks[bid])
+            groups.append(blocks)
+        return KVCacheBlocks(tuple(groups))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_block_ids: BlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True) -> BlockIds | None:
+        out = self.manager.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, self._blocks_from_ids(new_computed_block_ids),
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+        if out is None:
+            return None
+        if not out.blocks:  # no groups
+            return ()
+        return self._ids(out)
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request)
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return tuple(tuple(ids) for ids in self.manager.get_block_ids(request_id))
+
+    def get_num_free_blocks(self) -> int:
+        return self.manager.get_num_free_blocks()
+
+    def free_block_queue(self) -> tuple[int, ...]:
+        return self.manager.block_pool.free_block_ids()
+
+    def cached_blocks(self) -> dict[tuple[int, int], bytes]:
+        """Every block with a primary key: ``{(group, block id): hash bytes without the group id}``."""
+        out = {}
+        for block in self.manager.block_pool.blocks:
+            key = block.block_hash
+            if key is not None:
+                out[(int.from_bytes(key[-4:], "big"), block.block_id)] = get_block_hash(key)
+        return out
+
+    def check_invariants(self) -> None:
+        self.manager.check_invariants()
+
+    # optional protocol methods
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
+
+    def forget(self, request_id: str) -> None:
+        """The reference drops a request's hashes when its blocks are freed; nothing else to drop."""
+        if self.manager.hasher is not None:
+            self.manager.hasher.forget(request_id)
+
+    def cached_block_num_tokens(self) -> dict[tuple[int, int], int | None]:
+        """``{(group_id, block_id): prefix tokens the primary hash covers}``."""
+        return {(int.from_bytes(b.block_hash[-4:], "big"), b.block_id): b.block_hash_num_tokens
+                for b in self.manager.block_pool.blocks if b.block_hash is not None}
+
+
+def _register() -> None:
+    try:
+        from kvref.impl.interface import register_manager
+    except ImportError:  # an interface without the registry
+        return
+    register_manager("reference", ReferenceKVCacheManager)
+
+
+_register()

@@ -1,0 +1,433 @@
+"""Coordinators: one block pool, one manager per KV-cache group (vLLM ``kv_cache_coordinator.py``).
+
+* :class:`KVCacheCoordinatorNoPrefixCache` — caching off (any number of groups, even 0).
+* :class:`UnitaryKVCacheCoordinator` — one group; ``hash_block_size`` must equal its block size.
+* :class:`HybridKVCacheCoordinator` — several groups; the prefix-cache hit is the fixed point of
+  every group's own lookup (each can only shorten it), aligned to ``scheduler_block_size``.
+
+``scheduler_block_size`` (vLLM PR #44165, seed 003) is threaded down to every manager and must be
+a multiple of ``hash_block_size`` and of every group's block size (PoolConfig validates this up
+front; the coordinator re-checks because it can be built on its own, e.g. by the CPU offloader).
+
+Hits are added in two phases — first every group touches its hits, then groups allocate blocks
+for external (connector) tokens — so one group's allocation cannot evict another group's
+untouched hits (vLLM #33775).
+
+Digest §6. Not modelled: DCP/PCP, KV events/metrics, sparse prefix-cache retention, fine-grained
+(partial) hash hits, multi-module MTP (``num_prefill_lookahead``), HiSparse roles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvref.impl.request import Request
+from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvref.spec.mathutil import cdiv, round_down
+
+from .block_hash import BlockHash
+from .block_pool import BlockPool
+from .chunked_local_manager import ChunkedLocalAttentionManager
+from .cross_attention_manager import CrossAttentionManager
+from .errors import NotModelledError
+from .full_attention_manager import FullAttentionManager
+from .kv_cache_block import KVCacheBlock
+from .mamba_manager import MambaManager
+from .single_type_manager import SingleTypeKVCacheManager
+from .sliding_window_manager import SlidingWindowManager
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+def scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The scheduler sees one layer's spec for a UniformType group (vLLM
+    ``generate_scheduler_kv_cache_config``)."""
+    return spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+def manager_class_for_spec(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """vLLM's registry, for the specs kvref models (MLA is full attention)."""
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalAttentionManager
+    if isinstance(spec, MambaSpec):
+        return MambaManager
+    if isinstance(spec, CrossAttentionSpec):
+        return CrossAttentionManager
+    raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
+                            "a spec with a KV-cache manager (full attention, MLA, sliding window, "
+                            "chunked local, Mamba or cross-attention)")
+
+
+def get_manager_for_kv_cache_spec(spec: KVCacheSpec, max_in_flight_tokens: int, max_model_len: int,
+                                  **kwargs) -> SingleTypeKVCacheManager:
+    """Build the group's manager; windowed specs get their admission cap from the spec itself,
+    the single source of truth shared with startup sizing (vLLM #40946)."""
+    cls = manager_class_for_spec(spec)
+    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
+            max_in_flight_tokens, max_model_len)
+    return cls(spec, **kwargs)
+
+
+class KVCacheCoordinator:
+    """Owns the block pool and the per-group managers; fans every call out to them.
+
+    Args:
+        kv_cache_groups: the groups (scheduler view).
+        num_blocks: pool size including the null block.
+        max_model_len / max_in_flight_tokens: feed the windowed admission caps.
+        use_eagle: EAGLE/MTP drafting: flagged groups (all if none is flagged) drop their last
+            hit block so it is recomputed.
+        enable_caching: prefix caching on/off.
+        scheduler_block_size / hash_block_size: see the module docstring.
+    """
+
+    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
+                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
+                 scheduler_block_size: int, hash_block_size: int) -> None:
+        check_int("num_blocks", num_blocks, minimum=1)
+        check_int("max_model_len", max_model_len, minimum=1)
+        check_int("max_in_flight_tokens", max_in_flight_tokens, minimum=1)
+        check_int("scheduler_block_size", scheduler_block_size, minimum=1)
+        check_int("hash_block_size", hash_block_size, minimum=1)
+        self.kv_cache_groups = tuple(kv_cache_groups)
+        specs = [scheduler_spec(g.kv_cache_spec) for g in self.kv_cache_groups]
+        if scheduler_block_size % hash_block_size:
+            raise InvalidFieldError("scheduler_block_size", scheduler_block_size,
+                                    f"a multiple of hash_block_size={hash_block_size}")
+        for i, spec in enumerate(specs):
+            if scheduler_block_size % spec.block_size:
+                raise InvalidFieldError("scheduler_block_size", scheduler_block_size,
+                                        f"a multiple of group {i}'s block_size={spec.block_size}")
+        self._check_modelled(specs, enable_caching, use_eagle, hash_block_size)
+        self.specs = tuple(specs)
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.block_pool = BlockPool(num_blocks, enable_caching, hash_block_size)
+        self.eagle_group_ids = {i for i, g in enumerate(self.kv_cache_groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
+        self.drop_eagle_group_ids = set(self.eagle_group_ids) if use_eagle else set()
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                spec, max_in_flight_tokens, max_model_len, block_pool=self.block_pool,
+                enable_caching=enable_caching, kv_cache_group_id=i,
+                scheduler_block_size=scheduler_block_size)
+            for i, spec in enumerate(specs))
+        if use_eagle:
+            for manager in self.single_type_managers:
+                if isinstance(manager, MambaManager):
+                    manager.drop_eagle_checkpoint_block = True
+
+    @staticmethod
+    def _check_modelled(specs: Sequence[KVCacheSpec], enable_caching: bool, use_eagle: bool,
+                        hash_block_size: int) -> None:
+        """Refuse configurations vLLM rejects (by assertion) or kvref does not model."""
+        for i, spec in enumerate(specs):
+            manager_class_for_spec(spec)
+            if isinstance(spec, MambaSpec):
+                if enable_caching and spec.mamba_cache_mode != "align":
+                    raise InvalidFieldError(f"groups[{i}].mamba_cache_mode", spec.mamba_cache_mode,
+                                            "'align' when prefix caching is enabled")
+                if spec.mamba_cache_mode == "align" and spec.num_prefill_checkpoint_blocks:
+                    raise NotModelledError(f"groups[{i}].num_prefill_checkpoint_blocks="
+                                           f"{spec.num_prefill_checkpoint_blocks}: Mamba prefill "
+                                           "checkpoint blocks are not modelled (use 0)")
+                if enable_caching and spec.block_size != hash_block_size:
+                    raise NotModelledError(f"groups[{i}].block_size={spec.block_size}: a Mamba 'align' "
+                                           f"block larger than hash_block_size={hash_block_size} enables "
+                                           "fine-grained partial hits, which are not modelled")
+            if isinstance(spec, CrossAttentionSpec) and enable_caching:
+                raise InvalidFieldError("enable_caching", True,
+                                        "False for models with cross-attention (never prefix-cached)")
+            if isinstance(spec, ChunkedLocalAttentionSpec) and enable_caching and use_eagle:
+                raise InvalidFieldError("use_eagle", True,
+                                        "False with chunked local attention and prefix caching")
+
+    # ------------------------------------------------------------------ sizing / allocation
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: HitBlocks,
+                                   num_encoder_tokens: int, total_computed_tokens: int,
+                                   num_local_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
+        """Σ over groups of the blocks an allocation consumes (cross-attention: encoder tokens)."""
+        total = 0
+        for i, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap)
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                    num_local_computed_tokens, num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+        return total
+
+    def is_running(self, request_id: str) -> bool:
+        return any(request_id in m.num_cached_block for m in self.single_type_managers)
+
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
+                                     num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+        """Two phases: every group touches its hits, then every group allocates external blocks
+        (vLLM #33775). A running request has no new hits: no-op."""
+        if self.is_running(request_id):
+            assert all(len(blocks) == 0 for blocks in new_computed_blocks)
+            return
+        for i, manager in enumerate(self.single_type_managers):
+            manager.add_local_computed_blocks(request_id, new_computed_blocks[i],
+                                              num_local_computed_tokens, num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            for manager in self.single_type_managers:
+                manager.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                          num_external_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                            num_encoder_tokens: int = 0) -> HitBlocks:
+        return tuple(
+            manager.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
+                num_tokens_main_model)
+            for manager in self.single_type_managers)
+
+    # ------------------------------------------------------------------ caching
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """Tokens whose KV is final and may be published (multi-module MTP is not modelled, so
+        nothing is re-prefillable: all of them)."""
+        return max(0, num_computed_tokens)
+
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
+        for group_id, manager in enumerate(self.single_type_managers):
+            if manager.enable_caching:
+                manager.cache_blocks(request, block_hashes,
+                                     self.get_num_cacheable_tokens(num_computed_tokens, group_id))
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        """(hit blocks per group, hit length, uncached common prefix tokens)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ freeing and the rest
+
+    def free(self, request_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        blocks: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def get_blocks(self, request_id: str) -> HitBlocks:
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+    def check_invariants(self) -> None:
+        self.block_pool.check_invariants()
+        for manager in self.single_type_managers:
+            assert manager.block_pool is self.block_pool
+            manager.check_invariants()
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: hits are always empty."""
+
+    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
+                 max_in_flight_tokens: int, use_eagle: bool, scheduler_block_size: int,
+                 hash_block_size: int) -> None:
+        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
+                         False, scheduler_block_size, hash_block_size)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        return tuple([] for _ in self.single_type_managers), 0, 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One group: the hit is that manager's own lookup, aligned to its block size."""
+
+    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
+                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
+                 scheduler_block_size: int, hash_block_size: int) -> None:
+        if len(kv_cache_groups) != 1:
+            raise InvalidFieldError("kv_cache_groups", len(kv_cache_groups), "exactly one group")
+        block_size = scheduler_spec(kv_cache_groups[0].kv_cache_spec).block_size
+        if enable_caching and hash_block_size != block_size:
+            raise InvalidFieldError("hash_block_size", hash_block_size,
+                                    f"the group's block_size={block_size} (one group)")
+        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
+                         enable_caching, scheduler_block_size, hash_block_size)
+        self.block_size = block_size
+        self.single_type_managers[0].use_eagle = 0 in self.drop_eagle_group_ids
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        manager = self.single_type_managers[0]
+        blocks, hit_length = type(manager).find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.specs[0],
+            0 in self.drop_eagle_group_ids, self.block_size)
+        return blocks, hit_length, 0
+
+
+@dataclass
+class SpecGroup:
+    """Groups with one spec, looked up together (``use_eagle`` if any member drops EAGLE)."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups sharing one pool; hits are aligned to ``scheduler_block_size``."""
+
+    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
+                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
+                 scheduler_block_size: int, hash_block_size: int) -> None:
+        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
+                         enable_caching, scheduler_block_size, hash_block_size)
+        for i, spec in enumerate(self.specs):
+            if spec.prefix_cacheable and spec.block_size % hash_block_size:
+                raise InvalidFieldError("hash_block_size", hash_block_size,
+                                        f"a divisor of group {i}'s block_size={spec.block_size}")
+        # Fine-grained partial hits are refused in _check_modelled, so hits land on the
+        # scheduler block size.
+        self.cache_hit_alignment_tokens = scheduler_block_size
+        for manager in self.single_type_managers:
+            manager.cache_hit_alignment_tokens = scheduler_block_size
+        self._split_groups()
+
+    def _split_groups(self) -> None:
+        """Batch prefix-cacheable groups with equal specs; full attention first (its left-to-right
+        scan bounds the others cheaply)."""
+        self.attention_groups: list[SpecGroup] = []
+        for i, spec in enumerate(self.specs):
+            if not spec.prefix_cacheable:
+                continue
+            cls = type(self.single_type_managers[i])
+            use_eagle = i in self.drop_eagle_group_ids
+            for group in self.attention_groups:
+                if group.spec == spec and group.manager_cls is cls:
+                    group.group_ids.append(i)
+                    group.use_eagle = group.use_eagle or use_eagle
+                    break
+            else:
+                self.attention_groups.append(SpecGroup(spec, [i], cls, use_eagle))
+        if not self.attention_groups:
+            raise InvalidFieldError("kv_cache_groups", [type(s).__name__ for s in self.specs],
+                                    "at least one prefix-cacheable group")
+        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        for group in self.attention_groups:
+            if group.use_eagle:
+                for gid in group.group_ids:
+                    self.single_type_managers[gid].use_eagle = True
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """Only whole scheduler blocks can be hit; an EAGLE group also publishes the block past
+        the boundary (it matches one block further and drops it)."""
+        aligned = round_down(num_computed_tokens, self.scheduler_block_size)
+        manager = self.single_type_managers[kv_cache_group_id]
+        if manager.use_eagle and aligned > 0:
+            finalized = max(0, num_computed_tokens)
+            return min(finalized, round_down(finalized, self.scheduler_block_size) + manager.block_size)
+        return aligned
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        """Fixed point: each spec group looks up at most the current length and may shorten it;
+        repeat until nobody shortens (one pass for full attention + one other group). Full
+        attention is downward-closed, so after its first lookup it is only trimmed. An EAGLE group
+        looks one block further and drops it, at most once per candidate length (vLLM #32802)."""
+        num_groups = len(self.kv_cache_groups)
+        hit_length = max_cache_hit_length
+        longest = 0
+        blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
+        hit_by_group = [0] * num_groups
+        simple = len(self.attention_groups) == 2 and isinstance(self.attention_groups[0].spec, FullAttentionSpec)
+        eagle_verified: set[int] = set()
+        max_hash_tokens = len(block_hashes) * self.hash_block_size
+        while True:
+            curr = hit_length
+            for idx, group in enumerate(self.attention_groups):
+                first = group.group_ids[0]
+                if isinstance(group.spec, FullAttentionSpec) and blocks_by_group[first] is not None:
+                    curr = min(curr, hit_by_group[first])
+                    continue
+                drop_eagle = group.use_eagle and idx not in eagle_verified
+                max_length = curr
+                if drop_eagle and not isinstance(group.spec, MambaSpec):
+                    max_length = min(curr + self.single_type_managers[first].block_size, max_hash_tokens)
+                blocks, new_hit = group.manager_cls.find_longest_cache_hit(
+                    block_hashes, max_length, group.group_ids, self.block_pool, group.spec,
+                    drop_eagle, self.cache_hit_alignment_tokens)
+                if drop_eagle:
+                    eagle_verified.add(idx)
+                elif new_hit < curr:
+                    eagle_verified.clear()
+                curr = new_hit
+                for gid, group_blocks in zip(group.group_ids, blocks):
+                    blocks_by_group[gid] = group_blocks
+                    hit_by_group[gid] = new_hit
+                longest = max(longest, curr)
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        for group in self.attention_groups:
+            if not isinstance(group.spec, FullAttentionSpec):
+                continue
+            num_blocks = cdiv(hit_length, self.single_type_managers[group.group_ids[0]].block_size)
+            for gid in group.group_ids:
+                if blocks_by_group[gid] is not None:
+                    del blocks_by_group[gid][num_blocks:]
+                    hit_by_group[gid] = hit_length
+        blocks_out = tuple(b if b is not None else [] for b in blocks_by_group)
+        return blocks_out, hit_length, longest - hit_length
+
+
+def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
+                             max_model_len: int, max_in_flight_tokens: int, use_eagle: bool,
+                             enable_caching: bool, scheduler_block_size: int,
+                             hash_block_size: int) -> KVCacheCoordinator:
+    """Pick the coordinator vLLM would: no caching -> NoPrefixCache; one group -> Unitary; else
+    Hybrid."""
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(kv_cache_groups, num_blocks, max_model_len,
+                                               max_in_flight_tokens, use_eagle,
+                                               scheduler_block_size, hash_block_size)
+    cls = UnitaryKVCacheCoordinator if len(kv_cache_groups) == 1 else HybridKVCacheCoordinator
+    return cls(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
+               enable_caching, scheduler_block_size, hash_block_size)

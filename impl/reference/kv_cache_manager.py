@@ -1,0 +1,288 @@
+"""The scheduler's entry point to the KV cache (vLLM ``KVCacheManager``; digest §7.1–7.2).
+
+``get_computed_blocks`` finds the prefix-cache hit of a new request; ``allocate_slots`` admits
+and grows requests with every gate vLLM 0.33.0 has, in vLLM's order:
+
+1. reject a call that neither computes nor adopts tokens;
+2. the *full-sequence gate* (``full_sequence_must_fit``): the whole request, capped at
+   ``max_model_len``, with the windowed groups' admission cap (``apply_admission_cap=True``) plus
+   the watermark must fit the free blocks — else None (vLLM #40946 / #39734);
+3. free out-of-window blocks on the *processed* basis (computed minus in-flight tokens) — even if
+   the allocation then fails;
+4. the per-step check: blocks for this step's slots (incl. lookahead) plus the watermark must
+   fit ``free - reserved_blocks`` — else None, with nothing touched or allocated;
+5. add the hits (two phases) and allocate new blocks;
+6. unless ``delay_cache_blocks`` (async KV loads), publish full blocks up to
+   ``min(computed + new, request.num_tokens)`` (never draft tokens).
+
+Running out of blocks is an answer (``None``), not an exception; bad arguments raise
+:class:`~kvref.spec.errors.InvalidFieldError` / :class:`~kvref.spec.errors.KVRefError` before
+anything changes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.errors import InvalidFieldError, check_int
+
+from .block_hash import BlockHash, RequestBlockHasher
+from .errors import UnknownRequestError
+from .kv_cache_block import KVCacheBlock
+from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
+
+
+class KVCacheBlocks:
+    """Blocks per KV-cache group: ``blocks[group][j]`` (vLLM's allocation result)."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in group if b.block_hash is None and not b.is_null] for group in self.blocks]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlocks) and self.get_block_ids() == other.get_block_ids()
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+class KVCacheManager:
+    """vLLM-shaped KV cache manager, built from a :class:`~kvref.impl.interface.PoolConfig`.
+
+    ``max_in_flight_tokens=None`` in the config means ``max_model_len`` (the cap is then
+    effectively off), as in vLLM.
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        if not isinstance(config, PoolConfig):
+            raise InvalidFieldError("config", config, "a kvref.impl.interface.PoolConfig")
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        max_in_flight = config.max_in_flight_tokens or config.max_model_len
+        self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
+            config.groups, config.num_blocks, config.max_model_len, max_in_flight, config.use_eagle,
+            config.enable_caching, config.scheduler_block_size, config.hash_block_size)
+        self.block_pool = self.coordinator.block_pool
+        self.num_kv_cache_groups = len(config.groups)
+        self.watermark_blocks = int(config.watermark * config.num_blocks)
+        self.hasher = RequestBlockHasher(config.hash_block_size) if config.enable_caching else None
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's chained block hashes (vLLM ``request.block_hashes``); [] without caching."""
+        return [] if self.hasher is None else self.hasher.block_hashes(request)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def get_computed_blocks(self, request: Request,
+                            max_cache_hit_length: int | None = None) -> tuple[KVCacheBlocks, int, int]:
+        """Prefix-cache hit of ``request``: (blocks per group, hit tokens, shared-prefix boundary).
+
+        The hit never covers the last token (its logits must be computed): the cap defaults to
+        ``num_tokens - 1``. Nothing is touched: hits stay evictable until ``allocate_slots``.
+        """
+        self._check_request(request)
+        check_int("max_cache_hit_length", max_cache_hit_length, minimum=0, allow_none=True)
+        if self.hasher is None:
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
+            self.hasher.block_hashes(request), max_cache_hit_length)
+        boundary = num_hit + num_uncached if num_uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_hit, boundary
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+        """Allocate slots for ``num_new_tokens`` (+ lookahead) tokens; None if they do not fit.
+
+        Args follow vLLM: ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix-cache
+        hit from ``get_computed_blocks``; ``num_external_computed_tokens`` are loaded by a KV
+        connector; ``full_sequence_must_fit`` is the admission gate for waiting requests;
+        ``reserved_blocks`` stay free for in-flight sequences; ``has_scheduled_reqs`` turns the
+        watermark on for waiting/preempted requests. Returns the newly allocated blocks.
+        """
+        hits = self._validate_allocate(request, num_new_tokens, num_new_computed_tokens,
+                                       new_computed_blocks, num_lookahead_tokens,
+                                       num_external_computed_tokens, num_encoder_tokens, reserved_blocks)
+        coordinator = self.coordinator
+        rid = request.request_id
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark = self.watermark_blocks
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        free_blocks = self.block_pool.get_num_free_blocks
+
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            need = coordinator.get_num_blocks_to_allocate(
+                rid, full_num_tokens, hits, num_encoder_tokens, total_computed, num_local_computed,
+                full_num_tokens, apply_admission_cap=True, prefill_end=prefill_end)
+            if need + watermark > free_blocks():
+                return None
+
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        # Free out-of-window blocks first (fewer evictions), on the processed basis: steps in
+        # flight still read below the optimistic boundary.
+        coordinator.remove_skipped_blocks(rid, max(0, total_computed - request.num_in_flight_tokens),
+                                          request.num_prompt_tokens)
+        need = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_need_slot, hits, num_encoder_tokens,
+            num_local_computed + num_external_computed_tokens, num_local_computed,
+            num_tokens_main_model, prefill_end=prefill_end)
+        if need + watermark > free_blocks() - reserved_blocks:
+            return None
+
+        if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(rid, hits, num_local_computed,
+                                                     num_external_computed_tokens)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model,
+                                                     num_encoder_tokens)
+        if delay_cache_blocks or self.hasher is None:
+            return self.create_kv_cache_blocks(new_blocks)
+        coordinator.cache_blocks(request, self.hasher.block_hashes(request),
+                                 min(total_computed + num_new_tokens, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
+
+    def _validate_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                           new_computed_blocks: KVCacheBlocks | None, num_lookahead_tokens: int,
+                           num_external_computed_tokens: int, num_encoder_tokens: int,
+                           reserved_blocks: int) -> tuple[Sequence[KVCacheBlock], ...]:
+        """Check every argument before anything changes; return the hits per group."""
+        self._check_request(request)
+        for name, value in (("num_new_tokens", num_new_tokens),
+                            ("num_new_computed_tokens", num_new_computed_tokens),
+                            ("num_lookahead_tokens", num_lookahead_tokens),
+                            ("num_external_computed_tokens", num_external_computed_tokens),
+                            ("num_encoder_tokens", num_encoder_tokens),
+                            ("reserved_blocks", reserved_blocks),
+                            ("request.num_computed_tokens", request.num_computed_tokens),
+                            ("request.num_in_flight_tokens", request.num_in_flight_tokens)):
+            check_int(name, value, minimum=0)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise InvalidFieldError("num_new_tokens", 0, "> 0 when there are no computed tokens to adopt")
+        if request.num_tokens > self.max_model_len:
+            raise InvalidFieldError("request.num_tokens", request.num_tokens,
+                                    f"at most max_model_len={self.max_model_len}")
+        total = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
+            + num_new_tokens
+        if total > self.max_model_len:
+            raise InvalidFieldError("num_new_tokens", num_new_tokens,
+                                    f"at most max_model_len={self.max_model_len} tokens in all "
+                                    f"(computed + new computed + external + new = {total})")
+        rid = request.request_id
+        known = self.num_kv_cache_groups == 0 or any(
+            rid in m.req_to_blocks for m in self.coordinator.single_type_managers)
+        if not known and request.num_computed_tokens > 0:
+            raise UnknownRequestError(rid, f"claims num_computed_tokens={request.num_computed_tokens} "
+                                           "but holds no blocks (freed, or never allocated)")
+        if new_computed_blocks is None:
+            return self.empty_kv_cache_blocks.blocks
+        if not isinstance(new_computed_blocks, KVCacheBlocks) or \
+                len(new_computed_blocks.blocks) != self.num_kv_cache_groups:
+            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
+                                    f"None or KVCacheBlocks with {self.num_kv_cache_groups} groups")
+        if not any(new_computed_blocks.blocks):
+            return self.empty_kv_cache_blocks.blocks
+        if self.coordinator.is_running(rid):
+            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
+                                    f"empty: request {rid!r} is already running (no new hits)")
+        if not self.enable_caching:
+            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
+                                    "None or empty when prefix caching is disabled")
+        for group in new_computed_blocks.blocks:
+            self.block_pool._check_own(group, "new_computed_blocks")
+        return new_computed_blocks.blocks
+
+    # ------------------------------------------------------------------ freeing and the rest
+
+    def free(self, request: Request) -> None:
+        """Free the request's blocks (tail first, so tails are evicted first). Freeing a request
+        that holds nothing is a no-op, as in vLLM (a request may be aborted before allocation)."""
+        self._check_request(request)
+        self.coordinator.free(request.request_id)
+        if self.hasher is not None:
+            self.hasher.forget(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        check_int("processed_computed_tokens", processed_computed_tokens, minimum=0)
+        self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.coordinator.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    def take_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """Drain pending copy-on-write (source, destination) block-id pairs."""
+        pairs = []
+        for manager in self.coordinator.single_type_managers:
+            pairs.extend((s.block_id, d.block_id) for s, d in manager.take_pending_cow_copies())
+        return pairs
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33.0 (cascade attention removed): always zeros."""
+        return [0] * self.num_kv_cache_groups
+
+    def check_invariants(self, strict_ref_counts: bool = True) -> None:
+        """Pool and manager invariants plus I9: every non-null block's reference count equals the
+        number of table slots holding it (``>=`` when others may pin blocks, e.g. offloading)."""
+        self.coordinator.check_invariants()
+        slots: Counter[int] = Counter()
+        for manager in self.coordinator.single_type_managers:
+            for table in manager.req_to_blocks.values():
+                slots.update(b.block_id for b in table if not b.is_null)
+            for src, dst in manager._pending_cow_copies:
+                slots[dst.block_id] += 1
+        for block in self.block_pool.blocks[1:]:
+            if strict_ref_counts:
+                assert block.ref_cnt == slots[block.block_id], \
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != {slots[block.block_id]} table slots"
+            else:
+                assert block.ref_cnt >= slots[block.block_id]
+        if self.hasher is not None:
+            self.hasher.check_invariants()

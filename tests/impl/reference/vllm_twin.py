@@ -1,0 +1,94 @@
+"""Drive vLLM 0.33.0's own KVCacheManager beside the reference (test helper, needs vLLM).
+
+Converts a :class:`~kvref.impl.interface.PoolConfig` into vLLM's ``KVCacheConfig`` and kvref
+requests into vLLM requests, and reads back what both can observe: block ids per group, the free
+queue, and the cached hashes. Import only after ``require_vllm()``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1 import kv_cache_interface as vkci  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request as VllmRequest  # noqa: E402
+from vllm.v1.request import RequestStatus as VllmStatus  # noqa: E402
+
+from kvref.impl.interface import PoolConfig  # noqa: E402
+from kvref.impl.request import Request, RequestStatus  # noqa: E402
+from kvref.spec import kv_cache_interface as kci  # noqa: E402
+
+_STATUS = {RequestStatus.WAITING: VllmStatus.WAITING, RequestStatus.RUNNING: VllmStatus.RUNNING,
+           RequestStatus.PREEMPTED: VllmStatus.PREEMPTED}
+
+
+def to_vllm_spec(spec: kci.KVCacheSpec):
+    if isinstance(spec, kci.MambaSpec):
+        return vkci.MambaSpec(block_size=spec.block_size, shapes=spec.shapes,
+                              dtypes=tuple(getattr(torch, d) for d in spec.dtypes),
+                              mamba_cache_mode=spec.mamba_cache_mode,
+                              num_speculative_blocks=spec.num_speculative_blocks)
+    common = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                  dtype=getattr(torch, spec.dtype))
+    if isinstance(spec, kci.SlidingWindowSpec):
+        return vkci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
+                                      extra_retained_tokens=spec.extra_retained_tokens)
+    if isinstance(spec, kci.ChunkedLocalAttentionSpec):
+        return vkci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, kci.CrossAttentionSpec):
+        return vkci.CrossAttentionSpec(**common)
+    if isinstance(spec, kci.FullAttentionSpec):
+        return vkci.FullAttentionSpec(**common)
+    raise NotImplementedError(type(spec).__name__)
+
+
+def to_vllm_config(cfg: PoolConfig) -> vkci.KVCacheConfig:
+    groups = [vkci.KVCacheGroupSpec([f"layer{i}"], to_vllm_spec(g.kv_cache_spec), is_eagle_group=g.is_eagle_group)
+              for i, g in enumerate(cfg.groups)]
+    return vkci.KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+class VllmTwin:
+    """A vLLM KVCacheManager plus the vLLM twin of each kvref request."""
+
+    def __init__(self, cfg: PoolConfig) -> None:
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(cfg.hash_block_size, sha256) if cfg.enable_caching else None
+        self.mgr = VllmKVCacheManager(
+            to_vllm_config(cfg), max_model_len=cfg.max_model_len,
+            scheduler_block_size=cfg.scheduler_block_size, hash_block_size=cfg.hash_block_size,
+            max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=cfg.enable_caching,
+            use_eagle=cfg.use_eagle, watermark=cfg.watermark)
+        self.reqs: dict[str, VllmRequest] = {}
+
+    def request(self, req: Request) -> VllmRequest:
+        """The twin of ``req``, synced: tokens appended, counters and status copied."""
+        vr = self.reqs.get(req.request_id)
+        if vr is None:
+            vr = VllmRequest(req.request_id, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens),
+                             None, block_hasher=self.hasher, cache_salt=req.cache_salt)
+            self.reqs[req.request_id] = vr
+        missing = req.output_token_ids[vr.num_output_tokens:]
+        if missing:
+            vr.append_output_token_ids(list(missing))
+        vr.num_computed_tokens = req.num_computed_tokens
+        vr.num_in_flight_tokens = req.num_in_flight_tokens
+        vr.status = _STATUS.get(req.status, VllmStatus.RUNNING)
+        return vr
+
+    def free_queue(self) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self.mgr.block_pool.free_block_queue.get_all_free_blocks())
+
+    def cached_blocks(self) -> dict[tuple[int, int], bytes]:
+        out = {}
+        for block in self.mgr.block_pool.blocks:
+            if block.block_hash is not None:
+                key = block.block_hash
+                out[(int.from_bytes(key[-4:], "big"), block.block_id)] = bytes(key[:-4])
+        return out
