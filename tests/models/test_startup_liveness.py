@@ -1,0 +1,66 @@
+"""Startup's word holds at runtime, on vLLM 0.33.0 itself, and a re-introduced #39734 is caught."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvref.models.startup_liveness import LivenessCase, check_startup_liveness, random_case, run_case
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return require_vllm()
+
+
+@pytest.mark.vllm
+@settings(max_examples=profile_examples(40, 150))
+@given(st.randoms(use_true_random=False))
+def test_vllm_admits_and_serves_one_max_length_request_in_the_smallest_accepted_pool(vllm, rng):
+    case = random_case(rng)
+    failure = run_case("vllm", case)
+    assert failure is None, failure.render()
+
+
+def test_chunk_multiple_of_block_size_is_generated():
+    rng = random.Random(5)
+    for _ in range(200):
+        case = random_case(rng)
+        assert case.attention_chunk_size % case.block_size == 0
+
+
+def uncapped_sliding_window_admission(monkeypatch, vllm):
+    """Re-introduce #39734 in the installed vLLM: managers get no admission cap, so the
+    full-sequence gate charges sliding-window groups for the whole sequence while startup still
+    sizes them by the recycling bound (what vLLM did before PR #40946)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    original = stm.SingleTypeKVCacheManager.__init__
+
+    def patched(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.max_admission_blocks_per_request = None
+
+    monkeypatch.setattr(stm.SingleTypeKVCacheManager, "__init__", patched)
+
+
+@pytest.mark.vllm
+def test_reintroduced_39734_in_installed_vllm_is_reported(vllm, monkeypatch):
+    uncapped_sliding_window_admission(monkeypatch, vllm)
+    # A long request and a short window: startup sizes SWA at cdiv(w-1+F, bs)+1 blocks, the
+    # patched gate charges cdiv(max_model_len, bs).
+    case = LivenessCase(block_size=4, kinds=("full", "sliding_window"), max_model_len=256,
+                        max_num_batched_tokens=16, max_concurrent_batches=1, sliding_window=8,
+                        attention_chunk_size=8, prompt_len=256)
+    failure = run_case("vllm", case)
+    assert failure is not None and failure.phase == "admission", "the patched gate must reject"
+    assert "full-sequence admission gate rejected" in failure.render()
+    ran, failures = check_startup_liveness("vllm", 60, seed=3)
+    assert ran == 60 and failures, "random cases must also expose the re-introduced bug"
+    assert all(f.phase == "admission" for f in failures)
+    assert all({"sliding_window", "chunked_local"} & set(f.case.kinds) for f in failures)
