@@ -1,0 +1,126 @@
+"""kvref's startup planning against vLLM 0.33.0's, on generated layer sets and settings.
+
+For each case both planners get the same layers (kvref specs and their vLLM twins), the same
+settings and the same profiled memory; they must agree on accept/reject (with the same reason and
+estimated maximum length) and, when accepted, on the groups (layer partition and specs, worker and
+scheduler views), page sizes, bytes per block, num_blocks, max_model_len after auto-fit,
+per-group blocks of a max-length request, admission caps, memory bounds, scheduler/hash block
+sizes and max concurrency. The ci profile runs well over 500 cases.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvref.spec import (
+    EngineConfig,
+    FullAttentionSpec,
+    InsufficientKVCacheError,
+    SlidingWindowSpec,
+    plan_kv_cache,
+)
+from tests.conftest import profile_examples
+from tests.spec.planning_strategies import FAMILIES, plan_cases
+from tests.vllm_env import require_vllm
+
+from .vllm_planning import Outcome, VllmPlanner, kvref_outcome
+
+pytestmark = pytest.mark.vllm
+
+SEEN: Counter = Counter()
+
+
+@pytest.fixture(scope="module")
+def planner() -> VllmPlanner:
+    require_vllm()
+    return VllmPlanner()
+
+
+def _compare(ours: Outcome, theirs: Outcome, case) -> None:
+    assert ours.key() == theirs.key(), (
+        f"accept/reject differs: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}")
+    for name, want in theirs.fields.items():
+        assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"
+
+
+def _run(planner: VllmPlanner, case) -> Outcome:
+    theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
+    ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
+    _compare(ours, theirs, case)
+    SEEN[(case.family, ours.status)] += 1
+    return ours
+
+
+@settings(max_examples=profile_examples(60, 650, 65000), suppress_health_check=list(HealthCheck))
+@given(case=plan_cases())
+def test_plan_matches_vllm(planner, case):
+    _run(planner, case)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=profile_examples(8, 25, 2500), suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_plan_matches_vllm_per_family(planner, family, data):
+    _run(planner, data.draw(plan_cases(family)))
+
+
+def test_generated_cases_cover_accept_and_reject():
+    """The generator reaches both outcomes in the run above (otherwise it tests little)."""
+    if not SEEN:
+        pytest.skip("runs after the generated conformance tests")
+    statuses = Counter(status for (_, status) in SEEN.elements())
+    assert statuses["ok"] > 0 and statuses["insufficient"] > 0, SEEN
+
+
+# -- documented vLLM cases, through both planners -------------------------------------------
+
+
+def _full(bs=16):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype="float32")
+
+
+def test_null_block_reserved_exact_fit_is_rejected(planner):
+    """A pool of exactly the blocks one request needs is rejected: block 0 is the null block."""
+    layers = {"l0": _full()}
+    cfg = EngineConfig(max_model_len=64 * 16, num_gpu_blocks_override=64)
+    theirs = planner.plan(layers, cfg, 1 << 30, 0)
+    ours = kvref_outcome(planner, layers, cfg, 1 << 30)
+    _compare(ours, theirs, "exact fit")
+    assert ours.status == "insufficient" and ours.estimated_max_model_len == 63 * 16
+
+
+def test_auto_fit_reserves_null_block(planner):
+    layers = {"l0": _full(), "l1": _full()}
+    page = _full().page_size_bytes
+    cfg = EngineConfig(max_model_len="auto", derived_max_model_len=16384)
+    theirs = planner.plan(layers, cfg, 64 * 2 * page, 0)
+    ours = kvref_outcome(planner, layers, cfg, 64 * 2 * page)
+    _compare(ours, theirs, "auto-fit 64 blocks")
+    assert ours.fields["max_model_len"] == 63 * 16
+
+
+def test_override_applies_before_check(planner):
+    layers = {"l0": _full(), "l1": _full()}
+    cfg = EngineConfig(max_model_len=16384, num_gpu_blocks_override=32)
+    theirs = planner.plan(layers, cfg, 1 << 34, 0)
+    ours = kvref_outcome(planner, layers, cfg, 1 << 34)
+    _compare(ours, theirs, "override 32")
+    assert ours.status == "insufficient"
+    with pytest.raises(InsufficientKVCacheError, match="max seq len"):
+        plan_kv_cache(layers, cfg, 1 << 34)
+
+
+def test_gemma_like_sliding_window_pool(planner):
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=256, dtype="bfloat16", sliding_window=1024)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=256, dtype="bfloat16")
+    layers = {f"l{i}": (full if i % 6 == 5 else swa) for i in range(48)}
+    cfg = EngineConfig(max_model_len=32768, max_num_batched_tokens=1024)
+    theirs = planner.plan(layers, cfg, 8 << 30, 0)
+    ours = kvref_outcome(planner, layers, cfg, 8 << 30)
+    _compare(ours, theirs, "gemma-like")
+    assert ours.status == "ok" and len(ours.fields["groups"]) == 6
+    assert ours.fields["admission_caps"] == [129] * 5 + [None]  # SWA buckets first (layer 0 is SWA)
