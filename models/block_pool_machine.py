@@ -224,6 +224,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.model = PoolModel(self.num_blocks)
         self.owners: dict[int, Owner] = {}
         self.next_owner = 0
+        self.history: list[tuple[int, ...]] = []  # contents admitted so far (to re-admit: hits)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         type(self).steps += 1
@@ -241,6 +242,36 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def admit(self, content: tuple[int, ...], nulls: int) -> None:
         """Longest cached prefix (all groups must hit), touch the hits; ``nulls`` leading
         placeholders model skipped sliding-window blocks."""
+        self._admit(content, nulls)
+
+    @precondition(lambda self: len(self.owners) < 6 and self.history)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), max_size=2).map(tuple))
+    def readmit(self, data: st.DataObject, more: tuple[int, ...]) -> None:
+        """A request sharing a prefix with an earlier one: hits (live or evictable) are likely."""
+        content = data.draw(st.sampled_from(self.history), label="content")
+        self._admit(content + more, 0)
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def fill(self, data: st.DataObject) -> None:
+        """A request's whole life in one step: grow to its full length and publish every block."""
+        oid = data.draw(st.sampled_from(sorted(self.owners)), label="owner")
+        o = self.owners[oid]
+        n = len(o.hashes) - len(o.blocks)
+        if n <= 0 or n > len(self.model.free):
+            return
+        got = self._all("get_new_blocks", n)
+        want = self.model.get_new_blocks(n)
+        self._same(f"get_new_blocks({n})", got, want)
+        o.blocks.extend(want)
+        end = len(o.hashes)
+        if end > o.num_cached:
+            self._all("cache", o.hashes, o.blocks, o.num_cached, end, self.block_size)
+            self.model.cache(o.hashes, o.blocks, o.num_cached, end)
+            o.num_cached = end
+
+    def _admit(self, content: tuple[int, ...], nulls: int) -> None:
+        self.history.append(content)
         hashes = chain_hashes(content)
         hits: list[int] = []
         for i, h in enumerate(hashes[:-1]):  # like vLLM: the last token is always recomputed

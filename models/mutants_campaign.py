@@ -1,0 +1,285 @@
+"""The mutant kill-rate campaign: run a set of checks against every mutant, report who killed it.
+
+A *check* is ``(name, run)`` where ``run(budget) -> str | None`` returns why it failed (the mutant
+is killed) or None (it survived this check). Checks run in order; the first that fails kills the
+mutant and the rest are skipped (``all_checks=True`` runs them all, to see overlap).
+
+Before the mutants, every check runs once on the clean reference: a check that fails there would
+"kill" everything and says nothing, so the campaign refuses to run (``baseline_failures``).
+
+Checks (cheapest first):
+
+* ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
+  (:mod:`kvref.proofs.formulas`, evaluated with Python ints) on a grid of small configurations.
+  The proofs are about those formulas, so a spec that drifts from them is no longer proved.
+* ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
+* ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine` (when the managers exist).
+* ``explorer`` — :mod:`kvref.models.explorer_kv` at a small scope: any violation, deadlock or
+  livelock kills.
+* ``proofs`` — ``kvref.proofs.run_all()`` when the proofs package provides it.
+
+Used by ``kvref mutants`` and by ``kvref verify --mutants`` (:func:`run_mutant_campaign`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvref.spec.errors import InvalidFieldError
+
+from .mutants import Mutant
+
+CheckFn = Callable[[int], "str | None"]
+
+
+@dataclass(frozen=True)
+class CampaignCheck:
+    name: str
+    run: CheckFn
+    description: str = ""
+
+
+@dataclass
+class MutantResult:
+    mutant: Mutant
+    killed: bool
+    killed_by: str | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+    per_check: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass
+class CampaignResult:
+    results: list[MutantResult]
+    checks: list[str]
+    baseline_failures: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def killed(self) -> list[MutantResult]:
+        return [r for r in self.results if r.killed]
+
+    @property
+    def survivors(self) -> list[MutantResult]:
+        return [r for r in self.results if not r.killed]
+
+    @property
+    def kill_rate(self) -> float:
+        return len(self.killed) / len(self.results) if self.results else 1.0
+
+    def summary(self) -> str:
+        return (f"{len(self.killed)}/{len(self.results)} mutants killed ({100 * self.kill_rate:.1f}%) "
+                f"by {', '.join(self.checks)} in {self.seconds:.1f}s")
+
+    def to_rows(self) -> list[dict[str, str]]:
+        return [{"mutant": r.mutant.name, "kind": r.mutant.kind, "killed": "yes" if r.killed else "NO",
+                 "by": r.killed_by or "-", "time": f"{r.seconds:.2f}s",
+                 "reason": (r.reason or "")[:120]} for r in self.results]
+
+    def render(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=self.summary())
+        for col in ("mutant", "kind", "killed", "by", "time", "reason"):
+            table.add_column(col)
+        for row in self.to_rows():
+            table.add_row(*row.values())
+        console = Console(width=220, record=True, file=_Null())
+        console.print(table)
+        return console.export_text()
+
+
+class _Null:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------ the checks
+
+
+def _check_spec_formulas(budget: int) -> str | None:
+    from kvref.proofs.formulas import Formulas
+    from kvref.proofs.ops import PyOps
+    from kvref.spec.config import EngineConfig
+    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from kvref.spec.mathutil import cdiv
+
+    f, o = Formulas(), PyOps()
+    for a in range(0, 40):
+        for b in range(1, 9):
+            if cdiv(a, b) != o.cdiv(a, b):
+                return f"cdiv({a}, {b}) = {cdiv(a, b)}, formulas say {o.cdiv(a, b)}"
+    common = dict(num_kv_heads=1, head_size=1, dtype="float32")
+    for bs in (1, 2, 4, 16):
+        for M in (1, 7, 12, 64, 1000):
+            for F in (0, 1, 4, 13, 64):
+                for sw in (1, 2, 4, 6, 17):
+                    for extra in (0, 3):
+                        spec = SlidingWindowSpec(block_size=bs, sliding_window=sw, extra_retained_tokens=extra, **common)
+                        got, want = spec.max_admission_blocks_per_request(F, M), f.swa_cap(o, sw, extra, bs, F, M)
+                        if got != want:
+                            return f"SWA cap(sw={sw}, extra={extra}, bs={bs}, F={F}, M={M}) = {got}, formulas say {want}"
+                for chunk in (1, 4, 8, 24):
+                    spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **common)
+                    got, want = spec.max_admission_blocks_per_request(F, M), f.cl_cap(o, chunk, bs, F, M)
+                    if got != want:
+                        return f"chunked cap(chunk={chunk}, bs={bs}, F={F}, M={M}) = {got}, formulas say {want}"
+            fa = FullAttentionSpec(block_size=bs, **common)
+            cfg = EngineConfig(max_model_len=M)
+            got = fa.max_memory_usage_bytes(cfg) // fa.page_size_bytes
+            want = f.full_pages(o, M, bs, 1)
+            if got != want:
+                return f"full-attention pages(M={M}, bs={bs}) = {got}, formulas say {want}"
+    return None
+
+
+def _check_pool_machine(budget: int) -> str | None:
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from .block_pool_machine import make_block_pool_machine
+
+    # no shrinking: the campaign needs a verdict, not a minimal example
+    cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
+                   deadline=None, print_blob=False, phases=[Phase.explicit, Phase.generate],
+                   suppress_health_check=list(HealthCheck))
+    for num_blocks in (6, 10):
+        try:
+            run_state_machine_as_test(make_block_pool_machine("reference", num_blocks=num_blocks), settings=cfg)
+        except Exception as e:  # noqa: BLE001 - any failure of the machine kills
+            return _first_line(e)
+    return None
+
+
+def _check_manager_machine(budget: int) -> str | None:
+    from .single_type_manager_machine import run_manager_machines
+
+    return run_manager_machines(budget)
+
+
+def _check_explorer(budget: int) -> str | None:
+    from .explorer_kv import campaign_scopes, explore_scope
+
+    for scope in campaign_scopes():
+        res = explore_scope(scope, max_states=budget * 2000)
+        if res.findings:
+            f = res.findings[0]
+            return f"{scope.name}: {f.kind} after {f.trace.length} steps: {f.message}"
+    return None
+
+
+def _check_proofs(budget: int) -> str | None:
+    import kvref.proofs as proofs
+
+    run_all = getattr(proofs, "run_all", None)
+    if run_all is None:
+        return None
+    results = run_all()
+    failed = [r for r in results if not getattr(r, "ok", getattr(r, "proved", True))]
+    if failed:
+        r = failed[0]
+        return f"proof failed: {getattr(r, 'name', r)}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+ALL_CHECKS: dict[str, CampaignCheck] = {
+    c.name: c for c in (
+        CampaignCheck("spec-formulas", _check_spec_formulas, "kvref.spec vs the proofs' formula source"),
+        CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model"),
+        CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines"),
+        CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
+        CampaignCheck("proofs", _check_proofs, "Z3 theorems (kvref.proofs.run_all)"),
+    )
+}
+
+
+def available_checks() -> list[str]:
+    """Checks whose code exists in this checkout."""
+    import importlib
+
+    out = []
+    needs = {"manager-machine": "kvref.models.single_type_manager_machine",
+             "explorer": "kvref.models.explorer_kv", "proofs": "kvref.proofs.formulas",
+             "spec-formulas": "kvref.proofs.formulas"}
+    for name in ALL_CHECKS:
+        mod = needs.get(name)
+        if mod is not None:
+            try:
+                importlib.import_module(mod)
+            except ImportError:
+                continue
+            if name == "explorer":
+                try:
+                    from .explorer_kv import reference_available
+                    if not reference_available():
+                        continue
+                except ImportError:
+                    continue
+        out.append(name)
+    return out
+
+
+def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] | None = None,
+                        budget: int = 100, all_checks: bool = False,
+                        progress: Callable[[MutantResult], None] | None = None) -> CampaignResult:
+    """Run ``checks`` against each mutant.
+
+    Args:
+        mutants: which mutants (default: every catalogue mutant whose target exists).
+        checks: check names, in order (default: every available check).
+        budget: examples per machine run; the explorer gets at most ``2000 × budget`` states.
+        all_checks: run every check on every mutant instead of stopping at the first kill.
+        progress: called with each mutant's result as it finishes.
+
+    Returns:
+        A :class:`CampaignResult` (``baseline_failures`` non-empty means the clean reference
+        failed a check, and no mutant was run).
+    """
+    from .mutants_catalogue import all_mutants
+
+    t0 = time.perf_counter()
+    names = checks if checks else available_checks()
+    for n in names:
+        if n not in ALL_CHECKS:
+            raise InvalidFieldError("checks", n, "one of " + ", ".join(ALL_CHECKS))
+    chosen = [ALL_CHECKS[n] for n in names]
+    mutants = all_mutants() if mutants is None else mutants
+    baseline = {}
+    for c in chosen:
+        why = c.run(budget)
+        if why is not None:
+            baseline[c.name] = why
+    if baseline:
+        return CampaignResult([], names, baseline, time.perf_counter() - t0)
+    results = []
+    for m in mutants:
+        t1 = time.perf_counter()
+        res = MutantResult(m, False)
+        with m.applied():
+            for c in chosen:
+                try:
+                    why = c.run(budget)
+                except Exception as e:  # noqa: BLE001 - a check that crashes under a mutant kills it
+                    why = f"check crashed: {_first_line(e)}"
+                res.per_check[c.name] = why
+                if why is not None and not res.killed:
+                    res.killed, res.killed_by, res.reason = True, c.name, why
+                    if not all_checks:
+                        break
+        res.seconds = time.perf_counter() - t1
+        results.append(res)
+        if progress is not None:
+            progress(res)
+    return CampaignResult(results, names, {}, time.perf_counter() - t0)
