@@ -91,8 +91,39 @@ def check_spec_examples(ctx: VerifyContext) -> CheckResult:
     return CheckResult("spec", PASSED, "documented vLLM figures reproduced (admission caps, memory bounds)")
 
 
+def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
+    """One request of any length up to max_model_len is served by the smallest pool startup accepts.
+
+    Runs on every implementation present: the reference, and the installed vLLM (whose own spec
+    formulas then size the pool — the #39734/#35541 family of bugs shows up here).
+    """
+    from kvref.models.startup_liveness import check_startup_liveness as run
+
+    kinds = ["reference"]
+    ok, why = vllm_available()
+    if ok:
+        kinds.append("vllm")
+    elif ctx.against == "vllm":
+        return CheckResult("startup-liveness", FAILED, f"--against vllm given but {why}")
+    n = ctx.examples(60, 300)
+    details, failed = [], 0
+    for kind in kinds:
+        ran, failures = run(kind, n, seed=ctx.seed)
+        failed += len(failures)
+        details += [f"{kind}: {f.render()}" for f in failures[:5]]
+    summary = f"{n} random configs x {'+'.join(kinds)}"
+    if not ok:
+        summary += f" (vLLM skipped: {why})"
+    if failed:
+        return CheckResult("startup-liveness", FAILED, f"{failed} case(s) where startup accepted but runtime did not serve",
+                           details=details)
+    return CheckResult("startup-liveness", PASSED, summary + ": every max-length request admitted and served")
+
+
 CHECKS: list[Check] = [
     Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
+    Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
+          check_startup_liveness),
 ]
 
 

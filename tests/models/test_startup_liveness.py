@@ -64,3 +64,11 @@ def test_reintroduced_39734_in_installed_vllm_is_reported(vllm, monkeypatch):
     assert ran == 60 and failures, "random cases must also expose the re-introduced bug"
     assert all(f.phase == "admission" for f in failures)
     assert all({"sliding_window", "chunked_local"} & set(f.case.kinds) for f in failures)
+
+
+@settings(max_examples=profile_examples(60, 300))
+@given(st.randoms(use_true_random=False))
+def test_reference_admits_and_serves_one_max_length_request_in_the_smallest_accepted_pool(rng):
+    case = random_case(rng)
+    failure = run_case("reference", case)
+    assert failure is None, failure.render()
