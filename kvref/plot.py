@@ -1,0 +1,65 @@
+"""``kvref size --plot``: blocks one request holds per group against its length, with the caps.
+
+The picture answers the question behind vLLM #39734 at a glance: where does each group's curve
+flatten (the admission cap of sliding-window / chunked-local groups), how much does the whole
+request take, and at which length does that cross the pool's usable blocks.
+"""
+
+from __future__ import annotations
+
+from kvref.spec.planning import KVCachePlan
+
+
+def blocks_by_length(plan: KVCachePlan, lengths: list[int]) -> list[list[int]]:
+    """Per group, the blocks a request of each length holds at most (startup's per-request bound)."""
+    out = []
+    for gp in plan.group_plans:
+        spec = gp.scheduler_spec
+        out.append([spec.max_memory_usage_blocks(plan.config, max_model_len=n) for n in lengths])
+    return out
+
+
+def _lengths(max_len: int, points: int = 400) -> list[int]:
+    step = max(1, max_len // points)
+    xs = list(range(1, max_len + 1, step))
+    if xs[-1] != max_len:
+        xs.append(max_len)
+    return xs
+
+
+def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
+    """Draw the plan to a PNG at ``path`` and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # Show past max_model_len up to the largest length the pool could serve (at most 4x further).
+    xs = _lengths(max(plan.max_model_len, min(plan.max_servable_len, 4 * plan.max_model_len), 1))
+    per_group = blocks_by_length(plan, xs)
+    total = [sum(col) for col in zip(*per_group)] if per_group else [0] * len(xs)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    caps_drawn: set[int] = set()
+    for i, (gp, ys) in enumerate(zip(plan.group_plans, per_group)):
+        label = f"group {i}: {gp.kind} ({len(gp.layer_names)} layers, block {gp.block_size})"
+        (line,) = ax.plot(xs, ys, label=label, linewidth=1.8)
+        if gp.admission_cap is not None and gp.admission_cap not in caps_drawn:
+            caps_drawn.add(gp.admission_cap)
+            ax.axhline(gp.admission_cap, color=line.get_color(), linestyle=":", linewidth=1.2)
+            ax.annotate(f"admission cap {gp.admission_cap}", (xs[-1], gp.admission_cap), color=line.get_color(),
+                        ha="right", va="bottom", fontsize=8)
+    ax.plot(xs, total, color="black", linewidth=2.2, label="whole request (sum over groups)")
+    usable = plan.num_usable_blocks
+    ax.axhline(usable, color="crimson", linestyle="--", linewidth=1.5, label=f"usable blocks ({usable} = {plan.num_blocks} - null)")
+    ax.axvline(plan.max_model_len, color="grey", linestyle="-.", linewidth=1.2, label=f"max_model_len {plan.max_model_len}")
+    if usable > 5 * max(max(total), 1):
+        ax.set_yscale("log")  # a pool far larger than one request would flatten every curve
+    ax.set_xlabel("request length (tokens)")
+    ax.set_ylabel("blocks held by one request")
+    ax.set_title(title or f"KV cache plan: {plan.num_blocks} blocks, max concurrency {plan.max_concurrency:.2f}x")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

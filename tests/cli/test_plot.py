@@ -1,0 +1,32 @@
+"""`kvref size --plot`: the per-group curves are startup's bounds, and a PNG is written."""
+
+from __future__ import annotations
+
+from kvref.plot import blocks_by_length, plot_plan
+from kvref.spec import EngineConfig, FullAttentionSpec, SlidingWindowSpec
+from kvref.spec.planning import plan_kv_cache
+
+
+def _gemma_like_plan():
+    layers = {}
+    for i in range(6):
+        kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16")
+        layers[f"l{i}"] = FullAttentionSpec(**kw) if i == 5 else SlidingWindowSpec(**kw, sliding_window=256)
+    return plan_kv_cache(layers, EngineConfig(max_model_len=4096, max_num_batched_tokens=512), 512 * 2**20)
+
+
+def test_curves_are_full_growth_and_capped_window():
+    plan = _gemma_like_plan()
+    per_group = blocks_by_length(plan, [1, 16, 17, 4096])
+    kinds = [gp.kind for gp in plan.group_plans]
+    full = per_group[kinds.index("FullAttentionSpec")]
+    swa = per_group[kinds.index("SlidingWindowSpec")]
+    assert full == [1, 1, 2, 256]
+    cap = next(gp.admission_cap for gp in plan.group_plans if gp.admission_cap is not None)
+    assert max(swa) == swa[-1] == cap == (256 - 1 + 512 + 15) // 16 + 1
+
+
+def test_plot_writes_a_png(tmp_path):
+    out = plot_plan(_gemma_like_plan(), str(tmp_path / "plan.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
