@@ -1,0 +1,228 @@
+"""Differential state machine: the torch implementation against another implementation.
+
+Both get the same generated pool config and the same scheduler-like operations (admit a waiting
+request with its prefix hit, run the next prefill chunk or a decode step, settle in-flight
+tokens, preempt, finish). After every step the machine asserts that both answered identically:
+admission decision, hit tokens and hit block ids, newly allocated block ids, every live block
+table, free count, free-queue order, cached hashes (and, where the other side exposes them, the
+whole hash map and ref counts). Block ids must match exactly, not up to renaming.
+
+``make_differential_machine(other_factory)`` returns a ``RuleBasedStateMachine`` class; the
+other implementation is vLLM's ``KVCacheManager`` (tests/impl/torch/vllm_twin.py) or the
+reference (``kvref.impl.reference.adapter``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+SPEC_KW = dict(num_kv_heads=1, head_size=2, dtype="float32")
+#: group layouts drawn: uniform and hybrid
+LAYOUTS = ("fa", "swa", "chunked", "fa+swa", "fa+chunked", "fa+swa+swa", "swa+chunked", "fa+fa")
+
+
+@st.composite
+def pool_configs(draw, layouts=LAYOUTS) -> PoolConfig:
+    """Small pools over the modelled group types, uniform or hybrid."""
+    layout = draw(st.sampled_from(layouts))
+    kinds = layout.split("+")
+    hybrid = len(kinds) > 1
+    if hybrid:
+        hbs = 2
+        sbs = draw(st.sampled_from([2, 4]))
+    else:
+        hbs = sbs = draw(st.sampled_from([2, 4]))
+    groups = []
+    for i, k in enumerate(kinds):
+        bs = sbs if (not hybrid or k == "chunked") else draw(st.sampled_from(sorted({hbs, sbs})))
+        if k == "fa":
+            spec = FullAttentionSpec(block_size=bs, **SPEC_KW)
+        elif k == "swa":
+            spec = SlidingWindowSpec(block_size=bs, sliding_window=draw(st.integers(1, 12)), **SPEC_KW)
+        else:
+            spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=draw(st.sampled_from([4, 6, 8])),
+                                             **SPEC_KW)
+        groups.append(KVCacheGroupSpec((f"g{i}",), spec))
+    return PoolConfig(
+        num_blocks=draw(st.integers(4, 28)),
+        groups=tuple(groups),
+        max_model_len=draw(st.integers(12, 40)),
+        scheduler_block_size=sbs,
+        hash_block_size=hbs,
+        max_in_flight_tokens=draw(st.one_of(st.none(), st.integers(1, 12))),
+        enable_caching=draw(st.booleans()) or draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.25])),
+    )
+
+
+def make_differential_machine(other_factory: Callable[[PoolConfig], object],
+                              torch_factory: Callable[[PoolConfig], object] | None = None,
+                              deep: bool = True) -> type[RuleBasedStateMachine]:
+    """A machine comparing ``torch_factory(cfg)`` (default: the torch implementation on CPU) with
+    ``other_factory(cfg)``. ``deep`` also compares ``hash_index()`` and ``ref_counts()``."""
+
+    if torch_factory is None:
+        from kvref.impl.torch import make_manager
+
+        def torch_factory(cfg):  # noqa: E306
+            return make_manager(cfg, device="cpu")
+
+    class TorchDifferential(RuleBasedStateMachine):
+        @initialize(cfg=pool_configs(), bases=st.lists(st.lists(st.integers(0, 3), min_size=12, max_size=40),
+                                                       min_size=1, max_size=3))
+        def setup(self, cfg, bases):
+            self.cfg = cfg
+            self.bases = bases
+            self.t = torch_factory(cfg)
+            self.o = other_factory(cfg)
+            self.reqs: dict[str, Request] = {}
+            self.waiting: list[str] = []
+            self.running: list[str] = []
+            self.n = 0
+
+        # ------------------------------------------------------------ helpers
+        def both(self, name, *args, **kw):
+            a = getattr(self.t, name)(*args, **kw)
+            b = getattr(self.o, name)(*args, **kw)
+            assert a == b, f"{name}{args}: torch {a!r} != other {b!r}"
+            return a
+
+        def _step_tokens(self, req: Request, budget: int) -> int:
+            return min(req.num_tokens - req.num_computed_tokens, budget)
+
+        # ------------------------------------------------------------ rules
+        @rule(data=st.data())
+        def add_request(self, data):
+            base = data.draw(st.sampled_from(self.bases))
+            cut = data.draw(st.integers(0, len(base)))
+            tail = data.draw(st.lists(st.integers(0, 3), max_size=10))
+            prompt = (base[:cut] + tail)[: self.cfg.max_model_len - 1] or [0]
+            max_tokens = data.draw(st.integers(1, max(1, self.cfg.max_model_len - len(prompt))))
+            salt = data.draw(st.sampled_from([None, None, None, "s"]))
+            rid = f"r{self.n}"
+            self.n += 1
+            self.reqs[rid] = Request(rid, prompt, max_tokens=max_tokens, cache_salt=salt)
+            self.waiting.append(rid)
+
+        @precondition(lambda self: self.waiting)
+        @rule(data=st.data())
+        def admit(self, data):
+            rid = self.waiting[0]
+            req = self.reqs[rid]
+            ids, hit = self.both("get_computed_blocks", req)
+            budget = data.draw(st.integers(1, 16))
+            new = max(0, min(req.num_tokens - hit, budget)) if req.num_computed_tokens == 0 else 0
+            if new == 0 and hit == 0:
+                new = 1
+            kw = dict(num_new_computed_tokens=hit, new_computed_block_ids=ids,
+                      num_lookahead_tokens=data.draw(st.sampled_from([0, 0, 0, 1, 2])),
+                      full_sequence_must_fit=data.draw(st.booleans()),
+                      reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3])),
+                      has_scheduled_reqs=bool(self.running))
+            out = self.both("allocate_slots", req, new, **kw)
+            if out is None:
+                return
+            self.waiting.pop(0)
+            self.running.append(rid)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit + new
+            req.num_in_flight_tokens = new if data.draw(st.booleans()) else 0
+
+        @precondition(lambda self: self.running)
+        @rule(data=st.data())
+        def step(self, data):
+            self._advance(data.draw(st.sampled_from(self.running)), data)
+
+        def _advance(self, rid, data):
+            req = self.reqs[rid]
+            if req.num_computed_tokens >= req.num_tokens:
+                if req.num_tokens >= self.cfg.max_model_len or len(req.output_token_ids) >= req.max_tokens:
+                    return self._finish(rid)
+                req.output_token_ids.append(data.draw(st.integers(0, 3)))
+            new = self._step_tokens(req, data.draw(st.integers(1, 16)))
+            out = self.both("allocate_slots", req, new,
+                            num_lookahead_tokens=data.draw(st.sampled_from([0, 0, 1])))
+            if out is None:
+                # vLLM preempts the newest running request; here the stepped one is preempted.
+                return self._preempt(rid)
+            req.num_computed_tokens += new
+            req.num_in_flight_tokens = min(req.num_in_flight_tokens + new, req.num_computed_tokens) \
+                if data.draw(st.booleans()) else 0
+
+        @rule(data=st.data())
+        def schedule(self, data):
+            """One scheduler-like step: every running request advances, then waiting ones are admitted
+            (FCFS, stop at the first that does not fit), then in-flight tokens may settle."""
+            for rid in list(self.running):
+                if rid in self.running:
+                    self._advance(rid, data)
+            for _ in range(len(self.waiting)):
+                before = len(self.waiting)
+                self.admit(data)
+                if len(self.waiting) == before:
+                    break
+            if data.draw(st.booleans()):
+                for rid in self.running:
+                    self.reqs[rid].num_in_flight_tokens = 0
+
+        @precondition(lambda self: self.running)
+        @rule(data=st.data())
+        def settle(self, data):
+            self.reqs[data.draw(st.sampled_from(self.running))].num_in_flight_tokens = 0
+
+        @precondition(lambda self: self.running)
+        @rule(data=st.data())
+        def preempt(self, data):
+            self._preempt(data.draw(st.sampled_from(self.running)))
+
+        @precondition(lambda self: self.running or self.waiting)
+        @rule(data=st.data())
+        def finish(self, data):
+            self._finish(data.draw(st.sampled_from(self.running + self.waiting)))
+
+        def _preempt(self, rid):
+            req = self.reqs[rid]
+            self.both("free", req)
+            self.running.remove(rid)
+            self.waiting.insert(0, rid)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_in_flight_tokens = 0
+            req.num_preemptions += 1
+
+        def _finish(self, rid):
+            req = self.reqs[rid]
+            self.both("free", req)
+            (self.running if rid in self.running else self.waiting).remove(rid)
+            req.status = RequestStatus.FINISHED
+
+        # ------------------------------------------------------------ invariants
+        @invariant()
+        def same_state(self):
+            if not hasattr(self, "t"):
+                return
+            assert self.t.get_num_free_blocks() == self.o.get_num_free_blocks()
+            assert self.t.free_block_queue() == self.o.free_block_queue(), "free-queue order differs"
+            assert self.t.cached_blocks() == self.o.cached_blocks(), "cached hashes differ"
+            for rid in self.running + self.waiting:
+                assert self.t.get_block_ids(rid) == self.o.get_block_ids(rid), f"block table of {rid}"
+            if deep and hasattr(self.o, "hash_index"):
+                assert self.t.hash_index() == self.o.hash_index(), "hash map differs"
+            if deep and hasattr(self.o, "ref_counts"):
+                assert self.t.ref_counts() == self.o.ref_counts(), "ref counts differ"
+            self.t.check_invariants()
+            self.o.check_invariants()
+
+    return TorchDifferential
