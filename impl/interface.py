@@ -11,8 +11,9 @@ convert at this boundary, so comparisons never depend on object identity.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
@@ -108,3 +109,52 @@ class KVCacheManagerLike(Protocol):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an internal invariant does not hold."""
+
+    # Optional methods: callers use ``getattr(manager, name, None)``; implementations that lack the
+    # concept simply leave them out (a Protocol's default bodies are not inherited structurally).
+
+    def new_step_starts(self) -> None:
+        """Optional. A scheduler step begins (vLLM resets per-step state, e.g. Mamba's same-step guard)."""
+
+    def forget(self, request_id: str) -> None:
+        """Optional. The request is gone for good (finished/aborted); drop any per-request mirror."""
+
+
+ManagerFactory = Callable[[PoolConfig], KVCacheManagerLike]
+
+_FACTORIES: dict[str, ManagerFactory] = {}
+#: modules that register a kind when imported (``register_manager`` at module level)
+_BUILTIN_MODULES = {
+    "reference": "kvref.impl.reference.adapter",
+    "vllm": "kvref.impl.vllm",
+    "torch": "kvref.impl.torch.adapter",
+}
+
+
+def register_manager(kind: str, factory: ManagerFactory) -> None:
+    """Make ``make_manager(kind, ...)`` build managers with ``factory(pool_config)``."""
+    if not isinstance(kind, str) or not kind:
+        raise InvalidFieldError("kind", kind, "a non-empty str")
+    if not callable(factory):
+        raise InvalidFieldError("factory", factory, "a callable taking a PoolConfig")
+    _FACTORIES[kind] = factory
+
+
+def manager_kinds() -> tuple[str, ...]:
+    """Kinds ``make_manager`` knows (registered or importable on demand)."""
+    return tuple(sorted(set(_FACTORIES) | set(_BUILTIN_MODULES)))
+
+
+def make_manager(kind: str, pool_config: PoolConfig) -> KVCacheManagerLike:
+    """Build the ``kind`` implementation (``"reference"``, ``"vllm"``, ``"torch"``) of a pool.
+
+    Built-in kinds live in modules that register themselves when imported; they are imported only
+    here, so ``import kvref.impl`` needs neither vLLM nor torch.
+    """
+    if kind not in _FACTORIES and kind in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[kind])
+    if kind not in _FACTORIES:
+        raise InvalidFieldError("kind", kind, "one of " + ", ".join(manager_kinds()))
+    if not isinstance(pool_config, PoolConfig):
+        raise InvalidFieldError("pool_config", pool_config, "a PoolConfig")
+    return _FACTORIES[kind](pool_config)

@@ -1,0 +1,317 @@
+"""Drive vLLM 0.33.0's own ``KVCacheManager`` through kvref's common interface, for conformance.
+
+The adapter is deliberately thin: it converts kvref specs (dtype *names*) into vLLM specs (torch
+dtypes), builds ``KVCacheConfig`` + ``KVCacheManager`` exactly as ``PoolConfig`` says, mirrors each
+kvref :class:`~kvref.impl.request.Request` into a vLLM ``Request`` (same tokens, cache salt,
+``num_computed_tokens``, ``num_in_flight_tokens``, status) and turns vLLM's ``KVCacheBlocks`` into
+plain block ids. It adds no behaviour of its own, so whatever it returns is what vLLM does.
+
+vLLM is imported lazily (inside functions) so that ``import kvref.impl`` never needs vLLM.
+Set ``VLLM_TARGET_DEVICE=cpu`` before the first call on a machine without a GPU (tests/conftest.py
+does this).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from kvref.spec.errors import InvalidFieldError
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from .interface import BlockIds, PoolConfig
+from .request import Request, RequestStatus
+
+REQUIRED_VLLM_VERSION = "0.33.0"
+
+_vllm_mods: dict[str, Any] | None = None
+
+
+def _vllm() -> dict[str, Any]:
+    """Import the vLLM pieces once; fail with a clear message when vLLM is missing or wrong."""
+    global _vllm_mods
+    if _vllm_mods is not None:
+        return _vllm_mods
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import torch
+        import vllm
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+        from vllm.v1 import kv_cache_interface as kci
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+        from vllm.v1.request import Request as VRequest
+        from vllm.v1.request import RequestStatus as VStatus
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(f"kvref.impl.vllm needs vLLM {REQUIRED_VLLM_VERSION} installed: {exc}") from exc
+    if vllm.__version__ != REQUIRED_VLLM_VERSION:  # pragma: no cover
+        raise ImportError(f"kvref.impl.vllm targets vLLM {REQUIRED_VLLM_VERSION}, found {vllm.__version__}")
+    # NONE_HASH is process-global in vLLM; sha256 seeds it with a fixed string (or PYTHONHASHSEED),
+    # which is what kvref's reference hashing reproduces.
+    kv_cache_utils.init_none_hash(sha256)
+    _vllm_mods = dict(
+        torch=torch, SamplingParams=SamplingParams, sha256=sha256, dtypes=STR_DTYPE_TO_TORCH_DTYPE,
+        kci=kci, utils=kv_cache_utils, KVCacheBlocks=KVCacheBlocks, KVCacheManager=KVCacheManager,
+        VRequest=VRequest, VStatus=VStatus,
+    )
+    return _vllm_mods
+
+
+def _torch_dtype(name: str) -> Any:
+    return _vllm()["dtypes"][name]
+
+
+def to_vllm_spec(spec: KVCacheSpec) -> Any:
+    """The vLLM spec equal to a kvref spec (the dtype names become torch dtypes)."""
+    kci = _vllm()["kci"]
+    if isinstance(spec, MambaSpec):
+        return kci.MambaSpec(
+            block_size=spec.block_size, shapes=tuple(spec.shapes),
+            dtypes=tuple(_torch_dtype(d) for d in spec.dtypes), page_size_padded=spec.page_size_padded,
+            mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks, dcp_sharded=spec.dcp_sharded)
+    common = dict(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded)
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec)):
+        common.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
+                      head_size_v=spec.head_size_v, page_size_padded=spec.page_size_padded)
+    if isinstance(spec, MLAAttentionSpec):
+        common.pop("head_size_v")
+        return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment)
+    if isinstance(spec, FullAttentionSpec):
+        return kci.FullAttentionSpec(**common, sliding_window=spec.sliding_window,
+                                     attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, SlidingWindowSpec):
+        return kci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
+                                     extra_retained_tokens=spec.extra_retained_tokens)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return kci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, CrossAttentionSpec):
+        return kci.CrossAttentionSpec(**common)
+    raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
+                            "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention or Mamba spec")
+
+
+def to_vllm_kv_cache_config(pool_config: PoolConfig) -> Any:
+    """``KVCacheConfig`` for the scheduler side: groups and ``num_blocks``; no tensors (workers only)."""
+    kci = _vllm()["kci"]
+    groups = [kci.KVCacheGroupSpec(list(g.layer_names) or [f"layer_{i}"], to_vllm_spec(g.kv_cache_spec),
+                                   is_eagle_group=g.is_eagle_group)
+              for i, g in enumerate(pool_config.groups)]
+    return kci.KVCacheConfig(num_blocks=pool_config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                             hash_block_size=pool_config.hash_block_size)
+
+
+_STATUS = {
+    RequestStatus.WAITING: "WAITING",
+    RequestStatus.RUNNING: "RUNNING",
+    RequestStatus.PREEMPTED: "PREEMPTED",
+    RequestStatus.FINISHED: "FINISHED_STOPPED",
+}
+
+
+class VllmKVCacheManager:
+    """vLLM's ``KVCacheManager`` behind :class:`~kvref.impl.interface.KVCacheManagerLike`.
+
+    Args:
+        pool_config: the pool to build. ``num_blocks`` includes the null block 0, as in vLLM.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, pool_config: PoolConfig) -> None:
+        if not isinstance(pool_config, PoolConfig):
+            raise InvalidFieldError("pool_config", pool_config, "a kvref.impl.interface.PoolConfig")
+        v = _vllm()
+        self.pool_config = pool_config
+        self.num_groups = len(pool_config.groups)
+        self._kv_cache_config = to_vllm_kv_cache_config(pool_config)
+        self._mgr = v["KVCacheManager"](
+            self._kv_cache_config, max_model_len=pool_config.max_model_len,
+            scheduler_block_size=pool_config.scheduler_block_size,
+            hash_block_size=pool_config.hash_block_size,
+            max_in_flight_tokens=pool_config.max_in_flight_tokens,
+            enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
+            watermark=pool_config.watermark)
+        self._pool = self._mgr.block_pool
+        self._hasher: Callable | None = (
+            v["utils"].get_request_block_hasher(pool_config.hash_block_size, v["sha256"])
+            if pool_config.enable_caching else None)
+        self._mirrors: dict[str, Any] = {}
+
+    # -- request mirroring -------------------------------------------------------------------
+
+    def _mirror(self, request: Request) -> Any:
+        """The vLLM ``Request`` for ``request``, brought up to date with its tokens and progress."""
+        if not isinstance(request, Request):
+            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
+        v = _vllm()
+        vreq = self._mirrors.get(request.request_id)
+        if vreq is None or list(vreq.prompt_token_ids) != request.prompt_token_ids \
+                or vreq.cache_salt != request.cache_salt:
+            vreq = v["VRequest"](
+                request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=v["SamplingParams"](max_tokens=request.max_tokens), pooling_params=None,
+                arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                priority=request.priority, block_hasher=self._hasher)
+            self._mirrors[request.request_id] = vreq
+        have = len(vreq.output_token_ids)
+        want = request.output_token_ids
+        if have > len(want) or list(vreq.output_token_ids) != want[:have]:
+            raise InvalidFieldError(f"request {request.request_id!r}.output_token_ids", want,
+                                    "an extension of the output tokens seen before (outputs only grow)")
+        if have < len(want):
+            vreq.append_output_token_ids(list(want[have:]))
+        vreq.num_computed_tokens = request.num_computed_tokens
+        vreq.num_in_flight_tokens = request.num_in_flight_tokens
+        vreq.num_preemptions = request.num_preemptions
+        vreq.status = getattr(v["VStatus"], _STATUS[request.status])
+        return vreq
+
+    def _blocks_from_ids(self, block_ids: BlockIds | None) -> Any:
+        if block_ids is None or not any(block_ids):
+            return None  # vLLM maps None to its shared empty KVCacheBlocks, like a miss would
+        if len(block_ids) != self.num_groups:
+            raise InvalidFieldError("new_computed_block_ids", block_ids, f"one tuple per group ({self.num_groups})")
+        blocks = self._pool.blocks
+        for ids in block_ids:
+            for b in ids:
+                if not isinstance(b, int) or not 0 <= b < len(blocks):
+                    raise InvalidFieldError("new_computed_block_ids", block_ids,
+                                            f"block ids in [0, {len(blocks)})")
+        return _vllm()["KVCacheBlocks"](tuple([blocks[b] for b in ids] for ids in block_ids))
+
+    @staticmethod
+    def _ids(kv_blocks: Any) -> BlockIds:
+        return tuple(tuple(b.block_id for b in group) for group in kv_blocks.blocks)
+
+    # -- KVCacheManagerLike ------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
+        blocks, num_hit, _boundary = self._mgr.get_computed_blocks(self._mirror(request))
+        return self._ids(blocks), num_hit
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_block_ids: BlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True) -> BlockIds | None:
+        vreq = self._mirror(request)
+        out = self._mgr.allocate_slots(
+            vreq, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
+            new_computed_blocks=self._blocks_from_ids(new_computed_block_ids),
+            num_lookahead_tokens=num_lookahead_tokens, num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+        return None if out is None else self._ids(out)
+
+    def free(self, request: Request) -> None:
+        self._mgr.free(self._mirror(request))
+
+    def forget(self, request_id: str) -> None:
+        """Drop the vLLM mirror of a finished request (the scheduler drops its ``Request`` too)."""
+        self._mirrors.pop(request_id, None)
+
+    def new_step_starts(self) -> None:
+        self._mgr.new_step_starts()
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        return tuple(tuple(ids) for ids in self._mgr.get_block_ids(request_id))
+
+    def get_num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def free_block_queue(self) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self._pool.free_block_queue.get_all_free_blocks())
+
+    def cached_blocks(self) -> dict[tuple[int, int], bytes]:
+        utils = _vllm()["utils"]
+        out: dict[tuple[int, int], bytes] = {}
+        for b in self._pool.blocks:
+            key = b.block_hash
+            if key is not None:
+                out[(utils.get_group_id(key), b.block_id)] = bytes(utils.get_block_hash(key))
+        return out
+
+    def cached_block_num_tokens(self) -> dict[tuple[int, int], int | None]:
+        """``{(group_id, block_id): prefix tokens the primary hash covers}`` (partial entries end mid-block)."""
+        utils = _vllm()["utils"]
+        return {(utils.get_group_id(b.block_hash), b.block_id): b.block_hash_num_tokens
+                for b in self._pool.blocks if b.block_hash is not None}
+
+    @property
+    def usage(self) -> float:
+        return self._mgr.usage
+
+    # -- invariants of vLLM's own state (digest §11.1/§11.2), read through its internals -------
+
+    def check_invariants(self) -> None:
+        """Check vLLM's block pool and managers: I1-I6 and I9 of the digest (no connectors/CoW here)."""
+        pool = self._pool
+        blocks = pool.blocks
+        assert len(blocks) == self.pool_config.num_blocks, "I1: pool size"
+        assert all(b.block_id == i for i, b in enumerate(blocks)), "I1: block ids are positions"
+        assert blocks[0].is_null and pool.null_block is blocks[0], "I2: block 0 is the null block"
+        assert blocks[0].block_hash is None, "I2: the null block is never cached"
+        queue = pool.free_block_queue.get_all_free_blocks()
+        queued = [b.block_id for b in queue]
+        assert len(queued) == len(set(queued)), "free queue holds a block twice"
+        assert pool.get_num_free_blocks() == len(queued), "I5: free counter != queue length"
+        assert 0 not in queued, "I2: the null block is in the free queue"
+        in_queue = set(queued)
+        for b in blocks[1:]:
+            assert b.ref_cnt >= 0, f"I4: block {b.block_id} ref_cnt {b.ref_cnt} < 0"
+            assert (b.block_id in in_queue) == (b.ref_cnt == 0), \
+                f"I3: block {b.block_id} ref_cnt={b.ref_cnt} in_queue={b.block_id in in_queue}"
+        # I9: ref counts equal the number of table slots holding the block.
+        holders: dict[int, int] = {}
+        for mgr in self._mgr.coordinator.single_type_managers:
+            for rid, table in mgr.req_to_blocks.items():
+                for b in table:
+                    if not b.is_null:
+                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                if rid in mgr.num_cached_block:
+                    assert mgr.num_cached_block[rid] <= len(table) or not table, \
+                        f"M2: num_cached_block[{rid}] > table length"
+        for b in blocks[1:]:
+            assert b.ref_cnt == holders.get(b.block_id, 0), \
+                f"I9: block {b.block_id} ref_cnt={b.ref_cnt} but held by {holders.get(b.block_id, 0)} table slots"
+        # I6: hash map and block hashes agree.
+        utils = _vllm()["utils"]
+        mapped = 0
+        for key, entry in pool.cached_block_hash_to_block._cache.items():
+            group = entry.values() if isinstance(entry, dict) else (entry,)
+            for b in group:
+                mapped += 1
+                assert b.block_hash == key or key in pool.cached_block_hashes_by_block.get(b.block_id, ()), \
+                    f"I6: map key for block {b.block_id} is neither its primary nor a secondary hash"
+        hashed = [b for b in blocks if b.block_hash is not None]
+        for b in hashed:
+            assert pool.cached_block_hash_to_block.contain(b.block_hash, b.block_id), \
+                f"I6: block {b.block_id}'s hash is not in the map"
+        secondary = sum(len(s) for s in pool.cached_block_hashes_by_block.values())
+        assert mapped == len(hashed) + secondary, "I6: map entries != primary + secondary hashes"
+        del utils
+
+
+def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:
+    return VllmKVCacheManager(pool_config)
+
+
+def _register() -> None:
+    from .interface import register_manager
+
+    register_manager("vllm", VllmKVCacheManager)
+
+
+_register()

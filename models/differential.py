@@ -1,0 +1,424 @@
+"""Apply one trace to several KV cache managers at once and compare everything they let us see.
+
+The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
+:class:`~kvref.impl.request.Request` objects, advances ``num_computed_tokens`` /
+``num_in_flight_tokens``, appends sampled tokens, and calls the managers the way
+``vllm/v1/core/sched/scheduler.py`` does (digest §7.3):
+
+* ``add``      a new request enters ``waiting``.
+* ``admit``    a waiting/preempted request: ``get_computed_blocks`` then ``allocate_slots`` with the
+               hit, ``full_sequence_must_fit`` (the scheduler's ``scheduler_reserve_full_isl``),
+               ``reserved_blocks`` and ``has_scheduled_reqs = bool(running)``.
+* ``step``     a running request's next prefill chunk or decode token (``allocate_slots`` without
+               hits; ``num_lookahead_tokens`` for spec-decode slots).
+* ``process``  the oldest in-flight batch of a request completes (``update_from_output``):
+               ``num_in_flight_tokens`` drops and a sampled token is appended. Batches with
+               ``in_flight=False`` are processed at once (synchronous scheduling).
+* ``preempt``  ``free`` + ``num_computed_tokens = 0``; in-flight output turns stale (vLLM #
+               ``_preempt_request``: delivered later, ``num_in_flight_tokens`` kept).
+* ``finish``   ``free``; the request is gone.
+* ``new_step`` ``new_step_starts()``.
+
+An op whose precondition does not hold is skipped (and reported as such), so a saved trace
+stays replayable after shrinking or hand-editing. After every op the harness compares, across
+implementations: the op's result (hit ids + length, admission ``None`` vs new block ids), every
+block-holding request's block ids per group (exactly), the free-block count, the free-queue
+order and the cached hashes; it calls ``check_invariants()`` on each and checks protocol-level
+invariants (free queue ⊎ held blocks = all non-null blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvref.impl.interface import KVCacheManagerLike, PoolConfig, make_manager
+from kvref.impl.request import Request, RequestStatus
+
+from .trace import Op, Trace
+
+
+class Divergence(AssertionError):
+    """Two implementations disagreed, or one broke an invariant, after an op of a trace."""
+
+
+@dataclass
+class _Batch:
+    num_tokens: int
+    token: int | None  # sampled token this batch delivers, if it reached the end of the sequence
+    stale: bool = False  # scheduled before a preemption: delivered, but counters were reset
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    batches: deque = field(default_factory=deque)
+    holds_blocks: bool = False
+
+    @property
+    def placeholders(self) -> int:
+        """Sampled tokens scheduled but not yet delivered (async scheduling)."""
+        return self.request.num_output_placeholders
+
+    @placeholders.setter
+    def placeholders(self, value: int) -> None:
+        self.request.num_output_placeholders = value
+
+
+@dataclass
+class OpResult:
+    op: Op
+    skipped: bool
+    value: Any = None
+
+
+class Harness:
+    """Drive ``managers`` (kind -> manager) with the same ops; compare after every op.
+
+    Args:
+        pool_config: the pool every manager was built from.
+        managers: kind name -> manager; built with :func:`make_manager` when given as kind names.
+        compare: compare across managers (False: only invariants, e.g. a single implementation).
+    """
+
+    def __init__(self, pool_config: PoolConfig, managers: dict[str, KVCacheManagerLike] | list[str],
+                 compare: bool = True) -> None:
+        if isinstance(managers, (list, tuple)):
+            managers = {k: make_manager(k, pool_config) for k in managers}
+        self.pool_config = pool_config
+        self.managers = dict(managers)
+        self.kinds = list(self.managers)
+        self.compare = compare and len(self.kinds) > 1
+        self.reqs: dict[str, _ReqState] = {}
+        self.trace = Trace(pool_config)
+        self.num_applied = 0
+        self.num_skipped = 0
+        self.num_admission_rejections = 0
+        self.num_step_rejections = 0
+        self.num_prefix_hits = 0
+        self.num_preemptions = 0
+        self.num_async_batches = 0
+        self.max_live = 0
+
+    # -- queries the state machine uses to pick valid ops ------------------------------------
+
+    def live(self) -> list[str]:
+        return [r for r, s in self.reqs.items() if s.request.status != RequestStatus.FINISHED]
+
+    def waiting(self) -> list[str]:
+        return [r for r in self.live() if self._can_admit(self.reqs[r])]
+
+    def running(self) -> list[str]:
+        return [r for r in self.live() if self.reqs[r].request.status == RequestStatus.RUNNING]
+
+    def steppable(self) -> list[str]:
+        return [r for r in self.running() if self._num_schedulable(self.reqs[r]) > 0]
+
+    def in_flight(self) -> list[str]:
+        return [r for r in self.live() if self.reqs[r].batches]
+
+    def token_sequences(self) -> list[list[int]]:
+        return [s.request.all_token_ids for s in self.reqs.values()]
+
+    # -- rules -------------------------------------------------------------------------------
+
+    def _done(self, s: _ReqState) -> bool:
+        r = s.request
+        return (len(r.output_token_ids) + s.placeholders >= r.max_tokens
+                or r.num_tokens + s.placeholders >= self.pool_config.max_model_len)
+
+    def _can_admit(self, s: _ReqState) -> bool:
+        r = s.request
+        return (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
+                and not self._done(s))
+
+    def _num_schedulable(self, s: _ReqState) -> int:
+        """Tokens the scheduler would schedule now (0 once the last token has been sampled)."""
+        if self._done(s):
+            return 0
+        return s.request.num_tokens + s.placeholders - s.request.num_computed_tokens
+
+    # -- applying ops ------------------------------------------------------------------------
+
+    def apply(self, op: Op) -> OpResult:
+        """Apply ``op`` to every manager, then compare and check. Raises :class:`Divergence`."""
+        self.trace.ops.append(op)
+        handler: Callable[[Op], OpResult] = getattr(self, f"_op_{op.name}")
+        res = handler(op)
+        self.num_applied += 1
+        self.num_skipped += res.skipped
+        self.max_live = max(self.max_live, len(self.live()))
+        if not res.skipped:
+            self.check_state(op)
+        return res
+
+    def _call(self, what: str, op: Op, fn: Callable[[str, KVCacheManagerLike], Any]) -> Any:
+        """Call ``fn`` on every manager; the results must agree. Returns the first one."""
+        results = {}
+        for kind, mgr in self.managers.items():
+            try:
+                results[kind] = fn(kind, mgr)
+            except Exception as exc:  # any exception is a finding: the harness only makes valid calls
+                raise Divergence(self._where(op, f"{kind}.{what} raised {type(exc).__name__}: {exc}")) from exc
+        if self.compare:
+            first = self.kinds[0]
+            for kind in self.kinds[1:]:
+                if results[kind] != results[first]:
+                    raise Divergence(self._where(
+                        op, f"{what} differs:\n  {first}: {results[first]!r}\n  {kind}: {results[kind]!r}"))
+        return results[self.kinds[0]]
+
+    def _where(self, op: Op, msg: str) -> str:
+        return f"after op #{len(self.trace.ops) - 1} {op}: {msg}"
+
+    def _op_add(self, op: Op) -> OpResult:
+        if op.rid in self.reqs:
+            return OpResult(op, True)
+        req = Request(op.rid, list(op.prompt), max_tokens=op.max_tokens, cache_salt=op.cache_salt,
+                      arrival_time=float(len(self.reqs)))
+        self.reqs[op.rid] = _ReqState(req)
+        return OpResult(op, False)
+
+    def _schedule(self, s: _ReqState, num_new: int, in_flight: bool, token: int) -> None:
+        """The scheduler's ``_update_after_schedule`` (+ ``update_from_output`` when synchronous)."""
+        r = s.request
+        r.num_computed_tokens += num_new
+        r.num_in_flight_tokens += num_new
+        samples = r.num_computed_tokens >= r.num_tokens + s.placeholders
+        s.batches.append(_Batch(num_new, token if samples else None))
+        self.num_async_batches += in_flight
+        if samples:
+            s.placeholders += 1
+        if not in_flight:
+            self._process(s, op_for_errors=None)
+
+    def _process(self, s: _ReqState, op_for_errors: Op | None) -> None:
+        """``update_from_output`` for the oldest batch; a request that reached its length stops."""
+        r = s.request
+        b = s.batches.popleft()
+        r.num_in_flight_tokens -= b.num_tokens
+        if b.stale:
+            r.num_stale_output_tokens -= b.num_tokens
+        if b.token is not None:
+            if not b.stale:
+                s.placeholders -= 1
+            r.output_token_ids.append(b.token)
+        if self._done(s) and not s.batches and s.placeholders == 0:
+            self._finish(s, op_for_errors or self.trace.ops[-1])
+
+    def _op_admit(self, op: Op) -> OpResult:
+        s = self.reqs.get(op.rid)
+        if s is None or not self._can_admit(s):
+            return OpResult(op, True)
+        r = s.request
+        hit_ids, num_hit = self._call("get_computed_blocks", op, lambda k, m: m.get_computed_blocks(r))
+        self.num_prefix_hits += num_hit > 0
+        num_new = min(r.num_tokens - num_hit, op.chunk)
+        if num_new <= 0:  # cannot happen: hits stop at num_tokens - 1
+            raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"))
+        has_scheduled = bool(self.running())
+        out = self._call("allocate_slots(admission)", op, lambda k, m: m.allocate_slots(
+            r, num_new, num_hit, hit_ids, full_sequence_must_fit=op.full_sequence_must_fit,
+            reserved_blocks=op.reserved_blocks, has_scheduled_reqs=has_scheduled))
+        if out is None:
+            self.num_admission_rejections += 1
+            return OpResult(op, False, None)
+        r.status = RequestStatus.RUNNING
+        s.holds_blocks = True
+        r.num_computed_tokens = num_hit
+        self._schedule(s, num_new, op.in_flight, op.token)
+        return OpResult(op, False, (hit_ids, num_hit, out))
+
+    def _op_step(self, op: Op) -> OpResult:
+        s = self.reqs.get(op.rid)
+        if s is None or s.request.status != RequestStatus.RUNNING:
+            return OpResult(op, True)
+        num_new = min(self._num_schedulable(s), op.chunk,
+                      self.pool_config.max_model_len - s.request.num_computed_tokens)
+        if num_new <= 0:
+            return OpResult(op, True)
+        r = s.request
+        out = self._call("allocate_slots(running)", op, lambda k, m: m.allocate_slots(
+            r, num_new, num_lookahead_tokens=op.lookahead))
+        if out is None:
+            self.num_step_rejections += 1
+            return OpResult(op, False, None)
+        self._schedule(s, num_new, op.in_flight, op.token)
+        return OpResult(op, False, out)
+
+    def _op_process(self, op: Op) -> OpResult:
+        s = self.reqs.get(op.rid)
+        if s is None or not s.batches or s.request.status == RequestStatus.FINISHED:
+            return OpResult(op, True)
+        self._process(s, op)
+        return OpResult(op, False)
+
+    def _op_preempt(self, op: Op) -> OpResult:
+        s = self.reqs.get(op.rid)
+        if s is None or s.request.status != RequestStatus.RUNNING:
+            return OpResult(op, True)
+        r = s.request
+        self._call("free(preempt)", op, lambda k, m: m.free(r))
+        s.holds_blocks = False
+        r.status = RequestStatus.PREEMPTED
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        s.placeholders = 0
+        r.num_stale_output_tokens = r.num_in_flight_tokens
+        for b in s.batches:
+            b.stale = True
+        return OpResult(op, False)
+
+    def _op_finish(self, op: Op) -> OpResult:
+        s = self.reqs.get(op.rid)
+        if s is None or s.request.status == RequestStatus.FINISHED:
+            return OpResult(op, True)
+        self._finish(s, op)
+        return OpResult(op, False)
+
+    def _finish(self, s: _ReqState, op: Op) -> None:
+        r = s.request
+        self._call("free(finish)", op, lambda k, m: m.free(r))
+        r.status = RequestStatus.FINISHED
+        s.holds_blocks = False
+        s.batches.clear()
+        for m in self.managers.values():
+            forget = getattr(m, "forget", None)
+            if forget is not None:
+                forget(r.request_id)
+
+    def _op_new_step(self, op: Op) -> OpResult:
+        for m in self.managers.values():
+            hook = getattr(m, "new_step_starts", None)
+            if hook is not None:
+                hook()
+        return OpResult(op, False)
+
+    # -- comparing state ---------------------------------------------------------------------
+
+    def observe(self, kind: str) -> dict[str, Any]:
+        """Everything comparable about one manager right now."""
+        m = self.managers[kind]
+        return {
+            "block_ids": {rid: m.get_block_ids(rid) for rid, s in self.reqs.items() if s.holds_blocks},
+            "num_free_blocks": m.get_num_free_blocks(),
+            "free_block_queue": m.free_block_queue(),
+            "cached_blocks": m.cached_blocks(),
+        }
+
+    def check_state(self, op: Op) -> None:
+        obs = {}
+        for kind, m in self.managers.items():
+            try:
+                m.check_invariants()
+            except AssertionError as exc:
+                raise Divergence(self._where(op, f"{kind}.check_invariants: {exc}")) from exc
+            obs[kind] = o = self.observe(kind)
+            self._check_protocol_invariants(kind, op, o)
+        if not self.compare:
+            return
+        first = self.kinds[0]
+        for kind in self.kinds[1:]:
+            for key in obs[first]:
+                a, b = obs[first][key], obs[kind][key]
+                if a != b:
+                    raise Divergence(self._where(op, f"{key} differs:\n  {first}: {_short(a)}\n  {kind}: {_short(b)}"
+                                                 + _diff_hint(a, b)))
+
+    def _check_protocol_invariants(self, kind: str, op: Op, o: dict[str, Any]) -> None:
+        n = self.pool_config.num_blocks
+        queue = o["free_block_queue"]
+
+        def fail(msg: str) -> None:
+            raise Divergence(self._where(op, f"{kind}: {msg}"))
+
+        if len(queue) != o["num_free_blocks"]:
+            fail(f"free queue length {len(queue)} != get_num_free_blocks() {o['num_free_blocks']}")
+        if len(set(queue)) != len(queue) or any(not 1 <= b < n for b in queue):
+            fail(f"free queue has duplicates or bad ids: {queue}")
+        held: set[int] = set()
+        for rid, ids in o["block_ids"].items():
+            if len(ids) != len(self.pool_config.groups):
+                fail(f"{rid}: {len(ids)} groups of block ids, expected {len(self.pool_config.groups)}")
+            mine: set[int] = set()
+            for g, group_ids in enumerate(ids):
+                real = [b for b in group_ids if b != 0]
+                if len(set(real)) != len(real) or mine & set(real):
+                    fail(f"{rid}: a block id appears twice in its tables: {ids}")
+                mine |= set(real)
+            held |= mine
+        if held & set(queue):
+            fail(f"blocks both held and free: {sorted(held & set(queue))}")
+        if len(held) + len(queue) != n - 1:
+            fail(f"held ({len(held)}) + free ({len(queue)}) != num_blocks - 1 ({n - 1}): blocks leaked")
+        for (g, b), h in o["cached_blocks"].items():
+            if not 0 <= g < len(self.pool_config.groups) or not 1 <= b < n or not isinstance(h, bytes):
+                fail(f"bad cached block entry {(g, b)}: {h!r}")
+
+
+def _short(v: Any, limit: int = 600) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + f"... ({len(s)} chars)"
+
+
+def _diff_hint(a: Any, b: Any) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        only_a = sorted(set(a) - set(b), key=repr)[:8]
+        only_b = sorted(set(b) - set(a), key=repr)[:8]
+        changed = sorted((k for k in set(a) & set(b) if a[k] != b[k]), key=repr)[:8]
+        return f"\n  keys only in first: {only_a}\n  keys only in second: {only_b}\n  values differ at: {changed}"
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"\n  first difference at index {i}: {x!r} vs {y!r}"
+        return f"\n  lengths {len(a)} vs {len(b)}"
+    return ""
+
+
+@dataclass
+class ReplayReport:
+    applied: int
+    skipped: int
+    error: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def replay(trace: Trace, kinds: list[str] | tuple[str, ...] = ("reference", "vllm")) -> ReplayReport:
+    """Replay ``trace`` on fresh managers of ``kinds``; report the first divergence, if any."""
+    h = Harness(trace.pool_config, list(kinds))
+    try:
+        for op in trace.ops:
+            h.apply(op)
+    except Divergence as exc:
+        return ReplayReport(h.num_applied, h.num_skipped, exc)
+    return ReplayReport(h.num_applied, h.num_skipped, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvref.models.differential TRACE.json [--kinds reference,vllm]``: replay a trace."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvref.models.differential", description=main.__doc__)
+    ap.add_argument("trace", help="a kvref trace JSON file (saved by the state machine on a failure)")
+    ap.add_argument("--kinds", default="reference,vllm",
+                    help="comma-separated implementations to drive side by side (default: reference,vllm)")
+    args = ap.parse_args(argv)
+    trace = Trace.load(args.trace)
+    kinds = [k for k in args.kinds.split(",") if k]
+    report = replay(trace, kinds)
+    print(f"{args.trace}: {len(trace.ops)} ops, {report.applied} applied, {report.skipped} skipped; "
+          f"kinds={','.join(kinds)}")
+    if report.ok:
+        print("OK: no divergence, all invariants hold")
+        return 0
+    print(f"DIVERGENCE: {report.error}")
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""A Hypothesis state machine that drives KV cache managers with scheduler-like operations.
+
+``kv_cache_manager_machine(kinds)`` builds a ``RuleBasedStateMachine`` that applies every
+generated operation to all implementations in ``kinds`` through one
+:class:`~kvref.models.differential.Harness`, which compares what they observe after every step
+(exact block ids, free-queue order, cached hashes, admission decisions) and checks invariants:
+
+* ``("reference",)``            the reference alone (its invariants + protocol invariants);
+* ``("vllm",)``                 vLLM alone (its invariants read through the adapter);
+* ``("reference", "vllm")``     the differential pairing (conformance);
+* ``("reference", "torch")``    later, the torch implementation.
+
+On a failure the (shrunk) trace is saved as JSON (see :mod:`kvref.models.trace`) under
+``$KVREF_TRACE_DIR`` (default: ``<tmp>/kvref-traces``) and its path is in the error message;
+``kvref.models.differential.replay`` replays it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from .differential import Divergence, Harness
+from .strategies import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
+from .trace import Op
+
+MAX_LIVE_REQUESTS = 6
+MAX_BATCHES_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling
+
+
+@dataclass
+class MachineStats:
+    """What the runs of one machine class did (tests assert on it: trace lengths, coverage)."""
+
+    steps: list[int] = field(default_factory=list)
+    admission_rejections: int = 0
+    step_rejections: int = 0
+    ops_applied: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    async_batches: int = 0
+    seconds_in_harness: float = 0.0
+    group_sets: dict[str, int] = field(default_factory=dict)
+
+    def runs_with_at_least(self, n: int) -> int:
+        return sum(1 for s in self.steps if s >= n)
+
+
+def trace_dir() -> Path:
+    return Path(os.environ.get("KVREF_TRACE_DIR", Path(tempfile.gettempdir()) / "kvref-traces"))
+
+
+def _group_set_name(pool) -> str:
+    return "+".join(type(g.kv_cache_spec).__name__.replace("Spec", "") for g in pool.groups)
+
+
+def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
+                             max_blocks: int = 48) -> type[RuleBasedStateMachine]:
+    """A state machine class driving the implementations ``kinds`` side by side."""
+    kinds = tuple(kinds)
+
+    class KVCacheManagerMachine(RuleBasedStateMachine):
+        stats = MachineStats()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.h: Harness | None = None
+            self.async_mode = False
+            self._next_rid = 0
+
+        @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks), async_mode=st.booleans())
+        def setup(self, pool, async_mode) -> None:
+            self.h = Harness(pool, list(kinds))
+            self.async_mode = async_mode
+            name = _group_set_name(pool)
+            self.stats.group_sets[name] = self.stats.group_sets.get(name, 0) + 1
+
+        def teardown(self) -> None:
+            if self.h is not None:
+                self.stats.steps.append(self.h.num_applied)
+                self.stats.admission_rejections += self.h.num_admission_rejections
+                self.stats.step_rejections += self.h.num_step_rejections
+                self.stats.ops_applied += self.h.num_applied
+                self.stats.prefix_hits += self.h.num_prefix_hits
+                self.stats.preemptions += self.h.num_preemptions
+                self.stats.async_batches += self.h.num_async_batches
+
+        # -- helpers ---------------------------------------------------------------------------
+
+        def _apply(self, op: Op) -> None:
+            assert self.h is not None
+            t = time.perf_counter()
+            try:
+                self.h.apply(op)
+            except Divergence as exc:
+                path = self.h.trace.save(trace_dir() / f"trace-{self.h.trace.digest()}.json")
+                raise Divergence(f"{exc}\n  kinds={kinds}; trace ({len(self.h.trace.ops)} ops) saved to {path}"
+                                 f"\n  replay: python -m kvref.models.differential {path}") from exc
+            finally:
+                self.stats.seconds_in_harness += time.perf_counter() - t
+
+        def _in_flight_allowed(self, rid: str, chunk: int) -> bool:
+            assert self.h is not None
+            if not self.async_mode:
+                return False
+            s = self.h.reqs[rid]
+            cap = self.h.pool_config.max_in_flight_tokens or self.h.pool_config.max_model_len
+            return len(s.batches) < MAX_BATCHES_IN_FLIGHT and s.request.num_in_flight_tokens + chunk <= cap
+
+        def _has(self, what: str) -> bool:
+            return self.h is not None and bool(getattr(self.h, what)())
+
+        # -- rules -----------------------------------------------------------------------------
+
+        @precondition(lambda self: self.h is not None and len(self.h.live()) < MAX_LIVE_REQUESTS)
+        @rule(data=st.data())
+        def add_request(self, data) -> None:
+            assert self.h is not None
+            prompt = data.draw(prompts(self.h.pool_config.max_model_len, self.h.token_sequences()), label="prompt")
+            rid = f"r{self._next_rid}"
+            self._next_rid += 1
+            self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
+                                       cache_salt=data.draw(CACHE_SALTS))))
+
+        @precondition(lambda self: self._has("waiting"))
+        @rule(data=st.data())
+        def admit(self, data) -> None:
+            assert self.h is not None
+            waiting = self.h.waiting()
+            # FCFS: mostly the head of the queue; sometimes another one (a skipped head).
+            rid = waiting[0] if data.draw(st.integers(0, 3)) else data.draw(st.sampled_from(waiting))
+            chunk = data.draw(st.sampled_from((1, 2, 4, 8, 16, 64, 1024)), label="chunk")
+            self._apply(Op("admit", dict(
+                rid=rid, chunk=chunk, full_sequence_must_fit=data.draw(st.booleans()),
+                reserved_blocks=data.draw(st.sampled_from((0, 0, 0, 0, 1, 3))),
+                in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
+                token=data.draw(TOKENS))))
+
+        def _step(self, data) -> None:
+            assert self.h is not None
+            rid = data.draw(st.sampled_from(self.h.steppable()))
+            chunk = data.draw(st.sampled_from((1, 1, 2, 3, 4, 8, 16, 64)), label="chunk")
+            self._apply(Op("step", dict(
+                rid=rid, chunk=chunk, lookahead=data.draw(st.sampled_from((0, 0, 0, 0, 1, 2))),
+                in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
+                token=data.draw(TOKENS))))
+
+        @precondition(lambda self: self._has("steppable"))
+        @rule(data=st.data())
+        def step(self, data) -> None:
+            self._step(data)
+
+        @precondition(lambda self: self._has("steppable"))
+        @rule(data=st.data())
+        def step_again(self, data) -> None:
+            """A second step rule: running requests advance about twice as often as other ops."""
+            self._step(data)
+
+        @precondition(lambda self: self._has("in_flight"))
+        @rule(data=st.data())
+        def process_output(self, data) -> None:
+            assert self.h is not None
+            self._apply(Op("process", dict(rid=data.draw(st.sampled_from(self.h.in_flight())))))
+
+        @precondition(lambda self: self._has("running"))
+        @rule(data=st.data())
+        def preempt(self, data) -> None:
+            assert self.h is not None
+            # The scheduler's victim is the last running request (FCFS); allow any.
+            running = self.h.running()
+            rid = running[-1] if data.draw(st.booleans()) else data.draw(st.sampled_from(running))
+            self._apply(Op("preempt", dict(rid=rid)))
+
+        @precondition(lambda self: self._has("live"))
+        @rule(data=st.data())
+        def finish(self, data) -> None:
+            assert self.h is not None
+            self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())))))
+
+        @precondition(lambda self: self.h is not None)
+        @rule()
+        def new_step(self) -> None:
+            self._apply(Op("new_step", {}))
+
+    KVCacheManagerMachine.__name__ = KVCacheManagerMachine.__qualname__ = \
+        "KVCacheManagerMachine_" + "_vs_".join(kinds)
+    return KVCacheManagerMachine

@@ -1,0 +1,118 @@
+"""Hypothesis strategies for KV cache pools and the requests that run on them.
+
+Pools are small on purpose (a few dozen blocks, block sizes 1-8, ``max_model_len`` ≤ 96) so that
+a 30-step trace exhausts the pool, evicts cached blocks, slides windows and preempts: the
+interesting paths of vLLM's block pool need pressure, not size.
+
+Group sets (``GROUP_SETS``): uniform full attention (one group, or two FA groups with different
+block sizes), FA + sliding window, FA + chunked-local, FA + SWA + SWA, SWA alone, and FA + Mamba
+(Mamba only with prefix caching off, ``mamba_cache_mode="none"``: vLLM requires ``"align"`` to
+cache Mamba states, which kvref does not drive here).
+"""
+
+from __future__ import annotations
+
+import random
+from math import gcd
+
+from hypothesis import strategies as st
+
+from kvref.impl.interface import PoolConfig
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba")
+#: group sets with more than one group (run by vLLM's HybridKVCacheCoordinator when caching)
+HYBRID_GROUP_SETS = tuple(g for g in GROUP_SETS if "+" in g)
+
+_DTYPES = ("float16", "bfloat16", "float32", "fp8")
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // gcd(a, b)
+
+
+@st.composite
+def attention_kwargs(draw, block_size: int) -> dict:
+    return dict(block_size=block_size, num_kv_heads=draw(st.integers(1, 2)), head_size=draw(st.sampled_from((1, 4))),
+                dtype=draw(st.sampled_from(_DTYPES)))
+
+
+@st.composite
+def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int = 4, max_blocks: int = 48,
+                 caching: bool | None = None) -> PoolConfig:
+    """A ``PoolConfig`` that vLLM 0.33.0 accepts (its coordinator's divisibility asserts hold)."""
+    kind = draw(st.sampled_from(group_sets))
+    names = kind.split("+")
+    hash_bs = draw(st.sampled_from((1, 2, 4)))
+    enable_caching = draw(st.integers(0, 4)) > 0 if caching is None else caching
+    if "mamba" in names:
+        enable_caching = False  # Mamba prefix caching needs mamba_cache_mode="align"
+    # Block sizes: multiples of hash_block_size. Unitary with caching needs hash == block size;
+    # chunked-local needs every block size == scheduler_block_size.
+    same_bs = len(names) == 1 or "chunked" in names or draw(st.integers(0, 2)) == 0
+    base = hash_bs * (1 if len(names) == 1 and enable_caching else draw(st.sampled_from((1, 2))))
+    sizes = [base if same_bs else hash_bs * draw(st.sampled_from((1, 2, 4))) for _ in names]
+    groups = []
+    for i, (name, bs) in enumerate(zip(names, sizes)):
+        layer = (f"layer_{i}",)
+        if name == "fa":
+            spec = FullAttentionSpec(**draw(attention_kwargs(bs)))
+        elif name == "swa":
+            spec = SlidingWindowSpec(**draw(attention_kwargs(bs)), sliding_window=draw(st.integers(1, 4 * bs + 3)))
+        elif name == "chunked":
+            chunk = draw(st.one_of(st.integers(1, 4).map(lambda k: k * bs), st.integers(1, 4 * bs)))
+            spec = ChunkedLocalAttentionSpec(**draw(attention_kwargs(bs)), attention_chunk_size=chunk)
+        else:  # mamba
+            spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"))
+        groups.append(KVCacheGroupSpec(layer, spec))
+    sbs = 1
+    for bs in sizes:
+        sbs = _lcm(sbs, bs)
+    if len(names) > 1 and "chunked" not in names:
+        sbs *= draw(st.sampled_from((1, 1, 2)))
+    max_model_len = draw(st.integers(8, 96))
+    max_in_flight = draw(st.one_of(st.none(), st.integers(1, 64)))
+    watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.05, 0.1)))
+    # Pressure: from a pool too small for one max-length request to about two of them.
+    one_request = sum(-(-max_model_len // bs) for bs in sizes)
+    num_blocks = draw(st.integers(min_blocks, max(min_blocks, min(max_blocks, 2 * one_request + 2))))
+    return PoolConfig(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
+                      scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
+                      enable_caching=enable_caching, watermark=watermark)
+
+
+#: small vocabulary so unrelated prompts still collide on short blocks now and then
+TOKENS = st.integers(0, 7)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(8) for _ in range(n)]
+
+
+@st.composite
+def prompts(draw, max_model_len: int, known: list[list[int]]) -> list[int]:
+    """A prompt of 1..max_model_len-1 tokens; often a prefix of a known sequence plus a new tail.
+
+    New tokens come from a drawn seed rather than token by token: a 40-step trace of 64-token
+    prompts would otherwise exhaust Hypothesis's data buffer. Seed 0 is what shrinking reaches.
+    """
+    limit = max(1, min(max_model_len - 1, 64))
+    cut = 0
+    base: list[int] = []
+    if known and draw(st.integers(0, 2)) > 0:
+        base = draw(st.sampled_from(known))
+        # Often the whole known sequence (a multi-turn follow-up), else a random cut.
+        cut = min(len(base), limit) if draw(st.booleans()) else draw(st.integers(0, min(len(base), limit)))
+    tail = draw(st.integers(0 if cut else 1, limit - cut))
+    seed = draw(st.integers(0, 2**16))
+    return list(base[:cut]) + _tokens(seed, tail)
+
+
+CACHE_SALTS = st.sampled_from((None, None, None, None, "salt-a", "salt-b"))
