@@ -61,9 +61,7 @@ class EngineConfig:
         if isinstance(mml, str):
             if mml != AUTO:
                 raise InvalidFieldError("max_model_len", mml, "a positive int, 'auto', -1 or None")
-        elif mml is not None and mml != -1:
-            check_int("max_model_len", mml, minimum=1)
-        elif isinstance(mml, bool):
+        elif mml is not None and not (type(mml) is int and (mml == -1 or mml >= 1)):
             raise InvalidFieldError("max_model_len", mml, "a positive int, 'auto', -1 or None")
         check_int("derived_max_model_len", self.derived_max_model_len, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import fields, replace
 
-from .errors import KVCacheGroupingError, SpecMergeError
+from .errors import InvalidFieldError, KVCacheGroupingError, SpecMergeError
 from .kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -141,14 +141,20 @@ def unify_kv_cache_spec_page_size(layers: Layers) -> Layers:
         elif isinstance(spec, MambaSpec):
             new = replace(spec, page_size_padded=max_page)
         elif max_page % page == 0:
-            new = replace(spec, block_size=spec.block_size * (max_page // page))
+            try:
+                new = replace(spec, block_size=spec.block_size * (max_page // page))
+            except InvalidFieldError as exc:  # a padded page smaller than the scaled one (vLLM asserts)
+                raise _PageSizeNotUnifiable(f"Layer {name}: {exc}") from None
         elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
             new = replace(spec, page_size_padded=max_page)
         else:
             raise _PageSizeNotUnifiable(
                 f"Layer {name}: page size {page} does not divide the largest page size {max_page} "
                 "and cannot be padded (padding is only supported for non-MLA attention and Mamba layers)")
-        assert new.page_size_bytes == max_page, (name, new.page_size_bytes, max_page)
+        if new.page_size_bytes != max_page:  # vLLM asserts; e.g. an MLA alignment that re-pads
+            raise _PageSizeNotUnifiable(
+                f"Layer {name}: page size {page} cannot be brought to the largest page size {max_page} "
+                f"(got {new.page_size_bytes})")
         unified[name] = new
     return unified
 

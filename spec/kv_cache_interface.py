@@ -474,9 +474,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.kv_cache_specs, dict) or not self.kv_cache_specs:
-            raise InvalidFieldError("UniformTypeKVCacheSpecs.kv_cache_specs", self.kv_cache_specs,
-                                    "a non-empty dict of layer name -> spec")
+        specs = self.kv_cache_specs
+        if (not isinstance(specs, dict) or not specs
+                or not all(isinstance(k, str) and isinstance(v, KVCacheSpec)
+                           and not isinstance(v, UniformTypeKVCacheSpecs) for k, v in specs.items())):
+            raise InvalidFieldError("UniformTypeKVCacheSpecs.kv_cache_specs", specs,
+                                    "a non-empty dict of layer name (str) -> per-layer KVCacheSpec")
         object.__setattr__(self, "dcp_sharded", next(iter(self.kv_cache_specs.values())).dcp_sharded)
 
     def __hash__(self) -> int:  # dict field: hash by layer names and specs
@@ -525,6 +528,14 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def layer_spec(self, layer_name: str) -> KVCacheSpec:
         return self.kv_cache_specs[layer_name]
 
+    def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
+        """Block-table width: every layer must need the same (DCP sharding included)."""
+        widths = {s.max_num_blocks_per_req(config, max_len) for s in self.kv_cache_specs.values()}
+        if len(widths) != 1:
+            raise InvalidFieldError("UniformTypeKVCacheSpecs.kv_cache_specs", sorted(widths),
+                                    "layers that need the same number of block-table entries")
+        return widths.pop()
+
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -535,7 +546,13 @@ class KVCacheGroupSpec:
     is_eagle_group: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        names = self.layer_names
+        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) \
+                or not all(isinstance(n, str) for n in names):
+            raise InvalidFieldError("KVCacheGroupSpec.layer_names", names, "a tuple of layer names (str)")
+        object.__setattr__(self, "layer_names", tuple(names))
+        if not isinstance(self.is_eagle_group, bool):
+            raise InvalidFieldError("KVCacheGroupSpec.is_eagle_group", self.is_eagle_group, "True or False")
         if not isinstance(self.kv_cache_spec, KVCacheSpec):
             raise InvalidFieldError("KVCacheGroupSpec.kv_cache_spec", self.kv_cache_spec, "a KVCacheSpec")
 

@@ -256,7 +256,7 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
                                      widest - len(g.layer_names)))
     concurrency = max_concurrency(sched_groups, config, max_model_len, num_blocks)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_groups, config)
-    servable = estimate_max_model_len(groups, config, check_memory, max(original, max_model_len))
+    servable = estimate_max_model_len(groups, config, check_memory, max(config.derived_max_model_len, max_model_len))
     return KVCachePlan(
         groups=groups, scheduler_groups=sched_groups, group_plans=tuple(group_plans), bytes_per_block=bpb,
         memory_bytes=memory, check_memory_bytes=check_memory, num_blocks=num_blocks,

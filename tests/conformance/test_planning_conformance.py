@@ -124,3 +124,63 @@ def test_gemma_like_sliding_window_pool(planner):
     _compare(ours, theirs, "gemma-like")
     assert ours.status == "ok" and len(ours.fields["groups"]) == 6
     assert ours.fields["admission_caps"] == [129] * 5 + [None]  # SWA buckets first (layer 0 is SWA)
+
+
+# -- the spec formulas one by one -----------------------------------------------------------
+
+
+@st.composite
+def _spec_and_config(draw):
+    from kvref.spec import AUTO, EncoderOnlyAttentionSpec, UniformTypeKVCacheSpecs
+    from tests.spec.planning_strategies import engine_configs, layer_sets
+
+    mode = draw(st.sampled_from(("none", "align", "all")))
+    _, layers = draw(layer_sets(None, mode))
+    spec = draw(st.sampled_from(list(layers.values())))
+    if draw(st.integers(0, 5)) == 0:
+        uniform = UniformTypeKVCacheSpecs.from_specs(layers)
+        if uniform is not None:
+            spec = uniform
+    elif draw(st.integers(0, 9)) == 0:
+        spec = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
+    config = draw(engine_configs(mode))
+    if config.max_model_len == AUTO:
+        config = config.with_max_model_len(config.derived_max_model_len)
+    return spec, config
+
+
+@settings(max_examples=profile_examples(50, 300, 30000), suppress_health_check=list(HealthCheck))
+@given(args=_spec_and_config(), max_len=st.integers(1, 1 << 17))
+def test_spec_formulas_match_vllm(planner, args, max_len):
+    """page_size_bytes, max_memory_usage_bytes, max_admission_blocks_per_request (one formula for
+    sizing and the gate, vLLM #40946) and the block-table width, per spec, against vLLM's."""
+    from kvref.spec import EncoderOnlyAttentionSpec, InvalidFieldError
+
+    spec, config = args
+    planner.configure(config)
+    if isinstance(spec, EncoderOnlyAttentionSpec):
+        theirs = planner.kci.EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                                      dtype=planner.torch.float16)
+    else:
+        theirs = planner.to_vllm(spec)
+    assert spec.page_size_bytes == theirs.page_size_bytes
+    try:
+        want = theirs.max_memory_usage_bytes(planner.vc)
+    except AssertionError:  # vLLM: "DCP not support sliding window."
+        with pytest.raises(InvalidFieldError) as info:
+            spec.max_memory_usage_bytes(config)
+        assert info.value.field == "dcp_world_size"
+        return
+    assert spec.max_memory_usage_bytes(config) == want
+    if hasattr(theirs, "max_admission_blocks_per_request"):
+        f, m = planner.vc.max_in_flight_tokens, planner.vc.model_config.max_model_len
+        cap = spec.max_admission_blocks_per_request(f, m)
+        assert cap == theirs.max_admission_blocks_per_request(f, m)
+        assert want == cap * spec.page_size_bytes  # single source of truth
+    try:
+        width = theirs.max_num_blocks_per_req(planner.vc, max_len)
+    except AssertionError:
+        with pytest.raises(InvalidFieldError):
+            spec.max_num_blocks_per_req(config, max_len)
+        return
+    assert spec.max_num_blocks_per_req(config, max_len) == width
