@@ -1,0 +1,407 @@
+"""The scheduler subset of vLLM 0.33.0's ``Scheduler`` that decides who gets KV blocks and when.
+
+Modelled: waiting and running queues, the token budget, chunked prefill (and its absence),
+``long_prefill_token_threshold``, prefix-cache hits on admission, FCFS and PRIORITY preemption by
+recompute, finishing (``max_tokens``, ``max_model_len``, stop token ids, abort), the
+full-sequence admission gate (``scheduler_reserve_full_isl``), and async scheduling's output
+placeholders, in-flight tokens and stale output of preempted requests.
+
+Not modelled: speculative decoding, encoder inputs, LoRA, structured output, KV connectors and
+async KV loads, pipeline parallelism, Mamba "align" chunk splitting, pause states, streaming
+sessions, prefill cadence/DP throttling.
+
+The scheduling rules, in the order ``schedule()`` applies them:
+
+1. **Running requests first**, in ``running`` order. Each asks for every token it has not computed
+   (``num_tokens + num_output_placeholders - num_computed_tokens``), cut to the long-prefill
+   threshold (only when more than one request is eligible), the remaining budget and
+   ``max_model_len - num_computed_tokens - 1`` (room for the sampled token). If its blocks do
+   not fit, the scheduler preempts the *last* running request (FCFS) or the one with the largest
+   ``(priority, arrival_time)`` (PRIORITY), frees its blocks, resets it to zero computed tokens and
+   puts it at the head of the waiting queue, until the allocation fits or the request preempted
+   itself. A failed request stops the running loop (FCFS); under PRIORITY a request that
+   preempted itself lets the loop go on.
+2. **Waiting requests** only if nobody was preempted this step. The head of the queue is tried
+   with its prefix hit and ``full_sequence_must_fit=scheduler_reserve_full_isl``; if it does not
+   fit, the waiting loop **stops** (head-of-line blocking: later requests are not tried). A request
+   whose gate can never pass therefore blocks the queue forever — vLLM #39734 / #35541; kvref
+   keeps this behaviour and makes it impossible by a startup check (see
+   :func:`kvref.impl.reference.scheduler_liveness.startup_consistent`).
+3. Every scheduled request advances ``num_computed_tokens`` and ``num_in_flight_tokens`` by its
+   tokens now (``_update_after_schedule``); ``update_from_output`` settles the in-flight count and
+   appends sampled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvref.impl.interface import BlockIds, KVCacheManagerLike, PoolConfig
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.errors import InvalidFieldError
+
+from .scheduler_queue import WaitingQueue
+from .scheduler_types import (
+    PRIORITY,
+    ModelOutput,
+    RequestState,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerSnapshot,
+)
+
+# Generative models sample one token per step (vLLM ``num_sampled_tokens_per_step``).
+NUM_SAMPLED_TOKENS_PER_STEP = 1
+
+
+def _default_kv_cache_manager(pool: PoolConfig) -> KVCacheManagerLike:
+    from .kv_cache_manager import KVCacheManager  # written beside this module
+
+    return KVCacheManager(pool)
+
+
+class Scheduler:
+    """vLLM's scheduler loop over any :class:`~kvref.impl.interface.KVCacheManagerLike`.
+
+    Args:
+        pool: the KV cache plan; ``pool.max_in_flight_tokens`` must equal
+            ``config.max_in_flight_tokens`` (vLLM's scheduler hands its manager
+            ``VllmConfig.max_in_flight_tokens``; a different value would size the sliding-window
+            cap differently from what the scheduler keeps in flight).
+        config: scheduler settings.
+        kv_cache_manager: the manager to drive (default: the reference ``KVCacheManager(pool)``).
+    """
+
+    def __init__(self, pool: PoolConfig, config: SchedulerConfig,
+                 kv_cache_manager: KVCacheManagerLike | None = None) -> None:
+        if not isinstance(pool, PoolConfig):
+            raise InvalidFieldError("pool", pool, "a PoolConfig")
+        if not isinstance(config, SchedulerConfig):
+            raise InvalidFieldError("config", config, "a SchedulerConfig")
+        if pool.max_in_flight_tokens != config.max_in_flight_tokens:
+            raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
+                                    f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
+        if config.long_prefill_token_threshold > pool.max_model_len:
+            raise InvalidFieldError("long_prefill_token_threshold", config.long_prefill_token_threshold,
+                                    f"at most max_model_len={pool.max_model_len}")
+        self.pool = pool
+        self.config = config
+        self.max_model_len = pool.max_model_len
+        self.kv_cache_manager = kv_cache_manager if kv_cache_manager is not None else _default_kv_cache_manager(pool)
+        self.requests: dict[str, Request] = {}  # live requests (finished ones are dropped)
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.preempted_req_ids: set[str] = set()  # since the last schedule()
+        self._in_flight: dict[int, SchedulerOutput] = {}
+
+    # ---- arrivals and aborts --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        vLLM's input processor (not its scheduler) rejects prompts of ``max_model_len`` tokens or
+        more; kvref rejects them here so every queued request can be served.
+        """
+        if not isinstance(request, Request):
+            raise InvalidFieldError("request", request, "a kvref Request")
+        if request.request_id in self.requests:
+            raise InvalidFieldError("request.request_id", request.request_id, "an id not already queued")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise InvalidFieldError("request.status", request.status.value, "a fresh WAITING request")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise InvalidFieldError("len(request.prompt_token_ids)", request.num_prompt_tokens,
+                                    f"fewer than max_model_len={self.max_model_len} tokens")
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks."""
+        ids = (request_ids,) if isinstance(request_ids, str) else tuple(request_ids)
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise InvalidFieldError("request_ids[i]", rid, "a request id (str)")
+        valid = [self.requests[r] for r in dict.fromkeys(ids) if r in self.requests]
+        gone = {id(r) for r in valid}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.remove_requests(valid)
+        for request in valid:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "abort"
+            self._free_request(request)
+        return valid
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: running requests first, then waiting ones (see module docstring)."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        token_budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, tuple[Request, str, int, BlockIds]] = {}
+        preempted: list[Request] = []
+        if hasattr(kv, "new_step_starts"):
+            kv.new_step_starts()
+
+        # The threshold only protects other requests from a long prefill (vLLM: "when it is the
+        # only request there is nobody to starve").
+        num_eligible = len(self.running) + len(self.waiting)
+        long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            if (request.num_output_placeholders > 0
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                # Async: the step in flight already reaches max_tokens; no extra step.
+                req_index += 1
+                continue
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
+            num_new = min(num_new, token_budget)
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens - NUM_SAMPLED_TOKENS_PER_STEP)
+            if num_new <= 0:
+                req_index += 1
+                continue
+
+            new_blocks = None
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                if cfg.policy == PRIORITY:
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    victim_index = self.running.index(victim)
+                    del self.running[victim_index]
+                    if victim_index < req_index:
+                        req_index -= 1
+                    if victim.request_id in scheduled:
+                        # Give back what the victim already took this step.
+                        token_budget += scheduled.pop(victim.request_id)[2]
+                else:
+                    victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+
+            if new_blocks is None:
+                if cfg.policy == PRIORITY and request.status == RequestStatus.PREEMPTED:
+                    continue  # it preempted itself; the ones after it may still fit
+                break
+
+            scheduled[request.request_id] = (request, "running", num_new, new_blocks)
+            token_budget -= num_new
+            req_index += 1
+
+        if not preempted:
+            token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled)
+
+        total = sum(s[2] for s in scheduled.values())
+        assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
+        assert len(self.running) <= cfg.max_num_seqs
+
+        out = SchedulerOutput(
+            scheduled=tuple(ScheduledRequest(request_id=rid, kind=kind, num_scheduled_tokens=n,
+                                             num_computed_tokens=r.num_computed_tokens, block_ids=blocks,
+                                             is_prefill_chunk=False)
+                            for rid, (r, kind, n, blocks) in scheduled.items()),
+            preempted_req_ids=frozenset(self.preempted_req_ids),
+            finished_req_ids=frozenset(self.finished_req_ids))
+        out = self._update_after_schedule(out)
+        self._in_flight[id(out)] = out
+        return out
+
+    def _schedule_waiting(self, token_budget: int, long_prefill: int,
+                          scheduled: dict[str, tuple[Request, str, int, BlockIds]]) -> int:
+        """Admit waiting requests in queue order until one does not fit (head-of-line, #39734)."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        skipped: list[Request] = []
+        while token_budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek_request()
+            if request.num_stale_output_tokens and not request.drop_stale_output:
+                # Async: output of its pre-preemption steps is still in flight; resuming now could
+                # resample a position that output later fills. Skip it (it does not block).
+                skipped.append(self.waiting.pop_request())
+                continue
+
+            hit_ids, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
+            if not cfg.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            assert num_new > 0
+
+            blocks = kv.allocate_slots(
+                request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,
+                full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
+                has_scheduled_reqs=bool(self.running))
+            if blocks is None:
+                break  # head-of-line: the requests behind it are not tried this step
+
+            self.waiting.pop_request()
+            self.running.append(request)
+            kind = "new" if request.status == RequestStatus.WAITING else "resumed"
+            scheduled[request.request_id] = (request, kind, num_new, kv.get_block_ids(request.request_id))
+            token_budget -= num_new
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+        self.waiting.prepend_requests(skipped)
+        return token_budget
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Advance computed and in-flight tokens now, so the next step can be scheduled before
+        this one's output arrives (and, under async scheduling, add one output placeholder per
+        request that will sample)."""
+        items = []
+        for s in out.scheduled:
+            request = self.requests[s.request_id]
+            request.num_computed_tokens += s.num_scheduled_tokens
+            request.num_in_flight_tokens += s.num_scheduled_tokens
+            request.is_prefill_chunk = (request.num_computed_tokens
+                                        < request.num_tokens + request.num_output_placeholders)
+            items.append(ScheduledRequest(s.request_id, s.kind, s.num_scheduled_tokens, s.num_computed_tokens,
+                                          s.block_ids, request.is_prefill_chunk))
+        if self.config.async_scheduling:
+            for s in items:
+                if not s.is_prefill_chunk:
+                    self.requests[s.request_id].num_output_placeholders += NUM_SAMPLED_TOKENS_PER_STEP
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        return SchedulerOutput(tuple(items), out.preempted_req_ids, out.finished_req_ids)
+
+    def _preempt_request(self, request: Request) -> None:
+        """Recompute preemption: free all blocks, forget progress, back to the waiting queue's head."""
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        # Async: in-flight output becomes stale; it is still delivered when it arrives (an
+        # undrained drop-mode share stays dropped).
+        request.drop_stale_output = request.drop_stale_output and request.num_stale_output_tokens > 0
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        self.preempted_req_ids.add(request.request_id)
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+        """Settle one step: in-flight tokens, sampled tokens, stop checks, finishing.
+
+        Steps must be settled in the order they were scheduled (vLLM's batch queue is FIFO).
+        """
+        if self._in_flight and id(output) != next(iter(self._in_flight)):
+            raise InvalidFieldError("output", "a later step", "the oldest SchedulerOutput not yet updated")
+        if id(output) not in self._in_flight:
+            raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
+        if not isinstance(model_output, ModelOutput):
+            raise InvalidFieldError("model_output", model_output, "a ModelOutput")
+        del self._in_flight[id(output)]
+        stopped: list[tuple[Request, RequestStatus]] = []
+        for s in output.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None:
+                continue  # finished (aborted or stopped) while the step was in flight
+            request.num_in_flight_tokens -= s.num_scheduled_tokens
+            stale = request.num_stale_output_tokens > 0
+            if stale:
+                request.num_stale_output_tokens -= s.num_scheduled_tokens
+                assert request.num_stale_output_tokens >= 0
+                if request.drop_stale_output:
+                    continue
+            new_ids = list(model_output.sampled_token_ids.get(s.request_id, ()))
+            if not new_ids:
+                continue
+            status_before = request.status
+            had_placeholders = request.num_output_placeholders > 0
+            is_stopped = self._append_output(request, new_ids, stale)
+            if not stale and status_before == RequestStatus.RUNNING and had_placeholders \
+                    and hasattr(self.kv_cache_manager, "cache_blocks"):
+                # Async: the sampled token is known now, so its full block can be cached.
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            if is_stopped:
+                stopped.append((request, status_before))
+                self._free_request(request)  # at once, in batch order, as vLLM does
+        gone = {id(r) for r, _ in stopped}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.remove_requests([r for r, st in stopped if st != RequestStatus.RUNNING])
+
+    def _append_output(self, request: Request, new_ids: list[int], stale: bool) -> bool:
+        """Append sampled tokens one by one until a stop condition (vLLM ``check_stop``)."""
+        stopped = False
+        for n, token in enumerate(new_ids, 1):
+            request.output_token_ids.append(token)
+            if token in request.stop_token_ids:
+                request.finish_reason = "stop"
+            elif request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+                request.finish_reason = "length"
+            else:
+                continue
+            request.status = RequestStatus.FINISHED
+            if not stale:
+                request.num_computed_tokens -= len(new_ids) - n
+            stopped = True
+            break
+        if not stale and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= len(new_ids)
+            assert request.num_output_placeholders >= 0
+        return stopped
+
+    def _free_request(self, request: Request) -> None:
+        assert request.status == RequestStatus.FINISHED
+        self.finished_req_ids.add(request.request_id)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    # ---- observation ----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def snapshot(self, all_requests: Iterable[Request] = ()) -> SchedulerSnapshot:
+        """Observable state; ``all_requests`` adds finished requests the caller still holds."""
+        reqs = {r.request_id: r for r in all_requests}
+        reqs.update(self.requests)
+        return SchedulerSnapshot(
+            waiting=tuple(r.request_id for r in self.waiting),
+            running=tuple(r.request_id for r in self.running),
+            requests={rid: request_state(r) for rid, r in reqs.items()},
+            block_ids={rid: self.kv_cache_manager.get_block_ids(rid) for rid in self.requests
+                       if any(self.kv_cache_manager.get_block_ids(rid))},
+            num_free_blocks=self.kv_cache_manager.get_num_free_blocks())
+
+    def check_invariants(self) -> None:
+        waiting = list(self.waiting)
+        self.waiting.check_invariants()
+        ids_w = {r.request_id for r in waiting}
+        ids_r = [r.request_id for r in self.running]
+        assert len(ids_r) == len(set(ids_r)), "request running twice"
+        assert not ids_w & set(ids_r), "request both waiting and running"
+        assert ids_w | set(ids_r) == set(self.requests), "live request in no queue (or a queued dead one)"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+            assert r.num_output_placeholders >= 0 and r.num_in_flight_tokens >= 0
+            assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
+            assert r.num_computed_tokens < self.max_model_len
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
+            assert not any(self.kv_cache_manager.get_block_ids(r.request_id)), "waiting request holds blocks"
+        if not self.config.async_scheduling:
+            assert all(r.num_output_placeholders == 0 for r in self.requests.values())
+        assert len(self._in_flight) <= self.config.max_concurrent_batches
+        self.kv_cache_manager.check_invariants()
+
+
+def request_state(r: Request) -> RequestState:
+    return RequestState(request_id=r.request_id, status=r.status.value, num_computed_tokens=r.num_computed_tokens,
+                        num_in_flight_tokens=r.num_in_flight_tokens,
+                        num_output_placeholders=r.num_output_placeholders,
+                        num_stale_output_tokens=r.num_stale_output_tokens,
+                        output_token_ids=tuple(r.output_token_ids), num_preemptions=r.num_preemptions,
+                        finish_reason=r.finish_reason)

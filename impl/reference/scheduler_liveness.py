@@ -1,0 +1,105 @@
+"""When can a waiting request hang, and how long does draining the scheduler take?
+
+vLLM 0.33.0 has no runtime "this request can never be served" rejection (PR 52530 proposed one and
+was closed): a waiting request whose full-sequence gate (``scheduler_reserve_full_isl``) can never
+pass stays at the head of the waiting queue and the waiting loop stops on it every step, so it and
+everyone behind it wait forever (vLLM #39734, #35541). The only guard is the startup invariant
+(digest §7.4, §11.3 S4/S5): the pool holds one ``max_model_len`` request besides the null block,
+counted with the same per-group caps the gate uses. :func:`startup_consistent` is that check for a
+:class:`PoolConfig` + :class:`SchedulerConfig`.
+
+Liveness (checked by ``kvref.models.scheduler_machine`` on generated traces, reference and vLLM):
+with a startup-consistent config, distinct ``(priority, arrival_time)`` keys and no new arrivals,
+every live request finishes within :func:`drain_bound` ``schedule()`` calls. The argument:
+
+* *Alone, everyone fits.* Only running requests hold blocks (waiting ones hold none; cached free
+  blocks are evictable). A request alone in ``running`` with ``num_tokens <= max_model_len``
+  needs at most ``Σ_g cap_g(max_model_len) <= num_blocks - 1`` blocks, so its allocation succeeds
+  (the watermark is waived when nothing is running), and a waiting head passes the gate on an
+  empty pool (S5).
+* *The first claimant progresses.* Let ``c = min(max_num_batched_tokens, long_prefill_token_threshold
+  or ∞)``. The first request of ``running`` gets its tokens before anyone else; if its blocks do not
+  fit it preempts others, never itself unless alone (FCFS preempts ``running[-1]``; PRIORITY the
+  largest key). So it completes within ``T_r = cdiv(min(P_r + max_tokens_r, M), c) + max_tokens_r``
+  steps (+2 for async scheduling's pipeline), recompute of its outputs included.
+* *FCFS.* ``running[0]`` finishes within ``T_r``; the next one becomes ``running[0]``. A step with
+  nothing running admits the waiting head. Drain ≤ ``Σ_r (T_r + 1)``.
+* *PRIORITY.* Let ``X`` be the live request with the smallest key. While ``X`` waits it is the
+  head of the (sorted) waiting queue and, not fitting, stops every admission (head-of-line), so
+  ``running`` only shrinks: within ``S·T`` steps (``S = max_num_seqs``, one ``T`` per first
+  claimant, which finishes or is preempted away) ``X`` fits. Running, ``X`` is never the victim
+  (largest key) unless alone; the requests ahead of it in ``running`` only leave (new ones are
+  appended after it), within ``(S-1)·T``; then ``X`` is first and finishes within ``T``. Drain ≤
+  ``N·(2·S·T_max + 1)``.
+
+The bounds count ``schedule()`` calls of an engine that schedules whenever a batch slot is free
+and otherwise settles the oldest batch (vLLM's ``step_with_batch_queue``), plus the pipeline
+depth.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.request import Request
+from kvref.spec.config import EngineConfig
+from kvref.spec.kv_cache_interface import MambaSpec
+from kvref.spec.mathutil import cdiv
+
+from .scheduler_types import PRIORITY, SchedulerConfig
+
+
+def max_blocks_per_request(pool: PoolConfig, config: SchedulerConfig) -> int:
+    """``Σ_g`` blocks one ``max_model_len`` request may hold: the startup sizing's per-request count
+    (``max_memory_usage_blocks``, with the sliding-window/chunked caps of
+    ``max_admission_blocks_per_request`` at ``max_in_flight_tokens``)."""
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, MambaSpec)}
+    engine = EngineConfig(block_size=pool.scheduler_block_size, max_model_len=pool.max_model_len,
+                          max_num_batched_tokens=config.max_num_batched_tokens,
+                          max_num_seqs=config.max_num_seqs,
+                          max_concurrent_batches=config.max_concurrent_batches,
+                          enable_prefix_caching=pool.enable_caching,
+                          mamba_cache_mode=modes.pop() if modes else "none")
+    return sum(g.kv_cache_spec.max_memory_usage_blocks(engine, pool.max_model_len) for g in pool.groups)
+
+
+def startup_consistent(pool: PoolConfig, config: SchedulerConfig) -> bool:
+    """True when vLLM's startup checks would accept this pool for this scheduler.
+
+    * the pool holds one ``max_model_len`` request besides the null block (S4, PR 47272), and
+    * a Mamba group outside "align" mode has a block of at least ``max_model_len`` tokens, and
+    * without chunked prefill, one step can hold a whole prompt (vLLM's ``SchedulerConfig``
+      requires ``max_num_batched_tokens >= max_model_len`` then; otherwise the waiting loop stops
+      on a long prompt forever, the same head-of-line hang).
+    """
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < pool.max_model_len:
+        return False
+    for g in pool.groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align" and spec.block_size < pool.max_model_len:
+            # vLLM's MambaManager charges cdiv(num_tokens, block_size) blocks at runtime while
+            # startup sizing charges one state; vLLM's hybrid config makes the Mamba block the
+            # whole context, which is what this assumes.
+            return False
+    return max_blocks_per_request(pool, config) <= pool.num_blocks - 1
+
+
+def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> int:
+    """``T_r``: schedule() calls the first claimant of the budget needs to finish from scratch."""
+    c = config.max_num_batched_tokens
+    if config.long_prefill_token_threshold > 0:
+        c = min(c, config.long_prefill_token_threshold)
+    length = min(request.num_prompt_tokens + request.max_tokens, pool.max_model_len)
+    return cdiv(length, c) + request.max_tokens + (2 if config.async_scheduling else 0)
+
+
+def drain_bound(requests: Iterable[Request], pool: PoolConfig, config: SchedulerConfig) -> int:
+    """Schedule calls within which every live request finishes when nothing new arrives."""
+    reqs = [r for r in requests if not r.is_finished]
+    if not reqs:
+        return config.max_concurrent_batches
+    ts = [steps_alone(r, pool, config) for r in reqs]
+    if config.policy == PRIORITY:
+        return len(reqs) * (2 * config.max_num_seqs * max(ts) + 1) + config.max_concurrent_batches
+    return sum(t + 1 for t in ts) + config.max_concurrent_batches

@@ -1,0 +1,361 @@
+"""Drive vLLM 0.33.0's own ``Scheduler`` (or ``AsyncScheduler``) through kvref's scheduler interface.
+
+The conformance state machine feeds this adapter and the reference scheduler the same calls
+(``add_request``, ``schedule``, ``update_from_output``, ``finish_requests``) and compares their
+``SchedulerOutput`` and ``SchedulerSnapshot`` after each one. vLLM is imported lazily: importing
+this module costs nothing; :func:`load_vllm` (about 6 s) and the first :class:`VllmEnv` (a
+``VllmConfig`` on a local ``config.json``, a few seconds) are paid once per process.
+
+Async scheduling on CPU: ``CpuPlatform`` forces ``scheduler_config.async_scheduling=False`` while
+the ``VllmConfig`` is built. The adapter sets the flag back to True *after* construction (so
+``VllmConfig.max_concurrent_batches`` is 2 and ``max_in_flight_tokens`` doubles, exactly what the
+KVCacheManager's sliding-window cap then sees) and instantiates ``AsyncScheduler`` directly, which
+is the class the engine core picks for async scheduling. The engine's batch queue (schedule step
+N+1 before the output of step N is processed) is the driver's job: it may call ``schedule`` twice
+before ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from kvref.impl.interface import BlockIds, PoolConfig
+from kvref.impl.reference.scheduler_types import (
+    PRIORITY,
+    ModelOutput,
+    RequestState,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerSnapshot,
+)
+from kvref.impl.request import Request
+from kvref.spec import kv_cache_interface as ks
+from kvref.spec.errors import InvalidFieldError
+
+_V: dict[str, Any] = {}
+
+
+def load_vllm() -> dict[str, Any]:
+    """Import the vLLM pieces the adapter needs (once per process) and return them by name."""
+    if _V:
+        return _V
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig as VSchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1 import kv_cache_interface as vk
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request as VRequest, RequestStatus as VStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    _V.update(locals())
+    return _V
+
+
+def _torch_dtype(name: str):
+    torch = load_vllm()["torch"]
+    return {"fp8": torch.uint8, "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}.get(name) or getattr(torch, name)
+
+
+def to_vllm_spec(spec: ks.KVCacheSpec):
+    """kvref spec → the vLLM spec with the same fields (the scheduler side only reads sizes/kinds)."""
+    vk = load_vllm()["vk"]
+    if isinstance(spec, ks.SlidingWindowSpec):
+        return vk.SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                    head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
+                                    sliding_window=spec.sliding_window,
+                                    extra_retained_tokens=spec.extra_retained_tokens)
+    if isinstance(spec, ks.ChunkedLocalAttentionSpec):
+        return vk.ChunkedLocalAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                            head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
+                                            attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, ks.MambaSpec):
+        return vk.MambaSpec(block_size=spec.block_size, shapes=spec.shapes,
+                            dtypes=tuple(_torch_dtype(d) for d in spec.dtypes),
+                            mamba_cache_mode=spec.mamba_cache_mode,
+                            num_speculative_blocks=spec.num_speculative_blocks)
+    if type(spec) is ks.FullAttentionSpec:
+        return vk.FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                    head_size=spec.head_size, dtype=_torch_dtype(spec.dtype))
+    raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
+                            "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec or MambaSpec")
+
+
+_STATUS = {
+    "WAITING": "waiting", "RUNNING": "running", "PREEMPTED": "preempted",
+    "FINISHED_STOPPED": "finished", "FINISHED_LENGTH_CAPPED": "finished", "FINISHED_ABORTED": "finished",
+}
+_REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort"}
+
+
+class VllmEnv:
+    """One ``VllmConfig`` per process, re-targeted for each scheduler (building one costs seconds).
+
+    Only one scheduler built from an env may be in use at a time: the config is mutated in place.
+    """
+
+    def __init__(self) -> None:
+        v = load_vllm()
+        v["init_none_hash"](v["sha256"])
+        d = tempfile.mkdtemp(prefix="kvref_tiny_llama_")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 16,
+                       "torch_dtype": "float16"}, f)
+        mc = v["ModelConfig"](model=d, tokenizer=d, skip_tokenizer_init=True, max_model_len=4096,
+                              dtype="float16")
+        self.vllm_config = v["VllmConfig"](
+            model_config=mc, cache_config=v["CacheConfig"](block_size=16, enable_prefix_caching=True),
+            scheduler_config=v["VSchedulerConfig"](max_num_batched_tokens=4096, max_num_seqs=8,
+                                                   max_model_len=4096, is_encoder_decoder=False,
+                                                   enable_chunked_prefill=True))
+
+    def configure(self, pool: PoolConfig, config: SchedulerConfig) -> Any:
+        vc = self.vllm_config
+        sc = vc.scheduler_config
+        vc.model_config.max_model_len = pool.max_model_len
+        sc.max_model_len = pool.max_model_len
+        sc.max_num_batched_tokens = config.max_num_batched_tokens
+        sc.max_num_scheduled_tokens = None
+        sc.max_num_seqs = config.max_num_seqs
+        sc.long_prefill_token_threshold = config.long_prefill_token_threshold
+        sc.enable_chunked_prefill = config.enable_chunked_prefill
+        sc.policy = config.policy
+        sc.scheduler_reserve_full_isl = config.scheduler_reserve_full_isl
+        sc.watermark = pool.watermark
+        # CpuPlatform forced this to False at construction; set it after (see module docstring).
+        sc.async_scheduling = config.async_scheduling
+        vc.cache_config.enable_prefix_caching = pool.enable_caching
+        vc.cache_config.num_gpu_blocks = pool.num_blocks
+        modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, ks.MambaSpec)}
+        vc.cache_config.mamba_cache_mode = modes.pop() if modes else "none"
+        assert vc.max_in_flight_tokens == config.max_in_flight_tokens
+        return vc
+
+
+class VllmScheduler:
+    """vLLM's scheduler behind kvref's scheduler interface (see :mod:`kvref.impl.reference.scheduler`).
+
+    Args:
+        pool: the KV cache plan (``max_in_flight_tokens`` must be ``config.max_in_flight_tokens``:
+            vLLM's scheduler derives it from its config).
+        config: scheduler settings.
+        env: a :class:`VllmEnv` (shared per process; built when None).
+    """
+
+    def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None) -> None:
+        if pool.max_in_flight_tokens != config.max_in_flight_tokens:
+            raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
+                                    f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
+        v = self._v = load_vllm()
+        self.env = env or VllmEnv()
+        vc = self.env.configure(pool, config)
+        kv_cfg = v["vk"].KVCacheConfig(
+            num_blocks=pool.num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
+                                                      to_vllm_spec(g.kv_cache_spec))
+                             for i, g in enumerate(pool.groups)])
+        cls = v["AsyncScheduler"] if config.async_scheduling else v["Scheduler"]
+        self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
+                             structured_output_manager=v["StructuredOutputManager"](vc),
+                             block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size)
+        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
+        self.pool = pool
+        self.config = config
+        self._reqs: dict[str, Any] = {}  # every request ever added (finished ones too)
+        self._outputs: dict[int, Any] = {}  # id(SchedulerOutput) -> vLLM SchedulerOutput
+
+    # ---- calls -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        v = self._v
+        sp = v["SamplingParams"](max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
+                                 ignore_eos=True)
+        vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                           sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
+                           cache_salt=request.cache_salt, priority=request.priority,
+                           block_hasher=self._hasher if self.pool.enable_caching else None)
+        self._reqs[request.request_id] = vr
+        self.scheduler.add_request(vr)
+
+    def schedule(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        sched = []
+        new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        cached_blocks = dict(zip(cached.req_ids, cached.new_block_ids))
+        for rid, n in so.num_scheduled_tokens.items():
+            vr = self._reqs[rid]
+            if rid in new_ids:
+                kind, blocks = "new", new_ids[rid].block_ids
+            else:
+                kind = "resumed" if rid in cached.resumed_req_ids else "running"
+                blocks = cached_blocks[rid]
+            sched.append(ScheduledRequest(
+                request_id=rid, kind=kind, num_scheduled_tokens=n,
+                num_computed_tokens=vr.num_computed_tokens - n,
+                block_ids=_ids(blocks, len(self.pool.groups)), is_prefill_chunk=vr.is_prefill_chunk))
+        out = SchedulerOutput(scheduled=tuple(sched), preempted_req_ids=frozenset(so.preempted_req_ids),
+                              finished_req_ids=frozenset(so.finished_req_ids))
+        self._outputs[id(out)] = (out, so)
+        return out
+
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+        entry = self._outputs.pop(id(output), None)
+        if entry is None:
+            raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
+        so = entry[1]
+        rids = list(so.num_scheduled_tokens)
+        mro = self._v["ModelRunnerOutput"](
+            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+            sampled_token_ids=[list(model_output.sampled_token_ids.get(r, [])) for r in rids])
+        self.scheduler.update_from_output(so, mro)
+
+    def finish_requests(self, request_ids) -> None:
+        self.scheduler.finish_requests(request_ids, self._v["VStatus"].FINISHED_ABORTED)
+
+    # ---- observation ----------------------------------------------------------------------------
+    def snapshot(self) -> SchedulerSnapshot:
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        states = {rid: _state(vr) for rid, vr in self._reqs.items()}
+        blocks = {}
+        for rid in self._reqs:
+            if rid in s.requests and any(rid in m.req_to_blocks for m in kv.coordinator.single_type_managers):
+                ids = _ids(kv.get_block_ids(rid), len(self.pool.groups))
+                if any(ids):
+                    blocks[rid] = ids
+        return SchedulerSnapshot(waiting=tuple(r.request_id for r in s.waiting),
+                                 running=tuple(r.request_id for r in s.running),
+                                 requests=states, block_ids=blocks,
+                                 num_free_blocks=kv.block_pool.get_num_free_blocks())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.get_num_unfinished_requests())
+
+    def check_invariants(self) -> None:
+        s = self.scheduler
+        assert not s.kv_holding_waiting, "kvref models no KV-holding waiting requests"
+        assert len(s.running) <= self.config.max_num_seqs
+
+
+def _ids(blocks, num_groups: int) -> BlockIds:
+    if blocks is None:
+        return tuple(() for _ in range(num_groups))
+    return tuple(tuple(int(b) for b in g) for g in blocks)
+
+
+def _state(vr) -> RequestState:
+    name = vr.status.name
+    return RequestState(request_id=vr.request_id, status=_STATUS.get(name, name.lower()),
+                        num_computed_tokens=vr.num_computed_tokens,
+                        num_in_flight_tokens=vr.num_in_flight_tokens,
+                        num_output_placeholders=vr.num_output_placeholders,
+                        num_stale_output_tokens=vr.num_stale_output_tokens,
+                        output_token_ids=tuple(vr.output_token_ids),
+                        num_preemptions=vr.num_preemptions, finish_reason=_REASON.get(name))
+
+
+__all__ = ["VllmEnv", "VllmScheduler", "load_vllm", "to_vllm_spec", "PRIORITY"]
+
+
+class VllmKVCacheManagerShim:
+    """vLLM's own ``KVCacheManager`` as a :class:`~kvref.impl.interface.KVCacheManagerLike` on kvref
+    requests, so the reference *scheduler* can run on vLLM's block management.
+
+    Comparing "reference scheduler on this shim" with vLLM's ``Scheduler`` isolates scheduling
+    rules from block-management differences. Each kvref request has a vLLM twin whose tokens,
+    computed/in-flight counts and status are synced before every call.
+    """
+
+    def __init__(self, pool: PoolConfig, env: VllmEnv | None = None) -> None:
+        v = self._v = load_vllm()
+        v["init_none_hash"](v["sha256"])
+        kv_cfg = v["vk"].KVCacheConfig(
+            num_blocks=pool.num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
+                                                      to_vllm_spec(g.kv_cache_spec))
+                             for i, g in enumerate(pool.groups)])
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        self.mgr = KVCacheManager(kv_cfg, max_model_len=pool.max_model_len,
+                                  scheduler_block_size=pool.scheduler_block_size,
+                                  hash_block_size=pool.hash_block_size,
+                                  max_in_flight_tokens=pool.max_in_flight_tokens,
+                                  enable_caching=pool.enable_caching, watermark=pool.watermark)
+        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
+        self.pool = pool
+        self.num_groups = len(pool.groups)
+        self._twins: dict[str, Any] = {}
+        self._hits: dict[str, Any] = {}
+
+    def _twin(self, r: Request):
+        v = self._v
+        vr = self._twins.get(r.request_id)
+        if vr is None:
+            vr = v["VRequest"](request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+                               sampling_params=v["SamplingParams"](max_tokens=r.max_tokens),
+                               pooling_params=None, arrival_time=r.arrival_time, cache_salt=r.cache_salt,
+                               priority=r.priority,
+                               block_hasher=self._hasher if self.pool.enable_caching else None)
+            self._twins[r.request_id] = vr
+        extra = r.output_token_ids[vr.num_output_tokens:]
+        if extra:
+            vr.append_output_token_ids(list(extra))
+        vr.num_computed_tokens = r.num_computed_tokens
+        vr.num_in_flight_tokens = r.num_in_flight_tokens
+        vs = v["VStatus"]
+        vr.status = {"waiting": vs.WAITING, "running": vs.RUNNING, "preempted": vs.PREEMPTED,
+                     "finished": vs.FINISHED_ABORTED}[r.status.value]
+        return vr
+
+    def get_computed_blocks(self, request: Request):
+        blocks, n, _ = self.mgr.get_computed_blocks(self._twin(request))
+        self._hits[request.request_id] = blocks
+        return _ids(blocks.get_block_ids(), self.num_groups), n
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_block_ids=None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True):
+        hits = None
+        if new_computed_block_ids is not None:
+            hits = self._hits.pop(request.request_id)
+            assert _ids(hits.get_block_ids(), self.num_groups) == tuple(tuple(g) for g in new_computed_block_ids)
+        out = self.mgr.allocate_slots(self._twin(request), num_new_tokens, num_new_computed_tokens, hits,
+                                      num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                      full_sequence_must_fit=full_sequence_must_fit,
+                                      reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+        return None if out is None else _ids(out.get_block_ids(), self.num_groups)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.mgr.cache_blocks(self._twin(request), num_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        self.mgr.new_step_starts()
+
+    def free(self, request: Request) -> None:
+        self.mgr.free(self._twin(request))
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        if not any(request_id in m.req_to_blocks for m in self.mgr.coordinator.single_type_managers):
+            return tuple(() for _ in range(self.num_groups))
+        return _ids(self.mgr.get_block_ids(request_id), self.num_groups)
+
+    def get_num_free_blocks(self) -> int:
+        return self.mgr.block_pool.get_num_free_blocks()
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.get_num_free_blocks() < self.pool.num_blocks

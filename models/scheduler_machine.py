@@ -1,0 +1,381 @@
+"""Scheduler traces: strategies, a fake model runner, a lock-step driver and a Hypothesis machine.
+
+The same operations go to every target (the reference scheduler, vLLM 0.33.0's ``Scheduler`` /
+``AsyncScheduler`` through :mod:`kvref.impl.vllm_scheduler`, or the reference scheduler on vLLM's
+KVCacheManager): add a request, schedule a step, settle the oldest step with a fake model output,
+abort. After each, every target's ``SchedulerOutput`` (scheduled ids in batch order, their kinds,
+token counts, computed tokens, new block ids per group, preempted and finished ids) and
+``SchedulerSnapshot`` (queue contents and order, request states, block tables, free blocks) must be
+equal — block ids exactly, not up to renaming.
+
+The fake model samples for every scheduled request whose step reached the end of its known
+tokens; the token is a hash of ``(request id, how many tokens that request sampled so far)``, so
+all targets see the same ids. Async scheduling is modelled as vLLM's engine does it: up to two
+batches in flight, settled first-in first-out.
+
+Liveness (see :mod:`kvref.impl.reference.scheduler_liveness`): at teardown, when the config is
+startup-consistent, nothing more arrives and the engine runs until every request finishes; it
+must do so within ``drain_bound`` schedule calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler_liveness import drain_bound, max_blocks_per_request, startup_consistent
+from kvref.impl.reference.scheduler_types import FCFS, PRIORITY, ModelOutput, SchedulerConfig, SchedulerOutput
+from kvref.impl.request import Request
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+VOCAB = 50
+
+
+def fake_token(request_id: str, k: int) -> int:
+    """The ``k``-th token the fake model samples for ``request_id``."""
+    return hashlib.blake2b(f"{request_id}/{k}".encode(), digest_size=4).digest()[0] % VOCAB
+
+
+class FakeModel:
+    """Deterministic model runner: one token per request whose step is not a prefill chunk."""
+
+    def __init__(self) -> None:
+        self.num_sampled: dict[str, int] = {}
+
+    def output(self, out: SchedulerOutput) -> ModelOutput:
+        sampled = {}
+        for s in out.scheduled:
+            if not s.is_prefill_chunk:
+                k = self.num_sampled.get(s.request_id, 0)
+                self.num_sampled[s.request_id] = k + 1
+                sampled[s.request_id] = [fake_token(s.request_id, k)]
+        return ModelOutput(sampled)
+
+
+# ---- strategies ---------------------------------------------------------------------------------
+GROUP_KINDS = ("full", "full+swa", "full+chunked", "full+mamba")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request to create afresh for every target."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    priority: int
+    arrival_time: float
+    stop_token_ids: tuple[int, ...] = ()
+
+    def make(self) -> Request:
+        return Request(self.request_id, list(self.prompt), max_tokens=self.max_tokens, priority=self.priority,
+                       arrival_time=self.arrival_time, stop_token_ids=self.stop_token_ids)
+
+
+def _attn(cls, bs: int, **kw):
+    return cls(block_size=bs, num_kv_heads=1, head_size=8, dtype="float16", **kw)
+
+
+@st.composite
+def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64):
+    """``(scheduler_block_size, groups)``.
+
+    FA+Mamba follows vLLM's hybrid config: without prefix caching the Mamba group's block size is
+    the whole context (a multiple of the attention block size >= max_model_len), and the scheduler
+    block size is their LCM, i.e. the Mamba block size. (A smaller Mamba block makes vLLM's runtime
+    gate charge ``cdiv(num_tokens, block_size)`` state blocks where startup sizing charges one.)
+    """
+    bs = draw(st.sampled_from((2, 4, 8)))
+    kind = draw(st.sampled_from(kinds))
+    groups = [KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, bs))]
+    if kind == "full+swa":
+        window = draw(st.integers(1, 4 * bs))
+        groups.append(KVCacheGroupSpec(("swa",), _attn(SlidingWindowSpec, bs, sliding_window=window)))
+    elif kind == "full+chunked":
+        chunk = bs * draw(st.integers(1, 4))
+        groups.append(KVCacheGroupSpec(("local",), _attn(ChunkedLocalAttentionSpec, bs, attention_chunk_size=chunk)))
+    elif kind == "full+mamba":
+        mamba_bs = bs * -(-max_model_len // bs)
+        groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=mamba_bs, shapes=((2, 8),),
+                                                             dtypes=("float16",))))
+        return mamba_bs, tuple(groups)
+    return bs, tuple(groups)
+
+
+@st.composite
+def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, async_scheduling=None,
+                     policy=None):
+    """``(PoolConfig, SchedulerConfig)``; ``consistent=True`` only startup-consistent pools,
+    ``False`` only inconsistent ones, None either (mostly consistent)."""
+    max_model_len = draw(st.integers(8, 96))
+    bs, groups = draw(pool_groups(kinds, max_model_len))
+    is_async = draw(st.booleans()) if async_scheduling is None else async_scheduling
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=draw(st.sampled_from((4, 8, 16, 32, 64))),
+        max_num_seqs=draw(st.integers(1, 5)),
+        long_prefill_token_threshold=min(draw(st.sampled_from((0, 0, 0, 4, 12))), max_model_len),
+        enable_chunked_prefill=draw(st.sampled_from((True, True, True, False))),
+        policy=draw(st.sampled_from((FCFS, PRIORITY))) if policy is None else policy,
+        scheduler_reserve_full_isl=draw(st.sampled_from((True, True, True, False))),
+        async_scheduling=is_async)
+    if not cfg.enable_chunked_prefill:
+        max_model_len = min(max_model_len, cfg.max_num_batched_tokens) if consistent is not False else max_model_len
+        max_model_len = max(max_model_len, 2)
+        cfg = replace(cfg, long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, max_model_len))
+    # vLLM: Mamba prefix caching requires mamba_cache_mode='align' (not modelled: its chunk split).
+    has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+    caching = False if has_mamba else draw(st.sampled_from((True, True, False)))
+    watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
+    probe = PoolConfig(num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
+                       hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
+                       watermark=watermark)
+    need = max_blocks_per_request(probe, cfg) + 1
+    want = consistent if consistent is not None else draw(st.sampled_from((True, True, True, False)))
+    if want:
+        num_blocks = need + draw(st.integers(0, 3 * need))
+    else:
+        num_blocks = draw(st.integers(max(2, len(groups) + 1), max(2, len(groups) + 1, need - 1)))
+    pool = PoolConfig(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
+                      hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
+                      watermark=watermark)
+    return pool, cfg
+
+
+PREFIXES = (tuple(range(1, 41)), tuple(range(100, 140)), tuple(7 for _ in range(40)))
+
+
+@st.composite
+def request_specs(draw, index: int, max_model_len: int):
+    """Prompts share prefixes (to make prefix-cache hits), then diverge."""
+    length = draw(st.integers(1, max_model_len - 1))
+    base = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))]
+    shared = draw(st.integers(0, min(length, len(base))))
+    tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=length - shared, max_size=length - shared))
+    stop = draw(st.sampled_from(((), (), (), (fake_token(f"r{index}", 1),), (3,))))
+    return RequestSpec(request_id=f"r{index}", prompt=tuple(base[:shared]) + tuple(tail),
+                       max_tokens=draw(st.integers(1, 12)), priority=draw(st.integers(0, 2)),
+                       arrival_time=float(index), stop_token_ids=stop)
+
+
+# ---- lock-step driver ---------------------------------------------------------------------------
+class Divergence(AssertionError):
+    """Two targets observed different things after the same operation."""
+
+
+class Lockstep:
+    """Drive several scheduler targets with the same operations and compare after each.
+
+    Args:
+        pool, config: the setup.
+        factories: ``name -> (pool, config) -> target``; the first is the oracle for the fake model.
+    """
+
+    def __init__(self, pool: PoolConfig, config: SchedulerConfig,
+                 factories: dict[str, Callable[[PoolConfig, SchedulerConfig], Any]]) -> None:
+        self.pool, self.config = pool, config
+        self.targets = {name: f(pool, config) for name, f in factories.items()}
+        self.requests: dict[str, dict[str, Request]] = {name: {} for name in self.targets}
+        self.in_flight: dict[str, deque] = {name: deque() for name in self.targets}
+        self.model = FakeModel()
+        self.specs: dict[str, RequestSpec] = {}
+        self.num_steps = 0
+        self.num_schedules = 0
+
+    @property
+    def depth(self) -> int:
+        return self.config.max_concurrent_batches
+
+    def _first(self):
+        return next(iter(self.targets.values()))
+
+    def add(self, spec: RequestSpec) -> None:
+        self.specs[spec.request_id] = spec
+        for name, t in self.targets.items():
+            r = spec.make()
+            self.requests[name][spec.request_id] = r
+            t.add_request(r)
+        self.compare("add " + spec.request_id)
+
+    def can_schedule(self) -> bool:
+        return len(next(iter(self.in_flight.values()))) < self.depth
+
+    def num_in_flight(self) -> int:
+        return len(next(iter(self.in_flight.values())))
+
+    def schedule(self) -> SchedulerOutput:
+        outs = {}
+        for name, t in self.targets.items():
+            outs[name] = t.schedule()
+            self.in_flight[name].append(outs[name])
+        self.num_steps += 1
+        self.num_schedules += 1
+        first_name, first = next(iter(outs.items()))
+        for name, o in outs.items():
+            if (o.scheduled, o.preempted_req_ids, o.finished_req_ids) != \
+                    (first.scheduled, first.preempted_req_ids, first.finished_req_ids):
+                raise Divergence(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
+                                 f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}")
+        self.compare("schedule")
+        return first
+
+    def complete(self) -> None:
+        outs = {name: q.popleft() for name, q in self.in_flight.items()}
+        model_output = self.model.output(next(iter(outs.values())))
+        for name, t in self.targets.items():
+            t.update_from_output(outs[name], model_output)
+        self.num_steps += 1
+        self.compare("update_from_output")
+
+    def abort(self, request_id: str) -> None:
+        for t in self.targets.values():
+            t.finish_requests([request_id])
+        self.num_steps += 1
+        self.compare("abort " + request_id)
+
+    def unfinished(self) -> bool:
+        return self._first().has_unfinished_requests()
+
+    def engine_step(self) -> None:
+        """What vLLM's engine does: schedule while a batch slot is free and work remains, else
+        settle the oldest batch."""
+        if self.can_schedule() and (self.unfinished() or self.num_in_flight() == 0):
+            self.schedule()
+            if self.num_in_flight() < self.depth and self.unfinished():
+                return
+        self.complete()
+
+    def snapshots(self) -> dict[str, Any]:
+        snaps = {}
+        for name, t in self.targets.items():
+            try:
+                snaps[name] = t.snapshot(self.requests[name].values())
+            except TypeError:
+                snaps[name] = t.snapshot()
+        return snaps
+
+    def compare(self, what: str) -> None:
+        for t in self.targets.values():
+            t.check_invariants()
+        if len(self.targets) < 2:
+            return
+        snaps = self.snapshots()
+        (n0, s0), *rest = snaps.items()
+        for name, s in rest:
+            if s != s0:
+                raise Divergence(f"after {what} (step {self.num_steps}): {n0} vs {name}\n" + _diff(s0, s))
+
+    def drain(self) -> int:
+        """Run the engine with no new arrivals until everything finished; return schedule calls.
+
+        Raises AssertionError past :func:`drain_bound`."""
+        live = [r for r in self.requests[next(iter(self.targets))].values() if not r.is_finished]
+        bound = drain_bound(live, self.pool, self.config)
+        start = self.num_schedules
+        while self.unfinished() or self.num_in_flight():
+            if self.num_schedules - start > bound:
+                snap = next(iter(self.snapshots().values()))
+                raise AssertionError(
+                    f"liveness: not drained within {bound} schedule calls (startup-consistent "
+                    f"config): waiting={snap.waiting} running={snap.running} free={snap.num_free_blocks}")
+            self.engine_step()
+        return self.num_schedules - start
+
+
+def _fmt(o: SchedulerOutput) -> str:
+    return (str([(s.request_id, s.kind, s.num_scheduled_tokens, s.num_computed_tokens, s.block_ids,
+                  s.is_prefill_chunk) for s in o.scheduled])
+            + f" preempted={sorted(o.preempted_req_ids)} finished={sorted(o.finished_req_ids)}")
+
+
+def _diff(a, b) -> str:
+    lines = []
+    for f in ("waiting", "running", "num_free_blocks"):
+        if getattr(a, f) != getattr(b, f):
+            lines.append(f"  {f}: {getattr(a, f)} != {getattr(b, f)}")
+    for rid in sorted(set(a.requests) | set(b.requests)):
+        if a.requests.get(rid) != b.requests.get(rid):
+            lines.append(f"  {rid}: {a.requests.get(rid)}\n  {' ' * len(rid)}  {b.requests.get(rid)}")
+    for rid in sorted(set(a.block_ids) | set(b.block_ids)):
+        if a.block_ids.get(rid) != b.block_ids.get(rid):
+            lines.append(f"  blocks {rid}: {a.block_ids.get(rid)} != {b.block_ids.get(rid)}")
+    return "\n".join(lines)
+
+
+# ---- the state machine --------------------------------------------------------------------------
+MAX_REQUESTS = 10
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Build one with :func:`machine_with` (targets + setup strategy)."""
+
+    factories: dict[str, Callable] = {}
+    check_liveness = True
+    driver: Lockstep
+    num_added: int
+
+    @precondition(lambda self: self.num_added < MAX_REQUESTS)
+    @rule(data=st.data())
+    def add_request(self, data):
+        spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
+        self.num_added += 1
+        self.driver.add(spec)
+
+    @rule()
+    def engine_step(self):
+        if self.driver.unfinished() or self.driver.num_in_flight():
+            self.driver.engine_step()
+
+    @precondition(lambda self: self.driver.can_schedule())
+    @rule()
+    def schedule(self):
+        self.driver.schedule()
+
+    @precondition(lambda self: self.driver.num_in_flight() > 0)
+    @rule()
+    def complete(self):
+        self.driver.complete()
+
+    @precondition(lambda self: self.num_added > 0)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = f"r{data.draw(st.integers(0, self.num_added - 1))}"
+        self.driver.abort(rid)
+
+    def teardown(self):
+        driver = getattr(self, "driver", None)
+        if driver is None or not self.check_liveness:
+            return
+        if startup_consistent(driver.pool, driver.config):
+            driver.drain()
+            snap = next(iter(driver.snapshots().values()))
+            assert not snap.waiting and not snap.running
+            assert all(s.status == "finished" for s in snap.requests.values())
+
+
+def machine_with(factories: dict[str, Callable], setups=None, check_liveness: bool = True,
+                 name: str = "Machine"):
+    """A :class:`SchedulerMachine` subclass over ``factories`` (and a setup strategy)."""
+    ns = {"factories": factories, "check_liveness": check_liveness}
+    cls = type(name, (SchedulerMachine,), ns)
+    strategy = setups if setups is not None else scheduler_setups()
+
+    @initialize(setup=strategy)
+    def init(self, setup):
+        pool, config = setup
+        self.driver = Lockstep(pool, config, self.factories)
+        self.num_added = 0
+
+    cls.init = init
+    return cls
