@@ -184,3 +184,18 @@ def test_spec_formulas_match_vllm(planner, args, max_len):
             spec.max_num_blocks_per_req(config, max_len)
         return
     assert spec.max_num_blocks_per_req(config, max_len) == width
+
+
+@pytest.mark.parametrize("example", ["deepseek_v3_like", "gemma3_27b_like", "llama3_8b", "nemotron_h_8b_like"])
+def test_packaged_examples_match_vllm(planner, example):
+    """The layouts `kvref size` ships plan the same in vLLM."""
+    from kvref.cli_size import build_layers, load_layout, parse_bytes
+
+    data = load_layout(None, example)
+    config = EngineConfig(**data["engine"])
+    layers = build_layers(data, mamba_cache_mode=config.mamba_cache_mode)
+    memory = parse_bytes(data["available_memory"])
+    theirs = planner.plan(layers, config, memory, 0)
+    ours = kvref_outcome(planner, layers, config, memory)
+    _compare(ours, theirs, example)
+    assert ours.status == "ok"
