@@ -85,6 +85,21 @@ class KVCachePlan:
     ``num_blocks`` includes the null block (block 0), so ``num_blocks - 1`` blocks are usable.
     impl builds its pool from :meth:`pool_config_kwargs` (``PoolConfig(**plan.pool_config_kwargs())``);
     spec does not import impl.
+
+    Fields (vLLM's name in parentheses):
+        groups: worker-side groups (``KVCacheConfig.kv_cache_groups`` of the worker).
+        scheduler_groups: the scheduler's groups (``generate_scheduler_kv_cache_config``).
+        group_plans: per group, blocks of one max-length request and the admission cap.
+        bytes_per_block: ``_pool_bytes_per_block``.
+        memory_bytes: profiled memory, or ``num_gpu_blocks_override × bytes_per_block``.
+        check_memory_bytes: ``memory_bytes - bytes_per_block`` (null block held back).
+        num_blocks: ``KVCacheConfig.num_blocks`` (``cache_config.num_gpu_blocks``).
+        max_model_len / original_max_model_len / auto_fitted: after / before auto-fit.
+        needed_bytes: ``_max_memory_usage_bytes_from_groups`` at ``max_model_len``.
+        scheduler_block_size, hash_block_size: ``resolve_kv_cache_block_sizes``.
+        max_concurrency, kv_cache_size_tokens: ``get_kv_cache_capacity`` (null block counted).
+        max_servable_len: kvref's own figure: the largest length (up to the model's own maximum)
+            one request could have in this pool.
     """
 
     groups: tuple[KVCacheGroupSpec, ...]
