@@ -156,3 +156,166 @@ ARC_GHOST_TRACE = [  # reuse -> T2, evict from T1 to a B1 ghost, re-offer the gh
        positions_seed=st.integers(0, 5), ops=OPS)
 def test_cpu_offloading_manager_matches_vllm(V, policy, num_chunks, threshold, positions_seed, ops):
     _run_manager_trace(V, policy, num_chunks, threshold, positions_seed, ops)
+
+
+# --------------------------------------------------------------------------------------------
+# Lookup primitives of OffloadingConnectorScheduler
+
+from kvref.impl.reference.offload import lookup as rlookup  # noqa: E402
+
+RESULTS = ["HIT", "HIT", "HIT", "HIT", "MISS", "HIT_PENDING", "RETRY"]
+
+
+@st.composite
+def lookup_cases(draw):
+    tokens_per_hash = 4
+    groups = []
+    pool = draw(st.sampled_from([["HIT"] * 12 + ["MISS"], ["HIT"] * 6 + ["MISS", "HIT_PENDING"], RESULTS]))
+    for _ in range(draw(st.integers(1, 4))):
+        tpc = tokens_per_hash * draw(st.sampled_from([1, 2, 4]))
+        kind = draw(st.sampled_from(["fa", "sw", "sw", "sw", "local"]))
+        if kind == "fa":
+            groups.append(("fa", tpc, None, 0))
+        elif kind == "sw":
+            groups.append(("sw", tpc, draw(st.integers(1, 24)), draw(st.sampled_from([0, 0, 3]))))
+        else:
+            groups.append(("local", tpc, draw(st.sampled_from([4, 8, 16, 32])), 0))
+    num_tokens = draw(st.integers(1, 96))
+    num_computed = tokens_per_hash * draw(st.integers(0, num_tokens // tokens_per_hash))
+    status = {}
+    keys = []
+    for gi, (_, tpc, _, _) in enumerate(groups):
+        ks = [rkeys.make_offload_key(f"h{(j + 1) * tpc}".encode(), gi) for j in range(num_tokens // tpc)]
+        keys.append(ks)
+        for k in ks:
+            status[k] = draw(st.sampled_from(pool))
+    loading = set(draw(st.lists(st.sampled_from([k for ks in keys for k in ks]), max_size=2))) \
+        if any(keys) and draw(st.booleans()) else None
+    max_new = draw(st.one_of(st.none(), st.integers(0, 64)))
+    return groups, num_tokens, num_computed, keys, status, loading, max_new
+
+
+def _vllm_lookup(V2, groups, num_tokens, num_computed, keys, status, loading, max_new):
+    import torch
+    from types import SimpleNamespace
+
+    spec_kw = dict(num_kv_heads=1, head_size=1, dtype=torch.float32)
+    cfgs = []
+    for gi, (kind, tpc, w, extra) in enumerate(groups):
+        if kind == "fa":
+            spec, win = V2.FullAttentionSpec(block_size=tpc, **spec_kw), None
+        elif kind == "sw":
+            spec = V2.SlidingWindowSpec(block_size=tpc, sliding_window=w, extra_retained_tokens=extra, **spec_kw)
+            win = V2.get_sliding_window_size_in_chunks(spec, tpc)
+        else:
+            spec = V2.ChunkedLocalAttentionSpec(block_size=tpc, attention_chunk_size=w, **spec_kw)
+            win = V2.get_sliding_window_size_in_chunks(spec, tpc)
+        cfgs.append(V2.GroupOffloadConfig(group_idx=gi, tokens_per_block=tpc, tokens_per_chunk=tpc,
+                                          hashes_per_chunk=tpc // 4, kv_event_group_spec=None,
+                                          sliding_window_size_in_chunks=win, kv_cache_spec=spec,
+                                          manager_cls=None))
+    s = object.__new__(V2.OffloadingConnectorScheduler)
+    s.config = SimpleNamespace(kv_group_configs=tuple(cfgs))
+    fa = [i for i, c in enumerate(cfgs) if c.sliding_window_size_in_chunks is None]
+    sw = sorted((i for i, c in enumerate(cfgs) if c.sliding_window_size_in_chunks is not None),
+                key=lambda i: cfgs[i].sliding_window_size_in_chunks, reverse=True)
+    s._full_attention_groups, s._sliding_window_groups = tuple(fa), tuple(sw)
+    s._lookup_groups = tuple(fa) + tuple(sw)
+    s._mamba_align_size = None
+    s._chunks_being_loaded = set(loading) if loading is not None else None
+    s._events_tracker = SimpleNamespace(record_lookup=lambda *a: None)
+    R = V2.LookupResult
+    s.manager = SimpleNamespace(lookup=lambda k, ctx: getattr(R, status[k]))
+    req_status = SimpleNamespace(
+        num_locally_computed_tokens=num_computed, req=SimpleNamespace(num_tokens=num_tokens, request_id="r"),
+        max_load_tokens=None, req_context=None,
+        group_states=[SimpleNamespace(offload_keys=list(ks), lookup_hit_end_chunk_idx=0) for ks in keys])
+    return s._lookup_complete_chunks(req_status, max_new), cfgs
+
+
+@pytest.fixture(scope="module")
+def V2():
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as oc
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as osch
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.kv_offload.base import LookupResult
+
+    return type("V2", (), dict(
+        OffloadingConnectorScheduler=osch.OffloadingConnectorScheduler, GroupOffloadConfig=osch.GroupOffloadConfig,
+        get_sliding_window_size_in_chunks=staticmethod(oc.get_sliding_window_size_in_chunks),
+        LookupResult=LookupResult, FullAttentionSpec=kvi.FullAttentionSpec,
+        SlidingWindowSpec=kvi.SlidingWindowSpec, ChunkedLocalAttentionSpec=kvi.ChunkedLocalAttentionSpec))
+
+
+def _ref_groups(groups, cfgs):
+    out = []
+    for (kind, tpc, w, extra), c in zip(groups, cfgs):
+        out.append(rlookup.LookupGroup(tpc, c.sliding_window_size_in_chunks,
+                                       w if kind == "sw" else None, extra if kind == "sw" else 0))
+    return out
+
+
+def _case(groups, num_tokens, rows):
+    keys = [[rkeys.make_offload_key(f"h{(j + 1) * tpc}".encode(), gi) for j in range(num_tokens // tpc)]
+            for gi, (_, tpc, _, _) in enumerate(groups)]
+    names = {"H": "HIT", "M": "MISS", "P": "HIT_PENDING", "R": "RETRY"}
+    status = {k: names[c] for ks, row in zip(keys, rows) for k, c in zip(ks, row.split())}
+    return groups, num_tokens, 0, keys, status, None, None
+
+
+# A later, narrower window shrinks the boundary; the wider window must be re-checked there (seed 002).
+FIXED_POINT_RECHECK = _case([("sw", 4, 8, 0), ("sw", 4, 4, 0)], 33, ["H H M H H M H H", "H H H H H H M M"])
+# A pending chunk past the final boundary must not defer the request.
+DEFER_DROPPED = _case([("fa", 4, None, 0), ("sw", 4, 4, 0)], 33, ["H H H H H P H H", "H H M M M M M M"])
+
+
+@settings(max_examples=profile_examples(150, 800))
+@example(case=FIXED_POINT_RECHECK)
+@example(case=DEFER_DROPPED)
+@given(case=lookup_cases())
+def test_lookup_complete_chunks_matches_vllm(V2, case):
+    groups, num_tokens, num_computed, keys, status, loading, max_new = case
+    expected, cfgs = _vllm_lookup(V2, *case)
+    got = rlookup.lookup_complete_chunks(_ref_groups(groups, cfgs), keys, num_tokens, num_computed,
+                                         lambda k: getattr(rkeys.LookupResult, status[k]),
+                                         set(loading) if loading is not None else None, max_new)
+    assert got == expected
+
+
+@settings(max_examples=profile_examples(150, 600))
+@given(results=st.lists(st.sampled_from(RESULTS), max_size=12), window=st.integers(1, 5),
+       initial=st.one_of(st.none(), st.integers(1, 7)))
+def test_sliding_window_and_prefix_lookup_match_vllm(V2, results, window, initial):
+    from types import SimpleNamespace
+
+    keys = [bytes([i]) * 5 for i in range(len(results))]
+    status = dict(zip(keys, results))
+    s = object.__new__(V2.OffloadingConnectorScheduler)
+    s.manager = SimpleNamespace(lookup=lambda k, ctx: getattr(V2.LookupResult, status[k]))
+    s._events_tracker = SimpleNamespace(record_lookup=lambda *a: None)
+    ref = lambda k: getattr(rkeys.LookupResult, status[k])  # noqa: E731
+    assert rlookup.sliding_window_lookup(keys, window, ref, initial) == \
+        s._sliding_window_lookup(keys, window, None, initial)
+    assert rlookup.maximal_prefix_lookup(keys, ref) == s._maximal_prefix_lookup(keys, None, None, None, 0)
+
+
+@settings(max_examples=profile_examples(100, 300))
+@given(kind=st.sampled_from(["fa", "sw", "local"]), w=st.integers(1, 200), extra=st.integers(0, 8),
+       tpc=st.integers(1, 64))
+def test_sliding_window_size_in_chunks_matches_vllm(V2, kind, w, extra, tpc):
+    import torch
+
+    from kvref.spec import kv_cache_interface as ours
+
+    kw = dict(num_kv_heads=1, head_size=1)
+    if kind == "fa":
+        v, r = V2.FullAttentionSpec(block_size=16, dtype=torch.float32, **kw), \
+            ours.FullAttentionSpec(block_size=16, dtype="float32", **kw)
+    elif kind == "sw":
+        v = V2.SlidingWindowSpec(block_size=16, dtype=torch.float32, sliding_window=w, extra_retained_tokens=extra, **kw)
+        r = ours.SlidingWindowSpec(block_size=16, dtype="float32", sliding_window=w, extra_retained_tokens=extra, **kw)
+    else:
+        v = V2.ChunkedLocalAttentionSpec(block_size=16, dtype=torch.float32, attention_chunk_size=w, **kw)
+        r = ours.ChunkedLocalAttentionSpec(block_size=16, dtype="float32", attention_chunk_size=w, **kw)
+    assert rkeys.get_sliding_window_size_in_chunks(r, tpc) == V2.get_sliding_window_size_in_chunks(v, tpc)
