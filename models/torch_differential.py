@@ -34,8 +34,12 @@ LAYOUTS = ("fa", "swa", "chunked", "fa+swa", "fa+chunked", "fa+swa+swa", "swa+ch
 
 
 @st.composite
-def pool_configs(draw, layouts=LAYOUTS) -> PoolConfig:
-    """Small pools over the modelled group types, uniform or hybrid."""
+def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolConfig:
+    """Small pools over the modelled group types, uniform or hybrid.
+
+    ``aligned_chunks`` draws chunk sizes that are multiples of the block size, as vLLM's workers
+    require (``make_local_attention_virtual_batches`` asserts it); the bookkeeping alone accepts any.
+    """
     layout = draw(st.sampled_from(layouts))
     kinds = layout.split("+")
     hybrid = len(kinds) > 1
@@ -52,8 +56,8 @@ def pool_configs(draw, layouts=LAYOUTS) -> PoolConfig:
         elif k == "swa":
             spec = SlidingWindowSpec(block_size=bs, sliding_window=draw(st.integers(1, 12)), **SPEC_KW)
         else:
-            spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=draw(st.sampled_from([4, 6, 8])),
-                                             **SPEC_KW)
+            chunk = draw(st.sampled_from([bs, 2 * bs, 3 * bs] if aligned_chunks else [4, 6, 8]))
+            spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **SPEC_KW)
         groups.append(KVCacheGroupSpec((f"g{i}",), spec))
     return PoolConfig(
         num_blocks=draw(st.integers(4, 28)),

@@ -1,0 +1,132 @@
+"""Offload data path: copy KV blocks between device memory and host buffers.
+
+An offload *job* is a list of ``(gpu_block, cpu_block)`` pairs, as the offload schedulers emit
+them (vLLM's ``SimpleCPUOffloadScheduler`` ``TransferMeta(gpu_ids, cpu_ids)``; the
+OffloadingConnector's store/load specs). ``store`` copies device → host, ``load`` host → device,
+for every layer's backing tensor (whole pages, all groups: groups alias the same backing).
+
+On CUDA the host buffers are pinned and the copies run on a side stream ordered after the
+current stream's work; each job returns a :class:`CopyHandle` with a completion event (vLLM's
+workers report finished store/load events the same way). Consumers call ``handle.wait()``
+(host side) or ``handle.wait_stream()`` (make the compute stream wait) before using the data.
+On CPU the copies are plain synchronous ``copy_`` calls and handles are complete at once.
+
+Runs of consecutive ``(gpu, cpu)`` pairs are merged into one copy, so a contiguous job costs one
+``memcpy`` per layer. Round trips are bit-exact: pages are copied as raw elements, never cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvref.spec.errors import InvalidFieldError, check_int
+
+from .kv_cache_tensors import KVCacheTensors
+
+Job = list[tuple[int, int]]
+
+
+@dataclass
+class CopyHandle:
+    """Completion of one job (``event`` is None on CPU: already complete)."""
+
+    kind: str
+    num_blocks: int
+    event: "torch.cuda.Event | None" = None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def wait_stream(self, stream=None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for this copy."""
+        if self.event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+
+def merge_runs(pairs: Job) -> list[tuple[int, int, int]]:
+    """``(gpu_start, cpu_start, length)`` runs where both ids advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for g, c in sorted(pairs):
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == c:
+            g0, c0, n = runs[-1]
+            runs[-1] = (g0, c0, n + 1)
+        else:
+            runs.append((g, c, 1))
+    return runs
+
+
+class OffloadCopier:
+    """Host buffers mirroring ``cache``'s backing tensors, ``num_cpu_blocks`` pages per layer."""
+
+    def __init__(self, cache: KVCacheTensors, num_cpu_blocks: int) -> None:
+        if not isinstance(cache, KVCacheTensors):
+            raise InvalidFieldError("cache", cache, "a KVCacheTensors")
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        self.cache = cache
+        self.num_cpu_blocks = num_cpu_blocks
+        self.is_cuda = cache.device.type == "cuda"
+        self.host = [torch.zeros((num_cpu_blocks, cache.block_stride), dtype=cache.dtype,
+                                 pin_memory=self.is_cuda) for _ in cache.backing]
+        self.stream = torch.cuda.Stream(device=cache.device) if self.is_cuda else None
+
+    def _check(self, job: Job, kind: str) -> Job:
+        if not isinstance(job, (list, tuple)):
+            raise InvalidFieldError("job", job, "a list of (gpu_block, cpu_block) pairs")
+        pairs = []
+        for p in job:
+            if not isinstance(p, (list, tuple)) or len(p) != 2:
+                raise InvalidFieldError("job", p, "(gpu_block, cpu_block) pairs")
+            g, c = p
+            check_int("gpu_block", g, minimum=0)
+            check_int("cpu_block", c, minimum=0)
+            if g >= self.cache.num_blocks:
+                raise InvalidFieldError("gpu_block", g, f"< {self.cache.num_blocks}")
+            if c >= self.num_cpu_blocks:
+                raise InvalidFieldError("cpu_block", c, f"< {self.num_cpu_blocks}")
+            pairs.append((g, c))
+        dst = [c for _, c in pairs] if kind == "store" else [g for g, _ in pairs]
+        if len(set(dst)) != len(dst):
+            raise InvalidFieldError("job", job, f"distinct destination blocks (a {kind} writes each once)")
+        return pairs
+
+    def _copy(self, job: Job, kind: str) -> CopyHandle:
+        runs = merge_runs(self._check(job, kind))
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            ctx = torch.cuda.stream(self.stream)
+        else:
+            ctx = _nullcontext()
+        with ctx:
+            for dev, host in zip(self.cache.backing, self.host):
+                for g, c, n in runs:
+                    if kind == "store":
+                        host[c:c + n].copy_(dev[g:g + n], non_blocking=self.is_cuda)
+                    else:
+                        dev[g:g + n].copy_(host[c:c + n], non_blocking=self.is_cuda)
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return CopyHandle(kind, len(job), event)
+
+    def store(self, job: Job) -> CopyHandle:
+        """Device blocks → host blocks."""
+        return self._copy(job, "store")
+
+    def load(self, job: Job) -> CopyHandle:
+        """Host blocks → device blocks (the compute stream must ``wait_stream`` before reading)."""
+        return self._copy(job, "load")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
