@@ -322,6 +322,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if spec.prefix_cacheable and spec.block_size % hash_block_size:
                 raise InvalidFieldError("hash_block_size", hash_block_size,
                                         f"a divisor of group {i}'s block_size={spec.block_size}")
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.block_size != scheduler_block_size:
+                raise InvalidFieldError(f"groups[{i}].block_size", spec.block_size,
+                                        f"scheduler_block_size={scheduler_block_size}: chunked local "
+                                        "attention hits need block-aligned lookups (vLLM asserts this)")
         # Fine-grained partial hits are refused in _check_modelled, so hits land on the
         # scheduler block size.
         self.cache_hit_alignment_tokens = scheduler_block_size

@@ -229,7 +229,18 @@ class KVCacheManager:
         if not self.enable_caching:
             raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
                                     "None or empty when prefix caching is disabled")
-        for group in new_computed_blocks.blocks:
+        if request.num_computed_tokens:
+            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
+                                    "empty for a request with computed tokens (hits start at token 0)")
+        # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group (kvref does
+        # not model fine-grained hits, whose partial tail would make this ambiguous).
+        for g, (group, spec) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs)):
+            expected = -(-num_new_computed_tokens // spec.block_size) if spec.prefix_cacheable else 0
+            if len(group) != expected or (expected and num_new_computed_tokens % spec.block_size):
+                raise InvalidFieldError(
+                    "num_new_computed_tokens", num_new_computed_tokens,
+                    f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
+                    f"of {spec.block_size} tokens)")
             self.block_pool._check_own(group, "new_computed_blocks")
         return new_computed_blocks.blocks
 
