@@ -12,10 +12,10 @@ Checks (cheapest first):
 * ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
   (:mod:`kvref.proofs.formulas`, evaluated with Python ints) on a grid of small configurations.
   The proofs are about those formulas, so a spec that drifts from them is no longer proved.
+* ``explorer`` — :mod:`kvref.models.explorer_kv` at its small campaign scopes: any violation or
+  deadlock kills.
 * ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
-* ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine` (when the managers exist).
-* ``explorer`` — :mod:`kvref.models.explorer_kv` at a small scope: any violation, deadlock or
-  livelock kills.
+* ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine`.
 * ``proofs`` — ``kvref.proofs.run_all()`` when the proofs package provides it.
 
 Used by ``kvref mutants`` and by ``kvref verify --mutants`` (:func:`run_mutant_campaign`).
@@ -197,9 +197,9 @@ def _first_line(e: BaseException) -> str:
 ALL_CHECKS: dict[str, CampaignCheck] = {
     c.name: c for c in (
         CampaignCheck("spec-formulas", _check_spec_formulas, "kvref.spec vs the proofs' formula source"),
+        CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
         CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model"),
         CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines"),
-        CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
         CampaignCheck("proofs", _check_proofs, "Z3 theorems (kvref.proofs.run_all)"),
     )
 }

@@ -1,0 +1,406 @@
+"""The explorer plugged into the reference: every interleaving of arrivals, scheduler steps,
+step completions and aborts, at a small scope.
+
+The system under exploration is the *real* reference stack — :class:`Scheduler` →
+:class:`KVCacheManager` → coordinator → single-type managers → :class:`BlockPool` — not a
+re-implementation. A state is the live object graph ``(scheduler, steps in flight, arrivals,
+shadow block contents)``; ``step`` copies it with one ``pickle`` round trip (the C pickler copies
+the ~100-object graph far faster than ``copy.deepcopy``) and calls the reference on the copy.
+
+Actions (all enabled ones, in every order):
+
+* ``arrive i`` — request ``i`` of the workload is added (arrivals in any order);
+* ``schedule`` — one ``Scheduler.schedule()``; the step goes in flight (at most
+  ``max_concurrent_batches``: 2 with async scheduling). A step that schedules nothing is a no-op;
+* ``complete`` — the oldest in-flight step returns (``update_from_output``; a deterministic model
+  samples token ``50 + position``): completions are FIFO as in vLLM's batch queue;
+* ``abort i`` (if the scope allows) — ``finish_requests`` on a live request.
+
+Checks in every state: ``Scheduler.check_invariants()`` (which runs the KV cache manager's,
+the coordinator's, every manager's and the pool's, and I9 ref counts = table slots), plus two
+oracles of our own:
+
+* **window** — every block a scheduled step reads must be in the table: for sliding-window
+  groups the positions ``[processed - sliding_window + 1, computed)`` (processed = computed −
+  in flight), for full attention all computed positions; a null there means a block was freed
+  while still read;
+* **content** — a shadow copy of what each block holds: every scheduled position writes, into the
+  block it maps to, the identity of its K/V — the whole prefix up to it and the cache salt (K/V at
+  a position depend on every earlier token). A prefix-cache hit must bring blocks whose shadow
+  content is the request's own (a wrong hit — stale hash, unchained hash, ignored salt, wrong
+  duplicate — shows here), and must leave the last token to compute.
+
+Deadlocks (no action changes the state while requests are unfinished — the head-of-line hang of
+vLLM #39734 / #35541) and, optionally, livelocks are reported by the engine.
+
+The state key covers the scheduler queues and every live request's progress, the free queue in
+order, the prefix-cache index (keys with their blocks in insertion order: the first duplicate is
+the one a lookup returns), every manager's tables and cached-block counts, the steps in flight and
+the shadow contents of the blocks that are in use or cached. Free, uncached blocks' contents are
+left out: nothing can read them before they are rewritten (the content oracle would flag it).
+Request ids are not symmetry-reduced: arrival order and FCFS make them observable.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field, replace
+from typing import Any, Hashable
+
+from kvref.spec.errors import InvalidFieldError, check_int
+
+#: token the fake model samples at position p (deterministic, so the state space is finite)
+def sampled_token(position: int) -> int:
+    return 50 + position
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What is explored.
+
+    Args:
+        name: a label for reports.
+        prompts: one prompt per request (``len(prompt) + max_tokens <= max_model_len``).
+        max_tokens: output tokens per request.
+        block_size: tokens per block (all groups).
+        sliding_window: window of the SWA group of a hybrid FA+SWA pair; None = full attention only.
+        full_attention: include the full-attention group (False = SWA only).
+        max_model_len: tokens per request at most.
+        max_num_batched_tokens: the step's token budget.
+        async_scheduling: two steps in flight.
+        num_blocks: pool size incl. the null block; None = what startup sizing gives (one
+            request of max_model_len, per-group caps, plus the null block).
+        enable_caching: prefix caching.
+        aborts: explore aborting each live request at every point.
+        scheduler_reserve_full_isl: the full-sequence admission gate.
+    """
+
+    name: str = "default"
+    prompts: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9))
+    max_tokens: tuple[int, ...] = (2, 1, 2)
+    block_size: int = 4
+    sliding_window: int | None = 4
+    full_attention: bool = True
+    max_model_len: int = 12
+    max_num_batched_tokens: int = 4
+    async_scheduling: bool = True
+    num_blocks: int | None = None
+    enable_caching: bool = True
+    aborts: bool = False
+    scheduler_reserve_full_isl: bool = True
+    salts: tuple[str | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.max_tokens) or not self.prompts:
+            raise InvalidFieldError("max_tokens", self.max_tokens, f"{len(self.prompts)} values, one per prompt")
+        for p, m in zip(self.prompts, self.max_tokens):
+            check_int("max_tokens[i]", m, minimum=1)
+            if not p or len(p) + m > self.max_model_len:
+                raise InvalidFieldError("prompts[i]", p, f"1..{self.max_model_len - m} tokens "
+                                        f"(prompt + max_tokens <= max_model_len={self.max_model_len})")
+        check_int("block_size", self.block_size, minimum=1)
+        check_int("sliding_window", self.sliding_window, minimum=1, allow_none=True)
+        check_int("max_model_len", self.max_model_len, minimum=2)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        check_int("num_blocks", self.num_blocks, minimum=2, allow_none=True)
+        if self.salts is not None and len(self.salts) != len(self.prompts):
+            raise InvalidFieldError("salts", self.salts, f"None or {len(self.prompts)} values")
+        if not self.full_attention and self.sliding_window is None:
+            raise InvalidFieldError("full_attention", False, "True when sliding_window is None")
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        return (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
+
+    def groups(self):
+        from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+        common = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
+        groups = []
+        if self.full_attention:
+            groups.append(KVCacheGroupSpec(("full",), FullAttentionSpec(**common)))
+        if self.sliding_window is not None:
+            groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **common)))
+        return tuple(groups)
+
+    def startup_num_blocks(self) -> int:
+        """Blocks startup sizing gives for one request of ``max_model_len`` (+ the null block)."""
+        from kvref.spec.mathutil import cdiv
+
+        n = 1
+        for g in self.groups():
+            spec = g.kv_cache_spec
+            cap = getattr(spec, "max_admission_blocks_per_request", None)
+            n += cap(self.max_in_flight_tokens, self.max_model_len) if cap else cdiv(self.max_model_len, spec.block_size)
+        return n
+
+    def pool_config(self):
+        from kvref.impl.interface import PoolConfig
+
+        return PoolConfig(num_blocks=self.num_blocks or self.startup_num_blocks(), groups=self.groups(),
+                          max_model_len=self.max_model_len, scheduler_block_size=self.block_size,
+                          hash_block_size=self.block_size, max_in_flight_tokens=self.max_in_flight_tokens,
+                          enable_caching=self.enable_caching)
+
+    def scheduler_config(self):
+        from kvref.impl.reference.scheduler_types import SchedulerConfig
+
+        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=8,
+                               async_scheduling=self.async_scheduling,
+                               scheduler_reserve_full_isl=self.scheduler_reserve_full_isl)
+
+
+#: named scopes for ``kvref explore --scope NAME``
+SCOPES: dict[str, Scope] = {
+    # the default: 3 requests of <= 12 tokens (two identical prompts: prefix sharing), a hybrid
+    # FA+SWA pair (block size 4, window 4), async scheduling (2 steps in flight), the pool startup
+    # sizing gives: 3 FA + 4 SWA + the null block = 8 blocks
+    "default": Scope(),
+    # a pool exactly as large as startup sizing says, a request near max_model_len (liveness of
+    # admission, vLLM #39734): 4 FA + 3 SWA + null = 8 blocks
+    "tight": Scope(name="tight", prompts=((1, 2, 3, 4, 5, 6, 7),), max_tokens=(1,), block_size=2,
+                   sliding_window=2, max_model_len=8, async_scheduling=False, max_num_batched_tokens=2),
+    # two requests, block size 2, quick (CI / mutant campaign)
+    "small": Scope(name="small", prompts=((1, 2, 3, 4, 5), (1, 2, 3, 4, 7)), max_tokens=(2, 2), block_size=2,
+                   sliding_window=2, max_model_len=8, max_num_batched_tokens=2),
+    # sliding window only (hits are found right to left)
+    "swa": Scope(name="swa", prompts=((1, 2, 3, 4, 5), (9, 2, 3, 4, 5)), max_tokens=(1, 2), full_attention=False,
+                 block_size=2, sliding_window=3, max_model_len=8, max_num_batched_tokens=2, num_blocks=6),
+    # full attention only, with aborts at every point
+    # (r1's whole prompt is in r0's full blocks; r2 differs from r0 only by its cache salt)
+    "full": Scope(name="full", prompts=((1, 2, 3, 4, 5), (1, 2, 3, 4), (1, 2, 3, 4, 5)), max_tokens=(2, 1, 1),
+                  block_size=2, sliding_window=None, max_model_len=8, max_num_batched_tokens=2, aborts=True,
+                  salts=(None, None, "s")),
+    # a pool smaller than startup sizing would accept: the explorer finds the head-of-line hang
+    "undersized": Scope(name="undersized", prompts=((1, 2, 3, 4, 5, 6, 7),), max_tokens=(1,), block_size=2,
+                        sliding_window=2, max_model_len=8, async_scheduling=False, max_num_batched_tokens=2,
+                        num_blocks=7),
+    # the larger one (nightly): four requests
+    "large": Scope(name="large", prompts=((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9), (7, 7, 3)),
+                   max_tokens=(2, 1, 2, 2)),
+}
+
+
+def campaign_scopes() -> list[Scope]:
+    """The scopes the mutant campaign explores (small ones, together a few seconds)."""
+    return [SCOPES["tight"], SCOPES["small"], SCOPES["swa"], SCOPES["full"]]
+
+
+def reference_available() -> bool:
+    try:
+        import kvref.impl.reference.kv_cache_manager  # noqa: F401
+        import kvref.impl.reference.scheduler  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ the system
+
+
+@dataclass
+class KVState:
+    scheduler: Any
+    in_flight: list = field(default_factory=list)  # SchedulerOutputs not yet completed (FIFO)
+    arrived: tuple[bool, ...] = ()
+    content: dict = field(default_factory=dict)  # (group, block id) -> {slot: token}
+
+
+class KVSystem:
+    """A :class:`~kvref.models.explorer.TransitionSystem` over the reference scheduler stack."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.ids = [f"r{i}" for i in range(len(scope.prompts))]
+        self.max_batches = 2 if scope.async_scheduling else 1
+
+    # --- engine protocol -----------------------------------------------------------------------
+
+    def initial_states(self) -> list[KVState]:
+        from kvref.impl.reference.scheduler import Scheduler
+
+        from kvref.impl.reference.adapter import ReferenceKVCacheManager
+
+        pool = self.scope.pool_config()
+        sched = Scheduler(pool, self.scope.scheduler_config(), ReferenceKVCacheManager(pool))
+        return [KVState(sched, [], (False,) * len(self.ids), {})]
+
+    def actions(self, s: KVState) -> list[Hashable]:
+        acts: list[Hashable] = [("arrive", self.ids[i]) for i, a in enumerate(s.arrived) if not a]
+        sched = s.scheduler
+        if len(s.in_flight) < self.max_batches and sched.has_unfinished_requests():
+            acts.append(("schedule",))
+        if s.in_flight:
+            acts.append(("complete",))
+        if self.scope.aborts:
+            acts.extend(("abort", rid) for rid in self.ids if rid in sched.requests)
+        return acts
+
+    def step(self, s: KVState, action: Hashable) -> KVState:
+        from kvref.impl.request import Request
+        from kvref.impl.reference.scheduler_types import ModelOutput
+
+        t = self._copy(s)
+        sched = t.scheduler
+        kind = action[0]  # type: ignore[index]
+        if kind == "arrive":
+            i = self.ids.index(action[1])  # type: ignore[index]
+            salt = self.scope.salts[i] if self.scope.salts else None
+            sched.add_request(Request(self.ids[i], list(self.scope.prompts[i]), max_tokens=self.scope.max_tokens[i],
+                                      arrival_time=float(i), cache_salt=salt))
+            t.arrived = t.arrived[:i] + (True,) + t.arrived[i + 1:]
+        elif kind == "schedule":
+            out = sched.schedule()
+            if out.scheduled:
+                self._write_and_check_hits(t, out)
+                t.in_flight.append(out)
+            else:  # nothing scheduled: the step changes nothing observable
+                sched._in_flight.pop(id(out), None)
+                return s
+        elif kind == "complete":
+            out = t.in_flight.pop(0)
+            sampled = {}
+            for sr in out.scheduled:
+                r = sched.requests.get(sr.request_id)
+                if r is not None and not sr.is_prefill_chunk:
+                    pos = sr.num_computed_tokens + sr.num_scheduled_tokens
+                    sampled[sr.request_id] = [sampled_token(pos)]
+            sched.update_from_output(out, ModelOutput(sampled))
+        elif kind == "abort":
+            sched.finish_requests(action[1])  # type: ignore[index]
+        else:  # pragma: no cover - actions() only yields the kinds above
+            raise InvalidFieldError("action", action, "arrive / schedule / complete / abort")
+        self._drop_free_content(t)
+        return t
+
+    def key(self, s: KVState) -> Hashable:
+        sched = s.scheduler
+        kv = sched.kv_cache_manager.manager
+        pool = kv.block_pool
+        reqs = tuple(sorted(
+            (rid, r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
+             r.num_stale_output_tokens, bool(getattr(r, "drop_stale_output", False)), len(r.output_token_ids),
+             r.num_preemptions, bool(getattr(r, "is_prefill_chunk", False)))
+            for rid, r in sched.requests.items()))
+        index = tuple(sorted(
+            (k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
+            for k, v in pool.cached_block_hash_to_block._cache.items()))
+        managers = tuple(
+            (tuple(sorted((rid, tuple(b.block_id for b in tbl)) for rid, tbl in m.req_to_blocks.items())),
+             tuple(sorted(m.num_cached_block.items())))
+            for m in kv.coordinator.single_type_managers)
+        flight = tuple(tuple((x.request_id, x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
+                             for x in out.scheduled) for out in s.in_flight)
+        content = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.content.items()))
+        return (s.arrived, tuple(r.request_id for r in sched.waiting), tuple(r.request_id for r in sched.running),
+                reqs, pool.free_block_ids(), index, managers, flight, content)
+
+    def check(self, s: KVState) -> None:
+        sched = s.scheduler
+        sched.check_invariants()
+        kv = sched.kv_cache_manager.manager
+        for rid, r in sched.requests.items():
+            if r not in sched.running:
+                continue
+            processed = r.num_computed_tokens - r.num_in_flight_tokens
+            for g, m in enumerate(kv.coordinator.single_type_managers):
+                table = m.req_to_blocks.get(rid, [])
+                bs = m.block_size
+                window = getattr(m, "sliding_window", None)
+                lo = 0 if window is None else max(0, processed - window + 1)
+                for p in range(lo, r.num_computed_tokens):
+                    idx = p // bs
+                    assert idx < len(table) and not table[idx].is_null, (
+                        f"window: {rid} group {g} position {p} (processed {processed}, computed "
+                        f"{r.num_computed_tokens}) is read but its block was freed")
+
+    def is_final(self, s: KVState) -> bool:
+        return all(s.arrived) and not s.scheduler.has_unfinished_requests() and not s.in_flight
+
+    def describe(self, s: KVState) -> dict[str, str]:
+        sched = s.scheduler
+        kv = sched.kv_cache_manager
+        reqs = []
+        for rid in self.ids:
+            r = sched.requests.get(rid)
+            if r is None:
+                i = self.ids.index(rid)
+                reqs.append(f"{rid}:{'done' if s.arrived[i] else '-'}")
+                continue
+            tables = "|".join(",".join(str(b) for b in ids) for ids in kv.get_block_ids(rid))
+            reqs.append(f"{rid}:{r.status.value[:4]} c{r.num_computed_tokens} f{r.num_in_flight_tokens} "
+                        f"o{len(r.output_token_ids)} [{tables}]")
+        return {"requests": "; ".join(reqs),
+                "free queue": " ".join(str(b) for b in kv.free_block_queue()),
+                "cached": str(len(kv.cached_blocks())),
+                "in flight": str(len(s.in_flight))}
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _copy(s: KVState) -> KVState:
+        t = pickle.loads(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
+        # the scheduler keys steps in flight by id(); objects have new ids after the copy
+        t.scheduler._in_flight = {id(o): o for o in t.scheduler._in_flight.values()}
+        return t
+
+    def _write_and_check_hits(self, t: KVState, out) -> None:
+        """Shadow writes for every scheduled token; prefix hits must carry the right content."""
+        sched = t.scheduler
+        kv = sched.kv_cache_manager
+        managers = kv.manager.coordinator.single_type_managers
+        for sr in out.scheduled:
+            r = sched.requests[sr.request_id]
+            tokens = r.all_token_ids
+            tables = kv.get_block_ids(sr.request_id)
+            if sr.kind != "running":
+                assert sr.num_computed_tokens < r.num_tokens, (
+                    f"{sr.request_id}: admitted with {sr.num_computed_tokens} of {r.num_tokens} tokens "
+                    "computed (a hit must leave the last token to compute)")
+            for g, m in enumerate(managers):
+                bs = m.block_size
+                table = tables[g]
+                if sr.kind != "running":  # admission: the prefix hit must be what we think it is
+                    for p in range(sr.num_computed_tokens):
+                        b = table[p // bs]
+                        if b == 0:
+                            continue
+                        have = t.content.get((g, b), {}).get(p % bs)
+                        want = (r.cache_salt, tuple(tokens[:p + 1]))
+                        assert have == want, (
+                            f"content: {sr.request_id} hit block {b} (group {g}) holds KV of {have} at "
+                            f"slot {p % bs}; the request needs {want}")
+                end = sr.num_computed_tokens + sr.num_scheduled_tokens
+                for p in range(sr.num_computed_tokens, end):
+                    assert p // bs < len(table), f"{sr.request_id}: no block for position {p} in group {g}"
+                    b = table[p // bs]
+                    assert b != 0, f"{sr.request_id}: position {p} of group {g} is written to the null block"
+                    slots = t.content.setdefault((g, b), {})
+                    if p % bs == 0:
+                        slots.clear()  # a block is rewritten from its first slot
+                    # K/V at position p depend on the whole prefix (and the salt isolates it)
+                    slots[p % bs] = (r.cache_salt, tuple(tokens[:p + 1]))
+
+    @staticmethod
+    def _drop_free_content(t: KVState) -> None:
+        pool = t.scheduler.kv_cache_manager.manager.block_pool
+        for g, b in list(t.content):
+            block = pool.blocks[b]
+            if block.ref_cnt == 0 and block.block_hash is None:
+                del t.content[(g, b)]
+
+
+def explore_scope(scope: Scope | str, **kwargs: Any):
+    """Explore ``scope`` (a :class:`Scope` or a name in :data:`SCOPES`); kwargs go to
+    :func:`~kvref.models.explorer.explore`."""
+    from .explorer import explore
+
+    if isinstance(scope, str):
+        if scope not in SCOPES:
+            raise InvalidFieldError("scope", scope, "one of " + ", ".join(SCOPES))
+        scope = SCOPES[scope]
+    return explore(KVSystem(scope), **kwargs)
+
+
+def with_overrides(scope: Scope, **changes: Any) -> Scope:
+    return replace(scope, **changes)

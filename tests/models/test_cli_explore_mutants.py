@@ -1,0 +1,48 @@
+"""``kvref explore`` and ``kvref mutants`` subcommand modules (wired by kvref/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvref import cli_explore, cli_mutants
+
+
+def _run(argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    for m in (cli_explore, cli_mutants):
+        m.add_parser(sub).set_defaults(_run=m.run)
+    args = p.parse_args(argv)
+    return args._run(args)
+
+
+def test_explore_default_scope_reports_figures(capsys):
+    assert _run(["explore", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["complete"] and out["states"] > 100 and out["depth"] > 5 and out["findings"] == []
+
+
+def test_explore_prints_the_shortest_deadlock_table(capsys):
+    assert _run(["explore", "--scope", "undersized"]) == 1
+    out = capsys.readouterr().out
+    assert "deadlock" in out and "arrive r0" in out
+
+
+def test_explore_toy_and_overrides(capsys):
+    assert _run(["explore", "--toy"]) == 1
+    assert _run(["explore", "--scope", "small", "--set", "aborts=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["states"] > 0
+    with pytest.raises(ValueError, match="--set"):
+        _run(["explore", "--set", "nonsense=1"])
+
+
+def test_mutants_list_and_a_single_run(capsys):
+    assert _run(["mutants", "--list"]) == 0
+    assert "manager.gate_without_cap" in capsys.readouterr().out
+    assert _run(["mutants", "--only", "manager.gate_without_cap", "--checks", "explorer", "--json",
+                 "--min-rate", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kill_rate"] == 1.0 and out["mutants"][0]["by"] == "explorer"

@@ -1,0 +1,81 @@
+"""The mutant framework: patches apply and restore, the catalogue is complete, the campaign works."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvref.spec.mathutil as mathutil
+from kvref.impl.reference.block_pool import BlockPool
+from kvref.models.mutants import Catalogue, Mutant
+from kvref.models.mutants_campaign import ALL_CHECKS, run_mutant_campaign
+from kvref.models.mutants_catalogue import CATALOGUE, CI_SUBSET, HISTORIC, all_mutants
+
+
+def test_catalogue_has_thirty_available_mutants_with_historic_variants():
+    ms = all_mutants()
+    assert len(ms) >= 30
+    assert len({m.name for m in ms}) == len(ms)
+    historic = [m for m in ms if m.kind == HISTORIC]
+    assert len(historic) >= 5 and all(m.vllm_bug for m in historic)
+    assert set(CI_SUBSET) <= {m.name for m in ms}
+
+
+def test_method_patch_is_applied_and_restored():
+    original = BlockPool.touch
+    pool = BlockPool(4, True, 2)
+    with CATALOGUE["pool.touch_no_ref"].applied():
+        assert BlockPool.touch is not original
+        (b,) = pool.get_new_blocks(1)
+        pool.free_blocks([b])
+        pool.touch([b])
+        assert b.ref_cnt == 0  # the fault: the reference is not counted
+    assert BlockPool.touch is original
+
+
+def test_module_function_patch_reaches_by_name_imports():
+    import kvref.spec.kv_cache_interface as kci
+
+    original = mathutil.cdiv
+    assert kci.cdiv is original
+    with CATALOGUE["spec.cdiv_floor"].applied():
+        assert mathutil.cdiv(5, 2) == 2 and kci.cdiv(5, 2) == 2
+    assert mathutil.cdiv is original and kci.cdiv is original and kci.cdiv(5, 2) == 3
+
+
+def test_patch_is_restored_when_the_body_raises():
+    original = BlockPool.free_blocks
+    with pytest.raises(RuntimeError):
+        with CATALOGUE["pool.free_append_all"].applied():
+            raise RuntimeError("check crashed")
+    assert BlockPool.free_blocks is original
+
+
+def test_missing_target_is_unavailable_and_names_are_unique():
+    m = Mutant("x.missing", "targets nothing", "kvref.impl.reference.block_pool:BlockPool.no_such", lambda f: f)
+    assert not m.available()
+    cat = Catalogue()
+    cat.add(m)
+    with pytest.raises(ValueError, match="mutant.name"):
+        cat.add(m)
+    with pytest.raises(ValueError, match="mutant"):
+        cat["nope"]
+
+
+def test_campaign_reports_the_killing_check():
+    ms = [CATALOGUE[n] for n in ("spec.swa_cap_no_plus1", "manager.swa_skip_one_too_many", "kvm.free_keeps_hashes")]
+    res = run_mutant_campaign(ms, checks=["spec-formulas", "explorer"], budget=20)
+    assert not res.baseline_failures
+    by = {r.mutant.name: r for r in res.results}
+    assert by["spec.swa_cap_no_plus1"].killed_by == "spec-formulas"
+    assert by["manager.swa_skip_one_too_many"].killed_by == "explorer"
+    # documented equivalent mutant (docs/mutants.md): the hasher re-keys on the request object
+    assert not by["kvm.free_keeps_hashes"].killed
+    assert res.kill_rate == pytest.approx(2 / 3)
+    text = res.render()
+    assert "manager.swa_skip_one_too_many" in text and "explorer" in text
+
+
+def test_unknown_check_is_rejected():
+    with pytest.raises(ValueError, match="checks"):
+        run_mutant_campaign([], checks=["no-such-check"])
+    assert "explorer" in ALL_CHECKS
