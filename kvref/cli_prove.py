@@ -1,0 +1,102 @@
+"""``kvref prove [THEOREM...] [--variant NAME]``: the Z3 theorems, as a table.
+
+Every theorem is decided over unbounded integers; "proved" only when Z3 answers ``unsat`` for the
+negated claim, a timeout is "unknown". With ``--variant`` the theorem a historic bug (or a
+deliberately broken formula) breaks is re-run under it: the counterexample is printed as a
+configuration and written as a ready-to-run pytest reproducer under ``--out``. Exit status is 0 only
+when every theorem run is proved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "prove", help="prove the KV-cache theorems with Z3 (or find counterexamples under a variant)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("theorems", nargs="*", metavar="THEOREM",
+                   help="theorem ids or names (T1..T8); default: all, or the one --variant breaks")
+    p.add_argument("--variant", default=None, metavar="NAME",
+                   help="run under a historic / broken variant (see --list)")
+    p.add_argument("--out", default="counterexamples", metavar="DIR",
+                   help="where counterexample reproducer files go (default: ./counterexamples)")
+    p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="Z3 timeout per query; a timeout is reported as 'unknown' (default 20)")
+    p.add_argument("--list", action="store_true", help="list theorems and variants and exit")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    return p
+
+
+def _list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvref.proofs import THEOREMS, VARIANTS
+
+    console = Console()
+    t = Table(title="theorems")
+    for col in ("id", "name", "title"):
+        t.add_column(col)
+    for th in THEOREMS:
+        t.add_row(th.id, th.name, th.title)
+    console.print(t)
+    v = Table(title="variants")
+    for col in ("name", "kind", "breaks", "vLLM refs"):
+        v.add_column(col)
+    for var in VARIANTS:
+        v.add_row(var.name, var.kind, var.theorem, ", ".join(var.refs))
+    console.print(v)
+    return 0
+
+
+def run(args) -> int:
+    from kvref.proofs import PROVED, run_all
+    from kvref.spec.errors import InvalidFieldError
+
+    if args.list:
+        return _list()
+    if not args.timeout or args.timeout <= 0:
+        raise InvalidFieldError("--timeout", args.timeout, "a positive number of seconds")
+    results = run_all(args.theorems or None, variant=args.variant, out_dir=args.out,
+                      timeout_ms=int(args.timeout * 1000))
+    if args.json:
+        print(json.dumps([{
+            "theorem": r.theorem, "name": r.name, "formulas": r.formulas, "status": r.status,
+            "seconds": round(r.seconds, 3), "counterexample": r.counterexample, "failing_claim": r.failing_claim,
+            "reproducer": r.reproducer,
+            "lemmas": [{"claim": c.claim, "status": c.status, "seconds": round(c.seconds, 3)} for c in r.lemmas],
+        } for r in results], indent=2))
+    else:
+        _print_table(results, args.variant)
+    return 0 if all(r.status == PROVED for r in results) else 1
+
+
+def _print_table(results, variant) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    style = {"proved": "green", "counterexample": "bold red", "unknown": "yellow"}
+    console = Console()
+    table = Table(title=f"kvref prove ({variant or 'reference'})")
+    table.add_column("theorem", style="bold")
+    table.add_column("result")
+    table.add_column("time", justify="right")
+    table.add_column("lemmas", justify="right")
+    table.add_column("title", overflow="fold")
+    for r in results:
+        proved = sum(c.status == "proved" for c in r.lemmas)
+        table.add_row(f"{r.theorem} {r.name}", f"[{style.get(r.status, '')}]{r.status}[/]", f"{r.seconds:.2f}s",
+                      f"{proved}/{len(r.lemmas)}", r.title)
+    console.print(table)
+    console.print(f"total {sum(r.seconds for r in results):.2f}s")
+    for r in results:
+        if r.counterexample is not None:
+            console.print(f"\n[bold red]{r.theorem} counterexample[/] (claim {r.failing_claim}):")
+            console.print(r.detail, markup=False, highlight=False)
+            if r.reproducer:
+                console.print(f"reproducer: {r.reproducer}")
+        elif r.status == "unknown":
+            console.print(f"\n[yellow]{r.theorem} unknown[/]: {r.detail}")
