@@ -16,5 +16,5 @@ def test_torch_matches_reference_state_machine():
     from kvref.models.torch_differential import make_differential_machine
 
     machine = make_differential_machine(ReferenceKVCacheManager)
-    machine.TestCase.settings = settings(max_examples=profile_examples(25, 120), stateful_step_count=40)
+    machine.TestCase.settings = settings(max_examples=profile_examples(25, 300), stateful_step_count=40)
     machine.TestCase().runTest()

@@ -29,5 +29,5 @@ def test_torch_matches_vllm_state_machine(twin_factory):
     from kvref.models.torch_differential import make_differential_machine
 
     machine = make_differential_machine(twin_factory)
-    machine.TestCase.settings = settings(max_examples=profile_examples(25, 120), stateful_step_count=40)
+    machine.TestCase.settings = settings(max_examples=profile_examples(25, 400), stateful_step_count=40)
     machine.TestCase().runTest()
