@@ -14,6 +14,11 @@ import sys
 #: subcommand modules, in the order ``kvref --help`` lists them
 SUBCOMMAND_MODULES = (
     "kvref.cli_verify",
+    "kvref.cli_size",
+    "kvref.cli_prove",
+    "kvref.cli_explore",
+    "kvref.cli_mutants",
+    "kvref.cli_replay",
 )
 
 

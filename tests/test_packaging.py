@@ -19,7 +19,8 @@ def test_wheel_contains_every_layer_and_imports_outside_the_repo(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("kvref/spec/__init__.py", "kvref/spec/kv_cache_interface.py", "kvref/impl/interface.py",
                    "kvref/impl/reference/__init__.py", "kvref/impl/torch/__init__.py",
-                   "kvref/models/__init__.py", "kvref/proofs/__init__.py", "kvref/cli.py"):
+                   "kvref/models/__init__.py", "kvref/proofs/__init__.py", "kvref/cli.py",
+                   "kvref/examples/llama3_8b.json", "kvref/examples/gemma3_27b_like.toml"):
         assert module in names, f"{module} missing from the wheel"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
