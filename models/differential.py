@@ -99,6 +99,11 @@ class Harness:
         self.num_prefix_hits = 0
         self.num_preemptions = 0
         self.num_async_batches = 0
+        # coverage of what the compared state went through (first implementation's view)
+        self.num_evictions = 0  # ops after which a cached block lost its hash (reused for new data)
+        self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
+        self.num_partial_entries = 0  # ops after which a hash covers a block only partly
+        self._prev_cached: dict = {}
         self.max_live = 0
 
     # -- queries the state machine uses to pick valid ops ------------------------------------
@@ -301,12 +306,19 @@ class Harness:
     def observe(self, kind: str) -> dict[str, Any]:
         """Everything comparable about one manager right now."""
         m = self.managers[kind]
-        return {
+        out = {
             "block_ids": {rid: m.get_block_ids(rid) for rid, s in self.reqs.items() if s.holds_blocks},
             "num_free_blocks": m.get_num_free_blocks(),
             "free_block_queue": m.free_block_queue(),
             "cached_blocks": m.cached_blocks(),
         }
+        if self._all_have("cached_block_num_tokens"):
+            # optional: how many prefix tokens each primary hash covers (partial entries end mid-block)
+            out["cached_block_num_tokens"] = m.cached_block_num_tokens()  # type: ignore[attr-defined]
+        return out
+
+    def _all_have(self, method: str) -> bool:
+        return all(callable(getattr(m, method, None)) for m in self.managers.values())
 
     def check_state(self, op: Op) -> None:
         obs = {}
@@ -317,6 +329,7 @@ class Harness:
                 raise Divergence(self._where(op, f"{kind}.check_invariants: {exc}")) from exc
             obs[kind] = o = self.observe(kind)
             self._check_protocol_invariants(kind, op, o)
+        self._record_coverage(obs[self.kinds[0]])
         if not self.compare:
             return
         first = self.kinds[0]
@@ -326,6 +339,15 @@ class Harness:
                 if a != b:
                     raise Divergence(self._where(op, f"{key} differs:\n  {first}: {_short(a)}\n  {kind}: {_short(b)}"
                                                  + _diff_hint(a, b)))
+
+    def _record_coverage(self, o: dict[str, Any]) -> None:
+        cached = o["cached_blocks"]
+        self.num_evictions += any(k not in cached for k in self._prev_cached)
+        self._prev_cached = cached
+        self.num_null_slots += any(0 in group for ids in o["block_ids"].values() for group in ids)
+        sizes = [g.kv_cache_spec.block_size for g in self.pool_config.groups]
+        self.num_partial_entries += any(n is not None and n % sizes[g] for (g, _), n
+                                        in o.get("cached_block_num_tokens", {}).items())
 
     def _check_protocol_invariants(self, kind: str, op: Op, o: dict[str, Any]) -> None:
         n = self.pool_config.num_blocks

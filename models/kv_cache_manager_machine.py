@@ -45,6 +45,9 @@ class MachineStats:
     prefix_hits: int = 0
     preemptions: int = 0
     async_batches: int = 0
+    evictions: int = 0
+    null_slots: int = 0
+    partial_entries: int = 0
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
 
@@ -90,6 +93,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.prefix_hits += self.h.num_prefix_hits
                 self.stats.preemptions += self.h.num_preemptions
                 self.stats.async_batches += self.h.num_async_batches
+                self.stats.evictions += self.h.num_evictions
+                self.stats.null_slots += self.h.num_null_slots
+                self.stats.partial_entries += self.h.num_partial_entries
 
         # -- helpers ---------------------------------------------------------------------------
 

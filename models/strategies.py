@@ -6,8 +6,9 @@ interesting paths of vLLM's block pool need pressure, not size.
 
 Group sets (``GROUP_SETS``): uniform full attention (one group, or two FA groups with different
 block sizes), FA + sliding window, FA + chunked-local, FA + SWA + SWA, SWA alone, and FA + Mamba
-(Mamba only with prefix caching off, ``mamba_cache_mode="none"``: vLLM requires ``"align"`` to
-cache Mamba states, which kvref does not drive here).
+with prefix caching off (``mamba_cache_mode="none"``, optional speculative state blocks) and
+FA + Mamba ``"align"`` with caching on (the Mamba block equal to ``hash_block_size``: a larger one
+turns on fine-grained partial hits with copy-on-write, which the reference does not model).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvref.spec.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba")
+GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba", "fa+mamba_align")
 #: group sets with more than one group (run by vLLM's HybridKVCacheCoordinator when caching)
 HYBRID_GROUP_SETS = tuple(g for g in GROUP_SETS if "+" in g)
 
@@ -53,6 +54,8 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     enable_caching = draw(st.integers(0, 4)) > 0 if caching is None else caching
     if "mamba" in names:
         enable_caching = False  # Mamba prefix caching needs mamba_cache_mode="align"
+    if "mamba_align" in names:
+        enable_caching = True
     # Block sizes: multiples of hash_block_size. Unitary with caching needs hash == block size;
     # chunked-local needs every block size == scheduler_block_size.
     same_bs = len(names) == 1 or "chunked" in names or draw(st.integers(0, 2)) == 0
@@ -68,8 +71,13 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
         elif name == "chunked":
             chunk = draw(st.one_of(st.integers(1, 4).map(lambda k: k * bs), st.integers(1, 4 * bs)))
             spec = ChunkedLocalAttentionSpec(**draw(attention_kwargs(bs)), attention_chunk_size=chunk)
-        else:  # mamba
-            spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"))
+        elif name == "mamba":
+            spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
+                             num_speculative_blocks=draw(st.sampled_from((0, 0, 1, 2))))
+        else:  # mamba_align: one state block per hash block (no fine-grained partial hits)
+            sizes[i] = bs = hash_bs
+            spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
+                             mamba_cache_mode="align")
         groups.append(KVCacheGroupSpec(layer, spec))
     sbs = 1
     for bs in sizes:
@@ -82,9 +90,11 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     # Pressure: from a pool too small for one max-length request to about two of them.
     one_request = sum(-(-max_model_len // bs) for bs in sizes)
     num_blocks = draw(st.integers(min_blocks, max(min_blocks, min(max_blocks, 2 * one_request + 2))))
+    # EAGLE drafting: hits drop their last block (vLLM asserts it is not combined with chunked-local).
+    use_eagle = "chunked" not in names and draw(st.integers(0, 5)) == 0
     return PoolConfig(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
                       scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
-                      enable_caching=enable_caching, watermark=watermark)
+                      enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle)
 
 
 #: small vocabulary so unrelated prompts still collide on short blocks now and then

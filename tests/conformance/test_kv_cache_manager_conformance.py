@@ -19,6 +19,7 @@ from kvref.impl.interface import PoolConfig, make_manager
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.differential import Divergence, Harness, replay
 from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
+from kvref.models.strategies import GROUP_SETS
 from kvref.models.trace import Op, Trace
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
@@ -105,6 +106,24 @@ def test_vllm_alone_keeps_its_own_invariants(vllm_adapter):
     assert machine.stats.runs_with_at_least(MIN_STEPS) >= profile_examples(15, 60)
 
 
+def test_reference_conforms_to_vllm(vllm_adapter):
+    """The differential pairing: ≥ 200 traces of ≥ 30 steps under the ci profile."""
+    examples = profile_examples(40, 200)
+    machine = kv_cache_manager_machine(("reference", "vllm"))
+    seconds = _run(machine, examples)
+    st = machine.stats
+    long_runs = st.runs_with_at_least(MIN_STEPS)
+    assert long_runs >= examples, f"only {long_runs} of {len(st.steps)} traces reached {MIN_STEPS} steps"
+    # The generated traces must exercise what they claim to (a vacuous strategy fails here).
+    assert st.prefix_hits > 0 and st.admission_rejections > 0 and st.step_rejections > 0
+    assert st.preemptions > 0 and st.async_batches > 0
+    assert st.evictions > 0 and st.null_slots > 0 and st.partial_entries > 0
+    assert len(st.group_sets) >= 5, st.group_sets
+    print(f"\nreference vs vLLM: {long_runs} traces, {st.ops_applied} ops in {seconds:.1f}s "
+          f"({st.ops_applied / seconds:.0f} steps/s end to end, {st.ops_applied / st.seconds_in_harness:.0f} "
+          f"steps/s in the harness); group sets {st.group_sets}")
+
+
 def test_saved_trace_replays_and_divergence_is_reported(vllm_adapter, tmp_path):
     pool = _fa_swa_pool(num_blocks=12)
     h = Harness(pool, {"vllm-a": make_manager("vllm", pool), "vllm-b": make_manager("vllm", pool)})
@@ -126,6 +145,7 @@ def test_saved_trace_replays_and_divergence_is_reported(vllm_adapter, tmp_path):
     loaded = Trace.load(path)
     assert loaded.dumps() == h.trace.dumps()
     assert replay(loaded, ("vllm",)).ok
+    assert replay(loaded, ("reference", "vllm")).ok
     # A manager that reorders its free queue must be caught by the comparison.
     vllm_mgr = make_manager("vllm", pool)
 
@@ -140,3 +160,11 @@ def test_saved_trace_replays_and_divergence_is_reported(vllm_adapter, tmp_path):
     with pytest.raises(Divergence, match="free_block_queue differs"):
         for op in ops:
             bad.apply(op)
+
+
+@pytest.mark.parametrize("group_set", GROUP_SETS)
+def test_each_group_set_conforms(vllm_adapter, group_set):
+    """A few traces per group set, so none is starved by the mix of the main test."""
+    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=(group_set,))
+    _run(machine, profile_examples(5, 10))
+    assert machine.stats.runs_with_at_least(MIN_STEPS) >= profile_examples(5, 10)
