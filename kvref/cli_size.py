@@ -226,6 +226,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-connector", action="store_true", help="a KV connector is configured")
     p.add_argument("--show-layers", action="store_true", help="list every layer name of each group")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw blocks per request vs length per group (kvref.plot)")
 
 
 def make_plan(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan | InsufficientKVCacheError]:
@@ -269,6 +270,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"name": name, **result.to_dict()}, indent=2))
     else:
         render(name, result, show_layers=args.show_layers)
+    if args.plot:
+        from kvref.plot import plot_plan
+
+        path = plot_plan(result, args.plot, title=f"{name}: {result.num_blocks:,} blocks, "
+                                                  f"max concurrency {result.max_concurrency:.2f}x")
+        print(f"plot written to {path}", file=sys.stderr)
     return 0
 
 

@@ -130,3 +130,10 @@ def test_wires_into_a_parent_parser(capsys):
     args = parser.parse_args(["size", "--example", "llama3_8b", "--max-model-len", "1024", "--json"])
     assert args._run(args) == 0
     assert json.loads(capsys.readouterr().out)["max_model_len"] == 1024
+
+
+def test_plot_flag_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "gemma.png"
+    assert main(["--example", "gemma3_27b_like", "--max-model-len", "4096", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written" in capsys.readouterr().err
