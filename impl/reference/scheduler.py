@@ -56,9 +56,23 @@ NUM_SAMPLED_TOKENS_PER_STEP = 1
 
 
 def _default_kv_cache_manager(pool: PoolConfig) -> KVCacheManagerLike:
-    from .kv_cache_manager import KVCacheManager  # written beside this module
+    from .adapter import ReferenceKVCacheManager
 
-    return KVCacheManager(pool)
+    return ReferenceKVCacheManager(pool)
+
+
+def _cache_blocks(kv, request: Request, num_computed_tokens: int) -> None:
+    """vLLM ``KVCacheManager.cache_blocks``: publish the request's full blocks up to a token count.
+
+    Uses the manager's own ``cache_blocks`` when it has one; the reference protocol adapter does
+    not (yet), so fall back to its coordinator, as vLLM's manager does.
+    """
+    if hasattr(kv, "cache_blocks"):
+        kv.cache_blocks(request, num_computed_tokens)
+        return
+    manager = getattr(kv, "manager", None)
+    if manager is not None and manager.enable_caching:
+        manager.coordinator.cache_blocks(request, manager.block_hashes(request), num_computed_tokens)
 
 
 class Scheduler:
@@ -320,10 +334,10 @@ class Scheduler:
             status_before = request.status
             had_placeholders = request.num_output_placeholders > 0
             is_stopped = self._append_output(request, new_ids, stale)
-            if not stale and status_before == RequestStatus.RUNNING and had_placeholders \
-                    and hasattr(self.kv_cache_manager, "cache_blocks"):
+            if not stale and status_before == RequestStatus.RUNNING and had_placeholders:
                 # Async: the sampled token is known now, so its full block can be cached.
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+                _cache_blocks(self.kv_cache_manager, request,
+                              request.num_computed_tokens - request.num_in_flight_tokens)
             if is_stopped:
                 stopped.append((request, status_before))
                 self._free_request(request)  # at once, in batch order, as vLLM does

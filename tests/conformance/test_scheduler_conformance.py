@@ -1,0 +1,150 @@
+"""Conformance of kvref's scheduler subset with vLLM 0.33.0's ``Scheduler`` / ``AsyncScheduler``.
+
+One Hypothesis machine drives three targets with identical operations (arrivals with shared
+prefixes, scheduling steps, fake model outputs fed back through ``update_from_output``, aborts),
+sync and async (two batches in flight), FCFS and PRIORITY, FA / FA+SWA / FA+chunked-local /
+FA+Mamba pools, tight pools (preemption, exhaustion) and startup-inconsistent ones (head-of-line):
+
+* ``vllm``: vLLM's own scheduler and KV cache manager;
+* ``ref``: the reference scheduler on the reference KVCacheManager;
+* ``ref+vllmkv``: the reference scheduler on vLLM's KVCacheManager (isolates scheduling rules).
+
+After every operation it compares scheduled ids in batch order with kinds, token counts, computed
+tokens and new block ids per group (exactly), preempted and finished ids, waiting/running contents
+and order, every request's state, block tables and free-block counts. At teardown, on
+startup-consistent setups, it drains the engine and checks liveness against ``drain_bound``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler import Scheduler
+from kvref.impl.reference.scheduler_liveness import startup_consistent
+from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.request import Request
+from kvref.models.scheduler_machine import Lockstep, RequestSpec, machine_with, scheduler_setups
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+MIN_STEPS = 30
+STEP_COUNT = 45
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    require_vllm()
+    from kvref.impl import vllm_scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
+
+    return vllm_scheduler, vllm_scheduler.VllmEnv()
+
+
+def _targets(vllm_env, shim: bool = True):
+    mod, env = vllm_env
+    targets = {"vllm": lambda p, c: mod.VllmScheduler(p, c, env), "ref": lambda p, c: Scheduler(p, c)}
+    if shim:
+        targets["ref+vllmkv"] = lambda p, c: Scheduler(p, c, mod.VllmKVCacheManagerShim(p, env))
+    return targets
+
+
+def test_generated_traces_match_vllm(vllm_env):
+    """>= 200 traces of >= 30 steps under the ci profile (each step compared on all targets)."""
+    machine = machine_with(_targets(vllm_env), name="SchedulerConformance")
+    t = time.perf_counter()
+    run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,  # the initialize step counts as one
+                              settings=settings(max_examples=profile_examples(40, 200),
+                                                stateful_step_count=STEP_COUNT))
+    assert time.perf_counter() - t > 0
+
+
+def test_generated_async_priority_traces_match_vllm(vllm_env):
+    """Extra weight on the two rarest paths: async in-flight tokens and PRIORITY preemption."""
+    machine = machine_with(_targets(vllm_env, shim=False),
+                           setups=scheduler_setups(async_scheduling=True, policy="priority"),
+                           name="AsyncPriorityConformance")
+    run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
+                              settings=settings(max_examples=profile_examples(15, 60),
+                                                stateful_step_count=STEP_COUNT))
+
+
+def _fa_swa_pool(num_blocks: int, max_model_len: int, cfg: SchedulerConfig) -> PoolConfig:
+    fa = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
+    swa = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=8)
+    return PoolConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(("full",), fa), KVCacheGroupSpec(("swa",), swa)),
+                      max_model_len=max_model_len, scheduler_block_size=4, hash_block_size=4,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_head_of_line_hang_on_vllm_and_reference(vllm_env, is_async):
+    """vLLM #39734 / #35541: a waiting request whose full-sequence gate can never pass (the pool
+    is smaller than max_model_len needs) sits at the head forever and blocks the small request
+    behind it; nothing is ever scheduled. Both vLLM and the reference do exactly this."""
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=is_async)
+    pool = _fa_swa_pool(num_blocks=12, max_model_len=128, cfg=cfg)  # full group alone needs 32 + 1
+    assert not startup_consistent(pool, cfg)
+    d = Lockstep(pool, cfg, _targets(vllm_env))
+    d.add(RequestSpec("big", tuple(range(100)), max_tokens=4, priority=0, arrival_time=0.0))
+    d.add(RequestSpec("small", (1, 2, 3), max_tokens=2, priority=0, arrival_time=1.0))
+    for _ in range(40):
+        d.engine_step()  # compares every target after each call
+    snap = d.snapshots()["vllm"]
+    assert snap.waiting == ("big", "small") and snap.running == ()
+    assert d.num_schedules >= 20
+    assert all(s.status == "waiting" and s.num_computed_tokens == 0 for s in snap.requests.values())
+
+
+def test_startup_consistent_pool_serves_the_same_requests(vllm_env):
+    """The same two requests with a startup-consistent pool: both finish on every target."""
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)
+    pool = _fa_swa_pool(num_blocks=40, max_model_len=128, cfg=cfg)
+    assert startup_consistent(pool, cfg)
+    d = Lockstep(pool, cfg, _targets(vllm_env))
+    d.add(RequestSpec("big", tuple(range(100)), max_tokens=4, priority=0, arrival_time=0.0))
+    d.add(RequestSpec("small", (1, 2, 3), max_tokens=2, priority=0, arrival_time=1.0))
+    d.drain()
+    snap = d.snapshots()["vllm"]
+    assert {s.finish_reason for s in snap.requests.values()} == {"length"}
+    assert len(snap.requests["big"].output_token_ids) == 4
+
+
+@settings(max_examples=profile_examples(10, 40))
+@given(setup=scheduler_setups(consistent=True), prompt_len=st.integers(1, 200), max_tokens=st.integers(1, 8))
+def test_lone_request_is_served_when_startup_consistent(vllm_env, setup, prompt_len, max_tokens):
+    """Liveness, the second half: a request that passes the startup check is scheduled and
+    finishes when it is alone — on vLLM and on the reference, with identical steps."""
+    pool, cfg = setup
+    prompt = tuple(range(min(prompt_len, pool.max_model_len - 1)))
+    d = Lockstep(pool, cfg, _targets(vllm_env, shim=False))
+    d.add(RequestSpec("solo", prompt, max_tokens=max_tokens, priority=0, arrival_time=0.0))
+    d.schedule()
+    assert d.snapshots()["vllm"].running == ("solo",)
+    d.drain()
+    assert d.snapshots()["vllm"].requests["solo"].status == "finished"
+
+
+def test_vllm_async_scheduler_keeps_tokens_in_flight(vllm_env):
+    """How async is exercised on CPU: CpuPlatform forces async_scheduling=False while building
+    the config; the adapter re-enables the flag and builds vLLM's AsyncScheduler. Two schedules
+    before any output leave two steps' tokens in flight and one output placeholder per step."""
+    mod, env = vllm_env
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2, async_scheduling=True)
+    pool = _fa_swa_pool(num_blocks=40, max_model_len=64, cfg=cfg)
+    s = mod.VllmScheduler(pool, cfg, env)
+    assert type(s.scheduler).__name__ == "AsyncScheduler"
+    assert env.vllm_config.max_in_flight_tokens == 32
+    s.add_request(Request("a", list(range(10)), max_tokens=5))
+    o1 = s.schedule()
+    o2 = s.schedule()
+    st_a = s.snapshot().requests["a"]
+    assert [x.num_scheduled_tokens for x in o1.scheduled + o2.scheduled] == [10, 1]
+    assert (st_a.num_in_flight_tokens, st_a.num_output_placeholders, st_a.num_computed_tokens) == (11, 2, 11)
