@@ -81,12 +81,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     if hq % hkv:
         raise InvalidFieldError("num_query_heads", hq, f"a multiple of num_kv_heads={hkv}")
     acc = _acc_dtype(q.dtype)
-    qg = q.to(acc).reshape(t, hkv, hq // hkv, d)
-    scores = torch.einsum("thgd,tlhd->thgl", qg, k.to(acc)) * scale
+    qg = q.to(acc).reshape(t, hkv, hq // hkv, d)                       # [T, Hkv, G, D]
+    scores = torch.matmul(qg, k.to(acc).permute(0, 2, 3, 1)) * scale   # [T, Hkv, G, L]
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # a query with no readable key (cannot happen causally)
-    out = torch.einsum("thgl,tlhd->thgd", probs, v.to(acc))
+    out = torch.matmul(probs, v.to(acc).permute(0, 2, 1, 3))          # [T, Hkv, G, D]
     return out.reshape(t, hq, d).to(q.dtype)
 
 
@@ -111,20 +111,24 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if query.dim() != 3 or kv_cache.dim() != 5:
         raise InvalidFieldError("query/kv_cache", (tuple(query.shape), tuple(kv_cache.shape)),
                                 "query [T, Hq, D] and kv_cache [num_blocks, 2, block_size, Hkv, D]")
-    bs = kv_cache.shape[2]
+    num_blocks, _, bs, hkv, d = kv_cache.shape
     dev = kv_cache.device
     length = int(context_lens.max()) if context_lens.numel() else 0
     pos = torch.arange(length, device=dev)
     rows = query_rows.to(dev).long()
-    # Gather each request's K/V once ([B, L, Hkv, D]), then hand every query token its row.
-    blocks = block_table.to(dev).long()[:, torch.div(pos, bs, rounding_mode="floor")]  # [B, L]
-    offs = (pos % bs)[None, :].expand_as(blocks)
-    k = kv_cache[blocks, 0, offs]
-    v = kv_cache[blocks, 1, offs]
+    # Gather whole pages of each request (block-granular, contiguous copies), then flatten the
+    # block and offset dims into positions: [B, L, Hkv, D] for K and for V.
+    nblk = -(-length // bs)
+    table = block_table.to(dev).long()[:, :nblk]
+    pages = kv_cache.index_select(0, table.reshape(-1)).view(table.shape[0], nblk, 2, bs, hkv, d)
+    k = pages[:, :, 0].reshape(table.shape[0], nblk * bs, hkv, d)[:, :length]
+    v = pages[:, :, 1].reshape(table.shape[0], nblk * bs, hkv, d)[:, :length]
+    if not (rows.numel() == table.shape[0] and bool((rows == torch.arange(rows.numel(), device=dev)).all())):
+        k, v = k.index_select(0, rows), v.index_select(0, rows)  # several queries per request
     qpos = query_positions.to(dev).long()
     allowed = mask.allowed(qpos, pos) & (pos[None, :] < context_lens.to(dev).long()[rows][:, None])
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return _attend(query.to(dev), k.index_select(0, rows), v.index_select(0, rows), allowed, scale)
+    return _attend(query.to(dev), k, v, allowed, scale)
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
