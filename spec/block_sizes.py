@@ -48,6 +48,12 @@ def resolve_kv_cache_block_sizes(groups: "tuple[KVCacheGroupSpec, ...]", config:
       mode; otherwise it is ``prefix_match_unit`` or the gcd of the prefix-cacheable group sizes,
       and every prefix-cacheable group size must be a multiple of it.
     """
+    from .config import EngineConfig
+    from .pool_sizing import validate_groups
+
+    if not isinstance(config, EngineConfig):
+        raise InvalidFieldError("config", config, "an EngineConfig")
+    groups = tuple(validate_groups(groups))
     dcp = config.dcp_world_size
     hashing = config.enable_prefix_caching or config.has_kv_connector
     if len(groups) <= 1:

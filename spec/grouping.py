@@ -22,6 +22,7 @@ block-outermost grouping and hidden-state cache groups never apply (see docs/dif
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import fields, replace
 
 from .errors import InvalidFieldError, KVCacheGroupingError, SpecMergeError
@@ -39,6 +40,24 @@ from .kv_cache_interface import (
 from .mathutil import cdiv
 
 Layers = dict[str, KVCacheSpec]
+
+
+def validate_layers(layers: object, allow_empty: bool = False) -> Layers:
+    """A copy of ``layers`` after checking it is a mapping of layer name → per-layer spec of a type
+    vLLM 0.33.0 registers; :class:`InvalidFieldError` otherwise."""
+    if not isinstance(layers, Mapping) or (not layers and not allow_empty):
+        raise InvalidFieldError("layers", layers,
+                                "a non-empty mapping of layer name -> KVCacheSpec (attention-free models need no plan)")
+    for name, spec in layers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidFieldError("layers", name, "non-empty str layer names")
+        if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
+            raise InvalidFieldError(f"layers[{name!r}]", spec, "a per-layer KVCacheSpec")
+        if spec.uniform_type_base() is None:
+            raise InvalidFieldError(
+                f"layers[{name!r}]", type(spec).__name__,
+                "a spec type vLLM 0.33.0 registers (EncoderOnlyAttentionSpec layers have no KV cache: leave them out)")
+    return dict(layers)
 
 
 def merge_specs(specs: list[KVCacheSpec]) -> KVCacheSpec:
@@ -223,6 +242,9 @@ def get_kv_cache_groups(layers: Layers, disable_hybrid_kv_cache_manager: bool = 
 
     Raises :class:`KVCacheGroupingError` where vLLM's grouping fails on the same layers.
     """
+    layers = validate_layers(layers, allow_empty=True)
+    if not isinstance(disable_hybrid_kv_cache_manager, bool):
+        raise InvalidFieldError("disable_hybrid_kv_cache_manager", disable_hybrid_kv_cache_manager, "True or False")
     if disable_hybrid_kv_cache_manager:
         layers = unify_hybrid_kv_cache_specs(layers)
     if not layers:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from .block_sizes import resolve_kv_cache_block_sizes
 from .config import EngineConfig
 from .errors import InvalidFieldError, check_int
-from .grouping import check_exact_partition, get_kv_cache_groups
+from .grouping import check_exact_partition, get_kv_cache_groups, validate_layers
 from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs, has_admission_cap
 from .pool_sizing import (
     auto_fit_max_model_len,
@@ -206,22 +206,6 @@ def scheduler_view(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[KVCacheGroupSp
     return tuple(out)
 
 
-def _validate_layers(layers: object) -> dict[str, KVCacheSpec]:
-    if not isinstance(layers, Mapping) or not layers:
-        raise InvalidFieldError("layers", layers,
-                                "a non-empty mapping of layer name -> KVCacheSpec (attention-free models need no plan)")
-    for name, spec in layers.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidFieldError("layers", name, "non-empty str layer names")
-        if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
-            raise InvalidFieldError(f"layers[{name!r}]", spec, "a per-layer KVCacheSpec")
-        if spec.uniform_type_base() is None:
-            raise InvalidFieldError(
-                f"layers[{name!r}]", type(spec).__name__,
-                "a spec type vLLM 0.33.0 registers (EncoderOnlyAttentionSpec layers have no KV cache: leave them out)")
-    return dict(layers)
-
-
 def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, available_memory: int) -> KVCachePlan:
     """Size the KV cache pool for ``layers`` (layer name → spec, model order) as vLLM 0.33.0 does.
 
@@ -242,7 +226,7 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
     if not isinstance(config, EngineConfig):
         raise InvalidFieldError("config", config, "an EngineConfig")
     check_int("available_memory", available_memory, minimum=0)
-    layers = _validate_layers(layers)
+    layers = validate_layers(layers)
 
     groups = get_kv_cache_groups(layers, config.disable_hybrid_kv_cache_manager)
     check_exact_partition(groups, layers)

@@ -13,9 +13,10 @@ as vLLM does during its binary search.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from .errors import InsufficientKVCacheError
+from .errors import InsufficientKVCacheError, InvalidFieldError
 from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 from .mathutil import cdiv
 
@@ -29,6 +30,21 @@ CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving
 def format_gib(num_bytes: int) -> str:
     """vLLM's ``format_gib``: GiB rounded to 2 decimals."""
     return f"{round(num_bytes / GiB, 2)}"
+
+
+def validate_groups(groups: object) -> "list[KVCacheGroupSpec]":
+    """``groups`` as a list after checking every item is a :class:`KVCacheGroupSpec`."""
+    if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Iterable):
+        raise InvalidFieldError("groups", groups, "a sequence of KVCacheGroupSpec")
+    groups = list(groups)
+    for i, g in enumerate(groups):
+        if not isinstance(g, KVCacheGroupSpec):
+            raise InvalidFieldError(f"groups[{i}]", g, "a KVCacheGroupSpec")
+        spec = g.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs) and set(g.layer_names) - set(spec.kv_cache_specs):
+            raise InvalidFieldError(f"groups[{i}].layer_names", g.layer_names,
+                                    "names of the layers in its UniformTypeKVCacheSpecs")
+    return groups
 
 
 def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
@@ -48,7 +64,7 @@ def pool_bytes_per_block(groups: Iterable[KVCacheGroupSpec]) -> int:
     (seed 001, vLLM #41069). Layer-outermost layout (vLLM's default ``LBNHC``), no stride
     alignment.
     """
-    groups = list(groups)
+    groups = validate_groups(groups)
     if not groups:
         return 0
     return max(sum(layer_spec(g, n).page_size_bytes for n in g.layer_names) for g in groups)

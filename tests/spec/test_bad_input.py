@@ -187,3 +187,18 @@ def test_plan_kv_cache_raises_only_clear_value_errors(args):
         assert isinstance(exc, ValueError) and str(exc)
         return
     plan.check_invariants()
+
+
+@settings(max_examples=profile_examples(100, 400, 40000))
+@given(layers=st.one_of(JUNK, st.dictionaries(st.one_of(st.text(max_size=3), st.integers()), JUNK, max_size=3)),
+       groups=st.one_of(JUNK, st.lists(st.one_of(JUNK, st.just(KVCacheGroupSpec(("a",), FULL))), max_size=3)),
+       config=st.one_of(st.just(EngineConfig()), JUNK), flag=st.one_of(st.booleans(), JUNK))
+def test_public_functions_reject_junk_clearly(layers, groups, config, flag):
+    from kvref.spec import get_kv_cache_groups, pool_bytes_per_block, resolve_kv_cache_block_sizes
+
+    for call in (lambda: get_kv_cache_groups(layers, flag), lambda: pool_bytes_per_block(groups),
+                 lambda: resolve_kv_cache_block_sizes(groups, config)):
+        try:
+            call()
+        except KVRefError as exc:
+            assert isinstance(exc, ValueError) and str(exc)

@@ -51,6 +51,8 @@ def test_gemma_five_to_one_gives_six_groups_round_robin():
 def test_group_size_rule_prefers_padding_when_counts_are_close():
     assert group_size_for([12, 13]) == 13  # gpt-oss + eagle: pad 12 SWA to 13
     assert group_size_for([10, 2]) == 2
+    assert group_size_for([2, 3]) == 2  # 3 is not below 1.5 x 2: strict comparison, as vLLM
+    assert group_size_for([4, 5]) == 5
     layers = {**{f"s{i}": SWA for i in range(12)}, **{f"f{i}": FULL for i in range(13)}}
     groups = get_kv_cache_groups(layers)
     assert [len(g.layer_names) for g in groups] == [12, 13]
