@@ -65,8 +65,11 @@ class Request:
             raise InvalidFieldError("request_id", self.request_id, "a non-empty str")
         if not isinstance(self.prompt_token_ids, (list, tuple)) or not self.prompt_token_ids:
             raise InvalidFieldError("prompt_token_ids", self.prompt_token_ids, "a non-empty list of ints >= 0")
-        for t in self.prompt_token_ids:
-            check_int("prompt_token_ids[i]", t, minimum=0)
+        tokens = self.prompt_token_ids
+        # Fast path (C-level passes) for the common all-int case; the loop names a bad element.
+        if set(map(type, tokens)) != {int} or min(tokens) < 0:
+            for t in tokens:
+                check_int("prompt_token_ids[i]", t, minimum=0)
         self.prompt_token_ids = list(self.prompt_token_ids)
         check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("priority", self.priority)

@@ -167,8 +167,17 @@ class RequestBlockHasher:
         if num_tokens > len(tokens):
             tokens = tokens + request.output_token_ids
         parent = hashes[-1] if hashes else self.none_hash
-        hash_fn = self.hash_fn
         salt = request.cache_salt
+        if self.hash_fn is sha256:
+            # the default, inlined (this loop is the hot path of request admission)
+            dumps, digest, proto = pickle.dumps, hashlib.sha256, _PICKLE_PROTOCOL
+            while start + bs <= num_tokens:
+                extra = (("cache_salt", salt),) if (start == 0 and salt) else None
+                parent = digest(dumps((parent, tuple(tokens[start:start + bs]), extra), proto)).digest()
+                hashes.append(parent)
+                start += bs
+            return
+        hash_fn = self.hash_fn
         while start + bs <= num_tokens:
             extra = (("cache_salt", salt),) if (start == 0 and salt) else None
             parent = hash_fn((parent, tuple(tokens[start:start + bs]), extra))

@@ -38,6 +38,14 @@ from .free_block_queue import FreeKVCacheBlockQueue
 from .kv_cache_block import KVCacheBlock
 
 
+_GROUP_SUFFIXES = tuple(i.to_bytes(4, "big") for i in range(64))
+
+
+def group_suffix(group_id: int) -> bytes:
+    """The 4-byte big-endian group id that ends every prefix-cache key."""
+    return _GROUP_SUFFIXES[group_id] if 0 <= group_id < 64 else group_id.to_bytes(4, "big")
+
+
 class BlockPool:
     """All blocks of one pool.
 
@@ -69,10 +77,13 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash,
                          kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
-        found: list[KVCacheBlock] = []
         get = self.cached_block_hash_to_block.get_one_block
+        if len(kv_cache_group_ids) == 1:  # the common case, without the loop
+            block = get(block_hash + group_suffix(kv_cache_group_ids[0]))
+            return None if block is None else [block]
+        found: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
-            block = get(block_hash + group_id.to_bytes(4, "big"))
+            block = get(block_hash + group_suffix(group_id))
             if block is None:
                 return None
             found.append(block)
@@ -117,6 +128,10 @@ class BlockPool:
         """Take one more reference to each block (a prefix-cache hit); 0 -> 1 leaves the queue."""
         blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
         self._check_own(blocks, "blocks")
+        self._touch(blocks)
+
+    def _touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``touch`` without the ownership check, for the managers' own table blocks."""
         remove = self.free_block_queue.remove
         for block in blocks:
             if block.is_null:
@@ -137,6 +152,11 @@ class BlockPool:
         """
         blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         self._check_own(blocks, "ordered_blocks")
+        self._free_blocks(blocks)
+
+    def _free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """``free_blocks`` without the ownership check, for the managers' own table blocks (the
+        reference-count check stays: it is what catches a double free)."""
         evict_first: list[KVCacheBlock] = []
         evict_last: list[KVCacheBlock] = []
         caching = self.enable_caching
@@ -162,11 +182,14 @@ class BlockPool:
                 block.ref_cnt += 1
 
     def _check_own(self, blocks: Sequence[KVCacheBlock], field: str) -> None:
+        """Every element must be one of this pool's block objects (O(1) each)."""
         pool_blocks = self.blocks
-        n = self.num_gpu_blocks
         for block in blocks:
-            bid = getattr(block, "block_id", None)
-            if type(bid) is not int or not 0 <= bid < n or pool_blocks[bid] is not block:
+            try:
+                ok = pool_blocks[block.block_id] is block
+            except (AttributeError, IndexError, TypeError):
+                ok = False
+            if not ok:
                 raise InvalidFieldError(field, block, "blocks of this pool")
 
     # ------------------------------------------------------------------ prefix cache
@@ -192,7 +215,7 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
-        suffix = kv_cache_group_id.to_bytes(4, "big")
+        suffix = group_suffix(kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):

@@ -18,6 +18,8 @@ from .single_type_manager import SingleTypeKVCacheManager
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
+    is_cross_attention = True
+
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
         # vLLM only asserts there are no hits; the request is *not* marked running here.

@@ -16,7 +16,7 @@ from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttenti
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash, BlockHashListWithBlockSize
-from .block_pool import BlockPool
+from .block_pool import BlockPool, group_suffix
 from .kv_cache_block import KVCacheBlock
 from .single_type_manager import SingleTypeKVCacheManager
 
@@ -42,12 +42,23 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             coarse = BlockHashListWithBlockSize(block_hashes, alignment_tokens, block_size)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         get_cached = block_pool.get_cached_block
-        for block_hash in islice(coarse, max_length // block_size):
-            hit = get_cached(block_hash, kv_cache_group_ids)
-            if not hit:
-                break
-            for blocks, block in zip(computed, hit):
+        if len(kv_cache_group_ids) == 1:
+            # one group: probe the index directly (same result, no per-block list)
+            get_one = block_pool.cached_block_hash_to_block.get_one_block
+            suffix = group_suffix(kv_cache_group_ids[0])
+            blocks = computed[0]
+            for block_hash in islice(coarse, max_length // block_size):
+                block = get_one(block_hash + suffix)
+                if block is None:
+                    break
                 blocks.append(block)
+        else:
+            for block_hash in islice(coarse, max_length // block_size):
+                hit = get_cached(block_hash, kv_cache_group_ids)
+                if not hit:
+                    break
+                for blocks, block in zip(computed, hit):
+                    blocks.append(block)
         hit_length = len(computed[0]) * block_size
         if fine_grained:
             scale = block_size // alignment_tokens

@@ -170,7 +170,7 @@ class KVCacheCoordinator:
         """Σ over groups of the blocks an allocation consumes (cross-attention: encoder tokens)."""
         total = 0
         for i, manager in enumerate(self.single_type_managers):
-            if isinstance(manager, CrossAttentionManager):
+            if manager.is_cross_attention:
                 total += manager.get_num_blocks_to_allocate(
                     request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens,
                     apply_admission_cap=apply_admission_cap)
@@ -182,7 +182,10 @@ class KVCacheCoordinator:
         return total
 
     def is_running(self, request_id: str) -> bool:
-        return any(request_id in m.num_cached_block for m in self.single_type_managers)
+        for manager in self.single_type_managers:
+            if request_id in manager.num_cached_block:
+                return True
+        return False
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
                                      num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
@@ -204,7 +207,7 @@ class KVCacheCoordinator:
         return tuple(
             manager.allocate_new_blocks(
                 request_id,
-                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
+                num_encoder_tokens if manager.is_cross_attention else num_tokens,
                 num_tokens_main_model)
             for manager in self.single_type_managers)
 
@@ -309,6 +312,15 @@ class SpecGroup:
     manager_cls: type[SingleTypeKVCacheManager]
     use_eagle: bool
 
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def __post_init__(self) -> None:
+        # cached type tests: the lookup loop runs for every new request
+        self.is_full_attention = isinstance(self.spec, FullAttentionSpec)
+        self.is_mamba = isinstance(self.spec, MambaSpec)
+
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups sharing one pool; hits are aligned to ``scheduler_block_size``."""
@@ -353,7 +365,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         if not self.attention_groups:
             raise InvalidFieldError("kv_cache_groups", [type(s).__name__ for s in self.specs],
                                     "at least one prefix-cacheable group")
-        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        self.attention_groups.sort(key=lambda g: not g.is_full_attention)
+        #: exactly full attention + one other spec group: one pass of the fixed point suffices
+        self._simple_hybrid = len(self.attention_groups) == 2 and self.attention_groups[0].is_full_attention
         for group in self.attention_groups:
             if group.use_eagle:
                 for gid in group.group_ids:
@@ -380,23 +394,23 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         longest = 0
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         hit_by_group = [0] * num_groups
-        simple = len(self.attention_groups) == 2 and isinstance(self.attention_groups[0].spec, FullAttentionSpec)
+        simple = self._simple_hybrid
         eagle_verified: set[int] = set()
         max_hash_tokens = len(block_hashes) * self.hash_block_size
+        pool, alignment = self.block_pool, self.cache_hit_alignment_tokens
         while True:
             curr = hit_length
             for idx, group in enumerate(self.attention_groups):
                 first = group.group_ids[0]
-                if isinstance(group.spec, FullAttentionSpec) and blocks_by_group[first] is not None:
+                if group.is_full_attention and blocks_by_group[first] is not None:
                     curr = min(curr, hit_by_group[first])
                     continue
                 drop_eagle = group.use_eagle and idx not in eagle_verified
                 max_length = curr
-                if drop_eagle and not isinstance(group.spec, MambaSpec):
-                    max_length = min(curr + self.single_type_managers[first].block_size, max_hash_tokens)
+                if drop_eagle and not group.is_mamba:
+                    max_length = min(curr + group.block_size, max_hash_tokens)
                 blocks, new_hit = group.manager_cls.find_longest_cache_hit(
-                    block_hashes, max_length, group.group_ids, self.block_pool, group.spec,
-                    drop_eagle, self.cache_hit_alignment_tokens)
+                    block_hashes, max_length, group.group_ids, pool, group.spec, drop_eagle, alignment)
                 if drop_eagle:
                     eagle_verified.add(idx)
                 elif new_hit < curr:
@@ -412,9 +426,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if simple:
                 break
         for group in self.attention_groups:
-            if not isinstance(group.spec, FullAttentionSpec):
+            if not group.is_full_attention:
                 continue
-            num_blocks = cdiv(hit_length, self.single_type_managers[group.group_ids[0]].block_size)
+            num_blocks = cdiv(hit_length, group.block_size)
             for gid in group.group_ids:
                 if blocks_by_group[gid] is not None:
                     del blocks_by_group[gid][num_blocks:]

@@ -35,6 +35,11 @@ from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 
 
+_COUNT_FIELDS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
+                 "num_external_computed_tokens", "num_encoder_tokens", "reserved_blocks",
+                 "request.num_computed_tokens", "request.num_in_flight_tokens")
+
+
 class KVCacheBlocks:
     """Blocks per KV-cache group: ``blocks[group][j]`` (vLLM's allocation result)."""
 
@@ -144,11 +149,12 @@ class KVCacheManager:
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark = self.watermark_blocks
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        num_tokens = request.num_tokens
+        prefill_end = max(request.num_prompt_tokens, num_tokens - 1)
         free_blocks = self.block_pool.get_num_free_blocks
 
         if full_sequence_must_fit:
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            full_num_tokens = min(num_tokens, self.max_model_len)
             need = coordinator.get_num_blocks_to_allocate(
                 rid, full_num_tokens, hits, num_encoder_tokens, total_computed, num_local_computed,
                 full_num_tokens, apply_admission_cap=True, prefill_end=prefill_end)
@@ -176,7 +182,7 @@ class KVCacheManager:
         if delay_cache_blocks or self.hasher is None:
             return self.create_kv_cache_blocks(new_blocks)
         coordinator.cache_blocks(request, self.hasher.block_hashes(request),
-                                 min(total_computed + num_new_tokens, request.num_tokens))
+                                 min(total_computed + num_new_tokens, num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
     def _check_request(self, request: Request) -> None:
@@ -189,15 +195,12 @@ class KVCacheManager:
                            reserved_blocks: int) -> tuple[Sequence[KVCacheBlock], ...]:
         """Check every argument before anything changes; return the hits per group."""
         self._check_request(request)
-        for name, value in (("num_new_tokens", num_new_tokens),
-                            ("num_new_computed_tokens", num_new_computed_tokens),
-                            ("num_lookahead_tokens", num_lookahead_tokens),
-                            ("num_external_computed_tokens", num_external_computed_tokens),
-                            ("num_encoder_tokens", num_encoder_tokens),
-                            ("reserved_blocks", reserved_blocks),
-                            ("request.num_computed_tokens", request.num_computed_tokens),
-                            ("request.num_in_flight_tokens", request.num_in_flight_tokens)):
-            check_int(name, value, minimum=0)
+        values = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
+                  num_external_computed_tokens, num_encoder_tokens, reserved_blocks,
+                  request.num_computed_tokens, request.num_in_flight_tokens)
+        if set(map(type, values)) != {int} or min(values) < 0:  # C-level fast path; then name it
+            for name, value in zip(_COUNT_FIELDS, values):
+                check_int(name, value, minimum=0)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise InvalidFieldError("num_new_tokens", 0, "> 0 when there are no computed tokens to adopt")
         if request.num_tokens > self.max_model_len:
@@ -210,9 +213,8 @@ class KVCacheManager:
                                     f"at most max_model_len={self.max_model_len} tokens in all "
                                     f"(computed + new computed + external + new = {total})")
         rid = request.request_id
-        known = self.num_kv_cache_groups == 0 or any(
-            rid in m.req_to_blocks for m in self.coordinator.single_type_managers)
-        if not known and request.num_computed_tokens > 0:
+        if request.num_computed_tokens > 0 and self.num_kv_cache_groups and not any(
+                rid in m.req_to_blocks for m in self.coordinator.single_type_managers):
             raise UnknownRequestError(rid, f"claims num_computed_tokens={request.num_computed_tokens} "
                                            "but holds no blocks (freed, or never allocated)")
         if new_computed_blocks is None:

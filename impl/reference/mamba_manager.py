@@ -189,7 +189,7 @@ class MambaManager(SingleTypeKVCacheManager):
             freed.append(table[i])
             table[i] = self._null_block
         if freed:
-            self.block_pool.free_blocks(freed)
+            self.block_pool._free_blocks(freed)
         self._num_retired_blocks[request_id] = last_block
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -202,7 +202,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if idx is not None and idx < cdiv(processed_computed_tokens, self.block_size) - 1:
             table = self.req_to_blocks.setdefault(request_id, [])
             if table[idx] is not self._null_block:
-                self.block_pool.free_blocks([table[idx]])
+                self.block_pool._free_blocks([table[idx]])
                 table[idx] = self._null_block
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:

@@ -54,6 +54,8 @@ class SingleTypeKVCacheManager:
 
     #: whether lookups can land on hash boundaries inside a block (fine-grained hits)
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    #: cross-attention tables are sized by encoder tokens (the coordinator asks)
+    is_cross_attention: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -111,20 +113,25 @@ class SingleTypeKVCacheManager:
         long hit the capped gate may count 0 new blocks for a windowed group. Gate-only, so it can
         under-reserve but never crash.
         """
-        num_required = cdiv(num_tokens, self.block_size)
+        block_size = self.block_size
+        num_required = -(-num_tokens // block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
         num_held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             # Running: no new hits. Fewer than held is possible after rejected draft tokens.
             return max(num_required - num_held, 0)
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // block_size
         num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_held), 0)
-        # The first skipped blocks' worth of hits are never touched (they become null).
+        # The first skipped blocks' worth of hits are never touched (they become null); the others
+        # that sit in the free queue are taken out of it by the touch.
         first_touched = max(0, num_skipped_blocks - num_held)
-        num_evictable = self._num_evictable(new_computed_blocks[first_touched:])
-        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
-            num_new += 1  # the copy-on-write block for the shared partial tail
+        num_evictable = 0
+        for block in (new_computed_blocks[first_touched:] if first_touched else new_computed_blocks):
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        if new_computed_blocks and num_local_computed_tokens % block_size:
+            num_new += 1  # the copy-on-write block for a shared partial tail
         return num_new + num_evictable
 
     # ------------------------------------------------------------------ allocation
@@ -140,13 +147,13 @@ class SingleTypeKVCacheManager:
         assert not table, f"request {request_id} already has blocks in group {self.kv_cache_group_id}"
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_blocks = self.get_num_skipped_tokens(num_total) // self.block_size
-        hits = list(new_computed_blocks[num_skipped_blocks:]) if num_skipped_blocks > 0 \
-            else list(new_computed_blocks)
+        hits = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks > 0 else new_computed_blocks
         if self.enable_caching:
-            self.block_pool.touch(hits)
+            self.block_pool._touch(hits)
         else:
             assert not hits, "prefix-cache hits with caching disabled"
-        table.extend([self._null_block] * num_skipped_blocks)
+        if num_skipped_blocks > 0:
+            table.extend([self._null_block] * num_skipped_blocks)
         table.extend(hits)
         self.num_cached_block[request_id] = len(table)
         if self._has_partial_local_hit(hits, num_local_computed_tokens):
@@ -253,7 +260,7 @@ class SingleTypeKVCacheManager:
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
             blocks.reverse()
-            self.block_pool.free_blocks(blocks)
+            self.block_pool._free_blocks(blocks)
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Null out and free ``table[first_block:last_block]``, walking down from the top and
@@ -270,7 +277,7 @@ class SingleTypeKVCacheManager:
             freed.append(table[i])
             table[i] = null
         if freed:
-            self.block_pool.free_blocks(freed)
+            self.block_pool._free_blocks(freed)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
