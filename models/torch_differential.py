@@ -127,10 +127,15 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             req = self.reqs[rid]
             ids, hit = self.both("get_computed_blocks", req)
             budget = data.draw(st.integers(1, 16))
-            new = max(0, min(req.num_tokens - hit, budget)) if req.num_computed_tokens == 0 else 0
-            if new == 0 and hit == 0:
+            # Sometimes a connector supplies more tokens (external, possibly loaded asynchronously).
+            ext = data.draw(st.sampled_from([0, 0, 0, 0, 1, 2, 4, 8]))
+            ext = max(0, min(ext, req.num_tokens - hit - 1))
+            delay = ext > 0 and data.draw(st.booleans())
+            new = 0 if delay else max(0, min(req.num_tokens - hit - ext, budget))
+            if new == 0 and hit == 0 and ext == 0:
                 new = 1
             kw = dict(num_new_computed_tokens=hit, new_computed_block_ids=ids,
+                      num_external_computed_tokens=ext, delay_cache_blocks=delay,
                       num_lookahead_tokens=data.draw(st.sampled_from([0, 0, 0, 1, 2])),
                       full_sequence_must_fit=data.draw(st.booleans()),
                       reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3])),
@@ -141,7 +146,7 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             self.waiting.pop(0)
             self.running.append(rid)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = hit + new
+            req.num_computed_tokens = hit + ext + new
             req.num_in_flight_tokens = new if data.draw(st.booleans()) else 0
 
         @precondition(lambda self: self.running)
