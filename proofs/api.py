@@ -137,6 +137,13 @@ def find_counterexample(t: Theorem, F: Formulas, budget_ms: int = 5_000) -> Clai
     return None
 
 
+def check_bounds_needed(theorem: Theorem | str, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[ClaimResult]:
+    """Decide the theorem's ``necessary`` claims (each drops one stated bound) under the reference;
+    each should come back ``counterexample``."""
+    t = get_theorem(theorem) if isinstance(theorem, str) else theorem
+    return [decide(c, REFERENCE, timeout_ms) for c in t.necessary]
+
+
 def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", "_", s).strip("_").lower()
 
@@ -212,5 +219,12 @@ def run_all(theorems: Sequence[str] | None = None, variant: str | None = None, o
     return out
 
 
-__all__ = ["run_all", "prove_theorem", "check_concrete", "write_reproducer", "spec_crosscheck", "PROVED",
+__all__ = ["run_all", "prove_theorem", "check_bounds_needed", "run_contracts", "check_concrete", "write_reproducer", "spec_crosscheck", "PROVED",
            "COUNTEREXAMPLE", "UNKNOWN", "DEFAULT_TIMEOUT_MS"]
+
+
+def run_contracts(per_condition_timeout: float = 2.0):
+    """CrossHair over :mod:`kvref.proofs.contracts` (see :mod:`kvref.proofs.crosshair_run`)."""
+    from .crosshair_run import run_crosshair
+
+    return run_crosshair(per_condition_timeout=per_condition_timeout)

@@ -88,6 +88,9 @@ class Theorem:
     #: partial assignments tried first when searching a counterexample to the whole claim (a
     #: model found under extra equalities is still a model; they only shrink the search)
     search_hints: tuple[Mapping[str, Any], ...] = ()
+    #: the claim with one stated bound dropped, each expected to have a counterexample under the
+    #: reference (shows the bound is needed, not decoration)
+    necessary: tuple[Claim, ...] = ()
 
     @property
     def proof_obligations(self) -> tuple[Claim, ...]:

@@ -121,6 +121,17 @@ T2_SWA = Claim("swa", "SWA: blocks held after every allocate_slots <= cap", {**_
                _t2_swa)
 T2_CL = Claim("cl", "chunked-local: blocks held after every allocate_slots <= cap",
               {**_ints("chunk bs"), **_STEP_VARS}, _t2_cl)
+def _t2_lookahead(F, o, v):
+    """T2's SWA claim with ``la >= 1`` speculative lookahead slots allocated on top (no bound)."""
+    sw, extra, bs, k, B, M, la = (v[x] for x in "sw extra bs k B M la".split())
+    hyps = _pos(sw, bs, k, B, M, la) + _nonneg(extra) + _step_hyps(o, v)
+    c, f, n = v["c"], v["f"], v["n"]
+    p = F.removal_basis(o, c, f, M)
+    nulls = o.min(o.fdiv(F.swa_skipped(o, p, sw, extra), bs), o.cdiv(c, bs))
+    held = o.max(o.cdiv(o.min(c + n + la, M), bs), o.cdiv(c, bs)) - nulls
+    return hyps, held <= F.runtime_swa_cap(o, sw, extra, bs, k, B, M)
+
+
 T2 = Theorem(
     id="T2", name="runtime-within-cap",
     title="a windowed request never holds more blocks than its admission cap",
@@ -145,6 +156,10 @@ T2 = Theorem(
     claim=Claim("all", "both", {**_ints("sw extra chunk bs"), **_STEP_VARS}, _both(_t2_swa, _t2_cl)),
     lemmas=(T2_SWA, T2_CL),
     combination="the claim is the conjunction of the two lemmas",
+    necessary=(Claim("cl-unaligned", "chunked-local without 'chunk is a multiple of block_size'",
+                     {**_ints("chunk bs"), **_STEP_VARS}, lambda F, o, v: _t2_cl(F, o, v, aligned=False)),
+               Claim("lookahead", "SWA with speculative lookahead slots", {**_ints("sw extra bs la"), **_STEP_VARS},
+                     _t2_lookahead)),
 )
 
 
@@ -163,7 +178,7 @@ def _mix_hyps(o, v):
             + [o.divides(v["bsc"], v["chunk"]),
                v["ckpt_flag"] >= 0, v["ckpt_flag"] <= 1, v["ckpt_flag"] <= v["ckpt"],
                # vLLM sets mamba_block_size = max_model_len outside align mode (models/config.py)
-               o.Implies(o.Not(v["align"]), v["bsm"] >= M)])
+               o.Implies(o.Not(v["align"]), v["bsm"] >= M) if not v.get("_no_mamba_bound") else True])
 
 
 def _mix_pages(F, o, v, M):
@@ -268,6 +283,8 @@ T3 = Theorem(
         "watermark 0 (the default) and no prefix-cache hits for the request (an empty pool holds none)",
         "groups of one kind share one spec (counts n_g >= 0 of each kind)"),
     claim=Claim("all", "whole hybrid mix", _T3_VARS, _t3_all),
+    necessary=(Claim("mamba-small-block", "Mamba outside align mode with block_size < max_model_len", _T3_VARS,
+                     lambda F, o, v: _t3_kind(3)(F, o, {**v, "_no_mamba_bound": True})),),
     lemmas=(Claim("full", "full attention: gate(L) <= pages(M) and held <= pages(M)", _T3_VARS, _t3_kind(0)),
             Claim("swa", "sliding window: gate(L) <= cap and held <= cap", _T3_VARS, _t3_kind(1)),
             Claim("cl", "chunked local: gate(L) <= cap and held <= cap", _T3_VARS, _t3_kind(2)),

@@ -50,3 +50,17 @@ def test_unknown_theorem_is_rejected_with_the_valid_names():
     assert "T1" in str(err.value) and "T99" in str(err.value)
     assert get_theorem("t2").id == "T2"
     assert get_theorem("offload-window").id == "T6"
+
+
+def test_each_needed_bound_is_needed():
+    from kvref.proofs import COUNTEREXAMPLE, check_bounds_needed
+
+    seen = 0
+    for t in THEOREMS:
+        for r in check_bounds_needed(t):
+            seen += 1
+            assert r.status == COUNTEREXAMPLE, (t.id, r.claim, r.status)
+            claim = next(c for c in t.necessary if c.name == r.claim)
+            hyps_ok, goal_ok = claim.evaluate(REFERENCE, r.model)
+            assert hyps_ok and not goal_ok  # a concrete witness, replayed in Python
+    assert seen >= 3
