@@ -319,3 +319,69 @@ def test_sliding_window_size_in_chunks_matches_vllm(V2, kind, w, extra, tpc):
         v = V2.ChunkedLocalAttentionSpec(block_size=16, dtype=torch.float32, attention_chunk_size=w, **kw)
         r = ours.ChunkedLocalAttentionSpec(block_size=16, dtype="float32", attention_chunk_size=w, **kw)
     assert rkeys.get_sliding_window_size_in_chunks(r, tpc) == V2.get_sliding_window_size_in_chunks(v, tpc)
+
+
+# --------------------------------------------------------------------------------------------
+# SimpleCPUOffloadScheduler (bound to a GPU block pool) on generated engine traces
+
+from kvref.models.offload_machine import SimpleOffloadConfig, SimpleOffloadWorld  # noqa: E402
+
+PREFIXES = [list(range(100, 140)), list(range(200, 240))]
+
+
+@st.composite
+def simple_offload_cases(draw):
+    cfg = SimpleOffloadConfig(
+        block_size=4, num_gpu_blocks=draw(st.integers(8, 16)), num_cpu_blocks=draw(st.sampled_from([40, 24, 40, 8, 3, 1])),
+        sliding_window=draw(st.sampled_from([None, None, 4, 8, 12])), lazy=draw(st.booleans()),
+        world_size=draw(st.integers(1, 2)), max_num_batched_tokens=draw(st.sampled_from([8, 16])))
+    return cfg, random_ops(draw(st.randoms(use_true_random=True)), draw(st.integers(30, 70)))
+
+
+KINDS = ["step"] * 6 + ["add"] * 3 + ["drain"] * 3 + ["cstore"] * 2 + ["cload"] * 2 + ["abort", "preempt", "reset"]
+
+
+def random_ops(rnd, n):
+    """Ops drawn from Hypothesis' random (its plain list strategies rarely build a prefix, evict it from the
+    GPU and then hit it on the CPU, which takes a dozen coordinated steps)."""
+    return [(rnd.choice(KINDS), rnd.choice([0, 0, 0, 1, 2, 2, 2]), rnd.choice([13, 20, 30, 9, 2]), rnd.randint(0, 3),
+             rnd.choice([8, 4, 12, 64]), rnd.randint(1, 4), rnd.randint(0, 99), rnd.randint(1, 2),
+             rnd.random() < 0.5) for _ in range(n)]
+
+
+
+def apply_op(w: SimpleOffloadWorld, op):
+    kind, fam, n, tail, chunk, rep, pick, count, flag = op
+    if kind == "add":
+        if fam == 2:  # unrelated tokens: pressure on the GPU pool
+            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
+        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+    if kind == "step":
+        return [w.step(chunk) for _ in range(rep)]
+    if kind == "drain":  # deliver every pending completion, stores newest first or oldest first
+        out = []
+        while w.stores or w.loads:
+            out.append((w.complete_store(-1 if flag else 0, 2), w.complete_load(0)))
+        return out
+    if kind == "cstore":
+        return w.complete_store(pick, count)
+    if kind == "cload":
+        return w.complete_load(pick)
+    if kind == "abort":
+        return w.abort(pick)
+    if kind == "preempt":
+        return w.preempt(pick)
+    return w.reset()
+
+
+@settings(max_examples=profile_examples(40, 150))
+@given(case=simple_offload_cases())
+def test_simple_cpu_offload_scheduler_matches_vllm(V, case):
+    cfg, ops = case
+    ref = SimpleOffloadWorld(cfg, "reference", check_no_double_store=False)
+    vll = SimpleOffloadWorld(cfg, "vllm", check_no_double_store=False)
+    for op in ops:
+        assert apply_op(ref, op) == apply_op(vll, op), op
+        assert ref.observe() == vll.observe(), op
+    assert ref.metas == vll.metas
+    assert ref.duplicate_stores == vll.duplicate_stores

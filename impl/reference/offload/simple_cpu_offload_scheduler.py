@@ -1,0 +1,622 @@
+"""Scheduler side of vLLM's SimpleCPUOffloadConnector (``vllm/v1/simple_kv_offload/manager.py``).
+
+The CPU buffer is managed exactly like the GPU pool: a second coordinator with its own block
+pool (ref counts, LRU free queue, hash index). A CPU block becomes findable only when its store
+completes on every worker (its hash is inserted then); until then the in-flight store holds one
+reference on the CPU block and one on the source GPU block, so neither is reused while the copy
+runs.
+
+Loads: ``get_num_new_matched_tokens`` looks the suffix after the local prefix up in the CPU
+cache and *pins* the hit (one CPU ref) until ``update_state_after_alloc`` turns it into a load
+(CPU + GPU refs, released when the worker reports the request in ``finished_recving``). The pin
+closes the window in which the hit could be evicted (vLLM issue #39702).
+
+Stores, eager mode: per request and group a cursor walks the block table over *confirmed*
+tokens (computed before this step); a block is stored unless it is null, unhashed, already
+being stored (``_in_flight_store_gpu_blocks``, vLLM #41289) or already in the CPU cache. A
+finishing request flushes what its cursor has not reached yet. Stores of one step form one
+event.
+
+Stores, lazy mode: a cursor walks the GPU *free queue* and copies hashed blocks that are not on
+the CPU yet, before the allocator evicts them; touching them takes them off the queue.
+
+Not modelled: boundary (Mamba align) hand-offs, fine-grained partial tails / partial hash hits,
+KV events and metrics, DCP/PCP, disk backend, multi-module MTP placeholders. Groups must be full
+attention (incl. MLA), sliding window or chunked local.
+
+Variants: ``in_flight_dedup=False`` (:class:`PreFix41289SimpleCPUOffloadScheduler`) forgets
+stores scheduled in earlier steps, as before vLLM #41289; ``dedup_within_scan=True`` also
+deduplicates within one request's scan (what open vLLM PR 42903 proposes; not 0.33.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvref.impl.request import Request
+from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from kvref.spec.mathutil import cdiv
+
+from ..block_hash import BlockHash, RequestBlockHasher, resolve_block_hashes
+from ..block_pool import BlockPool
+from ..kv_cache_block import KVCacheBlock
+from ..kv_cache_coordinator import get_kv_cache_coordinator, scheduler_spec
+from .keys import OffloadStateError
+
+
+@dataclass
+class TransferMeta:
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int]
+
+
+@dataclass
+class LoadRequestState:
+    request: Request
+    transfer: TransferMeta
+    load_event: int | None = None
+    finished: bool = False
+
+
+@dataclass
+class StoreRequestState:
+    """Eager mode: the connector's copy of the block table and one cursor per group."""
+
+    request: Request
+    block_ids: tuple[list[int], ...]
+    num_stored_blocks: list[int]
+    store_events: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class SimpleOffloadStep:
+    """What the connector reads from vLLM's ``SchedulerOutput``.
+
+    ``scheduled``: ``(req_id, new block ids per group or None, is_full_table)`` for new and
+    cached requests (vLLM ``yield_req_data``); ``is_full_table`` for new/resumed requests.
+    """
+
+    scheduled: list[tuple[str, tuple[list[int], ...] | None, bool]] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SimpleOffloadMeta:
+    """What the workers get (vLLM ``SimpleCPUOffloadMetadata``); -1 = no event."""
+
+    load_event: int
+    load_gpu_blocks: tuple[int, ...]
+    load_cpu_blocks: tuple[int, ...]
+    store_event: int
+    store_gpu_blocks: tuple[int, ...]
+    store_cpu_blocks: tuple[int, ...]
+    need_flush: bool
+
+
+_MODELLED = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+
+
+class SimpleCPUOffloadScheduler:
+    """Args:
+        kv_cache_groups: the GPU groups (the CPU side mirrors them).
+        num_cpu_blocks: CPU blocks including the CPU pool's own null block (>= 1; 1 = no room).
+        max_model_len, max_in_flight_tokens: as for the GPU coordinator.
+        scheduler_block_size, hash_block_size: as for the GPU coordinator.
+        lazy_offload: lazy (free-queue cursor) instead of eager stores.
+        world_size: workers that must each report a store event before it completes.
+        max_num_batched_tokens: sizes the lazy target.
+        block_hasher: request -> chained block hashes (vLLM ``request.block_hashes``).
+    """
+
+    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_cpu_blocks: int, max_model_len: int,
+                 scheduler_block_size: int, hash_block_size: int, *, lazy_offload: bool = False,
+                 world_size: int = 1, max_num_batched_tokens: int = 2048, max_in_flight_tokens: int | None = None,
+                 block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+                 in_flight_dedup: bool = True, dedup_within_scan: bool = False) -> None:
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        check_int("world_size", world_size, minimum=1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        check_int("scheduler_block_size", scheduler_block_size, minimum=1)
+        check_int("hash_block_size", hash_block_size, minimum=1)
+        groups = tuple(kv_cache_groups)
+        for i, g in enumerate(groups):
+            if not isinstance(g, KVCacheGroupSpec) or not isinstance(scheduler_spec(g.kv_cache_spec), _MODELLED):
+                raise InvalidFieldError(f"kv_cache_groups[{i}]", g, "a full-attention, sliding-window or "
+                                        "chunked-local KVCacheGroupSpec (others are not modelled)")
+        specs = [scheduler_spec(g.kv_cache_spec) for g in groups]
+        fa = [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
+        if not fa:
+            raise InvalidFieldError("kv_cache_groups", groups, "at least one full-attention group")
+        for i, s in enumerate(specs):
+            if s.block_size != hash_block_size:
+                raise InvalidFieldError(f"kv_cache_groups[{i}].block_size", s.block_size,
+                                        f"== hash_block_size={hash_block_size} (fine-grained hits are not modelled)")
+        self.groups = groups
+        self.specs = specs
+        self.block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.world_size = world_size
+        self.lazy = bool(lazy_offload)
+        self.in_flight_dedup = in_flight_dedup
+        self.dedup_within_scan = dedup_within_scan
+        self.cpu_coordinator = get_kv_cache_coordinator(
+            groups, num_cpu_blocks, max_model_len, max_in_flight_tokens or max_model_len, False, True,
+            scheduler_block_size, hash_block_size)
+        self.cpu_block_pool: BlockPool = self.cpu_coordinator.block_pool
+        self.num_cpu_blocks = num_cpu_blocks
+        self.fa_gidx = fa[0]
+        self.group_block_sizes = [s.block_size for s in specs]
+        self.prefix_cacheable_group_ids = tuple(range(len(groups)))
+        self.block_hasher = block_hasher or RequestBlockHasher(hash_block_size).block_hashes
+        self._gpu_block_pool: BlockPool | None = None
+
+        self._reqs_to_load: dict[str, LoadRequestState] = {}
+        self._load_event_to_reqs: dict[int, list[str]] = {}
+        self._abandoned_reqs_to_load: dict[str, LoadRequestState] = {}
+        self._pending_cpu_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int, int]] = {}
+
+        self._cursor: KVCacheBlock | None = None
+        self._target_free = self._lazy_target(max_num_batched_tokens) if self.lazy else 0
+        self._store_event_to_blocks: dict[int, TransferMeta] = {}
+        self._abandoned_store_event_to_blocks: dict[int, TransferMeta] = {}
+        self._reqs_to_store: dict[str, StoreRequestState] = {}
+        self._store_event_to_reqs: dict[int, list[str]] = {}
+        self._in_flight_store_gpu_blocks: set[int] = set()
+        self._pending_finished_stores: list[TransferMeta] = []
+        self._store_event_pending_counts: dict[int, int] = {}
+        self._load_event_counter = 0
+        self._store_event_counter = 0
+        self._finished_req_ids: set[str] = set()
+
+    def _lazy_target(self, max_num_batched_tokens: int) -> int:
+        """Twice the blocks one step can need: a batch per full group, a window per SW group."""
+        t = 0
+        for s in self.specs:
+            if isinstance(s, SlidingWindowSpec):
+                t += cdiv(s.sliding_window, s.block_size) + 1
+            else:
+                t += cdiv(max_num_batched_tokens, s.block_size)
+        return int(t * 2.0)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if not isinstance(gpu_block_pool, BlockPool):
+            raise InvalidFieldError("gpu_block_pool", gpu_block_pool, "a kvref reference BlockPool")
+        self._gpu_block_pool = gpu_block_pool
+
+    @property
+    def gpu_pool(self) -> BlockPool:
+        if self._gpu_block_pool is None:
+            raise OffloadStateError("gpu_block_pool: not bound; call bind_gpu_block_pool() first")
+        return self._gpu_block_pool
+
+    # ------------------------------------------------------------------ loads
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens loadable from the CPU after the local prefix, is_async). Pins the hit."""
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        self._check_live(request)
+        if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
+            self._free_pending_cpu_hit(stale)
+        if num_computed_tokens % self.block_size:
+            return 0, False  # a load copies whole blocks: it cannot start mid-block
+        for s in self.specs:
+            if isinstance(s, ChunkedLocalAttentionSpec) and num_computed_tokens % s.attention_chunk_size:
+                return 0, False
+        remaining = self.block_hasher(request)[num_computed_tokens // self.hash_block_size:]
+        max_hit = request.num_tokens - 1 - num_computed_tokens  # the last token is always computed
+        if not remaining or max_hit <= 0:
+            return 0, False
+        # Chained hashes: a suffix lookup is valid on its own.
+        hit_blocks, hit, _ = self.cpu_coordinator.find_longest_cache_hit(remaining, max_hit)
+        if hit <= 0:
+            return 0, False
+        self.cpu_block_pool.touch([b for grp in hit_blocks for b in grp if not b.is_null])
+        self._pending_cpu_hits[request.request_id] = (hit_blocks, hit, num_computed_tokens)
+        return hit, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[Sequence[int]],
+                                 num_external_tokens: int) -> None:
+        """``block_ids``: the request's whole GPU block table per group after allocation."""
+        check_int("num_external_tokens", num_external_tokens, minimum=0)
+        self._check_live(request)
+        if len(block_ids) != len(self.groups):
+            raise InvalidFieldError("block_ids", block_ids, f"{len(self.groups)} per-group lists")
+        rid = request.request_id
+        pending = self._pending_cpu_hits.get(rid)
+        if num_external_tokens and pending is not None:
+            _, hit, computed = pending
+            if num_external_tokens > hit or num_external_tokens % self.hash_block_size:
+                raise InvalidFieldError("num_external_tokens", num_external_tokens,
+                                        f"a multiple of {self.hash_block_size} <= the offered hit {hit}")
+            for g, ids in enumerate(block_ids):
+                if len(ids) < computed // self.group_block_sizes[g] + cdiv(num_external_tokens,
+                                                                          self.group_block_sizes[g]):
+                    raise InvalidFieldError(f"block_ids[{g}]", list(ids), "blocks covering the external tokens")
+        if not self.lazy and rid not in self._reqs_to_store:
+            n = len(self.groups)
+            self._reqs_to_store[rid] = StoreRequestState(request, tuple([] for _ in range(n)), [0] * n)
+        self._pending_cpu_hits.pop(rid, None)
+        if num_external_tokens == 0 or pending is None:
+            if pending is not None:
+                self._free_pending_cpu_hit(pending)
+            return  # vLLM warns and skips the load when no hit was pending
+        hit_blocks, _, computed = pending
+        gpu_ids: list[int] = []
+        cpu_blocks: list[KVCacheBlock] = []
+        for g in self.prefix_cacheable_group_ids:
+            bs = self.group_block_sizes[g]
+            # The scheduler may accept fewer tokens than offered: take the leading blocks.
+            for i, cpu_blk in enumerate(hit_blocks[g][:cdiv(num_external_tokens, bs)]):
+                if cpu_blk.is_null:
+                    continue
+                gpu_ids.append(block_ids[g][computed // bs + i])
+                cpu_blocks.append(cpu_blk)
+        self.cpu_block_pool.touch(cpu_blocks)
+        self._free_pending_cpu_hit(pending)
+        self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
+        self._reqs_to_load[rid] = LoadRequestState(request, TransferMeta(gpu_ids, [b.block_id for b in cpu_blocks]))
+
+    def _free_pending_cpu_hit(self, pending) -> None:
+        blocks = [b for grp in pending[0] for b in grp if not b.is_null]
+        if blocks:
+            self.cpu_block_pool.free_blocks(blocks)
+
+    # ------------------------------------------------------------------ stores
+
+    def _classify_ready(self, block: KVCacheBlock, scan_local: set[int]) -> bool:
+        if block.is_null or block.block_hash is None:
+            return False
+        if block.block_id in self._in_flight_store_gpu_blocks or block.block_id in scan_local:
+            return False
+        return self.cpu_block_pool.cached_block_hash_to_block.get_one_block(block.block_hash) is None
+
+    def _cached_gpu_block(self, hashes: list[BlockHash], i: int, g: int) -> KVCacheBlock | None:
+        if i >= len(hashes):
+            return None
+        found = self.gpu_pool.get_cached_block(hashes[i], [g])
+        return found[0] if found else None
+
+    def _select_eager_blocks(self, state: StoreRequestState, block_ids: Sequence[Sequence[int]]
+                             ) -> tuple[list[int], list[int]]:
+        """(GPU blocks to store, cursor advance per group) over this request's confirmed blocks.
+
+        NOTE: in 0.33.0 the in-flight set is only updated *after* the scan, so one physical block
+        id reached twice within the scan (a stale sliding-window slot whose block was freed and
+        re-allocated) is selected twice — the open vLLM PR 42903. ``dedup_within_scan`` closes it.
+        """
+        pool = self.gpu_pool
+        selected: list[int] = []
+        scan_local: set[int] = set()
+        advanced = [0] * len(self.groups)
+        request = state.request
+        confirmed = request.num_computed_tokens
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        for g, ids in enumerate(block_ids):
+            if len(selected) >= num_free:
+                break
+            bs = self.group_block_sizes[g]
+            ready = min(len(ids), self.cpu_coordinator.get_num_cacheable_tokens(confirmed, g) // bs)
+            hashes = resolve_block_hashes(self.block_hasher(request), self.hash_block_size, bs)
+            for i in range(state.num_stored_blocks[g], ready):
+                block = pool.blocks[ids[i]]
+                if block.is_null:
+                    # A slot nulled as it left the window; its cached block may still be around.
+                    block = self._cached_gpu_block(hashes, i, g)
+                    if block is None:
+                        advanced[g] += 1
+                        continue
+                if not self._classify_ready(block, scan_local):
+                    advanced[g] += 1
+                    continue
+                if len(selected) >= num_free:
+                    break
+                selected.append(block.block_id)
+                if self.dedup_within_scan:
+                    scan_local.add(block.block_id)
+                advanced[g] += 1
+        return selected, advanced
+
+    def _prepare_eager_store_specs(self, step: SimpleOffloadStep) -> tuple[list[int], list[int], list[str]]:
+        gpu_out: list[int] = []
+        cpu_out: list[int] = []
+        req_ids: list[str] = []
+        if not self.in_flight_dedup:
+            # Pre-#41289: only this step's selections were remembered.
+            self._in_flight_store_gpu_blocks.clear()
+        n = len(self.groups)
+        for rid in step.preempted_req_ids:
+            state = self._reqs_to_store.get(rid)
+            if state is not None:  # the request resumes with a whole new table
+                state.block_ids = tuple([] for _ in range(n))
+                state.num_stored_blocks = [0] * n
+        for rid, new_ids, full in step.scheduled:
+            state = self._reqs_to_store.get(rid)
+            if state is None or state.finished:
+                continue
+            if full:
+                state.block_ids = tuple([] for _ in range(n))
+            if new_ids:
+                for g in range(min(n, len(new_ids))):
+                    state.block_ids[g].extend(new_ids[g])
+            if not step.num_scheduled_tokens.get(rid, 0):
+                continue
+            gpu_ids, advanced = self._select_eager_blocks(state, state.block_ids)
+            if gpu_ids:
+                cpu_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_ids))]
+                req_ids.append(rid)
+                gpu_out += gpu_ids
+                cpu_out += cpu_ids
+                self._in_flight_store_gpu_blocks.update(gpu_ids)
+                # The copy reads these GPU blocks until it completes: hold them.
+                self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
+            for g in range(n):
+                state.num_stored_blocks[g] += advanced[g]
+        return gpu_out, cpu_out, list(dict.fromkeys(req_ids))
+
+    def _prepare_lazy_store_specs(self) -> tuple[list[int], list[int], list[str]]:
+        pool = self._gpu_block_pool
+        if pool is None or self._target_free <= 0:
+            return [], [], []
+        num_cpu_free = self.cpu_block_pool.get_num_free_blocks()
+        if self._cursor is not None and self._cursor.ref_cnt > 0:
+            self._cursor = None  # the cursor block was taken off the queue
+        gpu_ids: list[int] = []
+        last = self._cursor
+        for covered, node in enumerate(pool.free_block_queue.iter_blocks_after(self._cursor)):
+            if covered >= self._target_free or len(gpu_ids) >= num_cpu_free:
+                break
+            last = node
+            if node.block_hash is not None and not node.is_null and \
+                    self.cpu_block_pool.cached_block_hash_to_block.get_one_block(node.block_hash) is None:
+                gpu_ids.append(node.block_id)
+        self._cursor = last
+        if not gpu_ids:
+            return [], [], []
+        cpu_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_ids))]
+        pool.touch([pool.blocks[b] for b in gpu_ids])
+        return gpu_ids, cpu_ids, []
+
+    def build_connector_meta(self, step: SimpleOffloadStep) -> SimpleOffloadMeta:
+        if not isinstance(step, SimpleOffloadStep):
+            raise InvalidFieldError("step", step, "a SimpleOffloadStep")
+        gpu, cpu, store_reqs = (self._prepare_lazy_store_specs() if self.lazy
+                                else self._prepare_eager_store_specs(step))
+        for t in self._pending_finished_stores:
+            gpu += t.gpu_block_ids
+            cpu += t.cpu_block_ids
+        self._pending_finished_stores.clear()
+        store_event = -1
+        if gpu:
+            store_event = self._store_event_counter
+            self._store_event_counter += 1
+            self._store_event_to_blocks[store_event] = TransferMeta(gpu, cpu)
+            if store_reqs:
+                self._store_event_to_reqs[store_event] = store_reqs
+                for rid in store_reqs:
+                    if (st := self._reqs_to_store.get(rid)) is not None:
+                        st.store_events.add(store_event)
+        load_gpu: list[int] = []
+        load_cpu: list[int] = []
+        load_reqs: list[str] = []
+        for rid, ls in self._reqs_to_load.items():
+            if ls.load_event is None:
+                load_gpu += ls.transfer.gpu_block_ids
+                load_cpu += ls.transfer.cpu_block_ids
+                load_reqs.append(rid)
+        load_event = -1
+        if load_reqs:
+            load_event = self._load_event_counter
+            self._load_event_counter += 1
+            for rid in load_reqs:
+                self._reqs_to_load[rid].load_event = load_event
+            self._load_event_to_reqs[load_event] = load_reqs
+        return SimpleOffloadMeta(load_event, tuple(load_gpu), tuple(load_cpu), store_event, tuple(gpu), tuple(cpu),
+                                 bool(step.preempted_req_ids))
+
+    # ------------------------------------------------------------------ completions
+
+    def update_connector_output(self, finished_recving: Iterable[str] = (),
+                                completed_store_events: dict[int, int] | None = None) -> None:
+        """Loads complete per request (``finished_recving``); a store event completes once
+        ``world_size`` worker reports have accumulated, in any order and across steps.
+
+        Raises OffloadStateError (nothing changed) for a load completion of a request with no load
+        in flight, a store event never issued, or a report for an event already complete — vLLM
+        ignores all three silently.
+        """
+        recv = list(finished_recving)
+        events = dict(completed_store_events or {})
+        for rid in recv:
+            ls = self._reqs_to_load.get(rid) or self._abandoned_reqs_to_load.get(rid)
+            if ls is None or ls.load_event is None:
+                raise OffloadStateError(f"finished_recving: request {rid!r} has no load in flight")
+        if len(set(recv)) != len(recv):
+            raise OffloadStateError(f"finished_recving: {recv!r} names a request twice")
+        for ev, count in events.items():
+            check_int(f"completed_store_events[{ev}]", count, minimum=1)
+            if not (isinstance(ev, int) and 0 <= ev < self._store_event_counter):
+                raise OffloadStateError(f"completed_store_events: event {ev!r} was never issued")
+            if ev not in self._store_event_to_blocks and ev not in self._abandoned_store_event_to_blocks:
+                raise OffloadStateError(f"completed_store_events: event {ev} already completed")
+            if self._store_event_pending_counts.get(ev, 0) + count > self.world_size:
+                raise OffloadStateError(f"completed_store_events: event {ev} reported by more than "
+                                        f"world_size={self.world_size} workers")
+        for rid in recv:
+            self._cleanup_load_request(rid)
+        for ev, count in events.items():
+            total = self._store_event_pending_counts.get(ev, 0) + count
+            if total >= self.world_size:
+                self._store_event_pending_counts.pop(ev, None)
+                self._process_store_event(ev)
+            else:
+                self._store_event_pending_counts[ev] = total
+
+    def _process_store_event(self, ev: int) -> None:
+        t = self._store_event_to_blocks.pop(ev, None)
+        if t is None:
+            t = self._abandoned_store_event_to_blocks.pop(ev)
+            self._release_transfer_refs(t)  # abandoned by reset(): release, do not cache
+            return
+        if not self.lazy:
+            self._in_flight_store_gpu_blocks.difference_update(t.gpu_block_ids)
+        gpu = self.gpu_pool
+        cpu_blocks = [self.cpu_block_pool.blocks[b] for b in t.cpu_block_ids]
+        for gid, cblk in zip(t.gpu_block_ids, cpu_blocks):
+            gblk = gpu.blocks[gid]
+            # NOTE: the GPU block still carries its hash: the store's ref kept it off the queue.
+            assert gblk.block_hash is not None
+            self.cpu_block_pool._insert_block_hash(gblk.block_hash, cblk, gblk.block_hash_num_tokens)
+            for h in gpu.cached_block_hashes_by_block.get(gid, ()):
+                self.cpu_block_pool._insert_block_hash(h, cblk, None)
+        self.cpu_block_pool.free_blocks(cpu_blocks)
+        gpu.free_blocks([gpu.blocks[b] for b in t.gpu_block_ids])
+        if not self.lazy:
+            for rid in self._store_event_to_reqs.pop(ev, []):
+                st = self._reqs_to_store.get(rid)
+                if st is None:
+                    continue
+                st.store_events.discard(ev)
+                if st.finished and not st.store_events:
+                    self._cleanup_store_request(rid)
+
+    def _release_transfer_refs(self, t: TransferMeta) -> None:
+        self.cpu_block_pool.free_blocks([self.cpu_block_pool.blocks[b] for b in t.cpu_block_ids])
+        self.gpu_pool.free_blocks([self.gpu_pool.blocks[b] for b in t.gpu_block_ids])
+
+    def _cleanup_load_request(self, rid: str) -> None:
+        ls = self._reqs_to_load.pop(rid, None) or self._abandoned_reqs_to_load.pop(rid, None)
+        if ls is None:
+            return
+        if ls.load_event is not None and (reqs := self._load_event_to_reqs.get(ls.load_event)) is not None:
+            if rid in reqs:
+                reqs.remove(rid)
+            if not reqs:
+                self._load_event_to_reqs.pop(ls.load_event, None)
+        self._release_transfer_refs(ls.transfer)
+
+    def _cleanup_store_request(self, rid: str) -> None:
+        st = self._reqs_to_store.pop(rid, None)
+        if st is None:
+            return
+        for ev in st.store_events:
+            if (reqs := self._store_event_to_reqs.get(ev)) is not None:
+                if rid in reqs:
+                    reqs.remove(rid)
+                if not reqs:
+                    self._store_event_to_reqs.pop(ev, None)
+        st.store_events.clear()
+
+    # ------------------------------------------------------------------ finish / reset
+
+    def _check_live(self, request: Request) -> None:
+        if request.request_id in self._finished_req_ids:
+            raise OffloadStateError(f"request {request.request_id!r} already finished")
+
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]] = ()) -> tuple[bool, None]:
+        """Finish-time flush (eager): queue the confirmed blocks the cursors have not reached,
+        then release pins; stores and loads still in flight keep their refs and finish later.
+        Always (False, None): the refs protect the GPU blocks, the scheduler frees at once."""
+        self._check_live(request)
+        if block_ids and len(block_ids) != len(self.groups):
+            raise InvalidFieldError("block_ids", block_ids, f"{len(self.groups)} per-group lists")
+        rid = request.request_id
+        self._finished_req_ids.add(rid)
+        st = self._reqs_to_store.get(rid)
+        if st is not None and block_ids and self._gpu_block_pool is not None:
+            gpu_ids, _ = self._select_eager_blocks(st, block_ids)
+            if gpu_ids:
+                cpu = self.cpu_block_pool.get_new_blocks(len(gpu_ids))
+                self._pending_finished_stores.append(TransferMeta(gpu_ids, [b.block_id for b in cpu]))
+                self._in_flight_store_gpu_blocks.update(gpu_ids)
+                self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
+        if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
+            self._free_pending_cpu_hit(pending)
+        ls = self._reqs_to_load.get(rid)
+        if ls is not None:
+            if ls.load_event is not None:
+                ls.finished = True
+            else:
+                self._cleanup_load_request(rid)
+        if not self.lazy and (st := self._reqs_to_store.get(rid)) is not None:
+            if st.store_events:
+                st.finished = True
+            else:
+                self._cleanup_store_request(rid)
+        return False, None
+
+    def reset(self) -> bool:
+        """Abandon transfers (their refs are released when workers report them, uncached) and
+        clear the CPU cache if nothing is in flight; False while something is."""
+        for p in self._pending_cpu_hits.values():
+            self._free_pending_cpu_hit(p)
+        self._pending_cpu_hits.clear()
+        self._abandoned_store_event_to_blocks.update(self._store_event_to_blocks)
+        for t in self._pending_finished_stores:
+            self._release_transfer_refs(t)
+        self._pending_finished_stores.clear()
+        self._store_event_to_blocks.clear()
+        self._in_flight_store_gpu_blocks.clear()
+        for rid in list(self._reqs_to_load):
+            ls = self._reqs_to_load.pop(rid)
+            if ls.load_event is None:
+                self._release_transfer_refs(ls.transfer)
+            else:
+                self._abandoned_reqs_to_load[rid] = ls
+        self._reqs_to_store.clear()
+        self._store_event_to_reqs.clear()
+        self._store_event_pending_counts = {e: c for e, c in self._store_event_pending_counts.items()
+                                            if e in self._abandoned_store_event_to_blocks}
+        self._cursor = None
+        if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
+            return False
+        return self.cpu_block_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ inspection
+
+    def in_flight_stores(self) -> list[TransferMeta]:
+        """Every store whose copy may be running: issued events, abandoned ones, queued flushes."""
+        return (list(self._store_event_to_blocks.values()) + list(self._abandoned_store_event_to_blocks.values())
+                + list(self._pending_finished_stores))
+
+    def in_flight_loads(self) -> list[TransferMeta]:
+        return [ls.transfer for ls in list(self._reqs_to_load.values()) + list(self._abandoned_reqs_to_load.values())]
+
+    def check_invariants(self) -> None:
+        """O1-O3 of the digest (§11.4) plus pool consistency."""
+        self.cpu_block_pool.check_invariants()
+        stores = self.in_flight_stores()
+        loads = self.in_flight_loads()
+        pins = [b for p in self._pending_cpu_hits.values() for grp in p[0] for b in grp if not b.is_null]
+        # O2: every transfer holds one ref per CPU block; pins hold one each. Nothing else does.
+        expected: dict[int, int] = {}
+        for t in stores + loads:
+            for b in t.cpu_block_ids:
+                expected[b] = expected.get(b, 0) + 1
+        for b in pins:
+            expected[b.block_id] = expected.get(b.block_id, 0) + 1
+        for blk in self.cpu_block_pool.blocks[1:]:
+            assert blk.ref_cnt == expected.get(blk.block_id, 0), \
+                f"CPU block {blk.block_id}: ref_cnt {blk.ref_cnt} != transfers+pins {expected.get(blk.block_id, 0)}"
+        # O3: a CPU block being written is not findable.
+        writing = {b for t in stores for b in t.cpu_block_ids}
+        for b in writing:
+            assert self.cpu_block_pool.blocks[b].block_hash is None, f"CPU block {b} hashed while being written"
+        # O1 (eager): the in-flight set is exactly the GPU sources of live, non-abandoned stores.
+        if not self.lazy and self.in_flight_dedup:
+            live = {g for t in list(self._store_event_to_blocks.values()) + self._pending_finished_stores
+                    for g in t.gpu_block_ids}
+            assert self._in_flight_store_gpu_blocks == live, "in-flight set out of sync with issued stores"
+        if self._gpu_block_pool is not None:
+            for t in stores + loads:
+                for g in t.gpu_block_ids:
+                    assert self._gpu_block_pool.blocks[g].ref_cnt > 0, f"GPU block {g} freed while in a transfer"

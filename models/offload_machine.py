@@ -1,0 +1,554 @@
+"""A small engine around the SimpleCPU offload scheduler, with a content model beside it.
+
+:class:`SimpleOffloadWorld` drives a GPU KV cache manager and a ``SimpleCPUOffloadScheduler``
+the way vLLM's v1 ``Scheduler`` does (lookup -> connector match -> ``allocate_slots`` ->
+``update_state_after_alloc``; ``build_connector_meta`` before ``num_computed_tokens`` advances;
+async loads park the request until the worker reports it; finish -> ``request_finished`` then
+``free``), while transfer completions are delivered whenever the trace says: late, out of order,
+per worker.
+
+Two backends answer the same calls: ``"reference"`` (kvref) and ``"vllm"`` (vLLM 0.33.0's
+``KVCacheManager`` + ``SimpleCPUOffloadScheduler``), so one trace can run on both and be compared
+(conformance) — and the reference can be run with historic variants.
+
+The content model tracks a *content token* per GPU and CPU block: the (group, block-hash) of the
+tokens the block holds. Computing tokens writes it, a store copies it GPU -> CPU at completion,
+a load copies it CPU -> GPU. It checks, at every transfer:
+
+* a GPU block is never the source of two in-flight stores (vLLM #41289; PR 42903);
+* a block being stored (or loaded into) is not re-allocated before the transfer completes;
+* a load reads a CPU block whose store completed, and what it reads is exactly the content the
+  destination position needs (the block hash of that position in that group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.block_hash import make_block_hash_with_group_id
+from kvref.impl.reference.kv_cache_manager import KVCacheManager
+from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
+    SimpleCPUOffloadScheduler,
+    SimpleOffloadStep,
+)
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+
+class OffloadInvariantError(AssertionError):
+    """The content model caught the system breaking an offload invariant."""
+
+
+@dataclass(frozen=True)
+class SimpleOffloadConfig:
+    block_size: int = 4
+    num_gpu_blocks: int = 24
+    num_cpu_blocks: int = 10
+    sliding_window: int | None = None  # adds an SWA group beside the full-attention one
+    lazy: bool = False
+    world_size: int = 1
+    max_model_len: int = 256
+    max_num_batched_tokens: int = 64
+
+    def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        kw = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
+        groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(**kw))]
+        if self.sliding_window is not None:
+            groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **kw)))
+        return tuple(groups)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+
+
+class ReferenceBackend:
+    """kvref's KVCacheManager + SimpleCPUOffloadScheduler (``variant`` picks a historic one)."""
+
+    name = "reference"
+    VARIANTS = {"reference": {}, "pre_fix_41289": {"in_flight_dedup": False},
+                "fix_42903": {"dedup_within_scan": True}}
+
+    def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:
+        groups = cfg.kvref_groups()
+        self.mgr = KVCacheManager(PoolConfig(cfg.num_gpu_blocks, groups, cfg.max_model_len, cfg.block_size,
+                                             cfg.block_size, enable_caching=True))
+        self.conn = SimpleCPUOffloadScheduler(
+            groups, cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.block_size, lazy_offload=cfg.lazy,
+            world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_hasher=self.mgr.block_hashes, **self.VARIANTS[variant])
+        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+        self.gpu_pool = self.mgr.block_pool
+        self.cpu_pool = self.conn.cpu_block_pool
+
+    def make_request(self, rid: str, prompt: list[int], max_tokens: int) -> Any:
+        return Request(rid, prompt, max_tokens=max_tokens)
+
+    def append_token(self, req, tok: int) -> None:
+        req.output_token_ids.append(tok)
+
+    def block_hashes(self, req) -> list[bytes]:
+        return self.mgr.block_hashes(req)
+
+    def set_status(self, req, status: str) -> None:
+        req.status = {"waiting": RequestStatus.WAITING, "loading": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
+                      "preempted": RequestStatus.PREEMPTED, "finished": RequestStatus.FINISHED}[status]
+
+    def get_computed_blocks(self, req):
+        blocks, n, _ = self.mgr.get_computed_blocks(req)
+        return blocks, n
+
+    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
+        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
+                                      delay_cache_blocks=delay)
+        return None if out is None else out.get_block_ids()
+
+    def table(self, rid: str) -> tuple[list[int], ...]:
+        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
+
+    def cache_blocks(self, req, n: int) -> None:
+        self.mgr.coordinator.cache_blocks(req, self.mgr.block_hashes(req), n)
+
+    def free(self, req) -> None:
+        self.mgr.free(req)
+
+    def match(self, req, n_computed):
+        return self.conn.get_num_new_matched_tokens(req, n_computed)
+
+    def after_alloc(self, req, n_ext) -> None:
+        self.conn.update_state_after_alloc(req, self.table(req.request_id), n_ext)
+
+    def build_meta(self, step: SimpleOffloadStep):
+        m = self.conn.build_connector_meta(step)
+        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
+
+    def complete(self, recv: set[str], events: dict[int, int]) -> None:
+        self.conn.update_connector_output(recv, events)
+
+    def finished(self, req, table) -> None:
+        self.conn.request_finished(req, table)
+
+    def reset(self) -> bool:
+        return self.conn.reset()
+
+    def in_flight_set(self) -> set[int]:
+        return set(self.conn._in_flight_store_gpu_blocks)
+
+    def check_invariants(self) -> None:
+        self.conn.check_invariants()
+        self.mgr.check_invariants(strict_ref_counts=False)
+
+
+class VllmBackend(ReferenceBackend):
+    """vLLM 0.33.0's KVCacheManager + SimpleCPUOffloadScheduler bound to its GPU block pool."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:  # noqa: D107
+        import torch
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VKVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+        from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VSched
+
+        assert variant == "reference", "vLLM runs as released"
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(cfg.block_size, sha256)
+        kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        groups = [VGroup(["full"], VFull(**kw))]
+        if cfg.sliding_window is not None:
+            groups.append(VGroup(["swa"], VSWA(sliding_window=cfg.sliding_window, **kw)))
+        page = groups[0].kv_cache_spec.page_size_bytes
+        kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
+                             kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,
+                                                             layers=[g.layer_names[0] for g in groups],
+                                                             layer_stride=page, block_stride=page)],
+                             kv_cache_groups=groups)
+        self.mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
+                                   hash_block_size=cfg.block_size, enable_caching=True)
+        vcfg = SimpleNamespace(
+            kv_events_config=None, speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
+            num_prefill_lookahead_tokens=0,
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=cfg.world_size),
+            model_config=SimpleNamespace(max_model_len=cfg.max_model_len),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=cfg.max_num_batched_tokens))
+        self.conn = VSched(vcfg, kcfg, cpu_capacity_bytes=10**12, scheduler_block_size=cfg.block_size,
+                           hash_block_size=cfg.block_size, lazy_offload=cfg.lazy, num_cpu_blocks=cfg.num_cpu_blocks)
+        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+        self.gpu_pool = self.mgr.block_pool
+        self.cpu_pool = self.conn.cpu_block_pool
+
+    def make_request(self, rid, prompt, max_tokens):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request as VRequest
+
+        return VRequest(request_id=rid, prompt_token_ids=list(prompt),
+                        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
+                        block_hasher=self._hasher)
+
+    def append_token(self, req, tok):
+        req.append_output_token_ids(tok)
+
+    def block_hashes(self, req):
+        return list(req.block_hashes)
+
+    def set_status(self, req, status):
+        from vllm.v1.request import RequestStatus as VS
+
+        req.status = {"waiting": VS.WAITING, "running": VS.RUNNING, "preempted": VS.PREEMPTED,
+                      "finished": VS.FINISHED_ABORTED, "loading": VS.WAITING_FOR_REMOTE_KVS}[status]
+
+    def get_computed_blocks(self, req):
+        out = self.mgr.get_computed_blocks(req)
+        return out[0], out[1]
+
+    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
+        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
+                                      delay_cache_blocks=delay)
+        return None if out is None else out.get_block_ids()
+
+    def table(self, rid):
+        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
+
+    def cache_blocks(self, req, n):
+        self.mgr.cache_blocks(req, n)
+
+    def after_alloc(self, req, n_ext):
+        self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
+
+    def build_meta(self, step):
+        new = [SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids, full in step.scheduled if full]
+        cached = [(rid, ids) for rid, ids, full in step.scheduled if not full]
+        out = SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
+                                                  resumed_req_ids=set()),
+            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=set(step.finished_req_ids),
+            preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None)
+        m = self.conn.build_connector_meta(out)
+        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
+
+    def complete(self, recv, events):
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        self.conn.update_connector_output(KVConnectorOutput(
+            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
+
+    def finished(self, req, table):
+        self.conn.request_finished_all_groups(req, table)
+
+    def check_invariants(self):
+        pass
+
+
+BACKENDS = {"reference": ReferenceBackend, "vllm": VllmBackend}
+
+
+# --------------------------------------------------------------------------------------------
+# The world
+
+
+@dataclass
+class _Req:
+    rid: str
+    req: Any
+    max_out: int
+    phase: str = "waiting"  # waiting | loading | running | done
+    full_table_next: bool = True  # next schedule sends the whole table (new / resumed)
+    computed: int = 0
+
+
+@dataclass
+class _Transfer:
+    pairs: list[tuple[int, int]]  # (gpu, cpu)
+    content: dict[int, Any] = field(default_factory=dict)  # source content at issue
+    reported: int = 0
+    abandoned: bool = False  # a reset() gave it up: it still runs, but publishes nothing
+
+
+class SimpleOffloadWorld:
+    """Drives one backend through requests, steps and completions; checks the content model.
+
+    ``check_no_double_store`` can be turned off to let a trace run on past a duplicate store
+    (e.g. to compare a 0.33.0 trace that has one, PR 42903).
+    """
+
+    def __init__(self, cfg: SimpleOffloadConfig, backend: str = "reference", variant: str = "reference",
+                 check_no_double_store: bool = True) -> None:
+        self.cfg = cfg
+        self.b = BACKENDS[backend](cfg, variant)
+        self.check_no_double_store = check_no_double_store
+        self.reqs: dict[str, _Req] = {}
+        self.order: list[str] = []
+        self.finished_pending: set[str] = set()
+        self.preempted_pending: set[str] = set()
+        self.stores: dict[int, _Transfer] = {}
+        self.loads: dict[str, _Transfer] = {}  # by request
+        self.load_event_of: dict[str, int] = {}
+        self.gpu_content: dict[int, Any] = {}
+        self.cpu_content: dict[int, Any] = {}
+        self.metas: list[tuple] = []
+        self.duplicate_stores: list[tuple[int, int]] = []  # (store event, gpu block)
+        self._n = 0
+        self._gpu_refs_seen = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _fail(self, msg: str) -> None:
+        raise OffloadInvariantError(msg)
+
+    def _expected(self, r: _Req, g: int, pos: int) -> Any:
+        return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
+
+    def _write_computed(self, r: _Req, start: int, end: int) -> None:
+        """Tokens [start, end) were computed: blocks that became full now hold their content."""
+        bs = self.cfg.block_size
+        table = self.b.table(r.rid)
+        hashes = self.b.block_hashes(r.req)
+        for g, ids in enumerate(table):
+            for pos in range(start // bs, end // bs):
+                if pos < len(ids) and ids[pos] != 0 and pos < len(hashes):
+                    self.gpu_content[ids[pos]] = make_block_hash_with_group_id(hashes[pos], g)
+
+    def live(self, phase: str | None = None) -> list[str]:
+        return [rid for rid in self.order if self.reqs[rid].phase != "done"
+                and (phase is None or self.reqs[rid].phase == phase)]
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_out: int = 2) -> str:
+        rid = f"r{self._n}"
+        self._n += 1
+        self.reqs[rid] = _Req(rid, self.b.make_request(rid, prompt, max_out + 1), max_out)
+        self.order.append(rid)
+        return rid
+
+    def step(self, chunk: int) -> tuple:
+        scheduled: list = []
+        nsched: dict[str, int] = {}
+        advances: list[tuple[_Req, int, int]] = []
+        for rid in self.live("running"):
+            r = self.reqs[rid]
+            n = min(chunk, r.req.num_tokens - r.computed)
+            if n <= 0:
+                continue
+            ids = self.b.allocate(r.req, n)
+            if ids is None:
+                continue
+            scheduled.append((rid, self.b.table(rid) if r.full_table_next else ids, r.full_table_next))
+            r.full_table_next = False
+            nsched[rid] = n
+            advances.append((r, r.computed, r.computed + n))
+        for rid in self.live("waiting"):
+            r = self.reqs[rid]
+            hits, n_hit = (None, 0)
+            if r.computed == 0:
+                hits, n_hit = self.b.get_computed_blocks(r.req)
+                n_ext, _ = self.b.match(r.req, n_hit)
+            else:
+                n_ext = 0
+            if n_ext > 0:
+                ids = self.b.allocate(r.req, 0, n_hit, hits, n_ext, True)
+                if ids is None:
+                    continue
+                self.b.after_alloc(r.req, n_ext)
+                r.phase, r.computed = "loading", n_hit + n_ext
+                r.req.num_computed_tokens = r.computed
+                self.b.set_status(r.req, "loading")
+                continue
+            n = min(chunk, r.req.num_tokens - r.computed - n_hit)
+            ids = self.b.allocate(r.req, n, n_hit, hits if n_hit else None)
+            if ids is None:
+                if r.computed == 0:
+                    self.b.match(r.req, 0)  # vLLM re-looks-up next time; drop any pin now (as retry would)
+                continue
+            if r.computed == 0:
+                self.b.after_alloc(r.req, 0)
+            r.computed += n_hit
+            r.req.num_computed_tokens = r.computed
+            r.phase = "running"
+            self.b.set_status(r.req, "running")
+            scheduled.append((rid, self.b.table(rid), True))
+            r.full_table_next = False
+            nsched[rid] = n
+            advances.append((r, r.computed, r.computed + n))
+        step = SimpleOffloadStep(scheduled, nsched, set(self.finished_pending), set(self.preempted_pending))
+        self.finished_pending.clear()
+        self.preempted_pending.clear()
+        meta = self.b.build_meta(step)
+        self.metas.append(meta)
+        self._on_loads(meta)
+        # The step runs: computed tokens advance and full blocks get their content; the worker
+        # copies this step's stores only after the forward pass (a compute-done event).
+        for r, start, end in advances:
+            r.computed = end
+            r.req.num_computed_tokens = end
+            self._write_computed(r, start, end)
+        self._on_stores(meta)
+        for r, start, end in advances:
+            if end == r.req.num_tokens:
+                if r.req.num_tokens - r.req.num_prompt_tokens >= r.max_out:
+                    self.finish(r.rid)
+                else:
+                    self.b.append_token(r.req, 7 + r.req.num_tokens % 5)
+        self._check()
+        return meta
+
+    def _on_stores(self, meta: tuple) -> None:
+        _, _, _, store_event, sg, sc, _ = meta
+        if store_event >= 0:
+            pairs = list(zip(sg, sc))
+            # Abandoned stores (after a reset) may still read a block: read-read, harmless.
+            busy = {g for t in self.stores.values() if not t.abandoned for g, _ in t.pairs}
+            seen: set[int] = set()
+            for g, _ in pairs:
+                if g in busy or g in seen:
+                    self.duplicate_stores.append((store_event, g))
+                    if self.check_no_double_store:
+                        self._fail(f"GPU block {g} is the source of two in-flight stores (event {store_event})")
+                seen.add(g)
+                if self.gpu_content.get(g) != self.b.gpu_pool.blocks[g].block_hash:
+                    self._fail(f"store event {store_event} copies GPU block {g} holding "
+                               f"{self.gpu_content.get(g)!r} under key {self.b.gpu_pool.blocks[g].block_hash!r}")
+            self.stores[store_event] = _Transfer(pairs, {g: self.gpu_content.get(g) for g, _ in pairs})
+
+    def _on_loads(self, meta: tuple) -> None:
+        load_event, lg, lc = meta[:3]
+        if load_event >= 0:
+            # Each destination block sits at one position of one loading request's table; what it
+            # receives must be that position's content.
+            where: dict[int, tuple[str, int, int]] = {}
+            for rid in self.live("loading"):
+                if rid in self.load_event_of:
+                    continue
+                for g, ids in enumerate(self.b.table(rid)):
+                    for pos, bid in enumerate(ids):
+                        if bid != 0:
+                            where[bid] = (rid, g, pos)
+            per_req: dict[str, list[tuple[int, int]]] = {}
+            for gid, cid in zip(lg, lc):
+                if gid not in where:
+                    self._fail(f"load event {load_event} writes GPU block {gid}, no loading request owns it")
+                rid, g, pos = where[gid]
+                exp = self._expected(self.reqs[rid], g, pos)
+                if self.cpu_content.get(cid) is None:
+                    self._fail(f"load reads CPU block {cid} whose store has not completed")
+                if self.cpu_content[cid] != exp:
+                    self._fail(f"load into GPU block {gid}: CPU block {cid} holds {self.cpu_content[cid]!r}, "
+                               f"the request needs {exp!r}")
+                per_req.setdefault(rid, []).append((gid, cid))
+            for rid, pairs in per_req.items():
+                self.load_event_of[rid] = load_event
+                self.loads[rid] = _Transfer(pairs, {g: self.cpu_content[c] for g, c in pairs})
+
+    def complete_store(self, pick: int, count: int = 1) -> bool:
+        if not self.stores:
+            return False
+        ev = sorted(self.stores)[pick % len(self.stores)]
+        t = self.stores[ev]
+        count = min(count, self.cfg.world_size - t.reported)
+        t.reported += count
+        self.b.complete(set(), {ev: count})
+        if t.reported >= self.cfg.world_size:
+            del self.stores[ev]
+            for g, c in t.pairs:
+                if t.abandoned:
+                    continue
+                if self.gpu_content.get(g) != t.content[g]:
+                    self._fail(f"GPU block {g} was rewritten while store event {ev} copied it")
+                self.cpu_content[c] = t.content[g]
+        self._check()
+        return True
+
+    def complete_load(self, pick: int) -> bool:
+        rids = [rid for rid in self.loads]
+        if not rids:
+            return False
+        rid = rids[pick % len(rids)]
+        t = self.loads.pop(rid)
+        self.load_event_of.pop(rid, None)
+        self.b.complete({rid}, {})
+        for g, c in t.pairs:
+            self.gpu_content[g] = t.content[g]
+        r = self.reqs[rid]
+        if r.phase == "loading":
+            self.b.cache_blocks(r.req, r.computed)
+            if r.computed == r.req.num_tokens:
+                r.computed -= 1
+                r.req.num_computed_tokens = r.computed
+            r.phase = "waiting"
+            r.full_table_next = True
+            self.b.set_status(r.req, "waiting")
+        self._check()
+        return True
+
+    def finish(self, rid: str) -> None:
+        r = self.reqs[rid]
+        if r.phase == "done":
+            return
+        self.b.set_status(r.req, "finished")
+        self.b.finished(r.req, self.b.table(rid))
+        self.b.free(r.req)
+        r.phase = "done"
+        self.finished_pending.add(rid)
+        self._check()
+
+    def abort(self, pick: int) -> bool:
+        rids = self.live()
+        if not rids:
+            return False
+        self.finish(rids[pick % len(rids)])
+        return True
+
+    def preempt(self, pick: int) -> bool:
+        rids = self.live("running")
+        if not rids:
+            return False
+        r = self.reqs[rids[pick % len(rids)]]
+        self.b.free(r.req)
+        r.computed = 0
+        r.req.num_computed_tokens = 0
+        r.phase, r.full_table_next = "waiting", True
+        self.b.set_status(r.req, "preempted")
+        self.preempted_pending.add(r.rid)
+        self._check()
+        return True
+
+    def reset(self) -> bool:
+        ok = self.b.reset()
+        for t in self.stores.values():
+            t.abandoned = True
+        if ok:
+            self.cpu_content.clear()
+        self._check()
+        return ok
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        self.b.check_invariants()
+        # A block in a transfer is never back in the free queue (it could be re-allocated).
+        pool = self.b.gpu_pool
+        for t in list(self.stores.values()) + list(self.loads.values()):
+            for g, _ in t.pairs:
+                if pool.blocks[g].ref_cnt <= 0:
+                    self._fail(f"GPU block {g} is free while a transfer uses it")
+
+    def observe(self) -> dict:
+        """What must agree between backends (block ids exactly)."""
+        gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
+        cq = [b.block_id for b in self.b.cpu_pool.free_block_queue.get_all_free_blocks()]
+        cached = sorted((b.block_id, b.block_hash) for b in self.b.cpu_pool.blocks if b.block_hash is not None)
+        refs = [b.ref_cnt for b in self.b.gpu_pool.blocks] + [b.ref_cnt for b in self.b.cpu_pool.blocks]
+        return {"gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
+                "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()}}
