@@ -79,3 +79,34 @@ def resolve_kv_cache_block_sizes(groups: "tuple[KVCacheGroupSpec, ...]", config:
             f"a divisor of every prefix-cacheable KV cache group block size (group block sizes {sizes}, "
             f"prefix-cacheable {hashing_sizes})")
     return scheduler_block_size, hash_block_size
+
+
+#: vLLM 0.33.0 managers that can match prefix-cache hits at ``hash_block_size`` granularity inside
+#: a larger block (``supports_fine_grained_hash_lookup``)
+_FINE_GRAINED_MANAGERS = frozenset({"FullAttentionManager", "MambaManager"})
+
+
+def partial_hash_hits_enabled(groups: "tuple[KVCacheGroupSpec, ...]", hash_block_size: int,
+                              dcp_world_size: int = 1) -> bool:
+    """Whether aligned Mamba states allow prefix-cache hits finer than a block (vLLM's
+    ``partial_hash_hits_enabled`` with the managers' capabilities): a Mamba ``align`` layer whose
+    block is larger than the hash block (or as large, with DCP), and every other prefix-cacheable
+    group either fine-grained or hashed at its own block size."""
+    if not any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align"
+               and ((dcp_world_size == 1 and s.block_size > hash_block_size)
+                    or (dcp_world_size > 1 and s.block_size >= hash_block_size))
+               for g in groups for s in _layer_specs(g)):
+        return False
+    return all(not g.kv_cache_spec.prefix_cacheable or g.kv_cache_spec.manager_name in _FINE_GRAINED_MANAGERS
+               or group_block_size(g, dcp_world_size) == hash_block_size for g in groups)
+
+
+def resolve_cache_hit_alignment_tokens(groups: "tuple[KVCacheGroupSpec, ...]", config: "EngineConfig",
+                                       scheduler_block_size: int, hash_block_size: int) -> int:
+    """Token granularity at which prefix-cache hits land: ``hash_block_size`` when partial hash
+    hits are enabled, else ``scheduler_block_size`` (vLLM's ``resolve_cache_hit_alignment_tokens``)."""
+    if not config.enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    if partial_hash_hits_enabled(groups, hash_block_size, config.dcp_world_size):
+        return hash_block_size
+    return scheduler_block_size

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .block_sizes import resolve_kv_cache_block_sizes
+from .block_sizes import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 from .config import EngineConfig
 from .errors import InvalidFieldError, check_int
 from .grouping import check_exact_partition, get_kv_cache_groups, validate_layers
@@ -97,6 +97,7 @@ class KVCachePlan:
         max_model_len / original_max_model_len / auto_fitted: after / before auto-fit.
         needed_bytes: ``_max_memory_usage_bytes_from_groups`` at ``max_model_len``.
         scheduler_block_size, hash_block_size: ``resolve_kv_cache_block_sizes``.
+        cache_hit_alignment_tokens: ``resolve_cache_hit_alignment_tokens``.
         max_concurrency, kv_cache_size_tokens: ``get_kv_cache_capacity`` (null block counted).
         max_servable_len: kvref's own figure: the largest length (up to the model's own maximum)
             one request could have in this pool.
@@ -115,6 +116,7 @@ class KVCachePlan:
     needed_bytes: int
     scheduler_block_size: int
     hash_block_size: int
+    cache_hit_alignment_tokens: int
     max_concurrency: float
     kv_cache_size_tokens: int
     max_servable_len: int
@@ -174,6 +176,7 @@ class KVCachePlan:
             "blocks_per_max_len_request": sum(self.blocks_per_request),
             "scheduler_block_size": self.scheduler_block_size,
             "hash_block_size": self.hash_block_size,
+            "cache_hit_alignment_tokens": self.cache_hit_alignment_tokens,
             "max_concurrency": self.max_concurrency,
             "kv_cache_size_tokens": self.kv_cache_size_tokens,
             "max_servable_len": self.max_servable_len,
@@ -262,6 +265,8 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
         max_model_len=max_model_len, original_max_model_len=original, auto_fitted=config.auto_fit,
         needed_bytes=needed_bytes_for(groups, config, max_model_len),
         scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+        cache_hit_alignment_tokens=resolve_cache_hit_alignment_tokens(sched_groups, config, scheduler_block_size,
+                                                                      hash_block_size),
         max_concurrency=concurrency,
         kv_cache_size_tokens=int(concurrency * max_model_len) if concurrency != float("inf") else -1,
         max_servable_len=servable, max_in_flight_tokens=config.max_in_flight_tokens,

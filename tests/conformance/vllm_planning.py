@@ -160,6 +160,7 @@ class VllmPlanner:
                                                                for g in sched.kv_cache_groups])
             concurrency = utils.get_max_concurrency_for_kv_cache_config(vc, sched)
             sbs, hbs = utils.resolve_kv_cache_block_sizes(sched, vc)
+            alignment = utils.resolve_cache_hit_alignment_tokens(sched, vc, sbs, hbs)
         except ValueError as exc:
             return self._classify(exc)
         except NotImplementedError:
@@ -188,7 +189,8 @@ class VllmPlanner:
             bytes_per_block=planning._pool_bytes_per_block(vc, worker.kv_cache_groups),
             num_blocks=worker.num_blocks, max_model_len=mml, blocks_per_request=per_group,
             admission_caps=caps, memory_bounds=bounds, scheduler_block_size=sbs, hash_block_size=hbs,
-            max_concurrency=concurrency, kv_cache_size_tokens=int(concurrency * mml)))
+            cache_hit_alignment_tokens=alignment, max_concurrency=concurrency,
+            kv_cache_size_tokens=int(concurrency * mml)))
 
     @staticmethod
     def _classify(exc: ValueError) -> Outcome:
@@ -229,4 +231,5 @@ def kvref_outcome(planner: VllmPlanner, layers, config, available_memory) -> Out
         blocks_per_request=list(plan.blocks_per_request), admission_caps=list(plan.admission_caps),
         memory_bounds=[g.kv_cache_spec.max_memory_usage_bytes(config, m) for g in plan.scheduler_groups],
         scheduler_block_size=plan.scheduler_block_size, hash_block_size=plan.hash_block_size,
-        max_concurrency=plan.max_concurrency, kv_cache_size_tokens=plan.kv_cache_size_tokens))
+        cache_hit_alignment_tokens=plan.cache_hit_alignment_tokens, max_concurrency=plan.max_concurrency,
+        kv_cache_size_tokens=plan.kv_cache_size_tokens))

@@ -117,7 +117,9 @@ def layer_sets(draw, family: str | None = None, mamba_mode: str = "none") -> tup
             specs += [swa] * draw(st.integers(1, 6))
     elif family == "mamba":
         full = FullAttentionSpec(**draw(attn_kw(dtype=dtype)))
-        mamba = draw(mamba_spec(full.block_size, mamba_mode))
+        # align mode checkpoints every Mamba block; a Mamba block larger than the attention block
+        # enables sub-block prefix hits (partial hash hits)
+        mamba = draw(mamba_spec(full.block_size * draw(st.sampled_from((1, 1, 2, 4))), mamba_mode))
         for _ in range(draw(st.integers(1, 4))):
             specs += [mamba] * draw(st.integers(1, 7)) + [full]
         if draw(st.integers(0, 3)) == 0:

@@ -80,3 +80,19 @@ def test_resolved_sizes_satisfy_the_coordinator_assertion(sizes, pmu, caching):
         return
     assert sbs % hbs == 0 and all(sbs % bs == 0 for bs in sizes)
     assert sbs == math.lcm(*sizes) or len(sizes) == 1
+
+
+def test_partial_hash_hits_with_aligned_mamba_blocks():
+    from kvref.spec.block_sizes import resolve_cache_hit_alignment_tokens
+
+    mamba = MambaSpec(block_size=64, shapes=((2, 2),), dtypes=("float32",), mamba_cache_mode="align")
+    groups = _groups(_full(16), mamba)
+    cfg = EngineConfig(mamba_cache_mode="align")
+    sbs, hbs = resolve_kv_cache_block_sizes(groups, cfg)
+    assert resolve_cache_hit_alignment_tokens(groups, cfg, sbs, hbs) == hbs == 16
+    # a sliding-window group hashed coarser than the hash block has no fine-grained lookup
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=64)
+    groups = _groups(_full(16), mamba, swa)
+    sbs, hbs = resolve_kv_cache_block_sizes(groups, cfg)
+    assert resolve_cache_hit_alignment_tokens(groups, cfg, sbs, hbs) == sbs == 64
+    assert resolve_cache_hit_alignment_tokens(groups, EngineConfig(enable_prefix_caching=False), 64, 16) == 64
