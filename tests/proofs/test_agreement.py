@@ -374,3 +374,132 @@ def test_offload_window_matches_vllm(vllm_offload_config, sw, extra, chunk, bs, 
                                        attention_chunk_size=chunk)
     assert offload_config.get_sliding_window_size_in_chunks(swa, tpc) == F.offload_window_swa(PyOps, sw, extra, tpc)
     assert offload_config.get_sliding_window_size_in_chunks(cl, tpc) == F.offload_window_cl(PyOps, chunk, tpc)
+
+
+# ------------------------------------------------------------------ runtime formulas vs vLLM's managers
+
+@pytest.fixture(scope="module")
+def vllm_managers():
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    import torch
+    from vllm.v1.core import block_pool, single_type_kv_cache_manager as stm
+    from vllm.v1 import kv_cache_interface as kvi
+
+    def make(kind, bs, **kw):
+        common = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
+        spec = {"swa": kvi.SlidingWindowSpec, "cl": kvi.ChunkedLocalAttentionSpec, "full": kvi.FullAttentionSpec}[kind](
+            **common, **kw)
+        cls = {"swa": stm.SlidingWindowManager, "cl": stm.ChunkedLocalAttentionManager,
+               "full": stm.FullAttentionManager}[kind]
+        pool = block_pool.BlockPool(1024, enable_caching=False, hash_block_size=bs)
+        return spec, cls, pool
+
+    return make
+
+
+def _drive_vllm(manager, k, B, M, steps, check):
+    c, in_flight = 0, []
+    for n in steps:
+        n = min(n, M - c)
+        if n <= 0:
+            break
+        f = sum(in_flight)
+        manager.remove_skipped_blocks("r", max(0, min(c, M) - f))
+        manager.allocate_new_blocks("r", min(c + n, M), min(c + n, M))
+        held = sum(1 for b in manager.req_to_blocks["r"] if not b.is_null)
+        check(c, f, n, held)
+        in_flight.append(n)
+        if len(in_flight) > k - 1:
+            in_flight.pop(0)
+        c += n
+
+
+@pytest.mark.vllm
+@settings(max_examples=N)
+@given(sched=schedules(), sw=st.integers(1, 64), extra=st.integers(0, 8), bs=st.integers(1, 16),
+       chunks=st.integers(1, 8))
+def test_held_formulas_match_vllm_managers(vllm_managers, sched, sw, extra, bs, chunks):
+    k, B, M, steps = sched
+    spec, cls, pool = vllm_managers("swa", bs, sliding_window=sw, extra_retained_tokens=extra)
+    cap = spec.max_admission_blocks_per_request(k * B, M)
+    assert cap == F.swa_cap(PyOps, sw, extra, bs, k * B, M)
+    m = cls(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=bs,
+            max_admission_blocks_per_request=cap)
+
+    def check_swa(c, f, n, held):
+        p = F.removal_basis(PyOps, c, f, M)
+        assert held == F.held_after_step(PyOps, c, f, n, M, bs, F.swa_skipped(PyOps, p, sw, extra))
+        assert held <= cap
+
+    _drive_vllm(m, k, B, M, steps, check_swa)
+
+    chunk = chunks * bs
+    spec, cls, pool = vllm_managers("cl", bs, attention_chunk_size=chunk)
+    cap = spec.max_admission_blocks_per_request(k * B, M)
+    assert cap == F.cl_cap(PyOps, chunk, bs, k * B, M)
+    m = cls(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=bs,
+            max_admission_blocks_per_request=cap)
+
+    def check_cl(c, f, n, held):
+        p = F.removal_basis(PyOps, c, f, M)
+        assert held == F.held_after_step(PyOps, c, f, n, M, bs, F.cl_skipped(PyOps, p, chunk))
+        assert held <= cap
+
+    _drive_vllm(m, k, B, M, steps, check_cl)
+
+
+@pytest.mark.vllm
+@settings(max_examples=N)
+@given(L=st.integers(1, 2000), M=st.integers(1, 2000), sw=st.integers(1, 300), extra=st.integers(0, 8),
+       chunk=st.integers(1, 300), bs=st.integers(1, 32), k=st.integers(1, 3), B=st.integers(1, 256),
+       c=st.integers(0, 300), n=st.integers(1, 64))
+def test_gate_and_predictor_formulas_match_vllm_managers(vllm_managers, L, M, sw, extra, chunk, bs, k, B, c, n):
+    assume(L <= M)
+    for kind, kw, formula in (
+            ("swa", dict(sliding_window=sw, extra_retained_tokens=extra),
+             lambda cap: F.gate_swa(PyOps, L, bs, cap)),
+            ("cl", dict(attention_chunk_size=chunk), lambda cap: F.gate_cl(PyOps, L, bs, cap)),
+            ("full", {}, lambda cap: F.gate_full(PyOps, L, bs, 1))):
+        spec, cls, pool = vllm_managers(kind, bs, **kw)
+        cap = spec.max_admission_blocks_per_request(k * B, M) if kind != "full" else None
+        m = cls(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=bs,
+                max_admission_blocks_per_request=cap)
+        assert m.get_num_blocks_to_allocate("r", L, [], 0, 0, L, apply_admission_cap=True) == formula(cap)
+        # a running request's per-step predictor (no cap) = what allocate_new_blocks takes
+        if c:
+            m.allocate_new_blocks("q", c, c)
+        m.num_cached_block["q"] = 0
+        table = len(m.req_to_blocks.get("q", []))
+        got = m.get_num_blocks_to_allocate("q", c + n, [], c, c, c + n)
+        assert got == F.step_predicted_blocks(PyOps, c + n, bs, table, cap)
+        assert len(m.allocate_new_blocks("q", c + n, c + n)) == got
+
+
+CL_UNALIGNED = dict(chunk=6, bs=4, k=1, B=2, M=100, steps=[2, 2, 2, 2, 2, 1, 2])
+
+
+def _max_held(manager, k, M, steps):
+    worst = []
+    _drive_vllm(manager, k, 10 ** 6, M, steps, lambda c, f, n, held: worst.append(held))
+    return max(worst)
+
+
+@pytest.mark.vllm
+def test_cl_unaligned_chunk_exceeds_the_cap_in_vllm_too(vllm_managers):
+    """T2's needed bound, seen in vLLM itself: attention_chunk_size 6 with block_size 4 and 2 tokens
+    per step holds 3 blocks while the cap (startup sizing) is 2."""
+    x = CL_UNALIGNED
+    spec, cls, pool = vllm_managers("cl", x["bs"], attention_chunk_size=x["chunk"])
+    cap = spec.max_admission_blocks_per_request(x["k"] * x["B"], x["M"])
+    m = cls(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=x["bs"],
+            max_admission_blocks_per_request=cap)
+    assert cap == 2 and _max_held(m, x["k"], x["M"], x["steps"]) == 3
+
+
+def test_cl_unaligned_chunk_exceeds_the_cap_in_the_reference():
+    x = CL_UNALIGNED
+    spec = _attn(ChunkedLocalAttentionSpec, x["bs"], attention_chunk_size=x["chunk"])
+    cap = spec.max_admission_blocks_per_request(x["k"] * x["B"], x["M"])
+    assert cap == 2 and _max_held(_manager(spec), x["k"], x["M"], x["steps"]) == 3
