@@ -8,7 +8,8 @@ The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
 * ``add``      a new request enters ``waiting``.
 * ``admit``    a waiting/preempted request: ``get_computed_blocks`` then ``allocate_slots`` with the
                hit, ``full_sequence_must_fit`` (the scheduler's ``scheduler_reserve_full_isl``),
-               ``reserved_blocks`` and ``has_scheduled_reqs = bool(running)``.
+               ``reserved_blocks``, ``has_scheduled_reqs = bool(running)`` and optionally
+               ``num_external_computed_tokens`` (a KV connector's synchronous load after the hit).
 * ``step``     a running request's next prefill chunk or decode token (``allocate_slots`` without
                hits; ``num_lookahead_tokens`` for spec-decode slots).
 * ``process``  the oldest in-flight batch of a request completes (``update_from_output``):
@@ -99,6 +100,7 @@ class Harness:
         self.num_prefix_hits = 0
         self.num_preemptions = 0
         self.num_async_batches = 0
+        self.num_external_loads = 0
         # coverage of what the compared state went through (first implementation's view)
         self.num_evictions = 0  # ops after which a cached block lost its hash (reused for new data)
         self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
@@ -219,21 +221,34 @@ class Harness:
         r = s.request
         hit_ids, num_hit = self._call("get_computed_blocks", op, lambda k, m: m.get_computed_blocks(r))
         self.num_prefix_hits += num_hit > 0
-        num_new = min(r.num_tokens - num_hit, op.chunk)
-        if num_new <= 0:  # cannot happen: hits stop at num_tokens - 1
+        if num_hit >= r.num_tokens:  # cannot happen: hits stop at num_tokens - 1
             raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"))
+        external = self._external_tokens(op, r, num_hit)
+        num_new = min(r.num_tokens - num_hit - external, op.chunk)
         has_scheduled = bool(self.running())
         out = self._call("allocate_slots(admission)", op, lambda k, m: m.allocate_slots(
-            r, num_new, num_hit, hit_ids, full_sequence_must_fit=op.full_sequence_must_fit,
-            reserved_blocks=op.reserved_blocks, has_scheduled_reqs=has_scheduled))
+            r, num_new, num_hit, hit_ids, num_external_computed_tokens=external,
+            full_sequence_must_fit=op.full_sequence_must_fit, reserved_blocks=op.reserved_blocks,
+            has_scheduled_reqs=has_scheduled))
         if out is None:
             self.num_admission_rejections += 1
             return OpResult(op, False, None)
         r.status = RequestStatus.RUNNING
         s.holds_blocks = True
-        r.num_computed_tokens = num_hit
+        self.num_external_loads += external > 0
+        r.num_computed_tokens = num_hit + external
         self._schedule(s, num_new, op.in_flight, op.token)
         return OpResult(op, False, (hit_ids, num_hit, out))
+
+    def _external_tokens(self, op: Op, r: Request, num_hit: int) -> int:
+        """Tokens a KV connector claims after the local hit (synchronous load, ``delay_cache_blocks``
+        False): whole scheduler blocks, never the last token (it is recomputed for logits)."""
+        if op.external <= 0:
+            return 0
+        sbs = self.pool_config.scheduler_block_size
+        end = min(num_hit + op.external, r.num_tokens - 1)
+        end -= end % sbs
+        return max(0, end - num_hit)
 
     def _op_step(self, op: Op) -> OpResult:
         s = self.reqs.get(op.rid)

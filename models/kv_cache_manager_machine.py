@@ -45,6 +45,7 @@ class MachineStats:
     prefix_hits: int = 0
     preemptions: int = 0
     async_batches: int = 0
+    external_loads: int = 0
     evictions: int = 0
     null_slots: int = 0
     partial_entries: int = 0
@@ -93,6 +94,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.prefix_hits += self.h.num_prefix_hits
                 self.stats.preemptions += self.h.num_preemptions
                 self.stats.async_batches += self.h.num_async_batches
+                self.stats.external_loads += self.h.num_external_loads
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
@@ -146,7 +148,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 rid=rid, chunk=chunk, full_sequence_must_fit=data.draw(st.booleans()),
                 reserved_blocks=data.draw(st.sampled_from((0, 0, 0, 0, 1, 3))),
                 in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
-                token=data.draw(TOKENS))))
+                token=data.draw(TOKENS),
+                external=data.draw(st.sampled_from((0, 0, 0, 0, 0, 4, 16, 64)), label="external"))))
 
         def _step(self, data) -> None:
             assert self.h is not None

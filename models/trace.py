@@ -36,12 +36,17 @@ VERSION = 1
 #: every op name and its fields (all required; values are JSON scalars or lists of ints)
 OP_FIELDS: dict[str, tuple[str, ...]] = {
     "add": ("rid", "prompt", "max_tokens", "cache_salt"),
-    "admit": ("rid", "chunk", "full_sequence_must_fit", "reserved_blocks", "in_flight", "token"),
+    "admit": ("rid", "chunk", "full_sequence_must_fit", "reserved_blocks", "in_flight", "token"),  # + external
     "step": ("rid", "chunk", "lookahead", "in_flight", "token"),
     "process": ("rid",),
     "preempt": ("rid",),
     "finish": ("rid",),
     "new_step": (),
+}
+
+#: optional fields and their defaults (added after version 1 was first written; older traces omit them)
+OP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "admit": {"external": 0},
 }
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (
@@ -59,8 +64,11 @@ class Op:
     def __post_init__(self) -> None:
         if self.name not in OP_FIELDS:
             raise InvalidFieldError("op", self.name, "one of " + ", ".join(OP_FIELDS))
+        for k, v in OP_DEFAULTS.get(self.name, {}).items():
+            self.args.setdefault(k, v)
+        optional = tuple(OP_DEFAULTS.get(self.name, {}))
         missing = [f for f in OP_FIELDS[self.name] if f not in self.args]
-        extra = [f for f in self.args if f not in OP_FIELDS[self.name]]
+        extra = [f for f in self.args if f not in OP_FIELDS[self.name] + optional]
         if missing or extra:
             raise InvalidFieldError(f"{self.name}.args", sorted(self.args),
                                     f"exactly the fields {list(OP_FIELDS[self.name])}")
