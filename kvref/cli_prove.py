@@ -100,3 +100,35 @@ def _print_table(results, variant) -> None:
                 console.print(f"reproducer: {r.reproducer}")
         elif r.status == "unknown":
             console.print(f"\n[yellow]{r.theorem} unknown[/]: {r.detail}")
+
+
+def verify_check(ctx):
+    """A ``kvref verify`` check: every theorem proved, every historic variant refuted with a
+    reproducer under ``ctx.out_dir``. Register as ``Check("proofs", ..., verify_check)``."""
+    import time
+
+    from kvref.proofs import COUNTEREXAMPLE, HISTORIC, PROVED, run_all
+    from kvref.report import FAILED, PASSED, UNKNOWN, CheckResult
+
+    start = time.perf_counter()
+    results = run_all()
+    details = [f"{r.theorem} {r.name}: {r.status} ({r.seconds:.2f}s)" for r in results]
+    artifacts = []
+    missed = []
+    for v in HISTORIC:
+        [r] = run_all(variant=v.name, out_dir=ctx.ensure_out_dir())
+        details.append(f"variant {v.name} -> {r.theorem}: {r.status} ({r.seconds:.2f}s)")
+        if r.status != COUNTEREXAMPLE:
+            missed.append(v.name)
+        if r.reproducer:
+            artifacts.append(r.reproducer)
+    seconds = time.perf_counter() - start
+    not_proved = [r.theorem for r in results if r.status != PROVED]
+    if any(r.status == COUNTEREXAMPLE for r in results) or missed:
+        status, summary = FAILED, f"not proved: {not_proved}; variants not refuted: {missed}"
+    elif not_proved:
+        status, summary = UNKNOWN, f"solver gave up on {not_proved}"
+    else:
+        status = PASSED
+        summary = f"{len(results)} theorems proved; {len(HISTORIC)} historic bugs refuted with reproducers"
+    return CheckResult("proofs", status, summary, seconds=seconds, details=details, artifacts=artifacts)

@@ -50,3 +50,13 @@ def test_list(capsys):
 def test_bad_input_is_a_value_error(argv):
     with pytest.raises(ValueError):
         _run(argv)
+
+
+def test_verify_check_passes_and_writes_reproducers(tmp_path):
+    from kvref.proofs import HISTORIC
+    from kvref.verify import VerifyContext
+
+    result = cli_prove.verify_check(VerifyContext(out_dir=str(tmp_path)))
+    assert result.status == "passed", (result.summary, result.details)
+    assert len(result.artifacts) == len(HISTORIC)
+    assert all(os.path.exists(p) for p in result.artifacts)
