@@ -25,12 +25,16 @@ from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
 SPEC_KW = dict(num_kv_heads=1, head_size=2, dtype="float32")
 #: group layouts drawn: uniform and hybrid
-LAYOUTS = ("fa", "swa", "chunked", "fa+swa", "fa+chunked", "fa+swa+swa", "swa+chunked", "fa+fa")
+LAYOUTS = ("fa", "swa", "chunked", "fa+swa", "fa+chunked", "fa+swa+swa", "swa+chunked", "fa+fa",
+           "mamba", "fa+mamba", "fa+swa+mamba")
+#: layouts the attention data path can run (no Mamba groups)
+ATTENTION_LAYOUTS = tuple(lay for lay in LAYOUTS if "mamba" not in lay)
 
 
 @st.composite
@@ -55,6 +59,9 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
             spec = FullAttentionSpec(block_size=bs, **SPEC_KW)
         elif k == "swa":
             spec = SlidingWindowSpec(block_size=bs, sliding_window=draw(st.integers(1, 12)), **SPEC_KW)
+        elif k == "mamba":
+            spec = MambaSpec(block_size=bs, shapes=((2, 2),), dtypes=("float32",), mamba_cache_mode="none",
+                             num_speculative_blocks=draw(st.integers(0, 2)))
         else:
             chunk = draw(st.sampled_from([bs, 2 * bs, 3 * bs] if aligned_chunks else [4, 6, 8]))
             spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **SPEC_KW)
@@ -66,7 +73,8 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
         scheduler_block_size=sbs,
         hash_block_size=hbs,
         max_in_flight_tokens=draw(st.one_of(st.none(), st.integers(1, 12))),
-        enable_caching=draw(st.booleans()) or draw(st.booleans()),
+        # Mamba prefix caching needs "align" mode, which is not modelled: Mamba pools run uncached.
+        enable_caching=("mamba" not in kinds) and (draw(st.booleans()) or draw(st.booleans())),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.25])),
     )
 

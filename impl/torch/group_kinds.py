@@ -6,7 +6,9 @@ only the type-specific rules; the shared per-request bookkeeping lives in
 :mod:`kvref.impl.torch.manager`. Lookups take the request's fine hashes (at ``hash_block_size``)
 and view them at the group's block size (coarse hash ``i`` = fine hash ``(i+1)k-1``).
 
-Not modelled here: EAGLE drops, fine-grained (partial-hash) hits, Mamba, retention intervals.
+Mamba is modelled without prefix caching only (``mamba_cache_mode`` "none"/"all" with caching
+off, where vLLM's ``MambaManager`` is the base manager plus speculative blocks). Not modelled:
+EAGLE drops, fine-grained (partial-hash) hits, Mamba "align" mode, retention intervals.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from kvref.spec.mathutil import cdiv
@@ -40,6 +43,10 @@ class GroupKind:
 
     def admission_cap(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
         return None
+
+    def extra_slot_tokens(self) -> int:
+        """Tokens added to every allocation target (Mamba's speculative state blocks)."""
+        return 0
 
     def find_hit(self, pool: TorchBlockPool, fine: list[bytes], hash_block_size: int,
                  max_length: int, group_ids: list[int], alignment: int) -> Hit:
@@ -169,8 +176,27 @@ class ChunkedLocalKind(GroupKind):
         return out, len(out[0]) * bs
 
 
+class MambaKind(GroupKind):
+    """Recurrent state: only the block holding the last computed token's state is kept
+    (``get_num_skipped_tokens(n) = n - 1``); ``num_speculative_blocks`` extra blocks ride along
+    for MTP/EAGLE drafts. Without prefix caching there are no hits to look up."""
+
+    name = "mamba"
+
+    def skipped_tokens(self, n: int) -> int:
+        return n - 1
+
+    def extra_slot_tokens(self) -> int:
+        return self.block_size * self.spec.num_speculative_blocks
+
+    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment) -> Hit:
+        raise AssertionError("Mamba groups are only modelled with prefix caching disabled")
+
+
 def kind_for(spec: KVCacheSpec) -> GroupKind | None:
     """The rules for ``spec``, or None if the torch implementation does not model it."""
+    if isinstance(spec, MambaSpec):
+        return MambaKind(spec) if spec.mamba_cache_mode != "align" else None
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowKind(spec)
     if isinstance(spec, ChunkedLocalAttentionSpec):

@@ -8,12 +8,14 @@ the free queue front is popped, unhashed frees go to the front and hashed ones t
 the order given, requests free their tail first, out-of-window blocks are freed highest index
 first, and hits are touched for all groups before anything is allocated (vLLM #33775).
 
-Modelled: full attention (incl. MLA), sliding window, chunked local; one group or several
+Modelled: full attention (incl. MLA), sliding window, chunked local, Mamba without prefix
+caching (modes "none"/"all", speculative blocks); one group or several
 (hybrid); prefix caching with ``hash_block_size`` <= block sizes (incl. the full-attention
 partial-tail entry); the full-sequence admission gate with the per-request admission caps
 (vLLM #40946, single source of truth with startup sizing); watermark; ``reserved_blocks``;
 external (connector) computed tokens. Not modelled (rejected with ``InvalidFieldError``): EAGLE,
-Mamba/cross-attention groups, partial (mid-block) local hits, prefix-cache retention.
+Mamba "align" mode (Mamba prefix caching), cross-attention groups, partial (mid-block) local hits,
+prefix-cache retention.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvref.spec.mathutil import cdiv, round_down
 
 from .block_pool import NULL_BLOCK_ID, TorchBlockPool, group_key
 from .block_table import BlockTables
-from .group_kinds import ChunkedLocalKind, FullAttentionKind, GroupKind, kind_for
+from .group_kinds import ChunkedLocalKind, FullAttentionKind, GroupKind, MambaKind, kind_for
 from .hashing import RequestHashes
 
 
@@ -84,8 +86,12 @@ class TorchKVCacheManager:
             kind = kind_for(g.kv_cache_spec)
             if kind is None:
                 raise InvalidFieldError(f"groups[{i}].kv_cache_spec", type(g.kv_cache_spec).__name__,
-                                        "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec or "
-                                        "ChunkedLocalAttentionSpec")
+                                        "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, "
+                                        "ChunkedLocalAttentionSpec or MambaSpec (mode 'none'/'all')")
+            if isinstance(kind, MambaKind) and cfg.enable_caching:
+                raise InvalidFieldError("enable_caching", True,
+                                        "False with a Mamba group (vLLM needs mamba_cache_mode='align' "
+                                        "for Mamba prefix caching, which the torch implementation does not model)")
             kinds.append(kind)
         hybrid = len(kinds) > 1
         if cfg.enable_caching:
@@ -184,7 +190,7 @@ class TorchKVCacheManager:
     # ================================================================ per-group steps
     def _num_blocks_to_allocate(self, g: _Group, rid: str, num_tokens: int, hits: list[int],
                                 total_computed: int, num_local_computed: int, apply_cap: bool) -> int:
-        required = cdiv(num_tokens, g.block_size)
+        required = cdiv(num_tokens + g.kind.extra_slot_tokens(), g.block_size)
         if apply_cap and g.cap is not None:
             required = min(required, g.cap)
         held = g.tables.num_blocks(rid)
@@ -221,7 +227,7 @@ class TorchKVCacheManager:
         g.tables.extend(rid, self.pool.get_new_blocks(n))
 
     def _allocate_new(self, g: _Group, rid: str, num_tokens: int) -> list[int]:
-        n = cdiv(num_tokens, g.block_size) - g.tables.num_blocks(rid)
+        n = cdiv(num_tokens + g.kind.extra_slot_tokens(), g.block_size) - g.tables.num_blocks(rid)
         if n <= 0:
             return []
         new = self.pool.get_new_blocks(n)

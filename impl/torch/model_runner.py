@@ -17,6 +17,7 @@ import torch
 
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import AttentionSpec
 
 from .block_table import slot_mapping
 from .kv_cache_tensors import KVCacheTensors
@@ -76,6 +77,8 @@ class DataPathRunner:
         self.manager = manager
         cfg = manager.config
         specs = [g.kv_cache_spec for g in cfg.groups]
+        if not all(isinstance(s, AttentionSpec) for s in specs):
+            raise InvalidFieldError("groups", cfg.groups, "attention groups only (Mamba state: see mamba_state.py)")
         heads = {s.num_kv_heads for s in specs}
         sizes = {s.head_size for s in specs}
         if len(heads) != 1 or len(sizes) != 1:

@@ -21,7 +21,7 @@ from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
 from kvref.impl.torch.mamba_state import MambaStateRunner, scan
 from kvref.impl.torch.model_runner import DataPathRunner
 from kvref.models.torch_datapath import DataPathScheduler
-from kvref.models.torch_differential import pool_configs
+from kvref.models.torch_differential import ATTENTION_LAYOUTS, pool_configs
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import (
     FullAttentionSpec,
@@ -36,7 +36,7 @@ EXACT = 1e-10
 
 @st.composite
 def workloads(draw):
-    cfg = draw(pool_configs(aligned_chunks=True))
+    cfg = draw(pool_configs(ATTENTION_LAYOUTS, aligned_chunks=True))
     base = draw(st.lists(st.integers(0, 3), min_size=8, max_size=30))
     reqs = []
     for i in range(draw(st.integers(1, 5))):

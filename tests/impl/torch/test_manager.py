@@ -74,6 +74,18 @@ def test_chunked_local_hit_counts_earlier_chunks_as_computed():
     assert ids == ((0, 0, 0, 0),) and hit == 16  # everything before the last chunk start
 
 
+def test_mamba_keeps_only_the_last_state_block_plus_speculative_blocks():
+    mamba = MambaSpec(block_size=4, shapes=((2,),), dtypes=("float32",), num_speculative_blocks=1)
+    m = make_manager(cfg(FA, mamba, num_blocks=20, enable_caching=False), device="cpu")
+    r = Request("a", list(range(10)))
+    assert m.allocate_slots(r, 10) == ((1, 2, 3), (4, 5, 6, 7))  # cdiv(10 + 4, 4) state blocks
+    r.num_computed_tokens = 10
+    r.output_token_ids.append(1)
+    m.allocate_slots(r, 1)
+    assert m.get_block_ids("a")[1] == (0, 0, 6, 7)  # state of token 9 lives in block index 2
+    m.check_invariants()
+
+
 def test_block_tables_and_slot_mapping_are_int32_device_tensors():
     m = make_manager(cfg(FA, num_blocks=12), device="cpu")
     a, b = Request("a", list(range(6))), Request("b", list(range(50, 59)))
@@ -140,7 +152,9 @@ def test_hashes_equal_vllms(tokens, hbs, salt, seed):
 
 
 @pytest.mark.parametrize("build,field", [
-    (lambda: cfg(MambaSpec(block_size=4, shapes=((2,),), dtypes=("float32",))), "kv_cache_spec"),
+    (lambda: cfg(MambaSpec(block_size=4, shapes=((2,),), dtypes=("float32",))), "enable_caching"),
+    (lambda: cfg(MambaSpec(block_size=4, shapes=((2,),), dtypes=("float32",), mamba_cache_mode="align")),
+     "kv_cache_spec"),
     (lambda: cfg(CrossAttentionSpec(block_size=4, **KW)), "kv_cache_spec"),
     (lambda: cfg(FA, use_eagle=True), "use_eagle"),
     (lambda: cfg(FullAttentionSpec(block_size=4, **KW), hbs=2), "hash_block_size"),

@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request as VRequest
@@ -34,6 +35,9 @@ _STATUS = {RequestStatus.WAITING: VStatus.WAITING, RequestStatus.RUNNING: VStatu
 
 
 def to_vllm_spec(spec: ks.KVCacheSpec):
+    if isinstance(spec, ks.MambaSpec):
+        return MambaSpec(block_size=spec.block_size, shapes=spec.shapes, dtypes=tuple(_DTYPES[d] for d in spec.dtypes),
+                         mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks)
     common = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                   dtype=_DTYPES[spec.dtype])
     if isinstance(spec, ks.SlidingWindowSpec):
