@@ -25,10 +25,10 @@ from kvref.spec import (
     plan_kv_cache,
 )
 from tests.conftest import profile_examples
-from tests.spec.planning_strategies import FAMILIES, plan_cases
+from kvref.models.planning_strategies import FAMILIES, plan_cases
 from tests.vllm_env import require_vllm
 
-from .vllm_planning import Outcome, VllmPlanner, kvref_outcome
+from kvref.impl.vllm_planning import Outcome, VllmPlanner, kvref_outcome
 
 pytestmark = pytest.mark.vllm
 
@@ -133,7 +133,7 @@ def test_gemma_like_sliding_window_pool(planner):
 @st.composite
 def _spec_and_config(draw):
     from kvref.spec import AUTO, EncoderOnlyAttentionSpec, UniformTypeKVCacheSpecs
-    from tests.spec.planning_strategies import engine_configs, layer_sets
+    from kvref.models.planning_strategies import engine_configs, layer_sets
 
     mode = draw(st.sampled_from(("none", "align", "all")))
     _, layers = draw(layer_sets(None, mode))
