@@ -120,10 +120,56 @@ def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
     return CheckResult("startup-liveness", PASSED, summary + ": every max-length request admitted and served")
 
 
+def run_generated(test, examples: int, seed: int) -> str | None:
+    """Run a Hypothesis ``@given`` function with a budget and a seed; return the failure text or None.
+
+    Hypothesis shrinks a failing example before it re-raises, so the text names a minimal case.
+    """
+    from hypothesis import HealthCheck, seed as hseed, settings
+
+    configured = hseed(seed)(settings(max_examples=examples, deadline=None, database=None,
+                                      suppress_health_check=list(HealthCheck), print_blob=True)(test))
+    try:
+        configured()
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
+    """kvref's startup planning vs the installed vLLM's, on generated layer sets and settings."""
+    skipped = _skip_or_fail_without_vllm(ctx, "conform-planning")
+    if skipped:
+        return skipped
+    from hypothesis import given
+
+    from kvref.impl.vllm_planning import VllmPlanner, kvref_outcome
+    from kvref.models.planning_strategies import plan_cases
+
+    planner = VllmPlanner()
+    n = ctx.examples(150, 1000)
+
+    @given(case=plan_cases())
+    def agree(case):
+        theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
+        ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
+        assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
+        for name, want in theirs.fields.items():
+            assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"
+
+    failure = run_generated(agree, n, ctx.seed)
+    if failure:
+        return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
+                           details=failure.splitlines()[:20])
+    return CheckResult("conform-planning", PASSED, f"{n} generated layer sets/settings: identical plans and verdicts")
+
+
 CHECKS: list[Check] = [
     Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
     Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
           check_startup_liveness),
+    Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
+          check_planning_conformance),
 ]
 
 
