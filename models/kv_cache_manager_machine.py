@@ -23,8 +23,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hypothesis import reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvref.impl.interface import make_manager
 
 from .differential import Divergence, Harness
 from .strategies import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
@@ -51,6 +54,7 @@ class MachineStats:
     partial_entries: int = 0
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
+    unsupported_pools: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -65,8 +69,13 @@ def _group_set_name(pool) -> str:
 
 
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
-                             max_blocks: int = 48) -> type[RuleBasedStateMachine]:
-    """A state machine class driving the implementations ``kinds`` side by side."""
+                             max_blocks: int = 48, eagle: bool = True) -> type[RuleBasedStateMachine]:
+    """A state machine class driving the implementations ``kinds`` side by side.
+
+    A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
+    or bad-input errors) is rejected as an example; vLLM refusing a generated pool is a failure
+    (the strategies only make pools vLLM accepts).
+    """
     kinds = tuple(kinds)
 
     class KVCacheManagerMachine(RuleBasedStateMachine):
@@ -78,9 +87,19 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.async_mode = False
             self._next_rid = 0
 
-        @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks), async_mode=st.booleans())
+        @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
+                    async_mode=st.booleans())
         def setup(self, pool, async_mode) -> None:
-            self.h = Harness(pool, list(kinds))
+            managers = {}
+            for kind in kinds:
+                try:
+                    managers[kind] = make_manager(kind, pool)
+                except ValueError:
+                    if kind == "vllm":
+                        raise
+                    self.stats.unsupported_pools += 1
+                    reject()
+            self.h = Harness(pool, managers)
             self.async_mode = async_mode
             name = _group_set_name(pool)
             self.stats.group_sets[name] = self.stats.group_sets.get(name, 0) + 1

@@ -103,3 +103,16 @@ def test_replay_entry_points(tmp_path, capsys):
     with pytest.raises(Divergence, match="free queue length"):
         h.apply(OPS[0])
         h.apply(OPS[1])
+
+
+def test_reference_and_torch_agree_through_the_same_machine():
+    """The machine is parameterised by implementations: the torch one runs through it unchanged
+    (it refuses Mamba "align" and EAGLE pools, which the machine then skips as examples)."""
+    pytest.importorskip("torch")
+    machine = kv_cache_manager_machine(("reference", "torch"), eagle=False,
+                                       group_sets=("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa",
+                                                   "fa+mamba"))
+    run_state_machine_as_test(machine, _min_steps=31, settings=settings(max_examples=profile_examples(10, 40),
+                                                                        stateful_step_count=40))
+    assert machine.stats.runs_with_at_least(30) >= profile_examples(10, 40)
+    assert machine.stats.unsupported_pools == 0
