@@ -101,9 +101,17 @@ def explain(theorem_id: str, F: Formulas, v: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+_UNUSED_WHEN = (("nf", 0, ("bsf", "dcp")), ("ns", 0, ("sw", "extra", "bss")), ("nc", 0, ("chunk", "bsc")),
+                ("nm", 0, ("bsm", "spec", "ckpt", "ckpt_flag", "align")), ("override_set", False, ("override",)),
+                ("unit_set", False, ("unit",)))
+
+
 def render_config(theorem_id: str, F: Formulas, values: Mapping[str, Any]) -> list[str]:
-    """Lines ``name = value   # meaning`` plus the derived quantities."""
-    lines = [f"{k} = {values[k]!r}" + (f"   # {LEGEND[k]}" if k in LEGEND else "") for k in values]
+    """Lines ``name = value   # meaning`` plus the derived quantities; variables of group kinds
+    the configuration does not use (count 0, no override...) are left out of the listing."""
+    hidden = {name for key, off, names in _UNUSED_WHEN if key in values and values[key] == off for name in names}
+    lines = [f"{k} = {values[k]!r}" + (f"   # {LEGEND[k]}" if k in LEGEND else "")
+             for k in values if k not in hidden]
     for k, val in explain(theorem_id, F, values).items():
         lines.append(f"-> {k}: {val}")
     return lines

@@ -156,6 +156,8 @@ T2 = Theorem(
     claim=Claim("all", "both", {**_ints("sw extra chunk bs"), **_STEP_VARS}, _both(_t2_swa, _t2_cl)),
     lemmas=(T2_SWA, T2_CL),
     combination="the claim is the conjunction of the two lemmas",
+    search_hints=(dict(bs=16, sw=1024, extra=0, chunk=8192, k=2, B=2048),
+                  dict(bs=16, sw=1024, chunk=8192, k=1, B=2048)),
     necessary=(Claim("cl-unaligned", "chunked-local without 'chunk is a multiple of block_size'",
                      {**_ints("chunk bs"), **_STEP_VARS}, lambda F, o, v: _t2_cl(F, o, v, aligned=False)),
                Claim("lookahead", "SWA with speculative lookahead slots", {**_ints("sw extra bs la"), **_STEP_VARS},
@@ -294,6 +296,12 @@ T3 = Theorem(
     combination=("instantiate the sum lemma once with X_g = gate_g(L) and once with X_g = held_g; the "
                  "per-kind lemmas supply X_g <= P_g"),
     search_hints=(
+        # realistic: block size 16, window 1024, 2048-token steps (Gemma-like full + SWA)
+        dict(nf=1, ns=1, nc=0, nm=0, dcp=1, extra=0, c=0, f=0, n=1, chunk=1, bsc=1, bsm=1, override_set=False,
+             k=1, bpb=1, align=True, spec=0, ckpt=0, ckpt_flag=0, bsf=16, bss=16, sw=1024, B=2048),
+        # realistic: full attention + Mamba (no prefix caching) with one speculative block
+        dict(nf=1, ns=0, nc=0, nm=1, dcp=1, c=0, f=0, n=1, sw=1, extra=0, bss=1, chunk=1, bsc=1,
+             override_set=False, k=1, bpb=1, align=False, ckpt=0, ckpt_flag=0, bsf=16, spec=1, B=2048),
         # full + sliding window, first step of a fresh request, no override
         dict(nf=1, ns=1, nc=0, nm=0, dcp=1, extra=0, c=0, f=0, n=1, override_set=False, k=1, bpb=1, align=False, spec=0, ckpt=0, ckpt_flag=0),
         # full + Mamba outside align mode
@@ -393,7 +401,9 @@ T4 = Theorem(
                   _ints("nf ns nc nm Pf Ps Pc Pm Qf Qs Qc Qm bpb check_mem"), _t4_maximal_core)),
     combination=("'passes' with N = need(L*) gives the first part; 'maximal' with P_g = pages_g(L*+1), "
                  "Q_g = pages_g(L') and the monotone lemmas (L*+1 <= L') gives the second"),
-    search_hints=(dict(nf=1, ns=0, nc=0, nm=0, dcp=1, k=1, bpb=1, align=False, spec=0, ckpt=0, ckpt_flag=0),),
+    search_hints=(dict(nf=1, ns=0, nc=0, nm=0, dcp=1, k=1, B=2048, bpb=65536, bsf=16, align=False, spec=0, ckpt=0,
+                       ckpt_flag=0, override=512, M0=32768),
+                  dict(nf=1, ns=0, nc=0, nm=0, dcp=1, k=1, bpb=1, align=False, spec=0, ckpt=0, ckpt_flag=0),),
 )
 
 
@@ -601,6 +611,7 @@ T6 = Theorem(
                "kvref.impl.reference.offload equivalent"),
     bounds=(),
     claim=Claim("all", "covers tightly", _ints("sw extra chunk bs bpc"), _t6),
+    search_hints=(dict(bs=16, bpc=4, sw=1024, chunk=8192),),
 )
 
 
@@ -631,6 +642,7 @@ T7 = Theorem(
                "kvref.impl.reference single-type manager equivalents"),
     bounds=("running request (fast path), no new prefix hits; the table covers the computed tokens",),
     claim=Claim("all", "predicted = pulled <= free", _ints("sw extra bs k B M c n free reserved watermark"), _t7),
+    search_hints=(dict(bs=16, sw=1024, extra=0, k=1, B=2048, watermark=0, reserved=0),),
 )
 
 
