@@ -30,6 +30,8 @@ oracles of our own:
   content is the request's own (a wrong hit — stale hash, unchained hash, ignored salt, wrong
   duplicate — shows here), and must leave the last token to compute.
 
+and that no per-request state (the block hasher's entries) outlives its request.
+
 Deadlocks (no action changes the state while requests are unfinished — the head-of-line hang of
 vLLM #39734 / #35541) and, optionally, livelocks are reported by the engine.
 
@@ -203,7 +205,8 @@ class KVState:
     scheduler: Any
     in_flight: list = field(default_factory=list)  # SchedulerOutputs not yet completed (FIFO)
     arrived: tuple[bool, ...] = ()
-    content: dict = field(default_factory=dict)  # (group, block id) -> {slot: token}
+    content: dict = field(default_factory=dict)  # (group, block id) -> {slot: K/V identity}
+    _blob: bytes | None = field(default=None, repr=False, compare=False)  # pickled copy (cache)
 
 
 class KVSystem:
@@ -299,6 +302,9 @@ class KVSystem:
         sched = s.scheduler
         sched.check_invariants()
         kv = sched.kv_cache_manager.manager
+        if kv.hasher is not None:  # no per-request state outlives its request
+            stale = set(kv.hasher._entries) - set(sched.requests)
+            assert not stale, f"the block hasher still holds finished requests {sorted(stale)}"
         for rid, r in sched.requests.items():
             if r not in sched.running:
                 continue
@@ -339,7 +345,12 @@ class KVSystem:
 
     @staticmethod
     def _copy(s: KVState) -> KVState:
-        t = pickle.loads(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
+        # A state is expanded by every enabled action: pickle it once, unpickle once per action.
+        blob = s._blob
+        if blob is None:
+            blob = s._blob = pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)
+        t = pickle.loads(blob)
+        t._blob = None
         # the scheduler keys steps in flight by id(); objects have new ids after the copy
         t.scheduler._in_flight = {id(o): o for o in t.scheduler._in_flight.values()}
         return t

@@ -16,7 +16,14 @@ Checks (cheapest first):
   deadlock kills.
 * ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
 * ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine`.
-* ``proofs`` — ``kvref.proofs.run_all()`` when the proofs package provides it.
+* ``manager-vllm`` — the same machine driving vLLM 0.33.0's ``KVCacheManager`` beside the
+  reference and comparing every answer (only where vLLM is installed). Some faults are
+  invisible to every safety check — the cache holds blocks nobody can hit, the admission gate is
+  skipped — and only differ from vLLM; this is where they die.
+* ``proofs`` — ``kvref.proofs.api.run_all()``: every theorem, on the clean reference only (the
+  theorems are about the formula source, which a runtime patch does not touch). With
+  ``proof_variants=True`` the proofs' own historic formula variants are added as rows, killed when
+  the theorem each breaks yields a counterexample.
 
 Used by ``kvref mutants`` and by ``kvref verify --mutants`` (:func:`run_mutant_campaign`).
 """
@@ -70,14 +77,38 @@ class CampaignResult:
     def kill_rate(self) -> float:
         return len(self.killed) / len(self.results) if self.results else 1.0
 
+    @property
+    def reference_results(self) -> list[MutantResult]:
+        """Rows that patch the reference/spec at runtime (not the proofs' formula variants)."""
+        return [r for r in self.results if r.mutant.layer != "formula"]
+
+    @property
+    def reference_kill_rate(self) -> float:
+        rows = self.reference_results
+        return sum(r.killed for r in rows) / len(rows) if rows else 1.0
+
     def summary(self) -> str:
-        return (f"{len(self.killed)}/{len(self.results)} mutants killed ({100 * self.kill_rate:.1f}%) "
-                f"by {', '.join(self.checks)} in {self.seconds:.1f}s")
+        ref = self.reference_results
+        text = (f"{sum(r.killed for r in ref)}/{len(ref)} reference mutants killed "
+                f"({100 * self.reference_kill_rate:.1f}%)")
+        if len(ref) != len(self.results):
+            formula = [r for r in self.results if r.mutant.layer == "formula"]
+            text += f", {sum(r.killed for r in formula)}/{len(formula)} formula variants"
+        return text + f" by {', '.join(self.checks)} in {self.seconds:.1f}s"
 
     def to_rows(self) -> list[dict[str, str]]:
         return [{"mutant": r.mutant.name, "kind": r.mutant.kind, "killed": "yes" if r.killed else "NO",
                  "by": r.killed_by or "-", "time": f"{r.seconds:.2f}s",
                  "reason": (r.reason or "")[:120]} for r in self.results]
+
+    def to_markdown(self) -> str:
+        lines = ["| mutant | kind | re-creates | killed by | reason |", "|---|---|---|---|---|"]
+        for r in self.results:
+            m = r.mutant
+            why = (r.reason or "").replace("|", "\\|")[:110]
+            lines.append(f"| `{m.name}` | {m.kind} | {m.vllm_bug or ''} | "
+                         f"{r.killed_by if r.killed else '**survived**'} | {why} |")
+        return "\n".join(lines)
 
     def render(self) -> str:
         from rich.console import Console
@@ -164,6 +195,12 @@ def _check_manager_machine(budget: int) -> str | None:
     return run_manager_machines(budget)
 
 
+def _check_manager_vllm(budget: int) -> str | None:
+    from .single_type_manager_machine import run_manager_machines
+
+    return run_manager_machines(max(10, budget // 2), ("reference", "vllm"))
+
+
 def _check_explorer(budget: int) -> str | None:
     from .explorer_kv import campaign_scopes, explore_scope
 
@@ -176,17 +213,36 @@ def _check_explorer(budget: int) -> str | None:
 
 
 def _check_proofs(budget: int) -> str | None:
-    import kvref.proofs as proofs
+    """The Z3 theorems over the formula source. Run once on the clean reference (baseline) only:
+    the theorems are about :mod:`kvref.proofs.formulas`, which a runtime patch of the reference
+    does not change; what ties the reference to the proven formulas is ``spec-formulas``."""
+    from kvref.proofs.api import run_all
 
-    run_all = getattr(proofs, "run_all", None)
-    if run_all is None:
-        return None
-    results = run_all()
-    failed = [r for r in results if not getattr(r, "ok", getattr(r, "proved", True))]
+    failed = [r for r in run_all() if not r.ok]
     if failed:
-        r = failed[0]
-        return f"proof failed: {getattr(r, 'name', r)}"
+        return f"theorem {failed[0].theorem} not proved: {failed[0].status}"
     return None
+
+
+def run_proof_variants() -> list["MutantResult"]:
+    """The proofs' own historic (and deliberately broken) formula variants, as campaign rows:
+    each is killed when the theorem it breaks yields a counterexample."""
+    from kvref.proofs.api import run_all
+    from kvref.proofs.variants import VARIANTS
+
+    from .mutants import CLASSIC, HISTORIC
+
+    rows = []
+    for v in VARIANTS:
+        t0 = time.perf_counter()
+        results = run_all(variant=v.name)
+        bad = [r for r in results if not r.ok]
+        m = Mutant(f"formula.{v.name}", v.summary, f"kvref.proofs.variants:{type(v.formulas).__name__}",
+                   lambda f: f, HISTORIC if v.kind == "historic" else CLASSIC, ", ".join(v.refs) or None,
+                   "formula")
+        why = f"theorem {bad[0].theorem}: {bad[0].status}" if bad else None
+        rows.append(MutantResult(m, bool(bad), "proofs" if bad else None, why, time.perf_counter() - t0))
+    return rows
 
 
 def _first_line(e: BaseException) -> str:
@@ -200,6 +256,7 @@ ALL_CHECKS: dict[str, CampaignCheck] = {
         CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
         CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model"),
         CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines"),
+        CampaignCheck("manager-vllm", _check_manager_vllm, "manager machine paired with vLLM 0.33.0"),
         CampaignCheck("proofs", _check_proofs, "Z3 theorems (kvref.proofs.run_all)"),
     )
 }
@@ -220,6 +277,11 @@ def available_checks() -> list[str]:
                 importlib.import_module(mod)
             except ImportError:
                 continue
+            if name == "manager-vllm":
+                from kvref.verify import vllm_available
+
+                if not vllm_available()[0]:
+                    continue
             if name == "explorer":
                 try:
                     from .explorer_kv import reference_available
@@ -232,22 +294,27 @@ def available_checks() -> list[str]:
 
 
 def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] | None = None,
-                        budget: int = 100, all_checks: bool = False,
+                        budget: int = 100, all_checks: bool = False, subset: str = "all",
+                        proof_variants: bool = False,
                         progress: Callable[[MutantResult], None] | None = None) -> CampaignResult:
     """Run ``checks`` against each mutant.
 
     Args:
         mutants: which mutants (default: every catalogue mutant whose target exists).
+        subset: with ``mutants=None``: ``"all"`` (nightly) or ``"ci"`` (one mutant per fault
+            family, :data:`~kvref.models.mutants_catalogue.CI_SUBSET`).
         checks: check names, in order (default: every available check).
         budget: examples per machine run; the explorer gets at most ``2000 × budget`` states.
         all_checks: run every check on every mutant instead of stopping at the first kill.
         progress: called with each mutant's result as it finishes.
+        proof_variants: also add the proofs' formula variants (:func:`run_proof_variants`) as rows
+            of kind ``formula`` (reported separately: :attr:`CampaignResult.reference_kill_rate`).
 
     Returns:
         A :class:`CampaignResult` (``baseline_failures`` non-empty means the clean reference
         failed a check, and no mutant was run).
     """
-    from .mutants_catalogue import all_mutants
+    from .mutants_catalogue import CI_SUBSET, all_mutants
 
     t0 = time.perf_counter()
     names = checks if checks else available_checks()
@@ -255,7 +322,10 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         if n not in ALL_CHECKS:
             raise InvalidFieldError("checks", n, "one of " + ", ".join(ALL_CHECKS))
     chosen = [ALL_CHECKS[n] for n in names]
-    mutants = all_mutants() if mutants is None else mutants
+    if subset not in ("all", "ci"):
+        raise InvalidFieldError("subset", subset, "'all' or 'ci'")
+    if mutants is None:
+        mutants = [m for m in all_mutants() if subset == "all" or m.name in CI_SUBSET]
     baseline = {}
     for c in chosen:
         why = c.run(budget)
@@ -264,11 +334,12 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
     if baseline:
         return CampaignResult([], names, baseline, time.perf_counter() - t0)
     results = []
+    per_mutant = [c for c in chosen if c.name != "proofs"]  # baseline-only, see _check_proofs
     for m in mutants:
         t1 = time.perf_counter()
         res = MutantResult(m, False)
         with m.applied():
-            for c in chosen:
+            for c in per_mutant:
                 try:
                     why = c.run(budget)
                 except Exception as e:  # noqa: BLE001 - a check that crashes under a mutant kills it
@@ -282,4 +353,9 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         results.append(res)
         if progress is not None:
             progress(res)
+    if proof_variants:
+        for res in run_proof_variants():
+            results.append(res)
+            if progress is not None:
+                progress(res)
     return CampaignResult(results, names, {}, time.perf_counter() - t0)

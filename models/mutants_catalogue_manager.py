@@ -44,10 +44,18 @@ def _undercount(original):
     return get_num_blocks_to_allocate
 
 
-@mutant("manager.evictable_hits_uncounted", f"{_STM}._num_evictable",
+@mutant("manager.evictable_hits_uncounted", f"{_STM}.get_num_blocks_to_allocate",
         "touching evictable prefix hits is not counted as consuming free blocks", layer="manager")
 def _evictable(original):
-    return lambda blocks: 0
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   *args, **kwargs):
+        n = original(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens, *args, **kwargs)
+        if request_id in self.num_cached_block:
+            return n
+        skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        first = max(0, skipped - len(self.req_to_blocks.get(request_id, ())))
+        return n - sum(1 for b in new_computed_blocks[first:] if b.ref_cnt == 0 and not b.is_null)
+    return get_num_blocks_to_allocate
 
 
 @mutant("manager.free_head_first", f"{_STM}.free",

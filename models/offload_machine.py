@@ -300,11 +300,12 @@ class SimpleOffloadWorld:
         self.metas: list[tuple] = []
         self.duplicate_stores: list[tuple[int, int]] = []  # (store event, gpu block)
         self._n = 0
-        self._gpu_refs_seen = None
+        self.failed: str | None = None
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _fail(self, msg: str) -> None:
+        self.failed = msg
         raise OffloadInvariantError(msg)
 
     def _expected(self, r: _Req, g: int, pos: int) -> Any:
@@ -552,3 +553,81 @@ class SimpleOffloadWorld:
         refs = [b.ref_cnt for b in self.b.gpu_pool.blocks] + [b.ref_cnt for b in self.b.cpu_pool.blocks]
         return {"gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
                 "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# Hypothesis state machine
+
+
+def make_simple_offload_machine(cfg: SimpleOffloadConfig, backend: str = "reference", variant: str = "reference"):
+    """A ``RuleBasedStateMachine`` class running :class:`SimpleOffloadWorld` on ``backend``/``variant``.
+
+    Every rule ends in the world's checks (content model + ``check_invariants``); a broken offload
+    invariant raises :class:`OffloadInvariantError`.
+    """
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    prefixes = [list(range(100, 140)), list(range(200, 240))]
+
+    class SimpleOffloadMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.world = SimpleOffloadWorld(cfg, backend, variant)
+
+        @rule(fam=st.integers(0, 2), n=st.sampled_from([13, 20, 9, 30, 2]))
+        def add_request(self, fam, n):
+            w = self.world
+            prompt = [1000 + 40 * len(w.order) + i for i in range(n)] if fam == 2 else prefixes[fam][:n]
+            w.add_request(prompt)
+
+        @rule(chunk=st.sampled_from([8, 4, 12, 64]))
+        def step(self, chunk):
+            self.world.step(chunk)
+
+        @precondition(lambda self: self.world.stores)
+        @rule(pick=st.integers(0, 99), count=st.integers(1, 2))
+        def complete_store(self, pick, count):
+            self.world.complete_store(pick, count)
+
+        @precondition(lambda self: self.world.loads)
+        @rule(pick=st.integers(0, 99))
+        def complete_load(self, pick):
+            self.world.complete_load(pick)
+
+        @rule(pick=st.integers(0, 99))
+        def abort(self, pick):
+            self.world.abort(pick)
+
+        @rule(pick=st.integers(0, 99))
+        def preempt(self, pick):
+            self.world.preempt(pick)
+
+        @rule()
+        def reset(self):
+            self.world.reset()
+
+        @invariant()
+        def invariants_hold(self):
+            self.world._check()
+
+        def teardown(self):
+            # Nothing is lost: once every transfer is delivered, no block is still held by one.
+            w = self.world
+            if w.failed:  # already reported; the world is mid-step
+                return
+            for rid in w.live():
+                w.finish(rid)
+            w.step(1)  # a finished request's flush goes out with the next step's metadata
+            while w.stores or w.loads:
+                w.complete_store(0, cfg.world_size)
+                w.complete_load(0)
+            w._check()
+            gpu_used = [b.block_id for b in w.b.gpu_pool.blocks[1:] if b.ref_cnt]
+            cpu_used = [b.block_id for b in w.b.cpu_pool.blocks[1:] if b.ref_cnt]
+            if gpu_used or cpu_used:
+                raise OffloadInvariantError(f"blocks still held after all transfers completed: GPU {gpu_used}, "
+                                            f"CPU {cpu_used}")
+
+    SimpleOffloadMachine.__name__ = f"SimpleOffloadMachine_{backend}_{variant}"
+    return SimpleOffloadMachine

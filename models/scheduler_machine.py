@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -174,6 +174,21 @@ def request_specs(draw, index: int, max_model_len: int):
 
 
 # ---- lock-step driver ---------------------------------------------------------------------------
+COVERAGE: Counter = Counter()
+"""Process-wide tallies of the paths the traces exercised (tests assert the rare ones occur)."""
+
+
+def _tally(out: SchedulerOutput, async_scheduling: bool) -> None:
+    COVERAGE["steps_async" if async_scheduling else "steps_sync"] += 1
+    COVERAGE["preemptions"] += len(out.preempted_req_ids)
+    for s in out.scheduled:
+        COVERAGE[f"scheduled_{s.kind}"] += 1
+        if s.kind == "new" and s.num_computed_tokens:
+            COVERAGE["prefix_hits"] += 1
+        if s.is_prefill_chunk:
+            COVERAGE["prefill_chunks"] += 1
+
+
 class Divergence(AssertionError):
     """Two targets observed different things after the same operation."""
 
@@ -196,6 +211,7 @@ class Lockstep:
         self.specs: dict[str, RequestSpec] = {}
         self.num_steps = 0
         self.num_schedules = 0
+        self.last_snapshot = None
 
     @property
     def depth(self) -> int:
@@ -232,15 +248,26 @@ class Lockstep:
                 raise Divergence(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
                                  f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}")
         self.compare("schedule")
+        _tally(first, self.config.async_scheduling)
+        if not first.scheduled and self.last_snapshot.waiting and not self.last_snapshot.running:
+            COVERAGE["idle_with_waiting"] += 1  # head-of-line hang (or async stale-output skip)
         return first
 
     def complete(self) -> None:
         outs = {name: q.popleft() for name, q in self.in_flight.items()}
         model_output = self.model.output(next(iter(outs.values())))
+        before = self.last_snapshot.requests if self.last_snapshot is not None else {}
         for name, t in self.targets.items():
             t.update_from_output(outs[name], model_output)
         self.num_steps += 1
         self.compare("update_from_output")
+        after = self.last_snapshot.requests
+        for rid in model_output.sampled_token_ids:
+            if rid in before and before[rid].num_stale_output_tokens:
+                COVERAGE["stale_outputs"] += 1
+            if rid in after and before.get(rid) and before[rid].finish_reason is None \
+                    and after[rid].finish_reason:
+                COVERAGE[f"finished_{after[rid].finish_reason}"] += 1
 
     def abort(self, request_id: str) -> None:
         for t in self.targets.values():
@@ -272,10 +299,9 @@ class Lockstep:
     def compare(self, what: str) -> None:
         for t in self.targets.values():
             t.check_invariants()
-        if len(self.targets) < 2:
-            return
         snaps = self.snapshots()
         (n0, s0), *rest = snaps.items()
+        self.last_snapshot = s0
         for name, s in rest:
             if s != s0:
                 raise Divergence(f"after {what} (step {self.num_steps}): {n0} vs {name}\n" + _diff(s0, s))
@@ -305,7 +331,7 @@ def _fmt(o: SchedulerOutput) -> str:
 
 def _diff(a, b) -> str:
     lines = []
-    for f in ("waiting", "running", "num_free_blocks"):
+    for f in ("waiting", "running", "num_free_blocks", "free_block_queue"):
         if getattr(a, f) != getattr(b, f):
             lines.append(f"  {f}: {getattr(a, f)} != {getattr(b, f)}")
     for rid in sorted(set(a.requests) | set(b.requests)):

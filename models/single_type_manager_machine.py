@@ -33,12 +33,14 @@ from kvref.spec.mathutil import cdiv
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    kind: str = "hybrid"  # "full" | "swa" | "hybrid"
+    kind: str = "hybrid"  # "full" | "swa" | "hybrid" | "full2" (two full-attention groups)
     block_size: int = 2
     sliding_window: int = 3
     num_blocks: int = 10
     max_model_len: int = 12
     max_in_flight_tokens: int = 4
+    scheduler_block_size: int | None = None  # None: block_size
+
 
     def pool(self):
         from kvref.impl.interface import PoolConfig
@@ -46,17 +48,25 @@ class ManagerConfig:
 
         common = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
         groups = []
-        if self.kind in ("full", "hybrid"):
+        if self.kind in ("full", "hybrid", "full2"):
             groups.append(KVCacheGroupSpec(("full",), FullAttentionSpec(**common)))
+        if self.kind == "full2":  # same spec: one spec group, a hit must hit in both groups
+            groups.append(KVCacheGroupSpec(("full_b",), FullAttentionSpec(**common)))
         if self.kind in ("swa", "hybrid"):
             groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **common)))
         return PoolConfig(num_blocks=self.num_blocks, groups=tuple(groups), max_model_len=self.max_model_len,
-                          scheduler_block_size=self.block_size, hash_block_size=self.block_size,
+                          scheduler_block_size=self.scheduler_block_size or self.block_size,
+                          hash_block_size=self.block_size,
                           max_in_flight_tokens=self.max_in_flight_tokens)
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    """Set ``targets = ("reference", "vllm")`` to drive vLLM 0.33.0's ``KVCacheManager`` beside the
+    reference (through :mod:`kvref.impl.vllm`) and compare every answer, the free queue in order
+    and the cached blocks."""
+
     config = ManagerConfig()
+    targets: tuple[str, ...] = ("reference",)
     steps = 0
 
     def __init__(self) -> None:
@@ -64,8 +74,28 @@ class ManagerMachine(RuleBasedStateMachine):
         from kvref.impl.reference.kv_cache_manager import KVCacheManager
 
         self.kv = KVCacheManager(self.config.pool())
+        self.vllm = None
+        if "vllm" in self.targets:
+            from kvref.impl.vllm import VllmKVCacheManager
+
+            self.vllm = VllmKVCacheManager(self.config.pool())
         self.reqs: dict[str, object] = {}
         self.n = 0
+
+    @staticmethod
+    def _ids(kv_blocks) -> tuple:
+        return None if kv_blocks is None else tuple(tuple(b.block_id for b in g) for g in kv_blocks.blocks)
+
+    def _vllm_allocate(self, r, num_new, hit_ids=None, num_hit=0, gate=False, ref_out=None):
+        if self.vllm is None:
+            return
+        out = self.vllm.allocate_slots(r, num_new, num_hit, hit_ids, full_sequence_must_fit=gate)
+        want = self._ids(ref_out)
+        if want is not None and not any(want):
+            want = tuple(() for _ in want)
+        if out is not None and not any(out):
+            out = tuple(() for _ in out)
+        assert out == want, f"vllm: allocate_slots({r.request_id}, {num_new}) = {out}, reference {want}"
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -73,7 +103,6 @@ class ManagerMachine(RuleBasedStateMachine):
         """allocate_slots with the M3 and M1 checks around it."""
         kv = self.kv
         coord = kv.coordinator
-        type(self).steps += 1
         local = r.num_computed_tokens + num_hit
         total = min(local, kv.max_model_len)
         main = total + num_new
@@ -110,9 +139,20 @@ class ManagerMachine(RuleBasedStateMachine):
         r = Request(rid, prompt, max_tokens=max_tokens)
         blocks, num_hit, _ = self.kv.get_computed_blocks(r)
         assert num_hit < r.num_tokens, "M7: the hit covers the last token"
+        for g, m in enumerate(self.kv.coordinator.single_type_managers):
+            if getattr(m, "sliding_window", None) is None:
+                group = blocks.blocks[g] if blocks.blocks else ()
+                assert not any(b.is_null for b in group), f"full-attention hit in group {g} holds the null block"
+                assert len(group) * m.block_size >= num_hit, f"group {g}: hit blocks do not cover {num_hit} tokens"
         self._check_hit_complete(r, num_hit)
+        hit_ids = self._ids(blocks)
+        if self.vllm is not None:
+            v_ids, v_hit = self.vllm.get_computed_blocks(r)
+            assert (v_ids if any(v_ids) else None, v_hit) == (hit_ids if any(hit_ids) else None, num_hit), \
+                f"vllm: get_computed_blocks({rid}) = {v_ids}, {v_hit}; reference {hit_ids}, {num_hit}"
         num_new = min(chunk, r.num_tokens - num_hit)
         out = self._allocate(r, num_new, blocks, num_hit, gate=True)
+        self._vllm_allocate(r, num_new, hit_ids if any(hit_ids) else None, num_hit, True, out)
         if out is None:
             return
         r.num_computed_tokens = num_hit + num_new
@@ -128,7 +168,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             r.output_token_ids.append(1 + r.num_tokens % 2)
         num_new = min(chunk, r.num_tokens - r.num_computed_tokens)
-        if self._allocate(r, num_new) is not None:
+        out = self._allocate(r, num_new)
+        self._vllm_allocate(r, num_new, ref_out=out)
+        if out is not None:
             r.num_computed_tokens += num_new
 
     @precondition(lambda self: self.reqs)
@@ -145,6 +187,9 @@ class ManagerMachine(RuleBasedStateMachine):
                     (front if b.block_hash is None else back).append(b.block_id)
         before = list(pool.free_block_ids())
         self.kv.free(r)
+        if self.vllm is not None:
+            self.vllm.free(r)
+            self.vllm.forget(r.request_id)
         after = list(pool.free_block_ids())
         # managers free one after another: each group's uncached blocks are prepended in turn
         assert sorted(after[:len(front)]) == sorted(front) and after[len(after) - len(back):] == back \
@@ -181,27 +226,61 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"hit completeness: {o.request_id} computed {common // bs} matching full blocks, hit is {num_hit}"
 
     @invariant()
+    def count_step(self):
+        type(self).steps += 1
+
+    @invariant()
     def invariants_hold(self):
         self.kv.check_invariants()
 
+    @invariant()
+    def agrees_with_vllm(self):
+        if self.vllm is None:
+            return
+        self.vllm.check_invariants()
+        ref_queue = tuple(self.kv.block_pool.free_block_ids())
+        assert self.vllm.free_block_queue() == ref_queue, \
+            f"vllm: free queue {self.vllm.free_block_queue()}, reference {ref_queue}"
+        ref_cached = self.kv.block_pool.cached_blocks()
+        v_cached = self.vllm.cached_blocks()
+        assert v_cached == ref_cached, \
+            f"vllm: cached blocks {sorted(v_cached)}, reference {sorted(ref_cached)}"
+        for rid in self.reqs:
+            ref_ids = tuple(tuple(x) for x in self.kv.get_block_ids(rid))
+            assert self.vllm.get_block_ids(rid) == ref_ids, \
+                f"vllm: {rid} tables {self.vllm.get_block_ids(rid)}, reference {ref_ids}"
 
-def make_manager_machine(config: ManagerConfig) -> type[ManagerMachine]:
-    return type(f"ManagerMachine_{config.kind}", (ManagerMachine,), {"config": config, "steps": 0})
+
+def make_manager_machine(config: ManagerConfig, *targets: str) -> type[ManagerMachine]:
+    targets = targets or ("reference",)
+    for t in targets:
+        if t not in ("reference", "vllm"):
+            from kvref.spec.errors import InvalidFieldError
+
+            raise InvalidFieldError("targets", t, "'reference' or 'vllm'")
+    return type(f"ManagerMachine_{config.kind}_{'_'.join(targets)}", (ManagerMachine,),
+                {"config": config, "targets": tuple(targets), "steps": 0})
 
 
 CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("swa", num_blocks=6),
            ManagerConfig("hybrid", num_blocks=10), ManagerConfig("hybrid", num_blocks=6, block_size=1,
-                                                                  sliding_window=2))
+                                                                  sliding_window=2),
+           ManagerConfig("full2", num_blocks=9))
+
+#: configs for the pairing with vLLM (adds a hybrid whose scheduler block spans two blocks, so
+#: the sliding-window reachable-block mask and hit alignment matter)
+VLLM_CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("hybrid", num_blocks=10),
+                ManagerConfig("hybrid", num_blocks=12, block_size=2, sliding_window=3, scheduler_block_size=4))
 
 
-def run_manager_machines(budget: int) -> str | None:
+def run_manager_machines(budget: int, targets: tuple[str, ...] = ("reference",)) -> str | None:
     """Every config with ``budget`` examples, no shrinking; returns the first failure or None."""
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
                    deadline=None, print_blob=False, phases=[Phase.explicit, Phase.generate],
                    suppress_health_check=list(HealthCheck))
-    for c in CONFIGS:
+    for c in (VLLM_CONFIGS if "vllm" in targets else CONFIGS):
         try:
-            run_state_machine_as_test(make_manager_machine(c), settings=cfg)
+            run_state_machine_as_test(make_manager_machine(c, *targets), settings=cfg)
         except Exception as e:  # noqa: BLE001
             text = str(e).strip().splitlines()
             return f"{c.kind}/{c.num_blocks}: {type(e).__name__}: {text[0] if text else ''}"

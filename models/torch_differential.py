@@ -65,7 +65,8 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
         else:
             chunk = draw(st.sampled_from([bs, 2 * bs, 3 * bs] if aligned_chunks else [4, 6, 8]))
             spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **SPEC_KW)
-        groups.append(KVCacheGroupSpec((f"g{i}",), spec))
+        groups.append(KVCacheGroupSpec((f"g{i}",), spec, is_eagle_group=hybrid and draw(st.booleans())
+                                       and not draw(st.booleans())))
     return PoolConfig(
         num_blocks=draw(st.integers(4, 28)),
         groups=tuple(groups),
@@ -76,6 +77,7 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
         # Mamba prefix caching needs "align" mode, which is not modelled: Mamba pools run uncached.
         enable_caching=("mamba" not in kinds) and (draw(st.booleans()) or draw(st.booleans())),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.25])),
+        use_eagle="chunked" not in kinds and draw(st.sampled_from([False, False, True])),
     )
 
 

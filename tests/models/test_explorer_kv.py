@@ -85,3 +85,10 @@ def test_bad_scope_is_rejected():
         Scope(prompts=((1, 2),), max_tokens=(1, 2))
     with pytest.raises(ValueError, match="scope"):
         explore_scope("no-such-scope")
+
+
+def test_no_per_request_state_outlives_its_request():
+    with CATALOGUE["kvm.free_keeps_hashes"].applied():
+        res = explore_scope("tight")
+    (f,) = res.findings
+    assert "hasher still holds finished requests" in f.message

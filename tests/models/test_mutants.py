@@ -21,15 +21,15 @@ def test_catalogue_has_thirty_available_mutants_with_historic_variants():
 
 
 def test_method_patch_is_applied_and_restored():
-    original = BlockPool.touch
+    original = BlockPool._touch
     pool = BlockPool(4, True, 2)
     with CATALOGUE["pool.touch_no_ref"].applied():
-        assert BlockPool.touch is not original
+        assert BlockPool._touch is not original
         (b,) = pool.get_new_blocks(1)
         pool.free_blocks([b])
         pool.touch([b])
         assert b.ref_cnt == 0  # the fault: the reference is not counted
-    assert BlockPool.touch is original
+    assert BlockPool._touch is original
 
 
 def test_module_function_patch_reaches_by_name_imports():
@@ -43,11 +43,11 @@ def test_module_function_patch_reaches_by_name_imports():
 
 
 def test_patch_is_restored_when_the_body_raises():
-    original = BlockPool.free_blocks
+    original = BlockPool._free_blocks
     with pytest.raises(RuntimeError):
         with CATALOGUE["pool.free_append_all"].applied():
             raise RuntimeError("check crashed")
-    assert BlockPool.free_blocks is original
+    assert BlockPool._free_blocks is original
 
 
 def test_missing_target_is_unavailable_and_names_are_unique():
@@ -62,20 +62,41 @@ def test_missing_target_is_unavailable_and_names_are_unique():
 
 
 def test_campaign_reports_the_killing_check():
-    ms = [CATALOGUE[n] for n in ("spec.swa_cap_no_plus1", "manager.swa_skip_one_too_many", "kvm.free_keeps_hashes")]
+    ms = [CATALOGUE[n] for n in ("spec.swa_cap_no_plus1", "manager.swa_skip_one_too_many",
+                                 "pool.get_cached_first_group_only")]
     res = run_mutant_campaign(ms, checks=["spec-formulas", "explorer"], budget=20)
     assert not res.baseline_failures
     by = {r.mutant.name: r for r in res.results}
     assert by["spec.swa_cap_no_plus1"].killed_by == "spec-formulas"
     assert by["manager.swa_skip_one_too_many"].killed_by == "explorer"
-    # documented equivalent mutant (docs/mutants.md): the hasher re-keys on the request object
-    assert not by["kvm.free_keeps_hashes"].killed
+    # documented equivalent mutant (docs/mutants.md): a group-0 hit implies a group-1 hit
+    assert not by["pool.get_cached_first_group_only"].killed
     assert res.kill_rate == pytest.approx(2 / 3)
     text = res.render()
     assert "manager.swa_skip_one_too_many" in text and "explorer" in text
+    assert by["manager.swa_skip_one_too_many"].seconds > 0
 
 
 def test_unknown_check_is_rejected():
     with pytest.raises(ValueError, match="checks"):
         run_mutant_campaign([], checks=["no-such-check"])
     assert "explorer" in ALL_CHECKS
+
+
+def test_summary_separates_reference_mutants_from_formula_variants():
+    from kvref.models.mutants_campaign import CampaignResult, MutantResult
+
+    formula = Mutant("formula.x", "a formula variant", "kvref.proofs.variants:X", lambda f: f, HISTORIC,
+                     "#1", "formula")
+    res = CampaignResult([MutantResult(CATALOGUE["pool.touch_no_ref"], True, "explorer", "a|b"),
+                          MutantResult(CATALOGUE["kvm.free_keeps_hashes"], False),
+                          MutantResult(formula, True, "proofs", "theorem T1: counterexample")], ["explorer"])
+    assert res.reference_kill_rate == 0.5 and res.kill_rate == pytest.approx(2 / 3)
+    assert "1/2 reference mutants" in res.summary() and "1/1 formula variants" in res.summary()
+    md = res.to_markdown()
+    assert "**survived**" in md and "a\\|b" in md and "`formula.x`" in md
+
+
+def test_bad_subset_is_rejected():
+    with pytest.raises(ValueError, match="subset"):
+        run_mutant_campaign(checks=["spec-formulas"], subset="weekly")

@@ -30,3 +30,33 @@ def test_machine_kills_mutants_the_explorer_cannot_see(name, text):
     with CATALOGUE[name].applied():
         why = run_manager_machines(100)
     assert why is not None and text in why
+
+
+@pytest.mark.vllm
+def test_reference_managers_agree_with_vllm():
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    from kvref.models.single_type_manager_machine import VLLM_CONFIGS
+
+    for config in VLLM_CONFIGS:
+        machine = make_manager_machine(config, "reference", "vllm")
+        run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(15, 60),
+                                                             stateful_step_count=30))
+        assert machine.steps > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["pool.cache_ignores_mask", "kvm.no_full_sequence_gate"])
+def test_vllm_pairing_kills_what_safety_checks_cannot(name):
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    with CATALOGUE[name].applied():
+        why = run_manager_machines(50, ("reference", "vllm"))
+    assert why is not None and "vllm" in why
+
+
+def test_unknown_machine_target_is_rejected():
+    with pytest.raises(ValueError, match="targets"):
+        make_manager_machine(CONFIGS[0], "torch-someday")
