@@ -229,11 +229,18 @@ def _mix_held(F, o, v, mamba_pages):
     return full, swa, cl, mamba
 
 
+def _mamba_align_sync(o, v):
+    """Align-mode Mamba is covered for max_concurrent_batches = 1 only: with k batches in flight
+    vLLM's MambaManager holds 1 + k + spec state blocks (see docs/proofs.md, Findings)."""
+    return o.Implies(o.And(v["nm"] >= 1, v["align"]), v["k"] == 1)
+
+
 def _t3_all(F, o, v):
     M, L = v["M"], v["L"]
     pages = _mix_pages(F, o, v, M)
     hs, accepted, nb = _startup(F, o, v, _mix_total(v, pages))
-    hyps = (_pos(M, L, v["k"], v["B"]) + [L <= M] + _mix_hyps(o, v) + _step_hyps(o, v) + hs + [accepted])
+    hyps = (_pos(M, L, v["k"], v["B"]) + [L <= M] + _mix_hyps(o, v) + _step_hyps(o, v) + hs + [accepted]
+            + [_mamba_align_sync(o, v)])
     gate = _mix_total(v, _mix_gate(F, o, v, L))
     held = _mix_total(v, _mix_held(F, o, v, pages[3]))
     free = nb - 1  # the null block is never handed out
@@ -243,7 +250,7 @@ def _t3_all(F, o, v):
 def _t3_kind(index):
     def build(F, o, v):
         M, L = v["M"], v["L"]
-        hyps = _pos(M, L, v["k"], v["B"]) + [L <= M] + _mix_hyps(o, v) + _step_hyps(o, v)
+        hyps = _pos(M, L, v["k"], v["B"]) + [L <= M] + _mix_hyps(o, v) + _step_hyps(o, v) + [_mamba_align_sync(o, v)]
         pages = _mix_pages(F, o, v, M)
         gate = _mix_gate(F, o, v, L)[index]
         held = _mix_held(F, o, v, pages[3])[index]
@@ -279,9 +286,10 @@ T3 = Theorem(
     bounds=T2.bounds + (
         "Mamba outside align mode: block_size >= max_model_len (vLLM sets mamba_block_size = max_model_len "
         "when prefix caching is off; sibling T3/mamba-small-block shows it is needed)",
-        "Mamba align mode, part (b): the manager's physical per-step cap (at most 2 + num_speculative_blocks + "
-        "num_prefill_checkpoint_blocks blocks held) is a hypothesis, not proved - its table is not "
-        "position-monotone",
+        "Mamba align mode, part (b): max_concurrent_batches = 1, and the per-step bound (at most 2 + "
+        "num_speculative_blocks + num_prefill_checkpoint_blocks blocks held) is a hypothesis checked on generated "
+        "schedules against vLLM's MambaManager, not proved. With k >= 2 batches in flight vLLM's manager holds "
+        "1 + k + num_speculative_blocks blocks, more than startup charges (a finding, docs/proofs.md)",
         "watermark 0 (the default) and no prefix-cache hits for the request (an empty pool holds none)",
         "groups of one kind share one spec (counts n_g >= 0 of each kind)"),
     claim=Claim("all", "whole hybrid mix", _T3_VARS, _t3_all),

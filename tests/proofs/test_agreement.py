@@ -503,3 +503,75 @@ def test_cl_unaligned_chunk_exceeds_the_cap_in_the_reference():
     spec = _attn(ChunkedLocalAttentionSpec, x["bs"], attention_chunk_size=x["chunk"])
     cap = spec.max_admission_blocks_per_request(x["k"] * x["B"], x["M"])
     assert cap == 2 and _max_held(_manager(spec), x["k"], x["M"], x["steps"]) == 3
+
+
+# ------------------------------------------------------------------ Mamba align: T3's hypothesis and its limit
+
+def _mamba_worst(manager, k, bs, chunks):
+    c, in_flight, worst = 0, [], 0
+    for n in chunks:
+        f = sum(in_flight)
+        manager.remove_skipped_blocks("r", max(0, c - f))
+        manager.get_num_blocks_to_allocate("r", c + n, [], c, c, c + n)
+        manager.allocate_new_blocks("r", c + n, c + n)
+        worst = max(worst, sum(1 for b in manager.req_to_blocks["r"] if not b.is_null))
+        in_flight.append(n)
+        if len(in_flight) > k - 1:
+            in_flight.pop(0)
+        c += n
+    return worst
+
+
+def _ref_mamba(bs, spec_blocks):
+    from kvref.impl.reference.block_pool import BlockPool
+    from kvref.impl.reference.mamba_manager import MambaManager
+
+    spec = MambaSpec(block_size=bs, shapes=((4, 8),), dtypes=("float16",), mamba_cache_mode="align",
+                     num_speculative_blocks=spec_blocks)
+    return MambaManager(spec, block_pool=BlockPool(512, enable_caching=False, hash_block_size=bs),
+                        enable_caching=False, kv_cache_group_id=0, scheduler_block_size=bs)
+
+
+@settings(max_examples=N)
+@given(bs=st.sampled_from([4, 8, 16]), spec_blocks=st.integers(0, 2),
+       chunks=st.lists(st.integers(1, 6), min_size=1, max_size=20))
+def test_mamba_align_sync_holds_at_most_what_startup_charges(bs, spec_blocks, chunks):
+    """T3's align-mode hypothesis (k = 1), on the reference manager: block-aligned chunks."""
+    worst = _mamba_worst(_ref_mamba(bs, spec_blocks), 1, bs, [n * bs for n in chunks])
+    assert worst <= F.mamba_pages(PyOps, True, spec_blocks, 0)
+
+
+@pytest.fixture(scope="module")
+def vllm_mamba():
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.core import block_pool, single_type_kv_cache_manager as stm
+
+    def make(bs, spec_blocks):
+        spec = kvi.MambaSpec(block_size=bs, shapes=((4, 8),), dtypes=(torch.float16,), mamba_cache_mode="align",
+                             num_speculative_blocks=spec_blocks)
+        return stm.MambaManager(spec, block_pool=block_pool.BlockPool(512, enable_caching=False, hash_block_size=bs),
+                                enable_caching=False, kv_cache_group_id=0, scheduler_block_size=bs)
+    return make
+
+
+@pytest.mark.vllm
+@settings(max_examples=N)
+@given(bs=st.sampled_from([4, 8, 16]), spec_blocks=st.integers(0, 2),
+       chunks=st.lists(st.integers(1, 6), min_size=1, max_size=20))
+def test_mamba_align_sync_holds_at_most_what_startup_charges_in_vllm(vllm_mamba, bs, spec_blocks, chunks):
+    worst = _mamba_worst(vllm_mamba(bs, spec_blocks), 1, bs, [n * bs for n in chunks])
+    assert worst <= F.mamba_pages(PyOps, True, spec_blocks, 0)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("k", [2, 3])
+def test_mamba_align_with_batches_in_flight_exceeds_startup_in_vllm(vllm_mamba, k):
+    """Finding: with k batches in flight, vLLM's align-mode MambaManager holds 1 + k + spec blocks
+    (removal runs on the processed basis), while startup charges 2 + spec (+ checkpoint blocks)."""
+    for spec_blocks in (0, 1):
+        assert _mamba_worst(vllm_mamba(16, spec_blocks), k, 16, [16] * 12) == 1 + k + spec_blocks
+        assert F.mamba_pages(PyOps, True, spec_blocks, 0) == 2 + spec_blocks
