@@ -239,7 +239,8 @@ class VllmScheduler:
         return SchedulerSnapshot(waiting=tuple(r.request_id for r in s.waiting),
                                  running=tuple(r.request_id for r in s.running),
                                  requests=states, block_ids=blocks,
-                                 num_free_blocks=kv.block_pool.get_num_free_blocks())
+                                 num_free_blocks=kv.block_pool.get_num_free_blocks(),
+                                 free_block_queue=_free_queue(kv))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.get_num_unfinished_requests())
@@ -248,6 +249,10 @@ class VllmScheduler:
         s = self.scheduler
         assert not s.kv_holding_waiting, "kvref models no KV-holding waiting requests"
         assert len(s.running) <= self.config.max_num_seqs
+
+
+def _free_queue(kv) -> tuple[int, ...]:
+    return tuple(b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks())
 
 
 def _ids(blocks, num_groups: int) -> BlockIds:
@@ -356,6 +361,9 @@ class VllmKVCacheManagerShim:
 
     def get_num_free_blocks(self) -> int:
         return self.mgr.block_pool.get_num_free_blocks()
+
+    def free_block_queue(self) -> tuple[int, ...]:
+        return _free_queue(self.mgr)
 
     def check_invariants(self) -> None:
         assert 0 <= self.get_num_free_blocks() < self.pool.num_blocks

@@ -117,9 +117,10 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64):
 
 @st.composite
 def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, async_scheduling=None,
-                     policy=None):
+                     policy=None, tight: bool = False):
     """``(PoolConfig, SchedulerConfig)``; ``consistent=True`` only startup-consistent pools,
-    ``False`` only inconsistent ones, None either (mostly consistent)."""
+    ``False`` only inconsistent ones, None either (mostly consistent); ``tight``: consistent pools
+    with at most two spare blocks (more preemption)."""
     max_model_len = draw(st.integers(8, 96))
     bs, groups = draw(pool_groups(kinds, max_model_len))
     is_async = draw(st.booleans()) if async_scheduling is None else async_scheduling
@@ -146,7 +147,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     want = consistent if consistent is not None else draw(st.sampled_from((True, True, True, False)))
     if want:
         # Mostly tight pools: preemption and pool exhaustion need pressure.
-        num_blocks = need + draw(st.sampled_from((0, 0, 1, 2, need // 2, need, 3 * need)))
+        slack = (0, 0, 1, 2) if tight else (0, 0, 1, 2, need // 2, need, 3 * need)
+        num_blocks = need + draw(st.sampled_from(slack))
     else:
         num_blocks = draw(st.integers(max(2, len(groups) + 1), max(2, len(groups) + 1, need - 1)))
     pool = PoolConfig(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,

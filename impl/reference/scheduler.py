@@ -386,7 +386,9 @@ class Scheduler:
             requests={rid: request_state(r) for rid, r in reqs.items()},
             block_ids={rid: self.kv_cache_manager.get_block_ids(rid) for rid in self.requests
                        if any(self.kv_cache_manager.get_block_ids(rid))},
-            num_free_blocks=self.kv_cache_manager.get_num_free_blocks())
+            num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
+            free_block_queue=(self.kv_cache_manager.free_block_queue()
+                              if hasattr(self.kv_cache_manager, "free_block_queue") else None))
 
     def check_invariants(self) -> None:
         waiting = list(self.waiting)

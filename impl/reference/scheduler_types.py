@@ -132,3 +132,5 @@ class SchedulerSnapshot:
     requests: dict[str, RequestState]
     block_ids: dict[str, BlockIds]
     num_free_blocks: int
+    #: block ids in free-queue order (next to allocate first) where the manager exposes it
+    free_block_queue: tuple[int, ...] | None = None
