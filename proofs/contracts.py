@@ -176,5 +176,32 @@ def contract_pool_touch(num_gpu_blocks: int, k: int, touches: int) -> int:
     return pool.get_num_free_blocks()
 
 
+def contract_pool_cached_hit(num_gpu_blocks: int, k: int) -> int:
+    """A freed, cached block stays findable; touching it (a prefix hit) takes it off the free queue,
+    and allocating every free block evicts its hash.
+
+    pre: 2 <= num_gpu_blocks <= 5 and 1 <= k <= num_gpu_blocks - 1
+    post: __return__ == num_gpu_blocks - 1
+    """
+    from kvref.impl.reference.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks, enable_caching=True, hash_block_size=1)
+    blocks = pool.get_new_blocks(k)
+    hashes = [bytes([i + 1]) for i in range(k)]
+    pool.cache_full_blocks(hashes, blocks, 0, k, 1, 0)
+    pool.free_blocks(list(reversed(blocks)))
+    assert pool.get_num_free_blocks() == num_gpu_blocks - 1
+    hit = pool.get_cached_block(hashes[0], [0])
+    assert hit is not None and hit[0] is blocks[0]
+    pool.touch(hit)
+    assert pool.get_num_free_blocks() == num_gpu_blocks - 2 and blocks[0].ref_cnt == 1
+    pool.free_blocks(hit)
+    everything = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert all(pool.get_cached_block(h, [0]) is None for h in hashes)
+    pool.check_invariants()
+    pool.free_blocks(everything)
+    return pool.get_num_free_blocks()
+
+
 CONTRACTS = (contract_cdiv, contract_swa_cap, contract_cl_cap, contract_swa_single_source, contract_block_sizes,
-             contract_auto_fit, contract_pool_get_free, contract_pool_over_allocation, contract_pool_touch)
+             contract_auto_fit, contract_pool_get_free, contract_pool_over_allocation, contract_pool_touch, contract_pool_cached_hit)

@@ -60,3 +60,11 @@ def test_verify_check_passes_and_writes_reproducers(tmp_path):
     assert result.status == "passed", (result.summary, result.details)
     assert len(result.artifacts) == len(HISTORIC)
     assert all(os.path.exists(p) for p in result.artifacts)
+
+
+def test_solver_timeout_is_reported_unknown_and_fails(capsys):
+    rc = _run(["T5", "--timeout", "0.001", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert data[0]["status"] == "unknown"
+    assert any(lemma["status"] == "unknown" for lemma in data[0]["lemmas"])
