@@ -8,7 +8,7 @@ and view them at the group's block size (coarse hash ``i`` = fine hash ``(i+1)k-
 
 Mamba is modelled without prefix caching only (``mamba_cache_mode`` "none"/"all" with caching
 off, where vLLM's ``MambaManager`` is the base manager plus speculative blocks). Not modelled:
-EAGLE drops, fine-grained (partial-hash) hits, Mamba "align" mode, retention intervals.
+fine-grained (partial-hash) hits, Mamba "align" mode, retention intervals.
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ class GroupKind:
         return 0
 
     def find_hit(self, pool: TorchBlockPool, fine: list[bytes], hash_block_size: int,
-                 max_length: int, group_ids: list[int], alignment: int) -> Hit:
+                 max_length: int, group_ids: list[int], alignment: int, drop_eagle: bool = False) -> Hit:
+        """Longest hit ``<= max_length`` (aligned) hitting in every group of ``group_ids``.
+
+        ``drop_eagle`` drops the last matched block (EAGLE recomputes it for its hidden states)."""
         raise NotImplementedError
 
-    def cache_mask(self, start: int, end: int, alignment: int) -> list[bool] | None:
+    def cache_mask(self, start: int, end: int, alignment: int, use_eagle: bool = False) -> list[bool] | None:
         """Which of blocks ``[start, end)`` to put in the hash map (None = all)."""
         return None
 
@@ -62,7 +65,7 @@ class FullAttentionKind(GroupKind):
 
     name = "full_attention"
 
-    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment) -> Hit:
+    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment, drop_eagle=False) -> Hit:
         bs = self.block_size
         hashes = coarse_hashes(fine, hash_block_size, bs)
         out: list[list[int]] = [[] for _ in group_ids]
@@ -73,6 +76,8 @@ class FullAttentionKind(GroupKind):
             for lst, b in zip(out, got):
                 lst.append(b)
         hit = len(out[0]) * bs
+        if drop_eagle and hit > 0:
+            hit -= min(alignment, bs)
         hit -= hit % alignment
         n = cdiv(hit, bs)
         return [lst[:n] for lst in out], hit
@@ -98,16 +103,16 @@ class SlidingWindowKind(GroupKind):
     def admission_cap(self, max_in_flight_tokens, max_model_len):
         return self.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
 
-    @property
-    def blocks_for_hit(self) -> int:
-        return cdiv(self.window - 1, self.block_size)
+    def blocks_for_hit(self, use_eagle: bool = False) -> int:
+        """Consecutive cached blocks a hit needs (one more with EAGLE, which then drops one)."""
+        return cdiv(self.window - 1, self.block_size) + (1 if use_eagle else 0)
 
-    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment) -> Hit:
+    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment, drop_eagle=False) -> Hit:
         bs = self.block_size
         hashes = coarse_hashes(fine, hash_block_size, bs)
         n = max_length // bs
-        need = self.blocks_for_hit
-        found: dict[int, list[int]] = {}   # position -> block per group, inside the current run
+        need = self.blocks_for_hit(drop_eagle)
+        found: dict[int, list[int]] = {}   # position -> block per group
         run = 0
         end = None
         for i in range(n - 1, -1, -1):
@@ -115,8 +120,8 @@ class SlidingWindowKind(GroupKind):
             if got is None:
                 run = 0
                 continue
-            # A run must end on an alignment boundary (hybrid models with bigger scheduler blocks).
-            if run == 0 and bs != alignment and ((i + 1) * bs) % alignment:
+            # A run must end on an alignment boundary (after the EAGLE drop, if any).
+            if run == 0 and bs != alignment and (((i if drop_eagle else i + 1) * bs) % alignment):
                 continue
             found[i] = got
             run += 1
@@ -128,23 +133,29 @@ class SlidingWindowKind(GroupKind):
             end = run
             while bs != alignment and (end * bs) % alignment:
                 end -= 1
+        first = end - run if end >= run else 0
+        if drop_eagle and end > 0:
+            end -= 1
+            while bs != alignment and (end * bs) % alignment:
+                end -= 1
         out = [[NULL_BLOCK_ID] * end for _ in group_ids]
-        for i in range(end - run if end >= run else 0, end):
-            if i in found:
-                for lst, b in zip(out, found[i]):
-                    lst[i] = b
+        for i in range(first, end):
+            for lst, b in zip(out, found[i]):
+                lst[i] = b
         return out, end * bs
 
-    def cache_mask(self, start: int, end: int, alignment: int) -> list[bool] | None:
+    def cache_mask(self, start: int, end: int, alignment: int, use_eagle: bool = False) -> list[bool] | None:
         bs = self.block_size
         if alignment % bs:
             return None
         per_segment = alignment // bs
-        need = self.blocks_for_hit
+        need = self.blocks_for_hit(use_eagle)
         if need >= per_segment:
             return None
-        # Only the ``need`` blocks ending on each alignment boundary can ever serve a hit.
-        return [i % per_segment >= per_segment - need for i in range(start, end)]
+        # Only the ``need`` blocks ending on each alignment boundary (one further with EAGLE's
+        # peek block) can ever serve a hit.
+        shift = 1 if use_eagle else 0
+        return [i >= shift and (i - shift) % per_segment >= per_segment - need for i in range(start, end)]
 
 
 class ChunkedLocalKind(GroupKind):
@@ -162,7 +173,8 @@ class ChunkedLocalKind(GroupKind):
     def admission_cap(self, max_in_flight_tokens, max_model_len):
         return self.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
 
-    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment) -> Hit:
+    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment, drop_eagle=False) -> Hit:
+        assert not drop_eagle, "EAGLE with chunked local attention is rejected at construction"
         bs = self.block_size
         hashes = coarse_hashes(fine, hash_block_size, bs)
         start = (max_length // self.chunk * self.chunk if max_length > 0 else 0) // bs
@@ -189,7 +201,7 @@ class MambaKind(GroupKind):
     def extra_slot_tokens(self) -> int:
         return self.block_size * self.spec.num_speculative_blocks
 
-    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment) -> Hit:
+    def find_hit(self, pool, fine, hash_block_size, max_length, group_ids, alignment, drop_eagle=False) -> Hit:
         raise AssertionError("Mamba groups are only modelled with prefix caching disabled")
 
 

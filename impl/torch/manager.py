@@ -13,8 +13,9 @@ caching (modes "none"/"all", speculative blocks); one group or several
 (hybrid); prefix caching with ``hash_block_size`` <= block sizes (incl. the full-attention
 partial-tail entry); the full-sequence admission gate with the per-request admission caps
 (vLLM #40946, single source of truth with startup sizing); watermark; ``reserved_blocks``;
-external (connector) computed tokens. Not modelled (rejected with ``InvalidFieldError``): EAGLE,
-Mamba "align" mode (Mamba prefix caching), cross-attention groups, partial (mid-block) local hits,
+external (connector) computed tokens; EAGLE (the last hit block dropped, one block cached
+further). Not modelled (rejected with ``InvalidFieldError``): EAGLE with chunked local attention
+(vLLM asserts), Mamba "align" mode (Mamba prefix caching), cross-attention groups, partial (mid-block) local hits,
 prefix-cache retention.
 """
 
@@ -56,6 +57,7 @@ class _Group:
     tables: BlockTables
     cap: int | None
     num_cached_block: dict[str, int]
+    use_eagle: bool = False  # the group's hits drop the EAGLE block; caching looks one block further
 
     @property
     def block_size(self) -> int:
@@ -68,6 +70,7 @@ class _SpecGroup:
 
     kind: GroupKind
     group_ids: list[int]
+    use_eagle: bool = False
 
 
 class TorchKVCacheManager:
@@ -77,8 +80,6 @@ class TorchKVCacheManager:
         if not isinstance(pool_config, PoolConfig):
             raise InvalidFieldError("pool_config", pool_config, "a kvref.impl.interface.PoolConfig")
         cfg = pool_config
-        if cfg.use_eagle:
-            raise InvalidFieldError("use_eagle", True, "False (EAGLE is not modelled by the torch implementation)")
         if not cfg.groups:
             raise InvalidFieldError("groups", cfg.groups, "at least one KV cache group")
         kinds: list[GroupKind] = []
@@ -92,6 +93,10 @@ class TorchKVCacheManager:
                 raise InvalidFieldError("enable_caching", True,
                                         "False with a Mamba group (vLLM needs mamba_cache_mode='align' "
                                         "for Mamba prefix caching, which the torch implementation does not model)")
+            if cfg.use_eagle and isinstance(kind, ChunkedLocalKind):
+                raise InvalidFieldError("use_eagle", True,
+                                        "False with a chunked-local group (vLLM asserts: no EAGLE with "
+                                        "chunked local attention)")
             kinds.append(kind)
         hybrid = len(kinds) > 1
         if cfg.enable_caching:
@@ -127,16 +132,28 @@ class TorchKVCacheManager:
         # Lookup alignment: a single group aligns to its block size; a hybrid model to the scheduler
         # block (no fine-grained hits without an aligned Mamba group).
         self.alignment = cfg.scheduler_block_size if hybrid else kinds[0].block_size
+        # EAGLE: the flagged groups (all groups if none is flagged) drop their last hit block.
+        eagle_ids = {i for i, g in enumerate(cfg.groups) if g.is_eagle_group}
+        if cfg.use_eagle and not eagle_ids:
+            eagle_ids = set(range(len(kinds)))
+        self.drop_eagle_ids = eagle_ids if cfg.use_eagle else set()
         spec_groups: list[_SpecGroup] = []
         for i, k in enumerate(kinds):
             for sg in spec_groups:
                 if sg.kind.spec == k.spec and type(sg.kind) is type(k):
                     sg.group_ids.append(i)
+                    sg.use_eagle = sg.use_eagle or i in self.drop_eagle_ids
                     break
             else:
-                spec_groups.append(_SpecGroup(k, [i]))
+                spec_groups.append(_SpecGroup(k, [i], i in self.drop_eagle_ids))
         spec_groups.sort(key=lambda sg: not isinstance(sg.kind.spec, FullAttentionSpec))
         self.spec_groups = spec_groups
+        if hybrid:
+            for sg in spec_groups:
+                for gid in sg.group_ids:
+                    self.groups[gid].use_eagle = sg.use_eagle
+        else:
+            self.groups[0].use_eagle = 0 in self.drop_eagle_ids
 
     # ================================================================ lookups
     def _check_request(self, request: object) -> Request:
@@ -147,21 +164,34 @@ class TorchKVCacheManager:
     def _find_longest_cache_hit(self, fine: list[bytes], max_length: int) -> tuple[list[list[int]], int]:
         if not self.hybrid:
             g = self.groups[0]
-            blocks, hit = g.kind.find_hit(self.pool, fine, self.hash_block_size, max_length, [0], self.alignment)
-            return blocks, hit
+            return g.kind.find_hit(self.pool, fine, self.hash_block_size, max_length, [0], self.alignment,
+                                   drop_eagle=0 in self.drop_eagle_ids)
+        # Fixed point: every spec group accepts the candidate length or shortens it; repeat until
+        # no group shortens it (one pass for "full attention + one other").
         hit = max_length
         by_group: list[list[int] | None] = [None] * self.num_groups
         len_by_group = [0] * self.num_groups
         simple = len(self.spec_groups) == 2 and isinstance(self.spec_groups[0].kind.spec, FullAttentionSpec)
+        verified: set[int] = set()  # spec groups whose EAGLE drop holds at the current length (#32802)
         while True:
             curr = hit
-            for sg in self.spec_groups:
+            for idx, sg in enumerate(self.spec_groups):
                 first = sg.group_ids[0]
                 if isinstance(sg.kind, FullAttentionKind) and by_group[first] is not None:
                     curr = min(curr, len_by_group[first])  # a full-attention hit is downward closed
                     continue
-                blocks, curr = sg.kind.find_hit(self.pool, fine, self.hash_block_size, curr,
-                                                sg.group_ids, self.alignment)
+                drop = sg.use_eagle and idx not in verified
+                limit = curr
+                if drop and not isinstance(sg.kind, MambaKind):
+                    # match one block past the candidate, then drop it
+                    limit = min(curr + sg.kind.block_size, len(fine) * self.hash_block_size)
+                blocks, new = sg.kind.find_hit(self.pool, fine, self.hash_block_size, limit,
+                                               sg.group_ids, self.alignment, drop_eagle=drop)
+                if drop:
+                    verified.add(idx)
+                elif new < curr:
+                    verified.clear()
+                curr = new
                 for gid, b in zip(sg.group_ids, blocks):
                     by_group[gid] = b
                     len_by_group[gid] = curr
@@ -249,8 +279,15 @@ class TorchKVCacheManager:
             g.tables.set(rid, i, NULL_BLOCK_ID)
         self.pool.free_blocks(freed)
 
-    def _cacheable_tokens(self, n: int) -> int:
-        return round_down(n, self.scheduler_block_size) if self.hybrid else n
+    def _cacheable_tokens(self, g: _Group, n: int) -> int:
+        """Tokens group ``g`` may cache: all (one group) or scheduler-block aligned (hybrid); an
+        EAGLE group caches one block further, since its lookups match that block and drop it."""
+        if not self.hybrid:
+            return n
+        aligned = round_down(n, self.scheduler_block_size)
+        if g.use_eagle and aligned > 0:
+            return min(n, aligned + g.block_size)
+        return aligned
 
     def _cache_blocks(self, g: _Group, request: Request, fine: list[bytes], num_tokens: int) -> None:
         rid = request.request_id
@@ -259,7 +296,7 @@ class TorchKVCacheManager:
         done = g.num_cached_block.get(rid, 0)
         full = min(num_tokens, len(fine) * hbs) // bs
         if done < full:
-            mask = g.kind.cache_mask(done, full, self.alignment)
+            mask = g.kind.cache_mask(done, full, self.alignment, g.use_eagle)
             table = g.tables.get(rid)
             k = bs // hbs
             for i in range(done, full):
@@ -275,7 +312,8 @@ class TorchKVCacheManager:
         """Full attention with blocks bigger than hash blocks also registers the prompt's last hash
         boundary inside a block, so a later request with the same prompt can find it."""
         hbs = self.hash_block_size
-        boundary = min((request.num_prompt_tokens - 1) // hbs, len(fine)) * hbs
+        limit = request.num_prompt_tokens if g.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hbs, len(fine)) * hbs
         if boundary == 0 or boundary > num_tokens or boundary % g.block_size == 0:
             return
         idx = boundary // g.block_size
@@ -354,9 +392,9 @@ class TorchKVCacheManager:
         new = [self._allocate_new(g, rid, need_slot) for g in self.groups]
         if not delay_cache_blocks and self.enable_caching:
             fine = self.hashes.get(request)
-            n_cache = self._cacheable_tokens(min(total + num_new_tokens, request.num_tokens))
+            n_cache = min(total + num_new_tokens, request.num_tokens)
             for g in self.groups:
-                self._cache_blocks(g, request, fine, n_cache)
+                self._cache_blocks(g, request, fine, self._cacheable_tokens(g, n_cache))
         return tuple(tuple(b) for b in new)
 
     def _validate_hits(self, request: Request, num_new_computed_tokens: int,

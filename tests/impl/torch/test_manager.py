@@ -67,6 +67,14 @@ def test_sliding_window_hit_is_nulls_then_the_window_blocks():
     m.check_invariants()
 
 
+def test_eagle_drops_the_last_hit_block():
+    m = make_manager(cfg(FA, num_blocks=20, use_eagle=True), device="cpu")
+    a = Request("a", list(range(13)))
+    m.allocate_slots(a, 13)
+    ids, hit = m.get_computed_blocks(Request("b", list(range(13)) + [5]))
+    assert (ids, hit) == (((1, 2),), 8)  # 3 cached blocks match, the last is dropped
+
+
 def test_chunked_local_hit_counts_earlier_chunks_as_computed():
     local = ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **KW)
     m = make_manager(cfg(local, num_blocks=20), device="cpu")
@@ -156,7 +164,7 @@ def test_hashes_equal_vllms(tokens, hbs, salt, seed):
     (lambda: cfg(MambaSpec(block_size=4, shapes=((2,),), dtypes=("float32",), mamba_cache_mode="align")),
      "kv_cache_spec"),
     (lambda: cfg(CrossAttentionSpec(block_size=4, **KW)), "kv_cache_spec"),
-    (lambda: cfg(FA, use_eagle=True), "use_eagle"),
+    (lambda: cfg(ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **KW), use_eagle=True), "use_eagle"),
     (lambda: cfg(FullAttentionSpec(block_size=4, **KW), hbs=2), "hash_block_size"),
     (lambda: cfg(FA, ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **KW), sbs=8, hbs=4), "scheduler_block_size"),
 ])

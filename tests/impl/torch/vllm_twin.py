@@ -55,7 +55,8 @@ class VllmTwin:
 
     def __init__(self, cfg: PoolConfig) -> None:
         kv_cache_utils.init_none_hash(sha256)
-        groups = [KVCacheGroupSpec([f"g{i}.l0"], to_vllm_spec(g.kv_cache_spec)) for i, g in enumerate(cfg.groups)]
+        groups = [KVCacheGroupSpec([f"g{i}.l0"], to_vllm_spec(g.kv_cache_spec), is_eagle_group=g.is_eagle_group)
+                  for i, g in enumerate(cfg.groups)]
         page = max(g.kv_cache_spec.page_size_bytes for g in groups)
         kv = KVCacheConfig(num_blocks=cfg.num_blocks,
                            kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_blocks,
@@ -66,7 +67,8 @@ class VllmTwin:
                                   scheduler_block_size=cfg.scheduler_block_size,
                                   hash_block_size=cfg.hash_block_size,
                                   max_in_flight_tokens=cfg.max_in_flight_tokens,
-                                  enable_caching=cfg.enable_caching, watermark=cfg.watermark)
+                                  enable_caching=cfg.enable_caching, watermark=cfg.watermark,
+                                  use_eagle=cfg.use_eagle)
         self.pool = self.mgr.block_pool
         self.hasher = get_request_block_hasher(cfg.hash_block_size, sha256)
         self.num_groups = len(groups)
