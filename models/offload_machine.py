@@ -383,6 +383,8 @@ class SimpleOffloadWorld:
             r.full_table_next = False
             nsched[rid] = n
             advances.append((r, r.computed, r.computed + n))
+        # vLLM's SchedulerOutput lists new requests before cached ones (``yield_req_data`` order).
+        scheduled = [e for e in scheduled if e[2]] + [e for e in scheduled if not e[2]]
         step = SimpleOffloadStep(scheduled, nsched, set(self.finished_pending), set(self.preempted_pending))
         self.finished_pending.clear()
         self.preempted_pending.clear()

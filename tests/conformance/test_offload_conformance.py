@@ -385,3 +385,24 @@ def test_simple_cpu_offload_scheduler_matches_vllm(V, case):
         assert ref.observe() == vll.observe(), op
     assert ref.metas == vll.metas
     assert ref.duplicate_stores == vll.duplicate_stores
+
+
+def test_pr42903_trace_on_vllm(V):
+    """Open vLLM PR 42903 asks whether 0.33.0 can still store one GPU block twice within one request's
+    scan. It can: the trace below (docs/offload.md) makes vLLM 0.33.0 itself issue store event 1 with
+    GPU block 5 twice; the reference agrees call for call."""
+    from tests.impl.reference.offload.test_simple_cpu_offload_scheduler import PR42903, run_pr42903
+
+    vll = run_pr42903(SimpleOffloadWorld(PR42903, "vllm", check_no_double_store=False))
+    ref = run_pr42903(SimpleOffloadWorld(PR42903, "reference", check_no_double_store=False))
+    assert vll.metas[2][3:6] == (1, [7, 5, 6, 5], [1, 2, 3, 4])
+    assert vll.duplicate_stores == ref.duplicate_stores == [(1, 5)]
+    assert vll.metas == ref.metas and vll.observe() == ref.observe()
+
+
+def test_pre_41289_trace_is_deduplicated_by_vllm(V):
+    from tests.impl.reference.offload.test_simple_cpu_offload_scheduler import FA_ONLY, _pre_fix_trace
+
+    w = SimpleOffloadWorld(FA_ONLY, "vllm")
+    _pre_fix_trace(w)  # would raise OffloadInvariantError on a duplicate store
+    assert w.duplicate_stores == [] and sorted(w.b.in_flight_set()) == [1, 2, 3]

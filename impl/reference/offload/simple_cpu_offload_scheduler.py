@@ -81,7 +81,8 @@ class SimpleOffloadStep:
     """What the connector reads from vLLM's ``SchedulerOutput``.
 
     ``scheduled``: ``(req_id, new block ids per group or None, is_full_table)`` for new and
-    cached requests (vLLM ``yield_req_data``); ``is_full_table`` for new/resumed requests.
+    cached requests in vLLM ``yield_req_data`` order (new requests first, then cached ones);
+    ``is_full_table`` for new/resumed requests. The order matters: stores are batched in it.
     """
 
     scheduled: list[tuple[str, tuple[list[int], ...] | None, bool]] = field(default_factory=list)
