@@ -144,6 +144,9 @@ T2 = Theorem(
                "kvref.spec.kv_cache_interface.ChunkedLocalAttentionSpec.max_admission_blocks_per_request",
                "vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager.get_num_skipped_tokens",
                "vllm.v1.core.single_type_kv_cache_manager.ChunkedLocalAttentionManager.get_num_skipped_tokens",
+               "kvref.impl.reference.sliding_window_manager.SlidingWindowManager.get_num_skipped_tokens",
+               "kvref.impl.reference.chunked_local_manager.ChunkedLocalAttentionManager.get_num_skipped_tokens",
+               "kvref.impl.reference.single_type_manager.SingleTypeKVCacheManager.remove_skipped_blocks",
                "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.remove_skipped_blocks",
                "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"),
     bounds=("no speculative decoding: num_lookahead_tokens = 0 (lookahead slots are not part of the cap; "
@@ -279,10 +282,13 @@ T3 = Theorem(
                "empty pool (num_blocks - 1 free: the null block is withheld), and (b) at every later step of its "
                "chunked prefill and decode (async scheduling included) the blocks it holds after allocate_slots "
                "fit in the pool, so the per-step allocation never fails."),
-    reference=("kvref.spec pool sizing: get_kv_cache_configs / _check_enough_kv_cache_memory equivalents",
-               "kvref.spec.kv_cache_interface.*.max_memory_usage_bytes",
-               "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (full_sequence_must_fit)",
-               "vllm.v1.core.single_type_kv_cache_manager.*.get_num_blocks_to_allocate"),
+    reference=("kvref.spec.pool_sizing.check_enough_kv_cache_memory",
+               "kvref.spec.pool_sizing.needed_bytes_for",
+               "kvref.spec.pool_sizing.group_blocks_per_request",
+               "kvref.impl.reference.single_type_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+               "kvref.impl.reference.kv_cache_manager.KVCacheManager.allocate_slots",
+               "vllm.v1.core.kv_cache_planning.get_kv_cache_configs",
+               "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"),
     bounds=T2.bounds + (
         "Mamba outside align mode: block_size >= max_model_len (vLLM sets mamba_block_size = max_model_len "
         "when prefix caching is off; sibling T3/mamba-small-block shows it is needed)",
@@ -391,8 +397,13 @@ T4 = Theorem(
                "fits check memory O*bpb - bpb) passes the enough-memory check, needs at most O - 1 blocks (the "
                "pool has O blocks, one of them the null block), and no larger L up to the model's maximum fits. "
                "Seed 001 / vLLM #41069, null block PRs 47272 / 48724."),
-    reference=("kvref.spec pool sizing: auto-fit (_auto_fit_max_model_len / _estimate_max_model_len_from_groups), "
-               "_pool_bytes_per_block, _check_enough_kv_cache_memory equivalents",),
+    reference=("kvref.spec.pool_sizing.auto_fit_max_model_len",
+               "kvref.spec.pool_sizing.estimate_max_model_len",
+               "kvref.spec.pool_sizing.pool_bytes_per_block",
+               "kvref.spec.pool_sizing.check_enough_kv_cache_memory",
+               "kvref.spec.planning.plan_kv_cache",
+               "vllm.v1.core.kv_cache_planning._auto_fit_max_model_len",
+               "vllm.v1.core.kv_cache_planning._pool_bytes_per_block"),
     bounds=("auto-fit's binary search returns the largest feasible length; Z3 proves need(L) is monotone "
             "(lemmas monotone-*), and the search itself is checked against this characterisation by Hypothesis",
             "Mamba outside align mode: block_size >= the fitted length (vLLM sets it to the model maximum)",
@@ -575,9 +586,9 @@ T5 = Theorem(
                "multiple of hash_block_size and of every group's raw and DCP-scaled block size (so the "
                "coordinator's divisibility assertion never fires); and no smaller positive common multiple of the "
                "DCP-scaled sizes exists. Seed 003 / vLLM #44165."),
-    reference=("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes",
-               "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__ (assertion)",
-               "kvref.spec block-size resolution equivalent"),
+    reference=("kvref.spec.block_sizes.resolve_kv_cache_block_sizes",
+               "vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes",
+               "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.__init__"),
     bounds=("three groups (lcm and gcd fold pairwise, so more groups repeat the same step); the first group is "
             "prefix-cacheable (gcd is symmetric, any one will do)",),
     claim=Claim("all", "divisibility and minimality", _T5_VARS, _t5),
@@ -615,8 +626,8 @@ T6 = Theorem(
                "max(sw, sw - 1 + e) (every token the next position attends or keeps) and (W-1)*tpc < that (no "
                "chunk more than needed); for chunked-local specs it is defined and covers attention_chunk_size "
                "tightly. Seed 002 / vLLM #41228, #51161."),
-    reference=("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config.get_sliding_window_size_in_chunks",
-               "kvref.impl.reference.offload equivalent"),
+    reference=("kvref.impl.reference.offload.keys.get_sliding_window_size_in_chunks",
+               "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config.get_sliding_window_size_in_chunks"),
     bounds=(),
     claim=Claim("all", "covers tightly", _ints("sw extra chunk bs bpc"), _t6),
     search_hints=(dict(bs=16, bpc=4, sw=1024, chunk=8192),),
@@ -645,9 +656,10 @@ T7 = Theorem(
                "get_num_blocks_to_allocate predicts with apply_admission_cap=False equals the number "
                "allocate_new_blocks takes, so once allocate_slots' check passes, get_new_blocks cannot fail. "
                "Digest section 11.2 M3; the crash of vLLM PR 40027 / #45856."),
-    reference=("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
-               "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks",
-               "kvref.impl.reference single-type manager equivalents"),
+    reference=("kvref.impl.reference.single_type_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+               "kvref.impl.reference.single_type_manager.SingleTypeKVCacheManager.allocate_new_blocks",
+               "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+               "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks"),
     bounds=("running request (fast path), no new prefix hits; the table covers the computed tokens",),
     claim=Claim("all", "predicted = pulled <= free", _ints("sw extra bs k B M c n free reserved watermark"), _t7),
     search_hints=(dict(bs=16, sw=1024, extra=0, k=1, B=2048, watermark=0, reserved=0),),
@@ -671,8 +683,9 @@ T8 = Theorem(
                "request whose KV arrives asynchronously (allocate_slots with reserved_blocks = R + spec-decode "
                "step blocks), the free blocks still cover R: the parked load cannot starve the prefills already "
                "running (vLLM #45388, fixed by the reservation of #44560)."),
-    reference=("vllm.v1.core.sched.scheduler.Scheduler._inflight_prefill_reserved_blocks",
-               "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots (reserved_blocks)"),
+    reference=("kvref.impl.reference.kv_cache_manager.KVCacheManager.allocate_slots",
+               "vllm.v1.core.sched.scheduler.Scheduler._inflight_prefill_reserved_blocks",
+               "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"),
     bounds=("the invariant free >= R holds before the admission (it does initially: R = 0)",),
     claim=Claim("all", "free after >= R", _ints("free R spec_step full_need n_new"), _t8),
 )
