@@ -249,3 +249,24 @@ def test_generated_traces_match_vllm(pair_cls, data):
     for req in list(p.live.values()):
         req.num_in_flight_tokens = 0
         p.free(req)
+
+
+def test_mamba_align_external_tokens_underestimate_is_a_vllm_bug_reproduced(pair_cls):
+    """Finding (vLLM 0.33.0): with a Mamba "align" group, admission with connector (external)
+    tokens predicts one new Mamba block (the align branch caps new blocks at 1), but allocation
+    takes two (one after the external tokens' null-padded skip, one for the new token), so
+    ``get_new_blocks`` fails with "Cannot get 1 free blocks from the pool" after the gate passed.
+    The reference reproduces it: both raise the same ValueError on the same state."""
+    p = pair_cls(config([fa(8), mamba(2)], num_blocks=6, hbs=2, max_model_len=64))
+    req = Request("r", list(range(25)))
+    vreq = p.twin.request(req)
+    m = p.ref.manager
+    predicted = m.coordinator.get_num_blocks_to_allocate("r", 25, ((), ()), 0, 24, 0, 25)
+    assert predicted == 5 == m.get_num_free_blocks()  # the gate passes with 5 predicted
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
+        p.twin.mgr.allocate_slots(vreq, 1, num_external_computed_tokens=24)
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
+        p.ref.allocate_slots(req, 1, num_external_computed_tokens=24)
+    # and both are left in the same (half-allocated) state
+    assert p.ref.free_block_queue() == p.twin.free_queue()
+    assert p.ref.get_block_ids("r") == tuple(tuple(x) for x in p.twin.mgr.get_block_ids("r"))
