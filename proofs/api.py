@@ -28,12 +28,31 @@ def _formulas(variant: str | Variant | None) -> tuple[Formulas, Variant | None]:
 
 
 def _claim_by_name(theorem: Theorem, name: str) -> Claim:
+    from kvref.spec.errors import InvalidFieldError
+
     if name in ("all", theorem.claim.name):
         return theorem.claim
-    for c in theorem.lemmas:
+    for c in (*theorem.lemmas, *theorem.necessary):
         if c.name == name:
             return c
-    raise KeyError(f"{theorem.id} has no claim {name!r}")
+    names = ["all", *(c.name for c in (*theorem.lemmas, *theorem.necessary))]
+    raise InvalidFieldError("claim", name, f"one of {names} for {theorem.id}")
+
+
+def _validate_config(claim: Claim, config: Mapping[str, Any]) -> None:
+    from kvref.spec.errors import InvalidFieldError
+
+    if not isinstance(config, Mapping):
+        raise InvalidFieldError("config", config, "a mapping of variable name -> int/bool")
+    missing = [n for n in claim.variables if n not in config]
+    if missing:
+        raise InvalidFieldError("config", sorted(config), f"values for every variable, missing {missing}")
+    for name, kind in claim.variables.items():
+        value = config[name]
+        if kind == "bool" and not isinstance(value, bool):
+            raise InvalidFieldError(f"config[{name!r}]", value, "True or False")
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidFieldError(f"config[{name!r}]", value, "an int")
 
 
 def check_concrete(theorem: str, config: Mapping[str, Any], variant: str | None = None,
@@ -47,6 +66,7 @@ def check_concrete(theorem: str, config: Mapping[str, Any], variant: str | None 
     t = get_theorem(theorem)
     F, _ = _formulas(variant)
     c = _claim_by_name(t, claim)
+    _validate_config(c, config)
     hyps_ok, goal_ok = c.evaluate(F, config)
     holds = (not hyps_ok) or goal_ok
     if F is REFERENCE:
@@ -90,7 +110,12 @@ def prove_theorem(theorem: Theorem | str, variant: str | Variant | None = None,
     Status: ``proved`` iff every lemma is ``unsat`` (Z3); ``counterexample`` if some obligation or
     the whole claim has a model; ``unknown`` otherwise (timeouts included).
     """
+    from kvref.spec.errors import InvalidFieldError, check_int
+
     t = get_theorem(theorem) if isinstance(theorem, str) else theorem
+    if not isinstance(t, Theorem):
+        raise InvalidFieldError("theorem", theorem, "a Theorem or a theorem id/name")
+    check_int("timeout_ms", timeout_ms, minimum=1)
     F, var = _formulas(variant)
     start = time.perf_counter()
     results: list[ClaimResult] = []
@@ -214,6 +239,10 @@ def run_all(theorems: Sequence[str] | None = None, variant: str | None = None, o
     Counterexamples are written as reproducer files under ``out_dir`` when it is given. Returns one
     :class:`TheoremResult` per theorem; ``result.ok`` is True only for ``proved``.
     """
+    from kvref.spec.errors import InvalidFieldError
+
+    if isinstance(theorems, str):
+        raise InvalidFieldError("theorems", theorems, "a list of theorem ids/names, not one string")
     if theorems:
         chosen: Iterable[Theorem] = [get_theorem(x) for x in theorems]
     elif variant is not None and variant != "reference":

@@ -701,7 +701,7 @@ def get_theorem(key: str) -> Theorem:
     from kvref.spec.errors import InvalidFieldError
 
     t = BY_ID.get(key.upper()) if isinstance(key, str) else None
-    t = t or BY_NAME.get(key)
+    t = t or (BY_NAME.get(key) if isinstance(key, str) else None)
     if t is None:
         raise InvalidFieldError("theorem", key, "one of " + ", ".join(f"{x.id} ({x.name})" for x in THEOREMS))
     return t

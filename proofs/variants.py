@@ -271,6 +271,6 @@ BROKEN = tuple(v for v in VARIANTS if v.kind == "broken")
 def get_variant(name: str) -> Variant:
     from kvref.spec.errors import InvalidFieldError
 
-    if name not in BY_NAME:
+    if not isinstance(name, str) or name not in BY_NAME:
         raise InvalidFieldError("variant", name, "one of " + ", ".join(BY_NAME))
     return BY_NAME[name]
