@@ -89,3 +89,30 @@ def _offload_round_trip(copier_cls):
 def test_loading_from_the_wrong_cpu_block_is_caught():
     assert _offload_round_trip(OffloadCopier) <= EXACT
     assert _offload_round_trip(WrongCpuBlockLoader) > 1e-3
+
+
+@pytest.mark.parametrize("mutant", [EarlySlidingWindowFree, UncountedHitTouch])
+def test_generated_workloads_find_each_bookkeeping_mutant_by_numbers(mutant):
+    """Not only hand-made scenarios: among generated data-path workloads (the same strategy the
+    data-path test uses) Hypothesis finds one where the mutant's outputs differ from dense
+    attention. A mutant that raises instead does not count: only wrong numbers do."""
+    import copy
+
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from tests.impl.torch.test_datapath import workloads
+
+    def wrong_numbers(w) -> bool:
+        cfg, reqs, budget, seed = w
+        sched = DataPathScheduler(mutant(cfg, device="cpu"), budget=budget, seed=seed)
+        for r in copy.deepcopy(reqs):
+            sched.add(r)
+        try:
+            return sched.run(60) > 1e-6
+        except Exception:  # noqa: BLE001 - crashing is not what this test is about
+            return False
+
+    found = find(workloads(), wrong_numbers,
+                 settings=settings(max_examples=1000, phases=[Phase.generate], database=None,
+                                   suppress_health_check=list(HealthCheck)))
+    assert wrong_numbers(found)
