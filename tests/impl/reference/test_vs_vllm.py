@@ -198,6 +198,7 @@ def _prompt(draw, rid, history):
 def test_generated_traces_match_vllm(pair_cls, data):
     cfg = data.draw(pool_configs(), label="config")
     p = pair_cls(cfg)
+    has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.groups)
     waiting: list[Request] = []
     history: list[Request] = []
     n = 0
@@ -213,7 +214,10 @@ def test_generated_traces_match_vllm(pair_cls, data):
                 history.append(req)
             if req.num_tokens >= cfg.max_model_len:
                 continue
-            ok = p.admit(req, chunk=data.draw(st.sampled_from([None, 4, 8, 16])),
+            # connector tokens; not with Mamba, whose under-prediction vLLM crashes on (see
+            # test_mamba_align_external_tokens_underestimate_is_a_vllm_bug_reproduced)
+            external = 0 if has_mamba else data.draw(st.sampled_from([0, 0, 0, 8, 64]))
+            ok = p.admit(req, chunk=data.draw(st.sampled_from([None, 4, 8, 16])), external=external,
                          full_sequence_must_fit=data.draw(st.booleans()),
                          num_lookahead_tokens=data.draw(st.sampled_from([0, 0, 2])),
                          reserved_blocks=data.draw(st.sampled_from([0, 0, 2])),

@@ -74,14 +74,20 @@ class TracePair:
 
     # -------------------------------------------------------------- scheduler-like helpers
 
-    def admit(self, req: Request, chunk: int | None = None, **kw) -> bool:
-        """Lookup + first allocation of (a chunk of) the prompt, like the scheduler's waiting path."""
+    def admit(self, req: Request, chunk: int | None = None, external: int = 0, **kw) -> bool:
+        """Lookup + first allocation of (a chunk of) the prompt, like the scheduler's waiting path.
+        ``external``: tokens a KV connector offers after the hit (rounded down to whole scheduler
+        blocks, never the last token)."""
         hit_ids, n, vhits = self.lookup(req)
-        remaining = req.num_tokens - req.num_computed_tokens - n
+        if external:
+            sbs = self.cfg.scheduler_block_size
+            end = min(n + external, req.num_tokens - 1)
+            external = max(0, end - end % sbs - n)
+        remaining = req.num_tokens - req.num_computed_tokens - n - external
         num_new = remaining if chunk is None else max(1, min(chunk, remaining))
-        ok = self.allocate(req, num_new, n, hit_ids, vhits, **kw)
+        ok = self.allocate(req, num_new, n, hit_ids, vhits, num_external_computed_tokens=external, **kw)
         if ok:
-            req.num_computed_tokens += n + num_new
+            req.num_computed_tokens += n + external + num_new
             req.status = RequestStatus.RUNNING
         return ok
 
