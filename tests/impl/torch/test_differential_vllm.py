@@ -65,3 +65,22 @@ def test_hybrid_eagle_hits_match_vllm(twin_factory):
             assert t.hash_index() == v.hash_index() and t.free_block_queue() == v.free_block_queue()
         t.check_invariants()
     assert hits > 100
+
+
+def test_torch_matches_vllm_in_the_shared_conformance_harness(twin_factory):
+    """The project's own generated traces (``kvref.models.kv_cache_manager_machine``, written
+    independently of this implementation's tests: async batches, external loads, preemptions)
+    with kinds ``("torch", "vllm")``; Mamba "align" pools are excluded (not modelled here)."""
+    from hypothesis import HealthCheck
+
+    from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
+    from kvref.models.strategies import GROUP_SETS
+
+    group_sets = tuple(g for g in GROUP_SETS if g != "fa+mamba_align")
+    machine = kv_cache_manager_machine(("torch", "vllm"), group_sets=group_sets)
+    machine.TestCase.settings = settings(max_examples=profile_examples(10, 60), stateful_step_count=60,
+                                         suppress_health_check=list(HealthCheck))
+    machine.TestCase().runTest()
+    st = machine.stats
+    assert st.unsupported_pools == 0
+    assert st.ops_applied > 0 and st.prefix_hits > 0 and len(st.group_sets) >= 3
