@@ -36,7 +36,7 @@ def z3_value(build):
     if isinstance(term, (int, bool)):
         return term
     s = z3.Solver()
-    s.set("timeout", 10_000)
+    s.set("timeout", 30_000)
     s.add(*o.side)
     assert s.check() == z3.sat
     value = s.model().eval(term, model_completion=True)
