@@ -10,6 +10,7 @@ Examples::
     kvref explore --scope tight --liveness
     kvref explore --scope default --set max_num_batched_tokens=2 --set aborts=true
     kvref explore --toy                # the engine on its toy system (finds a deadlock)
+    kvref explore --scope offload      # SimpleCPU offload: per-worker store completions in any order
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ import argparse
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     from kvref.models.explorer_kv import SCOPES
+    from kvref.models.explorer_offload import OFFLOAD_SCOPES
 
     p = sub.add_parser("explore", help="exhaustive small-scope explorer (states, deadlocks, shortest traces)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scope", default="default", choices=sorted(SCOPES), help="named scope (default: default)")
+    p.add_argument("--scope", default="default", choices=sorted(SCOPES) + sorted(OFFLOAD_SCOPES),
+                   help="named scope (default: default); offload* scopes explore the SimpleCPU offload path "
+                        "(bounded depth)")
+    p.add_argument("--max-depth", type=int, default=None, help="bounded exploration: expand states up to this depth")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a scope field (int, true/false, none)")
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
@@ -54,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     from kvref.spec.errors import InvalidFieldError
 
     if args.toy:
+        from kvref.models.explorer_offload import OFFLOAD_SCOPES
         from kvref.models.explorer_toy import ToyPool
 
         system, label = ToyPool(), "toy"
     else:
         from kvref.models.explorer_kv import SCOPES, KVSystem
+        from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
 
-        scope = SCOPES[args.scope]
+        scope = SCOPES.get(args.scope) or OFFLOAD_SCOPES[args.scope]
         names = {f.name for f in fields(scope)}
         changes = {}
         for item in args.set:
@@ -69,9 +76,16 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
             changes[key] = _parse_value(value)
         scope = replace(scope, **changes)
-        system, label = KVSystem(scope), f"scope {scope.name}"
+        if args.scope in OFFLOAD_SCOPES:
+            system, label = OffloadSystem(scope), f"scope {scope.name}"
+            if args.max_depth is None:
+                args.max_depth = scope.max_depth
+        else:
+            system, label = KVSystem(scope), f"scope {scope.name}"
+    bounded = args.max_depth is not None and not args.toy and args.scope in OFFLOAD_SCOPES
     res = explore(system, max_states=args.max_states, max_seconds=args.max_seconds,
-                  stop_at_first=not args.all, check_liveness=args.liveness)
+                  stop_at_first=not args.all, check_liveness=args.liveness and not bounded,
+                  check_deadlocks=not bounded, max_depth=args.max_depth)
     if args.json:
         print(json.dumps({"scope": label, "states": res.states, "transitions": res.transitions,
                           "depth": res.depth, "seconds": round(res.seconds, 3),

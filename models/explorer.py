@@ -139,7 +139,7 @@ class ExplorationResult:
 def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             max_seconds: float | None = None, stop_at_first: bool = True,
             check_deadlocks: bool = True, check_liveness: bool = False,
-            max_findings: int = 10) -> ExplorationResult:
+            max_findings: int = 10, max_depth: int | None = None) -> ExplorationResult:
     """Breadth-first exploration of every state reachable from ``system.initial_states()``.
 
     Args:
@@ -152,6 +152,8 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             final state is reachable at all (a livelock: actions exist, but they go round in
             circles — e.g. admit, preempt, admit). Keeps the reverse edges in memory.
         max_findings: stop after this many findings when ``stop_at_first`` is False.
+        max_depth: bounded exploration: states at this depth are checked but not expanded
+            (``complete=False`` if any was cut off). For systems whose state carries a counter.
 
     Returns:
         An :class:`ExplorationResult` with counts, timing and findings (shortest traces first).
@@ -203,11 +205,15 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
         res.states += 1
 
     n = 0
+    cut = False
     while queue:
         state, idx, depth = queue.popleft()
         if depth > res.depth:
             res.depth = depth
         final = system.is_final(state)
+        if max_depth is not None and depth >= max_depth:
+            cut = cut or not final
+            continue
         if final:
             finals.append(idx)
         progressed = False
@@ -252,11 +258,11 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             return finish(False)
         if max_states is not None and res.states >= max_states:
             return finish(False)
-    if check_liveness and not (res.findings and stop_at_first):
+    if check_liveness and not cut and not (res.findings and stop_at_first):
         stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
         if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):
             add_finding("livelock", "no final state is reachable from here (actions only cycle)", stuck)
-    return finish(not (res.findings and stop_at_first))
+    return finish(not (res.findings and stop_at_first) and not cut)
 
 
 def _first_stuck(n: int, finals: list[int], src: array, dst: array, parents: list[int]) -> int | None:

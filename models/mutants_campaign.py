@@ -12,8 +12,9 @@ Checks (cheapest first):
 * ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
   (:mod:`kvref.proofs.formulas`, evaluated with Python ints) on a grid of small configurations.
   The proofs are about those formulas, so a spec that drifts from them is no longer proved.
-* ``explorer`` — :mod:`kvref.models.explorer_kv` at its small campaign scopes: any violation or
-  deadlock kills.
+* ``explorer`` — :mod:`kvref.models.explorer_kv` at its small campaign scopes, then
+  :mod:`kvref.models.explorer_offload` (SimpleCPU offload, completions in every order, bounded
+  depth): any violation or deadlock kills.
 * ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
 * ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine`.
 * ``manager-vllm`` — the same machine driving vLLM 0.33.0's ``KVCacheManager`` beside the
@@ -209,6 +210,15 @@ def _check_explorer(budget: int) -> str | None:
         if res.findings:
             f = res.findings[0]
             return f"{scope.name}: {f.kind} after {f.trace.length} steps: {f.message}"
+    try:
+        from .explorer_offload import OFFLOAD_SCOPES, explore_offload
+    except ImportError:  # the offload reference is not in this checkout
+        return None
+    scope = OFFLOAD_SCOPES["offload"]
+    res = explore_offload(scope, max_states=budget * 2000)
+    if res.findings:
+        f = res.findings[0]
+        return f"{scope.name}: {f.kind} after {f.trace.length} steps: {f.message}"
     return None
 
 

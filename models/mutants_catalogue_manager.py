@@ -176,3 +176,31 @@ def _free_keeps_hashes(original):
         finally:
             self.hasher = hasher
     return free
+
+
+# =========================================================================== offload (SimpleCPU)
+
+_SOS = f"{_R}.offload.simple_cpu_offload_scheduler:SimpleCPUOffloadScheduler"
+
+
+@mutant("offload.in_flight_not_deduped", f"{_SOS}.__init__",
+        "eager stores remember only this step's selections: a GPU block still being stored is "
+        "selected again, two in-flight stores read it", kind=HISTORIC,
+        vllm_bug="#41289 (fixed by PR 41289: _in_flight_store_gpu_blocks)", layer="offload")
+def _no_dedup(original):
+    def __init__(self, *args, **kwargs):
+        kwargs["in_flight_dedup"] = False
+        original(self, *args, **kwargs)
+    return __init__
+
+
+@mutant("offload.in_flight_not_drained", f"{_SOS}._process_store_event",
+        "a completed store leaves its GPU blocks in the in-flight set (never drained): those blocks "
+        "are never offloaded again", layer="offload")
+def _not_drained(original):
+    def _process_store_event(self, ev):
+        t = self._store_event_to_blocks.get(ev)
+        kept = set(t.gpu_block_ids) if t is not None and not self.lazy else set()
+        original(self, ev)
+        self._in_flight_store_gpu_blocks.update(kept)
+    return _process_store_event
