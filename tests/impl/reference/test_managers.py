@@ -358,3 +358,82 @@ def test_fa_prompt_tail_becomes_a_secondary_key_in_hybrid_models():
     secondary = m.block_pool.cached_block_hashes_by_block[block.block_id]
     assert secondary == {m.block_hashes(a)[4] + (0).to_bytes(4, "big")}
     m.check_invariants()
+
+
+# ----------------------------------------------------------------------------- M3 property
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.conftest import profile_examples  # noqa: E402
+
+
+@st.composite
+def _small_configs(draw):
+    kinds = draw(st.lists(st.sampled_from(["fa", "swa", "local"]), min_size=1, max_size=3))
+    bs = draw(st.sampled_from([2, 4]))
+    specs = []
+    for k in kinds:
+        if k == "fa":
+            specs.append(fa(bs))
+        elif k == "swa":
+            specs.append(swa(bs, draw(st.integers(1, 12))))
+        else:
+            specs.append(local(bs, bs * draw(st.integers(1, 3))))
+    return config(specs, num_blocks=draw(st.integers(4, 40)), caching=draw(st.booleans()),
+                  max_model_len=64, max_in_flight_tokens=draw(st.sampled_from([None, 4])))
+
+
+@settings(max_examples=profile_examples(30, 120), deadline=None)
+@given(cfg=_small_configs(), data=st.data())
+def test_predictor_equals_allocator(cfg, data):
+    """M3: after ``allocate_slots`` succeeds, the free queue shrank by exactly the number
+    ``get_num_blocks_to_allocate`` predicted (new blocks + touched evictable hits); otherwise
+    ``get_new_blocks`` could fail mid-allocation (vLLM PR #40027)."""
+    m = KVCacheManager(cfg)
+    pool = m.block_pool
+    seen: list[tuple[int, int]] = []
+    predict = m.coordinator.get_num_blocks_to_allocate
+
+    def recording(*args, **kwargs):
+        need = predict(*args, **kwargs)
+        if not kwargs.get("apply_admission_cap"):
+            seen.append((need, pool.get_num_free_blocks()))
+        return need
+
+    m.coordinator.get_num_blocks_to_allocate = recording
+    live: list[Request] = []
+    for i in range(data.draw(st.integers(3, 25))):
+        if live and data.draw(st.booleans()):
+            req = data.draw(st.sampled_from(live))
+            if req.num_computed_tokens >= req.num_tokens:
+                if req.num_tokens >= 60:
+                    m.free(req)
+                    live.remove(req)
+                    continue
+                req.output_token_ids.append(data.draw(st.integers(0, 2)))
+            num_new = min(req.num_tokens - req.num_computed_tokens, data.draw(st.integers(1, 8)))
+            seen.clear()
+            if m.allocate_slots(req, num_new, num_lookahead_tokens=data.draw(st.integers(0, 2))) is not None:
+                need, free_then = seen[-1]
+                assert free_then - pool.get_num_free_blocks() == need
+                req.num_computed_tokens += num_new
+            elif data.draw(st.booleans()):
+                m.free(req)
+                live.remove(req)
+        else:
+            req = Request(f"r{i}", [data.draw(st.integers(0, 1)) for _ in range(data.draw(st.integers(1, 30)))])
+            hits, n, _ = m.get_computed_blocks(req)
+            sbs = cfg.scheduler_block_size
+            external = data.draw(st.sampled_from([0, 0, sbs]))
+            if n + external >= req.num_tokens:
+                external = 0
+            num_new = min(req.num_tokens - n - external, data.draw(st.integers(1, 16)))
+            seen.clear()
+            if m.allocate_slots(req, num_new, n, hits, num_external_computed_tokens=external) is not None:
+                need, free_then = seen[-1]
+                assert free_then - pool.get_num_free_blocks() == need
+                req.num_computed_tokens = n + external + num_new
+                live.append(req)
+        m.check_invariants()

@@ -274,3 +274,18 @@ def test_mamba_align_external_tokens_underestimate_is_a_vllm_bug_reproduced(pair
     # and both are left in the same (half-allocated) state
     assert p.ref.free_block_queue() == p.twin.free_queue()
     assert p.ref.get_block_ids("r") == tuple(tuple(x) for x in p.twin.mgr.get_block_ids("r"))
+
+
+@pytest.mark.parametrize("seed", [None, "0", "12345"])
+def test_hash_bytes_match_vllm_under_pythonhashseed(pair_cls, monkeypatch, seed):
+    """NONE_HASH follows PYTHONHASHSEED exactly as vLLM's init_none_hash does (default seed
+    "vllm-none-hash" for sha256); salted and unsalted chains give the same bytes."""
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    p = pair_cls(config([fa(4)], num_blocks=20))
+    for rid, salt in (("a", None), ("b", "salt")):
+        req = Request(rid, list(range(13)), cache_salt=salt)
+        assert p.ref.manager.block_hashes(req) == list(p.twin.request(req).block_hashes)
+        assert p.admit(req)
