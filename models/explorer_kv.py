@@ -40,7 +40,9 @@ order, the prefix-cache index (keys with their blocks in insertion order: the fi
 the one a lookup returns), every manager's tables and cached-block counts, the steps in flight and
 the shadow contents of the blocks that are in use or cached. Free, uncached blocks' contents are
 left out: nothing can read them before they are rewritten (the content oracle would flag it).
-Request ids are not symmetry-reduced: arrival order and FCFS make them observable.
+Symmetry reduction (``Scope.symmetry``): requests with the same prompt, ``max_tokens`` and salt
+are interchangeable, so the key is the least one over renamings of their ids (see
+:meth:`KVSystem._symmetries` for why that is sound).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Scope:
         enable_caching: prefix caching.
         aborts: explore aborting each live request at every point.
         scheduler_reserve_full_isl: the full-sequence admission gate.
+        salts: cache salt per request (None: no salts).
+        symmetry: merge states that differ only by a renaming of identical requests.
     """
 
     name: str = "default"
@@ -91,6 +95,7 @@ class Scope:
     aborts: bool = False
     scheduler_reserve_full_isl: bool = True
     salts: tuple[str | None, ...] | None = None
+    symmetry: bool = True
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.max_tokens) or not self.prompts:
@@ -177,6 +182,9 @@ SCOPES: dict[str, Scope] = {
     "undersized": Scope(name="undersized", prompts=((1, 2, 3, 4, 5, 6, 7),), max_tokens=(1,), block_size=2,
                         sliding_window=2, max_model_len=8, async_scheduling=False, max_num_batched_tokens=2,
                         num_blocks=7),
+    # three identical requests: what symmetry reduction is for
+    "twins": Scope(name="twins", prompts=((1, 2, 3, 4, 5),) * 3, max_tokens=(1, 1, 1), block_size=2,
+                   sliding_window=2, max_model_len=8, max_num_batched_tokens=2),
     # the larger one (nightly): four requests
     "large": Scope(name="large", prompts=((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9), (7, 7, 3)),
                    max_tokens=(2, 1, 2, 2)),
@@ -216,6 +224,31 @@ class KVSystem:
         self.scope = scope
         self.ids = [f"r{i}" for i in range(len(scope.prompts))]
         self.max_batches = 2 if scope.async_scheduling else 1
+        self.perms = self._symmetries() if scope.symmetry else []
+
+    def _symmetries(self) -> list[dict[str, str]]:
+        """Renamings among requests that are indistinguishable (same prompt, max_tokens, salt).
+
+        Sound because nothing in the reference depends on a request id's value: ids are dict keys
+        and labels, queues are ordered by arrival (FCFS), and ``arrival_time`` is only read by the
+        PRIORITY policy, which these scopes do not use. Arrival flags are renamed with the ids.
+        """
+        from itertools import permutations, product
+
+        salts = self.scope.salts or (None,) * len(self.ids)
+        classes: dict[tuple, list[str]] = {}
+        for i, rid in enumerate(self.ids):
+            classes.setdefault((self.scope.prompts[i], self.scope.max_tokens[i], salts[i]), []).append(rid)
+        groups = [g for g in classes.values() if len(g) > 1]
+        if not groups:
+            return []
+        out = []
+        for choice in product(*(permutations(g) for g in groups)):
+            ren = {rid: rid for rid in self.ids}
+            for g, perm in zip(groups, choice):
+                ren.update(zip(g, perm))
+            out.append(ren)
+        return out
 
     # --- engine protocol -----------------------------------------------------------------------
 
@@ -277,11 +310,20 @@ class KVSystem:
         return t
 
     def key(self, s: KVState) -> Hashable:
+        if not self.perms:
+            return self._key(s, None)
+        # symmetry reduction: the least key over renamings of identical requests
+        return min((self._key(s, ren) for ren in self.perms), key=repr)
+
+    def _key(self, s: KVState, ren: dict[str, str] | None) -> Hashable:
         sched = s.scheduler
         kv = sched.kv_cache_manager.manager
         pool = kv.block_pool
+        n = (lambda rid: rid) if ren is None else ren.__getitem__
+        arrived = s.arrived if ren is None else tuple(
+            s.arrived[self.ids.index(old)] for old in sorted(ren, key=lambda o: self.ids.index(ren[o])))
         reqs = tuple(sorted(
-            (rid, r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
+            (n(rid), r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
              r.num_stale_output_tokens, bool(getattr(r, "drop_stale_output", False)), len(r.output_token_ids),
              r.num_preemptions, bool(getattr(r, "is_prefill_chunk", False)))
             for rid, r in sched.requests.items()))
@@ -289,13 +331,13 @@ class KVSystem:
             (k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
             for k, v in pool.cached_block_hash_to_block._cache.items()))
         managers = tuple(
-            (tuple(sorted((rid, tuple(b.block_id for b in tbl)) for rid, tbl in m.req_to_blocks.items())),
-             tuple(sorted(m.num_cached_block.items())))
+            (tuple(sorted((n(rid), tuple(b.block_id for b in tbl)) for rid, tbl in m.req_to_blocks.items())),
+             tuple(sorted((n(rid), c) for rid, c in m.num_cached_block.items())))
             for m in kv.coordinator.single_type_managers)
-        flight = tuple(tuple((x.request_id, x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
+        flight = tuple(tuple((n(x.request_id), x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
                              for x in out.scheduled) for out in s.in_flight)
         content = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.content.items()))
-        return (s.arrived, tuple(r.request_id for r in sched.waiting), tuple(r.request_id for r in sched.running),
+        return (arrived, tuple(n(r.request_id) for r in sched.waiting), tuple(n(r.request_id) for r in sched.running),
                 reqs, pool.free_block_ids(), index, managers, flight, content)
 
     def check(self, s: KVState) -> None:

@@ -92,3 +92,26 @@ def test_no_per_request_state_outlives_its_request():
         res = explore_scope("tight")
     (f,) = res.findings
     assert "hasher still holds finished requests" in f.message
+
+
+def test_symmetry_reduction_over_identical_requests_keeps_verdicts():
+    from dataclasses import replace
+
+    twins = SCOPES["twins"]
+    plain = explore_scope(replace(twins, symmetry=False), check_liveness=True)
+    sym = explore_scope(twins, check_liveness=True)
+    assert plain.ok and sym.ok and plain.complete and sym.complete
+    assert sym.states * 3 < plain.states  # 3 identical requests: up to 3! renamings merge
+    assert sym.depth == plain.depth
+    with CATALOGUE["manager.swa_skip_one_too_many"].applied():
+        a = explore_scope(replace(twins, symmetry=False))
+        b = explore_scope(twins)
+    assert a.findings and b.findings
+    assert a.findings[0].trace.length == b.findings[0].trace.length
+    assert a.findings[0].message.split(":")[0] == b.findings[0].message.split(":")[0]
+
+
+def test_no_symmetry_between_requests_that_differ():
+    system = KVSystem(SCOPES["small"])
+    assert system.perms == []  # different prompts: nothing to merge
+    assert len(KVSystem(SCOPES["twins"]).perms) == 6
