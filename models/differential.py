@@ -31,6 +31,7 @@ invariants (free queue ⊎ held blocks = all non-null blocks).
 from __future__ import annotations
 
 from collections import deque
+from time import perf_counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -106,6 +107,8 @@ class Harness:
         self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
         self.num_partial_entries = 0  # ops after which a hash covers a block only partly
         self._prev_cached: dict = {}
+        #: time spent inside each implementation (calls, check_invariants, observation)
+        self.seconds_by_kind: dict[str, float] = {}
         self.max_live = 0
 
     # -- queries the state machine uses to pick valid ops ------------------------------------
@@ -164,10 +167,13 @@ class Harness:
         """Call ``fn`` on every manager; the results must agree. Returns the first one."""
         results = {}
         for kind, mgr in self.managers.items():
+            t = perf_counter()
             try:
                 results[kind] = fn(kind, mgr)
             except Exception as exc:  # any exception is a finding: the harness only makes valid calls
                 raise Divergence(self._where(op, f"{kind}.{what} raised {type(exc).__name__}: {exc}")) from exc
+            finally:
+                self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + perf_counter() - t
         if self.compare:
             first = self.kinds[0]
             for kind in self.kinds[1:]:
@@ -338,11 +344,13 @@ class Harness:
     def check_state(self, op: Op) -> None:
         obs = {}
         for kind, m in self.managers.items():
+            t = perf_counter()
             try:
                 m.check_invariants()
             except AssertionError as exc:
                 raise Divergence(self._where(op, f"{kind}.check_invariants: {exc}")) from exc
             obs[kind] = o = self.observe(kind)
+            self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + perf_counter() - t
             self._check_protocol_invariants(kind, op, o)
         self._record_coverage(obs[self.kinds[0]])
         if not self.compare:

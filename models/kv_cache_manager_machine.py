@@ -56,6 +56,7 @@ class MachineStats:
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
+    seconds_by_kind: dict[str, float] = field(default_factory=dict)
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -119,6 +120,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
+                for k, v in self.h.seconds_by_kind.items():
+                    self.stats.seconds_by_kind[k] = self.stats.seconds_by_kind.get(k, 0.0) + v
 
         # -- helpers ---------------------------------------------------------------------------
 

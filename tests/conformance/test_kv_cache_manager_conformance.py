@@ -124,7 +124,8 @@ def test_reference_conforms_to_vllm(vllm_adapter):
           f"steps/s in the harness); group sets {st.group_sets}; hits {st.prefix_hits}, admission rejections "
           f"{st.admission_rejections}, step rejections {st.step_rejections}, preemptions {st.preemptions}, "
           f"async batches {st.async_batches}, external loads {st.external_loads}, evictions {st.evictions}, "
-          f"partial-block hashes {st.partial_entries}")
+          f"partial-block hashes {st.partial_entries}; seconds inside each implementation "
+          f"{ {k: round(v, 2) for k, v in st.seconds_by_kind.items()} }")
 
 
 def test_saved_trace_replays_and_divergence_is_reported(vllm_adapter, tmp_path):
