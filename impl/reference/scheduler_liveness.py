@@ -32,6 +32,14 @@ every live request finishes within :func:`drain_bound` ``schedule()`` calls. The
   appended after it), within ``(S-1)·T``; then ``X`` is first and finishes within ``T``. Drain ≤
   ``N·(2·S·T_max + 1)``.
 
+Distinct keys matter. vLLM picks the PRIORITY victim with ``max(running, key=(priority,
+arrival_time))``, the *first* maximal request: on a tie, the oldest running one (the waiting queue
+breaks ties by request id; the victim choice does not). With ``scheduler_reserve_full_isl=False``
+tied requests are re-admitted chunk by chunk behind each other and preempt each other forever —
+a livelock kvref's search found and vLLM 0.33.0 reproduces
+(``test_priority_ties_livelock_without_the_full_sequence_gate``). With the gate on, 1500
+generated tied traces drained.
+
 The bounds count ``schedule()`` calls of an engine that schedules whenever a batch slot is free
 and otherwise settles the oldest batch (vLLM's ``step_with_batch_queue``), plus the pipeline
 depth.

@@ -156,3 +156,35 @@ def test_vllm_async_scheduler_keeps_tokens_in_flight(vllm_env):
     st_a = s.snapshot().requests["a"]
     assert [x.num_scheduled_tokens for x in o1.scheduled + o2.scheduled] == [10, 1]
     assert (st_a.num_in_flight_tokens, st_a.num_output_placeholders, st_a.num_computed_tokens) == (11, 2, 11)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_priority_ties_livelock_without_the_full_sequence_gate(vllm_env, is_async):
+    """Found by kvref's liveness search, reproduced on vLLM 0.33.0: under PRIORITY the victim is
+    ``max(running, key=(priority, arrival_time))`` — the *first* maximal one, i.e. the oldest
+    running request when keys tie (the waiting queue breaks ties by request id, the victim choice
+    does not). With ``scheduler_reserve_full_isl=False`` preempted requests are re-admitted chunk by
+    chunk at the end of ``running`` and the requests take turns preempting each other: no token is
+    ever sampled. Distinct arrival times (what vLLM's clock normally gives) drain in ~25 steps."""
+
+    def run(arrivals):
+        cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=3, long_prefill_token_threshold=4,
+                              policy="priority", scheduler_reserve_full_isl=False, async_scheduling=is_async)
+        fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype="float16"))
+        pool = PoolConfig(num_blocks=5, groups=(fa,), max_model_len=32, scheduler_block_size=8, hash_block_size=8,
+                          max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=False)
+        assert startup_consistent(pool, cfg)
+        d = Lockstep(pool, cfg, _targets(vllm_env, shim=False))
+        for i, (n, max_tokens) in enumerate([(26, 4), (28, 10), (27, 10)]):
+            d.add(RequestSpec(f"r{i}", tuple(range(100 * i, 100 * i + n)), max_tokens, 0, arrivals[i]))
+        for _ in range(300):
+            if not (d.unfinished() or d.num_in_flight()):
+                break
+            d.engine_step()
+        return d.snapshots()["vllm"]
+
+    tied = run([0.0, 0.0, 0.0])
+    assert all(not s.output_token_ids for s in tied.requests.values())
+    assert sum(s.num_preemptions for s in tied.requests.values()) > 50
+    distinct = run([0.0, 1.0, 2.0])
+    assert all(s.status == "finished" for s in distinct.requests.values())
