@@ -406,3 +406,51 @@ def test_pre_41289_trace_is_deduplicated_by_vllm(V):
     w = SimpleOffloadWorld(FA_ONLY, "vllm")
     _pre_fix_trace(w)  # would raise OffloadInvariantError on a duplicate store
     assert w.duplicate_stores == [] and sorted(w.b.in_flight_set()) == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------------
+# OffloadingConnectorScheduler + CPUOffloadingManager on generated engine traces
+
+from kvref.models.offloading_connector_world import OffloadingConfig, OffloadingWorld  # noqa: E402
+
+
+@st.composite
+def offloading_cases(draw):
+    cfg = OffloadingConfig(
+        block_size=4, blocks_per_chunk=draw(st.sampled_from([1, 1, 2])), num_gpu_blocks=draw(st.integers(10, 18)),
+        num_cpu_chunks=draw(st.sampled_from([16, 6, 32, 2])), sliding_window=draw(st.sampled_from([None, 4, 8, 12])),
+        cache_policy=draw(st.sampled_from(["lru", "arc"])), num_workers=draw(st.integers(1, 2)),
+        offload_prompt_only=draw(st.booleans()))
+    return cfg, random_ops(draw(st.randoms(use_true_random=True)), draw(st.integers(30, 70)))
+
+
+def apply_offloading_op(w: OffloadingWorld, op):
+    kind, fam, n, tail, chunk, rep, pick, count, flag = op
+    if kind == "add":
+        if fam == 2:
+            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
+        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+    if kind == "step":
+        return [w.step(chunk) for _ in range(rep)]
+    if kind == "drain":
+        out = []
+        while w.jobs:
+            out.append(w.complete(-1 if flag else 0, 2))
+        return out
+    if kind in ("cstore", "cload"):
+        return w.complete(pick, count)
+    if kind == "abort":
+        return w.abort(pick)
+    if kind == "preempt":
+        return w.preempt(pick)
+    return w.reset()
+
+
+@settings(max_examples=profile_examples(40, 150))
+@given(case=offloading_cases())
+def test_offloading_connector_scheduler_matches_vllm(V, case):
+    cfg, ops = case
+    ref, vll = OffloadingWorld(cfg, "reference"), OffloadingWorld(cfg, "vllm")
+    for op in ops:
+        assert apply_offloading_op(ref, op) == apply_offloading_op(vll, op), op
+        assert ref.observe() == vll.observe(), op

@@ -1,0 +1,557 @@
+"""Scheduler side of vLLM's OffloadingConnector (``kv_connector/v1/offloading/scheduler.py``).
+
+Chunks of ``blocks_per_chunk`` GPU blocks are keyed by the hash of their last hash unit plus the
+group (:mod:`.keys`) and stored in / loaded from an offloading manager (the CPU manager here).
+
+* Lookup (:mod:`.lookup`): full-attention groups left to right, windowed groups right to left,
+  to a fixed point. A request with transfers still pending is asked to come back later
+  (``None``), as is one whose hit chunks another request is loading (PR 29087).
+* Loads: after allocation, the unhashed blocks from the local prefix to the hit end are filled
+  from the hit chunks (one job per request, pinned in the manager until the workers report it).
+* Stores: each step, for every scheduled or finished request, the chunks that became computed
+  (prompt only by default) and are reachable by some future hit (the same mask the GPU cache
+  uses for sliding windows) are offered to the manager; what it accepts becomes one store job
+  whose source is the chunks' non-null blocks.
+* Fences: a store's source blocks must not be overwritten before the copy finishes. Running
+  full-attention blocks are protected by their ref counts, but sliding-window blocks can leave
+  the window and be re-allocated while the request still runs, so they are fenced at once; the
+  full-attention ones only when the request finishes. A fenced block re-allocated in a step
+  makes that step flush (wait for) the job. Preempted requests' stores are flushed too.
+* Jobs complete when all ``num_workers`` have reported them, in any order and across steps.
+
+Modelled subset (0.33.0 semantics): full-attention (incl. MLA) and sliding-window groups,
+``tokens_per_hash == tokens_per_block``, CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE,
+no Mamba/partial tails, no sync loads, no retention interval, no ``max_load_tokens`` /
+``max_offload_tokens``, no KV events or metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+from kvref.impl.request import Request
+from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvref.spec.mathutil import cdiv
+
+from ..block_hash import BlockHash, RequestBlockHasher
+from .cpu_offloading_manager import CPUOffloadingManager
+from .keys import OffloadKey, OffloadStateError, RequestContext, get_sliding_window_size_in_chunks, make_offload_key
+from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
+
+
+@dataclass(frozen=True)
+class GroupOffloadConfig:
+    group_idx: int
+    spec: KVCacheSpec
+    tokens_per_block: int
+    tokens_per_chunk: int
+    hashes_per_chunk: int
+    window: int | None  # sliding_window_size_in_chunks
+
+    def lookup_group(self) -> LookupGroup:
+        sw = self.spec if isinstance(self.spec, SlidingWindowSpec) else None
+        return LookupGroup(self.tokens_per_chunk, self.window, sw.sliding_window if sw else None,
+                           sw.extra_retained_tokens if sw else 0)
+
+
+def swa_store_mask(spec: SlidingWindowSpec, start_block: int, end_block: int, alignment_tokens: int | None,
+                   final_segment_end_block: int | None) -> list[bool] | None:
+    """Blocks of a sliding-window group some aligned hit could need (vLLM
+    ``SlidingWindowManager.reachable_block_mask``, dense retention, no EAGLE); None = all.
+
+    A hit ends on an ``alignment_tokens`` boundary and needs the ``cdiv(window - 1, block)``
+    blocks before it; the final (partial) segment of a request keeps the tail before its end too.
+    The offloader widens the window by ``extra_retained_tokens`` (it restores all it kept).
+    """
+    if alignment_tokens is None:
+        return None
+    bs = spec.block_size
+    if alignment_tokens % bs:
+        return None
+    need = cdiv(spec.sliding_window + spec.extra_retained_tokens - 1, bs)
+    per_segment = alignment_tokens // bs
+    if need >= per_segment:
+        return None
+    mask = [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
+    if final_segment_end_block is not None:
+        size = final_segment_end_block % per_segment
+        if size:
+            tail_start = max(final_segment_end_block - size, final_segment_end_block - need)
+            for i in range(max(start_block, tail_start), min(end_block, final_segment_end_block)):
+                mask[i - start_block] = True
+    return mask
+
+
+@dataclass
+class _GroupState:
+    offload_keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # connector copy; 0 = null or stale
+    next_stored_chunk_idx: int = 0
+
+
+@dataclass
+class _ReqState:
+    req: Request
+    ctx: RequestContext
+    groups: tuple[_GroupState, ...]
+    num_locally_computed_tokens: int = 0
+    transfer_jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+    aborted: bool = False
+    finished_signaled: bool = False
+
+
+@dataclass
+class _Job:
+    req_id: str
+    pending_count: int
+    keys: set[OffloadKey]
+    is_store: bool
+    deferred_fence_block_ids: list[int] = field(default_factory=list)
+    fenced_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """What a worker gets: ``block_ids`` are GPU blocks, ``chunk_ids`` CPU chunks."""
+
+    req_id: str
+    keys: tuple[OffloadKey, ...]
+    block_ids: tuple[int, ...]
+    chunk_ids: tuple[int, ...]
+
+
+@dataclass
+class OffloadingStep:
+    """The parts of vLLM's ``SchedulerOutput`` the connector reads. ``scheduled`` is in
+    ``yield_req_data`` order (new requests first); ``num_scheduled_tokens`` in scheduling order."""
+
+    scheduled: list[tuple[str, tuple[list[int], ...] | None, bool]] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class OffloadingMeta:
+    load_jobs: dict[int, TransferJob]
+    store_jobs: dict[int, TransferJob]
+    jobs_to_flush: frozenset[int]
+
+
+class OffloadingConnectorScheduler:
+    """Args:
+        specs: the GPU KV cache groups' specs (full attention or sliding window).
+        manager: the offloading manager (a :class:`CPUOffloadingManager`).
+        tokens_per_hash: request hash granularity (== every group's block size here).
+        blocks_per_chunk: GPU blocks per offloaded chunk.
+        num_workers: reports a job needs to complete.
+        offload_prompt_only: store prompt chunks only (vLLM's default).
+    """
+
+    def __init__(self, specs: Sequence[KVCacheSpec], manager: CPUOffloadingManager, tokens_per_hash: int,
+                 blocks_per_chunk: int = 1, num_workers: int = 1, offload_prompt_only: bool = True,
+                 block_hasher: Callable[[Request], list[BlockHash]] | None = None) -> None:
+        check_int("tokens_per_hash", tokens_per_hash, minimum=1)
+        check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
+        check_int("num_workers", num_workers, minimum=1)
+        if not isinstance(manager, CPUOffloadingManager):
+            raise InvalidFieldError("manager", manager, "a CPUOffloadingManager")
+        cfgs = []
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+                raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention or sliding-window spec")
+            if spec.block_size != tokens_per_hash:
+                raise InvalidFieldError(f"specs[{i}].block_size", spec.block_size,
+                                        f"== tokens_per_hash={tokens_per_hash} (finer hashes are not modelled)")
+            tpc = spec.block_size * blocks_per_chunk
+            cfgs.append(GroupOffloadConfig(i, spec, spec.block_size, tpc, tpc // tokens_per_hash,
+                                           get_sliding_window_size_in_chunks(spec, tpc)))
+        self.groups = tuple(cfgs)
+        self.manager = manager
+        self.tokens_per_hash = tokens_per_hash
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_workers = num_workers
+        self.offload_prompt_only = offload_prompt_only
+        self.block_hasher = block_hasher or RequestBlockHasher(tokens_per_hash).block_hashes
+        fa, sw = lookup_order([c.lookup_group() for c in self.groups])
+        self._sliding_window_groups = sw
+        fa_tpc = {self.groups[i].tokens_per_chunk for i in fa}
+        # Hits end on a full-attention chunk boundary; with no FA group, on the largest chunk.
+        self.alignment_tokens = (fa_tpc.pop() if len(fa_tpc) == 1 else
+                                 max(c.tokens_per_chunk for c in self.groups) if not fa_tpc else None)
+        self._req_status: dict[str, _ReqState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._job_counter = 0
+        self._stale_job_threshold = 0
+        self._reset_fence: dict[int, int] = {}
+        self._block_id_to_pending_jobs: dict[int, set[int]] = {}
+        self._chunks_being_loaded: set[OffloadKey] = set()
+        self._batch_load_jobs: dict[int, TransferJob] = {}
+        self._batch_jobs_to_flush: set[int] = set()
+        self._batch_allocated: set[int] = set()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _status(self, req: Request) -> _ReqState:
+        st = self._req_status.get(req.request_id)
+        if st is None:
+            raise OffloadStateError(f"request {req.request_id!r} is unknown (on_new_request not called, "
+                                    "or it already finished)")
+        return st
+
+    def _update_offload_keys(self, st: _ReqState) -> None:
+        hashes = self.block_hasher(st.req)
+        for c, g in zip(self.groups, st.groups):
+            for i in range(c.hashes_per_chunk * (len(g.offload_keys) + 1) - 1, len(hashes), c.hashes_per_chunk):
+                key = make_offload_key(hashes[i], c.group_idx)
+                g.offload_keys.append(key)
+                st.ctx.set_offload_key_position(key, len(g.offload_keys) * c.tokens_per_chunk)
+
+    def _new_job(self) -> int:
+        self._job_counter += 1
+        return self._job_counter - 1
+
+    def _offloadable(self, st: _ReqState, num_tokens: int) -> int:
+        n = min(num_tokens, st.req.num_tokens)
+        return min(n, st.req.num_prompt_tokens) if self.offload_prompt_only else n
+
+    def _storable_chunks(self, st: _ReqState, c: GroupOffloadConfig, g: _GroupState, num_tokens: int) -> int:
+        return min(num_tokens // c.tokens_per_chunk, len(g.block_ids) // self.blocks_per_chunk, len(g.offload_keys))
+
+    # ------------------------------------------------------------------ requests
+
+    def on_new_request(self, req: Request) -> None:
+        if req.request_id in self._req_status:
+            raise OffloadStateError(f"request {req.request_id!r} is already known")
+        ctx = RequestContext(req.request_id)
+        self.manager.on_new_request(ctx)
+        self._req_status[req.request_id] = _ReqState(req, ctx, tuple(_GroupState() for _ in self.groups))
+
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        st = self._status(req)
+        if st.finished:
+            raise OffloadStateError(f"request {req.request_id!r} already finished")
+        for g in st.groups:
+            g.block_ids.clear()
+            g.next_stored_chunk_idx = 0  # restarting at token 0: offer every chunk again
+        if st.transfer_jobs:
+            return None, False  # a load or store of this request is still running: retry later
+        self._update_offload_keys(st)
+        st.num_locally_computed_tokens = num_computed_tokens
+        hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
+                                     req.num_tokens, num_computed_tokens, lambda k: self.manager.lookup(k, st.ctx),
+                                     self._chunks_being_loaded)
+        return hit, bool(hit)
+
+    def update_state_after_alloc(self, req: Request, blocks: Sequence[Sequence[tuple[int, bool]]],
+                                 num_external_tokens: int) -> None:
+        """``blocks``: the request's table per group as ``(block_id, is_hashed)``."""
+        check_int("num_external_tokens", num_external_tokens, minimum=0)
+        if len(blocks) != len(self.groups):
+            raise InvalidFieldError("blocks", blocks, f"{len(self.groups)} per-group lists")
+        for grp in blocks:
+            self._batch_allocated.update(b for b, _ in grp if b != 0)
+        if num_external_tokens == 0:
+            return
+        st = self._status(req)
+        local = st.num_locally_computed_tokens
+        cached = local + num_external_tokens
+        if st.transfer_jobs:
+            raise OffloadStateError(f"request {req.request_id!r} still has transfers; a load needs none")
+        keys: list[OffloadKey] = []
+        dst: list[int] = []
+        for c, g, grp in zip(self.groups, st.groups, blocks):
+            n_gpu = cdiv(cached, c.tokens_per_block)
+            if len(grp) < n_gpu:
+                raise InvalidFieldError("blocks", list(grp), f"at least {n_gpu} blocks in group {c.group_idx}")
+            start = n_gpu
+            for i in range(cdiv(local, c.tokens_per_block), n_gpu):
+                bid, hashed = grp[i]
+                if bid != 0 and not hashed:
+                    start = i
+                    break
+            if n_gpu - start:
+                keys += g.offload_keys[start // self.blocks_per_chunk:cdiv(cached, c.tokens_per_chunk)]
+            dst += [b for b, _ in grp[start:n_gpu]]
+            g.next_stored_chunk_idx = cdiv(cached, c.tokens_per_chunk)  # don't re-store the hits
+        chunk_ids = self.manager.prepare_load(keys, st.ctx)
+        job = self._new_job()
+        self._batch_load_jobs[job] = TransferJob(req.request_id, tuple(keys), tuple(dst), tuple(chunk_ids))
+        st.transfer_jobs.add(job)
+        self._jobs[job] = _Job(req.request_id, self.num_workers, set(keys), False)
+        self._chunks_being_loaded.update(keys)
+
+    def request_finished(self, req: Request, aborted: bool = False) -> tuple[bool, None]:
+        """Blocks may be freed at once (returns ``(False, None)``); the last chunks are stored by the
+        next step; full-attention sources of running stores become fenced now."""
+        st = self._req_status.get(req.request_id)
+        if st is None:
+            ctx = RequestContext(req.request_id)  # never tracked: nothing in flight
+            self.manager.on_new_request(ctx)
+            self.manager.on_request_finished(ctx)
+            return False, None
+        if st.finished:
+            raise OffloadStateError(f"request {req.request_id!r} already finished")
+        st.finished, st.aborted = True, bool(aborted)
+        self._update_offload_keys(st)
+        for job in st.transfer_jobs:
+            for bid in self._jobs[job].deferred_fence_block_ids:
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job)
+        return False, None
+
+    # ------------------------------------------------------------------ steps
+
+    def _update_req_states(self, step: OffloadingStep) -> None:
+        old_ends: dict[str, tuple[int, ...]] = {}
+        for rid, new_ids, full in step.scheduled:
+            st = self._req_status[rid]
+            self._update_offload_keys(st)
+            if full:
+                for g in st.groups:
+                    g.block_ids.clear()
+            if new_ids:
+                if self._sliding_window_groups:
+                    old_ends[rid] = tuple(len(st.groups[i].block_ids) for i in self._sliding_window_groups)
+                for c, g in zip(self.groups, st.groups):
+                    g.block_ids.extend(new_ids[c.group_idx])
+                    self._batch_allocated.update(b for b in new_ids[c.group_idx] if b != 0)
+        # A sliding-window block that left the window can be freed and re-allocated before it was
+        # stored: a not-yet-stored slot holding a block allocated this step is stale -> 0.
+        if self._sliding_window_groups and self._batch_allocated:
+            for rid, st in self._req_status.items():
+                ends = old_ends.get(rid)
+                for j, gi in enumerate(self._sliding_window_groups):
+                    g = st.groups[gi]
+                    end = ends[j] if ends is not None else len(g.block_ids)
+                    for k in range(g.next_stored_chunk_idx * self.blocks_per_chunk, end):
+                        if g.block_ids[k] in self._batch_allocated:
+                            g.block_ids[k] = 0
+
+    def _build_store_jobs(self, step: OffloadingStep) -> dict[int, TransferJob]:
+        bpc = self.blocks_per_chunk
+        out: dict[int, TransferJob] = {}
+        for rid in chain(step.num_scheduled_tokens, step.finished_req_ids):
+            st = self._req_status.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            if st.aborted:
+                after = req.num_computed_tokens
+            elif st.finished:
+                after = max(req.num_prompt_tokens, req.num_tokens - 1)  # the last sampled slot is never final
+            else:
+                after = req.num_computed_tokens + step.num_scheduled_tokens[rid]
+            n_off = self._offloadable(st, after)
+            prompt_off = self._offloadable(st, req.num_prompt_tokens)
+            new_keys: list[OffloadKey] = []
+            ranges: list[tuple[int, int]] = []
+            for c, g in zip(self.groups, st.groups):
+                n_chunks = self._storable_chunks(st, c, g, n_off)
+                start = g.next_stored_chunk_idx
+                prompt_chunks = prompt_off // c.tokens_per_chunk
+                is_sw = isinstance(c.spec, SlidingWindowSpec)
+                align_blocks = (self.alignment_tokens // c.tokens_per_block
+                                if is_sw and self.alignment_tokens is not None
+                                and self.alignment_tokens % c.tokens_per_block == 0 else None)
+                reconsider = st.finished and n_chunks != prompt_chunks and align_blocks is not None
+                if st.finished:
+                    horizon: int | None = n_chunks
+                elif n_chunks <= prompt_chunks:
+                    horizon = prompt_chunks
+                else:
+                    horizon = None  # a decode frontier is not a final boundary
+                if reconsider:
+                    hb = n_chunks * bpc
+                    start = min(start, (hb - hb % align_blocks) // bpc)
+                ranges.append((start, n_chunks))
+                if n_chunks <= start:
+                    continue
+                keys = g.offload_keys[start:n_chunks]
+                reps = g.block_ids[start * bpc + bpc - 1:n_chunks * bpc:bpc]
+                mask = prompt_mask = None
+                if is_sw:
+                    mask = swa_store_mask(c.spec, start * bpc, n_chunks * bpc, self.alignment_tokens,
+                                          None if horizon is None else horizon * bpc)
+                    if reconsider:
+                        prompt_mask = swa_store_mask(c.spec, start * bpc, n_chunks * bpc, self.alignment_tokens,
+                                                     prompt_chunks * bpc)
+                for k, (key, rep) in enumerate(zip(keys, reps)):
+                    if rep == 0:
+                        continue
+                    idx = start + k
+                    if reconsider and idx < g.next_stored_chunk_idx and (
+                            prompt_mask is None or any(prompt_mask[k * bpc + b] for b in range(bpc))):
+                        continue  # already considered under the prompt horizon
+                    if mask is not None and not any(mask[k * bpc + b] for b in range(bpc)):
+                        continue  # no aligned hit can ever need this chunk
+                    if any(g.block_ids[idx * bpc + b] == 0 and (mask is None or mask[k * bpc + b])
+                           for b in range(bpc)):
+                        continue  # a needed block is null/stale: the chunk would be incomplete
+                    new_keys.append(key)
+            if not new_keys:
+                self._advance(st, n_off)
+                continue
+            res = self.manager.prepare_store(new_keys, st.ctx)
+            if res is None:
+                continue  # no room now: retried next step
+            if not res.keys_to_store:
+                self._advance(st, n_off)
+                continue
+            to_store = set(res.keys_to_store)
+            src: list[int] = []
+            fenced: list[int] = []
+            deferred: list[int] = []
+            for c, g, (start, n_chunks) in zip(self.groups, st.groups, ranges):
+                for k, key in enumerate(g.offload_keys[start:n_chunks]):
+                    if key not in to_store:
+                        continue
+                    for b in range(bpc):
+                        bid = g.block_ids[(start + k) * bpc + b]
+                        if bid == 0:
+                            continue
+                        src.append(bid)
+                        (fenced if c.window is not None else deferred).append(bid)
+                g.next_stored_chunk_idx = max(g.next_stored_chunk_idx, n_chunks)
+            job = self._new_job()
+            st.transfer_jobs.add(job)
+            for bid in fenced:  # sliding-window sources can be freed while running: fence now
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job)
+            self._jobs[job] = _Job(rid, self.num_workers, to_store, True, deferred, fenced)
+            out[job] = TransferJob(rid, tuple(res.keys_to_store), tuple(src), tuple(res.chunk_ids))
+            if st.finished:
+                for bid in deferred:
+                    self._block_id_to_pending_jobs.setdefault(bid, set()).add(job)
+                    if bid in self._batch_allocated:
+                        self._batch_jobs_to_flush.add(job)
+        return out
+
+    def _advance(self, st: _ReqState, n_off: int) -> None:
+        for c, g in zip(self.groups, st.groups):
+            g.next_stored_chunk_idx = max(g.next_stored_chunk_idx, self._storable_chunks(st, c, g, n_off))
+
+    def build_connector_meta(self, step: OffloadingStep) -> OffloadingMeta:
+        if not isinstance(step, OffloadingStep):
+            raise InvalidFieldError("step", step, "an OffloadingStep")
+        for rid, _, _ in step.scheduled:
+            if rid not in self._req_status:
+                raise OffloadStateError(f"step.scheduled: request {rid!r} is unknown")
+        self._update_req_states(step)
+        for rid in step.preempted_req_ids:
+            st = self._req_status.get(rid)
+            if st is not None:
+                self._batch_jobs_to_flush.update(st.transfer_jobs - self._batch_load_jobs.keys())
+        for bid in self._batch_allocated:  # a fenced source was re-allocated: wait for its copy
+            self._batch_jobs_to_flush.update(self._block_id_to_pending_jobs.get(bid, ()))
+        stores = self._build_store_jobs(step)
+        meta = OffloadingMeta(self._batch_load_jobs, stores, frozenset(self._batch_jobs_to_flush))
+        for rid in step.finished_req_ids:
+            st = self._req_status.get(rid)
+            if st is None:
+                continue
+            st.finished_signaled = True
+            self.manager.on_request_finished(st.ctx)
+            if not st.transfer_jobs:
+                del self._req_status[rid]
+        self._batch_load_jobs = {}
+        self._batch_jobs_to_flush = set()
+        self._batch_allocated = set()
+        return meta
+
+    # ------------------------------------------------------------------ completions / reset
+
+    def update_connector_output(self, completed_jobs: dict[int, int]) -> None:
+        """``completed_jobs``: job id -> workers reporting it now. Jobs from before a reset only
+        count down the reset fence. Unknown jobs, non-positive counts and more reports than workers
+        raise OffloadStateError / InvalidFieldError with nothing changed (vLLM asserts or KeyErrors)."""
+        for job, n in completed_jobs.items():
+            check_int(f"completed_jobs[{job}]", n, minimum=1)
+            if job < self._stale_job_threshold:
+                continue
+            if job not in self._jobs:
+                raise OffloadStateError(f"completed_jobs: job {job!r} is unknown or already complete")
+            if n > self._jobs[job].pending_count:
+                raise OffloadStateError(f"completed_jobs: job {job} reported by more than {self.num_workers} workers")
+        for job, n in completed_jobs.items():
+            if job < self._stale_job_threshold:
+                if job in self._reset_fence:
+                    self._reset_fence[job] -= n
+                    if self._reset_fence[job] <= 0:
+                        del self._reset_fence[job]
+                continue
+            j = self._jobs[job]
+            j.pending_count -= n
+            if j.pending_count > 0:
+                continue
+            st = self._req_status[j.req_id]
+            if j.is_store:
+                self.manager.complete_store(j.keys, st.ctx)
+            else:
+                self.manager.complete_load(list(j.keys), st.ctx)
+                self._chunks_being_loaded.difference_update(j.keys)
+            self._unfence(job, j.fenced_block_ids)
+            if st.finished:
+                self._unfence(job, j.deferred_fence_block_ids)
+            del self._jobs[job]
+            st.transfer_jobs.remove(job)
+            if st.finished_signaled and not st.transfer_jobs:
+                del self._req_status[j.req_id]
+
+    def _unfence(self, job: int, bids: list[int]) -> None:
+        for bid in bids:
+            pending = self._block_id_to_pending_jobs.get(bid)
+            if pending is not None:
+                pending.discard(job)
+                if not pending:
+                    del self._block_id_to_pending_jobs[bid]
+
+    def reset_cache(self) -> None:
+        """Drop every chunk and job. In-flight jobs are flushed with the next metadata; their late
+        reports only count down the reset fence. Not allowed mid-step, nor twice before a step
+        delivered the previous reset's flush (vLLM asserts both)."""
+        if self._batch_load_jobs or self._batch_jobs_to_flush or self._batch_allocated:
+            raise OffloadStateError("reset_cache: a step is in progress or the last reset's flush is undelivered")
+        self._batch_jobs_to_flush.update(self._jobs)
+        for rid, st in list(self._req_status.items()):
+            if st.finished:
+                if not st.finished_signaled:
+                    self.manager.on_request_finished(st.ctx)
+                del self._req_status[rid]
+        self.manager.reset_cache()
+        for st in self._req_status.values():
+            for g in st.groups:
+                g.next_stored_chunk_idx = 0
+            st.transfer_jobs.clear()
+        self._stale_job_threshold = self._job_counter
+        self._reset_fence.update((j, job.pending_count) for j, job in self._jobs.items())
+        self._jobs.clear()
+        self._block_id_to_pending_jobs.clear()
+        self._chunks_being_loaded.clear()
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        self.manager.check_invariants()
+        for rid, st in self._req_status.items():
+            jobs = [self._jobs[j] for j in st.transfer_jobs]
+            assert all(j.req_id == rid for j in jobs)
+            loads = [j for j in jobs if not j.is_store]
+            # O5: one load job, or stores only.
+            assert not loads or len(jobs) == 1, f"request {rid} has a load beside other jobs"
+        owned = {j for st in self._req_status.values() for j in st.transfer_jobs}
+        assert owned == set(self._jobs), "a job without its request, or a request job unknown"
+        for bid, jobs in self._block_id_to_pending_jobs.items():
+            assert jobs and jobs <= set(self._jobs), f"fence on block {bid} names finished jobs"
+        # O6: sliding-window sources are fenced from creation.
+        for j, job in self._jobs.items():
+            for bid in job.fenced_block_ids:
+                assert j in self._block_id_to_pending_jobs.get(bid, ()), f"SW source {bid} of job {j} unfenced"
+        # A hit never names a chunk being written: loads only pin ready chunks.
+        for job in self._jobs.values():
+            if not job.is_store:
+                for k in job.keys:
+                    assert self.manager.policy.get(k) is not None and self.manager.policy.get(k).ref_cnt > 0
