@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .report import FAILED, PASSED, SKIPPED, CheckResult
+from .report import FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
 
 
 @dataclass
@@ -164,10 +164,42 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     return CheckResult("conform-planning", PASSED, f"{n} generated layer sets/settings: identical plans and verdicts")
 
 
+def check_proofs(ctx: VerifyContext) -> CheckResult:
+    """Z3 theorems T1-T8 proved over unbounded ints; every historic variant refuted with a reproducer."""
+    from kvref.cli_prove import verify_check
+
+    return verify_check(ctx)
+
+
+def _crosshair_result(report) -> CheckResult:
+    from kvref.proofs.crosshair_run import CONFIRMED, NOT_ANALYSED, NOT_REFUTED, REFUTED
+
+    counts = {s: sum(c.status == s for c in report.conditions) for s in (CONFIRMED, NOT_REFUTED, REFUTED, NOT_ANALYSED)}
+    details = [f"{c.function}: {c.condition} -> {c.status}" + (f" ({c.message})" if c.status != CONFIRMED else "")
+               for c in report.conditions]
+    summary = (f"{len(report.conditions)} conditions: {counts[CONFIRMED]} confirmed on all paths, "
+               f"{counts[NOT_REFUTED]} not refuted within budget, {counts[REFUTED]} refuted, "
+               f"{counts[NOT_ANALYSED]} not analysed")
+    if counts[REFUTED]:
+        return CheckResult("crosshair", FAILED, summary, details=details)
+    if counts[NOT_ANALYSED]:
+        return CheckResult("crosshair", UNKNOWN, summary + " (CrossHair could not analyse some)", details=details)
+    return CheckResult("crosshair", PASSED, summary, details=details)
+
+
+def check_crosshair(ctx: VerifyContext) -> CheckResult:
+    """CrossHair contracts on the spec functions and the block pool, within a fixed budget."""
+    from kvref.proofs import run_contracts
+
+    return _crosshair_result(run_contracts(per_condition_timeout=2.0 if ctx.profile == "fast" else 5.0))
+
+
 CHECKS: list[Check] = [
     Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
     Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
           check_startup_liveness),
+    Check("proofs", "Z3 theorems over unbounded ints + historic vLLM bugs re-found", check_proofs),
+    Check("crosshair", "CrossHair contracts on spec functions and block pool operations", check_crosshair),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
           check_planning_conformance),
 ]

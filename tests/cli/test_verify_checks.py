@@ -34,3 +34,33 @@ def test_planning_conformance_passes_and_catches_a_planted_difference(vllm, monk
     result = verify.check_planning_conformance(ctx)
     assert result.status == FAILED
     assert any("num_blocks" in line for line in result.details)
+
+
+def test_crosshair_verdicts_map_to_check_results():
+    from kvref.proofs.crosshair_run import (
+        CONFIRMED,
+        NOT_ANALYSED,
+        NOT_REFUTED,
+        REFUTED,
+        ConditionResult,
+        CrossHairReport,
+    )
+
+    def report(*statuses):
+        return CrossHairReport("contracts.py", 1.0,
+                               [ConditionResult("f", "__return__ >= 0", i, s, "msg") for i, s in enumerate(statuses)])
+
+    assert verify._crosshair_result(report(CONFIRMED, NOT_REFUTED)).status == PASSED
+    failed = verify._crosshair_result(report(CONFIRMED, REFUTED))
+    assert failed.status == FAILED and "1 refuted" in failed.summary
+    unknown = verify._crosshair_result(report(CONFIRMED, NOT_ANALYSED))
+    assert unknown.status == "unknown" and "could not analyse" in unknown.summary
+
+
+def test_proofs_check_proves_theorems_and_refutes_every_historic_variant(tmp_path):
+    from kvref.proofs import HISTORIC
+
+    result = verify.check_proofs(verify.VerifyContext(out_dir=str(tmp_path)))
+    assert result.status == PASSED, result.details
+    assert len(result.artifacts) == len(HISTORIC) >= 8
+    assert all(a.startswith(str(tmp_path)) for a in result.artifacts)
