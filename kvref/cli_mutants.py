@@ -63,3 +63,30 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(res.render())
     return 0 if res.reference_kill_rate >= args.min_rate else 1
+
+
+def check_mutants(ctx):
+    """``kvref verify --mutants`` check: the campaign, CI subset under fast/ci, everything (with
+    the proofs' formula variants) under nightly; fails below a 95 % kill rate of the reference
+    mutants.
+
+    Register in ``kvref/verify.py`` as ``Check("mutants", "mutant kill-rate campaign",
+    check_mutants, default=False)``.
+    """
+    import time
+
+    from kvref.models.mutants_campaign import run_mutant_campaign
+    from kvref.report import FAILED, PASSED, CheckResult
+
+    t0 = time.perf_counter()
+    nightly = ctx.profile == "nightly"
+    res = run_mutant_campaign(subset="all" if nightly else "ci", budget=100 if nightly else 50,
+                              proof_variants=nightly)
+    secs = time.perf_counter() - t0
+    if res.baseline_failures:
+        return CheckResult("mutants", FAILED, "the clean reference fails a campaign check", secs,
+                           details=[f"{k}: {v}" for k, v in res.baseline_failures.items()])
+    details = [f"{r.mutant.name}: {'killed by ' + r.killed_by if r.killed else 'SURVIVED'}"
+               + (f" ({r.reason})" if r.reason else "") for r in res.results]
+    status = PASSED if res.reference_kill_rate >= 0.95 else FAILED
+    return CheckResult("mutants", status, res.summary(), secs, details=details)

@@ -46,3 +46,23 @@ def test_mutants_list_and_a_single_run(capsys):
                  "--min-rate", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kill_rate"] == 1.0 and out["mutants"][0]["by"] == "explorer"
+
+
+def test_verify_explorer_check_passes_and_writes_traces_on_failure(tmp_path):
+    from kvref.cli_explore import check_explorer
+    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.verify import VerifyContext
+
+    ctx = VerifyContext(profile="fast", out_dir=str(tmp_path))
+    ok = check_explorer(ctx)
+    assert ok.status == "passed" and "states" in ok.summary and len(ok.details) == 3
+    with CATALOGUE["manager.gate_without_cap"].applied():
+        bad = check_explorer(ctx)
+    assert bad.status == "failed" and bad.artifacts
+    assert "deadlock" in open(bad.artifacts[0]).read()
+
+
+def test_explore_offload_scope_from_the_cli(capsys):
+    assert _run(["explore", "--scope", "offload", "--max-depth", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["depth"] == 6 and out["states"] > 10 and not out["complete"]  # bounded
