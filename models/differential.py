@@ -15,7 +15,7 @@ The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
 * ``process``  the oldest in-flight batch of a request completes (``update_from_output``):
                ``num_in_flight_tokens`` drops and a sampled token is appended. Batches with
                ``in_flight=False`` are processed at once (synchronous scheduling).
-* ``preempt``  ``free`` + ``num_computed_tokens = 0``; in-flight output turns stale (vLLM #
+* ``preempt``  ``free`` + ``num_computed_tokens = 0``; in-flight output turns stale (vLLM's
                ``_preempt_request``: delivered later, ``num_in_flight_tokens`` kept).
 * ``finish``   ``free``; the request is gone.
 * ``new_step`` ``new_step_starts()``.
@@ -102,6 +102,7 @@ class Harness:
         self.num_preemptions = 0
         self.num_async_batches = 0
         self.num_external_loads = 0
+        self.num_admissions = 0
         # coverage of what the compared state went through (first implementation's view)
         self.num_evictions = 0  # ops after which a cached block lost its hash (reused for new data)
         self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
@@ -241,6 +242,7 @@ class Harness:
             return OpResult(op, False, None)
         r.status = RequestStatus.RUNNING
         s.holds_blocks = True
+        self.num_admissions += 1
         self.num_external_loads += external > 0
         r.num_computed_tokens = num_hit + external
         self._schedule(s, num_new, op.in_flight, op.token)

@@ -50,6 +50,7 @@ class MachineStats:
     preemptions: int = 0
     async_batches: int = 0
     external_loads: int = 0
+    admissions: int = 0
     evictions: int = 0
     null_slots: int = 0
     partial_entries: int = 0
@@ -117,6 +118,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.preemptions += self.h.num_preemptions
                 self.stats.async_batches += self.h.num_async_batches
                 self.stats.external_loads += self.h.num_external_loads
+                self.stats.admissions += self.h.num_admissions
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries

@@ -9,9 +9,11 @@ boring: one JSON object
     {"format": "kvref-trace", "version": 1,
      "pool_config": {"num_blocks": 16, "groups": [{"layer_names": ["l0"], "is_eagle_group": false,
                      "kv_cache_spec": {"type": "FullAttentionSpec", "block_size": 4, ...}}], ...},
-     "async_scheduling": false,
      "ops": [{"op": "add", "rid": "r0", "prompt": [1, 2, 3], "max_tokens": 4, "cache_salt": null},
              {"op": "admit", "rid": "r0", "chunk": 8, "full_sequence_must_fit": true, ...}, ...]}
+
+Replay one with ``kvref replay FILE [--kinds reference,vllm]`` or
+``python -m kvref.models.differential FILE``.
 
 The operations (``OP_FIELDS``) are the ones :mod:`kvref.models.differential` knows how to apply;
 see there for what each does.

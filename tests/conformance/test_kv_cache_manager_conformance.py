@@ -114,14 +114,16 @@ def test_reference_conforms_to_vllm(vllm_adapter):
     st = machine.stats
     long_runs = st.runs_with_at_least(MIN_STEPS)
     assert long_runs >= examples, f"only {long_runs} of {len(st.steps)} traces reached {MIN_STEPS} steps"
-    # The generated traces must exercise what they claim to (a vacuous strategy fails here).
-    assert st.prefix_hits > 0 and st.admission_rejections > 0 and st.step_rejections > 0
-    assert st.preemptions > 0 and st.async_batches > 0
-    assert st.evictions > 0 and st.null_slots > 0 and st.external_loads > 0
-    assert len(st.group_sets) >= 5, st.group_sets
+    # The generated traces must exercise what they claim to (a vacuous strategy fails here). The
+    # fast profile's 40 traces are too few to rely on every rare event.
+    assert st.prefix_hits > 0 and st.admission_rejections > 0 and st.preemptions > 0
+    if examples >= 200:
+        assert st.step_rejections > 0 and st.async_batches > 0 and st.external_loads > 0
+        assert st.evictions > 0 and st.null_slots > 0
+        assert len(st.group_sets) >= 5, st.group_sets
     print(f"\nreference vs vLLM: {long_runs} traces, {st.ops_applied} ops in {seconds:.1f}s "
           f"({st.ops_applied / seconds:.0f} steps/s end to end, {st.ops_applied / st.seconds_in_harness:.0f} "
-          f"steps/s in the harness); group sets {st.group_sets}; hits {st.prefix_hits}, admission rejections "
+          f"steps/s in the harness); group sets {st.group_sets}; admissions {st.admissions} (with a prefix hit {st.prefix_hits}), rejected "
           f"{st.admission_rejections}, step rejections {st.step_rejections}, preemptions {st.preemptions}, "
           f"async batches {st.async_batches}, external loads {st.external_loads}, evictions {st.evictions}, "
           f"partial-block hashes {st.partial_entries}; seconds inside each implementation "
