@@ -81,11 +81,25 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
     )
 
 
+def data_path_ok(cfg: PoolConfig) -> bool:
+    """Whether the attention data path can run this pool (attention groups, chunk sizes that are
+    multiples of the block size, as vLLM's workers require)."""
+    for g in cfg.groups:
+        s = g.kv_cache_spec
+        if isinstance(s, MambaSpec):
+            return False
+        if isinstance(s, ChunkedLocalAttentionSpec) and s.attention_chunk_size % s.block_size:
+            return False
+    return True
+
+
 def make_differential_machine(other_factory: Callable[[PoolConfig], object],
                               torch_factory: Callable[[PoolConfig], object] | None = None,
-                              deep: bool = True) -> type[RuleBasedStateMachine]:
+                              deep: bool = True, datapath: bool = False) -> type[RuleBasedStateMachine]:
     """A machine comparing ``torch_factory(cfg)`` (default: the torch implementation on CPU) with
-    ``other_factory(cfg)``. ``deep`` also compares ``hash_index()`` and ``ref_counts()``."""
+    ``other_factory(cfg)``. ``deep`` also compares ``hash_index()`` and ``ref_counts()``.
+    ``datapath`` also runs every scheduled chunk through the torch data path (float64) and asserts
+    paged attention equals dense attention; connector tokens are written as a load."""
 
     if torch_factory is None:
         from kvref.impl.torch import make_manager
@@ -105,6 +119,12 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             self.waiting: list[str] = []
             self.running: list[str] = []
             self.n = 0
+            self.runner = None
+            if datapath and data_path_ok(cfg):
+                import torch
+
+                from kvref.impl.torch.model_runner import DataPathRunner
+                self.runner = DataPathRunner(self.t, dtype=torch.float64)
 
         # ------------------------------------------------------------ helpers
         def both(self, name, *args, **kw):
@@ -112,6 +132,18 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             b = getattr(self.o, name)(*args, **kw)
             assert a == b, f"{name}{args}: torch {a!r} != other {b!r}"
             return a
+
+        def _compute(self, req: Request, start: int, n: int, loaded: int = 0) -> None:
+            """Run the data path for a successful allocation (connector tokens first)."""
+            if self.runner is None:
+                return
+            from kvref.impl.torch.model_runner import Chunk
+
+            if loaded:
+                self.runner.write_only([Chunk(req, start - loaded, loaded)])
+            if n:
+                err = self.runner.max_error([Chunk(req, start, n)])
+                assert err <= 1e-10, f"paged attention differs from dense by {err} ({req.request_id} @ {start})"
 
         def _step_tokens(self, req: Request, budget: int) -> int:
             return min(req.num_tokens - req.num_computed_tokens, budget)
@@ -156,6 +188,7 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             self.waiting.pop(0)
             self.running.append(rid)
             req.status = RequestStatus.RUNNING
+            self._compute(req, hit + ext, new, loaded=ext)
             req.num_computed_tokens = hit + ext + new
             req.num_in_flight_tokens = new if data.draw(st.booleans()) else 0
 
@@ -176,6 +209,7 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
             if out is None:
                 # vLLM preempts the newest running request; here the stepped one is preempted.
                 return self._preempt(rid)
+            self._compute(req, req.num_computed_tokens, new)
             req.num_computed_tokens += new
             req.num_in_flight_tokens = min(req.num_in_flight_tokens + new, req.num_computed_tokens) \
                 if data.draw(st.booleans()) else 0

@@ -125,6 +125,29 @@ class DataPathRunner:
                 out[(g, layer)] = paged_attention(q, self.cache.kv(g, layer), table, ctx, rows, pos, self.masks[g])
         return out
 
+    def write_only(self, chunks: list[Chunk]) -> None:
+        """Store the chunks' K/V without attending: a KV connector's load of external tokens.
+
+        Positions whose block is the null block (skipped by a window) land in block 0, which no
+        masked read ever uses."""
+        if not chunks:
+            return
+        toks, pos, rows = self._flat(chunks)
+        rids = [c.request.request_id for c in chunks]
+        for g in range(self.manager.num_groups):
+            table, _ = self.manager.batch_block_tables(g, rids)
+            slots = slot_mapping(table, pos, self.manager.groups[g].block_size, rows)
+            for layer in range(self.num_layers):
+                _, k, v = self.model.qkv(g, layer, toks, pos)
+                self.cache.write_kv(g, layer, slots, k, v)
+
+    def max_error(self, chunks: list[Chunk]) -> float:
+        """Run the step through the cache and densely; the largest absolute difference."""
+        if not chunks:
+            return 0.0
+        paged, dense = self.run_step(chunks), self.dense_step(chunks)
+        return max(float((paged[k] - dense[k]).abs().max()) for k in paged)
+
     def dense_step(self, chunks: list[Chunk]) -> dict[tuple[int, int], torch.Tensor]:
         """The same outputs from the contiguous sequences (no cache involved)."""
         out: dict[tuple[int, int], list[torch.Tensor]] = {}

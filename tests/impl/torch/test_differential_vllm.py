@@ -84,3 +84,14 @@ def test_torch_matches_vllm_in_the_shared_conformance_harness(twin_factory):
     st = machine.stats
     assert st.unsupported_pools == 0
     assert st.ops_applied > 0 and st.prefix_hits > 0 and len(st.group_sets) >= 3
+
+
+def test_torch_matches_vllm_and_its_numbers_match_dense_attention(twin_factory):
+    """The differential machine with the data path on: block ids equal vLLM's *and* every chunk
+    the trace schedules (prefill chunks after prefix hits, decodes, connector loads, after
+    preemptions and evictions) attends through the torch block tables to dense attention's output."""
+    from kvref.models.torch_differential import make_differential_machine
+
+    machine = make_differential_machine(twin_factory, datapath=True)
+    machine.TestCase.settings = settings(max_examples=profile_examples(15, 100), stateful_step_count=40)
+    machine.TestCase().runTest()
