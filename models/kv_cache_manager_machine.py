@@ -72,7 +72,7 @@ def _group_set_name(pool) -> str:
 
 
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
-                             max_blocks: int = 48, eagle: bool = True,
+                             max_blocks: int = 48, eagle: bool | str = True,
                              mamba_align_external_loads: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 

@@ -46,8 +46,11 @@ def attention_kwargs(draw, block_size: int) -> dict:
 
 @st.composite
 def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int = 4, max_blocks: int = 48,
-                 caching: bool | None = None, eagle: bool = True) -> PoolConfig:
-    """A ``PoolConfig`` that vLLM 0.33.0 accepts (its coordinator's divisibility asserts hold)."""
+                 caching: bool | None = None, eagle: bool | str = True) -> PoolConfig:
+    """A ``PoolConfig`` that vLLM 0.33.0 accepts (its coordinator's divisibility asserts hold).
+
+    ``eagle``: False never, True sometimes (1 in 6), ``"always"`` every pool that allows it.
+    """
     kind = draw(st.sampled_from(group_sets))
     names = kind.split("+")
     hash_bs = draw(st.sampled_from((1, 2, 4)))
@@ -91,7 +94,7 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     one_request = sum(-(-max_model_len // bs) for bs in sizes)
     num_blocks = draw(st.integers(min_blocks, max(min_blocks, min(max_blocks, 2 * one_request + 2))))
     # EAGLE drafting: hits drop their last block (vLLM asserts it is not combined with chunked-local).
-    use_eagle = eagle and "chunked" not in names and draw(st.integers(0, 5)) == 0
+    use_eagle = bool(eagle) and "chunked" not in names and (eagle == "always" or draw(st.integers(0, 5)) == 0)
     return PoolConfig(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
                       scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
                       enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle)

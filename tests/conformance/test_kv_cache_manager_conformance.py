@@ -174,3 +174,12 @@ def test_each_group_set_conforms(vllm_adapter, group_set):
     machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=(group_set,))
     _run(machine, profile_examples(5, 10))
     assert machine.stats.runs_with_at_least(MIN_STEPS) >= profile_examples(5, 10)
+
+
+def test_eagle_pools_conform(vllm_adapter):
+    """Every pool with EAGLE on (hits drop their last block; hybrid groups cache one block past the
+    scheduler-block boundary, so full-attention blocks get partial-prefix hashes)."""
+    machine = kv_cache_manager_machine(("reference", "vllm"), eagle="always",
+                                       group_sets=tuple(g for g in GROUP_SETS if "chunked" not in g))
+    _run(machine, profile_examples(10, 40))
+    assert machine.stats.runs_with_at_least(MIN_STEPS) >= profile_examples(10, 40)
