@@ -131,7 +131,12 @@ class Scheduler:
 
     def finish_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks."""
-        ids = (request_ids,) if isinstance(request_ids, str) else tuple(request_ids)
+        if isinstance(request_ids, str):
+            ids: tuple = (request_ids,)
+        elif isinstance(request_ids, (list, tuple, set, frozenset)):
+            ids = tuple(request_ids)
+        else:
+            raise InvalidFieldError("request_ids", request_ids, "a request id or a list/tuple/set of them")
         for rid in ids:
             if not isinstance(rid, str):
                 raise InvalidFieldError("request_ids[i]", rid, "a request id (str)")
@@ -313,8 +318,11 @@ class Scheduler:
             raise InvalidFieldError("output", "a later step", "the oldest SchedulerOutput not yet updated")
         if id(output) not in self._in_flight:
             raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
-        if not isinstance(model_output, ModelOutput):
+        if not isinstance(model_output, ModelOutput) or not isinstance(model_output.sampled_token_ids, dict):
             raise InvalidFieldError("model_output", model_output, "a ModelOutput")
+        for rid, ids in model_output.sampled_token_ids.items():
+            if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < 0 for t in ids):
+                raise InvalidFieldError(f"model_output.sampled_token_ids[{rid!r}]", ids, "a list of token ids >= 0")
         del self._in_flight[id(output)]
         stopped: list[tuple[Request, RequestStatus]] = []
         for s in output.scheduled:

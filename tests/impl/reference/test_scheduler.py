@@ -294,9 +294,13 @@ def test_bad_calls_raise_value_errors_and_change_nothing():
             s.add_request(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError):
         s.finish_requests([3])  # type: ignore[list-item]
-    out = s.schedule()
     with pytest.raises(InvalidFieldError):
-        s.update_from_output(out, {"a": [1]})  # type: ignore[arg-type]
+        s.finish_requests(7)  # type: ignore[arg-type]
+    out = s.schedule()
+    for bad_output in ({"a": [1]}, ModelOutput({"a": [-1]}), ModelOutput({"a": 1}), ModelOutput({"a": [True]})):
+        with pytest.raises(InvalidFieldError):
+            s.update_from_output(out, bad_output)  # type: ignore[arg-type]
+    assert s.requests["a"].num_in_flight_tokens == 2  # nothing half-applied
     s.update_from_output(out, ModelOutput({"a": [1]}))
     with pytest.raises(InvalidFieldError):
         s.update_from_output(out, ModelOutput())  # settled already
