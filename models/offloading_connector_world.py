@@ -356,33 +356,48 @@ class OffloadingWorld:
         self.metas.append(meta)
         loads, stores, flush = meta
         flushed = set(flush)
+        # Worker timing (offloading/worker.py): a store job is submitted at the start of the *next*
+        # step, so it reads the blocks as this step's forward leaves them - unless it is flushed:
+        # flushed jobs are submitted and waited for before the forward pass.
+        for j in flushed:
+            if j in self.jobs:
+                self.jobs[j]["flushed"] = True
         for j, rid, keys, blocks, chunks in loads:
             self.jobs[j] = {"store": False, "req": rid, "src": [], "dst": blocks, "reported": 0}
-        # The forward pass writes this step's tokens. A source of a running store may only be
-        # overwritten if its job completed or was flushed (waited for) this step.
+        new_stores = []
+        for j, rid, keys, blocks, chunks in stores:
+            self.jobs[j] = {"store": True, "req": rid, "src": list(blocks), "reported": 0, "new": True,
+                            "flushed": j in flushed}
+            if j in flushed:
+                self._check_store_source(j, blocks)
+            else:
+                new_stores.append((j, blocks))
+        # The forward pass writes this step's tokens. A source of an earlier store still running may
+        # only be overwritten if the job was flushed (waited for) - the fence, vLLM #41228.
         for r, start, end in adv:
             r.computed = end
             r.req.num_computed_tokens = end
-            self._write(r, start, end, flushed)
-        # This step's stores copy after the forward pass: their sources must hold computed KV now.
-        for j, rid, keys, blocks, chunks in stores:
-            self.jobs[j] = {"store": True, "req": rid, "src": list(blocks), "reported": 0}
-            for b in blocks:
-                c = self.gpu_content.get(b)
-                if c is None or c[0] == "partial":
-                    self._fail(f"store job {j} reads GPU block {b}, which holds {c!r}, not a full computed block")
+            self._write(r, start, end)
+        for j, blocks in new_stores:
+            self._check_store_source(j, blocks)
+        for job in self.jobs.values():
+            job["new"] = False
         for r, start, end in adv:
             if end == r.req.num_tokens:
                 if r.req.num_tokens - r.req.num_prompt_tokens >= r.max_out:
                     self.finish(r.rid, aborted=False)
                 else:
                     self.b.append_token(r.req, 7 + r.req.num_tokens % 5)
-        for j in flushed:
-            self.jobs.get(j, {})["flushed"] = True
         self.b.check_invariants()
         return meta
 
-    def _write(self, r, start, end, flushed):
+    def _check_store_source(self, j, blocks):
+        for b in blocks:
+            c = self.gpu_content.get(b)
+            if c is None or c[0] == "partial":
+                self._fail(f"store job {j} reads GPU block {b}, which holds {c!r}, not a full computed block")
+
+    def _write(self, r, start, end):
         bs = self.cfg.block_size
         table = self.b.table(r.rid)
         for g, ids in enumerate(table):
@@ -390,7 +405,7 @@ class OffloadingWorld:
                 if pos < len(ids) and ids[pos] != 0:
                     bid = ids[pos]
                     for j, job in self.jobs.items():
-                        if job["store"] and bid in job["src"] and j not in flushed and not job.get("flushed"):
+                        if job["store"] and bid in job["src"] and not job["new"] and not job.get("flushed"):
                             self._fail(f"GPU block {bid} (request {r.rid}, group {g}, position {pos}) is "
                                        f"overwritten while store job {j} may still read it and was not flushed")
                     full = (pos + 1) * bs <= end

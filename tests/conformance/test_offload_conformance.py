@@ -452,5 +452,39 @@ def test_offloading_connector_scheduler_matches_vllm(V, case):
     cfg, ops = case
     ref, vll = OffloadingWorld(cfg, "reference"), OffloadingWorld(cfg, "vllm")
     for op in ops:
-        assert apply_offloading_op(ref, op) == apply_offloading_op(vll, op), op
+        got = apply_offloading_op(ref, op)
+        try:
+            want = apply_offloading_op(vll, op)
+        except KeyError:
+            # vLLM 0.33.0 crashes completing a job that lists a fenced block twice (docs/offload.md,
+            # "KeyError after a connector reset"); the reference finishes it. Nothing to compare after.
+            assert any(len(set(b)) < len(b) for m in ref.metas for _, _, _, b, _ in m[1])
+            return
+        assert got == want, op
         assert ref.observe() == vll.observe(), op
+
+
+# A connector reset while a sliding-window request runs: its stored-chunk cursor restarts at 0 but
+# its copy of the block table still holds a block that left the window and was re-allocated to a
+# later slot, so one store job reads that block twice (for the wrong chunk, too), and vLLM's
+# completion path raises KeyError in _remove_pending_job.
+RESET_SWA_CFG = OffloadingConfig(block_size=4, blocks_per_chunk=2, num_gpu_blocks=12, num_cpu_chunks=32,
+                                 sliding_window=4, num_workers=2)
+RESET_SWA_OPS = [("add", 0, 20, 2, 0, 1, 0, 1, False), ("add", 2, 13, 1, 0, 1, 0, 1, False),
+                 ("step", 0, 0, 0, 8, 2, 0, 1, False), ("reset", 0, 0, 0, 0, 1, 0, 1, False),
+                 ("abort", 0, 0, 0, 0, 1, 0, 1, False), ("step", 0, 0, 0, 4, 1, 0, 1, False)]
+
+
+def test_reset_with_running_swa_request_crashes_vllm_not_the_reference(V):
+    ref, vll = OffloadingWorld(RESET_SWA_CFG, "reference"), OffloadingWorld(RESET_SWA_CFG, "vllm")
+    for op in RESET_SWA_OPS:
+        assert apply_offloading_op(ref, op) == apply_offloading_op(vll, op)
+    job = [j for j in vll.metas[-1][1] if j[1] == "r0"][0]
+    assert job[3] == [1, 2, 9, 10, 3, 4, 11, 3]  # block 3: SW slot 0 (stale) and SW slot 3
+    with pytest.raises(KeyError):
+        while vll.jobs:
+            vll.complete(0, 2)
+    while ref.jobs:
+        ref.complete(0, 2)
+    ref.b.check_invariants()
+    assert ref.b.conn._block_id_to_pending_jobs == {} and ref.b.conn._jobs == {}
