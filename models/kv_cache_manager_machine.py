@@ -236,3 +236,58 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     KVCacheManagerMachine.__name__ = KVCacheManagerMachine.__qualname__ = \
         "KVCacheManagerMachine_" + "_vs_".join(kinds)
     return KVCacheManagerMachine
+
+
+@dataclass
+class MachineRun:
+    """Outcome of :func:`run_machine`: the stats, and the failure (with the saved trace) if any."""
+
+    stats: MachineStats
+    seconds: float
+    failure: str | None = None
+    trace_path: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_steps: int = 30,
+                seed: int | None = None, out_dir: str | None = None, **machine_kwargs) -> MachineRun:
+    """Run the machine outside pytest (``kvref verify``): never raises on a divergence.
+
+    Args:
+        kinds: implementations to drive side by side (``("reference", "vllm")``).
+        examples: generated traces (each at least ``min_steps`` ops, at most ``steps``).
+        seed: a Hypothesis seed for a reproducible run (None: random).
+        out_dir: where a failing trace is saved (default ``$KVREF_TRACE_DIR`` or ``<tmp>/kvref-traces``).
+    """
+    import hypothesis.core as hcore
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    saved_dir = os.environ.get("KVREF_TRACE_DIR")
+    if out_dir is not None:
+        os.environ["KVREF_TRACE_DIR"] = out_dir
+    machine = kv_cache_manager_machine(tuple(kinds), **machine_kwargs)
+    s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                 suppress_health_check=list(HealthCheck), print_blob=True)
+    t = time.perf_counter()
+    # run_state_machine_as_test takes no seed; Hypothesis' own --hypothesis-seed hook does the job
+    saved_seed = hcore.global_force_seed
+    try:
+        if seed is not None:
+            hcore.global_force_seed = seed
+        run_state_machine_as_test(machine, settings=s, _min_steps=min_steps + 1)
+    except Exception as exc:  # a Divergence, or several (ExceptionGroup), or Hypothesis' own errors
+        subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
+        msg = "\n".join(f"{type(e).__name__}: {e}" for e in subs)
+        path = msg.split("saved to ", 1)[1].split("\n", 1)[0] if "saved to " in msg else None
+        return MachineRun(machine.stats, time.perf_counter() - t, msg, path)
+    finally:
+        hcore.global_force_seed = saved_seed
+        if saved_dir is None:
+            os.environ.pop("KVREF_TRACE_DIR", None)
+        else:
+            os.environ["KVREF_TRACE_DIR"] = saved_dir
+    return MachineRun(machine.stats, time.perf_counter() - t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 from hypothesis import settings
@@ -116,3 +117,39 @@ def test_reference_and_torch_agree_through_the_same_machine():
                                                                         stateful_step_count=40))
     assert machine.stats.runs_with_at_least(30) >= profile_examples(10, 40)
     assert machine.stats.unsupported_pools == 0
+
+
+def test_run_machine_is_seeded_and_saves_a_replayable_failing_trace(tmp_path):
+    from kvref.impl.interface import register_manager
+    from kvref.models.kv_cache_manager_machine import run_machine
+
+    a = run_machine(("reference",), 4, seed=7)
+    b = run_machine(("reference",), 4, seed=7)
+    assert a.ok and a.stats.steps == b.stats.steps and a.stats.group_sets == b.stats.group_sets
+
+    class Stale:
+        """The reference, but its free-block count lags one block behind after the first free."""
+
+        def __init__(self, pool_config):
+            self.ref = make_manager("reference", pool_config)
+            self.freed = False
+
+        def __getattr__(self, name):
+            return getattr(self.ref, name)
+
+        def free(self, request):
+            self.freed = True
+            self.ref.free(request)
+
+        def get_num_free_blocks(self):
+            return self.ref.get_num_free_blocks() - int(self.freed)
+
+    register_manager("test-stale-free-count", Stale)
+    run = run_machine(("reference", "test-stale-free-count"), 30, seed=1, out_dir=str(tmp_path))
+    assert not run.ok
+    assert "free queue length" in run.failure or "num_free_blocks differs" in run.failure
+    assert "KVREF_TRACE_DIR" not in os.environ or os.environ["KVREF_TRACE_DIR"] != str(tmp_path)
+    assert run.trace_path is not None and run.trace_path.startswith(str(tmp_path))
+    trace = Trace.load(run.trace_path)
+    assert not differential.replay(trace, ("reference", "test-stale-free-count")).ok
+    assert differential.replay(trace, ("reference",)).ok
