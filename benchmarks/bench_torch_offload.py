@@ -42,8 +42,11 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--page-kib", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     blocks = args.blocks or (512 if on_gpu else 128)

@@ -50,8 +50,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--window", type=int, default=0, help="sliding window (0 = causal)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bfloat16" if on_gpu else "float32")]

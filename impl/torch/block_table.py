@@ -21,6 +21,9 @@ class BlockTables:
         self._row: dict[str, int] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
         self._len: dict[str, int] = {}  # host mirror of ``length`` for the rows in use
+        # Null entries always form a prefix of a row (skipped hits, then out-of-window frees from
+        # the front), so one count per row says where the live blocks start.
+        self._null_head: dict[str, int] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._row
@@ -37,6 +40,7 @@ class BlockTables:
         row = self._free_rows.pop()
         self._row[request_id] = row
         self._len[request_id] = 0
+        self._null_head[request_id] = 0
         self.length[row] = 0
         return row
 
@@ -60,11 +64,35 @@ class BlockTables:
         if block_ids:
             self.table[row, n:n + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32,
                                                                  device=self.device)
+            if self._null_head[request_id] == n:
+                lead = 0
+                while lead < len(block_ids) and block_ids[lead] == 0:
+                    lead += 1
+                self._null_head[request_id] = n + lead
         self._len[request_id] = n + len(block_ids)
         self.length[row] = n + len(block_ids)
 
-    def set(self, request_id: str, index: int, block_id: int) -> None:
-        self.table[self._row[request_id], index] = block_id
+    def slice(self, request_id: str, start: int, end: int) -> list[int]:
+        row = self._row.get(request_id)
+        if row is None:
+            return []
+        return self.table[row, start:min(end, self._len[request_id])].tolist()
+
+    def null_head(self, request_id: str) -> int:
+        """Length of the row's leading run of null blocks."""
+        return self._null_head.get(request_id, 0)
+
+    def clear_front(self, request_id: str, end: int) -> list[int]:
+        """Null the live entries before ``end``; return the block ids they held (in order)."""
+        row = self._row[request_id]
+        head = self._null_head[request_id]
+        end = min(end, self._len[request_id])
+        if end <= head:
+            return []
+        ids = self.table[row, head:end].tolist()
+        self.table[row, head:end] = 0
+        self._null_head[request_id] = end
+        return ids
 
     def touch_row(self, request_id: str) -> None:
         """Create an empty row (vLLM's ``defaultdict`` entry) without blocks."""
@@ -75,6 +103,7 @@ class BlockTables:
         if row is None:
             return []
         ids = self.table[row, : self._len.pop(request_id)].tolist()
+        self._null_head.pop(request_id, None)
         self.table[row].zero_()
         self.length[row] = 0
         self._free_rows.append(row)
@@ -92,6 +121,10 @@ class BlockTables:
     def check_invariants(self) -> None:
         for rid, row in self._row.items():
             assert int(self.length[row]) == self._len[rid], f"length mirror drifted for {rid}"
+            ids = self.table[row, : self._len[rid]]
+            head = self._null_head[rid]
+            assert bool((ids[:head] == 0).all()) and bool((ids[head:] != 0).all()), \
+                f"nulls of {rid} are not exactly its first {head} entries"
         assert len(set(self._row.values())) == len(self._row), "two requests share a row"
 
 

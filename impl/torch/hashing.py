@@ -49,38 +49,39 @@ def hash_block_tokens(parent: bytes | None, tokens: tuple[int, ...] | list[int],
 class RequestHashes:
     """Incremental block hashes of requests, keyed by request id.
 
-    Tokens are append-only (prompt, then outputs), so hashes computed once stay valid; each call
-    extends the list to cover every full ``hash_block_size`` chunk of ``request.all_token_ids``.
-    A cached list whose tokens no longer match (a new request reusing an id) is recomputed.
+    A request's tokens only grow (prompt, then outputs), so hashes computed once stay valid; each
+    call extends the list to cover every full ``hash_block_size`` chunk of
+    ``request.all_token_ids``. Another ``Request`` object under a known id starts over.
     """
 
     def __init__(self, hash_block_size: int) -> None:
         self.hash_block_size = hash_block_size
         self._hashes: dict[str, list[bytes]] = {}
-        self._tokens: dict[str, list[int]] = {}
+        self._owner: dict[str, Request] = {}
 
     def get(self, request: Request) -> list[bytes]:
         rid = request.request_id
-        tokens = request.all_token_ids
         hashes = self._hashes.get(rid)
-        seen = self._tokens.get(rid)
-        if hashes is None or seen is None or tokens[:len(seen)] != seen:
-            hashes, seen = [], []
+        if hashes is None or self._owner.get(rid) is not request:
+            hashes = []
         bs = self.hash_block_size
+        num_tokens = request.num_tokens
         start = len(hashes) * bs
-        parent = hashes[-1] if hashes else None
-        while start + bs <= len(tokens):
-            extra = (("cache_salt", request.cache_salt),) if start == 0 and request.cache_salt else None
-            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
-            hashes.append(parent)
-            start += bs
+        if start + bs <= num_tokens:
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else None
+            while start + bs <= num_tokens:
+                extra = (("cache_salt", request.cache_salt),) if start == 0 and request.cache_salt else None
+                parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
+                hashes.append(parent)
+                start += bs
         self._hashes[rid] = hashes
-        self._tokens[rid] = list(tokens)
+        self._owner[rid] = request
         return hashes
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
-        self._tokens.pop(request_id, None)
+        self._owner.pop(request_id, None)
 
 
 def coarse_hashes(fine: list[bytes], hash_block_size: int, block_size: int) -> list[bytes]:

@@ -265,19 +265,14 @@ class TorchKVCacheManager:
         return new
 
     def _remove_skipped(self, g: _Group, rid: str, processed: int) -> None:
+        """Free the blocks wholly before the window, highest index first (vLLM walks down from the
+        last skipped block and stops at the first null; nulls always form the row's prefix)."""
         skipped = g.kind.skipped_tokens(processed)
         if skipped <= 0:
             return
         g.tables.touch_row(rid)
-        table = g.tables.get(rid)
-        last = min(skipped // g.block_size, len(table))
-        freed = []
-        for i in range(last - 1, -1, -1):
-            if table[i] == NULL_BLOCK_ID:
-                break  # everything below was freed by an earlier call
-            freed.append(table[i])
-            g.tables.set(rid, i, NULL_BLOCK_ID)
-        self.pool.free_blocks(freed)
+        freed = g.tables.clear_front(rid, skipped // g.block_size)
+        self.pool.free_blocks(freed[::-1])
 
     def _cacheable_tokens(self, g: _Group, n: int) -> int:
         """Tokens group ``g`` may cache: all (one group) or scheduler-block aligned (hybrid); an
@@ -297,10 +292,10 @@ class TorchKVCacheManager:
         full = min(num_tokens, len(fine) * hbs) // bs
         if done < full:
             mask = g.kind.cache_mask(done, full, self.alignment, g.use_eagle)
-            table = g.tables.get(rid)
+            table = g.tables.slice(rid, done, full)
             k = bs // hbs
             for i in range(done, full):
-                b = table[i]
+                b = table[i - done]
                 if b == NULL_BLOCK_ID or (mask is not None and not mask[i - done]):
                     continue
                 self.pool.cache_full_block(group_key(fine[(i + 1) * k - 1], g.gid), b, (i + 1) * bs)
@@ -317,10 +312,10 @@ class TorchKVCacheManager:
         if boundary == 0 or boundary > num_tokens or boundary % g.block_size == 0:
             return
         idx = boundary // g.block_size
-        table = g.tables.get(request.request_id)
-        if idx >= len(table) or table[idx] == NULL_BLOCK_ID:
+        entry = g.tables.slice(request.request_id, idx, idx + 1)
+        if not entry or entry[0] == NULL_BLOCK_ID:
             return
-        self.pool.cache_partial_block(group_key(fine[boundary // hbs - 1], g.gid), table[idx], boundary)
+        self.pool.cache_partial_block(group_key(fine[boundary // hbs - 1], g.gid), entry[0], boundary)
 
     # ================================================================ allocate / free
     def allocate_slots(
@@ -425,12 +420,10 @@ class TorchKVCacheManager:
         request = self._check_request(request)
         rid = request.request_id
         for g in self.groups:
+            head = g.tables.null_head(rid)
             table = g.tables.pop(rid)
             g.num_cached_block.pop(rid, None)
-            start = 0
-            while start < len(table) and table[start] == NULL_BLOCK_ID:
-                start += 1
-            self.pool.free_blocks(table[start:][::-1])
+            self.pool.free_blocks(table[head:][::-1])
 
     def new_step_starts(self) -> None:
         """A scheduler step begins. Nothing is per-step for the modelled group types."""
