@@ -325,9 +325,15 @@ def test_sliding_window_size_in_chunks_matches_vllm(V2, kind, w, extra, tpc):
 # SimpleCPUOffloadScheduler (bound to a GPU block pool) on generated engine traces
 
 from kvref.models.offload_machine import SimpleOffloadConfig, SimpleOffloadWorld  # noqa: E402
-
-PREFIXES = [list(range(100, 140)), list(range(200, 240))]
-
+from kvref.models.offload_traces import (  # noqa: E402
+    FA_ONLY,
+    PR42903,
+    apply_offloading_op,
+    apply_op,
+    pre_fix_41289_trace,
+    random_ops,
+    run_pr42903,
+)
 
 @st.composite
 def simple_offload_cases(draw):
@@ -336,42 +342,6 @@ def simple_offload_cases(draw):
         sliding_window=draw(st.sampled_from([None, None, 4, 8, 12])), lazy=draw(st.booleans()),
         world_size=draw(st.integers(1, 2)), max_num_batched_tokens=draw(st.sampled_from([8, 16])))
     return cfg, random_ops(draw(st.randoms(use_true_random=True)), draw(st.integers(30, 70)))
-
-
-KINDS = ["step"] * 6 + ["add"] * 3 + ["drain"] * 3 + ["cstore"] * 2 + ["cload"] * 2 + ["abort", "preempt", "reset"]
-
-
-def random_ops(rnd, n):
-    """Ops drawn from Hypothesis' random (its plain list strategies rarely build a prefix, evict it from the
-    GPU and then hit it on the CPU, which takes a dozen coordinated steps)."""
-    return [(rnd.choice(KINDS), rnd.choice([0, 0, 0, 1, 2, 2, 2]), rnd.choice([13, 20, 30, 9, 2]), rnd.randint(0, 3),
-             rnd.choice([8, 4, 12, 64]), rnd.randint(1, 4), rnd.randint(0, 99), rnd.randint(1, 2),
-             rnd.random() < 0.5) for _ in range(n)]
-
-
-
-def apply_op(w: SimpleOffloadWorld, op):
-    kind, fam, n, tail, chunk, rep, pick, count, flag = op
-    if kind == "add":
-        if fam == 2:  # unrelated tokens: pressure on the GPU pool
-            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
-        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
-    if kind == "step":
-        return [w.step(chunk) for _ in range(rep)]
-    if kind == "drain":  # deliver every pending completion, stores newest first or oldest first
-        out = []
-        while w.stores or w.loads:
-            out.append((w.complete_store(-1 if flag else 0, 2), w.complete_load(0)))
-        return out
-    if kind == "cstore":
-        return w.complete_store(pick, count)
-    if kind == "cload":
-        return w.complete_load(pick)
-    if kind == "abort":
-        return w.abort(pick)
-    if kind == "preempt":
-        return w.preempt(pick)
-    return w.reset()
 
 
 @settings(max_examples=profile_examples(40, 150))
@@ -391,8 +361,6 @@ def test_pr42903_trace_on_vllm(V):
     """Open vLLM PR 42903 asks whether 0.33.0 can still store one GPU block twice within one request's
     scan. It can: the trace below (docs/offload.md) makes vLLM 0.33.0 itself issue store event 1 with
     GPU block 5 twice; the reference agrees call for call."""
-    from tests.impl.reference.offload.test_simple_cpu_offload_scheduler import PR42903, run_pr42903
-
     vll = run_pr42903(SimpleOffloadWorld(PR42903, "vllm", check_no_double_store=False))
     ref = run_pr42903(SimpleOffloadWorld(PR42903, "reference", check_no_double_store=False))
     assert vll.metas[2][3:6] == (1, [7, 5, 6, 5], [1, 2, 3, 4])
@@ -401,10 +369,8 @@ def test_pr42903_trace_on_vllm(V):
 
 
 def test_pre_41289_trace_is_deduplicated_by_vllm(V):
-    from tests.impl.reference.offload.test_simple_cpu_offload_scheduler import FA_ONLY, _pre_fix_trace
-
     w = SimpleOffloadWorld(FA_ONLY, "vllm")
-    _pre_fix_trace(w)  # would raise OffloadInvariantError on a duplicate store
+    pre_fix_41289_trace(w)  # would raise OffloadInvariantError on a duplicate store
     assert w.duplicate_stores == [] and sorted(w.b.in_flight_set()) == [1, 2, 3]
 
 
@@ -422,28 +388,6 @@ def offloading_cases(draw):
         cache_policy=draw(st.sampled_from(["lru", "arc"])), num_workers=draw(st.integers(1, 2)),
         offload_prompt_only=draw(st.booleans()))
     return cfg, random_ops(draw(st.randoms(use_true_random=True)), draw(st.integers(30, 70)))
-
-
-def apply_offloading_op(w: OffloadingWorld, op):
-    kind, fam, n, tail, chunk, rep, pick, count, flag = op
-    if kind == "add":
-        if fam == 2:
-            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
-        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
-    if kind == "step":
-        return [w.step(chunk) for _ in range(rep)]
-    if kind == "drain":
-        out = []
-        while w.jobs:
-            out.append(w.complete(-1 if flag else 0, 2))
-        return out
-    if kind in ("cstore", "cload"):
-        return w.complete(pick, count)
-    if kind == "abort":
-        return w.abort(pick)
-    if kind == "preempt":
-        return w.preempt(pick)
-    return w.reset()
 
 
 @settings(max_examples=profile_examples(40, 150))

@@ -15,7 +15,7 @@ from kvref.models.offloading_connector_world import OffloadingConfig, Offloading
 from kvref.spec.errors import InvalidFieldError, KVRefError
 from kvref.spec.kv_cache_interface import MambaSpec
 from tests.conftest import profile_examples
-from tests.conformance.test_offload_conformance import apply_offloading_op, random_ops
+from kvref.models.offload_traces import apply_offloading_op, random_ops
 
 
 @settings(max_examples=profile_examples(30, 120))

@@ -18,9 +18,9 @@ from kvref.models.offload_machine import (
     make_simple_offload_machine,
 )
 from kvref.spec.errors import InvalidFieldError, KVRefError
+from kvref.models.offload_traces import FA_ONLY, PR42903, pre_fix_41289_trace, run_pr42903
 from tests.conftest import profile_examples
 
-FA_ONLY = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24)
 FA_ONLY_2W = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, world_size=2)
 HYBRID = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=8, sliding_window=4)
 LAZY = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, lazy=True, max_num_batched_tokens=8)
@@ -51,35 +51,10 @@ def test_state_machine_finds_the_pre_41289_duplicate_store():
         _run(FA_ONLY, "pre_fix_41289", n=profile_examples(200, 300), shrink=False)
 
 
-def _pre_fix_trace(world):
-    world.add_request(list(range(100, 113)))
-    world.step(16)  # r0 computes its prompt
-    world.step(16)  # its blocks are confirmed: store event 0 (not completed)
-    world.add_request(list(range(100, 113)) + [5])
-    world.step(16)  # r1 hits r0's blocks on the GPU; its scan sees them again
-
-
 def test_pre_41289_duplicate_directed():
-    _pre_fix_trace(SimpleOffloadWorld(FA_ONLY, "reference"))  # 0.33.0: skipped as IN_FLIGHT
+    pre_fix_41289_trace(SimpleOffloadWorld(FA_ONLY, "reference"))  # 0.33.0: skipped as IN_FLIGHT
     with pytest.raises(OffloadInvariantError, match="two in-flight stores"):
-        _pre_fix_trace(SimpleOffloadWorld(FA_ONLY, "reference", "pre_fix_41289"))
-
-
-# The PR 42903 trace (docs/offload.md): one request, FA + SWA(window 4), 4-token blocks, 7 usable GPU
-# blocks, 4 usable CPU blocks. The CPU fills in step 2, so the SWA cursor lags; SWA block 5 leaves the
-# window, is freed and re-allocated to SWA position 3 of the same request; step 4's scan meets block
-# 5 at stale position 1 and at position 3 and stores it twice in one event.
-PR42903 = SimpleOffloadConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=5, sliding_window=4)
-
-
-def run_pr42903(world):
-    world.add_request(list(range(100, 120)))
-    world.step(12)
-    world.step(4)
-    world.complete_store(0)
-    world.step(4)
-    world.step(4)
-    return world
+        pre_fix_41289_trace(SimpleOffloadWorld(FA_ONLY, "reference", "pre_fix_41289"))
 
 
 def test_pr42903_same_block_stored_twice_within_one_scan():
@@ -100,10 +75,6 @@ def test_pr42903_fix_variant_stores_each_block_once():
 
 
 # --- bad input ---------------------------------------------------------------------------------
-
-
-def _sched(**kw):
-    return SimpleOffloadWorld(FA_ONLY, "reference").b.conn if not kw else None
 
 
 def test_bad_construction_is_rejected():

@@ -1,0 +1,102 @@
+"""Random engine traces for the offload worlds (shared by conformance, state-machine and CLI use).
+
+An operation is a 9-tuple ``(kind, family, prompt_len, tail, chunk, repeat, pick, count, flag)``;
+``apply_op`` / ``apply_offloading_op`` interpret it on a :class:`SimpleOffloadWorld` /
+:class:`OffloadingWorld`. Traces are drawn from a ``random.Random`` (Hypothesis passes a seeded
+one): list strategies rarely build a prefix, evict it from the GPU and then hit it on the CPU,
+which takes a dozen coordinated steps.
+"""
+
+from __future__ import annotations
+
+from .offload_machine import SimpleOffloadConfig, SimpleOffloadWorld
+from .offloading_connector_world import OffloadingWorld
+
+PREFIXES = [list(range(100, 140)), list(range(200, 240))]
+
+KINDS = ["step"] * 6 + ["add"] * 3 + ["drain"] * 3 + ["cstore"] * 2 + ["cload"] * 2 + ["abort", "preempt", "reset"]
+
+
+def random_ops(rnd, n):
+    """``n`` operations drawn from ``rnd``."""
+    return [(rnd.choice(KINDS), rnd.choice([0, 0, 0, 1, 2, 2, 2]), rnd.choice([13, 20, 30, 9, 2]), rnd.randint(0, 3),
+             rnd.choice([8, 4, 12, 64]), rnd.randint(1, 4), rnd.randint(0, 99), rnd.randint(1, 2),
+             rnd.random() < 0.5) for _ in range(n)]
+
+
+def apply_op(w: SimpleOffloadWorld, op):
+    kind, fam, n, tail, chunk, rep, pick, count, flag = op
+    if kind == "add":
+        if fam == 2:  # unrelated tokens: pressure on the GPU pool
+            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
+        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+    if kind == "step":
+        return [w.step(chunk) for _ in range(rep)]
+    if kind == "drain":  # deliver every pending completion, stores newest first or oldest first
+        out = []
+        while w.stores or w.loads:
+            out.append((w.complete_store(-1 if flag else 0, 2), w.complete_load(0)))
+        return out
+    if kind == "cstore":
+        return w.complete_store(pick, count)
+    if kind == "cload":
+        return w.complete_load(pick)
+    if kind == "abort":
+        return w.abort(pick)
+    if kind == "preempt":
+        return w.preempt(pick)
+    return w.reset()
+
+
+def apply_offloading_op(w: OffloadingWorld, op):
+    kind, fam, n, tail, chunk, rep, pick, count, flag = op
+    if kind == "add":
+        if fam == 2:
+            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
+        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+    if kind == "step":
+        return [w.step(chunk) for _ in range(rep)]
+    if kind == "drain":
+        out = []
+        while w.jobs:
+            out.append(w.complete(-1 if flag else 0, 2))
+        return out
+    if kind in ("cstore", "cload"):
+        return w.complete(pick, count)
+    if kind == "abort":
+        return w.abort(pick)
+    if kind == "preempt":
+        return w.preempt(pick)
+    return w.reset()
+
+
+# --- directed traces (docs/offload.md) ------------------------------------------------------
+
+FA_ONLY = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24)
+
+
+def pre_fix_41289_trace(world: SimpleOffloadWorld) -> SimpleOffloadWorld:
+    """A second request hits the first one's GPU prefix while that prefix's store is in flight."""
+    world.add_request(list(range(100, 113)))
+    world.step(16)  # r0 computes its prompt
+    world.step(16)  # its blocks are confirmed: store event 0 (not completed)
+    world.add_request(list(range(100, 113)) + [5])
+    world.step(16)  # r1 hits r0's blocks on the GPU; its scan sees them again
+    return world
+
+
+# The PR 42903 trace: one request, FA + SWA(window 4), 4-token blocks, 7 usable GPU blocks, 4 usable
+# CPU blocks. The CPU fills in step 2, so the SWA cursor lags; SWA block 5 leaves the window, is freed
+# and re-allocated to SWA slot 3 of the same request; the next scan meets block 5 at stale slot 1 and
+# at slot 3 and stores it twice in one event.
+PR42903 = SimpleOffloadConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=5, sliding_window=4)
+
+
+def run_pr42903(world: SimpleOffloadWorld) -> SimpleOffloadWorld:
+    world.add_request(list(range(100, 120)))
+    world.step(12)
+    world.step(4)
+    world.complete_store(0)
+    world.step(4)
+    world.step(4)
+    return world
