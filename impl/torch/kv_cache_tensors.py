@@ -108,6 +108,11 @@ class KVCacheTensors:
         """
         cache = self.kv(group_id, layer)
         bs = cache.shape[2]
+        want = (slots.shape[0], *cache.shape[3:])
+        if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
+            raise InvalidFieldError("k/v", (tuple(k.shape), tuple(v.shape)), f"[T, Hkv, D] = {want} matching slots [T]")
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_blocks * bs):
+            raise InvalidFieldError("slots", "out of range", f"slots in [0, {self.num_blocks * bs})")
         slots = slots.to(self.device).long()
         blk = torch.div(slots, bs, rounding_mode="floor")
         off = slots % bs

@@ -90,6 +90,31 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.reshape(t, hq, d).to(q.dtype)
 
 
+def _check_paged_args(query, kv_cache, block_table, context_lens, query_rows, query_positions) -> None:
+    """Shapes and ranges, checked before any work (bad input is a ValueError, never a torch error)."""
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise InvalidFieldError("query/kv_cache", (tuple(query.shape), tuple(kv_cache.shape)),
+                                "query [T, Hq, D] and kv_cache [num_blocks, 2, block_size, Hkv, D]")
+    if query.shape[-1] != kv_cache.shape[-1]:
+        raise InvalidFieldError("query", tuple(query.shape), f"head size {kv_cache.shape[-1]} like the cache")
+    if block_table.dim() != 2 or context_lens.dim() != 1 or context_lens.shape[0] != block_table.shape[0]:
+        raise InvalidFieldError("block_table/context_lens", (tuple(block_table.shape), tuple(context_lens.shape)),
+                                "block_table [B, W] and context_lens [B]")
+    t = query.shape[0]
+    if query_rows.shape != (t,) or query_positions.shape != (t,):
+        raise InvalidFieldError("query_rows/query_positions", (tuple(query_rows.shape), tuple(query_positions.shape)),
+                                f"one entry per query token ({t})")
+    if t and (int(query_rows.min()) < 0 or int(query_rows.max()) >= block_table.shape[0]):
+        raise InvalidFieldError("query_rows", query_rows.tolist(), f"rows in [0, {block_table.shape[0]})")
+    bs = kv_cache.shape[2]
+    if context_lens.numel() and (int(context_lens.min()) < 0
+                                 or int(context_lens.max()) > block_table.shape[1] * bs):
+        raise InvalidFieldError("context_lens", context_lens.tolist(),
+                                f"lengths in [0, {block_table.shape[1] * bs}] (the table's width x block size)")
+    if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= kv_cache.shape[0]):
+        raise InvalidFieldError("block_table", "ids out of range", f"block ids in [0, {kv_cache.shape[0]})")
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     context_lens: torch.Tensor, query_rows: torch.Tensor, query_positions: torch.Tensor,
                     mask: AttentionMask = AttentionMask(), scale: float | None = None) -> torch.Tensor:
@@ -108,9 +133,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     Returns:
         ``[T, Hq, D]`` in ``query.dtype``.
     """
-    if query.dim() != 3 or kv_cache.dim() != 5:
-        raise InvalidFieldError("query/kv_cache", (tuple(query.shape), tuple(kv_cache.shape)),
-                                "query [T, Hq, D] and kv_cache [num_blocks, 2, block_size, Hkv, D]")
+    _check_paged_args(query, kv_cache, block_table, context_lens, query_rows, query_positions)
     num_blocks, _, bs, hkv, d = kv_cache.shape
     dev = kv_cache.device
     length = int(context_lens.max()) if context_lens.numel() else 0

@@ -125,3 +125,41 @@ def test_paged_attention_on_cuda_matches_cpu():
     cpu = paged_attention(q, cache, table, *args, mask)
     gpu = paged_attention(q.cuda(), cache.cuda(), table.cuda(), *(a.cuda() for a in args), mask)
     assert float((cpu - gpu.cpu()).abs().max()) <= 1e-4
+
+
+def _args():
+    return dict(query=torch.zeros(2, 2, 4), kv_cache=torch.zeros(5, 2, 4, 1, 4),
+                block_table=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([8]),
+                query_rows=torch.tensor([0, 0]), query_positions=torch.tensor([6, 7]))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("query", torch.zeros(2, 2, 3)),                                  # head size differs
+    ("kv_cache", torch.zeros(5, 3, 4, 1, 4)),                         # not K and V
+    ("block_table", torch.tensor([1, 2], dtype=torch.int32)),         # not [B, W]
+    ("block_table", torch.tensor([[1, 9]], dtype=torch.int32)),       # id beyond the cache
+    ("context_lens", torch.tensor([9])),                              # longer than the table covers
+    ("query_rows", torch.tensor([0, 1])),                             # row out of range
+    ("query_positions", torch.tensor([7])),                           # not one per query
+])
+def test_paged_attention_rejects_bad_arguments_with_value_errors(field, value):
+    args = _args()
+    assert paged_attention(**args).shape == (2, 2, 4)
+    args[field] = value
+    with pytest.raises(InvalidFieldError):
+        paged_attention(**args)
+
+
+def test_write_kv_rejects_bad_shapes_and_slots():
+    from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    cache = KVCacheTensors((KVCacheGroupSpec(("f",), FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=2,
+                                                                        dtype="float32")),), num_blocks=3)
+    ok = torch.ones(2, 1, 2)
+    cache.write_kv(0, 0, torch.tensor([4, 5]), ok, ok)
+    assert float(cache.kv(0, 0)[1, 0, :2].sum()) == 4.0
+    with pytest.raises(InvalidFieldError, match="slots"):
+        cache.write_kv(0, 0, torch.tensor([4, 12]), ok, ok)
+    with pytest.raises(InvalidFieldError, match="k/v"):
+        cache.write_kv(0, 0, torch.tensor([4, 5]), torch.ones(2, 1, 3), ok)
