@@ -281,13 +281,11 @@ class VllmKVCacheManager:
                     if not b.is_null:
                         holders[b.block_id] = holders.get(b.block_id, 0) + 1
                 if rid in mgr.num_cached_block:
-                    assert mgr.num_cached_block[rid] <= len(table) or not table, \
-                        f"M2: num_cached_block[{rid}] > table length"
+                    assert mgr.num_cached_block[rid] <= len(table), f"M2: num_cached_block[{rid}] > table length"
         for b in blocks[1:]:
             assert b.ref_cnt == holders.get(b.block_id, 0), \
                 f"I9: block {b.block_id} ref_cnt={b.ref_cnt} but held by {holders.get(b.block_id, 0)} table slots"
         # I6: hash map and block hashes agree.
-        utils = _vllm()["utils"]
         mapped = 0
         for key, entry in pool.cached_block_hash_to_block._cache.items():
             group = entry.values() if isinstance(entry, dict) else (entry,)
@@ -301,7 +299,6 @@ class VllmKVCacheManager:
                 f"I6: block {b.block_id}'s hash is not in the map"
         secondary = sum(len(s) for s in pool.cached_block_hashes_by_block.values())
         assert mapped == len(hashed) + secondary, "I6: map entries != primary + secondary hashes"
-        del utils
 
 
 def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:

@@ -99,6 +99,21 @@ def test_adapter_rejects_bad_input(vllm_adapter):
         m.get_computed_blocks("r")
 
 
+def test_adapter_invariants_catch_a_corrupted_vllm_pool(vllm_adapter):
+    m = make_manager("vllm", _fa_swa_pool())
+    r = Request("r", list(range(40)))
+    m.allocate_slots(r, 40)
+    m.check_invariants()
+    block = m._pool.blocks[1]
+    block.ref_cnt += 1  # a leaked reference: held once by r's table, counted twice
+    with pytest.raises(AssertionError, match="I9"):
+        m.check_invariants()
+    block.ref_cnt -= 1
+    m._pool.free_block_queue.num_free_blocks += 1
+    with pytest.raises(AssertionError, match="I5"):
+        m.check_invariants()
+
+
 def test_vllm_alone_keeps_its_own_invariants(vllm_adapter):
     """The harness's ops are valid vLLM usage: vLLM never raises and its pool stays consistent."""
     machine = kv_cache_manager_machine(("vllm",))
