@@ -140,3 +140,11 @@ def test_bad_step_and_block_ids_are_rejected():
     with pytest.raises(InvalidFieldError, match="num_external_tokens"):
         conn.update_state_after_alloc(w.reqs[rid].req, ([1],), -4)
     assert conn.build_connector_meta(SimpleOffloadStep()).store_event == -1
+
+
+def test_named_pre_41289_class_is_the_variant():
+    from kvref.impl.reference.offload import PreFix41289SimpleCPUOffloadScheduler
+
+    conn = PreFix41289SimpleCPUOffloadScheduler(FA_ONLY.kvref_groups(), 8, 256, 4, 4)
+    assert conn.in_flight_dedup is False
+    assert SimpleCPUOffloadScheduler(FA_ONLY.kvref_groups(), 8, 256, 4, 4).in_flight_dedup is True
