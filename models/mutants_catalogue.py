@@ -355,6 +355,7 @@ CI_SUBSET = (
     "pool.alloc_no_evict", "queue.remove_no_count", "index.get_last_duplicate", "hash.not_chained",
     "manager.gate_without_cap", "manager.cap_in_every_step", "manager.swa_skip_one_too_many",
     "manager.free_head_first", "kvm.computed_basis_for_frees", "kvm.hit_covers_last_token",
+    "offload.in_flight_not_deduped",
 )
 
 
