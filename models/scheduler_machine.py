@@ -90,7 +90,7 @@ def _attn(cls, bs: int, **kw):
 
 
 @st.composite
-def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64):
+def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2, 4, 8)):
     """``(scheduler_block_size, groups)``.
 
     FA+Mamba follows vLLM's hybrid config: without prefix caching the Mamba group's block size is
@@ -98,7 +98,7 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64):
     block size is their LCM, i.e. the Mamba block size. (A smaller Mamba block makes vLLM's runtime
     gate charge ``cdiv(num_tokens, block_size)`` state blocks where startup sizing charges one.)
     """
-    bs = draw(st.sampled_from((2, 4, 8)))
+    bs = draw(st.sampled_from(block_sizes))
     kind = draw(st.sampled_from(kinds))
     groups = [KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, bs))]
     if kind == "full+swa":
@@ -117,15 +117,16 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64):
 
 @st.composite
 def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, async_scheduling=None,
-                     policy=None, tight: bool = False):
+                     policy=None, tight: bool = False, large: bool = False):
     """``(PoolConfig, SchedulerConfig)``; ``consistent=True`` only startup-consistent pools,
     ``False`` only inconsistent ones, None either (mostly consistent); ``tight``: consistent pools
-    with at most two spare blocks (more preemption)."""
-    max_model_len = draw(st.integers(8, 96))
-    bs, groups = draw(pool_groups(kinds, max_model_len))
+    with at most two spare blocks (more preemption); ``large``: vLLM-like sizes (blocks of 16/32,
+    contexts up to 1024, budgets up to 512)."""
+    max_model_len = draw(st.integers(64, 1024) if large else st.integers(8, 96))
+    bs, groups = draw(pool_groups(kinds, max_model_len, (16, 32) if large else (2, 4, 8)))
     is_async = draw(st.booleans()) if async_scheduling is None else async_scheduling
     cfg = SchedulerConfig(
-        max_num_batched_tokens=draw(st.sampled_from((4, 8, 16, 32, 64))),
+        max_num_batched_tokens=draw(st.sampled_from((64, 128, 256, 512) if large else (4, 8, 16, 32, 64))),
         max_num_seqs=draw(st.integers(1, 5)),
         long_prefill_token_threshold=min(draw(st.sampled_from((0, 0, 0, 4, 12))), max_model_len),
         enable_chunked_prefill=draw(st.sampled_from((True, True, True, False))),
@@ -157,7 +158,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     return pool, cfg
 
 
-PREFIXES = (tuple(range(1, 41)), tuple(range(100, 140)), tuple(7 for _ in range(40)))
+PREFIXES = (tuple(range(1, 1025)), tuple(range(2000, 3024)), tuple(7 for _ in range(1024)))
 
 
 @st.composite

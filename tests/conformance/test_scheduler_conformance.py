@@ -84,6 +84,15 @@ def test_generated_async_priority_traces_match_vllm(vllm_env):
         assert COVERAGE["preemptions"] and COVERAGE["stale_outputs"], dict(COVERAGE)
 
 
+def test_generated_large_traces_match_vllm(vllm_env):
+    """vLLM-like sizes: blocks of 16/32 tokens, contexts up to 1024, budgets up to 512."""
+    machine = machine_with(_targets(vllm_env, shim=False), setups=scheduler_setups(large=True),
+                           name="LargeSchedulerConformance")
+    run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
+                              settings=settings(max_examples=profile_examples(10, 100),
+                                                stateful_step_count=STEP_COUNT))
+
+
 def _fa_swa_pool(num_blocks: int, max_model_len: int, cfg: SchedulerConfig) -> PoolConfig:
     fa = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
     swa = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=8)
