@@ -131,9 +131,9 @@ def test_reference_conforms_to_vllm(vllm_adapter):
     assert long_runs >= examples, f"only {long_runs} of {len(st.steps)} traces reached {MIN_STEPS} steps"
     # The generated traces must exercise what they claim to (a vacuous strategy fails here). The
     # fast profile's 40 traces are too few to rely on every rare event.
-    assert st.prefix_hits > 0 and st.admission_rejections > 0 and st.preemptions > 0
+    assert st.admissions > 0 and st.admission_rejections > 0 and st.preemptions > 0
     if examples >= 200:
-        assert st.step_rejections > 0 and st.async_batches > 0 and st.external_loads > 0
+        assert st.prefix_hits > 0 and st.step_rejections > 0 and st.async_batches > 0 and st.external_loads > 0
         assert st.evictions > 0 and st.null_slots > 0
         assert len(st.group_sets) >= 5, st.group_sets
     print(f"\nreference vs vLLM: {long_runs} traces, {st.ops_applied} ops in {seconds:.1f}s "
