@@ -273,8 +273,13 @@ class _Req:
 
 
 class OffloadingWorld:
-    def __init__(self, cfg: OffloadingConfig, backend: str = "reference") -> None:
+    """``strict=False`` records content-model violations in ``violations`` instead of raising, so a
+    trace that breaks an invariant in vLLM 0.33.0 too can be compared to the end."""
+
+    def __init__(self, cfg: OffloadingConfig, backend: str = "reference", strict: bool = True) -> None:
         self.cfg = cfg
+        self.strict = strict
+        self.violations: list[str] = []
         self.b = BACKENDS[backend](cfg)
         self.reqs: dict[str, _Req] = {}
         self.order: list[str] = []
@@ -287,7 +292,9 @@ class OffloadingWorld:
         self.reset_undelivered = False
 
     def _fail(self, msg):
-        raise OffloadInvariantError(msg)
+        if self.strict:
+            raise OffloadInvariantError(msg)
+        self.violations.append(msg)
 
     def live(self, phase=None):
         return [r for r in self.order if self.reqs[r].phase != "done" and (phase is None or self.reqs[r].phase == phase)]
