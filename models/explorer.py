@@ -67,6 +67,8 @@ class TransitionSystem(Protocol[S]):
     def is_final(self, state: S) -> bool:
         """Whether all work is done in ``state`` (a final state is never a deadlock)."""
 
+    # optional: ``deadlock_reason(state) -> str`` says, for the report, what is stuck
+
     def describe(self, state: S) -> dict[str, str]:
         """Columns shown for ``state`` in a counterexample step table."""
 
@@ -251,7 +253,11 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             res.states += 1
             queue.append((nxt, j, depth + 1))
         if check_deadlocks and not progressed and not final:
-            if add_finding("deadlock", "no action changes the state, but work is unfinished", idx):
+            why = getattr(system, "deadlock_reason", None)
+            msg = "no action changes the state, but work is unfinished"
+            if why is not None:
+                msg += f": {why(state)}"
+            if add_finding("deadlock", msg, idx):
                 return finish(False)
         n += 1
         if max_seconds is not None and n % 256 == 0 and time.perf_counter() - t0 > max_seconds:

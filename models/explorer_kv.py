@@ -362,6 +362,15 @@ class KVSystem:
                         f"window: {rid} group {g} position {p} (processed {processed}, computed "
                         f"{r.num_computed_tokens}) is read but its block was freed")
 
+    def deadlock_reason(self, s: KVState) -> str:
+        sched = s.scheduler
+        kv = sched.kv_cache_manager
+        waiting = [f"{r.request_id} ({r.num_tokens} tokens)" for r in sched.waiting]
+        return (f"waiting {', '.join(waiting) or 'none'}, running "
+                f"{', '.join(r.request_id for r in sched.running) or 'none'}, {len(s.in_flight)} steps in flight, "
+                f"{kv.get_num_free_blocks()} free blocks: the scheduler schedules nothing "
+                "(a waiting request the admission gate never passes blocks the queue, vLLM #39734)")
+
     def is_final(self, s: KVState) -> bool:
         return all(s.arrived) and not s.scheduler.has_unfinished_requests() and not s.in_flight
 

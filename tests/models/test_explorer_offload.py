@@ -15,7 +15,7 @@ def test_reference_offload_path_is_clean_at_the_bounded_scope():
 
 
 def test_stores_and_loads_happen_in_the_scope():
-    system = OffloadSystem(OffloadScope(max_depth=14))
+    system = OffloadSystem(OffloadScope(max_depth=12))
     seen = {"stores": 0, "loads": 0, "partial": 0}
     check = system.check
 
@@ -28,7 +28,7 @@ def test_stores_and_loads_happen_in_the_scope():
     system.check = counting
     from kvref.models.explorer import explore
 
-    assert explore(system, max_depth=14, check_deadlocks=False).ok
+    assert explore(system, max_depth=12, check_deadlocks=False).ok
     assert seen["stores"] and seen["loads"] and seen["partial"]  # one worker reported, the other not yet
 
 
