@@ -355,6 +355,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     factories: dict[str, Callable] = {}
     check_liveness = True
+    driver_class: type = Lockstep
     driver: Lockstep
     num_added: int
 
@@ -406,8 +407,71 @@ def machine_with(factories: dict[str, Callable], setups=None, check_liveness: bo
     @initialize(setup=strategy)
     def init(self, setup):
         pool, config = setup
-        self.driver = Lockstep(pool, config, self.factories)
+        self.driver = self.driver_class(pool, config, self.factories)
         self.num_added = 0
 
     cls.init = init
     return cls
+
+
+# ---- a runner outside pytest (for ``kvref verify``) ----------------------------------------------
+@dataclass
+class SchedulerRun:
+    """What :func:`run_scheduler_machine` found."""
+
+    ok: bool
+    traces: int
+    ops: int
+    coverage: dict[str, int]
+    failure: str = ""
+
+    @property
+    def summary(self) -> str:
+        c = self.coverage
+        return (f"{self.traces} generated traces ({self.ops} ops) on the scheduler: "
+                f"{c.get('preemptions', 0)} preemptions, {c.get('scheduled_resumed', 0)} resumes, "
+                f"{c.get('prefix_hits', 0)} prefix hits, {c.get('steps_async', 0)} async steps, "
+                f"{c.get('idle_with_waiting', 0)} head-of-line idle steps")
+
+
+def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = False,
+                          shrink: bool = True) -> SchedulerRun:
+    """Run the scheduler machine (reference alone, or lock-step with vLLM 0.33.0) outside pytest.
+
+    Traces have at least 30 operations; liveness is drained at teardown on startup-consistent
+    setups. ``reproducible`` derandomizes Hypothesis (the same traces every run).
+    """
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvref.impl.reference.scheduler import Scheduler
+
+    factories: dict[str, Callable] = {"ref": lambda p, c: Scheduler(p, c)}
+    if with_vllm:
+        from kvref.impl.vllm_scheduler import VllmEnv, VllmScheduler
+
+        env = VllmEnv()
+        factories = {"vllm": lambda p, c: VllmScheduler(p, c, env), **factories}
+    drivers: list[Lockstep] = []
+
+    class Counting(Lockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    machine = machine_with(factories, name="SchedulerRun")
+    machine.driver_class = Counting
+    COVERAGE.clear()
+    try:
+        run_state_machine_as_test(
+            machine, _min_steps=31,
+            settings=settings(max_examples=examples, stateful_step_count=45, deadline=None, database=None,
+                              derandomize=reproducible, suppress_health_check=list(HealthCheck),
+                              phases=list(Phase) if shrink else [Phase.generate]))
+        ok, failure = True, ""
+    except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
+        subs = getattr(e, "exceptions", None) or [e]
+        ok, failure = False, "\n".join(f"{type(x).__name__}: {x}" for x in subs)
+    valid = [d for d in drivers if d.num_steps >= 30]
+    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
+                        coverage=dict(COVERAGE), failure=failure)

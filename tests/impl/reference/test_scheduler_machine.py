@@ -61,3 +61,19 @@ def test_the_liveness_check_fires_on_the_head_of_line_hang():
     d.add(RequestSpec("small", (1,), 2, 0, 1.0))
     with pytest.raises(AssertionError, match=r"liveness: .*waiting=\('big', 'small'\) running=\(\)"):
         d.drain()
+
+
+def test_runner_outside_pytest_reports_traces_and_failures(monkeypatch):
+    """``run_scheduler_machine`` (for ``kvref verify``): counts traces of >= 30 ops, and turns a
+    broken scheduler into ok=False with the reason."""
+    from kvref.models.scheduler_machine import run_scheduler_machine
+
+    run = run_scheduler_machine(with_vllm=False, examples=5, reproducible=True)
+    assert run.ok and run.traces >= 5 and run.ops >= 150 and "generated traces" in run.summary
+
+    def broken(self):
+        raise AssertionError("planted")
+
+    monkeypatch.setattr(Scheduler, "check_invariants", broken)
+    bad = run_scheduler_machine(with_vllm=False, examples=5, reproducible=True, shrink=False)
+    assert not bad.ok and "planted" in bad.failure
