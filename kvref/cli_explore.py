@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
 #: scopes ``kvref verify`` explores per profile (the offload ones are depth-bounded)
 VERIFY_SCOPES = {
     "fast": ("default", "tight", "offload"),
-    "ci": ("default", "tight", "small", "swa", "full", "twins", "offload"),
-    "nightly": ("default", "tight", "small", "swa", "full", "twins", "large", "offload", "offload-deep"),
+    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload"),
+    "nightly": ("default", "tight", "small", "swa", "full", "chunked", "twins", "large", "offload",
+                "offload-deep"),
 }
 
 

@@ -22,8 +22,8 @@ oracles of our own:
 
 * **window** — every block a scheduled step reads must be in the table: for sliding-window
   groups the positions ``[processed - sliding_window + 1, computed)`` (processed = computed −
-  in flight), for full attention all computed positions; a null there means a block was freed
-  while still read;
+  in flight), for chunked-local ones ``[processed // chunk * chunk, computed)``, for full
+  attention all computed positions; a null there means a block was freed while still read;
 * **content** — a shadow copy of what each block holds: every scheduled position writes, into the
   block it maps to, the identity of its K/V — the whole prefix up to it and the cache salt (K/V at
   a position depend on every earlier token). A prefix-cache hit must bring blocks whose shadow
@@ -79,6 +79,7 @@ class Scope:
         scheduler_reserve_full_isl: the full-sequence admission gate.
         salts: cache salt per request (None: no salts).
         symmetry: merge states that differ only by a renaming of identical requests.
+        attention_chunk_size: adds a chunked-local attention group with this chunk.
     """
 
     name: str = "default"
@@ -96,6 +97,7 @@ class Scope:
     scheduler_reserve_full_isl: bool = True
     salts: tuple[str | None, ...] | None = None
     symmetry: bool = True
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.max_tokens) or not self.prompts:
@@ -120,7 +122,12 @@ class Scope:
         return (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
 
     def groups(self):
-        from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+        from kvref.spec.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
 
         common = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
         groups = []
@@ -128,6 +135,9 @@ class Scope:
             groups.append(KVCacheGroupSpec(("full",), FullAttentionSpec(**common)))
         if self.sliding_window is not None:
             groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **common)))
+        if self.attention_chunk_size is not None:
+            groups.append(KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(
+                attention_chunk_size=self.attention_chunk_size, **common)))
         return tuple(groups)
 
     def startup_num_blocks(self) -> int:
@@ -182,6 +192,10 @@ SCOPES: dict[str, Scope] = {
     "undersized": Scope(name="undersized", prompts=((1, 2, 3, 4, 5, 6, 7),), max_tokens=(1,), block_size=2,
                         sliding_window=2, max_model_len=8, async_scheduling=False, max_num_batched_tokens=2,
                         num_blocks=7),
+    # full attention + chunked-local attention (chunk 4): chunk-boundary frees
+    "chunked": Scope(name="chunked", prompts=((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 7)), max_tokens=(1, 1),
+                     block_size=2, sliding_window=None, attention_chunk_size=4, max_model_len=8,
+                     max_num_batched_tokens=2),
     # three identical requests: what symmetry reduction is for
     "twins": Scope(name="twins", prompts=((1, 2, 3, 4, 5),) * 3, max_tokens=(1, 1, 1), block_size=2,
                    sliding_window=2, max_model_len=8, max_num_batched_tokens=2),
@@ -193,7 +207,7 @@ SCOPES: dict[str, Scope] = {
 
 def campaign_scopes() -> list[Scope]:
     """The scopes the mutant campaign explores (small ones, together a few seconds)."""
-    return [SCOPES["tight"], SCOPES["small"], SCOPES["swa"], SCOPES["full"]]
+    return [SCOPES["tight"], SCOPES["small"], SCOPES["swa"], SCOPES["full"], SCOPES["chunked"]]
 
 
 def reference_available() -> bool:
@@ -355,7 +369,10 @@ class KVSystem:
                 table = m.req_to_blocks.get(rid, [])
                 bs = m.block_size
                 window = getattr(m, "sliding_window", None)
+                chunk = getattr(m, "attention_chunk_size", None)
                 lo = 0 if window is None else max(0, processed - window + 1)
+                if chunk is not None:  # a token reads its own chunk only
+                    lo = processed // chunk * chunk
                 for p in range(lo, r.num_computed_tokens):
                     idx = p // bs
                     assert idx < len(table) and not table[idx].is_null, (

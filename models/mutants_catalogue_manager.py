@@ -90,6 +90,15 @@ def _swa_skip(original):
     return get_num_skipped_tokens
 
 
+@mutant("manager.chunked_skip_one_block_too_many", f"{_R}.chunked_local_manager:ChunkedLocalAttentionManager.get_num_skipped_tokens",
+        "chunked-local attention: the current chunk's first block counted as skipped (freed while the "
+        "chunk still reads it)", layer="manager")
+def _chunked_skip(original):
+    def get_num_skipped_tokens(self, n):
+        return min(n, original(self, n) + self.block_size)
+    return get_num_skipped_tokens
+
+
 @mutant("manager.swa_never_frees", f"{_SWA}.get_num_skipped_tokens",
         "sliding window never frees out-of-window blocks (holds as much as full attention)",
         layer="manager")

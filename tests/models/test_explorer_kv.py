@@ -9,7 +9,7 @@ from kvref.models.explorer_kv import SCOPES, KVSystem, Scope, campaign_scopes, e
 from kvref.models.mutants_catalogue import CATALOGUE
 
 
-@pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full"])
+@pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full", "chunked"])
 def test_startup_sized_scopes_have_no_violation_or_deadlock(name):
     res = explore_scope(name)
     assert res.complete and res.ok, [f.message for f in res.findings]
@@ -41,6 +41,7 @@ def test_undersized_pool_deadlocks_at_the_head_of_the_queue():
 @pytest.mark.parametrize("name,kind,text", [
     ("manager.gate_without_cap", "deadlock", ""),            # vLLM #39734
     ("manager.swa_skip_one_too_many", "violation", "window"),
+    ("manager.chunked_skip_one_block_too_many", "violation", "window"),
     ("kvm.computed_basis_for_frees", "violation", "window"),
     ("hash.not_chained", "violation", "content"),
     ("hash.salt_ignored", "violation", "content"),
