@@ -231,7 +231,7 @@ class VllmBackend(ReferenceBackend):
             scheduled_new_reqs=new,
             scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
                                                   resumed_req_ids=set()),
-            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=set(step.finished_req_ids),
+            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
             preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None)
         m = self.conn.build_connector_meta(out)
         return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,

@@ -226,7 +226,7 @@ class VllmBackend(ReferenceBackend):
             scheduled_new_reqs=new,
             scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
                                                   resumed_req_ids=set()),
-            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=set(step.finished_req_ids),
+            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
             preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None,
             kv_cache_block_copies=None)
         m = self.conn.build_connector_meta(out)

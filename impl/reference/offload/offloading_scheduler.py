@@ -127,7 +127,9 @@ class TransferJob:
 @dataclass
 class OffloadingStep:
     """The parts of vLLM's ``SchedulerOutput`` the connector reads. ``scheduled`` is in
-    ``yield_req_data`` order (new requests first); ``num_scheduled_tokens`` in scheduling order."""
+    ``yield_req_data`` order (new requests first); ``num_scheduled_tokens`` in scheduling order.
+    Finished requests' store jobs are built in the iteration order of ``finished_req_ids`` (a set
+    in vLLM too), so job ids among them follow that order."""
 
     scheduled: list[tuple[str, tuple[list[int], ...] | None, bool]] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
