@@ -20,6 +20,8 @@ class VerifyContext:
     device: str | None = None
     out_dir: str = "counterexamples"
     seed: int = 0
+    #: shrink failing traces to minimal ones (slower when something fails)
+    shrink: bool = True
 
     def examples(self, fast: int, ci: int, nightly: int | None = None) -> int:
         """Example/trace budget for the active profile."""
@@ -194,12 +196,86 @@ def check_crosshair(ctx: VerifyContext) -> CheckResult:
     return _crosshair_result(run_contracts(per_condition_timeout=2.0 if ctx.profile == "fast" else 5.0))
 
 
+def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str) -> CheckResult:
+    from kvref.models.kv_cache_manager_machine import run_machine
+
+    n = ctx.examples(25, 200)
+    run = run_machine(kinds, n, seed=ctx.seed, out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink)
+    st = run.stats
+    summary = (f"{len(st.steps)} generated traces ({sum(st.steps)} ops, >= 30 each) on {'+'.join(kinds)}: "
+               f"{st.admissions} admissions, {st.prefix_hits} prefix hits, {st.preemptions} preemptions, "
+               f"{st.admission_rejections + st.step_rejections} rejections")
+    if not run.ok:
+        artifacts = [run.trace_path] if run.trace_path else []
+        hint = f" — replay with `kvref replay {run.trace_path} --kinds {','.join(kinds)}`" if run.trace_path else ""
+        return CheckResult(name, FAILED, f"{what} diverged{hint}", details=run.failure.splitlines()[:30],
+                           artifacts=artifacts)
+    return CheckResult(name, PASSED, summary)
+
+
+def check_reference_machine(ctx: VerifyContext) -> CheckResult:
+    """The KV cache manager state machine on the reference alone: every invariant after every op."""
+    return _kv_machine(ctx, "machine-reference", ("reference",), "the reference broke an invariant")
+
+
+def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
+    """Reference vs the installed vLLM's KVCacheManager on generated traces (block ids, hashes, queue)."""
+    skipped = _skip_or_fail_without_vllm(ctx, "conform-kv-manager")
+    if skipped:
+        return skipped
+    return _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
+
+
+def check_torch_differential(ctx: VerifyContext) -> CheckResult:
+    """Reference vs the torch implementation (on CUDA when present) through the same machine."""
+    try:
+        import torch
+    except ImportError as exc:
+        return CheckResult("torch-differential", SKIPPED, f"torch not installed ({exc})")
+    result = _kv_machine(ctx, "torch-differential", ("reference", "torch"), "reference and torch")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result.summary += f" [torch on {device}]"
+    return result
+
+
+def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckResult:
+    from kvref.models.scheduler_machine import run_scheduler_machine
+
+    run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(25, 200), shrink=ctx.shrink)
+    if not run.ok:
+        return CheckResult(name, FAILED, "scheduler traces " + ("diverged from vLLM" if with_vllm else
+                                                                  "broke an invariant or liveness"),
+                           details=run.failure.splitlines()[:30])
+    return CheckResult(name, PASSED, run.summary)
+
+
+def check_scheduler_machine(ctx: VerifyContext) -> CheckResult:
+    """The reference scheduler alone: invariants every step, liveness drain on consistent pools."""
+    return _scheduler_machine(ctx, "machine-scheduler", with_vllm=False)
+
+
+def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
+    """The reference scheduler in lock-step with the installed vLLM's Scheduler."""
+    skipped = _skip_or_fail_without_vllm(ctx, "conform-scheduler")
+    if skipped:
+        return skipped
+    return _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
+
+
 CHECKS: list[Check] = [
     Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
     Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
           check_startup_liveness),
     Check("proofs", "Z3 theorems over unbounded ints + historic vLLM bugs re-found", check_proofs),
     Check("crosshair", "CrossHair contracts on spec functions and block pool operations", check_crosshair),
+    Check("machine-reference", "KV cache manager state machine, reference alone, invariants every step",
+          check_reference_machine),
+    Check("machine-scheduler", "scheduler state machine, reference alone, with liveness", check_scheduler_machine),
+    Check("torch-differential", "reference vs torch implementation on generated traces", check_torch_differential),
+    Check("conform-kv-manager", "reference vs the installed vLLM's KVCacheManager on generated traces",
+          check_kv_manager_conformance),
+    Check("conform-scheduler", "reference scheduler in lock-step with the installed vLLM's Scheduler",
+          check_scheduler_conformance),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
           check_planning_conformance),
 ]

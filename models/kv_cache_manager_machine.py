@@ -253,7 +253,8 @@ class MachineRun:
 
 
 def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_steps: int = 30,
-                seed: int | None = None, out_dir: str | None = None, **machine_kwargs) -> MachineRun:
+                seed: int | None = None, out_dir: str | None = None, shrink: bool = True,
+                **machine_kwargs) -> MachineRun:
     """Run the machine outside pytest (``kvref verify``): never raises on a divergence.
 
     Args:
@@ -261,17 +262,19 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
         examples: generated traces (each at least ``min_steps`` ops, at most ``steps``).
         seed: a Hypothesis seed for a reproducible run (None: random).
         out_dir: where a failing trace is saved (default ``$KVREF_TRACE_DIR`` or ``<tmp>/kvref-traces``).
+        shrink: shrink a failing trace to a minimal one (slower; off gives the first failing trace).
     """
     import hypothesis.core as hcore
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
     saved_dir = os.environ.get("KVREF_TRACE_DIR")
     if out_dir is not None:
         os.environ["KVREF_TRACE_DIR"] = out_dir
     machine = kv_cache_manager_machine(tuple(kinds), **machine_kwargs)
+    phases = tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink)
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-                 suppress_health_check=list(HealthCheck), print_blob=True)
+                 suppress_health_check=list(HealthCheck), print_blob=True, phases=phases)
     t = time.perf_counter()
     # run_state_machine_as_test takes no seed; Hypothesis' own --hypothesis-seed hook does the job
     saved_seed = hcore.global_force_seed

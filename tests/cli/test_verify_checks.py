@@ -64,3 +64,51 @@ def test_proofs_check_proves_theorems_and_refutes_every_historic_variant(tmp_pat
     assert result.status == PASSED, result.details
     assert len(result.artifacts) == len(HISTORIC) >= 8
     assert all(a.startswith(str(tmp_path)) for a in result.artifacts)
+
+
+def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_trace(tmp_path):
+    from kvref import cli
+    from kvref.models.mutants_catalogue import CATALOGUE
+
+    ctx = verify.VerifyContext(out_dir=str(tmp_path), seed=1, shrink=False)
+    with CATALOGUE["pool.touch_no_ref"].applied():
+        result = verify.check_reference_machine(ctx)
+        assert result.status == FAILED, result.summary
+        assert result.artifacts and result.artifacts[0].startswith(str(tmp_path))
+        assert "kvref replay" in result.summary
+        # the saved trace replays to the same failure while the fault is in
+        assert cli.main(["replay", result.artifacts[0], "--kinds", "reference"]) == 1
+    # and replays clean once the fault is gone
+    assert cli.main(["replay", result.artifacts[0], "--kinds", "reference"]) == 0
+
+
+@pytest.mark.vllm
+def test_kv_manager_conformance_check_reports_a_divergence(vllm, monkeypatch, tmp_path):
+    """The mapping from a failed run to the check result (the real runs are in tests/conformance)."""
+    import kvref.models.kv_cache_manager_machine as m
+
+    def fake_run(kinds, examples, **kwargs):
+        assert kinds == ("reference", "vllm") and examples >= 25 and kwargs["shrink"]
+        return m.MachineRun(m.MachineStats(steps=[31]), 0.1, "Divergence: block ids differ", str(tmp_path / "t.json"))
+
+    monkeypatch.setattr(m, "run_machine", fake_run)
+    result = verify.check_kv_manager_conformance(verify.VerifyContext(out_dir=str(tmp_path)))
+    assert result.status == FAILED
+    assert result.details == ["Divergence: block ids differ"]
+    assert result.artifacts == [str(tmp_path / "t.json")]
+
+
+def test_scheduler_machine_check_reports_a_failure(monkeypatch):
+    import kvref.models.scheduler_machine as sm
+
+    def fake(with_vllm, examples, shrink=True, **kw):
+        return sm.SchedulerRun(ok=False, traces=3, ops=90, coverage={}, failure="liveness: r1 not finished")
+
+    monkeypatch.setattr(sm, "run_scheduler_machine", fake)
+    result = verify.check_scheduler_machine(verify.VerifyContext())
+    assert result.status == FAILED and result.details == ["liveness: r1 not finished"]
+
+
+def test_scheduler_machine_check_passes_on_the_reference():
+    result = verify.check_scheduler_machine(verify.VerifyContext())
+    assert result.status == PASSED and "generated traces" in result.summary
