@@ -112,3 +112,14 @@ def test_scheduler_machine_check_reports_a_failure(monkeypatch):
 def test_scheduler_machine_check_passes_on_the_reference():
     result = verify.check_scheduler_machine(verify.VerifyContext())
     assert result.status == PASSED and "generated traces" in result.summary
+
+
+def test_offload_check_finds_the_pre_41289_duplicate_store():
+    from kvref.models.mutants_catalogue import CATALOGUE
+
+    ctx = verify.VerifyContext(profile="ci")
+    assert verify.check_offload_machine(ctx).status == PASSED
+    with CATALOGUE["offload.in_flight_not_deduped"].applied():
+        result = verify.check_offload_machine(ctx)
+    assert result.status == FAILED, result.summary
+    assert any("two in-flight stores" in line for line in result.details), result.details
