@@ -7,8 +7,9 @@ history) over the chunk, and writes the last state back. Processing a sequence i
 must give the same outputs as one scan over the whole sequence; a request reading another
 request's block (or a stale block) does not.
 
-Bookkeeping for Mamba groups (``MambaManager``: align mode, speculative blocks, checkpoints) is
-not part of the torch implementation yet; tests take state blocks straight from the pool.
+The torch bookkeeping models Mamba groups without prefix caching (vLLM gives them one block per
+request, block size >= ``max_model_len``); ``DataPathRunner`` keeps the state in block table
+entry 0. Mamba "align" mode (prefix-cached states, checkpoints, copy-on-write) is not modelled.
 """
 
 from __future__ import annotations

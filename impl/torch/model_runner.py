@@ -17,10 +17,11 @@ import torch
 
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
-from kvref.spec.kv_cache_interface import AttentionSpec
+from kvref.spec.kv_cache_interface import AttentionSpec, MambaSpec
 
 from .block_table import slot_mapping
 from .kv_cache_tensors import KVCacheTensors
+from .mamba_state import MambaStateRunner, scan
 from .manager import TorchKVCacheManager
 from .paged_attention import AttentionMask, dense_attention, paged_attention
 
@@ -37,8 +38,10 @@ class Chunk:
 class TokenModel:
     """Deterministic Q/K/V per (token, position, group, layer)."""
 
+    VOCAB = 64
+
     def __init__(self, num_groups: int, num_layers: int, num_q_heads: int, num_kv_heads: int, head_size: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device, seed: int = 0, vocab: int = 64) -> None:
+                 max_len: int, dtype: torch.dtype, device: torch.device, seed: int = 0, vocab: int = VOCAB) -> None:
         g = torch.Generator().manual_seed(seed)
         shape = (num_groups, num_layers)
 
@@ -77,10 +80,19 @@ class DataPathRunner:
         self.manager = manager
         cfg = manager.config
         specs = [g.kv_cache_spec for g in cfg.groups]
-        if not all(isinstance(s, AttentionSpec) for s in specs):
-            raise InvalidFieldError("groups", cfg.groups, "attention groups only (Mamba state: see mamba_state.py)")
-        heads = {s.num_kv_heads for s in specs}
-        sizes = {s.head_size for s in specs}
+        attn = [s for s in specs if isinstance(s, AttentionSpec)]
+        for i, s in enumerate(specs):
+            if isinstance(s, MambaSpec) and s.block_size < cfg.max_model_len:
+                # Without prefix caching vLLM gives a Mamba group one block per request
+                # (block_size >= max_model_len); the state then never moves.
+                raise InvalidFieldError(f"groups[{i}].kv_cache_spec.block_size", s.block_size,
+                                        f">= max_model_len={cfg.max_model_len} (one state block per request)")
+            if not isinstance(s, (AttentionSpec, MambaSpec)):
+                raise InvalidFieldError(f"groups[{i}].kv_cache_spec", type(s).__name__, "attention or Mamba")
+        if not attn:
+            raise InvalidFieldError("groups", cfg.groups, "at least one attention group")
+        heads = {s.num_kv_heads for s in attn}
+        sizes = {s.head_size for s in attn}
         if len(heads) != 1 or len(sizes) != 1:
             raise InvalidFieldError("groups", cfg.groups, "equal num_kv_heads and head_size in every group")
         self.num_kv_heads = heads.pop()
@@ -90,7 +102,14 @@ class DataPathRunner:
             raise InvalidFieldError("num_q_heads", self.num_q_heads, f"a multiple of {self.num_kv_heads}")
         self.device = manager.device
         self.cache = KVCacheTensors(cfg.groups, cfg.num_blocks, num_layers, dtype, self.device)
-        self.masks = [AttentionMask.for_spec(s) for s in specs]
+        self.masks = [AttentionMask.for_spec(s) if isinstance(s, AttentionSpec) else None for s in specs]
+        #: Mamba groups: a recurrent state per (group, layer), input = a token/position embedding
+        self.mamba = {(g, layer): MambaStateRunner(self.cache, g, layer, seed=seed + 7 * g + layer)
+                      for g, s in enumerate(specs) if isinstance(s, MambaSpec) for layer in range(num_layers)}
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.mamba_in = {key: torch.randn((TokenModel.VOCAB, *r.states.shape[1:]), generator=gen,
+                                          dtype=torch.float64).to(dtype).to(self.device)
+                         for key, r in self.mamba.items()}
         self.model = TokenModel(len(specs), num_layers, self.num_q_heads, self.num_kv_heads, self.head_size,
                                 cfg.max_model_len + 1, dtype, self.device, seed)
         self.num_layers = num_layers
@@ -117,6 +136,10 @@ class DataPathRunner:
         out = {}
         for g in range(self.manager.num_groups):
             table, _ = self.manager.batch_block_tables(g, rids)
+            if self.masks[g] is None:
+                for layer in range(self.num_layers):
+                    out[(g, layer)] = self._mamba_step(g, layer, chunks, table, toks)
+                continue
             bs = self.manager.groups[g].block_size
             slots = slot_mapping(table, pos, bs, rows)
             for layer in range(self.num_layers):
@@ -124,6 +147,20 @@ class DataPathRunner:
                 self.cache.write_kv(g, layer, slots, k, v)
                 out[(g, layer)] = paged_attention(q, self.cache.kv(g, layer), table, ctx, rows, pos, self.masks[g])
         return out
+
+    def _mamba_step(self, g: int, layer: int, chunks: list[Chunk], table: torch.Tensor,
+                    toks: torch.Tensor) -> torch.Tensor:
+        """Advance each request's state, kept in its state block (table entry 0)."""
+        runner = self.mamba[(g, layer)]
+        x_all = self.mamba_in[(g, layer)][toks % TokenModel.VOCAB]
+        outs, at = [], 0
+        for i, c in enumerate(chunks):
+            block = int(table[i, 0])
+            if c.start == 0:
+                runner.reset(block)  # a new (or recomputed) request starts from the zero state
+            outs.append(runner.run_chunk(block, x_all[at:at + c.num_tokens]))
+            at += c.num_tokens
+        return torch.cat(outs)
 
     def write_only(self, chunks: list[Chunk]) -> None:
         """Store the chunks' K/V without attending: a KV connector's load of external tokens.
@@ -135,6 +172,8 @@ class DataPathRunner:
         toks, pos, rows = self._flat(chunks)
         rids = [c.request.request_id for c in chunks]
         for g in range(self.manager.num_groups):
+            if self.masks[g] is None:
+                raise InvalidFieldError("chunks", chunks, "no connector loads into a pool with Mamba groups")
             table, _ = self.manager.batch_block_tables(g, rids)
             slots = slot_mapping(table, pos, self.manager.groups[g].block_size, rows)
             for layer in range(self.num_layers):
@@ -157,6 +196,12 @@ class DataPathRunner:
             all_p = torch.arange(end, device=self.device)
             for g in range(self.manager.num_groups):
                 for layer in range(self.num_layers):
+                    if self.masks[g] is None:
+                        runner = self.mamba[(g, layer)]
+                        x = self.mamba_in[(g, layer)][all_t % TokenModel.VOCAB]
+                        h0 = torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+                        out.setdefault((g, layer), []).append(scan(runner.decay, x, h0)[c.start:end])
+                        continue
                     q, k, v = self.model.qkv(g, layer, all_t, all_p)
                     o = dense_attention(q[c.start:end], k, v, all_p[c.start:end], self.masks[g])
                     out.setdefault((g, layer), []).append(o)

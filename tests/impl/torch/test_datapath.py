@@ -191,3 +191,43 @@ def test_mamba_state_read_from_the_wrong_block_gives_wrong_numbers():
         runner.run_chunk(0, x)
     with pytest.raises(InvalidFieldError):
         MambaStateRunner(KVCacheTensors(_groups(LAYOUTS["fa"]), 4), 0)
+
+
+def _fa_mamba_cfg(num_blocks, spec_blocks=0):
+    fa = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype="float32")
+    mamba = MambaSpec(block_size=64, shapes=((3, 4),), dtypes=("float32",), num_speculative_blocks=spec_blocks)
+    return PoolConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(("fa",), fa), KVCacheGroupSpec(("m",), mamba)),
+                      max_model_len=64, scheduler_block_size=64, hash_block_size=16, enable_caching=False)
+
+
+@pytest.mark.parametrize("num_blocks,spec_blocks", [(40, 0), (40, 1), (9, 0)])
+def test_mamba_state_in_its_block_through_the_bookkeeping(num_blocks, spec_blocks):
+    """FA + Mamba (no prefix caching): each request's recurrent state lives in its Mamba block
+    (block table entry 0); chunked prefill, decodes and preemptions (9 blocks) give the outputs of
+    one scan over the whole sequence, and attention still equals dense attention."""
+    sched = DataPathScheduler(make_manager(_fa_mamba_cfg(num_blocks, spec_blocks), device="cpu"), budget=7)
+    for i in range(4):
+        sched.add(Request(f"r{i}", list(range(i, 30 + 5 * i)), max_tokens=6))
+    assert sched.run() <= EXACT
+    assert any(log.chunks for log in sched.log)
+    if num_blocks == 9:
+        assert any(r.num_preemptions for r in sched.reqs.values()), "the small pool must preempt"
+
+
+def test_mamba_state_read_through_a_wrong_table_entry_gives_wrong_numbers():
+    mgr = make_manager(_fa_mamba_cfg(40), device="cpu")
+    sched = DataPathScheduler(mgr, budget=40)
+    a, b = Request("a", list(range(20)), max_tokens=4), Request("b", list(range(40, 60)), max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    assert sched.step().error <= EXACT
+    ta, tb = mgr.get_block_ids("a")[1][0], mgr.get_block_ids("b")[1][0]
+    tables = mgr.groups[1].tables  # a's Mamba entry now points at b's state block, and back
+    tables.table[tables._row["a"], 0], tables.table[tables._row["b"], 0] = tb, ta
+    assert sched.step().error > 1e-3
+    with pytest.raises(InvalidFieldError, match="block_size"):
+        DataPathRunner(make_manager(_fa_mamba_cfg(40).__class__(
+            num_blocks=10, groups=(KVCacheGroupSpec(("fa",), FullAttentionSpec(block_size=16, **KW)),
+                                   KVCacheGroupSpec(("m",), MambaSpec(block_size=16, shapes=((2,),),
+                                                                      dtypes=("float32",)))),
+            max_model_len=64, scheduler_block_size=16, hash_block_size=16, enable_caching=False), device="cpu"))
