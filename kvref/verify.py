@@ -334,6 +334,21 @@ def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
     return _run_offload(ctx, "conform-offload", ("reference", "vllm"))
 
 
+def check_explorer(ctx: VerifyContext) -> CheckResult:
+    """Exhaustive small-scope exploration of the reference stack (every interleaving, every invariant,
+    deadlocks; shortest counterexample step tables written to the out dir)."""
+    from kvref.cli_explore import check_explorer as run
+
+    return run(ctx)
+
+
+def check_mutants(ctx: VerifyContext) -> CheckResult:
+    """The mutant kill-rate campaign: each catalogued fault must be killed by some check (>= 95%)."""
+    from kvref.cli_mutants import check_mutants as run
+
+    return run(ctx)
+
+
 CHECKS: list[Check] = [
     Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
     Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
@@ -344,6 +359,7 @@ CHECKS: list[Check] = [
           check_reference_machine),
     Check("machine-scheduler", "scheduler state machine, reference alone, with liveness", check_scheduler_machine),
     Check("machine-offload", "offload schedulers on the reference with the content model", check_offload_machine),
+    Check("explorer", "exhaustive small-scope explorer over the reference (states, deadlocks)", check_explorer),
     Check("torch-differential", "reference vs torch implementation on generated traces", check_torch_differential),
     Check("conform-kv-manager", "reference vs the installed vLLM's KVCacheManager on generated traces",
           check_kv_manager_conformance),
@@ -352,6 +368,7 @@ CHECKS: list[Check] = [
     Check("conform-offload", "offload schedulers vs the installed vLLM's on random traces", check_offload_conformance),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
           check_planning_conformance),
+    Check("mutants", "mutant kill-rate campaign (only with --mutants)", check_mutants, default=False),
 ]
 
 

@@ -123,3 +123,20 @@ def test_offload_check_finds_the_pre_41289_duplicate_store():
         result = verify.check_offload_machine(ctx)
     assert result.status == FAILED, result.summary
     assert any("two in-flight stores" in line for line in result.details), result.details
+
+
+def test_explorer_check_passes_and_writes_a_step_table_for_a_fault(tmp_path):
+    from kvref.models.mutants_catalogue import CATALOGUE
+
+    ctx = verify.VerifyContext(out_dir=str(tmp_path))
+    assert verify.check_explorer(ctx).status == PASSED
+    with CATALOGUE["manager.swa_skip_one_too_many"].applied():  # frees a window block too early
+        result = verify.check_explorer(ctx)
+    assert result.status == FAILED, result.summary
+    assert result.artifacts and open(result.artifacts[0]).read().strip()
+
+
+def test_mutants_check_only_runs_when_asked():
+    names = [c.name for c in verify.select_checks()]
+    assert "mutants" not in names and "explorer" in names and "proofs" in names
+    assert "mutants" in [c.name for c in verify.select_checks(mutants=True)]
