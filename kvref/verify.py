@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .report import FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
+from .report import ERROR, FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
 
 
 @dataclass
@@ -232,8 +232,22 @@ def check_torch_differential(ctx: VerifyContext) -> CheckResult:
         import torch
     except ImportError as exc:
         return CheckResult("torch-differential", SKIPPED, f"torch not installed ({exc})")
-    result = _kv_machine(ctx, "torch-differential", ("reference", "torch"), "reference and torch")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    import kvref.impl.torch.adapter  # noqa: F401  (registers the default kind "torch")
+    from kvref.impl import interface
+    from kvref.impl.torch import make_manager
+
+    device = ctx.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as exc:
+        return CheckResult("torch-differential", ERROR, f"--device {device!r} is not a torch device ({exc})")
+    if kind == "cuda" and not torch.cuda.is_available():
+        return CheckResult("torch-differential", ERROR, f"--device {device!r} asked for but no CUDA device is present")
+    interface.register_manager("torch", lambda pool_config: make_manager(pool_config, device=device))
+    try:
+        result = _kv_machine(ctx, "torch-differential", ("reference", "torch"), "reference and torch")
+    finally:
+        interface.register_manager("torch", lambda pool_config: make_manager(pool_config))
     result.summary += f" [torch on {device}]"
     return result
 

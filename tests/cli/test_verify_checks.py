@@ -140,3 +140,10 @@ def test_mutants_check_only_runs_when_asked():
     names = [c.name for c in verify.select_checks()]
     assert "mutants" not in names and "explorer" in names and "proofs" in names
     assert "mutants" in [c.name for c in verify.select_checks(mutants=True)]
+
+
+def test_torch_differential_runs_on_the_requested_device_and_rejects_bad_ones():
+    ok = verify.check_torch_differential(verify.VerifyContext(device="cpu"))
+    assert ok.status == PASSED and ok.summary.endswith("[torch on cpu]")
+    bad = verify.check_torch_differential(verify.VerifyContext(device="no-such-device"))
+    assert bad.status == "error" and "not a torch device" in bad.summary
