@@ -68,6 +68,8 @@ class TransitionSystem(Protocol[S]):
         """Whether all work is done in ``state`` (a final state is never a deadlock)."""
 
     # optional: ``deadlock_reason(state) -> str`` says, for the report, what is stuck
+    # optional: ``step_consuming(state, action) -> state`` is ``step`` allowed to reuse (mutate)
+    # ``state``; the engine calls it for a state's last action, after which it drops the state
 
     def describe(self, state: S) -> dict[str, str]:
         """Columns shown for ``state`` in a counterexample step table."""
@@ -208,6 +210,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
 
     n = 0
     cut = False
+    consume = getattr(system, "step_consuming", None)
     while queue:
         state, idx, depth = queue.popleft()
         if depth > res.depth:
@@ -219,10 +222,12 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
         if final:
             finals.append(idx)
         progressed = False
-        for a in system.actions(state):
+        acts = list(system.actions(state))
+        last = len(acts) - 1
+        for ai, a in enumerate(acts):
             res.transitions += 1
             try:
-                nxt = system.step(state, a)
+                nxt = consume(state, a) if ai == last and consume is not None else system.step(state, a)
             except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
                 msg = f"action {_fmt_action(a)} raised {_fmt_exc(e)}"
                 progressed = True  # not a deadlock: something happened (and it was wrong)

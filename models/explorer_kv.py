@@ -287,10 +287,21 @@ class KVSystem:
         return acts
 
     def step(self, s: KVState, action: Hashable) -> KVState:
+        return self._step(s, self._copy(s), action)
+
+    def step_consuming(self, s: KVState, action: Hashable) -> KVState:
+        """Like :meth:`step`, but may reuse ``s`` (the engine's last action on a state it drops).
+
+        Saves the copy: the engine expands a state by all its actions, and after the last one the
+        state is never read again (counterexample traces are replayed from the initial state).
+        """
+        s._blob = None  # the cached copy no longer describes s once it is stepped in place
+        return self._step(s, s, action)
+
+    def _step(self, s: KVState, t: KVState, action: Hashable) -> KVState:
         from kvref.impl.request import Request
         from kvref.impl.reference.scheduler_types import ModelOutput
 
-        t = self._copy(s)
         sched = t.scheduler
         kind = action[0]  # type: ignore[index]
         if kind == "arrive":

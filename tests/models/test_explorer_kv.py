@@ -116,3 +116,44 @@ def test_no_symmetry_between_requests_that_differ():
     system = KVSystem(SCOPES["small"])
     assert system.perms == []  # different prompts: nothing to merge
     assert len(KVSystem(SCOPES["twins"]).perms) == 6
+
+
+#: (scope, symmetry) -> (states, transitions, depth, findings), recorded on the pickle-copying
+#: explorer before the fast-copy work (issue 6): any speed-up must visit exactly the same states.
+RECORDED_COUNTS = {
+    ("default", True): (473, 878, 15, 0),
+    ("default", False): (473, 878, 15, 0),
+    ("tight", True): (10, 9, 9, 0),
+    ("small", True): (133, 206, 12, 0),
+    ("swa", True): (165, 239, 16, 0),
+    ("full", True): (1694, 4154, 19, 0),
+    ("undersized", True): (2, 2, 1, 1),
+    ("chunked", True): (57, 92, 10, 0),
+    ("twins", True): (63, 124, 13, 0),
+    ("twins", False): (296, 588, 13, 0),
+    ("large", True): (4466, 8717, 19, 0),
+}
+
+
+@pytest.mark.parametrize("name,symmetry", sorted(RECORDED_COUNTS))
+def test_state_counts_match_the_recorded_ones(name, symmetry):
+    from dataclasses import replace
+
+    res = explore_scope(replace(SCOPES[name], symmetry=symmetry), stop_at_first=False)
+    assert (res.states, res.transitions, res.depth, len(res.findings)) == RECORDED_COUNTS[(name, symmetry)]
+
+
+def test_consuming_the_last_successor_gives_the_same_states_as_copying():
+    """The engine may hand a state's last action a state it no longer needs (no copy)."""
+    system = KVSystem(SCOPES["small"])
+    (s0,) = system.initial_states()
+    s1 = system.step(s0, ("arrive", "r0"))
+    s2 = system.step(system.step(s1, ("arrive", "r1")), ("schedule",))
+    for a in system.actions(s2):
+        copied = system.step(s2, a)
+        k_before = system.key(s2)
+        owned = system.step(system.step(s1, ("arrive", "r1")), ("schedule",))
+        consumed = system.step_consuming(owned, a)
+        assert system.key(consumed) == system.key(copied)
+        assert system.key(s2) == k_before  # stepping with a copy left s2 alone
+        system.check(consumed)
