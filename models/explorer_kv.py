@@ -219,6 +219,55 @@ def reference_available() -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------ copying
+
+#: objects that never change once built (configs, specs, enum members), pickled as a reference:
+#: copies share them instead of rebuilding them on every unpickle (and enum members are not
+#: looked up by value again). Keyed by id(); the strong reference keeps the id from being reused.
+_SHARED: dict[int, Any] = {}
+_DISPATCH: dict | None = None
+
+
+def _shared(key: int) -> Any:
+    return _SHARED[key]
+
+
+def _share(obj: Any) -> tuple:
+    _SHARED[id(obj)] = obj
+    return (_shared, (id(obj),))
+
+
+def _dispatch_table() -> dict:
+    global _DISPATCH
+    if _DISPATCH is None:
+        import copyreg
+
+        from kvref.impl.interface import PoolConfig
+        from kvref.impl.reference.kv_cache_coordinator import SpecGroup
+        from kvref.impl.reference.scheduler_types import SchedulerConfig
+        from kvref.impl.request import RequestStatus
+        from kvref.spec import kv_cache_interface as kci
+
+        table = dict(copyreg.dispatch_table)
+        frozen = [PoolConfig, SchedulerConfig, SpecGroup, RequestStatus]  # SpecGroup: set up once, read only
+        frozen += [t for t in vars(kci).values() if isinstance(t, type) and t.__module__ == kci.__name__
+                   and getattr(getattr(t, "__dataclass_params__", None), "frozen", False)]
+        for t in frozen:
+            table[t] = _share
+        _DISPATCH = table
+    return _DISPATCH
+
+
+def _dumps(obj: Any) -> bytes:
+    import io
+
+    f = io.BytesIO()
+    p = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dispatch_table = _dispatch_table()
+    p.dump(obj)
+    return f.getvalue()
+
+
 # ------------------------------------------------------------------------------ the system
 
 
@@ -425,13 +474,21 @@ class KVSystem:
     @staticmethod
     def _copy(s: KVState) -> KVState:
         # A state is expanded by every enabled action: pickle it once, unpickle once per action.
+        # The steps in flight are frozen ``SchedulerOutput``s: the copy shares them (same ids, so
+        # the scheduler's id-keyed ``_in_flight`` stays valid) instead of pickling them.
+        sched = s.scheduler
         blob = s._blob
         if blob is None:
-            blob = s._blob = pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)
+            flight, sched_flight = s.in_flight, sched._in_flight
+            s.in_flight = sched._in_flight = None  # type: ignore[assignment]
+            try:
+                blob = s._blob = _dumps(s)
+            finally:
+                s.in_flight, sched._in_flight = flight, sched_flight
         t = pickle.loads(blob)
         t._blob = None
-        # the scheduler keys steps in flight by id(); objects have new ids after the copy
-        t.scheduler._in_flight = {id(o): o for o in t.scheduler._in_flight.values()}
+        t.in_flight = list(s.in_flight)
+        t.scheduler._in_flight = dict(sched._in_flight)
         return t
 
     def _write_and_check_hits(self, t: KVState, out) -> None:
