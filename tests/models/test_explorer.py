@@ -114,3 +114,57 @@ def test_bad_toy_configuration_is_rejected():
         ToyPool(num_blocks=0)
     with pytest.raises(ValueError, match="needs"):
         ToyPool(needs=(0,))
+
+
+def test_gc_thresholds_are_restored_after_exploring():
+    import gc
+
+    before = gc.get_threshold()
+    res = explore(ToyPool(num_blocks=4, needs=(2, 2)))
+    assert res.states > 1
+    assert gc.get_threshold() == before
+
+
+class _LastStepCounter:
+    """A counter system: tells which calls went to ``step`` and which to ``step_consuming``."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def initial_states(self):
+        return [[0]]
+
+    def actions(self, s):
+        return ["inc", "dbl"] if s[0] < 5 else []
+
+    def _apply(self, s, a):
+        s[0] = s[0] + 1 if a == "inc" else s[0] * 2 + 1
+        return s
+
+    def step(self, s, a):
+        self.calls.append("step")
+        return self._apply(list(s), a)
+
+    def step_consuming(self, s, a):
+        self.calls.append("consume")
+        return self._apply(s, a)
+
+    def key(self, s):
+        return s[0]
+
+    def check(self, s):
+        pass
+
+    def is_final(self, s):
+        return s[0] >= 5
+
+    def describe(self, s):
+        return {"n": str(s[0])}
+
+
+def test_the_last_action_of_a_state_may_consume_it():
+    sys_ = _LastStepCounter()
+    res = explore(sys_)
+    # 0 -> {1, 1}; 1 -> {2, 3}; 2 -> {3, 5}; 3 -> {4, 7}; 4 -> {5, 9}: states 0,1,2,3,4,5,7,9
+    assert res.ok and res.states == 8 and res.transitions == 10
+    assert sys_.calls.count("consume") == 5 and sys_.calls.count("step") == 5
