@@ -270,13 +270,23 @@ def _dumps(obj: Any) -> bytes:
 
 # ------------------------------------------------------------------------------ the system
 
+#: per-request progress in the state key (``len(output_token_ids)`` is added separately)
+def _request_key_fields(r: Any) -> tuple:
+    return (r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
+            r.num_stale_output_tokens, bool(r.drop_stale_output), len(r.output_token_ids),
+            r.num_preemptions, bool(r.is_prefill_chunk))
+
+
+_REQUEST_KEY_FIELDS = _request_key_fields
+
 
 @dataclass
 class KVState:
     scheduler: Any
     in_flight: list = field(default_factory=list)  # SchedulerOutputs not yet completed (FIFO)
     arrived: tuple[bool, ...] = ()
-    content: dict = field(default_factory=dict)  # (group, block id) -> {slot: K/V identity}
+    #: (group, block id) -> {slot: K/V identity}; the inner maps are copy-on-write (shared by copies)
+    content: dict = field(default_factory=dict)
     _blob: bytes | None = field(default=None, repr=False, compare=False)  # pickled copy (cache)
 
 
@@ -288,6 +298,7 @@ class KVSystem:
         self.ids = [f"r{i}" for i in range(len(scope.prompts))]
         self.max_batches = 2 if scope.async_scheduling else 1
         self.perms = self._symmetries() if scope.symmetry else []
+        self._pos = {rid: i for i, rid in enumerate(self.ids)}
 
     def _symmetries(self) -> list[dict[str, str]]:
         """Renamings among requests that are indistinguishable (same prompt, max_tokens, salt).
@@ -386,33 +397,50 @@ class KVSystem:
     def key(self, s: KVState) -> Hashable:
         if not self.perms:
             return self._key(s, None)
-        # symmetry reduction: the least key over renamings of identical requests
-        return min((self._key(s, ren) for ren in self.perms), key=repr)
+        # symmetry reduction: the least key over renamings of identical requests. The parts that
+        # do not mention request ids are computed once; only the id-bearing parts are renamed.
+        common = self._common_key(s)
+        return min((self._key(s, ren, common) for ren in self.perms), key=repr)
 
-    def _key(self, s: KVState, ren: dict[str, str] | None) -> Hashable:
+    def _common_key(self, s: KVState) -> tuple:
+        """The key's parts that name no request: free queue, prefix-cache index, shadow contents."""
+        pool = s.scheduler.kv_cache_manager.manager.block_pool
+        index = sorted([(k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
+                        for k, v in pool.cached_block_hash_to_block._cache.items()])
+        content = sorted([(k, tuple(sorted(v.items()))) for k, v in s.content.items()])
+        return pool.free_block_ids(), tuple(index), tuple(content)
+
+    def _key(self, s: KVState, ren: dict[str, str] | None, common: tuple | None = None) -> Hashable:
         sched = s.scheduler
         kv = sched.kv_cache_manager.manager
-        pool = kv.block_pool
-        n = (lambda rid: rid) if ren is None else ren.__getitem__
-        arrived = s.arrived if ren is None else tuple(
-            s.arrived[self.ids.index(old)] for old in sorted(ren, key=lambda o: self.ids.index(ren[o])))
-        reqs = tuple(sorted(
-            (n(rid), r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
-             r.num_stale_output_tokens, bool(getattr(r, "drop_stale_output", False)), len(r.output_token_ids),
-             r.num_preemptions, bool(getattr(r, "is_prefill_chunk", False)))
-            for rid, r in sched.requests.items()))
-        index = tuple(sorted(
-            (k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
-            for k, v in pool.cached_block_hash_to_block._cache.items()))
-        managers = tuple(
-            (tuple(sorted((n(rid), tuple(b.block_id for b in tbl)) for rid, tbl in m.req_to_blocks.items())),
-             tuple(sorted((n(rid), c) for rid, c in m.num_cached_block.items())))
-            for m in kv.coordinator.single_type_managers)
-        flight = tuple(tuple((n(x.request_id), x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
-                             for x in out.scheduled) for out in s.in_flight)
-        content = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.content.items()))
-        return (arrived, tuple(n(r.request_id) for r in sched.waiting), tuple(n(r.request_id) for r in sched.running),
-                reqs, pool.free_block_ids(), index, managers, flight, content)
+        free, index, content = self._common_key(s) if common is None else common
+        fields = _REQUEST_KEY_FIELDS
+        if ren is None:
+            arrived = s.arrived
+            reqs = [(rid, *fields(r)) for rid, r in sched.requests.items()]
+            waiting = tuple([r.request_id for r in sched.waiting])
+            running = tuple([r.request_id for r in sched.running])
+            managers = tuple(
+                (tuple(sorted([(rid, tuple([b.block_id for b in tbl])) for rid, tbl in m.req_to_blocks.items()])),
+                 tuple(sorted(m.num_cached_block.items())))
+                for m in kv.coordinator.single_type_managers)
+            flight = tuple(tuple([(x.request_id, x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
+                                  for x in out.scheduled]) for out in s.in_flight)
+        else:
+            n = ren.__getitem__
+            pos = self._pos
+            arrived = tuple(s.arrived[pos[old]] for old in sorted(ren, key=lambda o: pos[ren[o]]))
+            reqs = [(n(rid), *fields(r)) for rid, r in sched.requests.items()]
+            waiting = tuple([n(r.request_id) for r in sched.waiting])
+            running = tuple([n(r.request_id) for r in sched.running])
+            managers = tuple(
+                (tuple(sorted([(n(rid), tuple([b.block_id for b in tbl])) for rid, tbl in m.req_to_blocks.items()])),
+                 tuple(sorted([(n(rid), c) for rid, c in m.num_cached_block.items()])))
+                for m in kv.coordinator.single_type_managers)
+            flight = tuple(tuple([(n(x.request_id), x.num_scheduled_tokens, x.num_computed_tokens, x.is_prefill_chunk)
+                                  for x in out.scheduled]) for out in s.in_flight)
+        reqs.sort()
+        return (arrived, waiting, running, tuple(reqs), free, index, managers, flight, content)
 
     def check(self, s: KVState) -> None:
         sched = s.scheduler
@@ -476,19 +504,22 @@ class KVSystem:
         # A state is expanded by every enabled action: pickle it once, unpickle once per action.
         # The steps in flight are frozen ``SchedulerOutput``s: the copy shares them (same ids, so
         # the scheduler's id-keyed ``_in_flight`` stays valid) instead of pickling them.
+        # Likewise the shadow contents: a block's slot map is never changed once stored (copy on
+        # write in _write_and_check_hits), so a shallow copy of the map of maps is a full one.
         sched = s.scheduler
         blob = s._blob
         if blob is None:
-            flight, sched_flight = s.in_flight, sched._in_flight
-            s.in_flight = sched._in_flight = None  # type: ignore[assignment]
+            flight, sched_flight, content = s.in_flight, sched._in_flight, s.content
+            s.in_flight = sched._in_flight = s.content = None  # type: ignore[assignment]
             try:
                 blob = s._blob = _dumps(s)
             finally:
-                s.in_flight, sched._in_flight = flight, sched_flight
+                s.in_flight, sched._in_flight, s.content = flight, sched_flight, content
         t = pickle.loads(blob)
         t._blob = None
         t.in_flight = list(s.in_flight)
         t.scheduler._in_flight = dict(sched._in_flight)
+        t.content = dict(s.content)
         return t
 
     def _write_and_check_hits(self, t: KVState, out) -> None:
@@ -522,11 +553,13 @@ class KVSystem:
                     assert p // bs < len(table), f"{sr.request_id}: no block for position {p} in group {g}"
                     b = table[p // bs]
                     assert b != 0, f"{sr.request_id}: position {p} of group {g} is written to the null block"
-                    slots = t.content.setdefault((g, b), {})
-                    if p % bs == 0:
-                        slots.clear()  # a block is rewritten from its first slot
+                    # copy on write: states share their blocks' slot maps (see _copy)
+                    slots = t.content.get((g, b))
+                    # a block is rewritten from its first slot
+                    slots = {} if slots is None or p % bs == 0 else dict(slots)
                     # K/V at position p depend on the whole prefix (and the salt isolates it)
                     slots[p % bs] = (r.cache_salt, tuple(tokens[:p + 1]))
+                    t.content[(g, b)] = slots
 
     @staticmethod
     def _drop_free_content(t: KVState) -> None:
