@@ -14,14 +14,50 @@ import argparse
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a saved trace against reference/vLLM/torch side by side",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", metavar="FILE", help="trace JSON saved by a failing state-machine run")
-    p.add_argument("--kinds", default="reference,vllm",
-                   help="comma-separated implementations: reference, vllm, torch (default: reference,vllm)")
+    p.add_argument("trace", metavar="FILE",
+                   help="trace JSON saved by a failing state-machine run, or a proof reproducer (.py)")
+    p.add_argument("--kinds", default=None,
+                   help="comma-separated implementations: reference, vllm, torch (default: reference,vllm); "
+                        "for a .py reproducer: the formulas to check (default: its variant; reference)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every op as it is applied")
     return p
 
 
+def _run_reproducer(path: str, impl: str | None, verbose: bool) -> int:
+    """A proof counterexample written by `kvref prove` / `kvref verify` is a pytest file: run it.
+
+    By default it checks the variant the counterexample was found for (and fails, showing the
+    configuration); ``--kinds reference`` checks kvref's reference formulas (and passes).
+    """
+    import os
+
+    import pytest
+
+    if not os.path.isfile(path):
+        from kvref.spec.errors import InvalidFieldError
+
+        raise InvalidFieldError("FILE", path, "an existing trace (.json) or reproducer (.py) file")
+    saved = os.environ.get("KVREF_IMPL")
+    if impl:
+        os.environ["KVREF_IMPL"] = impl
+    try:
+        rc = pytest.main([path, "-q", "-p", "no:cacheprovider"] + ([] if verbose else ["--no-header"]))
+    finally:
+        if saved is None:
+            os.environ.pop("KVREF_IMPL", None)
+        else:
+            os.environ["KVREF_IMPL"] = saved
+    print(("OK: the reproducer holds" if rc == 0 else "COUNTEREXAMPLE: the reproducer fails")
+          + (f" on {impl}" if impl else " on the variant it was found for"))
+    return 0 if rc == 0 else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    args.kinds_given = args.kinds
+    if args.kinds is None:
+        args.kinds = "reference,vllm"
+    if args.trace.endswith(".py"):
+        return _run_reproducer(args.trace, args.kinds_given, args.verbose)
     from kvref.impl.interface import manager_kinds
     from kvref.models.differential import Divergence, Harness
     from kvref.models.trace import Trace
