@@ -20,6 +20,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                    help="comma-separated implementations: reference, vllm, torch (default: reference,vllm); "
                         "for a .py reproducer: the formulas to check (default: its variant; reference)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every op as it is applied")
+    p.add_argument("--table", action="store_true",
+                   help="print the trace as a step table: block tables per group of every live request "
+                        "and the free blocks after each op (the first implementation's view)")
     return p
 
 
@@ -52,6 +55,32 @@ def _run_reproducer(path: str, impl: str | None, verbose: bool) -> int:
     return 0 if rc == 0 else 1
 
 
+def _table_row(h, i: int, op, skipped: bool) -> tuple[int, str, str, int]:
+    """One step-table row: the op and, per live request, its block table per group."""
+    mgr = h.managers[h.kinds[0]]
+    tables = []
+    for rid in h.live():
+        try:
+            groups = mgr.get_block_ids(rid)
+        except (KeyError, ValueError):
+            continue
+        if any(groups):
+            tables.append(f"{rid}: " + " ".join(f"g{g}{list(ids)}" for g, ids in enumerate(groups)))
+    return i, f"{op}{' (skipped)' if skipped else ''}", "\n".join(tables), mgr.get_num_free_blocks()
+
+
+def _print_table(rows, kind: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"trace step table ({kind}'s block tables; 0 = null block)", show_lines=True)
+    for col, kw in (("#", {"justify": "right"}), ("op", {}), ("block tables per group", {}), ("free", {"justify": "right"})):
+        t.add_column(col, overflow="fold", **kw)
+    for i, op, tables, free in rows:
+        t.add_row(str(i), op, tables, "" if free < 0 else str(free))
+    Console().print(t)
+
+
 def run(args: argparse.Namespace) -> int:
     args.kinds_given = args.kinds
     if args.kinds is None:
@@ -69,14 +98,22 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidFieldError("--kinds", k, "one of " + ", ".join(manager_kinds()))
     trace = Trace.load(args.trace)
     h = Harness(trace.pool_config, kinds)
+    rows: list[tuple[int, str, str, int]] = []
     try:
         for i, op in enumerate(trace.ops):
             res = h.apply(op)
             if args.verbose:
                 print(f"#{i:3d} {op}{'  (skipped)' if res.skipped else ''}")
+            if args.table:
+                rows.append(_table_row(h, i, op, res.skipped))
     except Divergence as exc:
+        if args.table:
+            rows.append((len(rows), "DIVERGENCE", str(exc)[:300], -1))
+            _print_table(rows, kinds[0])
         print(f"DIVERGENCE ({','.join(kinds)}): {exc}")
         return 1
+    if args.table:
+        _print_table(rows, kinds[0])
     print(f"OK: {len(trace.ops)} ops ({h.num_skipped} skipped) on {','.join(kinds)}: no divergence, "
           "all invariants hold")
     return 0

@@ -66,7 +66,7 @@ def test_proofs_check_proves_theorems_and_refutes_every_historic_variant(tmp_pat
     assert all(a.startswith(str(tmp_path)) for a in result.artifacts)
 
 
-def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_trace(tmp_path):
+def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_trace(tmp_path, capsys):
     from kvref import cli
     from kvref.models.mutants_catalogue import CATALOGUE
 
@@ -78,8 +78,10 @@ def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_tr
         assert "kvref replay" in result.summary
         # the saved trace replays to the same failure while the fault is in
         assert cli.main(["replay", result.artifacts[0], "--kinds", "reference"]) == 1
-    # and replays clean once the fault is gone
-    assert cli.main(["replay", result.artifacts[0], "--kinds", "reference"]) == 0
+    # and replays clean once the fault is gone, as a step table of block tables per group
+    assert cli.main(["replay", result.artifacts[0], "--kinds", "reference", "--table"]) == 0
+    table = capsys.readouterr().out
+    assert "block tables per group" in table and ": g0[" in table
 
 
 @pytest.mark.vllm
