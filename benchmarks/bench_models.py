@@ -1,6 +1,6 @@
 """Explorer states/s and state-machine steps/s (BENCHMARKS.md, "Explorer and state machines").
 
-    .venv/bin/python benchmarks/bench_models.py [--quick] [--no-vllm]
+    .venv/bin/python benchmarks/bench_models.py [--quick] [--no-vllm] [--explorer-only]
 
 Everything is measured in one run on the same machine, so the ratios between rows are the
 figures to read (absolute numbers depend on the machine and its load).
@@ -35,14 +35,6 @@ def bench_explorer(scopes: list[str]) -> list[tuple]:
         r = explore(KVSystem(SCOPES[name]))
         rows.append((f"reference, scope {name}", r.states, r.transitions, r.depth, r.seconds, r.states_per_second))
 
-    class PicklePerAction(KVSystem):  # the naive copy: pickle the source again for every action
-        @staticmethod
-        def _copy(s):
-            t = pickle.loads(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
-            t._blob = None
-            t.scheduler._in_flight = {id(o): o for o in t.scheduler._in_flight.values()}
-            return t
-
     from dataclasses import replace
 
     r = explore(KVSystem(replace(SCOPES["twins"], symmetry=False)))
@@ -57,17 +49,112 @@ def bench_explorer(scopes: list[str]) -> list[tuple]:
     r = explore(OffloadSystem(sc), max_depth=sc.max_depth, check_deadlocks=False)
     rows.append((f"reference SimpleCPU offload, depth {sc.max_depth} (bounded)", r.states, r.transitions, r.depth,
                  r.seconds, r.states_per_second))
-    # copy strategies side by side: best of 3 alternating runs each on scope full
-    best: dict[str, Any] = {}
-    for _ in range(3):
-        for label, cls in (("pickle the source once per expansion", KVSystem),
-                           ("pickle the source again per action", PicklePerAction)):
-            r = explore(cls(SCOPES["full"]))
-            if label not in best or r.seconds < best[label].seconds:
-                best[label] = r
-    for label, r in best.items():
-        rows.append((f"reference, scope full, {label} (best of 3)", r.states, r.transitions, r.depth, r.seconds,
-                     r.states_per_second))
+    rows += bench_before_after(["default", "full", "large", "twins"] if "large" in scopes else ["default", "full"])
+    return rows
+
+
+class _GcUntouched:
+    """Stands in for the ``gc`` module inside the engine: thresholds stay at Python's defaults."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._gc = gc
+
+    def get_threshold(self):
+        return self._gc.get_threshold()
+
+    def set_threshold(self, *args) -> None:
+        pass
+
+
+def _before_system():
+    """The explorer as it was before issue 6's speed-ups, for side-by-side rows in one run.
+
+    Copies by pickling the whole state (steps in flight and shadow contents included, no shared
+    configs) once per expansion and unpickling it for *every* action (no in-place last step),
+    and keys states with the former ``_key`` (every part recomputed for each renaming).
+    """
+    from kvref.models.explorer_kv import KVSystem
+
+    class Before(KVSystem):
+        step_consuming = None  # the engine then copies for the last action too
+
+        def _copy(self, s):
+            blob = s._blob
+            if blob is None:
+                blob = s._blob = pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)
+            t = pickle.loads(blob)
+            t._blob = None
+            t.scheduler._in_flight = {id(o): o for o in t.scheduler._in_flight.values()}
+            return t
+
+        def key(self, s):
+            if not self.perms:
+                return self._old_key(s, None)
+            return min((self._old_key(s, ren) for ren in self.perms), key=repr)
+
+        def _old_key(self, s, ren):
+            sched = s.scheduler
+            kv = sched.kv_cache_manager.manager
+            pool = kv.block_pool
+            n = (lambda rid: rid) if ren is None else ren.__getitem__
+            arrived = s.arrived if ren is None else tuple(
+                s.arrived[self.ids.index(old)] for old in sorted(ren, key=lambda o: self.ids.index(ren[o])))
+            reqs = tuple(sorted(
+                (n(rid), r.status.value, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
+                 r.num_stale_output_tokens, bool(getattr(r, "drop_stale_output", False)), len(r.output_token_ids),
+                 r.num_preemptions, bool(getattr(r, "is_prefill_chunk", False)))
+                for rid, r in sched.requests.items()))
+            index = tuple(sorted(
+                (k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
+                for k, v in pool.cached_block_hash_to_block._cache.items()))
+            managers = tuple(
+                (tuple(sorted((n(rid), tuple(b.block_id for b in tbl)) for rid, tbl in m.req_to_blocks.items())),
+                 tuple(sorted((n(rid), c) for rid, c in m.num_cached_block.items())))
+                for m in kv.coordinator.single_type_managers)
+            flight = tuple(tuple((n(x.request_id), x.num_scheduled_tokens, x.num_computed_tokens,
+                                  x.is_prefill_chunk) for x in out.scheduled) for out in s.in_flight)
+            content = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.content.items()))
+            return (arrived, tuple(n(r.request_id) for r in sched.waiting),
+                    tuple(n(r.request_id) for r in sched.running), reqs, pool.free_block_ids(), index, managers,
+                    flight, content)
+
+    return Before
+
+
+def bench_before_after(scopes: list[str], repeats: int = 3) -> list[tuple]:
+    """Before/after rows per scope: best of ``repeats`` alternating runs each (one process)."""
+    from dataclasses import replace
+
+    from kvref.models import explorer as engine
+    from kvref.models.explorer_kv import SCOPES, KVSystem
+
+    before_cls = _before_system()
+    rows = []
+    for name in scopes:
+        variants = [(name, SCOPES[name])]
+        if name == "twins":
+            variants = [("twins, no symmetry", replace(SCOPES[name], symmetry=False)),
+                        ("twins, symmetry-reduced", SCOPES[name])]
+        for label, scope in variants:
+            best: dict[str, Any] = {}
+            for _ in range(repeats):
+                real_gc = engine.gc
+                engine.gc = _GcUntouched()  # type: ignore[assignment]
+                try:
+                    rb = engine.explore(before_cls(scope))
+                finally:
+                    engine.gc = real_gc
+                ra = engine.explore(KVSystem(scope))
+                assert (rb.states, rb.transitions, rb.depth) == (ra.states, ra.transitions, ra.depth)
+                for tag, r in (("before", rb), ("after", ra)):
+                    if tag not in best or r.seconds < best[tag].seconds:
+                        best[tag] = r
+            for tag in ("before", "after"):
+                r = best[tag]
+                rows.append((f"reference, scope {label}: {tag} (best of {repeats})", r.states, r.transitions,
+                             r.depth, r.seconds, r.states_per_second))
     return rows
 
 
@@ -101,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--explorer-only", action="store_true", help="skip the state-machine rows")
     args = ap.parse_args(argv)
     scopes = ["default"] if args.quick else ["default", "full", "large"]
     print("| system | states | transitions | depth | seconds | states/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, st, tr, d, sec, sps in bench_explorer(scopes):
         print(f"| {name} | {st:,} | {tr:,} | {d} | {sec:.2f} | {sps:,.0f} |")
+    if args.explorer_only:
+        return 0
     print()
     print("| machine | steps | seconds | steps/s |")
     print("|---|---:|---:|---:|")
