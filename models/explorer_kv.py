@@ -285,7 +285,8 @@ class KVState:
     scheduler: Any
     in_flight: list = field(default_factory=list)  # SchedulerOutputs not yet completed (FIFO)
     arrived: tuple[bool, ...] = ()
-    #: (group, block id) -> {slot: K/V identity}; the inner maps are copy-on-write (shared by copies)
+    #: (group, block id) -> {slot: K/V identity (its number in KVSystem._kv_values)}; the inner
+    #: maps are copy-on-write (shared by copies)
     content: dict = field(default_factory=dict)
     _blob: bytes | None = field(default=None, repr=False, compare=False)  # pickled copy (cache)
 
@@ -299,6 +300,17 @@ class KVSystem:
         self.max_batches = 2 if scope.async_scheduling else 1
         self.perms = self._symmetries() if scope.symmetry else []
         self._pos = {rid: i for i, rid in enumerate(self.ids)}
+        # shadow contents hold K/V identities (salt, prefix) as small ints: one number per
+        # distinct identity, so state keys stay short and cheap to hash (issue 6)
+        self._kv_ids: dict[tuple, int] = {}
+        self._kv_values: list[tuple] = []
+
+    def _kv_id(self, identity: tuple) -> int:
+        i = self._kv_ids.get(identity)
+        if i is None:
+            i = self._kv_ids[identity] = len(self._kv_values)
+            self._kv_values.append(identity)
+        return i
 
     def _symmetries(self) -> list[dict[str, str]]:
         """Renamings among requests that are indistinguishable (same prompt, max_tokens, salt).
@@ -545,8 +557,9 @@ class KVSystem:
                             continue
                         have = t.content.get((g, b), {}).get(p % bs)
                         want = (r.cache_salt, tuple(tokens[:p + 1]))
-                        assert have == want, (
-                            f"content: {sr.request_id} hit block {b} (group {g}) holds KV of {have} at "
+                        assert have == self._kv_ids.get(want), (
+                            f"content: {sr.request_id} hit block {b} (group {g}) holds KV of "
+                            f"{None if have is None else self._kv_values[have]} at "
                             f"slot {p % bs}; the request needs {want}")
                 end = sr.num_computed_tokens + sr.num_scheduled_tokens
                 for p in range(sr.num_computed_tokens, end):
@@ -558,7 +571,7 @@ class KVSystem:
                     # a block is rewritten from its first slot
                     slots = {} if slots is None or p % bs == 0 else dict(slots)
                     # K/V at position p depend on the whole prefix (and the salt isolates it)
-                    slots[p % bs] = (r.cache_salt, tuple(tokens[:p + 1]))
+                    slots[p % bs] = self._kv_id((r.cache_salt, tuple(tokens[:p + 1])))
                     t.content[(g, b)] = slots
 
     @staticmethod
