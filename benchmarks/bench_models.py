@@ -115,7 +115,7 @@ def _before_system():
                 for m in kv.coordinator.single_type_managers)
             flight = tuple(tuple((n(x.request_id), x.num_scheduled_tokens, x.num_computed_tokens,
                                   x.is_prefill_chunk) for x in out.scheduled) for out in s.in_flight)
-            content = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.content.items()))
+            content = tuple(sorted(s.content.items()))
             return (arrived, tuple(n(r.request_id) for r in sched.waiting),
                     tuple(n(r.request_id) for r in sched.running), reqs, pool.free_block_ids(), index, managers,
                     flight, content)

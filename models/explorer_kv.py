@@ -285,8 +285,8 @@ class KVState:
     scheduler: Any
     in_flight: list = field(default_factory=list)  # SchedulerOutputs not yet completed (FIFO)
     arrived: tuple[bool, ...] = ()
-    #: (group, block id) -> {slot: K/V identity (its number in KVSystem._kv_values)}; the inner
-    #: maps are copy-on-write (shared by copies)
+    #: (group, block id) -> per slot, the K/V identity written there (its number in
+    #: KVSystem._kv_values) or None; the slot tuples are immutable, so copies share them
     content: dict = field(default_factory=dict)
     _blob: bytes | None = field(default=None, repr=False, compare=False)  # pickled copy (cache)
 
@@ -419,7 +419,7 @@ class KVSystem:
         pool = s.scheduler.kv_cache_manager.manager.block_pool
         index = sorted([(k, (v.block_id,) if not isinstance(v, dict) else tuple(v))
                         for k, v in pool.cached_block_hash_to_block._cache.items()])
-        content = sorted([(k, tuple(sorted(v.items()))) for k, v in s.content.items()])
+        content = sorted(s.content.items())
         return pool.free_block_ids(), tuple(index), tuple(content)
 
     def _key(self, s: KVState, ren: dict[str, str] | None, common: tuple | None = None) -> Hashable:
@@ -516,8 +516,8 @@ class KVSystem:
         # A state is expanded by every enabled action: pickle it once, unpickle once per action.
         # The steps in flight are frozen ``SchedulerOutput``s: the copy shares them (same ids, so
         # the scheduler's id-keyed ``_in_flight`` stays valid) instead of pickling them.
-        # Likewise the shadow contents: a block's slot map is never changed once stored (copy on
-        # write in _write_and_check_hits), so a shallow copy of the map of maps is a full one.
+        # Likewise the shadow contents: a block's slots are a tuple (replaced, never changed, in
+        # _write_and_check_hits), so a shallow copy of the map is a full one.
         sched = s.scheduler
         blob = s._blob
         if blob is None:
@@ -555,9 +555,10 @@ class KVSystem:
                         b = table[p // bs]
                         if b == 0:
                             continue
-                        have = t.content.get((g, b), {}).get(p % bs)
+                        slots = t.content.get((g, b))
+                        have = None if slots is None else slots[p % bs]
                         want = (r.cache_salt, tuple(tokens[:p + 1]))
-                        assert have == self._kv_ids.get(want), (
+                        assert have is not None and have == self._kv_ids.get(want), (
                             f"content: {sr.request_id} hit block {b} (group {g}) holds KV of "
                             f"{None if have is None else self._kv_values[have]} at "
                             f"slot {p % bs}; the request needs {want}")
@@ -566,13 +567,13 @@ class KVSystem:
                     assert p // bs < len(table), f"{sr.request_id}: no block for position {p} in group {g}"
                     b = table[p // bs]
                     assert b != 0, f"{sr.request_id}: position {p} of group {g} is written to the null block"
-                    # copy on write: states share their blocks' slot maps (see _copy)
-                    slots = t.content.get((g, b))
+                    # slots are immutable tuples (states share them, see _copy): replace, not mutate
+                    old = t.content.get((g, b))
                     # a block is rewritten from its first slot
-                    slots = {} if slots is None or p % bs == 0 else dict(slots)
+                    slots = [None] * bs if old is None or p % bs == 0 else list(old)
                     # K/V at position p depend on the whole prefix (and the salt isolates it)
                     slots[p % bs] = self._kv_id((r.cache_salt, tuple(tokens[:p + 1])))
-                    t.content[(g, b)] = slots
+                    t.content[(g, b)] = tuple(slots)
 
     @staticmethod
     def _drop_free_content(t: KVState) -> None:
