@@ -157,3 +157,33 @@ def test_consuming_the_last_successor_gives_the_same_states_as_copying():
         assert system.key(consumed) == system.key(copied)
         assert system.key(s2) == k_before  # stepping with a copy left s2 alone
         system.check(consumed)
+
+
+@pytest.mark.parametrize("name", ["default", "full", "chunked"])
+def test_stepping_a_copy_never_changes_the_source(name):
+    """Copies share frozen configs, steps in flight and shadow slot tuples: stepping one must
+    leave the source (and its other copies) exactly as they were — checked on every state."""
+    import copy
+    import pickle
+
+    system = KVSystem(SCOPES[name])
+    frontier = system.initial_states()
+    seen = set()
+    checked = 0
+    while frontier and checked < 400:
+        nxt = []
+        for s in frontier:
+            before_key, before_blob = system.key(s), pickle.dumps(s.scheduler)
+            content_before = copy.deepcopy(s.content)
+            succs = [system.step(s, a) for a in system.actions(s)]
+            assert system.key(s) == before_key
+            assert pickle.dumps(s.scheduler) == before_blob
+            assert s.content == content_before
+            checked += 1
+            for t in succs:
+                k = system.key(t)
+                if k not in seen:
+                    seen.add(k)
+                    nxt.append(t)
+        frontier = nxt
+    assert checked > 50
