@@ -104,15 +104,15 @@ def run(args: argparse.Namespace) -> int:
             res = h.apply(op)
             if args.verbose:
                 print(f"#{i:3d} {op}{'  (skipped)' if res.skipped else ''}")
-            if args.table:
+            if getattr(args, "table", False):
                 rows.append(_table_row(h, i, op, res.skipped))
     except Divergence as exc:
-        if args.table:
+        if getattr(args, "table", False):
             rows.append((len(rows), "DIVERGENCE", str(exc)[:300], -1))
             _print_table(rows, kinds[0])
         print(f"DIVERGENCE ({','.join(kinds)}): {exc}")
         return 1
-    if args.table:
+    if getattr(args, "table", False):
         _print_table(rows, kinds[0])
     print(f"OK: {len(trace.ops)} ops ({h.num_skipped} skipped) on {','.join(kinds)}: no divergence, "
           "all invariants hold")
