@@ -66,11 +66,17 @@ def run(args: argparse.Namespace) -> int:
         out = Console()
         out.print(render_table(results))
         for r in results:
-            if r.failing or r.artifacts:
+            if r.failing:
                 for line in r.details[:20]:
                     out.print(f"  {r.name}: {line}", markup=False)
                 for a in r.artifacts:
-                    out.print(f"  {r.name}: wrote {a}", markup=False)
+                    out.print(f"  {r.name}: counterexample in {a}", markup=False)
+            elif r.artifacts:
+                import os
+
+                where = sorted({os.path.dirname(a) or "." for a in r.artifacts})
+                out.print(f"  {r.name}: {len(r.artifacts)} reproducer file(s) (expected: historic bugs re-found) "
+                          f"in {', '.join(where)}; `kvref replay FILE` re-runs one", markup=False)
     return 1 if any(r.failing for r in results) else 0
 
 
