@@ -1,0 +1,78 @@
+"""A pytest plugin: kvref's checks as test items in a vLLM fork's own test run.
+
+    pytest -p kvref.pytest_plugin --kvref [--kvref-profile ci] [--kvref-checks conform-kv-manager,startup-liveness]
+
+Each selected ``kvref verify`` check becomes one test item named ``kvref::<check>``, run against the
+vLLM installed in that environment (as ``kvref verify --against vllm``): a failing check fails its
+item with the check's summary, details and counterexample files; a check that cannot run (no torch,
+say) is skipped with the reason. Without ``--kvref`` the plugin adds nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvref", "kvref: checks of vLLM's KV-cache management")
+    group.addoption("--kvref", action="store_true", default=False,
+                    help="add kvref's verify checks as test items, against the installed vLLM")
+    group.addoption("--kvref-profile", default="fast", choices=("fast", "ci", "nightly"),
+                    help="budget of kvref's randomized checks (default: fast)")
+    group.addoption("--kvref-checks", default=None, metavar="NAMES",
+                    help="comma-separated check names (default: every default check of kvref verify)")
+    group.addoption("--kvref-out", default="counterexamples", metavar="DIR",
+                    help="where counterexamples and reproducers are written")
+
+
+class KvrefCheckFailed(Exception):
+    """Raised by a check item whose check failed; carries the CheckResult."""
+
+    def __init__(self, result) -> None:
+        super().__init__(result.summary)
+        self.result = result
+
+
+class KvrefCheckItem(pytest.Item):
+    def __init__(self, *, check, ctx, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.check = check
+        self.ctx = ctx
+
+    def runtest(self) -> None:
+        from kvref.report import SKIPPED, UNKNOWN
+
+        result = self.check.run(self.ctx)
+        if result.status in (SKIPPED, UNKNOWN):
+            pytest.skip(f"{result.status}: {result.summary}")
+        if result.failing:
+            raise KvrefCheckFailed(result)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, KvrefCheckFailed):
+            r = excinfo.value.result
+            lines = [f"kvref check {r.name}: {r.status}: {r.summary}", *r.details[:40]]
+            lines += [f"counterexample: {a}" for a in r.artifacts]
+            return "\n".join(lines)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"kvref::{self.check.name}"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    if not config.getoption("--kvref"):
+        return
+    from kvref.spec.errors import InvalidFieldError
+    from kvref.verify import CHECKS, VerifyContext, select_checks
+
+    names = config.getoption("--kvref-checks")
+    only = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    known = {c.name for c in CHECKS}
+    for n in only or ():
+        if n not in known:
+            raise pytest.UsageError(str(InvalidFieldError("--kvref-checks", n, "one of " + ", ".join(sorted(known)))))
+    ctx = VerifyContext(profile=config.getoption("--kvref-profile"), against="vllm",
+                        out_dir=config.getoption("--kvref-out"))
+    for check in select_checks(only=only):
+        items.append(KvrefCheckItem.from_parent(session, name=f"kvref::{check.name}", check=check, ctx=ctx))
