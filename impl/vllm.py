@@ -25,6 +25,7 @@ from kvref.spec.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from .interface import BlockIds, PoolConfig
@@ -73,21 +74,32 @@ def _torch_dtype(name: str) -> Any:
 
 
 def to_vllm_spec(spec: KVCacheSpec) -> Any:
-    """The vLLM spec equal to a kvref spec (the dtype names become torch dtypes)."""
+    """The vLLM spec equal to a kvref spec (the dtype names become torch dtypes).
+
+    The one converter every vLLM adapter uses (KV cache manager, scheduler, startup planning).
+    """
     kci = _vllm()["kci"]
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return kci.UniformTypeKVCacheSpecs(
+            block_size=spec.block_size,
+            kv_cache_specs={n: to_vllm_spec(s) for n, s in spec.kv_cache_specs.items()})
     if isinstance(spec, MambaSpec):
         return kci.MambaSpec(
             block_size=spec.block_size, shapes=tuple(spec.shapes),
             dtypes=tuple(_torch_dtype(d) for d in spec.dtypes), page_size_padded=spec.page_size_padded,
             mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
             num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks, dcp_sharded=spec.dcp_sharded)
-    common = dict(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded)
-    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec)):
-        common.update(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
-                      head_size_v=spec.head_size_v, page_size_padded=spec.page_size_padded)
+    if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec)):
+        raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
+                                "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention, Mamba or "
+                                "UniformType spec")
+    common = dict(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded, num_kv_heads=spec.num_kv_heads,
+                  head_size=spec.head_size, dtype=_torch_dtype(spec.dtype), head_size_v=spec.head_size_v,
+                  page_size_padded=spec.page_size_padded, state_content_bytes=spec.state_content_bytes)
     if isinstance(spec, MLAAttentionSpec):
-        common.pop("head_size_v")
-        return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment)
+        return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
+                                    sliding_window=spec.sliding_window,
+                                    attention_chunk_size=spec.attention_chunk_size)
     if isinstance(spec, FullAttentionSpec):
         return kci.FullAttentionSpec(**common, sliding_window=spec.sliding_window,
                                      attention_chunk_size=spec.attention_chunk_size)
@@ -96,10 +108,7 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
                                      extra_retained_tokens=spec.extra_retained_tokens)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return kci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, CrossAttentionSpec):
-        return kci.CrossAttentionSpec(**common)
-    raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
-                            "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention or Mamba spec")
+    return kci.CrossAttentionSpec(**common)
 
 
 def to_vllm_kv_cache_config(pool_config: PoolConfig) -> Any:

@@ -24,18 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvref.spec import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
     EngineConfig,
-    FullAttentionSpec,
     InsufficientKVCacheError,
     InvalidFieldError,
     KVCacheGroupingError,
     KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
 )
 
 
@@ -83,37 +76,10 @@ class VllmPlanner:
     # -- kvref spec -> vLLM spec ------------------------------------------------------------
 
     def to_vllm(self, spec: KVCacheSpec):
-        kci, dt = self.kci, self.dtypes
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            return kci.UniformTypeKVCacheSpecs(
-                block_size=spec.block_size,
-                kv_cache_specs={n: self.to_vllm(s) for n, s in spec.kv_cache_specs.items()})
-        if isinstance(spec, MambaSpec):
-            return kci.MambaSpec(block_size=spec.block_size, shapes=spec.shapes,
-                                 dtypes=tuple(dt[d] for d in spec.dtypes), page_size_padded=spec.page_size_padded,
-                                 mamba_cache_mode=spec.mamba_cache_mode,
-                                 num_speculative_blocks=spec.num_speculative_blocks,
-                                 num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-                                 dcp_sharded=spec.dcp_sharded)
-        kw = dict(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded, num_kv_heads=spec.num_kv_heads,
-                  head_size=spec.head_size, dtype=dt[spec.dtype], page_size_padded=spec.page_size_padded,
-                  state_content_bytes=spec.state_content_bytes)
-        if isinstance(spec, MLAAttentionSpec):
-            return kci.MLAAttentionSpec(**kw, head_size_v=spec.head_size_v, cache_dtype_str=spec.cache_dtype_str,
-                                        alignment=spec.alignment, sliding_window=spec.sliding_window,
-                                        attention_chunk_size=spec.attention_chunk_size)
-        kw["head_size_v"] = spec.head_size_v
-        if isinstance(spec, FullAttentionSpec):
-            return kci.FullAttentionSpec(**kw, sliding_window=spec.sliding_window,
-                                         attention_chunk_size=spec.attention_chunk_size)
-        if isinstance(spec, SlidingWindowSpec):
-            return kci.SlidingWindowSpec(**kw, sliding_window=spec.sliding_window,
-                                         extra_retained_tokens=spec.extra_retained_tokens)
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            return kci.ChunkedLocalAttentionSpec(**kw, attention_chunk_size=spec.attention_chunk_size)
-        if isinstance(spec, CrossAttentionSpec):
-            return kci.CrossAttentionSpec(**kw)
-        raise TypeError(type(spec))
+        """vLLM's twin of a kvref spec (the shared converter of :mod:`kvref.impl.vllm`)."""
+        from kvref.impl.vllm import to_vllm_spec
+
+        return to_vllm_spec(spec)
 
     # -- settings ---------------------------------------------------------------------------
 
