@@ -11,7 +11,6 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1 import kv_cache_interface as vkci  # noqa: E402
@@ -20,32 +19,12 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus as VllmStatus  # noqa: E402
 
-from kvref.impl.interface import PoolConfig  # noqa: E402
+from kvref.impl.interface import PoolConfig
+from kvref.impl.vllm import to_vllm_spec  # noqa: E402
 from kvref.impl.request import Request, RequestStatus  # noqa: E402
-from kvref.spec import kv_cache_interface as kci  # noqa: E402
 
 _STATUS = {RequestStatus.WAITING: VllmStatus.WAITING, RequestStatus.RUNNING: VllmStatus.RUNNING,
            RequestStatus.PREEMPTED: VllmStatus.PREEMPTED}
-
-
-def to_vllm_spec(spec: kci.KVCacheSpec):
-    if isinstance(spec, kci.MambaSpec):
-        return vkci.MambaSpec(block_size=spec.block_size, shapes=spec.shapes,
-                              dtypes=tuple(getattr(torch, d) for d in spec.dtypes),
-                              mamba_cache_mode=spec.mamba_cache_mode,
-                              num_speculative_blocks=spec.num_speculative_blocks)
-    common = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                  dtype=getattr(torch, spec.dtype))
-    if isinstance(spec, kci.SlidingWindowSpec):
-        return vkci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
-                                      extra_retained_tokens=spec.extra_retained_tokens)
-    if isinstance(spec, kci.ChunkedLocalAttentionSpec):
-        return vkci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, kci.CrossAttentionSpec):
-        return vkci.CrossAttentionSpec(**common)
-    if isinstance(spec, kci.FullAttentionSpec):
-        return vkci.FullAttentionSpec(**common)
-    raise NotImplementedError(type(spec).__name__)
 
 
 def to_vllm_config(cfg: PoolConfig) -> vkci.KVCacheConfig:

@@ -6,48 +6,21 @@ elsewhere). Import after ``require_vllm()``; it sets ``VLLM_TARGET_DEVICE=cpu`` 
 
 from __future__ import annotations
 
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, get_request_block_hasher
-from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus as VStatus
 
 from kvref.impl.interface import PoolConfig
+from kvref.impl.vllm import to_vllm_spec
 from kvref.impl.request import Request, RequestStatus
-from kvref.spec import kv_cache_interface as ks
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
 _STATUS = {RequestStatus.WAITING: VStatus.WAITING, RequestStatus.RUNNING: VStatus.RUNNING,
            RequestStatus.PREEMPTED: VStatus.PREEMPTED, RequestStatus.FINISHED: VStatus.FINISHED_STOPPED}
-
-
-def to_vllm_spec(spec: ks.KVCacheSpec):
-    if isinstance(spec, ks.MambaSpec):
-        return MambaSpec(block_size=spec.block_size, shapes=spec.shapes, dtypes=tuple(_DTYPES[d] for d in spec.dtypes),
-                         mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks)
-    common = dict(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                  dtype=_DTYPES[spec.dtype])
-    if isinstance(spec, ks.SlidingWindowSpec):
-        return SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
-                                 extra_retained_tokens=spec.extra_retained_tokens)
-    if isinstance(spec, ks.ChunkedLocalAttentionSpec):
-        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, ks.FullAttentionSpec):
-        return FullAttentionSpec(**common)
-    raise NotImplementedError(type(spec).__name__)
 
 
 class VllmTwin:
