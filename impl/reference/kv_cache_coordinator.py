@@ -227,7 +227,7 @@ class KVCacheCoordinator:
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
         """(hit blocks per group, hit length, uncached common prefix tokens)."""
-        raise NotImplementedError
+        raise NotImplementedError("each coordinator (no-cache, unitary, hybrid) implements its own cache-hit search")
 
     # ------------------------------------------------------------------ freeing and the rest
 

@@ -243,7 +243,7 @@ class SingleTypeKVCacheManager:
         """Longest prefix (≤ ``max_length`` tokens, a multiple of ``alignment_tokens``) cached in
         every group of ``kv_cache_group_ids``: per-group hit blocks (null where the layer does
         not read) and the hit length in tokens."""
-        raise NotImplementedError
+        raise NotImplementedError("abstract: each single-type manager implements its own cache-hit search")
 
     # ------------------------------------------------------------------ freeing
 

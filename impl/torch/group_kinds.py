@@ -53,7 +53,7 @@ class GroupKind:
         """Longest hit ``<= max_length`` (aligned) hitting in every group of ``group_ids``.
 
         ``drop_eagle`` drops the last matched block (EAGLE recomputes it for its hidden states)."""
-        raise NotImplementedError
+        raise NotImplementedError("abstract: each group kind implements its own cache-hit search")
 
     def cache_mask(self, start: int, end: int, alignment: int, use_eagle: bool = False) -> list[bool] | None:
         """Which of blocks ``[start, end)`` to put in the hash map (None = all)."""
