@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Iterable, Protocol, Sequence, TypeVar
 
+from kvref.spec.errors import check_int
+
 S = TypeVar("S")
 
 __all__ = [
@@ -144,7 +146,8 @@ class ExplorationResult:
 def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             max_seconds: float | None = None, stop_at_first: bool = True,
             check_deadlocks: bool = True, check_liveness: bool = False,
-            max_findings: int = 10, max_depth: int | None = None) -> ExplorationResult:
+            max_findings: int = 10, max_depth: int | None = None,
+            workers: int | str | None = 1) -> ExplorationResult:
     """Breadth-first exploration of every state reachable from ``system.initial_states()``.
 
     Args:
@@ -159,6 +162,10 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
         max_findings: stop after this many findings when ``stop_at_first`` is False.
         max_depth: bounded exploration: states at this depth are checked but not expanded
             (``complete=False`` if any was cut off). For systems whose state carries a counter.
+        workers: processes that expand states (1: this one only; ``"auto"`` / 0: one per CPU).
+            With more than one, each BFS level is expanded by forked workers and merged in
+            order (:mod:`kvref.models.explorer_parallel`): the same states, counts and shortest
+            traces as with one, faster on a multi-core machine once a level is large.
 
     Returns:
         An :class:`ExplorationResult` with counts, timing and findings (shortest traces first).
@@ -168,9 +175,20 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
     # older generations re-walk the growing index (≈ 25 % of the time on the reference scopes).
     # Collect less often while exploring; copied states still die by reference counting, and
     # their cycles (free-list links) are collected at the higher threshold.
+    from .explorer_parallel import explore_parallel, fork_available, resolve_workers
+
+    n_workers = resolve_workers(workers)
+    check_int("max_findings", max_findings, minimum=1)
+    check_int("max_states", max_states, minimum=1, allow_none=True)
+    check_int("max_depth", max_depth, minimum=0, allow_none=True)
     old = gc.get_threshold()
     gc.set_threshold(max(old[0], 50_000), max(old[1], 20), max(old[2], 100))
     try:
+        if n_workers > 1 and fork_available():
+            return explore_parallel(system, ExplorationResult(), workers=n_workers, max_states=max_states,
+                                    max_seconds=max_seconds, stop_at_first=stop_at_first,
+                                    check_deadlocks=check_deadlocks, check_liveness=check_liveness,
+                                    max_findings=max_findings, max_depth=max_depth)
         return _explore(system, max_states, max_seconds, stop_at_first, check_deadlocks,
                         check_liveness, max_findings, max_depth)
     finally:

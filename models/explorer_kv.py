@@ -231,6 +231,11 @@ def reference_available() -> bool:
 #: looked up by value again). Keyed by id(); the strong reference keeps the id from being reused.
 _SHARED: dict[int, Any] = {}
 _DISPATCH: dict | None = None
+#: set in the explorer's worker processes (:meth:`KVSystem.worker_started`): an id registered
+#: only in one process would mean nothing in another, so after the fork nothing new is
+#: registered and unknown objects are pickled by value (what was registered before the fork is
+#: at the same address in every process, so its id may still be sent)
+_REGISTRY_FROZEN = False
 
 
 def _shared(key: int) -> Any:
@@ -238,7 +243,10 @@ def _shared(key: int) -> Any:
 
 
 def _share(obj: Any) -> tuple:
-    _SHARED[id(obj)] = obj
+    if id(obj) not in _SHARED:
+        if _REGISTRY_FROZEN:
+            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        _SHARED[id(obj)] = obj
     return (_shared, (id(obj),))
 
 
@@ -303,15 +311,26 @@ class KVSystem:
         self._pos = {rid: i for i, rid in enumerate(self.ids)}
         # shadow contents hold K/V identities (salt, prefix) as small ints: one number per
         # distinct identity, so state keys stay short and cheap to hash (issue 6)
+        # The numbering is fixed up front from the workload (every prefix of every request's
+        # deterministic token sequence), not assigned in discovery order: keys must not depend on
+        # which process (explorer_parallel) or which order met an identity first. An identity
+        # outside the table (only a faulty scheduler could write one) stands for itself.
         self._kv_ids: dict[tuple, int] = {}
         self._kv_values: list[tuple] = []
+        for i, prompt in enumerate(scope.prompts):
+            salt = scope.salts[i] if scope.salts else None
+            tokens = list(prompt) + [sampled_token(len(prompt) + k) for k in range(scope.max_tokens[i])]
+            for p in range(len(tokens)):
+                identity = (salt, tuple(tokens[:p + 1]))
+                if identity not in self._kv_ids:
+                    self._kv_ids[identity] = len(self._kv_values)
+                    self._kv_values.append(identity)
 
-    def _kv_id(self, identity: tuple) -> int:
-        i = self._kv_ids.get(identity)
-        if i is None:
-            i = self._kv_ids[identity] = len(self._kv_values)
-            self._kv_values.append(identity)
-        return i
+    def _kv_id(self, identity: tuple) -> int | tuple:
+        return self._kv_ids.get(identity, identity)
+
+    def _kv_value(self, kv_id: int | tuple) -> tuple:
+        return self._kv_values[kv_id] if isinstance(kv_id, int) else kv_id
 
     def _symmetries(self) -> list[dict[str, str]]:
         """Renamings among requests that are indistinguishable (same prompt, max_tokens, salt).
@@ -535,6 +554,29 @@ class KVSystem:
         t.content = dict(s.content)
         return t
 
+    # --- moving states between processes (kvref.models.explorer_parallel) ----------------------
+
+    def dump(self, s: KVState) -> bytes:
+        """The whole state (steps in flight and shadow contents too) as bytes that a process
+        forked from this one can :meth:`load`."""
+        blob, s._blob = s._blob, None
+        try:
+            return _dumps(s)
+        finally:
+            s._blob = blob
+
+    def load(self, blob: bytes) -> KVState:
+        t = pickle.loads(blob)
+        # the scheduler keys its steps in flight by id(); the loaded steps are new objects (the
+        # same ones as in t.in_flight: one pickle keeps shared references shared)
+        t.scheduler._in_flight = {id(out): out for out in t.scheduler._in_flight.values()}
+        return t
+
+    def worker_started(self) -> None:
+        """Called in each explorer worker right after it forks (see :data:`_REGISTRY_FROZEN`)."""
+        global _REGISTRY_FROZEN
+        _REGISTRY_FROZEN = True
+
     def _write_and_check_hits(self, t: KVState, out) -> None:
         """Shadow writes for every scheduled token; prefix hits must carry the right content."""
         sched = t.scheduler
@@ -559,9 +601,9 @@ class KVSystem:
                         slots = t.content.get((g, b))
                         have = None if slots is None else slots[p % bs]
                         want = (r.cache_salt, tuple(tokens[:p + 1]))
-                        assert have is not None and have == self._kv_ids.get(want), (
+                        assert have is not None and have == self._kv_id(want), (
                             f"content: {sr.request_id} hit block {b} (group {g}) holds KV of "
-                            f"{None if have is None else self._kv_values[have]} at "
+                            f"{None if have is None else self._kv_value(have)} at "
                             f"slot {p % bs}; the request needs {want}")
                 end = sr.num_computed_tokens + sr.num_scheduled_tokens
                 for p in range(sr.num_computed_tokens, end):

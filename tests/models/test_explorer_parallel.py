@@ -1,0 +1,130 @@
+"""The parallel search finds exactly what the sequential one finds.
+
+``explore_parallel`` is called with ``min_parallel_level=1`` and small chunks so that even the
+small scopes go through forked workers, several chunks per level and the in-order merge.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref.models.explorer import ExplorationResult, explore
+from kvref.models.explorer_kv import SCOPES, KVSystem
+from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
+from kvref.models.explorer_parallel import explore_parallel, fork_available, resolve_workers
+from kvref.models.explorer_toy import ToyPool
+from kvref.models.mutants_catalogue import CATALOGUE
+from kvref.spec.errors import InvalidFieldError
+
+pytestmark = pytest.mark.skipif(not fork_available(), reason="the parallel explorer needs the fork start method")
+
+
+def _parallel(system, workers=2, **kw):
+    args = dict(max_states=None, max_seconds=None, stop_at_first=True, check_deadlocks=True,
+                check_liveness=False, max_findings=10, max_depth=None)
+    args.update(kw)
+    return explore_parallel(system, ExplorationResult(), workers=workers, min_parallel_level=1, chunk_states=3,
+                            **args)
+
+
+def _same(a, b):
+    assert (a.states, a.transitions, a.depth, a.complete) == (b.states, b.transitions, b.depth, b.complete)
+    assert [(f.kind, f.message, f.failed_action) for f in a.findings] == \
+        [(f.kind, f.message, f.failed_action) for f in b.findings]
+    for fa, fb in zip(a.findings, b.findings):
+        assert [(s.action, s.state) for s in fa.trace.steps] == [(s.action, s.state) for s in fb.trace.steps]
+
+
+@pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full", "chunked", "twins"])
+def test_every_scope_gives_the_same_states_as_the_sequential_search(name):
+    seq = explore(KVSystem(SCOPES[name]))
+    par = _parallel(KVSystem(SCOPES[name]))
+    assert seq.ok and seq.states > 5
+    _same(seq, par)
+
+
+def test_a_deadlock_is_found_with_the_same_shortest_trace():
+    seq = explore(KVSystem(SCOPES["undersized"]))
+    par = _parallel(KVSystem(SCOPES["undersized"]))
+    assert [f.kind for f in seq.findings] == ["deadlock"]
+    _same(seq, par)
+
+
+@pytest.mark.parametrize("name", ["manager.swa_skip_one_too_many", "hash.not_chained", "pool.touch_no_ref"])
+def test_a_violation_is_found_with_the_same_shortest_trace(name):
+    """The mutant must be active in the workers too: they are forked while it is patched in."""
+    with CATALOGUE[name].applied():
+        for scope in ("small", "swa", "full", "default"):
+            seq = explore(KVSystem(SCOPES[scope]))
+            if seq.findings:
+                break
+        par = _parallel(KVSystem(SCOPES[scope]))
+    assert seq.findings and seq.findings[0].kind == "violation"
+    _same(seq, par)
+
+
+def test_all_findings_mode_and_toy_deadlocks_match():
+    toy = ToyPool(num_blocks=7, needs=(3, 3, 3, 3), symmetry=False)
+    seq = explore(toy, stop_at_first=False)
+    par = _parallel(toy, stop_at_first=False)
+    assert len(seq.findings) > 1
+    _same(seq, par)
+
+
+def test_livelocks_and_liveness_edges_match():
+    toy = ToyPool(num_blocks=4, needs=(3, 3), preempt=True)
+    for system in (toy, KVSystem(SCOPES["tight"])):
+        seq = explore(system, check_liveness=True)
+        par = _parallel(system, check_liveness=True)
+        _same(seq, par)
+
+
+def test_limits_and_bounded_depth_match():
+    _same(explore(KVSystem(SCOPES["full"]), max_states=300), _parallel(KVSystem(SCOPES["full"]), max_states=300))
+    sc = OFFLOAD_SCOPES["offload"]
+    seq = explore(OffloadSystem(sc), max_depth=6, check_deadlocks=False)
+    par = _parallel(OffloadSystem(sc), max_depth=6, check_deadlocks=False)
+    assert not seq.complete and seq.states > 20
+    _same(seq, par)
+
+
+def test_explore_uses_the_workers_it_is_given():
+    seq = explore(KVSystem(SCOPES["full"]), workers=1)
+    par = explore(KVSystem(SCOPES["full"]), workers=2)
+    _same(seq, par)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "two", True])
+def test_bad_worker_counts_are_rejected(bad):
+    with pytest.raises(InvalidFieldError, match="workers"):
+        resolve_workers(bad)
+    with pytest.raises(InvalidFieldError, match="workers"):
+        explore(ToyPool(), workers=bad)
+
+
+def test_auto_means_one_worker_per_cpu():
+    assert resolve_workers("auto") >= 1 and resolve_workers(0) == resolve_workers(None) == resolve_workers("auto")
+    assert resolve_workers(3) == 3
+
+
+def test_content_identities_do_not_depend_on_discovery_order():
+    """Keys must be equal in every process: the shadow-content numbering comes from the workload."""
+    a, b = KVSystem(SCOPES["default"]), KVSystem(SCOPES["default"])
+    explore(a)  # a has now met every identity in some order; b has met none
+    assert a._kv_ids == b._kv_ids and len(a._kv_values) > 10
+    s = a.initial_states()[0]
+    for act in a.actions(s)[:1] + [("schedule",)]:
+        s = a.step(s, act)
+    assert a.key(s) == b.key(s)
+
+
+def test_a_dumped_state_loads_with_working_steps_in_flight():
+    sys_ = KVSystem(SCOPES["default"])
+    s = sys_.initial_states()[0]
+    for act in [("arrive", "r0"), ("schedule",), ("schedule",)]:
+        s = sys_.step(s, act)
+    t = sys_.load(sys_.dump(s))
+    assert sys_.key(t) == sys_.key(s) and len(t.in_flight) == 2
+    assert set(t.scheduler._in_flight) == {id(o) for o in t.in_flight}
+    u = sys_.step(t, ("complete",))  # completes the loaded step: the scheduler finds it by id
+    assert len(u.in_flight) == 1 and sys_.key(u) != sys_.key(t)
