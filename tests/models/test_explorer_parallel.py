@@ -128,3 +128,18 @@ def test_a_dumped_state_loads_with_working_steps_in_flight():
     assert set(t.scheduler._in_flight) == {id(o) for o in t.in_flight}
     u = sys_.step(t, ("complete",))  # completes the loaded step: the scheduler finds it by id
     assert len(u.in_flight) == 1 and sys_.key(u) != sys_.key(t)
+
+
+def test_cli_workers_flag_gives_the_same_figures(capsys):
+    import json
+
+    from kvref.cli import main
+
+    assert main(["explore", "--scope", "small", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main(["explore", "--scope", "small", "--json", "--workers", "2"]) == 0
+    two = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (one["workers"], two["workers"]) == (1, 2)
+    assert (one["states"], one["transitions"], one["depth"]) == (two["states"], two["transitions"], two["depth"])
+    assert main(["explore", "--scope", "small", "--workers", "-3"]) == 2
+    assert "workers" in capsys.readouterr().err
