@@ -1,6 +1,7 @@
 """Explorer states/s and state-machine steps/s (BENCHMARKS.md, "Explorer and state machines").
 
     .venv/bin/python benchmarks/bench_models.py [--quick] [--no-vllm] [--explorer-only]
+    .venv/bin/python benchmarks/bench_models.py --workers [N ...]   # one process vs N workers
 
 Everything is measured in one run on the same machine, so the ratios between rows are the
 figures to read (absolute numbers depend on the machine and its load).
@@ -158,6 +159,32 @@ def bench_before_after(scopes: list[str], repeats: int = 3) -> list[tuple]:
     return rows
 
 
+def bench_workers(scopes: list[str], workers: list[int], repeats: int = 3) -> list[tuple]:
+    """One process vs the parallel search (``explore(..., workers=N)``): best of ``repeats``
+    alternating runs each, same states asserted. The rows say how many CPUs the machine has."""
+    from kvref.models.explorer import explore
+    from kvref.models.explorer_kv import SCOPES, KVSystem
+    from kvref.models.explorer_parallel import resolve_workers
+
+    cpus = resolve_workers("auto")
+    rows = []
+    for name in scopes:
+        best: dict[int, Any] = {}
+        for _ in range(repeats):
+            for w in [1] + workers:
+                r = explore(KVSystem(SCOPES[name]), workers=w)
+                if w in best:
+                    assert (r.states, r.transitions) == (best[w].states, best[w].transitions)
+                if w not in best or r.seconds < best[w].seconds:
+                    best[w] = r
+        for w in [1] + workers:
+            r = best[w]
+            label = "1 process" if w == 1 else f"{w} workers"
+            rows.append((f"reference, scope {name}: {label} on {cpus} CPUs (best of {repeats})", r.states,
+                         r.transitions, r.depth, r.seconds, r.states_per_second))
+    return rows
+
+
 def bench_machines(examples: int, with_vllm: bool) -> list[tuple]:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
@@ -189,7 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--explorer-only", action="store_true", help="skip the state-machine rows")
+    ap.add_argument("--workers", type=int, nargs="*", default=None, metavar="N",
+                    help="only the one-process vs N-worker explorer rows (default N: 2 and the CPU count)")
     args = ap.parse_args(argv)
+    if args.workers is not None:
+        from kvref.models.explorer_parallel import resolve_workers
+
+        counts = sorted(set(args.workers or [2, resolve_workers("auto")]) - {1})
+        print("| system | states | transitions | depth | seconds | states/s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, st, tr, d, sec, sps in bench_workers(["full", "large"], counts):
+            print(f"| {name} | {st:,} | {tr:,} | {d} | {sec:.2f} | {sps:,.0f} |")
+        return 0
     scopes = ["default"] if args.quick else ["default", "full", "large"]
     print("| system | states | transitions | depth | seconds | states/s |")
     print("|---|---:|---:|---:|---:|---:|")
