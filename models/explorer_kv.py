@@ -231,11 +231,6 @@ def reference_available() -> bool:
 #: looked up by value again). Keyed by id(); the strong reference keeps the id from being reused.
 _SHARED: dict[int, Any] = {}
 _DISPATCH: dict | None = None
-#: set in the explorer's worker processes (:meth:`KVSystem.worker_started`): an id registered
-#: only in one process would mean nothing in another, so after the fork nothing new is
-#: registered and unknown objects are pickled by value (what was registered before the fork is
-#: at the same address in every process, so its id may still be sent)
-_REGISTRY_FROZEN = False
 
 
 def _shared(key: int) -> Any:
@@ -243,10 +238,7 @@ def _shared(key: int) -> Any:
 
 
 def _share(obj: Any) -> tuple:
-    if id(obj) not in _SHARED:
-        if _REGISTRY_FROZEN:
-            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        _SHARED[id(obj)] = obj
+    _SHARED[id(obj)] = obj
     return (_shared, (id(obj),))
 
 
@@ -557,8 +549,9 @@ class KVSystem:
     # --- moving states between processes (kvref.models.explorer_parallel) ----------------------
 
     def dump(self, s: KVState) -> bytes:
-        """The whole state (steps in flight and shadow contents too) as bytes that a process
-        forked from this one can :meth:`load`."""
+        """The whole state (steps in flight and shadow contents too) as bytes that this process
+        or one forked from it *after* the dump can :meth:`load` (shared configs are sent as
+        references into the registry the dump fills, see :func:`_share`)."""
         blob, s._blob = s._blob, None
         try:
             return _dumps(s)
@@ -571,11 +564,6 @@ class KVSystem:
         # same ones as in t.in_flight: one pickle keeps shared references shared)
         t.scheduler._in_flight = {id(out): out for out in t.scheduler._in_flight.values()}
         return t
-
-    def worker_started(self) -> None:
-        """Called in each explorer worker right after it forks (see :data:`_REGISTRY_FROZEN`)."""
-        global _REGISTRY_FROZEN
-        _REGISTRY_FROZEN = True
 
     def _write_and_check_hits(self, t: KVState, out) -> None:
         """Shadow writes for every scheduled token; prefix hits must carry the right content."""

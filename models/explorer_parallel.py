@@ -1,29 +1,33 @@
 """Level-synchronous parallel breadth-first search: the explorer's states spread over processes.
 
 The reference is plain Python, and one expansion (copy the state, run the scheduler, hash the
-key, check every invariant) costs ~100-300 µs of interpreter time that no single-process trick
+key, check every invariant) costs 100-300 µs of interpreter time that no single-process trick
 removes (issue 6: the pickle copy alone is ~40 % of it). Expanding the states of one BFS level is
-embarrassingly parallel, so this module farms the expansions out to forked worker processes and
+embarrassingly parallel, so this module spreads the expansions over forked worker processes and
 keeps everything that decides *which* states exist in the parent:
 
-* **workers** get a chunk of the current level as serialized states (``system.dump``), expand each
-  by every action, and send back, per successor, its key, whether it is final, the invariant
-  violation if any, and the serialized successor (only for keys this worker has not sent before:
-  a key it sent earlier is registered already, so its state is not needed again);
-* the **parent** merges the chunks *in frontier order* (``imap`` is ordered), state by state and
-  action by action, exactly as the sequential engine pops its FIFO queue. It alone owns the
-  index, the parent pointers and the findings.
+* a **worker** owns the live states it created: in the next level it expands exactly those the
+  parent tells it to (the parent registered them as new), with the sequential engine's copying
+  scheme (copy per action, the last action steps the state itself). States never travel between
+  processes, only what the parent needs to know about them: per successor its key, whether it
+  is final, its invariant violation if any. A successor this worker met before is reported by
+  key alone; one met the first time is checked and kept (if another worker reported it first, the
+  parent does not ask for it and it is dropped at the end of the level);
+* the **parent** merges the reports *in frontier order*, state by state and action by action,
+  exactly as the sequential engine pops its FIFO queue. It alone owns the index, the parent
+  pointers and the findings.
 
 So the result is *identical* to :func:`kvref.models.explorer._explore`: same states in the same
 discovery order, same transition count, same depth, the same first finding with the same shortest
-trace (``tests/models/test_explorer_parallel.py`` compares the two on every scope). Small levels
-are expanded in the parent (forking costs more than they do); the pool is started at the first
-level of at least ``min_parallel_level`` states.
+trace (``tests/models/test_explorer_parallel.py`` compares the two on every scope, with findings
+and limits). Small levels are expanded in the parent (forking costs more than they do); the
+workers start at the first level of at least ``min_parallel_level`` states, which is serialized
+once (``system.dump``) and dealt out round robin.
 
-What a system must allow: its states must survive ``system.dump`` / ``system.load`` (defaults:
-pickle) into another process forked from this one, and ``key`` must not depend on the process
-(no per-process interning). :class:`~kvref.models.explorer_kv.KVSystem` documents how it ensures
-both. Needs the ``fork`` start method (Linux; elsewhere the search falls back to one process).
+Keys cross processes as their ``repr`` (see :class:`_ReprKeyed`), so ``key`` must not depend on
+the process (no per-process numbering): :class:`~kvref.models.explorer_kv.KVSystem` fixes its
+content numbering from the workload for this. Needs the ``fork`` start method (Linux; elsewhere
+:func:`kvref.models.explorer.explore` stays in one process).
 """
 
 from __future__ import annotations
@@ -33,16 +37,16 @@ import os
 import pickle
 import time
 from array import array
+from collections import deque
+from multiprocessing.connection import wait
 from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
-__all__ = ["resolve_workers", "explore_parallel"]
+__all__ = ["resolve_workers", "fork_available", "explore_parallel"]
 
-#: the system being explored, set in the parent before the pool forks (workers inherit it)
-_SYSTEM: Any = None
-#: keys this worker process has already sent with their state
-_SENT: set = set()
+#: states a worker reports per message
+_BATCH = 16
 
 
 def resolve_workers(workers: int | str | None) -> int:
@@ -62,75 +66,16 @@ def fork_available() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
-def _dump(system: Any, state: Any) -> bytes:
-    dump = getattr(system, "dump", None)
-    return dump(state) if dump is not None else pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _load(system: Any, blob: bytes) -> Any:
-    load = getattr(system, "load", None)
-    return load(blob) if load is not None else pickle.loads(blob)
-
-
-def _expand(system: Any, blob: bytes, sent: Any) -> list:
-    """Every successor of one serialized state, as plain data the parent can merge.
-
-    One entry per enabled action, in the system's order:
-    ``("err", action, message)`` if the action raised, else
-    ``("ok", action, key, final, violation | None, blob | None)``. A successor whose key is in
-    ``sent`` (registered already) is neither checked nor serialized: the parent ignores it.
-    """
-    state = _load(system, blob)
-    acts = list(system.actions(state))
-    consume = getattr(system, "step_consuming", None)
-    out: list = []
-    for i, a in enumerate(acts):
-        # every action steps a fresh copy of the state (the first one steps the copy we already
-        # loaded); loading is cheaper than the sequential engine's dump-once-load-per-action here
-        cur = state if i == 0 else _load(system, blob)
-        try:
-            nxt = consume(cur, a) if consume is not None else system.step(cur, a)
-        except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
-            from .explorer import _fmt_action, _fmt_exc
-
-            out.append(("err", a, f"action {_fmt_action(a)} raised {_fmt_exc(e)}", _fmt_exc(e)))
-            continue
-        k = system.key(nxt)
-        if k in sent:
-            out.append(("ok", a, k, False, None, None))
-            continue
-        if isinstance(sent, set):
-            sent.add(k)
-        violation = None
-        try:
-            system.check(nxt)
-        except AssertionError as e:
-            from .explorer import _fmt_exc
-
-            violation = _fmt_exc(e)
-        if violation is not None:
-            out.append(("ok", a, k, False, violation, None))
-        else:
-            out.append(("ok", a, k, bool(system.is_final(nxt)), None, _dump(system, nxt)))
-    return out
-
-
-def _worker_started() -> None:
-    hook = getattr(_SYSTEM, "worker_started", None)
-    if hook is not None:
-        hook()
-
-
 class _ReprKeyed:
-    """``system`` with its keys sent as their ``repr`` strings.
+    """``system`` with its keys as their ``repr`` strings.
 
-    A key is a nested tuple; shipping it to the parent means pickling and unpickling every
-    element, and the parent then hashes it again on every lookup. Its ``repr`` is one string
-    (hash cached, copied as a block). The explorer's keys are built from ints, strings, None,
+    A key is a nested tuple; shipping it to the parent would mean pickling and unpickling every
+    element, and the parent would hash it again on every lookup. Its ``repr`` is one string (hash
+    cached, copied as a block). The explorer's keys are built from ints, strings, bytes, None,
     bools, tuples and enum members, whose ``repr`` is deterministic, so equal keys give equal
-    strings; the converse holds too except for ``1 == True``-style coincidences, which would
-    only split a state in two (never merge two different ones). The parallel search is checked
-    to find exactly the sequential one's states.
+    strings; the converse holds too except for ``1 == True``-style coincidences, which would only
+    split a state in two (never merge two different ones) and would show as a state count that
+    differs from the sequential search's.
     """
 
     def __init__(self, system: Any) -> None:
@@ -143,17 +88,157 @@ class _ReprKeyed:
         return getattr(self._system, name)
 
 
-def _work(chunk: list[bytes]) -> list[list]:
-    return [_expand(_SYSTEM, blob, _SENT) for blob in chunk]
+class _Expander:
+    """Expands live states; runs in the parent for small levels and in every worker.
+
+    ``live`` holds the states this process created in the current level and has not reported
+    before (by key); ``sent`` every key it has reported.
+    """
+
+    def __init__(self, system: Any) -> None:
+        self.system = system
+        self.consume = getattr(system, "step_consuming", None)
+        self.live: dict[str, Any] = {}
+        self.next_live: dict[str, Any] = {}
+        self.sent: set[str] = set()
+
+    def expand(self, key: str) -> tuple[str | None, list]:
+        """Report for the state with ``key``: (deadlock reason if nothing changed it, entries).
+
+        Entries, one per enabled action in the system's order: ``("err", action, message,
+        error)`` if the action raised; ``("same", action)`` if it led back to this state;
+        ``("seen", action, key)`` for a successor this process reported before;
+        ``("new", action, key, final, violation)`` for one it meets the first time.
+        """
+        from .explorer import _fmt_action, _fmt_exc
+
+        system = self.system
+        state = self.live.pop(key)
+        acts = list(system.actions(state))
+        last = len(acts) - 1
+        out: list = []
+        progressed = False
+        for i, a in enumerate(acts):
+            try:
+                nxt = self.consume(state, a) if i == last and self.consume is not None else system.step(state, a)
+            except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
+                out.append(("err", a, f"action {_fmt_action(a)} raised {_fmt_exc(e)}", _fmt_exc(e)))
+                progressed = True
+                continue
+            k = system.key(nxt)
+            if k == key:
+                out.append(("same", a))
+                continue
+            progressed = True
+            if k in self.sent:
+                out.append(("seen", a, k))
+                continue
+            self.sent.add(k)
+            try:
+                system.check(nxt)
+            except AssertionError as e:
+                out.append(("new", a, k, False, _fmt_exc(e)))
+                continue
+            self.next_live[k] = nxt
+            out.append(("new", a, k, bool(system.is_final(nxt)), None))
+        why = None
+        if not progressed and not system.is_final(state):
+            reason = getattr(system, "deadlock_reason", None)
+            why = reason(state) if reason is not None else ""
+        return why, out
+
+    def next_level(self) -> None:
+        self.live = self.next_live
+        self.next_live = {}
+
+
+def _worker_main(system: Any, conn: Any) -> None:
+    """A worker: ``("seed", [(key, blob)])``, then per level ``("expand", [key, ...])``."""
+    ex = _Expander(system)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "seed":
+                load = getattr(system, "load", None)
+                for k, blob in msg[1]:
+                    ex.live[k] = load(blob) if load is not None else pickle.loads(blob)
+                    ex.sent.add(k)
+            elif msg[0] == "expand":
+                batch: list = []
+                for k in msg[1]:
+                    batch.append(ex.expand(k))
+                    if len(batch) >= _BATCH:
+                        conn.send(batch)
+                        batch = []
+                if batch:
+                    conn.send(batch)
+                ex.next_level()
+            else:  # pragma: no cover - the parent terminates its workers
+                return
+    except (EOFError, KeyboardInterrupt):
+        return
+    except BaseException as e:  # noqa: BLE001 - hand the failure to the parent, which re-raises
+        try:
+            conn.send(("crash", e))
+        except Exception:  # noqa: BLE001 - the exception itself may not pickle
+            conn.send(("crash", RuntimeError(f"explorer worker failed: {type(e).__name__}: {e}")))
+
+
+class _Workers:
+    """The worker processes and the parent's ends of their pipes."""
+
+    def __init__(self, system: Any, n: int, seeds: list[list[tuple[str, bytes]]]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.conns: list = []
+        self.procs: list = []
+        for w in range(n):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, args=(system, child), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for conn, seed in zip(self.conns, seeds):
+            conn.send(("seed", seed))
+        self.buffers: list[deque] = [deque() for _ in range(n)]
+
+    def expand(self, per_worker: list[list[str]]) -> None:
+        for conn, ks in zip(self.conns, per_worker):
+            conn.send(("expand", ks))
+
+    def next_report(self, w: int) -> tuple:
+        """The next report of worker ``w``; reads whatever any worker has sent meanwhile, so
+        no worker waits on a full pipe while the parent waits for another one."""
+        buf = self.buffers[w]
+        while not buf:
+            for conn in wait(self.conns):
+                i = self.conns.index(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    raise RuntimeError(f"explorer worker {i} exited unexpectedly") from None
+                if isinstance(msg, tuple) and msg and msg[0] == "crash":
+                    raise msg[1]
+                self.buffers[i].extend(msg)
+        return buf.popleft()
+
+    def close(self) -> None:
+        # workers hold nothing worth a clean exit (and may be blocked sending a level the parent
+        # stopped reading after a finding): end them at once
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.join()
+        for conn in self.conns:
+            conn.close()
 
 
 def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | None,
                      max_seconds: float | None, stop_at_first: bool, check_deadlocks: bool,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
-                     min_parallel_level: int = 64, chunk_states: int | None = None) -> Any:
+                     min_parallel_level: int = 64) -> Any:
     """The body of :func:`kvref.models.explorer.explore` for ``workers > 1``; fills ``res``."""
-    global _SYSTEM
-    from .explorer import Finding, Step, _first_stuck, _fmt_action, _rebuild_trace, _safe_describe
+    from .explorer import Finding, Step, Trace, _first_stuck, _fmt_action, _fmt_exc, _rebuild_trace, _safe_describe
 
     t0 = time.perf_counter()
     system = _ReprKeyed(system)
@@ -172,8 +257,6 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
 
     def add_finding(kind: str, message: str, idx: int | None, failed_action: Hashable | None = None,
                     extra: Step | None = None) -> bool:
-        from .explorer import Trace
-
         trace = _rebuild_trace(system, keys, parents, via, idx) if idx is not None else Trace([])
         if extra is not None:
             trace.steps.append(extra)
@@ -188,14 +271,13 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
         via.append(action)
         return i
 
-    # level 0: (index, blob, final)
-    level: list[tuple[int, bytes, bool]] = []
+    local = _Expander(system)
+    # a level: (index, owner, final); owner -1 = this process
+    level: list[tuple[int, int, bool]] = []
     for s0 in system.initial_states():
         try:
             system.check(s0)
         except AssertionError as e:
-            from .explorer import _fmt_exc
-
             if add_finding("violation", f"initial state: {_fmt_exc(e)}", None,
                            extra=Step(None, _safe_describe(system, s0))):
                 return finish(False)
@@ -203,10 +285,13 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
         k0 = system.key(s0)
         if k0 in index:
             continue
-        level.append((register(k0, -1, None), _dump(system, s0), bool(system.is_final(s0))))
+        local.live[k0] = s0
+        local.sent.add(k0)
+        level.append((register(k0, -1, None), -1, bool(system.is_final(s0))))
         res.states += 1
 
-    pool = None
+    pool: _Workers | None = None
+    also_live: dict[int, list[int]] = {}
     n = 0
     cut = False
     depth = 0
@@ -216,39 +301,63 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
             if max_depth is not None and depth >= max_depth:
                 cut = cut or any(not final for _, _, final in level)
                 break
-            expand_here = pool is None and len(level) < min_parallel_level
-            if not expand_here and pool is None:
-                _SYSTEM = system
-                pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_started)
-            if expand_here:
-                results = (_expand(system, blob, index) for _, blob, _ in level)
-            else:
-                size = chunk_states or max(4, min(256, len(level) // (workers * 4) or 1))
-                chunks = [[blob for _, blob, _ in level[i:i + size]] for i in range(0, len(level), size)]
-                results = (r for rs in pool.imap(_work, chunks) for r in rs)
-            nxt_level: list[tuple[int, bytes, bool]] = []
-            for (idx, blob, final), succ in zip(level, results):
+            if pool is None and len(level) >= min_parallel_level:
+                # hand this level's states to the workers, round robin, serialized once; dumped
+                # before the fork, so anything the dump registers exists in the workers too
+                dump = getattr(system, "dump", None)
+                seeds: list[list[tuple[str, bytes]]] = [[] for _ in range(workers)]
+                for i, (idx, _, final) in enumerate(level):
+                    k = keys[idx]
+                    s = local.live.pop(k)
+                    seeds[i % workers].append(
+                        (k, dump(s) if dump is not None else pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)))
+                    level[i] = (idx, i % workers, final)
+                local.live.clear()
+                pool = _Workers(system, workers, seeds)
+            if pool is not None:
+                per_worker: list[list[str]] = [[] for _ in range(workers)]
+                for i, (idx, w, final) in enumerate(level):
+                    # balance: a state met by several workers in the last level is live in each
+                    # of them; the least loaded one expands it
+                    holders = also_live.get(idx)
+                    if holders:
+                        w = min([w] + holders, key=lambda c: len(per_worker[c]))
+                        level[i] = (idx, w, final)
+                    per_worker[w].append(keys[idx])
+                pool.expand(per_worker)
+            first_new = len(keys)
+            also_live: dict[int, list[int]] = {}
+            nxt_level: list[tuple[int, int, bool]] = []
+            for idx, w, final in level:
+                why, entries = local.expand(keys[idx]) if w < 0 else pool.next_report(w)  # type: ignore[union-attr]
                 if final:
                     finals.append(idx)
                 progressed = False
-                for entry in succ:
+                for entry in entries:
                     res.transitions += 1
-                    if entry[0] == "err":
+                    tag = entry[0]
+                    if tag == "same":
+                        continue
+                    progressed = True
+                    if tag == "err":
                         _, a, msg, err = entry
-                        progressed = True
                         if add_finding("violation", msg, idx, failed_action=a, extra=Step(a, {"error": err})):
                             return finish(False)
                         continue
-                    _, a, k, sfinal, violation, sblob = entry
+                    a, k = entry[1], entry[2]
                     j = index.get(k)
                     if j is not None:
-                        if j != idx:
-                            progressed = True
-                            if check_liveness:
-                                edge_src.append(idx)
-                                edge_dst.append(j)
+                        if j >= first_new and w >= 0:  # new in this level: w holds a live copy too
+                            holders = also_live.setdefault(j, [])
+                            if w not in holders:
+                                holders.append(w)
+                        if check_liveness:
+                            edge_src.append(idx)
+                            edge_dst.append(j)
                         continue
-                    progressed = True
+                    if tag != "new":  # pragma: no cover - a key reported before is registered
+                        raise RuntimeError(f"explorer: a worker reported {k!r} as seen, but it is not registered")
+                    _, a, k, sfinal, violation = entry
                     j = register(k, idx, a)
                     if check_liveness:
                         edge_src.append(idx)
@@ -257,15 +366,12 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
                         if add_finding("violation", f"invariant broken after {_fmt_action(a)}: {violation}", j):
                             return finish(False)
                         continue
-                    if sblob is None:  # pragma: no cover - a worker sends every unsent new state
-                        raise RuntimeError(f"explorer worker sent no state for new key {k!r}")
                     res.states += 1
-                    nxt_level.append((j, sblob, sfinal))
+                    nxt_level.append((j, w, sfinal))
                 if check_deadlocks and not progressed and not final:
-                    why = getattr(system, "deadlock_reason", None)
                     msg = "no action changes the state, but work is unfinished"
-                    if why is not None:
-                        msg += f": {why(_load(system, blob))}"
+                    if why:
+                        msg += f": {why}"
                     if add_finding("deadlock", msg, idx):
                         return finish(False)
                 n += 1
@@ -273,13 +379,12 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
                     return finish(False)
                 if max_states is not None and res.states >= max_states:
                     return finish(False)
+            local.next_level()
             level = nxt_level
             depth += 1
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
-        _SYSTEM = None
+            pool.close()
     if check_liveness and not cut and not (res.findings and stop_at_first):
         stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
         if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):

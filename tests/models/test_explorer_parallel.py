@@ -19,11 +19,11 @@ from kvref.spec.errors import InvalidFieldError
 pytestmark = pytest.mark.skipif(not fork_available(), reason="the parallel explorer needs the fork start method")
 
 
-def _parallel(system, workers=2, **kw):
+def _parallel(system, workers=2, min_parallel_level=1, **kw):
     args = dict(max_states=None, max_seconds=None, stop_at_first=True, check_deadlocks=True,
                 check_liveness=False, max_findings=10, max_depth=None)
     args.update(kw)
-    return explore_parallel(system, ExplorationResult(), workers=workers, min_parallel_level=1, chunk_states=3,
+    return explore_parallel(system, ExplorationResult(), workers=workers, min_parallel_level=min_parallel_level,
                             **args)
 
 
@@ -36,9 +36,11 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full", "chunked", "twins"])
-def test_every_scope_gives_the_same_states_as_the_sequential_search(name):
+@pytest.mark.parametrize("workers,min_level", [(2, 1), (3, 8)])
+def test_every_scope_gives_the_same_states_as_the_sequential_search(name, workers, min_level):
+    """min_level 8: the first levels are expanded here, then handed to the workers mid-search."""
     seq = explore(KVSystem(SCOPES[name]))
-    par = _parallel(KVSystem(SCOPES[name]))
+    par = _parallel(KVSystem(SCOPES[name]), workers=workers, min_parallel_level=min_level)
     assert seq.ok and seq.states > 5
     _same(seq, par)
 
