@@ -9,7 +9,9 @@ per worker.
 
 Two backends answer the same calls: ``"reference"`` (kvref) and ``"vllm"`` (vLLM 0.33.0's
 ``KVCacheManager`` + ``SimpleCPUOffloadScheduler``), so one trace can run on both and be compared
-(conformance) — and the reference can be run with historic variants.
+(conformance) — and the reference can be run with historic variants. The engine side (GPU
+``KVCacheManager``, requests, the scheduler's bookkeeping) is shared with the OffloadingConnector
+world in :mod:`kvref.models.offload_world_common`.
 
 The content model tracks a *content token* per GPU and CPU block: the (group, block-hash) of the
 tokens the block holds. Computing tokens writes it, a store copies it GPU -> CPU at completion,
@@ -27,19 +29,25 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
-from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
     SimpleCPUOffloadScheduler,
     SimpleOffloadStep,
 )
-from kvref.impl.request import Request, RequestStatus
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
-
-class OffloadInvariantError(AssertionError):
-    """The content model caught the system breaking an offload invariant."""
+from .offload_world_common import (
+    OffloadInvariantError,
+    OffloadWorldBase,
+    ReferenceEngine,
+    ScheduledBatch,
+    VllmEngine,
+    WorldRequest,
+    kvref_kv_cache_groups,
+    kvref_kv_cache_manager,
+    vllm_kv_cache_manager,
+    vllm_scheduler_output,
+)
 
 
 @dataclass(frozen=True)
@@ -54,18 +62,14 @@ class SimpleOffloadConfig:
     max_num_batched_tokens: int = 64
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        kw = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
-        groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(**kw))]
-        if self.sliding_window is not None:
-            groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **kw)))
-        return tuple(groups)
+        return kvref_kv_cache_groups(self.block_size, self.sliding_window)
 
 
 # --------------------------------------------------------------------------------------------
 # Backends
 
 
-class ReferenceBackend:
+class ReferenceBackend(ReferenceEngine):
     """kvref's KVCacheManager + SimpleCPUOffloadScheduler (``variant`` picks a historic one)."""
 
     name = "reference"
@@ -74,8 +78,7 @@ class ReferenceBackend:
 
     def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:
         groups = cfg.kvref_groups()
-        self.mgr = KVCacheManager(PoolConfig(cfg.num_gpu_blocks, groups, cfg.max_model_len, cfg.block_size,
-                                             cfg.block_size, enable_caching=True))
+        self.mgr = kvref_kv_cache_manager(cfg, groups)
         self.conn = SimpleCPUOffloadScheduler(
             groups, cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.block_size, lazy_offload=cfg.lazy,
             world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -83,40 +86,6 @@ class ReferenceBackend:
         self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
-
-    def make_request(self, rid: str, prompt: list[int], max_tokens: int) -> Any:
-        return Request(rid, prompt, max_tokens=max_tokens)
-
-    def append_token(self, req, tok: int) -> None:
-        req.output_token_ids.append(tok)
-
-    def block_hashes(self, req) -> list[bytes]:
-        return self.mgr.block_hashes(req)
-
-    def set_status(self, req, status: str) -> None:
-        req.status = {"waiting": RequestStatus.WAITING, "loading": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
-                      "preempted": RequestStatus.PREEMPTED, "finished": RequestStatus.FINISHED}[status]
-
-    def get_computed_blocks(self, req):
-        blocks, n, _ = self.mgr.get_computed_blocks(req)
-        return blocks, n
-
-    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
-        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
-                                      delay_cache_blocks=delay)
-        return None if out is None else out.get_block_ids()
-
-    def table(self, rid: str) -> tuple[list[int], ...]:
-        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
-
-    def cache_blocks(self, req, n: int) -> None:
-        self.mgr.coordinator.cache_blocks(req, self.mgr.block_hashes(req), n)
-
-    def free(self, req) -> None:
-        self.mgr.free(req)
-
-    def match(self, req, n_computed):
-        return self.conn.get_num_new_matched_tokens(req, n_computed)
 
     def after_alloc(self, req, n_ext) -> None:
         self.conn.update_state_after_alloc(req, self.table(req.request_id), n_ext)
@@ -143,37 +112,16 @@ class ReferenceBackend:
         self.mgr.check_invariants(strict_ref_counts=False)
 
 
-class VllmBackend(ReferenceBackend):
+class VllmBackend(VllmEngine, ReferenceBackend):
     """vLLM 0.33.0's KVCacheManager + SimpleCPUOffloadScheduler bound to its GPU block pool."""
 
     name = "vllm"
 
     def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:  # noqa: D107
-        import torch
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager as VKVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
-        from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VSched
 
         assert variant == "reference", "vLLM runs as released"
-        init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(cfg.block_size, sha256)
-        kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        groups = [VGroup(["full"], VFull(**kw))]
-        if cfg.sliding_window is not None:
-            groups.append(VGroup(["swa"], VSWA(sliding_window=cfg.sliding_window, **kw)))
-        page = groups[0].kv_cache_spec.page_size_bytes
-        kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
-                             kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,
-                                                             layers=[g.layer_names[0] for g in groups],
-                                                             layer_stride=page, block_stride=page)],
-                             kv_cache_groups=groups)
-        self.mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
-                                   hash_block_size=cfg.block_size, enable_caching=True)
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         vcfg = SimpleNamespace(
             kv_events_config=None, speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
             num_prefill_lookahead_tokens=0,
@@ -186,54 +134,8 @@ class VllmBackend(ReferenceBackend):
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
 
-    def make_request(self, rid, prompt, max_tokens):
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request as VRequest
-
-        return VRequest(request_id=rid, prompt_token_ids=list(prompt),
-                        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
-                        block_hasher=self._hasher)
-
-    def append_token(self, req, tok):
-        req.append_output_token_ids(tok)
-
-    def block_hashes(self, req):
-        return list(req.block_hashes)
-
-    def set_status(self, req, status):
-        from vllm.v1.request import RequestStatus as VS
-
-        req.status = {"waiting": VS.WAITING, "running": VS.RUNNING, "preempted": VS.PREEMPTED,
-                      "finished": VS.FINISHED_ABORTED, "loading": VS.WAITING_FOR_REMOTE_KVS}[status]
-
-    def get_computed_blocks(self, req):
-        out = self.mgr.get_computed_blocks(req)
-        return out[0], out[1]
-
-    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
-        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
-                                      delay_cache_blocks=delay)
-        return None if out is None else out.get_block_ids()
-
-    def table(self, rid):
-        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
-
-    def cache_blocks(self, req, n):
-        self.mgr.cache_blocks(req, n)
-
-    def after_alloc(self, req, n_ext):
-        self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
-
     def build_meta(self, step):
-        new = [SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids, full in step.scheduled if full]
-        cached = [(rid, ids) for rid, ids, full in step.scheduled if not full]
-        out = SimpleNamespace(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
-                                                  resumed_req_ids=set()),
-            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
-            preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None)
-        m = self.conn.build_connector_meta(out)
+        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
         return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
                 list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
 
@@ -247,25 +149,12 @@ class VllmBackend(ReferenceBackend):
     def finished(self, req, table):
         self.conn.request_finished_all_groups(req, table)
 
-    def check_invariants(self):
-        pass
-
 
 BACKENDS = {"reference": ReferenceBackend, "vllm": VllmBackend}
 
 
 # --------------------------------------------------------------------------------------------
 # The world
-
-
-@dataclass
-class _Req:
-    rid: str
-    req: Any
-    max_out: int
-    phase: str = "waiting"  # waiting | loading | running | done
-    full_table_next: bool = True  # next schedule sends the whole table (new / resumed)
-    computed: int = 0
 
 
 @dataclass
@@ -276,7 +165,7 @@ class _Transfer:
     abandoned: bool = False  # a reset() gave it up: it still runs, but publishes nothing
 
 
-class SimpleOffloadWorld:
+class SimpleOffloadWorld(OffloadWorldBase):
     """Drives one backend through requests, steps and completions; checks the content model.
 
     ``check_no_double_store`` can be turned off to let a trace run on past a duplicate store
@@ -291,7 +180,7 @@ class SimpleOffloadWorld:
         # 0.33.0 can store one block twice *within* one event (PR 42903, kept as vLLM does it);
         # across events (a store of a block whose earlier store is still in flight) it is #41289.
         self.allow_duplicates_within_event = allow_duplicates_within_event
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, WorldRequest] = {}
         self.order: list[str] = []
         self.finished_pending: set[str] = set()
         self.preempted_pending: set[str] = set()
@@ -311,10 +200,10 @@ class SimpleOffloadWorld:
         self.failed = msg
         raise OffloadInvariantError(msg)
 
-    def _expected(self, r: _Req, g: int, pos: int) -> Any:
+    def _expected(self, r: WorldRequest, g: int, pos: int) -> Any:
         return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
 
-    def _write_computed(self, r: _Req, start: int, end: int) -> None:
+    def _write_computed(self, r: WorldRequest, start: int, end: int) -> None:
         """Tokens [start, end) were computed: blocks that became full now hold their content."""
         bs = self.cfg.block_size
         table = self.b.table(r.rid)
@@ -324,23 +213,10 @@ class SimpleOffloadWorld:
                 if pos < len(ids) and ids[pos] != 0 and pos < len(hashes):
                     self.gpu_content[ids[pos]] = make_block_hash_with_group_id(hashes[pos], g)
 
-    def live(self, phase: str | None = None) -> list[str]:
-        return [rid for rid in self.order if self.reqs[rid].phase != "done"
-                and (phase is None or self.reqs[rid].phase == phase)]
-
     # -- operations ----------------------------------------------------------------------------
 
-    def add_request(self, prompt: list[int], max_out: int = 2) -> str:
-        rid = f"r{self._n}"
-        self._n += 1
-        self.reqs[rid] = _Req(rid, self.b.make_request(rid, prompt, max_out + 1), max_out)
-        self.order.append(rid)
-        return rid
-
     def step(self, chunk: int) -> tuple:
-        scheduled: list = []
-        nsched: dict[str, int] = {}
-        advances: list[tuple[_Req, int, int]] = []
+        batch = ScheduledBatch()
         for rid in self.live("running"):
             r = self.reqs[rid]
             n = min(chunk, r.req.num_tokens - r.computed)
@@ -349,10 +225,7 @@ class SimpleOffloadWorld:
             ids = self.b.allocate(r.req, n)
             if ids is None:
                 continue
-            scheduled.append((rid, self.b.table(rid) if r.full_table_next else ids, r.full_table_next))
-            r.full_table_next = False
-            nsched[rid] = n
-            advances.append((r, r.computed, r.computed + n))
+            batch.add(r, self.b.table(rid) if r.full_table_next else ids, r.full_table_next, n)
         for rid in self.live("waiting"):
             r = self.reqs[rid]
             hits, n_hit = (None, 0)
@@ -365,10 +238,7 @@ class SimpleOffloadWorld:
                 ids = self.b.allocate(r.req, 0, n_hit, hits, n_ext, True)
                 if ids is None:
                     continue
-                self.b.after_alloc(r.req, n_ext)
-                r.phase, r.computed = "loading", n_hit + n_ext
-                r.req.num_computed_tokens = r.computed
-                self.b.set_status(r.req, "loading")
+                self._wait_for_remote_kvs(r, n_hit, n_ext)
                 continue
             n = min(chunk, r.req.num_tokens - r.computed - n_hit)
             ids = self.b.allocate(r.req, n, n_hit, hits if n_hit else None)
@@ -378,35 +248,15 @@ class SimpleOffloadWorld:
                 continue
             if r.computed == 0:
                 self.b.after_alloc(r.req, 0)
-            r.computed += n_hit
-            r.req.num_computed_tokens = r.computed
-            r.phase = "running"
-            self.b.set_status(r.req, "running")
-            scheduled.append((rid, self.b.table(rid), True))
-            r.full_table_next = False
-            nsched[rid] = n
-            advances.append((r, r.computed, r.computed + n))
-        # vLLM's SchedulerOutput lists new requests before cached ones (``yield_req_data`` order).
-        scheduled = [e for e in scheduled if e[2]] + [e for e in scheduled if not e[2]]
-        step = SimpleOffloadStep(scheduled, nsched, set(self.finished_pending), set(self.preempted_pending))
-        self.finished_pending.clear()
-        self.preempted_pending.clear()
-        meta = self.b.build_meta(step)
+            self._schedule_waiting(batch, r, n_hit, n)
+        meta = self.b.build_meta(self._scheduler_output(SimpleOffloadStep, batch))
         self.metas.append(meta)
         self._on_loads(meta)
         # The step runs: computed tokens advance and full blocks get their content; the worker
         # copies this step's stores only after the forward pass (a compute-done event).
-        for r, start, end in advances:
-            r.computed = end
-            r.req.num_computed_tokens = end
-            self._write_computed(r, start, end)
+        self._forward(batch)
         self._on_stores(meta)
-        for r, start, end in advances:
-            if end == r.req.num_tokens:
-                if r.req.num_tokens - r.req.num_prompt_tokens >= r.max_out:
-                    self.finish(r.rid)
-                else:
-                    self.b.append_token(r.req, 7 + r.req.num_tokens % 5)
+        self._update_from_output(batch)
         self._check()
         return meta
 
@@ -486,15 +336,7 @@ class SimpleOffloadWorld:
         self.b.complete({rid}, {})
         for g, c in t.pairs:
             self.gpu_content[g] = t.content[g]
-        r = self.reqs[rid]
-        if r.phase == "loading":
-            self.b.cache_blocks(r.req, r.computed)
-            if r.computed == r.req.num_tokens:
-                r.computed -= 1
-                r.req.num_computed_tokens = r.computed
-            r.phase = "waiting"
-            r.full_table_next = True
-            self.b.set_status(r.req, "waiting")
+        self._update_waiting_for_remote_kv(self.reqs[rid])
         self._check()
         return True
 
@@ -502,33 +344,18 @@ class SimpleOffloadWorld:
         r = self.reqs[rid]
         if r.phase == "done":
             return
-        self.b.set_status(r.req, "finished")
+        # Stopped or aborted, a finish here is "aborted" (FINISHED_ABORTED in vLLM): SimpleCPU's
+        # request_finished does not look at why a request finished.
+        self.b.set_status(r.req, "aborted")
         self.b.finished(r.req, self.b.table(rid))
         self.b.free(r.req)
         r.phase = "done"
         self.finished_pending.add(rid)
         self._check()
 
-    def abort(self, pick: int) -> bool:
-        rids = self.live()
-        if not rids:
-            return False
-        self.finish(rids[pick % len(rids)])
-        return True
-
-    def preempt(self, pick: int) -> bool:
-        rids = self.live("running")
-        if not rids:
-            return False
-        r = self.reqs[rids[pick % len(rids)]]
-        self.b.free(r.req)
-        r.computed = 0
-        r.req.num_computed_tokens = 0
-        r.phase, r.full_table_next = "waiting", True
-        self.b.set_status(r.req, "preempted")
-        self.preempted_pending.add(r.rid)
+    def _preempt_request(self, r: WorldRequest) -> None:
+        super()._preempt_request(r)
         self._check()
-        return True
 
     def reset(self) -> bool:
         ok = self.b.reset()
