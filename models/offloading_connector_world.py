@@ -3,7 +3,8 @@
 Same shape as :mod:`kvref.models.offload_machine` (which drives the SimpleCPU connector): a GPU
 KV cache manager and the connector are driven like vLLM's ``Scheduler`` does, transfer
 completions arrive when the trace says (late, out of order, one worker at a time), and two
-backends (``"reference"``, ``"vllm"``) answer the same calls so a trace can be compared.
+backends (``"reference"``, ``"vllm"``) answer the same calls so a trace can be compared. The
+engine side both worlds share is in :mod:`kvref.models.offload_world_common`.
 
 Content model: every GPU block carries the (group, block-hash) key of what it holds. It checks
 
@@ -19,15 +20,23 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
-from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
 from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler, OffloadingStep
-from kvref.impl.request import Request, RequestStatus
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
-from .offload_machine import OffloadInvariantError
+from .offload_world_common import (
+    OffloadInvariantError,
+    OffloadWorldBase,
+    ReferenceEngine,
+    ScheduledBatch,
+    VllmEngine,
+    WorldRequest,
+    kvref_kv_cache_groups,
+    kvref_kv_cache_manager,
+    vllm_kv_cache_manager,
+    vllm_scheduler_output,
+)
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,7 @@ class OffloadingConfig:
     max_model_len: int = 256
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        kw = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
-        groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(**kw))]
-        if self.sliding_window is not None:
-            groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **kw)))
-        return tuple(groups)
+        return kvref_kv_cache_groups(self.block_size, self.sliding_window)
 
 
 def _norm_meta(load_jobs, store_jobs, flush) -> tuple:
@@ -56,56 +61,22 @@ def _norm_meta(load_jobs, store_jobs, flush) -> tuple:
             sorted(flush))
 
 
-class ReferenceBackend:
+class ReferenceBackend(ReferenceEngine):
+    """kvref's KVCacheManager + OffloadingConnectorScheduler over a CPUOffloadingManager."""
+
     name = "reference"
 
     def __init__(self, cfg: OffloadingConfig) -> None:
         groups = cfg.kvref_groups()
-        self.mgr = KVCacheManager(PoolConfig(cfg.num_gpu_blocks, groups, cfg.max_model_len, cfg.block_size,
-                                             cfg.block_size, enable_caching=True))
+        self.mgr = kvref_kv_cache_manager(cfg, groups)
         self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy)
         self.conn = OffloadingConnectorScheduler([g.kv_cache_spec for g in groups], self.manager, cfg.block_size,
                                                  cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
                                                  block_hasher=self.mgr.block_hashes)
         self.gpu_pool = self.mgr.block_pool
 
-    def make_request(self, rid, prompt, max_tokens):
-        return Request(rid, prompt, max_tokens=max_tokens)
-
-    def append_token(self, req, tok):
-        req.output_token_ids.append(tok)
-
-    def block_hashes(self, req):
-        return self.mgr.block_hashes(req)
-
-    def set_status(self, req, status):
-        req.status = {"waiting": RequestStatus.WAITING, "loading": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
-                      "preempted": RequestStatus.PREEMPTED, "finished": RequestStatus.FINISHED,
-                      "aborted": RequestStatus.FINISHED}[status]
-
-    def get_computed_blocks(self, req):
-        blocks, n, _ = self.mgr.get_computed_blocks(req)
-        return blocks, n
-
-    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
-        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
-                                      delay_cache_blocks=delay)
-        return None if out is None else out.get_block_ids()
-
-    def table(self, rid):
-        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
-
-    def cache_blocks(self, req, n):
-        self.mgr.coordinator.cache_blocks(req, self.mgr.block_hashes(req), n)
-
-    def free(self, req):
-        self.mgr.free(req)
-
     def on_new_request(self, req):
         self.conn.on_new_request(req)
-
-    def match(self, req, n):
-        return self.conn.get_num_new_matched_tokens(req, n)
 
     def after_alloc(self, req, n_ext):
         blocks = self.mgr.get_blocks(req.request_id).blocks
@@ -134,38 +105,20 @@ class ReferenceBackend:
         self.mgr.check_invariants(strict_ref_counts=False)
 
 
-class VllmBackend(ReferenceBackend):
+class VllmBackend(VllmEngine, ReferenceBackend):
+    """vLLM 0.33.0's KVCacheManager + OffloadingConnectorScheduler over its CPUOffloadingManager."""
+
     name = "vllm"
 
     def __init__(self, cfg: OffloadingConfig) -> None:  # noqa: D107
-        import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
             OffloadingConnectorScheduler as VSched,
         )
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager as VKVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
-        from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
         from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VManager
 
-        init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(cfg.block_size, sha256)
-        kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        groups = [VGroup(["full"], VFull(**kw))]
-        if cfg.sliding_window is not None:
-            groups.append(VGroup(["swa"], VSWA(sliding_window=cfg.sliding_window, **kw)))
-        page = groups[0].kv_cache_spec.page_size_bytes
-        kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
-                             kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,
-                                                             layers=[g.layer_names[0] for g in groups],
-                                                             layer_stride=page, block_stride=page)],
-                             kv_cache_groups=groups)
-        self.mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
-                                   hash_block_size=cfg.block_size, enable_caching=True)
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
+        groups = kcfg.kv_cache_groups
         self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy)
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             get_sliding_window_size_in_chunks,
@@ -188,48 +141,8 @@ class VllmBackend(ReferenceBackend):
         self.conn = VSched(spec, vcfg, kcfg)
         self.gpu_pool = self.mgr.block_pool
 
-    def make_request(self, rid, prompt, max_tokens):
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request as VRequest
-
-        return VRequest(request_id=rid, prompt_token_ids=list(prompt),
-                        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
-                        block_hasher=self._hasher)
-
-    def append_token(self, req, tok):
-        req.append_output_token_ids(tok)
-
-    def block_hashes(self, req):
-        return list(req.block_hashes)
-
-    def set_status(self, req, status):
-        from vllm.v1.request import RequestStatus as VS
-
-        req.status = {"waiting": VS.WAITING, "running": VS.RUNNING, "preempted": VS.PREEMPTED,
-                      "finished": VS.FINISHED_STOPPED, "aborted": VS.FINISHED_ABORTED,
-                      "loading": VS.WAITING_FOR_REMOTE_KVS}[status]
-
-    def get_computed_blocks(self, req):
-        out = self.mgr.get_computed_blocks(req)
-        return out[0], out[1]
-
-    def cache_blocks(self, req, n):
-        self.mgr.cache_blocks(req, n)
-
-    def after_alloc(self, req, n_ext):
-        self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
-
     def build_meta(self, step):
-        new = [SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids, full in step.scheduled if full]
-        cached = [(rid, ids) for rid, ids, full in step.scheduled if not full]
-        out = SimpleNamespace(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
-                                                  resumed_req_ids=set()),
-            num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
-            preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None,
-            kv_cache_block_copies=None)
-        m = self.conn.build_connector_meta(out)
+        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
         keys = lambda j: tuple(self.conn._jobs[j].keys) if j in self.conn._jobs else ()  # noqa: E731
         loads = {j: (t.req_id, keys(j), tuple(t.dst_spec.block_ids.tolist()), tuple(t.src_spec.block_ids.tolist()))
                  for j, t in m.load_jobs.items()}
@@ -255,24 +168,11 @@ class VllmBackend(ReferenceBackend):
         items = pol.chunks.items() if hasattr(pol, "chunks") else list(pol.t1.items()) + list(pol.t2.items())
         return {k: (c.chunk_id, c.ref_cnt) for k, c in items}
 
-    def check_invariants(self):
-        pass
-
 
 BACKENDS = {"reference": ReferenceBackend, "vllm": VllmBackend}
 
 
-@dataclass
-class _Req:
-    rid: str
-    req: Any
-    max_out: int
-    phase: str = "waiting"
-    full_table_next: bool = True
-    computed: int = 0
-
-
-class OffloadingWorld:
+class OffloadingWorld(OffloadWorldBase):
     """``strict=False`` records content-model violations in ``violations`` instead of raising, so a
     trace that breaks an invariant in vLLM 0.33.0 too can be compared to the end."""
 
@@ -281,7 +181,7 @@ class OffloadingWorld:
         self.strict = strict
         self.violations: list[str] = []
         self.b = BACKENDS[backend](cfg)
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, WorldRequest] = {}
         self.order: list[str] = []
         self.finished_pending: list[str] = []
         self.preempted_pending: set[str] = set()
@@ -296,23 +196,16 @@ class OffloadingWorld:
             raise OffloadInvariantError(msg)
         self.violations.append(msg)
 
-    def live(self, phase=None):
-        return [r for r in self.order if self.reqs[r].phase != "done" and (phase is None or self.reqs[r].phase == phase)]
-
     def add_request(self, prompt, max_out=2):
-        rid = f"r{self._n}"
-        self._n += 1
-        r = _Req(rid, self.b.make_request(rid, prompt, max_out + 1), max_out)
-        self.reqs[rid] = r
-        self.order.append(rid)
-        self.b.on_new_request(r.req)
+        rid = super().add_request(prompt, max_out)
+        self.b.on_new_request(self.reqs[rid].req)
         return rid
 
     def _key(self, r, g, pos):
         return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
 
     def step(self, chunk):
-        scheduled, nsched, adv = [], {}, []
+        batch = ScheduledBatch()
         for rid in self.live("running"):
             r = self.reqs[rid]
             n = min(chunk, r.req.num_tokens - r.computed)
@@ -322,10 +215,7 @@ class OffloadingWorld:
             if ids is None:
                 continue
             self.b.after_alloc(r.req, 0)
-            scheduled.append((rid, self.b.table(rid) if r.full_table_next else ids, r.full_table_next))
-            r.full_table_next = False
-            nsched[rid] = n
-            adv.append((r, r.computed, r.computed + n))
+            batch.add(r, self.b.table(rid) if r.full_table_next else ids, r.full_table_next, n)
         for rid in self.live("waiting"):
             r = self.reqs[rid]
             hits, n_hit, n_ext = None, 0, 0
@@ -337,28 +227,14 @@ class OffloadingWorld:
             if n_ext > 0:
                 if self.b.allocate(r.req, 0, n_hit, hits, n_ext, True) is None:
                     continue
-                self.b.after_alloc(r.req, n_ext)
-                r.phase, r.computed = "loading", n_hit + n_ext
-                r.req.num_computed_tokens = r.computed
-                self.b.set_status(r.req, "loading")
+                self._wait_for_remote_kvs(r, n_hit, n_ext)
                 continue
             n = min(chunk, r.req.num_tokens - r.computed - n_hit)
             if self.b.allocate(r.req, n, n_hit, hits if n_hit else None) is None:
                 continue
             self.b.after_alloc(r.req, 0)
-            r.computed += n_hit
-            r.req.num_computed_tokens = r.computed
-            r.phase = "running"
-            self.b.set_status(r.req, "running")
-            scheduled.append((rid, self.b.table(rid), True))
-            r.full_table_next = False
-            nsched[rid] = n
-            adv.append((r, r.computed, r.computed + n))
-        scheduled = [e for e in scheduled if e[2]] + [e for e in scheduled if not e[2]]
-        step = OffloadingStep(scheduled, nsched, set(self.finished_pending), set(self.preempted_pending))
-        self.finished_pending.clear()
-        self.preempted_pending.clear()
-        meta = self.b.build_meta(step)
+            self._schedule_waiting(batch, r, n_hit, n)
+        meta = self.b.build_meta(self._scheduler_output(OffloadingStep, batch))
         self.reset_undelivered = False
         self.metas.append(meta)
         loads, stores, flush = meta
@@ -381,20 +257,12 @@ class OffloadingWorld:
                 new_stores.append((j, blocks))
         # The forward pass writes this step's tokens. A source of an earlier store still running may
         # only be overwritten if the job was flushed (waited for) - the fence, vLLM #41228.
-        for r, start, end in adv:
-            r.computed = end
-            r.req.num_computed_tokens = end
-            self._write(r, start, end)
+        self._forward(batch)
         for j, blocks in new_stores:
             self._check_store_source(j, blocks)
         for job in self.jobs.values():
             job["new"] = False
-        for r, start, end in adv:
-            if end == r.req.num_tokens:
-                if r.req.num_tokens - r.req.num_prompt_tokens >= r.max_out:
-                    self.finish(r.rid, aborted=False)
-                else:
-                    self.b.append_token(r.req, 7 + r.req.num_tokens % 5)
+        self._update_from_output(batch)
         self.b.check_invariants()
         return meta
 
@@ -404,7 +272,7 @@ class OffloadingWorld:
             if c is None or c[0] == "partial":
                 self._fail(f"store job {j} reads GPU block {b}, which holds {c!r}, not a full computed block")
 
-    def _write(self, r, start, end):
+    def _write_computed(self, r, start, end):
         bs = self.cfg.block_size
         table = self.b.table(r.rid)
         for g, ids in enumerate(table):
@@ -430,16 +298,9 @@ class OffloadingWorld:
         if job["reported"] >= self.cfg.num_workers:
             del self.jobs[j]
             if not job["store"]:
-                r = self.reqs[job["req"]]
                 for b in job["dst"]:
                     self.gpu_content[b] = ("loaded", b)
-                if r.phase == "loading":
-                    self.b.cache_blocks(r.req, r.computed)
-                    if r.computed == r.req.num_tokens:
-                        r.computed -= 1
-                        r.req.num_computed_tokens = r.computed
-                    r.phase, r.full_table_next = "waiting", True
-                    self.b.set_status(r.req, "waiting")
+                self._update_waiting_for_remote_kv(self.reqs[job["req"]])
         self.b.check_invariants()
         return True
 
@@ -453,25 +314,8 @@ class OffloadingWorld:
         r.phase = "done"
         self.finished_pending.append(rid)
 
-    def abort(self, pick):
-        rids = self.live()
-        if not rids:
-            return False
-        self.finish(rids[pick % len(rids)])
-        return True
-
-    def preempt(self, pick):
-        rids = self.live("running")
-        if not rids:
-            return False
-        r = self.reqs[rids[pick % len(rids)]]
-        self.b.free(r.req)
-        r.computed = 0
-        r.req.num_computed_tokens = 0
-        r.phase, r.full_table_next = "waiting", True
-        self.b.set_status(r.req, "preempted")
-        self.preempted_pending.add(r.rid)
-        return True
+    def _finish_stopped(self, rid):
+        self.finish(rid, aborted=False)
 
     def reset(self):
         if self.reset_undelivered:
