@@ -164,7 +164,7 @@ def bench_workers(scopes: list[str], workers: list[int], repeats: int = 3) -> li
     alternating runs each, same states asserted. The rows say how many CPUs the machine has."""
     from kvref.models.explorer import explore
     from kvref.models.explorer_kv import SCOPES, KVSystem
-    from kvref.models.explorer_parallel import resolve_workers
+    from kvref.models.explorer_search import resolve_workers
 
     cpus = resolve_workers("auto")
     rows = []
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the one-process vs N-worker explorer rows (default N: 2 and the CPU count)")
     args = ap.parse_args(argv)
     if args.workers is not None:
-        from kvref.models.explorer_parallel import resolve_workers
+        from kvref.models.explorer_search import resolve_workers
 
         counts = sorted(set(args.workers or [2, resolve_workers("auto")]) - {1})
         print("| system | states | transitions | depth | seconds | states/s |")

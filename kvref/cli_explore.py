@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import fields, replace
 
     from kvref.models.explorer import explore, render_trace
-    from kvref.models.explorer_parallel import resolve_workers
+    from kvref.models.explorer_search import resolve_workers
     from kvref.spec.errors import InvalidFieldError
 
     if args.toy:

@@ -25,11 +25,9 @@ The engine knows nothing about KV caches; tests drive it with toy systems too.
 from __future__ import annotations
 
 import gc
-import time
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Generic, Hashable, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, Hashable, Iterable, Protocol, Sequence, TypeVar
 
 from kvref.spec.errors import check_int
 
@@ -164,7 +162,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             (``complete=False`` if any was cut off). For systems whose state carries a counter.
         workers: processes that expand states (1: this one only; ``"auto"`` / 0: one per CPU).
             With more than one, each BFS level is expanded by forked workers and merged in
-            order (:mod:`kvref.models.explorer_parallel`): the same states, counts and shortest
+            order (:mod:`kvref.models.explorer_search`): the same states, counts and shortest
             traces as with one, faster on a multi-core machine once a level is large.
 
     Returns:
@@ -175,7 +173,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
     # older generations re-walk the growing index (≈ 25 % of the time on the reference scopes).
     # Collect less often while exploring; copied states still die by reference counting, and
     # their cycles (free-list links) are collected at the higher threshold.
-    from .explorer_parallel import explore_parallel, fork_available, resolve_workers
+    from .explorer_search import fork_available, resolve_workers, search
 
     n_workers = resolve_workers(workers)
     check_int("max_findings", max_findings, minimum=1)
@@ -184,132 +182,12 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
     old = gc.get_threshold()
     gc.set_threshold(max(old[0], 50_000), max(old[1], 20), max(old[2], 100))
     try:
-        if n_workers > 1 and fork_available():
-            return explore_parallel(system, ExplorationResult(), workers=n_workers, max_states=max_states,
-                                    max_seconds=max_seconds, stop_at_first=stop_at_first,
-                                    check_deadlocks=check_deadlocks, check_liveness=check_liveness,
-                                    max_findings=max_findings, max_depth=max_depth)
-        return _explore(system, max_states, max_seconds, stop_at_first, check_deadlocks,
-                        check_liveness, max_findings, max_depth)
+        return search(system, ExplorationResult(), workers=n_workers if fork_available() else 1,
+                      max_states=max_states, max_seconds=max_seconds, stop_at_first=stop_at_first,
+                      check_deadlocks=check_deadlocks, check_liveness=check_liveness,
+                      max_findings=max_findings, max_depth=max_depth)
     finally:
         gc.set_threshold(*old)
-
-
-def _explore(system: TransitionSystem[Any], max_states: int | None, max_seconds: float | None,
-             stop_at_first: bool, check_deadlocks: bool, check_liveness: bool, max_findings: int,
-             max_depth: int | None) -> ExplorationResult:
-    t0 = time.perf_counter()
-    res = ExplorationResult()
-    index: dict[Hashable, int] = {}
-    keys: list[Hashable] = []
-    parents: list[int] = []  # -1 for initial states
-    via: list[Hashable | None] = []
-    finals: list[int] = []
-    edge_src: array = array("l")
-    edge_dst: array = array("l")
-    queue: deque[tuple[Any, int, int]] = deque()  # (state, index, depth)
-
-    def finish(complete: bool) -> ExplorationResult:
-        res.complete = complete
-        res.seconds = time.perf_counter() - t0
-        return res
-
-    def add_finding(kind: str, message: str, idx: int | None,
-                    failed_action: Hashable | None = None, extra: Step | None = None) -> bool:
-        trace = _rebuild_trace(system, keys, parents, via, idx)
-        if extra is not None:
-            trace.steps.append(extra)
-        res.findings.append(Finding(kind, message, trace, failed_action))
-        return stop_at_first or len(res.findings) >= max_findings
-
-    def register(k: Hashable, parent: int, action: Hashable | None) -> int:
-        i = len(keys)
-        index[k] = i
-        keys.append(k)
-        parents.append(parent)
-        via.append(action)
-        return i
-
-    for s0 in system.initial_states():
-        try:
-            system.check(s0)
-        except AssertionError as e:  # the initial state itself is broken
-            if add_finding("violation", f"initial state: {_fmt_exc(e)}", None,
-                           extra=Step(None, _safe_describe(system, s0))):
-                return finish(False)
-            continue
-        k0 = system.key(s0)
-        if k0 in index:
-            continue
-        queue.append((s0, register(k0, -1, None), 0))
-        res.states += 1
-
-    n = 0
-    cut = False
-    consume = getattr(system, "step_consuming", None)
-    while queue:
-        state, idx, depth = queue.popleft()
-        if depth > res.depth:
-            res.depth = depth
-        final = system.is_final(state)
-        if max_depth is not None and depth >= max_depth:
-            cut = cut or not final
-            continue
-        if final:
-            finals.append(idx)
-        progressed = False
-        acts = list(system.actions(state))
-        last = len(acts) - 1
-        for ai, a in enumerate(acts):
-            res.transitions += 1
-            try:
-                nxt = consume(state, a) if ai == last and consume is not None else system.step(state, a)
-            except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
-                msg = f"action {_fmt_action(a)} raised {_fmt_exc(e)}"
-                progressed = True  # not a deadlock: something happened (and it was wrong)
-                if add_finding("violation", msg, idx, failed_action=a,
-                               extra=Step(a, {"error": _fmt_exc(e)})):
-                    return finish(False)
-                continue
-            nk = system.key(nxt)
-            j = index.get(nk)
-            if j is not None:
-                if j != idx:
-                    progressed = True
-                    if check_liveness:
-                        edge_src.append(idx)
-                        edge_dst.append(j)
-                continue
-            progressed = True
-            j = register(nk, idx, a)
-            if check_liveness:
-                edge_src.append(idx)
-                edge_dst.append(j)
-            try:
-                system.check(nxt)
-            except AssertionError as e:
-                if add_finding("violation", f"invariant broken after {_fmt_action(a)}: {_fmt_exc(e)}", j):
-                    return finish(False)
-                continue
-            res.states += 1
-            queue.append((nxt, j, depth + 1))
-        if check_deadlocks and not progressed and not final:
-            why = getattr(system, "deadlock_reason", None)
-            msg = "no action changes the state, but work is unfinished"
-            if why is not None:
-                msg += f": {why(state)}"
-            if add_finding("deadlock", msg, idx):
-                return finish(False)
-        n += 1
-        if max_seconds is not None and n % 256 == 0 and time.perf_counter() - t0 > max_seconds:
-            return finish(False)
-        if max_states is not None and res.states >= max_states:
-            return finish(False)
-    if check_liveness and not cut and not (res.findings and stop_at_first):
-        stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
-        if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):
-            add_finding("livelock", "no final state is reachable from here (actions only cycle)", stuck)
-    return finish(not (res.findings and stop_at_first) and not cut)
 
 
 def _first_stuck(n: int, finals: list[int], src: array, dst: array, parents: list[int]) -> int | None:

@@ -305,7 +305,7 @@ class KVSystem:
         # distinct identity, so state keys stay short and cheap to hash (issue 6)
         # The numbering is fixed up front from the workload (every prefix of every request's
         # deterministic token sequence), not assigned in discovery order: keys must not depend on
-        # which process (explorer_parallel) or which order met an identity first. An identity
+        # which process (explorer_search) or which order met an identity first. An identity
         # outside the table (only a faulty scheduler could write one) stands for itself.
         self._kv_ids: dict[tuple, int] = {}
         self._kv_values: list[tuple] = []
@@ -546,7 +546,7 @@ class KVSystem:
         t.content = dict(s.content)
         return t
 
-    # --- moving states between processes (kvref.models.explorer_parallel) ----------------------
+    # --- moving states between processes (kvref.models.explorer_search) ----------------------
 
     def dump(self, s: KVState) -> bytes:
         """The whole state (steps in flight and shadow contents too) as bytes that this process

@@ -1,4 +1,5 @@
-"""Level-synchronous parallel breadth-first search: the explorer's states spread over processes.
+"""The explorer's search: level-synchronous breadth-first search, in one process or spread over
+forked worker processes.
 
 The reference is plain Python, and one expansion (copy the state, run the scheduler, hash the
 key, check every invariant) costs 100-300 µs of interpreter time that no single-process trick
@@ -17,10 +18,12 @@ keeps everything that decides *which* states exist in the parent:
   exactly as the sequential engine pops its FIFO queue. It alone owns the index, the parent
   pointers and the findings.
 
-So the result is *identical* to :func:`kvref.models.explorer._explore`: same states in the same
-discovery order, same transition count, same depth, the same first finding with the same shortest
-trace (``tests/models/test_explorer_parallel.py`` compares the two on every scope, with findings
-and limits). Small levels are expanded in the parent (forking costs more than they do); the
+So the result does not depend on the number of workers: same states in the same discovery order,
+same transition count, same depth, the same first finding with the same shortest trace — those of
+a textbook FIFO breadth-first search (``tests/models/test_explorer_search.py`` compares both with
+such a search, ``tests/models/fifo_bfs.py``, on every scope, with findings and limits). With one
+worker everything runs in this process. Small levels are expanded in the parent (forking costs
+more than they do); the
 workers start at the first level of at least ``min_parallel_level`` states, which is serialized
 once (``system.dump``) and dealt out round robin.
 
@@ -43,7 +46,7 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
-__all__ = ["resolve_workers", "fork_available", "explore_parallel"]
+__all__ = ["resolve_workers", "fork_available", "search"]
 
 #: states a worker reports per message
 _BATCH = 16
@@ -233,15 +236,16 @@ class _Workers:
             conn.close()
 
 
-def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | None,
+def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                      max_seconds: float | None, stop_at_first: bool, check_deadlocks: bool,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
                      min_parallel_level: int = 64) -> Any:
-    """The body of :func:`kvref.models.explorer.explore` for ``workers > 1``; fills ``res``."""
+    """The body of :func:`kvref.models.explorer.explore`; fills ``res``."""
     from .explorer import Finding, Step, Trace, _first_stuck, _fmt_action, _fmt_exc, _rebuild_trace, _safe_describe
 
     t0 = time.perf_counter()
-    system = _ReprKeyed(system)
+    if workers > 1:
+        system = _ReprKeyed(system)
     index: dict[Hashable, int] = {}
     keys: list[Hashable] = []
     parents: list[int] = []
@@ -301,7 +305,7 @@ def explore_parallel(system: Any, res: Any, *, workers: int, max_states: int | N
             if max_depth is not None and depth >= max_depth:
                 cut = cut or any(not final for _, _, final in level)
                 break
-            if pool is None and len(level) >= min_parallel_level:
+            if pool is None and workers > 1 and len(level) >= min_parallel_level:
                 # hand this level's states to the workers, round robin, serialized once; dumped
                 # before the fork, so anything the dump registers exists in the workers too
                 dump = getattr(system, "dump", None)

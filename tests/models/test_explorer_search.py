@@ -1,7 +1,8 @@
-"""The parallel search finds exactly what the sequential one finds.
+"""The explorer's search finds exactly what a textbook FIFO breadth-first search finds, in one
+process and spread over workers.
 
-``explore_parallel`` is called with ``min_parallel_level=1`` and small chunks so that even the
-small scopes go through forked workers, several chunks per level and the in-order merge.
+``search`` is called with ``min_parallel_level=1`` (or 8: the first levels in this process, then
+handed over) so that even the small scopes go through forked workers and the in-order merge.
 """
 
 from __future__ import annotations
@@ -11,20 +12,28 @@ import pytest
 from kvref.models.explorer import ExplorationResult, explore
 from kvref.models.explorer_kv import SCOPES, KVSystem
 from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
-from kvref.models.explorer_parallel import explore_parallel, fork_available, resolve_workers
+from kvref.models.explorer_search import fork_available, resolve_workers, search
 from kvref.models.explorer_toy import ToyPool
 from kvref.models.mutants_catalogue import CATALOGUE
 from kvref.spec.errors import InvalidFieldError
 
-pytestmark = pytest.mark.skipif(not fork_available(), reason="the parallel explorer needs the fork start method")
+from .fifo_bfs import fifo_explore
+
+needs_fork = pytest.mark.skipif(not fork_available(), reason="the parallel explorer needs the fork start method")
 
 
 def _parallel(system, workers=2, min_parallel_level=1, **kw):
     args = dict(max_states=None, max_seconds=None, stop_at_first=True, check_deadlocks=True,
                 check_liveness=False, max_findings=10, max_depth=None)
     args.update(kw)
-    return explore_parallel(system, ExplorationResult(), workers=workers, min_parallel_level=min_parallel_level,
-                            **args)
+    return search(system, ExplorationResult(), workers=workers, min_parallel_level=min_parallel_level, **args)
+
+
+def _searches(make, workers=2, min_parallel_level=1, **kw):
+    """The search in this process, and (where fork exists) spread over workers."""
+    yield explore(make(), workers=1, **kw)
+    if fork_available():
+        yield _parallel(make(), workers=workers, min_parallel_level=min_parallel_level, **kw)
 
 
 def _same(a, b):
@@ -37,19 +46,19 @@ def _same(a, b):
 
 @pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full", "chunked", "twins"])
 @pytest.mark.parametrize("workers,min_level", [(2, 1), (3, 8)])
-def test_every_scope_gives_the_same_states_as_the_sequential_search(name, workers, min_level):
+def test_every_scope_gives_the_states_of_a_fifo_search(name, workers, min_level):
     """min_level 8: the first levels are expanded here, then handed to the workers mid-search."""
-    seq = explore(KVSystem(SCOPES[name]))
-    par = _parallel(KVSystem(SCOPES[name]), workers=workers, min_parallel_level=min_level)
+    seq = fifo_explore(KVSystem(SCOPES[name]))
     assert seq.ok and seq.states > 5
-    _same(seq, par)
+    for res in _searches(lambda: KVSystem(SCOPES[name]), workers, min_level):
+        _same(seq, res)
 
 
 def test_a_deadlock_is_found_with_the_same_shortest_trace():
-    seq = explore(KVSystem(SCOPES["undersized"]))
-    par = _parallel(KVSystem(SCOPES["undersized"]))
-    assert [f.kind for f in seq.findings] == ["deadlock"]
-    _same(seq, par)
+    seq = fifo_explore(KVSystem(SCOPES["undersized"]))
+    assert [f.kind for f in seq.findings] == ["deadlock"] and "#39734" in seq.findings[0].message
+    for res in _searches(lambda: KVSystem(SCOPES["undersized"])):
+        _same(seq, res)
 
 
 @pytest.mark.parametrize("name", ["manager.swa_skip_one_too_many", "hash.not_chained", "pool.touch_no_ref"])
@@ -57,43 +66,61 @@ def test_a_violation_is_found_with_the_same_shortest_trace(name):
     """The mutant must be active in the workers too: they are forked while it is patched in."""
     with CATALOGUE[name].applied():
         for scope in ("small", "swa", "full", "default"):
-            seq = explore(KVSystem(SCOPES[scope]))
+            seq = fifo_explore(KVSystem(SCOPES[scope]))
             if seq.findings:
                 break
-        par = _parallel(KVSystem(SCOPES[scope]))
-    assert seq.findings and seq.findings[0].kind == "violation"
-    _same(seq, par)
+        assert seq.findings and seq.findings[0].kind == "violation"
+        for res in _searches(lambda: KVSystem(SCOPES[scope])):
+            _same(seq, res)
 
 
 def test_all_findings_mode_and_toy_deadlocks_match():
-    toy = ToyPool(num_blocks=7, needs=(3, 3, 3, 3), symmetry=False)
-    seq = explore(toy, stop_at_first=False)
-    par = _parallel(toy, stop_at_first=False)
+    make = lambda: ToyPool(num_blocks=7, needs=(3, 3, 3, 3), symmetry=False)  # noqa: E731
+    seq = fifo_explore(make(), stop_at_first=False)
     assert len(seq.findings) > 1
-    _same(seq, par)
+    for res in _searches(make, stop_at_first=False):
+        _same(seq, res)
 
 
 def test_livelocks_and_liveness_edges_match():
-    toy = ToyPool(num_blocks=4, needs=(3, 3), preempt=True)
-    for system in (toy, KVSystem(SCOPES["tight"])):
-        seq = explore(system, check_liveness=True)
-        par = _parallel(system, check_liveness=True)
-        _same(seq, par)
+    for make in (lambda: ToyPool(num_blocks=4, needs=(3, 3), preempt=True), lambda: KVSystem(SCOPES["tight"]),
+                 lambda: ToyPool(num_blocks=4, needs=(2, 2), preempt=True, leak=False)):
+        seq = fifo_explore(make(), check_liveness=True)
+        for res in _searches(make, check_liveness=True):
+            _same(seq, res)
+
+
+def test_a_livelock_is_reported_like_the_fifo_search_does():
+    from kvref.models.explorer_toy import ToyPool as Toy
+
+    class Cycling(Toy):  # grab and release forever, never finish: only cycles
+        def is_final(self, s):
+            return False
+
+    make = lambda: Cycling(num_blocks=3, needs=(2,), preempt=True)  # noqa: E731
+    seq = fifo_explore(make(), check_liveness=True, check_deadlocks=False)
+    assert [f.kind for f in seq.findings] == ["livelock"]
+    for res in _searches(make, check_liveness=True, check_deadlocks=False):
+        _same(seq, res)
 
 
 def test_limits_and_bounded_depth_match():
-    _same(explore(KVSystem(SCOPES["full"]), max_states=300), _parallel(KVSystem(SCOPES["full"]), max_states=300))
+    seq = fifo_explore(KVSystem(SCOPES["full"]), max_states=300)
+    assert not seq.complete
+    for res in _searches(lambda: KVSystem(SCOPES["full"]), max_states=300):
+        _same(seq, res)
     sc = OFFLOAD_SCOPES["offload"]
-    seq = explore(OffloadSystem(sc), max_depth=6, check_deadlocks=False)
-    par = _parallel(OffloadSystem(sc), max_depth=6, check_deadlocks=False)
+    seq = fifo_explore(OffloadSystem(sc), max_depth=6, check_deadlocks=False)
     assert not seq.complete and seq.states > 20
-    _same(seq, par)
+    for res in _searches(lambda: OffloadSystem(sc), max_depth=6, check_deadlocks=False):
+        _same(seq, res)
 
 
+@needs_fork
 def test_explore_uses_the_workers_it_is_given():
-    seq = explore(KVSystem(SCOPES["full"]), workers=1)
-    par = explore(KVSystem(SCOPES["full"]), workers=2)
-    _same(seq, par)
+    seq = fifo_explore(KVSystem(SCOPES["full"]))
+    _same(seq, explore(KVSystem(SCOPES["full"]), workers=1))
+    _same(seq, explore(KVSystem(SCOPES["full"]), workers=2))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "two", True])
@@ -132,6 +159,7 @@ def test_a_dumped_state_loads_with_working_steps_in_flight():
     assert len(u.in_flight) == 1 and sys_.key(u) != sys_.key(t)
 
 
+@needs_fork
 def test_cli_workers_flag_gives_the_same_figures(capsys):
     import json
 
