@@ -434,6 +434,20 @@ class SchedulerRun:
                 f"{c.get('idle_with_waiting', 0)} head-of-line idle steps")
 
 
+def _describe(e: BaseException) -> str:
+    """``Type: message``; a bare ``assert`` (no message) is named by the line that failed."""
+    text = str(e).strip()
+    if not text:
+        import os
+        import traceback
+
+        frames = traceback.extract_tb(e.__traceback__)
+        if frames:
+            f = frames[-1]
+            text = f"{os.path.basename(f.filename)}:{f.lineno}: {f.line}"
+    return f"{type(e).__name__}: {text}"
+
+
 def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = False,
                           shrink: bool = True) -> SchedulerRun:
     """Run the scheduler machine (reference alone, or lock-step with vLLM 0.33.0) outside pytest.
@@ -471,7 +485,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
         ok, failure = True, ""
     except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
         subs = getattr(e, "exceptions", None) or [e]
-        ok, failure = False, "\n".join(f"{type(x).__name__}: {x}" for x in subs)
+        ok, failure = False, "\n".join(_describe(x) for x in subs)
     valid = [d for d in drivers if d.num_steps >= 30]
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
                         coverage=dict(COVERAGE), failure=failure)
