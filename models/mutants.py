@@ -7,14 +7,24 @@ reference class, or a function of ``kvref.spec``) and restores it afterwards. A 
 function that other modules imported by name (``from .mathutil import cdiv``) is replaced in every
 loaded ``kvref`` module that holds it, so the fault is seen wherever the original was.
 
+A fault inside a long method (one condition of the scheduler loop) is written with
+:func:`edit_source`: the original method's source with one snippet replaced, compiled in the
+original's module — a one-line mutation of the real code rather than a hand-kept faulty copy. If
+the snippet is no longer in the source, building the mutant fails loudly instead of patching in
+the clean code.
+
 The catalogue lives in :mod:`kvref.models.mutants_catalogue`; the campaign that runs the checks
 against each mutant in :mod:`kvref.models.mutants_campaign`.
 """
 
 from __future__ import annotations
 
+import __future__
+import ast
 import importlib
+import inspect
 import sys
+import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -95,6 +105,46 @@ class Mutant:
         finally:
             for obj, name, value in reversed(patched):
                 setattr(obj, name, value)
+
+
+def edit_source(func: Callable[..., Any], old: str, new: str) -> Callable[..., Any]:
+    """``func`` recompiled with the snippet ``old`` of its source replaced by ``new``.
+
+    The snippet must occur exactly once in the dedented source (a method's body then starts at
+    four spaces of indentation), and ``new`` must have as many lines as ``old``. The new function shares ``func``'s module globals, name and
+    defaults, and its line numbers are those of the original file, so a traceback points at the
+    mutated line.
+
+    Raises:
+        InvalidFieldError: ``func`` is not a plain Python function (or a closure, whose cells
+            cannot be recompiled), ``old`` does not occur exactly once in its source, or ``new``
+            has a different number of lines.
+    """
+    if not inspect.isfunction(func):
+        raise InvalidFieldError("func", func, "a Python function")
+    if func.__closure__:
+        raise InvalidFieldError("func", func.__qualname__, "a function without closure cells")
+    if not isinstance(old, str) or not old or not isinstance(new, str):
+        raise InvalidFieldError("old", old, "a non-empty source snippet (str), and new a str")
+    if new.count("\n") != old.count("\n"):
+        raise InvalidFieldError("new", new, f"as many lines as old ({old.count(chr(10)) + 1}), so "
+                                "tracebacks keep the original line numbers")
+    lines, first_line = inspect.getsourcelines(func)
+    src = textwrap.dedent("".join(lines))
+    found = src.count(old)
+    if found != 1:
+        raise InvalidFieldError("old", old, f"a snippet occurring exactly once in {func.__qualname__} "
+                                f"(found {found} times)")
+    tree = ast.parse(src.replace(old, new))
+    ast.increment_lineno(tree, first_line - 1)
+    code = compile(tree, inspect.getsourcefile(func) or "<mutant>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    namespace: dict[str, Any] = {}
+    exec(code, func.__globals__, namespace)  # noqa: S102 - recompiling kvref's own source
+    out = namespace[func.__name__]
+    out.__defaults__, out.__kwdefaults__ = func.__defaults__, func.__kwdefaults__
+    out.__qualname__, out.__module__ = func.__qualname__, func.__module__
+    return out
 
 
 class Catalogue:
