@@ -7,6 +7,10 @@ mutant and the rest are skipped (``all_checks=True`` runs them all, to see overl
 Before the mutants, every check runs once on the clean reference: a check that fails there would
 "kill" everything and says nothing, so the campaign refuses to run (``baseline_failures``).
 
+A check may be *blind* to a layer (``CampaignCheck.blind_to``): it never executes that layer's
+code, so a mutant there cannot change its verdict and the check is not run on it (the block-pool
+and manager machines never call the scheduler).
+
 Checks (cheapest first):
 
 * ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
@@ -16,11 +20,19 @@ Checks (cheapest first):
   :mod:`kvref.models.explorer_offload` (SimpleCPU offload, completions in every order, bounded
   depth): any violation or deadlock kills.
 * ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
+* ``scheduler-machine`` — :func:`kvref.models.scheduler_machine.run_scheduler_machine` on the
+  reference alone: the scheduler's and the manager's invariants after every operation, and the
+  liveness drain (every request finishes within ``drain_bound``) on startup-consistent setups.
 * ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine`.
 * ``manager-vllm`` — the same machine driving vLLM 0.33.0's ``KVCacheManager`` beside the
   reference and comparing every answer (only where vLLM is installed). Some faults are
   invisible to every safety check — the cache holds blocks nobody can hit, the admission gate is
   skipped — and only differ from vLLM; this is where they die.
+* ``scheduler-vllm`` — ``run_scheduler_machine(with_vllm=True)``: the reference ``Scheduler`` in
+  lock step with vLLM 0.33.0's ``Scheduler`` / ``AsyncScheduler`` on generated traces (the
+  ``conform-scheduler`` machine), the first divergence kills (only where vLLM is installed).
+  Scheduler-policy faults — the wrong victim, a preempted request queued at the back, an
+  off-by-one budget — keep every invariant and only differ from vLLM.
 * ``proofs`` — ``kvref.proofs.api.run_all()``: every theorem, on the clean reference only (the
   theorems are about the formula source, which a runtime patch does not touch). With
   ``proof_variants=True`` the proofs' own historic formula variants are added as rows, killed when
@@ -47,6 +59,8 @@ class CampaignCheck:
     name: str
     run: CheckFn
     description: str = ""
+    #: mutant layers whose code this check never executes (it is not run on those mutants)
+    blind_to: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -65,6 +79,8 @@ class CampaignResult:
     checks: list[str]
     baseline_failures: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    #: checks asked for by name but not available here (no vLLM…), with the reason
+    skipped_checks: dict[str, str] = field(default_factory=dict)
 
     @property
     def killed(self) -> list[MutantResult]:
@@ -95,7 +111,10 @@ class CampaignResult:
         if len(ref) != len(self.results):
             formula = [r for r in self.results if r.mutant.layer == "formula"]
             text += f", {sum(r.killed for r in formula)}/{len(formula)} formula variants"
-        return text + f" by {', '.join(self.checks)} in {self.seconds:.1f}s"
+        text += f" by {', '.join(self.checks)} in {self.seconds:.1f}s"
+        if self.skipped_checks:
+            text += " (skipped: " + "; ".join(f"{k}: {v}" for k, v in self.skipped_checks.items()) + ")"
+        return text
 
     def to_rows(self) -> list[dict[str, str]]:
         return [{"mutant": r.mutant.name, "kind": r.mutant.kind, "killed": "yes" if r.killed else "NO",
@@ -202,6 +221,20 @@ def _check_manager_vllm(budget: int) -> str | None:
     return run_manager_machines(max(10, budget // 2), ("reference", "vllm"))
 
 
+def _check_scheduler_machine(budget: int) -> str | None:
+    from .scheduler_machine import run_scheduler_machine
+
+    run = run_scheduler_machine(with_vllm=False, examples=budget, reproducible=True, shrink=False)
+    return None if run.ok else _first_lines(run.failure)
+
+
+def _check_scheduler_vllm(budget: int) -> str | None:
+    from .scheduler_machine import run_scheduler_machine
+
+    run = run_scheduler_machine(with_vllm=True, examples=budget, reproducible=True, shrink=False)
+    return None if run.ok else _first_lines(run.failure)
+
+
 def _check_explorer(budget: int) -> str | None:
     from .explorer_kv import campaign_scopes, explore_scope
 
@@ -260,47 +293,88 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _first_lines(text: str, n: int = 2) -> str:
+    """A multi-line failure (a divergence names both targets on two lines) as one line."""
+    return " / ".join(line.strip() for line in text.strip().splitlines()[:n])
+
+
+_NO_SCHEDULER = frozenset({"scheduler"})
+
 ALL_CHECKS: dict[str, CampaignCheck] = {
     c.name: c for c in (
-        CampaignCheck("spec-formulas", _check_spec_formulas, "kvref.spec vs the proofs' formula source"),
+        CampaignCheck("spec-formulas", _check_spec_formulas, "kvref.spec vs the proofs' formula source",
+                      _NO_SCHEDULER),
         CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
-        CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model"),
-        CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines"),
-        CampaignCheck("manager-vllm", _check_manager_vllm, "manager machine paired with vLLM 0.33.0"),
+        CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model",
+                      _NO_SCHEDULER),
+        CampaignCheck("scheduler-machine", _check_scheduler_machine,
+                      "scheduler machine on the reference: invariants and the liveness drain"),
+        CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines", _NO_SCHEDULER),
+        CampaignCheck("manager-vllm", _check_manager_vllm, "manager machine paired with vLLM 0.33.0",
+                      _NO_SCHEDULER),
+        CampaignCheck("scheduler-vllm", _check_scheduler_vllm,
+                      "reference Scheduler in lock step with vLLM 0.33.0's Scheduler"),
         CampaignCheck("proofs", _check_proofs, "Z3 theorems (kvref.proofs.run_all)"),
     )
 }
 
+#: checks that drive the installed vLLM (skipped where vLLM 0.33.0 does not import)
+VLLM_CHECKS = frozenset({"manager-vllm", "scheduler-vllm"})
 
-def available_checks() -> list[str]:
-    """Checks whose code exists in this checkout."""
+
+def _vllm_missing() -> str:
+    """Why vLLM 0.33.0 cannot be driven here ("" when it imports)."""
+    try:
+        from kvref.impl.vllm import _vllm
+
+        _vllm()
+    except Exception as e:  # noqa: BLE001 - ImportError, a wrong version or a broken install
+        return f"vLLM not usable: {e}"
+    return ""
+
+
+def unavailable_checks(names: list[str] | None = None) -> dict[str, str]:
+    """Of ``names`` (default: every check), those that cannot run in this checkout or
+    environment, with the reason."""
     import importlib
 
-    out = []
+    out: dict[str, str] = {}
     needs = {"manager-machine": "kvref.models.single_type_manager_machine",
+             "manager-vllm": "kvref.models.single_type_manager_machine",
+             "scheduler-machine": "kvref.models.scheduler_machine",
+             "scheduler-vllm": "kvref.models.scheduler_machine",
              "explorer": "kvref.models.explorer_kv", "proofs": "kvref.proofs.formulas",
              "spec-formulas": "kvref.proofs.formulas"}
-    for name in ALL_CHECKS:
+    for name in names or ():
+        if name not in ALL_CHECKS:
+            raise InvalidFieldError("names", name, "one of " + ", ".join(ALL_CHECKS))
+    vllm_why: str | None = None
+    for name in (ALL_CHECKS if names is None else names):
         mod = needs.get(name)
         if mod is not None:
             try:
                 importlib.import_module(mod)
-            except ImportError:
+            except ImportError as e:
+                out[name] = f"{mod} not importable ({e})"
                 continue
-            if name == "manager-vllm":
-                from kvref.verify import vllm_available
+        if name in VLLM_CHECKS:
+            if vllm_why is None:
+                vllm_why = _vllm_missing()
+            if vllm_why:
+                out[name] = vllm_why
+                continue
+        if name == "explorer":
+            from .explorer_kv import reference_available
 
-                if not vllm_available()[0]:
-                    continue
-            if name == "explorer":
-                try:
-                    from .explorer_kv import reference_available
-                    if not reference_available():
-                        continue
-                except ImportError:
-                    continue
-        out.append(name)
+            if not reference_available():
+                out[name] = "the reference scheduler stack is not in this checkout"
     return out
+
+
+def available_checks() -> list[str]:
+    """Checks that can run here, in campaign order (the vLLM ones only where vLLM 0.33.0 imports)."""
+    missing = unavailable_checks()
+    return [name for name in ALL_CHECKS if name not in missing]
 
 
 def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] | None = None,
@@ -313,7 +387,9 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         mutants: which mutants (default: every catalogue mutant whose target exists).
         subset: with ``mutants=None``: ``"all"`` (nightly) or ``"ci"`` (one mutant per fault
             family, :data:`~kvref.models.mutants_catalogue.CI_SUBSET`).
-        checks: check names, in order (default: every available check).
+        checks: check names, in order (default: every available check). A named check that
+            cannot run here (a vLLM check without vLLM) is left out and listed in
+            :attr:`CampaignResult.skipped_checks`.
         budget: examples per machine run; the explorer gets at most ``2000 × budget`` states.
         all_checks: run every check on every mutant instead of stopping at the first kill.
         progress: called with each mutant's result as it finishes.
@@ -327,10 +403,18 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
     from .mutants_catalogue import CI_SUBSET, all_mutants
 
     t0 = time.perf_counter()
-    names = checks if checks else available_checks()
-    for n in names:
-        if n not in ALL_CHECKS:
-            raise InvalidFieldError("checks", n, "one of " + ", ".join(ALL_CHECKS))
+    skipped: dict[str, str] = {}
+    if checks:
+        if isinstance(checks, str) or not all(isinstance(n, str) for n in checks):
+            raise InvalidFieldError("checks", checks, "a list of check names")
+        for n in checks:
+            if n not in ALL_CHECKS:
+                raise InvalidFieldError("checks", n, "one of " + ", ".join(ALL_CHECKS))
+        missing = unavailable_checks(list(checks))
+        skipped = {n: missing[n] for n in checks if n in missing}
+        names = [n for n in checks if n not in missing]
+    else:
+        names = available_checks()
     chosen = [ALL_CHECKS[n] for n in names]
     if subset not in ("all", "ci"):
         raise InvalidFieldError("subset", subset, "'all' or 'ci'")
@@ -342,7 +426,7 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         if why is not None:
             baseline[c.name] = why
     if baseline:
-        return CampaignResult([], names, baseline, time.perf_counter() - t0)
+        return CampaignResult([], names, baseline, time.perf_counter() - t0, skipped)
     results = []
     per_mutant = [c for c in chosen if c.name != "proofs"]  # baseline-only, see _check_proofs
     for m in mutants:
@@ -350,6 +434,8 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         res = MutantResult(m, False)
         with m.applied():
             for c in per_mutant:
+                if m.layer in c.blind_to:
+                    continue  # the check never runs this layer's code: it cannot kill the mutant
                 try:
                     why = c.run(budget)
                 except Exception as e:  # noqa: BLE001 - a check that crashes under a mutant kills it
@@ -368,4 +454,4 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
             results.append(res)
             if progress is not None:
                 progress(res)
-    return CampaignResult(results, names, {}, time.perf_counter() - t0)
+    return CampaignResult(results, names, {}, time.perf_counter() - t0, skipped)
