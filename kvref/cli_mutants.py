@@ -1,7 +1,7 @@
 """``kvref mutants``: the mutant kill-rate campaign.
 
-Runs the checks (spec vs proof formulas, block-pool machine, manager machines, explorer, proofs)
-against every mutant of the catalogue and prints which check killed each. Exit status 1 if the
+Runs the checks (spec vs proof formulas, explorer, block-pool machine, scheduler machine, manager
+machines, the manager and scheduler machines paired with vLLM, proofs) against every mutant of the catalogue and prints which check killed each. Exit status 1 if the
 kill rate is below ``--min-rate`` or the clean reference fails a check.
 
 ``--subset ci`` runs the CI subset (one mutant per fault family, a few minutes on 2 cores);

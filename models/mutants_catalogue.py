@@ -355,7 +355,7 @@ CI_SUBSET = (
     "pool.alloc_no_evict", "queue.remove_no_count", "index.get_last_duplicate", "hash.not_chained",
     "manager.gate_without_cap", "manager.cap_in_every_step", "manager.swa_skip_one_too_many",
     "manager.free_head_first", "kvm.computed_basis_for_frees", "kvm.hit_covers_last_token",
-    "offload.in_flight_not_deduped",
+    "offload.in_flight_not_deduped", "sched.fcfs_victim_oldest", "sched.max_num_seqs_off_by_one",
 )
 
 
@@ -365,6 +365,7 @@ def all_mutants() -> list[Mutant]:
 
 
 from . import mutants_catalogue_manager  # noqa: E402,F401 - registers the manager-layer mutants
+from . import mutants_catalogue_scheduler  # noqa: E402,F401 - registers the scheduler-policy mutants
 
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "all_mutants", "HISTORIC", "CLASSIC", "Any"]
