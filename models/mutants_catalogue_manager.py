@@ -7,6 +7,8 @@ around the original method, so they keep working when the reference's internals 
 
 from __future__ import annotations
 
+import inspect
+
 from .mutants import HISTORIC
 from .mutants_catalogue import mutant
 
@@ -21,8 +23,18 @@ _KVM = f"{_R}.kv_cache_manager:KVCacheManager"
         "a request startup accepted is never admitted — the head-of-line hang", kind=HISTORIC,
         vllm_bug="#39734 (fixed by PR 40946)", layer="manager")
 def _gate_without_cap(original):
-    def get_num_blocks_to_allocate(self, *args, apply_admission_cap=False, **kwargs):
-        return original(self, *args, apply_admission_cap=False, **kwargs)
+    return _with_admission_cap(original, False)
+
+
+def _with_admission_cap(original, value: bool):
+    """``original`` with ``apply_admission_cap`` forced to ``value``, however it was passed
+    (``MambaManager`` hands it on positionally)."""
+    sig = inspect.signature(original)
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.arguments["apply_admission_cap"] = value
+        return original(*bound.args, **bound.kwargs)
     return get_num_blocks_to_allocate
 
 
@@ -31,9 +43,7 @@ def _gate_without_cap(original):
         "and allocation fails mid-way", kind=HISTORIC,
         vllm_bug="PR 40946 as first merged (crash documented in PR 40027)", layer="manager")
 def _cap_every_step(original):
-    def get_num_blocks_to_allocate(self, *args, apply_admission_cap=False, **kwargs):
-        return original(self, *args, apply_admission_cap=True, **kwargs)
-    return get_num_blocks_to_allocate
+    return _with_admission_cap(original, True)
 
 
 @mutant("manager.predictor_undercount", f"{_STM}.get_num_blocks_to_allocate",
