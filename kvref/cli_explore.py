@@ -26,7 +26,7 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scope", default="default", choices=sorted(SCOPES) + sorted(OFFLOAD_SCOPES),
                    help="named scope (default: default); offload* scopes explore the SimpleCPU offload path "
-                        "(bounded depth)")
+                        "(offload and offload-deep: bounded depth; offload-lazy, offload-complete: every state)")
     p.add_argument("--max-depth", type=int, default=None, help="bounded exploration: expand states up to this depth")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a scope field (int, true/false, none)")
@@ -107,12 +107,13 @@ def run(args: argparse.Namespace) -> int:
     return 1 if res.findings else 0
 
 
-#: scopes ``kvref verify`` explores per profile (the offload ones are depth-bounded)
+#: scopes ``kvref verify`` explores per profile (``offload`` is depth-bounded; ``offload-lazy`` and
+#: ``offload-complete`` are explored completely)
 VERIFY_SCOPES = {
     "fast": ("default", "tight", "offload"),
-    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload"),
+    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy"),
     "nightly": ("default", "tight", "small", "swa", "full", "chunked", "twins", "large", "offload",
-                "offload-deep"),
+                "offload-lazy", "offload-complete"),
 }
 
 

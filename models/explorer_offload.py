@@ -8,14 +8,20 @@ vLLM #41289; a block in a transfer is never free; a load reads exactly the conte
 needs). Transfer completions are the point: with ``world_size`` workers, each store is reported
 by each worker separately, and stores and loads complete in every order.
 
-The state carries monotone counters (transfer event ids), so exploration is *bounded*
-(``max_depth`` actions); the key is a generic freeze of the whole world minus its history log
-(``metas``): states reached by commuting interleavings merge.
+Transfer event ids come from counters that only grow; the state key renames the ids in use by
+rank and leaves the counters out (:class:`_EventRenaming` says why that is sound), so states
+reached by commuting interleavings merge and the state space is finite: scopes with
+``max_depth=None`` are explored *completely*, with deadlock checks (``offload-lazy``: ≈5,500
+states; ``offload-complete``, the eager default workload: ≈58,000 states, nightly). The ``offload``
+scope stays depth-bounded (10 actions) for the mutant campaign and CI. The key is a structural
+freeze of the whole world (every block's ref count and hash, the free queue's order, dicts in
+insertion order) minus its history logs.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -34,11 +40,11 @@ class OffloadScope:
     world_size: int = 2
     lazy: bool = False
     chunk: int = 4
-    max_depth: int = 10
+    max_depth: int | None = 10  # None: explore every reachable state
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, minimum=1)
-        check_int("max_depth", self.max_depth, minimum=1)
+        check_int("max_depth", self.max_depth, minimum=1, allow_none=True)
         if not self.prompts:
             raise InvalidFieldError("prompts", self.prompts, "at least one prompt")
 
@@ -54,43 +60,123 @@ class OffloadScope:
 OFFLOAD_SCOPES = {
     "offload": OffloadScope(),
     "offload-deep": OffloadScope(name="offload-deep", max_depth=14),
-    "offload-lazy": OffloadScope(name="offload-lazy", lazy=True, world_size=1),
+    # every reachable state (the default workload, eager stores, two workers): nightly
+    "offload-complete": OffloadScope(name="offload-complete", max_depth=None),
+    "offload-lazy": OffloadScope(name="offload-lazy", lazy=True, world_size=1, max_depth=None),
 }
 
 
-def _freeze(obj: Any, memo: dict[int, Any]) -> Hashable:
-    """A hashable, structural description of ``obj`` (blocks by id, requests by id)."""
+#: attributes whose dict keys are store / load event ids (the connector's and the world's)
+_STORE_KEYED = frozenset({"_store_event_to_blocks", "_abandoned_store_event_to_blocks", "_store_event_to_reqs",
+                          "_store_event_pending_counts", "stores"})
+_LOAD_KEYED = frozenset({"_load_event_to_reqs"})
+#: attributes whose values are event ids (an int, None, or a set of them)
+_STORE_VALUED = frozenset({"store_events"})
+_LOAD_VALUED = frozenset({"load_event", "load_event_of"})
+#: left out of the key: the id counters (see ``_EventRenaming``) and history logs nothing reads
+_SKIPPED = frozenset({"_store_event_counter", "_load_event_counter", "duplicate_stores", "metas"})
+
+
+class _EventRenaming:
+    """Event ids renamed by rank among the ids in use, for the state key.
+
+    Transfer event ids come from counters that only grow, so without this no two states that
+    differ by one completed transfer would ever be equal and the search could only be bounded by
+    depth. The connector uses ids only to look them up, to compare them and to check them against
+    the counter (``ev < counter``); the next id it issues is larger than every id in use. Renaming
+    the ids in use to their ranks (0, 1, …) and leaving the counter out therefore keeps every
+    comparison the future can make: two states equal under the renaming behave alike (a
+    bisimulation), so merging them is sound. An id in a place these rules do not name keeps its
+    raw value: that can only merge fewer states, never more.
+    """
+
+    def __init__(self, world: Any) -> None:
+        conn = world.b.conn
+        store: set[int] = set(world.stores)
+        for name in _STORE_KEYED - {"stores"}:
+            store.update(getattr(conn, name, {}))
+        for st in getattr(conn, "_reqs_to_store", {}).values():
+            store.update(getattr(st, "store_events", ()))
+        load: set[int] = set(world.load_event_of.values())
+        for name in _LOAD_KEYED:
+            load.update(getattr(conn, name, {}))
+        for ls in list(getattr(conn, "_reqs_to_load", {}).values()) + list(
+                getattr(conn, "_abandoned_reqs_to_load", {}).values()):
+            ev = getattr(ls, "load_event", None)
+            if ev is not None:
+                load.add(ev)
+        self.store = {ev: i for i, ev in enumerate(sorted(store))}
+        self.load = {ev: i for i, ev in enumerate(sorted(load))}
+
+
+def _freeze(obj: Any, memo: dict[int, Any], ren: _EventRenaming | None = None) -> Hashable:
+    """A hashable, structural description of ``obj``: blocks by id with their ref count and hash,
+    the free queue as its order.
+
+    Dicts keep their insertion order (the reference iterates them: which request's blocks are
+    stored first depends on it); sets are sorted. With ``ren``, event ids are renamed by rank.
+    """
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     oid = id(obj)
     if oid in memo:
         return memo[oid]
     cls = type(obj).__name__
-    if cls == "KVCacheBlock":
-        return ("B", obj.block_id)
-    if cls in ("Request", "Request_") or (hasattr(obj, "request_id") and hasattr(obj, "prompt_token_ids")):
-        memo[oid] = ("R", obj.request_id)
-        out = ("R", obj.request_id, tuple(obj.prompt_token_ids), tuple(getattr(obj, "output_token_ids", ())),
-               getattr(obj, "num_computed_tokens", 0), str(getattr(obj, "status", "")))
+    if cls == "KVCacheBlock":  # everything but the free-list links (the queue's order is below)
+        return ("B", obj.block_id, obj.ref_cnt, obj.block_hash, obj.block_hash_num_tokens, obj.is_null)
+    if cls == "FreeKVCacheBlockQueue":  # the eviction order: which block the next allocation takes
+        out = ("FQ", tuple(b.block_id for b in obj.iter_blocks()))
         memo[oid] = out
         return out
     memo[oid] = ("cycle", cls)
     if isinstance(obj, dict):
-        out = ("d", tuple(sorted(((_freeze(k, memo), _freeze(v, memo)) for k, v in obj.items()), key=repr)))
-    elif isinstance(obj, (list, tuple)):
-        out = ("l", tuple(_freeze(x, memo) for x in obj))
+        out = ("d", tuple((_freeze(k, memo, ren), _freeze(v, memo, ren)) for k, v in obj.items()))
+    elif isinstance(obj, (list, tuple, deque)):
+        out = ("l", tuple(_freeze(x, memo, ren) for x in obj))
     elif isinstance(obj, (set, frozenset)):
-        out = ("s", tuple(sorted((_freeze(x, memo) for x in obj), key=repr)))
+        out = ("s", tuple(sorted((_freeze(x, memo, ren) for x in obj), key=repr)))
     elif callable(obj) and not hasattr(obj, "__dict__"):
         out = ("f", getattr(obj, "__qualname__", cls))
     else:
-        fields = dict(getattr(obj, "__dict__", {}))
-        for slot in getattr(type(obj), "__slots__", ()):
-            if hasattr(obj, slot):
-                fields[slot] = getattr(obj, slot)
-        out = (cls, tuple(sorted((k, _freeze(v, memo)) for k, v in fields.items() if not k.startswith("__"))))
+        out = _freeze_fields(obj, cls, memo, ren)
     memo[oid] = out
     return out
+
+
+def _freeze_fields(obj: Any, cls: str, memo: dict[int, Any], ren: _EventRenaming | None) -> Hashable:
+    fields = dict(getattr(obj, "__dict__", {}))
+    for slot in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, slot):
+            fields[slot] = getattr(obj, slot)
+    items = []
+    for k in sorted(fields):
+        if k.startswith("__") or (ren is not None and k in _SKIPPED):
+            continue
+        v = fields[k]
+        if ren is not None:
+            v2 = _renamed(k, v, ren)
+            if v2 is not v:  # a new container: keep it alive while ``memo`` (keyed by id) is in use,
+                memo.setdefault(-1, []).append(v2)  # or a later temporary could reuse its id
+                v = v2
+        items.append((k, _freeze(v, memo, ren)))
+    return (cls, tuple(items))
+
+
+
+def _renamed(name: str, value: Any, ren: _EventRenaming) -> Any:
+    """``value`` of attribute ``name`` with its event ids renamed (a new container)."""
+    if name in _STORE_KEYED and isinstance(value, dict):
+        return {ren.store.get(k, k): v for k, v in value.items()}
+    if name in _LOAD_KEYED and isinstance(value, dict):
+        return {ren.load.get(k, k): v for k, v in value.items()}
+    if name in _STORE_VALUED and isinstance(value, (set, frozenset)):
+        return {ren.store.get(v, v) for v in value}
+    if name in _LOAD_VALUED:
+        if isinstance(value, dict):
+            return {k: ren.load.get(v, v) for k, v in value.items()}
+        if isinstance(value, int) and not isinstance(value, bool):
+            return ren.load.get(value, value)
+    return value
 
 
 class OffloadSystem:
@@ -138,7 +224,7 @@ class OffloadSystem:
 
     def key(self, s) -> Hashable:
         w, arrived = s
-        return (arrived, _freeze(w, {}))
+        return (arrived, _freeze(w, {}, _EventRenaming(w)))
 
     def check(self, s) -> None:
         s[0]._check()
@@ -163,5 +249,6 @@ def explore_offload(scope: OffloadScope | str = "offload", **kwargs: Any):
             raise InvalidFieldError("scope", scope, "one of " + ", ".join(OFFLOAD_SCOPES))
         scope = OFFLOAD_SCOPES[scope]
     kwargs.setdefault("max_depth", scope.max_depth)
-    kwargs.setdefault("check_deadlocks", False)  # bounded: an idle step still advances counters
+    # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
+    kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)
     return explore(OffloadSystem(scope), **kwargs)

@@ -48,3 +48,71 @@ def test_bad_offload_scope_is_rejected():
         OffloadScope(world_size=0)
     with pytest.raises(ValueError, match="scope"):
         explore_offload("nope")
+
+
+def _walk(system, actions):
+    s = system.initial_states()[0]
+    for a in actions:
+        assert a in system.actions(s), (a, system.actions(s))
+        s = system.step(s, a)
+    return s
+
+
+def test_the_lazy_scope_is_explored_completely_with_deadlock_checks():
+    """Event ids renamed by rank make the state space finite: no depth bound is needed."""
+    res = explore_offload("offload-lazy")
+    assert OFFLOAD_SCOPES["offload-lazy"].max_depth is None
+    assert res.complete and res.ok and res.states > 1000 and res.depth > 15
+
+
+def test_event_counters_are_not_in_the_key_but_the_ids_in_use_are_by_rank():
+    import pickle
+
+    system = OffloadSystem(OFFLOAD_SCOPES["offload"])
+    s = _walk(system, [("arrive", 0), ("step",), ("step",)])
+    w = s[0]
+    assert w.stores, "a store is in flight"
+    t = pickle.loads(pickle.dumps(s))
+    conn = t[0].b.conn
+    conn._store_event_counter += 7  # a state that issued (and finished) more transfers before
+    conn._load_event_counter += 3
+    assert system.key(t) == system.key(s)
+    # two stores in flight: which one a worker completed is visible (rank 0 vs rank 1)
+    s2 = _walk(system, [("arrive", 0), ("arrive", 1), ("arrive", 2), ("step",), ("step",), ("step",)])
+    assert len(s2[0].stores) >= 2
+    a, b = system.step(s2, ("store_done", 0)), system.step(s2, ("store_done", 1))
+    assert system.key(a) != system.key(b)
+
+
+def test_the_key_sees_the_free_queue_order_and_ref_counts():
+    import pickle
+
+    system = OffloadSystem(OFFLOAD_SCOPES["offload"])
+    s = _walk(system, [("arrive", 0), ("step",)])
+    t = pickle.loads(pickle.dumps(s))
+    pool = t[0].b.gpu_pool
+    first = next(iter(pool.free_block_queue.iter_blocks()))
+    pool.free_block_queue.remove(first)  # the same free blocks, another eviction order
+    pool.free_block_queue.append(first)
+    assert system.key(t) != system.key(s)
+    u = pickle.loads(pickle.dumps(s))
+    used = next(b for b in u[0].b.gpu_pool.blocks[1:] if b.ref_cnt > 0)
+    used.ref_cnt += 1
+    assert system.key(u) != system.key(s)
+
+
+def test_the_key_is_the_same_for_a_copy_of_the_state():
+    """Regression: renamed containers are temporaries; an id-keyed memo must not outlive them."""
+    import pickle
+    import random
+
+    system = OffloadSystem(OFFLOAD_SCOPES["offload"])
+    rnd = random.Random(0)
+    for _ in range(40):
+        s = system.initial_states()[0]
+        for _ in range(8):
+            acts = system.actions(s)
+            if not acts:
+                break
+            s = system.step(s, rnd.choice(acts))
+            assert system.key(s) == system.key(pickle.loads(pickle.dumps(s))) == system.key(s)
