@@ -184,6 +184,7 @@ class OffloadSystem:
 
     def __init__(self, scope: OffloadScope) -> None:
         self.scope = scope
+        self._last_blob: tuple[Any, bytes] | None = None  # (state, its pickle): see step
 
     def initial_states(self):
         from .offload_machine import SimpleOffloadWorld
@@ -206,7 +207,19 @@ class OffloadSystem:
         return acts
 
     def step(self, s, a):
-        w, arrived = pickle.loads(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
+        # the engine expands a state by all its actions in a row: pickle it once, unpickle per action
+        cached = self._last_blob
+        if cached is None or cached[0] is not s:
+            cached = self._last_blob = (s, pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
+        return self._step(pickle.loads(cached[1]), a)
+
+    def step_consuming(self, s, a):
+        """:meth:`step` on ``s`` itself (the engine's last action on a state it then drops)."""
+        self._last_blob = None
+        return self._step(s, a)
+
+    def _step(self, s, a):
+        w, arrived = s
         kind = a[0]
         if kind == "arrive":
             w.add_request(list(self.scope.prompts[a[1]]), self.scope.max_out)
