@@ -50,6 +50,12 @@ def bench_explorer(scopes: list[str]) -> list[tuple]:
     r = explore(OffloadSystem(sc), max_depth=sc.max_depth, check_deadlocks=False)
     rows.append((f"reference SimpleCPU offload, depth {sc.max_depth} (bounded)", r.states, r.transitions, r.depth,
                  r.seconds, r.states_per_second))
+    from kvref.models.explorer_offload import explore_offload
+
+    r = explore_offload("offload-lazy")
+    assert r.complete
+    rows.append(("reference SimpleCPU offload, scope offload-lazy (every state)", r.states, r.transitions, r.depth,
+                 r.seconds, r.states_per_second))
     rows += bench_before_after(["default", "full", "large", "twins"] if "large" in scopes else ["default", "full"])
     return rows
 
