@@ -31,7 +31,7 @@ Checks (cheapest first):
 * ``scheduler-vllm`` — ``run_scheduler_machine(with_vllm=True)``: the reference ``Scheduler`` in
   lock step with vLLM 0.33.0's ``Scheduler`` / ``AsyncScheduler`` on generated traces (the
   ``conform-scheduler`` machine), the first divergence kills (only where vLLM is installed).
-  Scheduler-policy faults — the wrong victim, a preempted request queued at the back, an
+  Most scheduler-policy faults — the wrong victim, a preempted request queued at the back, an
   off-by-one budget — keep every invariant and only differ from vLLM.
 * ``proofs`` — ``kvref.proofs.api.run_all()``: every theorem, on the clean reference only (the
   theorems are about the formula source, which a runtime patch does not touch). With
