@@ -399,9 +399,13 @@ class KVSystem:
             if out.scheduled:
                 self._write_and_check_hits(t, out)
                 t.in_flight.append(out)
-            else:  # nothing scheduled: the step changes nothing observable
+            else:
+                # nothing scheduled: no step goes in flight. The call may still have changed the
+                # state (it can preempt a running request to make room and then find no room for
+                # anything), so the successor is the stepped copy, not ``s``: returning ``s`` here
+                # dropped such preemptions whenever the step ran on a copy, while the in-place
+                # last action kept them. An unchanged state has the same key and merges with ``s``.
                 sched._in_flight.pop(id(out), None)
-                return s
         elif kind == "complete":
             out = t.in_flight.pop(0)
             sampled = {}

@@ -187,3 +187,19 @@ def test_stepping_a_copy_never_changes_the_source(name):
                     nxt.append(t)
         frontier = nxt
     assert checked > 50
+
+
+def test_a_schedule_that_only_preempts_is_a_transition_on_copies_too():
+    """Regression: a ``schedule`` that preempts to make room and then schedules nothing changed
+    the state, but on a copy the explorer returned the unchanged source (copy and in-place steps
+    disagreed). With SWA never freeing (a mutant), tight's request runs out of blocks at c6 and
+    the scheduler preempts it: both ways of stepping must show that."""
+    with CATALOGUE["manager.swa_never_frees"].applied():
+        system = KVSystem(SCOPES["tight"])
+        s = system.initial_states()[0]
+        for a in [("arrive", "r0")] + [("schedule",), ("complete",)] * 3:
+            s = system.step(s, a)
+        copied = system.step(s, ("schedule",))
+        assert copied is not s and "pree" in system.describe(copied)["requests"]
+        in_place = system.step_consuming(s, ("schedule",))
+        assert system.key(copied) == system.key(in_place)
