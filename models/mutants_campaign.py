@@ -196,6 +196,7 @@ def _check_pool_machine(budget: int) -> str | None:
     from hypothesis.stateful import run_state_machine_as_test
 
     from .block_pool_machine import make_block_pool_machine
+    from .reproducible import same_inputs_in_every_process
 
     # no shrinking: the campaign needs a verdict, not a minimal example
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
@@ -203,7 +204,8 @@ def _check_pool_machine(budget: int) -> str | None:
                    suppress_health_check=list(HealthCheck))
     for num_blocks in (6, 10):
         try:
-            run_state_machine_as_test(make_block_pool_machine("reference", num_blocks=num_blocks), settings=cfg)
+            with same_inputs_in_every_process():
+                run_state_machine_as_test(make_block_pool_machine("reference", num_blocks=num_blocks), settings=cfg)
         except Exception as e:  # noqa: BLE001 - any failure of the machine kills
             return _first_line(e)
     return None

@@ -453,12 +453,17 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
     """Run the scheduler machine (reference alone, or lock-step with vLLM 0.33.0) outside pytest.
 
     Traces have at least 30 operations; liveness is drained at teardown on startup-consistent
-    setups. ``reproducible`` derandomizes Hypothesis (the same traces every run).
+    setups. ``reproducible`` derandomizes Hypothesis (the same traces every run, in every process:
+    :func:`~kvref.models.reproducible.same_inputs_in_every_process`).
     """
     from hypothesis import HealthCheck, Phase, settings
+    from contextlib import nullcontext
+
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvref.impl.reference.scheduler import Scheduler
+
+    from .reproducible import same_inputs_in_every_process
 
     factories: dict[str, Callable] = {"ref": lambda p, c: Scheduler(p, c)}
     if with_vllm:
@@ -477,11 +482,12 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
     machine.driver_class = Counting
     COVERAGE.clear()
     try:
-        run_state_machine_as_test(
-            machine, _min_steps=31,
-            settings=settings(max_examples=examples, stateful_step_count=45, deadline=None, database=None,
-                              derandomize=reproducible, suppress_health_check=list(HealthCheck),
-                              phases=list(Phase) if shrink else [Phase.generate]))
+        with same_inputs_in_every_process() if reproducible else nullcontext():
+            run_state_machine_as_test(
+                machine, _min_steps=31,
+                settings=settings(max_examples=examples, stateful_step_count=45, deadline=None, database=None,
+                                  derandomize=reproducible, suppress_health_check=list(HealthCheck),
+                                  phases=list(Phase) if shrink else [Phase.generate]))
         ok, failure = True, ""
     except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
         subs = getattr(e, "exceptions", None) or [e]

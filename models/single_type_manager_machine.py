@@ -275,12 +275,15 @@ VLLM_CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("hybrid", num
 
 def run_manager_machines(budget: int, targets: tuple[str, ...] = ("reference",)) -> str | None:
     """Every config with ``budget`` examples, no shrinking; returns the first failure or None."""
+    from .reproducible import same_inputs_in_every_process
+
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
                    deadline=None, print_blob=False, phases=[Phase.explicit, Phase.generate],
                    suppress_health_check=list(HealthCheck))
     for c in (VLLM_CONFIGS if "vllm" in targets else CONFIGS):
         try:
-            run_state_machine_as_test(make_manager_machine(c, *targets), settings=cfg)
+            with same_inputs_in_every_process():
+                run_state_machine_as_test(make_manager_machine(c, *targets), settings=cfg)
         except Exception as e:  # noqa: BLE001
             text = str(e).strip().splitlines()
             return f"{c.kind}/{c.num_blocks}: {type(e).__name__}: {text[0] if text else ''}"

@@ -133,7 +133,10 @@ def test_scheduler_vllm_kills_every_scheduler_mutant_and_passes_the_clean_refere
     equivalent mutant), and the clean reference does not (the campaign's baseline)."""
     require_vllm()
     assert ALL_CHECKS["scheduler-vllm"].run(100) is None  # the clean reference agrees with vLLM
-    res = run_mutant_campaign(SCHEDULER_MUTANTS, checks=["scheduler-vllm"], budget=100)
+    # 150 traces: sched.chunks_without_chunked_prefill needs chunked prefill off *and* a prompt
+    # longer than the remaining budget; the first such trace comes after the 100th (the same one
+    # in every process: kvref.models.reproducible)
+    res = run_mutant_campaign(SCHEDULER_MUTANTS, checks=["scheduler-vllm"], budget=150)
     assert not res.baseline_failures and res.checks == ["scheduler-vllm"]
     survivors = [r.mutant.name for r in res.survivors]
     assert not survivors, f"not killed by scheduler-vllm: {survivors}"
@@ -142,3 +145,30 @@ def test_scheduler_vllm_kills_every_scheduler_mutant_and_passes_the_clean_refere
     divergences = [r for r in res.results if r.reason.startswith("Divergence")]
     assert len(divergences) >= len(res.results) // 2, [r.reason for r in res.results]
 
+
+
+def test_reproducible_runs_ignore_the_modules_a_process_has_loaded():
+    """Hypothesis mixes constants from loaded local modules into its draws; a derandomized run
+    must not depend on them (a kill in a fresh process was a miss inside the full suite)."""
+    from hypothesis.internal.conjecture import providers
+
+    from kvref.models.reproducible import same_inputs_in_every_process
+    from kvref.models.scheduler_machine import run_scheduler_machine
+
+    first = run_scheduler_machine(with_vllm=False, examples=15, reproducible=True, shrink=False)
+    loaded = providers._get_local_constants()
+    before = len(loaded)
+    extra = [n for n in range(-5, 300) if n not in loaded.integers]  # as if more modules were loaded
+    loaded.integers.update(extra)
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        second = run_scheduler_machine(with_vllm=False, examples=15, reproducible=True, shrink=False)
+    finally:
+        for n in extra:
+            loaded.integers.discard(n)
+        providers.CONSTANTS_CACHE.cache.clear()
+    assert len(loaded) == before
+    assert (first.traces, first.ops, first.coverage) == (second.traces, second.ops, second.coverage)
+    with same_inputs_in_every_process() as applied:
+        assert applied and len(providers._get_local_constants()) == 0
+    assert providers._get_local_constants() is loaded
