@@ -19,14 +19,18 @@ import argparse
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    from kvref.models.explorer_connector import CONNECTOR_SCOPES
     from kvref.models.explorer_kv import SCOPES
     from kvref.models.explorer_offload import OFFLOAD_SCOPES
 
     p = sub.add_parser("explore", help="exhaustive small-scope explorer (states, deadlocks, shortest traces)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scope", default="default", choices=sorted(SCOPES) + sorted(OFFLOAD_SCOPES),
+    p.add_argument("--scope", default="default",
+                   choices=sorted(SCOPES) + sorted(OFFLOAD_SCOPES) + sorted(CONNECTOR_SCOPES),
                    help="named scope (default: default); offload* scopes explore the SimpleCPU offload path "
-                        "(offload and offload-deep: bounded depth; offload-lazy, offload-complete: every state)")
+                        "(offload and offload-deep: bounded depth; offload-lazy, offload-complete: every state); "
+                        "connector, reset-swa: the OffloadingConnector path (bounded depth; reset-swa finds the "
+                        "reset bug of docs/offload.md)")
     p.add_argument("--max-depth", type=int, default=None, help="bounded exploration: expand states up to this depth")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a scope field (int, true/false, none)")
@@ -69,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
         system, label = ToyPool(), "toy"
     else:
+        from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorSystem
         from kvref.models.explorer_kv import SCOPES, KVSystem
         from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
 
-        scope = SCOPES.get(args.scope) or OFFLOAD_SCOPES[args.scope]
+        scope = SCOPES.get(args.scope) or OFFLOAD_SCOPES.get(args.scope) or CONNECTOR_SCOPES[args.scope]
         names = {f.name for f in fields(scope)}
         changes = {}
         for item in args.set:
@@ -81,13 +86,14 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
             changes[key] = _parse_value(value)
         scope = replace(scope, **changes)
-        if args.scope in OFFLOAD_SCOPES:
-            system, label = OffloadSystem(scope), f"scope {scope.name}"
+        if args.scope in OFFLOAD_SCOPES or args.scope in CONNECTOR_SCOPES:
+            system = OffloadSystem(scope) if args.scope in OFFLOAD_SCOPES else ConnectorSystem(scope)
+            label = f"scope {scope.name}"
             if args.max_depth is None:
                 args.max_depth = scope.max_depth
         else:
             system, label = KVSystem(scope), f"scope {scope.name}"
-    bounded = args.max_depth is not None and not args.toy and args.scope in OFFLOAD_SCOPES
+    bounded = args.max_depth is not None and not args.toy and args.scope not in SCOPES
     workers = args.workers if args.workers == "auto" else _parse_value(args.workers)
     res = explore(system, max_states=args.max_states, max_seconds=args.max_seconds,
                   stop_at_first=not args.all, check_liveness=args.liveness and not bounded,
@@ -111,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
 #: ``offload-complete`` are explored completely)
 VERIFY_SCOPES = {
     "fast": ("default", "tight", "offload"),
-    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy"),
+    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy", "connector"),
     "nightly": ("default", "tight", "small", "swa", "full", "chunked", "twins", "large", "offload",
-                "offload-lazy", "offload-complete"),
+                "offload-lazy", "offload-complete", "connector"),
 }
 
 
@@ -128,14 +134,19 @@ def check_explorer(ctx):
 
     from kvref.models.explorer import render_trace
     from kvref.models.explorer_kv import SCOPES, explore_scope
+    from kvref.models.explorer_connector import CONNECTOR_SCOPES, explore_connector
     from kvref.models.explorer_offload import explore_offload
     from kvref.report import FAILED, PASSED, CheckResult
 
     t0 = time.perf_counter()
     details, artifacts, states, failed = [], [], 0, False
     for name in VERIFY_SCOPES.get(ctx.profile, VERIFY_SCOPES["fast"]):
-        res = explore_scope(name, check_liveness=name in ("tight", "twins")) if name in SCOPES \
-            else explore_offload(name)
+        if name in SCOPES:
+            res = explore_scope(name, check_liveness=name in ("tight", "twins"))
+        elif name in CONNECTOR_SCOPES:
+            res = explore_connector(name)
+        else:
+            res = explore_offload(name)
         states += res.states
         details.append(f"{name}: {res.summary()}")
         for f in res.findings:
