@@ -20,13 +20,12 @@ read a block that now holds another chunk's (or request's) K/V.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError, check_int
 
-from .explorer_offload import _freeze
+from .explorer_offload import WorldSystem, _freeze
 
 __all__ = ["ConnectorScope", "CONNECTOR_SCOPES", "ConnectorSystem", "explore_connector"]
 
@@ -78,12 +77,8 @@ CONNECTOR_SCOPES = {
 }
 
 
-class ConnectorSystem:
+class ConnectorSystem(WorldSystem):
     """A :class:`~kvref.models.explorer.TransitionSystem` over ``OffloadingWorld`` (reference)."""
-
-    def __init__(self, scope: ConnectorScope) -> None:
-        self.scope = scope
-        self._last_blob: tuple[Any, bytes] | None = None
 
     def initial_states(self):
         from .offloading_connector_world import OffloadingWorld
@@ -105,36 +100,15 @@ class ConnectorSystem:
             acts.append(("reset",))
         return acts
 
-    def step(self, s, a):
-        cached = self._last_blob
-        if cached is None or cached[0] is not s:
-            cached = self._last_blob = (s, pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL))
-        return self._step(pickle.loads(cached[1]), a)
-
-    def step_consuming(self, s, a):
-        self._last_blob = None
-        return self._step(s, a)
-
-    def _step(self, s, a):
-        w, arrived = s
-        kind = a[0]
-        if kind == "arrive":
-            w.add_request(list(self.scope.prompts[a[1]]), self.scope.max_out)
-            arrived += 1
-        elif kind == "step":
-            w.step(self.scope.chunk)
-        elif kind == "complete":
+    def _apply(self, w, a) -> None:
+        if a[0] == "complete":
             w.complete(a[1], 1)
-        elif kind == "preempt":
-            w.preempt(a[1])
-        elif kind == "abort":
+        elif a[0] == "abort":
             w.abort(a[1])
-        elif kind == "reset":
+        elif a[0] == "reset":
             w.reset()
-        else:  # pragma: no cover - actions() yields only the kinds above
-            raise InvalidFieldError("action", a, "arrive / step / complete / preempt / abort / reset")
-        w.metas.clear()  # history only
-        return (w, arrived)
+        else:
+            super()._apply(w, a)
 
     def key(self, s) -> Hashable:
         w, arrived = s

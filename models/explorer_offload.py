@@ -179,32 +179,15 @@ def _renamed(name: str, value: Any, ren: _EventRenaming) -> Any:
     return value
 
 
-class OffloadSystem:
-    """A :class:`~kvref.models.explorer.TransitionSystem` over ``SimpleOffloadWorld``."""
+class WorldSystem:
+    """What the offload explorers share: a state is ``(world, requests arrived so far)``, copied
+    by one pickle per expanded state (unpickled per action; the last action steps the state in
+    place), and the actions every world has (arrive, step, preempt). Subclasses say which actions
+    are enabled and apply their own transfer actions in :meth:`_apply`."""
 
-    def __init__(self, scope: OffloadScope) -> None:
+    def __init__(self, scope: Any) -> None:
         self.scope = scope
         self._last_blob: tuple[Any, bytes] | None = None  # (state, its pickle): see step
-
-    def initial_states(self):
-        from .offload_machine import SimpleOffloadWorld
-
-        return [(SimpleOffloadWorld(self.scope.config(), "reference"), 0)]
-
-    def actions(self, s) -> list[Hashable]:
-        w, arrived = s
-        acts: list[Hashable] = []
-        if arrived < len(self.scope.prompts):
-            acts.append(("arrive", arrived))  # arrivals in workload order (ids are arrival counters)
-        if w.live():
-            acts.append(("step",))
-        for k, ev in enumerate(sorted(w.stores)):
-            acts.append(("store_done", k))  # one worker reports this store
-        for k in range(len(w.loads)):
-            acts.append(("load_done", k))
-        for k in range(len(w.live("running"))):
-            acts.append(("preempt", k))
-        return acts
 
     def step(self, s, a):
         # the engine expands a state by all its actions in a row: pickle it once, unpickle per action
@@ -226,14 +209,47 @@ class OffloadSystem:
             arrived += 1
         elif kind == "step":
             w.step(self.scope.chunk)
-        elif kind == "store_done":
-            w.complete_store(a[1], 1)
-        elif kind == "load_done":
-            w.complete_load(a[1])
         elif kind == "preempt":
             w.preempt(a[1])
+        else:
+            self._apply(w, a)
         w.metas.clear()  # history only
         return (w, arrived)
+
+    def _apply(self, w: Any, a: Hashable) -> None:
+        raise InvalidFieldError("action", a, "arrive / step / preempt or one of this world's transfer actions")
+
+
+class OffloadSystem(WorldSystem):
+    """A :class:`~kvref.models.explorer.TransitionSystem` over ``SimpleOffloadWorld``."""
+
+    def initial_states(self):
+        from .offload_machine import SimpleOffloadWorld
+
+        return [(SimpleOffloadWorld(self.scope.config(), "reference"), 0)]
+
+    def actions(self, s) -> list[Hashable]:
+        w, arrived = s
+        acts: list[Hashable] = []
+        if arrived < len(self.scope.prompts):
+            acts.append(("arrive", arrived))  # arrivals in workload order (ids are arrival counters)
+        if w.live():
+            acts.append(("step",))
+        for k, ev in enumerate(sorted(w.stores)):
+            acts.append(("store_done", k))  # one worker reports this store
+        for k in range(len(w.loads)):
+            acts.append(("load_done", k))
+        for k in range(len(w.live("running"))):
+            acts.append(("preempt", k))
+        return acts
+
+    def _apply(self, w, a) -> None:
+        if a[0] == "store_done":
+            w.complete_store(a[1], 1)
+        elif a[0] == "load_done":
+            w.complete_load(a[1])
+        else:
+            super()._apply(w, a)
 
     def key(self, s) -> Hashable:
         w, arrived = s

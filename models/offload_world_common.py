@@ -332,8 +332,8 @@ class OffloadWorldBase:
 
     def finish(self, rid: str) -> None:
         """Finish (abort) ``rid``: tell the connector, free its blocks."""
-        raise NotImplementedError
+        raise NotImplementedError("abstract: each offload world finishes requests its own connector's way")
 
     def _write_computed(self, r: WorldRequest, start: int, end: int) -> None:
         """Tokens [start, end) of ``r`` were computed: the content model writes its blocks."""
-        raise NotImplementedError
+        raise NotImplementedError("abstract: each offload world keeps its own content model")
