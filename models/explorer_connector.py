@@ -137,6 +137,8 @@ def explore_connector(scope: ConnectorScope | str = "connector", **kwargs: Any):
         if scope not in CONNECTOR_SCOPES:
             raise InvalidFieldError("scope", scope, "one of " + ", ".join(CONNECTOR_SCOPES))
         scope = CONNECTOR_SCOPES[scope]
+    if not isinstance(scope, ConnectorScope):
+        raise InvalidFieldError("scope", scope, "a scope name or a ConnectorScope")
     kwargs.setdefault("max_depth", scope.max_depth)
     kwargs.setdefault("check_deadlocks", False)  # bounded: states are cut off mid-work
     return explore(ConnectorSystem(scope), **kwargs)

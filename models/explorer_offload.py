@@ -277,6 +277,8 @@ def explore_offload(scope: OffloadScope | str = "offload", **kwargs: Any):
         if scope not in OFFLOAD_SCOPES:
             raise InvalidFieldError("scope", scope, "one of " + ", ".join(OFFLOAD_SCOPES))
         scope = OFFLOAD_SCOPES[scope]
+    if not isinstance(scope, OffloadScope):
+        raise InvalidFieldError("scope", scope, "a scope name or a OffloadScope")
     kwargs.setdefault("max_depth", scope.max_depth)
     # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
     kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)

@@ -46,6 +46,8 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
+from .explorer import Finding, Step, Trace, _first_stuck, _fmt_action, _fmt_exc, _rebuild_trace, _safe_describe
+
 __all__ = ["resolve_workers", "fork_available", "search"]
 
 #: states a worker reports per message
@@ -113,8 +115,6 @@ class _Expander:
         ``("seen", action, key)`` for a successor this process reported before;
         ``("new", action, key, final, violation)`` for one it meets the first time.
         """
-        from .explorer import _fmt_action, _fmt_exc
-
         system = self.system
         state = self.live.pop(key)
         acts = list(system.actions(state))
@@ -241,7 +241,6 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
                      min_parallel_level: int = 64) -> Any:
     """The body of :func:`kvref.models.explorer.explore`; fills ``res``."""
-    from .explorer import Finding, Step, Trace, _first_stuck, _fmt_action, _fmt_exc, _rebuild_trace, _safe_describe
 
     t0 = time.perf_counter()
     if workers > 1:

@@ -58,3 +58,12 @@ def test_cli_explores_the_connector_scope(capsys):
     assert main(["explore", "--scope", "connector", "--max-depth", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["states"] > 100 and out["depth"] == 6 and out["findings"] == []
+
+
+def test_a_scope_of_the_wrong_type_is_rejected_with_the_field_named():
+    from kvref.models.explorer_offload import explore_offload
+
+    with pytest.raises(ValueError, match="scope=3"):
+        explore_connector(3)
+    with pytest.raises(ValueError, match="scope=3"):
+        explore_offload(3)
