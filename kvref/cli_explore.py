@@ -29,8 +29,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                    choices=sorted(SCOPES) + sorted(OFFLOAD_SCOPES) + sorted(CONNECTOR_SCOPES),
                    help="named scope (default: default); offload* scopes explore the SimpleCPU offload path "
                         "(offload and offload-deep: bounded depth; offload-lazy, offload-complete: every state); "
-                        "connector, reset-swa: the OffloadingConnector path (bounded depth; reset-swa finds the "
-                        "reset bug of docs/offload.md)")
+                        "connector*, reset-swa: the OffloadingConnector path (connector, reset-swa: bounded "
+                        "depth, reset-swa finds the reset bug of docs/offload.md; connector-complete, "
+                        "connector-complete-2w: every state)")
     p.add_argument("--max-depth", type=int, default=None, help="bounded exploration: expand states up to this depth")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a scope field (int, true/false, none)")
@@ -113,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if res.findings else 0
 
 
-#: scopes ``kvref verify`` explores per profile (``offload`` is depth-bounded; ``offload-lazy`` and
-#: ``offload-complete`` are explored completely)
+#: scopes ``kvref verify`` explores per profile (``offload`` and ``connector`` are depth-bounded;
+#: ``offload-lazy``, ``offload-complete`` and ``connector-complete*`` are explored completely)
 VERIFY_SCOPES = {
     "fast": ("default", "tight", "offload"),
-    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy", "connector"),
+    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy", "connector",
+           "connector-complete"),
     "nightly": ("default", "tight", "small", "swa", "full", "chunked", "twins", "large", "offload",
-                "offload-lazy", "offload-complete", "connector"),
+                "offload-lazy", "offload-complete", "connector", "connector-complete", "connector-complete-2w"),
 }
 
 

@@ -8,10 +8,12 @@ backend — the reference GPU ``KVCacheManager`` + the reference OffloadingConne
 the wrong content: the world raises) and the connector's and manager's ``check_invariants()`` in
 every state.
 
-Job ids come from the connector's counter and are not renamed here (unlike the SimpleCPU path's
-event ids, :mod:`kvref.models.explorer_offload`), so the exploration is bounded by ``max_depth``;
-the key is the same structural freeze of the whole world (block ref counts, hashes and free-queue
-order included) minus its history logs.
+Job ids come from the connector's counter, which only grows; the state key renames the ids in
+use by rank (and the reset threshold with them) and leaves the counter out (:class:`_JobRenaming`
+says why that is sound), so the state space is finite: a scope with ``max_depth=None`` is
+explored *completely*, with deadlock checks (``connector-complete``). The key is the same
+structural freeze of the whole world as the SimpleCPU explorer's (block ref counts, hashes and
+free-queue order included) minus its history logs.
 
 The ``reset-swa`` scope re-finds, with the shortest trace, the vLLM 0.33.0 bug documented in
 docs/offload.md: a connector reset while a sliding-window request runs makes a later store job
@@ -25,7 +27,7 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError, check_int
 
-from .explorer_offload import WorldSystem, _freeze
+from .explorer_offload import IdRenaming, WorldSystem, _freeze
 
 __all__ = ["ConnectorScope", "CONNECTOR_SCOPES", "ConnectorSystem", "explore_connector"]
 
@@ -48,11 +50,11 @@ class ConnectorScope:
     chunk: int = 4
     resets: bool = False
     aborts: bool = False
-    max_depth: int = 9
+    max_depth: int | None = 9  # None: explore every reachable state
 
     def __post_init__(self) -> None:
         check_int("num_workers", self.num_workers, minimum=1)
-        check_int("max_depth", self.max_depth, minimum=1)
+        check_int("max_depth", self.max_depth, minimum=1, allow_none=True)
         check_int("chunk", self.chunk, minimum=1)
         if not self.prompts or any(not p for p in self.prompts):
             raise InvalidFieldError("prompts", self.prompts, "at least one non-empty prompt")
@@ -74,7 +76,55 @@ CONNECTOR_SCOPES = {
                                 max_out=2, block_size=2, blocks_per_chunk=1, num_gpu_blocks=24,
                                 num_cpu_chunks=16, sliding_window=4, offload_prompt_only=False,
                                 resets=True, aborts=True, max_depth=9),  # finds it at 9 actions
+    # every reachable state, with deadlock checks (job ids renamed by rank): shorter prompts and a
+    # 5-block GPU pool, so r1 still evicts r0's blocks and r2 loads r0's chunk back from the CPU;
+    # stores, loads and flushes are reached (one worker: 8,127 states)
+    "connector-complete": ConnectorScope(name="connector-complete",
+                                         prompts=((1, 2, 3, 4, 5, 6), (20, 21, 22, 23, 24, 25), (1, 2, 3, 4, 5, 6, 7)),
+                                         num_gpu_blocks=5, num_workers=1, max_depth=None),
+    # the same with two workers, each reporting every job on its own (23,635 states; nightly)
+    "connector-complete-2w": ConnectorScope(name="connector-complete-2w",
+                                            prompts=((1, 2, 3, 4, 5, 6), (20, 21, 22, 23, 24, 25),
+                                                     (1, 2, 3, 4, 5, 6, 7)),
+                                            num_gpu_blocks=5, num_workers=2, max_depth=None),
 }
+
+
+class _JobRenaming(IdRenaming):
+    """The OffloadingConnector's job ids (and the world's copies of them), renamed by rank.
+
+    Where job ids live: the connector's ``_jobs``, ``_reset_fence`` and ``_batch_load_jobs``
+    (keys), each request's ``transfer_jobs`` and ``_batch_jobs_to_flush`` (sets), the per-block
+    fences ``_block_id_to_pending_jobs`` (sets as values), ``_stale_job_threshold`` (a report for
+    a job below it belongs to before the last reset: a threshold), the world's ``jobs`` (keys);
+    ``_job_counter`` is left out. Every live job id is at least the threshold and every fenced
+    one below it, and new ids come from the counter, so the renamed threshold (the number of ids
+    in use below it) keeps every ``job < threshold`` test.
+
+    Set iteration: the connector iterates a request's ``transfer_jobs`` (a set, so in an order
+    the renaming need not keep) only to add each job to per-block fence sets, which changes the
+    *insertion order* of ``_block_id_to_pending_jobs`` and nothing else: that dict is only looked
+    up (and checked, and cleared). The key keeps insertion order, so such states are at worst
+    kept apart, never merged wrongly. Flushes are sets handed over whole; the world reports jobs
+    in sorted order (kept by the renaming) and the reset copies ``_jobs`` in dict order.
+    """
+
+    keyed = {"_jobs": "job", "_reset_fence": "job", "_batch_load_jobs": "job", "jobs": "job"}
+    valued = {"transfer_jobs": "job", "_batch_jobs_to_flush": "job", "_block_id_to_pending_jobs": "job"}
+    thresholds = {"_stale_job_threshold": "job"}
+    skipped = frozenset({"_job_counter", "metas"})
+
+    def __init__(self, world: Any) -> None:
+        conn = world.b.conn
+        ids: set[int] = set(world.jobs)
+        for name in ("_jobs", "_reset_fence", "_batch_load_jobs"):
+            ids.update(getattr(conn, name))
+        ids.update(conn._batch_jobs_to_flush)
+        for jobs in conn._block_id_to_pending_jobs.values():
+            ids.update(jobs)
+        for st in conn._req_status.values():
+            ids.update(st.transfer_jobs)
+        super().__init__({"job": ids})
 
 
 class ConnectorSystem(WorldSystem):
@@ -112,7 +162,7 @@ class ConnectorSystem(WorldSystem):
 
     def key(self, s) -> Hashable:
         w, arrived = s
-        return (arrived, _freeze(w, {}))
+        return (arrived, _freeze(w, {}, _JobRenaming(w)))
 
     def check(self, s) -> None:
         s[0].b.check_invariants()
@@ -130,7 +180,8 @@ class ConnectorSystem(WorldSystem):
 
 
 def explore_connector(scope: ConnectorScope | str = "connector", **kwargs: Any):
-    """Explore ``scope`` (bounded by its ``max_depth``; kwargs go to ``explore``)."""
+    """Explore ``scope`` (bounded by its ``max_depth``; None: completely, with deadlock checks;
+    kwargs go to ``explore``)."""
     from .explorer import explore
 
     if isinstance(scope, str):
@@ -140,5 +191,6 @@ def explore_connector(scope: ConnectorScope | str = "connector", **kwargs: Any):
     if not isinstance(scope, ConnectorScope):
         raise InvalidFieldError("scope", scope, "a scope name or a ConnectorScope")
     kwargs.setdefault("max_depth", scope.max_depth)
-    kwargs.setdefault("check_deadlocks", False)  # bounded: states are cut off mid-work
+    # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
+    kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)
     return explore(ConnectorSystem(scope), **kwargs)

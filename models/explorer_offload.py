@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
+from enum import Enum
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -66,70 +67,130 @@ OFFLOAD_SCOPES = {
 }
 
 
-#: attributes whose dict keys are store / load event ids (the connector's and the world's)
-_STORE_KEYED = frozenset({"_store_event_to_blocks", "_abandoned_store_event_to_blocks", "_store_event_to_reqs",
-                          "_store_event_pending_counts", "stores"})
-_LOAD_KEYED = frozenset({"_load_event_to_reqs"})
-#: attributes whose values are event ids (an int, None, or a set of them)
-_STORE_VALUED = frozenset({"store_events"})
-_LOAD_VALUED = frozenset({"load_event", "load_event_of"})
-#: left out of the key: the id counters (see ``_EventRenaming``) and history logs nothing reads
-_SKIPPED = frozenset({"_store_event_counter", "_load_event_counter", "duplicate_stores", "metas"})
+class IdRenaming:
+    """Ids from ever-growing counters renamed by rank among the ids in use, for a state key.
 
+    A subclass names where its ids live, by attribute name: ``keyed`` (dicts keyed by an id),
+    ``valued`` (an id, or a set / dict values holding ids), ``thresholds`` (a bound the code
+    compares ids with, ``id < bound``: renamed to the number of ids in use below it) and
+    ``skipped`` (the counters themselves, and history logs nothing reads). ``_freeze`` applies
+    the renaming to every attribute with one of those names.
 
-class _EventRenaming:
-    """Event ids renamed by rank among the ids in use, for the state key.
-
-    Transfer event ids come from counters that only grow, so without this no two states that
-    differ by one completed transfer would ever be equal and the search could only be bounded by
-    depth. The connector uses ids only to look them up, to compare them and to check them against
-    the counter (``ev < counter``); the next id it issues is larger than every id in use. Renaming
-    the ids in use to their ranks (0, 1, …) and leaving the counter out therefore keeps every
-    comparison the future can make: two states equal under the renaming behave alike (a
-    bisimulation), so merging them is sound. An id in a place these rules do not name keeps its
-    raw value: that can only merge fewer states, never more.
+    Why this is sound: the code under exploration uses these ids only to look them up, to
+    compare them with each other or with a threshold, and to check them against the counter; the
+    next id it issues is larger than every id in use. An order-preserving renaming of the ids in
+    use that leaves the counter out keeps every comparison the future can make, so two states
+    equal under it behave alike (a bisimulation) and merging them is sound. Each subclass's
+    docstring says where its code iterates a *set* of ids (whose order an order-preserving
+    renaming does not keep) and why that order cannot change what happens. An id in a place the
+    tables do not name keeps its raw value: that can only merge fewer states, never more.
     """
+
+    keyed: dict[str, str] = {}      # attribute -> id space
+    valued: dict[str, str] = {}
+    thresholds: dict[str, str] = {}
+    skipped: frozenset[str] = frozenset()
+
+    def __init__(self, in_use: dict[str, set[int]]) -> None:
+        self.names = frozenset(self.keyed) | frozenset(self.valued) | frozenset(self.thresholds)
+        self.rank = {space: {ev: i for i, ev in enumerate(sorted(ids))} for space, ids in in_use.items()}
+        self._sorted = {space: sorted(ids) for space, ids in in_use.items()}
+
+    def renamed(self, name: str, value: Any) -> Any:
+        """``value`` of attribute ``name`` with its ids renamed (a new object), or ``value``."""
+        space = self.keyed.get(name)
+        if space is not None and isinstance(value, dict):
+            r = self.rank[space]
+            return {r.get(k, k): v for k, v in value.items()}
+        space = self.valued.get(name)
+        if space is not None:
+            r = self.rank[space]
+            if isinstance(value, (set, frozenset)):
+                return {r.get(v, v) for v in value}
+            if isinstance(value, dict):
+                return {k: ({r.get(x, x) for x in v} if isinstance(v, (set, frozenset)) else r.get(v, v))
+                        for k, v in value.items()}
+            if isinstance(value, int) and not isinstance(value, bool):
+                return r.get(value, value)
+        space = self.thresholds.get(name)
+        if space is not None and isinstance(value, int):
+            from bisect import bisect_left
+
+            return bisect_left(self._sorted[space], value)
+        return value
+
+
+class _EventRenaming(IdRenaming):
+    """The SimpleCPU connector's store / load event ids (and the world's copies of them).
+
+    The connector and the world iterate event ids only in sorted order or in dict order (which
+    follows issue order, kept by the renaming); sets of them are only tested and updated.
+    """
+
+    keyed = {name: "store" for name in ("_store_event_to_blocks", "_abandoned_store_event_to_blocks",
+                                        "_store_event_to_reqs", "_store_event_pending_counts", "stores")}
+    keyed["_load_event_to_reqs"] = "load"
+    valued = {"store_events": "store", "load_event": "load", "load_event_of": "load"}
+    skipped = frozenset({"_store_event_counter", "_load_event_counter", "duplicate_stores", "metas"})
 
     def __init__(self, world: Any) -> None:
         conn = world.b.conn
         store: set[int] = set(world.stores)
-        for name in _STORE_KEYED - {"stores"}:
-            store.update(getattr(conn, name, {}))
+        for name, space in self.keyed.items():
+            if space == "store" and name != "stores":
+                store.update(getattr(conn, name, {}))
         for st in getattr(conn, "_reqs_to_store", {}).values():
             store.update(getattr(st, "store_events", ()))
         load: set[int] = set(world.load_event_of.values())
-        for name in _LOAD_KEYED:
-            load.update(getattr(conn, name, {}))
+        load.update(getattr(conn, "_load_event_to_reqs", {}))
         for ls in list(getattr(conn, "_reqs_to_load", {}).values()) + list(
                 getattr(conn, "_abandoned_reqs_to_load", {}).values()):
             ev = getattr(ls, "load_event", None)
             if ev is not None:
                 load.add(ev)
-        self.store = {ev: i for i, ev in enumerate(sorted(store))}
-        self.load = {ev: i for i, ev in enumerate(sorted(load))}
+        super().__init__({"store": store, "load": load})
 
 
-def _freeze(obj: Any, memo: dict[int, Any], ren: _EventRenaming | None = None) -> Hashable:
+#: values that describe themselves in a key
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _freeze(obj: Any, memo: dict[int, Any], ren: IdRenaming | None = None) -> Hashable:
     """A hashable, structural description of ``obj``: blocks by id with their ref count and hash,
     the free queue as its order.
 
     Dicts keep their insertion order (the reference iterates them: which request's blocks are
     stored first depends on it); sets are sorted. With ``ren``, event ids are renamed by rank.
+    Enum members, classes and functions are constants: described by name, not walked.
+    (The key is most of the offload explorers' time, so atoms are tested inline.)
     """
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+    t = type(obj)
+    if t in _ATOMS:
         return obj
     oid = id(obj)
     if oid in memo:
         return memo[oid]
-    cls = type(obj).__name__
+    cls = t.__name__
     if cls == "KVCacheBlock":  # everything but the free-list links (the queue's order is below)
         return ("B", obj.block_id, obj.ref_cnt, obj.block_hash, obj.block_hash_num_tokens, obj.is_null)
     if cls == "FreeKVCacheBlockQueue":  # the eviction order: which block the next allocation takes
-        out = ("FQ", tuple(b.block_id for b in obj.iter_blocks()))
+        out = ("FQ", tuple([b.block_id for b in obj.iter_blocks()]))
         memo[oid] = out
         return out
     memo[oid] = ("cycle", cls)
-    if isinstance(obj, dict):
+    atoms = _ATOMS
+    if t is dict:
+        out = ("d", tuple([(k if type(k) in atoms else _freeze(k, memo, ren),
+                            v if type(v) in atoms else _freeze(v, memo, ren)) for k, v in obj.items()]))
+    elif t is list or t is tuple or t is deque:
+        out = ("l", tuple([x if type(x) in atoms else _freeze(x, memo, ren) for x in obj]))
+    elif t is set or t is frozenset:
+        out = ("s", tuple(sorted([x if type(x) in atoms else _freeze(x, memo, ren) for x in obj], key=repr)))
+    elif isinstance(obj, Enum):
+        out = ("E", cls, obj.name)
+    elif isinstance(obj, type):
+        out = ("T", obj.__qualname__)
+    elif isinstance(obj, dict):
         out = ("d", tuple((_freeze(k, memo, ren), _freeze(v, memo, ren)) for k, v in obj.items()))
     elif isinstance(obj, (list, tuple, deque)):
         out = ("l", tuple(_freeze(x, memo, ren) for x in obj))
@@ -143,40 +204,27 @@ def _freeze(obj: Any, memo: dict[int, Any], ren: _EventRenaming | None = None) -
     return out
 
 
-def _freeze_fields(obj: Any, cls: str, memo: dict[int, Any], ren: _EventRenaming | None) -> Hashable:
-    fields = dict(getattr(obj, "__dict__", {}))
+def _freeze_fields(obj: Any, cls: str, memo: dict[int, Any], ren: IdRenaming | None) -> Hashable:
+    fields = getattr(obj, "__dict__", None)
+    fields = {} if fields is None else dict(fields)
     for slot in getattr(type(obj), "__slots__", ()):
         if hasattr(obj, slot):
             fields[slot] = getattr(obj, slot)
+    skipped = ren.skipped if ren is not None else ()
+    renamed = ren.names if ren is not None else ()
+    atoms = _ATOMS
     items = []
     for k in sorted(fields):
-        if k.startswith("__") or (ren is not None and k in _SKIPPED):
+        if k.startswith("__") or k in skipped:
             continue
         v = fields[k]
-        if ren is not None:
-            v2 = _renamed(k, v, ren)
+        if k in renamed:
+            v2 = ren.renamed(k, v)  # type: ignore[union-attr]
             if v2 is not v:  # a new container: keep it alive while ``memo`` (keyed by id) is in use,
                 memo.setdefault(-1, []).append(v2)  # or a later temporary could reuse its id
                 v = v2
-        items.append((k, _freeze(v, memo, ren)))
+        items.append((k, v if type(v) in atoms else _freeze(v, memo, ren)))
     return (cls, tuple(items))
-
-
-
-def _renamed(name: str, value: Any, ren: _EventRenaming) -> Any:
-    """``value`` of attribute ``name`` with its event ids renamed (a new container)."""
-    if name in _STORE_KEYED and isinstance(value, dict):
-        return {ren.store.get(k, k): v for k, v in value.items()}
-    if name in _LOAD_KEYED and isinstance(value, dict):
-        return {ren.load.get(k, k): v for k, v in value.items()}
-    if name in _STORE_VALUED and isinstance(value, (set, frozenset)):
-        return {ren.store.get(v, v) for v in value}
-    if name in _LOAD_VALUED:
-        if isinstance(value, dict):
-            return {k: ren.load.get(v, v) for k, v in value.items()}
-        if isinstance(value, int) and not isinstance(value, bool):
-            return ren.load.get(value, value)
-    return value
 
 
 class WorldSystem:

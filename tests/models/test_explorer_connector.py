@@ -67,3 +67,90 @@ def test_a_scope_of_the_wrong_type_is_rejected_with_the_field_named():
         explore_connector(3)
     with pytest.raises(ValueError, match="scope=3"):
         explore_offload(3)
+
+
+def test_the_complete_scope_is_explored_completely_with_stores_loads_and_flushes():
+    """Job ids renamed by rank make the connector's state space finite: every state, deadlock checks."""
+    scope = CONNECTOR_SCOPES["connector-complete"]
+    assert scope.max_depth is None
+    system = ConnectorSystem(scope)
+    seen = {"store": 0, "load": 0, "flushed": 0}
+    check = system.check
+
+    def counting(s):
+        check(s)
+        for job in s[0].jobs.values():
+            seen["store" if job["store"] else "load"] += 1
+            seen["flushed"] += bool(job.get("flushed"))
+    system.check = counting
+    res = explore(system, check_deadlocks=True)
+    assert res.complete and res.ok and res.states > 5000 and res.depth > 20
+    assert seen["store"] and seen["load"] and seen["flushed"]
+
+
+#: job ids start here in the audit below: no other int in a connector world is this large
+_OFFSET = 10**7
+
+
+class _OffsetJobIds(ConnectorSystem):
+    """The same system whose job ids (and reset threshold) start at ``_OFFSET`` instead of 0."""
+
+    def initial_states(self):
+        (w, arrived), = super().initial_states()
+        w.b.conn._job_counter = w.b.conn._stale_job_threshold = _OFFSET
+        return [(w, arrived)]
+
+
+def _ints(k):
+    if isinstance(k, tuple):
+        for x in k:
+            yield from _ints(x)
+    elif isinstance(k, int) and not isinstance(k, bool):
+        yield k
+
+
+@pytest.mark.parametrize("name,depth", [("reset-swa", 6), ("connector-complete", 11)])
+def test_job_ids_are_renamed_wherever_they_live(name, depth):
+    """An audit independent of the renaming's tables: with ids offset by 10^7, no id may reach a
+    key (every place an id lives is renamed), and the keys and the state count are those of the
+    system that numbers from 0 — states that differ only by the ids' values are merged (resets
+    included: the threshold is renamed with them)."""
+    from dataclasses import replace
+
+    scope = replace(CONNECTOR_SCOPES[name], max_depth=depth)
+    keys, fenced = {}, []
+    for cls in (ConnectorSystem, _OffsetJobIds):
+        system = cls(scope)
+        found = keys[cls] = set()
+        key = system.key
+
+        def recording(s, key=key, found=found):
+            k = key(s)
+            found.add(k)
+            fenced.append(bool(s[0].b.conn._reset_fence))  # jobs from before a reset still out
+            return k
+        system.key = recording
+        res = explore(system, max_depth=depth, check_deadlocks=False)
+        assert res.states > 300
+    assert any(fenced) == scope.resets
+    assert keys[ConnectorSystem] == keys[_OffsetJobIds]
+    assert max(max(_ints(k)) for k in keys[_OffsetJobIds]) < _OFFSET
+
+
+def test_a_reset_threshold_is_part_of_the_key():
+    """Reports of jobs from before a reset only count down the reset fence: whether a live job
+    is below the threshold changes what its report does, so the key must tell them apart."""
+    import pickle
+    from dataclasses import replace
+
+    system = ConnectorSystem(replace(CONNECTOR_SCOPES["reset-swa"], max_depth=None))
+    s = system.initial_states()[0]
+    for a in [("arrive", 0), ("step",), ("step",)]:
+        s = system.step(s, a)
+    assert s[0].jobs, "a job is in flight"
+    t = pickle.loads(pickle.dumps(s))
+    t[0].b.conn._stale_job_threshold = max(t[0].jobs) + 1  # the live job now counts as pre-reset
+    assert system.key(t) != system.key(s)
+    u = pickle.loads(pickle.dumps(s))
+    u[0].b.conn._job_counter += 5  # more jobs issued (and finished) before: not visible
+    assert system.key(u) == system.key(s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvref.models.explorer import explore
 from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadScope, OffloadSystem, explore_offload
 from kvref.models.mutants_catalogue import CATALOGUE
 
@@ -116,3 +117,40 @@ def test_the_key_is_the_same_for_a_copy_of_the_state():
                 break
             s = system.step(s, rnd.choice(acts))
             assert system.key(s) == system.key(pickle.loads(pickle.dumps(s))) == system.key(s)
+
+
+def test_event_ids_are_renamed_wherever_they_live():
+    """An audit independent of the renaming's tables: with store and load ids offset by 10^7, no
+    id may reach a key, and the keys are those of the system that numbers from 0."""
+    from dataclasses import replace
+
+    offset = 10**7
+
+    class Offset(OffloadSystem):
+        def initial_states(self):
+            (w, arrived), = super().initial_states()
+            w.b.conn._store_event_counter = w.b.conn._load_event_counter = offset
+            return [(w, arrived)]
+
+    def ints(k):
+        if isinstance(k, tuple):
+            for x in k:
+                yield from ints(x)
+        elif isinstance(k, int) and not isinstance(k, bool):
+            yield k
+
+    scope = replace(OFFLOAD_SCOPES["offload"], max_depth=9)
+    keys = {}
+    for cls in (OffloadSystem, Offset):
+        system = cls(scope)
+        found = keys[cls] = set()
+        key = system.key
+
+        def recording(s, key=key, found=found):
+            k = key(s)
+            found.add(k)
+            return k
+        system.key = recording
+        assert explore(system, max_depth=scope.max_depth, check_deadlocks=False).states > 300
+    assert keys[OffloadSystem] == keys[Offset]
+    assert max(max(ints(k)) for k in keys[Offset]) < offset
