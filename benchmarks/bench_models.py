@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_models.py [--quick] [--no-vllm] [--explorer-only]
     .venv/bin/python benchmarks/bench_models.py --workers [N ...]   # one process vs N workers
+    .venv/bin/python benchmarks/bench_models.py --breakdown   # where a state's time goes; the ceiling
 
 Everything is measured in one run on the same machine, so the ratios between rows are the
 figures to read (absolute numbers depend on the machine and its load).
@@ -56,6 +57,15 @@ def bench_explorer(scopes: list[str]) -> list[tuple]:
     assert r.complete
     rows.append(("reference SimpleCPU offload, scope offload-lazy (every state)", r.states, r.transitions, r.depth,
                  r.seconds, r.states_per_second))
+    from kvref.models.explorer_connector import explore_connector
+
+    r = explore_connector("connector")
+    rows.append(("reference OffloadingConnector, scope connector, depth 9 (bounded)", r.states, r.transitions,
+                 r.depth, r.seconds, r.states_per_second))
+    r = explore_connector("connector-complete")
+    assert r.complete
+    rows.append(("reference OffloadingConnector, scope connector-complete (every state)", r.states, r.transitions,
+                 r.depth, r.seconds, r.states_per_second))
     rows += bench_before_after(["default", "full", "large", "twins"] if "large" in scopes else ["default", "full"])
     return rows
 
@@ -191,6 +201,54 @@ def bench_workers(scopes: list[str], workers: list[int], repeats: int = 3) -> li
     return rows
 
 
+def bench_breakdown(scopes: list[str], repeats: int = 3) -> list[tuple]:
+    """Where one process spends a state's time (issue 6's 20,000 states/s), per KV scope: the
+    reference's own calls (``Scheduler.schedule`` / ``update_from_output`` / ``add_request`` /
+    ``finish_requests``, timed as ``_step`` minus the oracles), the content oracle, the invariant
+    checks (``check``: every ``check_invariants()`` + the window oracle), copies, keys, and the
+    rest (the engine). ``ceiling`` is states/s if copies, keys and the engine cost nothing: the
+    reference + its checks alone. Best of ``repeats`` runs (by total seconds)."""
+    import time
+
+    from kvref.models.explorer import explore
+    from kvref.models.explorer_kv import SCOPES, KVSystem
+
+    clock = time.perf_counter
+    explore(KVSystem(SCOPES["tight"]))  # warm-up: imports and first-use caches stay out of the timings
+    rows = []
+    for name in scopes:
+        best = None
+        for _ in range(repeats):
+            system = KVSystem(SCOPES[name])
+            acc = dict.fromkeys(("step", "oracle", "check", "copy", "key"), 0.0)
+
+            def timed(fn, part):
+                def run(*a):
+                    t = clock()
+                    try:
+                        return fn(*a)
+                    finally:
+                        acc[part] += clock() - t
+                return run
+            system._step = timed(system._step, "step")
+            system._write_and_check_hits = timed(system._write_and_check_hits, "oracle")
+            system._drop_free_content = timed(system._drop_free_content, "oracle")
+            system.check = timed(system.check, "check")
+            system._copy = timed(system._copy, "copy")
+            system.key = timed(system.key, "key")
+            r = explore(system)
+            if best is None or r.seconds < best[0].seconds:
+                best = (r, dict(acc))
+        r, acc = best
+        n = r.states
+        reference = acc["step"] - acc["oracle"]
+        us = {k: 1e6 * v / n for k, v in acc.items()}
+        rest = 1e6 * r.seconds / n - us["step"] - us["check"] - us["copy"] - us["key"]
+        rows.append((name, n, r.transitions, r.seconds, r.states_per_second, 1e6 * reference / n, us["oracle"],
+                     us["check"], us["copy"], us["key"], rest, n / (reference + acc["oracle"] + acc["check"])))
+    return rows
+
+
 def bench_machines(examples: int, with_vllm: bool) -> list[tuple]:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
@@ -224,7 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explorer-only", action="store_true", help="skip the state-machine rows")
     ap.add_argument("--workers", type=int, nargs="*", default=None, metavar="N",
                     help="only the one-process vs N-worker explorer rows (default N: 2 and the CPU count)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only where one process spends a state's time, per scope (and the ceiling)")
     args = ap.parse_args(argv)
+    if args.breakdown:
+        print("| scope | states | transitions | seconds | states/s | reference µs/state | content oracle | "
+              "checks | copies | key | engine | ceiling: reference + checks alone, states/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, st, tr, sec, sps, ref, orc, chk, cp, key, rest, ceil in bench_breakdown(
+                ["default", "full", "large"]):
+            print(f"| {name} | {st:,} | {tr:,} | {sec:.2f} | {sps:,.0f} | {ref:.0f} | {orc:.0f} | {chk:.0f} | "
+                  f"{cp:.0f} | {key:.0f} | {rest:.0f} | {ceil:,.0f} |")
+        return 0
     if args.workers is not None:
         from kvref.models.explorer_search import resolve_workers
 
