@@ -118,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
 #: ``offload-lazy``, ``offload-complete`` and ``connector-complete*`` are explored completely)
 VERIFY_SCOPES = {
     "fast": ("default", "tight", "offload"),
-    "ci": ("default", "tight", "small", "swa", "full", "chunked", "twins", "offload", "offload-lazy", "connector",
-           "connector-complete"),
-    "nightly": ("default", "tight", "small", "swa", "full", "chunked", "twins", "large", "offload",
+    "ci": ("default", "tight", "small", "swa", "full", "chunked", "whole-prompts", "twins", "offload", "offload-lazy",
+           "connector", "connector-complete"),
+    "nightly": ("default", "tight", "small", "swa", "full", "chunked", "whole-prompts", "twins", "large", "offload",
                 "offload-lazy", "offload-complete", "connector", "connector-complete", "connector-complete-2w"),
 }
 

@@ -32,7 +32,8 @@ oracles of our own:
   block it maps to, the identity of its K/V — the whole prefix up to it and the cache salt (K/V at
   a position depend on every earlier token). A prefix-cache hit must bring blocks whose shadow
   content is the request's own (a wrong hit — stale hash, unchained hash, ignored salt, wrong
-  duplicate — shows here), and must leave the last token to compute.
+  duplicate — shows here), and must leave the last token to compute. Without chunked prefill
+  an admitted request must get all its remaining tokens (the waiting loop stops otherwise).
 
 and that no per-request state (the block hasher's entries) outlives its request.
 
@@ -85,6 +86,8 @@ class Scope:
         salts: cache salt per request (None: no salts).
         symmetry: merge states that differ only by a renaming of identical requests.
         attention_chunk_size: adds a chunked-local attention group with this chunk.
+        enable_chunked_prefill: False: a prompt that does not fit the step's remaining budget
+            waits whole (vLLM then needs ``max_num_batched_tokens >= max_model_len``).
     """
 
     name: str = "default"
@@ -103,6 +106,7 @@ class Scope:
     salts: tuple[str | None, ...] | None = None
     symmetry: bool = True
     attention_chunk_size: int | None = None
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.max_tokens) or not self.prompts:
@@ -121,6 +125,10 @@ class Scope:
             raise InvalidFieldError("salts", self.salts, f"None or {len(self.prompts)} values")
         if not self.full_attention and self.sliding_window is None:
             raise InvalidFieldError("full_attention", False, "True when sliding_window is None")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's config check: without chunking a prompt of max_model_len could never run
+            raise InvalidFieldError("max_num_batched_tokens", self.max_num_batched_tokens,
+                                    f">= max_model_len={self.max_model_len} when enable_chunked_prefill is False")
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -169,6 +177,7 @@ class Scope:
 
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=8,
                                async_scheduling=self.async_scheduling,
+                               enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduler_reserve_full_isl=self.scheduler_reserve_full_isl)
 
 
@@ -201,6 +210,12 @@ SCOPES: dict[str, Scope] = {
     "chunked": Scope(name="chunked", prompts=((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 7)), max_tokens=(1, 1),
                      block_size=2, sliding_window=None, attention_chunk_size=4, max_model_len=8,
                      max_num_batched_tokens=2),
+    # chunked prefill off: r1's prompt does not fit the budget beside r0's, so it must wait whole
+    # (the waiting loop stops); the explorer's admission check sees a prompt cut to the remaining
+    # budget. 9 blocks: room for both requests, so the budget (not the pool) is what stops r1
+    "whole-prompts": Scope(name="whole-prompts", prompts=((1, 2, 3, 4, 5), (1, 2, 6, 7, 8), (9, 9)),
+                           max_tokens=(1, 2, 1), block_size=2, sliding_window=None, max_model_len=8,
+                           max_num_batched_tokens=8, enable_chunked_prefill=False, num_blocks=9),
     # three identical requests: what symmetry reduction is for
     "twins": Scope(name="twins", prompts=((1, 2, 3, 4, 5),) * 3, max_tokens=(1, 1, 1), block_size=2,
                    sliding_window=2, max_model_len=8, max_num_batched_tokens=2),
@@ -212,7 +227,8 @@ SCOPES: dict[str, Scope] = {
 
 def campaign_scopes() -> list[Scope]:
     """The scopes the mutant campaign explores (small ones, together a few seconds)."""
-    return [SCOPES["tight"], SCOPES["small"], SCOPES["swa"], SCOPES["full"], SCOPES["chunked"]]
+    return [SCOPES["tight"], SCOPES["small"], SCOPES["swa"], SCOPES["full"], SCOPES["chunked"],
+            SCOPES["whole-prompts"]]
 
 
 def reference_available() -> bool:
@@ -582,6 +598,13 @@ class KVSystem:
                 assert sr.num_computed_tokens < r.num_tokens, (
                     f"{sr.request_id}: admitted with {sr.num_computed_tokens} of {r.num_tokens} tokens "
                     "computed (a hit must leave the last token to compute)")
+                # without chunked prefill a request leaves the waiting queue with all its remaining
+                # tokens: vLLM's waiting loop stops when they do not fit the remaining budget
+                assert self.scope.enable_chunked_prefill or \
+                    sr.num_computed_tokens + sr.num_scheduled_tokens == r.num_tokens, (
+                        f"{sr.request_id}: chunked prefill is off, but it was admitted ({sr.kind}) with "
+                        f"{sr.num_scheduled_tokens} of its {r.num_tokens - sr.num_computed_tokens} remaining "
+                        "tokens (the waiting loop must stop when they do not fit the budget)")
             for g, m in enumerate(managers):
                 bs = m.block_size
                 table = tables[g]

@@ -251,10 +251,32 @@ class Lockstep:
                 raise Divergence(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
                                  f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}")
         self.compare("schedule")
+        self._check_whole_prompts(first)
         _tally(first, self.config.async_scheduling)
         if not first.scheduled and self.last_snapshot.waiting and not self.last_snapshot.running:
             COVERAGE["idle_with_waiting"] += 1  # head-of-line hang (or async stale-output skip)
         return first
+
+    def _check_whole_prompts(self, out: SchedulerOutput) -> None:
+        """With chunked prefill off (and no long-prefill threshold), a request leaves the waiting
+        queue with *all* its remaining tokens scheduled: vLLM's waiting loop stops (``break``)
+        when they do not fit the step's remaining budget instead of cutting them to it
+        (``Scheduler.schedule``, "If chunked_prefill is disabled, we can stop the scheduling
+        here"). A policy rule, not a state invariant: a scheduler that cuts the prompt keeps
+        every invariant, so only this check (or a comparison with vLLM) sees it."""
+        cfg = self.config
+        if cfg.enable_chunked_prefill or cfg.long_prefill_token_threshold > 0:
+            return
+        requests = next(iter(self.requests.values()))
+        for s in out.scheduled:
+            if s.kind == "running":
+                continue
+            remaining = requests[s.request_id].num_tokens - s.num_computed_tokens
+            if s.num_scheduled_tokens != remaining:
+                raise AssertionError(
+                    f"schedule #{self.num_schedules}: chunked prefill is off, but {s.request_id} left the "
+                    f"waiting queue ({s.kind}) with {s.num_scheduled_tokens} of its {remaining} remaining "
+                    "tokens (the waiting loop must stop when they do not fit the budget)")
 
     def complete(self) -> None:
         outs = {name: q.popleft() for name, q in self.in_flight.items()}

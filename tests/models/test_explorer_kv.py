@@ -132,6 +132,7 @@ RECORDED_COUNTS = {
     ("twins", True): (63, 124, 13, 0),
     ("twins", False): (296, 588, 13, 0),
     ("large", True): (4466, 8717, 19, 0),
+    ("whole-prompts", True): (364, 583, 10, 0),
 }
 
 

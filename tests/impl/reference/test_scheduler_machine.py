@@ -77,3 +77,28 @@ def test_runner_outside_pytest_reports_traces_and_failures(monkeypatch):
     monkeypatch.setattr(Scheduler, "check_invariants", broken)
     bad = run_scheduler_machine(with_vllm=False, examples=5, reproducible=True, shrink=False)
     assert not bad.ok and "planted" in bad.failure
+
+
+def test_the_machine_sees_a_prompt_cut_without_chunked_prefill():
+    """The policy check is not vacuous: with chunked prefill off a second prompt that does not fit
+    beside the first waits whole on the reference, and the mutant that cuts it is reported."""
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    cfg = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16"))
+    pool = PoolConfig(num_blocks=20, groups=(fa,), max_model_len=16, scheduler_block_size=4, hash_block_size=4,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+
+    def run() -> tuple:
+        d = Lockstep(pool, cfg, {"ref": lambda p, c: Scheduler(p, c)})
+        d.add(RequestSpec("a", tuple(range(10)), 2, 0, 0.0))
+        d.add(RequestSpec("b", tuple(range(100, 110)), 2, 0, 1.0))
+        return tuple((s.request_id, s.num_scheduled_tokens) for s in d.schedule().scheduled)
+
+    assert run() == (("a", 10),)  # b waits whole: 10 tokens do not fit the 6 left
+    with CATALOGUE["sched.chunks_without_chunked_prefill"].applied():
+        with pytest.raises(AssertionError, match="chunked prefill is off, but b left the waiting queue"):
+            run()
