@@ -168,3 +168,17 @@ def test_the_last_action_of_a_state_may_consume_it():
     # 0 -> {1, 1}; 1 -> {2, 3}; 2 -> {3, 5}; 3 -> {4, 7}; 4 -> {5, 9}: states 0,1,2,3,4,5,7,9
     assert res.ok and res.states == 8 and res.transitions == 10
     assert sys_.calls.count("consume") == 5 and sys_.calls.count("step") == 5
+
+
+def test_every_named_scope_is_in_the_explorer_docs_table():
+    """docs/explorer.md's scope table is the user's index: a new scope must be documented there."""
+    import pathlib
+
+    from kvref.models.explorer_connector import CONNECTOR_SCOPES
+    from kvref.models.explorer_kv import SCOPES
+    from kvref.models.explorer_offload import OFFLOAD_SCOPES
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "explorer.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}
+    missing = (set(SCOPES) | set(OFFLOAD_SCOPES) | set(CONNECTOR_SCOPES)) - rows
+    assert not missing, f"scopes missing from docs/explorer.md: {sorted(missing)}"
