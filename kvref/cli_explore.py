@@ -11,6 +11,7 @@ Examples::
     kvref explore --scope default --set max_num_batched_tokens=2 --set aborts=true
     kvref explore --toy                # the engine on its toy system (finds a deadlock)
     kvref explore --scope offload      # SimpleCPU offload: per-worker store completions in any order
+    kvref explore --scope default --against vllm,torch   # every transition, compared with vLLM and torch
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                    help="processes expanding states (default 1; auto: one per CPU). More than one "
                         "expands each BFS level in forked workers: same states and traces, faster on "
                         "many cores")
+    p.add_argument("--against", default=None, metavar="vllm,torch",
+                   help="exhaustive conformance instead (KV scopes): replay every transition of the scope's "
+                        "state graph on these implementations in lock step with the reference and compare")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from kvref.models.explorer_search import resolve_workers
     from kvref.spec.errors import InvalidFieldError
 
+    if args.against is not None:
+        return _run_conformance(args)
     if args.toy:
         from kvref.models.explorer_offload import OFFLOAD_SCOPES
         from kvref.models.explorer_toy import ToyPool
@@ -112,6 +118,38 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{f.kind}: {f.message}")
             print(render_trace(f.trace, title=f"shortest {f.kind} trace"))
     return 1 if res.findings else 0
+
+
+def _run_conformance(args: argparse.Namespace) -> int:
+    """``kvref explore --scope S --against vllm,torch``: every transition, compared."""
+    import json
+    from dataclasses import fields, replace
+
+    from kvref.models.explorer_conformance import explore_conformance
+    from kvref.models.explorer_kv import SCOPES
+    from kvref.spec.errors import InvalidFieldError
+
+    if args.toy or args.scope not in SCOPES:
+        raise InvalidFieldError("--scope", args.scope, "a KV scope (one of " + ", ".join(SCOPES) + ") with --against")
+    scope = SCOPES[args.scope]
+    names = {f.name for f in fields(scope)}
+    changes = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
+        changes[key] = _parse_value(value)
+    targets = tuple(t.strip() for t in args.against.split(",") if t.strip())
+    res = explore_conformance(replace(scope, **changes), targets=targets, max_states=args.max_states)
+    if args.json:
+        print(json.dumps({"scope": res.scope, "targets": list(res.targets), "states": res.states,
+                          "transitions": res.transitions, "depth": res.depth, "replays": res.replays,
+                          "calls": res.calls, "seconds": round(res.seconds, 3), "complete": res.complete,
+                          "divergence": None if res.ok else {"path": [list(a) for a in res.divergence[0]],
+                                                             "message": res.divergence[1]}}))
+    else:
+        print(f"scope {res.scope}: {res.summary()}")
+    return 0 if res.ok else 1
 
 
 #: scopes ``kvref verify`` explores per profile (``offload`` and ``connector`` are depth-bounded;
@@ -163,3 +201,52 @@ def check_explorer(ctx):
                            details=details, artifacts=artifacts)
     return CheckResult("explorer", PASSED, f"{states:,} states, every invariant in every state, no deadlock",
                        secs, details=details)
+
+
+#: scopes the exhaustive conformance check replays per profile (every transition, vs vLLM and torch)
+CONFORMANCE_SCOPES = {
+    "fast": ("tight", "small", "whole-prompts"),
+    "ci": ("tight", "small", "swa", "chunked", "whole-prompts", "twins", "default"),
+    "nightly": ("tight", "small", "swa", "chunked", "whole-prompts", "twins", "default", "full"),
+}
+
+
+def check_explorer_conformance(ctx):
+    """``kvref verify`` check ``conform-explorer``: every transition of the profile's scopes,
+    replayed on vLLM 0.33.0's Scheduler and on the torch KV cache manager in lock step with the
+    reference (:mod:`kvref.models.explorer_conformance`). Without vLLM only torch is compared
+    (``--against vllm`` makes that a failure); without either it is skipped."""
+    import time
+
+    from kvref.models.explorer_conformance import explore_conformance
+    from kvref.report import FAILED, PASSED, SKIPPED, CheckResult
+    from kvref.verify import vllm_available
+
+    t0 = time.perf_counter()
+    targets, notes = [], []
+    ok, why = vllm_available()
+    if ok:
+        targets.append("vllm")
+    elif ctx.against == "vllm":
+        return CheckResult("conform-explorer", FAILED, f"--against vllm given but {why}", 0.0)
+    else:
+        notes.append(f"vLLM left out: {why}")
+    try:
+        import torch  # noqa: F401
+
+        targets.append("torch")
+    except ImportError as exc:
+        notes.append(f"torch left out: {exc}")
+    if not targets:
+        return CheckResult("conform-explorer", SKIPPED, "; ".join(notes), 0.0)
+    details, transitions = list(notes), 0
+    for name in CONFORMANCE_SCOPES.get(ctx.profile, CONFORMANCE_SCOPES["fast"]):
+        res = explore_conformance(name, targets=tuple(targets))
+        transitions += res.transitions
+        details.append(f"{name}: {res.summary()}")
+        if not res.ok:
+            return CheckResult("conform-explorer", FAILED, f"{name}: divergence ({', '.join(targets)})",
+                               time.perf_counter() - t0, details=details)
+    return CheckResult("conform-explorer", PASSED,
+                       f"{', '.join(targets)} = reference on all {transitions:,} transitions of "
+                       f"{len(details) - len(notes)} scopes", time.perf_counter() - t0, details=details)

@@ -348,6 +348,13 @@ def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
     return _run_offload(ctx, "conform-offload", ("reference", "vllm"))
 
 
+def check_explorer_conformance(ctx: VerifyContext) -> CheckResult:
+    """Every transition of small explorer scopes on vLLM's Scheduler and torch, vs the reference."""
+    from kvref.cli_explore import check_explorer_conformance as run
+
+    return run(ctx)
+
+
 def check_explorer(ctx: VerifyContext) -> CheckResult:
     """Exhaustive small-scope exploration of the reference stack (every interleaving, every invariant,
     deadlocks; shortest counterexample step tables written to the out dir)."""
@@ -374,6 +381,8 @@ CHECKS: list[Check] = [
     Check("machine-scheduler", "scheduler state machine, reference alone, with liveness", check_scheduler_machine),
     Check("machine-offload", "offload schedulers on the reference with the content model", check_offload_machine),
     Check("explorer", "exhaustive small-scope explorer over the reference (states, deadlocks)", check_explorer),
+    Check("conform-explorer", "every transition of small explorer scopes, vLLM's Scheduler and torch vs the reference",
+          check_explorer_conformance),
     Check("torch-differential", "reference vs torch implementation on generated traces", check_torch_differential),
     Check("conform-kv-manager", "reference vs the installed vLLM's KVCacheManager on generated traces",
           check_kv_manager_conformance),

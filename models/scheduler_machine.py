@@ -267,11 +267,14 @@ class Lockstep:
         cfg = self.config
         if cfg.enable_chunked_prefill or cfg.long_prefill_token_threshold > 0:
             return
-        requests = next(iter(self.requests.values()))
+        # from the snapshot, not a target's Request objects: vLLM's adapter keeps its own copies
+        # (the kvref Request it was handed never sees its outputs)
+        states = self.last_snapshot.requests
         for s in out.scheduled:
             if s.kind == "running":
                 continue
-            remaining = requests[s.request_id].num_tokens - s.num_computed_tokens
+            num_tokens = len(self.specs[s.request_id].prompt) + len(states[s.request_id].output_token_ids)
+            remaining = num_tokens - s.num_computed_tokens
             if s.num_scheduled_tokens != remaining:
                 raise AssertionError(
                     f"schedule #{self.num_schedules}: chunked prefill is off, but {s.request_id} left the "

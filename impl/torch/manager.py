@@ -415,6 +415,31 @@ class TorchKVCacheManager:
             raise InvalidFieldError("new_computed_block_ids", ids, "empty when prefix caching is disabled")
         return out
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """vLLM ``KVCacheManager.cache_blocks``: publish the request's full blocks up to
+        ``num_computed_tokens``.
+
+        With async scheduling the block that holds a step's sampled token cannot be hashed when
+        the next step allocates (the token is a placeholder then); the scheduler publishes it here
+        once the output arrives. Without this the block stays uncached and is freed to the *head*
+        of the free queue instead of the tail (found by the exhaustive conformance explorer,
+        ``kvref.models.explorer_conformance``, at scope ``whole-prompts``).
+        """
+        request = self._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        rid = request.request_id
+        for g in self.groups:
+            allocated = g.tables.num_blocks(rid) * g.block_size
+            if num_computed_tokens > allocated and not isinstance(g.kind, MambaKind):
+                raise InvalidFieldError("num_computed_tokens", num_computed_tokens,
+                                        f"at most the {allocated} tokens group {g.gid} has blocks for")
+        if not self.enable_caching:
+            return
+        fine = self.hashes.get(request)
+        n = min(num_computed_tokens, request.num_tokens)
+        for g in self.groups:
+            self._cache_blocks(g, request, fine, self._cacheable_tokens(g, n))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so the tail is evicted first)."""
         request = self._check_request(request)

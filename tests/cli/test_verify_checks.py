@@ -149,3 +149,15 @@ def test_torch_differential_runs_on_the_requested_device_and_rejects_bad_ones():
     assert ok.status == PASSED and ok.summary.endswith("[torch on cpu]")
     bad = verify.check_torch_differential(verify.VerifyContext(device="no-such-device"))
     assert bad.status == "error" and "not a torch device" in bad.summary
+
+
+def test_explorer_conformance_check_passes_and_fails_on_a_reference_fault():
+    from kvref.models.mutants_catalogue import CATALOGUE
+
+    ctx = verify.VerifyContext()
+    ok = verify.check_explorer_conformance(ctx)
+    assert ok.status == PASSED and "transitions" in ok.summary and "torch" in ok.summary
+    with CATALOGUE["manager.free_head_first"].applied():
+        bad = verify.check_explorer_conformance(ctx)
+    assert bad.status == FAILED and "divergence" in bad.summary
+    assert any("DIVERGENCE" in d for d in bad.details)

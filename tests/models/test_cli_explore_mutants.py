@@ -66,3 +66,26 @@ def test_explore_offload_scope_from_the_cli(capsys):
     assert _run(["explore", "--scope", "offload", "--max-depth", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["depth"] == 6 and out["states"] > 10 and not out["complete"]  # bounded
+
+
+def test_explore_against_torch_compares_every_transition(capsys):
+    assert _run(["explore", "--scope", "small", "--against", "torch", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["targets"] == ["torch"] and out["divergence"] is None and out["complete"]
+    assert out["transitions"] == 206 and out["calls"] >= out["transitions"]
+
+
+def test_explore_against_reports_a_divergence_with_exit_status_1(capsys):
+    from kvref.models.mutants_catalogue import CATALOGUE
+
+    with CATALOGUE["manager.free_head_first"].applied():
+        assert _run(["explore", "--scope", "small", "--against", "torch", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert "free_block_queue" in out["divergence"]["message"] and out["divergence"]["path"]
+
+
+def test_explore_against_needs_a_kv_scope():
+    from kvref.spec.errors import InvalidFieldError
+
+    with pytest.raises(InvalidFieldError, match="--scope='offload'"):
+        _run(["explore", "--scope", "offload", "--against", "torch"])

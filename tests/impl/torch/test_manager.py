@@ -250,3 +250,34 @@ def test_check_invariants_catches_corrupted_state():
     pool.num_free -= 1
     with pytest.raises(AssertionError, match="num_free"):
         pool.check_invariants()
+
+
+def test_cache_blocks_publishes_a_block_whose_last_token_arrived_later():
+    """Async scheduling: the block holding a sampled token is hashed only when the output comes
+    back (vLLM ``KVCacheManager.cache_blocks``); it is then freed to the back of the queue."""
+    m = make_manager(cfg(FA, num_blocks=8), device="cpu")
+    r = Request("a", list(range(7)), max_tokens=3)
+    assert m.allocate_slots(r, 7) == ((1, 2),)  # block 2 holds positions 4..6 of 8
+    assert set(m.cached_blocks()) == {(0, 1)}
+    r.num_computed_tokens = 7
+    assert m.allocate_slots(r, 1) == ((),)  # the next step: position 7 is a placeholder so far
+    assert set(m.cached_blocks()) == {(0, 1)}
+    r.output_token_ids.append(99)  # the first step's sampled token arrives
+    r.num_computed_tokens = 8
+    m.cache_blocks(r, 8)  # token 7 is known now: block 2 is full and hashable
+    assert set(m.cached_blocks()) == {(0, 1), (0, 2)}
+    m.free(r)
+    assert m.free_block_queue()[-2:] == (2, 1)
+    m.check_invariants()
+
+
+def test_cache_blocks_rejects_bad_counts():
+    m = make_manager(cfg(FA, num_blocks=8), device="cpu")
+    r = Request("a", list(range(7)))
+    m.allocate_slots(r, 7)
+    with pytest.raises(InvalidFieldError, match="num_computed_tokens"):
+        m.cache_blocks(r, -1)
+    with pytest.raises(InvalidFieldError, match="num_computed_tokens=9"):
+        m.cache_blocks(r, 9)  # two blocks of 4 hold 8 tokens
+    with pytest.raises(InvalidFieldError, match="request"):
+        m.cache_blocks("a", 4)
