@@ -64,13 +64,27 @@ def _parse_value(text: str):
         return text
 
 
+def _with_sets(scope, sets: list[str]):
+    """``scope`` with the ``--set FIELD=VALUE`` overrides applied (unknown fields rejected)."""
+    from dataclasses import fields, replace
+
+    from kvref.spec.errors import InvalidFieldError
+
+    names = {f.name for f in fields(scope)}
+    changes = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
+        changes[key] = _parse_value(value)
+    return replace(scope, **changes)
+
+
 def run(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import fields, replace
 
     from kvref.models.explorer import explore, render_trace
     from kvref.models.explorer_search import resolve_workers
-    from kvref.spec.errors import InvalidFieldError
 
     if args.against is not None:
         return _run_conformance(args)
@@ -84,15 +98,8 @@ def run(args: argparse.Namespace) -> int:
         from kvref.models.explorer_kv import SCOPES, KVSystem
         from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
 
-        scope = SCOPES.get(args.scope) or OFFLOAD_SCOPES.get(args.scope) or CONNECTOR_SCOPES[args.scope]
-        names = {f.name for f in fields(scope)}
-        changes = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep or key not in names:
-                raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
-            changes[key] = _parse_value(value)
-        scope = replace(scope, **changes)
+        scope = _with_sets(SCOPES.get(args.scope) or OFFLOAD_SCOPES.get(args.scope) or CONNECTOR_SCOPES[args.scope],
+                           args.set)
         if args.scope in OFFLOAD_SCOPES or args.scope in CONNECTOR_SCOPES:
             system = OffloadSystem(scope) if args.scope in OFFLOAD_SCOPES else ConnectorSystem(scope)
             label = f"scope {scope.name}"
@@ -123,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_conformance(args: argparse.Namespace) -> int:
     """``kvref explore --scope S --against vllm,torch``: every transition, compared."""
     import json
-    from dataclasses import fields, replace
 
     from kvref.models.explorer_conformance import explore_conformance
     from kvref.models.explorer_kv import SCOPES
@@ -131,16 +137,8 @@ def _run_conformance(args: argparse.Namespace) -> int:
 
     if args.toy or args.scope not in SCOPES:
         raise InvalidFieldError("--scope", args.scope, "a KV scope (one of " + ", ".join(SCOPES) + ") with --against")
-    scope = SCOPES[args.scope]
-    names = {f.name for f in fields(scope)}
-    changes = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
-        changes[key] = _parse_value(value)
     targets = tuple(t.strip() for t in args.against.split(",") if t.strip())
-    res = explore_conformance(replace(scope, **changes), targets=targets, max_states=args.max_states)
+    res = explore_conformance(_with_sets(SCOPES[args.scope], args.set), targets=targets, max_states=args.max_states)
     if args.json:
         print(json.dumps({"scope": res.scope, "targets": list(res.targets), "states": res.states,
                           "transitions": res.transitions, "depth": res.depth, "replays": res.replays,

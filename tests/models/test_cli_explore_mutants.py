@@ -89,3 +89,12 @@ def test_explore_against_needs_a_kv_scope():
 
     with pytest.raises(InvalidFieldError, match="--scope='offload'"):
         _run(["explore", "--scope", "offload", "--against", "torch"])
+
+
+def test_explore_against_applies_set_overrides(capsys):
+    assert _run(["explore", "--scope", "small", "--against", "torch", "--set", "enable_caching=false",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["divergence"] is None and out["transitions"] != 206  # another graph without caching
+    with pytest.raises(ValueError, match="--set"):
+        _run(["explore", "--scope", "small", "--against", "torch", "--set", "nonsense=1"])
