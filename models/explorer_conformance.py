@@ -38,6 +38,7 @@ from typing import Any, Callable, Hashable
 from kvref.spec.errors import InvalidFieldError
 
 from .explorer_kv import SCOPES, KVSystem, Scope, sampled_token
+from .scheduler_machine import _diff, _fmt  # the lock-step machine's renderings of outputs / snapshots
 
 __all__ = ["ConformanceResult", "TARGETS", "explore_conformance"]
 
@@ -149,18 +150,6 @@ class _Lockstep:
         for name, s in snaps.items():
             if s != ref:
                 raise AssertionError(f"snapshots differ: reference vs {name}\n{_diff(ref, s)}")
-
-
-def _fmt(o) -> str:
-    from .scheduler_machine import _fmt as fmt
-
-    return fmt(o)
-
-
-def _diff(a, b) -> str:
-    from .scheduler_machine import _diff as diff
-
-    return diff(a, b)
 
 
 def _factories(targets: tuple[str, ...]) -> dict[str, Callable]:

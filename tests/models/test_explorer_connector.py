@@ -10,10 +10,13 @@ import pytest
 from kvref.models.explorer import explore, render_trace
 from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorScope, ConnectorSystem, explore_connector
 
+from tests.models.key_audit import OFFSET, explored_keys, ints
 
-def test_the_clean_connector_scope_has_stores_loads_and_no_violation():
-    system = ConnectorSystem(CONNECTOR_SCOPES["connector"])
-    seen = {"store": 0, "load": 0, "partial": 0}
+
+def _count_jobs(system: ConnectorSystem) -> dict[str, int]:
+    """Counts, over every checked state, the jobs in flight by kind: stores, loads, partially
+    reported ones (some workers of several) and flushed ones."""
+    seen = {"store": 0, "load": 0, "partial": 0, "flushed": 0}
     check = system.check
 
     def counting(s):
@@ -21,7 +24,14 @@ def test_the_clean_connector_scope_has_stores_loads_and_no_violation():
         for job in s[0].jobs.values():
             seen["store" if job["store"] else "load"] += 1
             seen["partial"] += 0 < job["reported"] < s[0].cfg.num_workers
+            seen["flushed"] += bool(job.get("flushed"))
     system.check = counting
+    return seen
+
+
+def test_the_clean_connector_scope_has_stores_loads_and_no_violation():
+    system = ConnectorSystem(CONNECTOR_SCOPES["connector"])
+    seen = _count_jobs(system)
     res = explore(system, max_depth=CONNECTOR_SCOPES["connector"].max_depth, check_deadlocks=False)
     assert res.ok and res.states > 1000 and res.depth == 9
     assert seen["store"] and seen["load"] and seen["partial"]  # a CPU hit loads; one worker of two reported
@@ -74,39 +84,19 @@ def test_the_complete_scope_is_explored_completely_with_stores_loads_and_flushes
     scope = CONNECTOR_SCOPES["connector-complete"]
     assert scope.max_depth is None
     system = ConnectorSystem(scope)
-    seen = {"store": 0, "load": 0, "flushed": 0}
-    check = system.check
-
-    def counting(s):
-        check(s)
-        for job in s[0].jobs.values():
-            seen["store" if job["store"] else "load"] += 1
-            seen["flushed"] += bool(job.get("flushed"))
-    system.check = counting
+    seen = _count_jobs(system)
     res = explore(system, check_deadlocks=True)
     assert res.complete and res.ok and res.states > 5000 and res.depth > 20
     assert seen["store"] and seen["load"] and seen["flushed"]
 
 
-#: job ids start here in the audit below: no other int in a connector world is this large
-_OFFSET = 10**7
-
-
 class _OffsetJobIds(ConnectorSystem):
-    """The same system whose job ids (and reset threshold) start at ``_OFFSET`` instead of 0."""
+    """The same system whose job ids (and reset threshold) start at ``OFFSET`` instead of 0."""
 
     def initial_states(self):
         (w, arrived), = super().initial_states()
-        w.b.conn._job_counter = w.b.conn._stale_job_threshold = _OFFSET
+        w.b.conn._job_counter = w.b.conn._stale_job_threshold = OFFSET
         return [(w, arrived)]
-
-
-def _ints(k):
-    if isinstance(k, tuple):
-        for x in k:
-            yield from _ints(x)
-    elif isinstance(k, int) and not isinstance(k, bool):
-        yield k
 
 
 @pytest.mark.parametrize("name,depth", [("reset-swa", 6), ("connector-complete", 11)])
@@ -118,23 +108,12 @@ def test_job_ids_are_renamed_wherever_they_live(name, depth):
     from dataclasses import replace
 
     scope = replace(CONNECTOR_SCOPES[name], max_depth=depth)
-    keys, fenced = {}, []
-    for cls in (ConnectorSystem, _OffsetJobIds):
-        system = cls(scope)
-        found = keys[cls] = set()
-        key = system.key
-
-        def recording(s, key=key, found=found):
-            k = key(s)
-            found.add(k)
-            fenced.append(bool(s[0].b.conn._reset_fence))  # jobs from before a reset still out
-            return k
-        system.key = recording
-        res = explore(system, max_depth=depth, check_deadlocks=False)
-        assert res.states > 300
+    fenced = []  # jobs from before a reset still out
+    keys = {cls: explored_keys(cls(scope), depth, lambda s: fenced.append(bool(s[0].b.conn._reset_fence)))
+            for cls in (ConnectorSystem, _OffsetJobIds)}
     assert any(fenced) == scope.resets
     assert keys[ConnectorSystem] == keys[_OffsetJobIds]
-    assert max(max(_ints(k)) for k in keys[_OffsetJobIds]) < _OFFSET
+    assert max(max(ints(k)) for k in keys[_OffsetJobIds]) < OFFSET
 
 
 def test_a_reset_threshold_is_part_of_the_key():

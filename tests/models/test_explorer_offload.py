@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.explorer import explore
 from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadScope, OffloadSystem, explore_offload
 from kvref.models.mutants_catalogue import CATALOGUE
+
+from tests.models.key_audit import OFFSET, explored_keys, ints
 
 
 def test_reference_offload_path_is_clean_at_the_bounded_scope():
@@ -124,33 +125,13 @@ def test_event_ids_are_renamed_wherever_they_live():
     id may reach a key, and the keys are those of the system that numbers from 0."""
     from dataclasses import replace
 
-    offset = 10**7
-
     class Offset(OffloadSystem):
         def initial_states(self):
             (w, arrived), = super().initial_states()
-            w.b.conn._store_event_counter = w.b.conn._load_event_counter = offset
+            w.b.conn._store_event_counter = w.b.conn._load_event_counter = OFFSET
             return [(w, arrived)]
 
-    def ints(k):
-        if isinstance(k, tuple):
-            for x in k:
-                yield from ints(x)
-        elif isinstance(k, int) and not isinstance(k, bool):
-            yield k
-
     scope = replace(OFFLOAD_SCOPES["offload"], max_depth=9)
-    keys = {}
-    for cls in (OffloadSystem, Offset):
-        system = cls(scope)
-        found = keys[cls] = set()
-        key = system.key
-
-        def recording(s, key=key, found=found):
-            k = key(s)
-            found.add(k)
-            return k
-        system.key = recording
-        assert explore(system, max_depth=scope.max_depth, check_deadlocks=False).states > 300
+    keys = {cls: explored_keys(cls(scope), scope.max_depth) for cls in (OffloadSystem, Offset)}
     assert keys[OffloadSystem] == keys[Offset]
-    assert max(max(ints(k)) for k in keys[Offset]) < offset
+    assert max(max(ints(k)) for k in keys[Offset]) < OFFSET
