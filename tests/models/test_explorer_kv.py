@@ -86,6 +86,9 @@ def test_bad_scope_is_rejected():
         Scope(prompts=((1, 2),), max_tokens=(1, 2))
     with pytest.raises(ValueError, match="scope"):
         explore_scope("no-such-scope")
+    # without chunked prefill vLLM needs a budget of at least max_model_len
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 .*max_model_len=12"):
+        Scope(enable_chunked_prefill=False, max_num_batched_tokens=4)
 
 
 def test_no_per_request_state_outlives_its_request():
