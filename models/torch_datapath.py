@@ -6,8 +6,10 @@ hit and the full-sequence gate; the step's chunks are written and attended throu
 tables (``DataPathRunner.run_step``) and compared with dense attention over the contiguous
 sequences (``dense_step``). ``max_error`` is the largest absolute difference seen.
 
-Used by the data-path tests and by the mutant tests, which show that a bookkeeping fault alone
-(no invariant check, no comparison with vLLM) produces wrong numbers here.
+``attention_backend`` (``"torch"`` or ``"triton"``) picks who writes K/V and runs paged
+attention; dense attention stays torch. Used by the data-path tests and by the mutant tests,
+which show that a bookkeeping fault alone (no invariant check, no comparison with vLLM)
+produces wrong numbers here.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class StepLog:
 
 class DataPathScheduler:
     def __init__(self, manager: TorchKVCacheManager, runner: DataPathRunner | None = None,
-                 budget: int = 8, seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
+                 budget: int = 8, seed: int = 0, dtype: torch.dtype = torch.float64,
+                 attention_backend: str = "torch") -> None:
         self.m = manager
-        self.runner = runner or DataPathRunner(manager, dtype=dtype, seed=seed)
+        self.runner = runner or DataPathRunner(manager, dtype=dtype, seed=seed, attention_backend=attention_backend)
         self.budget = budget
         self.seed = seed
         self.reqs: dict[str, Request] = {}

@@ -95,11 +95,18 @@ def data_path_ok(cfg: PoolConfig) -> bool:
 
 def make_differential_machine(other_factory: Callable[[PoolConfig], object],
                               torch_factory: Callable[[PoolConfig], object] | None = None,
-                              deep: bool = True, datapath: bool = False) -> type[RuleBasedStateMachine]:
+                              deep: bool = True, datapath: bool = False,
+                              attention_backend: str = "torch") -> type[RuleBasedStateMachine]:
     """A machine comparing ``torch_factory(cfg)`` (default: the torch implementation on CPU) with
     ``other_factory(cfg)``. ``deep`` also compares ``hash_index()`` and ``ref_counts()``.
     ``datapath`` also runs every scheduled chunk through the torch data path (float64) and asserts
-    paged attention equals dense attention; connector tokens are written as a load."""
+    paged attention equals dense attention; connector tokens are written as a load.
+    ``attention_backend`` (``"torch"`` or ``"triton"``) runs that data path's K/V writes and paged
+    attention through the torch ops or the Triton kernels (``kvref.impl.torch.triton_kernels``)."""
+    if datapath:
+        from kvref.impl.torch.triton_kernels import check_backend
+
+        check_backend("attention_backend", attention_backend)
 
     if torch_factory is None:
         from kvref.impl.torch import make_manager
@@ -124,7 +131,7 @@ def make_differential_machine(other_factory: Callable[[PoolConfig], object],
                 import torch
 
                 from kvref.impl.torch.model_runner import DataPathRunner
-                self.runner = DataPathRunner(self.t, dtype=torch.float64)
+                self.runner = DataPathRunner(self.t, dtype=torch.float64, attention_backend=attention_backend)
 
         # ------------------------------------------------------------ helpers
         def both(self, name, *args, **kw):

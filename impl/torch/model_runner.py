@@ -7,6 +7,12 @@ step (``run_step``) every scheduled chunk's new tokens are written through the m
 tables (one batched slot mapping per group) and attended through them; ``dense_step`` computes
 the same outputs over the contiguous token sequence, never touching the cache. The two agree iff
 the bookkeeping is right (within :data:`~.paged_attention.TOLERANCE`).
+
+``attention_backend`` picks who runs the hot operations (the K/V write and paged attention):
+``"torch"`` (default; gather + matmul, the oracle-like path) or ``"triton"`` (the kernels in
+:mod:`.triton_kernels`, compiled on CUDA, interpreted on CPU with ``TRITON_INTERPRET=1``). The
+dense recomputation is torch either way, so a bookkeeping fault shows up as wrong numbers
+through either back-end.
 """
 
 from __future__ import annotations
@@ -70,13 +76,16 @@ class DataPathRunner:
         num_q_heads: query heads (a multiple of each group's ``num_kv_heads``; GQA).
         dtype: data-path dtype (float64 on CPU for near-exact checks).
         seed: the token model's seed.
+        attention_backend: ``"torch"`` or ``"triton"`` (raises ``TritonUnavailableError``, a
+            ``ValueError``, when triton cannot run here).
     """
 
     def __init__(self, manager: TorchKVCacheManager, num_layers: int = 1, num_q_heads: int | None = None,
-                 dtype: torch.dtype = torch.float64, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float64, seed: int = 0, attention_backend: str = "torch") -> None:
         if not isinstance(manager, TorchKVCacheManager):
             raise InvalidFieldError("manager", manager, "a TorchKVCacheManager")
         check_int("num_layers", num_layers, minimum=1)
+        self.attention_backend = _check_backend(attention_backend, manager.device)
         self.manager = manager
         cfg = manager.config
         specs = [g.kv_cache_spec for g in cfg.groups]
@@ -114,6 +123,19 @@ class DataPathRunner:
                                 cfg.max_model_len + 1, dtype, self.device, seed)
         self.num_layers = num_layers
 
+    def _write(self, g: int, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.attention_backend == "triton":
+            from .triton_kernels.write_kv import write_kv_triton
+
+            return write_kv_triton(self.cache.kv(g, layer), slots, k, v)
+        self.cache.write_kv(g, layer, slots, k, v)
+
+    def _attend(self, g: int, layer: int, q, table, ctx, rows, pos) -> torch.Tensor:
+        attend = paged_attention
+        if self.attention_backend == "triton":
+            from .triton_kernels.attention import paged_attention_triton as attend
+        return attend(q, self.cache.kv(g, layer), table, ctx, rows, pos, self.masks[g])
+
     def _flat(self, chunks: list[Chunk]):
         toks, pos, rows = [], [], []
         for i, c in enumerate(chunks):
@@ -144,8 +166,8 @@ class DataPathRunner:
             slots = slot_mapping(table, pos, bs, rows)
             for layer in range(self.num_layers):
                 q, k, v = self.model.qkv(g, layer, toks, pos)
-                self.cache.write_kv(g, layer, slots, k, v)
-                out[(g, layer)] = paged_attention(q, self.cache.kv(g, layer), table, ctx, rows, pos, self.masks[g])
+                self._write(g, layer, slots, k, v)
+                out[(g, layer)] = self._attend(g, layer, q, table, ctx, rows, pos)
         return out
 
     def _mamba_step(self, g: int, layer: int, chunks: list[Chunk], table: torch.Tensor,
@@ -178,7 +200,7 @@ class DataPathRunner:
             slots = slot_mapping(table, pos, self.manager.groups[g].block_size, rows)
             for layer in range(self.num_layers):
                 _, k, v = self.model.qkv(g, layer, toks, pos)
-                self.cache.write_kv(g, layer, slots, k, v)
+                self._write(g, layer, slots, k, v)
 
     def max_error(self, chunks: list[Chunk]) -> float:
         """Run the step through the cache and densely; the largest absolute difference."""
@@ -206,3 +228,13 @@ class DataPathRunner:
                     o = dense_attention(q[c.start:end], k, v, all_p[c.start:end], self.masks[g])
                     out.setdefault((g, layer), []).append(o)
         return {key: torch.cat(v) for key, v in out.items()}
+
+
+def _check_backend(name, device) -> str:
+    """Validate ``attention_backend`` and, for ``"triton"``, that the kernels can run on ``device``."""
+    from .triton_kernels import check_backend, require_triton
+
+    check_backend("attention_backend", name)
+    if name == "triton":
+        require_triton(device)
+    return name

@@ -13,6 +13,10 @@ On CPU the copies are plain synchronous ``copy_`` calls and handles are complete
 
 Runs of consecutive ``(gpu, cpu)`` pairs are merged into one copy, so a contiguous job costs one
 ``memcpy`` per layer. Round trips are bit-exact: pages are copied as raw elements, never cast.
+
+``backend="triton"`` moves the pages with the block-copy kernel instead
+(:mod:`.triton_kernels.block_copy`: one launch per layer for the whole job, every page in
+parallel, the kernel reading/writing the pinned host buffer directly); default ``"torch"``.
 """
 
 from __future__ import annotations
@@ -62,12 +66,20 @@ def merge_runs(pairs: Job) -> list[tuple[int, int, int]]:
 
 
 class OffloadCopier:
-    """Host buffers mirroring ``cache``'s backing tensors, ``num_cpu_blocks`` pages per layer."""
+    """Host buffers mirroring ``cache``'s backing tensors, ``num_cpu_blocks`` pages per layer.
 
-    def __init__(self, cache: KVCacheTensors, num_cpu_blocks: int) -> None:
+    ``backend``: ``"torch"`` (``copy_`` per merged run) or ``"triton"`` (the block-copy kernel).
+    """
+
+    def __init__(self, cache: KVCacheTensors, num_cpu_blocks: int, backend: str = "torch") -> None:
         if not isinstance(cache, KVCacheTensors):
             raise InvalidFieldError("cache", cache, "a KVCacheTensors")
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        from .triton_kernels import check_backend, require_triton
+
+        self.backend = check_backend("backend", backend)
+        if backend == "triton":
+            require_triton(cache.device)
         self.cache = cache
         self.num_cpu_blocks = num_cpu_blocks
         self.is_cuda = cache.device.type == "cuda"
@@ -96,7 +108,8 @@ class OffloadCopier:
         return pairs
 
     def _copy(self, job: Job, kind: str) -> CopyHandle:
-        runs = merge_runs(self._check(job, kind))
+        pairs = self._check(job, kind)
+        runs = merge_runs(pairs)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
             ctx = torch.cuda.stream(self.stream)
@@ -104,6 +117,15 @@ class OffloadCopier:
             ctx = _nullcontext()
         with ctx:
             for dev, host in zip(self.cache.backing, self.host):
+                if self.backend == "triton":
+                    from .triton_kernels.block_copy import copy_blocks_triton
+
+                    gpu, cpu = [g for g, _ in pairs], [c for _, c in pairs]
+                    if kind == "store":
+                        copy_blocks_triton(dev, host, gpu, cpu)
+                    else:
+                        copy_blocks_triton(host, dev, cpu, gpu)
+                    continue
                 for g, c, n in runs:
                     if kind == "store":
                         host[c:c + n].copy_(dev[g:g + n], non_blocking=self.is_cuda)
