@@ -2,7 +2,9 @@
 #   make verify   runs the main job (kvref verify) after installing what it needs
 #   make test     runs the test suite after installing what it needs (.ci/run calls it)
 # Everything lives in .venv (python3 -m venv); vLLM 0.33.0 and xgrammar are installed with
-# --no-deps from the pinned CPU closure, torch is pinned to 2.13.0.
+# --no-deps from the pinned CPU closure, torch is pinned to 2.13.0. requirements/test.txt pins
+# triton==3.9.0 (the Triton kernel tests run in its interpreter on CPU); it has no dependencies,
+# so the resolver pulls no other torch.
 
 PYTHON ?= python3
 VENV ?= .venv
