@@ -1,8 +1,9 @@
 """The Triton kernels against the torch data path and dense attention (CPU: Triton's interpreter).
 
 Paged attention: every mask kind x dtype, GQA ratios 1-4 (3 is not a power of two: padded
-heads must stay out of the output), block sizes 1-16 (1 and 16 hit the padded / unpadded tile
-paths), prefill chunks and decodes in one batch, scattered block tables. Tolerances (max abs
+heads must stay out of the output), block sizes 1-16 against tiles of 2-32 positions (a tile
+spanning several blocks and a block spanning several tiles), 1-3 key-range splits (the
+flash-decoding combine), prefill chunks and decodes in one batch, scattered block tables. Tolerances (max abs
 difference, O(1) values) are ``kvref.impl.torch.paged_attention.TOLERANCE``: float64 1e-10,
 float32 1e-5, float16 1e-2, bfloat16 2e-2 — for Triton vs dense *and* Triton vs the torch path
 (both accumulate in float32 for half types and round once at the end: they differ by at most one
@@ -82,10 +83,10 @@ def _dense(args, seqs, mask):
     return torch.cat(out)
 
 
-def _check(args, seqs, mask, dtype):
+def _check(args, seqs, mask, dtype, **tuning):
     from kvref.impl.torch.triton_kernels.attention import paged_attention_triton
 
-    got = paged_attention_triton(*args, mask).cpu()
+    got = paged_attention_triton(*args, mask, **tuning).cpu()
     assert got.dtype == dtype and got.shape == args[0].shape
     torch_path = paged_attention(*[a.cpu() for a in args], mask)
     dense = _dense(args, seqs, mask)
@@ -98,17 +99,18 @@ def _check(args, seqs, mask, dtype):
 
 
 MASKS = (AttentionMask(), AttentionMask("sliding_window", 5), AttentionMask("chunked_local", 4))
-#: (mask, dtype, GQA group, block size): every mask x dtype once, group and block size rotating
-CASES = [(m, dt, (1, 2, 3, 4)[(i + j) % 4], (1, 2, 4, 16)[(i + 2 * j) % 4])
+#: (mask, dtype, GQA group, block size, tile, splits): every mask x dtype once, the rest rotating
+CASES = [(m, dt, (1, 2, 3, 4)[(i + j) % 4], (1, 2, 4, 16)[(i + 2 * j) % 4], (2, 8, 32)[(i + j) % 3],
+          (1, 2, 3)[(2 * i + j) % 3])
          for i, m in enumerate(MASKS) for j, dt in enumerate(DTYPES)]
 
 
-@pytest.mark.parametrize("mask,dtype,group,bs", CASES,
-                         ids=[f"{m.kind}-{str(dt)[6:]}-gqa{g}-bs{b}" for m, dt, g, b in CASES])
-def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, bs):
+@pytest.mark.parametrize("mask,dtype,group,bs,tile,splits", CASES,
+                         ids=[f"{m.kind}-{str(dt)[6:]}-gqa{g}-bs{b}-tile{t}-split{s}" for m, dt, g, b, t, s in CASES])
+def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, bs, tile, splits):
     # Two requests: a prefill chunk of 6 over 19 tokens and a decode at position 10.
     args, seqs = _attention_case(1, dtype, [19, 11], [6, 1], bs, 2, group, 8, kernel_device())
-    _check(args, seqs, mask, dtype)
+    _check(args, seqs, mask, dtype, tile=tile, num_splits=splits)
 
 
 @settings(max_examples=profile_examples(4, 12))
@@ -117,10 +119,11 @@ def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, 
                                                                                     max_size=3),
        bs=st.sampled_from([1, 2, 4, 8]), hkv=st.integers(1, 2), group=st.integers(1, 3),
        mask=st.one_of(st.just(AttentionMask()), st.builds(AttentionMask, st.just("sliding_window"), st.integers(1, 12)),
-                      st.builds(AttentionMask, st.just("chunked_local"), st.integers(1, 12))))
-def test_triton_paged_attention_on_generated_batches(seed, dtype, lens, queries, bs, hkv, group, mask):
+                      st.builds(AttentionMask, st.just("chunked_local"), st.integers(1, 12))),
+       tile=st.sampled_from([1, 4, 16, 32]), splits=st.integers(1, 4))
+def test_triton_paged_attention_on_generated_batches(seed, dtype, lens, queries, bs, hkv, group, mask, tile, splits):
     args, seqs = _attention_case(seed, dtype, lens, queries, bs, hkv, group, 4, kernel_device())
-    _check(args, seqs, mask, dtype)
+    _check(args, seqs, mask, dtype, tile=tile, num_splits=splits)
 
 
 def test_float64_is_near_exact_and_the_scale_is_not_rounded_to_float32():
@@ -149,9 +152,11 @@ def test_only_blocks_the_mask_reaches_are_read():
     cache, table = args[1], args[2]
     outside, inside = int(table[0, 1]), int(table[0, 2])  # positions 4..7 (never read), 8..11 (10, 11 read)
     cache[outside] = float("nan")
-    assert torch.equal(paged_attention_triton(*args, mask), base)
+    for tuning in ({}, {"tile": 2, "num_splits": 3}):
+        assert torch.allclose(paged_attention_triton(*args, mask, **tuning), base, rtol=0, atol=1e-12), tuning
     cache[inside] = 100.0
-    assert float((paged_attention_triton(*args, mask) - base).abs().max()) > 1e-3
+    for tuning in ({}, {"tile": 2, "num_splits": 3}):
+        assert float((paged_attention_triton(*args, mask, **tuning) - base).abs().max()) > 1e-3, tuning
 
 
 def test_write_kv_kernel_stores_the_same_bits_as_the_torch_path():
@@ -244,6 +249,10 @@ def test_attention_and_write_kernels_reject_bad_arguments():
         paged_attention_triton(torch.zeros(2, 3, 4), torch.zeros(5, 2, 4, 2, 4), table, ctx, rows, pos)
     with pytest.raises(InvalidFieldError, match="mask"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, "causal")
+    with pytest.raises(InvalidFieldError, match="tile"):
+        paged_attention_triton(q, cache, table, ctx, rows, pos, tile=24)
+    with pytest.raises(InvalidFieldError, match="num_splits"):
+        paged_attention_triton(q, cache, table, ctx, rows, pos, num_splits=0)
     with pytest.raises(InvalidFieldError, match="slots"):
         write_kv_triton(cache, torch.tensor([4, 20]), torch.ones(2, 1, 4), torch.ones(2, 1, 4))
     with pytest.raises(InvalidFieldError, match="k/v"):
