@@ -6,6 +6,12 @@ kill rate is below ``--min-rate`` or the clean reference fails a check.
 
 ``--subset ci`` runs the CI subset (one mutant per fault family, a few minutes on 2 cores);
 the default is the whole catalogue. See docs/mutants.md.
+
+``--target vllm`` measures the other direction: source faults in the installed vLLM's own
+KV-cache code (applied to an overlay copy, never to the installed files), each run through
+``kvref verify --against vllm`` on the vLLM-facing checks; it reports which check caught each
+fault and how fast, and exits 1 when the recall of the bug faults is below the goal (95 %, or
+``--min-rate``) or a neutral refactor is flagged. See docs/vllm_mutants.md.
 """
 
 from __future__ import annotations
@@ -27,11 +33,25 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the catalogue and exit")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table (docs/mutants.md)")
+    p.add_argument("--target", choices=("reference", "vllm"), default="reference",
+                   help="mutate kvref's reference (default) or the installed vLLM's source (docs/vllm_mutants.md)")
+    g = p.add_argument_group("--target vllm")
+    g.add_argument("--faults", metavar="ID,...", help="run only these source faults (comma-separated ids)")
+    g.add_argument("--class", dest="fault_class", metavar="CLASS,...",
+                   help="run only these classes: historic, classic, neutral (comma-separated)")
+    g.add_argument("--profile", choices=("fast", "ci", "nightly"), default="fast",
+                   help="kvref verify profile each fault is checked with (default fast)")
+    g.add_argument("--seed", type=int, default=0, help="kvref verify seed (default 0)")
+    g.add_argument("--fault-timeout", type=float, default=None, metavar="S",
+                   help="wall-clock limit per fault (default 300 s fast, 900 ci, 3600 nightly)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     import json
+
+    if args.target == "vllm":
+        return run_vllm(args)
 
     from kvref.models.mutants_campaign import run_mutant_campaign
     from kvref.models.mutants_catalogue import CATALOGUE, CI_SUBSET, all_mutants
@@ -63,6 +83,36 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(res.render())
     return 0 if res.reference_kill_rate >= args.min_rate else 1
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``kvref mutants --target vllm``: the vLLM source-fault campaign (kvref.vllm_campaign)."""
+    import json
+    import sys
+
+    from kvref.models.vllm_mutants.catalogue import FAULTS
+    from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, run_campaign, select_faults
+
+    split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
+    faults = select_faults(FAULTS, split(args.faults), split(args.fault_class))
+    if args.list:
+        for f in faults:
+            print(f"{f.id:40} {f.kind:8} {f.path:58} {f.description}" + (f" [{f.bug}]" if f.bug else ""))
+        return 0
+    if not faults:
+        print("no fault selected", file=sys.stderr)
+        return 2
+    quiet = args.json or args.markdown
+    res = run_campaign(faults, checks=tuple(args.checks) if args.checks else VLLM_CHECKS, profile=args.profile,
+                       seed=args.seed, timeout=args.fault_timeout, progress=lambda line: print(line, file=sys.stderr if quiet else sys.stdout, flush=True))
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    elif args.markdown:
+        print(res.summary() + "\n")
+        print(res.to_markdown())
+    else:
+        print(res.render())
+    return 0 if res.ok(args.min_rate or RECALL_GOAL) else 1
 
 
 def check_mutants(ctx):

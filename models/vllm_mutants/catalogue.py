@@ -1,0 +1,541 @@
+"""The catalogue of source faults in vLLM 0.33.0's KV-cache code (and refactors that must pass).
+
+Each entry is an exact ``old -> new`` edit of one file of the installed ``vllm`` package
+(:class:`~kvref.models.vllm_mutants.overlay.SourceFault`). Three classes:
+
+* ``historic`` — the pre-fix logic of a merged vLLM fix (or the fix as first merged, where a later
+  PR corrected it), re-applied to 0.33.0's code: the bug the PR/issue number names comes back;
+* ``classic`` — textbook faults (off-by-one, wrong comparison, dropped call, swapped order, wrong
+  queue end) in code the checks can reach;
+* ``neutral`` — behaviour-preserving refactors (a local renamed, independent statements reordered,
+  equivalent arithmetic, a helper extracted): the checks must *not* flag them.
+
+Every edit must match exactly once in the installed file; :func:`check_catalogue` says which do
+not (a test asserts that none fails on the installed vLLM 0.33.0). The vLLM text quoted in ``old``
+is the minimum needed to locate one place; the ``new`` text is the fault, written here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .overlay import CLASSIC, HISTORIC, NEUTRAL, FaultDoesNotApplyError, SourceFault, fault, installed_vllm_dir
+
+_POOL = "v1/core/block_pool.py"
+_UTILS = "v1/core/kv_cache_utils.py"
+_STM = "v1/core/single_type_kv_cache_manager.py"
+_COORD = "v1/core/kv_cache_coordinator.py"
+_KVM = "v1/core/kv_cache_manager.py"
+_SCHED = "v1/core/sched/scheduler.py"
+_QUEUE = "v1/core/sched/request_queue.py"
+_ASYNC = "v1/core/sched/async_scheduler.py"
+_PLAN = "v1/core/kv_cache_planning.py"
+_IFACE = "v1/kv_cache_interface.py"
+_SIMPLE = "v1/simple_kv_offload/manager.py"
+_OFFL = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+
+FAULTS: list[SourceFault] = []
+
+
+def _add(*faults: SourceFault) -> None:
+    FAULTS.extend(faults)
+
+
+# --------------------------------------------------------------------------------------------
+# block pool and free queue (v1/core/block_pool.py, kv_cache_utils.py)
+
+_add(
+    fault("pool.free_uncached_appended", _POOL,
+          "        self.free_block_queue.prepend_n(blocks_to_evict_first)",
+          "        self.free_block_queue.append_n(blocks_to_evict_first)",
+          CLASSIC, "freed blocks without a hash go to the back of the free queue instead of the front "
+                   "(LIFO reuse lost; free-queue order and later evictions change)", behaviour="free-order"),
+    fault("pool.free_hash_test_inverted", _POOL,
+          "                if block.block_hash is None or not self.enable_caching:",
+          "                if block.block_hash is not None or not self.enable_caching:",
+          CLASSIC, "wrong comparison: cached blocks are reused first and uncached ones kept (the LRU of "
+                   "prefix-cached blocks is inverted)", behaviour="free-order"),
+    fault("pool.touch_no_queue_remove", _POOL,
+          "            if block.ref_cnt == 0:\n                self.free_block_queue.remove(block)\n",
+          "",
+          CLASSIC, "dropped call: a prefix hit on a free cached block leaves it in the free queue, so it can "
+                   "be handed out while in use", behaviour="prefix-cache"),
+    fault("pool.alloc_keeps_stale_hash", _POOL,
+          "                self._maybe_evict_cached_block(block)\n",
+          "",
+          CLASSIC, "dropped call: a reused block keeps its old hash entry, so a later request hits a block "
+                   "whose content was overwritten", behaviour="prefix-cache"),
+    fault("pool.free_count_off_by_one", _POOL,
+          "        return self.free_block_queue.num_free_blocks\n",
+          "        return self.free_block_queue.num_free_blocks - 1\n",
+          CLASSIC, "off-by-one: one free block fewer is reported (admission refuses what fits)",
+          behaviour="admission"),
+    fault("pool.cache_hash_shifted", _POOL,
+          "        new_block_hashes = block_hashes[num_cached_blocks:]",
+          "        new_block_hashes = block_hashes[num_cached_blocks + 1:] + block_hashes[-1:]",
+          CLASSIC, "off-by-one: a newly full block is cached under the next block's hash", behaviour="prefix-cache"),
+    fault("pool.pop_drops_duplicates", _POOL,
+          "            block = blocks.pop(block_id, None)\n            if len(blocks) > 0:\n"
+          "                self._cache[key] = blocks\n",
+          "            block = blocks.pop(block_id, None)\n",
+          CLASSIC, "evicting one of several blocks with the same hash forgets all of them (later hits lost)",
+          behaviour="prefix-cache"),
+    fault("pool.reset_ignores_used_blocks", _POOL,
+          "        if num_used_blocks != 1:  # The null block is always marked as used",
+          "        if num_used_blocks < 1:  # The null block is always marked as used",
+          CLASSIC, "wrong comparison: reset_prefix_cache succeeds while requests still hold blocks",
+          behaviour="prefix-cache"),
+    fault("queue.prepend_reversed", _UTILS,
+          "        prev_block = self.fake_free_list_head\n        for block in blocks:\n",
+          "        prev_block = self.fake_free_list_head\n        for block in reversed(blocks):\n",
+          CLASSIC, "swapped order: a freed request's blocks are prepended in reverse (its head block is "
+                   "reused first instead of its tail)", behaviour="free-order"),
+    fault("hash.not_chained", _UTILS,
+          "        hash_function((parent_block_hash, curr_block_token_ids_tuple, extra_keys))",
+          "        hash_function((NONE_HASH, curr_block_token_ids_tuple, extra_keys))",
+          CLASSIC, "block hashes not chained to the parent: equal blocks after different prefixes collide",
+          behaviour="prefix-cache"),
+    fault("hash.hasher_skips_first_block", _UTILS,
+          "        start_token_idx = len(request.block_hashes) * hash_block_size\n",
+          "        start_token_idx = len(request.block_hashes) * hash_block_size\n"
+          "        start_token_idx += hash_block_size if not request.block_hashes else 0\n",
+          CLASSIC, "off-by-one: a request's first block is never hashed (hashes shifted by one block)",
+          behaviour="prefix-cache"),
+)
+
+# --------------------------------------------------------------------------------------------
+# single-type managers (v1/core/single_type_kv_cache_manager.py)
+
+_add(
+    fault("stm.pre40946_gate_uncapped", _STM,
+          "        if apply_admission_cap and self.max_admission_blocks_per_request is not None:",
+          "        if False and self.max_admission_blocks_per_request is not None:",
+          HISTORIC, "pre-#40946 admission gate: the full-sequence gate charges a sliding-window / chunked-local "
+                    "group cdiv(L, block) blocks while startup sized it with the recycling-aware bound; a "
+                    "max_model_len request startup accepted is never admitted (scheduler waits forever)",
+          bug="#39734, PR 40946", behaviour="admission"),
+    fault("stm.pr40027_cap_every_step", _STM,
+          "        if apply_admission_cap and self.max_admission_blocks_per_request is not None:",
+          "        if self.max_admission_blocks_per_request is not None:",
+          HISTORIC, "PR 40946 as first merged: the admission cap also clamps the per-step predictor, so "
+                    "allocate_new_blocks takes more blocks than were checked ('Cannot get N free blocks')",
+          bug="PR 40027, #45856, PR 40946", behaviour="admission"),
+    fault("stm.evictable_hits_uncounted", _STM,
+          "        return num_new_blocks + num_evictable_blocks\n",
+          "        return num_new_blocks\n",
+          CLASSIC, "dropped term: prefix-hit blocks sitting in the free queue are not counted against free "
+                   "capacity, so admission over-commits the pool", behaviour="admission"),
+    fault("stm.required_blocks_floor", _STM,
+          "        num_required_blocks = cdiv(num_tokens, self.block_size)\n"
+          "        if apply_admission_cap",
+          "        num_required_blocks = num_tokens // self.block_size\n"
+          "        if apply_admission_cap",
+          CLASSIC, "off-by-one: the predictor rounds the blocks a request needs down instead of up",
+          behaviour="admission"),
+    fault("stm.free_head_first", _STM,
+          "        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))",
+          "        self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))",
+          CLASSIC, "swapped order: a finished request's blocks are freed head first, so its prefix is "
+                   "evicted before its tail", behaviour="free-order"),
+    fault("stm.free_keeps_cached_count", _STM,
+          "        self.num_cached_block.pop(request_id, None)\n        self._partial_hit_reqs",
+          "        self._partial_hit_reqs",
+          CLASSIC, "dropped bookkeeping: a freed request's cached-block count survives; when the id comes "
+                   "back (preemption/resume) its new blocks are taken as already cached", behaviour="prefix-cache"),
+    fault("stm.swa_skip_one_too_many", _STM,
+          "            num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
+          "            num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens,",
+          CLASSIC, "off-by-one: the sliding window skips one token too many, freeing a block the next token "
+                   "still attends to", behaviour="sliding-window"),
+    fault("stm.swa_never_frees", _STM,
+          "            num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
+          "            0 * num_computed_tokens,",
+          CLASSIC, "sliding-window blocks are never freed (the recycling the admission cap assumes is gone)",
+          behaviour="sliding-window"),
+    fault("stm.chunked_local_skip_next_chunk", _STM,
+          "            num_computed_tokens // self.attention_chunk_size\n        ) * self.attention_chunk_size",
+          "            num_computed_tokens // self.attention_chunk_size + 1\n        ) * self.attention_chunk_size",
+          CLASSIC, "off-by-one: chunked-local attention skips the current chunk too", behaviour="sliding-window"),
+    fault("stm.remove_skipped_stops_early", _STM,
+          "        for i in range(last_block - 1, first_block - 1, -1):\n            if blocks[i] == self._null_block:",
+          "        for i in range(last_block - 1, first_block, -1):\n            if blocks[i] == self._null_block:",
+          CLASSIC, "off-by-one: the first block of a skipped range is never freed (a sliding-window request "
+                   "leaks its first block until it finishes)", behaviour="sliding-window"),
+    fault("stm.skipped_hits_not_dropped", _STM,
+          "            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]\n",
+          "            new_computed_blocks = new_computed_blocks[num_skipped_blocks - 1:]\n",
+          CLASSIC, "off-by-one: one prefix-hit block outside the window is kept besides the null padding "
+                   "(the block table is one block too long)", behaviour="sliding-window"),
+    fault("stm.swa_hit_window_minus_one", _STM,
+          "        blocks = cdiv(window_size - 1, block_size)\n",
+          "        blocks = cdiv(window_size - 1, block_size) - 1\n",
+          CLASSIC, "off-by-one: a sliding-window prefix hit needs one contiguous cached block fewer than the "
+                   "window spans (hits on blocks whose window is not all cached)", behaviour="prefix-cache"),
+    fault("stm.full_hit_covers_partial", _STM,
+          "        for block_hash in itertools.islice(full_block_hashes, max_length // block_size):",
+          "        for block_hash in itertools.islice(full_block_hashes, cdiv(max_length, block_size)):",
+          CLASSIC, "off-by-one: a full-attention hit may cover the block holding the last prompt token "
+                   "(the hit exceeds max_cache_hit_length)", behaviour="prefix-cache"),
+    fault("stm.external_blocks_not_allocated", _STM,
+          "        allocated_blocks = self.block_pool.get_new_blocks(num_new_blocks)\n"
+          "        req_blocks.extend(allocated_blocks)\n        if self._record_new_block_ids and record_for_zeroing:",
+          "        allocated_blocks = self.block_pool.get_new_blocks(max(0, num_new_blocks - 1))\n"
+          "        req_blocks.extend(allocated_blocks)\n        if self._record_new_block_ids and record_for_zeroing:",
+          CLASSIC, "off-by-one: external (connector) computed tokens get one block fewer than they span",
+          behaviour="external-tokens"),
+)
+
+# --------------------------------------------------------------------------------------------
+# coordinator and KV cache manager
+
+_add(
+    fault("coord.pre33775_external_before_touch", _COORD,
+          "        for i, manager in enumerate(self.single_type_managers):\n"
+          "            manager.add_local_computed_blocks(\n"
+          "                request_id,\n"
+          "                new_computed_blocks[i],\n"
+          "                num_local_computed_tokens,\n"
+          "                num_external_computed_tokens,\n"
+          "            )\n"
+          "        if num_external_computed_tokens > 0:\n"
+          "            for i, manager in enumerate(self.single_type_managers):\n"
+          "                manager.allocate_external_computed_blocks(",
+          "        for i, manager in enumerate(self.single_type_managers):\n"
+          "            manager.add_local_computed_blocks(\n"
+          "                request_id,\n"
+          "                new_computed_blocks[i],\n"
+          "                num_local_computed_tokens,\n"
+          "                num_external_computed_tokens,\n"
+          "            )\n"
+          "            if num_external_computed_tokens > 0:\n"
+          "                manager.allocate_external_computed_blocks(",
+          HISTORIC, "before the two-phase allocation of #33775: each group allocates its external-token blocks "
+                    "right after touching its own hits, so an earlier group's get_new_blocks can evict a later "
+                    "group's not-yet-touched cache-hit blocks (hybrid pools with a KV connector)",
+          bug="#33775", behaviour="external-tokens",
+          more=(("                    record_for_zeroing=i not in skip_zeroing_group_ids,\n                )\n",
+                 "                    record_for_zeroing=i not in skip_zeroing_group_ids,\n            )\n"),)),
+    fault("kvm.processed_basis_dropped", _KVM,
+          "            max(0, total_computed_tokens - request.num_in_flight_tokens),",
+          "            total_computed_tokens,",
+          HISTORIC, "PR 40946 as merged freed sliding-window blocks on the optimistic computed-token basis: "
+                    "with async scheduling a step still in flight reads blocks already freed (and reused)",
+          bug="PR 40946 (max_in_flight_tokens follow-up)", behaviour="sliding-window"),
+    fault("kvm.no_full_sequence_gate", _KVM,
+          "            required_blocks = num_blocks_to_allocate + watermark_blocks\n"
+          "            if required_blocks > self.block_pool.get_num_free_blocks():\n                return None\n",
+          "            required_blocks = num_blocks_to_allocate + watermark_blocks\n",
+          CLASSIC, "dropped check: the full-sequence admission gate never refuses (chunked prefill "
+                   "over-admits, requests preempt each other mid-prefill)", behaviour="admission"),
+    fault("kvm.gate_ignores_max_model_len", _KVM,
+          "            full_num_tokens = min(request.num_tokens, self.max_model_len)\n",
+          "            full_num_tokens = request.num_tokens + 1\n",
+          CLASSIC, "off-by-one: the full-sequence gate charges one token more than the request holds",
+          behaviour="admission"),
+    fault("kvm.reserved_blocks_ignored", _KVM,
+          "        available_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks\n",
+          "        available_blocks = self.block_pool.get_num_free_blocks()\n",
+          HISTORIC, "before PR 44560: an async KV load is admitted without keeping the blocks in-flight "
+                    "prefills still need (a parked load starves them: Running 0, Waiting N)",
+          bug="#45388, PR 44560", behaviour="external-tokens"),
+    fault("kvm.hit_covers_last_token", _KVM,
+          "        # could slightly improve performance in the future.\n        if max_cache_hit_length is None:\n"
+          "            max_cache_hit_length = request.num_tokens - 1\n",
+          "        # could slightly improve performance in the future.\n        if max_cache_hit_length is None:\n"
+          "            max_cache_hit_length = request.num_tokens\n",
+          CLASSIC, "off-by-one: a fully cached prompt is taken as a full hit, leaving no token to compute "
+                   "the logits from", behaviour="prefix-cache"),
+    fault("kvm.cache_includes_drafts", _KVM,
+          "        num_tokens_to_cache = min(\n            total_computed_tokens + num_new_tokens,\n"
+          "            request.num_tokens,\n        )",
+          "        num_tokens_to_cache = total_computed_tokens + num_new_tokens",
+          CLASSIC, "dropped cap: blocks are cached up to the scheduled tokens, not the finalized ones", 
+          behaviour="prefix-cache"),
+    fault("kvm.watermark_for_running", _KVM,
+          "        if has_scheduled_reqs and request.status in (\n            RequestStatus.WAITING,\n"
+          "            RequestStatus.PREEMPTED,\n        ):",
+          "        if has_scheduled_reqs:",
+          CLASSIC, "wrong condition: the watermark also holds back running requests' decode steps",
+          behaviour="admission"),
+)
+
+_add(
+    fault("pool.pre51482_fifo_without_caching", _POOL,
+          "                if block.block_hash is None or not self.enable_caching:",
+          "                if block.block_hash is None and self.enable_caching:",
+          HISTORIC, "PR 48017 as merged: with prefix caching off every freed block is appended (FIFO reuse of "
+                    "the whole id space) instead of prepended; restored to LIFO by PR 51482",
+          bug="PR 48017, PR 51482", behaviour="free-order"),
+)
+
+# --------------------------------------------------------------------------------------------
+# scheduler (v1/core/sched/)
+
+_add(
+    fault("sched.preempt_oldest_running", _SCHED,
+          "                        preempted_req = self.running.pop()\n",
+          "                        preempted_req = self.running.pop(0)\n",
+          CLASSIC, "wrong victim: FCFS preemption takes the oldest running request instead of the newest",
+          behaviour="preemption"),
+    fault("sched.preempted_to_back", _SCHED,
+          "        # Put the request back to the waiting queue.\n        self.waiting.prepend_request(request)",
+          "        # Put the request back to the waiting queue.\n        self.waiting.add_request(request)",
+          CLASSIC, "wrong queue end: a preempted request goes behind the waiting queue instead of in front",
+          behaviour="preemption"),
+    fault("sched.preempt_keeps_computed_tokens", _SCHED,
+          "        request.status = RequestStatus.PREEMPTED\n        request.num_computed_tokens = 0\n",
+          "        request.status = RequestStatus.PREEMPTED\n",
+          CLASSIC, "dropped reset: a preempted request keeps its computed-token count though its blocks were "
+                   "freed (it resumes past KV it no longer has)", behaviour="preemption"),
+    fault("sched.running_budget_not_charged", _SCHED,
+          "            token_budget -= num_new_tokens\n            input_budget -= num_new_tokens + draft_slots\n"
+          "            req_index += 1\n",
+          "            input_budget -= num_new_tokens + draft_slots\n            req_index += 1\n",
+          CLASSIC, "dropped update: running requests' tokens are not charged to the step's token budget",
+          behaviour="scheduler"),
+    fault("sched.chunks_without_chunked_prefill", _SCHED,
+          "                        not self.scheduler_config.enable_chunked_prefill\n"
+          "                        and num_new_tokens > request_token_budget",
+          "                        False\n"
+          "                        and num_new_tokens > request_token_budget",
+          CLASSIC, "dropped check: with chunked prefill disabled a prompt larger than the budget is still "
+                   "split into chunks", behaviour="scheduler"),
+    fault("sched.running_ignores_placeholders", _SCHED,
+          "                request.num_tokens_with_spec\n                + request.num_output_placeholders\n"
+          "                - request.num_computed_tokens\n",
+          "                request.num_tokens_with_spec\n"
+          "                - request.num_computed_tokens\n",
+          CLASSIC, "async scheduling: the running loop forgets the output placeholders of the step in flight, "
+                   "so a decoding request is not scheduled again until its output arrives",
+          behaviour="async-scheduling"),
+    fault("sched.async_placeholders_overwritten", _ASYNC,
+          "            request.num_output_placeholders += (",
+          "            request.num_output_placeholders = (",
+          CLASSIC, "async scheduling: the placeholder count is overwritten instead of accumulated (two steps in "
+                   "flight look like one)", behaviour="async-scheduling"),
+    fault("sched.async_placeholders_for_prefill", _ASYNC,
+          "            if request.is_prefill_chunk:\n                continue\n",
+          "",
+          CLASSIC, "async scheduling: prefill chunks that sample nothing also get output placeholders",
+          behaviour="async-scheduling"),
+)
+
+# --------------------------------------------------------------------------------------------
+# SimpleCPU offload scheduler (v1/simple_kv_offload/manager.py)
+
+_add(
+    fault("simple.pre41289_in_flight_not_deduped", _SIMPLE,
+          "        if gpu_block.block_id in self._in_flight_store_gpu_blocks:\n"
+          "            return _StoreAdmission.IN_FLIGHT\n",
+          "",
+          HISTORIC, "before PR 41289: a GPU block whose store is scheduled but not complete is offered again "
+                    "(a second request hitting the same prefix re-stores it: duplicate in-flight store)",
+          bug="#41289, PR 41289", behaviour="offload"),
+    fault("simple.in_flight_never_drained", _SIMPLE,
+          "            self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)\n",
+          "            pass\n",
+          CLASSIC, "dropped call: completed stores stay 'in flight', so those GPU blocks are never stored again",
+          behaviour="offload"),
+    fault("simple.stores_unconfirmed_tokens", _SIMPLE,
+          "        confirmed_tokens = request.num_computed_tokens - request.num_output_placeholders\n",
+          "        confirmed_tokens = request.num_computed_tokens\n",
+          CLASSIC, "async scheduling: eager stores count tokens of the step still in flight as computed",
+          behaviour="offload"),
+    fault("simple.hit_covers_last_token", _SIMPLE,
+          "        max_hit_len = request.num_tokens - 1 - num_computed_tokens\n",
+          "        max_hit_len = request.num_tokens - num_computed_tokens\n",
+          CLASSIC, "off-by-one: a CPU hit may cover the last prompt token", behaviour="offload"),
+    fault("simple.store_source_not_pinned", _SIMPLE,
+          "                gpu_block_pool.touch(\n"
+          "                    [gpu_block_pool.blocks[bid] for bid in gpu_block_ids]\n                )\n",
+          "",
+          CLASSIC, "dropped call: GPU blocks being copied to CPU are not pinned, so they can be reused "
+                   "mid-store", behaviour="offload"),
+    fault("simple.preempt_keeps_store_cursor", _SIMPLE,
+          "                state.num_stored_blocks = [0] * num_groups\n",
+          "",
+          CLASSIC, "dropped reset: a preempted request's store cursor survives its new block table",
+          behaviour="offload"),
+)
+
+# --------------------------------------------------------------------------------------------
+# OffloadingConnector scheduler (distributed/kv_transfer/kv_connector/v1/offloading/)
+
+_OFFL_CFG = "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
+_add(
+    fault("offl.pre29087_duplicate_loads", _OFFL,
+          "                if any(key in self._chunks_being_loaded for key in offload_keys):",
+          "                if False and any(key in self._chunks_being_loaded for key in offload_keys):",
+          HISTORIC, "before PR 29087: a request whose hit chunks another request is still loading is not "
+                    "delayed, so the same chunks are loaded twice", bug="PR 29087", behaviour="offload"),
+    fault("offl.transfers_not_awaited", _OFFL,
+          "        if req_status.transfer_jobs:\n            logger.debug(\n"
+          "                \"Delaying request %s since it still has in-flight transfers\",",
+          "        if False:\n            logger.debug(\n"
+          "                \"Delaying request %s since it still has in-flight transfers\",",
+          CLASSIC, "dropped check: a request with transfers in flight is looked up again at once",
+          behaviour="offload"),
+    fault("offl.prompt_only_ignored", _OFFL,
+          "        if self.config.offload_prompt_only:\n            num = min(num, req_status.req.num_prompt_tokens)\n",
+          "",
+          CLASSIC, "dropped check: offload_prompt_only is ignored (generated tokens are offloaded too)",
+          behaviour="offload"),
+    fault("offl.prefix_lookup_skips_miss", _OFFL,
+          "                case LookupResult.MISS:\n                    break\n        return hit_count",
+          "                case LookupResult.MISS:\n                    pass\n        return hit_count",
+          CLASSIC, "dropped break: the prefix lookup counts hits after a miss (non-contiguous hits)",
+          behaviour="offload"),
+    fault("offl.window_lookup_miss_keeps_streak", _OFFL,
+          "                case LookupResult.MISS:\n                    consecutive_hits = 0\n",
+          "                case LookupResult.MISS:\n",
+          CLASSIC, "dropped reset: the sliding-window lookup keeps its streak across a miss", behaviour="offload"),
+    fault("offl.pr41228_window_ignores_extra_retained", _OFFL_CFG,
+          "                kv_cache_spec.sliding_window - 1 + kv_cache_spec.extra_retained_tokens,\n",
+          "                kv_cache_spec.sliding_window,\n",
+          HISTORIC, "PR 41228 as merged: the offload window in chunks is cdiv(sliding_window, chunk), ignoring "
+                    "the extra retained tokens of multi-module MTP (too few chunks restored)",
+          bug="PR 41228", behaviour="offload"),
+    fault("offl.pre51161_chunked_local_asserts", _OFFL_CFG,
+          "    if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):\n",
+          "    if False:\n",
+          HISTORIC, "before PR 51161: chunked-local specs fall through to the FullAttention assert (the "
+                    "offloading connector crashes at startup on Llama 4)", bug="#51150, PR 51161",
+          behaviour="offload"),
+)
+
+# --------------------------------------------------------------------------------------------
+# startup planning and spec formulas (v1/core/kv_cache_planning.py, v1/kv_cache_interface.py)
+
+_add(
+    fault("plan.pre41069_override_ignored", _PLAN,
+          "    override = vllm_config.cache_config.num_gpu_blocks_override\n    if override is not None:\n",
+          "    override = vllm_config.cache_config.num_gpu_blocks_override\n    if False:\n",
+          HISTORIC, "before PR 41069: num_gpu_blocks_override is ignored by auto-fit and the enough-memory check, "
+                    "so a max_model_len the overridden pool cannot hold is accepted and the scheduler hangs",
+          bug="#35541, PR 41069", behaviour="planning"),
+    fault("plan.pre47272_null_block_usable", _PLAN,
+          "            avail_mem - _pool_bytes_per_block_from_builder(builder, vllm_config, groups)\n",
+          "            avail_mem\n",
+          HISTORIC, "before PR 47272 / 48724: the check and auto-fit count the null block as usable, so a pool "
+                    "of exactly the needed blocks has one too few", bug="PR 47272, PR 48724", behaviour="planning"),
+    fault("iface.pr39866_cap_without_plus_one", _IFACE,
+          "        return cdiv(num_tokens, self.block_size) + 1\n\n"
+          "    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:\n        assert (\n"
+          "            not self.dcp_sharded\n"
+          "            or vllm_config.parallel_config.decode_context_parallel_size == 1\n"
+          "        ), \"DCP not support sliding window.\"",
+          "        return cdiv(num_tokens, self.block_size)\n\n"
+          "    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:\n        assert (\n"
+          "            not self.dcp_sharded\n"
+          "            or vllm_config.parallel_config.decode_context_parallel_size == 1\n"
+          "        ), \"DCP not support sliding window.\"",
+          HISTORIC, "PR 39866's cap cdiv(min(sw-1+F, M), bs) misses the block a window starting mid-block spans: "
+                    "a sliding-window request can hold one block more than it was admitted and sized for",
+          bug="PR 39866, #39734", behaviour="admission"),
+    fault("iface.pr28176_mamba_ignores_spec_blocks", _IFACE,
+          "            return self.page_size_bytes * (1 + self.num_speculative_blocks)\n",
+          "            return self.page_size_bytes * 1\n",
+          HISTORIC, "before PR 28176: Mamba sizing reserves one block per request while allocation takes "
+                    "1 + num_speculative_blocks (startup accepts a pool the gate cannot admit into)",
+          bug="PR 28176", behaviour="planning"),
+    fault("iface.swa_cap_ignores_extra_retained", _IFACE,
+          "            self.sliding_window - 1 + self.extra_retained_tokens + max_in_flight_tokens,\n",
+          "            self.sliding_window - 1 + max_in_flight_tokens,\n",
+          CLASSIC, "dropped term: the sliding-window admission cap forgets extra_retained_tokens",
+          behaviour="admission"),
+)
+
+# --------------------------------------------------------------------------------------------
+# neutral refactors: behaviour-preserving, must NOT be flagged
+
+_add(
+    fault("neutral.pool_negated_free_check", _POOL,
+          "        if num_blocks > self.get_num_free_blocks():\n",
+          "        if not num_blocks <= self.get_num_free_blocks():\n",
+          NEUTRAL, "equivalent comparison written as a negation", behaviour="refactor"),
+    fault("neutral.pool_touch_truthiness", _POOL,
+          "            if block.ref_cnt == 0:\n                self.free_block_queue.remove(block)\n",
+          "            if not block.ref_cnt:\n                self.free_block_queue.remove(block)\n",
+          NEUTRAL, "`== 0` as truthiness on an int ref count", behaviour="refactor"),
+    fault("neutral.hash_reordered_statements", _UTILS,
+          "    if not parent_block_hash:\n        parent_block_hash = NONE_HASH\n\n"
+          "    curr_block_token_ids_tuple = tuple(curr_block_token_ids)\n",
+          "    curr_block_token_ids_tuple = tuple(curr_block_token_ids)\n"
+          "    if not parent_block_hash:\n        parent_block_hash = NONE_HASH\n\n",
+          NEUTRAL, "two independent statements swapped", behaviour="refactor"),
+    fault("neutral.stm_divmod", _STM,
+          "        num_skipped_blocks = num_skipped_tokens // self.block_size\n        # We need blocks",
+          "        num_skipped_blocks, _ = divmod(num_skipped_tokens, self.block_size)\n        # We need blocks",
+          NEUTRAL, "floor division written with divmod", behaviour="refactor"),
+    fault("neutral.swa_skip_regrouped", _STM,
+          "            num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
+          "            num_computed_tokens + 1 - (self.sliding_window + self.extra_retained_tokens),",
+          NEUTRAL, "equivalent integer arithmetic, regrouped", behaviour="refactor"),
+    fault("neutral.kvm_helper_extracted", _KVM,
+          "        available_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks\n",
+          "        available_blocks = _blocks_left_after(self.block_pool, reserved_blocks)\n",
+          NEUTRAL, "a one-line computation extracted into a module-level helper", behaviour="refactor",
+          more=(("class KVCacheManager:\n",
+                 "def _blocks_left_after(block_pool, reserved_blocks: int) -> int:\n"
+                 "    return block_pool.get_num_free_blocks() - reserved_blocks\n\n\n"
+                 "class KVCacheManager:\n"),)),
+    fault("neutral.coord_loop_var_renamed", _COORD,
+          "        for manager in self.single_type_managers:\n            manager.free(request_id)\n",
+          "        for single_type_manager in self.single_type_managers:\n"
+          "            single_type_manager.free(request_id)\n",
+          NEUTRAL, "a loop variable renamed", behaviour="refactor"),
+    fault("neutral.sched_reordered_updates", _SCHED,
+          "            token_budget -= num_new_tokens\n            input_budget -= num_new_tokens + draft_slots\n"
+          "            req_index += 1\n",
+          "            req_index += 1\n            input_budget -= num_new_tokens + draft_slots\n"
+          "            token_budget -= num_new_tokens\n",
+          NEUTRAL, "three independent counter updates reordered", behaviour="refactor"),
+    fault("neutral.simple_hit_len_regrouped", _SIMPLE,
+          "        max_hit_len = request.num_tokens - 1 - num_computed_tokens\n        if max_hit_len <= 0:\n",
+          "        max_hit_len = request.num_tokens - (num_computed_tokens + 1)\n        if max_hit_len < 1:\n",
+          NEUTRAL, "equivalent arithmetic and comparison on ints", behaviour="refactor"),
+    fault("neutral.offl_local_renamed", _OFFL,
+          "        num = min(num_computed_tokens, req_status.req.num_tokens)\n"
+          "        max_offload_tokens = req_status.max_offload_tokens\n"
+          "        if max_offload_tokens is not None:\n            num = min(num, max_offload_tokens)\n"
+          "        if self.config.offload_prompt_only:\n            num = min(num, req_status.req.num_prompt_tokens)\n"
+          "        return num\n",
+          "        offloadable = min(num_computed_tokens, req_status.req.num_tokens)\n"
+          "        max_offload_tokens = req_status.max_offload_tokens\n"
+          "        if max_offload_tokens is not None:\n            offloadable = min(offloadable, max_offload_tokens)\n"
+          "        if self.config.offload_prompt_only:\n"
+          "            offloadable = min(offloadable, req_status.req.num_prompt_tokens)\n"
+          "        return offloadable\n",
+          NEUTRAL, "a local variable renamed throughout a function", behaviour="refactor"),
+)
+
+
+def check_catalogue(vllm_dir: str | None = None) -> list[FaultDoesNotApplyError]:
+    """Every fault's edits applied to the installed files; the errors of those that do not apply."""
+    vllm_dir = vllm_dir or installed_vllm_dir()
+    texts: dict[str, str] = {}
+    errors = []
+    for f in FAULTS:
+        if f.path not in texts:
+            with open(os.path.join(vllm_dir, f.path), encoding="utf-8") as fh:
+                texts[f.path] = fh.read()
+        try:
+            f.apply_to(texts[f.path])
+        except FaultDoesNotApplyError as exc:
+            errors.append(exc)
+    return errors
+
+
+def by_id() -> dict[str, SourceFault]:
+    return {f.id: f for f in FAULTS}
+
+
+#: the CI subset (tests/models/test_vllm_mutants_campaign.py): faults each killed within seconds at
+#: the fast profile by a different check, and two neutrals that must pass every check
+CI_SUBSET = (
+    "pool.free_uncached_appended",
+    "stm.pre40946_gate_uncapped",
+    "simple.pre41289_in_flight_not_deduped",
+    "neutral.stm_divmod",
+    "neutral.coord_loop_var_renamed",
+)
