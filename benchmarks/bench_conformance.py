@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--torch", action="store_true", help="also run reference+torch")
     args = ap.parse_args()
-    from kvref.impl.vllm import _vllm
+    from kvref.impl.vllm.kv_cache_manager import _vllm
 
     _vllm()  # import vLLM before timing anything
     gc.collect()

@@ -126,7 +126,7 @@ _FACTORIES: dict[str, ManagerFactory] = {}
 #: modules that register a kind when imported (``register_manager`` at module level)
 _BUILTIN_MODULES = {
     "reference": "kvref.impl.reference.adapter",
-    "vllm": "kvref.impl.vllm",
+    "vllm": "kvref.impl.vllm.kv_cache_manager",
     "torch": "kvref.impl.torch.adapter",
 }
 

@@ -211,24 +211,24 @@ CONFORMANCE_SCOPES = {
 
 def check_explorer_conformance(ctx):
     """``kvref verify`` check ``conform-explorer``: every transition of the profile's scopes,
-    replayed on vLLM 0.33.0's Scheduler and on the torch KV cache manager in lock step with the
+    replayed on the installed vLLM's Scheduler and on the torch KV cache manager in lock step with the
     reference (:mod:`kvref.models.explorer_conformance`). Without vLLM only torch is compared
     (``--against vllm`` makes that a failure); without either it is skipped."""
     import time
 
     from kvref.models.explorer_conformance import explore_conformance
     from kvref.report import FAILED, PASSED, SKIPPED, CheckResult
-    from kvref.verify import vllm_available
+    from kvref.verify import vllm_gate
 
     t0 = time.perf_counter()
     targets, notes = [], []
-    ok, why = vllm_available()
-    if ok:
+    gate = vllm_gate(ctx, "conform-explorer")
+    if gate is None:
         targets.append("vllm")
-    elif ctx.against == "vllm":
-        return CheckResult("conform-explorer", FAILED, f"--against vllm given but {why}", 0.0)
+    elif gate.status != SKIPPED:
+        return gate
     else:
-        notes.append(f"vLLM left out: {why}")
+        notes.append(f"vLLM left out: {gate.summary}")
     try:
         import torch  # noqa: F401
 

@@ -103,8 +103,12 @@ def _print_table(results, variant) -> None:
 
 
 def verify_check(ctx):
-    """A ``kvref verify`` check: every theorem proved, every historic variant refuted with a
-    reproducer under ``ctx.out_dir``. Register as ``Check("proofs", ..., verify_check)``."""
+    """A ``kvref verify`` check: every theorem proved, every historic variant refuted.
+
+    A counterexample to a theorem is a finding, and its reproducer is always written under
+    ``ctx.out_dir``. The historic variants are *expected* to be refuted: their reproducers are
+    written only on request (``kvref verify --write-reproducers``), so a passing run leaves nothing
+    behind. Register as ``Check("proofs", ..., verify_check)``."""
     import time
 
     from kvref.proofs import COUNTEREXAMPLE, HISTORIC, PROVED, run_all
@@ -112,11 +116,16 @@ def verify_check(ctx):
 
     start = time.perf_counter()
     results = run_all()
+    for r in results:
+        if r.counterexample is not None:
+            from kvref.proofs import write_reproducer
+
+            write_reproducer(r, ctx.ensure_out_dir(), None)
     details = [f"{r.theorem} {r.name}: {r.status} ({r.seconds:.2f}s)" for r in results]
-    artifacts = []
+    artifacts = [r.reproducer for r in results if r.reproducer]
     missed = []
     for v in HISTORIC:
-        [r] = run_all(variant=v.name, out_dir=ctx.ensure_out_dir())
+        [r] = run_all(variant=v.name, out_dir=ctx.ensure_out_dir() if ctx.write_reproducers else None)
         details.append(f"variant {v.name} -> {r.theorem}: {r.status} ({r.seconds:.2f}s)")
         if r.status != COUNTEREXAMPLE:
             missed.append(v.name)
@@ -130,5 +139,6 @@ def verify_check(ctx):
         status, summary = UNKNOWN, f"solver gave up on {not_proved}"
     else:
         status = PASSED
-        summary = f"{len(results)} theorems proved; {len(HISTORIC)} historic bugs refuted with reproducers"
+        summary = (f"{len(results)} theorems proved; {len(HISTORIC)} historic bugs refuted"
+                   + (" with reproducers" if ctx.write_reproducers else ""))
     return CheckResult("proofs", status, summary, seconds=seconds, details=details, artifacts=artifacts)

@@ -9,6 +9,7 @@ the installed vLLM mandatory (the use case of a vLLM developer checking their ow
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,7 +33,68 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     p.add_argument("--junit-xml", metavar="FILE", help="also write a JUnit XML report")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomized checks (replayable)")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="findings accepted on purpose (a deliberate vLLM change): they no longer fail, and the "
+                        "generated-trace checks keep searching past them for new ones")
+    p.add_argument("--update-baseline", metavar="FILE",
+                   help="write this run's findings into FILE (kept entries and their reasons stay)")
+    p.add_argument("--write-reproducers", action="store_true",
+                   help="also write the reproducers of the expected historic refutations (proofs)")
+    p.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
+                   help="bound on shrinking one failing example (default: 15 fast, 45 ci, 300 nightly)")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first failing check")
     return p
+
+
+def checked_meta(checks) -> dict:
+    """What this run checked, for every report: kvref's version and, when a selected check drives
+    vLLM, the installed vLLM (version, path, git commit — any version; kvref models 0.33.0)."""
+    from kvref import VLLM_VERSION, __version__
+    from kvref.impl.vllm.api import CHECK_AREAS
+
+    meta: dict = {"kvref": {"version": __version__, "models_vllm": VLLM_VERSION}}
+    if any(c.name in CHECK_AREAS for c in checks):
+        from kvref.impl.vllm.installed import describe_installed_vllm
+
+        meta["vllm"] = describe_installed_vllm().to_dict()
+    return meta
+
+
+def run_check(check, ctx, baseline, collect: bool = False) -> "CheckResult":
+    """Run one check: shrinking bounded, Hypothesis' messages on stderr, the baseline applied.
+
+    ``collect`` (``--update-baseline``): the generated-trace checks accept every difference and keep
+    searching, so ``result.met_signatures`` lists all the differences they met.
+    """
+    from kvref.models import accepted
+    from kvref.models.shrink_budget import bounded_shrinking
+
+    from .report import ACCEPTED, ERROR, CheckResult
+
+    t0 = time.perf_counter()
+    budget = ctx.shrink_budget()
+    try:
+        with accepted.accepting(baseline.signatures_for(check.name), collect), bounded_shrinking(budget) as log:
+            result = check.run(ctx)
+    except Exception as exc:  # a check that crashes is reported, the others still run
+        result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
+        log = None
+    result.seconds = time.perf_counter() - t0
+    if log is not None and log.stopped_early and result.failing:
+        result.details.append(f"shrinking stopped at its bound ({budget:g} s, --shrink-seconds): the trace shown "
+                              "is the smallest found by then")
+    met = dict(accepted.met)
+    result.met_signatures = sorted(met)
+    entry = baseline.accepts(result)
+    if entry is not None:
+        result.status = ACCEPTED
+        result.summary = (f"accepted by the baseline ({entry.reason or 'no reason given'}): {result.summary}; "
+                          "this check stops at its first difference, so nothing behind it was searched")
+    elif met and not result.failing:
+        result.status = ACCEPTED
+        result.summary += (f"; {sum(met.values())} trace(s) ended at differences the baseline accepts "
+                           f"({', '.join(sorted(met))}) and the search went on past them")
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,30 +103,49 @@ def run(args: argparse.Namespace) -> int:
     from .report import ERROR, to_json, render_table, write_junit_xml
     from .verify import VerifyContext, select_checks
 
+    from .baseline import Baseline
+
     ctx = VerifyContext(profile=args.profile, against=args.against, device=args.device, out_dir=args.out,
-                        seed=args.seed)
+                        seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
+    baseline = Baseline.load(args.baseline) if args.baseline else Baseline()
     checks = select_checks(only=args.only, skip=args.skip, mutants=args.mutants, against=args.against)
     console = Console(stderr=True)
     results = []
     with console.status("starting") as status:
         for i, check in enumerate(checks, 1):
             status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
-            t0 = time.perf_counter()
-            try:
-                result = check.run(ctx)
-            except Exception as exc:  # a check that crashes is reported, the others still run
-                from .report import CheckResult
-                result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
-            result.seconds = time.perf_counter() - t0
+            result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
             results.append(result)
             console.log(f"{check.name}: {result.status} ({result.seconds:.1f}s) {result.summary}")
+            if result.failing:
+                for line in [*result.details[:3], *(f"counterexample: {a}" for a in result.artifacts[:1])]:
+                    console.log(f"  {line}", markup=False)
+                if args.exitfirst:
+                    break
+    if args.update_baseline:
+        from kvref.impl.vllm.installed import describe_installed_vllm
+
+        where = describe_installed_vllm().describe() if "vllm" in checked_meta(checks) else ""
+        old = Baseline.load(args.update_baseline) if os.path.exists(args.update_baseline) else Baseline()
+        new = old.with_findings(results, where)
+        new.save(args.update_baseline)
+        console.log(f"baseline {args.update_baseline}: {len(new.entries) - len(old.entries)} finding(s) added, "
+                    f"{len(new.entries)} in all; write the reason of each before committing it")
+    meta = checked_meta(checks)
     if args.junit_xml:
-        write_junit_xml(results, args.junit_xml)
+        write_junit_xml(results, args.junit_xml, meta)
     if args.json:
-        print(to_json(results))
+        print(to_json(results, meta))
     else:
         out = Console()
-        out.print(render_table(results))
+        vllm = meta.get("vllm")
+        caption = None
+        if vllm:
+            from kvref.impl.vllm.installed import VllmInstall
+
+            fields = {k: v for k, v in vllm.items() if k in VllmInstall.__dataclass_fields__}
+            caption = "checked against " + VllmInstall(**fields).describe()
+        out.print(render_table(results, caption=caption))
         for r in results:
             if r.failing:
                 for line in r.details[:20]:
@@ -72,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
                 for a in r.artifacts:
                     out.print(f"  {r.name}: counterexample in {a}", markup=False)
             elif r.artifacts:
-                import os
 
                 where = sorted({os.path.dirname(a) or "." for a in r.artifacts})
                 out.print(f"  {r.name}: {len(r.artifacts)} reproducer file(s) (expected: historic bugs re-found) "

@@ -16,6 +16,8 @@ FAILED = "failed"
 UNKNOWN = "unknown"
 SKIPPED = "skipped"
 ERROR = "error"
+#: a failure the user's baseline file accepts (a deliberate behaviour change): not failing
+ACCEPTED = "accepted"
 
 #: statuses that make ``kvref verify`` exit non-zero
 FAILING = (FAILED, ERROR)
@@ -32,6 +34,7 @@ class CheckResult:
         seconds: wall time.
         details: extra lines (per theorem, per mutant, …).
         artifacts: files written (counterexamples, reproducers).
+        signature: the finding without ids (operation and what differed), for baselines.
     """
 
     name: str
@@ -40,20 +43,27 @@ class CheckResult:
     seconds: float = 0.0
     details: list[str] = field(default_factory=list)
     artifacts: list[str] = field(default_factory=list)
+    signature: str | None = None
+    #: differences met and accepted (baseline) while the check searched on past them
+    met_signatures: list[str] = field(default_factory=list)
 
     @property
     def failing(self) -> bool:
         return self.status in FAILING
 
 
-_STYLE = {PASSED: "green", FAILED: "bold red", ERROR: "bold red", UNKNOWN: "yellow", SKIPPED: "dim"}
+_STYLE = {PASSED: "green", FAILED: "bold red", ERROR: "bold red", UNKNOWN: "yellow", SKIPPED: "dim",
+          ACCEPTED: "yellow"}
 
 
-def render_table(results: Iterable[CheckResult], title: str = "kvref verify") -> "object":
-    """A rich Table of the results (import of rich kept local: the spec layer never needs it)."""
+def render_table(results: Iterable[CheckResult], title: str = "kvref verify", caption: str | None = None) -> "object":
+    """A rich Table of the results (import of rich kept local: the spec layer never needs it).
+
+    ``caption`` names what was checked (the vLLM version, path and commit) under the table.
+    """
     from rich.table import Table
 
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title, show_lines=False, caption=caption, caption_justify="left")
     table.add_column("check", style="bold")
     table.add_column("result")
     table.add_column("time", justify="right")
@@ -63,22 +73,41 @@ def render_table(results: Iterable[CheckResult], title: str = "kvref verify") ->
     return table
 
 
-def to_json(results: Iterable[CheckResult]) -> str:
+def to_json(results: Iterable[CheckResult], meta: dict | None = None) -> str:
+    """``{"ok", "checks", ...meta}``; ``meta`` carries what was checked (``"vllm"``: version, path, commit)."""
     results = list(results)
     return json.dumps({
         "ok": not any(r.failing for r in results),
+        **(meta or {}),
         "checks": [asdict(r) for r in results],
     }, indent=2)
 
 
-def write_junit_xml(results: Iterable[CheckResult], path: str) -> None:
-    """JUnit XML: one testcase per check; failed/error → <failure>, skipped/unknown → <skipped>."""
+def junit_properties(meta: dict | None) -> list[tuple[str, str]]:
+    """Flatten ``meta`` into JUnit ``<property>`` pairs (``vllm.version``, ``vllm.git_commit``…)."""
+    out: list[tuple[str, str]] = []
+    for key, value in (meta or {}).items():
+        if isinstance(value, dict):
+            out += [(f"{key}.{k}", str(v)) for k, v in value.items() if v is not None]
+        elif value is not None:
+            out.append((key, str(value)))
+    return out
+
+
+def write_junit_xml(results: Iterable[CheckResult], path: str, meta: dict | None = None) -> None:
+    """JUnit XML: one testcase per check; failed/error → <failure>, skipped/unknown → <skipped>;
+    ``meta`` (what was checked) as suite ``<properties>``."""
     results = list(results)
     suite = ET.Element("testsuite", name="kvref-verify", tests=str(len(results)),
                        failures=str(sum(r.status == FAILED for r in results)),
                        errors=str(sum(r.status == ERROR for r in results)),
-                       skipped=str(sum(r.status in (SKIPPED, UNKNOWN) for r in results)),
+                       skipped=str(sum(r.status in (SKIPPED, UNKNOWN, ACCEPTED) for r in results)),
                        time=f"{sum(r.seconds for r in results):.3f}")
+    props = junit_properties(meta)
+    if props:
+        node = ET.SubElement(suite, "properties")
+        for name, value in props:
+            ET.SubElement(node, "property", name=name, value=value)
     for r in results:
         case = ET.SubElement(suite, "testcase", classname="kvref.verify", name=r.name, time=f"{r.seconds:.3f}")
         body = "\n".join([r.summary, *r.details, *(f"artifact: {a}" for a in r.artifacts)])
@@ -86,7 +115,7 @@ def write_junit_xml(results: Iterable[CheckResult], path: str) -> None:
             ET.SubElement(case, "failure", message=r.summary).text = body
         elif r.status == ERROR:
             ET.SubElement(case, "error", message=r.summary).text = body
-        elif r.status in (SKIPPED, UNKNOWN):
+        elif r.status in (SKIPPED, UNKNOWN, ACCEPTED):
             ET.SubElement(case, "skipped", message=f"{r.status}: {r.summary}")
         else:
             ET.SubElement(case, "system-out").text = body

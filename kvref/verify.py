@@ -22,6 +22,16 @@ class VerifyContext:
     seed: int = 0
     #: shrink failing traces to minimal ones (slower when something fails)
     shrink: bool = True
+    #: write reproducers of the *expected* historic refutations too (findings always get one)
+    write_reproducers: bool = False
+    #: wall-clock bound on shrinking one failing example (Hypothesis' own bound is 300 s)
+    shrink_seconds: float | None = None
+
+    def shrink_budget(self) -> float:
+        """Seconds one failing example may spend shrinking: a first finding within seconds, not minutes."""
+        if self.shrink_seconds is not None:
+            return self.shrink_seconds
+        return {"fast": 15.0, "ci": 45.0}.get(self.profile, 300.0)
 
     def examples(self, fast: int, ci: int, nightly: int | None = None) -> int:
         """Example/trace budget for the active profile."""
@@ -43,27 +53,36 @@ class Check:
 
 
 def vllm_available() -> tuple[bool, str]:
-    """Whether vLLM 0.33.0 imports here (and why not)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-    except Exception as exc:
-        return False, f"vLLM not importable: {exc!r}"
-    from . import VLLM_VERSION
+    """Whether vLLM imports here — *any* version — and the line that says which one it is.
 
-    if vllm.__version__ != VLLM_VERSION:
-        return False, f"vLLM {vllm.__version__} installed; kvref models {VLLM_VERSION}"
-    return True, f"vLLM {vllm.__version__}"
+    kvref models vLLM 0.33.0, but a developer's checkout reports a dev version, and forks and
+    nightlies others: all are checked, and where they behave differently the checks say so as
+    findings (never skips). See :mod:`kvref.impl.vllm.installed`.
+    """
+    from kvref.impl.vllm.installed import vllm_available as available
+
+    return available()
 
 
-def _skip_or_fail_without_vllm(ctx: VerifyContext, name: str) -> CheckResult | None:
+def vllm_gate(ctx: VerifyContext, name: str) -> CheckResult | None:
+    """None when check ``name`` can drive the installed vLLM; else the result to report instead.
+
+    No vLLM: skipped (failed with ``--against vllm``). A vLLM whose API moved in a way this check
+    depends on: ``error`` naming each symbol and what kvref expected (:mod:`kvref.impl.vllm.api`),
+    while the checks that do not need those symbols still run.
+    """
     ok, why = vllm_available()
-    if ok:
-        return None
-    if ctx.against == "vllm":
-        return CheckResult(name, FAILED, f"--against vllm given but {why}")
-    return CheckResult(name, SKIPPED, why + " (install vLLM 0.33.0 to run conformance)")
+    if not ok:
+        if ctx.against == "vllm":
+            return CheckResult(name, FAILED, f"--against vllm given but {why}")
+        return CheckResult(name, SKIPPED, why + " (install vLLM to run conformance)")
+    from kvref.impl.vllm.api import check_api_for
+
+    problems = check_api_for(name)
+    if problems:
+        return CheckResult(name, ERROR, f"the installed vLLM's API differs from what kvref binds to: {problems[0]}"
+                           + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), details=problems)
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,10 +122,11 @@ def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
 
     kinds = ["reference"]
     ok, why = vllm_available()
-    if ok:
+    gate = vllm_gate(ctx, "startup-liveness")
+    if gate is None:
         kinds.append("vllm")
-    elif ctx.against == "vllm":
-        return CheckResult("startup-liveness", FAILED, f"--against vllm given but {why}")
+    elif gate.status != SKIPPED:
+        return gate
     n = ctx.examples(60, 300)
     details, failed = [], 0
     for kind in kinds:
@@ -140,12 +160,12 @@ def run_generated(test, examples: int, seed: int) -> str | None:
 
 def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     """kvref's startup planning vs the installed vLLM's, on generated layer sets and settings."""
-    skipped = _skip_or_fail_without_vllm(ctx, "conform-planning")
+    skipped = vllm_gate(ctx, "conform-planning")
     if skipped:
         return skipped
     from hypothesis import given
 
-    from kvref.impl.vllm_planning import VllmPlanner, kvref_outcome
+    from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
     from kvref.models.planning_strategies import plan_cases
 
     planner = VllmPlanner()
@@ -209,7 +229,7 @@ def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str
         artifacts = [run.trace_path] if run.trace_path else []
         hint = f" — replay with `kvref replay {run.trace_path} --kinds {','.join(kinds)}`" if run.trace_path else ""
         return CheckResult(name, FAILED, f"{what} diverged{hint}", details=run.failure.splitlines()[:30],
-                           artifacts=artifacts)
+                           artifacts=artifacts, signature=run.signature)
     return CheckResult(name, PASSED, summary)
 
 
@@ -220,7 +240,7 @@ def check_reference_machine(ctx: VerifyContext) -> CheckResult:
 
 def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
     """Reference vs the installed vLLM's KVCacheManager on generated traces (block ids, hashes, queue)."""
-    skipped = _skip_or_fail_without_vllm(ctx, "conform-kv-manager")
+    skipped = vllm_gate(ctx, "conform-kv-manager")
     if skipped:
         return skipped
     return _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
@@ -270,7 +290,7 @@ def check_scheduler_machine(ctx: VerifyContext) -> CheckResult:
 
 def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     """The reference scheduler in lock-step with the installed vLLM's Scheduler."""
-    skipped = _skip_or_fail_without_vllm(ctx, "conform-scheduler")
+    skipped = vllm_gate(ctx, "conform-scheduler")
     if skipped:
         return skipped
     return _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
@@ -342,7 +362,7 @@ def check_offload_machine(ctx: VerifyContext) -> CheckResult:
 
 def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
     """Both offload schedulers vs the installed vLLM's, step by step."""
-    skipped = _skip_or_fail_without_vllm(ctx, "conform-offload")
+    skipped = vllm_gate(ctx, "conform-offload")
     if skipped:
         return skipped
     return _run_offload(ctx, "conform-offload", ("reference", "vllm"))
@@ -395,8 +415,18 @@ CHECKS: list[Check] = [
 ]
 
 
+#: with ``--against vllm`` the vLLM-facing checks run first, quickest first, so that a fault in the
+#: developer's vLLM is reported within seconds rather than after the proofs and the explorer
+VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "startup-liveness", "conform-offload", "conform-planning",
+              "conform-explorer")
+
+
 def select_checks(only=None, skip=(), mutants=False, against=None) -> list[Check]:
     chosen = [c for c in CHECKS if (c.name in only if only else c.default)]
     if mutants and not only:
         chosen += [c for c in CHECKS if c.name == "mutants" and c not in chosen]
-    return [c for c in chosen if c.name not in skip]
+    chosen = [c for c in chosen if c.name not in skip]
+    if against == "vllm":
+        rank = {name: i for i, name in enumerate(VLLM_FIRST)}
+        chosen.sort(key=lambda c: rank.get(c.name, len(rank)))  # stable: the others keep their order
+    return chosen

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-GROUP_ID = 0
+from kvref.impl.block_pool_driver import GROUP_ID, ReferenceBlockPoolDriver as ReferenceDriver
+
 NONE_HASH = hashlib.sha256(b"kvref-machine-none").digest()
 
 
@@ -124,76 +124,13 @@ class PoolModel:
 # ---------------------------------------------------------------------------------- drivers
 
 
-class ReferenceDriver:
-    """kvref's BlockPool, addressed by block id."""
+class VllmDriver:
+    """The installed vLLM's BlockPool (built lazily: :mod:`kvref.impl.vllm.block_pool`)."""
 
-    name = "reference"
+    def __new__(cls, num_blocks: int, hash_block_size: int):
+        from kvref.impl.vllm.block_pool import VllmBlockPoolDriver
 
-    def __init__(self, num_blocks: int, hash_block_size: int) -> None:
-        from kvref.impl.reference.block_pool import BlockPool
-
-        self.pool = BlockPool(num_blocks, True, hash_block_size)
-
-    def blocks(self, ids: list[int]) -> list[Any]:
-        return [self.pool.blocks[i] for i in ids]
-
-    def get_new_blocks(self, n: int) -> list[int]:
-        return [b.block_id for b in self.pool.get_new_blocks(n)]
-
-    def get_cached_block(self, h: bytes) -> int | None:
-        found = self.pool.get_cached_block(h, [GROUP_ID])
-        return None if found is None else found[0].block_id
-
-    def touch(self, ids: list[int]) -> None:
-        self.pool.touch(self.blocks(ids))
-
-    def free_blocks(self, ids: list[int]) -> None:
-        self.pool.free_blocks(self.blocks(ids))
-
-    def cache(self, hashes: list[bytes], ids: list[int], start: int, end: int, block_size: int) -> None:
-        self.pool.cache_full_blocks(hashes, self.blocks(ids), start, end, block_size, GROUP_ID)
-
-    def evict_blocks(self, ids: list[int]) -> None:
-        self.pool.evict_blocks(ids)
-
-    def reset(self) -> bool:
-        return self.pool.reset_prefix_cache()
-
-    def num_free(self) -> int:
-        return self.pool.get_num_free_blocks()
-
-    def free_queue(self) -> list[int]:
-        return list(self.pool.free_block_ids())
-
-    def ref_counts(self) -> dict[int, int]:
-        return {b.block_id: b.ref_cnt for b in self.pool.blocks[1:]}
-
-    def primary(self) -> dict[int, bytes]:
-        return {b.block_id: b.block_hash for b in self.pool.blocks if b.block_hash is not None}
-
-    def check_invariants(self) -> None:
-        self.pool.check_invariants()
-
-
-class VllmDriver(ReferenceDriver):
-    """vLLM 0.33.0's BlockPool with the same calls (its ``cache_full_blocks`` takes a request)."""
-
-    name = "vllm"
-
-    def __init__(self, num_blocks: int, hash_block_size: int) -> None:  # noqa: D107
-        from vllm.v1.core.block_pool import BlockPool
-
-        self.pool = BlockPool(num_blocks, True, hash_block_size)
-
-    def cache(self, hashes, ids, start, end, block_size):  # noqa: D102
-        self.pool.cache_full_blocks(SimpleNamespace(block_hashes=hashes), self.blocks(ids), start, end,
-                                    block_size, GROUP_ID)
-
-    def free_queue(self) -> list[int]:
-        return [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
-
-    def check_invariants(self) -> None:  # vLLM has none; the model comparison covers it
-        pass
+        return VllmBlockPoolDriver(num_blocks, hash_block_size)
 
 
 DRIVERS = {"reference": ReferenceDriver, "vllm": VllmDriver}

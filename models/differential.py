@@ -38,11 +38,20 @@ from typing import Any, Callable
 from kvref.impl.interface import KVCacheManagerLike, PoolConfig, make_manager
 from kvref.impl.request import Request, RequestStatus
 
+from .accepted import signature
 from .trace import Op, Trace
 
 
 class Divergence(AssertionError):
-    """Two implementations disagreed, or one broke an invariant, after an op of a trace."""
+    """Two implementations disagreed, or one broke an invariant, after an op of a trace.
+
+    ``signature`` is the finding without its ids (the op and what differed): one baseline entry
+    accepts every occurrence of it (:mod:`kvref.models.accepted`).
+    """
+
+    def __init__(self, message: str, signature: str | None = None) -> None:
+        super().__init__(message)
+        self.signature = signature
 
 
 @dataclass
@@ -172,7 +181,8 @@ class Harness:
             try:
                 results[kind] = fn(kind, mgr)
             except Exception as exc:  # any exception is a finding: the harness only makes valid calls
-                raise Divergence(self._where(op, f"{kind}.{what} raised {type(exc).__name__}: {exc}")) from exc
+                raise Divergence(self._where(op, f"{kind}.{what} raised {type(exc).__name__}: {exc}"),
+                                 f"{op.name}: {kind}.{what} raised {type(exc).__name__}") from exc
             finally:
                 self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + perf_counter() - t
         if self.compare:
@@ -180,7 +190,8 @@ class Harness:
             for kind in self.kinds[1:]:
                 if results[kind] != results[first]:
                     raise Divergence(self._where(
-                        op, f"{what} differs:\n  {first}: {results[first]!r}\n  {kind}: {results[kind]!r}"))
+                        op, f"{what} differs:\n  {first}: {results[first]!r}\n  {kind}: {results[kind]!r}"),
+                        f"{op.name}: {what} differs")
         return results[self.kinds[0]]
 
     def _where(self, op: Op, msg: str) -> str:
@@ -229,7 +240,8 @@ class Harness:
         hit_ids, num_hit = self._call("get_computed_blocks", op, lambda k, m: m.get_computed_blocks(r))
         self.num_prefix_hits += num_hit > 0
         if num_hit >= r.num_tokens:  # cannot happen: hits stop at num_tokens - 1
-            raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"))
+            raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"),
+                             f"{op.name}: a hit covers the whole request")
         external = self._external_tokens(op, r, num_hit)
         num_new = min(r.num_tokens - num_hit - external, op.chunk)
         has_scheduled = bool(self.running())
@@ -350,7 +362,8 @@ class Harness:
             try:
                 m.check_invariants()
             except AssertionError as exc:
-                raise Divergence(self._where(op, f"{kind}.check_invariants: {exc}")) from exc
+                raise Divergence(self._where(op, f"{kind}.check_invariants: {exc}"),
+                                 signature(f"{kind}.check_invariants: {exc}")) from exc
             obs[kind] = o = self.observe(kind)
             self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + perf_counter() - t
             self._check_protocol_invariants(kind, op, o)
@@ -363,7 +376,7 @@ class Harness:
                 a, b = obs[first][key], obs[kind][key]
                 if a != b:
                     raise Divergence(self._where(op, f"{key} differs:\n  {first}: {_short(a)}\n  {kind}: {_short(b)}"
-                                                 + _diff_hint(a, b)))
+                                                 + _diff_hint(a, b)), f"{op.name}: {key} differs")
 
     def _record_coverage(self, o: dict[str, Any]) -> None:
         cached = o["cached_blocks"]
@@ -379,7 +392,7 @@ class Harness:
         queue = o["free_block_queue"]
 
         def fail(msg: str) -> None:
-            raise Divergence(self._where(op, f"{kind}: {msg}"))
+            raise Divergence(self._where(op, f"{kind}: {msg}"), signature(f"{op.name}: {kind}: {msg}"))
 
         if len(queue) != o["num_free_blocks"]:
             fail(f"free queue length {len(queue)} != get_num_free_blocks() {o['num_free_blocks']}")

@@ -14,7 +14,7 @@ action, and running each target's ``check_invariants()``.
 Targets (``targets=``):
 
 * ``"vllm"`` — vLLM 0.33.0's own ``Scheduler`` / ``AsyncScheduler`` with its ``KVCacheManager``
-  (:class:`kvref.impl.vllm_scheduler.VllmScheduler`);
+  (:class:`kvref.impl.vllm.scheduler.VllmScheduler`);
 * ``"torch"`` — the reference scheduler over the torch implementation's KV cache manager
   (state in tensors; ``make_manager("torch", pool)``).
 
@@ -158,7 +158,7 @@ def _factories(targets: tuple[str, ...]) -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     for name in targets:
         if name == "vllm":
-            from kvref.impl.vllm_scheduler import VllmEnv, VllmScheduler
+            from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
 
             env = VllmEnv()
             out["vllm"] = lambda p, c, env=env: VllmScheduler(p, c, env)

@@ -17,7 +17,9 @@ On a failure the (shrunk) trace is saved as JSON (see :mod:`kvref.models.trace`)
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvref.impl.interface import make_manager
 from kvref.spec.kv_cache_interface import MambaSpec
 
+from .accepted import is_accepted
 from .differential import Divergence, Harness
 from .strategies import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
 from .trace import Op
@@ -57,6 +60,8 @@ class MachineStats:
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
+    #: traces discarded at a difference the user's baseline accepts (kvref.models.accepted)
+    accepted_divergences: int = 0
     seconds_by_kind: dict[str, float] = field(default_factory=dict)
 
     def runs_with_at_least(self, n: int) -> int:
@@ -133,9 +138,17 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             try:
                 self.h.apply(op)
             except Divergence as exc:
-                path = self.h.trace.save(trace_dir() / f"trace-{self.h.trace.digest()}.json")
+                if is_accepted(exc.signature):
+                    # a difference the developer accepted (baseline): discard this trace, keep searching
+                    self.stats.accepted_divergences += 1
+                    reject()
+                # One file per distinct finding: shrinking re-runs failing traces hundreds of times and
+                # ends on the minimal one, which overwrites the earlier, longer ones.
+                key = hashlib.sha256((exc.signature or str(exc)).encode()).hexdigest()[:12]
+                path = self.h.trace.save(trace_dir() / f"trace-{key}.json")
                 raise Divergence(f"{exc}\n  kinds={kinds}; trace ({len(self.h.trace.ops)} ops) saved to {path}"
-                                 f"\n  replay: python -m kvref.models.differential {path}") from exc
+                                 f"\n  replay: kvref replay {path} --kinds {','.join(kinds)}",
+                                 exc.signature) from exc
             finally:
                 self.stats.seconds_in_harness += time.perf_counter() - t
 
@@ -246,6 +259,8 @@ class MachineRun:
     seconds: float
     failure: str | None = None
     trace_path: str | None = None
+    #: the finding without ids (for baselines), when the failure is a divergence
+    signature: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -268,9 +283,13 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
+    final_dir = Path(out_dir) if out_dir is not None else trace_dir()
     saved_dir = os.environ.get("KVREF_TRACE_DIR")
-    if out_dir is not None:
-        os.environ["KVREF_TRACE_DIR"] = out_dir
+    # Failing traces go to a staging folder while Hypothesis searches and shrinks (it re-runs failing
+    # traces hundreds of times, and shrinking can pass through other findings); only the trace of the
+    # finding it reports is kept, in the out dir: one file per finding.
+    staging = tempfile.mkdtemp(prefix="kvref-staging-")
+    os.environ["KVREF_TRACE_DIR"] = staging
     machine = kv_cache_manager_machine(tuple(kinds), **machine_kwargs)
     phases = tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink)
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
@@ -286,8 +305,15 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
         subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
         msg = "\n".join(f"{type(e).__name__}: {e}" for e in subs)
         path = msg.split("saved to ", 1)[1].split("\n", 1)[0] if "saved to " in msg else None
-        return MachineRun(machine.stats, time.perf_counter() - t, msg, path)
+        if path and os.path.exists(path):
+            final_dir.mkdir(parents=True, exist_ok=True)
+            kept = str(final_dir / os.path.basename(path))
+            shutil.move(path, kept)
+            msg, path = msg.replace(path, kept), kept
+        sig = next((e.signature for e in subs if isinstance(e, Divergence)), None)
+        return MachineRun(machine.stats, time.perf_counter() - t, msg, path, sig)
     finally:
+        shutil.rmtree(staging, ignore_errors=True)
         hcore.global_force_seed = saved_seed
         if saved_dir is None:
             os.environ.pop("KVREF_TRACE_DIR", None)

@@ -327,7 +327,7 @@ VLLM_CHECKS = frozenset({"manager-vllm", "scheduler-vllm"})
 def _vllm_missing() -> str:
     """Why vLLM 0.33.0 cannot be driven here ("" when it imports)."""
     try:
-        from kvref.impl.vllm import _vllm
+        from kvref.impl.vllm.kv_cache_manager import _vllm
 
         _vllm()
     except Exception as e:  # noqa: BLE001 - ImportError, a wrong version or a broken install

@@ -26,27 +26,22 @@ a load copies it CPU -> GPU. It checks, at every transfer:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
 from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
-    SimpleCPUOffloadScheduler,
     SimpleOffloadStep,
 )
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
+from kvref.impl.offload_backends import SimpleCPUReferenceBackend
+
 from .offload_world_common import (
     OffloadInvariantError,
     OffloadWorldBase,
-    ReferenceEngine,
     ScheduledBatch,
-    VllmEngine,
     WorldRequest,
     kvref_kv_cache_groups,
-    kvref_kv_cache_manager,
-    vllm_kv_cache_manager,
-    vllm_scheduler_output,
 )
 
 
@@ -69,88 +64,13 @@ class SimpleOffloadConfig:
 # Backends
 
 
-class ReferenceBackend(ReferenceEngine):
-    """kvref's KVCacheManager + SimpleCPUOffloadScheduler (``variant`` picks a historic one)."""
+def _vllm_backend(cfg: SimpleOffloadConfig, variant: str = "reference"):
+    from kvref.impl.vllm.offload import SimpleCPUVllmBackend
 
-    name = "reference"
-    VARIANTS = {"reference": {}, "pre_fix_41289": {"in_flight_dedup": False},
-                "fix_42903": {"dedup_within_scan": True}}
-
-    def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:
-        groups = cfg.kvref_groups()
-        self.mgr = kvref_kv_cache_manager(cfg, groups)
-        self.conn = SimpleCPUOffloadScheduler(
-            groups, cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.block_size, lazy_offload=cfg.lazy,
-            world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_hasher=self.mgr.block_hashes, **self.VARIANTS[variant])
-        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
-        self.gpu_pool = self.mgr.block_pool
-        self.cpu_pool = self.conn.cpu_block_pool
-
-    def after_alloc(self, req, n_ext) -> None:
-        self.conn.update_state_after_alloc(req, self.table(req.request_id), n_ext)
-
-    def build_meta(self, step: SimpleOffloadStep):
-        m = self.conn.build_connector_meta(step)
-        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
-                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
-
-    def complete(self, recv: set[str], events: dict[int, int]) -> None:
-        self.conn.update_connector_output(recv, events)
-
-    def finished(self, req, table) -> None:
-        self.conn.request_finished(req, table)
-
-    def reset(self) -> bool:
-        return self.conn.reset()
-
-    def in_flight_set(self) -> set[int]:
-        return set(self.conn._in_flight_store_gpu_blocks)
-
-    def check_invariants(self) -> None:
-        self.conn.check_invariants()
-        self.mgr.check_invariants(strict_ref_counts=False)
+    return SimpleCPUVllmBackend(cfg, variant)
 
 
-class VllmBackend(VllmEngine, ReferenceBackend):
-    """vLLM 0.33.0's KVCacheManager + SimpleCPUOffloadScheduler bound to its GPU block pool."""
-
-    name = "vllm"
-
-    def __init__(self, cfg: SimpleOffloadConfig, variant: str = "reference") -> None:  # noqa: D107
-        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VSched
-
-        assert variant == "reference", "vLLM runs as released"
-        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
-        vcfg = SimpleNamespace(
-            kv_events_config=None, speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
-            num_prefill_lookahead_tokens=0,
-            parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=cfg.world_size),
-            model_config=SimpleNamespace(max_model_len=cfg.max_model_len),
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=cfg.max_num_batched_tokens))
-        self.conn = VSched(vcfg, kcfg, cpu_capacity_bytes=10**12, scheduler_block_size=cfg.block_size,
-                           hash_block_size=cfg.block_size, lazy_offload=cfg.lazy, num_cpu_blocks=cfg.num_cpu_blocks)
-        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
-        self.gpu_pool = self.mgr.block_pool
-        self.cpu_pool = self.conn.cpu_block_pool
-
-    def build_meta(self, step):
-        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
-        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
-                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
-
-    def complete(self, recv, events):
-        from vllm.v1.outputs import KVConnectorOutput
-        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-
-        self.conn.update_connector_output(KVConnectorOutput(
-            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
-
-    def finished(self, req, table):
-        self.conn.request_finished_all_groups(req, table)
-
-
-BACKENDS = {"reference": ReferenceBackend, "vllm": VllmBackend}
+BACKENDS = {"reference": SimpleCPUReferenceBackend, "vllm": _vllm_backend}
 
 
 # --------------------------------------------------------------------------------------------

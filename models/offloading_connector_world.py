@@ -17,25 +17,20 @@ Content model: every GPU block carries the (group, block-hash) key of what it ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
-from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
-from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler, OffloadingStep
+from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+
+from kvref.impl.offload_backends import OffloadingReferenceBackend
 
 from .offload_world_common import (
     OffloadInvariantError,
     OffloadWorldBase,
-    ReferenceEngine,
     ScheduledBatch,
-    VllmEngine,
     WorldRequest,
     kvref_kv_cache_groups,
-    kvref_kv_cache_manager,
-    vllm_kv_cache_manager,
-    vllm_scheduler_output,
 )
 
 
@@ -55,121 +50,13 @@ class OffloadingConfig:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
 
 
-def _norm_meta(load_jobs, store_jobs, flush) -> tuple:
-    return (sorted((j, r, sorted(k), list(b), list(c)) for j, (r, k, b, c) in load_jobs.items()),
-            sorted((j, r, sorted(k), list(b), list(c)) for j, (r, k, b, c) in store_jobs.items()),
-            sorted(flush))
+def _vllm_backend(cfg: OffloadingConfig):
+    from kvref.impl.vllm.offload import OffloadingVllmBackend
+
+    return OffloadingVllmBackend(cfg)
 
 
-class ReferenceBackend(ReferenceEngine):
-    """kvref's KVCacheManager + OffloadingConnectorScheduler over a CPUOffloadingManager."""
-
-    name = "reference"
-
-    def __init__(self, cfg: OffloadingConfig) -> None:
-        groups = cfg.kvref_groups()
-        self.mgr = kvref_kv_cache_manager(cfg, groups)
-        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy)
-        self.conn = OffloadingConnectorScheduler([g.kv_cache_spec for g in groups], self.manager, cfg.block_size,
-                                                 cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
-                                                 block_hasher=self.mgr.block_hashes)
-        self.gpu_pool = self.mgr.block_pool
-
-    def on_new_request(self, req):
-        self.conn.on_new_request(req)
-
-    def after_alloc(self, req, n_ext):
-        blocks = self.mgr.get_blocks(req.request_id).blocks
-        self.conn.update_state_after_alloc(req, [[(b.block_id, b.block_hash is not None) for b in g] for g in blocks],
-                                           n_ext)
-
-    def build_meta(self, step):
-        m = self.conn.build_connector_meta(step)
-        f = lambda jobs: {j: (t.req_id, t.keys, t.block_ids, t.chunk_ids) for j, t in jobs.items()}  # noqa: E731
-        return _norm_meta(f(m.load_jobs), f(m.store_jobs), m.jobs_to_flush)
-
-    def complete(self, jobs):
-        self.conn.update_connector_output(jobs)
-
-    def finished(self, req, aborted):
-        self.conn.request_finished(req, aborted)
-
-    def reset(self):
-        self.conn.reset_cache()
-
-    def chunk_state(self):
-        return self.manager.chunk_state()
-
-    def check_invariants(self):
-        self.conn.check_invariants()
-        self.mgr.check_invariants(strict_ref_counts=False)
-
-
-class VllmBackend(VllmEngine, ReferenceBackend):
-    """vLLM 0.33.0's KVCacheManager + OffloadingConnectorScheduler over its CPUOffloadingManager."""
-
-    name = "vllm"
-
-    def __init__(self, cfg: OffloadingConfig) -> None:  # noqa: D107
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-            OffloadingConnectorScheduler as VSched,
-        )
-        from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
-        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VManager
-
-        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
-        groups = kcfg.kv_cache_groups
-        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy)
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-            get_sliding_window_size_in_chunks,
-        )
-
-        tpc = cfg.block_size * cfg.blocks_per_chunk
-        spec = SimpleNamespace(
-            config=SimpleNamespace(groups=[SimpleNamespace(
-                group_id=i, tokens_per_block=cfg.block_size,
-                sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(g.kv_cache_spec, tpc))
-                for i, g in enumerate(groups)]),
-            blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=cfg.block_size,
-            tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
-            extra_config={}, kv_events_config=OffloadingKVEventsConfig(False, False),
-            get_manager=lambda: self.manager)
-        vcfg = SimpleNamespace(
-            cache_config=SimpleNamespace(prefix_cache_retention_interval=None, enable_prefix_caching=True),
-            speculative_config=None,
-            parallel_config=SimpleNamespace(world_size=cfg.num_workers, decode_context_parallel_size=1))
-        self.conn = VSched(spec, vcfg, kcfg)
-        self.gpu_pool = self.mgr.block_pool
-
-    def build_meta(self, step):
-        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
-        keys = lambda j: tuple(self.conn._jobs[j].keys) if j in self.conn._jobs else ()  # noqa: E731
-        loads = {j: (t.req_id, keys(j), tuple(t.dst_spec.block_ids.tolist()), tuple(t.src_spec.block_ids.tolist()))
-                 for j, t in m.load_jobs.items()}
-        stores = {j: (t.req_id, keys(j), tuple(t.src_spec.block_ids.tolist()), tuple(t.dst_spec.block_ids.tolist()))
-                  for j, t in m.store_jobs.items()}
-        return _norm_meta(loads, stores, m.jobs_to_flush)
-
-    def complete(self, jobs):
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-        from vllm.v1.outputs import KVConnectorOutput
-
-        meta = OffloadingWorkerMetadata(completed_jobs=dict(jobs))  # already aggregated over workers
-        self.conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
-
-    def finished(self, req, aborted):
-        self.conn.request_finished(req)
-
-    def reset(self):
-        self.conn.reset_cache()
-
-    def chunk_state(self):
-        pol = self.manager._policy
-        items = pol.chunks.items() if hasattr(pol, "chunks") else list(pol.t1.items()) + list(pol.t2.items())
-        return {k: (c.chunk_id, c.ref_cnt) for k, c in items}
-
-
-BACKENDS = {"reference": ReferenceBackend, "vllm": VllmBackend}
+BACKENDS = {"reference": OffloadingReferenceBackend, "vllm": _vllm_backend}
 
 
 class OffloadingWorld(OffloadWorldBase):

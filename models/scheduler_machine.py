@@ -1,7 +1,7 @@
 """Scheduler traces: strategies, a fake model runner, a lock-step driver and a Hypothesis machine.
 
 The same operations go to every target (the reference scheduler, vLLM 0.33.0's ``Scheduler`` /
-``AsyncScheduler`` through :mod:`kvref.impl.vllm_scheduler`, or the reference scheduler on vLLM's
+``AsyncScheduler`` through :mod:`kvref.impl.vllm.scheduler`, or the reference scheduler on vLLM's
 KVCacheManager): add a request, schedule a step, settle the oldest step with a fake model output,
 abort. After each, every target's ``SchedulerOutput`` (scheduled ids in batch order, their kinds,
 token counts, computed tokens, new block ids per group, preempted and finished ids) and
@@ -492,7 +492,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
 
     factories: dict[str, Callable] = {"ref": lambda p, c: Scheduler(p, c)}
     if with_vllm:
-        from kvref.impl.vllm_scheduler import VllmEnv, VllmScheduler
+        from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
 
         env = VllmEnv()
         factories = {"vllm": lambda p, c: VllmScheduler(p, c, env), **factories}

@@ -187,12 +187,14 @@ def write_reproducer(result: TheoremResult, out_dir: str, variant: str | None) -
     """Write a ready-to-run pytest file for a counterexample; returns its path.
 
     ``pytest FILE`` fails on the variant (the bug); ``KVREF_IMPL=reference pytest FILE`` passes.
+    The name starts ``cex_``, not ``test_``: pytest collects it only when named on its command line,
+    so a reproducer that fails by design never breaks the user's own ``pytest`` run.
     """
     assert result.counterexample is not None
     t = get_theorem(result.theorem)
     os.makedirs(out_dir, exist_ok=True)
     impl = variant or "reference"
-    path = os.path.join(out_dir, f"test_cex_{_slug(t.id)}_{_slug(impl)}.py")
+    path = os.path.join(out_dir, f"cex_{_slug(t.id)}_{_slug(impl)}.py")
     claim = result.failing_claim or "all"
     if claim == t.claim.name:
         claim = "all"

@@ -1,6 +1,6 @@
 """Plain data the schedulers exchange with their driver: config, step output, model output, snapshot.
 
-Shared by the reference scheduler and the vLLM adapter (``kvref.impl.vllm_scheduler``) so a state
+Shared by the reference scheduler and the vLLM adapter (``kvref.impl.vllm.scheduler``) so a state
 machine can compare them field by field. Everything here is ids and ints: no object identity.
 """
 

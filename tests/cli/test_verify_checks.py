@@ -20,7 +20,7 @@ def test_planning_conformance_passes_and_catches_a_planted_difference(vllm, monk
     monkeypatch.setattr(ctx, "examples", lambda fast, ci, nightly=None: 40)
     assert verify.check_planning_conformance(ctx).status == PASSED
 
-    import kvref.impl.vllm_planning as vp
+    import kvref.impl.vllm.planning as vp
 
     original = vp.kvref_outcome
 
@@ -60,7 +60,7 @@ def test_crosshair_verdicts_map_to_check_results():
 def test_proofs_check_proves_theorems_and_refutes_every_historic_variant(tmp_path):
     from kvref.proofs import HISTORIC
 
-    result = verify.check_proofs(verify.VerifyContext(out_dir=str(tmp_path)))
+    result = verify.check_proofs(verify.VerifyContext(out_dir=str(tmp_path), write_reproducers=True))
     assert result.status == PASSED, result.details
     assert len(result.artifacts) == len(HISTORIC) >= 8
     assert all(a.startswith(str(tmp_path)) for a in result.artifacts)

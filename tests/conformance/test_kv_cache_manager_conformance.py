@@ -35,7 +35,7 @@ STEP_COUNT = 40
 @pytest.fixture(scope="module")
 def vllm_adapter():
     require_vllm()
-    import kvref.impl.vllm as adapter  # noqa: PLC0415 - imports vLLM (~6 s), once per module
+    import kvref.impl.vllm.kv_cache_manager as adapter  # noqa: PLC0415 - imports vLLM (~6 s), once per module
 
     return adapter
 

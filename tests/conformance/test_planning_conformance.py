@@ -28,7 +28,7 @@ from tests.conftest import profile_examples
 from kvref.models.planning_strategies import FAMILIES, plan_cases
 from tests.vllm_env import require_vllm
 
-from kvref.impl.vllm_planning import Outcome, VllmPlanner, kvref_outcome
+from kvref.impl.vllm.planning import Outcome, VllmPlanner, kvref_outcome
 
 pytestmark = pytest.mark.vllm
 

@@ -41,7 +41,7 @@ STEP_COUNT = 45
 @pytest.fixture(scope="module")
 def vllm_env():
     require_vllm()
-    from kvref.impl import vllm_scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
+    from kvref.impl.vllm import scheduler as vllm_scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
 
     return vllm_scheduler, vllm_scheduler.VllmEnv()
 

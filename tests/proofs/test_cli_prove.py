@@ -31,7 +31,7 @@ def test_variant_exits_nonzero_and_writes_reproducer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "counterexample" in out
     files = os.listdir(tmp_path)
-    assert files == ["test_cex_t8_pre_44560_async_load_no_reservation.py"]
+    assert files == ["cex_t8_pre_44560_async_load_no_reservation.py"]
 
 
 def test_json_output(capsys):
@@ -52,14 +52,20 @@ def test_bad_input_is_a_value_error(argv):
         _run(argv)
 
 
-def test_verify_check_passes_and_writes_reproducers(tmp_path):
+def test_verify_check_passes_and_writes_reproducers_only_on_request(tmp_path):
     from kvref.proofs import HISTORIC
     from kvref.verify import VerifyContext
 
-    result = cli_prove.verify_check(VerifyContext(out_dir=str(tmp_path)))
+    quiet = cli_prove.verify_check(VerifyContext(out_dir=str(tmp_path / "default")))
+    assert quiet.status == "passed", (quiet.summary, quiet.details)
+    assert quiet.artifacts == [] and not (tmp_path / "default").exists()  # a passing run leaves nothing
+
+    result = cli_prove.verify_check(VerifyContext(out_dir=str(tmp_path), write_reproducers=True))
     assert result.status == "passed", (result.summary, result.details)
     assert len(result.artifacts) == len(HISTORIC)
     assert all(os.path.exists(p) for p in result.artifacts)
+    # named so that a user's plain `pytest` never collects these (they fail by design)
+    assert all(os.path.basename(p).startswith("cex_") for p in result.artifacts)
 
 
 def test_solver_timeout_is_reported_unknown_and_fails(capsys):

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_adapter():
     require_vllm()
-    import kvref.impl.vllm as adapter  # noqa: PLC0415 - imports vLLM once per module
+    import kvref.impl.vllm.kv_cache_manager as adapter  # noqa: PLC0415 - imports vLLM once per module
 
     return adapter
 

@@ -1,0 +1,112 @@
+"""kvref's two CPU-offload connectors behind the backend interface the offload worlds drive.
+
+A backend is an engine (:class:`kvref.impl.offload_engine.ReferenceEngine`) plus a connector:
+:class:`SimpleCPUReferenceBackend` (``SimpleCPUOffloadScheduler``) and
+:class:`OffloadingReferenceBackend` (the ``OffloadingConnector``'s scheduler over a
+``CPUOffloadingManager``). vLLM's twins, answering the same calls, are in
+:mod:`kvref.impl.vllm.offload`. The configs are duck-typed (``cfg.block_size``, ``cfg.num_gpu_blocks``…:
+:class:`kvref.models.offload_machine.SimpleOffloadConfig`, :class:`kvref.models.offloading_connector_world.OffloadingConfig`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+from kvref.impl.offload_engine import ReferenceEngine, kvref_kv_cache_manager
+from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
+from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler
+from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler, SimpleOffloadStep
+
+
+class SimpleCPUReferenceBackend(ReferenceEngine):
+    """kvref's KVCacheManager + SimpleCPUOffloadScheduler (``variant`` picks a historic one)."""
+
+    name = "reference"
+    VARIANTS = {"reference": {}, "pre_fix_41289": {"in_flight_dedup": False},
+                "fix_42903": {"dedup_within_scan": True}}
+
+    def __init__(self, cfg: Any, variant: str = "reference") -> None:
+        groups = cfg.kvref_groups()
+        self.mgr = kvref_kv_cache_manager(cfg, groups)
+        self.conn = SimpleCPUOffloadScheduler(
+            groups, cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.block_size, lazy_offload=cfg.lazy,
+            world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_hasher=self.mgr.block_hashes, **self.VARIANTS[variant])
+        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+        self.gpu_pool = self.mgr.block_pool
+        self.cpu_pool = self.conn.cpu_block_pool
+
+    def after_alloc(self, req, n_ext) -> None:
+        self.conn.update_state_after_alloc(req, self.table(req.request_id), n_ext)
+
+    def build_meta(self, step: SimpleOffloadStep):
+        m = self.conn.build_connector_meta(step)
+        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
+
+    def complete(self, recv: set[str], events: dict[int, int]) -> None:
+        self.conn.update_connector_output(recv, events)
+
+    def finished(self, req, table) -> None:
+        self.conn.request_finished(req, table)
+
+    def reset(self) -> bool:
+        return self.conn.reset()
+
+    def in_flight_set(self) -> set[int]:
+        return set(self.conn._in_flight_store_gpu_blocks)
+
+    def check_invariants(self) -> None:
+        self.conn.check_invariants()
+        self.mgr.check_invariants(strict_ref_counts=False)
+
+
+def norm_offloading_meta(load_jobs, store_jobs, flush) -> tuple:
+    return (sorted((j, r, sorted(k), list(b), list(c)) for j, (r, k, b, c) in load_jobs.items()),
+            sorted((j, r, sorted(k), list(b), list(c)) for j, (r, k, b, c) in store_jobs.items()),
+            sorted(flush))
+
+
+class OffloadingReferenceBackend(ReferenceEngine):
+    """kvref's KVCacheManager + OffloadingConnectorScheduler over a CPUOffloadingManager."""
+
+    name = "reference"
+
+    def __init__(self, cfg: Any) -> None:
+        groups = cfg.kvref_groups()
+        self.mgr = kvref_kv_cache_manager(cfg, groups)
+        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy)
+        self.conn = OffloadingConnectorScheduler([g.kv_cache_spec for g in groups], self.manager, cfg.block_size,
+                                                 cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
+                                                 block_hasher=self.mgr.block_hashes)
+        self.gpu_pool = self.mgr.block_pool
+
+    def on_new_request(self, req):
+        self.conn.on_new_request(req)
+
+    def after_alloc(self, req, n_ext):
+        blocks = self.mgr.get_blocks(req.request_id).blocks
+        self.conn.update_state_after_alloc(req, [[(b.block_id, b.block_hash is not None) for b in g] for g in blocks],
+                                           n_ext)
+
+    def build_meta(self, step):
+        m = self.conn.build_connector_meta(step)
+        f = lambda jobs: {j: (t.req_id, t.keys, t.block_ids, t.chunk_ids) for j, t in jobs.items()}  # noqa: E731
+        return norm_offloading_meta(f(m.load_jobs), f(m.store_jobs), m.jobs_to_flush)
+
+    def complete(self, jobs):
+        self.conn.update_connector_output(jobs)
+
+    def finished(self, req, aborted):
+        self.conn.request_finished(req, aborted)
+
+    def reset(self):
+        self.conn.reset_cache()
+
+    def chunk_state(self):
+        return self.manager.chunk_state()
+
+    def check_invariants(self):
+        self.conn.check_invariants()
+        self.mgr.check_invariants(strict_ref_counts=False)

@@ -1,0 +1,82 @@
+"""The engine side both offload worlds drive: a GPU ``KVCacheManager`` and requests, as vLLM's
+``Scheduler`` uses them around a KV connector — kvref's reference here, vLLM's own in
+:mod:`kvref.impl.vllm.offload`.
+
+The two offload worlds (:mod:`kvref.models.offload_machine` for ``SimpleCPUOffloadScheduler`` and
+:mod:`kvref.models.offloading_connector_world` for the ``OffloadingConnector``) schedule the same way;
+the calls they make on the manager, the request and the connector's ``get_num_new_matched_tokens``
+are this interface, once, so the worlds cannot drift apart in how they build requests, allocate or
+finish a load. Each world's backends (:mod:`kvref.impl.offload_backends`) add their connector.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.kv_cache_manager import KVCacheManager
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+
+def kvref_kv_cache_groups(block_size: int, sliding_window: int | None) -> tuple[KVCacheGroupSpec, ...]:
+    """One full-attention group, plus a sliding-window group when ``sliding_window`` is set."""
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(**kw))]
+    if sliding_window is not None:
+        groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=sliding_window, **kw)))
+    return tuple(groups)
+
+
+def kvref_kv_cache_manager(cfg: Any, groups: tuple[KVCacheGroupSpec, ...]) -> KVCacheManager:
+    """kvref's GPU ``KVCacheManager`` with prefix caching, one block size for scheduling and hashing."""
+    return KVCacheManager(PoolConfig(cfg.num_gpu_blocks, groups, cfg.max_model_len, cfg.block_size,
+                                     cfg.block_size, enable_caching=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Engines: the calls vLLM's Scheduler makes on the KVCacheManager, the Request and the connector
+# interface they share (``get_num_new_matched_tokens``). A backend sets ``mgr`` and ``conn``.
+
+
+class ReferenceEngine:
+    """kvref's ``KVCacheManager`` and ``Request``."""
+
+    mgr: Any
+    conn: Any
+
+    def make_request(self, rid: str, prompt: list[int], max_tokens: int) -> Any:
+        return Request(rid, prompt, max_tokens=max_tokens)
+
+    def append_token(self, req, tok: int) -> None:
+        req.output_token_ids.append(tok)
+
+    def block_hashes(self, req) -> list[bytes]:
+        return self.mgr.block_hashes(req)
+
+    def set_status(self, req, status: str) -> None:
+        # kvref has one FINISHED status; vLLM's tell a stop from an abort (VllmEngine).
+        req.status = {"waiting": RequestStatus.WAITING, "loading": RequestStatus.WAITING,
+                      "running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED,
+                      "finished": RequestStatus.FINISHED, "aborted": RequestStatus.FINISHED}[status]
+
+    def get_computed_blocks(self, req):
+        blocks, n, _ = self.mgr.get_computed_blocks(req)
+        return blocks, n
+
+    def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):
+        out = self.mgr.allocate_slots(req, n_new, n_hit, hits, num_external_computed_tokens=n_ext,
+                                      delay_cache_blocks=delay)
+        return None if out is None else out.get_block_ids()
+
+    def table(self, rid: str) -> tuple[list[int], ...]:
+        return tuple(list(x) for x in self.mgr.get_block_ids(rid))
+
+    def cache_blocks(self, req, n: int) -> None:
+        self.mgr.coordinator.cache_blocks(req, self.mgr.block_hashes(req), n)
+
+    def free(self, req) -> None:
+        self.mgr.free(req)
+
+    def match(self, req, n_computed):
+        return self.conn.get_num_new_matched_tokens(req, n_computed)

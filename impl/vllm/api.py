@@ -1,0 +1,207 @@
+"""The parts of vLLM's API kvref binds to, listed once, and checked before a check drives vLLM.
+
+A vLLM developer's checkout may have renamed a class, moved a module or changed a signature. Found
+mid-run, that is a ``TypeError`` deep inside an adapter, indistinguishable from a behaviour change.
+Found up front, it is one clear line: which symbol, what kvref expected (vLLM 0.33.0's shape), and
+which checks cannot run because of it — while every check that does not need the symbol still runs.
+
+Each :class:`Binding` names a module, an attribute path inside it and, for callables, the
+parameter names kvref passes by keyword (or reads). :data:`AREAS` groups them by the adapter that
+uses them; :data:`CHECK_AREAS` says which areas each vLLM-facing check of ``kvref verify`` drives.
+The table is kept true by ``tests/impl/vllm/test_api.py``, which resolves every binding against the
+installed vLLM and asserts that each adapter module only imports symbols the table lists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Binding:
+    """``module:attr.path`` with the keyword parameters kvref passes (``params``) or fields it reads."""
+
+    module: str
+    attr: str
+    params: tuple[str, ...] = ()
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+    def problem(self) -> str | None:
+        """None when the binding resolves on the installed vLLM, else what is wrong, in one line."""
+        try:
+            obj = importlib.import_module(self.module)
+        except Exception as exc:  # a moved module, or one that fails to import
+            return f"{self.module}: cannot import ({type(exc).__name__}: {exc}); kvref expected vLLM 0.33.0's module"
+        for i, part in enumerate(self.attr.split(".")):
+            if not hasattr(obj, part):
+                where = ".".join([self.module, *self.attr.split(".")[:i]])
+                return f"{self.symbol}: {where} has no attribute {part!r} (kvref binds to vLLM 0.33.0's name)"
+            obj = getattr(obj, part)
+        if not self.params:
+            return None
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            return None  # builtins without a signature: nothing to compare
+        names = set(sig.parameters)
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        missing = [p for p in self.params if p not in names]
+        if missing and not takes_kwargs:
+            return (f"{self.symbol}{sig}: no parameter {', '.join(map(repr, missing))} "
+                    f"(kvref passes it as in vLLM 0.33.0)")
+        return None
+
+
+def _b(module: str, attr: str, *params: str) -> Binding:
+    return Binding(module, attr, tuple(params))
+
+
+_KCI = "vllm.v1.kv_cache_interface"
+_MGR = "vllm.v1.core.kv_cache_manager"
+_UTILS = "vllm.v1.core.kv_cache_utils"
+_REQ = "vllm.v1.request"
+_SPEC = ("block_size", "num_kv_heads", "head_size", "dtype")
+
+#: what each adapter area binds to (vLLM 0.33.0 names and keyword parameters)
+AREAS: dict[str, tuple[Binding, ...]] = {
+    "specs": (
+        _b(_KCI, "FullAttentionSpec", *_SPEC, "sliding_window", "attention_chunk_size"),
+        _b(_KCI, "MLAAttentionSpec", *_SPEC, "cache_dtype_str"),
+        _b(_KCI, "SlidingWindowSpec", *_SPEC, "sliding_window"),
+        _b(_KCI, "ChunkedLocalAttentionSpec", *_SPEC, "attention_chunk_size"),
+        _b(_KCI, "CrossAttentionSpec", *_SPEC),
+        _b(_KCI, "MambaSpec", "block_size", "shapes", "dtypes", "mamba_cache_mode"),
+        _b(_KCI, "UniformTypeKVCacheSpecs", "block_size", "kv_cache_specs"),
+        _b(_KCI, "KVCacheGroupSpec"),
+        _b(_KCI, "KVCacheConfig", "num_blocks", "kv_cache_tensors", "kv_cache_groups"),
+        _b(_KCI, "KVCacheTensor"),
+        _b("vllm.utils.torch_utils", "STR_DTYPE_TO_TORCH_DTYPE"),
+    ),
+    "request": (
+        _b(_REQ, "Request", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
+           "arrival_time", "cache_salt", "priority", "block_hasher"),
+        _b(_REQ, "Request.append_output_token_ids"),
+        _b(_REQ, "RequestStatus"),
+        _b("vllm.sampling_params", "SamplingParams"),
+        _b("vllm.utils.hashing", "sha256"),
+        _b(_UTILS, "get_request_block_hasher"),
+        _b(_UTILS, "init_none_hash"),
+        _b(_UTILS, "get_group_id"),
+        _b(_UTILS, "get_block_hash"),
+    ),
+    "kv-manager": (
+        _b(_MGR, "KVCacheManager", "kv_cache_config", "max_model_len", "scheduler_block_size", "hash_block_size",
+           "max_in_flight_tokens", "enable_caching", "use_eagle", "watermark"),
+        _b(_MGR, "KVCacheManager.get_computed_blocks"),
+        _b(_MGR, "KVCacheManager.allocate_slots", "num_new_computed_tokens", "new_computed_blocks",
+           "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "full_sequence_must_fit",
+           "reserved_blocks", "has_scheduled_reqs"),
+        _b(_MGR, "KVCacheManager.free"),
+        _b(_MGR, "KVCacheManager.new_step_starts"),
+        _b(_MGR, "KVCacheManager.get_block_ids"),
+        _b(_MGR, "KVCacheManager.get_blocks"),
+        _b(_MGR, "KVCacheManager.cache_blocks"),
+        _b(_MGR, "KVCacheBlocks"),
+        _b("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks"),
+    ),
+    "block-pool": (
+        _b("vllm.v1.core.block_pool", "BlockPool"),
+        _b("vllm.v1.core.block_pool", "BlockPool.get_new_blocks"),
+        _b("vllm.v1.core.block_pool", "BlockPool.get_cached_block"),
+        _b("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks"),
+        _b("vllm.v1.core.block_pool", "BlockPool.touch"),
+        _b("vllm.v1.core.block_pool", "BlockPool.free_blocks"),
+        _b("vllm.v1.core.block_pool", "BlockPool.evict_blocks"),
+        _b("vllm.v1.core.block_pool", "BlockPool.reset_prefix_cache"),
+    ),
+    "scheduler": (
+        _b("vllm.config", "VllmConfig", "model_config", "cache_config", "scheduler_config"),
+        _b("vllm.config", "ModelConfig", "model", "tokenizer", "skip_tokenizer_init", "max_model_len", "dtype"),
+        _b("vllm.config", "CacheConfig", "block_size", "enable_prefix_caching"),
+        _b("vllm.config", "SchedulerConfig", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+           "is_encoder_decoder", "enable_chunked_prefill"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler", "vllm_config", "kv_cache_config",
+           "structured_output_manager", "block_size", "hash_block_size"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.schedule"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.add_request"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests"),
+        _b("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
+        _b("vllm.v1.outputs", "ModelRunnerOutput"),
+        _b("vllm.v1.structured_output", "StructuredOutputManager"),
+    ),
+    "planning": (
+        _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),
+        _b("vllm.v1.attention.backends.utils", "resolve_kv_cache_layout"),
+        _b("vllm.v1.core.kv_cache_planning", "get_global_kv_cache_groups"),
+        _b("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs"),
+        _b(_UTILS, "generate_scheduler_kv_cache_config"),
+        _b(_UTILS, "get_max_concurrency_for_kv_cache_config"),
+        _b(_UTILS, "resolve_kv_cache_block_sizes"),
+        _b(_UTILS, "resolve_cache_hit_alignment_tokens"),
+    ),
+    "simple-offload": (
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler", "cpu_capacity_bytes",
+           "scheduler_block_size", "hash_block_size", "lazy_offload", "num_cpu_blocks"),
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.build_connector_meta"),
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.update_connector_output"),
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.request_finished_all_groups"),
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.bind_gpu_block_pool"),
+        _b("vllm.v1.simple_kv_offload.metadata", "SimpleCPUOffloadWorkerMetadata"),
+        _b("vllm.v1.outputs", "KVConnectorOutput", "finished_recving", "kv_connector_worker_meta"),
+    ),
+    "offloading-connector": (
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+           "OffloadingConnectorScheduler.build_connector_meta"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+           "OffloadingConnectorScheduler.update_connector_output"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+           "OffloadingConnectorScheduler.request_finished"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config", "get_sliding_window_size_in_chunks"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", "OffloadingWorkerMetadata",
+           "completed_jobs"),
+        _b("vllm.v1.kv_offload.base", "OffloadingKVEventsConfig"),
+        _b("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager", "cache_policy"),
+        _b("vllm.v1.outputs", "KVConnectorOutput", "kv_connector_worker_meta"),
+    ),
+}
+
+#: which areas each vLLM-facing check of ``kvref verify`` drives
+CHECK_AREAS: dict[str, tuple[str, ...]] = {
+    "startup-liveness": ("specs", "request", "kv-manager"),
+    "conform-explorer": ("specs", "request", "scheduler"),
+    "conform-kv-manager": ("specs", "request", "kv-manager"),
+    "conform-scheduler": ("specs", "request", "scheduler"),
+    "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
+    "conform-planning": ("specs", "planning"),
+}
+
+
+def check_api(areas: tuple[str, ...] | list[str]) -> list[str]:
+    """Every problem with the installed vLLM's API in ``areas`` (empty: all bindings resolve)."""
+    problems: list[str] = []
+    seen: set[Binding] = set()
+    for area in areas:
+        if area not in AREAS:
+            from kvref.spec.errors import InvalidFieldError
+
+            raise InvalidFieldError("area", area, "one of " + ", ".join(AREAS))
+        for binding in AREAS[area]:
+            if binding in seen:
+                continue
+            seen.add(binding)
+            problem = binding.problem()
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def check_api_for(check_name: str) -> list[str]:
+    """:func:`check_api` over the areas the ``kvref verify`` check ``check_name`` drives."""
+    return check_api(CHECK_AREAS.get(check_name, ()))

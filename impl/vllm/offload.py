@@ -1,0 +1,208 @@
+"""The installed vLLM's engine side of the offload worlds, and both of its CPU-offload connectors.
+
+:class:`VllmEngine` answers the calls of :class:`kvref.impl.offload_engine.ReferenceEngine` with
+vLLM's ``KVCacheManager`` and ``Request``; :class:`SimpleCPUVllmBackend` adds vLLM's
+``SimpleCPUOffloadScheduler`` and :class:`OffloadingVllmBackend` the ``OffloadingConnector``'s
+scheduler over its ``CPUOffloadingManager``, so each world compares them call by call with the
+reference backends of :mod:`kvref.impl.offload_backends`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from kvref.impl.offload_backends import OffloadingReferenceBackend, SimpleCPUReferenceBackend, norm_offloading_meta
+from kvref.impl.offload_engine import ReferenceEngine
+
+
+def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
+    """vLLM 0.33.0's GPU ``KVCacheManager`` for ``cfg``'s groups (as :func:`kvref_kv_cache_groups`).
+
+    Returns ``(block_hasher, kv_cache_config, kv_cache_manager)``: requests must be built with
+    that hasher, and the connector is configured from that ``KVCacheConfig``.
+    """
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VKVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(cfg.block_size, sha256)
+    kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [VGroup(["full"], VFull(**kw))]
+    if cfg.sliding_window is not None:
+        groups.append(VGroup(["swa"], VSWA(sliding_window=cfg.sliding_window, **kw)))
+    page = groups[0].kv_cache_spec.page_size_bytes
+    kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
+                         kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,
+                                                         layers=[g.layer_names[0] for g in groups],
+                                                         layer_stride=page, block_stride=page)],
+                         kv_cache_groups=groups)
+    mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
+                          hash_block_size=cfg.block_size, enable_caching=True)
+    return hasher, kcfg, mgr
+
+
+class VllmEngine(ReferenceEngine):
+    """vLLM 0.33.0's ``KVCacheManager`` and ``Request`` (built by :func:`vllm_kv_cache_manager`).
+
+    Both vLLM connectors take ``update_state_after_alloc`` with the request's ``KVCacheBlocks``,
+    as vLLM's ``Scheduler`` passes them, and a ``SchedulerOutput`` (:func:`vllm_scheduler_output`).
+    """
+
+    _hasher: Callable
+
+    def make_request(self, rid, prompt, max_tokens):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request as VRequest
+
+        return VRequest(request_id=rid, prompt_token_ids=list(prompt),
+                        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
+                        block_hasher=self._hasher)
+
+    def append_token(self, req, tok):
+        req.append_output_token_ids(tok)
+
+    def block_hashes(self, req):
+        return list(req.block_hashes)
+
+    def set_status(self, req, status):
+        from vllm.v1.request import RequestStatus as VS
+
+        req.status = {"waiting": VS.WAITING, "running": VS.RUNNING, "preempted": VS.PREEMPTED,
+                      "finished": VS.FINISHED_STOPPED, "aborted": VS.FINISHED_ABORTED,
+                      "loading": VS.WAITING_FOR_REMOTE_KVS}[status]
+
+    def get_computed_blocks(self, req):
+        out = self.mgr.get_computed_blocks(req)
+        return out[0], out[1]
+
+    def cache_blocks(self, req, n):
+        self.mgr.cache_blocks(req, n)
+
+    def after_alloc(self, req, n_ext):
+        self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
+
+    def check_invariants(self):
+        pass  # vLLM's objects carry no kvref invariants; the worlds compare what they observe instead
+
+
+def vllm_scheduler_output(step: Any) -> SimpleNamespace:
+    """The fields of vLLM's ``SchedulerOutput`` a connector's ``build_connector_meta`` reads, from a
+    kvref step (``SimpleOffloadStep`` / ``OffloadingStep``: same fields)."""
+    new = [SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids, full in step.scheduled if full]
+    cached = [(rid, ids) for rid, ids, full in step.scheduled if not full]
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
+                                              resumed_req_ids=set()),
+        num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
+        preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None,
+        kv_cache_block_copies=None)
+
+
+class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
+    """vLLM 0.33.0's KVCacheManager + SimpleCPUOffloadScheduler bound to its GPU block pool."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: Any, variant: str = "reference") -> None:  # noqa: D107
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as VSched
+
+        assert variant == "reference", "vLLM runs as released"
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
+        vcfg = SimpleNamespace(
+            kv_events_config=None, speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
+            num_prefill_lookahead_tokens=0,
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=cfg.world_size),
+            model_config=SimpleNamespace(max_model_len=cfg.max_model_len),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=cfg.max_num_batched_tokens))
+        self.conn = VSched(vcfg, kcfg, cpu_capacity_bytes=10**12, scheduler_block_size=cfg.block_size,
+                           hash_block_size=cfg.block_size, lazy_offload=cfg.lazy, num_cpu_blocks=cfg.num_cpu_blocks)
+        self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+        self.gpu_pool = self.mgr.block_pool
+        self.cpu_pool = self.conn.cpu_block_pool
+
+    def build_meta(self, step):
+        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
+        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
+
+    def complete(self, recv, events):
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        self.conn.update_connector_output(KVConnectorOutput(
+            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
+
+    def finished(self, req, table):
+        self.conn.request_finished_all_groups(req, table)
+
+
+class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
+    """vLLM 0.33.0's KVCacheManager + OffloadingConnectorScheduler over its CPUOffloadingManager."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: Any) -> None:  # noqa: D107
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+            OffloadingConnectorScheduler as VSched,
+        )
+        from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VManager
+
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
+        groups = kcfg.kv_cache_groups
+        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy)
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            get_sliding_window_size_in_chunks,
+        )
+
+        tpc = cfg.block_size * cfg.blocks_per_chunk
+        spec = SimpleNamespace(
+            config=SimpleNamespace(groups=[SimpleNamespace(
+                group_id=i, tokens_per_block=cfg.block_size,
+                sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(g.kv_cache_spec, tpc))
+                for i, g in enumerate(groups)]),
+            blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=cfg.block_size,
+            tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
+            extra_config={}, kv_events_config=OffloadingKVEventsConfig(False, False),
+            get_manager=lambda: self.manager)
+        vcfg = SimpleNamespace(
+            cache_config=SimpleNamespace(prefix_cache_retention_interval=None, enable_prefix_caching=True),
+            speculative_config=None,
+            parallel_config=SimpleNamespace(world_size=cfg.num_workers, decode_context_parallel_size=1))
+        self.conn = VSched(spec, vcfg, kcfg)
+        self.gpu_pool = self.mgr.block_pool
+
+    def build_meta(self, step):
+        m = self.conn.build_connector_meta(vllm_scheduler_output(step))
+        keys = lambda j: tuple(self.conn._jobs[j].keys) if j in self.conn._jobs else ()  # noqa: E731
+        loads = {j: (t.req_id, keys(j), tuple(t.dst_spec.block_ids.tolist()), tuple(t.src_spec.block_ids.tolist()))
+                 for j, t in m.load_jobs.items()}
+        stores = {j: (t.req_id, keys(j), tuple(t.src_spec.block_ids.tolist()), tuple(t.dst_spec.block_ids.tolist()))
+                  for j, t in m.store_jobs.items()}
+        return norm_offloading_meta(loads, stores, m.jobs_to_flush)
+
+    def complete(self, jobs):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = OffloadingWorkerMetadata(completed_jobs=dict(jobs))  # already aggregated over workers
+        self.conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+
+    def finished(self, req, aborted):
+        self.conn.request_finished(req)
+
+    def reset(self):
+        self.conn.reset_cache()
+
+    def chunk_state(self):
+        pol = self.manager._policy
+        items = pol.chunks.items() if hasattr(pol, "chunks") else list(pol.t1.items()) + list(pol.t2.items())
+        return {k: (c.chunk_id, c.ref_cnt) for k, c in items}
