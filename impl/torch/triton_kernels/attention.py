@@ -17,10 +17,15 @@ and gives wrong numbers; blocks outside the window are never read, exactly like 
 which is what makes freeing them sound (``get_num_skipped_tokens``).
 
 Arithmetic: float64 inputs accumulate in float64, everything else in float32 (half types are
-loaded and converted: Triton's interpreter has no bfloat16 arithmetic). The scale is passed in a
-one-element tensor of the accumulation type, because a Python float argument would be a float32
-scalar and cost float64 its near-exactness. Scores use broadcast multiply + sum, not ``tl.dot``:
-``tl.dot`` needs tiles of at least 16 and no float64, and decode is bound by memory, not FLOPs.
+loaded and converted: Triton's interpreter has no bfloat16 arithmetic, its bfloat16 ``tl.dot``
+returns garbage). The scale is passed in a one-element tensor of the accumulation type, because
+a Python float argument would be a float32 scalar and cost float64 its near-exactness. Two ways
+to form ``q k^T`` and ``p v``, chosen by ``USE_DOT``: ``tl.dot`` on float32 operands with
+``input_precision="ieee"`` (no TF32 rounding; the query heads padded to 16 rows, as ``tl.dot``
+needs M, N, K >= 16) for every type but float64, which ``tl.dot`` does not take and which uses a
+broadcast multiply + sum instead. Decode is bound by memory, not FLOPs, so giving up tensor-core
+half-precision dots costs little; what ``tl.dot`` buys is a register-tiled product instead of a
+``[group, tile, head]`` temporary.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _paged_attention_kernel(
     mask_size, num_splits,
     MASK_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    ACC_F64: tl.constexpr, SPLIT: tl.constexpr,
+    ACC_F64: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -89,14 +94,20 @@ def _paged_attention_kernel(
         base = cache_ptr + blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + h * stride_ch \
             + d[None, :]
         k = tl.load(base, mask=sd_mask, other=0.0).to(acc_ty)                       # [TILE, HEAD_P]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale              # [GROUP_P, TILE]
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [GROUP_P, TILE]
+        else:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale          # [GROUP_P, TILE]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(base + stride_ckv, mask=sd_mask, other=0.0).to(acc_ty)         # [TILE, HEAD_P]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
     if SPLIT:
@@ -151,7 +162,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     only its innermost dimension must be contiguous. Tuning (results do not depend on them beyond
     rounding): ``num_splits`` (key-range partitions, default :func:`default_splits`), ``tile``
     (positions per loop step, a power of two; default 32 on the CPU — fewer interpreter steps —
-    and 64 on CUDA), ``num_warps`` (CUDA only; Triton's default when None).
+    and 64 on CUDA; ``tl.dot`` is used when the tile and head size are >= 16), ``num_warps``
+    (CUDA only; Triton's default when None).
     """
     from . import require_triton
 
@@ -185,6 +197,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     qpos = query_positions.to(dev).to(torch.int64).contiguous()
     scale_t = torch.tensor([d ** -0.5 if scale is None else scale], dtype=acc, device=dev)
     group = hq // hkv
+    use_dot = acc == torch.float32 and tile >= 16 and d >= 16
+    group_p = max(16, _pow2(group)) if use_dot else _pow2(group)
     split = num_splits > 1
     if split:
         part = torch.empty((t, hq, num_splits, d), dtype=acc, device=dev)
@@ -200,8 +214,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         q.stride(0), q.stride(1), *strides,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), table.stride(0),
         mask.size if mask.kind != "causal" else 1, num_splits,
-        MASK_KIND=_MASK_CODE[mask.kind], GROUP=group, GROUP_P=_pow2(group), HEAD=d, HEAD_P=_pow2(d),
-        BLOCK_SIZE=bs, TILE=tile, ACC_F64=acc == torch.float64, SPLIT=split, **extra,
+        MASK_KIND=_MASK_CODE[mask.kind], GROUP=group, GROUP_P=group_p, HEAD=d, HEAD_P=_pow2(d),
+        BLOCK_SIZE=bs, TILE=tile, ACC_F64=acc == torch.float64, SPLIT=split, USE_DOT=use_dot, **extra,
     )
     if split:
         return _combine(m, l_, part, q.dtype)

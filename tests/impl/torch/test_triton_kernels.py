@@ -100,7 +100,7 @@ def _check(args, seqs, mask, dtype, **tuning):
 
 MASKS = (AttentionMask(), AttentionMask("sliding_window", 5), AttentionMask("chunked_local", 4))
 #: (mask, dtype, GQA group, block size, tile, splits): every mask x dtype once, the rest rotating
-CASES = [(m, dt, (1, 2, 3, 4)[(i + j) % 4], (1, 2, 4, 16)[(i + 2 * j) % 4], (2, 8, 32)[(i + j) % 3],
+CASES = [(m, dt, (1, 2, 3, 4)[(i + j) % 4], (1, 2, 4, 16)[(i + 2 * j) % 4], (2, 16, 32)[(i + j) % 3],
           (1, 2, 3)[(2 * i + j) % 3])
          for i, m in enumerate(MASKS) for j, dt in enumerate(DTYPES)]
 
@@ -109,7 +109,8 @@ CASES = [(m, dt, (1, 2, 3, 4)[(i + j) % 4], (1, 2, 4, 16)[(i + 2 * j) % 4], (2, 
                          ids=[f"{m.kind}-{str(dt)[6:]}-gqa{g}-bs{b}-tile{t}-split{s}" for m, dt, g, b, t, s in CASES])
 def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, bs, tile, splits):
     # Two requests: a prefill chunk of 6 over 19 tokens and a decode at position 10.
-    args, seqs = _attention_case(1, dtype, [19, 11], [6, 1], bs, 2, group, 8, kernel_device())
+    # Head size 16: tiles >= 16 take the tl.dot path (not float64), tile 2 the broadcast path.
+    args, seqs = _attention_case(1, dtype, [19, 11], [6, 1], bs, 2, group, 16, kernel_device())
     _check(args, seqs, mask, dtype, tile=tile, num_splits=splits)
 
 
@@ -120,9 +121,9 @@ def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, 
        bs=st.sampled_from([1, 2, 4, 8]), hkv=st.integers(1, 2), group=st.integers(1, 3),
        mask=st.one_of(st.just(AttentionMask()), st.builds(AttentionMask, st.just("sliding_window"), st.integers(1, 12)),
                       st.builds(AttentionMask, st.just("chunked_local"), st.integers(1, 12))),
-       tile=st.sampled_from([1, 4, 16, 32]), splits=st.integers(1, 4))
-def test_triton_paged_attention_on_generated_batches(seed, dtype, lens, queries, bs, hkv, group, mask, tile, splits):
-    args, seqs = _attention_case(seed, dtype, lens, queries, bs, hkv, group, 4, kernel_device())
+       tile=st.sampled_from([1, 4, 16, 32]), splits=st.integers(1, 4), d=st.sampled_from([4, 16]))
+def test_triton_paged_attention_on_generated_batches(seed, dtype, lens, queries, bs, hkv, group, mask, tile, splits, d):
+    args, seqs = _attention_case(seed, dtype, lens, queries, bs, hkv, group, d, kernel_device())
     _check(args, seqs, mask, dtype, tile=tile, num_splits=splits)
 
 

@@ -1,0 +1,204 @@
+"""Decode throughput of the Triton paged-attention kernel vs the device's measured copy bandwidth.
+
+One command on a CUDA machine (goal from issue #18: the kernel's effective K/V read bandwidth
+>= 60 % of a plain device copy's, measured side by side in the same run):
+
+    .venv/bin/python benchmarks/bench_triton_attention.py                 # bfloat16, batch 64, context 4096
+    .venv/bin/python benchmarks/bench_triton_attention.py --window 1024   # sliding window: reads 1024 keys
+
+Decode step: ``--batch`` requests, one query token each over ``--context`` cached tokens,
+``--kv-heads`` x ``--head-size``, GQA ``--gqa``, block size ``--block-size``, block tables
+scattered over the pool. Figures: step time, tokens/s, the bytes of K/V the step must read
+divided by its time, and the bandwidth of ``dst.copy_(src)`` over the same number of bytes (read
++ write counted). The torch path (gather + matmul) is timed beside it. ``--check-only`` runs the
+correctness check alone (every mask, the K/V write, an offload round trip through pinned host
+memory, all against the torch path on the device); the GPU-marked test runs it.
+
+Without CUDA the command refuses (exit 2) — Triton has no CPU back-end — unless ``--interpreter``
+is given: then the same kernel runs in Triton's interpreter on a small CPU shape, which measures
+the cost of checking the kernels on CPU (CI), not their speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpreter", action="store_true", help="run on CPU tensors in Triton's interpreter")
+    ap.add_argument("--check-only", action="store_true", help="correctness check on CUDA, no timing")
+    ap.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 (cuda), float32 (interpreter)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-size", type=int, default=None)
+    ap.add_argument("--gqa", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--window", type=int, default=0, help="sliding window (0 = causal)")
+    ap.add_argument("--splits", type=int, default=None, help="key-range splits (default: the kernel's choice)")
+    ap.add_argument("--tile", type=int, default=None)
+    ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    for name in ("batch", "context", "kv_heads", "head_size", "gqa", "block_size", "repeats"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')}={v}: expected a positive int")
+    if args.window < 0:
+        ap.error(f"--window={args.window}: expected >= 0")
+    return ap, args
+
+
+def timed(fn, sync, repeats: int, inner: int) -> float:
+    """Best over ``repeats`` of the mean time of ``inner`` back-to-back calls."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best
+
+
+def check_on_cuda() -> int:
+    """Compiled kernels vs the torch path on the same CUDA device; 0 when all agree."""
+    import torch
+
+    from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
+    from kvref.impl.torch.offload_copy import OffloadCopier
+    from kvref.impl.torch.paged_attention import TOLERANCE, AttentionMask, paged_attention
+    from kvref.impl.torch.triton_kernels.attention import paged_attention_triton
+    from kvref.impl.torch.triton_kernels.write_kv import write_kv_triton
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    failures = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        cache = torch.randn((64, 2, 16, 2, 64), generator=g).to(dtype).to(dev)
+        table = (torch.randperm(63, generator=g)[:24] + 1).reshape(3, 8).to(torch.int32).to(dev)
+        ctx = torch.tensor([128, 77, 5], device=dev)
+        rows = torch.tensor([0] * 9 + [1, 2], device=dev)
+        pos = torch.tensor(list(range(119, 128)) + [76, 4], device=dev)
+        q = torch.randn((11, 8, 64), generator=g).to(dtype).to(dev)
+        for mask in (AttentionMask(), AttentionMask("sliding_window", 33), AttentionMask("chunked_local", 32)):
+            ref = paged_attention(q, cache, table, ctx, rows, pos, mask)
+            for splits in (1, 3):
+                got = paged_attention_triton(q, cache, table, ctx, rows, pos, mask, num_splits=splits)
+                err = float((got.double() - ref.double()).abs().max())
+                # the torch path may use TF32 matmuls on the GPU: allow 10x the CPU tolerance
+                if not err <= 10 * TOLERANCE[dtype]:
+                    failures.append(f"attention {dtype} {mask.kind} splits={splits}: {err}")
+    kw = dict(num_kv_heads=2, head_size=64, dtype="bfloat16")
+    groups = (KVCacheGroupSpec(("f",), FullAttentionSpec(block_size=16, **kw)),
+              KVCacheGroupSpec(("s",), SlidingWindowSpec(block_size=8, sliding_window=40, **kw)))
+    a = KVCacheTensors(groups, 32, 2, torch.bfloat16, dev)
+    b = KVCacheTensors(groups, 32, 2, torch.bfloat16, dev)
+    slots = torch.randperm(32 * 8, generator=g)[:50].to(dev)
+    k, v = torch.randn((50, 2, 64), generator=g).to(dev), torch.randn((50, 2, 64), generator=g).to(dev)
+    a.write_kv(1, 1, slots, k, v)
+    write_kv_triton(b.kv(1, 1), slots, k, v)
+    if not all(torch.equal(x, y) for x, y in zip(a.backing, b.backing)):
+        failures.append("write_kv differs from the torch path")
+    before = [t.clone() for t in b.backing]
+    copier = OffloadCopier(b, 40, backend="triton")
+    job = [(i, 39 - i) for i in range(1, 32)]
+    copier.store(job).wait()
+    for t in b.backing:
+        t.zero_()
+    copier.load(job).wait()
+    if not all(torch.equal(x[1:].view(torch.int16), y[1:].view(torch.int16)) for x, y in zip(b.backing, before)):
+        failures.append("offload round trip through pinned host memory is not bit-exact")
+    for f in failures:
+        print("FAIL", f)
+    print("check failed" if failures else "check passed", f"({torch.cuda.get_device_name(dev)})")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    ap, args = parse(argv)
+    if args.interpreter:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first import below)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("bench_triton_attention: triton is not installed (pip install triton==3.9.0)", file=sys.stderr)
+        return 2
+    import torch
+
+    if not args.interpreter and not torch.cuda.is_available():
+        print("bench_triton_attention: no CUDA device here. This benchmark measures the Triton kernels on a GPU "
+              "(goal: decode K/V read bandwidth >= 60 % of device copy bandwidth). Run it on a CUDA machine, or "
+              "pass --interpreter for CPU figures of Triton's interpreter (not a speed measurement).", file=sys.stderr)
+        return 2
+    if args.check_only:
+        if args.interpreter:
+            ap.error("--check-only checks the compiled kernels on CUDA; the interpreter is checked by the test suite")
+        return check_on_cuda()
+
+    from kvref.impl.torch.paged_attention import AttentionMask, paged_attention
+    from kvref.impl.torch.triton_kernels.attention import paged_attention_triton
+
+    on_gpu = not args.interpreter
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    batch = args.batch or (64 if on_gpu else 4)
+    context = args.context or (4096 if on_gpu else 256)
+    hkv = args.kv_heads or (8 if on_gpu else 2)
+    d = args.head_size or (128 if on_gpu else 64)
+    bs = args.block_size
+    blocks_per_req = -(-context // bs)
+    num_blocks = 1 + batch * blocks_per_req
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn((num_blocks, 2, bs, hkv, d), generator=g, dtype=torch.float32).to(dtype).to(device)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    table = perm[: batch * blocks_per_req].reshape(batch, blocks_per_req).to(torch.int32).to(device)
+    q = torch.randn((batch, hkv * args.gqa, d), generator=g).to(dtype).to(device)
+    ctx = torch.full((batch,), context, device=device)
+    rows = torch.arange(batch, device=device)
+    pos = torch.full((batch,), context - 1, device=device)
+    mask = AttentionMask("sliding_window", args.window) if args.window else AttentionMask()
+    read = min(context, args.window) if args.window else context
+
+    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
+    tuning = dict(num_splits=args.splits, tile=args.tile, num_warps=args.num_warps)
+    out = paged_attention_triton(q, cache, table, ctx, rows, pos, mask, **tuning)
+    ref = paged_attention(q, cache, table, ctx, rows, pos, mask)
+    err = float((out.double() - ref.double()).abs().max())
+    inner = 20 if on_gpu else 1
+    t_triton = timed(lambda: paged_attention_triton(q, cache, table, ctx, rows, pos, mask, **tuning), sync,
+                     args.repeats, inner)
+    t_torch = timed(lambda: paged_attention(q, cache, table, ctx, rows, pos, mask), sync, args.repeats, inner)
+    kv_bytes = batch * read * 2 * hkv * d * cache.element_size()
+    src = torch.empty(kv_bytes // cache.element_size(), dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), sync, args.repeats, inner)
+    copy_gbs = 2 * kv_bytes / t_copy / 1e9  # a copy reads and writes every byte
+    name = torch.cuda.get_device_name(device) if on_gpu else "CPU (Triton interpreter)"
+    print(f"device={name} dtype={args.dtype or str(dtype)[6:]} batch={batch} context={context} kv_heads={hkv} "
+          f"head_size={d} gqa={args.gqa} block_size={bs} mask={mask.kind}{'/' + str(args.window) if args.window else ''}"
+          f" max|triton - torch path|={err:.2e}")
+    print("| path | step time | tokens/s | K/V read GB/s | / device copy |")
+    print("|---|---|---|---|---|")
+    for label, t in (("triton kernel" + (" (interpreted)" if not on_gpu else ""), t_triton),
+                     ("torch path (gather + matmul)", t_torch)):
+        gbs = kv_bytes / t / 1e9
+        print(f"| {label} | {t * 1e3:.3f} ms | {batch / t:,.1f} | {gbs:.3g} | {gbs / copy_gbs:.3g} |")
+    print(f"| device copy (read+write), {kv_bytes / 1e6:.1f} MB | {t_copy * 1e3:.3f} ms | | {copy_gbs:.2f} | 1.000 |")
+    if on_gpu:
+        ratio = kv_bytes / t_triton / 1e9 / copy_gbs
+        print(f"goal: triton / device copy >= 0.60: {'met' if ratio >= 0.60 else 'NOT met'} ({ratio:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
