@@ -80,7 +80,6 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
 
     from vllm.config import CacheConfig, ParallelConfig
     from vllm.platforms.interface import Platform
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
     model_dtype = convertor.get_torch_dtype(hf, config_dir, None, "auto")
@@ -123,7 +122,6 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
         Platform._align_hybrid_block_size(vc, TritonAttentionBackend)
     finally:
         ModelRegistry.resolve_model_cls = saved  # type: ignore[method-assign]
-    del STR_DTYPE_TO_TORCH_DTYPE
     facts.update(mamba_shapes=shapes, mamba_dtypes=tuple(_torch_dtype_name(d) for d in dtypes),
                  block_size=cache.block_size, mamba_page_size_padded=cache.mamba_page_size_padded,
                  mamba_cache_mode=cache.mamba_cache_mode, mamba_block_size=cache.mamba_block_size)
@@ -138,9 +136,8 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
         return ["mamba" if t == "linear_attention" else "full" for t in text.layer_types]
     if architecture == "JambaForCausalLM":
         return ["full" if t == "attention" else "mamba" for t in text.layers_block_type]
-    if architecture == "NemotronHForCausalLM":
-        names = {"mamba": "mamba", "attention": "full"}
-        return [names.get(t, "none") for t in text.layers_block_type]
+    if architecture == "NemotronHForCausalLM":  # nemotron_h.py indexes hybrid_override_pattern
+        return [{"M": "mamba", "*": "full"}.get(c, "none") for c in text.hybrid_override_pattern]
     if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
         # llama4.py: use_chunked_local_attn = not nope and config.attention_chunk_size
         return ["chunked_local" if r and text.attention_chunk_size else "full" for r in text.no_rope_layers]

@@ -1,0 +1,607 @@
+"""A model's KV cache layout from its Hugging Face ``config.json``, as vLLM 0.33.0 derives it.
+
+``kvref size`` needs one spec per layer. A vLLM user has a ``config.json`` and engine arguments;
+vLLM builds the model, and each attention or Mamba layer reports its spec
+(``Attention.get_kv_cache_spec``, ``MambaBase.get_kv_cache_spec``). This module reproduces that
+derivation from the parsed dict, without weights or torch, for the families people serve:
+
+* **full attention, GQA** — Llama, Mistral/Mixtral, Qwen2, Qwen3 (dense and MoE). A model whose
+  ``layer_types`` is absent or all ``sliding_attention`` takes the model-level ``sliding_window``
+  for every layer (vLLM's ``CacheConfig.sliding_window``; Mistral-7B-v0.1), a ``layer_types`` list
+  sets it per layer (``llama.py``). Qwen2/Qwen3's ``use_sliding_window: false`` clears the window
+  (transformers' config ``__post_init__``).
+* **sliding window with a layer pattern** — Gemma-2 (every other layer), Gemma-3
+  (``sliding_window_pattern``, default 6: five sliding, one full), both from ``layer_types`` when the
+  file lists it.
+* **gpt-oss** — even layers sliding (``gpt_oss.py`` tests ``layer_idx % 2 == 0``).
+* **Llama-4** — layers with RoPE use chunked local attention (``attention_chunk_size``), the NoPE
+  layers (``no_rope_layers[i] == 0``) full attention. vLLM 0.33.0 then *disables the hybrid KV cache
+  manager by default* for any model with ``attention_chunk_size`` (a latency regression; opt back in
+  with ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``), so the chunked layers are sized
+  as full attention: :attr:`ModelLayout.disable_hybrid_kv_cache_manager` says so.
+* **MLA** — DeepSeek-V2/V3: one latent vector per token, ``kv_lora_rank + qk_rope_head_dim``
+  (576) elements, one "head"; ``fp8_ds_mla`` packs a token into 656 bytes.
+* **Mamba hybrids** — Qwen3-Next (gated delta net, ``full_attention_interval``), Nemotron-H
+  (Mamba2, ``hybrid_override_pattern``), Jamba (Mamba1, ``attn_layer_period``/``offset``). The
+  state shapes are vLLM's ``MambaStateShapeCalculator`` formulas, the dtypes its
+  ``MambaStateDtypeCalculator`` (Nemotron-H keeps the SSM state in float32 unless the config or
+  ``--mamba-ssm-cache-dtype`` says otherwise). The attention block size is then raised so one
+  attention page covers one Mamba state, and the Mamba page padded to it
+  (``Platform._align_hybrid_block_size``): block = ``a * cdiv(mamba_page, a * attention_page_per_token)``
+  with ``a = max(kernel_block_size, block_size)`` (``max(a, 128)`` for MLA hybrids) — Qwen3-Next-80B
+  gets 544 tokens, as vLLM logs. With prefix caching (vLLM's default) Mamba layers run in ``align``
+  cache mode with the attention block size; without it in ``none`` mode with a block of
+  ``max_model_len`` tokens (``MambaModelConfig.verify_and_update_config``).
+
+What depends on the GPU and its attention backend is a parameter with the CUDA default: the smallest
+kernel block (``kernel_block_size``, 16 for FlashAttention/Triton) and the default block size (16;
+64 for MLA, FlashMLA's only size on Hopper). The derived ``max_model_len`` is vLLM's
+(``derive_max_model_len_and_key``): the smallest of the length keys, times the RoPE ``factor`` for
+scaling types that do not pre-scale ``max_position_embeddings`` (not for YaRN, llama3, longrope;
+never for Gemma-3). A tokenizer's ``model_max_length`` is not read (kvref sees only ``config.json``).
+
+Everything here is a pure function of the dict and the arguments (stdlib only; the file is read by
+the CLI). Bad input raises :class:`~kvref.spec.errors.InvalidFieldError` naming the ``config.json``
+key; an unsupported architecture names itself and the supported ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from math import lcm, prod
+from typing import Any, Mapping
+
+from .config import EngineConfig
+from .dtypes import DTYPE_SIZES, canonical_dtype, get_dtype_size
+from .errors import InvalidFieldError, check_choice, check_int
+from .kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from .mathutil import cdiv
+
+#: architecture (``config.json`` ``architectures[0]``) -> family handled below
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
+    "DeepseekV2ForCausalLM": "deepseek_mla",
+    "DeepseekV3ForCausalLM": "deepseek_mla",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "NemotronHForCausalLM": "nemotron_h",
+    "JambaForCausalLM": "jamba",
+}
+
+#: RoPE types whose ``max_position_embeddings`` is already the scaled length (vLLM
+#: ``_get_and_verify_max_len`` applies ``factor`` to every other type)
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+#: vLLM's length keys (``derive_max_model_len_and_key``), the smallest wins
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                 "float": "float32"}
+#: KV cache dtypes ``--kv-cache-dtype`` accepts here (``auto`` = the model's dtype)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+MAMBA_DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: bytes of one token of DeepSeek's ``fp8_ds_mla`` cache: 512 fp8 latent values, 4 float32 scales,
+#: 64 bf16 RoPE values
+FP8_DS_MLA_TOKEN_BYTES = 656
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What vLLM would build from one ``config.json`` and the engine arguments.
+
+    Attributes:
+        architecture: ``architectures[0]``; ``family``: which derivation ran.
+        layers: layer name -> spec, in model order (only layers that hold KV cache or state).
+        derived_max_model_len: the model's own maximum context (vLLM's derived ``max_model_len``).
+        block_size: ``cache_config.block_size`` after vLLM's adjustments (hybrid alignment).
+        mamba_cache_mode: ``none``/``align``/``all`` (``none`` without Mamba layers).
+        disable_hybrid_kv_cache_manager: what vLLM decides by default (True for chunked local
+            attention, see the module docstring).
+        enable_prefix_caching: as given (vLLM's default: on).
+        notes: one line per decision a user may not expect (why a block size was raised, ...).
+    """
+
+    architecture: str
+    family: str
+    model_dtype: str
+    kv_cache_dtype: str
+    layers: dict[str, KVCacheSpec]
+    derived_max_model_len: int
+    block_size: int
+    mamba_cache_mode: str = "none"
+    disable_hybrid_kv_cache_manager: bool = False
+    enable_prefix_caching: bool = True
+    notes: tuple[str, ...] = field(default=())
+
+    def engine_config(self, **changes: Any) -> EngineConfig:
+        """An :class:`EngineConfig` carrying this layout's derived settings, then ``changes``."""
+        base = EngineConfig(block_size=self.block_size, derived_max_model_len=self.derived_max_model_len,
+                            mamba_cache_mode=self.mamba_cache_mode,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager)
+        return replace(base, **changes) if changes else base
+
+    def counts(self) -> dict[str, int]:
+        """Layers per kind (``full``, ``sliding_window``, ``chunked_local``, ``mla``, ``mamba``)."""
+        out: dict[str, int] = {}
+        for spec in self.layers.values():
+            out[_kind(spec)] = out.get(_kind(spec), 0) + 1
+        return out
+
+
+def _kind(spec: KVCacheSpec) -> str:
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla"
+    if isinstance(spec, FullAttentionSpec):
+        return "full"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local"
+    return "mamba"
+
+
+# -- reading the dict -------------------------------------------------------------------------
+
+#: defaults of transformers' config classes (by text ``model_type``) for the keys read here: a
+#: ``config.json`` omits what equals the default, and vLLM sees the config object, default included.
+#: An explicit ``null`` in the file is kept (Mistral-7B-v0.3's ``"sliding_window": null``).
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
+    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 4},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "num_key_value_heads": 4, "head_dim": 256},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 4,
+                    "head_dim": 256},
+    "gpt_oss": {"max_position_embeddings": 131072, "sliding_window": 128, "num_key_value_heads": 8, "head_dim": 64},
+    "llama4_text": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "head_dim": 128,
+                    "attention_chunk_size": 8192},
+    "deepseek_v2": {"max_position_embeddings": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    "deepseek_v3": {"max_position_embeddings": 4096, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    "qwen3_next": {"max_position_embeddings": 32768, "num_key_value_heads": 2, "head_dim": 256},
+    "nemotron_h": {"max_position_embeddings": 4096, "num_key_value_heads": 8, "head_dim": 128},
+    "jamba": {"max_position_embeddings": 262144, "num_key_value_heads": 8},
+}
+#: the text ``model_type`` of each architecture, for a file that does not say
+_ARCH_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text", "Llama4ForConditionalGeneration": "llama4_text",
+    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next", "NemotronHForCausalLM": "nemotron_h", "JambaForCausalLM": "jamba",
+}
+
+
+class _Cfg:
+    """``config.json`` values (the class default when the key is absent) and errors naming the key."""
+
+    def __init__(self, data: Mapping[str, Any], prefix: str = "", defaults: Mapping[str, Any] | None = None) -> None:
+        self.data, self.prefix, self.defaults = data, prefix, defaults or {}
+
+    def raw(self, key: str) -> Any:
+        return self.data[key] if key in self.data else self.defaults.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.raw(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw(key)
+        return default if value is None else value
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise InvalidFieldError(self.prefix + key, None, f"an int >= {minimum} in config.json (the key is missing)")
+        check_int(self.prefix + key, value, minimum=minimum)
+        return value
+
+    def list(self, key: str, length: int | None = None) -> list | None:
+        value = self.raw(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            want = "a list" + (f" of {length} entries (one per layer)" if length is not None else "")
+            raise InvalidFieldError(self.prefix + key, value, want)
+        return value
+
+
+def _architecture(data: Mapping[str, Any]) -> str:
+    archs = data.get("architectures")
+    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise InvalidFieldError("architectures", archs, f"a list naming the model class, one of: {supported}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise InvalidFieldError("architectures", archs[0],
+                                f"an architecture kvref derives layouts for: {supported}")
+    return archs[0]
+
+
+def _text_config(data: Mapping[str, Any]) -> _Cfg:
+    """vLLM reads layer fields from ``hf_text_config``: the nested ``text_config`` of a multimodal
+    checkpoint (Gemma-3 27B-it, Llama-4), else the top level; absent keys take the class default."""
+    archs = data.get("architectures") or [None]
+    text = data.get("text_config")
+    if text is None:
+        text, prefix = data, ""
+    elif not isinstance(text, dict):
+        raise InvalidFieldError("text_config", text, "an object of the language model's fields")
+    else:
+        prefix = "text_config."
+    model_type = text.get("model_type") or _ARCH_MODEL_TYPE.get(archs[0] if isinstance(archs[0], str) else "")
+    return _Cfg(text, prefix, CLASS_DEFAULTS.get(str(model_type), {}))
+
+
+def model_dtype(data: Mapping[str, Any]) -> str:
+    """The checkpoint dtype vLLM's ``dtype="auto"`` serves in.
+
+    ``dtype`` (transformers 5) or ``torch_dtype``, at the top or in ``text_config``. A float32
+    checkpoint is served in bfloat16 on CUDA GPUs (vLLM downcasts float32 under ``auto``); no
+    dtype at all is float32, hence bfloat16 as well.
+    """
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    for where in (data, text):
+        for key in ("dtype", "torch_dtype"):
+            value = where.get(key)
+            if value is not None:
+                if value not in _MODEL_DTYPES:
+                    raise InvalidFieldError(key, value, "one of " + ", ".join(sorted(_MODEL_DTYPES)))
+                dt = _MODEL_DTYPES[value]
+                return "bfloat16" if dt == "float32" else dt
+    return "bfloat16"
+
+
+def _rope_parameter_sets(cfg: _Cfg) -> list[dict]:
+    """RoPE parameter dicts (``rope_parameters``, or the older ``rope_scaling``), one per layer type
+    when they are nested by layer type (transformers 5, Gemma-3)."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if rp is None:
+        return []
+    if not isinstance(rp, dict):
+        raise InvalidFieldError(cfg.prefix + "rope_scaling", rp, "an object such as {'rope_type': 'yarn', 'factor': 4}")
+    if rp and all(isinstance(v, dict) for v in rp.values()):
+        return list(rp.values())
+    return [rp]
+
+
+def derived_max_model_len(data: Mapping[str, Any]) -> int:
+    """vLLM 0.33.0's derived ``max_model_len`` of a ``config.json`` (``_get_and_verify_max_len``)."""
+    cfg = _text_config(data)
+    lengths = [(key, cfg.get(key)) for key in _MAX_LEN_KEYS if cfg.get(key) is not None]
+    for key, value in lengths:
+        check_int(cfg.prefix + key, value, minimum=1)
+    if cfg.get("model_max_length"):
+        derived = cfg.get("model_max_length")
+    elif lengths:
+        derived = min(v for _, v in lengths)
+    else:
+        derived = 2048  # vLLM assumes 2048 (with a warning) when no key is present
+    model_type = str(data.get("model_type", ""))
+    rope = _rope_parameter_sets(cfg)
+    if rope and "gemma3" not in model_type:
+        factor = 1.0
+        for rp in rope:
+            rope_type = rp.get("rope_type", rp.get("type", "default"))
+            if rope_type not in _PRESCALED_ROPE:
+                factor = rp.get("factor", factor)
+        derived = derived * (1.0 if factor is None else factor)
+    return int(derived)
+
+
+# -- per-family layer kinds -------------------------------------------------------------------
+
+def _layer_types_window(cfg: _Cfg, n: int, window: int | None) -> list[str]:
+    """llama.py's rule: ``layer_types[i] == 'sliding_attention'`` takes the window; without
+    ``layer_types`` (or when every layer slides) the model-level window applies to every layer
+    through ``CacheConfig.sliding_window``."""
+    types = cfg.list("layer_types", n)
+    if window is None:
+        return ["full"] * n
+    if types is None or all(t == "sliding_attention" for t in types):
+        return ["sliding_window"] * n
+    return ["sliding_window" if t == "sliding_attention" else "full" for t in types]
+
+
+def _kinds(family: str, cfg: _Cfg, n: int) -> tuple[list[str], dict[str, Any]]:
+    """Kind of each decoder layer (``full``/``sliding_window``/``chunked_local``/``mla``/``mamba``/
+    ``none``) and the family's extra fields (window, chunk size)."""
+    extra: dict[str, Any] = {}
+    if family == "llama":
+        window = cfg.get("sliding_window")
+        extra["sliding_window"] = window
+        return _layer_types_window(cfg, n, window), extra
+    if family == "qwen2":
+        # transformers: sliding_window = sliding_window if use_sliding_window else None; layer i slides
+        # from max_window_layers on. vLLM's qwen2.py rejects a mix (sliding for some layers only).
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        extra["sliding_window"] = window
+        types = cfg.list("layer_types", n)
+        if window is not None and types is None:
+            mwl = cfg.int("max_window_layers", n, minimum=0)
+            types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(n)]
+            if 0 < mwl < n:
+                raise InvalidFieldError(cfg.prefix + "max_window_layers", mwl,
+                                        f"0 or num_hidden_layers ({n}): vLLM 0.33.0 does not support sliding "
+                                        "window on some layers only (qwen2.py)")
+        if types is not None and window is not None:
+            return _layer_types_window(_Cfg({"layer_types": types}, cfg.prefix), n, window), extra
+        return ["full"] * n, extra
+    if family in ("gemma2", "gemma3"):
+        window = cfg.int("sliding_window", 4096)
+        if family == "gemma3" and cfg.get("use_bidirectional_attention", False):
+            window = window // 2 + 1  # transformers' Gemma3TextConfig (exclusive bounds)
+        extra["sliding_window"] = window
+        types = cfg.list("layer_types", n)
+        if types is None:
+            period = 2 if family == "gemma2" else cfg.int("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+        return ["sliding_window" if t == "sliding_attention" else "full" for t in types], extra
+    if family == "gpt_oss":
+        window = cfg.int("sliding_window", 128)
+        extra["sliding_window"] = window
+        return ["sliding_window" if i % 2 == 0 else "full" for i in range(n)], extra
+    if family == "llama4":
+        chunk = cfg.get("attention_chunk_size", 8192)
+        check_int(cfg.prefix + "attention_chunk_size", chunk, minimum=1)
+        extra["attention_chunk_size"] = chunk
+        no_rope = cfg.list("no_rope_layers")
+        if not no_rope:
+            interval = cfg.int("no_rope_layer_interval", 4)
+            no_rope = [int((i + 1) % interval != 0) for i in range(n)]
+        if len(no_rope) != n:
+            raise InvalidFieldError(cfg.prefix + "no_rope_layers", no_rope, f"a list of {n} entries (1 = RoPE layer)")
+        return ["chunked_local" if r else "full" for r in no_rope], extra
+    if family == "deepseek_mla":
+        return ["mla"] * n, extra
+    if family == "qwen3_next":
+        types = cfg.list("layer_types", n)
+        if types is None:
+            interval = cfg.int("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+        return ["mamba" if t == "linear_attention" else "full" for t in types], extra
+    if family == "nemotron_h":
+        pattern = cfg.get("hybrid_override_pattern")
+        types = cfg.list("layers_block_type") or cfg.list("layer_types")
+        if pattern is not None:
+            if not isinstance(pattern, str) or set(pattern) - set("M*-E"):
+                raise InvalidFieldError(cfg.prefix + "hybrid_override_pattern", pattern,
+                                        "a string of M (Mamba2), * (attention), - (MLP), E (MoE)")
+            kinds = ["mamba" if c == "M" else "full" if c == "*" else "none" for c in pattern]
+        elif types is not None:
+            names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full", "full_attention": "full"}
+            kinds = [names.get(t, "none") for t in types]
+        else:
+            raise InvalidFieldError(cfg.prefix + "hybrid_override_pattern", None,
+                                    "a pattern such as 'M-M*-' or a layers_block_type list")
+        return kinds, extra
+    if family == "jamba":
+        period, offset = cfg.int("attn_layer_period", 8), cfg.int("attn_layer_offset", 4, minimum=0)
+        if offset >= period:
+            raise InvalidFieldError(cfg.prefix + "attn_layer_offset", offset, f"an int < attn_layer_period ({period})")
+        return ["full" if i % period == offset else "mamba" for i in range(n)], extra
+    raise AssertionError(family)  # pragma: no cover - SUPPORTED_ARCHITECTURES lists only the above
+
+
+# -- Mamba states -----------------------------------------------------------------------------
+
+def _tp_divide(field_: str, value: int, tp: int) -> int:
+    if value % tp:
+        raise InvalidFieldError("tensor_parallel_size", tp, f"a divisor of {field_} ({value})")
+    return value // tp
+
+
+def mamba_state(family: str, cfg: _Cfg, *, model_dtype_: str, mamba_cache_dtype: str = "auto",
+                mamba_ssm_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                num_speculative_tokens: int = 0) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """``(shapes, dtypes)`` of one Mamba layer's state, vLLM's ``MambaStateShapeCalculator`` /
+    ``MambaStateDtypeCalculator`` for the family's mixer (conv state as ``(kernel - 1, dim)``)."""
+    tp = tensor_parallel_size
+    conv_dtype = model_dtype_ if mamba_cache_dtype == "auto" else mamba_cache_dtype
+    ssm_dtype = conv_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+    if family == "qwen3_next":  # gated delta net
+        nk, nv = cfg.int("linear_num_key_heads", 16), cfg.int("linear_num_value_heads", 32)
+        dk, dv = cfg.int("linear_key_head_dim", 128), cfg.int("linear_value_head_dim", 128)
+        kernel = cfg.int("linear_conv_kernel_dim", 4)
+        conv_dim = dk * nk * 2 + dv * nv
+        shapes = ((kernel - 1 + num_speculative_tokens, _tp_divide("the conv dim", conv_dim, tp)),
+                  (_tp_divide("text_config.linear_num_value_heads", nv, tp), dv, dk))
+    elif family == "nemotron_h":  # Mamba2
+        heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
+        groups, state, kernel = cfg.int("n_groups"), cfg.int("ssm_state_size"), cfg.int("conv_kernel")
+        if groups % tp:
+            groups += tp - groups  # extra_groups_for_head_shards
+        conv_dim = heads * head_dim + 2 * groups * state
+        shapes = ((kernel - 1 + num_speculative_tokens, _tp_divide("the conv dim", conv_dim, tp)),
+                  (_tp_divide("mamba_num_heads", heads, tp), head_dim, state))
+        if mamba_ssm_cache_dtype == "auto":  # NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype
+            ssm_dtype = cfg.get("mamba_ssm_cache_dtype", "float32")
+    elif family == "jamba":  # Mamba1
+        inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
+        state, kernel = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
+        dim = _tp_divide("mamba_expand * hidden_size", inner, tp)
+        shapes = ((kernel - 1, dim), (dim, state))
+    else:  # pragma: no cover - only the three hybrid families call this
+        raise AssertionError(family)
+    return shapes, (canonical_dtype(conv_dtype, "mamba_cache_dtype"), canonical_dtype(ssm_dtype, "mamba_ssm_cache_dtype"))
+
+
+def mamba_state_bytes(shapes, dtypes) -> int:
+    return sum(prod(s) * get_dtype_size(d) for s, d in zip(shapes, dtypes))
+
+
+def hybrid_attention_block_size(attention_page_per_token: int, mamba_page: int, *, block_size: int,
+                                kernel_block_size: int = 16, use_mla: bool = False,
+                                checkpoint_alignment: int | None = None, align_mode: bool = False) -> int:
+    """The attention block size vLLM picks so one attention page holds one Mamba state
+    (``Platform._align_hybrid_block_size``): the smallest multiple of
+    ``a = max(kernel_block_size, block_size)`` (at least 128 for MLA; lcm'd with the prefill
+    checkpoint alignment in ``align`` mode) whose page is >= the state, never below ``block_size``."""
+    align = max(kernel_block_size, block_size)
+    if use_mla:
+        align = max(align, 128)
+    if align_mode and checkpoint_alignment:
+        align = lcm(align, checkpoint_alignment)
+    attn = align * cdiv(mamba_page, align * attention_page_per_token)
+    attn = kernel_block_size * cdiv(attn, kernel_block_size)
+    return max(block_size, attn)
+
+
+# -- the layout -------------------------------------------------------------------------------
+
+def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = None, kv_cache_dtype: str = "auto",
+                          max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                          mamba_cache_mode: str | None = None, mamba_cache_dtype: str = "auto",
+                          mamba_ssm_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                          kernel_block_size: int = 16, mamba_checkpoint_alignment: int | None = None,
+                          allow_chunked_local_with_hybrid: bool = False) -> ModelLayout:
+    """Derive the per-layer KV cache specs of a ``config.json`` as vLLM 0.33.0 would build them.
+
+    Args:
+        data: the parsed ``config.json``.
+        block_size: ``--block-size``; None = vLLM's default (16; 64 for MLA, FlashMLA).
+        kv_cache_dtype: ``--kv-cache-dtype`` (``auto`` = the model's dtype).
+        max_model_len: ``--max-model-len`` (only the Mamba block size of ``none`` mode reads it;
+            None = the derived length).
+        enable_prefix_caching: vLLM's default True puts Mamba layers in ``align`` mode.
+        mamba_cache_mode: None = vLLM's choice (``align`` with prefix caching, else ``none``).
+        mamba_cache_dtype, mamba_ssm_cache_dtype: ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype``.
+        tensor_parallel_size: KV heads and Mamba states are split across TP ranks; one rank is sized.
+        kernel_block_size: the attention backend's smallest kernel block (16: FlashAttention/Triton).
+        mamba_checkpoint_alignment: token alignment of mid-prefill Mamba checkpoints (64 with the
+            FlashInfer gated-delta-net prefill in ``align`` mode; None = not exported).
+        allow_chunked_local_with_hybrid: ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``.
+    """
+    if not isinstance(data, Mapping):
+        raise InvalidFieldError("config.json", type(data).__name__, "a JSON object")
+    arch = _architecture(data)
+    family = SUPPORTED_ARCHITECTURES[arch]
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    check_choice("mamba_cache_dtype", mamba_cache_dtype, MAMBA_DTYPES)
+    check_choice("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype, MAMBA_DTYPES)
+    check_int("block_size", block_size, minimum=1, allow_none=True)
+    check_int("max_model_len", max_model_len, minimum=1, allow_none=True)
+    check_int("tensor_parallel_size", tensor_parallel_size, minimum=1)
+    check_int("kernel_block_size", kernel_block_size, minimum=1)
+    check_int("mamba_checkpoint_alignment", mamba_checkpoint_alignment, minimum=1, allow_none=True)
+    if mamba_cache_mode is not None:
+        check_choice("mamba_cache_mode", mamba_cache_mode, ("none", "all", "align"))
+    use_mla = family == "deepseek_mla"
+    if kv_cache_dtype == "fp8_ds_mla" and not use_mla:
+        raise InvalidFieldError("kv_cache_dtype", kv_cache_dtype, "fp8_ds_mla only for MLA models (DeepSeek)")
+    cfg = _text_config(data)
+    notes: list[str] = []
+    m_dtype = model_dtype(data)
+    kv_dtype = m_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    derived = derived_max_model_len(data)
+
+    n = cfg.int("num_hidden_layers") if family != "nemotron_h" or not cfg.has("hybrid_override_pattern") \
+        else len(cfg.get("hybrid_override_pattern"))
+    kinds, extra = _kinds(family, cfg, n)
+    if len(kinds) != n:
+        raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n,
+                                f"the length of the layer pattern ({len(kinds)})")
+
+    # attention geometry (vLLM: get_num_kv_heads / get_head_size)
+    heads = cfg.int("num_attention_heads")
+    if use_mla:
+        num_kv_heads = 1
+        head_size = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")
+    else:
+        total_kv = cfg.int("num_key_value_heads", heads)
+        num_kv_heads = max(1, total_kv // tensor_parallel_size)
+        head_size = cfg.get("head_dim") or cfg.int("hidden_size") // heads
+        check_int(cfg.prefix + "head_dim", head_size, minimum=1)
+    default_block = 64 if use_mla else 16
+    bs = block_size if block_size is not None else default_block
+    if block_size is None and use_mla:
+        notes.append("MLA: block size 64 by default (FlashMLA's kernel block on Hopper); pass --block-size to change")
+
+    # Mamba state and the hybrid block size
+    has_mamba = "mamba" in kinds
+    mode = "none"
+    mamba_shapes = mamba_dtypes = None
+    page_padded = None
+    mamba_block = None
+    if has_mamba:
+        if enable_prefix_caching:
+            mode = "align" if mamba_cache_mode in (None, "none") else mamba_cache_mode
+        else:
+            mode = "none"
+        mamba_shapes, mamba_dtypes = mamba_state(family, cfg, model_dtype_=m_dtype, mamba_cache_dtype=mamba_cache_dtype,
+                                                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                                                 tensor_parallel_size=tensor_parallel_size)
+        state_bytes = mamba_state_bytes(mamba_shapes, mamba_dtypes)
+        per_token = (FP8_DS_MLA_TOKEN_BYTES if kv_dtype == "fp8_ds_mla" else
+                     num_kv_heads * head_size * (1 if use_mla else 2) * DTYPE_SIZES[kv_dtype])
+        attn_block = hybrid_attention_block_size(per_token, state_bytes, block_size=bs,
+                                                 kernel_block_size=kernel_block_size, use_mla=use_mla,
+                                                 checkpoint_alignment=mamba_checkpoint_alignment,
+                                                 align_mode=mode == "align")
+        if attn_block != bs:
+            notes.append(f"attention block size raised from {bs} to {attn_block} tokens so one attention page "
+                         f"({attn_block} x {per_token:,} B) covers one Mamba state ({state_bytes:,} B), as vLLM's "
+                         "_align_hybrid_block_size does")
+        bs = attn_block
+        if bs * per_token != state_bytes:
+            page_padded = bs * per_token
+            notes.append(f"Mamba page padded from {state_bytes:,} B to {page_padded:,} B "
+                         f"(+{100 * (page_padded - state_bytes) / state_bytes:.2f}%) to equal the attention page")
+        mamba_block = bs if mode == "align" else (max_model_len or derived)
+        notes.append(f"Mamba cache mode {mode!r} ("
+                     + ("prefix caching on: states checkpointed every block)" if mode != "none"
+                        else f"prefix caching off: one state per request, block = max_model_len {mamba_block:,})"))
+
+    disable_hma = False
+    if family == "llama4" and "chunked_local" in kinds and not allow_chunked_local_with_hybrid:
+        disable_hma = True
+        notes.append("vLLM 0.33.0 disables the hybrid KV cache manager for chunked local attention by default "
+                     "(latency regression): chunked layers are sized as full attention; "
+                     "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps them local")
+
+    layers: dict[str, KVCacheSpec] = {}
+    attn_common = dict(block_size=bs, num_kv_heads=num_kv_heads, head_size=head_size, dtype=kv_dtype)
+    for i, kind in enumerate(kinds):
+        if kind == "none":
+            continue
+        if kind == "mamba":
+            assert mamba_shapes is not None and mamba_dtypes is not None and mamba_block is not None
+            layers[f"model.layers.{i}.mamba"] = MambaSpec(block_size=mamba_block, shapes=mamba_shapes,
+                                                          dtypes=mamba_dtypes, page_size_padded=page_padded,
+                                                          mamba_cache_mode=mode)
+            continue
+        name = f"model.layers.{i}.self_attn.attn"
+        if kind == "mla":
+            layers[name] = MLAAttentionSpec(
+                **attn_common, cache_dtype_str=kv_cache_dtype,
+                state_content_bytes=FP8_DS_MLA_TOKEN_BYTES if kv_dtype == "fp8_ds_mla" else None)
+        elif kind == "full":
+            layers[name] = FullAttentionSpec(**attn_common)
+        elif kind == "sliding_window":
+            layers[name] = SlidingWindowSpec(**attn_common, sliding_window=extra["sliding_window"])
+        else:
+            layers[name] = ChunkedLocalAttentionSpec(**attn_common, attention_chunk_size=extra["attention_chunk_size"])
+    if not layers:
+        raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n, "at least one layer with a KV cache")
+    return ModelLayout(architecture=arch, family=family, model_dtype=m_dtype, kv_cache_dtype=kv_dtype, layers=layers,
+                       derived_max_model_len=derived, block_size=bs, mamba_cache_mode=mode,
+                       disable_hybrid_kv_cache_manager=disable_hma, enable_prefix_caching=enable_prefix_caching,
+                       notes=tuple(notes))
