@@ -1,0 +1,80 @@
+"""kvref's config.json -> layout derivation against vLLM 0.33.0's own code, for every packaged fixture.
+
+vLLM loads each fixture with its own config loader (transformers' classes and their defaults), and
+its functions give the KV heads, head size, MLA, derived length, Mamba state shapes and dtypes, and
+the hybrid attention block size (``Platform._align_hybrid_block_size``); see
+:mod:`kvref.impl.vllm.model_config` for what runs and why not a whole ``ModelConfig``. Every field
+must agree, layer by layer, under the default engine arguments and under changed ones (tensor
+parallelism, prefix caching off, SSM dtype, block size).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from kvref.spec import MambaSpec
+from kvref.spec.hf_config import ModelLayout, layout_from_hf_config
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+ROOT = resources.files("kvref") / "examples" / "hf_configs"
+NAMES = sorted(p.name.removesuffix(".json") for p in ROOT.iterdir() if p.name.endswith(".json"))
+
+#: (fixture, engine arguments) beyond the defaults
+VARIANTS = [
+    ("qwen3-next-80b-a3b-instruct", {"tensor_parallel_size": 2}),
+    ("qwen3-next-80b-a3b-instruct", {"block_size": 64}),
+    ("nemotron-h-8b-base-8k", {"enable_prefix_caching": False, "tensor_parallel_size": 2}),
+    ("nemotron-h-8b-base-8k", {"mamba_ssm_cache_dtype": "bfloat16"}),
+    ("jamba-v0.1", {"mamba_ssm_cache_dtype": "float32"}),
+    ("jamba-v0.1", {"kv_cache_dtype": "fp8"}),
+    ("llama-3.1-8b", {"tensor_parallel_size": 16}),
+    ("gemma-3-27b-it", {"tensor_parallel_size": 4}),
+]
+
+
+def kinds_by_index(layout: ModelLayout, n: int) -> list[str]:
+    kinds = ["none"] * n
+    for name, spec in layout.layers.items():
+        kinds[int(name.split(".")[2])] = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window",
+                                          "ChunkedLocalAttentionSpec": "chunked_local", "MLAAttentionSpec": "mla",
+                                          "MambaSpec": "mamba"}[type(spec).__name__]
+    return kinds
+
+
+@pytest.mark.parametrize("name, kwargs", [(n, {}) for n in NAMES] + VARIANTS,
+                         ids=[n for n in NAMES] + [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}"
+                                                   for n, kw in VARIANTS])
+def test_layout_matches_vllms_derivation(name, kwargs, tmp_path):
+    require_vllm()
+    from kvref.impl.vllm.model_config import vllm_hf_facts
+
+    text = (ROOT / f"{name}.json").read_text()
+    (tmp_path / "config.json").write_text(text)
+    vkw = {k: v for k, v in kwargs.items() if k != "block_size"}
+    facts = vllm_hf_facts(str(tmp_path), block_size=kwargs.get("block_size", 16), **vkw)
+    layout = layout_from_hf_config(json.loads(text), **kwargs)
+    n = len(facts["layer_kinds"])
+    assert kinds_by_index(layout, n) == facts["layer_kinds"]
+    assert layout.derived_max_model_len == facts["derived_max_model_len"]
+    attn = [s for s in layout.layers.values() if not isinstance(s, MambaSpec)]
+    assert {s.num_kv_heads for s in attn} == {facts["num_kv_heads"]}
+    assert {s.head_size for s in attn} == {facts["head_size"]}
+    assert {getattr(s, "sliding_window", None) for s in attn if type(s).__name__ == "SlidingWindowSpec"} <= \
+        {facts["sliding_window"]}
+    assert {getattr(s, "attention_chunk_size", None) for s in attn
+            if type(s).__name__ == "ChunkedLocalAttentionSpec"} <= {facts["attention_chunk_size"]}
+    if "mamba" not in facts["layer_kinds"]:
+        return
+    mamba = [s for s in layout.layers.values() if isinstance(s, MambaSpec)]
+    assert {s.shapes for s in mamba} == {facts["mamba_shapes"]}
+    assert {s.dtypes for s in mamba} == {facts["mamba_dtypes"]}
+    assert layout.block_size == facts["block_size"]
+    assert {s.block_size for s in attn} == {facts["block_size"]}
+    assert {s.page_size_padded for s in mamba} == {facts["mamba_page_size_padded"]}
+    assert layout.mamba_cache_mode == facts["mamba_cache_mode"]
+    assert {s.block_size for s in mamba} == {facts["mamba_block_size"]}
