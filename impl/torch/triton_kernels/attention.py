@@ -155,7 +155,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            context_lens: torch.Tensor, query_rows: torch.Tensor, query_positions: torch.Tensor,
                            mask: AttentionMask = AttentionMask(), scale: float | None = None,
                            num_splits: int | None = None, tile: int | None = None,
-                           num_warps: int | None = None) -> torch.Tensor:
+                           num_warps: int | None = None, validate: bool = True) -> torch.Tensor:
     """Same contract as :func:`kvref.impl.torch.paged_attention.paged_attention`, as a Triton kernel.
 
     ``kv_cache`` may be a strided view (``KVCacheTensors.kv``: pages padded to the widest group);
@@ -164,10 +164,14 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     (positions per loop step, a power of two; default 32 on the CPU — fewer interpreter steps —
     and 64 on CUDA; ``tl.dot`` is used when the tile and head size are >= 16), ``num_warps``
     (CUDA only; Triton's default when None).
+
+    ``validate=False`` skips the range checks of the arguments, which read device values back to
+    the host (a device sync per check); for timing loops over arguments already checked once.
     """
     from . import require_triton
 
-    _check_paged_args(query, kv_cache, block_table, context_lens, query_rows, query_positions)
+    if validate:
+        _check_paged_args(query, kv_cache, block_table, context_lens, query_rows, query_positions)
     if not isinstance(mask, AttentionMask):
         raise InvalidFieldError("mask", mask, "an AttentionMask")
     dev = kv_cache.device
@@ -181,7 +185,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     tile = tile if tile is not None else (64 if dev.type == "cuda" else 32)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
         raise InvalidFieldError("tile", tile, "a power of two")
-    max_keys = int(context_lens.max()) if context_lens.numel() else 0
+    # The table's reach bounds the context without reading it back when not validating.
+    max_keys = (int(context_lens.max()) if context_lens.numel() else 0) if validate else block_table.shape[1] * bs
     if num_splits is None:
         num_splits = default_splits(t * hkv, max_keys, tile, dev)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:

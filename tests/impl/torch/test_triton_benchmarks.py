@@ -1,0 +1,64 @@
+"""The GPU benchmark scripts: one command each, a clear refusal without CUDA, and their CPU
+(interpreter) mode produces the table on a tiny shape with a checked result."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0, requirements/test.txt)")
+
+import torch  # noqa: E402
+
+from tests.impl.torch.triton_support import needs_triton  # noqa: E402
+
+pytestmark = needs_triton
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the benchmark would run")
+@pytest.mark.parametrize("name,args", [("bench_triton_attention", []), ("bench_triton_attention", ["--check-only"]),
+                                       ("bench_triton_offload", [])])
+def test_gpu_benchmarks_refuse_without_cuda_with_exit_2(name, args, capsys):
+    assert _load(name).main(args) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--interpreter" in err
+
+
+def test_attention_benchmark_interpreter_mode_reports_a_checked_table(capsys):
+    rc = _load("bench_triton_attention").main(["--interpreter", "--batch", "2", "--context", "40", "--kv-heads", "1",
+                                               "--head-size", "16", "--block-size", "4", "--window", "24",
+                                               "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    err = float(re.search(r"max\|triton - torch path\|=(\S+)", out).group(1))
+    assert err <= 1e-5  # float32
+    assert "| triton kernel (interpreted) |" in out and "| torch path (gather + matmul) |" in out
+
+
+def test_offload_benchmark_interpreter_mode_verifies_round_trips(capsys):
+    rc = _load("bench_triton_offload").main(["--interpreter", "--blocks", "3", "--layers", "1", "--page-kib", "4",
+                                             "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "bit-exact round trips verified" in out
+    assert len(re.findall(r"^\| (triton \(interpreted\)|torch) \| (contiguous|scattered) \|", out, re.M)) == 4
+
+
+@pytest.mark.parametrize("name,args", [("bench_triton_attention", ["--batch", "0"]),
+                                       ("bench_triton_attention", ["--window", "-1"]),
+                                       ("bench_triton_offload", ["--blocks", "-3"])])
+def test_benchmarks_reject_bad_arguments_with_exit_2(name, args):
+    with pytest.raises(SystemExit) as exc:
+        _load(name).main(args)
+    assert exc.value.code == 2
