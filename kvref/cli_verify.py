@@ -60,48 +60,11 @@ def checked_meta(checks) -> dict:
     return meta
 
 
-def run_check(check, ctx, baseline, collect: bool = False) -> "CheckResult":
-    """Run one check: shrinking bounded, Hypothesis' messages on stderr, the baseline applied.
-
-    ``collect`` (``--update-baseline``): the generated-trace checks accept every difference and keep
-    searching, so ``result.met_signatures`` lists all the differences they met.
-    """
-    from kvref.models import accepted
-    from kvref.models.shrink_budget import bounded_shrinking
-
-    from .report import ACCEPTED, ERROR, CheckResult
-
-    t0 = time.perf_counter()
-    budget = ctx.shrink_budget()
-    try:
-        with accepted.accepting(baseline.signatures_for(check.name), collect), bounded_shrinking(budget) as log:
-            result = check.run(ctx)
-    except Exception as exc:  # a check that crashes is reported, the others still run
-        result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
-        log = None
-    result.seconds = time.perf_counter() - t0
-    if log is not None and log.stopped_early and result.failing:
-        result.details.append(f"shrinking stopped at its bound ({budget:g} s, --shrink-seconds): the trace shown "
-                              "is the smallest found by then")
-    met = dict(accepted.met)
-    result.met_signatures = sorted(met)
-    entry = baseline.accepts(result)
-    if entry is not None:
-        result.status = ACCEPTED
-        result.summary = (f"accepted by the baseline ({entry.reason or 'no reason given'}): {result.summary}; "
-                          "this check stops at its first difference, so nothing behind it was searched")
-    elif met and not result.failing:
-        result.status = ACCEPTED
-        result.summary += (f"; {sum(met.values())} trace(s) ended at differences the baseline accepts "
-                           f"({', '.join(sorted(met))}) and the search went on past them")
-    return result
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .report import ERROR, to_json, render_table, write_junit_xml
-    from .verify import VerifyContext, select_checks
+    from .verify import VerifyContext, run_check, select_checks
 
     from .baseline import Baseline
 

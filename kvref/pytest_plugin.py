@@ -23,6 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="comma-separated check names (default: every default check of kvref verify)")
     group.addoption("--kvref-out", default="counterexamples", metavar="DIR",
                     help="where counterexamples and reproducers are written")
+    group.addoption("--kvref-baseline", default=None, metavar="FILE",
+                    help="findings accepted on purpose (kvref verify --update-baseline FILE writes it)")
 
 
 class KvrefCheckFailed(Exception):
@@ -34,15 +36,20 @@ class KvrefCheckFailed(Exception):
 
 
 class KvrefCheckItem(pytest.Item):
-    def __init__(self, *, check, ctx, **kwargs) -> None:
+    def __init__(self, *, check, ctx, baseline, **kwargs) -> None:
         super().__init__(**kwargs)
         self.check = check
         self.ctx = ctx
+        self.baseline = baseline
 
     def runtest(self) -> None:
-        from kvref.report import SKIPPED, UNKNOWN
+        from kvref.report import ACCEPTED, SKIPPED, UNKNOWN
+        from kvref.verify import run_check
 
-        result = self.check.run(self.ctx)
+        # the same runner as `kvref verify`: bounded shrinking, the baseline applied
+        result = run_check(self.check, self.ctx, self.baseline)
+        if result.status == ACCEPTED:
+            return  # a deliberate difference the baseline lists: passes, as in kvref verify
         if result.status in (SKIPPED, UNKNOWN):
             pytest.skip(f"{result.status}: {result.summary}")
         if result.failing:
@@ -74,5 +81,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             raise pytest.UsageError(str(InvalidFieldError("--kvref-checks", n, "one of " + ", ".join(sorted(known)))))
     ctx = VerifyContext(profile=config.getoption("--kvref-profile"), against="vllm",
                         out_dir=config.getoption("--kvref-out"))
-    for check in select_checks(only=only):
-        items.append(KvrefCheckItem.from_parent(session, name=f"kvref::{check.name}", check=check, ctx=ctx))
+    from kvref.baseline import Baseline
+
+    path = config.getoption("--kvref-baseline")
+    try:
+        baseline = Baseline.load(path) if path else Baseline()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    for check in select_checks(only=only, against="vllm"):
+        items.append(KvrefCheckItem.from_parent(session, name=f"kvref::{check.name}", check=check, ctx=ctx,
+                                                baseline=baseline))

@@ -7,10 +7,11 @@ so ``kvref verify --only proofs`` does not pay for torch or vLLM.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .report import ERROR, FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
+from .report import ACCEPTED, ERROR, FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
 
 
 @dataclass
@@ -388,6 +389,41 @@ def check_mutants(ctx: VerifyContext) -> CheckResult:
     from kvref.cli_mutants import check_mutants as run
 
     return run(ctx)
+
+
+def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
+    """Run one check: shrinking bounded, Hypothesis' messages on stderr, the baseline applied.
+
+    ``collect`` (``--update-baseline``): the generated-trace checks accept every difference and keep
+    searching, so ``result.met_signatures`` lists all the differences they met.
+    """
+    from kvref.models import accepted
+    from kvref.models.shrink_budget import bounded_shrinking
+
+    t0 = time.perf_counter()
+    budget = ctx.shrink_budget()
+    try:
+        with accepted.accepting(baseline.signatures_for(check.name), collect), bounded_shrinking(budget) as log:
+            result = check.run(ctx)
+    except Exception as exc:  # a check that crashes is reported, the others still run
+        result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
+        log = None
+    result.seconds = time.perf_counter() - t0
+    if log is not None and log.stopped_early and result.failing:
+        result.details.append(f"shrinking stopped at its bound ({budget:g} s, --shrink-seconds): the trace shown "
+                              "is the smallest found by then")
+    met = dict(accepted.met)
+    result.met_signatures = sorted(met)
+    entry = baseline.accepts(result)
+    if entry is not None:
+        result.status = ACCEPTED
+        result.summary = (f"accepted by the baseline ({entry.reason or 'no reason given'}): {result.summary}; "
+                          "this check stops at its first difference, so nothing behind it was searched")
+    elif met and not result.failing:
+        result.status = ACCEPTED
+        result.summary += (f"; {sum(met.values())} trace(s) ended at differences the baseline accepts "
+                           f"({', '.join(sorted(met))}) and the search went on past them")
+    return result
 
 
 CHECKS: list[Check] = [

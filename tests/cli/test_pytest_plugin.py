@@ -52,3 +52,23 @@ def test_plugin_passes_on_vllm_and_fails_on_a_broken_one(tmp_path):
     assert broken.returncode == 1, broken.stdout[-2000:]
     assert "kvref check startup-liveness: failed" in broken.stdout
     assert "vllm: the full-sequence admission gate rejected" in broken.stdout
+
+
+@pytest.mark.vllm
+def test_plugin_applies_a_baseline_and_rejects_a_broken_one(tmp_path):
+    """A fork that changed the admission gate on purpose lists the finding in a baseline file: the
+    item passes; the baseline is read as in `kvref verify` (a broken file is a usage error)."""
+    require_vllm()
+    import json
+
+    from kvref.models.accepted import signature
+
+    (tmp_path / "conftest.py").write_text(BROKEN_VLLM_CONFTEST)
+    summary = "1 case(s) where startup accepted but runtime did not serve"
+    (tmp_path / "b.json").write_text(json.dumps({"kvref_baseline": 1, "accepted": [
+        {"check": "startup-liveness", "signature": signature(summary), "reason": "gate changed on purpose"}]}))
+    accepted = _pytest(tmp_path, "--kvref", "--kvref-checks", "startup-liveness", "--kvref-baseline", "b.json")
+    assert accepted.returncode == 0, accepted.stdout[-2000:]
+    (tmp_path / "bad.json").write_text('{"kvref_baseline": 1, "accepted": [{"check": 3}]}')
+    bad = _pytest(tmp_path, "--kvref", "--kvref-checks", "spec", "--kvref-baseline", "bad.json")
+    assert bad.returncode == 4 and "accepted[0].check" in bad.stderr
