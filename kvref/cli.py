@@ -38,17 +38,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: exit statuses, the same for every subcommand: a CI job tells "vLLM is wrong" (1) from "the
+#: input is wrong" (2) and from "the run was stopped" (130, the shell's code for SIGINT)
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one subcommand; the one place that maps outcomes to exit statuses.
+
+    * 0: ran, nothing found; 1: ran, findings (a failed check, a divergence, a counterexample);
+    * 2: the input was rejected before or while reading it (usage, a bad value, a broken or
+      unreadable file, an unwritable output path): any ``ValueError`` (kvref's ``KVRefError``
+      family) or ``OSError`` a subcommand raises, reported as one line naming the field, the value
+      and what is allowed, never a traceback;
+    * 130: interrupted (Ctrl-C / SIGINT); a subcommand that writes reports writes a partial one
+      first (``kvref verify``).
+    """
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors exit 2, --help/--version 0
+        return exc.code if isinstance(exc.code, int) else EXIT_INPUT
+    except KeyboardInterrupt:
+        print("kvref: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
+        parser.print_usage(sys.stderr)
+        print("kvref: error: a COMMAND is required (kvref --help lists them)", file=sys.stderr)
+        return EXIT_INPUT
     try:
         return int(args._run(args) or 0)
-    except ValueError as exc:  # bad input: one clear line, no traceback
-        print(f"kvref {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED}); nothing after this point ran",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback
+        print(f"kvref {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_INPUT
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line; an ``OSError`` keeps its file name (``[Errno 2] ...: 'x.json'``)."""
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split()) if "\n" in text else text
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,16 @@
 A trace (``"format": "kvref-trace"``, see :mod:`kvref.models.trace`) is what the conformance state
 machine saves when two implementations disagree or one breaks an invariant. Replaying it applies
 the same ops to fresh managers of ``--kinds`` (default ``reference,vllm``; ``reference`` alone
-needs no vLLM) and prints the first divergence. Exit status: 0 no divergence, 1 divergence.
+needs no vLLM) and prints the first divergence. A trace is data: reading it runs no code, and a
+wrong value in it is an input error naming the file and the position (``ops[3].chunk``), never
+reported as a divergence.
+
+A proof reproducer (``.py``, written by ``kvref prove`` / ``kvref verify``) is a pytest file, and
+running it executes the Python code in it: only with ``--exec-python`` (run reproducers you or
+kvref wrote, as you would any script). Without the flag a ``.py`` file is refused.
+
+Exit status: 0 no divergence (the reproducer holds), 1 divergence (the reproducer fails),
+2 bad input (missing/unreadable/corrupt file, bad value, bad --kinds), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,7 +24,11 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a saved trace against reference/vLLM/torch side by side",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", metavar="FILE",
-                   help="trace JSON saved by a failing state-machine run, or a proof reproducer (.py)")
+                   help="trace JSON saved by a failing state-machine run (data only), or a proof reproducer "
+                        "(.py, runs only with --exec-python)")
+    p.add_argument("--exec-python", action="store_true",
+                   help="allow FILE to be a Python proof reproducer and run it through pytest: this EXECUTES the "
+                        "code in the file, so only use it on files you trust (kvref prove / verify wrote them)")
     p.add_argument("--kinds", default=None,
                    help="comma-separated implementations: reference, vllm, torch (default: reference,vllm); "
                         "for a .py reproducer: the formulas to check (default: its variant; reference)")
@@ -26,19 +39,26 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     return p
 
 
+#: pytest's exit codes that mean "the file is not a runnable reproducer" (3 internal error, 4 usage,
+#: 5 no tests; 2 is also what a collection error — a syntax error in the file — returns)
+_PYTEST_BROKEN = {2: "a collection error (is it a Python test file?)", 3: "a pytest internal error",
+                  4: "a pytest usage error", 5: "no tests collected"}
+
+
 def _run_reproducer(path: str, impl: str | None, verbose: bool) -> int:
     """A proof counterexample written by `kvref prove` / `kvref verify` is a pytest file: run it.
 
     By default it checks the variant the counterexample was found for (and fails, showing the
-    configuration); ``--kinds reference`` checks kvref's reference formulas (and passes).
+    configuration); ``--kinds reference`` checks kvref's reference formulas (and passes). Only
+    called with ``--exec-python``: running the file executes its code.
     """
     import os
 
     import pytest
 
-    if not os.path.isfile(path):
-        from kvref.spec.errors import InvalidFieldError
+    from kvref.spec.errors import InvalidFieldError
 
+    if not os.path.isfile(path):
         raise InvalidFieldError("FILE", path, "an existing trace (.json) or reproducer (.py) file")
     saved = os.environ.get("KVREF_IMPL")
     if impl:
@@ -50,6 +70,8 @@ def _run_reproducer(path: str, impl: str | None, verbose: bool) -> int:
             os.environ.pop("KVREF_IMPL", None)
         else:
             os.environ["KVREF_IMPL"] = saved
+    if rc in _PYTEST_BROKEN:  # not a finding: the file is not a working reproducer
+        raise InvalidFieldError("FILE", path, f"a kvref proof reproducer (pytest reported {_PYTEST_BROKEN[rc]})")
     print(("OK: the reproducer holds" if rc == 0 else "COUNTEREXAMPLE: the reproducer fails")
           + (f" on {impl}" if impl else " on the variant it was found for"))
     return 0 if rc == 0 else 1
@@ -85,18 +107,24 @@ def run(args: argparse.Namespace) -> int:
     args.kinds_given = args.kinds
     if args.kinds is None:
         args.kinds = "reference,vllm"
+    from kvref.spec.errors import InvalidFieldError
+
     if args.trace.endswith(".py"):
+        if not args.exec_python:
+            raise InvalidFieldError("FILE", args.trace, "a trace (.json); a .py reproducer runs Python code and "
+                                                        "needs --exec-python (only for files you trust)")
         return _run_reproducer(args.trace, args.kinds_given, args.verbose)
     from kvref.impl.interface import manager_kinds
     from kvref.models.differential import Divergence, Harness
     from kvref.models.trace import Trace
-    from kvref.spec.errors import InvalidFieldError
 
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds:
+        raise InvalidFieldError("--kinds", args.kinds, "one or more of " + ", ".join(manager_kinds()))
     for k in kinds:
         if k not in manager_kinds():
             raise InvalidFieldError("--kinds", k, "one of " + ", ".join(manager_kinds()))
-    trace = Trace.load(args.trace)
+    trace = Trace.load(args.trace)  # data only: a wrong value is a TraceFormatError (exit 2)
     h = Harness(trace.pool_config, kinds)
     rows: list[tuple[int, str, str, int]] = []
     try:

@@ -58,6 +58,9 @@ KINDS: dict[str, type[KVCacheSpec]] = {
     "mamba": MambaSpec,
 }
 _ATTENTION_DEFAULTS = ("num_kv_heads", "head_size", "dtype")
+#: layers a layout may expand to (pattern counts x repeat + tail): real models have a few hundred;
+#: the limit keeps a typo such as ``"repeat": 10**12`` from building layers until memory runs out
+MAX_LAYERS = 100_000
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -97,6 +100,8 @@ def load_layout(path: str | None, example: str | None) -> dict[str, Any]:
             text = Path(path).read_text()
         except OSError as exc:
             raise InvalidFieldError("config", path, f"a readable JSON or TOML file ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise InvalidFieldError("config", path, f"a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
     else:
         raise InvalidFieldError("config", None, "a layout file (JSON/TOML) or --example NAME")
     try:
@@ -126,19 +131,28 @@ def build_layers(data: dict[str, Any], block_size: int | None = None, kv_cache_d
         raise InvalidFieldError("defaults", defaults, "a table of default layer fields")
     if not isinstance(pattern, list) or not pattern or not isinstance(tail, list):
         raise InvalidFieldError("pattern", pattern, "a non-empty list of layer entries ({kind, count, ...})")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise InvalidFieldError("repeat", repeat, "a positive int")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_LAYERS:
+        raise InvalidFieldError("repeat", repeat, f"an int in [1, {MAX_LAYERS}]")
+    # Every entry is checked, and the layer count bounded, before any layer is built.
+    total = 0
+    for where, entry, times in ([(f"pattern[{i}]", e, repeat) for i, e in enumerate(pattern)]
+                                + [(f"tail[{i}]", e, 1) for i, e in enumerate(tail)]):
+        if not isinstance(entry, dict):
+            raise InvalidFieldError(where, entry, "a table with 'kind' and layer fields")
+        kind, count = entry.get("kind"), entry.get("count", 1)
+        if not isinstance(kind, str) or kind not in KINDS:
+            raise InvalidFieldError(f"{where}.kind", kind, "one of " + ", ".join(KINDS))
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_LAYERS:
+            raise InvalidFieldError(f"{where}.count", count, f"an int in [1, {MAX_LAYERS}]")
+        total += count * times
+    if total > MAX_LAYERS:
+        raise InvalidFieldError("layers", total, f"at most {MAX_LAYERS} layers in all (pattern counts x repeat "
+                                                 "+ tail counts)")
     layers: dict[str, KVCacheSpec] = {}
     for idx, entry in enumerate(pattern * repeat + tail):
         where = f"pattern[{idx % len(pattern)}]" if idx < len(pattern) * repeat else f"tail[{idx - len(pattern) * repeat}]"
-        if not isinstance(entry, dict):
-            raise InvalidFieldError(where, entry, "a table with 'kind' and layer fields")
         entry = dict(entry)
-        kind, count = entry.pop("kind", None), entry.pop("count", 1)
-        if kind not in KINDS:
-            raise InvalidFieldError(f"{where}.kind", kind, "one of " + ", ".join(KINDS))
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise InvalidFieldError(f"{where}.count", count, "a positive int")
+        kind, count = entry.pop("kind"), entry.pop("count", 1)
         cls = KINDS[kind]
         fields = {k: v for k, v in defaults.items() if kind != "mamba" or k not in _ATTENTION_DEFAULTS}
         if kind == "mamba":
@@ -205,8 +219,28 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="layout + engine settings, JSON or TOML")
     p.add_argument("--example", metavar="NAME", help="use a packaged example (see --list-examples)")
+    p.add_argument("--hf-config", metavar="PATH",
+                   help="derive the layout from a Hugging Face config.json (a file, a model folder, or a packaged "
+                        "example name such as qwen3-next-80b-a3b-instruct; see --list-examples)")
     p.add_argument("--list-examples", action="store_true", help="list the packaged examples and exit")
+    p.add_argument("--against", choices=("vllm",),
+                   help="also plan through vLLM's own startup planner and print both; a difference exits 1")
     p.add_argument("--available-memory", metavar="BYTES", help="KV cache memory, e.g. 16GiB, 512MiB, 20GB")
+    p.add_argument("--kv-cache-memory", metavar="BYTES",
+                   help="vLLM's --kv-cache-memory-bytes: exactly this much for the KV cache")
+    p.add_argument("--gpu-memory", metavar="BYTES", help="total GPU memory (e.g. 80GiB), with --gpu-memory-utilization")
+    p.add_argument("--gpu-memory-utilization", metavar="U", help="fraction vLLM may use (default 0.9)")
+    p.add_argument("--model-memory", metavar="BYTES",
+                   help="weights + activation peak + non-torch memory vLLM profiled (its startup log); "
+                        "subtracted from U x --gpu-memory")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="--hf-config: size one of N TP ranks")
+    p.add_argument("--mamba-cache-dtype", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--mamba-ssm-cache-dtype", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--kernel-block-size", type=int, metavar="N",
+                   help="--hf-config: the attention backend's smallest kernel block (16: FlashAttention/Triton)")
+    p.add_argument("--allow-chunked-local-hybrid", action="store_true",
+                   help="--hf-config: as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 (Llama-4 keeps "
+                        "chunked layers local)")
     p.add_argument("--max-model-len", metavar="N|auto", help="tokens per request, or auto (fit to the pool)")
     p.add_argument("--derived-max-model-len", type=int, metavar="N", help="the model's own maximum context")
     p.add_argument("--block-size", type=int, metavar="N", help="tokens per block of every layer")
@@ -230,44 +264,97 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_plan(args: argparse.Namespace) -> tuple[dict[str, Any], KVCachePlan | InsufficientKVCacheError]:
+    data, _layers, _config, _memory, result, _notes = _make(args)
+    return data, result
+
+
+def _make(args: argparse.Namespace):
+    """``(layout data, layers, config, memory, plan or error, notes)`` for a layout file or example."""
+    from kvref.size_hf import kv_cache_memory
+
     data = load_layout(args.config, args.example)
     config = build_config(data, args)
     layers = build_layers(data, args.block_size, args.kv_cache_dtype, config.mamba_cache_mode)
-    memory_text = args.available_memory if args.available_memory is not None else data.get("available_memory")
-    if memory_text is None:
-        if config.num_gpu_blocks_override is None:
-            raise InvalidFieldError("available_memory", None, "--available-memory or --num-gpu-blocks-override")
-        memory_text = 0
-    memory = parse_bytes(memory_text)
+    memory, notes = kv_cache_memory(args, parse_bytes)
+    if memory is None:
+        memory_text = data.get("available_memory")
+        if memory_text is None:
+            if config.num_gpu_blocks_override is None:
+                raise InvalidFieldError("available_memory", None,
+                                        "--available-memory/--kv-cache-memory, --gpu-memory or --num-gpu-blocks-override")
+            memory_text = 0
+        memory = parse_bytes(memory_text)
     try:
-        return data, plan_kv_cache(layers, config, memory)
+        return data, layers, config, memory, plan_kv_cache(layers, config, memory), notes
     except InsufficientKVCacheError as exc:
-        return data, exc
+        return data, layers, config, memory, exc, notes
 
 
 def run(args: argparse.Namespace) -> int:
     if args.list_examples:
-        for name in example_names():
-            print(name.rsplit(".", 1)[0])
+        from kvref.size_hf import hf_example_names
+
+        layouts = [name.rsplit(".", 1)[0] for name in example_names()]
+        if args.json:
+            print(json.dumps({"examples": layouts, "hf_configs": hf_example_names()}, indent=2))
+            return 0
+        print("layout examples (--example NAME):")
+        for name in layouts:
+            print(f"  {name}")
+        print("config.json examples (--hf-config NAME; written from the public model cards):")
+        for name in hf_example_names():
+            print(f"  {name}")
         return 0
-    data, result = make_plan(args)
-    name = data.get("name", args.example or args.config)
+    if args.plot:  # checked before the plan is made, not after
+        from kvref.cli_checks import check_writable_file
+
+        check_writable_file("--plot", args.plot)
+    if args.hf_config is not None:
+        if args.config is not None or args.example is not None:
+            raise InvalidFieldError("--hf-config", args.hf_config, "alone: not with a layout file or --example")
+        from kvref.size_hf import layout_summary, plan_hf
+
+        name, layout, config, memory, result, notes = plan_hf(args, parse_bytes, _int_arg)
+        layers, extra = layout.layers, {"layout": layout_summary(layout)}
+        notes = list(layout.notes) + notes
+    else:
+        for flag in ("tensor_parallel_size", "kernel_block_size", "mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(args, flag, None) is not None:
+                raise InvalidFieldError("--" + flag.replace("_", "-"), getattr(args, flag),
+                                        "only with --hf-config (a layout file sets these per layer)")
+        data, layers, config, memory, result, notes = _make(args)
+        name, extra = str(data.get("name", args.example or args.config)), {}
+    differ: list[str] = []
+    if args.against == "vllm":
+        from kvref.size_hf import compare_with_vllm, render_comparison
+
+        rows = compare_with_vllm(layers, config, memory)
+        if not args.json:
+            differ = render_comparison(name, rows, as_json=False)
+        else:
+            differ = [f for f, a, b in rows if a != b]
+            extra["against_vllm"] = json.loads(_comparison_json(name, rows))
+    if not args.json:
+        _print_notes(name, extra.get("layout"), notes)
+    if differ:
+        print(f"kvref size: kvref and vLLM's planner differ on {', '.join(differ)}", file=sys.stderr)
     if isinstance(result, InsufficientKVCacheError):
         if args.json:
             print(json.dumps({"name": name, "error": str(result), "reason": result.reason,
                               "estimated_max_model_len": result.estimated_max_model_len,
-                              "needed_bytes": result.needed_bytes, "available_bytes": result.available_bytes},
-                             indent=2))
+                              "needed_bytes": result.needed_bytes, "available_bytes": result.available_bytes,
+                              **extra, "notes": notes}, indent=2))
         else:
             from rich.console import Console
+            from rich.markup import escape
 
             console = Console()
-            console.print(f"[bold red]{name}: the pool cannot serve one max_model_len request[/]")
+            console.print(f"[bold red]{escape(name)}: the pool cannot serve one max_model_len request[/]")
             console.print(str(result), markup=False, highlight=False, soft_wrap=True)
             console.print(f"largest servable max_model_len: [bold]{result.estimated_max_model_len}[/]")
         return 1
     if args.json:
-        print(json.dumps({"name": name, **result.to_dict()}, indent=2))
+        print(json.dumps({"name": name, **result.to_dict(), **extra, "notes": notes}, indent=2))
     else:
         render(name, result, show_layers=args.show_layers)
     if args.plot:
@@ -276,7 +363,29 @@ def run(args: argparse.Namespace) -> int:
         path = plot_plan(result, args.plot, title=f"{name}: {result.num_blocks:,} blocks, "
                                                   f"max concurrency {result.max_concurrency:.2f}x")
         print(f"plot written to {path}", file=sys.stderr)
-    return 0
+    return 1 if differ else 0
+
+
+def _comparison_json(name: str, rows) -> str:
+    import contextlib
+    import io
+
+    from kvref.size_hf import render_comparison
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        render_comparison(name, rows, as_json=True)
+    return out.getvalue()
+
+
+def _print_notes(name: str, layout: dict[str, Any] | None, notes: list[str]) -> None:
+    """What the derivation decided (``--hf-config``) and how the memory was found, before the tables."""
+    if layout is not None:
+        kinds = ", ".join(f"{n} {k}" for k, n in layout["layers"].items())
+        print(f"{name}: {layout['architecture']}, {kinds}; KV cache {layout['kv_cache_dtype']}, "
+              f"block size {layout['block_size']}, derived max_model_len {layout['derived_max_model_len']:,}")
+    for note in notes:
+        print(f"  note: {note}")
 
 
 def _human(num_bytes: int) -> str:
@@ -306,10 +415,12 @@ def kind_label(spec: KVCacheSpec) -> str:
 
 def render(name: str, plan: KVCachePlan, show_layers: bool = False) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
-    groups = Table(title=f"{name}: {len(plan.groups)} KV cache group(s)", title_justify="left")
+    # the name comes from the user's file: escaped, so "[/]" in it is text, not rich markup
+    groups = Table(title=f"{escape(name)}: {len(plan.groups)} KV cache group(s)", title_justify="left")
     for col, justify in (("#", "right"), ("kind", "left"), ("layers", "right"), ("block", "right"),
                          ("page", "right"), ("blocks/req", "right"), ("cap", "right")):
         groups.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]

@@ -30,10 +30,45 @@ from typing import Any
 
 from kvref.impl.interface import PoolConfig
 from kvref.spec import kv_cache_interface as kci
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, KVRefError
 
 FORMAT = "kvref-trace"
 VERSION = 1
+
+#: the largest pool a trace may name: replay builds every block of every implementation compared
+#: (a Python object per block in the reference), and the state machines save pools of tens of blocks
+MAX_TRACE_BLOCKS = 1 << 20
+#: the largest count any int field of an op may hold (tokens, chunk, reserved blocks)
+_MAX_OP_INT = 1 << 31
+
+
+class TraceFormatError(InvalidFieldError):
+    """A trace file (or one of its values) is not a valid trace: the message names the file, the
+    position (``ops[3].chunk``), the value and what is allowed. Input, never a finding."""
+
+
+def _int_range(lo: int, hi: int):
+    def check(v: Any) -> bool:
+        return type(v) is int and lo <= v <= hi
+    return check, f"an int in [{lo}, {hi}]"
+
+
+#: what each op field may hold; a trace is data, checked field by field before anything runs
+_ARG_CHECKS: dict[str, tuple[Any, str]] = {
+    "rid": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a request id (a non-empty str)"),
+    "prompt": (lambda v: isinstance(v, list) and 0 < len(v) <= _MAX_OP_INT
+               and all(type(t) is int and 0 <= t < _MAX_OP_INT for t in v),
+               f"a non-empty list of token ids (ints in [0, {_MAX_OP_INT}))"),
+    "max_tokens": _int_range(1, _MAX_OP_INT),
+    "cache_salt": (lambda v: v is None or isinstance(v, str), "a str or null"),
+    "chunk": _int_range(1, _MAX_OP_INT),
+    "full_sequence_must_fit": (lambda v: isinstance(v, bool), "true or false"),
+    "reserved_blocks": _int_range(0, _MAX_OP_INT),
+    "in_flight": (lambda v: isinstance(v, bool), "true or false"),
+    "token": _int_range(0, _MAX_OP_INT - 1),
+    "lookahead": _int_range(0, _MAX_OP_INT),
+    "external": _int_range(0, _MAX_OP_INT),
+}
 
 #: every op name and its fields (all required; values are JSON scalars or lists of ints)
 OP_FIELDS: dict[str, tuple[str, ...]] = {
@@ -74,6 +109,10 @@ class Op:
         if missing or extra:
             raise InvalidFieldError(f"{self.name}.args", sorted(self.args),
                                     f"exactly the fields {list(OP_FIELDS[self.name])}")
+        for name, value in self.args.items():
+            ok, allowed = _ARG_CHECKS[name]
+            if not ok(value):
+                raise InvalidFieldError(f"{self.name}.{name}", value, allowed)
 
     def __getattr__(self, item: str) -> Any:
         try:
@@ -89,8 +128,10 @@ class Op:
         if not isinstance(obj, dict) or "op" not in obj:
             raise InvalidFieldError("ops[i]", obj, 'an object with an "op" field')
         args = {k: v for k, v in obj.items() if k != "op"}
-        if "prompt" in args:
+        if isinstance(args.get("prompt"), (list, tuple)):
             args["prompt"] = list(args["prompt"])
+        if not isinstance(obj["op"], str):
+            raise InvalidFieldError("op", obj["op"], "one of " + ", ".join(OP_FIELDS))
         return cls(obj["op"], args)
 
     def __str__(self) -> str:
@@ -115,12 +156,21 @@ def spec_to_json(spec: kci.KVCacheSpec) -> dict[str, Any]:
 def spec_from_json(obj: Any) -> kci.KVCacheSpec:
     if not isinstance(obj, dict) or obj.get("type") not in _SPEC_TYPES:
         raise InvalidFieldError("kv_cache_spec", obj, "an object whose type is one of " + ", ".join(_SPEC_TYPES))
+    cls = _SPEC_TYPES[obj["type"]]
     kwargs = {k: v for k, v in obj.items() if k != "type"}
-    if "shapes" in kwargs:
-        kwargs["shapes"] = tuple(tuple(s) for s in kwargs["shapes"])
-    if "dtypes" in kwargs:
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise InvalidFieldError(f"{cls.__name__}.{unknown[0]}", kwargs[unknown[0]],
+                                "one of the fields " + ", ".join(sorted(known)))
+    if isinstance(kwargs.get("shapes"), list):
+        kwargs["shapes"] = tuple(tuple(s) if isinstance(s, list) else s for s in kwargs["shapes"])
+    if isinstance(kwargs.get("dtypes"), list):
         kwargs["dtypes"] = tuple(kwargs["dtypes"])
-    return _SPEC_TYPES[obj["type"]](**kwargs)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field missing
+        raise InvalidFieldError(cls.__name__, obj, f"the fields of {cls.__name__} ({exc})") from None
 
 
 def pool_config_to_json(pc: PoolConfig) -> dict[str, Any]:
@@ -137,12 +187,28 @@ def pool_config_to_json(pc: PoolConfig) -> dict[str, Any]:
 def pool_config_from_json(obj: Any) -> PoolConfig:
     if not isinstance(obj, dict) or not isinstance(obj.get("groups"), list):
         raise InvalidFieldError("pool_config", obj, "an object with a groups list")
+    known = {f.name for f in dataclasses.fields(PoolConfig)}
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise InvalidFieldError(f"pool_config.{unknown[0]}", obj[unknown[0]], "one of the fields " + ", ".join(sorted(known)))
+    num_blocks = obj.get("num_blocks")
+    if type(num_blocks) is int and num_blocks > MAX_TRACE_BLOCKS:
+        raise InvalidFieldError("pool_config.num_blocks", num_blocks,
+                                f"at most {MAX_TRACE_BLOCKS} blocks (replay builds every block of every implementation)")
     kwargs = dict(obj)
-    kwargs["groups"] = tuple(
-        kci.KVCacheGroupSpec(tuple(g["layer_names"]), spec_from_json(g["kv_cache_spec"]),
-                             is_eagle_group=g.get("is_eagle_group", False))
-        for g in obj["groups"])
-    return PoolConfig(**kwargs)
+    groups = []
+    for i, g in enumerate(obj["groups"]):
+        if not isinstance(g, dict) or "layer_names" not in g or "kv_cache_spec" not in g:
+            raise InvalidFieldError(f"pool_config.groups[{i}]", g, "an object with layer_names and kv_cache_spec")
+        names = g["layer_names"]
+        groups.append(kci.KVCacheGroupSpec(tuple(names) if isinstance(names, list) else names,
+                                           spec_from_json(g["kv_cache_spec"]),
+                                           is_eagle_group=g.get("is_eagle_group", False)))
+    kwargs["groups"] = tuple(groups)
+    try:
+        return PoolConfig(**kwargs)
+    except TypeError as exc:  # a required field missing
+        raise InvalidFieldError("pool_config", sorted(obj), f"the fields of PoolConfig ({exc})") from None
 
 
 @dataclass
@@ -167,8 +233,16 @@ class Trace:
             raise InvalidFieldError("version", obj.get("version"), f"{VERSION}")
         if not isinstance(obj.get("ops"), list):
             raise InvalidFieldError("ops", obj.get("ops"), "a list of operations")
-        return cls(pool_config_from_json(obj.get("pool_config")), [Op.from_json(o) for o in obj["ops"]],
-                   note=str(obj.get("note", "")))
+        pool = pool_config_from_json(obj.get("pool_config"))
+        ops = []
+        for i, o in enumerate(obj["ops"]):
+            try:
+                ops.append(Op.from_json(o))
+            except InvalidFieldError as exc:  # name the position: ops[3].chunk
+                field = exc.field.split(".", 1)[1] if "." in exc.field else exc.field
+                where = f"ops[{i}]" if field == "ops[i]" else f"ops[{i}].{field}"
+                raise InvalidFieldError(where, exc.value, exc.allowed) from None
+        return cls(pool, ops, note=str(obj.get("note", "")))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -189,7 +263,29 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        return cls.loads(Path(path).read_text())
+        """Read a trace file: data only, nothing in it is executed. Every problem (unreadable, not
+        UTF-8, not JSON, a wrong value) is a :class:`TraceFormatError` naming the file and where."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except IsADirectoryError:
+            raise TraceFormatError(str(path), str(path), "a trace file (.json), not a folder") from None
+        except OSError as exc:
+            raise TraceFormatError(str(path), str(path), f"a readable trace file ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(f"{path}: byte {exc.start}", repr(exc.object[exc.start:exc.start + 4]),
+                                   "UTF-8 JSON text") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{path}: line {exc.lineno} column {exc.colno}", text[exc.pos:exc.pos + 20],
+                                   f"JSON ({exc.msg})") from None
+        try:
+            return cls.from_json(obj)
+        except KVRefError as exc:
+            field = getattr(exc, "field", None)
+            if field is None:
+                raise TraceFormatError(str(path), "", str(exc)) from None
+            raise TraceFormatError(f"{path}: {field}", exc.value, exc.allowed) from None
 
     def digest(self) -> str:
         """A short content hash (file names for saved traces)."""
