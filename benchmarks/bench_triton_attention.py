@@ -44,14 +44,15 @@ def parse(argv):
     ap.add_argument("--splits", type=int, default=None, help="key-range splits (default: the kernel's choice)")
     ap.add_argument("--tile", type=int, default=None)
     ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     for name in ("batch", "context", "kv_heads", "head_size", "gqa", "block_size", "repeats"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')}={v}: expected a positive int")
-    if args.window < 0:
-        ap.error(f"--window={args.window}: expected >= 0")
+    if args.window < 0 or args.threads < 0:
+        ap.error(f"--window={args.window} / --threads={args.threads}: expected >= 0")
     return ap, args
 
 
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
         return 2
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.interpreter and not torch.cuda.is_available():
         print("bench_triton_attention: no CUDA device here. This benchmark measures the Triton kernels on a GPU "
               "(goal: decode K/V read bandwidth >= 60 % of device copy bandwidth). Run it on a CUDA machine, or "

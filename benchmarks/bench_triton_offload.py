@@ -44,12 +44,15 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--page-kib", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     for name in ("blocks", "layers", "page_kib", "repeats"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')}={v}: expected a positive int")
+    if args.threads < 0:
+        ap.error(f"--threads={args.threads}: expected >= 0")
     if args.interpreter:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
     try:
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
         return 2
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.interpreter and not torch.cuda.is_available():
         print("bench_triton_offload: no CUDA device here. This benchmark measures the Triton block-copy kernel "
               "between GPU and pinned host memory (goal: >= 70 % of host<->device copy bandwidth). Run it on a "
