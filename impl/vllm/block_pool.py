@@ -24,5 +24,9 @@ class VllmBlockPoolDriver(ReferenceBlockPoolDriver):
     def free_queue(self) -> list[int]:
         return [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
 
-    def check_invariants(self) -> None:  # vLLM has none; the model comparison covers it
-        pass
+    def check_invariants(self) -> None:
+        """I1-I6 on vLLM's ``BlockPool`` itself, links of the free queue included
+        (:func:`kvref.impl.vllm.invariants.check_block_pool`)."""
+        from kvref.impl.vllm.invariants import check_block_pool
+
+        check_block_pool(self.pool)

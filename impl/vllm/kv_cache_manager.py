@@ -146,12 +146,13 @@ class VllmKVCacheManager:
             hash_block_size=pool_config.hash_block_size,
             max_in_flight_tokens=pool_config.max_in_flight_tokens,
             enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
-            watermark=pool_config.watermark)
+            watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events)
         self._pool = self._mgr.block_pool
         self._hasher: Callable | None = (
             v["utils"].get_request_block_hasher(pool_config.hash_block_size, v["sha256"])
             if pool_config.enable_caching else None)
         self._mirrors: dict[str, Any] = {}
+        self._requests: dict[str, Request] = {}  # the caller's requests, for check_invariants
 
     # -- request mirroring -------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class VllmKVCacheManager:
         if not isinstance(request, Request):
             raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
         v = _vllm()
+        self._requests[request.request_id] = request
         vreq = self._mirrors.get(request.request_id)
         if vreq is None or list(vreq.prompt_token_ids) != request.prompt_token_ids \
                 or vreq.cache_salt != request.cache_salt:
@@ -225,6 +227,7 @@ class VllmKVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop the vLLM mirror of a finished request (the scheduler drops its ``Request`` too)."""
         self._mirrors.pop(request_id, None)
+        self._requests.pop(request_id, None)
 
     def new_step_starts(self) -> None:
         self._mgr.new_step_starts()
@@ -257,52 +260,31 @@ class VllmKVCacheManager:
     def usage(self) -> float:
         return self._mgr.usage
 
+    # -- KV cache events and cache resets ----------------------------------------------------
+
+    def take_kv_events(self) -> list[dict[str, Any]]:
+        """vLLM's ``KVCacheManager.take_events()`` as plain dicts (:mod:`kvref.impl.vllm.kv_events`);
+        [] unless the pool config enables events."""
+        from .kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self._mgr.take_events()]
+
+    def reset_prefix_cache(self) -> bool:
+        return self._mgr.reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self._mgr.evict_blocks(set(block_ids))
+
     # -- invariants of vLLM's own state (digest §11.1/§11.2), read through its internals -------
 
     def check_invariants(self) -> None:
-        """Check vLLM's block pool and managers: I1-I6 and I9 of the digest (no connectors/CoW here)."""
-        pool = self._pool
-        blocks = pool.blocks
-        assert len(blocks) == self.pool_config.num_blocks, "I1: pool size"
-        assert all(b.block_id == i for i, b in enumerate(blocks)), "I1: block ids are positions"
-        assert blocks[0].is_null and pool.null_block is blocks[0], "I2: block 0 is the null block"
-        assert blocks[0].block_hash is None, "I2: the null block is never cached"
-        queue = pool.free_block_queue.get_all_free_blocks()
-        queued = [b.block_id for b in queue]
-        assert len(queued) == len(set(queued)), "free queue holds a block twice"
-        assert pool.get_num_free_blocks() == len(queued), "I5: free counter != queue length"
-        assert 0 not in queued, "I2: the null block is in the free queue"
-        in_queue = set(queued)
-        for b in blocks[1:]:
-            assert b.ref_cnt >= 0, f"I4: block {b.block_id} ref_cnt {b.ref_cnt} < 0"
-            assert (b.block_id in in_queue) == (b.ref_cnt == 0), \
-                f"I3: block {b.block_id} ref_cnt={b.ref_cnt} in_queue={b.block_id in in_queue}"
-        # I9: ref counts equal the number of table slots holding the block.
-        holders: dict[int, int] = {}
-        for mgr in self._mgr.coordinator.single_type_managers:
-            for rid, table in mgr.req_to_blocks.items():
-                for b in table:
-                    if not b.is_null:
-                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
-                if rid in mgr.num_cached_block:
-                    assert mgr.num_cached_block[rid] <= len(table), f"M2: num_cached_block[{rid}] > table length"
-        for b in blocks[1:]:
-            assert b.ref_cnt == holders.get(b.block_id, 0), \
-                f"I9: block {b.block_id} ref_cnt={b.ref_cnt} but held by {holders.get(b.block_id, 0)} table slots"
-        # I6: hash map and block hashes agree.
-        mapped = 0
-        for key, entry in pool.cached_block_hash_to_block._cache.items():
-            group = entry.values() if isinstance(entry, dict) else (entry,)
-            for b in group:
-                mapped += 1
-                assert b.block_hash == key or key in pool.cached_block_hashes_by_block.get(b.block_id, ()), \
-                    f"I6: map key for block {b.block_id} is neither its primary nor a secondary hash"
-        hashed = [b for b in blocks if b.block_hash is not None]
-        for b in hashed:
-            assert pool.cached_block_hash_to_block.contain(b.block_hash, b.block_id), \
-                f"I6: block {b.block_id}'s hash is not in the map"
-        secondary = sum(len(s) for s in pool.cached_block_hashes_by_block.values())
-        assert mapped == len(hashed) + secondary, "I6: map entries != primary + secondary hashes"
+        """kvref's invariants on vLLM's pool, free-queue links and managers
+        (:mod:`kvref.impl.vllm.invariants`): I1-I6, I9, M1-M3, and every held request's tables
+        spanning its computed tokens (read from the caller's requests, which are current; the
+        vLLM mirrors are refreshed only at the next call)."""
+        from kvref.impl.vllm.invariants import check_kv_cache_manager
+
+        check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks, requests=self._requests)
 
 
 def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:

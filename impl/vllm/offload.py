@@ -89,7 +89,15 @@ class VllmEngine(ReferenceEngine):
         self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
 
     def check_invariants(self):
-        pass  # vLLM's objects carry no kvref invariants; the worlds compare what they observe instead
+        """kvref's pool and manager invariants on the GPU ``KVCacheManager`` under the connector
+        (:mod:`kvref.impl.vllm.invariants`). Ref counts may exceed the table slots: both offload
+        schedulers pin (``touch``) the GPU blocks a store is still reading."""
+        from kvref.impl.vllm.invariants import check_block_pool, check_kv_cache_manager
+
+        check_kv_cache_manager(self.mgr, exact_ref_counts=False)
+        cpu_pool = getattr(self, "cpu_pool", None)  # SimpleCPU: the CPU side is a vLLM BlockPool too
+        if cpu_pool is not None:
+            check_block_pool(cpu_pool)
 
 
 def vllm_scheduler_output(step: Any) -> SimpleNamespace:

@@ -246,9 +246,14 @@ class VllmScheduler:
         return bool(self.scheduler.get_num_unfinished_requests())
 
     def check_invariants(self) -> None:
+        """kvref's scheduler and pool invariants on vLLM's own ``Scheduler`` state after every call
+        (:func:`kvref.impl.vllm.invariants.check_scheduler`): queues, statuses, preempted requests
+        without KV, running requests' tables, ref counts, free-queue links, the hash map."""
+        from kvref.impl.vllm.invariants import check_scheduler
+
         s = self.scheduler
         assert not s.kv_holding_waiting, "kvref models no KV-holding waiting requests"
-        assert len(s.running) <= self.config.max_num_seqs
+        check_scheduler(s, max_num_seqs=self.config.max_num_seqs)
 
 
 def _free_queue(kv) -> tuple[int, ...]:
@@ -366,4 +371,6 @@ class VllmKVCacheManagerShim:
         return _free_queue(self.mgr)
 
     def check_invariants(self) -> None:
-        assert 0 <= self.get_num_free_blocks() < self.pool.num_blocks
+        from kvref.impl.vllm.invariants import check_kv_cache_manager
+
+        check_kv_cache_manager(self.mgr, num_blocks=self.pool.num_blocks)
