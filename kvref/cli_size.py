@@ -324,20 +324,35 @@ def run(args: argparse.Namespace) -> int:
                                         "only with --hf-config (a layout file sets these per layer)")
         data, layers, config, memory, result, notes = _make(args)
         name, extra = str(data.get("name", args.example or args.config)), {}
-    differ: list[str] = []
+    rows: list = []
     if args.against == "vllm":
-        from kvref.size_hf import compare_with_vllm, render_comparison
+        from kvref.size_hf import compare_with_vllm
 
         rows = compare_with_vllm(layers, config, memory)
-        if not args.json:
-            differ = render_comparison(name, rows, as_json=False)
-        else:
-            differ = [f for f, a, b in rows if a != b]
+        if args.json:
             extra["against_vllm"] = json.loads(_comparison_json(name, rows))
+    differ = [f for f, a, b in rows if a != b]
     if not args.json:
         _print_notes(name, extra.get("layout"), notes)
-    if differ:
-        print(f"kvref size: kvref and vLLM's planner differ on {', '.join(differ)}", file=sys.stderr)
+    try:
+        return _report(args, name, result, extra, notes, rows) or (1 if differ else 0)
+    finally:
+        if differ:
+            print(f"kvref size: kvref and vLLM's planner differ on {', '.join(differ)}", file=sys.stderr)
+
+
+def _report(args: argparse.Namespace, name: str, result, extra: dict[str, Any], notes: list[str], rows) -> int:
+    """Print the plan (or why there is none), then the comparison with vLLM; 1 when the pool cannot
+    serve one request."""
+    rc = _report_plan(args, name, result, extra, notes)
+    if rows and not args.json:
+        from kvref.size_hf import render_comparison
+
+        render_comparison(name, rows, as_json=False)
+    return rc
+
+
+def _report_plan(args: argparse.Namespace, name: str, result, extra: dict[str, Any], notes: list[str]) -> int:
     if isinstance(result, InsufficientKVCacheError):
         if args.json:
             print(json.dumps({"name": name, "error": str(result), "reason": result.reason,
@@ -363,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         path = plot_plan(result, args.plot, title=f"{name}: {result.num_blocks:,} blocks, "
                                                   f"max concurrency {result.max_concurrency:.2f}x")
         print(f"plot written to {path}", file=sys.stderr)
-    return 1 if differ else 0
+    return 0
 
 
 def _comparison_json(name: str, rows) -> str:

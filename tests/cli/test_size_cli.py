@@ -24,8 +24,13 @@ def test_examples_are_packaged():
 
 
 def test_list_examples(capsys):
+    assert main(["--list-examples", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["examples"] == sorted(EXAMPLES)
+    assert "qwen3-next-80b-a3b-instruct" in listed["hf_configs"] and "deepseek-v3" in listed["hf_configs"]
     assert main(["--list-examples"]) == 0
-    assert capsys.readouterr().out.split() == sorted(EXAMPLES)
+    out = capsys.readouterr().out
+    assert all(f"  {name}\n" in out for name in [*EXAMPLES, *listed["hf_configs"]])
 
 
 def test_gemma_example_groups_and_caps(capsys):
