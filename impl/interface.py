@@ -30,8 +30,10 @@ class PoolConfig:
 
     Mirrors the arguments vLLM's ``KVCacheManager`` takes (``KVCacheConfig.num_blocks`` and
     groups, ``max_model_len``, ``scheduler_block_size``, ``hash_block_size``,
-    ``max_in_flight_tokens``, ``enable_caching``, ``watermark``, ``use_eagle``).
-    ``num_blocks`` includes the null block 0.
+    ``max_in_flight_tokens``, ``enable_caching``, ``watermark``, ``use_eagle``,
+    ``enable_kv_cache_events``). ``num_blocks`` includes the null block 0.
+    ``enable_kv_cache_events`` makes the pool queue KV cache events (implementations that model
+    them expose ``take_kv_events()``; see docs/kv_events.md).
     """
 
     num_blocks: int
@@ -43,6 +45,7 @@ class PoolConfig:
     enable_caching: bool = True
     watermark: float = 0.0
     use_eagle: bool = False
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=1)
@@ -57,6 +60,8 @@ class PoolConfig:
         if not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool) \
                 or not 0.0 <= self.watermark < 1.0:
             raise InvalidFieldError("watermark", self.watermark, "a float in [0, 1)")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise InvalidFieldError("enable_kv_cache_events", self.enable_kv_cache_events, "True or False")
         # vLLM asserts this in the coordinator (PR 44165, seed 003); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,

@@ -14,6 +14,7 @@ from kvref.spec.errors import InvalidFieldError
 
 from .block_hash import get_block_hash
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager
+from .kv_events import event_to_plain
 
 
 class ReferenceKVCacheManager(KVCacheManagerLike):
@@ -102,6 +103,17 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
         """``{(group_id, block_id): prefix tokens the primary hash covers}``."""
         return {(int.from_bytes(b.block_hash[-4:], "big"), b.block_id): b.block_hash_num_tokens
                 for b in self.manager.block_pool.blocks if b.block_hash is not None}
+
+    def take_kv_events(self) -> list[dict]:
+        """The queued KV cache events as plain dicts (``kv_events.event_to_plain``); [] with
+        events off."""
+        return [event_to_plain(e) for e in self.manager.take_events()]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.manager.evict_blocks(block_ids)
 
 
 def _register() -> None:

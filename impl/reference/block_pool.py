@@ -18,7 +18,10 @@ The rules that decide block ids, and so must match vLLM exactly:
   *primary* key (``block.block_hash``) and further *secondary* keys (partial, fine-grained entries,
   kept in ``cached_block_hashes_by_block``).
 
-Not modelled: KV-cache events, metrics, reuse watchers (HiSparse ``unpin_blocks``), routing frees
+KV cache events (``enable_kv_cache_events``, off by default as in vLLM) are emitted where vLLM
+emits them and taken with ``take_events()``; see :mod:`.kv_events` and docs/kv_events.md.
+
+Not modelled: metrics, reuse watchers (HiSparse ``unpin_blocks``), routing frees
 to another pool, hash lookahead tokens.
 
 Every operation costs O(blocks it touches); nothing scans the pool except ``reset_prefix_cache``
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
 
 from .block_hash import BlockHash, BlockHashWithGroupId, get_block_hash, get_group_id, resolve_block_hashes
@@ -36,6 +40,8 @@ from .block_hash_to_block_map import BlockHashToBlockMap
 from .errors import BlockRefCountError, NotEnoughFreeBlocksError
 from .free_block_queue import FreeKVCacheBlockQueue
 from .kv_cache_block import KVCacheBlock
+from .kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+                        event_extra_keys, to_external_block_hash, use_int_block_hashes)
 
 
 _GROUP_SUFFIXES = tuple(i.to_bytes(4, "big") for i in range(64))
@@ -54,13 +60,30 @@ class BlockPool:
         enable_caching: whether full blocks are published in the prefix cache.
         hash_block_size: the token granularity of request block hashes; a group's block size is a
             multiple of it.
+        enable_kv_cache_events: queue a :mod:`.kv_events` event wherever vLLM's pool does (off by
+            default, as in vLLM; the scheduler turns it on with ``--kv-events-config``).
+        medium: the ``medium`` field of the events (vLLM's ``MEDIUM_GPU`` for the device pool).
+        int_block_hashes: publish hashes as 64-bit ints (vLLM's default) or bytes; None reads
+            ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` now (vLLM reads it at each event).
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, medium: str = MEDIUM_GPU,
+                 int_block_hashes: bool | None = None) -> None:
         check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
         check_int("hash_block_size", hash_block_size, minimum=1)
         if not isinstance(enable_caching, bool):
             raise InvalidFieldError("enable_caching", enable_caching, "True or False")
+        if not isinstance(enable_kv_cache_events, bool):
+            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events, "True or False")
+        if not isinstance(medium, str):
+            raise InvalidFieldError("medium", medium, "a str such as 'GPU'")
+        if int_block_hashes is not None and not isinstance(int_block_hashes, bool):
+            raise InvalidFieldError("int_block_hashes", int_block_hashes, "None, True or False")
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.medium = medium
+        self.int_block_hashes = use_int_block_hashes() if int_block_hashes is None else int_block_hashes
+        self.kv_event_queue: list[KVCacheEvent] = []
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -119,7 +142,9 @@ class BlockPool:
         taken = self.free_block_queue.popleft_n(num_blocks)
         for block in taken:
             if block._block_hash is not None:
-                self._remove_cached_block_hashes(block)
+                removed = self._remove_cached_block_hashes(block)
+                if self.enable_kv_cache_events:
+                    self._emit_block_removed_events(removed)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
         return taken
@@ -196,7 +221,8 @@ class BlockPool:
 
     def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
-                          kv_cache_group_id: int, block_mask: Sequence[bool] | None = None) -> None:
+                          kv_cache_group_id: int, block_mask: Sequence[bool] | None = None,
+                          request: Request | None = None) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         Args:
@@ -208,14 +234,24 @@ class BlockPool:
             kv_cache_group_id: the group, part of every key.
             block_mask: aligned with the range; False skips a block that can never serve a hit
                 (sliding-window tails). Null blocks are always skipped.
+            request: the request the blocks belong to; needed only with KV cache events (the
+                ``BlockStored`` event carries its token ids and cache salt).
 
         A block that already has a key here is a partial entry being promoted to the full block
-        (fine-grained hits): its old keys are removed first.
+        (fine-grained hits): its old keys are removed first (one ``BlockRemoved`` each).
+
+        With events on, one ``BlockStored`` follows for the whole range — even when every block
+        in it was skipped (then with no hashes), as vLLM 0.33.0 does.
         """
         if num_cached_blocks >= num_full_blocks:
             return
+        events = self.enable_kv_cache_events
+        if events and not isinstance(request, Request):
+            raise InvalidFieldError("request", request,
+                                    "the Request whose blocks are cached (BlockStored events carry its tokens)")
         hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
         suffix = group_suffix(kv_cache_group_id)
+        stored: list[int] = []  # indexes of the blocks that got a key (for the event)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
@@ -225,21 +261,83 @@ class BlockPool:
                 assert block._block_hash_num_tokens is not None \
                     and block._block_hash_num_tokens < num_hash_tokens, \
                     f"block {block.block_id} is already cached for {block._block_hash_num_tokens} tokens"
-                self._remove_cached_block_hashes(block)
+                removed = self._remove_cached_block_hashes(block)
+                if events:
+                    self._emit_block_removed_events(removed)
             self._insert_block_hash(hashes[i] + suffix, block, num_hash_tokens)
+            if events:
+                stored.append(i)
+        if events:
+            assert request is not None
+            ext = self._external_hash
+            parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks else None
+            self.kv_event_queue.append(self._block_stored(
+                request, [ext(hashes[i]) for i in stored], parent, num_cached_blocks * block_size,
+                num_full_blocks * block_size, block_size, kv_cache_group_id,
+                [event_extra_keys(request.cache_salt, i * block_size) for i in stored]))
+
+    def _external_hash(self, block_hash: BlockHash) -> int | bytes:
+        return to_external_block_hash(block_hash, self.int_block_hashes)
+
+    def _block_stored(self, request: Request, hashes: list, parent: int | bytes | None, start: int,
+                      end: int, block_size: int, group_id: int, extra_keys: list) -> BlockStored:
+        """vLLM's ``_build_block_stored_event``: ``extra_keys`` is None when no block got a key
+        (``to_event_extra_keys`` of an empty list), else one entry per stored block."""
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                           token_ids=request.all_token_ids[start:end], block_size=block_size,
+                           lora_id=None, medium=self.medium, lora_name=None,
+                           extra_keys=extra_keys or None, group_idx=group_id)
+
+    def _emit_block_removed_events(self, keys: list[BlockHashWithGroupId]) -> None:
+        """One ``BlockRemoved`` per removed key, in removal order (primary key first)."""
+        for key in keys:
+            self.kv_event_queue.append(BlockRemoved(
+                block_hashes=[self._external_hash(get_block_hash(key))], medium=self.medium,
+                group_idx=get_group_id(key)))
+
+    def emit_cached_block_events(self, request: Request, block_hashes: Sequence[BlockHash],
+                                 num_cached_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+        """``BlockStored`` for a prefix-cache hit of ``num_cached_blocks`` blocks, without
+        touching any state: for requests with ``kv_cache_report_mode == "full"``, so a router
+        also learns about reused blocks (vLLM ``BlockPool.emit_cached_block_events``). A hit is
+        a prefix from block 0, so there is no parent."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        if not isinstance(request, Request):
+            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
+        hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
+        ext = self._external_hash
+        self.kv_event_queue.append(self._block_stored(
+            request, [ext(hashes[i]) for i in range(num_cached_blocks)], None, 0,
+            num_cached_blocks * block_size, block_size, kv_cache_group_id,
+            [event_extra_keys(request.cache_salt, i * block_size) for i in range(num_cached_blocks)]))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Take every queued event (oldest first) and empty the queue; [] with events off."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def cache_partial_block(self, block_hashes: Sequence[BlockHash], block: KVCacheBlock,
                             num_tokens: int, kv_cache_group_id: int, block_size: int,
-                            replace_existing_hashes: bool = False) -> BlockHashWithGroupId | None:
+                            replace_existing_hashes: bool = False,
+                            request: Request | None = None) -> BlockHashWithGroupId | None:
         """Publish ``block`` under the hash of the prefix ending at ``num_tokens``, a hash boundary
         inside the block (fine-grained hits; full attention's prompt tail in hybrid models).
 
         The key becomes the block's primary key if it has none, else a secondary key. A block
         keyed for a shorter prefix is re-keyed (its old keys dropped). Returns the key, or None
-        for the null block.
+        for the null block. With events on (``request`` then required), a new entry is announced
+        by a one-hash ``BlockStored`` covering the last ``hash_block_size`` tokens before
+        ``num_tokens``; an entry the block already had is not announced again.
         """
         if block.is_null:
             return None
+        events = self.enable_kv_cache_events
+        if events and not isinstance(request, Request):
+            raise InvalidFieldError("request", request,
+                                    "the Request whose block is cached (BlockStored events carry its tokens)")
         hbs = self.hash_block_size
         assert block_size % hbs == 0 and num_tokens % hbs == 0, (block_size, num_tokens, hbs)
         num_hash_blocks = num_tokens // hbs
@@ -248,12 +346,25 @@ class BlockPool:
         already_cached = block._block_hash == key or \
             self.cached_block_hash_to_block.contain(key, block.block_id)
         if replace_existing_hashes:
-            self._remove_cached_block_hashes(block)
+            removed = self._remove_cached_block_hashes(block)
+            already_cached = False
+            if events:
+                self._emit_block_removed_events(removed)
         elif (not already_cached and block._block_hash is not None
               and block._block_hash_num_tokens is not None
               and block._block_hash_num_tokens < num_tokens):
-            self._remove_cached_block_hashes(block)
+            removed = self._remove_cached_block_hashes(block)
+            if events:
+                self._emit_block_removed_events(removed)
         self._insert_block_hash(key, block, num_tokens)
+        if events and not already_cached:
+            assert request is not None
+            start = (num_hash_blocks - 1) * hbs
+            parent = block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
+            self.kv_event_queue.append(self._block_stored(
+                request, [self._external_hash(block_hashes[num_hash_blocks - 1])],
+                None if parent is None else self._external_hash(parent), start, num_tokens,
+                num_tokens - start, kv_cache_group_id, [event_extra_keys(request.cache_salt, start)]))
         return key
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
@@ -296,7 +407,9 @@ class BlockPool:
             if type(bid) is not int or not 0 <= bid < self.num_gpu_blocks:
                 raise InvalidFieldError("block_ids", bid, f"block ids in [0, {self.num_gpu_blocks})")
         for bid in ids:
-            self._remove_cached_block_hashes(self.blocks[bid])
+            removed = self._remove_cached_block_hashes(self.blocks[bid])
+            if self.enable_kv_cache_events:
+                self._emit_block_removed_events(removed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, but only when no block is in use (else return False)."""
@@ -306,6 +419,8 @@ class BlockPool:
         self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
 
     # ------------------------------------------------------------------ inspection
@@ -368,3 +483,5 @@ class BlockPool:
                 assert self.cached_block_hash_to_block.contain(key, bid)
             num_expected += len(keys)
         assert num_keys == num_expected, (num_keys, num_expected)
+        # Events: queued only when enabled.
+        assert self.enable_kv_cache_events or not self.kv_event_queue, "events queued with events off"

@@ -100,4 +100,4 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if block_idx >= len(table):
             return
         self.block_pool.cache_partial_block(block_hashes, table[block_idx], boundary,
-                                            self.kv_cache_group_id, self.block_size)
+                                            self.kv_cache_group_id, self.block_size, request=request)

@@ -95,11 +95,14 @@ class KVCacheCoordinator:
             hit block so it is recomputed.
         enable_caching: prefix caching on/off.
         scheduler_block_size / hash_block_size: see the module docstring.
+        enable_kv_cache_events: the pool queues KV cache events (vLLM threads the same flag from
+            the scheduler through the manager and coordinator to the pool).
     """
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
                  max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int) -> None:
+                 scheduler_block_size: int, hash_block_size: int, *,
+                 enable_kv_cache_events: bool = False) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         check_int("max_model_len", max_model_len, minimum=1)
         check_int("max_in_flight_tokens", max_in_flight_tokens, minimum=1)
@@ -120,7 +123,8 @@ class KVCacheCoordinator:
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching, hash_block_size)
+        self.block_pool = BlockPool(num_blocks, enable_caching, hash_block_size,
+                                    enable_kv_cache_events=enable_kv_cache_events)
         self.eagle_group_ids = {i for i, g in enumerate(self.kv_cache_groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
@@ -249,6 +253,14 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> HitBlocks:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
+    def emit_cached_block_events(self, request: Request, block_hashes: Sequence[BlockHash],
+                                 computed_blocks: HitBlocks) -> None:
+        """``BlockStored`` per group for a reused prefix (``kv_cache_report_mode == "full"``)."""
+        for group_id, blocks in enumerate(computed_blocks):
+            if blocks:
+                self.block_pool.emit_cached_block_events(
+                    request, block_hashes, len(blocks), self.specs[group_id].block_size, group_id)
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
@@ -268,9 +280,10 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
                  max_in_flight_tokens: int, use_eagle: bool, scheduler_block_size: int,
-                 hash_block_size: int) -> None:
+                 hash_block_size: int, *, enable_kv_cache_events: bool = False) -> None:
         super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         False, scheduler_block_size, hash_block_size)
+                         False, scheduler_block_size, hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
@@ -282,7 +295,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
                  max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int) -> None:
+                 scheduler_block_size: int, hash_block_size: int, *,
+                 enable_kv_cache_events: bool = False) -> None:
         if len(kv_cache_groups) != 1:
             raise InvalidFieldError("kv_cache_groups", len(kv_cache_groups), "exactly one group")
         block_size = scheduler_spec(kv_cache_groups[0].kv_cache_spec).block_size
@@ -290,7 +304,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             raise InvalidFieldError("hash_block_size", hash_block_size,
                                     f"the group's block_size={block_size} (one group)")
         super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         enable_caching, scheduler_block_size, hash_block_size)
+                         enable_caching, scheduler_block_size, hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events)
         self.block_size = block_size
         self.single_type_managers[0].use_eagle = 0 in self.drop_eagle_group_ids
 
@@ -327,9 +342,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
                  max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int) -> None:
+                 scheduler_block_size: int, hash_block_size: int, *,
+                 enable_kv_cache_events: bool = False) -> None:
         super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         enable_caching, scheduler_block_size, hash_block_size)
+                         enable_caching, scheduler_block_size, hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events)
         for i, spec in enumerate(self.specs):
             if spec.prefix_cacheable and spec.block_size % hash_block_size:
                 raise InvalidFieldError("hash_block_size", hash_block_size,
@@ -440,13 +457,16 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
                              max_model_len: int, max_in_flight_tokens: int, use_eagle: bool,
                              enable_caching: bool, scheduler_block_size: int,
-                             hash_block_size: int) -> KVCacheCoordinator:
+                             hash_block_size: int, *,
+                             enable_kv_cache_events: bool = False) -> KVCacheCoordinator:
     """Pick the coordinator vLLM would: no caching -> NoPrefixCache; one group -> Unitary; else
     Hybrid."""
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(kv_cache_groups, num_blocks, max_model_len,
                                                max_in_flight_tokens, use_eagle,
-                                               scheduler_block_size, hash_block_size)
+                                               scheduler_block_size, hash_block_size,
+                                               enable_kv_cache_events=enable_kv_cache_events)
     cls = UnitaryKVCacheCoordinator if len(kv_cache_groups) == 1 else HybridKVCacheCoordinator
     return cls(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-               enable_caching, scheduler_block_size, hash_block_size)
+               enable_caching, scheduler_block_size, hash_block_size,
+               enable_kv_cache_events=enable_kv_cache_events)

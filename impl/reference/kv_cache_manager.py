@@ -33,6 +33,7 @@ from .block_hash import BlockHash, RequestBlockHasher
 from .errors import UnknownRequestError
 from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
+from .kv_events import BlockStored, KVCacheEvent, kv_cache_spec_kind, kv_cache_spec_sliding_window
 
 
 _COUNT_FIELDS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
@@ -77,8 +78,14 @@ class KVCacheManager:
         max_in_flight = config.max_in_flight_tokens or config.max_model_len
         self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
             config.groups, config.num_blocks, config.max_model_len, max_in_flight, config.use_eagle,
-            config.enable_caching, config.scheduler_block_size, config.hash_block_size)
+            config.enable_caching, config.scheduler_block_size, config.hash_block_size,
+            enable_kv_cache_events=config.enable_kv_cache_events)
         self.block_pool = self.coordinator.block_pool
+        self.enable_kv_cache_events = config.enable_kv_cache_events
+        #: per group: (kv_cache_spec_kind, sliding window) that ``take_events`` stamps on stores
+        self.kv_cache_event_metadata = tuple(
+            (kv_cache_spec_kind(g.kv_cache_spec), kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in config.groups)
         self.num_kv_cache_groups = len(config.groups)
         self.watermark_blocks = int(config.watermark * config.num_blocks)
         self.hasher = RequestBlockHasher(config.hash_block_size) if config.enable_caching else None
@@ -110,8 +117,14 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
+        block_hashes = self.hasher.block_hashes(request)
         blocks, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
-            self.hasher.block_hashes(request), max_cache_hit_length)
+            block_hashes, max_cache_hit_length)
+        # vLLM reads the report mode from SamplingParams.extra_args; kvref's Request may carry it
+        # as an attribute (the shared Request has no such field: "incremental", no event).
+        if num_hit > 0 and self.enable_kv_cache_events and \
+                getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            self.coordinator.emit_cached_block_events(request, block_hashes, blocks)
         boundary = num_hit + num_uncached if num_uncached else 0
         return self.create_kv_cache_blocks(blocks), num_hit, boundary
 
@@ -266,6 +279,18 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.coordinator.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Take the pool's queued KV cache events; ``BlockStored`` events get their group's spec
+        kind and sliding window stamped here, as vLLM's ``KVCacheManager.take_events`` does (the
+        pool stays ignorant of specs)."""
+        events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for event in events:
+            if isinstance(event, BlockStored) and event.group_idx is not None \
+                    and 0 <= event.group_idx < len(meta):
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[event.group_idx]
+        return events
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()

@@ -248,7 +248,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if source.is_null or source.block_hash_num_tokens == num_tokens:
             return None
         key = self.block_pool.cache_partial_block(block_hashes, source, num_tokens,
-                                                  self.kv_cache_group_id, self.block_size)
+                                                  self.kv_cache_group_id, self.block_size, request=request)
         assert not num_tokens % self.block_size, "partial Mamba tails are not modelled"
         return key
 

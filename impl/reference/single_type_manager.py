@@ -232,7 +232,7 @@ class SingleTypeKVCacheManager:
                                          self.kv_cache_spec, self.use_eagle)
         self.block_pool.cache_full_blocks(block_hashes, self.req_to_blocks.setdefault(rid, []),
                                           num_cached, num_full, self.block_size,
-                                          self.kv_cache_group_id, mask)
+                                          self.kv_cache_group_id, mask, request=request)
         self.num_cached_block[rid] = num_full
 
     @classmethod
