@@ -30,22 +30,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _list() -> int:
+def _list(as_json: bool = False) -> int:
+    """Theorems and variants. The names are what one types (``--variant NAME``), so they are never
+    cut: their column keeps its full width and the descriptions fold instead; ``--json`` lists the
+    same for scripts."""
     from rich.console import Console
     from rich.table import Table
 
     from kvref.proofs import THEOREMS, VARIANTS
 
+    if as_json:
+        print(json.dumps({
+            "theorems": [{"id": th.id, "name": th.name, "title": th.title} for th in THEOREMS],
+            "variants": [{"name": v.name, "kind": v.kind, "breaks": v.theorem, "refs": list(v.refs)}
+                         for v in VARIANTS]}, indent=2))
+        return 0
     console = Console()
-    t = Table(title="theorems")
-    for col in ("id", "name", "title"):
-        t.add_column(col)
+    t = Table(title="theorems", title_justify="left")
+    t.add_column("id", no_wrap=True)
+    t.add_column("name", no_wrap=True, min_width=max(len(th.name) for th in THEOREMS))
+    t.add_column("title", overflow="fold")
     for th in THEOREMS:
         t.add_row(th.id, th.name, th.title)
     console.print(t)
-    v = Table(title="variants")
-    for col in ("name", "kind", "breaks", "vLLM refs"):
-        v.add_column(col)
+    v = Table(title="variants (kvref prove --variant NAME)", title_justify="left")
+    v.add_column("name", no_wrap=True, min_width=max(len(var.name) for var in VARIANTS))
+    v.add_column("kind", overflow="fold")
+    v.add_column("breaks", no_wrap=True)
+    v.add_column("vLLM refs", overflow="fold")
     for var in VARIANTS:
         v.add_row(var.name, var.kind, var.theorem, ", ".join(var.refs))
     console.print(v)
@@ -57,7 +69,7 @@ def run(args) -> int:
     from kvref.spec.errors import InvalidFieldError
 
     if args.list:
-        return _list()
+        return _list(args.json)
     if not args.timeout or args.timeout <= 0:
         raise InvalidFieldError("--timeout", args.timeout, "a positive number of seconds")
     results = run_all(args.theorems or None, variant=args.variant, out_dir=args.out,
