@@ -1,0 +1,263 @@
+"""The run-trace format, version 1: what each line holds, and how a reader checks it.
+
+One header line, then one JSON object per line, each with a type ``"t"``:
+
+========== =========================================================================================
+``add``    a request arrived: ``id``, ``prompt`` (base64 of little-endian uint32 token ids),
+           ``max_tokens``, ``stop`` (stop token ids, EOS included unless ignored), ``salt``
+           (``cache_salt`` or null), ``priority``, ``arrival``; ``x``: features of the request the
+           reference does not model (structured output, multimodal, LoRA, ...), if any.
+``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
+           ``status`` (vLLM's ``RequestStatus`` name).
+``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call), ``reqs`` in batch order, each
+           ``[id, kind, num_tokens, num_computed_before, is_prefill_chunk, block_ids]`` with kind
+           ``n`` (new), ``r`` (resumed after preemption), ``c`` (running); ``block_ids`` is the whole
+           table per KV cache group for ``n``/``r`` and the newly allocated ids for ``c`` (null: none);
+           ``pre`` preempted ids, ``fin`` finished ids since the last step; optional ``throttle``
+           (DP prefill throttling was asked for) and ``x`` (step features not modelled: spec decode,
+           encoder inputs).
+``update`` one ``update_from_output``: ``step`` (the ``sched`` it settles), ``sampled``
+           ``[[id, [token, ...]], ...]`` for requests that sampled, ``fin`` ``[[id, reason], ...]``
+           for requests it finished (``stop``, ``length``, ``error``, ``repetition``, ...).
+``end``    the scheduler shut down cleanly: ``steps``, ``records``.
+========== =========================================================================================
+
+Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
+recorder) carry extra information a reader may skip; any other unknown type is an error, so a
+reader never silently misreads a newer format. A newer *major* ``version`` is refused with the
+version named.
+
+Why base64 for prompts: encoding a 4,000-token prompt as a JSON list costs about ten times as
+much as ``array.tobytes`` + base64, and recording must cost a few percent of ``schedule()`` at most.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import sys
+from array import array
+from typing import Any
+
+from kvref.spec.errors import InvalidFieldError
+
+FORMAT = "kvref-run-trace"
+VERSION = 1
+RECORD_TYPES = ("add", "abort", "sched", "update", "end")
+#: record types a reader may skip (room for the KV-events recorder's records)
+OPTIONAL_RECORD_TYPES = ("kv_events",)
+KINDS = {"n": "new", "r": "resumed", "c": "running"}
+FINISH_REASONS = {
+    "FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
+    "FINISHED_IGNORED": "ignored", "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition",
+}
+
+
+class TraceFormatError(InvalidFieldError):
+    """A trace file that cannot be read: names the file, the record (line) and the field."""
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def encode_tokens(tokens) -> str:
+    """Token ids -> base64 of little-endian uint32 (ids must be in [0, 2**32))."""
+    a = array("I", tokens)
+    if _BIG_ENDIAN:  # pragma: no cover - the format is little-endian everywhere
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def decode_tokens(text: str) -> list[int]:
+    """Inverse of :func:`encode_tokens`; raises ``ValueError`` on a malformed string."""
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"{len(raw)} bytes is not a whole number of uint32 token ids")
+    a = array("I")
+    a.frombytes(raw)
+    if _BIG_ENDIAN:  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
+
+
+class _Numbering(dict):
+    """A dict that numbers unseen keys 0, 1, 2, ... in order of first appearance."""
+
+    def __missing__(self, key):
+        value = self[key] = len(self)
+        return value
+
+
+class TokenAnonymizer:
+    """A consistent, injective renaming of token ids, request ids and cache salts.
+
+    Production prompts must not leave the machine, yet the reference must see the same
+    equalities vLLM saw: two prompts sharing a prefix must still share it (prefix-cache hits),
+    a sampled stop token must still be a stop token. Token ids are therefore renumbered in order
+    of first appearance (injective and consistent within one trace; the mapping is never
+    written), salts become keyed hashes under a per-run random key, request ids become ``r<n>``.
+    What remains visible: lengths, which tokens are equal, timing. Frequency analysis of a long
+    trace may still tell common tokens apart; see docs/record.md.
+    """
+
+    def __init__(self) -> None:
+        self._tokens = _Numbering()
+        self._get_token = self._tokens.__getitem__
+        self._ids: dict[str, str] = {}
+        self._num_ids = 0
+        self._key = os.urandom(16)
+
+    def tokens(self, tokens) -> list[int]:
+        return list(map(self._get_token, tokens))
+
+    def request_id(self, request_id: str) -> str:
+        out = self._ids.get(request_id)
+        if out is None:
+            out = self._ids[request_id] = f"r{self._num_ids}"
+            self._num_ids += 1
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's id is not needed again (keeps memory bounded on long runs)."""
+        self._ids.pop(request_id, None)
+
+    def salt(self, salt: str | None) -> str | None:
+        if salt is None:
+            return None
+        return hashlib.blake2b(salt.encode(), key=self._key, digest_size=8).hexdigest()
+
+
+# ---- validation (reader side) -------------------------------------------------------------------
+def _fail(where: str, field: str, value: Any, allowed: str) -> TraceFormatError:
+    return TraceFormatError(f"{where}: {field}", value, allowed)
+
+
+def _is_int(v: Any, minimum: int | None = 0) -> bool:
+    return type(v) is int and (minimum is None or v >= minimum)
+
+
+def _str_list(where: str, rec: dict, key: str) -> list:
+    v = rec.get(key)
+    if not isinstance(v, list) or not all(type(x) is str for x in v):
+        raise _fail(where, key, v, "a list of request ids (str)")
+    return v
+
+
+_SPEC_TYPES = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec",
+               "MambaSpec", "CrossAttentionSpec", "EncoderOnlyAttentionSpec", "SinkFullAttentionSpec",
+               "UniformTypeKVCacheSpecs")
+
+
+def validate_header(header: Any, where: str) -> dict:
+    """Check a header line; returns it. Unknown extra keys are allowed (minor additions)."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise _fail(where, "format", header.get("format") if isinstance(header, dict) else header,
+                    f"{FORMAT!r} (is this a kvref run trace?)")
+    version = header.get("version")
+    if not _is_int(version, 1):
+        raise _fail(where, "version", version, f"an int; this kvref reads version {VERSION}")
+    if version > VERSION:
+        raise _fail(where, "version", version, f"at most {VERSION} (written by a newer kvref; upgrade kvref)")
+    pool = header.get("pool")
+    if not isinstance(pool, dict):
+        raise _fail(where, "pool", pool, "an object with num_blocks, groups, max_model_len, ...")
+    for key in ("num_blocks", "max_model_len", "scheduler_block_size", "hash_block_size"):
+        if not _is_int(pool.get(key), 1):
+            raise _fail(where, f"pool.{key}", pool.get(key), "a positive int")
+    groups = pool.get("groups")
+    if not isinstance(groups, list) or not groups:
+        raise _fail(where, "pool.groups", groups, "a non-empty list of KV cache groups")
+    for i, g in enumerate(groups):
+        spec = g.get("spec") if isinstance(g, dict) else None
+        if not isinstance(spec, dict) or not _is_int(spec.get("block_size"), 1) or not isinstance(spec.get("type"), str):
+            raise _fail(where, f"pool.groups[{i}].spec", spec, "an object with a type (str) and block_size (int)")
+    sched = header.get("scheduler")
+    if not isinstance(sched, dict):
+        raise _fail(where, "scheduler", sched, "an object with the scheduler settings")
+    for key in ("max_num_batched_tokens", "max_num_seqs"):
+        if not _is_int(sched.get(key), 1):
+            raise _fail(where, f"scheduler.{key}", sched.get(key), "a positive int")
+    unmodelled = header.get("unmodelled", [])
+    if not isinstance(unmodelled, list) or not all(isinstance(u, str) for u in unmodelled):
+        raise _fail(where, "unmodelled", unmodelled, "a list of feature names (str)")
+    return header
+
+
+def _blocks_ok(blocks: Any) -> bool:
+    if blocks is None:
+        return True
+    if not isinstance(blocks, list):
+        return False
+    for g in blocks:
+        if not isinstance(g, list):
+            return False
+        for b in g:
+            if type(b) is not int or b < 0:
+                return False
+    return True
+
+
+def validate_record(rec: Any, where: str) -> str:
+    """Check one record's shape; returns its type. Raises :class:`TraceFormatError`."""
+    if not isinstance(rec, dict):
+        raise _fail(where, "record", rec, "a JSON object with a type 't'")
+    t = rec.get("t")
+    if t == "sched":
+        if not _is_int(rec.get("step")):
+            raise _fail(where, "step", rec.get("step"), "an int >= 0")
+        rows = rec.get("reqs")
+        if not isinstance(rows, list):
+            raise _fail(where, "reqs", rows, "a list of [id, kind, num_tokens, num_computed, chunk, blocks]")
+        for i, row in enumerate(rows):
+            if (not isinstance(row, list) or len(row) != 6 or type(row[0]) is not str or row[1] not in KINDS
+                    or not _is_int(row[2], 1) or not _is_int(row[3]) or row[4] not in (0, 1)
+                    or not _blocks_ok(row[5])):
+                raise _fail(where, f"reqs[{i}]", row,
+                            "[id (str), kind (n/r/c), num_tokens (int >= 1), num_computed (int >= 0), "
+                            "is_prefill_chunk (0/1), block ids per group (lists of ints) or null]")
+        _str_list(where, rec, "pre")
+        _str_list(where, rec, "fin")
+    elif t == "update":
+        if not _is_int(rec.get("step")):
+            raise _fail(where, "step", rec.get("step"), "an int >= 0")
+        sampled = rec.get("sampled")
+        if not isinstance(sampled, list):
+            raise _fail(where, "sampled", sampled, "a list of [id, [token ids]]")
+        for i, row in enumerate(sampled):
+            if (not isinstance(row, list) or len(row) != 2 or type(row[0]) is not str
+                    or not isinstance(row[1], list) or not all(_is_int(x) for x in row[1])):
+                raise _fail(where, f"sampled[{i}]", row, "[id (str), [token ids (int >= 0)]]")
+        fin = rec.get("fin")
+        if not isinstance(fin, list) or not all(isinstance(f, list) and len(f) == 2 and type(f[0]) is str
+                                                and type(f[1]) is str for f in fin):
+            raise _fail(where, "fin", fin, "a list of [id, reason]")
+    elif t == "add":
+        if type(rec.get("id")) is not str or not rec["id"]:
+            raise _fail(where, "id", rec.get("id"), "a non-empty request id (str)")
+        if type(rec.get("prompt")) is not str:
+            raise _fail(where, "prompt", rec.get("prompt"), "base64 of little-endian uint32 token ids")
+        if not _is_int(rec.get("max_tokens"), 1):
+            raise _fail(where, "max_tokens", rec.get("max_tokens"), "an int >= 1")
+        stop = rec.get("stop")
+        if not isinstance(stop, list) or not all(_is_int(x) for x in stop):
+            raise _fail(where, "stop", stop, "a list of token ids (int >= 0)")
+        if rec.get("salt") is not None and type(rec.get("salt")) is not str:
+            raise _fail(where, "salt", rec.get("salt"), "null or a str")
+        if not _is_int(rec.get("priority"), None):
+            raise _fail(where, "priority", rec.get("priority"), "an int")
+        if type(rec.get("arrival")) not in (int, float):
+            raise _fail(where, "arrival", rec.get("arrival"), "a number (seconds)")
+    elif t == "abort":
+        _str_list(where, rec, "ids")
+    elif t == "end":
+        if not _is_int(rec.get("steps")):
+            raise _fail(where, "steps", rec.get("steps"), "an int >= 0")
+    elif t in OPTIONAL_RECORD_TYPES:
+        pass
+    else:
+        raise _fail(where, "t", t, "one of " + ", ".join(RECORD_TYPES + OPTIONAL_RECORD_TYPES))
+    x = rec.get("x")
+    if x is not None and (not isinstance(x, list) or not all(type(v) is str for v in x)):
+        raise _fail(where, "x", x, "a list of feature names (str)")
+    return t

@@ -1,0 +1,429 @@
+"""Recording schedulers: vLLM's own ``Scheduler`` / ``AsyncScheduler``, writing a run trace.
+
+A user switches recording on without patching vLLM, through vLLM's ``--scheduler-cls`` hook
+(``SchedulerConfig.scheduler_cls``; the engine core resolves the string with
+``resolve_obj_by_qualname`` in ``SchedulerConfig.get_scheduler_cls`` and constructs the class
+with the same arguments as its default scheduler)::
+
+    KVREF_RECORD=/data/run.kvtrace.gz vllm serve MODEL \\
+        --scheduler-cls kvref.record.RecordingAsyncScheduler
+    kvref check-run /data/run.kvtrace.gz
+
+Pick the class that matches the engine's mode: ``RecordingAsyncScheduler`` under async
+scheduling (vLLM's default where supported), ``RecordingScheduler`` with
+``--no-async-scheduling``. A custom ``scheduler_cls`` does not change whether the engine
+*runs* asynchronously (``SchedulerConfig.async_scheduling`` does), so a mismatch is recorded in
+the header and ``kvref check-run`` falls back to the run properties for it.
+
+Settings (environment, or ``--additional-config '{"kvref_record": {...}}'``):
+
+* ``KVREF_RECORD`` / ``path``: the trace file (``*.gz``: gzip; ``{pid}`` and ``{rank}``, the
+  data-parallel rank, are substituted so several engine cores do not share a file);
+* ``KVREF_RECORD_ANONYMIZE=1`` / ``anonymize``: token ids, request ids and cache salts replaced
+  by a consistent anonymous mapping (:class:`~kvref.impl.run_trace.format.TokenAnonymizer`), so
+  production prompts never leave the machine.
+
+What is recorded is what the reference needs to replay the run and nothing it would have to
+guess (see :mod:`kvref.impl.run_trace.format`): the KV cache config and scheduler settings, every
+arrival and outside abort, every ``schedule()`` as the KV cache sees it, every
+``update_from_output``. Features kvref's scheduler subset does not model (speculative decoding,
+KV connectors, structured output, multimodal inputs, ...) are named in the header or on the
+request's record, so the checker can say why it cannot follow instead of reporting a false
+divergence.
+
+The recording cost on the engine thread is a few list operations and one ``json`` encode per
+call; compression runs in a writer thread (``benchmarks/bench_record.py`` measures it against
+``schedule()`` + ``update_from_output()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import time
+import weakref
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from kvref.impl.run_trace.format import FINISH_REASONS, FORMAT, VERSION, TokenAnonymizer, encode_tokens
+from kvref.impl.run_trace.writer import TraceWriter, _dumps
+from kvref.spec.errors import InvalidFieldError
+
+ENV_PATH = "KVREF_RECORD"
+ENV_ANONYMIZE = "KVREF_RECORD_ANONYMIZE"
+_FINISHED_AFTER = RequestStatus.PREEMPTED  # vLLM: a status > PREEMPTED is finished
+_TRUE = ("1", "true", "yes", "on")
+
+
+def record_settings(vllm_config) -> tuple[str, bool]:
+    """``(path, anonymize)`` from the environment, else ``additional_config["kvref_record"]``."""
+    extra = getattr(vllm_config, "additional_config", None)
+    extra = extra.get("kvref_record", {}) if isinstance(extra, dict) else {}
+    if not isinstance(extra, dict):
+        raise InvalidFieldError("additional_config.kvref_record", extra, 'an object like {"path": "run.kvtrace.gz"}')
+    path = os.environ.get(ENV_PATH) or extra.get("path")
+    if not path or not isinstance(path, str):
+        raise InvalidFieldError(ENV_PATH, path, "the trace's output path (set KVREF_RECORD=/path/run.kvtrace.gz or "
+                                "additional_config kvref_record.path) when a kvref recording scheduler is used")
+    anon_env = os.environ.get(ENV_ANONYMIZE)
+    anonymize = anon_env.lower() in _TRUE if anon_env is not None else bool(extra.get("anonymize", False))
+    rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
+    return path.replace("{pid}", str(os.getpid())).replace("{rank}", str(rank)), anonymize
+
+
+def _plain(value: Any) -> Any:
+    """A spec field as JSON: dtypes by name, tuples as lists, anything else as its repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    text = str(value)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+def spec_record(spec) -> dict:
+    """A vLLM ``KVCacheSpec`` as ``{"type": class name, field: value, ...}``."""
+    out: dict[str, Any] = {"type": type(spec).__name__}
+    if dataclasses.is_dataclass(spec):
+        for f in dataclasses.fields(spec):
+            out[f.name] = _plain(getattr(spec, f.name))
+    if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        out["kv_cache_specs"] = {k: spec_record(v) for k, v in spec.kv_cache_specs.items()}
+    return out
+
+
+_MODELLED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec",
+                   "MambaSpec")
+
+
+def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
+    """What this engine uses that kvref's scheduler subset does not model (docs/differences.md)."""
+    vc, sc = s.vllm_config, s.scheduler_config
+    found = []
+
+    def flag(cond: Any, name: str) -> None:
+        if cond:
+            found.append(name)
+
+    flag(getattr(s, "connector", None) is not None, "kv_connector")
+    flag(getattr(s, "ec_connector", None) is not None, "ec_connector")
+    flag(getattr(vc, "speculative_config", None) is not None, "spec_decode")
+    flag(getattr(s, "num_lookahead_tokens", 0), "lookahead_tokens")
+    flag(getattr(s, "num_prefill_lookahead", 0), "prefill_lookahead")
+    flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
+    flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
+    flag(getattr(s, "adaptive_long_prefill_threshold", False), "adaptive_long_prefill_threshold")
+    flag(getattr(s, "defer_block_free", False), "deferred_block_free")
+    flag(getattr(s, "max_num_active_reqs", sc.max_num_seqs) != sc.max_num_seqs, "max_num_active_seqs")
+    flag(getattr(s, "max_num_scheduled_tokens", sc.max_num_batched_tokens) != sc.max_num_batched_tokens,
+         "max_num_scheduled_tokens")
+    flag(getattr(sc, "prefill_schedule_interval", 1) != 1, "prefill_schedule_interval")
+    flag(getattr(s, "num_sampled_tokens_per_step", 1) != 1, "pooling_or_diffusion_model")
+    flag(getattr(s, "is_encoder_decoder", False), "encoder_decoder")
+    flag(getattr(s, "dcp_world_size", 1) != 1, "decode_context_parallel")
+    flag(getattr(getattr(vc, "parallel_config", None), "pipeline_parallel_size", 1) != 1, "pipeline_parallel")
+    flag(getattr(getattr(vc, "cache_config", None), "mamba_cache_mode", "none") == "align", "mamba_align_mode")
+    flag(getattr(getattr(vc, "cache_config", None), "enable_mamba_shared_prefix_checkpoint", False),
+         "mamba_shared_prefix_checkpoint")
+    flag(bool(sc.async_scheduling) != is_async_class,
+         "async_scheduling_mismatch (async_scheduling=%s with a %s scheduler class)"
+         % (sc.async_scheduling, "async" if is_async_class else "synchronous"))
+    for i, g in enumerate(s.kv_cache_config.kv_cache_groups):
+        name = type(g.kv_cache_spec).__name__
+        flag(name not in _MODELLED_SPECS, f"kv_cache_spec:{name} (group {i})")
+    return found
+
+
+def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
+    """The trace header for a constructed scheduler."""
+    import vllm
+
+    from kvref import __version__ as kvref_version
+
+    vc, sc, cc = s.vllm_config, s.scheduler_config, s.cache_config
+    kvc = s.kv_cache_config
+    return {
+        "format": FORMAT, "version": VERSION,
+        "producer": {"vllm": getattr(vllm, "__version__", "unknown"), "kvref": kvref_version,
+                     "scheduler_cls": f"{type(s).__module__}.{type(s).__qualname__}", "pid": os.getpid(),
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "anonymized": anonymize,
+        "pool": {
+            "num_blocks": kvc.num_blocks, "max_model_len": s.max_model_len,
+            "scheduler_block_size": s.block_size, "hash_block_size": s.hash_block_size,
+            "max_in_flight_tokens": vc.max_in_flight_tokens, "enable_caching": bool(cc.enable_prefix_caching),
+            "watermark": float(getattr(sc, "watermark", 0.0)), "use_eagle": bool(getattr(s, "use_eagle_block_drop", False)),
+            "groups": [{"layers": list(g.layer_names), "spec": spec_record(g.kv_cache_spec)}
+                       for g in kvc.kv_cache_groups],
+        },
+        "scheduler": {
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_num_scheduled_tokens": getattr(s, "max_num_scheduled_tokens", sc.max_num_batched_tokens),
+            "max_num_seqs": sc.max_num_seqs,
+            "long_prefill_token_threshold": sc.long_prefill_token_threshold,
+            "enable_chunked_prefill": bool(sc.enable_chunked_prefill),
+            "policy": str(sc.policy),
+            "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", True)),
+            "async_scheduling": bool(sc.async_scheduling),
+            "async_class": is_async_class,
+            "prefill_schedule_interval": getattr(sc, "prefill_schedule_interval", 1),
+        },
+        "unmodelled": _setup_unmodelled(s, is_async_class),
+    }
+
+
+def _request_unmodelled(request, existing: bool) -> list[str]:
+    found = []
+    sp = request.sampling_params
+    if existing or getattr(request, "resumable", False):
+        found.append("streaming_input")
+    if request.pooling_params is not None:
+        found.append("pooling")
+    if getattr(request, "use_structured_output", False):
+        found.append("structured_output")
+    if getattr(request, "mm_features", None):
+        found.append("multimodal")
+    if getattr(request, "lora_request", None) is not None:
+        found.append("lora")
+    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+        found.append("prompt_embeds")
+    if getattr(request, "kv_transfer_params", None):
+        found.append("kv_transfer")
+    if sp is not None and getattr(sp, "repetition_detection", None) is not None:
+        found.append("repetition_detection")
+    return found
+
+
+class _Recorder:
+    """The recording half, shared by both classes (a mixin before vLLM's class in the MRO)."""
+
+    _kvref_writer: TraceWriter | None = None
+
+    def _kvref_start(self, is_async_class: bool) -> None:
+        path, anonymize = record_settings(self.vllm_config)
+        self._kvref_anon = TokenAnonymizer() if anonymize else None
+        self._kvref_step = 0
+        self._kvref_steps: dict[int, int] = {}  # id(SchedulerOutput) -> step
+        self._kvref_depth = 0  # > 0 inside our own calls: internal finish_requests are not aborts
+        self._kvref_writer = TraceWriter(path, build_header(self, anonymize, is_async_class))
+        self.kvref_trace_path = path
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda s: s is not None and s._kvref_close("atexit"))(ref()))
+
+    def _kvref_close(self, how: str) -> None:
+        w = self._kvref_writer
+        if w is not None and not w.closed:
+            w.close({"t": "end", "steps": self._kvref_step, "records": w.num_records + 1, "how": how})
+
+    # ---- recorded calls ---------------------------------------------------------------------
+    def add_request(self, request) -> None:
+        existing = request.request_id in self.requests
+        self._kvref_depth += 1
+        try:
+            super().add_request(request)
+        finally:
+            self._kvref_depth -= 1
+        sp = request.sampling_params
+        stop = list(sp.stop_token_ids or ()) if sp is not None else []
+        eos = sp.eos_token_id if sp is not None else None
+        if eos is not None and eos not in stop:
+            stop.append(eos)
+        prompt = request.prompt_token_ids or ()
+        rid, salt = request.request_id, request.cache_salt
+        anon = self._kvref_anon
+        if anon is not None:
+            prompt, stop = anon.tokens(prompt), anon.tokens(stop)
+            rid, salt = anon.request_id(rid), anon.salt(salt)
+        rec = {"t": "add", "id": rid, "prompt": encode_tokens(prompt), "max_tokens": request.max_tokens,
+               "stop": stop, "salt": salt, "priority": request.priority, "arrival": request.arrival_time}
+        unmodelled = _request_unmodelled(request, existing)
+        if unmodelled:
+            rec["x"] = unmodelled
+        self._kvref_writer.write(rec)
+
+    def finish_requests(self, request_ids, finished_status):
+        if self._kvref_depth:
+            return super().finish_requests(request_ids, finished_status)
+        self._kvref_depth += 1
+        try:
+            done = super().finish_requests(request_ids, finished_status)
+        finally:
+            self._kvref_depth -= 1
+        if done:
+            ids = [r.request_id for r in done]
+            anon = self._kvref_anon
+            if anon is not None:
+                ids = [anon.request_id(i) for i in ids]
+                for r in done:
+                    anon.forget(r.request_id)
+            self._kvref_writer.write({"t": "abort", "ids": ids,
+                                      "status": getattr(finished_status, "name", str(finished_status))})
+        return done
+
+    def schedule(self, *args, **kwargs):
+        self._kvref_depth += 1
+        try:
+            so = super().schedule(*args, **kwargs)
+        finally:
+            self._kvref_depth -= 1
+        step = self._kvref_step
+        self._kvref_step = step + 1
+        self._kvref_steps[id(so)] = step
+        requests = self.requests
+        new = {nr.req_id: nr.block_ids for nr in so.scheduled_new_reqs} if so.scheduled_new_reqs else None
+        cached = so.scheduled_cached_reqs
+        cached_blocks = dict(zip(cached.req_ids, cached.new_block_ids)) if cached.req_ids else None
+        resumed = cached.resumed_req_ids
+        rows = []
+        append = rows.append
+        for rid, n in so.num_scheduled_tokens.items():
+            r = requests[rid]
+            if new is not None and rid in new:
+                append([rid, "n", n, r.num_computed_tokens - n, r.is_prefill_chunk, new[rid]])
+            else:
+                append([rid, "r" if rid in resumed else "c", n, r.num_computed_tokens - n, r.is_prefill_chunk,
+                        cached_blocks[rid]])
+        pre, fin = list(so.preempted_req_ids), list(so.finished_req_ids)
+        anon = self._kvref_anon
+        if anon is not None:
+            for row in rows:
+                row[0] = anon.request_id(row[0])
+            pre = [anon.request_id(i) for i in pre]
+            fin = [anon.request_id(i) for i in fin]
+        rec = {"t": "sched", "step": step, "reqs": rows, "pre": pre, "fin": fin}
+        if args[0] if args else kwargs.get("throttle_prefills", False):
+            rec["throttle"] = True  # DP prefill cadence: not modelled, the checker stops following
+        x = []
+        if so.scheduled_spec_decode_tokens:
+            x.append("spec_decode")
+        if so.scheduled_encoder_inputs:
+            x.append("encoder_inputs")
+        if x:
+            rec["x"] = x
+        w = self._kvref_writer
+        w.write_line(_dumps(rec))
+        w.tick()
+        return so
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        before = [requests.get(rid) for rid in scheduled]
+        self._kvref_depth += 1
+        try:
+            out = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._kvref_depth -= 1
+        step = self._kvref_steps.pop(id(scheduler_output), -1)
+        sampled_ids = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        sampled = []
+        if sampled_ids:
+            for rid in scheduled:
+                i = index.get(rid)
+                if i is not None:
+                    toks = sampled_ids[i]
+                    if len(toks):
+                        sampled.append([rid, toks if type(toks) is list else [int(t) for t in toks]])
+        fin = [[r.request_id, FINISH_REASONS.get(r.status.name, r.status.name.lower())]
+               for r in before if r is not None and r.status > _FINISHED_AFTER]
+        anon = self._kvref_anon
+        if anon is not None:
+            sampled = [[anon.request_id(rid), anon.tokens(toks)] for rid, toks in sampled]
+            fin = [[anon.request_id(rid), why] for rid, why in fin]
+        self._kvref_writer.write_line(_dumps({"t": "update", "step": step, "sampled": sampled, "fin": fin}))
+        if anon is not None:
+            for r in before:
+                if r is not None and r.status > _FINISHED_AFTER:
+                    anon.forget(r.request_id)
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._kvref_close("shutdown")
+
+    def kvref_flush(self) -> None:
+        """Make everything recorded so far readable from the file (tests, tools)."""
+        self._kvref_writer.flush()
+
+
+class RecordingScheduler(_Recorder, Scheduler):
+    """vLLM's synchronous ``Scheduler``, recording a run trace (``--no-async-scheduling``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvref_start(is_async_class=False)
+
+    def check_invariants(self) -> None:
+        assert self._kvref_writer is not None
+        self._kvref_writer.check_invariants()
+        assert len(self._kvref_steps) <= 2, "more steps in flight than vLLM's batch queue holds"
+
+
+class RecordingAsyncScheduler(_Recorder, AsyncScheduler):
+    """vLLM's ``AsyncScheduler``, recording a run trace (async scheduling, vLLM's default)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvref_start(is_async_class=True)
+
+    check_invariants = RecordingScheduler.check_invariants
+
+
+__all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingScheduler", "build_header",
+           "record_settings", "spec_record"]
+
+
+def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None):
+    """A :class:`~kvref.impl.vllm.scheduler.VllmScheduler` whose vLLM scheduler is built from a
+    ``scheduler_cls`` string exactly as vLLM's engine core builds it (``SchedulerConfig.
+    get_scheduler_cls()``, then the engine core's constructor arguments); default: the recording
+    class that matches ``config.async_scheduling``. Drives a recorded run on CPU with a fake model
+    (tests, benchmarks); the trace goes where :func:`record_settings` says.
+    """
+    from .scheduler import VllmEnv, VllmScheduler, load_vllm, to_vllm_spec
+
+    if scheduler_cls is None:
+        scheduler_cls = ("kvref.record.RecordingAsyncScheduler" if config.async_scheduling
+                         else "kvref.record.RecordingScheduler")
+
+    class _Driven(VllmScheduler):
+        def __init__(self) -> None:  # VllmScheduler.__init__ with the class resolved like the engine core
+            if pool.max_in_flight_tokens != config.max_in_flight_tokens:
+                raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
+                                        f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
+            v = self._v = load_vllm()
+            self.env = env or VllmEnv()
+            vc = self.env.configure(pool, config)
+            kv_cfg = v["vk"].KVCacheConfig(
+                num_blocks=pool.num_blocks, kv_cache_tensors=[],
+                kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
+                                                          to_vllm_spec(g.kv_cache_spec))
+                                 for i, g in enumerate(pool.groups)])
+            vc.scheduler_config.scheduler_cls = scheduler_cls
+            try:
+                cls = vc.scheduler_config.get_scheduler_cls()
+            finally:
+                vc.scheduler_config.scheduler_cls = None  # the env is shared
+            self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
+                                 structured_output_manager=v["StructuredOutputManager"](vc),
+                                 include_finished_set=False, log_stats=False,
+                                 block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size)
+            self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
+            self.pool = pool
+            self.config = config
+            self._reqs: dict[str, Any] = {}
+            self._outputs: dict[int, Any] = {}
+
+        def close(self) -> None:
+            self.scheduler.shutdown()
+
+    return _Driven()

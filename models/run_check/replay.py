@@ -1,0 +1,223 @@
+"""Lock-step replay of a recorded run on the reference scheduler and KV cache manager.
+
+The recorded engine's calls are replayed in their order (arrivals, outside aborts, ``schedule()``,
+``update_from_output`` with the *recorded* sampled tokens). After every ``schedule()`` the
+reference's decision is compared with the recorded one: the requests in batch order, their kind
+(new / resumed / running), token counts, computed tokens, prefill-chunk flag and block ids per
+group — exactly, not up to renaming, since vLLM's free-queue order is defined — and the preempted
+and finished ids. After every ``update_from_output`` the requests each side finished, and why.
+This is the etcd-raft / CCF way of validating implementation traces against a spec: the
+implementation's trace drives the model, and the first step where the model could not have done
+what the implementation did is the finding.
+
+Where the run uses something the reference does not model (named in the header, on an arrival
+or on a step), the replay *stops following* at that point and says why; the run properties
+(:mod:`.properties`) go on to the end. Memory is bounded by the live requests: finished
+requests are dropped, steps are settled first-in first-out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvref.impl.reference.scheduler import Scheduler
+from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerOutput
+from kvref.impl.request import Request, RequestStatus
+from kvref.impl.run_trace.format import decode_tokens
+
+from .setup import RunSetup
+
+_KIND = {"new": "n", "resumed": "r", "running": "c"}
+
+
+def _norm_blocks(blocks) -> list | None:
+    """Recorded or reference block ids per group as lists; None when no group got any."""
+    if blocks is None or not any(len(g) for g in blocks):
+        return None
+    return [list(g) for g in blocks]
+
+
+def reference_rows(out: SchedulerOutput) -> list[list]:
+    """The reference's ``SchedulerOutput`` in the trace's row format."""
+    return [[s.request_id, _KIND[s.kind], s.num_scheduled_tokens, s.num_computed_tokens, bool(s.is_prefill_chunk),
+             _norm_blocks(s.block_ids)] for s in out.scheduled]
+
+
+def recorded_rows(rec: dict) -> list[list]:
+    return [[r[0], r[1], r[2], r[3], bool(r[4]), _norm_blocks(r[5])] for r in rec["reqs"]]
+
+
+@dataclass
+class Divergence:
+    """The first point where the reference could not have done what the recorded engine did."""
+
+    line: int
+    step: int
+    call: str  # "schedule", "update_from_output", "add_request", "finish_requests"
+    message: str
+    recorded: list = field(default_factory=list)
+    reference: list = field(default_factory=list)
+    recorded_extra: dict = field(default_factory=dict)
+    reference_extra: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        """A step table, recorded vs reference, differing rows marked ``*``."""
+        head = f"divergence at {self.call} of step {self.step} (trace line {self.line}): {self.message}"
+        if self.call != "schedule":
+            lines = [head]
+            for k in sorted(set(self.recorded_extra) | set(self.reference_extra)):
+                lines.append(f"  {k}: recorded {self.recorded_extra.get(k)!r}, reference {self.reference_extra.get(k)!r}")
+            return "\n".join(lines)
+        rec = {r[0]: r for r in self.recorded}
+        ref = {r[0]: r for r in self.reference}
+        order = [r[0] for r in self.recorded] + [r[0] for r in self.reference if r[0] not in rec]
+        cols = ("request", "side", "kind", "tokens", "computed", "chunk", "block ids per group")
+        rows = []
+        for rid in order:
+            a, b = rec.get(rid), ref.get(rid)
+            mark = "*" if a != b else " "
+            for side, r in (("recorded", a), ("reference", b)):
+                if r is None:
+                    rows.append((mark + rid, side, "-", "-", "-", "-", "(not scheduled)"))
+                else:
+                    rows.append((mark + rid, side, {"n": "new", "r": "resumed", "c": "running"}[r[1]], str(r[2]),
+                                 str(r[3]), "yes" if r[4] else "no", str(r[5]) if r[5] is not None else "-"))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+        fmt = "  ".join("{:<%d}" % w for w in widths)
+        out = [head, "  " + fmt.format(*cols), "  " + fmt.format(*("-" * w for w in widths))]
+        out += ["  " + fmt.format(*r) for r in rows]
+        if not rows:
+            out.append("  (both scheduled nothing)")
+        for k in sorted(set(self.recorded_extra) | set(self.reference_extra)):
+            a, b = self.recorded_extra.get(k), self.reference_extra.get(k)
+            out.append(f"  {'*' if a != b else ' '}{k}: recorded {a}, reference {b}")
+        return "\n".join(out)
+
+    def to_json(self) -> dict:
+        return {"line": self.line, "step": self.step, "call": self.call, "message": self.message,
+                "recorded": self.recorded, "reference": self.reference,
+                "recorded_extra": self.recorded_extra, "reference_extra": self.reference_extra}
+
+
+class LockstepReplay:
+    """Replays one trace's records on the reference; :attr:`divergence` holds the first finding.
+
+    Feed records in trace order with :meth:`feed`; once it diverged or stopped following, further
+    records are ignored (``following`` is False, ``stopped_because`` says why).
+    """
+
+    def __init__(self, setup: RunSetup) -> None:
+        self.setup = setup
+        self.following = setup.followable
+        self.stopped_because = "; ".join(setup.unmodelled) if setup.unmodelled else ""
+        self.stopped_at_line = 1 if not self.following else 0
+        self.divergence: Divergence | None = None
+        self.steps_compared = 0
+        self.scheduler = Scheduler(setup.pool, setup.config) if self.following else None
+        self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
+        self._live: dict[str, Request] = {}
+
+    def _stop(self, line: int, why: str) -> None:
+        self.following = False
+        self.stopped_because = why
+        self.stopped_at_line = line
+        self.scheduler = None
+        self._in_flight.clear()
+        self._live.clear()
+
+    def _diverge(self, d: Divergence) -> None:
+        self.divergence = d
+        self.following = False
+        self.scheduler = None
+
+    def feed(self, line: int, rec: dict) -> None:
+        if not self.following:
+            return
+        t = rec["t"]
+        if t == "sched":
+            self._schedule(line, rec)
+        elif t == "update":
+            self._update(line, rec)
+        elif t == "add":
+            self._add(line, rec)
+        elif t == "abort":
+            ids = [i for i in rec["ids"] if i in self._live]
+            self.scheduler.finish_requests(ids)
+            for i in ids:
+                del self._live[i]
+
+    def _add(self, line: int, rec: dict) -> None:
+        if rec.get("x"):
+            self._stop(line, f"request {rec['id']} uses {', '.join(rec['x'])}")
+            return
+        try:
+            r = Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
+                        priority=rec["priority"], arrival_time=float(rec["arrival"]),
+                        stop_token_ids=tuple(rec["stop"]))
+            self.scheduler.add_request(r)
+        except ValueError as exc:
+            self._diverge(Divergence(line, -1, "add_request", f"the reference rejects request {rec['id']}: {exc}"))
+            return
+        self._live[r.request_id] = r
+
+    def _schedule(self, line: int, rec: dict) -> None:
+        if rec.get("x") or rec.get("throttle"):
+            why = ", ".join(rec.get("x") or []) or "DP prefill throttling"
+            self._stop(line, f"step {rec['step']} uses {why}")
+            return
+        out = self.scheduler.schedule()
+        self._in_flight[rec["step"]] = out
+        got, want = reference_rows(out), recorded_rows(rec)
+        ref_pre, ref_fin = sorted(out.preempted_req_ids), sorted(out.finished_req_ids)
+        rec_pre, rec_fin = sorted(rec["pre"]), sorted(rec["fin"])
+        if got != want or ref_pre != rec_pre or ref_fin != rec_fin:
+            what = []
+            if [r[0] for r in got] != [r[0] for r in want]:
+                what.append("a different batch")
+            elif got != want:
+                bad = next(a[0] for a, b in zip(want, got) if a != b)
+                what.append(f"request {bad} scheduled differently")
+            if ref_pre != rec_pre:
+                what.append("different preemptions")
+            if ref_fin != rec_fin:
+                what.append("different finished ids")
+            self._diverge(Divergence(line, rec["step"], "schedule", "; ".join(what), want, got,
+                                     {"preempted": rec_pre, "finished": rec_fin},
+                                     {"preempted": ref_pre, "finished": ref_fin}))
+            return
+        self.steps_compared += 1
+
+    def _update(self, line: int, rec: dict) -> None:
+        step = rec["step"]
+        if step not in self._in_flight or next(iter(self._in_flight)) != step:
+            self._diverge(Divergence(line, step, "update_from_output",
+                                     "settles a step that is not the oldest in flight",
+                                     recorded_extra={"step": step},
+                                     reference_extra={"oldest in flight": next(iter(self._in_flight), None)}))
+            return
+        out = self._in_flight.pop(step)
+        sampled = {rid: toks for rid, toks in rec["sampled"]}
+        try:
+            self.scheduler.update_from_output(out, ModelOutput(sampled))
+        except ValueError as exc:
+            self._diverge(Divergence(line, step, "update_from_output", f"the reference rejects the output: {exc}"))
+            return
+        live = self._live
+        ref_fin = {}
+        for s in out.scheduled:
+            r = live.get(s.request_id)
+            if r is not None and r.status == RequestStatus.FINISHED:
+                ref_fin[s.request_id] = r.finish_reason
+                del live[s.request_id]
+        rec_fin = {rid: why for rid, why in rec["fin"]}
+        if ref_fin != rec_fin:
+            self._diverge(Divergence(line, step, "update_from_output", "the requests it finishes differ",
+                                     recorded_extra={"finished": dict(sorted(rec_fin.items()))},
+                                     reference_extra={"finished": dict(sorted(ref_fin.items()))}))
+
+    def check_invariants(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.check_invariants()
+            assert set(self._live) == set(self.scheduler.requests), "replay's live set out of step"
+        assert len(self._in_flight) <= 2

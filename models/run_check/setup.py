@@ -1,0 +1,95 @@
+"""From a trace header to the reference's ``PoolConfig`` + ``SchedulerConfig`` (or why it cannot).
+
+The header holds vLLM's own KV cache config and scheduler settings as the recorded engine had
+them. The reference models a subset (docs/differences.md, "Scheduler subset"); everything outside
+it is a *reason the reference cannot follow*, collected here and in per-request/per-step ``x``
+lists, so ``kvref check-run`` says why it falls back to the run properties instead of reporting a
+false divergence.
+
+The scheduler side of the KV cache never reads a spec's head count, head size or dtype (they size
+pages, which startup planning already did), so specs are rebuilt with their block size and the
+fields that change block management (window, chunk, Mamba mode); where the recorded dtype or
+shape is not one kvref knows, a neutral one stands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.spec import kv_cache_interface as ks
+from kvref.spec.errors import KVRefError
+
+_ATTN = dict(num_kv_heads=1, head_size=8, dtype="float16")
+
+
+@dataclass
+class RunSetup:
+    """What the checker rebuilds from a header."""
+
+    pool: PoolConfig | None
+    config: SchedulerConfig | None
+    #: reasons the reference cannot follow this run from its first step (empty: it can)
+    unmodelled: list[str] = field(default_factory=list)
+    vllm_version: str = "unknown"
+    #: the scheduler settings as recorded (for the summary)
+    scheduler: dict = field(default_factory=dict)
+
+    @property
+    def followable(self) -> bool:
+        return not self.unmodelled and self.pool is not None and self.config is not None
+
+
+def _spec(d: dict) -> ks.KVCacheSpec:
+    kind = d["type"]
+    if kind == "UniformTypeKVCacheSpecs":
+        inner = list((d.get("kv_cache_specs") or {}).values())
+        if not inner:
+            raise KVRefError("UniformTypeKVCacheSpecs without kv_cache_specs")
+        return _spec(inner[0])
+    bs = d["block_size"]
+    if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+        return ks.FullAttentionSpec(block_size=bs, sliding_window=d.get("sliding_window"),
+                                    attention_chunk_size=d.get("attention_chunk_size"), **_ATTN)
+    if kind == "SlidingWindowSpec":
+        return ks.SlidingWindowSpec(block_size=bs, sliding_window=d["sliding_window"],
+                                    extra_retained_tokens=d.get("extra_retained_tokens", 0) or 0, **_ATTN)
+    if kind == "ChunkedLocalAttentionSpec":
+        return ks.ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=d["attention_chunk_size"], **_ATTN)
+    if kind == "MambaSpec":
+        return ks.MambaSpec(block_size=bs, shapes=((1,),), dtypes=("float16",),
+                            mamba_cache_mode=d.get("mamba_cache_mode", "none") or "none",
+                            num_speculative_blocks=d.get("num_speculative_blocks", 0) or 0)
+    raise KVRefError(f"KV cache spec {kind} is not modelled by kvref's scheduler subset")
+
+
+def setup_from_header(header: dict) -> RunSetup:
+    """Rebuild the reference setup; never raises for a well-formed header (reasons go to ``unmodelled``)."""
+    unmodelled = list(header.get("unmodelled", []))
+    p, s = header["pool"], header["scheduler"]
+    version = str((header.get("producer") or {}).get("vllm", "unknown"))
+    pool = config = None
+    try:
+        groups = tuple(ks.KVCacheGroupSpec(tuple(g.get("layers") or (f"layer{i}",)), _spec(g["spec"]))
+                       for i, g in enumerate(p["groups"]))
+        config = SchedulerConfig(
+            max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=s["max_num_seqs"],
+            long_prefill_token_threshold=s.get("long_prefill_token_threshold", 0),
+            enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)), policy=s.get("policy", "fcfs"),
+            scheduler_reserve_full_isl=bool(s.get("scheduler_reserve_full_isl", True)),
+            async_scheduling=bool(s.get("async_class", s.get("async_scheduling", False))))
+        pool = PoolConfig(num_blocks=p["num_blocks"], groups=groups, max_model_len=p["max_model_len"],
+                          scheduler_block_size=p["scheduler_block_size"], hash_block_size=p["hash_block_size"],
+                          max_in_flight_tokens=p.get("max_in_flight_tokens") or config.max_in_flight_tokens,
+                          enable_caching=bool(p.get("enable_caching", True)), watermark=float(p.get("watermark", 0.0)),
+                          use_eagle=bool(p.get("use_eagle", False)))
+        if pool.max_in_flight_tokens != config.max_in_flight_tokens:
+            unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "
+                              f"{config.max_in_flight_tokens} in flight)")
+        if pool.use_eagle:
+            unmodelled.append("eagle_block_drop")
+    except (KVRefError, KeyError, TypeError) as exc:
+        unmodelled.append(f"setup: {exc}")
+        pool = config = None
+    return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s))
