@@ -1,5 +1,5 @@
 """The ``kvref`` command line: ``verify`` (the main job), ``size``, ``prove``, ``explore``,
-``mutants``, ``replay``.
+``mutants``, ``replay``, ``check-run``.
 
 Subcommands live in their own modules (``kvref/cli_*.py``), each exposing
 ``add_parser(subparsers)`` and ``run(args) -> int``; this file only wires them.
@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "kvref.cli_explore",
     "kvref.cli_mutants",
     "kvref.cli_replay",
+    "kvref.cli_check_run",
 )
 
 

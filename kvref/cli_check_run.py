@@ -1,0 +1,121 @@
+"""``kvref check-run TRACE``: check a recorded vLLM run against the reference, step by step.
+
+TRACE is what vLLM wrote with a kvref recording scheduler (``vllm serve MODEL --scheduler-cls
+kvref.record.RecordingAsyncScheduler`` with ``KVREF_RECORD=run.kvtrace.gz``; docs/record.md).
+The reference scheduler and KV cache manager are rebuilt from the trace's header and replayed in
+lock step: every step's batch, token counts, computed tokens and block ids per group compared with
+what vLLM did. The first divergence is shown as a step table (recorded vs reference) and written
+under ``--out`` as a trace of its own that reproduces it (``kvref check-run`` on that file).
+
+Properties of the run itself are checked even where the reference cannot follow (a feature it
+does not model, a newer vLLM, ``--properties-only``): no starvation while nothing runs, no block
+shared by two requests outside prefix-cache hits, block ids within the pool. A summary (steps,
+requests, preemptions, prefix-cache hit rate, longest wait) closes the report.
+
+Exit status: 0 the run agrees (or, where the reference could not follow, its properties hold),
+1 a divergence or a violated property, 2 the trace cannot be read (not a trace, a newer format,
+a broken record: the file and line are named), 130 interrupted. A trace cut short (the server was
+killed) is checked up to its last complete record and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    p = sub.add_parser("check-run", help="check a recorded vLLM run (--scheduler-cls kvref.record...) against "
+                                         "the reference", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", metavar="TRACE", help="a run trace (*.kvtrace.gz) written by a kvref recording scheduler")
+    p.add_argument("--properties-only", action="store_true",
+                   help="do not replay on the reference; check the run properties alone (e.g. a vLLM far from 0.33.0)")
+    p.add_argument("--out", default="counterexamples",
+                   help="where the reproducer of a divergence goes (default: counterexamples/)")
+    p.add_argument("--starvation-steps", type=int, default=3, metavar="N",
+                   help="idle schedule calls in a row (nothing runs, nothing in flight, requests wait) reported "
+                        "as starvation (default: 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def _summary_table(s: dict) -> str:
+    fin = ", ".join(f"{k} {v}" for k, v in sorted(s["finished"].items())) or "none"
+    rows = [
+        ("steps", f"{s['steps']:,}"),
+        ("requests", f"{s['requests']:,} ({fin}; {s['still_live']} live at the end)"),
+        ("preemptions", f"{s['preemptions']:,} ({s['resumes']:,} resumed)"),
+        ("prefix-cache hit rate", f"{100 * s['prefix_hit_rate']:.1f} % of new prompt tokens "
+                                  f"({s['prefix_hits']:,} requests hit)"),
+        ("longest wait", f"{s['longest_wait_steps']:,} steps ({s['longest_wait_request'] or '-'})"),
+        ("peak running", f"{s['peak_running']}"),
+        ("peak blocks held", f"{s['peak_blocks_held']:,} of {s['num_blocks'] - 1:,}"),
+        ("scheduled tokens", f"{s['scheduled_tokens']:,}"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"| {k:<{w}} | {v} |" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvref.models.run_check import check_trace, write_reproducer
+    from kvref.spec.errors import InvalidFieldError
+
+    if args.starvation_steps < 1:
+        raise InvalidFieldError("--starvation-steps", args.starvation_steps, "an int >= 1")
+    if not os.path.isfile(args.trace):
+        raise InvalidFieldError("TRACE", args.trace, "an existing trace file")
+    t0 = time.perf_counter()
+    result = check_trace(args.trace, properties_only=args.properties_only, starvation_steps=args.starvation_steps)
+    seconds = time.perf_counter() - t0
+    reproducer = None
+    if result.divergence is not None:
+        os.makedirs(args.out, exist_ok=True)
+        base = os.path.basename(args.trace).split(".")[0] or "run"
+        reproducer = write_reproducer(args.trace, result.divergence,
+                                      os.path.join(args.out, f"{base}-divergence-step{result.divergence.step}.kvtrace.gz"))
+    if args.json:
+        out = result.to_json()
+        out["seconds"] = round(seconds, 3)
+        out["reproducer"] = reproducer
+        print(json.dumps(out, indent=1))
+        return 0 if result.ok else 1
+    h = result.header
+    prod = h.get("producer") or {}
+    s = result.setup.scheduler
+    print(f"kvref check-run {args.trace}: vLLM {result.setup.vllm_version}, {prod.get('scheduler_cls', '?')}, "
+          f"{h['pool']['num_blocks']} blocks, {len(h['pool']['groups'])} KV cache group(s) "
+          f"({', '.join(g['spec']['type'] for g in h['pool']['groups'])}), "
+          f"{'async' if s.get('async_class') else 'sync'} scheduling")
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.truncated:
+        print(f"note: the trace is truncated ({result.truncation}); checked up to its last complete record")
+    if result.divergence is not None:
+        print("DIVERGENCE: vLLM did what the reference would not have done")
+        print(result.divergence.table())
+        print(f"reproducer: {reproducer} (kvref check-run {reproducer})")
+    elif result.followed:
+        print(f"reference: agrees on all {result.steps_compared:,} steps (batch, token counts, computed tokens, "
+              "block ids per group, preemptions, finishes)")
+    else:
+        where = f" from trace line {result.stopped_at_line}" if result.stopped_at_line > 1 else ""
+        print(f"reference: cannot follow this run{where}: {result.stopped_because}; agreed on "
+              f"{result.steps_compared:,} steps before that; the run properties are checked to the end")
+    if result.num_findings:
+        print(f"PROPERTIES: {result.num_findings} violation(s)")
+        for f in result.findings:
+            print(f"  [{f.kind}] step {f.step} (line {f.line}): {f.message}")
+        if result.num_findings > len(result.findings):
+            print(f"  ... {result.num_findings - len(result.findings)} more")
+    else:
+        print("properties: no starvation while idle, no block shared outside prefix-cache hits, blocks within the pool")
+    print(_summary_table(result.summary))
+    rate = result.records / seconds if seconds > 0 else 0.0
+    print(f"checked {result.records:,} records in {seconds:.1f} s ({rate:,.0f} records/s)")
+    verdict = "agrees" if result.ok and result.followed else "properties hold" if result.ok else "FINDINGS"
+    print(f"verdict: {verdict}", file=sys.stderr if not result.ok else sys.stdout)
+    return 0 if result.ok else 1
