@@ -1,0 +1,139 @@
+"""The run-trace format: round trips, streaming, truncation, and every kind of bad input named."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from kvref.impl.run_trace import (
+    OPTIONAL_RECORD_TYPES,
+    TokenAnonymizer,
+    TraceFormatError,
+    TraceReader,
+    TraceWriter,
+    decode_tokens,
+    encode_tokens,
+)
+from kvref.spec.errors import InvalidFieldError
+from tests.record.traces import add, full_setup, header_for, write_trace
+
+
+def _header():
+    return header_for(*full_setup())
+
+
+@pytest.mark.parametrize("name", ["t.kvtrace.gz", "t.jsonl"])
+@pytest.mark.parametrize("background", [True, False])
+def test_round_trip_gzip_and_plain(tmp_path, name, background):
+    path = tmp_path / name
+    w = TraceWriter(str(path), _header(), background=background, chunk_bytes=64)
+    recs = [add(f"r{i}", list(range(1, 10 + i))) for i in range(50)]
+    for r in recs:
+        w.write(r)
+    w.write({"t": "kv_events", "anything": [1, 2]})  # optional record: kept, skippable
+    w.check_invariants()
+    w.close({"t": "end", "steps": 0, "records": 52})
+    with TraceReader(path) as reader:
+        got = [rec for _, rec in reader.records()]
+        assert not reader.truncated
+    assert got[:50] == recs and got[50]["t"] in OPTIONAL_RECORD_TYPES and got[-1]["t"] == "end"
+    assert (path.read_bytes()[:2] == b"\x1f\x8b") == name.endswith(".gz")
+
+
+def test_tokens_round_trip_and_reject_garbage():
+    ids = [0, 1, 2**32 - 1, 151_643, 7]
+    assert decode_tokens(encode_tokens(ids)) == ids
+    with pytest.raises(ValueError):
+        decode_tokens("not base64!")
+
+
+def test_a_cut_trace_is_read_up_to_its_last_complete_record(tmp_path):
+    path = tmp_path / "t.kvtrace.gz"
+    w = TraceWriter(str(path), _header(), background=False, chunk_bytes=1)  # one sync-flushed chunk per record
+    for i in range(20):
+        w.write(add(f"r{i}", [1, 2, 3]))
+    w.flush()
+    data = path.read_bytes()  # the writer is "killed": no end record, no gzip trailer
+    (tmp_path / "cut.gz").write_bytes(data)
+    with TraceReader(tmp_path / "cut.gz") as reader:
+        n = sum(1 for _ in reader.records())
+        assert reader.truncated and reader.truncation
+    assert n == 20
+    (tmp_path / "cut2.gz").write_bytes(data[: len(data) - 7])  # mid-chunk
+    with TraceReader(tmp_path / "cut2.gz") as reader:
+        assert sum(1 for _ in reader.records()) < 20 and reader.truncated
+    w.close()
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda h: h.update(format="something-else"), "format"),
+    (lambda h: h.update(version=99), "version"),
+    (lambda h: h["pool"].update(num_blocks=0), "pool.num_blocks"),
+    (lambda h: h["pool"]["groups"][0]["spec"].pop("block_size"), "pool.groups[0].spec"),
+    (lambda h: h["scheduler"].update(max_num_seqs="4"), "scheduler.max_num_seqs"),
+])
+def test_bad_headers_are_named(tmp_path, mutate, field):
+    h = _header()
+    mutate(h)
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(h) + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        TraceReader(path)
+    assert isinstance(e.value, ValueError) and field in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"t": "sched", "step": 0, "reqs": [["r0", "x", 1, 0, False, None]], "pre": [], "fin": []}, "reqs[0]"),
+    ({"t": "sched", "step": -1, "reqs": [], "pre": [], "fin": []}, "step"),
+    ({"t": "update", "step": 0, "sampled": [["r0", [-1]]], "fin": []}, "sampled[0]"),
+    ({"t": "update", "step": 0, "sampled": [], "fin": [["r0"]]}, "fin"),
+    ({"t": "add", "id": "r0", "prompt": [1, 2], "max_tokens": 1, "stop": [], "salt": None, "priority": 0,
+      "arrival": 0}, "prompt"),
+    ({"t": "abort", "ids": [1]}, "ids"),
+    ({"t": "nope"}, ": t="),
+])
+def test_bad_records_name_the_line_and_field(tmp_path, record, field):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(_header()) + "\n" + json.dumps(add("a", [1])) + "\n" + json.dumps(record) + "\n")
+    with TraceReader(path) as reader, pytest.raises(TraceFormatError) as e:
+        list(reader.records())
+    assert "line 3" in str(e.value) and field in str(e.value)
+
+
+def test_not_a_trace_at_all(tmp_path):
+    for content in (b"", b"\x00\x01garbage", b"{not json\n"):
+        path = tmp_path / "bad.bin"
+        path.write_bytes(content)
+        with pytest.raises(TraceFormatError):
+            TraceReader(path)
+    path = tmp_path / "bad.gz"
+    path.write_bytes(gzip.compress(b"[1, 2]\n"))
+    with pytest.raises(TraceFormatError, match="format"):
+        TraceReader(path)
+
+
+def test_writer_rejects_zstd_and_bad_levels(tmp_path):
+    with pytest.raises(InvalidFieldError, match="zstd"):
+        TraceWriter(str(tmp_path / "t.zst"), _header())
+    with pytest.raises(InvalidFieldError, match="compresslevel"):
+        TraceWriter(str(tmp_path / "t.gz"), _header(), compresslevel=12)
+
+
+def test_records_after_end_are_an_error(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", _header(), [add("a", [1])])
+    with open(path, "a") as f:
+        f.write(json.dumps(add("b", [1])) + "\n")
+    with TraceReader(path) as reader, pytest.raises(TraceFormatError, match="after the end"):
+        list(reader.records())
+
+
+def test_anonymizer_is_consistent_and_injective():
+    a = TokenAnonymizer()
+    p1, p2 = a.tokens([500, 600, 700, 500]), a.tokens([500, 600, 9])
+    assert p1[:2] == p2[:2] and p1[0] == p1[3] and len({*p1, *p2}) == 4
+    assert p1 == [0, 1, 2, 0] and p2 == [0, 1, 3]  # renumbered in order of first appearance
+    assert a.request_id("cmpl-secret") == a.request_id("cmpl-secret") == "r0" and a.request_id("x") == "r1"
+    assert a.salt("s") == a.salt("s") != "s" and a.salt(None) is None
+    assert TokenAnonymizer().salt("s") != a.salt("s")  # keyed per run

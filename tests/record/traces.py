@@ -1,0 +1,78 @@
+"""Helpers for run-trace tests: setups, hand-written traces, record editing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler_liveness import max_blocks_per_request
+from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.run_trace.format import encode_tokens
+from kvref.impl.run_trace.writer import TraceWriter
+from kvref.models.run_check.generate import header_for
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+ATTN = dict(num_kv_heads=1, head_size=8, dtype="float16")
+
+
+def hybrid_setup(num_blocks: int | None = 40, async_scheduling: bool = False, window: int = 8, block_size: int = 4,
+                 max_model_len: int = 64, budget: int = 32, max_num_seqs: int = 4, caching: bool = True):
+    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=block_size, **ATTN)),
+              KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=block_size, sliding_window=window, **ATTN)))
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
+    if num_blocks is None:  # the smallest pool startup accepts: one max_model_len request (preemption storms)
+        probe = PoolConfig(num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=block_size,
+                           hash_block_size=block_size, max_in_flight_tokens=cfg.max_in_flight_tokens)
+        num_blocks = max_blocks_per_request(probe, cfg) + 1
+    pool = PoolConfig(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len,
+                      scheduler_block_size=block_size, hash_block_size=block_size,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching)
+    return pool, cfg
+
+
+def full_setup(num_blocks: int = 20, budget: int = 16, max_model_len: int = 32):
+    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, **ATTN)),)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4)
+    pool = PoolConfig(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=4,
+                      hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens)
+    return pool, cfg
+
+
+def add(rid: str, prompt, max_tokens: int = 4, arrival: float = 0.0, x=None) -> dict:
+    rec = {"t": "add", "id": rid, "prompt": encode_tokens(prompt), "max_tokens": max_tokens, "stop": [],
+           "salt": None, "priority": 0, "arrival": arrival}
+    if x:
+        rec["x"] = x
+    return rec
+
+
+def write_trace(path, header: dict, records: list[dict], end: bool = True) -> str:
+    w = TraceWriter(str(path), header, background=False)
+    for r in records:
+        w.write(r)
+    steps = sum(r["t"] == "sched" for r in records)
+    w.close({"t": "end", "steps": steps, "records": len(records) + 1} if end else None)
+    return str(path)
+
+
+def read_lines(path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def rewrite(path, out, edit) -> str:
+    """Copy a trace, calling ``edit(record)`` on each record (header excluded); returns ``out``."""
+    lines = read_lines(path)
+    header, records = lines[0], lines[1:]
+    records = [edit(r) or r for r in records]
+    end = records and records[-1]["t"] == "end"
+    w = TraceWriter(str(out), header, background=False)
+    for r in records[:-1] if end else records:
+        w.write(r)
+    w.close(records[-1] if end else None)
+    return str(out)
+
+
+__all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rewrite", "write_trace"]
