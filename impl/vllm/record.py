@@ -260,8 +260,6 @@ class _Recorder:
             anon = self._kvref_anon
             if anon is not None:
                 ids = [anon.request_id(i) for i in ids]
-                for r in done:
-                    anon.forget(r.request_id)
             self._kvref_writer.write({"t": "abort", "ids": ids,
                                       "status": getattr(finished_status, "name", str(finished_status))})
         return done
@@ -296,6 +294,10 @@ class _Recorder:
                 row[0] = anon.request_id(row[0])
             pre = [anon.request_id(i) for i in pre]
             fin = [anon.request_id(i) for i in fin]
+            # the last time vLLM names a finished request (its _free_request added it to
+            # finished_req_ids): its anonymous id is not needed again
+            for i in so.finished_req_ids:
+                anon.forget(i)
         rec = {"t": "sched", "step": step, "reqs": rows, "pre": pre, "fin": fin}
         if args[0] if args else kwargs.get("throttle_prefills", False):
             rec["throttle"] = True  # DP prefill cadence: not modelled, the checker stops following
@@ -338,10 +340,6 @@ class _Recorder:
             sampled = [[anon.request_id(rid), anon.tokens(toks)] for rid, toks in sampled]
             fin = [[anon.request_id(rid), why] for rid, why in fin]
         self._kvref_writer.write_line(_dumps({"t": "update", "step": step, "sampled": sampled, "fin": fin}))
-        if anon is not None:
-            for r in before:
-                if r is not None and r.status > _FINISHED_AFTER:
-                    anon.forget(r.request_id)
         return out
 
     def shutdown(self) -> None:

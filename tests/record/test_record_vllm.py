@@ -1,0 +1,226 @@
+"""Record runs of vLLM's real ``Scheduler`` / ``AsyncScheduler``, selected through
+``scheduler_cls`` exactly as a server selects them, with a fake model; check them with the reference.
+
+Workloads: hybrid sliding-window pools with prefix hits, chunked-local pools, preemption storms
+on the smallest pool startup accepts, async scheduling. On pristine vLLM every trace agrees step
+by step; with #39734's gate re-introduced into the installed vLLM, ``check-run`` reports the
+divergence at the step the long request should have been admitted, and the starvation property
+fires on its own.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvref import cli
+from kvref.models.run_check import check_trace
+from kvref.models.scheduler_machine import Lockstep, RequestSpec
+from tests.models.test_startup_liveness import uncapped_sliding_window_admission
+from tests.record.traces import ATTN, hybrid_setup, read_lines
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return require_vllm()
+
+
+@pytest.fixture(scope="module")
+def env(vllm):
+    from kvref.impl.vllm.scheduler import VllmEnv
+
+    return VllmEnv()
+
+
+PREFIX = tuple(range(100, 200))
+
+
+def record_run(path, pool, cfg, env, *, seed=0, ops=250, arrival=0.3, shared=0.5, max_len=None, abort=0.02,
+               monkeypatch=None, anonymize=False, scheduler_cls=None):
+    """Serve a random workload on a recording vLLM scheduler; returns the driver (trace closed)."""
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+
+    os.environ["KVREF_RECORD"] = str(path)
+    os.environ["KVREF_RECORD_ANONYMIZE"] = "1" if anonymize else "0"
+    try:
+        holder = {}
+
+        def factory(p, c):
+            holder["t"] = recorded_vllm_scheduler(p, c, env, scheduler_cls=scheduler_cls)
+            return holder["t"]
+
+        ls = Lockstep(pool, cfg, {"vllm": factory})
+        rng = random.Random(seed)
+        max_len = max_len or pool.max_model_len - 1
+        n = 0
+        for _ in range(ops):
+            if rng.random() < arrival:
+                length = rng.randint(1, max_len)
+                k = rng.randint(0, min(length, len(PREFIX))) if rng.random() < shared else 0
+                prompt = PREFIX[:k] + tuple(rng.randrange(1, 50) for _ in range(length - k))
+                ls.add(RequestSpec(f"r{n}", prompt, rng.randint(1, 10), rng.randint(0, 2), float(n)))
+                n += 1
+            if n and rng.random() < abort:
+                ls.abort(f"r{rng.randrange(n)}")
+            ls.engine_step()
+            holder["t"].scheduler.check_invariants()
+        holder["t"].close()
+    finally:
+        os.environ.pop("KVREF_RECORD", None)
+        os.environ.pop("KVREF_RECORD_ANONYMIZE", None)
+    return holder["t"]
+
+
+def _chunked_setup(async_scheduling=False):
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec
+
+    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, **ATTN)),
+              KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **ATTN)))
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, async_scheduling=async_scheduling,
+                          long_prefill_token_threshold=8)
+    pool = PoolConfig(num_blocks=36, groups=groups, max_model_len=64, scheduler_block_size=4, hash_block_size=4,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+    return pool, cfg
+
+
+WORKLOADS = {
+    "hybrid-swa-prefix-hits": lambda: hybrid_setup(num_blocks=48),
+    "hybrid-swa-async": lambda: hybrid_setup(num_blocks=40, async_scheduling=True),
+    "preemption-storm": lambda: hybrid_setup(num_blocks=None, max_num_seqs=5),
+    "preemption-storm-async": lambda: hybrid_setup(num_blocks=None, max_num_seqs=5, async_scheduling=True),
+    "chunked-local-threshold": _chunked_setup,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_a_recorded_vllm_run_agrees_with_the_reference_step_by_step(name, env, tmp_path):
+    pool, cfg = WORKLOADS[name]()
+    path = tmp_path / f"{name}.kvtrace.gz"
+    driver = record_run(path, pool, cfg, env, seed=len(name), arrival=0.45 if "storm" in name else 0.3)
+    expected = "RecordingAsyncScheduler" if cfg.async_scheduling else "RecordingScheduler"
+    assert type(driver.scheduler).__name__ == expected  # resolved from the scheduler_cls string
+    header = read_lines(path)[0]
+    assert header["scheduler"]["async_class"] is cfg.async_scheduling and header["unmodelled"] == []
+    assert [g["spec"]["type"] for g in header["pool"]["groups"]] == [type(g.kv_cache_spec).__name__ for g in pool.groups]
+    r = check_trace(path, check_invariants_every=1)
+    assert r.divergence is None, r.divergence.table()
+    assert r.ok and r.followed and r.steps_compared == r.summary["steps"] > 100 and not r.truncated
+    s = r.summary
+    assert sum(s["finished"].values()) > 10
+    if "prefix" in name:
+        assert s["prefix_hits"] > 0
+    if "storm" in name:
+        assert s["preemptions"] > 0 and s["resumes"] > 0
+
+
+def test_reintroduced_39734_is_reported_at_the_step_it_changes(env, tmp_path, monkeypatch, vllm, capsys):
+    """The pre-#40946 gate charges the sliding-window group for the whole sequence while startup
+    sized it by the window: a long request that startup accepted is never admitted."""
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+
+    pool, cfg = hybrid_setup(num_blocks=None, window=8, block_size=4, max_model_len=256, budget=16)
+    short = [RequestSpec(f"s{i}", tuple(range(1, 20 + i)), 3, 0, float(i)) for i in range(3)]
+    long = RequestSpec("long", tuple(range(1, 251)), 2, 0, 9.0)
+    for patched in (False, True):
+        if patched:
+            uncapped_sliding_window_admission(monkeypatch, vllm)
+        path = tmp_path / f"run-{patched}.kvtrace.gz"
+        monkeypatch.setenv("KVREF_RECORD", str(path))
+        holder = {}
+        ls = Lockstep(pool, cfg, {"vllm": lambda p, c: holder.setdefault("t", recorded_vllm_scheduler(p, c, env))})
+        for spec in short:
+            ls.add(spec)
+        while ls.unfinished() or ls.num_in_flight():
+            ls.engine_step()
+        arrival_step = ls.num_schedules
+        ls.add(long)
+        for _ in range(30):
+            ls.engine_step()
+        holder["t"].close()
+        r = check_trace(path)
+        if not patched:
+            assert r.ok and r.followed and r.summary["finished"] == {"length": 4}
+            continue
+        assert r.divergence is not None and r.divergence.call == "schedule"
+        assert r.divergence.step == arrival_step  # the first schedule after the long request arrived
+        assert r.divergence.recorded == [] and [row[0] for row in r.divergence.reference] == ["long"]
+        assert [f.kind for f in r.findings] == ["starvation"] and "long" in r.findings[0].message
+        assert r.steps_compared == arrival_step
+        assert cli.main(["check-run", str(path), "--out", str(tmp_path / "cex")]) == 1
+        out = capsys.readouterr().out
+        assert "DIVERGENCE" in out and "[starvation]" in out
+        [repro] = (tmp_path / "cex").glob("*.kvtrace.gz")
+        r2 = check_trace(repro)
+        assert r2.divergence is not None and r2.divergence.step == arrival_step
+        # properties alone (what a user with a newer vLLM would run) still see the hang
+        assert [f.kind for f in check_trace(path, properties_only=True).findings] == ["starvation"]
+
+
+def test_anonymized_recording_hides_prompts_and_still_agrees(env, tmp_path):
+    pool, cfg = hybrid_setup(num_blocks=48, async_scheduling=True)
+    path = tmp_path / "anon.kvtrace.gz"
+    record_run(path, pool, cfg, env, seed=3, ops=150, anonymize=True)
+    lines = read_lines(path)
+    assert lines[0]["anonymized"] is True
+    from kvref.impl.run_trace import decode_tokens
+
+    adds = [rec for rec in lines if rec.get("t") == "add"]
+    assert adds and all(rec["id"].startswith("r") for rec in adds)
+    first = decode_tokens(adds[0]["prompt"])
+    assert first[0] == 0  # renumbered: PREFIX starts at 100, random tokens at >= 1
+    r = check_trace(path, check_invariants_every=1)
+    assert r.ok and r.followed, r.divergence and r.divergence.table()
+    assert any("anonymized" in n for n in r.notes)
+
+
+def test_the_synchronous_class_under_async_scheduling_is_flagged_not_diverged(env, tmp_path):
+    pool, cfg = hybrid_setup(num_blocks=40, async_scheduling=True)
+    path = tmp_path / "mismatch.kvtrace.gz"
+    record_run(path, pool, cfg, env, seed=1, ops=60, scheduler_cls="kvref.record.RecordingScheduler")
+    r = check_trace(path)
+    assert not r.followed and "async_scheduling_mismatch" in r.stopped_because and r.divergence is None
+
+
+def test_a_missing_output_path_is_a_clear_error(env, monkeypatch):
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+    from kvref.spec.errors import InvalidFieldError
+
+    monkeypatch.delenv("KVREF_RECORD", raising=False)
+    pool, cfg = hybrid_setup()
+    with pytest.raises(InvalidFieldError, match="KVREF_RECORD"):
+        recorded_vllm_scheduler(pool, cfg, env)
+
+
+def test_importing_the_public_alias_does_not_import_vllm():
+    code = ("import sys, kvref.record; assert 'vllm' not in sys.modules, 'vllm imported'; "
+            "import kvref.cli_check_run, kvref.models.run_check; assert 'vllm' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_the_trace_is_gzip_and_readable_while_the_server_runs(env, tmp_path, monkeypatch):
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+
+    path = tmp_path / "live.kvtrace.gz"
+    monkeypatch.setenv("KVREF_RECORD", str(path))
+    pool, cfg = hybrid_setup()
+    holder = {}
+    ls = Lockstep(pool, cfg, {"vllm": lambda p, c: holder.setdefault("t", recorded_vllm_scheduler(p, c, env))})
+    ls.add(RequestSpec("a", tuple(range(1, 30)), 5, 0, 0.0))
+    for _ in range(4):
+        ls.engine_step()
+    holder["t"].scheduler.kvref_flush()
+    r = check_trace(path)  # still running: read up to the last flushed record
+    assert r.truncated and r.ok and r.summary["steps"] >= 2
+    holder["t"].close()
+    assert gzip.open(path).read() and not check_trace(path).truncated
