@@ -27,8 +27,30 @@ def _lengths(max_len: int, points: int = 400) -> list[int]:
     return xs
 
 
-def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
-    """Draw the plan to a PNG at ``path`` and return the path."""
+def curve_series(plan: KVCachePlan, xs: list[int]) -> list[tuple[str, list[int], list[int]]]:
+    """``(label, blocks by length, group indices)``, one per *distinct* curve.
+
+    Groups with the same kind and the same curve (Gemma-3's six sliding-window groups: each holds
+    the same layers' worth of blocks) would be drawn exactly on top of each other, so they share
+    one line labelled with their count; the whole request still counts every group.
+    """
+    per_group = blocks_by_length(plan, xs)
+    series: dict[tuple, list[int]] = {}
+    for i, (gp, ys) in enumerate(zip(plan.group_plans, per_group)):
+        series.setdefault((gp.kind, gp.block_size, tuple(ys)), []).append(i)
+    out = []
+    for (kind, block, ys), groups in series.items():
+        sizes = sorted({len(plan.group_plans[g].layer_names) for g in groups})
+        layers = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+        name = f"group {groups[0]}" if len(groups) == 1 else \
+            f"groups {', '.join(map(str, groups))} ({len(groups)} identical)"
+        out.append((f"{name}: {kind} ({layers} layers{' each' if len(groups) > 1 else ''}, block {block})",
+                    list(ys), groups))
+    return out
+
+
+def build_figure(plan: KVCachePlan, title: str | None = None):
+    """The matplotlib figure of :func:`plot_plan` (tests inspect its lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,19 +61,24 @@ def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
     per_group = blocks_by_length(plan, xs)
     total = [sum(col) for col in zip(*per_group)] if per_group else [0] * len(xs)
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    # the whole request first, wide and pale, under the groups: a group that holds nearly all of it
+    # (full attention beside capped windows) stays visible on top instead of disappearing beneath
+    ax.plot(xs, total, color="black", linewidth=5, alpha=0.25, zorder=1, label="whole request (sum over groups)")
     caps_drawn: set[int] = set()
-    for i, (gp, ys) in enumerate(zip(plan.group_plans, per_group)):
-        label = f"group {i}: {gp.kind} ({len(gp.layer_names)} layers, block {gp.block_size})"
-        (line,) = ax.plot(xs, ys, label=label, linewidth=1.8)
-        if gp.admission_cap is not None and gp.admission_cap not in caps_drawn:
-            caps_drawn.add(gp.admission_cap)
-            ax.axhline(gp.admission_cap, color=line.get_color(), linestyle=":", linewidth=1.2)
-            ax.annotate(f"admission cap {gp.admission_cap}", (xs[-1], gp.admission_cap), color=line.get_color(),
+    styles = ["-", "--", "-.", ":"]
+    for n, (label, ys, groups) in enumerate(curve_series(plan, xs)):
+        (line,) = ax.plot(xs, ys, label=label, linewidth=1.8, linestyle=styles[n % len(styles)], zorder=3)
+        cap = plan.group_plans[groups[0]].admission_cap
+        if cap is not None and cap not in caps_drawn:
+            caps_drawn.add(cap)
+            ax.axhline(cap, color=line.get_color(), linestyle=":", linewidth=1.2, zorder=2)
+            ax.annotate(f"admission cap {cap}", (xs[-1], cap), color=line.get_color(),
                         ha="right", va="bottom", fontsize=8)
-    ax.plot(xs, total, color="black", linewidth=2.2, label="whole request (sum over groups)")
     usable = plan.num_usable_blocks
-    ax.axhline(usable, color="crimson", linestyle="--", linewidth=1.5, label=f"usable blocks ({usable} = {plan.num_blocks} - null)")
-    ax.axvline(plan.max_model_len, color="grey", linestyle="-.", linewidth=1.2, label=f"max_model_len {plan.max_model_len}")
+    ax.axhline(usable, color="crimson", linestyle="--", linewidth=1.5, zorder=2,
+               label=f"usable blocks ({usable} = {plan.num_blocks} - null)")
+    ax.axvline(plan.max_model_len, color="grey", linestyle="-.", linewidth=1.2, zorder=2,
+               label=f"max_model_len {plan.max_model_len}")
     if usable > 5 * max(max(total), 1):
         ax.set_yscale("log")  # a pool far larger than one request would flatten every curve
     ax.set_xlabel("request length (tokens)")
@@ -60,6 +87,14 @@ def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
+    return fig
+
+
+def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
+    """Draw the plan to a PNG at ``path`` and return the path."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(plan, title)
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -30,3 +30,33 @@ def test_plot_writes_a_png(tmp_path):
     out = plot_plan(_gemma_like_plan(), str(tmp_path / "plan.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_identical_groups_share_one_line_and_the_total_lies_beneath():
+    """Six sliding-window groups with the same curve are one labelled line, not six on top of each
+    other; the whole-request line is drawn first, pale and wide, so the full-attention line (nearly
+    equal to it at long lengths) stays visible on top (issue #16)."""
+    import matplotlib.pyplot as plt
+
+    from kvref.plot import build_figure, curve_series
+
+    layers = {}
+    for i in range(36):
+        kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16")
+        layers[f"l{i}"] = FullAttentionSpec(**kw) if i % 6 == 5 else SlidingWindowSpec(**kw, sliding_window=256)
+    plan = plan_kv_cache(layers, EngineConfig(max_model_len=4096, max_num_batched_tokens=512), 512 * 2**20)
+    assert len(plan.group_plans) == 6  # 30 sliding layers in 5 groups of 6, the 6 full layers in one
+    series = curve_series(plan, [1, 1024, 4096])
+    assert len(series) == 2
+    swa = next(s for s in series if "SlidingWindowSpec" in s[0])
+    assert len(swa[2]) == 5 and "5 identical" in swa[0]
+    fig = build_figure(plan)
+    try:
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        total = lines["whole request (sum over groups)"]
+        groups = [line for label, line in lines.items() if label.startswith("group")]
+        assert len(groups) == 2
+        assert all(g.get_zorder() > total.get_zorder() for g in groups)
+        assert total.get_alpha() < 1 and total.get_linewidth() > max(g.get_linewidth() for g in groups)
+    finally:
+        plt.close(fig)
