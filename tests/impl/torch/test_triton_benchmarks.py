@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 import torch  # noqa: E402
 
-from tests.impl.torch.triton_support import needs_triton  # noqa: E402
+from tests.impl.torch.triton_support import needs_interpreter, needs_triton  # noqa: E402
 
 pytestmark = needs_triton
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -35,6 +35,7 @@ def test_gpu_benchmarks_refuse_without_cuda_with_exit_2(name, args, capsys):
     assert "no CUDA device" in err and "--interpreter" in err
 
 
+@needs_interpreter
 def test_attention_benchmark_interpreter_mode_reports_a_checked_table(capsys):
     rc = _load("bench_triton_attention").main(["--interpreter", "--batch", "2", "--context", "40", "--kv-heads", "1",
                                                "--head-size", "16", "--block-size", "4", "--window", "24",
@@ -46,6 +47,7 @@ def test_attention_benchmark_interpreter_mode_reports_a_checked_table(capsys):
     assert "| triton kernel (interpreted) |" in out and "| torch path (gather + matmul) |" in out
 
 
+@needs_interpreter
 def test_offload_benchmark_interpreter_mode_verifies_round_trips(capsys):
     rc = _load("bench_triton_offload").main(["--interpreter", "--blocks", "3", "--layers", "1", "--page-kib", "4",
                                              "--repeats", "1"])

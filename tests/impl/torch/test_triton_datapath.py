@@ -29,9 +29,9 @@ from kvref.models.torch_datapath import DataPathScheduler  # noqa: E402
 from kvref.models.torch_mutants import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader  # noqa: E402
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from tests.conftest import profile_examples  # noqa: E402
-from tests.impl.torch.triton_support import needs_triton  # noqa: E402
+from tests.impl.torch.triton_support import needs_interpreter, needs_triton  # noqa: E402
 
-pytestmark = needs_triton
+pytestmark = [needs_triton, needs_interpreter]
 
 KW = dict(num_kv_heads=2, head_size=8, dtype="float32")
 EXACT = 1e-10

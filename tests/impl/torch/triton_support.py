@@ -16,3 +16,13 @@ def kernel_device() -> str:
     from kvref.impl.torch.triton_kernels import interpreted
 
     return "cpu" if interpreted() else "cuda"
+
+
+def _compiled() -> bool:
+    return USABLE and kernel_device() == "cuda"
+
+
+#: for tests that run on CPU tensors only (the data-path scenarios, the interpreter benchmarks):
+#: skipped where a GPU run turned the interpreter off (``TRITON_INTERPRET=0``)
+needs_interpreter = pytest.mark.skipif(_compiled(), reason="kernels are compiled for CUDA here "
+                                       "(TRITON_INTERPRET=0); this test runs them on CPU tensors")
