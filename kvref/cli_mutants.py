@@ -44,6 +44,7 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="kvref verify seed (default 0)")
     g.add_argument("--fault-timeout", type=float, default=None, metavar="S",
                    help="wall-clock limit per fault (default 300 s fast, 900 ci, 3600 nightly)")
+    g.add_argument("--from-json", metavar="FILE", help="render a saved --json result instead of running")
     return p
 
 
@@ -66,8 +67,21 @@ def run(args: argparse.Namespace) -> int:
         mutants = [CATALOGUE[n] for n in args.only]
     elif args.subset == "ci":
         mutants = [m for m in mutants if m.name in CI_SUBSET]
-    res = run_mutant_campaign(mutants, checks=args.checks, budget=args.budget, all_checks=args.all_checks,
-                              proof_variants=not args.no_proof_variants and not args.only)
+    from kvref.progress import Progress
+
+    progress = Progress(f"mutants ({len(mutants)})", start_after=2.0)
+    done = {"n": 0, "killed": 0}
+
+    def on_result(r) -> None:  # a line per finished mutant (stderr), once the run is a few seconds old
+        done["n"] += 1
+        done["killed"] += bool(r.killed)
+        progress.status = (f"{done['n']} done, {done['killed']} killed; last: {r.mutant.name} "
+                           + (f"killed by {r.killed_by}" if r.killed else "SURVIVED") + f" in {r.seconds:.1f} s")
+        progress.update(progress.status, force=True)
+
+    with progress.heartbeat("checking the clean reference first (every check must pass it)"):
+        res = run_mutant_campaign(mutants, checks=args.checks, budget=args.budget, all_checks=args.all_checks,
+                                  proof_variants=not args.no_proof_variants and not args.only, progress=on_result)
     if res.baseline_failures:
         print("the clean reference fails a check; no mutant was run:")
         for k, v in res.baseline_failures.items():
@@ -91,8 +105,16 @@ def run_vllm(args: argparse.Namespace) -> int:
     import sys
 
     from kvref.models.vllm_mutants.catalogue import FAULTS
-    from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, run_campaign, select_faults
+    from kvref.spec.errors import InvalidFieldError
+    from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, CampaignResult, run_campaign, select_faults
 
+    if args.from_json:
+        try:
+            with open(args.from_json) as f:
+                res = CampaignResult.from_dict(json.load(f), FAULTS)
+        except (OSError, ValueError, KeyError) as exc:
+            raise InvalidFieldError("--from-json", args.from_json, f"a saved --json result ({exc})") from exc
+        return _print_vllm_result(res, args, RECALL_GOAL)
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     faults = select_faults(FAULTS, split(args.faults), split(args.fault_class))
     if args.list:
@@ -105,14 +127,21 @@ def run_vllm(args: argparse.Namespace) -> int:
     quiet = args.json or args.markdown
     res = run_campaign(faults, checks=tuple(args.checks) if args.checks else VLLM_CHECKS, profile=args.profile,
                        seed=args.seed, timeout=args.fault_timeout, progress=lambda line: print(line, file=sys.stderr if quiet else sys.stdout, flush=True))
+    return _print_vllm_result(res, args, RECALL_GOAL)
+
+
+def _print_vllm_result(res, args: argparse.Namespace, goal: float) -> int:
+    import json
+
     if args.json:
         print(json.dumps(res.to_dict()))
     elif args.markdown:
         print(res.summary() + "\n")
+        print(res.summary_markdown() + "\n")
         print(res.to_markdown())
     else:
         print(res.render())
-    return 0 if res.ok(args.min_rate or RECALL_GOAL) else 1
+    return 0 if res.ok(args.min_rate or goal) else 1
 
 
 def check_mutants(ctx):

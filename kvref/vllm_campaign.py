@@ -142,6 +142,51 @@ class CampaignResult:
                 "baseline": self.baseline.to_row() if self.baseline else None,
                 "faults": [r.to_row() for r in self.results]}
 
+    @classmethod
+    def from_dict(cls, d: dict, faults: Iterable[SourceFault]) -> "CampaignResult":
+        """Rebuild a result from :meth:`to_dict` output (``--json``), e.g. to render saved runs."""
+        by_id = {f.id: f for f in faults}
+        rows = []
+        for row in d["faults"]:
+            if row["id"] not in by_id:
+                raise InvalidFieldError("fault id", row["id"], "an id of the vLLM fault catalogue")
+            rows.append(FaultResult(by_id[row["id"]], row["outcome"], row["seconds"], row.get("killed_by"),
+                                    row.get("checks") or {}, {}, row.get("detail") or "", row.get("live")))
+        return cls(rows, tuple(d["checks"]), d["profile"], d["seed"], d["seconds"], None,
+                   d.get("dropped_checks") or {})
+
+    def summary_markdown(self) -> str:
+        """Recall per class, false positives, kills per check and the survivors grouped by the
+        behaviour they live in (what the generators should reach next)."""
+        lines = ["| class | faults | killed | recall | survived | error / not-live / timeout |", "|---|---|---|---|---|---|"]
+        for kinds, name in ((("historic",), "historic"), (("classic",), "classic"),
+                            (("historic", "classic"), "**all bug faults**")):
+            rs = self.of(*kinds)
+            k = sum(r.outcome == KILLED for r in rs)
+            lines.append(f"| {name} | {len(rs)} | {k} | {100 * k / len(rs):.1f} % | "
+                         f"{sum(r.outcome == SURVIVED for r in rs)} | "
+                         f"{sum(r.outcome in (ERROR, NOT_LIVE, TIMEOUT) for r in rs)} |" if rs else f"| {name} | 0 | | | | |")
+        neutral = self.of(NEUTRAL)
+        lines.append(f"| neutral (must pass) | {len(neutral)} | flagged: {len(self.false_positives)} | | "
+                     f"passed: {sum(r.outcome == SURVIVED for r in neutral)} | "
+                     f"{sum(r.outcome in (ERROR, NOT_LIVE, TIMEOUT) for r in neutral)} |")
+        by_check: dict[str, int] = {}
+        for r in self.results:
+            if r.outcome == KILLED and r.fault.kind != NEUTRAL:
+                by_check[r.killed_by] = by_check.get(r.killed_by, 0) + 1
+        lines += ["", "First failing check: " + ", ".join(f"`{c}` {n}" for c, n in
+                                                          sorted(by_check.items(), key=lambda kv: -kv[1]))]
+        if self.survivors:
+            lines += ["", "Survivors by behaviour:"]
+            groups: dict[str, list[FaultResult]] = {}
+            for r in self.survivors:
+                groups.setdefault(r.fault.behaviour, []).append(r)
+            for behaviour, rs in sorted(groups.items()):
+                lines.append(f"* {behaviour}: " + ", ".join(
+                    f"`{r.fault.id}`" + (f" ({r.fault.bug})" if r.fault.bug else "")
+                    + (f" [{r.outcome}]" if r.outcome != SURVIVED else "") for r in rs))
+        return "\n".join(lines)
+
     def to_markdown(self) -> str:
         lines = ["| fault | class | bug | behaviour | outcome | first failing check | s |",
                  "|---|---|---|---|---|---|---|"]

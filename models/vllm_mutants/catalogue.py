@@ -245,12 +245,11 @@ _add(
           "            max_cache_hit_length = request.num_tokens\n",
           CLASSIC, "off-by-one: a fully cached prompt is taken as a full hit, leaving no token to compute "
                    "the logits from", behaviour="prefix-cache"),
-    fault("kvm.cache_includes_drafts", _KVM,
-          "        num_tokens_to_cache = min(\n            total_computed_tokens + num_new_tokens,\n"
-          "            request.num_tokens,\n        )",
-          "        num_tokens_to_cache = total_computed_tokens + num_new_tokens",
-          CLASSIC, "dropped cap: blocks are cached up to the scheduled tokens, not the finalized ones", 
-          behaviour="prefix-cache"),
+    fault("kvm.cache_lags_one_token", _KVM,
+          "        self.coordinator.cache_blocks(request, num_tokens_to_cache)\n",
+          "        self.coordinator.cache_blocks(request, num_tokens_to_cache - 1)\n",
+          CLASSIC, "off-by-one: a block filled by the step's last token is cached one step late (a request "
+                   "arriving meanwhile misses it)", behaviour="prefix-cache"),
     fault("kvm.watermark_for_running", _KVM,
           "        if has_scheduled_reqs and request.status in (\n            RequestStatus.WAITING,\n"
           "            RequestStatus.PREEMPTED,\n        ):",

@@ -223,7 +223,24 @@ def test_campaign_result_recall_and_false_positives():
     assert "**FLAGGED**" in md and "**SURVIVED**" in md
     d = res.to_dict()
     assert d["false_positives"] == ["neutral.coord_loop_var_renamed"] and d["bug_recall"] == 0.5
-    json.dumps(d)
+    again = CampaignResult.from_dict(json.loads(json.dumps(d)), FAULTS)
+    assert again.to_dict() == d
+    summary = res.summary_markdown()
+    assert "| **all bug faults** | 2 | 1 | 50.0 % |" in summary
+    assert "* admission: `stm.pre40946_gate_uncapped` (#39734, PR 40946)" in summary
+
+
+def test_cli_renders_a_saved_result(tmp_path, capsys):
+    f = by_id()
+    res = CampaignResult([FaultResult(f["stm.free_head_first"], KILLED, 3.0, "conform-kv-manager"),
+                          FaultResult(f["neutral.stm_divmod"], SURVIVED, 9.0)], ("conform-kv-manager",), "fast", 0, 12.0)
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(res.to_dict()))
+    assert cli.main(["mutants", "--target", "vllm", "--from-json", str(saved), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "`stm.free_head_first`" in out and "| neutral (must pass) | 1 | flagged: 0 |" in out
+    saved.write_text("{}")
+    assert cli.main(["mutants", "--target", "vllm", "--from-json", str(saved)]) == 2
 
 
 # --------------------------------------------------------------------------------------------
