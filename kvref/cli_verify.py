@@ -43,6 +43,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
                    help="bound on shrinking one failing example (default: 15 fast, 45 ci, 300 nightly)")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first failing check")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
     return p
 
 
@@ -72,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
     baseline = Baseline.load(args.baseline) if args.baseline else Baseline()
     checks = select_checks(only=args.only, skip=args.skip, mutants=args.mutants, against=args.against)
-    console = Console(stderr=True)
+    from .quiet import progress_console, quiet_third_party
+
+    quiet_third_party(args.verbose)  # before any check imports vLLM
+    console = progress_console()
     results = []
     with console.status("starting") as status:
         for i, check in enumerate(checks, 1):
