@@ -151,6 +151,32 @@ def default_splits(num_programs: int, max_keys: int, tile: int, device: torch.de
     return max(1, min(want, max_keys // (4 * tile), 32))
 
 
+def kernel_config(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_heads: int, head_size: int,
+                  block_size: int, on_cuda: bool, split: bool, tile: int | None = None,
+                  num_warps: int | None = None) -> tuple[dict, int | None]:
+    """The kernel's compile-time constants and ``num_warps`` for one launch (``num_warps`` None on
+    the CPU). One function for the wrapper and for :mod:`.aot`, so what is compiled ahead of time
+    is what runs.
+
+    CUDA defaults, chosen from the register report of the ahead-of-time compile for sm_90
+    (BENCHMARKS.md): tile 32 with 8 warps on the ``tl.dot`` path (64 x 4 warps spilled 1.4 KB of
+    stack per thread at 255 registers), tile 16 with 4 warps on the float64 broadcast path.
+    """
+    f64 = dtype == torch.float64
+    if tile is None:
+        tile = (16 if f64 else 32) if on_cuda else 32
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
+        raise InvalidFieldError("tile", tile, "a power of two")
+    use_dot = not f64 and tile >= 16 and head_size >= 16
+    if on_cuda and num_warps is None:
+        num_warps = 8 if use_dot else 4
+    group = num_q_heads // num_kv_heads
+    return dict(MASK_KIND=_MASK_CODE[mask_kind], GROUP=group,
+                GROUP_P=max(16, _pow2(group)) if use_dot else _pow2(group), HEAD=head_size,
+                HEAD_P=_pow2(head_size), BLOCK_SIZE=block_size, TILE=tile, ACC_F64=f64, SPLIT=split,
+                USE_DOT=use_dot), (num_warps if on_cuda else None)
+
+
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            context_lens: torch.Tensor, query_rows: torch.Tensor, query_positions: torch.Tensor,
                            mask: AttentionMask = AttentionMask(), scale: float | None = None,
@@ -161,9 +187,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     ``kv_cache`` may be a strided view (``KVCacheTensors.kv``: pages padded to the widest group);
     only its innermost dimension must be contiguous. Tuning (results do not depend on them beyond
     rounding): ``num_splits`` (key-range partitions, default :func:`default_splits`), ``tile``
-    (positions per loop step, a power of two; default 32 on the CPU — fewer interpreter steps —
-    and 64 on CUDA; ``tl.dot`` is used when the tile and head size are >= 16), ``num_warps``
-    (CUDA only; Triton's default when None).
+    (positions per loop step, a power of two; ``tl.dot`` is used when the tile and head size are
+    >= 16) and ``num_warps`` (CUDA only); defaults in :func:`kernel_config`.
 
     ``validate=False`` skips the range checks of the arguments, which read device values back to
     the host (a device sync per check); for timing loops over arguments already checked once.
@@ -182,15 +207,16 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         raise InvalidFieldError("num_query_heads", hq, f"a multiple of num_kv_heads={hkv}")
     if kv_cache.stride(-1) != 1:
         raise InvalidFieldError("kv_cache", tuple(kv_cache.stride()), "a view whose head dimension is contiguous")
-    tile = tile if tile is not None else (64 if dev.type == "cuda" else 32)
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
-        raise InvalidFieldError("tile", tile, "a power of two")
-    # The table's reach bounds the context without reading it back when not validating.
-    max_keys = (int(context_lens.max()) if context_lens.numel() else 0) if validate else block_table.shape[1] * bs
-    if num_splits is None:
-        num_splits = default_splits(t * hkv, max_keys, tile, dev)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise InvalidFieldError("num_splits", num_splits, "an int >= 1")
+    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
+        raise InvalidFieldError("num_warps", num_warps, "a power of two from 1 to 32")
+    consts, warps = kernel_config(query.dtype, mask.kind, hq, hkv, d, bs, dev.type == "cuda", False, tile, num_warps)
+    if num_splits is None:
+        # The table's reach bounds the context without reading it back when not validating.
+        max_keys = (int(context_lens.max()) if context_lens.numel() else 0) if validate else block_table.shape[1] * bs
+        num_splits = default_splits(t * hkv, max_keys, consts["TILE"], dev)
+    consts["SPLIT"] = split = num_splits > 1
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(dev).contiguous()
     out = torch.empty_like(q)
@@ -201,10 +227,6 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     rows = query_rows.to(dev).to(torch.int64).contiguous()
     qpos = query_positions.to(dev).to(torch.int64).contiguous()
     scale_t = torch.tensor([d ** -0.5 if scale is None else scale], dtype=acc, device=dev)
-    group = hq // hkv
-    use_dot = acc == torch.float32 and tile >= 16 and d >= 16
-    group_p = max(16, _pow2(group)) if use_dot else _pow2(group)
-    split = num_splits > 1
     if split:
         part = torch.empty((t, hq, num_splits, d), dtype=acc, device=dev)
         m = torch.empty((t, hq, num_splits), dtype=acc, device=dev)
@@ -213,14 +235,12 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     else:
         m = l_ = scale_t  # unused
         dst, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
-    extra = {"num_warps": num_warps} if (num_warps and dev.type == "cuda") else {}
+    extra = {"num_warps": warps} if warps else {}
     _paged_attention_kernel[(t, hkv, num_splits)](
         q, kv_cache, dst, table, ctx, rows, qpos, scale_t, m, l_,
         q.stride(0), q.stride(1), *strides,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), table.stride(0),
-        mask.size if mask.kind != "causal" else 1, num_splits,
-        MASK_KIND=_MASK_CODE[mask.kind], GROUP=group, GROUP_P=group_p, HEAD=d, HEAD_P=_pow2(d),
-        BLOCK_SIZE=bs, TILE=tile, ACC_F64=acc == torch.float64, SPLIT=split, USE_DOT=use_dot, **extra,
+        mask.size if mask.kind != "causal" else 1, num_splits, **consts, **extra,
     )
     if split:
         return _combine(m, l_, part, q.dtype)

@@ -254,6 +254,8 @@ def test_attention_and_write_kernels_reject_bad_arguments():
         paged_attention_triton(q, cache, table, ctx, rows, pos, tile=24)
     with pytest.raises(InvalidFieldError, match="num_splits"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, num_splits=0)
+    with pytest.raises(InvalidFieldError, match="num_warps"):
+        paged_attention_triton(q, cache, table, ctx, rows, pos, num_warps=3)
     with pytest.raises(InvalidFieldError, match="slots"):
         write_kv_triton(cache, torch.tensor([4, 20]), torch.ones(2, 1, 4), torch.ones(2, 1, 4))
     with pytest.raises(InvalidFieldError, match="k/v"):

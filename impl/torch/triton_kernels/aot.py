@@ -1,0 +1,227 @@
+"""Ahead-of-time compilation of the kernels for a GPU target, on a machine without a GPU.
+
+Triton's compiler needs no device: ``triton.compile`` lowers a kernel through TTIR, TTGIR, LLVM
+IR and PTX to a cubin with the ``ptxas`` shipped in the triton wheel, for any ``GPUTarget``
+(here ``cuda`` sm_80 / sm_90). That turns "the kernels are written to compile" into a checked
+fact where no GPU is lent, and ``cuobjdump --dump-resource-usage`` (also in the wheel) reports
+what the compiled kernel costs per thread: registers, and the stack that register spills use.
+That report chose the CUDA defaults in :func:`.attention.kernel_config` (the first draft's
+64-position tile spilled 1.4 KB of stack per thread on sm_90).
+
+What it cannot tell: whether the cubin runs correctly (the interpreter tests check the same
+source on CPU, and ``bench_triton_attention.py --check-only`` checks the cubin on a device) and
+how fast it is.
+
+The variants are built from the wrappers' own configuration (:func:`.attention.kernel_config`),
+with the argument types the wrappers pass, so what is compiled here is what a launch compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from kvref.spec.errors import InvalidFieldError
+
+#: GPU architectures checked (compute capability x 10): A100, H100/H200
+ARCHS = (80, 90)
+_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+         torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8"}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One compiled variant: ``registers`` and ``stack_bytes`` per thread (spills live on the
+    stack), ``shared_bytes`` of shared memory per program; ``None`` where cuobjdump is missing."""
+
+    label: str
+    arch: int
+    num_warps: int
+    cubin_bytes: int
+    registers: int | None
+    stack_bytes: int | None
+    shared_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.stack_bytes)
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    tool = _cuobjdump()
+    if tool is None:
+        return None, None
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def compile_kernel(kernel, label: str, pointer_types: dict[str, torch.dtype], constexprs: dict,
+                   num_warps: int, arch: int = 90) -> CompiledKernel:
+    """Compile ``kernel`` (a ``triton.jit`` function, interpreted or not) for ``cuda`` sm_``arch``.
+
+    ``pointer_types``: element type of each pointer argument; other non-constexpr arguments are
+    ints (``i32``: the wrappers' strides and sizes fit; Triton picks ``i64`` at launch only for
+    values beyond 2**31).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    from . import _interpret_requested
+
+    if _interpret_requested():
+        # Triton's frontend reads the variable while compiling, and a process that has run
+        # interpreted kernels keeps part of the interpreter's patching: compile in a clean process.
+        raise InvalidFieldError("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET"),
+                                "unset in the compiling process: use compile_in_subprocess() or "
+                                "`python -m kvref.impl.torch.triton_kernels.aot`")
+    if arch not in ARCHS:
+        raise InvalidFieldError("arch", arch, "one of " + ", ".join(map(str, ARCHS)))
+    fn = JITFunction(getattr(kernel, "fn", kernel))  # the interpreter wraps the same function
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = "*" + _TYPE[pointer_types[name]]
+        else:
+            sig[name] = "i32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Triton 3.9's FP-fusion default notice
+        out = compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32),
+                      options={"num_warps": num_warps})
+    cubin = out.asm["cubin"]
+    regs, stack = _resource_usage(cubin)
+    return CompiledKernel(label, arch, num_warps, len(cubin), regs, stack, int(out.metadata.shared))
+
+
+def attention(dtype: torch.dtype, mask_kind: str = "sliding_window", num_q_heads: int = 32, num_kv_heads: int = 8,
+              head_size: int = 128, block_size: int = 16, split: bool = False, tile: int | None = None,
+              num_warps: int | None = None, arch: int = 90) -> CompiledKernel:
+    """The paged-attention kernel as ``paged_attention_triton`` launches it on CUDA."""
+    from .attention import _paged_attention_kernel, kernel_config
+
+    consts, warps = kernel_config(dtype, mask_kind, num_q_heads, num_kv_heads, head_size, block_size, True, split,
+                                  tile, num_warps)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    ptrs = dict(q_ptr=dtype, cache_ptr=dtype, out_ptr=acc if split else dtype, table_ptr=torch.int32,
+                ctx_ptr=torch.int64, rows_ptr=torch.int64, qpos_ptr=torch.int64, scale_ptr=acc, m_ptr=acc,
+                l_ptr=acc)
+    label = (f"attention {str(dtype)[6:]} {mask_kind} gqa{num_q_heads // num_kv_heads} d{head_size} "
+             f"bs{block_size} tile{consts['TILE']}{' split' if split else ''}")
+    return compile_kernel(_paged_attention_kernel, label, ptrs, consts, warps, arch)
+
+
+def write_kv(dtype: torch.dtype, num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16,
+             arch: int = 90) -> CompiledKernel:
+    """The K/V write kernel as ``write_kv_triton`` launches it."""
+    from .write_kv import _write_kv_kernel
+
+    row = num_kv_heads * head_size
+    consts = dict(BLOCK_SIZE=block_size, ROW=row, ROW_P=1 << max(0, (row - 1).bit_length()))
+    ptrs = dict(k_ptr=dtype, v_ptr=dtype, cache_ptr=dtype, slots_ptr=torch.int64)
+    return compile_kernel(_write_kv_kernel, f"write_kv {str(dtype)[6:]} {num_kv_heads}x{head_size}", ptrs, consts,
+                          4, arch)
+
+
+def block_copy(element_size: int = 2, arch: int = 90) -> CompiledKernel:
+    """The block-copy kernel as ``copy_blocks_triton`` launches it (pages as raw integers)."""
+    from .block_copy import _AS_INT, CHUNK, _copy_blocks_kernel
+
+    as_int = _AS_INT[element_size]
+    ptrs = dict(src_ptr=as_int, dst_ptr=as_int, src_ids_ptr=torch.int64, dst_ids_ptr=torch.int64)
+    return compile_kernel(_copy_blocks_kernel, f"block_copy {element_size}-byte elements", ptrs, dict(CHUNK=CHUNK),
+                          4, arch)
+
+
+def standard_variants(full: bool = False):
+    """``(label, thunk)`` for the variants the data path launches: the decode defaults (bfloat16,
+    GQA 4, head 128, block 16) with and without splits, the K/V write and the block copy; with
+    ``full`` every dtype x mask x split x arch."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64) if full else (torch.bfloat16,)
+    masks = ("causal", "sliding_window", "chunked_local") if full else ("sliding_window",)
+    archs = ARCHS if full else (90,)
+    out = []
+    for arch in archs:
+        for dt in dtypes:
+            for mk in masks:
+                for split in (False, True):
+                    out.append((f"attention {dt} {mk} split={split} sm{arch}",
+                                lambda dt=dt, mk=mk, split=split, arch=arch: attention(dt, mk, split=split, arch=arch)))
+            out.append((f"write_kv {dt} sm{arch}", lambda dt=dt, arch=arch: write_kv(dt, arch=arch)))
+        for size in ((2, 4, 8) if full else (2,)):
+            out.append((f"block_copy {size} sm{arch}", lambda size=size, arch=arch: block_copy(size, arch=arch)))
+    return out
+
+
+def compile_in_subprocess(full: bool = False, timeout: float = 1200) -> list[CompiledKernel]:
+    """Compile :func:`standard_variants` in a fresh Python process without ``TRITON_INTERPRET``
+    (the kernel tests run interpreted in their own process). Raises ``RuntimeError`` with the
+    child's output when a variant fails to compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kvref.impl.torch.triton_kernels.aot", "--json"] + (["--full"] if full else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"ahead-of-time compile failed (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return [CompiledKernel(**row) for row in json.loads(out.stdout)]
+
+
+def main(argv=None) -> int:
+    """``python -m kvref.impl.torch.triton_kernels.aot [--full] [--json]``: compile the variants
+    for the GPU targets and print their per-thread resource use (a Markdown table, or JSON)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvref.impl.torch.triton_kernels.aot", description=main.__doc__)
+    ap.add_argument("--full", action="store_true", help="every dtype x mask x split x arch (slow: ~1 min per 10)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton is not installed (pip install triton==3.9.0)", file=sys.stderr)
+        return 2
+    rows = []
+    for label, thunk in standard_variants(args.full):
+        try:
+            rows.append(thunk())
+        except InvalidFieldError as exc:
+            print(f"{label}: {exc}", file=sys.stderr)
+            return 2
+        except Exception as exc:  # noqa: BLE001 - a compile error is the finding; say which variant
+            print(f"{label}: does not compile: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows]))
+        return 0
+    print("| kernel variant | arch | warps | registers / thread | spill stack bytes / thread | shared bytes | cubin bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.label} | sm_{r.arch} | {r.num_warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | "
+              f"{r.cubin_bytes} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

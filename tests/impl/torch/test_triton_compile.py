@@ -1,0 +1,54 @@
+"""The kernels compile for real GPU targets here, without a GPU (``triton.compile`` to a cubin
+with the ptxas in the triton wheel), and the CUDA defaults do not spill registers.
+
+This is the part of "on a CUDA device the same kernels compile" that can be checked where no GPU
+is lent: every compiler stage down to the cubin for sm_90 (and, nightly, every dtype x mask x
+split for sm_80 and sm_90). Running the cubin is left to the GPU-marked test. The compile runs in
+a subprocess without ``TRITON_INTERPRET`` (this process interprets the kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0, requirements/test.txt)")
+
+from hypothesis import settings  # noqa: E402
+
+from kvref.spec.errors import InvalidFieldError  # noqa: E402
+
+
+def test_the_data_path_kernels_compile_for_sm90_and_the_defaults_do_not_spill():
+    from kvref.impl.torch.triton_kernels.aot import compile_in_subprocess
+
+    rows = compile_in_subprocess()
+    labels = [r.label for r in rows]
+    assert labels == ["attention bfloat16 sliding_window gqa4 d128 bs16 tile32",
+                      "attention bfloat16 sliding_window gqa4 d128 bs16 tile32 split",
+                      "write_kv bfloat16 8x128", "block_copy 2-byte elements"], labels
+    for r in rows:
+        assert r.arch == 90 and r.cubin_bytes > 1000, r
+        assert r.registers is not None and r.registers <= 255, r
+        assert r.stack_bytes == 0, f"{r.label} spills {r.stack_bytes} bytes of stack per thread"
+
+
+@pytest.mark.skipif(settings._current_profile != "nightly",  # type: ignore[attr-defined]
+                    reason="the full compile matrix (about 60 variants, minutes) runs under the nightly profile")
+def test_every_variant_compiles_for_sm80_and_sm90():
+    from kvref.impl.torch.triton_kernels.aot import compile_in_subprocess
+
+    rows = compile_in_subprocess(full=True, timeout=3600)
+    assert {r.arch for r in rows} == {80, 90} and len(rows) >= 60
+    spilling = [r.label for r in rows if r.stack_bytes and "float64" not in r.label]
+    assert not spilling, spilling
+
+
+def test_compiling_in_an_interpreting_process_is_refused_with_the_way_out(monkeypatch):
+    from kvref.impl.torch.triton_kernels import aot
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(InvalidFieldError, match="compile_in_subprocess"):
+        aot.block_copy(2)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(InvalidFieldError, match="arch"):
+        aot.block_copy(2, arch=75)
