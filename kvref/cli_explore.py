@@ -42,9 +42,14 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="keep going after the first finding (up to 10)")
     p.add_argument("--toy", action="store_true", help="explore the toy pool system instead")
     p.add_argument("--workers", default="1", metavar="N|auto",
-                   help="processes expanding states (default 1; auto: one per CPU). More than one "
-                        "expands each BFS level in forked workers: same states and traces, faster on "
-                        "many cores")
+                   help="processes expanding states (default 1; auto: one per idle CPU, from the load "
+                        "average, and says what it chose). More than one expands each BFS level in forked "
+                        "workers: same states and traces, faster on many idle cores, slower on a busy "
+                        "2-core machine")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write each finding to DIR as a step table (.txt) and a trace (.json) that "
+                        "`kvref replay FILE [--kinds reference,vllm,torch]` re-runs")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--against", default=None, metavar="vllm,torch",
                    help="exhaustive conformance instead (KV scopes): replay every transition of the scope's "
                         "state graph on these implementations in lock step with the reference and compare")
@@ -80,14 +85,36 @@ def _with_sets(scope, sets: list[str]):
     return replace(scope, **changes)
 
 
+def auto_workers(stream=None) -> int:
+    """``--workers auto``: one worker per *idle* CPU, not per CPU. On a loaded 2-core machine two
+    forked workers share the cores with the load and run slower than one process (issue #16), so
+    the 1-minute load average is subtracted; the choice is printed to ``stream``."""
+    import os
+    import sys
+
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        load = 0.0
+    idle = max(1, int(cpus - load + 0.5))
+    print(f"--workers auto: {cpus} CPU(s), load average {load:.2f} -> {idle} worker(s)"
+          + ("" if idle > 1 else " (forking pays off only with idle cores)"), file=stream or sys.stderr)
+    return idle
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
     from kvref.models.explorer import explore, render_trace
-    from kvref.models.explorer_search import resolve_workers
+    from kvref.progress import Progress, rate
 
     if args.against is not None:
         return _run_conformance(args)
+    if args.out is not None:
+        from kvref.cli_checks import check_writable_dir
+
+        check_writable_dir("--out", args.out)
     if args.toy:
         from kvref.models.explorer_offload import OFFLOAD_SCOPES
         from kvref.models.explorer_toy import ToyPool
@@ -108,23 +135,175 @@ def run(args: argparse.Namespace) -> int:
         else:
             system, label = KVSystem(scope), f"scope {scope.name}"
     bounded = args.max_depth is not None and not args.toy and args.scope not in SCOPES
-    workers = args.workers if args.workers == "auto" else _parse_value(args.workers)
-    res = explore(system, max_states=args.max_states, max_seconds=args.max_seconds,
-                  stop_at_first=not args.all, check_liveness=args.liveness and not bounded,
-                  check_deadlocks=not bounded, max_depth=args.max_depth, workers=workers)
+    workers = auto_workers() if args.workers == "auto" else _parse_value(args.workers)
+    progress = Progress(f"explore {label}", enabled=not args.quiet)
+
+    def on_progress(res, depth, level_size):
+        progress.status = (f"{res.states:,} states, {res.transitions:,} transitions, depth {depth} "
+                           f"({level_size:,} in this level), {rate(res.states, res.seconds)}")
+        if progress.due():
+            progress.update(progress.status)
+
+    with progress.heartbeat("expanding the first states"):
+        res = explore(system, max_states=args.max_states, max_seconds=args.max_seconds,
+                      stop_at_first=not args.all, check_liveness=args.liveness and not bounded,
+                      check_deadlocks=not bounded, max_depth=args.max_depth, workers=workers, progress=on_progress)
+    written = _write_findings(args, res, label) if args.out is not None else []
     if args.json:
+        from kvref.models.explorer_search import resolve_workers
+
         print(json.dumps({"scope": label, "states": res.states, "transitions": res.transitions,
                           "depth": res.depth, "seconds": round(res.seconds, 3),
                           "workers": resolve_workers(workers),
                           "states_per_second": round(res.states_per_second), "complete": res.complete,
-                          "findings": [{"kind": f.kind, "message": f.message, "steps": f.trace.length}
-                                       for f in res.findings]}))
+                          "findings": [{"kind": f.kind, "message": f.message, "steps": f.trace.length,
+                                        **({"files": written[i]} if written else {})}
+                                       for i, f in enumerate(res.findings)]}))
     else:
         print(f"{label}: {res.summary()}")
-        for f in res.findings:
+        for i, f in enumerate(res.findings):
             print(f"\n{f.kind}: {f.message}")
             print(render_trace(f.trace, title=f"shortest {f.kind} trace"))
+            if written:
+                print(f"written: {written[i][0]} and {written[i][1]}; replay: kvref replay {written[i][1]}")
     return 1 if res.findings else 0
+
+
+#: ``"format"`` of the JSON an explorer finding is written as (``kvref replay`` recognises it)
+EXPLORER_TRACE_FORMAT = "kvref-explorer-trace"
+
+
+def _jsonable(action):
+    if isinstance(action, tuple):
+        return [_jsonable(a) for a in action]
+    if action is None or isinstance(action, (str, int, float, bool)):
+        return action
+    return repr(action)
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _write_findings(args: argparse.Namespace, res, label: str) -> list[tuple[str, str]]:
+    """Each finding as ``explore-<scope>-<kind>-<n>.txt`` (step table) and ``.json`` (the actions,
+    data only, for ``kvref replay``). Returns the paths, per finding."""
+    import json
+    import os
+
+    from kvref.models.explorer import render_trace
+
+    os.makedirs(args.out, exist_ok=True)
+    scope = "toy" if args.toy else args.scope
+    out = []
+    for n, f in enumerate(res.findings, 1):
+        # a violation raised by a step ends the trace with that action (its row shows the error)
+        actions = [_jsonable(step.action) for step in f.trace.steps[1:]]
+        base = os.path.join(args.out, f"explore-{scope}-{f.kind}-{n}")
+        with open(base + ".txt", "w") as fh:
+            fh.write(f"{label}: {f.kind}: {f.message}\n\n{render_trace(f.trace, title=f'shortest {f.kind} trace')}\n")
+        with open(base + ".json", "w") as fh:
+            json.dump({"format": EXPLORER_TRACE_FORMAT, "version": 1, "scope": scope, "toy": bool(args.toy),
+                       "set": list(args.set), "max_depth": args.max_depth, "kind": f.kind, "message": f.message,
+                       "actions": actions}, fh, indent=1)
+            fh.write("\n")
+        out.append((base + ".txt", base + ".json"))
+    return out
+
+
+def is_explorer_trace(path: str) -> bool:
+    """Whether ``path`` is a JSON explorer finding (``kvref replay`` then hands it here)."""
+    import json
+
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == EXPLORER_TRACE_FORMAT
+
+
+def _system_for(data: dict, path: str):
+    from kvref.spec.errors import InvalidFieldError
+
+    if data.get("toy") is True:
+        from kvref.models.explorer_toy import ToyPool
+
+        return ToyPool()
+    from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorSystem
+    from kvref.models.explorer_kv import SCOPES, KVSystem
+    from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
+
+    name, sets = data.get("scope"), data.get("set", [])
+    if not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
+        raise InvalidFieldError(f"{path}: set", sets, "a list of FIELD=VALUE strings")
+    for table, cls in ((SCOPES, KVSystem), (OFFLOAD_SCOPES, OffloadSystem), (CONNECTOR_SCOPES, ConnectorSystem)):
+        if isinstance(name, str) and name in table:
+            return cls(_with_sets(table[name], sets))
+    raise InvalidFieldError(f"{path}: scope", name, "a scope name of kvref explore --scope")
+
+
+def replay_explorer_trace(path: str, kinds: str | None = None, verbose: bool = False) -> int:
+    """``kvref replay explore-*.json``: apply the finding's actions from the scope's initial state,
+    checking every invariant after each; with ``--kinds`` naming vllm and/or torch (KV scopes),
+    the same actions also drive vLLM's Scheduler / the torch manager in lock step and every step is
+    compared. Exit 1 when the finding reproduces (or an implementation diverges), 0 when it does not."""
+    import json
+
+    from kvref.spec.errors import InvalidFieldError
+
+    with open(path) as fh:
+        data = json.load(fh)
+    actions = data.get("actions")
+    if not isinstance(actions, list):
+        raise InvalidFieldError(f"{path}: actions", type(actions).__name__, "a list of actions")
+    system = _system_for(data, path)
+    targets = tuple(k.strip() for k in (kinds or "reference").split(",") if k.strip() and k.strip() != "reference")
+    lockstep = None
+    if targets:
+        from kvref.models.explorer_conformance import TARGETS, _factories, _Lockstep
+        from kvref.models.explorer_kv import KVSystem
+
+        if not isinstance(system, KVSystem):
+            raise InvalidFieldError("--kinds", kinds, "reference only for an offload/connector/toy trace")
+        bad = [t for t in targets if t not in TARGETS]
+        if bad:
+            raise InvalidFieldError("--kinds", bad[0], "reference, " + ", ".join(TARGETS))
+        lockstep = _Lockstep(system, _factories(targets))
+    state = next(iter(system.initial_states()))
+    where = f"{data.get('scope')} ({len(actions)} actions)"
+    for i, raw in enumerate(actions):
+        action = _tupled(raw)
+        enabled = list(system.actions(state))
+        if action not in enabled:
+            print(f"NOT REPRODUCED: {where}: action #{i} {raw} is not enabled here (enabled: {enabled})")
+            return 0
+        if verbose:
+            print(f"#{i:3d} {raw}")
+        try:
+            state = system.step(state, action)
+            system.check(state)
+        except AssertionError as exc:
+            print(f"REPRODUCED ({data.get('kind')}): {where}: action #{i} {raw}: {exc}")
+            return 1
+        if lockstep is not None:
+            try:
+                lockstep.apply(action)
+            except AssertionError as exc:
+                print(f"DIVERGENCE (reference,{','.join(targets)}) at action #{i} {raw}: {exc}")
+                return 1
+    if data.get("kind") in ("deadlock", "livelock") and not system.is_final(state):
+        moves = [a for a in system.actions(state) if system.key(system.step(state, a)) != system.key(state)]
+        if not moves:
+            print(f"REPRODUCED (deadlock): {where}: no action changes the final state, and work is unfinished")
+            return 1
+        if data.get("kind") == "livelock":
+            print(f"REPRODUCED? (livelock): {where}: the state is reached; whether it can still finish needs "
+                  f"`kvref explore --scope {data.get('scope')} --liveness`")
+            return 1
+    print(f"NOT REPRODUCED: {where}: every action applied, every invariant holds"
+          + (f", {','.join(targets)} agree with the reference" if targets else ""))
+    return 0
 
 
 def _run_conformance(args: argparse.Namespace) -> int:

@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidFieldError("FILE", args.trace, "a trace (.json); a .py reproducer runs Python code and "
                                                         "needs --exec-python (only for files you trust)")
         return _run_reproducer(args.trace, args.kinds_given, args.verbose)
+    from kvref.cli_explore import is_explorer_trace, replay_explorer_trace
+
+    if is_explorer_trace(args.trace):  # a `kvref explore --out` finding: the explorer's actions (data)
+        return replay_explorer_trace(args.trace, args.kinds_given, args.verbose)
     from kvref.impl.interface import manager_kinds
     from kvref.models.differential import Divergence, Harness
     from kvref.models.trace import Trace

@@ -145,7 +145,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             max_seconds: float | None = None, stop_at_first: bool = True,
             check_deadlocks: bool = True, check_liveness: bool = False,
             max_findings: int = 10, max_depth: int | None = None,
-            workers: int | str | None = 1) -> ExplorationResult:
+            workers: int | str | None = 1, progress: Any = None) -> ExplorationResult:
     """Breadth-first exploration of every state reachable from ``system.initial_states()``.
 
     Args:
@@ -164,6 +164,8 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             With more than one, each BFS level is expanded by forked workers and merged in
             order (:mod:`kvref.models.explorer_search`): the same states, counts and shortest
             traces as with one, faster on a multi-core machine once a level is large.
+        progress: called as ``progress(result_so_far, depth, level_size)`` every 256 expanded
+            states (``kvref explore`` prints states, depth, rate and elapsed time from it).
 
     Returns:
         An :class:`ExplorationResult` with counts, timing and findings (shortest traces first).
@@ -185,7 +187,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
         return search(system, ExplorationResult(), workers=n_workers if fork_available() else 1,
                       max_states=max_states, max_seconds=max_seconds, stop_at_first=stop_at_first,
                       check_deadlocks=check_deadlocks, check_liveness=check_liveness,
-                      max_findings=max_findings, max_depth=max_depth)
+                      max_findings=max_findings, max_depth=max_depth, progress=progress)
     finally:
         gc.set_threshold(*old)
 

@@ -239,8 +239,9 @@ class _Workers:
 def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                      max_seconds: float | None, stop_at_first: bool, check_deadlocks: bool,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
-                     min_parallel_level: int = 64) -> Any:
-    """The body of :func:`kvref.models.explorer.explore`; fills ``res``."""
+                     min_parallel_level: int = 64, progress: Any = None) -> Any:
+    """The body of :func:`kvref.models.explorer.explore`; fills ``res``. ``progress(res, depth,
+    level_size)`` is called every 256 expansions and at each new level (a long search is not silent)."""
 
     t0 = time.perf_counter()
     if workers > 1:
@@ -378,13 +379,20 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                     if add_finding("deadlock", msg, idx):
                         return finish(False)
                 n += 1
-                if max_seconds is not None and n % 256 == 0 and time.perf_counter() - t0 > max_seconds:
-                    return finish(False)
+                if n % 256 == 0:
+                    if progress is not None:
+                        res.seconds = time.perf_counter() - t0
+                        progress(res, depth, len(level))
+                    if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                        return finish(False)
                 if max_states is not None and res.states >= max_states:
                     return finish(False)
             local.next_level()
             level = nxt_level
             depth += 1
+            if progress is not None:
+                res.seconds = time.perf_counter() - t0
+                progress(res, depth, len(level))
     finally:
         if pool is not None:
             pool.close()
