@@ -41,6 +41,8 @@ from kvref.spec.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from .accepted import is_accepted, signature
+
 VOCAB = 50
 
 
@@ -193,7 +195,43 @@ def _tally(out: SchedulerOutput, async_scheduling: bool) -> None:
 
 
 class Divergence(AssertionError):
-    """Two targets observed different things after the same operation."""
+    """Two targets observed different things after the same operation.
+
+    ``signature`` names the operation and what differed without ids; a difference the user's
+    baseline accepts discards the trace and the search goes on (:mod:`kvref.models.accepted`).
+    """
+
+    def __init__(self, message: str, signature: str | None = None) -> None:
+        super().__init__(message)
+        self.signature = signature
+
+
+def _diverge(message: str, signature: str) -> None:
+    """Raise :class:`Divergence`, or discard the trace when the baseline accepts ``signature``."""
+    if is_accepted(signature):
+        from hypothesis import reject
+
+        reject()
+    raise Divergence(message, signature)
+
+
+def _differing_fields(a, b) -> str:
+    """The snapshot fields that differ, by name (``requests.status``-style for per-request state)."""
+    names = [f for f in ("waiting", "running", "num_free_blocks", "free_block_queue") if getattr(a, f) != getattr(b, f)]
+    fields = sorted({k for rid in set(a.requests) | set(b.requests)
+                     if a.requests.get(rid) != b.requests.get(rid)
+                     for k in _state_fields(a.requests.get(rid), b.requests.get(rid))})
+    names += [f"requests.{k}" for k in fields]
+    if a.block_ids != b.block_ids:
+        names.append("block_ids")
+    return ", ".join(names) or "snapshot"
+
+
+def _state_fields(x, y) -> list[str]:
+    if x is None or y is None:
+        return ["presence"]
+    d = getattr(x, "__dict__", None) or {f: getattr(x, f) for f in getattr(x, "__dataclass_fields__", {})}
+    return [k for k in d if getattr(x, k, None) != getattr(y, k, None)] or ["value"]
 
 
 class Lockstep:
@@ -248,8 +286,12 @@ class Lockstep:
         for name, o in outs.items():
             if (o.scheduled, o.preempted_req_ids, o.finished_req_ids) != \
                     (first.scheduled, first.preempted_req_ids, first.finished_req_ids):
-                raise Divergence(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
-                                 f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}")
+                what = [k for k, x, y in (("scheduled", o.scheduled, first.scheduled),
+                                          ("preempted", o.preempted_req_ids, first.preempted_req_ids),
+                                          ("finished", o.finished_req_ids, first.finished_req_ids)) if x != y]
+                _diverge(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
+                         f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}",
+                         f"schedule: {', '.join(what)} differ")
         self.compare("schedule")
         self._check_whole_prompts(first)
         _tally(first, self.config.async_scheduling)
@@ -325,14 +367,19 @@ class Lockstep:
         return snaps
 
     def compare(self, what: str) -> None:
-        for t in self.targets.values():
-            t.check_invariants()
+        for name, t in self.targets.items():
+            try:
+                t.check_invariants()
+            except AssertionError as exc:
+                _diverge(f"after {what} (step {self.num_steps}): {name}.check_invariants: {exc}",
+                         signature(f"after {what}: {name}.check_invariants: {exc}"))
         snaps = self.snapshots()
         (n0, s0), *rest = snaps.items()
         self.last_snapshot = s0
         for name, s in rest:
             if s != s0:
-                raise Divergence(f"after {what} (step {self.num_steps}): {n0} vs {name}\n" + _diff(s0, s))
+                _diverge(f"after {what} (step {self.num_steps}): {n0} vs {name}\n" + _diff(s0, s),
+                         f"after {what}: {_differing_fields(s0, s)} differ")
 
     def drain(self) -> int:
         """Run the engine with no new arrivals until everything finished; return schedule calls.
@@ -449,6 +496,8 @@ class SchedulerRun:
     ops: int
     coverage: dict[str, int]
     failure: str = ""
+    #: the finding without ids, when the failure is a divergence (baselines)
+    signature: str | None = None
 
     @property
     def summary(self) -> str:
@@ -513,10 +562,11 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
                 settings=settings(max_examples=examples, stateful_step_count=45, deadline=None, database=None,
                                   derandomize=reproducible, suppress_health_check=list(HealthCheck),
                                   phases=list(Phase) if shrink else [Phase.generate]))
-        ok, failure = True, ""
+        ok, failure, sig = True, "", None
     except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
         subs = getattr(e, "exceptions", None) or [e]
         ok, failure = False, "\n".join(_describe(x) for x in subs)
+        sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
     valid = [d for d in drivers if d.num_steps >= 30]
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure)
+                        coverage=dict(COVERAGE), failure=failure, signature=sig)

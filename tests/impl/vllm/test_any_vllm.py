@@ -169,3 +169,33 @@ def test_a_broken_baseline_is_an_input_error_naming_file_and_position(tmp_path, 
     assert cli.main(["verify", "--only", "spec", "--baseline", str(base)]) == 2
     err = capsys.readouterr().err
     assert str(base) in err and where in err
+
+
+def _no_prefix_hits(monkeypatch):
+    """A deliberate change at the scheduler's level: prefix-cache lookups never hit."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    original = KVCacheManager.get_computed_blocks
+
+    def get_computed_blocks(self, request, *args, **kwargs):
+        _blocks, _num_hit, *rest = original(self, request, *args, **kwargs)
+        return (self.empty_kv_cache_blocks, 0, *rest)
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", get_computed_blocks)
+
+
+def test_scheduler_conformance_searches_past_accepted_differences(vllm, monkeypatch, capsys, tmp_path):
+    base = tmp_path / "b.json"
+    args = ("--only", "conform-scheduler", "--against", "vllm", "--out", str(tmp_path / "cex"))
+    with monkeypatch.context() as m:
+        _no_prefix_hits(m)
+        rc, out, checks = _verify(capsys, *args)
+        assert rc == 1 and checks["conform-scheduler"]["status"] == "failed"
+        assert checks["conform-scheduler"]["signature"]
+        rc, out, checks = _verify(capsys, *args, "--update-baseline", str(base))
+        sigs = {e["signature"] for e in json.loads(base.read_text())["accepted"]}
+        assert sigs and sigs == set(checks["conform-scheduler"]["met_signatures"])
+        rc, out, checks = _verify(capsys, *args, "--baseline", str(base))
+        assert rc == 0, checks
+        assert checks["conform-scheduler"]["status"] == "accepted"
+        assert "search went on past them" in checks["conform-scheduler"]["summary"]
