@@ -160,8 +160,8 @@ class Scope:
         n = 1
         for g in self.groups():
             spec = g.kv_cache_spec
-            cap = getattr(spec, "max_admission_blocks_per_request", None)
-            n += cap(self.max_in_flight_tokens, self.max_model_len) if cap else cdiv(self.max_model_len, spec.block_size)
+            cap = spec.admission_cap(self.max_in_flight_tokens, self.max_model_len)
+            n += cap if cap is not None else cdiv(self.max_model_len, spec.block_size)
         return n
 
     def pool_config(self):

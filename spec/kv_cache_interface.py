@@ -72,6 +72,16 @@ class KVCacheSpec:
         """Width of the worker-side block table row (not memory accounting)."""
         return cdiv(max_len, self.block_size)
 
+    def admission_cap(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        """The per-request block cap vLLM's manager for this spec admits against, or None (no cap).
+
+        The one answer to "is this spec capped?": startup sizing (``plan_kv_cache``), the runtime
+        gate (the coordinator), the torch implementation and the explorer all ask it, so they
+        cannot disagree — the disagreement behind vLLM #39734 / #35541. Windowed specs override it
+        with ``max_admission_blocks_per_request`` (vLLM #40946).
+        """
+        return None
+
     def effective_block_size(self, dcp_world_size: int = 1) -> int:
         """Tokens per block as managers see them (block_size × DCP when sharded)."""
         return self.block_size * (dcp_world_size if self.dcp_sharded else 1)
@@ -283,6 +293,9 @@ class SlidingWindowSpec(AttentionSpec):
         """Tokens below the next position that must stay readable."""
         return self.sliding_window - 1 + self.extra_retained_tokens
 
+    def admission_cap(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        return self.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """Blocks one request may hold at once; startup sizing and the runtime gate both use it.
 
@@ -320,6 +333,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(f"{type(self).__name__}.attention_chunk_size", self.attention_chunk_size, minimum=1)
+
+    def admission_cap(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        return self.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """One chunk plus the in-flight tokens, at most ``max_model_len``; no ``+1`` (chunks start
@@ -441,8 +457,9 @@ class MambaSpec(KVCacheSpec):
 
 
 def has_admission_cap(spec: KVCacheSpec) -> bool:
-    """Whether vLLM's manager for this spec gets ``max_admission_blocks_per_request`` (§2.9)."""
-    return isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+    """Whether vLLM's manager for this spec gets ``max_admission_blocks_per_request`` (§2.9):
+    the spec overrides :meth:`KVCacheSpec.admission_cap`."""
+    return type(spec).admission_cap is not KVCacheSpec.admission_cap
 
 
 def attention_compare_fields(spec: AttentionSpec) -> tuple:

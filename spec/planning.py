@@ -29,7 +29,7 @@ from .block_sizes import resolve_cache_hit_alignment_tokens, resolve_kv_cache_bl
 from .config import EngineConfig
 from .errors import InvalidFieldError, check_int
 from .grouping import check_exact_partition, get_kv_cache_groups, validate_layers
-from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs, has_admission_cap
+from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 from .pool_sizing import (
     auto_fit_max_model_len,
     check_enough_kv_cache_memory,
@@ -251,8 +251,7 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
     group_plans = []
     for g, sg in zip(groups, sched_groups):
         spec = sg.kv_cache_spec
-        cap = (spec.max_admission_blocks_per_request(config.max_in_flight_tokens, max_model_len)  # type: ignore[attr-defined]
-               if has_admission_cap(spec) else None)
+        cap = spec.admission_cap(config.max_in_flight_tokens, max_model_len)
         group_plans.append(GroupPlan(g.layer_names, g.kv_cache_spec, spec,
                                      group_blocks_per_request(g.kv_cache_spec, config, max_model_len), cap,
                                      widest - len(g.layer_names)))

@@ -78,9 +78,9 @@ def get_manager_for_kv_cache_spec(spec: KVCacheSpec, max_in_flight_tokens: int, 
     """Build the group's manager; windowed specs get their admission cap from the spec itself,
     the single source of truth shared with startup sizing (vLLM #40946)."""
     cls = manager_class_for_spec(spec)
-    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-        kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
-            max_in_flight_tokens, max_model_len)
+    cap = spec.admission_cap(max_in_flight_tokens, max_model_len)
+    if cap is not None:
+        kwargs["max_admission_blocks_per_request"] = cap
     return cls(spec, **kwargs)
 
 
