@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED}); nothing after this point ran",
-              file=sys.stderr)
+        print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback
         print(f"kvref {args.command}: error: {_one_line(exc)}", file=sys.stderr)

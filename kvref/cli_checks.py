@@ -96,3 +96,34 @@ def check_count(flag: str, value: Any, *, minimum: int, maximum: int, why: str =
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise InvalidFieldError(flag, value, f"an int in [{minimum}, {maximum}]" + (f" ({why})" if why else ""))
     return value
+
+
+class JsonStdout:
+    """``--json``: while the run goes, anything printed to stdout (a library's warning, a progress
+    line, Hypothesis' "spent more than five minutes shrinking") goes to stderr instead; the JSON
+    document alone is written to the real stdout with :meth:`emit`, so ``kvref ... --json | jq``
+    always parses. Disabled (``enabled=False``) it changes nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        import sys
+
+        self.enabled = enabled
+        self._stdout = sys.stdout
+
+    def __enter__(self) -> "JsonStdout":
+        import sys
+
+        self._stdout = sys.stdout
+        if self.enabled:
+            sys.stdout = sys.stderr
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import sys
+
+        if self.enabled:
+            sys.stdout = self._stdout
+
+    def emit(self, text: str) -> None:
+        self._stdout.write(text + "\n")
+        self._stdout.flush()

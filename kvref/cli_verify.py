@@ -4,6 +4,12 @@ Exit status 0 only when no check failed or errored. ``--json`` prints machine-re
 ``--junit-xml FILE`` writes a JUnit report for CI, ``--against vllm`` makes conformance against
 the installed vLLM mandatory (the use case of a vLLM developer checking their own checkout),
 ``--mutants`` adds the mutant kill-rate campaign.
+
+Exit status: 0 every check passed (or was skipped/unknown/accepted), 1 a check failed or errored,
+2 bad input (an unwritable ``--out``/``--junit-xml``, a broken ``--baseline``, ...; checked before
+any check runs), 130 interrupted. On Ctrl-C the check running is stopped (the Z3 proofs too), and
+the table, ``--json`` and ``--junit-xml`` reports are still written, with ``"interrupted": true``
+and the checks that did finish.
 """
 
 from __future__ import annotations
@@ -62,14 +68,29 @@ def checked_meta(checks) -> dict:
     return meta
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Everything the run will write or wait for, checked before the first check runs (an
+    unwritable report path used to fail after every check had run, and lose the results)."""
+    from .cli_checks import check_seconds, check_writable_dir, check_writable_file
+
+    check_writable_dir("--out", args.out)
+    if args.junit_xml is not None:
+        check_writable_file("--junit-xml", args.junit_xml)
+    if args.update_baseline is not None:
+        check_writable_file("--update-baseline", args.update_baseline)
+    check_seconds("--shrink-seconds", args.shrink_seconds)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import ERROR, to_json, render_table, write_junit_xml
+    from .cli_checks import JsonStdout
+    from .report import ERROR, CheckResult, to_json, render_table, write_junit_xml
     from .verify import VerifyContext, run_check, select_checks
 
     from .baseline import Baseline
 
+    check_arguments(args)
     ctx = VerifyContext(profile=args.profile, against=args.against, device=args.device, out_dir=args.out,
                         seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
     baseline = Baseline.load(args.baseline) if args.baseline else Baseline()
@@ -79,18 +100,32 @@ def run(args: argparse.Namespace) -> int:
     quiet_third_party(args.verbose)  # before any check imports vLLM
     console = progress_console()
     results = []
-    with console.status("starting") as status:
+    interrupted = None  # the check that was running when Ctrl-C came
+    json_out = JsonStdout(args.json)
+    with json_out, console.status("starting") as status:
         for i, check in enumerate(checks, 1):
             status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
-            result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
+            if not sys.stderr.isatty():  # no spinner in a CI log: say what is running
+                console.log(f"[{i}/{len(checks)}] {check.name}: started", markup=False)
+            t0 = time.perf_counter()
+            try:
+                result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
+            except KeyboardInterrupt:
+                interrupted = CheckResult(check.name, ERROR, "interrupted (Ctrl-C) before it finished",
+                                          seconds=time.perf_counter() - t0)
+                results.append(interrupted)
+                console.log(f"{check.name}: interrupted; {len(checks) - i} check(s) not run; writing the "
+                            "partial report", markup=False)
+                break
             results.append(result)
-            console.log(f"{check.name}: {result.status} ({result.seconds:.1f}s) {result.summary}")
+            console.log(f"{check.name}: {result.status} ({result.seconds:.1f}s) {result.summary}", markup=False)
             if result.failing:
                 for line in [*result.details[:3], *(f"counterexample: {a}" for a in result.artifacts[:1])]:
                     console.log(f"  {line}", markup=False)
                 if args.exitfirst:
                     break
-    if args.update_baseline:
+    not_run = [c.name for c in checks[len(results):]] if interrupted else []
+    if args.update_baseline and interrupted is None:
         from kvref.impl.vllm.installed import describe_installed_vllm
 
         where = describe_installed_vllm().describe() if "vllm" in checked_meta(checks) else ""
@@ -99,11 +134,14 @@ def run(args: argparse.Namespace) -> int:
         new.save(args.update_baseline)
         console.log(f"baseline {args.update_baseline}: {len(new.entries) - len(old.entries)} finding(s) added, "
                     f"{len(new.entries)} in all; write the reason of each before committing it")
-    meta = checked_meta(checks)
+    if interrupted is None:
+        meta = checked_meta(checks)
+    else:  # a partial report says so, and what did not run; vLLM is described only if it was used
+        meta = {**checked_meta(checks[:len(results)]), "interrupted": True, "not_run": not_run}
     if args.junit_xml:
         write_junit_xml(results, args.junit_xml, meta)
     if args.json:
-        print(to_json(results, meta))
+        json_out.emit(to_json(results, meta))
     else:
         out = Console()
         vllm = meta.get("vllm")
@@ -125,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
                 where = sorted({os.path.dirname(a) or "." for a in r.artifacts})
                 out.print(f"  {r.name}: {len(r.artifacts)} reproducer file(s) (expected: historic bugs re-found) "
                           f"in {', '.join(where)}; `kvref replay FILE` re-runs one", markup=False)
+        if interrupted is not None:
+            out.print(f"INTERRUPTED during {interrupted.name}: partial results; not run: "
+                      f"{', '.join(not_run) or 'none'}", markup=False)
+    if interrupted is not None:
+        raise KeyboardInterrupt  # kvref.cli.main: exit 130, after the partial reports are written
     return 1 if any(r.failing for r in results) else 0
 
 

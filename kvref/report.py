@@ -74,10 +74,14 @@ def render_table(results: Iterable[CheckResult], title: str = "kvref verify", ca
 
 
 def to_json(results: Iterable[CheckResult], meta: dict | None = None) -> str:
-    """``{"ok", "checks", ...meta}``; ``meta`` carries what was checked (``"vllm"``: version, path, commit)."""
+    """``{"ok", "interrupted", "checks", ...meta}``; ``meta`` carries what was checked (``"vllm"``:
+    version, path, commit) and, for a run stopped by Ctrl-C, ``"interrupted": true`` and
+    ``"not_run"``: such a partial report is never ``"ok"``, whatever the checks that ran say."""
     results = list(results)
+    interrupted = bool((meta or {}).get("interrupted"))
     return json.dumps({
-        "ok": not any(r.failing for r in results),
+        "ok": not interrupted and not any(r.failing for r in results),
+        "interrupted": interrupted,
         **(meta or {}),
         "checks": [asdict(r) for r in results],
     }, indent=2)
@@ -108,6 +112,10 @@ def write_junit_xml(results: Iterable[CheckResult], path: str, meta: dict | None
         node = ET.SubElement(suite, "properties")
         for name, value in props:
             ET.SubElement(node, "property", name=name, value=value)
+    not_run = list((meta or {}).get("not_run") or ())
+    if not_run:  # an interrupted run: the checks it never reached are listed as skipped
+        suite.set("tests", str(len(results) + len(not_run)))
+        suite.set("skipped", str(int(suite.get("skipped", "0")) + len(not_run)))
     for r in results:
         case = ET.SubElement(suite, "testcase", classname="kvref.verify", name=r.name, time=f"{r.seconds:.3f}")
         body = "\n".join([r.summary, *r.details, *(f"artifact: {a}" for a in r.artifacts)])
@@ -119,4 +127,7 @@ def write_junit_xml(results: Iterable[CheckResult], path: str, meta: dict | None
             ET.SubElement(case, "skipped", message=f"{r.status}: {r.summary}")
         else:
             ET.SubElement(case, "system-out").text = body
+    for name in not_run:
+        case = ET.SubElement(suite, "testcase", classname="kvref.verify", name=name, time="0.000")
+        ET.SubElement(case, "skipped", message="not run: the run was interrupted (Ctrl-C)")
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)

@@ -163,4 +163,14 @@ def decide(claim: Claim, F: Formulas, timeout_ms: int = 10_000, *, fixed: Mappin
         m = solver.model()
         model = {n: _model_value(m, v[n], k) for n, k in claim.variables.items()}
         return ClaimResult(claim.name, COUNTEREXAMPLE, seconds, model=model)
-    return ClaimResult(claim.name, UNKNOWN, seconds, reason=solver.reason_unknown())
+    reason = solver.reason_unknown()
+    if reason in _INTERRUPTED:
+        # Z3 catches SIGINT itself while it checks: it cancels the check and answers "unknown",
+        # and Python never sees the Ctrl-C. Re-raise it, so an interrupted run stops instead of
+        # going on (and reporting the claim as merely unknown).
+        raise KeyboardInterrupt(f"Z3 check of {claim.name} interrupted")
+    return ClaimResult(claim.name, UNKNOWN, seconds, reason=reason)
+
+
+#: ``reason_unknown()`` of a check Z3 cancelled on SIGINT (its ctrl-c handler)
+_INTERRUPTED = ("interrupted from keyboard",)

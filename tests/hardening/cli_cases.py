@@ -247,11 +247,11 @@ def cases() -> list[Case]:
     add(Case("explore-tight-ok", ["explore", "--scope", "tight", "--json"], expect=0))
 
     # -- kvref mutants
-    add(Case("mutants-budget-0", ["mutants", "--only", "pool.no_null_block", "--budget", "0"]))
-    add(Case("mutants-budget-neg", ["mutants", "--only", "pool.no_null_block", "--budget", "-3"]))
-    add(Case("mutants-budget-huge", ["mutants", "--only", "pool.no_null_block", "--budget", str(10**30)]))
+    add(Case("mutants-budget-0", ["mutants", "--only", "pool.touch_no_ref", "--budget", "0"]))
+    add(Case("mutants-budget-neg", ["mutants", "--only", "pool.touch_no_ref", "--budget", "-3"]))
+    add(Case("mutants-budget-huge", ["mutants", "--only", "pool.touch_no_ref", "--budget", str(10**30)]))
     add(Case("mutants-only-bogus", ["mutants", "--only", "bogus"]))
-    add(Case("mutants-checks-bogus", ["mutants", "--only", "pool.no_null_block", "--checks", "bogus"]))
+    add(Case("mutants-checks-bogus", ["mutants", "--only", "pool.touch_no_ref", "--checks", "bogus"]))
     add(Case("mutants-min-rate-2", ["mutants", "--list", "--min-rate", "2"]))
     add(Case("mutants-min-rate-nan", ["mutants", "--list", "--min-rate", "nan"]))
     add(Case("mutants-list-ok", ["mutants", "--list"], expect=0))
@@ -325,6 +325,15 @@ def cases() -> list[Case]:
              files={"r.py": "import pathlib\npathlib.Path(__file__).with_suffix('.ran').write_text('ran')\n"
                             "def test_x():\n    pass\n"}))
     add(Case("replay-txt", ["replay", "{tmp}/r.txt"], files={"r.txt": "hello"}))
+    # -- kvref check-run (recorded vLLM runs)
+    add(Case("check-run-missing", ["check-run", "{tmp}/none.kvtrace.gz"]))
+    add(Case("check-run-directory", ["check-run", "{tmp}"]))
+    add(Case("check-run-text", ["check-run", "{tmp}/r.kvtrace"], files={"r.kvtrace": "hello\n"}))
+    add(Case("check-run-bad-gzip", ["check-run", "{tmp}/r.kvtrace.gz"], files={"r.kvtrace.gz": b"\x1f\x8bnot gzip"}))
+    add(Case("check-run-json-array", ["check-run", "{tmp}/r.kvtrace"], files={"r.kvtrace": "[1, 2]\n"}))
+    add(Case("check-run-empty", ["check-run", "{tmp}/r.kvtrace"], files={"r.kvtrace": ""}))
+    add(Case("check-run-starvation-neg", ["check-run", "{tmp}/r.kvtrace", "--starvation-steps", "-1"],
+             files={"r.kvtrace": ""}))
     return out
 
 
