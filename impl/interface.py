@@ -62,7 +62,7 @@ class PoolConfig:
             raise InvalidFieldError("watermark", self.watermark, "a float in [0, 1)")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise InvalidFieldError("enable_kv_cache_events", self.enable_kv_cache_events, "True or False")
-        # vLLM asserts this in the coordinator (PR 44165, seed 003); kvref rejects it up front.
+        # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,
                                     f"a multiple of hash_block_size={self.hash_block_size}")

@@ -7,7 +7,7 @@ blocks in the prefix cache and free their table tail-first — plus the rarer ca
 Owners share content prefixes on purpose, so hits, duplicates in the index and LRU eviction of
 cached blocks all happen.
 
-Beside the pool runs :class:`PoolModel`, a deliberately naive model of the rules in digest §4
+Beside the pool runs :class:`PoolModel`, a deliberately naive model of the rules of docs/invariants.md I1–I10
 (a Python list for the free queue, dicts for ref counts and the index). After every step the
 machine checks ``check_invariants()`` of every implementation and compares what each can observe
 with the model: the free queue *in order*, every ref count, the primary hash of every cached block
@@ -49,7 +49,7 @@ def key_of(h: bytes) -> bytes:
 
 @dataclass
 class PoolModel:
-    """The block pool rules as plainly as they can be said (digest §4.2–4.3)."""
+    """The block pool rules as plainly as they can be said (docs/invariants.md I3, I6–I8)."""
 
     num_blocks: int
     free: list[int] = field(default_factory=list)  # front first; block 0 (null) never here

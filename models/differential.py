@@ -3,7 +3,7 @@
 The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
 :class:`~kvref.impl.request.Request` objects, advances ``num_computed_tokens`` /
 ``num_in_flight_tokens``, appends sampled tokens, and calls the managers the way
-``vllm/v1/core/sched/scheduler.py`` does (digest §7.3):
+``vllm/v1/core/sched/scheduler.py`` does:
 
 * ``add``      a new request enters ``waiting``.
 * ``admit``    a waiting/preempted request: ``get_computed_blocks`` then ``allocate_slots`` with the

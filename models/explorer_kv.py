@@ -318,7 +318,7 @@ class KVSystem:
         self.perms = self._symmetries() if scope.symmetry else []
         self._pos = {rid: i for i, rid in enumerate(self.ids)}
         # shadow contents hold K/V identities (salt, prefix) as small ints: one number per
-        # distinct identity, so state keys stay short and cheap to hash (issue 6)
+        # distinct identity, so state keys stay short and cheap to hash (BENCHMARKS.md: state keys)
         # The numbering is fixed up front from the workload (every prefix of every request's
         # deterministic token sequence), not assigned in discovery order: keys must not depend on
         # which process (explorer_search) or which order met an identity first. An identity

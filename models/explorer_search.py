@@ -3,7 +3,7 @@ forked worker processes.
 
 The reference is plain Python, and one expansion (copy the state, run the scheduler, hash the
 key, check every invariant) costs 100-300 µs of interpreter time that no single-process trick
-removes (issue 6: the pickle copy alone is ~40 % of it). Expanding the states of one BFS level is
+removes (the pickle copy alone is ~40 % of it, BENCHMARKS.md). Expanding the states of one BFS level is
 embarrassingly parallel, so this module spreads the expansions over forked worker processes and
 keeps everything that decides *which* states exist in the parent:
 

@@ -10,7 +10,7 @@ Content model: every GPU block carries the (group, block-hash) key of what it ho
 
 * a store job only reads blocks holding exactly the chunk positions it is keyed by;
 * a block that is a source of a running store is not overwritten unless that job completed or
-  was flushed in the step that re-allocated it (the fence, vLLM #41228 / seed 002);
+  was flushed in the step that re-allocated it (the fence, vLLM #41228);
 * a load job reads only chunks the manager reports ready, keyed by the positions it fills.
 """
 

@@ -11,7 +11,7 @@ formulas then size the pool. Proofs of the same statement over all parameters li
 ``kvref.proofs``; this check is what a vLLM developer runs against *their* checkout.
 
 The pool is the smallest one startup accepts: ``num_blocks = 1 (null) + Σ_g pages_g(max_model_len)``
-(digest §11.3 S4/S5).
+(docs/invariants.md S4/S5).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def contract_cl_cap(attention_chunk_size: int, block_size: int, max_in_flight_to
 
 def contract_swa_single_source(sliding_window: int, block_size: int, max_num_batched_tokens: int,
                                max_concurrent_batches: int, max_model_len: int) -> int:
-    """Startup bytes of a SWA layer = the runtime cap x page size (seed 000, vLLM #40946).
+    """Startup bytes of a SWA layer = the runtime cap x page size (vLLM #40946).
 
     pre: 1 <= sliding_window <= 1 << 16 and 1 <= block_size <= 1 << 10
     pre: 1 <= max_num_batched_tokens <= 1 << 16 and 1 <= max_concurrent_batches <= 4

@@ -4,7 +4,7 @@ Every formula in :mod:`kvref.proofs.formulas` is written once against an ``ops``
 :class:`PyOps` it computes a number (concrete checks, reproducer files, agreement tests); with
 :class:`Z3Ops` it builds Z3 terms over *unbounded* integers for the proofs.
 
-Division is the only non-linear step. Following ARCHITECTURE.md, ``cdiv(x, b)`` becomes a fresh
+Division is the only non-linear step. As docs/proofs.md explains, ``cdiv(x, b)`` becomes a fresh
 integer ``q`` with ``q*b >= x`` and ``(q-1)*b < x``, and ``x // b`` a fresh ``q`` with
 ``q*b <= x < (q+1)*b``. The defining constraints are collected in ``Z3Ops.side`` and asserted with
 the theorem; they pin ``q`` down uniquely whenever ``b > 0``, which every theorem states as a

@@ -3,7 +3,7 @@
 Each theorem is a :class:`~kvref.proofs.engine.Theorem` whose claims are written against a formula
 set ``F`` (:mod:`kvref.proofs.formulas`) and an ops back-end ``o``; see :mod:`kvref.proofs.engine`.
 Hypotheses beyond "positive integers" are listed in ``bounds`` and in docs/proofs.md, and every
-bound that is really needed has a sibling claim in :mod:`kvref.proofs.siblings` showing that
+bound that is really needed has a sibling claim in :mod:`kvref.proofs.variants` (the ``broken`` variants) showing that
 dropping it gives a counterexample.
 """
 

@@ -1,6 +1,6 @@
 """kvref.spec — the *what*: KV cache specs, per-request bounds and startup pool sizing.
 
-Pure functions and frozen dataclasses, stdlib only, no state (see shared/design/ARCHITECTURE.md).
+Pure functions and frozen dataclasses, stdlib only, no state (the layering is in the README).
 """
 
 from .config import AUTO, EngineConfig

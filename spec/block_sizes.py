@@ -2,7 +2,7 @@
 
 The scheduler rounds token counts to ``scheduler_block_size``; request block hashes are computed
 every ``hash_block_size`` tokens. Both are resolved once at startup and threaded through the
-scheduler, the KV cache manager, the coordinator and every single-type manager (seed 003,
+scheduler, the KV cache manager, the coordinator and every single-type manager (
 vLLM #44165), which assert ``scheduler_block_size % hash_block_size == 0`` and
 ``scheduler_block_size % group_block_size == 0`` for every group. Resolution here guarantees both
 (scheduler size = lcm of group sizes, hash size divides every prefix-cacheable group's size) or

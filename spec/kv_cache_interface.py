@@ -4,7 +4,7 @@ Mirrors ``vllm/v1/kv_cache_interface.py`` of vLLM 0.33.0 for the spec types kvre
 specs are frozen dataclasses that validate their fields on construction (bad values raise
 :class:`~kvref.spec.errors.InvalidFieldError`, a ``ValueError``), so a spec that exists is sane.
 
-The rule that matters most (seed 000, vLLM #40946, fixing #39734): for sliding-window and
+The rule that matters most (vLLM #40946, fixing #39734): for sliding-window and
 chunked-local layers, ``max_admission_blocks_per_request`` is the *single* formula both startup
 sizing (``max_memory_usage_bytes``) and the runtime admission gate use. When the two disagreed,
 startup accepted a ``max_model_len`` that the gate could never admit and the scheduler waited

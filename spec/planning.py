@@ -7,14 +7,14 @@ Replays ``EngineCore._initialize_kv_caches`` → ``get_global_kv_cache_groups`` 
 1. group the layers (:mod:`kvref.spec.grouping`);
 2. bytes per block (:func:`~kvref.spec.pool_sizing.pool_bytes_per_block`);
 3. ``num_gpu_blocks_override`` replaces the profiled memory by ``override × bytes_per_block``
-   *before* auto-fit and the check (seed 001, vLLM #41069, fixing #35541);
+   *before* auto-fit and the check (vLLM #41069, fixing #35541);
 4. hold back one block for the null block in the check and in auto-fit (vLLM #47272/#48724);
 5. auto-fit ``max_model_len`` when asked (``"auto"``/``-1``);
 6. the enough-memory check (:class:`~kvref.spec.errors.InsufficientKVCacheError` carries the
    estimated maximum length);
 7. ``num_blocks = memory // bytes_per_block`` (the null block included);
 8. the scheduler's view of the groups, max concurrency, and the scheduler/hash block sizes
-   (seed 003, vLLM #44165).
+   (vLLM #44165).
 
 One worker, no pipeline parallelism, layer-outermost layout (vLLM's default ``LBNHC``); what is
 not modelled is listed in docs/differences.md.

@@ -2,10 +2,10 @@
 auto-fit of ``max_model_len`` and the max-concurrency report (vLLM 0.33.0 ``kv_cache_planning``).
 
 One number converts memory into blocks everywhere: :func:`pool_bytes_per_block` (vLLM's
-``_pool_bytes_per_block``, seed 001 / vLLM #41069). A request of ``max_model_len`` tokens needs
+``_pool_bytes_per_block``, vLLM #41069). A request of ``max_model_len`` tokens needs
 ``bytes_per_block × Σ_groups blocks_g`` bytes, where ``blocks_g`` counts whole block ids of group
 ``g`` (:func:`group_blocks_per_request`); the per-group count of a sliding-window or chunked-local
-group is its admission cap, the same number the runtime gate uses (seed 000, vLLM #40946).
+group is its admission cap, the same number the runtime gate uses (vLLM #40946).
 
 All functions are pure: ``max_model_len`` is an argument, not a config field mutated and restored
 as vLLM does during its binary search.
@@ -61,7 +61,7 @@ def pool_bytes_per_block(groups: Iterable[KVCacheGroupSpec]) -> int:
     Every group aliases the same backing memory, one page per layer of the group per block, so a
     block id costs the widest group's pages; shorter (padded) groups waste the rest. This is the
     divisor of ``num_blocks = memory // bytes_per_block`` and of the override conversion
-    (seed 001, vLLM #41069). Layer-outermost layout (vLLM's default ``LBNHC``), no stride
+    (vLLM #41069). Layer-outermost layout (vLLM's default ``LBNHC``), no stride
     alignment.
     """
     groups = validate_groups(groups)

@@ -437,7 +437,7 @@ class BlockPool:
         return tuple(b.block_id for b in self.free_block_queue.iter_blocks())
 
     def check_invariants(self) -> None:
-        """Digest §11.1 I1–I8 (I9 needs the managers' tables; I10 is enforced by reset)."""
+        """docs/invariants.md I1–I8 (I9 needs the managers' tables; I10 is enforced by reset)."""
         n = self.num_gpu_blocks
         # I1: one block object per id.
         assert len(self.blocks) == n

@@ -1,4 +1,4 @@
-"""Chunked local attention (vLLM ``ChunkedLocalAttentionManager``; digest §5.6).
+"""Chunked local attention (vLLM ``ChunkedLocalAttentionManager``).
 
 A token reads only its own ``attention_chunk_size`` chunk, so all tokens before the current
 chunk's start are skipped: ``floor(n / chunk) * chunk`` (13 -> 8, 8 -> 8, 7 -> 0 for chunk 8).

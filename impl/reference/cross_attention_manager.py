@@ -1,4 +1,4 @@
-"""Cross-attention of encoder-decoder models (vLLM ``CrossAttentionManager``; digest §5.8).
+"""Cross-attention of encoder-decoder models (vLLM ``CrossAttentionManager``).
 
 Encoder states are unique per request and written once, so nothing is ever cached or hit; the
 table is sized by the encoder tokens (the coordinator passes ``num_encoder_tokens``).

@@ -117,7 +117,8 @@ class FreeKVCacheBlockQueue:
         return list(self.iter_blocks())
 
     def check_invariants(self) -> None:
-        """Links are symmetric, the count matches the list, no block appears twice."""
+        """Links are symmetric, the count matches the list, no block appears twice (I5 of
+        docs/invariants.md)."""
         head, tail = self.fake_free_list_head, self.fake_free_list_tail
         assert head.prev_free_block is None and tail.next_free_block is None
         seen: set[int] = set()

@@ -2,7 +2,7 @@
 
 Hits are a left-to-right run of cached blocks: chained hashes make the first miss final. In a
 hybrid model whose hash granularity is finer than this group's block, the prompt's last hash
-boundary inside a block is also published as a *partial* entry (digest §4.3, §5.4).
+boundary inside a block is also published as a *partial* entry (vLLM ``BlockPool.cache_full_blocks``).
 """
 
 from __future__ import annotations

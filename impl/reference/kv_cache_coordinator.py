@@ -5,7 +5,7 @@
 * :class:`HybridKVCacheCoordinator` — several groups; the prefix-cache hit is the fixed point of
   every group's own lookup (each can only shorten it), aligned to ``scheduler_block_size``.
 
-``scheduler_block_size`` (vLLM PR #44165, seed 003) is threaded down to every manager and must be
+``scheduler_block_size`` (vLLM PR #44165) is threaded down to every manager and must be
 a multiple of ``hash_block_size`` and of every group's block size (PoolConfig validates this up
 front; the coordinator re-checks because it can be built on its own, e.g. by the CPU offloader).
 
@@ -269,6 +269,7 @@ class KVCacheCoordinator:
             manager.new_step_starts()
 
     def check_invariants(self) -> None:
+        """The pool's I1–I8 and every manager's rules, all on one shared pool (M8, docs/invariants.md)."""
         self.block_pool.check_invariants()
         for manager in self.single_type_managers:
             assert manager.block_pool is self.block_pool

@@ -1,4 +1,4 @@
-"""The scheduler's entry point to the KV cache (vLLM ``KVCacheManager``; digest §7.1–7.2).
+"""The scheduler's entry point to the KV cache (vLLM ``KVCacheManager``, ``vllm/v1/core/kv_cache_manager.py``).
 
 ``get_computed_blocks`` finds the prefix-cache hit of a new request; ``allocate_slots`` admits
 and grows requests with every gate vLLM 0.33.0 has, in vLLM's order:
@@ -308,7 +308,8 @@ class KVCacheManager:
 
     def check_invariants(self, strict_ref_counts: bool = True) -> None:
         """Pool and manager invariants plus I9: every non-null block's reference count equals the
-        number of table slots holding it (``>=`` when others may pin blocks, e.g. offloading)."""
+        number of table slots holding it (``>=`` when others may pin blocks, e.g. offloading).
+        Rule names: docs/invariants.md."""
         self.coordinator.check_invariants()
         slots: Counter[int] = Counter()
         for manager in self.coordinator.single_type_managers:

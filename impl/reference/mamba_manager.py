@@ -1,4 +1,4 @@
-"""Mamba / SSM state (vLLM ``MambaManager``; digest §5.7).
+"""Mamba / SSM state (vLLM ``MambaManager``).
 
 Only the state after the last computed token matters, so ``get_num_skipped_tokens(n) = n - 1``.
 

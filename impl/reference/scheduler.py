@@ -399,6 +399,8 @@ class Scheduler:
                               if hasattr(self.kv_cache_manager, "free_block_queue") else None))
 
     def check_invariants(self) -> None:
+        """Queues disjoint and consistent with request states, plus the KV cache manager's rules
+        (docs/invariants.md)."""
         waiting = list(self.waiting)
         self.waiting.check_invariants()
         ids_w = {r.request_id for r in waiting}

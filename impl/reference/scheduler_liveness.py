@@ -4,7 +4,7 @@ vLLM 0.33.0 has no runtime "this request can never be served" rejection (PR 5253
 was closed): a waiting request whose full-sequence gate (``scheduler_reserve_full_isl``) can never
 pass stays at the head of the waiting queue and the waiting loop stops on it every step, so it and
 everyone behind it wait forever (vLLM #39734, #35541). The only guard is the startup invariant
-(digest §7.4, §11.3 S4/S5): the pool holds one ``max_model_len`` request besides the null block,
+(docs/invariants.md S4/S5): the pool holds one ``max_model_len`` request besides the null block,
 counted with the same per-group caps the gate uses. :func:`startup_consistent` is that check for a
 :class:`PoolConfig` + :class:`SchedulerConfig`.
 

@@ -8,8 +8,8 @@ prefix cache (``num_cached_block``). A request is *running* in a manager once it
 
 Subclasses say which tokens a layer no longer reads (``get_num_skipped_tokens``), how to find a
 prefix-cache hit (``find_longest_cache_hit``) and which full blocks are worth publishing
-(``reachable_block_mask``). Source: ``vllm/v1/core/single_type_kv_cache_manager.py`` (0.33.0);
-digest §5.
+(``reachable_block_mask``). Source: ``vllm/v1/core/single_type_kv_cache_manager.py`` (0.33.0).
+The rules every manager keeps are M1–M9 of docs/invariants.md.
 """
 
 from __future__ import annotations
@@ -298,7 +298,8 @@ class SingleTypeKVCacheManager:
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """M2, M6 and per-table sanity; reference counts are checked across groups by the manager."""
+        """M2, M6 (docs/invariants.md) and per-table sanity; reference counts are checked across
+        groups by the manager."""
         for rid, table in self.req_to_blocks.items():
             for block in table:
                 assert self.block_pool.blocks[block.block_id] is block

@@ -1,4 +1,4 @@
-"""Sliding-window attention (vLLM ``SlidingWindowManager``; digest §5.5).
+"""Sliding-window attention (vLLM ``SlidingWindowManager``).
 
 The next token reads the last ``sliding_window`` tokens, so everything before
 ``n - sliding_window + 1 - extra_retained_tokens`` is skipped: its whole blocks become null

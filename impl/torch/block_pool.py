@@ -198,6 +198,7 @@ class TorchBlockPool:
 
     # ----------------------------------------------------------------- checks
     def check_invariants(self) -> None:
+        """I2–I5 and I8's queue keys of docs/invariants.md, read from the tensors."""
         ref = self.ref_cnt.cpu()
         key = self.queue_key.cpu()
         assert key[NULL_BLOCK_ID] == NOT_FREE, "null block is in the free queue"

@@ -489,6 +489,7 @@ class TorchKVCacheManager:
         return self.groups[group_id].tables.batch(request_ids)
 
     def check_invariants(self) -> None:
+        """The pool's rules and I9 (reference counts = table slots), docs/invariants.md."""
         self.pool.check_invariants()
         ref = torch.zeros(self.config.num_blocks, dtype=torch.int32)
         for g in self.groups:

@@ -275,7 +275,7 @@ class VllmKVCacheManager:
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._mgr.evict_blocks(set(block_ids))
 
-    # -- invariants of vLLM's own state (digest §11.1/§11.2), read through its internals -------
+    # -- invariants of vLLM's own state (docs/invariants.md), read through its internals -------
 
     def check_invariants(self) -> None:
         """kvref's invariants on vLLM's pool, free-queue links and managers

@@ -264,7 +264,7 @@ def _case(groups, num_tokens, rows):
     return groups, num_tokens, 0, keys, status, None, None
 
 
-# A later, narrower window shrinks the boundary; the wider window must be re-checked there (seed 002).
+# A later, narrower window shrinks the boundary; the wider window must be re-checked there (vLLM PR #41228).
 FIXED_POINT_RECHECK = _case([("sw", 4, 8, 0), ("sw", 4, 4, 0)], 33, ["H H M H H M H H", "H H H H H H M M"])
 # A pending chunk past the final boundary must not defer the request.
 DEFER_DROPPED = _case([("fa", 4, None, 0), ("sw", 4, 4, 0)], 33, ["H H H H H P H H", "H H M M M M M M"])

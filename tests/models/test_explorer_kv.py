@@ -122,7 +122,7 @@ def test_no_symmetry_between_requests_that_differ():
 
 
 #: (scope, symmetry) -> (states, transitions, depth, findings), recorded on the pickle-copying
-#: explorer before the fast-copy work (issue 6): any speed-up must visit exactly the same states.
+#: explorer before the fast-copy work: any speed-up must visit exactly the same states.
 RECORDED_COUNTS = {
     ("default", True): (473, 878, 15, 0),
     ("default", False): (473, 878, 15, 0),

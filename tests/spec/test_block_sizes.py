@@ -1,4 +1,4 @@
-"""scheduler_block_size / hash_block_size resolution and the divisibility rule (seed 003)."""
+"""scheduler_block_size / hash_block_size resolution and the divisibility rule (vLLM PR #44165)."""
 
 from __future__ import annotations
 

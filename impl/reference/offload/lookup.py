@@ -1,7 +1,7 @@
 """How many offloaded tokens a request can load: the OffloadingConnector's lookup.
 
 vLLM: ``OffloadingConnectorScheduler._maximal_prefix_lookup``, ``_sliding_window_lookup`` and
-``_lookup_complete_chunks`` (seed 002 / PR #41228, later renamed blocks -> chunks).
+``_lookup_complete_chunks`` (PR #41228, later renamed blocks -> chunks).
 
 * A full-attention group needs every chunk from the local prefix on: count hits left to right
   until the first MISS.

@@ -537,6 +537,7 @@ class OffloadingConnectorScheduler:
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
+        """The CPU manager's chunk states and each request's jobs (O2–O3 of docs/invariants.md)."""
         self.manager.check_invariants()
         for rid, st in self._req_status.items():
             jobs = [self._jobs[j] for j in st.transfer_jobs]

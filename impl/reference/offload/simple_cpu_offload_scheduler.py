@@ -593,7 +593,7 @@ class SimpleCPUOffloadScheduler:
         return [ls.transfer for ls in list(self._reqs_to_load.values()) + list(self._abandoned_reqs_to_load.values())]
 
     def check_invariants(self) -> None:
-        """O1-O3 of the digest (§11.4) plus pool consistency."""
+        """O1-O3 of docs/invariants.md plus pool consistency."""
         self.cpu_block_pool.check_invariants()
         stores = self.in_flight_stores()
         loads = self.in_flight_loads()

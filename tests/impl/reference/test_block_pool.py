@@ -1,6 +1,6 @@
 """BlockPool: null block, free-queue order, eviction, duplicates, ref counts, usage, reset.
 
-Invariant names I1–I10 are the digest's §11.1; ``check_invariants()`` asserts I1–I8 and the
+Invariant names I1–I10 are those of docs/invariants.md; ``check_invariants()`` asserts I1–I8 and the
 stateful test checks every operation against a plain-list model of vLLM's rules.
 """
 

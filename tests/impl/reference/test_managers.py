@@ -1,6 +1,6 @@
 """Single-type managers, coordinators and the KV cache manager on hand-checked cases.
 
-Block ids are exact: they follow from the free-queue rules (digest §4.2), which the vLLM
+Block ids are exact: they follow from the free-queue rules (docs/invariants.md I8), which the vLLM
 differential tests (test_vs_vllm.py) check against vLLM itself.
 """
 
@@ -109,7 +109,7 @@ def test_prefill_hits_ref_counts_and_free_order():
 
 def test_swa_free_split_keeps_cached_tail_ahead_of_scratch():
     """After a free, uncached SWA scratch sits at the front (reused first) and the cached tail at
-    the back (kept longest): digest §10.4."""
+    the back (kept longest) (vLLM I8 order)."""
     m = KVCacheManager(config([swa(2, 3)], num_blocks=12))
     req = Request("r", list(range(9)))  # 4 full blocks + 1 token
     admit(m, req, 4)
