@@ -1,5 +1,5 @@
 """The ``kvref`` command line: ``verify`` (the main job), ``size``, ``prove``, ``explore``,
-``mutants``, ``replay``, ``check-run``.
+``mutants``, ``replay``, ``check-run``, ``watch``.
 
 Subcommands live in their own modules (``kvref/cli_*.py``), each exposing
 ``add_parser(subparsers)`` and ``run(args) -> int``; this file only wires them.
@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "kvref.cli_mutants",
     "kvref.cli_replay",
     "kvref.cli_check_run",
+    "kvref.cli_watch",
 )
 
 
