@@ -160,16 +160,17 @@ def kernel_config(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_h
 
     CUDA defaults, chosen from the register report of the ahead-of-time compile for sm_90
     (BENCHMARKS.md): tile 32 with 8 warps on the ``tl.dot`` path (64 x 4 warps spilled 1.4 KB of
-    stack per thread at 255 registers), tile 16 with 4 warps on the float64 broadcast path.
+    stack per thread at 255 registers), tile 8 with 8 warps on the float64 broadcast path (16 x 4
+    spilled ~100 bytes at 255 registers; 8 x 8 needs 157 and spills nothing).
     """
     f64 = dtype == torch.float64
     if tile is None:
-        tile = (16 if f64 else 32) if on_cuda else 32
+        tile = (8 if f64 else 32) if on_cuda else 32
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
         raise InvalidFieldError("tile", tile, "a power of two")
     use_dot = not f64 and tile >= 16 and head_size >= 16
     if on_cuda and num_warps is None:
-        num_warps = 8 if use_dot else 4
+        num_warps = 8
     group = num_q_heads // num_kv_heads
     return dict(MASK_KIND=_MASK_CODE[mask_kind], GROUP=group,
                 GROUP_P=max(16, _pow2(group)) if use_dot else _pow2(group), HEAD=head_size,
