@@ -317,7 +317,12 @@ def _run_conformance(args: argparse.Namespace) -> int:
     if args.toy or args.scope not in SCOPES:
         raise InvalidFieldError("--scope", args.scope, "a KV scope (one of " + ", ".join(SCOPES) + ") with --against")
     targets = tuple(t.strip() for t in args.against.split(",") if t.strip())
-    res = explore_conformance(_with_sets(SCOPES[args.scope], args.set), targets=targets, max_states=args.max_states)
+    from kvref.progress import Progress
+
+    progress = Progress(f"explore {args.scope} --against {','.join(targets)}", enabled=not args.quiet)
+    with progress.heartbeat(f"replaying every transition on the reference and {', '.join(targets)} in lock step"):
+        res = explore_conformance(_with_sets(SCOPES[args.scope], args.set), targets=targets,
+                                  max_states=args.max_states)
     if args.json:
         print(json.dumps({"scope": res.scope, "targets": list(res.targets), "states": res.states,
                           "transitions": res.transitions, "depth": res.depth, "replays": res.replays,

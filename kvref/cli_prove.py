@@ -72,8 +72,12 @@ def run(args) -> int:
         return _list(args.json)
     if not args.timeout or args.timeout <= 0:
         raise InvalidFieldError("--timeout", args.timeout, "a positive number of seconds")
-    results = run_all(args.theorems or None, variant=args.variant, out_dir=args.out,
-                      timeout_ms=int(args.timeout * 1000))
+    from kvref.progress import Progress
+
+    what = f"theorems under variant {args.variant}" if args.variant else "theorems"
+    with Progress("prove").heartbeat(f"deciding the {what} with Z3 (a timeout is reported as unknown)"):
+        results = run_all(args.theorems or None, variant=args.variant, out_dir=args.out,
+                          timeout_ms=int(args.timeout * 1000))
     if args.json:
         print(json.dumps([{
             "theorem": r.theorem, "name": r.name, "formulas": r.formulas, "status": r.status,

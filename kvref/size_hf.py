@@ -196,10 +196,12 @@ def compare_with_vllm(layers, config: EngineConfig, memory: int) -> list[tuple[s
     if not ok:
         raise InvalidFieldError("--against", "vllm", f"an importable vLLM ({why})")
     from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
+    from kvref.progress import Progress
 
-    planner = VllmPlanner()
-    ours = kvref_outcome(planner, layers, config, memory)
-    theirs = planner.plan(layers, config, memory, extra_retained_tokens=0)
+    with Progress("size --against vllm").heartbeat("importing vLLM and planning through its startup planner"):
+        planner = VllmPlanner()
+        ours = kvref_outcome(planner, layers, config, memory)
+        theirs = planner.plan(layers, config, memory, extra_retained_tokens=0)
     rows = []
     for field in COMPARED:
         if field == "status":
