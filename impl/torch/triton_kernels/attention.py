@@ -6,15 +6,16 @@ reach — ``[lo, hi)`` with ``hi = min(pos + 1, context_len)`` and ``lo`` = 0 (c
 ``pos - window + 1`` (sliding window) or the chunk start (chunked local) — in tiles of ``TILE``
 positions whose block ids are gathered from the block table per position (so a tile may span
 several small blocks, and several tiles one big block), with an online softmax (running max and
-sum, rescaled per tile). Memory traffic is the keys the query may read and nothing else.
+sum, rescaled per tile). Memory traffic is the keys the query may read and nothing else. That is
+also why it catches what the torch oracle catches: a block inside the window that the
+bookkeeping nulled or handed to another request is read here and gives wrong numbers; blocks
+outside the window are never read, exactly like vLLM's kernels, which is what makes freeing
+them sound (``get_num_skipped_tokens``).
 
 Long contexts with few (token, head) pairs — a small decode batch — leave a GPU mostly idle, so
 the key range can be cut into ``num_splits`` parts (flash-decoding; vLLM's paged attention v2
 partitions the same way): each part writes its running max, sum and unnormalised output, and a
-combine step rescales them to the common max and divides once. That is also why it catches what the torch oracle catches: a
-block inside the window that the bookkeeping nulled or handed to another request is read here
-and gives wrong numbers; blocks outside the window are never read, exactly like vLLM's kernels,
-which is what makes freeing them sound (``get_num_skipped_tokens``).
+combine step rescales them to the common max and divides once.
 
 Arithmetic: float64 inputs accumulate in float64, everything else in float32 (half types are
 loaded and converted: Triton's interpreter has no bfloat16 arithmetic, its bfloat16 ``tl.dot``
