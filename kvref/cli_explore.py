@@ -35,7 +35,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                         "connector-complete-2w: every state)")
     p.add_argument("--max-depth", type=int, default=None, help="bounded exploration: expand states up to this depth")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a scope field (int, true/false, none)")
+                   help="override a scope field: an int (within the explorer's limits, e.g. num_blocks <= 128), "
+                        "true/false, none, or a JSON list for tuple fields (max_tokens=[2,1,2])")
     p.add_argument("--max-states", type=int, default=None, help="stop after this many states")
     p.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--liveness", action="store_true", help="also report livelocks (no way to finish)")
@@ -69,20 +70,94 @@ def _parse_value(text: str):
         return text
 
 
+#: upper limits of ``--set`` values: explorer scopes are small by design (every state is a copy of
+#: the whole stack); pools beyond ~200 blocks overflow the copy's recursion, larger counts explode
+_SET_LIMITS = {"num_blocks": 128, "num_gpu_blocks": 128, "num_cpu_blocks": 128, "num_cpu_chunks": 128,
+               "world_size": 16, "num_workers": 16, "max_depth": 1000}
+_SET_INT_LIMIT = 4096
+
+
+def _set_value(scope, f, key: str, text: str):
+    """``text`` as a value of field ``f``, by the field's type (bool, int, str, tuple as JSON list).
+
+    Raises InvalidFieldError naming ``--set KEY`` and what the field takes, instead of letting a
+    wrong type reach the scope (``max_tokens=5`` used to raise TypeError deep in the explorer)."""
+    import json
+
+    from kvref.spec.errors import InvalidFieldError
+
+    kind = str(f.type)
+    nullable = "None" in kind or getattr(scope, key) is None
+    low = text.strip().lower()
+    if nullable and low == "none":
+        return None
+    what = f"--set {key}"
+    if kind.startswith("tuple"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+        if not isinstance(value, list):
+            raise InvalidFieldError(what, text, "a JSON list such as [2, 1, 2]" + (" or none" if nullable else ""))
+        return tup(value)
+    if kind.startswith("bool"):
+        if low not in ("true", "false"):
+            raise InvalidFieldError(what, text, "true or false")
+        return low == "true"
+    if kind.startswith("int"):
+        limit = _SET_LIMITS.get(key, _SET_INT_LIMIT)
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 <= value <= limit:
+            raise InvalidFieldError(what, text, f"an int in [0, {limit}]" + (" or none" if nullable else "")
+                                    + " (explorer scopes are small by design)")
+        return value
+    return text  # str fields (name)
+
+
 def _with_sets(scope, sets: list[str]):
-    """``scope`` with the ``--set FIELD=VALUE`` overrides applied (unknown fields rejected)."""
+    """``scope`` with the ``--set FIELD=VALUE`` overrides applied (unknown fields rejected, values
+    checked against the field's type and the explorer's limits before the scope is built)."""
     from dataclasses import fields, replace
 
     from kvref.spec.errors import InvalidFieldError
 
-    names = {f.name for f in fields(scope)}
+    by_name = {f.name: f for f in fields(scope)}
     changes = {}
     for item in sets:
         key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
-        changes[key] = _parse_value(value)
-    return replace(scope, **changes)
+        if not sep or key not in by_name:
+            raise InvalidFieldError("--set", item, "FIELD=VALUE with FIELD one of " + ", ".join(sorted(by_name)))
+        changes[key] = _set_value(scope, by_name[key], key, value)
+    try:
+        return replace(scope, **changes)
+    except (TypeError, RecursionError) as exc:  # a value of the right type the scope cannot use
+        raise InvalidFieldError("--set", " ".join(sets), f"values the scope accepts ({type(exc).__name__}: {exc})") \
+            from None
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Bounds and types of the flags, before anything is explored (``--workers 10**30`` used to
+    fork until memory ran out; ``--max-seconds nan`` to run unbounded)."""
+    from kvref.cli_checks import MAX_WORKERS, check_count, check_seconds
+    from kvref.spec.errors import InvalidFieldError
+
+    if args.workers != "auto":
+        try:
+            n = int(args.workers)
+        except ValueError:
+            n = None
+        if n is None or not 1 <= n <= MAX_WORKERS:
+            raise InvalidFieldError("--workers", args.workers, f"an int in [1, {MAX_WORKERS}] or auto")
+        args.workers = str(n)
+    check_count("--max-states", args.max_states, minimum=1, maximum=10**12, allow_none=True)
+    check_count("--max-depth", args.max_depth, minimum=0, maximum=10**6, allow_none=True)
+    check_seconds("--max-seconds", args.max_seconds)
 
 
 def auto_workers(stream=None) -> int:
@@ -109,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from kvref.models.explorer import explore, render_trace
     from kvref.progress import Progress, rate
 
+    _check_arguments(args)
     if args.against is not None:
         return _run_conformance(args)
     if args.out is not None:

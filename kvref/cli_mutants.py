@@ -48,9 +48,24 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     return p
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Budgets and rates bounded before anything runs (``--budget 0`` used to fail deep inside
+    Hypothesis, ``--budget 10**30`` to run forever, ``--min-rate 2`` to fail every campaign)."""
+    import math
+
+    from kvref.cli_checks import MAX_BUDGET, check_count, check_seconds
+    from kvref.spec.errors import InvalidFieldError
+
+    check_count("--budget", args.budget, minimum=1, maximum=MAX_BUDGET, why="examples per machine run")
+    if not math.isfinite(args.min_rate) or not 0.0 <= args.min_rate <= 1.0:
+        raise InvalidFieldError("--min-rate", args.min_rate, "a kill rate in [0, 1]")
+    check_seconds("--fault-timeout", getattr(args, "fault_timeout", None))
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
+    _check_arguments(args)
     if args.target == "vllm":
         return run_vllm(args)
 

@@ -66,12 +66,14 @@ def _list(as_json: bool = False) -> int:
 
 def run(args) -> int:
     from kvref.proofs import PROVED, run_all
-    from kvref.spec.errors import InvalidFieldError
-
     if args.list:
         return _list(args.json)
-    if not args.timeout or args.timeout <= 0:
-        raise InvalidFieldError("--timeout", args.timeout, "a positive number of seconds")
+    from kvref.cli_checks import check_seconds, check_writable_dir
+
+    # inf/nan/huge used to crash converting to Z3's milliseconds, after the theorems were built
+    check_seconds("--timeout", args.timeout, allow_none=False)
+    if args.variant is not None:  # a variant writes reproducers: the folder is probed first
+        check_writable_dir("--out", args.out)
     from kvref.progress import Progress
 
     what = f"theorems under variant {args.variant}" if args.variant else "theorems"

@@ -64,6 +64,13 @@ def sampled_token(position: int) -> int:
     return 50 + position
 
 
+#: the largest pool a scope may have (blocks incl. the null block): states are copied by pickling,
+#: and a pool of a few hundred linked free-queue blocks overflows the pickler's recursion
+MAX_SCOPE_BLOCKS = 128
+#: the longest max_model_len a scope may have (its prompts are spelt out token by token anyway)
+MAX_SCOPE_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class Scope:
     """What is explored.
@@ -109,6 +116,13 @@ class Scope:
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("prompts", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(
+                    isinstance(v, tuple) and all(type(t) is int for t in v) if name == "prompts" else type(v) is int
+                    for v in value):
+                raise InvalidFieldError(name, value, "a tuple of token tuples" if name == "prompts"
+                                        else "a tuple of ints, one per prompt")
         if len(self.prompts) != len(self.max_tokens) or not self.prompts:
             raise InvalidFieldError("max_tokens", self.max_tokens, f"{len(self.prompts)} values, one per prompt")
         for p, m in zip(self.prompts, self.max_tokens):
@@ -121,7 +135,15 @@ class Scope:
         check_int("max_model_len", self.max_model_len, minimum=2)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         check_int("num_blocks", self.num_blocks, minimum=2, allow_none=True)
-        if self.salts is not None and len(self.salts) != len(self.prompts):
+        if self.max_model_len > MAX_SCOPE_TOKENS:
+            raise InvalidFieldError("max_model_len", self.max_model_len, f"an int in [2, {MAX_SCOPE_TOKENS}] (explorer "
+                                    "scopes are small by design)")
+        blocks = self.num_blocks if self.num_blocks is not None else self.startup_num_blocks()
+        if blocks > MAX_SCOPE_BLOCKS:
+            raise InvalidFieldError("num_blocks", blocks, f"at most {MAX_SCOPE_BLOCKS} blocks (explorer scopes are "
+                                    "small by design: every state holds a copy of the pool)")
+        if self.salts is not None and (not isinstance(self.salts, tuple) or len(self.salts) != len(self.prompts)
+                                       or not all(s is None or isinstance(s, str) for s in self.salts)):
             raise InvalidFieldError("salts", self.salts, f"None or {len(self.prompts)} values")
         if not self.full_attention and self.sliding_window is None:
             raise InvalidFieldError("full_attention", False, "True when sliding_window is None")

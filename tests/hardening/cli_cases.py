@@ -228,13 +228,13 @@ def cases() -> list[Case]:
     add(Case("explore-set-batched-huge", ["explore", "--set", f"max_num_batched_tokens={10**30}"]))
     add(Case("explore-set-window-huge", ["explore", "--set", f"sliding_window={10**30}"]))
     add(Case("explore-set-aborts-text", ["explore", "--set", "aborts=maybe"]))
-    add(Case("explore-set-name-int", ["explore", "--set", "name=3"]))
+    add(Case("explore-set-name-int", ["explore", "--set", "name=3", "--scope", "tight"], expect=0))  # a label
     add(Case("explore-set-offload-bogus", ["explore", "--scope", "offload", "--set", "num_cpu_blocks=-2"]))
     add(Case("explore-set-offload-huge", ["explore", "--scope", "offload", "--set", f"num_gpu_blocks={10**9}"]))
     add(Case("explore-set-connector-bogus", ["explore", "--scope", "connector", "--set", "bogus=1"]))
     add(Case("explore-workers-huge", ["explore", "--workers", str(10**30)]))
     add(Case("explore-workers-neg", ["explore", "--workers", "-1"]))
-    add(Case("explore-workers-zero", ["explore", "--workers", "0"]))
+    add(Case("explore-workers-zero", ["explore", "--workers", "0"]))  # auto is spelt auto
     add(Case("explore-workers-text", ["explore", "--workers", "many"]))
     add(Case("explore-workers-true", ["explore", "--workers", "true"]))
     add(Case("explore-max-depth-neg", ["explore", "--max-depth", "-1"]))

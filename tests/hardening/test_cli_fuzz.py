@@ -22,16 +22,10 @@ CASES = [c for c in cases() if not c.slow]
 
 #: cases whose fix waits on a file another change is in the middle of (strict: they must flip)
 PENDING: set[str] = {
-    "prove-timeout-inf", "prove-timeout-huge", "mutants-min-rate-2", "mutants-min-rate-nan",
     "replay-eagle-string",
 }
 #: pending cases that hang today: not run until their fix lands (a hang costs the watchdog's time)
-PENDING_HANGS: set[str] = {
-    "explore-set-num-blocks-huge", "explore-set-mml-huge", "explore-set-offload-huge", "explore-workers-huge",
-    "explore-set-max-tokens-int", "explore-set-prompts-int", "explore-set-salts-int", "explore-set-batched-huge",
-    "explore-set-window-huge", "explore-set-aborts-text", "explore-set-name-int", "explore-workers-zero",
-    "explore-max-seconds-nan", "explore-max-seconds-neg", "mutants-budget-huge",
-}
+PENDING_HANGS: set[str] = set()
 
 
 class Hang(BaseException):
