@@ -144,6 +144,12 @@ def plan_hf(args: argparse.Namespace, parse_bytes, int_arg):
     name, data = load_hf_config(args.hf_config)
     layout = build_layout(data, args)
     config = layout.engine_config(**engine_changes(args, int_arg))
+    mml = config.max_model_len
+    if isinstance(mml, int) and mml > layout.derived_max_model_len and mml != -1:
+        # vLLM's _get_and_verify_max_len refuses it (positions past the model's range give NaNs)
+        raise InvalidFieldError("--max-model-len", mml,
+                                f"at most the model's derived max_model_len {layout.derived_max_model_len:,} "
+                                "(vLLM refuses more unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
     memory, notes = kv_cache_memory(args, parse_bytes)
     if memory is None:
         if config.num_gpu_blocks_override is None:

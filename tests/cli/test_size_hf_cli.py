@@ -75,6 +75,7 @@ def test_hybrid_notes_and_layout(capsys):
     (["--hf-config", "llama-3.1-8b", "--gpu-memory", "80GiB", "--gpu-memory-utilization", "1.5"],
      "--gpu-memory-utilization"),
     (["--hf-config", "llama-3.1-8b", "--gpu-memory-utilization", "0.9"], "--gpu-memory"),
+    (["--hf-config", "qwen3-8b", "--kv-cache-memory", "1GiB", "--max-model-len", "40961"], "--max-model-len"),
     (["--hf-config", "llama-3.1-8b", "--example", "llama3_8b", "--kv-cache-memory", "1GiB"], "--hf-config"),
     (["--example", "llama3_8b", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--hf-config", "qwen3-next-80b-a3b-instruct", "--tensor-parallel-size", "3", "--kv-cache-memory", "1GiB"],
