@@ -19,13 +19,20 @@ The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
                ``_preempt_request``: delivered later, ``num_in_flight_tokens`` kept).
 * ``finish``   ``free``; the request is gone.
 * ``new_step`` ``new_step_starts()``.
+* ``reset_prefix_cache`` the scheduler's ``reset_prefix_cache(reset_running_requests)``: with it,
+               every running request is preempted first (last first, in-flight output dropped);
+               then the managers' ``reset_prefix_cache()`` (fails while blocks are in use).
+* ``evict_blocks`` a KV connector invalidates blocks (``evict_blocks``: their hashes go, blocks
+               in use stay allocated).
 
 An op whose precondition does not hold is skipped (and reported as such), so a saved trace
 stays replayable after shrinking or hand-editing. After every op the harness compares, across
 implementations: the op's result (hit ids + length, admission ``None`` vs new block ids), every
 block-holding request's block ids per group (exactly), the free-block count, the free-queue
 order and the cached hashes; it calls ``check_invariants()`` on each and checks protocol-level
-invariants (free queue ⊎ held blocks = all non-null blocks).
+invariants (free queue ⊎ held blocks = all non-null blocks). When the pool config enables KV
+cache events and every manager has ``take_kv_events()``, the events each queued during the op are
+compared too, exactly (docs/kv_events.md).
 """
 
 from __future__ import annotations
@@ -117,6 +124,10 @@ class Harness:
         self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
         self.num_partial_entries = 0  # ops after which a hash covers a block only partly
         self._prev_cached: dict = {}
+        #: KV cache events seen, by type (first implementation's stream), when events are compared
+        self.num_events: dict[str, int] = {}
+        self.num_resets = 0  # successful reset_prefix_cache ops
+        self.compare_events = pool_config.enable_kv_cache_events and self._all_have("take_kv_events")
         #: time spent inside each implementation (calls, check_invariants, observation)
         self.seconds_by_kind: dict[str, float] = {}
         self.max_live = 0
@@ -329,6 +340,27 @@ class Harness:
             if forget is not None:
                 forget(r.request_id)
 
+    def _op_reset_prefix_cache(self, op: Op) -> OpResult:
+        if not self._all_have("reset_prefix_cache"):
+            return OpResult(op, True)
+        if op.reset_running_requests:
+            for rid in reversed(self.running()):  # vLLM pops running from the back
+                s = self.reqs[rid]
+                self._op_preempt(Op("preempt", {"rid": rid}))
+                for b in s.batches:  # drop_stale_output=True: in-flight output is discarded
+                    b.token = None
+        ok = self._call("reset_prefix_cache", op, lambda k, m: m.reset_prefix_cache())
+        self.num_resets += bool(ok)
+        return OpResult(op, False, ok)
+
+    def _op_evict_blocks(self, op: Op) -> OpResult:
+        if not self._all_have("evict_blocks"):
+            return OpResult(op, True)
+        n = self.pool_config.num_blocks
+        ids = {b for b in op.block_ids if 0 < b < n}  # one set: every manager walks it in one order
+        self._call("evict_blocks", op, lambda k, m: m.evict_blocks(ids))
+        return OpResult(op, False)
+
     def _op_new_step(self, op: Op) -> OpResult:
         for m in self.managers.values():
             hook = getattr(m, "new_step_starts", None)
@@ -368,6 +400,8 @@ class Harness:
             self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + perf_counter() - t
             self._check_protocol_invariants(kind, op, o)
         self._record_coverage(obs[self.kinds[0]])
+        if self.compare_events:
+            self._compare_events(op)
         if not self.compare:
             return
         first = self.kinds[0]
@@ -377,6 +411,23 @@ class Harness:
                 if a != b:
                     raise Divergence(self._where(op, f"{key} differs:\n  {first}: {_short(a)}\n  {kind}: {_short(b)}"
                                                  + _diff_hint(a, b)), f"{op.name}: {key} differs")
+
+    def _compare_events(self, op: Op) -> None:
+        """Take every manager's queued KV cache events; the streams must be equal, event by event."""
+        streams = {kind: m.take_kv_events() for kind, m in self.managers.items()}  # type: ignore[attr-defined]
+        first = self.kinds[0]
+        for e in streams[first]:
+            self.num_events[e["type"]] = self.num_events.get(e["type"], 0) + 1
+        if not self.compare:
+            return
+        for kind in self.kinds[1:]:
+            a, b = streams[first], streams[kind]
+            if a != b:
+                i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                raise Divergence(self._where(
+                    op, f"KV cache events differ at event {i} ({len(a)} vs {len(b)} events):"
+                        f"\n  {first}: {_short(a[i:i + 2])}\n  {kind}: {_short(b[i:i + 2])}"),
+                    f"{op.name}: KV cache events differ")
 
     def _record_coverage(self, o: dict[str, Any]) -> None:
         cached = o["cached_blocks"]

@@ -17,6 +17,7 @@ On a failure the (shrunk) trace is saved as JSON (see :mod:`kvref.models.trace`)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -57,6 +58,9 @@ class MachineStats:
     evictions: int = 0
     null_slots: int = 0
     partial_entries: int = 0
+    #: KV cache events compared, by type (BlockStored / BlockRemoved / AllBlocksCleared)
+    kv_events: dict[str, int] = field(default_factory=dict)
+    resets: int = 0  # successful reset_prefix_cache ops
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
@@ -78,12 +82,16 @@ def _group_set_name(pool) -> str:
 
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
                              max_blocks: int = 48, eagle: bool | str = True,
-                             mamba_align_external_loads: bool = False) -> type[RuleBasedStateMachine]:
+                             mamba_align_external_loads: bool = False,
+                             kv_events: bool = True) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
     or bad-input errors) is rejected as an example; vLLM refusing a generated pool is a failure
     (the strategies only make pools vLLM accepts).
+
+    ``kv_events``: pools are built with ``enable_kv_cache_events`` so that the harness compares
+    the KV cache event streams after every op (where every implementation has them).
     """
     kinds = tuple(kinds)
 
@@ -99,6 +107,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
                     async_mode=st.booleans())
         def setup(self, pool, async_mode) -> None:
+            if kv_events:
+                pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             managers = {}
             for kind in kinds:
                 try:
@@ -127,6 +137,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
+                self.stats.resets += self.h.num_resets
+                for k, v in self.h.num_events.items():
+                    self.stats.kv_events[k] = self.stats.kv_events.get(k, 0) + v
                 for k, v in self.h.seconds_by_kind.items():
                     self.stats.seconds_by_kind[k] = self.stats.seconds_by_kind.get(k, 0.0) + v
 
@@ -240,6 +253,24 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         def finish(self, data) -> None:
             assert self.h is not None
             self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())))))
+
+        @precondition(lambda self: self._has_all("reset_prefix_cache"))
+        @rule(reset_running=st.booleans())
+        def reset_prefix_cache(self, reset_running) -> None:
+            """RLHF weight updates / benchmarks reset the cache (an ``AllBlocksCleared`` event)."""
+            self._apply(Op("reset_prefix_cache", dict(reset_running_requests=reset_running)))
+
+        @precondition(lambda self: self._has_all("evict_blocks"))
+        @rule(data=st.data())
+        def evict_blocks(self, data) -> None:
+            """A KV connector invalidates blocks (failed loads): their hashes are removed."""
+            assert self.h is not None
+            n = self.h.pool_config.num_blocks
+            ids = data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3), label="block_ids")
+            self._apply(Op("evict_blocks", dict(block_ids=ids)))
+
+        def _has_all(self, method: str) -> bool:
+            return self.h is not None and self.h._all_have(method)
 
         @precondition(lambda self: self.h is not None)
         @rule()

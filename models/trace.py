@@ -68,6 +68,10 @@ _ARG_CHECKS: dict[str, tuple[Any, str]] = {
     "token": _int_range(0, _MAX_OP_INT - 1),
     "lookahead": _int_range(0, _MAX_OP_INT),
     "external": _int_range(0, _MAX_OP_INT),
+    "reset_running_requests": (lambda v: isinstance(v, bool), "true or false"),
+    "block_ids": (lambda v: isinstance(v, list) and len(v) <= MAX_TRACE_BLOCKS
+                  and all(type(b) is int and 0 <= b < MAX_TRACE_BLOCKS for b in v),
+                  f"a list of block ids (ints in [0, {MAX_TRACE_BLOCKS}))"),
 }
 
 #: every op name and its fields (all required; values are JSON scalars or lists of ints)
@@ -79,6 +83,8 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "preempt": ("rid",),
     "finish": ("rid",),
     "new_step": (),
+    "reset_prefix_cache": ("reset_running_requests",),
+    "evict_blocks": ("block_ids",),
 }
 
 #: optional fields and their defaults (added after version 1 was first written; older traces omit them)

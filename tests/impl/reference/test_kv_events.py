@@ -279,3 +279,40 @@ def test_manager_without_events_flag_emits_nothing() -> None:
     r = Request("r", list(range(9)))
     _both(ref, vllm, lambda m: m.allocate_slots(r, 9))
     assert ref.take_kv_events() == [] == vllm.take_kv_events()
+
+
+# ---------------------------------------------------------------- generated traces (the harness)
+
+
+@pytest.mark.vllm
+def test_generated_traces_compare_event_streams_through_stores_evictions_and_resets(tmp_path) -> None:
+    require_vllm()
+    from kvref.models.kv_cache_manager_machine import run_machine
+
+    run = run_machine(("reference", "vllm"), 25, steps=40, min_steps=30, seed=7, out_dir=str(tmp_path),
+                      shrink=False)
+    assert run.ok, run.failure
+    events = run.stats.kv_events
+    assert events.get("BlockStored", 0) > 0 and events.get("BlockRemoved", 0) > 0, events
+    assert events.get("AllBlocksCleared", 0) > 0 and run.stats.resets == events["AllBlocksCleared"]
+
+
+@pytest.mark.vllm
+def test_a_planted_difference_in_the_reference_events_is_caught(monkeypatch, tmp_path) -> None:
+    """The reference's stores lose their parent hash: the state is unchanged (same blocks, same
+    hashes), only the event stream differs, and conformance must say so."""
+    require_vllm()
+    from kvref.models.kv_cache_manager_machine import run_machine
+
+    real = BlockPool._block_stored
+
+    def without_parent(self, *args, **kwargs):
+        event = real(self, *args, **kwargs)
+        event.parent_block_hash = None
+        return event
+
+    monkeypatch.setattr(BlockPool, "_block_stored", without_parent)
+    run = run_machine(("reference", "vllm"), 20, steps=40, min_steps=30, seed=3, out_dir=str(tmp_path),
+                      shrink=False)
+    assert not run.ok and run.signature.endswith(": KV cache events differ"), run.failure
+    assert "parent_block_hash" in run.failure or "KV cache events differ at event" in run.failure
