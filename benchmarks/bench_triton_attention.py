@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     copy_gbs = 2 * kv_bytes / t_copy / 1e9  # a copy reads and writes every byte
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU (Triton interpreter)"
     print(f"device={name} dtype={args.dtype or str(dtype)[6:]} batch={batch} context={context} kv_heads={hkv} "
-          f"head_size={d} gqa={args.gqa} block_size={bs} mask={mask.kind}{'/' + str(args.window) if args.window else ''}"
+          f"head_size={d} gqa={args.gqa} block_size={bs} "
+          f"mask={mask.kind}{'/' + str(args.window) if args.window else ''}"
           f" max|triton - torch path|={err:.2e}")
     print("| path | step time | tokens/s | K/V read GB/s | / device copy |")
     print("|---|---|---|---|---|")

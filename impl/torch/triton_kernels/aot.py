@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
         return 0
-    print("| kernel variant | arch | warps | registers / thread | spill stack bytes / thread | shared bytes | cubin bytes |")
+    print("| kernel variant | arch | warps | registers / thread | spill stack bytes / thread | shared bytes "
+          "| cubin bytes |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.label} | sm_{r.arch} | {r.num_warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | "
