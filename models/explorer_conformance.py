@@ -38,6 +38,7 @@ from typing import Any, Callable, Hashable
 from kvref.spec.errors import InvalidFieldError
 
 from .explorer_kv import SCOPES, KVSystem, Scope, sampled_token
+from .explorer_types import fmt_action
 from .scheduler_machine import _diff, _fmt  # the lock-step machine's renderings of outputs / snapshots
 
 __all__ = ["ConformanceResult", "TARGETS", "explore_conformance"]
@@ -72,12 +73,8 @@ class ConformanceResult:
             head += " (stopped early: max_states)"
         if self.divergence is not None:
             path, msg = self.divergence
-            head += f"; DIVERGENCE after {' -> '.join(_fmt_action(a) for a in path)}: {msg}"
+            head += f"; DIVERGENCE after {' -> '.join(fmt_action(a) for a in path)}: {msg}"
         return head
-
-
-def _fmt_action(a: Hashable) -> str:
-    return " ".join(str(x) for x in a) if isinstance(a, tuple) else str(a)
 
 
 class _Lockstep:

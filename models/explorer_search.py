@@ -46,7 +46,7 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
-from .explorer import Finding, Step, Trace, _first_stuck, _fmt_action, _fmt_exc, _rebuild_trace, _safe_describe
+from .explorer_types import Finding, Step, Trace, first_stuck, fmt_action, fmt_exc, rebuild_trace, safe_describe
 
 __all__ = ["resolve_workers", "fork_available", "search"]
 
@@ -125,7 +125,7 @@ class _Expander:
             try:
                 nxt = self.consume(state, a) if i == last and self.consume is not None else system.step(state, a)
             except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
-                out.append(("err", a, f"action {_fmt_action(a)} raised {_fmt_exc(e)}", _fmt_exc(e)))
+                out.append(("err", a, f"action {fmt_action(a)} raised {fmt_exc(e)}", fmt_exc(e)))
                 progressed = True
                 continue
             k = system.key(nxt)
@@ -140,7 +140,7 @@ class _Expander:
             try:
                 system.check(nxt)
             except AssertionError as e:
-                out.append(("new", a, k, False, _fmt_exc(e)))
+                out.append(("new", a, k, False, fmt_exc(e)))
                 continue
             self.next_live[k] = nxt
             out.append(("new", a, k, bool(system.is_final(nxt)), None))
@@ -261,7 +261,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
 
     def add_finding(kind: str, message: str, idx: int | None, failed_action: Hashable | None = None,
                     extra: Step | None = None) -> bool:
-        trace = _rebuild_trace(system, keys, parents, via, idx) if idx is not None else Trace([])
+        trace = rebuild_trace(system, keys, parents, via, idx) if idx is not None else Trace([])
         if extra is not None:
             trace.steps.append(extra)
         res.findings.append(Finding(kind, message, trace, failed_action))
@@ -282,8 +282,8 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
         try:
             system.check(s0)
         except AssertionError as e:
-            if add_finding("violation", f"initial state: {_fmt_exc(e)}", None,
-                           extra=Step(None, _safe_describe(system, s0))):
+            if add_finding("violation", f"initial state: {fmt_exc(e)}", None,
+                           extra=Step(None, safe_describe(system, s0))):
                 return finish(False)
             continue
         k0 = system.key(s0)
@@ -367,7 +367,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                         edge_src.append(idx)
                         edge_dst.append(j)
                     if violation is not None:
-                        if add_finding("violation", f"invariant broken after {_fmt_action(a)}: {violation}", j):
+                        if add_finding("violation", f"invariant broken after {fmt_action(a)}: {violation}", j):
                             return finish(False)
                         continue
                     res.states += 1
@@ -397,7 +397,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
         if pool is not None:
             pool.close()
     if check_liveness and not cut and not (res.findings and stop_at_first):
-        stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
+        stuck = first_stuck(len(keys), finals, edge_src, edge_dst, parents)
         if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):
             add_finding("livelock", "no final state is reachable from here (actions only cycle)", stuck)
     return finish(not (res.findings and stop_at_first) and not cut)

@@ -13,15 +13,15 @@ from array import array
 from collections import deque
 from typing import Any, Hashable
 
-from kvref.models.explorer import (
+from kvref.models.explorer_types import (
     ExplorationResult,
     Finding,
     Step,
-    _first_stuck,
-    _fmt_action,
-    _fmt_exc,
-    _rebuild_trace,
-    _safe_describe,
+    first_stuck,
+    fmt_action,
+    fmt_exc,
+    rebuild_trace,
+    safe_describe,
 )
 
 
@@ -53,7 +53,7 @@ def _explore(system: Any, max_states: int | None, max_seconds: float | None,
 
     def add_finding(kind: str, message: str, idx: int | None,
                     failed_action: Hashable | None = None, extra: Step | None = None) -> bool:
-        trace = _rebuild_trace(system, keys, parents, via, idx)
+        trace = rebuild_trace(system, keys, parents, via, idx)
         if extra is not None:
             trace.steps.append(extra)
         res.findings.append(Finding(kind, message, trace, failed_action))
@@ -71,8 +71,8 @@ def _explore(system: Any, max_states: int | None, max_seconds: float | None,
         try:
             system.check(s0)
         except AssertionError as e:  # the initial state itself is broken
-            if add_finding("violation", f"initial state: {_fmt_exc(e)}", None,
-                           extra=Step(None, _safe_describe(system, s0))):
+            if add_finding("violation", f"initial state: {fmt_exc(e)}", None,
+                           extra=Step(None, safe_describe(system, s0))):
                 return finish(False)
             continue
         k0 = system.key(s0)
@@ -102,10 +102,10 @@ def _explore(system: Any, max_states: int | None, max_seconds: float | None,
             try:
                 nxt = consume(state, a) if ai == last and consume is not None else system.step(state, a)
             except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
-                msg = f"action {_fmt_action(a)} raised {_fmt_exc(e)}"
+                msg = f"action {fmt_action(a)} raised {fmt_exc(e)}"
                 progressed = True  # not a deadlock: something happened (and it was wrong)
                 if add_finding("violation", msg, idx, failed_action=a,
-                               extra=Step(a, {"error": _fmt_exc(e)})):
+                               extra=Step(a, {"error": fmt_exc(e)})):
                     return finish(False)
                 continue
             nk = system.key(nxt)
@@ -125,7 +125,7 @@ def _explore(system: Any, max_states: int | None, max_seconds: float | None,
             try:
                 system.check(nxt)
             except AssertionError as e:
-                if add_finding("violation", f"invariant broken after {_fmt_action(a)}: {_fmt_exc(e)}", j):
+                if add_finding("violation", f"invariant broken after {fmt_action(a)}: {fmt_exc(e)}", j):
                     return finish(False)
                 continue
             res.states += 1
@@ -143,7 +143,7 @@ def _explore(system: Any, max_states: int | None, max_seconds: float | None,
         if max_states is not None and res.states >= max_states:
             return finish(False)
     if check_liveness and not cut and not (res.findings and stop_at_first):
-        stuck = _first_stuck(len(keys), finals, edge_src, edge_dst, parents)
+        stuck = first_stuck(len(keys), finals, edge_src, edge_dst, parents)
         if stuck is not None and not any(f.kind == "deadlock" for f in res.findings):
             add_finding("livelock", "no final state is reachable from here (actions only cycle)", stuck)
     return finish(not (res.findings and stop_at_first) and not cut)
