@@ -128,6 +128,11 @@ class TraceReader:
                 self.end = rec
             yield line_no, rec
 
+    def check_invariants(self) -> None:
+        assert not (self.truncated and self.end is not None), "a trace with an end record is not truncated"
+        assert self.truncated == bool(self.truncation)
+        assert self.num_records >= (self.end is not None)
+
     def _truncate(self, why: str) -> None:
         self.truncated = True
         self.truncation = why

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 import time
 import weakref
@@ -47,7 +48,6 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
 
 from kvref.impl.run_trace.format import FINISH_REASONS, FORMAT, VERSION, TokenAnonymizer, encode_tokens
 from kvref.impl.run_trace.writer import TraceWriter, _dumps
@@ -55,7 +55,6 @@ from kvref.spec.errors import InvalidFieldError
 
 ENV_PATH = "KVREF_RECORD"
 ENV_ANONYMIZE = "KVREF_RECORD_ANONYMIZE"
-_FINISHED_AFTER = RequestStatus.PREEMPTED  # vLLM: a status > PREEMPTED is finished
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -204,6 +203,7 @@ class _Recorder:
     """The recording half, shared by both classes (a mixin before vLLM's class in the MRO)."""
 
     _kvref_writer: TraceWriter | None = None
+    _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
 
     def _kvref_start(self, is_async_class: bool) -> None:
         path, anonymize = record_settings(self.vllm_config)
@@ -273,74 +273,76 @@ class _Recorder:
         step = self._kvref_step
         self._kvref_step = step + 1
         self._kvref_steps[id(so)] = step
-        requests = self.requests
-        new = {nr.req_id: nr.block_ids for nr in so.scheduled_new_reqs} if so.scheduled_new_reqs else None
+        # Columnar, straight from vLLM's own output: no Python row per request (format.py).
+        nst = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
-        cached_blocks = dict(zip(cached.req_ids, cached.new_block_ids)) if cached.req_ids else None
-        resumed = cached.resumed_req_ids
-        rows = []
-        append = rows.append
-        for rid, n in so.num_scheduled_tokens.items():
-            r = requests[rid]
-            if new is not None and rid in new:
-                append([rid, "n", n, r.num_computed_tokens - n, r.is_prefill_chunk, new[rid]])
-            else:
-                append([rid, "r" if rid in resumed else "c", n, r.num_computed_tokens - n, r.is_prefill_chunk,
-                        cached_blocks[rid]])
-        pre, fin = list(so.preempted_req_ids), list(so.finished_req_ids)
+        ids, counts = list(nst), list(nst.values())
+        new = [[nr.req_id, nr.num_computed_tokens, nr.block_ids] for nr in so.scheduled_new_reqs]
+        cids, ccomputed, cblocks = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
+        resumed, pre, fin = list(cached.resumed_req_ids), list(so.preempted_req_ids), list(so.finished_req_ids)
         anon = self._kvref_anon
         if anon is not None:
-            for row in rows:
-                row[0] = anon.request_id(row[0])
-            pre = [anon.request_id(i) for i in pre]
-            fin = [anon.request_id(i) for i in fin]
+            a = anon.request_id
+            ids, cids, resumed, pre, fin = ([a(i) for i in x] for x in (ids, cids, resumed, pre, fin))
+            for e in new:
+                e[0] = a(e[0])
             # the last time vLLM names a finished request (its _free_request added it to
             # finished_req_ids): its anonymous id is not needed again
             for i in so.finished_req_ids:
                 anon.forget(i)
-        rec = {"t": "sched", "step": step, "reqs": rows, "pre": pre, "fin": fin}
+        rec = {"t": "sched", "step": step, "ids": ids, "n": counts, "new": new,
+               "cached": [cids, ccomputed, cblocks], "resumed": resumed, "pre": pre, "fin": fin}
         if args[0] if args else kwargs.get("throttle_prefills", False):
             rec["throttle"] = True  # DP prefill cadence: not modelled, the checker stops following
-        x = []
-        if so.scheduled_spec_decode_tokens:
-            x.append("spec_decode")
-        if so.scheduled_encoder_inputs:
-            x.append("encoder_inputs")
-        if x:
-            rec["x"] = x
+        if so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs:
+            rec["x"] = [name for name, v in (("spec_decode", so.scheduled_spec_decode_tokens),
+                                             ("encoder_inputs", so.scheduled_encoder_inputs)) if v]
         w = self._kvref_writer
-        w.write_line(_dumps(rec))
+        w.write(rec)
         w.tick()
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        requests = self.requests
-        scheduled = scheduler_output.num_scheduled_tokens
-        before = [requests.get(rid) for rid in scheduled]
+        step = self._kvref_steps.pop(id(scheduler_output), -1)
+        # Encoded before vLLM sees them: update_from_output trims a token list in place at a stop.
+        try:
+            head = '{"t":"update","step":%d,"ids":%s,"sampled":%s,"fin":' % (
+                step, _dumps(model_runner_output.req_ids), _dumps(model_runner_output.sampled_token_ids))
+        except TypeError:  # arrays instead of lists (another model runner)
+            head = '{"t":"update","step":%d,"ids":%s,"sampled":%s,"fin":' % (
+                step, _dumps(list(model_runner_output.req_ids)),
+                _dumps([[int(t) for t in toks] for toks in model_runner_output.sampled_token_ids]))
+        self._kvref_fin = finished = []
         self._kvref_depth += 1
         try:
             out = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._kvref_depth -= 1
-        step = self._kvref_steps.pop(id(scheduler_output), -1)
-        sampled_ids = model_runner_output.sampled_token_ids
-        index = model_runner_output.req_id_to_index
-        sampled = []
-        if sampled_ids:
-            for rid in scheduled:
-                i = index.get(rid)
-                if i is not None:
-                    toks = sampled_ids[i]
-                    if len(toks):
-                        sampled.append([rid, toks if type(toks) is list else [int(t) for t in toks]])
-        fin = [[r.request_id, FINISH_REASONS.get(r.status.name, r.status.name.lower())]
-               for r in before if r is not None and r.status > _FINISHED_AFTER]
+            self._kvref_fin = None
+        fin = [[rid, FINISH_REASONS.get(status.name, status.name.lower())] for rid, status in finished]
         anon = self._kvref_anon
         if anon is not None:
-            sampled = [[anon.request_id(rid), anon.tokens(toks)] for rid, toks in sampled]
+            head = self._kvref_anonymize_update(head)
             fin = [[anon.request_id(rid), why] for rid, why in fin]
-        self._kvref_writer.write_line(_dumps({"t": "update", "step": step, "sampled": sampled, "fin": fin}))
+        self._kvref_writer.write_line(head + _dumps(fin) + "}")
         return out
+
+    def _kvref_anonymize_update(self, head: str) -> str:
+        """Re-encode an update's ids and tokens through the anonymizer (opt-in path: not the fast one)."""
+        rec = json.loads(head + "[]}")
+        anon = self._kvref_anon
+        rec["ids"] = [anon.request_id(i) for i in rec["ids"]]
+        rec["sampled"] = [anon.tokens(t) for t in rec["sampled"]]
+        return '{"t":"update","step":%d,"ids":%s,"sampled":%s,"fin":' % (
+            rec["step"], _dumps(rec["ids"]), _dumps(rec["sampled"]))
+
+    def _free_request(self, request, *args, **kwargs):
+        # Every finish inside update_from_output (a stop, the length cap, an error) passes here,
+        # once per finished request: cheaper than scanning the batch's statuses afterwards.
+        finished = self._kvref_fin
+        if finished is not None:
+            finished.append((request.request_id, request.status))
+        return super()._free_request(request, *args, **kwargs)
 
     def shutdown(self) -> None:
         try:

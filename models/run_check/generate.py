@@ -17,7 +17,7 @@ from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_types import SchedulerConfig
 from kvref.impl.request import Request, RequestStatus
-from kvref.impl.run_trace.format import FORMAT, VERSION, encode_tokens
+from kvref.impl.run_trace.format import FORMAT, VERSION, encode_tokens, sched_record
 from kvref.impl.run_trace.writer import TraceWriter
 
 from ..scheduler_machine import FakeModel
@@ -58,6 +58,13 @@ def header_for(pool: PoolConfig, config: SchedulerConfig, producer: str = "kvref
     }
 
 
+def _update(step: int, out, mo, fin) -> dict:
+    """An ``update`` record as a model runner reports it: every scheduled id, [] for prefill chunks."""
+    ids = [s.request_id for s in out.scheduled]
+    return {"t": "update", "step": step, "ids": ids, "sampled": [mo.sampled_token_ids.get(i, []) for i in ids],
+            "fin": fin}
+
+
 def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, steps: int, seed: int = 0,
                    arrival_prob: float = 0.3, abort_prob: float = 0.01, max_live: int | None = None,
                    max_tokens: int = 24, background: bool = True) -> int:
@@ -92,8 +99,8 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
         if len(in_flight) < depth and (sched.has_unfinished_requests() or not in_flight):
             out = sched.schedule()
             in_flight.append((step, out))
-            w.write({"t": "sched", "step": step, "reqs": reference_rows(out), "pre": sorted(out.preempted_req_ids),
-                     "fin": sorted(out.finished_req_ids)})
+            w.write(sched_record(step, reference_rows(out), sorted(out.preempted_req_ids),
+                                 sorted(out.finished_req_ids)))
             step += 1
             if len(in_flight) < depth and sched.has_unfinished_requests():
                 continue
@@ -107,8 +114,7 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
                 fin.append([s.request_id, r.finish_reason])
                 del live[s.request_id]
                 model.num_sampled.pop(s.request_id, None)
-        w.write({"t": "update", "step": k, "sampled": [[rid, t] for rid, t in mo.sampled_token_ids.items()],
-                 "fin": fin})
+        w.write(_update(k, out, mo, fin))
     while in_flight:
         k, out = in_flight.popleft()
         mo = model.output(out)
@@ -119,7 +125,6 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
             if r is not None and r.status == RequestStatus.FINISHED:
                 fin.append([s.request_id, r.finish_reason])
                 del live[s.request_id]
-        w.write({"t": "update", "step": k, "sampled": [[rid, t] for rid, t in mo.sampled_token_ids.items()],
-                 "fin": fin})
+        w.write(_update(k, out, mo, fin))
     w.close({"t": "end", "steps": step, "records": w.num_records + 1})
     return w.num_records

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvref.impl.run_trace.format import sched_rows
+
 _FREES_EARLY = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec")
 
 
@@ -161,7 +163,7 @@ class RunProperties:
         for rid in rec["fin"]:
             if rid in self.reqs:
                 self._finish(rid, "finished")
-        rows = rec["reqs"]
+        rows = sched_rows(rec)
         # starvation: nothing scheduled, nothing running, nothing else in flight, someone waiting
         if not rows and not self.running and self.in_flight == 0 and self.waiting:
             self.idle_run += 1
@@ -179,7 +181,7 @@ class RunProperties:
             self.idle_reported = False
         tokens = 0
         owners = self.owners
-        for rid, kind, n, computed, _chunk, blocks in rows:
+        for rid, kind, n, computed, blocks in rows:
             tokens += n
             r = self.reqs.get(rid)
             if r is None:  # scheduled without an arrival record (trace started mid-run)

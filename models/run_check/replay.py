@@ -3,7 +3,7 @@
 The recorded engine's calls are replayed in their order (arrivals, outside aborts, ``schedule()``,
 ``update_from_output`` with the *recorded* sampled tokens). After every ``schedule()`` the
 reference's decision is compared with the recorded one: the requests in batch order, their kind
-(new / resumed / running), token counts, computed tokens, prefill-chunk flag and block ids per
+(new / resumed / running), token counts, computed tokens and block ids per
 group — exactly, not up to renaming, since vLLM's free-queue order is defined — and the preempted
 and finished ids. After every ``update_from_output`` the requests each side finished, and why.
 This is the etcd-raft / CCF way of validating implementation traces against a spec: the
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import Request, RequestStatus
-from kvref.impl.run_trace.format import decode_tokens
+from kvref.impl.run_trace.format import decode_tokens, sched_rows
 
 from .setup import RunSetup
 
@@ -39,13 +39,14 @@ def _norm_blocks(blocks) -> list | None:
 
 
 def reference_rows(out: SchedulerOutput) -> list[list]:
-    """The reference's ``SchedulerOutput`` in the trace's row format."""
-    return [[s.request_id, _KIND[s.kind], s.num_scheduled_tokens, s.num_computed_tokens, bool(s.is_prefill_chunk),
-             _norm_blocks(s.block_ids)] for s in out.scheduled]
+    """The reference's ``SchedulerOutput`` as rows ``[id, kind, tokens, computed, block ids]``."""
+    return [[s.request_id, _KIND[s.kind], s.num_scheduled_tokens, s.num_computed_tokens, _norm_blocks(s.block_ids)]
+            for s in out.scheduled]
 
 
 def recorded_rows(rec: dict) -> list[list]:
-    return [[r[0], r[1], r[2], r[3], bool(r[4]), _norm_blocks(r[5])] for r in rec["reqs"]]
+    """A recorded ``sched`` record as the same rows (block ids normalised the same way)."""
+    return [[r[0], r[1], r[2], r[3], _norm_blocks(r[4])] for r in sched_rows(rec)]
 
 
 @dataclass
@@ -72,17 +73,17 @@ class Divergence:
         rec = {r[0]: r for r in self.recorded}
         ref = {r[0]: r for r in self.reference}
         order = [r[0] for r in self.recorded] + [r[0] for r in self.reference if r[0] not in rec]
-        cols = ("request", "side", "kind", "tokens", "computed", "chunk", "block ids per group")
+        cols = ("request", "side", "kind", "tokens", "computed", "block ids per group")
         rows = []
         for rid in order:
             a, b = rec.get(rid), ref.get(rid)
             mark = "*" if a != b else " "
             for side, r in (("recorded", a), ("reference", b)):
                 if r is None:
-                    rows.append((mark + rid, side, "-", "-", "-", "-", "(not scheduled)"))
+                    rows.append((mark + rid, side, "-", "-", "-", "(not scheduled)"))
                 else:
                     rows.append((mark + rid, side, {"n": "new", "r": "resumed", "c": "running"}[r[1]], str(r[2]),
-                                 str(r[3]), "yes" if r[4] else "no", str(r[5]) if r[5] is not None else "-"))
+                                 str(r[3]), str(r[4]) if r[4] is not None else "-"))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         fmt = "  ".join("{:<%d}" % w for w in widths)
         out = [head, "  " + fmt.format(*cols), "  " + fmt.format(*("-" * w for w in widths))]
@@ -197,7 +198,7 @@ class LockstepReplay:
                                      reference_extra={"oldest in flight": next(iter(self._in_flight), None)}))
             return
         out = self._in_flight.pop(step)
-        sampled = {rid: toks for rid, toks in rec["sampled"]}
+        sampled = {rid: toks for rid, toks in zip(rec["ids"], rec["sampled"]) if toks}
         try:
             self.scheduler.update_from_output(out, ModelOutput(sampled))
         except ValueError as exc:

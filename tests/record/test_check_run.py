@@ -10,7 +10,18 @@ import pytest
 from kvref import cli
 from kvref.models.run_check import check_trace, write_reproducer
 from kvref.models.run_check.generate import generate_trace
-from tests.record.traces import add, full_setup, header_for, hybrid_setup, read_lines, rewrite, write_trace
+from tests.record.traces import (
+    add,
+    full_setup,
+    header_for,
+    hybrid_setup,
+    read_lines,
+    rewrite,
+    sched,
+    sched_rows,
+    update,
+    write_trace,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +60,8 @@ def test_a_pool_startup_should_have_refused_starves_and_is_reported(tmp_path):
 def _first_sched_with_blocks(path, min_step=20):
     for rec in read_lines(path)[1:]:
         if rec["t"] == "sched" and rec["step"] >= min_step:
-            for row in rec["reqs"]:
-                if row[5] and any(row[5]):
+            for row in sched_rows(rec):
+                if row[4] and any(row[4]):
                     return rec["step"], row[0]
     raise AssertionError("no step allocated blocks")
 
@@ -60,10 +71,10 @@ def test_an_edited_block_id_is_the_first_divergence_and_the_reproducer_reproduce
 
     def edit(rec):
         if rec["t"] == "sched" and rec["step"] == step:
-            for row in rec["reqs"]:
-                if row[0] == rid:
-                    g = next(i for i, ids in enumerate(row[5]) if ids)
-                    row[5][g][-1] += 1000  # a block the reference did not hand out
+            tables = [e[2] for e in rec["new"] if e[0] == rid]
+            tables += [b for i, b in zip(rec["cached"][0], rec["cached"][2]) if i == rid]
+            g = next(i for i, ids in enumerate(tables[0]) if ids)
+            tables[0][g][-1] += 1000  # a block the reference did not hand out
     bad = rewrite(traces["sync"], tmp_path / "bad.kvtrace.gz", edit)
     r = check_trace(bad)
     assert r.divergence is not None and r.divergence.step == step and r.divergence.call == "schedule"
@@ -89,8 +100,8 @@ def test_changed_sampled_tokens_diverge_at_the_finish(tmp_path):
     h_stop = [add("a", [1, 2, 3], max_tokens=5)]
     h_stop[0]["stop"] = [9]
     recs = h_stop + [
-        {"t": "sched", "step": 0, "reqs": [["a", "n", 3, 0, False, [[1]]]], "pre": [], "fin": []},
-        {"t": "update", "step": 0, "sampled": [["a", [9]]], "fin": []},  # 9 is a stop token: must finish
+        sched(0, [["a", "n", 3, 0, [[1]]]]),
+        update(0, {"a": [9]}),  # 9 is a stop token: must finish
     ]
     r = check_trace(write_trace(tmp_path / "t.jsonl", h, recs))
     assert r.divergence is not None and r.divergence.call == "update_from_output"
@@ -99,10 +110,7 @@ def test_changed_sampled_tokens_diverge_at_the_finish(tmp_path):
 
 def test_starvation_while_idle_is_reported_without_the_reference(tmp_path):
     pool, cfg = full_setup()
-    recs = [add("a", [1] * 20)] + [
-        rec for k in range(5) for rec in (
-            {"t": "sched", "step": k, "reqs": [], "pre": [], "fin": []},
-            {"t": "update", "step": k, "sampled": [], "fin": []})]
+    recs = [add("a", [1] * 20)] + [rec for k in range(5) for rec in (sched(k, []), update(k, {}))]
     path = write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), recs)
     r = check_trace(path, properties_only=True)
     assert [f.kind for f in r.findings] == ["starvation"] and "#39734" in r.findings[0].message
@@ -115,8 +123,7 @@ def test_starvation_while_idle_is_reported_without_the_reference(tmp_path):
 def test_a_block_shared_outside_a_prefix_hit_is_reported(tmp_path):
     pool, cfg = full_setup()
     recs = [add("a", [1, 2, 3, 4, 5]), add("b", [6, 7, 8, 9, 10]),
-            {"t": "sched", "step": 0, "reqs": [["a", "n", 5, 0, False, [[1, 2]]], ["b", "n", 5, 0, False, [[2, 3]]]],
-             "pre": [], "fin": []}]
+            sched(0, [["a", "n", 5, 0, [[1, 2]]], ["b", "n", 5, 0, [[2, 3]]]])]
     r = check_trace(write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), recs), properties_only=True)
     assert [f.kind for f in r.findings] == ["shared_block"] and "block 2" in r.findings[0].message
 
@@ -124,12 +131,11 @@ def test_a_block_shared_outside_a_prefix_hit_is_reported(tmp_path):
 def test_a_prefix_hit_may_share_blocks(tmp_path):
     pool, cfg = full_setup()
     recs = [add("a", [1, 2, 3, 4, 5]),
-            {"t": "sched", "step": 0, "reqs": [["a", "n", 5, 0, False, [[1, 2]]]], "pre": [], "fin": []},
-            {"t": "update", "step": 0, "sampled": [["a", [11]]], "fin": []},
+            sched(0, [["a", "n", 5, 0, [[1, 2]]]]),
+            update(0, {"a": [11]}),
             add("b", [1, 2, 3, 4, 6]),  # shares a's first (full, cached) block
-            {"t": "sched", "step": 1, "reqs": [["a", "c", 1, 5, False, None], ["b", "n", 1, 4, False, [[1, 3]]]],
-             "pre": [], "fin": []},
-            {"t": "update", "step": 1, "sampled": [["a", [12]], ["b", [13]]], "fin": []}]
+            sched(1, [["a", "c", 1, 5, None], ["b", "n", 1, 4, [[1, 3]]]]),
+            update(1, {"a": [12], "b": [13]})]
     r = check_trace(write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), recs), check_invariants_every=1)
     assert r.ok and r.followed, (r.findings, r.divergence and r.divergence.table())
     assert r.summary["prefix_hits"] == 1 and r.summary["prefix_hit_rate"] == pytest.approx(4 / 10)
@@ -138,8 +144,8 @@ def test_a_prefix_hit_may_share_blocks(tmp_path):
 def test_an_unmodelled_feature_stops_the_replay_not_the_properties(tmp_path, capsys):
     pool, cfg = full_setup()
     recs = [add("a", [1, 2, 3], x=["structured_output"]),
-            {"t": "sched", "step": 0, "reqs": [["a", "n", 3, 0, False, [[5]]]], "pre": [], "fin": []},
-            {"t": "update", "step": 0, "sampled": [["a", [4]]], "fin": []}]
+            sched(0, [["a", "n", 3, 0, [[5]]]]),
+            update(0, {"a": [4]})]
     path = write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), recs)
     r = check_trace(path)
     assert r.ok and not r.followed and "structured_output" in r.stopped_because and r.stopped_at_line == 2

@@ -17,7 +17,7 @@ from kvref.impl.run_trace import (
     encode_tokens,
 )
 from kvref.spec.errors import InvalidFieldError
-from tests.record.traces import add, full_setup, header_for, write_trace
+from tests.record.traces import add, full_setup, header_for, sched, update, write_trace
 
 
 def _header():
@@ -28,7 +28,7 @@ def _header():
 @pytest.mark.parametrize("background", [True, False])
 def test_round_trip_gzip_and_plain(tmp_path, name, background):
     path = tmp_path / name
-    w = TraceWriter(str(path), _header(), background=background, chunk_bytes=64)
+    w = TraceWriter(str(path), _header(), background=background, chunk_records=4)
     recs = [add(f"r{i}", list(range(1, 10 + i))) for i in range(50)]
     for r in recs:
         w.write(r)
@@ -38,8 +38,16 @@ def test_round_trip_gzip_and_plain(tmp_path, name, background):
     with TraceReader(path) as reader:
         got = [rec for _, rec in reader.records()]
         assert not reader.truncated
+        reader.check_invariants()
     assert got[:50] == recs and got[50]["t"] in OPTIONAL_RECORD_TYPES and got[-1]["t"] == "end"
     assert (path.read_bytes()[:2] == b"\x1f\x8b") == name.endswith(".gz")
+
+
+def test_sched_records_round_trip_through_rows():
+    from kvref.impl.run_trace.format import sched_record, sched_rows
+
+    rows = [["a", "c", 1, 9, None], ["b", "r", 4, 0, [[3, 4], [5]]], ["c", "n", 8, 4, [[1, 6], [0, 7]]]]
+    assert sched_rows(sched_record(3, rows, ["x"], ["y"])) == rows
 
 
 def test_tokens_round_trip_and_reject_garbage():
@@ -51,7 +59,7 @@ def test_tokens_round_trip_and_reject_garbage():
 
 def test_a_cut_trace_is_read_up_to_its_last_complete_record(tmp_path):
     path = tmp_path / "t.kvtrace.gz"
-    w = TraceWriter(str(path), _header(), background=False, chunk_bytes=1)  # one sync-flushed chunk per record
+    w = TraceWriter(str(path), _header(), background=False, chunk_records=1)  # one sync-flushed chunk per record
     for i in range(20):
         w.write(add(f"r{i}", [1, 2, 3]))
     w.flush()
@@ -60,6 +68,7 @@ def test_a_cut_trace_is_read_up_to_its_last_complete_record(tmp_path):
     with TraceReader(tmp_path / "cut.gz") as reader:
         n = sum(1 for _ in reader.records())
         assert reader.truncated and reader.truncation
+        reader.check_invariants()
     assert n == 20
     (tmp_path / "cut2.gz").write_bytes(data[: len(data) - 7])  # mid-chunk
     with TraceReader(tmp_path / "cut2.gz") as reader:
@@ -85,10 +94,14 @@ def test_bad_headers_are_named(tmp_path, mutate, field):
 
 
 @pytest.mark.parametrize("record, field", [
-    ({"t": "sched", "step": 0, "reqs": [["r0", "x", 1, 0, False, None]], "pre": [], "fin": []}, "reqs[0]"),
-    ({"t": "sched", "step": -1, "reqs": [], "pre": [], "fin": []}, "step"),
-    ({"t": "update", "step": 0, "sampled": [["r0", [-1]]], "fin": []}, "sampled[0]"),
-    ({"t": "update", "step": 0, "sampled": [], "fin": [["r0"]]}, "fin"),
+    ({**sched(0, [["r0", "n", 1, 0, None]]), "n": [0]}, "n="),
+    ({**sched(0, [["r0", "n", 1, 0, None]]), "ids": ["r9"]}, "ids="),
+    ({**sched(0, [["r0", "c", 1, 0, None]]), "cached": [["r0"], [], [None]]}, "cached="),
+    ({**sched(0, [["r0", "n", 1, 0, [[-3]]]])}, "new="),
+    (sched(-1, []), "step"),
+    (update(0, {"r0": [-1]}), "sampled="),
+    ({**update(0, {"r0": [1]}), "sampled": []}, "sampled="),
+    (update(0, {}, fin=[["r0"]]), "fin="),
     ({"t": "add", "id": "r0", "prompt": [1, 2], "max_tokens": 1, "stop": [], "salt": None, "priority": 0,
       "arrival": 0}, "prompt"),
     ({"t": "abort", "ids": [1]}, "ids"),
@@ -134,6 +147,7 @@ def test_anonymizer_is_consistent_and_injective():
     p1, p2 = a.tokens([500, 600, 700, 500]), a.tokens([500, 600, 9])
     assert p1[:2] == p2[:2] and p1[0] == p1[3] and len({*p1, *p2}) == 4
     assert p1 == [0, 1, 2, 0] and p2 == [0, 1, 3]  # renumbered in order of first appearance
+    a.check_invariants()
     assert a.request_id("cmpl-secret") == a.request_id("cmpl-secret") == "r0" and a.request_id("x") == "r1"
     assert a.salt("s") == a.salt("s") != "s" and a.salt(None) is None
     assert TokenAnonymizer().salt("s") != a.salt("s")  # keyed per run

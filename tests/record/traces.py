@@ -8,7 +8,7 @@ import json
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_liveness import max_blocks_per_request
 from kvref.impl.reference.scheduler_types import SchedulerConfig
-from kvref.impl.run_trace.format import encode_tokens
+from kvref.impl.run_trace.format import encode_tokens, sched_record, sched_rows
 from kvref.impl.run_trace.writer import TraceWriter
 from kvref.models.run_check.generate import header_for
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
@@ -47,6 +47,17 @@ def add(rid: str, prompt, max_tokens: int = 4, arrival: float = 0.0, x=None) -> 
     return rec
 
 
+def sched(step: int, rows, pre=(), fin=()) -> dict:
+    """A ``sched`` record from rows ``[id, kind (n/r/c), tokens, computed, block ids or None]``."""
+    return sched_record(step, rows, pre, fin)
+
+
+def update(step: int, sampled: dict, fin=()) -> dict:
+    """An ``update`` record: ``sampled`` maps id -> tokens (every id the step scheduled)."""
+    return {"t": "update", "step": step, "ids": list(sampled), "sampled": list(sampled.values()),
+            "fin": [list(f) for f in fin]}
+
+
 def write_trace(path, header: dict, records: list[dict], end: bool = True) -> str:
     w = TraceWriter(str(path), header, background=False)
     for r in records:
@@ -75,4 +86,5 @@ def rewrite(path, out, edit) -> str:
     return str(out)
 
 
-__all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rewrite", "write_trace"]
+__all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rewrite", "sched", "sched_rows", "update",
+           "write_trace"]
