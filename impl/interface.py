@@ -47,6 +47,13 @@ class PoolConfig:
     use_eagle: bool = False
     enable_kv_cache_events: bool = False
 
+    @property
+    def effective_max_in_flight_tokens(self) -> int:
+        """The in-flight budget the windowed admission caps are computed with: ``max_in_flight_tokens``,
+        or ``max_model_len`` when it is None (a pool built without a scheduler behind it reserves for
+        a whole request in flight: the cap then never binds before ``max_model_len``)."""
+        return self.max_model_len if self.max_in_flight_tokens is None else self.max_in_flight_tokens
+
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=1)
         object.__setattr__(self, "groups", tuple(self.groups))

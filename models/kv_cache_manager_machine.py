@@ -170,7 +170,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             if not self.async_mode:
                 return False
             s = self.h.reqs[rid]
-            cap = self.h.pool_config.max_in_flight_tokens or self.h.pool_config.max_model_len
+            cap = self.h.pool_config.effective_max_in_flight_tokens
             return len(s.batches) < MAX_BATCHES_IN_FLIGHT and s.request.num_in_flight_tokens + chunk <= cap
 
         def _has(self, what: str) -> bool:

@@ -16,6 +16,17 @@ AUTO = "auto"
 MambaCacheMode = Literal["none", "all", "align"]
 
 
+def max_in_flight_tokens(max_num_batched_tokens: int, max_concurrent_batches: int) -> int:
+    """Tokens scheduled but not yet settled: ``max_concurrent_batches * max_num_batched_tokens``
+    (``VllmConfig.max_in_flight_tokens``; 2 batches with async scheduling).
+
+    Sliding-window and chunked-local caps reserve for them because out-of-window blocks are freed on
+    the processed-token basis. The one definition: startup sizing (:class:`EngineConfig`) and the
+    scheduler (``kvref.impl.reference.scheduler_types.SchedulerConfig``) both call it.
+    """
+    return max_concurrent_batches * max_num_batched_tokens
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings for startup pool sizing and the runtime admission gate.
@@ -90,12 +101,8 @@ class EngineConfig:
 
     @property
     def max_in_flight_tokens(self) -> int:
-        """Tokens scheduled but not yet settled: ``max_concurrent_batches * max_num_batched_tokens``.
-
-        Sliding-window and chunked-local caps reserve for them because out-of-window blocks are freed
-        on the processed-token basis (``VllmConfig.max_in_flight_tokens``).
-        """
-        return self.max_concurrent_batches * self.max_num_batched_tokens
+        """Tokens scheduled but not yet settled (:func:`max_in_flight_tokens`)."""
+        return max_in_flight_tokens(self.max_num_batched_tokens, self.max_concurrent_batches)
 
     def with_max_model_len(self, max_model_len: int) -> "EngineConfig":
         """A copy with a concrete max_model_len (what auto-fit does to the real config)."""

@@ -75,7 +75,7 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_caching
-        max_in_flight = config.max_in_flight_tokens or config.max_model_len
+        max_in_flight = config.effective_max_in_flight_tokens
         self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
             config.groups, config.num_blocks, config.max_model_len, max_in_flight, config.use_eagle,
             config.enable_caching, config.scheduler_block_size, config.hash_block_size,

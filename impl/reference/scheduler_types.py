@@ -57,8 +57,11 @@ class SchedulerConfig:
 
     @property
     def max_in_flight_tokens(self) -> int:
-        """``VllmConfig.max_in_flight_tokens``: what the scheduler hands its KVCacheManager."""
-        return self.max_concurrent_batches * self.max_num_batched_tokens
+        """``VllmConfig.max_in_flight_tokens``: what the scheduler hands its KVCacheManager
+        (:func:`kvref.spec.config.max_in_flight_tokens`, the one definition)."""
+        from kvref.spec.config import max_in_flight_tokens
+
+        return max_in_flight_tokens(self.max_num_batched_tokens, self.max_concurrent_batches)
 
 
 @dataclass(frozen=True)

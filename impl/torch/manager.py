@@ -115,7 +115,7 @@ class TorchKVCacheManager:
         self.config = cfg
         self.device = resolve_device(device)
         self.max_model_len = cfg.max_model_len
-        self.max_in_flight_tokens = cfg.max_in_flight_tokens or cfg.max_model_len
+        self.max_in_flight_tokens = cfg.effective_max_in_flight_tokens
         self.enable_caching = cfg.enable_caching
         self.scheduler_block_size = cfg.scheduler_block_size
         self.hash_block_size = cfg.hash_block_size
