@@ -10,6 +10,14 @@ The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
                hit, ``full_sequence_must_fit`` (the scheduler's ``scheduler_reserve_full_isl``),
                ``reserved_blocks``, ``has_scheduled_reqs = bool(running)`` and optionally
                ``num_external_computed_tokens`` (a KV connector's synchronous load after the hit).
+               ``async_load``: the connector loads asynchronously (vLLM's ``load_kv_async``): no
+               new tokens, ``delay_cache_blocks=True``, and the request waits
+               (``WAITING_FOR_REMOTE_KVS``) holding its blocks until ``load_done``.
+               ``reserve_slack >= 0``: ``reserved_blocks`` is set so that exactly that many free
+               blocks are available (the scheduler's reservation for in-flight prefills, PR 44560):
+               admission is decided at the pool's boundary whatever its size.
+* ``load_done`` an async load finished (``_update_waiting_for_remote_kv``): ``cache_blocks`` up to
+               the loaded tokens, then the request runs (its next ``step`` allocates the rest).
 * ``step``     a running request's next prefill chunk or decode token (``allocate_slots`` without
                hits; ``num_lookahead_tokens`` for spec-decode slots).
 * ``process``  the oldest in-flight batch of a request completes (``update_from_output``):
@@ -73,6 +81,8 @@ class _ReqState:
     request: Request
     batches: deque = field(default_factory=deque)
     holds_blocks: bool = False
+    loading: bool = False  # an async KV load is in flight (WAITING_FOR_REMOTE_KVS)
+    admitted_with_hit: bool = False  # its last admission took a prefix hit
 
     @property
     def placeholders(self) -> int:
@@ -118,6 +128,11 @@ class Harness:
         self.num_preemptions = 0
         self.num_async_batches = 0
         self.num_external_loads = 0
+        self.num_async_loads = 0  # admissions as async KV loads (delay_cache_blocks)
+        self.num_loads_done = 0
+        self.num_external_hybrid = 0  # external tokens after a prefix hit on a pool of >= 2 groups
+        self.num_boundary_admissions = 0  # admissions decided with <= 1 block of slack (reserve_slack)
+        self.num_lookahead_hits = 0  # spec-decode steps (lookahead) of a request admitted with a hit, >= 3 groups
         self.num_admissions = 0
         # coverage of what the compared state went through (first implementation's view)
         self.num_evictions = 0  # ops after which a cached block lost its hash (reused for new data)
@@ -149,6 +164,9 @@ class Harness:
     def in_flight(self) -> list[str]:
         return [r for r in self.live() if self.reqs[r].batches]
 
+    def loading(self) -> list[str]:
+        return [r for r in self.live() if self.reqs[r].loading]
+
     def token_sequences(self) -> list[list[int]]:
         return [s.request.all_token_ids for s in self.reqs.values()]
 
@@ -162,7 +180,7 @@ class Harness:
     def _can_admit(self, s: _ReqState) -> bool:
         r = s.request
         return (r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
-                and not self._done(s))
+                and not s.loading and not self._done(s))
 
     def _num_schedulable(self, s: _ReqState) -> int:
         """Tokens the scheduler would schedule now (0 once the last token has been sampled)."""
@@ -254,22 +272,49 @@ class Harness:
             raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"),
                              f"{op.name}: a hit covers the whole request")
         external = self._external_tokens(op, r, num_hit)
-        num_new = min(r.num_tokens - num_hit - external, op.chunk)
+        is_async = op.async_load and external > 0  # vLLM loads asynchronously only what the connector has
+        num_new = 0 if is_async else min(r.num_tokens - num_hit - external, op.chunk)
         has_scheduled = bool(self.running())
+        reserved = op.reserved_blocks
+        if op.reserve_slack >= 0:
+            free = self.managers[self.kinds[0]].get_num_free_blocks()  # equal on all (compared every op)
+            reserved = max(0, free - op.reserve_slack)
+            self.num_boundary_admissions += op.reserve_slack <= 1
         out = self._call("allocate_slots(admission)", op, lambda k, m: m.allocate_slots(
-            r, num_new, num_hit, hit_ids, num_external_computed_tokens=external,
-            full_sequence_must_fit=op.full_sequence_must_fit, reserved_blocks=op.reserved_blocks,
+            r, num_new, num_hit, hit_ids, num_external_computed_tokens=external, delay_cache_blocks=is_async,
+            full_sequence_must_fit=op.full_sequence_must_fit, reserved_blocks=reserved,
             has_scheduled_reqs=has_scheduled))
         if out is None:
             self.num_admission_rejections += 1
             return OpResult(op, False, None)
-        r.status = RequestStatus.RUNNING
         s.holds_blocks = True
         self.num_admissions += 1
         self.num_external_loads += external > 0
+        self.num_external_hybrid += external > 0 and num_hit > 0 and len(self.pool_config.groups) > 1
+        s.admitted_with_hit = num_hit > 0
         r.num_computed_tokens = num_hit + external
+        if is_async:
+            # WAITING_FOR_REMOTE_KVS: blocks held, nothing scheduled, not preemptible until load_done
+            s.loading = True
+            self.num_async_loads += 1
+            return OpResult(op, False, (hit_ids, num_hit, out))
+        r.status = RequestStatus.RUNNING
         self._schedule(s, num_new, op.in_flight, op.token)
         return OpResult(op, False, (hit_ids, num_hit, out))
+
+    def _op_load_done(self, op: Op) -> OpResult:
+        """vLLM's ``_update_waiting_for_remote_kv`` on a successful load: the blocks are cached up
+        to the loaded tokens, and the request is scheduled again (here: it runs; its next ``step``
+        allocates the rest of its prompt)."""
+        s = self.reqs.get(op.rid)
+        if s is None or not s.loading or s.request.status == RequestStatus.FINISHED:
+            return OpResult(op, True)
+        r = s.request
+        self._call("cache_blocks(load done)", op, lambda k, m: cache_blocks(m, r, r.num_computed_tokens))
+        s.loading = False
+        r.status = RequestStatus.RUNNING
+        self.num_loads_done += 1
+        return OpResult(op, False)
 
     def _external_tokens(self, op: Op, r: Request, num_hit: int) -> int:
         """Tokens a KV connector claims after the local hit (synchronous load, ``delay_cache_blocks``
@@ -295,6 +340,8 @@ class Harness:
         if out is None:
             self.num_step_rejections += 1
             return OpResult(op, False, None)
+        self.num_lookahead_hits += (op.lookahead > 0 and s.admitted_with_hit
+                                    and len(self.pool_config.groups) >= 3)
         self._schedule(s, num_new, op.in_flight, op.token)
         return OpResult(op, False, out)
 
@@ -334,6 +381,7 @@ class Harness:
         self._call("free(finish)", op, lambda k, m: m.free(r))
         r.status = RequestStatus.FINISHED
         s.holds_blocks = False
+        s.loading = False
         s.batches.clear()
         for m in self.managers.values():
             forget = getattr(m, "forget", None)
@@ -467,6 +515,15 @@ class Harness:
         for (g, b), h in o["cached_blocks"].items():
             if not 0 <= g < len(self.pool_config.groups) or not 1 <= b < n or not isinstance(h, bytes):
                 fail(f"bad cached block entry {(g, b)}: {h!r}")
+
+
+def cache_blocks(m: KVCacheManagerLike, request: Request, num_computed_tokens: int) -> None:
+    """vLLM's ``KVCacheManager.cache_blocks`` on any implementation (all three adapters have it)."""
+    fn = getattr(m, "cache_blocks", None)
+    if fn is None:
+        raise TypeError(f"{type(m).__name__} has no cache_blocks(request, num_computed_tokens): "
+                        "async KV loads need it")
+    fn(request, num_computed_tokens)
 
 
 def _short(v: Any, limit: int = 600) -> str:

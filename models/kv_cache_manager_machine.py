@@ -54,6 +54,15 @@ class MachineStats:
     preemptions: int = 0
     async_batches: int = 0
     external_loads: int = 0
+    #: issue #13's classes: async KV loads (and how many completed), external tokens after a prefix
+    #: hit on a hybrid pool, admissions at the pool's boundary (<= 1 block of slack), spec-decode
+    #: steps of a request admitted with a hit on a pool of >= 3 groups, multi-victim preemptions
+    async_loads: int = 0
+    loads_done: int = 0
+    external_hybrid: int = 0
+    boundary_admissions: int = 0
+    lookahead_hits: int = 0
+    preemption_storms: int = 0
     admissions: int = 0
     evictions: int = 0
     null_slots: int = 0
@@ -103,6 +112,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.h: Harness | None = None
             self.async_mode = False
             self._next_rid = 0
+            self.num_storms = 0
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
                     async_mode=st.booleans())
@@ -133,6 +143,12 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.preemptions += self.h.num_preemptions
                 self.stats.async_batches += self.h.num_async_batches
                 self.stats.external_loads += self.h.num_external_loads
+                self.stats.async_loads += self.h.num_async_loads
+                self.stats.loads_done += self.h.num_loads_done
+                self.stats.external_hybrid += self.h.num_external_hybrid
+                self.stats.boundary_admissions += self.h.num_boundary_admissions
+                self.stats.lookahead_hits += self.h.num_lookahead_hits
+                self.stats.preemption_storms += self.num_storms
                 self.stats.admissions += self.h.num_admissions
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
@@ -196,13 +212,65 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             # FCFS: mostly the head of the queue; sometimes another one (a skipped head).
             rid = waiting[0] if data.draw(st.integers(0, 3)) else data.draw(st.sampled_from(waiting))
             chunk = data.draw(st.sampled_from((1, 2, 4, 8, 16, 64, 1024)), label="chunk")
+            external = (data.draw(st.sampled_from((0, 0, 0, 0, 0, 4, 16, 64)), label="external")
+                        if self._external_loads_ok() else 0)
+            self._admit(data, rid, chunk, external)
+
+        def _admit(self, data, rid: str, chunk: int, external: int) -> None:
             self._apply(Op("admit", dict(
                 rid=rid, chunk=chunk, full_sequence_must_fit=data.draw(st.booleans()),
                 reserved_blocks=data.draw(st.sampled_from((0, 0, 0, 0, 1, 3))),
                 in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
-                token=data.draw(TOKENS),
-                external=data.draw(st.sampled_from((0, 0, 0, 0, 0, 4, 16, 64)), label="external")
-                if self._external_loads_ok() else 0)))
+                token=data.draw(TOKENS), external=external,
+                # a connector's async load (WAITING_FOR_REMOTE_KVS) for some of the external ones
+                async_load=external > 0 and data.draw(st.booleans(), label="async_load"),
+                # the scheduler's reservation for in-flight prefills, drawn relative to the free
+                # blocks: admission decided with 0-4 blocks to spare, whatever the pool's size
+                reserve_slack=data.draw(st.sampled_from((-1, -1, -1, -1, -1, 0, 1, 2, 3, 4)), label="reserve_slack"))))
+
+        @precondition(lambda self: self.h is not None and self.h.reqs and len(self.h.live()) < MAX_LIVE_REQUESTS
+                      and self._external_loads_ok())
+        @rule(data=st.data())
+        def follow_up_with_external(self, data) -> None:
+            """A KV connector's path: a new request extends a known sequence (a multi-turn
+            follow-up, so the local prefix cache hits, on every group of a hybrid pool), and the
+            connector claims tokens past the hit (``num_external_computed_tokens``), loaded
+            synchronously or asynchronously. vLLM #33775 (external blocks allocated before a
+            later group's hits were touched) lives only on this path."""
+            assert self.h is not None
+            # extend a request whose KV was computed (cached now, or still held), else any known one
+            computed = sorted(r for r, x in self.h.reqs.items() if x.holds_blocks or x.request.output_token_ids)
+            base = self.h.reqs[data.draw(st.sampled_from(computed or sorted(self.h.reqs)), label="extends")].request
+            limit = max(1, min(self.h.pool_config.max_model_len - 1, 64))
+            tail = data.draw(st.integers(1, 16), label="tail")
+            prompt = (list(base.all_token_ids) + [data.draw(TOKENS) for _ in range(min(tail, 4))]
+                      + [0] * max(0, tail - 4))[:limit]
+            rid = f"r{self._next_rid}"
+            self._next_rid += 1
+            self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 8)),
+                                       cache_salt=base.cache_salt)))
+            chunk = data.draw(st.sampled_from((4, 16, 1024)), label="chunk")
+            self._admit(data, rid, chunk, data.draw(st.sampled_from((4, 16, 64)), label="external"))
+
+        @precondition(lambda self: self.h is not None and self.h.reqs and len(self.h.live()) < MAX_LIVE_REQUESTS
+                      and self._external_loads_ok())
+        @rule(data=st.data())
+        def follow_up_again(self, data) -> None:
+            """A second rule: connector admissions about as often as plain ones."""
+            self.follow_up_with_external(data)
+
+        @precondition(lambda self: self._has("loading"))
+        @rule(data=st.data())
+        def load_done(self, data) -> None:
+            """An async KV load completes (``_update_waiting_for_remote_kv``)."""
+            assert self.h is not None
+            self._apply(Op("load_done", dict(rid=data.draw(st.sampled_from(self.h.loading())))))
+
+        @precondition(lambda self: self._has("loading"))
+        @rule(data=st.data())
+        def load_done_again(self, data) -> None:
+            """A second rule: loads complete about as often as steps run (else a trace ends first)."""
+            self.load_done(data)
 
         def _external_loads_ok(self) -> bool:
             """No connector loads on Mamba "align" pools: vLLM 0.33.0 under-counts the state blocks
@@ -248,16 +316,33 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             rid = running[-1] if data.draw(st.booleans()) else data.draw(st.sampled_from(running))
             self._apply(Op("preempt", dict(rid=rid)))
 
+        @precondition(lambda self: self.h is not None and len(self.h.running()) >= 2)
+        @rule(data=st.data())
+        def preemption_storm(self, data) -> None:
+            """The pool ran dry with several requests running: vLLM preempts the newest running
+            request, then the next newest, ... (``running.pop()``), each freed in turn, so the
+            free queue takes their blocks in that order."""
+            assert self.h is not None
+            running = self.h.running()
+            k = data.draw(st.integers(2, len(running)), label="victims")
+            for rid in running[::-1][:k]:
+                self._apply(Op("preempt", dict(rid=rid)))
+            self.num_storms += 1
+
         @precondition(lambda self: self._has("live"))
         @rule(data=st.data())
         def finish(self, data) -> None:
             assert self.h is not None
             self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())))))
 
-        @precondition(lambda self: self._has_all("reset_prefix_cache"))
+        @precondition(lambda self: self._has_all("reset_prefix_cache") and bool(self.h._prev_cached) and (
+            not self.h.running() or self.h.num_applied % 10 == 9))
         @rule(reset_running=st.booleans())
         def reset_prefix_cache(self, reset_running) -> None:
-            """RLHF weight updates / benchmarks reset the cache (an ``AllBlocksCleared`` event)."""
+            """RLHF weight updates / benchmarks reset the cache (an ``AllBlocksCleared`` event).
+            Only when something is cached, and while requests run only at one op position in ten:
+            a reset that preempts everything would otherwise crowd out the long runs the other
+            rules build."""
             self._apply(Op("reset_prefix_cache", dict(reset_running_requests=reset_running)))
 
         @precondition(lambda self: self._has_all("evict_blocks"))

@@ -90,11 +90,20 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     max_model_len = draw(st.integers(8, 96))
     max_in_flight = draw(st.one_of(st.none(), st.integers(1, 64)))
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.05, 0.1)))
-    # Pressure: from a pool too small for one max-length request to about two of them.
+    # Pressure: from a pool too small for one max-length request to about two of them; one pool in
+    # three sits right at one max-length request (+-2 blocks), where admission caps, reservations
+    # and evictions are decided by a block (faults there pass on roomier pools).
     one_request = sum(-(-max_model_len // bs) for bs in sizes)
-    num_blocks = draw(st.integers(min_blocks, max(min_blocks, min(max_blocks, 2 * one_request + 2))))
+    hi = max(min_blocks, min(max_blocks, 2 * one_request + 2))
+    if draw(st.integers(0, 2)) == 0:
+        num_blocks = min(hi, max(min_blocks, one_request + draw(st.integers(-2, 2), label="near_full")))
+    else:
+        num_blocks = draw(st.integers(min_blocks, hi))
     # EAGLE drafting: hits drop their last block (vLLM asserts it is not combined with chunked-local).
-    use_eagle = bool(eagle) and "chunked" not in names and (eagle == "always" or draw(st.integers(0, 5)) == 0)
+    # Pools of >= 3 groups get it one time in two: the hybrid coordinator's hit search then iterates
+    # over groups with the dropped block (spec-decode hits on hybrid pools, issue #13).
+    odds = 1 if len(names) >= 3 else 5
+    use_eagle = bool(eagle) and "chunked" not in names and (eagle == "always" or draw(st.integers(0, odds)) == 0)
     return PoolConfig(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
                       scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
                       enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle)

@@ -72,6 +72,10 @@ _ARG_CHECKS: dict[str, tuple[Any, str]] = {
     "block_ids": (lambda v: isinstance(v, list) and len(v) <= MAX_TRACE_BLOCKS
                   and all(type(b) is int and 0 <= b < MAX_TRACE_BLOCKS for b in v),
                   f"a list of block ids (ints in [0, {MAX_TRACE_BLOCKS}))"),
+    # a KV connector's asynchronous load (WAITING_FOR_REMOTE_KVS): blocks allocated, caching delayed
+    "async_load": (lambda v: isinstance(v, bool), "true or false"),
+    # >= 0: reserve all free blocks but this many (admission at the pool's boundary); -1: use reserved_blocks
+    "reserve_slack": _int_range(-1, _MAX_OP_INT),
 }
 
 #: every op name and its fields (all required; values are JSON scalars or lists of ints)
@@ -85,11 +89,12 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "new_step": (),
     "reset_prefix_cache": ("reset_running_requests",),
     "evict_blocks": ("block_ids",),
+    "load_done": ("rid",),
 }
 
 #: optional fields and their defaults (added after version 1 was first written; older traces omit them)
 OP_DEFAULTS: dict[str, dict[str, Any]] = {
-    "admit": {"external": 0},
+    "admit": {"external": 0, "async_load": False, "reserve_slack": -1},
 }
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (

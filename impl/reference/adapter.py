@@ -68,6 +68,13 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def free(self, request: Request) -> None:
         self.manager.free(request)
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """vLLM's ``KVCacheManager.cache_blocks`` (publish full blocks up to a token count): what
+        the scheduler calls when an async KV load completes (``_update_waiting_for_remote_kv``)."""
+        m = self.manager
+        if m.enable_caching:
+            m.coordinator.cache_blocks(request, m.block_hashes(request), num_computed_tokens)
+
     def get_block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(ids) for ids in self.manager.get_block_ids(request_id))
 

@@ -159,8 +159,8 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
       blocks outside tables, e.g. the SimpleCPU offload scheduler touching blocks it is storing);
     * M1: within one request and group a real block appears once; every group knows the same
       requests (``allocate_new_blocks`` creates the entry in every group, ``free`` pops them all);
-    * M2: ``num_cached_block`` only for requests with a table, at most its length, and (with
-      caching) every block it counts as cached is hashed or a null slot;
+    * M2: ``num_cached_block`` only for requests with a table, at most its length (a counted block
+      need *not* still be hashed: a connector's ``evict_blocks`` drops the hashes of blocks in use);
     * M3: null slots only where the attention type puts them: none in a full-attention table, a
       prefix of a sliding-window / chunked-local one (the skipped blocks);
     * with ``requests`` (request id -> object with ``num_computed_tokens``): a held request's
@@ -170,7 +170,6 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
     managers = list(coordinator.single_type_managers)
     holders: dict[int, int] = {}
     keys = None
-    enable_caching = getattr(pool, "enable_caching", True)
     for g, mgr in enumerate(managers):
         name = type(mgr).__name__
         tables = mgr.req_to_blocks
@@ -205,11 +204,6 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
                             "(kept after free: its next blocks would be taken as already cached)")
             if n > len(table):
                 _fail("M2", f"group {g}: num_cached_block[{rid!r}]={n} > table length {len(table)}")
-            if enable_caching and name in _NO_NULL_SLOTS | _NULL_PREFIX:
-                for pos, b in enumerate(table[:n]):
-                    if not b.is_null and b.block_hash is None:
-                        _fail("M2", f"request {rid!r} group {g}: block {b.block_id} at {pos} counted as "
-                                    f"cached (num_cached_block={n}) but has no hash")
         if requests is not None and name in _NO_NULL_SLOTS | _NULL_PREFIX:
             bs = mgr.block_size
             for rid, table in tables.items():

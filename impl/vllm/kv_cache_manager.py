@@ -224,6 +224,10 @@ class VllmKVCacheManager:
     def free(self, request: Request) -> None:
         self._mgr.free(self._mirror(request))
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """vLLM's ``cache_blocks``: what the scheduler calls when an async KV load completes."""
+        self._mgr.cache_blocks(self._mirror(request), num_computed_tokens)
+
     def forget(self, request_id: str) -> None:
         """Drop the vLLM mirror of a finished request (the scheduler drops its ``Request`` too)."""
         self._mirrors.pop(request_id, None)
