@@ -15,13 +15,18 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
-from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
 from .request import Request
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group."""
+
+#: the largest pool any implementation builds (blocks incl. the null block). The reference keeps a
+#: Python object per block: 2**22 blocks is ~1 GiB and some seconds to build; ``10**30`` used to be
+#: accepted and then build blocks until memory ran out. Real vLLM pools stay well below it.
+MAX_NUM_BLOCKS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=1)
+        if self.num_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_blocks", self.num_blocks, f"an int in [1, {MAX_NUM_BLOCKS}] (MAX_NUM_BLOCKS)")
+        check_sequence("groups", self.groups, "a tuple of KVCacheGroupSpec")
         object.__setattr__(self, "groups", tuple(self.groups))
         for i, g in enumerate(self.groups):
             if not isinstance(g, KVCacheGroupSpec):

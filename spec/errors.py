@@ -63,6 +63,13 @@ def check_int(field: str, value: Any, *, minimum: int | None = None, allow_none:
         raise InvalidFieldError(field, value, what + (" or None" if allow_none else ""))
 
 
+def check_sequence(field: str, value: Any, what: str = "a tuple or list") -> None:
+    """Raise :class:`InvalidFieldError` unless ``value`` is a tuple or list (not a str, a set, an
+    int, None: ``tuple(value)`` on those raised ``TypeError`` or silently split a string)."""
+    if not isinstance(value, (tuple, list)):
+        raise InvalidFieldError(field, value, what)
+
+
 def check_choice(field: str, value: Any, choices: "tuple[Any, ...] | list[Any]") -> None:
     """Raise :class:`InvalidFieldError` unless ``value`` is one of ``choices``."""
     if value not in choices:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvref.impl.interface import MAX_NUM_BLOCKS
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
 
@@ -45,6 +46,27 @@ from .kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored,
 
 
 _GROUP_SUFFIXES = tuple(i.to_bytes(4, "big") for i in range(64))
+
+
+#: KV cache group ids are 4-byte big-endian suffixes of every prefix-cache key
+MAX_GROUP_ID = (1 << 32) - 1
+
+
+def _check_group_id(field: str, value: object) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_GROUP_ID:
+        raise InvalidFieldError(field, value, f"a KV cache group id (an int in [0, {MAX_GROUP_ID}])")
+
+
+def _as_list(field: str, value: object, what: str) -> list:
+    """``value`` as a list, or InvalidFieldError (``list(5)`` raised TypeError from inside the pool)."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, (str, bytes, dict)) or value is None:
+        raise InvalidFieldError(field, value, what)
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidFieldError(field, value, what) from None
 
 
 def group_suffix(group_id: int) -> bytes:
@@ -71,6 +93,9 @@ class BlockPool:
                  enable_kv_cache_events: bool = False, medium: str = MEDIUM_GPU,
                  int_block_hashes: bool | None = None) -> None:
         check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
+        if num_gpu_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_gpu_blocks", num_gpu_blocks,
+                                    f"an int in [1, {MAX_NUM_BLOCKS}] (one Python object per block)")
         check_int("hash_block_size", hash_block_size, minimum=1)
         if not isinstance(enable_caching, bool):
             raise InvalidFieldError("enable_caching", enable_caching, "True or False")
@@ -100,6 +125,12 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash,
                          kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
+        if not isinstance(block_hash, bytes):
+            raise InvalidFieldError("block_hash", block_hash, "a block hash (bytes)")
+        if not isinstance(kv_cache_group_ids, (list, tuple)):
+            raise InvalidFieldError("kv_cache_group_ids", kv_cache_group_ids, "a list of KV cache group ids")
+        for gid in kv_cache_group_ids:
+            _check_group_id("kv_cache_group_ids[i]", gid)
         get = self.cached_block_hash_to_block.get_one_block
         if len(kv_cache_group_ids) == 1:  # the common case, without the loop
             block = get(block_hash + group_suffix(kv_cache_group_ids[0]))
@@ -151,7 +182,7 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each block (a prefix-cache hit); 0 -> 1 leaves the queue."""
-        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        blocks = blocks if isinstance(blocks, (list, tuple)) else _as_list("blocks", blocks, "blocks of this pool")
         self._check_own(blocks, "blocks")
         self._touch(blocks)
 
@@ -175,7 +206,7 @@ class BlockPool:
         Raises:
             BlockRefCountError: a block is not in use (double free); nothing is changed.
         """
-        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        blocks = _as_list("ordered_blocks", ordered_blocks, "blocks of this pool")
         self._check_own(blocks, "ordered_blocks")
         self._free_blocks(blocks)
 
@@ -243,12 +274,16 @@ class BlockPool:
         With events on, one ``BlockStored`` follows for the whole range — even when every block
         in it was skipped (then with no hashes), as vLLM 0.33.0 does.
         """
+        check_int("num_cached_blocks", num_cached_blocks, minimum=0)
+        check_int("num_full_blocks", num_full_blocks, minimum=0)
         if num_cached_blocks >= num_full_blocks:
             return
         events = self.enable_kv_cache_events
         if events and not isinstance(request, Request):
             raise InvalidFieldError("request", request,
                                     "the Request whose blocks are cached (BlockStored events carry its tokens)")
+        self._check_cache_range(block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                kv_cache_group_id, block_mask)
         hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
         suffix = group_suffix(kv_cache_group_id)
         stored: list[int] = []  # indexes of the blocks that got a key (for the event)
@@ -275,6 +310,38 @@ class BlockPool:
                 request, [ext(hashes[i]) for i in stored], parent, num_cached_blocks * block_size,
                 num_full_blocks * block_size, block_size, kv_cache_group_id,
                 [event_extra_keys(request.cache_salt, i * block_size) for i in stored]))
+
+    def _check_cache_range(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
+                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                           kv_cache_group_id: int, block_mask: Sequence[bool] | None) -> None:
+        """Everything ``cache_full_blocks`` relies on, checked before the first key is inserted (a
+        call with too few blocks or hashes used to publish the first ones and then raise)."""
+        hbs = self.hash_block_size
+        check_int("block_size", block_size, minimum=1)
+        if block_size % hbs:
+            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
+        _check_group_id("kv_cache_group_id", kv_cache_group_id)
+        if not isinstance(blocks, (list, tuple)) or len(blocks) < num_full_blocks:
+            raise InvalidFieldError("blocks", blocks, f"the request's block table, at least num_full_blocks="
+                                                      f"{num_full_blocks} blocks of this pool")
+        if not isinstance(block_hashes, (list, tuple)) or len(block_hashes) * hbs < num_full_blocks * block_size:
+            raise InvalidFieldError("block_hashes", block_hashes, f"at least {num_full_blocks * block_size // hbs} "
+                                                                  "block hashes (bytes) covering the range")
+        if block_mask is not None and (not isinstance(block_mask, (list, tuple))
+                                       or len(block_mask) < num_full_blocks - num_cached_blocks):
+            raise InvalidFieldError("block_mask", block_mask, f"None or {num_full_blocks - num_cached_blocks} bools")
+        span = blocks[num_cached_blocks:num_full_blocks]
+        self._check_own(span, "blocks")
+        for i, block in enumerate(span, num_cached_blocks):
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                continue  # skipped by the caching loop too
+            if not isinstance(block_hashes[(i + 1) * block_size // hbs - 1], bytes):
+                raise InvalidFieldError(f"block_hashes[{(i + 1) * block_size // hbs - 1}]",
+                                        block_hashes[(i + 1) * block_size // hbs - 1], "bytes")
+            if block._block_hash is not None and (
+                    block._block_hash_num_tokens is None or block._block_hash_num_tokens >= (i + 1) * block_size):
+                raise InvalidFieldError(f"blocks[{i}]", block.block_id, f"a block not yet cached for "
+                                        f"{(i + 1) * block_size} tokens (it is: already published)")
 
     def _external_hash(self, block_hash: BlockHash) -> int | bytes:
         return to_external_block_hash(block_hash, self.int_block_hashes)
@@ -332,6 +399,7 @@ class BlockPool:
         by a one-hash ``BlockStored`` covering the last ``hash_block_size`` tokens before
         ``num_tokens``; an entry the block already had is not announced again.
         """
+        self._check_own([block], "block")
         if block.is_null:
             return None
         events = self.enable_kv_cache_events
@@ -339,9 +407,19 @@ class BlockPool:
             raise InvalidFieldError("request", request,
                                     "the Request whose block is cached (BlockStored events carry its tokens)")
         hbs = self.hash_block_size
-        assert block_size % hbs == 0 and num_tokens % hbs == 0, (block_size, num_tokens, hbs)
+        check_int("block_size", block_size, minimum=1)
+        if block_size % hbs:
+            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
+        _check_group_id("kv_cache_group_id", kv_cache_group_id)
+        if not isinstance(block_hashes, (list, tuple)):
+            raise InvalidFieldError("block_hashes", block_hashes, "the request's block hashes (a list of bytes)")
+        check_int("num_tokens", num_tokens, minimum=hbs)
         num_hash_blocks = num_tokens // hbs
-        assert 0 < num_hash_blocks <= len(block_hashes), (num_hash_blocks, len(block_hashes))
+        if num_tokens % hbs or num_hash_blocks > len(block_hashes):
+            raise InvalidFieldError("num_tokens", num_tokens, f"a multiple of hash_block_size={hbs} covered by "
+                                                              f"the {len(block_hashes)} block hashes")
+        if not isinstance(block_hashes[num_hash_blocks - 1], bytes):
+            raise InvalidFieldError(f"block_hashes[{num_hash_blocks - 1}]", block_hashes[num_hash_blocks - 1], "bytes")
         key = block_hashes[num_hash_blocks - 1] + kv_cache_group_id.to_bytes(4, "big")
         already_cached = block._block_hash == key or \
             self.cached_block_hash_to_block.contain(key, block.block_id)
@@ -402,7 +480,7 @@ class BlockPool:
 
         Blocks in use stay allocated; free ones stay where they are in the queue, now uncached.
         """
-        ids = list(block_ids)
+        ids = _as_list("block_ids", block_ids, "block ids (ints)")
         for bid in ids:
             if type(bid) is not int or not 0 <= bid < self.num_gpu_blocks:
                 raise InvalidFieldError("block_ids", bid, f"block ids in [0, {self.num_gpu_blocks})")

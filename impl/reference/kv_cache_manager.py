@@ -41,6 +41,11 @@ _COUNT_FIELDS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tok
                  "request.num_computed_tokens", "request.num_in_flight_tokens")
 
 
+def _check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str):
+        raise InvalidFieldError("request_id", request_id, "a request id (str)")
+
+
 class KVCacheBlocks:
     """Blocks per KV-cache group: ``blocks[group][j]`` (vLLM's allocation result)."""
 
@@ -117,6 +122,8 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
+        # a hit never exceeds the hashed tokens: a larger cap means the same (and would overflow islice)
+        max_cache_hit_length = min(max_cache_hit_length, request.num_tokens)
         block_hashes = self.hasher.block_hashes(request)
         blocks, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
             block_hashes, max_cache_hit_length)
@@ -129,6 +136,7 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(blocks), num_hit, boundary
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        _check_request_id(request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -271,7 +279,9 @@ class KVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
+        _check_request_id(request_id)
         check_int("processed_computed_tokens", processed_computed_tokens, minimum=0)
+        check_int("num_prompt_tokens", num_prompt_tokens, minimum=0, allow_none=True)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:

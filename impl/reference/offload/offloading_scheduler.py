@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvref.spec.mathutil import cdiv
 
@@ -163,6 +163,7 @@ class OffloadingConnectorScheduler:
         if not isinstance(manager, CPUOffloadingManager):
             raise InvalidFieldError("manager", manager, "a CPUOffloadingManager")
         cfgs = []
+        check_sequence("specs", specs, "a tuple of KV cache specs")
         for i, spec in enumerate(specs):
             if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
                 raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention or sliding-window spec")

@@ -34,8 +34,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvref.impl.interface import MAX_NUM_BLOCKS
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -125,6 +126,9 @@ class SimpleCPUOffloadScheduler:
                  block_hasher: Callable[[Request], list[BlockHash]] | None = None,
                  in_flight_dedup: bool = True, dedup_within_scan: bool = False) -> None:
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        if num_cpu_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_cpu_blocks", num_cpu_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
+        check_sequence("kv_cache_groups", kv_cache_groups, "a tuple of KVCacheGroupSpec")
         check_int("world_size", world_size, minimum=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         check_int("scheduler_block_size", scheduler_block_size, minimum=1)
