@@ -12,6 +12,8 @@ import json
 from importlib import resources
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvref.spec import (
     ChunkedLocalAttentionSpec,
@@ -28,6 +30,7 @@ from kvref.spec.hf_config import (
     hybrid_attention_block_size,
     layout_from_hf_config,
 )
+from tests.conftest import profile_examples
 
 
 def fixture(name: str) -> dict:
@@ -236,3 +239,24 @@ def test_bad_arguments_name_the_argument(kwargs, field):
     with pytest.raises(InvalidFieldError) as info:
         layout_from_hf_config(fixture("jamba-v0.1"), **kwargs)
     assert info.value.field == field
+
+
+@settings(max_examples=profile_examples(100, 500, 20000), deadline=None)
+@given(per_token=st.integers(1, 1 << 16), state=st.integers(1, 1 << 26), block=st.sampled_from([1, 16, 32, 64, 128]),
+       kernel=st.sampled_from([1, 16, 32, 64]), mla=st.booleans(), ckpt=st.sampled_from([None, 64, 96]),
+       align_mode=st.booleans())
+def test_hybrid_block_size_is_the_smallest_aligned_block_covering_the_state(per_token, state, block, kernel, mla,
+                                                                             ckpt, align_mode):
+    """What _align_hybrid_block_size promises: the attention page covers the Mamba state, the block
+    is aligned, never below the configured block, and one alignment step less would not cover."""
+    from math import lcm
+
+    bs = hybrid_attention_block_size(per_token, state, block_size=block, kernel_block_size=kernel, use_mla=mla,
+                                     checkpoint_alignment=ckpt, align_mode=align_mode)
+    align = max(kernel, block, 128 if mla else 1)
+    if align_mode and ckpt:
+        align = lcm(align, ckpt)
+    assert bs >= block and bs % kernel == 0 and bs * per_token >= state
+    if bs > block:
+        assert bs % align == 0 and bs * per_token >= state
+        assert (bs - align) * per_token < state or bs - align < block
