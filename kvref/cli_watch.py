@@ -264,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted = True
     s = w.summary()
     s["endpoint"], s["interrupted"] = args.endpoint, interrupted
+    s["other_topics"] = getattr(w, "other_topics", 0)  # messages under another topic, skipped
     if args.json:
         print(json.dumps(s, default=_json_default))
     else:
