@@ -2,7 +2,9 @@
 
 ``make_manager(pool_config, device=None)`` builds a :class:`TorchKVCacheManager` (CUDA when
 present, else CPU). The data path lives in :mod:`.kv_cache_tensors`, :mod:`.paged_attention`,
-:mod:`.mamba_state` and :mod:`.offload_copy`.
+:mod:`.mamba_state` and :mod:`.offload_copy`; its hot operations (K/V write, paged attention,
+block copies) also as Triton kernels in :mod:`.triton_kernels` (optional: ``attention_backend=
+"triton"`` / ``OffloadCopier(backend="triton")``; needs triton, interpreted on CPU).
 """
 
 from __future__ import annotations
