@@ -46,7 +46,7 @@ def check_endpoint(field: str, endpoint: Any) -> str:
     if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
         return endpoint
     m = _TCP.match(endpoint)
-    if endpoint.startswith("tcp://*") or endpoint.startswith("tcp://0.0.0.0"):
+    if endpoint.startswith(("tcp://*", "tcp://0.0.0.0")):
         raise InvalidFieldError(field, endpoint, allowed + " (the publisher binds tcp://*:PORT; "
                                                            "connect to tcp://127.0.0.1:PORT or the engine's host)")
     if not m or not 1 <= int(m.group("port")) <= 65535:
@@ -54,7 +54,7 @@ def check_endpoint(field: str, endpoint: Any) -> str:
     return endpoint
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("watch", help="check a live vLLM KV-event stream (ZMQ) against the rules of vLLM's emission",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("endpoint", metavar="ENDPOINT", help="the publisher's address, e.g. tcp://127.0.0.1:5557")
@@ -228,12 +228,12 @@ def _status(out: TextIO, tty: bool, elapsed: float, w: Any, final: bool = False)
 
 
 def _summary_text(s: dict[str, Any], endpoint: str, interrupted: bool) -> str:
-    lines = [f"kvref watch {endpoint}: {'interrupted; ' if interrupted else ''}"
-             f"{s['batches_received']} batches (seq {s['first_seq']}..{s['last_seq']}, "
-             f"{s['batches_from_replay']} from replay), events {s['events'] or '{}'}",
-             f"  shadow: {s['live_entries']} live entries under {s['live_keys']} keys "
-             f"({'sure' if s['shadow_sure'] else 'unsure: joined late or lost batches'}); "
-             f"unknown removals {s['unknown_removals']}; restarts {s['restarts']}"]
+    lines = [(f"kvref watch {endpoint}: {'interrupted; ' if interrupted else ''}"
+              f"{s['batches_received']} batches (seq {s['first_seq']}..{s['last_seq']}, "
+              f"{s['batches_from_replay']} from replay), events {s['events'] or '{}'}"),
+             (f"  shadow: {s['live_entries']} live entries under {s['live_keys']} keys "
+              f"({'sure' if s['shadow_sure'] else 'unsure: joined late or lost batches'}); "
+              f"unknown removals {s['unknown_removals']}; restarts {s['restarts']}")]
     if s["batches_received"] == 0:
         lines.append("  no batch arrived: is the engine running with --kv-events-config, and the endpoint right?")
     if s["num_findings"]:

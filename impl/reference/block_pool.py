@@ -41,8 +41,16 @@ from .block_hash_to_block_map import BlockHashToBlockMap
 from .errors import BlockRefCountError, NotEnoughFreeBlocksError
 from .free_block_queue import FreeKVCacheBlockQueue
 from .kv_cache_block import KVCacheBlock
-from .kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                        event_extra_keys, to_external_block_hash, use_int_block_hashes)
+from .kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    event_extra_keys,
+    to_external_block_hash,
+    use_int_block_hashes,
+)
 
 
 _GROUP_SUFFIXES = tuple(i.to_bytes(4, "big") for i in range(64))

@@ -238,7 +238,11 @@ class KVCacheManager:
                 rid in m.req_to_blocks for m in self.coordinator.single_type_managers):
             raise UnknownRequestError(rid, f"claims num_computed_tokens={request.num_computed_tokens} "
                                            "but holds no blocks (freed, or never allocated)")
-        if new_computed_blocks is None:
+        if new_computed_blocks is None or (isinstance(new_computed_blocks, KVCacheBlocks)
+                                           and not any(new_computed_blocks.blocks)):
+            if num_new_computed_tokens:  # a prefix hit brings its blocks: tokens without blocks are fake
+                raise InvalidFieldError("num_new_computed_tokens", num_new_computed_tokens,
+                                        "0 when new_computed_blocks is None or empty")
             return self.empty_kv_cache_blocks.blocks
         if not isinstance(new_computed_blocks, KVCacheBlocks) or \
                 len(new_computed_blocks.blocks) != self.num_kv_cache_groups:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 from kvref.spec import kv_cache_interface as kci
 
@@ -40,7 +40,7 @@ MEDIUM_CPU = "CPU"
 #: vLLM's environment switch between int (default) and bytes block hashes in events
 INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash = bytes | int
 
 
 def use_int_block_hashes() -> bool:
@@ -88,7 +88,7 @@ class AllBlocksCleared:
     pass
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 #: field names per event type, in vLLM 0.33.0's declaration order (the wire order is by name)
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {

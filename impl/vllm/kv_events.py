@@ -26,8 +26,9 @@ Both produce the same plain dicts as :func:`kvref.impl.reference.kv_events.event
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvref.impl.reference.kv_events import EVENT_FIELDS
 from kvref.spec.errors import InvalidFieldError, KVRefError
@@ -108,9 +109,8 @@ def _generic_event(obj: Any, where: str) -> dict[str, Any]:
     if hashes is not None and (not isinstance(hashes, list)
                                or not all(isinstance(h, (bytes, int)) and not isinstance(h, bool) for h in hashes)):
         raise EventDecodeError(f"{where}: {name}.block_hashes must be a list of bytes or ints, got {hashes!r:.200}")
-    if name == "BlockStored":
-        if not isinstance(out["token_ids"], list) or not isinstance(out["block_size"], int):
-            raise EventDecodeError(f"{where}: BlockStored.token_ids must be a list and block_size an int")
+    if name == "BlockStored" and (not isinstance(out["token_ids"], list) or not isinstance(out["block_size"], int)):
+        raise EventDecodeError(f"{where}: BlockStored.token_ids must be a list and block_size an int")
     return out
 
 

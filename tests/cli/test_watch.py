@@ -23,10 +23,10 @@ import threading
 import time
 
 import pytest
-
-from kvref.cli import main
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.kv_event_watch import EventStreamWatcher
+
+from kvref.cli import main
 from tests.impl.reference.helpers import config, fa
 from tests.vllm_env import require_vllm
 
@@ -136,7 +136,11 @@ def _in_thread(fn):
 
 
 def _shadow_of_vllm_pool(mgr) -> dict:
-    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        maybe_convert_block_hash,
+    )
 
     out: dict = {}
     for key, entry in mgr._pool.cached_block_hash_to_block._cache.items():
@@ -148,7 +152,7 @@ def _shadow_of_vllm_pool(mgr) -> dict:
 
 @pytest.mark.vllm
 def test_clean_stream_exits_0_and_rebuilds_vllms_index(vllm_stream, capsys) -> None:
-    batches, mgr = vllm_stream
+    batches, _mgr = vllm_stream
     pub = _Publisher()
     try:
         args = ["watch", pub.endpoint, "--replay-endpoint", pub.replay_endpoint, "--batches", str(len(batches)),
@@ -175,8 +179,8 @@ def test_watcher_shadow_equals_vllms_index_with_the_vllm_decoder(vllm_stream) ->
     pub = _Publisher()
     try:
         w = EventStreamWatcher()
-        t, out = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
-                                          max_batches=len(batches), decoder="vllm", watcher=w))
+        t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
+                                        max_batches=len(batches), decoder="vllm", watcher=w))
         for events in batches:
             pub.publish(events)
         t.join(BOUND_S + 10)
@@ -216,8 +220,8 @@ def test_a_duplicated_batch_is_flagged_and_exits_1(vllm_stream) -> None:
     pub = _Publisher(duplicate_seq=dup)
     try:
         w = EventStreamWatcher()
-        t, out = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
-                                          max_batches=len(batches), watcher=w))
+        t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
+                                        max_batches=len(batches), watcher=w))
         # Both copies must reach the live socket: publish the batches before the duplicated one
         # only as fast as the watcher receives one live (its subscription is then in place).
         deadline = time.monotonic() + BOUND_S

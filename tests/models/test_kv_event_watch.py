@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.kv_events import event_to_plain, to_external_block_hash
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.kv_event_watch import EventStreamWatcher
 from kvref.spec.errors import InvalidFieldError
+
 from tests.conftest import profile_examples
 from tests.impl.reference.helpers import config, fa, swa
 
@@ -26,7 +26,7 @@ def _index(mgr: KVCacheManager) -> dict:
     """The pool's prefix-cache index as the shadow keys it: (medium, group, external hash) -> entries."""
     out: dict = {}
     pool = mgr.block_pool
-    for key, _block in pool.cached_block_hash_to_block.items():
+    for key, _block in pool.cached_block_hash_to_block.items():  # noqa: PERF102 (one pair per block)
         k = ("GPU", int.from_bytes(key[-4:], "big"), to_external_block_hash(key[:-4], pool.int_block_hashes))
         out[k] = out.get(k, 0) + 1
     return out

@@ -10,7 +10,6 @@ are taken and compared as plain dicts, exactly (hashes as ints and as bytes).
 from __future__ import annotations
 
 import pytest
-
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.adapter import ReferenceKVCacheManager
 from kvref.impl.reference.block_hash import RequestBlockHasher
@@ -25,9 +24,9 @@ from kvref.impl.reference.kv_events import (
 )
 from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError
+
 from tests.impl.reference.helpers import config, fa, mamba, swa
 from tests.vllm_env import require_vllm
-
 
 # ---------------------------------------------------------------- the reference alone
 
@@ -253,13 +252,14 @@ def test_manager_events_match_vllm_with_spec_metadata(specs) -> None:
     for r in reqs:
         ids, n = ref.get_computed_blocks(r)
         assert (ids, n) == vllm.get_computed_blocks(r)
-        seen += _both(ref, vllm, lambda m: m.allocate_slots(r, r.num_tokens - n, n, ids if n else None))
+        seen += _both(ref, vllm, lambda m, r=r, n=n, ids=ids: m.allocate_slots(r, r.num_tokens - n, n,
+                                                                              ids if n else None))
         r.num_computed_tokens = r.num_tokens
         r.status = RequestStatus.RUNNING
         r.output_token_ids.append(5)
-        seen += _both(ref, vllm, lambda m: m.allocate_slots(r, 1))
+        seen += _both(ref, vllm, lambda m, r=r: m.allocate_slots(r, 1))
         r.num_computed_tokens += 1
-        seen += _both(ref, vllm, lambda m: m.free(r))
+        seen += _both(ref, vllm, lambda m, r=r: m.free(r))
     big = Request("big", list(range(100, 124)))
     seen += _both(ref, vllm, lambda m: m.allocate_slots(big, 24))  # reuses cached blocks: evictions
     seen += _both(ref, vllm, lambda m: m.free(big))
