@@ -78,3 +78,38 @@ def test_layout_matches_vllms_derivation(name, kwargs, tmp_path):
     assert {s.page_size_padded for s in mamba} == {facts["mamba_page_size_padded"]}
     assert layout.mamba_cache_mode == facts["mamba_cache_mode"]
     assert {s.block_size for s in mamba} == {facts["mamba_block_size"]}
+
+
+#: (fixture, derivation arguments, engine changes): every packaged layout planned end to end
+PLANS = [(n, {}, {}) for n in NAMES] + [
+    ("llama-4-scout-17b-16e-instruct", {"allow_chunked_local_with_hybrid": True}, {}),
+    ("deepseek-v3", {"kv_cache_dtype": "fp8_ds_mla"}, {"max_model_len": "auto"}),
+    ("jamba-v0.1", {"enable_prefix_caching": False, "max_model_len": 16384}, {"enable_prefix_caching": False}),
+    ("gemma-3-27b-it", {}, {"max_concurrent_batches": 2, "max_num_batched_tokens": 8192}),
+]
+
+
+@pytest.fixture(scope="module")
+def planner():
+    require_vllm()
+    from kvref.impl.vllm.planning import VllmPlanner
+
+    return VllmPlanner()
+
+
+@pytest.mark.parametrize("name, derive, engine", PLANS,
+                         ids=[f"{n}{'-' + '-'.join(map(str, d.values())) if d else ''}" for n, d, _ in PLANS])
+def test_derived_layout_plans_like_vllms_startup(planner, name, derive, engine):
+    """The derived layout, planned by kvref and by vLLM's startup planner (what ``kvref size
+    --hf-config … --against vllm`` prints): the same groups, blocks, caps, concurrency."""
+    from kvref.impl.vllm.planning import kvref_outcome
+
+    layout = layout_from_hf_config(json.loads((ROOT / f"{name}.json").read_text()), **derive)
+    changes = {"max_model_len": min(layout.derived_max_model_len, 16384), "max_num_batched_tokens": 2048, **engine}
+    config = layout.engine_config(**changes)
+    ours = kvref_outcome(planner, layout.layers, config, 24 << 30)
+    theirs = planner.plan(layout.layers, config, 24 << 30, extra_retained_tokens=0)
+    assert ours.key() == theirs.key()
+    assert ours.status == "ok"
+    for field in ours.fields:
+        assert ours.fields[field] == theirs.fields[field], field
