@@ -132,7 +132,7 @@ def test_load_from_the_wrong_cpu_block_is_caught_through_the_kernels():
     assert abs(wrong - _offload_round_trip(WrongCpuBlockLoader, "torch")) <= EXACT
 
 
-@settings(max_examples=profile_examples(3, 8), suppress_health_check=list(HealthCheck))
+@settings(max_examples=profile_examples(3, 8, 80), suppress_health_check=list(HealthCheck))
 @given(w=__import__("tests.impl.torch.test_datapath", fromlist=["workloads"]).workloads())
 def test_generated_workloads_through_the_kernels_equal_dense_and_the_torch_path(w):
     cfg, reqs, budget, seed = w
@@ -164,7 +164,7 @@ def test_differential_machine_runs_the_data_path_through_the_kernels(monkeypatch
         return real(*a, **k)
     monkeypatch.setattr(attn, "paged_attention_triton", counted)
     machine = make_differential_machine(ReferenceKVCacheManager, datapath=True, attention_backend="triton")
-    machine.TestCase.settings = settings(max_examples=profile_examples(8, 16), stateful_step_count=15,
+    machine.TestCase.settings = settings(max_examples=profile_examples(8, 16, 160), stateful_step_count=15,
                                          derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
     assert calls, "the kernels never ran: no drawn pool had a data path"

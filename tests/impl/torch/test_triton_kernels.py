@@ -13,7 +13,8 @@ K/V write and block copies: bit-identical to the torch path, on aliased hybrid c
 padded pages, random bit patterns (NaN payloads included).
 
 Interpreter mode is slow (about 0.1 s per small attention call), so shapes are small and the
-cases few; ``profile_examples`` scales the generated ones.
+cases few; ``profile_examples`` scales the generated ones (nightly: 25x the ci count, not 100x,
+so the interpreted tests stay within minutes).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def test_triton_paged_attention_equals_torch_path_and_dense(mask, dtype, group, 
     _check(args, seqs, mask, dtype, tile=tile, num_splits=splits)
 
 
-@settings(max_examples=profile_examples(4, 12))
+@settings(max_examples=profile_examples(4, 12, 300))
 @given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES),
        lens=st.lists(st.integers(1, 24), min_size=1, max_size=3), queries=st.lists(st.integers(1, 4), min_size=3,
                                                                                     max_size=3),
@@ -188,7 +189,7 @@ def _random_bits(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
-@settings(max_examples=profile_examples(6, 20))
+@settings(max_examples=profile_examples(6, 20, 400))
 @given(dtype=st.sampled_from(DTYPES), num_blocks=st.integers(2, 8), num_cpu=st.integers(1, 8),
        layers=st.integers(1, 2), data=st.data())
 def test_offload_through_the_copy_kernel_equals_the_torch_copier_bit_for_bit(dtype, num_blocks, num_cpu, layers,
