@@ -13,7 +13,7 @@ K/V write and block copies: bit-identical to the torch path, on aliased hybrid c
 padded pages, random bit patterns (NaN payloads included).
 
 Interpreter mode is slow (about 0.1 s per small attention call), so shapes are small and the
-cases few; ``profile_examples`` scales the generated ones (nightly: 25x the ci count, not 100x,
+cases few; ``profile_examples`` scales the generated ones (nightly: 20-25x the ci count, not 100x,
 so the interpreted tests stay within minutes).
 """
 
