@@ -10,7 +10,8 @@ One header line, then one JSON object per line, each with a type ``"t"``:
 ``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
            ``status`` (vLLM's ``RequestStatus`` name).
 ``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call); ``ids`` and ``n``: the
-           scheduled requests in batch order and their token counts; ``new``: ``[[id,
+           scheduled requests in batch order and their token counts (``n`` and ``cached``'s
+           ``num_computed`` are int lists, or the same as base64 uint32 like prompts); ``new``: ``[[id,
            num_computed, block_ids], ...]`` for first admissions (``block_ids``: the whole table
            per KV cache group, hits included); ``cached``: ``[ids, num_computed, block_ids]``, three
            parallel lists for the others (``block_ids``: newly allocated ids per group, or null),
@@ -22,7 +23,9 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            own lists instead of building one Python row per request (see "Why columnar").
 ``update`` one ``update_from_output``: ``step`` (the ``sched`` it settles), ``ids`` and
            ``sampled``: the model runner's ``req_ids`` and ``sampled_token_ids`` as it returned them
-           (empty lists for prefill chunks); ``fin``: ``[[id, reason], ...]`` for requests it
+           (empty lists for prefill chunks) — or, compact, ``tok`` (every sampled token, base64
+           uint32) and ``len`` (base64 of one byte per id: how many tokens it sampled) instead of
+           ``sampled``; ``fin``: ``[[id, reason], ...]`` for requests it
            finished (``stop``, ``length``, ``error``, ``repetition``, ...).
 ``end``    the scheduler shut down cleanly: ``steps``, ``records``.
 ========== =========================================================================================
@@ -199,6 +202,16 @@ def validate_header(header: Any, where: str) -> dict:
     return header
 
 
+def _column(value: Any) -> Any:
+    """A base64 int column decoded for validation (anything else returned as is)."""
+    if type(value) is str:
+        try:
+            return decode_tokens(value)
+        except ValueError:
+            return None
+    return value
+
+
 def _blocks_ok(blocks: Any) -> bool:
     if blocks is None:
         return True
@@ -213,15 +226,41 @@ def _blocks_ok(blocks: Any) -> bool:
     return True
 
 
+def int_column(value) -> list[int]:
+    """An int column of a record: a JSON list, or base64 uint32 (:func:`encode_tokens`)."""
+    return decode_tokens(value) if type(value) is str else value
+
+
+def encode_lengths(lists) -> str:
+    """One byte per list: its length (``ValueError`` past 255; writers then fall back to JSON)."""
+    return base64.b64encode(bytes(map(len, lists))).decode("ascii")
+
+
+def update_sampled(rec: dict) -> list[list[int]]:
+    """An ``update`` record's sampled token lists, one per id, from either encoding."""
+    sampled = rec.get("sampled")
+    if sampled is not None:
+        return sampled
+    toks = decode_tokens(rec["tok"])
+    out, i = [], 0
+    for n in base64.b64decode(rec["len"].encode("ascii"), validate=True):
+        out.append(toks[i:i + n])
+        i += n
+    if i != len(toks):
+        raise ValueError(f"len sums to {i} tokens, tok holds {len(toks)}")
+    return out
+
+
 def sched_rows(rec: dict) -> list[list]:
     """A ``sched`` record as rows ``[id, kind, num_tokens, num_computed, block_ids]`` in batch order
     (kind ``n``/``r``/``c``; ``block_ids`` as recorded: per group, or None)."""
     new = {e[0]: e for e in rec["new"]}
     cids, ccomputed, cblocks = rec["cached"]
+    ccomputed = int_column(ccomputed)
     index = {rid: i for i, rid in enumerate(cids)}
     resumed = rec["resumed"]
     rows = []
-    for rid, n in zip(rec["ids"], rec["n"]):
+    for rid, n in zip(rec["ids"], int_column(rec["n"])):
         e = new.get(rid)
         if e is not None:
             rows.append([rid, "n", n, e[1], e[2]])
@@ -255,17 +294,20 @@ def validate_record(rec: Any, where: str) -> str:
     if t == "sched":
         if not _is_int(rec.get("step")):
             raise _fail(where, "step", rec.get("step"), "an int >= 0")
-        ids, n = rec.get("ids"), rec.get("n")
+        ids, n = rec.get("ids"), _column(rec.get("n"))
         if not isinstance(ids, list) or not all(type(i) is str for i in ids):
             raise _fail(where, "ids", ids, "a list of request ids (str)")
         if not isinstance(n, list) or len(n) != len(ids) or not all(_is_int(v, 1) for v in n):
-            raise _fail(where, "n", n, f"a list of {len(ids)} token counts (int >= 1), one per id")
+            raise _fail(where, "n", rec.get("n"), f"{len(ids)} token counts (int >= 1), one per id: a list or "
+                        "base64 uint32")
         new = rec.get("new")
         if not isinstance(new, list) or not all(
                 isinstance(e, list) and len(e) == 3 and type(e[0]) is str and _is_int(e[1]) and _blocks_ok(e[2])
                 for e in new):
             raise _fail(where, "new", new, "a list of [id, num_computed (int >= 0), block ids per group]")
         cached = rec.get("cached")
+        if isinstance(cached, list) and len(cached) == 3:
+            cached = [cached[0], _column(cached[1]), cached[2]]
         if (not isinstance(cached, list) or len(cached) != 3 or not all(isinstance(c, list) for c in cached)
                 or not len(cached[0]) == len(cached[1]) == len(cached[2])
                 or not all(type(i) is str for i in cached[0]) or not all(_is_int(v) for v in cached[1])
@@ -284,7 +326,14 @@ def validate_record(rec: Any, where: str) -> str:
         if not _is_int(rec.get("step"), -1):
             raise _fail(where, "step", rec.get("step"), "an int >= 0 (-1: a step the recorder did not see)")
         ids = _str_list(where, rec, "ids")
-        sampled = rec.get("sampled")
+        if "sampled" not in rec:
+            try:
+                sampled = update_sampled(rec)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise _fail(where, "tok/len", (rec.get("tok"), rec.get("len")),
+                            f"base64 uint32 tokens and base64 per-id lengths that add up ({exc})") from exc
+        else:
+            sampled = rec.get("sampled")
         if not isinstance(sampled, list) or len(sampled) != len(ids) or not all(
                 isinstance(toks, list) and all(_is_int(x) for x in toks) for toks in sampled):
             raise _fail(where, "sampled", sampled, f"a list of {len(ids)} lists of token ids (int >= 0), one per id")

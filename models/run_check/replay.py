@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import Request, RequestStatus
-from kvref.impl.run_trace.format import decode_tokens, sched_rows
+from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
 from .setup import RunSetup
 
@@ -198,7 +198,7 @@ class LockstepReplay:
                                      reference_extra={"oldest in flight": next(iter(self._in_flight), None)}))
             return
         out = self._in_flight.pop(step)
-        sampled = {rid: toks for rid, toks in zip(rec["ids"], rec["sampled"]) if toks}
+        sampled = {rid: toks for rid, toks in zip(rec["ids"], update_sampled(rec)) if toks}
         try:
             self.scheduler.update_from_output(out, ModelOutput(sampled))
         except ValueError as exc:
