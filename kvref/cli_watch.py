@@ -22,6 +22,7 @@ Exit status: 0 the stream obeyed every rule, 1 findings, 2 bad endpoint or optio
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -153,7 +154,8 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
         except EventDecodeError as exc:
             w.feed_undecodable(seq, f"sequence {seq}: {exc}")
             return
-        w.feed(seq, b.ts, b.events, b.data_parallel_rank, source=source)
+        w.feed(seq, b.ts, b.events, b.data_parallel_rank, source=source,
+               digest=hashlib.blake2b(payload, digest_size=16).digest())
 
     def feed_replay(start: int) -> None:
         got = replay.fetch(start) if replay is not None else None

@@ -226,6 +226,9 @@ def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str
     summary = (f"{len(st.steps)} generated traces ({sum(st.steps)} ops, >= 30 each) on {'+'.join(kinds)}: "
                f"{st.admissions} admissions, {st.prefix_hits} prefix hits, {st.preemptions} preemptions, "
                f"{st.admission_rejections + st.step_rejections} rejections")
+    if st.kv_events:  # KV cache event streams compared after every op (docs/kv_events.md)
+        summary += (f", {sum(st.kv_events.values())} KV events{' compared' if len(kinds) > 1 else ''}"
+                    f" ({st.resets} resets)")
     if not run.ok:
         artifacts = [run.trace_path] if run.trace_path else []
         hint = f" — replay with `kvref replay {run.trace_path} --kinds {','.join(kinds)}`" if run.trace_path else ""
