@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvref.spec import EngineConfig, InsufficientKVCacheError, InvalidFieldError, KVCachePlan, plan_kv_cache
+from kvref.spec import (
+    EngineConfig,
+    InsufficientKVCacheError,
+    InvalidFieldError,
+    KVCachePlan,
+    plan_kv_cache,
+)
 from kvref.spec.hf_config import ModelLayout, layout_from_hf_config
 
 
@@ -242,7 +247,3 @@ def render_comparison(name: str, rows: list[tuple[str, Any, Any]], as_json: bool
         table.add_row(f, escape(_shown(f, a)), escape(_shown(f, b)), "[green]=[/]" if a == b else "[bold red]DIFFERS[/]")
     Console().print(table)
     return differ
-
-
-def config_with(config: EngineConfig, **changes: Any) -> EngineConfig:
-    return replace(config, **changes)

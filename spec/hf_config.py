@@ -47,9 +47,10 @@ key; an unsupported architecture names itself and the supported ones.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from math import lcm, prod
-from typing import Any, Mapping
+from typing import Any
 
 from .config import EngineConfig
 from .dtypes import DTYPE_SIZES, canonical_dtype, get_dtype_size

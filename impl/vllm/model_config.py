@@ -163,7 +163,10 @@ def _mamba_model_class(architecture: str) -> Any:
         from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 
         return NemotronHForCausalLM
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
 
     class Qwen3NextStateStandIn:
         """``Qwen3NextForCausalLM``'s two classmethods, verbatim in effect (gated delta net)."""

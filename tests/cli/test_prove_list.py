@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvref.proofs import THEOREMS, VARIANTS
 
 from kvref.cli import main
-from kvref.proofs import THEOREMS, VARIANTS
 
 
 @pytest.mark.parametrize("columns", ["60", "80", "200"])

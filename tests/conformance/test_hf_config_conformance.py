@@ -14,9 +14,9 @@ import json
 from importlib import resources
 
 import pytest
-
 from kvref.spec import MambaSpec
 from kvref.spec.hf_config import ModelLayout, layout_from_hf_config
+
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm

@@ -14,7 +14,6 @@ from importlib import resources
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvref.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -30,6 +29,7 @@ from kvref.spec.hf_config import (
     hybrid_attention_block_size,
     layout_from_hf_config,
 )
+
 from tests.conftest import profile_examples
 
 
