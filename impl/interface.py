@@ -75,6 +75,9 @@ class PoolConfig:
         if not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool) \
                 or not 0.0 <= self.watermark < 1.0:
             raise InvalidFieldError("watermark", self.watermark, "a float in [0, 1)")
+        for flag in ("enable_caching", "use_eagle"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidFieldError(flag, getattr(self, flag), "True or False")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise InvalidFieldError("enable_kv_cache_events", self.enable_kv_cache_events, "True or False")
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.

@@ -154,6 +154,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch: running requests first, then waiting ones (see module docstring)."""
         cfg = self.config
+        limit = 2 if cfg.async_scheduling else 1
+        if len(self._in_flight) >= limit:
+            # vLLM's engine never does this (its batch queue holds max_concurrent_batches steps);
+            # scheduling again would advance the requests past tokens never computed
+            raise InvalidFieldError("schedule()", f"{len(self._in_flight)} step(s) not yet updated",
+                                    f"at most {limit} step(s) in flight ({'async' if limit == 2 else 'synchronous'}"
+                                    " scheduling): call update_from_output first")
         kv = self.kv_cache_manager
         token_budget = cfg.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, str, int, BlockIds]] = {}

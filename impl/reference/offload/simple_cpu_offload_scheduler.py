@@ -394,6 +394,7 @@ class SimpleCPUOffloadScheduler:
     def build_connector_meta(self, step: SimpleOffloadStep) -> SimpleOffloadMeta:
         if not isinstance(step, SimpleOffloadStep):
             raise InvalidFieldError("step", step, "a SimpleOffloadStep")
+        self.gpu_pool  # noqa: B018 - raises OffloadStateError before any state changes when unbound
         gpu, cpu, store_reqs = (self._prepare_lazy_store_specs() if self.lazy
                                 else self._prepare_eager_store_specs(step))
         for t in self._pending_finished_stores:

@@ -1,0 +1,123 @@
+"""Calls in the wrong order or with objects from the wrong place: a ``ValueError`` subclass and
+the state unchanged (pickled bytes equal, ``check_invariants()`` passes) — or, where vLLM allows
+the call, a state that still passes ``check_invariants()``. Never an ``AssertionError`` from an
+internal invariant reached through a public call."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref.impl.reference.kv_cache_manager import KVCacheManager
+from kvref.impl.reference.scheduler import Scheduler
+from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+from kvref.impl.request import Request
+from tests.hardening.api_targets import GROUP, pool_config, snapshot
+
+
+def _rejected_without_change(obj, check_invariants, call):
+    before = snapshot(obj)
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value)
+    assert snapshot(obj) == before, "the call raised after changing state"
+    check_invariants()
+
+
+def _manager():
+    m = KVCacheManager(pool_config())
+    r0 = Request("r0", list(range(9)), max_tokens=4)
+    assert m.allocate_slots(r0, 9) is not None
+    return m, r0
+
+
+def _scheduler():
+    pc = pool_config(max_in_flight_tokens=16)
+    s = Scheduler(pc, SchedulerConfig(max_num_batched_tokens=16))
+    s.add_request(Request("a", list(range(6)), max_tokens=3))
+    return s
+
+
+def test_schedule_twice_without_update_keeps_invariants():
+    s = _scheduler()
+    out1 = s.schedule()
+    try:
+        s.schedule()
+    except ValueError:
+        pass
+    s.check_invariants()
+    s.update_from_output(out1, ModelOutput({r.request_id: [1] for r in out1.scheduled}))
+    s.check_invariants()
+
+
+def test_update_twice_with_the_same_output_is_rejected():
+    s = _scheduler()
+    out = s.schedule()
+    s.update_from_output(out, ModelOutput({r.request_id: [1] for r in out.scheduled}))
+    _rejected_without_change(s, s.check_invariants, lambda: s.update_from_output(out, ModelOutput({})))
+
+
+def test_update_with_another_schedulers_output_is_rejected():
+    s, other = _scheduler(), _scheduler()
+    s.schedule()
+    foreign = other.schedule()
+    _rejected_without_change(s, s.check_invariants, lambda: s.update_from_output(foreign, ModelOutput({})))
+
+
+def test_add_the_same_request_twice_is_rejected():
+    s = _scheduler()
+    _rejected_without_change(s, s.check_invariants, lambda: s.add_request(Request("a", [1, 2], max_tokens=1)))
+
+
+@pytest.mark.parametrize("which", ["uncached", "null", "foreign", "in-use-uncached"])
+def test_fake_prefix_hit_is_rejected(which):
+    """``new_computed_blocks`` must be a real hit: cached blocks of this pool, as many as claimed."""
+    m, r0 = _manager()
+    r1 = Request("r1", list(range(9)), max_tokens=4)
+    pool = m.block_pool
+    if which == "uncached":
+        blocks = [pool.blocks[pool.free_block_ids()[0]]]
+    elif which == "null":
+        blocks = [pool.null_block]
+    elif which == "foreign":
+        blocks = [KVCacheManager(pool_config()).block_pool.blocks[1]]
+    else:
+        blocks = [b for b in pool.blocks if b.ref_cnt and b.block_hash is None][:1]
+        assert blocks
+    hit = m.create_kv_cache_blocks(tuple([blocks] + [[] for _ in range(m.num_kv_cache_groups - 1)]))
+    _rejected_without_change(m, m.check_invariants, lambda: m.allocate_slots(r1, 5, 4, hit))
+
+
+def test_hit_tokens_without_blocks_are_rejected():
+    m, _ = _manager()
+    r1 = Request("r1", list(range(9)), max_tokens=4)
+    _rejected_without_change(m, m.check_invariants, lambda: m.allocate_slots(r1, 5, 4, None))
+
+
+def test_free_of_an_unknown_request_is_a_no_op():
+    m, _ = _manager()
+    before = snapshot(m)
+    m.free(Request("nobody", [1, 2], max_tokens=1))
+    assert snapshot(m) == before
+    m.check_invariants()
+
+
+def test_simple_offload_meta_before_binding_a_pool_is_rejected():
+    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler, SimpleOffloadStep
+
+    sched = SimpleCPUOffloadScheduler((GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4,
+                                      hash_block_size=4)
+    step = SimpleOffloadStep() if not SimpleOffloadStep.__dataclass_fields__ else _empty_step(SimpleOffloadStep)
+    before = snapshot(sched)
+    with pytest.raises(ValueError):
+        sched.build_connector_meta(step)
+    assert snapshot(sched) == before
+
+
+def _empty_step(cls):
+    import dataclasses
+
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[f.name] = {} if "dict" in str(f.type) else []
+    return cls(**kwargs)
