@@ -160,3 +160,18 @@ def test_sigint_to_a_real_run(argv, marker, tmp_path):
         report = json.loads(out)
         assert report["interrupted"] is True and report["ok"] is False
         assert report["checks"][-1]["name"] == "proofs"
+
+
+def test_json_stdout_holds_only_the_report(monkeypatch, capsys, tmp_path):
+    """Whatever a check prints (Hypothesis' "spent more than five minutes shrinking" went to
+    stdout ahead of the report) lands on stderr; stdout parses as one JSON document."""
+
+    def noisy(ctx):
+        print("You can add @seed(1234) to this test ... spent more than five minutes shrinking")
+        return CheckResult("noisy", PASSED, "fine")
+
+    monkeypatch.setattr(verify, "CHECKS", [_check("noisy", noisy)])
+    assert cli.main(["verify", "--json", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["checks"][0]["name"] == "noisy"
+    assert "five minutes" in err and "five minutes" not in out
