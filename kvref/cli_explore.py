@@ -428,31 +428,39 @@ def check_explorer(ctx):
     check_explorer)``; counterexample step tables go to ``ctx.out_dir``.
     """
     import os
+    import sys
     import time
 
     from kvref.models.explorer import render_trace
     from kvref.models.explorer_kv import SCOPES, explore_scope
     from kvref.models.explorer_connector import CONNECTOR_SCOPES, explore_connector
     from kvref.models.explorer_offload import explore_offload
+    from kvref.progress import Progress
     from kvref.report import FAILED, PASSED, CheckResult
 
     t0 = time.perf_counter()
     details, artifacts, states, failed = [], [], 0, False
-    for name in VERIFY_SCOPES.get(ctx.profile, VERIFY_SCOPES["fast"]):
-        if name in SCOPES:
-            res = explore_scope(name, check_liveness=name in ("tight", "twins"))
-        elif name in CONNECTOR_SCOPES:
-            res = explore_connector(name)
-        else:
-            res = explore_offload(name)
-        states += res.states
-        details.append(f"{name}: {res.summary()}")
-        for f in res.findings:
-            failed = True
-            path = os.path.join(ctx.ensure_out_dir(), f"explorer-{name}-{f.kind}.txt")
-            with open(path, "w") as fh:
-                fh.write(f"{f.kind}: {f.message}\n\n{render_trace(f.trace, title=f'shortest {f.kind} trace')}")
-            artifacts.append(path)
+    scopes = VERIFY_SCOPES.get(ctx.profile, VERIFY_SCOPES["fast"])
+    # the ci profile explores for minutes: say which scope runs (in a terminal kvref verify's own
+    # spinner shows the check, and a second live line would garble it)
+    progress = Progress("  explorer", start_after=5.0, enabled=not sys.stderr.isatty())
+    with progress.heartbeat():
+        for i, name in enumerate(scopes, 1):
+            progress.status = f"scope {name} ({i}/{len(scopes)}), {states:,} states so far"
+            if name in SCOPES:
+                res = explore_scope(name, check_liveness=name in ("tight", "twins"))
+            elif name in CONNECTOR_SCOPES:
+                res = explore_connector(name)
+            else:
+                res = explore_offload(name)
+            states += res.states
+            details.append(f"{name}: {res.summary()}")
+            for f in res.findings:
+                failed = True
+                path = os.path.join(ctx.ensure_out_dir(), f"explorer-{name}-{f.kind}.txt")
+                with open(path, "w") as fh:
+                    fh.write(f"{f.kind}: {f.message}\n\n{render_trace(f.trace, title=f'shortest {f.kind} trace')}")
+                artifacts.append(path)
     secs = time.perf_counter() - t0
     if failed:
         return CheckResult("explorer", FAILED, f"counterexample found ({len(artifacts)} trace(s))", secs,
