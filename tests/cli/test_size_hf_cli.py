@@ -142,3 +142,17 @@ def test_against_vllm_rejects_a_pipeline_depth_it_cannot_plan(capsys):
     assert main(["size", "--hf-config", "llama-3.1-8b", "--kv-cache-memory", "4GiB", "--max-concurrent-batches", "3",
                  "--against", "vllm"]) == 2
     assert "--max-concurrent-batches" in capsys.readouterr().err
+
+
+def test_packaged_configs_are_package_data():
+    """``pip install`` ships the configs (pyproject's package-data globs cover every one), so
+    ``--hf-config NAME`` works outside the repository too."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvref"]
+    files = sorted(p.relative_to(root / "kvref").as_posix() for p in (root / "kvref" / "examples" / "hf_configs").glob("*"))
+    assert len(files) >= 13
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
