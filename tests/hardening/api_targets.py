@@ -168,4 +168,24 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     manager_case("remove_skipped_blocks", lambda m, r0, r1: dict(request_id="r0", processed_computed_tokens=8))
     manager_case("evict_blocks", lambda m, r0, r1: dict(block_ids={1}))
     manager_case("get_blocks", lambda m, r0, r1: dict(request_id="r0"))
+
+    def offload_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler
+            from kvref.impl.request import Request
+
+            sched = SimpleCPUOffloadScheduler((GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4,
+                                              hash_block_size=4)
+            gpu = BlockPool(9, True, 4)
+            sched.bind_gpu_block_pool(gpu)
+            r0 = Request("r0", list(range(9)), max_tokens=4)
+            return sched, sched.check_invariants, make_kwargs(sched, gpu, r0), getattr(sched, method)
+        add(f"SimpleCPUOffloadScheduler.{method}", build)
+
+    offload_case("get_num_new_matched_tokens", lambda s, g, r: dict(request=r, num_computed_tokens=0))
+    offload_case("update_state_after_alloc", lambda s, g, r: dict(request=r, block_ids=[[1, 2, 3]],
+                                                                  num_external_tokens=0))
+    offload_case("update_connector_output", lambda s, g, r: dict(finished_recving=[], completed_store_events={}))
+    offload_case("request_finished", lambda s, g, r: dict(request=r, block_ids=[[1, 2, 3]]))
+    offload_case("bind_gpu_block_pool", lambda s, g, r: dict(gpu_block_pool=g))
     return cases

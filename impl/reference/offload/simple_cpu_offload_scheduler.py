@@ -108,6 +108,13 @@ class SimpleOffloadMeta:
 _MODELLED = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
 
 
+def _check_block_table(block_ids: object, num_groups: int) -> None:
+    """A block table per group: ``num_groups`` lists of block ids (ints >= 0)."""
+    if not isinstance(block_ids, (list, tuple)) or len(block_ids) != num_groups or not all(
+            isinstance(g, (list, tuple)) and all(type(b) is int and b >= 0 for b in g) for g in block_ids):
+        raise InvalidFieldError("block_ids", block_ids, f"{num_groups} per-group lists of block ids (ints >= 0)")
+
+
 class SimpleCPUOffloadScheduler:
     """Args:
         kv_cache_groups: the GPU groups (the CPU side mirrors them).
@@ -234,8 +241,7 @@ class SimpleCPUOffloadScheduler:
         """``block_ids``: the request's whole GPU block table per group after allocation."""
         check_int("num_external_tokens", num_external_tokens, minimum=0)
         self._check_live(request)
-        if len(block_ids) != len(self.groups):
-            raise InvalidFieldError("block_ids", block_ids, f"{len(self.groups)} per-group lists")
+        _check_block_table(block_ids, len(self.groups))
         rid = request.request_id
         pending = self._pending_cpu_hits.get(rid)
         if num_external_tokens and pending is not None:
@@ -440,7 +446,14 @@ class SimpleCPUOffloadScheduler:
         in flight, a store event never issued, or a report for an event already complete — vLLM
         ignores all three silently.
         """
+        if isinstance(finished_recving, (str, bytes)) or not isinstance(finished_recving, Iterable):
+            raise InvalidFieldError("finished_recving", finished_recving, "request ids (a list of str)")
         recv = list(finished_recving)
+        if not all(isinstance(r, str) for r in recv):
+            raise InvalidFieldError("finished_recving", recv, "request ids (a list of str)")
+        if completed_store_events is not None and not isinstance(completed_store_events, dict):
+            raise InvalidFieldError("completed_store_events", completed_store_events,
+                                    "None or a dict store event id -> reports")
         events = dict(completed_store_events or {})
         for rid in recv:
             ls = self._reqs_to_load.get(rid) or self._abandoned_reqs_to_load.get(rid)
@@ -525,6 +538,8 @@ class SimpleCPUOffloadScheduler:
     # ------------------------------------------------------------------ finish / reset
 
     def _check_live(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
         if request.request_id in self._finished_req_ids:
             raise OffloadStateError(f"request {request.request_id!r} already finished")
 
@@ -533,8 +548,8 @@ class SimpleCPUOffloadScheduler:
         then release pins; stores and loads still in flight keep their refs and finish later.
         Always (False, None): the refs protect the GPU blocks, the scheduler frees at once."""
         self._check_live(request)
-        if block_ids and len(block_ids) != len(self.groups):
-            raise InvalidFieldError("block_ids", block_ids, f"{len(self.groups)} per-group lists")
+        if not isinstance(block_ids, (list, tuple)) or block_ids:
+            _check_block_table(block_ids, len(self.groups))
         rid = request.request_id
         self._finished_req_ids.add(rid)
         st = self._reqs_to_store.get(rid)
