@@ -147,12 +147,15 @@ def test_against_vllm_rejects_a_pipeline_depth_it_cannot_plan(capsys):
 def test_packaged_configs_are_package_data():
     """``pip install`` ships the configs (pyproject's package-data globs cover every one), so
     ``--hf-config NAME`` works outside the repository too."""
-    import fnmatch
+    import re
     import tomllib
     from pathlib import Path
+
+    def matches(path: str, glob: str) -> bool:  # setuptools globs: "*" stays within one folder
+        return re.fullmatch(re.escape(glob).replace(r"\*", "[^/]*"), path) is not None
 
     root = Path(__file__).resolve().parents[2]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvref"]
     files = sorted(p.relative_to(root / "kvref").as_posix() for p in (root / "kvref" / "examples" / "hf_configs").glob("*"))
-    assert len(files) >= 13
-    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
+    assert len(files) >= 13 and not matches(files[0], "examples/*.json")
+    assert [f for f in files if not any(matches(f, g) for g in globs)] == []
