@@ -91,11 +91,11 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     max_in_flight = draw(st.one_of(st.none(), st.integers(1, 64)))
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.05, 0.1)))
     # Pressure: from a pool too small for one max-length request to about two of them; one pool in
-    # three sits right at one max-length request (+-2 blocks), where admission caps, reservations
+    # four sits right at one max-length request (+-2 blocks), where admission caps, reservations
     # and evictions are decided by a block (faults there pass on roomier pools).
     one_request = sum(-(-max_model_len // bs) for bs in sizes)
     hi = max(min_blocks, min(max_blocks, 2 * one_request + 2))
-    if draw(st.integers(0, 2)) == 0:
+    if draw(st.integers(0, 3)) == 0:
         num_blocks = min(hi, max(min_blocks, one_request + draw(st.integers(-2, 2), label="near_full")))
     else:
         num_blocks = draw(st.integers(min_blocks, hi))

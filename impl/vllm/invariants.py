@@ -6,7 +6,8 @@ a free-queue back link pointing at the wrong block, a cached-block counter that 
 ``free`` — stays invisible to such a comparison until, many operations later, it changes an
 observable (or never does inside a 40-op trace). So every vLLM adapter's ``check_invariants()``
 calls the readers of this module after every operation: the reference's ``check_invariants`` rules
-(digest §11: I1-I6, I9, M1-M3, S1-S4), applied to vLLM's ``BlockPool``,
+(docs/invariants.md: I1-I6, I9, M1, M2, M6, M8, and the scheduler-state rules Q1-Q4 listed there),
+applied to vLLM's ``BlockPool``,
 ``FreeKVCacheBlockQueue``, single-type managers and ``Scheduler``.
 
 Every reader is pure (it reads, never mutates) and raises :class:`VllmStateError` (an
@@ -56,38 +57,38 @@ def check_free_queue(pool: Any) -> list[Any]:
     prev, cur = head, head.next_free_block
     while cur is not tail:
         if cur is None:
-            _fail("free-queue", f"forward walk fell off the list after {len(fwd)} blocks (next is None "
+            _fail("I5", f"forward walk fell off the list after {len(fwd)} blocks (next is None "
                                 f"before the fake tail)")
         if cur.prev_free_block is not prev:
-            _fail("free-queue", f"block {cur.block_id}.prev_free_block is "
+            _fail("I5", f"block {cur.block_id}.prev_free_block is "
                                 f"{getattr(cur.prev_free_block, 'block_id', None)}, but it follows "
                                 f"{prev.block_id} (-1 = fake head) in the forward walk")
         fwd.append(cur)
         if len(fwd) > limit:
-            _fail("free-queue", f"forward walk longer than the pool ({limit} blocks): a cycle")
+            _fail("I5", f"forward walk longer than the pool ({limit} blocks): a cycle")
         prev, cur = cur, cur.next_free_block
     if tail.prev_free_block is not prev:
-        _fail("free-queue", f"fake tail's prev_free_block is {getattr(tail.prev_free_block, 'block_id', None)}, "
+        _fail("I5", f"fake tail's prev_free_block is {getattr(tail.prev_free_block, 'block_id', None)}, "
                             f"the forward walk ends at {prev.block_id}")
     bwd: list[Any] = []
     cur = tail.prev_free_block
     while cur is not head:
         if cur is None or len(bwd) > limit:
-            _fail("free-queue", "backward walk from the fake tail does not reach the fake head")
+            _fail("I5", "backward walk from the fake tail does not reach the fake head")
         bwd.append(cur)
         cur = cur.prev_free_block
     if [b.block_id for b in bwd[::-1]] != [b.block_id for b in fwd]:
-        _fail("free-queue", f"forward walk {[b.block_id for b in fwd]} != reversed backward walk "
+        _fail("I5", f"forward walk {[b.block_id for b in fwd]} != reversed backward walk "
                             f"{[b.block_id for b in bwd[::-1]]}")
     if q.num_free_blocks != len(fwd):
         _fail("I5", f"num_free_blocks={q.num_free_blocks} but the queue links {len(fwd)} blocks")
     ids = [b.block_id for b in fwd]
     if len(set(ids)) != len(ids):
-        _fail("free-queue", f"a block is queued twice: {ids}")
+        _fail("I5", f"a block is queued twice: {ids}")
     queued = set(map(id, fwd))
     for b in pool.blocks:
         if id(b) not in queued and (b.prev_free_block is not None or b.next_free_block is not None):
-            _fail("free-queue", f"block {b.block_id} is not in the free queue but keeps links "
+            _fail("I5", f"block {b.block_id} is not in the free queue but keeps links "
                                 f"prev={getattr(b.prev_free_block, 'block_id', None)} "
                                 f"next={getattr(b.next_free_block, 'block_id', None)}")
     return fwd
@@ -152,23 +153,25 @@ def check_block_pool(pool: Any, num_blocks: int | None = None) -> None:
 
 def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True,
                    requests: dict[str, Any] | None = None) -> None:
-    """M1-M3 and I9 across every single-type manager of a vLLM ``KVCacheCoordinator``.
+    """I9, M1, M2, M6 and M8 across every single-type manager of a vLLM ``KVCacheCoordinator``.
 
     * I9: a non-null block's ``ref_cnt`` equals the number of table slots holding it, summed over
       all groups and requests (``exact_ref_counts=False``: at least that many, for callers that pin
       blocks outside tables, e.g. the SimpleCPU offload scheduler touching blocks it is storing);
-    * M1: within one request and group a real block appears once; every group knows the same
-      requests (``allocate_new_blocks`` creates the entry in every group, ``free`` pops them all);
+    * M8: a real block is in one group's tables at a time and once per table; every group knows
+      the same requests (``allocate_new_blocks`` creates the entry in every group, ``free`` pops
+      them all);
     * M2: ``num_cached_block`` only for requests with a table, at most its length (a counted block
       need *not* still be hashed: a connector's ``evict_blocks`` drops the hashes of blocks in use);
-    * M3: null slots only where the attention type puts them: none in a full-attention table, a
+    * M6: null slots only where the attention type puts them: none in a full-attention table, a
       prefix of a sliding-window / chunked-local one (the skipped blocks);
-    * with ``requests`` (request id -> object with ``num_computed_tokens``): a held request's
+    * M1 (with ``requests``, request id -> object with ``num_computed_tokens``): a held request's
       tables span its computed tokens in every attention group (the KV of a computed token has a
       slot: an under-allocation, e.g. of external tokens, shows here before any kernel reads it).
     """
     managers = list(coordinator.single_type_managers)
     holders: dict[int, int] = {}
+    owner: dict[int, int] = {}  # block id -> the group whose tables hold it
     keys = None
     for g, mgr in enumerate(managers):
         name = type(mgr).__name__
@@ -177,24 +180,28 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
         if keys is None:
             keys = (g, live)
         elif live != keys[1] and name != "MambaManager" and type(managers[keys[0]]).__name__ != "MambaManager":
-            _fail("M1", f"group {g} holds tables for {sorted(live)}, group {keys[0]} for {sorted(keys[1])}")
+            _fail("M8", f"group {g} holds tables for {sorted(live)}, group {keys[0]} for {sorted(keys[1])}")
         for rid, table in tables.items():
             seen: set[int] = set()
             for pos, b in enumerate(table):
                 if b.is_null:
                     continue
                 if b.block_id in seen:
-                    _fail("M1", f"request {rid!r} group {g}: block {b.block_id} appears twice in its table")
+                    _fail("M8", f"request {rid!r} group {g}: block {b.block_id} appears twice in its table")
                 seen.add(b.block_id)
+                other = owner.setdefault(b.block_id, g)
+                if other != g:
+                    _fail("M8", f"block {b.block_id} is in group {other}'s and group {g}'s tables (request "
+                                f"{rid!r}): one block's memory would hold two groups' KV")
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
             nulls = [b.is_null for b in table]
             if name in _NO_NULL_SLOTS and any(nulls):
-                _fail("M3", f"request {rid!r} group {g} ({name}): null slots at "
+                _fail("M6", f"request {rid!r} group {g} ({name}): null slots at "
                             f"{[i for i, n in enumerate(nulls) if n]} in a full-attention table")
             if name in _NULL_PREFIX and any(nulls):
                 k = nulls.index(False) if False in nulls else len(nulls)
                 if any(nulls[k:]):
-                    _fail("M3", f"request {rid!r} group {g} ({name}): null slots "
+                    _fail("M6", f"request {rid!r} group {g} ({name}): null slots "
                                 f"{[i for i, n in enumerate(nulls) if n]} are not a prefix of the table "
                                 f"(a skipped block was kept while a later one was freed)")
         for rid, n in mgr.num_cached_block.items():
@@ -211,7 +218,7 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
                 if r is None or not table:
                     continue
                 if len(table) * bs < r.num_computed_tokens:
-                    _fail("M3", f"request {rid!r} group {g}: {len(table)} slots of {bs} tokens do not span its "
+                    _fail("M1", f"request {rid!r} group {g}: {len(table)} slots of {bs} tokens do not span its "
                                 f"{r.num_computed_tokens} computed tokens")
     for b in pool.blocks[1:]:
         n = holders.get(b.block_id, 0)
@@ -232,16 +239,16 @@ def _queue(q: Any) -> list[Any]:
 
 
 def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = True) -> None:
-    """S1-S4 on a vLLM ``Scheduler`` (and, with ``kv``, its KV cache manager's state).
+    """Q1-Q4 on a vLLM ``Scheduler`` (and, with ``kv``, its KV cache manager's state).
 
-    * S1: ``running`` and the waiting queues hold each request once, are disjoint, and only
+    * Q1: ``running`` and the waiting queues hold each request once, are disjoint, and only
       requests of ``requests``; at most ``max_num_seqs`` run;
-    * S2: statuses match the queue: running requests are RUNNING; waiting ones WAITING, PREEMPTED
+    * Q2: statuses match the queue: running requests are RUNNING; waiting ones WAITING, PREEMPTED
       or WAITING_FOR_REMOTE_KVS (the connector's in-flight loads);
-    * S3: a request waiting without KV (not in ``kv_holding_waiting``, not loading) holds no
+    * Q3: a request waiting without KV (not in ``kv_holding_waiting``, not loading) holds no
       blocks, and a preempted one has ``num_computed_tokens == 0`` (``_preempt_request`` resets
       it: its KV is gone, so it must recompute from the start);
-    * S4: every running request holds tables spanning its computed tokens; every table belongs to
+    * Q4: every running request holds tables spanning its computed tokens; every table belongs to
       a live request (a finished or preempted request's blocks were returned).
     """
     from vllm.v1.request import RequestStatus as VS
@@ -253,25 +260,25 @@ def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = T
     for name, q in (("running", running), ("waiting", waiting)):
         ids = [r.request_id for r in q]
         if len(set(ids)) != len(ids):
-            _fail("S1", f"{name} holds a request twice: {ids}")
+            _fail("Q1", f"{name} holds a request twice: {ids}")
         for r in q:
             if reqs.get(r.request_id) is not r:
-                _fail("S1", f"{r.request_id!r} is in {name} but not in scheduler.requests")
+                _fail("Q1", f"{r.request_id!r} is in {name} but not in scheduler.requests")
     both = {r.request_id for r in running} & {r.request_id for r in waiting}
     if both:
-        _fail("S1", f"requests both running and waiting: {sorted(both)}")
+        _fail("Q1", f"requests both running and waiting: {sorted(both)}")
     if max_num_seqs is not None and len(running) > max_num_seqs:
-        _fail("S1", f"{len(running)} running requests > max_num_seqs={max_num_seqs}")
+        _fail("Q1", f"{len(running)} running requests > max_num_seqs={max_num_seqs}")
     for r in running:
         if r.status != VS.RUNNING:
-            _fail("S2", f"{r.request_id!r} is in running with status {r.status.name}")
+            _fail("Q2", f"{r.request_id!r} is in running with status {r.status.name}")
     waiting_ok = {VS.WAITING, VS.PREEMPTED, VS.WAITING_FOR_REMOTE_KVS}
     for extra in ("WAITING_FOR_FSM", "WAITING_FOR_STREAMING_REQ"):
         if hasattr(VS, extra):
             waiting_ok.add(getattr(VS, extra))
     for r in waiting:
         if r.status not in waiting_ok:
-            _fail("S2", f"{r.request_id!r} is waiting with status {r.status.name}")
+            _fail("Q2", f"{r.request_id!r} is waiting with status {r.status.name}")
     if not kv:
         return
     mgr = sched.kv_cache_manager
@@ -283,17 +290,17 @@ def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = T
         if r.request_id in holding_ids or r.status == VS.WAITING_FOR_REMOTE_KVS:
             continue
         if r.request_id in holders:
-            _fail("S3", f"{r.request_id!r} waits ({r.status.name}) but still holds blocks")
+            _fail("Q3", f"{r.request_id!r} waits ({r.status.name}) but still holds blocks")
         if r.status == VS.PREEMPTED and r.num_computed_tokens != 0:
-            _fail("S3", f"preempted {r.request_id!r} keeps num_computed_tokens={r.num_computed_tokens} "
+            _fail("Q3", f"preempted {r.request_id!r} keeps num_computed_tokens={r.num_computed_tokens} "
                         "though its blocks were freed")
     live = {r.request_id for r in running} | {r.request_id for r in waiting}
     stray = holders - live
     if stray:
-        _fail("S4", f"blocks held by requests neither running nor waiting: {sorted(stray)}")
+        _fail("Q4", f"blocks held by requests neither running nor waiting: {sorted(stray)}")
     for r in running:
         if r.num_computed_tokens > 0 and r.request_id not in holders:
-            _fail("S4", f"running {r.request_id!r} has {r.num_computed_tokens} computed tokens but no blocks")
+            _fail("Q4", f"running {r.request_id!r} has {r.num_computed_tokens} computed tokens but no blocks")
 
 
 def live_requests(objs: Iterable[Any]) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def test_free_queue_back_link_drift_is_caught(vllm_mods):
     q = m._pool.free_block_queue
     second = q.fake_free_list_head.next_free_block.next_free_block
     second.prev_free_block = q.fake_free_list_head  # forward walk (what get_all_free_blocks reads) intact
-    _assert_invisible_and_caught(m, before, "free-queue", vllm_mods)
+    _assert_invisible_and_caught(m, before, "I5", vllm_mods)
 
 
 def test_stale_link_on_a_held_block_is_caught(vllm_mods):
@@ -91,7 +91,7 @@ def test_stale_link_on_a_held_block_is_caught(vllm_mods):
     before = _observe(m, ("a", "b"))
     held = m._pool.blocks[m.get_block_ids("b")[0][0]]
     held.next_free_block = m._pool.free_block_queue.fake_free_list_tail  # a half-done remove()
-    _assert_invisible_and_caught(m, before, "free-queue", vllm_mods)
+    _assert_invisible_and_caught(m, before, "I5", vllm_mods)
 
 
 def test_cached_block_count_kept_after_free_is_caught(vllm_mods):
@@ -127,8 +127,8 @@ def test_null_slot_after_a_real_block_in_a_window_table_is_caught(vllm_mods):
     table[1] = m._pool.null_block
     freed.ref_cnt -= 1
     m._pool.free_block_queue.prepend_n([freed])
-    m._requests.clear()  # M3 here is about null placement, not about spanning computed tokens
-    with pytest.raises(vllm_mods[1].VllmStateError, match="M3: request 'a' group 1"):
+    m._requests.clear()  # M6 here is about null placement, not about spanning computed tokens
+    with pytest.raises(vllm_mods[1].VllmStateError, match="M6: request 'a' group 1"):
         m.check_invariants()
 
 
@@ -150,7 +150,7 @@ def test_block_pool_driver_reads_vllm_links(vllm_mods):
     last = d.pool.free_block_queue.fake_free_list_tail.prev_free_block
     last.prev_free_block = last  # a self-loop backwards only
     assert d.free_queue() == before
-    with pytest.raises(vllm_mods[1].VllmStateError, match="free-queue"):
+    with pytest.raises(vllm_mods[1].VllmStateError, match="I5"):
         d.check_invariants()
 
 
@@ -177,10 +177,25 @@ def test_scheduler_preempted_request_with_computed_tokens_is_caught(vllm_mods):
     victim.status = VS.PREEMPTED
     v.waiting.prepend_request(victim)
     assert victim.num_computed_tokens > 0
-    with pytest.raises(vllm_mods[1].VllmStateError, match="S3"):
+    with pytest.raises(vllm_mods[1].VllmStateError, match="Q3"):
         s.check_invariants()
     victim.num_computed_tokens = 0
     s.check_invariants()
     v.running.append(v.running[0])  # the same request twice in running
-    with pytest.raises(vllm_mods[1].VllmStateError, match="S1"):
+    with pytest.raises(vllm_mods[1].VllmStateError, match="Q1"):
         s.check_invariants()
+
+
+def test_block_in_two_groups_tables_is_caught(vllm_mods):
+    """vLLM #33775's symptom: one group's allocation took a block another group then holds as a hit."""
+    kv, _ = vllm_mods
+    m, _, _ = _manager_with_requests(kv, swa=True)
+    g0, g1 = m._mgr.coordinator.single_type_managers
+    shared = g0.req_to_blocks["b"][0]
+    dropped = g1.req_to_blocks["b"][0]
+    g1.req_to_blocks["b"][0] = shared  # keep ref counts exact: shared gains a holder, dropped loses one
+    shared.ref_cnt += 1
+    dropped.ref_cnt -= 1
+    m._pool.free_block_queue.prepend_n([dropped])
+    with pytest.raises(vllm_mods[1].VllmStateError, match="M8: block .* group 0's and group 1's"):
+        m.check_invariants()
