@@ -52,6 +52,10 @@ EXPECTED = {
     # use_sliding_window false clears sliding_window 131072: full attention; 4 KV heads x 128
     "qwen2.5-7b-instruct": ({"full": 28}, 16, 32768, 4, 128, 32768),
     "qwen3-8b": ({"full": 36}, 16, 40960, 8, 128, 65536),
+    # MoE changes the MLP only: 48 full-attention layers, 4 KV heads x 128 -> 16 x 4 x 256 x 2 = 32,768
+    "qwen3-30b-a3b": ({"full": 48}, 16, 40960, 4, 128, 32768),
+    # Mixtral: no sliding window ("sliding_window": null; MixtralConfig defaults to None as well)
+    "mixtral-8x7b-instruct-v0.1": ({"full": 32}, 16, 32768, 8, 128, 65536),
     # 42 layers alternate, even ones sliding (4096); head_dim 256 -> 16 x 8 x 512 x 2 = 131,072;
     # float32 checkpoint served in bf16
     "gemma-2-9b-it": ({"sliding_window": 21, "full": 21}, 16, 8192, 8, 256, 131072),
