@@ -58,8 +58,8 @@ def load_hf_config(path: str) -> tuple[str, dict[str, Any]]:
         data = json.loads(p.read_text())
     except UnicodeDecodeError as exc:
         raise InvalidFieldError("--hf-config", path, f"a UTF-8 JSON file (byte {exc.start}: {exc.reason})") from None
-    except ValueError as exc:
-        raise InvalidFieldError("--hf-config", path, f"valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+        raise InvalidFieldError("--hf-config", path, f"valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise InvalidFieldError("--hf-config", path, "a JSON object at top level")
     return name, data
@@ -119,7 +119,8 @@ def build_layout(data: dict[str, Any], args: argparse.Namespace) -> ModelLayout:
         enable_prefix_caching=True if args.enable_prefix_caching is None else args.enable_prefix_caching,
         mamba_cache_mode=args.mamba_cache_mode, mamba_cache_dtype=args.mamba_cache_dtype or "auto",
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype or "auto",
-        tensor_parallel_size=args.tensor_parallel_size or 1, kernel_block_size=args.kernel_block_size or 16,
+        tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
+        kernel_block_size=16 if args.kernel_block_size is None else args.kernel_block_size,
         allow_chunked_local_with_hybrid=bool(args.allow_chunked_local_hybrid))
 
 

@@ -97,6 +97,8 @@ _MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"
 #: KV cache dtypes ``--kv-cache-dtype`` accepts here (``auto`` = the model's dtype)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MAMBA_DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: most decoder layers a config may declare (the largest served models have a few hundred)
+MAX_LAYERS = 100_000
 #: bytes of one token of DeepSeek's ``fp8_ds_mla`` cache: 512 fp8 latent values, 4 float32 scales,
 #: 64 bf16 RoPE values
 FP8_DS_MLA_TOKEN_BYTES = 656
@@ -304,6 +306,9 @@ def derived_max_model_len(data: Mapping[str, Any]) -> int:
             rope_type = rp.get("rope_type", rp.get("type", "default"))
             if rope_type not in _PRESCALED_ROPE:
                 factor = rp.get("factor", factor)
+                if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                           or not 0 < factor < 1e6):
+                    raise InvalidFieldError(cfg.prefix + "rope_scaling.factor", factor, "a positive number")
         derived = derived * (1.0 if factor is None else factor)
     return int(derived)
 
@@ -515,7 +520,9 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
     derived = derived_max_model_len(data)
 
     n = cfg.int("num_hidden_layers") if family != "nemotron_h" or not cfg.has("hybrid_override_pattern") \
-        else len(cfg.get("hybrid_override_pattern"))
+        else len(str(cfg.get("hybrid_override_pattern")))
+    if n > MAX_LAYERS:  # real models have a few hundred; a typo must not build a billion specs
+        raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n, f"at most {MAX_LAYERS:,} layers")
     kinds, extra = _kinds(family, cfg, n)
     if len(kinds) != n:
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n,

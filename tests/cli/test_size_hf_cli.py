@@ -76,6 +76,10 @@ def test_hybrid_notes_and_layout(capsys):
      "--gpu-memory-utilization"),
     (["--hf-config", "llama-3.1-8b", "--gpu-memory-utilization", "0.9"], "--gpu-memory"),
     (["--hf-config", "qwen3-8b", "--kv-cache-memory", "1GiB", "--max-model-len", "40961"], "--max-model-len"),
+    (["--hf-config", "qwen3-8b", "--gpu-memory", "80GiB", "--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+    (["--hf-config", "qwen3-8b", "--kv-cache-memory", "inf"], "--kv-cache-memory"),
+    (["--hf-config", "qwen3-8b", "--kv-cache-memory", "1GiB", "--kernel-block-size", "0"], "kernel_block_size"),
+    (["--hf-config", "qwen3-8b", "--kv-cache-memory", "1GiB", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
     (["--hf-config", "llama-3.1-8b", "--example", "llama3_8b", "--kv-cache-memory", "1GiB"], "--hf-config"),
     (["--example", "llama3_8b", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--hf-config", "qwen3-next-80b-a3b-instruct", "--tensor-parallel-size", "3", "--kv-cache-memory", "1GiB"],
@@ -94,10 +98,12 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(capsys, tmp_pa
     assert "FalconForCausalLM" in err and "JambaForCausalLM" in err and "LlamaForCausalLM" in err
 
 
-def test_broken_json_exits_2(capsys, tmp_path):
-    (tmp_path / "config.json").write_text("{not json")
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000, "[1, 2]", "\udcff"])
+def test_broken_json_exits_2(capsys, tmp_path, text):
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
     assert main(["size", "--hf-config", str(tmp_path / "config.json"), "--kv-cache-memory", "1GiB"]) == 2
-    assert "valid JSON" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--hf-config" in err and "Traceback" not in err
 
 
 @pytest.mark.vllm

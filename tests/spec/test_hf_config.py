@@ -216,6 +216,9 @@ def test_unsupported_architecture_names_itself_and_the_supported_ones():
     ({"torch_dtype": "int4"}, "torch_dtype"),
     ({"layer_types": ["full_attention"]}, "layer_types"),
     ({"rope_scaling": "yarn"}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "4"}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "rope_scaling.factor"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
 ])
 def test_bad_config_values_name_the_key(change, field):
     data = {**fixture("llama-3.1-8b"), **change}
