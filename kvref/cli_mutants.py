@@ -130,6 +130,14 @@ def run_vllm(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError) as exc:
             raise InvalidFieldError("--from-json", args.from_json, f"a saved --json result ({exc})") from exc
         return _print_vllm_result(res, args, RECALL_GOAL)
+    import math
+
+    if args.fault_timeout is not None and not (math.isfinite(args.fault_timeout) and args.fault_timeout > 0):
+        raise InvalidFieldError("--fault-timeout", args.fault_timeout, "a positive number of seconds")
+    if not (math.isfinite(args.min_rate) and 0.0 <= args.min_rate <= 1.0):
+        raise InvalidFieldError("--min-rate", args.min_rate, "a rate between 0 and 1")
+    if args.seed < 0:
+        raise InvalidFieldError("--seed", args.seed, "an int >= 0")
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     faults = select_faults(FAULTS, split(args.faults), split(args.fault_class))
     if args.list:

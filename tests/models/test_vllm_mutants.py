@@ -258,3 +258,13 @@ def test_cli_rejects_unknown_faults_with_exit_2(capsys):
     assert cli.main(["mutants", "--target", "vllm", "--faults", "no.such"]) == 2
     assert "no.such" in capsys.readouterr().err
     assert cli.main(["mutants", "--target", "vllm", "--class", "bogus", "--list"]) == 2
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--fault-timeout", "0"], "--fault-timeout"), (["--fault-timeout", "-5"], "--fault-timeout"),
+    (["--fault-timeout", "nan"], "--fault-timeout"), (["--min-rate", "2"], "--min-rate"),
+    (["--min-rate", "nan"], "--min-rate"), (["--seed", "-1"], "--seed"),
+])
+def test_cli_rejects_bad_numbers_with_exit_2(argv, field, capsys):
+    assert cli.main(["mutants", "--target", "vllm", "--faults", "stm.free_head_first", *argv]) == 2
+    assert field in capsys.readouterr().err
