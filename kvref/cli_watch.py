@@ -34,20 +34,27 @@ from kvref.spec.errors import InvalidFieldError
 _TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5})$")
 
 #: how long one replay answer may take before the replay socket is given up for this request
-REPLAY_TIMEOUT_S = 2.0
+REPLAY_TIMEOUT_S = 5.0
 #: most batches one replay request may return (the publisher's default buffer_steps is 10 000)
 REPLAY_MAX_BATCHES = 1_000_000
 
 
-def check_endpoint(field: str, endpoint: Any) -> str:
-    """A ZeroMQ address to connect to: ``tcp://HOST:PORT`` (port 1-65535) or ``ipc://PATH``."""
-    allowed = "a connect address: tcp://HOST:PORT (port 1-65535) or ipc://PATH"
+def check_endpoint(field: str, endpoint: Any, bind: bool = False) -> str:
+    """A ZeroMQ address to connect to: ``tcp://HOST:PORT`` (port 1-65535) or ``ipc://PATH``;
+    with ``bind`` also ``tcp://*:PORT`` (an address to listen on)."""
+    allowed = f"a {'bind' if bind else 'connect'} address: tcp://HOST:PORT (port 1-65535) or ipc://PATH"
     if not isinstance(endpoint, str):
         raise InvalidFieldError(field, endpoint, allowed)
     if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
         return endpoint
+    if bind and endpoint.startswith("tcp://*:"):
+        endpoint_for_match = "tcp://0.0.0.0:" + endpoint[len("tcp://*:"):]
+        m = _TCP.match(endpoint_for_match)
+        if not m or not 1 <= int(m.group("port")) <= 65535:
+            raise InvalidFieldError(field, endpoint, allowed)
+        return endpoint
     m = _TCP.match(endpoint)
-    if endpoint.startswith(("tcp://*", "tcp://0.0.0.0")):
+    if not bind and endpoint.startswith(("tcp://*", "tcp://0.0.0.0")):
         raise InvalidFieldError(field, endpoint, allowed + " (the publisher binds tcp://*:PORT; "
                                                            "connect to tcp://127.0.0.1:PORT or the engine's host)")
     if not m or not 1 <= int(m.group("port")) <= 65535:
@@ -60,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("endpoint", metavar="ENDPOINT", help="the publisher's address, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--topic", default="", help="the configured topic (default: '', every message)")
+    p.add_argument("--bind", action="store_true",
+                   help="listen on ENDPOINT instead of connecting to it: for a publisher configured with a host "
+                        "address (vLLM binds only tcp://*:PORT and connects to any other address)")
     p.add_argument("--seconds", type=float, default=60.0, help="stop after this many seconds (default 60)")
     p.add_argument("--batches", type=int, default=None,
                    help="stop once this many sequence numbers have passed (received or lost; default: no limit)")
@@ -114,10 +124,12 @@ class _Replay:
 
 def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches: int | None = None,
           replay_endpoint: str | None = None, decoder: str = "generic", watcher: Any = None,
-          status: TextIO | None = None, status_every: float | None = None) -> Any:
+          status: TextIO | None = None, status_every: float | None = None, bind: bool = False,
+          stop: Any = None) -> Any:
     """Subscribe, feed every batch to an :class:`~kvref.models.kv_event_watch.EventStreamWatcher`
     and return it when ``seconds`` have passed or ``max_batches`` sequence numbers have passed
-    (received or lost: a stream with a gap still ends).
+    (received or lost: a stream with a gap still ends), or ``stop`` (a ``threading.Event``) is set.
+    ``bind`` listens on ``endpoint`` (the publisher connects) instead of connecting to it.
 
     A ``KeyboardInterrupt`` propagates after the sockets are closed (the caller prints the
     partial summary from the ``watcher`` it passed in).
@@ -127,7 +139,7 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
     from kvref.impl.vllm.kv_events import EventDecodeError, make_decoder, parse_seq
     from kvref.models.kv_event_watch import EventStreamWatcher
 
-    check_endpoint("endpoint", endpoint)
+    check_endpoint("endpoint", endpoint, bind=bind)
     if replay_endpoint is not None:
         check_endpoint("replay_endpoint", replay_endpoint)
     if not isinstance(topic, str):
@@ -167,11 +179,20 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
     deadline = start + seconds
     last_status = 0.0
     try:
-        sub.connect(endpoint)
+        try:
+            sub.bind(endpoint) if bind else sub.connect(endpoint)
+        except zmq.ZMQError as exc:  # address in use, unknown host, ...: the endpoint is the problem
+            raise InvalidFieldError("endpoint", endpoint,
+                                    f"an address ZeroMQ can {'bind' if bind else 'connect to'} ({exc})") from None
         if replay_endpoint is not None:
-            replay = _Replay(ctx, replay_endpoint)
+            try:
+                replay = _Replay(ctx, replay_endpoint)
+            except zmq.ZMQError as exc:
+                raise InvalidFieldError("replay_endpoint", replay_endpoint,
+                                        f"an address ZeroMQ can connect to ({exc})") from None
             feed_replay(0)  # what happened before we subscribed, as far as the buffer reaches
-        while time.monotonic() < deadline and (max_batches is None or _span(w) < max_batches):
+        while time.monotonic() < deadline and (max_batches is None or _span(w) < max_batches) \
+                and not (stop is not None and stop.is_set()):
             if status is not None and time.monotonic() - last_status >= every:
                 last_status = time.monotonic()
                 _status(status, tty, time.monotonic() - start, w)
@@ -253,7 +274,7 @@ def _summary_text(s: dict[str, Any], endpoint: str, interrupted: bool) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvref.models.kv_event_watch import EventStreamWatcher
 
-    check_endpoint("endpoint", args.endpoint)
+    check_endpoint("endpoint", args.endpoint, bind=args.bind)
     if args.replay_endpoint is not None:
         check_endpoint("replay_endpoint", args.replay_endpoint)
     w = EventStreamWatcher()
@@ -261,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         watch(args.endpoint, topic=args.topic, seconds=args.seconds, max_batches=args.batches,
               replay_endpoint=args.replay_endpoint, decoder=args.decoder, watcher=w,
-              status=None if args.quiet else sys.stderr)
+              status=None if args.quiet else sys.stderr, bind=args.bind)
     except KeyboardInterrupt:
         interrupted = True
     s = w.summary()

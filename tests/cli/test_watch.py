@@ -74,7 +74,7 @@ def vllm_stream():
 class _Publisher:
     """vLLM's ZmqEventPublisher on 127.0.0.1 (bound), with optional fault injection."""
 
-    def __init__(self, duplicate_seq: int | None = None) -> None:
+    def __init__(self) -> None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
         class LoopbackPublisher(ZmqEventPublisher):
@@ -83,19 +83,22 @@ class _Publisher:
         self.port, self.replay_port = _free_port(), _free_port()
         self.pub = LoopbackPublisher(0, endpoint=f"tcp://127.0.0.1:{self.port}",
                                      replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}")
-        if duplicate_seq is not None:  # the wire sends that batch twice
-            real = self.pub._pub
 
-            class Twice:
-                def __getattr__(self, name):
-                    return getattr(real, name)
+    def send_twice(self, seq: int) -> None:
+        """From now on the wire carries batch ``seq`` twice (the publisher thread's PUB socket is
+        wrapped; only that thread sends on it)."""
+        real = self.pub._pub
 
-                def send_multipart(self, frames, *a, **kw):
+        class Twice:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def send_multipart(self, frames, *a, **kw):
+                real.send_multipart(frames, *a, **kw)
+                if int.from_bytes(frames[1], "big") == seq:
                     real.send_multipart(frames, *a, **kw)
-                    if int.from_bytes(frames[1], "big") == duplicate_seq:
-                        real.send_multipart(frames, *a, **kw)
 
-            self.pub._pub = Twice()
+        self.pub._pub = Twice()
 
     @property
     def endpoint(self) -> str:
@@ -216,23 +219,33 @@ def test_a_duplicated_batch_is_flagged_and_exits_1(vllm_stream) -> None:
     from kvref.cli_watch import exit_status, watch
 
     batches, _ = vllm_stream
-    dup = 6
-    pub = _Publisher(duplicate_seq=dup)
+    pub = _Publisher()
+    w = EventStreamWatcher()
+    stop = threading.Event()
+    t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
+                                    watcher=w, stop=stop))
     try:
-        w = EventStreamWatcher()
-        t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
-                                        max_batches=len(batches), watcher=w))
-        # Both copies must reach the live socket: publish the batches before the duplicated one
-        # only as fast as the watcher receives one live (its subscription is then in place).
+        # Both copies must reach the live socket, so first make sure the subscription is in place:
+        # empty batches, one at a time, until one arrives live (bounded).
         deadline = time.monotonic() + BOUND_S
-        for i, events in enumerate(batches):
+        warmups = 0
+        while w.batches_received - w.batches_from_replay == 0 and time.monotonic() < deadline:
+            pub.publish([])
+            warmups += 1
+            time.sleep(0.05)
+        assert w.batches_received - w.batches_from_replay > 0, "the watcher never got a live batch"
+        dup = warmups + 3
+        pub.send_twice(dup)
+        for events in batches:
             pub.publish(events)
-            while i < dup and w.batches_received - w.batches_from_replay == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        t.join(BOUND_S + 10)
+        total = warmups + len(batches)
+        while w.next_seq != total and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
+        stop.set()
+        t.join(BOUND_S)
         pub.close()
-    assert w.batches_received - w.batches_from_replay > 0, "the watcher never got a live batch"
+    assert w.next_seq == total, w.summary()
     assert w.findings_by_rule == {"duplicate-batch": 1}, w.summary()
     assert w.findings[0].seq == dup and exit_status(w) == 1
 
@@ -245,6 +258,13 @@ def test_bad_endpoints_exit_2(capsys) -> None:
     assert main(["watch", "tcp://127.0.0.1:5557", "--replay-endpoint", "5558", "--seconds", "1"]) == 2
     assert main(["watch", "tcp://127.0.0.1:5557", "--seconds", "-3"]) == 2
     assert main(["watch", "tcp://127.0.0.1:5557", "--seconds", "1", "--batches", "0"]) == 2
+    capsys.readouterr()
+    with socket.socket() as busy:  # --bind on an address in use: the endpoint is named, exit 2
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["watch", "--bind", f"tcp://127.0.0.1:{port}", "--seconds", "1", "--quiet"]) == 2
+    assert "endpoint" in capsys.readouterr().err
 
 
 def test_no_publisher_ends_by_itself_with_a_hint(capsys) -> None:
@@ -269,3 +289,59 @@ def test_ctrl_c_prints_the_partial_summary_and_exits_130(tmp_path) -> None:
             proc.kill()
     assert proc.returncode == 130
     assert "interrupted" in out and "0 batches" in out
+
+
+@pytest.mark.vllm
+def test_vllms_scheduler_publishes_to_a_bound_watcher() -> None:
+    """The whole engine-side path: vLLM's Scheduler with a kv_events_config (its own publisher,
+    configured with a host address, connects; the watcher binds 127.0.0.1), steps that cache,
+    evict, finish and reset; the watcher sees every batch and no finding."""
+    require_vllm()
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+    from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+    from vllm.config.kv_events import KVEventsConfig
+
+    from kvref.cli_watch import watch
+
+    port, replay_port = _free_port(), _free_port()
+    env = VllmEnv()
+    env.vllm_config.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kvref")
+    w = EventStreamWatcher()
+    stop = threading.Event()
+    t, _ = _in_thread(lambda: watch(f"tcp://127.0.0.1:{port}", bind=True, topic="kvref", seconds=BOUND_S,
+                                    replay_endpoint=f"tcp://127.0.0.1:{replay_port}", watcher=w, stop=stop))
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)
+    pool = PoolConfig(num_blocks=10, groups=(KVCacheGroupSpec(("full",), fa(4)),), max_model_len=64,
+                      scheduler_block_size=4, hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens)
+    s = VllmScheduler(pool, cfg, env)
+    publisher = s.scheduler.kv_event_publisher
+    try:
+        for round_ in range(3):
+            for i in range(3):
+                s.add_request(Request(f"q{round_}.{i}", [i % 2] * 8 + [round_, i] * 3, max_tokens=3))
+            for _ in range(40):  # bounded: each round ends in a handful of steps
+                if not s.has_unfinished_requests():
+                    break
+                out = s.schedule()
+                s.update_from_output(out, ModelOutput({r.request_id: [5] for r in out.scheduled
+                                                       if not r.is_prefill_chunk}))
+            assert s.scheduler.reset_prefix_cache()
+            s.update_from_output(s.schedule(), ModelOutput())  # an empty step publishes the clear
+        deadline = time.monotonic() + BOUND_S
+        while publisher._event_queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        published = next(publisher._seq_gen)  # the next number: how many batches went out
+        while w.next_seq != published and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        t.join(BOUND_S)
+        publisher.shutdown()
+    assert w.next_seq == published and w.first_seq == 0, w.summary()
+    assert w.num_findings == 0, w.summary()
+    assert set(w.events_by_type) == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, w.events_by_type
+    assert w.shadow == {} and w.summary()["shadow_sure"]  # the last batch cleared everything
