@@ -266,7 +266,7 @@ def model_dtype(data: Mapping[str, Any]) -> str:
         for key in ("dtype", "torch_dtype"):
             value = where.get(key)
             if value is not None:
-                if value not in _MODEL_DTYPES:
+                if not isinstance(value, str) or value not in _MODEL_DTYPES:
                     raise InvalidFieldError(key, value, "one of " + ", ".join(sorted(_MODEL_DTYPES)))
                 dt = _MODEL_DTYPES[value]
                 return "bfloat16" if dt == "float32" else dt

@@ -267,3 +267,24 @@ def test_hybrid_block_size_is_the_smallest_aligned_block_covering_the_state(per_
     if bs > block:
         assert bs % align == 0 and bs * per_token >= state
         assert (bs - align) * per_token < state or bs - align < block
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**12) | st.floats(allow_nan=True)
+                     | st.text(max_size=8), lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=profile_examples(150, 600, 30000), deadline=None)
+@given(name=st.sampled_from(sorted(EXPECTED)), data=st.data(), value=_JSON)
+def test_any_wrong_value_is_an_input_error(name, data, value):
+    """Whatever value a config.json key holds, derivation returns a layout or raises a ValueError
+    (kvref's InvalidFieldError naming the field) — never a TypeError/KeyError/ZeroDivisionError."""
+    config = fixture(name)
+    target = config["text_config"] if "text_config" in config and data.draw(st.booleans()) else config
+    key = data.draw(st.sampled_from(sorted(target)))
+    target[key] = value
+    try:
+        layout = layout_from_hf_config(config)
+    except ValueError:
+        return
+    assert layout.layers and layout.block_size >= 1 and layout.derived_max_model_len >= 1
