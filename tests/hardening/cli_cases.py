@@ -334,6 +334,16 @@ def cases() -> list[Case]:
     add(Case("check-run-empty", ["check-run", "{tmp}/r.kvtrace"], files={"r.kvtrace": ""}))
     add(Case("check-run-starvation-neg", ["check-run", "{tmp}/r.kvtrace", "--starvation-steps", "-1"],
              files={"r.kvtrace": ""}))
+    # -- kvref watch (live KV-event streams; every case is rejected before any socket waits)
+    add(Case("watch-wildcard", ["watch", "tcp://*:5557"]))
+    add(Case("watch-not-zmq", ["watch", "http://127.0.0.1:5557"]))
+    add(Case("watch-port-range", ["watch", "tcp://127.0.0.1:70000"]))
+    add(Case("watch-no-port", ["watch", "tcp://127.0.0.1"]))
+    add(Case("watch-bad-replay", ["watch", "tcp://127.0.0.1:5557", "--replay-endpoint", "5558"]))
+    add(Case("watch-negative-seconds", ["watch", "tcp://127.0.0.1:5557", "--seconds", "-1"]))
+    add(Case("watch-nan-seconds", ["watch", "tcp://127.0.0.1:5557", "--seconds", "nan"]))
+    add(Case("watch-zero-batches", ["watch", "tcp://127.0.0.1:5557", "--batches", "0"]))
+    add(Case("watch-bad-decoder", ["watch", "tcp://127.0.0.1:5557", "--decoder", "pickle"]))
     return out
 
 
