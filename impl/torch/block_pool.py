@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.impl.interface import MAX_NUM_BLOCKS
+from kvref.spec.errors import InvalidFieldError, check_int
 
 NOT_FREE = torch.iinfo(torch.int64).max
 NULL_BLOCK_ID = 0
@@ -32,10 +33,28 @@ def group_key(block_hash: bytes, group_id: int) -> bytes:
     return block_hash + group_id.to_bytes(4, "big", signed=False)
 
 
+def as_device(field: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device``, or InvalidFieldError (torch raises RuntimeError/TypeError)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise InvalidFieldError(field, device, "a torch.device or a device string such as 'cpu' or 'cuda:0'")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidFieldError(field, device, f"a device string such as 'cpu' or 'cuda:0' ({exc})") from None
+
+
 class TorchBlockPool:
     """``num_blocks`` blocks (block 0 = null) on ``device``."""
 
     def __init__(self, num_blocks: int, enable_caching: bool, device: torch.device) -> None:
+        check_int("num_blocks", num_blocks, minimum=1)
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_blocks", num_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
+        if not isinstance(enable_caching, bool):
+            raise InvalidFieldError("enable_caching", enable_caching, "True or False")
+        device = as_device("device", device)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.device = device

@@ -34,6 +34,10 @@ def page_elems(spec, dtype: torch.dtype) -> int:
     raise InvalidFieldError("kv_cache_spec", type(spec).__name__, "an AttentionSpec or a MambaSpec")
 
 
+#: layers of one cache at most (a backing tensor each; real models have a few hundred)
+MAX_LAYERS = 4096
+
+
 class KVCacheTensors:
     """Backing memory for ``num_blocks`` blocks of every group, ``num_layers`` layers per group.
 
@@ -49,10 +53,20 @@ class KVCacheTensors:
 
     def __init__(self, groups: tuple[KVCacheGroupSpec, ...], num_blocks: int, num_layers: int = 1,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
+        from kvref.impl.interface import MAX_NUM_BLOCKS
+
+        from .block_pool import as_device
+
         check_int("num_blocks", num_blocks, minimum=1)
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_blocks", num_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
         check_int("num_layers", num_layers, minimum=1)
-        if not groups:
-            raise InvalidFieldError("groups", groups, "at least one KV cache group")
+        if num_layers > MAX_LAYERS:
+            raise InvalidFieldError("num_layers", num_layers, f"an int in [1, {MAX_LAYERS}]")
+        if not isinstance(groups, (tuple, list)) or not groups \
+                or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+            raise InvalidFieldError("groups", groups, "at least one KV cache group (a tuple of KVCacheGroupSpec)")
+        device = as_device("device", device)
         if dtype is None:
             first = next((g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec)), None)
             dtype = TORCH_DTYPES[first.dtype] if first is not None else torch.float32

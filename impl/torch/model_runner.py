@@ -84,7 +84,14 @@ class DataPathRunner:
                  dtype: torch.dtype = torch.float64, seed: int = 0, attention_backend: str = "torch") -> None:
         if not isinstance(manager, TorchKVCacheManager):
             raise InvalidFieldError("manager", manager, "a TorchKVCacheManager")
+        from .kv_cache_tensors import MAX_LAYERS
+
         check_int("num_layers", num_layers, minimum=1)
+        if num_layers > MAX_LAYERS:
+            raise InvalidFieldError("num_layers", num_layers, f"an int in [1, {MAX_LAYERS}]")
+        check_int("seed", seed, minimum=0)
+        if seed >= 1 << 63:
+            raise InvalidFieldError("seed", seed, f"an int in [0, {(1 << 63) - 1}]")
         self.attention_backend = _check_backend(attention_backend, manager.device)
         self.manager = manager
         cfg = manager.config
@@ -106,6 +113,9 @@ class DataPathRunner:
             raise InvalidFieldError("groups", cfg.groups, "equal num_kv_heads and head_size in every group")
         self.num_kv_heads = heads.pop()
         self.head_size = sizes.pop()
+        check_int("num_q_heads", num_q_heads, minimum=1, allow_none=True)
+        if num_q_heads is not None and num_q_heads > 4096:
+            raise InvalidFieldError("num_q_heads", num_q_heads, "an int in [1, 4096] or None")
         self.num_q_heads = num_q_heads or self.num_kv_heads
         if self.num_q_heads % self.num_kv_heads:
             raise InvalidFieldError("num_q_heads", self.num_q_heads, f"a multiple of {self.num_kv_heads}")

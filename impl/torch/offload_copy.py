@@ -75,6 +75,10 @@ class OffloadCopier:
         if not isinstance(cache, KVCacheTensors):
             raise InvalidFieldError("cache", cache, "a KVCacheTensors")
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        from kvref.impl.interface import MAX_NUM_BLOCKS
+
+        if num_cpu_blocks > MAX_NUM_BLOCKS:
+            raise InvalidFieldError("num_cpu_blocks", num_cpu_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
         from .triton_kernels import check_backend, require_triton
 
         self.backend = check_backend("backend", backend)

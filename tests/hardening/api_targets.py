@@ -97,6 +97,23 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         from kvref.impl.torch.manager import TorchKVCacheManager
 
         out["TorchKVCacheManager"] = (TorchKVCacheManager, dict(pool_config=pc, device="cpu"))
+        import torch
+
+        from kvref.impl.torch.block_pool import TorchBlockPool
+        from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
+        from kvref.impl.torch.model_runner import DataPathRunner
+        from kvref.impl.torch.offload_copy import OffloadCopier
+
+        out["TorchBlockPool"] = (TorchBlockPool, dict(num_blocks=9, enable_caching=True, device=torch.device("cpu")))
+        out["KVCacheTensors"] = (KVCacheTensors, dict(groups=(GROUP,), num_blocks=9, num_layers=1, dtype=None,
+                                                      device="cpu"))
+        out["OffloadCopier"] = (lambda num_cpu_blocks, backend: OffloadCopier(KVCacheTensors((GROUP,), 9),
+                                                                              num_cpu_blocks, backend),
+                                dict(num_cpu_blocks=4, backend="torch"))
+        out["DataPathRunner"] = (lambda num_layers, num_q_heads, seed, attention_backend: DataPathRunner(
+            TorchKVCacheManager(pool_config(), device="cpu"), num_layers, num_q_heads, seed=seed,
+            attention_backend=attention_backend), dict(num_layers=1, num_q_heads=None, seed=0,
+                                                       attention_backend="torch"))
     except ImportError:  # pragma: no cover - torch is a test dependency
         pass
     return out
