@@ -244,7 +244,7 @@ def exit_status(w: Any, interrupted: bool = False) -> int:
 def _status(out: TextIO, tty: bool, elapsed: float, w: Any, final: bool = False) -> None:
     line = f"[kvref watch {elapsed:6.1f}s] {w.status_line()}"
     if tty:
-        out.write("\r" + line + ("\n" if final else ""))
+        out.write("\r" + line + "\x1b[K" + ("\n" if final else ""))  # \x1b[K: clear the rest of the line
     else:
         out.write(line + "\n")
     out.flush()

@@ -188,6 +188,8 @@ class EventStreamWatcher:
             missing = seq - self.next_seq
             self.lost += missing
             self._lost.update(range(self.next_seq, seq) if missing <= self.window else ())
+            if len(self._lost) > self.window:  # only recent losses can still arrive late
+                self._lost = set(sorted(self._lost)[-self.window:])
             self._add(new, "lost-batches", seq, None,
                       f"{missing} batch(es) lost: sequence {self.next_seq}"
                       + (f"..{seq - 1}" if missing > 1 else "") + f" never arrived (next came {seq})")
@@ -390,6 +392,7 @@ class EventStreamWatcher:
         assert all(count > 0 for count in self.shadow.values()), "a shadow key with no entries"
         assert not (set(self.shadow) & set(self._removed)), "a key both live and removed"
         assert len(self._recent) <= self.window and len(self._removed) <= self.max_removed_kept
+        assert len(self._lost) <= self.window
         assert len(self.findings) == min(self.num_findings, self.max_findings_kept)
         assert set(self.findings_by_rule) <= set(RULES)
         if self.next_seq is None:

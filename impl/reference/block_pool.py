@@ -115,7 +115,9 @@ class BlockPool:
             raise InvalidFieldError("int_block_hashes", int_block_hashes, "None, True or False")
         self.enable_kv_cache_events = enable_kv_cache_events
         self.medium = medium
-        self.int_block_hashes = use_int_block_hashes() if int_block_hashes is None else int_block_hashes
+        # only a pool that emits reads the environment (a bad value is then an error naming it)
+        self.int_block_hashes = int_block_hashes if int_block_hashes is not None else (
+            use_int_block_hashes() if enable_kv_cache_events else True)
         self.kv_event_queue: list[KVCacheEvent] = []
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching

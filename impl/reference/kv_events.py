@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvref.spec import kv_cache_interface as kci
+from kvref.spec.errors import InvalidFieldError
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -44,8 +45,17 @@ ExternalBlockHash = bytes | int
 
 
 def use_int_block_hashes() -> bool:
-    """Read the switch the way vLLM's ``envs`` does: ``bool(int(os.getenv(NAME, "1")))``."""
-    return bool(int(os.getenv(INT_HASHES_ENV, "1")))
+    """Read the switch the way vLLM's ``envs`` does: ``bool(int(os.getenv(NAME, "1")))``.
+
+    Raises:
+        InvalidFieldError: the variable is set to something that is not an int.
+    """
+    raw = os.getenv(INT_HASHES_ENV, "1")
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise InvalidFieldError(INT_HASHES_ENV, raw, "an int: 1 (hashes as 64-bit ints, vLLM's default) or 0 "
+                                                     "(hash bytes)") from None
 
 
 def to_external_block_hash(hash_bytes: bytes, use_int: bool) -> ExternalBlockHash:

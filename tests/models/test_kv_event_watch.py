@@ -200,3 +200,13 @@ def test_findings_kept_are_bounded_but_all_counted() -> None:
         w.feed(seq, 0.0, [_removed(seq)])
     assert w.num_findings == 10 and len(w.findings) == 3
     w.check_invariants()
+
+
+def test_remembered_losses_are_bounded_by_the_window() -> None:
+    w = EventStreamWatcher(window=8)
+    seq = 0
+    for _ in range(20):
+        w.feed(seq, 0.0, [])
+        seq += 3  # two lost each time
+    assert w.lost == 38 and len(w._lost) <= 8
+    w.check_invariants()

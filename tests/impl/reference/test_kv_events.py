@@ -325,3 +325,10 @@ def test_a_planted_difference_in_the_reference_events_is_caught(monkeypatch, tmp
                       shrink=False)
     assert not run.ok and run.signature.endswith(": KV cache events differ"), run.failure
     assert "parent_block_hash" in run.failure or "KV cache events differ at event" in run.failure
+
+
+def test_a_bad_hash_format_variable_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    BlockPool(4, True, 2)  # a pool without events never reads it
+    with pytest.raises(InvalidFieldError, match="VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"):
+        BlockPool(4, True, 2, enable_kv_cache_events=True)
