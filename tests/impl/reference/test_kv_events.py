@@ -332,3 +332,21 @@ def test_a_bad_hash_format_variable_is_named(monkeypatch) -> None:
     BlockPool(4, True, 2)  # a pool without events never reads it
     with pytest.raises(InvalidFieldError, match="VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"):
         BlockPool(4, True, 2, enable_kv_cache_events=True)
+
+
+@pytest.mark.vllm
+def test_report_mode_full_hits_are_announced_like_vllm() -> None:
+    """A request with ``kv_cache_report_mode == "full"`` (vLLM: SamplingParams.extra_args) gets a
+    BlockStored per group for its prefix-cache hit from ``get_computed_blocks``, state unchanged."""
+    ref, vllm = _managers(config([fa(4), swa(4, 8)], num_blocks=16, enable_kv_cache_events=True))
+    first = Request("first", list(range(13)))
+    _both(ref, vllm, lambda m: m.allocate_slots(first, 13))
+    _both(ref, vllm, lambda m: m.free(first))
+    again = Request("again", list(range(13)) + [99])
+    again.kv_cache_report_mode = "full"  # type: ignore[attr-defined]
+    vllm._mirror(again).kv_cache_report_mode = "full"
+    events = _both(ref, vllm, lambda m: m.get_computed_blocks(again))
+    assert [(e["type"], e["group_idx"], e["parent_block_hash"]) for e in events] == [
+        ("BlockStored", 0, None), ("BlockStored", 1, None)]
+    plain = Request("plain", list(range(13)) + [98])
+    assert _both(ref, vllm, lambda m: m.get_computed_blocks(plain)) == []  # "incremental": no event
