@@ -350,3 +350,64 @@ def test_report_mode_full_hits_are_announced_like_vllm() -> None:
         ("BlockStored", 0, None), ("BlockStored", 1, None)]
     plain = Request("plain", list(range(13)) + [98])
     assert _both(ref, vllm, lambda m: m.get_computed_blocks(plain)) == []  # "incremental": no event
+
+
+@pytest.mark.vllm
+def test_scheduler_steps_publish_the_same_batches_as_vllms_scheduler() -> None:
+    """The reference Scheduler and vLLM's own Scheduler in lock step: after every
+    ``update_from_output`` the reference manager's events must equal the batch vLLM's scheduler
+    publishes (its ``kv_event_publisher`` replaced by a capture; vLLM publishes only non-empty
+    batches). Small pool, shared prefixes: stores, hits, evictions, preemptions, then resets."""
+    require_vllm()
+    from vllm.config.kv_events import KVEventsConfig
+
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.impl.vllm.kv_events import vllm_event_to_plain
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+
+    class Capture:
+        def __init__(self) -> None:
+            self.batches: list[list[dict]] = []
+
+        def publish(self, batch) -> None:
+            self.batches.append([vllm_event_to_plain(e) for e in batch.events])
+
+        def shutdown(self) -> None:
+            pass
+
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3)
+    pool = config([fa(4)], num_blocks=12, max_model_len=64, enable_kv_cache_events=True,
+                  max_in_flight_tokens=cfg.max_in_flight_tokens)
+    env = VllmEnv()
+    env.vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    theirs = VllmScheduler(pool, cfg, env)
+    capture = theirs.scheduler.kv_event_publisher = Capture()
+    ours = Scheduler(pool, cfg)
+    seen: dict[str, int] = {}
+    for round_ in range(3):
+        for i in range(4):
+            r = Request(f"q{round_}.{i}", [i % 2] * 9 + [round_, i] * 4, max_tokens=4, arrival_time=float(i))
+            ours.add_request(r)
+            theirs.add_request(Request(r.request_id, list(r.prompt_token_ids), max_tokens=4,
+                                       arrival_time=float(i)))
+        for step in range(60):  # bounded: a round ends in a few dozen steps
+            if not ours.has_unfinished_requests():
+                break
+            a, b = ours.schedule(), theirs.schedule()
+            assert [(x.request_id, x.num_scheduled_tokens) for x in a.scheduled] == \
+                [(x.request_id, x.num_scheduled_tokens) for x in b.scheduled]
+            sampled = ModelOutput({x.request_id: [7] for x in a.scheduled if not x.is_prefill_chunk})
+            ours.update_from_output(a, sampled)
+            theirs.update_from_output(b, sampled)
+            mine = ours.kv_cache_manager.take_kv_events()
+            published = capture.batches.pop() if capture.batches else []
+            assert not capture.batches and mine == published, f"round {round_} step {step}"
+            for e in mine:
+                seen[e["type"]] = seen.get(e["type"], 0) + 1
+        assert not theirs.has_unfinished_requests()
+        assert ours.kv_cache_manager.reset_prefix_cache() and theirs.scheduler.kv_cache_manager.reset_prefix_cache()
+        assert ours.kv_cache_manager.take_kv_events() == [{"type": "AllBlocksCleared"}]
+        theirs.update_from_output(theirs.schedule(), ModelOutput())
+        assert capture.batches.pop() == [{"type": "AllBlocksCleared"}]
+    assert set(seen) == {"BlockStored", "BlockRemoved"}, seen
