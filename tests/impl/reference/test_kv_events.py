@@ -359,12 +359,11 @@ def test_scheduler_steps_publish_the_same_batches_as_vllms_scheduler() -> None:
     publishes (its ``kv_event_publisher`` replaced by a capture; vLLM publishes only non-empty
     batches). Small pool, shared prefixes: stores, hits, evictions, preemptions, then resets."""
     require_vllm()
-    from vllm.config.kv_events import KVEventsConfig
-
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
     from kvref.impl.vllm.kv_events import vllm_event_to_plain
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+    from vllm.config.kv_events import KVEventsConfig
 
     class Capture:
         def __init__(self) -> None:
