@@ -135,13 +135,15 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         policy=draw(st.sampled_from((FCFS, PRIORITY))) if policy is None else policy,
         scheduler_reserve_full_isl=draw(st.sampled_from((True, True, True, False))),
         async_scheduling=is_async)
-    # One setup in three is a preemption storm: several requests may run at once, the step budget
-    # admits them together and (below) the pool has no spare block, so decodes run it dry and the
-    # scheduler preempts one running request after another (victim order, queue end: issue #13).
+    # One setup in three is a preemption storm: two or three requests run at once (a burst of three
+    # arrivals leaves one waiting), the step budget admits them together and (below) the pool has
+    # no spare block, so decodes run it dry and the scheduler preempts running requests while
+    # others wait: the victim's choice and where it rejoins the queue show (issue #13).
     storm = not large and draw(st.integers(0, 2)) == 0
     if storm:
-        cfg = replace(cfg, max_num_seqs=max(3, cfg.max_num_seqs),
-                      max_num_batched_tokens=max(32, cfg.max_num_batched_tokens))
+        cfg = replace(cfg, max_num_seqs=draw(st.integers(2, 3)),
+                      max_num_batched_tokens=max(32, cfg.max_num_batched_tokens),
+                      policy=FCFS if policy is None else policy)  # FCFS: the victim is running[-1]
     if not cfg.enable_chunked_prefill:
         max_model_len = min(max_model_len, cfg.max_num_batched_tokens) if consistent is not False else max_model_len
         max_model_len = max(max_model_len, 2)
