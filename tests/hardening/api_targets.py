@@ -205,4 +205,23 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     offload_case("update_connector_output", lambda s, g, r: dict(finished_recving=[], completed_store_events={}))
     offload_case("request_finished", lambda s, g, r: dict(request=r, block_ids=[[1, 2, 3]]))
     offload_case("bind_gpu_block_pool", lambda s, g, r: dict(gpu_block_pool=g))
+
+    def connector_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler
+            from kvref.impl.request import Request
+
+            sched = OffloadingConnectorScheduler((FULL,), _cpu_manager(), tokens_per_hash=4)
+            r0 = Request("r0", list(range(9)), max_tokens=4)
+            r1 = Request("r1", list(range(9)), max_tokens=4)
+            sched.on_new_request(r0)
+            return sched, sched.check_invariants, make_kwargs(sched, r0, r1), getattr(sched, method)
+        add(f"OffloadingConnectorScheduler.{method}", build)
+
+    connector_case("on_new_request", lambda s, r0, r1: dict(req=r1))
+    connector_case("get_num_new_matched_tokens", lambda s, r0, r1: dict(req=r0, num_computed_tokens=0))
+    connector_case("update_state_after_alloc", lambda s, r0, r1: dict(req=r0, blocks=[[(1, False), (2, False)]],
+                                                                      num_external_tokens=0))
+    connector_case("request_finished", lambda s, r0, r1: dict(req=r0, aborted=False))
+    connector_case("update_connector_output", lambda s, r0, r1: dict(completed_jobs={}))
     return cases

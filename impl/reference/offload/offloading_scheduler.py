@@ -144,6 +144,11 @@ class OffloadingMeta:
     jobs_to_flush: frozenset[int]
 
 
+def _check_request(req: object) -> None:
+    if not isinstance(req, Request):
+        raise InvalidFieldError("req", req, "a kvref.impl.request.Request")
+
+
 class OffloadingConnectorScheduler:
     """Args:
         specs: the GPU KV cache groups' specs (full attention or sliding window).
@@ -200,6 +205,7 @@ class OffloadingConnectorScheduler:
     # ------------------------------------------------------------------ helpers
 
     def _status(self, req: Request) -> _ReqState:
+        _check_request(req)
         st = self._req_status.get(req.request_id)
         if st is None:
             raise OffloadStateError(f"request {req.request_id!r} is unknown (on_new_request not called, "
@@ -228,6 +234,7 @@ class OffloadingConnectorScheduler:
     # ------------------------------------------------------------------ requests
 
     def on_new_request(self, req: Request) -> None:
+        _check_request(req)
         if req.request_id in self._req_status:
             raise OffloadStateError(f"request {req.request_id!r} is already known")
         ctx = RequestContext(req.request_id)
@@ -255,8 +262,19 @@ class OffloadingConnectorScheduler:
                                  num_external_tokens: int) -> None:
         """``blocks``: the request's table per group as ``(block_id, is_hashed)``."""
         check_int("num_external_tokens", num_external_tokens, minimum=0)
-        if len(blocks) != len(self.groups):
-            raise InvalidFieldError("blocks", blocks, f"{len(self.groups)} per-group lists")
+        _check_request(req)
+        if not isinstance(blocks, (list, tuple)) or len(blocks) != len(self.groups) or not all(
+                isinstance(grp, (list, tuple)) and all(
+                    isinstance(e, (list, tuple)) and len(e) == 2 and type(e[0]) is int and e[0] >= 0
+                    and isinstance(e[1], bool) for e in grp) for grp in blocks):
+            raise InvalidFieldError("blocks", blocks, f"{len(self.groups)} per-group lists of (block_id, is_hashed)")
+        if num_external_tokens:  # checked before anything is recorded (the batch's allocated blocks too)
+            st = self._status(req)
+            cached = st.num_locally_computed_tokens + num_external_tokens
+            for c, grp in zip(self.groups, blocks):
+                if len(grp) < cdiv(cached, c.tokens_per_block):
+                    raise InvalidFieldError("blocks", list(grp), f"at least {cdiv(cached, c.tokens_per_block)} "
+                                                                 f"blocks in group {c.group_idx}")
         for grp in blocks:
             self._batch_allocated.update(b for b, _ in grp if b != 0)
         if num_external_tokens == 0:
@@ -292,6 +310,7 @@ class OffloadingConnectorScheduler:
     def request_finished(self, req: Request, aborted: bool = False) -> tuple[bool, None]:
         """Blocks may be freed at once (returns ``(False, None)``); the last chunks are stored by the
         next step; full-attention sources of running stores become fenced now."""
+        _check_request(req)
         st = self._req_status.get(req.request_id)
         if st is None:
             ctx = RequestContext(req.request_id)  # never tracked: nothing in flight
@@ -471,8 +490,11 @@ class OffloadingConnectorScheduler:
         """``completed_jobs``: job id -> workers reporting it now. Jobs from before a reset only
         count down the reset fence. Unknown jobs, non-positive counts and more reports than workers
         raise OffloadStateError / InvalidFieldError with nothing changed (vLLM asserts or KeyErrors)."""
+        if not isinstance(completed_jobs, dict):
+            raise InvalidFieldError("completed_jobs", completed_jobs, "a dict job id -> workers reporting it")
         for job, n in completed_jobs.items():
             check_int(f"completed_jobs[{job}]", n, minimum=1)
+            check_int("completed_jobs (job id)", job, minimum=0)
             if job < self._stale_job_threshold:
                 continue
             if job not in self._jobs:
