@@ -301,6 +301,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             """A second step rule: running requests advance about twice as often as other ops."""
             self._step(data)
 
+        @precondition(lambda self: self._has("steppable"))
+        @rule(data=st.data())
+        def step_more(self, data) -> None:
+            """A third: with the connector, reset and eviction rules beside them, two step rules left
+            windows too rarely slid past their first blocks (sliding-window faults survived)."""
+            self._step(data)
+
         @precondition(lambda self: self._has("in_flight"))
         @rule(data=st.data())
         def process_output(self, data) -> None:
