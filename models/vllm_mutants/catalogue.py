@@ -286,11 +286,13 @@ _add(
           "        request.status = RequestStatus.PREEMPTED\n",
           CLASSIC, "dropped reset: a preempted request keeps its computed-token count though its blocks were "
                    "freed (it resumes past KV it no longer has)", behaviour="preemption"),
-    fault("sched.running_budget_not_charged", _SCHED,
+    fault("sched.running_tokens_not_charged", _SCHED,
           "            token_budget -= num_new_tokens\n            input_budget -= num_new_tokens + draft_slots\n"
           "            req_index += 1\n",
-          "            input_budget -= num_new_tokens + draft_slots\n            req_index += 1\n",
-          CLASSIC, "dropped update: running requests' tokens are not charged to the step's token budget",
+          "            req_index += 1\n",
+          CLASSIC, "dropped updates: running requests' tokens are charged to neither the token nor the input "
+                   "budget, so waiting requests are admitted past max_num_batched_tokens (dropping only the "
+                   "token-budget update is equivalent: the input budget mirrors it and every loop checks both)",
           behaviour="scheduler"),
     fault("sched.chunks_without_chunked_prefill", _SCHED,
           "                        not self.scheduler_config.enable_chunked_prefill\n"
