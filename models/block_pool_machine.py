@@ -154,6 +154,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
     num_blocks: int = 10
     block_size: int = 4
     steps = 0  # class-wide count of executed steps (benchmarks)
+    #: class-wide counts of what the runs reached (tests assert on them, so a machine that silently
+    #: stopped reaching exhaustion, eviction or hits fails its test): ``hits``, ``evictions``,
+    #: ``exhausted`` (a get_new_blocks that had to raise), ``null_slots``
+    coverage: dict[str, int] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -197,7 +201,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if n <= 0 or n > len(self.model.free):
             return
         got = self._all("get_new_blocks", n)
-        want = self.model.get_new_blocks(n)
+        want = self._model_get_new_blocks(n)
         self._same(f"get_new_blocks({n})", got, want)
         o.blocks.extend(want)
         end = len(o.hashes)
@@ -205,6 +209,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self._all("cache", o.hashes, o.blocks, o.num_cached, end, self.block_size)
             self.model.cache(o.hashes, o.blocks, o.num_cached, end)
             o.num_cached = end
+
+    def _count(self, what: str, n: int = 1) -> None:
+        type(self).coverage[what] = type(self).coverage.get(what, 0) + n
+
+    def _model_get_new_blocks(self, n: int) -> list[int]:
+        """The model's allocation, counting the cached blocks it evicts on the way (I7)."""
+        before = set(self.model.primary)
+        got = self.model.get_new_blocks(n)
+        self._count("evictions", len(before & set(got)))
+        return got
 
     def _admit(self, content: tuple[int, ...], nulls: int) -> None:
         self.history.append(content)
@@ -219,6 +233,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             hits.append(want)
         # leading placeholders: skipped positions (a sliding-window table after its window moved on)
         table = [0] * nulls + hits[nulls:]
+        self._count("hits", bool(hits[nulls:]))
+        self._count("null_slots", bool(nulls))
         self._all("touch", table)
         self.model.touch(table)
         self.owners[self.next_owner] = Owner(hashes, table, len(table))
@@ -229,6 +245,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def grow(self, data: st.DataObject, n: int) -> None:
         oid = data.draw(st.sampled_from(sorted(self.owners)), label="owner")
         if n > len(self.model.free):
+            self._count("exhausted")
             for impl in self.impls:
                 before = impl.free_queue()
                 try:
@@ -241,7 +258,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 assert impl.free_queue() == before, f"{impl.name}: a failed get_new_blocks changed the queue"
             return
         got = self._all("get_new_blocks", n)
-        want = self.model.get_new_blocks(n)
+        want = self._model_get_new_blocks(n)
         self._same(f"get_new_blocks({n})", got, want)
         self.owners[oid].blocks.extend(want)
 
@@ -319,4 +336,4 @@ def make_block_pool_machine(*targets: str, num_blocks: int = 10,
             raise InvalidFieldError("targets", t, "one of " + ", ".join(DRIVERS))
     name = "BlockPoolMachine_" + "_".join(targets)
     return type(name, (BlockPoolMachine,), {"targets": tuple(targets), "num_blocks": num_blocks,
-                                             "block_size": block_size, "steps": 0})
+                                             "block_size": block_size, "steps": 0, "coverage": {}})

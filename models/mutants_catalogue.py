@@ -255,9 +255,9 @@ def _reset_always(original):
         "cache_full_blocks ignores block_mask (sliding-window blocks that can never be hit are cached)")
 def _cache_no_mask(original):
     def cache_full_blocks(self, block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
-                          kv_cache_group_id, block_mask=None):
+                          kv_cache_group_id, block_mask=None, **kwargs):
         return original(self, block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
-                        kv_cache_group_id, None)
+                        kv_cache_group_id, None, **kwargs)
     return cache_full_blocks
 
 
@@ -265,14 +265,14 @@ def _cache_no_mask(original):
         "cache_full_blocks publishes one block too many (a block that is not full yet)")
 def _cache_extra(original):
     def cache_full_blocks(self, block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
-                          kv_cache_group_id, block_mask=None):
+                          kv_cache_group_id, block_mask=None, **kwargs):
         from kvref.impl.reference.block_hash import resolve_block_hashes
 
         n = min(num_full_blocks + 1, len(blocks), len(resolve_block_hashes(block_hashes, self.hash_block_size, block_size)))
         if block_mask is not None:
             block_mask = list(block_mask) + [True] * (n - num_full_blocks)
         return original(self, block_hashes, blocks, num_cached_blocks, n, block_size,
-                        kv_cache_group_id, block_mask)
+                        kv_cache_group_id, block_mask, **kwargs)
     return cache_full_blocks
 
 

@@ -68,6 +68,12 @@ class ManagerMachine(RuleBasedStateMachine):
     config = ManagerConfig()
     targets: tuple[str, ...] = ("reference",)
     steps = 0
+    #: class-wide counts of what the runs reached (``hits``, ``admissions``, ``rejections``, ``frees``):
+    #: tests assert on them, so a machine that stopped reaching hits or rejections fails
+    coverage: dict[str, int] = {}
+
+    def _count(self, what: str) -> None:
+        type(self).coverage[what] = type(self).coverage.get(what, 0) + 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -153,8 +159,12 @@ class ManagerMachine(RuleBasedStateMachine):
         num_new = min(chunk, r.num_tokens - num_hit)
         out = self._allocate(r, num_new, blocks, num_hit, gate=True)
         self._vllm_allocate(r, num_new, hit_ids if any(hit_ids) else None, num_hit, True, out)
+        if num_hit:
+            self._count("hits")
         if out is None:
+            self._count("rejections")
             return
+        self._count("admissions")
         r.num_computed_tokens = num_hit + num_new
         r.status = RequestStatus.RUNNING
         self.reqs[rid] = r
@@ -186,6 +196,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 if b.ref_cnt == 1:
                     (front if b.block_hash is None else back).append(b.block_id)
         before = list(pool.free_block_ids())
+        self._count("frees")
         self.kv.free(r)
         if self.vllm is not None:
             self.vllm.free(r)
@@ -259,7 +270,7 @@ def make_manager_machine(config: ManagerConfig, *targets: str) -> type[ManagerMa
 
             raise InvalidFieldError("targets", t, "'reference' or 'vllm'")
     return type(f"ManagerMachine_{config.kind}_{'_'.join(targets)}", (ManagerMachine,),
-                {"config": config, "targets": tuple(targets), "steps": 0})
+                {"config": config, "targets": tuple(targets), "steps": 0, "coverage": {}})
 
 
 CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("swa", num_blocks=6),

@@ -15,13 +15,16 @@ def test_reference_block_pool_agrees_with_the_model():
     machine = make_block_pool_machine("reference")
     run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(60, 300),
                                                          stateful_step_count=40))
-    assert machine.steps > 0
+    c = machine.coverage
+    assert c.get("hits", 0) and c.get("null_slots", 0), c  # prefix hits and skipped (null) slots reached
 
 
 def test_small_pool_runs_out_of_blocks_and_evicts():
     machine = make_block_pool_machine("reference", num_blocks=4)
     run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(40, 150),
                                                          stateful_step_count=40))
+    c = machine.coverage
+    assert c.get("exhausted", 0) and c.get("evictions", 0), c  # what the test's name promises
 
 
 @pytest.mark.vllm

@@ -20,6 +20,37 @@ def test_catalogue_has_thirty_available_mutants_with_historic_variants():
     assert set(CI_SUBSET) <= {m.name for m in ms}
 
 
+def test_every_catalogued_mutant_resolves_and_takes_the_originals_optional_arguments():
+    """A renamed target or a new keyword argument must fail here, not silently shrink the campaign
+    (an unavailable mutant is skipped) or count a ``TypeError`` as a kill (a replacement that no
+    longer accepts what callers pass raises on its first call)."""
+    import inspect
+
+    unresolved = [m.name for m in CATALOGUE if not m.available()]
+    assert not unresolved, f"mutants whose target no longer exists: {unresolved}"
+    assert len(all_mutants()) == len(CATALOGUE)
+    stale = []
+    for m in CATALOGUE:
+        owner, attr = m.resolve()
+        original = inspect.getattr_static(owner, attr)
+        original = getattr(original, "__func__", original)
+        if not inspect.isfunction(original):
+            continue
+        replacement = m.make(getattr(owner, attr))
+        replacement = getattr(replacement, "__func__", replacement)
+        if not inspect.isfunction(replacement):
+            continue
+        theirs = inspect.signature(replacement).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in theirs.values()):
+            continue
+        optional = [k for k, p in inspect.signature(original).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]
+        missing = [k for k in optional if k not in theirs]
+        if missing:
+            stale.append(f"{m.name}: {m.target} no longer takes {missing}")
+    assert not stale, stale
+
+
 def test_method_patch_is_applied_and_restored():
     original = BlockPool._touch
     pool = BlockPool(4, True, 2)

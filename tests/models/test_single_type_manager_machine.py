@@ -17,7 +17,8 @@ def test_reference_managers_pass_the_machine(config):
     machine = make_manager_machine(config)
     run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(30, 120),
                                                          stateful_step_count=30))
-    assert machine.steps > 0
+    c = machine.coverage
+    assert c.get("admissions", 0) and c.get("frees", 0) and c.get("hits", 0), c
 
 
 @pytest.mark.parametrize("name,text", [
@@ -43,7 +44,7 @@ def test_reference_managers_agree_with_vllm():
         machine = make_manager_machine(config, "reference", "vllm")
         run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(15, 60),
                                                              stateful_step_count=30))
-        assert machine.steps > 0
+        assert machine.coverage.get("admissions", 0) and machine.coverage.get("frees", 0), machine.coverage
 
 
 @pytest.mark.vllm
