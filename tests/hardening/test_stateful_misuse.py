@@ -121,3 +121,74 @@ def _empty_step(cls):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kwargs[f.name] = {} if "dict" in str(f.type) else []
     return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- random call sequences
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+from tests.conftest import profile_examples  # noqa: E402
+
+_COUNTS = st.one_of(st.integers(-2, 40), st.sampled_from([10**30, None, "3", 2.0]))
+
+
+class ManagerMisuse(RuleBasedStateMachine):
+    """Valid and invalid calls in any order on one reference KV cache manager: every call either
+    works or raises a ValueError subclass with the state unchanged; invariants hold throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = KVCacheManager(pool_config())
+        self.requests = {f"r{i}": Request(f"r{i}", [i % 3] * 5 + list(range(4)), max_tokens=4) for i in range(3)}
+
+    def _call(self, fn, *args, **kwargs):
+        before = snapshot(self.m)
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            assert str(exc)
+            assert snapshot(self.m) == before, f"{fn.__name__}{args} raised after changing state"
+            return None
+
+    @rule(rid=st.sampled_from(["r0", "r1", "r2"]), n=_COUNTS, hit=st.booleans(), fit=st.booleans(),
+          reserved=_COUNTS, lookahead=_COUNTS)
+    def allocate(self, rid, n, hit, fit, reserved, lookahead):
+        r = self.requests[rid]
+        blocks, num_hit = (None, 0)
+        if hit and r.num_computed_tokens == 0:
+            got = self._call(self.m.get_computed_blocks, r)
+            if got is not None:
+                blocks, num_hit = got[0], got[1]
+        out = self._call(self.m.allocate_slots, r, n, num_hit, blocks, num_lookahead_tokens=lookahead,
+                         full_sequence_must_fit=fit, reserved_blocks=reserved)
+        if out is not None and type(n) is int:
+            r.num_computed_tokens += num_hit + n
+
+    @rule(rid=st.sampled_from(["r0", "r1", "r2", "ghost"]))
+    def free(self, rid):
+        r = self.requests.get(rid) or Request(rid, [1, 2], max_tokens=1)
+        self._call(self.m.free, r)
+        r.num_computed_tokens = 0
+
+    @rule(ids=st.one_of(st.lists(st.integers(-1, 12), max_size=3), st.just(5), st.just(None)))
+    def evict(self, ids):
+        self._call(self.m.evict_blocks, ids)
+
+    @rule(rid=st.sampled_from(["r0", "r1", "r2", "ghost"]), n=_COUNTS)
+    def remove_skipped(self, rid, n):
+        self._call(self.m.remove_skipped_blocks, rid, n)
+
+    @rule()
+    def reset(self):
+        self._call(self.m.reset_prefix_cache)
+
+    @invariant()
+    def holds(self):
+        self.m.check_invariants()
+
+
+ManagerMisuse.TestCase.settings = settings(max_examples=profile_examples(30, 150), stateful_step_count=25,
+                                           deadline=None)
+test_manager_misuse_sequences = ManagerMisuse.TestCase
