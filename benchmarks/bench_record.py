@@ -126,9 +126,8 @@ def _instrument() -> None:
     run-to-run noise a shared machine adds to an A/B difference. The writer thread's CPU time is
     summed from ``time.thread_time`` around each chunk it encodes, compresses and writes.
     """
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     from kvref.impl.run_trace.writer import TraceWriter
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     perf = time.thread_time
     for name in ("schedule", "update_from_output", "add_request"):
@@ -207,7 +206,11 @@ def overhead(steps: int, repeats: int) -> list[dict]:
 def _check_setup():
     from kvref.impl.interface import PoolConfig
     from kvref.impl.reference.scheduler_types import SchedulerConfig
-    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from kvref.spec.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     attn = dict(num_kv_heads=1, head_size=8, dtype="float16")
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, async_scheduling=True)

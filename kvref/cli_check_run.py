@@ -27,7 +27,7 @@ import sys
 import time
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("check-run", help="check a recorded vLLM run (--scheduler-cls kvref.record...) against "
                                          "the reference", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,8 +13,8 @@ from .format import (
     OPTIONAL_RECORD_TYPES,
     RECORD_TYPES,
     VERSION,
-    TraceFormatError,
     TokenAnonymizer,
+    TraceFormatError,
     decode_tokens,
     encode_tokens,
 )

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from .format import TraceFormatError, validate_header, validate_record
 
@@ -77,7 +77,7 @@ class TraceReader:
             self.close()
             raise
 
-    def __enter__(self) -> "TraceReader":
+    def __enter__(self) -> TraceReader:
         return self
 
     def __exit__(self, *exc) -> None:

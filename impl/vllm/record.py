@@ -41,14 +41,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-from itertools import chain
 import os
 import time
 import weakref
+from itertools import chain
 from typing import Any
-
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvref.impl.run_trace.format import (
     FINISH_REASONS,
@@ -61,6 +58,8 @@ from kvref.impl.run_trace.format import (
 )
 from kvref.impl.run_trace.writer import TraceWriter, _dumps
 from kvref.spec.errors import InvalidFieldError
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 
 ENV_PATH = "KVREF_RECORD"
 ENV_ANONYMIZE = "KVREF_RECORD_ANONYMIZE"
@@ -92,7 +91,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     text = str(value)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    return text.removeprefix("torch.")
 
 
 def spec_record(spec) -> dict:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from kvref import cli
 from kvref.models.run_check import check_trace, write_reproducer
 from kvref.models.run_check.generate import generate_trace
+
+from kvref import cli
 from tests.record.traces import (
     add,
     full_setup,

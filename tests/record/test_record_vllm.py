@@ -17,10 +17,10 @@ import subprocess
 import sys
 
 import pytest
-
-from kvref import cli
 from kvref.models.run_check import check_trace
 from kvref.models.scheduler_machine import Lockstep, RequestSpec
+
+from kvref import cli
 from tests.models.test_startup_liveness import uncapped_sliding_window_admission
 from tests.record.traces import ATTN, hybrid_setup, read_lines
 from tests.vllm_env import require_vllm
@@ -82,7 +82,11 @@ def record_run(path, pool, cfg, env, *, seed=0, ops=250, arrival=0.3, shared=0.5
 def _chunked_setup(async_scheduling=False):
     from kvref.impl.interface import PoolConfig
     from kvref.impl.reference.scheduler_types import SchedulerConfig
-    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec
+    from kvref.spec.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+    )
 
     groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, **ATTN)),
               KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **ATTN)))

@@ -6,7 +6,6 @@ import gzip
 import json
 
 import pytest
-
 from kvref.impl.run_trace import (
     OPTIONAL_RECORD_TYPES,
     TokenAnonymizer,
@@ -17,6 +16,7 @@ from kvref.impl.run_trace import (
     encode_tokens,
 )
 from kvref.spec.errors import InvalidFieldError
+
 from tests.record.traces import add, full_setup, header_for, sched, update, write_trace
 
 

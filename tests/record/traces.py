@@ -11,7 +11,11 @@ from kvref.impl.reference.scheduler_types import SchedulerConfig
 from kvref.impl.run_trace.format import encode_tokens, sched_record, sched_rows
 from kvref.impl.run_trace.writer import TraceWriter
 from kvref.models.run_check.generate import header_for
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.spec.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 
 ATTN = dict(num_kv_heads=1, head_size=8, dtype="float16")
 
