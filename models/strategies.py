@@ -70,7 +70,9 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
         if name == "fa":
             spec = FullAttentionSpec(**draw(attention_kwargs(bs)))
         elif name == "swa":
-            spec = SlidingWindowSpec(**draw(attention_kwargs(bs)), sliding_window=draw(st.integers(1, 4 * bs + 3)))
+            # extra_retained_tokens: multi-module MTP keeps blocks below the window (one in four)
+            spec = SlidingWindowSpec(**draw(attention_kwargs(bs)), sliding_window=draw(st.integers(1, 4 * bs + 3)),
+                                     extra_retained_tokens=draw(st.sampled_from((0, 0, 0, 1, 2, 5))))
         elif name == "chunked":
             chunk = draw(st.one_of(st.integers(1, 4).map(lambda k: k * bs), st.integers(1, 4 * bs)))
             spec = ChunkedLocalAttentionSpec(**draw(attention_kwargs(bs)), attention_chunk_size=chunk)

@@ -51,3 +51,19 @@ def test_spec_decode_hits_on_three_group_pools(vllm_adapter):
     matched block dropped (vLLM's ``use_eagle``), compared block for block with the reference."""
     st = _run(profile_examples(40, 80), group_sets=("fa+swa+swa",), eagle="always")
     assert st.prefix_hits > 0, st
+
+
+def test_pools_include_extra_retained_windows_and_near_full_sizes():
+    """The pool strategy draws sliding windows with MTP's extra retained tokens, and pools sized
+    right at one max-length request (where admission is decided by a block)."""
+    from hypothesis import find, settings
+
+    from kvref.models.strategies import pool_configs
+    from kvref.spec.kv_cache_interface import SlidingWindowSpec
+
+    quick = settings(max_examples=500, database=None)
+    find(pool_configs(group_sets=("fa+swa",)), lambda p: any(
+        isinstance(g.kv_cache_spec, SlidingWindowSpec) and g.kv_cache_spec.extra_retained_tokens > 0
+        for g in p.groups), settings=quick)
+    find(pool_configs(group_sets=("fa",)), lambda p: p.num_blocks == -(-p.max_model_len // p.groups[0].kv_cache_spec.block_size),
+         settings=quick)
