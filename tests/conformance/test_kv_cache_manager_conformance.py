@@ -133,8 +133,18 @@ def test_reference_conforms_to_vllm(vllm_adapter):
     # fast profile's 40 traces are too few to rely on every rare event.
     assert st.admissions > 0 and st.admission_rejections > 0 and st.preemptions > 0
     if examples >= 200:
-        assert st.prefix_hits > 0 and st.step_rejections > 0 and st.async_batches > 0 and st.external_loads > 0
-        assert st.evictions > 0 and st.null_slots > 0
+        def rare_events(st):
+            return {"prefix_hits": st.prefix_hits, "step_rejections": st.step_rejections,
+                    "async_batches": st.async_batches, "external_loads": st.external_loads,
+                    "evictions": st.evictions, "null_slots": st.null_slots}
+
+        if not all(rare_events(st).values()):
+            # Generation is random under the ci profile: one batch of 200 traces can miss a rare
+            # event (a CI run once drew no step rejection). Draw a second batch before calling the
+            # strategy vacuous; the stats accumulate over both.
+            _run(machine, examples)
+        missed = [name for name, n in rare_events(st).items() if not n]
+        assert not missed, f"400 generated traces never reached {missed}: {st}"
         assert len(st.group_sets) >= 5, st.group_sets
     print(f"\nreference vs vLLM: {long_runs} traces, {st.ops_applied} ops in {seconds:.1f}s "
           f"({st.ops_applied / seconds:.0f} steps/s end to end, {st.ops_applied / st.seconds_in_harness:.0f} "
