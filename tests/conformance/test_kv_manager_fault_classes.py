@@ -28,29 +28,35 @@ def vllm_adapter():
     return adapter
 
 
-def _run(examples: int, **machine_kwargs):
-    # a fixed seed: the counters are a property of the generators on these traces, not of luck
-    run = run_machine(("reference", "vllm"), examples, seed=1, shrink=False, **machine_kwargs)
-    assert run.ok, run.failure
-    return run.stats
+def _run(examples: int, counters: tuple[str, ...], **machine_kwargs):
+    """Fixed seeds (the counters are a property of the generators on these traces, not of luck);
+    a rare path gets up to three batches before it is called unreached (swarm testing leaves some
+    batches without a rule the path needs)."""
+    total: dict[str, int] = dict.fromkeys(counters, 0)
+    for seed in (1, 2, 3):
+        run = run_machine(("reference", "vllm"), examples, seed=seed, shrink=False, **machine_kwargs)
+        assert run.ok, run.failure
+        for c in counters:
+            total[c] += getattr(run.stats, c)
+        if all(total.values()):
+            break
+    return total
 
 
 def test_connector_paths_are_reached_on_hybrid_pools(vllm_adapter):
     """Async loads start and complete, external tokens follow a hit on >= 2 groups, admissions are
     decided with at most one block to spare, several running requests are preempted newest first."""
     groups = tuple(g for g in HYBRID_GROUP_SETS if "mamba" not in g)  # FA+Mamba pools cache nothing: no hits
-    st = _run(profile_examples(40, 80), group_sets=groups)
-    assert st.async_loads > 0 and st.loads_done > 0, (st.async_loads, st.loads_done)
-    assert st.external_hybrid > 0, st
-    assert st.boundary_admissions > 0, st
-    assert st.preemption_storms > 0, st
+    st = _run(profile_examples(40, 80), ("async_loads", "loads_done", "external_hybrid", "boundary_admissions",
+                                         "preemption_storms"), group_sets=groups)
+    assert all(st.values()), st
 
 
 def test_spec_decode_hits_on_three_group_pools(vllm_adapter):
     """EAGLE pools of three groups: prefix hits found by the hybrid coordinator with the last
     matched block dropped (vLLM's ``use_eagle``), compared block for block with the reference."""
-    st = _run(profile_examples(40, 80), group_sets=("fa+swa+swa",), eagle="always")
-    assert st.prefix_hits > 0, st
+    st = _run(profile_examples(40, 80), ("prefix_hits",), group_sets=("fa+swa+swa",), eagle="always")
+    assert st["prefix_hits"] > 0, st
 
 
 def test_pools_include_extra_retained_windows_and_near_full_sizes():
