@@ -121,6 +121,10 @@ class Scheduler:
             raise InvalidFieldError("request", request, "a kvref Request")
         if request.request_id in self.requests:
             raise InvalidFieldError("request.request_id", request.request_id, "an id not already queued")
+        if any(sr.request_id == request.request_id for out in self._in_flight.values() for sr in out.scheduled):
+            # an aborted request's step is still in flight: its update would land on the new request
+            raise InvalidFieldError("request.request_id", request.request_id,
+                                    "an id no step still in flight names (ids are unique, as in vLLM)")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
             raise InvalidFieldError("request.status", request.status.value, "a fresh WAITING request")
         if request.num_prompt_tokens >= self.max_model_len:

@@ -192,3 +192,68 @@ class ManagerMisuse(RuleBasedStateMachine):
 ManagerMisuse.TestCase.settings = settings(max_examples=profile_examples(30, 150), stateful_step_count=25,
                                            deadline=None)
 test_manager_misuse_sequences = ManagerMisuse.TestCase
+
+
+class SchedulerMisuse(RuleBasedStateMachine):
+    """The scheduler driven in any order — steps scheduled beyond the in-flight limit, outputs
+    updated twice, out of order or never, aborts of unknown or finished requests, duplicate ids —
+    with valid calls in between: ValueError with the state unchanged, or success; invariants hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.async_ = False
+        self.s = None
+        self.outputs: list = []  # every output ever returned (stale ones included)
+        self.next_id = 0
+
+    @rule(async_=st.booleans())
+    def start(self, async_):
+        if self.s is None:
+            cfg = SchedulerConfig(max_num_batched_tokens=8, async_scheduling=async_)
+            self.s = Scheduler(pool_config(max_in_flight_tokens=cfg.max_in_flight_tokens), cfg)
+
+    def _call(self, fn, *args):
+        before = snapshot(self.s)
+        try:
+            return fn(*args)
+        except ValueError as exc:
+            assert str(exc)
+            assert snapshot(self.s) == before, f"{fn.__name__} raised after changing state"
+            return None
+
+    @rule(n=st.integers(1, 40), dup=st.booleans())
+    def add(self, n, dup):
+        if self.s is None:
+            return
+        rid = f"q{self.next_id - 1 if dup and self.next_id else self.next_id}"
+        self.next_id += not dup
+        self._call(self.s.add_request, Request(rid, [n % 5] * n, max_tokens=3))
+
+    @rule()
+    def schedule(self):
+        if self.s is not None:
+            out = self._call(self.s.schedule)
+            if out is not None:
+                self.outputs.append(out)
+
+    @rule(which=st.integers(0, 5), token=st.integers(-1, 9))
+    def update(self, which, token):
+        if self.s is None or not self.outputs:
+            return
+        out = self.outputs[which % len(self.outputs)]
+        self._call(self.s.update_from_output, out, ModelOutput({r.request_id: [token] for r in out.scheduled}))
+
+    @rule(ids=st.one_of(st.lists(st.sampled_from(["q0", "q1", "q2", "zz"]), max_size=3), st.just("q0"), st.just(7)))
+    def abort(self, ids):
+        if self.s is not None:
+            self._call(self.s.finish_requests, ids)
+
+    @invariant()
+    def holds(self):
+        if self.s is not None:
+            self.s.check_invariants()
+
+
+SchedulerMisuse.TestCase.settings = settings(max_examples=profile_examples(30, 150), stateful_step_count=30,
+                                             deadline=None)
+test_scheduler_misuse_sequences = SchedulerMisuse.TestCase
