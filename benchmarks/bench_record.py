@@ -20,8 +20,9 @@ two runs, not one).
 async scheduling, arrivals, aborts, preemptions), then checks it with ``kvref check-run``'s
 function in a fresh process, reporting steps/s and peak RSS (``resource.getrusage``); a trace a
 tenth as long is checked the same way to show memory does not grow with the trace. For scale it
-also measures vLLM's own ``schedule()`` + ``update_from_output()`` rate on the same setup (CPU, no
-model: a lower bound on the time vLLM takes to produce a step; on a GPU each step also runs the model).
+first measures vLLM's own ``AsyncScheduler`` steps per CPU-second (``schedule()`` +
+``update_from_output()`` + ``add_request()`` on the same setup, fake model: a lower bound on what
+vLLM spends per step; on a GPU each step also runs the model). Results print as they come.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _workload(seed: int, n: int):
     return reqs
 
 
-def _serve(driver, workload, steps: int, is_async: bool) -> dict:
+def _serve(driver, workload, steps: int, is_async: bool, max_live: int = 160) -> dict:
     """Drive vLLM's scheduler like the engine core (batch queue of depth 2 with async)."""
     from collections import deque
 
@@ -87,7 +88,7 @@ def _serve(driver, workload, steps: int, is_async: bool) -> dict:
     # machine at load 9, wall-clock medians skew: short calls run between preemptions, long ones not)
     perf = time.thread_time
     while done < steps:
-        while pending and len(s.running) + len(s.waiting) < 160:
+        while pending and len(s.running) + len(s.waiting) < max_live:
             rid, prompt, max_tokens = pending.popleft()
             req = VRequest(request_id=rid, prompt_token_ids=prompt,
                            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -224,9 +225,10 @@ def _check_setup():
 _CHILD = """
 import json, resource, sys, time
 from kvref.models.run_check import check_trace
-t = time.perf_counter(); r = check_trace(sys.argv[1]); dt = time.perf_counter() - t
+t, c = time.perf_counter(), time.process_time(); r = check_trace(sys.argv[1])
+dt, dc = time.perf_counter() - t, time.process_time() - c
 print(json.dumps({"ok": r.ok, "followed": r.followed, "steps": r.summary["steps"], "records": r.records,
-                  "seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "seconds": dt, "cpu_s": dc, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "summary": r.summary}))
 """
 
@@ -237,23 +239,19 @@ def _check_in_child(path: str) -> dict:
 
 
 def _vllm_rate(steps: int) -> float:
-    """vLLM's schedule()+update_from_output() steps/s on the check setup (fake model, CPU)."""
-    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
-    from kvref.models.scheduler_machine import Lockstep, RequestSpec
+    """vLLM's ``AsyncScheduler``: ``schedule()`` + ``update_from_output()`` + ``add_request()`` steps
+    per second of engine-thread CPU on the check setup (fake model, CPU)."""
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv
 
     pool, cfg = _check_setup()
-    ls = Lockstep(pool, cfg, {"vllm": lambda p, c: VllmScheduler(p, c, VllmEnv())})
-    ls.compare = lambda what: None  # no snapshots: time vLLM's calls, not the comparison
+    _instrument()
     rng = random.Random(0)
-    n = 0
-    t = time.perf_counter()
-    while ls.num_schedules < steps:
-        if rng.random() < 0.3 and len(ls.targets["vllm"].scheduler.requests) < 16:
-            ls.add(RequestSpec(f"r{n}", tuple(rng.randrange(1, 1000) for _ in range(rng.randint(1, 128))),
-                               rng.randint(1, 24), 0, float(n)))
-            n += 1
-        ls.engine_step()
-    return steps / (time.perf_counter() - t)
+    workload = [(f"r{i}", [rng.randrange(1, 1000) for _ in range(rng.randint(1, 128))], rng.randint(1, 24))
+                for i in range(steps)]
+    driver = recorded_vllm_scheduler(pool, cfg, VllmEnv(), scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler")
+    r = _serve(driver, workload, steps, True, max_live=16)
+    return steps / r["calls_s"]
 
 
 def check(steps: int) -> dict:
@@ -262,6 +260,11 @@ def check(steps: int) -> dict:
     pool, cfg = _check_setup()
     d = tempfile.mkdtemp(prefix="kvref_bench_check_")
     out = {}
+    try:
+        out["vllm_steps_per_cpu_s"] = round(_vllm_rate(5000))
+    except ImportError as exc:  # pragma: no cover - no vLLM
+        out["vllm_steps_per_cpu_s"] = f"vLLM not importable: {exc}"
+    print(json.dumps({"vllm_steps_per_cpu_s": out["vllm_steps_per_cpu_s"]}), flush=True)
     for n in (steps // 10, steps):
         path = os.path.join(d, f"gen-{n}.kvtrace.gz")
         t = time.perf_counter()
@@ -269,14 +272,12 @@ def check(steps: int) -> dict:
         gen_s = time.perf_counter() - t
         r = _check_in_child(path)
         out[n] = {"steps": n, "trace_mib": round(os.path.getsize(path) / 2**20, 1), "records": r["records"],
-                  "generate_s": round(gen_s, 1), "check_s": round(r["seconds"], 1),
-                  "check_steps_per_s": round(n / r["seconds"]), "peak_rss_mib": round(r["peak_rss_mib"], 1),
+                  "generate_s": round(gen_s, 1), "check_s": round(r["seconds"], 1), "check_cpu_s": round(r["cpu_s"], 1),
+                  "check_steps_per_s": round(n / r["seconds"]), "check_steps_per_cpu_s": round(n / r["cpu_s"]),
+                  "peak_rss_mib": round(r["peak_rss_mib"], 1),
                   "ok": r["ok"], "followed": r["followed"], "summary": r["summary"]}
+        print(json.dumps(out[n]), flush=True)  # as soon as known: a long run is not lost to a later failure
         os.remove(path)
-    try:
-        out["vllm_steps_per_s"] = round(_vllm_rate(5000))
-    except ImportError as exc:  # pragma: no cover - no vLLM
-        out["vllm_steps_per_s"] = f"vLLM not importable: {exc}"
     return out
 
 
@@ -290,7 +291,7 @@ def main() -> None:
         for row in overhead(a.steps or 1500, a.repeats):
             print(json.dumps(row))
     else:
-        print(json.dumps(check(a.steps or 1_000_000), indent=1))
+        check(a.steps or 1_000_000)
 
 
 if __name__ == "__main__":
