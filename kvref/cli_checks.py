@@ -110,7 +110,7 @@ class JsonStdout:
         self.enabled = enabled
         self._stdout = sys.stdout
 
-    def __enter__(self) -> "JsonStdout":
+    def __enter__(self) -> JsonStdout:
         import sys
 
         self._stdout = sys.stdout

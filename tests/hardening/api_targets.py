@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -51,8 +52,12 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.block_pool import BlockPool
     from kvref.impl.reference.kv_cache_manager import KVCacheManager
     from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
-    from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler as OffloadingScheduler
-    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler
+    from kvref.impl.reference.offload.offloading_scheduler import (
+        OffloadingConnectorScheduler as OffloadingScheduler,
+    )
+    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
+        SimpleCPUOffloadScheduler,
+    )
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.reference.scheduler_types import SchedulerConfig
     from kvref.impl.request import Request
@@ -92,12 +97,10 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "EngineConfig": (EngineConfig, dict(max_model_len=1024, derived_max_model_len=4096)),
     }
     try:
-        import torch  # noqa: F401
-
+        import torch
         from kvref.impl.torch.manager import TorchKVCacheManager
 
         out["TorchKVCacheManager"] = (TorchKVCacheManager, dict(pool_config=pc, device="cpu"))
-        import torch
 
         from kvref.impl.torch.block_pool import TorchBlockPool
         from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
@@ -188,7 +191,9 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
 
     def offload_case(method, make_kwargs):
         def build():
-            from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler
+            from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
+                SimpleCPUOffloadScheduler,
+            )
             from kvref.impl.request import Request
 
             sched = SimpleCPUOffloadScheduler((GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4,
@@ -208,7 +213,9 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
 
     def connector_case(method, make_kwargs):
         def build():
-            from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler
+            from kvref.impl.reference.offload.offloading_scheduler import (
+                OffloadingConnectorScheduler,
+            )
             from kvref.impl.request import Request
 
             sched = OffloadingConnectorScheduler((FULL,), _cpu_manager(), tokens_per_hash=4)

@@ -70,7 +70,7 @@ def test_a_clean_run_says_it_was_not_interrupted(capsys):
 
 
 def test_interrupt_of_any_command_exits_130(monkeypatch, capsys):
-    import kvref.cli_size as cli_size
+    from kvref import cli_size
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -83,7 +83,6 @@ def test_interrupt_of_any_command_exits_130(monkeypatch, capsys):
 def test_z3_cancelled_by_sigint_raises_keyboard_interrupt(monkeypatch):
     """Z3 turns SIGINT into an "unknown" answer; the engine turns that back into Ctrl-C."""
     import z3
-
     from kvref.proofs import engine
 
     class Cancelled:

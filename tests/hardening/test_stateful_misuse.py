@@ -6,11 +6,11 @@ internal invariant reached through a public call."""
 from __future__ import annotations
 
 import pytest
-
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request
+
 from tests.hardening.api_targets import GROUP, pool_config, snapshot
 
 
@@ -102,7 +102,10 @@ def test_free_of_an_unknown_request_is_a_no_op():
 
 
 def test_simple_offload_meta_before_binding_a_pool_is_rejected():
-    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler, SimpleOffloadStep
+    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
+        SimpleCPUOffloadScheduler,
+        SimpleOffloadStep,
+    )
 
     sched = SimpleCPUOffloadScheduler((GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4,
                                       hash_block_size=4)
@@ -125,11 +128,11 @@ def _empty_step(cls):
 
 # ---------------------------------------------------------------- random call sequences
 
-from hypothesis import settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tests.conftest import profile_examples  # noqa: E402
+from tests.conftest import profile_examples
 
 _COUNTS = st.one_of(st.integers(-2, 40), st.sampled_from([10**30, None, "3", 2.0]))
 
