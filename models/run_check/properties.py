@@ -7,7 +7,9 @@ follow (a newer vLLM, a feature outside kvref's subset):
   flight and requests wait cannot change anything by itself: the same decision repeats until
   something arrives or is aborted. That is the head-of-line hang of vLLM #39734 / #35541 (a
   waiting request whose admission gate can never pass on a pool startup accepted). Reported
-  when it lasts ``starvation_steps`` schedule calls in a row.
+  when it lasts ``starvation_steps`` schedule calls in a row; not counted while a waiting request
+  uses an unmodelled feature (a structured-output grammar may still be compiling) nor on runs
+  with a KV connector (remote loads make such waits legitimate).
 * **No block shared by two requests unless it is a prefix-cache hit.** The blocks a step
   *allocates* (beyond the hit prefix of a new or resumed request, whose first
   ``num_computed_tokens // block_size`` blocks are the hit) must not be held by another live
@@ -80,6 +82,12 @@ class RunProperties:
         self.max_table = [-(-self.max_model_len // bs) + 1 for bs in self.group_bs]
         self.num_groups = len(self.group_bs)
         self.starvation_steps = starvation_steps
+        # A request can legitimately wait while nothing runs when vLLM waits on something outside
+        # the scheduler: a KV connector's remote load, a structured-output grammar compiling.
+        # Those runs (header) and requests (their "x") do not count towards starvation.
+        self.starvation_off = [u for u in header.get("unmodelled", [])
+                               if u.startswith(("kv_connector", "ec_connector"))]
+        self.exempt: set[str] = set()
         self.max_findings = max_findings
         self.findings: list[Finding] = []
         self.num_findings = 0
@@ -114,6 +122,8 @@ class RunProperties:
             rid = rec["id"]
             self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(rec["prompt"]))
             self.waiting[rid] = None
+            if rec.get("x"):
+                self.exempt.add(rid)
             self.stats["requests"] += 1
         elif t == "abort":
             for rid in rec["ids"]:
@@ -143,6 +153,7 @@ class RunProperties:
         if r.first_step < 0:
             self._note_wait(rid, self.step - r.arrival_step)
         self.waiting.pop(rid, None)
+        self.exempt.discard(rid)
         del self.reqs[rid]
         self.finish_reasons[reason] += 1
 
@@ -165,7 +176,8 @@ class RunProperties:
                 self._finish(rid, "finished")
         rows = sched_rows(rec)
         # starvation: nothing scheduled, nothing running, nothing else in flight, someone waiting
-        if not rows and not self.running and self.in_flight == 0 and self.waiting:
+        if (not rows and not self.running and self.in_flight == 0 and self.waiting and not self.starvation_off
+                and not (self.exempt and any(r in self.exempt for r in self.waiting))):
             self.idle_run += 1
             if self.idle_run >= self.starvation_steps and not self.idle_reported:
                 head = next(iter(self.waiting))
@@ -272,6 +284,7 @@ class RunProperties:
             "longest_wait_steps": self.longest_wait[0], "longest_wait_request": self.longest_wait[1],
             "peak_running": self.peak_running, "peak_blocks_held": self.peak_blocks,
             "num_blocks": self.num_blocks,
+            "starvation_check": ("off: " + ", ".join(self.starvation_off)) if self.starvation_off else "on",
         }
 
     def check_invariants(self) -> None:

@@ -120,6 +120,19 @@ def test_starvation_while_idle_is_reported_without_the_reference(tmp_path):
     assert r.divergence is not None and r.divergence.step == 0
 
 
+def test_idle_waits_outside_the_scheduler_are_not_starvation(tmp_path):
+    """A grammar compiling (structured output) or a remote KV load (connector) keeps a request
+    waiting while nothing runs; that is not the #39734 hang."""
+    pool, cfg = full_setup()
+    idle = [rec for k in range(5) for rec in (sched(k, []), update(k, {}))]
+    path = write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), [add("a", [1] * 20, x=["structured_output"])] + idle)
+    assert check_trace(path).ok
+    h = header_for(pool, cfg)
+    h["unmodelled"] = ["kv_connector"]
+    r = check_trace(write_trace(tmp_path / "t2.jsonl", h, [add("a", [1] * 20)] + idle))
+    assert r.ok and r.summary["starvation_check"] == "off: kv_connector"
+
+
 def test_a_block_shared_outside_a_prefix_hit_is_reported(tmp_path):
     pool, cfg = full_setup()
     recs = [add("a", [1, 2, 3, 4, 5]), add("b", [6, 7, 8, 9, 10]),
