@@ -124,6 +124,14 @@ class _Expander:
         for i, a in enumerate(acts):
             try:
                 nxt = self.consume(state, a) if i == last and self.consume is not None else system.step(state, a)
+            except RecursionError as e:
+                # the explorer's own limit (states are copied by pickling; a pool of a few hundred
+                # linked blocks is too deep), not a finding about the system: say so, as input
+                from kvref.spec.errors import InvalidFieldError
+
+                raise InvalidFieldError("scope", "too large for the explorer's state copies",
+                                        f"a smaller scope (fewer blocks); action {fmt_action(a)} hit {fmt_exc(e)}") \
+                    from None
             except Exception as e:  # noqa: BLE001 - any exception of the real code is a finding
                 out.append(("err", a, f"action {fmt_action(a)} raised {fmt_exc(e)}", fmt_exc(e)))
                 progressed = True

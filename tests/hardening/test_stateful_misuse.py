@@ -260,3 +260,19 @@ class SchedulerMisuse(RuleBasedStateMachine):
 SchedulerMisuse.TestCase.settings = settings(max_examples=profile_examples(30, 150), stateful_step_count=30,
                                              deadline=None)
 test_scheduler_misuse_sequences = SchedulerMisuse.TestCase
+
+
+def test_a_scope_too_deep_to_copy_is_an_input_error_not_a_violation(monkeypatch):
+    """A pool of a few hundred blocks overflows the explorer's pickled state copies: that is the
+    tool's limit (``InvalidFieldError``), where it used to be reported as a violation of the system."""
+    from dataclasses import replace
+
+    import kvref.models.explorer_kv as explorer_kv
+    from kvref.models.explorer import explore
+
+    with pytest.raises(ValueError, match="scope"):
+        replace(explorer_kv.SCOPES["default"], num_blocks=400)  # the scope refuses it up front
+    monkeypatch.setattr(explorer_kv, "MAX_SCOPE_BLOCKS", 10**6)
+    scope = replace(explorer_kv.SCOPES["default"], num_blocks=400)
+    with pytest.raises(ValueError, match="too large for the explorer"):
+        explore(explorer_kv.KVSystem(scope), max_states=50)
