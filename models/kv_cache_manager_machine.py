@@ -204,6 +204,18 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
                                        cache_salt=data.draw(CACHE_SALTS))))
 
+        @precondition(lambda self: self.h is not None and len(self.h.live()) < MAX_LIVE_REQUESTS)
+        @rule(data=st.data())
+        def add_and_admit(self, data) -> None:
+            """An arrival the scheduler admits at once. Besides ``admit``: Hypothesis' swarm testing
+            switches rules off per trace, and a trace whose only admission rule is off compares
+            nothing but arrivals, evictions and empty steps."""
+            assert self.h is not None
+            self.add_request(data)
+            rid = f"r{self._next_rid - 1}"
+            chunk = data.draw(st.sampled_from((1, 4, 16, 64, 1024)), label="chunk")
+            self._admit(data, rid, chunk, 0)
+
         @precondition(lambda self: self._has("waiting"))
         @rule(data=st.data())
         def admit(self, data) -> None:
