@@ -19,6 +19,9 @@ def test_wheel_contains_every_layer_and_imports_outside_the_repo(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("kvref/spec/__init__.py", "kvref/spec/kv_cache_interface.py", "kvref/impl/interface.py",
                    "kvref/impl/reference/__init__.py", "kvref/impl/torch/__init__.py",
+                   "kvref/impl/vllm/__init__.py", "kvref/impl/vllm/api.py", "kvref/impl/run_trace/__init__.py",
+                   "kvref/impl/torch/triton_kernels/__init__.py", "kvref/models/run_check/__init__.py",
+                   "kvref/models/vllm_mutants/__init__.py",
                    "kvref/models/__init__.py", "kvref/proofs/__init__.py", "kvref/cli.py",
                    "kvref/examples/llama3_8b.json", "kvref/examples/gemma3_27b_like.toml"):
         assert module in names, f"{module} missing from the wheel"
