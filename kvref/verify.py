@@ -279,7 +279,8 @@ def check_torch_differential(ctx: VerifyContext) -> CheckResult:
 def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckResult:
     from kvref.models.scheduler_machine import run_scheduler_machine
 
-    run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(25, 200), shrink=ctx.shrink)
+    run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(25, 200), shrink=ctx.shrink,
+                                seed=ctx.seed)
     if not run.ok:
         return CheckResult(name, FAILED, "scheduler traces " + ("diverged from vLLM" if with_vllm else
                                                                   "broke an invariant or liveness"),
