@@ -5,5 +5,7 @@ torch implementation, vLLM adapter), ``kvref.models`` (state machines, explorer)
 ``kvref.proofs`` (Z3, CrossHair); this package is the front door (CLI, reports).
 """
 
-__version__ = "0.1.0"
-VLLM_VERSION = "0.33.0"
+from kvref.spec.version import KVREF_VERSION as __version__
+from kvref.spec.version import MODELLED_VLLM_VERSION as VLLM_VERSION
+
+__all__ = ["__version__", "VLLM_VERSION"]

@@ -15,8 +15,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-#: the vLLM release whose semantics kvref's reference models
-REFERENCE_VLLM_VERSION = "0.33.0"
+from kvref.spec.version import MODELLED_VLLM_VERSION as REFERENCE_VLLM_VERSION  
 
 
 @dataclass(frozen=True)

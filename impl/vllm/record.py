@@ -151,7 +151,7 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
     """The trace header for a constructed scheduler."""
     import vllm
 
-    from kvref import __version__ as kvref_version
+    from kvref.spec.version import KVREF_VERSION as kvref_version
 
     vc, sc, cc = s.vllm_config, s.scheduler_config, s.cache_config
     kvc = s.kv_cache_config

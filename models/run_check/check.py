@@ -64,7 +64,7 @@ def check_trace(path: str | os.PathLike, *, properties_only: bool = False, starv
     Raises:
         TraceFormatError (a ``ValueError``): the trace cannot be read (not a trace, bad record).
     """
-    from kvref import VLLM_VERSION
+    from kvref.spec.version import MODELLED_VLLM_VERSION as VLLM_VERSION
 
     with TraceReader(path) as reader:
         header = reader.header

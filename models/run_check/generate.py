@@ -34,7 +34,8 @@ def _spec_record(spec) -> dict:
 
 def header_for(pool: PoolConfig, config: SchedulerConfig, producer: str = "kvref reference") -> dict:
     """A trace header describing a reference setup (the recorder's header, minus vLLM's extras)."""
-    from kvref import VLLM_VERSION, __version__
+    from kvref.spec.version import KVREF_VERSION as __version__
+    from kvref.spec.version import MODELLED_VLLM_VERSION as VLLM_VERSION
 
     return {
         "format": FORMAT, "version": VERSION,
