@@ -85,16 +85,19 @@ def test_a_mutant_changes_behaviour_and_the_clean_method_comes_back():
 
 
 def test_scheduler_machine_kills_invariant_and_liveness_faults():
-    """Reference alone (no vLLM): a broken max_num_seqs bound trips the scheduler's invariants and
-    the victim choice without the arrival-time tie-break livelocks the liveness drain."""
-    ms = [CATALOGUE[n] for n in ("sched.max_num_seqs_off_by_one", "sched.priority_victim_no_arrival_tiebreak")]
+    """Reference alone (no vLLM): a broken max_num_seqs bound trips the scheduler's invariants.
+
+    The victim choice without the arrival-time tie-break (which livelocks the liveness drain) needs
+    equal priorities on a tight PRIORITY pool; the campaign's default machine reaches it too rarely
+    since the storm generators changed its draws (the full campaign still kills it, by another
+    check), so the directed machine below shows the liveness drain catching it."""
+    ms = [CATALOGUE["sched.max_num_seqs_off_by_one"]]
     res = run_mutant_campaign(ms, checks=["spec-formulas", "pool-machine", "scheduler-machine"], budget=50,
                               all_checks=True)
     assert not res.baseline_failures
     by = {r.mutant.name: r for r in res.results}
     assert by["sched.max_num_seqs_off_by_one"].killed_by == "scheduler-machine"
     assert "max_num_seqs" in by["sched.max_num_seqs_off_by_one"].reason
-    assert "liveness" in by["sched.priority_victim_no_arrival_tiebreak"].reason
     # the pool and spec checks never run scheduler code: they are not run on scheduler mutants
     assert all(set(r.per_check) == {"scheduler-machine"} for r in res.results)
 
@@ -172,3 +175,28 @@ def test_reproducible_runs_ignore_the_modules_a_process_has_loaded():
     with same_inputs_in_every_process() as applied:
         assert applied and len(providers._get_local_constants()) == 0
     assert providers._get_local_constants() is loaded
+
+
+def test_liveness_drain_catches_the_priority_victim_without_arrival_tiebreak(monkeypatch):
+    """Equal priorities on tight PRIORITY pools: among equal priorities vLLM evicts the latest
+    arrival; evicting the first running request instead makes two requests preempt each other
+    for ever, which only the liveness drain (not any per-step invariant) can see."""
+    from dataclasses import replace
+
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.reference.scheduler_types import PRIORITY
+    from kvref.models import scheduler_machine as sm
+
+    specs = sm.request_specs
+    monkeypatch.setattr(sm, "request_specs", lambda i, m: specs(i, m).map(lambda s: replace(s, priority=0)))
+    machine = sm.machine_with({"ref": lambda p, c: Scheduler(p, c)},
+                              setups=sm.scheduler_setups(policy=PRIORITY, tight=True, consistent=True))
+    s = settings(max_examples=100, stateful_step_count=45, deadline=None, database=None, derandomize=True,
+                 suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    run_state_machine_as_test(machine, _min_steps=31, settings=s)  # the reference: live
+    with CATALOGUE["sched.priority_victim_no_arrival_tiebreak"].applied():
+        with pytest.raises(AssertionError, match="liveness"):
+            run_state_machine_as_test(machine, _min_steps=31, settings=s)
