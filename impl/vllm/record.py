@@ -410,41 +410,14 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
     class that matches ``config.async_scheduling``. Drives a recorded run on CPU with a fake model
     (tests, benchmarks); the trace goes where :func:`record_settings` says.
     """
-    from .scheduler import VllmEnv, VllmScheduler, load_vllm, to_vllm_spec
+    from .scheduler import VllmScheduler
 
     if scheduler_cls is None:
         scheduler_cls = ("kvref.record.RecordingAsyncScheduler" if config.async_scheduling
                          else "kvref.record.RecordingScheduler")
 
     class _Driven(VllmScheduler):
-        def __init__(self) -> None:  # VllmScheduler.__init__ with the class resolved like the engine core
-            if pool.max_in_flight_tokens != config.max_in_flight_tokens:
-                raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
-                                        f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
-            v = self._v = load_vllm()
-            self.env = env or VllmEnv()
-            vc = self.env.configure(pool, config)
-            kv_cfg = v["vk"].KVCacheConfig(
-                num_blocks=pool.num_blocks, kv_cache_tensors=[],
-                kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
-                                                          to_vllm_spec(g.kv_cache_spec))
-                                 for i, g in enumerate(pool.groups)])
-            vc.scheduler_config.scheduler_cls = scheduler_cls
-            try:
-                cls = vc.scheduler_config.get_scheduler_cls()
-            finally:
-                vc.scheduler_config.scheduler_cls = None  # the env is shared
-            self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
-                                 structured_output_manager=v["StructuredOutputManager"](vc),
-                                 include_finished_set=False, log_stats=False,
-                                 block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size)
-            self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
-            self.pool = pool
-            self.config = config
-            self._reqs: dict[str, Any] = {}
-            self._outputs: dict[int, Any] = {}
-
         def close(self) -> None:
             self.scheduler.shutdown()
 
-    return _Driven()
+    return _Driven(pool, config, env, scheduler_cls=scheduler_cls)

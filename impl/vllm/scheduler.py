@@ -153,9 +153,13 @@ class VllmScheduler:
             vLLM's scheduler derives it from its config).
         config: scheduler settings.
         env: a :class:`VllmEnv` (shared per process; built when None).
+        scheduler_cls: a ``--scheduler-cls`` string (e.g. ``kvref.record.RecordingScheduler``),
+            resolved by vLLM's ``SchedulerConfig.get_scheduler_cls()`` as the engine core does;
+            None: vLLM's ``Scheduler`` / ``AsyncScheduler`` by ``config.async_scheduling``.
     """
 
-    def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None) -> None:
+    def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
+                 scheduler_cls: str | None = None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -167,10 +171,19 @@ class VllmScheduler:
             kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
                                                       to_vllm_spec(g.kv_cache_spec))
                              for i, g in enumerate(pool.groups)])
-        cls = v["AsyncScheduler"] if config.async_scheduling else v["Scheduler"]
+        if scheduler_cls is None:
+            cls = v["AsyncScheduler"] if config.async_scheduling else v["Scheduler"]
+            extra: dict[str, Any] = {}
+        else:  # a class string resolved as vLLM's engine core resolves --scheduler-cls
+            vc.scheduler_config.scheduler_cls = scheduler_cls
+            try:
+                cls = vc.scheduler_config.get_scheduler_cls()
+            finally:
+                vc.scheduler_config.scheduler_cls = None  # the env is shared
+            extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
         self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
                              structured_output_manager=v["StructuredOutputManager"](vc),
-                             block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size)
+                             block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size, **extra)
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
         self.pool = pool
         self.config = config
