@@ -80,6 +80,21 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
     max_live = max_live or 2 * config.max_num_seqs
     depth = config.max_concurrent_batches
     n_req = step = 0
+
+    def settle() -> None:
+        """The oldest step in flight comes back: update, record the finishes it caused."""
+        k, out = in_flight.popleft()
+        mo = model.output(out)
+        sched.update_from_output(out, mo)
+        fin = []
+        for s in out.scheduled:
+            r = live.get(s.request_id)
+            if r is not None and r.status == RequestStatus.FINISHED:
+                fin.append([s.request_id, r.finish_reason])
+                del live[s.request_id]
+                model.num_sampled.pop(s.request_id, None)
+        w.write(_update(k, out, mo, fin))
+
     while step < steps:
         if len(live) < max_live and rng.random() < arrival_prob:
             length = rng.randint(1, max(1, min(pool.max_model_len - 1, 4 * pool.scheduler_block_size * 4)))
@@ -105,27 +120,8 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
             step += 1
             if len(in_flight) < depth and sched.has_unfinished_requests():
                 continue
-        k, out = in_flight.popleft()
-        mo = model.output(out)
-        sched.update_from_output(out, mo)
-        fin = []
-        for s in out.scheduled:
-            r = live.get(s.request_id)
-            if r is not None and r.status == RequestStatus.FINISHED:
-                fin.append([s.request_id, r.finish_reason])
-                del live[s.request_id]
-                model.num_sampled.pop(s.request_id, None)
-        w.write(_update(k, out, mo, fin))
+        settle()
     while in_flight:
-        k, out = in_flight.popleft()
-        mo = model.output(out)
-        sched.update_from_output(out, mo)
-        fin = []
-        for s in out.scheduled:
-            r = live.get(s.request_id)
-            if r is not None and r.status == RequestStatus.FINISHED:
-                fin.append([s.request_id, r.finish_reason])
-                del live[s.request_id]
-        w.write(_update(k, out, mo, fin))
+        settle()
     w.close({"t": "end", "steps": step, "records": w.num_records + 1})
     return w.num_records
