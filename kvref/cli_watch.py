@@ -35,6 +35,10 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<por
 
 #: how long one replay answer may take before the replay socket is given up for this request
 REPLAY_TIMEOUT_S = 5.0
+#: after this long without a live batch the watcher asks the replay socket for anything newer: ZeroMQ
+#: drops what a PUB socket sends before a subscription is in place (the "slow joiner"), so a batch
+#: published while the watcher was joining is otherwise only recovered when a later one arrives
+REPLAY_IDLE_S = 1.0
 #: most batches one replay request may return (the publisher's default buffer_steps is 10 000)
 REPLAY_MAX_BATCHES = 1_000_000
 
@@ -178,6 +182,7 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
     start = time.monotonic()
     deadline = start + seconds
     last_status = 0.0
+    last_live = start
     try:
         try:
             sub.bind(endpoint) if bind else sub.connect(endpoint)
@@ -197,7 +202,11 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
                 last_status = time.monotonic()
                 _status(status, tty, time.monotonic() - start, w)
             if not sub.poll(100):
+                if replay is not None and time.monotonic() - last_live >= REPLAY_IDLE_S:
+                    last_live = time.monotonic()
+                    feed_replay(w.next_seq or 0)  # quiet: catch up on what the joining missed
                 continue
+            last_live = time.monotonic()
             frames = sub.recv_multipart()
             if len(frames) != 3:
                 w.feed_undecodable(None, f"a message of {len(frames)} frames (expected topic, seq, payload)")

@@ -100,6 +100,21 @@ class _Publisher:
 
         self.pub._pub = Twice()
 
+    def drop_on_wire(self, seq: int) -> None:
+        """From now on batch ``seq`` never reaches the PUB socket but stays in the replay buffer:
+        what a subscriber that is still joining (ZeroMQ's slow joiner) experiences."""
+        real = self.pub._pub
+
+        class Drop:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def send_multipart(self, frames, *a, **kw):
+                if int.from_bytes(frames[1], "big") != seq:
+                    real.send_multipart(frames, *a, **kw)
+
+        self.pub._pub = Drop()
+
     @property
     def endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
@@ -195,6 +210,50 @@ def test_watcher_shadow_equals_vllms_index_with_the_vllm_decoder(vllm_stream) ->
 
 
 @pytest.mark.vllm
+def test_a_last_batch_missed_on_the_wire_is_fetched_from_replay(vllm_stream) -> None:
+    """No later batch reveals the gap, so only asking the replay socket while the stream is quiet
+    recovers it (the CI flake behind this test: the final batch was published while the watcher's
+    subscription was still joining, and the watcher waited for it until --seconds)."""
+    from kvref.cli_watch import watch
+
+    batches, mgr = vllm_stream
+    pub = _Publisher()
+    w = EventStreamWatcher()
+    stop = threading.Event()
+    t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
+                                    decoder="vllm", watcher=w, stop=stop))
+    try:
+        warmups = _until_live(pub, w)  # the start-up replay is over: only a later fetch can help
+        total = warmups + len(batches)
+        pub.drop_on_wire(total - 1)
+        for events in batches:
+            pub.publish(events)
+        deadline = time.monotonic() + BOUND_S
+        while w.next_seq != total and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        t.join(BOUND_S)
+        pub.close()
+    assert w.num_findings == 0 and w.next_seq == total, w.summary()
+    assert w.batches_from_replay >= 1
+    assert w.shadow == _shadow_of_vllm_pool(mgr)
+
+
+def _until_live(pub: _Publisher, w: EventStreamWatcher) -> int:
+    """Publish empty batches, one at a time, until one arrives live: the subscription is in place
+    (bounded). Returns how many were published."""
+    deadline = time.monotonic() + BOUND_S
+    warmups = 0
+    while w.batches_received - w.batches_from_replay == 0 and time.monotonic() < deadline:
+        pub.publish([])
+        warmups += 1
+        time.sleep(0.05)
+    assert w.batches_received - w.batches_from_replay > 0, "the watcher never got a live batch"
+    return warmups
+
+
+@pytest.mark.vllm
 def test_a_lost_batch_is_flagged_and_exits_1(vllm_stream, capsys) -> None:
     batches, _ = vllm_stream
     pub = _Publisher()
@@ -225,15 +284,9 @@ def test_a_duplicated_batch_is_flagged_and_exits_1(vllm_stream) -> None:
     t, _ = _in_thread(lambda: watch(pub.endpoint, replay_endpoint=pub.replay_endpoint, seconds=BOUND_S,
                                     watcher=w, stop=stop))
     try:
-        # Both copies must reach the live socket, so first make sure the subscription is in place:
-        # empty batches, one at a time, until one arrives live (bounded).
+        # Both copies must reach the live socket, so first make sure the subscription is in place.
+        warmups = _until_live(pub, w)
         deadline = time.monotonic() + BOUND_S
-        warmups = 0
-        while w.batches_received - w.batches_from_replay == 0 and time.monotonic() < deadline:
-            pub.publish([])
-            warmups += 1
-            time.sleep(0.05)
-        assert w.batches_received - w.batches_from_replay > 0, "the watcher never got a live batch"
         dup = warmups + 3
         pub.send_twice(dup)
         for events in batches:
