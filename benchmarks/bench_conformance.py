@@ -24,7 +24,7 @@ def run(kinds: tuple[str, ...], examples: int, steps: int) -> dict:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
+    from kvref.models.machines.kv_cache_manager import kv_cache_manager_machine
 
     group_sets = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba")
     machine = kv_cache_manager_machine(kinds, group_sets=group_sets, eagle=False)

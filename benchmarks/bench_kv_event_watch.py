@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvref.impl.vllm.kv_events import make_decoder
-    from kvref.models.kv_event_watch import EventStreamWatcher
+    from kvref.models.kv_events.watch import EventStreamWatcher
 
     data = payloads(args.batches)
     decode = make_decoder(args.decoder)

@@ -22,9 +22,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the machines call reset_
 
 
 def bench_explorer(scopes: list[str]) -> list[tuple]:
-    from kvref.models.explorer import explore
-    from kvref.models.explorer_kv import SCOPES, KVSystem
-    from kvref.models.explorer_toy import ToyPool
+    from kvref.models.explorer.engine import explore
+    from kvref.models.explorer.kv import SCOPES, KVSystem
+    from kvref.models.explorer.toy import ToyPool
 
     explore(KVSystem(SCOPES["tight"]))  # warm-up: imports and first-use caches stay out of the timings
     rows = []
@@ -45,19 +45,19 @@ def bench_explorer(scopes: list[str]) -> list[tuple]:
     r = explore(KVSystem(SCOPES["twins"]))
     rows.append(("reference, scope twins, symmetry-reduced", r.states, r.transitions, r.depth, r.seconds,
                  r.states_per_second))
-    from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
+    from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem
 
     sc = OFFLOAD_SCOPES["offload"]
     r = explore(OffloadSystem(sc), max_depth=sc.max_depth, check_deadlocks=False)
     rows.append((f"reference SimpleCPU offload, depth {sc.max_depth} (bounded)", r.states, r.transitions, r.depth,
                  r.seconds, r.states_per_second))
-    from kvref.models.explorer_offload import explore_offload
+    from kvref.models.explorer.simple_cpu import explore_offload
 
     r = explore_offload("offload-lazy")
     assert r.complete
     rows.append(("reference SimpleCPU offload, scope offload-lazy (every state)", r.states, r.transitions, r.depth,
                  r.seconds, r.states_per_second))
-    from kvref.models.explorer_connector import explore_connector
+    from kvref.models.explorer.offloading_connector import explore_connector
 
     r = explore_connector("connector")
     rows.append(("reference OffloadingConnector, scope connector, depth 9 (bounded)", r.states, r.transitions,
@@ -92,7 +92,7 @@ def _before_system():
     configs) once per expansion and unpickling it for *every* action (no in-place last step),
     and keys states with the former ``_key`` (every part recomputed for each renaming).
     """
-    from kvref.models.explorer_kv import KVSystem
+    from kvref.models.explorer.kv import KVSystem
 
     class Before(KVSystem):
         step_consuming = None  # the engine then copies for the last action too
@@ -144,8 +144,8 @@ def bench_before_after(scopes: list[str], repeats: int = 3) -> list[tuple]:
     """Before/after rows per scope: best of ``repeats`` alternating runs each (one process)."""
     from dataclasses import replace
 
-    from kvref.models import explorer as engine
-    from kvref.models.explorer_kv import SCOPES, KVSystem
+    from kvref.models.explorer import engine
+    from kvref.models.explorer.kv import SCOPES, KVSystem
 
     before_cls = _before_system()
     rows = []
@@ -178,9 +178,9 @@ def bench_before_after(scopes: list[str], repeats: int = 3) -> list[tuple]:
 def bench_workers(scopes: list[str], workers: list[int], repeats: int = 3) -> list[tuple]:
     """One process vs the parallel search (``explore(..., workers=N)``): best of ``repeats``
     alternating runs each, same states asserted. The rows say how many CPUs the machine has."""
-    from kvref.models.explorer import explore
-    from kvref.models.explorer_kv import SCOPES, KVSystem
-    from kvref.models.explorer_search import resolve_workers
+    from kvref.models.explorer.engine import explore
+    from kvref.models.explorer.kv import SCOPES, KVSystem
+    from kvref.models.explorer.search import resolve_workers
 
     cpus = resolve_workers("auto")
     rows = []
@@ -210,8 +210,8 @@ def bench_breakdown(scopes: list[str], repeats: int = 3) -> list[tuple]:
     reference + its checks alone. Best of ``repeats`` runs (by total seconds)."""
     import time
 
-    from kvref.models.explorer import explore
-    from kvref.models.explorer_kv import SCOPES, KVSystem
+    from kvref.models.explorer.engine import explore
+    from kvref.models.explorer.kv import SCOPES, KVSystem
 
     clock = time.perf_counter
     explore(KVSystem(SCOPES["tight"]))  # warm-up: imports and first-use caches stay out of the timings
@@ -253,8 +253,8 @@ def bench_machines(examples: int, with_vllm: bool) -> list[tuple]:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvref.models.block_pool_machine import make_block_pool_machine
-    from kvref.models.single_type_manager_machine import CONFIGS, VLLM_CONFIGS, make_manager_machine
+    from kvref.models.machines.block_pool import make_block_pool_machine
+    from kvref.models.machines.single_type_manager import CONFIGS, VLLM_CONFIGS, make_manager_machine
 
     cfg = settings(max_examples=examples, stateful_step_count=30, derandomize=True, database=None, deadline=None,
                    suppress_health_check=list(HealthCheck))
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cp:.0f} | {key:.0f} | {rest:.0f} | {ceil:,.0f} |")
         return 0
     if args.workers is not None:
-        from kvref.models.explorer_search import resolve_workers
+        from kvref.models.explorer.search import resolve_workers
 
         counts = sorted(set(args.workers or [2, resolve_workers("auto")]) - {1})
         print("| system | states | transitions | depth | seconds | states/s |")

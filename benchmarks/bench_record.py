@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # ---- overhead ------------------------------------------------------------------------------------
 def _llama_like():
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     def setup(is_async: bool):
@@ -206,7 +206,7 @@ def overhead(steps: int, repeats: int) -> list[dict]:
 # ---- streaming check --------------------------------------------------------------------------------
 def _check_setup():
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.spec.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheGroupSpec,

@@ -5,7 +5,7 @@ A backend is an engine (:class:`kvref.impl.offload_engine.ReferenceEngine`) plus
 :class:`OffloadingReferenceBackend` (the ``OffloadingConnector``'s scheduler over a
 ``CPUOffloadingManager``). vLLM's twins, answering the same calls, are in
 :mod:`kvref.impl.vllm.offload`. The configs are duck-typed (``cfg.block_size``, ``cfg.num_gpu_blocks``…:
-:class:`kvref.models.offload_machine.SimpleOffloadConfig`, :class:`kvref.models.offloading_connector_world.OffloadingConfig`).
+:class:`kvref.models.offload.simple_cpu_world.SimpleOffloadConfig`, :class:`kvref.models.offload.offloading_connector_world.OffloadingConfig`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``Scheduler`` uses them around a KV connector — kvref's reference here, vLLM's own in
 :mod:`kvref.impl.vllm.offload`.
 
-The two offload worlds (:mod:`kvref.models.offload_machine` for ``SimpleCPUOffloadScheduler`` and
-:mod:`kvref.models.offloading_connector_world` for the ``OffloadingConnector``) schedule the same way;
+The two offload worlds (:mod:`kvref.models.offload.simple_cpu_world` for ``SimpleCPUOffloadScheduler`` and
+:mod:`kvref.models.offload.offloading_connector_world` for the ``OffloadingConnector``) schedule the same way;
 the calls they make on the manager, the request and the connector's ``get_num_new_matched_tokens``
 are this interface, once, so the worlds cannot drift apart in how they build requests, allocate or
 finish a load. Each world's backends (:mod:`kvref.impl.offload_backends`) add their connector.

@@ -8,10 +8,10 @@ rule) sees kvref report it as a finding — correctly, kvref models 0.33.0. They
     kvref verify --against vllm --baseline kvref-baseline.json            # CI: only new findings fail
 
 and commit the file beside their change. An accepted finding is matched by its *signature* — the
-check, the operation and what differed, without ids (:func:`kvref.models.accepted.signature`) — so
+check, the operation and what differed, without ids (:func:`kvref.models.conformance.accepted.signature`) — so
 it stays accepted on every trace that shows it. While a check runs, its accepted signatures are
 handed to the generated-trace machines, which discard a trace that meets one and keep searching
-(:mod:`kvref.models.accepted`): a *new* difference behind an accepted one still fails the run.
+(:mod:`kvref.models.conformance.accepted`): a *new* difference behind an accepted one still fails the run.
 Checks that stop at their first difference report an accepted one as ``accepted`` and say that
 nothing behind it was searched.
 
@@ -49,7 +49,7 @@ class AcceptedFinding:
 
 def finding_signature(result: CheckResult) -> str:
     """The signature of a failed check's finding: the one the check set, else its summary's."""
-    from kvref.models.accepted import signature
+    from kvref.models.conformance.accepted import signature
 
     return result.signature or signature(result.summary)
 

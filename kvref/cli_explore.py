@@ -20,9 +20,9 @@ import argparse
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    from kvref.models.explorer_connector import CONNECTOR_SCOPES
-    from kvref.models.explorer_kv import SCOPES
-    from kvref.models.explorer_offload import OFFLOAD_SCOPES
+    from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES
+    from kvref.models.explorer.kv import SCOPES
+    from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES
 
     p = sub.add_parser("explore", help="exhaustive small-scope explorer (states, deadlocks, shortest traces)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,7 +181,7 @@ def auto_workers(stream=None) -> int:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvref.models.explorer import explore, render_trace
+    from kvref.models.explorer.engine import explore, render_trace
     from kvref.progress import Progress, rate
 
     _check_arguments(args)
@@ -192,14 +192,14 @@ def run(args: argparse.Namespace) -> int:
 
         check_writable_dir("--out", args.out)
     if args.toy:
-        from kvref.models.explorer_offload import OFFLOAD_SCOPES
-        from kvref.models.explorer_toy import ToyPool
+        from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES
+        from kvref.models.explorer.toy import ToyPool
 
         system, label = ToyPool(), "toy"
     else:
-        from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorSystem
-        from kvref.models.explorer_kv import SCOPES, KVSystem
-        from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
+        from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES, ConnectorSystem
+        from kvref.models.explorer.kv import SCOPES, KVSystem
+        from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem
 
         scope = _with_sets(SCOPES.get(args.scope) or OFFLOAD_SCOPES.get(args.scope) or CONNECTOR_SCOPES[args.scope],
                            args.set)
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                       check_deadlocks=not bounded, max_depth=args.max_depth, workers=workers, progress=on_progress)
     written = _write_findings(args, res, label) if args.out is not None else []
     if args.json:
-        from kvref.models.explorer_search import resolve_workers
+        from kvref.models.explorer.search import resolve_workers
 
         print(json.dumps({"scope": label, "states": res.states, "transitions": res.transitions,
                           "depth": res.depth, "seconds": round(res.seconds, 3),
@@ -267,7 +267,7 @@ def _write_findings(args: argparse.Namespace, res, label: str) -> list[tuple[str
     import json
     import os
 
-    from kvref.models.explorer import render_trace
+    from kvref.models.explorer.engine import render_trace
 
     os.makedirs(args.out, exist_ok=True)
     scope = "toy" if args.toy else args.scope
@@ -303,12 +303,12 @@ def _system_for(data: dict, path: str):
     from kvref.spec.errors import InvalidFieldError
 
     if data.get("toy") is True:
-        from kvref.models.explorer_toy import ToyPool
+        from kvref.models.explorer.toy import ToyPool
 
         return ToyPool()
-    from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorSystem
-    from kvref.models.explorer_kv import SCOPES, KVSystem
-    from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
+    from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES, ConnectorSystem
+    from kvref.models.explorer.kv import SCOPES, KVSystem
+    from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem
 
     name, sets = data.get("scope"), data.get("set", [])
     if not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
@@ -337,8 +337,8 @@ def replay_explorer_trace(path: str, kinds: str | None = None, verbose: bool = F
     targets = tuple(k.strip() for k in (kinds or "reference").split(",") if k.strip() and k.strip() != "reference")
     lockstep = None
     if targets:
-        from kvref.models.explorer_conformance import TARGETS, _factories, _Lockstep
-        from kvref.models.explorer_kv import KVSystem
+        from kvref.models.explorer.conformance import TARGETS, _factories, _Lockstep
+        from kvref.models.explorer.kv import KVSystem
 
         if not isinstance(system, KVSystem):
             raise InvalidFieldError("--kinds", kinds, "reference only for an offload/connector/toy trace")
@@ -386,8 +386,8 @@ def _run_conformance(args: argparse.Namespace) -> int:
     """``kvref explore --scope S --against vllm,torch``: every transition, compared."""
     import json
 
-    from kvref.models.explorer_conformance import explore_conformance
-    from kvref.models.explorer_kv import SCOPES
+    from kvref.models.explorer.conformance import explore_conformance
+    from kvref.models.explorer.kv import SCOPES
     from kvref.spec.errors import InvalidFieldError
 
     if args.toy or args.scope not in SCOPES:
@@ -431,10 +431,10 @@ def check_explorer(ctx):
     import sys
     import time
 
-    from kvref.models.explorer import render_trace
-    from kvref.models.explorer_kv import SCOPES, explore_scope
-    from kvref.models.explorer_connector import CONNECTOR_SCOPES, explore_connector
-    from kvref.models.explorer_offload import explore_offload
+    from kvref.models.explorer.engine import render_trace
+    from kvref.models.explorer.kv import SCOPES, explore_scope
+    from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES, explore_connector
+    from kvref.models.explorer.simple_cpu import explore_offload
     from kvref.progress import Progress
     from kvref.report import FAILED, PASSED, CheckResult
 
@@ -480,11 +480,11 @@ CONFORMANCE_SCOPES = {
 def check_explorer_conformance(ctx):
     """``kvref verify`` check ``conform-explorer``: every transition of the profile's scopes,
     replayed on the installed vLLM's Scheduler and on the torch KV cache manager in lock step with the
-    reference (:mod:`kvref.models.explorer_conformance`). Without vLLM only torch is compared
+    reference (:mod:`kvref.models.explorer.conformance`). Without vLLM only torch is compared
     (``--against vllm`` makes that a failure); without either it is skipped."""
     import time
 
-    from kvref.models.explorer_conformance import explore_conformance
+    from kvref.models.explorer.conformance import explore_conformance
     from kvref.report import FAILED, PASSED, SKIPPED, CheckResult
     from kvref.verify import vllm_gate
 

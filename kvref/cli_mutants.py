@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "vllm":
         return run_vllm(args)
 
-    from kvref.models.mutants_campaign import run_mutant_campaign
-    from kvref.models.mutants_catalogue import CATALOGUE, CI_SUBSET, all_mutants
+    from kvref.models.mutants.campaign import run_mutant_campaign
+    from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, all_mutants
 
     mutants = all_mutants()
     if args.list:
@@ -119,7 +119,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from kvref.models.vllm_mutants.catalogue import FAULTS
+    from kvref.models.mutants.vllm_source.catalogue import FAULTS
     from kvref.spec.errors import InvalidFieldError
     from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, CampaignResult, run_campaign, select_faults
 
@@ -177,7 +177,7 @@ def check_mutants(ctx):
     """
     import time
 
-    from kvref.models.mutants_campaign import run_mutant_campaign
+    from kvref.models.mutants.campaign import run_mutant_campaign
     from kvref.report import FAILED, PASSED, CheckResult
 
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """``kvref replay FILE``: replay a saved KV-cache-manager trace against implementations side by side.
 
-A trace (``"format": "kvref-trace"``, see :mod:`kvref.models.trace`) is what the conformance state
+A trace (``"format": "kvref-trace"``, see :mod:`kvref.models.conformance.trace`) is what the conformance state
 machine saves when two implementations disagree or one breaks an invariant. Replaying it applies
 the same ops to fresh managers of ``--kinds`` (default ``reference,vllm``; ``reference`` alone
 needs no vLLM) and prints the first divergence. A trace is data: reading it runs no code, and a
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if is_explorer_trace(args.trace):  # a `kvref explore --out` finding: the explorer's actions (data)
         return replay_explorer_trace(args.trace, args.kinds_given, args.verbose)
     from kvref.impl.interface import manager_kinds
-    from kvref.models.differential import Divergence, Harness
-    from kvref.models.trace import Trace
+    from kvref.models.conformance.differential import Divergence, Harness
+    from kvref.models.conformance.trace import Trace
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds:

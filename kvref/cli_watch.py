@@ -130,7 +130,7 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
           replay_endpoint: str | None = None, decoder: str = "generic", watcher: Any = None,
           status: TextIO | None = None, status_every: float | None = None, bind: bool = False,
           stop: Any = None) -> Any:
-    """Subscribe, feed every batch to an :class:`~kvref.models.kv_event_watch.EventStreamWatcher`
+    """Subscribe, feed every batch to an :class:`~kvref.models.kv_events.watch.EventStreamWatcher`
     and return it when ``seconds`` have passed or ``max_batches`` sequence numbers have passed
     (received or lost: a stream with a gap still ends), or ``stop`` (a ``threading.Event``) is set.
     ``bind`` listens on ``endpoint`` (the publisher connects) instead of connecting to it.
@@ -141,7 +141,7 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
     import zmq
 
     from kvref.impl.vllm.kv_events import EventDecodeError, make_decoder, parse_seq
-    from kvref.models.kv_event_watch import EventStreamWatcher
+    from kvref.models.kv_events.watch import EventStreamWatcher
 
     check_endpoint("endpoint", endpoint, bind=bind)
     if replay_endpoint is not None:
@@ -281,7 +281,7 @@ def _summary_text(s: dict[str, Any], endpoint: str, interrupted: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvref.models.kv_event_watch import EventStreamWatcher
+    from kvref.models.kv_events.watch import EventStreamWatcher
 
     check_endpoint("endpoint", args.endpoint, bind=args.bind)
     if args.replay_endpoint is not None:

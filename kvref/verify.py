@@ -119,7 +119,7 @@ def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
     Runs on every implementation present: the reference, and the installed vLLM (whose own spec
     formulas then size the pool — the #39734/#35541 family of bugs shows up here).
     """
-    from kvref.models.startup_liveness import check_startup_liveness as run
+    from kvref.models.conformance.startup_liveness import check_startup_liveness as run
 
     kinds = ["reference"]
     ok, why = vllm_available()
@@ -167,7 +167,7 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     from hypothesis import given
 
     from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
-    from kvref.models.planning_strategies import plan_cases
+    from kvref.models.strategies.planning import plan_cases
 
     planner = VllmPlanner()
     n = ctx.examples(150, 1000)
@@ -218,7 +218,7 @@ def check_crosshair(ctx: VerifyContext) -> CheckResult:
 
 
 def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str) -> CheckResult:
-    from kvref.models.kv_cache_manager_machine import run_machine
+    from kvref.models.machines.kv_cache_manager import run_machine
 
     n = ctx.examples(25, 200)
     run = run_machine(kinds, n, seed=ctx.seed, out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink)
@@ -277,7 +277,7 @@ def check_torch_differential(ctx: VerifyContext) -> CheckResult:
 
 
 def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckResult:
-    from kvref.models.scheduler_machine import run_scheduler_machine
+    from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(25, 200), shrink=ctx.shrink,
                                 seed=ctx.seed)
@@ -303,9 +303,9 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
 
 def _offload_cases(rng, n):
     """Random SimpleCPU and OffloadingConnector configurations with engine traces (kvref.models)."""
-    from kvref.models.offload_machine import SimpleOffloadConfig
-    from kvref.models.offload_traces import random_ops
-    from kvref.models.offloading_connector_world import OffloadingConfig
+    from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
+    from kvref.models.offload.traces import random_ops
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig
 
     for i in range(n):
         if i % 2 == 0:
@@ -327,11 +327,11 @@ def _run_offload(ctx: VerifyContext, name: str, backends: tuple[str, ...]) -> Ch
     wrong content or a leak raises) on every backend and compare what they observe."""
     import random
 
-    from kvref.models.offload_machine import SimpleOffloadConfig, SimpleOffloadWorld
-    from kvref.models.offload_traces import apply_offloading_op, apply_op
-    from kvref.models.offloading_connector_world import OffloadingWorld
+    from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOffloadWorld
+    from kvref.models.offload.traces import apply_offloading_op, apply_op
+    from kvref.models.offload.offloading_connector_world import OffloadingWorld
 
-    from kvref.models.accepted import is_accepted, signature
+    from kvref.models.conformance.accepted import is_accepted, signature
 
     n = ctx.examples(20, 150)
     rng = random.Random(ctx.seed)
@@ -413,8 +413,8 @@ def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
     ``collect`` (``--update-baseline``): the generated-trace checks accept every difference and keep
     searching, so ``result.met_signatures`` lists all the differences they met.
     """
-    from kvref.models import accepted
-    from kvref.models.shrink_budget import bounded_shrinking
+    from kvref.models.conformance import accepted
+    from kvref.models.hypothesis_runs.shrink_budget import bounded_shrinking
 
     t0 = time.perf_counter()
     budget = ctx.shrink_budget()

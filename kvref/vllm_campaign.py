@@ -1,17 +1,17 @@
 """The vLLM-side mutant campaign: faults in *vLLM's own* KV-cache source, and does
 ``kvref verify --against vllm`` notice?
 
-The reference-side campaign (:mod:`kvref.models.mutants_campaign`) asks whether kvref's checks
+The reference-side campaign (:mod:`kvref.models.mutants.campaign`) asks whether kvref's checks
 catch faults in kvref's reference. Users care about the other direction: someone changes vLLM's
 ``v1/core``, ``v1/core/sched``, ``v1/simple_kv_offload`` or the offloading connector's scheduler —
 does the conformance suite flag a change that breaks behaviour, and stay quiet on a refactor that
 does not?
 
-For each :class:`~kvref.models.vllm_mutants.overlay.SourceFault` of the catalogue
-(:mod:`kvref.models.vllm_mutants.catalogue`) this module
+For each :class:`~kvref.models.mutants.vllm_source.overlay.SourceFault` of the catalogue
+(:mod:`kvref.models.mutants.vllm_source.catalogue`) this module
 
 1. builds an overlay of the installed vLLM with that one file edited
-   (:func:`~kvref.models.vllm_mutants.overlay.build_overlay`; the installed files are untouched),
+   (:func:`~kvref.models.mutants.vllm_source.overlay.build_overlay`; the installed files are untouched),
 2. runs ``kvref verify --against vllm --only <vLLM-facing checks> --exitfirst --json`` in a
    subprocess whose ``PYTHONPATH`` puts the overlay first, under a per-fault time limit, and
 3. reads back which check failed first, how long it took, and a *probe* written by the subprocess
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
 
-from kvref.models.vllm_mutants.overlay import (
+from kvref.models.mutants.vllm_source.overlay import (
     CLASSES, NEUTRAL, SourceFault, build_overlay, file_sha256, installed_vllm_dir,
 )
 from kvref.spec.errors import InvalidFieldError
@@ -246,7 +246,7 @@ def run_fault(fault: SourceFault | None, checks: Iterable[str] = VLLM_CHECKS, pr
               seed: int = 0, timeout: float | None = None, vllm_dir: str | None = None) -> FaultResult:
     """Apply ``fault`` (None: the clean vLLM, through the same overlay) and run the checks on it.
 
-    Raises :class:`~kvref.models.vllm_mutants.overlay.FaultDoesNotApplyError` when the fault's
+    Raises :class:`~kvref.models.mutants.vllm_source.overlay.FaultDoesNotApplyError` when the fault's
     text does not match the installed vLLM.
     """
     checks = tuple(checks)

@@ -22,7 +22,7 @@ def max_in_flight_tokens(max_num_batched_tokens: int, max_concurrent_batches: in
 
     Sliding-window and chunked-local caps reserve for them because out-of-window blocks are freed on
     the processed-token basis. The one definition: startup sizing (:class:`EngineConfig`) and the
-    scheduler (``kvref.impl.reference.scheduler_types.SchedulerConfig``) both call it.
+    scheduler (``kvref.impl.scheduler_types.SchedulerConfig``) both call it.
     """
     return max_concurrent_batches * max_num_batched_tokens
 

@@ -41,7 +41,7 @@ from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError
 
 from .scheduler_queue import WaitingQueue
-from .scheduler_types import (
+from kvref.impl.scheduler_types import (
     PRIORITY,
     ModelOutput,
     RequestState,

@@ -8,7 +8,7 @@ everyone behind it wait forever (vLLM #39734, #35541). The only guard is the sta
 counted with the same per-group caps the gate uses. :func:`startup_consistent` is that check for a
 :class:`PoolConfig` + :class:`SchedulerConfig`.
 
-Liveness (checked by ``kvref.models.scheduler_machine`` on generated traces, reference and vLLM):
+Liveness (checked by ``kvref.models.machines.scheduler`` on generated traces, reference and vLLM):
 with a startup-consistent config, distinct ``(priority, arrival_time)`` keys and no new arrivals,
 every live request finishes within :func:`drain_bound` ``schedule()`` calls. The argument:
 
@@ -55,7 +55,7 @@ from kvref.spec.config import EngineConfig
 from kvref.spec.kv_cache_interface import MambaSpec
 from kvref.spec.mathutil import cdiv
 
-from .scheduler_types import PRIORITY, SchedulerConfig
+from kvref.impl.scheduler_types import PRIORITY, SchedulerConfig
 
 
 def max_blocks_per_request(pool: PoolConfig, config: SchedulerConfig) -> int:

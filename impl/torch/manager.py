@@ -423,7 +423,7 @@ class TorchKVCacheManager:
         the next step allocates (the token is a placeholder then); the scheduler publishes it here
         once the output arrives. Without this the block stays uncached and is freed to the *head*
         of the free queue instead of the tail (found by the exhaustive conformance explorer,
-        ``kvref.models.explorer_conformance``, at scope ``whole-prompts``).
+        ``kvref.models.explorer.conformance``, at scope ``whole-prompts``).
         """
         request = self._check_request(request)
         check_int("num_computed_tokens", num_computed_tokens, minimum=0)

@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from kvref.impl.interface import BlockIds, PoolConfig
-from kvref.impl.reference.scheduler_types import (
+from kvref.impl.scheduler_types import (
     PRIORITY,
     ModelOutput,
     RequestState,

@@ -15,12 +15,12 @@ from collections import deque
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.run_trace.format import FORMAT, VERSION, encode_tokens, sched_record
 from kvref.impl.run_trace.writer import TraceWriter
 
-from ..scheduler_machine import FakeModel
+from kvref.models.machines.scheduler import FakeModel
 from .replay import reference_rows
 
 

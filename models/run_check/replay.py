@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerOutput
+from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 

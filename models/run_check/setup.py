@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import KVRefError
 

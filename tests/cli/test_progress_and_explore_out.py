@@ -118,7 +118,7 @@ def test_replay_of_a_kv_scope_trace_in_lock_step_with_torch(capsys, tmp_path):
     """A KV scope's finding replays on the reference and, with --kinds, on the torch manager in
     lock step; a hand-made trace of the tight scope's first actions reproduces nothing."""
     pytest.importorskip("torch")
-    from kvref.models.explorer_kv import SCOPES, KVSystem
+    from kvref.models.explorer.kv import SCOPES, KVSystem
 
     system = KVSystem(SCOPES["tight"])
     state = next(iter(system.initial_states()))

@@ -61,7 +61,7 @@ def test_plugin_applies_a_baseline_and_rejects_a_broken_one(tmp_path):
     require_vllm()
     import json
 
-    from kvref.models.accepted import signature
+    from kvref.models.conformance.accepted import signature
 
     (tmp_path / "conftest.py").write_text(BROKEN_VLLM_CONFTEST)
     summary = "1 case(s) where startup accepted but runtime did not serve"

@@ -68,7 +68,7 @@ def test_proofs_check_proves_theorems_and_refutes_every_historic_variant(tmp_pat
 
 def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_trace(tmp_path, capsys):
     from kvref import cli
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
 
     ctx = verify.VerifyContext(out_dir=str(tmp_path), seed=1, shrink=False)
     with CATALOGUE["pool.touch_no_ref"].applied():
@@ -87,7 +87,7 @@ def test_reference_machine_catches_a_mutated_reference_and_saves_a_replayable_tr
 @pytest.mark.vllm
 def test_kv_manager_conformance_check_reports_a_divergence(vllm, monkeypatch, tmp_path):
     """The mapping from a failed run to the check result (the real runs are in tests/conformance)."""
-    import kvref.models.kv_cache_manager_machine as m
+    import kvref.models.machines.kv_cache_manager as m
 
     def fake_run(kinds, examples, **kwargs):
         assert kinds == ("reference", "vllm") and examples >= 25 and kwargs["shrink"]
@@ -101,7 +101,7 @@ def test_kv_manager_conformance_check_reports_a_divergence(vllm, monkeypatch, tm
 
 
 def test_scheduler_machine_check_reports_a_failure(monkeypatch):
-    import kvref.models.scheduler_machine as sm
+    import kvref.models.machines.scheduler as sm
 
     def fake(with_vllm, examples, shrink=True, **kw):
         return sm.SchedulerRun(ok=False, traces=3, ops=90, coverage={}, failure="liveness: r1 not finished")
@@ -117,7 +117,7 @@ def test_scheduler_machine_check_passes_on_the_reference():
 
 
 def test_offload_check_finds_the_pre_41289_duplicate_store():
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
 
     ctx = verify.VerifyContext(profile="ci")
     assert verify.check_offload_machine(ctx).status == PASSED
@@ -128,7 +128,7 @@ def test_offload_check_finds_the_pre_41289_duplicate_store():
 
 
 def test_explorer_check_passes_and_writes_a_step_table_for_a_fault(tmp_path):
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
 
     ctx = verify.VerifyContext(out_dir=str(tmp_path))
     assert verify.check_explorer(ctx).status == PASSED
@@ -152,7 +152,7 @@ def test_torch_differential_runs_on_the_requested_device_and_rejects_bad_ones():
 
 
 def test_explorer_conformance_check_passes_and_fails_on_a_reference_fault():
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
 
     ctx = verify.VerifyContext()
     ok = verify.check_explorer_conformance(ctx)

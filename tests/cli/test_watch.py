@@ -24,7 +24,7 @@ import time
 
 import pytest
 from kvref.impl.request import Request, RequestStatus
-from kvref.models.kv_event_watch import EventStreamWatcher
+from kvref.models.kv_events.watch import EventStreamWatcher
 
 from kvref.cli import main
 from tests.impl.reference.helpers import config, fa
@@ -351,7 +351,7 @@ def test_vllms_scheduler_publishes_to_a_bound_watcher() -> None:
     evict, finish and reset; the watcher sees every batch and no finding."""
     require_vllm()
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
     from kvref.spec.kv_cache_interface import KVCacheGroupSpec
     from vllm.config.kv_events import KVEventsConfig

@@ -17,10 +17,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig, make_manager
 from kvref.impl.request import Request, RequestStatus
-from kvref.models.differential import Divergence, Harness, replay
-from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
-from kvref.models.strategies import GROUP_SETS
-from kvref.models.trace import Op, Trace
+from kvref.models.conformance.differential import Divergence, Harness, replay
+from kvref.models.machines.kv_cache_manager import kv_cache_manager_machine
+from kvref.models.strategies.pools import GROUP_SETS
+from kvref.models.conformance.trace import Op, Trace
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from tests.conftest import profile_examples

@@ -12,8 +12,8 @@ zero, that the path was taken *and* compared (a vacuous generator fails here).
 from __future__ import annotations
 
 import pytest
-from kvref.models.kv_cache_manager_machine import run_machine
-from kvref.models.strategies import HYBRID_GROUP_SETS
+from kvref.models.machines.kv_cache_manager import run_machine
+from kvref.models.strategies.pools import HYBRID_GROUP_SETS
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 
@@ -64,7 +64,7 @@ def test_pools_include_extra_retained_windows_and_near_full_sizes():
     right at one max-length request (where admission is decided by a block)."""
     from hypothesis import find, settings
 
-    from kvref.models.strategies import pool_configs
+    from kvref.models.strategies.pools import pool_configs
     from kvref.spec.kv_cache_interface import SlidingWindowSpec
 
     quick = settings(max_examples=500, database=None)

@@ -324,8 +324,8 @@ def test_sliding_window_size_in_chunks_matches_vllm(V2, kind, w, extra, tpc):
 # --------------------------------------------------------------------------------------------
 # SimpleCPUOffloadScheduler (bound to a GPU block pool) on generated engine traces
 
-from kvref.models.offload_machine import SimpleOffloadConfig, SimpleOffloadWorld  # noqa: E402
-from kvref.models.offload_traces import (  # noqa: E402
+from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOffloadWorld  # noqa: E402
+from kvref.models.offload.traces import (  # noqa: E402
     FA_ONLY,
     PR42903,
     apply_offloading_op,
@@ -377,7 +377,7 @@ def test_pre_41289_trace_is_deduplicated_by_vllm(V):
 # --------------------------------------------------------------------------------------------
 # OffloadingConnectorScheduler + CPUOffloadingManager on generated engine traces
 
-from kvref.models.offloading_connector_world import OffloadingConfig, OffloadingWorld  # noqa: E402
+from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld  # noqa: E402
 
 
 @st.composite

@@ -25,7 +25,7 @@ from kvref.spec import (
     plan_kv_cache,
 )
 from tests.conftest import profile_examples
-from kvref.models.planning_strategies import FAMILIES, plan_cases
+from kvref.models.strategies.planning import FAMILIES, plan_cases
 from tests.vllm_env import require_vllm
 
 from kvref.impl.vllm.planning import Outcome, VllmPlanner, kvref_outcome
@@ -133,7 +133,7 @@ def test_gemma_like_sliding_window_pool(planner):
 @st.composite
 def _spec_and_config(draw):
     from kvref.spec import AUTO, EncoderOnlyAttentionSpec, UniformTypeKVCacheSpecs
-    from kvref.models.planning_strategies import engine_configs, layer_sets
+    from kvref.models.strategies.planning import engine_configs, layer_sets
 
     mode = draw(st.sampled_from(("none", "align", "all")))
     _, layers = draw(layer_sets(None, mode))

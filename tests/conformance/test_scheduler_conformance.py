@@ -25,9 +25,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_liveness import startup_consistent
-from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.impl.request import Request
-from kvref.models.scheduler_machine import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
+from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
@@ -201,5 +201,5 @@ def test_priority_ties_livelock_without_the_full_sequence_gate(vllm_env, is_asyn
 
 # One-line faults of the scheduling rules (the wrong victim, no head-of-line blocking, the
 # long-prefill threshold when alone, ...) are catalogue mutants now
-# (kvref.models.mutants_catalogue_scheduler): tests/models/test_mutants_scheduler.py asserts that
+# (kvref.models.mutants.catalogue_scheduler): tests/models/test_mutants_scheduler.py asserts that
 # the campaign's scheduler-vllm check, this machine against vLLM, kills every one of them.

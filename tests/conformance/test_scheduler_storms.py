@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.scheduler_machine import run_scheduler_machine
+from kvref.models.machines.scheduler import run_scheduler_machine
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 

@@ -59,7 +59,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         SimpleCPUOffloadScheduler,
     )
     from kvref.impl.reference.scheduler import Scheduler
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.impl.request import Request
     from kvref.spec.config import EngineConfig
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request
 
 from tests.hardening.api_targets import GROUP, pool_config, snapshot
@@ -267,8 +267,8 @@ def test_a_scope_too_deep_to_copy_is_an_input_error_not_a_violation(monkeypatch)
     tool's limit (``InvalidFieldError``), where it used to be reported as a violation of the system."""
     from dataclasses import replace
 
-    import kvref.models.explorer_kv as explorer_kv
-    from kvref.models.explorer import explore
+    import kvref.models.explorer.kv as explorer_kv
+    from kvref.models.explorer.engine import explore
 
     with pytest.raises(ValueError, match="scope"):
         replace(explorer_kv.SCOPES["default"], num_blocks=400)  # the scope refuses it up front

@@ -1,6 +1,6 @@
 """The explorer's former engine, kept as a test oracle: a plain FIFO breadth-first search.
 
-:mod:`kvref.models.explorer_search` expands BFS levels (in one process or spread over forked
+:mod:`kvref.models.explorer.search` expands BFS levels (in one process or spread over forked
 workers) and merges their reports; this is the textbook loop it replaced — a queue of live
 states, one expansion at a time — so that the tests can check that both find the same states in
 the same order, the same transitions, depth and findings with the same shortest traces.
@@ -13,7 +13,7 @@ from array import array
 from collections import deque
 from typing import Any, Hashable
 
-from kvref.models.explorer_types import (
+from kvref.models.explorer.vocabulary import (
     ExplorationResult,
     Finding,
     Step,

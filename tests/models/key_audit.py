@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from kvref.models.explorer import explore
+from kvref.models.explorer.engine import explore
 
 #: ids start here in the id-renaming audits: no other int in an offload world is this large
 OFFSET = 10**7

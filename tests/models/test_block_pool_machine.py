@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvref.models.block_pool_machine import PoolModel, make_block_pool_machine
+from kvref.models.machines.block_pool import PoolModel, make_block_pool_machine
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 

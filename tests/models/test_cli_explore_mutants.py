@@ -50,7 +50,7 @@ def test_mutants_list_and_a_single_run(capsys):
 
 def test_verify_explorer_check_passes_and_writes_traces_on_failure(tmp_path):
     from kvref.cli_explore import check_explorer
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
     from kvref.verify import VerifyContext
 
     ctx = VerifyContext(profile="fast", out_dir=str(tmp_path))
@@ -76,7 +76,7 @@ def test_explore_against_torch_compares_every_transition(capsys):
 
 
 def test_explore_against_reports_a_divergence_with_exit_status_1(capsys):
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.models.mutants.catalogue import CATALOGUE
 
     with CATALOGUE["manager.free_head_first"].applied():
         assert _run(["explore", "--scope", "small", "--against", "torch", "--json"]) == 1

@@ -6,8 +6,8 @@ from itertools import product
 
 import pytest
 
-from kvref.models.explorer import explore, render_trace
-from kvref.models.explorer_toy import ToyPool
+from kvref.models.explorer.engine import explore, render_trace
+from kvref.models.explorer.toy import ToyPool
 
 
 def _naive_reachable(toy: ToyPool) -> set:
@@ -174,9 +174,9 @@ def test_every_named_scope_is_in_the_explorer_docs_table():
     """docs/explorer.md's scope table is the user's index: a new scope must be documented there."""
     import pathlib
 
-    from kvref.models.explorer_connector import CONNECTOR_SCOPES
-    from kvref.models.explorer_kv import SCOPES
-    from kvref.models.explorer_offload import OFFLOAD_SCOPES
+    from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES
+    from kvref.models.explorer.kv import SCOPES
+    from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES
 
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "explorer.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.explorer_conformance import explore_conformance
-from kvref.models.explorer_kv import SCOPES
-from kvref.models.mutants_catalogue import CATALOGUE
+from kvref.models.explorer.conformance import explore_conformance
+from kvref.models.explorer.kv import SCOPES
+from kvref.models.mutants.catalogue import CATALOGUE
 from kvref.spec.errors import InvalidFieldError
 from tests.vllm_env import require_vllm
 
@@ -22,7 +22,7 @@ def test_torch_agrees_with_the_reference_on_every_transition(name):
 
 
 def explore_states(name: str) -> int:
-    from kvref.models.explorer_kv import explore_scope
+    from kvref.models.explorer.kv import explore_scope
 
     return explore_scope(name).states
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvref.models.explorer import explore, render_trace
-from kvref.models.explorer_connector import CONNECTOR_SCOPES, ConnectorScope, ConnectorSystem, explore_connector
+from kvref.models.explorer.engine import explore, render_trace
+from kvref.models.explorer.offloading_connector import CONNECTOR_SCOPES, ConnectorScope, ConnectorSystem, explore_connector
 
 from tests.models.key_audit import OFFSET, explored_keys, ints
 
@@ -71,7 +71,7 @@ def test_cli_explores_the_connector_scope(capsys):
 
 
 def test_a_scope_of_the_wrong_type_is_rejected_with_the_field_named():
-    from kvref.models.explorer_offload import explore_offload
+    from kvref.models.explorer.simple_cpu import explore_offload
 
     with pytest.raises(ValueError, match="scope=3"):
         explore_connector(3)

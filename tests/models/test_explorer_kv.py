@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.explorer import explore, render_trace
-from kvref.models.explorer_kv import SCOPES, KVSystem, Scope, campaign_scopes, explore_scope
-from kvref.models.mutants_catalogue import CATALOGUE
+from kvref.models.explorer.engine import explore, render_trace
+from kvref.models.explorer.kv import SCOPES, KVSystem, Scope, campaign_scopes, explore_scope
+from kvref.models.mutants.catalogue import CATALOGUE
 
 
 @pytest.mark.parametrize("name", ["default", "tight", "small", "swa", "full", "chunked"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadScope, OffloadSystem, explore_offload
-from kvref.models.mutants_catalogue import CATALOGUE
+from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadScope, OffloadSystem, explore_offload
+from kvref.models.mutants.catalogue import CATALOGUE
 
 from tests.models.key_audit import OFFSET, explored_keys, ints
 
@@ -28,7 +28,7 @@ def test_stores_and_loads_happen_in_the_scope():
         seen["loads"] += bool(w.loads)
         seen["partial"] += any(0 < t.reported < w.cfg.world_size for t in w.stores.values())
     system.check = counting
-    from kvref.models.explorer import explore
+    from kvref.models.explorer.engine import explore
 
     assert explore(system, max_depth=12, check_deadlocks=False).ok
     assert seen["stores"] and seen["loads"] and seen["partial"]  # one worker reported, the other not yet

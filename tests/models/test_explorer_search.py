@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvref.models.explorer import ExplorationResult, explore
-from kvref.models.explorer_kv import SCOPES, KVSystem
-from kvref.models.explorer_offload import OFFLOAD_SCOPES, OffloadSystem
-from kvref.models.explorer_search import fork_available, resolve_workers, search
-from kvref.models.explorer_toy import ToyPool
-from kvref.models.mutants_catalogue import CATALOGUE
+from kvref.models.explorer.engine import ExplorationResult, explore
+from kvref.models.explorer.kv import SCOPES, KVSystem
+from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem
+from kvref.models.explorer.search import fork_available, resolve_workers, search
+from kvref.models.explorer.toy import ToyPool
+from kvref.models.mutants.catalogue import CATALOGUE
 from kvref.spec.errors import InvalidFieldError
 
 from .fifo_bfs import fifo_explore
@@ -91,7 +91,7 @@ def test_livelocks_and_liveness_edges_match():
 
 
 def test_a_livelock_is_reported_like_the_fifo_search_does():
-    from kvref.models.explorer_toy import ToyPool as Toy
+    from kvref.models.explorer.toy import ToyPool as Toy
 
     class Cycling(Toy):  # grab and release forever, never finish: only cycles
         def is_final(self, s):

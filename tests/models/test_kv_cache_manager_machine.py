@@ -11,10 +11,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref import cli_replay
 from kvref.impl.interface import PoolConfig, make_manager
-from kvref.models import differential
-from kvref.models.differential import Divergence, Harness
-from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
-from kvref.models.trace import Op, Trace
+from kvref.models.conformance import differential
+from kvref.models.conformance.differential import Divergence, Harness
+from kvref.models.machines.kv_cache_manager import kv_cache_manager_machine
+from kvref.models.conformance.trace import Op, Trace
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from tests.conftest import profile_examples
 
@@ -121,7 +121,7 @@ def test_reference_and_torch_agree_through_the_same_machine():
 
 def test_run_machine_is_seeded_and_saves_a_replayable_failing_trace(tmp_path):
     from kvref.impl.interface import register_manager
-    from kvref.models.kv_cache_manager_machine import run_machine
+    from kvref.models.machines.kv_cache_manager import run_machine
 
     a = run_machine(("reference",), 4, seed=7)
     b = run_machine(("reference",), 4, seed=7)

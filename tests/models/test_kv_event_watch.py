@@ -1,4 +1,4 @@
-"""The event-stream watcher (``kvref.models.kv_event_watch``) on streams from the reference.
+"""The event-stream watcher (``kvref.models.kv_events.watch``) on streams from the reference.
 
 A clean stream, produced by the reference KV cache manager with events on, must give no finding
 and a shadow equal to the pool's own index after every batch. Each stream rule is then broken on
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.reference.kv_events import event_to_plain, to_external_block_hash
 from kvref.impl.request import Request, RequestStatus
-from kvref.models.kv_event_watch import EventStreamWatcher
+from kvref.models.kv_events.watch import EventStreamWatcher
 from kvref.spec.errors import InvalidFieldError
 
 from tests.conftest import profile_examples

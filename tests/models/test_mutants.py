@@ -6,9 +6,9 @@ import pytest
 
 import kvref.spec.mathutil as mathutil
 from kvref.impl.reference.block_pool import BlockPool
-from kvref.models.mutants import Catalogue, Mutant
-from kvref.models.mutants_campaign import ALL_CHECKS, run_mutant_campaign
-from kvref.models.mutants_catalogue import CATALOGUE, CI_SUBSET, HISTORIC, all_mutants
+from kvref.models.mutants.mutant import Catalogue, Mutant
+from kvref.models.mutants.campaign import ALL_CHECKS, run_mutant_campaign
+from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, HISTORIC, all_mutants
 
 
 def test_catalogue_has_thirty_available_mutants_with_historic_variants():
@@ -115,7 +115,7 @@ def test_unknown_check_is_rejected():
 
 
 def test_summary_separates_reference_mutants_from_formula_variants():
-    from kvref.models.mutants_campaign import CampaignResult, MutantResult
+    from kvref.models.mutants.campaign import CampaignResult, MutantResult
 
     formula = Mutant("formula.x", "a formula variant", "kvref.proofs.variants:X", lambda f: f, HISTORIC,
                      "#1", "formula")

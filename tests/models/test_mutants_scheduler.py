@@ -1,4 +1,4 @@
-"""Scheduler-policy mutants (kvref.models.mutants_catalogue_scheduler) and the campaign's scheduler
+"""Scheduler-policy mutants (kvref.models.mutants.catalogue_scheduler) and the campaign's scheduler
 checks: ``scheduler-machine`` (reference alone) and ``scheduler-vllm`` (lock step with vLLM)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_queue import WaitingQueue
-from kvref.models import mutants_campaign
-from kvref.models.mutants import edit_source
-from kvref.models.mutants_campaign import ALL_CHECKS, available_checks, run_mutant_campaign
-from kvref.models.mutants_catalogue import CATALOGUE, CI_SUBSET, all_mutants
+from kvref.models.mutants import campaign as mutants_campaign
+from kvref.models.mutants.mutant import edit_source
+from kvref.models.mutants.campaign import ALL_CHECKS, available_checks, run_mutant_campaign
+from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, all_mutants
 from kvref.spec.errors import InvalidFieldError
 from tests.vllm_env import require_vllm
 
@@ -64,7 +64,7 @@ def test_edit_source_rejects_non_functions():
 
 def test_a_mutant_changes_behaviour_and_the_clean_method_comes_back():
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.impl.request import Request
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
@@ -138,7 +138,7 @@ def test_scheduler_vllm_kills_every_scheduler_mutant_and_passes_the_clean_refere
     assert ALL_CHECKS["scheduler-vllm"].run(100) is None  # the clean reference agrees with vLLM
     # 150 traces: sched.chunks_without_chunked_prefill needs chunked prefill off *and* a prompt
     # longer than the remaining budget; the first such trace comes after the 100th (the same one
-    # in every process: kvref.models.reproducible)
+    # in every process: kvref.models.hypothesis_runs.reproducible)
     res = run_mutant_campaign(SCHEDULER_MUTANTS, checks=["scheduler-vllm"], budget=150)
     assert not res.baseline_failures and res.checks == ["scheduler-vllm"]
     survivors = [r.mutant.name for r in res.survivors]
@@ -155,8 +155,8 @@ def test_reproducible_runs_ignore_the_modules_a_process_has_loaded():
     must not depend on them (a kill in a fresh process was a miss inside the full suite)."""
     from hypothesis.internal.conjecture import providers
 
-    from kvref.models.reproducible import same_inputs_in_every_process
-    from kvref.models.scheduler_machine import run_scheduler_machine
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+    from kvref.models.machines.scheduler import run_scheduler_machine
 
     first = run_scheduler_machine(with_vllm=False, examples=15, reproducible=True, shrink=False)
     loaded = providers._get_local_constants()
@@ -187,8 +187,8 @@ def test_liveness_drain_catches_the_priority_victim_without_arrival_tiebreak(mon
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvref.impl.reference.scheduler import Scheduler
-    from kvref.impl.reference.scheduler_types import PRIORITY
-    from kvref.models import scheduler_machine as sm
+    from kvref.impl.scheduler_types import PRIORITY
+    from kvref.models.machines import scheduler as sm
 
     specs = sm.request_specs
     monkeypatch.setattr(sm, "request_specs", lambda i, m: specs(i, m).map(lambda s: replace(s, priority=0)))
@@ -196,7 +196,7 @@ def test_liveness_drain_catches_the_priority_victim_without_arrival_tiebreak(mon
                               setups=sm.scheduler_setups(policy=PRIORITY, tight=True, consistent=True))
     s = settings(max_examples=200, stateful_step_count=45, deadline=None, database=None, derandomize=True,
                  suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-    from kvref.models.reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     # derandomized *and* independent of which modules the test process has loaded (Hypothesis mixes
     # their constants into its draws: inside the full suite the traces would differ)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvref.models.mutants_catalogue import CATALOGUE
-from kvref.models.single_type_manager_machine import CONFIGS, make_manager_machine, run_manager_machines
+from kvref.models.mutants.catalogue import CATALOGUE
+from kvref.models.machines.single_type_manager import CONFIGS, make_manager_machine, run_manager_machines
 from tests.conftest import profile_examples
 
 
@@ -38,7 +38,7 @@ def test_reference_managers_agree_with_vllm():
     from tests.vllm_env import require_vllm
 
     require_vllm()
-    from kvref.models.single_type_manager_machine import VLLM_CONFIGS
+    from kvref.models.machines.single_type_manager import VLLM_CONFIGS
 
     for config in VLLM_CONFIGS:
         machine = make_manager_machine(config, "reference", "vllm")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvref.models.startup_liveness import LivenessCase, check_startup_liveness, random_case, run_case
+from kvref.models.conformance.startup_liveness import LivenessCase, check_startup_liveness, random_case, run_case
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 

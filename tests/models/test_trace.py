@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 
 from kvref.impl.interface import PoolConfig
-from kvref.models.strategies import pool_configs
-from kvref.models.trace import OP_FIELDS, Op, Trace, pool_config_from_json, pool_config_to_json
+from kvref.models.strategies.pools import pool_configs
+from kvref.models.conformance.trace import OP_FIELDS, Op, Trace, pool_config_from_json, pool_config_to_json
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from tests.conftest import profile_examples

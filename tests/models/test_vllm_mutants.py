@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from kvref import cli
-from kvref.models.vllm_mutants.catalogue import CI_SUBSET, FAULTS, by_id, check_catalogue
-from kvref.models.vllm_mutants.overlay import (
+from kvref.models.mutants.vllm_source.catalogue import CI_SUBSET, FAULTS, by_id, check_catalogue
+from kvref.models.mutants.vllm_source.overlay import (
     CLASSIC, HISTORIC, NEUTRAL, Edit, FaultDoesNotApplyError, SourceFault, build_overlay, fault, file_sha256,
     installed_vllm_dir, overlay,
 )

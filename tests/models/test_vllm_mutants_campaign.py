@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from kvref.models.vllm_mutants.catalogue import CI_SUBSET, FAULTS, by_id
-from kvref.models.vllm_mutants.overlay import NEUTRAL
+from kvref.models.mutants.vllm_source.catalogue import CI_SUBSET, FAULTS, by_id
+from kvref.models.mutants.vllm_source.overlay import NEUTRAL
 from kvref.vllm_campaign import KILLED, RECALL_GOAL, SURVIVED, run_campaign
 from tests.vllm_env import require_vllm
 

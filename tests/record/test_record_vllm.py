@@ -18,7 +18,7 @@ import sys
 
 import pytest
 from kvref.models.run_check import check_trace
-from kvref.models.scheduler_machine import Lockstep, RequestSpec
+from kvref.models.machines.scheduler import Lockstep, RequestSpec
 
 from kvref import cli
 from tests.models.test_startup_liveness import uncapped_sliding_window_admission
@@ -81,7 +81,7 @@ def record_run(path, pool, cfg, env, *, seed=0, ops=250, arrival=0.3, shared=0.5
 
 def _chunked_setup(async_scheduling=False):
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.spec.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,

@@ -7,7 +7,7 @@ import json
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_liveness import max_blocks_per_request
-from kvref.impl.reference.scheduler_types import SchedulerConfig
+from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.impl.run_trace.format import encode_tokens, sched_record, sched_rows
 from kvref.impl.run_trace.writer import TraceWriter
 from kvref.models.run_check.generate import header_for

@@ -23,7 +23,7 @@ from kvref.spec import (
     plan_kv_cache,
 )
 from tests.conftest import profile_examples
-from kvref.models.planning_strategies import plan_cases
+from kvref.models.strategies.planning import plan_cases
 
 ATT = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
 FULL = FullAttentionSpec(**ATT)

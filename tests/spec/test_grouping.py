@@ -17,7 +17,7 @@ from kvref.spec import (
     get_kv_cache_groups,
 )
 from kvref.spec.grouping import check_exact_partition, group_size_for, unify_kv_cache_spec_page_size
-from kvref.models.planning_strategies import layer_sets
+from kvref.models.strategies.planning import layer_sets
 
 ATT = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
 FULL = FullAttentionSpec(**ATT)

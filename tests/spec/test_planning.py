@@ -15,7 +15,7 @@ from kvref.spec import (
     UniformTypeKVCacheSpecs,
     plan_kv_cache,
 )
-from kvref.models.planning_strategies import plan_cases
+from kvref.models.strategies.planning import plan_cases
 
 ATT = dict(block_size=16, num_kv_heads=2, head_size=64, dtype="float32")
 FULL = FullAttentionSpec(**ATT)

@@ -289,7 +289,7 @@ def test_generated_traces_compare_event_streams_through_stores_evictions_and_res
     """The conformance machine on small pools (evictions) compares the two event streams after
     every op; over a few seeded runs the streams went through all three event types."""
     require_vllm()
-    from kvref.models.kv_cache_manager_machine import run_machine
+    from kvref.models.machines.kv_cache_manager import run_machine
 
     seen: dict[str, int] = {}
     resets = 0
@@ -311,7 +311,7 @@ def test_a_planted_difference_in_the_reference_events_is_caught(monkeypatch, tmp
     """The reference's stores lose their parent hash: the state is unchanged (same blocks, same
     hashes), only the event stream differs, and conformance must say so."""
     require_vllm()
-    from kvref.models.kv_cache_manager_machine import run_machine
+    from kvref.models.machines.kv_cache_manager import run_machine
 
     real = BlockPool._block_stored
 
@@ -360,7 +360,7 @@ def test_scheduler_steps_publish_the_same_batches_as_vllms_scheduler() -> None:
     batches). Small pool, shared prefixes: stores, hits, evictions, preemptions, then resets."""
     require_vllm()
     from kvref.impl.reference.scheduler import Scheduler
-    from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
     from kvref.impl.vllm.kv_events import vllm_event_to_plain
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
     from vllm.config.kv_events import KVEventsConfig

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_liveness import drain_bound, startup_consistent
-from kvref.impl.reference.scheduler_types import ModelOutput, SchedulerConfig
+from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request, RequestStatus
-from kvref.models.scheduler_machine import FakeModel, Lockstep, RequestSpec
+from kvref.models.machines.scheduler import FakeModel, Lockstep, RequestSpec
 from kvref.spec.errors import InvalidFieldError, KVRefError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from tests.conftest import profile_examples
@@ -205,7 +205,7 @@ def test_finishing_by_stop_token_max_model_len_and_abort():
     s = _sched(max_model_len=12)
     e = _Engine(s)
     model = e.model
-    from kvref.models.scheduler_machine import fake_token
+    from kvref.models.machines.scheduler import fake_token
 
     s.add_request(Request("stop", [1, 2, 3], max_tokens=10, stop_token_ids=(fake_token("stop", 1),)))
     s.add_request(Request("cap", list(range(10)), max_tokens=100))

@@ -10,7 +10,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_liveness import startup_consistent
-from kvref.models.scheduler_machine import Lockstep, RequestSpec, machine_with, request_specs, scheduler_setups
+from kvref.models.machines.scheduler import Lockstep, RequestSpec, machine_with, request_specs, scheduler_setups
 from tests.conftest import profile_examples
 
 
@@ -49,7 +49,7 @@ def test_the_liveness_check_fires_on_the_head_of_line_hang():
     """The drain check is not vacuous: on the #39734 setup (startup-inconsistent) it reports the
     hang, naming the stuck queues."""
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     cfg = SchedulerConfig(max_num_batched_tokens=16)
@@ -66,7 +66,7 @@ def test_the_liveness_check_fires_on_the_head_of_line_hang():
 def test_runner_outside_pytest_reports_traces_and_failures(monkeypatch):
     """``run_scheduler_machine`` (for ``kvref verify``): counts traces of >= 30 ops, and turns a
     broken scheduler into ok=False with the reason."""
-    from kvref.models.scheduler_machine import run_scheduler_machine
+    from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=False, examples=5, reproducible=True)
     assert run.ok and run.traces >= 5 and run.ops >= 150 and "generated traces" in run.summary
@@ -83,8 +83,8 @@ def test_the_machine_sees_a_prompt_cut_without_chunked_prefill():
     """The policy check is not vacuous: with chunked prefill off a second prompt that does not fit
     beside the first waits whole on the reference, and the mutant that cuts it is reported."""
     from kvref.impl.interface import PoolConfig
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
-    from kvref.models.mutants_catalogue import CATALOGUE
+    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.models.mutants.catalogue import CATALOGUE
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     cfg = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)

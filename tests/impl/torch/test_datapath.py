@@ -20,8 +20,8 @@ from kvref.impl.torch import make_manager
 from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
 from kvref.impl.torch.mamba_state import MambaStateRunner, scan
 from kvref.impl.torch.model_runner import DataPathRunner
-from kvref.models.torch_datapath import DataPathScheduler
-from kvref.models.torch_differential import ATTENTION_LAYOUTS, pool_configs
+from kvref.models.machines.torch_datapath import DataPathScheduler
+from kvref.models.machines.torch_differential import ATTENTION_LAYOUTS, pool_configs
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import (
     FullAttentionSpec,

@@ -13,7 +13,7 @@ from tests.conftest import profile_examples
 
 def test_torch_matches_reference_state_machine():
     from kvref.impl.reference.adapter import ReferenceKVCacheManager
-    from kvref.models.torch_differential import make_differential_machine
+    from kvref.models.machines.torch_differential import make_differential_machine
 
     machine = make_differential_machine(ReferenceKVCacheManager)
     machine.TestCase.settings = settings(max_examples=profile_examples(25, 300), stateful_step_count=40)

@@ -26,7 +26,7 @@ def twin_factory():
 
 
 def test_torch_matches_vllm_state_machine(twin_factory):
-    from kvref.models.torch_differential import make_differential_machine
+    from kvref.models.machines.torch_differential import make_differential_machine
 
     machine = make_differential_machine(twin_factory)
     machine.TestCase.settings = settings(max_examples=profile_examples(25, 400), stateful_step_count=40)
@@ -68,13 +68,13 @@ def test_hybrid_eagle_hits_match_vllm(twin_factory):
 
 
 def test_torch_matches_vllm_in_the_shared_conformance_harness(twin_factory):
-    """The project's own generated traces (``kvref.models.kv_cache_manager_machine``, written
+    """The project's own generated traces (``kvref.models.machines.kv_cache_manager``, written
     independently of this implementation's tests: async batches, external loads, preemptions)
     with kinds ``("torch", "vllm")``; Mamba "align" pools are excluded (not modelled here)."""
     from hypothesis import HealthCheck
 
-    from kvref.models.kv_cache_manager_machine import kv_cache_manager_machine
-    from kvref.models.strategies import GROUP_SETS
+    from kvref.models.machines.kv_cache_manager import kv_cache_manager_machine
+    from kvref.models.strategies.pools import GROUP_SETS
 
     group_sets = tuple(g for g in GROUP_SETS if g != "fa+mamba_align")
     hits = []
@@ -98,7 +98,7 @@ def test_torch_matches_vllm_and_its_numbers_match_dense_attention(twin_factory):
     """The differential machine with the data path on: block ids equal vLLM's *and* every chunk
     the trace schedules (prefill chunks after prefix hits, decodes, connector loads, after
     preemptions and evictions) attends through the torch block tables to dense attention's output."""
-    from kvref.models.torch_differential import make_differential_machine
+    from kvref.models.machines.torch_differential import make_differential_machine
 
     machine = make_differential_machine(twin_factory, datapath=True)
     machine.TestCase.settings = settings(max_examples=profile_examples(15, 100), stateful_step_count=40)

@@ -14,14 +14,14 @@ from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
 from kvref.impl.torch import make_manager
 from kvref.impl.torch.paged_attention import TOLERANCE
-from kvref.models.torch_datapath import DataPathScheduler
+from kvref.models.machines.torch_datapath import DataPathScheduler
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
 pytestmark = pytest.mark.gpu
 
 
 def test_cuda_bookkeeping_matches_cpu_bookkeeping_on_generated_traces():
-    from kvref.models.torch_differential import make_differential_machine
+    from kvref.models.machines.torch_differential import make_differential_machine
 
     machine = make_differential_machine(lambda cfg: make_manager(cfg, device="cpu"),
                                         torch_factory=lambda cfg: make_manager(cfg, device="cuda"))

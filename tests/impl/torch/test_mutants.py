@@ -15,8 +15,8 @@ from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
 from kvref.impl.torch.manager import TorchKVCacheManager
 from kvref.impl.torch.model_runner import Chunk, DataPathRunner
 from kvref.impl.torch.offload_copy import OffloadCopier
-from kvref.models.torch_datapath import DataPathScheduler
-from kvref.models.torch_mutants import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader
+from kvref.models.machines.torch_datapath import DataPathScheduler
+from kvref.models.mutants.torch_catalogue import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
 KW = dict(num_kv_heads=2, head_size=8, dtype="float32")

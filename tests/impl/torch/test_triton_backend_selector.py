@@ -27,7 +27,7 @@ CFG = PoolConfig(num_blocks=8, groups=GROUPS, max_model_len=16, scheduler_block_
 @pytest.mark.parametrize("make", [
     lambda b: DataPathRunner(TorchKVCacheManager(CFG, device="cpu"), attention_backend=b),
     lambda b: OffloadCopier(KVCacheTensors(GROUPS, 4), 2, backend=b),
-    lambda b: __import__("kvref.models.torch_differential", fromlist=["x"]).make_differential_machine(
+    lambda b: __import__("kvref.models.machines.torch_differential", fromlist=["x"]).make_differential_machine(
         lambda cfg: None, datapath=True, attention_backend=b),
 ], ids=["runner", "copier", "differential"])
 def test_unknown_backend_names_are_rejected_with_the_choices(make):

@@ -2,7 +2,7 @@
 
 ``attention_backend="triton"`` routes every K/V write and paged-attention call of the
 ``DataPathRunner`` through the kernels (Triton's interpreter on CPU); dense attention stays the
-oracle. The three torch mutants (``kvref.models.torch_mutants``) must each be caught by wrong
+oracle. The three torch mutants (``kvref.models.mutants.torch_catalogue``) must each be caught by wrong
 numbers through the kernels, as they are through the torch path, and the unmutated runs must be
 exact (float64: 1e-10). The kernel outputs must equal the torch path's step by step — also for
 the mutants: both back-ends read the same corrupted cache, so both report the same wrong numbers.
@@ -25,8 +25,8 @@ from kvref.impl.request import Request  # noqa: E402
 from kvref.impl.torch.manager import TorchKVCacheManager  # noqa: E402
 from kvref.impl.torch.model_runner import Chunk, DataPathRunner  # noqa: E402
 from kvref.impl.torch.offload_copy import OffloadCopier  # noqa: E402
-from kvref.models.torch_datapath import DataPathScheduler  # noqa: E402
-from kvref.models.torch_mutants import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader  # noqa: E402
+from kvref.models.machines.torch_datapath import DataPathScheduler  # noqa: E402
+from kvref.models.mutants.torch_catalogue import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader  # noqa: E402
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from tests.conftest import profile_examples  # noqa: E402
 from tests.impl.torch.triton_support import needs_interpreter, needs_triton  # noqa: E402
@@ -154,7 +154,7 @@ def test_differential_machine_runs_the_data_path_through_the_kernels(monkeypatch
     derandomized and the kernel calls are counted: the test fails if the kernels never ran."""
     import kvref.impl.torch.triton_kernels.attention as attn
     from kvref.impl.reference.adapter import ReferenceKVCacheManager
-    from kvref.models.torch_differential import make_differential_machine
+    from kvref.models.machines.torch_differential import make_differential_machine
 
     calls = []
     real = attn.paged_attention_triton

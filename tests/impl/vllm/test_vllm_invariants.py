@@ -155,7 +155,7 @@ def test_block_pool_driver_reads_vllm_links(vllm_mods):
 
 
 def test_scheduler_preempted_request_with_computed_tokens_is_caught(vllm_mods):
-    from kvref.impl.reference.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
 
     cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
 from kvref.impl.reference.offload.keys import OffloadStateError
 from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler, OffloadingStep
-from kvref.models.offloading_connector_world import OffloadingConfig, OffloadingWorld
+from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld
 from kvref.spec.errors import InvalidFieldError, KVRefError
 from kvref.spec.kv_cache_interface import MambaSpec
 from tests.conftest import profile_examples
-from kvref.models.offload_traces import apply_offloading_op, random_ops
+from kvref.models.offload.traces import apply_offloading_op, random_ops
 
 
 @settings(max_examples=profile_examples(30, 120))

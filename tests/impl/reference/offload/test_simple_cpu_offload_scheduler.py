@@ -11,14 +11,14 @@ from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
     SimpleCPUOffloadScheduler,
     SimpleOffloadStep,
 )
-from kvref.models.offload_machine import (
+from kvref.models.offload.simple_cpu_world import (
     OffloadInvariantError,
     SimpleOffloadConfig,
     SimpleOffloadWorld,
     make_simple_offload_machine,
 )
 from kvref.spec.errors import InvalidFieldError, KVRefError
-from kvref.models.offload_traces import FA_ONLY, PR42903, pre_fix_41289_trace, run_pr42903
+from kvref.models.offload.traces import FA_ONLY, PR42903, pre_fix_41289_trace, run_pr42903
 from tests.conftest import profile_examples
 
 FA_ONLY_2W = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, world_size=2)

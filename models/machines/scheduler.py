@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_liveness import drain_bound, max_blocks_per_request, startup_consistent
-from kvref.impl.reference.scheduler_types import FCFS, PRIORITY, ModelOutput, SchedulerConfig, SchedulerOutput
+from kvref.impl.scheduler_types import FCFS, PRIORITY, ModelOutput, SchedulerConfig, SchedulerOutput
 from kvref.impl.request import Request
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -41,7 +41,7 @@ from kvref.spec.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from .accepted import is_accepted, signature
+from kvref.models.conformance.accepted import is_accepted, signature
 
 VOCAB = 50
 
@@ -207,7 +207,7 @@ class Divergence(AssertionError):
     """Two targets observed different things after the same operation.
 
     ``signature`` names the operation and what differed without ids; a difference the user's
-    baseline accepts discards the trace and the search goes on (:mod:`kvref.models.accepted`).
+    baseline accepts discards the trace and the search goes on (:mod:`kvref.models.conformance.accepted`).
     """
 
     def __init__(self, message: str, signature: str | None = None) -> None:
@@ -562,7 +562,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
 
     Traces have at least 30 operations; liveness is drained at teardown on startup-consistent
     setups. ``reproducible`` derandomizes Hypothesis (the same traces every run, in every process:
-    :func:`~kvref.models.reproducible.same_inputs_in_every_process`); ``seed`` fixes the traces of
+    :func:`~kvref.models.hypothesis_runs.reproducible.same_inputs_in_every_process`); ``seed`` fixes the traces of
     one run (``kvref verify --seed``: a baseline recorded with a seed is checked on the same traces).
     """
     import hypothesis.core as hcore
@@ -574,7 +574,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
 
     from kvref.impl.reference.scheduler import Scheduler
 
-    from .reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     factories: dict[str, Callable] = {"ref": lambda p, c: Scheduler(p, c)}
     if with_vllm:

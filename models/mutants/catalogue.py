@@ -1,7 +1,7 @@
 """The mutant catalogue: historic vLLM bugs and classic faults, each a runtime patch.
 
 Every entry re-creates one fault in the reference (or in a ``kvref.spec`` formula) through
-:class:`~kvref.models.mutants.Mutant`. Faulty replacement functions are written here, beside their
+:class:`~kvref.models.mutants.mutant.Mutant`. Faulty replacement functions are written here, beside their
 entry, so the reference itself never carries a fault switch. ``docs/mutants.md`` lists them with
 the check that kills each and the reason for every survivor.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mutants import CLASSIC, HISTORIC, Catalogue, Mutant
+from kvref.models.mutants.mutant import CLASSIC, HISTORIC, Catalogue, Mutant
 
 CATALOGUE = Catalogue()
 _R = "kvref.impl.reference"
@@ -364,8 +364,8 @@ def all_mutants() -> list[Mutant]:
     return CATALOGUE.select()
 
 
-from . import mutants_catalogue_manager  # noqa: E402,F401 - registers the manager-layer mutants
-from . import mutants_catalogue_scheduler  # noqa: E402,F401 - registers the scheduler-policy mutants
+from kvref.models.mutants import catalogue_manager  # noqa: E402,F401 - registers the manager-layer mutants
+from kvref.models.mutants import catalogue_scheduler  # noqa: E402,F401 - registers the scheduler-policy mutants
 
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "all_mutants", "HISTORIC", "CLASSIC", "Any"]

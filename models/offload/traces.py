@@ -9,8 +9,8 @@ which takes a dozen coordinated steps.
 
 from __future__ import annotations
 
-from .offload_machine import SimpleOffloadConfig, SimpleOffloadWorld
-from .offloading_connector_world import OffloadingWorld
+from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOffloadWorld
+from kvref.models.offload.offloading_connector_world import OffloadingWorld
 
 PREFIXES = [list(range(100, 140)), list(range(200, 240))]
 

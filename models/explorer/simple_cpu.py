@@ -1,7 +1,7 @@
 """The explorer over the SimpleCPU offload path: every order of steps, per-worker store
 completions, load completions and preemptions, at a small scope.
 
-It explores :class:`~kvref.models.offload_machine.SimpleOffloadWorld` — the reference GPU
+It explores :class:`~kvref.models.offload.simple_cpu_world.SimpleOffloadWorld` — the reference GPU
 ``KVCacheManager`` + the reference ``SimpleCPUOffloadScheduler`` driven the way vLLM's scheduler
 does, with a content model beside them (a GPU block never the source of two in-flight stores,
 vLLM #41289; a block in a transfer is never free; a load reads exactly the content its position
@@ -50,7 +50,7 @@ class OffloadScope:
             raise InvalidFieldError("prompts", self.prompts, "at least one prompt")
 
     def config(self):
-        from .offload_machine import SimpleOffloadConfig
+        from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
 
         return SimpleOffloadConfig(block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks,
                                    num_cpu_blocks=self.num_cpu_blocks, lazy=self.lazy,
@@ -269,10 +269,10 @@ class WorldSystem:
 
 
 class OffloadSystem(WorldSystem):
-    """A :class:`~kvref.models.explorer.TransitionSystem` over ``SimpleOffloadWorld``."""
+    """A :class:`~kvref.models.explorer.engine.TransitionSystem` over ``SimpleOffloadWorld``."""
 
     def initial_states(self):
-        from .offload_machine import SimpleOffloadWorld
+        from kvref.models.offload.simple_cpu_world import SimpleOffloadWorld
 
         return [(SimpleOffloadWorld(self.scope.config(), "reference"), 0)]
 
@@ -319,7 +319,7 @@ class OffloadSystem(WorldSystem):
 
 
 def explore_offload(scope: OffloadScope | str = "offload", **kwargs: Any):
-    from .explorer import explore
+    from kvref.models.explorer.engine import explore
 
     if isinstance(scope, str):
         if scope not in OFFLOAD_SCOPES:

@@ -1,7 +1,7 @@
 """The engine side both offload worlds share: vLLM's v1 ``Scheduler`` around a KV connector.
 
-:class:`~kvref.models.offload_machine.SimpleOffloadWorld` (``SimpleCPUOffloadScheduler``) and
-:class:`~kvref.models.offloading_connector_world.OffloadingWorld` (``OffloadingConnector``'s
+:class:`~kvref.models.offload.simple_cpu_world.SimpleOffloadWorld` (``SimpleCPUOffloadScheduler``) and
+:class:`~kvref.models.offload.offloading_connector_world.OffloadingWorld` (``OffloadingConnector``'s
 scheduler) drive two different connectors, but the engine around them is one: a GPU
 ``KVCacheManager`` and vLLM ``Request`` objects, scheduled the way vLLM's ``Scheduler`` does and
 handed to the connector as a ``SchedulerOutput``. That part lives here once, so the two worlds

@@ -1,7 +1,7 @@
 """The catalogue of source faults in vLLM 0.33.0's KV-cache code (and refactors that must pass).
 
 Each entry is an exact ``old -> new`` edit of one file of the installed ``vllm`` package
-(:class:`~kvref.models.vllm_mutants.overlay.SourceFault`). Three classes:
+(:class:`~kvref.models.mutants.vllm_source.overlay.SourceFault`). Three classes:
 
 * ``historic`` — the pre-fix logic of a merged vLLM fix (or the fix as first merged, where a later
   PR corrected it), re-applied to 0.33.0's code: the bug the PR/issue number names comes back;

@@ -286,7 +286,7 @@ VLLM_CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("hybrid", num
 
 def run_manager_machines(budget: int, targets: tuple[str, ...] = ("reference",)) -> str | None:
     """Every config with ``budget`` examples, no shrinking; returns the first failure or None."""
-    from .reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
                    deadline=None, print_blob=False, phases=[Phase.explicit, Phase.generate],

@@ -16,14 +16,14 @@ Checks (cheapest first):
 * ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
   (:mod:`kvref.proofs.formulas`, evaluated with Python ints) on a grid of small configurations.
   The proofs are about those formulas, so a spec that drifts from them is no longer proved.
-* ``explorer`` — :mod:`kvref.models.explorer_kv` at its small campaign scopes, then
-  :mod:`kvref.models.explorer_offload` (SimpleCPU offload, completions in every order, bounded
+* ``explorer`` — :mod:`kvref.models.explorer.kv` at its small campaign scopes, then
+  :mod:`kvref.models.explorer.simple_cpu` (SimpleCPU offload, completions in every order, bounded
   depth): any violation or deadlock kills.
-* ``pool-machine`` — :mod:`kvref.models.block_pool_machine` with a fixed example budget.
-* ``scheduler-machine`` — :func:`kvref.models.scheduler_machine.run_scheduler_machine` on the
+* ``pool-machine`` — :mod:`kvref.models.machines.block_pool` with a fixed example budget.
+* ``scheduler-machine`` — :func:`kvref.models.machines.scheduler.run_scheduler_machine` on the
   reference alone: the scheduler's and the manager's invariants after every operation, and the
   liveness drain (every request finishes within ``drain_bound``) on startup-consistent setups.
-* ``manager-machine`` — :mod:`kvref.models.single_type_manager_machine`.
+* ``manager-machine`` — :mod:`kvref.models.machines.single_type_manager`.
 * ``manager-vllm`` — the same machine driving vLLM 0.33.0's ``KVCacheManager`` beside the
   reference and comparing every answer (only where vLLM is installed). Some faults are
   invisible to every safety check — the cache holds blocks nobody can hit, the admission gate is
@@ -49,7 +49,7 @@ from typing import Callable
 
 from kvref.spec.errors import InvalidFieldError
 
-from .mutants import Mutant
+from kvref.models.mutants.mutant import Mutant
 
 CheckFn = Callable[[int], "str | None"]
 
@@ -195,8 +195,8 @@ def _check_pool_machine(budget: int) -> str | None:
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .block_pool_machine import make_block_pool_machine
-    from .reproducible import same_inputs_in_every_process
+    from kvref.models.machines.block_pool import make_block_pool_machine
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     # no shrinking: the campaign needs a verdict, not a minimal example
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
@@ -212,33 +212,33 @@ def _check_pool_machine(budget: int) -> str | None:
 
 
 def _check_manager_machine(budget: int) -> str | None:
-    from .single_type_manager_machine import run_manager_machines
+    from kvref.models.machines.single_type_manager import run_manager_machines
 
     return run_manager_machines(budget)
 
 
 def _check_manager_vllm(budget: int) -> str | None:
-    from .single_type_manager_machine import run_manager_machines
+    from kvref.models.machines.single_type_manager import run_manager_machines
 
     return run_manager_machines(max(10, budget // 2), ("reference", "vllm"))
 
 
 def _check_scheduler_machine(budget: int) -> str | None:
-    from .scheduler_machine import run_scheduler_machine
+    from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=False, examples=budget, reproducible=True, shrink=False)
     return None if run.ok else _first_lines(run.failure)
 
 
 def _check_scheduler_vllm(budget: int) -> str | None:
-    from .scheduler_machine import run_scheduler_machine
+    from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=True, examples=budget, reproducible=True, shrink=False)
     return None if run.ok else _first_lines(run.failure)
 
 
 def _check_explorer(budget: int) -> str | None:
-    from .explorer_kv import campaign_scopes, explore_scope
+    from kvref.models.explorer.kv import campaign_scopes, explore_scope
 
     for scope in campaign_scopes():
         res = explore_scope(scope, max_states=budget * 2000)
@@ -246,7 +246,7 @@ def _check_explorer(budget: int) -> str | None:
             f = res.findings[0]
             return f"{scope.name}: {f.kind} after {f.trace.length} steps: {f.message}"
     try:
-        from .explorer_offload import OFFLOAD_SCOPES, explore_offload
+        from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, explore_offload
     except ImportError:  # the offload reference is not in this checkout
         return None
     scope = OFFLOAD_SCOPES["offload"]
@@ -275,7 +275,7 @@ def run_proof_variants() -> list["MutantResult"]:
     from kvref.proofs.api import run_all
     from kvref.proofs.variants import VARIANTS
 
-    from .mutants import CLASSIC, HISTORIC
+    from kvref.models.mutants.mutant import CLASSIC, HISTORIC
 
     rows = []
     for v in VARIANTS:
@@ -341,11 +341,11 @@ def unavailable_checks(names: list[str] | None = None) -> dict[str, str]:
     import importlib
 
     out: dict[str, str] = {}
-    needs = {"manager-machine": "kvref.models.single_type_manager_machine",
-             "manager-vllm": "kvref.models.single_type_manager_machine",
-             "scheduler-machine": "kvref.models.scheduler_machine",
-             "scheduler-vllm": "kvref.models.scheduler_machine",
-             "explorer": "kvref.models.explorer_kv", "proofs": "kvref.proofs.formulas",
+    needs = {"manager-machine": "kvref.models.machines.single_type_manager",
+             "manager-vllm": "kvref.models.machines.single_type_manager",
+             "scheduler-machine": "kvref.models.machines.scheduler",
+             "scheduler-vllm": "kvref.models.machines.scheduler",
+             "explorer": "kvref.models.explorer.kv", "proofs": "kvref.proofs.formulas",
              "spec-formulas": "kvref.proofs.formulas"}
     for name in names or ():
         if name not in ALL_CHECKS:
@@ -366,7 +366,7 @@ def unavailable_checks(names: list[str] | None = None) -> dict[str, str]:
                 out[name] = vllm_why
                 continue
         if name == "explorer":
-            from .explorer_kv import reference_available
+            from kvref.models.explorer.kv import reference_available
 
             if not reference_available():
                 out[name] = "the reference scheduler stack is not in this checkout"
@@ -388,7 +388,7 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
     Args:
         mutants: which mutants (default: every catalogue mutant whose target exists).
         subset: with ``mutants=None``: ``"all"`` (nightly) or ``"ci"`` (one mutant per fault
-            family, :data:`~kvref.models.mutants_catalogue.CI_SUBSET`).
+            family, :data:`~kvref.models.mutants.catalogue.CI_SUBSET`).
         checks: check names, in order (default: every available check). A named check that
             cannot run here (a vLLM check without vLLM) is left out and listed in
             :attr:`CampaignResult.skipped_checks`.
@@ -402,7 +402,7 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
         A :class:`CampaignResult` (``baseline_failures`` non-empty means the clean reference
         failed a check, and no mutant was run).
     """
-    from .mutants_catalogue import CI_SUBSET, all_mutants
+    from kvref.models.mutants.catalogue import CI_SUBSET, all_mutants
 
     t0 = time.perf_counter()
     skipped: dict[str, str] = {}

@@ -11,7 +11,7 @@ Two backends answer the same calls: ``"reference"`` (kvref) and ``"vllm"`` (vLLM
 ``KVCacheManager`` + ``SimpleCPUOffloadScheduler``), so one trace can run on both and be compared
 (conformance) — and the reference can be run with historic variants. The engine side (GPU
 ``KVCacheManager``, requests, the scheduler's bookkeeping) is shared with the OffloadingConnector
-world in :mod:`kvref.models.offload_world_common`.
+world in :mod:`kvref.models.offload.world_common`.
 
 The content model tracks a *content token* per GPU and CPU block: the (group, block-hash) of the
 tokens the block holds. Computing tokens writes it, a store copies it GPU -> CPU at completion,
@@ -36,7 +36,7 @@ from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
 from kvref.impl.offload_backends import SimpleCPUReferenceBackend
 
-from .offload_world_common import (
+from kvref.models.offload.world_common import (
     OffloadInvariantError,
     OffloadWorldBase,
     ScheduledBatch,

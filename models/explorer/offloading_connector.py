@@ -1,7 +1,7 @@
 """The explorer over the OffloadingConnector path: every order of steps, per-worker job
 completions, preemptions, aborts and connector resets, at a small scope.
 
-It explores :class:`~kvref.models.offloading_connector_world.OffloadingWorld` on the reference
+It explores :class:`~kvref.models.offload.offloading_connector_world.OffloadingWorld` on the reference
 backend — the reference GPU ``KVCacheManager`` + the reference OffloadingConnector scheduler
 (chunk keys, load/store jobs, fences) — with the world's content model checked on every write
 (a store job reading a block that was overwritten or belongs to another chunk, a load bringing
@@ -27,7 +27,7 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError, check_int
 
-from .explorer_offload import IdRenaming, WorldSystem, _freeze
+from kvref.models.explorer.simple_cpu import IdRenaming, WorldSystem, _freeze
 
 __all__ = ["ConnectorScope", "CONNECTOR_SCOPES", "ConnectorSystem", "explore_connector"]
 
@@ -60,7 +60,7 @@ class ConnectorScope:
             raise InvalidFieldError("prompts", self.prompts, "at least one non-empty prompt")
 
     def config(self):
-        from .offloading_connector_world import OffloadingConfig
+        from kvref.models.offload.offloading_connector_world import OffloadingConfig
 
         return OffloadingConfig(block_size=self.block_size, blocks_per_chunk=self.blocks_per_chunk,
                                 num_gpu_blocks=self.num_gpu_blocks, num_cpu_chunks=self.num_cpu_chunks,
@@ -128,10 +128,10 @@ class _JobRenaming(IdRenaming):
 
 
 class ConnectorSystem(WorldSystem):
-    """A :class:`~kvref.models.explorer.TransitionSystem` over ``OffloadingWorld`` (reference)."""
+    """A :class:`~kvref.models.explorer.engine.TransitionSystem` over ``OffloadingWorld`` (reference)."""
 
     def initial_states(self):
-        from .offloading_connector_world import OffloadingWorld
+        from kvref.models.offload.offloading_connector_world import OffloadingWorld
 
         return [(OffloadingWorld(self.scope.config(), "reference"), 0)]
 
@@ -182,7 +182,7 @@ class ConnectorSystem(WorldSystem):
 def explore_connector(scope: ConnectorScope | str = "connector", **kwargs: Any):
     """Explore ``scope`` (bounded by its ``max_depth``; None: completely, with deadlock checks;
     kwargs go to ``explore``)."""
-    from .explorer import explore
+    from kvref.models.explorer.engine import explore
 
     if isinstance(scope, str):
         if scope not in CONNECTOR_SCOPES:

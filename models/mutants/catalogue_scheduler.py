@@ -1,8 +1,8 @@
 """Mutants of the scheduler policy: who is preempted, where they go, what the budget admits.
 
-Registered into :data:`kvref.models.mutants_catalogue.CATALOGUE` with ``layer="scheduler"``. Each
+Registered into :data:`kvref.models.mutants.catalogue.CATALOGUE` with ``layer="scheduler"``. Each
 one is a one-line change to :mod:`kvref.impl.reference.scheduler` (through
-:func:`~kvref.models.mutants.edit_source`, so the fault sits in the real method) or to the waiting
+:func:`~kvref.models.mutants.mutant.edit_source`, so the fault sits in the real method) or to the waiting
 queue, and each changes what vLLM 0.33.0's ``Scheduler`` would do on some trace — most without
 breaking any safety invariant, so only the lock-step comparison with vLLM (the campaign's
 ``scheduler-vllm`` check) sees them. ``docs/mutants.md`` lists which check kills each.
@@ -14,8 +14,8 @@ before a preemption is always settled before the next schedule, so the skip neve
 
 from __future__ import annotations
 
-from .mutants import edit_source
-from .mutants_catalogue import mutant
+from kvref.models.mutants.mutant import edit_source
+from kvref.models.mutants.catalogue import mutant
 
 _R = "kvref.impl.reference"
 _SCHED = f"{_R}.scheduler:Scheduler"

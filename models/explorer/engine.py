@@ -17,7 +17,7 @@ depth, and its parent pointer is recorded then.
 Symmetry reduction is the system's business: ``key(state)`` may map symmetric states (e.g. two
 requests with identical prompts whose ids are swapped) to the same key. That is sound as long as
 the key is a *complete* description of the state up to the symmetry — two states with the same key
-must have the same future up to renaming. :mod:`kvref.models.explorer_kv` documents why its key is.
+must have the same future up to renaming. :mod:`kvref.models.explorer.kv` documents why its key is.
 
 The engine knows nothing about KV caches; tests drive it with toy systems too.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from kvref.spec.errors import check_int
 
-from .explorer_types import (  # noqa: F401  (re-exported: the explorer's public vocabulary)
+from kvref.models.explorer.vocabulary import (  # noqa: F401  (re-exported: the explorer's public vocabulary)
     ExplorationResult,
     Finding,
     Step,
@@ -70,7 +70,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
             (``complete=False`` if any was cut off). For systems whose state carries a counter.
         workers: processes that expand states (1: this one only; ``"auto"`` / 0: one per CPU).
             With more than one, each BFS level is expanded by forked workers and merged in
-            order (:mod:`kvref.models.explorer_search`): the same states, counts and shortest
+            order (:mod:`kvref.models.explorer.search`): the same states, counts and shortest
             traces as with one, faster on a multi-core machine once a level is large.
         progress: called as ``progress(result_so_far, depth, level_size)`` every 256 expanded
             states (``kvref explore`` prints states, depth, rate and elapsed time from it).
@@ -83,7 +83,7 @@ def explore(system: TransitionSystem[Any], *, max_states: int | None = None,
     # older generations re-walk the growing index (≈ 25 % of the time on the reference scopes).
     # Collect less often while exploring; copied states still die by reference counting, and
     # their cycles (free-list links) are collected at the higher threshold.
-    from .explorer_search import fork_available, resolve_workers, search
+    from kvref.models.explorer.search import fork_available, resolve_workers, search
 
     n_workers = resolve_workers(workers)
     check_int("max_findings", max_findings, minimum=1)

@@ -1,7 +1,7 @@
 """Exhaustive conformance: every transition of a scope's state graph, on vLLM 0.33.0 (and the torch
 KV cache manager) in lock step with the reference.
 
-The explorer (:mod:`kvref.models.explorer_kv`) visits every reachable state of a scope on the
+The explorer (:mod:`kvref.models.explorer.kv`) visits every reachable state of a scope on the
 reference alone; the state machines compare implementations on *generated* traces. This module
 does both at once: it takes the reference's whole state graph at a scope and checks that the other
 implementations agree with it on **every transition** — for each edge (state ``s``, action ``a``)
@@ -37,9 +37,9 @@ from typing import Any, Callable, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
-from .explorer_kv import SCOPES, KVSystem, Scope, sampled_token
-from .explorer_types import fmt_action
-from .scheduler_machine import _diff, _fmt  # the lock-step machine's renderings of outputs / snapshots
+from kvref.models.explorer.kv import SCOPES, KVSystem, Scope, sampled_token
+from kvref.models.explorer.vocabulary import fmt_action
+from kvref.models.machines.scheduler import _diff, _fmt  # the lock-step machine's renderings of outputs / snapshots
 
 __all__ = ["ConformanceResult", "TARGETS", "explore_conformance"]
 
@@ -93,7 +93,7 @@ class _Lockstep:
         self.in_flight: list[dict[str, Any]] = []
 
     def apply(self, action: Hashable) -> None:
-        from kvref.impl.reference.scheduler_types import ModelOutput
+        from kvref.impl.scheduler_types import ModelOutput
         from kvref.impl.request import Request
 
         scope, kind = self.system.scope, action[0]  # type: ignore[index]

@@ -53,15 +53,15 @@ from typing import Any, Callable
 from kvref.impl.interface import KVCacheManagerLike, PoolConfig, make_manager
 from kvref.impl.request import Request, RequestStatus
 
-from .accepted import signature
-from .trace import Op, Trace
+from kvref.models.conformance.accepted import signature
+from kvref.models.conformance.trace import Op, Trace
 
 
 class Divergence(AssertionError):
     """Two implementations disagreed, or one broke an invariant, after an op of a trace.
 
     ``signature`` is the finding without its ids (the op and what differed): one baseline entry
-    accepts every occurrence of it (:mod:`kvref.models.accepted`).
+    accepts every occurrence of it (:mod:`kvref.models.conformance.accepted`).
     """
 
     def __init__(self, message: str, signature: str | None = None) -> None:
@@ -568,10 +568,10 @@ def replay(trace: Trace, kinds: list[str] | tuple[str, ...] = ("reference", "vll
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvref.models.differential TRACE.json [--kinds reference,vllm]``: replay a trace."""
+    """``python -m kvref.models.conformance.differential TRACE.json [--kinds reference,vllm]``: replay a trace."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvref.models.differential", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvref.models.conformance.differential", description=main.__doc__)
     ap.add_argument("trace", help="a kvref trace JSON file (saved by the state machine on a failure)")
     ap.add_argument("--kinds", default="reference,vllm",
                     help="comma-separated implementations to drive side by side (default: reference,vllm)")

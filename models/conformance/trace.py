@@ -13,9 +13,9 @@ boring: one JSON object
              {"op": "admit", "rid": "r0", "chunk": 8, "full_sequence_must_fit": true, ...}, ...]}
 
 Replay one with ``kvref replay FILE [--kinds reference,vllm]`` or
-``python -m kvref.models.differential FILE``.
+``python -m kvref.models.conformance.differential FILE``.
 
-The operations (``OP_FIELDS``) are the ones :mod:`kvref.models.differential` knows how to apply;
+The operations (``OP_FIELDS``) are the ones :mod:`kvref.models.conformance.differential` knows how to apply;
 see there for what each does.
 """
 

@@ -2,7 +2,7 @@
 
 ``kv_cache_manager_machine(kinds)`` builds a ``RuleBasedStateMachine`` that applies every
 generated operation to all implementations in ``kinds`` through one
-:class:`~kvref.models.differential.Harness`, which compares what they observe after every step
+:class:`~kvref.models.conformance.differential.Harness`, which compares what they observe after every step
 (exact block ids, free-queue order, cached hashes, admission decisions) and checks invariants:
 
 * ``("reference",)``            the reference alone (its invariants + protocol invariants);
@@ -10,9 +10,9 @@ generated operation to all implementations in ``kinds`` through one
 * ``("reference", "vllm")``     the differential pairing (conformance);
 * ``("reference", "torch")``    later, the torch implementation.
 
-On a failure the (shrunk) trace is saved as JSON (see :mod:`kvref.models.trace`) under
+On a failure the (shrunk) trace is saved as JSON (see :mod:`kvref.models.conformance.trace`) under
 ``$KVREF_TRACE_DIR`` (default: ``<tmp>/kvref-traces``) and its path is in the error message;
-``kvref.models.differential.replay`` replays it.
+``kvref.models.conformance.differential.replay`` replays it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvref.impl.interface import make_manager
 from kvref.spec.kv_cache_interface import MambaSpec
 
-from .accepted import is_accepted
-from .differential import Divergence, Harness
-from .strategies import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
-from .trace import Op
+from kvref.models.conformance.accepted import is_accepted
+from kvref.models.conformance.differential import Divergence, Harness
+from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
+from kvref.models.conformance.trace import Op
 
 MAX_LIVE_REQUESTS = 6
 MAX_BATCHES_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling
@@ -73,7 +73,7 @@ class MachineStats:
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
-    #: traces discarded at a difference the user's baseline accepts (kvref.models.accepted)
+    #: traces discarded at a difference the user's baseline accepts (kvref.models.conformance.accepted)
     accepted_divergences: int = 0
     seconds_by_kind: dict[str, float] = field(default_factory=dict)
 

@@ -4,7 +4,7 @@ A :class:`Mutant` names one fault — a historic variant (the pre-fix behaviour 
 or a classic fault (off-by-one, order reversed, a counter forgotten) — and knows how to patch it
 in: :meth:`Mutant.applied` is a context manager that replaces one attribute (a method of a
 reference class, or a function of ``kvref.spec``) and restores it afterwards. A module-level
-function that other modules imported by name (``from .mathutil import cdiv``) is replaced in every
+function that other modules imported by name (``from kvref.models.mathutil import cdiv``) is replaced in every
 loaded ``kvref`` module that holds it, so the fault is seen wherever the original was.
 
 A fault inside a long method (one condition of the scheduler loop) is written with
@@ -13,8 +13,8 @@ original's module — a one-line mutation of the real code rather than a hand-ke
 the snippet is no longer in the source, building the mutant fails loudly instead of patching in
 the clean code.
 
-The catalogue lives in :mod:`kvref.models.mutants_catalogue`; the campaign that runs the checks
-against each mutant in :mod:`kvref.models.mutants_campaign`.
+The catalogue lives in :mod:`kvref.models.mutants.catalogue`; the campaign that runs the checks
+against each mutant in :mod:`kvref.models.mutants.campaign`.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ workers start at the first level of at least ``min_parallel_level`` states, whic
 once (``system.dump``) and dealt out round robin.
 
 Keys cross processes as their ``repr`` (see :class:`_ReprKeyed`), so ``key`` must not depend on
-the process (no per-process numbering): :class:`~kvref.models.explorer_kv.KVSystem` fixes its
+the process (no per-process numbering): :class:`~kvref.models.explorer.kv.KVSystem` fixes its
 content numbering from the workload for this. Needs the ``fork`` start method (Linux; elsewhere
-:func:`kvref.models.explorer.explore` stays in one process).
+:func:`kvref.models.explorer.engine.explore` stays in one process).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any, Hashable
 
 from kvref.spec.errors import InvalidFieldError
 
-from .explorer_types import Finding, Step, Trace, first_stuck, fmt_action, fmt_exc, rebuild_trace, safe_describe
+from kvref.models.explorer.vocabulary import Finding, Step, Trace, first_stuck, fmt_action, fmt_exc, rebuild_trace, safe_describe
 
 __all__ = ["resolve_workers", "fork_available", "search"]
 
@@ -248,7 +248,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                      max_seconds: float | None, stop_at_first: bool, check_deadlocks: bool,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
                      min_parallel_level: int = 64, progress: Any = None) -> Any:
-    """The body of :func:`kvref.models.explorer.explore`; fills ``res``. ``progress(res, depth,
+    """The body of :func:`kvref.models.explorer.engine.explore`; fills ``res``. ``progress(res, depth,
     level_size)`` is called every 256 expansions and at each new level (a long search is not silent)."""
 
     t0 = time.perf_counter()

@@ -195,7 +195,7 @@ class Scope:
                           enable_caching=self.enable_caching)
 
     def scheduler_config(self):
-        from kvref.impl.reference.scheduler_types import SchedulerConfig
+        from kvref.impl.scheduler_types import SchedulerConfig
 
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=8,
                                async_scheduling=self.async_scheduling,
@@ -287,7 +287,7 @@ def _dispatch_table() -> dict:
 
         from kvref.impl.interface import PoolConfig
         from kvref.impl.reference.kv_cache_coordinator import SpecGroup
-        from kvref.impl.reference.scheduler_types import SchedulerConfig
+        from kvref.impl.scheduler_types import SchedulerConfig
         from kvref.impl.request import RequestStatus
         from kvref.spec import kv_cache_interface as kci
 
@@ -331,7 +331,7 @@ class KVState:
 
 
 class KVSystem:
-    """A :class:`~kvref.models.explorer.TransitionSystem` over the reference scheduler stack."""
+    """A :class:`~kvref.models.explorer.engine.TransitionSystem` over the reference scheduler stack."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -422,7 +422,7 @@ class KVSystem:
 
     def _step(self, s: KVState, t: KVState, action: Hashable) -> KVState:
         from kvref.impl.request import Request
-        from kvref.impl.reference.scheduler_types import ModelOutput
+        from kvref.impl.scheduler_types import ModelOutput
 
         sched = t.scheduler
         kind = action[0]  # type: ignore[index]
@@ -588,7 +588,7 @@ class KVSystem:
         t.content = dict(s.content)
         return t
 
-    # --- moving states between processes (kvref.models.explorer_search) ----------------------
+    # --- moving states between processes (kvref.models.explorer.search) ----------------------
 
     def dump(self, s: KVState) -> bytes:
         """The whole state (steps in flight and shadow contents too) as bytes that this process
@@ -666,8 +666,8 @@ class KVSystem:
 
 def explore_scope(scope: Scope | str, **kwargs: Any):
     """Explore ``scope`` (a :class:`Scope` or a name in :data:`SCOPES`); kwargs go to
-    :func:`~kvref.models.explorer.explore`."""
-    from .explorer import explore
+    :func:`~kvref.models.explorer.engine.explore`."""
+    from kvref.models.explorer.engine import explore
 
     if isinstance(scope, str):
         if scope not in SCOPES:

@@ -1,10 +1,10 @@
 """A small engine around the OffloadingConnector scheduler + CPU offloading manager.
 
-Same shape as :mod:`kvref.models.offload_machine` (which drives the SimpleCPU connector): a GPU
+Same shape as :mod:`kvref.models.offload.simple_cpu_world` (which drives the SimpleCPU connector): a GPU
 KV cache manager and the connector are driven like vLLM's ``Scheduler`` does, transfer
 completions arrive when the trace says (late, out of order, one worker at a time), and two
 backends (``"reference"``, ``"vllm"``) answer the same calls so a trace can be compared. The
-engine side both worlds share is in :mod:`kvref.models.offload_world_common`.
+engine side both worlds share is in :mod:`kvref.models.offload.world_common`.
 
 Content model: every GPU block carries the (group, block-hash) key of what it holds. It checks
 
@@ -25,7 +25,7 @@ from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
 from kvref.impl.offload_backends import OffloadingReferenceBackend
 
-from .offload_world_common import (
+from kvref.models.offload.world_common import (
     OffloadInvariantError,
     OffloadWorldBase,
     ScheduledBatch,
