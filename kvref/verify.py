@@ -302,23 +302,14 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
 
 
 def _offload_cases(rng, n):
-    """Random SimpleCPU and OffloadingConnector configurations with engine traces (kvref.models)."""
+    """Random SimpleCPU and OffloadingConnector configurations with engine traces: each world's
+    ``Config.random`` and :func:`kvref.models.offload.traces.random_ops`, alternating."""
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig
     from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
     from kvref.models.offload.traces import random_ops
-    from kvref.models.offload.offloading_connector_world import OffloadingConfig
 
     for i in range(n):
-        if i % 2 == 0:
-            cfg = SimpleOffloadConfig(
-                block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
-                sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
-                world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]))
-        else:
-            cfg = OffloadingConfig(
-                block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
-                num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
-                cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
-                offload_prompt_only=rng.random() < 0.5)
+        cfg = SimpleOffloadConfig.random(rng) if i % 2 == 0 else OffloadingConfig.random(rng)
         yield cfg, random_ops(rng, rng.randint(30, 70))
 
 

@@ -49,6 +49,15 @@ class OffloadingConfig:
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
 
+    @classmethod
+    def random(cls, rng: Any) -> OffloadingConfig:
+        """A random small configuration for the generated-trace checks (``kvref verify``'s
+        conform-offload / machine-offload)."""
+        return cls(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
+                   num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
+                   cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
+                   offload_prompt_only=rng.random() < 0.5)
+
 
 def _vllm_backend(cfg: OffloadingConfig):
     from kvref.impl.vllm.offload import OffloadingVllmBackend

@@ -59,6 +59,14 @@ class SimpleOffloadConfig:
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
 
+    @classmethod
+    def random(cls, rng: Any) -> SimpleOffloadConfig:
+        """A random small configuration for the generated-trace checks (``kvref verify``'s
+        conform-offload / machine-offload): tight GPU pools, CPU pools from roomy to one block."""
+        return cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
+                   sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
+                   world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]))
+
 
 # --------------------------------------------------------------------------------------------
 # Backends
