@@ -324,7 +324,7 @@ def _run_offload(ctx: VerifyContext, name: str, backends: tuple[str, ...]) -> Ch
 
     from kvref.models.conformance.accepted import is_accepted, signature
 
-    n = ctx.examples(20, 150)
+    n = ctx.examples(80, 400)
     rng = random.Random(ctx.seed)
     ops_run = accepted = 0
     for i, (cfg, ops) in enumerate(_offload_cases(rng, n)):
