@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -87,36 +88,26 @@ def get_manager_for_kv_cache_spec(spec: KVCacheSpec, max_in_flight_tokens: int, 
 class KVCacheCoordinator:
     """Owns the block pool and the per-group managers; fans every call out to them.
 
-    Args:
-        kv_cache_groups: the groups (scheduler view).
-        num_blocks: pool size including the null block.
-        max_model_len / max_in_flight_tokens: feed the windowed admission caps.
-        use_eagle: EAGLE/MTP drafting: flagged groups (all if none is flagged) drop their last
-            hit block so it is recomputed.
-        enable_caching: prefix caching on/off.
-        scheduler_block_size / hash_block_size: see the module docstring.
-        enable_kv_cache_events: the pool queues KV cache events (vLLM threads the same flag from
-            the scheduler through the manager and coordinator to the pool).
+    Built from the one :class:`~kvref.impl.interface.PoolConfig` every implementation is created
+    from (PoolConfig validated it: block-size divisibility, ranges): ``groups`` (scheduler view),
+    ``num_blocks`` (pool size including the null block), ``max_model_len`` and the in-flight budget
+    (feed the windowed admission caps), ``use_eagle`` (EAGLE/MTP drafting: flagged groups, all if
+    none is flagged, drop their last hit block so it is recomputed), ``enable_caching``,
+    ``scheduler_block_size`` / ``hash_block_size`` (see the module docstring) and
+    ``enable_kv_cache_events`` (the pool queues KV cache events; vLLM threads the same flag from the
+    scheduler through the manager and coordinator to the pool).
     """
 
-    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
-                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int, *,
-                 enable_kv_cache_events: bool = False) -> None:
-        check_int("num_blocks", num_blocks, minimum=1)
-        check_int("max_model_len", max_model_len, minimum=1)
-        check_int("max_in_flight_tokens", max_in_flight_tokens, minimum=1)
-        check_int("scheduler_block_size", scheduler_block_size, minimum=1)
-        check_int("hash_block_size", hash_block_size, minimum=1)
-        self.kv_cache_groups = tuple(kv_cache_groups)
+    def __init__(self, config: PoolConfig) -> None:
+        if not isinstance(config, PoolConfig):
+            raise InvalidFieldError("config", config, "a kvref.impl.interface.PoolConfig")
+        self.config = config
+        num_blocks, max_model_len = config.num_blocks, config.max_model_len
+        max_in_flight_tokens = config.effective_max_in_flight_tokens
+        use_eagle, enable_caching = config.use_eagle, config.enable_caching
+        scheduler_block_size, hash_block_size = config.scheduler_block_size, config.hash_block_size
+        self.kv_cache_groups = tuple(config.groups)
         specs = [scheduler_spec(g.kv_cache_spec) for g in self.kv_cache_groups]
-        if scheduler_block_size % hash_block_size:
-            raise InvalidFieldError("scheduler_block_size", scheduler_block_size,
-                                    f"a multiple of hash_block_size={hash_block_size}")
-        for i, spec in enumerate(specs):
-            if scheduler_block_size % spec.block_size:
-                raise InvalidFieldError("scheduler_block_size", scheduler_block_size,
-                                        f"a multiple of group {i}'s block_size={spec.block_size}")
         self._check_modelled(specs, enable_caching, use_eagle, hash_block_size)
         self.specs = tuple(specs)
         self.max_model_len = max_model_len
@@ -124,7 +115,7 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events=enable_kv_cache_events)
+                                    enable_kv_cache_events=config.enable_kv_cache_events)
         self.eagle_group_ids = {i for i, g in enumerate(self.kv_cache_groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
@@ -279,12 +270,10 @@ class KVCacheCoordinator:
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: hits are always empty."""
 
-    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
-                 max_in_flight_tokens: int, use_eagle: bool, scheduler_block_size: int,
-                 hash_block_size: int, *, enable_kv_cache_events: bool = False) -> None:
-        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         False, scheduler_block_size, hash_block_size,
-                         enable_kv_cache_events=enable_kv_cache_events)
+    def __init__(self, config: PoolConfig) -> None:
+        super().__init__(config)
+        if config.enable_caching:
+            raise InvalidFieldError("enable_caching", True, "False for the no-prefix-cache coordinator")
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
@@ -294,19 +283,16 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """One group: the hit is that manager's own lookup, aligned to its block size."""
 
-    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
-                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int, *,
-                 enable_kv_cache_events: bool = False) -> None:
-        if len(kv_cache_groups) != 1:
-            raise InvalidFieldError("kv_cache_groups", len(kv_cache_groups), "exactly one group")
-        block_size = scheduler_spec(kv_cache_groups[0].kv_cache_spec).block_size
-        if enable_caching and hash_block_size != block_size:
-            raise InvalidFieldError("hash_block_size", hash_block_size,
-                                    f"the group's block_size={block_size} (one group)")
-        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         enable_caching, scheduler_block_size, hash_block_size,
-                         enable_kv_cache_events=enable_kv_cache_events)
+    def __init__(self, config: PoolConfig) -> None:
+        if isinstance(config, PoolConfig):
+            if len(config.groups) != 1:
+                raise InvalidFieldError("groups", len(config.groups), "exactly one group")
+            block_size = scheduler_spec(config.groups[0].kv_cache_spec).block_size
+            if config.enable_caching and config.hash_block_size != block_size:
+                raise InvalidFieldError("hash_block_size", config.hash_block_size,
+                                        f"the group's block_size={block_size} (one group)")
+        super().__init__(config)
+        block_size = self.specs[0].block_size
         self.block_size = block_size
         self.single_type_managers[0].use_eagle = 0 in self.drop_eagle_group_ids
 
@@ -341,13 +327,9 @@ class SpecGroup:
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups sharing one pool; hits are aligned to ``scheduler_block_size``."""
 
-    def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int, max_model_len: int,
-                 max_in_flight_tokens: int, use_eagle: bool, enable_caching: bool,
-                 scheduler_block_size: int, hash_block_size: int, *,
-                 enable_kv_cache_events: bool = False) -> None:
-        super().__init__(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-                         enable_caching, scheduler_block_size, hash_block_size,
-                         enable_kv_cache_events=enable_kv_cache_events)
+    def __init__(self, config: PoolConfig) -> None:
+        super().__init__(config)
+        scheduler_block_size, hash_block_size = config.scheduler_block_size, config.hash_block_size
         for i, spec in enumerate(self.specs):
             if spec.prefix_cacheable and spec.block_size % hash_block_size:
                 raise InvalidFieldError("hash_block_size", hash_block_size,
@@ -455,19 +437,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return blocks_out, hit_length, longest - hit_length
 
 
-def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
-                             max_model_len: int, max_in_flight_tokens: int, use_eagle: bool,
-                             enable_caching: bool, scheduler_block_size: int,
-                             hash_block_size: int, *,
-                             enable_kv_cache_events: bool = False) -> KVCacheCoordinator:
+def get_kv_cache_coordinator(config: PoolConfig) -> KVCacheCoordinator:
     """Pick the coordinator vLLM would: no caching -> NoPrefixCache; one group -> Unitary; else
     Hybrid."""
-    if not enable_caching:
-        return KVCacheCoordinatorNoPrefixCache(kv_cache_groups, num_blocks, max_model_len,
-                                               max_in_flight_tokens, use_eagle,
-                                               scheduler_block_size, hash_block_size,
-                                               enable_kv_cache_events=enable_kv_cache_events)
-    cls = UnitaryKVCacheCoordinator if len(kv_cache_groups) == 1 else HybridKVCacheCoordinator
-    return cls(kv_cache_groups, num_blocks, max_model_len, max_in_flight_tokens, use_eagle,
-               enable_caching, scheduler_block_size, hash_block_size,
-               enable_kv_cache_events=enable_kv_cache_events)
+    if not isinstance(config, PoolConfig):
+        raise InvalidFieldError("config", config, "a kvref.impl.interface.PoolConfig")
+    if not config.enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(config)
+    cls = UnitaryKVCacheCoordinator if len(config.groups) == 1 else HybridKVCacheCoordinator
+    return cls(config)

@@ -80,11 +80,7 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_caching
-        max_in_flight = config.effective_max_in_flight_tokens
-        self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
-            config.groups, config.num_blocks, config.max_model_len, max_in_flight, config.use_eagle,
-            config.enable_caching, config.scheduler_block_size, config.hash_block_size,
-            enable_kv_cache_events=config.enable_kv_cache_events)
+        self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(config)
         self.block_pool = self.coordinator.block_pool
         self.enable_kv_cache_events = config.enable_kv_cache_events
         #: per group: (kv_cache_spec_kind, sliding window) that ``take_events`` stamps on stores

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvref.impl.interface import MAX_NUM_BLOCKS
+from kvref.impl.interface import MAX_NUM_BLOCKS, PoolConfig
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import (
@@ -161,9 +161,10 @@ class SimpleCPUOffloadScheduler:
         self.lazy = bool(lazy_offload)
         self.in_flight_dedup = in_flight_dedup
         self.dedup_within_scan = dedup_within_scan
-        self.cpu_coordinator = get_kv_cache_coordinator(
-            groups, num_cpu_blocks, max_model_len, max_in_flight_tokens or max_model_len, False, True,
-            scheduler_block_size, hash_block_size)
+        self.cpu_coordinator = get_kv_cache_coordinator(PoolConfig(
+            num_blocks=num_cpu_blocks, groups=groups, max_model_len=max_model_len,
+            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens or max_model_len))
         self.cpu_block_pool: BlockPool = self.cpu_coordinator.block_pool
         self.num_cpu_blocks = num_cpu_blocks
         self.fa_gidx = fa[0]

@@ -187,14 +187,21 @@ def test_configurations_vllm_rejects_or_kvref_does_not_model(make, error):
         KVCacheManager(make())
 
 
-def test_coordinator_rechecks_the_divisibility_rule():
+def test_coordinator_is_built_from_a_validated_pool_config():
     """Seed 003 / vLLM PR #44165: scheduler_block_size must be a multiple of hash_block_size and of
-    every group's block size. PoolConfig checks it; so does the coordinator built on its own."""
+    every group's block size. PoolConfig checks it once; the coordinators take nothing else, so no
+    coordinator can be built on an unchecked combination."""
     groups = (KVCacheGroupSpec(("a",), fa(8)),)
     with pytest.raises(InvalidFieldError, match="scheduler_block_size"):
-        KVCacheCoordinator(groups, 8, 64, 64, False, True, 12, 4)
-    with pytest.raises(InvalidFieldError, match="scheduler_block_size"):
-        UnitaryKVCacheCoordinator(groups, 8, 64, 64, False, False, 8, 3)
+        PoolConfig(8, groups, 64, scheduler_block_size=12, hash_block_size=4)
+    for cls in (KVCacheCoordinator, UnitaryKVCacheCoordinator):
+        with pytest.raises(InvalidFieldError, match="config"):
+            cls(groups)  # the old positional form
+    two = groups + (KVCacheGroupSpec(("b",), fa(8)),)
+    with pytest.raises(InvalidFieldError, match="groups"):
+        UnitaryKVCacheCoordinator(PoolConfig(8, two, 64, scheduler_block_size=8, hash_block_size=8))
+    with pytest.raises(InvalidFieldError, match="hash_block_size"):
+        UnitaryKVCacheCoordinator(PoolConfig(8, groups, 64, scheduler_block_size=8, hash_block_size=4))
 
 
 @given(st.fixed_dictionaries({
