@@ -6,16 +6,27 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 from kvref.models.machines.block_pool import PoolModel, make_block_pool_machine
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
+
+
+def _derandomized(machine, examples: int) -> dict:
+    """The coverage assertions below hold for the machine's generators, not for a lucky draw:
+    random runs of 40 examples reach no eviction in about half the runs (measured), so these run
+    derandomized, with the same inputs in every process, and then check what was reached."""
+    with same_inputs_in_every_process():
+        run_state_machine_as_test(machine, settings=settings(max_examples=examples, stateful_step_count=40,
+                                                             derandomize=True, database=None))
+    return machine.coverage
 
 
 def test_reference_block_pool_agrees_with_the_model():
     machine = make_block_pool_machine("reference")
     run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(60, 300),
                                                          stateful_step_count=40))
-    c = machine.coverage
+    c = _derandomized(make_block_pool_machine("reference"), 150)
     assert c.get("hits", 0) and c.get("null_slots", 0), c  # prefix hits and skipped (null) slots reached
 
 
@@ -23,7 +34,7 @@ def test_small_pool_runs_out_of_blocks_and_evicts():
     machine = make_block_pool_machine("reference", num_blocks=4)
     run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(40, 150),
                                                          stateful_step_count=40))
-    c = machine.coverage
+    c = _derandomized(make_block_pool_machine("reference", num_blocks=4), 150)
     assert c.get("exhausted", 0) and c.get("evictions", 0), c  # what the test's name promises
 
 
