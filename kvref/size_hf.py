@@ -207,6 +207,12 @@ def compare_with_vllm(layers, config: EngineConfig, memory: int) -> list[tuple[s
     ok, why = vllm_available()
     if not ok:
         raise InvalidFieldError("--against", "vllm", f"an importable vLLM ({why})")
+    from kvref.impl.vllm.api import check_api
+
+    problems = check_api(("specs", "planning"))  # a moved planner is named up front, not a traceback
+    if problems:
+        raise InvalidFieldError("--against", "vllm", "a vLLM with the planning API kvref binds to; the installed "
+                                "one differs: " + "; ".join(problems))
     from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
     from kvref.progress import Progress
 

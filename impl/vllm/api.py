@@ -135,7 +135,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.block_pool", "BlockPool.cache_partial_block"),
     ),
     "scheduler": (
-        _b("vllm.config", "VllmConfig", "model_config", "cache_config", "scheduler_config"),
+        _b("vllm.config", "VllmConfig", "model_config", "cache_config", "scheduler_config", "kv_events_config"),
+        _b("vllm.config.kv_events", "KVEventsConfig", "enable_kv_cache_events", "publisher"),
         _b("vllm.config", "ModelConfig", "model", "tokenizer", "skip_tokenizer_init", "max_model_len", "dtype"),
         _b("vllm.config", "CacheConfig", "block_size", "enable_prefix_caching"),
         _b("vllm.config", "SchedulerConfig", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
@@ -184,6 +185,24 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.base", "OffloadingKVEventsConfig"),
         _b("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager", "cache_policy"),
         _b("vllm.v1.outputs", "KVConnectorOutput", "kv_connector_worker_meta"),
+    ),
+    # vLLM's own reading of a model's config.json (kvref.impl.vllm.model_config; the HF-config
+    # conformance tests compare kvref's derivation with it)
+    "model-config": (
+        _b("vllm.config.model", "_get_and_verify_max_len"),
+        _b("vllm.transformers_utils.config", "get_config"),
+        _b("vllm.transformers_utils.model_arch_config_convertor", "MODEL_ARCH_CONFIG_CONVERTORS"),
+        _b("vllm.transformers_utils.model_arch_config_convertor", "ModelArchConfigConvertorBase"),
+        _b("vllm.config", "CacheConfig"),
+        _b("vllm.config", "ParallelConfig"),
+        _b("vllm.platforms.interface", "Platform"),
+        _b("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend"),
+        _b("vllm.model_executor.models.config", "NemotronHForCausalLMConfig"),
+        _b("vllm.model_executor.models", "ModelRegistry"),
+        _b("vllm.model_executor.models.jamba", "JambaForCausalLM"),
+        _b("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM"),
+        _b("vllm.model_executor.layers.mamba.mamba_utils", "MambaStateDtypeCalculator"),
+        _b("vllm.model_executor.layers.mamba.mamba_utils", "MambaStateShapeCalculator"),
     ),
 }
 

@@ -144,6 +144,21 @@ def test_against_vllm_difference_exits_1_naming_the_field(capsys, monkeypatch):
     assert "DIFFERS" in captured.out and "differ on num_blocks" in captured.err
 
 
+@pytest.mark.vllm
+def test_against_a_vllm_whose_planner_moved_exits_2_naming_the_symbol(capsys, monkeypatch):
+    """A user's vLLM renamed the startup planner: one line naming it, no traceback."""
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    from vllm.v1.core import kv_cache_planning
+
+    monkeypatch.delattr(kv_cache_planning, "get_kv_cache_configs")
+    assert main(["size", "--hf-config", "llama-3.1-8b", "--kv-cache-memory", "4GiB", "--max-model-len", "8192",
+                 "--against", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "get_kv_cache_configs" in err and "Traceback" not in err
+
+
 def test_against_vllm_rejects_a_pipeline_depth_it_cannot_plan(capsys):
     assert main(["size", "--hf-config", "llama-3.1-8b", "--kv-cache-memory", "4GiB", "--max-concurrent-batches", "3",
                  "--against", "vllm"]) == 2
