@@ -109,6 +109,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.preempted_req_ids: set[str] = set()  # since the last schedule()
         self._in_flight: dict[int, SchedulerOutput] = {}
+        self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -363,6 +364,24 @@ class Scheduler:
         gone = {id(r) for r, _ in stopped}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.remove_requests([r for r, st in stopped if st != RequestStatus.RUNNING])
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """vLLM's ``update_from_output`` ends by taking every KV cache event queued since the last
+        step (by ``schedule``'s allocations and evictions, this update's async caching, a prefix
+        cache reset) and publishing them as one ``KVEventBatch``; an empty queue publishes nothing.
+        With events off (``pool.enable_kv_cache_events``) nothing is queued."""
+        take = getattr(self.kv_cache_manager, "take_kv_events", None)
+        if take is not None and self.pool.enable_kv_cache_events:
+            events = take()
+            if events:
+                self._published_kv_events.append(events)
+
+    def take_published_kv_events(self) -> list[list[dict]]:
+        """The event batches published since the last call, each a list of plain event dicts
+        (:func:`kvref.impl.reference.kv_events.event_to_plain`), oldest first."""
+        out, self._published_kv_events = self._published_kv_events, []
+        return out
 
     def _append_output(self, request: Request, new_ids: list[int], stale: bool) -> bool:
         """Append sampled tokens one by one until a stop condition (vLLM ``check_stop``)."""

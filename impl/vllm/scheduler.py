@@ -145,6 +145,26 @@ class VllmEnv:
         return vc
 
 
+class _CapturingPublisher:
+    """Stands in for vLLM's ``EventPublisher`` (``publish(batch)``, ``shutdown()``): keeps each
+    batch's events, decoded to plain dicts (:mod:`kvref.impl.vllm.kv_events`)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[dict]] = []
+
+    def publish(self, batch) -> None:
+        from .kv_events import vllm_event_to_plain
+
+        self.batches.append([vllm_event_to_plain(e) for e in batch.events])
+
+    def shutdown(self) -> None:
+        pass
+
+    def take(self) -> list[list[dict]]:
+        out, self.batches = self.batches, []
+        return out
+
+
 class VllmScheduler:
     """vLLM's scheduler behind kvref's scheduler interface (see :mod:`kvref.impl.reference.scheduler`).
 
@@ -181,9 +201,21 @@ class VllmScheduler:
             finally:
                 vc.scheduler_config.scheduler_cls = None  # the env is shared
             extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
-        self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
-                             structured_output_manager=v["StructuredOutputManager"](vc),
-                             block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size, **extra)
+        saved_events_config = vc.kv_events_config
+        if pool.enable_kv_cache_events:  # vLLM's own switch; the publisher is replaced below
+            from vllm.config.kv_events import KVEventsConfig
+
+            vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        try:
+            self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
+                                 structured_output_manager=v["StructuredOutputManager"](vc),
+                                 block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
+                                 **extra)
+        finally:
+            vc.kv_events_config = saved_events_config  # the env is shared
+        self._published = _CapturingPublisher()
+        if pool.enable_kv_cache_events:
+            self.scheduler.kv_event_publisher = self._published
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
         self.pool = pool
         self.config = config
@@ -237,6 +269,11 @@ class VllmScheduler:
 
     def finish_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, self._v["VStatus"].FINISHED_ABORTED)
+
+    def take_published_kv_events(self) -> list[list[dict]]:
+        """The ``KVEventBatch`` es vLLM's scheduler published since the last call (its
+        ``update_from_output`` publishes one per step with events), each as plain event dicts."""
+        return self._published.take()
 
     # ---- observation ----------------------------------------------------------------------------
     def snapshot(self) -> SchedulerSnapshot:

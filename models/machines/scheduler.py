@@ -261,7 +261,11 @@ class Lockstep:
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
-                 factories: dict[str, Callable[[PoolConfig, SchedulerConfig], Any]]) -> None:
+                 factories: dict[str, Callable[[PoolConfig, SchedulerConfig], Any]],
+                 kv_events: bool = True) -> None:
+        if kv_events and not pool.enable_kv_cache_events:
+            # every target queues KV cache events; the batches each publishes are compared per step
+            pool = replace(pool, enable_kv_cache_events=True)
         self.pool, self.config = pool, config
         self.targets = {name: f(pool, config) for name, f in factories.items()}
         self.requests: dict[str, dict[str, Request]] = {name: {} for name in self.targets}
@@ -351,6 +355,7 @@ class Lockstep:
             t.update_from_output(outs[name], model_output)
         self.num_steps += 1
         self.compare("update_from_output")
+        self._compare_published_events()
         after = self.last_snapshot.requests
         for rid in model_output.sampled_token_ids:
             if rid in before and before[rid].num_stale_output_tokens:
@@ -358,6 +363,25 @@ class Lockstep:
             if rid in after and before.get(rid) and before[rid].finish_reason is None \
                     and after[rid].finish_reason:
                 COVERAGE[f"finished_{after[rid].finish_reason}"] += 1
+
+    def _compare_published_events(self) -> None:
+        """The ``KVEventBatch`` es each target published in this ``update_from_output`` (a router
+        rebuilds its prefix-cache index from them): equal batch for batch, event for event."""
+        takes = {name: getattr(t, "take_published_kv_events", None) for name, t in self.targets.items()}
+        if not self.pool.enable_kv_cache_events or any(f is None for f in takes.values()):
+            return
+        published = {name: f() for name, f in takes.items()}
+        (n0, b0), *rest = published.items()
+        for name, b in rest:
+            if b != b0:
+                first = next((i for i, (x, y) in enumerate(zip(b0, b)) if x != y), min(len(b0), len(b)))
+                _diverge(f"update_from_output (step {self.num_steps}): published KV events differ at batch "
+                         f"{first}\n  {n0}: {b0[first:first + 1]}\n  {name}: {b[first:first + 1]}",
+                         "update_from_output: published kv events differ")
+        for batch in b0:
+            COVERAGE["kv_event_batches"] += 1
+            for e in batch:
+                COVERAGE[f"kv_event_{e.get('type', '?')}"] += 1
 
     def abort(self, request_id: str) -> None:
         for t in self.targets.values():
