@@ -47,6 +47,9 @@ class LivenessCase:
     sliding_window: int
     attention_chunk_size: int
     prompt_len: int
+    #: sliding-window groups keep this many trailing tokens below the window (multi-module MTP /
+    #: EAGLE re-prefill): startup's cap must count them, or the smallest accepted pool runs dry
+    extra_retained_tokens: int = 0
 
     @property
     def enable_caching(self) -> bool:
@@ -60,7 +63,8 @@ class LivenessCase:
             if kind == "full":
                 out.append(FullAttentionSpec(**common))
             elif kind == "sliding_window":
-                out.append(SlidingWindowSpec(**common, sliding_window=self.sliding_window))
+                out.append(SlidingWindowSpec(**common, sliding_window=self.sliding_window,
+                                             extra_retained_tokens=self.extra_retained_tokens))
             elif kind == "chunked_local":
                 out.append(ChunkedLocalAttentionSpec(**common, attention_chunk_size=self.attention_chunk_size))
             else:
@@ -86,7 +90,8 @@ class LivenessCase:
         return (f"groups={list(self.kinds)} block_size={self.block_size} max_model_len={self.max_model_len} "
                 f"max_num_batched_tokens={self.max_num_batched_tokens} "
                 f"concurrent_batches={self.max_concurrent_batches} sliding_window={self.sliding_window} "
-                f"attention_chunk_size={self.attention_chunk_size} prompt_len={self.prompt_len}")
+                f"attention_chunk_size={self.attention_chunk_size} prompt_len={self.prompt_len}"
+                + (f" extra_retained_tokens={self.extra_retained_tokens}" if self.extra_retained_tokens else ""))
 
 
 @dataclass
@@ -109,6 +114,9 @@ def random_case(rng: random.Random) -> LivenessCase:
         ("full",), ("sliding_window",), ("chunked_local",),
         ("full", "sliding_window"), ("full", "chunked_local"), ("full", "mamba"),
         ("full", "sliding_window", "sliding_window"), ("sliding_window", "full", "chunked_local"),
+        # windows alone: a full-attention group's bound is reached only at max_model_len, and its
+        # unused blocks mid-prefill hide a window group that holds more than startup sized it for
+        ("sliding_window", "sliding_window"),
     ])
     max_model_len = rng.randint(1, 400)
     block_size = rng.choice([1, 2, 4, 8, 16])
@@ -119,7 +127,12 @@ def random_case(rng: random.Random) -> LivenessCase:
         # vLLM's local-attention backend asserts attn_chunk_size % block_size == 0
         # (make_local_attention_virtual_batches); the cap formula (no +1) relies on it.
         attention_chunk_size=block_size * rng.randint(1, max(1, 80 // block_size)),
-        prompt_len=rng.randint(1, max_model_len))
+        # one prompt in three is a whole max-length prefill: windows then slide under the largest
+        # chunks, where a request holds the most blocks (a cap one block short shows only there)
+        prompt_len=max_model_len if rng.randint(0, 2) == 0 else rng.randint(1, max_model_len),
+        # five cases in eight keep extra trailing tokens below sliding windows (MTP); only a request
+        # long enough to slide past them tells a cap that forgets them from one that counts them
+        extra_retained_tokens=rng.choice((0, 0, 0, 1, 3, block_size, 2 * block_size + 1, 17)))
 
 
 def startup_pages(kind: str, case: LivenessCase) -> list[int]:
