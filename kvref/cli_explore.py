@@ -422,11 +422,8 @@ VERIFY_SCOPES = {
 
 
 def check_explorer(ctx):
-    """``kvref verify`` check: explore the profile's scopes; any violation/deadlock fails it.
-
-    Register in ``kvref/verify.py`` as ``Check("explorer", "exhaustive small-scope explorer",
-    check_explorer)``; counterexample step tables go to ``ctx.out_dir``.
-    """
+    """``kvref verify`` check ``explorer`` (:data:`kvref.checks.CHECKS`): explore the profile's
+    scopes; any violation/deadlock fails it. Counterexample step tables go to ``ctx.out_dir``."""
     import os
     import sys
     import time
@@ -484,9 +481,9 @@ def check_explorer_conformance(ctx):
     (``--against vllm`` makes that a failure); without either it is skipped."""
     import time
 
+    from kvref.check_context import vllm_gate
     from kvref.models.explorer.conformance import explore_conformance
     from kvref.report import FAILED, PASSED, SKIPPED, CheckResult
-    from kvref.verify import vllm_gate
 
     t0 = time.perf_counter()
     targets, notes = [], []

@@ -23,7 +23,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p = sub.add_parser("mutants", help="mutant kill-rate campaign", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", metavar="MUTANT", help="run only these mutants")
-    p.add_argument("--checks", nargs="+", metavar="CHECK", help="checks to run, in order (default: all available)")
+    p.add_argument("--checks", nargs="+", metavar="CHECK",
+                   help="checks to run, in order, by their kvref verify names (default: the campaign's own, "
+                        "those available)")
     p.add_argument("--budget", type=int, default=100, help="examples per machine run (default 100)")
     p.add_argument("--subset", choices=("all", "ci"), default="all", help="which mutants (default all)")
     p.add_argument("--all-checks", action="store_true", help="run every check on every mutant (overlap)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "vllm":
         return run_vllm(args)
 
-    from kvref.models.mutants.campaign import run_mutant_campaign
+    from kvref.checks import run_mutant_campaign
     from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, all_mutants
 
     mutants = all_mutants()
@@ -166,29 +168,3 @@ def _print_vllm_result(res, args: argparse.Namespace, goal: float) -> int:
         print(res.render())
     return 0 if res.ok(args.min_rate or goal) else 1
 
-
-def check_mutants(ctx):
-    """``kvref verify --mutants`` check: the campaign, CI subset under fast/ci, everything (with
-    the proofs' formula variants) under nightly; fails below a 95 % kill rate of the reference
-    mutants.
-
-    Register in ``kvref/verify.py`` as ``Check("mutants", "mutant kill-rate campaign",
-    check_mutants, default=False)``.
-    """
-    import time
-
-    from kvref.models.mutants.campaign import run_mutant_campaign
-    from kvref.report import FAILED, PASSED, CheckResult
-
-    t0 = time.perf_counter()
-    nightly = ctx.profile == "nightly"
-    res = run_mutant_campaign(subset="all" if nightly else "ci", budget=100 if nightly else 50,
-                              proof_variants=nightly)
-    secs = time.perf_counter() - t0
-    if res.baseline_failures:
-        return CheckResult("mutants", FAILED, "the clean reference fails a campaign check", secs,
-                           details=[f"{k}: {v}" for k, v in res.baseline_failures.items()])
-    details = [f"{r.mutant.name}: {'killed by ' + r.killed_by if r.killed else 'SURVIVED'}"
-               + (f" ({r.reason})" if r.reason else "") for r in res.results]
-    status = PASSED if res.reference_kill_rate >= 0.95 else FAILED
-    return CheckResult("mutants", status, res.summary(), secs, details=details)

@@ -21,7 +21,7 @@ import time
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    from .verify import CHECKS
+    from .checks import CHECKS
 
     p = sub.add_parser("verify", help="run the proofs, state machines, explorer and conformance checks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_checks import JsonStdout
     from .report import ERROR, CheckResult, to_json, render_table, write_junit_xml
-    from .verify import VerifyContext, run_check, select_checks
+    from .check_context import VerifyContext
+    from .checks import select_checks
+    from .verify import run_check
 
     from .baseline import Baseline
 

@@ -70,8 +70,9 @@ class KvrefCheckItem(pytest.Item):
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     if not config.getoption("--kvref"):
         return
+    from kvref.check_context import VerifyContext
+    from kvref.checks import CHECKS, select_checks
     from kvref.spec.errors import InvalidFieldError
-    from kvref.verify import CHECKS, VerifyContext, select_checks
 
     names = config.getoption("--kvref-checks")
     only = [n.strip() for n in names.split(",") if n.strip()] if names else None

@@ -1,89 +1,18 @@
-"""The checks ``kvref verify`` runs, in order, and how each is decided.
+"""The bodies of ``kvref verify``'s checks, and :func:`run_check`, which runs one.
 
-Each check is a function ``(VerifyContext) -> CheckResult``. Checks import what they need lazily,
-so ``kvref verify --only proofs`` does not pay for torch or vLLM.
+Each body is a function ``(VerifyContext) -> CheckResult``; which checks exist, in which order,
+and which the mutant campaigns select is :data:`kvref.checks.CHECKS` (the one registry). Bodies
+import what they need lazily, so ``kvref verify --only proofs`` does not pay for torch or vLLM.
+The explorer checks' bodies are in :mod:`kvref.cli_explore`, beside the explorer's command.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
-from typing import Callable
 
+from .check_context import Check, VerifyContext, vllm_available, vllm_gate  # noqa: F401  (re-exported)
+from .cli_explore import check_explorer, check_explorer_conformance  # noqa: F401  (bodies of explorer, conform-explorer)
 from .report import ACCEPTED, ERROR, FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
-
-
-@dataclass
-class VerifyContext:
-    profile: str = "fast"
-    against: str | None = None
-    device: str | None = None
-    out_dir: str = "counterexamples"
-    seed: int = 0
-    #: shrink failing traces to minimal ones (slower when something fails)
-    shrink: bool = True
-    #: write reproducers of the *expected* historic refutations too (findings always get one)
-    write_reproducers: bool = False
-    #: wall-clock bound on shrinking one failing example (Hypothesis' own bound is 300 s)
-    shrink_seconds: float | None = None
-
-    def shrink_budget(self) -> float:
-        """Seconds one failing example may spend shrinking: a first finding within seconds, not minutes."""
-        if self.shrink_seconds is not None:
-            return self.shrink_seconds
-        return {"fast": 15.0, "ci": 45.0}.get(self.profile, 300.0)
-
-    def examples(self, fast: int, ci: int, nightly: int | None = None) -> int:
-        """Example/trace budget for the active profile."""
-        if self.profile == "nightly":
-            return nightly if nightly is not None else ci * 100
-        return ci if self.profile == "ci" else fast
-
-    def ensure_out_dir(self) -> str:
-        os.makedirs(self.out_dir, exist_ok=True)
-        return self.out_dir
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    description: str
-    run: Callable[[VerifyContext], CheckResult]
-    default: bool = True
-
-
-def vllm_available() -> tuple[bool, str]:
-    """Whether vLLM imports here — *any* version — and the line that says which one it is.
-
-    kvref models vLLM 0.33.0, but a developer's checkout reports a dev version, and forks and
-    nightlies others: all are checked, and where they behave differently the checks say so as
-    findings (never skips). See :mod:`kvref.impl.vllm.installed`.
-    """
-    from kvref.impl.vllm.installed import vllm_available as available
-
-    return available()
-
-
-def vllm_gate(ctx: VerifyContext, name: str) -> CheckResult | None:
-    """None when check ``name`` can drive the installed vLLM; else the result to report instead.
-
-    No vLLM: skipped (failed with ``--against vllm``). A vLLM whose API moved in a way this check
-    depends on: ``error`` naming each symbol and what kvref expected (:mod:`kvref.impl.vllm.api`),
-    while the checks that do not need those symbols still run.
-    """
-    ok, why = vllm_available()
-    if not ok:
-        if ctx.against == "vllm":
-            return CheckResult(name, FAILED, f"--against vllm given but {why}")
-        return CheckResult(name, SKIPPED, why + " (install vLLM to run conformance)")
-    from kvref.impl.vllm.api import check_api_for
-
-    problems = check_api_for(name)
-    if problems:
-        return CheckResult(name, ERROR, f"the installed vLLM's API differs from what kvref binds to: {problems[0]}"
-                           + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), details=problems)
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,28 +305,6 @@ def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
     return _run_offload(ctx, "conform-offload", ("reference", "vllm"))
 
 
-def check_explorer_conformance(ctx: VerifyContext) -> CheckResult:
-    """Every transition of small explorer scopes on vLLM's Scheduler and torch, vs the reference."""
-    from kvref.cli_explore import check_explorer_conformance as run
-
-    return run(ctx)
-
-
-def check_explorer(ctx: VerifyContext) -> CheckResult:
-    """Exhaustive small-scope exploration of the reference stack (every interleaving, every invariant,
-    deadlocks; shortest counterexample step tables written to the out dir)."""
-    from kvref.cli_explore import check_explorer as run
-
-    return run(ctx)
-
-
-def check_mutants(ctx: VerifyContext) -> CheckResult:
-    """The mutant kill-rate campaign: each catalogued fault must be killed by some check (>= 95%)."""
-    from kvref.cli_mutants import check_mutants as run
-
-    return run(ctx)
-
-
 def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
     """Run one check: shrinking bounded, Hypothesis' messages on stderr, the baseline applied.
 
@@ -431,45 +338,3 @@ def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
         result.summary += (f"; {sum(met.values())} trace(s) ended at differences the baseline accepts "
                            f"({', '.join(sorted(met))}) and the search went on past them")
     return result
-
-
-CHECKS: list[Check] = [
-    Check("spec", "vLLM's documented sizing figures through kvref.spec", check_spec_examples),
-    Check("startup-liveness", "startup-accepted pools serve a max-length request (reference, vLLM)",
-          check_startup_liveness),
-    Check("proofs", "Z3 theorems over unbounded ints + historic vLLM bugs re-found", check_proofs),
-    Check("crosshair", "CrossHair contracts on spec functions and block pool operations", check_crosshair),
-    Check("machine-reference", "KV cache manager state machine, reference alone, invariants every step",
-          check_reference_machine),
-    Check("machine-scheduler", "scheduler state machine, reference alone, with liveness", check_scheduler_machine),
-    Check("machine-offload", "offload schedulers on the reference with the content model", check_offload_machine),
-    Check("explorer", "exhaustive small-scope explorer over the reference (states, deadlocks)", check_explorer),
-    Check("conform-explorer", "every transition of small explorer scopes, vLLM's Scheduler and torch vs the reference",
-          check_explorer_conformance),
-    Check("torch-differential", "reference vs torch implementation on generated traces", check_torch_differential),
-    Check("conform-kv-manager", "reference vs the installed vLLM's KVCacheManager on generated traces",
-          check_kv_manager_conformance),
-    Check("conform-scheduler", "reference scheduler in lock-step with the installed vLLM's Scheduler",
-          check_scheduler_conformance),
-    Check("conform-offload", "offload schedulers vs the installed vLLM's on random traces", check_offload_conformance),
-    Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
-          check_planning_conformance),
-    Check("mutants", "mutant kill-rate campaign (only with --mutants)", check_mutants, default=False),
-]
-
-
-#: with ``--against vllm`` the vLLM-facing checks run first, quickest first, so that a fault in the
-#: developer's vLLM is reported within seconds rather than after the proofs and the explorer
-VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "startup-liveness", "conform-offload", "conform-planning",
-              "conform-explorer")
-
-
-def select_checks(only=None, skip=(), mutants=False, against=None) -> list[Check]:
-    chosen = [c for c in CHECKS if (c.name in only if only else c.default)]
-    if mutants and not only:
-        chosen += [c for c in CHECKS if c.name == "mutants" and c not in chosen]
-    chosen = [c for c in chosen if c.name not in skip]
-    if against == "vllm":
-        rank = {name: i for i, name in enumerate(VLLM_FIRST)}
-        chosen.sort(key=lambda c: rank.get(c.name, len(rank)))  # stable: the others keep their order
-    return chosen

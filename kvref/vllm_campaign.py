@@ -43,14 +43,15 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
 
+from kvref.checks import vllm_checks
 from kvref.models.mutants.vllm_source.overlay import (
     CLASSES, NEUTRAL, SourceFault, build_overlay, file_sha256, installed_vllm_dir,
 )
 from kvref.spec.errors import InvalidFieldError
 
-#: the checks of ``kvref verify`` that drive the installed vLLM (kvref/verify.py), in verify's order
-VLLM_CHECKS = ("startup-liveness", "conform-explorer", "conform-kv-manager", "conform-scheduler",
-               "conform-offload", "conform-planning")
+#: the checks the campaign runs by default: the default checks of ``kvref verify`` that drive the
+#: installed vLLM (flagged ``vllm`` in :data:`kvref.checks.CHECKS`), in verify's order
+VLLM_CHECKS = vllm_checks()
 
 #: recall goal on the bug faults (historic + classic) — issue #13
 RECALL_GOAL = 0.95
@@ -357,9 +358,10 @@ def run_campaign(faults: Iterable[SourceFault], checks: Iterable[str] = VLLM_CHE
     fails there cannot tell a fault from the clean state and is left out (and the campaign is
     then not ``ok``)."""
     checks = tuple(checks)
+    selectable = vllm_checks(default_only=False)
     for c in checks:
-        if c not in VLLM_CHECKS:
-            raise InvalidFieldError("--checks", c, "checks of kvref verify that drive vLLM: " + ", ".join(VLLM_CHECKS))
+        if c not in selectable:
+            raise InvalidFieldError("--checks", c, "checks of kvref verify that drive vLLM: " + ", ".join(selectable))
     if profile not in DEFAULT_TIMEOUT:
         raise InvalidFieldError("--profile", profile, "fast / ci / nightly")
     faults = list(faults)

@@ -1,17 +1,22 @@
-"""The mutant kill-rate campaign: run a set of checks against every mutant, report who killed it.
+"""The reference mutant campaign: run checks against every mutant, report who killed it.
 
-A *check* is ``(name, run)`` where ``run(budget) -> str | None`` returns why it failed (the mutant
-is killed) or None (it survived this check). Checks run in order; the first that fails kills the
-mutant and the rest are skipped (``all_checks=True`` runs them all, to see overlap).
+Which checks exist, their order and which the campaign runs by default is the one registry,
+:data:`kvref.checks.CHECKS`; :func:`kvref.checks.run_mutant_campaign` selects from it by name and
+hands the chosen checks to :func:`run_campaign` here, with the ``verdict(check, budget)`` that
+runs one (``None``: the check passed, the mutant survived it; else why it failed: killed). Checks
+run in order; the first that fails kills the mutant and the rest are skipped (``all_checks=True``
+runs them all, to see overlap).
 
 Before the mutants, every check runs once on the clean reference: a check that fails there would
 "kill" everything and says nothing, so the campaign refuses to run (``baseline_failures``).
 
-A check may be *blind* to a layer (``CampaignCheck.blind_to``): it never executes that layer's
+A check may be *blind* to a layer (``Check.blind_to``): it never executes that layer's
 code, so a mutant there cannot change its verdict and the check is not run on it (the block-pool
-and manager machines never call the scheduler).
+and manager machines never call the scheduler). A check with ``per_mutant=False`` (the proofs)
+runs on the clean reference only.
 
-Checks (cheapest first):
+This module also holds the campaign forms of the checks (``*_verdict(budget) -> str | None``),
+which the registry wraps into checks of the one signature:
 
 * ``spec-formulas`` — ``kvref.spec``'s caps and bounds against the proofs' formula source
   (:mod:`kvref.proofs.formulas`, evaluated with Python ints) on a grid of small configurations.
@@ -38,29 +43,18 @@ Checks (cheapest first):
   ``proof_variants=True`` the proofs' own historic formula variants are added as rows, killed when
   the theorem each breaks yields a counterexample.
 
-Used by ``kvref mutants`` and by ``kvref verify --mutants`` (:func:`run_mutant_campaign`).
+Used by ``kvref mutants`` and by ``kvref verify --mutants`` (through :mod:`kvref.checks`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
-
-from kvref.spec.errors import InvalidFieldError
+from typing import Any
 
 from kvref.models.mutants.mutant import Mutant
-
-CheckFn = Callable[[int], "str | None"]
-
-
-@dataclass(frozen=True)
-class CampaignCheck:
-    name: str
-    run: CheckFn
-    description: str = ""
-    #: mutant layers whose code this check never executes (it is not run on those mutants)
-    blind_to: frozenset[str] = frozenset()
+from kvref.spec.errors import InvalidFieldError
 
 
 @dataclass
@@ -152,14 +146,18 @@ class _Null:
         pass
 
 
-# ------------------------------------------------------------------------------ the checks
+# ------------------------------------------------------------------------------ the checks' campaign forms
 
 
-def _check_spec_formulas(budget: int) -> str | None:
+def spec_formulas_verdict(budget: int) -> str | None:
     from kvref.proofs.formulas import Formulas
     from kvref.proofs.ops import PyOps
     from kvref.spec.config import EngineConfig
-    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from kvref.spec.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
     from kvref.spec.mathutil import cdiv
 
     f, o = Formulas(), PyOps()
@@ -191,12 +189,11 @@ def _check_spec_formulas(budget: int) -> str | None:
     return None
 
 
-def _check_pool_machine(budget: int) -> str | None:
+def pool_machine_verdict(budget: int) -> str | None:
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
-
-    from kvref.models.machines.block_pool import make_block_pool_machine
     from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+    from kvref.models.machines.block_pool import make_block_pool_machine
 
     # no shrinking: the campaign needs a verdict, not a minimal example
     cfg = settings(max_examples=budget, stateful_step_count=30, derandomize=True, database=None,
@@ -211,33 +208,33 @@ def _check_pool_machine(budget: int) -> str | None:
     return None
 
 
-def _check_manager_machine(budget: int) -> str | None:
+def manager_machine_verdict(budget: int) -> str | None:
     from kvref.models.machines.single_type_manager import run_manager_machines
 
     return run_manager_machines(budget)
 
 
-def _check_manager_vllm(budget: int) -> str | None:
+def manager_vllm_verdict(budget: int) -> str | None:
     from kvref.models.machines.single_type_manager import run_manager_machines
 
     return run_manager_machines(max(10, budget // 2), ("reference", "vllm"))
 
 
-def _check_scheduler_machine(budget: int) -> str | None:
+def scheduler_machine_verdict(budget: int) -> str | None:
     from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=False, examples=budget, reproducible=True, shrink=False)
     return None if run.ok else _first_lines(run.failure)
 
 
-def _check_scheduler_vllm(budget: int) -> str | None:
+def scheduler_vllm_verdict(budget: int) -> str | None:
     from kvref.models.machines.scheduler import run_scheduler_machine
 
     run = run_scheduler_machine(with_vllm=True, examples=budget, reproducible=True, shrink=False)
     return None if run.ok else _first_lines(run.failure)
 
 
-def _check_explorer(budget: int) -> str | None:
+def explorer_verdict(budget: int) -> str | None:
     from kvref.models.explorer.kv import campaign_scopes, explore_scope
 
     for scope in campaign_scopes():
@@ -257,10 +254,11 @@ def _check_explorer(budget: int) -> str | None:
     return None
 
 
-def _check_proofs(budget: int) -> str | None:
-    """The Z3 theorems over the formula source. Run once on the clean reference (baseline) only:
-    the theorems are about :mod:`kvref.proofs.formulas`, which a runtime patch of the reference
-    does not change; what ties the reference to the proven formulas is ``spec-formulas``."""
+def proofs_verdict(budget: int) -> str | None:
+    """The Z3 theorems over the formula source. Run once on the clean reference (baseline) only
+    (``per_mutant=False`` in the registry): the theorems are about :mod:`kvref.proofs.formulas`,
+    which a runtime patch of the reference does not change; what ties the reference to the proven
+    formulas is ``spec-formulas``."""
     from kvref.proofs.api import run_all
 
     failed = [r for r in run_all() if not r.ok]
@@ -272,10 +270,9 @@ def _check_proofs(budget: int) -> str | None:
 def run_proof_variants() -> list["MutantResult"]:
     """The proofs' own historic (and deliberately broken) formula variants, as campaign rows:
     each is killed when the theorem it breaks yields a counterexample."""
+    from kvref.models.mutants.mutant import CLASSIC, HISTORIC
     from kvref.proofs.api import run_all
     from kvref.proofs.variants import VARIANTS
-
-    from kvref.models.mutants.mutant import CLASSIC, HISTORIC
 
     rows = []
     for v in VARIANTS:
@@ -300,103 +297,24 @@ def _first_lines(text: str, n: int = 2) -> str:
     return " / ".join(line.strip() for line in text.strip().splitlines()[:n])
 
 
-_NO_SCHEDULER = frozenset({"scheduler"})
-
-ALL_CHECKS: dict[str, CampaignCheck] = {
-    c.name: c for c in (
-        CampaignCheck("spec-formulas", _check_spec_formulas, "kvref.spec vs the proofs' formula source",
-                      _NO_SCHEDULER),
-        CampaignCheck("explorer", _check_explorer, "exhaustive explorer at small scopes"),
-        CampaignCheck("pool-machine", _check_pool_machine, "block-pool state machine vs the model",
-                      _NO_SCHEDULER),
-        CampaignCheck("scheduler-machine", _check_scheduler_machine,
-                      "scheduler machine on the reference: invariants and the liveness drain"),
-        CampaignCheck("manager-machine", _check_manager_machine, "single-type manager machines", _NO_SCHEDULER),
-        CampaignCheck("manager-vllm", _check_manager_vllm, "manager machine paired with vLLM 0.33.0",
-                      _NO_SCHEDULER),
-        CampaignCheck("scheduler-vllm", _check_scheduler_vllm,
-                      "reference Scheduler in lock step with vLLM 0.33.0's Scheduler"),
-        CampaignCheck("proofs", _check_proofs, "Z3 theorems (kvref.proofs.run_all)"),
-    )
-}
-
-#: checks that drive the installed vLLM (skipped where vLLM 0.33.0 does not import)
-VLLM_CHECKS = frozenset({"manager-vllm", "scheduler-vllm"})
-
-
-def _vllm_missing() -> str:
-    """Why vLLM 0.33.0 cannot be driven here ("" when it imports)."""
-    try:
-        from kvref.impl.vllm.kv_cache_manager import _vllm
-
-        _vllm()
-    except Exception as e:  # noqa: BLE001 - ImportError, a wrong version or a broken install
-        return f"vLLM not usable: {e}"
-    return ""
-
-
-def unavailable_checks(names: list[str] | None = None) -> dict[str, str]:
-    """Of ``names`` (default: every check), those that cannot run in this checkout or
-    environment, with the reason."""
-    import importlib
-
-    out: dict[str, str] = {}
-    needs = {"manager-machine": "kvref.models.machines.single_type_manager",
-             "manager-vllm": "kvref.models.machines.single_type_manager",
-             "scheduler-machine": "kvref.models.machines.scheduler",
-             "scheduler-vllm": "kvref.models.machines.scheduler",
-             "explorer": "kvref.models.explorer.kv", "proofs": "kvref.proofs.formulas",
-             "spec-formulas": "kvref.proofs.formulas"}
-    for name in names or ():
-        if name not in ALL_CHECKS:
-            raise InvalidFieldError("names", name, "one of " + ", ".join(ALL_CHECKS))
-    vllm_why: str | None = None
-    for name in (ALL_CHECKS if names is None else names):
-        mod = needs.get(name)
-        if mod is not None:
-            try:
-                importlib.import_module(mod)
-            except ImportError as e:
-                out[name] = f"{mod} not importable ({e})"
-                continue
-        if name in VLLM_CHECKS:
-            if vllm_why is None:
-                vllm_why = _vllm_missing()
-            if vllm_why:
-                out[name] = vllm_why
-                continue
-        if name == "explorer":
-            from kvref.models.explorer.kv import reference_available
-
-            if not reference_available():
-                out[name] = "the reference scheduler stack is not in this checkout"
-    return out
-
-
-def available_checks() -> list[str]:
-    """Checks that can run here, in campaign order (the vLLM ones only where vLLM 0.33.0 imports)."""
-    missing = unavailable_checks()
-    return [name for name in ALL_CHECKS if name not in missing]
-
-
-def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] | None = None,
-                        budget: int = 100, all_checks: bool = False, subset: str = "all",
-                        proof_variants: bool = False,
-                        progress: Callable[[MutantResult], None] | None = None) -> CampaignResult:
-    """Run ``checks`` against each mutant.
+def run_campaign(mutants: list[Mutant] | None, checks: Sequence[Any],
+                 verdict: Callable[[Any, int], str | None], budget: int = 100, all_checks: bool = False,
+                 subset: str = "all", proof_variants: bool = False,
+                 progress: Callable[[MutantResult], None] | None = None,
+                 skipped: dict[str, str] | None = None, started: float | None = None) -> CampaignResult:
+    """Run ``checks`` (in order; each with ``name``, ``blind_to`` and ``per_mutant``, as
+    :class:`kvref.check_context.Check`) against each mutant, ``verdict(check, budget)`` deciding.
 
     Args:
-        mutants: which mutants (default: every catalogue mutant whose target exists).
-        subset: with ``mutants=None``: ``"all"`` (nightly) or ``"ci"`` (one mutant per fault
-            family, :data:`~kvref.models.mutants.catalogue.CI_SUBSET`).
-        checks: check names, in order (default: every available check). A named check that
-            cannot run here (a vLLM check without vLLM) is left out and listed in
-            :attr:`CampaignResult.skipped_checks`.
+        mutants: which mutants (None: every catalogue mutant whose target exists, or with
+            ``subset="ci"`` one per fault family, :data:`~kvref.models.mutants.catalogue.CI_SUBSET`).
+        verdict: runs one check; None when it passed, else why it failed (the mutant is killed).
         budget: examples per machine run; the explorer gets at most ``2000 × budget`` states.
         all_checks: run every check on every mutant instead of stopping at the first kill.
         progress: called with each mutant's result as it finishes.
         proof_variants: also add the proofs' formula variants (:func:`run_proof_variants`) as rows
             of kind ``formula`` (reported separately: :attr:`CampaignResult.reference_kill_rate`).
+        skipped: checks asked for but not available here, with the reason (reported as such).
 
     Returns:
         A :class:`CampaignResult` (``baseline_failures`` non-empty means the clean reference
@@ -404,33 +322,22 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
     """
     from kvref.models.mutants.catalogue import CI_SUBSET, all_mutants
 
-    t0 = time.perf_counter()
-    skipped: dict[str, str] = {}
-    if checks:
-        if isinstance(checks, str) or not all(isinstance(n, str) for n in checks):
-            raise InvalidFieldError("checks", checks, "a list of check names")
-        for n in checks:
-            if n not in ALL_CHECKS:
-                raise InvalidFieldError("checks", n, "one of " + ", ".join(ALL_CHECKS))
-        missing = unavailable_checks(list(checks))
-        skipped = {n: missing[n] for n in checks if n in missing}
-        names = [n for n in checks if n not in missing]
-    else:
-        names = available_checks()
-    chosen = [ALL_CHECKS[n] for n in names]
+    t0 = time.perf_counter() if started is None else started
+    skipped = dict(skipped or {})
+    names = [c.name for c in checks]
     if subset not in ("all", "ci"):
         raise InvalidFieldError("subset", subset, "'all' or 'ci'")
     if mutants is None:
         mutants = [m for m in all_mutants() if subset == "all" or m.name in CI_SUBSET]
     baseline = {}
-    for c in chosen:
-        why = c.run(budget)
+    for c in checks:
+        why = verdict(c, budget)
         if why is not None:
             baseline[c.name] = why
     if baseline:
         return CampaignResult([], names, baseline, time.perf_counter() - t0, skipped)
     results = []
-    per_mutant = [c for c in chosen if c.name != "proofs"]  # baseline-only, see _check_proofs
+    per_mutant = [c for c in checks if c.per_mutant]  # the proofs run on the baseline only
     for m in mutants:
         t1 = time.perf_counter()
         res = MutantResult(m, False)
@@ -439,7 +346,7 @@ def run_mutant_campaign(mutants: list[Mutant] | None = None, checks: list[str] |
                 if m.layer in c.blind_to:
                     continue  # the check never runs this layer's code: it cannot kill the mutant
                 try:
-                    why = c.run(budget)
+                    why = verdict(c, budget)
                 except Exception as e:  # noqa: BLE001 - a check that crashes under a mutant kills it
                     why = f"check crashed: {_first_line(e)}"
                 res.per_check[c.name] = why

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvref import verify
+from kvref import checks, verify
 from kvref.report import FAILED, PASSED
 from tests.vllm_env import require_vllm
 
@@ -139,9 +139,9 @@ def test_explorer_check_passes_and_writes_a_step_table_for_a_fault(tmp_path):
 
 
 def test_mutants_check_only_runs_when_asked():
-    names = [c.name for c in verify.select_checks()]
+    names = [c.name for c in checks.select_checks()]
     assert "mutants" not in names and "explorer" in names and "proofs" in names
-    assert "mutants" in [c.name for c in verify.select_checks(mutants=True)]
+    assert "mutants" in [c.name for c in checks.select_checks(mutants=True)]
 
 
 def test_torch_differential_runs_on_the_requested_device_and_rejects_bad_ones():

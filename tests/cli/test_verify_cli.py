@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvref import cli, verify
+from kvref import checks, cli, verify
 from kvref.report import FAILED, PASSED, CheckResult
 
 
@@ -24,7 +24,7 @@ def test_verify_exits_nonzero_and_writes_junit_on_failure(monkeypatch, tmp_path,
     def failing(ctx):
         return CheckResult("boom", FAILED, "deliberately failing check", details=["trace step 3"])
 
-    monkeypatch.setattr(verify, "CHECKS", [verify.Check("boom", "always fails", failing)])
+    monkeypatch.setattr(checks, "CHECKS", [verify.Check("boom", "always fails", failing)])
     junit = tmp_path / "report.xml"
     rc = cli.main(["verify", "--junit-xml", str(junit)])
     assert rc == 1
@@ -38,7 +38,7 @@ def test_a_crashing_check_is_an_error_not_a_crash(monkeypatch, capsys):
     def crashing(ctx):
         raise RuntimeError("kaputt")
 
-    monkeypatch.setattr(verify, "CHECKS", [verify.Check("crash", "raises", crashing)])
+    monkeypatch.setattr(checks, "CHECKS", [verify.Check("crash", "raises", crashing)])
     rc = cli.main(["verify", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1

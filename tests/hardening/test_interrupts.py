@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvref import cli, verify
+from kvref import checks, cli, verify
 from kvref.report import PASSED, CheckResult
 
 
@@ -37,7 +37,7 @@ def test_interrupt_writes_partial_json_and_junit(monkeypatch, tmp_path, capsys):
     def never(ctx):  # pragma: no cover - must not run
         raise AssertionError("a check after the interrupt ran")
 
-    monkeypatch.setattr(verify, "CHECKS", [_check("first", ok), _check("second", interrupted),
+    monkeypatch.setattr(checks, "CHECKS", [_check("first", ok), _check("second", interrupted),
                                            _check("third", never)])
     junit = tmp_path / "r.xml"
     rc = cli.main(["verify", "--json", "--junit-xml", str(junit), "--out", str(tmp_path / "ce")])
@@ -57,7 +57,7 @@ def test_interrupt_without_json_prints_the_partial_table(monkeypatch, capsys, tm
     def interrupted(ctx):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify, "CHECKS", [_check("only", interrupted)])
+    monkeypatch.setattr(checks, "CHECKS", [_check("only", interrupted)])
     assert cli.main(["verify", "--out", str(tmp_path)]) == 130
     out = capsys.readouterr().out
     assert "INTERRUPTED during only" in out
@@ -169,7 +169,7 @@ def test_json_stdout_holds_only_the_report(monkeypatch, capsys, tmp_path):
         print("You can add @seed(1234) to this test ... spent more than five minutes shrinking")
         return CheckResult("noisy", PASSED, "fine")
 
-    monkeypatch.setattr(verify, "CHECKS", [_check("noisy", noisy)])
+    monkeypatch.setattr(checks, "CHECKS", [_check("noisy", noisy)])
     assert cli.main(["verify", "--json", "--out", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["checks"][0]["name"] == "noisy"

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvref.models.mutants.campaign import run_mutant_campaign
+from kvref.checks import run_mutant_campaign
 
 
 @pytest.mark.slow

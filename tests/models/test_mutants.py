@@ -7,7 +7,7 @@ import pytest
 import kvref.spec.mathutil as mathutil
 from kvref.impl.reference.block_pool import BlockPool
 from kvref.models.mutants.mutant import Catalogue, Mutant
-from kvref.models.mutants.campaign import ALL_CHECKS, run_mutant_campaign
+from kvref.checks import MUTANT_CAMPAIGN, run_mutant_campaign
 from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, HISTORIC, all_mutants
 
 
@@ -111,7 +111,7 @@ def test_campaign_reports_the_killing_check():
 def test_unknown_check_is_rejected():
     with pytest.raises(ValueError, match="checks"):
         run_mutant_campaign([], checks=["no-such-check"])
-    assert "explorer" in ALL_CHECKS
+    assert "explorer" in MUTANT_CAMPAIGN
 
 
 def test_summary_separates_reference_mutants_from_formula_variants():

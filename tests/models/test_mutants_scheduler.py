@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvref import checks as registry
+from kvref.check_context import CAMPAIGN, VerifyContext
+from kvref.checks import MUTANT_CAMPAIGN, available_checks, check_named, run_mutant_campaign
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_queue import WaitingQueue
-from kvref.models.mutants import campaign as mutants_campaign
-from kvref.models.mutants.mutant import edit_source
-from kvref.models.mutants.campaign import ALL_CHECKS, available_checks, run_mutant_campaign
 from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, all_mutants
+from kvref.models.mutants.mutant import edit_source
 from kvref.spec.errors import InvalidFieldError
 from tests.vllm_env import require_vllm
 
@@ -103,7 +104,7 @@ def test_scheduler_machine_kills_invariant_and_liveness_faults():
 
 
 def test_vllm_checks_are_skipped_gracefully_without_vllm(monkeypatch):
-    monkeypatch.setattr(mutants_campaign, "_vllm_missing", lambda: "vLLM not usable: (simulated)")
+    monkeypatch.setattr(registry, "_vllm_missing", lambda: "vLLM not usable: (simulated)")
     checks = available_checks()
     assert "manager-vllm" not in checks and "scheduler-vllm" not in checks
     assert "scheduler-machine" in checks
@@ -121,11 +122,11 @@ def test_bad_check_lists_are_rejected():
     with pytest.raises(InvalidFieldError, match="checks"):
         run_mutant_campaign([], checks=["scheduler-vllm", 3])
     with pytest.raises(InvalidFieldError, match="names"):
-        mutants_campaign.unavailable_checks(["scheduler-vlm"])
+        registry.unavailable_checks(["scheduler-vlm"])
 
 
 def test_scheduler_checks_are_ordered_cheap_first():
-    names = list(ALL_CHECKS)
+    names = list(MUTANT_CAMPAIGN)
     assert names.index("scheduler-machine") < names.index("manager-machine") < names.index("scheduler-vllm")
     assert names.index("manager-vllm") < names.index("scheduler-vllm") < names.index("proofs")
 
@@ -135,7 +136,8 @@ def test_scheduler_vllm_kills_every_scheduler_mutant_and_passes_the_clean_refere
     """Every scheduler-policy fault diverges from vLLM 0.33.0 on a generated trace (so none is an
     equivalent mutant), and the clean reference does not (the campaign's baseline)."""
     require_vllm()
-    assert ALL_CHECKS["scheduler-vllm"].run(100) is None  # the clean reference agrees with vLLM
+    clean = check_named("scheduler-vllm").run(VerifyContext(profile=CAMPAIGN, budget=100, shrink=False))
+    assert not clean.failing, clean.summary  # the clean reference agrees with vLLM
     # 150 traces: sched.chunks_without_chunked_prefill needs chunked prefill off *and* a prompt
     # longer than the remaining budget; the first such trace comes after the 100th (the same one
     # in every process: kvref.models.hypothesis_runs.reproducible)
