@@ -13,19 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvref.models.mutants.mutant import CLASSIC, HISTORIC, Catalogue, Mutant
+from kvref.models.mutants.mutant import CLASSIC, HISTORIC, Mutant
+from kvref.models.mutants.registry import CATALOGUE, mutant
 
-CATALOGUE = Catalogue()
 _R = "kvref.impl.reference"
-
-
-def mutant(name: str, target: str, description: str, *, kind: str = CLASSIC,
-           vllm_bug: str | None = None, layer: str = "pool"):
-    """Decorator: register ``make(original) -> replacement`` as a mutant."""
-    def deco(make):
-        CATALOGUE.add(Mutant(name, description, target, make, kind, vllm_bug, layer))
-        return make
-    return deco
 
 
 # =========================================================================== spec (formulas)
@@ -368,4 +359,4 @@ from kvref.models.mutants import catalogue_manager  # noqa: E402,F401 - register
 from kvref.models.mutants import catalogue_scheduler  # noqa: E402,F401 - registers the scheduler-policy mutants
 
 
-__all__ = ["CATALOGUE", "CI_SUBSET", "all_mutants", "HISTORIC", "CLASSIC", "Any"]
+__all__ = ["CATALOGUE", "CI_SUBSET", "all_mutants", "mutant", "HISTORIC", "CLASSIC", "Any"]

@@ -1,6 +1,6 @@
 """Mutants of the managers, the coordinator and the KV cache manager.
 
-Registered into :data:`kvref.models.mutants.catalogue.CATALOGUE`; a mutant whose target does not
+Registered into :data:`kvref.models.mutants.registry.CATALOGUE`; a mutant whose target does not
 exist in this checkout is simply not available (``Mutant.available()``). Most are thin wrappers
 around the original method, so they keep working when the reference's internals change.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 from kvref.models.mutants.mutant import HISTORIC
-from kvref.models.mutants.catalogue import mutant
+from kvref.models.mutants.registry import mutant
 
 _R = "kvref.impl.reference"
 _STM = f"{_R}.single_type_manager:SingleTypeKVCacheManager"

@@ -1,6 +1,6 @@
 """Mutants of the scheduler policy: who is preempted, where they go, what the budget admits.
 
-Registered into :data:`kvref.models.mutants.catalogue.CATALOGUE` with ``layer="scheduler"``. Each
+Registered into :data:`kvref.models.mutants.registry.CATALOGUE` with ``layer="scheduler"``. Each
 one is a one-line change to :mod:`kvref.impl.reference.scheduler` (through
 :func:`~kvref.models.mutants.mutant.edit_source`, so the fault sits in the real method) or to the waiting
 queue, and each changes what vLLM 0.33.0's ``Scheduler`` would do on some trace — most without
@@ -15,7 +15,7 @@ before a preemption is always settled before the next schedule, so the skip neve
 from __future__ import annotations
 
 from kvref.models.mutants.mutant import edit_source
-from kvref.models.mutants.catalogue import mutant
+from kvref.models.mutants.registry import mutant
 
 _R = "kvref.impl.reference"
 _SCHED = f"{_R}.scheduler:Scheduler"
