@@ -1,0 +1,115 @@
+"""No import cycle among kvref's top-level modules (``kvref/*.py``) and the mutant package
+(``models/mutants/**.py``): every ``import`` statement counts, at module level or inside a
+function, absolute or relative. Two modules that import each other — even lazily, inside a
+function — are one module split in two; the registry of checks (:mod:`kvref.checks`) imports the
+check bodies and nothing imports it back, the mutant catalogue imports its sub-catalogues and they
+import only :mod:`kvref.models.mutants.registry`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: source folder -> the dotted package its files are installed as
+FOLDERS = {"kvref": "kvref", "models/mutants": "kvref.models.mutants"}
+
+
+def _module_name(path: Path, folder: str, package: str) -> str:
+    rel = path.relative_to(ROOT / folder).with_suffix("")
+    parts = [] if rel.parts == ("__init__",) else [p for p in rel.parts if p != "__init__"]
+    return ".".join([package, *parts])
+
+
+def sources() -> dict[str, tuple[str, bool]]:
+    """Dotted module name -> (source text, is a package ``__init__``), for every checked module."""
+    out = {}
+    for folder, package in FOLDERS.items():
+        base = ROOT / folder
+        paths = base.glob("*.py") if folder == "kvref" else base.rglob("*.py")
+        for path in sorted(paths):
+            out[_module_name(path, folder, package)] = (path.read_text(encoding="utf-8"), path.name == "__init__.py")
+    return out
+
+
+def import_graph(mods: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the checked modules its import statements name (a ``from P import name`` names
+    the submodule ``P.name`` when that is a checked module, else ``P``)."""
+    graph: dict[str, set[str]] = {}
+    for name, (text, is_package) in mods.items():
+        here = name if is_package else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(text, name)):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in mods else module for a in node.names]
+            edges.update(t for t in targets if t in mods and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_kvref_and_the_mutant_modules():
+    mods = sources()
+    assert "kvref.checks" in mods and "kvref.models.mutants.catalogue" in mods
+    assert not cycles(import_graph(mods)), cycles(import_graph(mods))
+
+
+def test_a_reintroduced_cycle_is_found():
+    """The checker sees lazy (function-level) and relative imports: putting back the old edges
+    fails the test above."""
+    mods = sources()
+    explore, is_pkg = mods["kvref.cli_explore"]
+    lazy = explore + "\n\ndef _gate(ctx):\n    from .verify import vllm_gate\n\n    return vllm_gate\n"
+    found = cycles(import_graph({**mods, "kvref.cli_explore": (lazy, is_pkg)}))
+    assert ["kvref.cli_explore", "kvref.verify"] in found, found
+    sub, is_pkg = mods["kvref.models.mutants.catalogue_scheduler"]
+    back = sub + "\nfrom kvref.models.mutants.catalogue import mutant  # noqa: E402\n"
+    found = cycles(import_graph({**mods, "kvref.models.mutants.catalogue_scheduler": (back, is_pkg)}))
+    assert ["kvref.models.mutants.catalogue", "kvref.models.mutants.catalogue_scheduler"] in found, found
+    checks, is_pkg = mods["kvref.checks"]
+    body = mods["kvref.verify"][0] + "\n\ndef _all():\n    from kvref.checks import CHECKS\n\n    return CHECKS\n"
+    found = cycles(import_graph({**mods, "kvref.verify": (body, False)}))
+    assert any({"kvref.checks", "kvref.verify"} <= set(c) for c in found), found
