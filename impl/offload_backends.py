@@ -57,6 +57,25 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
     def in_flight_set(self) -> set[int]:
         return set(self.conn._in_flight_store_gpu_blocks)
 
+    def tokens(self, req) -> list[int]:
+        return list(req.all_token_ids)
+
+    def connector_state(self) -> dict:
+        """The connector's per-request state, as vLLM's SimpleCPU scheduler keeps it too: eager
+        store cursors with the connector's copy of each block table, pinned CPU hits (length and
+        the local prefix they follow) and loads (GPU/CPU blocks, event). A drift here (a cursor not
+        reset on preemption, a hit one block too long) shows before it changes a transfer."""
+        c = self.conn
+        return {"stores": {rid: (list(st.num_stored_blocks), [list(g) for g in st.block_ids], st.finished,
+                                 sorted(st.store_events)) for rid, st in c._reqs_to_store.items()},
+                "hits": {rid: p[1:] for rid, p in c._pending_cpu_hits.items()},
+                "loads": {rid: (list(self._transfer(ls).gpu_block_ids), list(self._transfer(ls).cpu_block_ids),
+                                ls.load_event, ls.finished) for rid, ls in c._reqs_to_load.items()}}
+
+    @staticmethod
+    def _transfer(load_state):
+        return load_state.transfer
+
     def check_invariants(self) -> None:
         self.conn.check_invariants()
         self.mgr.check_invariants(strict_ref_counts=False)

@@ -151,6 +151,10 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
     def finished(self, req, table):
         self.conn.request_finished_all_groups(req, table)
 
+    @staticmethod
+    def _transfer(load_state):
+        return load_state.transfer_meta
+
 
 class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     """vLLM 0.33.0's KVCacheManager + OffloadingConnectorScheduler over its CPUOffloadingManager."""

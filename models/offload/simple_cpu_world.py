@@ -55,6 +55,10 @@ class SimpleOffloadConfig:
     world_size: int = 1
     max_model_len: int = 256
     max_num_batched_tokens: int = 64
+    # vLLM's AsyncScheduler: step N is scheduled before step N-1's output is processed, so a request
+    # carries output placeholders (tokens sampled by a step still in flight) when the connector
+    # builds its metadata.
+    async_scheduling: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
@@ -62,10 +66,19 @@ class SimpleOffloadConfig:
     @classmethod
     def random(cls, rng: Any) -> SimpleOffloadConfig:
         """A random small configuration for the generated-trace checks (``kvref verify``'s
-        conform-offload / machine-offload): tight GPU pools, CPU pools from roomy to one block."""
+        conform-offload / machine-offload): tight GPU pools, CPU pools from roomy to one block,
+        synchronous or async scheduling.
+
+        The scheduling mode is drawn from a generator seeded by ``rng``'s state, without advancing
+        ``rng``: the checks draw the OffloadingConnector's cases from the same stream, and they stay
+        what they were."""
+        import random
+
+        mode = random.Random(hash(rng.getstate()))  # ints only: the same on every run
         return cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
                    sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
-                   world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]))
+                   world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
+                   async_scheduling=mode.random() < 0.5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,6 +134,12 @@ class SimpleOffloadWorld(OffloadWorldBase):
         self.duplicate_stores: list[tuple[int, int]] = []  # (store event, gpu block)
         self._n = 0
         self.failed: str | None = None
+        # Async scheduling: the step whose output is not processed yet (its batch and the requests
+        # that sample a token in it), per request the tokens scheduled in it (vLLM's
+        # ``num_in_flight_tokens``) and the in-flight steps whose output is stale (preempted since).
+        self._in_flight: tuple[ScheduledBatch, set[str]] | None = None
+        self._in_flight_tokens: dict[str, int] = {}
+        self._stale: dict[str, int] = {}
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -147,7 +166,10 @@ class SimpleOffloadWorld(OffloadWorldBase):
         batch = ScheduledBatch()
         for rid in self.live("running"):
             r = self.reqs[rid]
-            n = min(chunk, r.req.num_tokens - r.computed)
+            ph = r.req.num_output_placeholders
+            if ph > 0 and r.computed + 2 - ph >= r.req.num_prompt_tokens + r.max_out:
+                continue  # async: the step in flight already samples the last token (vLLM's guard)
+            n = min(chunk, r.req.num_tokens + ph - r.computed)
             if n <= 0:
                 continue
             ids = self.b.allocate(r.req, n)
@@ -156,6 +178,8 @@ class SimpleOffloadWorld(OffloadWorldBase):
             batch.add(r, self.b.table(rid) if r.full_table_next else ids, r.full_table_next, n)
         for rid in self.live("waiting"):
             r = self.reqs[rid]
+            if self._stale.get(rid):
+                continue  # async: preempted in a schedule; resumes after its stale output is back
             hits, n_hit = (None, 0)
             if r.computed == 0:
                 hits, n_hit = self.b.get_computed_blocks(r.req)
@@ -180,13 +204,64 @@ class SimpleOffloadWorld(OffloadWorldBase):
         meta = self.b.build_meta(self._scheduler_output(SimpleOffloadStep, batch))
         self.metas.append(meta)
         self._on_loads(meta)
-        # The step runs: computed tokens advance and full blocks get their content; the worker
-        # copies this step's stores only after the forward pass (a compute-done event).
-        self._forward(batch)
-        self._on_stores(meta)
-        self._update_from_output(batch)
+        if self.cfg.async_scheduling:
+            self._async_after_schedule(batch)
+        else:
+            # The step runs: computed tokens advance and full blocks get their content; the worker
+            # copies this step's stores only after the forward pass (a compute-done event).
+            self._forward(batch)
+            self._on_stores(meta)
+            self._update_from_output(batch)
         self._check()
         return meta
+
+    # -- async scheduling ----------------------------------------------------------------------
+
+    def _async_after_schedule(self, batch: ScheduledBatch) -> None:
+        """vLLM's ``AsyncScheduler`` after ``schedule()`` built step N's metadata: computed tokens
+        advance and a request that will sample gets an output placeholder
+        (``_update_after_schedule``); then the engine processes step N-1's output
+        (``update_from_output``, one batch in flight). Step N's forward pass writes its blocks'
+        content (the tokens sampled by N-1 are known by then) and its stores copy after it."""
+        sampled: set[str] = set()
+        for r, start, end in batch.advances:
+            if end >= r.req.num_tokens + r.req.num_output_placeholders:
+                sampled.add(r.rid)  # not a prefill chunk: it samples a token
+                r.req.num_output_placeholders += 1
+            r.computed = end
+            r.req.num_computed_tokens = end
+            self._in_flight_tokens[r.rid] = self._in_flight_tokens.get(r.rid, 0) + end - start
+        previous, self._in_flight = self._in_flight, (batch, sampled)
+        if previous is not None:
+            self._async_update_from_output(*previous)
+        for r, start, end in batch.advances:
+            if r.phase == "running":
+                self._write_computed(r, start, end)
+        self._on_stores(self.metas[-1])
+
+    def _async_update_from_output(self, batch: ScheduledBatch, sampled: set[str]) -> None:
+        """Step N-1's output: each sampling request gets its token, a placeholder resolves and the
+        blocks it completed are cached (vLLM's ``cache_blocks(num_computed - num_in_flight)``); a
+        stale output (the request was preempted since) is appended without touching the counters.
+        Finished requests' outputs are dropped."""
+        for r, start, end in batch.advances:
+            rid = r.rid
+            if r.phase == "done":
+                continue
+            stale = self._stale.get(rid, 0) > 0
+            if stale:
+                self._stale[rid] -= 1
+            else:
+                self._in_flight_tokens[rid] -= end - start
+            if rid not in sampled:
+                continue
+            self.b.append_token(r.req, 7 + r.req.num_tokens % 5)
+            if not stale:
+                r.req.num_output_placeholders -= 1
+                if r.phase == "running":
+                    self.b.cache_blocks(r.req, r.computed - self._in_flight_tokens[rid])
+            if r.req.num_tokens - r.req.num_prompt_tokens >= r.max_out:
+                self._finish_stopped(rid)
 
     def _on_stores(self, meta: tuple) -> None:
         _, _, _, store_event, sg, sc, _ = meta
@@ -282,8 +357,38 @@ class SimpleOffloadWorld(OffloadWorldBase):
         self._check()
 
     def _preempt_request(self, r: WorldRequest) -> None:
+        if self.cfg.async_scheduling:
+            # vLLM: the output of the step in flight becomes stale, placeholders are dropped.
+            in_flight = self._in_flight is not None and any(x.rid == r.rid for x, _, _ in self._in_flight[0].advances)
+            self._stale[r.rid] = self._stale.get(r.rid, 0) + int(in_flight)
+            self._in_flight_tokens[r.rid] = 0
+            r.req.num_output_placeholders = 0
         super()._preempt_request(r)
         self._check()
+
+    def preempt(self, pick: int, furthest: bool = False) -> bool:
+        """Preempt a running request: ``pick`` chooses one, or ``furthest`` the one with the most
+        computed tokens (the likeliest to have stores done or in flight)."""
+        if not furthest:
+            return super().preempt(pick)
+        rids = self.live("running")
+        if not rids:
+            return False
+        self._preempt_request(self.reqs[max(rids, key=lambda rid: self.reqs[rid].computed)])
+        return True
+
+    def readd(self, pick: int, drop_last_block: bool = False) -> str | None:
+        """A new request whose prompt is an earlier request's tokens (prompt and outputs so far) cut
+        to a block boundary (one block shorter with ``drop_last_block``): its whole prompt may be on
+        the GPU, on the CPU or split between them. None when no earlier request has a full block."""
+        bs = self.cfg.block_size
+        sources = [self.b.tokens(self.reqs[rid].req) for rid in self.order]
+        sources = [t for t in sources if len(t) >= bs * (2 if drop_last_block else 1)]
+        if not sources:
+            return None
+        tokens = sources[pick % len(sources)]
+        n = (len(tokens) // bs - int(drop_last_block)) * bs
+        return self.add_request(tokens[:n])
 
     def reset(self) -> bool:
         ok = self.b.reset()
@@ -312,7 +417,8 @@ class SimpleOffloadWorld(OffloadWorldBase):
         cached = sorted((b.block_id, b.block_hash) for b in self.b.cpu_pool.blocks if b.block_hash is not None)
         refs = [b.ref_cnt for b in self.b.gpu_pool.blocks] + [b.ref_cnt for b in self.b.cpu_pool.blocks]
         return {"gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
-                "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()}}
+                "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()},
+                "connector": self.b.connector_state()}
 
 
 # --------------------------------------------------------------------------------------------

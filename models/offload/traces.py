@@ -27,9 +27,14 @@ def random_ops(rnd, n):
 def apply_op(w: SimpleOffloadWorld, op):
     kind, fam, n, tail, chunk, rep, pick, count, flag = op
     if kind == "add":
+        # An earlier request's tokens cut to a block boundary: a prompt wholly offloaded (and maybe
+        # evicted from the GPU) is looked up again, where a CPU hit must stop short of its last token.
+        if flag and count == 2 and (rid := w.readd(pick, drop_last_block=rep == 4)) is not None:
+            return rid
+        max_out = (2, 2, 5, 9)[rep - 1]  # longer decodes cross block boundaries (placeholders, stores)
         if fam == 2:  # unrelated tokens: pressure on the GPU pool
-            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
-        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)], max_out)
+        return w.add_request(PREFIXES[fam][:n] + [7] * tail, max_out)
     if kind == "step":
         return [w.step(chunk) for _ in range(rep)]
     if kind == "drain":  # deliver every pending completion, stores newest first or oldest first
@@ -43,8 +48,10 @@ def apply_op(w: SimpleOffloadWorld, op):
         return w.complete_load(pick)
     if kind == "abort":
         return w.abort(pick)
-    if kind == "preempt":
-        return w.preempt(pick)
+    if kind == "preempt":  # flag: the request furthest along, whose stores are done or in flight
+        return w.preempt(pick, furthest=flag)
+    if not flag:  # half the resets (which drop every store cursor) preempt the furthest request instead
+        return w.preempt(pick, furthest=True)
     return w.reset()
 
 

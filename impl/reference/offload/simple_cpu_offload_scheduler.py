@@ -12,7 +12,8 @@ cache and *pins* the hit (one CPU ref) until ``update_state_after_alloc`` turns 
 closes the window in which the hit could be evicted (vLLM issue #39702).
 
 Stores, eager mode: per request and group a cursor walks the block table over *confirmed*
-tokens (computed before this step); a block is stored unless it is null, unhashed, already
+tokens (computed before this step, less the output placeholders of a step still in flight under
+async scheduling); a block is stored unless it is null, unhashed, already
 being stored (``_in_flight_store_gpu_blocks``, vLLM #41289) or already in the CPU cache. A
 finishing request flushes what its cursor has not reached yet. Stores of one step form one
 event.
@@ -311,7 +312,9 @@ class SimpleCPUOffloadScheduler:
         scan_local: set[int] = set()
         advanced = [0] * len(self.groups)
         request = state.request
-        confirmed = request.num_computed_tokens
+        # Async scheduling: tokens of a step still in flight (its output placeholders) are not
+        # confirmed yet; their blocks are stored by a later step (or the finish-time flush).
+        confirmed = request.num_computed_tokens - request.num_output_placeholders
         num_free = self.cpu_block_pool.get_num_free_blocks()
         for g, ids in enumerate(block_ids):
             if len(selected) >= num_free:
