@@ -17,7 +17,7 @@ from kvref.impl.offload_engine import ReferenceEngine
 
 
 def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
-    """vLLM 0.33.0's GPU ``KVCacheManager`` for ``cfg``'s groups (as :func:`kvref_kv_cache_groups`).
+    """vLLM 0.33.0's GPU ``KVCacheManager`` for ``cfg.kvref_groups()``, spec by spec.
 
     Returns ``(block_hasher, kv_cache_config, kv_cache_manager)``: requests must be built with
     that hasher, and the connector is configured from that ``KVCacheConfig``.
@@ -26,17 +26,26 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VKVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VLocal
     from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
     from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
 
+    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
     init_none_hash(sha256)
     hasher = get_request_block_hasher(cfg.block_size, sha256)
     kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [VGroup(["full"], VFull(**kw))]
-    if cfg.sliding_window is not None:
-        groups.append(VGroup(["swa"], VSWA(sliding_window=cfg.sliding_window, **kw)))
+
+    def vllm_spec(spec):  # cfg.kvref_groups(): full attention, sliding window (+ extra retained), chunked local
+        if isinstance(spec, SlidingWindowSpec):
+            return VSWA(sliding_window=spec.sliding_window, extra_retained_tokens=spec.extra_retained_tokens, **kw)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return VLocal(attention_chunk_size=spec.attention_chunk_size, **kw)
+        return VFull(**kw)
+
+    groups = [VGroup(list(g.layer_names), vllm_spec(g.kv_cache_spec)) for g in cfg.kvref_groups()]
     page = groups[0].kv_cache_spec.page_size_bytes
     kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
                          kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,

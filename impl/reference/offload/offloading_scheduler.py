@@ -19,7 +19,8 @@ group (:mod:`.keys`) and stored in / loaded from an offloading manager (the CPU 
   makes that step flush (wait for) the job. Preempted requests' stores are flushed too.
 * Jobs complete when all ``num_workers`` have reported them, in any order and across steps.
 
-Modelled subset (0.33.0 semantics): full-attention (incl. MLA) and sliding-window groups,
+Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (with MTP's
+``extra_retained_tokens``) and chunked-local groups (PR 51161: windowed, one attention chunk),
 ``tokens_per_hash == tokens_per_block``, CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE,
 no Mamba/partial tails, no sync loads, no retention interval, no ``max_load_tokens`` /
 ``max_offload_tokens``, no KV events or metrics.
@@ -33,7 +34,12 @@ from itertools import chain
 
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvref.spec.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from kvref.spec.mathutil import cdiv
 
 from ..block_hash import BlockHash, RequestBlockHasher
@@ -151,7 +157,10 @@ def _check_request(req: object) -> None:
 
 class OffloadingConnectorScheduler:
     """Args:
-        specs: the GPU KV cache groups' specs (full attention or sliding window).
+        specs: the GPU KV cache groups' specs (full attention, sliding window or chunked local).
+            A chunked-local group is windowed like a sliding-window one (``cdiv(attention_chunk,
+            chunk)`` trailing chunks, looked up from the right, sources fenced at creation) but
+            keeps every block it holds (no store mask, no widening of the load window).
         manager: the offloading manager (a :class:`CPUOffloadingManager`).
         tokens_per_hash: request hash granularity (== every group's block size here).
         blocks_per_chunk: GPU blocks per offloaded chunk.
@@ -170,8 +179,8 @@ class OffloadingConnectorScheduler:
         cfgs = []
         check_sequence("specs", specs, "a tuple of KV cache specs")
         for i, spec in enumerate(specs):
-            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-                raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention or sliding-window spec")
+            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention, sliding-window or chunked-local spec")
             if spec.block_size != tokens_per_hash:
                 raise InvalidFieldError(f"specs[{i}].block_size", spec.block_size,
                                         f"== tokens_per_hash={tokens_per_hash} (finer hashes are not modelled)")
