@@ -16,12 +16,13 @@ Content model: every GPU block carries the (group, block-hash) key of what it ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
 from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
-from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
 
 from kvref.impl.offload_backends import OffloadingReferenceBackend
 
@@ -45,18 +46,55 @@ class OffloadingConfig:
     num_workers: int = 1
     offload_prompt_only: bool = True
     max_model_len: int = 256
+    # Multi-module MTP: vLLM sets ``extra_retained_tokens = num_prefill_lookahead_tokens - 1`` on every
+    # sliding-window spec; the offload window and the store mask widen by it (PR 41228).
+    extra_retained_tokens: int = 0
+    attention_chunk_size: int | None = None  # adds a chunked-local group (Llama 4; PR 51161)
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        return kvref_kv_cache_groups(self.block_size, self.sliding_window)
+        groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
+        if self.sliding_window is not None and self.extra_retained_tokens:
+            swa = groups[1]
+            groups[1] = replace(swa, kv_cache_spec=replace(swa.kv_cache_spec,
+                                                           extra_retained_tokens=self.extra_retained_tokens))
+        if self.attention_chunk_size is not None:
+            kw = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
+            groups.append(KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(
+                attention_chunk_size=self.attention_chunk_size, **kw)))
+        return tuple(groups)
 
     @classmethod
     def random(cls, rng: Any) -> OffloadingConfig:
         """A random small configuration for the generated-trace checks (``kvref verify``'s
-        conform-offload / machine-offload)."""
-        return cls(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
-                   num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
-                   cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
-                   offload_prompt_only=rng.random() < 0.5)
+        conform-offload / machine-offload).
+
+        ``rng`` is advanced exactly as before the extensions below (the SimpleCPU cases that
+        ``kvref verify`` alternates with these draw from the same ``rng``, and stay the same
+        traces); the extensions draw from a generator seeded by ``rng``'s state:
+
+        * CPU pools from a couple of chunks to roomy, mostly tight (a few prompts' worth), so
+          chunks are evicted from inside cached runs and later lookups cross the gap;
+        * sliding windows of 1-5 chunks (a miss inside a window-long run matters only from 2 on),
+          with MTP's ``extra_retained_tokens`` one time in two;
+        * a chunked-local group one time in three (alone beside full attention, or with the SWA
+          group).
+        """
+        base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
+                    num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
+                    cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
+                    offload_prompt_only=rng.random() < 0.5)
+        sub = random.Random(hash(rng.getstate()[1]))  # ints only: the same on every run
+        gpu_chunks = base["num_gpu_blocks"] // base["blocks_per_chunk"]
+        base["num_cpu_chunks"] = sub.choice([base["num_cpu_chunks"], gpu_chunks // 2 + 2, gpu_chunks, gpu_chunks + 4, 2 * gpu_chunks])
+        if base["sliding_window"] is not None:
+            base["sliding_window"] = sub.choice([base["sliding_window"], 4, 8, 12, 16, 20])
+            base["extra_retained_tokens"] = sub.choice([0, 1, 2, 3, 5, 7, 9])
+        if sub.random() < 1 / 3:
+            base["attention_chunk_size"] = sub.choice([8, 12, 16])
+        # Every group draws from the one GPU pool: room for a prompt in each windowed group too.
+        windowed = (base["sliding_window"] is not None) + ("attention_chunk_size" in base)
+        base["num_gpu_blocks"] += sub.randint(3, 6) * windowed
+        return cls(**base)
 
 
 def _vllm_backend(cfg: OffloadingConfig):
@@ -76,9 +114,15 @@ class OffloadingWorld(OffloadWorldBase):
         self.cfg = cfg
         self.strict = strict
         self.violations: list[str] = []
-        self.b = BACKENDS[backend](cfg)
+        try:
+            self._b = BACKENDS[backend](cfg)
+            self.startup_error: Exception | None = None
+        except Exception as exc:  # noqa: BLE001 - reported by the first operation, see ``b``
+            self._b, self.startup_error = None, exc
+            self._backend_name = backend
         self.reqs: dict[str, WorldRequest] = {}
         self.order: list[str] = []
+        self.prompts: dict[str, list[int]] = {}
         self.finished_pending: list[str] = []
         self.preempted_pending: set[str] = set()
         self.jobs: dict[int, dict] = {}  # job -> {"store": bool, "req": rid, "src": [...], "reported": n}
@@ -87,6 +131,21 @@ class OffloadingWorld(OffloadWorldBase):
         self._n = 0
         self.reset_undelivered = False
 
+    @property
+    def b(self):
+        """The backend. One that failed to start on ``cfg`` (vLLM's connector refusing a configuration
+        the reference serves: the chunked-local assert before PR 51161 crashed Llama 4 at startup)
+        raises :class:`OffloadInvariantError` on the first operation, so a trace runner that builds
+        worlds outside its per-operation error handling still reports it as a finding."""
+        if self._b is None:
+            raise OffloadInvariantError(f"the {self._backend_name} connector failed to start on {self.cfg}: "
+                                        f"{type(self.startup_error).__name__}: {self.startup_error}")
+        return self._b
+
+    def check_started(self) -> None:
+        """Raise the backend's startup failure, if any (every trace operation starts with it)."""
+        self.b  # noqa: B018 - the property raises
+
     def _fail(self, msg):
         if self.strict:
             raise OffloadInvariantError(msg)
@@ -94,6 +153,7 @@ class OffloadingWorld(OffloadWorldBase):
 
     def add_request(self, prompt, max_out=2):
         rid = super().add_request(prompt, max_out)
+        self.prompts[rid] = list(prompt)
         self.b.on_new_request(self.reqs[rid].req)
         return rid
 
@@ -102,6 +162,7 @@ class OffloadingWorld(OffloadWorldBase):
 
     def step(self, chunk):
         batch = ScheduledBatch()
+        lookups = []
         for rid in self.live("running"):
             r = self.reqs[rid]
             n = min(chunk, r.req.num_tokens - r.computed)
@@ -118,6 +179,7 @@ class OffloadingWorld(OffloadWorldBase):
             if r.computed == 0:
                 hits, n_hit = self.b.get_computed_blocks(r.req)
                 n_ext, _ = self.b.match(r.req, n_hit)
+                lookups.append((rid, n_hit, n_ext))
                 if n_ext is None:
                     continue  # the connector asks to be asked again
             if n_ext > 0:
@@ -130,10 +192,13 @@ class OffloadingWorld(OffloadWorldBase):
                 continue
             self.b.after_alloc(r.req, 0)
             self._schedule_waiting(batch, r, n_hit, n)
-        meta = self.b.build_meta(self._scheduler_output(OffloadingStep, batch))
+        # The step's output: the backend's (load jobs, store jobs, flushed jobs) and every connector
+        # lookup of the step as (request, GPU hit tokens, tokens the connector offers to load) - a
+        # lookup answer compared even when the allocation after it fails on both backends.
+        meta = (*self.b.build_meta(self._scheduler_output(OffloadingStep, batch)), tuple(lookups))
         self.reset_undelivered = False
         self.metas.append(meta)
-        loads, stores, flush = meta
+        loads, stores, flush, _ = meta
         flushed = set(flush)
         # Worker timing (offloading/worker.py): a store job is submitted at the start of the *next*
         # step, so it reads the blocks as this step's forward leaves them - unless it is flushed:
@@ -221,6 +286,11 @@ class OffloadingWorld(OffloadWorldBase):
         for job in self.jobs.values():
             job["flushed"] = True  # a reset flushes every job in flight
         return True
+
+    def reset_gpu_prefix_cache(self) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache()`` without ``reset_connector``: only the GPU
+        prefix cache, and only when no block is in use (a store still reading a block pins it)."""
+        return self.b.mgr.reset_prefix_cache()
 
     def observe(self):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]

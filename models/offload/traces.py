@@ -55,19 +55,42 @@ def apply_op(w: SimpleOffloadWorld, op):
     return w.reset()
 
 
+def revisit(w: OffloadingWorld, rid: str, cut: int, tail: int) -> str:
+    """A new request for ``rid``'s prompt less 0-2 blocks, plus ``tail`` new tokens."""
+    prompt = w.prompts[rid]
+    return w.add_request(prompt[:max(1, len(prompt) - 4 * (cut % 3))] + [5] * tail)
+
+
 def apply_offloading_op(w: OffloadingWorld, op):
+    w.check_started()  # a connector that refused the configuration at startup fails the first op
     kind, fam, n, tail, chunk, rep, pick, count, flag = op
     if kind == "add":
-        if fam == 2:
-            return w.add_request([1000 + 40 * len(w.order) + i for i in range(n)])
-        return w.add_request(PREFIXES[fam][:n] + [7] * tail)
+        # Half the unrelated arrivals, and a second arrival after half the others, ask for an
+        # earlier prompt again, cut or extended: lookups over prefixes the GPU and the CPU pool have
+        # partly evicted (gaps inside cached runs, windows across a miss).
+        again = [w.order[(pick if fam == 2 and flag else pick // 3) % len(w.order)]] if w.order else []
+        if fam == 2 and flag and again:
+            return revisit(w, again[0], pick, tail)
+        n += 8  # longer prompts than SimpleCPU's: hits of several chunks per group, windows inside them
+        rid = w.add_request([1000 + 50 * len(w.order) + i for i in range(n)] if fam == 2
+                            else PREFIXES[fam][:n] + [7] * tail)
+        return (rid, revisit(w, again[0], pick // 7, 3 - tail)) if count == 2 and again else rid
     if kind == "step":
-        return [w.step(chunk) for _ in range(rep)]
+        # An idle engine gets an earlier prompt again first (steps of an empty engine compare nothing),
+        # half the time after forgetting its GPU prefix cache (the lookup then starts at chunk 0).
+        again = None
+        if w.order and not w.live():
+            again = (flag and w.reset_gpu_prefix_cache(), revisit(w, w.order[pick % len(w.order)], pick // 3, tail))
+        return again, [w.step(chunk) for _ in range(rep)]
     if kind == "drain":
         out = []
         while w.jobs:
             out.append(w.complete(-1 if flag else 0, 2))
         return out
+    if kind == "cload" and flag:
+        # vLLM's reset_prefix_cache() (reset_connector=False): the GPU forgets its prefix cache when
+        # idle, the CPU pool keeps every chunk, so the next arrivals look their prefixes up there.
+        return w.reset_gpu_prefix_cache()
     if kind in ("cstore", "cload"):
         return w.complete(pick, count)
     if kind == "abort":
