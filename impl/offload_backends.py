@@ -20,11 +20,13 @@ from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUO
 
 
 class SimpleCPUReferenceBackend(ReferenceEngine):
-    """kvref's KVCacheManager + SimpleCPUOffloadScheduler (``variant`` picks a historic one)."""
+    """kvref's KVCacheManager + SimpleCPUOffloadScheduler. ``variant``: ``"reference"`` (vLLM
+    0.33.0) or ``"fix_42903"`` (open vLLM PR 42903's within-scan dedup, a proposed fix). Historic
+    behaviour is not a variant here: it is patched in by the mutants of :mod:`kvref.models.mutants`
+    (``offload.in_flight_not_deduped`` for #41289)."""
 
     name = "reference"
-    VARIANTS = {"reference": {}, "pre_fix_41289": {"in_flight_dedup": False},
-                "fix_42903": {"dedup_within_scan": True}}
+    VARIANTS = {"reference": {}, "fix_42903": {"dedup_within_scan": True}}
 
     def __init__(self, cfg: Any, variant: str = "reference") -> None:
         groups = cfg.kvref_groups()

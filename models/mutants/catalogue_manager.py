@@ -202,15 +202,22 @@ def _free_keeps_hashes(original):
 _SOS = f"{_R}.offload.simple_cpu_offload_scheduler:SimpleCPUOffloadScheduler"
 
 
-@mutant("offload.in_flight_not_deduped", f"{_SOS}.__init__",
+@mutant("offload.in_flight_not_deduped", f"{_SOS}._prepare_eager_store_specs",
         "eager stores remember only this step's selections: a GPU block still being stored is "
         "selected again, two in-flight stores read it", kind=HISTORIC,
         vllm_bug="#41289 (fixed by PR 41289: _in_flight_store_gpu_blocks)", layer="offload")
 def _no_dedup(original):
-    def __init__(self, *args, **kwargs):
-        kwargs["in_flight_dedup"] = False
-        original(self, *args, **kwargs)
-    return __init__
+    def _prepare_eager_store_specs(self, step):
+        # Before #41289 a step's scans saw only that step's own selections. The scheduler's set
+        # still records every selection afterwards, so its bookkeeping (O1) stays true and only
+        # the behaviour differs: a block whose store is in flight is stored again.
+        remembered, self._in_flight_store_gpu_blocks = self._in_flight_store_gpu_blocks, set()
+        try:
+            return original(self, step)
+        finally:
+            remembered |= self._in_flight_store_gpu_blocks
+            self._in_flight_store_gpu_blocks = remembered
+    return _prepare_eager_store_specs
 
 
 @mutant("offload.in_flight_not_drained", f"{_SOS}._process_store_event",

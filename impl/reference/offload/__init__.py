@@ -16,17 +16,8 @@ from .offloading_scheduler import OffloadingConnectorScheduler, OffloadingStep
 from .simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler, SimpleOffloadStep
 
 
-class PreFix41289SimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """SimpleCPU scheduler as before vLLM #41289: stores scheduled in earlier steps are forgotten,
-    so a GPU prefix hit can re-store blocks whose store is still in flight."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs["in_flight_dedup"] = False
-        super().__init__(*args, **kwargs)
-
-
 __all__ = ["ARCCachePolicy", "CPUOffloadingManager", "LRUCachePolicy", "LookupResult", "OffloadStateError",
            "OffloadingConnectorScheduler", "OffloadingStep", "PrepareStoreOutput",
-           "PreFix41289SimpleCPUOffloadScheduler", "RequestContext", "SimpleCPUOffloadScheduler",
+           "RequestContext", "SimpleCPUOffloadScheduler",
            "SimpleOffloadStep", "get_sliding_window_size_in_chunks", "lookup_complete_chunks", "make_offload_key",
            "maximal_prefix_lookup", "sliding_window_lookup"]

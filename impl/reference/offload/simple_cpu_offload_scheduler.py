@@ -25,9 +25,11 @@ Not modelled: boundary (Mamba align) hand-offs, fine-grained partial tails / par
 KV events and metrics, DCP/PCP, disk backend, multi-module MTP placeholders. Groups must be full
 attention (incl. MLA), sliding window or chunked local.
 
-Variants: ``in_flight_dedup=False`` (:class:`PreFix41289SimpleCPUOffloadScheduler`) forgets
-stores scheduled in earlier steps, as before vLLM #41289; ``dedup_within_scan=True`` also
-deduplicates within one request's scan (what open vLLM PR 42903 proposes; not 0.33.0).
+Option: ``dedup_within_scan=True`` also deduplicates within one request's scan (what open vLLM
+PR 42903 proposes; not 0.33.0). Historic behaviour (before vLLM #41289: stores scheduled in
+earlier steps forgotten) is not a switch here: it is the runtime mutant
+``offload.in_flight_not_deduped`` of :mod:`kvref.models.mutants`, the one place historic variants
+of the reference live.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class SimpleCPUOffloadScheduler:
                  scheduler_block_size: int, hash_block_size: int, *, lazy_offload: bool = False,
                  world_size: int = 1, max_num_batched_tokens: int = 2048, max_in_flight_tokens: int | None = None,
                  block_hasher: Callable[[Request], list[BlockHash]] | None = None,
-                 in_flight_dedup: bool = True, dedup_within_scan: bool = False) -> None:
+                 dedup_within_scan: bool = False) -> None:
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
         if num_cpu_blocks > MAX_NUM_BLOCKS:
             raise InvalidFieldError("num_cpu_blocks", num_cpu_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
@@ -160,7 +162,6 @@ class SimpleCPUOffloadScheduler:
         self.hash_block_size = hash_block_size
         self.world_size = world_size
         self.lazy = bool(lazy_offload)
-        self.in_flight_dedup = in_flight_dedup
         self.dedup_within_scan = dedup_within_scan
         self.cpu_coordinator = get_kv_cache_coordinator(PoolConfig(
             num_blocks=num_cpu_blocks, groups=groups, max_model_len=max_model_len,
@@ -345,9 +346,6 @@ class SimpleCPUOffloadScheduler:
         gpu_out: list[int] = []
         cpu_out: list[int] = []
         req_ids: list[str] = []
-        if not self.in_flight_dedup:
-            # Pre-#41289: only this step's selections were remembered.
-            self._in_flight_store_gpu_blocks.clear()
         n = len(self.groups)
         for rid in step.preempted_req_ids:
             state = self._reqs_to_store.get(rid)
@@ -637,7 +635,7 @@ class SimpleCPUOffloadScheduler:
         for b in writing:
             assert self.cpu_block_pool.blocks[b].block_hash is None, f"CPU block {b} hashed while being written"
         # O1 (eager): the in-flight set is exactly the GPU sources of live, non-abandoned stores.
-        if not self.lazy and self.in_flight_dedup:
+        if not self.lazy:
             live = {g for t in list(self._store_event_to_blocks.values()) + self._pending_finished_stores
                     for g in t.gpu_block_ids}
             assert self._in_flight_store_gpu_blocks == live, "in-flight set out of sync with issued stores"

@@ -19,10 +19,13 @@ from kvref.models.offload.simple_cpu_world import (
 )
 from kvref.spec.errors import InvalidFieldError, KVRefError
 from kvref.models.offload.traces import FA_ONLY, PR42903, pre_fix_41289_trace, run_pr42903
+from kvref.models.mutants.catalogue import CATALOGUE
 from tests.conftest import profile_examples
 
 FA_ONLY_2W = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, world_size=2)
 HYBRID = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=8, sliding_window=4)
+#: vLLM before #41289, patched in at runtime (the reference itself stays 0.33.0)
+PRE_41289 = CATALOGUE["offload.in_flight_not_deduped"]
 LAZY = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, lazy=True, max_num_batched_tokens=8)
 
 
@@ -47,14 +50,14 @@ def test_state_machine_finds_the_pre_41289_duplicate_store():
     """Before vLLM #41289 only the current step's selections were deduplicated: a request that
     hits the GPU prefix cache while the first request's store is still in flight stores the same
     GPU blocks again. The machine must find that on the variant."""
-    with pytest.raises(OffloadInvariantError, match="two in-flight stores"):
-        _run(FA_ONLY, "pre_fix_41289", n=profile_examples(200, 300), shrink=False)
+    with PRE_41289.applied(), pytest.raises(OffloadInvariantError, match="two in-flight stores"):
+        _run(FA_ONLY, n=profile_examples(200, 300), shrink=False)
 
 
 def test_pre_41289_duplicate_directed():
     pre_fix_41289_trace(SimpleOffloadWorld(FA_ONLY, "reference"))  # 0.33.0: skipped as IN_FLIGHT
-    with pytest.raises(OffloadInvariantError, match="two in-flight stores"):
-        pre_fix_41289_trace(SimpleOffloadWorld(FA_ONLY, "reference", "pre_fix_41289"))
+    with PRE_41289.applied(), pytest.raises(OffloadInvariantError, match="two in-flight stores"):
+        pre_fix_41289_trace(SimpleOffloadWorld(FA_ONLY, "reference"))
 
 
 def test_pr42903_same_block_stored_twice_within_one_scan():
@@ -142,9 +145,16 @@ def test_bad_step_and_block_ids_are_rejected():
     assert conn.build_connector_meta(SimpleOffloadStep()).store_event == -1
 
 
-def test_named_pre_41289_class_is_the_variant():
-    from kvref.impl.reference.offload import PreFix41289SimpleCPUOffloadScheduler
+def test_pre_41289_lives_only_in_the_mutant_catalogue():
+    """One mechanism for historic variants: the reference has no pre-#41289 switch or subclass;
+    the runtime mutant patches the behaviour in and restores the clean method afterwards."""
+    import inspect
 
-    conn = PreFix41289SimpleCPUOffloadScheduler(FA_ONLY.kvref_groups(), 8, 256, 4, 4)
-    assert conn.in_flight_dedup is False
-    assert SimpleCPUOffloadScheduler(FA_ONLY.kvref_groups(), 8, 256, 4, 4).in_flight_dedup is True
+    import kvref.impl.reference.offload as offload
+
+    assert "in_flight_dedup" not in inspect.signature(SimpleCPUOffloadScheduler).parameters
+    assert not [n for n in dir(offload) if "41289" in n]
+    clean = SimpleCPUOffloadScheduler.__dict__["_prepare_eager_store_specs"]
+    with PRE_41289.applied():
+        assert SimpleCPUOffloadScheduler.__dict__["_prepare_eager_store_specs"] is not clean
+    assert SimpleCPUOffloadScheduler.__dict__["_prepare_eager_store_specs"] is clean
