@@ -1,4 +1,4 @@
-"""The run-trace format, version 1: what each line holds, and how a reader checks it.
+"""The run-trace format, version 2: what each line holds, and how a reader checks it.
 
 One header line, then one JSON object per line, each with a type ``"t"``:
 
@@ -13,9 +13,11 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            scheduled requests in batch order and their token counts (``n`` and ``cached``'s
            ``num_computed`` are int lists, or the same as base64 uint32 like prompts); ``new``: ``[[id,
            num_computed, block_ids], ...]`` for first admissions (``block_ids``: the whole table
-           per KV cache group, hits included); ``cached``: ``[ids, num_computed, block_ids]``, three
-           parallel lists for the others (``block_ids``: newly allocated ids per group, or null),
-           exactly vLLM's ``CachedRequestData``; ``resumed``: which of those resumed after a
+           per KV cache group, hits included; each group an int list or base64 uint32);
+           ``cached``: ``[ids, num_computed, block_ids]`` for the others, exactly vLLM's
+           ``CachedRequestData`` (``block_ids``: newly allocated ids per group, or null, one per id;
+           either a list parallel to ``ids`` or, sparse, ``{"at": int column, "blocks": [...]}``:
+           the entries at those indexes, null everywhere else); ``resumed``: which of those resumed after a
            preemption (their ``block_ids`` are the whole new table); ``num_computed`` counts tokens
            before this step. ``pre`` preempted ids, ``fin`` finished ids since the last step;
            optional ``throttle`` (DP prefill throttling was asked for) and ``x`` (step features not
@@ -30,6 +32,10 @@ One header line, then one JSON object per line, each with a type ``"t"``:
 ``end``    the scheduler shut down cleanly: ``steps``, ``records``.
 ========== =========================================================================================
 
+Versions: 2 added the base64 groups in ``new`` and the sparse ``cached`` block ids (what the
+recorder writes); version 1 traces (dense lists only) read unchanged. A version-1 reader refuses a
+version-2 trace by its header instead of misreading it.
+
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
 reader never silently misreads a newer format. A newer *major* ``version`` is refused with the
@@ -43,6 +49,12 @@ of ``schedule()`` + ``update_from_output()``, most of it building the rows in Py
 vLLM's ``SchedulerOutput`` already holds the columns (``num_scheduled_tokens``,
 ``CachedRequestData``), and JSON-encoding flat lists runs in C. Readers turn a step back into
 rows with :func:`sched_rows`.
+
+Why sparse cached block ids (version 2): in a decode step about one running request in sixteen
+gets a new block; the others' entries are null. JSON-encoding 128 entries was the largest single
+cost of a ``sched`` record; selecting the non-null ones (``itertools.compress``, in C) and
+encoding those is a third of it. Block tables of new requests are base64 for the reason prompts
+are: the JSON encoder turns every int into a string object.
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
-VERSION = 1
+VERSION = 2
 RECORD_TYPES = ("add", "abort", "sched", "update", "end")
 #: record types a reader may skip (room for the KV-events recorder's records)
 OPTIONAL_RECORD_TYPES = ("kv_events",)
@@ -218,12 +230,44 @@ def _blocks_ok(blocks: Any) -> bool:
     if not isinstance(blocks, list):
         return False
     for g in blocks:
+        if type(g) is str:
+            try:
+                decode_tokens(g)
+            except (ValueError, UnicodeEncodeError):
+                return False
+            continue
         if not isinstance(g, list):
             return False
         for b in g:
             if type(b) is not int or b < 0:
                 return False
     return True
+
+
+def block_table(blocks):
+    """Recorded block ids (per group: an int list or base64 uint32; or None) as int lists per group."""
+    if blocks is None:
+        return None
+    return [decode_tokens(g) if type(g) is str else g for g in blocks]
+
+
+def cached_block_ids(value, n: int) -> list:
+    """A ``sched`` record's cached block ids as one entry per cached id: a dense list as is, the
+    sparse form (``{"at": indexes, "blocks": entries}``) expanded with nulls. Raises ``ValueError``
+    (``KeyError``/``TypeError`` on a wrong shape) when it does not describe ``n`` entries."""
+    if type(value) is not dict:
+        return value
+    at, blocks = int_column(value["at"]), value["blocks"]
+    if not isinstance(at, list) or not isinstance(blocks, list) or len(at) != len(blocks):
+        raise ValueError("at and blocks must be lists of the same length")
+    out: list = [None] * n
+    last = -1
+    for i, b in zip(at, blocks):
+        if type(i) is not int or not last < i < n:
+            raise ValueError(f"index {i!r} out of order or outside 0..{n - 1}")
+        out[i] = b
+        last = i
+    return out
 
 
 def int_column(value) -> list[int]:
@@ -257,16 +301,19 @@ def sched_rows(rec: dict) -> list[list]:
     new = {e[0]: e for e in rec["new"]}
     cids, ccomputed, cblocks = rec["cached"]
     ccomputed = int_column(ccomputed)
+    cblocks = cached_block_ids(cblocks, len(cids))
     index = {rid: i for i, rid in enumerate(cids)}
     resumed = rec["resumed"]
     rows = []
     for rid, n in zip(rec["ids"], int_column(rec["n"])):
         e = new.get(rid)
         if e is not None:
-            rows.append([rid, "n", n, e[1], e[2]])
+            rows.append([rid, "n", n, e[1], block_table(e[2])])
         else:
             i = index[rid]
-            rows.append([rid, "r" if resumed and rid in resumed else "c", n, ccomputed[i], cblocks[i]])
+            b = cblocks[i]
+            rows.append([rid, "r" if resumed and rid in resumed else "c", n, ccomputed[i],
+                         b if b is None else block_table(b)])
     return rows
 
 
@@ -307,13 +354,20 @@ def validate_record(rec: Any, where: str) -> str:
             raise _fail(where, "new", new, "a list of [id, num_computed (int >= 0), block ids per group]")
         cached = rec.get("cached")
         if isinstance(cached, list) and len(cached) == 3:
-            cached = [cached[0], _column(cached[1]), cached[2]]
+            blocks = cached[2]
+            if type(blocks) is dict:
+                try:
+                    blocks = cached_block_ids(blocks, len(cached[0]) if isinstance(cached[0], list) else 0)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise _fail(where, "cached", cached[2], '{"at": indexes (increasing, one per entry), "blocks": '
+                                f"entries}} for the non-null block ids ({exc})") from exc
+            cached = [cached[0], _column(cached[1]), blocks]
         if (not isinstance(cached, list) or len(cached) != 3 or not all(isinstance(c, list) for c in cached)
                 or not len(cached[0]) == len(cached[1]) == len(cached[2])
                 or not all(type(i) is str for i in cached[0]) or not all(_is_int(v) for v in cached[1])
                 or not all(_blocks_ok(b) for b in cached[2])):
             raise _fail(where, "cached", cached, "[ids, num_computed, block ids per group or null]: three lists "
-                        "of equal length")
+                        "of equal length (the block ids may be sparse)")
         known = {e[0] for e in new}
         known.update(cached[0])
         for i in ids:

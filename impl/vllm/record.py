@@ -31,9 +31,10 @@ KV connectors, structured output, multimodal inputs, ...) are named in the heade
 request's record, so the checker can say why it cannot follow instead of reporting a false
 divergence.
 
-The recording cost on the engine thread is a few list operations and one ``json`` encode per
-call; compression runs in a writer thread (``benchmarks/bench_record.py`` measures it against
-``schedule()`` + ``update_from_output()``).
+The recording cost on the engine thread is a handful of C calls per wrapped call (ids joined
+between quotes, int columns as ``array("I")`` + base64, the JSON encoder only for the few block
+tables a step allocates, format version 2); compression runs in a writer thread
+(``benchmarks/bench_record.py`` measures both against ``schedule()`` + ``update_from_output()``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ import atexit
 import dataclasses
 import json
 import os
+import sys
 import time
 import weakref
-from itertools import chain
+from array import array
+from binascii import b2a_base64
+from itertools import chain, compress
 from typing import Any
 
 from kvref.impl.run_trace.format import (
@@ -194,6 +198,19 @@ def _ids_json(ids) -> str:
     return _dumps(list(ids))
 
 
+def _plain_id(request_id: Any) -> bool:
+    """Whether a request id can be written between two quotes as it is (no JSON escaping)."""
+    return type(request_id) is str and request_id.isprintable() and '"' not in request_id and "\\" not in request_id
+
+
+if sys.byteorder == "little":
+    def _u32(ints) -> str:
+        """:func:`~kvref.impl.run_trace.format.encode_tokens` without its checks and copies (hot path)."""
+        return b2a_base64(array("I", ints).tobytes(), newline=False).decode("ascii")
+else:  # pragma: no cover - the format is little-endian everywhere
+    _u32 = encode_tokens
+
+
 def _request_unmodelled(request, existing: bool) -> list[str]:
     found = []
     sp = request.sampling_params
@@ -217,14 +234,23 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
 
 
 class _Recorder:
-    """The recording half, shared by both classes (a mixin before vLLM's class in the MRO)."""
+    """The recording half, shared by both classes (a mixin before vLLM's class in the MRO).
+
+    Each wrapped call runs vLLM's own method, then one ``_kvref_on_*`` hook formats the record.
+    The hooks have a fast path (no anonymizer, every request id writable between quotes as it is:
+    checked once per request in :meth:`add_request`) that formats a line from vLLM's own lists
+    with C calls only — ``str.join`` for id columns, ``array("I")`` + base64 for int columns, the
+    JSON encoder only for block tables and non-empty sets — and the general path otherwise.
+    """
 
     _kvref_writer: TraceWriter | None = None
     _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
+    _kvref_fast = False  # the fast path's conditions hold (see the class docstring)
 
     def _kvref_start(self, is_async_class: bool) -> None:
         path, anonymize = record_settings(self.vllm_config)
         self._kvref_anon = TokenAnonymizer() if anonymize else None
+        self._kvref_fast = not anonymize
         self._kvref_step = 0
         self._kvref_steps: dict[int, int] = {}  # id(SchedulerOutput) -> step
         self._kvref_depth = 0  # > 0 inside our own calls: internal finish_requests are not aborts
@@ -246,24 +272,7 @@ class _Recorder:
             super().add_request(request)
         finally:
             self._kvref_depth -= 1
-        sp = request.sampling_params
-        stop = list(sp.stop_token_ids or ()) if sp is not None else []
-        eos = sp.eos_token_id if sp is not None else None
-        if eos is not None and eos not in stop:
-            stop.append(eos)
-        prompt = request.prompt_token_ids or ()
-        rid, salt = request.request_id, request.cache_salt
-        anon = self._kvref_anon
-        if anon is not None:
-            prompt, stop = anon.tokens(prompt), anon.tokens(stop)
-            rid, salt = anon.request_id(rid), anon.salt(salt)
-        # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
-        # 4,000-token prompt costs as much as encoding it).
-        extra = _request_unmodelled(request, existing)
-        self._kvref_writer.write_line(
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s}' % (
-                _dumps(rid), encode_tokens(prompt), request.max_tokens, _dumps(stop), _dumps(salt), request.priority,
-                _dumps(float(request.arrival_time)), ',"x":' + _dumps(extra) if extra else ""))
+        self._kvref_on_add(request, existing)
 
     def finish_requests(self, request_ids, finished_status):
         if self._kvref_depth:
@@ -288,16 +297,86 @@ class _Recorder:
             so = super().schedule(*args, **kwargs)
         finally:
             self._kvref_depth -= 1
+        self._kvref_on_schedule(so, args[0] if args else kwargs.get("throttle_prefills", False))
+        return so
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        # Encoded before vLLM sees them: update_from_output trims a token list in place at a stop.
+        head = self._kvref_update_head(self._kvref_steps.pop(id(scheduler_output), -1), model_runner_output)
+        self._kvref_fin = finished = []
+        self._kvref_depth += 1
+        try:
+            out = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._kvref_depth -= 1
+            self._kvref_fin = None
+        self._kvref_on_update(head, finished)
+        return out
+
+    # ---- formatting hooks (engine thread: the recording cost) --------------------------------
+    def _kvref_on_add(self, request, existing: bool) -> None:
+        sp = request.sampling_params
+        stop = list(sp.stop_token_ids or ()) if sp is not None else []
+        eos = sp.eos_token_id if sp is not None else None
+        if eos is not None and eos not in stop:
+            stop.append(eos)
+        prompt = request.prompt_token_ids or ()
+        rid, salt = request.request_id, request.cache_salt
+        anon = self._kvref_anon
+        if anon is not None:
+            prompt, stop = anon.tokens(prompt), anon.tokens(stop)
+            rid, salt = anon.request_id(rid), anon.salt(salt)
+            rid_json = _dumps(rid)
+        elif _plain_id(rid):
+            rid_json = '"' + rid + '"'
+        else:
+            self._kvref_fast = False  # from now on, ids go through the encoder
+            rid_json = _dumps(rid)
+        # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
+        # 4,000-token prompt costs as much as encoding it).
+        extra = _request_unmodelled(request, existing)
+        self._kvref_writer.write_line(
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s}' % (
+                rid_json, _u32(prompt), request.max_tokens, _dumps(stop) if stop else "[]",
+                "null" if salt is None else _dumps(salt), request.priority,
+                _dumps(float(request.arrival_time)), ',"x":' + _dumps(extra) if extra else ""))
+
+    def _kvref_on_schedule(self, so, throttle: bool) -> None:
         step = self._kvref_step
         self._kvref_step = step + 1
         self._kvref_steps[id(so)] = step
+        extra = ',"throttle":true' if throttle else ""  # DP prefill cadence: not modelled, the checker stops following
+        if so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs:
+            extra += ',"x":' + _dumps([name for name, v in (("spec_decode", so.scheduled_spec_decode_tokens),
+                                                            ("encoder_inputs", so.scheduled_encoder_inputs)) if v])
         # Columnar, straight from vLLM's own output: no Python row per request (format.py).
         nst = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
+        new_reqs = so.scheduled_new_reqs
+        cids = cached.req_ids
+        resumed, pre, fin = cached.resumed_req_ids, so.preempted_req_ids or (), so.finished_req_ids
+        if self._kvref_fast:
+            # every id was checked when its request was added: joined between quotes as it is.
+            # Block tables of new requests as base64 per group; of the others only the non-null
+            # entries with their indexes (format version 2: about one in sixteen in a decode step)
+            cb = cached.new_block_ids
+            at = list(compress(range(len(cb)), cb))  # None -> skipped; a tuple of groups is truthy
+            self._kvref_writer.write_line(
+                '{"t":"sched","step":%d,"ids":%s,"n":"%s","new":%s,"cached":[%s,"%s",%s],"resumed":%s,'
+                '"pre":%s,"fin":%s%s}' % (
+                    step, '["' + '","'.join(nst) + '"]' if nst else "[]", _u32(nst.values()),
+                    _dumps([[nr.req_id, nr.num_computed_tokens, [_u32(g) for g in nr.block_ids]]
+                            for nr in new_reqs]) if new_reqs else "[]",
+                    '["' + '","'.join(cids) + '"]' if cids else "[]", _u32(cached.num_computed_tokens),
+                    '{"at":"%s","blocks":%s}' % (_u32(at), _dumps(list(compress(cb, cb)))) if at
+                    else '{"at":"","blocks":[]}',
+                    _dumps(list(resumed)) if resumed else "[]", _dumps(list(pre)) if pre else "[]",
+                    _dumps(list(fin)) if fin else "[]", extra))
+            self._kvref_writer.tick()
+            return
         ids, counts = list(nst), list(nst.values())
-        new = [[nr.req_id, nr.num_computed_tokens, nr.block_ids] for nr in so.scheduled_new_reqs]
-        cids, ccomputed, cblocks = cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
-        resumed, pre, fin = list(cached.resumed_req_ids), list(so.preempted_req_ids), list(so.finished_req_ids)
+        new = [[nr.req_id, nr.num_computed_tokens, nr.block_ids] for nr in new_reqs]
+        resumed, pre, fin = list(resumed), list(pre), list(fin)
         anon = self._kvref_anon
         if anon is not None:
             a = anon.request_id
@@ -308,45 +387,41 @@ class _Recorder:
             # finished_req_ids): its anonymous id is not needed again
             for i in so.finished_req_ids:
                 anon.forget(i)
-        extra = ""
-        if args[0] if args else kwargs.get("throttle_prefills", False):
-            extra = ',"throttle":true'  # DP prefill cadence: not modelled, the checker stops following
-        if so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs:
-            extra += ',"x":' + _dumps([name for name, v in (("spec_decode", so.scheduled_spec_decode_tokens),
-                                                            ("encoder_inputs", so.scheduled_encoder_inputs)) if v])
         w = self._kvref_writer
         w.write_line('{"t":"sched","step":%d,"ids":%s,"n":"%s","new":%s,"cached":[%s,"%s",%s],"resumed":%s,'
                      '"pre":%s,"fin":%s%s}' % (step, _ids_json(ids), encode_tokens(counts), _dumps(new),
-                                               _ids_json(cids), encode_tokens(ccomputed), _dumps(cblocks),
-                                               _dumps(resumed), _dumps(pre), _dumps(fin), extra))
+                                               _ids_json(cids), encode_tokens(cached.num_computed_tokens),
+                                               _dumps(cached.new_block_ids), _dumps(resumed), _dumps(pre),
+                                               _dumps(fin), extra))
         w.tick()
-        return so
 
-    def update_from_output(self, scheduler_output, model_runner_output):
-        step = self._kvref_steps.pop(id(scheduler_output), -1)
-        # Encoded before vLLM sees them: update_from_output trims a token list in place at a stop.
+    def _kvref_update_head(self, step: int, model_runner_output) -> str:
+        """The update record up to its ``fin`` (taken before vLLM's update_from_output runs)."""
         sampled = model_runner_output.sampled_token_ids
+        ids = model_runner_output.req_ids
         try:
+            if self._kvref_fast:
+                return '{"t":"update","step":%d,"ids":%s,"tok":"%s","len":"%s","fin":' % (
+                    step, '["' + '","'.join(ids) + '"]' if ids else "[]", _u32(chain.from_iterable(sampled)),
+                    b2a_base64(bytes(map(len, sampled)), newline=False).decode("ascii"))
             head = '{"t":"update","step":%d,"ids":%s,"tok":"%s","len":"%s","fin":' % (
-                step, _ids_json(model_runner_output.req_ids), encode_tokens(chain.from_iterable(sampled)),
-                encode_lengths(sampled))
+                step, _ids_json(ids), encode_tokens(chain.from_iterable(sampled)), encode_lengths(sampled))
         except (TypeError, ValueError, OverflowError):  # > 255 tokens for one id, odd types: plain JSON
             head = '{"t":"update","step":%d,"ids":%s,"sampled":%s,"fin":' % (
-                step, _dumps(list(model_runner_output.req_ids)), _dumps([[int(t) for t in toks] for toks in sampled]))
-        self._kvref_fin = finished = []
-        self._kvref_depth += 1
-        try:
-            out = super().update_from_output(scheduler_output, model_runner_output)
-        finally:
-            self._kvref_depth -= 1
-            self._kvref_fin = None
+                step, _dumps(list(ids)), _dumps([[int(t) for t in toks] for toks in sampled]))
+        if self._kvref_anon is not None:
+            head = self._kvref_anonymize_update(head)
+        return head
+
+    def _kvref_on_update(self, head: str, finished: list) -> None:
+        if not finished:
+            self._kvref_writer.write_line(head + "[]}")
+            return
         fin = [[rid, FINISH_REASONS.get(status.name, status.name.lower())] for rid, status in finished]
         anon = self._kvref_anon
         if anon is not None:
-            head = self._kvref_anonymize_update(head)
             fin = [[anon.request_id(rid), why] for rid, why in fin]
         self._kvref_writer.write_line(head + _dumps(fin) + "}")
-        return out
 
     def _kvref_anonymize_update(self, head: str) -> str:
         """Re-encode an update's ids and tokens through the anonymizer (opt-in path: not the fast one)."""

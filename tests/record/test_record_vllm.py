@@ -228,3 +228,31 @@ def test_the_trace_is_gzip_and_readable_while_the_server_runs(env, tmp_path, mon
     assert r.truncated and r.ok and r.summary["steps"] >= 2
     holder["t"].close()
     assert gzip.open(path).read() and not check_trace(path).truncated
+
+
+@pytest.mark.parametrize("ids, fast", [
+    (["plain-0", "plain-1", 'quote"d', "back\\slash", "tab\tid", "ünïcödé", "plain-2"], False),
+    (["plain-0", "ünïcödé", "日本語-1", "plain-2"], True),  # printable, no quote or backslash: written as is
+])
+def test_an_id_that_needs_json_escaping_switches_the_recorder_to_the_encoder(env, tmp_path, monkeypatch, ids, fast):
+    """The recorder joins request ids between quotes as they are, having checked each id once when its
+    request arrived; the first id that needs escaping sends every later record through the encoder."""
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+
+    path = tmp_path / "odd-ids.kvtrace.gz"
+    monkeypatch.setenv("KVREF_RECORD", str(path))
+    pool, cfg = hybrid_setup(num_blocks=48, async_scheduling=True)
+    holder = {}
+    ls = Lockstep(pool, cfg, {"vllm": lambda p, c: holder.setdefault("t", recorded_vllm_scheduler(p, c, env))})
+    for i, rid in enumerate(ids):
+        ls.add(RequestSpec(rid, tuple(range(1, 12 + 3 * i)), 4, 0, float(i)))
+        for _ in range(3):
+            ls.engine_step()
+    assert holder["t"].scheduler._kvref_fast is fast
+    while ls.unfinished() or ls.num_in_flight():
+        ls.engine_step()
+    holder["t"].close()
+    lines = read_lines(path)
+    assert {rec["id"] for rec in lines if rec.get("t") == "add"} == set(ids)
+    r = check_trace(path, check_invariants_every=1)
+    assert r.ok and r.followed and r.summary["finished"] == {"length": len(ids)}, r.divergence and r.divergence.table()

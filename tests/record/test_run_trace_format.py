@@ -151,3 +151,76 @@ def test_anonymizer_is_consistent_and_injective():
     assert a.request_id("cmpl-secret") == a.request_id("cmpl-secret") == "r0" and a.request_id("x") == "r1"
     assert a.salt("s") == a.salt("s") != "s" and a.salt(None) is None
     assert TokenAnonymizer().salt("s") != a.salt("s")  # keyed per run
+
+
+def _compact(rec: dict) -> dict:
+    """A dense ``sched`` record in the version-2 form the recorder writes: new requests' block
+    tables as base64 per group, the cached block ids sparse."""
+    if rec.get("t") != "sched":
+        return rec
+    cids, computed, blocks = rec["cached"]
+    at = [i for i, b in enumerate(blocks) if b is not None]
+    return {**rec, "n": encode_tokens(rec["n"]),
+            "new": [[rid, c, [encode_tokens(g) for g in b]] for rid, c, b in rec["new"]],
+            "cached": [cids, encode_tokens(computed), {"at": encode_tokens(at), "blocks": [blocks[i] for i in at]}]}
+
+
+def test_version_1_and_version_2_traces_read_back_to_the_same_steps(tmp_path):
+    """The recorder writes version 2 (sparse cached block ids, base64 block tables); a version-1
+    trace (dense lists) of the same run reads back to the same rows and checks the same."""
+    from kvref.impl.run_trace.format import VERSION, sched_rows
+    from kvref.models.run_check import check_trace
+    from kvref.models.run_check.generate import generate_trace
+
+    from tests.record.traces import hybrid_setup, read_lines, rewrite
+
+    pool, cfg = hybrid_setup(num_blocks=None)  # preemptions: resumed requests' whole tables too
+    src = str(tmp_path / "src.kvtrace.gz")
+    generate_trace(src, pool, cfg, steps=300, seed=3)
+    lines = read_lines(src)
+    assert VERSION == 2 and lines[0]["version"] == 2
+    v1 = tmp_path / "v1.kvtrace.gz"
+    w = TraceWriter(str(v1), {**lines[0], "version": 1}, background=False)
+    for rec in lines[1:-1]:
+        w.write(rec)
+    w.close(lines[-1])
+    v2 = rewrite(src, tmp_path / "v2.kvtrace.gz", _compact)
+    got = {}
+    for name, path in (("v1", v1), ("v2", v2)):
+        with TraceReader(path) as reader:
+            assert reader.header["version"] == (1 if name == "v1" else 2)
+            got[name] = [sched_rows(rec) if rec["t"] == "sched" else rec for _, rec in reader.records()]
+    compacted = [rec for rec in read_lines(v2)[1:] if rec["t"] == "sched"]
+    assert any(isinstance(rec["cached"][2], dict) and rec["cached"][2]["at"] for rec in compacted)
+    assert any(rec["new"] and type(rec["new"][0][2][0]) is str for rec in compacted)
+    assert got["v1"] == got["v2"]
+    r1, r2 = check_trace(v1, check_invariants_every=1), check_trace(v2, check_invariants_every=1)
+    assert r1.ok and r1.followed and r1.steps_compared == 300, r1.divergence and r1.divergence.table()
+    assert (r2.ok, r2.followed, r2.steps_compared, r2.summary) == (r1.ok, r1.followed, r1.steps_compared, r1.summary)
+    assert r1.summary["preemptions"] > 0
+
+
+@pytest.mark.parametrize("blocks, field", [
+    ({"at": encode_tokens([0, 1]), "blocks": [[[1]]]}, "cached="),  # one index too many
+    ({"at": encode_tokens([1]), "blocks": [[[1]]]}, "cached="),  # past the one cached id
+    ({"at": "not base64!", "blocks": [[[1]]]}, "cached="),
+    ({"blocks": []}, "cached="),
+    ({"at": encode_tokens([0]), "blocks": [[[-1]]]}, "cached="),
+])
+def test_bad_sparse_cached_block_ids_are_named(tmp_path, blocks, field):
+    rec = sched(0, [["r0", "c", 1, 0, None]])
+    rec["cached"][2] = blocks
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(_header()) + "\n" + json.dumps(add("r0", [1])) + "\n" + json.dumps(rec) + "\n")
+    with TraceReader(path) as reader, pytest.raises(TraceFormatError) as e:
+        list(reader.records())
+    assert "line 3" in str(e.value) and field in str(e.value)
+
+
+def test_a_bad_base64_block_table_is_named(tmp_path):
+    rec = sched(0, [["r0", "n", 1, 0, [[1, 2]]]])
+    rec["new"][0][2] = ["%%%"]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(_header()) + "\n" + json.dumps(add("r0", [1])) + "\n" + json.dumps(rec) + "\n")
+    with TraceReader(path) as reader, pytest.raises(TraceFormatError, match="new="):
+        list(reader.records())
