@@ -45,6 +45,8 @@ compared too, exactly (docs/kv_events.md).
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections import deque
 from time import perf_counter
 from dataclasses import dataclass, field
@@ -169,6 +171,34 @@ class Harness:
 
     def token_sequences(self) -> list[list[int]]:
         return [s.request.all_token_ids for s in self.reqs.values()]
+
+    # -- what-if: ops on a scratch copy --------------------------------------------------------
+
+    def probe(self, ops: list[Op], kind: str = "reference") -> Harness | None:
+        """Apply ``ops`` to a scratch copy of the ``kind`` manager and of the requests (never to the
+        compared managers; nothing is recorded in this trace) and return that scratch harness (its
+        ``probe_results``: each op's result); None when ``kind`` is not driven here or an op raised.
+
+        Generators use it to aim at the pool's edge: the largest reservation an admission still
+        fits under, a filler request that leaves a step exactly the blocks it needs (or one short).
+        The trace keeps only the plain ops chosen, so it replays without this."""
+        if kind not in self.managers:
+            return None
+        state = (self.managers[kind], self.reqs)
+        try:  # pickling is ~4x faster than deepcopy on the reference's linked blocks
+            mgr, reqs = pickle.loads(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - an implementation that does not pickle: copy it instead
+            mgr, reqs = copy.deepcopy(state)
+        scratch = Harness(self.pool_config, {kind: mgr}, compare=False)
+        scratch.reqs = reqs
+        scratch.probe_results = []
+        try:
+            for op in ops:
+                scratch.trace.ops.append(op)
+                scratch.probe_results.append(getattr(scratch, f"_op_{op.name}")(op))
+        except Divergence:
+            return None
+        return scratch
 
     # -- rules -------------------------------------------------------------------------------
 
