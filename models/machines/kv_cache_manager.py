@@ -35,7 +35,7 @@ from kvref.spec.kv_cache_interface import MambaSpec
 
 from kvref.models.conformance.accepted import is_accepted
 from kvref.models.conformance.differential import Divergence, Harness
-from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
+from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts, tokens_from_seed
 from kvref.models.conformance.trace import Op
 
 MAX_LIVE_REQUESTS = 6
@@ -70,6 +70,14 @@ class MachineStats:
     #: KV cache events compared, by type (BlockStored / BlockRemoved / AllBlocksCleared)
     kv_events: dict[str, int] = field(default_factory=dict)
     resets: int = 0  # successful reset_prefix_cache ops
+    #: ops aimed at the pool's exact edge (issue #13): admissions under the largest reservation that
+    #: still fits (or one block more), steps/admissions after a filler request left them exactly the
+    #: blocks they need (or one short), and connector follow-ups on a pool a filler made full
+    edge_reservations: int = 0
+    edge_fills: int = 0
+    full_pool_follow_ups: int = 0
+    #: how often each rule ran (rule name -> count), for balancing them
+    rules: dict[str, int] = field(default_factory=dict)
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
@@ -113,6 +121,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.async_mode = False
             self._next_rid = 0
             self.num_storms = 0
+            self.num_edge_reservations = 0
+            self.num_edge_fills = 0
+            self.num_full_pool_follow_ups = 0
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
                     async_mode=st.booleans())
@@ -154,6 +165,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
                 self.stats.resets += self.h.num_resets
+                self.stats.edge_reservations += self.num_edge_reservations
+                self.stats.edge_fills += self.num_edge_fills
+                self.stats.full_pool_follow_ups += self.num_full_pool_follow_ups
                 for k, v in self.h.num_events.items():
                     self.stats.kv_events[k] = self.stats.kv_events.get(k, 0) + v
                 for k, v in self.h.seconds_by_kind.items():
@@ -192,17 +206,123 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         def _has(self, what: str) -> bool:
             return self.h is not None and bool(getattr(self.h, what)())
 
+        # -- aiming at the pool's edge (issue #13) -------------------------------------------------
+        #
+        # Faults in how a predictor counts blocks (a cap that clamps a step's need, a cap that forgets
+        # a term) and in the order blocks are taken (one group's allocation evicting another group's
+        # hits) change nothing while the pool has blocks to spare: they show only when an operation
+        # needs exactly what is free, or one block more. These helpers find that edge on a scratch
+        # copy of the reference (Harness.probe) and record only the plain ops chosen.
+
+        def _count(self, rule: str) -> None:
+            self.stats.rules[rule] = self.stats.rules.get(rule, 0) + 1
+
+        def _can_aim(self) -> bool:
+            return self.h is not None and "reference" in self.h.managers
+
+        def _ok(self, ops: list[Op]) -> bool:
+            """Every op applies on the scratch reference and none is refused (admission/step None)."""
+            assert self.h is not None
+            probed = self.h.probe(ops)
+            return probed is not None and all(not r.skipped and (r.op.name not in ("admit", "step")
+                                                                  or r.value is not None)
+                                              for r in probed.probe_results)
+
+        def _filler(self, rid: str, seed: int, chunk: int) -> list[Op]:
+            """A request nobody shares a prefix with (its own cache salt) of ``max_model_len - 1``
+            tokens, admitted with one and stepped to ``chunk``: it holds the blocks of ``chunk``
+            tokens and keeps running."""
+            assert self.h is not None
+            length = self.h.pool_config.max_model_len - 1
+            ops = [Op("add", dict(rid=rid, prompt=tokens_from_seed(seed, length), max_tokens=1,
+                                  cache_salt=f"fill-{rid}")),
+                   Op("admit", dict(rid=rid, chunk=1, full_sequence_must_fit=False, reserved_blocks=0,
+                                    in_flight=False, token=0))]
+            if chunk > 1:  # a running request's step: the watermark holds back admissions only
+                ops.append(Op("step", dict(rid=rid, chunk=chunk - 1, lookahead=0, in_flight=False, token=0)))
+            return ops
+
+        def _fill_to_edge(self, data, then: list[Op], short: bool) -> list[Op]:
+            """Filler ops (at most two requests) after which ``then`` still applies with no block to
+            spare (``short``: one filler token more, so its last op is refused by about a block).
+            ``then`` empty: fill the pool as full as fillers can. [] when no filler fits first."""
+            assert self.h is not None
+            longest = self.h.pool_config.max_model_len - 2  # filler chunks: 1..longest
+            if longest < 1 or len(self.h.live()) + 2 > MAX_LIVE_REQUESTS:
+                return []
+            prefix: list[Op] = []
+            seed = data.draw(st.integers(0, 2**16), label="filler_seed")
+            for _ in range(2):
+                rid = f"r{self._next_rid}"
+                if not self._ok(prefix + self._filler(rid, seed, 1) + then):
+                    return prefix
+                self._next_rid += 1
+                if self._ok(prefix + self._filler(rid, seed, longest) + then):
+                    prefix += self._filler(rid, seed, longest)  # room left: a second filler
+                    continue
+                lo, hi = 1, longest  # ok(lo), not ok(hi)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if self._ok(prefix + self._filler(rid, seed, mid) + then):
+                        lo = mid
+                    else:
+                        hi = mid
+                if short and then and self._ok(prefix + self._filler(rid, seed, hi)):
+                    lo = hi  # the filler still fits, what follows it is refused
+                self.num_edge_fills += 1
+                return prefix + self._filler(rid, seed, lo)
+            return prefix
+
+        def _edge_reserved(self, op: Op, short: bool) -> int | None:
+            """The largest ``reserved_blocks`` under which admission ``op`` still succeeds on the
+            reference (``short``: one more, so it is refused by a block); None if it never fits.
+
+            A request being admitted holds no blocks, so nothing is freed first: the blocks its
+            admission takes (new ones and touched hits that sat in the free queue) are what the
+            check counted. One probe finds them; a search only where the probe ends the request."""
+            assert self.h is not None
+            pc = self.h.pool_config
+            free = self.h.managers[self.h.kinds[0]].get_num_free_blocks()
+
+            def probe(reserved: int) -> Harness | None:
+                scratch = self.h.probe([Op("admit", {**op.args, "reserved_blocks": reserved, "reserve_slack": -1})])
+                return scratch if scratch is not None and scratch.probe_results[0].value is not None else None
+
+            scratch = probe(0)
+            if scratch is None:
+                return None
+            if scratch.reqs[op.rid].holds_blocks:
+                watermark = int(pc.watermark * pc.num_blocks) if self.h.running() else 0
+                edge = free - (free - scratch.managers["reference"].get_num_free_blocks()) - watermark
+            else:  # admitted, ran to its end and freed everything: search
+                lo, hi = 0, free + 1  # fits at lo, not at hi
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if probe(mid) is not None else (lo, mid)
+                edge = lo
+            self.num_edge_reservations += 1
+            return max(0, edge + short)
+
+        def _apply_all(self, ops: list[Op]) -> None:
+            for op in ops:
+                self._apply(op)
+
         # -- rules -----------------------------------------------------------------------------
 
         @precondition(lambda self: self.h is not None and len(self.h.live()) < MAX_LIVE_REQUESTS)
         @rule(data=st.data())
         def add_request(self, data) -> None:
+            self._count("add_request")
+            self._add(data)
+
+        def _add(self, data) -> str:
             assert self.h is not None
             prompt = data.draw(prompts(self.h.pool_config.max_model_len, self.h.token_sequences()), label="prompt")
             rid = f"r{self._next_rid}"
             self._next_rid += 1
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
                                        cache_salt=data.draw(CACHE_SALTS))))
+            return rid
 
         @precondition(lambda self: self.h is not None and len(self.h.live()) < MAX_LIVE_REQUESTS)
         @rule(data=st.data())
@@ -210,26 +330,35 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             """An arrival the scheduler admits at once. Besides ``admit``: Hypothesis' swarm testing
             switches rules off per trace, and a trace whose only admission rule is off compares
             nothing but arrivals, evictions and empty steps."""
-            assert self.h is not None
-            self.add_request(data)
-            rid = f"r{self._next_rid - 1}"
+            self._count("add_and_admit")
+            rid = self._add(data)
             chunk = data.draw(st.sampled_from((1, 4, 16, 64, 1024)), label="chunk")
             self._admit(data, rid, chunk, 0)
 
         @precondition(lambda self: self._has("waiting"))
         @rule(data=st.data())
         def admit(self, data) -> None:
+            self._count("admit")
             assert self.h is not None
             waiting = self.h.waiting()
-            # FCFS: mostly the head of the queue; sometimes another one (a skipped head).
-            rid = waiting[0] if data.draw(st.integers(0, 3)) else data.draw(st.sampled_from(waiting))
+            # FCFS: mostly the head of the queue; sometimes another one (a skipped head), or the
+            # longest (admission caps of windowed groups bind on long requests only).
+            pick = data.draw(st.integers(0, 5))
+            rid = (waiting[0] if pick > 1 else data.draw(st.sampled_from(waiting)) if pick else
+                   max(waiting, key=lambda r: self.h.reqs[r].request.num_tokens))
             chunk = data.draw(st.sampled_from((1, 2, 4, 8, 16, 64, 1024)), label="chunk")
             external = (data.draw(st.sampled_from((0, 0, 0, 0, 0, 4, 16, 64)), label="external")
                         if self._external_loads_ok() else 0)
-            self._admit(data, rid, chunk, external)
+            self._admit(data, rid, chunk, external, fill=True)
 
-        def _admit(self, data, rid: str, chunk: int, external: int) -> None:
-            self._apply(Op("admit", dict(
+        def _admit(self, data, rid: str, chunk: int, external: int, fill: bool = False,
+                   aims: tuple[str, ...] = ("plain",) * 4 + ("edge", "edge_short")) -> None:
+            """One admission. Where it is decided (drawn): under a plain reservation (0-3 blocks), at
+            the pool's boundary (``reserve_slack``: 0-4 free blocks left, the scheduler's reservation
+            for in-flight prefills, PR 44560), under the largest reservation it still fits (or one
+            more: refused by a block), or (``fill``) after filler requests took all but what it
+            needs (the full-sequence gate decided by a block: no reservation reaches that gate)."""
+            op = Op("admit", dict(
                 rid=rid, chunk=chunk, full_sequence_must_fit=data.draw(st.booleans()),
                 reserved_blocks=data.draw(st.sampled_from((0, 0, 0, 0, 1, 3))),
                 in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
@@ -238,7 +367,22 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 async_load=external > 0 and data.draw(st.booleans(), label="async_load"),
                 # the scheduler's reservation for in-flight prefills, drawn relative to the free
                 # blocks: admission decided with 0-4 blocks to spare, whatever the pool's size
-                reserve_slack=data.draw(st.sampled_from((-1,) * 8 + (0, 1, 2, 4)), label="reserve_slack"))))
+                reserve_slack=data.draw(st.sampled_from((-1,) * 8 + (0, 1, 2, 4)), label="reserve_slack")))
+            aims += ("fill", "fill_short") if fill else ()
+            aim = data.draw(st.sampled_from(aims), label="aim") if self._can_aim() else "plain"
+            if aim == "fits":  # no reservation: the admission meets the pool as it is
+                op = Op("admit", {**op.args, "reserved_blocks": 0, "reserve_slack": -1})
+            elif aim.startswith("edge"):
+                reserved = self._edge_reserved(op, short=aim == "edge_short")
+                if reserved is not None:
+                    op = Op("admit", {**op.args, "reserved_blocks": reserved, "reserve_slack": -1})
+            elif aim.startswith("fill"):
+                # the full-sequence gate is what only a full pool decides (it ignores reservations)
+                plain = Op("admit", {**op.args, "reserved_blocks": 0, "reserve_slack": -1,
+                                     "full_sequence_must_fit": True})
+                self._apply_all(self._fill_to_edge(data, [plain], short=aim == "fill_short"))
+                op = plain
+            self._apply(op)
 
         @precondition(lambda self: self.h is not None and self.h.reqs and len(self.h.live()) < MAX_LIVE_REQUESTS
                       and self._external_loads_ok())
@@ -248,13 +392,24 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             follow-up, so the local prefix cache hits, on every group of a hybrid pool), and the
             connector claims tokens past the hit (``num_external_computed_tokens``), loaded
             synchronously or asynchronously. vLLM #33775 (external blocks allocated before a
-            later group's hits were touched) lives only on this path."""
+            later group's hits were touched) lives only on this path: one time in three the
+            extended request is still running, filler requests take every free block, then it
+            and the fillers finish (its blocks at the free queue's head, the fillers' behind), and
+            the follow-up's external blocks are taken from exactly that queue."""
+            self._count("follow_up_with_external")
             assert self.h is not None
+            if (self._can_aim() and self.h.pool_config.enable_caching and len(self.h.pool_config.groups) > 1
+                    and data.draw(st.integers(0, 1), label="full_pool") == 0):
+                self._full_pool_follow_up(data)
+                return
             # extend a request whose KV was computed (cached now, or still held), else any known one
             computed = sorted(r for r, x in self.h.reqs.items() if x.holds_blocks or x.request.output_token_ids)
             base = self.h.reqs[data.draw(st.sampled_from(computed or sorted(self.h.reqs)), label="extends")].request
+            self._follow_up(data, base, data.draw(st.integers(1, 16), label="tail"))
+
+        def _follow_up(self, data, base, tail: int) -> None:
+            assert self.h is not None
             limit = max(1, min(self.h.pool_config.max_model_len - 1, 64))
-            tail = data.draw(st.integers(1, 16), label="tail")
             prompt = (list(base.all_token_ids) + [data.draw(TOKENS) for _ in range(min(tail, 4))]
                       + [0] * max(0, tail - 4))[:limit]
             rid = f"r{self._next_rid}"
@@ -262,7 +417,107 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 8)),
                                        cache_salt=base.cache_salt)))
             chunk = data.draw(st.sampled_from((4, 16, 1024)), label="chunk")
-            self._admit(data, rid, chunk, data.draw(st.sampled_from((4, 16, 64)), label="external"))
+            sbs = self.h.pool_config.scheduler_block_size
+            self._admit(data, rid, chunk, data.draw(st.sampled_from((sbs, 2 * sbs, 4, 16, 64)), label="external"))
+
+        def _full_pool_follow_up(self, data) -> None:
+            """vLLM #33775's setting, built from an empty pool (every live request finishes first):
+            a request's prompt is computed and cached on every group; fillers take the free blocks;
+            it finishes (its cached blocks to the free queue's tail in group order, its uncached
+            ones to the head), then the fillers (their cached blocks behind: room for what
+            follows); a drain request takes what sits ahead of its cached blocks; a request sharing
+            that prompt is admitted with a long tail a KV connector claims. The first group's
+            external blocks then come from the queue's head, which (once that group's own hits are
+            touched) holds the later groups' hits."""
+            assert self.h is not None
+            pc = self.h.pool_config
+            sbs = pc.scheduler_block_size
+            limit = max(1, min(pc.max_model_len - 1, 64))
+            self._apply_all([Op("finish", dict(rid=r)) for r in reversed(self.h.live())])
+            first = self.h.managers[self.h.kinds[0]]
+            base_rid = f"r{self._next_rid}"
+            self._next_rid += 1
+            base_seed = data.draw(st.integers(0, 2**16), label="base_seed")
+            salt = data.draw(CACHE_SALTS)
+
+            def base_ops(blocks: int) -> list[Op]:
+                return [Op("add", dict(rid=base_rid, prompt=tokens_from_seed(base_seed, blocks * sbs + 1), max_tokens=8,
+                                       cache_salt=salt)),
+                        Op("admit", dict(rid=base_rid, chunk=blocks * sbs, full_sequence_must_fit=False,
+                                         reserved_blocks=0, in_flight=False, token=0))]
+
+            # a block-aligned computed prompt (no uncached last block), a third to half of what fits
+            most = max(1, (limit - 1) // sbs)
+            blocks = next((b for b in range(most, 0, -1) if self._ok(base_ops(b))), 0)
+            if blocks < 2:
+                return
+            self._apply_all(base_ops(max(2, blocks * data.draw(st.sampled_from((1, 2, 2, 3)), label="share") // 6)))
+            base = self.h.reqs[base_rid].request
+            shared = list(base.all_token_ids[:base.num_computed_tokens])
+            base_blocks = {b for group in first.get_block_ids(base_rid) for b in group if b}
+            fillers = self._fill_to_edge(data, [], short=False)
+            self._apply_all(fillers)
+            self._apply(Op("finish", dict(rid=base_rid)))
+            self._apply_all([Op("finish", dict(rid=op.rid)) for op in fillers if op.name == "add"])
+            cached = base_blocks & {b for (_, b) in first.cached_blocks()}
+            room = max(1, limit - len(shared))
+            seed = data.draw(st.integers(0, 2**16), label="tail_seed")
+            chunk = data.draw(st.sampled_from((4, 16, 1024)), label="chunk")
+            # a few blocks keep a later sliding/chunked window's hits inside it (they are touched);
+            # 64 tokens reach deepest into the queue (full-attention later groups)
+            external = data.draw(st.sampled_from((sbs, 2 * sbs, 3 * sbs, 64, 64)), label="external")
+            async_load = data.draw(st.booleans(), label="async_load")
+            drain_rid, follow_rid = f"r{self._next_rid}", f"r{self._next_rid + 1}"
+            self._next_rid += 2
+            drain_seed = data.draw(st.integers(0, 2**16), label="drain_seed")
+
+            def follow_up(tail: int) -> list[Op]:
+                return [Op("add", dict(rid=follow_rid, prompt=shared + tokens_from_seed(seed, tail), max_tokens=8,
+                                       cache_salt=salt)),
+                        Op("admit", dict(rid=follow_rid, chunk=chunk, full_sequence_must_fit=False, reserved_blocks=0,
+                                         in_flight=False, token=0, external=external, async_load=async_load))]
+
+            # the longest tail the pool admits after a drain that clears the queue's head up to the
+            # prompt's cached blocks (else after the largest drain that leaves room for it)
+            fallback: list[Op] = []
+            for tail in sorted({t for t in (room, (2 * room) // 3, room // 3, 2 * sbs + 1) if 1 <= t <= room},
+                               reverse=True):
+                then = follow_up(tail)
+                if not self._ok(then):
+                    continue
+                drain = self._drain_to(drain_rid, drain_seed, cached, then)
+                scratch = self.h.probe(drain)
+                if scratch is not None and (not scratch.managers["reference"].free_block_queue()
+                                            or scratch.managers["reference"].free_block_queue()[0] in cached):
+                    fallback = drain + then
+                    break
+                fallback = fallback or drain + then
+            self._apply_all(fallback or follow_up(1))
+            self.num_full_pool_follow_ups += 1
+
+        def _drain_to(self, rid: str, seed: int, blocks: set[int], then: list[Op]) -> list[Op]:
+            """A filler as large as leaves every one of ``blocks`` free and ``then`` still applying:
+            it takes what sits ahead of them in the free queue, so that the next allocation starts
+            at them; [] if nothing is ahead of them or no filler fits."""
+            assert self.h is not None
+            queue = self.h.managers[self.h.kinds[0]].free_block_queue()
+            longest = self.h.pool_config.max_model_len - 2
+            if not blocks or not queue or queue[0] in blocks or longest < 1:
+                return []
+
+            def spares(chunk: int) -> bool:
+                scratch = self.h.probe(self._filler(rid, seed, chunk))
+                return (scratch is not None and scratch.reqs[rid].holds_blocks
+                        and blocks <= set(scratch.managers["reference"].free_block_queue())
+                        and self._ok(self._filler(rid, seed, chunk) + then))
+
+            if not spares(1):
+                return []
+            lo, hi = 1, longest + 1  # spares(lo); not at hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if spares(mid) else (lo, mid)
+            return self._filler(rid, seed, lo)
 
         @precondition(lambda self: self.h is not None and self.h.reqs and len(self.h.live()) < MAX_LIVE_REQUESTS
                       and self._external_loads_ok())
@@ -275,6 +530,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @rule(data=st.data())
         def load_done(self, data) -> None:
             """An async KV load completes (``_update_waiting_for_remote_kv``)."""
+            self._count("load_done")
             assert self.h is not None
             self._apply(Op("load_done", dict(rid=data.draw(st.sampled_from(self.h.loading())))))
 
@@ -294,13 +550,24 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 for g in self.h.pool_config.groups)
 
         def _step(self, data) -> None:
+            """A running request's next chunk. One step in four starts a new scheduler step first
+            (``new_step_starts``: only Mamba managers act on it); one in eight runs after filler
+            requests left it exactly the blocks it needs, or one short (refused: the scheduler would
+            preempt), where a step predictor that under-counts makes vLLM raise mid-allocation."""
+            self._count("step")
             assert self.h is not None
+            if data.draw(st.integers(0, 3), label="new_step") == 0:
+                self._apply(Op("new_step", {}))
             rid = data.draw(st.sampled_from(self.h.steppable()))
             chunk = data.draw(st.sampled_from((1, 1, 2, 3, 4, 8, 16, 64)), label="chunk")
-            self._apply(Op("step", dict(
+            op = Op("step", dict(
                 rid=rid, chunk=chunk, lookahead=data.draw(st.sampled_from((0, 0, 0, 0, 1, 2))),
                 in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
-                token=data.draw(TOKENS))))
+                token=data.draw(TOKENS)))
+            aim = data.draw(st.integers(0, 7), label="aim") if self._can_aim() else 1
+            if aim == 0:
+                self._apply_all(self._fill_to_edge(data, [op], short=data.draw(st.booleans(), label="short")))
+            self._apply(op)
 
         @precondition(lambda self: self._has("steppable"))
         @rule(data=st.data())
@@ -323,12 +590,14 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @precondition(lambda self: self._has("in_flight"))
         @rule(data=st.data())
         def process_output(self, data) -> None:
+            self._count("process_output")
             assert self.h is not None
             self._apply(Op("process", dict(rid=data.draw(st.sampled_from(self.h.in_flight())))))
 
         @precondition(lambda self: self._has("running"))
         @rule(data=st.data())
         def preempt(self, data) -> None:
+            self._count("preempt")
             assert self.h is not None
             # The scheduler's victim is the last running request (FCFS); allow any.
             running = self.h.running()
@@ -341,6 +610,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             """The pool ran dry with several requests running: vLLM preempts the newest running
             request, then the next newest, ... (``running.pop()``), each freed in turn, so the
             free queue takes their blocks in that order."""
+            self._count("preemption_storm")
             assert self.h is not None
             running = self.h.running()
             k = data.draw(st.integers(2, len(running)), label="victims")
@@ -351,34 +621,48 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @precondition(lambda self: self._has("live"))
         @rule(data=st.data())
         def finish(self, data) -> None:
+            self._count("finish")
             assert self.h is not None
             self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())))))
 
-        @precondition(lambda self: self._has_all("reset_prefix_cache") and bool(self.h._prev_cached) and (
-            not self.h.running() or self.h.num_applied % 10 == 9))
-        @rule(reset_running=st.booleans())
-        def reset_prefix_cache(self, reset_running) -> None:
-            """RLHF weight updates / benchmarks reset the cache (an ``AllBlocksCleared`` event).
-            Only when something is cached, and while requests run only at one op position in ten:
-            a reset that preempts everything would otherwise crowd out the long runs the other
-            rules build."""
-            self._apply(Op("reset_prefix_cache", dict(reset_running_requests=reset_running)))
-
-        @precondition(lambda self: self._has_all("evict_blocks"))
+        @precondition(lambda self: self.h is not None and bool(self.h._prev_cached)
+                      and (self._has_all("evict_blocks") or self._has_all("reset_prefix_cache")))
         @rule(data=st.data())
-        def evict_blocks(self, data) -> None:
-            """A KV connector invalidates blocks (failed loads): their hashes are removed."""
+        def invalidate_cache(self, data) -> None:
+            """Cached blocks lose their hashes, only while something is cached (else both are no-ops
+            that, always enabled, crowded out the rest: ``evict_blocks`` alone was up to 44 % of a
+            run's ops). Mostly a KV connector invalidating blocks (failed loads; mostly blocks that
+            are cached, held or free); sometimes an RLHF weight update / benchmark resetting the
+            prefix cache (an ``AllBlocksCleared`` event), while requests run only at one op position
+            in ten: a reset that preempts everything would crowd out the long runs the other rules
+            build."""
             assert self.h is not None
+            can_reset = self._has_all("reset_prefix_cache") and (
+                not self.h.running() or self.h.num_applied % 10 == 9)
+            if can_reset and (not self._has_all("evict_blocks") or data.draw(st.integers(0, 3), label="reset") == 0):
+                self._count("reset_prefix_cache")
+                self._apply(Op("reset_prefix_cache", dict(reset_running_requests=data.draw(st.booleans()))))
+                return
+            if not self._has_all("evict_blocks"):
+                return
+            self._count("evict_blocks")
             n = self.h.pool_config.num_blocks
-            ids = data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3), label="block_ids")
+            cached = sorted({b for (_, b) in self.h._prev_cached})
+            ids = data.draw(st.lists(st.one_of(st.sampled_from(cached), st.integers(1, max(1, n - 1))),
+                                     max_size=3), label="block_ids")
             self._apply(Op("evict_blocks", dict(block_ids=ids)))
 
         def _has_all(self, method: str) -> bool:
             return self.h is not None and self.h._all_have(method)
 
-        @precondition(lambda self: self.h is not None)
+        @precondition(lambda self: self.h is not None and self.h.pool_config.enable_caching and any(
+            isinstance(g.kv_cache_spec, MambaSpec) for g in self.h.pool_config.groups))
         @rule()
         def new_step(self) -> None:
+            """``new_step_starts`` on its own, where it acts (a Mamba group that caches forgets the
+            blocks it cached this step); one step in four starts a new scheduler step too. Always
+            enabled, it was the most frequent op (29 % of them over seeds 0-2, 42 % on one)."""
+            self._count("new_step")
             self._apply(Op("new_step", {}))
 
     KVCacheManagerMachine.__name__ = KVCacheManagerMachine.__qualname__ = \
