@@ -71,7 +71,9 @@ def apply_offloading_op(w: OffloadingWorld, op):
         again = [w.order[(pick if fam == 2 and flag else pick // 3) % len(w.order)]] if w.order else []
         if fam == 2 and flag and again:
             return revisit(w, again[0], pick, tail)
-        n += 8  # longer prompts than SimpleCPU's: hits of several chunks per group, windows inside them
+        # longer prompts than SimpleCPU's (rep 2-4: 8 tokens more; rep 1, as in the directed traces,
+        # unchanged): hits of several chunks per group, windows inside them
+        n += 8 * (rep > 1)
         rid = w.add_request([1000 + 50 * len(w.order) + i for i in range(n)] if fam == 2
                             else PREFIXES[fam][:n] + [7] * tail)
         return (rid, revisit(w, again[0], pick // 7, 3 - tail)) if count == 2 and again else rid

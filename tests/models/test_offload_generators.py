@@ -103,15 +103,15 @@ def reach():
 def test_lookups_cross_evicted_chunks(reach):
     """CPU chunks are evicted inside cached runs and later lookups cross the gap: a prefix scan
     that counted hits after a miss, or a window scan that kept its streak, would answer otherwise."""
-    assert reach["loads"] >= 20, reach  # 34 when written
-    assert reach["prefix_hits_after_a_miss"] >= 5, reach  # 19
-    assert reach["window_scans_with_a_miss"] >= 50 and reach["window_streak_decides"] >= 1, reach  # 181, 2
+    assert reach["loads"] >= 20, reach  # 32 when written
+    assert reach["prefix_hits_after_a_miss"] >= 5, reach  # 8
+    assert reach["window_scans_with_a_miss"] >= 50 and reach["window_streak_decides"] >= 1, reach  # 82, 8
 
 
 def test_mtp_windows_and_chunked_local_groups_are_generated(reach):
     """Sliding windows widened by extra retained tokens restore more chunks than cdiv(sw, chunk);
     chunked-local groups store and load through the connector."""
-    assert reach["widened_window_configs"] >= 5 and reach["widened_window_loads"] >= 2, reach  # 16, 4
+    assert reach["widened_window_configs"] >= 5 and reach["widened_window_loads"] >= 2, reach  # 16, 3
     assert reach["chunked_local_configs"] >= 5, reach  # 12
     assert reach["chunked_local_stores"] > 0 and reach["chunked_local_loads"] > 0, reach
 
