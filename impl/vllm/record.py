@@ -49,6 +49,7 @@ import weakref
 from array import array
 from binascii import b2a_base64
 from itertools import chain, compress
+from math import isfinite
 from typing import Any
 
 from kvref.impl.run_trace.format import (
@@ -206,9 +207,34 @@ def _plain_id(request_id: Any) -> bool:
 if sys.byteorder == "little":
     def _u32(ints) -> str:
         """:func:`~kvref.impl.run_trace.format.encode_tokens` without its checks and copies (hot path)."""
-        return b2a_base64(array("I", ints).tobytes(), newline=False).decode("ascii")
+        return b2a_base64(array("I", ints), newline=False).decode("ascii")
 else:  # pragma: no cover - the format is little-endian everywhere
     _u32 = encode_tokens
+
+
+def _ids(ids) -> str:
+    """Plain request ids (:func:`_plain_id`) as a JSON list, joined by hand."""
+    return '["' + '","'.join(ids) + '"]' if ids else "[]"
+
+
+def _groups(groups) -> str:
+    """Block ids per KV cache group as a JSON list of base64 uint32 strings (format version 2)."""
+    return '["' + '","'.join(map(_u32, groups)) + '"]' if groups else "[]"
+
+
+def _ints(values) -> str:
+    """Ints as a JSON list (``%d`` refuses anything that is not a number)."""
+    return "[" + ",".join(["%d" % v for v in values]) + "]"
+
+
+_REASONS: dict = {}  # RequestStatus -> finish reason (an enum's .name is a Python-level property)
+
+
+def _reason(status) -> str:
+    why = _REASONS.get(status)
+    if why is None:
+        why = _REASONS[status] = FINISH_REASONS.get(status.name, status.name.lower())
+    return why
 
 
 def _request_unmodelled(request, existing: bool) -> list[str]:
@@ -335,11 +361,12 @@ class _Recorder:
         # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
         # 4,000-token prompt costs as much as encoding it).
         extra = _request_unmodelled(request, existing)
+        arrival = float(request.arrival_time)
         self._kvref_writer.write_line(
             '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s}' % (
-                rid_json, _u32(prompt), request.max_tokens, _dumps(stop) if stop else "[]",
-                "null" if salt is None else _dumps(salt), request.priority,
-                _dumps(float(request.arrival_time)), ',"x":' + _dumps(extra) if extra else ""))
+                rid_json, _u32(prompt), request.max_tokens, _ints(stop), "null" if salt is None else _dumps(salt),
+                request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
+                ',"x":' + _dumps(extra) if extra else ""))
 
     def _kvref_on_schedule(self, so, throttle: bool) -> None:
         step = self._kvref_step
@@ -356,23 +383,22 @@ class _Recorder:
         cids = cached.req_ids
         resumed, pre, fin = cached.resumed_req_ids, so.preempted_req_ids or (), so.finished_req_ids
         if self._kvref_fast:
-            # every id was checked when its request was added: joined between quotes as it is.
-            # Block tables of new requests as base64 per group; of the others only the non-null
-            # entries with their indexes (format version 2: about one in sixteen in a decode step)
+            # Every id was checked when its request was added: joined between quotes as it is; no
+            # JSON encoder on this path. Block tables as base64 per group; of the cached requests
+            # only the non-null entries, with their indexes (format version 2: in a decode step
+            # about one request in sixteen gets a block).
             cb = cached.new_block_ids
             at = list(compress(range(len(cb)), cb))  # None -> skipped; a tuple of groups is truthy
             self._kvref_writer.write_line(
-                '{"t":"sched","step":%d,"ids":%s,"n":"%s","new":%s,"cached":[%s,"%s",%s],"resumed":%s,'
-                '"pre":%s,"fin":%s%s}' % (
-                    step, '["' + '","'.join(nst) + '"]' if nst else "[]", _u32(nst.values()),
-                    _dumps([[nr.req_id, nr.num_computed_tokens, [_u32(g) for g in nr.block_ids]]
-                            for nr in new_reqs]) if new_reqs else "[]",
-                    '["' + '","'.join(cids) + '"]' if cids else "[]", _u32(cached.num_computed_tokens),
-                    '{"at":"%s","blocks":%s}' % (_u32(at), _dumps(list(compress(cb, cb)))) if at
-                    else '{"at":"","blocks":[]}',
-                    _dumps(list(resumed)) if resumed else "[]", _dumps(list(pre)) if pre else "[]",
-                    _dumps(list(fin)) if fin else "[]", extra))
-            self._kvref_writer.tick()
+                '{"t":"sched","step":%d,"ids":%s,"n":"%s","new":[%s],"cached":[%s,"%s",{"at":"%s","blocks":[%s]}],'
+                '"resumed":%s,"pre":%s,"fin":%s%s}' % (
+                    step, _ids(nst), _u32(list(nst.values())),
+                    ",".join(['["%s",%d,%s]' % (nr.req_id, nr.num_computed_tokens, _groups(nr.block_ids))
+                              for nr in new_reqs]),
+                    _ids(cids), _u32(cached.num_computed_tokens), _u32(at), ",".join(map(_groups, compress(cb, cb))),
+                    _ids(resumed), _ids(pre), _ids(fin), extra))
+            if not step & 7:  # the flush timer: every 8th step is often enough
+                self._kvref_writer.tick()
             return
         ids, counts = list(nst), list(nst.values())
         new = [[nr.req_id, nr.num_computed_tokens, nr.block_ids] for nr in new_reqs]
@@ -402,7 +428,7 @@ class _Recorder:
         try:
             if self._kvref_fast:
                 return '{"t":"update","step":%d,"ids":%s,"tok":"%s","len":"%s","fin":' % (
-                    step, '["' + '","'.join(ids) + '"]' if ids else "[]", _u32(chain.from_iterable(sampled)),
+                    step, _ids(ids), _u32(list(chain.from_iterable(sampled))),
                     b2a_base64(bytes(map(len, sampled)), newline=False).decode("ascii"))
             head = '{"t":"update","step":%d,"ids":%s,"tok":"%s","len":"%s","fin":' % (
                 step, _ids_json(ids), encode_tokens(chain.from_iterable(sampled)), encode_lengths(sampled))
@@ -416,12 +442,13 @@ class _Recorder:
     def _kvref_on_update(self, head: str, finished: list) -> None:
         if not finished:
             self._kvref_writer.write_line(head + "[]}")
-            return
-        fin = [[rid, FINISH_REASONS.get(status.name, status.name.lower())] for rid, status in finished]
-        anon = self._kvref_anon
-        if anon is not None:
-            fin = [[anon.request_id(rid), why] for rid, why in fin]
-        self._kvref_writer.write_line(head + _dumps(fin) + "}")
+        elif self._kvref_fast:
+            self._kvref_writer.write_line(
+                head + "[" + ",".join(['["%s","%s"]' % (rid, _reason(status)) for rid, status in finished]) + "]}")
+        else:
+            anon = self._kvref_anon
+            fin = [[rid if anon is None else anon.request_id(rid), _reason(status)] for rid, status in finished]
+            self._kvref_writer.write_line(head + _dumps(fin) + "}")
 
     def _kvref_anonymize_update(self, head: str) -> str:
         """Re-encode an update's ids and tokens through the anonymizer (opt-in path: not the fast one)."""
