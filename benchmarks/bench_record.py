@@ -129,7 +129,7 @@ def _serve(driver, workload, steps: int, is_async: bool, max_live: int = 160) ->
 
 
 _INNER: dict = {}  # id(scheduler) -> vLLM's own time inside its calls (s)
-_WRITER = {"s": 0.0}
+_WRITER: dict = {}  # id(TraceWriter) -> its thread's CPU in _write_chunk (s)
 _ORIGINAL: dict = {}
 
 
@@ -155,7 +155,7 @@ def _instrument(on: bool = True) -> None:
             try:
                 return _orig(self, records)
             finally:
-                _WRITER["s"] += time.thread_time() - t
+                _WRITER[id(self)] = _WRITER.get(id(self), 0.0) + time.thread_time() - t
         TraceWriter._write_chunk = timed_chunk
     perf = time.thread_time
     for name, orig in _ORIGINAL.items():
@@ -262,7 +262,9 @@ def _pass_through_classes():
     mod.PassThroughAsyncScheduler = type("PassThroughAsyncScheduler", (_PassThrough, AsyncScheduler), {"__init__": init})
 
 
-def overhead(steps: int, repeats: int) -> list[dict]:
+def overhead(steps: int, repeats: int, baseline: str | None = None) -> list[dict]:
+    """``baseline``: a module with another ``RecordingScheduler`` / ``RecordingAsyncScheduler`` (an
+    earlier version of the recorder, say) driven in the same lock-step as a fourth scheduler."""
     from kvref.impl.vllm.record import recorded_vllm_scheduler
     from kvref.impl.vllm.scheduler import VllmEnv
 
@@ -278,15 +280,20 @@ def overhead(steps: int, repeats: int) -> list[dict]:
         classes = ["vllm.v1.core.sched.async_scheduler.AsyncScheduler" if is_async
                    else "vllm.v1.core.sched.scheduler.Scheduler",
                    f"{__name__}.PassThrough{suffix}", f"kvref.record.Recording{suffix}"]
+        if baseline:
+            classes.append(f"{baseline}.Recording{suffix}")
         passes: dict[bool, list[dict]] = {True: [], False: []}
         for rep in range(repeats):
             for inner in (False, True):
                 _instrument(inner)
-                path = os.path.join(tmp, f"run-{is_async}-{rep}-{inner}.kvtrace.gz")
-                os.environ["KVREF_RECORD"] = path
-                drivers = [recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls) for cls in classes]
+                drivers = []
+                for i, cls in enumerate(classes):
+                    os.environ["KVREF_RECORD"] = os.path.join(tmp, f"run-{is_async}-{rep}-{inner}-{i}.kvtrace.gz")
+                    drivers.append(recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls))
+                path = drivers[2].scheduler.kvref_trace_path
+                writer = id(drivers[2].scheduler._kvref_writer)
                 _INNER.clear()
-                _WRITER["s"] = 0.0
+                _WRITER.clear()
                 gc.collect()
                 gc.freeze()  # as vLLM's engine core does once it is set up (freeze_gc_heap)
                 cpu0 = time.process_time()
@@ -296,12 +303,12 @@ def overhead(steps: int, repeats: int) -> list[dict]:
                 inside = [_INNER.get(id(d.scheduler), 0.0) for d in drivers]
                 for d in drivers:
                     d.scheduler.shutdown()
-                passes[inner].append({"calls": calls, "inside": inside, "writer_s": _WRITER["s"], "cpu_s": cpu,
+                passes[inner].append({"calls": calls, "inside": inside, "writer_s": _WRITER.get(writer, 0.0), "cpu_s": cpu,
                                       "trace_bytes": os.path.getsize(path)})
         _instrument(False)
         p = min(passes[False], key=lambda x: x["calls"][0])  # the least disturbed pass
         q = min(passes[True], key=lambda x: x["calls"][0])
-        plain, pass_, rec = p["calls"]
+        plain, pass_, rec = p["calls"][:3]
         own = [c - i for c, i in zip(q["calls"], q["inside"])]
         paired = [100 * (x["calls"][2] - x["calls"][0]) / x["calls"][0] for x in passes[False]]
         rows.append({
@@ -316,6 +323,14 @@ def overhead(steps: int, repeats: int) -> list[dict]:
             "writer_thread_cpu_pct": round(100 * p["writer_s"] / plain, 2),
             "trace_bytes_per_step": round(p["trace_bytes"] / steps),
         })
+        if baseline:
+            rows[-1].update({
+                "baseline": baseline,
+                "baseline_paired_overhead_pct": round(100 * (p["calls"][3] - plain) / plain, 2),
+                "baseline_paired_overhead_pct_all_passes": [
+                    round(100 * (x["calls"][3] - x["calls"][0]) / x["calls"][0], 2) for x in passes[False]],
+                "baseline_inline_recorder_overhead_pct": round(100 * (own[3] - own[0]) / q["inside"][0], 2),
+            })
     os.environ.pop("KVREF_RECORD", None)
     return rows
 
@@ -403,9 +418,12 @@ def main() -> None:
     ap.add_argument("what", choices=("overhead", "check"))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline", default=None, metavar="MODULE",
+                    help="overhead: also drive MODULE.RecordingScheduler / RecordingAsyncScheduler (e.g. an "
+                         "earlier record.py on PYTHONPATH) in the same lock-step")
     a = ap.parse_args()
     if a.what == "overhead":
-        for row in overhead(a.steps or 1500, a.repeats):
+        for row in overhead(a.steps or 1500, a.repeats, a.baseline):
             print(json.dumps(row))
     else:
         check(a.steps or 1_000_000)
