@@ -14,47 +14,17 @@ differing output/observation is a finding.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import sys
-import textwrap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+
+from tests.vllm_faults import planted_vllm_fault
 
 _PATHS = {"distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
           "distributed/kv_transfer/kv_connector/v1/offloading/config.py"}
 
 
-@contextlib.contextmanager
-def vllm_offloading_fault(fault_id: str) -> Iterator[str]:
-    import importlib
-
-    from kvref.models.mutants.vllm_source.catalogue import by_id
-
-    fault = by_id()[fault_id]
-    assert fault.path in _PATHS, fault.path
-    module = importlib.import_module(fault.module)
-    owners = [module] + [cls for cls in vars(module).values()
-                         if inspect.isclass(cls) and cls.__module__ == module.__name__]
-    for owner in owners:
-        for name, func in list(vars(owner).items()):
-            if not inspect.isfunction(func) or func.__code__.co_filename != module.__file__:
-                continue
-            src = inspect.getsource(func)
-            if not all(e.old in src for e in fault.edits):
-                continue
-            for e in fault.edits:
-                assert src.count(e.old) == 1, (fault_id, name)
-                src = src.replace(e.old, e.new)
-            ns: dict = {}
-            # vLLM's own function with the catalogue's edit, compiled in its module's namespace (test-local)
-            exec(compile(textwrap.dedent(src), f"<{fault_id}>", "exec"), vars(sys.modules[module.__name__]), ns)  # noqa: S102
-            setattr(owner, name, ns[name])
-            try:
-                yield f"{getattr(owner, '__name__', owner)}.{name}"
-            finally:
-                setattr(owner, name, func)
-            return
-    raise AssertionError(f"{fault_id}: no single function of {fault.module} holds the edit")
+def vllm_offloading_fault(fault_id: str):
+    """:func:`tests.vllm_faults.planted_vllm_fault` for the OffloadingConnector's files."""
+    return planted_vllm_fault(fault_id, tuple(_PATHS))
 
 
 def conform_offloading(cases: Iterable) -> str | None:

@@ -9,36 +9,9 @@ fault, in seconds instead of a campaign subprocess.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import sys
-import textwrap
+from tests.vllm_faults import planted_vllm_fault
 
 
-@contextlib.contextmanager
 def vllm_fault(fault_id: str):
-    from kvref.models.mutants.vllm_source.catalogue import FAULTS
-    from vllm.v1.simple_kv_offload import manager
-
-    fault = next(f for f in FAULTS if f.id == fault_id)
-    assert fault.path == "v1/simple_kv_offload/manager.py", fault.path
-    cls = manager.SimpleCPUOffloadScheduler
-    for name, func in list(vars(cls).items()):
-        if not inspect.isfunction(func):
-            continue
-        src = inspect.getsource(func)
-        if not all(e.old in src for e in fault.edits):
-            continue
-        for e in fault.edits:
-            assert src.count(e.old) == 1, (fault_id, name)
-            src = src.replace(e.old, e.new)
-        ns: dict = {}
-        # vLLM's own method with the catalogue's edit, compiled in its module's namespace (test-local)
-        exec(compile(textwrap.dedent(src), f"<{fault_id}>", "exec"), vars(sys.modules[cls.__module__]), ns)  # noqa: S102
-        setattr(cls, name, ns[name])
-        try:
-            yield name
-        finally:
-            setattr(cls, name, func)
-        return
-    raise AssertionError(f"{fault_id}: no single method of SimpleCPUOffloadScheduler holds the edit")
+    """:func:`tests.vllm_faults.planted_vllm_fault` for vLLM's SimpleCPU offload manager."""
+    return planted_vllm_fault(fault_id, ("v1/simple_kv_offload/manager.py",))

@@ -355,33 +355,18 @@ def test_report_mode_full_hits_are_announced_like_vllm() -> None:
 @pytest.mark.vllm
 def test_scheduler_steps_publish_the_same_batches_as_vllms_scheduler() -> None:
     """The reference Scheduler and vLLM's own Scheduler in lock step: after every
-    ``update_from_output`` the reference manager's events must equal the batch vLLM's scheduler
-    publishes (its ``kv_event_publisher`` replaced by a capture; vLLM publishes only non-empty
-    batches). Small pool, shared prefixes: stores, hits, evictions, preemptions, then resets."""
+    ``update_from_output`` the batch the reference scheduler publishes must equal the one vLLM's
+    scheduler publishes (``VllmScheduler`` replaces its ``kv_event_publisher`` by a capture; vLLM
+    publishes only non-empty batches). Small pool, shared prefixes: stores, hits, evictions, preemptions, then resets."""
     require_vllm()
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
-    from kvref.impl.vllm.kv_events import vllm_event_to_plain
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
-    from vllm.config.kv_events import KVEventsConfig
-
-    class Capture:
-        def __init__(self) -> None:
-            self.batches: list[list[dict]] = []
-
-        def publish(self, batch) -> None:
-            self.batches.append([vllm_event_to_plain(e) for e in batch.events])
-
-        def shutdown(self) -> None:
-            pass
 
     cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3)
     pool = config([fa(4)], num_blocks=12, max_model_len=64, enable_kv_cache_events=True,
                   max_in_flight_tokens=cfg.max_in_flight_tokens)
-    env = VllmEnv()
-    env.vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    theirs = VllmScheduler(pool, cfg, env)
-    capture = theirs.scheduler.kv_event_publisher = Capture()
+    theirs = VllmScheduler(pool, cfg, VllmEnv())  # events on in the pool: vLLM's publisher is captured
     ours = Scheduler(pool, cfg)
     seen: dict[str, int] = {}
     for round_ in range(3):
@@ -400,14 +385,12 @@ def test_scheduler_steps_publish_the_same_batches_as_vllms_scheduler() -> None:
             ours.update_from_output(a, sampled)
             theirs.update_from_output(b, sampled)
             mine = ours.take_published_kv_events()  # what the reference's update_from_output published
-            assert len(mine) <= 1 and mine == capture.batches, f"round {round_} step {step}"
-            capture.batches.clear()
+            assert len(mine) <= 1 and mine == theirs.take_published_kv_events(), f"round {round_} step {step}"
             for e in (mine[0] if mine else []):
                 seen[e["type"]] = seen.get(e["type"], 0) + 1
         assert not theirs.has_unfinished_requests()
         assert ours.kv_cache_manager.reset_prefix_cache() and theirs.scheduler.kv_cache_manager.reset_prefix_cache()
         ours.update_from_output(ours.schedule(), ModelOutput())
         theirs.update_from_output(theirs.schedule(), ModelOutput())
-        assert ours.take_published_kv_events() == capture.batches == [[{"type": "AllBlocksCleared"}]]
-        capture.batches.clear()
+        assert ours.take_published_kv_events() == theirs.take_published_kv_events() == [[{"type": "AllBlocksCleared"}]]
     assert set(seen) == {"BlockStored", "BlockRemoved"}, seen
