@@ -353,7 +353,8 @@ class VllmKVCacheManagerShim:
                                   scheduler_block_size=pool.scheduler_block_size,
                                   hash_block_size=pool.hash_block_size,
                                   max_in_flight_tokens=pool.max_in_flight_tokens,
-                                  enable_caching=pool.enable_caching, watermark=pool.watermark)
+                                  enable_caching=pool.enable_caching, watermark=pool.watermark,
+                                  enable_kv_cache_events=pool.enable_kv_cache_events)
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
         self.pool = pool
         self.num_groups = len(pool.groups)
@@ -413,6 +414,13 @@ class VllmKVCacheManagerShim:
         if not any(request_id in m.req_to_blocks for m in self.mgr.coordinator.single_type_managers):
             return tuple(() for _ in range(self.num_groups))
         return _ids(self.mgr.get_block_ids(request_id), self.num_groups)
+
+    def take_kv_events(self) -> list[dict]:
+        """vLLM's ``KVCacheManager.take_events()`` as plain dicts: what the reference scheduler
+        publishes after each ``update_from_output`` when it runs on this shim."""
+        from .kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self.mgr.take_events()]
 
     def get_num_free_blocks(self) -> int:
         return self.mgr.block_pool.get_num_free_blocks()
