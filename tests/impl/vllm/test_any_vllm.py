@@ -154,7 +154,11 @@ def test_baseline_accepts_a_deliberate_change_and_still_fails_a_new_one(vllm, mo
         assert rc == 1
         assert checks["conform-kv-manager"]["status"] == "failed"
         assert checks["conform-kv-manager"]["signature"] not in {e["signature"] for e in entries}
-        assert "free" in checks["conform-kv-manager"]["signature"]  # the counter, by invariant or comparison
+        # the counter's first symptom: an invariant or comparison naming the free count, or (since the
+        # machine admits at the pool's exact edge) vLLM's own allocation failing on the blocks it
+        # thought were free
+        sig = checks["conform-kv-manager"]["signature"]
+        assert "free" in sig or "allocate_slots" in sig, sig
 
 
 @pytest.mark.parametrize("text, where", [
