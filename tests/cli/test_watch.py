@@ -228,9 +228,7 @@ def test_a_last_batch_missed_on_the_wire_is_fetched_from_replay(vllm_stream) -> 
         pub.drop_on_wire(total - 1)
         for events in batches:
             pub.publish(events)
-        deadline = time.monotonic() + BOUND_S
-        while w.next_seq != total and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_seq(w, total)
     finally:
         stop.set()
         t.join(BOUND_S)
@@ -238,6 +236,13 @@ def test_a_last_batch_missed_on_the_wire_is_fetched_from_replay(vllm_stream) -> 
     assert w.num_findings == 0 and w.next_seq == total, w.summary()
     assert w.batches_from_replay >= 1
     assert w.shadow == _shadow_of_vllm_pool(mgr)
+
+
+def _until_seq(w: EventStreamWatcher, total: int) -> None:
+    """Wait (bounded) until the watcher has accounted for ``total`` sequence numbers."""
+    deadline = time.monotonic() + BOUND_S
+    while w.next_seq != total and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _until_live(pub: _Publisher, w: EventStreamWatcher) -> int:
@@ -286,14 +291,12 @@ def test_a_duplicated_batch_is_flagged_and_exits_1(vllm_stream) -> None:
     try:
         # Both copies must reach the live socket, so first make sure the subscription is in place.
         warmups = _until_live(pub, w)
-        deadline = time.monotonic() + BOUND_S
         dup = warmups + 3
         pub.send_twice(dup)
         for events in batches:
             pub.publish(events)
         total = warmups + len(batches)
-        while w.next_seq != total and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_seq(w, total)
     finally:
         stop.set()
         t.join(BOUND_S)
