@@ -84,6 +84,19 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "NemotronHForCausalLM": "nemotron_h",
     "JambaForCausalLM": "jamba",
+    "Qwen2MoeForCausalLM": "qwen2",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
+    "MambaForCausalLM": "mamba1",
+    "FalconMambaForCausalLM": "mamba1",
+    "Mamba2ForCausalLM": "mamba2",
+}
+
+#: architectures of the named classes kvref does not derive, and why (the error says so)
+UNSUPPORTED_REASONS: dict[str, str] = {
+    "BambaForCausalLM": "vLLM 0.33.0 no longer serves it (removed after 0.23.0, registry._PREVIOUSLY_SUPPORTED_MODELS)",
+    "Zamba2ForCausalLM": "not derived: every hybrid layer holds a Mamba2 state and a KV cache of the shared "
+                         "transformer block (attention_head_dim over a doubled hidden size); not modelled",
 }
 
 #: RoPE types whose ``max_position_embeddings`` is already the scaled length (vLLM
@@ -183,6 +196,15 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"max_position_embeddings": 32768, "num_key_value_heads": 2, "head_dim": 256},
     "nemotron_h": {"max_position_embeddings": 4096, "num_key_value_heads": 8, "head_dim": 128},
     "jamba": {"max_position_embeddings": 262144, "num_key_value_heads": 8},
+    "qwen2_moe": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 16},
+    "granitemoehybrid": {"max_position_embeddings": 2048, "mamba_n_heads": 128, "mamba_n_groups": 1,
+                         "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2},
+    "falcon_h1": {"max_position_embeddings": 8192, "num_key_value_heads": 8, "mamba_d_ssm": 1024,
+                  "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4,
+                  "mamba_expand": 2},
+    "mamba": {"state_size": 16, "conv_kernel": 4, "expand": 2},
+    "falcon_mamba": {"state_size": 16, "conv_kernel": 4, "expand": 2},
+    "mamba2": {"num_heads": 128, "head_dim": 64, "state_size": 128, "conv_kernel": 4, "expand": 2, "n_groups": 8},
 }
 #: the text ``model_type`` of each architecture, for a file that does not say
 _ARCH_MODEL_TYPE = {
@@ -192,6 +214,9 @@ _ARCH_MODEL_TYPE = {
     "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text", "Llama4ForConditionalGeneration": "llama4_text",
     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next", "NemotronHForCausalLM": "nemotron_h", "JambaForCausalLM": "jamba",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "FalconH1ForCausalLM": "falcon_h1", "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
+    "Mamba2ForCausalLM": "mamba2",
 }
 
 
@@ -234,8 +259,9 @@ def _architecture(data: Mapping[str, Any]) -> str:
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise InvalidFieldError("architectures", archs, f"a list naming the model class, one of: {supported}")
     if archs[0] not in SUPPORTED_ARCHITECTURES:
+        why = f" ({archs[0]}: {UNSUPPORTED_REASONS[archs[0]]})" if archs[0] in UNSUPPORTED_REASONS else ""
         raise InvalidFieldError("architectures", archs[0],
-                                f"an architecture kvref derives layouts for: {supported}")
+                                f"an architecture kvref derives layouts for{why}: {supported}")
     return archs[0]
 
 
@@ -404,6 +430,16 @@ def _kinds(family: str, cfg: _Cfg, n: int) -> tuple[list[str], dict[str, Any]]:
         if offset >= period:
             raise InvalidFieldError(cfg.prefix + "attn_layer_offset", offset, f"an int < attn_layer_period ({period})")
         return ["full" if i % period == offset else "mamba" for i in range(n)], extra
+    if family == "granite_hybrid":  # granitemoehybrid.py: ALL_DECODER_LAYER_TYPES[layer_types[i]]
+        types = cfg.list("layer_types", n) or cfg.list("layers_block_type", n) or ["linear_attention"] * n
+        names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full", "full_attention": "full"}
+        if any(t not in names for t in types):
+            raise InvalidFieldError(cfg.prefix + "layer_types", types, "entries 'mamba' or 'attention'")
+        return [names[t] for t in types], extra
+    if family == "falcon_h1":  # falcon_h1.py: every layer is a parallel hybrid (attention beside Mamba2)
+        return ["full+mamba"] * n, extra
+    if family in ("mamba1", "mamba2"):
+        return ["mamba"] * n, extra
     raise AssertionError(family)  # pragma: no cover - SUPPORTED_ARCHITECTURES lists only the above
 
 
@@ -432,26 +468,86 @@ def mamba_state(family: str, cfg: _Cfg, *, model_dtype_: str, mamba_cache_dtype:
                   (_tp_divide("text_config.linear_num_value_heads", nv, tp), dv, dk))
     elif family == "nemotron_h":  # Mamba2
         heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
-        groups, state, kernel = cfg.int("n_groups"), cfg.int("ssm_state_size"), cfg.int("conv_kernel")
-        if groups % tp:
-            groups += tp - groups  # extra_groups_for_head_shards
-        conv_dim = heads * head_dim + 2 * groups * state
-        shapes = ((kernel - 1 + num_speculative_tokens, _tp_divide("the conv dim", conv_dim, tp)),
-                  (_tp_divide("mamba_num_heads", heads, tp), head_dim, state))
+        shapes = _mamba2_shapes(cfg, heads * head_dim, "n_groups", "mamba_num_heads", heads, head_dim,
+                                cfg.int("ssm_state_size"), cfg.int("conv_kernel"), tp, num_speculative_tokens)
         if mamba_ssm_cache_dtype == "auto":  # NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype
             ssm_dtype = cfg.get("mamba_ssm_cache_dtype", "float32")
-    elif family == "jamba":  # Mamba1
-        inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
-        state, kernel = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
-        dim = _tp_divide("mamba_expand * hidden_size", inner, tp)
+    elif family in ("granite_hybrid", "falcon_h1"):  # Mamba2 with transformers' mamba_* names
+        inter = cfg.int("mamba_expand") * cfg.int("hidden_size")
+        what = "mamba_expand * hidden_size"
+        if family == "falcon_h1" and cfg.get("mamba_d_ssm") is not None:  # falcon_h1.py: d_ssm wins
+            inter, what = cfg.int("mamba_d_ssm"), "mamba_d_ssm"
+        heads = cfg.int("mamba_n_heads")
+        head_dim = cfg.get("mamba_d_head", "auto")
+        if head_dim == "auto":  # transformers' __post_init__
+            head_dim = inter // heads
+        check_int(cfg.prefix + "mamba_d_head", head_dim, minimum=1)
+        if heads * head_dim != inter:  # transformers' validate_architecture (strict config)
+            raise InvalidFieldError(cfg.prefix + "mamba_d_head", head_dim,
+                                    f"{what} ({inter}) / mamba_n_heads ({heads})")
+        shapes = _mamba2_shapes(cfg, inter, "mamba_n_groups", "mamba_n_heads", heads, head_dim,
+                                cfg.int("mamba_d_state"), cfg.int("mamba_d_conv"), tp, num_speculative_tokens)
+    elif family == "mamba2":
+        inter, heads, head_dim = cfg.int("expand") * cfg.int("hidden_size"), cfg.int("num_heads"), cfg.int("head_dim")
+        if heads * head_dim != inter:  # Mamba2Config.validate_architecture
+            raise InvalidFieldError(cfg.prefix + "head_dim", head_dim,
+                                    f"hidden_size * expand ({inter}) / num_heads ({heads})")
+        shapes = _mamba2_shapes(cfg, inter, "n_groups", "num_heads", heads, head_dim, cfg.int("state_size"),
+                                cfg.int("conv_kernel"), tp, num_speculative_tokens)
+    elif family in ("jamba", "mamba1"):  # Mamba1
+        if family == "jamba":
+            inner, what = cfg.int("mamba_expand", 2) * cfg.int("hidden_size"), "mamba_expand * hidden_size"
+            state, kernel = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
+        else:  # MambaConfig.__post_init__ sets intermediate_size = int(expand * hidden_size)
+            expand = cfg.get("expand", 2)
+            if isinstance(expand, bool) or not isinstance(expand, (int, float)) or expand <= 0:
+                raise InvalidFieldError(cfg.prefix + "expand", expand, "a positive number")
+            inner, what = int(expand * cfg.int("hidden_size")), "expand * hidden_size"
+            check_int(cfg.prefix + "expand", inner, minimum=1)
+            state, kernel = cfg.int("state_size"), cfg.int("conv_kernel")
+        dim = _tp_divide(what, inner, tp)
         shapes = ((kernel - 1, dim), (dim, state))
     else:  # pragma: no cover - only the three hybrid families call this
         raise AssertionError(family)
     return shapes, (canonical_dtype(conv_dtype, "mamba_cache_dtype"), canonical_dtype(ssm_dtype, "mamba_ssm_cache_dtype"))
 
 
+def _mamba2_shapes(cfg: _Cfg, inter: int, groups_key: str, heads_key: str, heads: int, head_dim: int, state: int,
+                   kernel: int, tp: int, spec: int) -> tuple[tuple[int, ...], ...]:
+    """``MambaStateShapeCalculator.mamba2_state_shape``: groups padded for head shards
+    (``extra_groups_for_head_shards``), the conv state over ``inter + 2 * groups * state``."""
+    groups = cfg.int(groups_key)
+    if groups % tp:
+        groups += tp - groups  # extra_groups_for_head_shards
+    conv_dim = inter + 2 * groups * state
+    return ((kernel - 1 + spec, _tp_divide("the Mamba2 conv dim", conv_dim, tp)),
+            (_tp_divide(cfg.prefix + heads_key, heads, tp), head_dim, state))
+
+
 def mamba_state_bytes(shapes, dtypes) -> int:
     return sum(prod(s) * get_dtype_size(d) for s, d in zip(shapes, dtypes))
+
+
+def _attention_geometry(family: str, cfg: _Cfg, use_mla: bool, tp: int) -> tuple[int, int]:
+    """``(KV heads per rank, head size)`` as vLLM's ``get_num_kv_heads`` / ``get_head_size`` give
+    them, after the checks vLLM makes for tensor parallelism: attention heads divisible by TP
+    (``ModelConfig.verify_with_parallel_config``), and KV heads divisible by TP or TP a multiple of
+    them (``QKVParallelLinear`` replicates KV heads only whole)."""
+    heads = cfg.int("num_attention_heads")
+    if heads % tp:
+        raise InvalidFieldError("tensor_parallel_size", tp, f"a divisor of {cfg.prefix}num_attention_heads ({heads})")
+    if use_mla:
+        return 1, cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")
+    total_kv = cfg.int("num_key_value_heads", heads)
+    if (tp % total_kv if tp >= total_kv else total_kv % tp):
+        raise InvalidFieldError("tensor_parallel_size", tp, f"a divisor or multiple of {cfg.prefix}num_key_value_heads "
+                                f"({total_kv})")
+    if family == "granite_hybrid":  # granitemoehybrid.py: hidden_size // heads, head_dim unread
+        head_size = cfg.int("hidden_size") // heads
+    else:
+        head_size = cfg.get("head_dim") or cfg.int("hidden_size") // heads
+    check_int(cfg.prefix + "head_dim", head_size, minimum=1)
+    return max(1, total_kv // tp), head_size
 
 
 def hybrid_attention_block_size(attention_page_per_token: int, mamba_page: int, *, block_size: int,
@@ -529,22 +625,17 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
                                 f"the length of the layer pattern ({len(kinds)})")
 
     # attention geometry (vLLM: get_num_kv_heads / get_head_size)
-    heads = cfg.int("num_attention_heads")
-    if use_mla:
-        num_kv_heads = 1
-        head_size = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")
-    else:
-        total_kv = cfg.int("num_key_value_heads", heads)
-        num_kv_heads = max(1, total_kv // tensor_parallel_size)
-        head_size = cfg.get("head_dim") or cfg.int("hidden_size") // heads
-        check_int(cfg.prefix + "head_dim", head_size, minimum=1)
+    has_attention = any(k not in ("mamba", "none") for k in kinds)
+    num_kv_heads = head_size = 0
+    if has_attention:
+        num_kv_heads, head_size = _attention_geometry(family, cfg, use_mla, tensor_parallel_size)
     default_block = 64 if use_mla else 16
     bs = block_size if block_size is not None else default_block
     if block_size is None and use_mla:
         notes.append("MLA: block size 64 by default (FlashMLA's kernel block on Hopper); pass --block-size to change")
 
     # Mamba state and the hybrid block size
-    has_mamba = "mamba" in kinds
+    has_mamba = any("mamba" in k for k in kinds)
     mode = "none"
     mamba_shapes = mamba_dtypes = None
     page_padded = None
@@ -558,21 +649,22 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
                                                  mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                                                  tensor_parallel_size=tensor_parallel_size)
         state_bytes = mamba_state_bytes(mamba_shapes, mamba_dtypes)
-        per_token = (FP8_DS_MLA_TOKEN_BYTES if kv_dtype == "fp8_ds_mla" else
-                     num_kv_heads * head_size * (1 if use_mla else 2) * DTYPE_SIZES[kv_dtype])
-        attn_block = hybrid_attention_block_size(per_token, state_bytes, block_size=bs,
-                                                 kernel_block_size=kernel_block_size, use_mla=use_mla,
-                                                 checkpoint_alignment=mamba_checkpoint_alignment,
-                                                 align_mode=mode == "align")
-        if attn_block != bs:
-            notes.append(f"attention block size raised from {bs} to {attn_block} tokens so one attention page "
-                         f"({attn_block} x {per_token:,} B) covers one Mamba state ({state_bytes:,} B), as vLLM's "
-                         "_align_hybrid_block_size does")
-        bs = attn_block
-        if bs * per_token != state_bytes:
-            page_padded = bs * per_token
-            notes.append(f"Mamba page padded from {state_bytes:,} B to {page_padded:,} B "
-                         f"(+{100 * (page_padded - state_bytes) / state_bytes:.2f}%) to equal the attention page")
+        if has_attention:  # update_block_size_for_backend aligns only models with an attention backend
+            per_token = (FP8_DS_MLA_TOKEN_BYTES if kv_dtype == "fp8_ds_mla" else
+                         num_kv_heads * head_size * (1 if use_mla else 2) * DTYPE_SIZES[kv_dtype])
+            attn_block = hybrid_attention_block_size(per_token, state_bytes, block_size=bs,
+                                                     kernel_block_size=kernel_block_size, use_mla=use_mla,
+                                                     checkpoint_alignment=mamba_checkpoint_alignment,
+                                                     align_mode=mode == "align")
+            if attn_block != bs:
+                notes.append(f"attention block size raised from {bs} to {attn_block} tokens so one attention page "
+                             f"({attn_block} x {per_token:,} B) covers one Mamba state ({state_bytes:,} B), as "
+                             "vLLM's _align_hybrid_block_size does")
+            bs = attn_block
+            if bs * per_token != state_bytes:
+                page_padded = bs * per_token
+                notes.append(f"Mamba page padded from {state_bytes:,} B to {page_padded:,} B "
+                             f"(+{100 * (page_padded - state_bytes) / state_bytes:.2f}%) to equal the attention page")
         mamba_block = bs if mode == "align" else (max_model_len or derived)
         notes.append(f"Mamba cache mode {mode!r} ("
                      + ("prefix caching on: states checkpointed every block)" if mode != "none"
@@ -586,16 +678,18 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
                      "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps them local")
 
     layers: dict[str, KVCacheSpec] = {}
-    attn_common = dict(block_size=bs, num_kv_heads=num_kv_heads, head_size=head_size, dtype=kv_dtype)
+    attn_common = {"block_size": bs, "num_kv_heads": num_kv_heads, "head_size": head_size, "dtype": kv_dtype}
     for i, kind in enumerate(kinds):
         if kind == "none":
             continue
-        if kind == "mamba":
+        if "mamba" in kind:
             assert mamba_shapes is not None and mamba_dtypes is not None and mamba_block is not None
             layers[f"model.layers.{i}.mamba"] = MambaSpec(block_size=mamba_block, shapes=mamba_shapes,
                                                           dtypes=mamba_dtypes, page_size_padded=page_padded,
                                                           mamba_cache_mode=mode)
-            continue
+            if kind == "mamba":
+                continue
+            kind = kind.removesuffix("+mamba")
         name = f"model.layers.{i}.self_attn.attn"
         if kind == "mla":
             layers[name] = MLAAttentionSpec(

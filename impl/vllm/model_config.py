@@ -14,8 +14,10 @@ the derivation, and this module calls exactly that:
   the one-line selections of ``llama.py``, ``gemma2.py``, ``gemma3.py``, ``gpt_oss.py``,
   ``llama4.py``), so the check covers transformers' defaults and vLLM's own fields;
 * Mamba state shapes and dtypes: the model classes' ``get_mamba_state_shape_from_config`` /
-  ``get_mamba_state_dtype_from_config`` (Jamba, Nemotron-H), or the calculator Qwen3-Next's
-  classmethod calls when its module cannot be imported;
+  ``get_mamba_state_dtype_from_config`` (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba,
+  Mamba2), or the calculator Qwen3-Next's classmethod calls when its module cannot be imported;
+* what vLLM rejects for tensor parallelism: ``ModelConfig.verify_with_parallel_config`` (attention
+  heads) and the KV-head split ``QKVParallelLinear`` makes with ``vllm.distributed.divide``;
 * the hybrid attention block size and Mamba page padding: ``Platform._align_hybrid_block_size``
   itself, with the Triton backend (kernel blocks ``MultipleOf(16)``, as FlashAttention on CUDA).
 
@@ -46,7 +48,9 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
     ``sliding_window``, ``chunked_local``, ``mla``, ``mamba``, ``none`` per decoder layer),
     ``sliding_window``, ``attention_chunk_size``, and for hybrids ``mamba_shapes``,
     ``mamba_dtypes``, ``block_size`` (after alignment), ``mamba_page_size_padded``,
-    ``mamba_cache_mode``, ``mamba_block_size``.
+    ``mamba_cache_mode``, ``mamba_block_size``; ``model_dtype`` always. A layer kind ``full+mamba``
+    is a layer holding both (Falcon-H1's parallel hybrid). Raises whatever vLLM raises for a config
+    it rejects.
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import torch
@@ -70,27 +74,34 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
     num_kv_heads = 1 if use_mla else max(1, total_kv // tensor_parallel_size)
     n = text.num_hidden_layers
     kinds = _layer_kinds(architecture, text, n, use_mla)
-    facts: dict[str, Any] = dict(
-        architecture=architecture, total_num_kv_heads=total_kv, num_kv_heads=num_kv_heads,
-        head_size=arch_config.head_size, use_mla=use_mla, derived_max_model_len=derived, layer_kinds=kinds,
-        sliding_window=window if "sliding_window" in kinds else None,
-        attention_chunk_size=getattr(text, "attention_chunk_size", None) if "chunked_local" in kinds else None)
-    if "mamba" not in kinds:
+    head_size = arch_config.head_size
+    if architecture == "GraniteMoeHybridForCausalLM":  # its attention takes hidden_size // heads, head_dim unread
+        head_size = text.hidden_size // text.num_attention_heads
+    has_attention = any(k not in ("mamba", "none") for k in kinds)
+    if has_attention:
+        _check_tensor_parallel(arch_config, total_kv, use_mla, tensor_parallel_size)
+    model_dtype = convertor.get_torch_dtype(hf, config_dir, None, "auto")
+    if model_dtype == torch.float32:  # vLLM's "auto" on CUDA downcasts float32 checkpoints
+        model_dtype = torch.bfloat16
+    facts: dict[str, Any] = {
+        "architecture": architecture, "total_num_kv_heads": total_kv, "num_kv_heads": num_kv_heads,
+        "head_size": head_size, "use_mla": use_mla, "derived_max_model_len": derived, "layer_kinds": kinds,
+        "model_dtype": _torch_dtype_name(model_dtype),
+        "sliding_window": window if "sliding_window" in kinds else None,
+        "attention_chunk_size": getattr(text, "attention_chunk_size", None) if "chunked_local" in kinds else None}
+    if not any("mamba" in k for k in kinds):
         return facts
 
     from vllm.config import CacheConfig, ParallelConfig
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
-    model_dtype = convertor.get_torch_dtype(hf, config_dir, None, "auto")
-    if model_dtype == torch.float32:  # vLLM's "auto" on CUDA downcasts float32 checkpoints
-        model_dtype = torch.bfloat16
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                         cache_dtype=kv_cache_dtype, mamba_cache_dtype=mamba_cache_dtype,
                         mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
     model = SimpleNamespace(
         hf_config=hf, hf_text_config=text, dtype=model_dtype, use_mla=use_mla, architecture=architecture,
-        max_model_len=derived, is_hybrid=True,
+        max_model_len=derived, is_hybrid=has_attention,
         get_num_kv_heads=lambda parallel_config: num_kv_heads, get_head_size=lambda: arch_config.head_size)
     vc = SimpleNamespace(model_config=model, cache_config=cache,
                          parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
@@ -119,7 +130,8 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
     saved = ModelRegistry.resolve_model_cls
     ModelRegistry.resolve_model_cls = lambda *a, **k: (model_cls, architecture)  # type: ignore[method-assign]
     try:
-        Platform._align_hybrid_block_size(vc, TritonAttentionBackend)
+        if has_attention:  # update_block_size_for_backend aligns only models with attention backends
+            Platform._align_hybrid_block_size(vc, TritonAttentionBackend)
     finally:
         ModelRegistry.resolve_model_cls = saved  # type: ignore[method-assign]
     facts.update(mamba_shapes=shapes, mamba_dtypes=tuple(_torch_dtype_name(d) for d in dtypes),
@@ -128,10 +140,31 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
     return facts
 
 
+def _check_tensor_parallel(arch_config: Any, total_kv: int, use_mla: bool, tp: int) -> None:
+    """What vLLM rejects before sizing: attention heads not divisible by TP
+    (``ModelConfig.verify_with_parallel_config``), and the KV-head split of ``QKVParallelLinear``
+    (KV heads divided by TP, or replicated when TP is a multiple of them)."""
+    from vllm.config import ParallelConfig
+    from vllm.config.model import ModelConfig
+    from vllm.distributed import divide
+
+    stand_in = SimpleNamespace(model_arch_config=arch_config, use_mla=use_mla, multimodal_config=None,
+                               get_total_num_kv_heads=lambda: total_kv)
+    ModelConfig.verify_with_parallel_config(stand_in, ParallelConfig(tensor_parallel_size=tp))  # type: ignore[arg-type]
+    if not use_mla:
+        divide(tp, total_kv) if tp >= total_kv else divide(total_kv, tp)
+
+
 def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[str]:
     """Each decoder layer's cache kind, read off vLLM's config object as the model class does."""
     if use_mla:
         return ["mla"] * n
+    if architecture in ("MambaForCausalLM", "Mamba2ForCausalLM"):
+        return ["mamba"] * n
+    if architecture == "FalconH1ForCausalLM":  # falcon_h1.py: every layer is FalconH1ParallelHybrid
+        return ["full+mamba"] * n
+    if architecture == "GraniteMoeHybridForCausalLM":  # granitemoehybrid.py: ALL_DECODER_LAYER_TYPES
+        return [{"full_attention": "full", "linear_attention": "mamba"}[t] for t in text.layer_types]
     if architecture in ("Qwen3NextForCausalLM",):
         return ["mamba" if t == "linear_attention" else "full" for t in text.layer_types]
     if architecture == "JambaForCausalLM":
@@ -163,6 +196,24 @@ def _mamba_model_class(architecture: str) -> Any:
         from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 
         return NemotronHForCausalLM
+    if architecture == "GraniteMoeHybridForCausalLM":
+        from vllm.model_executor.models.granitemoehybrid import (
+            GraniteMoeHybridForCausalLM,
+        )
+
+        return GraniteMoeHybridForCausalLM
+    if architecture == "FalconH1ForCausalLM":
+        from vllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
+
+        return FalconH1ForCausalLM
+    if architecture == "MambaForCausalLM":
+        from vllm.model_executor.models.mamba import MambaForCausalLM
+
+        return MambaForCausalLM
+    if architecture == "Mamba2ForCausalLM":
+        from vllm.model_executor.models.mamba2 import Mamba2ForCausalLM
+
+        return Mamba2ForCausalLM
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateDtypeCalculator,
         MambaStateShapeCalculator,

@@ -38,12 +38,39 @@ VARIANTS = [
 
 
 def kinds_by_index(layout: ModelLayout, n: int) -> list[str]:
-    kinds = ["none"] * n
+    """Each layer's kind as :func:`vllm_hf_facts` names it (``full+mamba``: both in one layer)."""
+    kinds: list[list[str]] = [[] for _ in range(n)]
     for name, spec in layout.layers.items():
-        kinds[int(name.split(".")[2])] = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window",
-                                          "ChunkedLocalAttentionSpec": "chunked_local", "MLAAttentionSpec": "mla",
-                                          "MambaSpec": "mamba"}[type(spec).__name__]
-    return kinds
+        kinds[int(name.split(".")[2])].append({"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding_window",
+                                               "ChunkedLocalAttentionSpec": "chunked_local",
+                                               "MLAAttentionSpec": "mla", "MambaSpec": "mamba"}[type(spec).__name__])
+    return ["+".join(sorted(k, key=lambda x: x == "mamba")) or "none" for k in kinds]
+
+
+def assert_layout_matches(layout: ModelLayout, facts: dict) -> None:
+    """Every field of kvref's layout equals vLLM's facts, layer by layer."""
+    n = len(facts["layer_kinds"])
+    assert kinds_by_index(layout, n) == facts["layer_kinds"]
+    assert layout.derived_max_model_len == facts["derived_max_model_len"]
+    assert layout.model_dtype == facts["model_dtype"]
+    attn = [s for s in layout.layers.values() if not isinstance(s, MambaSpec)]
+    if attn:
+        assert {s.num_kv_heads for s in attn} == {facts["num_kv_heads"]}
+        assert {s.head_size for s in attn} == {facts["head_size"]}
+    assert {getattr(s, "sliding_window", None) for s in attn if type(s).__name__ == "SlidingWindowSpec"} <= \
+        {facts["sliding_window"]}
+    assert {getattr(s, "attention_chunk_size", None) for s in attn
+            if type(s).__name__ == "ChunkedLocalAttentionSpec"} <= {facts["attention_chunk_size"]}
+    if not any("mamba" in k for k in facts["layer_kinds"]):
+        return
+    mamba = [s for s in layout.layers.values() if isinstance(s, MambaSpec)]
+    assert {s.shapes for s in mamba} == {facts["mamba_shapes"]}
+    assert {s.dtypes for s in mamba} == {facts["mamba_dtypes"]}
+    assert layout.block_size == facts["block_size"]
+    assert {s.block_size for s in attn} <= {facts["block_size"]}
+    assert {s.page_size_padded for s in mamba} == {facts["mamba_page_size_padded"]}
+    assert layout.mamba_cache_mode == facts["mamba_cache_mode"]
+    assert {s.block_size for s in mamba} == {facts["mamba_block_size"]}
 
 
 @pytest.mark.parametrize("name, kwargs", [(n, {}) for n in NAMES] + VARIANTS,
@@ -58,26 +85,7 @@ def test_layout_matches_vllms_derivation(name, kwargs, tmp_path):
     vkw = {k: v for k, v in kwargs.items() if k != "block_size"}
     facts = vllm_hf_facts(str(tmp_path), block_size=kwargs.get("block_size", 16), **vkw)
     layout = layout_from_hf_config(json.loads(text), **kwargs)
-    n = len(facts["layer_kinds"])
-    assert kinds_by_index(layout, n) == facts["layer_kinds"]
-    assert layout.derived_max_model_len == facts["derived_max_model_len"]
-    attn = [s for s in layout.layers.values() if not isinstance(s, MambaSpec)]
-    assert {s.num_kv_heads for s in attn} == {facts["num_kv_heads"]}
-    assert {s.head_size for s in attn} == {facts["head_size"]}
-    assert {getattr(s, "sliding_window", None) for s in attn if type(s).__name__ == "SlidingWindowSpec"} <= \
-        {facts["sliding_window"]}
-    assert {getattr(s, "attention_chunk_size", None) for s in attn
-            if type(s).__name__ == "ChunkedLocalAttentionSpec"} <= {facts["attention_chunk_size"]}
-    if "mamba" not in facts["layer_kinds"]:
-        return
-    mamba = [s for s in layout.layers.values() if isinstance(s, MambaSpec)]
-    assert {s.shapes for s in mamba} == {facts["mamba_shapes"]}
-    assert {s.dtypes for s in mamba} == {facts["mamba_dtypes"]}
-    assert layout.block_size == facts["block_size"]
-    assert {s.block_size for s in attn} == {facts["block_size"]}
-    assert {s.page_size_padded for s in mamba} == {facts["mamba_page_size_padded"]}
-    assert layout.mamba_cache_mode == facts["mamba_cache_mode"]
-    assert {s.block_size for s in mamba} == {facts["mamba_block_size"]}
+    assert_layout_matches(layout, facts)
 
 
 #: (fixture, derivation arguments, engine changes): every packaged layout planned end to end
