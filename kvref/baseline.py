@@ -71,16 +71,12 @@ class Baseline:
     @classmethod
     def load(cls, path: str) -> "Baseline":
         """Read a baseline file; every problem is a :class:`BaselineError` naming file and position."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise BaselineError("--baseline", path, f"a readable baseline file ({exc.strerror})") from None
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise BaselineError(f"{path}: line {exc.lineno} column {exc.colno}", text[exc.pos:exc.pos + 20],
-                                f"JSON ({exc.msg})") from None
+        from kvref.cli_input import read_json
+
+        try:  # not UTF-8, an int of 5,000 digits, nesting 10,000 deep: named, never a traceback
+            data = read_json("--baseline", path, "baseline file")
+        except InvalidFieldError as exc:
+            raise BaselineError(exc.field, exc.value, exc.allowed) from None
         if not isinstance(data, dict) or data.get("kvref_baseline") != BASELINE_FORMAT:
             got = data.get("kvref_baseline") if isinstance(data, dict) else type(data).__name__
             raise BaselineError(f"{path}: kvref_baseline", got, f"{BASELINE_FORMAT} (a file written by --update-baseline)")
