@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kvref: error: a COMMAND is required (kvref --help lists them)", file=sys.stderr)
         return EXIT_INPUT
     try:
+        check_parsed(parser, args)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
@@ -79,6 +80,35 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback
         print(f"kvref {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_INPUT
+
+
+#: metavars and dests of options that name a file or folder (an empty value is no path)
+_PATH_METAVARS = {"FILE", "PATH", "PNG", "DIR", "TRACE"}
+_PATH_DESTS = {"out", "trace", "config"}
+
+
+def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse lets through for every option of the subcommand, whatever its name:
+
+    * ``--flag=--`` hands back ``[]`` for an option of one value (argparse drops the ``--``), which
+      crashed ``.split`` in ``--against``/``--kinds`` and passed silently elsewhere;
+    * an empty path (``--plot ''``, ``--from-json ''``) read as "not given": the plot silently not
+      drawn, the saved campaign not read and a full campaign started instead.
+    """
+    from kvref.spec.errors import InvalidFieldError
+
+    sub = next((a.choices.get(args.command) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction)), None)
+    for action in getattr(sub, "_actions", ()):
+        if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+            continue
+        flag = max(action.option_strings, key=len) if action.option_strings else action.dest.upper()
+        value = getattr(args, action.dest, None)
+        if action.nargs is None and isinstance(action, argparse._StoreAction) and isinstance(value, list):
+            raise InvalidFieldError(flag, "--", "one value (write a value that starts with '-' as "
+                                                f"{flag}=VALUE)")
+        if value == "" and (str(action.metavar or "").upper() in _PATH_METAVARS or action.dest in _PATH_DESTS):
+            raise InvalidFieldError(flag, value, "a path (an empty value names no file)")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidFieldError("--starvation-steps", args.starvation_steps, "an int >= 1")
     if not os.path.isfile(args.trace):
         raise InvalidFieldError("TRACE", args.trace, "an existing trace file")
+    from kvref.cli_checks import check_writable_dir
+
+    check_writable_dir("--out", args.out)  # a divergence's reproducer goes there: checked before the replay
     t0 = time.perf_counter()
     result = check_trace(args.trace, properties_only=args.properties_only, starvation_steps=args.starvation_steps)
     seconds = time.perf_counter() - t0

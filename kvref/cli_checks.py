@@ -36,6 +36,14 @@ def check_writable_file(flag: str, path: Any) -> str:
     _probe_dir(flag, path, folder)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise InvalidFieldError(flag, path, "a file this user may overwrite")
+    if not os.path.exists(path):  # the name itself (too long, not allowed here): made and removed again
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+        except FileExistsError:  # made meanwhile by someone else: writable as far as we can tell
+            pass
+        except OSError as exc:
+            raise InvalidFieldError(flag, path, f"a file name this folder takes ({exc.strerror or exc})") from None
     return path
 
 

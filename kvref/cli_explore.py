@@ -136,6 +136,8 @@ def _with_sets(scope, sets: list[str]):
         changes[key] = _set_value(scope, by_name[key], key, value)
     try:
         return replace(scope, **changes)
+    except InvalidFieldError as exc:  # a limit on a field derived from the --set values: name both
+        raise InvalidFieldError(f"--set {' '.join(sets)}: {exc.field}", exc.value, exc.allowed) from None
     except (TypeError, RecursionError) as exc:  # a value of the right type the scope cannot use
         raise InvalidFieldError("--set", " ".join(sets), f"values the scope accepts ({type(exc).__name__}: {exc})") \
             from None
@@ -393,6 +395,11 @@ def _run_conformance(args: argparse.Namespace) -> int:
     if args.toy or args.scope not in SCOPES:
         raise InvalidFieldError("--scope", args.scope, "a KV scope (one of " + ", ".join(SCOPES) + ") with --against")
     targets = tuple(t.strip() for t in args.against.split(",") if t.strip())
+    from kvref.models.explorer.conformance import TARGETS
+
+    if not targets or any(t not in TARGETS for t in targets) or len(set(targets)) != len(targets):
+        raise InvalidFieldError("--against", args.against, "one or more of " + ", ".join(TARGETS)
+                                + ", comma-separated, each once")
     from kvref.progress import Progress
 
     progress = Progress(f"explore {args.scope} --against {','.join(targets)}", enabled=not args.quiet)

@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
 
     mutants = all_mutants()
     if args.list:
+        if args.json:  # --json: stdout holds one JSON document, --list included
+            print(json.dumps([{"name": m.name, "kind": m.kind, "layer": m.layer, "available": m.available(),
+                               "description": m.description, "vllm_bug": m.vllm_bug} for m in CATALOGUE]))
+            return 0
         for m in CATALOGUE:
             print(f"{m.name:36} {m.kind:9} {m.layer:9} {'' if m.available() else '(n/a) '}{m.description}"
                   + (f" [{m.vllm_bug}]" if m.vllm_bug else ""))
@@ -125,12 +129,18 @@ def run_vllm(args: argparse.Namespace) -> int:
     from kvref.spec.errors import InvalidFieldError
     from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, CampaignResult, run_campaign, select_faults
 
-    if args.from_json:
+    if args.from_json is not None:
+        from kvref.cli_input import read_json
+
+        data = read_json("--from-json", args.from_json, "saved --json result")
+        if not isinstance(data, dict):
+            raise InvalidFieldError("--from-json", args.from_json, "a saved --json result (a JSON object at top "
+                                                                   f"level, not {type(data).__name__})")
         try:
-            with open(args.from_json) as f:
-                res = CampaignResult.from_dict(json.load(f), FAULTS)
-        except (OSError, ValueError, KeyError) as exc:
-            raise InvalidFieldError("--from-json", args.from_json, f"a saved --json result ({exc})") from exc
+            res = CampaignResult.from_dict(data, FAULTS)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # a field of the wrong shape
+            raise InvalidFieldError("--from-json", args.from_json,
+                                    f"a saved --json result ({type(exc).__name__}: {exc})") from None
         return _print_vllm_result(res, args, RECALL_GOAL)
     import math
 
@@ -140,9 +150,18 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise InvalidFieldError("--min-rate", args.min_rate, "a rate between 0 and 1")
     if args.seed < 0:
         raise InvalidFieldError("--seed", args.seed, "an int >= 0")
-    split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
-    faults = select_faults(FAULTS, split(args.faults), split(args.fault_class))
+    def split(flag: str, value: str | None) -> list[str] | None:
+        items = [x.strip() for x in value.split(",") if x.strip()] if value is not None else None
+        if items == []:  # '' or ',' named no fault: not "every fault" (a campaign of hours)
+            raise InvalidFieldError(flag, value, "one or more comma-separated names (kvref mutants --target vllm --list)")
+        return items
+
+    faults = select_faults(FAULTS, split("--faults", args.faults), split("--class", args.fault_class))
     if args.list:
+        if args.json:
+            print(json.dumps([{"id": f.id, "kind": f.kind, "path": f.path, "description": f.description,
+                               "bug": f.bug} for f in faults]))
+            return 0
         for f in faults:
             print(f"{f.id:40} {f.kind:8} {f.path:58} {f.description}" + (f" [{f.bug}]" if f.bug else ""))
         return 0

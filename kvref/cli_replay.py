@@ -115,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
                                                         "needs --exec-python (only for files you trust)")
         return _run_reproducer(args.trace, args.kinds_given, args.verbose)
     from kvref.cli_explore import is_explorer_trace, replay_explorer_trace
+    from kvref.cli_input import read_json
+
+    # the file as JSON first: unreadable, not UTF-8, nested 10,000 deep (a RecursionError in both
+    # readers below) or an int of 5,000 digits named with the file and position
+    read_json("FILE", args.trace, "trace file (.json)")
 
     if is_explorer_trace(args.trace):  # a `kvref explore --out` finding: the explorer's actions (data)
         return replay_explorer_trace(args.trace, args.kinds_given, args.verbose)

@@ -31,7 +31,6 @@ import re
 import sys
 from dataclasses import replace
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from kvref.spec import (
@@ -95,27 +94,34 @@ def load_layout(path: str | None, example: str | None) -> dict[str, Any]:
         name = matches[0]
         text = (resources.files("kvref") / "examples" / name).read_text()
     elif path is not None:
+        from kvref.cli_input import read_text
+
         name = path
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise InvalidFieldError("config", path, f"a readable JSON or TOML file ({exc.strerror})") from None
-        except UnicodeDecodeError as exc:
-            raise InvalidFieldError("config", path, f"a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+        text = read_text("config", path, "JSON or TOML layout file")
     else:
         raise InvalidFieldError("config", None, "a layout file (JSON/TOML) or --example NAME")
-    try:
-        if name.endswith(".toml"):
-            import tomllib
+    if not name.endswith(".toml"):
+        from kvref.cli_input import parse_json
 
+        data = parse_json("config", name, text)  # the position named; nesting and 5,000-digit ints too
+    else:
+        import tomllib
+
+        try:
             data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except ValueError as exc:
-        raise InvalidFieldError("config", name, f"valid {'TOML' if name.endswith('.toml') else 'JSON'} ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
+            raise InvalidFieldError("config", name, f"valid TOML ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise InvalidFieldError("config", name, "a JSON/TOML object at top level")
     return data
+
+
+def in_file(exc: InvalidFieldError, where: str) -> InvalidFieldError:
+    """``exc`` naming the file its field comes from (``l.json: pattern[0].count=0 ...``); a flag's
+    error (``--block-size=...``) is left as it is."""
+    if exc.field.startswith("--") or exc.field.startswith(where):
+        return exc
+    return InvalidFieldError(f"{where}: {exc.field}", exc.value, exc.allowed)
 
 
 def _tuplify(value: Any) -> Any:
@@ -273,8 +279,15 @@ def _make(args: argparse.Namespace):
     from kvref.size_hf import kv_cache_memory
 
     data = load_layout(args.config, args.example)
-    config = build_config(data, args)
-    layers = build_layers(data, args.block_size, args.kv_cache_dtype, config.mamba_cache_mode)
+    if args.kv_cache_dtype is not None:  # named as the flag, not as the first layer's dtype field
+        from kvref.spec.dtypes import canonical_dtype
+
+        canonical_dtype(args.kv_cache_dtype, "--kv-cache-dtype")
+    try:
+        config = build_config(data, args)
+        layers = build_layers(data, args.block_size, args.kv_cache_dtype, config.mamba_cache_mode)
+    except InvalidFieldError as exc:
+        raise in_file(exc, args.config or f"--example {args.example}") from None
     memory, notes = kv_cache_memory(args, parse_bytes)
     if memory is None:
         memory_text = data.get("available_memory")

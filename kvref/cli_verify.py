@@ -79,6 +79,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.update_baseline is not None:
         check_writable_file("--update-baseline", args.update_baseline)
     check_seconds("--shrink-seconds", args.shrink_seconds)
+    from .baseline import Baseline
+
+    if args.baseline is not None:
+        Baseline.load(args.baseline)
+    if args.update_baseline is not None and os.path.exists(args.update_baseline):
+        Baseline.load(args.update_baseline)  # merged into after the run: a broken one fails now, not then
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     ctx = VerifyContext(profile=args.profile, against=args.against, device=args.device, out_dir=args.out,
                         seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
-    baseline = Baseline.load(args.baseline) if args.baseline else Baseline()
+    baseline = Baseline.load(args.baseline) if args.baseline is not None else Baseline()
     checks = select_checks(only=args.only, skip=args.skip, mutants=args.mutants, against=args.against)
     from .quiet import progress_console, quiet_third_party
 
