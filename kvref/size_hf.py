@@ -28,6 +28,7 @@ from kvref.spec import (
     InsufficientKVCacheError,
     InvalidFieldError,
     KVCachePlan,
+    KVRefError,
     plan_kv_cache,
 )
 from kvref.spec.hf_config import ModelLayout, layout_from_hf_config
@@ -42,6 +43,10 @@ def load_hf_config(path: str) -> tuple[str, dict[str, Any]]:
     """``(name, parsed config.json)`` from a file, a model folder holding ``config.json``, or the
     name of a packaged fixture (``kvref size --list-examples``)."""
     p = Path(path)
+    try:
+        p.is_dir()
+    except OSError as exc:  # a name too long, a loop of links: is_dir() lets these through
+        raise InvalidFieldError("--hf-config", path, f"a readable path ({exc.strerror or exc})") from None
     if p.is_dir():
         p = p / "config.json"
         if not p.is_file():
@@ -148,7 +153,22 @@ def engine_changes(args: argparse.Namespace, int_arg) -> dict[str, Any]:
 def plan_hf(args: argparse.Namespace, parse_bytes, int_arg):
     """``(name, layout, config, memory, plan or InsufficientKVCacheError, notes)``."""
     name, data = load_hf_config(args.hf_config)
-    layout = build_layout(data, args)
+    try:
+        layout = build_layout(data, args)
+    except InvalidFieldError as exc:  # a field of the file: name the file too (a flag's error stays)
+        if exc.field.startswith("--"):
+            raise
+        given = getattr(args, exc.field, None)  # kv_cache_dtype='bogus' came from --kv-cache-dtype bogus
+        if given is not None and given == exc.value:
+            raise InvalidFieldError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None
+        raise InvalidFieldError(f"--hf-config {args.hf_config}: {exc.field}", exc.value, exc.allowed) from None
+    except KVRefError:
+        raise
+    except (ValueError, TypeError, OverflowError, ArithmeticError) as exc:
+        # the file is data: a field of a type the derivation does not check yet (an entry of
+        # layer_types that is a list, expand: Infinity) is still the input's fault, never a traceback
+        raise InvalidFieldError(f"--hf-config {args.hf_config}", "a field of the wrong type or range",
+                                f"a config.json as the model's card gives it ({type(exc).__name__}: {exc})") from None
     config = layout.engine_config(**engine_changes(args, int_arg))
     mml = config.max_model_len
     if isinstance(mml, int) and mml > layout.derived_max_model_len and mml != -1:
