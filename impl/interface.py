@@ -174,6 +174,8 @@ def make_manager(kind: str, pool_config: PoolConfig) -> KVCacheManagerLike:
     Built-in kinds live in modules that register themselves when imported; they are imported only
     here, so ``import kvref.impl`` needs neither vLLM nor torch.
     """
+    if not isinstance(kind, str):
+        raise InvalidFieldError("kind", kind, "one of " + ", ".join(manager_kinds()))
     if kind not in _FACTORIES and kind in _BUILTIN_MODULES:
         importlib.import_module(_BUILTIN_MODULES[kind])
     if kind not in _FACTORIES:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .errors import InvalidFieldError
+from .errors import InvalidFieldError, check_int
 from .kv_cache_interface import KVCacheGroupSpec, MambaSpec, UniformTypeKVCacheSpecs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def group_block_size(group: KVCacheGroupSpec, dcp_world_size: int) -> int:
     """Tokens per block of a group as its manager sees them: ``block_size × DCP`` when sharded."""
+    if not isinstance(group, KVCacheGroupSpec):
+        raise InvalidFieldError("group", group, "a KVCacheGroupSpec")
+    check_int("dcp_world_size", dcp_world_size, minimum=1)
     return group.kv_cache_spec.effective_block_size(dcp_world_size)
 
 
@@ -34,6 +37,9 @@ def _layer_specs(group: KVCacheGroupSpec):
 def cache_block_size(groups: "tuple[KVCacheGroupSpec, ...]") -> int:
     """``cache_config.block_size`` after startup: the smallest block size among prefix-cacheable
     groups (all groups when none is), as the engine core sets it before resolving."""
+    from .pool_sizing import validate_groups
+
+    groups = tuple(validate_groups(groups))
     cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
     return min(cacheable or [g.kv_cache_spec.block_size for g in groups])
 
@@ -92,6 +98,11 @@ def partial_hash_hits_enabled(groups: "tuple[KVCacheGroupSpec, ...]", hash_block
     ``partial_hash_hits_enabled`` with the managers' capabilities): a Mamba ``align`` layer whose
     block is larger than the hash block (or as large, with DCP), and every other prefix-cacheable
     group either fine-grained or hashed at its own block size."""
+    from .pool_sizing import validate_groups
+
+    groups = tuple(validate_groups(groups))
+    check_int("hash_block_size", hash_block_size, minimum=1)
+    check_int("dcp_world_size", dcp_world_size, minimum=1)
     if not any(isinstance(s, MambaSpec) and s.mamba_cache_mode == "align"
                and ((dcp_world_size == 1 and s.block_size > hash_block_size)
                     or (dcp_world_size > 1 and s.block_size >= hash_block_size))
@@ -105,6 +116,12 @@ def resolve_cache_hit_alignment_tokens(groups: "tuple[KVCacheGroupSpec, ...]", c
                                        scheduler_block_size: int, hash_block_size: int) -> int:
     """Token granularity at which prefix-cache hits land: ``hash_block_size`` when partial hash
     hits are enabled, else ``scheduler_block_size`` (vLLM's ``resolve_cache_hit_alignment_tokens``)."""
+    from .pool_sizing import check_config, validate_groups
+
+    groups = tuple(validate_groups(groups))
+    check_config(config)
+    check_int("scheduler_block_size", scheduler_block_size, minimum=1)
+    check_int("hash_block_size", hash_block_size, minimum=1)
     if not config.enable_prefix_caching or len(groups) <= 1:
         return scheduler_block_size
     if partial_hash_hits_enabled(groups, hash_block_size, config.dcp_world_size):

@@ -24,6 +24,8 @@ def max_in_flight_tokens(max_num_batched_tokens: int, max_concurrent_batches: in
     the processed-token basis. The one definition: startup sizing (:class:`EngineConfig`) and the
     scheduler (``kvref.impl.scheduler_types.SchedulerConfig``) both call it.
     """
+    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+    check_int("max_concurrent_batches", max_concurrent_batches, minimum=1)
     return max_concurrent_batches * max_num_batched_tokens
 
 

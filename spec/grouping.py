@@ -36,6 +36,7 @@ from .kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    _check_specs,
 )
 from .mathutil import cdiv
 
@@ -62,6 +63,7 @@ def validate_layers(layers: object, allow_empty: bool = False) -> Layers:
 
 def merge_specs(specs: list[KVCacheSpec]) -> KVCacheSpec:
     """The group spec of ``specs``: ``type(specs[0]).merge(specs)``, as vLLM calls it."""
+    _check_specs("specs", specs, mapping=False)
     return type(specs[0]).merge(specs)
 
 
@@ -71,6 +73,7 @@ def is_kv_cache_spec_uniform(layers: Layers) -> bool:
     Only a plain merge failure means "no"; different window sizes on full-attention layers
     propagate (:class:`~kvref.spec.errors.WindowSizeMismatchError`), as vLLM's ``ValueError`` does.
     """
+    layers = validate_layers(layers, allow_empty=True)
     if not layers:
         return True
     try:
@@ -98,6 +101,7 @@ def promote_local_kv_cache_specs(layers: Layers) -> Layers:
     one uniform type), else :class:`KVCacheGroupingError` (vLLM: "Failed to promote local KV cache
     specs to one unified type").
     """
+    layers = validate_layers(layers, allow_empty=True)
     promoted = dict(layers)
     if _is_uniform_or_uniform_type(promoted):
         return promoted
@@ -126,6 +130,7 @@ def promote_local_kv_cache_specs(layers: Layers) -> Layers:
 def unify_hybrid_kv_cache_specs(layers: Layers) -> Layers:
     """``--disable-hybrid-kv-cache-manager``: promote local-attention layers, separately for
     DCP-replicated attention layers and for all others (vLLM partitions the same way)."""
+    layers = validate_layers(layers, allow_empty=True)
     partitions: defaultdict[bool, Layers] = defaultdict(dict)
     for name, spec in layers.items():
         partitions[isinstance(spec, AttentionSpec) and not spec.dcp_sharded][name] = spec
@@ -148,6 +153,7 @@ def unify_kv_cache_spec_page_size(layers: Layers) -> Layers:
     pages (independent of block size) and non-MLA attention pages that do not divide it are
     padded (``page_size_padded``). MLA pages that do not divide it cannot be unified.
     """
+    layers = validate_layers(layers, allow_empty=True)
     page_sizes = {s.page_size_bytes for s in layers.values()}
     if len(page_sizes) <= 1:
         return layers
@@ -200,6 +206,8 @@ def _full_allocation_fallback(layers: Layers) -> tuple[KVCacheGroupSpec, ...] | 
 def group_size_for(layer_counts: list[int]) -> int:
     """Layers per group for hybrid models: the smallest type's layer count, unless the largest is
     below 1.5× of it, then the largest (fewer padding layers: 12 SWA + 13 full → groups of 13)."""
+    if not isinstance(layer_counts, (list, tuple)) or not layer_counts or not all(type(n) is int and n >= 1 for n in layer_counts):
+        raise InvalidFieldError("layer_counts", layer_counts, "a non-empty list of layer counts (ints >= 1)")
     smallest, largest = min(layer_counts), max(layer_counts)
     return largest if largest < smallest * 1.5 else smallest
 
@@ -212,6 +220,7 @@ def group_layers_with_uniform_page_size(layers: Layers) -> tuple[KVCacheGroupSpe
     ``cdiv(len, group_size)`` groups, layer ``i`` going to group ``i mod n`` (round robin, so that
     pipeline stages stay balanced); the last groups may be short (padding).
     """
+    layers = validate_layers(layers, allow_empty=True)
     same_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layers.items():
         same_spec.setdefault(spec, []).append(name)
@@ -266,6 +275,10 @@ def get_kv_cache_groups(layers: Layers, disable_hybrid_kv_cache_manager: bool = 
 
 def check_exact_partition(groups: tuple[KVCacheGroupSpec, ...], layers: Layers) -> None:
     """Every layer in exactly one group (vLLM's ``_check_exact_partition``); AssertionError if not."""
+    from .pool_sizing import validate_groups
+
+    groups = tuple(validate_groups(groups))
+    layers = validate_layers(layers, allow_empty=True)
     seen: set[str] = set()
     for g in groups:
         overlap = seen & set(g.layer_names)

@@ -29,6 +29,42 @@ if TYPE_CHECKING:  # pragma: no cover
 _UNIFORM_TYPE_BASE: "dict[type, type]" = {}
 
 
+def _checked_sizing(fn):
+    """Check a sizing method's ``config`` (an :class:`EngineConfig`) and length (an int >= 0; None
+    allowed where the method defaults it) before any arithmetic: a wrong value there used to escape
+    as ``AttributeError``/``TypeError`` from deep inside the formula."""
+    import functools
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    length_name = params[2]
+    optional = inspect.signature(fn).parameters[length_name].default is None
+
+    @functools.wraps(fn)
+    def checked(self, config, *args, **kwargs):
+        from .config import EngineConfig
+
+        if not isinstance(config, EngineConfig):
+            raise InvalidFieldError("config", config, "an EngineConfig")
+        length = args[0] if args else kwargs.get(length_name)
+        check_int(length_name, length, minimum=0, allow_none=optional)
+        return fn(self, config, *args, **kwargs)
+
+    return checked
+
+
+def _check_specs(field: str, specs: object, *, mapping: bool) -> None:
+    """A non-empty dict of layer name -> spec (``mapping``) or a non-empty list of specs."""
+    if mapping:
+        ok = isinstance(specs, dict) and specs and all(isinstance(s, KVCacheSpec) for s in specs.values())
+        what = "a non-empty dict of layer name -> KVCacheSpec"
+    else:
+        ok = isinstance(specs, (list, tuple)) and specs and all(isinstance(s, KVCacheSpec) for s in specs)
+        what = "a non-empty list of KVCacheSpec"
+    if not ok:
+        raise InvalidFieldError(field, specs, what)
+
+
 def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise InvalidFieldError(f"{owner}.{name}", value, "True or False")
@@ -56,10 +92,12 @@ class KVCacheSpec:
         """Bytes of one block of this layer."""
         raise NotImplementedError(f"{type(self).__name__} is abstract: use a concrete spec")
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         """Bytes one request of ``max_model_len`` tokens may hold at once (startup sizing)."""
         raise NotImplementedError(f"{type(self).__name__} is abstract: use a concrete spec")
 
+    @_checked_sizing
     def max_memory_usage_blocks(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         """``cdiv(max_memory_usage_bytes, page_size_bytes)``: block ids one request may hold.
 
@@ -68,6 +106,7 @@ class KVCacheSpec:
         """
         return cdiv(self.max_memory_usage_bytes(config, max_model_len), self.page_size_bytes)
 
+    @_checked_sizing
     def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
         """Width of the worker-side block table row (not memory accounting)."""
         return cdiv(max_len, self.block_size)
@@ -84,6 +123,7 @@ class KVCacheSpec:
 
     def effective_block_size(self, dcp_world_size: int = 1) -> int:
         """Tokens per block as managers see them (block_size × DCP when sharded)."""
+        check_int("dcp_world_size", dcp_world_size, minimum=1)
         return self.block_size * (dcp_world_size if self.dcp_sharded else 1)
 
     def copy_with_new_block_size(self, block_size: int) -> "KVCacheSpec":
@@ -110,6 +150,7 @@ class KVCacheSpec:
 
         Raises :class:`SpecMergeError` (vLLM: ``AssertionError``) when they are not.
         """
+        _check_specs("specs", specs, mapping=False)
         first = specs[0]
         if not all(s == first for s in specs[1:]):
             raise SpecMergeError("All layers in the same KV cache group must be the same.")
@@ -118,6 +159,7 @@ class KVCacheSpec:
     def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
         """Whether all ``specs`` need the same number of token slots as this one (so they can form
         one :class:`UniformTypeKVCacheSpecs` group although their page sizes differ)."""
+        _check_specs("specs", specs, mapping=True)
         base = self.uniform_type_base()
         return base is not None and all(isinstance(s, base) for s in specs.values())
 
@@ -170,6 +212,7 @@ class AttentionSpec(KVCacheSpec):
             return self.page_size_padded
         return self.unpadded_page_size_bytes
 
+    @_checked_sizing
     def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
         return cdiv(max_len, self.effective_block_size(config.dcp_world_size))
 
@@ -195,6 +238,7 @@ class FullAttentionSpec(AttentionSpec):
             raise InvalidFieldError(f"{owner}.attention_chunk_size", self.attention_chunk_size,
                                     "None when sliding_window is set (not both)")
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         m = config.resolved_max_model_len if max_model_len is None else max_model_len
         if self.dcp_sharded and config.dcp_world_size > 1:
@@ -211,6 +255,7 @@ class FullAttentionSpec(AttentionSpec):
         :class:`WindowSizeMismatchError` (vLLM: ``ValueError``), any other mismatch
         :class:`SpecMergeError` (vLLM: ``AssertionError``).
         """
+        _check_specs("specs", specs, mapping=False)
         if not all(isinstance(s, FullAttentionSpec) for s in specs):
             raise SpecMergeError("All attention layers in the same KV cache group must be FullAttentionSpec.")
         windows = {s.sliding_window for s in specs if s.sliding_window is not None}  # type: ignore[attr-defined]
@@ -257,6 +302,7 @@ class MLAAttentionSpec(FullAttentionSpec):
         """Merge MLA layers (vLLM's ``MLAAttentionSpec.merge``): same ``cache_dtype_str`` and
         :class:`AttentionSpec` fields. The merged spec keeps the first layer's page (padding
         included) but, as in vLLM, not its ``alignment`` or window fields."""
+        _check_specs("specs", specs, mapping=False)
         if not all(isinstance(s, MLAAttentionSpec) for s in specs):
             raise SpecMergeError("All attention layers in the same KV cache group must be MLAAttentionSpec.")
         if len({s.cache_dtype_str for s in specs}) != 1:  # type: ignore[attr-defined]
@@ -310,6 +356,7 @@ class SlidingWindowSpec(AttentionSpec):
                          max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         if self.dcp_sharded and config.dcp_world_size != 1:
             raise InvalidFieldError("dcp_world_size", config.dcp_world_size,
@@ -319,6 +366,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
         """Sliding-window layers need the same token slots only with the same window."""
+        _check_specs("specs", specs, mapping=True)
         return all(isinstance(s, SlidingWindowSpec) and s.sliding_window == self.sliding_window
                    for s in specs.values())
 
@@ -345,11 +393,13 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size)
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         m = config.resolved_max_model_len if max_model_len is None else max_model_len
         return self.max_admission_blocks_per_request(config.max_in_flight_tokens, m) * self.page_size_bytes
 
     def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        _check_specs("specs", specs, mapping=True)
         return all(isinstance(s, ChunkedLocalAttentionSpec) and s.attention_chunk_size == self.attention_chunk_size
                    for s in specs.values())
 
@@ -364,6 +414,7 @@ class CrossAttentionSpec(AttentionSpec):
 
     manager_name: ClassVar[str] = "CrossAttentionManager"
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return cdiv(config.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
@@ -374,6 +425,7 @@ class EncoderOnlyAttentionSpec(AttentionSpec):
 
     manager_name: ClassVar[str] = ""
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return 0
 
@@ -433,6 +485,7 @@ class MambaSpec(KVCacheSpec):
             return self.page_size_padded
         return self.unpadded_page_size_bytes
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         """``align`` mode: 2 states (+ speculative + checkpoint blocks); else 1 (+ speculative).
 
@@ -442,6 +495,7 @@ class MambaSpec(KVCacheSpec):
             return self.page_size_bytes * (2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks)
         return self.page_size_bytes * (1 + self.num_speculative_blocks)
 
+    @_checked_sizing
     def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
         if config.mamba_cache_mode == "align":
             return cdiv(max_len, self.block_size) + self.num_speculative_blocks
@@ -449,6 +503,7 @@ class MambaSpec(KVCacheSpec):
 
     def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
         """Mamba layers form one group only with equal state pages and extra-block counts."""
+        _check_specs("specs", specs, mapping=True)
         return all(isinstance(s, MambaSpec)
                    and s.num_speculative_blocks == self.num_speculative_blocks
                    and s.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
@@ -459,12 +514,16 @@ class MambaSpec(KVCacheSpec):
 def has_admission_cap(spec: KVCacheSpec) -> bool:
     """Whether vLLM's manager for this spec gets ``max_admission_blocks_per_request`` (§2.9):
     the spec overrides :meth:`KVCacheSpec.admission_cap`."""
+    if not isinstance(spec, KVCacheSpec):
+        raise InvalidFieldError("spec", spec, "a KVCacheSpec")
     return type(spec).admission_cap is not KVCacheSpec.admission_cap
 
 
 def attention_compare_fields(spec: AttentionSpec) -> tuple:
     """The :class:`AttentionSpec` fields two attention specs must share to be merged into one group
     (vLLM compares ``fields(AttentionSpec)``, not the subclass's extra fields)."""
+    if not isinstance(spec, AttentionSpec):
+        raise InvalidFieldError("spec", spec, "an AttentionSpec")
     return tuple(getattr(spec, f.name) for f in fields(AttentionSpec) if f.compare)
 
 
@@ -514,10 +573,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 
+    @_checked_sizing
     def max_memory_usage_pages(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return max(cdiv(s.max_memory_usage_bytes(config, max_model_len), s.page_size_bytes)
                    for s in self.kv_cache_specs.values())
 
+    @_checked_sizing
     def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
         return self.max_memory_usage_pages(config, max_model_len) * self.page_size_bytes
 
@@ -529,6 +590,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def is_uniform_type(specs: "dict[str, KVCacheSpec]") -> bool:
         """vLLM's ``is_uniform_type``: one block size, one ``dcp_sharded`` value, and the first
         layer's :meth:`~KVCacheSpec.is_uniform_with_collection` holds for all."""
+        _check_specs("specs", specs, mapping=True)
         if len({s.block_size for s in specs.values()}) > 1:
             return False
         if len({s.dcp_sharded for s in specs.values()}) > 1:
@@ -538,13 +600,19 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @classmethod
     def from_specs(cls, specs: "dict[str, KVCacheSpec]") -> "UniformTypeKVCacheSpecs | None":
         """The one group of these layers, or None when they are not of one uniform type."""
-        if not specs or not cls.is_uniform_type(specs):
+        if isinstance(specs, dict) and not specs:
+            return None
+        _check_specs("specs", specs, mapping=True)
+        if not cls.is_uniform_type(specs):
             return None
         return cls(block_size=next(iter(specs.values())).block_size, kv_cache_specs=dict(specs))
 
     def layer_spec(self, layer_name: str) -> KVCacheSpec:
+        if not isinstance(layer_name, str) or layer_name not in self.kv_cache_specs:
+            raise InvalidFieldError("layer_name", layer_name, f"one of the layers {sorted(self.kv_cache_specs)}")
         return self.kv_cache_specs[layer_name]
 
+    @_checked_sizing
     def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
         """Block-table width: every layer must need the same (DCP sharding included)."""
         widths = {s.max_num_blocks_per_req(config, max_len) for s in self.kv_cache_specs.values()}

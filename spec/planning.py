@@ -200,6 +200,9 @@ class KVCachePlan:
 def scheduler_view(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[KVCacheGroupSpec, ...]:
     """vLLM's ``generate_scheduler_kv_cache_config``: a uniform-type group is represented by its
     first layer's spec (all its layers need the same token slots)."""
+    from .pool_sizing import validate_groups
+
+    groups = tuple(validate_groups(groups))
     out = []
     for g in groups:
         spec = g.kv_cache_spec

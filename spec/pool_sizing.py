@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from .errors import InsufficientKVCacheError, InvalidFieldError
+from .errors import InsufficientKVCacheError, InvalidFieldError, check_int
 from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 from .mathutil import cdiv
 
@@ -27,8 +27,18 @@ GiB = 1 << 30
 CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
 
 
+def check_config(config: object) -> None:
+    """``config`` must be an :class:`~kvref.spec.config.EngineConfig` (a wrong object used to fail
+    as ``AttributeError`` deep inside a formula)."""
+    from .config import EngineConfig
+
+    if not isinstance(config, EngineConfig):
+        raise InvalidFieldError("config", config, "an EngineConfig")
+
+
 def format_gib(num_bytes: int) -> str:
     """vLLM's ``format_gib``: GiB rounded to 2 decimals."""
+    check_int("num_bytes", num_bytes)
     return f"{round(num_bytes / GiB, 2)}"
 
 
@@ -49,6 +59,10 @@ def validate_groups(groups: object) -> "list[KVCacheGroupSpec]":
 
 def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
     """The spec of one layer of a group (its own one inside a :class:`UniformTypeKVCacheSpecs`)."""
+    if not isinstance(group, KVCacheGroupSpec):
+        raise InvalidFieldError("group", group, "a KVCacheGroupSpec")
+    if not isinstance(layer_name, str) or layer_name not in group.layer_names:
+        raise InvalidFieldError("layer_name", layer_name, f"one of the group's layers {list(group.layer_names)}")
     spec = group.kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return spec.kv_cache_specs[layer_name]
@@ -77,6 +91,10 @@ def group_blocks_per_request(spec: KVCacheSpec, config: "EngineConfig", max_mode
     among its layers. For sliding-window / chunked-local specs this equals
     ``max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)``.
     """
+    if not isinstance(spec, KVCacheSpec):
+        raise InvalidFieldError("spec", spec, "a KVCacheSpec")
+    check_config(config)
+    check_int("max_model_len", max_model_len, minimum=0)
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return spec.max_memory_usage_pages(config, max_model_len)
     return cdiv(spec.max_memory_usage_bytes(config, max_model_len), spec.page_size_bytes)
@@ -85,6 +103,9 @@ def group_blocks_per_request(spec: KVCacheSpec, config: "EngineConfig", max_mode
 def needed_bytes_for(groups: "tuple[KVCacheGroupSpec, ...]", config: "EngineConfig", max_model_len: int) -> int:
     """Bytes one request of ``max_model_len`` tokens needs: ``bytes_per_block × Σ_g blocks_g``
     (vLLM's ``_max_memory_usage_bytes_from_groups``; charges group padding correctly)."""
+    groups = validate_groups(groups)
+    check_config(config)
+    check_int("max_model_len", max_model_len, minimum=0)
     if not groups:
         return 0
     total = sum(group_blocks_per_request(g.kv_cache_spec, config, max_model_len) for g in groups)
@@ -96,6 +117,10 @@ def estimate_max_model_len(groups: "tuple[KVCacheGroupSpec, ...]", config: "Engi
     """Largest ``L`` in ``[1, upper]`` whose request fits in ``available_memory``; 0 if ``L = 1``
     does not fit. Binary search, as vLLM's ``_estimate_max_model_len_from_groups`` (the need is
     monotone in ``L``, so the answer is the same as a linear scan)."""
+    groups = validate_groups(groups)
+    check_config(config)
+    check_int("available_memory", available_memory)
+    check_int("upper", upper, minimum=0)
     def fits(length: int) -> bool:
         return needed_bytes_for(groups, config, length) <= available_memory
 
@@ -119,6 +144,10 @@ def check_enough_kv_cache_memory(groups: "tuple[KVCacheGroupSpec, ...]", config:
     block 0 for good). Same order and texts as vLLM's ``_check_enough_kv_cache_memory``, plus the
     block arithmetic behind them.
     """
+    groups = validate_groups(groups)
+    check_config(config)
+    check_int("check_memory", check_memory)
+    check_int("max_model_len", max_model_len, minimum=0)
     bpb = pool_bytes_per_block(groups)
     if check_memory <= 0:
         raise InsufficientKVCacheError(
@@ -156,6 +185,10 @@ def auto_fit_max_model_len(groups: "tuple[KVCacheGroupSpec, ...]", config: "Engi
     Searches with ``check_memory`` (null block already held back, vLLM #48724), so memory for
     exactly 64 blocks auto-fits to ``63 × block_size`` for a one-layer full-attention model.
     """
+    groups = validate_groups(groups)
+    check_config(config)
+    check_int("check_memory", check_memory)
+    check_int("original_max_model_len", original_max_model_len, minimum=0)
     fitted = estimate_max_model_len(groups, config, check_memory, original_max_model_len)
     if fitted <= 0:
         raise InsufficientKVCacheError(
@@ -176,6 +209,10 @@ def max_concurrency(scheduler_groups: "tuple[KVCacheGroupSpec, ...]", config: "E
     NOTE: vLLM divides ``num_blocks`` *including* the null block, so the figure is slightly
     optimistic; kvref reports the same number. Infinite when a request needs no block.
     """
+    scheduler_groups = validate_groups(scheduler_groups)
+    check_config(config)
+    check_int("max_model_len", max_model_len, minimum=0)
+    check_int("num_blocks", num_blocks)
     per_request = sum(cdiv(g.kv_cache_spec.max_memory_usage_bytes(config, max_model_len),
                            g.kv_cache_spec.page_size_bytes) for g in scheduler_groups)
     if per_request == 0:

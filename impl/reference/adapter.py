@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from kvref.impl.interface import BlockIds, KVCacheManagerLike, PoolConfig
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import MambaSpec
 
 from .block_hash import get_block_hash
-from .kv_cache_manager import KVCacheBlocks, KVCacheManager
+from .kv_cache_manager import KVCacheBlocks, KVCacheManager, _check_request_id
 from .kv_events import event_to_plain
 
 
@@ -72,6 +73,13 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
         """vLLM's ``KVCacheManager.cache_blocks`` (publish full blocks up to a token count): what
         the scheduler calls when an async KV load completes (``_update_waiting_for_remote_kv``)."""
         m = self.manager
+        m._check_request(request)
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        for gid, stm in enumerate(m.coordinator.single_type_managers):
+            allocated = len(stm.req_to_blocks.get(request.request_id, ())) * stm.block_size
+            if num_computed_tokens > allocated and not isinstance(stm.kv_cache_spec, MambaSpec):
+                raise InvalidFieldError("num_computed_tokens", num_computed_tokens,
+                                        f"at most the {allocated} tokens group {gid} has blocks for")
         if m.enable_caching:
             m.coordinator.cache_blocks(request, m.block_hashes(request), num_computed_tokens)
 
@@ -103,6 +111,7 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
 
     def forget(self, request_id: str) -> None:
         """The reference drops a request's hashes when its blocks are freed; nothing else to drop."""
+        _check_request_id(request_id)
         if self.manager.hasher is not None:
             self.manager.hasher.forget(request_id)
 

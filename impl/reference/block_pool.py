@@ -166,6 +166,7 @@ class BlockPool:
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         """Whether the sole owner may overwrite it (not null, one reference, not cached)."""
+        self._check_own((block,), "block")
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     # ------------------------------------------------------------------ allocation
@@ -382,7 +383,18 @@ class BlockPool:
             return
         if not isinstance(request, Request):
             raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
-        hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
+        hbs = self.hash_block_size
+        check_int("num_cached_blocks", num_cached_blocks, minimum=0)
+        check_int("block_size", block_size, minimum=1)
+        if block_size % hbs:
+            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
+        _check_group_id("kv_cache_group_id", kv_cache_group_id)
+        need = num_cached_blocks * block_size // hbs
+        if (not isinstance(block_hashes, (list, tuple)) or len(block_hashes) < need
+                or not all(isinstance(h, bytes) for h in block_hashes[:need])):
+            raise InvalidFieldError("block_hashes", block_hashes, f"at least {need} block hashes (bytes) "
+                                                                  "covering the hit")
+        hashes = resolve_block_hashes(block_hashes, hbs, block_size)
         ext = self._external_hash
         self.kv_event_queue.append(self._block_stored(
             request, [ext(hashes[i]) for i in range(num_cached_blocks)], None, 0,
@@ -457,7 +469,13 @@ class BlockPool:
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """Re-point ``src_block``'s cache entries to ``dst_block`` (Mamba copy-on-write)."""
-        assert dst_block.block_hash is None and dst_block.block_id not in self.cached_block_hashes_by_block
+        self._check_own((src_block, dst_block), "block")
+        if dst_block.is_null or dst_block.block_hash is not None \
+                or dst_block.block_id in self.cached_block_hashes_by_block:
+            raise InvalidFieldError("dst_block", dst_block.block_id, "a block of this pool that is not null "
+                                                                     "and not cached")
+        if src_block is dst_block:
+            return
         num_tokens = src_block.block_hash_num_tokens
         for key in self._remove_cached_block_hashes(src_block):
             self._insert_block_hash(key, dst_block, num_tokens)

@@ -100,9 +100,21 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's chained block hashes (vLLM ``request.block_hashes``); [] without caching."""
+        self._check_request(request)
         return [] if self.hasher is None else self.hasher.block_hashes(request)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap blocks per group (what ``get_computed_blocks`` returns): one sequence of this
+        pool's blocks per KV cache group; ``allocate_slots`` checks that they are a real hit."""
+        n = self.num_kv_cache_groups
+        if not isinstance(blocks, (tuple, list)) or len(blocks) != n \
+                or not all(isinstance(g, (tuple, list)) for g in blocks):
+            raise InvalidFieldError("blocks", blocks, f"{n} lists of blocks, one per KV cache group")
+        for group in blocks:
+            self.block_pool._check_own(group, "blocks")
+        return self._wrap(blocks)
+
+    def _wrap(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def get_computed_blocks(self, request: Request,
@@ -129,7 +141,7 @@ class KVCacheManager:
                 getattr(request, "kv_cache_report_mode", "incremental") == "full":
             self.coordinator.emit_cached_block_events(request, block_hashes, blocks)
         boundary = num_hit + num_uncached if num_uncached else 0
-        return self.create_kv_cache_blocks(blocks), num_hit, boundary
+        return self._wrap(blocks), num_hit, boundary
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         _check_request_id(request_id)
@@ -197,10 +209,10 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model,
                                                      num_encoder_tokens)
         if delay_cache_blocks or self.hasher is None:
-            return self.create_kv_cache_blocks(new_blocks)
+            return self._wrap(new_blocks)
         coordinator.cache_blocks(request, self.hasher.block_hashes(request),
                                  min(total_computed + num_new_tokens, num_tokens))
-        return self.create_kv_cache_blocks(new_blocks)
+        return self._wrap(new_blocks)
 
     def _check_request(self, request: Request) -> None:
         if not isinstance(request, Request):

@@ -416,6 +416,11 @@ class Scheduler:
 
     def snapshot(self, all_requests: Iterable[Request] = ()) -> SchedulerSnapshot:
         """Observable state; ``all_requests`` adds finished requests the caller still holds."""
+        if isinstance(all_requests, (str, bytes, dict)) or not isinstance(all_requests, Iterable):
+            raise InvalidFieldError("all_requests", all_requests, "a collection of Requests")
+        all_requests = list(all_requests)
+        if not all(isinstance(r, Request) for r in all_requests):
+            raise InvalidFieldError("all_requests", all_requests, "a collection of Requests")
         reqs = {r.request_id: r for r in all_requests}
         reqs.update(self.requests)
         return SchedulerSnapshot(

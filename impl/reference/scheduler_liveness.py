@@ -47,7 +47,7 @@ depth.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
@@ -56,12 +56,21 @@ from kvref.spec.kv_cache_interface import MambaSpec
 from kvref.spec.mathutil import cdiv
 
 from kvref.impl.scheduler_types import PRIORITY, SchedulerConfig
+from kvref.spec.errors import InvalidFieldError
+
+
+def _check_setup(pool: object, config: object) -> None:
+    if not isinstance(pool, PoolConfig):
+        raise InvalidFieldError("pool", pool, "a PoolConfig")
+    if not isinstance(config, SchedulerConfig):
+        raise InvalidFieldError("config", config, "a SchedulerConfig")
 
 
 def max_blocks_per_request(pool: PoolConfig, config: SchedulerConfig) -> int:
     """``Σ_g`` blocks one ``max_model_len`` request may hold: the startup sizing's per-request count
     (``max_memory_usage_blocks``, with the sliding-window/chunked caps of
     ``max_admission_blocks_per_request`` at ``max_in_flight_tokens``)."""
+    _check_setup(pool, config)
     modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, MambaSpec)}
     engine = EngineConfig(block_size=pool.scheduler_block_size, max_model_len=pool.max_model_len,
                           max_num_batched_tokens=config.max_num_batched_tokens,
@@ -81,6 +90,7 @@ def startup_consistent(pool: PoolConfig, config: SchedulerConfig) -> bool:
       requires ``max_num_batched_tokens >= max_model_len`` then; otherwise the waiting loop stops
       on a long prompt forever, the same head-of-line hang).
     """
+    _check_setup(pool, config)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < pool.max_model_len:
         return False
     for g in pool.groups:
@@ -95,6 +105,9 @@ def startup_consistent(pool: PoolConfig, config: SchedulerConfig) -> bool:
 
 def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> int:
     """``T_r``: schedule() calls the first claimant of the budget needs to finish from scratch."""
+    _check_setup(pool, config)
+    if not isinstance(request, Request):
+        raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
     c = config.max_num_batched_tokens
     if config.long_prefill_token_threshold > 0:
         c = min(c, config.long_prefill_token_threshold)
@@ -104,6 +117,12 @@ def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> 
 
 def drain_bound(requests: Iterable[Request], pool: PoolConfig, config: SchedulerConfig) -> int:
     """Schedule calls within which every live request finishes when nothing new arrives."""
+    _check_setup(pool, config)
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise InvalidFieldError("requests", requests, "a collection of Requests")
+    requests = list(requests)
+    if not all(isinstance(r, Request) for r in requests):
+        raise InvalidFieldError("requests", requests, "a collection of Requests")
     reqs = [r for r in requests if not r.is_finished]
     if not reqs:
         return config.max_concurrent_batches

@@ -89,17 +89,27 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 def encode_tokens(tokens) -> str:
     """Token ids -> base64 of little-endian uint32 (ids must be in [0, 2**32))."""
-    a = array("I", tokens)
+    if isinstance(tokens, (str, bytes)) or type(tokens) is dict:
+        raise InvalidFieldError("tokens", tokens, "a list of token ids (ints in [0, 2**32))")
+    try:
+        a = array("I", tokens)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidFieldError("tokens", tokens, "a list of token ids (ints in [0, 2**32))") from exc
     if _BIG_ENDIAN:  # pragma: no cover - the format is little-endian everywhere
         a.byteswap()
     return base64.b64encode(a.tobytes()).decode("ascii")
 
 
 def decode_tokens(text: str) -> list[int]:
-    """Inverse of :func:`encode_tokens`; raises ``ValueError`` on a malformed string."""
-    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    """Inverse of :func:`encode_tokens`; raises ``InvalidFieldError`` on a malformed string."""
+    if not isinstance(text, str):
+        raise InvalidFieldError("tokens", text, "base64 of little-endian uint32 token ids (str)")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise InvalidFieldError("tokens", text, f"base64 of little-endian uint32 token ids ({exc})") from exc
     if len(raw) % 4:
-        raise ValueError(f"{len(raw)} bytes is not a whole number of uint32 token ids")
+        raise InvalidFieldError("tokens", text, f"a whole number of uint32 token ids (got {len(raw)} bytes)")
     a = array("I")
     a.frombytes(raw)
     if _BIG_ENDIAN:  # pragma: no cover
@@ -135,9 +145,20 @@ class TokenAnonymizer:
         self._key = os.urandom(16)
 
     def tokens(self, tokens) -> list[int]:
-        return list(map(self._get_token, tokens))
+        """The renamed ids. Checked only when the fast path fails (this runs on the recorder's hot
+        path): a token that cannot be numbered rolls back the ones this call had numbered."""
+        numbering = self._tokens
+        before = len(numbering)
+        try:
+            return list(map(self._get_token, tokens))
+        except TypeError as exc:
+            while len(numbering) > before:
+                numbering.popitem()
+            raise InvalidFieldError("tokens", tokens, "a list of token ids (ints)") from exc
 
     def request_id(self, request_id: str) -> str:
+        if type(request_id) is not str:
+            raise InvalidFieldError("request_id", request_id, "a request id (str)")
         out = self._ids.get(request_id)
         if out is None:
             out = self._ids[request_id] = f"r{self._num_ids}"
@@ -146,6 +167,8 @@ class TokenAnonymizer:
 
     def forget(self, request_id: str) -> None:
         """A finished request's id is not needed again (keeps memory bounded on long runs)."""
+        if type(request_id) is not str:
+            raise InvalidFieldError("request_id", request_id, "a request id (str)")
         self._ids.pop(request_id, None)
 
     def check_invariants(self) -> None:
@@ -155,6 +178,8 @@ class TokenAnonymizer:
     def salt(self, salt: str | None) -> str | None:
         if salt is None:
             return None
+        if type(salt) is not str:
+            raise InvalidFieldError("salt", salt, "a cache salt (str) or None")
         return hashlib.blake2b(salt.encode(), key=self._key, digest_size=8).hexdigest()
 
 

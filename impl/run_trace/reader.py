@@ -17,7 +17,10 @@ import os
 import zlib
 from collections.abc import Iterator
 
+from kvref.spec.errors import InvalidFieldError
+
 from .format import TraceFormatError, validate_header, validate_record
+from .writer import _fspath
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -50,13 +53,18 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike, validate: bool = True) -> None:
-        self.path = os.fspath(path)
+        self.path = _fspath(path)
+        if type(validate) is not bool:
+            raise InvalidFieldError("validate", validate, "True or False")
         self.validate = validate
         self.truncated = False
         self.truncation = ""
         self.num_records = 0
         self.end: dict | None = None
-        self._raw = _open_binary(self.path)
+        try:
+            self._raw = _open_binary(self.path)
+        except OSError as exc:
+            raise InvalidFieldError("path", self.path, f"a readable run trace ({exc.strerror or exc})") from exc
         self._text = io.TextIOWrapper(self._raw, encoding="utf-8", newline="\n")
         try:
             first = self._text.readline()

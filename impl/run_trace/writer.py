@@ -31,10 +31,23 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 def compression_for(path: str) -> str:
     """``"gzip"`` for ``*.gz``, ``"none"`` for ``*.jsonl`` / anything else without a known suffix."""
+    if not isinstance(path, str):
+        raise InvalidFieldError("path", path, "a file path (str)")
     if path.endswith(".zst") or path.endswith(".zstd"):
         raise InvalidFieldError("path", path, "a *.gz (gzip) or uncompressed path: zstd is not in Python's "
                                 "standard library before 3.14, and kvref's trace format is stdlib-only")
     return "gzip" if path.endswith(".gz") else "none"
+
+
+def _fspath(path: object) -> str:
+    """``os.fspath`` for a file path; bytes paths and other objects are input errors."""
+    try:
+        out = os.fspath(path)
+    except TypeError:
+        out = None
+    if not isinstance(out, str) or not out or "\x00" in out:
+        raise InvalidFieldError("path", path, "a file path (str or os.PathLike)")
+    return out
 
 
 class TraceWriter:
@@ -52,15 +65,22 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike, header: dict, *, compresslevel: int = 1,
                  chunk_records: int = 256, background: bool = True, flush_seconds: float = 2.0) -> None:
-        self.path = os.fspath(path)
+        self.path = _fspath(path)
         validate_header(header, self.path)
-        if not isinstance(compresslevel, int) or not 0 <= compresslevel <= 9:
+        if type(compresslevel) is not int or not 0 <= compresslevel <= 9:
             raise InvalidFieldError("compresslevel", compresslevel, "an int in [0, 9]")
+        if type(chunk_records) is not int or chunk_records < 1:
+            raise InvalidFieldError("chunk_records", chunk_records, "a positive int")
+        if type(flush_seconds) not in (int, float) or not 0 < flush_seconds < float("inf"):
+            raise InvalidFieldError("flush_seconds", flush_seconds, "a finite number of seconds > 0")
+        if type(background) is not bool:
+            raise InvalidFieldError("background", background, "True or False")
         self._compressor = (zlib.compressobj(compresslevel, zlib.DEFLATED, 31)
                             if compression_for(self.path) == "gzip" else None)
-        self._file = open(self.path, "wb")
-        if not isinstance(chunk_records, int) or chunk_records < 1:
-            raise InvalidFieldError("chunk_records", chunk_records, "a positive int")
+        try:
+            self._file = open(self.path, "wb")
+        except OSError as exc:
+            raise InvalidFieldError("path", self.path, f"a writable file path ({exc.strerror or exc})") from exc
         self._buf: list[str] = []  # encoded lines not yet handed to the writer
         self._chunk_records = chunk_records
         self._flush_seconds = flush_seconds
@@ -79,10 +99,18 @@ class TraceWriter:
     # ---- engine-thread side -------------------------------------------------------------------
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (a JSON-serialisable dict with a type ``"t"``)."""
-        self.write_line(_dumps(record))
+        if type(record) is not dict:
+            raise InvalidFieldError("record", record, 'a JSON-serialisable dict with a type "t"')
+        try:
+            line = _dumps(record)
+        except (TypeError, ValueError) as exc:
+            raise InvalidFieldError("record", record, f'a JSON-serialisable dict with a type "t" ({exc})') from exc
+        self.write_line(line)
 
     def write_line(self, line: str) -> None:
         """Append one record already encoded as a JSON object on one line."""
+        if type(line) is not str or "\n" in line:
+            raise InvalidFieldError("line", line, "one JSON object on one line (str, no newline)")
         buf = self._buf
         buf.append(line)
         self.num_records += 1

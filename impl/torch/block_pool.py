@@ -101,6 +101,7 @@ class TorchBlockPool:
     # ----------------------------------------------------------------- allocation
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the front, drop their cached hashes, ref count 1."""
+        check_int("num_blocks", n, minimum=0)
         if n > self.num_free:
             raise InvalidFieldError("num_blocks", n, f"at most the {self.num_free} free blocks")
         ids = self._take_front(n)
@@ -119,6 +120,7 @@ class TorchBlockPool:
 
     def touch(self, block_ids: list[int]) -> None:
         """Add a reference to each block (a prefix hit); zero-ref blocks leave the queue."""
+        self._check_ids("block_ids", block_ids)
         ids = [b for b in block_ids if b != NULL_BLOCK_ID]
         if not ids:
             return
@@ -131,7 +133,28 @@ class TorchBlockPool:
         self.ref_cnt.index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
 
     def free_blocks(self, ordered_block_ids: list[int]) -> None:
-        """Drop one reference per block; ``ordered_block_ids`` is eviction priority (first = first)."""
+        """Drop one reference per block; ``ordered_block_ids`` is eviction priority (first = first).
+
+        Checked: ids of this pool, each held at least as often as it is listed (freeing a free
+        block used to leave ``check_invariants()`` failing). The manager calls the unchecked
+        :meth:`_free_blocks` with its own tables."""
+        self._check_ids("ordered_block_ids", ordered_block_ids)
+        ids = [b for b in ordered_block_ids if b != NULL_BLOCK_ID]
+        if not ids:
+            return
+        need: dict[int, int] = {}
+        for b in ids:
+            need[b] = need.get(b, 0) + 1
+        have = self.ref_cnt[torch.tensor(list(need), dtype=torch.int64, device=self.device)].tolist()
+        if any(h < n for h, n in zip(have, need.values())):
+            raise InvalidFieldError("ordered_block_ids", ordered_block_ids,
+                                    "ids of blocks in use, each at most as often as it is referenced")
+        if len(need) != len(ids):
+            raise InvalidFieldError("ordered_block_ids", ordered_block_ids,
+                                    "distinct block ids (one request's table in one group)")
+        self._free_blocks(ids)
+
+    def _free_blocks(self, ordered_block_ids: list[int]) -> None:
         ids = [b for b in ordered_block_ids if b != NULL_BLOCK_ID]
         if not ids:
             return
@@ -148,6 +171,12 @@ class TorchBlockPool:
         else:
             self._prepend(released)
 
+    def _check_ids(self, field: str, ids: object) -> None:
+        """A list of block ids of this pool (O(len), before anything changes)."""
+        n = len(self.ref_cnt)
+        if not isinstance(ids, (list, tuple)) or not all(type(b) is int and 0 <= b < n for b in ids):
+            raise InvalidFieldError(field, ids, f"a list of block ids (ints in [0, {n}))")
+
     # ----------------------------------------------------------------- hashes
     def get_one_block(self, key: bytes) -> int | None:
         blocks = self._map.get(key)
@@ -155,6 +184,10 @@ class TorchBlockPool:
 
     def get_cached_block(self, block_hash: bytes, group_ids: list[int]) -> list[int] | None:
         """One block per group for ``block_hash``, or None if any group misses."""
+        if not isinstance(block_hash, bytes):
+            raise InvalidFieldError("block_hash", block_hash, "a block hash (bytes)")
+        if not isinstance(group_ids, (list, tuple)) or not all(type(g) is int and 0 <= g < 2**32 for g in group_ids):
+            raise InvalidFieldError("group_ids", group_ids, "a list of KV cache group ids (ints in [0, 2**32))")
         out = []
         for g in group_ids:
             b = self.get_one_block(group_key(block_hash, g))

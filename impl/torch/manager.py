@@ -272,7 +272,7 @@ class TorchKVCacheManager:
             return
         g.tables.touch_row(rid)
         freed = g.tables.clear_front(rid, skipped // g.block_size)
-        self.pool.free_blocks(freed[::-1])
+        self.pool._free_blocks(freed[::-1])
 
     def _cacheable_tokens(self, g: _Group, n: int) -> int:
         """Tokens group ``g`` may cache: all (one group) or scheduler-block aligned (hybrid); an
@@ -448,17 +448,21 @@ class TorchKVCacheManager:
             head = g.tables.null_head(rid)
             table = g.tables.pop(rid)
             g.num_cached_block.pop(rid, None)
-            self.pool.free_blocks(table[head:][::-1])
+            self.pool._free_blocks(table[head:][::-1])
 
     def new_step_starts(self) -> None:
         """A scheduler step begins. Nothing is per-step for the modelled group types."""
 
     def forget(self, request_id: str) -> None:
         """The request is gone for good: drop its memoised block hashes."""
+        if not isinstance(request_id, str):
+            raise InvalidFieldError("request_id", request_id, "a request id (str)")
         self.hashes.forget(request_id)
 
     # ================================================================ observation
     def get_block_ids(self, request_id: str) -> BlockIds:
+        if not isinstance(request_id, str):
+            raise InvalidFieldError("request_id", request_id, "a request id (str)")
         return tuple(tuple(g.tables.get(request_id)) for g in self.groups)
 
     def get_num_free_blocks(self) -> int:

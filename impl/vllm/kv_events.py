@@ -181,5 +181,5 @@ def decode_batch(payload: bytes, kind: str = "generic") -> DecodedBatch:
 def parse_seq(frame: bytes) -> int:
     """The publisher's 8-byte big-endian sequence number (``END_SEQ`` gives -1)."""
     if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) != 8:
-        raise EventDecodeError(f"sequence frame must be 8 bytes, got {bytes(frame)[:16]!r}")
+        raise EventDecodeError(f"sequence frame must be 8 bytes, got {repr(frame)[:40]}")
     return int.from_bytes(frame, "big", signed=True)

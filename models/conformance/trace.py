@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,16 @@ _SPEC_TYPES = {cls.__name__: cls for cls in (
     kci.CrossAttentionSpec, kci.MambaSpec)}
 
 
+def _path(path: object) -> Path:
+    """A file path (str or os.PathLike) as a Path; anything else is an input error."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path) or "\x00" in str(path):
+        raise InvalidFieldError("path", path, "a file path (str or os.PathLike)")
+    out = Path(path)
+    if not isinstance(out, Path):  # a PathLike whose __fspath__ gives bytes
+        raise InvalidFieldError("path", path, "a file path (str or os.PathLike)")
+    return out
+
+
 @dataclass(frozen=True)
 class Op:
     """One operation: ``name`` (a key of ``OP_FIELDS``) and its arguments."""
@@ -110,8 +121,10 @@ class Op:
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in OP_FIELDS:
+        if not isinstance(self.name, str) or self.name not in OP_FIELDS:
             raise InvalidFieldError("op", self.name, "one of " + ", ".join(OP_FIELDS))
+        if type(self.args) is not dict or not all(isinstance(k, str) for k in self.args):
+            raise InvalidFieldError(f"{self.name}.args", self.args, "a dict of argument name (str) -> value")
         for k, v in OP_DEFAULTS.get(self.name, {}).items():
             self.args.setdefault(k, v)
         optional = tuple(OP_DEFAULTS.get(self.name, {}))
@@ -185,6 +198,8 @@ def spec_from_json(obj: Any) -> kci.KVCacheSpec:
 
 
 def pool_config_to_json(pc: PoolConfig) -> dict[str, Any]:
+    if not isinstance(pc, PoolConfig):
+        raise InvalidFieldError("pool_config", pc, "a PoolConfig")
     out: dict[str, Any] = {}
     for f in dataclasses.fields(pc):
         v = getattr(pc, f.name)
@@ -260,6 +275,8 @@ class Trace:
 
     @classmethod
     def loads(cls, text: str) -> "Trace":
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise InvalidFieldError("trace", text, "the text of a trace file (JSON)")
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -267,17 +284,21 @@ class Trace:
         return cls.from_json(obj)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        path = _path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        except OSError as exc:
+            raise InvalidFieldError("path", str(path), f"a writable file path ({exc.strerror or exc})") from None
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """Read a trace file: data only, nothing in it is executed. Every problem (unreadable, not
         UTF-8, not JSON, a wrong value) is a :class:`TraceFormatError` naming the file and where."""
+        path = _path(path)
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except IsADirectoryError:
             raise TraceFormatError(str(path), str(path), "a trace file (.json), not a folder") from None
         except OSError as exc:

@@ -70,6 +70,13 @@ def _check_keys(name: str, keys) -> list[OffloadKey]:
     return keys
 
 
+def _check_ctx(ctx, allow_none: bool = False) -> None:
+    if ctx is None and allow_none:
+        return
+    if not isinstance(ctx, RequestContext):
+        raise InvalidFieldError("ctx", ctx, "a RequestContext" + (" or None" if allow_none else ""))
+
+
 class CPUOffloadingManager:
     """Args:
         num_chunks: CPU slots (>= 1).
@@ -156,9 +163,12 @@ class CPUOffloadingManager:
     # -- OffloadingManager API ---------------------------------------------------------------
 
     def on_new_request(self, ctx: RequestContext) -> None:
+        _check_ctx(ctx)
         self._access(ctx)
 
     def lookup(self, key: OffloadKey, ctx: RequestContext | None = None) -> LookupResult:
+        _check_keys("key", (key,))
+        _check_ctx(ctx, allow_none=True)
         chunk = self.policy.get(key)
         if chunk is None:
             return LookupResult.MISS
@@ -166,6 +176,7 @@ class CPUOffloadingManager:
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: RequestContext) -> list[int]:
         """Pin ready chunks for reading; returns their chunk ids."""
+        _check_ctx(ctx)
         keys = _check_keys("keys", keys)
         for k in keys:
             chunk = self.policy.get(k)
@@ -184,9 +195,11 @@ class CPUOffloadingManager:
         return ids
 
     def touch(self, keys: Collection[OffloadKey], ctx: RequestContext) -> None:
+        _check_ctx(ctx)
         self.policy.touch(_check_keys("keys", keys), ctx)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: RequestContext | None = None) -> None:
+        _check_ctx(ctx, allow_none=True)
         keys = _check_keys("keys", keys)
         need: dict[OffloadKey, int] = {}
         for k in keys:
@@ -204,6 +217,7 @@ class CPUOffloadingManager:
                 self.policy.mark_evictable(k)
 
     def prepare_store(self, keys: Collection[OffloadKey], ctx: RequestContext) -> PrepareStoreOutput | None:
+        _check_ctx(ctx)
         keys = _check_keys("keys", keys)
         if len(set(keys)) != len(keys):
             # vLLM would allocate two chunks for one key and leak one (its callers never repeat a key).
@@ -260,6 +274,7 @@ class CPUOffloadingManager:
                        success: bool = True) -> None:
         """Pending chunks among ``keys`` become readable (or vanish on failure); others are ignored,
         as in vLLM (a key may have been stored by another job already)."""
+        _check_ctx(ctx, allow_none=True)
         keys = _check_keys("keys", keys)
         if not isinstance(success, bool):
             raise InvalidFieldError("success", success, "a bool")
@@ -281,6 +296,7 @@ class CPUOffloadingManager:
             self.events.append(OffloadingEvent(done, removed=not success, metadata_only=not success))
 
     def on_request_finished(self, ctx: RequestContext) -> None:
+        _check_ctx(ctx)
         st = ctx.get_state(_RequestCacheAccess)
         if st is None or st.owner is not self or st.generation != self._generation or st.finished:
             return

@@ -94,6 +94,11 @@ class LookupResult(enum.Enum):
     RETRY = "retry"  # location unknown yet (async tiers); the CPU manager never answers it
 
 
+def _check_key(key: object) -> None:
+    if not isinstance(key, bytes) or len(key) < 4:
+        raise InvalidFieldError("key", key, "an offload key (bytes: block hash + 4-byte group index)")
+
+
 @dataclass
 class RequestContext:
     """Per-request facts a manager may use (vLLM ``ReqContext``).
@@ -109,16 +114,20 @@ class RequestContext:
     _state: dict[type, Any] = field(default_factory=dict, repr=False)
 
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        _check_key(key)
         check_int("end_token", end_token, minimum=0)
         self._positions[key] = end_token
 
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        _check_key(key)
         return self._positions.get(key)
 
     def set_state(self, value: Any) -> None:
         self._state[type(value)] = value
 
     def get_state(self, cls: type[_T]) -> _T | None:
+        if not isinstance(cls, type):
+            raise InvalidFieldError("cls", cls, "a type (the state's class)")
         return self._state.get(cls)
 
 
