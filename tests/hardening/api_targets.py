@@ -49,19 +49,35 @@ def _cpu_manager():
 def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """name -> (callable, valid keyword arguments)."""
     from kvref.impl.interface import PoolConfig
+    from kvref.impl.reference.adapter import ReferenceKVCacheManager
     from kvref.impl.reference.block_pool import BlockPool
     from kvref.impl.reference.kv_cache_manager import KVCacheManager
+    from kvref.impl.reference.offload import (
+        ARCCachePolicy,
+        LRUCachePolicy,
+        RequestContext,
+    )
     from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
+    from kvref.impl.reference.offload.lookup import LookupGroup
     from kvref.impl.reference.offload.offloading_scheduler import (
         OffloadingConnectorScheduler as OffloadingScheduler,
     )
+    from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
         SimpleCPUOffloadScheduler,
+        SimpleOffloadStep,
     )
     from kvref.impl.reference.scheduler import Scheduler
-    from kvref.impl.scheduler_types import SchedulerConfig
     from kvref.impl.request import Request
+    from kvref.impl.run_trace.format import TokenAnonymizer
+    from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.models.conformance.trace import Op, Trace
     from kvref.spec.config import EngineConfig
+    from kvref.spec.kv_cache_interface import (
+        CrossAttentionSpec,
+        EncoderOnlyAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     pc = pool_config()
     out = {
@@ -95,6 +111,27 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "MambaSpec": (MambaSpec, dict(block_size=4, shapes=((2, 3),), dtypes=("float16",))),
         "KVCacheGroupSpec": (KVCacheGroupSpec, dict(layer_names=("l0",), kv_cache_spec=FULL, is_eagle_group=False)),
         "EngineConfig": (EngineConfig, dict(max_model_len=1024, derived_max_model_len=4096)),
+        "CrossAttentionSpec": (CrossAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")),
+        "EncoderOnlyAttentionSpec": (EncoderOnlyAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
+                                                                    dtype="bfloat16")),
+        "UniformTypeKVCacheSpecs": (UniformTypeKVCacheSpecs, dict(block_size=4, kv_cache_specs={"l0": FULL})),
+        "ReferenceKVCacheManager": (ReferenceKVCacheManager, dict(config=pc)),
+        "ModelOutput": (ModelOutput, dict(sampled_token_ids={"r0": [1]})),
+        "LRUCachePolicy": (LRUCachePolicy, dict(cache_capacity=4)),
+        "ARCCachePolicy": (ARCCachePolicy, dict(cache_capacity=4)),
+        "RequestContext": (RequestContext, dict(req_id="r0")),
+        "LookupGroup": (LookupGroup, dict(tokens_per_chunk=4, window=None, sliding_window=None,
+                                          extra_retained_tokens=0)),
+        "SimpleOffloadStep": (SimpleOffloadStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
+                                                      preempted_req_ids=set())),
+        "OffloadingStep": (OffloadingStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
+                                                preempted_req_ids=set())),
+        "Op": (Op, dict(name="finish", args={"rid": "r0"})),
+        "Trace": (Trace, dict(pool_config=pc, ops=[], note="")),
+        "TraceReader": (_trace_reader, dict(validate=True, path=None)),
+        "TraceWriter": (_trace_writer, dict(compresslevel=1, chunk_records=4, background=False, flush_seconds=2.0,
+                                                    path=None, header=None)),
+        "TokenAnonymizer": (TokenAnonymizer, dict()),
     }
     try:
         import torch
@@ -120,6 +157,64 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     except ImportError:  # pragma: no cover - torch is a test dependency
         pass
     return out
+
+
+_SCRATCH: list = []
+
+
+def _scratch(name: str) -> str:
+    """A fresh path in one scratch folder per process (removed at exit)."""
+    import atexit
+    import itertools
+    import shutil
+    import tempfile
+
+    if not _SCRATCH:
+        folder = tempfile.mkdtemp(prefix="kvref-api-")
+        atexit.register(shutil.rmtree, folder, True)
+        _SCRATCH.extend([folder, itertools.count()])
+    return f"{_SCRATCH[0]}/{next(_SCRATCH[1])}-{name}"
+
+
+def scratch_dir() -> str:
+    """The scratch folder: fuzz calls run with it as the working directory, so a relative path
+    made from a valid one (``" " + path``, ``"x"``) lands there, not in the repository."""
+    _scratch("")
+    return _SCRATCH[0]
+
+
+def _trace_reader(validate=True, path=None):
+    """A TraceReader on a small valid trace (``path`` replaced by the fuzz: a wrong path is input)."""
+    from kvref.impl.run_trace.reader import TraceReader
+
+    from tests.record.traces import add, write_trace
+
+    if path is None:
+        path = write_trace(_scratch("t.kvtrace.gz"), _trace_header(), [add("r0", [1, 2, 3])])
+    r = TraceReader(path, validate=validate)
+    list(r.records())
+    r.close()
+    return r
+
+
+def _trace_writer(compresslevel=1, chunk_records=4, background=False, flush_seconds=2.0, path=None, header=None):
+    from kvref.impl.run_trace.writer import TraceWriter
+
+    w = TraceWriter(_scratch("t.kvtrace.gz") if path is None else path, _trace_header() if header is None else header,
+                    compresslevel=compresslevel, chunk_records=chunk_records, background=background,
+                    flush_seconds=flush_seconds)
+    w.close()
+    return w
+
+
+#: catalogue entries built through a helper (a lambda or a wrapper): the entry point they call
+ALIASES = {
+    "Scheduler": "kvref.impl.reference.scheduler.Scheduler",
+    "TraceReader": "kvref.impl.run_trace.reader.TraceReader",
+    "TraceWriter": "kvref.impl.run_trace.writer.TraceWriter",
+    "OffloadCopier": "kvref.impl.torch.offload_copy.OffloadCopier",
+    "DataPathRunner": "kvref.impl.torch.model_runner.DataPathRunner",
+}
 
 
 def snapshot(obj: Any) -> bytes:
@@ -231,4 +326,456 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
                                                                       num_external_tokens=0))
     connector_case("request_finished", lambda s, r0, r1: dict(req=r0, aborted=False))
     connector_case("update_connector_output", lambda s, r0, r1: dict(completed_jobs={}))
+    connector_case("build_connector_meta", lambda s, r0, r1: dict(step=_offloading_step()))
+    offload_case("build_connector_meta", lambda s, g, r: dict(step=_simple_step()))
+
+    pool_case("is_block_writable", lambda p, b: dict(block=b[0]))
+    pool_case("move_block_hashes", lambda p, b: dict(src_block=b[0], dst_block=b[1]))
+
+    def events_pool_case(method, make_kwargs):
+        def build():
+            from kvref.impl.request import Request
+
+            p = BlockPool(9, True, 4, enable_kv_cache_events=True)
+            b = p.get_new_blocks(3)
+            r = Request("r0", list(range(9)), max_tokens=4)
+            p.cache_full_blocks(H[:2], b, 0, 2, 4, 0, None, r)
+            return p, p.check_invariants, make_kwargs(p, b, r), getattr(p, method)
+        add(f"BlockPool.{method}", build)
+
+    events_pool_case("emit_cached_block_events", lambda p, b, r: dict(
+        request=r, block_hashes=H[:2], num_cached_blocks=2, block_size=4, kv_cache_group_id=0))
+
+    manager_case("block_hashes", lambda m, r0, r1: dict(request=r1))
+    manager_case("create_kv_cache_blocks", lambda m, r0, r1: dict(blocks=([], [])))
+    manager_case("get_block_ids", lambda m, r0, r1: dict(request_id="r0"))
+    manager_case("get_num_common_prefix_blocks", lambda m, r0, r1: dict(running_request_id="r0"))
+
+    def scheduler_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.scheduler import Scheduler
+            from kvref.impl.request import Request
+            from kvref.impl.scheduler_types import SchedulerConfig
+
+            s = Scheduler(pool_config(max_in_flight_tokens=16), SchedulerConfig(max_num_batched_tokens=16))
+            s.add_request(Request("a", list(range(6)), max_tokens=3))
+            out = s.schedule()
+            return s, s.check_invariants, make_kwargs(s, out), getattr(s, method)
+        add(f"Scheduler.{method}", build)
+
+    scheduler_case("add_request", lambda s, out: dict(request=_request("b", 5)))
+    scheduler_case("finish_requests", lambda s, out: dict(request_ids=["a"]))
+    scheduler_case("update_from_output", lambda s, out: dict(output=out, model_output=_model_output(out)))
+
+    def cpu_manager_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.offload import RequestContext, make_offload_key
+
+            m = _cpu_manager()
+            ctx = RequestContext("r0")
+            k = [make_offload_key(h, 0) for h in H]
+            m.on_new_request(ctx)
+            m.prepare_store(k[:2], ctx)
+            m.complete_store(k[:1], ctx)
+            return m, m.check_invariants, make_kwargs(m, ctx, k), getattr(m, method)
+        add(f"CPUOffloadingManager.{method}", build)
+
+    cpu_manager_case("on_new_request", lambda m, c, k: dict(ctx=_ctx("r1")))
+    cpu_manager_case("lookup", lambda m, c, k: dict(key=k[0], ctx=c))
+    cpu_manager_case("prepare_load", lambda m, c, k: dict(keys=k[:1], ctx=c))
+    cpu_manager_case("touch", lambda m, c, k: dict(keys=k[:2], ctx=c))
+    cpu_manager_case("complete_load", lambda m, c, k: dict(keys=[], ctx=c))
+    cpu_manager_case("prepare_store", lambda m, c, k: dict(keys=k[2:], ctx=c))
+    cpu_manager_case("complete_store", lambda m, c, k: dict(keys=k[1:2], ctx=c, success=True))
+    cpu_manager_case("on_request_finished", lambda m, c, k: dict(ctx=c))
+
+    def ref_adapter_case(method, make_kwargs, manager="reference"):
+        def build():
+            from kvref.impl.interface import make_manager
+            from kvref.impl.request import Request
+
+            m = _make(manager)
+            r0 = Request("r0", list(range(9)), max_tokens=4)
+            r1 = Request("r1", list(range(9)), max_tokens=4)
+            assert m.allocate_slots(r0, 9) is not None
+            del make_manager
+            return m, m.check_invariants, make_kwargs(m, r0, r1), getattr(m, method)
+        add(f"{'ReferenceKVCacheManager' if manager == 'reference' else 'TorchKVCacheManager'}.{method}", build)
+
+    for kind in ("reference", "torch"):
+        ref_adapter_case("get_computed_blocks", lambda m, r0, r1: dict(request=r1), kind)
+        ref_adapter_case("allocate_slots", lambda m, r0, r1: dict(
+            request=r1, num_new_tokens=4, num_new_computed_tokens=0, new_computed_block_ids=None,
+            num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
+            full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True), kind)
+        ref_adapter_case("free", lambda m, r0, r1: dict(request=r0), kind)
+        ref_adapter_case("cache_blocks", lambda m, r0, r1: dict(request=r0, num_computed_tokens=8), kind)
+        ref_adapter_case("get_block_ids", lambda m, r0, r1: dict(request_id="r0"), kind)
+        ref_adapter_case("forget", lambda m, r0, r1: dict(request_id="r1"), kind)
+    ref_adapter_case("evict_blocks", lambda m, r0, r1: dict(block_ids={1}))
+
+    def torch_pool_case(method, make_kwargs):
+        def build():
+            import torch
+            from kvref.impl.torch.block_pool import TorchBlockPool
+
+            p = TorchBlockPool(9, True, torch.device("cpu"))
+            b = p.get_new_blocks(3)
+            return p, p.check_invariants, make_kwargs(p, b), getattr(p, method)
+        add(f"TorchBlockPool.{method}", build)
+
+    torch_pool_case("get_new_blocks", lambda p, b: dict(n=2))
+    torch_pool_case("touch", lambda p, b: dict(block_ids=b[:1]))
+    torch_pool_case("free_blocks", lambda p, b: dict(ordered_block_ids=b[:2]))
+    torch_pool_case("get_cached_block", lambda p, b: dict(block_hash=H[0], group_ids=[0]))
+
+    def writer_case(method, make_kwargs):
+        def build():
+            from kvref.impl.run_trace.writer import TraceWriter
+
+            w = TraceWriter(_scratch("w.jsonl"), _trace_header(), background=False)
+            return _WriterState(w), w.check_invariants, make_kwargs(w), getattr(w, method)
+        add(f"TraceWriter.{method}", build)
+
+    writer_case("write", lambda w: dict(record={"t": "abort", "ids": ["r0"]}))
+    writer_case("write_line", lambda w: dict(line='{"t": "abort", "ids": ["r0"]}'))
+
+    def anonymizer_case(method, make_kwargs):
+        def build():
+            from kvref.impl.run_trace.format import TokenAnonymizer
+
+            a = TokenAnonymizer()
+            a.request_id("r0")
+            return a, a.check_invariants, make_kwargs(a), getattr(a, method)
+        add(f"TokenAnonymizer.{method}", build)
+
+    anonymizer_case("tokens", lambda a: dict(tokens=[1, 2, 3]))
+    anonymizer_case("request_id", lambda a: dict(request_id="r1"))
+    anonymizer_case("forget", lambda a: dict(request_id="r0"))
+    anonymizer_case("salt", lambda a: dict(salt="s"))
+
+    def ctx_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.offload import make_offload_key
+
+            c = _ctx("r0")
+            return c, (lambda: None), make_kwargs(c, make_offload_key(H[0], 0)), getattr(c, method)
+        add(f"RequestContext.{method}", build)
+
+    scheduler_case("snapshot", lambda s, out: dict(all_requests=[_request("gone", 3)]))
+
+    def closing_writer_case():
+        def build():
+            from kvref.impl.run_trace.writer import TraceWriter
+
+            w = TraceWriter(_scratch("c.jsonl"), _trace_header(), background=False)
+            return _WriterState(w), w.check_invariants, dict(end={"t": "end"}), w.close
+        add("TraceWriter.close", build)
+
+    closing_writer_case()
+    ctx_case("set_offload_key_position", lambda c, k: dict(key=k, end_token=4))
+    ctx_case("get_offload_key_position", lambda c, k: dict(key=k))
+    ctx_case("set_state", lambda c, k: dict(value=[1]))
+    ctx_case("get_state", lambda c, k: dict(cls=list))
     return cases
+
+
+class _WriterState:
+    """What a trace writer holds, for the snapshot: records written and lines buffered (its file
+    handle and compressor cannot be pickled)."""
+
+    def __init__(self, w) -> None:
+        self.w = w
+
+    def __reduce__(self):
+        return (tuple, ((self.w.num_records, self.w.closed, list(self.w._buf)),))
+
+
+def _request(rid, n):
+    from kvref.impl.request import Request
+
+    return Request(rid, list(range(n)), max_tokens=3)
+
+
+def _ctx(rid):
+    from kvref.impl.reference.offload import RequestContext
+
+    return RequestContext(rid)
+
+
+def _model_output(out):
+    from kvref.impl.scheduler_types import ModelOutput
+
+    return ModelOutput({r.request_id: [1] for r in out.scheduled})
+
+
+def _make(kind):
+    from kvref.impl.interface import make_manager
+
+    if kind == "torch":
+        from kvref.impl.torch.manager import TorchKVCacheManager
+
+        return TorchKVCacheManager(pool_config(), device="cpu")
+    return make_manager(kind, pool_config())
+
+
+def _simple_step():
+    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
+        SimpleOffloadStep,
+    )
+
+    return SimpleOffloadStep(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(), preempted_req_ids=set())
+
+
+def _offloading_step():
+    from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
+
+    return OffloadingStep(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(), preempted_req_ids=set())
+
+
+# ------------------------------------------------------------------ stateless functions
+
+H = [bytes([i]) * 32 for i in range(4)]  # block hashes
+ENGINE = None  # built lazily (EngineConfig import)
+
+
+def _engine():
+    from kvref.spec.config import EngineConfig
+
+    return EngineConfig(block_size=4, max_model_len=64, derived_max_model_len=128, max_num_batched_tokens=16,
+                        max_num_seqs=4)
+
+
+def _trace_header():
+    from tests.record.traces import full_setup, header_for
+
+    return header_for(*full_setup())
+
+
+def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """name -> (callable without state of its own, valid keyword arguments): module functions,
+    static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
+    from kvref.impl import interface
+    from kvref.impl.reference import kv_events, scheduler_liveness
+    from kvref.impl.reference.offload import keys
+    from kvref.impl.request import Request
+    from kvref.impl.run_trace import format as run_format
+    from kvref.impl.run_trace.writer import compression_for
+    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.models.conformance import trace as conf_trace
+    from kvref.spec import (
+        block_sizes,
+        config,
+        dtypes,
+        grouping,
+        planning,
+        pool_sizing,
+    )
+    from kvref.spec import kv_cache_interface as kci
+
+    eng = _engine()
+    groups = (GROUP, KVCacheGroupSpec(("l1",), SWA))
+    layers = {"l0": FULL, "l1": SWA}
+    pc = pool_config()
+    sc = SchedulerConfig(max_num_batched_tokens=16)
+    req = Request("r0", list(range(9)), max_tokens=4)
+    out: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+        # spec: arithmetic, dtypes, configs
+        "get_dtype_size": (dtypes.get_dtype_size, dict(name="bfloat16")),
+        "canonical_dtype": (dtypes.canonical_dtype, dict(name="half", field="dtype")),
+        "max_in_flight_tokens": (config.max_in_flight_tokens, dict(max_num_batched_tokens=16,
+                                                                   max_concurrent_batches=2)),
+        "EngineConfig.with_max_model_len": (eng.with_max_model_len, dict(max_model_len=32)),
+        # spec: block sizes, grouping, sizing, planning
+        "cache_block_size": (block_sizes.cache_block_size, dict(groups=groups)),
+        "group_block_size": (block_sizes.group_block_size, dict(group=GROUP, dcp_world_size=1)),
+        "partial_hash_hits_enabled": (block_sizes.partial_hash_hits_enabled, dict(groups=groups, hash_block_size=4,
+                                                                                  dcp_world_size=1)),
+        "resolve_cache_hit_alignment_tokens": (block_sizes.resolve_cache_hit_alignment_tokens, dict(
+            groups=groups, config=eng, scheduler_block_size=4, hash_block_size=4)),
+        "resolve_kv_cache_block_sizes": (block_sizes.resolve_kv_cache_block_sizes, dict(groups=groups, config=eng)),
+        "get_kv_cache_groups": (grouping.get_kv_cache_groups, dict(layers=layers,
+                                                                   disable_hybrid_kv_cache_manager=False)),
+        "group_layers_with_uniform_page_size": (grouping.group_layers_with_uniform_page_size, dict(layers=layers)),
+        "group_size_for": (grouping.group_size_for, dict(layer_counts=[2, 1])),
+        "is_kv_cache_spec_uniform": (grouping.is_kv_cache_spec_uniform, dict(layers=layers)),
+        "merge_specs": (grouping.merge_specs, dict(specs=[FULL, FULL])),
+        "promote_local_kv_cache_specs": (grouping.promote_local_kv_cache_specs, dict(layers=layers)),
+        "unify_hybrid_kv_cache_specs": (grouping.unify_hybrid_kv_cache_specs, dict(layers=layers)),
+        "unify_kv_cache_spec_page_size": (grouping.unify_kv_cache_spec_page_size, dict(layers=layers)),
+        "validate_layers": (grouping.validate_layers, dict(layers=layers, allow_empty=False)),
+        "plan_kv_cache": (planning.plan_kv_cache, dict(layers=layers, config=eng, available_memory=1 << 20)),
+        "scheduler_view": (planning.scheduler_view, dict(groups=groups)),
+        "pool_bytes_per_block": (pool_sizing.pool_bytes_per_block, dict(groups=groups)),
+        "auto_fit_max_model_len": (pool_sizing.auto_fit_max_model_len, dict(
+            groups=groups, config=eng, check_memory=1 << 20, original_max_model_len=64)),
+        "check_enough_kv_cache_memory": (pool_sizing.check_enough_kv_cache_memory, dict(
+            groups=groups, config=eng, check_memory=1 << 20, max_model_len=64)),
+        "estimate_max_model_len": (pool_sizing.estimate_max_model_len, dict(groups=groups, config=eng,
+                                                                             available_memory=1 << 20, upper=64)),
+        "format_gib": (pool_sizing.format_gib, dict(num_bytes=1 << 30)),
+        "group_blocks_per_request": (pool_sizing.group_blocks_per_request, dict(spec=FULL, config=eng,
+                                                                                 max_model_len=64)),
+        "layer_spec": (pool_sizing.layer_spec, dict(group=GROUP, layer_name="l0")),
+        "max_concurrency": (pool_sizing.max_concurrency, dict(scheduler_groups=groups, config=eng, max_model_len=64,
+                                                              num_blocks=40)),
+        "needed_bytes_for": (pool_sizing.needed_bytes_for, dict(groups=groups, config=eng, max_model_len=64)),
+        "validate_groups": (pool_sizing.validate_groups, dict(groups=groups)),
+        "has_admission_cap": (kci.has_admission_cap, dict(spec=SWA)),
+        "attention_compare_fields": (kci.attention_compare_fields, dict(spec=FULL)),
+        # spec: methods of frozen specs
+        "KVCacheSpec.max_memory_usage_bytes": (FULL.max_memory_usage_bytes, dict(config=eng, max_model_len=32)),
+        "SlidingWindowSpec.max_memory_usage_bytes": (SWA.max_memory_usage_bytes, dict(config=eng, max_model_len=32)),
+        "KVCacheSpec.max_memory_usage_blocks": (FULL.max_memory_usage_blocks, dict(config=eng, max_model_len=32)),
+        "KVCacheSpec.max_num_blocks_per_req": (FULL.max_num_blocks_per_req, dict(config=eng, max_len=32)),
+        "SlidingWindowSpec.admission_cap": (SWA.admission_cap, dict(max_in_flight_tokens=16, max_model_len=32)),
+        "SlidingWindowSpec.max_admission_blocks_per_request": (SWA.max_admission_blocks_per_request, dict(
+            max_in_flight_tokens=16, max_model_len=32)),
+        "KVCacheSpec.admission_cap": (FULL.admission_cap, dict(max_in_flight_tokens=16, max_model_len=32)),
+        "KVCacheSpec.effective_block_size": (FULL.effective_block_size, dict(dcp_world_size=1)),
+        "KVCacheSpec.copy_with_new_block_size": (FULL.copy_with_new_block_size, dict(block_size=8)),
+        "FullAttentionSpec.merge": (FullAttentionSpec.merge, dict(specs=[FULL, FULL])),
+        "MLAAttentionSpec.merge": (MLAAttentionSpec.merge, dict(specs=[MLAAttentionSpec(
+            block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")] * 2)),
+        "SlidingWindowSpec.is_uniform_with_collection": (SWA.is_uniform_with_collection, dict(specs=layers)),
+        "UniformTypeKVCacheSpecs.from_specs": (kci.UniformTypeKVCacheSpecs.from_specs, dict(specs={"l0": FULL})),
+        "UniformTypeKVCacheSpecs.is_uniform_type": (kci.UniformTypeKVCacheSpecs.is_uniform_type,
+                                                    dict(specs={"l0": FULL})),
+        # reference: hashing, events, liveness bounds
+        "to_external_block_hash": (kv_events.to_external_block_hash, dict(hash_bytes=H[0], use_int=False)),
+        "event_extra_keys": (kv_events.event_extra_keys, dict(salt="s", block_start=0)),
+        "kv_cache_spec_kind": (kv_events.kv_cache_spec_kind, dict(spec=SWA)),
+        "drain_bound": (scheduler_liveness.drain_bound, dict(requests=[req], pool=pc, config=sc)),
+        "max_blocks_per_request": (scheduler_liveness.max_blocks_per_request, dict(pool=pc, config=sc)),
+        "startup_consistent": (scheduler_liveness.startup_consistent, dict(pool=pc, config=sc)),
+        "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
+        "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
+        # offload keys and lookups
+        "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),
+        "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
+                                                                                           tokens_per_chunk=4)),
+        # run traces and conformance traces (data read from files: every field checked)
+        "decode_tokens": (run_format.decode_tokens, dict(text=run_format.encode_tokens([1, 2, 3]))),
+        "encode_tokens": (run_format.encode_tokens, dict(tokens=[1, 2, 3])),
+        "validate_header": (run_format.validate_header, dict(header=_trace_header(), where="t:1")),
+        "validate_record": (run_format.validate_record, dict(rec={"t": "abort", "ids": ["r0"]}, where="t:2")),
+        "compression_for": (compression_for, dict(path="run.kvtrace.gz")),
+        "spec_from_json": (conf_trace.spec_from_json, dict(obj=conf_trace.spec_to_json(SWA))),
+        "spec_to_json": (conf_trace.spec_to_json, dict(spec=SWA)),
+        "pool_config_from_json": (conf_trace.pool_config_from_json, dict(obj=conf_trace.pool_config_to_json(pc))),
+        "pool_config_to_json": (conf_trace.pool_config_to_json, dict(pc=pc)),
+        "Trace.from_json": (conf_trace.Trace.from_json, dict(obj=conf_trace.Trace(pc).to_json())),
+        "Trace.loads": (conf_trace.Trace.loads, dict(text=conf_trace.Trace(pc).dumps())),
+        "Op.from_json": (conf_trace.Op.from_json, dict(obj={"op": "finish", "rid": "r0"})),
+    }
+    out["SlidingWindowSpec.merge"] = (SlidingWindowSpec.merge, dict(specs=[SWA, SWA]))
+    out["check_config"] = (pool_sizing.check_config, dict(config=eng))
+    saved = conf_trace.Trace(pc).save(_scratch("t.json"))
+    out["Trace.load"] = (conf_trace.Trace.load, dict(path=str(saved)))
+    out["Trace.save"] = (conf_trace.Trace(pc).save, dict(path=_scratch("s.json")))
+    uniform = kci.UniformTypeKVCacheSpecs(block_size=4, kv_cache_specs={"l0": FULL, "l1": FULL})
+    out["UniformTypeKVCacheSpecs.layer_spec"] = (uniform.layer_spec, dict(layer_name="l0"))
+    # the sizing methods of every concrete spec type (each overrides some of them)
+    every_spec = [FULL, SWA, uniform, MambaSpec(block_size=4, shapes=((2, 3),), dtypes=("float16",)),
+                  ChunkedLocalAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16",
+                                            attention_chunk_size=8),
+                  MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16"),
+                  kci.CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16"),
+                  kci.EncoderOnlyAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")]
+    for spec in every_spec:
+        name = type(spec).__name__
+        for method, kwargs in (("max_memory_usage_bytes", dict(config=eng, max_model_len=32)),
+                               ("max_memory_usage_blocks", dict(config=eng, max_model_len=32)),
+                               ("max_memory_usage_pages", dict(config=eng, max_model_len=32)),
+                               ("max_num_blocks_per_req", dict(config=eng, max_len=32)),
+                               ("admission_cap", dict(max_in_flight_tokens=16, max_model_len=32)),
+                               ("max_admission_blocks_per_request", dict(max_in_flight_tokens=16, max_model_len=32)),
+                               ("is_uniform_with_collection", dict(specs={"x": spec}))):
+            if hasattr(spec, method) and not (method == "max_num_blocks_per_req" and name == "EncoderOnlyAttentionSpec"):
+                out[f"{name}.{method}"] = (getattr(spec, method), kwargs)
+    try:
+        from kvref.impl.vllm import kv_events as vllm_events
+
+        out["decode_batch"] = (vllm_events.decode_batch, dict(payload=_event_payload(), kind="generic"))
+        out["make_decoder"] = (vllm_events.make_decoder, dict(kind="generic"))
+        out["parse_seq"] = (vllm_events.parse_seq, dict(frame=(7).to_bytes(8, "big")))
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import torch  # noqa: F401
+        from kvref.impl.torch import make_manager as torch_make_manager
+        from kvref.impl.torch.manager import resolve_device
+
+        out["torch.make_manager"] = (torch_make_manager, dict(pool_config=pc, device="cpu"))
+        out["resolve_device"] = (resolve_device, dict(device="cpu"))
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+def _event_payload() -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode([0.0, [], None])
+
+
+# ------------------------------------------------------------------ wrong values of the right type
+
+def _foreign_block():
+    """A block of another pool (same id range: only its identity says it is not ours)."""
+    from kvref.impl.reference.block_pool import BlockPool
+
+    return BlockPool(9, True, 4).get_new_blocks(2)[1]
+
+
+def _other_request(rid: str = "r0"):
+    """Same id as a live request, different content (vLLM: a request id is used once)."""
+    from kvref.impl.request import Request, RequestStatus
+
+    r = Request(rid, [7] * 5, max_tokens=1)
+    r.status = RequestStatus.FINISHED
+    return r
+
+
+def near_misses(value: Any) -> list[Any]:
+    """Values shaped like ``value`` but wrong in content: a bool for an int, a wrong element type
+    in a list of the right length, too short/long lists, a tuple where a list is mutated, a huge
+    list, blocks of another pool or the null block, a spec of another kind or block size, bytes of
+    the wrong length, a finished request reusing an id. Some may be valid: a call then has to work."""
+    from kvref.impl.reference.kv_cache_block import KVCacheBlock
+    from kvref.impl.request import Request
+    from kvref.spec.kv_cache_interface import KVCacheSpec
+
+    out: list[Any] = []
+    if type(value) is int:
+        out += [value == 0, value + 10**6, -value - 1, float(value)]
+    elif type(value) is float:
+        out += [int(value) + 10**9, -1.0]
+    elif isinstance(value, bool):
+        out += [int(value), "true"]
+    elif isinstance(value, bytes):
+        out += [value[:-1], value + b"\x00", value.hex(), bytearray(value)]
+    elif isinstance(value, str):
+        out += [value + "?" * 1000, value.encode(), " " + value]
+    elif isinstance(value, KVCacheBlock):
+        out += [_foreign_block(), value.block_id]
+    elif isinstance(value, Request):
+        out += [_other_request(value.request_id), value.request_id]
+    elif isinstance(value, KVCacheSpec):
+        from dataclasses import replace
+
+        out += [SWA if type(value) is not SlidingWindowSpec else FULL, replace(value, block_size=8)]
+        out += [MambaSpec(block_size=4, shapes=((2, 3),), dtypes=("float16",))]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        out += [tuple(items) if isinstance(value, list) else items, items[:-1], items + items[-1:],
+                [None] * len(items), ["x"] * len(items), (items or [0]) * 4096]
+        if items and isinstance(items[0], KVCacheBlock):
+            out += [[_foreign_block()] * len(items), items[:1] * 2]
+        if items and isinstance(items[0], (list, tuple)):
+            out += [[list(i) + [None] for i in items], [tuple(i) for i in items]]
+    elif isinstance(value, dict):
+        out += [{k: None for k in value}, dict.fromkeys([None], next(iter(value.values()), None)), list(value.items())]
+    elif isinstance(value, (set, frozenset)):
+        out += [list(value), {None}, set(range(10**4))]
+    return out

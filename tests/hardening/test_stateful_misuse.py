@@ -6,10 +6,10 @@ internal invariant reached through a public call."""
 from __future__ import annotations
 
 import pytest
-from kvref.impl.reference.kv_cache_manager import KVCacheManager
+from kvref.impl.reference.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request
+from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 
 from tests.hardening.api_targets import GROUP, pool_config, snapshot
 
@@ -71,7 +71,7 @@ def test_add_the_same_request_twice_is_rejected():
 @pytest.mark.parametrize("which", ["uncached", "null", "foreign", "in-use-uncached"])
 def test_fake_prefix_hit_is_rejected(which):
     """``new_computed_blocks`` must be a real hit: cached blocks of this pool, as many as claimed."""
-    m, r0 = _manager()
+    m, _ = _manager()
     r1 = Request("r1", list(range(9)), max_tokens=4)
     pool = m.block_pool
     if which == "uncached":
@@ -83,7 +83,12 @@ def test_fake_prefix_hit_is_rejected(which):
     else:
         blocks = [b for b in pool.blocks if b.ref_cnt and b.block_hash is None][:1]
         assert blocks
-    hit = m.create_kv_cache_blocks(tuple([blocks] + [[] for _ in range(m.num_kv_cache_groups - 1)]))
+    groups = tuple([blocks] + [[] for _ in range(m.num_kv_cache_groups - 1)])
+    if which == "foreign":  # create_kv_cache_blocks refuses them already; a hand-built KVCacheBlocks too
+        _rejected_without_change(m, m.check_invariants, lambda: m.create_kv_cache_blocks(groups))
+        hit = KVCacheBlocks(groups)
+    else:
+        hit = m.create_kv_cache_blocks(groups)
     _rejected_without_change(m, m.check_invariants, lambda: m.allocate_slots(r1, 5, 4, hit))
 
 

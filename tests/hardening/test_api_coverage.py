@@ -1,0 +1,233 @@
+"""Every public entry point is fuzzed or excluded for a stated reason (issue #15).
+
+:func:`tests.hardening.api_discovery.discover` walks the packages users import; each class,
+method and function it finds must be in the fuzz catalogue (:mod:`tests.hardening.api_targets`)
+or in :data:`EXCLUDED` below with a one-line reason. A new public entry point in neither fails
+:func:`test_every_public_entry_point_is_fuzzed_or_excluded`; an exclusion that names nothing any
+more, or something the catalogue now covers, fails :func:`test_exclusions_are_current`.
+Methods and constructors that take no argument are excluded by rule (nothing to get wrong:
+call-order misuse is the state machines' job, ``test_stateful_misuse.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from tests.hardening.api_discovery import discover, qualified
+from tests.hardening.api_targets import ALIASES, constructors, functions, method_cases
+
+_REF = "kvref.impl.reference"
+
+#: building blocks inside the reference KV cache manager / block pool
+INTERNAL = ("building block of KVCacheManager/BlockPool (vLLM's class of the same name is not called by users "
+            "either); reached only through them, with checked arguments")
+#: eviction policies
+POLICY = ("eviction policy driven only by CPUOffloadingManager, which checks keys and ctx first (as vLLM's "
+          "CachePolicy is); the policy constructors are fuzzed")
+#: per-step hashing and arithmetic
+HOT = ("per-step primitive on the hot path, the same bare expression as vLLM's; every public caller checks "
+       "its values first (a check here would cost every step)")
+#: what kvref hands out
+RECORD = ("a result record kvref returns (read, not built by users); a forged one is rejected where it is "
+          "passed back")
+#: lookup/store planning of the connector
+CONNECTOR_STEP = ("a step of OffloadingConnectorScheduler's lookup/store planning, called with the scheduler's "
+                  "own checked state")
+#: torch data-path internals
+TORCH = ("torch data-path internal driven by TorchKVCacheManager/DataPathRunner with tensors it built; a check "
+         "per call would cost a device sync")
+#: trace record codecs
+CODEC = "run-trace record codec used by TraceWriter/TraceReader after validate_record checked the record"
+#: abstract bases and protocols
+ABSTRACT = "abstract base / typing Protocol: the concrete classes are fuzzed"
+#: owned elsewhere
+HF = "spec/hf_config.py belongs to the HF-config engineer (its own fuzz); bugs go to their report"
+VLLM = "binds to vLLM's own objects (a VllmConfig, vLLM events); built by vLLM's engine, covered by tests/record"
+
+
+def _each(module: str, names: str, reason: str) -> dict[str, str]:
+    return {f"{module}.{n}": reason for n in names.split()}
+
+
+EXCLUDED: dict[str, str] = {
+    **_each(f"{_REF}.block_hash_to_block_map", "BlockHashToBlockMap BlockHashToBlockMap.contain "
+            "BlockHashToBlockMap.get_one_block BlockHashToBlockMap.insert BlockHashToBlockMap.pop", INTERNAL),
+    **_each(f"{_REF}.free_block_queue", "FreeKVCacheBlockQueue FreeKVCacheBlockQueue.append "
+            "FreeKVCacheBlockQueue.append_n FreeKVCacheBlockQueue.iter_blocks_after FreeKVCacheBlockQueue.popleft_n "
+            "FreeKVCacheBlockQueue.prepend_n FreeKVCacheBlockQueue.remove", INTERNAL),
+    **_each(f"{_REF}.kv_cache_block", "KVCacheBlock KVCacheBlock.set_block_hash", INTERNAL),
+    **_each(f"{_REF}.single_type_manager", "SingleTypeKVCacheManager "
+            "SingleTypeKVCacheManager.add_local_computed_blocks "
+            "SingleTypeKVCacheManager.allocate_external_computed_blocks SingleTypeKVCacheManager.allocate_new_blocks "
+            "SingleTypeKVCacheManager.cache_blocks SingleTypeKVCacheManager.find_longest_cache_hit "
+            "SingleTypeKVCacheManager.free SingleTypeKVCacheManager.get_num_blocks_to_allocate "
+            "SingleTypeKVCacheManager.get_num_skipped_tokens SingleTypeKVCacheManager.pop_blocks_for_free "
+            "SingleTypeKVCacheManager.reachable_block_mask SingleTypeKVCacheManager.remove_skipped_blocks "
+            "null_head_len", INTERNAL),
+    **_each(f"{_REF}.full_attention_manager", "FullAttentionManager FullAttentionManager.cache_blocks "
+            "FullAttentionManager.find_longest_cache_hit", INTERNAL),
+    **_each(f"{_REF}.sliding_window_manager", "SlidingWindowManager SlidingWindowManager.find_longest_cache_hit "
+            "SlidingWindowManager.get_num_skipped_tokens SlidingWindowManager.reachable_block_mask", INTERNAL),
+    **_each(f"{_REF}.chunked_local_manager", "ChunkedLocalAttentionManager "
+            "ChunkedLocalAttentionManager.find_longest_cache_hit ChunkedLocalAttentionManager.get_num_skipped_tokens",
+            INTERNAL),
+    **_each(f"{_REF}.cross_attention_manager", "CrossAttentionManager CrossAttentionManager.add_local_computed_blocks "
+            "CrossAttentionManager.allocate_external_computed_blocks CrossAttentionManager.cache_blocks "
+            "CrossAttentionManager.find_longest_cache_hit", INTERNAL),
+    **_each(f"{_REF}.mamba_manager", "MambaManager MambaManager.allocate_new_blocks MambaManager.cache_blocks "
+            "MambaManager.find_longest_cache_hit MambaManager.get_num_blocks_to_allocate "
+            "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
+            "mamba_prefill_checkpoint_position", INTERNAL),
+    **_each(f"{_REF}.kv_cache_coordinator", "HybridKVCacheCoordinator HybridKVCacheCoordinator.find_longest_cache_hit "
+            "HybridKVCacheCoordinator.get_num_cacheable_tokens KVCacheCoordinator KVCacheCoordinator.allocate_new_blocks "
+            "KVCacheCoordinator.allocate_new_computed_blocks KVCacheCoordinator.cache_blocks "
+            "KVCacheCoordinator.emit_cached_block_events KVCacheCoordinator.find_longest_cache_hit "
+            "KVCacheCoordinator.free KVCacheCoordinator.get_blocks KVCacheCoordinator.get_num_blocks_to_allocate "
+            "KVCacheCoordinator.get_num_cacheable_tokens KVCacheCoordinator.is_running "
+            "KVCacheCoordinator.pop_blocks_for_free KVCacheCoordinator.remove_skipped_blocks "
+            "KVCacheCoordinatorNoPrefixCache KVCacheCoordinatorNoPrefixCache.find_longest_cache_hit SpecGroup "
+            "UnitaryKVCacheCoordinator UnitaryKVCacheCoordinator.find_longest_cache_hit get_kv_cache_coordinator "
+            "get_manager_for_kv_cache_spec manager_class_for_spec scheduler_spec", INTERNAL),
+    **_each(f"{_REF}.scheduler_queue", "WaitingQueue WaitingQueue.add_request WaitingQueue.prepend_request "
+            "WaitingQueue.prepend_requests WaitingQueue.remove_requests priority_key", INTERNAL),
+    **_each(f"{_REF}.block_hash", "BlockHashListWithBlockSize RequestBlockHasher RequestBlockHasher.block_hashes "
+            "RequestBlockHasher.forget RequestBlockHasher.peek", INTERNAL),
+    **_each(f"{_REF}.block_hash", "compute_none_hash get_block_hash get_group_id sha256 hash_block_tokens "
+            "resolve_block_hashes make_block_hash_with_group_id block_extra_keys", HOT),
+    f"{_REF}.block_pool.group_suffix": HOT,
+    **_each("kvref.spec.mathutil", "cdiv round_down round_up", HOT),
+    **_each("kvref.spec.errors", "check_choice check_int check_sequence",
+            "the validators themselves: field and value are checked; the bounds/choices are kvref's own constants"),
+    f"{_REF}.kv_cache_manager.KVCacheManager.check_invariants": "invariant check (a test tool), not an input path",
+    "kvref.spec.grouping.check_exact_partition": ("postcondition of get_kv_cache_groups (vLLM's "
+                                                  "_check_exact_partition): its AssertionError means a kvref bug"),
+    f"{_REF}.kv_cache_manager.KVCacheBlocks": RECORD,
+    f"{_REF}.scheduler.request_state": RECORD,
+    **_each(f"{_REF}.kv_events", "AllBlocksCleared BlockRemoved BlockStored event_to_plain "
+            "kv_cache_spec_sliding_window", RECORD),
+    **_each(f"{_REF}.offload.cache_policy", "CachePolicy CachePolicy.evict CachePolicy.get CachePolicy.insert "
+            "CachePolicy.mark_evictable CachePolicy.mark_non_evictable CachePolicy.on_request_access "
+            "CachePolicy.on_request_finished CachePolicy.on_store_miss CachePolicy.remove CachePolicy.touch", POLICY),
+    **_each(f"{_REF}.offload.lru_policy", "LRUCachePolicy.evict LRUCachePolicy.get LRUCachePolicy.insert "
+            "LRUCachePolicy.mark_evictable LRUCachePolicy.mark_non_evictable LRUCachePolicy.on_request_access "
+            "LRUCachePolicy.on_request_finished LRUCachePolicy.remove LRUCachePolicy.touch", POLICY),
+    **_each(f"{_REF}.offload.arc_policy", "ARCCachePolicy.evict ARCCachePolicy.get ARCCachePolicy.insert "
+            "ARCCachePolicy.on_request_finished ARCCachePolicy.on_store_miss ARCCachePolicy.remove "
+            "ARCCachePolicy.touch", POLICY),
+    f"{_REF}.offload.cache_policy.ChunkStatus": RECORD,
+    **_each(f"{_REF}.offload.cpu_offloading_manager", "OffloadingEvent PrepareStoreOutput", RECORD),
+    **_each(f"{_REF}.offload.offloading_scheduler", "GroupOffloadConfig OffloadingMeta TransferJob", RECORD),
+    **_each(f"{_REF}.offload.simple_cpu_offload_scheduler", "LoadRequestState SimpleOffloadMeta StoreRequestState "
+            "TransferMeta", RECORD),
+    f"{_REF}.offload.keys.LookupResult": "an enum: its members are the values",
+    "kvref.impl.request.RequestStatus": "an enum: its members are the values",
+    **_each(f"{_REF}.offload.keys", "order_request_keys chunk_offload_keys get_offload_block_hash "
+            "get_offload_group_idx", CONNECTOR_STEP),
+    **_each(f"{_REF}.offload.lookup", "LookupGroup.load_window lookup_complete_chunks lookup_order "
+            "maximal_prefix_lookup sliding_window_lookup", CONNECTOR_STEP),
+    f"{_REF}.offload.offloading_scheduler.swa_store_mask": CONNECTOR_STEP,
+    **_each("kvref.impl.scheduler_types", "RequestState ScheduledRequest SchedulerOutput SchedulerSnapshot", RECORD),
+    **_each("kvref.impl.interface", "KVCacheManagerLike KVCacheManagerLike.allocate_slots KVCacheManagerLike.forget "
+            "KVCacheManagerLike.free KVCacheManagerLike.get_block_ids KVCacheManagerLike.get_computed_blocks",
+            ABSTRACT),
+    "kvref.impl.interface.register_manager": "registration hook for a new implementation (code, not data)",
+    **_each("kvref.spec.kv_cache_interface", "AttentionSpec KVCacheSpec KVCacheSpec.max_memory_usage_bytes "
+            "KVCacheSpec.max_num_blocks_per_req", ABSTRACT + " (every concrete spec overrides this method)"),
+    **_each("kvref.spec.planning", "GroupPlan KVCachePlan", RECORD),
+    **_each("kvref.impl.run_trace.format", "block_table cached_block_ids encode_lengths int_column sched_record "
+            "sched_rows update_sampled", CODEC),
+    **_each("kvref.impl.torch.block_pool", "as_device group_key TorchBlockPool.cache_full_block "
+            "TorchBlockPool.cache_partial_block TorchBlockPool.insert_hash TorchBlockPool.get_one_block "
+            "TorchBlockPool.primary", TORCH),
+    **_each("kvref.impl.torch.block_table", "BlockTables BlockTables.batch BlockTables.clear_front BlockTables.extend "
+            "BlockTables.get BlockTables.null_head BlockTables.num_blocks BlockTables.pop BlockTables.slice "
+            "BlockTables.touch_row slot_mapping", TORCH),
+    **_each("kvref.impl.torch.group_kinds", "ChunkedLocalKind ChunkedLocalKind.admission_cap ChunkedLocalKind.find_hit "
+            "ChunkedLocalKind.skipped_tokens FullAttentionKind FullAttentionKind.find_hit GroupKind "
+            "GroupKind.admission_cap GroupKind.cache_mask GroupKind.find_hit GroupKind.skipped_tokens MambaKind "
+            "MambaKind.find_hit MambaKind.skipped_tokens SlidingWindowKind SlidingWindowKind.admission_cap "
+            "SlidingWindowKind.blocks_for_hit SlidingWindowKind.cache_mask SlidingWindowKind.find_hit "
+            "SlidingWindowKind.skipped_tokens kind_for", TORCH),
+    **_each("kvref.impl.torch.hashing", "RequestHashes RequestHashes.forget RequestHashes.get coarse_hashes "
+            "hash_block_tokens none_hash none_hash_seed sha256_pickle", HOT),
+    **_each("kvref.impl.torch.kv_cache_tensors", "KVCacheTensors.kv KVCacheTensors.state KVCacheTensors.write_kv "
+            "page_elems", TORCH),
+    **_each("kvref.impl.torch.mamba_state", "MambaStateRunner MambaStateRunner.reset MambaStateRunner.run_chunk scan",
+            TORCH),
+    "kvref.impl.torch.manager.TorchKVCacheManager.batch_block_tables": TORCH,
+    **_each("kvref.impl.torch.model_runner", "Chunk DataPathRunner.dense_step DataPathRunner.max_error "
+            "DataPathRunner.run_step DataPathRunner.write_only TokenModel TokenModel.qkv", TORCH),
+    **_each("kvref.impl.torch.offload_copy", "CopyHandle CopyHandle.wait_stream OffloadCopier.load OffloadCopier.store "
+            "merge_runs", TORCH),
+    **_each("kvref.impl.torch.paged_attention", "AttentionMask AttentionMask.allowed AttentionMask.for_spec "
+            "dense_attention paged_attention", TORCH),
+    **_each("kvref.impl.vllm.kv_events", "DecodedBatch", RECORD),
+    "kvref.impl.vllm.kv_events.vllm_event_to_plain": VLLM,
+    **_each("kvref.impl.vllm.record", "RecordingAsyncScheduler RecordingScheduler build_header record_settings "
+            "spec_record", VLLM),
+    **_each("kvref.spec.hf_config", "ModelLayout ModelLayout.engine_config derived_max_model_len "
+            "hybrid_attention_block_size layout_from_hf_config mamba_state mamba_state_bytes model_dtype", HF),
+}
+
+
+def _resolve(key: str):
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise LookupError(key)
+
+
+def _takes_no_argument(key: str, kind: str) -> bool:
+    try:
+        params = inspect.signature(_resolve(key)).parameters
+    except (TypeError, ValueError):
+        return False
+    return not [p for p in params if p not in ("self", "cls")]
+
+
+def covered() -> set[str]:
+    out = set()
+    for name, (fn, _) in constructors().items():
+        out.add(ALIASES.get(name) or qualified(fn))
+    out.update(qualified(fn) for fn, _ in functions().values())
+    out.update(qualified(build()[3]) for _, build in method_cases())
+    return out
+
+
+def test_every_public_entry_point_is_fuzzed_or_excluded():
+    found = discover()
+    cov = covered()
+    missing = sorted(k for k, kind in found.items()
+                     if k not in cov and k not in EXCLUDED and not _takes_no_argument(k, kind))
+    assert not missing, ("public entry points neither in tests/hardening/api_targets.py nor in EXCLUDED "
+                         "(add a valid argument set, or an exclusion with its reason):\n  " + "\n  ".join(missing))
+
+
+def test_exclusions_are_current():
+    found = discover()
+    cov = covered()
+    stale = sorted(k for k in EXCLUDED if k not in found)
+    both = sorted(k for k in EXCLUDED if k in cov)
+    assert not stale, f"EXCLUDED names entry points that no longer exist: {stale}"
+    assert not both, f"EXCLUDED names entry points the catalogue covers (drop the exclusion): {both}"
+    unknown = sorted(k for k in cov if k not in found)
+    assert not unknown, f"the catalogue names entry points discovery does not see: {unknown}"
+
+
+def test_discovery_sees_the_main_entry_points():
+    """The walk itself must not go blind (a wrong package name would make the test above vacuous)."""
+    found = discover()
+    for key in ("kvref.impl.reference.block_pool.BlockPool.free_blocks",
+                "kvref.impl.reference.kv_cache_manager.KVCacheManager.allocate_slots",
+                "kvref.impl.reference.offload.simple_cpu_offload_scheduler.SimpleCPUOffloadScheduler",
+                "kvref.spec.planning.plan_kv_cache", "kvref.models.conformance.trace.Trace.loads",
+                "kvref.impl.run_trace.reader.TraceReader", "kvref.impl.vllm.kv_events.decode_batch"):
+        assert key in found, key
+    assert len(found) > 400
