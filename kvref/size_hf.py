@@ -160,7 +160,7 @@ def plan_hf(args: argparse.Namespace, parse_bytes, int_arg):
             raise
         given = getattr(args, exc.field, None)  # kv_cache_dtype='bogus' came from --kv-cache-dtype bogus
         if given is not None and given == exc.value:
-            raise InvalidFieldError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None
+            raise
         raise InvalidFieldError(f"--hf-config {args.hf_config}: {exc.field}", exc.value, exc.allowed) from None
     except KVRefError:
         raise
