@@ -38,7 +38,8 @@ kernel block (``kernel_block_size``, 16 for FlashAttention/Triton) and the defau
 64 for MLA, FlashMLA's only size on Hopper). The derived ``max_model_len`` is vLLM's
 (``derive_max_model_len_and_key``): the smallest of the length keys, times the RoPE ``factor`` for
 scaling types that do not pre-scale ``max_position_embeddings`` (not for YaRN, llama3, longrope;
-never for Gemma-3). A tokenizer's ``model_max_length`` is not read (kvref sees only ``config.json``).
+never for Gemma-3; read off the top-level config, so a nested ``text_config``'s RoPE scaling
+does not count). A tokenizer's ``model_max_length`` is not read (kvref sees only ``config.json``).
 
 Everything here is a pure function of the dict and the arguments (stdlib only; the file is read by
 the CLI). Bad input raises :class:`~kvref.spec.errors.InvalidFieldError` naming the ``config.json``
@@ -325,7 +326,9 @@ def derived_max_model_len(data: Mapping[str, Any]) -> int:
     else:
         derived = 2048  # vLLM assumes 2048 (with a warning) when no key is present
     model_type = str(data.get("model_type", ""))
-    rope = _rope_parameter_sets(cfg)
+    # vLLM reads the RoPE parameters off the top-level config (``iter_rope_parameters(hf_config)``),
+    # not ``hf_text_config``: a multimodal file's ``text_config.rope_scaling`` does not scale the length
+    rope = _rope_parameter_sets(_Cfg(data))
     if rope and "gemma3" not in model_type:
         factor = 1.0
         for rp in rope:
@@ -353,30 +356,53 @@ def _layer_types_window(cfg: _Cfg, n: int, window: int | None) -> list[str]:
     return ["sliding_window" if t == "sliding_attention" else "full" for t in types]
 
 
-def _kinds(family: str, cfg: _Cfg, n: int) -> tuple[list[str], dict[str, Any]]:
+def _qwen_window(arch: str, cfg: _Cfg) -> int | None:
+    """transformers: ``sliding_window`` only with ``use_sliding_window`` (Qwen2-MoE stores 0, read as none)."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    return window or None
+
+
+def _qwen_kinds(arch: str, cfg: _Cfg, n: int) -> list[str]:
+    """Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE. Their vLLM attention takes ``CacheConfig.sliding_window``
+    only, which vLLM sets when ``layer_types`` is absent or all sliding (``engine/arg_utils.py``):
+    every layer slides or none does. transformers derives ``layer_types``: Qwen2/Qwen3 slide from
+    ``max_window_layers`` (default 28) on, Qwen2-MoE on even layers below it, Qwen3-MoE lists none.
+    ``qwen2.py`` (Qwen2Model, Qwen3Model) rejects mixed layer types unless ``max_window_layers ==
+    num_hidden_layers``."""
+    window = _qwen_window(arch, cfg)
+    use = bool(cfg.get("use_sliding_window", False))
+    types = cfg.list("layer_types", n)
+    if types is None and arch != "Qwen3MoeForCausalLM":
+        mwl = cfg.get("max_window_layers", 28)
+        check_int(cfg.prefix + "max_window_layers", mwl, minimum=0)
+        if arch == "Qwen2MoeForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 and i < mwl and use else "full_attention" for i in range(n)]
+        else:
+            types = ["sliding_attention" if window is not None and i >= mwl else "full_attention" for i in range(n)]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and types is not None and len(set(types)) > 1:
+        mwl = cfg.get("max_window_layers", 28)
+        if mwl != n:
+            raise InvalidFieldError(cfg.prefix + "max_window_layers", mwl,
+                                    f"0 or >= num_hidden_layers ({n}) with use_sliding_window: vLLM 0.33.0 does not "
+                                    "support sliding window on some layers only (qwen2.py)")
+    if window is not None and (types is None or all(t == "sliding_attention" for t in types)):
+        return ["sliding_window"] * n
+    return ["full"] * n
+
+
+def _kinds(family: str, cfg: _Cfg, n: int, arch: str = "") -> tuple[list[str], dict[str, Any]]:
     """Kind of each decoder layer (``full``/``sliding_window``/``chunked_local``/``mla``/``mamba``/
     ``none``) and the family's extra fields (window, chunk size)."""
     extra: dict[str, Any] = {}
     if family == "llama":
         window = cfg.get("sliding_window")
         extra["sliding_window"] = window
-        return _layer_types_window(cfg, n, window), extra
+        kinds = _layer_types_window(cfg, n, window)
+        if arch == "MixtralForCausalLM" and "full" in kinds:  # mixtral.py: no per-layer window
+            kinds = ["full"] * n
+        return kinds, extra
     if family == "qwen2":
-        # transformers: sliding_window = sliding_window if use_sliding_window else None; layer i slides
-        # from max_window_layers on. vLLM's qwen2.py rejects a mix (sliding for some layers only).
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        extra["sliding_window"] = window
-        types = cfg.list("layer_types", n)
-        if window is not None and types is None:
-            mwl = cfg.int("max_window_layers", n, minimum=0)
-            types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(n)]
-            if 0 < mwl < n:
-                raise InvalidFieldError(cfg.prefix + "max_window_layers", mwl,
-                                        f"0 or num_hidden_layers ({n}): vLLM 0.33.0 does not support sliding "
-                                        "window on some layers only (qwen2.py)")
-        if types is not None and window is not None:
-            return _layer_types_window(_Cfg({"layer_types": types}, cfg.prefix), n, window), extra
-        return ["full"] * n, extra
+        return _qwen_kinds(arch, cfg, n), {"sliding_window": _qwen_window(arch, cfg)}
     if family in ("gemma2", "gemma3"):
         window = cfg.int("sliding_window", 4096)
         if family == "gemma3" and cfg.get("use_bidirectional_attention", False):
@@ -619,7 +645,7 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
         else len(str(cfg.get("hybrid_override_pattern")))
     if n > MAX_LAYERS:  # real models have a few hundred; a typo must not build a billion specs
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n, f"at most {MAX_LAYERS:,} layers")
-    kinds, extra = _kinds(family, cfg, n)
+    kinds, extra = _kinds(family, cfg, n, arch)
     if len(kinds) != n:
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n,
                                 f"the length of the layer pattern ({len(kinds)})")

@@ -178,11 +178,24 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
         return ["sliding_window" if i % 2 == 0 else "full" for i in range(n)]  # gpt_oss.py
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
+    if architecture in _QWEN2_MODEL and types is not None and len(set(types)) > 1:
+        # qwen2.py Qwen2Model.__init__ (Qwen3Model subclasses it): mixed layer types need
+        # max_window_layers == num_hidden_layers
+        assert text.max_window_layers == text.num_hidden_layers, "qwen2.py: sliding window on some layers only"
     if window is None:
         return ["full"] * n
     if types is None or all(t == "sliding_attention" for t in types):
         return ["sliding_window"] * n  # CacheConfig.sliding_window (engine arg_utils)
-    return ["sliding_window" if t == "sliding_attention" else "full" for t in types]
+    if architecture in _WINDOW_FROM_CACHE_CONFIG:  # no per-layer window: every layer takes CacheConfig's (None)
+        return ["full"] * n
+    return ["sliding_window" if t == "sliding_attention" else "full" for t in types]  # llama.py and the like
+
+
+#: model classes whose attention takes ``CacheConfig.sliding_window`` only (no per-layer window;
+#: ``mixtral.py``, ``qwen2.py``, ``qwen3.py``, ``qwen3_moe.py``, ``qwen2_moe.py``)
+_WINDOW_FROM_CACHE_CONFIG = ("MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                             "Qwen2MoeForCausalLM")
+_QWEN2_MODEL = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _mamba_model_class(architecture: str) -> Any:

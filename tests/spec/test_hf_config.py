@@ -81,6 +81,32 @@ EXPECTED = {
     # attention at i % 8 == 4: 4 of 32. Mamba1: conv (3, 2*4096) bf16 = 49,152 + SSM (8192, 16) bf16
     # = 262,144 -> 311,296; block = 16 * cdiv(311,296, 65,536) = 80; page 80 x 4,096 = 327,680
     "jamba-v0.1": ({"mamba": 28, "full": 4}, 80, 262144, 8, 128, 327680),
+    # 26 layers, pattern 6: full at 5, 11, 17, 23; 1 KV head x 256: 16 x 1 x 512 x 2 = 16,384; no RoPE scaling
+    "gemma-3-1b-it": ({"sliding_window": 22, "full": 4}, 16, 32768, 1, 256, 16384),
+    # 46 layers alternate; 16 x 128: 16 x 16 x 256 x 2 = 131,072
+    "gemma-2-27b-it": ({"sliding_window": 23, "full": 23}, 16, 8192, 16, 128, 131072),
+    # 36 layers, even ones sliding; YaRN: no factor
+    "gpt-oss-120b": ({"sliding_window": 18, "full": 18}, 16, 131072, 8, 64, 32768),
+    # as Scout, 1,048,576 positions and no RoPE scaling
+    "llama-4-maverick-17b-128e-instruct": ({"chunked_local": 36, "full": 12}, 16, 1048576, 8, 128, 65536),
+    "deepseek-v2": ({"mla": 60}, 64, 163840, 1, 576, 73728),
+    # use_sliding_window false: full; 8192 / 64 = 128 per head
+    "qwen2.5-72b-instruct": ({"full": 80}, 16, 32768, 8, 128, 65536),
+    # "sliding_window": null: full attention
+    "mistral-7b-v0.3": ({"full": 32}, 16, 32768, 8, 128, 65536),
+    # Qwen2-MoE, use_sliding_window false; 16 KV heads x 2048 / 16 = 128: 16 x 16 x 256 x 2 = 131,072
+    "qwen1.5-moe-a2.7b": ({"full": 24}, 16, 8192, 16, 128, 131072),
+    # 4 attention of 40; 4 KV x 1536 / 12 = 128: 2,048 B/token. Mamba2: conv (3, 3072 + 2*1*128 = 3328)
+    # bf16 = 19,968 + SSM (48, 64, 128) bf16 = 786,432 -> 806,400; block 16 * cdiv(806,400, 32,768) = 400
+    "granite-4.0-h-tiny": ({"mamba": 36, "full": 4}, 400, 131072, 4, 128, 819200),
+    # every layer attention + Mamba2; 2 KV x 128: 1,024 B/token. conv (3, 3072 + 2*1*256 = 3584) bf16
+    # = 21,504 + SSM (24, 128, 256) bf16 = 1,572,864 -> 1,594,368; block 16 * cdiv(., 16,384) = 1,568
+    "falcon-h1-7b-instruct": ({"mamba": 44, "full": 44}, 1568, 262144, 2, 128, 1605632),
+    # attention-free: no alignment, block 16, no padding; no length key: 2048. float32 served in bf16.
+    # Mamba1: conv (3, 5120) bf16 = 30,720 + SSM (5120, 16) bf16 = 163,840
+    "mamba-2.8b-hf": ({"mamba": 64}, 16, 2048, None, None, 194560),
+    # Mamba2: conv (3, 5120 + 2*1*128 = 5376) bf16 = 32,256 + SSM (80, 64, 128) bf16 = 1,310,720
+    "mamba2-2.7b": ({"mamba": 64}, 16, 2048, None, None, 1342976),
 }
 
 
@@ -96,7 +122,8 @@ def test_fixture_layout(name):
     assert layout.block_size == block
     assert layout.derived_max_model_len == derived
     attn = [s for s in layout.layers.values() if not isinstance(s, MambaSpec)]
-    assert {(s.num_kv_heads, s.head_size, s.block_size) for s in attn} == {(kv_heads, head, block)}
+    assert {(s.num_kv_heads, s.head_size, s.block_size) for s in attn} == \
+        ({(kv_heads, head, block)} if kv_heads is not None else set())
     assert {s.page_size_bytes for s in layout.layers.values()} == {page}
     # the layout plans: every fixture fits one request of 32k tokens (or its own length) in 80 GiB
     config = layout.engine_config(max_model_len=min(derived, 32768), max_num_batched_tokens=8192)
