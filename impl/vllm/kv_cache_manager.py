@@ -30,6 +30,7 @@ from kvref.spec.kv_cache_interface import (
 
 from kvref.impl.interface import BlockIds, PoolConfig
 from kvref.impl.request import Request, RequestStatus
+from kvref.impl.vllm.allocation_watch import AllocationWatch
 
 _vllm_mods: dict[str, Any] | None = None
 
@@ -148,6 +149,7 @@ class VllmKVCacheManager:
             enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
             watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events)
         self._pool = self._mgr.block_pool
+        self._allocation_watch = AllocationWatch(self._mgr)
         self._hasher: Callable | None = (
             v["utils"].get_request_block_hasher(pool_config.hash_block_size, v["sha256"])
             if pool_config.enable_caching else None)
@@ -289,6 +291,7 @@ class VllmKVCacheManager:
         from kvref.impl.vllm.invariants import check_kv_cache_manager
 
         check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks, requests=self._requests)
+        self._allocation_watch.check()
 
 
 def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:

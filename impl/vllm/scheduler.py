@@ -33,6 +33,7 @@ from kvref.impl.scheduler_types import (
     SchedulerSnapshot,
 )
 from kvref.impl.request import Request
+from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
 
@@ -213,6 +214,7 @@ class VllmScheduler:
                                  **extra)
         finally:
             vc.kv_events_config = saved_events_config  # the env is shared
+        self._allocation_watch = AllocationWatch(self.scheduler.kv_cache_manager)
         self._published = _CapturingPublisher()
         if pool.enable_kv_cache_events:
             self.scheduler.kv_event_publisher = self._published
@@ -304,6 +306,7 @@ class VllmScheduler:
         s = self.scheduler
         assert not s.kv_holding_waiting, "kvref models no KV-holding waiting requests"
         check_scheduler(s, max_num_seqs=self.config.max_num_seqs)
+        self._allocation_watch.check()
 
 
 def _free_queue(kv) -> tuple[int, ...]:
@@ -355,6 +358,7 @@ class VllmKVCacheManagerShim:
                                   max_in_flight_tokens=pool.max_in_flight_tokens,
                                   enable_caching=pool.enable_caching, watermark=pool.watermark,
                                   enable_kv_cache_events=pool.enable_kv_cache_events)
+        self._allocation_watch = AllocationWatch(self.mgr)
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
         self.pool = pool
         self.num_groups = len(pool.groups)
@@ -432,3 +436,4 @@ class VllmKVCacheManagerShim:
         from kvref.impl.vllm.invariants import check_kv_cache_manager
 
         check_kv_cache_manager(self.mgr, num_blocks=self.pool.num_blocks)
+        self._allocation_watch.check()

@@ -1,0 +1,90 @@
+"""T7 observed on vLLM's own manager: a step never takes more blocks than its check counted.
+
+PR 40027 / #45856 (the admission cap also clamping the per-step predictor) changes nothing a
+comparison sees while the pool has blocks to spare: ``allocate_new_blocks`` silently takes the
+blocks the predictor forgot. The adapters' :class:`~kvref.impl.vllm.allocation_watch.AllocationWatch`
+reads both numbers inside vLLM, so the fault is a finding on the first long sliding-window step,
+with a pool far from full.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvref.impl.interface import PoolConfig
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+
+from tests.vllm_env import require_vllm
+from tests.vllm_faults import planted_vllm_fault
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def kv():
+    require_vllm()
+    from kvref.impl.vllm import kv_cache_manager
+
+    kv_cache_manager._vllm()
+    return kv_cache_manager
+
+
+def _decode_long_window_request(kv, steps: int = 24):
+    """One sliding-window request decoding well past its admission cap, on a pool with room to spare."""
+    spec = SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=4, dtype="float16", sliding_window=3)
+    pool = PoolConfig(num_blocks=40, groups=(KVCacheGroupSpec(("swa",), spec),), max_model_len=64,
+                      scheduler_block_size=2, hash_block_size=2, max_in_flight_tokens=2)
+    m = kv.VllmKVCacheManager(pool)
+    r = Request("r", list(range(2)), max_tokens=steps + 4)
+    assert m.allocate_slots(r, 2) is not None
+    r.num_computed_tokens, r.status = 2, RequestStatus.RUNNING
+    m.check_invariants()
+    for i in range(steps):
+        r.output_token_ids.append(100 + i)
+        assert m.allocate_slots(r, 1) is not None, "the pool has room: every step is served"
+        r.num_computed_tokens += 1
+        m.check_invariants()
+        assert m.get_num_free_blocks() > 10
+    return m
+
+
+def test_clean_vllm_takes_what_it_counted(kv):
+    m = _decode_long_window_request(kv)
+    assert m._allocation_watch.steps_checked == 25  # the prefill and every decode step were compared
+    assert not m._allocation_watch.violations
+
+
+def test_predictor_clamped_every_step_is_flagged_with_room_to_spare(kv):
+    from kvref.impl.vllm.invariants import VllmStateError
+
+    with planted_vllm_fault("stm.pr40027_cap_every_step"), pytest.raises(VllmStateError, match=r"T7: .*took 1 blocks"):
+        _decode_long_window_request(kv)
+
+
+def test_dropped_evictable_hits_term_is_flagged(kv):
+    """The same watch on another under-count of the class: prefix hits sitting in the free queue
+    left out of the predictor (``stm.evictable_hits_uncounted``)."""
+    from kvref.impl.vllm.invariants import VllmStateError
+    from kvref.spec.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=4, dtype="float16")
+    pool = PoolConfig(num_blocks=20, groups=(KVCacheGroupSpec(("full",), spec),), max_model_len=32,
+                      scheduler_block_size=2, hash_block_size=2)
+
+    def run():
+        m = kv.VllmKVCacheManager(pool)
+        a = Request("a", list(range(8)), max_tokens=2)
+        assert m.allocate_slots(a, 8) is not None
+        a.num_computed_tokens, a.status = 8, RequestStatus.RUNNING
+        m.free(a)  # its four full blocks stay cached, in the free queue
+        m.forget("a")
+        b = Request("b", list(range(8)) + [50], max_tokens=2)
+        hit_ids, hit_tokens = m.get_computed_blocks(b)
+        assert hit_tokens == 8
+        assert m.allocate_slots(b, 1, hit_tokens, hit_ids) is not None
+        m.check_invariants()
+        return m
+
+    assert run()._allocation_watch.steps_checked == 2
+    with planted_vllm_fault("stm.evictable_hits_uncounted"), pytest.raises(VllmStateError, match="T7"):
+        run()
