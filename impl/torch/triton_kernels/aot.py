@@ -119,18 +119,19 @@ def compile_kernel(kernel, label: str, pointer_types: dict[str, torch.dtype], co
 
 def attention(dtype: torch.dtype, mask_kind: str = "sliding_window", num_q_heads: int = 32, num_kv_heads: int = 8,
               head_size: int = 128, block_size: int = 16, split: bool = False, tile: int | None = None,
-              num_warps: int | None = None, arch: int = 90) -> CompiledKernel:
+              num_warps: int | None = None, arch: int = 90, group_block: int | None = None) -> CompiledKernel:
     """The paged-attention kernel as ``paged_attention_triton`` launches it on CUDA."""
     from .attention import _paged_attention_kernel, kernel_config
 
     consts, warps = kernel_config(dtype, mask_kind, num_q_heads, num_kv_heads, head_size, block_size, True, split,
-                                  tile, num_warps)
+                                  tile, num_warps, group_block)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     ptrs = dict(q_ptr=dtype, cache_ptr=dtype, out_ptr=acc if split else dtype, table_ptr=torch.int32,
                 ctx_ptr=torch.int64, rows_ptr=torch.int64, qpos_ptr=torch.int64, scale_ptr=acc, m_ptr=acc,
                 l_ptr=acc)
     label = (f"attention {str(dtype)[6:]} {mask_kind} gqa{num_q_heads // num_kv_heads} d{head_size} "
-             f"bs{block_size} tile{consts['TILE']}{' split' if split else ''}")
+             f"bs{block_size} tile{consts['TILE']}{' split' if split else ''}"
+             + (f" {consts['HEAD_BLOCKS']} head blocks" if consts["HEAD_BLOCKS"] > 1 else ""))
     return compile_kernel(_paged_attention_kernel, label, ptrs, consts, warps, arch)
 
 
@@ -176,12 +177,68 @@ def standard_variants(full: bool = False):
     return out
 
 
-def compile_in_subprocess(full: bool = False, timeout: float = 1200) -> list[CompiledKernel]:
-    """Compile :func:`standard_variants` in a fresh Python process without ``TRITON_INTERPRET``
+def real_shapes(tensor_parallel_size: int = 8) -> list[tuple[str, str, int, int, int, int]]:
+    """Distinct ``(mask_kind, dtype name, query heads, KV heads, head size, block size)`` of the
+    attention layers of the packaged ``config.json`` fixtures (``kvref/examples/hf_configs``, read
+    at call time so new fixtures count), as :func:`kvref.spec.hf_config.layout_from_hf_config`
+    derives them, for one rank of TP 1 and of the largest TP up to ``tensor_parallel_size`` that
+    divides the query heads (and whose KV-head split vLLM accepts): what the kernel sees per rank.
+    MLA layers are one 576-wide latent head here, as the torch data path stores them (docs/torch.md).
+    The KV head count only sizes the grid; what changes the compiled code is the GQA ratio, head
+    size, block size, mask and dtype."""
+    from importlib import resources
+
+    from kvref.spec.hf_config import _text_config, layout_from_hf_config
+    from kvref.spec.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    from ..paged_attention import AttentionMask
+
+    root = resources.files("kvref") / "examples" / "hf_configs"
+    out: dict[tuple, None] = {}
+    for path in sorted((p for p in root.iterdir() if p.name.endswith(".json")), key=lambda p: p.name):
+        data = json.loads(path.read_text())
+        heads = _text_config(data).get("num_attention_heads")
+        if not heads:
+            continue  # attention-free (Mamba)
+        for tp in sorted({1, max(t for t in range(1, tensor_parallel_size + 1) if heads % t == 0)}):
+            try:
+                layout = layout_from_hf_config(data, tensor_parallel_size=tp)
+            except InvalidFieldError:  # a KV-head count this TP cannot split
+                continue
+            for spec in layout.layers.values():
+                if not isinstance(spec, AttentionSpec):
+                    continue
+                hkv = spec.num_kv_heads
+                hq = heads // tp if isinstance(spec, MLAAttentionSpec) else max(hkv, heads // tp)
+                out[(AttentionMask.for_spec(spec).kind, spec.dtype, hq, hkv, spec.head_size, spec.block_size)] = None
+    return list(out)
+
+
+def real_shape_variants(arch: int = 90):
+    """``(label, thunk)`` compiling :func:`real_shapes` as the wrapper launches them on CUDA (each
+    distinct GQA ratio x head size x block size x mask once; model dtype, no splits)."""
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    seen, out = set(), []
+    for mk, dt, hq, hkv, d, bs in real_shapes():
+        key = (mk, dt, hq // hkv, d, bs)
+        if key in seen or dt not in names:
+            continue
+        seen.add(key)
+        out.append((f"attention {dt} {mk} gqa{hq // hkv} d{d} bs{bs} sm{arch}",
+                    lambda mk=mk, dt=names[dt], hq=hq, hkv=hkv, d=d, bs=bs: attention(dt, mk, hq, hkv, d, bs,
+                                                                                      arch=arch)))
+    return out
+
+
+def compile_in_subprocess(full: bool = False, timeout: float = 1200, real: bool = False,
+                          only: str | None = None) -> list[CompiledKernel]:
+    """Compile :func:`standard_variants` (``real``: :func:`real_shape_variants` instead; ``only``:
+    the variants whose label contains it) in a fresh Python process without ``TRITON_INTERPRET``
     (the kernel tests run interpreted in their own process). Raises ``RuntimeError`` with the
     child's output when a variant fails to compile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "kvref.impl.torch.triton_kernels.aot", "--json"] + (["--full"] if full else [])
+    cmd = [sys.executable, "-m", "kvref.impl.torch.triton_kernels.aot", "--json"] + (["--full"] if full else []) \
+        + (["--real"] if real else []) + (["--only", only] if only else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"ahead-of-time compile failed (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
@@ -195,6 +252,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvref.impl.torch.triton_kernels.aot", description=main.__doc__)
     ap.add_argument("--full", action="store_true", help="every dtype x mask x split x arch (slow: ~1 min per 10)")
+    ap.add_argument("--real", action="store_true",
+                    help="instead: the attention shapes of the packaged config.json fixtures (real_shapes)")
+    ap.add_argument("--only", metavar="TEXT", help="only the variants whose label contains TEXT")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -203,7 +263,12 @@ def main(argv=None) -> int:
         print("triton is not installed (pip install triton==3.9.0)", file=sys.stderr)
         return 2
     rows = []
-    for label, thunk in standard_variants(args.full):
+    variants = real_shape_variants() if args.real else standard_variants(args.full)
+    variants = [(label, thunk) for label, thunk in variants if not args.only or args.only in label]
+    if not variants:
+        print(f"no variant label contains {args.only!r}", file=sys.stderr)
+        return 2
+    for label, thunk in variants:
         try:
             rows.append(thunk())
         except InvalidFieldError as exc:

@@ -46,6 +46,29 @@ def test_every_variant_compiles_for_sm80_and_sm90():
     assert not spilling, spilling
 
 
+def test_the_widest_real_shape_compiles_for_sm90_without_spills():
+    """DeepSeek's MLA latent (576 lanes, padded to 1024) with its 128 query heads on one rank: the
+    first kernel_config (tile 32, every head of the group in one program) needed 255 registers and
+    spilled 352 bytes of stack per thread on sm_90; head blocks of 16 and tile 16 need 176."""
+    from kvref.impl.torch.triton_kernels.aot import compile_in_subprocess
+
+    rows = compile_in_subprocess(real=True, only="gqa128 d576")
+    assert [r.label for r in rows] == ["attention bfloat16 causal gqa128 d576 bs64 tile16 8 head blocks"], rows
+    assert rows[0].registers is not None and rows[0].stack_bytes == 0, rows[0]
+
+
+@pytest.mark.skipif(settings._current_profile != "nightly",  # type: ignore[attr-defined]
+                    reason="every attention shape of the config.json fixtures (about 27 variants, 3 min) runs "
+                           "under the nightly profile")
+def test_every_fixture_attention_shape_compiles_for_sm90_without_spills():
+    from kvref.impl.torch.triton_kernels.aot import compile_in_subprocess, real_shapes
+
+    rows = compile_in_subprocess(real=True, timeout=3600)
+    assert len(rows) >= 20 and len(rows) <= len(real_shapes())
+    spilling = [(r.label, r.stack_bytes) for r in rows if r.stack_bytes or r.registers is None]
+    assert not spilling, spilling
+
+
 def test_compiling_in_an_interpreting_process_is_refused_with_the_way_out(monkeypatch):
     from kvref.impl.torch.triton_kernels import aot
 
