@@ -50,6 +50,9 @@ class LivenessCase:
     #: sliding-window groups keep this many trailing tokens below the window (multi-module MTP /
     #: EAGLE re-prefill): startup's cap must count them, or the smallest accepted pool runs dry
     extra_retained_tokens: int = 0
+    #: Mamba groups keep 1 + this many state blocks per request (speculative decoding: MTP on a
+    #: hybrid such as Qwen3-Next); startup must size them so (PR 28176), or the gate never admits
+    mamba_speculative_blocks: int = 0
 
     @property
     def enable_caching(self) -> bool:
@@ -70,7 +73,8 @@ class LivenessCase:
             else:
                 # With prefix caching off vLLM runs Mamba in "none" mode and sets its block size to
                 # max_model_len (HybridAttentionMambaModelConfig), so one block holds the state.
-                out.append(MambaSpec(block_size=self.max_model_len, shapes=((4, 8),), dtypes=("float32",)))
+                out.append(MambaSpec(block_size=self.max_model_len, shapes=((4, 8),), dtypes=("float32",),
+                                     num_speculative_blocks=self.mamba_speculative_blocks))
         return out
 
     @property
@@ -91,7 +95,8 @@ class LivenessCase:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} "
                 f"concurrent_batches={self.max_concurrent_batches} sliding_window={self.sliding_window} "
                 f"attention_chunk_size={self.attention_chunk_size} prompt_len={self.prompt_len}"
-                + (f" extra_retained_tokens={self.extra_retained_tokens}" if self.extra_retained_tokens else ""))
+                + (f" extra_retained_tokens={self.extra_retained_tokens}" if self.extra_retained_tokens else "")
+                + (f" mamba_speculative_blocks={self.mamba_speculative_blocks}" if self.mamba_speculative_blocks else ""))
 
 
 @dataclass
@@ -132,7 +137,9 @@ def random_case(rng: random.Random) -> LivenessCase:
         prompt_len=max_model_len if rng.randint(0, 2) == 0 else rng.randint(1, max_model_len),
         # five cases in eight keep extra trailing tokens below sliding windows (MTP); only a request
         # long enough to slide past them tells a cap that forgets them from one that counts them
-        extra_retained_tokens=rng.choice((0, 0, 0, 1, 3, block_size, 2 * block_size + 1, 17)))
+        extra_retained_tokens=rng.choice((0, 0, 0, 1, 3, block_size, 2 * block_size + 1, 17)),
+        # drawn last and only for Mamba cases, so the other cases of a seed stay as they were
+        mamba_speculative_blocks=rng.choice((0, 1, 2)) if "mamba" in kinds else 0)
 
 
 def startup_pages(kind: str, case: LivenessCase) -> list[int]:

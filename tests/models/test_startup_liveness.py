@@ -72,3 +72,26 @@ def test_reference_admits_and_serves_one_max_length_request_in_the_smallest_acce
     case = random_case(rng)
     failure = run_case("reference", case)
     assert failure is None, failure.render()
+
+
+@pytest.mark.vllm
+def test_mamba_sized_without_its_speculative_blocks_is_reported(vllm):
+    """PR 28176's class: startup sizes a Mamba group at one state block per request while the
+    manager keeps ``1 + num_speculative_blocks`` (speculative decoding on a hybrid, e.g. MTP on
+    Qwen3-Next). Re-planted in the installed vLLM, the random cases catch it on a fixed seed; the
+    clean vLLM serves the same cases."""
+    from tests.vllm_faults import planted_vllm_fault
+
+    assert check_startup_liveness("vllm", 60, seed=0)[1] == []
+    with planted_vllm_fault("iface.pr28176_mamba_ignores_spec_blocks"):
+        ran, failures = check_startup_liveness("vllm", 60, seed=0)
+    assert ran == 60 and failures
+    assert all("mamba" in f.case.kinds and f.case.mamba_speculative_blocks for f in failures)
+
+
+def test_mamba_cases_draw_speculative_blocks():
+    rng = random.Random(0)
+    cases = [random_case(rng) for _ in range(300)]
+    drawn = {c.mamba_speculative_blocks for c in cases if "mamba" in c.kinds}
+    assert drawn == {0, 1, 2}
+    assert all(c.mamba_speculative_blocks == 0 for c in cases if "mamba" not in c.kinds)
