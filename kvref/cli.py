@@ -57,14 +57,25 @@ def main(argv: list[str] | None = None) -> int:
       family) or ``OSError`` a subcommand raises, reported as one line naming the field, the value
       and what is allowed, never a traceback;
     * 130: interrupted (Ctrl-C / SIGINT); a subcommand that writes reports writes a partial one
-      first (``kvref verify``).
+      first (``kvref verify``). A Ctrl-C that Python dropped (raised inside a garbage-collector
+      callback) is raised again until the run takes it (:mod:`kvref.cli_interrupt`).
     """
+    from kvref.cli_interrupt import sigint_reraised
+
+    with sigint_reraised():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from kvref.cli_interrupt import acknowledge
+
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2, --help/--version 0
         return exc.code if isinstance(exc.code, int) else EXIT_INPUT
     except KeyboardInterrupt:
+        acknowledge()
         print("kvref: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if not getattr(args, "_run", None):
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         check_parsed(parser, args)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
+        acknowledge()
         print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback

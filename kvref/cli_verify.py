@@ -119,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
             except KeyboardInterrupt:
+                from .cli_interrupt import acknowledge
+
+                acknowledge()  # taken: the partial report is written, not interrupted again
                 interrupted = CheckResult(check.name, ERROR, "interrupted (Ctrl-C) before it finished",
                                           seconds=time.perf_counter() - t0)
                 results.append(interrupted)

@@ -293,7 +293,11 @@ def run(args: argparse.Namespace) -> int:
               replay_endpoint=args.replay_endpoint, decoder=args.decoder, watcher=w,
               status=None if args.quiet else sys.stderr, bind=args.bind)
     except KeyboardInterrupt:
+        from kvref.cli_interrupt import acknowledge
+
+        acknowledge()
         interrupted = True
+        print("kvref watch: interrupted (exit 130); the summary so far follows", file=sys.stderr)
     s = w.summary()
     s["endpoint"], s["interrupted"] = args.endpoint, interrupted
     s["other_topics"] = getattr(w, "other_topics", 0)  # messages under another topic, skipped
