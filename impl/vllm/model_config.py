@@ -61,8 +61,8 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
         ModelArchConfigConvertorBase,
     )
 
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    hf = get_config(config_dir, trust_remote_code=False)
+    logging.getLogger("vllm").setLevel(logging.CRITICAL)
+    hf = _get_config_once(get_config, config_dir)
     text = hf.get_text_config()
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf.model_type, ModelArchConfigConvertorBase)(hf, text, revision=None)
     arch_config = convertor.convert()
@@ -138,6 +138,22 @@ def vllm_hf_facts(config_dir: str, *, tensor_parallel_size: int = 1, block_size:
                  block_size=cache.block_size, mamba_page_size_padded=cache.mamba_page_size_padded,
                  mamba_cache_mode=cache.mamba_cache_mode, mamba_block_size=cache.mamba_block_size)
     return facts
+
+
+def _get_config_once(get_config: Any, config_dir: str) -> Any:
+    """``get_config`` without its retry: it retries a failed parse after 2 s (a concurrent HF cache
+    refresh may hide ``config.json``), which for a config the class rejects only costs time."""
+    import vllm.transformers_utils.config as config_module
+    from vllm.transformers_utils.repo_utils import with_retry
+
+    def once(func, log_msg, max_retries=2, **kwargs):
+        return with_retry(func, log_msg, max_retries=1, **kwargs)
+
+    config_module.with_retry = once
+    try:
+        return get_config(config_dir, trust_remote_code=False)
+    finally:
+        config_module.with_retry = with_retry
 
 
 def _check_tensor_parallel(arch_config: Any, total_kv: int, use_mla: bool, tp: int) -> None:
