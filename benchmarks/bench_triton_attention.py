@@ -11,8 +11,9 @@ Decode step: ``--batch`` requests, one query token each over ``--context`` cache
 scattered over the pool. Figures: step time, tokens/s, the bytes of K/V the step must read
 divided by its time, and the bandwidth of ``dst.copy_(src)`` over the same number of bytes (read
 + write counted). The torch path (gather + matmul) is timed beside it. ``--check-only`` runs the
-correctness check alone (every mask, the K/V write, an offload round trip through pinned host
-memory, all against the torch path on the device); the GPU-marked test runs it.
+correctness check alone (every mask, every attention shape of the packaged config.json fixtures,
+the K/V write, an offload round trip through pinned host memory, all against the torch path on
+the device); the GPU-marked test runs it.
 
 Without CUDA the command refuses (exit 2) — Triton has no CPU back-end — unless ``--interpreter``
 is given: then the same kernel runs in Triton's interpreter on a small CPU shape, which measures
@@ -70,6 +71,40 @@ def timed(fn, sync, repeats: int, inner: int) -> float:
     return best
 
 
+def check_real_shapes_on_cuda(dev, g) -> list[str]:
+    """Every attention shape of the packaged config.json fixtures (``aot.real_shapes``: head sizes
+    64-576, GQA 1-128, hybrid block sizes like 528/1568), 1-2 KV heads, two requests just past one
+    block (a prefill chunk of 4 crossing the boundary and a decode), in the model's dtype, with the
+    kernel's default tuning and 3 splits: compiled kernel vs the torch path on the device."""
+    import torch
+
+    from kvref.impl.torch.paged_attention import TOLERANCE, AttentionMask, paged_attention
+    from kvref.impl.torch.triton_kernels.aot import real_shapes
+    from kvref.impl.torch.triton_kernels.attention import paged_attention_triton
+
+    failures = []
+    for kind, size, dt, hq, hkv, d, bs in real_shapes():
+        dtype = getattr(torch, dt)
+        hkv2 = min(hkv, 2)
+        q_heads = hq // hkv * hkv2
+        mask = AttentionMask(kind, size)
+        lens = [bs + 2, bs + 3]
+        nblk = -(-max(lens) // bs)
+        cache = torch.randn((1 + 2 * nblk, 2, bs, hkv2, d), generator=g).to(dtype).to(dev)
+        table = (torch.randperm(2 * nblk, generator=g) + 1).reshape(2, nblk).to(torch.int32).to(dev)
+        rows = torch.tensor([0] * 4 + [1], device=dev)
+        pos = torch.tensor([bs - 2, bs - 1, bs, bs + 1, bs + 2], device=dev)
+        q = torch.randn((5, q_heads, d), generator=g).to(dtype).to(dev)
+        ctx = torch.tensor(lens, device=dev)
+        ref = paged_attention(q, cache, table, ctx, rows, pos, mask)
+        for splits in (None, 3):
+            got = paged_attention_triton(q, cache, table, ctx, rows, pos, mask, num_splits=splits)
+            err = float((got.double() - ref.double()).abs().max())
+            if not err <= 10 * TOLERANCE[dtype]:
+                failures.append(f"attention {dt} {kind}{size or ''} gqa{hq // hkv} d{d} bs{bs} splits={splits}: {err}")
+    return failures
+
+
 def check_on_cuda() -> int:
     """Compiled kernels vs the torch path on the same CUDA device; 0 when all agree."""
     import torch
@@ -99,6 +134,7 @@ def check_on_cuda() -> int:
                 # the torch path may use TF32 matmuls on the GPU: allow 10x the CPU tolerance
                 if not err <= 10 * TOLERANCE[dtype]:
                     failures.append(f"attention {dtype} {mask.kind} splits={splits}: {err}")
+    failures += check_real_shapes_on_cuda(dev, g)
     kw = dict(num_kv_heads=2, head_size=64, dtype="bfloat16")
     groups = (KVCacheGroupSpec(("f",), FullAttentionSpec(block_size=16, **kw)),
               KVCacheGroupSpec(("s",), SlidingWindowSpec(block_size=8, sliding_window=40, **kw)))

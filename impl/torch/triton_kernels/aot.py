@@ -177,8 +177,9 @@ def standard_variants(full: bool = False):
     return out
 
 
-def real_shapes(tensor_parallel_size: int = 8) -> list[tuple[str, str, int, int, int, int]]:
-    """Distinct ``(mask_kind, dtype name, query heads, KV heads, head size, block size)`` of the
+def real_shapes(tensor_parallel_size: int = 8) -> list[tuple[str, int, str, int, int, int, int]]:
+    """Distinct ``(mask_kind, window or chunk (0: causal), dtype name, query heads, KV heads, head
+    size, block size)`` of the
     attention layers of the packaged ``config.json`` fixtures (``kvref/examples/hf_configs``, read
     at call time so new fixtures count), as :func:`kvref.spec.hf_config.layout_from_hf_config`
     derives them, for one rank of TP 1 and of the largest TP up to ``tensor_parallel_size`` that
@@ -210,7 +211,8 @@ def real_shapes(tensor_parallel_size: int = 8) -> list[tuple[str, str, int, int,
                     continue
                 hkv = spec.num_kv_heads
                 hq = heads // tp if isinstance(spec, MLAAttentionSpec) else max(hkv, heads // tp)
-                out[(AttentionMask.for_spec(spec).kind, spec.dtype, hq, hkv, spec.head_size, spec.block_size)] = None
+                mask = AttentionMask.for_spec(spec)
+                out[(mask.kind, mask.size, spec.dtype, hq, hkv, spec.head_size, spec.block_size)] = None
     return list(out)
 
 
@@ -219,7 +221,7 @@ def real_shape_variants(arch: int = 90):
     distinct GQA ratio x head size x block size x mask once; model dtype, no splits)."""
     names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     seen, out = set(), []
-    for mk, dt, hq, hkv, d, bs in real_shapes():
+    for mk, _, dt, hq, hkv, d, bs in real_shapes():
         key = (mk, dt, hq // hkv, d, bs)
         if key in seen or dt not in names:
             continue

@@ -217,3 +217,17 @@ def test_group_blocks_and_their_limits_are_validated():
         torch.tensor([6, 7])
     with pytest.raises(InvalidFieldError, match="group_block"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, group_block=3)
+
+
+@pytest.mark.parametrize("dtype,group,group_block,tile", [(torch.float64, 5, 2, 4),    # broadcast path: 3 blocks
+                                                          (torch.float32, 20, 16, 16),  # tl.dot path: 2 blocks
+                                                          (torch.bfloat16, 24, 16, 32)])
+def test_query_heads_split_over_head_blocks(dtype, group, group_block, tile):
+    """A group wider than one program's head block runs in several; the last block's padding heads
+    (which index the next KV head's queries) must neither read nor write."""
+    from kvref.impl.torch.triton_kernels.attention import kernel_config
+
+    consts, _ = kernel_config(dtype, "causal", 2 * group, 2, 80, 12, False, False, tile, None, group_block)
+    assert consts["HEAD_BLOCKS"] == -(-group // group_block) > 1
+    args, seqs = _case(3, dtype, [29, 14], [5, 1], 12, 2, group, 80, kernel_device())
+    _check(args, seqs, AttentionMask("sliding_window", 17), dtype, tile=tile, num_splits=2, group_block=group_block)
