@@ -65,5 +65,5 @@ class AllocationWatch:
             from kvref.impl.vllm.invariants import VllmStateError
 
             first, self.violations = self.violations[0], []
-            raise VllmStateError(f"vLLM state T7: {first} — at a full pool this step raises "
+            raise VllmStateError(f"vLLM state M3 (T7): {first} — at a full pool this step raises "
                                  f"'Cannot get N free blocks' instead of waiting (PR 40027, #45856)")

@@ -57,7 +57,7 @@ def test_clean_vllm_takes_what_it_counted(kv):
 def test_predictor_clamped_every_step_is_flagged_with_room_to_spare(kv):
     from kvref.impl.vllm.invariants import VllmStateError
 
-    with planted_vllm_fault("stm.pr40027_cap_every_step"), pytest.raises(VllmStateError, match=r"T7: .*took 1 blocks"):
+    with planted_vllm_fault("stm.pr40027_cap_every_step"), pytest.raises(VllmStateError, match=r"M3 \(T7\): .*took 1 blocks"):
         _decode_long_window_request(kv)
 
 
@@ -86,5 +86,5 @@ def test_dropped_evictable_hits_term_is_flagged(kv):
         return m
 
     assert run()._allocation_watch.steps_checked == 2
-    with planted_vllm_fault("stm.evictable_hits_uncounted"), pytest.raises(VllmStateError, match="T7"):
+    with planted_vllm_fault("stm.evictable_hits_uncounted"), pytest.raises(VllmStateError, match="M3"):
         run()
