@@ -46,6 +46,9 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_INPUT = 2
 EXIT_INTERRUPTED = 130
+#: stdout was closed by its reader (``kvref mutants --list | head -1``): what a shell reports for
+#: a tool stopped by SIGPIPE (128 + 13); it used to be reported as an input error (2)
+EXIT_BROKEN_PIPE = 141
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +92,9 @@ def _main(argv: list[str] | None) -> int:
         acknowledge()
         print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `kvref ... | head`: the reader left; not an input error, no traceback at exit
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback
         print(f"kvref {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_INPUT
@@ -121,6 +127,18 @@ def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                                                 f"{flag}=VALUE)")
         if value == "" and (str(action.metavar or "").upper() in _PATH_METAVARS or action.dest in _PATH_DESTS):
             raise InvalidFieldError(flag, value, "a path (an empty value names no file)")
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    import os
+
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture)
+        pass
 
 
 def _one_line(exc: BaseException) -> str:

@@ -68,3 +68,16 @@ def test_every_subcommand_has_cases():
 
     covered = {c.argv[0] for c in cases() if c.argv}
     assert {m.split("_", 1)[1].replace("_", "-") for m in SUBCOMMAND_MODULES} <= covered
+
+
+def test_a_closed_stdout_is_not_an_input_error(monkeypatch, capsys):
+    """``kvref size ... --json | head -2``: the reader left; that was reported as an input error
+    (``error: [Errno 32] Broken pipe``, exit 2). Now 141, what a shell reports for SIGPIPE, silently."""
+    from kvref import cli_size
+
+    def reader_left(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli_size, "run", reader_left)
+    assert cli.main(["size", "--example", "llama3_8b"]) == 141
+    assert "error" not in capsys.readouterr().err
