@@ -79,6 +79,8 @@ def _main(argv: list[str] | None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_INPUT
     except KeyboardInterrupt:
         acknowledge()
+        raw = list(sys.argv[1:] if argv is None else argv)
+        _verify_json_when_interrupted_early(raw[:1] == ["verify"] and "--json" in raw, None)
         print("kvref: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if not getattr(args, "_run", None):
@@ -90,6 +92,8 @@ def _main(argv: list[str] | None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         acknowledge()
+        _verify_json_when_interrupted_early(args.command == "verify" and getattr(args, "json", False)
+                                            and not getattr(args, "report_written", False), args)
         print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvref ... | head`: the reader left; not an input error, no traceback at exit
@@ -127,6 +131,26 @@ def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                                                 f"{flag}=VALUE)")
         if value == "" and (str(action.metavar or "").upper() in _PATH_METAVARS or action.dest in _PATH_DESTS):
             raise InvalidFieldError(flag, value, "a path (an empty value names no file)")
+
+
+def _verify_json_when_interrupted_early(needed: bool, args: argparse.Namespace | None) -> None:
+    """``kvref verify --json`` stopped before its first check (still importing, reading the
+    baseline): stdout still gets a report, ``"interrupted": true``, every selected check not run
+    (it used to be empty, and ``| jq`` failed instead of saying "interrupted")."""
+    if not needed:
+        return
+    from kvref.report import to_json
+
+    not_run: list[str] = []
+    if args is not None:
+        try:
+            from kvref.checks import select_checks
+
+            not_run = [c.name for c in select_checks(only=args.only, skip=args.skip, mutants=args.mutants,
+                                                     against=args.against)]
+        except (ValueError, ImportError, AttributeError):
+            not_run = []
+    print(to_json([], {"interrupted": True, "not_run": not_run}))
 
 
 def _stdout_to_devnull() -> None:

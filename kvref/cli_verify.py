@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"INTERRUPTED during {interrupted.name}: partial results; not run: "
                       f"{', '.join(not_run) or 'none'}", markup=False)
     if interrupted is not None:
+        args.report_written = True
         raise KeyboardInterrupt  # kvref.cli.main: exit 130, after the partial reports are written
     return 1 if any(r.failing for r in results) else 0
 

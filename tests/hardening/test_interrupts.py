@@ -63,6 +63,20 @@ def test_interrupt_without_json_prints_the_partial_table(monkeypatch, capsys, tm
     assert "INTERRUPTED during only" in out
 
 
+def test_interrupt_before_the_first_check_still_prints_a_json_report(monkeypatch, capsys):
+    """Ctrl-C while verify still starts up (SIGINT at 0.5 s): stdout was empty, ``| jq`` failed."""
+    from kvref import cli_verify
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_verify, "check_arguments", interrupted)
+    assert cli.main(["verify", "--only", "spec", "proofs", "--json"]) == 130
+    report = json.loads(capsys.readouterr().out)
+    assert report["interrupted"] is True and report["ok"] is False and report["checks"] == []
+    assert report["not_run"] == ["spec", "proofs"]
+
+
 def test_a_clean_run_says_it_was_not_interrupted(capsys):
     assert cli.main(["verify", "--only", "spec", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
