@@ -101,16 +101,20 @@ class _Replay:
         self.requests = 0
         self.timeouts = 0
 
-    def fetch(self, start_seq: int) -> list[tuple[int, bytes, bytes]] | None:
+    def fetch(self, start_seq: int, deadline: float | None = None) -> list[tuple[int, bytes, bytes]] | None:
         """Every batch the publisher still holds from ``start_seq`` on, as (seq, topic, payload);
-        None when the publisher does not answer in time."""
+        None when the publisher does not answer in time. ``deadline`` (``time.monotonic()``) is
+        the run's own end: ``--seconds 0.3`` with a silent replay socket used to wait 5 s."""
+        import time
+
         from kvref.impl.vllm.kv_events import END_SEQ, parse_seq
 
         self.requests += 1
         self.sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[tuple[int, bytes, bytes]] = []
         while len(out) < REPLAY_MAX_BATCHES:
-            if not self.sock.poll(int(REPLAY_TIMEOUT_S * 1000)):
+            wait = REPLAY_TIMEOUT_S if deadline is None else min(REPLAY_TIMEOUT_S, deadline - time.monotonic())
+            if wait <= 0 or not self.sock.poll(max(1, int(wait * 1000))):
                 self.timeouts += 1
                 return None if not out else out
             frames = self.sock.recv_multipart()
@@ -174,7 +178,7 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
                digest=hashlib.blake2b(payload, digest_size=16).digest())
 
     def feed_replay(start: int) -> None:
-        got = replay.fetch(start) if replay is not None else None
+        got = replay.fetch(start, deadline) if replay is not None else None
         for seq, t, payload in got or ():
             if t == topic_bytes and (w.next_seq is None or seq >= w.next_seq):
                 feed(seq, payload, "replay")

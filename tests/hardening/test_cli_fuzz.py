@@ -81,3 +81,20 @@ def test_a_closed_stdout_is_not_an_input_error(monkeypatch, capsys):
     monkeypatch.setattr(cli_size, "run", reader_left)
     assert cli.main(["size", "--example", "llama3_8b"]) == 141
     assert "error" not in capsys.readouterr().err
+
+
+def test_watch_replay_wait_ends_with_the_run():
+    """``watch --seconds 0.3 --replay-endpoint X`` with a silent replay socket ran 5 s (the replay
+    wait did not know the run's end); a fetch past the run's deadline asks and gives up at once."""
+    import time
+
+    import zmq
+
+    from kvref.cli_watch import _Replay
+
+    replay = _Replay(zmq.Context.instance(), "tcp://127.0.0.1:9")
+    try:
+        assert replay.fetch(0, deadline=time.monotonic() - 1.0) is None
+        assert replay.timeouts == 1
+    finally:
+        replay.close()
