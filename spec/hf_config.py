@@ -254,6 +254,43 @@ class _Cfg:
         return value
 
 
+#: keys kvref reads that transformers' config class types as ``int`` (not ``int | None``): an
+#: explicit ``null`` fails its strict validation (transformers 5 ``@strict`` configs), so vLLM
+#: cannot load the file
+_NOT_NULL_COMMON = ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+NOT_NULL_KEYS: dict[str, tuple[str, ...]] = {
+    "llama": _NOT_NULL_COMMON,
+    "mistral": (*_NOT_NULL_COMMON, "num_key_value_heads"),
+    "mixtral": (*_NOT_NULL_COMMON, "num_key_value_heads"),
+    "qwen2": (*_NOT_NULL_COMMON, "max_window_layers"),
+    "qwen3": (*_NOT_NULL_COMMON, "head_dim", "max_window_layers"),
+    "qwen3_moe": (*_NOT_NULL_COMMON, "num_key_value_heads"),
+    # Qwen2MoeConfig allows a null num_key_value_heads but, unlike Qwen2's, does not fill it in:
+    # vLLM's ModelArchitectureConfig then refuses total_num_kv_heads=None
+    "qwen2_moe": (*_NOT_NULL_COMMON, "max_window_layers", "num_key_value_heads"),
+    "gemma2": (*_NOT_NULL_COMMON, "num_key_value_heads", "head_dim"),
+    "gemma3_text": (*_NOT_NULL_COMMON, "num_key_value_heads", "head_dim"),
+    "gpt_oss": (*_NOT_NULL_COMMON, "num_key_value_heads", "head_dim"),
+    "llama4_text": (*_NOT_NULL_COMMON, "num_key_value_heads", "head_dim"),
+    "deepseek_v2": (*_NOT_NULL_COMMON, "kv_lora_rank", "qk_rope_head_dim"),
+    "deepseek_v3": (*_NOT_NULL_COMMON, "kv_lora_rank", "qk_rope_head_dim"),
+    "qwen3_next": (*_NOT_NULL_COMMON, "num_key_value_heads", "head_dim"),
+    "nemotron_h": ("hidden_size", "num_attention_heads", "max_position_embeddings", "num_key_value_heads", "head_dim"),
+    "jamba": (*_NOT_NULL_COMMON, "num_key_value_heads", "attn_layer_period", "attn_layer_offset"),
+    "granitemoehybrid": _NOT_NULL_COMMON,
+    "falcon_h1": _NOT_NULL_COMMON,
+    "mamba": ("hidden_size", "num_hidden_layers"),
+    "falcon_mamba": ("hidden_size", "num_hidden_layers"),
+    "mamba2": ("hidden_size", "num_hidden_layers", "head_dim"),
+}
+
+
+def _check_not_null(cfg: _Cfg, model_type: str) -> None:
+    for key in NOT_NULL_KEYS.get(model_type, ()):
+        if key in cfg.data and cfg.data[key] is None:
+            raise InvalidFieldError(cfg.prefix + key, None, f"an int ({model_type}'s config class does not allow null)")
+
+
 def _architecture(data: Mapping[str, Any]) -> str:
     archs = data.get("architectures")
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -404,7 +441,10 @@ def _kinds(family: str, cfg: _Cfg, n: int, arch: str = "") -> tuple[list[str], d
     if family == "qwen2":
         return _qwen_kinds(arch, cfg, n), {"sliding_window": _qwen_window(arch, cfg)}
     if family in ("gemma2", "gemma3"):
-        window = cfg.int("sliding_window", 4096)
+        window = cfg.raw("sliding_window")  # an explicit null: no layer slides (gemma2.py, gemma3.py)
+        if window is None:
+            return ["full"] * n, extra
+        check_int(cfg.prefix + "sliding_window", window, minimum=1)
         if family == "gemma3" and cfg.get("use_bidirectional_attention", False):
             window = window // 2 + 1  # transformers' Gemma3TextConfig (exclusive bounds)
         extra["sliding_window"] = window
@@ -414,11 +454,16 @@ def _kinds(family: str, cfg: _Cfg, n: int, arch: str = "") -> tuple[list[str], d
             types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
         return ["sliding_window" if t == "sliding_attention" else "full" for t in types], extra
     if family == "gpt_oss":
-        window = cfg.int("sliding_window", 128)
+        window = cfg.raw("sliding_window")  # an explicit null: no layer slides (gpt_oss.py)
+        if window is None:
+            return ["full"] * n, extra
+        check_int(cfg.prefix + "sliding_window", window, minimum=1)
         extra["sliding_window"] = window
         return ["sliding_window" if i % 2 == 0 else "full" for i in range(n)], extra
     if family == "llama4":
-        chunk = cfg.get("attention_chunk_size", 8192)
+        chunk = cfg.raw("attention_chunk_size")  # an explicit null: every layer full (llama4.py)
+        if chunk is None:
+            return ["full"] * n, extra
         check_int(cfg.prefix + "attention_chunk_size", chunk, minimum=1)
         extra["attention_chunk_size"] = chunk
         no_rope = cfg.list("no_rope_layers")
@@ -636,6 +681,7 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
     if kv_cache_dtype == "fp8_ds_mla" and not use_mla:
         raise InvalidFieldError("kv_cache_dtype", kv_cache_dtype, "fp8_ds_mla only for MLA models (DeepSeek)")
     cfg = _text_config(data)
+    _check_not_null(cfg, str(cfg.data.get("model_type") or _ARCH_MODEL_TYPE[arch]))
     notes: list[str] = []
     m_dtype = model_dtype(data)
     kv_dtype = m_dtype if kv_cache_dtype == "auto" else kv_cache_dtype

@@ -190,8 +190,9 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
     if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
         # llama4.py: use_chunked_local_attn = not nope and config.attention_chunk_size
         return ["chunked_local" if r and text.attention_chunk_size else "full" for r in text.no_rope_layers]
-    if architecture == "GptOssForCausalLM":
-        return ["sliding_window" if i % 2 == 0 else "full" for i in range(n)]  # gpt_oss.py
+    if architecture == "GptOssForCausalLM":  # gpt_oss.py; a null window leaves every layer full
+        window = getattr(text, "sliding_window", None)
+        return ["sliding_window" if i % 2 == 0 and window is not None else "full" for i in range(n)]
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if architecture in _QWEN2_MODEL and types is not None and len(set(types)) > 1:

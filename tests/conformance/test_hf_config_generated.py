@@ -49,19 +49,20 @@ def _attention(draw, t: dict, *, head_dim: bool = True, kv_absent: bool = True) 
     """Heads, KV heads (absent: = heads), head_dim (absent: hidden_size / heads), hidden size."""
     heads = draw(st.sampled_from([1, 2, 4, 8, 12, 16, 32, 40, 64]))
     t["num_attention_heads"] = heads
-    kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0] + ([ABSENT] if kv_absent else [])))
+    kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0] + ([ABSENT, None] if kv_absent else [])))
     _put(t, "num_key_value_heads", kv)
     per_head = draw(st.sampled_from([64, 80, 96, 128, 256]))
     t["hidden_size"] = heads * per_head
     if head_dim:
-        _put(t, "head_dim", draw(st.sampled_from([ABSENT, 64, 128, 256, per_head])))
+        _put(t, "head_dim", draw(st.sampled_from([ABSENT, None, 64, 128, 256, per_head])))
 
 
 @st.composite
 def _length(draw, t: dict, *, rope: bool = True) -> None:
     """max_position_embeddings and RoPE scaling of each type (old ``rope_scaling`` key or
     transformers 5's ``rope_parameters``)."""
-    t["max_position_embeddings"] = draw(st.sampled_from([2048, 4096, 8192, 32768, 131072, 163840]))
+    # absent: the class default (transformers), which a file omits when it equals it
+    _put(t, "max_position_embeddings", draw(st.sampled_from([ABSENT, 2048, 4096, 8192, 32768, 131072, 163840])))
     if not rope:
         return
     kind = draw(st.sampled_from(["keep", "none", "linear", "dynamic", "yarn", "llama3"]))
@@ -74,10 +75,10 @@ def _length(draw, t: dict, *, rope: bool = True) -> None:
     factor = draw(st.sampled_from([2.0, 4.0, 8.0, 32.0]))
     rp: dict = {"rope_type": kind, "factor": factor}
     if kind == "yarn":
-        rp["original_max_position_embeddings"] = t["max_position_embeddings"]
+        rp["original_max_position_embeddings"] = t.get("max_position_embeddings", 4096)
     if kind == "llama3":
         rp.update(low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=min(8192, t["max_position_embeddings"]))
+                  original_max_position_embeddings=min(8192, t.get("max_position_embeddings", 8192)))
     t[draw(st.sampled_from(["rope_scaling", "rope_parameters"]))] = rp
 
 
@@ -130,7 +131,7 @@ def gemma(draw):
     t = top.get("text_config", top)
     t["num_hidden_layers"] = n = _layers(draw)
     draw(_attention(t))
-    _put(t, "sliding_window", draw(st.sampled_from([ABSENT, 512, 1024, 4096])))
+    _put(t, "sliding_window", draw(st.sampled_from([ABSENT, None, 512, 1024, 4096])))
     if "gemma-3" in name:
         _put(t, "sliding_window_pattern", draw(st.sampled_from([ABSENT, 2, 6])))
     if draw(st.booleans()):
@@ -146,7 +147,7 @@ def gpt_oss(draw):
     top["num_hidden_layers"] = n = _layers(draw)
     top["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     draw(_attention(top))
-    _put(top, "sliding_window", draw(st.sampled_from([ABSENT, 64, 128, 256])))
+    _put(top, "sliding_window", draw(st.sampled_from([ABSENT, None, 64, 128, 256])))
     draw(_length(top))
     draw(_dtype(top, top))
     return top
@@ -158,7 +159,7 @@ def llama4(draw):
     t = top["text_config"]
     t["num_hidden_layers"] = n = _layers(draw)
     draw(_attention(t))
-    _put(t, "attention_chunk_size", draw(st.sampled_from([ABSENT, 2048, 8192])))
+    _put(t, "attention_chunk_size", draw(st.sampled_from([ABSENT, None, 2048, 8192])))
     how = draw(st.sampled_from(["empty", "list", "interval"]))
     if how == "list":
         t["no_rope_layers"] = [draw(st.sampled_from([0, 1])) for _ in range(n)]
