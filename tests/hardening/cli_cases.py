@@ -344,6 +344,22 @@ def cases() -> list[Case]:
     add(Case("watch-nan-seconds", ["watch", "tcp://127.0.0.1:5557", "--seconds", "nan"]))
     add(Case("watch-zero-batches", ["watch", "tcp://127.0.0.1:5557", "--batches", "0"]))
     add(Case("watch-bad-decoder", ["watch", "tcp://127.0.0.1:5557", "--decoder", "pickle"]))
+    # -- found by the flag walk (cli_flag_fuzz.py): every subcommand, the same classes of input
+    deep = "[" * 10_000 + "]" * 10_000
+    add(Case("walk-replay-deep-json", ["replay", "{tmp}/t.json"], files={"t.json": deep}))
+    add(Case("walk-size-deep-json", ["size", "{tmp}/l.json"], files={"l.json": deep}))
+    add(Case("walk-size-deep-toml", ["size", "{tmp}/l.toml"], files={"l.toml": "a = " + "[" * 5000 + "]" * 5000}))
+    add(Case("walk-baseline-huge-int", ["verify", "--only", "spec", "--baseline", "{tmp}/b.json"],
+             files={"b.json": '{"kvref_baseline": ' + "9" * 5000 + "}"}))
+    add(Case("walk-from-json-empty-path", ["mutants", "--target", "vllm", "--from-json", ""]))
+    add(Case("walk-from-json-list", ["mutants", "--target", "vllm", "--from-json", "{tmp}/r.json"],
+             files={"r.json": "[1]"}))
+    add(Case("walk-against-dashdash", ["explore", "--against=--"]))
+    add(Case("walk-kinds-dashdash", ["replay", "{tmp}/t.json", "--kinds=--"], files={"t.json": _trace()}))
+    add(Case("walk-plot-empty", ["size", "--example", "llama3_8b", "--available-memory", "16GiB", "--plot", ""]))
+    add(Case("walk-mutants-list-json", ["mutants", "--list", "--json"], expect=0))
+    add(Case("walk-check-run-out-unwritable", ["check-run", "{tmp}/r.kvtrace", "--out", "/proc/kvref/x"],
+             files={"r.kvtrace": ""}))
     return out
 
 
@@ -382,7 +398,7 @@ def _measure(timeout: float, mem_gib: int, names: list[str]) -> int:  # pragma: 
         with tempfile.TemporaryDirectory() as tmp:
             argv = materialize(case, tmp)
             try:
-                p = subprocess.run([sys.executable, "-m", "kvref.cli", *argv], capture_output=True, text=True,
+                p = subprocess.run([sys.executable, "-m", "kvref.cli", *argv], capture_output=True, text=True, check=False,
                                    timeout=timeout, preexec_fn=limit, env={**os.environ, "COLUMNS": "120"})
                 rc, err = p.returncode, p.stderr
                 if "Traceback (most recent call last)" in err or "Traceback" in p.stdout:
