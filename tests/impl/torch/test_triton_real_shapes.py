@@ -218,6 +218,10 @@ def test_group_blocks_and_their_limits_are_validated():
         torch.tensor([6, 7])
     with pytest.raises(InvalidFieldError, match="group_block"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, group_block=3)
+    # a pool of 2**31 blocks (a zero-stride view: no memory) cannot go through an int32 table
+    huge = torch.zeros(1, 2, 4, 1, 4).expand(2**31, 2, 4, 1, 4)
+    with pytest.raises(InvalidFieldError, match="2147483647 blocks"):
+        paged_attention_triton(q, huge, table, ctx, rows, pos)
 
 
 @pytest.mark.parametrize("dtype,group,group_block,tile", [(torch.float64, 5, 2, 4),    # broadcast path: 3 blocks
