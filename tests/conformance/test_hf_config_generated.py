@@ -335,9 +335,40 @@ def test_generated_config_matches_vllm(family, data, tmp_path_factory):
     check_against_vllm(config, kwargs, tmp_path_factory.mktemp("cfg"))
 
 
-def test_both_paths_are_reached(tmp_path):
-    """The rejection path is exercised: a TP that does not divide the heads is refused by both."""
+#: (fixture, text-config edits, engine arguments, outcome): each difference the generated test found,
+#: and both paths, kept as fixed cases so that CI sees them whatever the random draws
+CASES = [
+    ("llama-3.1-8b", {}, {"tensor_parallel_size": 3}, "rejected"),  # heads % TP (verify_with_parallel_config)
+    ("llama-3.1-8b", {}, {"tensor_parallel_size": 16}, "ok"),  # KV heads replicated (16 % 8 == 0)
+    ("llama-3.1-8b", {"num_attention_heads": 24, "num_key_value_heads": 6}, {"tensor_parallel_size": 4},
+     "rejected"),  # KV heads neither divided nor replicated whole (QKVParallelLinear)
+    ("llama-4-scout-17b-16e-instruct", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {},
+     "ok"),  # a nested text_config's RoPE factor does not scale the length
+    ("llama-4-scout-17b-16e-instruct", {"attention_chunk_size": None}, {}, "ok"),  # null chunk: all full
+    ("gemma-2-9b-it", {"sliding_window": None}, {}, "ok"),  # null window: all full
+    ("gpt-oss-20b", {"sliding_window": None}, {}, "ok"),
+    ("qwen3-8b", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}, {},
+     "rejected"),  # layers 28.. slide (transformers): mixed layer types, qwen2.py refuses
+    ("qwen2.5-7b-instruct", {"use_sliding_window": True, "num_hidden_layers": 40}, {},
+     "rejected"),  # max_window_layers 28 < 40 layers: the same
+    ("qwen3-8b", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0}, {},
+     "ok"),  # every layer slides
+    ("qwen3-30b-a3b", {"use_sliding_window": True, "sliding_window": 4096}, {}, "ok"),  # Qwen3-MoE: all slide
+    ("mixtral-8x7b-instruct-v0.1", {"sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"] * 16},
+     {}, "ok"),  # mixtral.py: no per-layer window -> all full
+    ("qwen3-8b", {"head_dim": None}, {}, "rejected"),  # Qwen3Config types head_dim as int
+    ("qwen1.5-moe-a2.7b", {"num_key_value_heads": None}, {}, "rejected"),
+    ("granite-4.0-h-tiny", {"mamba_d_head": 32}, {}, "rejected"),  # transformers' validate_architecture
+    ("mamba2-2.7b", {"num_heads": 81}, {}, "rejected"),
+    ("falcon-h1-7b-instruct", {}, {"tensor_parallel_size": 2, "enable_prefix_caching": False}, "ok"),
+    ("mamba-2.8b-hf", {}, {"mamba_ssm_cache_dtype": "float32"}, "ok"),
+]
+
+
+@pytest.mark.parametrize("name, edits, kwargs, outcome", CASES,
+                         ids=[f"{n}-{'-'.join(map(str, {**e, **k}))}" for n, e, k, _ in CASES])
+def test_found_cases(name, edits, kwargs, outcome, tmp_path):
     require_vllm()
-    config = _fixture("llama-3.1-8b")
-    assert check_against_vllm(config, {"tensor_parallel_size": 3}, tmp_path, print) == "rejected"
-    assert check_against_vllm(config, {"tensor_parallel_size": 4}, tmp_path, print) == "ok"
+    config = _fixture(name)
+    config.get("text_config", config).update(edits)
+    assert check_against_vllm(config, kwargs, tmp_path, print) == outcome
