@@ -40,6 +40,8 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
             raise InvalidFieldError("new_computed_block_ids", ids, f"None or {self.num_groups} tuples of ids")
         groups = []
         for group in ids:
+            if not isinstance(group, (tuple, list)):
+                raise InvalidFieldError("new_computed_block_ids", ids, f"None or {self.num_groups} tuples of ids")
             blocks = []
             for bid in group:
                 if type(bid) is not int or not 0 <= bid < pool.num_gpu_blocks:

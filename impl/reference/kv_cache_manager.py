@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.kv_cache_interface import FullAttentionSpec
 
 from .block_hash import BlockHash, RequestBlockHasher
 from .errors import UnknownRequestError
@@ -277,6 +278,17 @@ class KVCacheManager:
                     f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
                     f"of {spec.block_size} tokens)")
             self.block_pool._check_own(group, "new_computed_blocks")
+            # What find_longest_cache_hit returns: cached blocks; null only as the placeholder of a
+            # skipped position, which full attention never has (an unpublished or null "hit" shares
+            # nothing real; chunked-local hits may be all null, vLLM counts them as computed).
+            for b in group:
+                if b._block_hash is None and (not b.is_null or isinstance(spec, FullAttentionSpec)):
+                    break
+            else:
+                continue
+            raise InvalidFieldError(f"new_computed_blocks[{g}]", [b.block_id for b in group],
+                                    "cached blocks of this pool (a prefix-cache hit; null only where a "
+                                    "windowed group skips a block)")
         return new_computed_blocks.blocks
 
     # ------------------------------------------------------------------ freeing and the rest

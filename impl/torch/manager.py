@@ -413,6 +413,25 @@ class TorchKVCacheManager:
             out.append(list(seq))
         if any(out) and not self.enable_caching:
             raise InvalidFieldError("new_computed_block_ids", ids, "empty when prefix caching is disabled")
+        # A hit is what get_computed_blocks returned: cached blocks (null only as a skipped
+        # placeholder) for a positive number of hit tokens, as the reference's allocate_slots checks.
+        if any(out):
+            if not num_new_computed_tokens:
+                raise InvalidFieldError("num_new_computed_tokens", 0,
+                                        "the hit's token count (> 0) when new_computed_block_ids holds blocks")
+            cached = self.pool.has_hash
+            for gi, seq in enumerate(out):
+                spec = self.config.groups[gi].kv_cache_spec
+                expected = -(-num_new_computed_tokens // spec.block_size) if spec.prefix_cacheable else 0
+                if len(seq) != expected:
+                    raise InvalidFieldError("num_new_computed_tokens", num_new_computed_tokens,
+                                            f"a hit length matching new_computed_block_ids (group {gi} has "
+                                            f"{len(seq)} blocks of {spec.block_size} tokens)")
+                full = isinstance(spec, FullAttentionSpec)
+                if any((b == NULL_BLOCK_ID and full) or (b != NULL_BLOCK_ID and not bool(cached[b])) for b in seq):
+                    raise InvalidFieldError(f"new_computed_block_ids[{gi}]", seq,
+                                            "cached blocks (a prefix-cache hit; null only where a windowed group "
+                                            "skips a block)")
         return out
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

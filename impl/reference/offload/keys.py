@@ -45,10 +45,12 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
 
 
 def get_offload_group_idx(key: OffloadKey) -> int:
+    _check_key(key)
     return int.from_bytes(key[-4:], "big")
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:
+    _check_key(key)
     return key[:-4]
 
 
@@ -58,6 +60,8 @@ def chunk_offload_keys(block_hashes: Sequence[bytes], group_idx: int, hashes_per
     Mirrors ``RequestOffloadState.update_offload_keys`` (the last hash inside the chunk).
     """
     check_int("hashes_per_chunk", hashes_per_chunk, minimum=1)
+    if not isinstance(block_hashes, (list, tuple)):
+        raise InvalidFieldError("block_hashes", block_hashes, "a list of block hashes (bytes)")
     return [make_offload_key(block_hashes[i], group_idx)
             for i in range(hashes_per_chunk - 1, len(block_hashes), hashes_per_chunk)]
 
@@ -133,6 +137,10 @@ class RequestContext:
 
 def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], ctx: RequestContext) -> list[OffloadKey]:
     """All groups' keys in one head-to-tail order, if every key has a position; else as given."""
+    if not isinstance(key_groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in key_groups):
+        raise InvalidFieldError("key_groups", key_groups, "a list of per-group lists of offload keys")
+    if not isinstance(ctx, RequestContext):
+        raise InvalidFieldError("ctx", ctx, "a RequestContext")
     keys = [k for group in key_groups for k in group]
     positions = {k: p for k in keys if (p := ctx.get_offload_key_position(k)) is not None}
     if len(positions) == len(keys):

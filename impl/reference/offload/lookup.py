@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.mathutil import cdiv
 
 from .keys import LookupResult, OffloadKey
@@ -29,9 +30,23 @@ from .keys import LookupResult, OffloadKey
 Lookup = Callable[[OffloadKey], LookupResult]
 
 
+def _check_lookup(keys: object, lookup: object) -> None:
+    """O(1): a list of keys and a callable (the keys themselves go to ``lookup`` as they are)."""
+    if not isinstance(keys, (list, tuple)):
+        raise InvalidFieldError("keys", keys, "a list of offload keys")
+    if not callable(lookup):
+        raise InvalidFieldError("lookup", lookup, "a callable key -> LookupResult")
+
+
+def _check_groups(groups: object) -> None:
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, LookupGroup) for g in groups):
+        raise InvalidFieldError("groups", groups, "a list of LookupGroup")
+
+
 def maximal_prefix_lookup(keys: Sequence[OffloadKey], lookup: Lookup) -> int | None:
     """Consecutive hits from the start (until the first MISS), or None if any looked-up key
     was pending or RETRY."""
+    _check_lookup(keys, lookup)
     hits, defer = 0, False
     for key in keys:
         r = lookup(key)
@@ -54,6 +69,9 @@ def sliding_window_lookup(keys: Sequence[OffloadKey], window: int, lookup: Looku
     Returns the length of the run touching index 0 when no run is long enough, and None when a
     RETRY was seen anywhere or the deciding run holds a pending chunk.
     """
+    _check_lookup(keys, lookup)
+    check_int("window", window, minimum=1)
+    check_int("initial_window", initial_window, minimum=1, allow_none=True)
     defer = pending = False
     run = 0
     need = initial_window or window
@@ -85,7 +103,14 @@ class LookupGroup:
     sliding_window: int | None = None
     extra_retained_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        check_int("tokens_per_chunk", self.tokens_per_chunk, minimum=1)
+        check_int("window", self.window, minimum=1, allow_none=True)
+        check_int("sliding_window", self.sliding_window, minimum=1, allow_none=True)
+        check_int("extra_retained_tokens", self.extra_retained_tokens, minimum=0)
+
     def load_window(self, num_tokens: int) -> int | None:
+        check_int("num_tokens", num_tokens, minimum=0)
         w = self.window
         if self.sliding_window is not None:
             pad = -num_tokens % self.tokens_per_chunk
@@ -95,6 +120,7 @@ class LookupGroup:
 
 def lookup_order(groups: Sequence[LookupGroup]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(full-attention group indices, windowed group indices by window size descending)."""
+    _check_groups(groups)
     fa = tuple(i for i, g in enumerate(groups) if g.window is None)
     sw = sorted((i for i, g in enumerate(groups) if g.window is not None), key=lambda i: groups[i].window,
                 reverse=True)
@@ -108,6 +134,16 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     """Tokens beyond ``num_computed_tokens`` loadable from offloaded chunks, 0 for none, None
     to ask again later (pending writes, or a chunk another request is loading right now — see
     vLLM PR 29087). No EAGLE groups, Mamba align mode, ``max_load_tokens`` or partial tails."""
+    _check_groups(groups)
+    if not isinstance(group_keys, (list, tuple)) or len(group_keys) != len(groups):
+        raise InvalidFieldError("group_keys", group_keys, f"{len(groups)} lists of offload keys, one per group")
+    for keys in group_keys:
+        _check_lookup(keys, lookup)
+    check_int("num_tokens", num_tokens, minimum=0)
+    check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+    check_int("max_num_new_tokens", max_num_new_tokens, minimum=0, allow_none=True)
+    if chunks_being_loaded is not None and not isinstance(chunks_being_loaded, (set, frozenset)):
+        raise InvalidFieldError("chunks_being_loaded", chunks_being_loaded, "a set of offload keys or None")
     fa, sw = lookup_order(groups)
     all_groups = fa + sw
     max_hit = num_tokens
