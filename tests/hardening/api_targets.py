@@ -557,7 +557,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
     from kvref.impl import interface
     from kvref.impl.reference import kv_events, scheduler_liveness
-    from kvref.impl.reference.offload import keys
+    from kvref.impl.reference.offload import keys, lookup
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
     from kvref.impl.run_trace.writer import compression_for
@@ -654,6 +654,20 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
                                                                                            tokens_per_chunk=4)),
+        "get_offload_group_idx": (keys.get_offload_group_idx, dict(key=keys.make_offload_key(H[0], 0))),
+        "get_offload_block_hash": (keys.get_offload_block_hash, dict(key=keys.make_offload_key(H[0], 0))),
+        "chunk_offload_keys": (keys.chunk_offload_keys, dict(block_hashes=H, group_idx=0, hashes_per_chunk=2)),
+        "order_request_keys": (keys.order_request_keys, dict(key_groups=[[keys.make_offload_key(H[0], 0)]],
+                                                             ctx=keys.RequestContext("r0"))),
+        "maximal_prefix_lookup": (lookup.maximal_prefix_lookup, dict(keys=[keys.make_offload_key(H[0], 0)],
+                                                                     lookup=_hit)),
+        "sliding_window_lookup": (lookup.sliding_window_lookup, dict(keys=[keys.make_offload_key(H[0], 0)], window=1,
+                                                                     lookup=_hit, initial_window=None)),
+        "lookup_complete_chunks": (lookup.lookup_complete_chunks, dict(
+            groups=[lookup.LookupGroup(4)], group_keys=[[keys.make_offload_key(H[0], 0)]], num_tokens=8,
+            num_computed_tokens=0, lookup=_hit, chunks_being_loaded=None, max_num_new_tokens=None)),
+        "lookup_order": (lookup.lookup_order, dict(groups=[lookup.LookupGroup(4)])),
+        "LookupGroup.load_window": (lookup.LookupGroup(4, 1, 4).load_window, dict(num_tokens=6)),
         # run traces and conformance traces (data read from files: every field checked)
         "decode_tokens": (run_format.decode_tokens, dict(text=run_format.encode_tokens([1, 2, 3]))),
         "encode_tokens": (run_format.encode_tokens, dict(tokens=[1, 2, 3])),
@@ -711,6 +725,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     except ImportError:  # pragma: no cover
         pass
     return out
+
+
+def _hit(key):
+    from kvref.impl.reference.offload.keys import LookupResult
+
+    return LookupResult.HIT
 
 
 def _event_payload() -> bytes:

@@ -122,10 +122,6 @@ EXCLUDED: dict[str, str] = {
             "TransferMeta", RECORD),
     f"{_REF}.offload.keys.LookupResult": "an enum: its members are the values",
     "kvref.impl.request.RequestStatus": "an enum: its members are the values",
-    **_each(f"{_REF}.offload.keys", "order_request_keys chunk_offload_keys get_offload_block_hash "
-            "get_offload_group_idx", CONNECTOR_STEP),
-    **_each(f"{_REF}.offload.lookup", "LookupGroup.load_window lookup_complete_chunks lookup_order "
-            "maximal_prefix_lookup sliding_window_lookup", CONNECTOR_STEP),
     f"{_REF}.offload.offloading_scheduler.swa_store_mask": CONNECTOR_STEP,
     **_each("kvref.impl.scheduler_types", "RequestState ScheduledRequest SchedulerOutput SchedulerSnapshot", RECORD),
     **_each("kvref.impl.interface", "KVCacheManagerLike KVCacheManagerLike.allocate_slots KVCacheManagerLike.forget "

@@ -281,3 +281,21 @@ def test_a_scope_too_deep_to_copy_is_an_input_error_not_a_violation(monkeypatch)
     scope = replace(explorer_kv.SCOPES["default"], num_blocks=400)
     with pytest.raises(ValueError, match="too large for the explorer"):
         explore(explorer_kv.KVSystem(scope), max_states=50)
+
+
+@pytest.mark.parametrize("kind", ["reference", "torch"])
+@pytest.mark.parametrize("hit", [((1,), ()), ((0,), (0,)), (None, None), "uncached"],
+                         ids=["group-missing", "null", "none", "in-use-uncached"])
+def test_fake_prefix_hit_by_block_ids_is_rejected(kind, hit):
+    """The id-based adapters (``make_manager``): a hit must name cached blocks. The torch manager
+    took blocks another request was writing (uncached) or only null placeholders as a hit; the
+    reference adapter raised ``TypeError`` on a group that was None (found by Hypothesis)."""
+    from tests.hardening.api_targets import _make
+
+    m = _make(kind)
+    r0 = Request("r0", list(range(9)), max_tokens=4)
+    assert m.allocate_slots(r0, 9) is not None
+    r1 = Request("r1", list(range(9)), max_tokens=4)
+    if hit == "uncached":  # r0's third block in each group: allocated, written, never published
+        hit = tuple((ids[2],) for ids in m.get_block_ids("r0"))
+    _rejected_without_change(m, m.check_invariants, lambda: m.allocate_slots(r1, 5, 4, hit))
