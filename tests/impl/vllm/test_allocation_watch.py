@@ -88,3 +88,33 @@ def test_dropped_evictable_hits_term_is_flagged(kv):
     assert run()._allocation_watch.steps_checked == 2
     with planted_vllm_fault("stm.evictable_hits_uncounted"), pytest.raises(VllmStateError, match="M3"):
         run()
+
+
+def test_hits_touched_after_an_allocation_are_flagged_on_any_free_queue(kv):
+    """#33775 re-planted (each group touches its hits and at once allocates its external blocks):
+    M10 names the order on the first hybrid admission with hits and external tokens, though here
+    the later group's hits are not where the allocation pops (nothing is evicted, the tables agree)."""
+    from kvref.impl.vllm.invariants import VllmStateError
+    from kvref.spec.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=4, dtype="float16")
+    pool = PoolConfig(num_blocks=30, groups=(KVCacheGroupSpec(("a",), spec), KVCacheGroupSpec(("b",), spec)),
+                      max_model_len=32, scheduler_block_size=2, hash_block_size=2)
+
+    def run():
+        m = kv.VllmKVCacheManager(pool)
+        a = Request("a", list(range(8)), max_tokens=2)
+        assert m.allocate_slots(a, 8) is not None
+        a.num_computed_tokens, a.status = 8, RequestStatus.RUNNING
+        m.free(a)  # four full blocks per group stay cached, at the free queue's tail
+        m.forget("a")
+        b = Request("b", list(range(8)) + list(range(50, 56)), max_tokens=2)
+        hit_ids, hit_tokens = m.get_computed_blocks(b)
+        assert hit_tokens == 8 and all(len(ids) == 4 for ids in hit_ids)
+        assert m.allocate_slots(b, 2, hit_tokens, hit_ids, num_external_computed_tokens=4) is not None
+        m.check_invariants()
+        return m
+
+    run()
+    with planted_vllm_fault("coord.pre33775_external_before_touch"), pytest.raises(VllmStateError, match="M10"):
+        run()
