@@ -569,12 +569,15 @@ def mamba_state(family: str, cfg: _Cfg, *, model_dtype_: str, mamba_cache_dtype:
         if family == "jamba":
             inner, what = cfg.int("mamba_expand", 2) * cfg.int("hidden_size"), "mamba_expand * hidden_size"
             state, kernel = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
-        else:  # MambaConfig.__post_init__ sets intermediate_size = int(expand * hidden_size)
+        elif cfg.has("intermediate_size"):  # a file's value survives MambaConfig.__post_init__
+            inner, what = cfg.int("intermediate_size"), "intermediate_size"
+        else:  # MambaConfig.__post_init__: intermediate_size = int(expand * hidden_size)
             expand = cfg.get("expand", 2)
             if isinstance(expand, bool) or not isinstance(expand, (int, float)) or expand <= 0:
                 raise InvalidFieldError(cfg.prefix + "expand", expand, "a positive number")
             inner, what = int(expand * cfg.int("hidden_size")), "expand * hidden_size"
             check_int(cfg.prefix + "expand", inner, minimum=1)
+        if family == "mamba1":
             state, kernel = cfg.int("state_size"), cfg.int("conv_kernel")
         dim = _tp_divide(what, inner, tp)
         shapes = ((kernel - 1, dim), (dim, state))

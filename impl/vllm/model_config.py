@@ -175,7 +175,7 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
     """Each decoder layer's cache kind, read off vLLM's config object as the model class does."""
     if use_mla:
         return ["mla"] * n
-    if architecture in ("MambaForCausalLM", "Mamba2ForCausalLM"):
+    if architecture in ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"):
         return ["mamba"] * n
     if architecture == "FalconH1ForCausalLM":  # falcon_h1.py: every layer is FalconH1ParallelHybrid
         return ["full+mamba"] * n
@@ -236,7 +236,7 @@ def _mamba_model_class(architecture: str) -> Any:
         from vllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
 
         return FalconH1ForCausalLM
-    if architecture == "MambaForCausalLM":
+    if architecture in ("MambaForCausalLM", "FalconMambaForCausalLM"):  # registry: both mamba.py's class
         from vllm.model_executor.models.mamba import MambaForCausalLM
 
         return MambaForCausalLM

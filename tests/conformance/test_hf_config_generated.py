@@ -273,13 +273,15 @@ def falcon_h1(draw):
 @st.composite
 def pure_mamba(draw):
     top = _fixture(draw(st.sampled_from(["mamba-2.8b-hf", "mamba2-2.7b"])))
+    if top["model_type"] == "mamba" and draw(st.booleans()):
+        top.update(architectures=["FalconMambaForCausalLM"], model_type="falcon_mamba")
     top["num_hidden_layers"] = _layers(draw)
     top["hidden_size"] = hidden = draw(st.sampled_from([768, 1024, 2560]))
     top["expand"] = draw(st.sampled_from([1, 2]))
     top["state_size"] = draw(st.sampled_from([16, 64, 128]))
     top["conv_kernel"] = draw(st.sampled_from([2, 4]))
-    if top["model_type"] == "mamba":
-        top["intermediate_size"] = top["expand"] * hidden
+    if top["model_type"] in ("mamba", "falcon_mamba"):  # a file's intermediate_size wins over expand
+        _put(top, "intermediate_size", draw(st.sampled_from([ABSENT, top["expand"] * hidden, 5120])))
     else:
         top["head_dim"] = head_dim = draw(st.sampled_from([32, 64]))
         exact = top["expand"] * hidden // head_dim
@@ -362,6 +364,8 @@ CASES = [
     ("mamba2-2.7b", {"num_heads": 81}, {}, "rejected"),
     ("falcon-h1-7b-instruct", {}, {"tensor_parallel_size": 2, "enable_prefix_caching": False}, "ok"),
     ("mamba-2.8b-hf", {}, {"mamba_ssm_cache_dtype": "float32"}, "ok"),
+    ("mamba-2.8b-hf", {"architectures": ["FalconMambaForCausalLM"], "model_type": "falcon_mamba"},
+     {"tensor_parallel_size": 2}, "ok"),  # registry: mamba.py's MambaForCausalLM
 ]
 
 
