@@ -322,6 +322,9 @@ def run(args: argparse.Namespace) -> int:
         from kvref.cli_checks import check_writable_file
 
         check_writable_file("--plot", args.plot)
+        from kvref.plot import plot_format
+
+        plot_format(args.plot)
     if args.hf_config is not None:
         if args.config is not None or args.example is not None:
             raise InvalidFieldError("--hf-config", args.hf_config, "alone: not with a layout file or --example")

@@ -90,11 +90,29 @@ def build_figure(plan: KVCachePlan, title: str | None = None):
     return fig
 
 
+def plot_format(path: str, flag: str = "--plot") -> str:
+    """The image format ``path`` names by its suffix (none: PNG). Checked before the plan is made:
+    ``--plot plan.foo`` used to fail after the tables were printed, with matplotlib's message."""
+    import os
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from kvref.spec.errors import InvalidFieldError
+
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if suffix and suffix not in formats:
+        raise InvalidFieldError(flag, path, "an image file name ending in ." + ", .".join(formats)
+                                + " (or no suffix: PNG)")
+    return suffix or "png"
+
+
 def plot_plan(plan: KVCachePlan, path: str, title: str | None = None) -> str:
-    """Draw the plan to a PNG at ``path`` and return the path."""
+    """Draw the plan to ``path`` (PNG unless its suffix names another format) and return the path.
+    The file is written at exactly ``path`` (matplotlib adds ``.png`` to a name without suffix)."""
     import matplotlib.pyplot as plt
 
     fig = build_figure(plan, title)
-    fig.savefig(path)
+    fig.savefig(path, format=plot_format(path))
     plt.close(fig)
     return path

@@ -100,7 +100,7 @@ SET_VALUES = [("num_blocks", True), ("=", True), ("=1", True), ("bogus=1", True)
 OUT_PATHS = [("/proc/kvref/x/y", True), ("{tmp}/file.txt/sub", True), ("", True), ("{tmp}/" + "n" * 300, True),
              ("/dev/null/x", True)]
 #: output paths that must be a file (a folder is wrong) / a folder (a file is wrong)
-OUT_FILE_EXTRA = [("{tmp}", True)]
+OUT_FILE_EXTRA = [("{tmp}", True), ("{tmp}/out.bogus-ext", False), ("{tmp}/no-suffix", False)]
 OUT_DIR_EXTRA = [("{tmp}/file.txt", True), ("/dev/null", True)]
 
 

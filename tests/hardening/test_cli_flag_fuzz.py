@@ -95,3 +95,16 @@ def test_kinds_are_derived_from_the_declaration():
             p.add_argument("--d", metavar="BYTES"), p.add_argument("--e", metavar="DIR"), p.add_argument("--f"),
             p.add_argument("--g", metavar="PNG"), p.add_argument("--h", metavar="F=V", action="append")]
     assert [fz.kind_of(a) for a in acts] == ["int", "float", "choice", "bytes", "out-dir", "text", "out-file", "set"]
+
+
+def test_plot_format_is_checked_before_the_plan(tmp_path, capsys):
+    """``--plot plan.foo`` failed after the tables were printed, with matplotlib's message; a name
+    without suffix was written as ``NAME.png`` while kvref said ``NAME``."""
+    from kvref import cli
+
+    base = ["size", "--example", "llama3_8b", "--available-memory", "16GiB", "--plot"]
+    assert cli.main([*base, str(tmp_path / "plan.foo")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--plot" in err and ".png" in err
+    assert cli.main([*base, str(tmp_path / "plan")]) == 0
+    assert (tmp_path / "plan").read_bytes().startswith(b"\x89PNG") and not (tmp_path / "plan.png").exists()
