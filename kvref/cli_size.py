@@ -496,16 +496,11 @@ def render(name: str, plan: KVCachePlan, show_layers: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m kvref.cli_size``), same error handling as ``kvref``."""
-    parser = argparse.ArgumentParser(prog="kvref size", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as exc:
-        print(f"kvref size: error: {exc}", file=sys.stderr)
-        return 2
+    """Standalone entry (``python -m kvref.cli_size``): ``kvref size`` itself, so the same checks,
+    exit statuses and Ctrl-C handling apply (it had its own parser, without them)."""
+    from kvref.cli import main as kvref_main
+
+    return kvref_main(["size", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover
