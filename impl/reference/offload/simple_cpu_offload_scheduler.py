@@ -206,6 +206,10 @@ class SimpleCPUOffloadScheduler:
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         if not isinstance(gpu_block_pool, BlockPool):
             raise InvalidFieldError("gpu_block_pool", gpu_block_pool, "a kvref reference BlockPool")
+        if self._gpu_block_pool is not None and gpu_block_pool is not self._gpu_block_pool:
+            # vLLM binds once, at startup; a second pool would orphan the transfers and pins that
+            # hold blocks of the first (check_invariants failed: a GPU block "freed" mid-transfer).
+            raise OffloadStateError("gpu_block_pool: already bound to another pool (bind once, at startup)")
         self._gpu_block_pool = gpu_block_pool
 
     @property
