@@ -11,10 +11,12 @@ call-order misuse is the state machines' job, ``test_stateful_misuse.py``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
-from tests.hardening.api_discovery import discover, qualified
+from tests.hardening.api_discovery import discover as _discover
+from tests.hardening.api_discovery import qualified
 from tests.hardening.api_targets import ALIASES, constructors, functions, method_cases
 
 _REF = "kvref.impl.reference"
@@ -167,6 +169,11 @@ EXCLUDED: dict[str, str] = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def discover() -> dict[str, str]:
+    return _discover()
+
+
 def _resolve(key: str):
     parts = key.split(".")
     for i in range(len(parts), 0, -1):
@@ -188,13 +195,14 @@ def _takes_no_argument(key: str, kind: str) -> bool:
     return not [p for p in params if p not in ("self", "cls")]
 
 
-def covered() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def covered() -> frozenset[str]:
     out = set()
     for name, (fn, _) in constructors().items():
         out.add(ALIASES.get(name) or qualified(fn))
     out.update(qualified(fn) for fn, _ in functions().values())
     out.update(qualified(build()[3]) for _, build in method_cases())
-    return out
+    return frozenset(out)
 
 
 def test_every_public_entry_point_is_fuzzed_or_excluded():

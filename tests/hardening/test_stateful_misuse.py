@@ -299,3 +299,19 @@ def test_fake_prefix_hit_by_block_ids_is_rejected(kind, hit):
     if hit == "uncached":  # r0's third block in each group: allocated, written, never published
         hit = tuple((ids[2],) for ids in m.get_block_ids("r0"))
     _rejected_without_change(m, m.check_invariants, lambda: m.allocate_slots(r1, 5, 4, hit))
+
+
+def test_simple_offload_rebinding_another_gpu_pool_is_rejected():
+    """Found by the SimpleCPU misuse machine: a second ``bind_gpu_block_pool`` was accepted while
+    a store held blocks of the first pool, and ``check_invariants()`` then failed."""
+    from kvref.impl.reference.block_pool import BlockPool
+    from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOffloadWorld
+
+    w = SimpleOffloadWorld(SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24), "reference")
+    w.add_request(list(range(100, 113)))
+    w.add_request(list(range(100, 113)))
+    w.step(8)
+    conn = w.b.conn
+    _rejected_without_change(w.b, w.b.check_invariants, lambda: conn.bind_gpu_block_pool(BlockPool(12, True, 4)))
+    conn.bind_gpu_block_pool(w.b.mgr.block_pool)  # the same pool again: nothing changes
+    w.b.check_invariants()
