@@ -458,6 +458,19 @@ def extreme_cases() -> list[FuzzCase]:
     return out
 
 
+def combination_choices(sub: str) -> list[tuple[str, str, list[str]]]:
+    """(flag, kind, values) of ``sub``'s options for combinations: each kind's values and a good one
+    (the file arguments keep their base; a combination varies the options around them)."""
+    out = []
+    for s, action, kind in options():
+        if s != sub or not action.option_strings or kind == "in-file":
+            continue
+        values = [v for v, _ in _values(kind)]
+        good = _good_value(s, _flag(action), kind)
+        out.append((_flag(action), kind, values + ([good] if good is not None else [])))
+    return out
+
+
 def all_cases() -> list[FuzzCase]:
     cases = flag_cases() + hf_cases() + extreme_cases()
     seen: dict[str, int] = {}

@@ -108,3 +108,41 @@ def test_plot_format_is_checked_before_the_plan(tmp_path, capsys):
     assert out == "" and "--plot" in err and ".png" in err
     assert cli.main([*base, str(tmp_path / "plan")]) == 0
     assert (tmp_path / "plan").read_bytes().startswith(b"\x89PNG") and not (tmp_path / "plan.png").exists()
+
+
+SUBCOMMANDS = sorted(fz.subparsers())
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_combinations_of_options(sub):
+    """One to four options of a subcommand at once, each with a value of its kind (wrong or good),
+    in any order: the same oracle (no traceback or hang, 0/1/2, one error line, JSON stdout)."""
+    import tempfile
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.conftest import profile_examples
+
+    choices = fz.combination_choices(sub)
+    if not choices:
+        pytest.skip(f"{sub} has no option that takes a value")
+    picks = st.lists(st.sampled_from(choices).flatmap(
+        lambda c: st.tuples(st.just(c[0]), st.sampled_from(c[2]))), min_size=1, max_size=4)
+
+    @settings(max_examples=profile_examples(8, 25, 2000), deadline=None, database=None)
+    @given(picks=picks, as_json=st.booleans())
+    def run(picks, as_json):
+        flags = {f for f, _ in picks}
+        base = fz.BASES.get(sub, [sub])
+        base = [a for i, a in enumerate(base) if not (a in flags or (i and base[i - 1] in flags and a[:1] != "-"))]
+        argv = [*base, *(f"{f}={v}" for f, v in picks)]
+        if as_json and any(a == "--json" for a in fz.subparsers()[sub]._option_string_actions):
+            argv.append("--json")
+        case = fz.FuzzCase("combo", argv, sub, "combination", picks[-1][0], picks[-1][1], False)
+        with tempfile.TemporaryDirectory() as tmp:
+            got_argv, rc, out, err = fz.run_in_process(case, tmp)
+        problems = [p for p in fz.judge(case, got_argv, rc, out, err) if not p.startswith("error-line: names none")]
+        assert not problems, f"{got_argv}\nexit {rc}\n{problems}\nstdout: {out[-600:]}\nstderr: {err[-1200:]}"
+
+    run()
