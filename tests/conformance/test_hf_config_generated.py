@@ -65,6 +65,9 @@ def _length(draw, t: dict, *, rope: bool = True) -> None:
     _put(t, "max_position_embeddings", draw(st.sampled_from([ABSENT, 2048, 4096, 8192, 32768, 131072, 163840])))
     if not rope:
         return
+    other = draw(st.sampled_from([None, "max_seq_len", "seq_length", "model_max_length"]))
+    if other is not None:  # vLLM's other length keys: the smallest wins, model_max_length wins outright
+        t[other] = draw(st.sampled_from([1024, 4096, 65536]))
     kind = draw(st.sampled_from(["keep", "none", "linear", "dynamic", "yarn", "llama3"]))
     if kind == "keep":
         return
@@ -79,7 +82,10 @@ def _length(draw, t: dict, *, rope: bool = True) -> None:
     if kind == "llama3":
         rp.update(low_freq_factor=1.0, high_freq_factor=4.0,
                   original_max_position_embeddings=min(8192, t.get("max_position_embeddings", 8192)))
-    t[draw(st.sampled_from(["rope_scaling", "rope_parameters"]))] = rp
+    key = draw(st.sampled_from(["rope_scaling", "rope_parameters"]))
+    if key == "rope_parameters":  # transformers 5's form carries rope_theta (its validation requires it)
+        rp["rope_theta"] = t.get("rope_theta", 10000.0)
+    t[key] = rp
 
 
 @st.composite
@@ -119,6 +125,10 @@ def qwen(draw):
     _put(top, "sliding_window", draw(st.sampled_from([ABSENT, None, 128, 4096, 131072])))
     _put(top, "use_sliding_window", draw(st.sampled_from([ABSENT, False, True])))
     _put(top, "max_window_layers", draw(st.sampled_from([ABSENT, 0, n, n // 2])))
+    if draw(st.booleans()):  # files saved by transformers 5 list layer_types
+        pick = draw(st.sampled_from(["full", "sliding", "mixed"]))
+        top["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention"}.get(
+            pick, draw(st.sampled_from(["full_attention", "sliding_attention"]))) for _ in range(n)]
     draw(_length(top))
     draw(_dtype(top, top))
     return top
