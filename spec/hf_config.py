@@ -291,6 +291,22 @@ def _check_not_null(cfg: _Cfg, model_type: str) -> None:
             raise InvalidFieldError(cfg.prefix + key, None, f"an int ({model_type}'s config class does not allow null)")
 
 
+#: layer types transformers' ``validate_layer_type`` accepts (``ALLOWED_ATTN_LAYER_TYPES``), plus the
+#: legacy names it remaps first (``mamba``, ``attention``)
+ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "window_attention",
+                       "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding", "reference_sliding_attention",
+                       "linear_attention", "mamba", "attention")
+
+
+def _check_layer_types(cfg: _Cfg, n: int) -> None:
+    """transformers validates any ``layer_types`` a file gives, whatever the family reads: one known
+    entry per layer (``PreTrainedConfig.validate_layer_type``); vLLM's loader refuses the file otherwise."""
+    types = cfg.list("layer_types", n) if "layer_types" in cfg.data else None
+    if types is not None and any(t not in ALLOWED_LAYER_TYPES for t in types):
+        raise InvalidFieldError(cfg.prefix + "layer_types", types, "entries among " + ", ".join(ALLOWED_LAYER_TYPES))
+
+
 def _architecture(data: Mapping[str, Any]) -> str:
     archs = data.get("architectures")
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -694,6 +710,8 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
         else len(str(cfg.get("hybrid_override_pattern")))
     if n > MAX_LAYERS:  # real models have a few hundred; a typo must not build a billion specs
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n, f"at most {MAX_LAYERS:,} layers")
+    if family != "nemotron_h":
+        _check_layer_types(cfg, n)
     kinds, extra = _kinds(family, cfg, n, arch)
     if len(kinds) != n:
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n,

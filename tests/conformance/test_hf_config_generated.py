@@ -111,7 +111,8 @@ def llama_like(draw):
     draw(_attention(top))
     _put(top, "sliding_window", draw(st.sampled_from([ABSENT, None, 64, 4096, 131072])))
     if draw(st.booleans()):
-        top["layer_types"] = [draw(st.sampled_from(["full_attention", "sliding_attention"])) for _ in range(n)]
+        extra = draw(st.sampled_from([0, 0, 0, 1]))
+        top["layer_types"] = [draw(st.sampled_from(["full_attention", "sliding_attention"])) for _ in range(n + extra)]
     draw(_length(top))
     draw(_dtype(top, top))
     return top
@@ -144,8 +145,9 @@ def gemma(draw):
     _put(t, "sliding_window", draw(st.sampled_from([ABSENT, None, 512, 1024, 4096])))
     if "gemma-3" in name:
         _put(t, "sliding_window_pattern", draw(st.sampled_from([ABSENT, 2, 6])))
-    if draw(st.booleans()):
-        t["layer_types"] = [draw(st.sampled_from(["full_attention", "sliding_attention"])) for _ in range(n)]
+    if draw(st.booleans()):  # one too many now and then: both must refuse
+        extra = draw(st.sampled_from([0, 0, 0, 1]))
+        t["layer_types"] = [draw(st.sampled_from(["full_attention", "sliding_attention"])) for _ in range(n + extra)]
     draw(_length(t, rope="gemma-3" not in name))
     draw(_dtype(top, t))
     return top
