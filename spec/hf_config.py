@@ -5,11 +5,12 @@ vLLM builds the model, and each attention or Mamba layer reports its spec
 (``Attention.get_kv_cache_spec``, ``MambaBase.get_kv_cache_spec``). This module reproduces that
 derivation from the parsed dict, without weights or torch, for the families people serve:
 
-* **full attention, GQA** — Llama, Mistral/Mixtral, Qwen2, Qwen3 (dense and MoE). A model whose
-  ``layer_types`` is absent or all ``sliding_attention`` takes the model-level ``sliding_window``
-  for every layer (vLLM's ``CacheConfig.sliding_window``; Mistral-7B-v0.1), a ``layer_types`` list
-  sets it per layer (``llama.py``). Qwen2/Qwen3's ``use_sliding_window: false`` clears the window
-  (transformers' config ``__post_init__``).
+* **full attention, GQA** — Llama, Mistral/Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE. A model
+  whose ``layer_types`` is absent or all ``sliding_attention`` takes the model-level
+  ``sliding_window`` for every layer (vLLM's ``CacheConfig.sliding_window``; Mistral-7B-v0.1); a
+  ``layer_types`` list sets it per layer in ``llama.py``, while Mixtral's and the Qwen classes'
+  attention has no per-layer window (all layers or none). Qwen's ``use_sliding_window: false``
+  clears the window (transformers' config ``__post_init__``).
 * **sliding window with a layer pattern** — Gemma-2 (every other layer), Gemma-3
   (``sliding_window_pattern``, default 6: five sliding, one full), both from ``layer_types`` when the
   file lists it.
@@ -22,7 +23,10 @@ derivation from the parsed dict, without weights or torch, for the families peop
 * **MLA** — DeepSeek-V2/V3: one latent vector per token, ``kv_lora_rank + qk_rope_head_dim``
   (576) elements, one "head"; ``fp8_ds_mla`` packs a token into 656 bytes.
 * **Mamba hybrids** — Qwen3-Next (gated delta net, ``full_attention_interval``), Nemotron-H
-  (Mamba2, ``hybrid_override_pattern``), Jamba (Mamba1, ``attn_layer_period``/``offset``). The
+  (Mamba2, ``hybrid_override_pattern``), Jamba (Mamba1, ``attn_layer_period``/``offset``),
+  Granite-4.0-H (Mamba2, ``layer_types``), Falcon-H1 (attention beside Mamba2 in every layer); and
+  the attention-free Mamba, FalconMamba and Mamba2 (no block alignment: vLLM aligns only when an
+  attention backend exists). Bamba (dropped by vLLM after 0.23.0) and Zamba2 are refused. The
   state shapes are vLLM's ``MambaStateShapeCalculator`` formulas, the dtypes its
   ``MambaStateDtypeCalculator`` (Nemotron-H keeps the SSM state in float32 unless the config or
   ``--mamba-ssm-cache-dtype`` says otherwise). The attention block size is then raised so one

@@ -340,7 +340,7 @@ def check_against_vllm(config: dict, kwargs: dict, tmp_dir, log=note) -> str:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@settings(max_examples=profile_examples(15, 40, 4000))
+@settings(max_examples=profile_examples(15, 60, 6000))
 @given(data=st.data())
 def test_generated_config_matches_vllm(family, data, tmp_path_factory):
     require_vllm()
