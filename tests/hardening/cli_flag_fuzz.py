@@ -432,6 +432,9 @@ def extreme_cases() -> list[FuzzCase]:
              "hf-qwen3-next": ["size", "--hf-config", "qwen3-next-80b-a3b-instruct", "--gpu-memory", "80GiB"],
              "hf-gemma3": ["size", "--hf-config", "gemma-3-27b-it", "--gpu-memory", "80GiB"],
              "example-deepseek": ["size", "--example", "deepseek_v3_like", "--available-memory", "16GiB"]}
+    for fname in hf_examples():  # every packaged config.json (the three above in CI, all nightly)
+        stem = fname.rsplit(".", 1)[0]
+        bases.setdefault(f"hf-all-{stem}", ["size", "--hf-config", stem, "--gpu-memory", "80GiB"])
     extremes = [["--max-model-len", "1"], ["--block-size", "1"], ["--gpu-memory", "1"], ["--kv-cache-memory", "0"],
                 ["--kv-cache-memory", "1"], ["--num-gpu-blocks-override", str(10**9)], ["--num-gpu-blocks-override", "1"],
                 ["--num-gpu-blocks-override", "0"], ["--max-model-len", "auto"], ["--max-num-seqs", str(10**9)],
@@ -488,7 +491,7 @@ def ci_sample(cases: list[FuzzCase], per_class: int = 4, hf_every: int = 23) -> 
     fixture is added)."""
     out = []
     for c in cases:
-        if c.klass == "hf-field" and int(hashlib.sha1(c.id.encode()).hexdigest(), 16) % hf_every:
+        if (c.klass == "hf-field" or "/hf-all-" in c.id) and int(hashlib.sha1(c.id.encode()).hexdigest(), 16) % hf_every:
             continue
         out.append(c)
     return out
