@@ -429,6 +429,11 @@ def _qwen_kinds(arch: str, cfg: _Cfg, n: int) -> list[str]:
     window = _qwen_window(arch, cfg)
     use = bool(cfg.get("use_sliding_window", False))
     types = cfg.list("layer_types", n)
+    if arch == "Qwen2MoeForCausalLM" and not use and types and all(t == "sliding_attention" for t in types):
+        # Qwen2MoeConfig stores sliding_window 0 without use_sliding_window, and vLLM would build a
+        # 0-token window for every layer: refused here (a deliberate difference, docs/size.md)
+        raise InvalidFieldError(cfg.prefix + "use_sliding_window", cfg.get("use_sliding_window"),
+                                "true when every layer_types entry slides (Qwen2-MoE's window is 0 otherwise)")
     if types is None and arch != "Qwen3MoeForCausalLM":
         mwl = cfg.get("max_window_layers", 28)
         check_int(cfg.prefix + "max_window_layers", mwl, minimum=0)

@@ -128,6 +128,8 @@ def qwen(draw):
     _put(top, "max_window_layers", draw(st.sampled_from([ABSENT, 0, n, n // 2])))
     if draw(st.booleans()):  # files saved by transformers 5 list layer_types
         pick = draw(st.sampled_from(["full", "sliding", "mixed"]))
+        if pick == "sliding" and top["model_type"] == "qwen2_moe" and top.get("use_sliding_window") is not True:
+            pick = "mixed"  # a 0-token window vLLM builds and kvref refuses (docs/size.md)
         top["layer_types"] = [{"full": "full_attention", "sliding": "sliding_attention"}.get(
             pick, draw(st.sampled_from(["full_attention", "sliding_attention"]))) for _ in range(n)]
     draw(_length(top))
@@ -388,3 +390,18 @@ def test_found_cases(name, edits, kwargs, outcome, tmp_path):
     config = _fixture(name)
     config.get("text_config", config).update(edits)
     assert check_against_vllm(config, kwargs, tmp_path, print) == outcome
+
+
+def test_deliberate_difference_qwen2_moe_zero_window(tmp_path):
+    """Qwen2-MoE listing only sliding layers without ``use_sliding_window``: vLLM builds a 0-token
+    window on every layer; kvref refuses the file (docs/size.md, deliberate differences)."""
+    from kvref.impl.vllm.model_config import vllm_hf_facts
+
+    require_vllm()
+    config = _fixture("qwen1.5-moe-a2.7b")
+    config.update(num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    facts = vllm_hf_facts(str(tmp_path))
+    assert (facts["layer_kinds"], facts["sliding_window"]) == (["sliding_window"] * 2, 0)
+    with pytest.raises(InvalidFieldError, match="use_sliding_window"):
+        layout_from_hf_config(config)
