@@ -26,7 +26,9 @@ derivation from the parsed dict, without weights or torch, for the families peop
   (Mamba2, ``hybrid_override_pattern``), Jamba (Mamba1, ``attn_layer_period``/``offset``),
   Granite-4.0-H (Mamba2, ``layer_types``), Falcon-H1 (attention beside Mamba2 in every layer); and
   the attention-free Mamba, FalconMamba and Mamba2 (no block alignment: vLLM aligns only when an
-  attention backend exists). Bamba (dropped by vLLM after 0.23.0) and Zamba2 are refused. The
+  attention backend exists); Zamba2 (Mamba2 in every layer, plus in each ``hybrid`` layer the shared
+  transformer block's attention with its own KV cache, ``attention_head_dim`` over a doubled
+  hidden size). Bamba (dropped by vLLM after 0.23.0) is refused. The
   state shapes are vLLM's ``MambaStateShapeCalculator`` formulas, the dtypes its
   ``MambaStateDtypeCalculator`` (Nemotron-H keeps the SSM state in float32 unless the config or
   ``--mamba-ssm-cache-dtype`` says otherwise). The attention block size is then raised so one
@@ -95,13 +97,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MambaForCausalLM": "mamba1",
     "FalconMambaForCausalLM": "mamba1",
     "Mamba2ForCausalLM": "mamba2",
+    "Zamba2ForCausalLM": "zamba2",
 }
 
 #: architectures of the named classes kvref does not derive, and why (the error says so)
 UNSUPPORTED_REASONS: dict[str, str] = {
     "BambaForCausalLM": "vLLM 0.33.0 no longer serves it (removed after 0.23.0, registry._PREVIOUSLY_SUPPORTED_MODELS)",
-    "Zamba2ForCausalLM": "not derived: every hybrid layer holds a Mamba2 state and a KV cache of the shared "
-                         "transformer block (attention_head_dim over a doubled hidden size); not modelled",
 }
 
 #: RoPE types whose ``max_position_embeddings`` is already the scaled length (vLLM
@@ -210,6 +211,8 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "mamba": {"state_size": 16, "conv_kernel": 4, "expand": 2},
     "falcon_mamba": {"state_size": 16, "conv_kernel": 4, "expand": 2},
     "mamba2": {"num_heads": 128, "head_dim": 64, "state_size": 128, "conv_kernel": 4, "expand": 2, "n_groups": 8},
+    "zamba2": {"max_position_embeddings": 4096, "hidden_size": 2560, "num_attention_heads": 32, "mamba_d_state": 64,
+               "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 8},
 }
 #: the text ``model_type`` of each architecture, for a file that does not say
 _ARCH_MODEL_TYPE = {
@@ -222,6 +225,7 @@ _ARCH_MODEL_TYPE = {
     "Qwen2MoeForCausalLM": "qwen2_moe", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "FalconH1ForCausalLM": "falcon_h1", "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba",
     "Mamba2ForCausalLM": "mamba2",
+    "Zamba2ForCausalLM": "zamba2",
 }
 
 
@@ -286,6 +290,7 @@ NOT_NULL_KEYS: dict[str, tuple[str, ...]] = {
     "mamba": ("hidden_size", "num_hidden_layers"),
     "falcon_mamba": ("hidden_size", "num_hidden_layers"),
     "mamba2": ("hidden_size", "num_hidden_layers", "head_dim"),
+    "zamba2": ("hidden_size", "num_attention_heads", "max_position_embeddings"),
 }
 
 
@@ -303,12 +308,12 @@ ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention
                        "linear_attention", "mamba", "attention")
 
 
-def _check_layer_types(cfg: _Cfg, n: int) -> None:
+def _check_layer_types(cfg: _Cfg, n: int, key: str = "layer_types") -> None:
     """transformers validates any ``layer_types`` a file gives, whatever the family reads: one known
     entry per layer (``PreTrainedConfig.validate_layer_type``); vLLM's loader refuses the file otherwise."""
-    types = cfg.list("layer_types", n) if "layer_types" in cfg.data else None
+    types = cfg.list(key, n) if key in cfg.data else None
     if types is not None and any(t not in ALLOWED_LAYER_TYPES for t in types):
-        raise InvalidFieldError(cfg.prefix + "layer_types", types, "entries among " + ", ".join(ALLOWED_LAYER_TYPES))
+        raise InvalidFieldError(cfg.prefix + key, types, "entries among " + ", ".join(ALLOWED_LAYER_TYPES))
 
 
 def _architecture(data: Mapping[str, Any]) -> str:
@@ -376,6 +381,8 @@ def derived_max_model_len(data: Mapping[str, Any]) -> int:
     lengths = [(key, cfg.get(key)) for key in _MAX_LEN_KEYS if cfg.get(key) is not None]
     for key, value in lengths:
         check_int(cfg.prefix + key, value, minimum=1)
+    if cfg.defaults is CLASS_DEFAULTS["zamba2"] and cfg.get("use_long_context"):  # Zamba2Config.__post_init__
+        lengths = [(k, 16384 if k == "max_position_embeddings" else v) for k, v in lengths]
     if cfg.get("model_max_length"):
         derived = cfg.get("model_max_length")
     elif lengths:
@@ -450,6 +457,16 @@ def _qwen_kinds(arch: str, cfg: _Cfg, n: int) -> list[str]:
     if window is not None and (types is None or all(t == "sliding_attention" for t in types)):
         return ["sliding_window"] * n
     return ["full"] * n
+
+
+def _zamba2_types(cfg: _Cfg) -> list[str]:
+    """``layers_block_type`` (transformers' 54-layer default when absent); vLLM builds one layer per
+    entry, and transformers requires one entry per ``num_hidden_layers``."""
+    types = cfg.list("layers_block_type")
+    if types is None:
+        types = ["linear_attention"] + (["linear_attention"] * 5 + ["hybrid"]) * 7 + ["linear_attention"] * 4 + \
+            ["hybrid"] + ["linear_attention"] * 3 + ["hybrid"] + ["linear_attention"] * 2
+    return types
 
 
 def _kinds(family: str, cfg: _Cfg, n: int, arch: str = "") -> tuple[list[str], dict[str, Any]]:
@@ -536,6 +553,8 @@ def _kinds(family: str, cfg: _Cfg, n: int, arch: str = "") -> tuple[list[str], d
         return ["full+mamba"] * n, extra
     if family in ("mamba1", "mamba2"):
         return ["mamba"] * n, extra
+    if family == "zamba2":  # zamba2.py: "hybrid" layers add the shared block's attention (own KV cache)
+        return ["full+mamba" if t == "hybrid" else "mamba" for t in _zamba2_types(cfg)], extra
     raise AssertionError(family)  # pragma: no cover - SUPPORTED_ARCHITECTURES lists only the above
 
 
@@ -582,6 +601,12 @@ def mamba_state(family: str, cfg: _Cfg, *, model_dtype_: str, mamba_cache_dtype:
             raise InvalidFieldError(cfg.prefix + "mamba_d_head", head_dim,
                                     f"{what} ({inter}) / mamba_n_heads ({heads})")
         shapes = _mamba2_shapes(cfg, inter, "mamba_n_groups", "mamba_n_heads", heads, head_dim,
+                                cfg.int("mamba_d_state"), cfg.int("mamba_d_conv"), tp, num_speculative_tokens)
+    elif family == "zamba2":  # Zamba2ForCausalLM.get_mamba_state_shape_from_config
+        inter = cfg.int("mamba_expand") * cfg.int("hidden_size")
+        heads = cfg.int("n_mamba_heads")
+        head_dim = cfg.int("mamba_headdim", inter // heads)  # transformers' __post_init__ unless the file says
+        shapes = _mamba2_shapes(cfg, inter, "mamba_ngroups", "n_mamba_heads", heads, head_dim,
                                 cfg.int("mamba_d_state"), cfg.int("mamba_d_conv"), tp, num_speculative_tokens)
     elif family == "mamba2":
         inter, heads, head_dim = cfg.int("expand") * cfg.int("hidden_size"), cfg.int("num_heads"), cfg.int("head_dim")
@@ -641,6 +666,13 @@ def _attention_geometry(family: str, cfg: _Cfg, use_mla: bool, tp: int) -> tuple
     if (tp % total_kv if tp >= total_kv else total_kv % tp):
         raise InvalidFieldError("tensor_parallel_size", tp, f"a divisor or multiple of {cfg.prefix}num_key_value_heads "
                                 f"({total_kv})")
+    if family == "zamba2":  # zamba2.py: Attention(heads / TP, attention_head_dim), KV heads = heads
+        hidden = cfg.int("attention_hidden_size", 2 * cfg.int("hidden_size"))
+        head_size = cfg.int("attention_head_dim", 2 * cfg.int("hidden_size") // heads)
+        if head_size * heads != hidden:
+            raise InvalidFieldError(cfg.prefix + "attention_head_dim", head_size,
+                                    f"attention_hidden_size ({hidden}) / num_attention_heads ({heads}) (zamba2.py)")
+        return heads // tp, head_size
     if family == "granite_hybrid":  # granitemoehybrid.py: hidden_size // heads, head_dim unread
         head_size = cfg.int("hidden_size") // heads
     else:
@@ -715,11 +747,16 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
     kv_dtype = m_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     derived = derived_max_model_len(data)
 
-    n = cfg.int("num_hidden_layers") if family != "nemotron_h" or not cfg.has("hybrid_override_pattern") \
-        else len(str(cfg.get("hybrid_override_pattern")))
+    if family == "zamba2":  # layer_types is layers_block_type here: validate_layer_type checks it
+        n = cfg.int("num_hidden_layers", 54)
+        _check_layer_types(_Cfg({"layers_block_type": _zamba2_types(cfg)}, cfg.prefix), n, "layers_block_type")
+    elif family != "nemotron_h" or not cfg.has("hybrid_override_pattern"):
+        n = cfg.int("num_hidden_layers")
+    else:
+        n = len(str(cfg.get("hybrid_override_pattern")))
     if n > MAX_LAYERS:  # real models have a few hundred; a typo must not build a billion specs
         raise InvalidFieldError(cfg.prefix + "num_hidden_layers", n, f"at most {MAX_LAYERS:,} layers")
-    if family != "nemotron_h":
+    if family not in ("nemotron_h", "zamba2"):
         _check_layer_types(cfg, n)
     kinds, extra = _kinds(family, cfg, n, arch)
     if len(kinds) != n:

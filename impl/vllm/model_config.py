@@ -14,8 +14,8 @@ the derivation, and this module calls exactly that:
   the one-line selections of ``llama.py``, ``gemma2.py``, ``gemma3.py``, ``gpt_oss.py``,
   ``llama4.py``), so the check covers transformers' defaults and vLLM's own fields;
 * Mamba state shapes and dtypes: the model classes' ``get_mamba_state_shape_from_config`` /
-  ``get_mamba_state_dtype_from_config`` (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba,
-  Mamba2), or the calculator Qwen3-Next's classmethod calls when its module cannot be imported;
+  ``get_mamba_state_dtype_from_config`` (Jamba, Nemotron-H, Granite-4.0-H, Falcon-H1, Zamba2,
+  Mamba, Mamba2), or the calculator Qwen3-Next's classmethod calls when its module cannot be imported;
 * what vLLM rejects for tensor parallelism: ``ModelConfig.verify_with_parallel_config`` (attention
   heads) and the KV-head split ``QKVParallelLinear`` makes with ``vllm.distributed.divide``;
 * the hybrid attention block size and Mamba page padding: ``Platform._align_hybrid_block_size``
@@ -179,6 +179,11 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
         return ["mamba"] * n
     if architecture == "FalconH1ForCausalLM":  # falcon_h1.py: every layer is FalconH1ParallelHybrid
         return ["full+mamba"] * n
+    if architecture == "Zamba2ForCausalLM":  # zamba2.py: a layer per layers_block_type entry; "hybrid" ones
+        # add the shared transformer block, with an Attention (own KV cache) per hybrid layer
+        if text.attention_head_dim * text.num_attention_heads != text.attention_hidden_size:
+            raise ValueError("zamba2.py: attention_hidden_size must be attention_head_dim * num_attention_heads")
+        return ["full+mamba" if t == "hybrid" else "mamba" for t in text.layers_block_type]
     if architecture == "GraniteMoeHybridForCausalLM":  # granitemoehybrid.py: ALL_DECODER_LAYER_TYPES
         return [{"full_attention": "full", "linear_attention": "mamba"}[t] for t in text.layer_types]
     if architecture in ("Qwen3NextForCausalLM",):
@@ -236,6 +241,10 @@ def _mamba_model_class(architecture: str) -> Any:
         from vllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
 
         return FalconH1ForCausalLM
+    if architecture == "Zamba2ForCausalLM":
+        from vllm.model_executor.models.zamba2 import Zamba2ForCausalLM
+
+        return Zamba2ForCausalLM
     if architecture in ("MambaForCausalLM", "FalconMambaForCausalLM"):  # registry: both mamba.py's class
         from vllm.model_executor.models.mamba import MambaForCausalLM
 

@@ -285,6 +285,27 @@ def falcon_h1(draw):
 
 
 @st.composite
+def zamba2(draw):
+    top = _fixture("zamba2-2.7b")
+    n = _layers(draw, 2)
+    top["layers_block_type"] = [draw(st.sampled_from(["mamba", "mamba", "hybrid"])) for _ in range(n)]
+    _put(top, "num_hidden_layers", draw(st.sampled_from([ABSENT, n, 54])))  # vLLM counts layers_block_type
+    top["num_attention_heads"] = heads = draw(st.sampled_from([8, 16, 32]))
+    top["num_key_value_heads"] = heads
+    top["hidden_size"] = hidden = draw(st.sampled_from([1024, 2560]))
+    _put(top, "attention_head_dim", draw(st.sampled_from([ABSENT, 2 * hidden // heads, 64])))
+    top["n_mamba_heads"] = mheads = draw(st.sampled_from([16, 32, 80]))
+    top["mamba_expand"] = 2
+    _put(top, "mamba_headdim", draw(st.sampled_from([ABSENT, 2 * hidden // mheads])))
+    top["mamba_ngroups"] = draw(st.sampled_from([1, 2]))
+    top["mamba_d_state"] = draw(st.sampled_from([16, 64]))
+    _put(top, "use_long_context", draw(st.sampled_from([ABSENT, True, False])))
+    draw(_length(top, rope=False))
+    draw(_dtype(top, top))
+    return top
+
+
+@st.composite
 def pure_mamba(draw):
     top = _fixture(draw(st.sampled_from(["mamba-2.8b-hf", "mamba2-2.7b"])))
     if top["model_type"] == "mamba" and draw(st.booleans()):
@@ -307,7 +328,7 @@ def pure_mamba(draw):
 
 FAMILIES = {"llama": llama_like, "qwen": qwen, "gemma": gemma, "gpt_oss": gpt_oss, "llama4": llama4,
             "deepseek": deepseek, "qwen3_next": qwen3_next, "nemotron_h": nemotron_h, "jamba": jamba,
-            "granite": granite, "falcon_h1": falcon_h1, "pure_mamba": pure_mamba}
+            "granite": granite, "falcon_h1": falcon_h1, "zamba2": zamba2, "pure_mamba": pure_mamba}
 
 
 @st.composite

@@ -107,6 +107,10 @@ EXPECTED = {
     "mamba-2.8b-hf": ({"mamba": 64}, 16, 2048, None, None, 194560),
     # Mamba2: conv (3, 5120 + 2*1*128 = 5376) bf16 = 32,256 + SSM (80, 64, 128) bf16 = 1,310,720
     "mamba2-2.7b": ({"mamba": 64}, 16, 2048, None, None, 1342976),
+    # 54 Mamba2 layers, 9 of them hybrid (+ attention): 32 KV heads x 160 (2 * 2560 / 32): 20,480 B/token.
+    # Mamba2: conv (3, 5120 + 2*1*64 = 5248) bf16 = 31,488 + SSM (80, 64, 64) bf16 = 655,360 -> 686,848;
+    # block 16 * cdiv(686,848, 327,680) = 48; page 48 x 20,480 = 983,040
+    "zamba2-2.7b": ({"mamba": 54, "full": 9}, 48, 4096, 32, 160, 983040),
 }
 
 
