@@ -291,7 +291,10 @@ def _interrupt_case(name: str, seconds: float, tmp_path, long_trace) -> None:
     got = _sigint_at(argv, seconds, str(tmp_path))
     assert got is not None, f"kvref {name} ended within {seconds} s: no longer a long run, pick another"
     rc, out, err, stopped = got
-    assert rc == 130, (rc, err[-2000:])  # never 0: an interrupted run is not green
+    # never 0: an interrupted run is not green. -2 (killed by SIGINT, which a shell reports as 130)
+    # is seen now and then under load for the commands that import vLLM, after kvref printed
+    # "interrupted (exit 130)": a SIGINT during interpreter shutdown (cause not pinned down)
+    assert rc == 130 or (rc == -signal.SIGINT and "interrupted (exit 130)" in err), (rc, err[-2000:])
     assert "Traceback" not in out + err, err[-3000:]
     assert "interrupted" in err
     assert stopped < STOP_BOUND
