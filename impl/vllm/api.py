@@ -203,6 +203,14 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.model_executor.models.nemotron_h", "NemotronHForCausalLM"),
         _b("vllm.model_executor.layers.mamba.mamba_utils", "MambaStateDtypeCalculator"),
         _b("vllm.model_executor.layers.mamba.mamba_utils", "MambaStateShapeCalculator"),
+        _b("vllm.config.model", "ModelConfig"),
+        _b("vllm.distributed", "divide"),
+        _b("vllm.transformers_utils.repo_utils", "with_retry"),
+        _b("vllm.model_executor.models.falcon_h1", "FalconH1ForCausalLM"),
+        _b("vllm.model_executor.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+        _b("vllm.model_executor.models.mamba", "MambaForCausalLM"),
+        _b("vllm.model_executor.models.mamba2", "Mamba2ForCausalLM"),
+        _b("vllm.model_executor.models.zamba2", "Zamba2ForCausalLM"),
     ),
 }
 
