@@ -11,6 +11,7 @@ command acknowledges it (the ``except KeyboardInterrupt`` that stops the run cal
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,23 +21,59 @@ from contextlib import contextmanager
 RETRY_SECONDS = 0.5
 
 _pending = threading.Event()
-
-
 _stop = threading.Event()
+#: held while the retry thread raises, and while the run stops the retries: once :func:`_halt`
+#: returns, no retry is raised and none is left pending
+_lock = threading.Lock()
+
+
+def _set_async_exc(exc) -> None:
+    """Raise ``exc`` in the main thread at its next bytecode (None: cancel one not yet raised).
+
+    Not ``_thread.interrupt_main``: that trips SIGINT for whichever handler is installed by then
+    (vLLM's import may install its own; the command may have put the default one back), so a retry
+    issued just before the run stopped could surface as a KeyboardInterrupt at interpreter exit,
+    which CPython turns into death by SIGINT (status -2) after the report said "exit 130"."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                               None if exc is None else ctypes.py_object(exc))
 
 
 def _raise_again() -> None:
-    import _thread
-
     while not _stop.wait(RETRY_SECONDS):
-        if _pending.is_set():
-            _thread.interrupt_main(signal.SIGINT)
+        with _lock:
+            if _stop.is_set():
+                return
+            if _pending.is_set():
+                _set_async_exc(KeyboardInterrupt)
+
+
+def _halt() -> None:
+    """Stop the retries for good (main thread): nothing raised after this, nothing left pending."""
+    with _lock:
+        _pending.clear()
+        _stop.set()
+        if threading.current_thread() is threading.main_thread():
+            _set_async_exc(None)
+            _forget_unhandled_flag()
+
+
+def _forget_unhandled_flag() -> None:
+    """CPython 3.11 sets a process-wide "unhandled KeyboardInterrupt" flag whenever code it runs
+    through ``PyRun_*`` (a C extension's embedded Python, during an import) ends with the
+    interrupt, even when a caller then handles it; at exit that flag makes the interpreter kill
+    itself with SIGINT (status -2) instead of exiting with the status the command returned. kvref
+    handled the interrupt (its report says so, exit 130), so the flag is cleared. A Python without
+    the symbol (3.12+ keeps it in ``_PyRuntime``) is left alone: there the interrupt still ends the
+    run, by SIGINT, which a shell reports as 130 too."""
+    try:
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
+    except (ValueError, AttributeError):
+        pass
 
 
 def _handler(signum, frame) -> None:
-    if not _pending.is_set():
+    if not _pending.is_set() and not _stop.is_set():
         _pending.set()
-        _stop.clear()
         threading.Thread(target=_raise_again, name="kvref-sigint", daemon=True).start()
     raise KeyboardInterrupt
 
@@ -50,8 +87,7 @@ def acknowledge() -> None:
     re-raising. Called on the main thread."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is _handler:
         signal.signal(signal.SIGINT, _stopping)
-    _pending.clear()
-    _stop.set()
+    _halt()
 
 
 @contextmanager
@@ -73,12 +109,12 @@ def sigint_reraised() -> Iterator[None]:
             hook(unraisable)
 
     _pending.clear()
+    _stop.clear()
     signal.signal(signal.SIGINT, _handler)
     sys.unraisablehook = quiet_dropped_interrupt
     try:
         yield
     finally:
-        _pending.clear()
-        _stop.set()
+        _halt()
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = hook
