@@ -61,7 +61,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .dtypes import DTYPE_SIZES, canonical_dtype, get_dtype_size
-from .errors import InvalidFieldError, check_choice, check_int
+from .errors import InvalidFieldError, check_choice, check_int, check_sequence
 from .kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -343,6 +343,11 @@ def _text_config(data: Mapping[str, Any]) -> _Cfg:
     return _Cfg(text, prefix, CLASS_DEFAULTS.get(str(model_type), {}))
 
 
+def _check_config(data: Any) -> None:
+    if not isinstance(data, Mapping):
+        raise InvalidFieldError("config.json", type(data).__name__, "a JSON object")
+
+
 def model_dtype(data: Mapping[str, Any]) -> str:
     """The checkpoint dtype vLLM's ``dtype="auto"`` serves in.
 
@@ -350,6 +355,7 @@ def model_dtype(data: Mapping[str, Any]) -> str:
     checkpoint is served in bfloat16 on CUDA GPUs (vLLM downcasts float32 under ``auto``); no
     dtype at all is float32, hence bfloat16 as well.
     """
+    _check_config(data)
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
     for where in (data, text):
         for key in ("dtype", "torch_dtype"):
@@ -377,6 +383,7 @@ def _rope_parameter_sets(cfg: _Cfg) -> list[dict]:
 
 def derived_max_model_len(data: Mapping[str, Any]) -> int:
     """vLLM 0.33.0's derived ``max_model_len`` of a ``config.json`` (``_get_and_verify_max_len``)."""
+    _check_config(data)
     cfg = _text_config(data)
     lengths = [(key, cfg.get(key)) for key in _MAX_LEN_KEYS if cfg.get(key) is not None]
     for key, value in lengths:
@@ -649,6 +656,15 @@ def _mamba2_shapes(cfg: _Cfg, inter: int, groups_key: str, heads_key: str, heads
 
 
 def mamba_state_bytes(shapes, dtypes) -> int:
+    """Bytes of one Mamba state: each tensor's element count times its dtype's size."""
+    check_sequence("shapes", shapes, "a tuple of state shapes (tuples of ints)")
+    check_sequence("dtypes", dtypes, "a tuple of dtype names, one per shape")
+    if len(shapes) != len(dtypes):
+        raise InvalidFieldError("dtypes", dtypes, f"{len(shapes)} dtypes, one per shape")
+    for i, shape in enumerate(shapes):
+        check_sequence(f"shapes[{i}]", shape, "a tuple of ints")
+        for j, n in enumerate(shape):
+            check_int(f"shapes[{i}][{j}]", n, minimum=1)
     return sum(prod(s) * get_dtype_size(d) for s, d in zip(shapes, dtypes))
 
 
@@ -688,6 +704,10 @@ def hybrid_attention_block_size(attention_page_per_token: int, mamba_page: int, 
     (``Platform._align_hybrid_block_size``): the smallest multiple of
     ``a = max(kernel_block_size, block_size)`` (at least 128 for MLA; lcm'd with the prefill
     checkpoint alignment in ``align`` mode) whose page is >= the state, never below ``block_size``."""
+    for name, value in (("attention_page_per_token", attention_page_per_token), ("mamba_page", mamba_page),
+                        ("block_size", block_size), ("kernel_block_size", kernel_block_size)):
+        check_int(name, value, minimum=1)
+    check_int("checkpoint_alignment", checkpoint_alignment, minimum=1, allow_none=True)
     align = max(kernel_block_size, block_size)
     if use_mla:
         align = max(align, 128)

@@ -724,7 +724,28 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         out["resolve_device"] = (resolve_device, dict(device="cpu"))
     except ImportError:  # pragma: no cover
         pass
+    # spec: a model's config.json (the mapping arguments; every config field is fuzzed by
+    # tests/hardening/cli_flag_fuzz.py through `kvref size --hf-config`)
+    from kvref.spec import hf_config
+
+    llama = _hf_example("llama-3.1-8b")
+    out["layout_from_hf_config"] = (hf_config.layout_from_hf_config, dict(data=llama, block_size=16,
+                                                                          tensor_parallel_size=1))
+    out["derived_max_model_len"] = (hf_config.derived_max_model_len, dict(data=llama))
+    out["model_dtype"] = (hf_config.model_dtype, dict(data=llama))
+    out["mamba_state_bytes"] = (hf_config.mamba_state_bytes, dict(shapes=((3, 64), (4, 16)),
+                                                                  dtypes=("float16", "float32")))
+    out["hybrid_attention_block_size"] = (hf_config.hybrid_attention_block_size, dict(
+        attention_page_per_token=512, mamba_page=100_000, block_size=16, kernel_block_size=16,
+        checkpoint_alignment=None))
     return out
+
+
+def _hf_example(name: str) -> dict:
+    import json
+    from importlib import resources
+
+    return json.loads((resources.files("kvref") / "examples" / "hf_configs" / f"{name}.json").read_text())
 
 
 def _hit(key):
