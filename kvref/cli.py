@@ -92,8 +92,9 @@ def _main(argv: list[str] | None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         acknowledge()
-        _verify_json_when_interrupted_early(args.command == "verify" and getattr(args, "json", False)
-                                            and not getattr(args, "report_written", False), args)
+        early = args.command == "verify" and not getattr(args, "report_written", False)
+        _verify_json_when_interrupted_early(early and getattr(args, "json", False), args)
+        _verify_junit_when_interrupted_early(early and getattr(args, "junit_xml", None), args)
         print(f"kvref {args.command}: interrupted (exit {EXIT_INTERRUPTED})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvref ... | head`: the reader left; not an input error, no traceback at exit
@@ -141,16 +142,32 @@ def _verify_json_when_interrupted_early(needed: bool, args: argparse.Namespace |
         return
     from kvref.report import to_json
 
-    not_run: list[str] = []
-    if args is not None:
-        try:
-            from kvref.checks import select_checks
+    print(to_json([], {"interrupted": True, "not_run": _selected_checks(args)}))
 
-            not_run = [c.name for c in select_checks(only=args.only, skip=args.skip, mutants=args.mutants,
-                                                     against=args.against)]
-        except (ValueError, ImportError, AttributeError):
-            not_run = []
-    print(to_json([], {"interrupted": True, "not_run": not_run}))
+
+def _verify_junit_when_interrupted_early(needed, args: argparse.Namespace) -> None:
+    """``kvref verify --junit-xml F`` stopped before its first check: F still says so (every
+    selected check skipped as not run), so a CI system reads "interrupted", not a missing file."""
+    if not needed:
+        return
+    from kvref.report import write_junit_xml
+
+    try:
+        write_junit_xml([], args.junit_xml, {"interrupted": True, "not_run": _selected_checks(args)})
+    except OSError as exc:  # probed before the run; if it went away since, say so and keep exit 130
+        print(f"kvref verify: --junit-xml not written: {exc}", file=sys.stderr)
+
+
+def _selected_checks(args: argparse.Namespace | None) -> list[str]:
+    if args is None:
+        return []
+    try:
+        from kvref.checks import select_checks
+
+        return [c.name for c in select_checks(only=args.only, skip=args.skip, mutants=args.mutants,
+                                              against=args.against)]
+    except (ValueError, ImportError, AttributeError):
+        return []
 
 
 def _stdout_to_devnull() -> None:

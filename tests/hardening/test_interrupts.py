@@ -77,6 +77,25 @@ def test_interrupt_before_the_first_check_still_prints_a_json_report(monkeypatch
     assert report["not_run"] == ["spec", "proofs"]
 
 
+def test_interrupt_before_the_first_check_still_writes_the_junit_report(monkeypatch, capsys, tmp_path):
+    """The same early Ctrl-C with ``--junit-xml``: the file says every selected check was not run
+    (it was never written, so a CI system saw a missing report, not an interrupted one)."""
+    import xml.etree.ElementTree as ET
+
+    from kvref import cli_verify
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_verify, "check_arguments", interrupted)
+    path = tmp_path / "k.xml"
+    assert cli.main(["verify", "--only", "spec", "proofs", "--junit-xml", str(path)]) == 130
+    suite = ET.parse(path).getroot()
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == ["spec", "proofs"]
+    assert all("interrupted" in c.find("skipped").get("message") for c in cases)
+
+
 def test_a_clean_run_says_it_was_not_interrupted(capsys):
     assert cli.main(["verify", "--only", "spec", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -343,5 +362,5 @@ def test_a_handled_interrupt_exits_130_not_by_sigint(tmp_path):
     (tmp_path / "kvref_flag_probe.py").write_text(_FLAG_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     p = subprocess.run([sys.executable, "-m", "kvref_flag_probe"], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path, env=env)
+                       cwd=tmp_path, env=env, check=False)
     assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
