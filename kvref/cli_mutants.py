@@ -75,12 +75,18 @@ def run(args: argparse.Namespace) -> int:
     from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, all_mutants
 
     mutants = all_mutants()
+    # names checked before anything, --list included (a typo used to list everything and exit 0)
+    from kvref.checks import check_named
+
+    listed = [CATALOGUE[n] for n in args.only] if args.only else list(CATALOGUE)  # unknown: InvalidFieldError
+    for c in args.checks or ():
+        check_named(c)
     if args.list:
         if args.json:  # --json: stdout holds one JSON document, --list included
             print(json.dumps([{"name": m.name, "kind": m.kind, "layer": m.layer, "available": m.available(),
-                               "description": m.description, "vllm_bug": m.vllm_bug} for m in CATALOGUE]))
+                               "description": m.description, "vllm_bug": m.vllm_bug} for m in listed]))
             return 0
-        for m in CATALOGUE:
+        for m in listed:
             print(f"{m.name:36} {m.kind:9} {m.layer:9} {'' if m.available() else '(n/a) '}{m.description}"
                   + (f" [{m.vllm_bug}]" if m.vllm_bug else ""))
         return 0

@@ -255,6 +255,10 @@ def cases() -> list[Case]:
     add(Case("mutants-min-rate-2", ["mutants", "--list", "--min-rate", "2"]))
     add(Case("mutants-min-rate-nan", ["mutants", "--list", "--min-rate", "nan"]))
     add(Case("mutants-list-ok", ["mutants", "--list"], expect=0))
+    # --list used to ignore --only/--checks: a typo listed everything and exited 0
+    add(Case("mutants-list-only-bogus", ["mutants", "--list", "--only", "bogus"]))
+    add(Case("mutants-list-checks-bogus", ["mutants", "--list", "--checks", "bogus"]))
+    add(Case("mutants-list-only-one", ["mutants", "--list", "--only", "pool.touch_no_ref"], expect=0))
 
     # -- kvref replay: files
     def replay(name, text, *extra, fname="t.json", expect=2):
