@@ -22,6 +22,11 @@ from kvref.spec.errors import InvalidFieldError
 from .format import TraceFormatError, validate_header, validate_record
 from .writer import _fspath
 
+#: the longest line a trace may hold. A step record of a large batch (ids of every scheduled
+#: request, block ids, token ids of new requests) is a few MiB at most; a longer line is a corrupt
+#: or hostile file, refused before it is read into memory whole (issue #15)
+MAX_LINE_CHARS = 64 << 20
+
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -67,12 +72,15 @@ class TraceReader:
             raise InvalidFieldError("path", self.path, f"a readable run trace ({exc.strerror or exc})") from exc
         self._text = io.TextIOWrapper(self._raw, encoding="utf-8", newline="\n")
         try:
-            first = self._text.readline()
+            first = self._text.readline(MAX_LINE_CHARS + 1)
         except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
             self.close()
             raise TraceFormatError(f"{self.path}: line 1", type(exc).__name__, f"a readable trace header ({exc})") from exc
         if not first.endswith("\n"):
             self.close()
+            if len(first) > MAX_LINE_CHARS:
+                raise TraceFormatError(f"{self.path}: line 1", f"{len(first)}+ characters",
+                                       f"a header line of at most {MAX_LINE_CHARS} characters")
             raise TraceFormatError(f"{self.path}: line 1", first[:80], "a complete header line (the file is empty or cut)")
         try:
             header = json.loads(first)
@@ -106,7 +114,7 @@ class TraceReader:
         path = self.path
         while True:
             try:
-                line = text.readline()
+                line = text.readline(MAX_LINE_CHARS + 1)
             except EOFError:
                 self._truncate(f"the compressed stream ends early after line {line_no}")
                 return
@@ -118,6 +126,9 @@ class TraceReader:
                     self._truncate(f"no end record after line {line_no} (the recording process did not shut down cleanly)")
                 return
             line_no += 1
+            if len(line) > MAX_LINE_CHARS:  # a line longer than any record: not read into memory whole
+                raise TraceFormatError(f"{path}: line {line_no}", f"{len(line)}+ characters",
+                                       f"a record line of at most {MAX_LINE_CHARS} characters")
             if not line.endswith("\n"):
                 self._truncate(f"line {line_no} is cut off")
                 return

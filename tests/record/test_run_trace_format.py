@@ -142,6 +142,22 @@ def test_records_after_end_are_an_error(tmp_path):
         list(reader.records())
 
 
+def test_a_line_longer_than_any_record_is_refused_not_read_whole(tmp_path, monkeypatch):
+    """A corrupt or hostile trace with one endless line: refused naming the line and the limit
+    (readline without a bound read it all into memory first)."""
+    from kvref.impl.run_trace import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "MAX_LINE_CHARS", 4096)
+    head = tmp_path / "head.jsonl"
+    head.write_text(json.dumps({**_header(), "pad": "x" * 5000}) + "\n")
+    with pytest.raises(TraceFormatError, match="line 1.*at most 4096"):
+        TraceReader(head)
+    body = tmp_path / "body.jsonl"
+    body.write_text(json.dumps(_header()) + "\n" + json.dumps(add("a", list(range(2000)))) + "\n")
+    with TraceReader(body) as reader, pytest.raises(TraceFormatError, match="line 2.*at most 4096"):
+        list(reader.records())
+
+
 def test_anonymizer_is_consistent_and_injective():
     a = TokenAnonymizer()
     p1, p2 = a.tokens([500, 600, 700, 500]), a.tokens([500, 600, 9])
