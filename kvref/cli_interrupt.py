@@ -27,33 +27,24 @@ _stop = threading.Event()
 _lock = threading.Lock()
 
 
-def _set_async_exc(exc) -> None:
-    """Raise ``exc`` in the main thread at its next bytecode (None: cancel one not yet raised).
-
-    Not ``_thread.interrupt_main``: that trips SIGINT for whichever handler is installed by then
-    (vLLM's import may install its own; the command may have put the default one back), so a retry
-    issued just before the run stopped could surface as a KeyboardInterrupt at interpreter exit,
-    which CPython turns into death by SIGINT (status -2) after the report said "exit 130"."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               None if exc is None else ctypes.py_object(exc))
-
-
 def _raise_again() -> None:
+    import _thread
+
     while not _stop.wait(RETRY_SECONDS):
-        with _lock:
+        with _lock:  # never after _halt: a retry tripped then would reach whatever handler is back
             if _stop.is_set():
                 return
             if _pending.is_set():
-                _set_async_exc(KeyboardInterrupt)
+                _thread.interrupt_main(signal.SIGINT)
 
 
 def _halt() -> None:
-    """Stop the retries for good (main thread): nothing raised after this, nothing left pending."""
+    """Stop the retries for good: no retry is tripped after this. (One tripped just before is run
+    by the handler in place at the main thread's next bytecode: ``_stopping`` once acknowledged.)"""
     with _lock:
         _pending.clear()
         _stop.set()
         if threading.current_thread() is threading.main_thread():
-            _set_async_exc(None)
             _forget_unhandled_flag()
 
 
