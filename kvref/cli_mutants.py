@@ -77,10 +77,14 @@ def run(args: argparse.Namespace) -> int:
     mutants = all_mutants()
     # names checked before anything, --list included (a typo used to list everything and exit 0)
     from kvref.checks import check_named
+    from kvref.spec.errors import InvalidFieldError
 
     listed = [CATALOGUE[n] for n in args.only] if args.only else list(CATALOGUE)  # unknown: InvalidFieldError
     for c in args.checks or ():
-        check_named(c)
+        try:
+            check_named(c)
+        except InvalidFieldError as exc:  # name the flag the value came from
+            raise InvalidFieldError("--checks", c, exc.allowed) from None
     if args.list:
         if args.json:  # --json: stdout holds one JSON document, --list included
             print(json.dumps([{"name": m.name, "kind": m.kind, "layer": m.layer, "available": m.available(),
