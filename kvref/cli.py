@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_INPUT = 2
+#: the command ran but examined nothing (a watcher that received no batch, a trace with no step):
+#: never reported as clean, and told apart from findings (issue #25: ``kvref watch`` with no
+#: publisher said "OK: the stream obeyed every rule" and exited 0)
+EXIT_NOTHING_CHECKED = 3
 EXIT_INTERRUPTED = 130
 #: stdout was closed by its reader (``kvref mutants --list | head -1``): what a shell reports for
 #: a tool stopped by SIGPIPE (128 + 13); it used to be reported as an input error (2)
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; the one place that maps outcomes to exit statuses.
 
     * 0: ran, nothing found; 1: ran, findings (a failed check, a divergence, a counterexample);
+    * 3: ran, but examined nothing (no batch arrived, an empty trace): nothing was checked;
     * 2: the input was rejected before or while reading it (usage, a bad value, a broken or
       unreadable file, an unwritable output path): any ``ValueError`` (kvref's ``KVRefError``
       family) or ``OSError`` a subcommand raises, reported as one line naming the field, the value

@@ -15,8 +15,9 @@ publisher still buffers (so it sees the stream from sequence 0 if the engine sta
 A status line goes to stderr while it runs; at the end (``--seconds``, ``--batches``, or Ctrl-C)
 a summary goes to stdout (``--json``: one JSON object).
 
-Exit status: 0 the stream obeyed every rule, 1 findings, 2 bad endpoint or option,
-130 interrupted (the summary so far is printed first).
+Exit status: 0 the stream obeyed every rule (the summary says how many batches were checked),
+1 findings, 2 bad endpoint or option, 3 nothing was checked (no batch arrived: no publisher, a
+wrong endpoint or topic), 130 interrupted (the summary so far is printed first).
 """
 
 from __future__ import annotations
@@ -246,12 +247,25 @@ def _span(w: Any) -> int:
 
 
 def exit_status(w: Any, interrupted: bool = False) -> int:
-    """0 clean, 1 findings, 130 interrupted (the CLI's contract, :mod:`kvref.cli`)."""
-    from kvref.cli import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_OK
+    """0 clean, 1 findings, 3 nothing checked (no batch arrived), 130 interrupted (the CLI's
+    contract, :mod:`kvref.cli`). A watcher that received nothing is never "clean" (issue #25)."""
+    from kvref.cli import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_CHECKED, EXIT_OK
 
     if interrupted:
         return EXIT_INTERRUPTED
-    return EXIT_FINDINGS if w.num_findings else EXIT_OK
+    if w.num_findings:
+        return EXIT_FINDINGS
+    return EXIT_OK if w.batches_received else EXIT_NOTHING_CHECKED
+
+
+def verdict(w: Any, interrupted: bool = False) -> str:
+    """The one-word verdict the summary ends with: ``clean``, ``findings``, ``nothing-checked``,
+    ``interrupted`` (``--json``'s ``"verdict"``)."""
+    if w.num_findings:
+        return "findings"
+    if interrupted:
+        return "interrupted"
+    return "clean" if w.batches_received else "nothing-checked"
 
 
 def _status(out: TextIO, tty: bool, elapsed: float, w: Any, final: bool = False) -> None:
@@ -270,8 +284,6 @@ def _summary_text(s: dict[str, Any], endpoint: str, interrupted: bool) -> str:
              (f"  shadow: {s['live_entries']} live entries under {s['live_keys']} keys "
               f"({'sure' if s['shadow_sure'] else 'unsure: joined late or lost batches'}); "
               f"unknown removals {s['unknown_removals']}; restarts {s['restarts']}")]
-    if s["batches_received"] == 0:
-        lines.append("  no batch arrived: is the engine running with --kv-events-config, and the endpoint right?")
     if s["num_findings"]:
         lines.append(f"FINDINGS: {s['num_findings']} {s['findings_by_rule']}")
         for f in s["findings"][:20]:
@@ -279,8 +291,13 @@ def _summary_text(s: dict[str, Any], endpoint: str, interrupted: bool) -> str:
             lines.append(f"  [{f['rule']}] {where}: {f['message']}")
         if s["num_findings"] > 20:
             lines.append(f"  ... {s['num_findings'] - 20} more (--json lists up to {len(s['findings'])})")
+    elif s["batches_received"] == 0:
+        lines.append("NOTHING CHECKED: no batch arrived (exit 3): is the engine running with --kv-events-config, "
+                     "and the endpoint (and --topic) right?")
+    elif interrupted:
+        lines.append(f"no finding in the {s['batches_received']} batches checked before the interrupt")
     else:
-        lines.append("OK: the stream obeyed every rule")
+        lines.append(f"OK: {s['batches_received']} batches checked, the stream obeyed every rule")
     return "\n".join(lines)
 
 
@@ -305,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     s = w.summary()
     s["endpoint"], s["interrupted"] = args.endpoint, interrupted
     s["other_topics"] = getattr(w, "other_topics", 0)  # messages under another topic, skipped
+    s["verdict"] = verdict(w, interrupted)
     if args.json:
         print(json.dumps(s, default=_json_default))
     else:

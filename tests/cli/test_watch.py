@@ -186,6 +186,7 @@ def test_clean_stream_exits_0_and_rebuilds_vllms_index(vllm_stream, capsys) -> N
 
     summary = json.loads(capsys.readouterr().out)
     assert summary["num_findings"] == 0 and summary["last_seq"] == len(batches) - 1
+    assert summary["verdict"] == "clean"
     assert summary["events"]["AllBlocksCleared"] == 2 and summary["shadow_sure"]
 
 
@@ -323,10 +324,18 @@ def test_bad_endpoints_exit_2(capsys) -> None:
     assert "endpoint" in capsys.readouterr().err
 
 
-def test_no_publisher_ends_by_itself_with_a_hint(capsys) -> None:
+def test_no_publisher_is_nothing_checked_never_ok(capsys) -> None:
+    """A watcher that received nothing examined nothing: exit 3 and a verdict that says so, never
+    "OK: the stream obeyed every rule" with exit 0 (issue #25)."""
+    import json
+
     port = _free_port()
-    assert main(["watch", f"tcp://127.0.0.1:{port}", "--seconds", "0.3", "--quiet"]) == 0
-    assert "no batch arrived" in capsys.readouterr().out
+    assert main(["watch", f"tcp://127.0.0.1:{port}", "--seconds", "0.3", "--quiet"]) == 3
+    text = capsys.readouterr().out
+    assert "NOTHING CHECKED: no batch arrived" in text and "OK" not in text
+    assert main(["watch", f"tcp://127.0.0.1:{port}", "--seconds", "0.3", "--quiet", "--json"]) == 3
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verdict"] == "nothing-checked" and summary["batches_received"] == 0
 
 
 def test_ctrl_c_prints_the_partial_summary_and_exits_130(tmp_path) -> None:
