@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
-from kvref.impl.torch.offload_copy import OffloadCopier
+from kvref.impl.torch.offload_copy import OffloadCopier, host_buffer
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         t_store = timed(lambda: copier.store(job).wait(), args.repeats, device)
         t_load = timed(lambda: copier.load(job).wait(), args.repeats, device)
         rows.append((name, total / t_store / 1e9, total / t_load / 1e9))
-    host = torch.empty(total // 2, dtype=torch.bfloat16, pin_memory=on_gpu)
+    host = host_buffer((total // 2,), torch.bfloat16, device)  # pinned on CUDA
     dev = torch.empty(total // 2, dtype=torch.bfloat16, device=device)
     t_d2h = timed(lambda: host.copy_(dev, non_blocking=on_gpu), args.repeats, device)
     t_h2d = timed(lambda: dev.copy_(host, non_blocking=on_gpu), args.repeats, device)

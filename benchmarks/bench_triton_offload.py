@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         return 2
 
     from kvref.impl.torch.kv_cache_tensors import KVCacheTensors
-    from kvref.impl.torch.offload_copy import OffloadCopier
+    from kvref.impl.torch.offload_copy import OffloadCopier, host_buffer
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     on_gpu = not args.interpreter
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             print(f"bench_triton_offload: {name} round trip through the kernel is not bit-exact", file=sys.stderr)
             return 1
 
-    host = torch.empty(total // 2, dtype=torch.bfloat16, pin_memory=on_gpu)
+    host = host_buffer((total // 2,), torch.bfloat16, device)  # pinned on CUDA
     dev = torch.empty(total // 2, dtype=torch.bfloat16, device=device)
     base_store = total / timed(lambda: host.copy_(dev, non_blocking=on_gpu), sync, args.repeats) / 1e9
     base_load = total / timed(lambda: dev.copy_(host, non_blocking=on_gpu), sync, args.repeats) / 1e9

@@ -65,6 +65,15 @@ def merge_runs(pairs: Job) -> list[tuple[int, int, int]]:
     return runs
 
 
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed host tensor to copy ``device`` blocks to and from: pinned when ``device`` is CUDA
+    (asynchronous ``copy_`` needs it, and the Triton copy kernel addresses the host side
+    directly, which only page-locked memory allows), pageable on the CPU (pinning needs a CUDA
+    allocator). The one place the copier and the benchmarks build their host side (issue #24)."""
+    dev = torch.device(device)
+    return torch.zeros(shape, dtype=dtype, pin_memory=dev.type == "cuda")
+
+
 class OffloadCopier:
     """Host buffers mirroring ``cache``'s backing tensors, ``num_cpu_blocks`` pages per layer.
 
@@ -87,8 +96,8 @@ class OffloadCopier:
         self.cache = cache
         self.num_cpu_blocks = num_cpu_blocks
         self.is_cuda = cache.device.type == "cuda"
-        self.host = [torch.zeros((num_cpu_blocks, cache.block_stride), dtype=cache.dtype,
-                                 pin_memory=self.is_cuda) for _ in cache.backing]
+        self.host = [host_buffer((num_cpu_blocks, cache.block_stride), cache.dtype, cache.device)
+                     for _ in cache.backing]
         self.stream = torch.cuda.Stream(device=cache.device) if self.is_cuda else None
 
     def _check(self, job: Job, kind: str) -> Job:

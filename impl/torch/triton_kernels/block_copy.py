@@ -36,6 +36,28 @@ def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, stride_src, 
     tl.store(dst_ptr + d * stride_dst + i, tl.load(src_ptr + s * stride_src + i, mask=m), mask=m)
 
 
+def launch_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+    """The device a copy between ``src`` and ``dst`` launches on: the CUDA side when either is on
+    CUDA (then the other, if on the host, must be pinned: a kernel cannot address pageable
+    memory), else the CPU (the interpreter).
+
+    The host side is the tensor that is *not* on CUDA. Issue #24: the first version asked the CUDA
+    tensor whether it was pinned (always False), so every store/load through
+    ``OffloadCopier(backend="triton")`` on CUDA was refused with "unpinned host tensor".
+    """
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise InvalidFieldError("src/dst", (str(src.device), str(dst.device)), "tensors on one CUDA device")
+    if not (src.is_cuda or dst.is_cuda):
+        return src.device
+    cuda_side, host_side = (src, dst) if src.is_cuda else (dst, src)
+    if host_side.device.type not in ("cpu", "cuda"):
+        raise InvalidFieldError("src/dst", str(host_side.device), "a CUDA tensor and a pinned host (cpu) tensor")
+    if not host_side.is_cuda and not host_side.is_pinned():
+        raise InvalidFieldError("src/dst", "unpinned host tensor", "a pinned host tensor beside a CUDA tensor "
+                                "(torch.empty(..., pin_memory=True); see offload_copy.host_buffer)")
+    return torch.device("cuda", cuda_side.device.index or 0)
+
+
 def copy_blocks_triton(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, chunk: int = CHUNK) -> None:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole rows (pages) of two ``[blocks, page]`` tensors.
 
@@ -62,10 +84,7 @@ def copy_blocks_triton(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, c
         raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
     if chunk < 1 or chunk & (chunk - 1):
         raise InvalidFieldError("chunk", chunk, "a power of two")
-    devs = {src.device.type, dst.device.type}
-    launch = torch.device("cuda", (src if src.is_cuda else dst).device.index or 0) if "cuda" in devs else src.device
-    if devs == {"cpu", "cuda"} and not (dst if dst.is_cuda else src).is_pinned():
-        raise InvalidFieldError("src/dst", "unpinned host tensor", "a pinned host tensor beside a CUDA tensor")
+    launch = launch_device(src, dst)
     require_triton(launch)
     if not s_ids.numel():
         return
