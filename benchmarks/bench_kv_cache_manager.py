@@ -39,7 +39,7 @@ def reference_cycle_fn():
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32")
     swa = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32",
                             sliding_window=WINDOW)
-    cfg = PoolConfig(num_blocks=NUM_BLOCKS, groups=(KVCacheGroupSpec(("f",), full), KVCacheGroupSpec(("s",), swa)),
+    cfg = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=NUM_BLOCKS, groups=(KVCacheGroupSpec(("f",), full), KVCacheGroupSpec(("s",), swa)),
                      max_model_len=8192, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
     mgr = KVCacheManager(cfg)
     ps = prompts()

@@ -35,7 +35,7 @@ def payloads(num_batches: int) -> list[bytes]:
     from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
-    cfg = PoolConfig(num_blocks=64, groups=(KVCacheGroupSpec(("l",), spec),), max_model_len=4096,
+    cfg = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=64, groups=(KVCacheGroupSpec(("l",), spec),), max_model_len=4096,
                      scheduler_block_size=16, hash_block_size=16, enable_kv_cache_events=True)
     mgr = KVCacheManager(cfg)
     enc = msgspec.msgpack.Encoder()

@@ -68,7 +68,7 @@ class ManagerWorkload:
     def __init__(self, num_blocks: int) -> None:
         full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
         swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=32)
-        cfg = PoolConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(("f",), full), KVCacheGroupSpec(("s",), swa)),
+        cfg = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=num_blocks, groups=(KVCacheGroupSpec(("f",), full), KVCacheGroupSpec(("s",), swa)),
                          max_model_len=8192, scheduler_block_size=16, hash_block_size=16)
         self.mgr = KVCacheManager(cfg)
         self.rng = random.Random(0)

@@ -65,7 +65,7 @@ def _llama_like():
         cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, async_scheduling=is_async)
         groups = (KVCacheGroupSpec(tuple(f"layer{i}" for i in range(32)),
                                    FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")),)
-        pool = PoolConfig(num_blocks=8192, groups=groups, max_model_len=4096, scheduler_block_size=16,
+        pool = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=8192, groups=groups, max_model_len=4096, scheduler_block_size=16,
                           hash_block_size=16, max_in_flight_tokens=cfg.max_in_flight_tokens)
         return pool, cfg
     return setup
@@ -349,7 +349,7 @@ def _check_setup():
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, async_scheduling=True)
     groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, **attn)),
               KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=8, sliding_window=32, **attn)))
-    pool = PoolConfig(num_blocks=96, groups=groups, max_model_len=256, scheduler_block_size=8, hash_block_size=8,
+    pool = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=96, groups=groups, max_model_len=256, scheduler_block_size=8, hash_block_size=8,
                       max_in_flight_tokens=cfg.max_in_flight_tokens)
     return pool, cfg
 

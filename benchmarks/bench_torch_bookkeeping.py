@@ -28,7 +28,7 @@ BS = 16
 
 def config(num_blocks: int) -> PoolConfig:
     kw = dict(block_size=BS, num_kv_heads=8, head_size=128, dtype="bfloat16")
-    return PoolConfig(num_blocks=num_blocks,
+    return PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=num_blocks,
                       groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(**kw)),
                               KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=128, **kw))),
                       max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS, max_in_flight_tokens=512)

@@ -12,7 +12,7 @@ convert at this boundary, so comparisons never depend on object identity.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
@@ -51,6 +51,52 @@ class PoolConfig:
     watermark: float = 0.0
     use_eagle: bool = False
     enable_kv_cache_events: bool = False
+    #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
+    #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
+    #: equality: two pools with the same fields behave the same whatever their origin.
+    origin: str = field(default="", compare=False)
+
+    @classmethod
+    def from_plan(cls, plan, *, watermark: float = 0.0, use_eagle: bool = False,
+                  enable_kv_cache_events: bool = False) -> "PoolConfig":
+        """The runtime pool of a startup plan: the one road from a user's config to a pool (#26).
+
+        Every derived value (``scheduler_block_size``, ``hash_block_size``, ``max_in_flight_tokens``,
+        the scheduler's groups) is taken from :class:`kvref.spec.planning.KVCachePlan`, where
+        :func:`~kvref.spec.planning.plan_kv_cache` computed it once under vLLM's name, so a pool made
+        here is exactly what vLLM's engine hands its ``KVCacheManager`` and the startup-versus-runtime
+        agreement kvref exists for (vLLM #39734 / #35541) holds by construction. ``watermark``,
+        ``use_eagle`` and ``enable_kv_cache_events`` are the scheduler-side settings that are not
+        part of the plan.
+
+        Raises:
+            InvalidFieldError: ``plan`` is not a ``KVCachePlan``.
+        """
+        from kvref.spec.planning import KVCachePlan
+
+        if not isinstance(plan, KVCachePlan):
+            raise InvalidFieldError("plan", plan, "a KVCachePlan from kvref.spec.planning.plan_kv_cache")
+        return cls(**plan.pool_config_kwargs(), watermark=watermark, use_eagle=use_eagle,
+                   enable_kv_cache_events=enable_kv_cache_events, origin="plan")
+
+    @classmethod
+    def off_plan(cls, why: str, **fields) -> "PoolConfig":
+        """A pool built field by field on purpose, saying why it does not come from a plan.
+
+        The explorer's tiny scopes, fault scenarios, the CPU side of an offload pool and the
+        generators that aim at admission edges need pools startup would never produce (a block
+        short of one max-length request, a hand-picked block count); they come through this door,
+        so a reader sees every place that bypasses :meth:`from_plan` and the reason. The fields are
+        checked exactly like a planned pool's.
+
+        Raises:
+            InvalidFieldError: ``why`` is empty or not a string, or a field is invalid.
+        """
+        if not isinstance(why, str) or not why.strip():
+            raise InvalidFieldError("why", why, "a non-empty string saying why the pool is off-plan")
+        if "origin" in fields:
+            raise InvalidFieldError("origin", fields["origin"], "not given: off_plan sets it from why")
+        return cls(**fields, origin=f"off-plan: {why.strip()}")
 
     @property
     def effective_max_in_flight_tokens(self) -> int:
@@ -80,6 +126,8 @@ class PoolConfig:
                 raise InvalidFieldError(flag, getattr(self, flag), "True or False")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise InvalidFieldError("enable_kv_cache_events", self.enable_kv_cache_events, "True or False")
+        if not isinstance(self.origin, str):
+            raise InvalidFieldError("origin", self.origin, "a string (set by from_plan / off_plan)")
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,

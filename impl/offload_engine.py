@@ -30,8 +30,10 @@ def kvref_kv_cache_groups(block_size: int, sliding_window: int | None) -> tuple[
 
 def kvref_kv_cache_manager(cfg: Any, groups: tuple[KVCacheGroupSpec, ...]) -> KVCacheManager:
     """kvref's GPU ``KVCacheManager`` with prefix caching, one block size for scheduling and hashing."""
-    return KVCacheManager(PoolConfig(cfg.num_gpu_blocks, groups, cfg.max_model_len, cfg.block_size,
-                                     cfg.block_size, enable_caching=True))
+    return KVCacheManager(PoolConfig.off_plan(
+        "an offload scenario's GPU pool: its block count is the scenario's, not a startup plan's",
+        num_blocks=cfg.num_gpu_blocks, groups=groups, max_model_len=cfg.max_model_len,
+        scheduler_block_size=cfg.block_size, hash_block_size=cfg.block_size, enable_caching=True))
 
 
 # --------------------------------------------------------------------------------------------

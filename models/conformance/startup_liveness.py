@@ -173,7 +173,8 @@ def run_case(kind: str, case: LivenessCase) -> LivenessFailure | None:
     pages = startup_pages(kind, case)
     num_blocks = 1 + sum(pages)
     cfg = case.engine_config()
-    pool = PoolConfig(
+    pool = PoolConfig.off_plan(
+        "the smallest pool startup accepts, counted by the implementation under test's own formulas",
         num_blocks=num_blocks,
         groups=tuple(KVCacheGroupSpec((f"layer{i}",), s) for i, s in enumerate(case.specs())),
         max_model_len=case.max_model_len, scheduler_block_size=case.scheduler_block_size,

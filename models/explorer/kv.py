@@ -189,7 +189,8 @@ class Scope:
     def pool_config(self):
         from kvref.impl.interface import PoolConfig
 
-        return PoolConfig(num_blocks=self.num_blocks or self.startup_num_blocks(), groups=self.groups(),
+        return PoolConfig.off_plan("an explorer scope: tiny hand-sized pools keep exhaustive search finite",
+                                  num_blocks=self.num_blocks or self.startup_num_blocks(), groups=self.groups(),
                           max_model_len=self.max_model_len, scheduler_block_size=self.block_size,
                           hash_block_size=self.block_size, max_in_flight_tokens=self.max_in_flight_tokens,
                           enable_caching=self.enable_caching)

@@ -152,7 +152,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
     caching = False if has_mamba else draw(st.sampled_from((True, True, False)))
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
-    probe = PoolConfig(num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
+    probe = PoolConfig.off_plan("a one-block probe that only asks the per-request bound", num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                        hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                        watermark=watermark)
     need = max_blocks_per_request(probe, cfg) + 1
@@ -163,7 +163,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         num_blocks = need + (0 if storm else draw(st.sampled_from(slack)))
     else:
         num_blocks = draw(st.integers(max(2, len(groups) + 1), max(2, len(groups) + 1, need - 1)))
-    pool = PoolConfig(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
+    pool = PoolConfig.off_plan("tight and startup-inconsistent pools (head-of-line hangs) startup never sizes",
+                               num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                       hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                       watermark=watermark)
     return pool, cfg

@@ -54,7 +54,8 @@ class ManagerConfig:
             groups.append(KVCacheGroupSpec(("full_b",), FullAttentionSpec(**common)))
         if self.kind in ("swa", "hybrid"):
             groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **common)))
-        return PoolConfig(num_blocks=self.num_blocks, groups=tuple(groups), max_model_len=self.max_model_len,
+        return PoolConfig.off_plan("a manager machine's hand-sized pool",
+                                   num_blocks=self.num_blocks, groups=tuple(groups), max_model_len=self.max_model_len,
                           scheduler_block_size=self.scheduler_block_size or self.block_size,
                           hash_block_size=self.block_size,
                           max_in_flight_tokens=self.max_in_flight_tokens)

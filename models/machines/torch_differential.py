@@ -67,7 +67,8 @@ def pool_configs(draw, layouts=LAYOUTS, aligned_chunks: bool = False) -> PoolCon
             spec = ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **SPEC_KW)
         groups.append(KVCacheGroupSpec((f"g{i}",), spec, is_eagle_group=hybrid and draw(st.booleans())
                                        and not draw(st.booleans())))
-    return PoolConfig(
+    return PoolConfig.off_plan(
+        "generated pools aim at admission edges (a block short, a block spare) startup never sizes",
         num_blocks=draw(st.integers(4, 28)),
         groups=tuple(groups),
         max_model_len=draw(st.integers(12, 40)),

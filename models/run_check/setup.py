@@ -79,7 +79,8 @@ def setup_from_header(header: dict) -> RunSetup:
             enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)), policy=s.get("policy", "fcfs"),
             scheduler_reserve_full_isl=bool(s.get("scheduler_reserve_full_isl", True)),
             async_scheduling=bool(s.get("async_class", s.get("async_scheduling", False))))
-        pool = PoolConfig(num_blocks=p["num_blocks"], groups=groups, max_model_len=p["max_model_len"],
+        pool = PoolConfig.off_plan("a recorded run's pool, as the engine's own startup built it",
+                                   num_blocks=p["num_blocks"], groups=groups, max_model_len=p["max_model_len"],
                           scheduler_block_size=p["scheduler_block_size"], hash_block_size=p["hash_block_size"],
                           max_in_flight_tokens=p.get("max_in_flight_tokens") or config.max_in_flight_tokens,
                           enable_caching=bool(p.get("enable_caching", True)), watermark=float(p.get("watermark", 0.0)),

@@ -110,7 +110,9 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     # over groups with the dropped block (spec-decode hits on hybrid pools, issue #13).
     odds = 1 if len(names) >= 3 else 5
     use_eagle = bool(eagle) and "chunked" not in names and (eagle == "always" or draw(st.integers(0, odds)) == 0)
-    return PoolConfig(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
+    return PoolConfig.off_plan("generated pools aim at admission edges (a block short, a block spare) startup "
+                               "never sizes; models.strategies.planning draws planned ones",
+                               num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
                       scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
                       enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle)
 

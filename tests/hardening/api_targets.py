@@ -605,6 +605,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "unify_kv_cache_spec_page_size": (grouping.unify_kv_cache_spec_page_size, dict(layers=layers)),
         "validate_layers": (grouping.validate_layers, dict(layers=layers, allow_empty=False)),
         "plan_kv_cache": (planning.plan_kv_cache, dict(layers=layers, config=eng, available_memory=1 << 20)),
+        "PoolConfig.from_plan": (interface.PoolConfig.from_plan, dict(
+            plan=planning.plan_kv_cache(layers, eng, 1 << 20), watermark=0.0, use_eagle=False,
+            enable_kv_cache_events=False)),
+        "PoolConfig.off_plan": (interface.PoolConfig.off_plan, dict(
+            why="a fuzzed pool", num_blocks=9, groups=groups, max_model_len=32, scheduler_block_size=4,
+            hash_block_size=4)),
         "scheduler_view": (planning.scheduler_view, dict(groups=groups)),
         "pool_bytes_per_block": (pool_sizing.pool_bytes_per_block, dict(groups=groups)),
         "auto_fit_max_model_len": (pool_sizing.auto_fit_max_model_len, dict(

@@ -163,7 +163,9 @@ class SimpleCPUOffloadScheduler:
         self.world_size = world_size
         self.lazy = bool(lazy_offload)
         self.dedup_within_scan = dedup_within_scan
-        self.cpu_coordinator = get_kv_cache_coordinator(PoolConfig(
+        self.cpu_coordinator = get_kv_cache_coordinator(PoolConfig.off_plan(
+            "the CPU offload pool: sized from the CPU bytes vLLM's SimpleCPUOffloadConnector is given, "
+            "not by the GPU startup plan",
             num_blocks=num_cpu_blocks, groups=groups, max_model_len=max_model_len,
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
             max_in_flight_tokens=max_in_flight_tokens or max_model_len))
