@@ -29,9 +29,11 @@ from kvref.models.machines.torch_datapath import DataPathScheduler  # noqa: E402
 from kvref.models.mutants.torch_catalogue import EarlySlidingWindowFree, UncountedHitTouch, WrongCpuBlockLoader  # noqa: E402
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from tests.conftest import profile_examples  # noqa: E402
-from tests.impl.torch.triton_support import needs_interpreter, needs_triton  # noqa: E402
+from tests.impl.torch.triton_support import USABLE, kernel_device, needs_triton  # noqa: E402
 
-pytestmark = [needs_triton, needs_interpreter]
+pytestmark = needs_triton
+#: CPU tensors in the interpreter; CUDA where the kernels are compiled (a GPU machine, issue #24)
+DEV = kernel_device() if USABLE else "cpu"
 
 KW = dict(num_kv_heads=2, head_size=8, dtype="float32")
 EXACT = 1e-10
@@ -65,7 +67,7 @@ def _swa(cls, window, block_size, hybrid):
         specs = (FullAttentionSpec(block_size=block_size, **KW),) + specs
 
     def make(backend):
-        sched = DataPathScheduler(cls(_cfg(specs, 48, block_size), device="cpu"), budget=5, attention_backend=backend)
+        sched = DataPathScheduler(cls(_cfg(specs, 48, block_size), device=DEV), budget=5, attention_backend=backend)
         sched.add(Request("a", list(range(22)), max_tokens=6))
         sched.add(Request("b", list(range(30, 47)), max_tokens=6))
         return sched
@@ -83,7 +85,7 @@ def test_sliding_window_block_freed_early_is_caught_through_the_kernels(window, 
 
 def _shared_prefix(cls):
     def make(backend):
-        sched = DataPathScheduler(cls(_cfg((FullAttentionSpec(block_size=4, **KW),), 10), device="cpu"),
+        sched = DataPathScheduler(cls(_cfg((FullAttentionSpec(block_size=4, **KW),), 10), device=DEV),
                                   budget=16, attention_backend=backend)
         sched.add(Request("a", list(range(12)), max_tokens=2))
         sched.step()
@@ -105,7 +107,7 @@ def test_block_reused_while_referenced_is_caught_through_the_kernels():
 def _offload_round_trip(copier_cls, backend):
     """Prefill, store the blocks, clobber them, load them back (copy kernel), decode (attention kernel)."""
     cfg = _cfg((FullAttentionSpec(block_size=4, **KW), SlidingWindowSpec(block_size=4, sliding_window=8, **KW)), 40)
-    mgr = TorchKVCacheManager(cfg, device="cpu")
+    mgr = TorchKVCacheManager(cfg, device=DEV)
     runner = DataPathRunner(mgr, num_layers=2, attention_backend=backend)
     req = Request("a", list(range(13)), max_tokens=4)
     assert mgr.allocate_slots(req, 13) is not None
@@ -138,7 +140,7 @@ def test_generated_workloads_through_the_kernels_equal_dense_and_the_torch_path(
     cfg, reqs, budget, seed = w
 
     def make(backend):
-        sched = DataPathScheduler(TorchKVCacheManager(cfg, device="cpu"), budget=budget, seed=seed,
+        sched = DataPathScheduler(TorchKVCacheManager(cfg, device=DEV), budget=budget, seed=seed,
                                   attention_backend=backend)
         for r in copy.deepcopy(reqs):
             sched.add(r)
@@ -163,7 +165,10 @@ def test_differential_machine_runs_the_data_path_through_the_kernels(monkeypatch
         calls.append(a[0].shape[0])
         return real(*a, **k)
     monkeypatch.setattr(attn, "paged_attention_triton", counted)
-    machine = make_differential_machine(ReferenceKVCacheManager, datapath=True, attention_backend="triton")
+    from kvref.impl.torch import make_manager
+
+    machine = make_differential_machine(ReferenceKVCacheManager, lambda cfg: make_manager(cfg, device=DEV),
+                                        datapath=True, attention_backend="triton")
     machine.TestCase.settings = settings(max_examples=profile_examples(8, 16, 160), stateful_step_count=15,
                                          derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
@@ -182,7 +187,7 @@ def test_datapath_runner_uses_the_selected_backend(monkeypatch):
         raise RuntimeError("kernel called")
     monkeypatch.setattr(attn, "paged_attention_triton", broken)
     for backend in ("torch", "triton"):
-        mgr = TorchKVCacheManager(cfg, device="cpu")
+        mgr = TorchKVCacheManager(cfg, device=DEV)
         assert mgr.allocate_slots(req, 6) is not None
         runner = DataPathRunner(mgr, attention_backend=backend, dtype=torch.float64)
         if backend == "torch":

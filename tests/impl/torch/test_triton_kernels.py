@@ -225,8 +225,11 @@ def test_offload_through_the_copy_kernel_equals_the_torch_copier_bit_for_bit(dty
 def test_copy_kernel_rejects_bad_arguments():
     from kvref.impl.torch.triton_kernels.block_copy import copy_blocks_triton
 
-    src, dst = torch.zeros(4, 8), torch.zeros(3, 8)
+    dev = kernel_device()
+    src, dst = torch.zeros(4, 8, device=dev), torch.zeros(3, 8, device=dev)
+    src[1], src[2] = 1.0, 2.0
     copy_blocks_triton(src, dst, [1, 2], [0, 1])
+    assert dst.cpu().tolist() == [[1.0] * 8, [2.0] * 8, [0.0] * 8]
     for bad in (dict(src_ids=[1, 2], dst_ids=[0, 0]),          # one destination twice
                 dict(src_ids=[4], dst_ids=[0]),                # source out of range
                 dict(src_ids=[1, 2], dst_ids=[0]),             # lengths differ
@@ -234,21 +237,23 @@ def test_copy_kernel_rejects_bad_arguments():
         with pytest.raises(InvalidFieldError):
             copy_blocks_triton(src, dst, **bad)
     with pytest.raises(InvalidFieldError, match="src/dst"):
-        copy_blocks_triton(src, torch.zeros(3, 4), [1], [0])
+        copy_blocks_triton(src, torch.zeros(3, 4, device=dev), [1], [0])
 
 
 def test_attention_and_write_kernels_reject_bad_arguments():
     from kvref.impl.torch.triton_kernels.attention import paged_attention_triton
     from kvref.impl.torch.triton_kernels.write_kv import write_kv_triton
 
-    q, cache = torch.zeros(2, 2, 4), torch.zeros(5, 2, 4, 1, 4)
-    table, ctx, rows, pos = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([8]), torch.tensor([0, 0]), \
-        torch.tensor([6, 7])
+    dev = kernel_device()
+    q, cache = torch.zeros(2, 2, 4, device=dev), torch.zeros(5, 2, 4, 1, 4, device=dev)
+    table, ctx, rows, pos = (torch.tensor([[1, 2]], dtype=torch.int32, device=dev), torch.tensor([8], device=dev),
+                             torch.tensor([0, 0], device=dev), torch.tensor([6, 7], device=dev))
     assert paged_attention_triton(q, cache, table, ctx, rows, pos).shape == (2, 2, 4)
     with pytest.raises(InvalidFieldError, match="block_table"):
-        paged_attention_triton(q, cache, torch.tensor([[1, 9]], dtype=torch.int32), ctx, rows, pos)
+        paged_attention_triton(q, cache, torch.tensor([[1, 9]], dtype=torch.int32, device=dev), ctx, rows, pos)
     with pytest.raises(InvalidFieldError, match="num_query_heads"):
-        paged_attention_triton(torch.zeros(2, 3, 4), torch.zeros(5, 2, 4, 2, 4), table, ctx, rows, pos)
+        paged_attention_triton(torch.zeros(2, 3, 4, device=dev), torch.zeros(5, 2, 4, 2, 4, device=dev), table, ctx,
+                               rows, pos)
     with pytest.raises(InvalidFieldError, match="mask"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, "causal")
     with pytest.raises(InvalidFieldError, match="tile"):
@@ -258,9 +263,11 @@ def test_attention_and_write_kernels_reject_bad_arguments():
     with pytest.raises(InvalidFieldError, match="num_warps"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, num_warps=3)
     with pytest.raises(InvalidFieldError, match="slots"):
-        write_kv_triton(cache, torch.tensor([4, 20]), torch.ones(2, 1, 4), torch.ones(2, 1, 4))
+        write_kv_triton(cache, torch.tensor([4, 20], device=dev), torch.ones(2, 1, 4, device=dev),
+                        torch.ones(2, 1, 4, device=dev))
     with pytest.raises(InvalidFieldError, match="k/v"):
-        write_kv_triton(cache, torch.tensor([4, 5]), torch.ones(2, 1, 3), torch.ones(2, 1, 4))
+        write_kv_triton(cache, torch.tensor([4, 5], device=dev), torch.ones(2, 1, 3, device=dev),
+                        torch.ones(2, 1, 4, device=dev))
 
 
 @pytest.mark.gpu

@@ -213,13 +213,14 @@ def test_group_blocks_and_their_limits_are_validated():
     assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["HEAD_P"], consts["TILE"]) == (16, 8, 1024, 16)
     consts, _ = kernel_config(torch.float64, "causal", 128, 1, 576, 64, True, False)
     assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["TILE"]) == (2, 64, 4)
-    q, cache = torch.zeros(2, 2, 4), torch.zeros(5, 2, 4, 1, 4)
-    table, ctx, rows, pos = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([8]), torch.tensor([0, 0]), \
-        torch.tensor([6, 7])
+    dev = kernel_device()
+    q, cache = torch.zeros(2, 2, 4, device=dev), torch.zeros(5, 2, 4, 1, 4, device=dev)
+    table, ctx, rows, pos = (torch.tensor([[1, 2]], dtype=torch.int32, device=dev), torch.tensor([8], device=dev),
+                             torch.tensor([0, 0], device=dev), torch.tensor([6, 7], device=dev))
     with pytest.raises(InvalidFieldError, match="group_block"):
         paged_attention_triton(q, cache, table, ctx, rows, pos, group_block=3)
     # a pool of 2**31 blocks (a zero-stride view: no memory) cannot go through an int32 table
-    huge = torch.zeros(1, 2, 4, 1, 4).expand(2**31, 2, 4, 1, 4)
+    huge = torch.zeros(1, 2, 4, 1, 4, device=dev).expand(2**31, 2, 4, 1, 4)
     with pytest.raises(InvalidFieldError, match="2147483647 blocks"):
         paged_attention_triton(q, huge, table, ctx, rows, pos)
 
