@@ -94,6 +94,10 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INPUT
     try:
         check_parsed(parser, args)
+        if args.command != "verify":  # verify quiets itself, and shows the noise with --verbose
+            from kvref.quiet import quiet_third_party
+
+            quiet_third_party()  # vLLM's import-time warnings leaked from replay/mutants/size (issue #25)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         acknowledge()

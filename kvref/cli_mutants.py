@@ -79,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
     from kvref.checks import check_named
     from kvref.spec.errors import InvalidFieldError
 
-    listed = [CATALOGUE[n] for n in args.only] if args.only else list(CATALOGUE)  # unknown: InvalidFieldError
+    try:
+        listed = [CATALOGUE[n] for n in args.only] if args.only else list(CATALOGUE)  # unknown: InvalidFieldError
+    except InvalidFieldError as exc:  # name the flag the value came from (it said "mutant='nosuch'", issue #25)
+        raise InvalidFieldError("--only", exc.value, f"a mutant name of the catalogue ({len(CATALOGUE)}; "
+                                                     "kvref mutants --list names them)") from None
     for c in args.checks or ():
         try:
             check_named(c)

@@ -11,8 +11,16 @@ A proof reproducer (``.py``, written by ``kvref prove`` / ``kvref verify``) is a
 running it executes the Python code in it: only with ``--exec-python`` (run reproducers you or
 kvref wrote, as you would any script). Without the flag a ``.py`` file is refused.
 
+An explorer finding (``kvref explore --out``) replays on the reference and, by default when vLLM
+imports, in lock step on vLLM's own classes: a KV-cache scope on vLLM's ``Scheduler``, an offload or
+connector scope on vLLM's ``SimpleCPUOffloadScheduler`` / ``OffloadingConnectorScheduler`` (what
+each observes compared after every action; an exception vLLM raises is a divergence). Where it
+runs on the reference only (the toy scope, no vLLM), stderr says so. ``--table`` is for state-machine traces; an explorer finding's step table is the
+``.txt`` file written beside it (asking for ``--table`` on one is an input error, not ignored).
+
 Exit status: 0 no divergence (the reproducer holds), 1 divergence (the reproducer fails),
-2 bad input (missing/unreadable/corrupt file, bad value, bad --kinds), 130 interrupted.
+2 bad input (missing/unreadable/corrupt file, bad value, bad --kinds), 3 nothing was checked
+(a trace with no op or action), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     read_json("FILE", args.trace, "trace file (.json)")
 
     if is_explorer_trace(args.trace):  # a `kvref explore --out` finding: the explorer's actions (data)
-        return replay_explorer_trace(args.trace, args.kinds_given, args.verbose)
+        return _replay_explorer(args)
     from kvref.impl.interface import manager_kinds
     from kvref.models.conformance.differential import Divergence, Harness
     from kvref.models.conformance.trace import Trace
@@ -134,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
         if k not in manager_kinds():
             raise InvalidFieldError("--kinds", k, "one of " + ", ".join(manager_kinds()))
     trace = Trace.load(args.trace)  # data only: a wrong value is a TraceFormatError (exit 2)
-    h = Harness(trace.pool_config, kinds)
+    if not trace.ops:
+        return _nothing_checked(f"{args.trace} holds no op")
+    h = _with_progress(kinds, lambda: Harness(trace.pool_config, kinds))
     rows: list[tuple[int, str, str, int]] = []
     try:
         for i, op in enumerate(trace.ops):
@@ -153,4 +163,120 @@ def run(args: argparse.Namespace) -> int:
         _print_table(rows, kinds[0])
     print(f"OK: {len(trace.ops)} ops ({h.num_skipped} skipped) on {','.join(kinds)}: no divergence, "
           "all invariants hold")
+    return 0
+
+
+def _nothing_checked(why: str) -> int:
+    """A replay that applied nothing checked nothing: never "OK" (issue #25)."""
+    from kvref.cli import EXIT_NOTHING_CHECKED
+
+    print(f"NOTHING CHECKED: {why} (exit {EXIT_NOTHING_CHECKED})")
+    return EXIT_NOTHING_CHECKED
+
+
+def _with_progress(kinds, work):
+    """Run ``work``; with vLLM among ``kinds`` importing it takes seconds, so after two seconds a
+    line on stderr says what runs (``size --against vllm`` and ``replay`` were silent ~30 s)."""
+    if "vllm" not in kinds:
+        return work()
+    from kvref.progress import Progress
+
+    with Progress("replay").heartbeat(f"on {','.join(['reference', *[k for k in kinds if k != 'reference']])} "
+                                      "(importing vLLM takes seconds)"):
+        return work()
+
+
+def _explorer_kinds(args: argparse.Namespace, data: dict) -> str:
+    """``--kinds`` for an explorer finding: as given; else ``reference,vllm`` for a KV-cache scope
+    when vLLM imports (the help's default), else ``reference`` — said on stderr either way."""
+    import sys
+
+    if args.kinds_given is not None:
+        return args.kinds_given
+    if data.get("toy") is True:
+        print("replay: the toy scope replays on the reference only (it models no vLLM class)", file=sys.stderr)
+        return "reference"
+    from kvref.impl.vllm.installed import vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        print(f"replay: on the reference only ({why})", file=sys.stderr)
+        return "reference"
+    return "reference,vllm"
+
+
+def _replay_explorer(args: argparse.Namespace) -> int:
+    import json
+
+    from kvref.cli_explore import replay_explorer_trace
+    from kvref.spec.errors import InvalidFieldError
+
+    if args.table:
+        raise InvalidFieldError("--table", True, "a state-machine trace; an explorer finding's step table is the "
+                                                 ".txt written beside its .json (or replay it with -v)")
+    with open(args.trace) as fh:
+        data = json.load(fh)
+    if isinstance(data, dict) and data.get("actions") == []:
+        return _nothing_checked(f"{args.trace} holds no action")
+    kinds = _explorer_kinds(args, data if isinstance(data, dict) else {})
+    targets = [k.strip() for k in kinds.split(",") if k.strip() and k.strip() != "reference"]
+    from kvref.models.explorer.kv import SCOPES
+
+    if targets and data.get("toy") is not True and data.get("scope") not in SCOPES:
+        if targets != ["vllm"]:
+            raise InvalidFieldError("--kinds", kinds, "reference or reference,vllm for an offload/connector trace")
+        return _with_progress(targets, lambda: _replay_world_on_vllm(args.trace, data, args.verbose))
+    return _with_progress(targets, lambda: replay_explorer_trace(args.trace, kinds, args.verbose))
+
+
+def _replay_world_on_vllm(path: str, data: dict, verbose: bool) -> int:
+    """An offload/connector explorer finding on the reference world and, in lock step, on the same
+    world over vLLM's own offload schedulers (the backend ``conform-offload`` drives): after every
+    action the reference's invariants are checked and both worlds' observations compared (free GPU
+    queue, chunk/job states, request phases). vLLM raising where the reference does not is a
+    divergence (e.g. ``reset-swa``: vLLM 0.33.0's connector reset, docs/offload.md).
+    Exit 1 when the finding reproduces or vLLM diverges, 0 otherwise."""
+    from kvref.cli_explore import _system_for, _tupled
+
+    actions = data.get("actions")
+    system = _system_for(data, path)
+    ref = next(iter(system.initial_states()))
+    world = type(ref[0])
+    kwargs = {"strict": False} if world.__name__ == "OffloadingWorld" else {"allow_duplicates_within_event": True}
+    theirs = (world(system.scope.config(), "vllm", **kwargs), 0)
+    where = f"{data.get('scope')} ({len(actions)} actions)"
+    for i, raw in enumerate(actions):
+        action = _tupled(raw)
+        enabled = list(system.actions(ref))
+        if action not in enabled:
+            print(f"NOT REPRODUCED: {where}: action #{i} {raw} is not enabled here (enabled: {enabled})")
+            return 0
+        if verbose:
+            print(f"#{i:3d} {raw}")
+        ref_error = vllm_error = None
+        try:
+            ref = system.step_consuming(ref, action)
+            system.check(ref)
+        except AssertionError as exc:
+            ref_error = f"{type(exc).__name__}: {exc}"
+        try:
+            theirs = system.step_consuming(theirs, action)
+        except Exception as exc:  # noqa: BLE001 — whatever vLLM raises is what it did
+            vllm_error = f"vLLM raised {type(exc).__name__}: {exc}"
+        broken = getattr(theirs[0], "violations", None)
+        if vllm_error is None and broken:
+            vllm_error = f"vLLM's world broke a rule: {broken[0]}"
+        if ref_error is not None:
+            print(f"REPRODUCED ({data.get('kind')}) on the reference: {where}: action #{i} {raw}: {ref_error}")
+            print(f"  on vLLM: {vllm_error}" if vllm_error else "  on vLLM: no failure at this action")
+            return 1
+        if vllm_error is not None:
+            print(f"DIVERGENCE (reference,vllm) at action #{i} {raw}: {vllm_error}")
+            return 1
+        mine, its = ref[0].observe(), theirs[0].observe()
+        if mine != its:
+            print(f"DIVERGENCE (reference,vllm) at action #{i} {raw}: reference observes {mine!r:.400}, "
+                  f"vLLM {its!r:.400}")
+            return 1
+    print(f"NOT REPRODUCED: {where}: every action applied, every invariant holds, vllm agrees with the reference")
     return 0
