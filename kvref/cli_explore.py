@@ -470,7 +470,7 @@ def check_explorer(ctx):
         return CheckResult("explorer", FAILED, f"counterexample found ({len(artifacts)} trace(s))", secs,
                            details=details, artifacts=artifacts)
     return CheckResult("explorer", PASSED, f"{states:,} states, every invariant in every state, no deadlock",
-                       secs, details=details)
+                       secs, details=details, examined=states)
 
 
 #: scopes the exhaustive conformance check replays per profile (every transition, vs vLLM and torch)
@@ -519,4 +519,5 @@ def check_explorer_conformance(ctx):
                                time.perf_counter() - t0, details=details)
     return CheckResult("conform-explorer", PASSED,
                        f"{', '.join(targets)} = reference on all {transitions:,} transitions of "
-                       f"{len(details) - len(notes)} scopes", time.perf_counter() - t0, details=details)
+                       f"{len(details) - len(notes)} scopes", time.perf_counter() - t0, details=details,
+                       examined=transitions)

@@ -51,6 +51,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first failing check")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
+    from .reach import add_arguments as add_reach_arguments
+
+    add_reach_arguments(p)  # --reach [DIR], --reach-exclusions, --changed-since (#22)
     return p
 
 
@@ -79,6 +82,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.update_baseline is not None:
         check_writable_file("--update-baseline", args.update_baseline)
     check_seconds("--shrink-seconds", args.shrink_seconds)
+    from .reach import check_arguments as check_reach_arguments
+
+    check_reach_arguments(args)
     from .baseline import Baseline
 
     if args.baseline is not None:
@@ -102,7 +108,15 @@ def run(args: argparse.Namespace) -> int:
     ctx = VerifyContext(profile=args.profile, against=args.against, device=args.device, out_dir=args.out,
                         seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
     baseline = Baseline.load(args.baseline) if args.baseline is not None else Baseline()
-    checks = select_checks(only=args.only, skip=args.skip, mutants=args.mutants, against=args.against)
+    from . import reach as reach_mod
+
+    only = args.only or (reach_mod.default_checks() if reach_mod.enabled(args) else None)
+    checks = select_checks(only=only, skip=args.skip, mutants=args.mutants, against=args.against)
+    if not checks:  # a run of nothing said "ok" with exit 0 (issue #25)
+        from kvref.spec.errors import InvalidFieldError
+
+        raise InvalidFieldError("--skip", args.skip, "a selection that leaves at least one check to run "
+                                                     f"(--only {' '.join(args.only or ['(defaults)'])} less --skip is empty)")
     from .quiet import progress_console, quiet_third_party
 
     quiet_third_party(args.verbose)  # before any check imports vLLM
@@ -110,12 +124,17 @@ def run(args: argparse.Namespace) -> int:
     results = []
     interrupted = None  # the check that was running when Ctrl-C came
     json_out = JsonStdout(args.json)
+    reach = reach_mod.ReachSession(args) if reach_mod.enabled(args) else None  # coverage.py around the checks
+    if reach is not None:
+        reach.start()
     with json_out, console.status("starting") as status:
         for i, check in enumerate(checks, 1):
             status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
             if not sys.stderr.isatty():  # no spinner in a CI log: say what is running
                 console.log(f"[{i}/{len(checks)}] {check.name}: started", markup=False)
             t0 = time.perf_counter()
+            if reach is not None:
+                reach.enter(check.name)
             try:
                 result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
             except KeyboardInterrupt:
@@ -135,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
                     console.log(f"  {line}", markup=False)
                 if args.exitfirst:
                     break
+    if reach is not None:  # the reach (and changed-since) rows; none for an interrupted run
+        if interrupted is None:
+            results += reach.finish()
+        else:
+            reach.abort()
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
     if args.update_baseline and interrupted is None:
         from kvref.impl.vllm.installed import describe_installed_vllm
@@ -151,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         meta = {**checked_meta(checks[:len(results)]), "interrupted": True, "not_run": not_run}
     if args.junit_xml:
         write_junit_xml(results, args.junit_xml, meta)
+    if reach is not None and reach.meta:  # every module and function: JSON only (the rows carry the figure)
+        meta["reach"] = reach.meta
     if args.json:
         json_out.emit(to_json(results, meta))
     else:
@@ -163,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
             fields = {k: v for k, v in vllm.items() if k in VllmInstall.__dataclass_fields__}
             caption = "checked against " + VllmInstall(**fields).describe()
         out.print(render_table(results, caption=caption))
+        if reach is not None:
+            reach.print_tables(out)
         for r in results:
             if r.failing:
                 for line in r.details[:20]:
@@ -180,7 +208,17 @@ def run(args: argparse.Namespace) -> int:
     if interrupted is not None:
         args.report_written = True
         raise KeyboardInterrupt  # kvref.cli.main: exit 130, after the partial reports are written
-    return 1 if any(r.failing for r in results) else 0
+    if any(r.failing for r in results):
+        return 1
+    from .report import nothing_checked
+
+    if nothing_checked(results):  # every check skipped: nothing was examined, never "clean" (issue #25)
+        from kvref.cli import EXIT_NOTHING_CHECKED
+
+        print(f"NOTHING CHECKED: every selected check was skipped (exit {EXIT_NOTHING_CHECKED})",
+              file=sys.stderr if args.json else sys.stdout)
+        return EXIT_NOTHING_CHECKED
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover - ``kvref verify`` itself: the same checks and exit statuses

@@ -46,6 +46,9 @@ class CheckResult:
     signature: str | None = None
     #: differences met and accepted (baseline) while the check searched on past them
     met_signatures: list[str] = field(default_factory=list)
+    #: how many cases (examples, traces, ops, states, transitions) the check examined, where it
+    #: counts them; 0 is never "passed" (:func:`kvref.verify.run_check`, issue #25)
+    examined: int | None = None
 
     @property
     def failing(self) -> bool:
@@ -73,6 +76,13 @@ def render_table(results: Iterable[CheckResult], title: str = "kvref verify", ca
     return table
 
 
+def nothing_checked(results: Iterable[CheckResult]) -> bool:
+    """Every check was skipped (no vLLM for a vLLM-only selection, say): the run examined nothing,
+    so it is not "ok" and ``kvref verify`` exits 3 (issue #25). A run of no check at all is refused
+    before it starts (``--only``/``--skip`` leaving none)."""
+    return all(r.status == SKIPPED for r in results)
+
+
 def to_json(results: Iterable[CheckResult], meta: dict | None = None) -> str:
     """``{"ok", "interrupted", "checks", ...meta}``; ``meta`` carries what was checked (``"vllm"``:
     version, path, commit) and, for a run stopped by Ctrl-C, ``"interrupted": true`` and
@@ -80,8 +90,9 @@ def to_json(results: Iterable[CheckResult], meta: dict | None = None) -> str:
     results = list(results)
     interrupted = bool((meta or {}).get("interrupted"))
     return json.dumps({
-        "ok": not interrupted and not any(r.failing for r in results),
+        "ok": not interrupted and not any(r.failing for r in results) and not nothing_checked(results),
         "interrupted": interrupted,
+        "nothing_checked": nothing_checked(results),
         **(meta or {}),
         "checks": [asdict(r) for r in results],
     }, indent=2)

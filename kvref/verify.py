@@ -59,8 +59,10 @@ def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
         return gate
     n = ctx.examples(60, 300)
     details, failed = [], 0
+    examined = 0
     for kind in kinds:
         ran, failures = run(kind, n, seed=ctx.seed)
+        examined += ran
         failed += len(failures)
         details += [f"{kind}: {f.render()}" for f in failures[:5]]
     summary = f"{n} random configs x {'+'.join(kinds)}"
@@ -69,7 +71,8 @@ def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
     if failed:
         return CheckResult("startup-liveness", FAILED, f"{failed} case(s) where startup accepted but runtime did not serve",
                            details=details)
-    return CheckResult("startup-liveness", PASSED, summary + ": every max-length request admitted and served")
+    return CheckResult("startup-liveness", PASSED, summary + ": every max-length request admitted and served",
+                       examined=examined)
 
 
 def run_generated(test, examples: int, seed: int) -> str | None:
@@ -114,9 +117,11 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
     planner = VllmPlanner()
     n = ctx.examples(150, 1000)
+    ran = [0]
 
     @given(case=plan_cases())
     def agree(case):
+        ran[0] += 1
         theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
         ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
         assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
@@ -127,7 +132,8 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     if failure:
         return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
                            details=failure.splitlines()[:20])
-    return CheckResult("conform-planning", PASSED, f"{n} generated layer sets/settings: identical plans and verdicts")
+    return CheckResult("conform-planning", PASSED, f"{ran[0]} generated layer sets/settings: identical plans and "
+                                                   "verdicts", examined=ran[0])
 
 
 def check_proofs(ctx: VerifyContext) -> CheckResult:
@@ -177,7 +183,7 @@ def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str
         hint = f" — replay with `kvref replay {run.trace_path} --kinds {','.join(kinds)}`" if run.trace_path else ""
         return CheckResult(name, FAILED, f"{what} diverged{hint}", details=run.failure.splitlines()[:30],
                            artifacts=artifacts, signature=run.signature)
-    return CheckResult(name, PASSED, summary)
+    return CheckResult(name, PASSED, summary, examined=len(st.steps))
 
 
 def check_reference_machine(ctx: VerifyContext) -> CheckResult:
@@ -228,7 +234,7 @@ def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckR
         return CheckResult(name, FAILED, "scheduler traces " + ("diverged from vLLM" if with_vllm else
                                                                   "broke an invariant or liveness"),
                            details=run.failure.splitlines()[:30], signature=run.signature)
-    return CheckResult(name, PASSED, run.summary)
+    return CheckResult(name, PASSED, run.summary, examined=run.traces)
 
 
 def check_scheduler_machine(ctx: VerifyContext) -> CheckResult:
@@ -302,7 +308,7 @@ def _run_offload(ctx: VerifyContext, name: str, backends: tuple[str, ...]) -> Ch
                                             f"vllm: {outs[1]!r}"[:600]], signature=sig)
     kinds = "+".join(backends)
     return CheckResult(name, PASSED, f"{n} random SimpleCPU/OffloadingConnector traces ({ops_run} ops) on {kinds}: "
-                                     "jobs, pools and content model agree")
+                                     "jobs, pools and content model agree", examined=ops_run)
 
 
 def check_offload_machine(ctx: VerifyContext) -> CheckResult:
@@ -337,6 +343,9 @@ def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
         result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
         log = None
     result.seconds = time.perf_counter() - t0
+    if result.status == PASSED and result.examined == 0:  # it ran but looked at nothing (issue #25)
+        result.status = ERROR
+        result.summary = f"examined nothing (0 cases), so it cannot pass: {result.summary}"
     if log is not None and log.stopped_early and result.failing:
         result.details.append(f"shrinking stopped at its bound ({budget:g} s, --shrink-seconds): the trace shown "
                               "is the smallest found by then")

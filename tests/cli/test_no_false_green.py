@@ -1,0 +1,74 @@
+"""No false green (issue #25): a check, a run or a plugin item that examined nothing is never
+"passed" / "ok" / exit 0."""
+
+from __future__ import annotations
+
+import json
+
+from kvref import checks, cli, verify
+from kvref.baseline import Baseline
+from kvref.report import ERROR, PASSED, SKIPPED, CheckResult
+
+
+def _ctx_with_no_examples(monkeypatch):
+    ctx = verify.VerifyContext(profile="fast")
+    monkeypatch.setattr(ctx, "examples", lambda fast, ci, nightly=None: 0)
+    return ctx
+
+
+def test_a_check_that_examined_nothing_is_an_error_not_passed():
+    empty = verify.Check("empty", "examines nothing", lambda ctx: CheckResult("empty", PASSED, "0 traces", examined=0))
+    some = verify.Check("some", "examines one", lambda ctx: CheckResult("some", PASSED, "1 trace", examined=1))
+    result = verify.run_check(empty, verify.VerifyContext(), Baseline())
+    assert result.status == ERROR and "examined nothing" in result.summary and result.failing
+    assert verify.run_check(some, verify.VerifyContext(), Baseline()).status == PASSED
+
+
+def test_startup_liveness_with_no_case_is_not_passed(monkeypatch):
+    """It used to return passed with "0 random configs" (the count it ran was thrown away)."""
+    from kvref.check_context import CheckResult as _  # noqa: F401  (the same class verify uses)
+
+    monkeypatch.setattr(verify, "vllm_gate", lambda ctx, name: CheckResult(name, SKIPPED, "no vLLM here"))
+    check = verify.Check("startup-liveness", "", verify.check_startup_liveness)
+    result = verify.run_check(check, _ctx_with_no_examples(monkeypatch), Baseline())
+    assert result.status == ERROR, result
+
+
+def test_the_offload_machine_with_no_trace_is_not_passed(monkeypatch):
+    check = verify.Check("machine-offload", "", verify.check_offload_machine)
+    result = verify.run_check(check, _ctx_with_no_examples(monkeypatch), Baseline())
+    assert result.status == ERROR, result
+    assert verify.run_check(check, verify.VerifyContext(), Baseline()).status == PASSED
+
+
+def test_verify_of_no_check_is_an_input_error(capsys):
+    assert cli.main(["verify", "--only", "spec", "--skip", "spec", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--skip" in captured.err
+
+
+def test_verify_where_every_check_was_skipped_is_nothing_checked(monkeypatch, capsys):
+    skipped = verify.Check("needs-x", "skips", lambda ctx: CheckResult("needs-x", SKIPPED, "x not installed"))
+    monkeypatch.setattr(checks, "CHECKS", [skipped])
+    assert cli.main(["verify", "--json"]) == cli.EXIT_NOTHING_CHECKED == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["nothing_checked"] is True
+    assert cli.main(["verify"]) == 3
+    assert "NOTHING CHECKED" in capsys.readouterr().out
+
+
+def test_the_pytest_plugin_fails_an_item_whose_check_examined_nothing(tmp_path):
+    """The plugin's items go through verify's run_check: a check that examined nothing fails there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "from kvref import checks, verify\n"
+        "from kvref.report import PASSED, CheckResult\n"
+        "checks.CHECKS.append(verify.Check('empty', 'examines nothing', "
+        "lambda ctx: CheckResult('empty', PASSED, '0 traces', examined=0), default=False))\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvref.pytest_plugin", "-q", "-p", "no:cacheprovider",
+                          "--kvref", "--kvref-checks", "empty"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert "kvref check empty: error: examined nothing" in out.stdout
