@@ -40,9 +40,44 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _profile_only_skip(item) -> str | None:
+    """The reason of a ``skipif`` whose condition holds and that names another Hypothesis profile
+    (``reason="nightly profile only"``), for a parametrized case; else None."""
+    if getattr(item, "callspec", None) is None:
+        return None
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", ""))
+        conditions = mark.args or (mark.kwargs.get("condition"),)
+        if "nightly" in reason and all(isinstance(c, bool) and c for c in conditions):
+            return reason
+    return None
+
+
+#: set by the hook below: how many profile-only parametrizations were left out, for the one line
+_PROFILE_DESELECTED: list[int] = []
+
+
 def pytest_collection_modifyitems(config, items):
+    # Cases the active profile will not run are not collected (issue #25: `make test` printed ~120
+    # lines of `s` for 8,350 nightly-only parametrizations, and "collected 11,964" overstated what
+    # runs); pytest reports them as deselected, and the header says so in one line.
+    keep, left_out = [], []
+    for item in items:
+        (left_out if _profile_only_skip(item) else keep).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = keep
+    _PROFILE_DESELECTED[:] = [len(left_out)]
     if not _cuda_available():
         skip_gpu = pytest.mark.skip(reason="no CUDA device on this machine (GPU-only test)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    n = _PROFILE_DESELECTED[0] if _PROFILE_DESELECTED else 0
+    if n:
+        return (f"kvref: {n:,} nightly-only parametrized cases not collected under the "
+                f"{settings._current_profile!r} profile (KVREF_HYPOTHESIS_PROFILE=nightly runs them)")  # type: ignore[attr-defined]
+    return []

@@ -49,3 +49,34 @@ def test_mutants_only_names_the_flag(capsys) -> None:
     assert main(["mutants", "--list", "--only", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "--only='nosuch'" in err and "mutant=" not in err
+
+
+class _Item:
+    def __init__(self, marks, parametrized=True) -> None:
+        self.callspec = object() if parametrized else None
+        self._marks = [m.mark for m in marks]
+
+    def iter_markers(self, name):
+        return [m for m in self._marks if m.name == name]
+
+
+def test_nightly_only_parametrizations_are_not_collected() -> None:
+    """tests/conftest.py deselects a parametrized case whose skipif says the profile will not run
+    it (8,350 of them printed ~120 lines of `s` in `make test`); every other case is kept."""
+    from tests.conftest import _profile_only_skip
+
+    nightly_only = pytest.mark.skipif(True, reason="nightly profile only")
+    assert _profile_only_skip(_Item([nightly_only])) == "nightly profile only"
+    assert _profile_only_skip(_Item([pytest.mark.skipif(False, reason="nightly profile only")])) is None  # runs
+    assert _profile_only_skip(_Item([pytest.mark.skipif(True, reason="no CUDA device")])) is None  # a real skip
+    assert _profile_only_skip(_Item([nightly_only], parametrized=False)) is None  # one visible `s`, kept
+
+
+def test_the_collection_line_reports_what_was_left_out() -> None:
+    env = {**os.environ, "KVREF_HYPOTHESIS_PROFILE": "fast"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "tests/hardening/test_cli_flag_fuzz.py", "--collect-only",
+                          "-q", "-p", "no:cacheprovider"], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "nightly-only parametrized cases not collected under the 'fast' profile" in run.stdout
+    assert "test_flag_walk_case_nightly" not in run.stdout and "deselected" in run.stdout
