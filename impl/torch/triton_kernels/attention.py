@@ -1,36 +1,54 @@
-"""Paged attention over block tables as one Triton kernel (prefill chunks and decodes alike).
+"""Paged attention over block tables as Triton kernels: a split-K (flash-decoding) pass and a
+reduce pass (prefill chunks and decodes alike).
 
-One program per (query token, KV head, head block, split) computes the ``GROUP = Hq / Hkv`` query
-heads that share the KV head (GQA: K/V are read once for the group) — all of them, or a block of
-them when the group is too wide for registers (a 16-head MLA group at 576 lanes). It walks only the keys the mask can
-reach — ``[lo, hi)`` with ``hi = min(pos + 1, context_len)`` and ``lo`` = 0 (causal),
-``pos - window + 1`` (sliding window) or the chunk start (chunked local) — in tiles of ``TILE``
-positions whose block ids are gathered from the block table per position (so a tile may span
-several small blocks, and several tiles one big block), with an online softmax (running max and
-sum, rescaled per tile). Memory traffic is the keys the query may read and nothing else. That is
-also why it catches what the torch oracle catches: a block inside the window that the
-bookkeeping nulled or handed to another request is read here and gives wrong numbers; blocks
-outside the window are never read, exactly like vLLM's kernels, which is what makes freeing
-them sound (``get_num_skipped_tokens``).
+**Pass 1** — one program per (query token, KV head, head block, split). All ``GROUP = Hq / Hkv``
+query heads that share the KV head are packed into the program (GQA: each K/V tile is read once
+for the whole group; a group too wide for registers — the 128-head MLA group — runs in head
+blocks of ``GROUP_P``). It walks only the keys the mask can reach — ``[lo, hi)`` with
+``hi = min(pos + 1, context_len)`` and ``lo`` = 0 (causal), ``pos - window + 1`` (sliding
+window) or the chunk start (chunked local) — in tiles of ``TILE`` positions aligned to absolute
+positions, this split's share of them. When ``TILE`` divides the block size (``PAGE_TILES``) a
+tile lies in one block: one block-table entry per tile and a ``[TILE, head]`` K (and V) slab
+loaded as rows of contiguous head elements (vectorized: the compiler's report in BENCHMARKS.md);
+otherwise (block sizes below 16 or not powers of two: 5, 12, 80, 528, ...) the block id is
+gathered per position, so a tile may span several blocks and a block several tiles. Online
+softmax (running max and sum, rescaled per tile). Memory traffic is the keys the query may read
+and nothing else: a block inside the window that the bookkeeping nulled or handed to another
+request is read and gives wrong numbers; blocks outside the window are never read, exactly like
+vLLM's kernels, which is what makes freeing them sound (``get_num_skipped_tokens``).
 
-Long contexts with few (token, head) pairs — a small decode batch — leave a GPU mostly idle, so
-the key range can be cut into ``num_splits`` parts (flash-decoding; vLLM's paged attention v2
-partitions the same way): each part writes its running max, sum and unnormalised output, and a
-combine step rescales them to the common max and divides once.
+**Pass 2** (:func:`_combine_kernel`, only when ``num_splits > 1``) — one program per (query
+token, query head): rescales each split's unnormalised output to the common max and divides once
+(vLLM's paged attention v2 and flash-decoding reduce the same way).
 
-Arithmetic: float64 inputs accumulate in float64, everything else in float32 (half types are
-loaded and converted: Triton's interpreter has no bfloat16 arithmetic, its bfloat16 ``tl.dot``
-returns garbage). The scale is passed in a one-element tensor of the accumulation type, because
-a Python float argument would be a float32 scalar and cost float64 its near-exactness. Two ways
-to form ``q k^T`` and ``p v``, chosen by ``USE_DOT``: ``tl.dot`` on float32 operands with
-``input_precision="ieee"`` (no TF32 rounding; the query heads padded to 16 rows, as ``tl.dot``
-needs M, N, K >= 16) for every type but float64, which ``tl.dot`` does not take and which uses a
-broadcast multiply + sum instead. Decode is bound by memory, not FLOPs, so giving up tensor-core
-half-precision dots costs little; what ``tl.dot`` buys is a register-tiled product instead of a
-``[group, tile, head]`` temporary.
+**Head dimension.** ``tl.arange`` needs powers of two; a head of ``HEAD`` lanes is cut into a
+power-of-two part ``HEAD_A`` (the largest <= ``HEAD``) and a padded remainder ``HEAD_B`` (576 =
+512 + 64 for the MLA latent, 80 = 64 + 16), two products summed, instead of padding to the next
+power of two (1024 lanes for 576: 78 % more shared memory and tensor-core work for nothing).
+
+**Arithmetic.** float64 accumulates in float64 (broadcast multiply + sum: ``tl.dot`` does not take
+float64), everything else in float32. Compiled on CUDA, half types use ``tl.dot`` on their native
+operands (tensor cores, float32 accumulation: products of two half values are exact in float32)
+and the probabilities are rounded to the input type for the ``p v`` product, as FlashAttention
+and vLLM's Triton decode kernel do; float32 uses ``tl.dot(..., input_precision="ieee")`` (no TF32
+rounding). Triton's interpreter has no bfloat16 ``tl.dot`` (it returns garbage), so interpreted
+kernels (``NATIVE_DOT`` off) convert the operands to float32 and round the probabilities through
+the input type explicitly: the same numbers as the compiled path up to the summation order. The
+scale is passed in a one-element tensor of the accumulation type (a Python float argument would
+be a float32 scalar and cost float64 its near-exactness).
+
+**Shared memory** (issue #24: the 128-head MLA shape asked 329,920 B on an sm_90 whose limit is
+232,448 B, and did not launch). :func:`shared_memory_bound` bounds the compiled kernel's need per
+configuration (checked against the compiler's ``metadata.shared`` in the tests); on CUDA the
+wrapper picks the largest default tile / pipeline depth whose bound fits the device's
+``shared_memory_per_block_optin`` (sm_90: 227 KiB, sm_80: 163 KiB), refuses an explicit tuning
+that cannot fit, and should a compiler still ask for more than the device has, steps down to the
+next configuration instead of failing the launch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,6 +61,11 @@ from ..paged_attention import AttentionMask, _check_paged_args
 _MASK_CODE = {"causal": 0, "sliding_window": 1, "chunked_local": 2}
 #: the most blocks a pool may have: the block table goes to the kernel as int32
 MAX_BLOCKS = 2**31 - 1
+#: shared memory per block (opt-in maximum) of the GPU targets checked ahead of time, bytes
+#: (CUDA C Programming Guide, "Features and Technical Specifications": 227 KiB on sm_90, 163 KiB on sm_80)
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+#: the most key-range splits a launch uses (the reduce pass loads their maxima as one vector)
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -52,8 +75,9 @@ def _paged_attention_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb,
     mask_size, num_splits,
     MASK_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    ACC_F64: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, ACC_F64: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_B: tl.constexpr,
 ):
     # int64 program ids: every offset below is computed in int64 (``t * stride_ot`` of a split
     # launch passes 2**31 at 8192 tokens x 64 heads x 32 splits x 128 lanes)
@@ -70,158 +94,303 @@ def _paged_attention_kernel(
         acc_ty = tl.float32
     scale = tl.load(scale_ptr).to(acc_ty)
 
-    # This program's query heads: ``GROUP_P`` of the group's ``GROUP`` (several head blocks when the
-    # group is too wide to keep ``[GROUP_P, HEAD_P]`` in registers); padding lanes are masked.
+    # This program's query heads (padding lanes and heads masked), both head parts.
     g = hb * GROUP_P + tl.arange(0, GROUP_P)
-    d = tl.arange(0, HEAD_P)
-    gd_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD)
+    g_ok = g < GROUP
     heads = (h * GROUP + g).to(tl.int64)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gd_mask, other=0.0)
-    q = q.to(acc_ty)
+    da = tl.arange(0, HEAD_A)
+    db = tl.arange(0, HEAD_B)
+    b_ok = db < HEAD - HEAD_A
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    qa = tl.load(q_row + da[None, :], mask=g_ok[:, None], other=0.0)
+    if not NATIVE_DOT:
+        qa = qa.to(acc_ty)
+    if HAS_B:
+        qb = tl.load(q_row + HEAD_A + db[None, :], mask=g_ok[:, None] & b_ok[None, :], other=0.0)
+        if not NATIVE_DOT:
+            qb = qb.to(acc_ty)
 
-    # The keys this query may read: [lo, hi); this split's share of its tiles.
+    # The keys this query may read: [lo, hi); tiles aligned to TILE; this split's share of them.
     hi = tl.minimum(qpos + 1, ctx)
     lo = qpos * 0
     if MASK_KIND == 1:
         lo = tl.maximum(qpos - mask_size + 1, 0)
     if MASK_KIND == 2:
         lo = (qpos // mask_size) * mask_size
-    n_tiles = tl.maximum(hi - lo + TILE - 1, 0) // TILE
+    first = lo // TILE
+    n_tiles = tl.maximum((hi + TILE - 1) // TILE - first, 0)
     per_split = (n_tiles + num_splits - 1) // num_splits
-    tile_lo = sp * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    tile_lo = first + sp * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, first + n_tiles)
 
     m_i = tl.full([GROUP_P], float("-inf"), acc_ty)
     l_i = tl.zeros([GROUP_P], acc_ty)
-    acc = tl.zeros([GROUP_P, HEAD_P], acc_ty)
+    acc_a = tl.zeros([GROUP_P, HEAD_A], acc_ty)
+    acc_b = tl.zeros([GROUP_P, HEAD_B], acc_ty)
     s = tl.arange(0, TILE)
+    head_off = h * stride_ch
     for i in range(tile_lo, tile_hi):
-        pos = lo + i * TILE + s
-        valid = pos < hi
-        blk = tl.load(table_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        sd_mask = valid[:, None] & (d[None, :] < HEAD)
-        base = cache_ptr + blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + h * stride_ch \
-            + d[None, :]
-        k = tl.load(base, mask=sd_mask, other=0.0).to(acc_ty)                       # [TILE, HEAD_P]
-        if USE_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [GROUP_P, TILE]
+        start = i * TILE
+        pos = start + s
+        valid = (pos >= lo) & (pos < hi)
+        if PAGE_TILES:
+            # the whole tile lies in one block: one table entry, rows of one page
+            blk = tl.load(table_ptr + row * stride_tb + start // BLOCK_SIZE).to(tl.int64)
+            kv = cache_ptr + blk * stride_cb + head_off + ((start % BLOCK_SIZE) + s)[:, None] * stride_cs
         else:
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale          # [GROUP_P, TILE]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+            blk = tl.load(table_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            kv = cache_ptr + blk[:, None] * stride_cb + head_off + (pos % BLOCK_SIZE)[:, None] * stride_cs
+        ka = tl.load(kv + da[None, :], mask=valid[:, None], other=0.0)                    # [TILE, HEAD_A]
+        if USE_DOT:
+            if NATIVE_DOT:
+                scores = tl.dot(qa, tl.trans(ka), input_precision="ieee")
+            else:
+                scores = tl.dot(qa, tl.trans(ka.to(acc_ty)), input_precision="ieee")
+        else:
+            scores = tl.sum(qa[:, None, :] * ka.to(acc_ty)[None, :, :], axis=2)
+        if HAS_B:
+            kb = tl.load(kv + HEAD_A + db[None, :], mask=valid[:, None] & b_ok[None, :], other=0.0)
+            if USE_DOT:
+                if NATIVE_DOT:
+                    scores += tl.dot(qb, tl.trans(kb), input_precision="ieee")
+                else:
+                    scores += tl.dot(qb, tl.trans(kb.to(acc_ty)), input_precision="ieee")
+            else:
+                scores += tl.sum(qb[:, None, :] * kb.to(acc_ty)[None, :, :], axis=2)
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))                  # [GROUP_P, TILE]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(base + stride_ckv, mask=sd_mask, other=0.0).to(acc_ty)         # [TILE, HEAD_P]
+        va = tl.load(kv + stride_ckv + da[None, :], mask=valid[:, None], other=0.0)
         if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if NATIVE_DOT:
+                pv = p.to(va.dtype)
+                acc_a = acc_a * alpha[:, None] + tl.dot(pv, va, input_precision="ieee")
+            else:
+                pv = p.to(va.dtype).to(acc_ty)  # the rounding the native product applies
+                acc_a = acc_a * alpha[:, None] + tl.dot(pv, va.to(acc_ty), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * va.to(acc_ty)[None, :, :], axis=1)
+        if HAS_B:
+            vb = tl.load(kv + stride_ckv + HEAD_A + db[None, :], mask=valid[:, None] & b_ok[None, :], other=0.0)
+            if USE_DOT:
+                if NATIVE_DOT:
+                    acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb, input_precision="ieee")
+                else:
+                    acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb.to(acc_ty), input_precision="ieee")
+            else:
+                acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * vb.to(acc_ty)[None, :, :], axis=1)
         m_i = m_new
 
     if SPLIT:
-        # Partial results for the combine step (``acc`` unnormalised, in the accumulation type).
+        # Partial results for the reduce pass (``acc`` unnormalised, in the accumulation type).
         ml = t * stride_mt + heads * stride_mh + sp
-        tl.store(m_ptr + ml, m_i, mask=g < GROUP)
-        tl.store(l_ptr + ml, l_i, mask=g < GROUP)
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :], acc,
-                 mask=gd_mask)
+        tl.store(m_ptr + ml, m_i, mask=g_ok)
+        tl.store(l_ptr + ml, l_i, mask=g_ok)
+        o_row = out_ptr + t * stride_ot + heads[:, None] * stride_oh + sp * stride_os
+        tl.store(o_row + da[None, :], acc_a, mask=g_ok[:, None])
+        if HAS_B:
+            tl.store(o_row + HEAD_A + db[None, :], acc_b, mask=g_ok[:, None] & b_ok[None, :])
     else:
         # A query with no readable key (not reachable causally) gives 0, like the torch oracle.
         denom = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / denom[:, None]
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        o_row = out_ptr + t * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_row + da[None, :], (acc_a / denom[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        if HAS_B:
+            tl.store(o_row + HEAD_A + db[None, :], (acc_b / denom[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None] & b_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, m_ptr, l_ptr, out_ptr, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                    stride_ot, stride_oh, num_splits,
+                    HEAD: tl.constexpr, HEAD_P: tl.constexpr, SPLITS_P: tl.constexpr, ACC_F64: tl.constexpr):
+    """Pass 2: ``out = sum_s w_s acc_s / sum_s w_s l_s`` with ``w_s = exp(m_s - max_s m_s)``; a
+    split that read no key has ``m = -inf`` (weight 0); a query that read none gives 0."""
+    t = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    if ACC_F64:
+        acc_ty = tl.float64
+    else:
+        acc_ty = tl.float32
+    sidx = tl.arange(0, SPLITS_P)
+    m_row = t * stride_mt + hq * stride_mh
+    m = tl.load(m_ptr + m_row + sidx, mask=sidx < num_splits, other=float("-inf"))
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    d = tl.arange(0, HEAD_P)
+    total = tl.zeros([1], acc_ty)
+    out = tl.zeros([HEAD_P], acc_ty)
+    p_row = part_ptr + t * stride_pt + hq * stride_ph
+    for sp in range(0, num_splits):
+        w = tl.exp(tl.load(m_ptr + m_row + sp) - top)
+        total += w * tl.load(l_ptr + m_row + sp)
+        out += w * tl.load(p_row + sp * stride_ps + d, mask=d < HEAD, other=0.0)
+    out = tl.where(total > 0, out / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + t * stride_ot + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _combine(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Merge ``num_splits`` partial softmaxes: ``m``/``l_`` ``[T, Hq, S]``, ``acc`` ``[T, Hq, S, D]``."""
-    top = m.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(m - top)                       # a split with no keys has m = -inf: weight 0
-    total = (w * l_).sum(-1)
-    out = (w[..., None] * acc).sum(-2)
-    out = torch.where(total[..., None] > 0, out / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None],
-                      torch.zeros_like(out))
-    return out.to(dtype)
+def head_parts(head_size: int, use_dot: bool) -> tuple[int, int]:
+    """``(HEAD_A, HEAD_B)``: the largest power of two <= ``head_size`` and the remainder padded to a
+    power of two (at least 16 on the ``tl.dot`` path, whose K dimension needs 16; at least 1)."""
+    a = 1 << (int(head_size).bit_length() - 1)
+    rest = head_size - a
+    b = max(16 if use_dot else 1, _pow2(rest)) if rest else (16 if use_dot else 1)
+    return a, b
 
 
 def default_splits(num_programs: int, max_keys: int, tile: int, device: torch.device) -> int:
-    """Splits so a GPU gets about four programs per SM, never a split shorter than four tiles;
-    1 on the CPU (the interpreter gains nothing from them)."""
+    """Key-range splits so a GPU gets about 16 programs per SM (several waves: the last one's
+    imbalance stays small; the partials cost ``T x Hq x splits x head`` float32, a few % of the
+    K/V bytes at the decode shapes), never a split shorter than two tiles, at most
+    :data:`MAX_SPLITS`; 1 on the CPU (the interpreter gains nothing from them)."""
     if device.type != "cuda" or num_programs <= 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-4 * sms // num_programs)
-    return max(1, min(want, max_keys // (4 * tile), 32))
-
-
-def _tile_for(f64: bool, head_p: int, group_b: int, on_cuda: bool) -> int:
-    """Default positions per loop step (CUDA; the CPU interpreter takes 32, fewer loop steps).
-
-    Chosen from the register report of the ahead-of-time compile for sm_90 (BENCHMARKS.md), 8 warps:
-    the ``tl.dot`` path holds ``q`` and ``acc`` (``[group_b, head_p]``) and a K and a V tile
-    (``[tile, head_p]``) in float32: tile 32 up to 256 lanes of half types (the first draft's
-    64 x 4 warps spilled 1.4 KB of stack per thread at head 128), 16 beyond (head 256 float32
-    spilled 8 bytes at tile 32, the 576-wide MLA latent padded to 1024 lanes 352 bytes). The
-    float64 broadcast path also holds a ``[group_b, tile, head_p]`` product: at most 8192 of them.
-    """
-    if not on_cuda:
-        return 32
-    if f64:
-        return max(1, min(8, 8192 // (group_b * head_p)))
-    return 32 if head_p <= 128 else 16
+    want = -(-16 * sms // num_programs)
+    return max(1, min(want, max_keys // (2 * tile), MAX_SPLITS))
 
 
 def _group_block(group_p: int, head_p: int, use_dot: bool) -> int:
     """Query heads per program: all of the group while ``[heads, head_p]`` stays small enough to
-    live in registers (4096 elements on the dot path, 2048 in float64), else blocks of that size
-    (a 128-head MLA group at 1024 lanes would need 512 registers per thread for ``acc`` alone).
-    ``tl.dot`` needs at least 16 rows."""
-    budget = max(1, (4096 if use_dot else 2048) // head_p)
+    live in registers (8192 elements on the dot path, 2048 in float64), else blocks of that size
+    (a 128-head MLA group at 576 lanes would need hundreds of registers per thread for ``acc``
+    alone). ``tl.dot`` needs at least 16 rows."""
+    budget = max(1, (8192 if use_dot else 2048) // head_p)
     fits = 1 << (budget.bit_length() - 1)  # the largest power of two <= budget
     return max(16 if use_dot else 1, min(group_p, fits))
 
 
+def shared_memory_bound(consts: dict, dtype: torch.dtype, num_stages: int) -> int:
+    """Upper bound of the shared memory (bytes per program) the compiled pass-1 kernel asks for.
+
+    The terms: the K and V tiles, one buffer each per pipeline stage (``num_stages``; the
+    pipeliner stages the loads of the loop through shared memory), in the operand type (native
+    half types on the ``tl.dot`` path, the accumulation type when converted); the ``q``
+    operand and the probabilities ``p`` staged for ``tl.dot``; the layout conversions of the
+    ``[GROUP_P, TILE]`` scores and of one K/V tile; 1 KiB for reductions. Checked against the
+    compiler's ``metadata.shared`` for sm_80 and sm_90 in ``tests/impl/torch/test_triton_compile.py``
+    (the bound must not be below it for any configuration the wrapper can choose)."""
+    head = consts["HEAD_A"] + (consts["HEAD_B"] if consts["HAS_B"] else 0)
+    tile, group = consts["TILE"], consts["GROUP_P"]
+    elem = torch.empty((), dtype=dtype).element_size()
+    op = elem if consts["USE_DOT"] else max(elem, 4)
+    acc = 8 if consts["ACC_F64"] else 4
+    kv = 2 * max(1, num_stages) * tile * head * op
+    staging = group * head * op + group * tile * (op + acc) + tile * head * max(op, 4)
+    return kv + staging + 1024
+
+
+def device_shared_limit(device: torch.device) -> int:
+    """Shared memory a program may use on ``device`` (bytes): the opt-in maximum per block."""
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if not limit:
+        from triton.runtime import driver
+
+        limit = driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+    return int(limit)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of pass 1: the compile-time constants, ``num_warps`` and
+    ``num_stages`` (``None`` on the CPU: the interpreter takes neither) and the shared-memory bound
+    (:func:`shared_memory_bound`)."""
+
+    consts: dict
+    num_warps: int | None
+    num_stages: int | None
+    shared_bytes: int
+
+
+def _check_pow2(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                              or value & (value - 1)):
+        raise InvalidFieldError(name, value, "a power of two")
+
+
+def _consts(dtype, mask_kind, group, head_size, block_size, on_cuda, split, tile, group_block) -> dict:
+    f64 = dtype == torch.float64
+    use_dot = not f64 and head_size >= 16 and tile >= 16
+    head_a, head_b = head_parts(head_size, use_dot)
+    gb = group_block or _group_block(_pow2(group), head_a + head_b, use_dot)
+    if use_dot:
+        gb = max(16, gb)  # tl.dot's minimum rows
+    gb = min(gb, max(16, _pow2(group)) if use_dot else _pow2(group))
+    return dict(MASK_KIND=_MASK_CODE[mask_kind], GROUP=group, GROUP_P=gb, HEAD_BLOCKS=-(-group // gb),
+                HEAD=head_size, HEAD_A=head_a, HEAD_B=head_b, BLOCK_SIZE=block_size, TILE=tile, ACC_F64=f64,
+                SPLIT=split, USE_DOT=use_dot, NATIVE_DOT=on_cuda and use_dot and not f64,
+                PAGE_TILES=block_size % tile == 0, HAS_B=head_size > head_a)
+
+
+def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_heads: int, head_size: int,
+                      block_size: int, on_cuda: bool, split: bool, tile: int | None = None,
+                      num_warps: int | None = None, group_block: int | None = None,
+                      num_stages: int | None = None) -> list[KernelConfig]:
+    """Every configuration the wrapper may launch for these arguments, in order of preference
+    (what is not given explicitly is stepped down: pipeline stages 2 -> 1, then the tile halved,
+    to 16 on the ``tl.dot`` path). On the CPU (the interpreter) one: tile 32 unless given.
+
+    CUDA defaults: ``num_warps`` 4 (8 when a program holds more than 256 lanes of head, the MLA
+    latent); tile 64 up to 128 lanes of head, 32 up to 256, 16 beyond, in float64 at most
+    ``8192 / (GROUP_P * head)`` (the broadcast product ``[GROUP_P, TILE, head]`` lives in
+    registers). A block size the tile divides gives ``PAGE_TILES`` (one table entry per tile)."""
+    _check_pow2("group_block", group_block)
+    _check_pow2("tile", tile)
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                   or not 1 <= num_stages <= 4):
+        raise InvalidFieldError("num_stages", num_stages, "an int from 1 to 4")
+    group = num_q_heads // num_kv_heads
+    if not on_cuda:
+        consts = _consts(dtype, mask_kind, group, head_size, block_size, False, split, tile or 32, group_block)
+        return [KernelConfig(consts, None, None, shared_memory_bound(consts, dtype, 1))]
+    f64 = dtype == torch.float64
+    a, b = head_parts(head_size, not f64 and head_size >= 16)
+    head = a + b if head_size > a else a
+    if tile is not None:
+        tiles = [tile]
+    else:
+        top = 64 if head <= 128 else 32 if head <= 256 else 16
+        if f64:
+            gb = group_block or _group_block(_pow2(group), head, False)
+            top = 1 << (max(1, min(8, 8192 // (gb * head))).bit_length() - 1)  # a power of two
+        floor = 1 if f64 or head_size < 16 else 16
+        tiles = [top]
+        while tiles[-1] // 2 >= floor:
+            tiles.append(tiles[-1] // 2)
+    out = []
+    for tl_ in tiles:
+        consts = _consts(dtype, mask_kind, group, head_size, block_size, True, split, tl_, group_block)
+        lanes = consts["HEAD_A"] + (consts["HEAD_B"] if consts["HAS_B"] else 0)
+        warps = num_warps or (8 if consts["GROUP_P"] * lanes > 16 * 256 else 4)
+        for stages in ([num_stages] if num_stages else [2, 1]):
+            out.append(KernelConfig(consts, warps, stages, shared_memory_bound(consts, dtype, stages)))
+    return out
+
+
 def kernel_config(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_heads: int, head_size: int,
                   block_size: int, on_cuda: bool, split: bool, tile: int | None = None,
-                  num_warps: int | None = None, group_block: int | None = None) -> tuple[dict, int | None]:
-    """The kernel's compile-time constants and ``num_warps`` for one launch (``num_warps`` None on
-    the CPU). One function for the wrapper and for :mod:`.aot`, so what is compiled ahead of time
-    is what runs. The grid's second axis is ``num_kv_heads * consts["HEAD_BLOCKS"]``.
-
-    Defaults: 8 warps on CUDA; ``tile`` from :func:`_tile_for`; query heads per program
-    (``group_block``, a power of two, >= 16 on the ``tl.dot`` path) from :func:`_group_block` —
-    the same on the CPU, so the interpreter runs the head blocking a GPU launch runs. ``tl.dot``
-    is used when the tile and head size are >= 16 and the dtype is not float64.
-    """
-    f64 = dtype == torch.float64
-    head_p = _pow2(head_size)
-    group = num_q_heads // num_kv_heads
-    use_dot_ok = not f64 and head_size >= 16
-    if group_block is not None and (isinstance(group_block, bool) or not isinstance(group_block, int)
-                                    or group_block < 1 or group_block & (group_block - 1)):
-        raise InvalidFieldError("group_block", group_block, "a power of two")
-    if tile is None:
-        gb = group_block or _group_block(_pow2(group), head_p, use_dot_ok)
-        tile = _tile_for(f64, head_p, max(16, gb) if use_dot_ok else gb, on_cuda)
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
-        raise InvalidFieldError("tile", tile, "a power of two")
-    use_dot = use_dot_ok and tile >= 16
-    if group_block is None:
-        group_block = _group_block(_pow2(group), head_p, use_dot)
-    elif use_dot:
-        group_block = max(16, group_block)  # tl.dot's minimum rows
-    group_block = min(group_block, max(16, _pow2(group)) if use_dot else _pow2(group))
-    if on_cuda and num_warps is None:
-        num_warps = 8
-    return dict(MASK_KIND=_MASK_CODE[mask_kind], GROUP=group, GROUP_P=group_block,
-                HEAD_BLOCKS=-(-group // group_block), HEAD=head_size, HEAD_P=head_p, BLOCK_SIZE=block_size,
-                TILE=tile, ACC_F64=f64, SPLIT=split, USE_DOT=use_dot), (num_warps if on_cuda else None)
+                  num_warps: int | None = None, group_block: int | None = None, num_stages: int | None = None,
+                  shared_limit: int | None = None) -> KernelConfig:
+    """The configuration the wrapper launches (and :mod:`.aot` compiles): the first of
+    :func:`candidate_configs` whose shared-memory bound fits ``shared_limit`` (bytes; on CUDA the
+    device's, :func:`device_shared_limit`; ``None``: no limit). An explicit tuning that cannot fit
+    is an :class:`InvalidFieldError` naming the need and the limit."""
+    cands = candidate_configs(dtype, mask_kind, num_q_heads, num_kv_heads, head_size, block_size, on_cuda, split,
+                              tile, num_warps, group_block, num_stages)
+    for c in cands:
+        if shared_limit is None or c.shared_bytes <= shared_limit:
+            return c
+    c = cands[-1]
+    raise InvalidFieldError("tile/num_stages/group_block", (c.consts["TILE"], c.num_stages, c.consts["GROUP_P"]),
+                            f"a configuration whose shared memory (bound {c.shared_bytes} B) fits the device's "
+                            f"{shared_limit} B per block: a smaller tile, fewer stages or a smaller group_block")
 
 
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -229,16 +398,17 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            mask: AttentionMask = AttentionMask(), scale: float | None = None,
                            num_splits: int | None = None, tile: int | None = None,
                            num_warps: int | None = None, group_block: int | None = None,
-                           validate: bool = True) -> torch.Tensor:
-    """Same contract as :func:`kvref.impl.torch.paged_attention.paged_attention`, as a Triton kernel.
+                           validate: bool = True, num_stages: int | None = None) -> torch.Tensor:
+    """Same contract as :func:`kvref.impl.torch.paged_attention.paged_attention`, as Triton kernels.
 
     ``kv_cache`` may be a strided view (``KVCacheTensors.kv``: pages padded to the widest group);
     only its innermost dimension must be contiguous. Tuning (results do not depend on them beyond
-    rounding): ``num_splits`` (key-range partitions, default :func:`default_splits`), ``tile``
-    (positions per loop step, a power of two; ``tl.dot`` is used when the tile and head size are
-    >= 16), ``group_block`` (query heads per program, a power of two) and ``num_warps`` (CUDA
-    only); defaults in :func:`kernel_config`. Any head size, GQA ratio and block size (powers of
-    two or not) is accepted: padding lanes and heads are masked.
+    rounding): ``num_splits`` (key-range partitions, at most :data:`MAX_SPLITS`, default
+    :func:`default_splits`), ``tile`` (positions per loop step, a power of two; ``tl.dot`` is
+    used when the tile and head size are >= 16), ``group_block`` (query heads per program, a power
+    of two), ``num_warps`` and ``num_stages`` (CUDA only); defaults and the shared-memory fit in
+    :func:`kernel_config`. Any head size, GQA ratio and block size (powers of two or not) is
+    accepted: padding lanes and heads are masked.
 
     Offsets are int64 throughout (block ids, positions and program ids are widened before they
     meet a stride), so any cache torch can allocate is addressable; the one 32-bit value is the
@@ -263,17 +433,20 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         raise InvalidFieldError("kv_cache", kv_cache.shape[0], f"at most {MAX_BLOCKS} blocks (int32 block table)")
     if kv_cache.stride(-1) != 1:
         raise InvalidFieldError("kv_cache", tuple(kv_cache.stride()), "a view whose head dimension is contiguous")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise InvalidFieldError("num_splits", num_splits, "an int >= 1")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise InvalidFieldError("num_splits", num_splits, f"an int from 1 to {MAX_SPLITS}")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
         raise InvalidFieldError("num_warps", num_warps, "a power of two from 1 to 32")
-    consts, warps = kernel_config(query.dtype, mask.kind, hq, hkv, d, bs, dev.type == "cuda", False, tile, num_warps,
-                                  group_block)
+    on_cuda = dev.type == "cuda"
+    args = (query.dtype, mask.kind, hq, hkv, d, bs, on_cuda, False, tile, num_warps, group_block, num_stages)
+    limit = device_shared_limit(dev) if on_cuda else None
+    cfg = kernel_config(*args, shared_limit=limit)
     if num_splits is None:
         # The table's reach bounds the context without reading it back when not validating.
         max_keys = (int(context_lens.max()) if context_lens.numel() else 0) if validate else block_table.shape[1] * bs
-        num_splits = default_splits(t * hkv, max_keys, consts["TILE"], dev)
-    consts["SPLIT"] = split = num_splits > 1
+        num_splits = default_splits(t * hkv * cfg.consts["HEAD_BLOCKS"], max_keys, cfg.consts["TILE"], dev)
+    split = num_splits > 1
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(dev).contiguous()
     out = torch.empty_like(q)
@@ -292,13 +465,35 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     else:
         m = l_ = scale_t  # unused
         dst, strides = out, (out.stride(0), out.stride(1), 0, 0, 0)
-    extra = {"num_warps": warps} if warps else {}
-    _paged_attention_kernel[(t, hkv * consts["HEAD_BLOCKS"], num_splits)](
-        q, kv_cache, dst, table, ctx, rows, qpos, scale_t, m, l_,
-        q.stride(0), q.stride(1), *strides,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), table.stride(0),
-        mask.size if mask.kind != "causal" else 1, num_splits, **consts, **extra,
-    )
+    run_args = (q, kv_cache, dst, table, ctx, rows, qpos, scale_t, m, l_, q.stride(0), q.stride(1), *strides,
+                kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), table.stride(0),
+                mask.size if mask.kind != "causal" else 1, num_splits)
+    _launch_pass1(cfg, args, limit, split, (t, hkv * cfg.consts["HEAD_BLOCKS"], num_splits), run_args)
     if split:
-        return _combine(m, l_, part, q.dtype)
+        _combine_kernel[(t, hq)](part, m, l_, out, part.stride(0), part.stride(1), part.stride(2), m.stride(0),
+                                 m.stride(1), out.stride(0), out.stride(1), num_splits, HEAD=d, HEAD_P=_pow2(d),
+                                 SPLITS_P=_pow2(num_splits), ACC_F64=acc == torch.float64,
+                                 **({"num_warps": 4} if on_cuda else {}))
     return out
+
+
+def _launch_pass1(cfg: KernelConfig, args: tuple, limit, split: bool, grid: tuple, run_args: tuple) -> None:
+    """Launch pass 1 with ``cfg``; on CUDA, should the compiled kernel still ask for more shared
+    memory than the device has (a compiler laying out differently from the bound), step down
+    through the remaining candidates of the same tuning instead of failing (issue #24)."""
+    if cfg.num_warps is None:
+        _paged_attention_kernel[grid](*run_args, **dict(cfg.consts, SPLIT=split))
+        return
+    from triton.runtime.errors import OutOfResources
+
+    cands = candidate_configs(*args)
+    rest = [c for c in cands[cands.index(cfg):]] if cfg in cands else [cfg]
+    for i, c in enumerate(rest):
+        consts = dict(c.consts, SPLIT=split)
+        try:
+            _paged_attention_kernel[grid[:1] + (grid[1] // cfg.consts["HEAD_BLOCKS"] * c.consts["HEAD_BLOCKS"],)
+                                    + grid[2:]](*run_args, **consts, num_warps=c.num_warps, num_stages=c.num_stages)
+            return
+        except OutOfResources:
+            if i == len(rest) - 1:
+                raise

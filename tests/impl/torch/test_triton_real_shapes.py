@@ -208,11 +208,13 @@ def test_padded_slots_are_skipped_only_when_asked():
 def test_group_blocks_and_their_limits_are_validated():
     from kvref.impl.torch.triton_kernels.attention import kernel_config, paged_attention_triton
 
-    # the 128-head MLA group at 576 lanes runs in blocks of 16 heads; float64 in blocks of 2
-    consts, _ = kernel_config(torch.bfloat16, "causal", 128, 1, 576, 64, True, False)
-    assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["HEAD_P"], consts["TILE"]) == (16, 8, 1024, 16)
-    consts, _ = kernel_config(torch.float64, "causal", 128, 1, 576, 64, True, False)
-    assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["TILE"]) == (2, 64, 4)
+    # the 128-head MLA group at 576 lanes (512 + 64) runs in blocks of 16 heads; float64 in blocks of 2
+    cfg = kernel_config(torch.bfloat16, "causal", 128, 1, 576, 64, True, False)
+    consts = cfg.consts
+    assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["HEAD_A"], consts["HEAD_B"], consts["TILE"],
+            cfg.num_warps, cfg.num_stages) == (16, 8, 512, 64, 16, 8, 2)
+    consts = kernel_config(torch.float64, "causal", 128, 1, 576, 64, True, False).consts
+    assert (consts["GROUP_P"], consts["HEAD_BLOCKS"], consts["TILE"], consts["USE_DOT"]) == (2, 64, 4, False)
     dev = kernel_device()
     q, cache = torch.zeros(2, 2, 4, device=dev), torch.zeros(5, 2, 4, 1, 4, device=dev)
     table, ctx, rows, pos = (torch.tensor([[1, 2]], dtype=torch.int32, device=dev), torch.tensor([8], device=dev),
@@ -233,7 +235,7 @@ def test_query_heads_split_over_head_blocks(dtype, group, group_block, tile):
     (which index the next KV head's queries) must neither read nor write."""
     from kvref.impl.torch.triton_kernels.attention import kernel_config
 
-    consts, _ = kernel_config(dtype, "causal", 2 * group, 2, 80, 12, False, False, tile, None, group_block)
+    consts = kernel_config(dtype, "causal", 2 * group, 2, 80, 12, False, False, tile, None, group_block).consts
     assert consts["HEAD_BLOCKS"] == -(-group // group_block) > 1
     args, seqs = _case(3, dtype, [29, 14], [5, 1], 12, 2, group, 80, kernel_device())
     _check(args, seqs, AttentionMask("sliding_window", 17), dtype, tile=tile, num_splits=2, group_block=group_block)
