@@ -12,10 +12,17 @@ does not model, a newer vLLM, ``--properties-only``): no starvation while nothin
 shared by two requests outside prefix-cache hits, block ids within the pool. A summary (steps,
 requests, preemptions, prefix-cache hit rate, longest wait) closes the report.
 
+A run in which vLLM raised (an ``error`` record: the recorder writes the exception, the step and the
+call's inputs before it propagates) is a CRASH finding: the reference replays up to it and says
+whether it raises too or what it would have done instead. A trace without an ``end`` record (the
+server was killed) is checked up to its last complete record and reported INCOMPLETE, and a trace
+with no schedule step is EMPTY: neither is ever "agrees" (``--live`` checks a trace still being
+written: then a missing end record is expected).
+
 Exit status: 0 the run agrees (or, where the reference could not follow, its properties hold),
-1 a divergence or a violated property, 2 the trace cannot be read (not a trace, a newer format,
-a broken record: the file and line are named), 130 interrupted. A trace cut short (the server was
-killed) is checked up to its last complete record and says so.
+1 a divergence, a violated property, a crash, an incomplete or an empty trace, 2 the trace cannot
+be read (not a trace, a newer format, a broken record: the file and line are named), 130
+interrupted. The report and its one verdict line go to stdout.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 
@@ -39,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--starvation-steps", type=int, default=3, metavar="N",
                    help="idle schedule calls in a row (nothing runs, nothing in flight, requests wait) reported "
                         "as starvation (default: 3)")
+    p.add_argument("--live", action="store_true",
+                   help="the trace is still being written (the server runs): a missing end record is expected, "
+                        "not reported as INCOMPLETE")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -62,6 +71,7 @@ def _summary_table(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvref.models.run_check import check_trace, write_reproducer
+    from kvref.models.run_check.properties import PROPERTY_NAMES
     from kvref.spec.errors import InvalidFieldError
 
     if args.starvation_steps < 1:
@@ -72,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable_dir("--out", args.out)  # a divergence's reproducer goes there: checked before the replay
     t0 = time.perf_counter()
-    result = check_trace(args.trace, properties_only=args.properties_only, starvation_steps=args.starvation_steps)
+    result = check_trace(args.trace, properties_only=args.properties_only, starvation_steps=args.starvation_steps,
+                         live=args.live)
     seconds = time.perf_counter() - t0
     reproducer = None
     if result.divergence is not None:
@@ -95,12 +106,21 @@ def run(args: argparse.Namespace) -> int:
           f"{'async' if s.get('async_class') else 'sync'} scheduling")
     for note in result.notes:
         print(f"note: {note}")
-    if result.truncated:
-        print(f"note: the trace is truncated ({result.truncation}); checked up to its last complete record")
+    if result.incomplete:
+        print(f"INCOMPLETE: the trace has no end record ({result.truncation}): the recording process was killed "
+              "or still runs (--live); checked up to its last complete record")
+    elif result.truncated:
+        print(f"note: the trace is still being written ({result.truncation}); checked up to its last complete record")
+    if result.empty:
+        print("EMPTY: the trace holds no schedule() step: nothing was checked")
+    if result.crash is not None:
+        print(result.crash.text())
     if result.divergence is not None:
         print("DIVERGENCE: vLLM did what the reference would not have done")
         print(result.divergence.table())
         print(f"reproducer: {reproducer} (kvref check-run {reproducer})")
+    elif result.crash is not None:
+        print(f"reference: agreed on all {result.steps_compared:,} steps before the crash")
     elif result.followed:
         print(f"reference: agrees on all {result.steps_compared:,} steps (batch, token counts, computed tokens, "
               "block ids per group, preemptions, finishes)")
@@ -115,10 +135,9 @@ def run(args: argparse.Namespace) -> int:
         if result.num_findings > len(result.findings):
             print(f"  ... {result.num_findings - len(result.findings)} more")
     else:
-        print("properties: no starvation while idle, no block shared outside prefix-cache hits, blocks within the pool")
+        print("properties: " + ", ".join(PROPERTY_NAMES))
     print(_summary_table(result.summary))
     rate = result.records / seconds if seconds > 0 else 0.0
     print(f"checked {result.records:,} records in {seconds:.1f} s ({rate:,.0f} records/s)")
-    verdict = "agrees" if result.ok and result.followed else "properties hold" if result.ok else "FINDINGS"
-    print(f"verdict: {verdict}", file=sys.stderr if not result.ok else sys.stdout)
+    print(f"verdict: {result.verdict}")  # one verdict, one stream (issue #25)
     return 0 if result.ok else 1

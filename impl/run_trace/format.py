@@ -29,12 +29,31 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            uint32) and ``len`` (base64 of one byte per id: how many tokens it sampled) instead of
            ``sampled``; ``fin``: ``[[id, reason], ...]`` for requests it
            finished (``stop``, ``length``, ``error``, ``repetition``, ...).
-``end``    the scheduler shut down cleanly: ``steps``, ``records``.
+``error``  a recorded call raised inside vLLM (issue #28: a crashed run is never "agrees"):
+           ``call`` (``schedule``, ``update_from_output``, ``add_request``, ``finish_requests``),
+           ``step`` (the step ``schedule()`` would have had, or the step the update settles),
+           ``type`` and ``message`` of the exception, and the call's inputs the replay needs:
+           ``add`` (the ``add`` record of the request), ``update`` (the ``update`` record without
+           its ``fin``), ``ids`` + ``status`` (``finish_requests``). Written before vLLM's
+           exception propagates; a crashed run's ``end`` record counts its ``errors``.
+``reset``  ``reset_prefix_cache`` was called: ``running`` (running requests preempted too), ``ok``.
+``end``    the scheduler shut down: ``steps``, ``records``, ``how``; ``errors`` if any call raised.
 ========== =========================================================================================
+
+Optional per-step observables (version 3, issue #28), what the metrics endpoint and the
+conservation checks read: ``sched.free`` / ``update.free`` / ``abort.free``: vLLM's
+``block_pool.get_num_free_blocks()`` after the call; ``sched.pre_why``: ``{id: reason}`` for the
+step's preemptions (``kv``: a running request could not get blocks; ``reset_prefix_cache``);
+``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``update.stats``:
+the ``SchedulerStats`` vLLM's ``update_from_output`` returned for the metrics endpoint —
+``usage`` (``kv_cache_usage``), ``req``/``q``/``h`` (prefix-cache requests, queried tokens, hit
+tokens), ``preq``/``pq``/``ph`` (the same for resumed preempted requests), ``run``/``wait``.
+Header ``log_stats``: whether vLLM made stats at all (``--disable-log-stats`` turns them off).
 
 Versions: 2 added the base64 groups in ``new`` and the sparse ``cached`` block ids (what the
 recorder writes); version 1 traces (dense lists only) read unchanged. A version-1 reader refuses a
-version-2 trace by its header instead of misreading it.
+version-2 trace by its header instead of misreading it. 3 added ``error`` and ``reset`` records and
+the per-step observables above; versions 1 and 2 read unchanged (they simply lack them).
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
@@ -69,8 +88,12 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
-VERSION = 2
-RECORD_TYPES = ("add", "abort", "sched", "update", "end")
+VERSION = 3
+RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset")
+#: the calls an ``error`` record may name
+ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
+#: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
+STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait")
 #: record types a reader may skip (room for the KV-events recorder's records)
 OPTIONAL_RECORD_TYPES = ("kv_events",)
 KINDS = {"n": "new", "r": "resumed", "c": "running"}
@@ -358,6 +381,25 @@ def sched_record(step: int, rows, pre=(), fin=()) -> dict:
             "cached": [cids, ccomputed, cblocks], "resumed": resumed, "pre": list(pre), "fin": list(fin)}
 
 
+def _validate_error(rec: dict, where: str) -> None:
+    if rec.get("call") not in ERROR_CALLS:
+        raise _fail(where, "call", rec.get("call"), "one of " + ", ".join(ERROR_CALLS))
+    if not _is_int(rec.get("step"), -1):
+        raise _fail(where, "step", rec.get("step"), "an int >= -1")
+    for key in ("type", "message"):
+        if type(rec.get(key)) is not str:
+            raise _fail(where, key, rec.get(key), "the exception's " + ("class name" if key == "type" else "message")
+                        + " (str)")
+    for key, kind in (("add", "add"), ("update", "update")):
+        if rec.get(key) is not None:
+            inner = rec[key]
+            if not isinstance(inner, dict) or inner.get("t") != kind:
+                raise _fail(where, key, inner, f"the call's {kind!r} record")
+            validate_record(dict(inner, fin=[]) if kind == "update" else inner, f"{where} ({key})")
+    if rec.get("ids") is not None:
+        _str_list(where, rec, "ids")
+
+
 def validate_record(rec: Any, where: str) -> str:
     """Check one record's shape; returns its type. Raises :class:`TraceFormatError`."""
     if not isinstance(rec, dict):
@@ -441,10 +483,28 @@ def validate_record(rec: Any, where: str) -> str:
     elif t == "end":
         if not _is_int(rec.get("steps")):
             raise _fail(where, "steps", rec.get("steps"), "an int >= 0")
+    elif t == "error":
+        _validate_error(rec, where)
+    elif t == "reset":
+        pass
     elif t in OPTIONAL_RECORD_TYPES:
         pass
     else:
         raise _fail(where, "t", t, "one of " + ", ".join(RECORD_TYPES + OPTIONAL_RECORD_TYPES))
+    if t in ("sched", "update", "abort") and "free" in rec and not _is_int(rec["free"]):
+        raise _fail(where, "free", rec["free"], "the free-block count after the call (int >= 0)")
+    if t == "sched":
+        why = rec.get("pre_why")
+        if why is not None and (not isinstance(why, dict) or not all(type(v) is str for v in why.values())):
+            raise _fail(where, "pre_why", why, "an object {preempted id: reason (str)}")
+        if "loading" in rec and not _is_int(rec["loading"]):
+            raise _fail(where, "loading", rec["loading"], "an int >= 0 (requests waiting for a remote KV load)")
+    if t == "update" and rec.get("stats") is not None:
+        stats = rec["stats"]
+        if not isinstance(stats, dict) or not all(
+                k in STATS_KEYS and (type(v) in (int, float) if k == "usage" else _is_int(v)) for k, v in stats.items()):
+            raise _fail(where, "stats", stats, "an object with keys among " + ", ".join(STATS_KEYS)
+                        + " (usage a number, the others ints >= 0)")
     x = rec.get("x")
     if x is not None and (not isinstance(x, list) or not all(type(v) is str for v in x)):
         raise _fail(where, "x", x, "a list of feature names (str)")

@@ -166,6 +166,7 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
                      "scheduler_cls": f"{type(s).__module__}.{type(s).__qualname__}", "pid": os.getpid(),
                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "anonymized": anonymize,
+        "log_stats": bool(getattr(s, "log_stats", False)),
         "pool": {
             "num_blocks": kvc.num_blocks, "max_model_len": s.max_model_len,
             "scheduler_block_size": s.block_size, "hash_block_size": s.hash_block_size,
@@ -259,6 +260,27 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
     return found
 
 
+def _stats_json(outputs) -> str:
+    """``,"stats":{...}`` from the ``SchedulerStats`` ``update_from_output`` returned (what the
+    metrics endpoint shows: KV cache usage, prefix-cache queries and hits), or "" when vLLM made
+    none (``log_stats`` off). Read from the return value, never by calling ``make_stats()``, which
+    resets the counters the endpoint would have read."""
+    if not outputs:
+        return ""
+    for eco in outputs.values():
+        st = getattr(eco, "scheduler_stats", None)
+        if st is None:
+            continue
+        p = st.prefix_cache_stats
+        if p is None:
+            return ',"stats":{"usage":%r,"run":%d,"wait":%d}' % (float(st.kv_cache_usage), st.num_running_reqs,
+                                                                 st.num_waiting_reqs)
+        return (',"stats":{"usage":%r,"req":%d,"q":%d,"h":%d,"preq":%d,"pq":%d,"ph":%d,"run":%d,"wait":%d}' % (
+            float(st.kv_cache_usage), p.requests, p.queries, p.hits, p.preempted_requests, p.preempted_queries,
+            p.preempted_hits, st.num_running_reqs, st.num_waiting_reqs))
+    return ""
+
+
 class _Recorder:
     """The recording half, shared by both classes (a mixin before vLLM's class in the MRO).
 
@@ -280,6 +302,9 @@ class _Recorder:
         self._kvref_step = 0
         self._kvref_steps: dict[int, int] = {}  # id(SchedulerOutput) -> step
         self._kvref_depth = 0  # > 0 inside our own calls: internal finish_requests are not aborts
+        self._kvref_errors = 0  # calls that raised (the end record counts them)
+        self._kvref_pre_why: dict[str, str] = {}  # preemptions since the last schedule -> reason
+        self._kvref_resetting = False
         self._kvref_writer = TraceWriter(path, build_header(self, anonymize, is_async_class))
         self.kvref_trace_path = path
         ref = weakref.ref(self)
@@ -288,7 +313,34 @@ class _Recorder:
     def _kvref_close(self, how: str) -> None:
         w = self._kvref_writer
         if w is not None and not w.closed:
-            w.close({"t": "end", "steps": self._kvref_step, "records": w.num_records + 1, "how": how})
+            end = {"t": "end", "steps": self._kvref_step, "records": w.num_records + 1, "how": how}
+            if self._kvref_errors:  # shutdown() after a crash: the trace says so (issue #28)
+                end["errors"] = self._kvref_errors
+            w.close(end)
+
+    def _kvref_free(self) -> int:
+        return self.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def _kvref_error(self, call: str, step: int, exc: BaseException, inputs: dict) -> None:
+        """Record a call that raised inside vLLM, then let the exception go on (issue #28).
+
+        Without this record a crashed run's trace ended in a clean ``end`` record written by the
+        engine's ``shutdown()`` and checked as "agrees". The record holds what the replay needs to
+        make the same call on the reference: the step, and the call's inputs. Flushed at once: a
+        process that dies of the exception still leaves it readable. Never raises itself.
+        """
+        self._kvref_errors += 1
+        w = self._kvref_writer
+        if w is None or w.closed:
+            return
+        rec = {"t": "error", "call": call, "step": step, "type": type(exc).__name__,
+               "message": str(exc)[:4000]}
+        rec.update(inputs)
+        try:
+            w.write(rec)
+            w.flush()
+        except Exception:  # noqa: BLE001 - the engine's own exception matters more than the trace
+            pass
 
     # ---- recorded calls ---------------------------------------------------------------------
     def add_request(self, request) -> None:
@@ -296,16 +348,33 @@ class _Recorder:
         self._kvref_depth += 1
         try:
             super().add_request(request)
+        except Exception as exc:
+            self._kvref_error("add_request", self._kvref_step, exc, {"add": self._kvref_add_record(request, existing)})
+            raise
         finally:
             self._kvref_depth -= 1
         self._kvref_on_add(request, existing)
+
+    def _kvref_add_record(self, request, existing: bool) -> dict | None:
+        try:
+            return json.loads(self._kvref_add_line(request, existing))
+        except Exception:  # noqa: BLE001 - a request vLLM refused may not be recordable either
+            return None
 
     def finish_requests(self, request_ids, finished_status):
         if self._kvref_depth:
             return super().finish_requests(request_ids, finished_status)
         self._kvref_depth += 1
+        status = getattr(finished_status, "name", str(finished_status))
         try:
             done = super().finish_requests(request_ids, finished_status)
+        except Exception as exc:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+            if self._kvref_anon is not None:
+                ids = [self._kvref_anon.request_id(i) for i in ids if isinstance(i, str)]
+            self._kvref_error("finish_requests", self._kvref_step, exc,
+                              {"ids": [i for i in ids if isinstance(i, str)], "status": status})
+            raise
         finally:
             self._kvref_depth -= 1
         if done:
@@ -313,34 +382,66 @@ class _Recorder:
             anon = self._kvref_anon
             if anon is not None:
                 ids = [anon.request_id(i) for i in ids]
-            self._kvref_writer.write({"t": "abort", "ids": ids,
-                                      "status": getattr(finished_status, "name", str(finished_status))})
+            self._kvref_writer.write({"t": "abort", "ids": ids, "status": status, "free": self._kvref_free()})
         return done
 
     def schedule(self, *args, **kwargs):
         self._kvref_depth += 1
+        throttle = args[0] if args else kwargs.get("throttle_prefills", False)
         try:
             so = super().schedule(*args, **kwargs)
+        except Exception as exc:
+            # the step index this call would have had: the replay schedules once more there
+            self._kvref_error("schedule", self._kvref_step, exc, {"throttle": True} if throttle else {})
+            self._kvref_pre_why.clear()
+            raise
         finally:
             self._kvref_depth -= 1
-        self._kvref_on_schedule(so, args[0] if args else kwargs.get("throttle_prefills", False))
+        self._kvref_on_schedule(so, throttle)
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
         # Encoded before vLLM sees them: update_from_output trims a token list in place at a stop.
-        head = self._kvref_update_head(self._kvref_steps.pop(id(scheduler_output), -1), model_runner_output)
+        step = self._kvref_steps.pop(id(scheduler_output), -1)
+        head = self._kvref_update_head(step, model_runner_output)
         self._kvref_fin = finished = []
         self._kvref_depth += 1
         try:
             out = super().update_from_output(scheduler_output, model_runner_output)
+        except Exception as exc:
+            try:
+                update = json.loads(head + "[]}")
+                del update["fin"]
+            except ValueError:
+                update = None
+            self._kvref_error("update_from_output", step, exc, {"update": update} if update else {})
+            raise
         finally:
             self._kvref_depth -= 1
             self._kvref_fin = None
-        self._kvref_on_update(head, finished)
+        self._kvref_on_update(head, finished, out)
         return out
+
+    def _preempt_request(self, request, *args, **kwargs):
+        # why this request lost its blocks: the next sched record's pre_why (issue #28)
+        self._kvref_pre_why[request.request_id] = "reset_prefix_cache" if self._kvref_resetting else "kv"
+        return super()._preempt_request(request, *args, **kwargs)
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        self._kvref_resetting = True
+        try:
+            ok = super().reset_prefix_cache(*args, **kwargs)
+        finally:
+            self._kvref_resetting = False
+        running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
+        self._kvref_writer.write({"t": "reset", "running": running, "ok": bool(ok), "free": self._kvref_free()})
+        return ok
 
     # ---- formatting hooks (engine thread: the recording cost) --------------------------------
     def _kvref_on_add(self, request, existing: bool) -> None:
+        self._kvref_writer.write_line(self._kvref_add_line(request, existing))
+
+    def _kvref_add_line(self, request, existing: bool) -> str:
         sp = request.sampling_params
         stop = list(sp.stop_token_ids or ()) if sp is not None else []
         eos = sp.eos_token_id if sp is not None else None
@@ -362,7 +463,7 @@ class _Recorder:
         # 4,000-token prompt costs as much as encoding it).
         extra = _request_unmodelled(request, existing)
         arrival = float(request.arrival_time)
-        self._kvref_writer.write_line(
+        return (
             '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
@@ -376,6 +477,17 @@ class _Recorder:
         if so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs:
             extra += ',"x":' + _dumps([name for name, v in (("spec_decode", so.scheduled_spec_decode_tokens),
                                                             ("encoder_inputs", so.scheduled_encoder_inputs)) if v])
+        # what the conservation and metrics checks read (format version 3, issue #28)
+        extra += ',"free":%d' % self.kv_cache_manager.block_pool.get_num_free_blocks()
+        why = self._kvref_pre_why
+        if why:
+            anon = self._kvref_anon
+            extra += ',"pre_why":' + _dumps({(anon.request_id(k) if anon is not None else k): v
+                                             for k, v in why.items()})
+            why.clear()
+        if getattr(self, "connector", None) is not None:
+            loading = sum(1 for r in self.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS")
+            extra += ',"loading":%d' % loading
         # Columnar, straight from vLLM's own output: no Python row per request (format.py).
         nst = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
@@ -439,16 +551,18 @@ class _Recorder:
             head = self._kvref_anonymize_update(head)
         return head
 
-    def _kvref_on_update(self, head: str, finished: list) -> None:
+    def _kvref_on_update(self, head: str, finished: list, out=None) -> None:
+        tail = ',"free":%d%s}' % (self.kv_cache_manager.block_pool.get_num_free_blocks(), _stats_json(out))
         if not finished:
-            self._kvref_writer.write_line(head + "[]}")
+            self._kvref_writer.write_line(head + "[]" + tail)
         elif self._kvref_fast:
             self._kvref_writer.write_line(
-                head + "[" + ",".join(['["%s","%s"]' % (rid, _reason(status)) for rid, status in finished]) + "]}")
+                head + "[" + ",".join(['["%s","%s"]' % (rid, _reason(status)) for rid, status in finished]) + "]"
+                + tail)
         else:
             anon = self._kvref_anon
             fin = [[rid if anon is None else anon.request_id(rid), _reason(status)] for rid, status in finished]
-            self._kvref_writer.write_line(head + _dumps(fin) + "}")
+            self._kvref_writer.write_line(head + _dumps(fin) + tail)
 
     def _kvref_anonymize_update(self, head: str) -> str:
         """Re-encode an update's ids and tokens through the anonymizer (opt-in path: not the fast one)."""
@@ -478,10 +592,16 @@ class _Recorder:
         self._kvref_writer.flush()
 
 
+#: constructor arguments :func:`recorded_vllm_scheduler` overrides while it builds a scheduler (the
+#: engine core's ``log_stats``; kvref's test adapter passes False, a server True by default)
+_ENGINE_ARGS: dict[str, Any] = {}
+
+
 class RecordingScheduler(_Recorder, Scheduler):
     """vLLM's synchronous ``Scheduler``, recording a run trace (``--no-async-scheduling``)."""
 
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(_ENGINE_ARGS)
         super().__init__(*args, **kwargs)
         self._kvref_start(is_async_class=False)
 
@@ -495,6 +615,7 @@ class RecordingAsyncScheduler(_Recorder, AsyncScheduler):
     """vLLM's ``AsyncScheduler``, recording a run trace (async scheduling, vLLM's default)."""
 
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(_ENGINE_ARGS)
         super().__init__(*args, **kwargs)
         self._kvref_start(is_async_class=True)
 
@@ -505,13 +626,17 @@ __all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingSch
            "record_settings", "spec_record"]
 
 
-def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None):
+def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None, log_stats: bool = True):
     """A :class:`~kvref.impl.vllm.scheduler.VllmScheduler` whose vLLM scheduler is built from a
     ``scheduler_cls`` string exactly as vLLM's engine core builds it (``SchedulerConfig.
     get_scheduler_cls()``, then the engine core's constructor arguments); default: the recording
     class that matches ``config.async_scheduling``. Drives a recorded run on CPU with a fake model
-    (tests, benchmarks); the trace goes where :func:`record_settings` says.
+    (tests, benchmarks); the trace goes where :func:`record_settings` says. ``log_stats``: the
+    engine core's argument (True unless a server runs with ``--disable-log-stats``): the recorder
+    then records the ``SchedulerStats`` the metrics endpoint would have shown.
     """
+    if type(log_stats) is not bool:
+        raise InvalidFieldError("log_stats", log_stats, "True or False")
     from .scheduler import VllmScheduler
 
     if scheduler_cls is None:
@@ -522,4 +647,8 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
         def close(self) -> None:
             self.scheduler.shutdown()
 
-    return _Driven(pool, config, env, scheduler_cls=scheduler_cls)
+    _ENGINE_ARGS["log_stats"] = log_stats
+    try:
+        return _Driven(pool, config, env, scheduler_cls=scheduler_cls)
+    finally:
+        _ENGINE_ARGS.clear()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvref.impl.run_trace.reader import TraceReader
 from kvref.impl.run_trace.writer import TraceWriter
 
+from .crash import Crash
 from .properties import Finding, RunProperties
 from .replay import Divergence, LockstepReplay
 from .setup import RunSetup, setup_from_header
@@ -33,10 +34,42 @@ class CheckResult:
     truncated: bool = False
     truncation: str = ""
     notes: list[str] = field(default_factory=list)
+    #: vLLM raised inside a recorded call (an ``error`` record), with the reference's answer
+    crash: Crash | None = None
+    #: the trace is still being written (``--live``): a missing end record is expected
+    live: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Nothing was checked: no ``schedule()`` step in the trace (issue #25: never "agrees")."""
+        return self.summary.get("steps", 0) == 0
+
+    @property
+    def incomplete(self) -> bool:
+        """The recording process never shut down (no end record) and the trace is not checked live."""
+        return self.truncated and not self.live
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None and self.num_findings == 0
+        """Nothing found and something checked: a crash, a truncated (killed) or an empty trace is
+        never a pass (issue #28)."""
+        return (self.divergence is None and self.num_findings == 0 and self.crash is None and not self.empty
+                and not self.incomplete)
+
+    @property
+    def verdict(self) -> str:
+        """The one verdict word of the report."""
+        if self.crash is not None:
+            return "CRASH"
+        if self.divergence is not None or self.num_findings:
+            return "FINDINGS"
+        if self.empty:
+            return "EMPTY"
+        if self.incomplete:
+            return "INCOMPLETE"
+        if self.truncated:
+            return "agrees so far" if self.followed else "properties hold so far"
+        return "agrees" if self.followed else "properties hold"
 
     def to_json(self) -> dict:
         return {
@@ -46,12 +79,13 @@ class CheckResult:
             "divergence": self.divergence.to_json() if self.divergence else None,
             "findings": [f.to_json() for f in self.findings], "num_findings": self.num_findings,
             "summary": self.summary, "truncated": self.truncated, "truncation": self.truncation or None,
-            "notes": self.notes,
+            "notes": self.notes, "crash": self.crash.to_json() if self.crash else None, "empty": self.empty,
+            "verdict": self.verdict,
         }
 
 
 def check_trace(path: str | os.PathLike, *, properties_only: bool = False, starvation_steps: int = 3,
-                check_invariants_every: int = 0) -> CheckResult:
+                check_invariants_every: int = 0, live: bool = False) -> CheckResult:
     """Check one trace in a single streaming pass.
 
     Args:
@@ -60,6 +94,7 @@ def check_trace(path: str | os.PathLike, *, properties_only: bool = False, starv
         starvation_steps: see :class:`~kvref.models.run_check.properties.RunProperties`.
         check_invariants_every: also assert the reference's and the checker's own invariants every
             N records (0: never; tests use 1).
+        live: the trace is still being written: a missing ``end`` record is not a finding.
 
     Raises:
         TraceFormatError (a ``ValueError``): the trace cannot be read (not a trace, bad record).
@@ -77,7 +112,7 @@ def check_trace(path: str | os.PathLike, *, properties_only: bool = False, starv
         n = 0
         for line, rec in reader.records():
             feed_props(line, rec)
-            if replay.following:
+            if replay.following or rec["t"] == "error":
                 feed_replay(line, rec)
             n += 1
             if check_invariants_every and n % check_invariants_every == 0:
@@ -97,7 +132,7 @@ def check_trace(path: str | os.PathLike, *, properties_only: bool = False, starv
             records=reader.num_records, steps_compared=replay.steps_compared,
             followed=replay.divergence is None and not replay.stopped_because,
             stopped_because=replay.stopped_because, stopped_at_line=replay.stopped_at_line,
-            truncated=reader.truncated, truncation=reader.truncation, notes=notes)
+            truncated=reader.truncated, truncation=reader.truncation, notes=notes, crash=replay.crash, live=live)
 
 
 def write_reproducer(trace: str | os.PathLike, divergence: Divergence, out_path: str | os.PathLike) -> str:

@@ -93,7 +93,9 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
                 fin.append([s.request_id, r.finish_reason])
                 del live[s.request_id]
                 model.num_sampled.pop(s.request_id, None)
-        w.write(_update(k, out, mo, fin))
+        rec = _update(k, out, mo, fin)
+        rec["free"] = sched.kv_cache_manager.get_num_free_blocks()
+        w.write(rec)
 
     while step < steps:
         if len(live) < max_live and rng.random() < arrival_prob:
@@ -111,12 +113,14 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
             rid = rng.choice(list(live))
             sched.finish_requests([rid])
             del live[rid]
-            w.write({"t": "abort", "ids": [rid], "status": "FINISHED_ABORTED"})
+            w.write({"t": "abort", "ids": [rid], "status": "FINISHED_ABORTED",
+                     "free": sched.kv_cache_manager.get_num_free_blocks()})
         if len(in_flight) < depth and (sched.has_unfinished_requests() or not in_flight):
             out = sched.schedule()
             in_flight.append((step, out))
-            w.write(sched_record(step, reference_rows(out), sorted(out.preempted_req_ids),
-                                 sorted(out.finished_req_ids)))
+            rec = sched_record(step, reference_rows(out), sorted(out.preempted_req_ids), sorted(out.finished_req_ids))
+            rec["free"] = sched.kv_cache_manager.get_num_free_blocks()  # format version 3
+            w.write(rec)
             step += 1
             if len(in_flight) < depth and sched.has_unfinished_requests():
                 continue

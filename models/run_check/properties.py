@@ -1,50 +1,77 @@
 """Properties of a recorded run, checked from the trace alone (no reference needed).
 
 They hold for any vLLM the trace came from, so they are checked even where the reference cannot
-follow (a newer vLLM, a feature outside kvref's subset):
+follow (a newer vLLM, a feature outside kvref's subset, ``--properties-only``). Issue #28 made
+them strong enough to stand alone:
 
-* **No starvation while idle.** A step that schedules nothing while nothing runs, nothing is in
-  flight and requests wait cannot change anything by itself: the same decision repeats until
-  something arrives or is aborted. That is the head-of-line hang of vLLM #39734 / #35541 (a
-  waiting request whose admission gate can never pass on a pool startup accepted). Reported
-  when it lasts ``starvation_steps`` schedule calls in a row; not counted while a waiting request
-  uses an unmodelled feature (a structured-output grammar may still be compiling) nor on runs
-  with a KV connector (remote loads make such waits legitimate).
-* **No block shared by two requests unless it is a prefix-cache hit.** The blocks a step
-  *allocates* (beyond the hit prefix of a new or resumed request, whose first
-  ``num_computed_tokens // block_size`` blocks are the hit) must not be held by another live
-  request, in any group: the pool is one id space. Sliding-window, chunked-local and Mamba groups
-  free blocks behind the window without saying so in ``schedule()``'s output, so there a block
-  counts as possibly freed once its start lies before its holder's computed tokens (a sound
-  relaxation: it can miss a reuse, never report a false one).
-* **Usage within the pool.** Every block id is below ``num_blocks``; a request's table per group
-  never exceeds what ``max_model_len`` needs.
-* **A summary** a developer pastes into a PR: steps, requests, finishes by reason, preemptions,
-  prefix-cache hit rate, longest wait, peak running, peak blocks held.
+* **No crash.** An ``error`` record (vLLM raised inside a recorded call) is a finding with its step.
+* **No starvation.** ``starvation_steps`` schedule calls in a row that schedule nothing while
+  requests wait, *whatever is in flight*: under async scheduling vLLM's batch queue always keeps a
+  step in flight, so the old "nothing in flight" condition never held and a hung run of 20,000
+  idle calls went unreported. Steps that preempt, and steps while a remote KV load is pending
+  (``loading`` on KV-connector runs), do not count; the head-of-line hang of vLLM #39734 / #35541.
+* **Block conservation per step.** ``free`` (vLLM's ``get_num_free_blocks()``, recorded after every
+  call) ``+`` the distinct blocks live requests hold ``=`` ``num_blocks - 1`` (the null block).
+  Blocks behind a sliding window / attention chunk are freed exactly as vLLM frees them, at the
+  holder's own allocation (:mod:`.windows`); a refused admission that keeps blocks, or a block freed
+  while its holder still holds it, breaks the equation at that step.
+* **No block reused while its holder still needs it.** A block a step allocates fresh (beyond a new
+  or resumed request's prefix-cache hit) must not sit at a position another live request still
+  needs — inside that holder's window of settled tokens, per group — in any group (one pool, one id
+  space). No blanket allowance for windowed groups.
+* **Prefix-cache hits hold the hit's tokens.** A hit block must be one some request filled with
+  exactly the same tokens (same salt, same prefix), and not evicted since; a hit never covers a
+  request's last token. Catches a wrong hit length, a stale block served after its eviction, a
+  preemption that did not reset a request's progress.
+* **Admission within the startup bound.** The blocks a request holds in a group never exceed what
+  startup sized a request for (``admission_cap`` / ``max_admission_blocks_per_request``, vLLM
+  #40946; ``cdiv(max_model_len, block_size)`` for full attention).
+* **Metrics agree with the trace.** The ``SchedulerStats`` each ``update_from_output`` returned (the
+  metrics endpoint's ``kv_cache_usage``, prefix-cache ``queries``/``hits``, running/waiting counts)
+  equal what the recorded steps imply (:mod:`.metrics`).
+* **Usage within the pool.** Every block id is below ``num_blocks``; a table never exceeds what
+  ``max_model_len`` needs.
+* **A summary** a developer pastes into a PR: steps, requests, finishes by reason, preemptions by
+  reason, prefix-cache hit rate, longest wait, peak running, peak blocks held.
 
-State is bounded by the live requests and their blocks (finished requests are dropped, their
-statistics folded into counters), so a trace of any length is checked in bounded memory.
+State is bounded by the live requests and the pool (finished requests are dropped, per-block
+content is one entry per block id), so a trace of any length is checked in bounded memory.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvref.impl.run_trace.format import sched_rows
+from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
-_FREES_EARLY = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec")
+from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
+from .windows import group_rules
+
+#: what ``kvref check-run`` lists when every property holds
+PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
+                  "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
+                  "blocks within the pool")
+#: header features under which the block bookkeeping is not exact (blocks held outside requests, or
+#: computed tokens rolled back): conservation, admission and hit content are then not checked
+_INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
+            "hash_lookahead_tokens", "prefix_replay", "deferred_block_free", "decode_context_parallel",
+            "mamba_align_mode", "mamba_shared_prefix_checkpoint", "kv_cache_spec:", "eagle")
 
 
 @dataclass
 class Finding:
-    kind: str  # "starvation", "shared_block", "block_out_of_pool", "table_too_long"
+    kind: str  # see PROPERTY_KINDS
     line: int
     step: int
     message: str
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "line": self.line, "step": self.step, "message": self.message}
+
+
+PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
+                  "metrics", "block_out_of_pool", "table_too_long")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -56,10 +83,15 @@ def _num_tokens_b64(text: str) -> int:
 class _Req:
     arrival_step: int
     prompt_len: int
+    tokens: list = field(default_factory=list)  # prompt + sampled outputs known so far
+    salt: str | None = None
     first_step: int = -1
-    computed: int = 0  # after its last schedule
-    tables: list = field(default_factory=list)  # per group: list of block ids (0 = null)
+    computed: int = 0  # after its last schedule (optimistic, as vLLM advances it)
+    processed: int = 0  # computed tokens of settled steps (what vLLM frees windows by)
+    tables: list = field(default_factory=list)  # per group: block ids (0 = null or freed)
     running: bool = False
+    chains: dict = field(default_factory=dict)  # block size -> chained content keys of full blocks
+    filled: list = field(default_factory=list)  # per group: table positions whose content is registered
 
 
 class RunProperties:
@@ -67,8 +99,7 @@ class RunProperties:
 
     Args:
         header: the trace header.
-        starvation_steps: idle schedule calls in a row (nothing runs, nothing in flight, someone
-            waits) that count as starvation.
+        starvation_steps: schedule calls in a row that schedule nothing while requests wait.
         max_findings: findings kept (the count goes on).
     """
 
@@ -76,37 +107,45 @@ class RunProperties:
         pool = header["pool"]
         self.num_blocks = pool["num_blocks"]
         self.max_model_len = pool["max_model_len"]
-        self.group_bs = [g["spec"]["block_size"] for g in pool["groups"]]
-        self.frees_early = [g["spec"]["type"] in _FREES_EARLY or bool(g["spec"].get("sliding_window"))
-                            or bool(g["spec"].get("attention_chunk_size")) for g in pool["groups"]]
+        self.rules = group_rules(header)
+        self.group_bs = [r.block_size for r in self.rules]
         self.max_table = [-(-self.max_model_len // bs) + 1 for bs in self.group_bs]
         self.num_groups = len(self.group_bs)
         self.starvation_steps = starvation_steps
-        # A request can legitimately wait while nothing runs when vLLM waits on something outside
-        # the scheduler: a KV connector's remote load, a structured-output grammar compiling.
-        # Those runs (header) and requests (their "x") do not count towards starvation.
-        self.starvation_off = [u for u in header.get("unmodelled", [])
-                               if u.startswith(("kv_connector", "ec_connector"))]
+        unmodelled = list(header.get("unmodelled", []))
+        if pool.get("use_eagle"):
+            unmodelled.append("eagle")
+        self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
+        self.exact = not self.inexact and all(r.kind != "unknown" for r in self.rules)
+        self.connector = any(u.startswith(("kv_connector", "ec_connector")) for u in unmodelled)
+        self.seen_loading = False
         self.exempt: set[str] = set()
         self.max_findings = max_findings
         self.findings: list[Finding] = []
         self.num_findings = 0
+        self.kinds: Counter = Counter()
         self.reqs: dict[str, _Req] = {}
         self.waiting: dict[str, None] = {}  # insertion-ordered
         self.running: set[str] = set()
-        self.owners: dict[int, dict] = {}  # block id -> {(rid, group): index}
-        self.in_flight = 0
+        self.owners: dict[int, dict] = {}  # block id -> {(rid, group): table position}
+        self.content: dict[int, int] = {}  # block id -> content key of the tokens it holds (if full)
+        self.in_flight: deque = deque()  # (step, [(rid, computed after)]) not yet settled
+        self.tally = PrefixCacheTally(bool(pool.get("enable_caching", True)))
         self.idle_run = 0
         self.idle_reported = False
         self.stats: Counter = Counter()
         self.finish_reasons: Counter = Counter()
+        self.preempt_reasons: Counter = Counter()
         self.longest_wait = (0, "")
         self.peak_running = 0
         self.peak_blocks = 0
         self.step = -1
 
     # ---- findings -------------------------------------------------------------------------------
-    def _find(self, kind: str, line: int, message: str) -> None:
+    def _find(self, kind: str, line: int, message: str, once: bool = False) -> None:
+        if once and self.kinds[kind]:
+            return
+        self.kinds[kind] += 1
         self.num_findings += 1
         if len(self.findings) < self.max_findings:
             self.findings.append(Finding(kind, line, self.step, message))
@@ -117,33 +156,50 @@ class RunProperties:
         if t == "sched":
             self._sched(line, rec)
         elif t == "update":
-            self._update(rec)
+            self._update(line, rec)
         elif t == "add":
-            rid = rec["id"]
-            self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(rec["prompt"]))
-            self.waiting[rid] = None
-            if rec.get("x"):
-                self.exempt.add(rid)
-            self.stats["requests"] += 1
+            self._add(rec)
         elif t == "abort":
             for rid in rec["ids"]:
                 self._finish(rid, "abort")
+            self._conserve(line, rec, "finish_requests")
+        elif t == "error":
+            step = rec["step"]
+            self._find("crash", line, f"vLLM raised {rec['type']} in {rec['call']} (step {step}): {rec['message']}")
+        elif t == "reset":
+            if rec.get("ok"):
+                self.content.clear()  # reset_prefix_cache forgets every cached block
+
+    def _add(self, rec: dict) -> None:
+        rid = rec["id"]
+        prompt = rec["prompt"]
+        tokens = decode_tokens(prompt) if self.exact else []
+        self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(prompt), tokens=tokens,
+                              salt=rec.get("salt"))
+        self.waiting[rid] = None
+        if rec.get("x"):
+            self.exempt.add(rid)
+        self.stats["requests"] += 1
 
     def _release(self, rid: str) -> None:
         r = self.reqs.get(rid)
         if r is None:
             return
         for g, table in enumerate(r.tables):
-            for b in table:
+            for idx, b in enumerate(table):
                 if b:
-                    holders = self.owners.get(b)
-                    if holders is not None:
-                        holders.pop((rid, g), None)
-                        if not holders:
-                            del self.owners[b]
+                    self._drop_owner(b, rid, g)
         r.tables = []
+        r.filled = []
         r.running = False
         self.running.discard(rid)
+
+    def _drop_owner(self, b: int, rid: str, g: int) -> None:
+        holders = self.owners.get(b)
+        if holders is not None:
+            holders.pop((rid, g), None)
+            if not holders:
+                del self.owners[b]
 
     def _finish(self, rid: str, reason: str) -> None:
         r = self.reqs.get(rid)
@@ -161,109 +217,286 @@ class RunProperties:
         if steps > self.longest_wait[0]:
             self.longest_wait = (steps, rid)
 
+    # ---- one schedule() -------------------------------------------------------------------------
     def _sched(self, line: int, rec: dict) -> None:
         self.step = step = rec["step"]
         st = self.stats
         st["steps"] += 1
+        why = rec.get("pre_why") or {}
         for rid in rec["pre"]:
             r = self.reqs.get(rid)
             if r is not None:
                 self._release(rid)
+                r.computed = r.processed = 0
                 self.waiting[rid] = None
                 st["preemptions"] += 1
+                self.preempt_reasons[why.get(rid, "unrecorded")] += 1
         for rid in rec["fin"]:
             if rid in self.reqs:
                 self._finish(rid, "finished")
         rows = sched_rows(rec)
-        # starvation: nothing scheduled, nothing running, nothing else in flight, someone waiting
-        if (not rows and not self.running and self.in_flight == 0 and self.waiting and not self.starvation_off
-                and not (self.exempt and any(r in self.exempt for r in self.waiting))):
-            self.idle_run += 1
-            if self.idle_run >= self.starvation_steps and not self.idle_reported:
-                head = next(iter(self.waiting))
-                r = self.reqs[head]
-                self._find("starvation", line,
-                           f"{len(self.waiting)} request(s) wait while nothing runs and nothing is in flight, "
-                           f"{self.idle_run} schedule calls in a row (since step {step - self.idle_run + 1}); "
-                           f"first waiting: {head} ({r.prompt_len} prompt tokens, arrived before step "
-                           f"{r.arrival_step}): the head-of-line hang of vLLM #39734 / #35541")
-                self.idle_reported = True
-        else:
-            self.idle_run = 0
-            self.idle_reported = False
+        self._starvation(line, rec, rows)
         tokens = 0
-        owners = self.owners
+        settled = []
         for rid, kind, n, computed, blocks in rows:
             tokens += n
             r = self.reqs.get(rid)
             if r is None:  # scheduled without an arrival record (trace started mid-run)
                 r = self.reqs[rid] = _Req(arrival_step=step, prompt_len=0)
             if kind != "c":
-                if r.first_step < 0:
-                    r.first_step = step
-                    self._note_wait(rid, step - r.arrival_step)
-                if kind == "n":
-                    st["new_prompt_tokens"] += r.prompt_len
-                    st["hit_tokens"] += computed
-                    if computed:
-                        st["prefix_hits"] += 1
-                else:
-                    st["resumes"] += 1
-                self._release(rid)
-                self.waiting.pop(rid, None)
-                r.tables = [[] for _ in range(self.num_groups)]
+                self._admit(line, rid, r, kind, computed)
+            elif self.exact:
+                self._free_skipped(rid, r)
             if not r.running:
                 r.running = True
                 self.running.add(rid)
             if blocks is not None:
-                for g, ids in enumerate(blocks):
-                    if g >= self.num_groups:
-                        self._find("block_out_of_pool", line, f"{rid} got blocks for group {g}; the pool has "
-                                   f"{self.num_groups} group(s)")
-                        break
-                    bs = self.group_bs[g]
-                    table = r.tables[g]
-                    num_hits = computed // bs if kind != "c" else 0
-                    for b in ids:
-                        idx = len(table)
-                        table.append(b)
-                        if not b:
-                            continue
-                        if b >= self.num_blocks:
-                            self._find("block_out_of_pool", line,
-                                       f"{rid} got block {b} in group {g}; the pool has {self.num_blocks} blocks")
-                            continue
-                        holders = owners.get(b)
-                        if holders is None:
-                            owners[b] = {(rid, g): idx}
-                            continue
-                        if idx >= num_hits:
-                            for (orid, og), oidx in list(holders.items()):
-                                other = self.reqs.get(orid)
-                                freed = (self.frees_early[og] and other is not None
-                                         and oidx * self.group_bs[og] < other.computed)
-                                if freed:
-                                    del holders[(orid, og)]
-                                    if other is not None and oidx < len(other.tables[og]):
-                                        other.tables[og][oidx] = 0
-                                else:
-                                    self._find("shared_block", line,
-                                               f"block {b} allocated to {rid} (group {g}, position {idx}) while "
-                                               f"{orid} holds it (group {og}, position {oidx}); not a prefix-cache hit")
-                        holders[(rid, g)] = idx
-                    if len(table) > self.max_table[g]:
-                        self._find("table_too_long", line, f"{rid} holds {len(table)} blocks in group {g}; "
-                                   f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1}")
+                self._allocate(line, rid, r, kind, computed, blocks)
             r.computed = computed + n
+            self._admission_bound(line, rid, r)
+            self._register(rid, r)
+            settled.append((rid, r.computed))
+        self.in_flight.append((step, settled))
         st["scheduled_tokens"] += tokens
-        self.in_flight += 1
         self.peak_running = max(self.peak_running, len(self.running))
-        self.peak_blocks = max(self.peak_blocks, len(owners))
+        self.peak_blocks = max(self.peak_blocks, len(self.owners))
+        self._conserve(line, rec, "schedule")
 
-    def _update(self, rec: dict) -> None:
-        self.in_flight = max(0, self.in_flight - 1)
+    def _starvation(self, line: int, rec: dict, rows: list) -> None:
+        """Nothing scheduled while requests wait, whatever is in flight (async keeps a step there)."""
+        waiting = self.waiting
+        loading = rec.get("loading")
+        blind = self.connector and loading is None  # a connector run recorded before version 3
+        if loading is not None:
+            self.seen_loading = True
+        if (not rows and waiting and not rec["pre"] and not loading and not blind
+                and not (self.exempt and any(r in self.exempt for r in waiting))):
+            self.idle_run += 1
+            if self.idle_run >= self.starvation_steps and not self.idle_reported:
+                head = next(iter(waiting))
+                r = self.reqs[head]
+                self._find("starvation", line,
+                           f"{len(waiting)} request(s) wait while {self.idle_run} schedule calls in a row "
+                           f"(since step {self.step - self.idle_run + 1}) schedule nothing ({len(self.running)} "
+                           f"running, {len(self.in_flight)} step(s) in flight); first waiting: {head} "
+                           f"({r.prompt_len} prompt tokens, arrived before step {r.arrival_step}): the "
+                           "head-of-line hang of vLLM #39734 / #35541")
+                self.idle_reported = True
+        elif rows:
+            self.idle_run = 0
+            self.idle_reported = False
+
+    def _admit(self, line: int, rid: str, r: _Req, kind: str, computed: int) -> None:
+        """A new or resumed request leaves the waiting queue with ``computed`` hit tokens."""
+        st = self.stats
+        if r.first_step < 0:
+            r.first_step = self.step
+            self._note_wait(rid, self.step - r.arrival_step)
+        if kind == "n":
+            st["new_prompt_tokens"] += r.prompt_len
+            st["hit_tokens"] += computed
+            if computed:
+                st["prefix_hits"] += 1
+        else:
+            st["resumes"] += 1
+        num_tokens = len(r.tokens) if self.exact else r.prompt_len + r.computed  # (tokens known when exact)
+        self.tally.admitted(kind == "r", num_tokens, computed)
+        if self.exact and r.tokens and computed > len(r.tokens) - 1:
+            self._find("wrong_hit", line, f"{rid} is admitted with {computed} computed tokens of its {len(r.tokens)}: "
+                       "a prefix-cache hit never covers the last token (its logits must be computed)")
+        self._release(rid)
+        self.waiting.pop(rid, None)
+        r.tables = [[] for _ in range(self.num_groups)]
+        r.filled = [0] * self.num_groups
+        r.processed = computed
+        r.computed = computed
+
+    def _free_skipped(self, rid: str, r: _Req) -> None:
+        """What ``remove_skipped_blocks`` frees at this request's allocation (settled tokens)."""
+        for g, rule in enumerate(self.rules):
+            if g >= len(r.tables) or not rule.frees_exactly:
+                continue
+            table = r.tables[g]
+            for idx in range(min(rule.skipped_blocks(r.processed), len(table))):
+                b = table[idx]
+                if b:
+                    self._drop_owner(b, rid, g)
+                    table[idx] = 0
+
+    def _allocate(self, line: int, rid: str, r: _Req, kind: str, computed: int, blocks: list) -> None:
+        owners = self.owners
+        for g, ids in enumerate(blocks):
+            if g >= self.num_groups:
+                self._find("block_out_of_pool", line, f"{rid} got blocks for group {g}; the pool has "
+                           f"{self.num_groups} group(s)")
+                break
+            rule = self.rules[g]
+            table = r.tables[g]
+            num_hits = computed // rule.block_size if kind != "c" else 0
+            for b in ids:
+                idx = len(table)
+                table.append(b)
+                if not b:
+                    continue
+                if b >= self.num_blocks:
+                    self._find("block_out_of_pool", line,
+                               f"{rid} got block {b} in group {g}; the pool has {self.num_blocks} blocks")
+                    continue
+                if idx < num_hits:
+                    if self.exact and rule.holds_tokens:
+                        self._check_hit(line, rid, r, g, idx, b)
+                else:
+                    self.content.pop(b, None)  # a fresh block: whatever it held was evicted
+                    self._check_reuse(line, rid, g, idx, b)
+                holders = owners.get(b)
+                if holders is None:
+                    owners[b] = {(rid, g): idx}
+                else:
+                    holders[(rid, g)] = idx
+            if len(table) > self.max_table[g]:
+                self._find("table_too_long", line, f"{rid} holds {len(table)} blocks in group {g}; "
+                           f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1}")
+        if kind != "c" and self.exact:
+            self._free_skipped(rid, r)  # a hit's blocks behind the window are freed at admission
+
+    def _check_reuse(self, line: int, rid: str, g: int, idx: int, b: int) -> None:
+        holders = self.owners.get(b)
+        if not holders:
+            return
+        for (orid, og), oidx in list(holders.items()):
+            other = self.reqs.get(orid)
+            rule = self.rules[og]
+            if other is not None and og < len(other.tables) and oidx < rule.needed_from(other.processed,
+                                                                                       len(other.tables[og])):
+                # behind the holder's window: vLLM may have freed it at a point the trace does not show
+                del holders[(orid, og)]
+                other.tables[og][oidx] = 0
+                continue
+            self._find("reused_while_needed", line,
+                       f"block {b} allocated to {rid} (group {g}, position {idx}) while {orid} still needs it "
+                       f"(group {og}, position {oidx}, inside its window of "
+                       f"{other.processed if other is not None else '?'} settled tokens); not a prefix-cache hit")
+
+    # ---- prefix-cache content ---------------------------------------------------------------------
+    def _chain(self, r: _Req, bs: int, upto: int) -> list:
+        """Content keys of ``r``'s first ``upto`` full blocks of ``bs`` tokens (chained like vLLM's
+        block hashes: a key covers the whole prefix and the cache salt)."""
+        keys = r.chains.get(bs)
+        if keys is None:
+            keys = r.chains[bs] = []
+        toks = r.tokens
+        while len(keys) < upto:
+            i = len(keys)
+            keys.append(hash((keys[-1] if keys else hash(("salt", r.salt)), tuple(toks[i * bs:(i + 1) * bs]))))
+        return keys
+
+    def _check_hit(self, line: int, rid: str, r: _Req, g: int, idx: int, b: int) -> None:
+        bs = self.group_bs[g]
+        if (idx + 1) * bs > len(r.tokens):
+            self._find("wrong_hit", line, f"{rid}'s prefix-cache hit covers block {b} at position {idx} of group {g}, "
+                       f"past its {len(r.tokens)} known tokens")
+            return
+        want = self._chain(r, bs, idx + 1)[idx]
+        have = self.content.get(b)
+        if have != want:
+            what = "was never filled (or was evicted since)" if have is None else "holds other tokens"
+            self._find("wrong_hit", line, f"{rid}'s prefix-cache hit of {r.computed} tokens uses block {b} (group {g}, "
+                       f"position {idx}), which {what}: the hit is not its own prefix")
+
+    def _register(self, rid: str, r: _Req) -> None:
+        """Full blocks whose tokens are all known and computed now hold those tokens (vLLM caches
+        them at allocation, up to ``min(computed, num_tokens)``)."""
+        if not self.exact or not r.tables:
+            return
+        upto_tokens = min(r.computed, len(r.tokens))
+        for g, rule in enumerate(self.rules):
+            if not rule.holds_tokens:
+                continue
+            bs = rule.block_size
+            table = r.tables[g]
+            upto = min(upto_tokens // bs, len(table))
+            start = r.filled[g]
+            if upto <= start:
+                continue
+            keys = self._chain(r, bs, upto)
+            content = self.content
+            for idx in range(start, upto):
+                b = table[idx]
+                if b:
+                    content.setdefault(b, keys[idx])
+            r.filled[g] = upto
+
+    # ---- bounds and conservation ------------------------------------------------------------------
+    def _admission_bound(self, line: int, rid: str, r: _Req) -> None:
+        if not self.exact:
+            return
+        for g, rule in enumerate(self.rules):
+            if rule.bound is None or g >= len(r.tables):
+                continue
+            held = sum(1 for b in r.tables[g] if b)
+            if held > rule.bound:
+                self._find("admission_bound", line,
+                           f"{rid} holds {held} blocks in group {g} ({rule.kind}); startup sized a request for at "
+                           f"most {rule.bound} (max_admission_blocks_per_request, vLLM #40946)", once=True)
+
+    def _conserve(self, line: int, rec: dict, call: str) -> None:
+        """free + distinct held blocks = num_blocks - 1 (the null block), after every recorded call."""
+        free = rec.get("free")
+        if free is None or not self.exact:
+            return
+        used = self.num_blocks - 1 - free
+        held = len(self.owners)
+        if used != held:
+            what = ("more blocks in use than live requests hold (a leaked block)" if used > held
+                    else "fewer blocks in use than live requests hold (a block freed while held)")
+            self._find("conservation", line,
+                       f"after {call}: {free} free + {held} held by live requests != {self.num_blocks - 1} usable "
+                       f"blocks: {what}", once=True)
+
+    # ---- one update_from_output ---------------------------------------------------------------------
+    def _update(self, line: int, rec: dict) -> None:
+        step = rec["step"]
+        if self.in_flight and (step < 0 or self.in_flight[0][0] == step):
+            _, settled = self.in_flight.popleft()
+            for rid, computed in settled:
+                r = self.reqs.get(rid)
+                if r is not None and r.running and computed > r.processed:
+                    r.processed = computed
+        sampled = update_sampled(rec)
+        for rid, toks in zip(rec["ids"], sampled):
+            r = self.reqs.get(rid)
+            if r is not None and toks:
+                if self.exact:
+                    r.tokens.extend(toks)
+                else:
+                    r.prompt_len += 0
         for rid, reason in rec["fin"]:
             self._finish(rid, reason)
+        if self.exact:
+            for rid, toks in zip(rec["ids"], sampled):
+                r = self.reqs.get(rid)
+                if r is not None and toks and r.running:
+                    self._register(rid, r)
+        self._conserve(line, rec, "update_from_output")
+        self._metrics(line, rec)
+
+    def _metrics(self, line: int, rec: dict) -> None:
+        expected = self.tally.take()
+        stats = rec.get("stats")
+        if stats is None:
+            return
+        bad = compare_stats(stats, expected, ("req", "q", "h", "preq", "ph") + (("pq",) if self.exact else ()))
+        free = rec.get("free")
+        if free is not None and "usage" in stats and usage_differs(stats["usage"], usage(free, self.num_blocks)):
+            bad.insert(0, f"usage: reported {stats['usage']!r}, 1 - free/(num_blocks - 1) = "
+                          f"{usage(free, self.num_blocks)!r}")
+        if "run" in stats and stats["run"] != len(self.running):
+            bad.append(f"running: reported {stats['run']}, the trace has {len(self.running)}")
+        if "wait" in stats and stats["wait"] != len(self.waiting):
+            bad.append(f"waiting: reported {stats['wait']}, the trace has {len(self.waiting)}")
+        if bad:
+            self._find("metrics", line, "the SchedulerStats of this step disagree with the trace: " + "; ".join(bad),
+                       once=True)
 
     def finish(self) -> None:
         """The trace ended: requests still waiting count towards the longest wait."""
@@ -279,12 +512,16 @@ class RunProperties:
         return {
             "steps": st["steps"], "requests": st["requests"], "finished": dict(self.finish_reasons),
             "still_live": len(self.reqs), "preemptions": st["preemptions"], "resumes": st["resumes"],
+            "preemption_reasons": dict(self.preempt_reasons),
             "prefix_hits": st["prefix_hits"], "prefix_hit_rate": round(hit_rate, 4),
             "scheduled_tokens": st["scheduled_tokens"],
             "longest_wait_steps": self.longest_wait[0], "longest_wait_request": self.longest_wait[1],
             "peak_running": self.peak_running, "peak_blocks_held": self.peak_blocks,
             "num_blocks": self.num_blocks,
-            "starvation_check": ("off: " + ", ".join(self.starvation_off)) if self.starvation_off else "on",
+            "starvation_check": ("on" if not self.connector else "on (except while a remote KV load is pending)"
+                                 if self.seen_loading else "off: kv_connector (the trace records no pending loads)"),
+            "block_checks": "on" if self.exact else "off: " + ", ".join(
+                self.inexact or [f"group {g} spec" for g, r in enumerate(self.rules) if r.kind == "unknown"]),
         }
 
     def check_invariants(self) -> None:
@@ -292,5 +529,7 @@ class RunProperties:
         assert not (set(self.waiting) & self.running), "a request both waiting and running"
         for b, holders in self.owners.items():
             assert holders and 0 < b, (b, holders)
-            for (rid, g) in holders:
-                assert rid in self.reqs, f"block {b} held by a dead request {rid}"
+            for (rid, g), idx in holders.items():
+                r = self.reqs.get(rid)
+                assert r is not None, f"block {b} held by a dead request {rid}"
+                assert r.tables[g][idx] == b, f"block {b}: {rid}'s table disagrees at group {g} position {idx}"

@@ -10,6 +10,13 @@ This is the etcd-raft / CCF way of validating implementation traces against a sp
 implementation's trace drives the model, and the first step where the model could not have done
 what the implementation did is the finding.
 
+Version 3 traces also carry what the KV cache *showed*: the free-block count after every call and
+the ``SchedulerStats`` the metrics endpoint reported (usage, prefix-cache queries and hits); both
+are compared with the reference's (:mod:`.metrics`), so a refused admission that leaks a block, or a
+hit-rate counter that miscounts, is a divergence at the step it happens (issue #28). A recorded
+``error`` (vLLM raised inside a call) is replayed as the same call on the reference: the
+:class:`~.crash.Crash` says whether the reference raises too or what it would have done.
+
 Where the run uses something the reference does not model (named in the header, on an arrival
 or on a step), the replay *stops following* at that point and says why; the run properties
 (:mod:`.properties`) go on to the end. Memory is bounded by the live requests: finished
@@ -26,6 +33,8 @@ from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
+from .crash import Crash
+from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
 from .setup import RunSetup
 
 _KIND = {"new": "n", "resumed": "r", "running": "c"}
@@ -101,6 +110,12 @@ class Divergence:
                 "recorded_extra": self.recorded_extra, "reference_extra": self.reference_extra}
 
 
+def _request(rec: dict) -> Request:
+    """A reference request from an ``add`` record."""
+    return Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
+                   priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]))
+
+
 class LockstepReplay:
     """Replays one trace's records on the reference; :attr:`divergence` holds the first finding.
 
@@ -118,6 +133,9 @@ class LockstepReplay:
         self.scheduler = Scheduler(setup.pool, setup.config) if self.following else None
         self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
         self._live: dict[str, Request] = {}
+        self.crash: Crash | None = None
+        self._tally = PrefixCacheTally(bool(setup.pool is not None and setup.pool.enable_caching))
+        self._num_blocks = setup.pool.num_blocks if setup.pool is not None else 0
 
     def _stop(self, line: int, why: str) -> None:
         self.following = False
@@ -133,9 +151,12 @@ class LockstepReplay:
         self.scheduler = None
 
     def feed(self, line: int, rec: dict) -> None:
+        t = rec["t"]
+        if t == "error" and self.crash is None:
+            self._error(line, rec)
+            return
         if not self.following:
             return
-        t = rec["t"]
         if t == "sched":
             self._schedule(line, rec)
         elif t == "update":
@@ -147,15 +168,72 @@ class LockstepReplay:
             self.scheduler.finish_requests(ids)
             for i in ids:
                 del self._live[i]
+            self._check_free(line, -1, "finish_requests", rec)
+        elif t == "reset":
+            self._stop(line, "reset_prefix_cache (not modelled by the reference)")
+
+    def _ref_free(self) -> int:
+        return self.scheduler.kv_cache_manager.get_num_free_blocks()
+
+    def _check_free(self, line: int, step: int, call: str, rec: dict) -> bool:
+        """The recorded free-block count (version 3) against the reference's; False on a divergence."""
+        free = rec.get("free")
+        if free is None or self.divergence is not None:
+            return True
+        ref = self._ref_free()
+        if free != ref:
+            self._diverge(Divergence(line, step, call, "a different free-block count (a block leaked or freed "
+                                     "that the reference keeps)", recorded_extra={"free blocks": free},
+                                     reference_extra={"free blocks": ref}))
+            return False
+        return True
+
+    def _error(self, line: int, rec: dict) -> None:
+        """vLLM raised in a recorded call: make the same call on the reference (if it follows)."""
+        call, step = rec["call"], rec["step"]
+        crash = self.crash = Crash(line, step, call, rec["type"], rec["message"])
+        if not self.following:
+            crash.reference = ("not replayed: " + self.stopped_because if self.divergence is None and self.stopped_because
+                               else "not replayed: the reference had already diverged" if self.divergence is not None
+                               else "not replayed")
+            return
+        try:
+            if call == "schedule":
+                out = self.scheduler.schedule()
+                crash.reference_rows = reference_rows(out)
+                crash.reference = (f"schedules {len(out.scheduled)} request(s) "
+                                   f"({sum(s.num_scheduled_tokens for s in out.scheduled)} tokens), preempts "
+                                   f"{sorted(out.preempted_req_ids) or 'none'}: it does not raise")
+            elif call == "update_from_output":
+                upd = rec.get("update")
+                if upd is None or step not in self._in_flight:
+                    crash.reference = "not replayed: the update's inputs or its step are not in the trace"
+                else:
+                    out = self._in_flight.pop(step)
+                    sampled = {rid: toks for rid, toks in zip(upd["ids"], update_sampled(upd)) if toks}
+                    self.scheduler.update_from_output(out, ModelOutput(sampled))
+                    crash.reference = "settles the step without raising"
+            elif call == "add_request":
+                a = rec.get("add")
+                if a is None:
+                    crash.reference = "not replayed: the request could not be recorded"
+                else:
+                    self.scheduler.add_request(_request(a))
+                    crash.reference = f"accepts request {a['id']}"
+            else:
+                done = self.scheduler.finish_requests([i for i in rec.get("ids") or [] if i in self._live])
+                crash.reference = f"finishes {sorted(r.request_id for r in done)} without raising"
+        except Exception as exc:  # noqa: BLE001 - the reference raising is the answer
+            crash.reference_raised = True
+            crash.reference = f"raises too: {type(exc).__name__}: {exc}"
+        self._stop(line, f"vLLM raised in {call} (a crash: nothing after it is replayed)")
 
     def _add(self, line: int, rec: dict) -> None:
         if rec.get("x"):
             self._stop(line, f"request {rec['id']} uses {', '.join(rec['x'])}")
             return
         try:
-            r = Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
-                        priority=rec["priority"], arrival_time=float(rec["arrival"]),
-                        stop_token_ids=tuple(rec["stop"]))
+            r = _request(rec)
             self.scheduler.add_request(r)
         except ValueError as exc:
             self._diverge(Divergence(line, -1, "add_request", f"the reference rejects request {rec['id']}: {exc}"))
@@ -166,6 +244,10 @@ class LockstepReplay:
         if rec.get("x") or rec.get("throttle"):
             why = ", ".join(rec.get("x") or []) or "DP prefill throttling"
             self._stop(line, f"step {rec['step']} uses {why}")
+            return
+        odd = sorted({w for w in (rec.get("pre_why") or {}).values() if w != "kv"})
+        if odd:
+            self._stop(line, f"step {rec['step']} preempts for {', '.join(odd)} (not modelled by the reference)")
             return
         out = self.scheduler.schedule()
         self._in_flight[rec["step"]] = out
@@ -187,6 +269,12 @@ class LockstepReplay:
                                      {"preempted": rec_pre, "finished": rec_fin},
                                      {"preempted": ref_pre, "finished": ref_fin}))
             return
+        if not self._check_free(line, rec["step"], "schedule", rec):
+            return
+        live = self._live
+        for s in out.scheduled:
+            if s.kind != "running":
+                self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
         self.steps_compared += 1
 
     def _update(self, line: int, rec: dict) -> None:
@@ -216,6 +304,23 @@ class LockstepReplay:
             self._diverge(Divergence(line, step, "update_from_output", "the requests it finishes differ",
                                      recorded_extra={"finished": dict(sorted(rec_fin.items()))},
                                      reference_extra={"finished": dict(sorted(ref_fin.items()))}))
+            return
+        if not self._check_free(line, step, "update_from_output", rec):
+            return
+        expected = self._tally.take()
+        stats = rec.get("stats")
+        if stats is None:
+            return
+        sched = self.scheduler
+        expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running),
+                        wait=len(sched.waiting))
+        bad = compare_stats(stats, expected, ("req", "q", "h", "preq", "pq", "ph", "run", "wait"))
+        if "usage" in stats and usage_differs(stats["usage"], expected["usage"]):
+            bad.insert(0, f"usage: recorded {stats['usage']!r}, expected {expected['usage']!r}")
+        if bad:
+            self._diverge(Divergence(line, step, "update_from_output",
+                                     "the metrics it reports differ (SchedulerStats: " + "; ".join(bad) + ")",
+                                     recorded_extra={"stats": stats}, reference_extra={"stats": expected}))
 
     def check_invariants(self) -> None:
         if self.scheduler is not None:

@@ -224,8 +224,11 @@ def test_the_trace_is_gzip_and_readable_while_the_server_runs(env, tmp_path, mon
     for _ in range(4):
         ls.engine_step()
     holder["t"].scheduler.kvref_flush()
-    r = check_trace(path)  # still running: read up to the last flushed record
-    assert r.truncated and r.ok and r.summary["steps"] >= 2
+    r = check_trace(path, live=True)  # still running: read up to the last flushed record
+    assert r.truncated and r.ok and r.summary["steps"] >= 2 and r.verdict == "agrees so far"
+    # without --live a trace with no end record is INCOMPLETE, never "agrees" (issue #28)
+    r = check_trace(path)
+    assert r.incomplete and not r.ok and r.verdict == "INCOMPLETE"
     holder["t"].close()
     assert gzip.open(path).read() and not check_trace(path).truncated
 

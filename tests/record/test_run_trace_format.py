@@ -194,13 +194,13 @@ def test_version_1_and_version_2_traces_read_back_to_the_same_steps(tmp_path):
     src = str(tmp_path / "src.kvtrace.gz")
     generate_trace(src, pool, cfg, steps=300, seed=3)
     lines = read_lines(src)
-    assert VERSION == 2 and lines[0]["version"] == 2
+    assert VERSION == 3 and lines[0]["version"] == 3
     v1 = tmp_path / "v1.kvtrace.gz"
     w = TraceWriter(str(v1), {**lines[0], "version": 1}, background=False)
     for rec in lines[1:-1]:
         w.write(rec)
     w.close(lines[-1])
-    v2 = rewrite(src, tmp_path / "v2.kvtrace.gz", _compact)
+    v2 = rewrite(src, tmp_path / "v2.kvtrace.gz", _compact, version=2)
     got = {}
     for name, path in (("v1", v1), ("v2", v2)):
         with TraceReader(path) as reader:

@@ -77,10 +77,13 @@ def read_lines(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def rewrite(path, out, edit) -> str:
-    """Copy a trace, calling ``edit(record)`` on each record (header excluded); returns ``out``."""
+def rewrite(path, out, edit, version: int | None = None) -> str:
+    """Copy a trace, calling ``edit(record)`` on each record (header excluded); returns ``out``
+    (``version``: the copy's header says this format version)."""
     lines = read_lines(path)
     header, records = lines[0], lines[1:]
+    if version is not None:
+        header = {**header, "version": version}
     records = [edit(r) or r for r in records]
     end = records and records[-1]["t"] == "end"
     w = TraceWriter(str(out), header, background=False)

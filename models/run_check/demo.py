@@ -1,0 +1,272 @@
+"""Demo workloads for the real-run path: serve a realistic request stream on a scheduler, as an engine.
+
+``kvref demo record`` (and the detection campaign, :mod:`.campaign`) drive vLLM's own
+``Scheduler`` / ``AsyncScheduler`` — built from the recording class's qualified name through
+``scheduler_cls`` exactly as a server builds it (:func:`kvref.impl.vllm.record.recorded_vllm_scheduler`)
+— with a fake model on CPU whose tokens are drawn deterministically from a seed. This module is the
+engine side, independent of vLLM: the workloads, the pools they run on (planned by
+:func:`kvref.spec.planning.plan_kv_cache`, the windowed ones at the smallest size startup accepts)
+and the engine loop (vLLM's ``step_with_batch_queue`` shape: schedule while a batch slot is free and
+requests remain, else settle the oldest batch). The target is anything with the kvref scheduler
+interface (``add_request``, ``schedule``, ``update_from_output``, ``finish_requests``,
+``has_unfinished_requests``).
+
+Workloads (``WORKLOADS``): ``prefix-sharing`` (system prompts shared on a full + sliding-window
+pool), ``multi-turn`` (each turn's prompt is the conversation so far), ``n-burst`` (n > 1 parallel
+sampling: n requests with one prompt at once), ``aborts`` (clients abort waiting and running
+requests), ``preemption-storm`` (the smallest full-attention pool, long prompts arriving fast),
+``sliding-window`` and ``chunked-local`` (windowed pools at the smallest size startup accepts, long
+prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed priorities).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.request import Request
+from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig, SchedulerOutput
+from kvref.spec import EngineConfig, plan_kv_cache
+from kvref.spec import kv_cache_interface as ks
+from kvref.spec.errors import InsufficientKVCacheError, InvalidFieldError
+
+_ATTN = dict(num_kv_heads=1, head_size=8, dtype="float16")
+VOCAB = 500
+STOP_TOKEN = VOCAB - 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One demo workload: a pool recipe and a request script."""
+
+    name: str
+    description: str
+    layers: Callable[[int], dict]  # block size -> layer name -> spec
+    block_size: int
+    max_model_len: int
+    budget: int
+    max_num_seqs: int
+    pool_scale: float  # blocks: this times the smallest pool startup accepts
+    script: Callable[[random.Random, "_Client", int], None]  # called once per engine tick
+    policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+
+
+def _full(bs: int) -> dict:
+    return {"full": ks.FullAttentionSpec(block_size=bs, **_ATTN)}
+
+
+def _swa(window: int) -> Callable[[int], dict]:
+    return lambda bs: {"full": ks.FullAttentionSpec(block_size=bs, **_ATTN),
+                       "swa": ks.SlidingWindowSpec(block_size=bs, sliding_window=window, **_ATTN)}
+
+
+def _chunked(chunk: int) -> Callable[[int], dict]:
+    return lambda bs: {"full": ks.FullAttentionSpec(block_size=bs, **_ATTN),
+                       "local": ks.ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, **_ATTN)}
+
+
+def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, SchedulerConfig]:
+    """The workload's pool as startup plans it: the smallest block count ``plan_kv_cache`` accepts
+    (it refuses a pool that cannot hold one ``max_model_len`` request), scaled by ``pool_scale``."""
+    cfg = SchedulerConfig(max_num_batched_tokens=workload.budget, max_num_seqs=workload.max_num_seqs,
+                          policy=workload.policy, async_scheduling=async_scheduling,
+                          long_prefill_token_threshold=workload.long_prefill_token_threshold)
+    layers = workload.layers(workload.block_size)
+
+    def plan(n: int):
+        return plan_kv_cache(layers, EngineConfig(
+            block_size=workload.block_size, max_model_len=workload.max_model_len,
+            max_num_batched_tokens=workload.budget, max_num_seqs=workload.max_num_seqs,
+            max_concurrent_batches=cfg.max_concurrent_batches, num_gpu_blocks_override=n), 0)
+
+    lo, hi = 2, 4096
+    while lo < hi:  # smallest n startup accepts
+        mid = (lo + hi) // 2
+        try:
+            plan(mid)
+            hi = mid
+        except InsufficientKVCacheError:
+            lo = mid + 1
+    return PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale)))), cfg
+
+
+class _Client:
+    """What a workload script may do on one tick: send requests, abort them, read their outputs."""
+
+    def __init__(self, engine: "DemoEngine") -> None:
+        self._engine = engine
+
+    def add(self, prompt, max_tokens: int, priority: int = 0, request_id: str | None = None,
+            stop: bool = False) -> str:
+        e = self._engine
+        rid = request_id or f"req-{e.num_added}"
+        e.num_added += 1
+        prompt = [int(t) for t in prompt][: e.pool.max_model_len - 1]
+        max_tokens = max(1, min(max_tokens, e.pool.max_model_len - len(prompt)))
+        r = Request(rid, prompt, max_tokens=max_tokens, priority=priority, arrival_time=float(e.tick),
+                    stop_token_ids=(STOP_TOKEN,) if stop else ())
+        e.target.add_request(r)
+        e.live[rid] = r
+        e.outputs[rid] = []
+        return rid
+
+    def abort(self, rid: str) -> None:
+        e = self._engine
+        if rid in e.live:
+            e.target.finish_requests([rid])
+            e.forget(rid)
+
+    def live(self) -> list[str]:
+        return list(self._engine.live)
+
+    def finished_outputs(self) -> list[tuple[str, list[int], list[int]]]:
+        """Requests that finished since the last call: ``(id, prompt, outputs)``."""
+        out, self._engine.just_finished = self._engine.just_finished, []
+        return out
+
+
+class DemoEngine:
+    """The engine loop around one scheduler target, with a seeded fake model."""
+
+    def __init__(self, target, pool: PoolConfig, config: SchedulerConfig, seed: int = 0) -> None:
+        self.target, self.pool, self.config, self.seed = target, pool, config, seed
+        self.live: dict[str, Request] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.just_finished: list = []
+        self.in_flight: deque = deque()
+        self.num_added = 0
+        self.tick = 0
+        self.num_schedules = 0
+
+    def forget(self, rid: str) -> None:
+        r = self.live.pop(rid, None)
+        if r is not None:
+            self.just_finished.append((rid, list(r.prompt_token_ids), self.outputs.pop(rid, [])))
+
+    def _token(self, rid: str, k: int) -> int:
+        return random.Random(f"{self.seed}:{rid}:{k}").randrange(1, VOCAB)
+
+    def _settle(self) -> None:
+        out: SchedulerOutput = self.in_flight.popleft()
+        sampled = {}
+        for s in out.scheduled:
+            if not s.is_prefill_chunk and s.request_id in self.live:
+                toks = self.outputs[s.request_id]
+                sampled[s.request_id] = [self._token(s.request_id, len(toks))]
+                toks.extend(sampled[s.request_id])
+        self.target.update_from_output(out, ModelOutput(sampled))
+        for rid in list(self.live):
+            r = self.live[rid]
+            toks = self.outputs[rid]
+            if len(toks) >= r.max_tokens or (r.stop_token_ids and toks and toks[-1] in r.stop_token_ids):
+                self.forget(rid)
+
+    def step(self) -> None:
+        """One engine iteration (vLLM's ``step_with_batch_queue``)."""
+        depth = self.config.max_concurrent_batches
+        if len(self.in_flight) < depth and self.target.has_unfinished_requests():
+            self.in_flight.append(self.target.schedule())
+            self.num_schedules += 1
+            if len(self.in_flight) < depth and self.target.has_unfinished_requests():
+                return
+        if self.in_flight:
+            self._settle()
+
+    def serve(self, workload: Workload, ticks: int) -> None:
+        """Run ``ticks`` engine iterations with the workload's arrivals, then drain what is left."""
+        rng = random.Random(self.seed)
+        client = _Client(self)
+        for self.tick in range(ticks):
+            workload.script(rng, client, self.tick)
+            self.step()
+        for _ in range(20 * ticks):  # drain (bounded: a hung run must end too)
+            if not self.in_flight and not self.target.has_unfinished_requests():
+                break
+            self.step()
+
+
+# ---- scripts ----------------------------------------------------------------------------------------
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VOCAB - 1) for _ in range(n)]
+
+
+def _prefix_sharing(rng, c, tick) -> None:
+    systems = [[(7 * s + i) % (VOCAB - 2) + 1 for i in range(40)] for s in range(3)]
+    if rng.random() < 0.45:
+        c.add(systems[rng.randrange(3)] + _tokens(rng, rng.randint(3, 30)), rng.randint(2, 12),
+              stop=rng.random() < 0.2)
+
+
+def _multi_turn(rng, c, tick) -> None:
+    for rid, prompt, outputs in c.finished_outputs():
+        turn = int(rid.rsplit("-t", 1)[1]) if "-t" in rid else 0
+        if turn < 4 and rng.random() < 0.9:
+            c.add(prompt + outputs + _tokens(rng, rng.randint(2, 10)), rng.randint(3, 10),
+                  request_id=f"{rid.rsplit('-t', 1)[0]}-t{turn + 1}")
+    if tick % 6 == 0:
+        c.add(_tokens(rng, rng.randint(8, 24)), rng.randint(3, 10), request_id=f"conv{tick}-t0")
+
+
+def _n_burst(rng, c, tick) -> None:
+    if rng.random() < 0.2:
+        prompt = _tokens(rng, rng.choice([16, 20, 24, 31]))
+        for j in range(rng.choice([2, 4, 4, 6])):
+            c.add(prompt, rng.randint(3, 12), request_id=f"burst{tick}_{j}")
+
+
+def _aborts(rng, c, tick) -> None:
+    if rng.random() < 0.45:
+        c.add(_tokens(rng, rng.randint(5, 60)), rng.randint(4, 20))
+    live = c.live()
+    if live and rng.random() < 0.12:
+        c.abort(rng.choice(live))
+
+
+def _storm(rng, c, tick) -> None:
+    if rng.random() < 0.5:
+        c.add([1, 2, 3, 4] * 3 + _tokens(rng, rng.randint(10, 100)), rng.randint(4, 24))
+
+
+def _long_prompts(rng, c, tick) -> None:
+    if rng.random() < 0.35:
+        c.add(_tokens(rng, rng.randint(20, 180)), rng.randint(2, 16))
+
+
+def _priority(rng, c, tick) -> None:
+    if rng.random() < 0.45:
+        c.add(_tokens(rng, rng.randint(5, 70)), rng.randint(3, 16), priority=rng.choice([0, 1, 1, 2, 2, 2]))
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("prefix-sharing", "three system prompts shared by most requests, full + sliding-window pool",
+             _swa(16), 4, 128, 32, 6, 2.0, _prefix_sharing),
+    Workload("multi-turn", "conversations: each turn's prompt is the whole conversation so far",
+             _full, 4, 128, 32, 6, 2.0, _multi_turn),
+    Workload("n-burst", "parallel sampling (n > 1): n requests with one prompt arriving together",
+             _full, 4, 96, 32, 8, 1.5, _n_burst),
+    Workload("aborts", "clients abort waiting and running requests, full + sliding-window pool",
+             _swa(12), 4, 96, 32, 6, 1.5, _aborts),
+    Workload("preemption-storm", "long prompts arriving fast on the smallest full-attention pool",
+             _full, 4, 128, 32, 6, 1.0, _storm),
+    Workload("sliding-window", "long prompts on the smallest full + sliding-window pool startup accepts",
+             _swa(16), 4, 192, 32, 6, 1.0, _long_prompts),
+    Workload("chunked-local", "long prompts on the smallest full + chunked-local pool, long-prefill threshold",
+             _chunked(16), 4, 192, 32, 6, 1.0, _long_prompts, long_prefill_token_threshold=12),
+    Workload("priority", "priority policy, mixed priorities, preemption of the lowest priority",
+             _full, 4, 96, 32, 6, 1.0, _priority, policy="priority"),
+)}
+
+
+def workload(name: str) -> Workload:
+    """The workload called ``name`` (InvalidFieldError naming the known ones otherwise)."""
+    w = WORKLOADS.get(name) if isinstance(name, str) else None
+    if w is None:
+        raise InvalidFieldError("--workload", name, "one of " + ", ".join(WORKLOADS))
+    return w
+
+
+__all__ = ["DemoEngine", "WORKLOADS", "Workload", "plan_pool", "workload"]

@@ -1,0 +1,99 @@
+"""Which blocks a request still needs, per KV cache group, from the group's spec in the header.
+
+vLLM frees a sliding-window or chunked-local request's blocks behind its attention window without
+``schedule()`` saying so: ``KVCacheManager.allocate_slots`` calls ``remove_skipped_blocks`` with the
+request's *processed* tokens (computed tokens of steps already settled: ``num_computed_tokens -
+num_in_flight_tokens``), and the first ``get_num_skipped_tokens(processed) // block_size`` blocks
+become null. A block inside the window is still needed: freeing or reusing it while its holder
+runs is the early-free bug class. The run properties use these rules both ways: they free exactly
+what vLLM frees at the holder's own allocation (block conservation stays exact) and report any
+reuse of a block that lies inside its holder's window (no blanket allowance; issue #28).
+
+The rules, as vLLM 0.33.0 has them (``single_type_kv_cache_manager.py``):
+
+* full attention (and MLA): nothing is skipped;
+* sliding window: ``max(0, processed - sliding_window + 1 - extra_retained_tokens)`` tokens;
+* chunked local: ``processed // attention_chunk_size * attention_chunk_size`` tokens;
+* Mamba: outside ``none`` mode vLLM keeps only the last state block(s) (``1 +
+  num_speculative_blocks``); in ``none`` mode a request holds one block for its whole life.
+
+The startup bound a request's held blocks never exceed is the spec's ``admission_cap`` (vLLM
+#40946's ``max_admission_blocks_per_request`` for windowed specs), else ``cdiv(max_model_len,
+block_size)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvref.spec.errors import KVRefError
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """One KV cache group's block rules, read from its recorded spec."""
+
+    kind: str  # "full", "window", "chunk", "mamba", "unknown"
+    block_size: int
+    window: int = 0  # sliding window (tokens) or attention chunk size
+    extra: int = 0  # extra_retained_tokens
+    keep_last: int = 0  # Mamba outside "none" mode: state blocks kept at the end
+    bound: int | None = None  # the most blocks one request may hold (startup sizing)
+
+    def skipped_blocks(self, processed: int) -> int:
+        """Leading blocks vLLM frees once ``processed`` tokens are settled (table positions)."""
+        if self.kind == "window":
+            return max(0, processed - self.window + 1 - self.extra) // self.block_size
+        if self.kind == "chunk":
+            return (processed // self.window * self.window) // self.block_size
+        return 0
+
+    def needed_from(self, processed: int, table_len: int) -> int:
+        """The first table position the holder still needs (positions before it may be freed)."""
+        if self.kind == "mamba" and self.keep_last:
+            return max(0, table_len - self.keep_last)
+        return self.skipped_blocks(processed)
+
+    @property
+    def frees_exactly(self) -> bool:
+        """Whether :meth:`skipped_blocks` is exactly what vLLM frees at an allocation."""
+        return self.kind in ("full", "window", "chunk") or (self.kind == "mamba" and not self.keep_last)
+
+    @property
+    def holds_tokens(self) -> bool:
+        """Whether a block holds the KV of a fixed token range (prefix-cache content is checkable)."""
+        return self.kind in ("full", "window", "chunk")
+
+
+def group_rules(header: dict) -> list[GroupRule]:
+    """One :class:`GroupRule` per recorded group (``unknown`` where the spec is not modelled)."""
+    from .setup import _spec
+
+    pool = header["pool"]
+    mift = pool.get("max_in_flight_tokens") or pool["max_model_len"]
+    mml = pool["max_model_len"]
+    rules = []
+    for g in pool["groups"]:
+        d = g["spec"]
+        bs = d["block_size"]
+        try:
+            spec = _spec(d)
+        except (KVRefError, KeyError, TypeError, ValueError):
+            rules.append(GroupRule("unknown", bs))
+            continue
+        name = type(spec).__name__
+        cap = spec.admission_cap(mift, mml) if name != "MambaSpec" else None
+        bound = cap if cap is not None else -(-mml // spec.block_size)
+        if name == "SlidingWindowSpec":
+            rules.append(GroupRule("window", spec.block_size, spec.sliding_window, spec.extra_retained_tokens,
+                                   bound=bound))
+        elif name == "ChunkedLocalAttentionSpec":
+            rules.append(GroupRule("chunk", spec.block_size, spec.attention_chunk_size, bound=bound))
+        elif name == "MambaSpec":
+            keep = 0 if spec.mamba_cache_mode == "none" else 1 + spec.num_speculative_blocks
+            rules.append(GroupRule("mamba", spec.block_size, keep_last=keep))
+        elif getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+            rules.append(GroupRule("unknown", spec.block_size))  # a full spec with a window: not modelled here
+        else:
+            rules.append(GroupRule("full", spec.block_size, bound=bound))
+    return rules
