@@ -70,8 +70,24 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     (asynchronous ``copy_`` needs it, and the Triton copy kernel addresses the host side
     directly, which only page-locked memory allows), pageable on the CPU (pinning needs a CUDA
     allocator). The one place the copier and the benchmarks build their host side (issue #24)."""
-    dev = torch.device(device)
-    return torch.zeros(shape, dtype=dtype, pin_memory=dev.type == "cuda")
+    if not isinstance(shape, (tuple, list)) or not 1 <= len(shape) <= 4:
+        raise InvalidFieldError("shape", shape, "a tuple of 1 to 4 sizes")
+    for n in shape:
+        check_int("shape", n, minimum=0)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidFieldError("dtype", dtype, "a torch.dtype")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidFieldError("device", device, "a torch device: 'cpu' or 'cuda[:index]'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidFieldError("device", device, "'cpu' or 'cuda[:index]'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidFieldError("device", device, "a CUDA device present on this machine (pinned memory needs one)")
+    try:
+        return torch.zeros(tuple(shape), dtype=dtype, pin_memory=dev.type == "cuda")
+    except (RuntimeError, MemoryError, OverflowError) as exc:  # a size no allocator can serve
+        raise InvalidFieldError("shape", tuple(shape), f"a host buffer this machine can allocate ({exc})") from None
 
 
 class OffloadCopier:

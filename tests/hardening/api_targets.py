@@ -150,6 +150,9 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         out["OffloadCopier"] = (lambda num_cpu_blocks, backend: OffloadCopier(KVCacheTensors((GROUP,), 9),
                                                                               num_cpu_blocks, backend),
                                 dict(num_cpu_blocks=4, backend="torch"))
+        from kvref.impl.torch.offload_copy import host_buffer
+
+        out["host_buffer"] = (host_buffer, dict(shape=(2, 4), dtype=torch.float32, device="cpu"))
         out["DataPathRunner"] = (lambda num_layers, num_q_heads, seed, attention_backend: DataPathRunner(
             TorchKVCacheManager(pool_config(), device="cpu"), num_layers, num_q_heads, seed=seed,
             attention_backend=attention_backend), dict(num_layers=1, num_q_heads=None, seed=0,

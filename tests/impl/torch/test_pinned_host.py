@@ -32,6 +32,7 @@ def test_host_buffer_requests_pinned_memory_exactly_for_cuda(monkeypatch, device
         return real(*shape, **kw)
 
     monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     buf = offload_copy.host_buffer((3, 8), torch.bfloat16, device)
     assert seen == [pinned]
     assert buf.shape == (3, 8) and buf.dtype == torch.bfloat16 and buf.device.type == "cpu"
@@ -51,6 +52,13 @@ def test_the_copier_builds_its_host_side_with_the_factory(monkeypatch):
     assert [(shape, dt, torch.device(dev)) for shape, dt, dev in calls] == \
         [((7, cache.block_stride), torch.float32, cache.device)] * 3
     assert len(copier.host) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_a_cuda_host_buffer_without_a_gpu_is_refused_naming_the_device():
+    with pytest.raises(InvalidFieldError, match="CUDA device present") as exc:
+        offload_copy.host_buffer((2, 4), torch.float32, "cuda")
+    assert exc.value.field == "device"
 
 
 def _fake_cuda(*shape):
