@@ -15,7 +15,8 @@ An explorer finding (``kvref explore --out``) replays on the reference and, by d
 imports, in lock step on vLLM's own classes: a KV-cache scope on vLLM's ``Scheduler``, an offload or
 connector scope on vLLM's ``SimpleCPUOffloadScheduler`` / ``OffloadingConnectorScheduler`` (what
 each observes compared after every action; an exception vLLM raises is a divergence). Where it
-runs on the reference only (the toy scope, no vLLM), stderr says so. ``--table`` is for state-machine traces; an explorer finding's step table is the
+runs on the reference only (the toy scope, no vLLM), stderr says so. ``--table`` is for
+state-machine traces; an explorer finding's step table is the
 ``.txt`` file written beside it (asking for ``--table`` on one is an input error, not ignored).
 
 Exit status: 0 no divergence (the reproducer holds), 1 divergence (the reproducer fails),
