@@ -13,6 +13,12 @@ from kvref.spec.errors import InvalidFieldError, check_choice, check_int
 
 FCFS = "fcfs"
 PRIORITY = "priority"
+#: speculative methods kvref models: n-gram (no lookahead slots, no EAGLE block drop) and EAGLE-like
+#: drafters ("eagle", "eagle3", "mtp": vLLM's ``use_eagle``), which reserve ``num_speculative_tokens``
+#: lookahead slots per allocation and drop the trailing prefix-cache block on a hit.
+NGRAM = "ngram"
+EAGLE = "eagle"
+SPECULATIVE_METHODS = (NGRAM, EAGLE)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,15 @@ class SchedulerConfig:
             (``full_sequence_must_fit``); the gate behind the head-of-line hang of vLLM #39734.
         async_scheduling: two batches in flight (``AsyncScheduler``): output placeholders, and
             ``max_in_flight_tokens = 2 * max_num_batched_tokens``.
+        num_speculative_tokens: speculative decoding: drafts per request per step (vLLM's
+            ``SpeculativeConfig.num_speculative_tokens``; 0: off). Rules in
+            :mod:`kvref.impl.reference.scheduler_spec_decode`.
+        speculative_method: ``"ngram"`` or ``"eagle"`` (EAGLE/EAGLE3/MTP: vLLM's ``use_eagle``):
+            an EAGLE-like drafter reserves ``num_lookahead_tokens`` KV slots past each step and its
+            KV manager drops the trailing block of a prefix hit (``pool.use_eagle`` must say so).
+        skip_unused_drafts: vLLM's ``Scheduler.can_skip_drafts`` (a drafter with lookahead slots
+            under the V2 model runner, the GPU default): a step whose drafts no request can use
+            says ``skip_drafts`` and the runner proposes none.
     """
 
     max_num_batched_tokens: int = 64
@@ -40,15 +55,41 @@ class SchedulerConfig:
     policy: str = FCFS
     scheduler_reserve_full_isl: bool = True
     async_scheduling: bool = False
+    num_speculative_tokens: int = 0
+    speculative_method: str = NGRAM
+    skip_unused_drafts: bool = False
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_choice("policy", self.policy, (FCFS, PRIORITY))
-        for name in ("enable_chunked_prefill", "scheduler_reserve_full_isl", "async_scheduling"):
+        for name in ("enable_chunked_prefill", "scheduler_reserve_full_isl", "async_scheduling",
+                     "skip_unused_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
+        check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        if self.num_lookahead_tokens >= self.max_num_batched_tokens:
+            # VllmConfig._set_max_num_scheduled_tokens refuses this at startup
+            raise InvalidFieldError("num_speculative_tokens", self.num_speculative_tokens,
+                                    f"fewer lookahead slots than max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    @property
+    def use_eagle(self) -> bool:
+        """vLLM's ``Scheduler.use_eagle_block_drop`` (handed to the KV manager as ``use_eagle``)."""
+        return self.num_speculative_tokens > 0 and self.speculative_method == EAGLE
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """``VllmConfig.num_lookahead_tokens``: KV slots past the scheduled tokens that the drafter
+        writes (``num_speculative_tokens`` for EAGLE-like drafters, 0 for n-gram)."""
+        return self.num_speculative_tokens if self.use_eagle else 0
+
+    @property
+    def can_skip_drafts(self) -> bool:
+        """vLLM's ``Scheduler.can_skip_drafts``: ``num_lookahead_tokens > 0`` and the V2 runner."""
+        return self.skip_unused_drafts and self.num_lookahead_tokens > 0
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -73,6 +114,9 @@ class ScheduledRequest:
     ``NewRequestData.block_ids``) and the newly allocated blocks otherwise
     (``CachedRequestData.new_block_ids``; for a resumed request that is its whole new table).
     ``num_computed_tokens`` is the count before this step's tokens (prefix hits included).
+    ``spec_token_ids`` are the draft tokens scheduled for verification in this step (vLLM's
+    ``scheduled_spec_decode_tokens[request_id]``; ``-1`` for placeholders), counted in
+    ``num_scheduled_tokens``.
     """
 
     request_id: str
@@ -81,15 +125,25 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_ids: BlockIds
     is_prefill_chunk: bool
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What one ``schedule()`` returns, in batch order (running first, then admissions)."""
+    """What one ``schedule()`` returns, in batch order (running first, then admissions).
+
+    ``skip_drafts``: no request of the step can use drafts proposed after it (only with
+    ``SchedulerConfig.can_skip_drafts``); the model runner then proposes none.
+    """
 
     scheduled: tuple[ScheduledRequest, ...]
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]
+    skip_drafts: bool = False
+
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[str, tuple[int, ...]]:
+        return {s.request_id: s.spec_token_ids for s in self.scheduled if s.spec_token_ids}
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -105,10 +159,46 @@ class ModelOutput:
     """The fake model runner's answer for one step: sampled token ids per request id.
 
     A request whose step ended inside its known tokens (a prefill chunk) samples nothing and is
-    absent, as in vLLM where the runner discards those samples.
+    absent, as in vLLM where the runner discards those samples. With speculative decoding a
+    request that verified drafts samples ``1 + accepted`` tokens (the accepted drafts and the
+    bonus token); the scheduler rolls back what it rejected.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftTokenIds:
+    """vLLM's ``DraftTokenIds``: drafts the (synchronous) runner proposed after a step, handed to
+    ``update_draft_token_ids`` before the next ``schedule()``."""
+
+    req_ids: tuple[str, ...]
+    draft_token_ids: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.req_ids, (list, tuple)) or not all(isinstance(r, str) for r in self.req_ids):
+            raise InvalidFieldError("req_ids", self.req_ids, "a tuple of request ids (str)")
+        if not isinstance(self.draft_token_ids, (list, tuple)) or len(self.draft_token_ids) != len(self.req_ids):
+            raise InvalidFieldError("draft_token_ids", self.draft_token_ids,
+                                    f"one draft list per request id ({len(self.req_ids)})")
+        for ids in self.draft_token_ids:
+            if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < 0 for t in ids):
+                raise InvalidFieldError("draft_token_ids[i]", ids, "a list of token ids >= 0")
+        object.__setattr__(self, "req_ids", tuple(self.req_ids))
+        object.__setattr__(self, "draft_token_ids", tuple(tuple(ids) for ids in self.draft_token_ids))
+
+
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """vLLM's ``SpecDecodingStats`` of one ``update_from_output`` (``make_spec_decoding_stats``):
+    verified drafts, draft tokens, accepted tokens, and both per draft position."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_draft_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +214,8 @@ class RequestState:
     output_token_ids: tuple[int, ...]
     num_preemptions: int
     finish_reason: str | None
+    #: drafts waiting to be verified in the next step (vLLM ``Request.spec_token_ids``); live requests only
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,3 +229,6 @@ class SchedulerSnapshot:
     num_free_blocks: int
     #: block ids in free-queue order (next to allocate first) where the manager exposes it
     free_block_queue: tuple[int, ...] | None = None
+    #: waiting requests that hold KV blocks (KV-connector loads), drained before ``waiting``
+    #: (vLLM ``Scheduler.kv_holding_waiting``)
+    kv_holding_waiting: tuple[str, ...] = ()

@@ -25,12 +25,14 @@ from typing import Any
 from kvref.impl.interface import BlockIds, PoolConfig
 from kvref.impl.scheduler_types import (
     PRIORITY,
+    DraftTokenIds,
     ModelOutput,
     RequestState,
     ScheduledRequest,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerSnapshot,
+    SpecDecodingStats,
 )
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
@@ -56,7 +58,7 @@ def load_vllm() -> dict[str, Any]:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds as VDraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request as VRequest, RequestStatus as VStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -96,8 +98,10 @@ def to_vllm_spec(spec: ks.KVCacheSpec):
 _STATUS = {
     "WAITING": "waiting", "RUNNING": "running", "PREEMPTED": "preempted",
     "FINISHED_STOPPED": "finished", "FINISHED_LENGTH_CAPPED": "finished", "FINISHED_ABORTED": "finished",
+    "FINISHED_ERROR": "finished",  # a KV load failed under kv_load_failure_policy="fail"
 }
-_REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort"}
+_REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
+           "FINISHED_ERROR": "error"}
 
 
 class VllmEnv:
@@ -142,8 +146,36 @@ class VllmEnv:
         vc.cache_config.num_gpu_blocks = pool.num_blocks
         modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, ks.MambaSpec)}
         vc.cache_config.mamba_cache_mode = modes.pop() if modes else "none"
+        vc.speculative_config = self._speculative_config(pool, config)
         assert vc.max_in_flight_tokens == config.max_in_flight_tokens
+        assert vc.num_lookahead_tokens == config.num_lookahead_tokens
         return vc
+
+    def _speculative_config(self, pool: PoolConfig, config: SchedulerConfig) -> Any:
+        """vLLM's ``SpeculativeConfig`` for ``config`` (None when speculative decoding is off).
+
+        Built as vLLM's own scheduler tests build it (``tests/v1/core/utils.py``): an n-gram config,
+        which needs no draft model. For an EAGLE-like drafter the method is then switched to
+        ``"eagle"`` in place, as vLLM's tests do for drafters whose model cannot be resolved: the
+        scheduler only reads ``use_eagle()``, ``use_eagle_block_drop()`` and the lookahead counts,
+        which follow from the method. ``disable_lookahead_block_hashes`` follows
+        ``pool.num_hash_lookahead_tokens`` (0: EAGLE drops the trailing hit block instead).
+        """
+        k = config.num_speculative_tokens
+        if not k:
+            return None
+        key = (k, config.speculative_method, pool.num_hash_lookahead_tokens)
+        cache = self.__dict__.setdefault("_spec_configs", {})
+        if key not in cache:
+            from vllm.config import SpeculativeConfig
+
+            sc = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=k,
+                                   prompt_lookup_min=1)
+            if config.speculative_method != "ngram":
+                object.__setattr__(sc, "method", config.speculative_method)
+                object.__setattr__(sc, "disable_lookahead_block_hashes", not pool.num_hash_lookahead_tokens)
+            cache[key] = sc
+        return cache[key]
 
 
 class _CapturingPublisher:
@@ -180,7 +212,7 @@ class VllmScheduler:
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
-                 scheduler_cls: str | None = None) -> None:
+                 scheduler_cls: str | None = None, connector=None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -202,7 +234,14 @@ class VllmScheduler:
             finally:
                 vc.scheduler_config.scheduler_cls = None  # the env is shared
             extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
+        if scheduler_cls is None and config.num_speculative_tokens:
+            extra["log_stats"] = True  # SpecDecodingStats are only made with stats on
         saved_events_config = vc.kv_events_config
+        saved_transfer_config = vc.kv_transfer_config
+        if connector is not None:  # kvref's scripted connector, built by vLLM's factory by name
+            from .connector import kv_transfer_config
+
+            vc.kv_transfer_config = kv_transfer_config(connector)
         if pool.enable_kv_cache_events:  # vLLM's own switch; the publisher is replaced below
             from vllm.config.kv_events import KVEventsConfig
 
@@ -214,6 +253,14 @@ class VllmScheduler:
                                  **extra)
         finally:
             vc.kv_events_config = saved_events_config  # the env is shared
+            vc.kv_transfer_config = saved_transfer_config
+        self.connector = connector
+        if config.num_speculative_tokens:
+            # GPU deployments run the V2 model runner, which lets a drafter with lookahead slots
+            # skip useless drafts; the CPU config picks the V1 runner (no Triton), so the flag is
+            # set as the V2 runner sets it (see SchedulerConfig.skip_unused_drafts)
+            self.scheduler.can_skip_drafts = config.can_skip_drafts
+        self._spec_decoding_stats = None
         self._allocation_watch = AllocationWatch(self.scheduler.kv_cache_manager)
         self._published = _CapturingPublisher()
         if pool.enable_kv_cache_events:
@@ -242,6 +289,7 @@ class VllmScheduler:
         new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         cached_blocks = dict(zip(cached.req_ids, cached.new_block_ids))
+        spec_tokens = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             vr = self._reqs[rid]
             if rid in new_ids:
@@ -252,13 +300,15 @@ class VllmScheduler:
             sched.append(ScheduledRequest(
                 request_id=rid, kind=kind, num_scheduled_tokens=n,
                 num_computed_tokens=vr.num_computed_tokens - n,
-                block_ids=_ids(blocks, len(self.pool.groups)), is_prefill_chunk=vr.is_prefill_chunk))
+                block_ids=_ids(blocks, len(self.pool.groups)), is_prefill_chunk=vr.is_prefill_chunk,
+                spec_token_ids=tuple(int(t) for t in spec_tokens.get(rid, ()))))
         out = SchedulerOutput(scheduled=tuple(sched), preempted_req_ids=frozenset(so.preempted_req_ids),
-                              finished_req_ids=frozenset(so.finished_req_ids))
+                              finished_req_ids=frozenset(so.finished_req_ids), skip_drafts=bool(so.skip_drafts))
         self._outputs[id(out)] = (out, so)
         return out
 
-    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput,
+                           kv_connector_output=None) -> None:
         entry = self._outputs.pop(id(output), None)
         if entry is None:
             raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
@@ -267,10 +317,36 @@ class VllmScheduler:
         mro = self._v["ModelRunnerOutput"](
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
             sampled_token_ids=[list(model_output.sampled_token_ids.get(r, [])) for r in rids])
-        self.scheduler.update_from_output(so, mro)
+        if self.connector is not None:  # the worker's connector report, as the model runner hands it
+            from .connector import to_vllm_output
+
+            mro.kv_connector_output = to_vllm_output(kv_connector_output)
+        outputs = self.scheduler.update_from_output(so, mro)
+        stats = next((eco.scheduler_stats for eco in (outputs or {}).values()
+                      if getattr(eco, "scheduler_stats", None) is not None), None)
+        sd = getattr(stats, "spec_decoding_stats", None)
+        self._spec_decoding_stats = None if sd is None else SpecDecodingStats(
+            sd.num_spec_tokens, sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
+            tuple(sd.num_accepted_tokens_per_pos), tuple(sd.num_draft_tokens_per_pos))
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """vLLM's ``Scheduler.update_draft_token_ids`` (what the engine core calls after a
+        synchronous step with the drafts the runner proposed)."""
+        self.scheduler.update_draft_token_ids(self._v["VDraftTokenIds"](
+            list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids]))
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """The ``SpecDecodingStats`` vLLM's last ``update_from_output`` reported (its ``SchedulerStats``)."""
+        return self._spec_decoding_stats
 
     def finish_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, self._v["VStatus"].FINISHED_ABORTED)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache`` (what the engine's ``/reset_prefix_cache`` calls)."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests,
+                                                 reset_connector=reset_connector)
 
     def take_published_kv_events(self) -> list[list[dict]]:
         """The ``KVEventBatch`` es vLLM's scheduler published since the last call (its
@@ -281,7 +357,7 @@ class VllmScheduler:
     def snapshot(self) -> SchedulerSnapshot:
         s = self.scheduler
         kv = s.kv_cache_manager
-        states = {rid: _state(vr) for rid, vr in self._reqs.items()}
+        states = {rid: _state(vr, live=rid in s.requests) for rid, vr in self._reqs.items()}
         blocks = {}
         for rid in self._reqs:
             if rid in s.requests and any(rid in m.req_to_blocks for m in kv.coordinator.single_type_managers):
@@ -292,7 +368,8 @@ class VllmScheduler:
                                  running=tuple(r.request_id for r in s.running),
                                  requests=states, block_ids=blocks,
                                  num_free_blocks=kv.block_pool.get_num_free_blocks(),
-                                 free_block_queue=_free_queue(kv))
+                                 free_block_queue=_free_queue(kv),
+                                 kv_holding_waiting=tuple(r.request_id for r in s.kv_holding_waiting))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.get_num_unfinished_requests())
@@ -304,7 +381,8 @@ class VllmScheduler:
         from kvref.impl.vllm.invariants import check_scheduler
 
         s = self.scheduler
-        assert not s.kv_holding_waiting, "kvref models no KV-holding waiting requests"
+        assert self.connector is not None or not s.kv_holding_waiting, \
+            "KV-holding waiting requests come only from a KV connector"
         check_scheduler(s, max_num_seqs=self.config.max_num_seqs)
         self._allocation_watch.check()
 
@@ -319,7 +397,7 @@ def _ids(blocks, num_groups: int) -> BlockIds:
     return tuple(tuple(int(b) for b in g) for g in blocks)
 
 
-def _state(vr) -> RequestState:
+def _state(vr, live: bool = True) -> RequestState:
     name = vr.status.name
     return RequestState(request_id=vr.request_id, status=_STATUS.get(name, name.lower()),
                         num_computed_tokens=vr.num_computed_tokens,
@@ -327,7 +405,8 @@ def _state(vr) -> RequestState:
                         num_output_placeholders=vr.num_output_placeholders,
                         num_stale_output_tokens=vr.num_stale_output_tokens,
                         output_token_ids=tuple(vr.output_token_ids),
-                        num_preemptions=vr.num_preemptions, finish_reason=_REASON.get(name))
+                        num_preemptions=vr.num_preemptions, finish_reason=_REASON.get(name),
+                        spec_token_ids=tuple(int(t) for t in vr.spec_token_ids) if live and not vr.is_finished() else ())
 
 
 __all__ = ["VllmEnv", "VllmScheduler", "load_vllm", "to_vllm_spec", "PRIORITY"]
@@ -357,6 +436,7 @@ class VllmKVCacheManagerShim:
                                   hash_block_size=pool.hash_block_size,
                                   max_in_flight_tokens=pool.max_in_flight_tokens,
                                   enable_caching=pool.enable_caching, watermark=pool.watermark,
+                                  use_eagle=pool.use_eagle,
                                   enable_kv_cache_events=pool.enable_kv_cache_events)
         self._allocation_watch = AllocationWatch(self.mgr)
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])

@@ -13,6 +13,12 @@ tokens; the token is a hash of ``(request id, how many tokens that request sampl
 all targets see the same ids. Async scheduling is modelled as vLLM's engine does it: up to two
 batches in flight, settled first-in first-out.
 
+Speculative decoding (``scheduler_setups(spec=...)``): the fake model accepts a drawn number of
+the step's scheduled drafts (it returns ``1 + accepted`` tokens), and under synchronous scheduling
+proposes a drawn number of drafts (0..k) per request after each step, handed to every target's
+``update_draft_token_ids`` as vLLM's engine core does; the targets' scheduled drafts, ``skip_drafts``
+and ``SpecDecodingStats`` are compared too.
+
 Liveness (see :mod:`kvref.impl.reference.scheduler_liveness`): at teardown, when the config is
 startup-consistent, nothing more arrives and the engine runs until every request finishes; it
 must do so within ``drain_bound`` schedule calls.
@@ -31,7 +37,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_liveness import drain_bound, max_blocks_per_request, startup_consistent
-from kvref.impl.scheduler_types import FCFS, PRIORITY, ModelOutput, SchedulerConfig, SchedulerOutput
+from kvref.impl.scheduler_types import (
+    EAGLE,
+    FCFS,
+    NGRAM,
+    PRIORITY,
+    DraftTokenIds,
+    ModelOutput,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from kvref.impl.request import Request
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -52,19 +67,29 @@ def fake_token(request_id: str, k: int) -> int:
 
 
 class FakeModel:
-    """Deterministic model runner: one token per request whose step is not a prefill chunk."""
+    """Deterministic model runner: one token per request whose step is not a prefill chunk, plus
+    the accepted drafts of a step that verified drafts (``accept(request_id, num_drafts)`` says how
+    many; default none)."""
 
     def __init__(self) -> None:
         self.num_sampled: dict[str, int] = {}
 
-    def output(self, out: SchedulerOutput) -> ModelOutput:
+    def output(self, out: SchedulerOutput, accept: Callable[[str, int], int] | None = None) -> ModelOutput:
         sampled = {}
         for s in out.scheduled:
             if not s.is_prefill_chunk:
+                n = 1 + (accept(s.request_id, len(s.spec_token_ids)) if accept and s.spec_token_ids else 0)
                 k = self.num_sampled.get(s.request_id, 0)
-                self.num_sampled[s.request_id] = k + 1
-                sampled[s.request_id] = [fake_token(s.request_id, k)]
+                self.num_sampled[s.request_id] = k + n
+                sampled[s.request_id] = [fake_token(s.request_id, k + i) for i in range(n)]
         return ModelOutput(sampled)
+
+    def drafts(self, out: SchedulerOutput, num_drafts: Callable[[str], int]) -> DraftTokenIds:
+        """Drafts proposed after ``out`` for every request it scheduled (the next tokens the model
+        would sample, so acceptance is plausible; the scheduler does not look at the ids)."""
+        rids = [s.request_id for s in out.scheduled]
+        return DraftTokenIds(tuple(rids), tuple(
+            tuple(fake_token(r, self.num_sampled.get(r, 0) + i) for i in range(num_drafts(r))) for r in rids))
 
 
 # ---- strategies ---------------------------------------------------------------------------------
@@ -119,11 +144,13 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2
 
 @st.composite
 def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, async_scheduling=None,
-                     policy=None, tight: bool = False, large: bool = False):
+                     policy=None, tight: bool = False, large: bool = False, spec: bool | None = False):
     """``(PoolConfig, SchedulerConfig)``; ``consistent=True`` only startup-consistent pools,
     ``False`` only inconsistent ones, None either (mostly consistent); ``tight``: consistent pools
     with at most two spare blocks (more preemption); ``large``: vLLM-like sizes (blocks of 16/32,
-    contexts up to 1024, budgets up to 512)."""
+    contexts up to 1024, budgets up to 512); ``spec``: speculative decoding on (True), off
+    (False), either (None): 1-4 drafts, n-gram or EAGLE-like (lookahead slots, block drop; the
+    Mamba group gets one speculative state block per draft, as vLLM sizes it)."""
     max_model_len = draw(st.integers(64, 1024) if large else st.integers(8, 96))
     bs, groups = draw(pool_groups(kinds, max_model_len, (16, 32) if large else (2, 4, 8)))
     is_async = draw(st.booleans()) if async_scheduling is None else async_scheduling
@@ -151,11 +178,30 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     # vLLM: Mamba prefix caching requires mamba_cache_mode='align' (not modelled: its chunk split).
     has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
     caching = False if has_mamba else draw(st.sampled_from((True, True, False)))
+    use_spec = draw(st.booleans()) if spec is None else spec
+    if use_spec:
+        k = min(draw(st.integers(1, 4)), cfg.max_num_batched_tokens - 1)
+        if 0 < cfg.long_prefill_token_threshold < 1 + k:
+            # vLLM 0.33.0 pads a one-token admission to 1 + k and then cuts it to the threshold,
+            # failing its own ``num_new_tokens == 1 + num_spec_tokens`` assertion: not drawn
+            k = cfg.long_prefill_token_threshold - 1
+    if use_spec and k > 0:
+        method = draw(st.sampled_from((NGRAM, EAGLE, EAGLE)))
+        cfg = replace(cfg, num_speculative_tokens=k, speculative_method=method,
+                      skip_unused_drafts=method == EAGLE and draw(st.booleans()))
+        if any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in groups) and cfg.use_eagle:
+            caching = False  # kvref's coordinator does not model EAGLE hits on chunked-local groups
+        groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
+                       if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
     probe = PoolConfig.off_plan("a one-block probe that only asks the per-request bound", num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                        hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
-                       watermark=watermark)
+                       watermark=watermark, use_eagle=cfg.use_eagle)
     need = max_blocks_per_request(probe, cfg) + 1
+    if cfg.num_lookahead_tokens:
+        # lookahead slots past a window's admission cap (full attention stops at max_model_len)
+        need += sum(-(-cfg.num_lookahead_tokens // g.kv_cache_spec.block_size) for g in groups
+                    if isinstance(g.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)))
     want = consistent if consistent is not None else draw(st.sampled_from((True, True, True, False)))
     if want:
         # Mostly tight pools: preemption and pool exhaustion need pressure.
@@ -166,7 +212,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     pool = PoolConfig.off_plan("tight and startup-inconsistent pools (head-of-line hangs) startup never sizes",
                                num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                       hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
-                      watermark=watermark)
+                      watermark=watermark, use_eagle=cfg.use_eagle)
     return pool, cfg
 
 
@@ -202,6 +248,14 @@ def _tally(out: SchedulerOutput, async_scheduling: bool) -> None:
             COVERAGE["prefix_hits"] += 1
         if s.is_prefill_chunk:
             COVERAGE["prefill_chunks"] += 1
+        if s.spec_token_ids:
+            COVERAGE["spec_verify_steps"] += 1
+            if s.kind != "running" and all(t == -1 for t in s.spec_token_ids):
+                COVERAGE["spec_padded"] += 1
+            if s.kind == "new" and s.num_computed_tokens:
+                COVERAGE["spec_padded_prefix_hit"] += 1
+    if out.skip_drafts:
+        COVERAGE["spec_skip_drafts"] += 1
 
 
 class Divergence(AssertionError):
@@ -307,11 +361,12 @@ class Lockstep:
         self.num_schedules += 1
         first_name, first = next(iter(outs.items()))
         for name, o in outs.items():
-            if (o.scheduled, o.preempted_req_ids, o.finished_req_ids) != \
-                    (first.scheduled, first.preempted_req_ids, first.finished_req_ids):
+            if (o.scheduled, o.preempted_req_ids, o.finished_req_ids, o.skip_drafts) != \
+                    (first.scheduled, first.preempted_req_ids, first.finished_req_ids, first.skip_drafts):
                 what = [k for k, x, y in (("scheduled", o.scheduled, first.scheduled),
                                           ("preempted", o.preempted_req_ids, first.preempted_req_ids),
-                                          ("finished", o.finished_req_ids, first.finished_req_ids)) if x != y]
+                                          ("finished", o.finished_req_ids, first.finished_req_ids),
+                                          ("skip_drafts", o.skip_drafts, first.skip_drafts)) if x != y]
                 _diverge(f"schedule #{self.num_schedules}: {first_name} -> {_fmt(first)}\n"
                          f"{' ' * len(str(self.num_schedules))}            {name} -> {_fmt(o)}",
                          f"schedule: {', '.join(what)} differ")
@@ -342,21 +397,28 @@ class Lockstep:
                 continue
             num_tokens = len(self.specs[s.request_id].prompt) + len(states[s.request_id].output_token_ids)
             remaining = num_tokens - s.num_computed_tokens
-            if s.num_scheduled_tokens != remaining:
+            if s.num_scheduled_tokens - len(s.spec_token_ids) != remaining:  # spec-decode padding aside
                 raise AssertionError(
                     f"schedule #{self.num_schedules}: chunked prefill is off, but {s.request_id} left the "
                     f"waiting queue ({s.kind}) with {s.num_scheduled_tokens} of its {remaining} remaining "
                     "tokens (the waiting loop must stop when they do not fit the budget)")
 
-    def complete(self) -> None:
+    def complete(self, seed: int | None = None) -> None:
+        """Settle the oldest step. ``seed`` draws the speculative-decoding choices: how many of each
+        request's scheduled drafts the model accepts, and (synchronous scheduling) how many drafts
+        it proposes after the step; None: a seed from the step count."""
+        rng = random.Random(self.num_steps if seed is None else seed)
         outs = {name: q.popleft() for name, q in self.in_flight.items()}
-        model_output = self.model.output(next(iter(outs.values())))
+        first_out = next(iter(outs.values()))
+        model_output = self.model.output(first_out, lambda rid, d: _biased(rng, d))
         before = self.last_snapshot.requests if self.last_snapshot is not None else {}
         for name, t in self.targets.items():
             t.update_from_output(outs[name], model_output)
         self.num_steps += 1
         self.compare("update_from_output")
         self._compare_published_events()
+        if self.config.num_speculative_tokens:
+            self._spec_after_update(first_out, model_output, before, rng)
         after = self.last_snapshot.requests
         for rid in model_output.sampled_token_ids:
             if rid in before and before[rid].num_stale_output_tokens:
@@ -364,6 +426,32 @@ class Lockstep:
             if rid in after and before.get(rid) and before[rid].finish_reason is None \
                     and after[rid].finish_reason:
                 COVERAGE[f"finished_{after[rid].finish_reason}"] += 1
+
+    def _spec_after_update(self, out: SchedulerOutput, model_output: ModelOutput, before: dict,
+                           rng: random.Random) -> None:
+        """Compare the verification stats; then, synchronously, hand every target the drafts the
+        runner proposed after the step (vLLM's engine core: ``post_step`` when the model ran and
+        the step did not say ``skip_drafts``)."""
+        stats = {name: getattr(t, "spec_decoding_stats", None) for name, t in self.targets.items()}
+        (n0, s0), *rest = stats.items()
+        for name, s in rest:
+            if s != s0:
+                _diverge(f"update_from_output (step {self.num_steps}): spec decoding stats differ\n"
+                         f"  {n0}: {s0}\n  {name}: {s}", "update_from_output: spec decoding stats differ")
+        for s in out.scheduled:
+            n = len(model_output.sampled_token_ids.get(s.request_id, ()))
+            if s.spec_token_ids and n:
+                COVERAGE["spec_all_accepted" if n - 1 == len(s.spec_token_ids) else "spec_rejected"] += 1
+                if before.get(s.request_id) and before[s.request_id].num_stale_output_tokens:
+                    COVERAGE["spec_stale_verify"] += 1
+        k = self.config.num_speculative_tokens
+        if self.config.async_scheduling or out.skip_drafts or not out.scheduled:
+            return
+        drafts = self.model.drafts(out, lambda rid: _biased(rng, k))
+        for t in self.targets.values():
+            t.update_draft_token_ids(drafts)
+        COVERAGE["spec_draft_updates"] += 1
+        self.compare("update_draft_token_ids")
 
     def _compare_published_events(self) -> None:
         """The ``KVEventBatch`` es each target published in this ``update_from_output`` (a router
@@ -393,14 +481,14 @@ class Lockstep:
     def unfinished(self) -> bool:
         return self._first().has_unfinished_requests()
 
-    def engine_step(self) -> None:
+    def engine_step(self, seed: int | None = None) -> None:
         """What vLLM's engine does: schedule while a batch slot is free and work remains, else
         settle the oldest batch."""
         if self.can_schedule() and (self.unfinished() or self.num_in_flight() == 0):
             self.schedule()
             if self.num_in_flight() < self.depth and self.unfinished():
                 return
-        self.complete()
+        self.complete(seed)
 
     def snapshots(self) -> dict[str, Any]:
         snaps = {}
@@ -443,9 +531,17 @@ class Lockstep:
         return self.num_schedules - start
 
 
+def _biased(rng: random.Random, n: int) -> int:
+    """0..n, with both ends (none / all accepted, no / full drafts) as likely as the middle."""
+    pick = rng.randrange(3)
+    return 0 if pick == 0 else n if pick == 1 else rng.randint(0, n)
+
+
 def _fmt(o: SchedulerOutput) -> str:
     return (str([(s.request_id, s.kind, s.num_scheduled_tokens, s.num_computed_tokens, s.block_ids,
-                  s.is_prefill_chunk) for s in o.scheduled])
+                  s.is_prefill_chunk) + ((s.spec_token_ids,) if s.spec_token_ids else ())
+                 for s in o.scheduled])
+            + (" skip_drafts" if o.skip_drafts else "")
             + f" preempted={sorted(o.preempted_req_ids)} finished={sorted(o.finished_req_ids)}")
 
 
@@ -494,9 +590,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(3):
             self.add_request(data)
 
-    @rule()
-    def engine_step(self):
-        self.driver.engine_step()  # an idle engine schedules (and settles) an empty step
+    @rule(seed=st.integers(0, 2**16))
+    def engine_step(self, seed):
+        self.driver.engine_step(seed)  # an idle engine schedules (and settles) an empty step
 
     @precondition(lambda self: self.driver.can_schedule())
     @rule()
@@ -504,9 +600,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.driver.schedule()
 
     @precondition(lambda self: self.driver.num_in_flight() > 0)
-    @rule()
-    def complete(self):
-        self.driver.complete()
+    @rule(seed=st.integers(0, 2**16))
+    def complete(self, seed):
+        self.driver.complete(seed)
 
     @precondition(lambda self: self.num_added > 0)
     @rule(data=st.data())
