@@ -45,6 +45,7 @@ def parse(argv):
     ap.add_argument("--splits", type=int, default=None, help="key-range splits (default: the kernel's choice)")
     ap.add_argument("--tile", type=int, default=None)
     ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--num-stages", type=int, default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
@@ -161,6 +162,46 @@ def check_on_cuda() -> int:
     return 1 if failures else 0
 
 
+#: relative error (max |out - exact| / max |exact|) allowed vs the float64 reference: a few units
+#: in the last place of the output type (bfloat16 2**-8, float16 2**-11, float32 2**-23)
+REL_TOLERANCE = {}
+
+
+def _rel_tolerances():
+    import torch
+
+    REL_TOLERANCE.update({torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5, torch.float64: 1e-12})
+
+
+def dense_kv(cache, table, context: int, read: int, bs: int):
+    """The last ``read`` of ``context`` keys and values of every row, gathered once into dense
+    ``[B, Hkv, read, D]`` tensors (what a dense-cache attention would read)."""
+    import torch
+
+    nblk = -(-context // bs)
+    pages = cache.index_select(0, table[:, :nblk].reshape(-1).long())
+    pages = pages.view(table.shape[0], nblk, 2, bs, cache.shape[3], cache.shape[4])
+    k = pages[:, :, 0].reshape(table.shape[0], nblk * bs, cache.shape[3], cache.shape[4])[:, context - read:context]
+    v = pages[:, :, 1].reshape(table.shape[0], nblk * bs, cache.shape[3], cache.shape[4])[:, context - read:context]
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def float64_reference(q, k, v, rows_per_chunk: int = 8):
+    """Decode attention of ``q`` ``[B, Hq, D]`` over dense ``k``/``v`` ``[B, Hkv, L, D]`` in float64
+    (GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``), a few rows at a time."""
+    import torch
+
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    out = []
+    for i in range(0, b, rows_per_chunk):
+        qq = q[i:i + rows_per_chunk].double().view(-1, hkv, hq // hkv, d)
+        kk, vv = k[i:i + rows_per_chunk].double(), v[i:i + rows_per_chunk].double()
+        p = torch.softmax(qq @ kk.transpose(-1, -2) * d ** -0.5, dim=-1)
+        out.append((p @ vv).reshape(-1, hq, d))
+    return torch.cat(out)
+
+
 def main(argv=None) -> int:
     ap, args = parse(argv)
     if args.interpreter:
@@ -172,6 +213,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
+    _rel_tolerances()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.interpreter and not torch.cuda.is_available():
@@ -209,15 +251,25 @@ def main(argv=None) -> int:
     read = min(context, args.window) if args.window else context
 
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
-    tuning = dict(num_splits=args.splits, tile=args.tile, num_warps=args.num_warps)
+    tuning = dict(num_splits=args.splits, tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages)
     out = paged_attention_triton(q, cache, table, ctx, rows, pos, mask, **tuning)  # checks the arguments once
     ref = paged_attention(q, cache, table, ctx, rows, pos, mask)
     err = float((out.double() - ref.double()).abs().max())
+    # The peer: PyTorch SDPA on dense, contiguous K/V of the same shape (the keys the query reads).
+    k_dense, v_dense = dense_kv(cache, table, context, read, bs)
+    q4 = q[:, :, None, :]                                     # [B, Hq, 1, D]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q4, k_dense, v_dense, enable_gqa=True)[:, :, 0]
+    outputs = {"triton": out, "torch": ref, "sdpa": sdpa()}
+    exact = float64_reference(q, k_dense, v_dense)
+    rel = {k: float((v.double() - exact).abs().max() / exact.abs().max()) for k, v in outputs.items()}
     inner = 20 if on_gpu else 1
     # Timed without the argument checks (each reads device values back: a sync per call).
     t_triton = timed(lambda: paged_attention_triton(q, cache, table, ctx, rows, pos, mask, validate=False, **tuning),
                      sync, args.repeats, inner)
     t_torch = timed(lambda: paged_attention(q, cache, table, ctx, rows, pos, mask), sync, args.repeats, inner)
+    t_sdpa = timed(sdpa, sync, args.repeats, inner)
     kv_bytes = batch * read * 2 * hkv * d * cache.element_size()
     src = torch.empty(kv_bytes // cache.element_size(), dtype=dtype, device=device)
     dst = torch.empty_like(src)
@@ -228,16 +280,24 @@ def main(argv=None) -> int:
           f"head_size={d} gqa={args.gqa} block_size={bs} "
           f"mask={mask.kind}{'/' + str(args.window) if args.window else ''}"
           f" max|triton - torch path|={err:.2e}")
-    print("| path | step time | tokens/s | K/V read GB/s | / device copy |")
-    print("|---|---|---|---|---|")
-    for label, t in (("triton kernel" + (" (interpreted)" if not on_gpu else ""), t_triton),
-                     ("torch path (gather + matmul)", t_torch)):
+    print("| path | step time | tokens/s | K/V read GB/s | / device copy | time / SDPA | rel. error vs float64 |")
+    print("|---|---|---|---|---|---|---|")
+    for label, t, key in (("triton kernel" + (" (interpreted)" if not on_gpu else ""), t_triton, "triton"),
+                          ("torch path (gather + matmul)", t_torch, "torch"),
+                          ("PyTorch SDPA, dense contiguous K/V", t_sdpa, "sdpa")):
         gbs = kv_bytes / t / 1e9
-        print(f"| {label} | {t * 1e3:.3f} ms | {batch / t:,.1f} | {gbs:.3g} | {gbs / copy_gbs:.3g} |")
-    print(f"| device copy (read+write), {kv_bytes / 1e6:.1f} MB | {t_copy * 1e3:.3f} ms | | {copy_gbs:.2f} | 1.000 |")
+        print(f"| {label} | {t * 1e3:.3f} ms | {batch / t:,.1f} | {gbs:.3g} | {gbs / copy_gbs:.3g} | "
+              f"{t / t_sdpa:.3g} | {rel[key]:.2e} |")
+    print(f"| device copy (read+write), {kv_bytes / 1e6:.1f} MB | {t_copy * 1e3:.3f} ms | | {copy_gbs:.2f} | 1.000 | | |")
+    bad = [k for k, v in rel.items() if not v <= REL_TOLERANCE[dtype]]
+    if bad:
+        print(f"FAIL: relative error vs float64 above {REL_TOLERANCE[dtype]:g} for {', '.join(bad)}")
+        return 1
     if on_gpu:
         ratio = kv_bytes / t_triton / 1e9 / copy_gbs
-        print(f"goal: triton / device copy >= 0.60: {'met' if ratio >= 0.60 else 'NOT met'} ({ratio:.3f})")
+        print(f"goal: triton / device copy >= 0.60: {'met' if ratio >= 0.60 else 'NOT met'} ({ratio:.3f}); "
+              f"triton time <= 1.5 x SDPA: {'met' if t_triton <= 1.5 * t_sdpa else 'NOT met'} "
+              f"({t_triton / t_sdpa:.2f}x)")
     return 0
 
 

@@ -28,12 +28,15 @@ power of two (1024 lanes for 576: 78 % more shared memory and tensor-core work f
 
 **Arithmetic.** float64 accumulates in float64 (broadcast multiply + sum: ``tl.dot`` does not take
 float64), everything else in float32. Compiled on CUDA, half types use ``tl.dot`` on their native
-operands (tensor cores, float32 accumulation: products of two half values are exact in float32)
-and the probabilities are rounded to the input type for the ``p v`` product, as FlashAttention
-and vLLM's Triton decode kernel do; float32 uses ``tl.dot(..., input_precision="ieee")`` (no TF32
-rounding). Triton's interpreter has no bfloat16 ``tl.dot`` (it returns garbage), so interpreted
-kernels (``NATIVE_DOT`` off) convert the operands to float32 and round the probabilities through
-the input type explicitly: the same numbers as the compiled path up to the summation order. The
+operands (tensor cores, float32 accumulation: products of two half values are exact in float32);
+for ``p v`` the float32 probabilities are cut into ``p_hi + p_lo``, both in the input type, and
+both products accumulated (FlashAttention and vLLM's Triton decode kernel round ``p`` once, to
+8 bits in bfloat16, which measured 2.5x the torch path's relative error vs float64 here; the
+second product costs tensor-core time a memory-bound decode has spare). float32 uses
+``tl.dot(..., input_precision="ieee")`` (no TF32 rounding). Triton's interpreter has no bfloat16
+``tl.dot`` (it returns garbage), so interpreted kernels (``NATIVE_DOT`` off) convert the operands
+to float32 and apply the same roundings explicitly: the same numbers as the compiled path up to
+the summation order. The
 scale is passed in a one-element tensor of the accumulation type (a Python float argument would
 be a float32 scalar and cost float64 its near-exactness).
 
@@ -164,11 +167,16 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         va = tl.load(kv + stride_ckv + da[None, :], mask=valid[:, None], other=0.0)
         if USE_DOT:
+            # p = p_hi + p_lo, both in the input type: two tensor-core products keep ~16 bits of p
+            # (one would round p to 8 bits in bfloat16: 2.5x the relative error of the torch path)
             if NATIVE_DOT:
-                pv = p.to(va.dtype)
-                acc_a = acc_a * alpha[:, None] + tl.dot(pv, va, input_precision="ieee")
+                p_hi = p.to(va.dtype)
+                p_lo = (p - p_hi.to(acc_ty)).to(va.dtype)
+                acc_a = tl.dot(p_lo, va, tl.dot(p_hi, va, acc_a * alpha[:, None], input_precision="ieee"),
+                               input_precision="ieee")
             else:
-                pv = p.to(va.dtype).to(acc_ty)  # the rounding the native product applies
+                p_hi = p.to(va.dtype).to(acc_ty)  # the roundings the native products apply
+                pv = p_hi + (p - p_hi).to(va.dtype).to(acc_ty)
                 acc_a = acc_a * alpha[:, None] + tl.dot(pv, va.to(acc_ty), input_precision="ieee")
         else:
             acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * va.to(acc_ty)[None, :, :], axis=1)
@@ -176,7 +184,8 @@ def _paged_attention_kernel(
             vb = tl.load(kv + stride_ckv + HEAD_A + db[None, :], mask=valid[:, None] & b_ok[None, :], other=0.0)
             if USE_DOT:
                 if NATIVE_DOT:
-                    acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb, input_precision="ieee")
+                    acc_b = tl.dot(p_lo, vb, tl.dot(p_hi, vb, acc_b * alpha[:, None], input_precision="ieee"),
+                                   input_precision="ieee")
                 else:
                     acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb.to(acc_ty), input_precision="ieee")
             else:
@@ -449,9 +458,13 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     split = num_splits > 1
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(dev).contiguous()
-    out = torch.empty_like(q)
+    # Triton's interpreter converts float32 to bfloat16 by truncation (half of the values land one
+    # unit below a compiled kernel's round-to-nearest-even): interpreted, the output is stored in
+    # float32 and rounded by torch, so CPU runs show the compiled kernel's rounding.
+    trunc = not on_cuda and q.dtype == torch.bfloat16
+    out = torch.empty(q.shape, dtype=acc if trunc else q.dtype, device=dev)
     if t == 0:
-        return out
+        return out.to(q.dtype)
     table = block_table.to(dev).to(torch.int32).contiguous()
     ctx = context_lens.to(dev).to(torch.int64).contiguous()
     rows = query_rows.to(dev).to(torch.int64).contiguous()
@@ -474,7 +487,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                  m.stride(1), out.stride(0), out.stride(1), num_splits, HEAD=d, HEAD_P=_pow2(d),
                                  SPLITS_P=_pow2(num_splits), ACC_F64=acc == torch.float64,
                                  **({"num_warps": 4} if on_cuda else {}))
-    return out
+    return out.to(q.dtype) if trunc else out
 
 
 def _launch_pass1(cfg: KernelConfig, args: tuple, limit, split: bool, grid: tuple, run_args: tuple) -> None:

@@ -45,6 +45,23 @@ def test_attention_benchmark_interpreter_mode_reports_a_checked_table(capsys):
     err = float(re.search(r"max\|triton - torch path\|=(\S+)", out).group(1))
     assert err <= 1e-5  # float32
     assert "| triton kernel (interpreted) |" in out and "| torch path (gather + matmul) |" in out
+    # issue #24: the peer (SDPA on dense K/V) timed in the same run, every output vs float64
+    rows = re.findall(r"^\| (triton kernel \(interpreted\)|torch path \(gather \+ matmul\)|PyTorch SDPA, dense "
+                      r"contiguous K/V) \|.*\| (\S+) \| (\S+) \|$", out, re.M)
+    assert [r[0][:5] for r in rows] == ["trito", "torch", "PyTor"], out
+    assert float(rows[2][1]) == 1.0 and all(float(r[2]) <= 1e-5 for r in rows), rows
+
+
+@needs_interpreter
+def test_attention_benchmark_fails_when_an_output_is_off_the_float64_reference(capsys, monkeypatch):
+    import kvref.impl.torch.triton_kernels.attention as attn
+
+    real = attn.paged_attention_triton
+    monkeypatch.setattr(attn, "paged_attention_triton", lambda *a, **k: real(*a, **k) * 1.01)
+    rc = _load("bench_triton_attention").main(["--interpreter", "--batch", "1", "--context", "20", "--kv-heads", "1",
+                                               "--head-size", "16", "--block-size", "4", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL: relative error vs float64" in out and "triton" in out.split("FAIL")[1], out
 
 
 @needs_interpreter
