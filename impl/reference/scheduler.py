@@ -41,6 +41,7 @@ from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError
 
 from .scheduler_queue import WaitingQueue
+from . import scheduler_connector as _conn
 from kvref.impl.scheduler_types import (
     PRIORITY,
     ModelOutput,
@@ -88,7 +89,8 @@ class Scheduler:
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
-                 kv_cache_manager: KVCacheManagerLike | None = None) -> None:
+                 kv_cache_manager: KVCacheManagerLike | None = None,
+                 connector: _conn.ScriptedConnector | None = None) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -110,6 +112,8 @@ class Scheduler:
         self.preempted_req_ids: set[str] = set()  # since the last schedule()
         self._in_flight: dict[int, SchedulerOutput] = {}
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
+        # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
+        self.connector_state = _conn.make_state(connector, config) if connector is not None else None
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,6 +137,8 @@ class Scheduler:
                                     f"fewer than max_model_len={self.max_model_len} tokens")
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if self.connector_state is not None:
+            self.connector_state.connector.on_new_request(request.request_id)
 
     def finish_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks."""
@@ -145,6 +151,8 @@ class Scheduler:
         for rid in ids:
             if not isinstance(rid, str):
                 raise InvalidFieldError("request_ids[i]", rid, "a request id (str)")
+        if self.connector_state is not None:
+            return _conn.finish_requests(self, ids if isinstance(request_ids, str) else set(ids), "abort")
         valid = [self.requests[r] for r in dict.fromkeys(ids) if r in self.requests]
         gone = {id(r) for r in valid}
         self.running = [r for r in self.running if id(r) not in gone]
@@ -175,7 +183,7 @@ class Scheduler:
 
         # The threshold only protects other requests from a long prefill (vLLM: "when it is the
         # only request there is nobody to starve").
-        num_eligible = len(self.running) + len(self.waiting)
+        num_eligible = len(self.running) + len(self.waiting) + _conn.num_kv_holding_waiting(self)
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
 
         req_index = 0
@@ -201,6 +209,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if _conn.has_pending_block_frees(self):
+                    break  # the connector's pending sends will free blocks: no preemption
                 if cfg.policy == PRIORITY:
                     victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                     victim_index = self.running.index(victim)
@@ -212,7 +222,7 @@ class Scheduler:
                         token_budget += scheduled.pop(victim.request_id)[2]
                 else:
                     victim = self.running.pop()
-                self._preempt_request(victim)
+                self._preempt_request(victim, drop_stale_output=_conn.requires_kv_delivery(self))
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -240,13 +250,19 @@ class Scheduler:
                             for rid, (r, kind, n, blocks) in scheduled.items()),
             preempted_req_ids=frozenset(self.preempted_req_ids),
             finished_req_ids=frozenset(self.finished_req_ids))
+        if self.connector_state is not None:
+            _conn.after_schedule(self, out)  # build_connector_meta
         out = self._update_after_schedule(out)
+        if self.connector_state is not None:
+            _conn.after_update_after_schedule(self, out)
         self._in_flight[id(out)] = out
         return out
 
     def _schedule_waiting(self, token_budget: int, long_prefill: int,
                           scheduled: dict[str, tuple[Request, str, int, BlockIds]]) -> int:
         """Admit waiting requests in queue order until one does not fit (head-of-line, #39734)."""
+        if self.connector_state is not None:
+            return _conn.schedule_waiting(self, token_budget, long_prefill, scheduled)
         cfg = self.config
         kv = self.kv_cache_manager
         skipped: list[Request] = []
@@ -305,15 +321,19 @@ class Scheduler:
         self.preempted_req_ids = set()
         return SchedulerOutput(tuple(items), out.preempted_req_ids, out.finished_req_ids)
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
         """Recompute preemption: free all blocks, forget progress, back to the waiting queue's head."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
+        if self.connector_state is not None:
+            self.connector_state.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # Async: in-flight output becomes stale; it is still delivered when it arrives (an
         # undrained drop-mode share stays dropped).
-        request.drop_stale_output = request.drop_stale_output and request.num_stale_output_tokens > 0
+        # (``drop_stale_output``: a connector that requires KV delivery, or a prefix-cache reset)
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -321,7 +341,8 @@ class Scheduler:
         self.preempted_req_ids.add(request.request_id)
 
     # ---- outputs --------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput,
+                           kv_connector_output: _conn.KVConnectorOutput | None = None) -> None:
         """Settle one step: in-flight tokens, sampled tokens, stop checks, finishing.
 
         Steps must be settled in the order they were scheduled (vLLM's batch queue is FIFO).
@@ -335,7 +356,11 @@ class Scheduler:
         for rid, ids in model_output.sampled_token_ids.items():
             if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < 0 for t in ids):
                 raise InvalidFieldError(f"model_output.sampled_token_ids[{rid!r}]", ids, "a list of token ids >= 0")
+        _conn.check_kv_connector_output(self, kv_connector_output)
         del self._in_flight[id(output)]
+        # failed KV loads (vLLM: skipped below; finished as errors under the "fail" policy)
+        failed = (_conn.handle_failures(self, kv_connector_output, output.num_scheduled_tokens)
+                  if self.connector_state is not None else set())
         stopped: list[tuple[Request, RequestStatus]] = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
@@ -348,6 +373,8 @@ class Scheduler:
                 assert request.num_stale_output_tokens >= 0
                 if request.drop_stale_output:
                     continue
+            if s.request_id in failed or request.status == RequestStatus.FINISHED:
+                continue  # a failed KV load, or finished while the connector holds its blocks
             new_ids = list(model_output.sampled_token_ids.get(s.request_id, ()))
             if not new_ids:
                 continue
@@ -364,6 +391,8 @@ class Scheduler:
         gone = {id(r) for r, _ in stopped}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.remove_requests([r for r, st in stopped if st != RequestStatus.RUNNING])
+        if self.connector_state is not None:
+            _conn.after_output(self, kv_connector_output, failed)
         self._publish_kv_events()
 
     def _publish_kv_events(self) -> None:
@@ -406,13 +435,19 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.status == RequestStatus.FINISHED
+        if self.connector_state is not None:
+            return _conn.free_request(self, request)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
     # ---- observation ----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or _conn.num_kv_holding_waiting(self) > 0
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM ``Scheduler.reset_prefix_cache`` (see :func:`.scheduler_connector.reset_prefix_cache`)."""
+        return _conn.reset_prefix_cache(self, reset_running_requests, reset_connector)
 
     def snapshot(self, all_requests: Iterable[Request] = ()) -> SchedulerSnapshot:
         """Observable state; ``all_requests`` adds finished requests the caller still holds."""
@@ -423,7 +458,7 @@ class Scheduler:
             raise InvalidFieldError("all_requests", all_requests, "a collection of Requests")
         reqs = {r.request_id: r for r in all_requests}
         reqs.update(self.requests)
-        return SchedulerSnapshot(
+        snap = SchedulerSnapshot(
             waiting=tuple(r.request_id for r in self.waiting),
             running=tuple(r.request_id for r in self.running),
             requests={rid: request_state(r) for rid, r in reqs.items()},
@@ -432,10 +467,13 @@ class Scheduler:
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             free_block_queue=(self.kv_cache_manager.free_block_queue()
                               if hasattr(self.kv_cache_manager, "free_block_queue") else None))
+        return snap if self.connector_state is None else _conn.snapshot(self, snap)
 
     def check_invariants(self) -> None:
         """Queues disjoint and consistent with request states, plus the KV cache manager's rules
         (docs/invariants.md)."""
+        if self.connector_state is not None:
+            return _conn.check_invariants(self)
         waiting = list(self.waiting)
         self.waiting.check_invariants()
         ids_w = {r.request_id for r in waiting}

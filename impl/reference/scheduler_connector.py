@@ -1,0 +1,757 @@
+"""KV-connector flows of vLLM 0.33.0's scheduler, for the reference :class:`Scheduler`.
+
+A KV connector (P/D transfer, CPU/disk offload, LMCache, ...) answers, for each request admitted
+from the waiting queue, how many tokens beyond the local prefix-cache hit it can load
+(``get_num_new_matched_tokens``) and whether it loads them *between* steps (async: the request
+waits in ``WAITING_FOR_REMOTE_KVS`` holding its blocks) or inside the step that computes the rest
+(sync). The worker side later reports, in each step's ``KVConnectorOutput``, loads that finished
+(``finished_recving``), failed (``failed_recving``, or ``invalid_block_ids`` of blocks that did not
+load), and sends that finished (``finished_sending``: blocks a finished request kept because
+``request_finished`` said the connector still reads them).
+
+What the scheduler does with that, as vLLM 0.33.0's ``Scheduler`` does it (each function here
+names its vLLM counterpart):
+
+* waiting requests holding KV blocks (async loads, promoted loads) sit in ``kv_holding_waiting``,
+  always drained before ``waiting``; a load still in flight, or a connector that cannot answer
+  yet (``None``), skips the request for this step without blocking the queue;
+* an async load allocates its blocks at once (``delay_cache_blocks``: nothing is published until
+  the KV is there) and is admitted only if they fit beside what in-flight prefills still need
+  (``_inflight_prefill_reserved_blocks``);
+* a finished load is promoted: its blocks are cached up to the loaded tokens
+  (``_update_waiting_for_remote_kv``), a whole-prompt load recomputes its last token;
+* a failed load, with ``kv_load_failure_policy="recompute"``, truncates the request's computed
+  tokens to the first invalid block (or to 0 for ``failed_recving``) and recomputes; with
+  ``"fail"`` the request finishes with an error (vLLM #19330 / #26050 introduced the two policies);
+* a request whose connector keeps its blocks (``request_finished`` -> delay) stays in
+  ``requests`` until ``finished_sending``; an aborted load keeps its blocks until
+  ``finished_recving``;
+* ``reset_prefix_cache(reset_connector=True)`` also resets the connector's cache.
+
+Not modelled: the consumer-side deferred block frees of async scheduling (``defer_block_free``:
+kv_role consumer with two batches in flight), deferred async loads (HiSparse), partial-tail
+offloads (Mamba align mode), DSV4 sliding-window replay, the aux-output and encoder connectors,
+connector stats. The connector itself is :class:`ScriptedConnector`: a deterministic stand-in
+whose answers the trace chooses, run unchanged inside vLLM by
+:mod:`kvref.impl.vllm.connector`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.errors import InvalidFieldError, check_choice, check_int
+from kvref.spec.kv_cache_interface import MambaSpec
+
+from .scheduler_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+KV_CONSUMER = "kv_consumer"
+KV_PRODUCER = "kv_producer"
+RECOMPUTE = "recompute"
+FAIL = "fail"
+#: the status vLLM gives a request whose async load is in flight (``RequestStatus.WAITING_FOR_REMOTE_KVS``)
+WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """vLLM's ``KVTransferConfig`` fields the scheduler reads, plus the fake connector's knobs.
+
+    Args:
+        kv_role: ``"kv_consumer"`` or ``"kv_producer"`` (a producer's connector requires KV
+            delivery by default: a preempted request's in-flight output is dropped).
+        kv_load_failure_policy: ``"recompute"`` or ``"fail"``.
+        requires_kv_delivery: the connector's ``requires_kv_delivery``; None: the role's default.
+        pending_frees_stop_preemption: ``has_pending_block_frees()`` answers True while a send is
+            pending, so the running loop waits for those blocks instead of preempting.
+        divergent_local_hybrid_hits: ``supports_divergent_local_hybrid_hits`` (the scheduler then
+            asks ``get_computed_blocks_for_connector`` for the local hit).
+        reset_cache_result: what ``reset_cache()`` returns (True, False or None).
+    """
+
+    kv_role: str = KV_CONSUMER
+    kv_load_failure_policy: str = RECOMPUTE
+    requires_kv_delivery: bool | None = None
+    pending_frees_stop_preemption: bool = False
+    divergent_local_hybrid_hits: bool = False
+    reset_cache_result: bool | None = True
+
+    def __post_init__(self) -> None:
+        check_choice("kv_role", self.kv_role, (KV_CONSUMER, KV_PRODUCER))
+        check_choice("kv_load_failure_policy", self.kv_load_failure_policy, (RECOMPUTE, FAIL))
+        for name in ("pending_frees_stop_preemption", "divergent_local_hybrid_hits"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidFieldError(name, getattr(self, name), "True or False")
+        for name in ("requires_kv_delivery", "reset_cache_result"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidFieldError(name, getattr(self, name), "True, False or None")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role == KV_PRODUCER
+
+    @property
+    def delivery(self) -> bool:
+        """``KVConnectorBase_V1.requires_kv_delivery``: the producer role unless overridden."""
+        return self.is_kv_producer if self.requires_kv_delivery is None else self.requires_kv_delivery
+
+
+@dataclass(frozen=True)
+class ExternalHit:
+    """What the external KV store holds for one request (chosen by the trace).
+
+    Args:
+        num_tokens: length of the prompt prefix the store can load (capped per query: an async
+            load may cover the whole prompt, a sync one leaves the last token to compute).
+        load_async: load between steps (WAITING_FOR_REMOTE_KVS) rather than inside the step.
+        num_pending_lookups: the first this many ``get_num_new_matched_tokens`` answer None
+            ("ask again later").
+        delay_free: ``request_finished`` says the connector still sends the request's blocks.
+    """
+
+    num_tokens: int = 0
+    load_async: bool = False
+    num_pending_lookups: int = 0
+    delay_free: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("num_tokens", self.num_tokens, minimum=0)
+        check_int("num_pending_lookups", self.num_pending_lookups, minimum=0)
+        for name in ("load_async", "delay_free"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidFieldError(name, getattr(self, name), "True or False")
+
+
+@dataclass(frozen=True)
+class KVConnectorOutput:
+    """The worker side's report in one step's model output (vLLM ``KVConnectorOutput``)."""
+
+    finished_sending: tuple[str, ...] = ()
+    finished_recving: tuple[str, ...] = ()
+    failed_recving: tuple[str, ...] = ()
+    invalid_block_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(x, str) for x in value):
+                raise InvalidFieldError(name, value, "a tuple of request ids")
+        if not isinstance(self.invalid_block_ids, tuple):
+            raise InvalidFieldError("invalid_block_ids", self.invalid_block_ids, "a tuple of block ids >= 0")
+        for b in self.invalid_block_ids:
+            check_int("invalid_block_ids[i]", b, minimum=0)
+
+
+BlockIdsT = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class ScriptedConnector:
+    """The fake KV connector's scheduler side: answers chosen by the trace, every call logged.
+
+    Both incarnations run this object: the reference scheduler calls it directly, and vLLM's
+    ``Scheduler`` calls it through :class:`kvref.impl.vllm.connector.KvrefScriptedConnector`, which
+    only converts vLLM's objects to ids. ``calls`` (name and plain arguments, in call order) is
+    what a conformance check compares; ``pending_loads`` / ``sync_loads`` / ``pending_sends`` are
+    what a fake worker may report next.
+    """
+
+    config: ConnectorConfig = field(default_factory=ConnectorConfig)
+    hits: dict[str, ExternalHit] = field(default_factory=dict)
+    calls: list[tuple] = field(default_factory=list)
+    #: request id -> (step, block ids, external tokens) of async loads not yet reported finished
+    pending_loads: dict[str, tuple[int, BlockIdsT, int, int]] = field(default_factory=dict)
+    #: (step, request id, block ids, local tokens, external tokens) of sync loads
+    sync_loads: list[tuple[int, str, BlockIdsT, int, int]] = field(default_factory=list)
+    #: request ids whose blocks the connector holds after request_finished
+    pending_sends: dict[str, None] = field(default_factory=dict)
+    num_steps: int = 0
+    num_lookups: dict[str, int] = field(default_factory=dict)
+    #: request id -> (local tokens, load_async) of its last lookup
+    last_query: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    store_reset: bool = False
+    #: requests whose load finished (their remote copy is gone)
+    consumed: set[str] = field(default_factory=set)
+
+    def set_hit(self, request_id: str, hit: ExternalHit) -> None:
+        if not isinstance(hit, ExternalHit):
+            raise InvalidFieldError("hit", hit, "an ExternalHit")
+        self.hits[request_id] = hit
+
+    # ---- the scheduler-side API of KVConnectorBase_V1 (ids instead of objects) ----------------
+    def on_new_request(self, request_id: str) -> None:
+        self.calls.append(("on_new_request", request_id))
+
+    def get_num_new_matched_tokens(self, request_id: str, num_tokens: int,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        self.calls.append(("get_num_new_matched_tokens", request_id, num_computed_tokens))
+        hit = self.hits.get(request_id, ExternalHit())
+        self.last_query[request_id] = (num_computed_tokens, hit.load_async)
+        n = self.num_lookups.get(request_id, 0)
+        self.num_lookups[request_id] = n + 1
+        if n < hit.num_pending_lookups:
+            return None, False
+        # a finished load (landed or failed) consumed the remote copy, as a P/D transfer's
+        # do_remote_prefill is consumed: a later lookup of the same request finds nothing, and a
+        # failed load is recomputed locally
+        available = 0 if self.store_reset or request_id in self.consumed else hit.num_tokens
+        # a sync load must leave a token to compute in the step; an async one may cover the
+        # whole prompt (the scheduler recomputes the last token after it lands)
+        available = min(available, num_tokens if hit.load_async else num_tokens - 1)
+        ext = max(0, available - num_computed_tokens)
+        return ext, hit.load_async and ext > 0
+
+    def update_state_after_alloc(self, request_id: str, block_ids: BlockIdsT, num_external_tokens: int) -> None:
+        self.calls.append(("update_state_after_alloc", request_id, block_ids, num_external_tokens))
+        if num_external_tokens > 0:
+            local, load_async = self.last_query[request_id]
+            if load_async:
+                self.pending_loads[request_id] = (self.num_steps, block_ids, local, num_external_tokens)
+            else:
+                self.sync_loads.append((self.num_steps, request_id, block_ids, local, num_external_tokens))
+
+    def build_connector_meta(self, scheduled_ids: tuple[str, ...], finished_ids: tuple[str, ...]) -> None:
+        self.calls.append(("build_connector_meta", scheduled_ids, finished_ids))
+        self.num_steps += 1
+        self.sync_loads = [s for s in self.sync_loads if s[0] >= self.num_steps - 2]
+
+    def request_finished(self, request_id: str, block_ids: BlockIdsT) -> bool:
+        self.calls.append(("request_finished", request_id, block_ids))
+        hit = self.hits.get(request_id, ExternalHit())
+        # a request whose load is still in flight frees on finished_recving, never on a send
+        delay = hit.delay_free and request_id not in self.pending_loads and any(block_ids)
+        if delay:
+            self.pending_sends[request_id] = None
+        return delay
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        self.calls.append(("update_connector_output", tuple(sorted(out.finished_sending)),
+                           tuple(sorted(out.finished_recving)), tuple(sorted(out.failed_recving)),
+                           tuple(sorted(out.invalid_block_ids))))
+        for rid in out.finished_recving:
+            if self.pending_loads.pop(rid, None) is not None:
+                self.consumed.add(rid)
+        for rid in out.finished_sending:
+            self.pending_sends.pop(rid, None)
+
+    def has_pending_block_frees(self) -> bool:
+        self.calls.append(("has_pending_block_frees",))
+        return self.config.pending_frees_stop_preemption and bool(self.pending_sends)
+
+    def reset_cache(self) -> bool | None:
+        self.calls.append(("reset_cache",))
+        if self.config.reset_cache_result:
+            self.store_reset = True
+        return self.config.reset_cache_result
+
+
+# ---- the scheduler's connector state and rules ----------------------------------------------------
+class ConnectorState:
+    """The connector bookkeeping of vLLM's ``Scheduler`` (its attributes of the same names)."""
+
+    def __init__(self, connector: ScriptedConnector, policy: str) -> None:
+        if not isinstance(connector, ScriptedConnector):
+            raise InvalidFieldError("connector", connector, "a ScriptedConnector")
+        self.connector = connector
+        self.config = connector.config
+        self.kv_holding_waiting = WaitingQueue(policy)
+        self.loading: set[str] = set()  # WAITING_FOR_REMOTE_KVS
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self.inflight_prefills: dict[str, Request] = {}
+
+    @property
+    def recompute_kv_load_failures(self) -> bool:
+        return self.config.kv_load_failure_policy == RECOMPUTE
+
+
+def make_state(connector: ScriptedConnector, config) -> ConnectorState:
+    """The scheduler's connector state; refuses what kvref does not model with a connector."""
+    if getattr(config, "num_speculative_tokens", 0):
+        raise InvalidFieldError("config.num_speculative_tokens", config.num_speculative_tokens,
+                                "0 with a KV connector (spec decoding with a connector is not modelled)")
+    if not isinstance(connector, ScriptedConnector):
+        raise InvalidFieldError("connector", connector, "a ScriptedConnector")
+    if config.async_scheduling and not connector.config.is_kv_producer:
+        # vLLM defers a consumer's block frees under two batches in flight (defer_block_free)
+        raise InvalidFieldError("connector.config.kv_role", connector.config.kv_role,
+                                "kv_producer with async scheduling (consumer deferred frees are not modelled)")
+    return ConnectorState(connector, config.policy)
+
+
+def check_kv_connector_output(sched: "Scheduler", out) -> None:
+    if out is None:
+        return
+    if sched.connector_state is None:
+        raise InvalidFieldError("kv_connector_output", out, "None (this scheduler has no KV connector)")
+    if not isinstance(out, KVConnectorOutput):
+        raise InvalidFieldError("kv_connector_output", out, "a KVConnectorOutput or None")
+    for name in ("finished_recving", "finished_sending"):
+        for rid in getattr(out, name):
+            if rid not in sched.requests:
+                raise InvalidFieldError(f"kv_connector_output.{name}", rid,
+                                        "ids of requests the scheduler still holds (vLLM asserts it)")
+    if out.invalid_block_ids and len(sched.pool.groups) > 1:
+        raise InvalidFieldError("kv_connector_output.invalid_block_ids", out.invalid_block_ids,
+                                "empty with more than one KV cache group (vLLM refuses; use failed_recving)")
+
+
+def snapshot(sched: "Scheduler", snap):
+    """The snapshot with ``kv_holding_waiting`` and WAITING_FOR_REMOTE_KVS statuses."""
+    from dataclasses import replace
+
+    st = sched.connector_state
+    states = {rid: (replace(s, status=WAITING_FOR_REMOTE_KVS) if rid in st.loading else s)
+              for rid, s in snap.requests.items()}
+    return replace(snap, requests=states, kv_holding_waiting=kv_holding_waiting_ids(sched))
+
+
+def _holds_kv_blocks(st: ConnectorState, request: Request) -> bool:
+    """vLLM ``_holds_kv_blocks``: computed tokens, or an async load in flight."""
+    return request.num_computed_tokens > 0 or request.request_id in st.loading
+
+
+def _manager(sched: "Scheduler"):
+    manager = getattr(sched.kv_cache_manager, "manager", None)
+    if manager is None:
+        raise InvalidFieldError("kv_cache_manager", type(sched.kv_cache_manager).__name__,
+                                "the reference KV cache manager (connector flows need its coordinator)")
+    return manager
+
+
+def _block_ids(sched: "Scheduler", request_id: str) -> BlockIdsT:
+    return tuple(tuple(g) for g in sched.kv_cache_manager.get_block_ids(request_id))
+
+
+def request_remaining_blocks(sched: "Scheduler", request: Request) -> int:
+    """vLLM ``_request_remaining_blocks``: blocks ``request`` still needs for its full sequence."""
+    m = _manager(sched)
+    full = min(request.num_tokens, sched.max_model_len)
+    return m.coordinator.get_num_blocks_to_allocate(
+        request.request_id, full, m.empty_kv_cache_blocks.blocks, 0, request.num_computed_tokens,
+        request.num_computed_tokens, full, apply_admission_cap=True,
+        prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+
+
+def inflight_prefill_reserved_blocks(sched: "Scheduler") -> int:
+    """vLLM ``_inflight_prefill_reserved_blocks``: what in-flight prefills still need; an async
+    load is admitted only beside it (it holds its blocks with no progress and is not preemptible)."""
+    return sum(request_remaining_blocks(sched, r) for r in sched.connector_state.inflight_prefills.values())
+
+
+def _truncate(hit_ids, num_tokens: int, sched: "Scheduler"):
+    """vLLM ``truncate_computed_blocks``: the local hit cut at a block-aligned token count."""
+    out = []
+    for ids, g in zip(hit_ids, sched.pool.groups):
+        out.append(tuple(ids[:num_tokens // g.kv_cache_spec.block_size]))
+    return tuple(out)
+
+
+def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, scheduled: dict) -> int:
+    """vLLM ``schedule()``'s waiting loop with a KV connector (see the module docstring)."""
+    cfg = sched.config
+    kv = sched.kv_cache_manager
+    st = sched.connector_state
+    conn = st.connector
+    skipped_waiting: list[Request] = []
+    skipped_holding: list[Request] = []
+
+    def skip(queue: WaitingQueue) -> None:
+        r = queue.pop_request()
+        (skipped_holding if _holds_kv_blocks(st, r) else skipped_waiting).append(r)
+
+    while token_budget > 0:
+        queue = st.kv_holding_waiting if st.kv_holding_waiting else sched.waiting
+        if not queue or len(sched.running) >= cfg.max_num_seqs:
+            break
+        request = queue.peek_request()
+        rid = request.request_id
+        if rid in st.loading:
+            if rid not in st.finished_recving_kv_req_ids:
+                skip(queue)  # still loading: does not block the queue
+                continue
+            update_waiting_for_remote_kv(sched, request)
+        if request.num_stale_output_tokens and not request.drop_stale_output:
+            skip(queue)
+            continue
+
+        num_external = 0
+        load_async = False
+        hit_ids = None
+        num_local = 0
+        if request.num_computed_tokens == 0:
+            hit_ids, num_local = kv.get_computed_blocks(request)
+            block_size = sched.pool.scheduler_block_size
+            partial_tail = num_local % block_size
+            aligned = num_local - partial_tail
+            ext, load_async = conn.get_num_new_matched_tokens(rid, request.num_tokens, aligned)
+            if ext is None:
+                skip(queue)  # the connector cannot answer yet
+                continue
+            if partial_tail and ext > partial_tail:
+                # a strictly longer remote hit supersedes the local sub-block tail
+                hit_ids = _truncate(hit_ids, aligned, sched)
+                num_local = aligned
+                num_external = ext
+            elif partial_tail:
+                load_async = False
+            else:
+                num_external = ext
+            num_computed = num_local + num_external
+            assert num_computed <= request.num_tokens
+        else:
+            num_computed = request.num_computed_tokens  # a promoted load
+
+        if load_async:
+            num_new = 0
+        else:
+            num_new = request.num_tokens - num_computed
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
+            if not cfg.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            assert num_new > 0
+
+        reserved = inflight_prefill_reserved_blocks(sched) if load_async else 0
+        blocks = kv.allocate_slots(
+            request, num_new, num_new_computed_tokens=num_local, new_computed_block_ids=hit_ids,
+            num_external_computed_tokens=num_external, delay_cache_blocks=load_async,
+            full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=reserved,
+            has_scheduled_reqs=bool(sched.running))
+        if blocks is None:
+            break  # head-of-line, as without a connector
+        conn.update_state_after_alloc(rid, _block_ids(sched, rid), num_external)
+
+        if load_async:
+            st.loading.add(rid)
+            request.num_computed_tokens = num_computed
+            st.inflight_prefills[rid] = request
+            skip(queue)
+            continue
+
+        queue.pop_request()
+        sched.running.append(request)
+        kind = "new" if request.status == RequestStatus.WAITING else "resumed"
+        scheduled[rid] = (request, kind, num_new, kv.get_block_ids(rid))
+        token_budget -= num_new
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if num_computed + num_new < request.num_tokens:
+            st.inflight_prefills[rid] = request
+    if skipped_holding:
+        st.kv_holding_waiting.prepend_requests(skipped_holding)
+    if skipped_waiting:
+        sched.waiting.prepend_requests(skipped_waiting)
+    return token_budget
+
+
+def update_waiting_for_remote_kv(sched: "Scheduler", request: Request) -> None:
+    """vLLM ``_update_waiting_for_remote_kv``: a finished (or failed) load is promoted."""
+    st = sched.connector_state
+    kv = sched.kv_cache_manager
+    rid = request.request_id
+    if rid in st.failed_recving_kv_req_ids:
+        if request.num_computed_tokens:
+            kv.cache_blocks(request, request.num_computed_tokens)  # the valid prefix
+        else:
+            kv.free(request)  # nothing valid: a retry may hit the local cache
+        st.failed_recving_kv_req_ids.remove(rid)
+    else:
+        kv.cache_blocks(request, request.num_computed_tokens)
+    if request.num_computed_tokens == request.num_tokens:
+        request.num_computed_tokens = request.num_tokens - 1  # recompute the last token to sample
+    st.finished_recving_kv_req_ids.remove(rid)
+    st.loading.discard(rid)
+
+
+def after_schedule(sched: "Scheduler", out) -> None:
+    """vLLM ``build_connector_meta`` (before ``_update_after_schedule``) and the in-flight
+    prefill set's update after it."""
+    st = sched.connector_state
+    st.connector.build_connector_meta(tuple(s.request_id for s in out.scheduled),
+                                      tuple(sorted(out.finished_req_ids)))
+
+
+def after_update_after_schedule(sched: "Scheduler", out) -> None:
+    st = sched.connector_state
+    for s in out.scheduled:
+        r = sched.requests[s.request_id]
+        if not r.is_prefill_chunk:
+            st.inflight_prefills.pop(s.request_id, None)
+
+
+def on_preempt(sched: "Scheduler", request: Request) -> None:
+    sched.connector_state.inflight_prefills.pop(request.request_id, None)
+
+
+def requires_kv_delivery(sched: "Scheduler") -> bool:
+    st = sched.connector_state
+    return st is not None and st.config.delivery
+
+
+def has_pending_block_frees(sched: "Scheduler") -> bool:
+    st = sched.connector_state
+    return st is not None and st.connector.has_pending_block_frees()
+
+
+# ---- outputs --------------------------------------------------------------------------------------
+def handle_failures(sched: "Scheduler", kv_output: KVConnectorOutput | None,
+                    num_scheduled_tokens: dict[str, int]) -> set[str]:
+    """vLLM ``update_from_output``'s first part: failed receives and invalid blocks. Returns the
+    request ids whose output this step is skipped (and, under ``"fail"``, finished as errors)."""
+    failed: set[str] = set()
+    if kv_output is None:
+        return failed
+    if kv_output.failed_recving:
+        failed.update(_handle_failed_recving(sched, set(kv_output.failed_recving)))
+    if kv_output.invalid_block_ids:
+        failed.update(_handle_invalid_blocks(sched, set(kv_output.invalid_block_ids), num_scheduled_tokens))
+    return failed
+
+
+def _handle_failed_recving(sched: "Scheduler", failed_req_ids: set[str]) -> set[str]:
+    """vLLM ``_handle_failed_recving``: a receive failed as a whole (any layout)."""
+    st = sched.connector_state
+    affected: set[str] = set()
+    for rid in failed_req_ids:
+        request = sched.requests.get(rid)
+        if request is not None and rid in st.loading:
+            affected.add(rid)
+            if st.recompute_kv_load_failures:
+                request.num_computed_tokens = 0
+                st.failed_recving_kv_req_ids.add(rid)
+    return set() if st.recompute_kv_load_failures else affected
+
+
+def _update_requests_with_invalid_blocks(sched: "Scheduler", requests, invalid: set[int],
+                                         num_scheduled_tokens: dict[str, int], evict_blocks: bool):
+    """vLLM ``_update_requests_with_invalid_blocks``: truncate each affected request's computed
+    tokens at its first invalid block; a block shared with an earlier affected request is
+    recomputed by that one only."""
+    affected: set[str] = set()
+    total = 0
+    to_evict: set[int] = set()
+    marked: set[int] = set()
+    block_size = sched.pool.scheduler_block_size
+    for request in requests:
+        is_affected = False
+        marked_invalid_block = False
+        rid = request.request_id
+        (req_block_ids,) = sched.kv_cache_manager.get_block_ids(rid)
+        req_num_computed = request.num_computed_tokens - num_scheduled_tokens.get(rid, 0)
+        req_num_blocks = (req_num_computed + block_size - 1) // block_size
+        for idx, block_id in zip(range(req_num_blocks), req_block_ids):
+            if block_id not in invalid:
+                continue
+            is_affected = True
+            if block_id in marked:
+                continue
+            marked.add(block_id)
+            if marked_invalid_block:
+                continue
+            marked_invalid_block = True
+            request.num_computed_tokens = idx * block_size
+            total += req_num_computed - request.num_computed_tokens
+            if evict_blocks:
+                to_evict.update(req_block_ids[idx:])
+        if is_affected:
+            if not marked_invalid_block:
+                total += request.num_computed_tokens - req_num_computed
+                request.num_computed_tokens = req_num_computed
+            affected.add(rid)
+    return affected, total, to_evict
+
+
+def _handle_invalid_blocks(sched: "Scheduler", invalid: set[int], num_scheduled_tokens: dict[str, int]) -> set[str]:
+    """vLLM ``_handle_invalid_blocks``: async loads (not cached yet) and running requests (sync
+    loads, possibly cached: evicted under ``"fail"``)."""
+    st = sched.connector_state
+    if len(sched.pool.groups) > 1:
+        raise RuntimeError("A KV connector reported block-level load failures (invalid_block_ids) "
+                           "which is not supported for models with multiple KV cache groups.")
+    async_reqs = [r for r in st.kv_holding_waiting if r.request_id in st.loading]
+    async_failed, _, _ = _update_requests_with_invalid_blocks(sched, async_reqs, invalid, num_scheduled_tokens,
+                                                              evict_blocks=False)
+    sync_failed, _, to_evict = _update_requests_with_invalid_blocks(sched, list(sched.running), invalid,
+                                                                    num_scheduled_tokens, evict_blocks=True)
+    if not (async_failed or sync_failed):
+        return set()
+    if to_evict and not st.recompute_kv_load_failures:
+        sched.kv_cache_manager.evict_blocks(to_evict)
+    if not st.recompute_kv_load_failures:
+        return async_failed | sync_failed
+    st.failed_recving_kv_req_ids |= async_failed
+    return sync_failed
+
+
+def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed: set[str]) -> None:
+    """vLLM ``update_from_output``'s end: fail-policy errors, then finished transfers."""
+    st = sched.connector_state
+    error_ids: set[str] = set()
+    if failed and not st.recompute_kv_load_failures:
+        error_ids.update(failed)
+    if error_ids:
+        finish_requests(sched, set(error_ids), "error")
+    if kv_output is None:
+        return
+    st.connector.update_connector_output(kv_output)
+    for rid in set(kv_output.finished_recving):
+        request = sched.requests[rid]
+        if rid in st.loading:
+            st.finished_recving_kv_req_ids.add(rid)
+        else:
+            assert request.status == RequestStatus.FINISHED, rid
+            _free_blocks(sched, request)
+    for rid in set(kv_output.finished_sending):
+        _free_blocks(sched, sched.requests[rid])
+
+
+def _free_blocks(sched: "Scheduler", request: Request) -> None:
+    assert request.status == RequestStatus.FINISHED
+    sched.kv_cache_manager.free(request)
+    del sched.requests[request.request_id]
+
+
+def finish_requests(sched: "Scheduler", ids, reason: str) -> list[Request]:
+    """vLLM ``finish_requests`` with a connector: a request whose load is in flight keeps its
+    blocks until ``finished_recving`` (the connector still writes them)."""
+    st = sched.connector_state
+    valid = []
+    for rid in ids:
+        request = sched.requests.get(rid)
+        if request is None or request.status == RequestStatus.FINISHED:
+            continue
+        valid.append(request)
+    gone = {id(r) for r in valid}
+    sched.running = [r for r in sched.running if id(r) not in gone]
+    sched.waiting.remove_requests(valid)
+    st.kv_holding_waiting.remove_requests(valid)
+    for request in valid:
+        rid = request.request_id
+        delay = False
+        if rid in st.loading:
+            delay = rid not in st.finished_recving_kv_req_ids
+            st.finished_recving_kv_req_ids.discard(rid)
+            st.failed_recving_kv_req_ids.discard(rid)
+            st.loading.discard(rid)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        free_request(sched, request, delay)
+    return valid
+
+
+def free_request(sched: "Scheduler", request: Request, delay_free_blocks: bool = False) -> None:
+    """vLLM ``_free_request`` with ``_connector_finished``: the connector sees the block table
+    clipped to the computed tokens (after out-of-window blocks were dropped) and may keep the
+    blocks (``delay_free``); they are freed on ``finished_sending``."""
+    st = sched.connector_state
+    st.inflight_prefills.pop(request.request_id, None)
+    m = _manager(sched)
+    rid = request.request_id
+    m.remove_skipped_blocks(rid, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
+                            request.num_prompt_tokens)
+    block_ids = block_ids_for_computed_tokens(sched, rid, request.num_computed_tokens)
+    delay = st.connector.request_finished(rid, block_ids)
+    sched.finished_req_ids.add(rid)
+    if not (delay_free_blocks or delay):
+        _free_blocks(sched, request)
+
+
+def block_ids_for_computed_tokens(sched: "Scheduler", request_id: str, num_computed_tokens: int) -> BlockIdsT:
+    """vLLM ``KVCacheManager.get_block_ids_for_computed_tokens``: attention groups clipped to the
+    blocks covering the computed tokens; Mamba groups whole."""
+    out = []
+    for ids, g in zip(_block_ids(sched, request_id), sched.pool.groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            out.append(ids)
+        else:
+            out.append(ids[:-(-num_computed_tokens // spec.block_size)])
+    return tuple(out)
+
+
+# ---- reset ----------------------------------------------------------------------------------------
+def reset_prefix_cache(sched: "Scheduler", reset_running_requests: bool = False,
+                       reset_connector: bool = False) -> bool:
+    """vLLM ``Scheduler.reset_prefix_cache``: optionally preempt every running request (their
+    in-flight output is dropped), reset the prefix cache, optionally reset the connector's cache.
+
+    Raises RuntimeError where vLLM does: running requests were preempted and the reset still
+    failed (an async load holds blocks)."""
+    for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+        if not isinstance(value, bool):
+            raise InvalidFieldError(name, value, "True or False")
+    if reset_running_requests:
+        while sched.running:
+            sched._preempt_request(sched.running.pop(), drop_stale_output=True)
+    reset = getattr(sched.kv_cache_manager, "reset_prefix_cache", None)
+    if reset is None:
+        raise InvalidFieldError("kv_cache_manager", type(sched.kv_cache_manager).__name__,
+                                "a manager with reset_prefix_cache()")
+    ok = reset()
+    if reset_running_requests and not ok:
+        raise RuntimeError("Failed to reset KV cache even when all the running requests are preempted "
+                           "and moved to the waiting queue.")
+    if reset_connector:
+        ok = reset_connector_cache(sched) and ok
+    return ok
+
+
+def reset_connector_cache(sched: "Scheduler") -> bool:
+    """vLLM ``reset_connector_cache``: no connector is a success; ``reset_cache() is False`` a failure."""
+    st = sched.connector_state
+    if st is None:
+        return True
+    return st.connector.reset_cache() is not False
+
+
+# ---- observation ----------------------------------------------------------------------------------
+def check_invariants(sched: "Scheduler") -> None:
+    """The scheduler's queue invariants with a connector: every live request in exactly one of
+    running / waiting / kv_holding_waiting; finished requests still in ``requests`` only while
+    the connector holds their blocks; plain waiting requests hold no KV."""
+    st = sched.connector_state
+    st.kv_holding_waiting.check_invariants()
+    sched.waiting.check_invariants()
+    waiting = list(sched.waiting)
+    holding = list(st.kv_holding_waiting)
+    ids = [r.request_id for r in sched.running] + [r.request_id for r in waiting] + [r.request_id for r in holding]
+    assert len(ids) == len(set(ids)), "request in two queues"
+    live = {rid for rid, r in sched.requests.items() if r.status != RequestStatus.FINISHED}
+    assert set(ids) == live, "live request in no queue (or a queued dead one)"
+    assert len(sched.running) <= sched.config.max_num_seqs
+    assert st.loading <= {r.request_id for r in holding} | set(), "a loading request outside kv_holding_waiting"
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING and r.request_id not in st.loading
+        assert r.num_computed_tokens < sched.max_model_len
+    for r in waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+        assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
+        assert not any(sched.kv_cache_manager.get_block_ids(r.request_id)), "waiting request holds blocks"
+    for r in holding:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+    assert st.finished_recving_kv_req_ids <= st.loading and st.failed_recving_kv_req_ids <= st.loading
+    assert set(st.inflight_prefills) <= set(sched.requests)
+    sched.kv_cache_manager.check_invariants()
+
+
+def num_kv_holding_waiting(sched: "Scheduler") -> int:
+    st = sched.connector_state
+    return 0 if st is None else len(st.kv_holding_waiting)
+
+
+def kv_holding_waiting_ids(sched: "Scheduler") -> tuple[str, ...]:
+    st = sched.connector_state
+    return () if st is None else tuple(r.request_id for r in st.kv_holding_waiting)
+
+
+__all__ = [
+    "ConnectorConfig", "ExternalHit", "KVConnectorOutput", "ScriptedConnector", "ConnectorState",
+    "KV_CONSUMER", "KV_PRODUCER", "RECOMPUTE", "FAIL", "WAITING_FOR_REMOTE_KVS", "reset_prefix_cache",
+]

@@ -1,0 +1,423 @@
+"""Scheduler traces with a KV connector: the reference scheduler and vLLM 0.33.0's ``Scheduler`` /
+``AsyncScheduler`` driven in lock step with the same scripted connector answers.
+
+Each target gets its own :class:`~kvref.impl.reference.scheduler_connector.ScriptedConnector` (vLLM's
+through its ``kv_transfer_config``: :mod:`kvref.impl.vllm.connector`). The trace draws, per
+request, what the external store holds (nothing, a prefix, the whole prompt), whether it loads
+synchronously or asynchronously, how many lookups answer "not yet" and whether the connector keeps
+the blocks after the request finishes (an async send); per setup the connector's role, the
+``kv_load_failure_policy`` (recompute or fail), ``requires_kv_delivery``, whether pending sends
+stop preemption, and what a connector cache reset answers. The fake worker then reports, in each
+settled step's ``KVConnectorOutput``, async loads finishing (now, later, out of order), failing as
+a whole (``failed_recving``) or in some blocks (``invalid_block_ids``, single-group pools, as vLLM
+requires), sync loads with invalid blocks, and sends finishing. ``reset_prefix_cache`` with and
+without the connector reset (and preempting the running requests) is a rule of its own.
+
+After every operation every target's scheduler output, snapshot (queues including
+``kv_holding_waiting``, request states including ``waiting_for_remote_kvs``, computed tokens,
+block tables per group, free blocks and free-queue order), published KV events and the
+connector's call log (every call with its arguments: lookups with the local hit, allocations with
+block ids and external tokens, ``build_connector_meta`` with the batch, ``request_finished`` with the
+clipped block table, ``update_connector_output``, ``has_pending_block_frees``, ``reset_cache``)
+must be equal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler_connector import (
+    FAIL,
+    KV_CONSUMER,
+    KV_PRODUCER,
+    RECOMPUTE,
+    ConnectorConfig,
+    ExternalHit,
+    KVConnectorOutput,
+    ScriptedConnector,
+)
+from kvref.impl.scheduler_types import SchedulerConfig
+
+from .scheduler import (
+    COVERAGE,
+    Lockstep,
+    SchedulerMachine,
+    _AcceptedDuringTeardown,
+    _diverge,
+    request_specs,
+    scheduler_setups,
+)
+
+CONNECTOR_COVERAGE: Counter = Counter()
+"""Tallies of the connector paths the traces reached (tests assert the rare ones occur)."""
+
+OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
+
+
+@st.composite
+def connector_setups(draw, kinds=("full", "full", "full+swa", "full+chunked", "full+mamba"), large: bool = False):
+    """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
+    sync or async scheduling; async runs the producer role (kvref does not model a consumer's
+    deferred frees under two batches in flight)."""
+    pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large))
+    role = KV_PRODUCER if cfg.async_scheduling else draw(st.sampled_from((KV_CONSUMER, KV_PRODUCER)))
+    conn = ConnectorConfig(
+        kv_role=role, kv_load_failure_policy=draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL))),
+        requires_kv_delivery=draw(st.sampled_from((None, None, False, True))),
+        pending_frees_stop_preemption=draw(st.sampled_from((False, False, True))),
+        divergent_local_hybrid_hits=draw(st.booleans()),
+        reset_cache_result=draw(st.sampled_from((True, True, False, None))))
+    return pool, cfg, conn
+
+
+@st.composite
+def external_hits(draw, prompt_len: int) -> ExternalHit:
+    kind = draw(st.sampled_from(("none", "prefix", "prefix", "whole", "whole")))
+    n = {"none": 0, "whole": prompt_len}.get(kind) or draw(st.integers(1, prompt_len))
+    return ExternalHit(num_tokens=n, load_async=draw(st.booleans()),
+                       num_pending_lookups=draw(st.sampled_from((0, 0, 0, 1, 2))),
+                       delay_free=draw(st.sampled_from((False, False, True))))
+
+
+class ConnectorLockstep(Lockstep):
+    """:class:`Lockstep` with a scripted connector per target and a fake worker's reports.
+
+    Args:
+        factories: ``name -> (pool, config, connector) -> target``.
+        connector_config: the setup's connector knobs (one :class:`ScriptedConnector` per target).
+    """
+
+    def __init__(self, pool: PoolConfig, config: SchedulerConfig,
+                 factories: dict[str, Callable[[PoolConfig, SchedulerConfig, ScriptedConnector], Any]],
+                 connector_config: ConnectorConfig, kv_events: bool = True) -> None:
+        self.connectors: dict[str, ScriptedConnector] = {}
+
+        def bind(name, f):
+            def build(p, c):
+                conn = self.connectors[name] = ScriptedConnector(connector_config)
+                return f(p, c, conn)
+            return build
+
+        super().__init__(pool, config, {name: bind(name, f) for name, f in factories.items()}, kv_events)
+        self.connector_config = connector_config
+        self.step_indices: deque[int] = deque()
+        self.num_scheduled_steps = 0
+        self._promoted: set[str] = set()  # loads reported finished, not yet scheduled
+
+    @property
+    def script(self) -> ScriptedConnector:
+        return next(iter(self.connectors.values()))
+
+    def _compare_calls(self, what: str) -> None:
+        (n0, c0), *rest = self.connectors.items()
+        for name, c in rest:
+            if c.calls != c0.calls:
+                i = next((i for i, (x, y) in enumerate(zip(c0.calls, c.calls)) if x != y), min(len(c0.calls), len(c.calls)))
+                _diverge(f"after {what} (step {self.num_steps}): connector calls differ at call {i}\n"
+                         f"  {n0}: {c0.calls[i:i + 3]}\n  {name}: {c.calls[i:i + 3]}",
+                         f"after {what}: connector calls differ")
+
+    def add_with_hit(self, spec, hit: ExternalHit) -> None:
+        for c in self.connectors.values():
+            c.set_hit(spec.request_id, hit)
+        self.add(spec)
+        self._compare_calls("add " + spec.request_id)
+
+    def schedule(self):
+        before = {rid for rid in self.script.pending_loads}
+        out = super().schedule()
+        self._compare_calls("schedule")
+        self.step_indices.append(self.num_scheduled_steps)
+        self.num_scheduled_steps += 1
+        snap = self.last_snapshot
+        CONNECTOR_COVERAGE["loads_started_async"] += len(set(self.script.pending_loads) - before)
+        CONNECTOR_COVERAGE["waiting_for_remote_kvs"] += sum(
+            s.status == "waiting_for_remote_kvs" for s in snap.requests.values())
+        CONNECTOR_COVERAGE["kv_holding_waiting"] += bool(snap.kv_holding_waiting)
+        for s in out.scheduled:
+            if s.kind != "running" and s.num_computed_tokens and s.request_id in self._promoted:
+                CONNECTOR_COVERAGE["promoted_load_scheduled"] += 1
+                self._promoted.discard(s.request_id)
+        return out
+
+    def worker_report(self, step: int, draw: Callable[[Any], Any] | None) -> KVConnectorOutput:
+        """The fake worker's ``KVConnectorOutput`` for the settled step ``step``: ``draw`` picks
+        each outcome (None: every pending transfer finishes cleanly, as when draining)."""
+        c = self.script
+        single_group = len(self.pool.groups) == 1
+        bs = self.pool.scheduler_block_size
+        recving, failed, sending, invalid = [], [], [], []
+
+        def ext_blocks(block_ids, local, ext):
+            first, last = local // bs, -(-(local + ext) // bs)
+            return list(block_ids[0][first:last])
+
+        for rid, (at, block_ids, local, ext) in sorted(c.pending_loads.items()):
+            if at > step:
+                continue
+            outcome = "ok" if draw is None else draw(st.sampled_from(OUTCOMES))
+            if outcome == "invalid" and not single_group:
+                outcome = "failed"
+            if outcome == "wait":
+                continue
+            recving.append(rid)
+            CONNECTOR_COVERAGE[f"load_{outcome}"] += 1
+            if outcome == "failed":
+                failed.append(rid)
+            elif outcome == "invalid":
+                blocks = ext_blocks(block_ids, local, ext)
+                if blocks:
+                    invalid += draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True))
+        if draw is not None and single_group:
+            for at, rid, block_ids, local, ext in c.sync_loads:
+                if at == step and draw(st.sampled_from((False, False, True))):
+                    blocks = ext_blocks(block_ids, local, ext)
+                    if blocks:
+                        invalid += draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True))
+                        CONNECTOR_COVERAGE["sync_load_invalid"] += 1
+        for rid in list(c.pending_sends):
+            if draw is None or draw(st.booleans()):
+                sending.append(rid)
+                CONNECTOR_COVERAGE["sends_finished"] += 1
+        return KVConnectorOutput(finished_sending=tuple(sending), finished_recving=tuple(recving),
+                                 failed_recving=tuple(failed), invalid_block_ids=tuple(dict.fromkeys(invalid)))
+
+    def complete(self, draw: Callable[[Any], Any] | None = None) -> None:
+        outs = {name: q.popleft() for name, q in self.in_flight.items()}
+        step = self.step_indices.popleft()
+        kv_out = self.worker_report(step, draw)
+        model_output = self.model.output(next(iter(outs.values())))
+        before = self.last_snapshot.requests if self.last_snapshot is not None else {}
+        for name, t in self.targets.items():
+            t.update_from_output(outs[name], model_output, kv_out)
+        self.num_steps += 1
+        self.compare("update_from_output")
+        self._compare_calls("update_from_output")
+        self._compare_published_events()
+        after = self.last_snapshot.requests
+        for rid in kv_out.finished_recving:
+            if rid in after and after[rid].status == "waiting_for_remote_kvs":
+                self._promoted.add(rid)
+        for rid, s in after.items():
+            b = before.get(rid)
+            if b is not None and b.finish_reason is None and s.finish_reason:
+                CONNECTOR_COVERAGE[f"finished_{s.finish_reason}"] += 1
+            if b is not None and b.status == "waiting_for_remote_kvs" and s.finish_reason == "abort":
+                CONNECTOR_COVERAGE["aborted_mid_load"] += 1
+        if any(rid not in self.last_snapshot.running and rid not in self.last_snapshot.waiting
+               and rid not in self.last_snapshot.kv_holding_waiting and rid in self.last_snapshot.block_ids
+               for rid in after):
+            CONNECTOR_COVERAGE["finished_holding_blocks"] += 1
+
+    def abort(self, request_id: str) -> None:
+        status = self.last_snapshot.requests.get(request_id) if self.last_snapshot else None
+        if status is not None and status.status == "waiting_for_remote_kvs":
+            CONNECTOR_COVERAGE["abort_while_loading"] += 1
+        super().abort(request_id)
+        self._compare_calls("abort " + request_id)
+
+    def reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool) -> None:
+        results = {}
+        for name, t in self.targets.items():
+            try:
+                results[name] = ("ok", t.reset_prefix_cache(reset_running_requests, reset_connector))
+            except RuntimeError as e:
+                results[name] = ("RuntimeError", "")
+        (n0, r0), *rest = results.items()
+        for name, r in rest:
+            if r != r0:
+                _diverge(f"reset_prefix_cache({reset_running_requests}, {reset_connector}): {n0} -> {r0}, "
+                         f"{name} -> {r}", "reset_prefix_cache: results differ")
+        CONNECTOR_COVERAGE[f"reset_{'running_' if reset_running_requests else ''}"
+                           f"{'connector_' if reset_connector else ''}{r0[0]}_{r0[1]}"] += 1
+        self.num_steps += 1
+        self.compare("reset_prefix_cache")
+        self._compare_calls("reset_prefix_cache")
+
+    def pending_transfers(self) -> bool:
+        return bool(self.script.pending_loads or self.script.pending_sends)
+
+    def drain(self) -> int:
+        """Run the engine with no arrivals until every request finished and every transfer was
+        reported (vLLM's engine keeps stepping while finished requests hold blocks)."""
+        live = [r for r in self.requests[next(iter(self.targets))].values() if not r.is_finished]
+        from kvref.impl.reference.scheduler_liveness import drain_bound
+
+        # every load and send finishes at the next settled step; a failed or retried load costs
+        # at most a few steps more per request
+        bound = 2 * drain_bound(live, self.pool, self.config) + 8 * len(self.specs) + 16
+        start = self.num_schedules
+        while self.unfinished() or self.num_in_flight() or self.pending_transfers():
+            if self.num_schedules - start > bound:
+                snap = next(iter(self.snapshots().values()))
+                raise AssertionError(
+                    f"liveness: not drained within {bound} schedule calls with a connector: waiting={snap.waiting} "
+                    f"kv_holding_waiting={snap.kv_holding_waiting} running={snap.running} "
+                    f"free={snap.num_free_blocks} pending loads={sorted(self.script.pending_loads)}")
+            if self.can_schedule() and (self.unfinished() or self.num_in_flight() == 0):
+                self.schedule()
+                if self.num_in_flight() < self.depth and self.unfinished():
+                    continue
+            self.complete(None)
+        return self.num_schedules - start
+
+
+MAX_REQUESTS = 8
+
+
+class ConnectorMachine(SchedulerMachine):
+    """The scheduler machine with connector answers per request and worker reports per step."""
+
+    driver: ConnectorLockstep
+
+    @precondition(lambda self: self.num_added < MAX_REQUESTS)
+    @rule(data=st.data())
+    def add_request(self, data):
+        spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
+        hit = data.draw(external_hits(len(spec.prompt)))
+        self.num_added += 1
+        self.driver.add_with_hit(spec, hit)
+
+    @precondition(lambda self: self.driver.num_in_flight() > 0)
+    @rule(data=st.data())
+    def complete(self, data):
+        self.driver.complete(data.draw)
+
+    @rule(data=st.data())
+    def engine_step(self, data):
+        d = self.driver
+        if d.can_schedule() and (d.unfinished() or d.num_in_flight() == 0):
+            d.schedule()
+            if d.num_in_flight() < d.depth and d.unfinished():
+                return
+        d.complete(data.draw)
+
+    @rule(reset_running=st.booleans(), reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_running, reset_connector):
+        self.driver.reset_prefix_cache(reset_running, reset_connector)
+
+    def teardown(self):
+        driver = getattr(self, "driver", None)
+        if driver is None:
+            return
+        try:
+            driver.drain()
+        except _AcceptedDuringTeardown:
+            return
+        snap = next(iter(driver.snapshots().values()))
+        assert not snap.waiting and not snap.running and not snap.kv_holding_waiting
+        assert not snap.block_ids, f"blocks still held after the drain: {snap.block_ids}"
+        assert all(s.status == "finished" for s in snap.requests.values())
+
+
+def connector_machine(factories: dict[str, Callable], setups=None, name: str = "ConnectorMachine"):
+    """A :class:`ConnectorMachine` subclass over ``factories`` (``(pool, config, connector) -> target``)."""
+    cls = type(name, (ConnectorMachine,), {"factories": factories})
+    strategy = setups if setups is not None else connector_setups()
+
+    @initialize(setup=strategy)
+    def init(self, setup):
+        pool, config, conn = setup
+        self.driver = ConnectorLockstep(pool, config, self.factories, conn)
+        self.num_added = 0
+
+    cls.init = init
+    return cls
+
+
+def reference_factory(pool, config, connector):
+    from kvref.impl.reference.scheduler import Scheduler
+
+    return Scheduler(pool, config, connector=connector)
+
+
+def vllm_factory(env=None):
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+
+    holder = {"env": env}
+
+    def build(pool, config, connector):
+        if holder["env"] is None:
+            holder["env"] = VllmEnv()
+        return VllmScheduler(pool, config, holder["env"], connector=connector)
+
+    return build
+
+
+# ---- a runner outside pytest (``kvref verify``'s conform-connector) ------------------------------
+@dataclass
+class ConnectorRun:
+    ok: bool
+    traces: int
+    ops: int
+    coverage: dict[str, int]
+    failure: str = ""
+    signature: str | None = None
+
+    @property
+    def summary(self) -> str:
+        c = self.coverage
+        return (f"{self.traces} generated traces ({self.ops} ops) with a KV connector: "
+                f"{c.get('loads_started_async', 0)} async loads, {c.get('load_ok', 0)} finished, "
+                f"{c.get('load_failed', 0) + c.get('load_invalid', 0)} failed, "
+                f"{c.get('sync_load_invalid', 0)} sync loads with invalid blocks, "
+                f"{c.get('sends_finished', 0)} delayed frees, {c.get('aborted_mid_load', 0)} aborts mid-load")
+
+
+def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = False, shrink: bool = True,
+                          seed: int | None = None) -> ConnectorRun:
+    """Run the connector machine (reference alone, or lock-step with vLLM) outside pytest."""
+    from contextlib import nullcontext
+
+    import hypothesis.core as hcore
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvref.models.conformance.accepted import signature
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+
+    from .scheduler import Divergence, _describe
+
+    factories: dict[str, Callable] = {"ref": reference_factory}
+    if with_vllm:
+        factories = {"vllm": vllm_factory(), **factories}
+    drivers: list[ConnectorLockstep] = []
+    machine = connector_machine(factories, name="ConnectorRun")
+    base_init = machine.init
+
+    CONNECTOR_COVERAGE.clear()
+    COVERAGE.clear()
+    saved_seed = hcore.global_force_seed
+    if seed is not None:
+        hcore.global_force_seed = seed
+    orig = ConnectorLockstep.__init__
+
+    def counting(self, *a, **k):
+        orig(self, *a, **k)
+        drivers.append(self)
+
+    ConnectorLockstep.__init__ = counting
+    try:
+        with same_inputs_in_every_process() if reproducible else nullcontext():
+            run_state_machine_as_test(
+                machine, _min_steps=20,
+                settings=settings(max_examples=examples, stateful_step_count=40, deadline=None, database=None,
+                                  derandomize=reproducible, suppress_health_check=list(HealthCheck),
+                                  phases=list(Phase) if shrink else [Phase.generate]))
+        ok, failure, sig = True, "", None
+    except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
+        subs = getattr(e, "exceptions", None) or [e]
+        ok, failure = False, "\n".join(_describe(x) for x in subs)
+        sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
+    finally:
+        ConnectorLockstep.__init__ = orig
+        hcore.global_force_seed = saved_seed
+    del base_init
+    return ConnectorRun(ok=ok, traces=len(drivers), ops=sum(d.num_steps for d in drivers),
+                        coverage=dict(CONNECTOR_COVERAGE), failure=failure, signature=sig)
