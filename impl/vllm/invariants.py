@@ -295,6 +295,10 @@ def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = T
             _fail("Q3", f"preempted {r.request_id!r} keeps num_computed_tokens={r.num_computed_tokens} "
                         "though its blocks were freed")
     live = {r.request_id for r in running} | {r.request_id for r in waiting}
+    if getattr(sched, "connector", None) is not None:
+        # a KV connector may keep a finished request's blocks (async send, aborted load) until the
+        # worker reports the transfer done; vLLM keeps such a request in ``requests`` till then
+        live |= {rid for rid, r in reqs.items() if r.is_finished()}
     stray = holders - live
     if stray:
         _fail("Q4", f"blocks held by requests neither running nor waiting: {sorted(stray)}")
