@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "kvref.cli_replay",
     "kvref.cli_check_run",
     "kvref.cli_watch",
+    "kvref.cli_demo",  # a group: demo record (cli_demo), demo publish (cli_demo_publish)
 )
 
 

@@ -20,9 +20,9 @@ with no schedule step is EMPTY: neither is ever "agrees" (``--live`` checks a tr
 written: then a missing end record is expected).
 
 Exit status: 0 the run agrees (or, where the reference could not follow, its properties hold),
-1 a divergence, a violated property, a crash, an incomplete or an empty trace, 2 the trace cannot
-be read (not a trace, a newer format, a broken record: the file and line are named), 130
-interrupted. The report and its one verdict line go to stdout.
+1 a divergence, a violated property, a crash or an incomplete trace, 2 the trace cannot be read
+(not a trace, a newer format, a broken record: the file and line are named), 3 nothing checked
+(an empty trace), 130 interrupted. The report and its one verdict line go to stdout.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         out["seconds"] = round(seconds, 3)
         out["reproducer"] = reproducer
         print(json.dumps(out, indent=1))
-        return 0 if result.ok else 1
+        return _exit_status(result)
     h = result.header
     prod = h.get("producer") or {}
     s = result.setup.scheduler
@@ -140,4 +140,15 @@ def run(args: argparse.Namespace) -> int:
     rate = result.records / seconds if seconds > 0 else 0.0
     print(f"checked {result.records:,} records in {seconds:.1f} s ({rate:,.0f} records/s)")
     print(f"verdict: {result.verdict}")  # one verdict, one stream (issue #25)
-    return 0 if result.ok else 1
+    return _exit_status(result)
+
+
+def _exit_status(result) -> int:
+    """0 clean, 1 a finding (a crash, a divergence, a property, a killed run), 3 nothing checked."""
+    from kvref.cli import EXIT_FINDINGS, EXIT_NOTHING_CHECKED, EXIT_OK
+
+    if result.ok:
+        return EXIT_OK
+    if result.verdict == "EMPTY":
+        return EXIT_NOTHING_CHECKED
+    return EXIT_FINDINGS

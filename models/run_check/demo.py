@@ -141,6 +141,7 @@ class DemoEngine:
         self.num_added = 0
         self.tick = 0
         self.num_schedules = 0
+        self.idle_schedules = 0  # schedule calls in a row that scheduled nothing
 
     def forget(self, rid: str) -> None:
         r = self.live.pop(rid, None)
@@ -169,8 +170,10 @@ class DemoEngine:
         """One engine iteration (vLLM's ``step_with_batch_queue``)."""
         depth = self.config.max_concurrent_batches
         if len(self.in_flight) < depth and self.target.has_unfinished_requests():
-            self.in_flight.append(self.target.schedule())
+            out = self.target.schedule()
+            self.in_flight.append(out)
             self.num_schedules += 1
+            self.idle_schedules = 0 if out.scheduled else self.idle_schedules + 1
             if len(self.in_flight) < depth and self.target.has_unfinished_requests():
                 return
         if self.in_flight:
@@ -183,8 +186,8 @@ class DemoEngine:
         for self.tick in range(ticks):
             workload.script(rng, client, self.tick)
             self.step()
-        for _ in range(20 * ticks):  # drain (bounded: a hung run must end too)
-            if not self.in_flight and not self.target.has_unfinished_requests():
+        for _ in range(20 * ticks):  # drain; a hung run (nothing scheduled for 50 calls) ends too
+            if not self.in_flight and not self.target.has_unfinished_requests() or self.idle_schedules >= 50:
                 break
             self.step()
 

@@ -1,0 +1,81 @@
+"""``kvref demo record``: vLLM's own scheduler (through ``scheduler_cls``) on the demo workloads, with and
+without planted faults, checked by ``check-run`` (replay) and ``--properties-only`` (issue #28, #25)."""
+
+from __future__ import annotations
+
+import pytest
+from kvref.models.run_check import check_trace
+
+from kvref import cli
+from tests.record.traces import read_lines
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def env():
+    require_vllm()
+    from kvref.impl.vllm.scheduler import VllmEnv
+
+    return VllmEnv()
+
+
+def _record(env, tmp_path, workload, fault=None, async_scheduling=True, ticks=120):
+    from kvref.demo import record_demo
+
+    path = tmp_path / f"{workload}-{fault}-{async_scheduling}.kvtrace.gz"
+    return record_demo(path, workload, fault, async_scheduling, ticks=ticks, env=env)
+
+
+@pytest.mark.parametrize("workload, async_scheduling", [("n-burst", True), ("priority", False),
+                                                       ("chunked-local", True)])
+def test_a_pristine_demo_run_agrees_with_every_observable_compared(env, tmp_path, workload, async_scheduling):
+    run = _record(env, tmp_path, workload, async_scheduling=async_scheduling)
+    assert run.crashed is None and run.scheduler_cls.endswith("AsyncScheduler" if async_scheduling else ".RecordingScheduler")
+    lines = read_lines(run.path)
+    assert lines[0]["log_stats"] is True and lines[0]["version"] == 3
+    assert all("free" in rec for rec in lines[1:] if rec["t"] in ("sched", "update"))
+    assert any(rec.get("stats", {}).get("req") for rec in lines[1:] if rec["t"] == "update")
+    r = check_trace(run.path, check_invariants_every=1)
+    assert r.ok and r.followed and r.verdict == "agrees", (r.findings, r.divergence and r.divergence.table())
+    assert r.summary["steps"] > 50 and r.summary["block_checks"] == "on"
+
+
+def test_a_crash_inside_schedule_is_recorded_and_never_agrees(env, tmp_path):
+    """The engine's finally calls shutdown(), which writes a normal end record: before #28 the trace
+    then checked as "agrees"."""
+    run = _record(env, tmp_path, "multi-turn", "crash", ticks=200)
+    assert run.crashed and run.crashed.startswith("ValueError: Cannot get")
+    lines = read_lines(run.path)
+    [err] = [rec for rec in lines[1:] if rec["t"] == "error"]
+    assert err["call"] == "schedule" and err["type"] == "ValueError" and lines[-1]["t"] == "end"
+    assert lines[-1]["errors"] == 1 and lines[-1]["how"] == "shutdown"
+    r = check_trace(run.path)
+    assert r.verdict == "CRASH" and r.crash.step == err["step"] and not r.ok
+    assert "crash" in [f.kind for f in check_trace(run.path, properties_only=True).findings]
+
+
+@pytest.mark.parametrize("fault, workload, kinds", [
+    ("leak-on-refusal", "aborts", {"conservation"}),
+    ("early-free", "sliding-window", {"conservation", "reused_while_needed"}),
+    ("wrong-hit-length", "n-burst", {"wrong_hit"}),
+    ("hit-stats", "priority", {"metrics"}),
+])
+def test_a_planted_fault_is_caught_by_replay_and_by_the_properties_alone(env, tmp_path, fault, workload, kinds):
+    run = _record(env, tmp_path, workload, fault)
+    r = check_trace(run.path)
+    assert r.divergence is not None and not r.ok, r.verdict
+    p = check_trace(run.path, properties_only=True)
+    assert kinds <= {f.kind for f in p.findings}, p.findings
+
+
+def test_the_demo_record_command_writes_a_trace_check_run_reads(tmp_path, capsys, env):
+    out = tmp_path / "run.kvtrace.gz"
+    assert cli.main(["demo", "record", str(out), "--workload", "n-burst", "--sync", "--ticks", "60"]) == 0
+    text = capsys.readouterr().out
+    assert "RecordingScheduler" in text and f"next: kvref check-run {out}" in text
+    assert cli.main(["check-run", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("verdict: agrees")
+    assert cli.main(["demo", "record", str(out), "--workload", "nosuch"]) == 2
+    assert "--workload" in capsys.readouterr().err
