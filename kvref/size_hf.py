@@ -216,12 +216,7 @@ def _shown(field: str, value: Any) -> str:
     return str(value)
 
 
-def compare_with_vllm(layers, config: EngineConfig, memory: int) -> list[tuple[str, Any, Any]]:
-    """``(field, kvref value, vLLM value)`` for every compared field, planning through vLLM
-    0.33.0's startup functions (:class:`kvref.impl.vllm.planning.VllmPlanner`)."""
-    if config.max_concurrent_batches not in (1, 2):
-        raise InvalidFieldError("--max-concurrent-batches", config.max_concurrent_batches,
-                                "1 or 2 with --against vllm (vLLM's planner knows async scheduling, not a PP depth)")
+def _plan_with_vllm(layers, config: EngineConfig, memory: int):
     from kvref.impl.vllm import vllm_available
 
     ok, why = vllm_available()
@@ -234,12 +229,23 @@ def compare_with_vllm(layers, config: EngineConfig, memory: int) -> list[tuple[s
         raise InvalidFieldError("--against", "vllm", "a vLLM with the planning API kvref binds to; the installed "
                                 "one differs: " + "; ".join(problems))
     from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
+
+    planner = VllmPlanner()
+    return kvref_outcome(planner, layers, config, memory), planner.plan(layers, config, memory, extra_retained_tokens=0)
+
+
+def compare_with_vllm(layers, config: EngineConfig, memory: int) -> list[tuple[str, Any, Any]]:
+    """``(field, kvref value, vLLM value)`` for every compared field, planning through vLLM
+    0.33.0's startup functions (:class:`kvref.impl.vllm.planning.VllmPlanner`)."""
+    if config.max_concurrent_batches not in (1, 2):
+        raise InvalidFieldError("--max-concurrent-batches", config.max_concurrent_batches,
+                                "1 or 2 with --against vllm (vLLM's planner knows async scheduling, not a PP depth)")
     from kvref.progress import Progress
 
+    # the heartbeat covers the import too: vllm_available() imports vLLM (20-30 s on a loaded
+    # machine), and the run was silent for all of it (issue #25)
     with Progress("size --against vllm").heartbeat("importing vLLM and planning through its startup planner"):
-        planner = VllmPlanner()
-        ours = kvref_outcome(planner, layers, config, memory)
-        theirs = planner.plan(layers, config, memory, extra_retained_tokens=0)
+        ours, theirs = _plan_with_vllm(layers, config, memory)
     rows = []
     for field in COMPARED:
         if field == "status":

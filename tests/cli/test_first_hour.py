@@ -80,3 +80,64 @@ def test_the_collection_line_reports_what_was_left_out() -> None:
     assert run.returncode == 0, run.stdout[-2000:]
     assert "nightly-only parametrized cases not collected under the 'fast' profile" in run.stdout
     assert "test_flag_walk_case_nightly" not in run.stdout and "deselected" in run.stdout
+
+
+class _HeartbeatLog:
+    """Replaces ``Progress.heartbeat``: records which heartbeats are open, so a test can ask whether
+    the slow part of a command ran under one (no timing involved)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from contextlib import contextmanager
+
+        from kvref import progress
+
+        self.open: list[str] = []
+        self.seen: list[str] = []
+        log = self
+
+        def heartbeat(self, status="running"):
+            @contextmanager
+            def beating():
+                log.open.append(f"{self.label}: {status}")
+                log.seen.append(f"{self.label}: {status}")
+                try:
+                    yield self
+                finally:
+                    log.open.pop()
+            return beating()
+
+        monkeypatch.setattr(progress.Progress, "heartbeat", heartbeat)
+
+
+@pytest.mark.vllm
+def test_size_against_vllm_reports_progress_while_vllm_imports(monkeypatch, capsys) -> None:
+    """`kvref size --against vllm` was silent for 26-34 s: vLLM was imported (vllm_available) before
+    the progress heartbeat started."""
+    require_vllm()
+    import kvref.impl.vllm as kv
+
+    beats = _HeartbeatLog(monkeypatch)
+    real = kv.vllm_available
+    under: list[list[str]] = []
+
+    def watched():
+        under.append(list(beats.open))
+        return real()
+
+    monkeypatch.setattr(kv, "vllm_available", watched)
+    assert main(["size", "--example", "gemma3_27b_like", "--available-memory", "16GiB", "--against", "vllm"]) == 0
+    assert under and under[0] and under[0][0].startswith("size --against vllm: importing vLLM"), under
+
+
+@pytest.mark.vllm
+def test_replay_on_vllm_reports_progress_while_vllm_imports(monkeypatch, tmp_path, capsys) -> None:
+    require_vllm()
+    from tests.hardening.cli_cases import GOOD_TRACE
+
+    beats = _HeartbeatLog(monkeypatch)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(GOOD_TRACE))
+    assert main(["replay", str(path), "--kinds", "reference,vllm"]) == 0
+    assert beats.seen == ["replay: on reference,vllm (importing vLLM takes seconds)"]
+    assert main(["replay", str(path), "--kinds", "reference"]) == 0
+    assert len(beats.seen) == 1  # nothing slow: no heartbeat
