@@ -69,6 +69,19 @@ def _summary_table(s: dict) -> str:
     return "\n".join(f"| {k:<{w}} | {v} |" for k, v in rows)
 
 
+def _reproducer(trace: str, out: str, divergence, write) -> str:
+    """``OUT/<run>-divergence-step<N>.kvtrace.gz``, the run's name without a ``-divergence-stepN``
+    of its own: checking a reproducer named ``run-divergence-step9-divergence-step9`` (issue #25).
+    A reproducer checked in place is its own reproducer (not rewritten while it is read)."""
+    import re
+
+    base = re.sub(r"(-divergence-step\d+)+$", "", os.path.basename(trace).split(".")[0]) or "run"
+    path = os.path.join(out, f"{base}-divergence-step{divergence.step}.kvtrace.gz")
+    if os.path.abspath(path) == os.path.abspath(trace):
+        return trace
+    return write(trace, divergence, path)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvref.models.run_check import check_trace, write_reproducer
     from kvref.models.run_check.properties import PROPERTY_NAMES
@@ -88,9 +101,7 @@ def run(args: argparse.Namespace) -> int:
     reproducer = None
     if result.divergence is not None:
         os.makedirs(args.out, exist_ok=True)
-        base = os.path.basename(args.trace).split(".")[0] or "run"
-        reproducer = write_reproducer(args.trace, result.divergence,
-                                      os.path.join(args.out, f"{base}-divergence-step{result.divergence.step}.kvtrace.gz"))
+        reproducer = _reproducer(args.trace, args.out, result.divergence, write_reproducer)
     if args.json:
         out = result.to_json()
         out["seconds"] = round(seconds, 3)
