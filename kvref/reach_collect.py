@@ -23,11 +23,14 @@ from collections import Counter
 NO_CHECK = "(before any check)"
 
 
-def _rc_text(files: tuple[str, ...], data_file: str) -> str:
-    """A coverage.py config file: the forked children read it (``COVERAGE_RCFILE``)."""
+def _rc_text(files: tuple[str, ...], data_file: str, context: str = "") -> str:
+    """A coverage.py config file: the forked children read it (``COVERAGE_RCFILE``) when they
+    start, and take the check running then as their (static) context."""
     include = "\n".join(f"    {f}" for f in files)
     return ("[run]\nbranch = True\nparallel = True\nconcurrency =\n    thread\n    multiprocessing\n"
-            f"data_file = {data_file}\ninclude =\n{include}\n")
+            f"data_file = {data_file}\ninclude =\n{include}\n"
+            "disable_warnings =\n    no-data-collected\n    module-not-imported\n"
+            + (f"context = {context}\n" if context else ""))
 
 
 class ReachCollector:
@@ -59,8 +62,10 @@ class ReachCollector:
         self.running = True
 
     def enter(self, check: str) -> None:
-        """Lines run from now on are attributed to ``check``."""
+        """Lines run from now on are attributed to ``check`` (in processes it forks too)."""
         self.cov.switch_context(check)
+        with open(self.rc_file, "w", encoding="utf-8") as fh:
+            fh.write(_rc_text(self.files, self.data_file, check))
 
     def stop(self):
         """Stop, save and combine every process's data; returns coverage's ``Coverage`` for reports."""

@@ -199,3 +199,37 @@ def test_bad_reach_flags_are_exit_2_with_one_line(argv, flag, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and flag in err[0], err
+
+
+def _child_runs(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reach_probe_mod", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.branchy(3)
+
+
+def test_the_collector_measures_forked_children_under_the_check_that_started_them(tmp_path):
+    """The explorer's workers are multiprocessing children: their lines come back, under the check."""
+    import multiprocessing
+
+    from kvref.reach_collect import ReachCollector
+
+    mod = tmp_path / "probe.py"
+    mod.write_text("def branchy(n):\n    if n > 2:\n        return 1\n    return 0\n\n\ndef never():\n    return 2\n")
+    col = ReachCollector((str(mod),), str(tmp_path / "data"))
+    col.start()
+    try:
+        col.enter("conform-explorer")
+        child = multiprocessing.get_context("fork").Process(target=_child_runs, args=(str(mod),))
+        child.start()
+        child.join(120)
+    finally:
+        cov = col.stop()
+    data = cov.get_data()
+    assert child.exitcode == 0
+    assert data.measured_contexts() >= {"conform-explorer"}
+    assert {2, 3} <= set(data.lines(str(mod)) or []) and 4 not in set(data.lines(str(mod)))
+    assert (2, 3) in set(data.arcs(str(mod)) or [])  # branch mode
+    assert data.contexts_by_lineno(str(mod))[3] == ["conform-explorer"]
