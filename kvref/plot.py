@@ -49,43 +49,70 @@ def curve_series(plan: KVCachePlan, xs: list[int]) -> list[tuple[str, list[int],
     return out
 
 
+#: how far the x-axis runs past max_model_len (a margin, so the max_model_len line is not the frame)
+X_MARGIN = 1.05
+#: lines whose heights differ by more than this factor get a log y-axis: on a linear one the
+#: windowed groups (a few blocks) lay on the x-axis under their admission-cap line (issue #25)
+LOG_RATIO = 20.0
+
+
+def _log_scale_needed(heights: list[float]) -> bool:
+    positive = [h for h in heights if h > 0]
+    return bool(positive) and max(positive) / min(positive) > LOG_RATIO
+
+
 def build_figure(plan: KVCachePlan, title: str | None = None):
-    """The matplotlib figure of :func:`plot_plan` (tests inspect its lines)."""
+    """The matplotlib figure of :func:`plot_plan` (tests inspect its lines, axes and legend).
+
+    Every line stays readable on every packaged config (issue #25): the x-axis ends just past
+    ``max_model_len`` (how far the pool could serve beyond it is written in the legend, not drawn:
+    Llama-4's pool serves 4x further, and three quarters of the picture lay past the model's limit);
+    the y-axis is logarithmic when the lines' heights differ by orders of magnitude (a full-attention
+    request of thousands of blocks beside sliding-window caps of a few, or a pool far larger than a
+    request); the legend sits outside the plot area, so it covers no line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # Show past max_model_len up to the largest length the pool could serve (at most 4x further).
-    xs = _lengths(max(plan.max_model_len, min(plan.max_servable_len, 4 * plan.max_model_len), 1))
+    xs = _lengths(max(plan.max_model_len, 1))
     per_group = blocks_by_length(plan, xs)
     total = [sum(col) for col in zip(*per_group)] if per_group else [0] * len(xs)
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(12, 5.5), dpi=110)
     # the whole request first, wide and pale, under the groups: a group that holds nearly all of it
     # (full attention beside capped windows) stays visible on top instead of disappearing beneath
     ax.plot(xs, total, color="black", linewidth=5, alpha=0.25, zorder=1, label="whole request (sum over groups)")
     caps_drawn: set[int] = set()
     styles = ["-", "--", "-.", ":"]
+    heights = [max(total, default=0)]
     for n, (label, ys, groups) in enumerate(curve_series(plan, xs)):
         (line,) = ax.plot(xs, ys, label=label, linewidth=1.8, linestyle=styles[n % len(styles)], zorder=3)
+        heights.append(max(ys, default=0))
         cap = plan.group_plans[groups[0]].admission_cap
         if cap is not None and cap not in caps_drawn:
             caps_drawn.add(cap)
-            ax.axhline(cap, color=line.get_color(), linestyle=":", linewidth=1.2, zorder=2)
-            ax.annotate(f"admission cap {cap}", (xs[-1], cap), color=line.get_color(),
-                        ha="right", va="bottom", fontsize=8)
+            heights.append(cap)
+            ax.axhline(cap, color=line.get_color(), linestyle=":", linewidth=1.2, zorder=2,
+                       label=f"admission cap {cap} (group {groups[0]})")
     usable = plan.num_usable_blocks
+    heights.append(usable)
     ax.axhline(usable, color="crimson", linestyle="--", linewidth=1.5, zorder=2,
-               label=f"usable blocks ({usable} = {plan.num_blocks} - null)")
+               label=f"usable blocks ({usable:,} = {plan.num_blocks:,} - null)")
+    beyond = f"; the pool serves up to {plan.max_servable_len:,}" if plan.max_servable_len > plan.max_model_len else ""
     ax.axvline(plan.max_model_len, color="grey", linestyle="-.", linewidth=1.2, zorder=2,
-               label=f"max_model_len {plan.max_model_len}")
-    if usable > 5 * max(max(total), 1):
-        ax.set_yscale("log")  # a pool far larger than one request would flatten every curve
+               label=f"max_model_len {plan.max_model_len:,}{beyond}")
+    ax.set_xlim(0, plan.max_model_len * X_MARGIN)
+    if _log_scale_needed(heights):
+        ax.set_yscale("log")
+        ax.set_ylim(0.8, max(heights) * 2)
+    else:
+        ax.set_ylim(0, max(heights) * 1.08)
     ax.set_xlabel("request length (tokens)")
-    ax.set_ylabel("blocks held by one request")
+    ax.set_ylabel("blocks held by one request" + (" (log scale)" if ax.get_yscale() == "log" else ""))
     ax.set_title(title or f"KV cache plan: {plan.num_blocks} blocks, max concurrency {plan.max_concurrency:.2f}x")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, alpha=0.3, which="both" if ax.get_yscale() == "log" else "major")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 

@@ -60,3 +60,71 @@ def test_identical_groups_share_one_line_and_the_total_lies_beneath():
         assert total.get_alpha() < 1 and total.get_linewidth() > max(g.get_linewidth() for g in groups)
     finally:
         plt.close(fig)
+
+
+def _packaged_configs() -> list[list[str]]:
+    """``kvref size`` arguments for every packaged example and config.json."""
+    from importlib import resources
+
+    root = resources.files("kvref") / "examples"
+    out = [["--example", p.name.rsplit(".", 1)[0], "--available-memory", "40GiB"] for p in root.iterdir()
+           if p.name.endswith((".json", ".toml"))]
+    out += [["--hf-config", p.name[:-5], "--kv-cache-memory", "40GiB"]
+            for p in (root / "hf_configs").iterdir() if p.name.endswith(".json")]
+    return sorted(out)
+
+
+def _plan_of(argv, monkeypatch, capsys):
+    """The plan ``kvref size ARGV --plot`` would draw (the figure is built by the test)."""
+    import kvref.plot as kp
+
+    from kvref.cli import main
+
+    seen = []
+    monkeypatch.setattr(kp, "plot_plan", lambda plan, path, title=None: seen.append(plan) or path)
+    for extra in (["--max-model-len", "32768"], []):  # the model's own limit where it is below 32k
+        if main(["size", *argv, *extra, "--plot", "unused.png"]) == 0:
+            break
+    capsys.readouterr()
+    return seen[-1] if seen else None
+
+
+def test_every_line_is_readable_on_every_packaged_config(monkeypatch, capsys, tmp_path):
+    """Issue #25: on linear axes the windowed groups lay on the x-axis under their admission-cap line,
+    the legend covered the usable-blocks line, and for Llama-4 three quarters of the x-axis lay past
+    max_model_len. Checked on the figure itself: the x-axis ends just past max_model_len, the y-axis
+    is logarithmic where the lines' heights differ by orders of magnitude and shows every line, the
+    legend lies outside the plot area."""
+    import matplotlib.pyplot as plt
+
+    from kvref.plot import LOG_RATIO, X_MARGIN, build_figure
+
+    monkeypatch.chdir(tmp_path)
+    plotted = 0
+    for argv in _packaged_configs():
+        plan = _plan_of(argv, monkeypatch, capsys)
+        if plan is None:  # the pool cannot serve one request at 40 GiB: no plot to draw
+            continue
+        plotted += 1
+        fig = build_figure(plan)
+        try:
+            ax = fig.axes[0]
+            lo, hi = ax.get_xlim()
+            assert lo == 0 and plan.max_model_len <= hi <= plan.max_model_len * X_MARGIN, (argv, hi)
+            heights = [max(line.get_ydata()) for line in ax.get_lines() if line.get_label() and
+                       not line.get_label().startswith("max_model_len")]
+            positive = [h for h in heights if h > 0]
+            spread = max(positive) / min(positive)
+            assert (ax.get_yscale() == "log") == (spread > LOG_RATIO), (argv, spread, ax.get_yscale())
+            bottom, top = ax.get_ylim()
+            for line in ax.get_lines():
+                if line.get_label().startswith("max_model_len"):
+                    continue  # a vertical line: its y data are axes fractions
+                ys = list(line.get_ydata())
+                assert bottom <= min(ys) and max(ys) <= top, (argv, line.get_label(), ax.get_ylim())
+            fig.canvas.draw()
+            legend = ax.get_legend().get_window_extent()
+            assert legend.x0 >= ax.get_window_extent().x1, (argv, "the legend overlaps the plot area")
+        finally:
+            plt.close(fig)
+    assert plotted >= 20
