@@ -50,7 +50,7 @@ class Workload:
     budget: int
     max_num_seqs: int
     pool_scale: float  # blocks: this times the smallest pool startup accepts
-    script: Callable[[random.Random, "_Client", int], None]  # called once per engine tick
+    script: Callable[[random.Random, "DemoClient", int], None]  # called once per engine tick
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
 
@@ -94,7 +94,7 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
     return PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale)))), cfg
 
 
-class _Client:
+class DemoClient:
     """What a workload script may do on one tick: send requests, abort them, read their outputs."""
 
     def __init__(self, engine: "DemoEngine") -> None:
@@ -143,6 +143,10 @@ class DemoEngine:
         self.num_schedules = 0
         self.idle_schedules = 0  # schedule calls in a row that scheduled nothing
 
+    def client(self) -> DemoClient:
+        """What a workload script (or a test) uses to send and abort requests on this engine."""
+        return DemoClient(self)
+
     def forget(self, rid: str) -> None:
         r = self.live.pop(rid, None)
         if r is not None:
@@ -182,7 +186,7 @@ class DemoEngine:
     def serve(self, workload: Workload, ticks: int) -> None:
         """Run ``ticks`` engine iterations with the workload's arrivals, then drain what is left."""
         rng = random.Random(self.seed)
-        client = _Client(self)
+        client = self.client()
         for self.tick in range(ticks):
             workload.script(rng, client, self.tick)
             self.step()
@@ -272,4 +276,4 @@ def workload(name: str) -> Workload:
     return w
 
 
-__all__ = ["DemoEngine", "WORKLOADS", "Workload", "plan_pool", "workload"]
+__all__ = ["DemoClient", "DemoEngine", "WORKLOADS", "Workload", "plan_pool", "workload"]

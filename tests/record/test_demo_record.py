@@ -79,3 +79,17 @@ def test_the_demo_record_command_writes_a_trace_check_run_reads(tmp_path, capsys
     assert capsys.readouterr().out.strip().endswith("verdict: agrees")
     assert cli.main(["demo", "record", str(out), "--workload", "nosuch"]) == 2
     assert "--workload" in capsys.readouterr().err
+
+
+def test_the_campaign_counts_what_replay_and_the_properties_catch(env, capsys):
+    """A slice of ``kvref demo campaign``: every crash caught, no false alarm on the pristine run."""
+    from kvref.demo_campaign import run_campaign, summarize, table
+
+    rows = run_campaign(["multi-turn"], ["crash", "hit-stats"], (True,), ticks=200)
+    s = summarize(rows)
+    assert s["pristine_runs"] == 1 and s["false_alarms_replay"] == s["false_alarms_properties"] == 0
+    assert s["faults"]["crash"]["crashes"] == s["faults"]["crash"]["crashes_caught"] == 1
+    assert s["faults"]["hit-stats"]["manifested"] == s["faults"]["hit-stats"]["properties"] == 1
+    assert "| crash | 1 | 1 | 1 | 1 | 1 (1) |" in table(s)
+    assert cli.main(["demo", "campaign", "--faults", "nosuch"]) == 2
+    assert "--faults" in capsys.readouterr().err

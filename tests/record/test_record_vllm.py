@@ -1,5 +1,6 @@
 """Record runs of vLLM's real ``Scheduler`` / ``AsyncScheduler``, selected through
-``scheduler_cls`` exactly as a server selects them, with a fake model; check them with the reference.
+``scheduler_cls`` exactly as a server selects them, with the package's demo engine and fake model
+(:mod:`kvref.models.run_check.demo`, what ``kvref demo record`` runs); check them with the reference.
 
 Workloads: hybrid sliding-window pools with prefix hits, chunked-local pools, preemption storms
 on the smallest pool startup accepts, async scheduling. On pristine vLLM every trace agrees step
@@ -45,38 +46,36 @@ PREFIX = tuple(range(100, 200))
 
 def record_run(path, pool, cfg, env, *, seed=0, ops=250, arrival=0.3, shared=0.5, max_len=None, abort=0.02,
                monkeypatch=None, anonymize=False, scheduler_cls=None):
-    """Serve a random workload on a recording vLLM scheduler; returns the driver (trace closed)."""
+    """Serve a random workload on a recording vLLM scheduler with the package's demo engine
+    (:class:`kvref.models.run_check.demo.DemoEngine`: vLLM's step_with_batch_queue, a seeded fake
+    model); vLLM's scheduler invariants are checked after every engine step. Returns the driver."""
     from kvref.impl.vllm.record import recorded_vllm_scheduler
+    from kvref.models.run_check.demo import DemoEngine
 
     os.environ["KVREF_RECORD"] = str(path)
     os.environ["KVREF_RECORD_ANONYMIZE"] = "1" if anonymize else "0"
     try:
-        holder = {}
-
-        def factory(p, c):
-            holder["t"] = recorded_vllm_scheduler(p, c, env, scheduler_cls=scheduler_cls)
-            return holder["t"]
-
-        ls = Lockstep(pool, cfg, {"vllm": factory})
-        rng = random.Random(seed)
-        max_len = max_len or pool.max_model_len - 1
-        n = 0
-        for _ in range(ops):
-            if rng.random() < arrival:
-                length = rng.randint(1, max_len)
-                k = rng.randint(0, min(length, len(PREFIX))) if rng.random() < shared else 0
-                prompt = PREFIX[:k] + tuple(rng.randrange(1, 50) for _ in range(length - k))
-                ls.add(RequestSpec(f"r{n}", prompt, rng.randint(1, 10), rng.randint(0, 2), float(n)))
-                n += 1
-            if n and rng.random() < abort:
-                ls.abort(f"r{rng.randrange(n)}")
-            ls.engine_step()
-            holder["t"].scheduler.check_invariants()
-        holder["t"].close()
+        target = recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=scheduler_cls)
     finally:
         os.environ.pop("KVREF_RECORD", None)
         os.environ.pop("KVREF_RECORD_ANONYMIZE", None)
-    return holder["t"]
+    engine = DemoEngine(target, pool, cfg, seed=seed)
+    client = engine.client()
+    rng = random.Random(seed)
+    max_len = max_len or pool.max_model_len - 1
+    for engine.tick in range(ops):
+        if rng.random() < arrival:
+            length = rng.randint(1, max_len)
+            k = rng.randint(0, min(length, len(PREFIX))) if rng.random() < shared else 0
+            client.add(PREFIX[:k] + tuple(rng.randrange(1, 50) for _ in range(length - k)), rng.randint(1, 10),
+                       priority=rng.randint(0, 2), request_id=f"r{engine.num_added}")
+        live = client.live()
+        if live and rng.random() < abort:
+            client.abort(rng.choice(live))
+        engine.step()
+        target.scheduler.check_invariants()
+    target.close()
+    return target
 
 
 def _chunked_setup(async_scheduling=False):
