@@ -36,6 +36,7 @@ from kvref.spec.errors import InvalidFieldError
 from .check_context import CAMPAIGN, Check, VerifyContext, vllm_gate
 from .cli_explore import check_explorer, check_explorer_conformance
 from .report import FAILED, PASSED, CheckResult
+from .verify_connector import check_connector_conformance
 from .verify import (
     check_crosshair,
     check_kv_manager_conformance,
@@ -45,6 +46,7 @@ from .verify import (
     check_proofs,
     check_reference_machine,
     check_scheduler_conformance,
+    check_spec_decode_conformance,
     check_scheduler_machine,
     check_spec_examples,
     check_startup_liveness,
@@ -131,6 +133,10 @@ CHECKS: list[Check] = [
           check_kv_manager_conformance, vllm=True),
     Check("conform-scheduler", "reference scheduler in lock-step with the installed vLLM's Scheduler",
           check_scheduler_conformance, vllm=True),
+    Check("conform-spec-decode", "speculative decoding in the scheduler vs the installed vLLM's Scheduler",
+          check_spec_decode_conformance, vllm=True),
+    Check("conform-connector", "KV-connector flows in the scheduler vs the installed vLLM's Scheduler",
+          check_connector_conformance, vllm=True),
     Check("conform-offload", "offload schedulers vs the installed vLLM's on random traces", check_offload_conformance,
           vllm=True),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
@@ -157,8 +163,9 @@ CHECKS: list[Check] = [
 
 #: with ``--against vllm`` the vLLM-facing checks run first, quickest first, so that a fault in the
 #: developer's vLLM is reported within seconds rather than after the proofs and the explorer
-VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "startup-liveness", "conform-offload", "conform-planning",
-              "conform-explorer")
+VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "conform-spec-decode", "startup-liveness", "conform-connector",
+              "conform-offload",
+              "conform-planning", "conform-explorer")
 
 #: the reference mutant campaign's checks by default, in its order (cheapest first); the vLLM ones
 #: only where vLLM imports

@@ -225,11 +225,12 @@ def check_torch_differential(ctx: VerifyContext) -> CheckResult:
     return result
 
 
-def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckResult:
+def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool, spec: bool | None = False,
+                       examples: tuple[int, int] = (25, 200)) -> CheckResult:
     from kvref.models.machines.scheduler import run_scheduler_machine
 
-    run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(25, 200), shrink=ctx.shrink,
-                                seed=ctx.seed)
+    run = run_scheduler_machine(with_vllm=with_vllm, examples=ctx.examples(*examples), shrink=ctx.shrink,
+                                seed=ctx.seed, spec=spec)
     if not run.ok:
         return CheckResult(name, FAILED, "scheduler traces " + ("diverged from vLLM" if with_vllm else
                                                                   "broke an invariant or liveness"),
@@ -238,8 +239,9 @@ def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool) -> CheckR
 
 
 def check_scheduler_machine(ctx: VerifyContext) -> CheckResult:
-    """The reference scheduler alone: invariants every step, liveness drain on consistent pools."""
-    return _scheduler_machine(ctx, "machine-scheduler", with_vllm=False)
+    """The reference scheduler alone: invariants every step, liveness drain on consistent pools
+    (half the setups with speculative decoding)."""
+    return _scheduler_machine(ctx, "machine-scheduler", with_vllm=False, spec=None)
 
 
 def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
@@ -248,6 +250,15 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     if skipped:
         return skipped
     return _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
+
+
+def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:
+    """Speculative decoding: the reference scheduler in lock-step with the installed vLLM's
+    Scheduler/AsyncScheduler on traces with drafts, acceptances, lookahead slots and padding (#22)."""
+    skipped = vllm_gate(ctx, "conform-spec-decode")
+    if skipped:
+        return skipped
+    return _scheduler_machine(ctx, "conform-spec-decode", with_vllm=True, spec=True, examples=(25, 200))
 
 
 def _offload_cases(rng, n):

@@ -6,7 +6,10 @@ recompute, finishing (``max_tokens``, ``max_model_len``, stop token ids, abort),
 full-sequence admission gate (``scheduler_reserve_full_isl``), and async scheduling's output
 placeholders, in-flight tokens and stale output of preempted requests.
 
-Not modelled: speculative decoding, encoder inputs, LoRA, structured output, KV connectors and
+Speculative decoding (drafts, verification, rollback, lookahead slots, padding, stats, async
+placeholders) lives in :mod:`kvref.impl.reference.scheduler_spec_decode`, called at small hooks.
+
+Not modelled: encoder inputs, LoRA, structured output, KV connectors and
 async KV loads, pipeline parallelism, Mamba "align" chunk splitting, pause states, streaming
 sessions, prefill cadence/DP throttling.
 
@@ -42,14 +45,17 @@ from kvref.spec.errors import InvalidFieldError
 
 from .scheduler_queue import WaitingQueue
 from . import scheduler_connector as _conn
+from .scheduler_spec_decode import SpecDecodeState
 from kvref.impl.scheduler_types import (
     PRIORITY,
+    DraftTokenIds,
     ModelOutput,
     RequestState,
     ScheduledRequest,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerSnapshot,
+    SpecDecodingStats,
 )
 
 # Generative models sample one token per step (vLLM ``num_sampled_tokens_per_step``).
@@ -114,6 +120,15 @@ class Scheduler:
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
         self.connector_state = _conn.make_state(connector, config) if connector is not None else None
+        # vLLM: an EAGLE-like drafter drops the trailing hit block (use_eagle_block_drop) unless
+        # its block hashes cover the lookahead token instead (num_hash_lookahead_tokens)
+        if config.use_eagle and not pool.num_hash_lookahead_tokens and not pool.use_eagle:
+            raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
+                                    "True for an EAGLE-like drafter (or num_hash_lookahead_tokens > 0)")
+        if pool.use_eagle and not config.use_eagle:
+            raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
+                                    "False without an EAGLE-like drafter (speculative_method='eagle')")
+        self.spec_decode = SpecDecodeState(config)
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,6 +193,9 @@ class Scheduler:
         token_budget = cfg.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, str, int, BlockIds]] = {}
         preempted: list[Request] = []
+        spec = self.spec_decode
+        spec.start_step()
+        prefill_scheduled = False  # a running prefill chunk in the batch (no spec-decode padding)
         if hasattr(kv, "new_step_starts"):
             kv.new_step_starts()
 
@@ -195,7 +213,8 @@ class Scheduler:
                 # Async: the step in flight already reaches max_tokens; no extra step.
                 req_index += 1
                 continue
-            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = (request.num_tokens + spec.num_spec(request) + request.num_output_placeholders
+                       - request.num_computed_tokens)
             if 0 < long_prefill < num_new:
                 num_new = long_prefill
             num_new = min(num_new, token_budget)
@@ -206,7 +225,7 @@ class Scheduler:
 
             new_blocks = None
             while True:
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=cfg.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 if _conn.has_pending_block_frees(self):
@@ -220,6 +239,7 @@ class Scheduler:
                     if victim.request_id in scheduled:
                         # Give back what the victim already took this step.
                         token_budget += scheduled.pop(victim.request_id)[2]
+                        spec.unschedule(victim.request_id)
                 else:
                     victim = self.running.pop()
                 self._preempt_request(victim, drop_stale_output=_conn.requires_kv_delivery(self))
@@ -235,9 +255,12 @@ class Scheduler:
             scheduled[request.request_id] = (request, "running", num_new, new_blocks)
             token_budget -= num_new
             req_index += 1
+            prefill_scheduled |= request.is_prefill_chunk
+            spec.note_scheduled(request, request.num_computed_tokens, num_new)
+            spec.take_running_drafts(request, num_new)
 
         if not preempted:
-            token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled)
+            token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled)
 
         total = sum(s[2] for s in scheduled.values())
         assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
@@ -246,10 +269,12 @@ class Scheduler:
         out = SchedulerOutput(
             scheduled=tuple(ScheduledRequest(request_id=rid, kind=kind, num_scheduled_tokens=n,
                                              num_computed_tokens=r.num_computed_tokens, block_ids=blocks,
-                                             is_prefill_chunk=False)
+                                             is_prefill_chunk=False,
+                                             spec_token_ids=spec.step_spec_tokens.get(rid, ()))
                             for rid, (r, kind, n, blocks) in scheduled.items()),
             preempted_req_ids=frozenset(self.preempted_req_ids),
-            finished_req_ids=frozenset(self.finished_req_ids))
+            finished_req_ids=frozenset(self.finished_req_ids),
+            skip_drafts=not spec.drafts_needed)
         if self.connector_state is not None:
             _conn.after_schedule(self, out)  # build_connector_meta
         out = self._update_after_schedule(out)
@@ -259,7 +284,8 @@ class Scheduler:
         return out
 
     def _schedule_waiting(self, token_budget: int, long_prefill: int,
-                          scheduled: dict[str, tuple[Request, str, int, BlockIds]]) -> int:
+                          scheduled: dict[str, tuple[Request, str, int, BlockIds]],
+                          prefill_scheduled: bool = False) -> int:
         """Admit waiting requests in queue order until one does not fit (head-of-line, #39734)."""
         if self.connector_state is not None:
             return _conn.schedule_waiting(self, token_budget, long_prefill, scheduled)
@@ -276,6 +302,12 @@ class Scheduler:
 
             hit_ids, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
+            padded = self.spec_decode.pad_new_decode(
+                num_new, num_hit, prefill_scheduled, any(v[1] == "running" for v in scheduled.values()),
+                token_budget, self.max_model_len)
+            if padded is None:
+                break  # the padded decode does not fit: vLLM prefers not to schedule it un-padded
+            is_padded, num_new = padded != num_new, padded
             if 0 < long_prefill < num_new:
                 num_new = long_prefill
             if not cfg.enable_chunked_prefill and num_new > token_budget:
@@ -285,7 +317,7 @@ class Scheduler:
 
             blocks = kv.allocate_slots(
                 request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,
-                full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
+                num_lookahead_tokens=cfg.num_lookahead_tokens, full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
                 has_scheduled_reqs=bool(self.running))
             if blocks is None:
                 break  # head-of-line: the requests behind it are not tried this step
@@ -297,6 +329,9 @@ class Scheduler:
             token_budget -= num_new
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            self.spec_decode.note_scheduled(request, num_hit, num_new)
+            if is_padded:
+                self.spec_decode.mark_padded(request.request_id)
         self.waiting.prepend_requests(skipped)
         return token_budget
 
@@ -312,14 +347,17 @@ class Scheduler:
             request.is_prefill_chunk = (request.num_computed_tokens
                                         < request.num_tokens + request.num_output_placeholders)
             items.append(ScheduledRequest(s.request_id, s.kind, s.num_scheduled_tokens, s.num_computed_tokens,
-                                          s.block_ids, request.is_prefill_chunk))
+                                          s.block_ids, request.is_prefill_chunk, s.spec_token_ids))
         if self.config.async_scheduling:
             for s in items:
                 if not s.is_prefill_chunk:
-                    self.requests[s.request_id].num_output_placeholders += NUM_SAMPLED_TOKENS_PER_STEP
+                    # AsyncScheduler: the sampled token and the scheduled drafts are placeholders now,
+                    # and the request gets placeholder drafts for its next step
+                    self.requests[s.request_id].num_output_placeholders += self.spec_decode.after_schedule(
+                        self.requests[s.request_id], s.spec_token_ids)
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
-        return SchedulerOutput(tuple(items), out.preempted_req_ids, out.finished_req_ids)
+        return SchedulerOutput(tuple(items), out.preempted_req_ids, out.finished_req_ids, out.skip_drafts)
 
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
         """Recompute preemption: free all blocks, forget progress, back to the waiting queue's head."""
@@ -329,6 +367,7 @@ class Scheduler:
             self.connector_state.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self.spec_decode.forget(request.request_id)
         # Async: in-flight output becomes stale; it is still delivered when it arrives (an
         # undrained drop-mode share stays dropped).
         # (``drop_stale_output``: a connector that requires KV delivery, or a prefix-cache reset)
@@ -356,11 +395,15 @@ class Scheduler:
         for rid, ids in model_output.sampled_token_ids.items():
             if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < 0 for t in ids):
                 raise InvalidFieldError(f"model_output.sampled_token_ids[{rid!r}]", ids, "a list of token ids >= 0")
+        spec_tokens = output.scheduled_spec_decode_tokens
+        for rid, ids in model_output.sampled_token_ids.items():
+            self.spec_decode.check_sampled(rid, ids, spec_tokens.get(rid, ()))
         _conn.check_kv_connector_output(self, kv_connector_output)
         del self._in_flight[id(output)]
         # failed KV loads (vLLM: skipped below; finished as errors under the "fail" policy)
         failed = (_conn.handle_failures(self, kv_connector_output, output.num_scheduled_tokens)
                   if self.connector_state is not None else set())
+        self.spec_decode.start_update()
         stopped: list[tuple[Request, RequestStatus]] = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
@@ -378,10 +421,13 @@ class Scheduler:
             new_ids = list(model_output.sampled_token_ids.get(s.request_id, ()))
             if not new_ids:
                 continue
+            if s.spec_token_ids:
+                self.spec_decode.verify(request, s.spec_token_ids, len(new_ids), stale)
             status_before = request.status
             had_placeholders = request.num_output_placeholders > 0
             is_stopped = self._append_output(request, new_ids, stale)
-            if not stale and status_before == RequestStatus.RUNNING and had_placeholders:
+            if (not stale and status_before == RequestStatus.RUNNING
+                    and (had_placeholders or self.config.num_speculative_tokens > 0)):
                 # Async: the sampled token is known now, so its full block can be cached.
                 _cache_blocks(self.kv_cache_manager, request,
                               request.num_computed_tokens - request.num_in_flight_tokens)
@@ -433,10 +479,21 @@ class Scheduler:
             assert request.num_output_placeholders >= 0
         return stopped
 
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Drafts the runner proposed after the last step (synchronous scheduling; see
+        :meth:`SpecDecodeState.update_draft_token_ids`)."""
+        self.spec_decode.update_draft_token_ids(self.requests, draft_token_ids)
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """The ``SpecDecodingStats`` of the last ``update_from_output`` (None when it verified no draft)."""
+        return self.spec_decode.last_stats
+
     def _free_request(self, request: Request) -> None:
         assert request.status == RequestStatus.FINISHED
         if self.connector_state is not None:
             return _conn.free_request(self, request)
+        self.spec_decode.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -461,7 +518,8 @@ class Scheduler:
         snap = SchedulerSnapshot(
             waiting=tuple(r.request_id for r in self.waiting),
             running=tuple(r.request_id for r in self.running),
-            requests={rid: request_state(r) for rid, r in reqs.items()},
+            requests={rid: request_state(r, tuple(self.spec_decode.spec_token_ids.get(rid, ())))
+                      for rid, r in reqs.items()},
             block_ids={rid: self.kv_cache_manager.get_block_ids(rid) for rid in self.requests
                        if any(self.kv_cache_manager.get_block_ids(rid))},
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
@@ -482,10 +540,16 @@ class Scheduler:
         assert not ids_w & set(ids_r), "request both waiting and running"
         assert ids_w | set(ids_r) == set(self.requests), "live request in no queue (or a queued dead one)"
         assert len(self.running) <= self.config.max_num_seqs
+        drafts_in_flight: dict[str, int] = {}  # scheduled drafts not yet verified
+        for out in self._in_flight.values():
+            for s in out.scheduled:
+                drafts_in_flight[s.request_id] = drafts_in_flight.get(s.request_id, 0) + len(s.spec_token_ids)
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, r
             assert r.num_output_placeholders >= 0 and r.num_in_flight_tokens >= 0
-            assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
+            assert r.num_computed_tokens <= (r.num_tokens + r.num_output_placeholders
+                                             + (0 if self.config.async_scheduling
+                                                else drafts_in_flight.get(r.request_id, 0)))
             assert r.num_computed_tokens < self.max_model_len
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
@@ -494,13 +558,14 @@ class Scheduler:
         if not self.config.async_scheduling:
             assert all(r.num_output_placeholders == 0 for r in self.requests.values())
         assert len(self._in_flight) <= self.config.max_concurrent_batches
+        self.spec_decode.check_invariants(self.requests)
         self.kv_cache_manager.check_invariants()
 
 
-def request_state(r: Request) -> RequestState:
+def request_state(r: Request, spec_token_ids: tuple[int, ...] = ()) -> RequestState:
     return RequestState(request_id=r.request_id, status=r.status.value, num_computed_tokens=r.num_computed_tokens,
                         num_in_flight_tokens=r.num_in_flight_tokens,
                         num_output_placeholders=r.num_output_placeholders,
                         num_stale_output_tokens=r.num_stale_output_tokens,
                         output_token_ids=tuple(r.output_token_ids), num_preemptions=r.num_preemptions,
-                        finish_reason=r.finish_reason)
+                        finish_reason=r.finish_reason, spec_token_ids=spec_token_ids)

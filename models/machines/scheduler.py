@@ -657,10 +657,12 @@ class SchedulerRun:
     @property
     def summary(self) -> str:
         c = self.coverage
+        spec = (f", {c.get('spec_verify_steps', 0)} draft verifications ({c.get('spec_rejected', 0)} with "
+                f"rejections, {c.get('spec_padded', 0)} padded)" if c.get("spec_verify_steps") else "")
         return (f"{self.traces} generated traces ({self.ops} ops) on the scheduler: "
                 f"{c.get('preemptions', 0)} preemptions, {c.get('scheduled_resumed', 0)} resumes, "
                 f"{c.get('prefix_hits', 0)} prefix hits, {c.get('steps_async', 0)} async steps, "
-                f"{c.get('idle_with_waiting', 0)} head-of-line idle steps")
+                f"{c.get('idle_with_waiting', 0)} head-of-line idle steps" + spec)
 
 
 def _describe(e: BaseException) -> str:
@@ -678,8 +680,10 @@ def _describe(e: BaseException) -> str:
 
 
 def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = False,
-                          shrink: bool = True, seed: int | None = None) -> SchedulerRun:
+                          shrink: bool = True, seed: int | None = None, spec: bool | None = False) -> SchedulerRun:
     """Run the scheduler machine (reference alone, or lock-step with vLLM 0.33.0) outside pytest.
+
+    ``spec``: speculative decoding in the drawn setups (True: always, None: half, False: never).
 
     Traces have at least 30 operations; liveness is drained at teardown on startup-consistent
     setups. ``reproducible`` derandomizes Hypothesis (the same traces every run, in every process:
@@ -710,7 +714,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
             super().__init__(*a, **k)
             drivers.append(self)
 
-    machine = machine_with(factories, name="SchedulerRun")
+    machine = machine_with(factories, setups=scheduler_setups(spec=spec), name="SchedulerRun")
     machine.driver_class = Counting
     COVERAGE.clear()
     saved_seed = hcore.global_force_seed

@@ -70,7 +70,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.request import Request
     from kvref.impl.run_trace.format import TokenAnonymizer
-    from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
+    from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig
     from kvref.models.conformance.trace import Op, Trace
     from kvref.spec.config import EngineConfig
     from kvref.spec.kv_cache_interface import (
@@ -89,7 +89,9 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "SchedulerConfig": (SchedulerConfig, dict(max_num_batched_tokens=16, max_num_seqs=4,
                                                   long_prefill_token_threshold=0, enable_chunked_prefill=True,
                                                   policy="fcfs", scheduler_reserve_full_isl=True,
-                                                  async_scheduling=False)),
+                                                  async_scheduling=False, num_speculative_tokens=0,
+                                                  speculative_method="ngram", skip_unused_drafts=False)),
+        "DraftTokenIds": (DraftTokenIds, dict(req_ids=("a",), draft_token_ids=((1, 2),))),
         "Scheduler": (lambda pool, config: Scheduler(pool, config),
                       dict(pool=pool_config(max_in_flight_tokens=16), config=SchedulerConfig(max_num_batched_tokens=16))),
         "Request": (Request, dict(request_id="r0", prompt_token_ids=[1, 2, 3], max_tokens=2, cache_salt=None,
@@ -369,6 +371,22 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     scheduler_case("add_request", lambda s, out: dict(request=_request("b", 5)))
     scheduler_case("finish_requests", lambda s, out: dict(request_ids=["a"]))
     scheduler_case("update_from_output", lambda s, out: dict(output=out, model_output=_model_output(out)))
+
+    def spec_scheduler_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.scheduler import Scheduler
+            from kvref.impl.request import Request
+            from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig
+
+            s = Scheduler(pool_config(max_in_flight_tokens=16),
+                          SchedulerConfig(max_num_batched_tokens=16, num_speculative_tokens=2))
+            s.add_request(Request("a", list(range(6)), max_tokens=3))
+            out = s.schedule()
+            s.update_from_output(out, ModelOutput({"a": [1]}))
+            return s, s.check_invariants, make_kwargs(DraftTokenIds), getattr(s, method)
+        add(f"Scheduler.{method}", build)
+
+    spec_scheduler_case("update_draft_token_ids", lambda cls: dict(draft_token_ids=cls(("a",), ((3, 4),))))
 
     def cpu_manager_case(method, make_kwargs):
         def build():
@@ -747,6 +765,23 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["hybrid_attention_block_size"] = (hf_config.hybrid_attention_block_size, dict(
         attention_page_per_token=512, mamba_page=100_000, block_size=16, kernel_block_size=16,
         checkpoint_alignment=None))
+    # Mamba "align" prefill checkpoints and the scheduler's chunk split (issue #23)
+    from kvref.impl.reference.scheduler_mamba_split import MambaSplitConfig, mamba_block_aligned_split
+
+    out["get_mamba_prefill_checkpoint_position"] = (kci.get_mamba_prefill_checkpoint_position, dict(
+        num_tokens=21, hash_block_size=2, drop_eagle_block=False, num_hash_lookahead_tokens=0))
+    out["is_mamba_prefill_checkpoint_valid"] = (kci.is_mamba_prefill_checkpoint_valid, dict(
+        query_start=0, query_end=21, checkpoint_position=20, hash_block_size=2, mamba_block_size=8,
+        checkpoint_alignment=1))
+    out["MambaSplitConfig"] = (MambaSplitConfig, dict(block_size=8, hash_block_size=2, partial_cache_hit=True,
+                                                      checkpoint_alignment=1, max_prefill_tokens=16))
+    out["MambaSplitConfig.from_specs"] = (MambaSplitConfig.from_specs, dict(
+        specs=(FULL, MambaSpec(block_size=4, shapes=((2,),), dtypes=("float16",), mamba_cache_mode="align")),
+        hash_block_size=2, scheduler_block_size=4, partial_cache_hit=True))
+    out["mamba_block_aligned_split"] = (mamba_block_aligned_split, dict(
+        config=MambaSplitConfig(block_size=8, hash_block_size=2, partial_cache_hit=True), num_computed_tokens=0,
+        num_prompt_tokens=21, num_tokens=21, num_new_tokens=21, num_new_local_computed_tokens=0,
+        num_external_computed_tokens=0, shared_prefix_boundary=0))
     return out
 
 

@@ -46,6 +46,9 @@ ABSTRACT = "abstract base / typing Protocol: the concrete classes are fuzzed"
 #: owned elsewhere
 HF = ("a layout's value object / an internal step of layout_from_hf_config (config fields reach it only "
       "through that, fuzzed here and field by field by cli_flag_fuzz)")
+#: the reference scheduler's speculative-decoding rules
+SPEC_STEP = ("a step of the reference Scheduler's speculative-decoding rules, called at its hooks with its own "
+             "checked state; the entry points are SchedulerConfig, DraftTokenIds, Scheduler.update_draft_token_ids")
 VLLM = "binds to vLLM's own objects (a VllmConfig, vLLM events); built by vLLM's engine, covered by tests/record"
 
 
@@ -67,7 +70,7 @@ EXCLUDED: dict[str, str] = {
             "SingleTypeKVCacheManager.free SingleTypeKVCacheManager.get_num_blocks_to_allocate "
             "SingleTypeKVCacheManager.get_num_skipped_tokens SingleTypeKVCacheManager.pop_blocks_for_free "
             "SingleTypeKVCacheManager.reachable_block_mask SingleTypeKVCacheManager.remove_skipped_blocks "
-            "null_head_len", INTERNAL),
+            "SingleTypeKVCacheManager.finalize_partial_tail_offload null_head_len", INTERNAL),
     **_each(f"{_REF}.full_attention_manager", "FullAttentionManager FullAttentionManager.cache_blocks "
             "FullAttentionManager.find_longest_cache_hit", INTERNAL),
     **_each(f"{_REF}.sliding_window_manager", "SlidingWindowManager SlidingWindowManager.find_longest_cache_hit "
@@ -81,7 +84,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.mamba_manager", "MambaManager MambaManager.allocate_new_blocks MambaManager.cache_blocks "
             "MambaManager.find_longest_cache_hit MambaManager.get_num_blocks_to_allocate "
             "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
-            "mamba_prefill_checkpoint_position", INTERNAL),
+            "MambaManager.finalize_partial_tail_offload", INTERNAL),
     **_each(f"{_REF}.kv_cache_coordinator", "HybridKVCacheCoordinator HybridKVCacheCoordinator.find_longest_cache_hit "
             "HybridKVCacheCoordinator.get_num_cacheable_tokens KVCacheCoordinator KVCacheCoordinator.allocate_new_blocks "
             "KVCacheCoordinator.allocate_new_computed_blocks KVCacheCoordinator.cache_blocks "
@@ -91,7 +94,9 @@ EXCLUDED: dict[str, str] = {
             "KVCacheCoordinator.pop_blocks_for_free KVCacheCoordinator.remove_skipped_blocks "
             "KVCacheCoordinatorNoPrefixCache KVCacheCoordinatorNoPrefixCache.find_longest_cache_hit SpecGroup "
             "UnitaryKVCacheCoordinator UnitaryKVCacheCoordinator.find_longest_cache_hit get_kv_cache_coordinator "
-            "get_manager_for_kv_cache_spec manager_class_for_spec scheduler_spec", INTERNAL),
+            "get_manager_for_kv_cache_spec manager_class_for_spec scheduler_spec "
+            "HybridKVCacheCoordinator.find_longest_cache_hit_per_group eagle_proof_margin "
+            "partial_hash_hits_enabled", INTERNAL),
     **_each(f"{_REF}.scheduler_queue", "WaitingQueue WaitingQueue.add_request WaitingQueue.prepend_request "
             "WaitingQueue.prepend_requests WaitingQueue.remove_requests priority_key", INTERNAL),
     **_each(f"{_REF}.block_hash", "BlockHashListWithBlockSize RequestBlockHasher RequestBlockHasher.block_hashes "
@@ -107,6 +112,12 @@ EXCLUDED: dict[str, str] = {
                                                   "_check_exact_partition): its AssertionError means a kvref bug"),
     f"{_REF}.kv_cache_manager.KVCacheBlocks": RECORD,
     f"{_REF}.scheduler.request_state": RECORD,
+    **_each(f"{_REF}.scheduler_spec_decode", "SpecDecodeState SpecDecodeState.after_schedule "
+            "SpecDecodeState.check_invariants SpecDecodeState.check_sampled SpecDecodeState.forget "
+            "SpecDecodeState.mark_padded SpecDecodeState.note_scheduled SpecDecodeState.num_spec "
+            "SpecDecodeState.pad_new_decode SpecDecodeState.take_running_drafts SpecDecodeState.unschedule "
+            "SpecDecodeState.update_draft_token_ids SpecDecodeState.verify drafts_unused", SPEC_STEP),
+    "kvref.impl.scheduler_types.SpecDecodingStats": RECORD,
     **_each(f"{_REF}.kv_events", "AllBlocksCleared BlockRemoved BlockStored event_to_plain "
             "kv_cache_spec_sliding_window", RECORD),
     **_each(f"{_REF}.offload.cache_policy", "CachePolicy CachePolicy.evict CachePolicy.get CachePolicy.insert "

@@ -1,0 +1,104 @@
+"""Speculative decoding in the scheduler, compared with vLLM 0.33.0's ``Scheduler`` / ``AsyncScheduler``
+(issue #22 part 2).
+
+Generated traces with drafts on (1-4 per request, n-gram or EAGLE-like with lookahead slots and
+block drop, with and without ``can_skip_drafts``), sync and async, FCFS and PRIORITY, FA / FA+SWA /
+FA+chunked-local / FA+Mamba pools, tight pools: the fake model accepts a drawn number of each
+step's drafts and proposes a drawn number (0..k) after each synchronous step. After every
+operation the lock-step compares scheduled tokens and scheduled drafts (ids included),
+``skip_drafts``, computed tokens (rejections rolled back), placeholders, block ids per group, free
+blocks, queues, every request's pending drafts, and after every update the ``SpecDecodingStats``.
+Targets: vLLM, the reference, and the reference scheduler on vLLM's KVCacheManager.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler import Scheduler
+from kvref.impl.scheduler_types import EAGLE, SchedulerConfig
+from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+MIN_STEPS = 30
+STEP_COUNT = 45
+#: paths the spec-decode traces must keep reaching at ci profile
+RARE = ("spec_verify_steps", "spec_rejected", "spec_all_accepted", "spec_padded", "spec_draft_updates",
+        "spec_skip_drafts", "spec_stale_verify", "preemptions", "prefix_hits", "steps_async", "steps_sync",
+        "finished_stop", "finished_length")
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    require_vllm()
+    from kvref.impl.vllm import scheduler as vllm_scheduler  # noqa: PLC0415 - imports vLLM once per module
+
+    return vllm_scheduler, vllm_scheduler.VllmEnv()
+
+
+def _targets(vllm_env, shim: bool = True):
+    mod, env = vllm_env
+    targets = {"vllm": lambda p, c: mod.VllmScheduler(p, c, env), "ref": lambda p, c: Scheduler(p, c)}
+    if shim:
+        targets["ref+vllmkv"] = lambda p, c: Scheduler(p, c, mod.VllmKVCacheManagerShim(p, env))
+    return targets
+
+
+def test_generated_spec_decode_traces_match_vllm(vllm_env):
+    machine = machine_with(_targets(vllm_env), setups=scheduler_setups(spec=True), name="SpecDecodeConformance")
+    COVERAGE.clear()
+    run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
+                              settings=settings(max_examples=profile_examples(15, 200),
+                                                stateful_step_count=STEP_COUNT))
+    print("spec decode coverage:", dict(COVERAGE))
+    if profile_examples(False, True):
+        missing = [k for k in RARE if COVERAGE[k] == 0]
+        assert not missing, f"paths never exercised: {missing} (coverage {dict(COVERAGE)})"
+
+
+def test_generated_spec_decode_tight_priority_traces_match_vllm(vllm_env):
+    """Drafts under KV pressure: tight pools, PRIORITY preemption of requests already scheduled in
+    the step (their drafts leave the step), async stale verifications."""
+    machine = machine_with(_targets(vllm_env, shim=False),
+                           setups=scheduler_setups(spec=True, tight=True, policy="priority"),
+                           name="SpecDecodeTightConformance")
+    COVERAGE.clear()
+    run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
+                              settings=settings(max_examples=profile_examples(8, 100),
+                                                stateful_step_count=STEP_COUNT))
+    if profile_examples(False, True):
+        assert COVERAGE["preemptions"] and COVERAGE["spec_verify_steps"], dict(COVERAGE)
+
+
+def _pool(num_blocks: int, cfg: SchedulerConfig, use_eagle: bool) -> PoolConfig:
+    fa = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
+    return PoolConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(("full",), fa),), max_model_len=40,
+                      scheduler_block_size=4, hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens,
+                      use_eagle=use_eagle)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_eagle_prefix_hit_is_padded_and_verified(vllm_env, is_async):
+    """A request whose prompt is a prefix hit up to its last token is admitted padded to
+    ``1 + k`` with placeholder drafts beside a running decode; the EAGLE block drop shortens the
+    hit by one block first (so this one is a real prefill), and lookahead slots are reserved."""
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, num_speculative_tokens=3,
+                          speculative_method=EAGLE, async_scheduling=is_async)
+    d = Lockstep(_pool(64, cfg, use_eagle=True), cfg, _targets(vllm_env))
+    prompt = tuple(range(1, 18))
+    d.add(RequestSpec("a", prompt, max_tokens=8, priority=0, arrival_time=0.0))
+    for _ in range(6):
+        d.engine_step(seed=1)  # seed 1: drafts proposed, some accepted
+    d.add(RequestSpec("b", prompt, max_tokens=8, priority=0, arrival_time=1.0))
+    for _ in range(30):
+        d.engine_step(seed=2)
+    snap = d.snapshots()["vllm"]
+    assert snap.requests["a"].status == "finished" and snap.requests["b"].status == "finished"
+    assert len(snap.requests["a"].output_token_ids) == 8
