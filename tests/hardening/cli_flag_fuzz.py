@@ -9,7 +9,7 @@ a folder, ``/dev/null``, binary junk, empty, invalid UTF-8, huge numbers, nestin
 ``NaN``, a list, a truncated copy); every field of every packaged Hugging Face ``config.json``
 (``kvref/examples/hf_configs``) gets the wrong types; plus valid-but-extreme sizes.
 
-The oracle is the same for every case (:func:`judge`): it ends (a watchdog), exits 0/1/2, prints
+The oracle is the same for every case (:func:`judge`): it ends (a watchdog), exits 0/1/2/3, prints
 no traceback; a 2 prints exactly one ``error`` line naming the flag (or the file) and what is
 allowed; ``--json`` stdout parses (or is empty on a 2). A value that cannot mean anything for its
 kind (``x`` for an int, ``nan`` for seconds, a missing input file) must be a 2.
@@ -528,8 +528,8 @@ def judge(case: FuzzCase, argv: list[str], rc: int | None, out: str, err: str) -
         return ["hang"]
     if "Traceback (most recent call last)" in out + err:
         problems.append("traceback")
-    if rc not in (0, 1, 2):
-        problems.append(f"exit: {rc} not in 0/1/2")
+    if rc not in (0, 1, 2, 3):  # 3: ran, examined nothing (watch with no batch; issue #25)
+        problems.append(f"exit: {rc} not in 0/1/2/3")
     elif case.must_reject and rc != 2:
         problems.append(f"exit: {rc}, want 2 (the value cannot mean anything for {case.flag})")
     if rc == 2:
@@ -541,7 +541,7 @@ def judge(case: FuzzCase, argv: list[str], rc: int | None, out: str, err: str) -
     if case.json:
         if rc == 2 and out.strip():
             problems.append("json: stdout not empty on exit 2")
-        elif rc in (0, 1):
+        elif rc in (0, 1, 3):
             try:
                 json.loads(out)
             except ValueError:
