@@ -157,6 +157,9 @@ def watch(endpoint: str, *, topic: str = "", seconds: float = 60.0, max_batches:
         raise InvalidFieldError("seconds", seconds, "a number of seconds in (0, 604800]")
     if max_batches is not None and (type(max_batches) is not int or max_batches < 1):
         raise InvalidFieldError("batches", max_batches, "an int >= 1")
+    if status is not None and decoder != "generic":  # importing vLLM takes seconds: say so (issue #25)
+        status.write(f"[kvref watch] importing vLLM for --decoder {decoder} ...\n")
+        status.flush()
     decode = make_decoder(decoder)
     w = watcher if watcher is not None else EventStreamWatcher()
     topic_bytes = topic.encode("utf-8")

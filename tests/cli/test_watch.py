@@ -410,3 +410,12 @@ def test_vllms_scheduler_publishes_to_a_bound_watcher() -> None:
     assert w.num_findings == 0, w.summary()
     assert set(w.events_by_type) == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, w.events_by_type
     assert w.shadow == {} and w.summary()["shadow_sure"]  # the last batch cleared everything
+
+
+def test_the_vllm_decoder_says_it_imports_vllm(capsys) -> None:
+    """`--decoder vllm` imports vLLM (seconds) before the first status line: it says so first."""
+    require_vllm()
+    port = _free_port()
+    assert main(["watch", f"tcp://127.0.0.1:{port}", "--seconds", "0.2", "--decoder", "vllm"]) == 3
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "[kvref watch] importing vLLM for --decoder vllm ..."
