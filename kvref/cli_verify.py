@@ -154,11 +154,6 @@ def run(args: argparse.Namespace) -> int:
                     console.log(f"  {line}", markup=False)
                 if args.exitfirst:
                     break
-    if reach is not None:  # the reach (and changed-since) rows; none for an interrupted run
-        if interrupted is None:
-            results += reach.finish()
-        else:
-            reach.abort()
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
     if args.update_baseline and interrupted is None:
         from kvref.impl.vllm.installed import describe_installed_vllm
@@ -169,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
         new.save(args.update_baseline)
         console.log(f"baseline {args.update_baseline}: {len(new.entries) - len(old.entries)} finding(s) added, "
                     f"{len(new.entries)} in all; write the reason of each before committing it")
+    if reach is not None:  # the reach (and changed-since) rows, after the baseline: they are no findings
+        if interrupted is None:
+            results += reach.finish()
+        else:
+            reach.abort()
     if interrupted is None:
         meta = checked_meta(checks)
     else:  # a partial report says so, and what did not run; vLLM is described only if it was used
