@@ -112,10 +112,7 @@ def run_campaign(args: argparse.Namespace) -> int:
 
     workloads = names(args.workloads, tuple(WORKLOADS), "--workloads")
     faults = names(args.faults, FAULTS, "--faults")
-    if args.seed < 0:
-        raise InvalidFieldError("--seed", args.seed, "an int >= 0")
-    if not 1 <= args.ticks <= 100_000:
-        raise InvalidFieldError("--ticks", args.ticks, "an int in [1, 100000]")
+    _check_seed_ticks(args)
     modes = (True,) if args.async_only else (False,) if args.sync_only else (True, False)
     quiet_third_party(False)
     from kvref.demo_campaign import run_campaign as campaign, summarize, table, to_json
@@ -135,6 +132,15 @@ def run_campaign(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _check_seed_ticks(args: argparse.Namespace) -> None:
+    from kvref.spec.errors import InvalidFieldError
+
+    if not 0 <= args.seed < 2**32:
+        raise InvalidFieldError("--seed", args.seed, "an int in [0, 2**32)")
+    if not 1 <= args.ticks <= 100_000:
+        raise InvalidFieldError("--ticks", args.ticks, "an int in [1, 100000]")
+
+
 def run(args: argparse.Namespace) -> int:
     demo_run = getattr(args, "_demo_run", None)
     if demo_run is None:
@@ -149,13 +155,19 @@ def run_record(args: argparse.Namespace) -> int:
     from kvref.quiet import quiet_third_party
     from kvref.spec.errors import InvalidFieldError
 
-    if args.seed < 0:
-        raise InvalidFieldError("--seed", args.seed, "an int >= 0")
-    if not 1 <= args.ticks <= 100_000:
-        raise InvalidFieldError("--ticks", args.ticks, "an int in [1, 100000]")
+    _check_seed_ticks(args)
     import os
 
-    check_writable_dir("OUT", os.path.dirname(os.path.abspath(args.out)))
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not args.out or os.path.isdir(args.out) or not os.path.isdir(folder):
+        raise InvalidFieldError("OUT", args.out, "a trace file path in an existing folder (e.g. run.kvtrace.gz)")
+    check_writable_dir("OUT", folder)
+    from kvref.impl.run_trace.writer import compression_for
+
+    try:
+        compression_for(args.out)
+    except InvalidFieldError as exc:
+        raise InvalidFieldError("OUT", args.out, "a *.gz or uncompressed trace path (zstd is not supported)") from exc
     quiet_third_party(args.verbose)
     print(f"kvref demo record: loading vLLM and serving {args.workload!r} "
           f"({'async' if args.async_scheduling else 'sync'}, fault {args.fault or 'none'}) ...", file=sys.stderr,

@@ -42,8 +42,8 @@ class DemoRun:
 
 
 def _check(seed: int, ticks: int, async_scheduling: bool) -> None:
-    if type(seed) is not int or seed < 0:
-        raise InvalidFieldError("--seed", seed, "an int >= 0")
+    if type(seed) is not int or not 0 <= seed < 2**32:
+        raise InvalidFieldError("--seed", seed, "an int in [0, 2**32)")
     if type(ticks) is not int or not 1 <= ticks <= 100_000:
         raise InvalidFieldError("--ticks", ticks, "an int in [1, 100000]")
     if type(async_scheduling) is not bool:
