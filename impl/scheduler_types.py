@@ -70,6 +70,12 @@ class SchedulerConfig:
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
         check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
         check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        if self.num_speculative_tokens and 0 < self.long_prefill_token_threshold < 1 + self.num_speculative_tokens:
+            # vLLM 0.33.0 pads a one-token admission beside a running decode to 1 + k tokens, then
+            # cuts it to the threshold and fails ``assert num_new_tokens == 1 + self.num_spec_tokens``
+            # inside schedule(); kvref refuses the config (docs/differences.md)
+            raise InvalidFieldError("long_prefill_token_threshold", self.long_prefill_token_threshold,
+                                    f"0 or at least 1 + num_speculative_tokens = {1 + self.num_speculative_tokens}")
         if self.num_lookahead_tokens >= self.max_num_batched_tokens:
             # VllmConfig._set_max_num_scheduled_tokens refuses this at startup
             raise InvalidFieldError("num_speculative_tokens", self.num_speculative_tokens,

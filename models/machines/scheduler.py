@@ -94,6 +94,8 @@ class FakeModel:
 
 # ---- strategies ---------------------------------------------------------------------------------
 GROUP_KINDS = ("full", "full+swa", "full+chunked", "full+mamba")
+#: spec-decode setups add a three-group hybrid pool (EAGLE prefix hits across 3 groups)
+SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa",)
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,12 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2
     bs = draw(st.sampled_from(block_sizes))
     kind = draw(st.sampled_from(kinds))
     groups = [KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, bs))]
-    if kind == "full+swa":
+    if kind in ("full+swa", "full+swa+swa"):
         window = draw(st.integers(1, 4 * bs))
         groups.append(KVCacheGroupSpec(("swa",), _attn(SlidingWindowSpec, bs, sliding_window=window)))
+    if kind == "full+swa+swa":
+        window = draw(st.integers(1, 4 * bs))
+        groups.append(KVCacheGroupSpec(("swa2",), _attn(SlidingWindowSpec, bs, sliding_window=window)))
     elif kind == "full+chunked":
         chunk = bs * draw(st.integers(1, 4))
         groups.append(KVCacheGroupSpec(("local",), _attn(ChunkedLocalAttentionSpec, bs, attention_chunk_size=chunk)))
@@ -152,6 +157,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     (False), either (None): 1-4 drafts, n-gram or EAGLE-like (lookahead slots, block drop; the
     Mamba group gets one speculative state block per draft, as vLLM sizes it)."""
     max_model_len = draw(st.integers(64, 1024) if large else st.integers(8, 96))
+    if spec and kinds == GROUP_KINDS:
+        kinds = SPEC_GROUP_KINDS
     bs, groups = draw(pool_groups(kinds, max_model_len, (16, 32) if large else (2, 4, 8)))
     is_async = draw(st.booleans()) if async_scheduling is None else async_scheduling
     cfg = SchedulerConfig(
@@ -373,6 +380,11 @@ class Lockstep:
         self.compare("schedule")
         self._check_whole_prompts(first)
         _tally(first, self.config.async_scheduling)
+        if self.config.use_eagle:
+            hits = sum(1 for s in first.scheduled if s.kind == "new" and s.num_computed_tokens)
+            COVERAGE["spec_eagle_prefix_hits"] += hits
+            if len(self.pool.groups) >= 3:
+                COVERAGE["spec_eagle_prefix_hits_3_groups"] += hits
         if first.preempted_req_ids and self.last_snapshot.running:
             COVERAGE["preempted_while_others_run"] += 1  # a victim was chosen among several
         if not first.scheduled and self.last_snapshot.waiting and not self.last_snapshot.running:

@@ -19,8 +19,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.scheduler_types import EAGLE, SchedulerConfig
+from kvref.impl.request import Request
+from kvref.impl.scheduler_types import EAGLE, ModelOutput, SchedulerConfig
 from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
+from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
@@ -31,7 +33,8 @@ MIN_STEPS = 30
 STEP_COUNT = 45
 #: paths the spec-decode traces must keep reaching at ci profile
 RARE = ("spec_verify_steps", "spec_rejected", "spec_all_accepted", "spec_padded", "spec_draft_updates",
-        "spec_skip_drafts", "spec_stale_verify", "preemptions", "prefix_hits", "steps_async", "steps_sync",
+        "spec_skip_drafts", "spec_stale_verify", "spec_eagle_prefix_hits", "spec_eagle_prefix_hits_3_groups",
+        "preemptions", "prefix_hits", "steps_async", "steps_sync",
         "finished_stop", "finished_length")
 
 
@@ -102,3 +105,24 @@ def test_eagle_prefix_hit_is_padded_and_verified(vllm_env, is_async):
     snap = d.snapshots()["vllm"]
     assert snap.requests["a"].status == "finished" and snap.requests["b"].status == "finished"
     assert len(snap.requests["a"].output_token_ids) == 8
+
+
+def test_vllm_fails_when_the_padded_admission_is_cut_by_the_long_prefill_threshold(vllm_env):
+    """A finding on vLLM 0.33.0: a one-token admission beside a running decode is padded to
+    ``1 + k`` tokens, then cut to ``long_prefill_token_threshold`` (< 1 + k), and ``schedule()``
+    fails ``assert num_new_tokens == 1 + self.num_spec_tokens``. kvref refuses such a config
+    (docs/differences.md); vLLM's is made with the threshold set after construction."""
+    mod, env = vllm_env
+    with pytest.raises(InvalidFieldError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=2, num_speculative_tokens=3)
+    cfg = SchedulerConfig(num_speculative_tokens=3)
+    s = mod.VllmScheduler(_pool(64, cfg, use_eagle=False), cfg, env)
+    s.scheduler.scheduler_config.long_prefill_token_threshold = 2  # read by schedule() each step
+    prompt = list(range(1, 10))
+    s.add_request(Request("a", prompt, max_tokens=10))
+    for _ in range(3):
+        out = s.schedule()
+        s.update_from_output(out, ModelOutput({x.request_id: [7] for x in out.scheduled if not x.is_prefill_chunk}))
+    s.add_request(Request("b", prompt[:8] + [99], max_tokens=10))  # a hit up to its last token
+    with pytest.raises(AssertionError):
+        s.schedule()
