@@ -59,7 +59,7 @@ fi
 
 # step name | timeout (s) | arguments of $PY (run in the scratch run directory, see below)
 PYTEST_FILES="tests/impl/torch/test_triton_kernels.py tests/impl/torch/test_triton_real_shapes.py \
-tests/impl/torch/test_triton_shared_memory.py tests/impl/torch/test_triton_compile.py \
+tests/impl/torch/test_triton_shared_memory.py tests/impl/torch/test_triton_compile.py tests/impl/torch/test_triton_offload_launches.py \
 tests/impl/torch/test_triton_datapath.py tests/impl/torch/test_triton_backend_selector.py \
 tests/impl/torch/test_triton_benchmarks.py tests/impl/torch/test_kernel_device.py \
 tests/impl/torch/test_pinned_host.py tests/impl/torch/test_offload_copy.py tests/impl/torch/test_gpu.py \
@@ -73,8 +73,9 @@ STEPS=(
   "decode, window 1024|30|benchmarks/bench_triton_attention.py --window 1024"
   "decode 256x4096|30|benchmarks/bench_triton_attention.py --batch 256"
   "decode 16x32768|30|benchmarks/bench_triton_attention.py --batch 16 --context 32768"
+  "decode, tile 64, 8 warps|30|benchmarks/bench_triton_attention.py --tile 64 --num-warps 8"
+  "decode, tile 32, 3 stages|30|benchmarks/bench_triton_attention.py --tile 32 --num-stages 3"
   "decode, tile 16|30|benchmarks/bench_triton_attention.py --tile 16"
-  "decode, tile 32, 1 stage|30|benchmarks/bench_triton_attention.py --tile 32 --num-stages 1"
   "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
   "offload, torch copier|30|benchmarks/bench_torch_offload.py --device cuda"
 )

@@ -242,13 +242,16 @@ def write_kv(dtype: torch.dtype, num_kv_heads: int = 8, head_size: int = 128, bl
 
 
 def block_copy(element_size: int = 2, arch: int = 90) -> CompiledKernel:
-    """The block-copy kernel as ``copy_blocks_triton`` launches it (pages as raw integers)."""
-    from .block_copy import _AS_INT, CHUNK, _copy_blocks_kernel
+    """The block-copy kernel as ``copy_pages_triton`` launches it for pages of ``element_size``
+    bytes (16-byte aligned tensors: 8-byte words unless the element is narrower and the page odd)."""
+    import triton.language as tl
 
-    as_int = _AS_INT[element_size]
-    ptrs = dict(src_ptr=as_int, dst_ptr=as_int, src_ids_ptr=torch.int64, dst_ids_ptr=torch.int64)
-    return compile_kernel(_copy_blocks_kernel, f"block_copy {element_size}-byte elements", ptrs, dict(CHUNK=CHUNK),
-                          4, arch)
+    from .block_copy import CHUNK, _copy_pages_kernel
+
+    ptrs = dict(src_addr_ptr=torch.int64, dst_addr_ptr=torch.int64, src_stride_ptr=torch.int64,
+                dst_stride_ptr=torch.int64, src_ids_ptr=torch.int64, dst_ids_ptr=torch.int64)
+    return compile_kernel(_copy_pages_kernel, f"block_copy {element_size}-byte elements (8-byte words)", ptrs,
+                          dict(CHUNK=CHUNK, WORD=tl.int64, VEC=2), 4, arch, ints=dict(page=4096))
 
 
 def standard_variants(full: bool = False):

@@ -346,8 +346,10 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
     (what is not given explicitly is stepped down: pipeline stages 2 -> 1, then the tile halved,
     to 16 on the ``tl.dot`` path). On the CPU (the interpreter) one: tile 32 unless given.
 
-    CUDA defaults: ``num_warps`` 4 (8 when a program holds more than 256 lanes of head, the MLA
-    latent); tile 64 up to 128 lanes of head, 32 up to 256, 16 beyond, in float64 at most
+    CUDA defaults, from the compiler's report for sm_90 (BENCHMARKS.md): ``num_warps`` 4 (8 when
+    a program holds more than 256 lanes of head, the MLA latent); tile 32 up to 256 lanes of head
+    (bfloat16, head 128: 94-96 registers, 22.5 KB of shared memory, 16-byte loads; tile 64 needed
+    106-141 registers, fewer programs per SM for the same bytes in flight), 16 beyond; in float64 at most
     ``8192 / (GROUP_P * head)`` (the broadcast product ``[GROUP_P, TILE, head]`` lives in
     registers). A block size the tile divides gives ``PAGE_TILES`` (one table entry per tile)."""
     _check_pow2("group_block", group_block)
@@ -365,7 +367,7 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
     if tile is not None:
         tiles = [tile]
     else:
-        top = 64 if head <= 128 else 32 if head <= 256 else 16
+        top = 32 if head <= 256 else 16
         if f64:
             gb = group_block or _group_block(_pow2(group), head, False)
             top = 1 << (max(1, min(8, 8192 // (gb * head))).bit_length() - 1)  # a power of two

@@ -1,10 +1,13 @@
 """Whole-page block copies between two block arrays, as a Triton kernel (the offload data path).
 
-An offload job is a list of ``(src_block, dst_block)`` pairs; one program copies one ``CHUNK``
-of one page, so a job of ``n`` pages of ``P`` elements runs ``n * ceil(P / CHUNK)`` programs and
-every page moves in parallel, whether or not the ids are contiguous (the torch path merges runs
-instead and issues one ``copy_`` per run). Pages are moved as raw integers of the element width
-(``view(int16/int32/int64)``): a copy is bit-exact by construction, NaN payloads included.
+An offload job is a list of ``(src_block, dst_block)`` pairs over every layer; one program
+copies one ``CHUNK`` of one page of one layer, so a job of ``n`` pages of ``P`` words over ``L``
+layers is ONE launch of ``n * ceil(P / CHUNK) * L`` programs and every page moves in parallel,
+whether or not the ids are contiguous (the torch path merges runs instead and issues one
+``copy_`` per run and layer: a scattered job is one copy per block, issue #24). The layers'
+base addresses travel in a small int64 table (cast to pointers in the kernel). Pages are moved
+as raw integer words — 8 bytes where sizes, strides and addresses allow, down to the element
+width — so a copy is bit-exact by construction, NaN payloads included.
 
 On CUDA the host side is a pinned buffer, which kernels address directly (unified virtual
 addressing; Triton accepts pinned tensors since triton-lang/triton#1197), so a store is the
@@ -22,18 +25,121 @@ from kvref.spec.errors import InvalidFieldError
 
 CHUNK = 1024
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TL_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, stride_src, stride_dst, page,
-                        CHUNK: tl.constexpr):
+def _copy_pages_kernel(src_addr_ptr, dst_addr_ptr, src_stride_ptr, dst_stride_ptr, src_ids_ptr, dst_ids_ptr, page,
+                       CHUNK: tl.constexpr, WORD: tl.constexpr, VEC: tl.constexpr):
+    """``dst[layer][dst_ids[p]] = src[layer][src_ids[p]]`` for one ``CHUNK`` of one page of one
+    layer; the layers' base addresses and row strides (in words) come from small tables, so a
+    whole job — every pair of every layer — is one launch. Addresses, row strides and the page
+    are multiples of 16 bytes (``VEC`` words; checked by the wrapper), which the compiler is told:
+    rows move as 16-byte vectors."""
     p = tl.program_id(0)
     c = tl.program_id(1)
-    s = tl.load(src_ids_ptr + p).to(tl.int64)
-    d = tl.load(dst_ids_ptr + p).to(tl.int64)
+    layer = tl.program_id(2)
+    src_base = tl.multiple_of(tl.multiple_of(tl.load(src_addr_ptr + layer), 16).to(tl.pointer_type(WORD)), 16)
+    dst_base = tl.multiple_of(tl.multiple_of(tl.load(dst_addr_ptr + layer), 16).to(tl.pointer_type(WORD)), 16)
+    s_row = tl.multiple_of(tl.load(src_ids_ptr + p).to(tl.int64) * tl.load(src_stride_ptr + layer), VEC)
+    d_row = tl.multiple_of(tl.load(dst_ids_ptr + p).to(tl.int64) * tl.load(dst_stride_ptr + layer), VEC)
+    page = tl.multiple_of(page, VEC)
     i = c * CHUNK + tl.arange(0, CHUNK)
     m = i < page
-    tl.store(dst_ptr + d * stride_dst + i, tl.load(src_ptr + s * stride_src + i, mask=m), mask=m)
+    tl.store(dst_base + d_row + i, tl.load(src_base + s_row + i, mask=m), mask=m)
+
+
+def _word(tensors: list[torch.Tensor]) -> int:
+    """The widest integer word (bytes) that divides every row's bytes, stride and address: pages
+    move as raw words (bit-exact by construction, NaN payloads included), 8-byte words where the
+    layout allows (16-byte vectors of two)."""
+    size = 8
+    for t in tensors:
+        e = t.element_size()
+        for v in (t.shape[1] * e, t.stride(0) * e, t.data_ptr()):
+            while v % size:
+                size //= 2
+    return max(size, 1)
+
+
+def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_ids, dst_ids,
+                      chunk: int = CHUNK) -> None:
+    """``dsts[l][dst_ids[i]] = srcs[l][src_ids[i]]`` for every layer ``l`` and pair ``i``, as ONE
+    kernel launch (issue #24: the torch copier's scattered jobs cost one ``copy_`` per block and
+    reached 9-14 % of a pinned-host copy). Each ``srcs[l]``/``dsts[l]`` is a ``[blocks, page]``
+    tensor with contiguous pages, all of one dtype and page size; the ids are lists or 1-D
+    tensors of equal length with distinct destinations. One side may be pinned host memory when
+    the other is on CUDA (the kernel reads or writes it directly); on CPU tensors the kernel runs
+    in Triton's interpreter."""
+    from . import require_triton
+
+    if not isinstance(srcs, (list, tuple)) or not isinstance(dsts, (list, tuple)) or len(srcs) != len(dsts) \
+            or not srcs:
+        raise InvalidFieldError("srcs/dsts", (type(srcs).__name__, type(dsts).__name__),
+                                "two equally long, non-empty lists of [blocks, page] tensors (one per layer)")
+    first = srcs[0]
+    if not isinstance(first, torch.Tensor):
+        raise InvalidFieldError("srcs", type(first).__name__, "tensors")
+    for a in list(srcs) + list(dsts):
+        if not isinstance(a, torch.Tensor) or a.dim() != 2 or a.shape[1] != first.shape[1] or a.dtype != first.dtype:
+            raise InvalidFieldError("src/dst", (tuple(getattr(a, "shape", ())), getattr(a, "dtype", None),
+                                                tuple(first.shape), first.dtype),
+                                    "two [blocks, page] tensors with the same page size and dtype")
+        if a.stride(1) != 1:
+            raise InvalidFieldError("src/dst", tuple(a.stride()), "pages with contiguous elements")
+    launches = {launch_device(a, b) for a, b in zip(srcs, dsts)}
+    if len(launches) != 1:
+        raise InvalidFieldError("srcs/dsts", sorted(map(str, launches)), "every layer on one device pair")
+    launch = launches.pop()
+    s_ids = torch.as_tensor(src_ids, dtype=torch.int64).reshape(-1)
+    d_ids = torch.as_tensor(dst_ids, dtype=torch.int64).reshape(-1)
+    if s_ids.shape != d_ids.shape:
+        raise InvalidFieldError("src_ids/dst_ids", (s_ids.numel(), d_ids.numel()), "two id lists of equal length")
+    n_src, n_dst = min(a.shape[0] for a in srcs), min(a.shape[0] for a in dsts)
+    if s_ids.numel() and (int(s_ids.min()) < 0 or int(s_ids.max()) >= n_src):
+        raise InvalidFieldError("src_ids", s_ids.tolist(), f"ids in [0, {n_src})")
+    if d_ids.numel() and (int(d_ids.min()) < 0 or int(d_ids.max()) >= n_dst):
+        raise InvalidFieldError("dst_ids", d_ids.tolist(), f"ids in [0, {n_dst})")
+    if len(set(d_ids.tolist())) != d_ids.numel():
+        raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise InvalidFieldError("chunk", chunk, "a power of two")
+    require_triton(launch)
+    if not s_ids.numel():
+        return
+    word = _word(list(srcs) + list(dsts))
+    elem = first.element_size()
+    page = first.shape[1] * elem // word
+    table = lambda vals: torch.tensor(vals, dtype=torch.int64, device=launch)  # noqa: E731
+    aligned = all(a.data_ptr() % 16 == 0 and a.stride(0) * elem % 16 == 0 for a in list(srcs) + list(dsts)) \
+        and first.shape[1] * elem % 16 == 0
+    args = (table([a.data_ptr() for a in srcs]), table([a.data_ptr() for a in dsts]),
+            table([a.stride(0) * elem // word for a in srcs]), table([a.stride(0) * elem // word for a in dsts]),
+            s_ids.to(launch), d_ids.to(launch), page)
+    grid = (s_ids.numel(), triton.cdiv(page, chunk), len(srcs))
+    kernel, hint = (_copy_pages_kernel, dict(VEC=16 // word)) if aligned else (_copy_pages_kernel_unaligned, {})
+    if launch.type == "cuda":
+        with torch.cuda.device(launch):
+            kernel[grid](*args, CHUNK=chunk, WORD=_TL_INT[word], **hint)
+    else:
+        kernel[grid](*args, CHUNK=chunk, WORD=_TL_INT[word], **hint)
+
+
+@triton.jit
+def _copy_pages_kernel_unaligned(src_addr_ptr, dst_addr_ptr, src_stride_ptr, dst_stride_ptr, src_ids_ptr,
+                                 dst_ids_ptr, page, CHUNK: tl.constexpr, WORD: tl.constexpr):
+    """:func:`_copy_pages_kernel` without the 16-byte alignment hint (a tensor view whose pages
+    start off a 16-byte boundary)."""
+    p = tl.program_id(0)
+    c = tl.program_id(1)
+    layer = tl.program_id(2)
+    src_base = tl.load(src_addr_ptr + layer).to(tl.pointer_type(WORD))
+    dst_base = tl.load(dst_addr_ptr + layer).to(tl.pointer_type(WORD))
+    s_row = tl.load(src_ids_ptr + p).to(tl.int64) * tl.load(src_stride_ptr + layer)
+    d_row = tl.load(dst_ids_ptr + p).to(tl.int64) * tl.load(dst_stride_ptr + layer)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    m = i < page
+    tl.store(dst_base + d_row + i, tl.load(src_base + s_row + i, mask=m), mask=m)
 
 
 def launch_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
@@ -59,43 +165,6 @@ def launch_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
 
 
 def copy_blocks_triton(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, chunk: int = CHUNK) -> None:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole rows (pages) of two ``[blocks, page]`` tensors.
-
-    The ids are lists or 1-D tensors of equal length; destinations must be distinct (a copy writes
-    each destination once). One of ``src``/``dst`` may be a pinned host tensor when the other is on
-    CUDA; the launch goes to the CUDA side.
-    """
-    from . import require_triton
-
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
-        raise InvalidFieldError("src/dst", (tuple(src.shape), src.dtype, tuple(dst.shape), dst.dtype),
-                                "two [blocks, page] tensors with the same page size and dtype")
-    if src.stride(1) != 1 or dst.stride(1) != 1:
-        raise InvalidFieldError("src/dst", (src.stride(), dst.stride()), "pages with contiguous elements")
-    s_ids = torch.as_tensor(src_ids, dtype=torch.int64).reshape(-1)
-    d_ids = torch.as_tensor(dst_ids, dtype=torch.int64).reshape(-1)
-    if s_ids.shape != d_ids.shape:
-        raise InvalidFieldError("src_ids/dst_ids", (s_ids.numel(), d_ids.numel()), "two id lists of equal length")
-    if s_ids.numel() and (int(s_ids.min()) < 0 or int(s_ids.max()) >= src.shape[0]):
-        raise InvalidFieldError("src_ids", s_ids.tolist(), f"ids in [0, {src.shape[0]})")
-    if d_ids.numel() and (int(d_ids.min()) < 0 or int(d_ids.max()) >= dst.shape[0]):
-        raise InvalidFieldError("dst_ids", d_ids.tolist(), f"ids in [0, {dst.shape[0]})")
-    if len(set(d_ids.tolist())) != d_ids.numel():
-        raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
-    if chunk < 1 or chunk & (chunk - 1):
-        raise InvalidFieldError("chunk", chunk, "a power of two")
-    launch = launch_device(src, dst)
-    require_triton(launch)
-    if not s_ids.numel():
-        return
-    as_int = _AS_INT[src.element_size()]
-    s_view, d_view = src.view(as_int), dst.view(as_int)
-    page = src.shape[1]
-    grid = (s_ids.numel(), triton.cdiv(page, chunk))
-    if launch.type == "cuda":
-        with torch.cuda.device(launch):
-            _copy_blocks_kernel[grid](s_view, d_view, s_ids.to(launch), d_ids.to(launch),
-                                      s_view.stride(0), d_view.stride(0), page, CHUNK=chunk)
-    else:
-        _copy_blocks_kernel[grid](s_view, d_view, s_ids, d_ids, s_view.stride(0), d_view.stride(0), page,
-                                  CHUNK=chunk)
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole rows (pages) of two ``[blocks, page]`` tensors
+    (one layer of :func:`copy_pages_triton`: one launch)."""
+    copy_pages_triton([src], [dst], src_ids, dst_ids, chunk)

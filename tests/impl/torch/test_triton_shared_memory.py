@@ -120,7 +120,7 @@ def test_a_launch_refused_for_shared_memory_steps_down_to_the_next_candidate(mon
     args = (torch.bfloat16, "causal", 32, 8, 128, 16, True, False, None, None, None, None)
     cfg = kernel_config(*args, shared_limit=SHARED_LIMIT[90])
     attn._launch_pass1(cfg, args, SHARED_LIMIT[90], True, (5, 8, 3), ())
-    assert [x[1:] for x in launched] == [(64, 2, True), (64, 1, True), (32, 2, True)]
+    assert [x[1:] for x in launched] == [(32, 2, True), (32, 1, True), (16, 2, True)]
     assert all(grid == (5, 8, 3) for grid, *_ in launched)
     launched.clear()
     monkeypatch.setattr(attn, "candidate_configs", lambda *a: [cfg])
