@@ -58,6 +58,7 @@ class ReachCollector:
     def start(self) -> None:
         loaded = {os.path.realpath(getattr(m, "__file__", "") or "") for m in list(sys.modules.values())}
         self.imported_before = sorted(f for f in self.files if f in loaded)
+        self._rcfile_env = os.environ.get("COVERAGE_RCFILE")
         self.cov.start()
         self.running = True
 
@@ -71,11 +72,49 @@ class ReachCollector:
         """Stop, save and combine every process's data; returns coverage's ``Coverage`` for reports."""
         if self.running:
             self.cov.stop()
+            _unpatch_multiprocessing(self._rcfile_env)
             self.running = False
             self.cov.save()
             self.cov.combine(data_paths=[self.data_dir], keep=False)
             self.cov.save()
         return self.cov
+
+
+def _unpatch_multiprocessing(rcfile_env: str | None) -> None:
+    """Undo coverage.py's ``concurrency = multiprocessing`` patch once measuring stopped.
+
+    coverage.py patches ``multiprocessing`` for the rest of the process (children start a collector
+    reading ``COVERAGE_RCFILE``); kvref measures one run, so processes forked afterwards (a test
+    suite's explorer workers) must not start one, and a second run in the same process must patch
+    anew with its own config. Best effort: a coverage.py whose internals differ is left as it is.
+    """
+    import multiprocessing
+    import multiprocessing.process
+
+    try:
+        from coverage import multiproc
+    except ImportError:  # pragma: no cover - coverage.py moved it
+        return
+    marker = getattr(multiproc, "PATCHED_MARKER", None)
+    if marker is None or not hasattr(multiprocessing, marker):
+        return
+    original = getattr(multiproc, "original_bootstrap", None)
+    if original is not None:
+        multiprocessing.process.BaseProcess._bootstrap = original  # type: ignore[attr-defined]
+    try:
+        from multiprocessing import spawn
+
+        wrapper = spawn.get_preparation_data
+        cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()))
+        if "original_get_preparation_data" in cells:
+            spawn.get_preparation_data = cells["original_get_preparation_data"].cell_contents
+    except (ImportError, AttributeError):  # pragma: no cover - no spawn support
+        pass
+    delattr(multiprocessing, marker)
+    if rcfile_env is None:
+        os.environ.pop("COVERAGE_RCFILE", None)
+    else:
+        os.environ["COVERAGE_RCFILE"] = rcfile_env
 
 
 class CallCounter:

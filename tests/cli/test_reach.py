@@ -233,3 +233,29 @@ def test_the_collector_measures_forked_children_under_the_check_that_started_the
     assert {2, 3} <= set(data.lines(str(mod)) or []) and 4 not in set(data.lines(str(mod)))
     assert (2, 3) in set(data.arcs(str(mod)) or [])  # branch mode
     assert data.contexts_by_lineno(str(mod))[3] == ["conform-explorer"]
+
+
+def test_after_a_run_forked_children_no_longer_start_coverage(tmp_path):
+    """coverage.py patches multiprocessing for good; kvref undoes it when its run stops, so a later
+    run in the same process (a test suite) measures with its own config and other forks are left alone."""
+    import multiprocessing
+    import multiprocessing.process
+
+    from kvref.reach_collect import ReachCollector
+
+    before = multiprocessing.process.BaseProcess._bootstrap
+    mod = tmp_path / "probe.py"
+    mod.write_text("def branchy(n):\n    if n > 2:\n        return 1\n    return 0\n")
+    for run in ("first", "second"):
+        col = ReachCollector((str(mod),), str(tmp_path / run))
+        col.start()
+        try:
+            col.enter(run)
+            child = multiprocessing.get_context("fork").Process(target=_child_runs, args=(str(mod),))
+            child.start()
+            child.join(120)
+        finally:
+            cov = col.stop()
+        assert cov.get_data().contexts_by_lineno(str(mod))[3] == [run]
+        assert multiprocessing.process.BaseProcess._bootstrap is before
+        assert "COVERAGE_RCFILE" not in os.environ
