@@ -51,6 +51,14 @@ class PoolConfig:
     watermark: float = 0.0
     use_eagle: bool = False
     enable_kv_cache_events: bool = False
+    #: block hashing (issue #23): vLLM's ``prefix_caching_hash_algo`` (sha256, sha256_cbor, xxhash,
+    #: xxhash_cbor), ``num_hash_lookahead_tokens`` (EAGLE block drop: tokens after each block its
+    #: hash covers) and the NONE_HASH seed (None: ``init_none_hash``'s rule — PYTHONHASHSEED, else
+    #: fixed for sha256, random for xxhash); ``log_stats`` keeps prefix-cache stats
+    prefix_caching_hash_algo: str = "sha256"
+    num_hash_lookahead_tokens: int = 0
+    none_hash_seed: str | None = None
+    log_stats: bool = False
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -126,6 +134,14 @@ class PoolConfig:
                 raise InvalidFieldError(flag, getattr(self, flag), "True or False")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise InvalidFieldError("enable_kv_cache_events", self.enable_kv_cache_events, "True or False")
+        if self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+            raise InvalidFieldError("prefix_caching_hash_algo", self.prefix_caching_hash_algo,
+                                    "one of sha256, sha256_cbor, xxhash, xxhash_cbor")
+        check_int("num_hash_lookahead_tokens", self.num_hash_lookahead_tokens, minimum=0)
+        if self.none_hash_seed is not None and not isinstance(self.none_hash_seed, str):
+            raise InvalidFieldError("none_hash_seed", self.none_hash_seed, "None or a str")
+        if not isinstance(self.log_stats, bool):
+            raise InvalidFieldError("log_stats", self.log_stats, "True or False")
         if not isinstance(self.origin, str):
             raise InvalidFieldError("origin", self.origin, "a string (set by from_plan / off_plan)")
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.

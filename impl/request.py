@@ -13,6 +13,63 @@ from dataclasses import dataclass, field
 from kvref.spec.errors import InvalidFieldError, check_int
 
 
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where a multimodal item's placeholder tokens sit in the prompt (vLLM ``PlaceholderRange``)."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        check_int("mm_position.offset", self.offset, minimum=0)
+        check_int("mm_position.length", self.length, minimum=1)
+
+
+@dataclass(frozen=True)
+class MultiModalFeatureSpec:
+    """One multimodal item of a request, as the KV cache sees it (vLLM ``MultiModalFeatureSpec``):
+    its ``identifier`` (the item's hash, LoRA-prefixed where applicable) goes into the hash of every
+    block its placeholder range overlaps, with the item's offset relative to that block."""
+
+    identifier: str
+    mm_position: PlaceholderRange
+    modality: str = "image"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise InvalidFieldError("mm_features[i].identifier", self.identifier, "a non-empty str")
+        if not isinstance(self.mm_position, PlaceholderRange):
+            raise InvalidFieldError("mm_features[i].mm_position", self.mm_position, "a PlaceholderRange")
+        if not isinstance(self.modality, str):
+            raise InvalidFieldError("mm_features[i].modality", self.modality, "a str such as 'image'")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (vLLM ``LoRARequest``): its name and path enter every
+    block hash (so re-pointing a name at another adapter does not reuse KV), its id and name every
+    ``BlockStored`` event."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise InvalidFieldError("lora_request.lora_name", self.lora_name, "a non-empty str")
+        check_int("lora_request.lora_int_id", self.lora_int_id, minimum=1)
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise InvalidFieldError("lora_request.lora_path", self.lora_path, "a non-empty str")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +97,16 @@ class Request:
         is_prefill_chunk: after the last schedule, the request has not yet reached the end of its
             known tokens (its step samples nothing).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once FINISHED.
+
+    Inputs of the block hashes and KV events (vLLM ``Request`` fields of the same names):
+        mm_features: multimodal items, sorted by offset, not overlapping, inside the prompt.
+        lora_request: the LoRA adapter, or None.
+        prompt_embeds: the prompt's embeddings as raw bytes, one ``bytes`` row per prompt token
+            (all rows the same length): vLLM hashes the tensor bytes of each block's rows
+            (``tensor_data``), which is exactly the concatenation of these rows.
+        session_id: carried into ``BlockStored`` events.
+        skip_reading_prefix_cache: the request never reads the prefix cache (vLLM sets it for
+            prompt logprobs and all-pooling requests); it still publishes its blocks.
     """
 
     request_id: str
@@ -59,6 +126,11 @@ class Request:
     drop_stale_output: bool = False
     is_prefill_chunk: bool = False
     finish_reason: str | None = None
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
+    lora_request: LoRARequest | None = None
+    prompt_embeds: tuple[bytes, ...] | None = None
+    session_id: str | None = None
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -80,6 +152,36 @@ class Request:
         self.stop_token_ids = tuple(self.stop_token_ids)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidFieldError("cache_salt", self.cache_salt, "None or a str")
+        self._check_hash_inputs()
+
+    def _check_hash_inputs(self) -> None:
+        if not isinstance(self.mm_features, (list, tuple)):
+            raise InvalidFieldError("mm_features", self.mm_features, "a tuple of MultiModalFeatureSpec")
+        self.mm_features = tuple(self.mm_features)
+        end = 0
+        for i, f in enumerate(self.mm_features):
+            if not isinstance(f, MultiModalFeatureSpec):
+                raise InvalidFieldError(f"mm_features[{i}]", f, "a MultiModalFeatureSpec")
+            pos = f.mm_position
+            if pos.offset < end or pos.offset + pos.length > len(self.prompt_token_ids):
+                raise InvalidFieldError(f"mm_features[{i}].mm_position", (pos.offset, pos.length),
+                                        f"a range inside the prompt ({len(self.prompt_token_ids)} tokens) after "
+                                        f"the previous item (ends at {end}): sorted, not overlapping")
+            end = pos.offset + pos.length
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise InvalidFieldError("lora_request", self.lora_request, "None or a LoRARequest")
+        if self.prompt_embeds is not None:
+            rows = self.prompt_embeds
+            if not isinstance(rows, (list, tuple)) or len(rows) != len(self.prompt_token_ids) \
+                    or not all(isinstance(r, bytes) and r and len(r) == len(rows[0]) for r in rows):
+                raise InvalidFieldError("prompt_embeds", rows if not isinstance(rows, (list, tuple)) else len(rows),
+                                        f"None or {len(self.prompt_token_ids)} non-empty bytes rows of one "
+                                        "length (one per prompt token)")
+            self.prompt_embeds = tuple(rows)
+        if self.session_id is not None and not isinstance(self.session_id, str):
+            raise InvalidFieldError("session_id", self.session_id, "None or a str")
+        if not isinstance(self.skip_reading_prefix_cache, bool):
+            raise InvalidFieldError("skip_reading_prefix_cache", self.skip_reading_prefix_cache, "True or False")
 
     @property
     def num_prompt_tokens(self) -> int:

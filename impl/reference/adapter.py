@@ -111,6 +111,20 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
 
+    def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """The scheduler's end of ``schedule()``: drain the pending copy-on-write pairs and free
+        their retained endpoints (vLLM ``take_kv_cache_block_copies`` + ``block_pool.free_blocks``
+        when the copy's step cannot still be in flight). Returns the (source, destination) ids."""
+        pairs: list[tuple[int, int]] = []
+        retained = []
+        for manager in self.manager.coordinator.single_type_managers:
+            for src, dst in manager.take_pending_cow_copies():
+                pairs.append((src.block_id, dst.block_id))
+                retained += (src, dst)
+        if retained:
+            self.manager.block_pool.free_blocks(retained)
+        return pairs
+
     def forget(self, request_id: str) -> None:
         """The reference drops a request's hashes when its blocks are freed; nothing else to drop."""
         _check_request_id(request_id)
@@ -129,6 +143,53 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
 
     def reset_prefix_cache(self) -> bool:
         return self.manager.reset_prefix_cache()
+
+    # block hashes, prefix-cache stats, KV-connector views (issue #23)
+
+    def request_block_hashes(self, request: Request) -> tuple[bytes, ...]:
+        """The request's chained block hashes (vLLM's ``Request.block_hashes``)."""
+        return tuple(self.manager.block_hashes(request))
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        self.manager.record_prefix_cache_stats(request, num_hits)
+
+    def prefix_cache_stats(self) -> dict | None:
+        """The stats gathered since the last ``make_prefix_cache_stats`` (not reset here)."""
+        stats = self.manager.prefix_cache_stats
+        return None if stats is None else stats.to_plain()
+
+    def make_prefix_cache_stats(self) -> dict | None:
+        stats = self.manager.make_prefix_cache_stats()
+        return None if stats is None else stats.to_plain()
+
+    @property
+    def usage(self) -> float:
+        return self.manager.usage
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> BlockIds:
+        return tuple(tuple(ids) for ids in self.manager.get_block_ids_for_computed_tokens(
+            request_id, num_computed_tokens))
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self.manager.estimate_cached_tokens(request)
+
+    def truncate_computed_blocks(self, block_ids: BlockIds, num_computed_tokens: int) -> BlockIds:
+        blocks = self._blocks_from_ids(block_ids)
+        if blocks is None:
+            blocks = self.manager.empty_kv_cache_blocks
+        return self._ids(self.manager.truncate_computed_blocks(blocks, num_computed_tokens))
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[BlockIds, int, int, bool]:
+        blocks, num_hit, boundary, diverged = self.manager.get_computed_blocks_for_connector(request)
+        return self._ids(blocks), num_hit, boundary, diverged
+
+    def free_holding_view(self, request: Request) -> BlockIds:
+        """``free`` while holding the ``get_blocks`` result taken just before it (a connector's
+        view): returns the ids that view shows after the free (vLLM: still the table order)."""
+        self.manager._check_request(request)
+        view = self.manager.get_blocks(request.request_id)
+        self.manager.free(request)
+        return self._ids(view)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.manager.evict_blocks(block_ids)

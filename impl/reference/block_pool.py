@@ -21,8 +21,12 @@ The rules that decide block ids, and so must match vLLM exactly:
 KV cache events (``enable_kv_cache_events``, off by default as in vLLM) are emitted where vLLM
 emits them and taken with ``take_events()``; see :mod:`.kv_events` and docs/kv_events.md.
 
+``BlockStored`` events carry the request's LoRA id and name, session id, its per-block extra keys
+in vLLM's untagged event form (multimodal items, LoRA name, cache salt, prompt-embeds digest) and,
+with hash lookahead (``num_hash_lookahead_tokens``), the lookahead tokens after each block.
+
 Not modelled: metrics, reuse watchers (HiSparse ``unpin_blocks``), routing frees
-to another pool, hash lookahead tokens.
+to another pool.
 
 Every operation costs O(blocks it touches); nothing scans the pool except ``reset_prefix_cache``
 and ``check_invariants``.
@@ -36,7 +40,15 @@ from kvref.impl.interface import MAX_NUM_BLOCKS
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
 
-from .block_hash import BlockHash, BlockHashWithGroupId, get_block_hash, get_group_id, resolve_block_hashes
+from .block_hash import (
+    BlockHash,
+    BlockHashWithGroupId,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
 from .block_hash_to_block_map import BlockHashToBlockMap
 from .errors import BlockRefCountError, NotEnoughFreeBlocksError
 from .free_block_queue import FreeKVCacheBlockQueue
@@ -47,7 +59,6 @@ from .kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    event_extra_keys,
     to_external_block_hash,
     use_int_block_hashes,
 )
@@ -95,11 +106,13 @@ class BlockPool:
         medium: the ``medium`` field of the events (vLLM's ``MEDIUM_GPU`` for the device pool).
         int_block_hashes: publish hashes as 64-bit ints (vLLM's default) or bytes; None reads
             ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` now (vLLM reads it at each event).
+        num_hash_lookahead_tokens: tokens after each block its hash covers (EAGLE block drop);
+            events then carry them and extra keys cover them too.
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, medium: str = MEDIUM_GPU,
-                 int_block_hashes: bool | None = None) -> None:
+                 int_block_hashes: bool | None = None, num_hash_lookahead_tokens: int = 0) -> None:
         check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
         if num_gpu_blocks > MAX_NUM_BLOCKS:
             raise InvalidFieldError("num_gpu_blocks", num_gpu_blocks,
@@ -113,6 +126,8 @@ class BlockPool:
             raise InvalidFieldError("medium", medium, "a str such as 'GPU'")
         if int_block_hashes is not None and not isinstance(int_block_hashes, bool):
             raise InvalidFieldError("int_block_hashes", int_block_hashes, "None, True or False")
+        check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, minimum=0)
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
         self.medium = medium
         # only a pool that emits reads the environment (a bad value is then an error naming it)
@@ -320,7 +335,7 @@ class BlockPool:
             self.kv_event_queue.append(self._block_stored(
                 request, [ext(hashes[i]) for i in stored], parent, num_cached_blocks * block_size,
                 num_full_blocks * block_size, block_size, kv_cache_group_id,
-                [event_extra_keys(request.cache_salt, i * block_size) for i in stored]))
+                [i * block_size for i in stored]))
 
     def _check_cache_range(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
                            num_cached_blocks: int, num_full_blocks: int, block_size: int,
@@ -358,13 +373,23 @@ class BlockPool:
         return to_external_block_hash(block_hash, self.int_block_hashes)
 
     def _block_stored(self, request: Request, hashes: list, parent: int | bytes | None, start: int,
-                      end: int, block_size: int, group_id: int, extra_keys: list) -> BlockStored:
-        """vLLM's ``_build_block_stored_event``: ``extra_keys`` is None when no block got a key
-        (``to_event_extra_keys`` of an empty list), else one entry per stored block."""
+                      end: int, block_size: int, group_id: int, block_starts: list[int]) -> BlockStored:
+        """vLLM's ``_build_block_stored_event``. ``block_starts``: where each block that got a key
+        starts; its event extra keys cover ``block_size`` tokens plus the hash lookahead
+        (``to_event_extra_keys``: None when no block got a key), and with hash lookahead each
+        block's lookahead tokens are listed."""
+        lookahead = self.num_hash_lookahead_tokens
+        tokens = request.all_token_ids
+        extra = to_event_extra_keys([generate_block_hash_extra_keys(request, b, b + block_size + lookahead)
+                                     for b in block_starts])
+        lora = request.lora_request
         return BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                           token_ids=request.all_token_ids[start:end], block_size=block_size,
-                           lora_id=None, medium=self.medium, lora_name=None,
-                           extra_keys=extra_keys or None, group_idx=group_id)
+                           token_ids=tokens[start:end], block_size=block_size,
+                           lora_id=None if lora is None else lora.adapter_id, medium=self.medium,
+                           lora_name=None if lora is None else lora.name,
+                           extra_keys=extra, group_idx=group_id, session_id=request.session_id,
+                           lookahead_token_ids=[tokens[b + block_size:b + block_size + lookahead]
+                                                for b in block_starts] if lookahead else None)
 
     def _emit_block_removed_events(self, keys: list[BlockHashWithGroupId]) -> None:
         """One ``BlockRemoved`` per removed key, in removal order (primary key first)."""
@@ -399,7 +424,7 @@ class BlockPool:
         self.kv_event_queue.append(self._block_stored(
             request, [ext(hashes[i]) for i in range(num_cached_blocks)], None, 0,
             num_cached_blocks * block_size, block_size, kv_cache_group_id,
-            [event_extra_keys(request.cache_salt, i * block_size) for i in range(num_cached_blocks)]))
+            [i * block_size for i in range(num_cached_blocks)]))
 
     def take_events(self) -> list[KVCacheEvent]:
         """Take every queued event (oldest first) and empty the queue; [] with events off."""
@@ -464,7 +489,7 @@ class BlockPool:
             self.kv_event_queue.append(self._block_stored(
                 request, [self._external_hash(block_hashes[num_hash_blocks - 1])],
                 None if parent is None else self._external_hash(parent), start, num_tokens,
-                num_tokens - start, kv_cache_group_id, [event_extra_keys(request.cache_salt, start)]))
+                num_tokens - start, kv_cache_group_id, [start]))
         return key
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:

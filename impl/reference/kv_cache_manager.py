@@ -28,18 +28,33 @@ from collections.abc import Sequence
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError, check_int
-from kvref.spec.kv_cache_interface import FullAttentionSpec
+from kvref.spec.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
 
-from .block_hash import BlockHash, RequestBlockHasher
+from .block_hash import BlockHash, RequestBlockHasher, get_hash_fn_by_name
 from .errors import UnknownRequestError
 from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from .kv_events import BlockStored, KVCacheEvent, kv_cache_spec_kind, kv_cache_spec_sliding_window
+from .prefix_cache_stats import PrefixCacheStats
 
 
 _COUNT_FIELDS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
                  "num_external_computed_tokens", "num_encoder_tokens", "reserved_blocks",
                  "request.num_computed_tokens", "request.num_in_flight_tokens")
+
+
+def _is_mamba(spec: object) -> bool:
+    """Whether a group spec holds Mamba layers (a UniformType group may)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return any(isinstance(s, MambaSpec) for s in spec.kv_cache_specs.values())
+    return isinstance(spec, MambaSpec)
 
 
 def _check_request_id(request_id: object) -> None:
@@ -90,7 +105,13 @@ class KVCacheManager:
             for g in config.groups)
         self.num_kv_cache_groups = len(config.groups)
         self.watermark_blocks = int(config.watermark * config.num_blocks)
-        self.hasher = RequestBlockHasher(config.hash_block_size) if config.enable_caching else None
+        # the pool publishes lookahead tokens in its events (vLLM hands it the count at construction)
+        self.block_pool.num_hash_lookahead_tokens = config.num_hash_lookahead_tokens
+        self.hasher = RequestBlockHasher(
+            config.hash_block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo),
+            config.num_hash_lookahead_tokens, config.none_hash_seed) if config.enable_caching else None
+        self.log_stats = config.log_stats
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
 
     # ------------------------------------------------------------------ queries
@@ -98,6 +119,27 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call, and a fresh object for the next (None without
+        ``log_stats``)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for ``request``."""
+        self._check_request(request)
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count an admitted request's lookup (not one that skipped it); a request preempted
+        before counts under the ``preempted_*`` fields."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's chained block hashes (vLLM ``request.block_hashes``); [] without caching."""
@@ -127,7 +169,7 @@ class KVCacheManager:
         """
         self._check_request(request)
         check_int("max_cache_hit_length", max_cache_hit_length, minimum=0, allow_none=True)
-        if self.hasher is None:
+        if self.hasher is None or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
@@ -153,6 +195,106 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    # ------------------------------------------------------------------ KV-connector views
+
+    def get_block_ids_for_computed_tokens(self, request_id: str,
+                                          num_computed_tokens: int) -> tuple[list[int], ...]:
+        """The request's block ids that cover its first ``num_computed_tokens`` tokens: what a
+        KV connector saves or sends. Token-indexed attention groups are cut to
+        ``cdiv(n, block_size)`` blocks (the spec's own block size); Mamba, cross-attention and
+        encoder-only groups are not token-indexed and keep their whole table."""
+        _check_request_id(request_id)
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        out: list[list[int]] = []
+        for group, ids in zip(self.config.groups, self.get_block_ids(request_id)):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, (CrossAttentionSpec,
+                                                                        EncoderOnlyAttentionSpec)):
+                out.append(ids)
+                continue
+            out.append(ids[:-(-num_computed_tokens // spec.block_size)])
+        return tuple(out)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """The prefix every cacheable group of the request has published: per group the longest
+        prefix one of its blocks is cached for, the minimum over groups (0 if none)."""
+        self._check_request(request)
+        cached: int | None = None
+        for group, blocks in zip(self.config.groups, self.coordinator.get_blocks(request.request_id)):
+            spec = group.kv_cache_spec
+            if not spec.prefix_cacheable or isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
+                continue
+            group_cached = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
+            cached = group_cached if cached is None else min(cached, group_cached)
+        return cached or 0
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+        """A lookup result cut at an aligned token endpoint (a connector's external hit ends
+        there). Pure slicing: reference counts untouched, ``blocks`` unchanged. A Mamba group may
+        end before the endpoint (the connector supplies the final state); every other cacheable
+        group must cover it; non-cacheable groups carry no hit blocks."""
+        if not isinstance(blocks, KVCacheBlocks) or len(blocks.blocks) != self.num_kv_cache_groups:
+            raise InvalidFieldError("blocks", blocks, f"KVCacheBlocks with {self.num_kv_cache_groups} groups")
+        check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+        truncated: list[list[KVCacheBlock]] = []
+        for g, (group_blocks, manager, group) in enumerate(zip(
+                blocks.blocks, self.coordinator.single_type_managers, self.config.groups)):
+            if not group.kv_cache_spec.prefix_cacheable:
+                if group_blocks:
+                    raise InvalidFieldError(f"blocks[{g}]", len(group_blocks),
+                                            "no blocks for a group that is not prefix-cacheable")
+                truncated.append([])
+                continue
+            if num_computed_tokens % manager.block_size:
+                raise InvalidFieldError("num_computed_tokens", num_computed_tokens,
+                                        f"a multiple of group {g}'s block size {manager.block_size}")
+            num_blocks = num_computed_tokens // manager.block_size
+            if isinstance(group.kv_cache_spec, MambaSpec):  # as vLLM: a UniformType group is not
+                num_blocks = min(num_blocks, len(group_blocks))
+            elif num_blocks > len(group_blocks):
+                raise InvalidFieldError("num_computed_tokens", num_computed_tokens,
+                                        f"at most the {len(group_blocks) * manager.block_size} tokens "
+                                        f"group {g}'s blocks cover")
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self._wrap(tuple(truncated))
+
+    def get_computed_blocks_for_connector(self, request: Request, max_cache_hit_length: int | None = None
+                                          ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local prefix for a request scheduled with a KV connector: ``get_computed_blocks``'s
+        triple plus ``hit_diverged``.
+
+        Hybrid Mamba + full-attention pools look up every group on its own and report the
+        full-attention hit as the local prefix (the connector brings the rest and the Mamba state),
+        flagging when a lagging group hit less; if some group hit *deeper* than full attention
+        (its full-attention tail was evicted), the reconciled ``get_computed_blocks`` answer is
+        used. Any other pool: ``get_computed_blocks`` and False."""
+        self._check_request(request)
+        check_int("max_cache_hit_length", max_cache_hit_length, minimum=0, allow_none=True)
+        fa_group_id = self._full_attention_group_id()
+        if fa_group_id is None or not any(_is_mamba(g.kv_cache_spec) for g in self.config.groups):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        assert self.hasher is not None
+        computed, per_group_hits = self.coordinator.find_longest_cache_hit_per_group(  # type: ignore[attr-defined]
+            self.hasher.block_hashes(request), max_cache_hit_length)
+        if any(hit > per_group_hits[fa_group_id] for hit in per_group_hits):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        num_local = per_group_hits[fa_group_id]
+        return self._wrap(computed), num_local, 0, min(per_group_hits) < num_local
+
+    def _full_attention_group_id(self) -> int | None:
+        """vLLM's ``HybridKVCacheCoordinator.full_attention_group_id``: the first group of the
+        first spec group when that one is full attention (they sort first); None otherwise and for
+        the other coordinators."""
+        groups = getattr(self.coordinator, "attention_groups", None)
+        if not groups or not getattr(self.coordinator, "find_longest_cache_hit_per_group", None):
+            return None
+        first = groups[0]
+        return first.group_ids[0] if isinstance(first.spec, FullAttentionSpec) else None
 
     # ------------------------------------------------------------------ allocation
 
@@ -268,11 +410,12 @@ class KVCacheManager:
         if request.num_computed_tokens:
             raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
                                     "empty for a request with computed tokens (hits start at token 0)")
-        # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group (kvref does
-        # not model fine-grained hits, whose partial tail would make this ambiguous).
+        # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group; it ends on a
+        # block boundary unless fine-grained hits let it end on a hash boundary inside the block.
+        unit = self.block_pool.hash_block_size if self.coordinator.enable_partial_hash_hits else None
         for g, (group, spec) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs)):
             expected = -(-num_new_computed_tokens // spec.block_size) if spec.prefix_cacheable else 0
-            if len(group) != expected or (expected and num_new_computed_tokens % spec.block_size):
+            if len(group) != expected or (expected and num_new_computed_tokens % (unit or spec.block_size)):
                 raise InvalidFieldError(
                     "num_new_computed_tokens", num_new_computed_tokens,
                     f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
@@ -312,7 +455,21 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.coordinator.reset_prefix_cache()
+        """Forget every cached hash when no block is in use; the stats then say ``reset``."""
+        if not self.coordinator.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request's tables and return its blocks in allocation order, not yet freed:
+        the caller frees them later, in reverse (a KV connector still reading them)."""
+        self._check_request(request)
+        blocks = self.coordinator.pop_blocks_for_free(request.request_id)
+        if self.hasher is not None:
+            self.hasher.forget(request.request_id)
+        return blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         """Take the pool's queued KV cache events; ``BlockStored`` events get their group's spec
@@ -349,7 +506,8 @@ class KVCacheManager:
         for manager in self.coordinator.single_type_managers:
             for table in manager.req_to_blocks.values():
                 slots.update(b.block_id for b in table if not b.is_null)
-            for src, dst in manager._pending_cow_copies:
+            for src, dst in manager._pending_cow_copies:  # both endpoints retained until copied
+                slots[src.block_id] += 1
                 slots[dst.block_id] += 1
         for block in self.block_pool.blocks[1:]:
             if strict_ref_counts:

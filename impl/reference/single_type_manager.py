@@ -256,11 +256,13 @@ class SingleTypeKVCacheManager:
         return table[head:] if head else table
 
     def free(self, request_id: str) -> None:
-        """Free the request's blocks tail first, so its tail blocks are evicted first."""
+        """Free the request's blocks tail first, so its tail blocks are evicted first. The table
+        is walked in reverse, never reversed in place: a caller still holding it (``get_blocks``
+        before the free, e.g. a KV connector) keeps seeing it in table order, as in vLLM, which
+        iterates ``reversed()`` (issue #23's first difference)."""
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
-            blocks.reverse()
-            self.block_pool._free_blocks(blocks)
+            self.block_pool._free_blocks(blocks[::-1])
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Null out and free ``table[first_block:last_block]``, walking down from the top and

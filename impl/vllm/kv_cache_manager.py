@@ -44,8 +44,10 @@ def _vllm() -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import torch
+        from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
+        from vllm.utils.hashing import get_hash_fn_by_name, sha256
         from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
         from vllm.v1 import kv_cache_interface as kci
         from vllm.v1.core import kv_cache_utils
@@ -59,6 +61,8 @@ def _vllm() -> dict[str, Any]:
     kv_cache_utils.init_none_hash(sha256)
     _vllm_mods = dict(
         torch=torch, SamplingParams=SamplingParams, sha256=sha256, dtypes=STR_DTYPE_TO_TORCH_DTYPE,
+        get_hash_fn_by_name=get_hash_fn_by_name, LoRARequest=LoRARequest,
+        MultiModalFeatureSpec=MultiModalFeatureSpec, PlaceholderRange=PlaceholderRange,
         kci=kci, utils=kv_cache_utils, KVCacheBlocks=KVCacheBlocks, KVCacheManager=KVCacheManager,
         VRequest=VRequest, VStatus=VStatus,
     )
@@ -147,14 +151,52 @@ class VllmKVCacheManager:
             hash_block_size=pool_config.hash_block_size,
             max_in_flight_tokens=pool_config.max_in_flight_tokens,
             enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
-            watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events)
+            watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
+            num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats)
         self._pool = self._mgr.block_pool
         self._allocation_watch = AllocationWatch(self._mgr)
+        hash_fn = v["get_hash_fn_by_name"](pool_config.prefix_caching_hash_algo)
+        self._hash_fn = hash_fn
+        self._none_hash_seed = self._init_none_hash(pool_config.none_hash_seed)
         self._hasher: Callable | None = (
-            v["utils"].get_request_block_hasher(pool_config.hash_block_size, v["sha256"])
+            v["utils"].get_request_block_hasher(pool_config.hash_block_size, hash_fn,
+                                                pool_config.num_hash_lookahead_tokens)
             if pool_config.enable_caching else None)
         self._mirrors: dict[str, Any] = {}
+        self._mirror_keys: dict[str, tuple] = {}
         self._requests: dict[str, Request] = {}  # the caller's requests, for check_invariants
+
+    # -- NONE_HASH: process-global in vLLM ---------------------------------------------------
+
+    def _init_none_hash(self, seed: str | None) -> str:
+        """Run vLLM's ``init_none_hash`` for this pool's hash function; with ``seed``, under
+        ``PYTHONHASHSEED=seed`` (vLLM's own override), so vLLM derives NONE_HASH itself. Returns the
+        seed vLLM resolved (``get_none_hash_seed``): random for xxhash without a seed."""
+        utils = _vllm()["utils"]
+        saved = os.environ.get("PYTHONHASHSEED")
+        try:
+            if seed is not None:
+                os.environ["PYTHONHASHSEED"] = seed
+            utils.init_none_hash(self._hash_fn)
+        finally:
+            if seed is not None:
+                if saved is None:
+                    os.environ.pop("PYTHONHASHSEED", None)
+                else:
+                    os.environ["PYTHONHASHSEED"] = saved
+        self._none_hash = utils.NONE_HASH
+        return utils.get_none_hash_seed()
+
+    def _ensure_none_hash(self) -> None:
+        """vLLM's NONE_HASH is one per process: another adapter (another hash function or seed)
+        may have re-initialized it since; re-run ``init_none_hash`` with this pool's seed."""
+        if _vllm()["utils"].NONE_HASH != self._none_hash:
+            self._init_none_hash(self._none_hash_seed)
+
+    @property
+    def none_hash_seed(self) -> str:
+        """The seed vLLM derived this pool's NONE_HASH from (``get_none_hash_seed``)."""
+        return self._none_hash_seed
 
     # -- request mirroring -------------------------------------------------------------------
 
@@ -164,15 +206,28 @@ class VllmKVCacheManager:
             raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
         v = _vllm()
         self._requests[request.request_id] = request
+        self._ensure_none_hash()
+        key = (tuple(request.prompt_token_ids), request.cache_salt, request.mm_features, request.lora_request,
+               request.prompt_embeds, request.session_id, request.skip_reading_prefix_cache)
         vreq = self._mirrors.get(request.request_id)
-        if vreq is None or list(vreq.prompt_token_ids) != request.prompt_token_ids \
-                or vreq.cache_salt != request.cache_salt:
+        if vreq is None or self._mirror_keys.get(request.request_id) != key:
             vreq = v["VRequest"](
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=v["SamplingParams"](max_tokens=request.max_tokens), pooling_params=None,
-                arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                priority=request.priority, block_hasher=self._hasher)
+                sampling_params=v["SamplingParams"](
+                    max_tokens=request.max_tokens, skip_reading_prefix_cache=request.skip_reading_prefix_cache),
+                pooling_params=None, arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                priority=request.priority, block_hasher=self._hasher,
+                prompt_embeds=_embeds_tensor(request.prompt_embeds),
+                mm_features=[v["MultiModalFeatureSpec"](
+                    data=None, modality=f.modality, identifier=f.identifier,
+                    mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
+                    for f in request.mm_features] or None,
+                lora_request=None if request.lora_request is None else v["LoRARequest"](
+                    lora_name=request.lora_request.lora_name, lora_int_id=request.lora_request.lora_int_id,
+                    lora_path=request.lora_request.lora_path),
+                session_id=request.session_id)
             self._mirrors[request.request_id] = vreq
+            self._mirror_keys[request.request_id] = key
         have = len(vreq.output_token_ids)
         want = request.output_token_ids
         if have > len(want) or list(vreq.output_token_ids) != want[:have]:
@@ -233,7 +288,16 @@ class VllmKVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop the vLLM mirror of a finished request (the scheduler drops its ``Request`` too)."""
         self._mirrors.pop(request_id, None)
+        self._mirror_keys.pop(request_id, None)
         self._requests.pop(request_id, None)
+
+    def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """vLLM's scheduler at the end of ``schedule()``: ``take_kv_cache_block_copies`` and free the
+        retained endpoints (the non-deferred path). Returns the (source, destination) ids."""
+        copies, retained = self._mgr.take_kv_cache_block_copies()
+        if retained:
+            self._pool.free_blocks(retained)
+        return [(c.src_block_id, c.dst_block_id) for c in copies]
 
     def new_step_starts(self) -> None:
         self._mgr.new_step_starts()
@@ -266,6 +330,47 @@ class VllmKVCacheManager:
     def usage(self) -> float:
         return self._mgr.usage
 
+    # -- block hashes, prefix-cache stats, KV-connector views (issue #23) --------------------
+
+    def request_block_hashes(self, request: Request) -> tuple[bytes, ...]:
+        """vLLM's ``Request.block_hashes`` of the request (its mirror brought up to date)."""
+        return tuple(bytes(h) for h in self._mirror(request).block_hashes)
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        self._mgr.record_prefix_cache_stats(self._mirror(request), num_hits)
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """The stats gathered since the last ``make_prefix_cache_stats`` (not reset here)."""
+        return _stats_plain(self._mgr.prefix_cache_stats)
+
+    def make_prefix_cache_stats(self) -> dict[str, Any] | None:
+        return _stats_plain(self._mgr.make_prefix_cache_stats())
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> BlockIds:
+        return tuple(tuple(ids) for ids in self._mgr.get_block_ids_for_computed_tokens(request_id,
+                                                                                       num_computed_tokens))
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self._mgr.estimate_cached_tokens(self._mirror(request))
+
+    def truncate_computed_blocks(self, block_ids: BlockIds, num_computed_tokens: int) -> BlockIds:
+        blocks = self._blocks_from_ids(block_ids)
+        if blocks is None:
+            blocks = self._mgr.empty_kv_cache_blocks
+        return self._ids(self._mgr.truncate_computed_blocks(blocks, num_computed_tokens))
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[BlockIds, int, int, bool]:
+        blocks, num_hit, boundary, diverged = self._mgr.get_computed_blocks_for_connector(self._mirror(request))
+        return self._ids(blocks), num_hit, boundary, diverged
+
+    def free_holding_view(self, request: Request) -> BlockIds:
+        """``free`` while holding the ``get_blocks`` result taken just before it (a connector's
+        view): returns the ids that view shows after the free."""
+        vreq = self._mirror(request)
+        view = self._mgr.get_blocks(request.request_id)
+        self._mgr.free(vreq)
+        return self._ids(view)
+
     # -- KV cache events and cache resets ----------------------------------------------------
 
     def take_kv_events(self) -> list[dict[str, Any]]:
@@ -292,6 +397,26 @@ class VllmKVCacheManager:
 
         check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks, requests=self._requests)
         self._allocation_watch.check()
+
+
+def _stats_plain(stats: Any) -> dict[str, Any] | None:
+    """A vLLM ``PrefixCacheStats`` as the plain dict the reference's ``to_plain`` gives."""
+    if stats is None:
+        return None
+    return {"reset": stats.reset, "requests": stats.requests, "queries": stats.queries, "hits": stats.hits,
+            "preempted_requests": stats.preempted_requests, "preempted_queries": stats.preempted_queries,
+            "preempted_hits": stats.preempted_hits,
+            "hits_by_source": {getattr(k, "value", k): n for k, n in stats.hits_by_source.items()}}
+
+
+def _embeds_tensor(rows: tuple[bytes, ...] | None) -> Any:
+    """The prompt embeddings as a tensor whose raw bytes are the rows (float32 where the row
+    length allows, else uint8): vLLM hashes exactly those bytes per block (``tensor_data``)."""
+    if rows is None:
+        return None
+    torch = _vllm()["torch"]
+    data = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), len(rows[0]))
+    return data.view(torch.float32) if len(rows[0]) % 4 == 0 else data
 
 
 def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:

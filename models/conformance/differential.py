@@ -32,6 +32,15 @@ The :class:`Harness` plays vLLM's scheduler in miniature: it owns the shared
                then the managers' ``reset_prefix_cache()`` (fails while blocks are in use).
 * ``evict_blocks`` a KV connector invalidates blocks (``evict_blocks``: their hashes go, blocks
                in use stay allocated).
+* ``connector_lookup`` a KV connector's local lookup for a waiting request
+               (``get_computed_blocks_for_connector``) and the hit truncated at an aligned endpoint
+               (``truncate_computed_blocks``); nothing changes, both results are compared.
+* ``make_prefix_cache_stats`` the scheduler's ``make_stats``: take (and reset) the prefix-cache stats.
+
+``add`` carries a request's block-hash inputs (multimodal items, LoRA adapter, prompt embeddings,
+session id, ``skip_reading_prefix_cache``); an admission records the prefix-cache stats as the
+scheduler does; ``finish``/``preempt`` with ``hold_view`` free while holding the request's
+``get_blocks()`` result (a connector's view), which must still read in table order afterwards.
 
 An op whose precondition does not hold is skipped (and reported as such), so a saved trace
 stays replayable after shrinking or hand-editing. After every op the harness compares, across
@@ -40,7 +49,10 @@ block-holding request's block ids per group (exactly), the free-block count, the
 order and the cached hashes; it calls ``check_invariants()`` on each and checks protocol-level
 invariants (free queue ⊎ held blocks = all non-null blocks). When the pool config enables KV
 cache events and every manager has ``take_kv_events()``, the events each queued during the op are
-compared too, exactly (docs/kv_events.md).
+compared too, exactly (docs/kv_events.md). Where every manager has them (issue #23), also: every
+live request's block hashes, ``usage``, the pending prefix-cache stats, and per block-holding
+request the connector views ``get_block_ids_for_computed_tokens(num_computed_tokens)`` and
+``estimate_cached_tokens``.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvref.impl.interface import KVCacheManagerLike, PoolConfig, make_manager
-from kvref.impl.request import Request, RequestStatus
+from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
 
 from kvref.models.conformance.accepted import signature
 from kvref.models.conformance.trace import Op, Trace
@@ -140,10 +152,15 @@ class Harness:
         self.num_evictions = 0  # ops after which a cached block lost its hash (reused for new data)
         self.num_null_slots = 0  # ops after which some table holds a null placeholder (window slid)
         self.num_partial_entries = 0  # ops after which a hash covers a block only partly
+        self.num_cow_copies = 0  # copy-on-write pairs released (fine-grained partial hits)
         self._prev_cached: dict = {}
         #: KV cache events seen, by type (first implementation's stream), when events are compared
         self.num_events: dict[str, int] = {}
         self.num_resets = 0  # successful reset_prefix_cache ops
+        self.num_held_views = 0  # frees while holding the get_blocks() view (compared after)
+        self.num_connector_lookups = 0
+        self.num_diverged_hits = 0  # connector lookups whose per-group hits diverged (hybrid Mamba)
+        self.num_stats_taken = 0  # make_prefix_cache_stats ops that returned stats
         self.compare_events = pool_config.enable_kv_cache_events and self._all_have("take_kv_events")
         #: time spent inside each implementation (calls, check_invariants, observation)
         self.seconds_by_kind: dict[str, float] = {}
@@ -225,6 +242,8 @@ class Harness:
         self.trace.ops.append(op)
         handler: Callable[[Op], OpResult] = getattr(self, f"_op_{op.name}")
         res = handler(op)
+        if not res.skipped and op.name in ("admit", "step", "load_done"):
+            self._release_block_copies(op)
         self.num_applied += 1
         self.num_skipped += res.skipped
         self.max_live = max(self.max_live, len(self.live()))
@@ -233,6 +252,15 @@ class Harness:
         if not res.skipped and op.name != "add":
             self.check_state(op)
         return res
+
+    def _release_block_copies(self, op: Op) -> None:
+        """Copy-on-write pairs queued by the op (fine-grained hits) run with the step and their
+        retained endpoints are freed, as vLLM's scheduler does at the end of ``schedule()``; the
+        pairs themselves are compared."""
+        if self._all_have("release_kv_cache_block_copies"):
+            pairs = self._call("release_kv_cache_block_copies", op,
+                               lambda _k, m: m.release_kv_cache_block_copies())
+            self.num_cow_copies += len(pairs)
 
     def _call(self, what: str, op: Op, fn: Callable[[str, KVCacheManagerLike], Any]) -> Any:
         """Call ``fn`` on every manager; the results must agree. Returns the first one."""
@@ -262,7 +290,12 @@ class Harness:
         if op.rid in self.reqs:
             return OpResult(op, True)
         req = Request(op.rid, list(op.prompt), max_tokens=op.max_tokens, cache_salt=op.cache_salt,
-                      arrival_time=float(len(self.reqs)))
+                      arrival_time=float(len(self.reqs)),
+                      mm_features=tuple(MultiModalFeatureSpec(ident, PlaceholderRange(offset, length))
+                                        for ident, offset, length in op.mm),
+                      lora_request=None if op.lora is None else LoRARequest(*op.lora),
+                      prompt_embeds=None if op.embeds is None else tuple(bytes.fromhex(r) for r in op.embeds),
+                      session_id=op.session_id, skip_reading_prefix_cache=op.skip_reading)
         self.reqs[op.rid] = _ReqState(req)
         return OpResult(op, False)
 
@@ -319,6 +352,8 @@ class Harness:
         if out is None:
             self.num_admission_rejections += 1
             return OpResult(op, False, None)
+        if self._all_have("record_prefix_cache_stats"):  # the scheduler records at admission
+            self._call("record_prefix_cache_stats", op, lambda k, m: m.record_prefix_cache_stats(r, num_hit))
         s.holds_blocks = True
         self.num_admissions += 1
         self.num_external_loads += external > 0
@@ -389,7 +424,7 @@ class Harness:
         if s is None or s.request.status != RequestStatus.RUNNING:
             return OpResult(op, True)
         r = s.request
-        self._call("free(preempt)", op, lambda k, m: m.free(r))
+        self._free(s, op, "preempt")
         s.holds_blocks = False
         r.status = RequestStatus.PREEMPTED
         r.num_computed_tokens = 0
@@ -410,7 +445,7 @@ class Harness:
 
     def _finish(self, s: _ReqState, op: Op) -> None:
         r = s.request
-        self._call("free(finish)", op, lambda k, m: m.free(r))
+        self._free(s, op, "finish")
         r.status = RequestStatus.FINISHED
         s.holds_blocks = False
         s.loading = False
@@ -419,6 +454,50 @@ class Harness:
             forget = getattr(m, "forget", None)
             if forget is not None:
                 forget(r.request_id)
+
+    def _free(self, s: _ReqState, op: Op, why: str) -> None:
+        """``free``; with ``hold_view`` while holding the request's ``get_blocks()`` result, which
+        must still show the table as it was (vLLM frees ``reversed(...)``; issue #23)."""
+        r = s.request
+        if not (op.args.get("hold_view") and s.holds_blocks and self._all_have("free_holding_view")):
+            self._call(f"free({why})", op, lambda k, m: m.free(r))
+            return
+        before = {k: m.get_block_ids(r.request_id) for k, m in self.managers.items()}
+        after = self._call(f"free({why}) holding get_blocks()", op, lambda k, m: m.free_holding_view(r))
+        kind = self.kinds[0]
+        if after != before[kind]:
+            raise Divergence(self._where(op, f"{kind}: the get_blocks() view held across free changed: "
+                                             f"{before[kind]} -> {after}"),
+                             f"{op.name}: {kind}: held get_blocks() view changed by free")
+        self.num_held_views += 1
+
+    def _op_connector_lookup(self, op: Op) -> OpResult:
+        """A KV connector's local lookup for a waiting request, then the hit truncated at an aligned
+        endpoint (a multiple of ``scheduler_block_size``, within every token-indexed group's hit)."""
+        s = self.reqs.get(op.rid)
+        if s is None or not self._can_admit(s) or not self._all_have("get_computed_blocks_for_connector"):
+            return OpResult(op, True)
+        r = s.request
+        ids, num_hit, _boundary, diverged = self._call(
+            "get_computed_blocks_for_connector", op, lambda k, m: m.get_computed_blocks_for_connector(r))
+        self.num_connector_lookups += 1
+        self.num_diverged_hits += bool(diverged)
+        sbs = self.pool_config.scheduler_block_size
+        end = min(op.truncate, num_hit)
+        for g, group in enumerate(self.pool_config.groups):
+            spec = group.kv_cache_spec
+            if spec.prefix_cacheable and not _is_mamba_spec(spec):
+                end = min(end, len(ids[g]) * spec.block_size)
+        end -= end % sbs
+        out = self._call("truncate_computed_blocks", op, lambda k, m: m.truncate_computed_blocks(ids, end))
+        return OpResult(op, False, (ids, num_hit, out))
+
+    def _op_make_prefix_cache_stats(self, op: Op) -> OpResult:
+        if not self._all_have("make_prefix_cache_stats"):
+            return OpResult(op, True)
+        stats = self._call("make_prefix_cache_stats", op, lambda k, m: m.make_prefix_cache_stats())
+        self.num_stats_taken += stats is not None
+        return OpResult(op, False, stats)
 
     def _op_reset_prefix_cache(self, op: Op) -> OpResult:
         if not self._all_have("reset_prefix_cache"):
@@ -462,6 +541,21 @@ class Harness:
         if self._all_have("cached_block_num_tokens"):
             # optional: how many prefix tokens each primary hash covers (partial entries end mid-block)
             out["cached_block_num_tokens"] = m.cached_block_num_tokens()  # type: ignore[attr-defined]
+        if self._all_have("request_block_hashes"):  # issue #23: hashes, stats, usage, connector views
+            out["request_block_hashes"] = {rid: m.request_block_hashes(s.request)  # type: ignore[attr-defined]
+                                           for rid, s in self.reqs.items()
+                                           if s.request.status != RequestStatus.FINISHED}
+        if all(hasattr(x, "usage") for x in self.managers.values()):
+            out["usage"] = m.usage  # type: ignore[attr-defined]
+        if self._all_have("prefix_cache_stats"):
+            out["prefix_cache_stats"] = m.prefix_cache_stats()  # type: ignore[attr-defined]
+        if self._all_have("get_block_ids_for_computed_tokens"):
+            held = [(rid, s.request) for rid, s in self.reqs.items() if s.holds_blocks]
+            out["block_ids_for_computed_tokens"] = {
+                rid: m.get_block_ids_for_computed_tokens(rid, r.num_computed_tokens)  # type: ignore[attr-defined]
+                for rid, r in held}
+            out["estimate_cached_tokens"] = {rid: m.estimate_cached_tokens(r)  # type: ignore[attr-defined]
+                                             for rid, r in held}
         return out
 
     def _all_have(self, method: str) -> bool:
@@ -547,6 +641,14 @@ class Harness:
         for (g, b), h in o["cached_blocks"].items():
             if not 0 <= g < len(self.pool_config.groups) or not 1 <= b < n or not isinstance(h, bytes):
                 fail(f"bad cached block entry {(g, b)}: {h!r}")
+
+
+def _is_mamba_spec(spec: Any) -> bool:
+    from kvref.spec.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return any(isinstance(x, MambaSpec) for x in spec.kv_cache_specs.values())
+    return isinstance(spec, MambaSpec)
 
 
 def cache_blocks(m: KVCacheManagerLike, request: Request, num_computed_tokens: int) -> None:

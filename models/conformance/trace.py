@@ -77,6 +77,27 @@ _ARG_CHECKS: dict[str, tuple[Any, str]] = {
     "async_load": (lambda v: isinstance(v, bool), "true or false"),
     # >= 0: reserve all free blocks but this many (admission at the pool's boundary); -1: use reserved_blocks
     "reserve_slack": _int_range(-1, _MAX_OP_INT),
+    # block-hash inputs of a request (issue #23): multimodal items [identifier, offset, length], a LoRA
+    # adapter [name, id, path], prompt embeddings (one hex row per prompt token), a session id, and
+    # whether it skips reading the prefix cache (prompt logprobs, pooling)
+    "mm": (lambda v: isinstance(v, list) and len(v) <= 64 and all(
+        isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and 0 < len(f[0]) <= 256
+        and type(f[1]) is int and type(f[2]) is int and 0 <= f[1] < _MAX_OP_INT and 0 < f[2] < _MAX_OP_INT
+        for f in v), "a list of [identifier (str), offset (int >= 0), length (int >= 1)]"),
+    "lora": (lambda v: v is None or (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and v[0]
+                                     and type(v[1]) is int and 1 <= v[1] < _MAX_OP_INT
+                                     and isinstance(v[2], str) and v[2]),
+             "null or [lora_name (str), lora_int_id (int >= 1), lora_path (str)]"),
+    "embeds": (lambda v: v is None or (isinstance(v, list) and all(
+        isinstance(r, str) and 0 < len(r) <= 1024 and len(r) % 2 == 0
+        and all(c in "0123456789abcdef" for c in r) for r in v)),
+               "null or a list of hex strings (one embedding row per prompt token)"),
+    "session_id": (lambda v: v is None or isinstance(v, str), "a str or null"),
+    "skip_reading": (lambda v: isinstance(v, bool), "true or false"),
+    # finish/preempt: a KV connector holds the request's get_blocks() view across the free
+    "hold_view": (lambda v: isinstance(v, bool), "true or false"),
+    # connector_lookup: the aligned endpoint a connector's hit truncates the local hit to
+    "truncate": _int_range(0, _MAX_OP_INT),
 }
 
 #: every op name and its fields (all required; values are JSON scalars or lists of ints)
@@ -91,12 +112,20 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "reset_prefix_cache": ("reset_running_requests",),
     "evict_blocks": ("block_ids",),
     "load_done": ("rid",),
+    "connector_lookup": ("rid", "truncate"),
+    "make_prefix_cache_stats": (),
 }
 
 #: optional fields and their defaults (added after version 1 was first written; older traces omit them)
 OP_DEFAULTS: dict[str, dict[str, Any]] = {
     "admit": {"external": 0, "async_load": False, "reserve_slack": -1},
+    "add": {"mm": [], "lora": None, "embeds": None, "session_id": None, "skip_reading": False},
+    "finish": {"hold_view": False},
+    "preempt": {"hold_view": False},
 }
+
+#: optional fields left out of an op's one-line form while they hold their default (issue #23's)
+_QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading", "hold_view"})
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (
     kci.FullAttentionSpec, kci.MLAAttentionSpec, kci.SlidingWindowSpec, kci.ChunkedLocalAttentionSpec,
@@ -159,7 +188,8 @@ class Op:
         return cls(obj["op"], args)
 
     def __str__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.args.items() if k != "prompt")
+        args = ", ".join(f"{k}={v!r}" for k, v in self.args.items() if k != "prompt"
+                         and not (k in _QUIET_DEFAULTS and v == OP_DEFAULTS[self.name][k]))
         if "prompt" in self.args:
             args += f", prompt=<{len(self.args['prompt'])} tokens>"
         return f"{self.name}({args})"

@@ -35,8 +35,10 @@ from kvref.spec.kv_cache_interface import MambaSpec
 
 from kvref.models.conformance.accepted import is_accepted
 from kvref.models.conformance.differential import Divergence, Harness
+from kvref.models.strategies.hash_inputs import hashing_settings, request_hash_inputs
 from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts, tokens_from_seed
 from kvref.models.conformance.trace import Op
+from kvref.models.machines.mamba_chunks import aligned_chunk, mamba_split_config
 
 MAX_LIVE_REQUESTS = 6
 MAX_BATCHES_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling
@@ -47,6 +49,8 @@ class MachineStats:
     """What the runs of one machine class did (tests assert on it: trace lengths, coverage)."""
 
     steps: list[int] = field(default_factory=list)
+    #: copy-on-write pairs released (fine-grained partial hits on Mamba "align" pools, issue #23)
+    cow_copies: int = 0
     admission_rejections: int = 0
     step_rejections: int = 0
     ops_applied: int = 0
@@ -100,7 +104,7 @@ def _group_set_name(pool) -> str:
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
                              max_blocks: int = 48, eagle: bool | str = True,
                              mamba_align_external_loads: bool = False,
-                             kv_events: bool = True) -> type[RuleBasedStateMachine]:
+                             kv_events: bool = True, breadth: bool = True) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -109,8 +113,14 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
 
     ``kv_events``: pools are built with ``enable_kv_cache_events`` so that the harness compares
     the KV cache event streams after every op (where every implementation has them).
+
+    ``breadth``: draw block-hash inputs (multimodal, LoRA, prompt embeds, session, skip-reading),
+    hash functions, NONE_HASH seeds, hash lookahead and stats, and the connector-view ops (issue
+    #23); only where every implementation models them (the torch implementation hashes token ids
+    and the salt only).
     """
     kinds = tuple(kinds)
+    breadth = breadth and set(kinds) <= {"reference", "vllm"}
 
     class KVCacheManagerMachine(RuleBasedStateMachine):
         stats = MachineStats()
@@ -118,6 +128,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         def __init__(self) -> None:
             super().__init__()
             self.h: Harness | None = None
+            self.mamba_split = None
             self.async_mode = False
             self._next_rid = 0
             self.num_storms = 0
@@ -126,10 +137,16 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.num_full_pool_follow_ups = 0
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
-                    async_mode=st.booleans())
-        def setup(self, pool, async_mode) -> None:
+                    async_mode=st.booleans(), hashing=hashing_settings())
+        def setup(self, pool, async_mode, hashing) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
+            if breadth:
+                if any(isinstance(g.kv_cache_spec, MambaSpec) for g in pool.groups):
+                    hashing = {**hashing, "num_hash_lookahead_tokens": 0}  # see hashing_settings
+                if hashing["num_hash_lookahead_tokens"]:  # lookahead hashes prove the boundary: no drop
+                    hashing = {**hashing, "use_eagle": False}
+                pool = dataclasses.replace(pool, **hashing)
             managers = {}
             for kind in kinds:
                 try:
@@ -140,6 +157,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     self.stats.unsupported_pools += 1
                     reject()
             self.h = Harness(pool, managers)
+            self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"
             self.async_mode = async_mode
             name = _group_set_name(pool)
             self.stats.group_sets[name] = self.stats.group_sets.get(name, 0) + 1
@@ -164,6 +182,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.evictions += self.h.num_evictions
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
+                self.stats.cow_copies += self.h.num_cow_copies
                 self.stats.resets += self.h.num_resets
                 self.stats.edge_reservations += self.num_edge_reservations
                 self.stats.edge_fills += self.num_edge_fills
@@ -320,8 +339,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             prompt = data.draw(prompts(self.h.pool_config.max_model_len, self.h.token_sequences()), label="prompt")
             rid = f"r{self._next_rid}"
             self._next_rid += 1
+            extras = data.draw(request_hash_inputs(prompt), label="hash_inputs") if breadth else {}
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
-                                       cache_salt=data.draw(CACHE_SALTS))))
+                                       cache_salt=data.draw(CACHE_SALTS), **extras)))
             return rid
 
         @precondition(lambda self: self.h is not None and len(self.h.live()) < MAX_LIVE_REQUESTS)
@@ -360,6 +380,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             # one draw decides where: plain reservations (0-3 blocks), the boundary (reserve_slack), the
             # edge by reservation or (fill) by fillers (few draws per op: Hypothesis' per-draw cost
             # dominated the check's time once ops were aimed)
+            if self.mamba_split is not None and data.draw(st.integers(0, 3), label="mamba_split"):
+                chunk = aligned_chunk(self.h, self.mamba_split, rid, chunk, admitting=True)
             aim, amount = data.draw(st.sampled_from(
                 (("plain", 0),) * 6 + (("plain", 1), ("plain", 3), ("slack", 0), ("slack", 1), ("slack", 2),
                                        ("slack", 4), ("edge", 0), ("edge_short", 0)) * 2
@@ -561,11 +583,17 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             preempt), where a step predictor that under-counts makes vLLM raise mid-allocation."""
             self._count("step")
             assert self.h is not None
-            aim = data.draw(st.sampled_from(("plain",) * 10 + ("new_step",) * 4 + ("fill", "fill_short")), label="aim")
+            aim = data.draw(st.sampled_from(("plain",) * 10 + ("new_step",) * 4 + ("fill", "fill_short")
+                                            + (("stats",) if breadth else ())), label="aim")
             if aim == "new_step":
                 self._apply(Op("new_step", {}))
+            if aim == "stats":  # the scheduler's make_stats: prefix-cache stats taken and reset
+                self._count("make_prefix_cache_stats")
+                self._apply(Op("make_prefix_cache_stats", {}))
             rid = data.draw(st.sampled_from(self.h.steppable()))
             chunk = data.draw(st.sampled_from((1, 1, 2, 3, 4, 8, 16, 64)), label="chunk")
+            if self.mamba_split is not None and data.draw(st.integers(0, 3), label="mamba_split"):
+                chunk = aligned_chunk(self.h, self.mamba_split, rid, chunk, admitting=False)
             op = Op("step", dict(
                 rid=rid, chunk=chunk, lookahead=data.draw(st.sampled_from((0, 0, 0, 0, 1, 2))),
                 in_flight=self._in_flight_allowed(rid, chunk) and data.draw(st.booleans()),
@@ -613,7 +641,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             # The scheduler's victim is the last running request (FCFS); allow any.
             running = self.h.running()
             rid = running[-1] if data.draw(st.booleans()) else data.draw(st.sampled_from(running))
-            self._apply(Op("preempt", dict(rid=rid)))
+            self._apply(Op("preempt", dict(rid=rid, hold_view=breadth and data.draw(st.booleans()))))
 
         @precondition(lambda self: self.h is not None and len(self.h.running()) >= 2)
         @rule(data=st.data())
@@ -634,7 +662,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         def finish(self, data) -> None:
             self._count("finish")
             assert self.h is not None
-            self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())))))
+            self._apply(Op("finish", dict(rid=data.draw(st.sampled_from(self.h.live())),
+                                          hold_view=breadth and data.draw(st.booleans()))))
 
         @precondition(lambda self: self.h is not None and bool(self.h._prev_cached)
                       and (self._has_all("evict_blocks") or self._has_all("reset_prefix_cache")))
@@ -662,6 +691,19 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             ids = data.draw(st.lists(st.one_of(st.sampled_from(cached), st.integers(1, max(1, n - 1))),
                                      max_size=3), label="block_ids")
             self._apply(Op("evict_blocks", dict(block_ids=ids)))
+
+        @precondition(lambda self: breadth and self._has("waiting"))
+        @rule(data=st.data())
+        def connector_lookup(self, data) -> None:
+            """A KV connector's lookup for a waiting request and its hit truncated at an aligned
+            endpoint; mostly followed by the admission itself. No state changes."""
+            self._count("connector_lookup")
+            assert self.h is not None
+            rid = data.draw(st.sampled_from(self.h.waiting()))
+            sbs = self.h.pool_config.scheduler_block_size
+            self._apply(Op("connector_lookup", dict(rid=rid, truncate=sbs * data.draw(st.integers(0, 8)))))
+            if data.draw(st.integers(0, 3)):
+                self._admit(data, rid, data.draw(st.sampled_from((1, 4, 16, 1024)), label="chunk"), 0)
 
         def _has_all(self, method: str) -> bool:
             return self.h is not None and self.h._all_have(method)

@@ -59,4 +59,5 @@ def test_bad_traces_are_rejected_with_the_field_named(bad, field):
 
 def test_every_op_kind_has_fields_listed():
     assert set(OP_FIELDS) == {"add", "admit", "step", "process", "preempt", "finish", "new_step",
-                               "reset_prefix_cache", "evict_blocks", "load_done"}
+                               "reset_prefix_cache", "evict_blocks", "load_done", "connector_lookup",
+                               "make_prefix_cache_stats"}
