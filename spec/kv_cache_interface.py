@@ -447,6 +447,9 @@ class MambaSpec(KVCacheSpec):
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
     num_prefill_checkpoint_blocks: int = 0
+    #: the grid (tokens past the chunk start) on which the backend can export a prefill
+    #: checkpoint inside a chunk; None = it cannot (vLLM sets it with the checkpoint blocks)
+    prefill_checkpoint_alignment: int | None = None
     manager_name: ClassVar[str] = "MambaManager"
 
     def __post_init__(self) -> None:
@@ -471,6 +474,8 @@ class MambaSpec(KVCacheSpec):
         check_choice(f"{owner}.mamba_cache_mode", self.mamba_cache_mode, MAMBA_CACHE_MODES)
         check_int(f"{owner}.num_speculative_blocks", self.num_speculative_blocks, minimum=0)
         check_int(f"{owner}.num_prefill_checkpoint_blocks", self.num_prefill_checkpoint_blocks, minimum=0)
+        check_int(f"{owner}.prefill_checkpoint_alignment", self.prefill_checkpoint_alignment, minimum=1,
+                  allow_none=True)
         if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_size_bytes:
             raise InvalidFieldError(f"{owner}.page_size_padded", self.page_size_padded,
                                     f"None or an int >= the state size {self.unpadded_page_size_bytes}")
@@ -507,8 +512,51 @@ class MambaSpec(KVCacheSpec):
         return all(isinstance(s, MambaSpec)
                    and s.num_speculative_blocks == self.num_speculative_blocks
                    and s.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
+                   and s.prefill_checkpoint_alignment == self.prefill_checkpoint_alignment
                    and s.page_size_bytes == self.page_size_bytes
                    for s in specs.values())
+
+
+def get_mamba_prefill_checkpoint_position(num_tokens: int, hash_block_size: int, drop_eagle_block: bool,
+                                          num_hash_lookahead_tokens: int = 0) -> int:
+    """The reusable Mamba state boundary of a prefill of ``num_tokens`` (vLLM's function of the
+    same name): leave the last token for logits (or ``num_hash_lookahead_tokens``, the tokens a
+    lookahead hash needs) unless EAGLE's block drop already leaves tokens to recompute; round down
+    to ``hash_block_size``; EAGLE then backs off one more unit (its replay boundary)."""
+    check_int("num_tokens", num_tokens, minimum=0)
+    check_int("hash_block_size", hash_block_size, minimum=1)
+    check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, minimum=0)
+    if not isinstance(drop_eagle_block, bool):
+        raise InvalidFieldError("drop_eagle_block", drop_eagle_block, "True or False")
+    limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
+    position = limit // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(query_start: int, query_end: int, checkpoint_position: int,
+                                      hash_block_size: int, mamba_block_size: int,
+                                      checkpoint_alignment: int | None) -> bool:
+    """Whether the backend can export the prefill checkpoint at ``checkpoint_position`` from inside
+    the chunk ``[query_start, query_end)`` (vLLM's function of the same name): the chunk starts on
+    a hash boundary, the checkpoint lies strictly inside it at least one hash unit past the start,
+    on the backend's alignment grid, and in a state column after the chunk's initial state."""
+    for name, value in (("query_start", query_start), ("query_end", query_end),
+                        ("checkpoint_position", checkpoint_position)):
+        check_int(name, value, minimum=0)
+    check_int("hash_block_size", hash_block_size, minimum=1)
+    check_int("mamba_block_size", mamba_block_size, minimum=1)
+    check_int("checkpoint_alignment", checkpoint_alignment, minimum=1, allow_none=True)
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
+    return (query_start % hash_block_size == 0
+            and checkpoint_col > initial_state_col
+            and query_start + hash_block_size <= checkpoint_position
+            and query_start < checkpoint_position < query_end
+            and (checkpoint_position - query_start) % checkpoint_alignment == 0)
 
 
 def has_admission_cap(spec: KVCacheSpec) -> bool:

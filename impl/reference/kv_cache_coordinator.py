@@ -13,8 +13,13 @@ Hits are added in two phases — first every group touches its hits, then groups
 for external (connector) tokens — so one group's allocation cannot evict another group's
 untouched hits (vLLM #33775).
 
-Digest §6. Not modelled: DCP/PCP, KV events/metrics, sparse prefix-cache retention, fine-grained
-(partial) hash hits, multi-module MTP (``num_prefill_lookahead``), HiSparse roles.
+Fine-grained (partial) hash hits: a Mamba "align" group whose block is larger than
+``hash_block_size`` turns them on when every other cacheable group can look up inside a block
+(``partial_hash_hits_enabled``); hits then land on hash boundaries and the shared partial tail is
+copied on write by the managers.
+
+Digest §6. Not modelled: DCP/PCP, metrics, sparse prefix-cache retention, multi-module MTP
+(``num_prefill_lookahead``), HiSparse roles.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -41,7 +46,6 @@ from .block_hash import BlockHash
 from .block_pool import BlockPool
 from .chunked_local_manager import ChunkedLocalAttentionManager
 from .cross_attention_manager import CrossAttentionManager
-from .errors import NotModelledError
 from .full_attention_manager import FullAttentionManager
 from .kv_cache_block import KVCacheBlock
 from .mamba_manager import MambaManager
@@ -49,6 +53,38 @@ from .single_type_manager import SingleTypeKVCacheManager
 from .sliding_window_manager import SlidingWindowManager
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+def _layer_specs(spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
+    """Every layer spec of a group (a UniformType group holds several)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return tuple(spec.kv_cache_specs.values())
+    return (spec,)
+
+
+def partial_hash_hits_enabled(group_specs: Sequence[KVCacheSpec], hash_block_size: int,
+                              manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None) -> bool:
+    """Whether aligned Mamba states support hits inside a block (vLLM's function of the same name,
+    DCP 1): some Mamba "align" layer has a block larger than ``hash_block_size``, and (with
+    ``manager_classes``, one per group) every other cacheable group either looks up inside blocks
+    itself or has blocks of exactly ``hash_block_size``."""
+    if not any(isinstance(layer, MambaSpec) and layer.mamba_cache_mode == "align"
+               and layer.block_size > hash_block_size
+               for spec in group_specs for layer in _layer_specs(spec)):
+        return False
+    if manager_classes is None:
+        return True
+    return all(not spec.prefix_cacheable or cls.supports_fine_grained_hash_lookup
+               or spec.block_size == hash_block_size
+               for spec, cls in zip(group_specs, manager_classes))
+
+
+def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
+    """Tokens an EAGLE group matches past a candidate hit before dropping them: one hash unit for
+    fine-grained lookups, else one block (vLLM's function of the same name)."""
+    if fine_grained_lookup and block_size > hash_block_size:
+        return hash_block_size
+    return block_size
 
 
 def scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
@@ -98,6 +134,9 @@ class KVCacheCoordinator:
     scheduler through the manager and coordinator to the pool).
     """
 
+    #: hits may land on hash boundaries inside a block (only the hybrid coordinator turns it on)
+    enable_partial_hash_hits = False
+
     def __init__(self, config: PoolConfig) -> None:
         if not isinstance(config, PoolConfig):
             raise InvalidFieldError("config", config, "a kvref.impl.interface.PoolConfig")
@@ -141,14 +180,6 @@ class KVCacheCoordinator:
                 if enable_caching and spec.mamba_cache_mode != "align":
                     raise InvalidFieldError(f"groups[{i}].mamba_cache_mode", spec.mamba_cache_mode,
                                             "'align' when prefix caching is enabled")
-                if spec.mamba_cache_mode == "align" and spec.num_prefill_checkpoint_blocks:
-                    raise NotModelledError(f"groups[{i}].num_prefill_checkpoint_blocks="
-                                           f"{spec.num_prefill_checkpoint_blocks}: Mamba prefill "
-                                           "checkpoint blocks are not modelled (use 0)")
-                if enable_caching and spec.block_size != hash_block_size:
-                    raise NotModelledError(f"groups[{i}].block_size={spec.block_size}: a Mamba 'align' "
-                                           f"block larger than hash_block_size={hash_block_size} enables "
-                                           "fine-grained partial hits, which are not modelled")
             if isinstance(spec, CrossAttentionSpec) and enable_caching:
                 raise InvalidFieldError("enable_caching", True,
                                         "False for models with cross-attention (never prefix-cached)")
@@ -162,7 +193,12 @@ class KVCacheCoordinator:
                                    num_encoder_tokens: int, total_computed_tokens: int,
                                    num_local_computed_tokens: int, num_tokens_main_model: int,
                                    apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
-        """Σ over groups of the blocks an allocation consumes (cross-attention: encoder tokens)."""
+        """Σ over groups of the blocks an allocation consumes (cross-attention: encoder tokens).
+
+        ``prefill_end`` only matters under "latest only" sparse retention (vLLM forces it to 0
+        otherwise, so Mamba reserves a prefill checkpoint on every chunk); kvref's retention is
+        always dense, so it is 0 here too."""
+        prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if manager.is_cross_attention:
@@ -339,11 +375,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 raise InvalidFieldError(f"groups[{i}].block_size", spec.block_size,
                                         f"scheduler_block_size={scheduler_block_size}: chunked local "
                                         "attention hits need block-aligned lookups (vLLM asserts this)")
-        # Fine-grained partial hits are refused in _check_modelled, so hits land on the
-        # scheduler block size.
-        self.cache_hit_alignment_tokens = scheduler_block_size
+        self.enable_partial_hash_hits = partial_hash_hits_enabled(
+            self.specs, hash_block_size, [type(m) for m in self.single_type_managers])
+        # Fine-grained hits land on hash boundaries; otherwise on scheduler blocks.
+        alignment = hash_block_size if self.enable_partial_hash_hits else scheduler_block_size
+        self.cache_hit_alignment_tokens = alignment
         for manager in self.single_type_managers:
-            manager.cache_hit_alignment_tokens = scheduler_block_size
+            manager.cache_hit_alignment_tokens = alignment
         self._split_groups()
 
     def _split_groups(self) -> None:
@@ -373,15 +411,29 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid in group.group_ids:
                     self.single_type_managers[gid].use_eagle = True
 
+    def _align_cacheable(self, num_tokens: int) -> int:
+        """The longest prefix of ``num_tokens`` a later hit could match: whole scheduler blocks,
+        or everything with fine-grained hits (rounding even to ``hash_block_size`` would
+        re-register a privatized Mamba tail)."""
+        if self.enable_partial_hash_hits:
+            return num_tokens
+        return round_down(num_tokens, self.scheduler_block_size)
+
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
-        """Only whole scheduler blocks can be hit; an EAGLE group also publishes the block past
+        """Only what a hit can land on is published; an EAGLE group also publishes the block past
         the boundary (it matches one block further and drops it)."""
-        aligned = round_down(num_computed_tokens, self.scheduler_block_size)
+        aligned = self._align_cacheable(num_computed_tokens)
         manager = self.single_type_managers[kv_cache_group_id]
         if manager.use_eagle and aligned > 0:
             finalized = max(0, num_computed_tokens)
-            return min(finalized, round_down(finalized, self.scheduler_block_size) + manager.block_size)
+            return min(finalized, self._align_cacheable(finalized) + manager.block_size)
         return aligned
+
+    def _eagle_lookup_length(self, group: SpecGroup, length: int, num_hash_tokens: int) -> int:
+        """An EAGLE (non-Mamba) group looks one drop unit past ``length`` and drops it again."""
+        fine = self.enable_partial_hash_hits and group.manager_cls.supports_fine_grained_hash_lookup
+        margin = eagle_proof_margin(group.block_size, self.hash_block_size, fine)
+        return min(length + margin, num_hash_tokens)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
@@ -408,7 +460,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 drop_eagle = group.use_eagle and idx not in eagle_verified
                 max_length = curr
                 if drop_eagle and not group.is_mamba:
-                    max_length = min(curr + group.block_size, max_hash_tokens)
+                    max_length = self._eagle_lookup_length(group, curr, max_hash_tokens)
                 blocks, new_hit = group.manager_cls.find_longest_cache_hit(
                     block_hashes, max_length, group.group_ids, pool, group.spec, drop_eagle, alignment)
                 if drop_eagle:
@@ -435,6 +487,29 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     hit_by_group[gid] = hit_length
         blocks_out = tuple(b if b is not None else [] for b in blocks_by_group)
         return blocks_out, hit_length, longest - hit_length
+
+    def find_longest_cache_hit_per_group(self, block_hashes: Sequence[BlockHash],
+                                         max_cache_hit_length: int) -> tuple[HitBlocks, tuple[int, ...]]:
+        """Every spec group's own longest hit, not reconciled to one length: what a KV connector
+        asks when Mamba and full attention hits diverge (vLLM's method of the same name, used by
+        ``get_computed_blocks_for_connector`` and the offloading connector). EAGLE groups drop
+        their block on every lookup (no fixed point to verify against)."""
+        check_int("max_cache_hit_length", max_cache_hit_length, minimum=0)
+        num_groups = len(self.kv_cache_groups)
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        hit_lengths = [0] * num_groups
+        num_hash_tokens = len(block_hashes) * self.hash_block_size
+        for group in self.attention_groups:
+            length = max_cache_hit_length
+            if group.use_eagle and not group.is_mamba:
+                length = self._eagle_lookup_length(group, length, num_hash_tokens)
+            blocks, group_hit = group.manager_cls.find_longest_cache_hit(
+                block_hashes, length, group.group_ids, self.block_pool, group.spec, group.use_eagle,
+                self.cache_hit_alignment_tokens)
+            for gid, group_blocks in zip(group.group_ids, blocks):
+                hit_blocks[gid] = group_blocks
+                hit_lengths[gid] = group_hit
+        return tuple(hit_blocks), tuple(hit_lengths)
 
 
 def get_kv_cache_coordinator(config: PoolConfig) -> KVCacheCoordinator:

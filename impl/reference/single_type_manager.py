@@ -78,6 +78,14 @@ class SingleTypeKVCacheManager:
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         #: (source, destination) copies the worker must run; both endpoints hold a reference
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        #: (request, group, block, boundary tokens) states a KV connector may offload (Mamba "align")
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+
+    @property
+    def has_positionally_stable_blocks(self) -> bool:
+        """Whether a connector can follow the block table by position (indices never reused for
+        another token range)."""
+        return True
 
     # ------------------------------------------------------------------ sizing
 
@@ -205,6 +213,18 @@ class SingleTypeKVCacheManager:
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the boundary-state hand-offs ``(request id, group id, block, boundary tokens)``.
+        The blocks are not kept alive by the table for the whole request: pin before reading
+        them asynchronously."""
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    def finalize_partial_tail_offload(self, request_id: str, num_computed_tokens: int,
+                                      num_in_flight_tokens: int) -> tuple[int, KVCacheBlock, int] | None:
+        """A finishing producer's partial tail to offload; only Mamba "align" has one."""
+        return None
 
     # ------------------------------------------------------------------ prefix caching
 

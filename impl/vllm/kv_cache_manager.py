@@ -88,7 +88,8 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
             block_size=spec.block_size, shapes=tuple(spec.shapes),
             dtypes=tuple(_torch_dtype(d) for d in spec.dtypes), page_size_padded=spec.page_size_padded,
             mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
-            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks, dcp_sharded=spec.dcp_sharded)
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment, dcp_sharded=spec.dcp_sharded)
     if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec)):
         raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
                                 "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention, Mamba or "
@@ -397,6 +398,18 @@ class VllmKVCacheManager:
 
         check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks, requests=self._requests)
         self._allocation_watch.check()
+
+
+def vllm_resolve_block_hashes(block_hashes: list[bytes], hash_block_size: int, block_size: int,
+                              view_block_size: int | None = None) -> list[bytes]:
+    """vLLM's ``resolve_block_hashes`` on ``block_hashes`` (first wrapped in vLLM's own
+    ``BlockHashListWithBlockSize`` at ``view_block_size`` when given), read out as a list: what a
+    group of ``block_size`` sees. For conformance of the reference's function (issue #23)."""
+    utils = _vllm()["utils"]
+    hashes: Any = list(block_hashes)
+    if view_block_size is not None and view_block_size != hash_block_size:
+        hashes = utils.BlockHashListWithBlockSize(hashes, hash_block_size, view_block_size)
+    return [bytes(h) for h in utils.resolve_block_hashes(hashes, hash_block_size, block_size)]
 
 
 def _stats_plain(stats: Any) -> dict[str, Any] | None:

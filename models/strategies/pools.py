@@ -6,9 +6,11 @@ interesting paths of vLLM's block pool need pressure, not size.
 
 Group sets (``GROUP_SETS``): uniform full attention (one group, or two FA groups with different
 block sizes), FA + sliding window, FA + chunked-local, FA + SWA + SWA, SWA alone, and FA + Mamba
-with prefix caching off (``mamba_cache_mode="none"``, optional speculative state blocks) and
-FA + Mamba ``"align"`` with caching on (the Mamba block equal to ``hash_block_size``: a larger one
-turns on fine-grained partial hits with copy-on-write, which the reference does not model).
+with prefix caching off (``mamba_cache_mode="none"``, optional speculative state blocks),
+FA + Mamba ``"align"`` with caching on (the Mamba block equal to ``hash_block_size``) and FA +
+Mamba ``"align"`` with a Mamba block 2-4x ``hash_block_size`` (``fa+mamba_fine``: fine-grained
+partial hits, copy-on-write of shared partial tails, hand-over of a producer's tail). Mamba
+"align" groups get prefill checkpoint blocks one time in two.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from kvref.spec.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba", "fa+mamba_align")
+GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba", "fa+mamba_align",
+              "fa+mamba_fine")
 #: group sets with more than one group (run by vLLM's HybridKVCacheCoordinator when caching)
 HYBRID_GROUP_SETS = tuple(g for g in GROUP_SETS if "+" in g)
 
@@ -57,7 +60,7 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     enable_caching = draw(st.integers(0, 4)) > 0 if caching is None else caching
     if "mamba" in names:
         enable_caching = False  # Mamba prefix caching needs mamba_cache_mode="align"
-    if "mamba_align" in names:
+    if "mamba_align" in names or "mamba_fine" in names:
         enable_caching = True
     # Block sizes: multiples of hash_block_size. Unitary with caching needs hash == block size;
     # chunked-local needs every block size == scheduler_block_size.
@@ -80,10 +83,14 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
         elif name == "mamba":
             spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
                              num_speculative_blocks=draw(st.sampled_from((0, 0, 1, 2))))
-        else:  # mamba_align: one state block per hash block (no fine-grained partial hits)
-            sizes[i] = bs = hash_bs
+        else:  # mamba_align: one state block per hash block; mamba_fine: 2-4 hash blocks (partial hits)
+            sizes[i] = bs = hash_bs * (draw(st.sampled_from((2, 4))) if name == "mamba_fine" else 1)
+            # prefill checkpoints: one extra block exports the state at the prompt's boundary
+            # from inside a chunk, on the backend's alignment grid (vLLM sets both together)
+            checkpoint = draw(st.sampled_from((None, None, 1, hash_bs)))
             spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
-                             mamba_cache_mode="align")
+                             mamba_cache_mode="align", num_prefill_checkpoint_blocks=int(checkpoint is not None),
+                             prefill_checkpoint_alignment=checkpoint)
         groups.append(KVCacheGroupSpec(layer, spec))
     sbs = 1
     for bs in sizes:

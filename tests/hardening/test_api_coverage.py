@@ -49,6 +49,10 @@ HF = ("a layout's value object / an internal step of layout_from_hf_config (conf
 #: the reference scheduler's speculative-decoding rules
 SPEC_STEP = ("a step of the reference Scheduler's speculative-decoding rules, called at its hooks with its own "
              "checked state; the entry points are SchedulerConfig, DraftTokenIds, Scheduler.update_draft_token_ids")
+#: the scripted KV connector's scheduler-side API
+CONNECTOR_API = ("the scripted KV connector's scheduler-side API (vLLM's KVConnectorBase_V1 methods of the same "
+                 "names), called by the reference Scheduler and, through kvref.impl.vllm.connector, by vLLM's "
+                 "Scheduler with their own checked state; users drive it through ScriptedConnector.set_hit")
 VLLM = "binds to vLLM's own objects (a VllmConfig, vLLM events); built by vLLM's engine, covered by tests/record"
 
 
@@ -118,6 +122,10 @@ EXCLUDED: dict[str, str] = {
             "SpecDecodeState.pad_new_decode SpecDecodeState.take_running_drafts SpecDecodeState.unschedule "
             "SpecDecodeState.update_draft_token_ids SpecDecodeState.verify drafts_unused", SPEC_STEP),
     "kvref.impl.scheduler_types.SpecDecodingStats": RECORD,
+    **_each(f"{_REF}.scheduler_connector", "ScriptedConnector.build_connector_meta "
+            "ScriptedConnector.get_num_new_matched_tokens ScriptedConnector.on_new_request "
+            "ScriptedConnector.request_finished ScriptedConnector.update_connector_output "
+            "ScriptedConnector.update_state_after_alloc", CONNECTOR_API),
     **_each(f"{_REF}.kv_events", "AllBlocksCleared BlockRemoved BlockStored event_to_plain "
             "kv_cache_spec_sliding_window", RECORD),
     **_each(f"{_REF}.offload.cache_policy", "CachePolicy CachePolicy.evict CachePolicy.get CachePolicy.insert "

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.adapter import ReferenceKVCacheManager
-from kvref.impl.reference.errors import BlockRefCountError, NotModelledError, UnknownRequestError
+from kvref.impl.reference.errors import BlockRefCountError, UnknownRequestError
 from kvref.impl.reference.kv_cache_coordinator import KVCacheCoordinator, UnitaryKVCacheCoordinator
 from kvref.impl.reference.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvref.impl.request import Request, RequestStatus
@@ -179,8 +179,6 @@ def test_non_request_arguments_are_rejected():
     (lambda: config([fa(8), local(4, 8)]), InvalidFieldError),
     # EAGLE with chunked local and caching (vLLM asserts)
     (lambda: config([local(4, 8)], use_eagle=True), InvalidFieldError),
-    # fine-grained Mamba hits are not modelled
-    (lambda: config([fa(4), mamba(8)]), NotModelledError),
 ])
 def test_configurations_vllm_rejects_or_kvref_does_not_model(make, error):
     with pytest.raises(error):

@@ -1,0 +1,47 @@
+"""Chunks the way vLLM's scheduler cuts them on a Mamba "align" pool, for the KV-manager machine.
+
+vLLM never hands its KV cache manager a prefill chunk that ends off a Mamba state boundary: the
+scheduler clips it first (``_mamba_block_aligned_split``, here
+:mod:`kvref.impl.reference.scheduler_mamba_split`). Only chunks clipped that way reach the
+prompt's partial tail, the prefill checkpoint column and the hand-over of a published tail, so the
+machine clips most of its drawn chunks on such pools (and leaves some raw: the manager must stay
+consistent with vLLM on any chunk).
+"""
+
+from __future__ import annotations
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.kv_cache_coordinator import manager_class_for_spec, partial_hash_hits_enabled
+from kvref.impl.reference.scheduler_mamba_split import MambaSplitConfig, mamba_block_aligned_split
+from kvref.models.conformance.differential import Harness
+
+
+def mamba_split_config(pool: PoolConfig) -> MambaSplitConfig | None:
+    """The split settings of ``pool``; None when no Mamba group runs in "align" mode."""
+    specs = [getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in pool.groups]
+    partial = pool.enable_caching and len(specs) > 1 and partial_hash_hits_enabled(
+        specs, pool.hash_block_size, [manager_class_for_spec(s) for s in specs])
+    return MambaSplitConfig.from_specs(specs, pool.hash_block_size, pool.scheduler_block_size, partial,
+                                       use_eagle_block_drop=pool.use_eagle)
+
+
+def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: int, admitting: bool) -> int:
+    """``chunk`` clipped as the scheduler would for ``rid``'s next chunk (an admission starts after
+    its prefix hit); ``chunk`` itself where nothing clips it or the clip leaves nothing."""
+    if config is None or rid not in h.reqs:
+        return chunk
+    s = h.reqs[rid]
+    r = s.request
+    num_hit = 0
+    if admitting:
+        manager = h.managers[h.kinds[0]]
+        num_hit = manager.get_computed_blocks(r)[1]
+        schedulable = r.num_tokens - num_hit
+    else:
+        schedulable = r.num_tokens + s.placeholders - r.num_computed_tokens
+    num_new = min(chunk, schedulable)
+    if num_new <= 0:
+        return chunk
+    split = mamba_block_aligned_split(config, r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens, num_new,
+                                      num_new_local_computed_tokens=num_hit)
+    return split if split > 0 else chunk
