@@ -126,3 +126,28 @@ def test_vllm_fails_when_the_padded_admission_is_cut_by_the_long_prefill_thresho
     s.add_request(Request("b", prompt[:8] + [99], max_tokens=10))  # a hit up to its last token
     with pytest.raises(AssertionError):
         s.schedule()
+
+
+def padding_boundary_trace(targets: dict, max_model_len: int) -> Lockstep:
+    """A running decode and a one-token admission (a hit of 8 of its 9 prompt tokens) beside it,
+    with ``max_model_len`` 12 (the padded span ``8 + 1 + 2`` plus the sampled token fits exactly)
+    or 11 (it does not: no padding). Every step compared on all targets."""
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, num_speculative_tokens=2)
+    fa = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
+    pool = PoolConfig(num_blocks=32, groups=(KVCacheGroupSpec(("full",), fa),), max_model_len=max_model_len,
+                      scheduler_block_size=4, hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens)
+    d = Lockstep(pool, cfg, targets)
+    prompt = tuple(range(1, 10))
+    d.add(RequestSpec("a", prompt, max_tokens=8, priority=0, arrival_time=0.0))
+    d.engine_step(seed=0)
+    d.add(RequestSpec("b", prompt[:8] + (99,), max_tokens=8, priority=0, arrival_time=1.0))
+    d.schedule()
+    return d
+
+
+@pytest.mark.parametrize("max_model_len", [11, 12])
+def test_padding_stops_at_the_max_model_len_boundary(vllm_env, max_model_len):
+    d = padding_boundary_trace(_targets(vllm_env), max_model_len)
+    out = d.in_flight["vllm"][-1]
+    b = next(s for s in out.scheduled if s.request_id == "b")
+    assert (b.num_computed_tokens, b.num_scheduled_tokens) == (8, 3 if max_model_len == 12 else 1)
