@@ -37,6 +37,7 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            its ``fin``), ``ids`` + ``status`` (``finish_requests``). Written before vLLM's
            exception propagates; a crashed run's ``end`` record counts its ``errors``.
 ``reset``  ``reset_prefix_cache`` was called: ``running`` (running requests preempted too), ``ok``.
+``drafts`` ``update_draft_token_ids``: the drafts a synchronous runner proposed, ``ids`` and ``tokens``.
 ``end``    the scheduler shut down: ``steps``, ``records``, ``how``; ``errors`` if any call raised.
 ========== =========================================================================================
 
@@ -44,7 +45,10 @@ Optional per-step observables (version 3, issue #28), what the metrics endpoint 
 conservation checks read: ``sched.free`` / ``update.free`` / ``abort.free``: vLLM's
 ``block_pool.get_num_free_blocks()`` after the call; ``sched.pre_why``: ``{id: reason}`` for the
 step's preemptions (``kv``: a running request could not get blocks; ``reset_prefix_cache``);
-``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``update.stats``:
+``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``sched.spec``:
+``{id: draft ids}`` scheduled for verification (``-1``: placeholders) and ``sched.skip_drafts``
+(header ``spec``: ``num_speculative_tokens``, ``method``, ``num_lookahead_tokens``,
+``can_skip_drafts``); ``update.stats``:
 the ``SchedulerStats`` vLLM's ``update_from_output`` returned for the metrics endpoint —
 ``usage`` (``kv_cache_usage``), ``req``/``q``/``h`` (prefix-cache requests, queried tokens, hit
 tokens), ``preq``/``pq``/``ph`` (the same for resumed preempted requests), ``run``/``wait``.
@@ -89,7 +93,7 @@ from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
 VERSION = 3
-RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset")
+RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
 #: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
@@ -487,6 +491,12 @@ def validate_record(rec: Any, where: str) -> str:
         _validate_error(rec, where)
     elif t == "reset":
         pass
+    elif t == "drafts":
+        ids = _str_list(where, rec, "ids")
+        toks = rec.get("tokens")
+        if not isinstance(toks, list) or len(toks) != len(ids) or not all(
+                isinstance(d, list) and all(_is_int(x) for x in d) for d in toks):
+            raise _fail(where, "tokens", toks, f"{len(ids)} lists of draft token ids (int >= 0), one per id")
     elif t in OPTIONAL_RECORD_TYPES:
         pass
     else:
@@ -497,6 +507,10 @@ def validate_record(rec: Any, where: str) -> str:
         why = rec.get("pre_why")
         if why is not None and (not isinstance(why, dict) or not all(type(v) is str for v in why.values())):
             raise _fail(where, "pre_why", why, "an object {preempted id: reason (str)}")
+        spec = rec.get("spec")
+        if spec is not None and (not isinstance(spec, dict) or not all(
+                isinstance(v, list) and all(_is_int(x, -1) for x in v) for v in spec.values())):
+            raise _fail(where, "spec", spec, "an object {id: scheduled draft ids (int >= -1)}")
         if "loading" in rec and not _is_int(rec["loading"]):
             raise _fail(where, "loading", rec["loading"], "an int >= 0 (requests waiting for a remote KV load)")
     if t == "update" and rec.get("stats") is not None:

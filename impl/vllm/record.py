@@ -125,8 +125,13 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
 
     flag(getattr(s, "connector", None) is not None, "kv_connector")
     flag(getattr(s, "ec_connector", None) is not None, "ec_connector")
-    flag(getattr(vc, "speculative_config", None) is not None, "spec_decode")
-    flag(getattr(s, "num_lookahead_tokens", 0), "lookahead_tokens")
+    spec = getattr(vc, "speculative_config", None)
+    method = _MODELLED_SPEC_METHODS.get(str(getattr(spec, "method", ""))) if spec is not None else None
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    flag(spec is not None and method is None, f"spec_decode (method {getattr(spec, 'method', None)})")
+    # an EAGLE-like drafter's lookahead slots are modelled (num_speculative_tokens of them)
+    lookahead = getattr(s, "num_lookahead_tokens", 0)
+    flag(lookahead and not (method == "eagle" and lookahead == k), "lookahead_tokens")
     flag(getattr(s, "num_prefill_lookahead", 0), "prefill_lookahead")
     flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
@@ -188,7 +193,21 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             "prefill_schedule_interval": getattr(sc, "prefill_schedule_interval", 1),
         },
         "unmodelled": _setup_unmodelled(s, is_async_class),
+        **({"spec": _spec_header(s)} if getattr(vc, "speculative_config", None) is not None else {}),
     }
+
+
+#: drafting methods kvref's scheduler models (n-gram; EAGLE-like drafters with lookahead slots)
+_MODELLED_SPEC_METHODS = {"ngram": "ngram", "eagle": "eagle", "eagle3": "eagle", "mtp": "eagle"}
+
+
+def _spec_header(s) -> dict:
+    """Speculative decoding as the scheduler sees it: what the replay needs to follow it (issue #28)."""
+    sc = s.vllm_config.speculative_config
+    return {"num_speculative_tokens": int(getattr(sc, "num_speculative_tokens", 0) or 0),
+            "method": str(getattr(sc, "method", "")),
+            "num_lookahead_tokens": int(getattr(s, "num_lookahead_tokens", 0) or 0),
+            "can_skip_drafts": bool(getattr(s, "can_skip_drafts", False))}
 
 
 def _ids_json(ids) -> str:
@@ -258,6 +277,9 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
     if sp is not None and getattr(sp, "repetition_detection", None) is not None:
         found.append("repetition_detection")
     return found
+
+
+SKIP_DRAFTS = ',"skip_drafts":true'
 
 
 def _stats_json(outputs) -> str:
@@ -419,7 +441,21 @@ class _Recorder:
         finally:
             self._kvref_depth -= 1
             self._kvref_fin = None
-        self._kvref_on_update(head, finished, out)
+        self._kvref_out = out  # the SchedulerStats inside go to the record (the hook's signature is kept)
+        self._kvref_on_update(head, finished)
+        self._kvref_out = None
+        return out
+
+    def update_draft_token_ids(self, draft_token_ids):
+        """The drafts a synchronous runner proposed after a step: recorded for the replay."""
+        out = super().update_draft_token_ids(draft_token_ids)
+        ids = list(draft_token_ids.req_ids)
+        anon = self._kvref_anon
+        toks = [[int(t) for t in d] for d in draft_token_ids.draft_token_ids]
+        if anon is not None:
+            ids = [anon.request_id(i) for i in ids]
+            toks = [anon.tokens(d) for d in toks]
+        self._kvref_writer.write({"t": "drafts", "ids": ids, "tokens": toks})
         return out
 
     def _preempt_request(self, request, *args, **kwargs):
@@ -474,9 +510,15 @@ class _Recorder:
         self._kvref_step = step + 1
         self._kvref_steps[id(so)] = step
         extra = ',"throttle":true' if throttle else ""  # DP prefill cadence: not modelled, the checker stops following
-        if so.scheduled_spec_decode_tokens or so.scheduled_encoder_inputs:
-            extra += ',"x":' + _dumps([name for name, v in (("spec_decode", so.scheduled_spec_decode_tokens),
-                                                            ("encoder_inputs", so.scheduled_encoder_inputs)) if v])
+        if so.scheduled_encoder_inputs:
+            extra += ',"x":["encoder_inputs"]'
+        spec = so.scheduled_spec_decode_tokens
+        if spec:  # the drafts scheduled for verification (-1: placeholders), what the replay compares
+            anon = self._kvref_anon
+            extra += ',"spec":' + _dumps({(anon.request_id(k) if anon is not None else k):
+                                          [int(t) for t in v] for k, v in spec.items()})
+        if getattr(so, "skip_drafts", False):
+            extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
         extra += ',"free":%d' % self.kv_cache_manager.block_pool.get_num_free_blocks()
         why = self._kvref_pre_why
@@ -551,8 +593,11 @@ class _Recorder:
             head = self._kvref_anonymize_update(head)
         return head
 
-    def _kvref_on_update(self, head: str, finished: list, out=None) -> None:
-        tail = ',"free":%d%s}' % (self.kv_cache_manager.block_pool.get_num_free_blocks(), _stats_json(out))
+    _kvref_out = None  # what the update_from_output being recorded returned
+
+    def _kvref_on_update(self, head: str, finished: list) -> None:
+        tail = ',"free":%d%s}' % (self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                                 _stats_json(self._kvref_out))
         if not finished:
             self._kvref_writer.write_line(head + "[]" + tail)
         elif self._kvref_fast:

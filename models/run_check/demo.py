@@ -16,7 +16,9 @@ pool), ``multi-turn`` (each turn's prompt is the conversation so far), ``n-burst
 sampling: n requests with one prompt at once), ``aborts`` (clients abort waiting and running
 requests), ``preemption-storm`` (the smallest full-attention pool, long prompts arriving fast),
 ``sliding-window`` and ``chunked-local`` (windowed pools at the smallest size startup accepts, long
-prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed priorities).
+prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed priorities),
+``spec-decode`` (n-gram speculative decoding: the fake runner proposes drafts after every synchronous
+step and accepts a seeded number of them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
-from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig, SchedulerOutput
+from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig, SchedulerOutput
 from kvref.spec import EngineConfig, plan_kv_cache
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InsufficientKVCacheError, InvalidFieldError
@@ -53,6 +55,7 @@ class Workload:
     script: Callable[[random.Random, "DemoClient", int], None]  # called once per engine tick
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    num_speculative_tokens: int = 0  # n-gram speculative decoding (drafts from the fake runner)
 
 
 def _full(bs: int) -> dict:
@@ -74,7 +77,8 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
     (it refuses a pool that cannot hold one ``max_model_len`` request), scaled by ``pool_scale``."""
     cfg = SchedulerConfig(max_num_batched_tokens=workload.budget, max_num_seqs=workload.max_num_seqs,
                           policy=workload.policy, async_scheduling=async_scheduling,
-                          long_prefill_token_threshold=workload.long_prefill_token_threshold)
+                          long_prefill_token_threshold=workload.long_prefill_token_threshold,
+                          num_speculative_tokens=workload.num_speculative_tokens)
     layers = workload.layers(workload.block_size)
 
     def plan(n: int):
@@ -161,9 +165,18 @@ class DemoEngine:
         for s in out.scheduled:
             if not s.is_prefill_chunk and s.request_id in self.live:
                 toks = self.outputs[s.request_id]
-                sampled[s.request_id] = [self._token(s.request_id, len(toks))]
+                # speculative decoding: 1 + accepted tokens, the acceptance drawn from the seed
+                n = 1 + (random.Random(f"{self.seed}:accept:{s.request_id}:{len(toks)}").randint(
+                    0, len(s.spec_token_ids)) if s.spec_token_ids else 0)
+                sampled[s.request_id] = [self._token(s.request_id, len(toks) + i) for i in range(n)]
                 toks.extend(sampled[s.request_id])
         self.target.update_from_output(out, ModelOutput(sampled))
+        k = self.config.num_speculative_tokens
+        if k and not self.config.async_scheduling and not out.skip_drafts:
+            # the synchronous runner proposes drafts after the step (async: the scheduler's placeholders)
+            ids = tuple(rid for rid in sampled if rid in self.live)
+            self.target.update_draft_token_ids(DraftTokenIds(ids, tuple(
+                tuple(self._token(rid, 10_000 + len(self.outputs[rid]) + i) for i in range(k)) for rid in ids)))
         for rid in list(self.live):
             r = self.live[rid]
             toks = self.outputs[rid]
@@ -265,6 +278,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              _chunked(16), 4, 192, 32, 6, 1.0, _long_prompts, long_prefill_token_threshold=12),
     Workload("priority", "priority policy, mixed priorities, preemption of the lowest priority",
              _full, 4, 96, 32, 6, 1.0, _priority, policy="priority"),
+    Workload("spec-decode", "n-gram speculative decoding (3 drafts a step, acceptance drawn per step), shared "
+             "prefixes, a tight full-attention pool", _full, 4, 128, 32, 6, 1.5, _prefix_sharing,
+             num_speculative_tokens=3),
 )}
 
 

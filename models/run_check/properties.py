@@ -235,6 +235,7 @@ class RunProperties:
             if rid in self.reqs:
                 self._finish(rid, "finished")
         rows = sched_rows(rec)
+        spec = rec.get("spec") or {}
         self._starvation(line, rec, rows)
         tokens = 0
         settled = []
@@ -255,7 +256,7 @@ class RunProperties:
             r.computed = computed + n
             self._admission_bound(line, rid, r)
             self._register(rid, r)
-            settled.append((rid, r.computed))
+            settled.append((rid, r.computed, len(spec.get(rid, ()))))
         self.in_flight.append((step, settled))
         st["scheduled_tokens"] += tokens
         self.peak_running = max(self.peak_running, len(self.running))
@@ -456,13 +457,21 @@ class RunProperties:
     # ---- one update_from_output ---------------------------------------------------------------------
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
+        sampled = update_sampled(rec)
         if self.in_flight and (step < 0 or self.in_flight[0][0] == step):
             _, settled = self.in_flight.popleft()
-            for rid, computed in settled:
+            got = {rid: len(toks) for rid, toks in zip(rec["ids"], sampled)}
+            for rid, computed, drafts in settled:
                 r = self.reqs.get(rid)
-                if r is not None and r.running and computed > r.processed:
+                if r is None or not r.running:
+                    continue
+                if drafts and got.get(rid):
+                    # speculative decoding: the drafts it rejected are rolled back (vLLM's verification)
+                    rejected = max(0, drafts - (got[rid] - 1))
+                    computed -= rejected
+                    r.computed -= rejected
+                if computed > r.processed:
                     r.processed = computed
-        sampled = update_sampled(rec)
         for rid, toks in zip(rec["ids"], sampled):
             r = self.reqs.get(rid)
             if r is not None and toks:

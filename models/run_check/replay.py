@@ -171,6 +171,10 @@ class LockstepReplay:
             self._check_free(line, -1, "finish_requests", rec)
         elif t == "reset":
             self._stop(line, "reset_prefix_cache (not modelled by the reference)")
+        elif t == "drafts":
+            from kvref.impl.scheduler_types import DraftTokenIds
+
+            self.scheduler.update_draft_token_ids(DraftTokenIds(tuple(rec["ids"]), tuple(map(tuple, rec["tokens"]))))
 
     def _ref_free(self) -> int:
         return self.scheduler.kv_cache_manager.get_num_free_blocks()
@@ -254,6 +258,14 @@ class LockstepReplay:
         got, want = reference_rows(out), recorded_rows(rec)
         ref_pre, ref_fin = sorted(out.preempted_req_ids), sorted(out.finished_req_ids)
         rec_pre, rec_fin = sorted(rec["pre"]), sorted(rec["fin"])
+        ref_spec = {k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()}
+        rec_spec = rec.get("spec") or {}
+        if got == want and ref_pre == rec_pre and ref_fin == rec_fin and (
+                ref_spec != rec_spec or bool(out.skip_drafts) != bool(rec.get("skip_drafts"))):
+            self._diverge(Divergence(line, rec["step"], "schedule", "different drafts scheduled for verification",
+                                     want, got, {"drafts": rec_spec, "skip_drafts": bool(rec.get("skip_drafts"))},
+                                     {"drafts": ref_spec, "skip_drafts": bool(out.skip_drafts)}))
+            return
         if got != want or ref_pre != rec_pre or ref_fin != rec_fin:
             what = []
             if [r[0] for r in got] != [r[0] for r in want]:

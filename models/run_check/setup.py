@@ -64,6 +64,20 @@ def _spec(d: dict) -> ks.KVCacheSpec:
     raise KVRefError(f"KV cache spec {kind} is not modelled by kvref's scheduler subset")
 
 
+def _spec_decode(spec: dict | None, unmodelled: list[str]) -> dict:
+    """Speculative decoding from the header's ``spec`` (format 3): the n-gram drafter is replayed
+    (drafts from the trace's ``drafts`` records, acceptances from the sampled tokens); an EAGLE-like
+    drafter's block drop is not followed yet (it stays in ``unmodelled``)."""
+    if not isinstance(spec, dict) or not spec.get("num_speculative_tokens"):
+        return {}
+    method = spec.get("method")
+    if method != "ngram":
+        unmodelled.append(f"spec_decode (method {method}: only n-gram drafting is replayed)")
+        return {}
+    return {"num_speculative_tokens": int(spec["num_speculative_tokens"]), "speculative_method": "ngram",
+            "skip_unused_drafts": bool(spec.get("can_skip_drafts", False))}
+
+
 def setup_from_header(header: dict) -> RunSetup:
     """Rebuild the reference setup; never raises for a well-formed header (reasons go to ``unmodelled``)."""
     unmodelled = list(header.get("unmodelled", []))
@@ -78,7 +92,8 @@ def setup_from_header(header: dict) -> RunSetup:
             long_prefill_token_threshold=s.get("long_prefill_token_threshold", 0),
             enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)), policy=s.get("policy", "fcfs"),
             scheduler_reserve_full_isl=bool(s.get("scheduler_reserve_full_isl", True)),
-            async_scheduling=bool(s.get("async_class", s.get("async_scheduling", False))))
+            async_scheduling=bool(s.get("async_class", s.get("async_scheduling", False))),
+            **_spec_decode(header.get("spec"), unmodelled))
         pool = PoolConfig.off_plan("a recorded run's pool, as the engine's own startup built it",
                                    num_blocks=p["num_blocks"], groups=groups, max_model_len=p["max_model_len"],
                           scheduler_block_size=p["scheduler_block_size"], hash_block_size=p["hash_block_size"],

@@ -29,7 +29,8 @@ def _record(env, tmp_path, workload, fault=None, async_scheduling=True, ticks=12
 
 
 @pytest.mark.parametrize("workload, async_scheduling", [("n-burst", True), ("priority", False),
-                                                       ("chunked-local", True)])
+                                                       ("chunked-local", True), ("spec-decode", False),
+                                                       ("spec-decode", True)])
 def test_a_pristine_demo_run_agrees_with_every_observable_compared(env, tmp_path, workload, async_scheduling):
     run = _record(env, tmp_path, workload, async_scheduling=async_scheduling)
     assert run.crashed is None and run.scheduler_cls.endswith("AsyncScheduler" if async_scheduling else ".RecordingScheduler")
@@ -40,6 +41,10 @@ def test_a_pristine_demo_run_agrees_with_every_observable_compared(env, tmp_path
     r = check_trace(run.path, check_invariants_every=1)
     assert r.ok and r.followed and r.verdict == "agrees", (r.findings, r.divergence and r.divergence.table())
     assert r.summary["steps"] > 50 and r.summary["block_checks"] == "on"
+    if workload == "spec-decode":  # replayed, not skipped: drafts and acceptances are in the trace (#28)
+        assert lines[0]["spec"]["method"] == "ngram" and lines[0]["unmodelled"] == []
+        assert sum(1 for rec in lines[1:] if rec.get("spec")) > 20
+        assert any(rec["t"] == "drafts" for rec in lines[1:]) is not async_scheduling
 
 
 def test_a_crash_inside_schedule_is_recorded_and_never_agrees(env, tmp_path):
