@@ -40,6 +40,16 @@ def test_a_trace_with_no_op_is_nothing_checked(tmp_path, capsys) -> None:
     assert "OK: 3 ops" in capsys.readouterr().out
 
 
+def test_a_trace_whose_ops_compare_nothing_is_nothing_checked(tmp_path, capsys) -> None:
+    """Only an arrival, and an admission of a request that was never added (skipped): no manager
+    call was compared, so no "OK"."""
+    ops = [GOOD_TRACE["ops"][0], {**GOOD_TRACE["ops"][1], "rid": "ghost"}]
+    path = tmp_path / "idle.json"
+    path.write_text(json.dumps({**GOOD_TRACE, "ops": ops}))
+    assert main(["replay", str(path), "--kinds", "reference"]) == 3
+    assert "NOTHING CHECKED" in capsys.readouterr().out
+
+
 def test_an_explorer_trace_with_no_action_is_nothing_checked(tmp_path, capsys) -> None:
     path = tmp_path / "e.json"
     path.write_text(json.dumps({"format": "kvref-explorer-trace", "version": 1, "scope": "tight", "toy": False,
