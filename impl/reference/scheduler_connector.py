@@ -38,7 +38,7 @@ whose answers the trace chooses, run unchanged inside vLLM by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvref.impl.request import Request, RequestStatus
@@ -150,7 +150,6 @@ class KVConnectorOutput:
 BlockIdsT = tuple[tuple[int, ...], ...]
 
 
-@dataclass
 class ScriptedConnector:
     """The fake KV connector's scheduler side: answers chosen by the trace, every call logged.
 
@@ -159,26 +158,37 @@ class ScriptedConnector:
     only converts vLLM's objects to ids. ``calls`` (name and plain arguments, in call order) is
     what a conformance check compares; ``pending_loads`` / ``sync_loads`` / ``pending_sends`` are
     what a fake worker may report next.
+
+    Args:
+        config: the connector's knobs (default: a consumer that recomputes failed loads).
     """
 
-    config: ConnectorConfig = field(default_factory=ConnectorConfig)
-    hits: dict[str, ExternalHit] = field(default_factory=dict)
-    calls: list[tuple] = field(default_factory=list)
-    #: request id -> (step, block ids, external tokens) of async loads not yet reported finished
-    pending_loads: dict[str, tuple[int, BlockIdsT, int, int]] = field(default_factory=dict)
-    #: (step, request id, block ids, local tokens, external tokens) of sync loads
-    sync_loads: list[tuple[int, str, BlockIdsT, int, int]] = field(default_factory=list)
-    #: request ids whose blocks the connector holds after request_finished
-    pending_sends: dict[str, None] = field(default_factory=dict)
-    num_steps: int = 0
-    num_lookups: dict[str, int] = field(default_factory=dict)
-    #: request id -> (local tokens, load_async) of its last lookup
-    last_query: dict[str, tuple[int, bool]] = field(default_factory=dict)
-    store_reset: bool = False
-    #: requests whose load finished (their remote copy is gone)
-    consumed: set[str] = field(default_factory=set)
+    def __init__(self, config: ConnectorConfig | None = None) -> None:
+        if config is None:
+            config = ConnectorConfig()
+        if not isinstance(config, ConnectorConfig):
+            raise InvalidFieldError("config", config, "a ConnectorConfig or None")
+        self.config = config
+        self.hits: dict[str, ExternalHit] = {}
+        self.calls: list[tuple] = []
+        #: request id -> (step, block ids, local tokens, external tokens) of async loads in flight
+        self.pending_loads: dict[str, tuple[int, BlockIdsT, int, int]] = {}
+        #: (step, request id, block ids, local tokens, external tokens) of recent sync loads
+        self.sync_loads: list[tuple[int, str, BlockIdsT, int, int]] = []
+        #: request ids whose blocks the connector holds after request_finished
+        self.pending_sends: dict[str, None] = {}
+        self.num_steps = 0
+        self.num_lookups: dict[str, int] = {}
+        #: request id -> (local tokens, load_async) of its last lookup
+        self.last_query: dict[str, tuple[int, bool]] = {}
+        self.store_reset = False
+        #: requests whose load finished (their remote copy is gone)
+        self.consumed: set[str] = set()
 
     def set_hit(self, request_id: str, hit: ExternalHit) -> None:
+        """What the external store holds for ``request_id`` (before the request is added)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidFieldError("request_id", request_id, "a non-empty str")
         if not isinstance(hit, ExternalHit):
             raise InvalidFieldError("hit", hit, "an ExternalHit")
         self.hits[request_id] = hit
@@ -486,10 +496,6 @@ def after_update_after_schedule(sched: "Scheduler", out) -> None:
             st.inflight_prefills.pop(s.request_id, None)
 
 
-def on_preempt(sched: "Scheduler", request: Request) -> None:
-    sched.connector_state.inflight_prefills.pop(request.request_id, None)
-
-
 def requires_kv_delivery(sched: "Scheduler") -> bool:
     st = sched.connector_state
     return st is not None and st.config.delivery
@@ -752,6 +758,6 @@ def kv_holding_waiting_ids(sched: "Scheduler") -> tuple[str, ...]:
 
 
 __all__ = [
-    "ConnectorConfig", "ExternalHit", "KVConnectorOutput", "ScriptedConnector", "ConnectorState",
-    "KV_CONSUMER", "KV_PRODUCER", "RECOMPUTE", "FAIL", "WAITING_FOR_REMOTE_KVS", "reset_prefix_cache",
+    "ConnectorConfig", "ExternalHit", "KVConnectorOutput", "ScriptedConnector",
+    "KV_CONSUMER", "KV_PRODUCER", "RECOMPUTE", "FAIL", "WAITING_FOR_REMOTE_KVS",
 ]

@@ -61,7 +61,8 @@ OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
 
 
 @st.composite
-def connector_setups(draw, kinds=("full", "full", "full+swa", "full+chunked", "full+mamba"), large: bool = False):
+def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chunked", "full+mamba"),
+                     large: bool = False):
     """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
     sync or async scheduling; async runs the producer role (kvref does not model a consumer's
     deferred frees under two batches in flight)."""
@@ -109,6 +110,7 @@ class ConnectorLockstep(Lockstep):
         self.step_indices: deque[int] = deque()
         self.num_scheduled_steps = 0
         self._promoted: set[str] = set()  # loads reported finished, not yet scheduled
+        self.known_hang = False  # the drain met a hang vLLM 0.33.0 has too (see drain)
 
     @property
     def script(self) -> ScriptedConnector:
@@ -131,7 +133,18 @@ class ConnectorLockstep(Lockstep):
 
     def schedule(self):
         before = {rid for rid in self.script.pending_loads}
+        num_calls = len(self.script.calls)
+        prior = self.last_snapshot.requests if self.last_snapshot is not None else {}
         out = super().schedule()
+        for call in self.script.calls[num_calls:]:
+            if call[0] == "update_state_after_alloc" and call[3] > 0:
+                CONNECTOR_COVERAGE["external_tokens_allocated"] += 1
+                if prior.get(call[1]) is not None and prior[call[1]].num_preemptions:
+                    CONNECTOR_COVERAGE["external_tokens_after_preemption"] += 1
+            elif call[0] == "get_num_new_matched_tokens" and call[2] > 0:
+                CONNECTOR_COVERAGE["lookup_after_local_hit"] += 1
+            elif call[0] == "has_pending_block_frees":
+                CONNECTOR_COVERAGE["asked_pending_block_frees"] += 1
         self._compare_calls("schedule")
         self.step_indices.append(self.num_scheduled_steps)
         self.num_scheduled_steps += 1
@@ -176,7 +189,7 @@ class ConnectorLockstep(Lockstep):
                     invalid += draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True))
         if draw is not None and single_group:
             for at, rid, block_ids, local, ext in c.sync_loads:
-                if at == step and draw(st.sampled_from((False, False, True))):
+                if at == step and draw(st.booleans()):
                     blocks = ext_blocks(block_ids, local, ext)
                     if blocks:
                         invalid += draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True))
@@ -188,10 +201,12 @@ class ConnectorLockstep(Lockstep):
         return KVConnectorOutput(finished_sending=tuple(sending), finished_recving=tuple(recving),
                                  failed_recving=tuple(failed), invalid_block_ids=tuple(dict.fromkeys(invalid)))
 
-    def complete(self, draw: Callable[[Any], Any] | None = None) -> None:
+    def complete(self, draw: Callable[[Any], Any] | None = None, report: KVConnectorOutput | None = None) -> None:
+        """Settle the oldest step with the worker's report: ``report`` as given, else drawn by
+        ``draw`` (None: every pending transfer finishes cleanly)."""
         outs = {name: q.popleft() for name, q in self.in_flight.items()}
         step = self.step_indices.popleft()
-        kv_out = self.worker_report(step, draw)
+        kv_out = report if report is not None else self.worker_report(step, draw)
         model_output = self.model.output(next(iter(outs.values())))
         before = self.last_snapshot.requests if self.last_snapshot is not None else {}
         for name, t in self.targets.items():
@@ -217,9 +232,11 @@ class ConnectorLockstep(Lockstep):
 
     def abort(self, request_id: str) -> None:
         status = self.last_snapshot.requests.get(request_id) if self.last_snapshot else None
-        if status is not None and status.status == "waiting_for_remote_kvs":
-            CONNECTOR_COVERAGE["abort_while_loading"] += 1
         super().abort(request_id)
+        if status is not None and status.status == "waiting_for_remote_kvs":
+            CONNECTOR_COVERAGE["aborted_mid_load"] += 1
+            if request_id in self.last_snapshot.block_ids:
+                CONNECTOR_COVERAGE["aborted_load_keeps_blocks"] += 1
         self._compare_calls("abort " + request_id)
 
     def reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool) -> None:
@@ -256,6 +273,15 @@ class ConnectorLockstep(Lockstep):
         while self.unfinished() or self.num_in_flight() or self.pending_transfers():
             if self.num_schedules - start > bound:
                 snap = next(iter(self.snapshots().values()))
+                if any(snap.requests[rid].num_output_placeholders > 0 and not snap.requests[rid].num_in_flight_tokens
+                       for rid in snap.running):
+                    # vLLM 0.33.0 itself hangs here (docs/coverage.md, findings): under async
+                    # scheduling a sync load's invalid blocks skip the step's output, so its
+                    # placeholder is never settled; at max_model_len - 1 the request is never
+                    # scheduled again. Both targets agreed up to here.
+                    CONNECTOR_COVERAGE["vllm_hang_phantom_placeholder"] += 1
+                    self.known_hang = True
+                    return self.num_schedules - start
                 raise AssertionError(
                     f"liveness: not drained within {bound} schedule calls with a connector: waiting={snap.waiting} "
                     f"kv_holding_waiting={snap.kv_holding_waiting} running={snap.running} "
@@ -275,6 +301,7 @@ class ConnectorMachine(SchedulerMachine):
     """The scheduler machine with connector answers per request and worker reports per step."""
 
     driver: ConnectorLockstep
+    driver_class: type = ConnectorLockstep
 
     @precondition(lambda self: self.num_added < MAX_REQUESTS)
     @rule(data=st.data())
@@ -310,6 +337,8 @@ class ConnectorMachine(SchedulerMachine):
             driver.drain()
         except _AcceptedDuringTeardown:
             return
+        if driver.known_hang:
+            return
         snap = next(iter(driver.snapshots().values()))
         assert not snap.waiting and not snap.running and not snap.kv_holding_waiting
         assert not snap.block_ids, f"blocks still held after the drain: {snap.block_ids}"
@@ -324,7 +353,7 @@ def connector_machine(factories: dict[str, Callable], setups=None, name: str = "
     @initialize(setup=strategy)
     def init(self, setup):
         pool, config, conn = setup
-        self.driver = ConnectorLockstep(pool, config, self.factories, conn)
+        self.driver = self.driver_class(pool, config, self.factories, conn)
         self.num_added = 0
 
     cls.init = init
@@ -388,21 +417,20 @@ def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = F
     if with_vllm:
         factories = {"vllm": vllm_factory(), **factories}
     drivers: list[ConnectorLockstep] = []
+
+    class Counting(ConnectorLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
     machine = connector_machine(factories, name="ConnectorRun")
-    base_init = machine.init
+    machine.driver_class = Counting
 
     CONNECTOR_COVERAGE.clear()
     COVERAGE.clear()
     saved_seed = hcore.global_force_seed
     if seed is not None:
         hcore.global_force_seed = seed
-    orig = ConnectorLockstep.__init__
-
-    def counting(self, *a, **k):
-        orig(self, *a, **k)
-        drivers.append(self)
-
-    ConnectorLockstep.__init__ = counting
     try:
         with same_inputs_in_every_process() if reproducible else nullcontext():
             run_state_machine_as_test(
@@ -416,8 +444,6 @@ def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = F
         ok, failure = False, "\n".join(_describe(x) for x in subs)
         sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
     finally:
-        ConnectorLockstep.__init__ = orig
         hcore.global_force_seed = saved_seed
-    del base_init
     return ConnectorRun(ok=ok, traces=len(drivers), ops=sum(d.num_steps for d in drivers),
                         coverage=dict(CONNECTOR_COVERAGE), failure=failure, signature=sig)

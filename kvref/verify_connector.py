@@ -1,0 +1,24 @@
+"""``kvref verify``'s ``conform-connector`` check: the reference scheduler's KV-connector flows in
+lock step with the installed vLLM's ``Scheduler`` / ``AsyncScheduler`` running the same scripted
+connector (:mod:`kvref.models.machines.scheduler_connector`, issue #22)."""
+
+from __future__ import annotations
+
+from .check_context import VerifyContext, vllm_gate
+from .report import FAILED, PASSED, CheckResult
+
+
+def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
+    """Async and sync KV loads, failed receives and invalid blocks under both failure policies,
+    aborts mid-load, delayed frees and connector resets: reference vs vLLM after every step."""
+    name = "conform-connector"
+    skipped = vllm_gate(ctx, name)
+    if skipped:
+        return skipped
+    from kvref.models.machines.scheduler_connector import run_connector_machine
+
+    run = run_connector_machine(with_vllm=True, examples=ctx.examples(5, 150), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult(name, FAILED, "KV-connector traces diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    return CheckResult(name, PASSED, run.summary, examined=run.traces)
