@@ -35,7 +35,6 @@ class ChangedFunction:
     #: the line of its ``def`` (of the first decorator); 0 at module level
     first_line: int
     changed_lines: list[int]
-    deleted_file: bool = False
     executed_lines: int = 0
     statement_lines: int = 0
     checks: list[str] = field(default_factory=list)
@@ -48,8 +47,6 @@ class ChangedFunction:
         return self.executed_lines > 0
 
     def verdict(self) -> str:
-        if self.deleted_file:
-            return "file deleted: nothing left to run"
         if self.checked:
             ran = ", ".join(self.checks)
             if self.name:
@@ -95,35 +92,27 @@ def checkout_of(root: str, ref: str) -> tuple[str, str]:
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
 
 
-def changed_lines(top: str, commit: str, paths: list[str]) -> dict[str, tuple[list[int], bool]]:
-    """``git diff`` of the work tree against ``commit`` for ``paths`` (relative to ``top``):
-    ``{path: (changed line numbers in the current file, deleted)}``. A pure deletion marks the
-    line before it (the code around the removed lines)."""
+def changed_lines(top: str, commit: str, paths: list[str]) -> dict[str, list[int]]:
+    """``git diff`` of the work tree against ``commit`` for ``paths`` (files of the work tree,
+    relative to ``top``): ``{path: changed line numbers in the current file}``. A pure deletion
+    marks the line before it (the code around the removed lines)."""
     if not paths:
         return {}
     res = _git(top, "diff", "--no-color", "--no-ext-diff", "--no-renames", "--unified=0", commit, "--", *paths)
     if res.returncode != 0:
         raise InvalidFieldError(FLAG, commit, f"a revision git can diff against ({res.stderr.strip()[:200]})")
-    out: dict[str, tuple[list[int], bool]] = {}
+    out: dict[str, list[int]] = {}
     current: str | None = None
-    old: str | None = None
     for line in res.stdout.splitlines():
-        if line.startswith("--- "):
-            old = line[6:] if line.startswith("--- a/") else None
-        elif line.startswith("+++ "):
-            if line == "+++ /dev/null":
-                current = old
-                if current is not None:
-                    out[current] = ([], True)
-                current = None
-            else:
-                current = line[6:]
-                out.setdefault(current, ([], False))
+        if line.startswith("+++ "):
+            current = line[6:] if line.startswith("+++ b/") else None
+            if current is not None:
+                out.setdefault(current, [])
         elif current is not None:
             m = _HUNK.match(line)
             if m:
                 start, count = int(m.group(1)), int(m.group(2) if m.group(2) is not None else 1)
-                out[current][0].extend(range(start, start + count) if count else [max(start, 1)])
+                out[current].extend(range(start, start + count) if count else [max(start, 1)])
     return out
 
 
@@ -174,7 +163,7 @@ class ChangePlan:
         """``{absolute file: {co_firstlineno: name}}`` for :class:`kvref.reach_collect.CallCounter`."""
         out: dict[str, dict[int, str]] = {}
         for f in self.functions:
-            if f.name and not f.deleted_file:
+            if f.name:
                 out.setdefault(self.paths[f.module], {})[f.first_line] = f.name
         return out
 
@@ -188,14 +177,11 @@ def plan_changes(ref: str, root: str, by_rel: dict[str, str]) -> ChangePlan:
     diff = changed_lines(top, commit, sorted(rel_to_top))
     functions: list[ChangedFunction] = []
     paths: dict[str, str] = {}
-    for path_in_top, (lines, deleted) in sorted(diff.items()):
+    for path_in_top, lines in sorted(diff.items()):
         rel = rel_to_top.get(path_in_top)
         if rel is None:
             continue
         paths[rel] = by_rel[rel]
-        if deleted:
-            functions.append(ChangedFunction(rel, "", 0, [], deleted_file=True))
-            continue
         with open(os.path.join(root, rel), encoding="utf-8") as fh:
             source = fh.read()
         try:
@@ -213,7 +199,7 @@ def fill_results(plan: ChangePlan, modules, counter) -> list[ChangedFunction]:
     by_rel = {m.module: m for m in modules}
     for cf in plan.functions:
         mod = by_rel.get(cf.module)
-        if mod is None or cf.deleted_file:
+        if mod is None:
             continue
         if cf.name:
             regions = [f for f in mod.function(cf.name)]
@@ -241,8 +227,7 @@ def fill_results(plan: ChangePlan, modules, counter) -> list[ChangedFunction]:
 
 def summary(changed: list[ChangedFunction]) -> tuple[int, str]:
     """``(number not checked and not excluded, one line for the table)``."""
-    missed = [c for c in changed if not c.checked and not c.excluded and not c.deleted_file
-              and (c.name or c.statement_lines)]
+    missed = [c for c in changed if not c.checked and not c.excluded and (c.name or c.statement_lines)]
     checked = sum(c.checked for c in changed)
     text = (f"{len(changed)} changed function(s)/module-level part(s) of the KV-cache modules: {checked} executed "
             f"by the checks, {len(missed)} not")

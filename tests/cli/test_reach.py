@@ -165,9 +165,9 @@ def test_git_diff_lines_of_additions_edits_and_deletions(tmp_path):
     _git(tmp_path, "add", "m.py")
     _git(tmp_path, "commit", "-qm", "base")
     f.write_text("a = 1\nb = 20\nc = 3\nnew = 5\n")  # edit line 2, replace d by new (line 4)
-    assert changed_lines(str(tmp_path), "HEAD", ["m.py"]) == {"m.py": ([2, 4], False)}
+    assert changed_lines(str(tmp_path), "HEAD", ["m.py"]) == {"m.py": [2, 4]}
     f.write_text("a = 1\nc = 3\nd = 4\n")  # line 2 deleted: the line before it is marked
-    assert changed_lines(str(tmp_path), "HEAD", ["m.py"]) == {"m.py": ([1], False)}
+    assert changed_lines(str(tmp_path), "HEAD", ["m.py"]) == {"m.py": [1]}
 
 
 def test_changed_since_outside_a_git_checkout_is_exit_2_naming_the_flag(capsys):
