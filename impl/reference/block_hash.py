@@ -178,6 +178,7 @@ def block_hash_extra_keys(request: Request, start_token_idx: int, end_token_idx:
     """The extra keys a block's *hash* takes: :func:`generate_block_hash_extra_keys`, or with
     hash lookahead L > 0 ``(E, *next L tokens)`` where ``E`` covers the block and those tokens
     (a single token is not unpacked into a 1-tuple: ``(E, t)``)."""
+    _check_range(request, start_token_idx, end_token_idx)
     check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, minimum=0)
     if not num_hash_lookahead_tokens:
         return generate_block_hash_extra_keys(request, start_token_idx, end_token_idx)

@@ -136,6 +136,8 @@ class KVCacheManager:
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """Count an admitted request's lookup (not one that skipped it); a request preempted
         before counts under the ``preempted_*`` fields."""
+        self._check_request(request)
+        check_int("num_hits", num_hits, minimum=0)
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
         assert self.prefix_cache_stats is not None

@@ -68,7 +68,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         SimpleOffloadStep,
     )
     from kvref.impl.reference.scheduler import Scheduler
-    from kvref.impl.request import Request
+    from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
     from kvref.impl.run_trace.format import TokenAnonymizer
     from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig
     from kvref.models.conformance.trace import Op, Trace
@@ -95,7 +95,10 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "Scheduler": (lambda pool, config: Scheduler(pool, config),
                       dict(pool=pool_config(max_in_flight_tokens=16), config=SchedulerConfig(max_num_batched_tokens=16))),
         "Request": (Request, dict(request_id="r0", prompt_token_ids=[1, 2, 3], max_tokens=2, cache_salt=None,
-                                  priority=0, arrival_time=0.0)),
+                                  priority=0, arrival_time=0.0,
+                                  mm_features=(MultiModalFeatureSpec("img", PlaceholderRange(1, 2)),),
+                                  lora_request=LoRARequest("a", 1, "/a"), prompt_embeds=(b"ab", b"cd", b"ef"),
+                                  session_id="s", skip_reading_prefix_cache=False)),
         "SimpleCPUOffloadScheduler": (SimpleCPUOffloadScheduler, dict(
             kv_cache_groups=(GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4, hash_block_size=4,
             lazy_offload=False, world_size=1, max_num_batched_tokens=16, max_in_flight_tokens=None)),
@@ -118,6 +121,11 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                                                     dtype="bfloat16")),
         "UniformTypeKVCacheSpecs": (UniformTypeKVCacheSpecs, dict(block_size=4, kv_cache_specs={"l0": FULL})),
         "ReferenceKVCacheManager": (ReferenceKVCacheManager, dict(config=pc)),
+        # issue #23: a request's block-hash inputs
+        "PlaceholderRange": (PlaceholderRange, dict(offset=0, length=2)),
+        "MultiModalFeatureSpec": (MultiModalFeatureSpec, dict(identifier="img", mm_position=PlaceholderRange(0, 2),
+                                                              modality="image")),
+        "LoRARequest": (LoRARequest, dict(lora_name="a", lora_int_id=1, lora_path="/a")),
         "ModelOutput": (ModelOutput, dict(sampled_token_ids={"r0": [1]})),
         "LRUCachePolicy": (LRUCachePolicy, dict(cache_capacity=4)),
         "ARCCachePolicy": (ARCCachePolicy, dict(cache_capacity=4)),
@@ -221,6 +229,7 @@ def _connector_constructors() -> dict[str, tuple[Callable[..., Any], dict[str, A
         KVConnectorOutput,
         ScriptedConnector,
     )
+    from kvref.impl.reference.scheduler_connector_multi import MultiScriptedConnector
 
     return {
         "ConnectorConfig": (ConnectorConfig, dict(kv_role="kv_consumer", kv_load_failure_policy="recompute",
@@ -373,6 +382,14 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
         request=r, block_hashes=H[:2], num_cached_blocks=2, block_size=4, kv_cache_group_id=0))
 
     manager_case("block_hashes", lambda m, r0, r1: dict(request=r1))
+    # issue #23: stats and KV-connector views
+    manager_case("prefix_cache_lookup_enabled", lambda m, r0, r1: dict(request=r1))
+    manager_case("record_prefix_cache_stats", lambda m, r0, r1: dict(request=r1, num_hits=0))
+    manager_case("get_block_ids_for_computed_tokens", lambda m, r0, r1: dict(request_id="r0", num_computed_tokens=5))
+    manager_case("estimate_cached_tokens", lambda m, r0, r1: dict(request=r0))
+    manager_case("truncate_computed_blocks", lambda m, r0, r1: dict(blocks=m.get_computed_blocks(r1)[0],
+                                                                      num_computed_tokens=4))
+    manager_case("get_computed_blocks_for_connector", lambda m, r0, r1: dict(request=r1, max_cache_hit_length=None))
     manager_case("create_kv_cache_blocks", lambda m, r0, r1: dict(blocks=([], [])))
     manager_case("get_block_ids", lambda m, r0, r1: dict(request_id="r0"))
     manager_case("get_num_common_prefix_blocks", lambda m, r0, r1: dict(running_request_id="r0"))
@@ -414,7 +431,6 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     connector_scheduler_case("ScriptedConnector.set_hit", lambda s, out: dict(
         request_id="b", hit=__import__("kvref.impl.reference.scheduler_connector", fromlist=["ExternalHit"])
         .ExternalHit(num_tokens=2)))
-
 
     def spec_scheduler_case(method, make_kwargs):
         def build():
@@ -467,6 +483,16 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
             return m, m.check_invariants, make_kwargs(m, r0, r1), getattr(m, method)
         add(f"{'ReferenceKVCacheManager' if manager == 'reference' else 'TorchKVCacheManager'}.{method}", build)
 
+    # issue #23: hashes, stats and KV-connector views of the reference adapter
+    ref_adapter_case("request_block_hashes", lambda m, r0, r1: dict(request=r1))
+    ref_adapter_case("record_prefix_cache_stats", lambda m, r0, r1: dict(request=r1, num_hits=0))
+    ref_adapter_case("get_block_ids_for_computed_tokens", lambda m, r0, r1: dict(request_id="r0",
+                                                                                   num_computed_tokens=5))
+    ref_adapter_case("estimate_cached_tokens", lambda m, r0, r1: dict(request=r0))
+    ref_adapter_case("truncate_computed_blocks", lambda m, r0, r1: dict(
+        block_ids=m.get_computed_blocks(r1)[0], num_computed_tokens=4))
+    ref_adapter_case("get_computed_blocks_for_connector", lambda m, r0, r1: dict(request=r1))
+    ref_adapter_case("free_holding_view", lambda m, r0, r1: dict(request=r0))
     for kind in ("reference", "torch"):
         ref_adapter_case("get_computed_blocks", lambda m, r0, r1: dict(request=r1), kind)
         ref_adapter_case("allocate_slots", lambda m, r0, r1: dict(
@@ -622,6 +648,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
     from kvref.impl import interface
     from kvref.impl.reference import kv_events, scheduler_liveness
+    from kvref.impl.reference import block_hash as bh
     from kvref.impl.reference.offload import keys, lookup
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
@@ -715,6 +742,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         # reference: hashing, events, liveness bounds
         "to_external_block_hash": (kv_events.to_external_block_hash, dict(hash_bytes=H[0], use_int=False)),
         "event_extra_keys": (kv_events.event_extra_keys, dict(salt="s", block_start=0)),
+        # issue #23: block-hash extra keys and hash functions
+        "get_hash_fn_by_name": (bh.get_hash_fn_by_name, dict(hash_fn_name="sha256_cbor")),
+        "generate_block_hash_extra_keys": (bh.generate_block_hash_extra_keys, dict(
+            request=req, start_token_idx=0, end_token_idx=4)),
+        "block_hash_extra_keys": (bh.block_hash_extra_keys, dict(request=req, start_token_idx=0, end_token_idx=4,
+                                                                 num_hash_lookahead_tokens=1)),
         "kv_cache_spec_kind": (kv_events.kv_cache_spec_kind, dict(spec=SWA)),
         "drain_bound": (scheduler_liveness.drain_bound, dict(requests=[req], pool=pc, config=sc)),
         "max_blocks_per_request": (scheduler_liveness.max_blocks_per_request, dict(pool=pc, config=sc)),

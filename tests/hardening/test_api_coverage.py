@@ -107,6 +107,12 @@ EXCLUDED: dict[str, str] = {
             "RequestBlockHasher.forget RequestBlockHasher.peek", INTERNAL),
     **_each(f"{_REF}.block_hash", "compute_none_hash get_block_hash get_group_id sha256 hash_block_tokens "
             "resolve_block_hashes make_block_hash_with_group_id block_extra_keys", HOT),
+    **_each(f"{_REF}.block_hash", "sha256_cbor xxhash xxhash_cbor resolve_none_hash_seed has_extra_hash_inputs "
+            "to_event_extra_keys", HOT),
+    **_each(f"{_REF}.prefix_cache_stats", "PrefixCacheStats PrefixCacheStats.record", RECORD),
+    f"{_REF}.kv_cache_manager.KVCacheManager.pop_blocks_for_free": (
+        "hands a request's blocks to the caller (a KV connector still reading them), who frees them later: "
+        "reference counts exceed table slots until then, by design (vLLM's method of the same name)"),
     f"{_REF}.block_pool.group_suffix": HOT,
     **_each("kvref.spec.mathutil", "cdiv round_down round_up", HOT),
     **_each("kvref.spec.errors", "check_choice check_int check_sequence",
@@ -126,6 +132,10 @@ EXCLUDED: dict[str, str] = {
             "ScriptedConnector.get_num_new_matched_tokens ScriptedConnector.on_new_request "
             "ScriptedConnector.request_finished ScriptedConnector.update_connector_output "
             "ScriptedConnector.update_state_after_alloc", CONNECTOR_API),
+    **_each(f"{_REF}.scheduler_connector_multi", "MultiScriptedConnector.build_connector_meta "
+            "MultiScriptedConnector.get_num_new_matched_tokens MultiScriptedConnector.on_new_request "
+            "MultiScriptedConnector.request_finished MultiScriptedConnector.update_connector_output "
+            "MultiScriptedConnector.update_state_after_alloc", CONNECTOR_API),
     **_each(f"{_REF}.kv_events", "AllBlocksCleared BlockRemoved BlockStored event_to_plain "
             "kv_cache_spec_sliding_window", RECORD),
     **_each(f"{_REF}.offload.cache_policy", "CachePolicy CachePolicy.evict CachePolicy.get CachePolicy.insert "
