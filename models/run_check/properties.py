@@ -116,7 +116,9 @@ class RunProperties:
         if pool.get("use_eagle"):
             unmodelled.append("eagle")
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
-        self.exact = not self.inexact and all(r.kind != "unknown" for r in self.rules)
+        # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
+        # state blocks by rules the trace does not show)
+        self.exact = not self.inexact and all(r.kind != "unknown" and r.frees_exactly for r in self.rules)
         self.connector = any(u.startswith(("kv_connector", "ec_connector")) for u in unmodelled)
         self.seen_loading = False
         self.exempt: set[str] = set()
@@ -530,7 +532,8 @@ class RunProperties:
             "starvation_check": ("on" if not self.connector else "on (except while a remote KV load is pending)"
                                  if self.seen_loading else "off: kv_connector (the trace records no pending loads)"),
             "block_checks": "on" if self.exact else "off: " + ", ".join(
-                self.inexact or [f"group {g} spec" for g, r in enumerate(self.rules) if r.kind == "unknown"]),
+                self.inexact or [f"group {g} ({r.kind})" for g, r in enumerate(self.rules)
+                                 if r.kind == "unknown" or not r.frees_exactly]),
         }
 
     def check_invariants(self) -> None:

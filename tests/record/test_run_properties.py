@@ -141,3 +141,18 @@ def test_the_metrics_endpoint_numbers_must_match_the_trace(tmp_path):
     assert kinds == ["metrics"] and "req: recorded 2, expected 1" in r.findings[0].message
     kinds, r = _kinds(tmp_path, header_for(pool, cfg), recs(_stats(usage=0.5)), name="usage.jsonl")
     assert kinds == ["metrics"] and "usage" in r.findings[0].message
+
+
+def test_block_checks_are_off_where_the_trace_cannot_show_every_free(tmp_path):
+    """Mamba outside "none" mode frees old state blocks by rules the trace does not show: conservation
+    would raise false alarms there, so the block checks say they are off and why."""
+    pool, cfg = full_setup()
+    h = header_for(pool, cfg)
+    h["pool"]["groups"].append({"layers": ["m"], "spec": {"type": "MambaSpec", "block_size": 32,
+                                                           "mamba_cache_mode": "all"}})
+    recs = [add("a", [1, 2, 3, 4, 5]), dict(sched(0, [["a", "n", 5, 0, [[1, 2], [3]]]]), free=3)]
+    kinds, r = _kinds(tmp_path, h, recs)
+    assert kinds == [] and r.summary["block_checks"] == "off: group 1 (mamba)"
+    h["pool"]["groups"][1]["spec"]["mamba_cache_mode"] = "none"
+    kinds, r = _kinds(tmp_path, h, recs, name="none.jsonl")
+    assert kinds == ["conservation"] and r.summary["block_checks"] == "on"
