@@ -129,6 +129,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.distributed.kv_events", "AllBlocksCleared"),
         _b("vllm.distributed.kv_events", "ZmqEventPublisher", "data_parallel_rank", "endpoint", "replay_endpoint",
            "topic"),
+        # kvref demo publish (demo_publish.py): vLLM's factory builds the publisher from a KVEventsConfig
+        _b("vllm.distributed.kv_events", "EventPublisherFactory.create", "config"),
+        _b("vllm.distributed.kv_events", "ZmqEventPublisher._is_bind_endpoint"),
         _b("vllm.v1.core.block_pool", "BlockPool", "enable_kv_cache_events"),
         _b("vllm.v1.core.block_pool", "BlockPool.take_events"),
         _b("vllm.v1.core.block_pool", "BlockPool.emit_cached_block_events"),
