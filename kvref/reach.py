@@ -192,9 +192,9 @@ class ReachSession:
             from rich.table import Table
 
             table = Table(title=f"changes since {changed['ref']} ({changed['commit'][:12]})")
-            table.add_column("module (vllm/…)")
-            table.add_column("function")
-            table.add_column("changed lines")
+            table.add_column("module (vllm/…)", overflow="fold")
+            table.add_column("function", overflow="fold")
+            table.add_column("changed lines", overflow="fold")
             table.add_column("verdict", overflow="fold")
             for c in changed["functions"]:
                 style = "green" if c["checked"] else ("yellow" if c["excluded"] else "bold red")
