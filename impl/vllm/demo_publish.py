@@ -192,16 +192,15 @@ def publish_demo(endpoint: str, *, replay_endpoint: str | None = None, topic: st
     from kvref.impl.vllm.scheduler import VllmScheduler
 
     s = stream or DemoStream(endpoint, replay_endpoint, workload, fault)
-    pool = _pool(workload)
-    sched = VllmScheduler(pool, SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4))
-    try:
+    try:  # first: an address in use is reported before the scheduler is built
         real = _publisher(endpoint, replay_endpoint, topic)
     except Exception as exc:  # noqa: BLE001 — zmq: address in use, bad host
-        raise InvalidFieldError("endpoint", endpoint, f"an address vLLM's publisher can bind ({exc})") from None
-    publisher = _FaultyPublisher(real, s)
-    sched.scheduler.kv_event_publisher = publisher  # what the engine core's scheduler publishes through
+        raise InvalidFieldError("endpoint", endpoint, f"addresses vLLM's publisher can bind ({exc})") from None
     stop = stop or threading.Event()
     try:
+        sched = VllmScheduler(_pool(workload), SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4))
+        # what the engine core's scheduler publishes through, with the demo's fault in front
+        sched.scheduler.kv_event_publisher = _FaultyPublisher(real, s)
         if interval > 0:  # a paced (live) demo: watchers already waiting connect first (ZeroMQ's slow joiner)
             stop.wait(SETTLE_S)
         for round_ in range(3):

@@ -148,3 +148,13 @@ def test_bad_options_are_named_before_vllm_is_imported(capsys) -> None:
     assert main(["demo", "publish", "tcp://127.0.0.1:5557", "--hold", "-1"]) == 2
     assert "--hold" in capsys.readouterr().err
     assert main(["demo", "publish", "tcp://127.0.0.1:5557", "--fault", "nosuch"]) == 2
+
+
+def test_an_address_in_use_is_an_input_error(capsys) -> None:
+    require_vllm()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["demo", "publish", f"tcp://127.0.0.1:{port}", "--hold", "0"]) == 2
+    assert "endpoint" in capsys.readouterr().err
