@@ -95,10 +95,12 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INPUT
     try:
         check_parsed(parser, args)
-        if args.command != "verify":  # verify quiets itself, and shows the noise with --verbose
+        # vLLM's import-time warnings leaked from replay/mutants/size (issue #25); verify quiets itself
+        # and demo record has a --verbose of its own, both showing the noise on request
+        if args.command != "verify" and not (args.command == "demo" and getattr(args, "verbose", False)):
             from kvref.quiet import quiet_third_party
 
-            quiet_third_party()  # vLLM's import-time warnings leaked from replay/mutants/size (issue #25)
+            quiet_third_party()
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         acknowledge()
