@@ -79,7 +79,10 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
         check_int("num_computed_tokens", num_computed_tokens, minimum=0)
         for gid, stm in enumerate(m.coordinator.single_type_managers):
             allocated = len(stm.req_to_blocks.get(request.request_id, ())) * stm.block_size
-            if num_computed_tokens > allocated and not isinstance(stm.kv_cache_spec, MambaSpec):
+            # Mamba states and non-cacheable groups (a circular buffer's one ring block) are not
+            # token-indexed: their tables never span the tokens
+            if num_computed_tokens > allocated and not isinstance(stm.kv_cache_spec, MambaSpec) \
+                    and stm.kv_cache_spec.prefix_cacheable:
                 raise InvalidFieldError("num_computed_tokens", num_computed_tokens,
                                         f"at most the {allocated} tokens group {gid} has blocks for")
         if m.enable_caching:
