@@ -264,9 +264,7 @@ class ScriptedConnector:
 class ConnectorState:
     """The connector bookkeeping of vLLM's ``Scheduler`` (its attributes of the same names)."""
 
-    def __init__(self, connector: ScriptedConnector, policy: str) -> None:
-        if not isinstance(connector, ScriptedConnector):
-            raise InvalidFieldError("connector", connector, "a ScriptedConnector")
+    def __init__(self, connector, policy: str) -> None:
         self.connector = connector
         self.config = connector.config
         self.kv_holding_waiting = WaitingQueue(policy)
@@ -285,8 +283,10 @@ def make_state(connector: ScriptedConnector, config) -> ConnectorState:
     if getattr(config, "num_speculative_tokens", 0):
         raise InvalidFieldError("config.num_speculative_tokens", config.num_speculative_tokens,
                                 "0 with a KV connector (spec decoding with a connector is not modelled)")
-    if not isinstance(connector, ScriptedConnector):
-        raise InvalidFieldError("connector", connector, "a ScriptedConnector")
+    from .scheduler_connector_multi import MultiScriptedConnector
+
+    if not isinstance(connector, (ScriptedConnector, MultiScriptedConnector)):
+        raise InvalidFieldError("connector", connector, "a ScriptedConnector or MultiScriptedConnector")
     if config.async_scheduling and not connector.config.is_kv_producer:
         # vLLM defers a consumer's block frees under two batches in flight (defer_block_free)
         raise InvalidFieldError("connector.config.kv_role", connector.config.kv_role,

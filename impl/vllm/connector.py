@@ -35,15 +35,27 @@ def register_script(script: ScriptedConnector) -> str:
     return key
 
 
-def kv_transfer_config(script: ScriptedConnector):
-    """vLLM's ``KVTransferConfig`` selecting :class:`KvrefScriptedConnector` with ``script``."""
+def _child(script: ScriptedConnector) -> dict:
+    return dict(kv_connector=CLASS_NAME, kv_connector_module_path=MODULE_PATH, kv_role=script.config.kv_role,
+                kv_load_failure_policy=script.config.kv_load_failure_policy,
+                kv_connector_extra_config={"kvref_script": register_script(script)})
+
+
+def kv_transfer_config(script):
+    """vLLM's ``KVTransferConfig`` selecting :class:`KvrefScriptedConnector` with ``script``, or
+    vLLM's own ``MultiConnector`` over one per child of a
+    :class:`~kvref.impl.reference.scheduler_connector_multi.MultiScriptedConnector`."""
     load_vllm()
     from vllm.config import KVTransferConfig
 
-    cfg = script.config
-    return KVTransferConfig(kv_connector=CLASS_NAME, kv_connector_module_path=MODULE_PATH, kv_role=cfg.kv_role,
-                            kv_load_failure_policy=cfg.kv_load_failure_policy,
-                            kv_connector_extra_config={"kvref_script": register_script(script)})
+    from kvref.impl.reference.scheduler_connector_multi import MultiScriptedConnector
+
+    if isinstance(script, MultiScriptedConnector):
+        cfg = script.config
+        return KVTransferConfig(kv_connector="MultiConnector", kv_role=cfg.kv_role,
+                                kv_load_failure_policy=cfg.kv_load_failure_policy,
+                                kv_connector_extra_config={"connectors": [_child(c) for c in script.children]})
+    return KVTransferConfig(**_child(script))
 
 
 def to_vllm_output(out: KVConnectorOutput | None):

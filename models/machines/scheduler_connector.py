@@ -42,6 +42,7 @@ from kvref.impl.reference.scheduler_connector import (
     KVConnectorOutput,
     ScriptedConnector,
 )
+from kvref.impl.reference.scheduler_connector_multi import MultiScriptedConnector
 from kvref.impl.scheduler_types import SchedulerConfig
 
 from .scheduler import (
@@ -68,13 +69,27 @@ def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chun
     deferred frees under two batches in flight)."""
     pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large))
     role = KV_PRODUCER if cfg.async_scheduling else draw(st.sampled_from((KV_CONSUMER, KV_PRODUCER)))
-    conn = ConnectorConfig(
-        kv_role=role, kv_load_failure_policy=draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL))),
-        requires_kv_delivery=draw(st.sampled_from((None, None, False, True))),
-        pending_frees_stop_preemption=draw(st.sampled_from((False, False, True))),
-        divergent_local_hybrid_hits=draw(st.booleans()),
-        reset_cache_result=draw(st.sampled_from((True, True, False, None))))
+    policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))
+
+    def one() -> ConnectorConfig:
+        return ConnectorConfig(
+            kv_role=role, kv_load_failure_policy=policy,
+            requires_kv_delivery=draw(st.sampled_from((None, None, False, True))),
+            pending_frees_stop_preemption=draw(st.sampled_from((False, False, True))),
+            divergent_local_hybrid_hits=draw(st.booleans()),
+            reset_cache_result=draw(st.sampled_from((True, True, False, None))))
+
+    # one setup in three composes two connectors through vLLM's MultiConnector
+    conn = one() if draw(st.integers(0, 2)) else (one(), one())
     return pool, cfg, conn
+
+
+def _call_lists(c) -> list[list[tuple]]:
+    return c.calls if isinstance(c, MultiScriptedConnector) else [c.calls]
+
+
+def _children(c) -> list[ScriptedConnector]:
+    return c.children if isinstance(c, MultiScriptedConnector) else [c]
 
 
 @st.composite
@@ -96,12 +111,17 @@ class ConnectorLockstep(Lockstep):
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
                  factories: dict[str, Callable[[PoolConfig, SchedulerConfig, ScriptedConnector], Any]],
-                 connector_config: ConnectorConfig, kv_events: bool = True) -> None:
-        self.connectors: dict[str, ScriptedConnector] = {}
+                 connector_config: ConnectorConfig | tuple[ConnectorConfig, ...], kv_events: bool = True) -> None:
+        self.connectors: dict[str, Any] = {}
+
+        def make():
+            if isinstance(connector_config, tuple):  # vLLM's MultiConnector over several
+                return MultiScriptedConnector([ScriptedConnector(c) for c in connector_config])
+            return ScriptedConnector(connector_config)
 
         def bind(name, f):
             def build(p, c):
-                conn = self.connectors[name] = ScriptedConnector(connector_config)
+                conn = self.connectors[name] = make()
                 return f(p, c, conn)
             return build
 
@@ -119,24 +139,32 @@ class ConnectorLockstep(Lockstep):
     def _compare_calls(self, what: str) -> None:
         (n0, c0), *rest = self.connectors.items()
         for name, c in rest:
-            if c.calls != c0.calls:
-                i = next((i for i, (x, y) in enumerate(zip(c0.calls, c.calls)) if x != y), min(len(c0.calls), len(c.calls)))
-                _diverge(f"after {what} (step {self.num_steps}): connector calls differ at call {i}\n"
-                         f"  {n0}: {c0.calls[i:i + 3]}\n  {name}: {c.calls[i:i + 3]}",
-                         f"after {what}: connector calls differ")
+            for child, (x0, x) in enumerate(zip(_call_lists(c0), _call_lists(c))):
+                if x != x0:
+                    i = next((i for i, (a, b) in enumerate(zip(x0, x)) if a != b), min(len(x0), len(x)))
+                    _diverge(f"after {what} (step {self.num_steps}): connector {child}'s calls differ at call {i}\n"
+                             f"  {n0}: {x0[i:i + 3]}\n  {name}: {x[i:i + 3]}",
+                             f"after {what}: connector calls differ")
 
-    def add_with_hit(self, spec, hit: ExternalHit) -> None:
+    def add_with_hit(self, spec, hit: ExternalHit | tuple[ExternalHit, ...]) -> None:
+        """Add ``spec`` with what the store holds for it (one hit per child of a MultiConnector)."""
+        hits = hit if isinstance(hit, tuple) else (hit,)
         for c in self.connectors.values():
-            c.set_hit(spec.request_id, hit)
+            for child, h in zip(_children(c), hits):
+                child.set_hit(spec.request_id, h)
         self.add(spec)
         self._compare_calls("add " + spec.request_id)
 
     def schedule(self):
         before = {rid for rid in self.script.pending_loads}
-        num_calls = len(self.script.calls)
+        num_calls = [len(x) for x in _call_lists(self.script)]
         prior = self.last_snapshot.requests if self.last_snapshot is not None else {}
         out = super().schedule()
-        for call in self.script.calls[num_calls:]:
+        new_calls = [call for n, x in zip(num_calls, _call_lists(self.script)) for call in x[n:]]
+        if isinstance(self.script, MultiScriptedConnector) and any(
+                call[0] == "update_state_after_alloc" and call[3] > 0 for call in new_calls):
+            CONNECTOR_COVERAGE["multi_connector_loads"] += 1
+        for call in new_calls:
             if call[0] == "update_state_after_alloc" and call[3] > 0:
                 CONNECTOR_COVERAGE["external_tokens_allocated"] += 1
                 if prior.get(call[1]) is not None and prior[call[1]].num_preemptions:
@@ -307,7 +335,7 @@ class ConnectorMachine(SchedulerMachine):
     @rule(data=st.data())
     def add_request(self, data):
         spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
-        hit = data.draw(external_hits(len(spec.prompt)))
+        hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
         self.num_added += 1
         self.driver.add_with_hit(spec, hit)
 

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.vllm
 #: paths every ci run must reach (counted by the machine)
 RARE = ("loads_started_async", "load_ok", "load_failed", "load_invalid", "sync_load_invalid",
         "aborted_mid_load", "sends_finished", "finished_error", "promoted_load_scheduled",
-        "external_tokens_after_preemption", "lookup_after_local_hit", "asked_pending_block_frees")
+        "external_tokens_after_preemption", "lookup_after_local_hit", "asked_pending_block_frees",
+        "multi_connector_loads")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def _driver(factories, conn: ConnectorConfig, async_scheduling: bool = False) ->
 
 
 def _spec(rid: str, n: int) -> RequestSpec:
-    return RequestSpec(rid, tuple(range(200, 200 + n)), max_tokens=3, priority=0, arrival_time=0.0)
+    base = 100 * (1 + ord(rid[0]) % 50)  # distinct prompts: no local prefix hits between requests
+    return RequestSpec(rid, tuple(range(base, base + n)), max_tokens=3, priority=0, arrival_time=0.0)
 
 
 def test_async_load_promotion_matches_vllm(factories):
@@ -115,4 +117,19 @@ def test_invalid_blocks_of_a_sync_load_match_vllm(factories, policy):
         assert state.finish_reason == "error"
     else:
         assert state.num_computed_tokens == 0 and state.status == "running"
+    d.drain()
+
+
+def test_multi_connector_matches_vllm(factories):
+    """vLLM's own MultiConnector over two scripted children (built by its factory from
+    ``kv_connector_extra_config["connectors"]``) against the reference composition."""
+    d = _driver(factories, (ConnectorConfig(), ConnectorConfig(reset_cache_result=False)))
+    d.add_with_hit(_spec("r", 10), (ExternalHit(num_tokens=0), ExternalHit(num_tokens=8, load_async=True,
+                                                                            delay_free=True)))
+    d.add_with_hit(_spec("q", 10), (ExternalHit(num_tokens=4, num_pending_lookups=1), ExternalHit(num_tokens=8)))
+    d.schedule()
+    d.complete(None)
+    out = d.schedule()
+    assert sorted((s.request_id, s.num_computed_tokens) for s in out.scheduled) == [("q", 4), ("r", 8)]
+    d.reset_prefix_cache(False, True)
     d.drain()

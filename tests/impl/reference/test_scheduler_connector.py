@@ -191,3 +191,29 @@ def test_generated_traces_reference_alone():
                                                          stateful_step_count=40, deadline=None))
     assert CONNECTOR_COVERAGE["loads_started_async"] > 0
     assert CONNECTOR_COVERAGE["load_ok"] > 0
+
+
+def test_multi_connector_composition():
+    """vLLM's MultiConnector rules: the first child with a hit loads; a child that cannot answer
+    yet makes the answer None; the blocks stay while any child sends; reset resets every child."""
+    from kvref.impl.reference.scheduler_connector_multi import MultiScriptedConnector
+
+    a, b = ScriptedConnector(), ScriptedConnector(ConnectorConfig(reset_cache_result=False))
+    multi = MultiScriptedConnector([a, b])
+    s = Scheduler(_pool(), SchedulerConfig(max_num_batched_tokens=64), connector=multi)
+    a.set_hit("r", ExternalHit(num_tokens=0))
+    b.set_hit("r", ExternalHit(num_tokens=8, load_async=True, delay_free=True))
+    a.set_hit("q", ExternalHit(num_tokens=4, num_pending_lookups=1))
+    b.set_hit("q", ExternalHit(num_tokens=8))
+    s.add_request(Request("r", list(range(100, 110)), max_tokens=2))
+    s.add_request(Request("q", list(range(300, 310)), max_tokens=2))
+    out = s.schedule()
+    # r: b chose to load 8 tokens, a saw the same blocks with 0; q: a answered None -> skipped
+    assert ("update_state_after_alloc", "r", ((1, 2),), 0) in a.calls
+    assert ("update_state_after_alloc", "r", ((1, 2),), 8) in b.calls
+    assert out.scheduled == () and not any(c[0] == "get_num_new_matched_tokens" and c[1] == "q" for c in b.calls)
+    s.update_from_output(out, ModelOutput({}), KVConnectorOutput(finished_recving=("r",)))
+    (q, r) = sorted(s.schedule().scheduled, key=lambda x: x.request_id)
+    assert (q.num_computed_tokens, r.num_computed_tokens) == (4, 8)  # q: a's hit wins over b's longer one
+    assert s.reset_prefix_cache(reset_connector=True) is False  # b's reset said False; a was reset too
+    assert a.store_reset and not b.store_reset
