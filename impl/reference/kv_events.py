@@ -21,9 +21,11 @@ when the two pools did the same thing. Block hashes are "external" hashes
 (``maybe_convert_block_hash``): with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (vLLM's default)
 the low 64 bits of the hash bytes as an int (big endian), else the hash bytes themselves.
 
-Not modelled (kvref's requests carry none of it): LoRA ids/names, multimodal and prompt-embeds
-extra keys, session ids, lookahead token ids; ``locality`` / ``ownership`` are only set by
-offloading connectors, whose events kvref does not model.
+``BlockStored`` carries the request's LoRA id and name, session id, the untagged extra keys of each
+stored block (multimodal ``(identifier, offset)``, LoRA name, cache salt, prompt-embeds digest;
+:func:`kvref.impl.reference.block_hash.to_event_extra_keys`) and, with hash lookahead, each block's
+lookahead tokens (issue #23). ``locality`` / ``ownership`` are only set by offloading connectors,
+whose events kvref does not model.
 """
 
 from __future__ import annotations
@@ -128,10 +130,10 @@ def _plain_value(name: str, value: Any) -> Any:
 
 
 def event_extra_keys(salt: str | None, block_start: int) -> tuple[Any, ...] | None:
-    """One block's published extra keys: vLLM's ``to_event_extra_keys`` of its hash extra keys.
-
-    The only extra key kvref models is the cache salt, which is hashed into the first block only
-    as ``("cache_salt", salt)`` and published untagged, as ``(salt,)``.
+    """A salt-only block's published extra keys: the cache salt is hashed into the first block
+    only as ``("cache_salt", salt)`` and published untagged, as ``(salt,)``. (The pool publishes
+    every extra key through ``block_hash.to_event_extra_keys``; this is the salt-only case, kept
+    for its callers.)
     """
     return (salt,) if block_start == 0 and salt else None
 
