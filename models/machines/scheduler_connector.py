@@ -237,8 +237,18 @@ class ConnectorLockstep(Lockstep):
         kv_out = report if report is not None else self.worker_report(step, draw)
         model_output = self.model.output(next(iter(outs.values())))
         before = self.last_snapshot.requests if self.last_snapshot is not None else {}
+        raised = {}
         for name, t in self.targets.items():
-            t.update_from_output(outs[name], model_output, kv_out)
+            try:
+                t.update_from_output(outs[name], model_output, kv_out)
+            except Exception as e:  # noqa: BLE001 - a target crashing is a finding, named as such
+                raised[name] = e
+        if raised:
+            name, e = next(iter(raised.items()))
+            _diverge(f"update_from_output (step {self.num_steps}) with {kv_out}: {name} raised "
+                     f"{type(e).__name__}: {e}" + ("" if len(raised) == len(self.targets) else
+                                                    f" ({', '.join(n for n in self.targets if n not in raised)} did not)"),
+                     f"update_from_output: {name} raised {type(e).__name__}")
         self.num_steps += 1
         self.compare("update_from_output")
         self._compare_calls("update_from_output")
