@@ -80,7 +80,7 @@ def _paged_attention_kernel(
     MASK_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD: tl.constexpr, HEAD_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, ACC_F64: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_B: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, PAGE_TILES: tl.constexpr, HAS_B: tl.constexpr, SPLIT_P: tl.constexpr,
 ):
     # int64 program ids: every offset below is computed in int64 (``t * stride_ot`` of a split
     # launch passes 2**31 at 8192 tokens x 64 heads x 32 splits x 128 lanes)
@@ -171,9 +171,10 @@ def _paged_attention_kernel(
             # (one would round p to 8 bits in bfloat16: 2.5x the relative error of the torch path)
             if NATIVE_DOT:
                 p_hi = p.to(va.dtype)
-                p_lo = (p - p_hi.to(acc_ty)).to(va.dtype)
-                acc_a = tl.dot(p_lo, va, tl.dot(p_hi, va, acc_a * alpha[:, None], input_precision="ieee"),
-                               input_precision="ieee")
+                acc_a = tl.dot(p_hi, va, acc_a * alpha[:, None], input_precision="ieee")
+                if SPLIT_P:  # half types: the part of p their rounding dropped
+                    p_lo = (p - p_hi.to(acc_ty)).to(va.dtype)
+                    acc_a = tl.dot(p_lo, va, acc_a, input_precision="ieee")
             else:
                 p_hi = p.to(va.dtype).to(acc_ty)  # the roundings the native products apply
                 pv = p_hi + (p - p_hi).to(va.dtype).to(acc_ty)
@@ -184,8 +185,9 @@ def _paged_attention_kernel(
             vb = tl.load(kv + stride_ckv + HEAD_A + db[None, :], mask=valid[:, None] & b_ok[None, :], other=0.0)
             if USE_DOT:
                 if NATIVE_DOT:
-                    acc_b = tl.dot(p_lo, vb, tl.dot(p_hi, vb, acc_b * alpha[:, None], input_precision="ieee"),
-                                   input_precision="ieee")
+                    acc_b = tl.dot(p_hi, vb, acc_b * alpha[:, None], input_precision="ieee")
+                    if SPLIT_P:
+                        acc_b = tl.dot(p_lo, vb, acc_b, input_precision="ieee")
                 else:
                     acc_b = acc_b * alpha[:, None] + tl.dot(pv, vb.to(acc_ty), input_precision="ieee")
             else:
@@ -335,7 +337,8 @@ def _consts(dtype, mask_kind, group, head_size, block_size, on_cuda, split, tile
     return dict(MASK_KIND=_MASK_CODE[mask_kind], GROUP=group, GROUP_P=gb, HEAD_BLOCKS=-(-group // gb),
                 HEAD=head_size, HEAD_A=head_a, HEAD_B=head_b, BLOCK_SIZE=block_size, TILE=tile, ACC_F64=f64,
                 SPLIT=split, USE_DOT=use_dot, NATIVE_DOT=on_cuda and use_dot and not f64,
-                PAGE_TILES=block_size % tile == 0, HAS_B=head_size > head_a)
+                PAGE_TILES=block_size % tile == 0, HAS_B=head_size > head_a,
+                SPLIT_P=dtype in (torch.bfloat16, torch.float16))
 
 
 def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_heads: int, head_size: int,
@@ -346,8 +349,9 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
     (what is not given explicitly is stepped down: pipeline stages 2 -> 1, then the tile halved,
     to 16 on the ``tl.dot`` path). On the CPU (the interpreter) one: tile 32 unless given.
 
-    CUDA defaults, from the compiler's report for sm_90 (BENCHMARKS.md): ``num_warps`` 4 (8 when
-    a program holds more than 256 lanes of head, the MLA latent); tile 32 up to 256 lanes of head
+    CUDA defaults, from the compiler's report for sm_90 (BENCHMARKS.md): ``num_warps`` 4, 8 when
+    a program's ``[GROUP_P, head]`` query block passes 8 KiB (the MLA latent; float32 at head 256,
+    which spilled 72 bytes per thread with 4 warps); tile 32 up to 256 lanes of head
     (bfloat16, head 128: 94-96 registers, 22.5 KB of shared memory, 16-byte loads; tile 64 needed
     106-141 registers, fewer programs per SM for the same bytes in flight), 16 beyond; in float64 at most
     ``8192 / (GROUP_P * head)`` (the broadcast product ``[GROUP_P, TILE, head]`` lives in
@@ -379,7 +383,8 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
     for tl_ in tiles:
         consts = _consts(dtype, mask_kind, group, head_size, block_size, True, split, tl_, group_block)
         lanes = consts["HEAD_A"] + (consts["HEAD_B"] if consts["HAS_B"] else 0)
-        warps = num_warps or (8 if consts["GROUP_P"] * lanes > 16 * 256 else 4)
+        op_bytes = torch.empty((), dtype=dtype).element_size()
+        warps = num_warps or (8 if consts["GROUP_P"] * lanes * op_bytes > 8192 else 4)
         for stages in ([num_stages] if num_stages else [2, 1]):
             out.append(KernelConfig(consts, warps, stages, shared_memory_bound(consts, dtype, stages)))
     return out
