@@ -3,7 +3,9 @@
 Exit status 0 only when no check failed or errored. ``--json`` prints machine-readable results,
 ``--junit-xml FILE`` writes a JUnit report for CI, ``--against vllm`` makes conformance against
 the installed vLLM mandatory (the use case of a vLLM developer checking their own checkout),
-``--mutants`` adds the mutant kill-rate campaign.
+``--mutants`` adds the mutant kill-rate campaign. ``--reach [DIR]`` measures which of vLLM's KV-cache
+code the checks executed and ``--changed-since REF`` which functions of a change they ran
+(docs/reach.md): a stale reach exclusion or a changed function no check ran is exit 1.
 
 Exit status: 0 every check passed (or was skipped/unknown/accepted), 1 a check failed or errored,
 2 bad input (an unwritable ``--out``/``--junit-xml``, a broken ``--baseline``, ...; checked before
