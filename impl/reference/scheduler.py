@@ -9,8 +9,13 @@ placeholders, in-flight tokens and stale output of preempted requests.
 Speculative decoding (drafts, verification, rollback, lookahead slots, padding, stats, async
 placeholders) lives in :mod:`kvref.impl.reference.scheduler_spec_decode`, called at small hooks.
 
-Not modelled: encoder inputs, LoRA, structured output, KV connectors and
-async KV loads, pipeline parallelism, Mamba "align" chunk splitting, pause states, streaming
+KV connectors (``kv_holding_waiting``, sync and async loads, ``WAITING_FOR_REMOTE_KVS``, failed
+loads under both failure policies, delayed frees, ``reset_prefix_cache(reset_connector=...)``,
+MultiConnector) live in :mod:`kvref.impl.reference.scheduler_connector`, called at small hooks
+when the scheduler is built with a ``connector``.
+
+Not modelled: encoder inputs, LoRA, structured output, a KV connector's deferred frees under
+async scheduling, pipeline parallelism, Mamba "align" chunk splitting, pause states, streaming
 sessions, prefill cadence/DP throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
