@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{len(new.entries)} in all; write the reason of each before committing it")
     if reach is not None:  # the reach (and changed-since) rows, after the baseline: they are no findings
         if interrupted is None:
-            results += reach.finish()
+            results += reach.finish(results)
         else:
             reach.abort()
     if interrupted is None:

@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 
-from .report import FAILED, PASSED, CheckResult
+from .report import FAILED, PASSED, SKIPPED, CheckResult
 
 #: where ``--reach`` writes its reports when no folder is given
 DEFAULT_DIR = "kvref-reach"
@@ -121,9 +121,10 @@ class ReachSession:
         self.counter.stop()
         self.collector.stop()
 
-    def finish(self) -> list[CheckResult]:
+    def finish(self, results: list[CheckResult]) -> list[CheckResult]:
         """Stop, write DIR's reports, return the ``reach`` (and ``changed-since``) rows; the JSON
-        part is :attr:`meta`."""
+        part is :attr:`meta`. When every check of ``results`` was skipped the rows are skipped too:
+        a run that examined nothing stays "nothing checked" (exit 3), whatever the figure."""
         import time
 
         from .reach_report import (
@@ -159,7 +160,7 @@ class ReachSession:
         problems = [f"stale exclusion {s.module} {s.function}: {s.problem}" for s in stale]
         problems += [f"module glob {g} matches no file of this vLLM" for g in self.modules.unmatched]
         summary = figure_line(fig) + f"; per function: {listing}, HTML: {self.meta['html']}"
-        results = [CheckResult(REACH, FAILED if problems else PASSED,
+        rows = [CheckResult(REACH, FAILED if problems else PASSED,
                                (f"{len(problems)} problem(s) with the reach lists; " if problems else "") + summary,
                                details=problems)]
         if self.plan is not None:
@@ -170,15 +171,18 @@ class ReachSession:
             missed, text = changed_summary(changed)
             self.meta["changed_since"] = {"ref": self.plan.ref, "commit": self.plan.commit, "checkout": self.plan.top,
                                           "not_checked": missed, "functions": [c.to_dict() for c in changed]}
-            results.append(CheckResult(CHANGED, FAILED if missed else PASSED, f"since {self.plan.ref}: {text}",
+            rows.append(CheckResult(CHANGED, FAILED if missed else PASSED, f"since {self.plan.ref}: {text}",
                                        details=[f"{c.module}:{c.name or '<module level>'} (line {c.first_line}, "
                                                 f"changed {_ranges(c.changed_lines)}): {c.verdict()}"
                                                 for c in changed]))
         with open(os.path.join(self.out_dir, "reach.json"), "w", encoding="utf-8") as fh:
             json.dump(self.meta, fh, indent=1)
-        for r in results:
+        nothing_ran = all(r.status == SKIPPED for r in results)
+        for r in rows:
             r.seconds = time.perf_counter() - t0
-        return results
+            if nothing_ran:
+                r.status, r.summary = SKIPPED, f"no check ran, nothing measured: {r.summary}"
+        return rows
 
     def print_tables(self, console) -> None:
         """The per-module table and the changed functions, under ``kvref verify``'s table."""

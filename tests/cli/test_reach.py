@@ -259,3 +259,23 @@ def test_after_a_run_forked_children_no_longer_start_coverage(tmp_path):
         assert cov.get_data().contexts_by_lineno(str(mod))[3] == [run]
         assert multiprocessing.process.BaseProcess._bootstrap is before
         assert "COVERAGE_RCFILE" not in os.environ
+
+
+def test_a_reach_run_whose_checks_were_all_skipped_is_nothing_checked(monkeypatch, tmp_path, capsys):
+    """The reach row must not turn a run that examined nothing into a green one (exit 3)."""
+    import json
+
+    from kvref import checks, verify
+    from kvref.report import SKIPPED, CheckResult
+
+    try:
+        resolve_modules()
+    except InvalidFieldError:
+        pytest.skip("vLLM not installed")
+    monkeypatch.setattr(checks, "CHECKS", [verify.Check("gone", "always skipped", lambda ctx: CheckResult(
+        "gone", SKIPPED, "no vLLM here"), vllm=True)])
+    rc = cli.main(["verify", "--reach", str(tmp_path / "r"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 3 and out["ok"] is False and out["nothing_checked"] is True
+    assert [(c["name"], c["status"]) for c in out["checks"]] == [("gone", "skipped"), ("reach", "skipped")]
+    assert out["reach"]["figure"]["covered"] == 0
