@@ -142,8 +142,8 @@ _register(
     "sched.placeholders_ignored", f"{_SCHED}.schedule",
     "async: a running request's output placeholders are not counted as tokens to compute, so it "
     "is not scheduled again until its in-flight output arrives (the pipeline stalls)",
-    "num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens",
-    "num_new = request.num_tokens - request.num_computed_tokens")
+    "num_new = (request.num_tokens + spec.num_spec(request) + request.num_output_placeholders",
+    "num_new = (request.num_tokens + spec.num_spec(request)")
 
 _register(
     "sched.in_flight_not_settled", f"{_SCHED}.update_from_output",

@@ -55,7 +55,8 @@ def _targets(vllm_env, shim: bool = True):
 
 
 def test_generated_spec_decode_traces_match_vllm(vllm_env):
-    machine = machine_with(_targets(vllm_env), setups=scheduler_setups(spec=True), name="SpecDecodeConformance")
+    machine = machine_with(_targets(vllm_env), setups=scheduler_setups(spec=True), name="SpecDecodeConformance",
+                           spec=True)
     COVERAGE.clear()
     run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
                               settings=settings(max_examples=profile_examples(15, 200),
@@ -71,7 +72,7 @@ def test_generated_spec_decode_tight_priority_traces_match_vllm(vllm_env):
     the step (their drafts leave the step), async stale verifications."""
     machine = machine_with(_targets(vllm_env, shim=False),
                            setups=scheduler_setups(spec=True, tight=True, policy="priority"),
-                           name="SpecDecodeTightConformance")
+                           name="SpecDecodeTightConformance", spec=True)
     COVERAGE.clear()
     run_state_machine_as_test(machine, _min_steps=MIN_STEPS + 1,
                               settings=settings(max_examples=profile_examples(8, 100),

@@ -166,7 +166,7 @@ def test_reference_spec_decode_machine_keeps_invariants_and_drains():
     """The reference alone on spec-decode setups: invariants after every operation, liveness drain
     at teardown on startup-consistent ones."""
     machine = machine_with({"ref": lambda p, c: Scheduler(p, c)}, setups=scheduler_setups(spec=True),
-                           name="ReferenceSpecDecodeMachine")
+                           name="ReferenceSpecDecodeMachine", spec=True)
     COVERAGE.clear()
     run_state_machine_as_test(machine, _min_steps=31,
                               settings=settings(max_examples=profile_examples(20, 150), stateful_step_count=45))
