@@ -430,6 +430,70 @@ class EncoderOnlyAttentionSpec(AttentionSpec):
         return 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA): the prompt stays visible to every token, but
+    only the last ``rswa_window`` generated tokens; the *gap* between the prompt's last block and
+    the decode window is freed as decoding goes on (vLLM ``RSWAManager``). Sized like full
+    attention (prompt + window never exceed ``max_model_len``), so no admission cap."""
+
+    rswa_window: int
+    manager_name: ClassVar[str] = "RSWAManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(f"{type(self).__name__}.rswa_window", self.rswa_window, minimum=0)
+
+    @classmethod
+    def merge(cls, specs: "list[KVCacheSpec]") -> "KVCacheSpec":
+        """R-SWA layers merge only with R-SWA layers of the same window (vLLM asserts both)."""
+        _check_specs("specs", specs, mapping=False)
+        if not all(isinstance(s, RSWASpec) for s in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be RSWASpec.")
+        windows = {s.rswa_window for s in specs}  # type: ignore[attr-defined]
+        if len(windows) != 1:
+            raise SpecMergeError(f"All R-SWA layers must share the same rswa_window, got {sorted(windows)}")
+        base = FullAttentionSpec.merge(specs)
+        assert isinstance(base, FullAttentionSpec)
+        return cls(**_attention_fields(base), sliding_window=base.sliding_window,
+                   attention_chunk_size=base.attention_chunk_size, rswa_window=windows.pop())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with ``sink_len`` attention-sink tokens (vLLM ``SinkFullAttentionManager``:
+    full attention that requires ``sink_len`` to be a positive multiple of the block size)."""
+
+    sink_len: int | None = None
+    manager_name: ClassVar[str] = "SinkFullAttentionManager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(f"{type(self).__name__}.sink_len", self.sink_len, minimum=1, allow_none=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """One ring block per request for its whole life (the raw keys of the token group still being
+    compressed; ``block_size`` is the ring capacity). Never prefix-cached (vLLM
+    ``CircularBufferManager``): it holds one block whatever the request's length."""
+
+    manager_name: ClassVar[str] = "CircularBufferManager"
+    prefix_cacheable: ClassVar[bool] = False
+
+    @_checked_sizing
+    def max_memory_usage_bytes(self, config: "EngineConfig", max_model_len: int | None = None) -> int:
+        return self.page_size_bytes
+
+    @_checked_sizing
+    def max_num_blocks_per_req(self, config: "EngineConfig", max_len: int) -> int:
+        return 1
+
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        _check_specs("specs", specs, mapping=True)
+        return all(isinstance(s, CircularBufferSpec) for s in specs.values())
+
+
 MAMBA_CACHE_MODES = ("none", "all", "align")
 
 
@@ -695,6 +759,9 @@ class KVCacheGroupSpec:
 _UNIFORM_TYPE_BASE.update({
     FullAttentionSpec: FullAttentionSpec,
     MLAAttentionSpec: FullAttentionSpec,
+    RSWASpec: FullAttentionSpec,
+    SinkFullAttentionSpec: FullAttentionSpec,
+    CircularBufferSpec: CircularBufferSpec,
     SlidingWindowSpec: SlidingWindowSpec,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionSpec,
     MambaSpec: MambaSpec,

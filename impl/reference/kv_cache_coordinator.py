@@ -32,11 +32,14 @@ from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -45,10 +48,13 @@ from kvref.spec.mathutil import cdiv, round_down
 from .block_hash import BlockHash
 from .block_pool import BlockPool
 from .chunked_local_manager import ChunkedLocalAttentionManager
+from .circular_buffer_manager import CircularBufferManager
 from .cross_attention_manager import CrossAttentionManager
 from .full_attention_manager import FullAttentionManager
 from .kv_cache_block import KVCacheBlock
 from .mamba_manager import MambaManager
+from .rswa_manager import RSWAManager
+from .sink_full_attention_manager import SinkFullAttentionManager
 from .single_type_manager import SingleTypeKVCacheManager
 from .sliding_window_manager import SlidingWindowManager
 
@@ -95,6 +101,12 @@ def scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
 
 def manager_class_for_spec(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """vLLM's registry, for the specs kvref models (MLA is full attention)."""
+    if isinstance(spec, RSWASpec):
+        return RSWAManager
+    if isinstance(spec, SinkFullAttentionSpec):
+        return SinkFullAttentionManager
+    if isinstance(spec, CircularBufferSpec):
+        return CircularBufferManager
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager
     if isinstance(spec, SlidingWindowSpec):
@@ -106,8 +118,8 @@ def manager_class_for_spec(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     if isinstance(spec, CrossAttentionSpec):
         return CrossAttentionManager
     raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
-                            "a spec with a KV-cache manager (full attention, MLA, sliding window, "
-                            "chunked local, Mamba or cross-attention)")
+                            "a spec with a KV-cache manager (full attention, MLA, R-SWA, attention sink, "
+                            "sliding window, chunked local, circular buffer, Mamba or cross-attention)")
 
 
 def get_manager_for_kv_cache_spec(spec: KVCacheSpec, max_in_flight_tokens: int, max_model_len: int,

@@ -19,11 +19,14 @@ from typing import Any, Callable
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -90,7 +93,8 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
             mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
             num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
             prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment, dcp_sharded=spec.dcp_sharded)
-    if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec)):
+    if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec,
+                             CircularBufferSpec)):
         raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
                                 "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention, Mamba or "
                                 "UniformType spec")
@@ -101,6 +105,14 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
         return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
                                     sliding_window=spec.sliding_window,
                                     attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, RSWASpec):
+        return kci.RSWASpec(**common, sliding_window=spec.sliding_window,
+                            attention_chunk_size=spec.attention_chunk_size, rswa_window=spec.rswa_window)
+    if isinstance(spec, SinkFullAttentionSpec):
+        return kci.SinkFullAttentionSpec(**common, sliding_window=spec.sliding_window,
+                                         attention_chunk_size=spec.attention_chunk_size, sink_len=spec.sink_len)
+    if isinstance(spec, CircularBufferSpec):
+        return kci.CircularBufferSpec(**common)
     if isinstance(spec, FullAttentionSpec):
         return kci.FullAttentionSpec(**common, sliding_window=spec.sliding_window,
                                      attention_chunk_size=spec.attention_chunk_size)

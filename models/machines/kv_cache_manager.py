@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvref.impl.interface import make_manager
-from kvref.spec.kv_cache_interface import MambaSpec
+from kvref.spec.kv_cache_interface import MambaSpec, RSWASpec
 
 from kvref.models.conformance.accepted import is_accepted
 from kvref.models.conformance.differential import Divergence, Harness
@@ -625,6 +625,23 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             """A third: with the connector, reset and eviction rules beside them, two step rules left
             windows too rarely slid past their first blocks (sliding-window faults survived)."""
             self._step(data)
+
+        @precondition(lambda self: self._has("steppable") and self.h.pool_config.groups and any(
+            isinstance(g.kv_cache_spec, RSWASpec) for g in self.h.pool_config.groups))
+        @rule(data=st.data())
+        def decode_run(self, data) -> None:
+            """R-SWA pools: one request decodes a run of tokens, one by one, so the decode window
+            moves past the prompt and the gap between them is freed (issue #23)."""
+            self._count("decode_run")
+            assert self.h is not None
+            rid = data.draw(st.sampled_from(self.h.steppable()))
+            for i in range(data.draw(st.integers(4, 16), label="run")):
+                if rid not in self.h.steppable():
+                    break
+                # the rest of the prompt first (one chunk), then one token per step
+                chunk = self.h._num_schedulable(self.h.reqs[rid]) if i == 0 else 1
+                self._apply(Op("step", dict(rid=rid, chunk=chunk, lookahead=0, in_flight=False,
+                                            token=self._token(rid))))
 
         @precondition(lambda self: self._has("in_flight"))
         @rule(data=st.data())

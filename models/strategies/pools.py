@@ -10,7 +10,9 @@ with prefix caching off (``mamba_cache_mode="none"``, optional speculative state
 FA + Mamba ``"align"`` with caching on (the Mamba block equal to ``hash_block_size``) and FA +
 Mamba ``"align"`` with a Mamba block 2-4x ``hash_block_size`` (``fa+mamba_fine``: fine-grained
 partial hits, copy-on-write of shared partial tails, hand-over of a producer's tail). Mamba
-"align" groups get prefill checkpoint blocks one time in two.
+"align" groups get prefill checkpoint blocks one time in two. FA + R-SWA (``fa+rswa``: the
+gap between the prompt and the decode window is freed) and FA + a circular buffer (``fa+ring``:
+one uncached ring block per request).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from hypothesis import strategies as st
 from kvref.impl.interface import PoolConfig
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
 GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+mamba", "fa+mamba_align",
-              "fa+mamba_fine")
+              "fa+mamba_fine", "fa+rswa", "fa+ring")
 #: group sets with more than one group (run by vLLM's HybridKVCacheCoordinator when caching)
 HYBRID_GROUP_SETS = tuple(g for g in GROUP_SETS if "+" in g)
 
@@ -80,6 +84,10 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
         elif name == "chunked":
             chunk = draw(st.one_of(st.integers(1, 4).map(lambda k: k * bs), st.integers(1, 4 * bs)))
             spec = ChunkedLocalAttentionSpec(**draw(attention_kwargs(bs)), attention_chunk_size=chunk)
+        elif name == "rswa":  # windows from none to a few blocks: decode past prompt + window frees the gap
+            spec = RSWASpec(**draw(attention_kwargs(bs)), rswa_window=draw(st.sampled_from((0, 1, bs, 2 * bs + 1, 9))))
+        elif name == "ring":
+            spec = CircularBufferSpec(**draw(attention_kwargs(bs)))
         elif name == "mamba":
             spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
                              num_speculative_blocks=draw(st.sampled_from((0, 0, 1, 2))))

@@ -52,6 +52,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.adapter import ReferenceKVCacheManager
     from kvref.impl.reference.block_pool import BlockPool
     from kvref.impl.reference.kv_cache_manager import KVCacheManager
+    from kvref.spec import kv_cache_interface as kci_
     from kvref.impl.reference.offload import (
         ARCCachePolicy,
         LRUCachePolicy,
@@ -114,6 +115,11 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "ChunkedLocalAttentionSpec": (ChunkedLocalAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
                                                                       dtype="bfloat16", attention_chunk_size=8)),
         "MambaSpec": (MambaSpec, dict(block_size=4, shapes=((2, 3),), dtypes=("float16",))),
+        "RSWASpec": (kci_.RSWASpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", rswa_window=8)),
+        "SinkFullAttentionSpec": (kci_.SinkFullAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
+                                                                   dtype="bfloat16", sink_len=4)),
+        "CircularBufferSpec": (kci_.CircularBufferSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
+                                                             dtype="bfloat16")),
         "KVCacheGroupSpec": (KVCacheGroupSpec, dict(layer_names=("l0",), kv_cache_spec=FULL, is_eagle_group=False)),
         "EngineConfig": (EngineConfig, dict(max_model_len=1024, derived_max_model_len=4096)),
         "CrossAttentionSpec": (CrossAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")),
@@ -787,6 +793,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "Op.from_json": (conf_trace.Op.from_json, dict(obj={"op": "finish", "rid": "r0"})),
     }
     out["SlidingWindowSpec.merge"] = (SlidingWindowSpec.merge, dict(specs=[SWA, SWA]))
+    rswa = kci.RSWASpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", rswa_window=8)
+    out["RSWASpec.merge"] = (kci.RSWASpec.merge, dict(specs=[rswa, rswa]))
     out["check_config"] = (pool_sizing.check_config, dict(config=eng))
     saved = conf_trace.Trace(pc).save(_scratch("t.json"))
     out["Trace.load"] = (conf_trace.Trace.load, dict(path=str(saved)))
@@ -799,7 +807,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                             attention_chunk_size=8),
                   MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16"),
                   kci.CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16"),
-                  kci.EncoderOnlyAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")]
+                  kci.EncoderOnlyAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16"),
+                  kci.CircularBufferSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")]
     for spec in every_spec:
         name = type(spec).__name__
         for method, kwargs in (("max_memory_usage_bytes", dict(config=eng, max_model_len=32)),

@@ -89,6 +89,13 @@ EXCLUDED: dict[str, str] = {
             "MambaManager.find_longest_cache_hit MambaManager.get_num_blocks_to_allocate "
             "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
             "MambaManager.finalize_partial_tail_offload", INTERNAL),
+    **_each(f"{_REF}.rswa_manager", "RSWAManager RSWAManager.remove_skipped_blocks", INTERNAL),
+    **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
+    **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "
+            "CircularBufferManager.allocate_external_computed_blocks CircularBufferManager.allocate_new_blocks "
+            "CircularBufferManager.cache_blocks CircularBufferManager.find_longest_cache_hit "
+            "CircularBufferManager.get_num_blocks_to_allocate CircularBufferManager.get_num_skipped_tokens "
+            "CircularBufferManager.remove_skipped_blocks", INTERNAL),
     **_each(f"{_REF}.kv_cache_coordinator", "HybridKVCacheCoordinator HybridKVCacheCoordinator.find_longest_cache_hit "
             "HybridKVCacheCoordinator.get_num_cacheable_tokens KVCacheCoordinator KVCacheCoordinator.allocate_new_blocks "
             "KVCacheCoordinator.allocate_new_computed_blocks KVCacheCoordinator.cache_blocks "
