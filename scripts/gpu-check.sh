@@ -2,7 +2,7 @@
 # gpu-check.sh — the one command for a CUDA machine (issue #24): kvref's GPU data path, compiled,
 # on the machine's own python / torch / triton, with kvref installed from a wheel of this checkout.
 #
-#   bash scripts/gpu-check.sh [--python PY] [--wheel FILE] [--out DIR] [--budget SECONDS] [--plan]
+#   bash scripts/gpu-check.sh [--python PY] [--wheel FILE] [--out DIR] [--budget SECONDS] [--only TEXT] [--plan]
 #
 # Steps (each under its own timeout, all under --budget, default 450 s; < 8 minutes with the
 # wheel build): prerequisites -> wheel (pip wheel --no-deps --no-build-isolation, installed with
@@ -31,6 +31,7 @@ WHEEL=""
 OUT=""
 BUDGET=450
 PLAN=0
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -43,6 +44,7 @@ while [ $# -gt 0 ]; do
       [ "$2" -ge 1 ] || { echo "gpu-check: --budget=$2: expected a positive number of seconds" >&2; exit 2; }
       BUDGET=$2; shift 2 ;;
     --plan) PLAN=1; shift ;;
+    --only) [ $# -ge 2 ] || { echo "gpu-check: --only needs a step name (part of one)" >&2; exit 2; }; ONLY=$2; shift 2 ;;
     *) echo "gpu-check: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -67,7 +69,7 @@ tests/impl/torch/test_paged_attention.py"
 # the gpu test that runs --check-only in a subprocess: the check is its own step below
 DESELECT="tests/impl/torch/test_triton_kernels.py::test_compiled_kernels_on_cuda_match_the_torch_path"
 STEPS=(
-  "kernel + gpu tests (compiled, CUDA tensors)|200|-m pytest -q -p no:cacheprovider -x --deselect $DESELECT $PYTEST_FILES"
+  "kernel + gpu tests (compiled, CUDA tensors)|200|-m pytest -q -p no:cacheprovider --maxfail=20 -rf --deselect $DESELECT $PYTEST_FILES"
   "correctness check (--check-only)|90|benchmarks/bench_triton_attention.py --check-only"
   "decode bf16 64x4096 GQA4 (default tuning)|45|benchmarks/bench_triton_attention.py"
   "decode, window 1024|30|benchmarks/bench_triton_attention.py --window 1024"
@@ -79,6 +81,12 @@ STEPS=(
   "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
   "offload, torch copier|30|benchmarks/bench_torch_offload.py --device cuda"
 )
+if [ -n "$ONLY" ]; then
+  KEEP=()
+  for s in "${STEPS[@]}"; do [[ "${s%%|*}" == *"$ONLY"* ]] && KEEP+=("$s"); done
+  if [ ${#KEEP[@]} -eq 0 ]; then echo "gpu-check: --only '$ONLY' names no step (see --plan)" >&2; exit 2; fi
+  STEPS=("${KEEP[@]}")
+fi
 if [ $PLAN -eq 1 ]; then
   echo "gpu-check plan (python: $PY, budget ${BUDGET} s):"
   echo "  prerequisites: torch with CUDA, triton, pytest, hypothesis, setuptools (for the wheel)"
@@ -106,7 +114,7 @@ cuda = torch.cuda.is_available()
 print("cuda", "yes" if cuda else "no")
 print("device", torch.cuda.get_device_name(0) if cuda else "-")
 print("python", sys.version.split()[0])
-for mod in ("torch", "triton", "numpy", "pytest", "hypothesis", "setuptools"):
+for mod in ("torch", "triton", "numpy", "pytest", "hypothesis", "setuptools", "wheel"):
     print(mod, ver(mod) or "MISSING")
 EOF
 )
@@ -152,12 +160,12 @@ if [ -n "$WHEEL" ]; then
   if timeout 60 "$PY" -m pip install -q --no-deps --no-index --target "$SCRATCH/site" "$WHEEL" >>"$OUT/wheel.log" 2>&1; then
     row "wheel" "ok" $(( $(elapsed) - T0 )) "$(basename "$WHEEL") -> scratch --target (no deps, no index)"
   else
-    row "wheel" "FAILED" $(( $(elapsed) - T0 )) "see $OUT/wheel.log"
+    row "wheel" "FAILED" $(( $(elapsed) - T0 )) "see $OUT/wheel.log (setuptools $(get setuptools), wheel $(get wheel))"
     WHEEL=""
     STATUS=1
   fi
 elif [ $STATUS -ne 3 ]; then
-  row "wheel" "FAILED" $(( $(elapsed) - T0 )) "pip wheel built nothing: see $OUT/wheel.log"
+  row "wheel" "FAILED" $(( $(elapsed) - T0 )) "pip wheel built nothing (setuptools $(get setuptools), wheel $(get wheel); setuptools < 70.1 needs the wheel package): see $OUT/wheel.log"
   STATUS=1
 fi
 

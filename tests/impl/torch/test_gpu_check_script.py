@@ -25,6 +25,7 @@ def _run(*args, timeout=120):
     (["--budget"], "--budget needs seconds"),
     (["--wheel", "/nonexistent/kvref.whl"], "no such file"),
     (["--python", "/nonexistent/python"], "no python interpreter '/nonexistent/python'"),
+    (["--only", "no such step"], "--only 'no such step' names no step"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(args, message):
     out = _run(*args)
@@ -62,3 +63,27 @@ def test_without_cuda_it_says_so_and_exits_2_before_building_anything(tmp_path):
     assert out.returncode == 2
     assert "no CUDA device here" in out.stderr and "interpreter" in out.stderr
     assert "| step |" not in out.stdout and not (tmp_path / "out").exists()
+
+
+def test_past_the_cuda_check_it_installs_the_wheel_aside_and_reports_each_step(tmp_path):
+    """The mechanics after the CUDA check, driven on CPU by an interpreter that *claims* a GPU in
+    the prerequisites probe only: the wheel is built and installed into a scratch directory (the
+    run imports kvref from there, not from the checkout), the selected step really runs — and
+    fails, as a CUDA benchmark must on a CPU — and the table says so with exit 1."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    "if [ \"$1\" = \"-\" ]; then cat >/dev/null; printf 'cuda yes\\ndevice FakeGPU\\npython 3\\n"
+                    "torch 2\\ntriton 3\\nnumpy 2\\npytest 8\\nhypothesis 6\\nsetuptools 80\\nwheel 0\\n'; exit 0; fi\n"
+                    f"exec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    out_dir = tmp_path / "out"
+    out = _run("--python", str(fake), "--only", "offload, torch copier", "--out", str(out_dir), "--budget", "120",
+               timeout=300)
+    table = (out_dir / "table.md").read_text()
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "| wheel | ok |" in table and "kvref-0.1.0-py3-none-any.whl" in table, table
+    assert "kvref import" not in table  # the run imported the wheel
+    assert "| offload, torch copier | FAILED (exit 1) |" in table, table
+    assert [line for line in table.splitlines() if line.startswith("| ") and "step" not in line][-1].startswith(
+        "| offload, torch copier"), table
+    assert "Torch not compiled with CUDA" in (out_dir / "step1.log").read_text()
