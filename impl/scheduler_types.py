@@ -188,8 +188,9 @@ class DraftTokenIds:
             raise InvalidFieldError("draft_token_ids", self.draft_token_ids,
                                     f"one draft list per request id ({len(self.req_ids)})")
         for ids in self.draft_token_ids:
-            if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < 0 for t in ids):
-                raise InvalidFieldError("draft_token_ids[i]", ids, "a list of token ids >= 0")
+            # -1 pads a draft slot the drafter left empty (vLLM's ngram_gpu); the scheduler keeps it
+            if not isinstance(ids, (list, tuple)) or any(type(t) is not int or t < -1 for t in ids):
+                raise InvalidFieldError("draft_token_ids[i]", ids, "a list of token ids >= 0 (or -1 padding)")
         object.__setattr__(self, "req_ids", tuple(self.req_ids))
         object.__setattr__(self, "draft_token_ids", tuple(tuple(ids) for ids in self.draft_token_ids))
 

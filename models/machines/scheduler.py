@@ -84,12 +84,16 @@ class FakeModel:
                 sampled[s.request_id] = [fake_token(s.request_id, k + i) for i in range(n)]
         return ModelOutput(sampled)
 
-    def drafts(self, out: SchedulerOutput, num_drafts: Callable[[str], int]) -> DraftTokenIds:
+    def drafts(self, out: SchedulerOutput, num_drafts: Callable[[str], int], pad_to: int = 0) -> DraftTokenIds:
         """Drafts proposed after ``out`` for every request it scheduled (the next tokens the model
-        would sample, so acceptance is plausible; the scheduler does not look at the ids)."""
+        would sample, so acceptance is plausible; the scheduler does not look at the ids);
+        ``pad_to``: fill empty slots up to that many with -1, as vLLM's ``ngram_gpu`` does."""
         rids = [s.request_id for s in out.scheduled]
-        return DraftTokenIds(tuple(rids), tuple(
-            tuple(fake_token(r, self.num_sampled.get(r, 0) + i) for i in range(num_drafts(r))) for r in rids))
+
+        def one(r: str) -> tuple[int, ...]:
+            ids = tuple(fake_token(r, self.num_sampled.get(r, 0) + i) for i in range(num_drafts(r)))
+            return ids + (-1,) * max(0, pad_to - len(ids))
+        return DraftTokenIds(tuple(rids), tuple(one(r) for r in rids))
 
 
 # ---- strategies ---------------------------------------------------------------------------------
@@ -459,7 +463,10 @@ class Lockstep:
         k = self.config.num_speculative_tokens
         if self.config.async_scheduling or out.skip_drafts or not out.scheduled:
             return
-        drafts = self.model.drafts(out, lambda rid: _biased(rng, k))
+        pad = k if self.config.speculative_method == NGRAM and rng.randrange(3) == 0 else 0
+        drafts = self.model.drafts(out, lambda rid: _biased(rng, k), pad_to=pad)
+        if pad:
+            COVERAGE["spec_padded_drafts"] += 1
         for t in self.targets.values():
             t.update_draft_token_ids(drafts)
         COVERAGE["spec_draft_updates"] += 1
