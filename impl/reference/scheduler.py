@@ -15,7 +15,7 @@ MultiConnector) live in :mod:`kvref.impl.reference.scheduler_connector`, called 
 when the scheduler is built with a ``connector``.
 
 Not modelled: encoder inputs, LoRA, structured output, a KV connector's deferred frees under
-async scheduling, pipeline parallelism, Mamba "align" chunk splitting, pause states, streaming
+async scheduling, pipeline parallelism, pause states, streaming
 sessions, prefill cadence/DP throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
@@ -51,6 +51,7 @@ from kvref.spec.errors import InvalidFieldError
 from .scheduler_queue import WaitingQueue
 from . import scheduler_connector as _conn
 from .scheduler_spec_decode import SpecDecodeState
+from .scheduler_mamba_split import split_scheduled_chunk
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -224,6 +225,7 @@ class Scheduler:
                 num_new = long_prefill
             num_new = min(num_new, token_budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - NUM_SAMPLED_TOKENS_PER_STEP)
+            num_new = split_scheduled_chunk(self, request, num_new)  # Mamba "align": chunks end on states
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -319,6 +321,9 @@ class Scheduler:
                 break
             num_new = min(num_new, token_budget)
             assert num_new > 0
+            num_new = split_scheduled_chunk(self, request, num_new, num_hit)  # Mamba "align"
+            if num_new == 0:
+                break
 
             blocks = kv.allocate_slots(
                 request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,

@@ -150,3 +150,35 @@ def mamba_block_aligned_split(config: MambaSplitConfig, num_computed_tokens: int
     )
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
+
+
+def scheduler_split_config(scheduler) -> MambaSplitConfig | None:
+    """The split settings of a reference :class:`~kvref.impl.reference.scheduler.Scheduler` (its
+    pool and config), computed once and kept on it; None unless a Mamba group is "align" (vLLM's
+    ``need_mamba_block_aligned_split``)."""
+    cached = getattr(scheduler, "_mamba_split_config", False)
+    if cached is not False:
+        return cached
+    from kvref.impl.reference.kv_cache_coordinator import manager_class_for_spec, partial_hash_hits_enabled
+
+    pool, cfg = scheduler.pool, scheduler.config
+    specs = [getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in pool.groups]
+    partial = pool.enable_caching and len(specs) > 1 and partial_hash_hits_enabled(
+        specs, pool.hash_block_size, [manager_class_for_spec(s) for s in specs])
+    max_prefill = cfg.max_num_batched_tokens
+    if cfg.long_prefill_token_threshold > 0:
+        max_prefill = min(max_prefill, cfg.long_prefill_token_threshold)
+    config = MambaSplitConfig.from_specs(specs, pool.hash_block_size, pool.scheduler_block_size, partial,
+                                         use_eagle_block_drop=pool.use_eagle, max_prefill_tokens=max_prefill)
+    scheduler._mamba_split_config = config
+    return config
+
+
+def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0) -> int:
+    """The scheduler's hook: ``num_new_tokens`` clipped for ``request`` on a Mamba "align" pool,
+    unchanged on any other pool."""
+    config = scheduler_split_config(scheduler)
+    if config is None:
+        return num_new_tokens
+    return mamba_block_aligned_split(config, request.num_computed_tokens, request.num_prompt_tokens,
+                                     request.num_tokens, num_new_tokens, num_new_local_computed_tokens)
