@@ -219,6 +219,12 @@ def listing_markdown(modules: list[ModuleReach], fig: dict, stale: list[Stale]) 
     if stale:
         lines += ["## Stale exclusions (they exclude nothing)", ""]
         lines += [f"- `{s.module}` `{s.function}`: {s.problem}" for s in stale] + [""]
+    gaps = sorted(((f.units - f.covered, m.module, f) for m in modules for f in m.functions
+                   if f.name and not f.excluded and f.covered < f.units), key=lambda g: (-g[0], g[1], g[2].line))
+    lines += ["## The largest gaps (units not executed, per function)", "",
+              "| not executed | module | function | state |", "|---|---|---|---|"]
+    lines += [f"| {n} | {mod} | `{f.name}` | {'MISSED' if not f.executed else 'partly'} |" for n, mod, f in gaps[:40]]
+    lines.append("")
     for m in modules:
         counted = m.units - m.excluded_units
         lines += [f"## {m.module} — {_pct(m.covered, counted):.1f} % of {counted} units", "",

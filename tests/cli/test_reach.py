@@ -279,3 +279,15 @@ def test_a_reach_run_whose_checks_were_all_skipped_is_nothing_checked(monkeypatc
     assert rc == 3 and out["ok"] is False and out["nothing_checked"] is True
     assert [(c["name"], c["status"]) for c in out["checks"]] == [("gone", "skipped"), ("reach", "skipped")]
     assert out["reach"]["figure"]["covered"] == 0
+
+
+def test_the_listing_names_the_largest_gaps_first_and_never_an_excluded_function():
+    from kvref.reach_report import listing_markdown
+
+    mod = _module()
+    apply_exclusions([mod], parse_exclusions(_entry("vllm/v1/core/block_pool.py", ["BlockPool.gpu_only"])))
+    text = listing_markdown([mod], figure([mod]), [])
+    gaps = text.split("## The largest gaps")[1].split("\n## ")[0]
+    assert gaps.index("`BlockPool.missed` | MISSED") < gaps.index("`BlockPool.ran` | partly")
+    assert "gpu_only" not in gaps
+    assert "| `BlockPool.gpu_only` | 1 | 0/4 | excluded (needs a GPU): test |" in text
