@@ -348,6 +348,15 @@ def cases() -> list[Case]:
     add(Case("watch-nan-seconds", ["watch", "tcp://127.0.0.1:5557", "--seconds", "nan"]))
     add(Case("watch-zero-batches", ["watch", "tcp://127.0.0.1:5557", "--batches", "0"]))
     add(Case("watch-bad-decoder", ["watch", "tcp://127.0.0.1:5557", "--decoder", "pickle"]))
+    # -- kvref demo publish (issue #25; every case is rejected before vLLM is imported or a socket bound)
+    add(Case("demo-no-subcommand", ["demo"]))
+    add(Case("demo-publish-not-zmq", ["demo", "publish", "http://127.0.0.1:5557"]))
+    add(Case("demo-publish-port-range", ["demo", "publish", "tcp://127.0.0.1:70000"]))
+    add(Case("demo-publish-same-replay", ["demo", "publish", "tcp://127.0.0.1:5557", "--replay-endpoint",
+                                          "tcp://127.0.0.1:5557"]))
+    add(Case("demo-publish-negative-hold", ["demo", "publish", "tcp://127.0.0.1:5557", "--hold", "-1"]))
+    add(Case("demo-publish-nan-interval", ["demo", "publish", "tcp://127.0.0.1:5557", "--interval", "nan"]))
+    add(Case("demo-publish-bad-fault", ["demo", "publish", "tcp://127.0.0.1:5557", "--fault", "nosuch"]))
     # -- found by the flag walk (cli_flag_fuzz.py): every subcommand, the same classes of input
     deep = "[" * 10_000 + "]" * 10_000
     add(Case("walk-replay-deep-json", ["replay", "{tmp}/t.json"], files={"t.json": deep}))
