@@ -161,8 +161,8 @@ class ReachSession:
         problems += [f"module glob {g} matches no file of this vLLM" for g in self.modules.unmatched]
         summary = figure_line(fig) + f"; per function: {listing}, HTML: {self.meta['html']}"
         rows = [CheckResult(REACH, FAILED if problems else PASSED,
-                               (f"{len(problems)} problem(s) with the reach lists; " if problems else "") + summary,
-                               details=problems)]
+                            (f"{len(problems)} problem(s) with the reach lists; " if problems else "") + summary,
+                            details=problems)]
         if self.plan is not None:
             from .reach_changes import fill_results
             from .reach_changes import summary as changed_summary
@@ -172,9 +172,9 @@ class ReachSession:
             self.meta["changed_since"] = {"ref": self.plan.ref, "commit": self.plan.commit, "checkout": self.plan.top,
                                           "not_checked": missed, "functions": [c.to_dict() for c in changed]}
             rows.append(CheckResult(CHANGED, FAILED if missed else PASSED, f"since {self.plan.ref}: {text}",
-                                       details=[f"{c.module}:{c.name or '<module level>'} (line {c.first_line}, "
-                                                f"changed {_ranges(c.changed_lines)}): {c.verdict()}"
-                                                for c in changed]))
+                                    details=[f"{c.module}:{c.name or '<module level>'} (line {c.first_line}, "
+                                             f"changed {_ranges(c.changed_lines)}): {c.verdict()}"
+                                             for c in changed]))
         with open(os.path.join(self.out_dir, "reach.json"), "w", encoding="utf-8") as fh:
             json.dump(self.meta, fh, indent=1)
         nothing_ran = all(r.status == SKIPPED for r in results)

@@ -187,7 +187,8 @@ def plan_changes(ref: str, root: str, by_rel: dict[str, str]) -> ChangePlan:
         try:
             by_function = map_to_functions(source, lines)
         except SyntaxError as exc:
-            raise InvalidFieldError(FLAG, ref, f"changed files that parse ({rel} line {exc.lineno}: {exc.msg})") from None
+            raise InvalidFieldError(FLAG, ref, f"changed files that parse ({rel} line {exc.lineno}: "
+                                    f"{exc.msg})") from None
         for (name, first), lns in by_function.items():
             functions.append(ChangedFunction(rel, name, first, lns))
     return ChangePlan(top, commit, ref, functions, paths)
