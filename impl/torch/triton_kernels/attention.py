@@ -384,7 +384,10 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
         consts = _consts(dtype, mask_kind, group, head_size, block_size, True, split, tl_, group_block)
         lanes = consts["HEAD_A"] + (consts["HEAD_B"] if consts["HAS_B"] else 0)
         op_bytes = torch.empty((), dtype=dtype).element_size()
-        warps = num_warps or (8 if consts["GROUP_P"] * lanes * op_bytes > 8192 else 4)
+        # 8 warps also for one-table-entry tiles (the tile divides the block): with 4 warps ptxas
+        # kept an 8-byte stack frame on sm_90 for some of them (blocks 64 and 1568, head 128,
+        # 72 registers), with 8 none
+        warps = num_warps or (8 if consts["GROUP_P"] * lanes * op_bytes > 8192 or consts["PAGE_TILES"] else 4)
         for stages in ([num_stages] if num_stages else [2, 1]):
             out.append(KernelConfig(consts, warps, stages, shared_memory_bound(consts, dtype, stages)))
     return out
