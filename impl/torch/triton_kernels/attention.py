@@ -355,7 +355,8 @@ def candidate_configs(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_
     (bfloat16, head 128: 94-96 registers, 22.5 KB of shared memory, 16-byte loads; tile 64 needed
     106-141 registers, fewer programs per SM for the same bytes in flight), 16 beyond; in float64 at most
     ``8192 / (GROUP_P * head)`` (the broadcast product ``[GROUP_P, TILE, head]`` lives in
-    registers). A block size the tile divides gives ``PAGE_TILES`` (one table entry per tile)."""
+    registers). A block size the tile divides gives ``PAGE_TILES`` (one table entry per tile;
+    8 warps: with 4, ptxas kept an 8-byte stack frame for some of these)."""
     _check_pow2("group_block", group_block)
     _check_pow2("tile", tile)
     if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
