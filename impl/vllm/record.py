@@ -327,6 +327,10 @@ class _Recorder:
         self._kvref_errors = 0  # calls that raised (the end record counts them)
         self._kvref_pre_why: dict[str, str] = {}  # preemptions since the last schedule -> reason
         self._kvref_resetting = False
+        # bound once: read on every step (the recording cost, issue #14's budget)
+        self._kvref_free = self.kv_cache_manager.block_pool.get_num_free_blocks
+        self._kvref_connector = getattr(self, "connector", None) is not None
+        self._kvref_stats = bool(getattr(self, "log_stats", False))
         self._kvref_writer = TraceWriter(path, build_header(self, anonymize, is_async_class))
         self.kvref_trace_path = path
         ref = weakref.ref(self)
@@ -339,9 +343,6 @@ class _Recorder:
             if self._kvref_errors:  # shutdown() after a crash: the trace says so (issue #28)
                 end["errors"] = self._kvref_errors
             w.close(end)
-
-    def _kvref_free(self) -> int:
-        return self.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def _kvref_error(self, call: str, step: int, exc: BaseException, inputs: dict) -> None:
         """Record a call that raised inside vLLM, then let the exception go on (issue #28).
@@ -441,9 +442,12 @@ class _Recorder:
         finally:
             self._kvref_depth -= 1
             self._kvref_fin = None
-        self._kvref_out = out  # the SchedulerStats inside go to the record (the hook's signature is kept)
-        self._kvref_on_update(head, finished)
-        self._kvref_out = None
+        if self._kvref_stats:
+            self._kvref_out = out  # the SchedulerStats inside go to the record (the hook's signature is kept)
+            self._kvref_on_update(head, finished)
+            self._kvref_out = None
+        else:
+            self._kvref_on_update(head, finished)
         return out
 
     def update_draft_token_ids(self, draft_token_ids):
@@ -520,14 +524,14 @@ class _Recorder:
         if getattr(so, "skip_drafts", False):
             extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
-        extra += ',"free":%d' % self.kv_cache_manager.block_pool.get_num_free_blocks()
+        extra += ',"free":%d' % self._kvref_free()
         why = self._kvref_pre_why
         if why:
             anon = self._kvref_anon
             extra += ',"pre_why":' + _dumps({(anon.request_id(k) if anon is not None else k): v
                                              for k, v in why.items()})
             why.clear()
-        if getattr(self, "connector", None) is not None:
+        if self._kvref_connector:
             loading = sum(1 for r in self.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS")
             extra += ',"loading":%d' % loading
         # Columnar, straight from vLLM's own output: no Python row per request (format.py).
@@ -596,8 +600,8 @@ class _Recorder:
     _kvref_out = None  # what the update_from_output being recorded returned
 
     def _kvref_on_update(self, head: str, finished: list) -> None:
-        tail = ',"free":%d%s}' % (self.kv_cache_manager.block_pool.get_num_free_blocks(),
-                                 _stats_json(self._kvref_out))
+        out = self._kvref_out
+        tail = ',"free":%d%s}' % (self._kvref_free(), _stats_json(out) if out else "")
         if not finished:
             self._kvref_writer.write_line(head + "[]" + tail)
         elif self._kvref_fast:
