@@ -159,4 +159,5 @@ def verify_check(ctx):
         status = PASSED
         summary = (f"{len(results)} theorems proved; {len(HISTORIC)} historic bugs refuted"
                    + (" with reproducers" if ctx.write_reproducers else ""))
-    return CheckResult("proofs", status, summary, seconds=seconds, details=details, artifacts=artifacts)
+    return CheckResult("proofs", status, summary, seconds=seconds, details=details, artifacts=artifacts,
+                       examined=len(results) + len(HISTORIC))

@@ -39,7 +39,8 @@ def check_spec_examples(ctx: VerifyContext) -> CheckResult:
         failures.append("window 6 at block size 4 must need cdiv(5,4)+1 = 3 blocks")
     if failures:
         return CheckResult("spec", FAILED, f"{len(failures)} documented figure(s) differ", details=failures)
-    return CheckResult("spec", PASSED, "documented vLLM figures reproduced (admission caps, memory bounds)")
+    return CheckResult("spec", PASSED, "documented vLLM figures reproduced (admission caps, memory bounds)",
+                       examined=4)
 
 
 def check_startup_liveness(ctx: VerifyContext) -> CheckResult:
@@ -156,7 +157,7 @@ def _crosshair_result(report) -> CheckResult:
         return CheckResult("crosshair", FAILED, summary, details=details)
     if counts[NOT_ANALYSED]:
         return CheckResult("crosshair", UNKNOWN, summary + " (CrossHair could not analyse some)", details=details)
-    return CheckResult("crosshair", PASSED, summary, details=details)
+    return CheckResult("crosshair", PASSED, summary, details=details, examined=len(report.conditions))
 
 
 def check_crosshair(ctx: VerifyContext) -> CheckResult:

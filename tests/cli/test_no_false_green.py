@@ -72,3 +72,11 @@ def test_the_pytest_plugin_fails_an_item_whose_check_examined_nothing(tmp_path):
                          timeout=600)
     assert out.returncode == 1, out.stdout[-2000:]
     assert "kvref check empty: error: examined nothing" in out.stdout
+
+
+def test_crosshair_with_no_condition_is_not_passed():
+    """A CrossHair run that analysed no condition (a contract registry emptied by a refactor)."""
+    from types import SimpleNamespace
+
+    check = verify.Check("crosshair", "", lambda ctx: verify._crosshair_result(SimpleNamespace(conditions=[])))
+    assert verify.run_check(check, verify.VerifyContext(), Baseline()).status == ERROR
