@@ -237,6 +237,8 @@ class Scheduler:
                     break
                 if _conn.has_pending_block_frees(self):
                     break  # the connector's pending sends will free blocks: no preemption
+                if not _conn.victim_blocks_can_be_freed(self):
+                    break  # a deferred free would not help this allocation (vLLM's defer_block_free)
                 if cfg.policy == PRIORITY:
                     victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                     victim_index = self.running.index(victim)
@@ -372,7 +374,10 @@ class Scheduler:
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
         """Recompute preemption: free all blocks, forget progress, back to the waiting queue's head."""
         assert request.status == RequestStatus.RUNNING
-        self.kv_cache_manager.free(request)
+        if self.connector_state is not None:
+            _conn.free_request_blocks(self, request)  # deferred while a step may still write them
+        else:
+            self.kv_cache_manager.free(request)
         if self.connector_state is not None:
             self.connector_state.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
