@@ -28,8 +28,11 @@ names its vLLM counterpart):
   ``finished_recving``;
 * ``reset_prefix_cache(reset_connector=True)`` also resets the connector's cache.
 
-Not modelled: the consumer-side deferred block frees of async scheduling (``defer_block_free``:
-kv_role consumer with two batches in flight), deferred async loads (HiSparse), partial-tail
+* with two batches in flight a consumer's freed blocks return to the pool only once the steps
+  that may still write them were processed (``defer_block_free``, ``_drain_deferred_frees``), and
+  a victim whose free would be deferred is not preempted.
+
+Not modelled: deferred async loads (HiSparse), partial-tail
 offloads (Mamba align mode), DSV4 sliding-window replay, the aux-output and encoder connectors,
 connector stats. The connector itself is :class:`ScriptedConnector`: a deterministic stand-in
 whose answers the trace chooses, run unchanged inside vLLM by
@@ -38,6 +41,7 @@ whose answers the trace chooses, run unchanged inside vLLM by
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -184,6 +188,9 @@ class ScriptedConnector:
         self.store_reset = False
         #: requests whose load finished (their remote copy is gone)
         self.consumed: set[str] = set()
+        #: the connectors of the same fake world (a MultiConnector's children see each other's
+        #: loads in flight; alone, itself)
+        self.siblings: list[ScriptedConnector] = [self]
 
     def set_hit(self, request_id: str, hit: ExternalHit) -> None:
         """What the external store holds for ``request_id`` (before the request is added)."""
@@ -233,8 +240,10 @@ class ScriptedConnector:
     def request_finished(self, request_id: str, block_ids: BlockIdsT) -> bool:
         self.calls.append(("request_finished", request_id, block_ids))
         hit = self.hits.get(request_id, ExternalHit())
-        # a request whose load is still in flight frees on finished_recving, never on a send
-        delay = hit.delay_free and request_id not in self.pending_loads and any(block_ids)
+        # a request whose load (by any sibling) is still in flight frees on finished_recving,
+        # never on a send
+        loading = any(request_id in c.pending_loads for c in self.siblings)
+        delay = hit.delay_free and not loading and any(block_ids)
         if delay:
             self.pending_sends[request_id] = None
         return delay
@@ -272,6 +281,13 @@ class ConnectorState:
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
         self.inflight_prefills: dict[str, Request] = {}
+        # deferred block frees (vLLM ``defer_block_free``): non-empty steps scheduled / processed,
+        # (fence, blocks) not yet returned to the pool, each request's last scheduled step
+        self.defer_block_free = False
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque = deque()
+        self.last_sched_seq: dict[str, int] = {}
 
     @property
     def recompute_kv_load_failures(self) -> bool:
@@ -287,11 +303,11 @@ def make_state(connector: ScriptedConnector, config) -> ConnectorState:
 
     if not isinstance(connector, (ScriptedConnector, MultiScriptedConnector)):
         raise InvalidFieldError("connector", connector, "a ScriptedConnector or MultiScriptedConnector")
-    if config.async_scheduling and not connector.config.is_kv_producer:
-        # vLLM defers a consumer's block frees under two batches in flight (defer_block_free)
-        raise InvalidFieldError("connector.config.kv_role", connector.config.kv_role,
-                                "kv_producer with async scheduling (consumer deferred frees are not modelled)")
-    return ConnectorState(connector, config.policy)
+    st = ConnectorState(connector, config.policy)
+    # With overlapping batches a step may still write a freed request's blocks, and a consumer's
+    # load into them would not be ordered after that write: vLLM defers the frees to step fences.
+    st.defer_block_free = config.max_concurrent_batches > 1 and not connector.config.is_kv_producer
+    return st
 
 
 def check_kv_connector_output(sched: "Scheduler", out) -> None:
@@ -481,19 +497,73 @@ def update_waiting_for_remote_kv(sched: "Scheduler", request: Request) -> None:
 
 
 def after_schedule(sched: "Scheduler", out) -> None:
-    """vLLM ``build_connector_meta`` (before ``_update_after_schedule``) and the in-flight
-    prefill set's update after it."""
+    """vLLM ``build_connector_meta`` (before ``_update_after_schedule``); with deferred frees, a
+    non-empty step advances the scheduled-step fence."""
     st = sched.connector_state
     st.connector.build_connector_meta(tuple(s.request_id for s in out.scheduled),
                                       tuple(sorted(out.finished_req_ids)))
+    if st.defer_block_free and out.total_num_scheduled_tokens > 0:
+        st.sched_step_seq += 1
 
 
 def after_update_after_schedule(sched: "Scheduler", out) -> None:
+    """The in-flight prefill set's update, and each scheduled request's fence step."""
     st = sched.connector_state
     for s in out.scheduled:
         r = sched.requests[s.request_id]
+        if st.defer_block_free:
+            st.last_sched_seq[s.request_id] = st.sched_step_seq
         if not r.is_prefill_chunk:
             st.inflight_prefills.pop(s.request_id, None)
+
+
+def _blocks_can_be_freed(st: ConnectorState, request: Request) -> bool:
+    """vLLM ``_request_blocks_can_be_freed``: no step that may still write them is in flight."""
+    return not st.defer_block_free or st.last_sched_seq.get(request.request_id, 0) <= st.processed_step_seq
+
+
+def victim_blocks_can_be_freed(sched: "Scheduler") -> bool:
+    """Before preempting: would freeing the victim's blocks help now? (vLLM picks the victim,
+    ``running[-1]`` or the lowest priority, and stops preempting when its free is deferred.)"""
+    st = sched.connector_state
+    if st is None or not st.defer_block_free:
+        return True
+    from kvref.impl.scheduler_types import PRIORITY
+
+    victim = (max(sched.running, key=lambda r: (r.priority, r.arrival_time))
+              if sched.config.policy == PRIORITY else sched.running[-1])
+    return _blocks_can_be_freed(st, victim)
+
+
+def free_request_blocks(sched: "Scheduler", request: Request) -> None:
+    """vLLM ``_free_request_blocks``: free now, or pop the tables and return the blocks to the
+    pool once the steps that may write them were processed."""
+    st = sched.connector_state
+    if _blocks_can_be_freed(st, request):
+        sched.kv_cache_manager.free(request)
+        return
+    blocks = _manager(sched).pop_blocks_for_free(request)
+    if blocks:
+        st.deferred_frees.append((st.sched_step_seq, blocks))
+
+
+def _drain_deferred_frees(sched: "Scheduler") -> None:
+    """vLLM ``_drain_deferred_frees``: return, in fence order, the blocks whose fence step was
+    processed (each list tail first, so tail blocks are evicted first)."""
+    st = sched.connector_state
+    pool = _manager(sched).block_pool
+    while st.deferred_frees and st.deferred_frees[0][0] <= st.processed_step_seq:
+        _, blocks = st.deferred_frees.popleft()
+        pool.free_blocks(reversed(blocks))
+
+
+def step_processed(sched: "Scheduler", num_scheduled_tokens: dict[str, int]) -> None:
+    """vLLM ``update_from_output``'s first act with deferred frees: a processed non-empty step
+    advances the fence and drains what it releases."""
+    st = sched.connector_state
+    if st.defer_block_free and sum(num_scheduled_tokens.values()) > 0:
+        st.processed_step_seq += 1
+        _drain_deferred_frees(sched)
 
 
 def requires_kv_delivery(sched: "Scheduler") -> bool:
@@ -511,6 +581,7 @@ def handle_failures(sched: "Scheduler", kv_output: KVConnectorOutput | None,
                     num_scheduled_tokens: dict[str, int]) -> set[str]:
     """vLLM ``update_from_output``'s first part: failed receives and invalid blocks. Returns the
     request ids whose output this step is skipped (and, under ``"fail"``, finished as errors)."""
+    step_processed(sched, num_scheduled_tokens)
     failed: set[str] = set()
     if kv_output is None:
         return failed
@@ -620,8 +691,9 @@ def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed
 
 def _free_blocks(sched: "Scheduler", request: Request) -> None:
     assert request.status == RequestStatus.FINISHED
-    sched.kv_cache_manager.free(request)
+    free_request_blocks(sched, request)
     del sched.requests[request.request_id]
+    sched.connector_state.last_sched_seq.pop(request.request_id, None)
 
 
 def finish_requests(sched: "Scheduler", ids, reason: str) -> list[Request]:
@@ -744,7 +816,13 @@ def check_invariants(sched: "Scheduler") -> None:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
     assert st.finished_recving_kv_req_ids <= st.loading and st.failed_recving_kv_req_ids <= st.loading
     assert set(st.inflight_prefills) <= set(sched.requests)
-    sched.kv_cache_manager.check_invariants()
+    m = _manager(sched)
+    # blocks waiting in deferred_frees hold a reference no table slot accounts for
+    m.check_invariants(strict_ref_counts=not st.deferred_frees)
+    held = [b.block_id for _, blocks in st.deferred_frees for b in blocks if not b.is_null]
+    assert all(m.block_pool.blocks[b].ref_cnt >= 1 for b in held), "a deferred block was freed early"
+    assert [f for f, _ in st.deferred_frees] == sorted(f for f, _ in st.deferred_frees)
+    assert not st.deferred_frees or st.deferred_frees[0][0] > st.processed_step_seq
 
 
 def num_kv_holding_waiting(sched: "Scheduler") -> int:

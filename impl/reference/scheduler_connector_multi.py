@@ -42,6 +42,8 @@ class MultiScriptedConnector:
         if not isinstance(base, ConnectorConfig):
             raise InvalidFieldError("config", config, "a ConnectorConfig or None")
         self.children = list(children)
+        for c in self.children:  # the fake world: siblings know each other's loads in flight
+            c.siblings = self.children
         self.config = ConnectorConfig(
             kv_role=base.kv_role, kv_load_failure_policy=base.kv_load_failure_policy,
             requires_kv_delivery=any(c.config.delivery for c in children),

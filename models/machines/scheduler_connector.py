@@ -47,6 +47,7 @@ from kvref.impl.scheduler_types import SchedulerConfig
 
 from .scheduler import (
     COVERAGE,
+    Divergence,
     Lockstep,
     SchedulerMachine,
     _AcceptedDuringTeardown,
@@ -65,10 +66,9 @@ OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
 def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chunked", "full+mamba"),
                      large: bool = False):
     """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
-    sync or async scheduling; async runs the producer role (kvref does not model a consumer's
-    deferred frees under two batches in flight)."""
+    sync or async scheduling (a consumer's block frees are then deferred to step fences)."""
     pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large))
-    role = KV_PRODUCER if cfg.async_scheduling else draw(st.sampled_from((KV_CONSUMER, KV_PRODUCER)))
+    role = draw(st.sampled_from((KV_CONSUMER, KV_PRODUCER)))
     policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))
 
     def one() -> ConnectorConfig:
@@ -159,7 +159,14 @@ class ConnectorLockstep(Lockstep):
         before = {rid for rid in self.script.pending_loads}
         num_calls = [len(x) for x in _call_lists(self.script)]
         prior = self.last_snapshot.requests if self.last_snapshot is not None else {}
-        out = super().schedule()
+        try:
+            out = super().schedule()
+        except (AssertionError, ValueError, RuntimeError, KeyError, IndexError) as e:
+            if isinstance(e, Divergence):
+                raise
+            # a target crashed inside schedule() (the others may have scheduled): a finding
+            _diverge(f"schedule #{self.num_schedules + 1}: a target raised {type(e).__name__}: {e}",
+                     f"schedule: a target raised {type(e).__name__}")
         new_calls = [call for n, x in zip(num_calls, _call_lists(self.script)) for call in x[n:]]
         if isinstance(self.script, MultiScriptedConnector) and any(
                 call[0] == "update_state_after_alloc" and call[3] > 0 for call in new_calls):
@@ -254,6 +261,11 @@ class ConnectorLockstep(Lockstep):
         self._compare_calls("update_from_output")
         self._compare_published_events()
         after = self.last_snapshot.requests
+        for t in self.targets.values():
+            st = getattr(t, "connector_state", None)
+            if st is not None and st.defer_block_free:
+                CONNECTOR_COVERAGE["steps_with_deferred_frees"] += bool(st.deferred_frees)
+                break
         for rid in kv_out.finished_recving:
             if rid in after and after[rid].status == "waiting_for_remote_kvs":
                 self._promoted.add(rid)

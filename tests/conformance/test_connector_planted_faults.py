@@ -106,5 +106,5 @@ FAULTS = [no_last_token_rewind, failed_recv_keeps_tokens, unclipped_table_to_con
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.__name__ for f in FAULTS])
 def test_planted_fault_is_found(fault, monkeypatch):
     fault(monkeypatch)
-    run = run_connector_machine(with_vllm=True, examples=profile_examples(60, 120), shrink=False, seed=0)
+    run = run_connector_machine(with_vllm=True, examples=profile_examples(200, 300), shrink=False, seed=0)
     assert not run.ok, f"{fault.__name__} survived {run.traces} traces: {fault.__doc__}"

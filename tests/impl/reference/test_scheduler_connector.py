@@ -178,9 +178,8 @@ def test_bad_inputs_are_named():
     out = hybrid.schedule()
     with pytest.raises(InvalidFieldError, match="invalid_block_ids"):
         hybrid.update_from_output(out, ModelOutput({}), KVConnectorOutput(invalid_block_ids=(1,)))
-    with pytest.raises(InvalidFieldError, match="kv_role"):
-        Scheduler(_pool(num_blocks=16), SchedulerConfig(async_scheduling=True, max_num_batched_tokens=32),
-                  connector=ScriptedConnector(ConnectorConfig(kv_role=KV_CONSUMER)))
+    with pytest.raises(InvalidFieldError, match="num_speculative_tokens"):
+        Scheduler(_pool(num_blocks=16), SchedulerConfig(num_speculative_tokens=2), connector=ScriptedConnector())
 
 
 def test_generated_traces_reference_alone():
@@ -217,3 +216,23 @@ def test_multi_connector_composition():
     assert (q.num_computed_tokens, r.num_computed_tokens) == (4, 8)  # q: a's hit wins over b's longer one
     assert s.reset_prefix_cache(reset_connector=True) is False  # b's reset said False; a was reset too
     assert a.store_reset and not b.store_reset
+
+
+def test_consumer_under_async_scheduling_defers_frees_to_the_step_fence():
+    """vLLM's ``defer_block_free``: with two batches in flight a consumer's freed blocks return to
+    the pool only once the steps that may still write them were processed."""
+    conn = ScriptedConnector(ConnectorConfig(kv_role=KV_CONSUMER))
+    s = Scheduler(PoolConfig(num_blocks=16, groups=_pool().groups, max_model_len=64, scheduler_block_size=BS,
+                             hash_block_size=BS, max_in_flight_tokens=64, enable_caching=False),
+                  SchedulerConfig(max_num_batched_tokens=32, async_scheduling=True), connector=conn)
+    s.add_request(Request("a", list(range(100, 108)), max_tokens=8))
+    first = s.schedule()
+    second = s.schedule()  # two steps in flight, both writing a's blocks
+    free = s.kv_cache_manager.get_num_free_blocks()
+    s.finish_requests("a")
+    assert s.kv_cache_manager.get_num_free_blocks() == free  # deferred: a step still writes them
+    assert s.connector_state.deferred_frees
+    s.update_from_output(first, ModelOutput({"a": [1]}))
+    assert s.kv_cache_manager.get_num_free_blocks() == free  # the fence is the second step
+    s.update_from_output(second, ModelOutput({}))
+    assert s.kv_cache_manager.get_num_free_blocks() == free + 3 and not s.connector_state.deferred_frees
