@@ -141,3 +141,33 @@ def test_replay_on_vllm_reports_progress_while_vllm_imports(monkeypatch, tmp_pat
     assert beats.seen == ["replay: on reference,vllm (importing vLLM takes seconds)"]
     assert main(["replay", str(path), "--kinds", "reference"]) == 0
     assert len(beats.seen) == 1  # nothing slow: no heartbeat
+
+
+def test_every_command_runs_quiet(monkeypatch) -> None:
+    """Every subcommand runs with vLLM's, transformers' and torch's logging quieted (verify does it
+    itself, with --verbose to show them): each subcommand's run is replaced by a probe that records
+    whether the quiet came first."""
+    import kvref.cli as cli
+    import kvref.quiet as quiet
+
+    calls: list[bool] = []
+    real = quiet.quiet_third_party
+    monkeypatch.setattr(quiet, "quiet_third_party", lambda verbose=False: calls.append(verbose) or real(True))
+    seen: dict[str, list[bool]] = {}
+    build = cli.build_parser
+
+    def probed():
+        parser = build()
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        for name, p in sub.choices.items():
+            p.set_defaults(_run=lambda args, name=name: seen.setdefault(name, list(calls)) and 0)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", probed)
+    argv = {"replay": ["x.json"], "check-run": ["x.kvtrace.gz"], "watch": ["tcp://127.0.0.1:1"]}
+    names = [m.split("_", 1)[1].replace("_", "-") for m in cli.SUBCOMMAND_MODULES]
+    for name in names:
+        calls.clear()
+        cli.main([name, *argv.get(name, [])])
+    assert sorted(seen) == sorted(names)
+    assert {n: c for n, c in seen.items() if n != "verify" and c != [False]} == {}
