@@ -5,7 +5,9 @@
 Each selected ``kvref verify`` check becomes one test item named ``kvref::<check>``, run against the
 vLLM installed in that environment (as ``kvref verify --against vllm``): a failing check fails its
 item with the check's summary, details and counterexample files; a check that cannot run (no torch,
-say) is skipped with the reason. Without ``--kvref`` the plugin adds nothing.
+say) is skipped with the reason; a check that ran but examined nothing (0 traces, 0 cases) fails its
+item as an error, never passes (the same ``run_check`` as ``kvref verify``, issue #25). Without
+``--kvref`` the plugin adds nothing.
 """
 
 from __future__ import annotations
