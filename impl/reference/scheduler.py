@@ -135,6 +135,7 @@ class Scheduler:
             raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
                                     "False without an EAGLE-like drafter (speculative_method='eagle')")
         self.spec_decode = SpecDecodeState(config)
+        self._num_invalid_spec_tokens: dict[int, dict[str, int]] = {}  # id(output) -> invalid drafts
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -419,6 +420,7 @@ class Scheduler:
         failed = (_conn.handle_failures(self, kv_connector_output, output.num_scheduled_tokens)
                   if self.connector_state is not None else set())
         self.spec_decode.start_update()
+        num_invalid_spec_tokens = self._num_invalid_spec_tokens.pop(id(output), {})
         stopped: list[tuple[Request, RequestStatus]] = []
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
@@ -437,7 +439,8 @@ class Scheduler:
             if not new_ids:
                 continue
             if s.spec_token_ids:
-                self.spec_decode.verify(request, s.spec_token_ids, len(new_ids), stale)
+                self.spec_decode.verify(request, s.spec_token_ids, len(new_ids), stale,
+                                        num_invalid_spec_tokens.get(s.request_id, 0))
             status_before = request.status
             had_placeholders = request.num_output_placeholders > 0
             is_stopped = self._append_output(request, new_ids, stale)
@@ -493,6 +496,14 @@ class Scheduler:
             request.num_output_placeholders -= len(new_ids)
             assert request.num_output_placeholders >= 0
         return stopped
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds, output: SchedulerOutput) -> None:
+        """The runner's drafts for a step still in flight (see
+        :meth:`SpecDecodeState.invalid_in_output`); only the step's stats change."""
+        if id(output) not in self._in_flight:
+            raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
+        self._num_invalid_spec_tokens[id(output)] = self.spec_decode.invalid_in_output(
+            self.requests, draft_token_ids, output.scheduled_spec_decode_tokens)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Drafts the runner proposed after the last step (synchronous scheduling; see

@@ -119,8 +119,10 @@ class SpecDecodeState:
     def start_update(self) -> None:
         self.last_stats = None
 
-    def verify(self, request: Request, spec_tokens: tuple[int, ...], num_generated: int, stale: bool) -> None:
-        """Roll back rejected drafts and count the verification (``make_spec_decoding_stats``)."""
+    def verify(self, request: Request, spec_tokens: tuple[int, ...], num_generated: int, stale: bool,
+               num_invalid: int = 0) -> None:
+        """Roll back rejected drafts and count the verification (``make_spec_decoding_stats``;
+        ``num_invalid`` drafts the runner did not fill are left out of the stats, not the rollback)."""
         num_draft = len(spec_tokens)
         num_accepted = max(num_generated - 1, 0)
         num_rejected = num_draft - num_accepted
@@ -132,6 +134,7 @@ class SpecDecodeState:
                 request.num_output_placeholders -= num_rejected
         s = self.last_stats or SpecDecodingStats(self.k, num_accepted_tokens_per_pos=(0,) * self.k,
                                                  num_draft_tokens_per_pos=(0,) * self.k)
+        num_draft -= num_invalid
         self.last_stats = SpecDecodingStats(
             self.k, s.num_drafts + 1, s.num_draft_tokens + num_draft, s.num_accepted_tokens + num_accepted,
             tuple(c + (i < num_accepted) for i, c in enumerate(s.num_accepted_tokens_per_pos)),
@@ -166,6 +169,28 @@ class SpecDecodeState:
                 self.spec_token_ids[rid] = list(drafts)
             else:
                 self.spec_token_ids.pop(rid, None)
+
+    def invalid_in_output(self, requests: dict[str, Request], draft_token_ids: DraftTokenIds,
+                          scheduled_spec_tokens: dict[str, tuple[int, ...]]) -> dict[str, int]:
+        """vLLM ``Scheduler.update_draft_token_ids_in_output`` (async scheduling, a step whose
+        sampling waits for structured output): the runner's drafts replace a step's placeholder
+        drafts, cut to the scheduled count; a slot left empty is padded with -1 and counted as an
+        invalid draft, which the step's stats leave out. Returns the invalid count per request
+        (vLLM's ``num_invalid_spec_tokens``, replacing any earlier one of that step)."""
+        if not isinstance(draft_token_ids, DraftTokenIds):
+            raise InvalidFieldError("draft_token_ids", draft_token_ids, "a DraftTokenIds")
+        invalid: dict[str, int] = {}
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = requests.get(rid)
+            if request is None or request.status == RequestStatus.FINISHED:
+                continue
+            placeholders = scheduled_spec_tokens.get(rid)
+            if not placeholders:
+                continue
+            n = len(placeholders) - len(drafts[:len(placeholders)])
+            if n:
+                invalid[rid] = n
+        return invalid
 
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self, requests: dict[str, Request]) -> None:

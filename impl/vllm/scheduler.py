@@ -335,6 +335,14 @@ class VllmScheduler:
         self.scheduler.update_draft_token_ids(self._v["VDraftTokenIds"](
             list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids]))
 
+    def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds, output: SchedulerOutput) -> None:
+        """vLLM's ``Scheduler.update_draft_token_ids_in_output`` on the step ``output`` (in flight)."""
+        entry = self._outputs.get(id(output))
+        if entry is None:
+            raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
+        self.scheduler.update_draft_token_ids_in_output(self._v["VDraftTokenIds"](
+            list(draft_token_ids.req_ids), [list(d) for d in draft_token_ids.draft_token_ids]), entry[1])
+
     @property
     def spec_decoding_stats(self) -> SpecDecodingStats | None:
         """The ``SpecDecodingStats`` vLLM's last ``update_from_output`` reported (its ``SchedulerStats``)."""

@@ -100,6 +100,9 @@ class FakeModel:
 GROUP_KINDS = ("full", "full+swa", "full+chunked", "full+mamba")
 #: spec-decode setups add a three-group hybrid pool (EAGLE prefix hits across 3 groups)
 SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa",)
+#: FA + Mamba "align" with prefix caching: vLLM's scheduler clips chunks to Mamba state boundaries
+#: (``_mamba_block_aligned_split``), the reference's scheduler_mamba_split does the same (issue #23)
+MAMBA_ALIGN_KINDS = ("full+mamba_align",)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2
         groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=mamba_bs, shapes=((2, 8),),
                                                              dtypes=("float16",))))
         return mamba_bs, tuple(groups)
+    elif kind == "full+mamba_align":  # "align": the Mamba block is the attention block
+        groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=bs, shapes=((2, 8),), dtypes=("float16",),
+                                                             mamba_cache_mode="align")))
     return bs, tuple(groups)
 
 
@@ -186,9 +192,12 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         max_model_len = min(max_model_len, cfg.max_num_batched_tokens) if consistent is not False else max_model_len
         max_model_len = max(max_model_len, 2)
         cfg = replace(cfg, long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, max_model_len))
-    # vLLM: Mamba prefix caching requires mamba_cache_mode='align' (not modelled: its chunk split).
+    # vLLM: Mamba prefix caching requires mamba_cache_mode='align' (the MAMBA_ALIGN_KINDS pools).
     has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
     caching = False if has_mamba else draw(st.sampled_from((True, True, False)))
+    if any(isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.mamba_cache_mode == "align" for g in groups):
+        caching = True  # vLLM: "align" is Mamba prefix caching, which needs chunked prefill
+        cfg = replace(cfg, enable_chunked_prefill=True)
     use_spec = draw(st.booleans()) if spec is None else spec
     if use_spec:
         k = min(draw(st.integers(1, 4)), cfg.max_num_batched_tokens - 1)
@@ -426,6 +435,14 @@ class Lockstep:
         rng = random.Random(self.num_steps if seed is None else seed)
         outs = {name: q.popleft() for name, q in self.in_flight.items()}
         first_out = next(iter(outs.values()))
+        if self.config.async_scheduling and first_out.scheduled_spec_decode_tokens and rng.randrange(2):
+            # the engine's deferred structured-output step: the runner's drafts replace the step's
+            # placeholders before it samples (fewer than scheduled: the rest count as invalid)
+            drafts = self.model.drafts(first_out, lambda rid: _biased(
+                rng, len(first_out.scheduled_spec_decode_tokens.get(rid, ()))))
+            for name, t in self.targets.items():
+                t.update_draft_token_ids_in_output(drafts, outs[name])
+            COVERAGE["spec_drafts_in_output"] += 1
         model_output = self.model.output(first_out, lambda rid, d: _biased(rng, d))
         before = self.last_snapshot.requests if self.last_snapshot is not None else {}
         for name, t in self.targets.items():

@@ -44,6 +44,8 @@ FAULTS = (
      "        if request.spec_token_ids:\n            request.spec_token_ids = []\n", ""),
     ("async-placeholders-miss-drafts", "AsyncScheduler", "_update_after_schedule",
      "self.num_sampled_tokens_per_step + cur_num_spec_tokens", "self.num_sampled_tokens_per_step"),
+    ("invalid-drafts-counted", "Scheduler", "make_spec_decoding_stats",
+     "num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)", "num_draft_tokens -= 0"),
     ("stats-per-position-off-by-one", "SpecDecodingStats", "observe_draft",
      "for i in range(num_accepted_tokens):", "for i in range(max(num_accepted_tokens - 1, 0)):"),
 )

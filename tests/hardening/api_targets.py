@@ -454,6 +454,20 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
 
     spec_scheduler_case("update_draft_token_ids", lambda cls: dict(draft_token_ids=cls(("a",), ((3, 4),))))
 
+    def spec_in_output_case():
+        from kvref.impl.reference.scheduler import Scheduler
+        from kvref.impl.request import Request
+        from kvref.impl.scheduler_types import DraftTokenIds, SchedulerConfig
+
+        s = Scheduler(pool_config(max_in_flight_tokens=32),
+                      SchedulerConfig(max_num_batched_tokens=16, num_speculative_tokens=2, async_scheduling=True))
+        s.add_request(Request("a", list(range(6)), max_tokens=3))
+        s.schedule()
+        out = s.schedule()  # verifies two placeholder drafts
+        return (s, s.check_invariants, dict(draft_token_ids=DraftTokenIds(("a",), ((3,),)), output=out),
+                s.update_draft_token_ids_in_output)
+    add("Scheduler.update_draft_token_ids_in_output", spec_in_output_case)
+
     def cpu_manager_case(method, make_kwargs):
         def build():
             from kvref.impl.reference.offload import RequestContext, make_offload_key

@@ -133,7 +133,8 @@ EXCLUDED: dict[str, str] = {
             "SpecDecodeState.check_invariants SpecDecodeState.check_sampled SpecDecodeState.forget "
             "SpecDecodeState.mark_padded SpecDecodeState.note_scheduled SpecDecodeState.num_spec "
             "SpecDecodeState.pad_new_decode SpecDecodeState.take_running_drafts SpecDecodeState.unschedule "
-            "SpecDecodeState.update_draft_token_ids SpecDecodeState.verify drafts_unused", SPEC_STEP),
+            "SpecDecodeState.update_draft_token_ids SpecDecodeState.verify SpecDecodeState.invalid_in_output "
+            "drafts_unused", SPEC_STEP),
     "kvref.impl.scheduler_types.SpecDecodingStats": RECORD,
     **_each(f"{_REF}.scheduler_connector", "ScriptedConnector.build_connector_meta "
             "ScriptedConnector.get_num_new_matched_tokens ScriptedConnector.on_new_request "

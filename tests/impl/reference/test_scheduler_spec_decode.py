@@ -103,6 +103,21 @@ def test_async_placeholders_cover_the_sampled_token_and_the_drafts():
     s.check_invariants()
 
 
+def test_drafts_the_runner_left_empty_are_left_out_of_the_stats():
+    s = _sched(SchedulerConfig(num_speculative_tokens=3, async_scheduling=True))
+    s.add_request(Request("a", [1, 2, 3], max_tokens=10))
+    out1, out2 = s.schedule(), s.schedule()
+    assert out2.scheduled[0].spec_token_ids == (-1, -1, -1)
+    s.update_draft_token_ids_in_output(DraftTokenIds(("a",), ((5,),)), out2)  # one of three filled
+    s.update_from_output(out1, ModelOutput({"a": [7]}))
+    s.update_from_output(out2, ModelOutput({"a": [5, 8]}))
+    assert s.spec_decoding_stats == SpecDecodingStats(3, 1, 1, 1, (1, 0, 0), (1, 0, 0))
+    a = s.requests["a"]
+    assert a.num_computed_tokens == a.num_tokens - 1  # the rollback counts all three scheduled drafts
+    with pytest.raises(InvalidFieldError, match="output"):
+        s.update_draft_token_ids_in_output(DraftTokenIds(("a",), ((5,),)), out2)  # already settled
+
+
 def test_skip_drafts_when_no_scheduled_request_can_use_them():
     cfg = SchedulerConfig(max_num_batched_tokens=8, num_speculative_tokens=2, speculative_method=EAGLE,
                           skip_unused_drafts=True)
