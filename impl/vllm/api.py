@@ -189,6 +189,20 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager", "cache_policy"),
         _b("vllm.v1.outputs", "KVConnectorOutput", "kv_connector_worker_meta"),
     ),
+    # kvref's scripted KV connector built by vLLM's Scheduler from its kv_transfer_config
+    # (kvref.impl.vllm.connector), alone or under vLLM's MultiConnector
+    "kv-connector": (
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiConnector"),
+        _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_connector_module_path", "kv_role",
+           "kv_load_failure_policy", "kv_connector_extra_config"),
+        _b("vllm.v1.outputs", "KVConnectorOutput", "finished_sending", "finished_recving", "failed_recving",
+           "invalid_block_ids"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.reset_prefix_cache", "reset_running_requests",
+           "reset_connector"),
+    ),
     # vLLM's own reading of a model's config.json (kvref.impl.vllm.model_config; the HF-config
     # conformance tests compare kvref's derivation with it)
     "model-config": (
@@ -225,6 +239,7 @@ CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "conform-scheduler": ("specs", "request", "scheduler"),
     "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
     "conform-planning": ("specs", "planning"),
+    "conform-connector": ("specs", "request", "scheduler", "kv-connector"),
 }
 
 

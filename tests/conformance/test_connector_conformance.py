@@ -35,7 +35,7 @@ pytestmark = pytest.mark.vllm
 RARE = ("loads_started_async", "load_ok", "load_failed", "load_invalid", "sync_load_invalid",
         "aborted_mid_load", "sends_finished", "finished_error", "promoted_load_scheduled",
         "external_tokens_after_preemption", "lookup_after_local_hit", "asked_pending_block_frees",
-        "multi_connector_loads")
+        "multi_connector_loads", "steps_with_deferred_frees")
 
 
 @pytest.fixture(scope="module")
