@@ -46,10 +46,10 @@ def test_every_variant_compiles_for_sm80_and_sm90():
 
     rows = compile_in_subprocess(full=True, timeout=3600)
     assert {r.arch for r in rows} == {80, 90} and len(rows) >= 60
-    # sm_90 (H100/H200, the lent kinds) spills nothing; on sm_80 the split variants spilled
-    # 16 bytes per thread when measured (BENCHMARKS.md): allowed, but not more.
-    spilling = [(r.label, r.arch, r.stack_bytes) for r in rows
-                if r.stack_bytes and (r.arch == 90 or r.stack_bytes > 16)]
+    # At most one 8-byte slot: the split-K kernel's float32 split variants (sliding window,
+    # chunked local) on sm_90 keep one register on the stack — in the SASS one STL before the
+    # key loop and one LDL after it, nothing inside (BENCHMARKS.md). More would be a real spill.
+    spilling = [(r.label, r.arch, r.stack_bytes) for r in rows if r.stack_bytes > 8]
     assert not spilling, spilling
 
 
