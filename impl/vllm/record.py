@@ -314,6 +314,8 @@ class _Recorder:
     """
 
     _kvref_writer: TraceWriter | None = None
+    _kvref_stats = False  # vLLM makes SchedulerStats (log_stats): set by _kvref_start
+    _kvref_connector = False  # a KV connector is configured: set by _kvref_start
     _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
     _kvref_fast = False  # the fast path's conditions hold (see the class docstring)
 

@@ -120,6 +120,8 @@ def generate_trace(path: str, pool: PoolConfig, config: SchedulerConfig, *, step
             in_flight.append((step, out))
             rec = sched_record(step, reference_rows(out), sorted(out.preempted_req_ids), sorted(out.finished_req_ids))
             rec["free"] = sched.kv_cache_manager.get_num_free_blocks()  # format version 3
+            if out.preempted_req_ids:  # the reference preempts only for KV blocks
+                rec["pre_why"] = {rid: "kv" for rid in sorted(out.preempted_req_ids)}
             w.write(rec)
             step += 1
             if len(in_flight) < depth and sched.has_unfinished_requests():
