@@ -324,7 +324,7 @@ class Scheduler:
                 break
             num_new = min(num_new, token_budget)
             assert num_new > 0
-            num_new = split_scheduled_chunk(self, request, num_new, num_hit)  # Mamba "align"
+            num_new = split_scheduled_chunk(self, request, num_new, num_hit, admitting=True)  # Mamba "align"
             if num_new == 0:
                 break
 

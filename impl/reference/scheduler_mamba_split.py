@@ -174,11 +174,21 @@ def scheduler_split_config(scheduler) -> MambaSplitConfig | None:
     return config
 
 
-def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0) -> int:
+def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+                          admitting: bool = False) -> int:
     """The scheduler's hook: ``num_new_tokens`` clipped for ``request`` on a Mamba "align" pool,
-    unchanged on any other pool."""
+    unchanged on any other pool.
+
+    ``admitting``: the request was just looked up in the prefix cache, which (as in vLLM's
+    ``schedule()``) sets its ``shared_prefix_boundary``: the junction where one group cached more
+    than the reconciled hit, a stop for this and every later chunk of the request."""
     config = scheduler_split_config(scheduler)
     if config is None:
         return num_new_tokens
+    if admitting:
+        manager = getattr(scheduler.kv_cache_manager, "manager", None)  # the reference's rich manager
+        lookup = getattr(manager, "get_computed_blocks", None)
+        request.shared_prefix_boundary = lookup(request)[2] if lookup is not None else 0
     return mamba_block_aligned_split(config, request.num_computed_tokens, request.num_prompt_tokens,
-                                     request.num_tokens, num_new_tokens, num_new_local_computed_tokens)
+                                     request.num_tokens, num_new_tokens, num_new_local_computed_tokens,
+                                     shared_prefix_boundary=getattr(request, "shared_prefix_boundary", 0))

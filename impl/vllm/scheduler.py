@@ -146,6 +146,10 @@ class VllmEnv:
         vc.cache_config.num_gpu_blocks = pool.num_blocks
         modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, ks.MambaSpec)}
         vc.cache_config.mamba_cache_mode = modes.pop() if modes else "none"
+        # "align": cache_config.block_size is the Mamba block, which the chunk split reads
+        vc.cache_config.block_size = next((g.kv_cache_spec.block_size for g in pool.groups
+                                           if isinstance(g.kv_cache_spec, ks.MambaSpec)
+                                           and g.kv_cache_spec.mamba_cache_mode == "align"), 16)
         vc.speculative_config = self._speculative_config(pool, config)
         assert vc.max_in_flight_tokens == config.max_in_flight_tokens
         assert vc.num_lookahead_tokens == config.num_lookahead_tokens
