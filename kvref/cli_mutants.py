@@ -47,6 +47,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     g.add_argument("--fault-timeout", type=float, default=None, metavar="S",
                    help="wall-clock limit per fault (default 300 s fast, 900 ci, 3600 nightly)")
     g.add_argument("--from-json", metavar="FILE", help="render a saved --json result instead of running")
+    from kvref.ray_runner import add_argument as add_ray_argument
+
+    add_ray_argument(p)  # --ray [ADDRESS]: mutants / faults as Ray units (#27, docs/ray.md)
     return p
 
 
@@ -114,9 +117,21 @@ def run(args: argparse.Namespace) -> int:
                            + (f"killed by {r.killed_by}" if r.killed else "SURVIVED") + f" in {r.seconds:.1f} s")
         progress.update(progress.status, force=True)
 
-    with progress.heartbeat("checking the clean reference first (every check must pass it)"):
-        res = run_mutant_campaign(mutants, checks=args.checks, budget=args.budget, all_checks=args.all_checks,
-                                  proof_variants=not args.no_proof_variants and not args.only, progress=on_result)
+    ray_errors: dict = {}
+    if args.ray is not None:  # #27: the clean reference, then each mutant, as Ray units
+        import sys
+
+        from kvref.ray_campaigns import run_reference_mutants
+        from kvref.ray_runner import describe, start
+
+        print(describe(start(args.ray)), file=sys.stderr, flush=True)
+        res, ray_errors = run_reference_mutants(mutants, args.checks, args.budget, args.all_checks,
+                                                not args.no_proof_variants and not args.only, on_result)
+    else:
+        with progress.heartbeat("checking the clean reference first (every check must pass it)"):
+            res = run_mutant_campaign(mutants, checks=args.checks, budget=args.budget, all_checks=args.all_checks,
+                                      proof_variants=not args.no_proof_variants and not args.only,
+                                      progress=on_result)
     if res.baseline_failures:
         print("the clean reference fails a check; no mutant was run:")
         for k, v in res.baseline_failures.items():
@@ -131,6 +146,12 @@ def run(args: argparse.Namespace) -> int:
         print(res.to_markdown())
     else:
         print(res.render())
+    if ray_errors:  # a unit whose worker died twice (or that raised) is no survivor and no pass
+        import sys
+
+        for k, v in ray_errors.items():
+            print(f"error on Ray: {k}: {v}", file=sys.stderr)
+        return 1
     return 0 if res.reference_kill_rate >= args.min_rate else 1
 
 
@@ -183,6 +204,15 @@ def run_vllm(args: argparse.Namespace) -> int:
         print("no fault selected", file=sys.stderr)
         return 2
     quiet = args.json or args.markdown
+    if args.ray is not None:  # #27: each fault as a Ray unit
+        from kvref.ray_campaigns import run_vllm_faults
+        from kvref.ray_runner import describe, start
+
+        print(describe(start(args.ray)), file=sys.stderr if quiet else sys.stdout, flush=True)
+        res = run_vllm_faults(faults, tuple(args.checks) if args.checks else VLLM_CHECKS, args.profile, args.seed,
+                              args.fault_timeout, lambda line: print(line, file=sys.stderr if quiet else sys.stdout,
+                                                                     flush=True))
+        return _print_vllm_result(res, args, RECALL_GOAL)
     res = run_campaign(faults, checks=tuple(args.checks) if args.checks else VLLM_CHECKS, profile=args.profile,
                        seed=args.seed, timeout=args.fault_timeout, progress=lambda line: print(line, file=sys.stderr if quiet else sys.stdout, flush=True))
     return _print_vllm_result(res, args, RECALL_GOAL)

@@ -56,6 +56,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     from .reach import add_arguments as add_reach_arguments
 
     add_reach_arguments(p)  # --reach [DIR], --reach-exclusions, --changed-since (#22)
+    from .ray_runner import add_argument as add_ray_argument
+
+    add_ray_argument(p)  # --ray [ADDRESS]: the checks as Ray units (#27, docs/ray.md)
     return p
 
 
@@ -127,10 +130,27 @@ def run(args: argparse.Namespace) -> int:
     interrupted = None  # the check that was running when Ctrl-C came
     json_out = JsonStdout(args.json)
     reach = reach_mod.ReachSession(args) if reach_mod.enabled(args) else None  # coverage.py around the checks
+    ray_info = None
+    if getattr(args, "ray", None) is not None:  # #27: connect and probe the workers before any check
+        from kvref.spec.errors import InvalidFieldError
+
+        if reach is not None:
+            raise InvalidFieldError("--ray", args.ray, "a run without --reach/--changed-since (coverage is measured "
+                                                       "in this process)")
+        from .ray_runner import describe, start
+
+        ray_info = start(args.ray)
+        console.log(describe(ray_info), markup=False)
     if reach is not None:
         reach.start()
     with json_out, console.status("starting") as status:
-        for i, check in enumerate(checks, 1):
+        if ray_info is not None:
+            from .ray_campaigns import run_verify
+
+            status.update(f"{len(checks)} check(s) on Ray")
+            results, interrupted = run_verify(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
+                                              lambda line: console.log(line, markup=False))
+        for i, check in enumerate(checks if ray_info is None else (), 1):
             status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
             if not sys.stderr.isatty():  # no spinner in a CI log: say what is running
                 console.log(f"[{i}/{len(checks)}] {check.name}: started", markup=False)
@@ -157,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
                 if args.exitfirst:
                     break
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
+    if ray_info is not None:  # cancelled units are rows of their own; the report names the workers
+        not_run = [r.name for r in results if r is not interrupted and r.summary.startswith("interrupted")]
     if args.update_baseline and interrupted is None:
         from kvref.impl.vllm.installed import describe_installed_vllm
 
@@ -175,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         meta = checked_meta(checks)
     else:  # a partial report says so, and what did not run; vLLM is described only if it was used
         meta = {**checked_meta(checks[:len(results)]), "interrupted": True, "not_run": not_run}
+    if ray_info is not None:
+        meta["ray"] = ray_info
     if args.junit_xml:
         write_junit_xml(results, args.junit_xml, meta)
     if reach is not None and reach.meta:  # every module and function: JSON only (the rows carry the figure)
@@ -191,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
             fields = {k: v for k, v in vllm.items() if k in VllmInstall.__dataclass_fields__}
             caption = "checked against " + VllmInstall(**fields).describe()
         out.print(render_table(results, caption=caption))
+        if ray_info is not None:
+            from .ray_runner import describe
+
+            out.print(describe(ray_info), markup=False)
         if reach is not None:
             reach.print_tables(out)
         for r in results:

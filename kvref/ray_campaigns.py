@@ -1,0 +1,275 @@
+"""``--ray``: kvref verify and both mutant campaigns split into Ray units (issue #27).
+
+The units, and why they give the findings of a local run:
+
+* ``kvref verify``: one unit per check, run by the same :func:`kvref.verify.run_check` with the
+  same :class:`~kvref.check_context.VerifyContext` (profile, seed) and baseline, so each check
+  draws the same Hypothesis examples as locally; results are put back in the checks' order.
+* ``kvref mutants`` (reference): the clean-reference checks first (one unit per check; a failure
+  there stops the campaign, as locally), then one unit per mutant running its checks in the
+  campaign's order under the mutant (:func:`mutant_unit`, the loop body of
+  :func:`kvref.models.mutants.campaign.run_campaign`), and the proof variants as one unit.
+* ``kvref mutants --target vllm``: the clean-vLLM baseline runs as in
+  :func:`kvref.vllm_campaign.run_campaign` (a unit each), then one unit per source fault, each
+  :func:`kvref.vllm_campaign.run_fault` in its own overlay on the worker's installed vLLM.
+
+A unit whose worker died twice, or that raised, is an error row (verify: ``error``; reference
+mutants: not killed, with the reason, and exit 1; vLLM faults: outcome ``error``), never a pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .ray_runner import Unit, UnitOutcome, run_units
+
+
+# --------------------------------------------------------------------------------------------
+# kvref verify
+
+
+def verify_unit(name: str, ctx, baseline, collect: bool):
+    """On a worker: one check of ``kvref verify``, exactly as the local loop runs it."""
+    from kvref.checks import check_named
+    from kvref.verify import run_check
+
+    return run_check(check_named(name), ctx, baseline, collect=collect)
+
+
+def run_verify(checks, ctx, baseline, collect: bool, exitfirst: bool,
+               log: Callable[[str], None]) -> tuple[list, object | None]:
+    """Every check as a unit; ``(results in the checks' order, the interrupted row or None)``.
+
+    ``exitfirst``: like the local loop, the report stops after the first failing check in order
+    (the later ones are cancelled or dropped)."""
+    from .report import ERROR, CheckResult
+
+    units = [Unit(c.name, verify_unit, (c.name, ctx, baseline, collect)) for c in checks]
+    order = [c.name for c in checks]
+    got: dict[str, object] = {}
+
+    def result_of(o: UnitOutcome):
+        if o.ok:
+            return o.value
+        return CheckResult(o.key, ERROR, o.error, seconds=o.seconds)
+
+    def on_done(o: UnitOutcome) -> bool:
+        r = result_of(o)
+        got[o.key] = r
+        log(f"{o.key}: {r.status} ({r.seconds:.1f}s) {r.summary}")
+        if not exitfirst:
+            return False
+        for name in order:  # stop once the first failing check in order is known, and all before it
+            if name not in got:
+                return False
+            if got[name].failing:
+                return True
+        return False
+
+    run = run_units(units, on_done=on_done)
+    results = [got.get(o.key) or result_of(o) for o in run.outcomes]
+    interrupted = None
+    if run.interrupted:
+        interrupted = next((r for r, o in zip(results, run.outcomes) if o.cancelled), None)
+        if interrupted is None:  # everything had finished when Ctrl-C came: still a partial report
+            interrupted = CheckResult(order[-1], ERROR, "interrupted (Ctrl-C)")
+    elif exitfirst:
+        first = next((i for i, r in enumerate(results) if r.failing), None)
+        if first is not None:
+            results = results[:first + 1]
+    return results, interrupted
+
+
+# --------------------------------------------------------------------------------------------
+# kvref mutants (the reference)
+
+
+def baseline_unit(name: str, budget: int):
+    """On a worker: one campaign check on the clean reference (None: passed)."""
+    from kvref.checks import _campaign_verdict, check_named
+
+    return _campaign_verdict(check_named(name), budget)
+
+
+def mutant_unit(mutant_name: str, names: list[str], budget: int, all_checks: bool) -> dict:
+    """On a worker: the campaign's checks, in order, under one mutant (the body of the local loop:
+    a check blind to the mutant's layer is skipped, a crash kills, the first kill stops unless
+    ``all_checks``)."""
+    from kvref.checks import _campaign_verdict, check_named
+    from kvref.models.mutants.campaign import _first_line
+    from kvref.models.mutants.catalogue import CATALOGUE
+
+    m = CATALOGUE[mutant_name]
+    t1 = time.perf_counter()
+    row: dict = {"killed": False, "killed_by": None, "reason": None, "per_check": {}}
+    with m.applied():
+        for c in (check_named(n) for n in names):
+            if not c.per_mutant or m.layer in c.blind_to:
+                continue
+            try:
+                why = _campaign_verdict(c, budget)
+            except Exception as e:  # noqa: BLE001 - a check that crashes under a mutant kills it
+                why = f"check crashed: {_first_line(e)}"
+            row["per_check"][c.name] = why
+            if why is not None and not row["killed"]:
+                row.update(killed=True, killed_by=c.name, reason=why)
+                if not all_checks:
+                    break
+    row["seconds"] = time.perf_counter() - t1
+    return row
+
+
+def proof_variants_unit() -> list:
+    from kvref.models.mutants.campaign import run_proof_variants
+
+    return run_proof_variants()
+
+
+def campaign_check_names(checks: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The checks a reference campaign runs and those left out, as :func:`kvref.checks.run_mutant_campaign`."""
+    from kvref.checks import available_checks, mutant_campaign_checks, unavailable_checks
+    from kvref.spec.errors import InvalidFieldError
+
+    if not checks:
+        return available_checks(), {}
+    selectable = mutant_campaign_checks()
+    for n in checks:
+        if n not in selectable:
+            raise InvalidFieldError("checks", n, "one of " + ", ".join(selectable))
+    missing = unavailable_checks(list(checks))
+    return [n for n in checks if n not in missing], {n: missing[n] for n in checks if n in missing}
+
+
+def run_reference_mutants(mutants, checks: list[str] | None, budget: int, all_checks: bool,
+                          proof_variants: bool, progress=None):
+    """The reference campaign on Ray: ``(CampaignResult, {mutant: error})``; raises
+    ``KeyboardInterrupt`` after cancelling the remote work on Ctrl-C."""
+    from kvref.models.mutants.campaign import CampaignResult, MutantResult
+
+    t0 = time.perf_counter()
+    names, skipped = campaign_check_names(checks)
+    base = run_units([Unit(n, baseline_unit, (n, budget)) for n in names])
+    if base.interrupted:
+        raise KeyboardInterrupt
+    failures = {o.key: (o.value if o.ok else f"error on Ray: {o.error}") for o in base.outcomes
+                if not o.ok or o.value is not None}
+    if failures:
+        return CampaignResult([], names, failures, time.perf_counter() - t0, skipped), {}
+    units = [Unit(m.name, mutant_unit, (m.name, names, budget, all_checks)) for m in mutants]
+    if proof_variants:
+        units.append(Unit("(proof variants)", proof_variants_unit))
+    errors: dict[str, str] = {}
+    rows: dict[str, list] = {}
+    by_name = {m.name: m for m in mutants}
+
+    def rows_of(o: UnitOutcome) -> list:
+        if o.key == "(proof variants)":
+            if o.ok:
+                return list(o.value)
+            errors[o.key] = o.error
+            return []
+        m = by_name[o.key]
+        if not o.ok:
+            errors[o.key] = o.error
+            return [MutantResult(m, False, None, f"error on Ray: {o.error}", o.seconds)]
+        v = o.value
+        return [MutantResult(m, v["killed"], v["killed_by"], v["reason"], v["seconds"], v["per_check"])]
+
+    def on_done(o: UnitOutcome) -> None:
+        rows[o.key] = rows_of(o)
+        if progress is not None:
+            for r in rows[o.key]:
+                progress(r)
+
+    run = run_units(units, on_done=on_done)
+    if run.interrupted:
+        raise KeyboardInterrupt
+    results = [r for u in units for r in rows[u.key]]
+    return CampaignResult(results, names, {}, time.perf_counter() - t0, skipped), errors
+
+
+# --------------------------------------------------------------------------------------------
+# kvref mutants --target vllm
+
+
+def fault_unit(fault_id: str | None, checks: tuple, profile: str, seed: int, timeout: float | None):
+    """On a worker: one source fault (None: the clean vLLM) through an overlay of the worker's vLLM."""
+    from kvref.models.mutants.vllm_source.catalogue import FAULTS
+    from kvref.vllm_campaign import installed_vllm_dir, run_fault
+
+    fault = None if fault_id is None else next(f for f in FAULTS if f.id == fault_id)
+    return run_fault(fault, checks, profile, seed, timeout, installed_vllm_dir())
+
+
+def _fault_result(o: UnitOutcome, fault):
+    from kvref.vllm_campaign import ERROR, FaultResult
+
+    if o.ok:
+        return o.value
+    return FaultResult(fault, ERROR, o.seconds, detail=f"on Ray: {o.error}")
+
+
+def _one(fault, checks, profile, seed, timeout):
+    run = run_units([Unit(None, fault_unit, (None if fault is None else fault.id, checks, profile, seed, timeout))])
+    if run.interrupted:
+        raise KeyboardInterrupt
+    return _fault_result(run.outcomes[0], fault)
+
+
+def run_vllm_faults(faults, checks, profile: str, seed: int, timeout, progress=None):
+    """:func:`kvref.vllm_campaign.run_campaign` with its faults as Ray units: the same baseline
+    rule (checks failing on the clean vLLM are left out), the same rows."""
+    import os
+
+    from kvref.spec.errors import InvalidFieldError
+    from kvref.vllm_campaign import (DEFAULT_TIMEOUT, ERROR, KILLED, TIMEOUT, CampaignResult,
+                                     installed_vllm_dir, vllm_checks)
+
+    checks = tuple(checks)
+    selectable = vllm_checks(default_only=False)
+    for c in checks:
+        if c not in selectable:
+            raise InvalidFieldError("--checks", c, "checks of kvref verify that drive vLLM: " + ", ".join(selectable))
+    if profile not in DEFAULT_TIMEOUT:
+        raise InvalidFieldError("--profile", profile, "fast / ci / nightly")
+    faults = list(faults)
+    vllm_dir = installed_vllm_dir()
+    for f in faults:  # every fault must apply (to the driver's vLLM, the workers' by the probe) first
+        with open(os.path.join(vllm_dir, f.path), encoding="utf-8") as fh:
+            f.apply_to(fh.read())
+    t0 = time.perf_counter()
+    say = progress or (lambda s: None)
+    say("clean vLLM (baseline) on Ray ...")
+    base = _one(None, checks, profile, seed, timeout)
+    say(f"clean vLLM: {base.outcome} ({base.seconds:.0f} s) {base.detail[:120]}")
+    if base.outcome == TIMEOUT:
+        return CampaignResult([], checks, profile, seed, time.perf_counter() - t0, base, {"*": base.detail})
+    dropped = {name: status for name, status in base.checks.items() if status in ("failed", "error")}
+    while dropped and base.outcome in (KILLED, ERROR):
+        rest = tuple(c for c in checks if c not in dropped)
+        if not rest:
+            break
+        base = _one(None, rest, profile, seed, timeout)
+        more = {n: s for n, s in base.checks.items() if s in ("failed", "error")}
+        if not more:
+            break
+        dropped.update(more)
+    checks = tuple(c for c in checks if c not in dropped)
+    if dropped:
+        say(f"left out (failing on the clean vLLM): {dropped}")
+    by_id = {f.id: f for f in faults}
+    n = {"done": 0}
+
+    def on_done(o: UnitOutcome) -> None:
+        n["done"] += 1
+        r = _fault_result(o, by_id[o.key])
+        say(f"[{n['done']}/{len(faults)}] {o.key} ({r.fault.kind}): {r.outcome}"
+            + (f" by {r.killed_by}" if r.killed_by else "") + f" in {r.seconds:.0f} s"
+            + (f" — {r.detail[:100]}" if r.outcome != KILLED and r.detail else ""))
+
+    run = run_units([Unit(f.id, fault_unit, (f.id, checks, profile, seed, timeout)) for f in faults], on_done=on_done)
+    if run.interrupted:
+        raise KeyboardInterrupt
+    results = [_fault_result(o, by_id[o.key]) for o in run.outcomes]
+    return CampaignResult(results, checks, profile, seed, time.perf_counter() - t0, base, dropped)
