@@ -10,7 +10,8 @@
 # changed, nothing is downloaded) -> every kernel and `gpu` test of tests/impl/torch compiled on
 # CUDA tensors (TRITON_INTERPRET unset) -> the correctness check (bench_triton_attention.py
 # --check-only) -> the benchmarks (decode vs SDPA and device copy, sliding window, tile sweep,
-# offload through the Triton and torch copiers). Prints ONE Markdown table (also DIR/table.md;
+# offload through the Triton and torch copiers); run in the order a short budget must not lose
+# (the verdicts first), see --plan. Prints ONE Markdown table (also DIR/table.md;
 # every step's log in DIR).
 #
 # Installs nothing the machine lacks: a missing pytest / hypothesis / setuptools is named and the
@@ -22,7 +23,7 @@
 set -uo pipefail
 
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
 }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -60,26 +61,32 @@ if [ -n "$WHEEL" ] && ! [ -f "$WHEEL" ]; then
 fi
 
 # step name | timeout (s) | arguments of $PY (run in the scratch run directory, see below)
-PYTEST_FILES="tests/impl/torch/test_triton_kernels.py tests/impl/torch/test_triton_real_shapes.py \
-tests/impl/torch/test_triton_shared_memory.py tests/impl/torch/test_triton_compile.py tests/impl/torch/test_triton_offload_launches.py \
-tests/impl/torch/test_triton_datapath.py tests/impl/torch/test_triton_backend_selector.py \
-tests/impl/torch/test_triton_benchmarks.py tests/impl/torch/test_kernel_device.py \
+# pytest in two steps, so that a timeout in one (each distinct kernel configuration compiles on
+# first use) does not cost the other's verdict
+KERNEL_TESTS="tests/impl/torch/test_triton_kernels.py tests/impl/torch/test_triton_real_shapes.py \
+tests/impl/torch/test_triton_shared_memory.py tests/impl/torch/test_triton_compile.py \
+tests/impl/torch/test_triton_offload_launches.py tests/impl/torch/test_kernel_device.py \
 tests/impl/torch/test_pinned_host.py tests/impl/torch/test_offload_copy.py tests/impl/torch/test_gpu.py \
 tests/impl/torch/test_paged_attention.py"
+SCENARIO_TESTS="tests/impl/torch/test_triton_datapath.py tests/impl/torch/test_triton_backend_selector.py \
+tests/impl/torch/test_triton_benchmarks.py"
 # the gpu test that runs --check-only in a subprocess: the check is its own step below
 DESELECT="tests/impl/torch/test_triton_kernels.py::test_compiled_kernels_on_cuda_match_the_torch_path"
+PYTEST="-m pytest -q -p no:cacheprovider --maxfail=20 -rf"
+# in order of what a short budget must not lose: the verdicts first, then the sweeps
 STEPS=(
-  "kernel + gpu tests (compiled, CUDA tensors)|200|-m pytest -q -p no:cacheprovider --maxfail=20 -rf --deselect $DESELECT $PYTEST_FILES"
   "correctness check (--check-only)|90|benchmarks/bench_triton_attention.py --check-only"
   "decode bf16 64x4096 GQA4 (default tuning)|45|benchmarks/bench_triton_attention.py"
+  "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
+  "kernel + gpu tests (compiled, CUDA tensors)|150|$PYTEST --deselect $DESELECT $KERNEL_TESTS"
   "decode, window 1024|30|benchmarks/bench_triton_attention.py --window 1024"
+  "data-path scenarios through the kernels|80|$PYTEST $SCENARIO_TESTS"
   "decode 256x4096|30|benchmarks/bench_triton_attention.py --batch 256"
   "decode 16x32768|30|benchmarks/bench_triton_attention.py --batch 16 --context 32768"
+  "offload, torch copier|30|benchmarks/bench_torch_offload.py --device cuda"
   "decode, tile 64, 8 warps|30|benchmarks/bench_triton_attention.py --tile 64 --num-warps 8"
   "decode, tile 32, 3 stages|30|benchmarks/bench_triton_attention.py --tile 32 --num-stages 3"
   "decode, tile 16|30|benchmarks/bench_triton_attention.py --tile 16"
-  "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
-  "offload, torch copier|30|benchmarks/bench_torch_offload.py --device cuda"
 )
 if [ -n "$ONLY" ]; then
   KEEP=()
