@@ -107,6 +107,9 @@ class Request:
         session_id: carried into ``BlockStored`` events.
         skip_reading_prefix_cache: the request never reads the prefix cache (vLLM sets it for
             prompt logprobs and all-pooling requests); it still publishes its blocks.
+        kv_cache_report_mode: ``"full"`` also announces the blocks of a prefix-cache hit in KV
+            events (vLLM reads it from ``SamplingParams.extra_args``); ``"incremental"`` (default)
+            only newly cached blocks.
     """
 
     request_id: str
@@ -131,6 +134,7 @@ class Request:
     prompt_embeds: tuple[bytes, ...] | None = None
     session_id: str | None = None
     skip_reading_prefix_cache: bool = False
+    kv_cache_report_mode: str = "incremental"
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -180,6 +184,8 @@ class Request:
             self.prompt_embeds = tuple(rows)
         if self.session_id is not None and not isinstance(self.session_id, str):
             raise InvalidFieldError("session_id", self.session_id, "None or a str")
+        if self.kv_cache_report_mode not in ("incremental", "full"):
+            raise InvalidFieldError("kv_cache_report_mode", self.kv_cache_report_mode, "'incremental' or 'full'")
         if not isinstance(self.skip_reading_prefix_cache, bool):
             raise InvalidFieldError("skip_reading_prefix_cache", self.skip_reading_prefix_cache, "True or False")
 

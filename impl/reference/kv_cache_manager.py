@@ -180,10 +180,8 @@ class KVCacheManager:
         block_hashes = self.hasher.block_hashes(request)
         blocks, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
             block_hashes, max_cache_hit_length)
-        # vLLM reads the report mode from SamplingParams.extra_args; kvref's Request may carry it
-        # as an attribute (the shared Request has no such field: "incremental", no event).
-        if num_hit > 0 and self.enable_kv_cache_events and \
-                getattr(request, "kv_cache_report_mode", "incremental") == "full":
+        # vLLM reads the report mode from SamplingParams.extra_args; kvref's Request carries it
+        if num_hit > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
             self.coordinator.emit_cached_block_events(request, block_hashes, blocks)
         boundary = num_hit + num_uncached if num_uncached else 0
         return self._wrap(blocks), num_hit, boundary

@@ -221,13 +221,15 @@ class VllmKVCacheManager:
         self._requests[request.request_id] = request
         self._ensure_none_hash()
         key = (tuple(request.prompt_token_ids), request.cache_salt, request.mm_features, request.lora_request,
-               request.prompt_embeds, request.session_id, request.skip_reading_prefix_cache)
+               request.prompt_embeds, request.session_id, request.skip_reading_prefix_cache,
+               request.kv_cache_report_mode)
         vreq = self._mirrors.get(request.request_id)
         if vreq is None or self._mirror_keys.get(request.request_id) != key:
             vreq = v["VRequest"](
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling_params=v["SamplingParams"](
-                    max_tokens=request.max_tokens, skip_reading_prefix_cache=request.skip_reading_prefix_cache),
+                    max_tokens=request.max_tokens, skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+                    extra_args={"kv_cache_report_mode": "full"} if request.kv_cache_report_mode == "full" else None),
                 pooling_params=None, arrival_time=request.arrival_time, cache_salt=request.cache_salt,
                 priority=request.priority, block_hasher=self._hasher,
                 prompt_embeds=_embeds_tensor(request.prompt_embeds),

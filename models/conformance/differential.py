@@ -295,7 +295,8 @@ class Harness:
                                         for ident, offset, length in op.mm),
                       lora_request=None if op.lora is None else LoRARequest(*op.lora),
                       prompt_embeds=None if op.embeds is None else tuple(bytes.fromhex(r) for r in op.embeds),
-                      session_id=op.session_id, skip_reading_prefix_cache=op.skip_reading)
+                      session_id=op.session_id, skip_reading_prefix_cache=op.skip_reading,
+                      kv_cache_report_mode="full" if op.report_full else "incremental")
         self.reqs[op.rid] = _ReqState(req)
         return OpResult(op, False)
 

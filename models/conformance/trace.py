@@ -94,6 +94,8 @@ _ARG_CHECKS: dict[str, tuple[Any, str]] = {
                "null or a list of hex strings (one embedding row per prompt token)"),
     "session_id": (lambda v: v is None or isinstance(v, str), "a str or null"),
     "skip_reading": (lambda v: isinstance(v, bool), "true or false"),
+    # kv_cache_report_mode "full": a prefix-cache hit is announced in KV events too
+    "report_full": (lambda v: isinstance(v, bool), "true or false"),
     # finish/preempt: a KV connector holds the request's get_blocks() view across the free
     "hold_view": (lambda v: isinstance(v, bool), "true or false"),
     # connector_lookup: the aligned endpoint a connector's hit truncates the local hit to
@@ -119,13 +121,14 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
 #: optional fields and their defaults (added after version 1 was first written; older traces omit them)
 OP_DEFAULTS: dict[str, dict[str, Any]] = {
     "admit": {"external": 0, "async_load": False, "reserve_slack": -1},
-    "add": {"mm": [], "lora": None, "embeds": None, "session_id": None, "skip_reading": False},
+    "add": {"mm": [], "lora": None, "embeds": None, "session_id": None, "skip_reading": False,
+            "report_full": False},
     "finish": {"hold_view": False},
     "preempt": {"hold_view": False},
 }
 
 #: optional fields left out of an op's one-line form while they hold their default (issue #23's)
-_QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading", "hold_view"})
+_QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading", "hold_view", "report_full"})
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (
     kci.FullAttentionSpec, kci.MLAAttentionSpec, kci.SlidingWindowSpec, kci.ChunkedLocalAttentionSpec,

@@ -340,6 +340,10 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             rid = f"r{self._next_rid}"
             self._next_rid += 1
             extras = data.draw(request_hash_inputs(prompt), label="hash_inputs") if breadth else {}
+            if self.mamba_split is not None:
+                # aligned_chunk looks the hit up on the compared reference itself: with "full"
+                # reporting that lookup would queue KV events vLLM never sees
+                extras.pop("report_full", None)
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
                                        cache_salt=data.draw(CACHE_SALTS), **extras)))
             return rid

@@ -50,11 +50,14 @@ def embeds_rows(prompt: list[int], variant: int) -> list[str]:
 
 @st.composite
 def request_hash_inputs(draw, prompt: list[int]) -> dict[str, Any]:
-    """The ``add`` op's optional fields ``mm``, ``lora``, ``embeds``, ``session_id``, ``skip_reading``."""
+    """The ``add`` op's optional fields ``mm``, ``lora``, ``embeds``, ``session_id``, ``skip_reading``,
+    ``report_full`` (``kv_cache_report_mode="full"``: hits announced in KV events)."""
     n = len(prompt)
     kind = draw(st.integers(0, 15), label="hash_inputs_kind")
     out: dict[str, Any] = {}
     if kind < 8:
+        if kind == 7:
+            out["report_full"] = True
         return out
     if kind in (8, 9, 10, 14, 15):  # multimodal items at drawn positions
         offset = draw(st.integers(0, n - 1), label="mm_offset")
@@ -71,4 +74,6 @@ def request_hash_inputs(draw, prompt: list[int]) -> dict[str, Any]:
         out["skip_reading"] = True
     if kind >= 14:
         out["session_id"] = "session-1"
+    if kind in (9, 15):
+        out["report_full"] = True
     return out

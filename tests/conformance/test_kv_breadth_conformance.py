@@ -261,3 +261,20 @@ def test_resolve_rewrapping_a_view_is_caught(vllm_adapter):
     assert list(bh.resolve_block_hashes(view, 1, 2)) == vllm_adapter.vllm_resolve_block_hashes(fine, 1, 2, 2)
     with pytest.raises(ValueError, match="block_hashes"):
         bh.resolve_block_hashes(view, 1, 4)  # a view at another block size
+
+
+def test_full_report_mode_announces_hits(vllm_adapter):
+    """``kv_cache_report_mode="full"``: a prefix-cache hit is announced as ``BlockStored`` from
+    block 0 (no parent), with the request's LoRA, session and extra keys, on both."""
+    pool = _pool(block_size=4, enable_kv_cache_events=True, swa=True)
+    ref, vllm = make_manager("reference", pool), make_manager("vllm", pool)
+    lora = LoRARequest("a", 1, "/a")
+    first = Request("a", list(range(13)), lora_request=lora, session_id="s")
+    again = Request("b", list(range(13)) + [5], lora_request=lora, session_id="s", kv_cache_report_mode="full")
+    for m in (ref, vllm):
+        m.allocate_slots(first, 13)
+        m.take_kv_events()
+        assert m.get_computed_blocks(again)[1] == 12
+    ours, theirs = ref.take_kv_events(), vllm.take_kv_events()
+    assert ours == theirs and len(ours) == 2
+    assert all(e["parent_block_hash"] is None and e["lora_name"] == "a" and e["session_id"] == "s" for e in ours)

@@ -99,7 +99,8 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                   priority=0, arrival_time=0.0,
                                   mm_features=(MultiModalFeatureSpec("img", PlaceholderRange(1, 2)),),
                                   lora_request=LoRARequest("a", 1, "/a"), prompt_embeds=(b"ab", b"cd", b"ef"),
-                                  session_id="s", skip_reading_prefix_cache=False)),
+                                  session_id="s", skip_reading_prefix_cache=False,
+                                  kv_cache_report_mode="full")),
         "SimpleCPUOffloadScheduler": (SimpleCPUOffloadScheduler, dict(
             kv_cache_groups=(GROUP,), num_cpu_blocks=4, max_model_len=32, scheduler_block_size=4, hash_block_size=4,
             lazy_offload=False, world_size=1, max_num_batched_tokens=16, max_in_flight_tokens=None)),
