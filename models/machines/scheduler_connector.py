@@ -307,6 +307,16 @@ class ConnectorLockstep(Lockstep):
         self.compare("reset_prefix_cache")
         self._compare_calls("reset_prefix_cache")
 
+    def _self_reservation_hang(self, snap) -> bool:
+        if snap.running or not snap.kv_holding_waiting:
+            return False
+        head = snap.kv_holding_waiting[0]
+        state = snap.requests[head]
+        ref = next((t for t in self.targets.values() if getattr(t, "connector_state", None) is not None), None)
+        return (state.status in ("waiting", "preempted") and state.num_computed_tokens == 0
+                and head not in snap.block_ids
+                and (ref is None or head in ref.connector_state.inflight_prefills))
+
     def pending_transfers(self) -> bool:
         return bool(self.script.pending_loads or self.script.pending_sends)
 
@@ -330,6 +340,13 @@ class ConnectorLockstep(Lockstep):
                     # placeholder is never settled; at max_model_len - 1 the request is never
                     # scheduled again. Both targets agreed up to here.
                     CONNECTOR_COVERAGE["vllm_hang_phantom_placeholder"] += 1
+                    self.known_hang = True
+                    return self.num_schedules - start
+                if self._self_reservation_hang(snap):
+                    # vLLM 0.33.0 itself hangs here too (docs/coverage.md, findings): a whole
+                    # load failed, the request stays in _inflight_prefills without blocks, and
+                    # its retried async load reserves its own remaining blocks against itself
+                    CONNECTOR_COVERAGE["vllm_hang_self_reservation"] += 1
                     self.known_hang = True
                     return self.num_schedules - start
                 raise AssertionError(
