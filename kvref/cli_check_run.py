@@ -52,12 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+#: preemption reasons (the trace's ``pre_why``) as the summary shows them
+_WHY = {"kv": "for KV blocks", "reset_prefix_cache": "by reset_prefix_cache", "unrecorded": "reason not recorded"}
+
+
 def _summary_table(s: dict) -> str:
     fin = ", ".join(f"{k} {v}" for k, v in sorted(s["finished"].items())) or "none"
     rows = [
         ("steps", f"{s['steps']:,}"),
         ("requests", f"{s['requests']:,} ({fin}; {s['still_live']} live at the end)"),
-        ("preemptions", f"{s['preemptions']:,} ({s['resumes']:,} resumed)"),
+        ("preemptions", f"{s['preemptions']:,} ({s['resumes']:,} resumed"
+                        + "".join(f"; {n:,} {_WHY.get(why, why)}"
+                                  for why, n in sorted(s.get("preemption_reasons", {}).items()))
+                        + ")"),
         ("prefix-cache hit rate", f"{100 * s['prefix_hit_rate']:.1f} % of new prompt tokens "
                                   f"({s['prefix_hits']:,} requests hit)"),
         ("longest wait", f"{s['longest_wait_steps']:,} steps ({s['longest_wait_request'] or '-'})"),
