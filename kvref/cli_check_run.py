@@ -140,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
     elif result.crash is not None:
         print(f"reference: agreed on all {result.steps_compared:,} steps before the crash")
     elif result.followed:
+        extra = ", free blocks, metrics" if h.get("version", 1) >= 3 else ""
         print(f"reference: agrees on all {result.steps_compared:,} steps (batch, token counts, computed tokens, "
-              "block ids per group, preemptions, finishes)")
+              f"block ids per group, preemptions, finishes{extra})")
     else:
         where = f" from trace line {result.stopped_at_line}" if result.stopped_at_line > 1 else ""
         print(f"reference: cannot follow this run{where}: {result.stopped_because}; agreed on "
