@@ -13,7 +13,9 @@ crash looks like::
     kvref demo record bad.kvtrace.gz --fault leak-on-refusal
     kvref check-run bad.kvtrace.gz                      # DIVERGENCE at the step the block leaks
 
-``kvref demo publish ENDPOINT`` publishes vLLM's KV events for ``kvref watch`` (when installed).
+``kvref demo campaign`` records every workload with every fault and reports what ``check-run`` and
+``--properties-only`` catch (BENCHMARKS.md). ``kvref demo publish ENDPOINT`` publishes vLLM's KV
+events for ``kvref watch`` (``kvref/cli_demo_publish.py``).
 
 Exit status (record): 0 the trace was written (also when the planted fault made vLLM raise: the
 trace records the crash), 2 a bad option or an unwritable path, 130 interrupted.
