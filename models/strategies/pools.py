@@ -98,7 +98,9 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
             checkpoint = draw(st.sampled_from((None, None, 1, hash_bs)))
             spec = MambaSpec(block_size=bs, shapes=((2, 3), (4,)), dtypes=("float16", "float32"),
                              mamba_cache_mode="align", num_prefill_checkpoint_blocks=int(checkpoint is not None),
-                             prefill_checkpoint_alignment=checkpoint)
+                             prefill_checkpoint_alignment=checkpoint,
+                             # MTP/EAGLE state blocks: relocated to the table's end as the state moves
+                             num_speculative_blocks=draw(st.sampled_from((0, 0, 0, 1, 2))))
         groups.append(KVCacheGroupSpec(layer, spec))
     sbs = 1
     for bs in sizes:
