@@ -156,6 +156,11 @@ def run_reference_mutants(mutants, checks: list[str] | None, budget: int, all_ch
                 if not o.ok or o.value is not None}
     if failures:
         return CampaignResult([], names, failures, time.perf_counter() - t0, skipped), {}
+    # the local campaign's mutants run in a process that has run every clean-reference check: the
+    # worker of a mutant loads what those units loaded (kvref.ray_inputs: the same Hypothesis inputs)
+    from kvref.ray_inputs import local_modules
+
+    loaded = sorted(set(local_modules()).union(*(o.modules for o in base.outcomes)))
     units = [Unit(m.name, mutant_unit, (m.name, names, budget, all_checks)) for m in mutants]
     if proof_variants:
         units.append(Unit("(proof variants)", proof_variants_unit))
@@ -182,7 +187,7 @@ def run_reference_mutants(mutants, checks: list[str] | None, budget: int, all_ch
             for r in rows[o.key]:
                 progress(r)
 
-    run = run_units(units, on_done=on_done)
+    run = run_units(units, on_done=on_done, modules=loaded)
     if run.interrupted:
         raise KeyboardInterrupt
     results = [r for u in units for r in rows[u.key]]

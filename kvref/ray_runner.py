@@ -91,8 +91,25 @@ def connect(address: str) -> str:
     local = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if local:
         kwargs["runtime_env"] = {**(env or {}), "env_vars": {**local, **(env or {}).get("env_vars", {})}}
+    loopback_only(ray)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
     return "a local Ray cluster on 127.0.0.1 (auto)"
+
+
+#: Ray's switch that, off, makes a node's address the loopback one: without it Ray replaces
+#: ``_node_ip_address="127.0.0.1"`` by the machine's reachable address and its GCS, raylet and
+#: workers listen there (ray._private.services.resolve_ip_for_localhost)
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_only(ray) -> None:
+    """A cluster this process starts listens and connects on 127.0.0.1 only: the switch in the
+    environment (the GCS, raylet and workers it starts inherit it) and in Ray's constants (read at
+    import, and Ray may already be imported)."""
+    os.environ[LOOPBACK_SWITCH] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def worker_versions() -> dict:
@@ -127,6 +144,13 @@ def probe_workers(address: str) -> dict:
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
             for n in nodes]
     seen = ray.get(refs, timeout=300)
+    check_versions(here, seen, address)
+    return {"driver": here, "nodes": seen, "cpus": int(ray.cluster_resources().get("CPU", 0))}
+
+
+def check_versions(here: dict, seen: list[dict], address: str) -> None:
+    """Every node's :data:`MATCHED` versions equal the driver's (Python to major.minor), or the
+    exit-2 error naming the first node that differs and what it runs."""
     for got in seen:
         for k in MATCHED:
             a, b = here[k], got[k]
@@ -135,7 +159,6 @@ def probe_workers(address: str) -> dict:
             if a != b:
                 raise InvalidFieldError("--ray", address, f"workers that run the driver's {k} {here[k]} "
                                                           f"(node {got['host']} has {got[k]}); docs/ray.md: runtime_env")
-    return {"driver": here, "nodes": seen, "cpus": int(ray.cluster_resources().get("CPU", 0))}
 
 
 def describe(info: dict) -> str:
@@ -164,6 +187,8 @@ class UnitOutcome:
     error: str | None = None
     cancelled: bool = False
     seconds: float = 0.0
+    #: the local modules the unit's worker had loaded when it finished (kvref.ray_inputs)
+    modules: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -183,19 +208,29 @@ class Unit:
 class RunOutcome:
     outcomes: list[UnitOutcome] = field(default_factory=list)
     interrupted: bool = False
+    #: the Ray object refs of the units, in order (a cancelled one raises TaskCancelledError on get)
+    refs: list = field(default_factory=list)
 
 
-def _call(fn, args):
-    """On the worker: the unit, its own logging quieted like the CLI's."""
+def _call(fn, args, modules):
+    """On the worker (a fresh process): the Hypothesis inputs of the driver's process
+    (:mod:`kvref.ray_inputs`), logging quieted like the CLI's, then the unit."""
     from kvref.quiet import quiet_third_party
+    from kvref.ray_inputs import align_with, local_modules
 
+    align_with(modules)
     quiet_third_party(False)
-    return fn(*args)
+    value = fn(*args)
+    return {"value": value, "modules": local_modules()}
 
 
 def run_units(units: Sequence[Unit], on_done: Callable[[UnitOutcome], bool | None] | None = None,
-              max_retries: int = 1) -> RunOutcome:
+              max_retries: int = 1, modules: list[str] | None = None) -> RunOutcome:
     """Ship every unit, wait, and return one outcome per unit in the order of ``units``.
+
+    Each unit runs in a fresh worker process (``max_calls=1``: nothing a previous unit imported,
+    patched or cached leaks into it) whose Hypothesis inputs are those of a process that loaded
+    ``modules`` (default: this driver's, :func:`kvref.ray_inputs.local_modules`).
 
     ``on_done(outcome)`` is called on the driver as each unit finishes; returning True stops the
     run (``--exitfirst``): the others are cancelled. A ``KeyboardInterrupt`` (Ctrl-C, or raised by
@@ -205,9 +240,13 @@ def run_units(units: Sequence[Unit], on_done: Callable[[UnitOutcome], bool | Non
     ray = import_ray()
     from ray.exceptions import RayTaskError, TaskCancelledError
 
-    remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
+    from kvref.ray_inputs import local_modules
+
+    if modules is None:
+        modules = local_modules()
+    remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False, max_calls=1)(_call)
     t0 = time.perf_counter()
-    refs = [remote.remote(u.fn, u.args) for u in units]
+    refs = [remote.remote(u.fn, u.args, modules) for u in units]
     index = {ref: i for i, ref in enumerate(refs)}
     outcomes: list[UnitOutcome | None] = [None] * len(units)
     pending = list(refs)
@@ -219,7 +258,8 @@ def run_units(units: Sequence[Unit], on_done: Callable[[UnitOutcome], bool | Non
                 i = index[ref]
                 out = UnitOutcome(units[i].key, seconds=time.perf_counter() - t0)
                 try:
-                    out.value = ray.get(ref)
+                    got = ray.get(ref)
+                    out.value, out.modules = got["value"], got["modules"]
                 except RayTaskError as exc:  # the unit itself raised: deterministic, not retried
                     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                     lines = str(cause).strip().splitlines()
@@ -245,7 +285,7 @@ def run_units(units: Sequence[Unit], on_done: Callable[[UnitOutcome], bool | Non
         "not run: an earlier unit failed (--exitfirst)"
     final = [o if o is not None else UnitOutcome(u.key, error=why, cancelled=True)
              for o, u in zip(outcomes, units)]
-    return RunOutcome(final, interrupted)
+    return RunOutcome(final, interrupted, refs)
 
 
 def add_argument(p) -> None:
