@@ -12,8 +12,10 @@ what the implementation did is the finding.
 
 Version 3 traces also carry what the KV cache *showed*: the free-block count after every call and
 the ``SchedulerStats`` the metrics endpoint reported (usage, prefix-cache queries and hits); both
-are compared with the reference's (:mod:`.metrics`), so a refused admission that leaks a block, or a
-hit-rate counter that miscounts, is a divergence at the step it happens (issue #28). A recorded
+are compared with the reference's (the KV cache manager's ``make_prefix_cache_stats``, recorded at
+admission as vLLM's scheduler records them; :mod:`.metrics` for usage), so a refused admission
+that leaks a block, or a hit-rate counter that miscounts, is a divergence at the step it happens
+(issue #28). A recorded
 ``error`` (vLLM raised inside a call) is replayed as the same call on the reference: the
 :class:`~.crash.Crash` says whether the reference raises too or what it would have done.
 
@@ -284,9 +286,16 @@ class LockstepReplay:
         if not self._check_free(line, rec["step"], "schedule", rec):
             return
         live = self._live
+        kv = self.scheduler.kv_cache_manager
+        record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
         for s in out.scheduled:
             if s.kind != "running":
-                self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
+                # vLLM records at admission ("unscheduled lookups are not counted"); the reference
+                # scheduler does not call it itself, so the replay does, at the same point
+                if record is not None:
+                    record(live[s.request_id], s.num_computed_tokens)
+                else:
+                    self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
         self.steps_compared += 1
 
     def _update(self, line: int, rec: dict) -> None:
@@ -320,6 +329,12 @@ class LockstepReplay:
         if not self._check_free(line, step, "update_from_output", rec):
             return
         expected = self._tally.take()
+        made = getattr(self.scheduler.kv_cache_manager, "make_prefix_cache_stats", None)
+        ps = made() if made is not None else None
+        if ps is not None:  # a PrefixCacheStats, or its plain dict (the adapter's view)
+            d = ps if isinstance(ps, dict) else vars(ps)
+            expected = {"req": d["requests"], "q": d["queries"], "h": d["hits"], "preq": d["preempted_requests"],
+                        "pq": d["preempted_queries"], "ph": d["preempted_hits"]}
         stats = rec.get("stats")
         if stats is None:
             return

@@ -99,7 +99,8 @@ def setup_from_header(header: dict) -> RunSetup:
                           scheduler_block_size=p["scheduler_block_size"], hash_block_size=p["hash_block_size"],
                           max_in_flight_tokens=p.get("max_in_flight_tokens") or config.max_in_flight_tokens,
                           enable_caching=bool(p.get("enable_caching", True)), watermark=float(p.get("watermark", 0.0)),
-                          use_eagle=bool(p.get("use_eagle", False)))
+                          use_eagle=bool(p.get("use_eagle", False)),
+                          log_stats=True)  # the reference's prefix-cache stats, compared with the recorded ones
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "
                               f"{config.max_in_flight_tokens} in flight)")
