@@ -269,7 +269,8 @@ class VllmScheduler:
         self._published = _CapturingPublisher()
         if pool.enable_kv_cache_events:
             self.scheduler.kv_event_publisher = self._published
-        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
+        # EAGLE with lookahead hashes: a block's hash covers the token after it (the engine's hasher)
+        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"], pool.num_hash_lookahead_tokens)
         self.pool = pool
         self.config = config
         self._reqs: dict[str, Any] = {}  # every request ever added (finished ones too)
@@ -449,9 +450,10 @@ class VllmKVCacheManagerShim:
                                   max_in_flight_tokens=pool.max_in_flight_tokens,
                                   enable_caching=pool.enable_caching, watermark=pool.watermark,
                                   use_eagle=pool.use_eagle,
+                                  num_hash_lookahead_tokens=pool.num_hash_lookahead_tokens,
                                   enable_kv_cache_events=pool.enable_kv_cache_events)
         self._allocation_watch = AllocationWatch(self.mgr)
-        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"])
+        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"], pool.num_hash_lookahead_tokens)
         self.pool = pool
         self.num_groups = len(pool.groups)
         self._twins: dict[str, Any] = {}

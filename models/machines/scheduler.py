@@ -99,7 +99,7 @@ class FakeModel:
 # ---- strategies ---------------------------------------------------------------------------------
 GROUP_KINDS = ("full", "full+swa", "full+chunked", "full+mamba")
 #: spec-decode setups add a three-group hybrid pool (EAGLE prefix hits across 3 groups)
-SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa",)
+SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa", "full+swa+swa")
 #: FA + Mamba "align" with prefix caching: vLLM's scheduler clips chunks to Mamba state boundaries
 #: (``_mamba_block_aligned_split``), the reference's scheduler_mamba_split does the same (issue #23)
 MAMBA_ALIGN_KINDS = ("full+mamba_align",)
@@ -199,6 +199,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         caching = True  # vLLM: "align" is Mamba prefix caching, which needs chunked prefill
         cfg = replace(cfg, enable_chunked_prefill=True)
     use_spec = draw(st.booleans()) if spec is None else spec
+    hash_lookahead = 0
     if use_spec:
         k = min(draw(st.integers(1, 4)), cfg.max_num_batched_tokens - 1)
         if 0 < cfg.long_prefill_token_threshold < 1 + k:
@@ -211,6 +212,12 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
                       skip_unused_drafts=method == EAGLE and draw(st.booleans()))
         if any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in groups) and cfg.use_eagle:
             caching = False  # kvref's coordinator does not model EAGLE hits on chunked-local groups
+        elif cfg.use_eagle and not has_mamba:
+            caching = True  # EAGLE's prefix-hit rules (block drop, lookahead hashes) need hits
+        # EAGLE with prefix caching: vLLM's default hashes each block with the token after it
+        # (num_hash_lookahead_tokens = 1, no block drop); disable_lookahead_block_hashes drops the
+        # trailing hit block instead
+        hash_lookahead = int(cfg.use_eagle and caching and draw(st.booleans()))
         groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
                        if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
@@ -232,7 +239,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
     pool = PoolConfig.off_plan("tight and startup-inconsistent pools (head-of-line hangs) startup never sizes",
                                num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                       hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
-                      watermark=watermark, use_eagle=cfg.use_eagle)
+                      watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
+                      num_hash_lookahead_tokens=hash_lookahead)
     return pool, cfg
 
 
@@ -396,6 +404,8 @@ class Lockstep:
         if self.config.use_eagle:
             hits = sum(1 for s in first.scheduled if s.kind == "new" and s.num_computed_tokens)
             COVERAGE["spec_eagle_prefix_hits"] += hits
+            COVERAGE["spec_eagle_lookahead_hash_hits" if self.pool.num_hash_lookahead_tokens
+                     else "spec_eagle_block_drop_hits"] += hits
             if len(self.pool.groups) >= 3:
                 COVERAGE["spec_eagle_prefix_hits_3_groups"] += hits
         if first.preempted_req_ids and self.last_snapshot.running:

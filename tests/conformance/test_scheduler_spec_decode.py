@@ -33,8 +33,8 @@ MIN_STEPS = 30
 STEP_COUNT = 45
 #: paths the spec-decode traces must keep reaching at ci profile
 RARE = ("spec_verify_steps", "spec_rejected", "spec_all_accepted", "spec_padded", "spec_draft_updates",
-        "spec_skip_drafts", "spec_stale_verify", "spec_eagle_prefix_hits", "spec_eagle_prefix_hits_3_groups",
-        "spec_padded_drafts", "spec_drafts_in_output",
+        "spec_skip_drafts", "spec_stale_verify", "spec_eagle_prefix_hits", "spec_padded_drafts",
+        "spec_drafts_in_output",
         "preemptions", "prefix_hits", "steps_async", "steps_sync",
         "finished_stop", "finished_length")
 
