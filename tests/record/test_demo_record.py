@@ -98,3 +98,28 @@ def test_the_campaign_counts_what_replay_and_the_properties_catch(env, capsys):
     assert "| crash | 1 | 1 | 1 | 1 | 1 (1) |" in table(s)
     assert cli.main(["demo", "campaign", "--faults", "nosuch"]) == 2
     assert "--faults" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call", ["update_from_output", "add_request"])
+def test_a_crash_in_any_recorded_call_is_recorded_with_its_inputs(env, tmp_path, monkeypatch, call):
+    """Not only schedule(): vLLM raising in update_from_output or add_request leaves an error record
+    with the call's inputs, and check-run replays that call on the reference at that point."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    orig = getattr(Scheduler, call)
+    calls = {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError(f"planted failure in {call}")
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, call, failing)
+    run = _record(env, tmp_path, "multi-turn", ticks=60)
+    assert run.crashed == f"RuntimeError: planted failure in {call}"
+    [err] = [rec for rec in read_lines(run.path)[1:] if rec["t"] == "error"]
+    assert err["call"] == call and ("update" in err if call == "update_from_output" else "add" in err)
+    r = check_trace(run.path)
+    assert r.verdict == "CRASH" and r.crash.call == call and not r.crash.reference_raised
+    assert r.crash.reference.startswith("settles" if call == "update_from_output" else "accepts")
