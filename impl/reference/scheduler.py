@@ -275,6 +275,9 @@ class Scheduler:
         total = sum(s[2] for s in scheduled.values())
         assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
+        release_copies = getattr(kv, "release_kv_cache_block_copies", None)
+        if release_copies is not None and self.connector_state is None:
+            release_copies()  # copy-on-write endpoints kept for this step's copies (_free_cow_retained_blocks)
 
         out = SchedulerOutput(
             scheduled=tuple(ScheduledRequest(request_id=rid, kind=kind, num_scheduled_tokens=n,

@@ -102,7 +102,7 @@ GROUP_KINDS = ("full", "full+swa", "full+chunked", "full+mamba")
 SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa", "full+swa+swa")
 #: FA + Mamba "align" with prefix caching: vLLM's scheduler clips chunks to Mamba state boundaries
 #: (``_mamba_block_aligned_split``), the reference's scheduler_mamba_split does the same (issue #23)
-MAMBA_ALIGN_KINDS = ("full+mamba_align",)
+MAMBA_ALIGN_KINDS = ("full+mamba_align", "full+mamba_fine")
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,9 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2
         groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=mamba_bs, shapes=((2, 8),),
                                                              dtypes=("float16",))))
         return mamba_bs, tuple(groups)
-    elif kind == "full+mamba_align":  # "align": the Mamba block is the attention block
-        groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=bs, shapes=((2, 8),), dtypes=("float16",),
+    elif kind in ("full+mamba_align", "full+mamba_fine"):  # "align": the Mamba block is the attention block
+        # (mamba_fine: hashed at half the block, fine-grained partial hits and copy-on-write)
+        groups.append(KVCacheGroupSpec((kind.split("+")[1],), MambaSpec(block_size=bs, shapes=((2, 8),), dtypes=("float16",),
                                                              mamba_cache_mode="align")))
     return bs, tuple(groups)
 
@@ -221,8 +222,10 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
                        if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
+    # fine-grained Mamba hits: hashes of half a block (the FA+Mamba "align" block stays the unit)
+    hash_bs = bs // 2 if bs > 1 and any(g.layer_names == ("mamba_fine",) for g in groups) else bs
     probe = PoolConfig.off_plan("a one-block probe that only asks the per-request bound", num_blocks=1, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
-                       hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
+                       hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                        watermark=watermark, use_eagle=cfg.use_eagle)
     need = max_blocks_per_request(probe, cfg) + 1
     if cfg.num_lookahead_tokens:
@@ -238,7 +241,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         num_blocks = draw(st.integers(max(2, len(groups) + 1), max(2, len(groups) + 1, need - 1)))
     pool = PoolConfig.off_plan("tight and startup-inconsistent pools (head-of-line hangs) startup never sizes",
                                num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
-                      hash_block_size=bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
+                      hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                       watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
                       num_hash_lookahead_tokens=hash_lookahead)
     return pool, cfg
