@@ -90,6 +90,9 @@ EXCLUDED: dict[str, str] = {
             "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
             "MambaManager.finalize_partial_tail_offload", INTERNAL),
     **_each(f"{_REF}.rswa_manager", "RSWAManager RSWAManager.remove_skipped_blocks", INTERNAL),
+    **_each(f"{_REF}.scheduler_mamba_split", "scheduler_split_config split_scheduled_chunk",
+            "the reference Scheduler's hooks into mamba_block_aligned_split (fuzzed itself), called with its "
+            "own checked state"),
     **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
     **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "
             "CircularBufferManager.allocate_external_computed_blocks CircularBufferManager.allocate_new_blocks "
