@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None:  # #27: the clean reference, then each mutant, as Ray units
         import sys
 
-        from kvref.ray_campaigns import run_reference_mutants
+        from kvref.ray_mutants import run_reference_mutants
         from kvref.ray_runner import describe, start
 
         print(describe(start(args.ray)), file=sys.stderr, flush=True)
@@ -205,7 +205,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         return 2
     quiet = args.json or args.markdown
     if args.ray is not None:  # #27: each fault as a Ray unit
-        from kvref.ray_campaigns import run_vllm_faults
+        from kvref.ray_mutants import run_vllm_faults
         from kvref.ray_runner import describe, start
 
         print(describe(start(args.ray)), file=sys.stderr if quiet else sys.stdout, flush=True)

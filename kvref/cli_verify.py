@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         reach.start()
     with json_out, console.status("starting") as status:
         if ray_info is not None:
-            from .ray_campaigns import run_verify
+            from .ray_verify import run_verify
 
             status.update(f"{len(checks)} check(s) on Ray")
             results, interrupted = run_verify(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,

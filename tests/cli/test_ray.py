@@ -84,9 +84,26 @@ def test_mutants_on_ray_kill_what_the_local_campaign_kills(cluster):
     assert "on Ray: 1 node(s), 2 CPU(s)" in remote.stderr  # the workers' versions, named
 
 
+@pytest.mark.vllm
+def test_a_vllm_source_fault_on_ray_is_caught_as_locally(cluster):
+    """``--target vllm``: the clean vLLM and a planted source fault each a unit on a worker (its
+    own overlay of the worker's vLLM): the baseline survives, the fault is killed by the check
+    that kills it locally (BENCHMARKS.md: conform-kv-manager on this fault, seed 0)."""
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    r = _kvref("mutants", "--target", "vllm", "--faults", "pool.free_count_off_by_one", "--checks",
+               "conform-kv-manager", "--json", "--ray", cluster)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(f["id"], f["outcome"], f["killed_by"]) for f in rows["faults"]] == [
+        ("pool.free_count_off_by_one", "killed", "conform-kv-manager")]
+    assert "clean vLLM: survived" in r.stderr and "on Ray: 1 node(s)" in r.stderr
+
+
 def test_a_failing_check_on_the_clean_reference_stops_the_campaign_on_ray_too(capsys, monkeypatch):
     """The clean-reference rule holds on Ray: a baseline unit that fails means no mutant runs."""
-    from kvref import ray_campaigns
+    from kvref import ray_mutants
     from kvref.ray_runner import UnitOutcome
 
     def fake_run_units(units, on_done=None, max_retries=1):
@@ -94,8 +111,8 @@ def test_a_failing_check_on_the_clean_reference_stops_the_campaign_on_ray_too(ca
 
         return RunOutcome([UnitOutcome(u.key, error="WorkerCrashedError on Ray after 2 attempt(s)") for u in units])
 
-    monkeypatch.setattr(ray_campaigns, "run_units", fake_run_units)
-    res, errors = ray_campaigns.run_reference_mutants([], ["spec-formulas"], 5, False, False)
+    monkeypatch.setattr(ray_mutants, "run_units", fake_run_units)
+    res, errors = ray_mutants.run_reference_mutants([], ["spec-formulas"], 5, False, False)
     assert res.baseline_failures == {"spec-formulas": "error on Ray: WorkerCrashedError on Ray after 2 attempt(s)"}
     assert res.results == [] and errors == {}
 
@@ -178,7 +195,7 @@ def _replaying(order: list[int], values: list):
 def test_exitfirst_reports_up_to_the_first_failing_check_in_order(monkeypatch):
     """Units finish in any order; the report is the local one: checks in order, cut after the first
     failing one, even when a later check finished (or failed) first."""
-    from kvref import ray_campaigns
+    from kvref import ray_verify
     from kvref.baseline import Baseline
     from kvref.check_context import VerifyContext
     from kvref.checks import check_named
@@ -187,11 +204,11 @@ def test_exitfirst_reports_up_to_the_first_failing_check_in_order(monkeypatch):
     checks = [check_named(n) for n in ("spec", "proofs", "machine-reference", "explorer")]
     values = [CheckResult("spec", PASSED, "ok", examined=1), CheckResult("proofs", FAILED, "bad"),
               CheckResult("machine-reference", FAILED, "bad too"), CheckResult("explorer", PASSED, "ok", examined=1)]
-    monkeypatch.setattr(ray_campaigns, "run_units", _replaying([2, 3, 1, 0], values))
-    results, interrupted = ray_campaigns.run_verify(checks, VerifyContext(), Baseline(), False, True, lambda s: None)
+    monkeypatch.setattr(ray_verify, "run_units", _replaying([2, 3, 1, 0], values))
+    results, interrupted = ray_verify.run_verify(checks, VerifyContext(), Baseline(), False, True, lambda s: None)
     assert interrupted is None and [(r.name, r.status) for r in results] == [("spec", PASSED), ("proofs", FAILED)]
-    monkeypatch.setattr(ray_campaigns, "run_units", _replaying([3, 2, 1, 0], values))
-    results, _ = ray_campaigns.run_verify(checks, VerifyContext(), Baseline(), False, False, lambda s: None)
+    monkeypatch.setattr(ray_verify, "run_units", _replaying([3, 2, 1, 0], values))
+    results, _ = ray_verify.run_verify(checks, VerifyContext(), Baseline(), False, False, lambda s: None)
     assert [r.name for r in results] == ["spec", "proofs", "machine-reference", "explorer"]  # the checks' order
 
 

@@ -1,84 +1,23 @@
-"""``--ray``: kvref verify and both mutant campaigns split into Ray units (issue #27).
+"""``kvref mutants --ray`` on both targets: mutants and vLLM source faults as Ray units (issue #27).
 
-The units, and why they give the findings of a local run:
-
-* ``kvref verify``: one unit per check, run by the same :func:`kvref.verify.run_check` with the
-  same :class:`~kvref.check_context.VerifyContext` (profile, seed) and baseline, so each check
-  draws the same Hypothesis examples as locally; results are put back in the checks' order.
-* ``kvref mutants`` (reference): the clean-reference checks first (one unit per check; a failure
-  there stops the campaign, as locally), then one unit per mutant running its checks in the
-  campaign's order under the mutant (:func:`mutant_unit`, the loop body of
-  :func:`kvref.models.mutants.campaign.run_campaign`), and the proof variants as one unit.
-* ``kvref mutants --target vllm``: the clean-vLLM baseline runs as in
-  :func:`kvref.vllm_campaign.run_campaign` (a unit each), then one unit per source fault, each
-  :func:`kvref.vllm_campaign.run_fault` in its own overlay on the worker's installed vLLM.
-
-A unit whose worker died twice, or that raised, is an error row (verify: ``error``; reference
-mutants: not killed, with the reason, and exit 1; vLLM faults: outcome ``error``), never a pass.
+* The reference: the clean-reference checks first (one unit per check; a failure there stops the
+  campaign, as locally), then one unit per mutant running its checks in the campaign's order under
+  the mutant (:func:`mutant_unit`, the loop body of
+  :func:`kvref.models.mutants.campaign.run_campaign`), and the proof variants as one unit. A mutant
+  unit's worker loads what the clean-reference units loaded (the local campaign has, by then:
+  :mod:`kvref.ray_inputs`). A mutant whose unit died twice or raised is not killed, carries the
+  reason, and the command exits 1: never a pass.
+* ``--target vllm``: the clean-vLLM baseline as in :func:`kvref.vllm_campaign.run_campaign` (a unit
+  each), then one unit per source fault, each :func:`kvref.vllm_campaign.run_fault` (a fresh
+  ``kvref verify`` subprocess on an overlay of the worker's installed vLLM); a unit that died twice
+  is the fault's outcome ``error``. docs/ray.md.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from .ray_runner import Unit, UnitOutcome, run_units
-
-
-# --------------------------------------------------------------------------------------------
-# kvref verify
-
-
-def verify_unit(name: str, ctx, baseline, collect: bool):
-    """On a worker: one check of ``kvref verify``, exactly as the local loop runs it."""
-    from kvref.checks import check_named
-    from kvref.verify import run_check
-
-    return run_check(check_named(name), ctx, baseline, collect=collect)
-
-
-def run_verify(checks, ctx, baseline, collect: bool, exitfirst: bool,
-               log: Callable[[str], None]) -> tuple[list, object | None]:
-    """Every check as a unit; ``(results in the checks' order, the interrupted row or None)``.
-
-    ``exitfirst``: like the local loop, the report stops after the first failing check in order
-    (the later ones are cancelled or dropped)."""
-    from .report import ERROR, CheckResult
-
-    units = [Unit(c.name, verify_unit, (c.name, ctx, baseline, collect)) for c in checks]
-    order = [c.name for c in checks]
-    got: dict[str, object] = {}
-
-    def result_of(o: UnitOutcome):
-        if o.ok:
-            return o.value
-        return CheckResult(o.key, ERROR, o.error, seconds=o.seconds)
-
-    def on_done(o: UnitOutcome) -> bool:
-        r = result_of(o)
-        got[o.key] = r
-        log(f"{o.key}: {r.status} ({r.seconds:.1f}s) {r.summary}")
-        if not exitfirst:
-            return False
-        for name in order:  # stop once the first failing check in order is known, and all before it
-            if name not in got:
-                return False
-            if got[name].failing:
-                return True
-        return False
-
-    run = run_units(units, on_done=on_done)
-    results = [got.get(o.key) or result_of(o) for o in run.outcomes]
-    interrupted = None
-    if run.interrupted:
-        interrupted = next((r for r, o in zip(results, run.outcomes) if o.cancelled), None)
-        if interrupted is None:  # everything had finished when Ctrl-C came: still a partial report
-            interrupted = CheckResult(order[-1], ERROR, "interrupted (Ctrl-C)")
-    elif exitfirst:
-        first = next((i for i, r in enumerate(results) if r.failing), None)
-        if first is not None:
-            results = results[:first + 1]
-    return results, interrupted
 
 
 # --------------------------------------------------------------------------------------------
