@@ -330,6 +330,8 @@ class Scheduler:
             num_new = split_scheduled_chunk(self, request, num_new, num_hit, admitting=True)  # Mamba "align"
             if num_new == 0:
                 break
+            if is_padded and num_new != padded:
+                num_new, is_padded = 1, False  # vLLM drops spec-decode padding the alignment clipped
 
             blocks = kv.allocate_slots(
                 request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,
