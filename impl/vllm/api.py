@@ -93,6 +93,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_UTILS, "init_none_hash"),
         _b(_UTILS, "get_group_id"),
         _b(_UTILS, "get_block_hash"),
+        # block-hash extra keys and hash functions (#23)
+        _b("vllm.lora.request", "LoRARequest"),
+        _b("vllm.multimodal.inputs", "MultiModalFeatureSpec"),
+        _b("vllm.multimodal.inputs", "PlaceholderRange"),
+        _b("vllm.utils.hashing", "get_hash_fn_by_name"),
     ),
     "kv-manager": (
         _b(_MGR, "KVCacheManager", "kv_cache_config", "max_model_len", "scheduler_block_size", "hash_block_size",
@@ -150,6 +155,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output"),
         _b("vllm.v1.core.sched.scheduler", "Scheduler.add_request"),
         _b("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests"),
+        # speculative decoding in the scheduler (#22)
+        _b("vllm.config", "SpeculativeConfig"),
+        _b("vllm.v1.outputs", "DraftTokenIds"),
         _b("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
         _b("vllm.v1.outputs", "ModelRunnerOutput"),
         _b("vllm.v1.structured_output", "StructuredOutputManager"),
@@ -205,6 +213,12 @@ AREAS: dict[str, tuple[Binding, ...]] = {
     ),
     # vLLM's own reading of a model's config.json (kvref.impl.vllm.model_config; the HF-config
     # conformance tests compare kvref's derivation with it)
+    # the classes kvref demo record --fault patches in-process (a planted fault, never a check)
+    "demo-faults": (
+        _b("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"),
+        _b("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager"),
+        _b("vllm.v1.core.single_type_kv_cache_manager", "ChunkedLocalAttentionManager"),
+    ),
     "model-config": (
         _b("vllm.config.model", "_get_and_verify_max_len"),
         _b("vllm.transformers_utils.config", "get_config"),
@@ -240,6 +254,7 @@ CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
     "conform-planning": ("specs", "planning"),
     "conform-connector": ("specs", "request", "scheduler", "kv-connector"),
+    "conform-spec-decode": ("specs", "request", "scheduler"),
 }
 
 
