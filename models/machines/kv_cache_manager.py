@@ -638,8 +638,10 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             moves past the prompt and the gap between them is freed (issue #23)."""
             self._count("decode_run")
             assert self.h is not None
-            rid = data.draw(st.sampled_from(self.h.steppable()))
-            for i in range(data.draw(st.integers(4, 16), label="run")):
+            # the request with the most output left: the window must move past the prompt's end
+            rid = max(self.h.steppable(), key=lambda r: self.h.reqs[r].request.max_tokens
+                      - len(self.h.reqs[r].request.output_token_ids))
+            for i in range(data.draw(st.integers(8, 24), label="run")):
                 if rid not in self.h.steppable():
                     break
                 # the rest of the prompt first (one chunk), then one token per step

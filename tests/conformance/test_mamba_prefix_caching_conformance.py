@@ -80,7 +80,8 @@ def test_generated_mamba_align_traces_match_vllm():
     the runs must publish partial tails and run copy-on-write copies."""
     require_vllm()
     machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+mamba_fine", "fa+mamba_align"))
-    run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(25, 120),
+    # derandomized: the same traces every run, so the reach assertions below cannot flake
+    run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(40, 150), derandomize=True,
                                                          stateful_step_count=40, deadline=None))
     stats = machine.stats
     assert stats.partial_entries > 0

@@ -67,13 +67,24 @@ def test_ring_claims_one_block_per_request_like_vllm():
     assert num_hit == 12 and hit[1] == ()  # the ring is never part of a hit
 
 
-def test_generated_rswa_and_ring_traces_match_vllm():
+def test_generated_rswa_traces_match_vllm():
+    """Derandomized: the same traces every run, so the reach assertion (a gap was freed, which
+    needs a request decoding past prompt + window) cannot flake; every op is compared anyway."""
     require_vllm()
-    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+rswa", "fa+ring"))
-    run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(20, 80),
+    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+rswa",))
+    run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(40, 120), derandomize=True,
                                                          stateful_step_count=40, deadline=None))
-    assert set(machine.stats.group_sets) == {"FullAttention+RSWA", "FullAttention+CircularBuffer"}
+    assert set(machine.stats.group_sets) == {"FullAttention+RSWA"}
     assert machine.stats.null_slots > 0  # R-SWA gaps were freed
+
+
+def test_generated_ring_traces_match_vllm():
+    require_vllm()
+    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+ring",))
+    run_state_machine_as_test(machine, settings=settings(max_examples=profile_examples(15, 60),
+                                                         stateful_step_count=40, deadline=None))
+    assert set(machine.stats.group_sets) == {"FullAttention+CircularBuffer"}
+    assert machine.stats.admissions > 0
 
 
 def test_vllm_0_33_cannot_build_the_sink_manager_through_its_coordinator():
