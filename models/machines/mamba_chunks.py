@@ -25,6 +25,19 @@ def mamba_split_config(pool: PoolConfig) -> MambaSplitConfig | None:
                                        use_eagle_block_drop=pool.use_eagle)
 
 
+def _peek_hit(h: Harness, request) -> int:
+    """The request's prefix-cache hit length, looked up without side effects: on the reference's
+    coordinator when it is compared (``get_computed_blocks`` may queue KV events, e.g. with
+    ``kv_cache_report_mode="full"``, which would then be the reference's alone), else on the first
+    implementation."""
+    ref = getattr(h.managers.get("reference"), "manager", None)
+    if ref is not None:
+        if not ref.prefix_cache_lookup_enabled(request):
+            return 0
+        return ref.coordinator.find_longest_cache_hit(ref.block_hashes(request), request.num_tokens - 1)[1]
+    return h.managers[h.kinds[0]].get_computed_blocks(request)[1]
+
+
 def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: int, admitting: bool) -> int:
     """``chunk`` clipped as the scheduler would for ``rid``'s next chunk (an admission starts after
     its prefix hit); ``chunk`` itself where nothing clips it or the clip leaves nothing."""
@@ -34,8 +47,7 @@ def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: 
     r = s.request
     num_hit = 0
     if admitting:
-        manager = h.managers[h.kinds[0]]
-        num_hit = manager.get_computed_blocks(r)[1]
+        num_hit = _peek_hit(h, r)
         schedulable = r.num_tokens - num_hit
     else:
         schedulable = r.num_tokens + s.placeholders - r.num_computed_tokens
