@@ -1,5 +1,5 @@
 """Hypothesis state machine for the single-type managers, driven through the reference
-``KVCacheManager`` (full attention, sliding window, or the hybrid pair).
+``KVCacheManager`` (full attention, sliding window, the hybrid pair, or full attention + R-SWA).
 
 Where the scheduler machine and the explorer decide *when* the manager is called like vLLM's
 scheduler does, this machine calls it in any order a scheduler could: admit a request with its
@@ -33,7 +33,7 @@ from kvref.spec.mathutil import cdiv
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    kind: str = "hybrid"  # "full" | "swa" | "hybrid" | "full2" (two full-attention groups)
+    kind: str = "hybrid"  # "full" | "swa" | "hybrid" | "full2" (two full-attention groups) | "full+rswa"
     block_size: int = 2
     sliding_window: int = 3
     num_blocks: int = 10
@@ -44,14 +44,16 @@ class ManagerConfig:
 
     def pool(self):
         from kvref.impl.interface import PoolConfig
-        from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+        from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, RSWASpec, SlidingWindowSpec
 
         common = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
         groups = []
-        if self.kind in ("full", "hybrid", "full2"):
+        if self.kind in ("full", "hybrid", "full2", "full+rswa"):
             groups.append(KVCacheGroupSpec(("full",), FullAttentionSpec(**common)))
         if self.kind == "full2":  # same spec: one spec group, a hit must hit in both groups
             groups.append(KVCacheGroupSpec(("full_b",), FullAttentionSpec(**common)))
+        if self.kind == "full+rswa":  # R-SWA: the gap between prompt and decode window is freed
+            groups.append(KVCacheGroupSpec(("rswa",), RSWASpec(rswa_window=self.sliding_window, **common)))
         if self.kind in ("swa", "hybrid"):
             groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=self.sliding_window, **common)))
         return PoolConfig.off_plan("a manager machine's hand-sized pool",
@@ -277,12 +279,14 @@ def make_manager_machine(config: ManagerConfig, *targets: str) -> type[ManagerMa
 CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("swa", num_blocks=6),
            ManagerConfig("hybrid", num_blocks=10), ManagerConfig("hybrid", num_blocks=6, block_size=1,
                                                                   sliding_window=2),
-           ManagerConfig("full2", num_blocks=9))
+           ManagerConfig("full2", num_blocks=9), ManagerConfig("full+rswa", num_blocks=12, block_size=2,
+                                                                 sliding_window=2))
 
 #: configs for the pairing with vLLM (adds a hybrid whose scheduler block spans two blocks, so
 #: the sliding-window reachable-block mask and hit alignment matter)
 VLLM_CONFIGS = (ManagerConfig("full", num_blocks=8), ManagerConfig("hybrid", num_blocks=10),
-                ManagerConfig("hybrid", num_blocks=12, block_size=2, sliding_window=3, scheduler_block_size=4))
+                ManagerConfig("hybrid", num_blocks=12, block_size=2, sliding_window=3, scheduler_block_size=4),
+                ManagerConfig("full+rswa", num_blocks=12, block_size=2, sliding_window=2))
 
 
 def run_manager_machines(budget: int, targets: tuple[str, ...] = ("reference",)) -> str | None:
