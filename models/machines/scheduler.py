@@ -251,9 +251,10 @@ PREFIXES = (tuple(range(1, 1025)), tuple(range(2000, 3024)), tuple(7 for _ in ra
 
 
 @st.composite
-def request_specs(draw, index: int, max_model_len: int):
-    """Prompts share prefixes (to make prefix-cache hits), then diverge."""
-    length = draw(st.integers(1, max_model_len - 1))
+def request_specs(draw, index: int, max_model_len: int, min_length: int = 1):
+    """Prompts share prefixes (to make prefix-cache hits), then diverge; at least ``min_length``
+    tokens (clipped to what ``max_model_len`` admits)."""
+    length = draw(st.integers(min(max(1, min_length), max_model_len - 1), max_model_len - 1))
     base = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))]
     shared = draw(st.integers(0, min(length, len(base))))
     # A seeded tail: a few bytes of choice data instead of one draw per token (fewer overruns).
@@ -638,6 +639,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         wrong-queue-end faults in vLLM surviving the default profile."""
         for _ in range(3):
             self.add_request(data)
+
+    @precondition(lambda self: self.num_added + 2 <= MAX_REQUESTS and not self.driver.config.enable_chunked_prefill
+                  and self.driver.config.long_prefill_token_threshold == 0)
+    @rule(data=st.data())
+    def whole_prompts_compete(self, data):
+        """Chunked prefill off: arrivals whose whole prompts cannot all fit one step's budget, so
+        a later one meets a budget the earlier ones used up and vLLM's waiting loop must stop
+        rather than cut its prompt ("If chunked_prefill is disabled, we can stop the scheduling
+        here"). One-at-a-time arrivals with prompts drawn from the whole range reach that only
+        after about a hundred traces; a scheduler that cuts the prompt keeps every invariant, so
+        only this path (and the comparison) shows it."""
+        budget = self.driver.config.max_num_batched_tokens
+        longest = self.driver.pool.max_model_len - 1
+        shortest = max(1, longest // 2)
+        needed = budget // max(1, shortest) + 1  # enough arrivals that their prompts overrun the budget
+        for _ in range(min(needed, MAX_REQUESTS - self.num_added)):
+            spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len, min_length=shortest))
+            self.num_added += 1
+            self.driver.add(spec)
+        COVERAGE["whole_prompts_compete"] += 1
 
     @rule()
     def engine_step(self):

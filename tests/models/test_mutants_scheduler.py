@@ -139,8 +139,9 @@ def test_scheduler_vllm_kills_every_scheduler_mutant_and_passes_the_clean_refere
     clean = check_named("scheduler-vllm").run(VerifyContext(profile=CAMPAIGN, budget=100, shrink=False))
     assert not clean.failing, clean.summary  # the clean reference agrees with vLLM
     # 150 traces: sched.chunks_without_chunked_prefill needs chunked prefill off *and* a prompt
-    # longer than the remaining budget; the first such trace comes after the 100th (the same one
-    # in every process: kvref.models.hypothesis_runs.reproducible)
+    # longer than the remaining budget, which the machine's whole_prompts_compete rule aims at (one-
+    # at-a-time arrivals reached it after the 100th trace, and not at all once the draws moved);
+    # the same traces in every process: kvref.models.hypothesis_runs.reproducible
     res = run_mutant_campaign(SCHEDULER_MUTANTS, checks=["scheduler-vllm"], budget=150)
     assert not res.baseline_failures and res.checks == ["scheduler-vllm"]
     survivors = [r.mutant.name for r in res.survivors]
@@ -193,7 +194,7 @@ def test_liveness_drain_catches_the_priority_victim_without_arrival_tiebreak(mon
     from kvref.models.machines import scheduler as sm
 
     specs = sm.request_specs
-    monkeypatch.setattr(sm, "request_specs", lambda i, m: specs(i, m).map(lambda s: replace(s, priority=0)))
+    monkeypatch.setattr(sm, "request_specs", lambda i, m, **kw: specs(i, m, **kw).map(lambda s: replace(s, priority=0)))
     machine = sm.machine_with({"ref": lambda p, c: Scheduler(p, c)},
                               setups=sm.scheduler_setups(policy=PRIORITY, tight=True, consistent=True))
     s = settings(max_examples=200, stateful_step_count=45, deadline=None, database=None, derandomize=True,
