@@ -70,6 +70,8 @@ def connect(address: str) -> str:
     if not isinstance(address, str) or not address.strip():
         raise InvalidFieldError("--ray", address, "a Ray address (host:port, ray://host:port) or 'auto'")
     ray = import_ray(address)
+    if address != "auto":
+        reachable(address)
     if ray.is_initialized():
         return "the Ray cluster this process had joined"
     env = _runtime_env()
@@ -110,6 +112,26 @@ def loopback_only(ray) -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+#: how long a cluster's address may take to accept a connection before it is an input error
+CONNECT_SECONDS = 10.0
+
+
+def reachable(address: str) -> None:
+    """A ``host:port`` (or ``ray://host:port``) that accepts a TCP connection within
+    :data:`CONNECT_SECONDS`, else the exit-2 error at once: Ray itself retries an unreachable GCS
+    for minutes before it gives up (``--ray 127.0.0.1:1`` ran 2 minutes)."""
+    import socket
+
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidFieldError("--ray", address, "a Ray address HOST:PORT (or ray://HOST:PORT), or 'auto'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise InvalidFieldError("--ray", address, f"a reachable Ray cluster (connecting failed: {exc})") from None
 
 
 def worker_versions() -> dict:

@@ -177,6 +177,33 @@ def test_ctrl_c_cancels_the_remote_work_and_says_which_units_did_not_finish(tmp_
     assert not marker.exists()
 
 
+def test_ctrl_c_during_verify_on_ray_writes_the_partial_report_and_exits_130(cluster, tmp_path):
+    """SIGINT once a quick check has reported, while a nightly-profile check (minutes) still runs
+    on its worker: exit 130, the finished row kept, the running one an interrupted error."""
+    import signal
+
+    junit = tmp_path / "r.xml"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
+                             "verify", "--only", "spec", "machine-scheduler", "--profile", "nightly", "--json",
+                             "--junit-xml", str(junit), "--out", str(tmp_path), "--ray", cluster],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "spec: passed" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    report = json.loads(out)
+    assert report["interrupted"] is True and "ray" in report
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("spec", "passed"), ("machine-scheduler", "error")]
+    assert "cancelled on Ray" in report["checks"][1]["summary"]
+    assert junit.exists()
+
+
 def _replaying(order: list[int], values: list):
     """A stand-in for run_units that finishes the units in ``order`` and honours on_done's stop."""
     from kvref.ray_runner import RunOutcome, UnitOutcome
@@ -232,6 +259,13 @@ def test_a_worker_with_another_vllm_is_an_exit_2_error_naming_it():
         check_versions(here, [dict(here, host="w1"), dict(here, host="w2", vllm="0.34.0")], "auto")
     with pytest.raises(InvalidFieldError, match="kvref"):
         check_versions(here, [dict(here, kvref="0.0.9")], "auto")
+
+
+def test_an_unreachable_or_malformed_address_is_an_exit_2_error_at_once(capsys):
+    assert cli.main(["verify", "--only", "spec", "--ray", "127.0.0.1:1"]) == 2  # nothing listens on port 1
+    assert "a reachable Ray cluster" in capsys.readouterr().err
+    assert cli.main(["verify", "--only", "spec", "--ray", "no-port"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
 
 
 def test_ray_and_reach_do_not_mix(capsys):
