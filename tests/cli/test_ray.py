@@ -84,6 +84,26 @@ def test_mutants_on_ray_kill_what_the_local_campaign_kills(cluster):
     assert "on Ray: 1 node(s), 2 CPU(s)" in remote.stderr  # the workers' versions, named
 
 
+def test_a_mutant_whose_unit_died_twice_is_an_error_not_a_survivor_or_a_kill(monkeypatch):
+    from kvref import ray_mutants
+    from kvref.models.mutants.catalogue import CATALOGUE
+    from kvref.ray_runner import RunOutcome, UnitOutcome
+
+    def fake_run_units(units, on_done=None, max_retries=1, modules=None):
+        outs = [UnitOutcome(u.key, value=None) if u.fn is ray_mutants.baseline_unit else
+                UnitOutcome(u.key, error="WorkerCrashedError on Ray after 2 attempt(s)") for u in units]
+        for o in outs:
+            if on_done is not None:
+                on_done(o)
+        return RunOutcome(outs)
+
+    monkeypatch.setattr(ray_mutants, "run_units", fake_run_units)
+    res, errors = ray_mutants.run_reference_mutants([CATALOGUE["spec.cdiv_floor"]], ["spec-formulas"], 5, False, False)
+    assert errors == {"spec.cdiv_floor": "WorkerCrashedError on Ray after 2 attempt(s)"}
+    [row] = res.results
+    assert not row.killed and row.reason.startswith("error on Ray: WorkerCrashedError")
+
+
 @pytest.mark.vllm
 def test_a_vllm_source_fault_on_ray_is_caught_as_locally(cluster):
     """``--target vllm``: the clean vLLM and a planted source fault each a unit on a worker (its
