@@ -124,9 +124,15 @@ def run(args: argparse.Namespace) -> int:
         from kvref.ray_mutants import run_reference_mutants
         from kvref.ray_runner import describe, start
 
-        print(describe(start(args.ray)), file=sys.stderr, flush=True)
-        res, ray_errors = run_reference_mutants(mutants, args.checks, args.budget, args.all_checks,
-                                                not args.no_proof_variants and not args.only, on_result)
+        from kvref.ray_runner import stop
+
+        info = start(args.ray)
+        print(describe(info), file=sys.stderr, flush=True)
+        try:
+            res, ray_errors = run_reference_mutants(mutants, args.checks, args.budget, args.all_checks,
+                                                    not args.no_proof_variants and not args.only, on_result)
+        finally:
+            stop(info)
     else:
         with progress.heartbeat("checking the clean reference first (every check must pass it)"):
             res = run_mutant_campaign(mutants, checks=args.checks, budget=args.budget, all_checks=args.all_checks,
@@ -208,10 +214,16 @@ def run_vllm(args: argparse.Namespace) -> int:
         from kvref.ray_mutants import run_vllm_faults
         from kvref.ray_runner import describe, start
 
-        print(describe(start(args.ray)), file=sys.stderr if quiet else sys.stdout, flush=True)
-        res = run_vllm_faults(faults, tuple(args.checks) if args.checks else VLLM_CHECKS, args.profile, args.seed,
-                              args.fault_timeout, lambda line: print(line, file=sys.stderr if quiet else sys.stdout,
-                                                                     flush=True))
+        from kvref.ray_runner import stop
+
+        info = start(args.ray)
+        print(describe(info), file=sys.stderr if quiet else sys.stdout, flush=True)
+        try:
+            res = run_vllm_faults(faults, tuple(args.checks) if args.checks else VLLM_CHECKS, args.profile,
+                                  args.seed, args.fault_timeout,
+                                  lambda line: print(line, file=sys.stderr if quiet else sys.stdout, flush=True))
+        finally:
+            stop(info)
         return _print_vllm_result(res, args, RECALL_GOAL)
     res = run_campaign(faults, checks=tuple(args.checks) if args.checks else VLLM_CHECKS, profile=args.profile,
                        seed=args.seed, timeout=args.fault_timeout, progress=lambda line: print(line, file=sys.stderr if quiet else sys.stdout, flush=True))

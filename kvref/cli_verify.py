@@ -177,7 +177,10 @@ def run(args: argparse.Namespace) -> int:
                 if args.exitfirst:
                     break
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
-    if ray_info is not None:  # cancelled units are rows of their own; the report names the workers
+    if ray_info is not None:
+        from .ray_runner import stop
+
+        stop(ray_info)  # cancelled units are rows of their own; the report names the workers
         not_run = [r.name for r in results if r is not interrupted and r.summary.startswith("interrupted")]
     if args.update_baseline and interrupted is None:
         from kvref.impl.vllm.installed import describe_installed_vllm

@@ -85,17 +85,34 @@ def connect(address: str) -> str:
             raise InvalidFieldError("--ray", address, f"a reachable Ray cluster ({type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         return f"Ray cluster at {address}"
-    try:
-        ray.init(address="auto", **kwargs)
-        return "the running Ray cluster (auto)"
-    except ConnectionError:
-        pass
+    running = _running_cluster()
+    if running is not None:
+        ray.init(address=running, **kwargs)
+        return f"the running Ray cluster at {running} (auto)"
     local = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if local:
         kwargs["runtime_env"] = {**(env or {}), "env_vars": {**local, **(env or {}).get("env_vars", {})}}
     loopback_only(ray)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
     return "a local Ray cluster on 127.0.0.1 (auto)"
+
+
+def _running_cluster() -> str | None:
+    """``auto``: the address Ray would pick (``RAY_ADDRESS``, the last ``ray start``, any GCS
+    process on this machine), if it accepts a connection. Ray itself would retry a stale or
+    unreachable one for minutes (a GCS of another user's cluster that listens on 127.0.0.1 only is
+    found by its process, at the machine's address); kvref then starts its own local cluster."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        found = get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        return None
+    try:
+        reachable(found)
+    except InvalidFieldError:
+        return None
+    return found
 
 
 #: Ray's switch that, off, makes a node's address the loopback one: without it Ray replaces
@@ -115,7 +132,7 @@ def loopback_only(ray) -> None:
 
 
 #: how long a cluster's address may take to accept a connection before it is an input error
-CONNECT_SECONDS = 10.0
+CONNECT_SECONDS = 5.0
 
 
 def reachable(address: str) -> None:
@@ -192,11 +209,28 @@ def describe(info: dict) -> str:
 
 def start(address: str) -> dict:
     """:func:`connect` then :func:`probe_workers`: the ``ray`` entry of a report."""
+    ray = import_ray(address)
+    owned = not ray.is_initialized()
     how = connect(address)
-    info = probe_workers(address)
+    try:
+        info = probe_workers(address)
+    except BaseException:
+        if owned:
+            ray.shutdown()
+        raise
     info["address"] = address
     info["cluster"] = how
+    info["owned"] = owned
     return info
+
+
+def stop(info: dict) -> None:
+    """After the run: leave the cluster (and end a local one this run started) if :func:`start`
+    joined it; a Ray this process had joined before (a test's cluster) stays."""
+    if info.get("owned"):
+        import ray
+
+        ray.shutdown()
 
 
 @dataclass

@@ -31,6 +31,8 @@ def cluster():
     from kvref.ray_runner import loopback_only
 
     loopback_only(ray)
+    if ray.is_initialized():  # a cluster another test's in-process run left behind
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              logging_level="warning")
     address = ray.get_runtime_context().gcs_address
