@@ -246,6 +246,8 @@ def _connector_constructors() -> dict[str, tuple[Callable[..., Any], dict[str, A
         "KVConnectorOutput": (KVConnectorOutput, dict(finished_sending=(), finished_recving=("a",),
                                                       failed_recving=(), invalid_block_ids=(1,))),
         "ScriptedConnector": (ScriptedConnector, dict(config=ConnectorConfig())),
+        "MultiScriptedConnector": (MultiScriptedConnector, dict(children=[ScriptedConnector(), ScriptedConnector()],
+                                                                config=ConnectorConfig())),
     }
 
 
