@@ -97,12 +97,9 @@ def main(argv=None) -> int:
              f"torch ({args.device})": lambda c: make_manager(c, device=args.device)}
     if not args.no_vllm:
         try:
-            import sys
+            from kvref.impl.vllm.kv_cache_manager import make_vllm_manager
 
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-            from tests.impl.torch.vllm_twin import VllmTwin
-
-            impls["vLLM 0.33.0"] = VllmTwin
+            impls["vLLM 0.33.0"] = make_vllm_manager
         except Exception as exc:  # vLLM not installed
             print(f"(vLLM skipped: {exc!r})")
     cfg = config(args.blocks)

@@ -1,9 +1,11 @@
-"""No import cycle among kvref's top-level modules (``kvref/*.py``) and the mutant package
-(``models/mutants/**.py``): every ``import`` statement counts, at module level or inside a
-function, absolute or relative. Two modules that import each other — even lazily, inside a
-function — are one module split in two; the registry of checks (:mod:`kvref.checks`) imports the
-check bodies and nothing imports it back, the mutant catalogue imports its sub-catalogues and they
-import only :mod:`kvref.models.mutants.registry`."""
+"""No import cycle among kvref's modules, in every package (``kvref``, ``spec``, ``impl``,
+``models``, ``proofs``; #26 found a cycle the old scan of ``kvref/*.py`` and ``models/mutants``
+missed): every ``import`` statement counts, at module level or inside a function, absolute or
+relative. Two modules that import each other — even lazily, inside a function — are one module
+split in two; the registry of checks (:mod:`kvref.checks`) imports the check bodies and nothing
+imports it back, the mutant catalogue imports its sub-catalogues and they import only
+:mod:`kvref.models.mutants.registry`. Imports under ``if TYPE_CHECKING:`` never run and name a
+type for annotations only: they are not edges. The benchmarks import kvref, never the tests."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: source folder -> the dotted package its files are installed as
-FOLDERS = {"kvref": "kvref", "models/mutants": "kvref.models.mutants"}
+FOLDERS = {"kvref": "kvref", "spec": "kvref.spec", "impl": "kvref.impl", "models": "kvref.models",
+           "proofs": "kvref.proofs"}
 
 
 def _module_name(path: Path, folder: str, package: str) -> str:
@@ -26,8 +29,7 @@ def sources() -> dict[str, tuple[str, bool]]:
     out = {}
     for folder, package in FOLDERS.items():
         base = ROOT / folder
-        paths = base.glob("*.py") if folder == "kvref" else base.rglob("*.py")
-        for path in sorted(paths):
+        for path in sorted(base.rglob("*.py")):
             out[_module_name(path, folder, package)] = (path.read_text(encoding="utf-8"), path.name == "__init__.py")
     return out
 
@@ -39,7 +41,7 @@ def import_graph(mods: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
     for name, (text, is_package) in mods.items():
         here = name if is_package else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in ast.walk(ast.parse(text, name)):
+        for node in _runtime_nodes(ast.parse(text, name)):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -54,6 +56,23 @@ def import_graph(mods: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
             edges.update(t for t in targets if t in mods and t != name)
         graph[name] = edges
     return graph
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those inside an ``if TYPE_CHECKING:`` body."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -113,3 +132,31 @@ def test_a_reintroduced_cycle_is_found():
     body = mods["kvref.verify"][0] + "\n\ndef _all():\n    from kvref.checks import CHECKS\n\n    return CHECKS\n"
     found = cycles(import_graph({**mods, "kvref.verify": (body, False)}))
     assert any({"kvref.checks", "kvref.verify"} <= set(c) for c in found), found
+
+
+def test_the_whole_tree_is_scanned_and_type_checking_imports_are_not_edges():
+    mods = sources()
+    assert {"kvref.impl.reference.scheduler", "kvref.impl.torch.triton_kernels.attention",
+            "kvref.impl.vllm.connector", "kvref.spec.planning", "kvref.proofs.theorems"} <= set(mods)
+    text, is_pkg = mods["kvref.impl.reference.scheduler_connector"]
+    guarded = text + "\n\nif TYPE_CHECKING:\n    from .scheduler import Scheduler as _S  # noqa\n"
+    assert not cycles(import_graph({**mods, "kvref.impl.reference.scheduler_connector": (guarded, is_pkg)}))
+    unguarded = text + "\n\ndef _s():\n    from .scheduler import Scheduler\n\n    return Scheduler\n"
+    found = cycles(import_graph({**mods, "kvref.impl.reference.scheduler_connector": (unguarded, is_pkg)}))
+    assert any({"kvref.impl.reference.scheduler", "kvref.impl.reference.scheduler_connector"} <= set(c)
+               for c in found), found
+    # the Triton package and its kernels: the kernels import .availability, never the package
+    init, is_pkg = mods["kvref.impl.torch.triton_kernels"]
+    lazy = init + "\n\ndef _k():\n    from .attention import _paged_attention_kernel\n\n    return 1\n"
+    found = cycles(import_graph({**mods, "kvref.impl.torch.triton_kernels": (lazy, is_pkg)}))
+    assert found == [], found  # the kernels no longer import the package: no way back
+
+
+def test_benchmarks_import_kvref_never_the_tests():
+    offenders = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders, offenders

@@ -154,7 +154,15 @@ class KVConnectorOutput:
 BlockIdsT = tuple[tuple[int, ...], ...]
 
 
-class ScriptedConnector:
+class SchedulerConnector:
+    """The scheduler side of a KV connector that the reference scheduler drives (vLLM
+    ``KVConnectorBase_V1``'s scheduler-role methods): :class:`ScriptedConnector` and its composition
+    :class:`~kvref.impl.reference.scheduler_connector_multi.MultiScriptedConnector`. A base of its
+    own so the scheduler accepts either without importing the composition, which imports this
+    module (no import cycle, #26)."""
+
+
+class ScriptedConnector(SchedulerConnector):
     """The fake KV connector's scheduler side: answers chosen by the trace, every call logged.
 
     Both incarnations run this object: the reference scheduler calls it directly, and vLLM's
@@ -299,9 +307,7 @@ def make_state(connector: ScriptedConnector, config) -> ConnectorState:
     if getattr(config, "num_speculative_tokens", 0):
         raise InvalidFieldError("config.num_speculative_tokens", config.num_speculative_tokens,
                                 "0 with a KV connector (spec decoding with a connector is not modelled)")
-    from .scheduler_connector_multi import MultiScriptedConnector
-
-    if not isinstance(connector, (ScriptedConnector, MultiScriptedConnector)):
+    if not isinstance(connector, SchedulerConnector):
         raise InvalidFieldError("connector", connector, "a ScriptedConnector or MultiScriptedConnector")
     st = ConnectorState(connector, config.policy)
     # With overlapping batches a step may still write a freed request's blocks, and a consumer's

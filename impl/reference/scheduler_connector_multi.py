@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 from kvref.spec.errors import InvalidFieldError
 
-from .scheduler_connector import BlockIdsT, ConnectorConfig, KVConnectorOutput, ScriptedConnector
+from .scheduler_connector import BlockIdsT, ConnectorConfig, KVConnectorOutput, SchedulerConnector, ScriptedConnector
 
 
-class MultiScriptedConnector:
+class MultiScriptedConnector(SchedulerConnector):
     """The ``MultiConnector`` rules over :class:`ScriptedConnector` children (same interface as one).
 
     Args:

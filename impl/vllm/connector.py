@@ -20,7 +20,7 @@ from typing import Any
 
 from kvref.impl.reference.scheduler_connector import KVConnectorOutput, ScriptedConnector
 
-from .scheduler import load_vllm
+from .loader import load_vllm
 
 MODULE_PATH = __name__
 CLASS_NAME = "KvrefScriptedConnector"

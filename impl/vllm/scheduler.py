@@ -36,34 +36,10 @@ from kvref.impl.scheduler_types import (
 )
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
+from kvref.impl.vllm.loader import load_vllm
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
 
-_V: dict[str, Any] = {}
-
-
-def load_vllm() -> dict[str, Any]:
-    """Import the vLLM pieces the adapter needs (once per process) and return them by name."""
-    if _V:
-        return _V
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig as VSchedulerConfig, VllmConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1 import kv_cache_interface as vk
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import DraftTokenIds as VDraftTokenIds, ModelRunnerOutput
-    from vllm.v1.request import Request as VRequest, RequestStatus as VStatus
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    _V.update(locals())
-    return _V
 
 
 def _torch_dtype(name: str):

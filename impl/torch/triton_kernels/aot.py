@@ -96,7 +96,7 @@ def compile_kernel(kernel, label: str, pointer_types: dict[str, torch.dtype], co
     from triton.compiler import ASTSource, compile
     from triton.runtime.jit import JITFunction
 
-    from . import _interpret_requested
+    from .availability import _interpret_requested
 
     if _interpret_requested():
         # Triton's frontend reads the variable while compiling, and a process that has run

@@ -60,6 +60,7 @@ import triton.language as tl
 from kvref.spec.errors import InvalidFieldError
 
 from ..paged_attention import AttentionMask, _check_paged_args
+from .availability import note_decorated
 
 _MASK_CODE = {"causal": 0, "sliding_window": 1, "chunked_local": 2}
 #: the most blocks a pool may have: the block table goes to the kernel as int32
@@ -240,6 +241,9 @@ def _combine_kernel(part_ptr, m_ptr, l_ptr, out_ptr, stride_pt, stride_ph, strid
         out += w * tl.load(p_row + sp * stride_ps + d, mask=d < HEAD, other=0.0)
     out = tl.where(total > 0, out / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + t * stride_ot + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
+
+
+note_decorated(_paged_attention_kernel)  # interpreted() reads how triton decorated the kernels
 
 
 def _pow2(n: int) -> int:
@@ -437,7 +441,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     ``validate=False`` skips the range checks of the arguments, which read device values back to
     the host (a device sync per check); for timing loops over arguments already checked once.
     """
-    from . import require_triton
+    from .availability import require_triton
 
     if validate:
         _check_paged_args(query, kv_cache, block_table, context_lens, query_rows, query_positions)

@@ -71,7 +71,7 @@ def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_id
     tensors of equal length with distinct destinations. One side may be pinned host memory when
     the other is on CUDA (the kernel reads or writes it directly); on CPU tensors the kernel runs
     in Triton's interpreter."""
-    from . import require_triton
+    from .availability import require_triton
 
     if not isinstance(srcs, (list, tuple)) or not isinstance(dsts, (list, tuple)) or len(srcs) != len(dsts) \
             or not srcs:

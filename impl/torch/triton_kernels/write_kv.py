@@ -40,7 +40,7 @@ def write_kv_triton(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor
     """Store ``k``/``v`` (``[T, Hkv, D]``) at ``slots`` (``[T]``) of one layer's ``kv_cache``
     (``[num_blocks, 2, block_size, Hkv, D]``, a view whose ``[Hkv, D]`` rows are contiguous).
     ``allow_padding``: skip tokens whose slot is ``-1`` (vLLM's ``PAD_SLOT_ID``)."""
-    from . import require_triton
+    from .availability import require_triton
 
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise InvalidFieldError("kv_cache", tuple(kv_cache.shape), "[num_blocks, 2, block_size, Hkv, D]")

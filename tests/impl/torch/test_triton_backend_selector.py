@@ -56,7 +56,7 @@ def test_without_triton_the_triton_backend_says_why_and_the_torch_path_works(mon
 
 def test_cpu_tensors_with_compiled_kernels_are_refused_with_the_fix(monkeypatch):
     pytest.importorskip("triton", reason="triton is not installed")
-    import kvref.impl.torch.triton_kernels as tk
+    import kvref.impl.torch.triton_kernels.availability as tk
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tk, "interpreted", lambda: False)  # as if decorated without the interpreter
