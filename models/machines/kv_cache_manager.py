@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,8 @@ class MachineStats:
     seconds_in_harness: float = 0.0
     group_sets: dict[str, int] = field(default_factory=dict)
     unsupported_pools: int = 0
+    #: why an implementation refused a pool (message -> count): a test requiring none names them
+    unsupported_reasons: Counter = field(default_factory=Counter)
     #: traces discarded at a difference the user's baseline accepts (kvref.models.conformance.accepted)
     accepted_divergences: int = 0
     seconds_by_kind: dict[str, float] = field(default_factory=dict)
@@ -151,10 +154,11 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             for kind in kinds:
                 try:
                     managers[kind] = make_manager(kind, pool)
-                except ValueError:
+                except ValueError as exc:
                     if kind == "vllm":
                         raise
                     self.stats.unsupported_pools += 1
+                    self.stats.unsupported_reasons[f"{kind}: {exc}"[:300]] += 1
                     reject()
             self.h = Harness(pool, managers)
             self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"

@@ -87,7 +87,7 @@ def test_torch_matches_vllm_in_the_shared_conformance_harness(twin_factory):
                                              suppress_health_check=list(HealthCheck))
         machine.TestCase().runTest()
         st = machine.stats
-        assert st.unsupported_pools == 0
+        assert st.unsupported_pools == 0, dict(st.unsupported_reasons)
         assert st.ops_applied > 0 and len(st.group_sets) >= 3
         hits.append(st.prefix_hits)
         if st.prefix_hits:
