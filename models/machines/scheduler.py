@@ -765,6 +765,41 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def run_lockstep_machine(machine, examples: int, steps: int, min_steps: int, seed: int | None,
+                         reproducible: bool, shrink: bool) -> tuple[bool, str, str | None]:
+    """Run a lock-step machine once: ``(ok, failure, signature)``, the failure described and
+    signed the same way for every scheduler-level check. ``seed`` fixes the traces of the run and
+    ``reproducible`` derandomizes it; either way the run draws no constants from the modules the
+    process has loaded, so a seeded ``kvref verify`` inside a test process draws the traces the
+    same command draws alone."""
+    from contextlib import nullcontext
+
+    import hypothesis.core as hcore
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+
+    saved_seed = hcore.global_force_seed
+    if seed is not None:
+        hcore.global_force_seed = seed
+    try:
+        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
+            run_state_machine_as_test(
+                machine, _min_steps=min_steps,
+                settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                                  derandomize=reproducible, suppress_health_check=list(HealthCheck),
+                                  phases=list(Phase) if shrink else [Phase.generate]))
+        return True, "", None
+    except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
+        subs = getattr(e, "exceptions", None) or [e]
+        failure = "\n".join(_describe(x) for x in subs)
+        sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
+        return False, failure, sig
+    finally:
+        hcore.global_force_seed = saved_seed
+
+
 def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = False,
                           shrink: bool = True, seed: int | None = None, spec: bool | None = False) -> SchedulerRun:
     """Run the scheduler machine (reference alone, or lock-step with vLLM 0.33.0) outside pytest.
@@ -776,16 +811,7 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
     :func:`~kvref.models.hypothesis_runs.reproducible.same_inputs_in_every_process`); ``seed`` fixes the traces of
     one run (``kvref verify --seed``: a baseline recorded with a seed is checked on the same traces).
     """
-    import hypothesis.core as hcore
-
-    from hypothesis import HealthCheck, Phase, settings
-    from contextlib import nullcontext
-
-    from hypothesis.stateful import run_state_machine_as_test
-
     from kvref.impl.reference.scheduler import Scheduler
-
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     factories: dict[str, Callable] = {"ref": lambda p, c: Scheduler(p, c)}
     if with_vllm:
@@ -803,25 +829,8 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
     machine = machine_with(factories, setups=scheduler_setups(spec=spec), name="SchedulerRun", spec=spec is not False)
     machine.driver_class = Counting
     COVERAGE.clear()
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
-    try:
-        # a seed fixes the traces in every process only without the loaded modules' constants
-        # (a seeded verify inside a test process drew other traces than the same command alone)
-        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
-            run_state_machine_as_test(
-                machine, _min_steps=31,
-                settings=settings(max_examples=examples, stateful_step_count=45, deadline=None, database=None,
-                                  derandomize=reproducible, suppress_health_check=list(HealthCheck),
-                                  phases=list(Phase) if shrink else [Phase.generate]))
-        ok, failure, sig = True, "", None
-    except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
-        subs = getattr(e, "exceptions", None) or [e]
-        ok, failure = False, "\n".join(_describe(x) for x in subs)
-        sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
-    finally:
-        hcore.global_force_seed = saved_seed
+    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                            reproducible=reproducible, shrink=shrink)
     valid = [d for d in drivers if d.num_steps >= 30]
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
                         coverage=dict(COVERAGE), failure=failure, signature=sig)

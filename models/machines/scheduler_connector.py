@@ -469,16 +469,7 @@ class ConnectorRun:
 def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = False, shrink: bool = True,
                           seed: int | None = None) -> ConnectorRun:
     """Run the connector machine (reference alone, or lock-step with vLLM) outside pytest."""
-    from contextlib import nullcontext
-
-    import hypothesis.core as hcore
-    from hypothesis import HealthCheck, Phase, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from kvref.models.conformance.accepted import signature
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
-
-    from .scheduler import Divergence, _describe
+    from .scheduler import run_lockstep_machine
 
     factories: dict[str, Callable] = {"ref": reference_factory}
     if with_vllm:
@@ -495,22 +486,7 @@ def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = F
 
     CONNECTOR_COVERAGE.clear()
     COVERAGE.clear()
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
-    try:
-        with same_inputs_in_every_process() if reproducible else nullcontext():
-            run_state_machine_as_test(
-                machine, _min_steps=20,
-                settings=settings(max_examples=examples, stateful_step_count=40, deadline=None, database=None,
-                                  derandomize=reproducible, suppress_health_check=list(HealthCheck),
-                                  phases=list(Phase) if shrink else [Phase.generate]))
-        ok, failure, sig = True, "", None
-    except Exception as e:  # noqa: BLE001 - a divergence, invariant or liveness failure
-        subs = getattr(e, "exceptions", None) or [e]
-        ok, failure = False, "\n".join(_describe(x) for x in subs)
-        sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
-    finally:
-        hcore.global_force_seed = saved_seed
+    ok, failure, sig = run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
+                                            reproducible=reproducible, shrink=shrink)
     return ConnectorRun(ok=ok, traces=len(drivers), ops=sum(d.num_steps for d in drivers),
                         coverage=dict(CONNECTOR_COVERAGE), failure=failure, signature=sig)
