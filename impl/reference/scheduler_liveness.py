@@ -40,6 +40,17 @@ a livelock kvref's search found and vLLM 0.33.0 reproduces
 (``test_priority_ties_livelock_without_the_full_sequence_gate``). With the gate on, 1500
 generated tied traces drained.
 
+Partial prefix hits break "alone, everyone fits" (a finding about vLLM 0.33.0, docs/proofs.md
+Findings 3). With prefix caching on and a group whose block is larger than ``hash_block_size``, a
+cached prefix can end inside a block; the gate then counts, per such group, the touched hits that
+sit in the free queue *and* a copy-on-write block for the shared tail — one block more than the
+startup count. A pool sized exactly for one ``max_model_len`` request then never re-admits a
+request whose own earlier (preempted) blocks are cached with such a tail: it waits at the head of
+the queue forever with the whole pool free, on vLLM as on the reference
+(``test_partial_hit_copy_on_write_hangs_a_startup_consistent_pool``).
+:func:`liveness_guaranteed` is the precondition of the drain bound: startup-consistent plus one
+free block per group that can take a partial hit.
+
 The bounds count ``schedule()`` calls of an engine that schedules whenever a batch slot is free
 and otherwise settles the oldest batch (vLLM's ``step_with_batch_queue``), plus the pipeline
 depth.
@@ -103,6 +114,25 @@ def startup_consistent(pool: PoolConfig, config: SchedulerConfig) -> bool:
     return max_blocks_per_request(pool, config) <= pool.num_blocks - 1
 
 
+def partial_hit_groups(pool: PoolConfig) -> int:
+    """Groups whose prefix-cache hit can end inside one of their blocks (hits are found per
+    ``hash_block_size`` tokens): each needs a copy-on-write block beyond the startup count."""
+    if not isinstance(pool, PoolConfig):
+        raise InvalidFieldError("pool", pool, "a PoolConfig")
+    if not pool.enable_caching:
+        return 0
+    return sum(1 for g in pool.groups
+               if g.kv_cache_spec.prefix_cacheable and g.kv_cache_spec.block_size > pool.hash_block_size)
+
+
+def liveness_guaranteed(pool: PoolConfig, config: SchedulerConfig) -> bool:
+    """True when :func:`drain_bound` holds: :func:`startup_consistent` and, for every group that
+    can take a partial prefix hit, one block beyond the startup count (the copy-on-write tail the
+    gate counts on top of the touched hits; vLLM 0.33.0 hangs without it)."""
+    return startup_consistent(pool, config) and \
+        max_blocks_per_request(pool, config) + partial_hit_groups(pool) <= pool.num_blocks - 1
+
+
 def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> int:
     """``T_r``: schedule() calls the first claimant of the budget needs to finish from scratch."""
     _check_setup(pool, config)
@@ -116,7 +146,8 @@ def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> 
 
 
 def drain_bound(requests: Iterable[Request], pool: PoolConfig, config: SchedulerConfig) -> int:
-    """Schedule calls within which every live request finishes when nothing new arrives."""
+    """Schedule calls within which every live request finishes when nothing new arrives
+    (on a setup for which :func:`liveness_guaranteed` holds)."""
     _check_setup(pool, config)
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise InvalidFieldError("requests", requests, "a collection of Requests")

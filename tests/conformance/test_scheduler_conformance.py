@@ -24,11 +24,11 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_liveness import startup_consistent
+from kvref.impl.reference.scheduler_liveness import liveness_guaranteed, startup_consistent
 from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.impl.request import Request
 from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 
@@ -203,3 +203,60 @@ def test_priority_ties_livelock_without_the_full_sequence_gate(vllm_env, is_asyn
 # long-prefill threshold when alone, ...) are catalogue mutants now
 # (kvref.models.mutants.catalogue_scheduler): tests/models/test_mutants_scheduler.py asserts that
 # the campaign's scheduler-vllm check, this machine against vLLM, kills every one of them.
+
+
+def _fa_mamba_fine_pool(num_blocks: int, cfg: SchedulerConfig) -> PoolConfig:
+    """FA + align-mode Mamba, both with 4-token blocks hashed per 2 tokens (fine-grained hits)."""
+    fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16"))
+    mamba = KVCacheGroupSpec(("mamba",), MambaSpec(block_size=4, shapes=((2, 8),), dtypes=("float16",),
+                                                   mamba_cache_mode="align"))
+    return PoolConfig(num_blocks=num_blocks, groups=(fa, mamba), max_model_len=32, scheduler_block_size=4,
+                      hash_block_size=2, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=True)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_partial_hit_copy_on_write_hangs_a_startup_consistent_pool(vllm_env, is_async):
+    """Found by the Mamba-align scheduler machine's liveness check (CI, 2026-11, a request
+    preempted mid-prefill), reproduced on vLLM 0.33.0 (docs/proofs.md Findings 3). A 31-token
+    prompt is served and its blocks stay cached; the same prompt arrives again. Its cached prefix
+    ends inside a 4-token block (hits are per 2 tokens, the last token is never a hit), and the
+    full-sequence gate counts every touched hit that sits in the free queue plus a copy-on-write
+    block for the shared tail: 11 blocks, one more than the 10 the startup check charges for a
+    ``max_model_len`` request. It waits forever with the whole pool free. One block more and the
+    same trace drains; :func:`liveness_guaranteed` asks one per group that can take a partial hit
+    (the Mamba group's gate can also count a new state block, its copy and a touched hit: one over
+    its startup two)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, async_scheduling=is_async)
+    prompt = (24, 48, 26, 2, 16, 32, 31, 25, 19, 30, 22, 37, 13, 32, 8, 18, 8, 48, 6, 39, 16, 34, 45, 38,
+              9, 19, 6, 46, 4, 43, 21)
+
+    def steps(d, n):
+        for _ in range(n):
+            if not (d.unfinished() or d.num_in_flight()):
+                return
+            d.engine_step()
+
+    def run(num_blocks):
+        pool = _fa_mamba_fine_pool(num_blocks, cfg)
+        d = Lockstep(pool, cfg, _targets(vllm_env, shim=False))
+        d.add(RequestSpec("first", prompt, max_tokens=1, priority=0, arrival_time=0.0))
+        steps(d, 20)
+        if d.snapshots()["vllm"].requests["first"].status == "finished":
+            d.add(RequestSpec("again", prompt, max_tokens=1, priority=0, arrival_time=1.0))
+            steps(d, 40)
+        return pool, d.snapshots()["vllm"]
+
+    pool, hung = run(11)
+    assert startup_consistent(pool, cfg) and not liveness_guaranteed(pool, cfg)
+    if is_async:
+        # Findings 2 first: with a batch in flight the align-mode Mamba group holds one state
+        # more than startup charges, so the lone request preempts itself at 30 of 31 tokens;
+        # its own cached blocks then end inside a block and the gate never lets it back
+        assert hung.requests["first"].num_preemptions == 1
+        assert (hung.waiting, hung.running, hung.num_free_blocks) == (("first",), (), 10)
+    else:
+        assert hung.requests["first"].status == "finished"
+        assert (hung.waiting, hung.running, hung.num_free_blocks) == (("again",), (), 10)
+    pool, drained = run(12)
+    assert all(s.status == "finished" for s in drained.requests.values())
+    assert not liveness_guaranteed(pool, cfg) and liveness_guaranteed(_fa_mamba_fine_pool(13, cfg), cfg)

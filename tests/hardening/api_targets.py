@@ -775,6 +775,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "drain_bound": (scheduler_liveness.drain_bound, dict(requests=[req], pool=pc, config=sc)),
         "max_blocks_per_request": (scheduler_liveness.max_blocks_per_request, dict(pool=pc, config=sc)),
         "startup_consistent": (scheduler_liveness.startup_consistent, dict(pool=pc, config=sc)),
+        "liveness_guaranteed": (scheduler_liveness.liveness_guaranteed, dict(pool=pc, config=sc)),
+        "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
         # offload keys and lookups

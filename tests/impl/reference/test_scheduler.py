@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_liveness import drain_bound, startup_consistent
+from kvref.impl.reference.scheduler_liveness import (drain_bound, liveness_guaranteed, partial_hit_groups,
+                                                     startup_consistent)
 from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.machines.scheduler import FakeModel, Lockstep, RequestSpec
@@ -256,6 +257,25 @@ def test_startup_consistency_rejects_a_mamba_block_smaller_than_the_context():
         pool = PoolConfig(num_blocks=100, groups=(fa, mamba), max_model_len=64, scheduler_block_size=64,
                           hash_block_size=64, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=False)
         assert startup_consistent(pool, cfg) is ok
+
+
+def test_liveness_needs_a_copy_on_write_block_per_group_that_can_take_a_partial_hit():
+    """docs/proofs.md Findings 3: hits end inside a block only when the block is larger than the
+    hash block and caching is on; each such group needs one block beyond the startup count."""
+    cfg = SchedulerConfig(max_num_batched_tokens=8)
+    fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16"))
+
+    def pool(num_blocks, hash_bs, caching=True):
+        return PoolConfig(num_blocks=num_blocks, groups=(fa,), max_model_len=64, scheduler_block_size=4,
+                          hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens,
+                          enable_caching=caching)
+
+    # cdiv(64, 4) = 16 blocks + the null block
+    assert partial_hit_groups(pool(17, 4)) == 0 and liveness_guaranteed(pool(17, 4), cfg)
+    assert partial_hit_groups(pool(17, 2)) == 1
+    assert startup_consistent(pool(17, 2), cfg) and not liveness_guaranteed(pool(17, 2), cfg)
+    assert liveness_guaranteed(pool(18, 2), cfg)
+    assert partial_hit_groups(pool(17, 2, caching=False)) == 0 and liveness_guaranteed(pool(17, 2, False), cfg)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
