@@ -272,6 +272,18 @@ def _t3_sum(F, o, v):
     return hyps, _mix_total(v, X) <= nb - 1
 
 
+def _t3_partial_hit_tail(F, o, v):
+    """The full-attention gate for a request whose cached prefix (``h`` tokens, found per
+    ``hb``-token hash block, every hit block in the free queue) ends inside a block: the touched
+    hits plus the new blocks plus a copy-on-write block for the shared tail (docs/proofs.md
+    Findings 3). T3 assumes no hits; this drops that assumption."""
+    M, L, h, hb, bs = v["M"], v["L"], v["h"], v["hb"], v["bsf"]
+    hyps = _pos(M, L, hb, bs) + [L <= M, h >= 1, h < L, h % hb == 0, bs % hb == 0, h % bs != 0]
+    hit_blocks = o.cdiv(h, bs)
+    gate = (F.gate_full(o, L, bs, 1) - hit_blocks) + hit_blocks + 1
+    return hyps, gate <= F.gate_full(o, M, bs, 1)
+
+
 _T3_VARS = {**_ints("M L"), **_MIX_VARS, **_POOL_VARS, **_STEP_VARS}
 T3 = Theorem(
     id="T3", name="no-deadlock-at-startups-word",
@@ -296,11 +308,16 @@ T3 = Theorem(
         "num_speculative_blocks + num_prefill_checkpoint_blocks blocks held) is a hypothesis checked on generated "
         "schedules against vLLM's MambaManager, not proved. With k >= 2 batches in flight vLLM's manager holds "
         "1 + k + num_speculative_blocks blocks, more than startup charges (a finding, docs/proofs.md)",
-        "watermark 0 (the default) and no prefix-cache hits for the request (an empty pool holds none)",
+        "watermark 0 (the default) and no prefix-cache hits for the request. An empty pool (nothing running) can "
+        "still hold cached free blocks; with hits found per hash block smaller than the block a hit can end "
+        "inside a block, and the gate then counts a copy-on-write block beyond startup's (sibling "
+        "T3/partial-hit-tail; vLLM 0.33.0 hangs, docs/proofs.md Findings 3)",
         "groups of one kind share one spec (counts n_g >= 0 of each kind)"),
     claim=Claim("all", "whole hybrid mix", _T3_VARS, _t3_all),
     necessary=(Claim("mamba-small-block", "Mamba outside align mode with block_size < max_model_len", _T3_VARS,
-                     lambda F, o, v: _t3_kind(3)(F, o, {**v, "_no_mamba_bound": True})),),
+                     lambda F, o, v: _t3_kind(3)(F, o, {**v, "_no_mamba_bound": True})),
+               Claim("partial-hit-tail", "a cached prefix ending inside a full-attention block (fine-grained hashes)",
+                     {**_T3_VARS, **_ints("h hb")}, _t3_partial_hit_tail)),
     lemmas=(Claim("full", "full attention: gate(L) <= pages(M) and held <= pages(M)", _T3_VARS, _t3_kind(0)),
             Claim("swa", "sliding window: gate(L) <= cap and held <= cap", _T3_VARS, _t3_kind(1)),
             Claim("cl", "chunked local: gate(L) <= cap and held <= cap", _T3_VARS, _t3_kind(2)),
