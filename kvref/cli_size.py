@@ -185,25 +185,13 @@ def build_config(data: dict[str, Any], args: argparse.Namespace) -> EngineConfig
         config = EngineConfig(**engine)
     except TypeError as exc:
         raise InvalidFieldError("engine", engine, f"EngineConfig fields ({exc})") from None
-    changes: dict[str, Any] = {}
-    if args.max_model_len is not None:
-        mml = args.max_model_len
-        changes["max_model_len"] = "auto" if mml == "auto" else _int_arg("--max-model-len", mml)
-    for flag, name in (("block_size", "block_size"), ("num_gpu_blocks_override", "num_gpu_blocks_override"),
-                       ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
-                       ("max_concurrent_batches", "max_concurrent_batches"), ("prefix_match_unit", "prefix_match_unit"),
-                       ("dcp", "dcp_world_size"), ("max_num_encoder_input_tokens", "max_num_encoder_input_tokens"),
-                       ("mamba_cache_mode", "mamba_cache_mode"), ("derived_max_model_len", "derived_max_model_len")):
-        if getattr(args, flag, None) is not None:
-            changes[name] = getattr(args, flag)
-    if args.async_scheduling:
-        changes["max_concurrent_batches"] = 2
+    from kvref.size_hf import engine_changes
+
+    changes = engine_changes(args, _int_arg, extra_flags=(
+        ("block_size", "block_size"), ("mamba_cache_mode", "mamba_cache_mode"),
+        ("derived_max_model_len", "derived_max_model_len")))
     if args.enable_prefix_caching is not None:
         changes["enable_prefix_caching"] = args.enable_prefix_caching
-    if args.disable_hybrid_kv_cache_manager:
-        changes["disable_hybrid_kv_cache_manager"] = True
-    if args.kv_connector:
-        changes["has_kv_connector"] = True
     return replace(config, **changes) if changes else config
 
 
@@ -211,7 +199,7 @@ def _int_arg(flag: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise InvalidFieldError(flag, text, "an int, or 'auto'") from None
+        raise InvalidFieldError(flag, text, "an int, or 'auto' (or -1)") from None
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:

@@ -129,16 +129,23 @@ def build_layout(data: dict[str, Any], args: argparse.Namespace) -> ModelLayout:
         allow_chunked_local_with_hybrid=bool(args.allow_chunked_local_hybrid))
 
 
-def engine_changes(args: argparse.Namespace, int_arg) -> dict[str, Any]:
-    """EngineConfig fields the scheduling flags set (block size and dtypes went into the layout)."""
+#: ``kvref size`` flag -> EngineConfig field, for the flags both input forms (a layout TOML or an
+#: HF config.json) take; ``kvref size`` adds the layout-only ones (block size, Mamba mode)
+SCHEDULING_FLAGS = (("num_gpu_blocks_override", "num_gpu_blocks_override"),
+                    ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
+                    ("max_concurrent_batches", "max_concurrent_batches"), ("prefix_match_unit", "prefix_match_unit"),
+                    ("dcp", "dcp_world_size"), ("max_num_encoder_input_tokens", "max_num_encoder_input_tokens"))
+
+
+def engine_changes(args: argparse.Namespace, int_arg, extra_flags: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+    """EngineConfig fields the scheduling flags set: the one flag table of ``kvref size`` (block
+    size and dtypes of an HF config went into its layout; a layout TOML passes them as
+    ``extra_flags``). ``--max-model-len auto`` or ``-1`` (vLLM's spelling) asks for auto-fit."""
     changes: dict[str, Any] = {}
     if args.max_model_len is not None:
         changes["max_model_len"] = "auto" if args.max_model_len in ("auto", "-1") else int_arg("--max-model-len",
                                                                                               args.max_model_len)
-    for flag, name in (("num_gpu_blocks_override", "num_gpu_blocks_override"),
-                       ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
-                       ("max_concurrent_batches", "max_concurrent_batches"), ("prefix_match_unit", "prefix_match_unit"),
-                       ("dcp", "dcp_world_size"), ("max_num_encoder_input_tokens", "max_num_encoder_input_tokens")):
+    for flag, name in SCHEDULING_FLAGS + tuple(extra_flags):
         if getattr(args, flag, None) is not None:
             changes[name] = getattr(args, flag)
     if args.async_scheduling:

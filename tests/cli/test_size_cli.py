@@ -96,6 +96,9 @@ def test_toml_and_json_files_with_flags(tmp_path, capsys):
     bpb = 4 * 32 * 1 * 128 * 2
     assert plan["bytes_per_block"] == bpb and plan["num_blocks"] == 1000000 // bpb
     assert plan["max_model_len"] == (1000000 // bpb - 1) * 32
+    # vLLM's spelling of auto-fit, through the one flag table both input forms share
+    rc, same = _json(capsys, [str(tpath), "--max-model-len", "-1", "--block-size", "32"])
+    assert rc == 0 and same == plan
 
 
 @pytest.mark.parametrize("argv, field", [
