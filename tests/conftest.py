@@ -1,7 +1,7 @@
 """Shared pytest set-up: Hypothesis profiles, vLLM availability, GPU marker handling.
 
 Profiles: ``fast`` (default, for a laptop), ``ci`` (selected when CI=true, see scripts/run-tests.sh),
-``nightly`` (100x the CI example counts, random draws). Pick one with ``KVREF_HYPOTHESIS_PROFILE``.
+``nightly`` (100x the CI example counts). Pick one with ``KVREF_HYPOTHESIS_PROFILE``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, settings
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                       HealthCheck.filter_too_much])
 settings.register_profile("fast", max_examples=50, **_COMMON)
-# CI gates what lands on main, so it draws the same examples on every run: a red CI is a
-# regression anyone can reproduce with CI=true, never a new random draw (a random draw once found
-# a real vLLM hang, docs/proofs.md Findings 3, and blocked an unrelated change). Exploring new
-# examples is the nightly profile's job.
-settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=True, **_COMMON)
+# Not derandomized: seeded runs (run_machine(seed=...), kvref verify --seed inside a test) inherit
+# the loaded profile, and a derandomized profile would make every seed draw the same traces (tried:
+# test_kv_events' four seeded runs then repeat one trace and miss resets). Tests that assert a rare
+# path was reached derandomize themselves (models/hypothesis_runs/reproducible.py).
+settings.register_profile("ci", max_examples=200, derandomize=False, print_blob=True, **_COMMON)
 settings.register_profile("nightly", max_examples=20000, print_blob=True, **_COMMON)
 settings.load_profile(os.environ.get("KVREF_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "fast"))
 
