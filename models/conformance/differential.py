@@ -75,12 +75,15 @@ class Divergence(AssertionError):
     """Two implementations disagreed, or one broke an invariant, after an op of a trace.
 
     ``signature`` is the finding without its ids (the op and what differed): one baseline entry
-    accepts every occurrence of it (:mod:`kvref.models.conformance.accepted`).
+    accepts every occurrence of it (:mod:`kvref.models.conformance.accepted`). ``trace_path`` is
+    where the failing trace was saved, once a harness saved it (callers read it from here, never
+    from the message).
     """
 
-    def __init__(self, message: str, signature: str | None = None) -> None:
+    def __init__(self, message: str, signature: str | None = None, trace_path: str | None = None) -> None:
         super().__init__(message)
         self.signature = signature
+        self.trace_path = trace_path
 
 
 @dataclass

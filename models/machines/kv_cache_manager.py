@@ -107,7 +107,8 @@ def _group_set_name(pool) -> str:
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
                              max_blocks: int = 48, eagle: bool | str = True,
                              mamba_align_external_loads: bool = False,
-                             kv_events: bool = True, breadth: bool = True) -> type[RuleBasedStateMachine]:
+                             kv_events: bool = True, breadth: bool = True,
+                             traces_to: str | Path | None = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -116,6 +117,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
 
     ``kv_events``: pools are built with ``enable_kv_cache_events`` so that the harness compares
     the KV cache event streams after every op (where every implementation has them).
+
+    ``traces_to``: the folder a failing trace is saved to (default :func:`trace_dir`); the raised
+    :class:`Divergence` carries the file in ``trace_path``.
 
     ``breadth``: draw block-hash inputs (multimodal, LoRA, prompt embeds, session, skip-reading),
     hash functions, NONE_HASH seeds, hash lookahead and stats, and the connector-view ops (issue
@@ -211,10 +215,10 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 # One file per distinct finding: shrinking re-runs failing traces hundreds of times and
                 # ends on the minimal one, which overwrites the earlier, longer ones.
                 key = hashlib.sha256((exc.signature or str(exc)).encode()).hexdigest()[:12]
-                path = self.h.trace.save(trace_dir() / f"trace-{key}.json")
+                path = self.h.trace.save(Path(traces_to or trace_dir()) / f"trace-{key}.json")
                 raise Divergence(f"{exc}\n  kinds={kinds}; trace ({len(self.h.trace.ops)} ops) saved to {path}"
                                  f"\n  replay: kvref replay {path} --kinds {','.join(kinds)}",
-                                 exc.signature) from exc
+                                 exc.signature, trace_path=str(path)) from exc
             finally:
                 self.stats.seconds_in_harness += time.perf_counter() - t
 
@@ -783,13 +787,11 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     from hypothesis.stateful import run_state_machine_as_test
 
     final_dir = Path(out_dir) if out_dir is not None else trace_dir()
-    saved_dir = os.environ.get("KVREF_TRACE_DIR")
     # Failing traces go to a staging folder while Hypothesis searches and shrinks (it re-runs failing
     # traces hundreds of times, and shrinking can pass through other findings); only the trace of the
     # finding it reports is kept, in the out dir: one file per finding.
     staging = tempfile.mkdtemp(prefix="kvref-staging-")
-    os.environ["KVREF_TRACE_DIR"] = staging
-    machine = kv_cache_manager_machine(tuple(kinds), **machine_kwargs)
+    machine = kv_cache_manager_machine(tuple(kinds), traces_to=staging, **machine_kwargs)
     phases = tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink)
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
                  suppress_health_check=list(HealthCheck), print_blob=True, phases=phases)
@@ -803,7 +805,7 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     except Exception as exc:  # a Divergence, or several (ExceptionGroup), or Hypothesis' own errors
         subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
         msg = "\n".join(f"{type(e).__name__}: {e}" for e in subs)
-        path = msg.split("saved to ", 1)[1].split("\n", 1)[0] if "saved to " in msg else None
+        path = next((e.trace_path for e in subs if isinstance(e, Divergence) and e.trace_path), None)
         if path and os.path.exists(path):
             final_dir.mkdir(parents=True, exist_ok=True)
             kept = str(final_dir / os.path.basename(path))
@@ -814,8 +816,4 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         hcore.global_force_seed = saved_seed
-        if saved_dir is None:
-            os.environ.pop("KVREF_TRACE_DIR", None)
-        else:
-            os.environ["KVREF_TRACE_DIR"] = saved_dir
     return MachineRun(machine.stats, time.perf_counter() - t)
