@@ -1,0 +1,349 @@
+"""vLLM 0.33.0's whole ``OffloadingConnector``: its SCHEDULER role and one WORKER role per rank,
+built from a ``VllmConfig`` with ``kv_transfer_config`` as vLLM's ``KVConnectorFactory`` builds
+them, and driven through ``KVConnectorBase_V1``'s public calls only.
+
+Scheduler side: ``on_new_request`` → ``get_num_new_matched_tokens`` → ``update_state_after_alloc``
+→ ``build_connector_meta`` → ``update_connector_output`` → ``request_finished_all_groups`` /
+``reset_cache``, answering the same calls as :class:`kvref.impl.vllm.offload.OffloadingVllmBackend`
+(so the offload world compares it with the reference backend). Worker side, per step and rank, in
+the model runner's order (``v1/worker/kv_connector_model_runner_mixin.py``, ``gpu_model_runner``):
+``bind_connector_metadata`` → ``handle_preemptions`` → ``start_load_kv`` → (forward) →
+``wait_for_save`` → ``get_finished`` → ``build_connector_worker_meta``; the ranks' outputs are
+merged by vLLM's own ``KVOutputAggregator`` before the scheduler sees them.
+
+The KV caches are CPU tensors registered with ``register_kv_caches`` (vLLM derives the canonical
+block views and mappings from them: ``offloading/worker.py``, ``canonical_mapping.py``). vLLM's
+only byte mover, ``CPUOffloadingWorker`` (``kv_offload/cpu/gpu_worker.py``), needs CUDA streams
+and CUDA tensors (``gpu_tensor.is_cuda``), and ``CPUOffloadingSpec.get_worker`` refuses a non-CUDA
+platform; :class:`KvrefCPUOffloadingSpec` is vLLM's ``CPUOffloadingSpec`` (sizing, manager,
+metrics: all vLLM's) with only ``get_worker`` answered by :class:`HostOffloadingWorker`, which
+moves the bytes the way the transfer specs describe (``GPULoadStoreSpec.group_sizes`` /
+``block_indices``, chunk ids, the refs of ``CanonicalKVCaches``). It is loaded through
+``OffloadingSpecFactory``'s out-of-tree path (``spec_name`` / ``spec_module_path``), as a user's
+spec would be.
+
+A transfer is *executed* as late as vLLM allows: when the worker is told to wait for it
+(``wait``: flushed stores, sync loads) or when the driver reports it finished
+(:meth:`HostOffloadingWorker.release`). A store therefore reads its GPU blocks at the last moment
+the scheduler's fence (vLLM #41228) promises them unchanged, and a load reads a CPU chunk at the
+last moment the manager promises it, so a broken fence or a chunk reused too early shows up as
+wrong bytes in the loaded blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvref.impl.vllm.offload import OffloadingVllmBackend, vllm_kv_cache_manager
+
+MODULE_PATH = __name__
+SPEC_NAME = "KvrefCPUOffloadingSpec"
+_BASE_CONFIG: list[Any] = []
+
+
+def base_vllm_config() -> Any:
+    """One ``VllmConfig`` per process (a tiny Llama, 2 KV heads, on CpuPlatform); building one
+    costs seconds. Every connector gets a copy with its own cache, parallel and transfer configs."""
+    if not _BASE_CONFIG:
+        from kvref.impl.vllm.scheduler import VllmEnv
+
+        _BASE_CONFIG.append(VllmEnv().vllm_config)
+    return _BASE_CONFIG[0]
+
+
+def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0) -> Any:
+    """A ``VllmConfig`` selecting vLLM's ``OffloadingConnector`` for ``cfg`` (an
+    :class:`~kvref.models.offload.offloading_connector_world.OffloadingConfig`): ``cfg.num_workers``
+    tensor-parallel ranks, ``cpu_bytes_to_use`` sized so that ``CPUOffloadingSpec`` computes
+    exactly ``cfg.num_cpu_chunks`` chunks, ``cfg.cache_policy`` as ``eviction_policy``."""
+    from vllm.config import KVTransferConfig
+    from vllm.utils.math_utils import round_up
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    base = base_vllm_config()
+    vc = copy.copy(base)
+    vc.cache_config = copy.copy(base.cache_config)
+    vc.cache_config.block_size = cfg.block_size
+    vc.cache_config.enable_prefix_caching = True
+    # dense retention, as the GPU KVCacheConfig of vllm_kv_cache_manager and the reference
+    # (sparse retention, vLLM's default 0, is outside the reference: docs/differences.md)
+    vc.cache_config.prefix_cache_retention_interval = None
+    vc.parallel_config = copy.copy(base.parallel_config)
+    pc = vc.parallel_config
+    pc.tensor_parallel_size = cfg.num_workers
+    pc.world_size = cfg.num_workers
+    pc.rank = rank
+    vc.model_config = copy.copy(base.model_config)
+    vc.model_config.max_model_len = cfg.max_model_len
+    bytes_per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
+    chunk = round_up(bytes_per_block * cfg.num_workers * cfg.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="kvref-offload-worker",
+        kv_connector_extra_config={"cpu_bytes_to_use": chunk * cfg.num_cpu_chunks,
+                                   "blocks_per_chunk": cfg.blocks_per_chunk, "eviction_policy": cfg.cache_policy,
+                                   "offload_prompt_only": cfg.offload_prompt_only,
+                                   "spec_name": SPEC_NAME, "spec_module_path": MODULE_PATH})
+    return vc
+
+
+@dataclass
+class _Job:
+    store: bool
+    src: Any
+    dst: Any
+    executed: bool = False
+    released: bool = False
+
+
+@dataclass
+class HostWorkerLog:
+    """What one rank's worker was asked to do, for the driver's checks."""
+
+    submitted: list[int] = field(default_factory=list)
+    executed: list[int] = field(default_factory=list)
+    expedited: list[int] = field(default_factory=list)
+
+
+def _make_classes() -> dict[str, type]:
+    import torch
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    class HostOffloadingWorker(OffloadingWorker):
+        """kvref's host-side byte mover for one rank, from the facts of vLLM's transfer specs.
+
+        The CPU medium holds, per canonical KV tensor, ``num_chunks`` rows of ``blocks_per_chunk``
+        pages. Group ``g``'s ``group_sizes[g]`` GPU blocks are logical blocks ``block_indices[g]``
+        onward of a request; logical block ``i`` lives in sub-page ``i % blocks_per_chunk`` of the
+        group's ``(i // blocks_per_chunk - block_indices[g] // blocks_per_chunk)``-th chunk of the
+        CPU spec (chunks listed group by group). Each ref of the group copies its un-padded
+        ``page_size_bytes`` of the page.
+        """
+
+        def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+            self.kv_caches = kv_caches
+            self.blocks_per_chunk = blocks_per_chunk
+            self.host = [torch.zeros(max(num_chunks, 1), t.page_size_bytes * blocks_per_chunk, dtype=torch.int8)
+                         for t in kv_caches.tensors]
+            self.jobs: dict[int, _Job] = {}
+            self._results: list[int] = []
+            self.log = HostWorkerLog()
+
+        def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+            assert job_id not in self.jobs, f"job {job_id} submitted twice"
+            self.jobs[job_id] = _Job(True, src_spec, dst_spec)
+            self.log.submitted.append(job_id)
+            return True
+
+        def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+            assert job_id not in self.jobs, f"job {job_id} submitted twice"
+            self.jobs[job_id] = _Job(False, src_spec, dst_spec)
+            self.log.submitted.append(job_id)
+            if expedited:
+                self.log.expedited.append(job_id)
+            return True
+
+        def _pairs(self, gpu: Any, chunks: Any):
+            """(GPU block, CPU chunk, sub-page) per block the transfer moves, group by group."""
+            bpc = self.blocks_per_chunk
+            blocks, chunk_ids = gpu.block_ids.tolist(), chunks.block_ids.tolist()
+            b_off = c_off = 0
+            for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+                if size == 0:
+                    continue
+                skip = first % bpc
+                n_chunks = cdiv(size + skip, bpc)
+                for i in range(size):
+                    yield g, blocks[b_off + i], chunk_ids[c_off + (skip + i) // bpc], (skip + i) % bpc
+                b_off += size
+                c_off += n_chunks
+            assert b_off == len(blocks) and c_off == len(chunk_ids), (
+                f"spec sizes {list(gpu.group_sizes)} / {list(gpu.block_indices)} do not cover "
+                f"{len(blocks)} GPU blocks and {len(chunk_ids)} chunks")
+
+        def _execute(self, job_id: int) -> None:
+            job = self.jobs[job_id]
+            if job.executed:
+                return
+            gpu, cpu = (job.src, job.dst) if job.store else (job.dst, job.src)
+            assert isinstance(gpu, GPULoadStoreSpec)
+            for g, block, chunk, sub in self._pairs(gpu, cpu):
+                for ref in self.kv_caches.group_data_refs[g]:
+                    t = self.kv_caches.tensors[ref.tensor_idx]
+                    lo = sub * t.page_size_bytes
+                    host = self.host[ref.tensor_idx][chunk, lo:lo + ref.page_size_bytes]
+                    dev = t.tensor[block, :ref.page_size_bytes]
+                    (host if job.store else dev).copy_(dev if job.store else host)
+            job.executed = True
+            self.log.executed.append(job_id)
+
+        def release(self, job_id: int) -> None:
+            """The transfer finished on this rank: execute it (if not yet) and report it at the next
+            ``get_finished``."""
+            job = self.jobs[job_id]
+            assert not job.released, f"job {job_id} released twice"
+            self._execute(job_id)
+            job.released = True
+            self._results.append(job_id)
+
+        def get_finished(self):
+            out = [TransferResult(j, True, transfer_size=64, transfer_time=0.001) for j in self._results]
+            for j in self._results:
+                del self.jobs[j]
+            self._results = []
+            return out
+
+        def wait(self, job_ids) -> None:
+            for j in sorted(job_ids):
+                if j in self.jobs:
+                    self._execute(j)
+
+        def shutdown(self) -> None:
+            self.jobs.clear()
+            self._results.clear()
+
+    class KvrefCPUOffloadingSpec(CPUOffloadingSpec):
+        """vLLM's ``CPUOffloadingSpec`` whose worker is :class:`HostOffloadingWorker` (vLLM's needs
+        CUDA). Sizing, the manager, metrics and events stay vLLM's."""
+
+        def get_worker(self, kv_caches):
+            if self._worker is None:
+                self._worker = HostOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+            return self._worker
+
+    return {"HostOffloadingWorker": HostOffloadingWorker, SPEC_NAME: KvrefCPUOffloadingSpec}
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str):
+    # OffloadingSpecFactory does getattr(module, spec_name): build the classes (importing vLLM) on demand
+    if name in ("HostOffloadingWorker", SPEC_NAME):
+        if not _CLASSES:
+            _CLASSES.update(_make_classes())
+        return _CLASSES[name]
+    raise AttributeError(name)
+
+
+class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
+    """vLLM 0.33.0's ``OffloadingConnector`` in both roles over its GPU ``KVCacheManager``.
+
+    ``workers[r]`` is rank ``r``'s WORKER-role connector, ``kv[r]`` its KV cache tensor (all layers
+    share it, as the groups of :func:`vllm_kv_cache_manager`'s ``KVCacheConfig`` do) and
+    ``host[r]`` its :class:`HostOffloadingWorker`.
+    """
+
+    name = "vllm-connector"
+
+    def __init__(self, cfg: Any) -> None:  # noqa: D107 - OffloadingVllmBackend's is replaced
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+        self.cfg = cfg
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
+        self.kv_cache_config = kcfg
+        self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg), KVConnectorRole.SCHEDULER, kcfg)
+        self.conn.bind_kv_cache_manager(self.mgr)
+        self.manager = self.conn.scheduler.manager
+        self.gpu_pool = self.mgr.block_pool
+        self.page = kcfg.kv_cache_tensors[0].size // kcfg.num_blocks
+        self.workers, self.kv, self.host = [], [], []
+        for rank in range(cfg.num_workers):
+            w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank), KVConnectorRole.WORKER, kcfg)
+            # vLLM's attention layout for these specs: (blocks, K/V, block_size, heads, head_size)
+            t = torch.zeros(kcfg.num_blocks, 2, cfg.block_size, 1, 1, dtype=torch.float32)
+            w.register_kv_caches({name: t for g in kcfg.kv_cache_groups for name in g.layer_names})
+            self.workers.append(w)
+            self.kv.append(t)
+            self.host.append(w.connector_worker.worker)
+        self.aggregator = KVOutputAggregator(cfg.num_workers)
+        self.reported: dict[int, int] = {}  # job -> ranks that reported it
+        self.finished_recving: list[set[str]] = []
+
+    # --- scheduler role through KVConnectorBase_V1 -------------------------------------------
+
+    def build_meta(self, step):
+        meta = self.conn.build_connector_meta(_scheduler_output(step))
+        keys = lambda j: tuple(self.conn.scheduler._jobs[j].keys) if j in self.conn.scheduler._jobs else ()  # noqa: E731
+        from kvref.impl.offload_backends import norm_offloading_meta
+
+        loads = {j: (t.req_id, keys(j), tuple(t.dst_spec.block_ids.tolist()), tuple(t.src_spec.block_ids.tolist()))
+                 for j, t in meta.load_jobs.items()}
+        stores = {j: (t.req_id, keys(j), tuple(t.src_spec.block_ids.tolist()), tuple(t.dst_spec.block_ids.tolist()))
+                  for j, t in meta.store_jobs.items()}
+        out = norm_offloading_meta(loads, stores, meta.jobs_to_flush or ())
+        # worker role: each rank gets its own copy, as each deserializes its own SchedulerOutput
+        for w in self.workers:
+            w.clear_connector_metadata()  # the previous step's (kept bound for get_finished between steps)
+            m = copy.deepcopy(meta)
+            w.bind_connector_metadata(m)
+            w.handle_preemptions(m)
+            w.start_load_kv(None)
+        return out
+
+    def after_forward(self) -> None:
+        """The end of the step's forward pass on every rank: stores are queued for the next step."""
+        for w in self.workers:
+            w.wait_for_save()
+
+    def submitted(self, job: int, rank: int) -> bool:
+        return job in self.host[rank].jobs
+
+    def complete(self, jobs):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        ((j, count),) = jobs.items()
+        first = self.reported.get(j, 0)
+        for rank in range(first, first + count):
+            assert self.submitted(j, rank), f"worker rank {rank} was never given job {j} to run"
+            self.host[rank].release(j)
+        self.reported[j] = first + count
+        outs = []
+        for w in self.workers:
+            transfer = w.get_transfer_results(set())
+            outs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+                finished_sending=transfer.finished_sending, finished_recving=transfer.finished_recving,
+                kv_connector_worker_meta=w.build_connector_worker_meta())))
+        merged = self.aggregator.aggregate(outs).kv_connector_output
+        got = dict(merged.kv_connector_worker_meta.completed_jobs) if merged.kv_connector_worker_meta else {}
+        assert got == {j: count}, f"the workers reported completions {got}, expected {{{j}: {count}}}"
+        assert not merged.finished_sending, f"offload workers never finish sending: {merged.finished_sending}"
+        self.finished_recving.append(set(merged.finished_recving or ()))
+        if self.reported[j] >= self.cfg.num_workers:
+            del self.reported[j]
+        self.conn.update_connector_output(merged)
+
+    def finished(self, req, aborted):
+        self.conn.request_finished_all_groups(req, self.table(req.request_id))
+
+    def block_bytes(self, rank: int, block: int) -> bytes:
+        return self.kv[rank].view(self.kv[rank].shape[0], -1).view(torch_int8())[block].numpy().tobytes()
+
+    def write_block(self, rank: int, block: int, data: bytes) -> None:
+        import torch
+
+        row = self.kv[rank].view(self.kv[rank].shape[0], -1).view(torch.int8)[block]
+        row.copy_(torch.frombuffer(bytearray(data), dtype=torch.int8))
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.conn.shutdown()
+
+
+def torch_int8():
+    import torch
+
+    return torch.int8
+
+
+def _scheduler_output(step):
+    from kvref.impl.vllm.offload import vllm_scheduler_output
+
+    return vllm_scheduler_output(step)

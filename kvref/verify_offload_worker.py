@@ -1,0 +1,46 @@
+"""``kvref verify``'s ``conform-offload-worker`` check: vLLM's whole ``OffloadingConnector`` —
+scheduler role and one worker role per rank, KV caches registered, metadata carried from the one
+to the other — against the reference on generated traces, with a byte oracle on every load
+(:mod:`kvref.models.machines.offload_worker`, issue #22)."""
+
+from __future__ import annotations
+
+from .check_context import VerifyContext, vllm_gate
+from .report import FAILED, PASSED, CheckResult
+
+NAME = "conform-offload-worker"
+
+
+def offload_worker_cases(seed: int, n: int) -> list:
+    """``n`` random OffloadingConnector configurations with engine traces (the generators of
+    ``conform-offload``: :meth:`OffloadingConfig.random`, :func:`random_ops`)."""
+    import random
+
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig
+    from kvref.models.offload.traces import random_ops
+
+    rng = random.Random(f"{NAME}-{seed}")
+    return [(OffloadingConfig.random(rng), random_ops(rng, rng.randint(30, 70))) for _ in range(n)]
+
+
+def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
+    """Jobs, pools and chunk state vs the reference after every operation; each load's GPU blocks
+    hold the bytes their request computed, on every rank; the workers report exactly what ran."""
+    skipped = vllm_gate(ctx, NAME)
+    if skipped:
+        return skipped
+    from kvref.models.machines.offload_worker import run_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    n = ctx.examples(12, 120)
+    try:
+        stats = run_traces(offload_worker_cases(ctx.seed, n))
+    except (AssertionError, OffloadInvariantError) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        return CheckResult(NAME, FAILED, "vLLM's OffloadingConnector (scheduler + worker) diverged",
+                           details=[text[:1500]], signature=f"{NAME}: {type(exc).__name__}")
+    return CheckResult(NAME, PASSED,
+                       f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
+                       f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
+                       "vLLM's scheduler + worker roles: jobs, pools and bytes agree with the reference",
+                       examined=stats["ops"])

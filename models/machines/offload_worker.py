@@ -1,0 +1,181 @@
+"""The OffloadingConnector world with real bytes: vLLM's whole connector (scheduler and worker
+roles, :class:`kvref.impl.vllm.offload_worker.OffloadingConnectorVllmBackend`) against the
+reference backend, trace by trace, with a byte oracle.
+
+:class:`OffloadingWorkerWorld` is :class:`~kvref.models.offload.offloading_connector_world.OffloadingWorld`
+plus two facts of vLLM's worker (``offloading/worker.py``):
+
+* a store job is handed to the transfer worker at the *next* step's ``start_load_kv`` (or at once
+  when the step's ``jobs_to_flush`` names it), a load job in its own step; a transfer can only
+  finish once handed over, so :meth:`OffloadingWorkerWorld.complete` picks among those
+  (:meth:`completable`), on every backend alike;
+* the forward pass writes bytes: every computed GPU block holds, on rank ``r``, a digest of the
+  (group, block hash) it was computed for and of ``r`` (:func:`block_content`), partial blocks a
+  digest of where they are. When a load finishes on a rank, each GPU block it filled must hold the
+  digest of the block the loading request has at that place — what computing it would have
+  written. The bytes travel GPU → host chunk → GPU through vLLM's registered views, specs and
+  chunk ids, so a wrong block, chunk, sub-page, group, rank or a chunk overwritten before the load
+  shows up as a wrong digest.
+
+The worker half must also report what it ran: the aggregated ``completed_jobs`` equal the
+completions the trace delivered, no ``finished_sending``, and ``finished_recving`` names a request
+exactly when the last rank finishes its (asynchronous) load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvref.models.offload.offloading_connector_world import BACKENDS, OffloadingWorld
+from kvref.models.offload.traces import apply_offloading_op
+from kvref.models.offload.world_common import OffloadInvariantError
+
+
+def block_content(content: Any, rank: int, size: int) -> bytes:
+    """The bytes rank ``rank``'s forward pass writes into a block holding ``content``."""
+    return hashlib.blake2b(repr((content, rank)).encode(), digest_size=64).digest()[:size].ljust(size, b"\0")
+
+
+def _connector_backend(cfg):
+    from kvref.impl.vllm.offload_worker import OffloadingConnectorVllmBackend
+
+    return OffloadingConnectorVllmBackend(cfg)
+
+
+BACKENDS.setdefault("vllm-connector", _connector_backend)
+
+
+class OffloadingWorkerWorld(OffloadingWorld):
+    """``backend="vllm-connector"``: vLLM's whole connector with bytes; ``"reference"``: kvref's
+    reference backend under the same handover rule."""
+
+    def __init__(self, cfg, backend: str = "reference", strict: bool = True) -> None:
+        super().__init__(cfg, backend, strict)
+        self.steps = 0
+        self.created: dict[int, int] = {}  # store job -> step that created it
+        self.flushed_by_meta: set[int] = set()
+        self.loads_checked = 0
+        self.blocks_checked = 0
+
+    @property
+    def _bytes(self):
+        return self._b if hasattr(self._b, "workers") else None
+
+    def step(self, chunk):
+        meta = super().step(chunk)
+        self.steps += 1
+        loads, stores, flush, _ = meta
+        for j, *_ in stores:
+            self.created[j] = self.steps
+        self.flushed_by_meta |= set(flush)
+        return meta
+
+    def _forward(self, batch) -> None:
+        before = dict(self.gpu_content)
+        super()._forward(batch)
+        b = self._bytes
+        if b is None:
+            return
+        for block, content in self.gpu_content.items():
+            if before.get(block) != content:
+                for rank in range(len(b.workers)):
+                    b.write_block(rank, block, block_content(content, rank, b.page))
+        b.after_forward()
+
+    def completable(self) -> list[int]:
+        """Jobs the worker has been handed: loads at once, stores from the next step or a flush."""
+        return [j for j in sorted(self.jobs)
+                if not self.jobs[j]["store"] or self.created.get(j, self.steps) < self.steps
+                or j in self.flushed_by_meta]
+
+    def complete(self, pick, count=1):
+        ready = self.completable()
+        if not ready:
+            return False
+        j = ready[pick % len(ready)]
+        job = dict(self.jobs[j])
+        rank0 = job["reported"]
+        done = super().complete(sorted(self.jobs).index(j), count)
+        b = self._bytes
+        if b is not None:
+            ranks = range(rank0, min(rank0 + count, self.cfg.num_workers))
+            last = rank0 + len(ranks) >= self.cfg.num_workers
+            recv = b.finished_recving[-1]
+            want = {job["req"]} if (not job["store"] and last) else set()
+            if recv != want:
+                self._fail(f"job {j}: the workers' finished_recving is {sorted(recv)}, expected {sorted(want)}")
+            if not job["store"]:
+                self._check_loaded(j, job, ranks)
+        if j not in self.jobs:
+            self.created.pop(j, None)
+            self.flushed_by_meta.discard(j)
+        return done
+
+    def _check_loaded(self, j, job, ranks) -> None:
+        b = self._bytes
+        r = self.reqs[job["req"]]
+        if r.phase == "done":
+            return  # aborted while loading: the world frees its blocks at once (vLLM defers it), no bytes to own
+        table = b.table(r.rid)
+        self.loads_checked += 1
+        for block in job["dst"]:
+            where = [(g, pos) for g, ids in enumerate(table) for pos, x in enumerate(ids) if x == block]
+            if not where:
+                self._fail(f"load job {j} filled GPU block {block}, which request {r.rid} does not hold")
+                continue
+            g, pos = where[0]
+            for rank in ranks:
+                want = block_content(self._key(r, g, pos), rank, b.page)
+                self.blocks_checked += 1
+                if b.block_bytes(rank, block) != want:
+                    self._fail(f"load job {j} (request {r.rid}) left GPU block {block} (group {g}, position {pos}) "
+                               f"on rank {rank} with other bytes than that block's computed KV")
+
+
+def apply_worker_op(w: OffloadingWorkerWorld, op):
+    """:func:`~kvref.models.offload.traces.apply_offloading_op`, with ``drain`` completing what the
+    workers have been handed (a store queued this step waits for the next)."""
+    if op[0] == "drain":
+        w.check_started()
+        out = []
+        while w.completable():
+            out.append(w.complete(-1 if op[-1] else 0, 2))
+        return out
+    return apply_offloading_op(w, op)
+
+
+def run_traces(cases, on_difference=None) -> dict:
+    """Run ``cases`` (``(OffloadingConfig, ops)``) on the reference and on vLLM's whole connector.
+
+    Returns counts, or raises :class:`OffloadInvariantError` (content model, worker reports) /
+    ``AssertionError`` (vLLM's own asserts, the driver's handover checks) with the trace position,
+    or reports the first observable difference through ``on_difference(i, j, cfg, op, outs)`` (which
+    returns True to stop the trace)."""
+    stats = {"traces": 0, "ops": 0, "loads_checked": 0, "blocks_checked": 0, "jobs_executed": 0}
+    for i, (cfg, ops) in enumerate(cases):
+        worlds = [OffloadingWorkerWorld(cfg, "reference"), OffloadingWorkerWorld(cfg, "vllm-connector")]
+        stats["traces"] += 1
+        try:
+            for j, op in enumerate(ops):
+                try:
+                    outs = [apply_worker_op(w, op) for w in worlds]
+                except KeyError:
+                    break  # vLLM 0.33.0's KeyError after a connector reset (docs/offload.md); reference survives
+                except (AssertionError, OffloadInvariantError) as exc:
+                    raise type(exc)(f"trace {i} op {j} {op} on {cfg}: {exc}") from exc
+                stats["ops"] += 1
+                if outs[0] != outs[1] or worlds[0].observe() != worlds[1].observe():
+                    if on_difference is None or on_difference(i, j, cfg, op, outs):
+                        raise OffloadInvariantError(
+                            f"trace {i} op {j} {op} on {cfg}: reference and vLLM's connector differ: "
+                            f"{outs[0]!r}"[:600] + f" / {outs[1]!r}"[:600])
+                    break
+        finally:
+            v = worlds[1]
+            stats["loads_checked"] += v.loads_checked
+            stats["blocks_checked"] += v.blocks_checked
+            if v._b is not None:
+                stats["jobs_executed"] += sum(len(h.log.executed) for h in v._b.host)
+                v._b.shutdown()
+    return stats

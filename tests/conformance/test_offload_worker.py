@@ -1,0 +1,93 @@
+"""vLLM 0.33.0's whole OffloadingConnector (scheduler role + worker roles, KV caches registered,
+metadata carried between them) against the reference with a byte oracle (#22), and faults planted
+in vLLM's worker half (monkeypatched for the test) that the same traces must find."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref.verify_offload_worker import offload_worker_cases
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+def _run(n: int, seed: int = 0):
+    require_vllm()
+    from kvref.models.machines.offload_worker import run_traces
+
+    return run_traces(offload_worker_cases(seed, n))
+
+
+def test_whole_connector_matches_reference_with_bytes():
+    """Generated traces: jobs, pools, chunk state agree after every op; every load's blocks hold
+    the bytes their request computed; multi-rank and multi-block chunks are among the configs."""
+    n = profile_examples(12, 40)
+    cases = offload_worker_cases(0, n)
+    assert any(cfg.num_workers == 2 for cfg, _ in cases) and any(cfg.blocks_per_chunk == 2 for cfg, _ in cases)
+    stats = _run(n)
+    assert stats["traces"] == n
+    assert stats["jobs_executed"] > 20
+    assert stats["loads_checked"] > 0 and stats["blocks_checked"] > 0
+
+
+def _worker_cls():
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    return OffloadingConnectorWorker
+
+
+def stores_never_deferred(monkeypatch):
+    """``wait_for_save`` drops the step's store jobs instead of queueing them for the next step."""
+    monkeypatch.setattr(_worker_cls(), "prepare_store_kv", lambda self, metadata: None)
+
+
+def loads_not_reported(monkeypatch):
+    """Every load is tracked as a sync load: its request never shows in ``finished_recving``."""
+    cls = _worker_cls()
+    real = cls.start_kv_transfers
+
+    def patched(self, metadata):
+        real(self, metadata)
+        for j in list(self._load_jobs):
+            self._load_jobs[j] = None
+
+    monkeypatch.setattr(cls, "start_kv_transfers", patched)
+
+
+def loads_into_reversed_blocks(monkeypatch):
+    """The worker hands the transfer worker a load's GPU blocks in reverse order."""
+    cls = _worker_cls()
+    real = cls.start_kv_transfers
+
+    def patched(self, metadata):
+        for entry in metadata.load_jobs.values():
+            entry.dst_spec.block_ids = entry.dst_spec.block_ids[::-1].copy()
+        real(self, metadata)
+
+    monkeypatch.setattr(cls, "start_kv_transfers", patched)
+
+
+def half_pages_registered(monkeypatch):
+    """``register_kv_caches`` records half a page per layer: loads restore only half the bytes."""
+    require_vllm()
+    from vllm.v1.kv_offload import base
+
+    real = base.CanonicalKVCacheRef.__init__
+
+    def patched(self, tensor_idx, page_size_bytes, mapping=None):
+        real(self, tensor_idx, page_size_bytes // 2, mapping)
+
+    monkeypatch.setattr(base.CanonicalKVCacheRef, "__init__", patched)
+
+
+@pytest.mark.parametrize("fault", [stores_never_deferred, loads_not_reported, loads_into_reversed_blocks,
+                                   half_pages_registered], ids=lambda f: f.__name__)
+def test_planted_worker_fault_is_found(fault, monkeypatch):
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    fault(monkeypatch)
+    with pytest.raises((AssertionError, OffloadInvariantError)):
+        _run(profile_examples(12, 40))
