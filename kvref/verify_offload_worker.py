@@ -20,7 +20,18 @@ def offload_worker_cases(seed: int, n: int) -> list:
     from kvref.models.offload.traces import random_ops
 
     rng = random.Random(f"{NAME}-{seed}")
-    return [(OffloadingConfig.random(rng), random_ops(rng, rng.randint(30, 70))) for _ in range(n)]
+    return [(OffloadingConfig.random(rng), random_ops(rng, rng.randint(30, 70)) + _reload_tail(rng)) for _ in range(n)]
+
+
+def _reload_tail(rng) -> list:
+    """The end of every trace: finish what runs, drain the transfers, let the GPU forget its prefix
+    cache and ask for an earlier prompt again, so that most traces load chunks back from the CPU
+    (the byte oracle's case) rather than hit on the GPU."""
+    pick = rng.randint(0, 99)
+    return [("step", 0, 13, 0, 64, 4, pick, 1, False), ("drain", 0, 13, 0, 8, 1, pick, 2, False),
+            ("cload", 0, 13, 0, 8, 1, pick, 1, True), ("add", 2, 13, rng.randint(0, 3), 8, 1, pick, 1, True),
+            ("step", 0, 13, 0, rng.choice([4, 8, 64]), 3, pick, 1, False), ("drain", 0, 13, 0, 8, 1, pick, 2, True),
+            ("step", 0, 13, 0, 8, 3, pick, 1, False)]
 
 
 def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:

@@ -107,9 +107,11 @@ class HostWorkerLog:
 
 
 def _make_classes() -> dict[str, type]:
+    import numpy as np
     import torch
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     class HostOffloadingWorker(OffloadingWorker):
@@ -146,8 +148,8 @@ def _make_classes() -> dict[str, type]:
                 self.log.expedited.append(job_id)
             return True
 
-        def _pairs(self, gpu: Any, chunks: Any):
-            """(GPU block, CPU chunk, sub-page) per block the transfer moves, group by group."""
+        def _groups(self, gpu: Any, chunks: Any):
+            """(group, its GPU blocks, its CPU chunks, sub-pages to skip in the first chunk)."""
             bpc = self.blocks_per_chunk
             blocks, chunk_ids = gpu.block_ids.tolist(), chunks.block_ids.tolist()
             b_off = c_off = 0
@@ -156,13 +158,38 @@ def _make_classes() -> dict[str, type]:
                     continue
                 skip = first % bpc
                 n_chunks = cdiv(size + skip, bpc)
-                for i in range(size):
-                    yield g, blocks[b_off + i], chunk_ids[c_off + (skip + i) // bpc], (skip + i) % bpc
+                yield g, blocks[b_off:b_off + size], chunk_ids[c_off:c_off + n_chunks], skip
                 b_off += size
                 c_off += n_chunks
             assert b_off == len(blocks) and c_off == len(chunk_ids), (
                 f"spec sizes {list(gpu.group_sizes)} / {list(gpu.block_indices)} do not cover "
                 f"{len(blocks)} GPU blocks and {len(chunk_ids)} chunks")
+
+        def _pairs(self, gpu: Any, chunks: Any):
+            """(group, GPU block, CPU chunk, sub-page) per block the transfer moves."""
+            bpc = self.blocks_per_chunk
+            for g, blocks, chunk_ids, skip in self._groups(gpu, chunks):
+                for i, block in enumerate(blocks):
+                    yield g, block, chunk_ids[(skip + i) // bpc], (skip + i) % bpc
+
+        def _check_pointers(self, gpu: Any, chunks: Any) -> None:
+            """vLLM's ``compute_sub_block_ptrs`` (the address arithmetic of its CUDA copy) must name
+            the same bytes as this worker copies: block ``b`` of a tensor at ``b * row_stride``, sub-page
+            ``s`` of a chunk ``s * page`` further."""
+            bpc = self.blocks_per_chunk
+            for g, blocks, chunk_ids, skip in self._groups(gpu, chunks):
+                for ref in self.kv_caches.group_data_refs[g]:
+                    dev, host = self.kv_caches.tensors[ref.tensor_idx].tensor, self.host[ref.tensor_idx]
+                    page = host.shape[1] // bpc
+                    want_host = [host.data_ptr() + chunk_ids[(skip + i) // bpc] * host.stride(0)
+                                 + ((skip + i) % bpc) * page for i in range(len(blocks))]
+                    want_dev = [dev.data_ptr() + b * dev.stride(0) for b in blocks]
+                    got_host, got_dev = np.zeros(len(blocks), np.uint64), np.zeros(len(blocks), np.uint64)
+                    compute_sub_block_ptrs(np.array(chunk_ids, np.int64), bpc, got_host, host, skip_count=skip)
+                    compute_sub_block_ptrs(np.array(blocks, np.int64), 1, got_dev, dev)
+                    assert got_host.tolist() == want_host and got_dev.tolist() == want_dev, (
+                        f"compute_sub_block_ptrs names other bytes than group {g}'s blocks {blocks} / chunks "
+                        f"{chunk_ids} (skip {skip})")
 
         def _execute(self, job_id: int) -> None:
             job = self.jobs[job_id]
@@ -170,6 +197,7 @@ def _make_classes() -> dict[str, type]:
                 return
             gpu, cpu = (job.src, job.dst) if job.store else (job.dst, job.src)
             assert isinstance(gpu, GPULoadStoreSpec)
+            self._check_pointers(gpu, cpu)
             for g, block, chunk, sub in self._pairs(gpu, cpu):
                 for ref in self.kv_caches.group_data_refs[g]:
                     t = self.kv_caches.tensors[ref.tensor_idx]
@@ -323,7 +351,9 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         self.conn.request_finished_all_groups(req, self.table(req.request_id))
 
     def block_bytes(self, rank: int, block: int) -> bytes:
-        return self.kv[rank].view(self.kv[rank].shape[0], -1).view(torch_int8())[block].numpy().tobytes()
+        import torch
+
+        return self.kv[rank].view(self.kv[rank].shape[0], -1).view(torch.int8)[block].numpy().tobytes()
 
     def write_block(self, rank: int, block: int, data: bytes) -> None:
         import torch
@@ -335,12 +365,6 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         for w in self.workers:
             w.shutdown()
         self.conn.shutdown()
-
-
-def torch_int8():
-    import torch
-
-    return torch.int8
 
 
 def _scheduler_output(step):
