@@ -33,6 +33,9 @@ wrong bytes in the loaded blocks.
 from __future__ import annotations
 
 import copy
+import itertools
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,7 @@ from kvref.impl.vllm.offload import OffloadingVllmBackend, vllm_kv_cache_manager
 MODULE_PATH = __name__
 SPEC_NAME = "KvrefCPUOffloadingSpec"
 _BASE_CONFIG: list[Any] = []
+_engines = itertools.count()
 
 
 def base_vllm_config() -> Any:
@@ -53,7 +57,7 @@ def base_vllm_config() -> Any:
     return _BASE_CONFIG[0]
 
 
-def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0) -> Any:
+def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine_id: str = "kvref") -> Any:
     """A ``VllmConfig`` selecting vLLM's ``OffloadingConnector`` for ``cfg`` (an
     :class:`~kvref.models.offload.offloading_connector_world.OffloadingConfig`): ``cfg.num_workers``
     tensor-parallel ranks, ``cpu_bytes_to_use`` sized so that ``CPUOffloadingSpec`` computes
@@ -80,7 +84,7 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0) -> Any
     bytes_per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
     chunk = round_up(bytes_per_block * cfg.num_workers * cfg.blocks_per_chunk, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
     vc.kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="kvref-offload-worker",
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
         kv_connector_extra_config={"cpu_bytes_to_use": chunk * cfg.num_cpu_chunks,
                                    "blocks_per_chunk": cfg.blocks_per_chunk, "eviction_policy": cfg.cache_policy,
                                    "offload_prompt_only": cfg.offload_prompt_only,
@@ -112,6 +116,7 @@ def _make_classes() -> dict[str, type]:
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
     from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     class HostOffloadingWorker(OffloadingWorker):
@@ -125,11 +130,12 @@ def _make_classes() -> dict[str, type]:
         ``page_size_bytes`` of the page.
         """
 
-        def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+        def __init__(self, kv_caches: Any, blocks_per_chunk: int, region: Any) -> None:
             self.kv_caches = kv_caches
             self.blocks_per_chunk = blocks_per_chunk
-            self.host = [torch.zeros(max(num_chunks, 1), t.page_size_bytes * blocks_per_chunk, dtype=torch.int8)
-                         for t in kv_caches.tensors]
+            self.region = region
+            # this rank's slot of every chunk row of vLLM's shared /dev/shm region, one view per tensor
+            self.host = [region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk) for t in kv_caches.tensors]
             self.jobs: dict[int, _Job] = {}
             self._results: list[int] = []
             self.log = HostWorkerLog()
@@ -232,6 +238,10 @@ def _make_classes() -> dict[str, type]:
         def shutdown(self) -> None:
             self.jobs.clear()
             self._results.clear()
+            self.host = []
+            if self.region is not None:
+                self.region.cleanup()  # the creating rank unlinks the /dev/shm files
+                self.region = None
 
     class KvrefCPUOffloadingSpec(CPUOffloadingSpec):
         """vLLM's ``CPUOffloadingSpec`` whose worker is :class:`HostOffloadingWorker` (vLLM's needs
@@ -239,7 +249,13 @@ def _make_classes() -> dict[str, type]:
 
         def get_worker(self, kv_caches):
             if self._worker is None:
-                self._worker = HostOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+                # the host memory CPUOffloadingSpec.create_worker gives a CUDA worker: vLLM's shared
+                # region, this rank's slots (no barrier: the ranks are built one after the other here)
+                region = SharedOffloadRegion(
+                    engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=self.config.parallel.rank,
+                    kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker,
+                    barrier=None, num_segments=2)
+                self._worker = HostOffloadingWorker(kv_caches, self.blocks_per_chunk, region)
             return self._worker
 
     return {"HostOffloadingWorker": HostOffloadingWorker, SPEC_NAME: KvrefCPUOffloadingSpec}
@@ -276,14 +292,16 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         self.cfg = cfg
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         self.kv_cache_config = kcfg
-        self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg), KVConnectorRole.SCHEDULER, kcfg)
+        # the engine id names the ranks' shared /dev/shm region: one per world, process and time
+        engine = f"kvref-{os.getpid()}-{next(_engines)}-{time.time_ns()}"
+        self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg, 0, engine), KVConnectorRole.SCHEDULER, kcfg)
         self.conn.bind_kv_cache_manager(self.mgr)
         self.manager = self.conn.scheduler.manager
         self.gpu_pool = self.mgr.block_pool
         self.page = kcfg.kv_cache_tensors[0].size // kcfg.num_blocks
         self.workers, self.kv, self.host = [], [], []
         for rank in range(cfg.num_workers):
-            w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank), KVConnectorRole.WORKER, kcfg)
+            w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank, engine), KVConnectorRole.WORKER, kcfg)
             # vLLM's attention layout for these specs: (blocks, K/V, block_size, heads, head_size)
             t = torch.zeros(kcfg.num_blocks, 2, cfg.block_size, 1, 1, dtype=torch.float32)
             w.register_kv_caches({name: t for g in kcfg.kv_cache_groups for name in g.layer_names})
