@@ -139,9 +139,13 @@ class KVConnectorOutput:
     finished_recving: tuple[str, ...] = ()
     failed_recving: tuple[str, ...] = ()
     invalid_block_ids: tuple[int, ...] = ()
+    #: the order in which the recorded engine iterated these ids and the errors it finished (a
+    #: replay in another process: vLLM iterates sets of str ids, whose order follows the process's
+    #: hash seed, and the frees follow it); empty: iterate as vLLM would here (a set)
+    order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("finished_sending", "finished_recving", "failed_recving"):
+        for name in ("finished_sending", "finished_recving", "failed_recving", "order"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(x, str) for x in value):
                 raise InvalidFieldError(name, value, "a tuple of request ids")
@@ -673,6 +677,14 @@ def _handle_invalid_blocks(sched: "Scheduler", invalid: set[int], num_scheduled_
     return sync_failed
 
 
+def _in_order(ids, kv_output: KVConnectorOutput | None):
+    """``set(ids)`` (vLLM's iteration), or in the recorded engine's order (``kv_output.order``)."""
+    if kv_output is None or not kv_output.order:
+        return set(ids)
+    rank = {rid: i for i, rid in enumerate(kv_output.order)}
+    return sorted(set(ids), key=lambda rid: rank.get(rid, len(rank)))
+
+
 def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed: set[str]) -> None:
     """vLLM ``update_from_output``'s end: fail-policy errors, then finished transfers."""
     st = sched.connector_state
@@ -680,18 +692,18 @@ def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed
     if failed and not st.recompute_kv_load_failures:
         error_ids.update(failed)
     if error_ids:
-        finish_requests(sched, set(error_ids), "error")
+        finish_requests(sched, _in_order(error_ids, kv_output), "error")
     if kv_output is None:
         return
     st.connector.update_connector_output(kv_output)
-    for rid in set(kv_output.finished_recving):
+    for rid in _in_order(kv_output.finished_recving, kv_output):
         request = sched.requests[rid]
         if rid in st.loading:
             st.finished_recving_kv_req_ids.add(rid)
         else:
             assert request.status == RequestStatus.FINISHED, rid
             _free_blocks(sched, request)
-    for rid in set(kv_output.finished_sending):
+    for rid in _in_order(kv_output.finished_sending, kv_output):
         _free_blocks(sched, sched.requests[rid])
 
 

@@ -1,4 +1,4 @@
-"""The run-trace format, version 2: what each line holds, and how a reader checks it.
+"""The run-trace format, version 4: what each line holds, and how a reader checks it.
 
 One header line, then one JSON object per line, each with a type ``"t"``:
 
@@ -54,10 +54,26 @@ the ``SchedulerStats`` vLLM's ``update_from_output`` returned for the metrics en
 tokens), ``preq``/``pq``/``ph`` (the same for resumed preempted requests), ``run``/``wait``.
 Header ``log_stats``: whether vLLM made stats at all (``--disable-log-stats`` turns them off).
 
+KV-connector runs (version 4, issue #28): the header's ``connector`` (``kv_role``,
+``kv_load_failure_policy``, ``requires_kv_delivery``, ``divergent_local_hybrid_hits``, ``classes``:
+the connector's class and, for vLLM's ``MultiConnector``, its children's) and, on the record of the
+call during which vLLM's scheduler asked its connector something, ``kv``: the questions and the
+answers in call order (:data:`KV_CALLS`) — ``["m", id, local tokens asked, external tokens or null,
+load async, kids]`` (``get_num_new_matched_tokens``; ``kids``: each ``MultiConnector`` child's
+``[tokens or null, async]`` in the order asked, or null), ``["a", id, block ids per group, external
+tokens, kids]`` (``update_state_after_alloc``; ``kids``: the external tokens each child was given),
+``["f", id, block ids per group, delay free, params keys, kids]`` (``request_finished``; ``kids``:
+each child's delay), ``["p", answer]`` (``has_pending_block_frees``), ``["r", answer]``
+(``reset_cache``). ``update.kvo``: the worker's ``KVConnectorOutput`` as vLLM iterated it — ``s``
+finished_sending, ``r`` finished_recving, ``f`` failed_recving (ids), ``i`` invalid_block_ids;
+``reset.connector``: whether the connector's cache was reset too.
+
 Versions: 2 added the base64 groups in ``new`` and the sparse ``cached`` block ids (what the
 recorder writes); version 1 traces (dense lists only) read unchanged. A version-1 reader refuses a
 version-2 trace by its header instead of misreading it. 3 added ``error`` and ``reset`` records and
-the per-step observables above; versions 1 and 2 read unchanged (they simply lack them).
+the per-step observables above; versions 1 and 2 read unchanged (they simply lack them). 4 added
+the connector's answers (``kv``, ``kvo``, header ``connector``): a version-3 connector trace reads
+unchanged, and is checked by the properties only, as before.
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
@@ -92,12 +108,19 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
-VERSION = 3
+VERSION = 4
 RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
 #: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
 STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait")
+#: the connector calls a ``kv`` entry may name (version 4): lookup, allocation, finish, pending
+#: frees, cache reset
+KV_CALLS = ("m", "a", "f", "p", "r")
+#: vLLM's ``KVTransferConfig.kv_role`` values
+CONNECTOR_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+#: the keys of an ``update`` record's ``kvo`` (the worker's KVConnectorOutput)
+KVO_KEYS = ("s", "r", "f", "i")
 #: record types a reader may skip (room for the KV-events recorder's records)
 OPTIONAL_RECORD_TYPES = ("kv_events",)
 KINDS = {"n": "new", "r": "resumed", "c": "running"}
@@ -263,6 +286,13 @@ def validate_header(header: Any, where: str) -> dict:
     unmodelled = header.get("unmodelled", [])
     if not isinstance(unmodelled, list) or not all(isinstance(u, str) for u in unmodelled):
         raise _fail(where, "unmodelled", unmodelled, "a list of feature names (str)")
+    conn = header.get("connector")
+    if conn is not None:
+        if (not isinstance(conn, dict) or conn.get("kv_role") not in CONNECTOR_ROLES
+                or conn.get("kv_load_failure_policy") not in ("recompute", "fail")
+                or type(conn.get("requires_kv_delivery")) is not bool):
+            raise _fail(where, "connector", conn, "an object with kv_role (one of " + ", ".join(CONNECTOR_ROLES)
+                        + "), kv_load_failure_policy (recompute or fail) and requires_kv_delivery (bool)")
     return header
 
 
@@ -404,6 +434,42 @@ def _validate_error(rec: dict, where: str) -> None:
         _str_list(where, rec, "ids")
 
 
+def _groups_ok(blocks: Any) -> bool:
+    return isinstance(blocks, list) and all(isinstance(g, list) and all(_is_int(b) for b in g) for g in blocks)
+
+
+def _kv_entry_ok(e: Any) -> bool:
+    if not isinstance(e, list) or not e or e[0] not in KV_CALLS:
+        return False
+    kind = e[0]
+    if kind in ("p", "r"):
+        return len(e) == 2 and e[1] in (True, False, None)
+    if len(e) < 4 or type(e[1]) is not str:
+        return False
+    kids = e[5] if kind in ("m", "f") and len(e) > 5 else e[4] if kind == "a" and len(e) > 4 else None
+    if kind == "m":
+        ok = _is_int(e[2]) and (e[3] is None or _is_int(e[3])) and len(e) >= 5 and type(e[4]) is bool
+        return ok and (kids is None or isinstance(kids, list) and all(
+            isinstance(k, list) and len(k) == 2 and (k[0] is None or _is_int(k[0])) and type(k[1]) is bool
+            for k in kids))
+    if kind == "a":
+        return _groups_ok(e[2]) and _is_int(e[3]) and (kids is None or isinstance(kids, list) and all(
+            _is_int(k) for k in kids))
+    return (_groups_ok(e[2]) and type(e[3]) is bool and (len(e) < 5 or e[4] is None or isinstance(e[4], list))
+            and (kids is None or isinstance(kids, list) and all(type(k) is bool for k in kids)))
+
+
+def _validate_kv(kv: Any, where: str) -> None:
+    """A record's ``kv`` list: the connector's answers during the call (version 4)."""
+    if not isinstance(kv, list):
+        raise _fail(where, "kv", kv, "a list of connector calls")
+    for i, e in enumerate(kv):
+        if not _kv_entry_ok(e):
+            raise _fail(where, f"kv[{i}]", e, '["m", id, asked, tokens|null, async, kids?], ["a", id, block ids per '
+                        'group, tokens, kids?], ["f", id, block ids per group, delay, params keys?, kids?], ["p", '
+                        'bool] or ["r", bool|null]')
+
+
 def validate_record(rec: Any, where: str) -> str:
     """Check one record's shape; returns its type. Raises :class:`TraceFormatError`."""
     if not isinstance(rec, dict):
@@ -519,6 +585,14 @@ def validate_record(rec: Any, where: str) -> str:
                 k in STATS_KEYS and (type(v) in (int, float) if k == "usage" else _is_int(v)) for k, v in stats.items()):
             raise _fail(where, "stats", stats, "an object with keys among " + ", ".join(STATS_KEYS)
                         + " (usage a number, the others ints >= 0)")
+    if "kv" in rec:
+        _validate_kv(rec["kv"], where)
+    if t == "update" and "kvo" in rec:
+        kvo = rec["kvo"]
+        if not isinstance(kvo, dict) or not all(
+                k in KVO_KEYS and isinstance(v, list) and all((_is_int(x) if k == "i" else type(x) is str) for x in v)
+                for k, v in kvo.items()):
+            raise _fail(where, "kvo", kvo, "an object with keys among s, r, f (lists of request ids) and i (block ids)")
     x = rec.get("x")
     if x is not None and (not isinstance(x, list) or not all(type(v) is str for v in x)):
         raise _fail(where, "x", x, "a list of feature names (str)")

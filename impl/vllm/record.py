@@ -62,6 +62,7 @@ from kvref.impl.run_trace.format import (
     update_sampled,
 )
 from kvref.impl.run_trace.writer import TraceWriter, _dumps
+from kvref.impl.vllm.record_connector import ConnectorTap, connector_header
 from kvref.spec.errors import InvalidFieldError
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -123,7 +124,13 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
         if cond:
             found.append(name)
 
-    flag(getattr(s, "connector", None) is not None, "kv_connector")
+    # a KV connector is replayed from its recorded answers (format 4, record_connector.py); what
+    # the reference does not model beside it is named
+    conn = getattr(s, "connector", None)
+    flag(conn is not None and getattr(conn, "supports_divergent_local_hybrid_hits", False)
+         and len(s.kv_cache_config.kv_cache_groups) > 1, "kv_connector_divergent_hybrid_hits")
+    flag(getattr(s, "defer_async_loads", False), "deferred_async_loads")
+    flag(getattr(s, "aux_output_connector", None) is not None, "aux_output_connector")
     flag(getattr(s, "ec_connector", None) is not None, "ec_connector")
     spec = getattr(vc, "speculative_config", None)
     method = _MODELLED_SPEC_METHODS.get(str(getattr(spec, "method", ""))) if spec is not None else None
@@ -136,7 +143,7 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
     flag(getattr(s, "adaptive_long_prefill_threshold", False), "adaptive_long_prefill_threshold")
-    flag(getattr(s, "defer_block_free", False), "deferred_block_free")
+    flag(getattr(s, "defer_block_free", False) and conn is None, "deferred_block_free")
     flag(getattr(s, "max_num_active_reqs", sc.max_num_seqs) != sc.max_num_seqs, "max_num_active_seqs")
     flag(getattr(s, "max_num_scheduled_tokens", sc.max_num_batched_tokens) != sc.max_num_batched_tokens,
          "max_num_scheduled_tokens")
@@ -194,6 +201,7 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
         },
         "unmodelled": _setup_unmodelled(s, is_async_class),
         **({"spec": _spec_header(s)} if getattr(vc, "speculative_config", None) is not None else {}),
+        **({"connector": connector_header(s)} if getattr(s, "connector", None) is not None else {}),
     }
 
 
@@ -276,6 +284,8 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
         found.append("kv_transfer")
     if sp is not None and getattr(sp, "repetition_detection", None) is not None:
         found.append("repetition_detection")
+    if getattr(request, "skip_reading_prefix_cache", False):  # prompt logprobs: no local or external hit
+        found.append("skip_reading_prefix_cache")
     return found
 
 
@@ -318,6 +328,7 @@ class _Recorder:
     _kvref_connector = False  # a KV connector is configured: set by _kvref_start
     _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
     _kvref_fast = False  # the fast path's conditions hold (see the class docstring)
+    _kvref_tap: ConnectorTap | None = None  # the connector's answers (KV-connector runs)
 
     def _kvref_start(self, is_async_class: bool) -> None:
         path, anonymize = record_settings(self.vllm_config)
@@ -332,6 +343,9 @@ class _Recorder:
         # bound once: read on every step (the recording cost, issue #14's budget)
         self._kvref_free = self.kv_cache_manager.block_pool.get_num_free_blocks
         self._kvref_connector = getattr(self, "connector", None) is not None
+        if self._kvref_connector:  # its answers go to the records (format 4: the replay needs them)
+            anon = self._kvref_anon
+            self._kvref_tap = ConnectorTap(self.connector, anon.request_id if anon is not None else None)
         self._kvref_stats = bool(getattr(self, "log_stats", False))
         self._kvref_writer = TraceWriter(path, build_header(self, anonymize, is_async_class))
         self.kvref_trace_path = path
@@ -361,6 +375,8 @@ class _Recorder:
         rec = {"t": "error", "call": call, "step": step, "type": type(exc).__name__,
                "message": str(exc)[:4000]}
         rec.update(inputs)
+        if self._kvref_tap is not None:
+            rec["kv"] = self._kvref_tap.take()
         try:
             w.write(rec)
             w.flush()
@@ -407,7 +423,10 @@ class _Recorder:
             anon = self._kvref_anon
             if anon is not None:
                 ids = [anon.request_id(i) for i in ids]
-            self._kvref_writer.write({"t": "abort", "ids": ids, "status": status, "free": self._kvref_free()})
+            rec = {"t": "abort", "ids": ids, "status": status, "free": self._kvref_free()}
+            if self._kvref_tap is not None:
+                rec["kv"] = self._kvref_tap.take()
+            self._kvref_writer.write(rec)
         return done
 
     def schedule(self, *args, **kwargs):
@@ -429,13 +448,15 @@ class _Recorder:
         # Encoded before vLLM sees them: update_from_output trims a token list in place at a stop.
         step = self._kvref_steps.pop(id(scheduler_output), -1)
         head = self._kvref_update_head(step, model_runner_output)
+        if self._kvref_tap is not None:  # the worker's report, in the order vLLM iterates it
+            self._kvref_kvo = self._kvref_kvo_json(model_runner_output)
         self._kvref_fin = finished = []
         self._kvref_depth += 1
         try:
             out = super().update_from_output(scheduler_output, model_runner_output)
         except Exception as exc:
             try:
-                update = json.loads(head + "[]}")
+                update = json.loads(head + "[]" + (self._kvref_kvo if self._kvref_tap is not None else "") + "}")
                 del update["fin"]
             except ValueError:
                 update = None
@@ -471,12 +492,25 @@ class _Recorder:
 
     def reset_prefix_cache(self, *args, **kwargs):
         self._kvref_resetting = True
+        raised = None
+        ok = False
         try:
             ok = super().reset_prefix_cache(*args, **kwargs)
+        except RuntimeError as exc:
+            # vLLM refuses a reset it cannot complete after preempting the running requests (an
+            # async load holds blocks); the preemptions stand, the engine goes on: recorded
+            raised = f"{type(exc).__name__}: {exc}"[:1000]
+            raise
         finally:
             self._kvref_resetting = False
-        running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
-        self._kvref_writer.write({"t": "reset", "running": running, "ok": bool(ok), "free": self._kvref_free()})
+            running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
+            rec = {"t": "reset", "running": running, "ok": bool(ok), "free": self._kvref_free()}
+            if raised is not None:
+                rec["raised"] = raised
+            if self._kvref_tap is not None:
+                rec["connector"] = bool(args[1] if len(args) > 1 else kwargs.get("reset_connector", False))
+                rec["kv"] = self._kvref_tap.take()
+            self._kvref_writer.write(rec)
         return ok
 
     # ---- formatting hooks (engine thread: the recording cost) --------------------------------
@@ -534,8 +568,9 @@ class _Recorder:
                                              for k, v in why.items()})
             why.clear()
         if self._kvref_connector:
-            loading = sum(1 for r in self.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS")
-            extra += ',"loading":%d' % loading
+            loading = sum(1 for q in (self.waiting, getattr(self, "kv_holding_waiting", ())) for r in q
+                          if r.status.name == "WAITING_FOR_REMOTE_KVS")
+            extra += ',"loading":%d,"kv":%s' % (loading, _dumps(self._kvref_tap.take()))
         # Columnar, straight from vLLM's own output: no Python row per request (format.py).
         nst = so.num_scheduled_tokens
         cached = so.scheduled_cached_reqs
@@ -601,9 +636,31 @@ class _Recorder:
 
     _kvref_out = None  # what the update_from_output being recorded returned
 
+    _kvref_kvo = ""  # the update being recorded: its KVConnectorOutput as JSON (connector runs)
+
+    def _kvref_kvo_json(self, model_runner_output) -> str:
+        """``,"kvo":{...}``: the worker's ``KVConnectorOutput`` lists in the order vLLM iterates
+        them (sets of str: their order is the process's, and the frees follow it), or ""."""
+        kvo = getattr(model_runner_output, "kv_connector_output", None)
+        if kvo is None:
+            return ""
+        anon = self._kvref_anon
+        out = {}
+        for key, name in (("s", "finished_sending"), ("r", "finished_recving"), ("f", "failed_recving")):
+            ids = list(getattr(kvo, name, None) or ())
+            if ids:
+                out[key] = [anon.request_id(i) for i in ids] if anon is not None else ids
+        bad = [int(b) for b in getattr(kvo, "invalid_block_ids", None) or ()]
+        if bad:
+            out["i"] = bad
+        return ',"kvo":' + _dumps(out) if out else ""
+
     def _kvref_on_update(self, head: str, finished: list) -> None:
         out = self._kvref_out
         tail = ',"free":%d%s}' % (self._kvref_free(), _stats_json(out) if out else "")
+        tap = self._kvref_tap
+        if tap is not None:
+            tail = self._kvref_kvo + ',"kv":' + _dumps(tap.take()) + tail
         if not finished:
             self._kvref_writer.write_line(head + "[]" + tail)
         elif self._kvref_fast:
@@ -660,6 +717,8 @@ class RecordingScheduler(_Recorder, Scheduler):
         assert self._kvref_writer is not None
         self._kvref_writer.check_invariants()
         assert len(self._kvref_steps) <= 2, "more steps in flight than vLLM's batch queue holds"
+        if self._kvref_tap is not None:
+            self._kvref_tap.check_invariants()
 
 
 class RecordingAsyncScheduler(_Recorder, AsyncScheduler):
@@ -677,14 +736,18 @@ __all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingSch
            "record_settings", "spec_record"]
 
 
-def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None, log_stats: bool = True):
+def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None, log_stats: bool = True,
+                            connector=None):
     """A :class:`~kvref.impl.vllm.scheduler.VllmScheduler` whose vLLM scheduler is built from a
     ``scheduler_cls`` string exactly as vLLM's engine core builds it (``SchedulerConfig.
     get_scheduler_cls()``, then the engine core's constructor arguments); default: the recording
     class that matches ``config.async_scheduling``. Drives a recorded run on CPU with a fake model
     (tests, benchmarks); the trace goes where :func:`record_settings` says. ``log_stats``: the
     engine core's argument (True unless a server runs with ``--disable-log-stats``): the recorder
-    then records the ``SchedulerStats`` the metrics endpoint would have shown.
+    then records the ``SchedulerStats`` the metrics endpoint would have shown. ``connector``: a
+    :class:`~kvref.impl.reference.scheduler_connector.ScriptedConnector` (or its MultiConnector
+    composition) that vLLM builds through its own ``KVConnectorFactory`` (:mod:`.connector`); the
+    recorder then records its answers (format 4).
     """
     if type(log_stats) is not bool:
         raise InvalidFieldError("log_stats", log_stats, "True or False")
@@ -700,6 +763,6 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
 
     _ENGINE_ARGS["log_stats"] = log_stats
     try:
-        return _Driven(pool, config, env, scheduler_cls=scheduler_cls)
+        return _Driven(pool, config, env, scheduler_cls=scheduler_cls, connector=connector)
     finally:
         _ENGINE_ARGS.clear()

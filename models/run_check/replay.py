@@ -35,11 +35,14 @@ from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
+from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
 from .crash import Crash
 from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
 from .setup import RunSetup
 
 _KIND = {"new": "n", "resumed": "r", "running": "c"}
+_CALLS = {"sched": "schedule", "update": "update_from_output", "abort": "finish_requests", "add": "add_request",
+          "reset": "reset_prefix_cache", "error": "the crashed call"}
 
 
 def _norm_blocks(blocks) -> list | None:
@@ -132,12 +135,18 @@ class LockstepReplay:
         self.stopped_at_line = 1 if not self.following else 0
         self.divergence: Divergence | None = None
         self.steps_compared = 0
-        self.scheduler = Scheduler(setup.pool, setup.config) if self.following else None
+        #: the replay's KV connector (format-4 connector runs): answers from the trace
+        self.connector = TraceConnector(setup.connector) if self.following and setup.connector is not None else None
+        self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector) if self.following
+                          else None)
         self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
         self._live: dict[str, Request] = {}
         self.crash: Crash | None = None
         self._tally = PrefixCacheTally(bool(setup.pool is not None and setup.pool.enable_caching))
         self._num_blocks = setup.pool.num_blocks if setup.pool is not None else 0
+        self._reset_replayed = False  # a replayed reset's preemptions are the reference's too
+        #: vLLM's deferred_waiting on connector runs: skipped waiting requests, until scheduled
+        self._deferred: set[str] = set()
 
     def _stop(self, line: int, why: str) -> None:
         self.following = False
@@ -159,6 +168,8 @@ class LockstepReplay:
             return
         if not self.following:
             return
+        if self.connector is not None and not self._expect_kv(line, rec):
+            return
         if t == "sched":
             self._schedule(line, rec)
         elif t == "update":
@@ -167,16 +178,72 @@ class LockstepReplay:
             self._add(line, rec)
         elif t == "abort":
             ids = [i for i in rec["ids"] if i in self._live]
-            self.scheduler.finish_requests(ids)
+            if not self._kv_call(line, -1, "finish_requests", lambda: self.scheduler.finish_requests(ids)):
+                return
             for i in ids:
                 del self._live[i]
             self._check_free(line, -1, "finish_requests", rec)
         elif t == "reset":
-            self._stop(line, "reset_prefix_cache (not modelled by the reference)")
+            if self.connector is None:
+                self._stop(line, "reset_prefix_cache (not modelled by the reference)")
+            else:
+                self._reset(line, rec)
         elif t == "drafts":
             from kvref.impl.scheduler_types import DraftTokenIds
 
             self.scheduler.update_draft_token_ids(DraftTokenIds(tuple(rec["ids"]), tuple(map(tuple, rec["tokens"]))))
+
+    # ---- KV connector runs (format 4): the connector answers from the trace ----------------------
+    def _expect_kv(self, line: int, rec: dict) -> bool:
+        """Load the record's connector answers; a MultiConnector entry whose children's answers break
+        the composition rules is a divergence (False)."""
+        kv = rec.get("kv")
+        for e in kv or ():
+            bad = multi_violation(e)
+            if bad:
+                self._diverge(Divergence(line, rec.get("step", -1), _CALLS.get(rec["t"], rec["t"]), bad,
+                                         recorded_extra={"connector call": e}))
+                return False
+        self.connector.expect(kv, f"{_CALLS.get(rec['t'], rec['t'])} (trace line {line})")
+        return True
+
+    def _kv_call(self, line: int, step: int, call: str, fn) -> bool:
+        """Make a reference call whose connector questions must be vLLM's; False on a divergence."""
+        try:
+            fn()
+            if self.connector is not None:
+                self.connector.leftover()
+        except ConnectorMismatch as exc:
+            self._diverge(Divergence(line, step, call, "the connector was driven differently: " + exc.message,
+                                     recorded_extra={"connector": exc.recorded},
+                                     reference_extra={"connector": exc.reference}))
+            return False
+        except ValueError as exc:  # the reference refuses the call vLLM made (e.g. a step never settled)
+            self._diverge(Divergence(line, step, call, f"the reference refuses the call: {exc}"))
+            return False
+        return True
+
+    def _reset(self, line: int, rec: dict) -> None:
+        """``reset_prefix_cache`` on a connector run: the connector's cache reset answers from the trace."""
+        got: list = []
+
+        def reset() -> None:
+            try:
+                got.append(self.scheduler.reset_prefix_cache(bool(rec.get("running")), bool(rec.get("connector"))))
+            except RuntimeError as exc:  # vLLM raises too where it cannot reset after preempting
+                got.append(f"{type(exc).__name__}: {exc}")
+
+        if not self._kv_call(line, -1, "reset_prefix_cache", reset):
+            return
+        want = "raises RuntimeError" if rec.get("raised") else bool(rec.get("ok"))
+        have = "raises RuntimeError" if isinstance(got[0], str) else bool(got[0])
+        if want != have:
+            self._diverge(Divergence(line, -1, "reset_prefix_cache", "a different reset result",
+                                     recorded_extra={"result": rec.get("raised") or rec.get("ok")},
+                                     reference_extra={"result": got[0]}))
+            return
+        self._reset_replayed = True
+        self._check_free(line, -1, "reset_prefix_cache", rec)
 
     def _ref_free(self) -> int:
         return self.scheduler.kv_cache_manager.get_num_free_blocks()
@@ -203,6 +270,8 @@ class LockstepReplay:
                                else "not replayed: the reference had already diverged" if self.divergence is not None
                                else "not replayed")
             return
+        if self.connector is not None:
+            self.connector.expect(rec.get("kv"), f"{call} (trace line {line}, the crashed call)")
         try:
             if call == "schedule":
                 out = self.scheduler.schedule()
@@ -217,7 +286,8 @@ class LockstepReplay:
                 else:
                     out = self._in_flight.pop(step)
                     sampled = {rid: toks for rid, toks in zip(upd["ids"], update_sampled(upd)) if toks}
-                    self.scheduler.update_from_output(out, ModelOutput(sampled))
+                    kvo = kv_output(upd.get("kvo")) if self.connector is not None else None
+                    self.scheduler.update_from_output(out, ModelOutput(sampled), kvo)
                     crash.reference = "settles the step without raising"
             elif call == "add_request":
                 a = rec.get("add")
@@ -229,6 +299,8 @@ class LockstepReplay:
             else:
                 done = self.scheduler.finish_requests([i for i in rec.get("ids") or [] if i in self._live])
                 crash.reference = f"finishes {sorted(r.request_id for r in done)} without raising"
+        except ConnectorMismatch as exc:
+            crash.reference = "not comparable: the connector was driven differently: " + exc.message
         except Exception as exc:  # noqa: BLE001 - the reference raising is the answer
             crash.reference_raised = True
             crash.reference = f"raises too: {type(exc).__name__}: {exc}"
@@ -251,11 +323,15 @@ class LockstepReplay:
             why = ", ".join(rec.get("x") or []) or "DP prefill throttling"
             self._stop(line, f"step {rec['step']} uses {why}")
             return
-        odd = sorted({w for w in (rec.get("pre_why") or {}).values() if w != "kv"})
+        odd = sorted({w for w in (rec.get("pre_why") or {}).values()
+                      if w != "kv" and not (w == "reset_prefix_cache" and self._reset_replayed)})
         if odd:
             self._stop(line, f"step {rec['step']} preempts for {', '.join(odd)} (not modelled by the reference)")
             return
-        out = self.scheduler.schedule()
+        got_out: list = []
+        if not self._kv_call(line, rec["step"], "schedule", lambda: got_out.append(self.scheduler.schedule())):
+            return
+        out = got_out[0]
         self._in_flight[rec["step"]] = out
         got, want = reference_rows(out), recorded_rows(rec)
         ref_pre, ref_fin = sorted(out.preempted_req_ids), sorted(out.finished_req_ids)
@@ -288,6 +364,13 @@ class LockstepReplay:
         live = self._live
         kv = self.scheduler.kv_cache_manager
         record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
+        if self.connector is not None:
+            self._record_connector_admissions(out, record)
+            self._deferred.update(self.connector.skipped)
+            self.connector.skipped.clear()
+            self._deferred.difference_update(s.request_id for s in out.scheduled)
+            self.steps_compared += 1
+            return
         for s in out.scheduled:
             if s.kind != "running":
                 # vLLM records at admission ("unscheduled lookups are not counted"); the reference
@@ -297,6 +380,18 @@ class LockstepReplay:
                 else:
                     self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
         self.steps_compared += 1
+
+    def _record_connector_admissions(self, out: SchedulerOutput, record) -> None:
+        """vLLM records a lookup's local hit at admission, which with a connector is the allocation
+        after a lookup (an async load is admitted without being scheduled; a promoted load was looked
+        up before): the local hit is the computed tokens less the external ones."""
+        computed = {s.request_id: s.num_computed_tokens for s in out.scheduled}
+        for rid, n_ext in self.connector.take_admissions():
+            r = self._live.get(rid)
+            if r is None or record is None:
+                continue
+            local = computed.get(rid, r.num_computed_tokens) - n_ext
+            record(r, max(0, local))
 
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
@@ -308,18 +403,22 @@ class LockstepReplay:
             return
         out = self._in_flight.pop(step)
         sampled = {rid: toks for rid, toks in zip(rec["ids"], update_sampled(rec)) if toks}
+        kvo = kv_output(rec.get("kvo"), rec["fin"]) if self.connector is not None else None
         try:
-            self.scheduler.update_from_output(out, ModelOutput(sampled))
+            if not self._kv_call(line, step, "update_from_output",
+                                 lambda: self.scheduler.update_from_output(out, ModelOutput(sampled), kvo)):
+                return
         except ValueError as exc:
             self._diverge(Divergence(line, step, "update_from_output", f"the reference rejects the output: {exc}"))
             return
         live = self._live
         ref_fin = {}
-        for s in out.scheduled:
-            r = live.get(s.request_id)
+        # with a connector a request may finish unscheduled (a failed load under "fail")
+        for rid in (list(live) if self.connector is not None else [s.request_id for s in out.scheduled]):
+            r = live.get(rid)
             if r is not None and r.status == RequestStatus.FINISHED:
-                ref_fin[s.request_id] = r.finish_reason
-                del live[s.request_id]
+                ref_fin[rid] = r.finish_reason
+                del live[rid]
         rec_fin = {rid: why for rid, why in rec["fin"]}
         if ref_fin != rec_fin:
             self._diverge(Divergence(line, step, "update_from_output", "the requests it finishes differ",
@@ -339,8 +438,12 @@ class LockstepReplay:
         if stats is None:
             return
         sched = self.scheduler
-        expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running),
-                        wait=len(sched.waiting))
+        wait = len(sched.waiting)
+        if self.connector is not None:  # vLLM: waiting + kv_holding_waiting - deferred_waiting
+            holding = sched.connector_state.kv_holding_waiting
+            self._deferred.intersection_update(self._live)
+            wait += len(holding) - sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
+        expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running), wait=wait)
         bad = compare_stats(stats, expected, ("req", "q", "h", "preq", "pq", "ph", "run", "wait"))
         if "usage" in stats and usage_differs(stats["usage"], expected["usage"]):
             bad.insert(0, f"usage: recorded {stats['usage']!r}, expected {expected['usage']!r}")
@@ -352,5 +455,7 @@ class LockstepReplay:
     def check_invariants(self) -> None:
         if self.scheduler is not None:
             self.scheduler.check_invariants()
-            assert set(self._live) == set(self.scheduler.requests), "replay's live set out of step"
+            # a finished request stays in the scheduler while its connector still sends its blocks
+            assert set(self._live) == {rid for rid, r in self.scheduler.requests.items()
+                                       if r.status != RequestStatus.FINISHED}, "replay's live set out of step"
         assert len(self._in_flight) <= 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.scheduler_connector import ConnectorConfig
 from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import KVRefError
@@ -35,6 +36,8 @@ class RunSetup:
     vllm_version: str = "unknown"
     #: the scheduler settings as recorded (for the summary)
     scheduler: dict = field(default_factory=dict)
+    #: the recorded KV connector's knobs (format 4: its answers are in the trace), or None
+    connector: ConnectorConfig | None = None
 
     @property
     def followable(self) -> bool:
@@ -109,4 +112,12 @@ def setup_from_header(header: dict) -> RunSetup:
     except (KVRefError, KeyError, TypeError) as exc:
         unmodelled.append(f"setup: {exc}")
         pool = config = None
-    return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s))
+    connector = None
+    if header.get("connector") is not None:  # format 4: replayed from the recorded answers
+        from .connector import connector_config
+
+        connector = connector_config(header["connector"])
+        if config is not None and config.num_speculative_tokens:
+            unmodelled.append("kv_connector with speculative decoding (the reference models neither together)")
+    return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s),
+                    connector=connector)

@@ -1,0 +1,142 @@
+"""Generated KV-connector runs of vLLM's own scheduler, recorded as a server would record them.
+
+The connector machine (:mod:`kvref.models.machines.scheduler_connector`) draws a setup (pool,
+scheduler, connector knobs: role, failure policy, delivery, one connector or vLLM's
+``MultiConnector`` over two), arrivals with what the external store holds for each, and the fake
+worker's reports (async loads finishing, late, failing as a whole or in some blocks, sync loads with
+invalid blocks, sends finishing), aborts (mid-load too) and prefix-cache resets. Here its only
+target is vLLM's ``Scheduler`` / ``AsyncScheduler`` built from ``kvref.record.Recording*Scheduler``
+through ``scheduler_cls`` with kvref's scripted connector inside (vLLM's ``KVConnectorFactory``
+builds it), so every generated run leaves a format-4 trace with the connector's answers; the
+machine's drain settles every request and transfer, then the recorder shuts down.
+
+:func:`record_connector_runs` returns the traces; ``kvref check-run`` must agree with every one of
+them (tests/record/test_record_connector.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RecordedRun:
+    """One recorded connector run."""
+
+    path: Path
+    #: the drain met a hang vLLM 0.33.0 has itself (the machine's known_hang): the trace ends waiting
+    known_hang: bool = False
+    #: what the run's trace shows of the connector (kv entries by kind, worker reports)
+    shows: Counter = field(default_factory=Counter)
+
+
+def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun], async_class=None):
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv
+
+    def build(pool, config, connector):
+        if env_holder.get("env") is None:
+            env_holder["env"] = VllmEnv()
+        path = directory / f"connector-run-{len(runs)}.kvtrace.gz"
+        saved = os.environ.get("KVREF_RECORD")
+        os.environ["KVREF_RECORD"] = str(path)
+        try:
+            target = recorded_vllm_scheduler(pool, config, env_holder["env"], connector=connector)
+        finally:
+            if saved is None:
+                os.environ.pop("KVREF_RECORD", None)
+            else:
+                os.environ["KVREF_RECORD"] = saved
+        runs.append(RecordedRun(path))
+        return target
+
+    return build
+
+
+def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 30,
+                          setups=None, strict: bool = True) -> list[RecordedRun]:
+    """Record ``examples`` generated connector runs of vLLM's scheduler into ``directory``.
+
+    Raises the machine's failure (an AssertionError naming it) when vLLM's run itself broke an
+    invariant of the machine (a liveness failure that is not a known vLLM 0.33.0 hang) — unless not
+    ``strict`` (a vLLM with a planted fault): the runs recorded up to that one are returned, it
+    included.
+    """
+    from kvref.models.machines.scheduler import run_lockstep_machine
+    from kvref.models.machines.scheduler_connector import ConnectorLockstep, connector_machine
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    runs: list[RecordedRun] = []
+    holder: dict = {}
+    drivers: list = []
+
+    class Recorded(ConnectorLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    machine = connector_machine({"vllm": _recording_factory(holder, directory, runs)}, setups=setups,
+                                name="RecordedConnectorRun")
+    machine.driver_class = Recorded
+    base_teardown = machine.teardown
+
+    def teardown(self):
+        try:
+            base_teardown(self)
+        finally:
+            driver = getattr(self, "driver", None)
+            if driver is not None:
+                for t in driver.targets.values():
+                    t.close()
+                if runs:
+                    runs[-1].known_hang = driver.known_hang
+
+    machine.teardown = teardown
+    ok, failure, _ = run_lockstep_machine(machine, examples, steps=steps, min_steps=steps // 2, seed=seed,
+                                          reproducible=True, shrink=False)
+    if not ok and strict:
+        raise AssertionError("a generated connector run failed the machine's own checks:\n" + failure)
+    for run in runs:
+        run.shows = trace_shows(run.path)
+    return runs
+
+
+def trace_shows(path) -> Counter:
+    """What a trace shows of its connector: ``kv`` entries by kind (``m_async``: a lookup answered
+    with an async load; ``m_none``: "ask again"), worker reports by list, error finishes, aborts of
+    requests whose load was pending."""
+    from kvref.impl.run_trace.reader import TraceReader
+
+    out: Counter = Counter()
+    loading: set[str] = set()
+    with TraceReader(path) as reader:
+        for _, rec in reader.records():
+            for e in rec.get("kv") or ():
+                out[e[0]] += 1
+                if e[0] == "m" and e[3] is None:
+                    out["m_none"] += 1
+                if e[0] == "m" and e[4] and e[3]:
+                    out["m_async"] += 1
+                    loading.add(e[1])
+                if e[0] == "m" and e[5] is not None:
+                    out["multi"] += 1
+                if e[0] == "f" and e[3]:
+                    out["f_delay"] += 1
+            for k, v in (rec.get("kvo") or {}).items():
+                out["kvo_" + k] += len(v)
+                if k == "r":
+                    loading.difference_update(v)
+            if rec["t"] == "update":
+                out["fin_error"] += sum(1 for _, why in rec["fin"] if why == "error")
+            if rec["t"] == "abort":
+                out["abort_mid_load"] += sum(1 for i in rec["ids"] if i in loading)
+            if rec["t"] == "reset":
+                out["reset"] += 1
+    return out
+
+
+__all__ = ["RecordedRun", "record_connector_runs", "trace_shows"]
