@@ -1,0 +1,275 @@
+"""The P2P secondary tier of one engine (vLLM ``tiering/p2p/manager.py``, ``P2PSecondaryTierManager``).
+
+What the tier keeps per kv_request_id (the id both engines share for one request):
+
+* **consumer side** (``remote_prefiller`` in the request's kv_transfer_params): a new request
+  opens a session toward the producer; ``lookup`` answers HIT for every key (the producer has
+  them all) unless the id has *failed* (a failed load, a dead peer: then MISS, so the request
+  prefills locally); ``submit_load`` sends a fetch round; ``on_request_finished`` aborts what is
+  in flight and forgets the failure.
+* **producer side** (``remote_decoder``): stores are *parked* per id until some peer fetches the
+  id; the first fetch *binds* the id to that peer's session and replays the parked batches into
+  it. A batch parked longer than :data:`UNBOUND_STORE_TIMEOUT_S` is *reaped*: its jobs fail, and
+  for :data:`REAPED_ID_RETENTION_S` a later fetch of the id is answered at once with failure and
+  a later store fails without parking. A store of a request with no ``remote_decoder`` succeeds
+  at once (nothing to serve).
+* **sessions**: one per peer; a dead one is reaped: its loads and stores fail, its ids fail, the
+  peer is unregistered from the data plane; after a data-plane fault, reconnecting to the peer
+  waits (1 s, doubling up to 60 s while faults repeat).
+
+Every public call runs one step of the tier; ``get_finished_jobs`` runs the poll sweep (control
+plane, every session, binding, reaping) and hands over the finished jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvref.spec.errors import InvalidFieldError
+
+from . import messages as m
+from .control import ControlPlane
+from .session import Session
+from .transport import DataPlane
+
+UNBOUND_STORE_TIMEOUT_S = 60.0
+REAPED_ID_RETENTION_S = 60.0
+SHUTDOWN_DRAIN_TIMEOUT_S = 3.0
+DRAIN_SLEEP_S = 0.001
+RECONNECT_MIN_BACKOFF_S = 1.0
+RECONNECT_MAX_BACKOFF_S = 60.0
+MAX_PEERS = 128  # VLLM_P2P_MAX_PEERS's default
+
+ROLES = ("remote_prefiller", "remote_decoder")
+
+
+@dataclass
+class P2PRequest:
+    """A request's parsed kv_transfer_params: the consumer's source peer or the producer's id."""
+
+    kv_request_id: str | None
+    peer_id: str | None  # set on the consumer side
+
+
+def parse_request(params: object) -> P2PRequest | None:
+    """The P2P role of a request's ``kv_transfer_params`` (None: not a P2P request)."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise InvalidFieldError("kv_transfer_params", params, "a dict or None")
+    src = params.get("remote_prefiller")
+    if src:
+        host, port, kv = src.get("remote_host"), src.get("remote_port"), src.get("kv_request_id")
+        if host and port and kv:
+            return P2PRequest(kv, f"{host}:{port}")
+    if "remote_decoder" in params:
+        return P2PRequest((params["remote_decoder"] or {}).get("kv_request_id") or None, None)
+    return None
+
+
+class P2PTierManager:
+    def __init__(self, local_id: str, plane: DataPlane, control: ControlPlane, hello: dict, resolve_peer) -> None:
+        self.local_id = local_id
+        self.plane = plane
+        self.control = control
+        self._hello = hello
+        self._resolve_peer = resolve_peer
+        self.sessions: dict[str, Session] = {}
+        self.kv_to_session: dict[str, Session] = {}
+        self.unbound: dict[str, list[tuple[int, list[bytes], list[int], float]]] = {}
+        self.reaped: dict[str, float] = {}
+        self.finished: list[tuple[int, bool]] = []
+        self.failed: set[str] = set()
+        self.backoff: dict[str, tuple[float, float]] = {}  # peer -> (wait, retry at)
+        self.faults: dict[str, int] = {}
+        self.requests: dict[str, P2PRequest | None] = {}
+        self.now = 0.0
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def on_new_request(self, req_id: str, params: object, now: float) -> str:
+        """Returns the offload policy the request asks for (REQUEST_LEVEL for a producer)."""
+        self.now = now
+        info = parse_request(params)
+        self.requests[req_id] = info
+        if info is not None and info.peer_id is not None:
+            if self._get_or_create_session(info.peer_id) is None:
+                self.failed.add(info.kv_request_id)
+        if info is not None and info.peer_id is None and info.kv_request_id:
+            return "REQUEST_LEVEL"
+        return "CHUNK_LEVEL"
+
+    def lookup(self, req_id: str) -> str:
+        info = self.requests[req_id]
+        if info is None or info.peer_id is None or info.kv_request_id in self.failed:
+            return "MISS"
+        return "HIT"
+
+    def on_request_finished(self, req_id: str, now: float) -> None:
+        self.now = now
+        info = self.requests.pop(req_id)
+        if info is None or not info.kv_request_id:
+            return
+        kv = info.kv_request_id
+        self.failed.discard(kv)
+        if info.peer_id is not None:
+            s = self.sessions.get(info.peer_id)
+            if s is not None:
+                s.finish_request(kv, now)
+            return
+        s = self.kv_to_session.pop(kv, None)
+        if s is not None:
+            s.finish_request(kv, now)
+
+    def submit_store(self, req_id: str, job: int, keys: list[bytes], chunk_ids: list[int], now: float) -> None:
+        self.now = now
+        info = self.requests[req_id]
+        if info is None or info.peer_id is not None:
+            self.finished.append((job, True))
+            return
+        kv = info.kv_request_id
+        if not kv or kv in self.reaped:
+            self.finished.append((job, False))
+            return
+        s = self.kv_to_session.get(kv)
+        if s is not None:
+            s.add_stored_blocks(kv, keys, chunk_ids, job, now)
+            return
+        self.unbound.setdefault(kv, []).append((job, list(keys), list(chunk_ids), now))
+
+    def submit_load(self, req_id: str, job: int, keys: list[bytes], chunk_ids: list[int], now: float) -> None:
+        self.now = now
+        info = self.requests[req_id]
+        if info is None or info.peer_id is None:
+            self.finished.append((job, False))
+            return
+        if not keys:
+            self.finished.append((job, True))
+            return
+        s = self.sessions.get(info.peer_id)
+        if s is None:
+            self.finished.append((job, False))
+            self.failed.add(info.kv_request_id)
+            return
+        s.request_blocks(job, info.kv_request_id, keys, chunk_ids, now)
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def _new_session(self, peer_id: str, conn) -> Session:
+        return Session(peer_id, self.local_id, self.plane, self._hello, conn, self._resolve_peer, self.now)
+
+    def _reconnect_wait(self, peer_id: str) -> float:
+        entry = self.backoff.get(peer_id)
+        return 0.0 if entry is None else entry[1] - self.now
+
+    def _get_or_create_session(self, peer_id: str) -> Session | None:
+        s = self.sessions.get(peer_id)
+        if s is not None:
+            return s
+        if self._reconnect_wait(peer_id) > 0 or len(self.sessions) >= MAX_PEERS:
+            return None
+        s = self.sessions[peer_id] = self._new_session(peer_id, self.control.connect(peer_id))
+        return s
+
+    def _accept(self, conns) -> None:
+        for conn in conns:
+            if len(self.sessions) >= MAX_PEERS:
+                conn.close()
+            elif self._reconnect_wait(conn.peer_id) > 0:
+                try:
+                    conn.send(m.disconnect())
+                except RuntimeError:
+                    pass
+                conn.close()
+            elif conn.peer_id in self.sessions:
+                conn.close()  # a duplicate connection is refused
+            else:
+                self.sessions[conn.peer_id] = self._new_session(conn.peer_id, conn)
+
+    def _schedule_backoff(self, peer_id: str) -> None:
+        for pid, (_, retry_at) in list(self.backoff.items()):
+            if self.now - retry_at > RECONNECT_MAX_BACKOFF_S:
+                del self.backoff[pid]
+        prev = self.backoff.get(peer_id)
+        wait = 0.0 if prev is None else min(max(2 * prev[0], RECONNECT_MIN_BACKOFF_S), RECONNECT_MAX_BACKOFF_S)
+        self.backoff[peer_id] = (wait, self.now + wait)
+
+    def _reap_dead(self) -> None:
+        for pid in [p for p, s in self.sessions.items() if s.conn is not None and not s.alive]:
+            s = self.sessions.pop(pid)
+            for kv in [k for k, b in self.kv_to_session.items() if b is s]:
+                del self.kv_to_session[kv]
+            jobs, kvs, stores = s.close()
+            self.finished += [(j, False) for j in jobs] + [(j, False) for j in stores]
+            self.failed.update(kvs)
+            self.plane.remove_remote_peer(pid)
+            if s.server.peer_fault is not None:
+                self.faults[pid] = self.faults.get(pid, 0) + 1
+                self._schedule_backoff(pid)
+
+    def _reap_unbound(self) -> None:
+        for kv in [k for k, t in self.reaped.items() if t <= self.now - REAPED_ID_RETENTION_S]:
+            del self.reaped[kv]
+        for kv in [k for k, b in self.unbound.items() if b and b[0][3] <= self.now - UNBOUND_STORE_TIMEOUT_S]:
+            self.reaped[kv] = self.now
+            self.finished += [(job, False) for job, *_ in self.unbound.pop(kv)]
+
+    def get_finished_jobs(self, now: float) -> list[tuple[int, bool]]:
+        """The poll sweep, then the jobs finished since the last call."""
+        self.now = now
+        self._accept(self.control.poll())
+        for s in list(self.sessions.values()):
+            loads, stores, fetched = s.poll(now)
+            for job, kv, ok in loads:
+                self.finished.append((job, ok))
+                if not ok:
+                    self.failed.add(kv)
+            self.finished += stores
+            for kv in fetched:
+                if kv in self.reaped:  # nothing can serve it: fail the round now
+                    s.finish_request(kv, now)
+                    self.finished += [(job, False) for job, *_ in self.unbound.pop(kv, ())]
+                    continue
+                self.kv_to_session[kv] = s
+                for job, keys, ids, _ in self.unbound.pop(kv, ()):
+                    s.add_stored_blocks(kv, keys, ids, job, now)
+        self._reap_dead()
+        self._reap_unbound()
+        out, self.finished = self.finished, []
+        return out
+
+    def shutdown(self, now: float) -> float:
+        """Drain pending writes (up to :data:`SHUTDOWN_DRAIN_TIMEOUT_S`), close every session (their
+        jobs are dropped, not reported), fail the parked stores. Returns the clock after the drain."""
+        self.now = now
+        ids = [t for s in self.sessions.values() for t in s.server.inflight]
+        if ids:
+            deadline = now + SHUTDOWN_DRAIN_TIMEOUT_S
+            still = ids
+            while still and now < deadline:
+                still = self.plane.cancel(still, mode="wait")
+                if not still:
+                    break
+                self.plane.poll()
+                now += DRAIN_SLEEP_S
+            if still:
+                self.plane.cancel(still, mode="immediate")
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+        self.kv_to_session.clear()
+        self.finished += [(job, False) for batches in self.unbound.values() for job, *_ in batches]
+        self.unbound.clear()
+        self.reaped.clear()
+        self.control.close()
+        self.plane.close()
+        return now
+
+    def check_invariants(self) -> None:
+        assert all(s in self.sessions.values() for s in self.kv_to_session.values()), "a bound id's session is live"
+        assert not (self.unbound.keys() & self.reaped.keys()), "a reaped id parks nothing"
+        assert all(self.unbound.values()), "an id parks at least one batch"
+        for s in self.sessions.values():
+            s.check_invariants()
+        self.plane.check_invariants()
+        self.control.check_invariants()

@@ -1,0 +1,150 @@
+"""Two engines sharing KV chunks peer to peer: a producer ``P`` and a consumer ``D``.
+
+The reference world the conformance machine drives beside vLLM's (:mod:`kvref.impl.vllm.p2p`):
+each engine is a :class:`~.manager.P2PTierManager` over its own primary buffer, control plane
+and data plane; the network delivers every message in order to the receiver's listening socket,
+where its next poll picks it up; a message to an engine that has gone is lost. Time is one
+virtual clock both engines read. The calls and the observables (:meth:`P2PWorld.snapshot`,
+:meth:`P2PWorld.messages`, the job results, the buffers) are the same as the vLLM world's.
+"""
+
+from __future__ import annotations
+
+from kvref.spec.errors import InvalidFieldError
+
+from . import messages as m
+from .control import ControlPlane
+from .manager import ROLES, P2PTierManager
+from .transport import DataPlane
+
+NODES = ("P", "D")
+PORT = 1  # every reference engine "listens" on port 1 of a host named after it: ids "P:1", "D:1"
+
+
+def _name(engine_id: str) -> str:
+    return engine_id.rsplit(":", 1)[0]
+
+
+def _node(node: object) -> str:
+    if node not in NODES:
+        raise InvalidFieldError("node", node, f"one of {NODES}")
+    return node  # type: ignore[return-value]
+
+
+class P2PWorld:
+    def __init__(self, num_blocks: int = 8, block_len: int = 16) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidFieldError("num_blocks", num_blocks, "a positive int")
+        if not isinstance(block_len, int) or block_len < 1:
+            raise InvalidFieldError("block_len", block_len, "a positive int")
+        self.num_blocks, self.block_len = num_blocks, block_len
+        self.now = 1000.0
+        self.log: list[tuple[str, str, tuple]] = []
+        self.alive = {n: True for n in NODES}
+        self.planes = {n: DataPlane(n, bytearray(num_blocks * block_len), block_len) for n in NODES}
+        self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver) for n in NODES}
+        self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
+                                           m.connect(f"{n}:{PORT}", num_blocks, block_len, "", "kvref"),
+                                           self._resolve) for n in NODES}
+
+    def _resolve(self, connect_msg: dict) -> DataPlane | None:
+        peer = _name(connect_msg["peer_id"])
+        return self.planes[peer] if self.alive.get(peer) else None
+
+    def _deliver(self, src: str, dst: str, msg: dict) -> None:
+        self.log.append((_name(src), _name(dst), m.summarize(msg)))
+        if self.alive[_name(dst)]:
+            self.controls[_name(dst)].arrived.append((src, msg))
+
+    # -- the world's calls ------------------------------------------------------------------------
+
+    def peer_params(self, node: str, role: str, kv_request_id: str) -> dict:
+        other = NODES[1 - NODES.index(_node(node))]
+        if role not in ROLES:
+            raise InvalidFieldError("role", role, f"one of {ROLES}")
+        if role == "remote_decoder":
+            return {role: {"kv_request_id": kv_request_id}}
+        return {role: {"kv_request_id": kv_request_id, "remote_host": other, "remote_port": PORT}}
+
+    def new_request(self, node: str, req_id: str, role: str, kv_request_id: str) -> str:
+        return self.managers[node].on_new_request(req_id, self.peer_params(node, role, kv_request_id), self.now)
+
+    def lookup(self, node: str, req_id: str, key: bytes) -> str:
+        return self.managers[_node(node)].lookup(req_id)
+
+    def submit_store(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        self.managers[_node(node)].submit_store(req_id, job_id, list(keys), list(chunk_ids), self.now)
+
+    def submit_load(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        self.managers[_node(node)].submit_load(req_id, job_id, list(keys), list(chunk_ids), self.now)
+
+    def finish(self, node: str, req_id: str) -> None:
+        self.managers[_node(node)].on_request_finished(req_id, self.now)
+
+    def poll(self, node: str) -> list[tuple[int, bool]]:
+        return self.managers[_node(node)].get_finished_jobs(self.now)
+
+    def complete_transfers(self, node: str, count: int, ok: bool) -> int:
+        return self.planes[_node(node)].complete(count, ok)
+
+    def advance(self, seconds: float) -> None:
+        if not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidFieldError("seconds", seconds, "a non-negative number")
+        self.now += seconds
+
+    def fault(self, node: str) -> None:
+        """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
+        self.planes[_node(node)].faults[f"{NODES[1 - NODES.index(node)]}:{PORT}"] = "injected data-plane fault"
+
+    def shutdown(self, node: str) -> list[tuple[int, bool]]:
+        mgr = self.managers[_node(node)]
+        self.now = mgr.shutdown(self.now)
+        self.alive[node] = False
+        for other in NODES:
+            if self.alive[other]:
+                self.controls[other].peer_went_away(f"{node}:{PORT}")
+        out, mgr.finished = mgr.finished, []
+        return out
+
+    def read(self, node: str, chunk_ids: list[int]) -> list[bytes]:
+        buf, n = self.planes[_node(node)].buffer, self.block_len
+        return [bytes(buf[c * n:(c + 1) * n]) for c in chunk_ids]
+
+    def write(self, node: str, chunk_ids: list[int], blocks: list[bytes]) -> None:
+        buf, n = self.planes[_node(node)].buffer, self.block_len
+        for c, data in zip(chunk_ids, blocks):
+            buf[c * n:(c + 1) * n] = data
+
+    def messages(self) -> list[tuple[str, str, tuple]]:
+        return list(self.log)
+
+    def snapshot(self, node: str) -> dict:
+        mgr = self.managers[_node(node)]
+        sessions = {}
+        for pid, s in mgr.sessions.items():
+            client = {kv: sorted((r, ld.job_id, ld.aborted_at is not None) for r, ld in st.loads.items())
+                      for kv, st in s.client.requests.items() if st.loads}
+            srv = s.server
+            rounds = {kv: sorted((r, rnd.demand_received, rnd.inflight, rnd.remaining, rnd.cancelled,
+                                  rnd.finishing, tuple(sorted(rnd.pending_jobs)))
+                                 for r, rnd in st.outbound.items())
+                      for kv, st in srv.requests.items() if st.outbound}
+            sessions[_name(pid)] = dict(ready=s.send_ready, alive=s.alive, client=client, rounds=rounds,
+                                 store_jobs=sorted(srv.store_jobs), inflight=len(srv.inflight),
+                                 aborts=sorted(srv.pending_aborts), fault=srv.peer_fault)
+        plane = self.planes[node]
+        return dict(
+            sessions=sessions,
+            unbound={kv: [b[0] for b in bs] for kv, bs in sorted(mgr.unbound.items())},
+            bound=sorted(mgr.kv_to_session), reaped=sorted(mgr.reaped), failed=sorted(mgr.failed),
+            transfers=[(t.transfer_id, _name(t.peer_id), t.local_idxs, t.remote_idxs) for t in plane.pending],
+            peers=sorted(_name(p) for p in plane.peers))
+
+    def check_invariants(self) -> None:
+        for n in NODES:
+            if self.alive[n]:
+                self.managers[n].check_invariants()
+
+    def close(self) -> None:
+        for n in NODES:
+            self.alive[n] = False

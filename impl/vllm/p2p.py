@@ -1,0 +1,458 @@
+"""vLLM's P2P secondary tier, two engines in one process: real managers, sessions and ZMQ.
+
+:class:`VllmP2PWorld` answers the calls of :class:`kvref.impl.reference.offload.p2p.world.P2PWorld`
+with two of vLLM 0.33.0's ``P2PSecondaryTierManager`` (``vllm/v1/kv_offload/tiering/p2p/``), a
+producer ``P`` and a consumer ``D``, each with its real ``ZmqTransport`` bound on loopback TCP and
+its real ``P2PSession``/``ClientRole``/``ServerRole`` objects. Only the data plane is replaced:
+``NixlTransport`` needs the NIXL library (and UCX), which is not installed, so
+:class:`InMemoryTransport` implements vLLM's ``DataTransport`` interface over the two engines'
+primary buffers (docs/differences.md, "P2P data plane"): ``write_blocks`` queues a transfer, the
+harness decides when it completes or fails (``complete_transfers``), and a completed one copies
+the bytes into the peer's buffer, so what one engine stored is what the other reads back.
+
+Determinism, without sleeps that race:
+
+* **Time** is virtual: the ``time`` module the p2p modules see is a namespace whose ``monotonic``
+  is the world's clock (``advance``), so load, abort, store, unbound-store and handshake timeouts
+  fire exactly when the trace says. vLLM's ``_UnboundStoreBatch`` takes its timestamp from
+  ``time.monotonic`` bound at import; the harness restamps a parked batch with the virtual clock.
+* **Messages** are counted: every ZMQ DEALER send is counted per (sender, receiver), and before a
+  manager polls, its ROUTER is pre-read until it holds every message sent to it (a bounded wait,
+  :data:`WIRE_TIMEOUT_S`, failing with :class:`WireTimeout` naming the pair). A poll therefore
+  sees exactly the messages the reference's FIFO network delivers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time as _real_time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any
+
+from kvref.impl.reference.offload.p2p.messages import summarize
+from kvref.spec.errors import InvalidFieldError
+
+#: longest a manager's poll waits for a counted message to reach its ROUTER socket
+WIRE_TIMEOUT_S = 5.0
+HOST = "127.0.0.1"
+NODES = ("P", "D")
+
+
+class WireTimeout(RuntimeError):
+    """A message counted as sent on loopback did not arrive within :data:`WIRE_TIMEOUT_S`."""
+
+
+class VirtualClock:
+    """The world's monotonic clock (seconds), advanced only by the trace."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        """A drain loop's sleep passes virtual time (vLLM's shutdown drain waits up to 3 s)."""
+        self.now += seconds
+
+
+@dataclass
+class Wire:
+    """Counts and logs every control message between the engines (by their ``host:port`` ids)."""
+
+    sent: dict[tuple[str, str], int] = field(default_factory=dict)
+    received: dict[tuple[str, str], int] = field(default_factory=dict)
+    log: list[tuple[str, str, tuple]] = field(default_factory=list)
+    closed: set[str] = field(default_factory=set)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@lru_cache(maxsize=1)
+def _classes() -> SimpleNamespace:
+    """vLLM-facing classes, built on first use (this module imports vLLM lazily)."""
+    import msgspec
+    import zmq
+    from vllm.v1.kv_offload.tiering.p2p.control.zmq import ZmqTransport
+    from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport, PollResult
+
+    class InMemoryTransport(DataTransport):
+        """vLLM's ``DataTransport`` contract over in-process buffers (the one fake).
+
+        Transfers stay pending (NIXL's ``PROC``) until :meth:`complete` resolves them; a
+        ``mode="wait"`` cancel therefore returns every still-pending id, as NIXL does for a WRITE it
+        cannot stop, and ``mode="immediate"`` drops them unwritten."""
+
+        def __init__(self, fabric: dict, name: str, view: memoryview, config_fields: dict | None) -> None:
+            super().__init__(view, config_fields=config_fields)
+            self.name = name
+            self._fabric = fabric
+            fabric[name] = self
+            self.peers: dict[str, InMemoryTransport] = {}
+            self.pending: list[tuple[int, str, list[int], list[int]]] = []
+            self._finished: dict[str, tuple[list[int], list[int]]] = {}
+            self.faults: dict[str, str] = {}
+            self._ids = itertools.count()
+            self.closed = False
+
+        def get_agent_metadata(self) -> bytes:
+            return self.name.encode()
+
+        def add_remote_peer(self, peer_id, agent_metadata, base_addr, num_blocks, block_len) -> None:
+            remote = self._fabric.get(bytes(agent_metadata).decode())
+            if remote is None or remote.closed:
+                raise RuntimeError(f"no live transport named {agent_metadata!r}")
+            self.peers[peer_id] = remote
+
+        def remove_remote_peer(self, peer_id: str) -> None:
+            self.peers.pop(peer_id, None)
+            self.faults.pop(peer_id, None)
+
+        def write_blocks(self, peer_id, local_idxs, remote_idxs):
+            if peer_id not in self.peers or self.closed:
+                return None
+            tid = next(self._ids)
+            self.pending.append((tid, peer_id, list(local_idxs), list(remote_idxs)))
+            return tid
+
+        def complete(self, count: int, ok: bool) -> int:
+            """Resolve the oldest ``count`` pending transfers; a successful one copies its blocks."""
+            done, self.pending = self.pending[:count], self.pending[count:]
+            for tid, peer_id, local, remote in done:
+                target = self.peers.get(peer_id)
+                if ok and target is not None and not target.closed:
+                    n = self.block_len
+                    src_flat, dst_flat = self._view.cast("B"), target._view.cast("B")
+                    for src, dst in zip(local, remote):
+                        dst_flat[dst * n:(dst + 1) * n] = src_flat[src * n:(src + 1) * n]
+                slot = self._finished.setdefault(peer_id, ([], []))
+                slot[0 if ok and target is not None else 1].append(tid)
+            return len(done)
+
+        def poll(self, peer_id=None):
+            peers = [peer_id] if peer_id is not None else list(self._finished)
+            done: list[int] = []
+            failed: list[int] = []
+            for p in peers:
+                d, f = self._finished.pop(p, ([], []))
+                done += d
+                failed += f
+            return PollResult(done=done, failed=failed,
+                              peer_fault=self.faults.get(peer_id) if peer_id is not None else None)
+
+        def cancel(self, transfer_ids, mode="immediate"):
+            ids = set(transfer_ids)
+            if mode == "immediate":
+                self.pending = [t for t in self.pending if t[0] not in ids]
+                return []
+            return [t[0] for t in self.pending if t[0] in ids]
+
+        def close(self) -> None:
+            self.closed = True
+            self.pending.clear()
+            self.peers.clear()
+
+    class _CountingDealer:
+        """A DEALER socket that counts and logs what it sends (for the settle wait)."""
+
+        def __init__(self, sock, wire: Wire, src: str, dst: str) -> None:
+            self._sock, self._wire, self._src, self._dst = sock, wire, src, dst
+
+        def send(self, data, flags=0):
+            self._sock.send(data, flags)
+            key = (self._src, self._dst)
+            self._wire.sent[key] = self._wire.sent.get(key, 0) + 1
+            self._wire.log.append((self._src, self._dst, summarize(msgspec.msgpack.decode(data))))
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    class _PrefetchingRouter:
+        """A ROUTER socket whose messages the harness can read ahead into a queue."""
+
+        def __init__(self, sock, wire: Wire, me: str) -> None:
+            self._sock, self._wire, self._me = sock, wire, me
+            self._ahead: deque = deque()
+
+        def _read(self) -> bool:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if len(frames) == 2:
+                key = (frames[0].decode(), self._me)
+                self._wire.received[key] = self._wire.received.get(key, 0) + 1
+            self._ahead.append(frames)
+            return True
+
+        def settle(self) -> None:
+            """Read ahead until every message counted as sent here has arrived (bounded)."""
+            deadline = _real_time.monotonic() + WIRE_TIMEOUT_S
+            while True:
+                while self._read():
+                    pass
+                missing = {k: n - self._wire.received.get(k, 0) for k, n in self._wire.sent.items()
+                           if k[1] == self._me and n > self._wire.received.get(k, 0)}
+                if not missing:
+                    return
+                left = deadline - _real_time.monotonic()
+                if left <= 0:
+                    raise WireTimeout(f"messages sent to {self._me} never arrived: {missing}")
+                self._sock.poll(min(50, int(left * 1000) + 1))
+
+        def recv_multipart(self, flags=0):
+            if self._ahead:
+                return self._ahead.popleft()
+            raise zmq.Again()
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    class CountingZmqTransport(ZmqTransport):
+        """vLLM's ``ZmqTransport`` with counted sends and a read-ahead ROUTER (no other change)."""
+
+        wire: Wire
+
+        def __init__(self, local_id: str, host: str, port: int) -> None:
+            super().__init__(local_id, host, port)
+            self._router = _PrefetchingRouter(self._router, self.wire, local_id)
+
+        def _open_connection(self, peer_id: str, direction: str = "outbound"):
+            conn = super()._open_connection(peer_id, direction)
+            conn._sockets.dealer = _CountingDealer(conn._sockets.dealer, self.wire, self._local_id, peer_id)
+            return conn
+
+        def close(self) -> None:
+            self.wire.closed.add(self._local_id)
+            super().close()
+
+    return SimpleNamespace(InMemoryTransport=InMemoryTransport, CountingZmqTransport=CountingZmqTransport)
+
+
+def _offloading_spec(block_len: int) -> Any:
+    """A normalized ``OffloadingConfig`` for one scheduler-side engine (rank 0, DP index 0).
+
+    The P2P manager reads only ``config`` (its parallel index and, through ``FileMapper``, the
+    model fields whose fingerprint peers compare) and ``blocks_per_chunk``; vLLM's
+    ``OffloadingSpec`` base class takes exactly that ``config``."""
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",), group_id=0),),
+        worker_kv_bytes_per_block=block_len, enable_kv_cache_events=False, extra_config={}, engine_id="kvref",
+        model=OffloadingModelConfig(name="kvref-p2p", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False))
+    class P2PTierSpec(OffloadingSpec):
+        """The spec a secondary tier is handed: only its normalized config is read."""
+
+        def get_manager(self):
+            raise NotImplementedError("the P2P world drives the secondary tier alone, not a connector manager")
+
+        def get_worker(self, kv_caches):
+            raise NotImplementedError("the P2P world has no GPU worker: the tier moves host memory only")
+
+    return P2PTierSpec(cfg)
+
+
+_P2P_MODULES = ("vllm.v1.kv_offload.tiering.p2p.manager", "vllm.v1.kv_offload.tiering.p2p.session.session",
+                "vllm.v1.kv_offload.tiering.p2p.session.client", "vllm.v1.kv_offload.tiering.p2p.session.server")
+
+
+class VllmP2PWorld:
+    """Two vLLM P2P tier managers (``P``, ``D``) over real ZMQ and the in-memory data plane."""
+
+    def __init__(self, num_blocks: int = 8, block_len: int = 16) -> None:
+        import importlib
+
+        from vllm.v1.kv_offload.tiering.p2p import manager as manager_module
+
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidFieldError("num_blocks", num_blocks, "a positive int")
+        if not isinstance(block_len, int) or block_len < 1:
+            raise InvalidFieldError("block_len", block_len, "a positive int")
+        cls = _classes()
+        self.clock = VirtualClock()
+        self.wire = Wire()
+        self.num_blocks, self.block_len = num_blocks, block_len
+        self._fabric: dict = {}
+        self._saved_time = {}
+        fake_time = SimpleNamespace(monotonic=self.clock.monotonic, sleep=self.clock.sleep, time=_real_time.time)
+        for name in _P2P_MODULES:
+            mod = importlib.import_module(name)
+            self._saved_time[mod] = mod.time
+            mod.time = fake_time
+        transport_cls = type("WorldZmqTransport", (cls.CountingZmqTransport,), {"wire": self.wire})
+        saved = manager_module.NixlTransport, manager_module.ZmqTransport
+        self.buffers: dict[str, bytearray] = {}
+        self.managers: dict[str, Any] = {}
+        self.ids: dict[str, str] = {}
+        self._reqs: dict[tuple[str, str], Any] = {}
+        try:
+            for node in NODES:
+                buf = bytearray(num_blocks * block_len)
+                view = memoryview(buf).cast("B", (num_blocks, block_len))
+                manager_module.NixlTransport = (lambda name, v, config_fields=None, **_:
+                                                cls.InMemoryTransport(self._fabric, name, v, config_fields))
+                manager_module.ZmqTransport = transport_cls
+                mgr = manager_module.P2PSecondaryTierManager(_offloading_spec(block_len), view, host=HOST,
+                                                             port=_free_port())
+                self.buffers[node], self.managers[node], self.ids[node] = buf, mgr, mgr._local_id
+        except Exception:
+            self.close()
+            raise
+        finally:
+            manager_module.NixlTransport, manager_module.ZmqTransport = saved
+        self.alive = {n: True for n in NODES}
+
+    # -- the world's calls (same as the reference world) ------------------------------------------
+
+    def peer_params(self, node: str, role: str, kv_request_id: str) -> dict:
+        """``kv_transfer_params`` naming the other engine: ``remote_prefiller`` (a PD consumer),
+        ``remote_decoder`` (a producer) or ``remote_kv_source`` (a symmetric consumer)."""
+        other = NODES[1 - NODES.index(node)]
+        host, port = self.ids[other].rsplit(":", 1)
+        if role == "remote_decoder":
+            return {role: {"kv_request_id": kv_request_id}}
+        return {role: {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}}
+
+    def new_request(self, node: str, req_id: str, role: str, kv_request_id: str) -> str:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        ctx = ReqContext(req_id=req_id, kv_transfer_params=self.peer_params(node, role, kv_request_id))
+        self._reqs[(node, req_id)] = ctx
+        out = self.managers[node].on_new_request(ctx)
+        self._settle()
+        return out.policy.name
+
+    def lookup(self, node: str, req_id: str, key: bytes) -> str:
+        return self.managers[node].lookup(key, self._reqs[(node, req_id)]).name
+
+    def _job(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> Any:
+        import numpy as np
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        return TransferJob(job_id=job_id, keys=list(keys), chunk_ids=np.asarray(chunk_ids, dtype=np.int64),
+                           is_promotion=False, req_context=self._reqs[(node, req_id)])
+
+    def submit_store(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        mgr = self.managers[node]
+        mgr.submit_store(self._job(node, req_id, job_id, keys, chunk_ids))
+        for batches in mgr._unbound_stores.values():  # restamp with the virtual clock (module docstring)
+            for b in batches:
+                if b.job_id == job_id:
+                    b.submitted_at = self.clock.now
+        self._settle()
+
+    def submit_load(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
+        self.managers[node].submit_load(self._job(node, req_id, job_id, keys, chunk_ids))
+        self._settle()
+
+    def finish(self, node: str, req_id: str) -> None:
+        self.managers[node].on_request_finished(self._reqs.pop((node, req_id)))
+        self._settle()
+
+    def poll(self, node: str) -> list[tuple[int, bool]]:
+        """One ``get_finished_jobs`` (the manager's poll sweep): the finished jobs, in order."""
+        out = [(r.job_id, r.success) for r in self.managers[node].get_finished_jobs()]
+        self._settle()
+        return out
+
+    def complete_transfers(self, node: str, count: int, ok: bool) -> int:
+        return self.managers[node]._data.complete(count, ok)
+
+    def advance(self, seconds: float) -> None:
+        self.clock.now += seconds
+
+    def fault(self, node: str) -> None:
+        """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
+        other = self.ids[NODES[1 - NODES.index(node)]]
+        self.managers[node]._data.faults[other] = "injected data-plane fault"
+
+    def shutdown(self, node: str) -> list[tuple[int, bool]]:
+        """The engine goes away: ``shutdown`` (its sessions send DisconnectMsg, sockets close).
+
+        Then, for each connection the survivor holds to it, the harness waits (bounded) until the
+        socket monitor's disconnect event is queued, so the survivor's next poll sees it."""
+        mgr = self.managers[node]
+        mgr.shutdown()
+        self.alive[node] = False
+        out = [(r.job_id, r.success) for r in mgr._finished_jobs]
+        mgr._finished_jobs = []
+        self._settle()
+        for other in NODES:
+            conn = self.managers[other]._control._connections.get(self.ids[node]) if self.alive[other] else None
+            if conn is not None and conn.alive and not conn.monitor_socket.poll(int(WIRE_TIMEOUT_S * 1000)):
+                raise WireTimeout(f"{other}'s connection to the closed {node} saw no disconnect event")
+        return out
+
+    def read(self, node: str, chunk_ids: list[int]) -> list[bytes]:
+        buf = self.buffers[node]
+        return [bytes(buf[c * self.block_len:(c + 1) * self.block_len]) for c in chunk_ids]
+
+    def write(self, node: str, chunk_ids: list[int], blocks: list[bytes]) -> None:
+        for c, data in zip(chunk_ids, blocks):
+            self.buffers[node][c * self.block_len:(c + 1) * self.block_len] = data
+
+    def messages(self) -> list[tuple[str, str, tuple]]:
+        """Every control message so far as (sender node, receiver node, summary), in send order."""
+        name = {v: k for k, v in self.ids.items()}
+        return [(name[s], name[d], m) for s, d, m in self.wire.log]
+
+    def snapshot(self, node: str) -> dict:
+        """The manager's and its session's bookkeeping, in the reference's terms."""
+        mgr = self.managers[node]
+        name = {v: k for k, v in self.ids.items()}
+        sessions = {}
+        for pid, s in mgr._sessions.items():
+            client = {kv: sorted((r, ld.job_id, ld.aborted_at is not None) for r, ld in st.loads.items())
+                      for kv, st in s._client._requests.items() if st.loads}
+            srv = s._server
+            rounds = {kv: sorted((r, rnd.demand_received, rnd.inflight, rnd.remaining, rnd.cancelled,
+                                  rnd.finishing, tuple(sorted(rnd.pending_job_ids)))
+                                 for r, rnd in st.outbound.items())
+                      for kv, st in srv._requests.items() if st.outbound}
+            sessions[name.get(pid, pid)] = dict(
+                ready=s.ready, alive=s.alive, client=client, rounds=rounds,
+                store_jobs=sorted(srv._store_jobs), inflight=len(srv._inflight),
+                aborts=sorted(srv._pending_aborts), fault=srv.peer_fault)
+        data = mgr._data
+        return dict(
+            sessions=sessions,
+            unbound={kv: [b.job_id for b in bs] for kv, bs in sorted(mgr._unbound_stores.items())},
+            bound=sorted(mgr._kv_to_session), reaped=sorted(mgr._reaped_stores),
+            failed=sorted(mgr._failed_req_ids),
+            transfers=[(t[0], name.get(t[1], t[1]), t[2], t[3]) for t in data.pending],
+            peers=sorted(name.get(p, p) for p in data.peers))
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        for node in NODES:
+            if self.alive.get(node):
+                self.managers[node]._control._router.settle()
+
+    def close(self) -> None:
+        """Shut down what is still running and give the p2p modules their ``time`` back."""
+        for node, mgr in getattr(self, "managers", {}).items():
+            if getattr(self, "alive", {}).get(node, True):
+                try:
+                    mgr.shutdown()
+                except Exception:  # noqa: BLE001 - teardown of a failed trace must not mask its failure
+                    pass
+        self.alive = {n: False for n in NODES}
+        for mod, t in self._saved_time.items():
+            mod.time = t
+        self._saved_time = {}

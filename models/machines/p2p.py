@@ -1,0 +1,283 @@
+"""P2P secondary tier: the reference world and vLLM's, driven with the same generated operations.
+
+Two engines — producer ``P`` (requests with ``remote_decoder``) and consumer ``D`` (requests
+with ``remote_prefiller``) — share a few kv_request_ids. The machine draws request arrivals on
+both sides, stores on ``P`` (any subset of the id's keys, in any order), lookups and loads on
+``D`` (subsets that may not match what was stored), request finishes in any order, polls of
+either engine, data-plane writes completing or failing, virtual time passing every protocol
+timeout, a data-plane fault and an engine going away. After every step it compares everything
+both worlds can observe: the call's result, each engine's bookkeeping
+(:meth:`~kvref.impl.reference.offload.p2p.world.P2PWorld.snapshot`), every control message in
+order per direction, and both engines' buffers byte for byte. Beside the comparison an
+independent property holds: a load job reported successful leaves, in ``D``'s buffer, exactly
+the bytes ``P`` stored for each of its keys (bytes through the tier).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvref.impl.reference.offload.p2p.world import P2PWorld
+
+KV_IDS = ("kv0", "kv1")
+KEYS_PER_KV = 2
+NUM_BLOCKS = 8
+BLOCK_LEN = 16
+ADVANCES = (0.05, 1.0, 5.0, 10.0, 31.0, 61.0)
+
+
+def key_of(kv: str, i: int) -> bytes:
+    return f"{kv}/{i}".encode()
+
+
+def slot_of(kv: str, i: int) -> int:
+    """Each key has its own slot in both engines' buffers (a stored slot is never reused)."""
+    return KV_IDS.index(kv) * KEYS_PER_KV + i
+
+
+def content_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()[:BLOCK_LEN]
+
+
+class Divergence(AssertionError):
+    """The worlds disagree on an observable (its name, each world's value)."""
+
+    def __init__(self, what: str, values: dict[str, Any]) -> None:
+        super().__init__(f"{what} diverged: " + "; ".join(f"{k}={v!r}" for k, v in values.items()))
+        self.signature = f"p2p:{what.split('(')[0]}"
+
+
+@dataclass
+class Coverage:
+    """Which rare paths the generated runs reached (asserted by the tests)."""
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    stores_ok: int = 0
+    stores_failed: int = 0
+    bytes_checked: int = 0
+    aborts: int = 0
+    reaped: int = 0
+    shutdowns: int = 0
+    faults: int = 0
+
+
+COVERAGE = Coverage()
+
+
+def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]:
+    """A machine over the named worlds (the first is the one the bytes property reads)."""
+
+    class P2PMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.worlds: dict[str, Any] = {}
+            self.reqs: dict[str, dict[str, str]] = {"P": {}, "D": {}}  # req id -> kv id
+            self.next_req = 0
+            self.next_job = 0
+            self.loads: dict[int, list[bytes]] = {}
+            self.n_messages = 0
+
+        @initialize()
+        def start(self) -> None:
+            for name, factory in world_factories.items():
+                self.worlds[name] = factory()
+            for w in self.worlds.values():
+                for kv in KV_IDS:
+                    for i in range(KEYS_PER_KV):
+                        w.write("P", [slot_of(kv, i)], [content_of(key_of(kv, i))])
+
+        def teardown(self) -> None:
+            for w in self.worlds.values():
+                w.close()
+
+        # -- comparing --------------------------------------------------------------------------
+
+        def _all(self, call: str, *args: Any) -> Any:
+            results = {name: getattr(w, call)(*args) for name, w in self.worlds.items()}
+            values = list(results.values())
+            if any(v != values[0] for v in values[1:]):
+                raise Divergence(f"{call}{args}", results)
+            return values[0]
+
+        def _alive(self, node: str) -> bool:
+            return all(w.alive[node] for w in self.worlds.values())
+
+        def _jobs(self, finished: list[tuple[int, bool]]) -> None:
+            first = next(iter(self.worlds.values()))
+            for job, ok in finished:
+                if job in self.loads:
+                    keys = self.loads.pop(job)
+                    if ok:
+                        COVERAGE.loads_ok += 1
+                        slots = [slot_of(k.decode().split("/")[0], int(k.decode().split("/")[1])) for k in keys]
+                        got = first.read("D", slots)
+                        want = [content_of(k) for k in keys]
+                        assert got == want, f"load job {job} succeeded but D holds {got} for {keys}"
+                        COVERAGE.bytes_checked += len(keys)
+                    else:
+                        COVERAGE.loads_failed += 1
+                elif ok:
+                    COVERAGE.stores_ok += 1
+                else:
+                    COVERAGE.stores_failed += 1
+
+        @invariant()
+        def same_observables(self) -> None:
+            if not self.worlds:
+                return
+            for node in ("P", "D"):
+                if self._alive(node):
+                    self._all("snapshot", node)
+                self._all("read", node, list(range(NUM_BLOCKS)))
+            msgs = {name: w.messages() for name, w in self.worlds.items()}
+            first = next(iter(msgs.values()))
+            for name, log in msgs.items():
+                if log != first:
+                    i = next((j for j, (a, b) in enumerate(zip(log, first)) if a != b), min(len(log), len(first)))
+                    raise Divergence(f"message #{i}", {n: lg[i:i + 3] for n, lg in msgs.items()})
+            for w in self.worlds.values():
+                check = getattr(w, "check_invariants", None)
+                if check is not None:
+                    check()
+
+        # -- operations -------------------------------------------------------------------------
+
+        @precondition(lambda self: self._alive("P") and len(self.reqs["P"]) < 4)
+        @rule(kv=st.sampled_from(KV_IDS))
+        def producer_request(self, kv: str) -> None:
+            req = f"p{self.next_req}"
+            self.next_req += 1
+            self._all("new_request", "P", req, "remote_decoder", kv)
+            self.reqs["P"][req] = kv
+
+        @precondition(lambda self: self._alive("D") and len(self.reqs["D"]) < 4)
+        @rule(kv=st.sampled_from(KV_IDS))
+        def consumer_request(self, kv: str) -> None:
+            req = f"d{self.next_req}"
+            self.next_req += 1
+            self._all("new_request", "D", req, "remote_prefiller", kv)
+            self.reqs["D"][req] = kv
+
+        @precondition(lambda self: self._alive("P") and self._alive("D"))
+        @rule(kv=st.sampled_from(KV_IDS),
+              stored=st.lists(st.integers(0, KEYS_PER_KV - 1), min_size=1, max_size=KEYS_PER_KV, unique=True),
+              loaded=st.lists(st.integers(0, KEYS_PER_KV - 1), min_size=1, max_size=KEYS_PER_KV, unique=True),
+              load_first=st.booleans())
+        def share(self, kv: str, stored: list[int], loaded: list[int], load_first: bool) -> None:
+            """One request shared: both sides' requests for ``kv`` (opened if none), a store on P and
+            a load on D, in either order (the fetch may find the blocks parked, or wait for them)."""
+            ends = {}
+            for node, role in (("P", "remote_decoder"), ("D", "remote_prefiller")):
+                req = next((r for r, k in self.reqs[node].items() if k == kv), None)
+                if req is None:
+                    req = f"{node.lower()}{self.next_req}"
+                    self.next_req += 1
+                    self._all("new_request", node, req, role, kv)
+                    self.reqs[node][req] = kv
+                ends[node] = req
+            steps = [("P", "submit_store", stored), ("D", "submit_load", loaded)]
+            for node, call, idx in (steps[::-1] if load_first else steps):
+                self.next_job += 1
+                keys = [key_of(kv, i) for i in idx]
+                if node == "D":
+                    self._all("lookup", "D", ends["D"], keys[0])
+                    self.loads[self.next_job] = keys
+                self._all(call, node, ends[node], self.next_job, keys, [slot_of(kv, i) for i in idx])
+
+        @precondition(lambda self: self._alive("P") and self.reqs["P"])
+        @rule(data=st.data())
+        def store(self, data: st.DataObject) -> None:
+            req = data.draw(st.sampled_from(sorted(self.reqs["P"])), label="request")
+            kv = self.reqs["P"][req]
+            idx = data.draw(st.lists(st.integers(0, KEYS_PER_KV - 1), min_size=1, max_size=KEYS_PER_KV, unique=True),
+                            label="keys")
+            self.next_job += 1
+            self._all("submit_store", "P", req, self.next_job, [key_of(kv, i) for i in idx],
+                      [slot_of(kv, i) for i in idx])
+
+        @precondition(lambda self: self._alive("D") and self.reqs["D"])
+        @rule(data=st.data())
+        def load(self, data: st.DataObject) -> None:
+            req = data.draw(st.sampled_from(sorted(self.reqs["D"])), label="request")
+            kv = self.reqs["D"][req]
+            idx = data.draw(st.lists(st.integers(0, KEYS_PER_KV - 1), max_size=KEYS_PER_KV, unique=True), label="keys")
+            keys = [key_of(kv, i) for i in idx]
+            self._all("lookup", "D", req, keys[0] if keys else key_of(kv, 0))
+            self.next_job += 1
+            self.loads[self.next_job] = keys
+            self._all("submit_load", "D", req, self.next_job, keys, [slot_of(kv, i) for i in idx])
+
+        @precondition(lambda self: any(self.reqs[n] and self._alive(n) for n in ("P", "D")))
+        @rule(data=st.data())
+        def finish(self, data: st.DataObject) -> None:
+            node = data.draw(st.sampled_from([n for n in ("P", "D") if self.reqs[n] and self._alive(n)]), label="node")
+            req = data.draw(st.sampled_from(sorted(self.reqs[node])), label="request")
+            self._all("finish", node, req)
+            del self.reqs[node][req]
+
+        @rule(node=st.sampled_from(("P", "D")), twice=st.booleans())
+        def poll(self, node: str, twice: bool) -> None:
+            for _ in range(2 if twice else 1):
+                if self._alive(node):
+                    self._jobs(self._all("poll", node))
+
+        @rule()
+        def tick(self) -> None:
+            """Writes land and both engines poll twice: what a healthy pair does between steps."""
+            for _ in range(2):
+                if self._alive("P"):
+                    self._all("complete_transfers", "P", NUM_BLOCKS, True)
+                for node in ("P", "D"):
+                    if self._alive(node):
+                        self._jobs(self._all("poll", node))
+
+        @precondition(lambda self: self._alive("P"))
+        @rule(count=st.integers(1, 2), ok=st.booleans())
+        def complete_transfers(self, count: int, ok: bool) -> None:
+            self._all("complete_transfers", "P", count, ok)
+
+        @rule(seconds=st.sampled_from(ADVANCES))
+        def advance(self, seconds: float) -> None:
+            self._all("advance", seconds)
+            if seconds >= 31:
+                COVERAGE.aborts += 1
+
+        @precondition(lambda self: self._alive("P"))
+        @rule(now=st.integers(0, 7))
+        def fault(self, now: int) -> None:
+            if now:  # rare: one draw in eight
+                return
+            self._all("fault", "P")
+            COVERAGE.faults += 1
+
+        @precondition(lambda self: self._alive("P") and self._alive("D"))
+        @rule(node=st.sampled_from(("P", "D")), now=st.integers(0, 7))
+        def shutdown(self, node: str, now: int) -> None:
+            if now:  # rare: one draw in eight
+                return
+            self._jobs(self._all("shutdown", node))
+            self.reqs[node].clear()
+            COVERAGE.shutdowns += 1
+
+    return P2PMachine
+
+
+def run_p2p_machine(with_vllm: bool, examples: int, steps: int = 30, reproducible: bool = False,
+                    shrink: bool = True, seed: int | None = None) -> tuple[bool, str, str | None]:
+    """Run the machine once outside pytest: ``(ok, failure, signature)``."""
+    from kvref.models.machines.scheduler import run_lockstep_machine
+
+    factories: dict[str, Any] = {"ref": P2PWorld}
+    if with_vllm:
+        from kvref.impl.vllm.p2p import VllmP2PWorld
+
+        factories = {"vllm": VllmP2PWorld, **factories}
+    machine = make_machine(factories)
+    return run_lockstep_machine(machine, examples=examples, steps=steps, min_steps=min(steps, 10), seed=seed,
+                                reproducible=reproducible, shrink=shrink)
