@@ -29,6 +29,10 @@ class RecordedRun:
     path: Path
     #: the drain met a hang vLLM 0.33.0 has itself (the machine's known_hang): the trace ends waiting
     known_hang: bool = False
+    #: the generator stopped inside a step's settling (Hypothesis ran out of data after the step was
+    #: taken off the batch queue): the trace schedules again with a step never settled, which no
+    #: engine does and check-run rightly refuses
+    lost_update: bool = False
     #: what the run's trace shows of the connector (kv entries by kind, worker reports)
     shows: Counter = field(default_factory=Counter)
 
@@ -75,9 +79,23 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
     drivers: list = []
 
     class Recorded(ConnectorLockstep):
+        lost_update = False
+
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             drivers.append(self)
+
+        def complete(self, draw=None, report=None):
+            queued = self.num_in_flight()
+            pending = [len(t.scheduler._kvref_steps) for t in self.targets.values()]
+            try:
+                return super().complete(draw, report)
+            except BaseException:
+                # taken off the batch queue, never handed to the recorder's update_from_output
+                if self.num_in_flight() < queued and pending == [len(t.scheduler._kvref_steps)
+                                                                 for t in self.targets.values()]:
+                    self.lost_update = True
+                raise
 
     machine = connector_machine({"vllm": _recording_factory(holder, directory, runs)}, setups=setups,
                                 name="RecordedConnectorRun")
@@ -94,6 +112,7 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                     t.close()
                 if runs:
                     runs[-1].known_hang = driver.known_hang
+                    runs[-1].lost_update = driver.lost_update
 
     machine.teardown = teardown
     ok, failure, _ = run_lockstep_machine(machine, examples, steps=steps, min_steps=steps // 2, seed=seed,

@@ -32,7 +32,7 @@ _UNFOLLOWED_OK = "kv_connector_divergent_hybrid_hits"
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     require_vllm()
-    runs = record_connector_runs(tmp_path_factory.mktemp("connector-runs"), profile_examples(30, 30), seed=2)  # 60 meets an open case: see docs/record.md
+    runs = record_connector_runs(tmp_path_factory.mktemp("connector-runs"), profile_examples(30, 60), seed=2)
     return [r for r in runs if r.shows or r.path.stat().st_size > 0]
 
 
@@ -51,6 +51,11 @@ def test_every_generated_connector_run_agrees_with_the_reference(recorded):
     followed = 0
     for run in recorded:
         r = check_trace(run.path, check_invariants_every=1)
+        if run.lost_update:
+            # the generator stopped between taking a step off the batch queue and settling it: the
+            # trace schedules again over an unsettled step, which check-run refuses
+            assert r.divergence is None or "refuses" in r.divergence.message, run.path
+            continue
         if r.empty or run.known_hang:
             continue  # known_hang: vLLM 0.33.0 hangs there itself (the machine's drain names it)
         assert r.divergence is None, f"{run.path}: " + r.divergence.table()
