@@ -9,6 +9,7 @@ The explorer checks' bodies are in :mod:`kvref.cli_explore`, beside the explorer
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from .check_context import Check, VerifyContext, vllm_available, vllm_gate  # noqa: F401  (re-exported)
 from .cli_explore import check_explorer, check_explorer_conformance  # noqa: F401  (bodies of explorer, conform-explorer)
@@ -250,7 +251,21 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, "conform-scheduler")
     if skipped:
         return skipped
-    return _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
+    res = _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
+    if res.status != PASSED:
+        return res
+    # then salted / cache-skipping arrivals, prefix-cache resets and FA + Mamba "align" pools (#22)
+    from kvref.models.machines.scheduler_cache_controls import run_cache_controls_machine
+
+    run = run_cache_controls_machine(ctx.examples(12, 60), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "scheduler traces with cache controls diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    return replace(res, summary=res.summary + f"; {run.traces} more with cache controls ({c.get('salted_arrivals', 0)} "
+                   f"salted, {c.get('skip_reading_arrivals', 0)} cache-skipping arrivals, "
+                   f"{c.get('reset_prefix_cache_done', 0)} resets) and Mamba-align pools",
+                   examined=(res.examined or 0) + run.traces)
 
 
 def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:

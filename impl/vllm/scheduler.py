@@ -256,7 +256,7 @@ class VllmScheduler:
     def add_request(self, request: Request) -> None:
         v = self._v
         sp = v["SamplingParams"](max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
-                                 ignore_eos=True)
+                                 ignore_eos=True, skip_reading_prefix_cache=request.skip_reading_prefix_cache)
         vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                            sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
                            cache_salt=request.cache_salt, priority=request.priority,

@@ -116,10 +116,14 @@ class RequestSpec:
     priority: int
     arrival_time: float
     stop_token_ids: tuple[int, ...] = ()
+    #: per-request prefix-cache controls (drawn by :class:`CacheControlsMachine` only)
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
 
     def make(self) -> Request:
         return Request(self.request_id, list(self.prompt), max_tokens=self.max_tokens, priority=self.priority,
-                       arrival_time=self.arrival_time, stop_token_ids=self.stop_token_ids)
+                       arrival_time=self.arrival_time, stop_token_ids=self.stop_token_ids,
+                       cache_salt=self.cache_salt, skip_reading_prefix_cache=self.skip_reading_prefix_cache)
 
 
 def _attn(cls, bs: int, **kw):
