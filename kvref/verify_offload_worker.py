@@ -43,6 +43,10 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.models.machines.offload_worker import run_traces
     from kvref.models.offload.world_common import OffloadInvariantError
 
+    import random
+
+    from kvref.models.machines.canonical_mapping import compare_layer, random_layer_case
+
     n = ctx.examples(12, 120)
     try:
         stats = run_traces(offload_worker_cases(ctx.seed, n))
@@ -50,8 +54,16 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's OffloadingConnector (scheduler + worker) diverged",
                            details=[text[:1500]], signature=f"{NAME}: {type(exc).__name__}")
+    rng = random.Random(f"{NAME}-layers-{ctx.seed}")
+    layers = ctx.examples(40, 300)
+    for _ in range(layers):
+        diff = compare_layer(random_layer_case(rng))
+        if diff:
+            return CheckResult(NAME, FAILED, "vLLM's canonical page mapping differs from the reference",
+                               details=[diff[:1500]], signature=f"{NAME}: canonical mapping")
     return CheckResult(NAME, PASSED,
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
-                       "vLLM's scheduler + worker roles: jobs, pools and bytes agree with the reference",
-                       examined=stats["ops"])
+                       f"vLLM's scheduler + worker roles, and {layers} layers' canonical page mappings: jobs, pools, "
+                       "bytes and mappings agree with the reference",
+                       examined=stats["ops"] + layers)

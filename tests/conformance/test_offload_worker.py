@@ -91,3 +91,43 @@ def test_planted_worker_fault_is_found(fault, monkeypatch):
     fault(monkeypatch)
     with pytest.raises((AssertionError, OffloadInvariantError)):
         _run(profile_examples(12, 40))
+
+
+def _layer_cases(n: int, seed: int = 0):
+    import random
+
+    from kvref.models.machines.canonical_mapping import random_layer_case
+
+    rng = random.Random(seed)
+    return [random_layer_case(rng) for _ in range(n)]
+
+
+def test_canonical_mappings_match_reference():
+    """vLLM's per-rank canonical page mappings equal the reference's byte for byte, over generated
+    head counts, TP sizes, page kinds and orders, MLA and uncertifiable layers."""
+    require_vllm()
+    from kvref.models.machines.canonical_mapping import compare_layer
+
+    cases = _layer_cases(profile_examples(60, 300))
+    kinds = {(c.kind, c.mla, c.heads == max(1, c.total_kv_heads // c.tp_size), c.total_kv_heads < c.tp_size)
+             for c in cases}
+    assert ("split", False, True, True) in kinds and ("packed", False, True, False) in kinds  # replicated, sharded
+    assert any(c.mla for c in cases) and any(c.kind is None for c in cases) and any(not k[2] for k in kinds)
+    assert [d for d in map(compare_layer, cases) if d] == []
+
+
+def test_canonical_mapping_fault_is_found(monkeypatch):
+    """A planted fault in vLLM's derivation (each rank's head rows placed as if it held every head)
+    is reported."""
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
+
+    from kvref.models.machines.canonical_mapping import compare_layer
+
+    real = cm._split_kv_regions
+
+    def patched(kv_cache, spec, head_shard, num_head_shards, cp_size):
+        return real(kv_cache, spec, 0, num_head_shards, cp_size)
+
+    monkeypatch.setattr(cm, "_split_kv_regions", patched)
+    assert any(compare_layer(c) for c in _layer_cases(profile_examples(60, 300)))

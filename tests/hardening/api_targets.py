@@ -688,6 +688,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     )
     from kvref.spec import kv_cache_interface as kci
 
+    from kvref.impl.reference.offload import canonical_mapping as cmap
+
     eng = _engine()
     groups = (GROUP, KVCacheGroupSpec(("l1",), SWA))
     layers = {"l0": FULL, "l1": SWA}
@@ -781,6 +783,15 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
         # offload keys and lookups
         "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),
+        # canonical page mappings of the offloading worker (reference of vLLM's canonical_mapping.py)
+        "AttentionPage": (cmap.AttentionPage, dict(kind="split", order="HND", block_size=2, num_kv_heads=1,
+                                                   head_size=2, elem_size=2)),
+        "AttentionPage.element_offset": (cmap.AttentionPage("split", "HND", 2, 1, 2, 2).element_offset, dict(part=1, token=1, head=0, x=1)),
+        "AttentionPage.with_heads": (cmap.AttentionPage("split", "HND", 2, 1, 2, 2).with_heads, dict(heads=2)),
+        "attention_mapping": (cmap.attention_mapping, dict(page=cmap.AttentionPage("split", "HND", 2, 1, 2, 2), total_kv_heads=2, tp_size=2, rank=1)),
+        "mla_mapping": (cmap.mla_mapping, dict(page_size_bytes=8, tp_size=2, rank=1)),
+        "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
+        "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
                                                                                            tokens_per_chunk=4)),
         "get_offload_group_idx": (keys.get_offload_group_idx, dict(key=keys.make_offload_key(H[0], 0))),

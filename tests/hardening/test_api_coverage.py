@@ -160,6 +160,7 @@ EXCLUDED: dict[str, str] = {
             "ARCCachePolicy.touch", POLICY),
     f"{_REF}.offload.cache_policy.ChunkStatus": RECORD,
     **_each(f"{_REF}.offload.cpu_offloading_manager", "OffloadingEvent PrepareStoreOutput", RECORD),
+    **_each(f"{_REF}.offload.canonical_mapping", "ReferenceMapping", RECORD),
     **_each(f"{_REF}.offload.offloading_scheduler", "GroupOffloadConfig OffloadingMeta TransferJob", RECORD),
     **_each(f"{_REF}.offload.simple_cpu_offload_scheduler", "LoadRequestState SimpleOffloadMeta StoreRequestState "
             "TransferMeta", RECORD),
