@@ -51,7 +51,10 @@ step's preemptions (``kv``: a running request could not get blocks; ``reset_pref
 ``can_skip_drafts``); ``update.stats``:
 the ``SchedulerStats`` vLLM's ``update_from_output`` returned for the metrics endpoint —
 ``usage`` (``kv_cache_usage``), ``req``/``q``/``h`` (prefix-cache requests, queried tokens, hit
-tokens), ``preq``/``pq``/``ph`` (the same for resumed preempted requests), ``run``/``wait``.
+tokens), ``preq``/``pq``/``ph`` (the same for resumed preempted requests), ``run``/``wait``; on
+KV-connector runs (version 4) ``creq``/``cq``/``ch``/``cpreq``/``cpq``/``cph``/``creset``, the
+``connector_prefix_cache_stats`` (tokens the connector was asked for beyond the local hit, and
+the external hits).
 Header ``log_stats``: whether vLLM made stats at all (``--disable-log-stats`` turns them off).
 
 KV-connector runs (version 4, issue #28): the header's ``connector`` (``kv_role``,
@@ -113,7 +116,10 @@ RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "dra
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
 #: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
-STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait")
+STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait",
+              # the connector's prefix-cache stats (format 4, KV-connector runs): external hits per
+              # lookup, and whether a connector cache reset happened since the last stats
+              "creq", "cq", "ch", "cpreq", "cpq", "cph", "creset")
 #: the connector calls a ``kv`` entry may name (version 4): lookup, allocation, finish, pending
 #: frees, cache reset
 KV_CALLS = ("m", "a", "f", "p", "r")

@@ -307,9 +307,13 @@ def _stats_json(outputs) -> str:
         if p is None:
             return ',"stats":{"usage":%r,"run":%d,"wait":%d}' % (float(st.kv_cache_usage), st.num_running_reqs,
                                                                  st.num_waiting_reqs)
-        return (',"stats":{"usage":%r,"req":%d,"q":%d,"h":%d,"preq":%d,"pq":%d,"ph":%d,"run":%d,"wait":%d}' % (
+        c = st.connector_prefix_cache_stats
+        return (',"stats":{"usage":%r,"req":%d,"q":%d,"h":%d,"preq":%d,"pq":%d,"ph":%d,"run":%d,"wait":%d%s}' % (
             float(st.kv_cache_usage), p.requests, p.queries, p.hits, p.preempted_requests, p.preempted_queries,
-            p.preempted_hits, st.num_running_reqs, st.num_waiting_reqs))
+            p.preempted_hits, st.num_running_reqs, st.num_waiting_reqs,
+            "" if c is None else ',"creq":%d,"cq":%d,"ch":%d,"cpreq":%d,"cpq":%d,"cph":%d,"creset":%d' % (
+                c.requests, c.queries, c.hits, c.preempted_requests, c.preempted_queries, c.preempted_hits,
+                bool(c.reset))))
     return ""
 
 

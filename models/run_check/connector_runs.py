@@ -151,6 +151,9 @@ def trace_shows(path) -> Counter:
                     loading.difference_update(v)
             if rec["t"] == "update":
                 out["fin_error"] += sum(1 for _, why in rec["fin"] if why == "error")
+                stats = rec.get("stats") or {}
+                out["stats_external_hits"] += bool(stats.get("ch") or stats.get("cph"))
+                out["stats_connector_reset"] += bool(stats.get("creset"))
             if rec["t"] == "abort":
                 out["abort_mid_load"] += sum(1 for i in rec["ids"] if i in loading)
             if rec["t"] == "reset":

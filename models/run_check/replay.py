@@ -41,6 +41,8 @@ from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
 from .setup import RunSetup
 
 _KIND = {"new": "n", "resumed": "r", "running": "c"}
+#: the connector prefix-cache stats keys of an update's ``stats`` (format 4)
+_CONN_STATS = ("creq", "cq", "ch", "cpreq", "cpq", "cph", "creset")
 _CALLS = {"sched": "schedule", "update": "update_from_output", "abort": "finish_requests", "add": "add_request",
           "reset": "reset_prefix_cache", "error": "the crashed call"}
 
@@ -147,6 +149,8 @@ class LockstepReplay:
         self._reset_replayed = False  # a replayed reset's preemptions are the reference's too
         #: vLLM's deferred_waiting on connector runs: skipped waiting requests, until scheduled
         self._deferred: set[str] = set()
+        #: vLLM's connector_prefix_cache_stats since the last update (connector runs)
+        self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
 
     def _stop(self, line: int, why: str) -> None:
         self.following = False
@@ -243,6 +247,9 @@ class LockstepReplay:
                                      reference_extra={"result": got[0]}))
             return
         self._reset_replayed = True
+        # vLLM marks the connector's stats reset when its cache reset did not answer False
+        if rec.get("connector") and any(e[0] == "r" and e[1] is not False for e in rec.get("kv") or ()):
+            self._conn_stats["creset"] = 1
         self._check_free(line, -1, "reset_prefix_cache", rec)
 
     def _ref_free(self) -> int:
@@ -388,10 +395,20 @@ class LockstepReplay:
         computed = {s.request_id: s.num_computed_tokens for s in out.scheduled}
         for rid, n_ext in self.connector.take_admissions():
             r = self._live.get(rid)
-            if r is None or record is None:
+            if r is None:
                 continue
-            local = computed.get(rid, r.num_computed_tokens) - n_ext
-            record(r, max(0, local))
+            local = max(0, computed.get(rid, r.num_computed_tokens) - n_ext)
+            if record is not None:
+                record(r, local)
+            # vLLM's connector_prefix_cache_stats: the tokens past the local hit, and the external
+            # hit, at admission (a lookup that queried nothing is not counted)
+            queries = r.num_tokens - local
+            if queries:
+                pre = "p" if r.num_preemptions > 0 else ""
+                cs = self._conn_stats
+                cs[f"c{pre}req"] += 1
+                cs[f"c{pre}q"] += queries
+                cs[f"c{pre}h"] += n_ext
 
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
@@ -444,7 +461,12 @@ class LockstepReplay:
             self._deferred.intersection_update(self._live)
             wait += len(holding) - sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
         expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running), wait=wait)
-        bad = compare_stats(stats, expected, ("req", "q", "h", "preq", "pq", "ph", "run", "wait"))
+        keys = ("req", "q", "h", "preq", "pq", "ph", "run", "wait")
+        if self.connector is not None:
+            expected.update(self._conn_stats)
+            self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
+            keys += _CONN_STATS
+        bad = compare_stats(stats, expected, keys)
         if "usage" in stats and usage_differs(stats["usage"], expected["usage"]):
             bad.insert(0, f"usage: recorded {stats['usage']!r}, expected {expected['usage']!r}")
         if bad:

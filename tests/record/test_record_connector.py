@@ -72,12 +72,13 @@ def test_every_generated_connector_run_agrees_with_the_reference(recorded):
     # sends, error finishes (the "fail" policy), has_pending_block_frees, connector cache resets,
     # MultiConnector children
     for key in ("m_none", "m_async", "kvo_r", "kvo_f", "kvo_i", "f_delay", "kvo_s", "fin_error", "p", "r", "multi",
-                "reset"):
+                "reset", "stats_external_hits", "stats_connector_reset"):
         assert shows[key] > 0, (key, dict(shows))
 
 
 def test_a_replay_that_ignores_the_recorded_answers_diverges(recorded, tmp_path):
-    """Without the ``kv`` answers (or with one answer changed) the replay cannot agree."""
+    """Without the ``kv`` answers (or with one answer, or the connector's hit count, changed) the
+    replay cannot agree."""
     run = max(recorded, key=lambda r: r.shows["m"] + r.shows["a"])
     assert run.shows["a"] > 0
     stripped = tmp_path / "stripped.kvtrace.gz"
@@ -95,6 +96,22 @@ def test_a_replay_that_ignores_the_recorded_answers_diverges(recorded, tmp_path)
                 e[3] += 1
                 changed["done"] = True
         return rec
+
+    # the connector's prefix-cache stats the metrics endpoint shows: one external hit more
+    counted = {"done": False}
+
+    def one_more_hit(rec):
+        stats = rec.get("stats") or {}
+        if stats.get("ch") and not counted["done"]:
+            stats["ch"] += 1
+            counted["done"] = True
+        return rec
+
+    run_stats = next(r for r in recorded if r.shows["stats_external_hits"])
+    miscounted = tmp_path / "miscounted.kvtrace.gz"
+    _rewrite(run_stats.path, miscounted, one_more_hit)
+    r = check_trace(miscounted)
+    assert r.divergence is not None and "ch: recorded" in r.divergence.message
 
     bumped = tmp_path / "bumped.kvtrace.gz"
     _rewrite(run.path, bumped, bump)
