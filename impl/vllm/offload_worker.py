@@ -135,7 +135,8 @@ def _make_classes() -> dict[str, type]:
             self.blocks_per_chunk = blocks_per_chunk
             self.region = region
             # this rank's slot of every chunk row of vLLM's shared /dev/shm region, one view per tensor
-            self.host = [region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk) for t in kv_caches.tensors]
+            self.host = [region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk)
+                         for t in kv_caches.tensors]
             self.jobs: dict[int, _Job] = {}
             self._results: list[int] = []
             self.log = HostWorkerLog()
@@ -316,7 +317,8 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
 
     def build_meta(self, step):
         meta = self.conn.build_connector_meta(_scheduler_output(step))
-        keys = lambda j: tuple(self.conn.scheduler._jobs[j].keys) if j in self.conn.scheduler._jobs else ()  # noqa: E731
+        jobs = self.conn.scheduler._jobs
+        keys = lambda j: tuple(jobs[j].keys) if j in jobs else ()  # noqa: E731
         from kvref.impl.offload_backends import norm_offloading_meta
 
         loads = {j: (t.req_id, keys(j), tuple(t.dst_spec.block_ids.tolist()), tuple(t.src_spec.block_ids.tolist()))

@@ -75,8 +75,8 @@ def compare_layer(case: LayerCase) -> str | None:
             fields = ("canonical_page_size_bytes", "local_page_size_bytes", "num_writers", "writer_index",
                       "parallelism_agnostic")
             if g is None or w is None:
-                return f"{case}: rank {rank}: vLLM {'derives no' if g is None else 'derives a'} mapping, the reference " \
-                       f"{'none' if w is None else 'one'}"
+                return (f"{case}: rank {rank}: vLLM {'derives no' if g is None else 'derives a'} mapping, "
+                        f"the reference {'none' if w is None else 'one'}")
             diff = [f"{f}: vLLM {getattr(g, f)} reference {getattr(w, f)}" for f in fields
                     if getattr(g, f) != getattr(w, f)]
             bad = [i for i, (a, b) in enumerate(zip(g.byte_map, w.byte_map)) if a != b]

@@ -690,6 +690,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
 
+    page = cmap.AttentionPage("split", "HND", 2, 1, 2, 2)
     eng = _engine()
     groups = (GROUP, KVCacheGroupSpec(("l1",), SWA))
     layers = {"l0": FULL, "l1": SWA}
@@ -786,9 +787,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         # canonical page mappings of the offloading worker (reference of vLLM's canonical_mapping.py)
         "AttentionPage": (cmap.AttentionPage, dict(kind="split", order="HND", block_size=2, num_kv_heads=1,
                                                    head_size=2, elem_size=2)),
-        "AttentionPage.element_offset": (cmap.AttentionPage("split", "HND", 2, 1, 2, 2).element_offset, dict(part=1, token=1, head=0, x=1)),
-        "AttentionPage.with_heads": (cmap.AttentionPage("split", "HND", 2, 1, 2, 2).with_heads, dict(heads=2)),
-        "attention_mapping": (cmap.attention_mapping, dict(page=cmap.AttentionPage("split", "HND", 2, 1, 2, 2), total_kv_heads=2, tp_size=2, rank=1)),
+        "AttentionPage.element_offset": (page.element_offset, dict(part=1, token=1, head=0, x=1)),
+        "AttentionPage.with_heads": (page.with_heads, dict(heads=2)),
+        "attention_mapping": (cmap.attention_mapping, dict(page=page, total_kv_heads=2, tp_size=2, rank=1)),
         "mla_mapping": (cmap.mla_mapping, dict(page_size_bytes=8, tp_size=2, rank=1)),
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
