@@ -141,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"reference: agreed on all {result.steps_compared:,} steps before the crash")
     elif result.followed:
         extra = ", free blocks, metrics" if h.get("version", 1) >= 3 else ""
+        if h.get("connector") is not None:  # format 4: the connector's questions and answers too
+            extra += ", every KV-connector question and answer"
         print(f"reference: agrees on all {result.steps_compared:,} steps (batch, token counts, computed tokens, "
               f"block ids per group, preemptions, finishes{extra})")
     else:
@@ -154,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
         if result.num_findings > len(result.findings):
             print(f"  ... {result.num_findings - len(result.findings)} more")
     else:
-        print("properties: " + ", ".join(PROPERTY_NAMES))
+        checks = str(result.summary.get("block_checks", "on"))
+        print("properties: " + ", ".join(PROPERTY_NAMES)
+              + ("" if checks == "on" else f" (conservation, reuse, hit content and the admission bound {checks})"))
     print(_summary_table(result.summary))
     rate = result.records / seconds if seconds > 0 else 0.0
     print(f"checked {result.records:,} records in {seconds:.1f} s ({rate:,.0f} records/s)")
