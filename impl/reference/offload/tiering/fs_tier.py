@@ -1,0 +1,127 @@
+"""vLLM's file-system tier (``tiering/fs/manager.py`` with ``fs/io.py`` and ``fs/thread_pool.py``).
+
+One file per chunk, named from its key. A store writes each key's file unless it exists already
+(file names are content hashes, so the first writer's bytes are the chunk's); a promotion reads
+the job's files in order into the reserved primary slots and stops at the first file it cannot
+read: the chunks before it are kept (``successful_keys``), the rest fail and their cached lookup
+verdicts become "absent" (vLLM #49176: otherwise the lookup keeps answering "present" and the
+scheduler re-issues a promotion that cannot succeed). Lookups go through the tier's
+:class:`AsyncLookupManager`, whose worker asks "does the file exist?".
+
+vLLM runs jobs on a thread pool; here a job stays in flight until ``finish_job`` (the trace says
+when, and whether the I/O fails), and the lookup worker runs on ``run_lookup_worker``. ``lose_file``
+is a file disappearing under the tier (removed by another process or by the short-read cleanup).
+"""
+
+from __future__ import annotations
+
+from kvref.spec.errors import InvalidFieldError
+
+from ..keys import LookupResult, OffloadKey
+from .async_lookup import AsyncLookupManager
+from .tier_base import MEDIUM_STORAGE, JobResult, SecondaryTier, TierEvent, TransferJob
+
+
+class FileSystemTier(SecondaryTier):
+    medium = MEDIUM_STORAGE
+
+    def __init__(self, tier_type: str, primary, clock, bp_detector=None, enable_events: bool = False) -> None:
+        """``clock``: monotonic seconds; a job's transfer time runs from its submission (a pool
+        thread takes it at once) to ``finish_job``."""
+        super().__init__(tier_type, primary, bp_detector)
+        self.clock = clock
+        self.files: dict[OffloadKey, bytes] = {}
+        self.jobs: dict[int, TransferJob] = {}
+        self.store_keys: dict[int, tuple[OffloadKey, ...]] = {}  # finished stores not yet collected
+        self.finished: list[JobResult] = []
+        self.events: list[TierEvent] | None = [] if enable_events else None
+        self.lookups = AsyncLookupManager(lambda key: key in self.files)
+
+    # -- scheduler-side calls ----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_id: str) -> LookupResult:
+        found = self.lookups.lookup(key, req_id)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job: TransferJob) -> None:
+        self.jobs[job.job_id] = job
+
+    def submit_load(self, job: TransferJob) -> None:
+        self.jobs[job.job_id] = job
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Collected results; a successful store is announced (KV event) only now, as in vLLM."""
+        out, self.finished = self.finished, []
+        if self.events is not None:
+            for res in out:
+                keys = self.store_keys.pop(res.job_id, None)
+                if res.success and keys:
+                    self.events.append(TierEvent(keys, self.medium, False))
+        return out
+
+    def on_request_finished(self, req_id: str) -> None:
+        self.lookups.cleanup(req_id)
+
+    def on_schedule_end(self) -> None:
+        self.lookups.flush()
+
+    def take_events(self) -> list[TierEvent]:
+        if self.events is None:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def stored_keys(self) -> set[OffloadKey]:
+        return set(self.files)
+
+    def in_flight(self) -> list[int]:
+        return sorted(self.jobs)
+
+    def known_jobs(self) -> set[int]:
+        return set(self.jobs) | {r.job_id for r in self.finished}
+
+    # -- what the trace decides ---------------------------------------------------------------
+
+    def finish_job(self, job_id: int, io_error: bool = False) -> JobResult:
+        """The pool finishes job ``job_id``; ``io_error`` makes its I/O fail before it starts."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            raise InvalidFieldError("job_id", job_id, f"a job in flight on this tier ({sorted(self.jobs)})")
+        nbytes = len(job.keys) * self.block_size_bytes if job.keys else None
+        elapsed = self.clock() - job.submit_time
+        if job.is_promotion:
+            loaded = 0
+            if not io_error:
+                for key, cid in zip(job.keys, job.chunk_ids):
+                    if key not in self.files:
+                        break
+                    self.primary.write(cid, self.files[key])
+                    loaded += 1
+            if io_error or loaded < len(job.keys):
+                self.lookups.mark_miss(job.keys[loaded:])
+                result = JobResult(job_id, False, tuple(job.keys[:loaded]) or None, elapsed, nbytes)
+            else:
+                result = JobResult(job_id, True, None, elapsed, nbytes)
+        else:
+            if not io_error:
+                for key, cid in zip(job.keys, job.chunk_ids):
+                    self.files.setdefault(key, self.primary.read(cid))
+            self.store_keys[job_id] = tuple(job.keys)
+            result = JobResult(job_id, not io_error, None, elapsed, nbytes)
+        self.finished.append(result)
+        return result
+
+    def lose_file(self, key: OffloadKey) -> bool:
+        return self.files.pop(key, None) is not None
+
+    def run_lookup_worker(self) -> bool:
+        return self.lookups.run_worker()
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        self.lookups.check_invariants()
+        assert all(len(v) == self.block_size_bytes for v in self.files.values()), "a file of the wrong size"
+        for job in self.jobs.values():
+            assert len(job.keys) == len(job.chunk_ids), f"job {job.job_id}: keys and chunks differ in length"

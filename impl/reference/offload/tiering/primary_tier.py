@@ -1,0 +1,40 @@
+"""The CPU primary tier (vLLM ``tiering/manager.py::CPUPrimaryTierOffloadingManager``).
+
+kvref's :class:`CPUOffloadingManager` plus the byte buffer secondary tiers read and write, and
+``prepare_read``: a pin for a cascade that, unlike ``prepare_load``, is not a request's access
+(it must not change the eviction policy's view of the request). Writes from secondary tiers use
+``prepare_store``/``complete_store`` (vLLM aliases them ``prepare_write``/``complete_write``).
+"""
+
+from __future__ import annotations
+
+from typing import Collection
+
+from ..cpu_offloading_manager import CPUOffloadingManager, _check_keys
+from ..keys import OffloadKey, OffloadStateError
+from .tier_base import PrimaryBuffer
+
+
+class CPUPrimaryTier(CPUOffloadingManager):
+    def __init__(self, num_chunks: int, row_bytes: int, cache_policy: str = "lru",
+                 enable_events: bool = False) -> None:
+        super().__init__(num_chunks, cache_policy=cache_policy, enable_events=enable_events)
+        self.buffer = PrimaryBuffer(num_chunks, row_bytes)
+
+    def prepare_read(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Pin ready chunks for a cascade; returns their chunk ids."""
+        keys = _check_keys("keys", keys)
+        for k in keys:
+            chunk = self.policy.get(k)
+            if chunk is None or not chunk.is_ready:
+                raise OffloadStateError(f"keys: {k!r} is {'absent' if chunk is None else 'still being written'};"
+                                        " a cascade reads resident, ready chunks")
+        ids = []
+        for k in keys:
+            chunk = self.policy.get(k)
+            if chunk.ref_cnt == 0:
+                self.policy.mark_non_evictable(k)
+                self.num_evictable -= 1
+            chunk.ref_cnt += 1
+            ids.append(chunk.chunk_id)
+        return ids

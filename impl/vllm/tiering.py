@@ -1,0 +1,389 @@
+"""vLLM 0.33.0's multi-tier offloading (``vllm/v1/kv_offload/tiering/``), real classes on CPU.
+
+:func:`build_vllm_tiering` goes through vLLM's own front door: an ``OffloadingConfig`` naming
+``TieringOffloadingSpec``, whose ``get_manager()`` builds the scheduler-side
+``SharedOffloadRegion`` (``/dev/shm``), the ``CPUPrimaryTierOffloadingManager`` and, through
+``SecondaryTierFactory``, the secondary tiers with their back-pressure detectors:
+
+* ``fs``: ``FileSystemTierManager`` on a temporary directory, with its real
+  ``DualQueueThreadPool`` threads, real file I/O and its ``FsAsyncLookupManager`` thread;
+* ``example``: ``ExampleSecondaryTierManager`` (in memory, synchronous).
+
+Nothing is faked. To make runs reproducible the harness decides *when* the threads act:
+
+* **Jobs.** Each fs task is wrapped in a gate (an ``Event`` per job): a pool thread takes the task
+  and waits until :meth:`VllmTiering.finish_job` opens the gate, then runs vLLM's task (or raises
+  ``OSError``, an I/O error injected by the trace); the harness then waits, bounded by
+  :data:`WAIT_S`, until vLLM's pool has put the job on its finished queue. One job at a time, so
+  the finished queue's order is the trace's.
+* **Lookups.** The lookup worker's queue is swapped for :class:`GatedQueue`: the worker takes a
+  batch only when :meth:`VllmTiering.run_lookup_worker` releases one, and the harness waits until
+  the worker is back at the queue (its answers posted).
+* **Time.** ``time`` in the manager, metrics, back-pressure and thread-pool modules is a proxy whose
+  ``monotonic`` is the trace's :class:`VirtualClock` while a :func:`virtual_time` block is active;
+  job submit times (stamped with the real clock by ``TransferJob``'s default) are restamped with
+  the virtual clock as the job reaches its tier.
+
+A wait that runs out raises :class:`TierTimeout` naming the job or tier: never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import time as _real_time
+from collections import deque
+from typing import Any
+
+from kvref.impl.reference.offload.tiering.clock import VirtualClock
+from kvref.spec.errors import InvalidFieldError
+
+#: longest the harness waits for a vLLM thread to reach the point the trace asked for
+WAIT_S = 10.0
+_TIME_MODULES = ("vllm.v1.kv_offload.tiering.manager", "vllm.v1.kv_offload.tiering.metrics",
+                 "vllm.v1.kv_offload.tiering.backpressure", "vllm.v1.kv_offload.tiering.fs.thread_pool")
+_ENGINES = iter(range(1 << 62))
+
+
+class TierTimeout(RuntimeError):
+    """A vLLM tier thread did not reach the point the trace asked for within :data:`WAIT_S`."""
+
+
+class _TimeProxy:
+    """The ``time`` module with ``monotonic`` read from the active virtual clock (if any)."""
+
+    clock: VirtualClock | None = None
+
+    def monotonic(self) -> float:
+        return self.clock.monotonic() if self.clock is not None else _real_time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_real_time, name)
+
+
+_PROXY = _TimeProxy()
+_PROXY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock):
+    """Make the tiering modules read ``clock``; restores the real ``time`` afterwards."""
+    import importlib
+
+    import logging
+
+    mods = [importlib.import_module(m) for m in _TIME_MODULES]
+    pool_log = logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool")
+    level = pool_log.level
+    pool_log.setLevel(logging.CRITICAL)  # the trace's injected I/O errors are expected, not news
+    with _PROXY_LOCK:
+        saved = [m.time for m in mods]
+        for m in mods:
+            m.time = _PROXY
+        _PROXY.clock = clock
+    try:
+        yield
+    finally:
+        with _PROXY_LOCK:
+            _PROXY.clock = None
+            for m, t in zip(mods, saved):
+                m.time = t
+        pool_log.setLevel(level)
+
+
+class GatedQueue:
+    """Stands in for the lookup worker's input queue: ``get`` returns a batch only once released."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._released = 0
+        self._taken = 0
+        self.entered = 0  # calls of get() so far; the worker is idle again when entered == taken + 1
+        self._cv = threading.Condition()
+
+    def put(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def get(self):
+        with self._cv:
+            self.entered += 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._items and self._released > self._taken)
+            self._taken += 1
+            return self._items.popleft()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._items)
+
+    def release_one(self, what: str) -> None:
+        with self._cv:
+            self._released += 1
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self.entered == self._taken + 1 and self._taken == self._released,
+                                     timeout=WAIT_S):
+                raise TierTimeout(f"{what}: the lookup worker did not finish its batch within {WAIT_S}s")
+
+    def release_all(self) -> None:
+        with self._cv:
+            self._released = 1 << 60
+            self._cv.notify_all()
+
+
+def _install_lookup_gate(tier) -> GatedQueue:
+    lm = tier._lookup_manager
+    gate = GatedQueue()
+    old = lm._lookup_queue
+    lm._lookup_queue = gate
+    old.put([])  # the worker is blocked on the old queue: one empty batch moves it onto the gate
+    with gate._cv:
+        if not gate._cv.wait_for(lambda: gate.entered == 1, timeout=WAIT_S):
+            raise TierTimeout(f"tier {tier.tier_type}: the lookup worker did not move to the gated queue")
+    return gate
+
+
+class _JobGates:
+    """One gate per fs job: the pool thread running the job's task waits on it."""
+
+    def __init__(self, tier) -> None:
+        self.tier = tier
+        self.pool = tier._pool
+        self.gates: dict[int, list] = {}  # job id -> [Event, io_error]
+        self.lock = threading.Lock()
+        for name in ("enqueue_store", "enqueue_load"):
+            setattr(self.pool, name, self._wrap(getattr(self.pool, name)))
+
+    def _wrap(self, enqueue):
+        def gated_enqueue(job_id, n_tasks, tasks):
+            gate = [threading.Event(), False, threading.Event()]
+            with self.lock:
+                self.gates[job_id] = gate
+
+            def gated(task):
+                def run():
+                    gate[2].set()  # a pool thread took the task (its transfer clock started)
+                    gate[0].wait()
+                    if gate[1]:
+                        raise OSError(f"kvref: I/O error injected into job {job_id}")
+                    return task()
+                return run
+
+            out = enqueue(job_id, n_tasks, [gated(t) for t in tasks])
+            if not gate[2].wait(WAIT_S):
+                raise TierTimeout(f"tier {self.tier.tier_type}: no pool thread took job {job_id} within {WAIT_S}s")
+            return out
+        return gated_enqueue
+
+    def in_flight(self) -> list[int]:
+        with self.lock:
+            return sorted(j for j, g in self.gates.items() if not g[0].is_set())
+
+    def finish(self, job_id: int, io_error: bool) -> None:
+        with self.lock:
+            gate = self.gates.get(job_id)
+        if gate is None or gate[0].is_set():
+            raise InvalidFieldError("job_id", job_id, f"a job in flight on tier {self.tier.tier_type} "
+                                                      f"({self.in_flight()})")
+        gate[1] = io_error
+        gate[0].set()
+        cond = self.pool._condition
+        with cond:
+            ok = cond.wait_for(lambda: any(f[0] == job_id for f in self.pool._finished_q), timeout=WAIT_S)
+        if not ok:
+            raise TierTimeout(f"tier {self.tier.tier_type}: job {job_id} did not finish within {WAIT_S}s")
+
+    def release_all(self) -> None:
+        for job_id in self.in_flight():
+            self.finish(job_id, io_error=True)
+
+
+def _restamp(tier, clock: VirtualClock) -> None:
+    """Jobs carry the virtual submit time (vLLM stamps ``TransferJob`` with the real clock)."""
+    for name in ("submit_store", "submit_load"):
+        real = getattr(tier, name)
+
+        def submit(job, _real=real):
+            job.submit_time = clock.monotonic()
+            return _real(job)
+        setattr(tier, name, submit)
+
+
+class VllmTiering:
+    """vLLM's ``TieringOffloadingManager`` as :func:`build_vllm_tiering` made it, plus the harness."""
+
+    def __init__(self, spec, manager, clock: VirtualClock, root: str) -> None:
+        self.spec, self.manager, self.clock, self.root = spec, manager, clock, root
+        self.primary = manager.primary_tier
+        self.tiers = manager.secondary_tiers
+        self.job_gates: dict[int, _JobGates] = {}
+        self.lookup_gates: dict[int, GatedQueue] = {}
+        for i, tier in enumerate(self.tiers):
+            _restamp(tier, clock)
+            if tier.tier_type == "fs":
+                self.job_gates[i] = _JobGates(tier)
+                self.lookup_gates[i] = _install_lookup_gate(tier)
+        self._flat = self.primary.get_kv_memoryview().cast("B")
+        self.row_bytes = self.primary.get_kv_memoryview().strides[0]
+        self.ctx: dict[str, Any] = {}
+
+    # -- the harness ------------------------------------------------------------------------
+
+    def finish_job(self, tier_idx: int, job_id: int, io_error: bool = False) -> None:
+        self.job_gates[tier_idx].finish(job_id, io_error)
+
+    def run_lookup_worker(self, tier_idx: int) -> bool:
+        gate = self.lookup_gates[tier_idx]
+        if not gate.pending():
+            return False
+        gate.release_one(f"tier #{tier_idx}")
+        return True
+
+    def lose_file(self, tier_idx: int, key: bytes) -> bool:
+        path = self.tiers[tier_idx].file_mapper.get_file_name(key)
+        if os.path.exists(path):
+            os.remove(path)
+            return True
+        return False
+
+    def write_chunk(self, chunk_id: int, payload: bytes) -> None:
+        """What a GPU->CPU store writes into primary slot ``chunk_id``."""
+        self._flat[chunk_id * self.row_bytes:(chunk_id + 1) * self.row_bytes] = payload
+
+    def primary_bytes(self) -> bytes:
+        return self._flat.tobytes()
+
+    def shutdown(self) -> None:
+        for gates in self.job_gates.values():
+            gates.release_all()
+        for gate in self.lookup_gates.values():
+            gate.release_all()
+        try:
+            self._flat.release()
+            self.manager.shutdown()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- observables ------------------------------------------------------------------------
+
+    def req_context(self, req_id: str):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        if req_id not in self.ctx:
+            self.ctx[req_id] = ReqContext(req_id=req_id)
+        return self.ctx[req_id]
+
+    def chunk_state(self) -> dict[bytes, tuple[int, int]]:
+        pol = self.primary._policy
+        items = pol.chunks.items() if hasattr(pol, "chunks") else list(pol.t1.items()) + list(pol.t2.items())
+        return {bytes(k): (c.chunk_id, c.ref_cnt) for k, c in items}
+
+    def jobs(self) -> dict[int, tuple]:
+        return {j: (m.tier_idx, m.transfer_job.is_promotion, tuple(bytes(k) for k in m.transfer_job.keys),
+                    tuple(int(c) for c in m.transfer_job.chunk_ids), m.transfer_job.req_context.req_id)
+                for j, m in self.manager._jobs.items()}
+
+    def pending_loads(self) -> dict[int, dict[str, tuple]]:
+        return {t: {r: (tuple(e.keys), tuple(int(c) for c in e.chunk_ids)) for r, e in by.items()}
+                for t, by in self.manager._pending_load_submissions.items()}
+
+    def req_state(self) -> dict[str, tuple]:
+        return {r: (s.pending_primary_stores, s.is_finished) for r, s in self.manager._req_state.items()}
+
+    def stored_keys(self, tier_idx: int, universe) -> set[bytes]:
+        tier = self.tiers[tier_idx]
+        if tier.tier_type == "fs":
+            return {k for k in universe if os.path.exists(tier.file_mapper.get_file_name(k))}
+        return {bytes(k) for k in tier.chunks}
+
+    def lookup_state(self, tier_idx: int) -> dict:
+        lm = self.tiers[tier_idx]._lookup_manager
+        return {bytes(k): (s.phase.name.lower(), s.result, tuple(sorted(s.request_ids)))
+                for k, s in lm._lookup_state.items()}
+
+    def in_flight(self, tier_idx: int) -> list[int]:
+        gates = self.job_gates.get(tier_idx)
+        return gates.in_flight() if gates is not None else []
+
+    def detector_snapshot(self, tier_idx: int) -> tuple | None:
+        d = self.tiers[tier_idx].bp_detector
+        if d is None:
+            return None
+        p = d.policy
+        return (d._ema, d._under_pressure, d._completions, d._healthy_streak, d._pressure_cleared_at,
+                d._cooldown_count, d._consecutive_failures, d._failure_tripped, d._last_update,
+                p._stores_dropped, p._blocks_dropped, getattr(p, "_drop_accumulator", 0.0))
+
+    def take_events(self) -> list[tuple]:
+        return [(tuple(bytes(k) for k in e.keys), e.medium.name, e.removed) for e in self.manager.take_events()]
+
+    def take_stats(self, prefix: str = "vllm:kv_offload_tiering_") -> dict[str, float]:
+        """``get_stats().reduce()`` cut to the tiering metrics kvref models (lookup counts and
+        delays are left out: docs/differences.md)."""
+        stats = self.manager.get_stats()
+        if stats is None:
+            return {}
+        skip = ("chunk_queries", "chunk_hits", "lookup_sync_delay", "lookup_async_delay")
+        return {k: v for k, v in stats.reduce().items()
+                if k.startswith(prefix) and not any(s in k for s in skip)}
+
+
+def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",
+                       enable_events: bool = True) -> VllmTiering:
+    """vLLM's tiering manager for ``tiers`` (dicts: ``type`` "fs" or "example", optional
+    ``backpressure`` as vLLM's tier config takes it); fs tiers get their own temporary directory."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    root = tempfile.mkdtemp(prefix="kvref-tiering-")
+    tier_cfgs = []
+    for i, t in enumerate(tiers):
+        cfg = dict(t)
+        if cfg["type"] == "fs":
+            cfg.setdefault("root_dir", os.path.join(root, f"tier{i}"))
+            cfg.setdefault("n_read_threads", 24)
+            cfg.setdefault("n_write_threads", 24)
+            cfg.setdefault("enable_kv_events", enable_events)
+        tier_cfgs.append(cfg)
+    ocfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer",), 0),), worker_kv_bytes_per_block=64,
+        enable_kv_cache_events=enable_events,
+        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * 4096,
+                      "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs},
+        engine_id=f"kvref-tiering-{os.getpid()}-{next(_ENGINES)}",
+        model=OffloadingModelConfig(name="kvref", dtype="float16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
+        replicated_layout=False)
+    spec = TieringOffloadingSpec(ocfg)
+    try:
+        manager = spec.get_manager()
+    except Exception:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    if manager.primary_tier._num_chunks != num_chunks:
+        raise InvalidFieldError("num_chunks", num_chunks, f"the {manager.primary_tier._num_chunks} chunks "
+                                                          "vLLM's spec made of cpu_bytes_to_use")
+    return VllmTiering(spec, manager, clock, root)
+
+
+def schedule_end_context(new_req_ids=()) -> Any:
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    return ScheduleEndContext(new_req_ids=tuple(new_req_ids), preempted_req_ids=())
+
+
+__all__ = ["GatedQueue", "TierTimeout", "VllmTiering", "build_vllm_tiering", "schedule_end_context",
+           "virtual_time"]

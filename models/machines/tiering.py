@@ -1,0 +1,404 @@
+"""Multi-tier offloading: kvref's reference vs vLLM 0.33.0's ``TieringOffloadingManager``, in lock-step.
+
+:class:`TieringWorld` drives both with the same operation and compares, after every operation,
+everything either can observe: the answer (lookup results incl. RETRY/HIT_PENDING, prepare_store's
+keys/chunks/evictions, prepare_load's chunks), the primary tier's chunks with ref counts, every job
+in flight (tier, direction, keys, primary chunks, request), the promotions queued for the end of
+the step, per-request state, which keys each secondary tier holds (fs: files on disk), each fs
+tier's async lookup probes (phase, verdict, requests), back-pressure detector state, KV events,
+the tiering metrics, ``has_pending_work``, and the whole primary byte buffer. Content oracle: a
+file on disk holds the bytes the GPU stored for its key, and a chunk promoted from fs holds them
+again in the primary tier.
+
+Operations (:func:`random_trace`): new/finish request, lookup, prepare_store + complete_store
+(success or failure, late, out of order), prepare_load + complete_load, touch, end of step,
+an fs job finishing (or failing with an I/O error) in any order, the lookup worker answering a
+batch, a file disappearing, the clock advancing (back-pressure), reset_cache + on_reset_flushed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from kvref.impl.reference.offload.keys import LookupResult, RequestContext
+from kvref.impl.reference.offload.tiering.backpressure import POLICIES, EMABackpressureDetector, default_config
+from kvref.impl.reference.offload.tiering.clock import VirtualClock
+from kvref.impl.reference.offload.tiering.example_tier import ExampleTier
+from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
+from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
+from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
+
+ROW_BYTES = 4096
+TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"))
+MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
+
+
+class TieringDivergence(AssertionError):
+    """kvref's reference and vLLM's tiering manager disagree (or an oracle failed)."""
+
+
+@dataclass
+class TieringConfig:
+    num_chunks: int
+    tiers: tuple[str, ...]
+    cache_policy: str = "lru"
+    backpressure: str | None = None  # None or a policy class name
+    warmup: int = 2
+    num_keys: int = 8
+
+    @staticmethod
+    def random(rng: random.Random) -> "TieringConfig":
+        return TieringConfig(num_chunks=rng.randint(2, 8), tiers=rng.choice(TIER_LAYOUTS),
+                             cache_policy=rng.choice(("lru", "lru", "arc")),
+                             backpressure=rng.choice((None, "ThrottledDropPolicy", "DropStorePolicy")),
+                             warmup=rng.randint(1, 3), num_keys=rng.randint(4, 10))
+
+    def vllm_tier_configs(self) -> list[dict]:
+        out = []
+        for t in self.tiers:
+            cfg: dict = {"type": t}
+            if t == "fs" and self.backpressure:
+                cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": self.backpressure,
+                                       "warmup_completions": self.warmup}
+            out.append(cfg)
+        return out
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.sha256(b"kvref-tiering-%d" % i).digest()[:16] + b"\0\0\0\0"
+
+
+def content_of(key: bytes) -> bytes:
+    """What the GPU stores for ``key``: a row-sized pattern only this key has."""
+    return (hashlib.sha256(key).digest() * (ROW_BYTES // 32 + 1))[:ROW_BYTES]
+
+
+@dataclass
+class _Outstanding:
+    stores: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (req, keys, chunk ids)
+    loads: list[tuple[str, tuple]] = field(default_factory=list)
+
+
+class TieringWorld:
+    def __init__(self, cfg: TieringConfig, clock: VirtualClock) -> None:
+        """``clock`` must be the one vLLM's modules read (:func:`kvref.impl.vllm.tiering.virtual_time`)."""
+        from kvref.impl.vllm.tiering import build_vllm_tiering
+
+        self.cfg = cfg
+        self.clock = clock
+        self.keys = [key_of(i) for i in range(cfg.num_keys)]
+        self.primary = CPUPrimaryTier(cfg.num_chunks, ROW_BYTES, cfg.cache_policy, enable_events=True)
+        tiers = []
+        for t in cfg.tiers:
+            det = None
+            if t == "fs" and cfg.backpressure:
+                det = EMABackpressureDetector(**default_config("fs"), warmup_completions=cfg.warmup,
+                                              policy=POLICIES[cfg.backpressure](), clock=self.clock.monotonic)
+            tiers.append(FileSystemTier(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True) if t == "fs"
+                         else ExampleTier(t, self.primary.buffer, det))
+        self.ref = TieringOffloadingManager(self.primary, tiers, self.clock.monotonic)
+        self.vllm = build_vllm_tiering(cfg.num_chunks, cfg.vllm_tier_configs(), self.clock, cfg.cache_policy)
+        self.ctx: dict[str, RequestContext] = {}
+        self.live: list[str] = []  # requests not finished
+        self.next_req = 0
+        self.out = _Outstanding()
+        self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _both(self, what: str, ref_call, vllm_call):
+        errs = []
+        try:
+            r = ref_call()
+        except Exception as exc:  # noqa: BLE001 - compared below
+            r, errs = None, [f"reference: {type(exc).__name__}: {exc}"]
+        try:
+            v = vllm_call()
+        except Exception as exc:  # noqa: BLE001
+            v = None
+            errs.append(f"vLLM: {type(exc).__name__}: {exc}")
+        if errs:
+            raise TieringDivergence(f"{what}: " + "; ".join(errs))
+        return r, v
+
+    def _vctx(self, rid):
+        return self.vllm.req_context(rid)
+
+    def fs_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.cfg.tiers) if t == "fs"]
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def apply(self, op: tuple) -> None:
+        name, args = op[0], op[1:]
+        getattr(self, "op_" + name)(*args)
+        self.stats["ops"] += 1
+        self.compare(op)
+
+    def op_new_request(self) -> None:
+        rid = f"r{self.next_req}"
+        self.next_req += 1
+        self.ctx[rid] = RequestContext(rid)
+        self.live.append(rid)
+        self._both("on_new_request", lambda: self.ref.on_new_request(self.ctx[rid]),
+                   lambda: self.vllm.manager.on_new_request(self._vctx(rid)))
+
+    def op_finish_request(self, pick: int) -> None:
+        if not self.live:
+            return
+        rid = self.live.pop(pick % len(self.live))
+        self._both("on_request_finished", lambda: self.ref.on_request_finished(self.ctx[rid]),
+                   lambda: self.vllm.manager.on_request_finished(self._vctx(rid)))
+
+    def _req(self, pick: int) -> str | None:
+        return self.live[pick % len(self.live)] if self.live else None
+
+    def op_lookup(self, pick: int, k: int) -> None:
+        rid = self._req(pick)
+        if rid is None:
+            return
+        key = self.keys[k % len(self.keys)]
+        r, v = self._both("lookup", lambda: self.ref.lookup(key, self.ctx[rid]),
+                          lambda: self.vllm.manager.lookup(key, self._vctx(rid)))
+        if r.name != v.name:
+            raise TieringDivergence(f"lookup({key.hex()[:8]}, {rid}): reference {r.name}, vLLM {v.name}")
+        self.stats["retries"] += r is LookupResult.RETRY
+        self.stats["promotions"] += r is LookupResult.HIT_PENDING
+
+    def op_prepare_store(self, pick: int, ks: tuple) -> None:
+        rid = self._req(pick)
+        if rid is None:
+            return
+        keys = list(dict.fromkeys(self.keys[k % len(self.keys)] for k in ks))
+        r, v = self._both("prepare_store", lambda: self.ref.prepare_store(keys, self.ctx[rid]),
+                          lambda: self.vllm.manager.prepare_store(keys, self._vctx(rid)))
+        rr = None if r is None else (list(r.keys_to_store), list(r.chunk_ids), list(r.evicted_keys))
+        vv = None if v is None else ([bytes(k) for k in v.keys_to_store], [int(c) for c in v.store_spec.chunk_ids],
+                                     [bytes(k) for k in v.evicted_keys])
+        if rr != vv:
+            raise TieringDivergence(f"prepare_store({rid}): reference {rr}, vLLM {vv}")
+        if r is not None and r.keys_to_store:
+            self.out.stores.append((rid, tuple(r.keys_to_store), tuple(r.chunk_ids)))
+
+    def op_complete_store(self, pick: int, success: bool) -> None:
+        if not self.out.stores:
+            return
+        rid, keys, cids = self.out.stores.pop(pick % len(self.out.stores))
+        if success:
+            for key, cid in zip(keys, cids):
+                self.primary.buffer.write(cid, content_of(key))
+                self.vllm.write_chunk(cid, content_of(key))
+        self._both("complete_store", lambda: self.ref.complete_store(list(keys), self.ctx[rid], success),
+                   lambda: self.vllm.manager.complete_store(list(keys), self._vctx(rid), success))
+
+    def op_prepare_load(self, pick: int, ks: tuple) -> None:
+        rid = self._req(pick)
+        if rid is None:
+            return
+        state = self.primary.chunk_state()
+        keys = [self.keys[k % len(self.keys)] for k in ks]
+        keys = [k for k in dict.fromkeys(keys) if k in state and state[k][1] >= 0]
+        if not keys:
+            return
+        r, v = self._both("prepare_load", lambda: self.ref.prepare_load(keys, self.ctx[rid]),
+                          lambda: self.vllm.manager.prepare_load(keys, self._vctx(rid)))
+        if list(r) != [int(c) for c in v.chunk_ids]:
+            raise TieringDivergence(f"prepare_load({rid}): reference {list(r)}, vLLM {list(v.chunk_ids)}")
+        for key, cid in zip(keys, r):  # a chunk promoted from disk holds the bytes stored for its key
+            if (self.ref.get_load_source(key, self.ctx[rid]) == "DISK"
+                    and self.primary.buffer.read(cid) != content_of(key)):
+                raise TieringDivergence(f"prepare_load({rid}): chunk {cid} promoted from disk for "
+                                        f"{key.hex()[:8]} does not hold the bytes stored for it")
+        self.out.loads.append((rid, tuple(keys)))
+
+    def op_complete_load(self, pick: int) -> None:
+        if not self.out.loads:
+            return
+        rid, keys = self.out.loads.pop(pick % len(self.out.loads))
+        self._both("complete_load", lambda: self.ref.complete_load(list(keys), self.ctx[rid]),
+                   lambda: self.vllm.manager.complete_load(list(keys), self._vctx(rid)))
+
+    def op_touch(self, pick: int, ks: tuple) -> None:
+        rid = self._req(pick)
+        if rid is None:
+            return
+        keys = list(dict.fromkeys(self.keys[k % len(self.keys)] for k in ks))
+        self._both("touch", lambda: self.ref.touch(keys, self.ctx[rid]),
+                   lambda: self.vllm.manager.touch(keys, self._vctx(rid)))
+
+    def op_schedule_end(self) -> None:
+        from kvref.impl.vllm.tiering import schedule_end_context
+
+        self._both("on_schedule_end", self.ref.on_schedule_end,
+                   lambda: self.vllm.manager.on_schedule_end(schedule_end_context()))
+
+    def op_finish_job(self, t: int, pick: int, io_error: bool) -> None:
+        fs = self.fs_tiers()
+        i = fs[t % len(fs)]
+        jobs = self.ref.tiers[i].in_flight()
+        if not jobs:
+            return
+        job = jobs[pick % len(jobs)]
+        self.stats["io_errors"] += io_error
+        if self.ref.jobs[job][0].is_promotion and not io_error:
+            self.stats["fs_promotions_checked"] += 1
+        self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error),
+                   lambda: self.vllm.finish_job(i, job, io_error))
+
+    def op_lookup_worker(self, t: int) -> None:
+        fs = self.fs_tiers()
+        i = fs[t % len(fs)]
+        r, v = self._both("lookup worker", lambda: self.ref.tiers[i].run_lookup_worker(),
+                          lambda: self.vllm.run_lookup_worker(i))
+        if r != v:
+            raise TieringDivergence(f"lookup worker of tier #{i}: reference had a batch {r}, vLLM {v}")
+
+    def op_lose_file(self, t: int, k: int) -> None:
+        fs = self.fs_tiers()
+        i = fs[t % len(fs)]
+        key = self.keys[k % len(self.keys)]
+        self._both("lose_file", lambda: self.ref.tiers[i].lose_file(key), lambda: self.vllm.lose_file(i, key))
+
+    def op_advance(self, dt: float) -> None:
+        self.clock.advance(dt)
+
+    def op_reset(self) -> None:
+        for i in self.fs_tiers():  # vLLM's reset_cache drains the tiers: every job finishes first
+            for job in list(self.ref.tiers[i].in_flight()):
+                self.op_finish_job(self.fs_tiers().index(i), self.ref.tiers[i].in_flight().index(job), False)
+        self.out = _Outstanding()  # GPU transfers in flight at a reset are abandoned by the scheduler
+        self._both("reset_cache", self.ref.reset_cache, self.vllm.manager.reset_cache)
+
+    def op_reset_flushed(self) -> None:
+        self._both("on_reset_flushed", self.ref.on_reset_flushed, self.vllm.manager.on_reset_flushed)
+
+    # -- the comparison -------------------------------------------------------------------------
+
+    def compare(self, op) -> None:
+        self.ref.check_invariants()
+        v = self.vllm
+        diffs = []
+
+        def same(what, r, x):
+            if r != x:
+                diffs.append(f"{what}: reference {r!r}, vLLM {x!r}")
+
+        same("primary chunks", self.primary.chunk_state(), v.chunk_state())
+        same("jobs", {j: (i, job.is_promotion, job.keys, job.chunk_ids, job.req_id)
+                      for j, (job, i) in self.ref.jobs.items()}, v.jobs())
+        same("queued promotions", {t: {r: (tuple(e.keys), tuple(e.chunk_ids)) for r, e in by.items()}
+                                   for t, by in self.ref.pending_loads.items()}, v.pending_loads())
+        same("requests", {r: (s.pending_primary_stores, s.is_finished) for r, s in self.ref.req_state.items()},
+             v.req_state())
+        same("has_pending_work", self.ref.has_pending_work(), v.manager.has_pending_work())
+        for i, tier in enumerate(self.ref.tiers):
+            same(f"tier #{i} keys", tier.stored_keys(), v.stored_keys(i, self.keys))
+            if isinstance(tier, FileSystemTier):
+                same(f"tier #{i} lookups", tier.lookups.snapshot(), v.lookup_state(i))
+                same(f"tier #{i} jobs in flight", tier.in_flight(), v.in_flight(i))
+                for key in tier.files:
+                    path = v.tiers[i].file_mapper.get_file_name(key)
+                    with open(path, "rb") as f:
+                        if f.read() != content_of(key):
+                            diffs.append(f"tier #{i}: file of {key.hex()[:8]} does not hold the bytes stored for it")
+            det = tier.bp_detector
+            same(f"tier #{i} back-pressure", det.snapshot() if det else None, v.detector_snapshot(i))
+        for rid in self.ref.req_state:
+            for key in self.keys:
+                same(f"load source of {key.hex()[:8]} for {rid}", self.ref.get_load_source(key, self.ctx[rid]),
+                     v.manager.get_load_source(key, v.req_context(rid)).name)
+        same("events", self.ref.take_events(), v.take_events())
+        same("metrics", self.ref.take_stats(), v.take_stats())
+        if bytes(self.primary.buffer.data) != v.primary_bytes():
+            rows = [c for c in range(self.cfg.num_chunks)
+                    if self.primary.buffer.read(c) != v.primary_bytes()[c * ROW_BYTES:(c + 1) * ROW_BYTES]]
+            diffs.append(f"primary buffer rows {rows} differ")
+        if diffs:
+            raise TieringDivergence(f"after {op}: " + "; ".join(diffs[:6]))
+
+    def close(self) -> None:
+        self.vllm.shutdown()
+
+
+def random_op(rng: random.Random, world: TieringWorld) -> tuple:
+    """One operation, weighted toward what moves chunks between tiers."""
+    nk = world.cfg.num_keys
+    ks = lambda: tuple(rng.randrange(nk) for _ in range(rng.randint(1, 3)))  # noqa: E731
+    p = rng.randrange(1000)
+    busy = max((len(world.ref.tiers[i].in_flight()) for i in world.fs_tiers()), default=0)
+    choices = [
+        (8, ("new_request",) if len(world.live) < 4 else ("lookup", p, rng.randrange(nk))),
+        (3, ("finish_request", p)),
+        (22, ("lookup", p, rng.randrange(nk))),
+        (12, ("prepare_store", p, ks()) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 0, p, False)),
+        (12, ("complete_store", p, rng.random() < 0.9) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 1, p, False)),
+        (5, ("prepare_load", p, ks())),
+        (5, ("complete_load", p)),
+        (2, ("touch", p, ks())),
+        (12, ("schedule_end",)),
+        (16, ("finish_job", rng.randrange(2), p, rng.random() < 0.12)),
+        (8, ("lookup_worker", rng.randrange(2))),
+        (2, ("lose_file", rng.randrange(2), rng.randrange(nk))),
+        (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
+        (1, ("reset",)),
+        (2, ("reset_flushed",)),
+    ]
+    total = sum(w for w, _ in choices)
+    x = rng.randrange(total)
+    for w, op in choices:
+        if x < w:
+            return op
+        x -= w
+    raise AssertionError("unreachable")
+
+
+def run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int) -> tuple[dict, list]:
+    """Run ``n_ops`` generated operations on a fresh world; returns (stats, the trace)."""
+    from kvref.impl.vllm.tiering import virtual_time
+
+    clock = VirtualClock()
+    with virtual_time(clock):
+        return _run_trace(cfg, rng, n_ops, clock)
+
+
+def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: VirtualClock) -> tuple[dict, list]:
+    world = TieringWorld(cfg, clock)
+    trace: list = []
+    try:
+        world.compare(("start",))
+        for _ in range(n_ops):
+            op = random_op(rng, world)
+            trace.append(op)
+            world.apply(op)
+        # the end: every request finishes, every transfer completes, nothing is left pinned
+        for rid in list(world.live):
+            trace.append(("finish_request", 0))
+            world.apply(("finish_request", 0))
+        while world.out.loads:
+            trace.append(("complete_load", 0))
+            world.apply(("complete_load", 0))
+        while world.out.stores:
+            trace.append(("complete_store", 0, True))
+            world.apply(("complete_store", 0, True))
+        trace.append(("reset",))
+        world.apply(("reset",))
+        return dict(world.stats), trace
+    except TieringDivergence as exc:
+        raise TieringDivergence(f"{exc}\nconfig {cfg}\ntrace {trace}") from None
+    finally:
+        world.close()
+
+
+def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60)) -> dict:
+    """``n`` generated configurations and traces (seeded by ``seed``); sums their stats."""
+    rng = random.Random(f"conform-tiering-{seed}")
+    total = {"traces": 0}
+    for _ in range(n):
+        cfg = TieringConfig.random(rng)
+        stats, _ = run_trace(cfg, random.Random(rng.random()), rng.randint(*n_ops))
+        for k, val in stats.items():
+            total[k] = total.get(k, 0) + val
+        total["traces"] += 1
+    return total
