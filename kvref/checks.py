@@ -38,6 +38,7 @@ from .cli_explore import check_explorer, check_explorer_conformance
 from .report import FAILED, PASSED, CheckResult
 from .verify_connector import check_connector_conformance
 from .verify_offload_worker import check_offload_worker_conformance
+from .verify_tiering import check_tiering_conformance
 from .verify import (
     check_crosshair,
     check_kv_manager_conformance,
@@ -142,6 +143,8 @@ CHECKS: list[Check] = [
           vllm=True),
     Check("conform-offload-worker", "vLLM's whole OffloadingConnector (scheduler + worker roles, bytes) vs the reference",
           check_offload_worker_conformance, vllm=True),
+    Check("conform-tiering", "multi-tier offloading (TieringOffloadingManager, fs/example tiers) vs the reference",
+          check_tiering_conformance, vllm=True),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
           check_planning_conformance, vllm=True),
     # the reference mutant campaign's own checks: verdicts at a budget, off in kvref verify by default
@@ -167,7 +170,7 @@ CHECKS: list[Check] = [
 #: with ``--against vllm`` the vLLM-facing checks run first, quickest first, so that a fault in the
 #: developer's vLLM is reported within seconds rather than after the proofs and the explorer
 VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "conform-spec-decode", "startup-liveness", "conform-connector",
-              "conform-offload", "conform-offload-worker",
+              "conform-offload", "conform-tiering", "conform-offload-worker",
               "conform-planning", "conform-explorer")
 
 #: the reference mutant campaign's checks by default, in its order (cheapest first); the vLLM ones

@@ -50,10 +50,10 @@ class TieringConfig:
 
     @staticmethod
     def random(rng: random.Random) -> "TieringConfig":
-        return TieringConfig(num_chunks=rng.randint(2, 8), tiers=rng.choice(TIER_LAYOUTS),
+        return TieringConfig(num_chunks=rng.randint(2, 5), tiers=rng.choice(TIER_LAYOUTS),
                              cache_policy=rng.choice(("lru", "lru", "arc")),
                              backpressure=rng.choice((None, "ThrottledDropPolicy", "DropStorePolicy")),
-                             warmup=rng.randint(1, 3), num_keys=rng.randint(4, 10))
+                             warmup=rng.randint(1, 3), num_keys=rng.randint(6, 10))
 
     def vllm_tier_configs(self) -> list[dict]:
         out = []
@@ -255,6 +255,24 @@ class TieringWorld:
         if r != v:
             raise TieringDivergence(f"lookup worker of tier #{i}: reference had a batch {r}, vLLM {v}")
 
+    def op_settle(self) -> None:
+        """End the step and let every fs lookup worker answer: the next lookups see verdicts."""
+        self.op_schedule_end()
+        for t, i in enumerate(self.fs_tiers()):
+            while self.ref.tiers[i].lookups.to_worker:
+                self.op_lookup_worker(t)
+
+    def op_revisit(self, k: int) -> None:
+        """A new request asks for key ``k``, the step ends, the probes are answered, it asks again
+        (how a chunk that left the primary tier comes back from disk)."""
+        while self.live:  # their probes of the key would answer for the new request
+            self.op_finish_request(0)
+        self.op_new_request()
+        pick = len(self.live) - 1
+        self.op_lookup(pick, k)
+        self.op_settle()
+        self.op_lookup(pick, k)
+
     def op_lose_file(self, t: int, k: int) -> None:
         fs = self.fs_tiers()
         i = fs[t % len(fs)]
@@ -329,8 +347,8 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
     p = rng.randrange(1000)
     busy = max((len(world.ref.tiers[i].in_flight()) for i in world.fs_tiers()), default=0)
     choices = [
-        (8, ("new_request",) if len(world.live) < 4 else ("lookup", p, rng.randrange(nk))),
-        (3, ("finish_request", p)),
+        (9, ("new_request",) if len(world.live) < 3 else ("finish_request", p)),
+        (7, ("finish_request", p)),
         (22, ("lookup", p, rng.randrange(nk))),
         (12, ("prepare_store", p, ks()) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 0, p, False)),
         (12, ("complete_store", p, rng.random() < 0.9) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 1, p, False)),
@@ -338,8 +356,10 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (5, ("complete_load", p)),
         (2, ("touch", p, ks())),
         (12, ("schedule_end",)),
-        (16, ("finish_job", rng.randrange(2), p, rng.random() < 0.12)),
+        (26, ("finish_job", rng.randrange(2), p, rng.random() < 0.12)),
         (8, ("lookup_worker", rng.randrange(2))),
+        (6, ("settle",)),
+        (6, ("revisit", _evicted_to_disk(rng, world))),
         (2, ("lose_file", rng.randrange(2), rng.randrange(nk))),
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
@@ -352,6 +372,14 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
             return op
         x -= w
     raise AssertionError("unreachable")
+
+
+def _evicted_to_disk(rng: random.Random, world: TieringWorld) -> int:
+    """A key on some fs tier but not in the primary tier, when there is one."""
+    primary = world.primary.chunk_state()
+    on_disk = sorted({world.keys.index(k) for i in world.fs_tiers() for k in world.ref.tiers[i].files
+                      if k not in primary})
+    return rng.choice(on_disk) if on_disk and rng.random() < 0.8 else rng.randrange(world.cfg.num_keys)
 
 
 def run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int) -> tuple[dict, list]:

@@ -1,0 +1,32 @@
+"""``kvref verify``'s ``conform-tiering`` check: vLLM's multi-tier offloading
+(``TieringOffloadingManager`` with real fs and example secondary tiers, built through
+``TieringOffloadingSpec``) against kvref's reference on generated traces, every observable compared
+after every operation (:mod:`kvref.models.machines.tiering`, issue #22)."""
+
+from __future__ import annotations
+
+from .check_context import VerifyContext, vllm_gate
+from .report import FAILED, PASSED, CheckResult
+
+NAME = "conform-tiering"
+
+
+def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
+    skipped = vllm_gate(ctx, NAME)
+    if skipped:
+        return skipped
+    from kvref.impl.vllm.tiering import TierTimeout
+    from kvref.models.machines.tiering import TieringDivergence, run_traces
+
+    n = ctx.examples(6, 60)
+    try:
+        stats = run_traces(ctx.seed, n)
+    except (TieringDivergence, TierTimeout) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        return CheckResult(NAME, FAILED, "vLLM's tiering manager diverged from the reference",
+                           details=[text[:2000]], signature=f"{NAME}: {str(exc).split(':')[0][:80]}")
+    return CheckResult(NAME, PASSED,
+                       f"{stats['traces']} tiering traces ({stats['ops']} ops, {stats['retries']} RETRY answers, "
+                       f"{stats['promotions']} HIT_PENDING answers, {stats['io_errors']} injected I/O errors) on vLLM's "
+                       "TieringOffloadingManager with fs/example tiers: answers, chunks, jobs, probes, back-pressure, "
+                       "events, metrics and bytes agree with the reference", examined=stats["ops"])
