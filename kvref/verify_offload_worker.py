@@ -54,6 +54,14 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's OffloadingConnector (scheduler + worker) diverged",
                            details=[text[:1500]], signature=f"{NAME}: {type(exc).__name__}")
+    from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
+
+    batches = stats["batches"]
+    problems = publish_and_subscribe(batches, buffer_steps=max(1, len(batches) // 3), dp_rank=1,
+                                     replay_from=(0, len(batches) // 2, len(batches) - 1, len(batches) + 2))
+    if problems:
+        return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
+                           details=problems[:10], signature=f"{NAME}: kv event publisher")
     rng = random.Random(f"{NAME}-layers-{ctx.seed}")
     layers = ctx.examples(40, 300)
     for _ in range(layers):
@@ -64,6 +72,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     return CheckResult(NAME, PASSED,
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
-                       f"vLLM's scheduler + worker roles, and {layers} layers' canonical page mappings: jobs, pools, "
-                       "bytes and mappings agree with the reference",
+                       f"vLLM's scheduler + worker roles ({stats['events']} CPU-tier KV events, {len(batches)} "
+                       f"batches round-tripped through vLLM's ZMQ publisher), and {layers} layers' canonical page "
+                       "mappings: jobs, pools, bytes, events and mappings agree with the reference",
                        examined=stats["ops"] + layers)

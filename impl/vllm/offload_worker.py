@@ -63,6 +63,7 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
     tensor-parallel ranks, ``cpu_bytes_to_use`` sized so that ``CPUOffloadingSpec`` computes
     exactly ``cfg.num_cpu_chunks`` chunks, ``cfg.cache_policy`` as ``eviction_policy``."""
     from vllm.config import KVTransferConfig
+    from vllm.config.kv_events import KVEventsConfig
     from vllm.utils.math_utils import round_up
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -79,6 +80,8 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
     pc.tensor_parallel_size = cfg.num_workers
     pc.world_size = cfg.num_workers
     pc.rank = rank
+    # the CPU tier's KV events (OffloadingConnector.take_events), published by the engine core
+    vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vc.model_config = copy.copy(base.model_config)
     vc.model_config.max_model_len = cfg.max_model_len
     bytes_per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
@@ -369,6 +372,10 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
 
     def finished(self, req, aborted):
         self.conn.request_finished_all_groups(req, self.table(req.request_id))
+
+    def take_kv_events(self) -> list:
+        """The connector's KV cache events since the last call (vLLM's objects)."""
+        return list(self.conn.take_events())
 
     def block_bytes(self, rank: int, block: int) -> bytes:
         import torch

@@ -57,6 +57,26 @@ class OffloadingWorkerWorld(OffloadingWorld):
         self.flushed_by_meta: set[int] = set()
         self.loads_checked = 0
         self.blocks_checked = 0
+        self.published: list[list] = []  # vLLM's KV-event batches (its event objects), one per op that had any
+        if self._b is not None and not hasattr(self._b, "workers"):
+            self._b.manager.events = []  # the reference manager records its events (vLLM's: kv_events_config)
+
+    def take_kv_events(self) -> list[dict]:
+        """The CPU tier's KV cache events since the last call, as plain dicts: vLLM's connector's
+        ``take_events``, or the reference's (:func:`offloading_kv_events` of its manager's events)."""
+        if self._b is None:
+            return []
+        if hasattr(self._b, "workers"):
+            from kvref.impl.vllm.kv_events import vllm_event_to_plain
+
+            raw = self._b.take_kv_events()
+            if raw:
+                self.published.append(raw)
+            return [vllm_event_to_plain(e) for e in raw]
+        from kvref.impl.reference.kv_events import event_to_plain, use_int_block_hashes
+        from kvref.impl.reference.offload.offload_events import offloading_kv_events
+
+        return [event_to_plain(e) for e in offloading_kv_events(self._b.manager.take_events(), use_int_block_hashes())]
 
     @property
     def _bytes(self):
@@ -133,6 +153,26 @@ class OffloadingWorkerWorld(OffloadingWorld):
                                f"on rank {rank} with other bytes than that block's computed KV")
 
 
+def stored_runs_sorted(events: list[dict]) -> list[dict]:
+    """``events`` with every maximal run of consecutive ``BlockStored`` events in a canonical order.
+
+    vLLM 0.33.0's scheduler keeps a store job's keys in a ``set`` (``TransferJobStatus.keys``), so
+    the manager completes them, and the tracker announces them, in set iteration order: an order
+    of the hash values, not of the request (docs/differences.md). Removals and the position of
+    every removal relative to the stores stay as emitted."""
+    out: list[dict] = []
+    run: list[dict] = []
+    for e in events + [None]:
+        if e is not None and e["type"] == "BlockStored":
+            run.append(e)
+            continue
+        out.extend(sorted(run, key=repr))
+        run = []
+        if e is not None:
+            out.append(e)
+    return out
+
+
 def apply_worker_op(w: OffloadingWorkerWorld, op):
     """:func:`~kvref.models.offload.traces.apply_offloading_op`, with ``drain`` completing what the
     workers have been handed (a store queued this step waits for the next)."""
@@ -145,14 +185,21 @@ def apply_worker_op(w: OffloadingWorkerWorld, op):
     return apply_offloading_op(w, op)
 
 
+#: the KV-event batches run_traces keeps for the publisher round trip
+MAX_BATCHES = 24
+
+
 def run_traces(cases, on_difference=None) -> dict:
-    """Run ``cases`` (``(OffloadingConfig, ops)``) on the reference and on vLLM's whole connector.
+    """Run ``cases`` (``(OffloadingConfig, ops)``) on the reference and on vLLM's whole connector,
+    comparing the CPU tier's KV events after every op too (``stats["batches"]``: the first
+    :data:`MAX_BATCHES` batches vLLM's connector produced, its event objects).
 
     Returns counts, or raises :class:`OffloadInvariantError` (content model, worker reports) /
     ``AssertionError`` (vLLM's own asserts, the driver's handover checks) with the trace position,
     or reports the first observable difference through ``on_difference(i, j, cfg, op, outs)`` (which
     returns True to stop the trace)."""
-    stats = {"traces": 0, "ops": 0, "loads_checked": 0, "blocks_checked": 0, "jobs_executed": 0}
+    stats = {"traces": 0, "ops": 0, "loads_checked": 0, "blocks_checked": 0, "jobs_executed": 0, "events": 0,
+             "batches": []}
     for i, (cfg, ops) in enumerate(cases):
         worlds = [OffloadingWorkerWorld(cfg, "reference"), OffloadingWorkerWorld(cfg, "vllm-connector")]
         stats["traces"] += 1
@@ -165,6 +212,12 @@ def run_traces(cases, on_difference=None) -> dict:
                 except (AssertionError, OffloadInvariantError) as exc:
                     raise type(exc)(f"trace {i} op {j} {op} on {cfg}: {exc}") from exc
                 stats["ops"] += 1
+                events = [w.take_kv_events() for w in worlds]
+                if stored_runs_sorted(events[0]) != stored_runs_sorted(events[1]):
+                    raise OffloadInvariantError(
+                        f"trace {i} op {j} {op} on {cfg}: the CPU tier's KV events differ: reference "
+                        f"{events[0]!r}"[:700] + f" / vLLM {events[1]!r}"[:700])
+                stats["events"] += len(events[1])
                 if outs[0] != outs[1] or worlds[0].observe() != worlds[1].observe():
                     if on_difference is None or on_difference(i, j, cfg, op, outs):
                         raise OffloadInvariantError(
@@ -175,6 +228,7 @@ def run_traces(cases, on_difference=None) -> dict:
             v = worlds[1]
             stats["loads_checked"] += v.loads_checked
             stats["blocks_checked"] += v.blocks_checked
+            stats["batches"] += v.published[:max(0, MAX_BATCHES - len(stats["batches"]))]
             if v._b is not None:
                 stats["jobs_executed"] += sum(len(h.log.executed) for h in v._b.host)
                 v._b.shutdown()

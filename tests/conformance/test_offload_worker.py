@@ -83,8 +83,16 @@ def half_pages_registered(monkeypatch):
     monkeypatch.setattr(base.CanonicalKVCacheRef, "__init__", patched)
 
 
+def evictions_not_announced(monkeypatch):
+    """The connector's event tracker drops the CPU tier's evictions (routers keep stale entries)."""
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+
+    monkeypatch.setattr(OffloadingEventsTracker, "_take_removed_event", lambda self, event: iter(()))
+
+
 @pytest.mark.parametrize("fault", [stores_never_deferred, loads_not_reported, loads_into_reversed_blocks,
-                                   half_pages_registered], ids=lambda f: f.__name__)
+                                   half_pages_registered, evictions_not_announced], ids=lambda f: f.__name__)
 def test_planted_worker_fault_is_found(fault, monkeypatch):
     from kvref.models.offload.world_common import OffloadInvariantError
 
@@ -131,3 +139,48 @@ def test_canonical_mapping_fault_is_found(monkeypatch):
 
     monkeypatch.setattr(cm, "_split_kv_regions", patched)
     assert any(compare_layer(c) for c in _layer_cases(profile_examples(60, 300)))
+
+
+def _event_batches(n: int):
+    require_vllm()
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    def stored(i):
+        return BlockStored(block_hashes=[i, i + 1], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                           medium="CPU", lora_name=None, group_idx=i % 2)
+
+    return [[stored(i)] + ([BlockRemoved(block_hashes=[i], medium="CPU", group_idx=1)] if i % 3 == 1 else [])
+            + ([AllBlocksCleared()] if i % 5 == 4 else []) for i in range(n)]
+
+
+def test_zmq_publisher_round_trip():
+    """vLLM's ZmqEventPublisher: the live stream and replays from several sequences (inside, at the
+    edge of and past the replay buffer) decode to exactly the published batches; the whole-connector
+    traces' own batches go through it in the check."""
+    from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
+
+    batches = _event_batches(10)
+    assert publish_and_subscribe(batches, buffer_steps=4, dp_rank=0, replay_from=(0, 7, 9, 12)) == []
+    assert publish_and_subscribe(batches[:3], buffer_steps=8, dp_rank=2, replay_from=(1,)) == []
+
+
+def test_zmq_publisher_replay_fault_is_found(monkeypatch):
+    """A replay buffer that serves one batch fewer than ``buffer_steps`` is reported."""
+    require_vllm()
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
+
+    real = ZmqEventPublisher._service_replay
+
+    def patched(self):
+        buffer = self._buffer
+        self._buffer = type(buffer)(list(buffer)[1:], maxlen=buffer.maxlen)
+        try:
+            real(self)
+        finally:
+            self._buffer = buffer
+
+    monkeypatch.setattr(ZmqEventPublisher, "_service_replay", patched)
+    problems = publish_and_subscribe(_event_batches(6), buffer_steps=4, dp_rank=1, replay_from=(0,))
+    assert problems and "replay from 0" in problems[0]

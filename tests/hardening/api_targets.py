@@ -46,6 +46,12 @@ def _cpu_manager():
     return CPUOffloadingManager(4)
 
 
+def _metrics_collector():
+    from kvref.impl.reference.kv_cache_metrics import KVCacheMetricsCollector
+
+    return KVCacheMetricsCollector
+
+
 def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """name -> (callable, valid keyword arguments)."""
     from kvref.impl.interface import PoolConfig
@@ -86,6 +92,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                         hash_block_size=4, max_in_flight_tokens=None, enable_caching=True,
                                         watermark=0.0, use_eagle=False)),
         "BlockPool": (BlockPool, dict(num_gpu_blocks=9, enable_caching=True, hash_block_size=4)),
+        "KVCacheMetricsCollector": (_metrics_collector(), dict(sample_rate=0.5)),  # #22
         "KVCacheManager": (KVCacheManager, dict(config=pc)),
         "SchedulerConfig": (SchedulerConfig, dict(max_num_batched_tokens=16, max_num_seqs=4,
                                                   long_prefill_token_threshold=0, enable_chunked_prefill=True,
@@ -327,6 +334,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     manager_case("remove_skipped_blocks", lambda m, r0, r1: dict(request_id="r0", processed_computed_tokens=8))
     manager_case("evict_blocks", lambda m, r0, r1: dict(block_ids={1}))
     manager_case("get_blocks", lambda m, r0, r1: dict(request_id="r0"))
+    manager_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
 
     def offload_case(method, make_kwargs):
         def build():
@@ -516,6 +524,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
         block_ids=m.get_computed_blocks(r1)[0], num_computed_tokens=4))
     ref_adapter_case("get_computed_blocks_for_connector", lambda m, r0, r1: dict(request=r1))
     ref_adapter_case("free_holding_view", lambda m, r0, r1: dict(request=r0))
+    ref_adapter_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
     for kind in ("reference", "torch"):
         ref_adapter_case("get_computed_blocks", lambda m, r0, r1: dict(request=r1), kind)
         ref_adapter_case("allocate_slots", lambda m, r0, r1: dict(
@@ -687,8 +696,11 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         pool_sizing,
     )
     from kvref.spec import kv_cache_interface as kci
+    from kvref.spec import kv_zeroing
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
+    from kvref.impl.reference.offload import offload_events
+    from kvref.impl.reference.offload.cpu_offloading_manager import OffloadingEvent
 
     page = cmap.AttentionPage("split", "HND", 2, 1, 2, 2)
     eng = _engine()
@@ -712,6 +724,14 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "resolve_cache_hit_alignment_tokens": (block_sizes.resolve_cache_hit_alignment_tokens, dict(
             groups=groups, config=eng, scheduler_block_size=4, hash_block_size=4)),
         "resolve_kv_cache_block_sizes": (block_sizes.resolve_kv_cache_block_sizes, dict(groups=groups, config=eng)),
+        "KVCacheMetricsCollector.seeded": (_metrics_collector().seeded, dict(sample_rate=0.5, seed=0)),  # #22
+        # spec: KV zeroing (issue #23)
+        "kv_zeroing.iter_layer_specs": (kv_zeroing.iter_layer_specs, dict(kv_cache_spec=FULL)),
+        "kv_zeroing.has_mamba_layers": (kv_zeroing.has_mamba_layers, dict(groups=groups)),
+        "kv_zeroing.has_mixed_precision_kv_cache": (kv_zeroing.has_mixed_precision_kv_cache, dict(groups=groups)),
+        "kv_zeroing.needs_kv_cache_zeroing": (kv_zeroing.needs_kv_cache_zeroing, dict(groups=groups)),
+        "kv_zeroing.records_new_block_ids": (kv_zeroing.records_new_block_ids, dict(kv_cache_spec=FULL,
+                                                                                    needs_zeroing=True)),
         "get_kv_cache_groups": (grouping.get_kv_cache_groups, dict(layers=layers,
                                                                    disable_hybrid_kv_cache_manager=False)),
         "group_layers_with_uniform_page_size": (grouping.group_layers_with_uniform_page_size, dict(layers=layers)),
@@ -793,6 +813,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "mla_mapping": (cmap.mla_mapping, dict(page_size_bytes=8, tp_size=2, rank=1)),
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
+        "offloading_kv_events": (offload_events.offloading_kv_events, dict(
+            events=[OffloadingEvent([keys.make_offload_key(H[0], 0)], removed=True)], use_int=True)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
                                                                                            tokens_per_chunk=4)),
         "get_offload_group_idx": (keys.get_offload_group_idx, dict(key=keys.make_offload_key(H[0], 0))),
