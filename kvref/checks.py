@@ -37,6 +37,7 @@ from .check_context import CAMPAIGN, Check, VerifyContext, vllm_gate
 from .cli_explore import check_explorer, check_explorer_conformance
 from .report import FAILED, PASSED, CheckResult
 from .verify_connector import check_connector_conformance
+from .verify_p2p import check_p2p_conformance
 from .verify_offload_worker import check_offload_worker_conformance
 from .verify_tiering import check_tiering_conformance
 from .verify import (
@@ -141,6 +142,8 @@ CHECKS: list[Check] = [
           check_connector_conformance, vllm=True),
     Check("conform-offload", "offload schedulers vs the installed vLLM's on random traces", check_offload_conformance,
           vllm=True),
+    Check("conform-p2p", "P2P offload tier: two vLLM engines over loopback ZMQ vs the reference world",
+          check_p2p_conformance, vllm=True),
     Check("conform-offload-worker", "vLLM's whole OffloadingConnector (scheduler + worker roles, bytes) vs the reference",
           check_offload_worker_conformance, vllm=True),
     Check("conform-tiering", "multi-tier offloading (TieringOffloadingManager, fs/example tiers) vs the reference",
@@ -171,7 +174,7 @@ CHECKS: list[Check] = [
 #: developer's vLLM is reported within seconds rather than after the proofs and the explorer
 VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "conform-spec-decode", "startup-liveness", "conform-connector",
               "conform-offload", "conform-tiering", "conform-offload-worker",
-              "conform-planning", "conform-explorer")
+              "conform-planning", "conform-explorer", "conform-p2p")
 
 #: the reference mutant campaign's checks by default, in its order (cheapest first); the vLLM ones
 #: only where vLLM imports

@@ -25,6 +25,7 @@ Determinism, without sleeps that race:
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import time as _real_time
 from collections import deque
@@ -294,6 +295,10 @@ class VllmP2PWorld:
             mod = importlib.import_module(name)
             self._saved_time[mod] = mod.time
             mod.time = fake_time
+        # the tier logs every timeout and peer loss at WARNING: traces make hundreds of them on purpose
+        self._logger = logging.getLogger("vllm.v1.kv_offload.tiering.p2p")
+        self._saved_level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
         transport_cls = type("WorldZmqTransport", (cls.CountingZmqTransport,), {"wire": self.wire})
         saved = manager_module.NixlTransport, manager_module.ZmqTransport
         self.buffers: dict[str, bytearray] = {}
@@ -446,9 +451,13 @@ class VllmP2PWorld:
 
     def close(self) -> None:
         """Shut down what is still running and give the p2p modules their ``time`` back."""
+        import zmq
+
         for node, mgr in getattr(self, "managers", {}).items():
             if getattr(self, "alive", {}).get(node, True):
                 try:
+                    for conn in mgr._control._connections.values():  # the trace is over: no linger
+                        conn._sockets.dealer.setsockopt(zmq.LINGER, 0)
                     mgr.shutdown()
                 except Exception:  # noqa: BLE001 - teardown of a failed trace must not mask its failure
                     pass
@@ -456,3 +465,5 @@ class VllmP2PWorld:
         for mod, t in self._saved_time.items():
             mod.time = t
         self._saved_time = {}
+        if hasattr(self, "_logger"):
+            self._logger.setLevel(self._saved_level)

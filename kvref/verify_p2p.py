@@ -1,0 +1,27 @@
+"""``kvref verify``'s ``conform-p2p`` check: vLLM's P2P secondary offload tier (two engines, real
+ZMQ on loopback, the in-memory data plane) in lock step with the reference world
+(:mod:`kvref.models.machines.p2p`, issue #22)."""
+
+from __future__ import annotations
+
+from .check_context import VerifyContext, vllm_gate
+from .report import FAILED, PASSED, CheckResult
+
+
+def check_p2p_conformance(ctx: VerifyContext) -> CheckResult:
+    """Stores, fetches, timeouts, aborts, finishes, failed writes, a data-plane fault and an engine
+    going away: results, bookkeeping, every control message and both buffers after every step."""
+    name = "conform-p2p"
+    skipped = vllm_gate(ctx, name)
+    if skipped:
+        return skipped
+    from kvref.models.machines.p2p import COVERAGE, run_p2p_machine
+
+    examples = ctx.examples(20, 300)
+    before = COVERAGE.bytes_checked
+    ok, failure, sig = run_p2p_machine(with_vllm=True, examples=examples, shrink=ctx.shrink, seed=ctx.seed)
+    if not ok:
+        return CheckResult(name, FAILED, "P2P tier traces diverged from vLLM", details=failure.splitlines()[:30],
+                           signature=sig)
+    return CheckResult(name, PASSED, f"{examples} two-engine traces agree ({COVERAGE.bytes_checked - before} "
+                       f"loaded blocks checked byte for byte)", examined=examples)
