@@ -55,13 +55,15 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
                        new_computed_block_ids: BlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True) -> BlockIds | None:
+                       has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:
         out = self.manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, self._blocks_from_ids(new_computed_block_ids),
             num_lookahead_tokens=num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
-            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs,
+            skip_zeroing_group_ids=skip_zeroing_group_ids)
         if out is None:
             return None
         if not out.blocks:  # no groups
@@ -196,6 +198,15 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.manager.evict_blocks(block_ids)
+
+    # KV zeroing records (issue #23)
+
+    def take_new_block_ids(self) -> list[int]:
+        """The block ids recorded for worker-side zeroing since the last call."""
+        return self.manager.take_new_block_ids()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.manager.record_blocks_for_zeroing(request_id, start_token)
 
 
 def _register() -> None:

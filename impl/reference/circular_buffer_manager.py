@@ -24,12 +24,14 @@ from .kv_cache_block import KVCacheBlock
 class CircularBufferManager(FullAttentionManager):
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
-    def _claim_ring_block(self, request_id: str) -> list[KVCacheBlock]:
+    def _claim_ring_block(self, request_id: str, record_for_zeroing: bool = True) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
         if table:
             return []
         new_blocks = self.block_pool.get_new_blocks(1)
         table.extend(new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:  # never: the ring is not zeroed
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
@@ -44,8 +46,9 @@ class CircularBufferManager(FullAttentionManager):
         return self._claim_ring_block(request_id)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
-        self._claim_ring_block(request_id)
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
+        self._claim_ring_block(request_id, record_for_zeroing)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,

@@ -26,7 +26,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         assert len(new_computed_blocks) == 0
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         return
 
     def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:

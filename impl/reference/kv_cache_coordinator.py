@@ -43,6 +43,7 @@ from kvref.spec.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from kvref.spec.kv_zeroing import needs_kv_cache_zeroing
 from kvref.spec.mathutil import cdiv, round_down
 
 from .block_hash import BlockHash
@@ -171,11 +172,15 @@ class KVCacheCoordinator:
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
         self.drop_eagle_group_ids = set(self.eagle_group_ids) if use_eagle else set()
+        # KV zeroing (spec/kv_zeroing.py), decided on the scheduler's view of the groups as in vLLM
+        self.needs_kv_cache_zeroing = needs_kv_cache_zeroing(
+            [KVCacheGroupSpec(g.layer_names, spec) for g, spec in zip(self.kv_cache_groups, specs)])
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 spec, max_in_flight_tokens, max_model_len, block_pool=self.block_pool,
                 enable_caching=enable_caching, kv_cache_group_id=i,
-                scheduler_block_size=scheduler_block_size)
+                scheduler_block_size=scheduler_block_size,
+                needs_kv_cache_zeroing=self.needs_kv_cache_zeroing)
             for i, spec in enumerate(specs))
         if use_eagle:
             for manager in self.single_type_managers:
@@ -231,9 +236,11 @@ class KVCacheCoordinator:
         return False
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
-                                     num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+                                     num_local_computed_tokens: int, num_external_computed_tokens: int,
+                                     skip_zeroing_group_ids: tuple[int, ...] = ()) -> None:
         """Two phases: every group touches its hits, then every group allocates external blocks
-        (vLLM #33775). A running request has no new hits: no-op."""
+        (vLLM #33775). A running request has no new hits: no-op. ``skip_zeroing_group_ids``: groups
+        an asynchronous load writes, whose external blocks are not recorded for zeroing."""
         if self.is_running(request_id):
             assert all(len(blocks) == 0 for blocks in new_computed_blocks)
             return
@@ -241,9 +248,10 @@ class KVCacheCoordinator:
             manager.add_local_computed_blocks(request_id, new_computed_blocks[i],
                                               num_local_computed_tokens, num_external_computed_tokens)
         if num_external_computed_tokens > 0:
-            for manager in self.single_type_managers:
+            for i, manager in enumerate(self.single_type_managers):
                 manager.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                          num_external_computed_tokens)
+                                                          num_external_computed_tokens,
+                                                          record_for_zeroing=i not in skip_zeroing_group_ids)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> HitBlocks:

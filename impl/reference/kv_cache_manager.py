@@ -302,15 +302,19 @@ class KVCacheManager:
                        new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
-                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlocks | None:
         """Allocate slots for ``num_new_tokens`` (+ lookahead) tokens; None if they do not fit.
 
         Args follow vLLM: ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix-cache
         hit from ``get_computed_blocks``; ``num_external_computed_tokens`` are loaded by a KV
         connector; ``full_sequence_must_fit`` is the admission gate for waiting requests;
         ``reserved_blocks`` stay free for in-flight sequences; ``has_scheduled_reqs`` turns the
-        watermark on for waiting/preempted requests. Returns the newly allocated blocks.
+        watermark on for waiting/preempted requests; ``skip_zeroing_group_ids`` are the groups an
+        asynchronous KV load writes (their external blocks are not recorded for zeroing). Returns
+        the newly allocated blocks.
         """
+        self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
         hits = self._validate_allocate(request, num_new_tokens, num_new_computed_tokens,
                                        new_computed_blocks, num_lookahead_tokens,
                                        num_external_computed_tokens, num_encoder_tokens, reserved_blocks)
@@ -348,7 +352,8 @@ class KVCacheManager:
 
         if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(rid, hits, num_local_computed,
-                                                     num_external_computed_tokens)
+                                                     num_external_computed_tokens,
+                                                     skip_zeroing_group_ids=tuple(skip_zeroing_group_ids))
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model,
                                                      num_encoder_tokens)
         if delay_cache_blocks or self.hasher is None:
@@ -492,6 +497,49 @@ class KVCacheManager:
         for manager in self.coordinator.single_type_managers:
             pairs.extend((s.block_id, d.block_id) for s, d in manager.take_pending_cow_copies())
         return pairs
+
+    # ------------------------------------------------------------------ KV zeroing (spec/kv_zeroing.py)
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        """Whether the worker zeroes new blocks (Mamba layers or mixed cache precisions)."""
+        return self.coordinator.needs_kv_cache_zeroing
+
+    def _check_group_ids(self, name: str, group_ids: object) -> None:
+        if not isinstance(group_ids, (tuple, list)) or any(
+                type(g) is not int or not 0 <= g < self.num_kv_cache_groups for g in group_ids):
+            raise InvalidFieldError(name, group_ids,
+                                    f"a tuple of group ids in [0, {self.num_kv_cache_groups})")
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the block ids recorded for zeroing since the last call, group by group (what the
+        scheduler sends as ``new_block_ids_to_zero`` when ``needs_kv_cache_zeroing``)."""
+        ids: list[int] = []
+        for manager in self.coordinator.single_type_managers:
+            ids.extend(manager.take_new_block_ids())
+        return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Record the request's blocks from ``start_token`` on for zeroing again: the blocks a
+        failed asynchronous KV load left unwritten (their zeroing was skipped at allocation).
+
+        Raises:
+            InvalidFieldError: ``start_token`` is not a non-negative multiple of every recording
+                group's block size (zeroing a partly valid block would wipe its valid prefix; vLLM
+                asserts it), or the request holds no blocks. Nothing is recorded then.
+        """
+        _check_request_id(request_id)
+        check_int("start_token", start_token, minimum=0)
+        recording = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        for m in recording:
+            if start_token % m.block_size:
+                raise InvalidFieldError("start_token", start_token,
+                                        f"a multiple of group {m.kv_cache_group_id}'s block size "
+                                        f"{m.block_size} (a block-aligned valid prefix)")
+            if request_id not in m.req_to_blocks:
+                raise InvalidFieldError("request_id", request_id, "a request that holds blocks")
+        for m in recording:
+            m.new_block_ids.extend(b.block_id for b in m.req_to_blocks[request_id][start_token // m.block_size:])
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM 0.33.0 (cascade attention removed): always zeros."""

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvref.spec.kv_cache_interface import KVCacheSpec
+from kvref.spec.kv_zeroing import records_new_block_ids
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash
@@ -59,7 +60,8 @@ class SingleTypeKVCacheManager:
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
-                 max_admission_blocks_per_request: int | None = None) -> None:
+                 max_admission_blocks_per_request: int | None = None,
+                 needs_kv_cache_zeroing: bool = False) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_pool = block_pool
         self.enable_caching = enable_caching
@@ -80,6 +82,10 @@ class SingleTypeKVCacheManager:
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         #: (request, group, block, boundary tokens) states a KV connector may offload (Mamba "align")
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        #: KV zeroing (spec/kv_zeroing.py): new attention block ids the worker must zero before use,
+        #: drained by ``take_new_block_ids`` (vLLM ``new_block_ids``)
+        self._record_new_block_ids = records_new_block_ids(kv_cache_spec, needs_kv_cache_zeroing)
+        self.new_block_ids: list[int] = []
 
     @property
     def has_positionally_stable_blocks(self) -> bool:
@@ -170,9 +176,12 @@ class SingleTypeKVCacheManager:
             self.num_cached_block[request_id] = block_idx
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """Blocks for tokens a KV connector will load (after *all* groups touched their hits, so
-        one group's allocation cannot evict another group's hits — vLLM #33775)."""
+        one group's allocation cannot evict another group's hits — vLLM #33775).
+        ``record_for_zeroing`` False: an asynchronous load writes them after this step, and zeroing
+        them would race with it."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped = self.get_num_skipped_tokens(num_total)
         if num_skipped > 0:
@@ -181,7 +190,10 @@ class SingleTypeKVCacheManager:
             return
         table = self.req_to_blocks.setdefault(request_id, [])
         num_new = max(0, cdiv(num_total, self.block_size) - len(table))
-        table.extend(self.block_pool.get_new_blocks(num_new))
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        table.extend(new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
@@ -192,6 +204,9 @@ class SingleTypeKVCacheManager:
             block_idx, source = self._partial_hit_reqs.pop(request_id)
             cow = self.block_pool.get_new_blocks(1)[0]
             self._apply_cow(request_id, block_idx, source, cow)
+            # NOTE (as vLLM 0.33.0): the copy target is recorded whether or not this group records
+            # new blocks; the scheduler drops the ids when the cache needs no zeroing.
+            self.new_block_ids.append(cow.block_id)
             cow_blocks.append(cow)
         table = self.req_to_blocks.setdefault(request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(table)
@@ -199,7 +214,19 @@ class SingleTypeKVCacheManager:
             return cow_blocks
         new_blocks = self.block_pool.get_new_blocks(num_new)
         table.extend(new_blocks)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
         return cow_blocks + new_blocks
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether this group's new blocks are zeroed by the worker (spec/kv_zeroing.py)."""
+        return self._record_new_block_ids
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the block ids recorded for zeroing since the last call."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
 
     def _apply_cow(self, request_id: str, block_idx: int, source: KVCacheBlock, cow: KVCacheBlock) -> None:
         """Replace the shared partial tail by a private block; both keep a reference until the

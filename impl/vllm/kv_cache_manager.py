@@ -283,14 +283,16 @@ class VllmKVCacheManager:
                        new_computed_block_ids: BlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True) -> BlockIds | None:
+                       has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:
         vreq = self._mirror(request)
         out = self._mgr.allocate_slots(
             vreq, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
             new_computed_blocks=self._blocks_from_ids(new_computed_block_ids),
             num_lookahead_tokens=num_lookahead_tokens, num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
-            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+            reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs,
+            skip_zeroing_group_ids=tuple(skip_zeroing_group_ids))
         return None if out is None else self._ids(out)
 
     def free(self, request: Request) -> None:
@@ -331,6 +333,13 @@ class VllmKVCacheManager:
         out: dict[tuple[int, int], bytes] = {}
         for b in self._pool.blocks:
             key = b.block_hash
+    def take_new_block_ids(self) -> list[int]:
+        """vLLM's ``take_new_block_ids``: block ids recorded for worker-side zeroing."""
+        return list(self._mgr.take_new_block_ids())
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self._mgr.record_blocks_for_zeroing(request_id, start_token)
+
             if key is not None:
                 out[(utils.get_group_id(key), b.block_id)] = bytes(utils.get_block_hash(key))
         return out

@@ -66,6 +66,7 @@ from typing import Any, Callable
 
 from kvref.impl.interface import KVCacheManagerLike, PoolConfig, make_manager
 from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
+from kvref.spec.kv_zeroing import needs_kv_cache_zeroing
 
 from kvref.models.conformance.accepted import signature
 from kvref.models.conformance.trace import Op, Trace
@@ -164,6 +165,8 @@ class Harness:
         self.num_connector_lookups = 0
         self.num_diverged_hits = 0  # connector lookups whose per-group hits diverged (hybrid Mamba)
         self.num_stats_taken = 0  # make_prefix_cache_stats ops that returned stats
+        self.num_zeroed_blocks = 0  # block ids recorded for KV zeroing (compared in order)
+        self.num_failed_loads = 0  # async loads that failed with a valid prefix (re-recorded for zeroing)
         self.compare_events = pool_config.enable_kv_cache_events and self._all_have("take_kv_events")
         #: time spent inside each implementation (calls, check_invariants, observation)
         self.seconds_by_kind: dict[str, float] = {}
@@ -247,6 +250,7 @@ class Harness:
         res = handler(op)
         if not res.skipped and op.name in ("admit", "step", "load_done"):
             self._release_block_copies(op)
+            self._take_new_block_ids(op)
         self.num_applied += 1
         self.num_skipped += res.skipped
         self.max_live = max(self.max_live, len(self.live()))
@@ -264,6 +268,13 @@ class Harness:
             pairs = self._call("release_kv_cache_block_copies", op,
                                lambda _k, m: m.release_kv_cache_block_copies())
             self.num_cow_copies += len(pairs)
+
+    def _take_new_block_ids(self, op: Op) -> None:
+        """KV zeroing records (issue #23): the block ids recorded for the worker to zero, drained
+        as vLLM's scheduler does every step (``take_new_block_ids``); compared in order."""
+        if self._all_have("take_new_block_ids"):
+            ids = self._call("take_new_block_ids", op, lambda _k, m: m.take_new_block_ids())
+            self.num_zeroed_blocks += len(ids)
 
     def _call(self, what: str, op: Op, fn: Callable[[str, KVCacheManagerLike], Any]) -> Any:
         """Call ``fn`` on every manager; the results must agree. Returns the first one."""
@@ -349,10 +360,15 @@ class Harness:
             free = self.managers[self.kinds[0]].get_num_free_blocks()  # equal on all (compared every op)
             reserved = max(0, free - op.reserve_slack)
             self.num_boundary_admissions += op.reserve_slack <= 1
+        # an async load writes the prefix-cacheable groups' blocks (the connector default,
+        # get_loaded_kv_cache_group_ids): they are not zeroed, which would race with the load
+        skip = {"skip_zeroing_group_ids": tuple(
+            i for i, g in enumerate(self.pool_config.groups) if g.kv_cache_spec.prefix_cacheable)} \
+            if is_async and self._all_have("take_new_block_ids") else {}
         out = self._call("allocate_slots(admission)", op, lambda k, m: m.allocate_slots(
             r, num_new, num_hit, hit_ids, num_external_computed_tokens=external, delay_cache_blocks=is_async,
             full_sequence_must_fit=op.full_sequence_must_fit, reserved_blocks=reserved,
-            has_scheduled_reqs=has_scheduled))
+            has_scheduled_reqs=has_scheduled, **skip))
         if out is None:
             self.num_admission_rejections += 1
             return OpResult(op, False, None)
@@ -381,10 +397,36 @@ class Harness:
         if s is None or not s.loading or s.request.status == RequestStatus.FINISHED:
             return OpResult(op, True)
         r = s.request
+        if op.valid_tokens >= 0 and self._all_have("record_blocks_for_zeroing"):
+            return self._load_failed(s, op)
         self._call("cache_blocks(load done)", op, lambda k, m: cache_blocks(m, r, r.num_computed_tokens))
         s.loading = False
         r.status = RequestStatus.RUNNING
         self.num_loads_done += 1
+        return OpResult(op, False)
+
+    def _load_failed(self, s: _ReqState, op: Op) -> OpResult:
+        """vLLM's ``_update_waiting_for_remote_kv`` after a failed load: the request keeps the valid
+        prefix (block-aligned: the first invalid block and all after it are recomputed), its blocks
+        are cached up to it and, when the cache needs zeroing, re-recorded for zeroing from there
+        (their zeroing was skipped for the load); with nothing valid its blocks are freed and it
+        waits for a new admission."""
+        r = s.request
+        sbs = self.pool_config.scheduler_block_size
+        valid = min(op.valid_tokens, r.num_computed_tokens) // sbs * sbs
+        s.loading = False
+        self.num_failed_loads += 1
+        if valid == 0:
+            self._free(s, op, "failed load")
+            s.holds_blocks = False
+            r.num_computed_tokens = 0
+            r.status = RequestStatus.WAITING
+            return OpResult(op, False)
+        r.num_computed_tokens = valid
+        self._call("cache_blocks(failed load)", op, lambda k, m: cache_blocks(m, r, valid))
+        if needs_kv_cache_zeroing(self.pool_config.groups):
+            self._call("record_blocks_for_zeroing", op, lambda k, m: m.record_blocks_for_zeroing(r.request_id, valid))
+        r.status = RequestStatus.RUNNING
         return OpResult(op, False)
 
     def _external_tokens(self, op: Op, r: Request, num_hit: int) -> int:

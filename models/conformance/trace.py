@@ -96,6 +96,9 @@ _ARG_CHECKS: dict[str, tuple[Any, str]] = {
     "skip_reading": (lambda v: isinstance(v, bool), "true or false"),
     # kv_cache_report_mode "full": a prefix-cache hit is announced in KV events too
     "report_full": (lambda v: isinstance(v, bool), "true or false"),
+    # load_done: -1 the load succeeded; >= 0 it failed and only the first this-many tokens of the loaded
+    # prefix are valid (rounded down to scheduler_block_size; vLLM's failed_recving path, KV zeroing)
+    "valid_tokens": _int_range(-1, _MAX_OP_INT),
     # finish/preempt: a KV connector holds the request's get_blocks() view across the free
     "hold_view": (lambda v: isinstance(v, bool), "true or false"),
     # connector_lookup: the aligned endpoint a connector's hit truncates the local hit to
@@ -125,10 +128,12 @@ OP_DEFAULTS: dict[str, dict[str, Any]] = {
             "report_full": False},
     "finish": {"hold_view": False},
     "preempt": {"hold_view": False},
+    "load_done": {"valid_tokens": -1},
 }
 
 #: optional fields left out of an op's one-line form while they hold their default (issue #23's)
-_QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading", "hold_view", "report_full"})
+_QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading", "hold_view", "report_full",
+                             "valid_tokens"})
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (
     kci.FullAttentionSpec, kci.MLAAttentionSpec, kci.SlidingWindowSpec, kci.ChunkedLocalAttentionSpec,

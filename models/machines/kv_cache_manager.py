@@ -91,6 +91,10 @@ class MachineStats:
     #: traces discarded at a difference the user's baseline accepts (kvref.models.conformance.accepted)
     accepted_divergences: int = 0
     seconds_by_kind: dict[str, float] = field(default_factory=dict)
+    #: KV zeroing (issue #23): block ids drained by take_new_block_ids and compared; async loads that
+    #: failed with a valid prefix (blocks re-recorded for zeroing)
+    zeroed_blocks: int = 0
+    failed_loads: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -201,6 +205,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     self.stats.seconds_by_kind[k] = self.stats.seconds_by_kind.get(k, 0.0) + v
 
         # -- helpers ---------------------------------------------------------------------------
+                self.stats.zeroed_blocks += self.h.num_zeroed_blocks
+                self.stats.failed_loads += self.h.num_failed_loads
 
         def _apply(self, op: Op) -> None:
             assert self.h is not None
@@ -571,7 +577,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             """An async KV load completes (``_update_waiting_for_remote_kv``)."""
             self._count("load_done")
             assert self.h is not None
-            self._apply(Op("load_done", dict(rid=data.draw(st.sampled_from(self.h.loading())))))
+            rid = data.draw(st.sampled_from(self.h.loading()))
+            args = dict(rid=rid)
+            if breadth and data.draw(st.integers(0, 3), label="load_fails") == 0:
+                # the load fails: only a prefix of it is valid (KV zeroing re-records the rest, #23)
+                args["valid_tokens"] = data.draw(st.integers(0, self.h.reqs[rid].request.num_computed_tokens),
+                                                 label="valid_tokens")
+            self._apply(Op("load_done", args))
 
         @precondition(lambda self: self._has("loading"))
         @rule(data=st.data())
