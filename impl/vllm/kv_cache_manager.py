@@ -319,6 +319,13 @@ class VllmKVCacheManager:
     def new_step_starts(self) -> None:
         self._mgr.new_step_starts()
 
+    def take_new_block_ids(self) -> list[int]:
+        """vLLM's ``take_new_block_ids``: block ids recorded for worker-side zeroing."""
+        return list(self._mgr.take_new_block_ids())
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self._mgr.record_blocks_for_zeroing(request_id, start_token)
+
     def get_block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(ids) for ids in self._mgr.get_block_ids(request_id))
 
@@ -333,13 +340,6 @@ class VllmKVCacheManager:
         out: dict[tuple[int, int], bytes] = {}
         for b in self._pool.blocks:
             key = b.block_hash
-    def take_new_block_ids(self) -> list[int]:
-        """vLLM's ``take_new_block_ids``: block ids recorded for worker-side zeroing."""
-        return list(self._mgr.take_new_block_ids())
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self._mgr.record_blocks_for_zeroing(request_id, start_token)
-
             if key is not None:
                 out[(utils.get_group_id(key), b.block_id)] = bytes(utils.get_block_hash(key))
         return out
