@@ -195,6 +195,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.null_slots += self.h.num_null_slots
                 self.stats.partial_entries += self.h.num_partial_entries
                 self.stats.cow_copies += self.h.num_cow_copies
+                self.stats.zeroed_blocks += self.h.num_zeroed_blocks
+                self.stats.failed_loads += self.h.num_failed_loads
                 self.stats.resets += self.h.num_resets
                 self.stats.edge_reservations += self.num_edge_reservations
                 self.stats.edge_fills += self.num_edge_fills
@@ -205,8 +207,6 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     self.stats.seconds_by_kind[k] = self.stats.seconds_by_kind.get(k, 0.0) + v
 
         # -- helpers ---------------------------------------------------------------------------
-                self.stats.zeroed_blocks += self.h.num_zeroed_blocks
-                self.stats.failed_loads += self.h.num_failed_loads
 
         def _apply(self, op: Op) -> None:
             assert self.h is not None
