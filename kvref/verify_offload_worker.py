@@ -34,6 +34,17 @@ def _reload_tail(rng) -> list:
             ("step", 0, 13, 0, 8, 3, pick, 1, False)]
 
 
+def simple_connector_cases(seed: int, n: int) -> list:
+    """``n`` random SimpleCPU configurations with engine traces (``conform-offload``'s generators)."""
+    import random
+
+    from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
+    from kvref.models.offload.traces import random_ops
+
+    rng = random.Random(f"{NAME}-simple-{seed}")
+    return [(SimpleOffloadConfig.random(rng), random_ops(rng, rng.randint(30, 70))) for _ in range(n)]
+
+
 def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     """Jobs, pools and chunk state vs the reference after every operation; each load's GPU blocks
     hold the bytes their request computed, on every rank; the workers report exactly what ran."""
@@ -47,13 +58,21 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
 
     from kvref.models.machines.canonical_mapping import compare_layer, random_layer_case
 
-    n = ctx.examples(12, 120)
+    n = ctx.examples(8, 120)
     try:
         stats = run_traces(offload_worker_cases(ctx.seed, n))
     except (AssertionError, OffloadInvariantError) as exc:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's OffloadingConnector (scheduler + worker) diverged",
                            details=[text[:1500]], signature=f"{NAME}: {type(exc).__name__}")
+    from kvref.models.machines.simple_offload_connector import run_simple_connector_traces
+
+    try:
+        simple = run_simple_connector_traces(simple_connector_cases(ctx.seed, ctx.examples(4, 60)))
+    except (AssertionError, OffloadInvariantError) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector diverged from the reference",
+                           details=[text[:1500]], signature=f"{NAME}: SimpleCPU {type(exc).__name__}")
     from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
 
     batches = stats["batches"]
@@ -63,7 +82,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
                            details=problems[:10], signature=f"{NAME}: kv event publisher")
     rng = random.Random(f"{NAME}-layers-{ctx.seed}")
-    layers = ctx.examples(40, 300)
+    layers = ctx.examples(30, 300)
     for _ in range(layers):
         diff = compare_layer(random_layer_case(rng))
         if diff:
@@ -73,6 +92,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
                        f"vLLM's scheduler + worker roles ({stats['events']} CPU-tier KV events, {len(batches)} "
-                       f"batches round-tripped through vLLM's ZMQ publisher), and {layers} layers' canonical page "
-                       "mappings: jobs, pools, bytes, events and mappings agree with the reference",
-                       examined=stats["ops"] + layers)
+                       f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
+                       f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, and {layers} layers' canonical "
+                       "page mappings: jobs, pools, bytes, events and mappings agree with the reference",
+                       examined=stats["ops"] + simple["ops"] + layers)

@@ -184,3 +184,31 @@ def test_zmq_publisher_replay_fault_is_found(monkeypatch):
     monkeypatch.setattr(ZmqEventPublisher, "_service_replay", patched)
     problems = publish_and_subscribe(_event_batches(6), buffer_steps=4, dp_rank=1, replay_from=(0,))
     assert problems and "replay from 0" in problems[0]
+
+
+def test_whole_simple_cpu_connector_matches_reference():
+    """vLLM's SimpleCPUOffloadConnector built from a VllmConfig (SCHEDULER role through the
+    connector's calls) agrees with the reference op by op, on both scheduling modes."""
+    require_vllm()
+    from kvref.models.machines.simple_offload_connector import run_simple_connector_traces
+    from kvref.verify_offload_worker import simple_connector_cases
+
+    cases = simple_connector_cases(0, profile_examples(6, 30))
+    assert {cfg.async_scheduling for cfg, _ in cases} == {False, True} and any(cfg.lazy for cfg, _ in cases)
+    assert run_simple_connector_traces(cases)["ops"] > 100
+
+
+def test_simple_cpu_connector_fault_is_found(monkeypatch):
+    """A connector that reports no CPU hit (its lookup answer dropped) is found by the same traces."""
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
+
+    from kvref.models.machines.simple_offload_connector import run_simple_connector_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+    from kvref.verify_offload_worker import simple_connector_cases
+
+    real = SimpleCPUOffloadConnector.get_num_new_matched_tokens
+    monkeypatch.setattr(SimpleCPUOffloadConnector, "get_num_new_matched_tokens",
+                        lambda self, request, n: (0, False) if real(self, request, n)[0] else (0, False))
+    with pytest.raises((AssertionError, OffloadInvariantError)):
+        run_simple_connector_traces(simple_connector_cases(0, profile_examples(6, 30)))

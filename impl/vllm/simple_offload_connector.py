@@ -1,0 +1,100 @@
+"""vLLM 0.33.0's whole ``SimpleCPUOffloadConnector`` (``kv_connector/v1/simple_cpu_offload_connector.py``)
+built from a ``VllmConfig`` with ``kv_transfer_config``, its SCHEDULER role driven through
+``KVConnectorBase_V1``'s calls in the SimpleCPU offload world
+(:mod:`kvref.models.offload.simple_cpu_world`), so every step compares it with the reference
+backend as ``conform-offload`` compares vLLM's bare ``SimpleCPUOffloadScheduler``.
+
+The connector reads its settings from ``kv_connector_extra_config`` (``cpu_bytes_to_use`` shared by
+the ranks, ``num_cpu_blocks``, ``lazy_offload``, ``kv_offload_backend``) and the scheduler's block
+sizes from the cache config, as a server does. Its WORKER role is built too (the constructor runs
+on CPU) but not driven: ``SimpleCPUOffloadWorker.register_kv_caches`` creates CUDA streams and
+pins the host pool with ``cudaHostRegister`` (kvref/data/reach_exclusions.toml, ``needs-gpu``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvref.impl.vllm.offload import SimpleCPUVllmBackend, vllm_kv_cache_manager, vllm_scheduler_output
+from kvref.impl.vllm.offload_worker import base_vllm_config
+
+#: the per-rank CPU budget the bare-scheduler backend gives vLLM (the pool is sized by num_cpu_blocks)
+CPU_BYTES_PER_RANK = 10**12
+
+
+def simple_offload_vllm_config(cfg: Any) -> Any:
+    """A ``VllmConfig`` selecting vLLM's ``SimpleCPUOffloadConnector`` for ``cfg`` (a
+    :class:`~kvref.models.offload.simple_cpu_world.SimpleOffloadConfig`)."""
+    from vllm.config import KVTransferConfig
+
+    base = base_vllm_config()
+    vc = copy.copy(base)
+    vc.cache_config = copy.copy(base.cache_config)
+    vc.cache_config.block_size = cfg.block_size
+    vc.cache_config.enable_prefix_caching = True
+    vc.parallel_config = copy.copy(base.parallel_config)
+    vc.parallel_config.tensor_parallel_size = cfg.world_size
+    vc.parallel_config.world_size = cfg.world_size
+    vc.scheduler_config = copy.copy(base.scheduler_config)
+    vc.scheduler_config.max_num_batched_tokens = cfg.max_num_batched_tokens
+    vc.scheduler_config.max_model_len = cfg.max_model_len
+    vc.model_config = copy.copy(base.model_config)
+    vc.model_config.max_model_len = cfg.max_model_len
+    vc.kv_events_config = None
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both", engine_id="kvref-simple-cpu",
+        kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES_PER_RANK * cfg.world_size,
+                                   "num_cpu_blocks": cfg.num_cpu_blocks, "lazy_offload": cfg.lazy,
+                                   "kv_offload_backend": "cpu"})
+    return vc
+
+
+class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
+    """vLLM's ``SimpleCPUOffloadConnector`` (SCHEDULER role) over its GPU ``KVCacheManager``;
+    ``conn`` is the connector's ``SimpleCPUOffloadScheduler`` (read for the compared state only),
+    every call goes through ``connector``."""
+
+    name = "vllm-connector"
+
+    def __init__(self, cfg: Any, variant: str = "reference") -> None:  # noqa: D107 - the parent's is replaced
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+            SimpleCPUOffloadConnector,
+        )
+
+        assert variant == "reference", "vLLM runs as released"
+        self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
+        vc = simple_offload_vllm_config(cfg)
+        self.connector = SimpleCPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, kcfg)
+        self.connector.bind_gpu_block_pool(self.mgr.block_pool)
+        self.conn = self.connector.scheduler_manager
+        self.gpu_pool = self.mgr.block_pool
+        self.cpu_pool = self.conn.cpu_block_pool
+        # the worker role as a worker process builds it (its KV caches need CUDA: not registered)
+        self.worker = SimpleCPUOffloadConnector(vc, KVConnectorRole.WORKER, kcfg)
+        assert self.worker.get_aligned_num_cpu_blocks() is None  # nothing registered yet
+
+    def match(self, req, n_computed):
+        return self.connector.get_num_new_matched_tokens(req, n_computed)
+
+    def after_alloc(self, req, n_ext):
+        self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
+
+    def build_meta(self, step):
+        m = self.connector.build_connector_meta(vllm_scheduler_output(step))
+        return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
+
+    def complete(self, recv, events):
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        self.connector.update_connector_output(KVConnectorOutput(
+            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
+
+    def finished(self, req, table):
+        self.connector.request_finished_all_groups(req, table)
+
+    def reset(self) -> bool:
+        return self.connector.reset_cache()
