@@ -345,7 +345,8 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    root = tempfile.mkdtemp(prefix="kvref-tiering-")
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # tmpfs: files cost no disk I/O
+    root = tempfile.mkdtemp(prefix="kvref-tiering-", dir=shm)
     tier_cfgs = []
     for i, t in enumerate(tiers):
         cfg = dict(t)

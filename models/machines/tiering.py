@@ -104,7 +104,8 @@ class TieringWorld:
         self.live: list[str] = []  # requests not finished
         self.next_req = 0
         self.out = _Outstanding()
-        self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0}
+        self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
+                      "evictions": 0, "stores_refused": 0, "fs_promotions": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -179,6 +180,8 @@ class TieringWorld:
                                      [bytes(k) for k in v.evicted_keys])
         if rr != vv:
             raise TieringDivergence(f"prepare_store({rid}): reference {rr}, vLLM {vv}")
+        self.stats["stores_refused"] += r is None
+        self.stats["evictions"] += len(r.evicted_keys) if r is not None else 0
         if r is not None and r.keys_to_store:
             self.out.stores.append((rid, tuple(r.keys_to_store), tuple(r.chunk_ids)))
 
@@ -231,6 +234,8 @@ class TieringWorld:
     def op_schedule_end(self) -> None:
         from kvref.impl.vllm.tiering import schedule_end_context
 
+        self.stats["fs_promotions"] += sum(len(by) for t, by in self.ref.pending_loads.items()
+                                           if self.cfg.tiers[t] == "fs")
         self._both("on_schedule_end", self.ref.on_schedule_end,
                    lambda: self.vllm.manager.on_schedule_end(schedule_end_context()))
 
@@ -261,6 +266,13 @@ class TieringWorld:
         for t, i in enumerate(self.fs_tiers()):
             while self.ref.tiers[i].lookups.to_worker:
                 self.op_lookup_worker(t)
+
+    def op_drain(self) -> None:
+        """Every fs tier catches up (its jobs finish, oldest first), then the step ends."""
+        for t, i in enumerate(self.fs_tiers()):
+            while self.ref.tiers[i].in_flight():
+                self.op_finish_job(t, 0, False)
+        self.op_schedule_end()
 
     def op_revisit(self, k: int) -> None:
         """A new request asks for key ``k``, the step ends, the probes are answered, it asks again
@@ -343,28 +355,37 @@ class TieringWorld:
 def random_op(rng: random.Random, world: TieringWorld) -> tuple:
     """One operation, weighted toward what moves chunks between tiers."""
     nk = world.cfg.num_keys
-    ks = lambda: tuple(rng.randrange(nk) for _ in range(rng.randint(1, 3)))  # noqa: E731
+    primary = world.primary.chunk_state()
+    absent = [i for i, k in enumerate(world.keys) if k not in primary]
+
+    def ks() -> tuple:  # mostly keys the primary tier lacks: stores that need room, evictions
+        pool = absent if absent and rng.random() < 0.7 else range(nk)
+        return tuple(rng.choice(pool) for _ in range(rng.randint(1, min(3, world.cfg.num_chunks))))
+
     p = rng.randrange(1000)
     busy = max((len(world.ref.tiers[i].in_flight()) for i in world.fs_tiers()), default=0)
     choices = [
         (9, ("new_request",) if len(world.live) < 3 else ("finish_request", p)),
         (7, ("finish_request", p)),
         (22, ("lookup", p, rng.randrange(nk))),
-        (12, ("prepare_store", p, ks()) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 0, p, False)),
-        (12, ("complete_store", p, rng.random() < 0.9) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 1, p, False)),
-        (5, ("prepare_load", p, ks())),
+        (18, ("prepare_store", p, ks()) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 0, p, False)),
+        (16, ("complete_store", p, rng.random() < 0.9) if busy < MAX_JOBS_PER_TIER - 2 else ("finish_job", 1, p, False)),
+        (5, ("prepare_load", p, tuple(rng.randrange(nk) for _ in range(rng.randint(1, 3))))),
         (5, ("complete_load", p)),
         (2, ("touch", p, ks())),
         (12, ("schedule_end",)),
         (26, ("finish_job", rng.randrange(2), p, rng.random() < 0.12)),
         (8, ("lookup_worker", rng.randrange(2))),
         (6, ("settle",)),
+        (5, ("drain",)),
         (6, ("revisit", _evicted_to_disk(rng, world))),
         (2, ("lose_file", rng.randrange(2), rng.randrange(nk))),
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
-        (2, ("reset_flushed",)),
+        (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
     ]
+    if not world.live and rng.random() < 0.8:
+        return ("new_request",)  # most operations act for a live request
     total = sum(w for w, _ in choices)
     x = rng.randrange(total)
     for w, op in choices:
@@ -380,6 +401,43 @@ def _evicted_to_disk(rng: random.Random, world: TieringWorld) -> int:
     on_disk = sorted({world.keys.index(k) for i in world.fs_tiers() for k in world.ref.tiers[i].files
                       if k not in primary})
     return rng.choice(on_disk) if on_disk and rng.random() < 0.8 else rng.randrange(world.cfg.num_keys)
+
+
+def _tail(rng: random.Random, world: TieringWorld):
+    """The end of every trace (generated lazily, it reads the world): everything in flight
+    completes; after an optional reset one request stores every key in turn (the primary tier,
+    smaller than the key set, evicts the oldest to make room; the tiers catch up after each store);
+    fresh requests then ask for keys that left the primary tier, so they come back from a
+    secondary tier, are handed to the GPU (bytes checked) and released; a final reset."""
+    for _ in list(world.live):
+        yield ("finish_request", 0)
+    while world.out.loads:
+        yield ("complete_load", 0)
+    while world.out.stores:
+        yield ("complete_store", 0, True)
+    yield ("drain",)
+    if rng.random() < 0.3:
+        yield ("reset",)
+        yield ("reset_flushed",)
+    yield ("new_request",)
+    for k in rng.sample(range(world.cfg.num_keys), world.cfg.num_keys):
+        yield ("prepare_store", 0, (k,))
+        if world.out.stores:
+            yield ("complete_store", 0, True)
+        yield ("drain",)
+    yield ("finish_request", 0)
+    primary = world.primary.chunk_state()
+    gone = [i for i, k in enumerate(world.keys) if k not in primary]
+    for k in rng.sample(gone, min(len(gone), 3)):
+        yield ("revisit", k)
+        yield ("drain",)
+        yield ("lookup", 0, k)
+        yield ("prepare_load", 0, (k,))
+        while world.out.loads:
+            yield ("complete_load", 0)
+        yield ("finish_request", 0)
+    yield ("drain",)
+    yield ("reset",)
 
 
 def run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int) -> tuple[dict, list]:
@@ -400,18 +458,9 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
             op = random_op(rng, world)
             trace.append(op)
             world.apply(op)
-        # the end: every request finishes, every transfer completes, nothing is left pinned
-        for rid in list(world.live):
-            trace.append(("finish_request", 0))
-            world.apply(("finish_request", 0))
-        while world.out.loads:
-            trace.append(("complete_load", 0))
-            world.apply(("complete_load", 0))
-        while world.out.stores:
-            trace.append(("complete_store", 0, True))
-            world.apply(("complete_store", 0, True))
-        trace.append(("reset",))
-        world.apply(("reset",))
+        for op in _tail(rng, world):
+            trace.append(op)
+            world.apply(op)
         return dict(world.stats), trace
     except TieringDivergence as exc:
         raise TieringDivergence(f"{exc}\nconfig {cfg}\ntrace {trace}") from None
