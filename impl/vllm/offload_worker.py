@@ -300,6 +300,8 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         engine = f"kvref-{os.getpid()}-{next(_engines)}-{time.time_ns()}"
         self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg, 0, engine), KVConnectorRole.SCHEDULER, kcfg)
         self.conn.bind_kv_cache_manager(self.mgr)
+        # a best-effort cache: a lost store is a later miss, so the scheduler must not wait for delivery
+        assert self.conn.requires_kv_delivery is False
         self.manager = self.conn.scheduler.manager
         self.gpu_pool = self.mgr.block_pool
         self.page = kcfg.kv_cache_tensors[0].size // kcfg.num_blocks

@@ -68,6 +68,8 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
         vc = simple_offload_vllm_config(cfg)
         self.connector = SimpleCPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, kcfg)
         self.connector.bind_gpu_block_pool(self.mgr.block_pool)
+        # a best-effort cache: a lost store is a later miss, so the scheduler must not wait for delivery
+        assert self.connector.requires_kv_delivery is False
         self.conn = self.connector.scheduler_manager
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
