@@ -133,7 +133,8 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 return
             for node in ("P", "D"):
                 if self._alive(node):
-                    self._all("snapshot", node)
+                    snap = self._all("snapshot", node)
+                    COVERAGE.reaped += bool(snap["reaped"])
                 self._all("read", node, list(range(NUM_BLOCKS)))
             msgs = {name: w.messages() for name, w in self.worlds.items()}
             first = next(iter(msgs.values()))

@@ -184,6 +184,9 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                                        attention_backend="torch"))
     except ImportError:  # pragma: no cover - torch is a test dependency
         pass
+    from kvref.impl.reference.offload.p2p.world import P2PWorld  # the P2P tier's two engines (#22)
+
+    out["P2PWorld"] = (P2PWorld, dict(num_blocks=8, block_len=16))
     return out
 
 
@@ -600,7 +603,45 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     ctx_case("get_offload_key_position", lambda c, k: dict(key=k))
     ctx_case("set_state", lambda c, k: dict(value=[1]))
     ctx_case("get_state", lambda c, k: dict(cls=list))
+
+    def p2p_case(method, kwargs):  # the P2P tier's two engines, one request shared (#22)
+        def build():
+            from kvref.impl.reference.offload.p2p.world import P2PWorld
+
+            w = P2PWorld()
+            w.new_request("P", "p0", "remote_decoder", "kv0")
+            w.new_request("D", "d0", "remote_prefiller", "kv0")
+            return _P2PWorldState(w), w.check_invariants, dict(kwargs), getattr(w, method)
+        add(f"P2PWorld.{method}", build)
+
+    p2p_case("new_request", dict(node="D", req_id="d1", role="remote_prefiller", kv_request_id="kv1"))
+    p2p_case("peer_params", dict(node="D", role="remote_prefiller", kv_request_id="kv1"))
+    p2p_case("lookup", dict(node="D", req_id="d0", key=b"k"))
+    p2p_case("submit_store", dict(node="P", req_id="p0", job_id=1, keys=[b"k"], chunk_ids=[0]))
+    p2p_case("submit_load", dict(node="D", req_id="d0", job_id=2, keys=[b"k"], chunk_ids=[1]))
+    p2p_case("finish", dict(node="D", req_id="d0"))
+    p2p_case("poll", dict(node="P"))
+    p2p_case("complete_transfers", dict(node="P", count=1, ok=True))
+    p2p_case("advance", dict(seconds=1.0))
+    p2p_case("fault", dict(node="P"))
+    p2p_case("shutdown", dict(node="P"))
+    p2p_case("read", dict(node="D", chunk_ids=[0]))
+    p2p_case("write", dict(node="P", chunk_ids=[0], blocks=[b"x" * 16]))
+    p2p_case("snapshot", dict(node="P"))
     return cases
+
+
+class _P2PWorldState:
+    """What a P2P world shows, for the snapshot: both engines' bookkeeping, buffers, the messages
+    and the clock (its sessions hold callbacks, which cannot be pickled)."""
+
+    def __init__(self, w) -> None:
+        self.w = w
+
+    def __reduce__(self):
+        w = self.w
+        return (tuple, ((w.snapshot("P"), w.snapshot("D"), bytes(w.planes["P"].buffer), bytes(w.planes["D"].buffer),
+                         w.messages(), w.now, dict(w.alive)),))
 
 
 class _WriterState:
@@ -921,6 +962,11 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         config=MambaSplitConfig(block_size=8, hash_block_size=2, partial_cache_hit=True), num_computed_tokens=0,
         num_prompt_tokens=21, num_tokens=21, num_new_tokens=21, num_new_local_computed_tokens=0,
         num_external_computed_tokens=0, shared_prefix_boundary=0))
+    from kvref.impl.reference.offload.p2p import manager as p2p_manager
+    from kvref.impl.reference.offload.p2p import messages as p2p_messages
+
+    out["parse_request"] = (p2p_manager.parse_request, dict(params={"remote_decoder": {"kv_request_id": "kv0"}}))
+    out["summarize"] = (p2p_messages.summarize, dict(msg={"type": "fetch", "kv_request_id": "kv0"}))
     return out
 
 

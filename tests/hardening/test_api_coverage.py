@@ -54,6 +54,10 @@ CONNECTOR_API = ("the scripted KV connector's scheduler-side API (vLLM's KVConne
                  "names), called by the reference Scheduler and, through kvref.impl.vllm.connector, by vLLM's "
                  "Scheduler with their own checked state; users drive it through ScriptedConnector.set_hit")
 VLLM = "binds to vLLM's own objects (a VllmConfig, vLLM events); built by vLLM's engine, covered by tests/record"
+#: the P2P tier's reference building blocks
+P2P = ("building block of the P2P tier's reference world (as vLLM's ClientRole/ServerRole/P2PSession/transports are "
+       "driven only by P2PSecondaryTierManager): reached through P2PWorld, whose calls check their arguments")
+_P2P = "kvref.impl.reference.offload.p2p"
 
 
 def _each(module: str, names: str, reason: str) -> dict[str, str]:
@@ -120,6 +124,9 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.block_hash", "sha256_cbor xxhash xxhash_cbor resolve_none_hash_seed has_extra_hash_inputs "
             "to_event_extra_keys", HOT),
     **_each(f"{_REF}.prefix_cache_stats", "PrefixCacheStats PrefixCacheStats.record", RECORD),
+    **_each(f"{_REF}.kv_cache_metrics", "BlockMetricsState KVCacheMetricsCollector.on_block_accessed "
+            "KVCacheMetricsCollector.on_block_allocated KVCacheMetricsCollector.on_block_evicted", INTERNAL),
+    f"{_REF}.kv_cache_metrics.KVCacheEvictionEvent": RECORD,
     f"{_REF}.kv_cache_manager.KVCacheManager.pop_blocks_for_free": (
         "hands a request's blocks to the caller (a KV connector still reading them), who frees them later: "
         "reference counts exceed table slots until then, by design (vLLM's method of the same name)"),
@@ -207,6 +214,20 @@ EXCLUDED: dict[str, str] = {
     **_each("kvref.impl.vllm.record", "RecordingAsyncScheduler RecordingScheduler build_header record_settings "
             "spec_record", VLLM),
     **_each("kvref.spec.hf_config", "ModelLayout ModelLayout.engine_config mamba_state", HF),
+    **_each(f"{_P2P}.client", "ClientRequest ClientRole ClientRole.collect_results ClientRole.finish "
+            "ClientRole.on_abort_ack ClientRole.on_transfer_done ClientRole.request_blocks Load", P2P),
+    **_each(f"{_P2P}.control", "Conn Conn.send ControlPlane ControlPlane.connect ControlPlane.peer_went_away", P2P),
+    **_each(f"{_P2P}.manager", "P2PRequest P2PTierManager P2PTierManager.get_finished_jobs P2PTierManager.lookup "
+            "P2PTierManager.on_new_request P2PTierManager.on_request_finished P2PTierManager.shutdown "
+            "P2PTierManager.submit_load P2PTierManager.submit_store", P2P),
+    **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done", P2P),
+    **_each(f"{_P2P}.server", "Round ServerRequest ServerRole ServerRole.add_stored_blocks ServerRole.collect_results "
+            "ServerRole.drain_pending_aborts ServerRole.finish ServerRole.on_abort_fetch ServerRole.on_fetch Xfer",
+            P2P),
+    **_each(f"{_P2P}.session", "Session Session.add_stored_blocks Session.finish_request Session.poll "
+            "Session.request_blocks", P2P),
+    **_each(f"{_P2P}.transport", "DataPlane DataPlane.add_remote_peer DataPlane.cancel DataPlane.complete "
+            "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer", P2P),
 }
 
 

@@ -57,6 +57,10 @@ def parse_request(params: object) -> P2PRequest | None:
         return None
     if not isinstance(params, dict):
         raise InvalidFieldError("kv_transfer_params", params, "a dict or None")
+    for role in ROLES:
+        sub = params.get(role)
+        if sub is not None and not isinstance(sub, dict):
+            raise InvalidFieldError(f"kv_transfer_params[{role!r}]", sub, "a dict or None")
     src = params.get("remote_prefiller")
     if src:
         host, port, kv = src.get("remote_host"), src.get("remote_port"), src.get("kv_request_id")

@@ -10,7 +10,7 @@ virtual clock both engines read. The calls and the observables (:meth:`P2PWorld.
 
 from __future__ import annotations
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 
 from . import messages as m
 from .control import ControlPlane
@@ -18,6 +18,7 @@ from .manager import ROLES, P2PTierManager
 from .transport import DataPlane
 
 NODES = ("P", "D")
+MAX_BUFFER_BYTES = 1 << 26
 PORT = 1  # every reference engine "listens" on port 1 of a host named after it: ids "P:1", "D:1"
 
 
@@ -26,17 +27,24 @@ def _name(engine_id: str) -> str:
 
 
 def _node(node: object) -> str:
-    if node not in NODES:
+    if not isinstance(node, str) or node not in NODES:
         raise InvalidFieldError("node", node, f"one of {NODES}")
-    return node  # type: ignore[return-value]
+    return node
+
+
+def _str(field: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidFieldError(field, value, "a non-empty str")
+    return value
 
 
 class P2PWorld:
     def __init__(self, num_blocks: int = 8, block_len: int = 16) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidFieldError("num_blocks", num_blocks, "a positive int")
-        if not isinstance(block_len, int) or block_len < 1:
-            raise InvalidFieldError("block_len", block_len, "a positive int")
+        check_int("num_blocks", num_blocks, minimum=1)
+        check_int("block_len", block_len, minimum=1)
+        if num_blocks * block_len > MAX_BUFFER_BYTES:
+            raise InvalidFieldError("num_blocks * block_len", num_blocks * block_len,
+                                    f"at most {MAX_BUFFER_BYTES} bytes per engine (a model world, not a cache)")
         self.num_blocks, self.block_len = num_blocks, block_len
         self.now = 1000.0
         self.log: list[tuple[str, str, tuple]] = []
@@ -59,7 +67,9 @@ class P2PWorld:
     # -- the world's calls ------------------------------------------------------------------------
 
     def peer_params(self, node: str, role: str, kv_request_id: str) -> dict:
+        """The ``kv_transfer_params`` of a request on ``node`` in ``role`` toward the other engine."""
         other = NODES[1 - NODES.index(_node(node))]
+        _str("kv_request_id", kv_request_id)
         if role not in ROLES:
             raise InvalidFieldError("role", role, f"one of {ROLES}")
         if role == "remote_decoder":
@@ -67,37 +77,77 @@ class P2PWorld:
         return {role: {"kv_request_id": kv_request_id, "remote_host": other, "remote_port": PORT}}
 
     def new_request(self, node: str, req_id: str, role: str, kv_request_id: str) -> str:
-        return self.managers[node].on_new_request(req_id, self.peer_params(node, role, kv_request_id), self.now)
+        """Open a request on ``node`` (``remote_decoder``: a producer; ``remote_prefiller``: a
+        consumer of the other engine); returns the offload policy the tier asks for."""
+        mgr = self._live(node)
+        if _str("req_id", req_id) in mgr.requests:
+            raise InvalidFieldError("req_id", req_id, f"a request id not open on {node}")
+        params = self.peer_params(node, role, _str("kv_request_id", kv_request_id))
+        return mgr.on_new_request(req_id, params, self.now)
+
+    def _live(self, node: object) -> P2PTierManager:
+        mgr = self.managers[_node(node)]
+        if not self.alive[node]:
+            raise InvalidFieldError("node", node, "an engine that has not shut down")
+        return mgr
+
+    def _request(self, node: object, req_id: object) -> P2PTierManager:
+        mgr = self._live(node)
+        if not isinstance(req_id, str) or req_id not in mgr.requests:
+            raise InvalidFieldError("req_id", req_id, f"a request open on {node}: {sorted(mgr.requests)}")
+        return mgr
+
+    def _job(self, job_id: object, keys: object, chunk_ids: object) -> tuple[list[bytes], list[int]]:
+        check_int("job_id", job_id, minimum=0)
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, bytes) and k for k in keys):
+            raise InvalidFieldError("keys", keys, "a list of non-empty bytes keys")
+        if not isinstance(chunk_ids, (list, tuple)) or len(chunk_ids) != len(keys):
+            raise InvalidFieldError("chunk_ids", chunk_ids, f"a list of {len(keys)} slot ids, one per key")
+        for c in chunk_ids:
+            check_int("chunk_ids", c, minimum=0)
+            if c >= self.num_blocks:
+                raise InvalidFieldError("chunk_ids", chunk_ids, f"slot ids below num_blocks={self.num_blocks}")
+        return list(keys), list(chunk_ids)
 
     def lookup(self, node: str, req_id: str, key: bytes) -> str:
-        return self.managers[_node(node)].lookup(req_id)
+        if not isinstance(key, bytes) or not key:
+            raise InvalidFieldError("key", key, "non-empty bytes")
+        return self._request(node, req_id).lookup(req_id)
 
     def submit_store(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
-        self.managers[_node(node)].submit_store(req_id, job_id, list(keys), list(chunk_ids), self.now)
+        mgr = self._request(node, req_id)
+        mgr.submit_store(req_id, job_id, *self._job(job_id, keys, chunk_ids), self.now)
 
     def submit_load(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
-        self.managers[_node(node)].submit_load(req_id, job_id, list(keys), list(chunk_ids), self.now)
+        mgr = self._request(node, req_id)
+        mgr.submit_load(req_id, job_id, *self._job(job_id, keys, chunk_ids), self.now)
 
     def finish(self, node: str, req_id: str) -> None:
-        self.managers[_node(node)].on_request_finished(req_id, self.now)
+        self._request(node, req_id).on_request_finished(req_id, self.now)
 
     def poll(self, node: str) -> list[tuple[int, bool]]:
-        return self.managers[_node(node)].get_finished_jobs(self.now)
+        return self._live(node).get_finished_jobs(self.now)
 
     def complete_transfers(self, node: str, count: int, ok: bool) -> int:
-        return self.planes[_node(node)].complete(count, ok)
+        self._live(node)
+        check_int("count", count, minimum=0)
+        if not isinstance(ok, bool):
+            raise InvalidFieldError("ok", ok, "a bool")
+        return self.planes[node].complete(count, ok)
 
     def advance(self, seconds: float) -> None:
-        if not isinstance(seconds, (int, float)) or seconds < 0:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise InvalidFieldError("seconds", seconds, "a non-negative number")
         self.now += seconds
 
     def fault(self, node: str) -> None:
         """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
-        self.planes[_node(node)].faults[f"{NODES[1 - NODES.index(node)]}:{PORT}"] = "injected data-plane fault"
+        self._live(node)
+        self.planes[node].faults[f"{NODES[1 - NODES.index(node)]}:{PORT}"] = "injected data-plane fault"
 
     def shutdown(self, node: str) -> list[tuple[int, bool]]:
-        mgr = self.managers[_node(node)]
+        """The engine goes away: its writes drain (up to 3 s), its sessions disconnect."""
+        mgr = self._live(node)
         self.now = mgr.shutdown(self.now)
         self.alive[node] = False
         for other in NODES:
@@ -106,12 +156,28 @@ class P2PWorld:
         out, mgr.finished = mgr.finished, []
         return out
 
+    def _slots(self, chunk_ids: object) -> list[int]:
+        if not isinstance(chunk_ids, (list, tuple)):
+            raise InvalidFieldError("chunk_ids", chunk_ids, "a list of slot ids")
+        for c in chunk_ids:
+            check_int("chunk_ids", c, minimum=0)
+            if c >= self.num_blocks:
+                raise InvalidFieldError("chunk_ids", chunk_ids, f"slot ids below num_blocks={self.num_blocks}")
+        return list(chunk_ids)
+
     def read(self, node: str, chunk_ids: list[int]) -> list[bytes]:
+        """The bytes of ``node``'s buffer slots."""
         buf, n = self.planes[_node(node)].buffer, self.block_len
+        chunk_ids = self._slots(chunk_ids)
         return [bytes(buf[c * n:(c + 1) * n]) for c in chunk_ids]
 
     def write(self, node: str, chunk_ids: list[int], blocks: list[bytes]) -> None:
+        """Fill ``node``'s buffer slots (what a store's primary slots hold)."""
         buf, n = self.planes[_node(node)].buffer, self.block_len
+        chunk_ids = self._slots(chunk_ids)
+        if not isinstance(blocks, (list, tuple)) or len(blocks) != len(chunk_ids) or \
+                not all(isinstance(b, bytes) and len(b) == n for b in blocks):
+            raise InvalidFieldError("blocks", blocks, f"{len(chunk_ids)} bytes blocks of block_len={n}")
         for c, data in zip(chunk_ids, blocks):
             buf[c * n:(c + 1) * n] = data
 
