@@ -55,6 +55,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                    help="exhaustive conformance instead (KV scopes): replay every transition of the scope's "
                         "state graph on these implementations in lock step with the reference and compare")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    from kvref.ray_runner import add_argument as add_ray_argument
+
+    add_ray_argument(p)  # --ray [ADDRESS]: each BFS level's frontier in chunks on Ray (#27, docs/ray.md)
     return p
 
 
@@ -157,6 +160,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
         if n is None or not 1 <= n <= MAX_WORKERS:
             raise InvalidFieldError("--workers", args.workers, f"an int in [1, {MAX_WORKERS}] or auto")
         args.workers = str(n)
+    if getattr(args, "ray", None) is not None:  # #27: the Ray workers replace the forked ones
+        if args.against is not None:
+            raise InvalidFieldError("--ray", args.ray, "a run without --against (the conformance explorer drives "
+                                                       "vLLM-backed systems in this process)")
+        if args.workers != "1":
+            raise InvalidFieldError("--workers", args.workers, "1 with --ray (the Ray cluster's CPUs expand the levels)")
     check_count("--max-states", args.max_states, minimum=1, maximum=10**12, allow_none=True)
     check_count("--max-depth", args.max_depth, minimum=0, maximum=10**6, allow_none=True)
     check_seconds("--max-seconds", args.max_seconds)
@@ -222,29 +231,44 @@ def run(args: argparse.Namespace) -> int:
         if progress.due():
             progress.update(progress.status)
 
-    with progress.heartbeat("expanding the first states"):
-        res = explore(system, max_states=args.max_states, max_seconds=args.max_seconds,
-                      stop_at_first=not args.all, check_liveness=args.liveness and not bounded,
-                      check_deadlocks=not bounded, max_depth=args.max_depth, workers=workers, progress=on_progress)
+    options = dict(max_states=args.max_states, max_seconds=args.max_seconds, stop_at_first=not args.all,
+                   check_liveness=args.liveness and not bounded, check_deadlocks=not bounded,
+                   max_depth=args.max_depth, progress=on_progress)
+    on_ray = None
+    if getattr(args, "ray", None) is not None:  # #27: the levels' frontiers in chunks on Ray
+        from kvref.ray_explore import run_on_ray
+
+        res, on_ray = run_on_ray(args.ray, system, options, progress)
+    else:
+        with progress.heartbeat("expanding the first states"):
+            res = explore(system, workers=workers, **options)
     written = _write_findings(args, res, label) if args.out is not None else []
     if args.json:
         from kvref.models.explorer.search import resolve_workers
 
         print(json.dumps({"scope": label, "states": res.states, "transitions": res.transitions,
                           "depth": res.depth, "seconds": round(res.seconds, 3),
-                          "workers": resolve_workers(workers),
+                          "workers": resolve_workers(workers) if on_ray is None else on_ray["ray"]["cpus"],
                           "states_per_second": round(res.states_per_second), "complete": res.complete,
                           "findings": [{"kind": f.kind, "message": f.message, "steps": f.trace.length,
                                         **({"files": written[i]} if written else {})}
-                                       for i, f in enumerate(res.findings)]}))
+                                       for i, f in enumerate(res.findings)], **(on_ray or {})}))
     else:
         print(f"{label}: {res.summary()}")
+        if on_ray is not None:
+            from kvref.ray_runner import describe
+
+            print(describe(on_ray["ray"]) + f"; {on_ray['units']} unit(s)" + ("; INTERRUPTED (Ctrl-C): partial result, the remote units cancelled"
+                                        if on_ray["interrupted"] else "")
+                  + (f"; ERROR: {on_ray['error']}" if on_ray["error"] else ""))
         for i, f in enumerate(res.findings):
             print(f"\n{f.kind}: {f.message}")
             print(render_trace(f.trace, title=f"shortest {f.kind} trace"))
             if written:
                 print(f"written: {written[i][0]} and {written[i][1]}; replay: kvref replay {written[i][1]}")
-    return 1 if res.findings else 0
+    if on_ray is not None and on_ray["interrupted"]:
+        return 130  # kvref.cli.EXIT_INTERRUPTED (not imported: kvref.cli imports this module)
+    return 1 if res.findings or (on_ray is not None and on_ray["error"]) else 0
 
 
 #: ``"format"`` of the JSON an explorer finding is written as (``kvref replay`` recognises it)

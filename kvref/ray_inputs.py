@@ -24,7 +24,8 @@ import importlib
 import sys
 
 #: loaded by the Ray path only: their constants must not reach the worker's inputs
-RAY_ONLY = ("kvref.ray_runner", "kvref.ray_verify", "kvref.ray_mutants", "kvref.ray_inputs")
+RAY_ONLY = ("kvref.ray_runner", "kvref.ray_verify", "kvref.ray_mutants", "kvref.ray_inputs", "kvref.ray_explore",
+            "kvref.ray_split")
 
 
 def _is_local(module) -> bool:

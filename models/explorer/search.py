@@ -48,7 +48,7 @@ from kvref.spec.errors import InvalidFieldError
 
 from kvref.models.explorer.vocabulary import Finding, Step, Trace, first_stuck, fmt_action, fmt_exc, rebuild_trace, safe_describe
 
-__all__ = ["resolve_workers", "fork_available", "search"]
+__all__ = ["resolve_workers", "fork_available", "search", "expand_shipped"]
 
 #: states a worker reports per message
 _BATCH = 16
@@ -195,6 +195,25 @@ def _worker_main(system: Any, conn: Any) -> None:
             conn.send(("crash", RuntimeError(f"explorer worker failed: {type(e).__name__}: {e}")))
 
 
+def expand_shipped(system: Any, items: list[tuple[str, bytes]], load: Any, dump: Any) -> list:
+    """Expand shipped states, keeping none: for a pool whose workers hold no state between levels
+    (``kvref explore --ray``: a Ray task per chunk of a level, retried on another process if its
+    worker dies). ``items``: ``(key, blob)`` in frontier order, ``load(blob)`` the state; returns
+    one report per item as :meth:`_Expander.expand` does, every ``"new"`` entry without a
+    violation carrying ``dump(successor)`` as a sixth element (the pool keeps it for the next level).
+    """
+    ex = _Expander(_ReprKeyed(system))
+    for k, blob in items:
+        ex.live[k] = load(blob)
+        ex.sent.add(k)  # a successor equal to a state of this chunk is registered already
+    out = []
+    for k, _ in items:
+        why, entries = ex.expand(k)
+        out.append((why, [e + (dump(ex.next_live.pop(e[2])),) if e[0] == "new" and e[4] is None else e
+                          for e in entries]))
+    return out
+
+
 class _Workers:
     """The worker processes and the parent's ends of their pipes."""
 
@@ -247,12 +266,21 @@ class _Workers:
 def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                      max_seconds: float | None, stop_at_first: bool, check_deadlocks: bool,
                      check_liveness: bool, max_findings: int, max_depth: int | None,
-                     min_parallel_level: int = 64, progress: Any = None) -> Any:
+                     min_parallel_level: int = 64, progress: Any = None, backend: Any = None) -> Any:
     """The body of :func:`kvref.models.explorer.engine.explore`; fills ``res``. ``progress(res, depth,
-    level_size)`` is called every 256 expansions and at each new level (a long search is not silent)."""
+    level_size)`` is called every 256 expansions and at each new level (a long search is not silent).
+
+    ``backend`` replaces the forked workers by another pool of expanders (``kvref explore --ray``,
+    :mod:`kvref.ray_explore`): ``backend.dump(state)`` serializes a handed-over state and
+    ``backend.start(system, [(key, blob), ...])`` returns a pool with :class:`_Workers`' ``expand`` /
+    ``next_report`` / ``close``, seen as one worker (index 0) that reports in frontier order; the
+    merge here is unchanged, so the result is the same as a local run's."""
 
     t0 = time.perf_counter()
-    if workers > 1:
+    raw_system = system
+    if backend is not None:
+        workers = 1  # one pool, index 0; it spreads the level itself
+    if workers > 1 or backend is not None:
         system = _ReprKeyed(system)
     index: dict[Hashable, int] = {}
     keys: list[Hashable] = []
@@ -302,7 +330,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
         level.append((register(k0, -1, None), -1, bool(system.is_final(s0))))
         res.states += 1
 
-    pool: _Workers | None = None
+    pool: Any = None  # _Workers, or the backend's pool
     also_live: dict[int, list[int]] = {}
     n = 0
     cut = False
@@ -313,10 +341,10 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
             if max_depth is not None and depth >= max_depth:
                 cut = cut or any(not final for _, _, final in level)
                 break
-            if pool is None and workers > 1 and len(level) >= min_parallel_level:
+            if pool is None and (workers > 1 or backend is not None) and len(level) >= min_parallel_level:
                 # hand this level's states to the workers, round robin, serialized once; dumped
                 # before the fork, so anything the dump registers exists in the workers too
-                dump = getattr(system, "dump", None)
+                dump = backend.dump if backend is not None else getattr(system, "dump", None)
                 seeds: list[list[tuple[str, bytes]]] = [[] for _ in range(workers)]
                 for i, (idx, _, final) in enumerate(level):
                     k = keys[idx]
@@ -325,7 +353,7 @@ def search(system: Any, res: Any, *, workers: int, max_states: int | None,
                         (k, dump(s) if dump is not None else pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)))
                     level[i] = (idx, i % workers, final)
                 local.live.clear()
-                pool = _Workers(system, workers, seeds)
+                pool = _Workers(system, workers, seeds) if backend is None else backend.start(raw_system, seeds[0])
             if pool is not None:
                 per_worker: list[list[str]] = [[] for _ in range(workers)]
                 for i, (idx, w, final) in enumerate(level):
