@@ -289,7 +289,10 @@ def overhead(steps: int, repeats: int, baseline: str | None = None) -> list[dict
                 drivers = []
                 for i, cls in enumerate(classes):
                     os.environ["KVREF_RECORD"] = os.path.join(tmp, f"run-{is_async}-{rep}-{inner}-{i}.kvtrace.gz")
-                    drivers.append(recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls))
+                    # log_stats off for every class, as for plain vLLM built from a class string:
+                    # else the recorders' vLLM would make SchedulerStats the plain one does not
+                    # (vLLM's own cost, counted as the recorder's; issue #28)
+                    drivers.append(recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls, log_stats=False))
                 path = drivers[2].scheduler.kvref_trace_path
                 writer = id(drivers[2].scheduler._kvref_writer)
                 _INNER.clear()

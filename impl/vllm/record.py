@@ -342,8 +342,7 @@ class _Recorder:
         self._kvref_steps: dict[int, int] = {}  # id(SchedulerOutput) -> step
         self._kvref_depth = 0  # > 0 inside our own calls: internal finish_requests are not aborts
         self._kvref_errors = 0  # calls that raised (the end record counts them)
-        self._kvref_pre_why: dict[str, str] = {}  # preemptions since the last schedule -> reason
-        self._kvref_resetting = False
+        self._kvref_pre_why: dict[str, str] = {}  # reset preemptions since the last schedule -> reason
         # bound once: read on every step (the recording cost, issue #14's budget)
         self._kvref_free = self.kv_cache_manager.block_pool.get_num_free_blocks
         self._kvref_connector = getattr(self, "connector", None) is not None
@@ -489,13 +488,10 @@ class _Recorder:
         self._kvref_writer.write({"t": "drafts", "ids": ids, "tokens": toks})
         return out
 
-    def _preempt_request(self, request, *args, **kwargs):
-        # why this request lost its blocks: the next sched record's pre_why (issue #28)
-        self._kvref_pre_why[request.request_id] = "reset_prefix_cache" if self._kvref_resetting else "kv"
-        return super()._preempt_request(request, *args, **kwargs)
-
     def reset_prefix_cache(self, *args, **kwargs):
-        self._kvref_resetting = True
+        running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
+        if running:  # every running request is preempted for the reset: the next step's pre_why
+            self._kvref_pre_why.update(dict.fromkeys([r.request_id for r in self.running], "reset_prefix_cache"))
         raised = None
         ok = False
         try:
@@ -506,8 +502,6 @@ class _Recorder:
             raised = f"{type(exc).__name__}: {exc}"[:1000]
             raise
         finally:
-            self._kvref_resetting = False
-            running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
             rec = {"t": "reset", "running": running, "ok": bool(ok), "free": self._kvref_free()}
             if raised is not None:
                 rec["raised"] = raised
@@ -565,11 +559,15 @@ class _Recorder:
             extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
         extra += ',"free":%d' % self._kvref_free()
-        why = self._kvref_pre_why
-        if why:
+        pre = so.preempted_req_ids
+        if pre:
+            # why each request lost its blocks (issue #28): a prefix-cache reset preempted it, else the
+            # KV cache could not hold it (no override of vLLM's _preempt_request: it cost a point of
+            # the recording budget, BENCHMARKS.md)
+            why = self._kvref_pre_why
             anon = self._kvref_anon
-            extra += ',"pre_why":' + _dumps({(anon.request_id(k) if anon is not None else k): v
-                                             for k, v in why.items()})
+            extra += ',"pre_why":' + _dumps({(anon.request_id(k) if anon is not None else k): why.get(k, "kv")
+                                             for k in pre})
             why.clear()
         if self._kvref_connector:
             loading = sum(1 for q in (self.waiting, getattr(self, "kv_holding_waiting", ())) for r in q
