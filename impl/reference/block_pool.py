@@ -144,6 +144,9 @@ class BlockPool:
         self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        #: block residency metrics (vLLM ``--kv-cache-metrics``): a
+        #: :class:`~kvref.impl.reference.kv_cache_metrics.KVCacheMetricsCollector` or None (off)
+        self.metrics_collector = None
 
     # ------------------------------------------------------------------ lookups
 
@@ -197,13 +200,18 @@ class BlockPool:
         if num_blocks > num_free:
             raise NotEnoughFreeBlocksError(num_blocks, num_free)
         taken = self.free_block_queue.popleft_n(num_blocks)
+        metrics = self.metrics_collector
         for block in taken:
+            if metrics is not None and self.enable_caching:  # vLLM: every reused block "evicted", hashed or not
+                metrics.on_block_evicted(block.block_id)
             if block._block_hash is not None:
                 removed = self._remove_cached_block_hashes(block)
                 if self.enable_kv_cache_events:
                     self._emit_block_removed_events(removed)
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
+            if metrics is not None:
+                metrics.on_block_allocated(block.block_id)
         return taken
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -221,6 +229,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go back to the free queue.
@@ -528,6 +538,16 @@ class BlockPool:
         block.reset_hash()
         return removed
 
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """vLLM's eviction of one block: the metrics hear of it (hashed or not), then its keys
+        leave the index (a BlockRemoved event); True when it had any."""
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block.block_id)
+        removed = self._remove_cached_block_hashes(block)
+        if removed and self.enable_kv_cache_events:
+            self._emit_block_removed_events(removed)
+        return bool(removed)
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache keys of these blocks (connector-driven invalidation).
 
@@ -538,6 +558,8 @@ class BlockPool:
             if type(bid) is not int or not 0 <= bid < self.num_gpu_blocks:
                 raise InvalidFieldError("block_ids", bid, f"block ids in [0, {self.num_gpu_blocks})")
         for bid in ids:
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_evicted(bid)
             removed = self._remove_cached_block_hashes(self.blocks[bid])
             if self.enable_kv_cache_events:
                 self._emit_block_removed_events(removed)
@@ -550,6 +572,8 @@ class BlockPool:
         self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

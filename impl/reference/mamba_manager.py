@@ -382,9 +382,7 @@ class MambaManager(SingleTypeKVCacheManager):
                     and position != getattr(request, "shared_prefix_boundary", 0):
                 # the transient state overwrites this slot: neither it nor a key registered
                 # earlier this step is reusable
-                removed = self.block_pool._remove_cached_block_hashes(block)
-                if removed and self.block_pool.enable_kv_cache_events:
-                    self.block_pool._emit_block_removed_events(removed)
+                self.block_pool._maybe_evict_cached_block(block)  # the metrics hear of it too
                 return None
             if block.block_hash_num_tokens == position:
                 return None

@@ -179,6 +179,20 @@ class VllmKVCacheManager:
         self._mirror_keys: dict[str, tuple] = {}
         self._requests: dict[str, Request] = {}  # the caller's requests, for check_invariants
 
+    def enable_kv_cache_metrics(self, sample_rate: float):
+        """Attach vLLM's own ``KVCacheMetricsCollector`` (``--kv-cache-metrics``) to this manager's
+        block pool and return it; vLLM then reports the sampled blocks' allocations, hits and
+        evictions to it (the pool reads ``metrics_collector`` at each call, so attaching after
+        construction is what passing it to ``KVCacheManager`` does)."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+            raise InvalidFieldError("sample_rate", sample_rate, "a number in (0, 1]")
+        from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+        collector = KVCacheMetricsCollector(sample_rate)
+        self._mgr.metrics_collector = collector
+        self._pool.metrics_collector = collector
+        return collector
+
     # -- NONE_HASH: process-global in vLLM ---------------------------------------------------
 
     def _init_none_hash(self, seed: str | None) -> str:

@@ -39,6 +39,7 @@ from kvref.models.conformance.differential import Divergence, Harness
 from kvref.models.strategies.hash_inputs import hashing_settings, request_hash_inputs
 from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts, tokens_from_seed
 from kvref.models.conformance.trace import Op
+from kvref.models.machines.kv_metrics_pairing import MetricsPairing
 from kvref.models.machines.mamba_chunks import aligned_chunk, mamba_split_config
 
 MAX_LIVE_REQUESTS = 6
@@ -90,11 +91,17 @@ class MachineStats:
     unsupported_reasons: Counter = field(default_factory=Counter)
     #: traces discarded at a difference the user's baseline accepts (kvref.models.conformance.accepted)
     accepted_divergences: int = 0
-    seconds_by_kind: dict[str, float] = field(default_factory=dict)
     #: KV zeroing (issue #23): block ids drained by take_new_block_ids and compared; async loads that
     #: failed with a valid prefix (blocks re-recorded for zeroing)
     zeroed_blocks: int = 0
     failed_loads: int = 0
+    seconds_by_kind: dict[str, float] = field(default_factory=dict)
+    #: block residency metrics compared (reference and vLLM paired): eviction events, those with
+    #: reuse gaps, the most blocks followed at once, of them hit (kv_metrics_pairing)
+    metrics_events: int = 0
+    metrics_events_with_gaps: int = 0
+    metrics_max_followed: int = 0
+    metrics_max_followed_hit: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -139,6 +146,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         def __init__(self) -> None:
             super().__init__()
             self.h: Harness | None = None
+            self.metrics: MetricsPairing | None = None
             self.mamba_split = None
             self.async_mode = False
             self._next_rid = 0
@@ -169,6 +177,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     self.stats.unsupported_reasons[f"{kind}: {exc}"[:300]] += 1
                     reject()
             self.h = Harness(pool, managers)
+            self.metrics = MetricsPairing(managers, pool.num_blocks) if {"reference", "vllm"} <= set(managers) \
+                else None
             self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"
             self.async_mode = async_mode
             name = _group_set_name(pool)
@@ -201,6 +211,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.edge_reservations += self.num_edge_reservations
                 self.stats.edge_fills += self.num_edge_fills
                 self.stats.full_pool_follow_ups += self.num_full_pool_follow_ups
+                if self.metrics is not None:
+                    self.stats.metrics_events += self.metrics.num_events
+                    self.stats.metrics_events_with_gaps += self.metrics.num_events_with_gaps
+                    self.stats.metrics_max_followed = max(self.stats.metrics_max_followed,
+                                                          self.metrics.max_followed)
+                    self.stats.metrics_max_followed_hit = max(self.stats.metrics_max_followed_hit,
+                                                              self.metrics.max_followed_hit)
                 for k, v in self.h.num_events.items():
                     self.stats.kv_events[k] = self.stats.kv_events.get(k, 0) + v
                 for k, v in self.h.seconds_by_kind.items():
@@ -212,7 +229,15 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             assert self.h is not None
             t = time.perf_counter()
             try:
-                self.h.apply(op)
+                if self.metrics is None:
+                    self.h.apply(op)
+                else:
+                    with self.metrics.vllm_random():
+                        self.h.apply(op)
+                    differs = self.metrics.compare()
+                    if differs is not None:
+                        raise Divergence(f"after op {len(self.h.trace.ops)} {op.name}: {differs}",
+                                         f"{op.name}: kv cache metrics differ")
             except Divergence as exc:
                 if is_accepted(exc.signature):
                     # a difference the developer accepted (baseline): discard this trace, keep searching
