@@ -81,6 +81,15 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     if problems:
         return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
                            details=problems[:10], signature=f"{NAME}: kv event publisher")
+    from kvref.models.machines.file_mapper import check_file_mapper
+
+    frng = random.Random(f"{NAME}-files-{ctx.seed}")
+    mappers = ctx.examples(10, 60)
+    for _ in range(mappers):
+        bad = check_file_mapper(frng)
+        if bad:
+            return CheckResult(NAME, FAILED, "vLLM's FileMapper breaks its file layout",
+                               details=[bad[:1500]], signature=f"{NAME}: file mapper")
     rng = random.Random(f"{NAME}-layers-{ctx.seed}")
     layers = ctx.examples(30, 300)
     for _ in range(layers):
@@ -93,6 +102,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
                        f"vLLM's scheduler + worker roles ({stats['events']} CPU-tier KV events, {len(batches)} "
                        f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
-                       f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, and {layers} layers' canonical "
-                       "page mappings: jobs, pools, bytes, events and mappings agree with the reference",
-                       examined=stats["ops"] + simple["ops"] + layers)
+                       f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {mappers} file-tier layouts and "
+                       f"{layers} layers' canonical page mappings: jobs, pools, bytes, events, file names and mappings "
+                       "agree with the reference",
+                       examined=stats["ops"] + simple["ops"] + mappers + layers)

@@ -375,6 +375,14 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
     def finished(self, req, aborted):
         self.conn.request_finished_all_groups(req, self.table(req.request_id))
 
+    def file_mappers(self, root: str, blocks_per_file: int, parallel_agnostic: bool) -> list[dict]:
+        """Each rank's ``FileMapper.from_offloading_spec`` over its live spec (base path, run config,
+        rank), as a file-backed tier would place this engine's chunks."""
+        from kvref.impl.vllm.file_mapper import vllm_file_mapper_from_spec
+
+        return [vllm_file_mapper_from_spec(root, w.connector_worker.spec, blocks_per_file, parallel_agnostic)
+                for w in self.workers]
+
     def take_kv_events(self) -> list:
         """The connector's KV cache events since the last call (vLLM's objects)."""
         return list(self.conn.take_events())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kvref.models.machines.file_mapper import check_spec_file_mappers
 from kvref.models.offload.offloading_connector_world import BACKENDS, OffloadingWorld
 from kvref.models.offload.traces import apply_offloading_op
 from kvref.models.offload.world_common import OffloadInvariantError
@@ -203,6 +204,17 @@ def run_traces(cases, on_difference=None) -> dict:
     for i, (cfg, ops) in enumerate(cases):
         worlds = [OffloadingWorkerWorld(cfg, "reference"), OffloadingWorkerWorld(cfg, "vllm-connector")]
         stats["traces"] += 1
+        if worlds[1]._b is not None:  # where a file tier would keep this engine's chunks
+            asked = i % 2 == 1
+            groups = [(cfg.block_size, g.layer_names) for g in cfg.kvref_groups()]
+            # parallelism-agnostic folders only for what is: one full-attention group whose ranks'
+            # heads (1 each) make up the model's 2 KV heads (build_offloading_config's certification)
+            agnostic = asked and len(groups) == 1 and cfg.num_workers == 2
+            bad = check_spec_file_mappers(worlds[1]._b.file_mappers("/kvref-files", 1 + i % 3, asked), cfg,
+                                          groups, 1 + i % 3, agnostic)
+            if bad:
+                worlds[1]._b.shutdown()
+                raise OffloadInvariantError(f"trace {i}: {bad}")
         try:
             for j, op in enumerate(ops):
                 try:

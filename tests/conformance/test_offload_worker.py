@@ -212,3 +212,35 @@ def test_simple_cpu_connector_fault_is_found(monkeypatch):
                         lambda self, request, n: (0, False) if real(self, request, n)[0] else (0, False))
     with pytest.raises((AssertionError, OffloadInvariantError)):
         run_simple_connector_traces(simple_connector_cases(0, profile_examples(6, 30)))
+
+
+def test_file_mapper_layout():
+    """vLLM's FileMapper keeps its layout's promises on generated settings and keys (file per key,
+    one folder per configuration shared by the ranks, parallelism-agnostic folders)."""
+    import random
+
+    require_vllm()
+    from kvref.models.machines.file_mapper import check_file_mapper
+
+    rng = random.Random(0)
+    assert [d for d in (check_file_mapper(rng) for _ in range(profile_examples(20, 60))) if d] == []
+
+
+def test_file_mapper_fault_is_found(monkeypatch):
+    """A base path that hashes the rank too (workers would not share config.json) is reported."""
+    import random
+
+    require_vllm()
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    from kvref.models.machines.file_mapper import check_file_mapper
+
+    real = FileMapper.__init__
+
+    def patched(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.base_path = FileMapper._compute_base_path(args[0], dict(self.fields, rank=self.rank))
+
+    monkeypatch.setattr(FileMapper, "__init__", patched)
+    rng = random.Random(0)
+    assert any(check_file_mapper(rng) for _ in range(profile_examples(20, 60)))
