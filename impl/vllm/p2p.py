@@ -295,10 +295,10 @@ class VllmP2PWorld:
             mod = importlib.import_module(name)
             self._saved_time[mod] = mod.time
             mod.time = fake_time
-        # the tier logs every timeout and peer loss at WARNING: traces make hundreds of them on purpose
+        # the tier logs every timeout, peer loss and protocol error: traces make hundreds of them on purpose
         self._logger = logging.getLogger("vllm.v1.kv_offload.tiering.p2p")
         self._saved_level = self._logger.level
-        self._logger.setLevel(logging.ERROR)
+        self._logger.setLevel(logging.CRITICAL)
         transport_cls = type("WorldZmqTransport", (cls.CountingZmqTransport,), {"wire": self.wire})
         saved = manager_module.NixlTransport, manager_module.ZmqTransport
         self.buffers: dict[str, bytearray] = {}
@@ -380,6 +380,19 @@ class VllmP2PWorld:
 
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
+
+    def inject(self, node: str, msg: object) -> bool:
+        """``node`` sends a raw control message to the other engine on its session's connection,
+        bypassing the roles: a dict, or ``"connect"`` for a second handshake (``_send_connect``)."""
+        s = self.managers[node]._sessions.get(self.ids[NODES[1 - NODES.index(node)]])
+        if s is None or s._conn is None or not s._conn.alive:
+            return False
+        if msg == "connect":
+            s._send_connect()
+        else:
+            s._conn.send(dict(msg))
+        self._settle()
+        return True
 
     def fault(self, node: str) -> None:
         """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""

@@ -170,16 +170,18 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             """Every trace opens with one shared request and a tick, so even a handful of examples
             moves bytes; the rules then go anywhere."""
             self._start()
-            self.share(kv, stored, loaded, load_first)
+            self.share(kv, stored, loaded, load_first, True)
             self.tick()
 
         @precondition(lambda self: self._alive("P") and self._alive("D"))
-        @rule(kv=st.sampled_from(KV_IDS), stored=KEY_LISTS, loaded=KEY_LISTS, load_first=st.booleans())
-        def share(self, kv: str, stored: list[int], loaded: list[int], load_first: bool) -> None:
+        @rule(kv=st.sampled_from(KV_IDS), stored=KEY_LISTS, loaded=KEY_LISTS, load_first=st.booleans(),
+              consume=st.booleans())
+        def share(self, kv: str, stored: list[int], loaded: list[int], load_first: bool, consume: bool) -> None:
             """One request shared: both sides' requests for ``kv`` (opened if none), a store on P and
-            a load on D, in either order (the fetch may find the blocks parked, or wait for them)."""
+            a load on D, in either order (the fetch may find the blocks parked, or wait for them);
+            without ``consume`` only P's side (its stores park until a fetch, or are reaped)."""
             ends = {}
-            for node, role in (("P", "remote_decoder"), ("D", "remote_prefiller")):
+            for node, role in (("P", "remote_decoder"), ("D", "remote_prefiller"))[:2 if consume else 1]:
                 req = next((r for r, k in self.reqs[node].items() if k == kv), None)
                 if req is None:
                     req = f"{node.lower()}{self.next_req}"
@@ -187,7 +189,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                     self._all("new_request", node, req, role, kv)
                     self.reqs[node][req] = kv
                 ends[node] = req
-            steps = [("P", "submit_store", stored), ("D", "submit_load", loaded)]
+            steps = [("P", "submit_store", stored), ("D", "submit_load", loaded)][:2 if consume else 1]
             for node, call, idx in (steps[::-1] if load_first else steps):
                 self.next_job += 1
                 keys = [key_of(kv, i) for i in idx]
@@ -247,6 +249,29 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
         @rule(count=st.integers(1, 2), ok=st.booleans())
         def complete_transfers(self, count: int, ok: bool) -> None:
             self._all("complete_transfers", "P", count, ok)
+
+        @precondition(lambda self: self._alive("P") and self._alive("D"))
+        @rule(data=st.data())
+        def out_of_protocol(self, data: st.DataObject) -> None:
+            """A peer sends what its roles would not: a fetch for any round (a duplicate is a
+            protocol error), unsolicited or late acks, a second connect, malformed or unknown
+            messages. Each engine must answer as vLLM's does (warn, ack, or disconnect)."""
+            kv = data.draw(st.sampled_from(KV_IDS), label="kv")
+            rnd = data.draw(st.integers(0, 1), label="round")
+            idx = data.draw(KEY_LISTS, label="keys")
+            keys = [key_of(kv, i) for i in idx]
+            node, msg = data.draw(st.sampled_from([
+                ("D", {"type": "fetch", "kv_request_id": kv, "keys": keys,
+                       "block_indexes": [slot_of(kv, i) for i in idx], "round_seq": rnd}),
+                ("D", {"type": "fetch", "kv_request_id": kv, "keys": keys, "block_indexes": [], "round_seq": rnd}),
+                ("D", {"type": "abort_fetch", "kv_request_id": kv, "round_seq": rnd}),
+                ("P", {"type": "transfer_done", "kv_request_id": kv, "success": True, "round_seq": rnd}),
+                ("P", {"type": "abort_ack", "kv_request_id": kv, "round_seq": rnd}),
+                ("P", {"type": "transfer_done", "kv_request_id": 7, "success": True, "round_seq": rnd}),
+                ("D", {"type": "no-such-message"}),
+                ("D", "connect"), ("P", "connect"),
+            ]), label="message")
+            self._all("inject", node, msg)
 
         @rule(seconds=st.sampled_from(ADVANCES))
         def advance(self, seconds: float) -> None:

@@ -57,6 +57,38 @@ def abort_ack(kv_request_id: str, round_seq: int) -> dict:
     return {TYPE_KEY: ABORT_ACK, "kv_request_id": kv_request_id, "round_seq": round_seq}
 
 
+def _require(msg: dict, key: str, typ: type, what: str) -> None:
+    val = msg.get(key)
+    if not isinstance(val, typ) or (typ is int and isinstance(val, bool)) or \
+            (what == "non-negative" and val < 0) or (what == "positive" and val <= 0):
+        raise ValueError(f"{key}: expected {what} {typ.__name__}, got {val!r}")
+
+
+def validate(msg: dict) -> None:
+    """Raise ValueError where vLLM's ``*Msg.validate`` rejects a message (a protocol violation:
+    the receiving session disconnects). ``connect``, ``disconnect`` and unknown types are not
+    validated here (the handshake checks ``connect`` itself; an unknown type is ignored)."""
+    kind = msg.get(TYPE_KEY)
+    if kind == CONNECT_ACK:
+        _require(msg, "peer_id", str, "a")
+    elif kind == FETCH:
+        _require(msg, "kv_request_id", str, "a")
+        _require(msg, "round_seq", int, "non-negative")
+        _require(msg, "keys", list, "a")
+        _require(msg, "block_indexes", list, "a")
+        if len(msg["keys"]) != len(msg["block_indexes"]):
+            raise ValueError("keys/block_indexes length mismatch")
+        if any(not isinstance(i, int) or i < 0 for i in msg["block_indexes"]):
+            raise ValueError(f"block_indexes: invalid index in {msg['block_indexes']!r}")
+    elif kind == TRANSFER_DONE:
+        _require(msg, "kv_request_id", str, "a")
+        _require(msg, "success", bool, "a")
+        _require(msg, "round_seq", int, "non-negative")
+    elif kind in (ABORT_FETCH, ABORT_ACK):
+        _require(msg, "kv_request_id", str, "a")
+        _require(msg, "round_seq", int, "non-negative")
+
+
 def summarize(msg: Any) -> tuple:
     """What both worlds must agree on for one message: its type and every field but the
     data-plane handles (agent metadata, base address), the sender's address (the engines' ports

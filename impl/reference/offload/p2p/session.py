@@ -89,7 +89,9 @@ class Session:
         kind = msg.get(m.TYPE_KEY)
         if kind == m.CONNECT:
             self._on_connect(msg)
-        elif kind == m.CONNECT_ACK:
+            return
+        m.validate(msg)  # ValueError: a protocol violation (the caller disconnects)
+        if kind == m.CONNECT_ACK:
             self.send_ready = True
             for q in self.queued:
                 self._do_send(q)
@@ -114,7 +116,9 @@ class Session:
             return
         mine = self._hello
         fp_theirs, fp_mine = msg.get("config_fingerprint", ""), mine["config_fingerprint"]
-        if msg["block_len"] != mine["block_len"] or (fp_mine and fp_theirs and fp_theirs != fp_mine) \
+        if not isinstance(msg.get("peer_id"), str) or not isinstance(msg.get("num_blocks"), int) \
+                or not isinstance(msg.get("block_len"), int) or not isinstance(msg.get("hash_seed"), str) \
+                or msg["block_len"] != mine["block_len"] or (fp_mine and fp_theirs and fp_theirs != fp_mine) \
                 or msg["hash_seed"] != mine["hash_seed"]:
             self.conn.mark_dead()  # an incompatible peer: rejected, no ack
             return

@@ -140,6 +140,19 @@ class P2PWorld:
             raise InvalidFieldError("seconds", seconds, "a non-negative number")
         self.now += seconds
 
+    def inject(self, node: str, msg: object) -> bool:
+        """``node`` sends a raw control message to the other engine on its session's connection,
+        bypassing the roles (a peer out of protocol): a dict, or ``"connect"`` for a second
+        handshake. False when ``node`` holds no live connection to the other engine."""
+        mgr = self._live(node)
+        if msg != "connect" and not isinstance(msg, dict):
+            raise InvalidFieldError("msg", msg, 'a message dict or "connect"')
+        s = mgr.sessions.get(f"{NODES[1 - NODES.index(node)]}:{PORT}")
+        if s is None or s.conn is None or not s.conn.alive:
+            return False
+        s.conn.send(dict(s._hello) if msg == "connect" else dict(msg))
+        return True
+
     def fault(self, node: str) -> None:
         """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
         self._live(node)
