@@ -99,7 +99,9 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                                details=[diff[:1500]], signature=f"{NAME}: canonical mapping")
     return CheckResult(NAME, PASSED,
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
-                       f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked) on "
+                       f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked, "
+                       f"{stats['stopped_at_shared_breach']} ended at a content breach vLLM 0.33.0 and the reference "
+                       "share) on "
                        f"vLLM's scheduler + worker roles ({stats['events']} CPU-tier KV events, {len(batches)} "
                        f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
                        f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {mappers} file-tier layouts and "

@@ -125,7 +125,8 @@ class OffloadingWorkerWorld(OffloadingWorld):
             recv = b.finished_recving[-1]
             want = {job["req"]} if (not job["store"] and last) else set()
             if recv != want:
-                self._fail(f"job {j}: the workers' finished_recving is {sorted(recv)}, expected {sorted(want)}")
+                raise OffloadInvariantError(
+                    f"job {j}: the workers' finished_recving is {sorted(recv)}, expected {sorted(want)}")
             if not job["store"]:
                 self._check_loaded(j, job, ranks)
         if j not in self.jobs:
@@ -143,15 +144,16 @@ class OffloadingWorkerWorld(OffloadingWorld):
         for block in job["dst"]:
             where = [(g, pos) for g, ids in enumerate(table) for pos, x in enumerate(ids) if x == block]
             if not where:
-                self._fail(f"load job {j} filled GPU block {block}, which request {r.rid} does not hold")
-                continue
+                raise OffloadInvariantError(
+                    f"load job {j} filled GPU block {block}, which request {r.rid} does not hold")
             g, pos = where[0]
             for rank in ranks:
                 want = block_content(self._key(r, g, pos), rank, b.page)
                 self.blocks_checked += 1
                 if b.block_bytes(rank, block) != want:
-                    self._fail(f"load job {j} (request {r.rid}) left GPU block {block} (group {g}, position {pos}) "
-                               f"on rank {rank} with other bytes than that block's computed KV")
+                    raise OffloadInvariantError(
+                        f"load job {j} (request {r.rid}) left GPU block {block} (group {g}, position {pos}) on rank "
+                        f"{rank} with other bytes than that block's computed KV")
 
 
 def stored_runs_sorted(events: list[dict]) -> list[dict]:
@@ -200,9 +202,13 @@ def run_traces(cases, on_difference=None) -> dict:
     or reports the first observable difference through ``on_difference(i, j, cfg, op, outs)`` (which
     returns True to stop the trace)."""
     stats = {"traces": 0, "ops": 0, "loads_checked": 0, "blocks_checked": 0, "jobs_executed": 0, "events": 0,
-             "batches": []}
+             "stopped_at_shared_breach": 0, "batches": []}
     for i, (cfg, ops) in enumerate(cases):
-        worlds = [OffloadingWorkerWorld(cfg, "reference"), OffloadingWorkerWorld(cfg, "vllm-connector")]
+        # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0
+        # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
+        # connector reset), after which loaded bytes may rightly differ from computed ones
+        worlds = [OffloadingWorkerWorld(cfg, "reference", strict=False),
+                  OffloadingWorkerWorld(cfg, "vllm-connector", strict=False)]
         stats["traces"] += 1
         if worlds[1]._b is not None:  # where a file tier would keep this engine's chunks
             asked = i % 2 == 1
@@ -224,6 +230,10 @@ def run_traces(cases, on_difference=None) -> dict:
                 except (AssertionError, OffloadInvariantError) as exc:
                     raise type(exc)(f"trace {i} op {j} {op} on {cfg}: {exc}") from exc
                 stats["ops"] += 1
+                if worlds[0].violations != worlds[1].violations:
+                    raise OffloadInvariantError(
+                        f"trace {i} op {j} {op} on {cfg}: content-model breaches differ: reference "
+                        f"{worlds[0].violations} / vLLM {worlds[1].violations}")
                 events = [w.take_kv_events() for w in worlds]
                 if stored_runs_sorted(events[0]) != stored_runs_sorted(events[1]):
                     raise OffloadInvariantError(
@@ -235,6 +245,9 @@ def run_traces(cases, on_difference=None) -> dict:
                         raise OffloadInvariantError(
                             f"trace {i} op {j} {op} on {cfg}: reference and vLLM's connector differ: "
                             f"{outs[0]!r}"[:600] + f" / {outs[1]!r}"[:600])
+                    break
+                if worlds[1].violations:
+                    stats["stopped_at_shared_breach"] += 1
                     break
         finally:
             v = worlds[1]
