@@ -105,7 +105,8 @@ class TieringWorld:
         self.next_req = 0
         self.out = _Outstanding()
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
-                      "evictions": 0, "stores_refused": 0, "fs_promotions": 0}
+                      "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
+                      "partial_promotions": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -249,8 +250,9 @@ class TieringWorld:
         self.stats["io_errors"] += io_error
         if self.ref.jobs[job][0].is_promotion and not io_error:
             self.stats["fs_promotions_checked"] += 1
-        self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error),
-                   lambda: self.vllm.finish_job(i, job, io_error))
+        res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error),
+                            lambda: self.vllm.finish_job(i, job, io_error))
+        self.stats["partial_promotions"] += bool(not res.success and res.successful_keys)
 
     def op_lookup_worker(self, t: int) -> None:
         fs = self.fs_tiers()
@@ -267,23 +269,33 @@ class TieringWorld:
             while self.ref.tiers[i].lookups.to_worker:
                 self.op_lookup_worker(t)
 
-    def op_drain(self) -> None:
-        """Every fs tier catches up (its jobs finish, oldest first), then the step ends."""
+    def op_drain(self, fail_promotions: bool = False) -> None:
+        """Every fs tier catches up (its jobs finish, oldest first; with ``fail_promotions`` its
+        promotions fail with an I/O error), then the step ends."""
         for t, i in enumerate(self.fs_tiers()):
             while self.ref.tiers[i].in_flight():
-                self.op_finish_job(t, 0, False)
+                job = self.ref.tiers[i].in_flight()[0]
+                self.op_finish_job(t, 0, fail_promotions and self.ref.jobs[job][0].is_promotion)
         self.op_schedule_end()
 
-    def op_revisit(self, k: int) -> None:
-        """A new request asks for key ``k``, the step ends, the probes are answered, it asks again
-        (how a chunk that left the primary tier comes back from disk)."""
-        while self.live:  # their probes of the key would answer for the new request
+    def op_revisit(self, ks, lose: int = -1) -> None:
+        """A new request asks for keys ``ks`` (an int or a tuple), the step ends, the probes are
+        answered, it asks again (how chunks that left the primary tier come back from disk: one
+        promotion job per tier for the request); with ``lose >= 0`` the file of ``ks[lose]``
+        disappears before the promotion runs (a partial failure: the keys before it are kept)."""
+        ks = (ks,) if isinstance(ks, int) else tuple(ks)
+        while self.live:  # their probes of the keys would answer for the new request
             self.op_finish_request(0)
         self.op_new_request()
         pick = len(self.live) - 1
-        self.op_lookup(pick, k)
+        for k in ks:
+            self.op_lookup(pick, k)
         self.op_settle()
-        self.op_lookup(pick, k)
+        for k in ks:
+            self.op_lookup(pick, k)
+        if 0 <= lose < len(ks):
+            for t in range(len(self.fs_tiers())):
+                self.op_lose_file(t, ks[lose])
 
     def op_lose_file(self, t: int, k: int) -> None:
         fs = self.fs_tiers()
@@ -428,11 +440,15 @@ def _tail(rng: random.Random, world: TieringWorld):
     yield ("finish_request", 0)
     primary = world.primary.chunk_state()
     gone = [i for i, k in enumerate(world.keys) if k not in primary]
-    for k in rng.sample(gone, min(len(gone), 3)):
-        yield ("revisit", k)
-        yield ("drain",)
-        yield ("lookup", 0, k)
-        yield ("prepare_load", 0, (k,))
+    group = tuple(rng.sample(gone, min(len(gone), 3)))
+    for ks in ([group] if rng.random() < 0.5 else [(k,) for k in group]):
+        lose = rng.randrange(1, len(ks)) if len(ks) > 1 and rng.random() < 0.6 else -1
+        yield ("revisit", ks, lose)
+        yield ("schedule_end",)  # submits the promotions
+        yield ("drain", lose < 0 and rng.random() < 0.3)
+        for k in ks:
+            yield ("lookup", 0, k)
+        yield ("prepare_load", 0, ks)
         while world.out.loads:
             yield ("complete_load", 0)
         yield ("finish_request", 0)
