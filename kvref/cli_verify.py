@@ -51,6 +51,9 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
                    help="bound on shrinking one failing example (default: 15 fast, 45 ci, 300 nightly)")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop after the first failing check")
+    p.add_argument("--split", type=int, default=1, metavar="N",
+                   help="run each check with an example budget as N seed ranges (1/N of its examples each, "
+                        "distinct deterministic seeds), merged into its row; with --ray a unit each (#27, docs/ray.md)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
     from .reach import add_arguments as add_reach_arguments
@@ -87,6 +90,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.update_baseline is not None:
         check_writable_file("--update-baseline", args.update_baseline)
     check_seconds("--shrink-seconds", args.shrink_seconds)
+    from .cli_checks import check_count
+
+    check_count("--split", getattr(args, "split", 1), minimum=1, maximum=1024, why="seed ranges per check")
     from .reach import check_arguments as check_reach_arguments
 
     check_reach_arguments(args)
@@ -144,7 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if reach is not None:
         reach.start()
     with json_out, console.status("starting") as status:
-        if ray_info is not None:
+        split = getattr(args, "split", 1)
+        if ray_info is not None and split > 1:  # #27: each check as seed-range units
+            from .ray_split import run_split_on_ray
+
+            status.update(f"{len(checks)} check(s) in {split} seed ranges each on Ray")
+            results, interrupted = run_split_on_ray(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
+                                                    split, lambda line: console.log(line, markup=False))
+        elif ray_info is not None:
             from .ray_verify import run_verify
 
             status.update(f"{len(checks)} check(s) on Ray")
@@ -158,7 +171,12 @@ def run(args: argparse.Namespace) -> int:
             if reach is not None:
                 reach.enter(check.name)
             try:
-                result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
+                if split > 1:  # #27: the check as N seed ranges, merged (kvref.ray_split)
+                    from .ray_split import run_split
+
+                    result = run_split(check, ctx, baseline, bool(args.update_baseline), split)
+                else:
+                    result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
             except KeyboardInterrupt:
                 from .cli_interrupt import acknowledge
 

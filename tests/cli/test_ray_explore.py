@@ -3,7 +3,7 @@ the local run's states, counts and shortest traces, on clean scopes and with a p
 worker that dies is retried once, then an error of its unit (never a pass); Ctrl-C cancels the
 remote units and the report says so (exit 130).
 
-One local Ray cluster for the module: 2 CPUs, no dashboard, on 127.0.0.1 only.
+One local Ray cluster for the session (tests/cli/ray_cluster.py): 2 CPUs, on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -29,21 +29,15 @@ from kvref.models.explorer.toy import ToyPool  # noqa: E402
 from kvref.models.mutants.catalogue import CATALOGUE  # noqa: E402
 from kvref.ray_explore import explore_on_ray  # noqa: E402
 from kvref.spec.errors import InvalidFieldError  # noqa: E402
+from tests.cli.ray_cluster import ray_cluster  # noqa: E402,F401  (the session's cluster)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    from kvref.ray_runner import loopback_only
-
-    loopback_only(ray)
-    if ray.is_initialized():  # a cluster another module's run left behind
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             logging_level="warning")
-    address = ray.get_runtime_context().gcs_address
-    assert address.startswith("127.0.0.1:")
-    yield address
-    ray.shutdown()
+@pytest.fixture(autouse=True)
+def cluster(ray_cluster):
+    """The session's local 2-CPU cluster on 127.0.0.1 (tests/cli/ray_cluster.py)."""
+    if not ray.is_initialized():  # tests/cli/test_ray.py ended its own after this one started
+        pytest.fail("the session's Ray cluster was shut down by another module")
+    return ray_cluster
 
 
 def _same(a, b):
