@@ -346,6 +346,7 @@ class _Recorder:
         # bound once: read on every step (the recording cost, issue #14's budget)
         self._kvref_free = self.kv_cache_manager.block_pool.get_num_free_blocks
         self._kvref_connector = getattr(self, "connector", None) is not None
+        self._kvref_transfer_ids = []
         if self._kvref_connector:  # its answers go to the records (format 4: the replay needs them)
             anon = self._kvref_anon
             self._kvref_tap = ConnectorTap(self.connector, anon.request_id if anon is not None else None)
@@ -607,9 +608,12 @@ class _Recorder:
             for e in new:
                 e[0] = a(e[0])
             # the last time vLLM names a finished request (its _free_request added it to
-            # finished_req_ids): its anonymous id is not needed again
+            # finished_req_ids): its anonymous id is not needed again — unless a KV connector still
+            # holds its blocks (vLLM keeps it in requests until the worker reports the transfer)
+            held = self.requests
             for i in so.finished_req_ids:
-                anon.forget(i)
+                if i not in held:
+                    anon.forget(i)
         w = self._kvref_writer
         w.write_line('{"t":"sched","step":%d,"ids":%s,"n":"%s","new":%s,"cached":[%s,"%s",%s],"resumed":%s,'
                      '"pre":%s,"fin":%s%s}' % (step, _ids_json(ids), encode_tokens(counts), _dumps(new),
@@ -639,6 +643,7 @@ class _Recorder:
     _kvref_out = None  # what the update_from_output being recorded returned
 
     _kvref_kvo = ""  # the update being recorded: its KVConnectorOutput as JSON (connector runs)
+    _kvref_transfer_ids: list = []  # set per scheduler in _kvref_start: ids a worker report named
 
     def _kvref_kvo_json(self, model_runner_output) -> str:
         """``,"kvo":{...}``: the worker's ``KVConnectorOutput`` lists in the order vLLM iterates
@@ -652,6 +657,8 @@ class _Recorder:
             ids = list(getattr(kvo, name, None) or ())
             if ids:
                 out[key] = [anon.request_id(i) for i in ids] if anon is not None else ids
+                if anon is not None:  # forgotten once vLLM let go of them (_kvref_on_update)
+                    self._kvref_transfer_ids.extend(ids)
         bad = [int(b) for b in getattr(kvo, "invalid_block_ids", None) or ()]
         if bad:
             out["i"] = bad
@@ -673,6 +680,13 @@ class _Recorder:
             anon = self._kvref_anon
             fin = [[rid if anon is None else anon.request_id(rid), _reason(status)] for rid, status in finished]
             self._kvref_writer.write_line(head + _dumps(fin) + tail)
+        done = self._kvref_transfer_ids
+        if done:  # requests whose transfer a worker report named: once vLLM let go, their ids are done
+            held, anon, named = self.requests, self._kvref_anon, self.finished_req_ids  # named at the next step
+            for i in done:
+                if i not in held and i not in named:
+                    anon.forget(i)
+            done.clear()
 
     def _kvref_anonymize_update(self, head: str) -> str:
         """Re-encode an update's ids and tokens through the anonymizer (opt-in path: not the fast one)."""

@@ -37,7 +37,7 @@ class RecordedRun:
     shows: Counter = field(default_factory=Counter)
 
 
-def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun], async_class=None):
+def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun], anonymize: bool = False):
     from kvref.impl.vllm.record import recorded_vllm_scheduler
     from kvref.impl.vllm.scheduler import VllmEnv
 
@@ -45,15 +45,17 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
         if env_holder.get("env") is None:
             env_holder["env"] = VllmEnv()
         path = directory / f"connector-run-{len(runs)}.kvtrace.gz"
-        saved = os.environ.get("KVREF_RECORD")
+        saved = {k: os.environ.get(k) for k in ("KVREF_RECORD", "KVREF_RECORD_ANONYMIZE")}
         os.environ["KVREF_RECORD"] = str(path)
+        os.environ["KVREF_RECORD_ANONYMIZE"] = "1" if anonymize else "0"
         try:
             target = recorded_vllm_scheduler(pool, config, env_holder["env"], connector=connector)
         finally:
-            if saved is None:
-                os.environ.pop("KVREF_RECORD", None)
-            else:
-                os.environ["KVREF_RECORD"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         runs.append(RecordedRun(path))
         return target
 
@@ -61,13 +63,14 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
 
 
 def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 30,
-                          setups=None, strict: bool = True) -> list[RecordedRun]:
+                          setups=None, strict: bool = True, anonymize: bool = False) -> list[RecordedRun]:
     """Record ``examples`` generated connector runs of vLLM's scheduler into ``directory``.
 
     Raises the machine's failure (an AssertionError naming it) when vLLM's run itself broke an
     invariant of the machine (a liveness failure that is not a known vLLM 0.33.0 hang) — unless not
     ``strict`` (a vLLM with a planted fault): the runs recorded up to that one are returned, it
-    included.
+    included. ``anonymize``: record as ``KVREF_RECORD_ANONYMIZE=1`` does (the connector's answers
+    name the anonymous request ids).
     """
     from kvref.models.machines.scheduler import run_lockstep_machine
     from kvref.models.machines.scheduler_connector import ConnectorLockstep, connector_machine
@@ -97,7 +100,7 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                     self.lost_update = True
                 raise
 
-    machine = connector_machine({"vllm": _recording_factory(holder, directory, runs)}, setups=setups,
+    machine = connector_machine({"vllm": _recording_factory(holder, directory, runs, anonymize)}, setups=setups,
                                 name="RecordedConnectorRun")
     machine.driver_class = Recorded
     base_teardown = machine.teardown

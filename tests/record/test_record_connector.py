@@ -167,3 +167,38 @@ def test_a_planted_connector_fault_in_vllm_is_found(tmp_path, monkeypatch):
         assert r.divergence.call == "update_from_output" and "free-block count" in r.divergence.message
         assert r.verdict == "FINDINGS"
     assert followed > 0
+
+
+def test_anonymized_connector_runs_agree(tmp_path):
+    """The connector's answers name the anonymous ids, so an anonymized connector run replays too."""
+    require_vllm()
+    runs = record_connector_runs(tmp_path, profile_examples(6, 10), seed=5, anonymize=True)
+    checked = 0
+    for run in runs:
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty or run.known_hang or run.lost_update or r.stopped_because == _UNFOLLOWED_OK:
+            continue
+        assert r.header["anonymized"] and r.ok and r.followed, (run.path, r.divergence and r.divergence.table())
+        checked += run.shows["m"] > 0
+    assert checked > 0
+
+
+def test_a_version_3_connector_trace_is_checked_by_the_properties(recorded, tmp_path):
+    """A connector trace without the answers (what format 3 wrote) is not replayed: the properties
+    check it, and it is not a finding."""
+    run = max(recorded, key=lambda r: r.shows["a"])
+    src = tmp_path / "v3.kvtrace.gz"
+    with gzip.open(run.path, "rt") as f:
+        lines = [json.loads(x) for x in f]
+    header = dict(lines[0], version=3, unmodelled=lines[0]["unmodelled"] + ["kv_connector"])
+    del header["connector"]
+    keep = [{k: v for k, v in rec.items() if k not in ("kv", "kvo")} for rec in lines[1:]]
+    for rec in keep:
+        for k in [k for k in (rec.get("stats") or {}) if k.startswith("c")]:
+            del rec["stats"][k]
+    with gzip.open(src, "wt") as f:
+        for rec in [header] + keep:
+            f.write(json.dumps(rec) + "\n")
+    r = check_trace(src)
+    assert not r.followed and "kv_connector" in r.stopped_because and r.divergence is None
+    assert r.num_findings == 0 and r.verdict == "properties hold"
