@@ -57,7 +57,8 @@ def base_vllm_config() -> Any:
     return _BASE_CONFIG[0]
 
 
-def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine_id: str = "kvref") -> Any:
+def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine_id: str = "kvref",
+                           canonical_layout: bool = False) -> Any:
     """A ``VllmConfig`` selecting vLLM's ``OffloadingConnector`` for ``cfg`` (an
     :class:`~kvref.models.offload.offloading_connector_world.OffloadingConfig`): ``cfg.num_workers``
     tensor-parallel ranks, ``cpu_bytes_to_use`` sized so that ``CPUOffloadingSpec`` computes
@@ -75,6 +76,8 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
     # dense retention, as the GPU KVCacheConfig of vllm_kv_cache_manager and the reference
     # (sparse retention, vLLM's default 0, is outside the reference: docs/differences.md)
     vc.cache_config.prefix_cache_retention_interval = None
+    # the layout OffloadingConnector.get_required_kvcache_layout asks the engine for
+    vc.cache_config.kv_cache_layout = "LBHNC"
     vc.parallel_config = copy.copy(base.parallel_config)
     pc = vc.parallel_config
     pc.tensor_parallel_size = cfg.num_workers
@@ -91,6 +94,7 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
         kv_connector_extra_config={"cpu_bytes_to_use": chunk * cfg.num_cpu_chunks,
                                    "blocks_per_chunk": cfg.blocks_per_chunk, "eviction_policy": cfg.cache_policy,
                                    "offload_prompt_only": cfg.offload_prompt_only,
+                                   "canonical_layout": canonical_layout,
                                    "spec_name": SPEC_NAME, "spec_module_path": MODULE_PATH})
     return vc
 
@@ -118,7 +122,7 @@ def _make_classes() -> dict[str, type]:
     import torch
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
-    from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+    from vllm.v1.kv_offload.cpu.gpu_worker import _build_copy_plan, _canonical_block_sizes, compute_sub_block_ptrs
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -133,13 +137,25 @@ def _make_classes() -> dict[str, type]:
         ``page_size_bytes`` of the page.
         """
 
-        def __init__(self, kv_caches: Any, blocks_per_chunk: int, region: Any) -> None:
+        def __init__(self, kv_caches: Any, blocks_per_chunk: int, region: Any, canonical: bool = False) -> None:
             self.kv_caches = kv_caches
             self.blocks_per_chunk = blocks_per_chunk
             self.region = region
-            # this rank's slot of every chunk row of vLLM's shared /dev/shm region, one view per tensor
-            self.host = [region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk)
-                         for t in kv_caches.tensors]
+            self.canonical = canonical
+            if canonical:
+                # canonical layout: every rank's chunk rows are one shared canonical page per tensor,
+                # as wide as the widest mapping of a ref on that tensor
+                width = [0] * len(kv_caches.tensors)
+                for refs in kv_caches.group_data_refs:
+                    for ref in refs:
+                        width[ref.tensor_idx] = max(width[ref.tensor_idx], ref.mapping.canonical_page_size_bytes)
+                got = _canonical_block_sizes(kv_caches.group_data_refs, len(kv_caches.tensors))
+                assert got == width, f"vLLM's canonical page sizes {got}, the refs' mappings say {width}"
+                self.host = [region.create_next_canonical_view(w * blocks_per_chunk) for w in width]
+            else:
+                # this rank's slot of every chunk row of vLLM's shared /dev/shm region, one view per tensor
+                self.host = [region.create_next_worker_view(t.page_size_bytes * blocks_per_chunk)
+                             for t in kv_caches.tensors]
             self.jobs: dict[int, _Job] = {}
             self._results: list[int] = []
             self.log = HostWorkerLog()
@@ -211,12 +227,39 @@ def _make_classes() -> dict[str, type]:
             for g, block, chunk, sub in self._pairs(gpu, cpu):
                 for ref in self.kv_caches.group_data_refs[g]:
                     t = self.kv_caches.tensors[ref.tensor_idx]
+                    if self.canonical:
+                        self._copy_canonical(ref, block, chunk, sub, job.store)
+                        continue
                     lo = sub * t.page_size_bytes
                     host = self.host[ref.tensor_idx][chunk, lo:lo + ref.page_size_bytes]
                     dev = t.tensor[block, :ref.page_size_bytes]
                     (host if job.store else dev).copy_(dev if job.store else host)
             job.executed = True
             self.log.executed.append(job_id)
+
+        def _copy_canonical(self, ref: Any, block: int, chunk: int, sub: int, store: bool) -> None:
+            """One ref of one block through its canonical mapping: each run's fragments between their
+            local and canonical offsets. A store writes only the canonical pages this rank is elected
+            for (``is_writer`` of the page's id, chunk * blocks_per_chunk + sub: the same on every
+            rank); a load reads back every local byte."""
+            m = ref.mapping
+            frags = [(r.local_offset + i * r.local_stride, r.canonical_offset + i * r.canonical_stride,
+                      r.fragment_size) for r in m.runs for i in range(r.num_fragments)]
+            plan = _build_copy_plan(ref, store)  # vLLM's unrolled copy plan must name the same fragments
+            src, dst = ([f[0] for f in frags], [f[1] for f in frags]) if store else \
+                ([f[1] for f in frags], [f[0] for f in frags])
+            assert (plan.frag_offsets_src.tolist(), plan.frag_offsets_dst.tolist(), plan.frag_sizes.tolist()) == \
+                (src, dst, [f[2] for f in frags]), "vLLM's canonical copy plan differs from the mapping's runs"
+            page_id = chunk * self.blocks_per_chunk + sub
+            if store and not m.is_writer(page_id):
+                return
+            dev = self.kv_caches.tensors[ref.tensor_idx].tensor[block]
+            host = self.host[ref.tensor_idx][chunk]
+            base = sub * (host.shape[0] // self.blocks_per_chunk)
+            for local, canon, size in frags:
+                h = host[base + canon:base + canon + size]
+                d = dev[local:local + size]
+                (h if store else d).copy_(d if store else h)
 
         def release(self, job_id: int) -> None:
             """The transfer finished on this rank: execute it (if not yet) and report it at the next
@@ -259,7 +302,8 @@ def _make_classes() -> dict[str, type]:
                     engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=self.config.parallel.rank,
                     kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker,
                     barrier=None, num_segments=2)
-                self._worker = HostOffloadingWorker(kv_caches, self.blocks_per_chunk, region)
+                self._worker = HostOffloadingWorker(kv_caches, self.blocks_per_chunk, region,
+                                                    canonical=self.config.canonical_layout)
             return self._worker
 
     return {"HostOffloadingWorker": HostOffloadingWorker, SPEC_NAME: KvrefCPUOffloadingSpec}
@@ -287,7 +331,7 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
 
     name = "vllm-connector"
 
-    def __init__(self, cfg: Any) -> None:  # noqa: D107 - OffloadingVllmBackend's is replaced
+    def __init__(self, cfg: Any, canonical_layout: bool = False) -> None:  # noqa: D107 - the parent's is replaced
         import torch
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -298,7 +342,8 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         self.kv_cache_config = kcfg
         # the engine id names the ranks' shared /dev/shm region: one per world, process and time
         engine = f"kvref-{os.getpid()}-{next(_engines)}-{time.time_ns()}"
-        self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg, 0, engine), KVConnectorRole.SCHEDULER, kcfg)
+        self.conn = OffloadingConnector(offloading_vllm_config(cfg, kcfg, 0, engine, canonical_layout),
+                                        KVConnectorRole.SCHEDULER, kcfg)
         self.conn.bind_kv_cache_manager(self.mgr)
         # a best-effort cache: a lost store is a later miss, so the scheduler must not wait for delivery
         assert self.conn.requires_kv_delivery is False
@@ -307,7 +352,8 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         self.page = kcfg.kv_cache_tensors[0].size // kcfg.num_blocks
         self.workers, self.kv, self.host = [], [], []
         for rank in range(cfg.num_workers):
-            w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank, engine), KVConnectorRole.WORKER, kcfg)
+            w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank, engine, canonical_layout),
+                                    KVConnectorRole.WORKER, kcfg)
             # vLLM's attention layout for these specs: (blocks, K/V, block_size, heads, head_size)
             t = torch.zeros(kcfg.num_blocks, 2, cfg.block_size, 1, 1, dtype=torch.float32)
             w.register_kv_caches({name: t for g in kcfg.kv_cache_groups for name in g.layer_names})

@@ -67,16 +67,22 @@ def check_file_mapper(rng, root: str = "/kvref-files") -> str | None:
     return None
 
 
+#: the canonical byte format's id for vLLM's LBHNC (head-major) layout: format version 1, "hnd" family
+CANONICAL_FORMAT_HND = "v1-hnd"
+
+
 def check_spec_file_mappers(views: list[dict], cfg, groups: list[tuple[int, tuple[str, ...]]],
-                            blocks_per_file: int, parallel_agnostic: bool) -> str | None:
+                            blocks_per_file: int, parallel_agnostic: bool, canonical: bool = False) -> str | None:
     """``FileMapper.from_offloading_spec`` on each rank's live spec of an OffloadingConnector world
     (``cfg``: its :class:`OffloadingConfig`; ``groups``: (tokens per block, layer names) per offloaded
-    group): the run config carries the engine's settings, the ranks share one folder."""
+    group; ``canonical``: the canonical layout, whose byte format the folder records): the run
+    config carries the engine's settings, the ranks share one folder."""
     for r, v in enumerate(views):
         c = v["run_config"]
         want = {"tokens_per_hash": cfg.block_size, "blocks_per_file": blocks_per_file,
                 "tp_size": 1 if parallel_agnostic else cfg.num_workers,
-                "kv_cache_groups": [{"tokens_per_block": t, "layer_names": list(n)} for t, n in groups]}
+                "kv_cache_groups": [{"tokens_per_block": t, "layer_names": list(n)} for t, n in groups],
+                "canonical_format": CANONICAL_FORMAT_HND if canonical else None}
         if any(c.get(k) != x for k, x in want.items()) or v["rank"] != (0 if parallel_agnostic else r):
             return f"rank {r} of {cfg}: file mapper run config {c} (rank {v['rank']}), expected {want}"
         if v["base_path"] != views[0]["base_path"]:

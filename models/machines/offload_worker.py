@@ -44,12 +44,20 @@ def _connector_backend(cfg):
     return OffloadingConnectorVllmBackend(cfg)
 
 
+def _canonical_connector_backend(cfg):
+    from kvref.impl.vllm.offload_worker import OffloadingConnectorVllmBackend
+
+    return OffloadingConnectorVllmBackend(cfg, canonical_layout=True)
+
+
 BACKENDS.setdefault("vllm-connector", _connector_backend)
+BACKENDS.setdefault("vllm-connector-canonical", _canonical_connector_backend)
 
 
 class OffloadingWorkerWorld(OffloadingWorld):
-    """``backend="vllm-connector"``: vLLM's whole connector with bytes; ``"reference"``: kvref's
-    reference backend under the same handover rule."""
+    """``backend="vllm-connector"``: vLLM's whole connector with bytes (``"vllm-connector-canonical"``:
+    with ``canonical_layout``, the host pages in the parallelism-free canonical layout every rank
+    writes its share of); ``"reference"``: kvref's reference backend under the same handover rule."""
 
     def __init__(self, cfg, backend: str = "reference", strict: bool = True) -> None:
         super().__init__(cfg, backend, strict)
@@ -208,16 +216,20 @@ def run_traces(cases, on_difference=None) -> dict:
         # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
         # connector reset), after which loaded bytes may rightly differ from computed ones
         worlds = [OffloadingWorkerWorld(cfg, "reference", strict=False),
-                  OffloadingWorkerWorld(cfg, "vllm-connector", strict=False)]
+                  OffloadingWorkerWorld(cfg, "vllm-connector-canonical" if i % 2 == 1 else "vllm-connector",
+                                        strict=False)]
         stats["traces"] += 1
         if worlds[1]._b is not None:  # where a file tier would keep this engine's chunks
             asked = i % 2 == 1
             groups = [(cfg.block_size, g.layer_names) for g in cfg.kvref_groups()]
-            # parallelism-agnostic folders only for what is: one full-attention group whose ranks'
-            # heads (1 each) make up the model's 2 KV heads (build_offloading_config's certification)
-            agnostic = asked and len(groups) == 1 and cfg.num_workers == 2
+            # parallelism-agnostic folders only for what is (build_offloading_config's certification):
+            # the ranks' heads (1 each) make up the model's 2 KV heads, and one full-attention group
+            # or, with the canonical layout, only full-attention and sliding-window groups
+            canonical = i % 2 == 1
+            agnostic = asked and cfg.num_workers == 2 and (
+                cfg.attention_chunk_size is None if canonical else len(groups) == 1)
             bad = check_spec_file_mappers(worlds[1]._b.file_mappers("/kvref-files", 1 + i % 3, asked), cfg,
-                                          groups, 1 + i % 3, agnostic)
+                                          groups, 1 + i % 3, agnostic, canonical)
             if bad:
                 worlds[1]._b.shutdown()
                 raise OffloadInvariantError(f"trace {i}: {bad}")

@@ -91,8 +91,18 @@ def evictions_not_announced(monkeypatch):
     monkeypatch.setattr(OffloadingEventsTracker, "_take_removed_event", lambda self, event: iter(()))
 
 
+def canonical_pages_unwritten(monkeypatch):
+    """Under the canonical layout no rank takes its turn writing a shared page (writer election
+    broken): the stores leave the CPU pages empty."""
+    require_vllm()
+    from vllm.v1.kv_offload.base import CanonicalPageMapping
+
+    monkeypatch.setattr(CanonicalPageMapping, "is_writer", lambda self, block_id: False)
+
+
 @pytest.mark.parametrize("fault", [stores_never_deferred, loads_not_reported, loads_into_reversed_blocks,
-                                   half_pages_registered, evictions_not_announced], ids=lambda f: f.__name__)
+                                   half_pages_registered, evictions_not_announced, canonical_pages_unwritten],
+                         ids=lambda f: f.__name__)
 def test_planted_worker_fault_is_found(fault, monkeypatch):
     from kvref.models.offload.world_common import OffloadInvariantError
 
