@@ -12,9 +12,10 @@ pools: the second half of ``conform-scheduler`` (issue #22).
   is preempted first (its in-flight output dropped), then the pool forgets every cached block (or
   refuses while blocks are held); the result, the queues and the published ``AllBlocksCleared``
   batch are compared;
-* setups drawn half from the FA + Mamba "align" pools (:data:`MAMBA_ALIGN_KINDS`), where vLLM's
+* setups drawn a third from the FA + Mamba "align" pools (:data:`MAMBA_ALIGN_KINDS`), where vLLM's
   ``Scheduler._mamba_block_aligned_split`` clips every prefill chunk to Mamba state boundaries and
-  the Mamba manager caches partial tails and copies states on write.
+  the Mamba manager caches partial tails and copies states on write, a third with synchronous
+  speculative decoding.
 
 It is a separate machine (and a separate, smaller run) so that the main machine's rules and
 setups draw nothing new: its derandomized traces, and the tests that assert rare paths on them,
@@ -147,9 +148,11 @@ def _roomy(setup):
 
 
 def cache_controls_setups():
-    """Half FA + Mamba "align" pools, half the main machine's setups (prefix caching on); either
-    as drawn or roomy."""
-    drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS), scheduler_setups()).filter(_cacheable)
+    """FA + Mamba "align" pools, the main machine's setups, or synchronous speculative decoding
+    (the drafts the runner proposes after each step go to ``update_draft_token_ids``, which the
+    spec-decode machine's mostly async setups seldom reach), prefix caching on; as drawn or roomy."""
+    drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS), scheduler_setups(),
+                      scheduler_setups(spec=True, async_scheduling=False)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
 
 
