@@ -49,6 +49,7 @@ def _rewrite(src, dst, edit) -> None:
 def test_every_generated_connector_run_agrees_with_the_reference(recorded):
     shows: Counter = Counter()
     followed = 0
+    modes: set[bool] = set()
     for run in recorded:
         r = check_trace(run.path, check_invariants_every=1)
         if run.lost_update:
@@ -63,16 +64,18 @@ def test_every_generated_connector_run_agrees_with_the_reference(recorded):
         assert r.followed or r.stopped_because == _UNFOLLOWED_OK, (run.path, r.stopped_because)
         if r.followed:
             followed += 1
+            modes.add(bool(r.header["scheduler"]["async_class"]))
             assert r.steps_compared == r.summary["steps"]
             shows.update(run.shows)
         assert r.ok
     assert followed >= len(recorded) // 2
+    assert modes == {False, True}, "both vLLM's Scheduler and its AsyncScheduler (deferred frees) replayed"
     # the replayed runs reach every connector path the recorder writes: lookups answered "not
     # yet", async loads finishing, failing as a whole and in blocks, delayed frees and their
     # sends, error finishes (the "fail" policy), has_pending_block_frees, connector cache resets,
-    # MultiConnector children
+    # MultiConnector children, the connector's stats, aborts while a load is in flight
     for key in ("m_none", "m_async", "kvo_r", "kvo_f", "kvo_i", "f_delay", "kvo_s", "fin_error", "p", "r", "multi",
-                "reset", "stats_external_hits", "stats_connector_reset"):
+                "reset", "stats_external_hits", "stats_connector_reset", "abort_mid_load"):
         assert shows[key] > 0, (key, dict(shows))
 
 
