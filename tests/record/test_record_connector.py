@@ -205,3 +205,16 @@ def test_a_version_3_connector_trace_is_checked_by_the_properties(recorded, tmp_
     r = check_trace(src)
     assert not r.followed and "kv_connector" in r.stopped_because and r.divergence is None
     assert r.num_findings == 0 and r.verdict == "properties hold"
+
+
+@pytest.mark.parametrize("fault", ["leak-on-refusal", "wrong-hit-length"])
+def test_a_demo_fault_planted_into_vllm_shows_in_connector_runs(fault, tmp_path):
+    """The demo's faults (kvref.impl.vllm.demo_faults, vLLM's KV-cache classes monkeypatched for the
+    block) manifest in connector runs too, and check-run reports them as divergences."""
+    require_vllm()
+    from kvref.impl.vllm.demo_faults import plant
+
+    with plant(fault):
+        runs = record_connector_runs(tmp_path, profile_examples(12, 12), seed=2, strict=False)
+    found = [run for run in runs if check_trace(run.path).divergence is not None]
+    assert found, f"{fault}: no divergence in {len(runs)} connector runs"
