@@ -257,7 +257,7 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     # then salted / cache-skipping arrivals, prefix-cache resets and FA + Mamba "align" pools (#22)
     from kvref.models.machines.scheduler_cache_controls import run_cache_controls_machine
 
-    run = run_cache_controls_machine(ctx.examples(12, 60), shrink=ctx.shrink, seed=ctx.seed)
+    run = run_cache_controls_machine(ctx.examples(30, 150), shrink=ctx.shrink, seed=ctx.seed)
     if not run.ok:
         return CheckResult("conform-scheduler", FAILED, "scheduler traces with cache controls diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)

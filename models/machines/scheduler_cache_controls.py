@@ -30,6 +30,8 @@ from typing import Callable
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+from kvref.impl.scheduler_types import PRIORITY
+
 from kvref.models.machines.scheduler import (
     COVERAGE,
     MAMBA_ALIGN_KINDS,
@@ -148,11 +150,15 @@ def _roomy(setup):
 
 
 def cache_controls_setups():
-    """FA + Mamba "align" pools, the main machine's setups, or synchronous speculative decoding
-    (the drafts the runner proposes after each step go to ``update_draft_token_ids``, which the
-    spec-decode machine's mostly async setups seldom reach), prefix caching on; as drawn or roomy."""
+    """FA + Mamba "align" pools, the main machine's setups, synchronous speculative decoding (the
+    drafts the runner proposes after each step go to ``update_draft_token_ids``, which the
+    spec-decode machine's mostly async setups seldom reach), or tight PRIORITY pools (the main
+    machine's storms are FCFS: here a victim of lower priority may have been scheduled earlier in
+    the same step, and vLLM gives its tokens back to the budget); prefix caching on; as drawn or
+    roomy."""
     drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS), scheduler_setups(),
-                      scheduler_setups(spec=True, async_scheduling=False)).filter(_cacheable)
+                      scheduler_setups(spec=True, async_scheduling=False),
+                      scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
 
 
