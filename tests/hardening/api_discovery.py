@@ -15,7 +15,7 @@ import pkgutil
 
 #: packages walked module by module
 PACKAGES = ("kvref.spec", "kvref.impl.reference", "kvref.impl.reference.offload", "kvref.impl.torch",
-            "kvref.impl.run_trace", "kvref.impl.reference.offload.p2p")
+            "kvref.impl.run_trace", "kvref.impl.reference.offload.p2p", "kvref.impl.reference.offload.tiering")
 #: single modules users import besides those
 MODULES = ("kvref.impl.interface", "kvref.impl.request", "kvref.impl.scheduler_types", "kvref.record",
            "kvref.models.conformance.trace", "kvref.impl.vllm.kv_events", "kvref.impl.vllm.record")

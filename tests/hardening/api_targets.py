@@ -187,7 +187,51 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload.p2p.world import P2PWorld  # the P2P tier's two engines (#22)
 
     out["P2PWorld"] = (P2PWorld, dict(num_blocks=8, block_len=16))
+    out.update(_tiering_constructors())
     return out
+
+
+def _tiering_constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """The multi-tier offloading reference (#22)."""
+    from kvref.impl.reference.offload.tiering.backpressure import EMABackpressureDetector, ThrottledDropPolicy
+    from kvref.impl.reference.offload.tiering.clock import VirtualClock
+    from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
+    from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
+    from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
+
+    clock = VirtualClock()
+    primary = CPUPrimaryTier(4, 64)
+    return {
+        "VirtualClock": (VirtualClock, dict(start=1000.0)),
+        "CPUPrimaryTier": (CPUPrimaryTier, dict(num_chunks=4, row_bytes=64, cache_policy="lru", enable_events=False)),
+        "ThrottledDropPolicy": (ThrottledDropPolicy, dict(ramp_factor=2.0)),
+        "EMABackpressureDetector": (EMABackpressureDetector, dict(
+            high_water_s=0.01, low_water_s=0.002, alpha=0.15, warmup_completions=2, decay_half_life_s=2.0,
+            cooldown_s=1.0, failure_threshold=3, policy=None, clock=clock.monotonic)),
+        "TieringOffloadingManager": (TieringOffloadingManager, dict(
+            primary=primary, tiers=[FileSystemTier("fs", primary.buffer, clock.monotonic)], clock=clock.monotonic)),
+    }
+
+
+def _tiering_manager():
+    """A reference tiering manager (one fs tier, 3 primary chunks) with request r0: key 0 stored
+    and cascading, key 1 being written; returns (manager, ctx, keys)."""
+    from kvref.impl.reference.offload.keys import RequestContext
+    from kvref.impl.reference.offload.tiering.clock import VirtualClock
+    from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
+    from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
+    from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
+
+    clock = VirtualClock()
+    primary = CPUPrimaryTier(3, 64)
+    m = TieringOffloadingManager(primary, [FileSystemTier("fs", primary.buffer, clock.monotonic)], clock.monotonic)
+    ctx = RequestContext("r0")
+    m.on_new_request(ctx)
+    keys = [bytes([i + 1]) * 8 + b"\0\0\0\0" for i in range(3)]
+    m.prepare_store(keys[:1], ctx)
+    m.complete_store(keys[:1], ctx)
+    m.prepare_store(keys[1:2], ctx)
+    return m, ctx, keys
 
 
 _SCRATCH: list = []
@@ -628,6 +672,37 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("read", dict(node="D", chunk_ids=[0]))
     p2p_case("write", dict(node="P", chunk_ids=[0], blocks=[b"x" * 16]))
     p2p_case("snapshot", dict(node="P"))
+
+    def tiering_case(method, make_kwargs):  # the multi-tier offloading reference (#22)
+        def build():
+            m, ctx, keys = _tiering_manager()
+            return m, m.check_invariants, make_kwargs(ctx, keys), getattr(m, method)
+        add(f"TieringOffloadingManager.{method}", build)
+
+    from kvref.impl.reference.offload.keys import RequestContext
+
+    tiering_case("lookup", lambda c, k: dict(key=k[2], ctx=c))
+    tiering_case("prepare_store", lambda c, k: dict(keys=[k[2]], ctx=c))
+    tiering_case("complete_store", lambda c, k: dict(keys=[k[1]], ctx=c, success=True))
+    tiering_case("prepare_load", lambda c, k: dict(keys=[k[0]], ctx=c))
+    tiering_case("complete_load", lambda c, k: dict(keys=[k[0]], ctx=c))
+    tiering_case("touch", lambda c, k: dict(keys=[k[0]], ctx=c))
+    tiering_case("get_load_source", lambda c, k: dict(key=k[0], ctx=c))
+    tiering_case("on_new_request", lambda c, k: dict(ctx=RequestContext("r1")))
+    tiering_case("on_request_finished", lambda c, k: dict(ctx=c))
+
+    def primary_read():
+        m, ctx, keys = _tiering_manager()
+        return m.primary, m.primary.check_invariants, dict(keys=[keys[0]]), m.primary.prepare_read
+
+    def clock_advance():
+        from kvref.impl.reference.offload.tiering.clock import VirtualClock
+
+        c = VirtualClock()
+        return c, (lambda: None), dict(dt=0.5), c.advance
+
+    add("CPUPrimaryTier.prepare_read", primary_read)
+    add("VirtualClock.advance", clock_advance)
     return cases
 
 
@@ -723,6 +798,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference import kv_events, scheduler_liveness
     from kvref.impl.reference import block_hash as bh
     from kvref.impl.reference.offload import keys, lookup
+    from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
     from kvref.impl.run_trace.writer import compression_for
@@ -885,6 +961,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "Trace.from_json": (conf_trace.Trace.from_json, dict(obj=conf_trace.Trace(pc).to_json())),
         "Trace.loads": (conf_trace.Trace.loads, dict(text=conf_trace.Trace(pc).dumps())),
         "Op.from_json": (conf_trace.Op.from_json, dict(obj={"op": "finish", "rid": "r0"})),
+        "tiering.default_config": (default_config, dict(tier_type="fs", locality=None)),  # #22
     }
     out["SlidingWindowSpec.merge"] = (SlidingWindowSpec.merge, dict(specs=[SWA, SWA]))
     rswa = kci.RSWASpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", rswa_window=8)

@@ -58,6 +58,12 @@ VLLM = "binds to vLLM's own objects (a VllmConfig, vLLM events); built by vLLM's
 P2P = ("building block of the P2P tier's reference world (as vLLM's ClientRole/ServerRole/P2PSession/transports are "
        "driven only by P2PSecondaryTierManager): reached through P2PWorld, whose calls check their arguments")
 _P2P = "kvref.impl.reference.offload.p2p"
+#: the multi-tier offloading reference's building blocks
+TIERING = ("building block of the tiering reference (as vLLM's secondary tiers, AsyncLookupManager and back-pressure "
+           "policies are driven only by TieringOffloadingManager): called by the manager with its own checked "
+           "arguments, or by the harness kvref.models.machines.tiering; the manager, the primary tier, the "
+           "detector and the clock are fuzzed")
+_TIER = "kvref.impl.reference.offload.tiering"
 
 
 def _each(module: str, names: str, reason: str) -> dict[str, str]:
@@ -65,6 +71,21 @@ def _each(module: str, names: str, reason: str) -> dict[str, str]:
 
 
 EXCLUDED: dict[str, str] = {
+    **_each(f"{_TIER}.async_lookup", "AsyncLookupManager AsyncLookupManager.cleanup AsyncLookupManager.lookup "
+            "AsyncLookupManager.mark_miss LookupPhase LookupState", TIERING),
+    **_each(f"{_TIER}.backpressure", "DropStorePolicy.on_store_skipped DropStorePolicy.should_store "
+            "ThrottledDropPolicy.should_store EMABackpressureDetector.on_store_completed EMABackpressureDetector.reset "
+            "EMABackpressureDetector.should_store EMABackpressureDetector.update", TIERING),
+    **_each(f"{_TIER}.example_tier", "ExampleTier ExampleTier.lookup ExampleTier.submit_load ExampleTier.submit_store",
+            TIERING),
+    **_each(f"{_TIER}.fs_tier", "FileSystemTier FileSystemTier.finish_job FileSystemTier.lookup "
+            "FileSystemTier.lose_file FileSystemTier.on_request_finished FileSystemTier.submit_load "
+            "FileSystemTier.submit_store", TIERING),
+    **_each(f"{_TIER}.manager", "PendingPromotion RequestState", RECORD),
+    **_each(f"{_TIER}.tier_base", "JobResult TransferJob TierEvent", RECORD),
+    **_each(f"{_TIER}.tier_base", "PrimaryBuffer PrimaryBuffer.read PrimaryBuffer.write", TIERING),
+    **_each(f"{_TIER}.tier_base", "SecondaryTier SecondaryTier.lookup SecondaryTier.on_new_request "
+            "SecondaryTier.on_request_finished SecondaryTier.submit_load SecondaryTier.submit_store", ABSTRACT),
     **_each(f"{_REF}.block_hash_to_block_map", "BlockHashToBlockMap BlockHashToBlockMap.contain "
             "BlockHashToBlockMap.get_one_block BlockHashToBlockMap.insert BlockHashToBlockMap.pop", INTERNAL),
     **_each(f"{_REF}.free_block_queue", "FreeKVCacheBlockQueue FreeKVCacheBlockQueue.append "

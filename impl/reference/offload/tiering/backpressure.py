@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvref.spec.errors import InvalidFieldError
+import math
+
+from kvref.spec.errors import InvalidFieldError, check_int
 
 MIB = 1 << 20
 HEALTHY_THRESHOLD = 10
@@ -56,6 +58,7 @@ class ThrottledDropPolicy(DropStorePolicy):
     """Drop a share ``min(1, overshoot / ramp_factor)`` of stores, ``overshoot = (ema-high)/high``."""
 
     def __init__(self, ramp_factor: float = 2.0) -> None:
+        _check_seconds("ramp_factor", ramp_factor, positive=True)
         super().__init__()
         self.ramp_factor = ramp_factor
         self.drop_accumulator = 0.0
@@ -83,12 +86,22 @@ class ThrottledDropPolicy(DropStorePolicy):
         self.drop_accumulator = 0.0
 
 
+def _check_seconds(name: str, value, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (
+            positive and value == 0):
+        raise InvalidFieldError(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
+
+
 POLICIES = {"DropStorePolicy": DropStorePolicy, "ThrottledDropPolicy": ThrottledDropPolicy}
 
 
 def default_config(tier_type: str, locality: str | None = None) -> dict:
     """Water marks by medium: network (obj, or ``locality="REMOTE"``) or local disk; storage
     tiers (fs, obj) also trip on 3 consecutive failures."""
+    if not isinstance(tier_type, str) or not tier_type:
+        raise InvalidFieldError("tier_type", tier_type, "a tier type name (\"fs\", \"obj\", ...)")
+    if locality is not None and not isinstance(locality, str):
+        raise InvalidFieldError("locality", locality, "\"LOCAL\", \"REMOTE\" or None")
     remote = locality is not None and locality.upper() == "REMOTE"
     cfg: dict = ({"high_water_s": 0.050, "low_water_s": 0.010} if remote or tier_type == "obj"
                  else {"high_water_s": 0.010, "low_water_s": 0.002})
@@ -104,13 +117,19 @@ class EMABackpressureDetector:
                  warmup_completions: int = 10, decay_half_life_s: float = 2.0, cooldown_s: float = 1.0,
                  failure_threshold: int | None = None, policy: DropStorePolicy | None = None,
                  clock: Callable[[], float] | None = None) -> None:
-        if not (0 < alpha <= 1):
+        _check_seconds("high_water_s", high_water_s)
+        _check_seconds("low_water_s", low_water_s)
+        _check_seconds("decay_half_life_s", decay_half_life_s)
+        _check_seconds("cooldown_s", cooldown_s)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0 < alpha <= 1):
             raise InvalidFieldError("alpha", alpha, "a number in (0, 1]")
+        check_int("warmup_completions", warmup_completions, minimum=0)
+        check_int("failure_threshold", failure_threshold, minimum=1, allow_none=True)
+        if policy is not None and not isinstance(policy, DropStorePolicy):
+            raise InvalidFieldError("policy", policy, "a DropStorePolicy or ThrottledDropPolicy, or None")
         if low_water_s > high_water_s:
             raise InvalidFieldError("low_water_s", low_water_s, f"<= high_water_s ({high_water_s})")
-        if failure_threshold is not None and failure_threshold < 1:
-            raise InvalidFieldError("failure_threshold", failure_threshold, "an int >= 1 or None")
-        if clock is None:
+        if not callable(clock):
             raise InvalidFieldError("clock", clock, "a callable returning monotonic seconds")
         self.high_water_s, self.low_water_s, self.alpha = high_water_s, low_water_s, alpha
         self.warmup_completions, self.decay_half_life_s = warmup_completions, decay_half_life_s

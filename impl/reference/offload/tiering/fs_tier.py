@@ -35,7 +35,10 @@ class FileSystemTier(SecondaryTier):
         self.store_keys: dict[int, tuple[OffloadKey, ...]] = {}  # finished stores not yet collected
         self.finished: list[JobResult] = []
         self.events: list[TierEvent] | None = [] if enable_events else None
-        self.lookups = AsyncLookupManager(lambda key: key in self.files)
+        self.lookups = AsyncLookupManager(self._has_file)
+
+    def _has_file(self, key: OffloadKey) -> bool:
+        return key in self.files
 
     # -- scheduler-side calls ----------------------------------------------------------------
 

@@ -33,8 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 
+from ..cpu_offloading_manager import _check_keys
 from ..keys import LookupResult, OffloadKey, OffloadStateError, RequestContext
 from .primary_tier import CPUPrimaryTier
 from .tier_base import JobResult, SecondaryTier, TransferJob
@@ -67,6 +68,11 @@ class TieringOffloadingManager:
     def __init__(self, primary: CPUPrimaryTier, tiers: Sequence[SecondaryTier], clock: Callable[[], float]) -> None:
         if not isinstance(primary, CPUPrimaryTier):
             raise InvalidFieldError("primary", primary, "a CPUPrimaryTier")
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not all(
+                isinstance(t, SecondaryTier) and t.primary is primary.buffer for t in tiers):
+            raise InvalidFieldError("tiers", tiers, "a sequence of SecondaryTier built on this primary tier's buffer")
+        if not callable(clock):
+            raise InvalidFieldError("clock", clock, "a callable returning monotonic seconds")
         self.primary = primary
         self.tiers = list(tiers)
         self.clock = clock
@@ -78,6 +84,7 @@ class TieringOffloadingManager:
         self.req_state: dict[str, RequestState] = {}
         self.load_sources: dict[str, dict[OffloadKey, str]] = {}
         self.counters: Counter = Counter()
+        self.load_pins: Counter = Counter()  # pins held by GPU loads (prepare_load), per key
 
     # -- jobs ---------------------------------------------------------------------------------
 
@@ -91,7 +98,14 @@ class TieringOffloadingManager:
         self.jobs[job.job_id] = (job, tier_idx)
         return job
 
-    def create_store_job(self, keys: Collection[OffloadKey], ctx: RequestContext, tier_idx: int) -> TransferJob:
+    def _create_store_job(self, keys: Collection[OffloadKey], ctx: RequestContext, tier_idx: int) -> TransferJob:
+        """Pin ``keys`` (ready primary chunks) and register a cascade to tier ``tier_idx``; the
+        caller submits it (vLLM's ``ParentManager.create_store_job``)."""
+        keys = _check_keys("keys", keys)
+        self._state(ctx)
+        check_int("tier_idx", tier_idx, minimum=0)
+        if tier_idx >= len(self.tiers):
+            raise InvalidFieldError("tier_idx", tier_idx, f"a tier index < {len(self.tiers)}")
         return self._register(keys, self.primary.prepare_read(keys), False, ctx, tier_idx)
 
     def _maybe_process_finished_jobs(self) -> None:
@@ -116,7 +130,7 @@ class TieringOffloadingManager:
                 if job.is_promotion:
                     self._complete_promotion(job, i, res)
                 else:
-                    self.primary.complete_load(job.keys, self.req_ctx(job.req_id))
+                    self.primary.complete_load(job.keys, self._req_ctx(job.req_id))
                     self._update_backpressure(tier, job, res)
 
     def _count_finished(self, job: TransferJob, i: int, res: JobResult) -> None:
@@ -148,7 +162,7 @@ class TieringOffloadingManager:
             for key in failed:
                 if sources.get(key) == self.tiers[i].cache_hit_source:
                     del sources[key]
-        ctx = self.req_ctx(job.req_id)
+        ctx = self._req_ctx(job.req_id)
         if ok:
             self.primary.complete_store(ok, ctx, True)
         if failed:
@@ -169,7 +183,7 @@ class TieringOffloadingManager:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def req_ctx(self, req_id: str) -> RequestContext | None:
+    def _req_ctx(self, req_id: str) -> RequestContext | None:
         st = self.req_state.get(req_id)
         return st.ctx if st is not None else None
 
@@ -207,6 +221,7 @@ class TieringOffloadingManager:
     # -- the OffloadingManager calls ------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: RequestContext) -> LookupResult:
+        _check_keys("key", (key,))
         self._state(ctx)
         self._maybe_process_finished_jobs()
         found = self.primary.lookup(key, ctx)
@@ -236,6 +251,10 @@ class TieringOffloadingManager:
         return True
 
     def get_load_source(self, key: OffloadKey, ctx: RequestContext) -> str:
+        """Where a hit on ``key`` for this request came from: "DISK"/"HOST" of the tier it was
+        promoted from, else "HOST" (the primary tier)."""
+        _check_keys("key", (key,))
+        self._state(ctx)
         sources = self.load_sources.get(ctx.req_id)
         if sources is not None and key in sources:
             return sources[key]
@@ -243,15 +262,32 @@ class TieringOffloadingManager:
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: RequestContext) -> list[int]:
         self._state(ctx)
-        return self.primary.prepare_load(keys, ctx)
+        ids = self.primary.prepare_load(keys, ctx)
+        self.load_pins.update(keys)
+        return ids
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: RequestContext) -> None:
+        """Releases pins of ``prepare_load`` only: a cascade's pin is not the GPU's to release.
+        The request may have finished meanwhile (its loads still complete)."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(ctx, RequestContext):
+            raise InvalidFieldError("ctx", ctx, "a RequestContext")
+        need = Counter(keys)
+        short = {k: self.load_pins[k] for k, n in need.items() if self.load_pins[k] < n}
+        if short:
+            raise OffloadStateError(f"keys: GPU loads hold only {short} pins of {dict(need)} released")
         self.primary.complete_load(keys, ctx)
+        self.load_pins.subtract(need)
+        self.load_pins = +self.load_pins
 
     def touch(self, keys: Collection[OffloadKey], ctx: RequestContext) -> None:
+        self._state(ctx)
         self.primary.touch(keys, ctx)
 
     def prepare_store(self, keys: Collection[OffloadKey], ctx: RequestContext):
+        keys = _check_keys("keys", keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidFieldError("keys", keys, "distinct offload keys")
         st = self._state(ctx)
         self.processed_this_step = True
         self._process_finished_jobs()
@@ -263,15 +299,23 @@ class TieringOffloadingManager:
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], ctx: RequestContext, success: bool = True) -> None:
+        """The GPU->primary store of ``keys`` (the ``keys_to_store`` of one ``prepare_store``) ended."""
+        keys = _check_keys("keys", keys)
+        if not isinstance(success, bool):
+            raise InvalidFieldError("success", success, "a bool")
         st = self._state(ctx)
         if st.pending_primary_stores <= 0:
             raise OffloadStateError(f"ctx: request {ctx.req_id!r} has no GPU->primary store pending")
+        if success:
+            state = self.primary.chunk_state()
+            if any(k not in state or state[k][1] != -1 for k in keys):
+                raise OffloadStateError(f"keys: {keys!r} are not all primary chunks being written")
         self.primary.complete_store(keys, ctx, success)
         if success:
             for i, tier in enumerate(self.tiers):
                 if not self._should_store_to_tier(tier, len(keys)):
                     continue
-                tier.submit_store(self.create_store_job(keys, ctx, i))
+                tier.submit_store(self._create_store_job(keys, ctx, i))
         st.pending_primary_stores -= 1
         self._maybe_finalize(ctx.req_id)
 
@@ -312,6 +356,7 @@ class TieringOffloadingManager:
                     tier.on_request_finished(req_id)
                 finished.append(req_id)
         self.primary.reset_cache()
+        self.load_pins.clear()
         for req_id in finished:
             del self.req_state[req_id]
         self.processed_this_step = False
@@ -372,8 +417,12 @@ class TieringOffloadingManager:
         for k, n in promoting.items():
             assert n == 1, f"{k!r} is being promoted {n} times at once"
             assert k in state and state[k][1] == -1, f"{k!r} is promoted into a slot that is not reserved"
-        for k, n in cascade_pins.items():
-            assert k in state and state[k][1] >= n, f"{k!r} is read by {n} cascades but pinned {state.get(k)}"
+        for k in set(cascade_pins) | set(self.load_pins):
+            pins = cascade_pins[k] + self.load_pins[k]
+            assert k in state and state[k][1] == pins, (
+                f"{k!r} has {cascade_pins[k]} cascades and {self.load_pins[k]} GPU loads but ref count {state.get(k)}")
+        for k, (_, ref) in state.items():
+            assert ref <= 0 or cascade_pins[k] + self.load_pins[k] == ref, f"{k!r} pinned {ref} times by nobody"
         for req_id, st in self.req_state.items():
             assert st.pending_primary_stores >= 0
             assert st.ctx.req_id == req_id

@@ -10,14 +10,25 @@ from __future__ import annotations
 
 from typing import Collection
 
+from kvref.spec.errors import InvalidFieldError, check_int
+
 from ..cpu_offloading_manager import CPUOffloadingManager, _check_keys
 from ..keys import OffloadKey, OffloadStateError
 from .tier_base import PrimaryBuffer
 
 
+#: the largest primary buffer the reference allocates (it keeps every byte)
+MAX_BUFFER_BYTES = 1 << 30
+
+
 class CPUPrimaryTier(CPUOffloadingManager):
     def __init__(self, num_chunks: int, row_bytes: int, cache_policy: str = "lru",
                  enable_events: bool = False) -> None:
+        check_int("row_bytes", row_bytes, minimum=1)
+        check_int("num_chunks", num_chunks, minimum=1)
+        if num_chunks * row_bytes > MAX_BUFFER_BYTES:
+            raise InvalidFieldError("num_chunks", num_chunks, f"num_chunks * row_bytes <= {MAX_BUFFER_BYTES} "
+                                                              "(the model holds the buffer in memory)")
         super().__init__(num_chunks, cache_policy=cache_policy, enable_events=enable_events)
         self.buffer = PrimaryBuffer(num_chunks, row_bytes)
 
