@@ -136,6 +136,24 @@ class CacheControlsMachine(SchedulerMachine):
         self.num_added += 1
         self.driver.add(spec)
 
+    @precondition(lambda self: self.num_added < MAX_REQUESTS + MAX_FOLLOW_UPS and self.driver.config.policy == PRIORITY
+                  and self.driver.last_snapshot is not None and self.driver.last_snapshot.running)
+    @rule(data=st.data())
+    def urgent_arrival(self, data):
+        """PRIORITY: a request more urgent than every running one arrives while they decode. It is
+        admitted behind them in the running queue, so when it cannot grow on a dry pool vLLM's
+        victim (the least urgent, latest) sits *before* it and was already scheduled this step:
+        vLLM takes that request's tokens back into the budget (arrivals of random priority are
+        admitted mostly in priority order and seldom get there)."""
+        pool = self.driver.pool
+        spec = data.draw(request_specs(self.num_added, pool.max_model_len // 2 + 1,
+                                       min_length=2 * pool.scheduler_block_size))
+        urgent = min(s.priority for s in self.driver.specs.values()) - 1
+        spec = replace(spec, priority=urgent)
+        COVERAGE["urgent_arrivals"] += 1
+        self.num_added += 1
+        self.driver.add(spec)
+
     @precondition(lambda self: self.driver.num_resets < MAX_RESETS)
     @rule(reset_running_requests=st.booleans(), reset_connector=st.booleans())
     def reset_prefix_cache(self, reset_running_requests, reset_connector):

@@ -33,7 +33,7 @@ def test_cache_control_traces_match_vllm_and_reach_every_control(vllm_scheduler)
     c = run.coverage
     assert run.traces >= 10
     for path in ("salted_arrivals", "skip_reading_arrivals", "follow_ups", "reset_prefix_cache_done",
-                 "prefix_hits", "prefill_chunks", "spec_draft_updates"):
+                 "prefix_hits", "prefill_chunks", "spec_draft_updates", "urgent_arrivals"):
         assert c.get(path, 0) > 0, (path, c)
 
 
