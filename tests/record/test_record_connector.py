@@ -218,3 +218,36 @@ def test_a_demo_fault_planted_into_vllm_shows_in_connector_runs(fault, tmp_path)
         runs = record_connector_runs(tmp_path, profile_examples(12, 12), seed=2, strict=False)
     found = [run for run in runs if check_trace(run.path).divergence is not None]
     assert found, f"{fault}: no divergence in {len(runs)} connector runs"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_run_with_vllms_own_offloading_connector_is_replayed(async_scheduling, tmp_path, monkeypatch):
+    """vLLM's real OffloadingConnector (CPU tier) inside its scheduler: loads back from the CPU tier
+    (async, "ask again"), external hits in the metrics; the replay agrees step by step. A promotion
+    that drops the last loaded block (a bug planted into vLLM's _update_waiting_for_remote_kv) is a
+    divergence."""
+    require_vllm()
+    from kvref.models.run_check.connector_runs import trace_shows
+    from kvref.impl.vllm.record_offload import record_offloading_run
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    path = record_offloading_run(tmp_path / "offload.kvtrace.gz", seed=1, async_scheduling=async_scheduling)
+    r = check_trace(path, check_invariants_every=1)
+    assert r.ok and r.followed and r.steps_compared == r.summary["steps"], r.divergence and r.divergence.table()
+    assert r.header["connector"]["classes"] == ["OffloadingConnector"]
+    shows = trace_shows(path)
+    assert shows["m_async"] > 0 and shows["kvo_r"] > 0 and shows["stats_external_hits"] > 0, dict(shows)
+
+    original = Scheduler._update_waiting_for_remote_kv
+
+    def drops_a_block(self, request):
+        failed = request.request_id in self.failed_recving_kv_req_ids
+        original(self, request)
+        if not failed and request.num_computed_tokens >= 2 * self.block_size:
+            request.num_computed_tokens -= self.block_size
+
+    monkeypatch.setattr(Scheduler, "_update_waiting_for_remote_kv", drops_a_block)
+    bad = record_offloading_run(tmp_path / "planted.kvtrace.gz", seed=1, async_scheduling=async_scheduling)
+    monkeypatch.undo()
+    r = check_trace(bad)
+    assert r.divergence is not None and r.divergence.call == "schedule" and r.verdict == "FINDINGS"
