@@ -76,9 +76,11 @@ def virtual_time(clock: VirtualClock):
     import logging
 
     mods = [importlib.import_module(m) for m in _TIME_MODULES]
-    pool_log = logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool")
-    level = pool_log.level
-    pool_log.setLevel(logging.CRITICAL)  # the trace's injected I/O errors are expected, not news
+    quiet = [logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool"),  # injected I/O errors are expected
+             logging.getLogger("vllm.v1.kv_offload.tiering.factory")]  # so is kvref's out-of-tree tier
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
     with _PROXY_LOCK:
         saved = [m.time for m in mods]
         for m in mods:
@@ -91,7 +93,8 @@ def virtual_time(clock: VirtualClock):
             _PROXY.clock = None
             for m, t in zip(mods, saved):
                 m.time = t
-        pool_log.setLevel(level)
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
 
 
 class GatedQueue:
@@ -292,13 +295,14 @@ class VllmTiering:
                 for t, by in self.manager._pending_load_submissions.items()}
 
     def req_state(self) -> dict[str, tuple]:
-        return {r: (s.pending_primary_stores, s.is_finished) for r, s in self.manager._req_state.items()}
+        return {r: (s.pending_primary_stores, s.is_finished, s.request_level_tiers,
+                    tuple(bytes(k) for k in s.pending_cascade_keys)) for r, s in self.manager._req_state.items()}
 
     def stored_keys(self, tier_idx: int, universe) -> set[bytes]:
         tier = self.tiers[tier_idx]
         if tier.tier_type == "fs":
             return {k for k in universe if os.path.exists(tier.file_mapper.get_file_name(k))}
-        return {bytes(k) for k in tier.chunks}
+        return {bytes(k) for k in tier.chunks}  # the example tier and kvref's RequestLevelTier
 
     def lookup_state(self, tier_idx: int) -> dict:
         lm = self.tiers[tier_idx]._lookup_manager

@@ -31,7 +31,11 @@ from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManage
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
 
 ROW_BYTES = 4096
-TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"))
+#: "RequestLevelTier": vLLM's example tier asking for request-level offloading, loaded as an
+#: out-of-tree tier (kvref.impl.vllm.tiering_tiers)
+REQUEST_LEVEL = "RequestLevelTier"
+TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"), ("fs", REQUEST_LEVEL),
+                (REQUEST_LEVEL, "fs"))
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
 
 
@@ -59,6 +63,8 @@ class TieringConfig:
         out = []
         for t in self.tiers:
             cfg: dict = {"type": t}
+            if t == REQUEST_LEVEL:
+                cfg["module_path"] = "kvref.impl.vllm.tiering_tiers"
             if t == "fs" and self.backpressure:
                 cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": self.backpressure,
                                        "warmup_completions": self.warmup}
@@ -97,7 +103,7 @@ class TieringWorld:
                 det = EMABackpressureDetector(**default_config("fs"), warmup_completions=cfg.warmup,
                                               policy=POLICIES[cfg.backpressure](), clock=self.clock.monotonic)
             tiers.append(FileSystemTier(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True) if t == "fs"
-                         else ExampleTier(t, self.primary.buffer, det))
+                         else ExampleTier(t, self.primary.buffer, det, "request" if t == REQUEST_LEVEL else "chunk"))
         self.ref = TieringOffloadingManager(self.primary, tiers, self.clock.monotonic)
         self.vllm = build_vllm_tiering(cfg.num_chunks, cfg.vllm_tier_configs(), self.clock, cfg.cache_policy)
         self.ctx: dict[str, RequestContext] = {}
@@ -106,7 +112,7 @@ class TieringWorld:
         self.out = _Outstanding()
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
-                      "partial_promotions": 0}
+                      "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -174,8 +180,10 @@ class TieringWorld:
         if rid is None:
             return
         keys = list(dict.fromkeys(self.keys[k % len(self.keys)] for k in ks))
+        jobs_before = self.ref.job_counter
         r, v = self._both("prepare_store", lambda: self.ref.prepare_store(keys, self.ctx[rid]),
                           lambda: self.vllm.manager.prepare_store(keys, self._vctx(rid)))
+        self.stats["request_level_cascades"] += self.ref.job_counter - jobs_before
         rr = None if r is None else (list(r.keys_to_store), list(r.chunk_ids), list(r.evicted_keys))
         vv = None if v is None else ([bytes(k) for k in v.keys_to_store], [int(c) for c in v.store_spec.chunk_ids],
                                      [bytes(k) for k in v.evicted_keys])
@@ -320,6 +328,7 @@ class TieringWorld:
 
     def compare(self, op) -> None:
         self.ref.check_invariants()
+        self.stats["parked_cascade_steps"] += any(st.pending_cascade_keys for st in self.ref.req_state.values())
         v = self.vllm
         diffs = []
 
@@ -332,8 +341,8 @@ class TieringWorld:
                       for j, (job, i) in self.ref.jobs.items()}, v.jobs())
         same("queued promotions", {t: {r: (tuple(e.keys), tuple(e.chunk_ids)) for r, e in by.items()}
                                    for t, by in self.ref.pending_loads.items()}, v.pending_loads())
-        same("requests", {r: (s.pending_primary_stores, s.is_finished) for r, s in self.ref.req_state.items()},
-             v.req_state())
+        same("requests", {r: (s.pending_primary_stores, s.is_finished, s.request_level_tiers, tuple(s.pending_cascade_keys))
+                          for r, s in self.ref.req_state.items()}, v.req_state())
         same("has_pending_work", self.ref.has_pending_work(), v.manager.has_pending_work())
         for i, tier in enumerate(self.ref.tiers):
             same(f"tier #{i} keys", tier.stored_keys(), v.stored_keys(i, self.keys))

@@ -33,6 +33,7 @@ def test_generated_traces_agree_and_reach_the_tiering_paths():
     assert stats["fs_promotions"] > 0 and stats["fs_promotions_checked"] > 0
     assert stats["evictions"] > 0 and stats["stores_refused"] > 0
     assert stats["io_errors"] > 0
+    assert stats["request_level_cascades"] > 0  # kvref's out-of-tree request-level tier
 
 
 @settings(max_examples=profile_examples(8, 30), deadline=None, suppress_health_check=list(HealthCheck),
@@ -130,6 +131,12 @@ def test_finds_a_failed_load_that_keeps_its_lookup_verdict(monkeypatch):
     """vLLM #49176: a failed promotion must mark its keys absent, or the lookup keeps promising them."""
     msg = _finds(monkeypatch, "vllm.v1.kv_offload.tiering.async_lookup:AsyncLookupManager.mark_miss",
                  lambda orig: lambda self, keys: None, seeds=range(20))
+    assert "vLLM" in msg
+
+
+def test_finds_request_level_cascades_that_skip_chunks_already_stored(monkeypatch):
+    msg = _finds(monkeypatch, f"{M}:TieringOffloadingManager._cascade_existing_chunks_to_request_level_tiers",
+                 lambda orig: lambda self, keys, req_context, tiers: None)
     assert "vLLM" in msg
 
 

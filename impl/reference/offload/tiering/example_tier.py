@@ -14,10 +14,16 @@ from .tier_base import MEDIUM_CPU, JobResult, SecondaryTier, TransferJob
 class ExampleTier(SecondaryTier):
     medium = MEDIUM_CPU
 
-    def __init__(self, tier_type: str, primary, bp_detector=None) -> None:
+    def __init__(self, tier_type: str, primary, bp_detector=None, level: str = "chunk") -> None:
+        """``level="request"``: the tier asks for request-level offloading (kvref's out-of-tree
+        ``RequestLevelTier`` on the vLLM side, ``kvref.impl.vllm.tiering_tiers``)."""
         super().__init__(tier_type, primary, bp_detector)
+        self.level = level
         self.chunks: dict[OffloadKey, bool] = {}
         self.completed: list[JobResult] = []
+
+    def on_new_request(self, req_id: str) -> str:
+        return self.level
 
     def lookup(self, key: OffloadKey, req_id: str) -> LookupResult:
         return LookupResult.HIT if key in self.chunks else LookupResult.MISS

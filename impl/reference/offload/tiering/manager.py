@@ -56,6 +56,8 @@ class RequestState:
     ctx: RequestContext
     pending_primary_stores: int = 0
     is_finished: bool = False
+    request_level_tiers: set[int] | None = None
+    pending_cascade_keys: list[OffloadKey] = field(default_factory=list)
 
 
 class TieringOffloadingManager:
@@ -196,12 +198,13 @@ class TieringOffloadingManager:
         """Returns "request" when any tier wants request-level offloading, else "chunk"."""
         if not isinstance(ctx, RequestContext):
             raise InvalidFieldError("ctx", ctx, "a RequestContext")
-        level = [tier.on_new_request(ctx.req_id) for tier in self.tiers]
-        if "request" in level:
-            raise InvalidFieldError("tiers", level, "chunk-level tiers (request-level cascades are not modelled)")
-        self.req_state[ctx.req_id] = RequestState(ctx)
+        st = RequestState(ctx)
+        for i, tier in enumerate(self.tiers):
+            if tier.on_new_request(ctx.req_id) == "request":
+                st.request_level_tiers = (st.request_level_tiers or set()) | {i}
+        self.req_state[ctx.req_id] = st
         self.primary.on_new_request(ctx)
-        return "chunk"
+        return "request" if st.request_level_tiers else "chunk"
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         st = self._state(ctx)
@@ -211,7 +214,7 @@ class TieringOffloadingManager:
 
     def _maybe_finalize(self, req_id: str) -> None:
         st = self.req_state[req_id]
-        if not st.is_finished or st.pending_primary_stores:
+        if not st.is_finished or st.pending_primary_stores or st.pending_cascade_keys:
             return
         for tier in self.tiers:
             tier.on_request_finished(req_id)
@@ -296,7 +299,31 @@ class TieringOffloadingManager:
             return None
         if out.keys_to_store:
             st.pending_primary_stores += 1
+        if st.request_level_tiers:
+            # a request-level tier wants the request's whole prefix: chunks the primary tier already
+            # holds are cascaded to it now (newly stored ones cascade at complete_store)
+            new = set(out.keys_to_store)
+            existing = [k for k in keys if k not in new]
+            if existing:
+                self._cascade_existing(existing, ctx, st)
         return out
+
+    def _cascade_existing(self, keys: list[OffloadKey], ctx: RequestContext, st: RequestState) -> None:
+        """Cascade ready chunks to the request-level tiers; park chunks still being written
+        (HIT_PENDING): the scheduler moves past them and never offers them again, so they are
+        retried at every end of step until they resolve; absent ones are dropped."""
+        ready = []
+        for key in keys:
+            found = self.primary.lookup(key, ctx)
+            if found is LookupResult.HIT:
+                ready.append(key)
+            elif found is LookupResult.HIT_PENDING:
+                st.pending_cascade_keys.append(key)
+        if not ready:
+            return
+        for i in st.request_level_tiers:
+            if self._should_store_to_tier(self.tiers[i], len(ready)):
+                self.tiers[i].submit_store(self._create_store_job(ready, ctx, i))
 
     def complete_store(self, keys: Collection[OffloadKey], ctx: RequestContext, success: bool = True) -> None:
         """The GPU->primary store of ``keys`` (the ``keys_to_store`` of one ``prepare_store``) ended."""
@@ -327,11 +354,17 @@ class TieringOffloadingManager:
                 job = self._register(entry.keys, entry.chunk_ids, True, entry.ctx, i)
                 self.tiers[i].submit_load(job)
         self.pending_loads.clear()
+        for req_id, st in list(self.req_state.items()):
+            if st.pending_cascade_keys:
+                keys, st.pending_cascade_keys = st.pending_cascade_keys, []
+                self._cascade_existing(keys, st.ctx, st)
+                self._maybe_finalize(req_id)
         for tier in self.tiers:
             tier.on_schedule_end()
 
     def has_pending_work(self) -> bool:
-        return bool(self.jobs) or any(t.has_pending_work() for t in self.tiers)
+        return (bool(self.jobs) or any(st.pending_cascade_keys for st in self.req_state.values())
+                or any(t.has_pending_work() for t in self.tiers))
 
     def take_events(self) -> list[tuple[tuple[OffloadKey, ...], str, bool]]:
         out = [(tuple(e.keys), "CPU", e.removed) for e in self.primary.take_events()]
@@ -351,6 +384,7 @@ class TieringOffloadingManager:
         finished = []
         for req_id, st in self.req_state.items():
             st.pending_primary_stores = 0
+            st.pending_cascade_keys.clear()
             if st.is_finished:
                 for tier in self.tiers:
                     tier.on_request_finished(req_id)
