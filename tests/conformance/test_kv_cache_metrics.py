@@ -85,11 +85,13 @@ def test_a_bad_sample_rate_names_the_field(bad):
         KVCacheMetricsCollector(bad)
 
 
-def test_an_idle_time_beyond_the_lifetime_is_reported():
+def test_impossible_event_times_are_reported():
     from kvref.impl.reference.kv_cache_metrics import KVCacheEvictionEvent
 
-    assert event_time_errors(KVCacheEvictionEvent(1.0, 2.0, ()))
+    assert event_time_errors(KVCacheEvictionEvent(1.0, -2.0, ()))
     assert event_time_errors(KVCacheEvictionEvent(1.0, 0.5, (0.9, 0.9)))
+    assert event_time_errors(KVCacheEvictionEvent(1.0, 0.5, (0.1, -0.1)))
+    assert not event_time_errors(KVCacheEvictionEvent(1.0, 1.0001, ()))  # vLLM's second clock read
     assert not event_time_errors(KVCacheEvictionEvent(1.0, 0.5, (0.2, 0.3)))
 
 
