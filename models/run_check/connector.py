@@ -177,6 +177,11 @@ class TraceConnector(SchedulerConnector):
     def reset_cache(self) -> bool | None:
         return self._next("r", [])[1]
 
+    def check_invariants(self) -> None:
+        assert 0 <= self._pos <= len(self._script), "answered past the recorded list"
+        assert all(e[0] in _NAMES for e in self._script), "an unknown connector call in the script"
+        assert set(self._async) >= self._looked_up, "a lookup without its async flag"
+
 
 def multi_violation(e: list) -> str | None:
     """Whether a recorded entry's children's answers break vLLM's ``MultiConnector`` rules (None: they

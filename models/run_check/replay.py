@@ -225,6 +225,10 @@ class LockstepReplay:
         except ValueError as exc:  # the reference refuses the call vLLM made (e.g. a step never settled)
             self._diverge(Divergence(line, step, call, f"the reference refuses the call: {exc}"))
             return False
+        except AssertionError as exc:  # e.g. a recorded hit longer than the request: vLLM asserts too
+            self._diverge(Divergence(line, step, call, "the reference cannot take what vLLM's connector answered: "
+                                     f"{exc or 'an internal check failed'}"))
+            return False
         return True
 
     def _reset(self, line: int, rec: dict) -> None:
@@ -480,4 +484,6 @@ class LockstepReplay:
             # a finished request stays in the scheduler while its connector still sends its blocks
             assert set(self._live) == {rid for rid, r in self.scheduler.requests.items()
                                        if r.status != RequestStatus.FINISHED}, "replay's live set out of step"
+        if self.connector is not None:
+            self.connector.check_invariants()
         assert len(self._in_flight) <= 2

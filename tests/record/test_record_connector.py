@@ -251,3 +251,23 @@ def test_a_run_with_vllms_own_offloading_connector_is_replayed(async_scheduling,
     monkeypatch.undo()
     r = check_trace(bad)
     assert r.divergence is not None and r.divergence.call == "schedule" and r.verdict == "FINDINGS"
+
+
+def test_an_answer_longer_than_the_request_is_a_finding_not_a_traceback(recorded, tmp_path):
+    """A connector answering more tokens than the request holds (vLLM asserts on it) is reported at
+    its step, whatever the reference's own checks say."""
+    run = max(recorded, key=lambda r: r.shows["m_async"])
+    changed = {"done": False}
+
+    def too_long(rec):
+        for e in rec.get("kv") or ():
+            if e[0] == "m" and e[3] and not changed["done"]:
+                e[3] += 10_000
+                changed["done"] = True
+        return rec
+
+    dst = tmp_path / "too-long.kvtrace.gz"
+    _rewrite(run.path, dst, too_long)
+    assert changed["done"]
+    r = check_trace(dst)
+    assert r.divergence is not None and r.verdict == "FINDINGS"
