@@ -174,7 +174,8 @@ def cache_controls_setups():
     machine's storms are FCFS: here a victim of lower priority may have been scheduled earlier in
     the same step, and vLLM gives its tokens back to the budget); prefix caching on; as drawn or
     roomy."""
-    drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS), scheduler_setups(),
+    mamba = scheduler_setups(kinds=MAMBA_ALIGN_KINDS)  # twice: their partial hits and copies need traces
+    drawn = st.one_of(mamba, mamba, scheduler_setups(),
                       scheduler_setups(spec=True, async_scheduling=False),
                       scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
