@@ -326,14 +326,12 @@ class VllmTiering:
         return [(tuple(bytes(k) for k in e.keys), e.medium.name, e.removed) for e in self.manager.take_events()]
 
     def take_stats(self, prefix: str = "vllm:kv_offload_tiering_") -> dict[str, float]:
-        """``get_stats().reduce()`` cut to the tiering metrics kvref models (lookup counts and
-        delays are left out: docs/differences.md)."""
+        """``get_stats().reduce()`` cut to the tiering metrics (the primary tier's own are
+        conform-offload's)."""
         stats = self.manager.get_stats()
         if stats is None:
             return {}
-        skip = ("chunk_queries", "chunk_hits", "lookup_sync_delay", "lookup_async_delay")
-        return {k: v for k, v in stats.reduce().items()
-                if k.startswith(prefix) and not any(s in k for s in skip)}
+        return {k: v for k, v in stats.reduce().items() if k.startswith(prefix)}
 
 
 def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",

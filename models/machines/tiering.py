@@ -51,13 +51,15 @@ class TieringConfig:
     backpressure: str | None = None  # None or a policy class name
     warmup: int = 2
     num_keys: int = 8
+    report_scheduled: bool = True  # end of step names newly scheduled requests (lookup counting stops)
 
     @staticmethod
     def random(rng: random.Random) -> "TieringConfig":
         return TieringConfig(num_chunks=rng.randint(2, 5), tiers=rng.choice(TIER_LAYOUTS),
                              cache_policy=rng.choice(("lru", "lru", "arc")),
                              backpressure=rng.choice((None, "ThrottledDropPolicy", "DropStorePolicy")),
-                             warmup=rng.randint(1, 3), num_keys=rng.randint(6, 10))
+                             warmup=rng.randint(1, 3), num_keys=rng.randint(6, 10),
+                             report_scheduled=rng.random() < 0.5)
 
     def vllm_tier_configs(self) -> list[dict]:
         out = []
@@ -110,6 +112,7 @@ class TieringWorld:
         self.live: list[str] = []  # requests not finished
         self.next_req = 0
         self.out = _Outstanding()
+        self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0}
@@ -150,6 +153,8 @@ class TieringWorld:
         self.next_req += 1
         self.ctx[rid] = RequestContext(rid)
         self.live.append(rid)
+        if self.cfg.report_scheduled:
+            self.unscheduled.append(rid)
         self._both("on_new_request", lambda: self.ref.on_new_request(self.ctx[rid]),
                    lambda: self.vllm.manager.on_new_request(self._vctx(rid)))
 
@@ -245,8 +250,9 @@ class TieringWorld:
 
         self.stats["fs_promotions"] += sum(len(by) for t, by in self.ref.pending_loads.items()
                                            if self.cfg.tiers[t] == "fs")
-        self._both("on_schedule_end", self.ref.on_schedule_end,
-                   lambda: self.vllm.manager.on_schedule_end(schedule_end_context()))
+        new, self.unscheduled = [r for r in self.unscheduled if r in self.live], []
+        self._both("on_schedule_end", lambda: self.ref.on_schedule_end(new),
+                   lambda: self.vllm.manager.on_schedule_end(schedule_end_context(new)))
 
     def op_finish_job(self, t: int, pick: int, io_error: bool) -> None:
         fs = self.fs_tiers()
@@ -447,6 +453,15 @@ def _tail(rng: random.Random, world: TieringWorld):
             yield ("complete_store", 0, True)
         yield ("drain",)
     yield ("finish_request", 0)
+    # a second request offers the keys the primary tier holds: a request-level tier gets them now
+    resident = tuple(i for i, k in enumerate(world.keys) if k in world.primary.chunk_state())
+    if resident:
+        yield ("new_request",)
+        yield ("prepare_store", 0, resident)
+        while world.out.stores:
+            yield ("complete_store", 0, True)
+        yield ("drain",)
+        yield ("finish_request", 0)
     primary = world.primary.chunk_state()
     gone = [i for i, k in enumerate(world.keys) if k not in primary]
     group = tuple(rng.sample(gone, min(len(gone), 3)))

@@ -572,6 +572,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     ref_adapter_case("get_computed_blocks_for_connector", lambda m, r0, r1: dict(request=r1))
     ref_adapter_case("free_holding_view", lambda m, r0, r1: dict(request=r0))
     ref_adapter_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
+    ref_adapter_case("get_computed_blocks_and_boundary", lambda m, r0, r1: dict(request=r1))  # #23 retention
     for kind in ("reference", "torch"):
         ref_adapter_case("get_computed_blocks", lambda m, r0, r1: dict(request=r1), kind)
         ref_adapter_case("allocate_slots", lambda m, r0, r1: dict(
@@ -690,6 +691,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tiering_case("get_load_source", lambda c, k: dict(key=k[0], ctx=c))
     tiering_case("on_new_request", lambda c, k: dict(ctx=RequestContext("r1")))
     tiering_case("on_request_finished", lambda c, k: dict(ctx=c))
+    tiering_case("on_schedule_end", lambda c, k: dict(new_req_ids=["r0"]))
 
     def primary_read():
         m, ctx, keys = _tiering_manager()
@@ -814,6 +816,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     )
     from kvref.spec import kv_cache_interface as kci
     from kvref.spec import kv_zeroing
+    from kvref.spec import prefix_cache_retention as retention
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
     from kvref.impl.reference.offload import offload_events
@@ -849,6 +852,14 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "kv_zeroing.needs_kv_cache_zeroing": (kv_zeroing.needs_kv_cache_zeroing, dict(groups=groups)),
         "kv_zeroing.records_new_block_ids": (kv_zeroing.records_new_block_ids, dict(kv_cache_spec=FULL,
                                                                                     needs_zeroing=True)),
+        # spec: sparse prefix-cache retention (issue #23)
+        "prefix_cache_retention.has_sparse_retention_group": (retention.has_sparse_retention_group,
+                                                              dict(groups=groups)),
+        "prefix_cache_retention.validate_prefix_cache_retention_interval": (
+            retention.validate_prefix_cache_retention_interval,
+            dict(retention_interval=8, scheduler_block_size=4, groups=groups)),
+        "prefix_cache_retention.replay_boundaries": (retention.replay_boundaries,
+                                                     dict(num_prompt_tokens=9, scheduler_block_size=4, use_eagle=True)),
         "get_kv_cache_groups": (grouping.get_kv_cache_groups, dict(layers=layers,
                                                                    disable_hybrid_kv_cache_manager=False)),
         "group_layers_with_uniform_page_size": (grouping.group_layers_with_uniform_page_size, dict(layers=layers)),

@@ -76,8 +76,10 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_TIER}.backpressure", "DropStorePolicy.on_store_skipped DropStorePolicy.should_store "
             "ThrottledDropPolicy.should_store EMABackpressureDetector.on_store_completed EMABackpressureDetector.reset "
             "EMABackpressureDetector.should_store EMABackpressureDetector.update", TIERING),
-    **_each(f"{_TIER}.example_tier", "ExampleTier ExampleTier.lookup ExampleTier.submit_load ExampleTier.submit_store",
-            TIERING),
+    **_each(f"{_TIER}.example_tier", "ExampleTier ExampleTier.lookup ExampleTier.submit_load ExampleTier.submit_store "
+            "ExampleTier.on_new_request", TIERING),
+    **_each(f"{_TIER}.lookup_metrics", "LookupMetrics LookupMetrics.on_lookup LookupMetrics.on_new_request "
+            "LookupMetrics.on_request_allocated LookupMetrics.on_request_finished", TIERING),
     **_each(f"{_TIER}.fs_tier", "FileSystemTier FileSystemTier.finish_job FileSystemTier.lookup "
             "FileSystemTier.lose_file FileSystemTier.on_request_finished FileSystemTier.submit_load "
             "FileSystemTier.submit_store", TIERING),
@@ -113,7 +115,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.mamba_manager", "MambaManager MambaManager.allocate_new_blocks MambaManager.cache_blocks "
             "MambaManager.find_longest_cache_hit MambaManager.get_num_blocks_to_allocate "
             "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
-            "MambaManager.finalize_partial_tail_offload", INTERNAL),
+            "MambaManager.finalize_partial_tail_offload MambaManager.reachable_block_mask", INTERNAL),
     **_each(f"{_REF}.rswa_manager", "RSWAManager RSWAManager.remove_skipped_blocks", INTERNAL),
     **_each(f"{_REF}.scheduler_mamba_split", "scheduler_split_config split_scheduled_chunk",
             "the reference Scheduler's hooks into mamba_block_aligned_split (fuzzed itself), called with its "

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from kvref.spec.errors import InvalidFieldError, check_int
 
 from ..cpu_offloading_manager import _check_keys
 from ..keys import LookupResult, OffloadKey, OffloadStateError, RequestContext
+from .lookup_metrics import LookupMetrics
 from .primary_tier import CPUPrimaryTier
 from .tier_base import JobResult, SecondaryTier, TransferJob
 
@@ -87,6 +88,7 @@ class TieringOffloadingManager:
         self.load_sources: dict[str, dict[OffloadKey, str]] = {}
         self.counters: Counter = Counter()
         self.load_pins: Counter = Counter()  # pins held by GPU loads (prepare_load), per key
+        self.lookup_metrics = LookupMetrics(clock)
 
     # -- jobs ---------------------------------------------------------------------------------
 
@@ -203,6 +205,7 @@ class TieringOffloadingManager:
             if tier.on_new_request(ctx.req_id) == "request":
                 st.request_level_tiers = (st.request_level_tiers or set()) | {i}
         self.req_state[ctx.req_id] = st
+        self.lookup_metrics.on_new_request(ctx.req_id)
         self.primary.on_new_request(ctx)
         return "request" if st.request_level_tiers else "chunk"
 
@@ -218,6 +221,7 @@ class TieringOffloadingManager:
             return
         for tier in self.tiers:
             tier.on_request_finished(req_id)
+        self.lookup_metrics.on_request_finished(req_id)
         self.load_sources.pop(req_id, None)
         del self.req_state[req_id]
 
@@ -228,6 +232,7 @@ class TieringOffloadingManager:
         self._state(ctx)
         self._maybe_process_finished_jobs()
         found = self.primary.lookup(key, ctx)
+        self.lookup_metrics.on_lookup(ctx.req_id, key, PRIMARY_LABEL, found, 0.0)  # no time passes in a call
         if found in (LookupResult.HIT, LookupResult.HIT_PENDING):
             return found
         if self.promotions_held:
@@ -235,6 +240,7 @@ class TieringOffloadingManager:
         any_retry = False
         for i, tier in enumerate(self.tiers):
             result = tier.lookup(key, ctx.req_id)
+            self.lookup_metrics.on_lookup(ctx.req_id, key, self._label(i), result, 0.0)
             if result is LookupResult.HIT:
                 return LookupResult.HIT_PENDING if self._initiate_promotion(i, key, ctx) else LookupResult.MISS
             any_retry |= result is LookupResult.RETRY
@@ -346,7 +352,11 @@ class TieringOffloadingManager:
         st.pending_primary_stores -= 1
         self._maybe_finalize(ctx.req_id)
 
-    def on_schedule_end(self) -> None:
+    def on_schedule_end(self, new_req_ids=()) -> None:
+        """End of the step; ``new_req_ids``: requests scheduled for the first time in it."""
+        if (isinstance(new_req_ids, (str, bytes)) or not isinstance(new_req_ids, Iterable)
+                or not all(isinstance(r, str) for r in new_req_ids)):
+            raise InvalidFieldError("new_req_ids", new_req_ids, "a collection of request ids")
         self._maybe_process_finished_jobs()
         self.processed_this_step = False
         for i, by_req in self.pending_loads.items():
@@ -361,6 +371,9 @@ class TieringOffloadingManager:
                 self._maybe_finalize(req_id)
         for tier in self.tiers:
             tier.on_schedule_end()
+        for req_id in new_req_ids:
+            if req_id in self.req_state:
+                self.lookup_metrics.on_request_allocated(req_id)
 
     def has_pending_work(self) -> bool:
         return (bool(self.jobs) or any(st.pending_cascade_keys for st in self.req_state.values())
@@ -388,6 +401,7 @@ class TieringOffloadingManager:
             if st.is_finished:
                 for tier in self.tiers:
                     tier.on_request_finished(req_id)
+                self.lookup_metrics.on_request_finished(req_id)
                 finished.append(req_id)
         self.primary.reset_cache()
         self.load_pins.clear()
@@ -429,6 +443,7 @@ class TieringOffloadingManager:
             if blocks:
                 self.counters[f"{M}backpressure_blocks_dropped:{label}"] += blocks
         out.update(self.counters)
+        out.update(self.lookup_metrics.take())
         self.counters = Counter()
         return out
 
