@@ -17,6 +17,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+from kvref.spec.prefix_cache_retention import validate_prefix_cache_retention_interval
 
 from .request import Request
 
@@ -59,6 +60,10 @@ class PoolConfig:
     num_hash_lookahead_tokens: int = 0
     none_hash_seed: str | None = None
     log_stats: bool = False
+    #: sparse prefix-cache retention (issue #23, spec/prefix_cache_retention.py): ``None`` dense (vLLM
+    #: ``KVCacheConfig``'s default), ``0`` only replay boundaries and shared-prefix junctions, ``k > 0``
+    #: also one checkpoint per ``k`` tokens; applies to sliding-window and Mamba groups only
+    prefix_cache_retention_interval: int | None = None
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -144,6 +149,9 @@ class PoolConfig:
             raise InvalidFieldError("log_stats", self.log_stats, "True or False")
         if not isinstance(self.origin, str):
             raise InvalidFieldError("origin", self.origin, "a string (set by from_plan / off_plan)")
+        # vLLM's coordinator raises ValueError on these; kvref rejects them up front.
+        validate_prefix_cache_retention_interval(self.prefix_cache_retention_interval,
+                                                 self.scheduler_block_size, self.groups)
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,

@@ -32,6 +32,13 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         return self._ids(blocks), num_hit
 
+    def get_computed_blocks_and_boundary(self, request: Request) -> tuple[BlockIds, int, int]:
+        """The whole ``get_computed_blocks`` answer: hit ids, hit tokens and the shared-prefix
+        boundary (where a sparse-retention group lags a longer hit; the scheduler stores it on the
+        request as ``shared_prefix_boundary``)."""
+        blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
+        return self._ids(blocks), num_hit, boundary
+
     def _blocks_from_ids(self, ids: BlockIds | None) -> KVCacheBlocks | None:
         if ids is None:
             return None

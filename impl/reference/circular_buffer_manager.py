@@ -57,7 +57,8 @@ class CircularBufferManager(FullAttentionManager):
                                alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         return tuple([] for _ in kv_cache_group_ids), 0
 
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
         return None
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],

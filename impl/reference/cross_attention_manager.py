@@ -30,7 +30,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                                           record_for_zeroing: bool = True) -> None:
         return
 
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
         # vLLM raises here; kvref refuses cross-attention with prefix caching when building.
         raise AssertionError("cross-attention blocks are never cached")
 

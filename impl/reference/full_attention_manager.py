@@ -80,8 +80,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del blocks[num_blocks:]
         return computed, hit_length
 
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        super().cache_blocks(request, block_hashes, num_tokens)
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
+        super().cache_blocks(request, block_hashes, num_tokens, retention_interval, replay_boundaries)
         if self.block_size != self.block_pool.hash_block_size:
             self._cache_partial_tail_block(request, block_hashes, num_tokens)
 

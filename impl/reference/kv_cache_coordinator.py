@@ -18,8 +18,14 @@ Fine-grained (partial) hash hits: a Mamba "align" group whose block is larger th
 (``partial_hash_hits_enabled``); hits then land on hash boundaries and the shared partial tail is
 copied on write by the managers.
 
-Digest §6. Not modelled: DCP/PCP, metrics, sparse prefix-cache retention, multi-module MTP
-(``num_prefill_lookahead``), HiSparse roles.
+Sparse prefix-cache retention (``PoolConfig.prefix_cache_retention_interval``, validated there like
+vLLM's coordinator validates it; spec/prefix_cache_retention.py): every ``cache_blocks`` hands the
+managers the interval and the prompt's replay boundaries; sliding-window and Mamba managers publish
+only the blocks their ``reachable_block_mask`` keeps. Under interval 0 ``prefill_end`` reaches the
+managers (Mamba reserves a prefill checkpoint only on the chunk reaching it); otherwise it is 0.
+
+Digest §6. Not modelled: DCP/PCP, metrics, multi-module MTP (``num_prefill_lookahead``), HiSparse
+roles.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from kvref.spec.kv_cache_interface import (
 )
 from kvref.spec.kv_zeroing import needs_kv_cache_zeroing
 from kvref.spec.mathutil import cdiv, round_down
+from kvref.spec.prefix_cache_retention import replay_boundaries
 
 from .block_hash import BlockHash
 from .block_pool import BlockPool
@@ -172,6 +179,9 @@ class KVCacheCoordinator:
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
         self.drop_eagle_group_ids = set(self.eagle_group_ids) if use_eagle else set()
+        #: None dense, 0 replay boundaries / junctions only, k > 0 also one per k tokens (PoolConfig
+        #: validated it as vLLM's coordinator does)
+        self.retention_interval = config.prefix_cache_retention_interval
         # KV zeroing (spec/kv_zeroing.py), decided on the scheduler's view of the groups as in vLLM
         self.needs_kv_cache_zeroing = needs_kv_cache_zeroing(
             [KVCacheGroupSpec(g.layer_names, spec) for g, spec in zip(self.kv_cache_groups, specs)])
@@ -212,10 +222,11 @@ class KVCacheCoordinator:
                                    apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
         """Σ over groups of the blocks an allocation consumes (cross-attention: encoder tokens).
 
-        ``prefill_end`` only matters under "latest only" sparse retention (vLLM forces it to 0
-        otherwise, so Mamba reserves a prefill checkpoint on every chunk); kvref's retention is
-        always dense, so it is 0 here too."""
-        prefill_end = 0
+        ``prefill_end`` only reaches the managers under retention interval 0 (Mamba then reserves
+        a prefill checkpoint only on the chunk reaching it); otherwise vLLM forces it to 0, so every
+        chunk may reserve one."""
+        if self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if manager.is_cross_attention:
@@ -270,10 +281,15 @@ class KVCacheCoordinator:
         return max(0, num_computed_tokens)
 
     def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
+        """Every caching group publishes up to its cacheable tokens, thinned by the retention
+        interval around the prompt's replay boundaries (pool-wide EAGLE decides them)."""
+        boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
+                                       bool(self.drop_eagle_group_ids))
         for group_id, manager in enumerate(self.single_type_managers):
             if manager.enable_caching:
                 manager.cache_blocks(request, block_hashes,
-                                     self.get_num_cacheable_tokens(num_computed_tokens, group_id))
+                                     self.get_num_cacheable_tokens(num_computed_tokens, group_id),
+                                     self.retention_interval, boundaries)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:

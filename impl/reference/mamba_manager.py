@@ -21,8 +21,14 @@ Only the state after the last computed token matters, so ``get_num_skipped_token
   copy (``move_block_hashes``) before its next forward overwrites the state, and offers that copy
   to a KV connector (boundary-state hand-offs, ``take_pending_boundary_state_offloads``).
 
-Not modelled: sparse prefix-cache retention (kvref's retention is dense) and the shared-prefix
-checkpoint (``enable_mamba_shared_prefix_checkpoint``), hence no junction stops.
+* Sparse prefix-cache retention (``prefix_cache_retention_interval``, spec/prefix_cache_retention.py):
+  only the state blocks ``reachable_block_mask`` keeps are published (segment ends, the replay
+  boundary, the shared-prefix junction); a block-aligned prefill checkpoint is kept only where
+  retention keeps its block; under 0 a checkpoint block is reserved only on the chunk reaching
+  the prefill end (the coordinator passes ``prefill_end``).
+
+Not modelled: the shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``), hence no
+junction stops.
 """
 
 from __future__ import annotations
@@ -334,13 +340,43 @@ class MambaManager(SingleTypeKVCacheManager):
 
     # ------------------------------------------------------------------ caching
 
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    @classmethod
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+        """Sparse state-snapshot retention: a Mamba hit needs only the state block ending at it
+        (no window; draft models have no Mamba layers, so no EAGLE shift). Dense (None): every
+        block. Positive: the block ending each ``retention_interval``-token segment (every block
+        when a segment is one block or less). 0: no segments. Under 0 or positive the block ending
+        at each of ``reachable_boundaries`` (floored to the alignment) is kept too."""
+        if retention_interval is None or alignment_tokens is None:
+            return None
+        assert isinstance(kv_cache_spec, MambaSpec)
+        block_size = kv_cache_spec.block_size
+        mask = [False] * (end_block - start_block)
+        if retention_interval:
+            per_segment = retention_interval // block_size
+            if per_segment <= 1:
+                return None
+            # block i ends at token (i + 1) * block_size: segment ends are i = k * per_segment - 1
+            first = (start_block // per_segment + 1) * per_segment - 1
+            for i in range(first, end_block, per_segment):
+                mask[i - start_block] = True
+        for boundary in reachable_boundaries:
+            block_idx = boundary // alignment_tokens * alignment_tokens // block_size - 1
+            if start_block <= block_idx < end_block:
+                mask[block_idx - start_block] = True
+        return mask
+
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, block_hashes, num_tokens)
+        super().cache_blocks(request, block_hashes, num_tokens, retention_interval, replay_boundaries)
         after = self.num_cached_block.get(rid, 0)
         if self._align:
-            key = self._cache_partial_tail_block(request, block_hashes, num_tokens)
+            key = self._cache_partial_tail_block(request, block_hashes, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(key)
         if after > before:
@@ -362,7 +398,7 @@ class MambaManager(SingleTypeKVCacheManager):
             self._num_hash_lookahead_tokens)
 
     def _cache_partial_tail_block(self, request: Request, block_hashes: Sequence[BlockHash],
-                                  num_tokens: int) -> bytes | None:
+                                  num_tokens: int, retention_interval: int | None = None) -> bytes | None:
         """Key a state at a boundary inside its block: the chunk's exported prefill checkpoint
         (re-keyed, or un-keyed when no later request can reach it), else the prompt's last hash
         boundary. Returns the new key, or None."""
@@ -376,8 +412,15 @@ class MambaManager(SingleTypeKVCacheManager):
             # the prompt's final chunk caches only up to its last full block, so its checkpoint
             # is the prompt's reusable boundary, not a transient one
             is_prompt_checkpoint = position == self._prompt_boundary(request, self.cache_hit_alignment_tokens)
-            # dense retention keeps every block-aligned state
-            is_retained = position % self.block_size == 0
+            # a block-aligned checkpoint stays if retention keeps its block (dense: every one);
+            # the replay boundaries are not consulted here, as in vLLM
+            is_retained = False
+            if position % self.block_size == 0:
+                block_idx = position // self.block_size - 1
+                kept = self.reachable_block_mask(block_idx, block_idx + 1, self.cache_hit_alignment_tokens,
+                                                 self.kv_cache_spec, self.drop_eagle_checkpoint_block,
+                                                 retention_interval)
+                is_retained = kept is None or kept[0]
             if not is_prompt_checkpoint and not is_retained \
                     and position != getattr(request, "shared_prefix_boundary", 0):
                 # the transient state overwrites this slot: neither it nor a key registered

@@ -257,16 +257,35 @@ class SingleTypeKVCacheManager:
 
     @classmethod
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
-                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Which full blocks in ``[start_block, end_block)`` could ever serve a hit; None = all.
 
-        (vLLM's sparse retention arguments are not modelled: ``prefix_cache_retention_interval``
-        is always None, i.e. dense.)
+        Dense here (full attention and every kind that caches densely). Sliding-window and Mamba
+        managers thin it out by ``retention_interval`` (spec/prefix_cache_retention.py), keeping
+        the tails that end at ``reachable_boundaries`` (token positions). vLLM's
+        ``final_segment_end_block`` (passed only by the offloading connector) is not modelled.
         """
         return None
 
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Publish the request's full blocks up to ``num_tokens`` (only blocks with a hash)."""
+    def _reachable_boundaries(self, request: Request, replay_boundaries: Sequence[int]) -> list[int]:
+        """Positions whose reachable tail sparse retention must keep: the prompt's replay
+        boundaries and the shared-prefix junction the scheduler observed at the request's lookup
+        (``shared_prefix_boundary``); with EAGLE also one block below the junction (a sibling that
+        diverges right after it cannot use the block past it as the EAGLE peek)."""
+        boundaries = list(replay_boundaries)
+        junction = getattr(request, "shared_prefix_boundary", 0)
+        if junction:
+            boundaries.append(junction)
+            if self.use_eagle:
+                boundaries.append(junction - self.block_size)
+        return boundaries
+
+    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
+        """Publish the request's full blocks up to ``num_tokens`` (only blocks with a hash and,
+        under sparse retention, only those ``reachable_block_mask`` keeps)."""
         if not self.kv_cache_spec.prefix_cacheable:
             return
         rid = request.request_id
@@ -276,7 +295,8 @@ class SingleTypeKVCacheManager:
         if num_cached >= num_full:
             return
         mask = self.reachable_block_mask(num_cached, num_full, self.cache_hit_alignment_tokens,
-                                         self.kv_cache_spec, self.use_eagle)
+                                         self.kv_cache_spec, self.use_eagle, retention_interval,
+                                         self._reachable_boundaries(request, replay_boundaries))
         self.block_pool.cache_full_blocks(block_hashes, self.req_to_blocks.setdefault(rid, []),
                                           num_cached, num_full, self.block_size,
                                           self.kv_cache_group_id, mask, request=request)

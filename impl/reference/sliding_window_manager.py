@@ -6,7 +6,10 @@ placeholders and go back to the pool (on the processed-token basis). Example: wi
 computed -> the next token (7) reads 4..7, tokens 0..3 are skipped.
 
 A hit needs ``cdiv(sliding_window - 1, block_size)`` contiguous cached blocks ending at the hit
-(one more with EAGLE, whose last block is dropped); the search runs right to left.
+(one more with EAGLE, whose last block is dropped); the search runs right to left. So only those
+runs are worth publishing (``reachable_block_mask``): at every alignment boundary when dense, and
+under sparse prefix-cache retention (``prefix_cache_retention_interval``, spec/prefix_cache_retention.py)
+one per interval plus the runs ending at the prompt's replay boundaries and the shared-prefix junction.
 """
 
 from __future__ import annotations
@@ -90,10 +93,20 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     @classmethod
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
-                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
-        """Only the ``need`` blocks ending at each aligned boundary can serve a hit (dense
-        retention): with alignment 32 and block 16, a window needing one block keeps odd blocks.
-        None (cache all) when every block is reachable or the alignment is sub-block."""
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+        """Only the ``need`` blocks ending at a boundary a hit can land on are worth publishing.
+
+        The segments: every alignment boundary when dense (``retention_interval`` None: with
+        alignment 32 and block 16, a window needing one block keeps odd blocks), one per
+        ``retention_interval`` tokens when positive, none when 0. Under sparse retention (0 or
+        positive) the ``need``-block tail ending at each of ``reachable_boundaries`` (floored to the
+        alignment) is kept too: the prompt's replay boundary and a shared-prefix junction land
+        between segments. With EAGLE the run ends one block further (the peeked block). None (cache
+        all) when a segment is no longer than the run, or the alignment is sub-block (block
+        granularity cannot express it: every block is kept, which never loses a hit).
+        """
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         if alignment_tokens is None:
             return None
@@ -101,9 +114,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if alignment_tokens % block_size:
             return None
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
-        per_segment = alignment_tokens // block_size
-        if need >= per_segment:
-            return None
         shift = 1 if use_eagle else 0
-        return [i >= shift and (i - shift) % per_segment >= per_segment - need
-                for i in range(start_block, end_block)]
+        mask = [False] * (end_block - start_block)
+        segment_tokens = alignment_tokens if retention_interval is None else retention_interval
+        if segment_tokens:
+            per_segment = segment_tokens // block_size
+            if need >= per_segment:
+                return None
+            for i in range(start_block, end_block):
+                if i >= shift and (i - shift) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // alignment_tokens * alignment_tokens // block_size + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask

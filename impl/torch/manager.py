@@ -82,6 +82,10 @@ class TorchKVCacheManager:
         cfg = pool_config
         if not cfg.groups:
             raise InvalidFieldError("groups", cfg.groups, "at least one KV cache group")
+        if cfg.prefix_cache_retention_interval is not None:
+            raise InvalidFieldError("prefix_cache_retention_interval", cfg.prefix_cache_retention_interval,
+                                    "None (dense retention; the torch implementation does not model sparse "
+                                    "retention)")
         kinds: list[GroupKind] = []
         for i, g in enumerate(cfg.groups):
             kind = kind_for(g.kv_cache_spec)

@@ -131,7 +131,8 @@ def to_vllm_kv_cache_config(pool_config: PoolConfig) -> Any:
                                    is_eagle_group=g.is_eagle_group)
               for i, g in enumerate(pool_config.groups)]
     return kci.KVCacheConfig(num_blocks=pool_config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                             hash_block_size=pool_config.hash_block_size)
+                             hash_block_size=pool_config.hash_block_size,
+                             prefix_cache_retention_interval=pool_config.prefix_cache_retention_interval)
 
 
 _STATUS = {
@@ -267,6 +268,9 @@ class VllmKVCacheManager:
         vreq.num_computed_tokens = request.num_computed_tokens
         vreq.num_in_flight_tokens = request.num_in_flight_tokens
         vreq.num_preemptions = request.num_preemptions
+        # the scheduler sets it at each lookup (get_computed_blocks' third result); sparse
+        # retention keeps the junction's tail
+        vreq.shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
         vreq.status = getattr(v["VStatus"], _STATUS[request.status])
         return vreq
 
@@ -292,6 +296,12 @@ class VllmKVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
         blocks, num_hit, _boundary = self._mgr.get_computed_blocks(self._mirror(request))
         return self._ids(blocks), num_hit
+
+    def get_computed_blocks_and_boundary(self, request: Request) -> tuple[BlockIds, int, int]:
+        """vLLM's whole ``get_computed_blocks`` answer: hit ids, hit tokens and the shared-prefix
+        boundary the scheduler stores on the request (``shared_prefix_boundary``)."""
+        blocks, num_hit, boundary = self._mgr.get_computed_blocks(self._mirror(request))
+        return self._ids(blocks), num_hit, boundary
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_block_ids: BlockIds | None = None, num_lookahead_tokens: int = 0,

@@ -167,6 +167,7 @@ class Harness:
         self.num_stats_taken = 0  # make_prefix_cache_stats ops that returned stats
         self.num_zeroed_blocks = 0  # block ids recorded for KV zeroing (compared in order)
         self.num_failed_loads = 0  # async loads that failed with a valid prefix (re-recorded for zeroing)
+        self.num_junctions = 0  # lookups where a sparse group lagged a longer hit (shared_prefix_boundary > 0)
         self.compare_events = pool_config.enable_kv_cache_events and self._all_have("take_kv_events")
         #: time spent inside each implementation (calls, check_invariants, observation)
         self.seconds_by_kind: dict[str, float] = {}
@@ -346,7 +347,14 @@ class Harness:
         if s is None or not self._can_admit(s):
             return OpResult(op, True)
         r = s.request
-        hit_ids, num_hit = self._call("get_computed_blocks", op, lambda k, m: m.get_computed_blocks(r))
+        if self._all_have("get_computed_blocks_and_boundary"):
+            # the scheduler stores the third result on the request: sparse retention keeps the
+            # junction's tail when the request publishes (issue #23)
+            hit_ids, num_hit, r.shared_prefix_boundary = self._call(
+                "get_computed_blocks", op, lambda k, m: m.get_computed_blocks_and_boundary(r))
+            self.num_junctions += r.shared_prefix_boundary > 0
+        else:
+            hit_ids, num_hit = self._call("get_computed_blocks", op, lambda k, m: m.get_computed_blocks(r))
         self.num_prefix_hits += num_hit > 0
         if num_hit >= r.num_tokens:  # cannot happen: hits stop at num_tokens - 1
             raise Divergence(self._where(op, f"hit of {num_hit} tokens covers all {r.num_tokens} tokens"),

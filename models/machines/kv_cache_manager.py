@@ -102,6 +102,12 @@ class MachineStats:
     metrics_events_with_gaps: int = 0
     metrics_max_followed: int = 0
     metrics_max_followed_hit: int = 0
+    #: sparse prefix-cache retention (issue #23): pools by interval ("dense", "0", "k*sbs"), lookups
+    #: whose hit a sparse group held below a longer one (shared_prefix_boundary > 0), of them on
+    #: sparse-retention pools
+    retention_pools: dict[str, int] = field(default_factory=dict)
+    junctions: int = 0
+    retention_junctions: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -119,7 +125,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              max_blocks: int = 48, eagle: bool | str = True,
                              mamba_align_external_loads: bool = False,
                              kv_events: bool = True, breadth: bool = True,
-                             traces_to: str | Path | None = None) -> type[RuleBasedStateMachine]:
+                             traces_to: str | Path | None = None,
+                             retention: bool | str | None = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -136,9 +143,14 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     hash functions, NONE_HASH seeds, hash lookahead and stats, and the connector-view ops (issue
     #23); only where every implementation models them (the torch implementation hashes token ids
     and the salt only).
+
+    ``retention``: draw sparse prefix-cache retention intervals for sliding-window and Mamba pools
+    (``pool_configs``' argument; default: one pool in two where ``breadth`` holds).
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
+    if retention is None:
+        retention = breadth
 
     class KVCacheManagerMachine(RuleBasedStateMachine):
         stats = MachineStats()
@@ -155,7 +167,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.num_edge_fills = 0
             self.num_full_pool_follow_ups = 0
 
-        @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle),
+        @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
+                                      retention=retention),
                     async_mode=st.booleans(), hashing=hashing_settings())
         def setup(self, pool, async_mode, hashing) -> None:
             if kv_events:
@@ -183,6 +196,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.async_mode = async_mode
             name = _group_set_name(pool)
             self.stats.group_sets[name] = self.stats.group_sets.get(name, 0) + 1
+            interval = pool.prefix_cache_retention_interval
+            kind = "dense" if interval is None else str(interval // pool.scheduler_block_size) + "*sbs"
+            self.stats.retention_pools[kind] = self.stats.retention_pools.get(kind, 0) + 1
 
         def teardown(self) -> None:
             if self.h is not None:
@@ -207,6 +223,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.cow_copies += self.h.num_cow_copies
                 self.stats.zeroed_blocks += self.h.num_zeroed_blocks
                 self.stats.failed_loads += self.h.num_failed_loads
+                self.stats.junctions += self.h.num_junctions
+                if self.h.pool_config.prefix_cache_retention_interval is not None:
+                    self.stats.retention_junctions += self.h.num_junctions
                 self.stats.resets += self.h.num_resets
                 self.stats.edge_reservations += self.num_edge_reservations
                 self.stats.edge_fills += self.num_edge_fills

@@ -25,17 +25,19 @@ def mamba_split_config(pool: PoolConfig) -> MambaSplitConfig | None:
                                        use_eagle_block_drop=pool.use_eagle)
 
 
-def _peek_hit(h: Harness, request) -> int:
-    """The request's prefix-cache hit length, looked up without side effects: on the reference's
-    coordinator when it is compared (``get_computed_blocks`` may queue KV events, e.g. with
-    ``kv_cache_report_mode="full"``, which would then be the reference's alone), else on the first
-    implementation."""
+def _peek_hit(h: Harness, request) -> tuple[int, int]:
+    """The request's prefix-cache hit length and shared-prefix boundary (where a sparse group lags
+    a longer hit: the scheduler stops a chunk there), looked up without side effects: on the
+    reference's coordinator when it is compared (``get_computed_blocks`` may queue KV events, e.g.
+    with ``kv_cache_report_mode="full"``, which would then be the reference's alone), else on the
+    first implementation."""
     ref = getattr(h.managers.get("reference"), "manager", None)
     if ref is not None:
         if not ref.prefix_cache_lookup_enabled(request):
-            return 0
-        return ref.coordinator.find_longest_cache_hit(ref.block_hashes(request), request.num_tokens - 1)[1]
-    return h.managers[h.kinds[0]].get_computed_blocks(request)[1]
+            return 0, 0
+        _, hit, uncached = ref.coordinator.find_longest_cache_hit(ref.block_hashes(request), request.num_tokens - 1)
+        return hit, hit + uncached if uncached else 0
+    return h.managers[h.kinds[0]].get_computed_blocks(request)[1], 0
 
 
 def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: int, admitting: bool) -> int:
@@ -46,8 +48,9 @@ def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: 
     s = h.reqs[rid]
     r = s.request
     num_hit = 0
+    junction = getattr(r, "shared_prefix_boundary", 0)
     if admitting:
-        num_hit = _peek_hit(h, r)
+        num_hit, junction = _peek_hit(h, r)
         schedulable = r.num_tokens - num_hit
     else:
         schedulable = r.num_tokens + s.placeholders - r.num_computed_tokens
@@ -55,5 +58,5 @@ def aligned_chunk(h: Harness, config: MambaSplitConfig | None, rid: str, chunk: 
     if num_new <= 0:
         return chunk
     split = mamba_block_aligned_split(config, r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens, num_new,
-                                      num_new_local_computed_tokens=num_hit)
+                                      num_new_local_computed_tokens=num_hit, shared_prefix_boundary=junction)
     return split if split > 0 else chunk

@@ -53,10 +53,13 @@ def attention_kwargs(draw, block_size: int) -> dict:
 
 @st.composite
 def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int = 4, max_blocks: int = 48,
-                 caching: bool | None = None, eagle: bool | str = True) -> PoolConfig:
+                 caching: bool | None = None, eagle: bool | str = True, retention: bool | str = False) -> PoolConfig:
     """A ``PoolConfig`` that vLLM 0.33.0 accepts (its coordinator's divisibility asserts hold).
 
     ``eagle``: False never, True sometimes (1 in 6), ``"always"`` every pool that allows it.
+    ``retention``: draw ``prefix_cache_retention_interval`` for caching pools with a sliding-window
+    or Mamba group (issue #23): False never (dense), True one pool in two, ``"always"`` every such
+    pool (0 or 1-4 scheduler blocks); other pools stay dense.
     """
     kind = draw(st.sampled_from(group_sets))
     names = kind.split("+")
@@ -127,11 +130,17 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     # over groups with the dropped block (spec-decode hits on hybrid pools, issue #13).
     odds = 1 if len(names) >= 3 else 5
     use_eagle = bool(eagle) and "chunked" not in names and (eagle == "always" or draw(st.integers(0, odds)) == 0)
+    retention_interval = None
+    sparse = any(isinstance(g.kv_cache_spec, (SlidingWindowSpec, MambaSpec)) for g in groups)
+    if retention and sparse and enable_caching and (retention == "always" or draw(st.booleans())):
+        # 0: only replay boundaries and junctions; k scheduler blocks: also one tail per k blocks
+        retention_interval = sbs * draw(st.sampled_from((0, 0, 1, 2, 3, 4)), label="retention_blocks")
     return PoolConfig.off_plan("generated pools aim at admission edges (a block short, a block spare) startup "
                                "never sizes; models.strategies.planning draws planned ones",
                                num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
                       scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
-                      enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle)
+                      enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
+                      prefix_cache_retention_interval=retention_interval)
 
 
 #: small vocabulary so unrelated prompts still collide on short blocks now and then
