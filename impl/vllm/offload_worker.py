@@ -261,12 +261,16 @@ def _make_classes() -> dict[str, type]:
                 d = dev[local:local + size]
                 (h if store else d).copy_(d if store else h)
 
-        def release(self, job_id: int) -> None:
+        def release(self, job_id: int, write: bool = True) -> None:
             """The transfer finished on this rank: execute it (if not yet) and report it at the next
-            ``get_finished``."""
+            ``get_finished``. ``write=False``: report it without moving bytes (a load whose request
+            the driver already freed: vLLM defers that free until the load ends, the driver does not)."""
             job = self.jobs[job_id]
             assert not job.released, f"job {job_id} released twice"
-            self._execute(job_id)
+            if write:
+                self._execute(job_id)
+            else:
+                job.executed = True
             job.released = True
             self._results.append(job_id)
 
@@ -362,6 +366,7 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
             self.host.append(w.connector_worker.worker)
         self.aggregator = KVOutputAggregator(cfg.num_workers)
         self.reported: dict[int, int] = {}  # job -> ranks that reported it
+        self.write_next = True
         self.finished_recving: list[set[str]] = []
 
     # --- scheduler role through KVConnectorBase_V1 -------------------------------------------
@@ -395,13 +400,17 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         return job in self.host[rank].jobs
 
     def complete(self, jobs):
+        """Deliver ``jobs`` (``{job: count}``) from the next ``count`` ranks; with ``write_next``
+        False (set by the driver for a load whose request it already freed) the ranks report the
+        load without writing its bytes."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        write, self.write_next = self.write_next, True
         ((j, count),) = jobs.items()
         first = self.reported.get(j, 0)
         for rank in range(first, first + count):
             assert self.submitted(j, rank), f"worker rank {rank} was never given job {j} to run"
-            self.host[rank].release(j)
+            self.host[rank].release(j, write)
         self.reported[j] = first + count
         outs = []
         for w in self.workers:

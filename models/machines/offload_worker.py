@@ -132,8 +132,12 @@ class OffloadingWorkerWorld(OffloadingWorld):
         j = ready[pick % len(ready)]
         job = dict(self.jobs[j])
         rank0 = job["reported"]
-        done = super().complete(sorted(self.jobs).index(j), count)
         b = self._bytes
+        if b is not None:
+            # a load for a request the trace aborted: this world freed its blocks at once (vLLM defers
+            # the free until the load ends), so the late load must not write into their new owners
+            b.write_next = job["store"] or self.reqs[job["req"]].phase != "done"
+        done = super().complete(sorted(self.jobs).index(j), count)
         if b is not None:
             ranks = range(rank0, min(rank0 + count, self.cfg.num_workers))
             last = rank0 + len(ranks) >= self.cfg.num_workers
