@@ -265,7 +265,7 @@ def _reason(status) -> str:
     return why
 
 
-def _request_unmodelled(request, existing: bool) -> list[str]:
+def _request_unmodelled(request, existing: bool, connector: bool = False) -> list[str]:
     found = []
     sp = request.sampling_params
     if existing or getattr(request, "resumable", False):
@@ -284,8 +284,10 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
         found.append("kv_transfer")
     if sp is not None and getattr(sp, "repetition_detection", None) is not None:
         found.append("repetition_detection")
-    if getattr(request, "skip_reading_prefix_cache", False):  # prompt logprobs: no local or external hit
-        found.append("skip_reading_prefix_cache")
+    if connector and getattr(request, "skip_reading_prefix_cache", False):
+        # prompt logprobs: no local hit (replayed: the add record's skip_read) and no external one
+        # (vLLM zeroes the connector's answer; the reference's connector path does not)
+        found.append("skip_reading_prefix_cache with a KV connector")
     return found
 
 
@@ -536,12 +538,14 @@ class _Recorder:
             rid_json = _dumps(rid)
         # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
         # 4,000-token prompt costs as much as encoding it).
-        extra = _request_unmodelled(request, existing)
+        extra = _request_unmodelled(request, existing, self._kvref_connector)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
+                # the request never reads the prefix cache (prompt logprobs): replayed (issue #28)
+                ',"skip_read":true' if getattr(request, "skip_reading_prefix_cache", False) else "",
                 ',"x":' + _dumps(extra) if extra else ""))
 
     def _kvref_on_schedule(self, so, throttle: bool) -> None:

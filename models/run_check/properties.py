@@ -92,6 +92,7 @@ class _Req:
     running: bool = False
     chains: dict = field(default_factory=dict)  # block size -> chained content keys of full blocks
     filled: list = field(default_factory=list)  # per group: table positions whose content is registered
+    skip_read: bool = False  # never reads the prefix cache (prompt logprobs): no lookup is counted
 
 
 class RunProperties:
@@ -186,7 +187,7 @@ class RunProperties:
         prompt = rec["prompt"]
         tokens = decode_tokens(prompt) if self.exact else []
         self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(prompt), tokens=tokens,
-                              salt=rec.get("salt"))
+                              salt=rec.get("salt"), skip_read=rec.get("skip_read") is True)
         self.waiting[rid] = None
         if rec.get("x"):
             self.exempt.add(rid)
@@ -315,7 +316,8 @@ class RunProperties:
         else:
             st["resumes"] += 1
         num_tokens = len(r.tokens) if self.exact else r.prompt_len + r.computed  # (tokens known when exact)
-        self.tally.admitted(kind == "r", num_tokens, computed)
+        if not r.skip_read:  # vLLM counts no lookup for a request that skipped it
+            self.tally.admitted(kind == "r", num_tokens, computed)
         if self.exact and r.tokens and computed > len(r.tokens) - 1:
             self._find("wrong_hit", line, f"{rid} is admitted with {computed} computed tokens of its {len(r.tokens)}: "
                        "a prefix-cache hit never covers the last token (its logits must be computed)")

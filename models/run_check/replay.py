@@ -120,7 +120,8 @@ class Divergence:
 def _request(rec: dict) -> Request:
     """A reference request from an ``add`` record."""
     return Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
-                   priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]))
+                   priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]),
+                   skip_reading_prefix_cache=rec.get("skip_read") is True)
 
 
 class LockstepReplay:
