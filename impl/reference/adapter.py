@@ -12,6 +12,7 @@ from kvref.impl.interface import BlockIds, KVCacheManagerLike, PoolConfig
 from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.kv_cache_interface import MambaSpec
+from kvref.spec.prefix_cache_retention import validate_prefix_cache_retention_interval
 
 from .block_hash import get_block_hash
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager, _check_request_id
@@ -31,6 +32,16 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         return self._ids(blocks), num_hit
+
+    def rejects_prefix_cache_retention_interval(self, retention_interval: object) -> bool:
+        """Whether this pool's groups refuse ``retention_interval`` (what building a ``PoolConfig``
+        with it would raise, spec/prefix_cache_retention.py); nothing is built."""
+        try:
+            validate_prefix_cache_retention_interval(retention_interval, self.manager.config.scheduler_block_size,
+                                                     self.manager.config.groups)
+        except InvalidFieldError:
+            return True
+        return False
 
     def get_computed_blocks_and_boundary(self, request: Request) -> tuple[BlockIds, int, int]:
         """The whole ``get_computed_blocks`` answer: hit ids, hit tokens and the shared-prefix

@@ -135,6 +135,15 @@ def to_vllm_kv_cache_config(pool_config: PoolConfig) -> Any:
                              prefix_cache_retention_interval=pool_config.prefix_cache_retention_interval)
 
 
+def _manager_kwargs(pool_config: PoolConfig) -> dict[str, Any]:
+    """vLLM ``KVCacheManager``'s arguments besides the ``KVCacheConfig``, as ``PoolConfig`` says."""
+    return dict(max_model_len=pool_config.max_model_len, scheduler_block_size=pool_config.scheduler_block_size,
+                hash_block_size=pool_config.hash_block_size, max_in_flight_tokens=pool_config.max_in_flight_tokens,
+                enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
+                watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
+                num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats)
+
+
 _STATUS = {
     RequestStatus.WAITING: "WAITING",
     RequestStatus.RUNNING: "RUNNING",
@@ -159,14 +168,7 @@ class VllmKVCacheManager:
         self.pool_config = pool_config
         self.num_groups = len(pool_config.groups)
         self._kv_cache_config = to_vllm_kv_cache_config(pool_config)
-        self._mgr = v["KVCacheManager"](
-            self._kv_cache_config, max_model_len=pool_config.max_model_len,
-            scheduler_block_size=pool_config.scheduler_block_size,
-            hash_block_size=pool_config.hash_block_size,
-            max_in_flight_tokens=pool_config.max_in_flight_tokens,
-            enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
-            watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
-            num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats)
+        self._mgr = v["KVCacheManager"](self._kv_cache_config, **_manager_kwargs(pool_config))
         self._pool = self._mgr.block_pool
         self._allocation_watch = AllocationWatch(self._mgr)
         hash_fn = v["get_hash_fn_by_name"](pool_config.prefix_caching_hash_algo)
@@ -179,6 +181,19 @@ class VllmKVCacheManager:
         self._mirrors: dict[str, Any] = {}
         self._mirror_keys: dict[str, tuple] = {}
         self._requests: dict[str, Request] = {}  # the caller's requests, for check_invariants
+
+    def rejects_prefix_cache_retention_interval(self, retention_interval: object) -> bool:
+        """Whether vLLM's coordinator refuses ``retention_interval`` on this pool's groups: a fresh
+        ``KVCacheManager`` is built with ``KVCacheConfig.prefix_cache_retention_interval`` set to it
+        (a value ``PoolConfig`` would refuse reaches vLLM this way); its constructor validates it
+        (``_validate_prefix_cache_retention_interval``) and raises ``ValueError``."""
+        kv_cache_config = to_vllm_kv_cache_config(self.pool_config)
+        kv_cache_config.prefix_cache_retention_interval = retention_interval
+        try:
+            _vllm()["KVCacheManager"](kv_cache_config, **_manager_kwargs(self.pool_config))
+        except ValueError:
+            return True
+        return False
 
     def enable_kv_cache_metrics(self, sample_rate: float):
         """Attach vLLM's own ``KVCacheMetricsCollector`` (``--kv-cache-metrics``) to this manager's

@@ -108,6 +108,8 @@ class MachineStats:
     retention_pools: dict[str, int] = field(default_factory=dict)
     junctions: int = 0
     retention_junctions: int = 0
+    #: retention intervals probed on each pool (vLLM's coordinator vs the reference's rule)
+    retention_probes: dict[str, int] = field(default_factory=dict)
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -169,8 +171,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
-                    async_mode=st.booleans(), hashing=hashing_settings())
-        def setup(self, pool, async_mode, hashing) -> None:
+                    async_mode=st.booleans(), hashing=hashing_settings(),
+                    retention_probe=st.one_of(st.none(), st.integers(-8, 40)))
+        def setup(self, pool, async_mode, hashing, retention_probe) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
@@ -193,6 +196,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.metrics = MetricsPairing(managers, pool.num_blocks) if {"reference", "vllm"} <= set(managers) \
                 else None
             self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"
+            self._probe_retention_validation(managers, retention_probe)
             self.async_mode = async_mode
             name = _group_set_name(pool)
             self.stats.group_sets[name] = self.stats.group_sets.get(name, 0) + 1
@@ -243,6 +247,21 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     self.stats.seconds_by_kind[k] = self.stats.seconds_by_kind.get(k, 0.0) + v
 
         # -- helpers ---------------------------------------------------------------------------
+
+        def _probe_retention_validation(self, managers: dict, retention_interval: int | None) -> None:
+            """Would this pool's groups take ``retention_interval``? vLLM's coordinator (a fresh
+            manager built with it) and the reference's rule must agree (issue #23): a non-zero
+            interval without sliding-window/Mamba groups, a negative one, one off the scheduler
+            block grid are refused."""
+            probes = {k: getattr(m, "rejects_prefix_cache_retention_interval", None) for k, m in managers.items()}
+            if len(probes) < 2 or None in probes.values():
+                return
+            answers = {k: probe(retention_interval) for k, probe in probes.items()}
+            if len(set(answers.values())) > 1:
+                raise Divergence(f"prefix_cache_retention_interval={retention_interval!r} refused: {answers}",
+                                 "setup: prefix_cache_retention_interval validation differs")
+            key = "refused" if next(iter(answers.values())) else "accepted"
+            self.stats.retention_probes[key] = self.stats.retention_probes.get(key, 0) + 1
 
         def _apply(self, op: Op) -> None:
             assert self.h is not None

@@ -127,3 +127,5 @@ def test_generated_traces_with_retention_match_vllm():
     assert sum(n for k, n in stats.retention_pools.items() if k not in ("dense", "0*sbs")) > 0, stats.retention_pools
     assert stats.retention_junctions > 0
     assert stats.prefix_hits > 0
+    # every pool also probed an interval against vLLM's coordinator: some refused, some accepted
+    assert stats.retention_probes.get("refused", 0) > 0 and stats.retention_probes.get("accepted", 0) > 0

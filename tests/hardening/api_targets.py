@@ -573,6 +573,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     ref_adapter_case("free_holding_view", lambda m, r0, r1: dict(request=r0))
     ref_adapter_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
     ref_adapter_case("get_computed_blocks_and_boundary", lambda m, r0, r1: dict(request=r1))  # #23 retention
+    ref_adapter_case("rejects_prefix_cache_retention_interval", lambda m, r0, r1: dict(retention_interval=8))
     for kind in ("reference", "torch"):
         ref_adapter_case("get_computed_blocks", lambda m, r0, r1: dict(request=r1), kind)
         ref_adapter_case("allocate_slots", lambda m, r0, r1: dict(
