@@ -426,6 +426,8 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
             partial_tail = num_local % block_size
             aligned = num_local - partial_tail
             ext, load_async = conn.get_num_new_matched_tokens(rid, request.num_tokens, aligned)
+            if request.skip_reading_prefix_cache:  # vLLM: asked, then ignored ("ask again" too)
+                ext, load_async = 0, False
             if ext is None:
                 skip(queue)  # the connector cannot answer yet
                 continue

@@ -265,7 +265,7 @@ def _reason(status) -> str:
     return why
 
 
-def _request_unmodelled(request, existing: bool, connector: bool = False) -> list[str]:
+def _request_unmodelled(request, existing: bool) -> list[str]:
     found = []
     sp = request.sampling_params
     if existing or getattr(request, "resumable", False):
@@ -284,10 +284,6 @@ def _request_unmodelled(request, existing: bool, connector: bool = False) -> lis
         found.append("kv_transfer")
     if sp is not None and getattr(sp, "repetition_detection", None) is not None:
         found.append("repetition_detection")
-    if connector and getattr(request, "skip_reading_prefix_cache", False):
-        # prompt logprobs: no local hit (replayed: the add record's skip_read) and no external one
-        # (vLLM zeroes the connector's answer; the reference's connector path does not)
-        found.append("skip_reading_prefix_cache with a KV connector")
     return found
 
 
@@ -538,7 +534,7 @@ class _Recorder:
             rid_json = _dumps(rid)
         # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
         # 4,000-token prompt costs as much as encoding it).
-        extra = _request_unmodelled(request, existing, self._kvref_connector)
+        extra = _request_unmodelled(request, existing)
         arrival = float(request.arrival_time)
         return (
             '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s%s}' % (
