@@ -189,10 +189,14 @@ class VllmScheduler:
         scheduler_cls: a ``--scheduler-cls`` string (e.g. ``kvref.record.RecordingScheduler``),
             resolved by vLLM's ``SchedulerConfig.get_scheduler_cls()`` as the engine core does;
             None: vLLM's ``Scheduler`` / ``AsyncScheduler`` by ``config.async_scheduling``.
+        diffusion: vLLM's ``DiffusionScheduler`` / ``DiffusionAsyncScheduler`` instead (diffusion
+            LMs: drafts and in-flight placeholders cut to a request's canvas width, by default
+            the served ``num_speculative_tokens``); for requests without the diffusion
+            ``extra_args`` they must behave as the plain schedulers (docs/differences.md).
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
-                 scheduler_cls: str | None = None, connector=None) -> None:
+                 scheduler_cls: str | None = None, connector=None, diffusion: bool = False) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -203,10 +207,18 @@ class VllmScheduler:
             num_blocks=pool.num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
                                                       to_vllm_spec(g.kv_cache_spec))
-                             for i, g in enumerate(pool.groups)])
-        if scheduler_cls is None:
-            cls = v["AsyncScheduler"] if config.async_scheduling else v["Scheduler"]
+                             for i, g in enumerate(pool.groups)],
+            prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23
+        if not isinstance(diffusion, bool) or (diffusion and scheduler_cls is not None):
+            raise InvalidFieldError("diffusion", diffusion, "True or False (True only without scheduler_cls)")
+        if diffusion:  # the diffusion-LM schedulers: canvas widths on top of speculative decoding
+            from vllm.v1.core.sched import diffusion_scheduler as ds
+
+            cls = ds.DiffusionAsyncScheduler if config.async_scheduling else ds.DiffusionScheduler
             extra: dict[str, Any] = {}
+        elif scheduler_cls is None:
+            cls = v["AsyncScheduler"] if config.async_scheduling else v["Scheduler"]
+            extra = {}
         else:  # a class string resolved as vLLM's engine core resolves --scheduler-cls
             vc.scheduler_config.scheduler_cls = scheduler_cls
             try:
@@ -417,7 +429,8 @@ class VllmKVCacheManagerShim:
             num_blocks=pool.num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
                                                       to_vllm_spec(g.kv_cache_spec))
-                             for i, g in enumerate(pool.groups)])
+                             for i, g in enumerate(pool.groups)],
+            prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23
         from vllm.v1.core.kv_cache_manager import KVCacheManager
 
         self.mgr = KVCacheManager(kv_cfg, max_model_len=pool.max_model_len,

@@ -12,10 +12,15 @@ pools: the second half of ``conform-scheduler`` (issue #22).
   is preempted first (its in-flight output dropped), then the pool forgets every cached block (or
   refuses while blocks are held); the result, the queues and the published ``AllBlocksCleared``
   batch are compared;
-* setups drawn a third from the FA + Mamba "align" pools (:data:`MAMBA_ALIGN_KINDS`), where vLLM's
-  ``Scheduler._mamba_block_aligned_split`` clips every prefill chunk to Mamba state boundaries and
-  the Mamba manager caches partial tails and copies states on write, a third with synchronous
-  speculative decoding.
+* multi-turn follow-ups (an earlier turn's prompt and output, then a new tail) and, under
+  PRIORITY, urgent arrivals admitted behind less urgent running requests;
+* setups (:func:`cache_controls_setups`) drawn two in six from the FA + Mamba "align" pools
+  (:data:`MAMBA_ALIGN_KINDS`), where vLLM's ``Scheduler._mamba_block_aligned_split`` clips every
+  prefill chunk to Mamba state boundaries and the Mamba manager caches partial tails and copies
+  states on write; two in six with speculative decoding, where vLLM runs as its diffusion-LM
+  scheduler (``DiffusionScheduler`` / ``DiffusionAsyncScheduler``), which for requests without a
+  canvas of their own must schedule as the plain one; the rest as the main machine's, or tight
+  PRIORITY pools.
 
 It is a separate machine (and a separate, smaller run) so that the main machine's rules and
 setups draw nothing new: its derandomized traces, and the tests that assert rare paths on them,
@@ -168,15 +173,15 @@ def _roomy(setup):
 
 
 def cache_controls_setups():
-    """FA + Mamba "align" pools, the main machine's setups, synchronous speculative decoding (the
-    drafts the runner proposes after each step go to ``update_draft_token_ids``, which the
-    spec-decode machine's mostly async setups seldom reach), or tight PRIORITY pools (the main
+    """FA + Mamba "align" pools, the main machine's setups, speculative decoding (synchronous in
+    one draw: the drafts the runner proposes after each step go to ``update_draft_token_ids``,
+    which the spec-decode machine's mostly async setups seldom reach), or tight PRIORITY pools (the main
     machine's storms are FCFS: here a victim of lower priority may have been scheduled earlier in
     the same step, and vLLM gives its tokens back to the budget); prefix caching on; as drawn or
     roomy."""
     mamba = scheduler_setups(kinds=MAMBA_ALIGN_KINDS)  # twice: their partial hits and copies need traces
     drawn = st.one_of(mamba, mamba, scheduler_setups(),
-                      scheduler_setups(spec=True, async_scheduling=False),
+                      scheduler_setups(spec=True, async_scheduling=False), scheduler_setups(spec=True),
                       scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
 
@@ -196,8 +201,11 @@ def run_cache_controls_machine(examples: int, reproducible: bool = False, shrink
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
 
     env = VllmEnv()
-    factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
-                                      "ref": lambda p, c: Scheduler(p, c)}
+    # with speculative decoding vLLM runs as its diffusion-LM scheduler: for requests that ask no
+    # canvas of their own it must schedule as the plain one (the reference)
+    factories: dict[str, Callable] = {
+        "vllm": lambda p, c: VllmScheduler(p, c, env, diffusion=bool(c.num_speculative_tokens)),
+        "ref": lambda p, c: Scheduler(p, c)}
     drivers: list[Lockstep] = []
 
     class Counting(CacheControlsLockstep):

@@ -53,3 +53,17 @@ def test_a_control_vllm_is_not_handed_is_a_divergence(vllm_scheduler, monkeypatc
     run = run_cache_controls_machine(profile_examples(12, 40), reproducible=True, shrink=False)
     assert not run.ok
     assert "schedule" in run.failure or "differ" in run.failure, run.failure
+
+
+def test_a_diffusion_scheduler_that_cuts_drafts_short_is_a_divergence(vllm_scheduler, monkeypatch):
+    """With speculative decoding the run drives vLLM's diffusion-LM scheduler, which must keep
+    ``num_speculative_tokens`` drafts for a request without a canvas of its own: a canvas one
+    token narrower drops drafts the reference schedules."""
+    from vllm.v1.core.sched import diffusion_scheduler
+
+    from kvref.models.machines.scheduler_cache_controls import run_cache_controls_machine
+
+    monkeypatch.setattr(diffusion_scheduler, "diffusion_canvas_width",
+                        lambda request, canvas_length: max(1, canvas_length - 1))
+    run = run_cache_controls_machine(profile_examples(12, 40), reproducible=True, shrink=False)
+    assert not run.ok, "a narrower canvas went unnoticed"
