@@ -325,6 +325,20 @@ class VllmTiering:
     def take_events(self) -> list[tuple]:
         return [(tuple(bytes(k) for k in e.keys), e.medium.name, e.removed) for e in self.manager.take_events()]
 
+    def metric_definitions(self) -> dict[str, str]:
+        """What vLLM declares to Prometheus for this configuration: metric name -> "counter",
+        "gauge" or "histogram" (``TieringOffloadingSpec.build_metric_definitions``)."""
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingHistogramMetadata
+
+        defs = type(self.spec).build_metric_definitions(self.spec.extra_config)
+        return {n: "histogram" if isinstance(d, OffloadingHistogramMetadata) else
+                "gauge" if isinstance(d, OffloadingGaugeMetadata) else "counter" for n, d in defs.items()}
+
+    def config_info(self) -> tuple[tuple[str, ...], list[dict]]:
+        """(the info label names vLLM declares, the label mappings the manager reports)."""
+        keys = type(self.spec).config_info_keys(self.spec.extra_config)
+        return tuple(keys), [dict(m) for m in self.manager.config_info()]
+
     def take_stats(self, prefix: str = "vllm:kv_offload_tiering_") -> dict[str, float]:
         """``get_stats().reduce()`` cut to the tiering metrics (the primary tier's own are
         conform-offload's)."""

@@ -112,6 +112,7 @@ class TieringWorld:
         self.live: list[str] = []  # requests not finished
         self.next_req = 0
         self.out = _Outstanding()
+        self.metrics_seen: set[str] = set()
         self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
@@ -283,13 +284,14 @@ class TieringWorld:
             while self.ref.tiers[i].lookups.to_worker:
                 self.op_lookup_worker(t)
 
-    def op_drain(self, fail_promotions: bool = False) -> None:
-        """Every fs tier catches up (its jobs finish, oldest first; with ``fail_promotions`` its
-        promotions fail with an I/O error), then the step ends."""
+    def op_drain(self, fail_promotions: bool = False, fail_stores: bool = False) -> None:
+        """Every fs tier catches up (its jobs finish, oldest first; ``fail_promotions`` /
+        ``fail_stores``: those fail with an I/O error), then the step ends."""
         for t, i in enumerate(self.fs_tiers()):
             while self.ref.tiers[i].in_flight():
                 job = self.ref.tiers[i].in_flight()[0]
-                self.op_finish_job(t, 0, fail_promotions and self.ref.jobs[job][0].is_promotion)
+                promotion = self.ref.jobs[job][0].is_promotion
+                self.op_finish_job(t, 0, fail_promotions if promotion else fail_stores)
         self.op_schedule_end()
 
     def op_revisit(self, ks, lose: int = -1) -> None:
@@ -367,13 +369,32 @@ class TieringWorld:
                 same(f"load source of {key.hex()[:8]} for {rid}", self.ref.get_load_source(key, self.ctx[rid]),
                      v.manager.get_load_source(key, v.req_context(rid)).name)
         same("events", self.ref.take_events(), v.take_events())
-        same("metrics", self.ref.take_stats(), v.take_stats())
+        stats = v.take_stats()
+        same("metrics", self.ref.take_stats(), stats)
+        self.metrics_seen.update(stats)
         if bytes(self.primary.buffer.data) != v.primary_bytes():
             rows = [c for c in range(self.cfg.num_chunks)
                     if self.primary.buffer.read(c) != v.primary_bytes()[c * ROW_BYTES:(c + 1) * ROW_BYTES]]
             diffs.append(f"primary buffer rows {rows} differ")
         if diffs:
             raise TieringDivergence(f"after {op}: " + "; ".join(diffs[:6]))
+
+    def check_declarations(self) -> None:
+        """Every tiering metric vLLM reported is declared, with the kind its values have, and every
+        info label the manager reports (one mapping per tier, primary first) is declared."""
+        defs = self.vllm.metric_definitions()
+        for key in self.metrics_seen:
+            name, _, rest = key.partition(":(")
+            kind = "histogram" if rest.endswith(("_count", "_sum")) else None
+            if name not in defs or (kind and defs[name] != kind) or (not kind and defs[name] == "histogram"):
+                raise TieringDivergence(f"metric {key}: reported, but declared as {defs.get(name)}")
+        keys, infos = self.vllm.config_info()
+        if len(infos) != 1 + len(self.cfg.tiers) or any(not set(i) <= set(keys) for i in infos):
+            raise TieringDivergence(f"config info {infos} vs declared labels {keys}")
+        labels = [i.get("tier") for i in infos]
+        expected = ["0:primary"] + [f"{n + 1}:{t}" for n, t in enumerate(self.cfg.tiers)]
+        if labels != expected:
+            raise TieringDivergence(f"config info tier labels {labels}, expected {expected}")
 
     def close(self) -> None:
         self.vllm.shutdown()
@@ -447,11 +468,15 @@ def _tail(rng: random.Random, world: TieringWorld):
         yield ("reset",)
         yield ("reset_flushed",)
     yield ("new_request",)
+    slow = rng.random() < 0.5  # the tiers' stores take time (back-pressure), or fail (a full disk)
+    failing = rng.random() < 0.2
     for k in rng.sample(range(world.cfg.num_keys), world.cfg.num_keys):
         yield ("prepare_store", 0, (k,))
         if world.out.stores:
             yield ("complete_store", 0, True)
-        yield ("drain",)
+        if slow:
+            yield ("advance", rng.choice((0.0, 0.0001, 0.001, 0.01, 0.1, 3.0)))
+        yield ("drain", False, failing and rng.random() < 0.7)
     yield ("finish_request", 0)
     # a second request offers the keys the primary tier holds: a request-level tier gets them now
     resident = tuple(i for i, k in enumerate(world.keys) if k in world.primary.chunk_state())
@@ -501,6 +526,7 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
         for op in _tail(rng, world):
             trace.append(op)
             world.apply(op)
+        world.check_declarations()
         return dict(world.stats), trace
     except TieringDivergence as exc:
         raise TieringDivergence(f"{exc}\nconfig {cfg}\ntrace {trace}") from None
