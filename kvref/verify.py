@@ -172,7 +172,8 @@ def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str
     from kvref.models.machines.kv_cache_manager import run_machine
 
     n = ctx.examples(25, 200)
-    run = run_machine(kinds, n, seed=ctx.seed, out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink)
+    # sparse prefix-cache retention intervals on SWA/Mamba pools (#23; ignored where torch is driven)
+    run = run_machine(kinds, n, seed=ctx.seed, out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink, retention=True)
     st = run.stats
     summary = (f"{len(st.steps)} generated traces ({sum(st.steps)} ops, >= 30 each) on {'+'.join(kinds)}: "
                f"{st.admissions} admissions, {st.prefix_hits} prefix hits, {st.preemptions} preemptions, "

@@ -128,7 +128,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              mamba_align_external_loads: bool = False,
                              kv_events: bool = True, breadth: bool = True,
                              traces_to: str | Path | None = None,
-                             retention: bool | str | None = None) -> type[RuleBasedStateMachine]:
+                             retention: bool | str = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -147,12 +147,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     and the salt only).
 
     ``retention``: draw sparse prefix-cache retention intervals for sliding-window and Mamba pools
-    (``pool_configs``' argument; default: one pool in two where ``breadth`` holds).
+    (``pool_configs``' argument: True one pool in two, ``"always"``) and probe a drawn interval's
+    validation on every pool (issue #23); only where ``breadth`` holds. Off by default, so the
+    other runs keep their inputs; ``kvref verify``'s conform-kv-manager turns it on.
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
-    if retention is None:
-        retention = breadth
+    retention = retention if breadth else False
 
     class KVCacheManagerMachine(RuleBasedStateMachine):
         stats = MachineStats()
@@ -172,7 +173,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
                     async_mode=st.booleans(), hashing=hashing_settings(),
-                    retention_probe=st.one_of(st.none(), st.integers(-8, 40)))
+                    retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none())
         def setup(self, pool, async_mode, hashing, retention_probe) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
