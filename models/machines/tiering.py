@@ -534,6 +534,22 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
         world.close()
 
 
+def run_ops(cfg: TieringConfig, ops: list) -> dict:
+    """Run the given operations (a directed trace) on a fresh world; returns its stats."""
+    from kvref.impl.vllm.tiering import virtual_time
+
+    clock = VirtualClock()
+    with virtual_time(clock):
+        world = TieringWorld(cfg, clock)
+        try:
+            world.compare(("start",))
+            for op in ops:
+                world.apply(op)
+            return dict(world.stats)
+        finally:
+            world.close()
+
+
 def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60)) -> dict:
     """``n`` generated configurations and traces (seeded by ``seed``); sums their stats."""
     rng = random.Random(f"conform-tiering-{seed}")

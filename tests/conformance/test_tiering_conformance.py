@@ -52,6 +52,22 @@ def test_hypothesis_traces_agree(rng, cfg_seed):
     assert stats["ops"] == len(trace)
 
 
+def test_backpressure_decays_before_a_completion_lands():
+    """Found by the Hypothesis traces: vLLM asks the detector whether it is under pressure before
+    applying a completed store (to log a change), and that question applies the idle decay up to
+    now, so the EMA differs (4e-7 relative here) unless the model asks too."""
+    require_vllm()
+    from kvref.models.machines.tiering import TieringConfig, run_ops
+
+    cfg = TieringConfig(num_chunks=4, tiers=("example", "fs"), backpressure="ThrottledDropPolicy", warmup=1,
+                        num_keys=7)
+    ops = [("new_request",)]
+    for k, dt in zip(range(5), (0.0, 0.001, 3.0, 0.0001, 0.0)):
+        ops += [("prepare_store", 0, (k,)), ("complete_store", 0, True), ("advance", dt), ("drain", False, False)]
+    stats = run_ops(cfg, ops)
+    assert stats["ops"] == len(ops)
+
+
 def _finds(monkeypatch, target: str, replacement, seeds=range(3), n: int = 8) -> str:
     """Plant ``replacement`` at ``target`` (module:attribute path) in vLLM and return the divergence."""
     require_vllm()

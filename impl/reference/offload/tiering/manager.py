@@ -176,11 +176,15 @@ class TieringOffloadingManager:
         det = tier.bp_detector
         if det is None:
             return
+        # vLLM asks the detector before and after (to log a change); the first question applies the
+        # idle decay up to now before the sample lands, so it is part of the arithmetic
+        was_under_pressure = det.is_under_pressure()
         if res.success:
             nbytes = res.transfer_bytes if res.transfer_bytes is not None else len(job.keys) * tier.block_size_bytes
             det.update(job.submit_time, nbytes)
         else:
             det.on_store_failed()
+        det.is_under_pressure() != was_under_pressure  # noqa: B015 - the second question decays too
 
     def _should_store_to_tier(self, tier: SecondaryTier, num_blocks: int) -> bool:
         return tier.bp_detector is None or tier.bp_detector.should_store(num_blocks)
