@@ -253,6 +253,13 @@ class VllmTiering:
             return True
         return False
 
+    def truncate_file(self, tier_idx: int, key: bytes, size: int) -> bool:
+        path = self.tiers[tier_idx].file_mapper.get_file_name(key)
+        if not os.path.exists(path) or not 0 <= size < self.row_bytes:
+            return False
+        os.truncate(path, size)
+        return True
+
     def write_chunk(self, chunk_id: int, payload: bytes) -> None:
         """What a GPU->CPU store writes into primary slot ``chunk_id``."""
         self._flat[chunk_id * self.row_bytes:(chunk_id + 1) * self.row_bytes] = payload

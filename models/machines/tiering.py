@@ -311,13 +311,25 @@ class TieringWorld:
             self.op_lookup(pick, k)
         if 0 <= lose < len(ks):
             for t in range(len(self.fs_tiers())):
-                self.op_lose_file(t, ks[lose])
+                if self.cfg.num_keys % 2:  # half the configurations lose the file, half tear it
+                    self.op_truncate_file(t, ks[lose], ROW_BYTES // 2)
+                else:
+                    self.op_lose_file(t, ks[lose])
 
     def op_lose_file(self, t: int, k: int) -> None:
         fs = self.fs_tiers()
         i = fs[t % len(fs)]
         key = self.keys[k % len(self.keys)]
         self._both("lose_file", lambda: self.ref.tiers[i].lose_file(key), lambda: self.vllm.lose_file(i, key))
+
+    def op_truncate_file(self, t: int, k: int, size: int) -> None:
+        fs = self.fs_tiers()
+        i = fs[t % len(fs)]
+        key = self.keys[k % len(self.keys)]
+        r, v = self._both("truncate_file", lambda: self.ref.tiers[i].truncate_file(key, size),
+                          lambda: self.vllm.truncate_file(i, key, size))
+        if r != v:
+            raise TieringDivergence(f"truncate_file: reference {r}, vLLM {v}")
 
     def op_advance(self, dt: float) -> None:
         self.clock.advance(dt)
@@ -357,10 +369,10 @@ class TieringWorld:
             if isinstance(tier, FileSystemTier):
                 same(f"tier #{i} lookups", tier.lookups.snapshot(), v.lookup_state(i))
                 same(f"tier #{i} jobs in flight", tier.in_flight(), v.in_flight(i))
-                for key in tier.files:
+                for key, data in tier.files.items():
                     path = v.tiers[i].file_mapper.get_file_name(key)
                     with open(path, "rb") as f:
-                        if f.read() != content_of(key):
+                        if f.read() != data or data != content_of(key)[:len(data)]:
                             diffs.append(f"tier #{i}: file of {key.hex()[:8]} does not hold the bytes stored for it")
             det = tier.bp_detector
             same(f"tier #{i} back-pressure", det.snapshot() if det else None, v.detector_snapshot(i))
@@ -428,6 +440,7 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (5, ("drain",)),
         (6, ("revisit", _evicted_to_disk(rng, world))),
         (2, ("lose_file", rng.randrange(2), rng.randrange(nk))),
+        (1, ("truncate_file", rng.randrange(2), rng.randrange(nk), rng.choice((0, 1, ROW_BYTES - 1)))),
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after

@@ -82,7 +82,7 @@ EXCLUDED: dict[str, str] = {
             "LookupMetrics.on_request_allocated LookupMetrics.on_request_finished", TIERING),
     **_each(f"{_TIER}.fs_tier", "FileSystemTier FileSystemTier.finish_job FileSystemTier.lookup "
             "FileSystemTier.lose_file FileSystemTier.on_request_finished FileSystemTier.submit_load "
-            "FileSystemTier.submit_store", TIERING),
+            "FileSystemTier.submit_store FileSystemTier.truncate_file", TIERING),
     **_each(f"{_TIER}.manager", "PendingPromotion RequestState", RECORD),
     **_each(f"{_TIER}.tier_base", "JobResult TransferJob TierEvent", RECORD),
     **_each(f"{_TIER}.tier_base", "PrimaryBuffer PrimaryBuffer.read PrimaryBuffer.write", TIERING),
