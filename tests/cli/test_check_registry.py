@@ -64,13 +64,14 @@ def test_the_defaults_keep_verify_and_the_campaigns_as_they_were():
         "spec", "startup-liveness", "proofs", "crosshair", "machine-reference", "machine-scheduler",
         "machine-offload", "explorer", "conform-explorer", "torch-differential", "conform-kv-manager",
         "conform-scheduler", "conform-spec-decode", "conform-connector", "conform-offload", "conform-p2p",
-        "conform-offload-worker", "conform-planning"]
+        "conform-offload-worker", "conform-tiering", "conform-planning"]
     assert [c.name for c in checks.select_checks(mutants=True)][-1] == "mutants"
     assert checks.MUTANT_CAMPAIGN == ("spec-formulas", "explorer", "pool-machine", "scheduler-machine",
                                       "manager-machine", "manager-vllm", "scheduler-vllm", "proofs")
     assert checks.vllm_checks() == ("startup-liveness", "conform-explorer", "conform-kv-manager",
                                     "conform-scheduler", "conform-spec-decode", "conform-connector",
-                                    "conform-offload", "conform-p2p", "conform-offload-worker", "conform-planning")
+                                    "conform-offload", "conform-p2p", "conform-offload-worker", "conform-tiering",
+                                    "conform-planning")
 
 
 def test_a_campaign_check_runs_under_verify_and_under_the_campaign_profile():
