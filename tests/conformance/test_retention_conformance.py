@@ -129,3 +129,40 @@ def test_generated_traces_with_retention_match_vllm():
     assert stats.prefix_hits > 0
     # every pool also probed an interval against vLLM's coordinator: some refused, some accepted
     assert stats.retention_probes.get("refused", 0) > 0 and stats.retention_probes.get("accepted", 0) > 0
+
+
+@given(retention=st.sampled_from((None, 0, 0, 4, 8)), alignment=st.sampled_from((1, 2, 4)),
+       prompt_len=st.integers(2, 60), chunks=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+       shared=st.integers(0, 60))
+@settings(max_examples=profile_examples(60, 300), deadline=None)
+def test_mamba_prefill_checkpoints_under_retention_match_vllm(retention, alignment, prompt_len, chunks, shared):
+    """A chunked prefill on FA + Mamba "align" with prefill-checkpoint blocks: under interval 0 only
+    the chunk reaching the prefill end reserves a checkpoint block, block-aligned checkpoints stay
+    only where retention keeps them; a second request sharing a prefix then hits (or not) alike.
+    Block ids, cached blocks and hits compared after every chunk."""
+    require_vllm()
+    from kvref.impl.interface import make_manager
+    from kvref.impl.request import Request
+
+    mamba = MambaSpec(block_size=4, shapes=((2,),), dtypes=("float16",), mamba_cache_mode="align",
+                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=alignment)
+    pool = PoolConfig(num_blocks=80, groups=(KVCacheGroupSpec(("a",), _SPECS["fa"]), KVCacheGroupSpec(("m",), mamba)),
+                      max_model_len=64, scheduler_block_size=4, hash_block_size=4,
+                      prefix_cache_retention_interval=retention)
+    managers = [make_manager("reference", pool), make_manager("vllm", pool)]
+    prompt = list(range(prompt_len))
+    requests = [Request("r0", list(prompt), max_tokens=2) for _ in managers]
+    for chunk in chunks:
+        remaining = prompt_len - requests[0].num_computed_tokens
+        if remaining <= 0:
+            break
+        n = min(chunk, remaining)
+        outs = []
+        for m, r in zip(managers, requests):
+            m.new_step_starts()
+            outs.append((m.allocate_slots(r, n), m.cached_blocks()))
+            r.num_computed_tokens += n
+        assert outs[0] == outs[1], (chunk, outs)
+    second = prompt[:min(shared, prompt_len)] + [99] * 3
+    hits = [m.get_computed_blocks(Request("r1", list(second), max_tokens=2)) for m in managers]
+    assert hits[0] == hits[1]
