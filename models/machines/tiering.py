@@ -331,6 +331,21 @@ class TieringWorld:
         if r != v:
             raise TieringDivergence(f"truncate_file: reference {r}, vLLM {v}")
 
+    def op_quiescent(self) -> None:
+        """With every request finished, the tiers drained and one more end of step, nothing is left:
+        no job, no queued promotion, no pinned or reserved primary chunk, no request state, no
+        lookup probe (vLLM's state equals this, compared after each step)."""
+        self.op_settle()  # submits promotions still queued (for requests that finished meanwhile)
+        self.op_drain()
+        self.op_schedule_end()  # collects what the drain's step could not (its poll was spent)
+        left = {"jobs": sorted(self.ref.jobs), "queued promotions": dict(self.ref.pending_loads),
+                "requests": sorted(self.ref.req_state),
+                "pinned or reserved": [k.hex()[:8] for k, (_, r) in self.primary.chunk_state().items() if r != 0],
+                "probes": [len(t.lookups.state) for t in self.ref.tiers if isinstance(t, FileSystemTier)
+                           if t.lookups.state]}
+        if any(left.values()) or self.ref.has_pending_work():
+            raise TieringDivergence(f"not quiescent after every request and job finished: {left}")
+
     def op_advance(self, dt: float) -> None:
         self.clock.advance(dt)
 
@@ -515,6 +530,7 @@ def _tail(rng: random.Random, world: TieringWorld):
             yield ("complete_load", 0)
         yield ("finish_request", 0)
     yield ("drain",)
+    yield ("quiescent",)
     yield ("reset",)
 
 
