@@ -77,7 +77,9 @@ def virtual_time(clock: VirtualClock):
 
     mods = [importlib.import_module(m) for m in _TIME_MODULES]
     quiet = [logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool"),  # injected I/O errors are expected
-             logging.getLogger("vllm.v1.kv_offload.tiering.factory")]  # so is kvref's out-of-tree tier
+             logging.getLogger("vllm.v1.kv_offload.tiering.factory"),  # so is kvref's out-of-tree tier
+             logging.getLogger("vllm.v1.kv_offload.tiering.obj.manager"),  # and failed object transfers
+             logging.getLogger("vllm.distributed.nixl_utils")]  # NIXL is absent: kvref's agent stands in
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
@@ -229,6 +231,7 @@ class VllmTiering:
             _restamp(tier, clock)
             if tier.tier_type == "fs":
                 self.job_gates[i] = _JobGates(tier)
+            if tier.tier_type in ("fs", "obj"):
                 self.lookup_gates[i] = _install_lookup_gate(tier)
         self._flat = self.primary.get_kv_memoryview().cast("B")
         self.row_bytes = self.primary.get_kv_memoryview().strides[0]
@@ -237,7 +240,27 @@ class VllmTiering:
     # -- the harness ------------------------------------------------------------------------
 
     def finish_job(self, tier_idx: int, job_id: int, io_error: bool = False) -> None:
+        tier = self.tiers[tier_idx]
+        if tier.tier_type == "obj":
+            if job_id not in self.in_flight(tier_idx):
+                raise InvalidFieldError("job_id", job_id, f"a transfer in flight on tier #{tier_idx}")
+            tier._agent.complete(tier._transfers[job_id].xfer_handle, io_error)
+            return
         self.job_gates[tier_idx].finish(job_id, io_error)
+
+    def _object_name(self, tier_idx: int, key: bytes) -> str:
+        return self.tiers[tier_idx]._file_mapper.get_file_name(key)
+
+    def tier_bytes(self, tier_idx: int, key: bytes) -> bytes | None:
+        """What tier ``tier_idx`` (fs or obj) holds for ``key``, or None."""
+        tier = self.tiers[tier_idx]
+        if tier.tier_type == "obj":
+            return tier._agent.bucket.get(self._object_name(tier_idx, key))
+        path = tier.file_mapper.get_file_name(key)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
 
     def run_lookup_worker(self, tier_idx: int) -> bool:
         gate = self.lookup_gates[tier_idx]
@@ -247,6 +270,8 @@ class VllmTiering:
         return True
 
     def lose_file(self, tier_idx: int, key: bytes) -> bool:
+        if self.tiers[tier_idx].tier_type == "obj":
+            return self.tiers[tier_idx]._agent.bucket.pop(self._object_name(tier_idx, key), None) is not None
         path = self.tiers[tier_idx].file_mapper.get_file_name(key)
         if os.path.exists(path):
             os.remove(path)
@@ -254,6 +279,8 @@ class VllmTiering:
         return False
 
     def truncate_file(self, tier_idx: int, key: bytes, size: int) -> bool:
+        if self.tiers[tier_idx].tier_type != "fs":
+            return False  # an object is replaced whole
         path = self.tiers[tier_idx].file_mapper.get_file_name(key)
         if not os.path.exists(path) or not 0 <= size < self.row_bytes:
             return False
@@ -307,8 +334,8 @@ class VllmTiering:
 
     def stored_keys(self, tier_idx: int, universe) -> set[bytes]:
         tier = self.tiers[tier_idx]
-        if tier.tier_type == "fs":
-            return {k for k in universe if os.path.exists(tier.file_mapper.get_file_name(k))}
+        if tier.tier_type in ("fs", "obj"):
+            return {k for k in universe if self.tier_bytes(tier_idx, k) is not None}
         return {bytes(k) for k in tier.chunks}  # the example tier and kvref's RequestLevelTier
 
     def lookup_state(self, tier_idx: int) -> dict:
@@ -317,6 +344,10 @@ class VllmTiering:
                 for k, s in lm._lookup_state.items()}
 
     def in_flight(self, tier_idx: int) -> list[int]:
+        tier = self.tiers[tier_idx]
+        if tier.tier_type == "obj":
+            busy = set(tier._agent.in_flight())
+            return sorted(j for j, e in tier._transfers.items() if e.xfer_handle in busy)
         gates = self.job_gates.get(tier_idx)
         return gates.in_flight() if gates is not None else []
 
@@ -373,6 +404,11 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
     tier_cfgs = []
     for i, t in enumerate(tiers):
         cfg = dict(t)
+        if cfg["type"] == "obj":
+            cfg.setdefault("store_config", {"bucket": "kvref", "endpoint_override": "in-memory"})
+            cfg.setdefault("prefix", f"tier{i}")
+            cfg.setdefault("io_threads", 1)
+            cfg.setdefault("enable_kv_events", enable_events)
         if cfg["type"] == "fs":
             cfg.setdefault("root_dir", os.path.join(root, f"tier{i}"))
             cfg.setdefault("n_read_threads", 24)
@@ -392,8 +428,10 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),
         replicated_layout=False)
     spec = TieringOffloadingSpec(ocfg)
+    bucket: dict[str, bytes] = {}
     try:
-        manager = spec.get_manager()
+        with _in_memory_nixl(bucket, any(t["type"] == "obj" for t in tiers)):
+            manager = spec.get_manager()
     except Exception:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -401,6 +439,26 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         raise InvalidFieldError("num_chunks", num_chunks, f"the {manager.primary_tier._num_chunks} chunks "
                                                           "vLLM's spec made of cpu_bytes_to_use")
     return VllmTiering(spec, manager, clock, root)
+
+
+@contextlib.contextmanager
+def _in_memory_nixl(bucket: dict, needed: bool):
+    """While the obj tiers are built, ``nixl_agent`` is kvref's in-memory object store agent
+    (:mod:`kvref.impl.vllm.tiering_obj_agent`: NIXL is not installed)."""
+    if not needed:
+        yield
+        return
+    import vllm.v1.kv_offload.tiering.obj.manager as obj
+
+    from kvref.impl.vllm.tiering_obj_agent import InMemoryObjAgent
+
+    saved = obj.nixl_agent, obj.nixl_agent_config
+    obj.nixl_agent = lambda name, config: InMemoryObjAgent(name, config, bucket)
+    obj.nixl_agent_config = lambda **kw: kw
+    try:
+        yield
+    finally:
+        obj.nixl_agent, obj.nixl_agent_config = saved
 
 
 def schedule_end_context(new_req_ids=()) -> Any:

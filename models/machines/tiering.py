@@ -28,6 +28,7 @@ from kvref.impl.reference.offload.tiering.clock import VirtualClock
 from kvref.impl.reference.offload.tiering.example_tier import ExampleTier
 from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
 from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
+from kvref.impl.reference.offload.tiering.obj_tier import ObjectStoreTier
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
 
 ROW_BYTES = 4096
@@ -35,7 +36,9 @@ ROW_BYTES = 4096
 #: out-of-tree tier (kvref.impl.vllm.tiering_tiers)
 REQUEST_LEVEL = "RequestLevelTier"
 TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"), ("fs", REQUEST_LEVEL),
-                (REQUEST_LEVEL, "fs"))
+                (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"))
+#: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
+ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
 
 
@@ -67,7 +70,7 @@ class TieringConfig:
             cfg: dict = {"type": t}
             if t == REQUEST_LEVEL:
                 cfg["module_path"] = "kvref.impl.vllm.tiering_tiers"
-            if t == "fs" and self.backpressure:
+            if t in ASYNC_TIERS and self.backpressure:
                 cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": self.backpressure,
                                        "warmup_completions": self.warmup}
             out.append(cfg)
@@ -101,11 +104,14 @@ class TieringWorld:
         tiers = []
         for t in cfg.tiers:
             det = None
-            if t == "fs" and cfg.backpressure:
-                det = EMABackpressureDetector(**default_config("fs"), warmup_completions=cfg.warmup,
+            if t in ASYNC_TIERS and cfg.backpressure:
+                det = EMABackpressureDetector(**default_config(t), warmup_completions=cfg.warmup,
                                               policy=POLICIES[cfg.backpressure](), clock=self.clock.monotonic)
-            tiers.append(FileSystemTier(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True) if t == "fs"
-                         else ExampleTier(t, self.primary.buffer, det, "request" if t == REQUEST_LEVEL else "chunk"))
+            if t in ASYNC_TIERS:
+                cls = ObjectStoreTier if t == "obj" else FileSystemTier
+                tiers.append(cls(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True))
+            else:
+                tiers.append(ExampleTier(t, self.primary.buffer, det, "request" if t == REQUEST_LEVEL else "chunk"))
         self.ref = TieringOffloadingManager(self.primary, tiers, self.clock.monotonic)
         self.vllm = build_vllm_tiering(cfg.num_chunks, cfg.vllm_tier_configs(), self.clock, cfg.cache_policy)
         self.ctx: dict[str, RequestContext] = {}
@@ -139,7 +145,7 @@ class TieringWorld:
         return self.vllm.req_context(rid)
 
     def fs_tiers(self) -> list[int]:
-        return [i for i, t in enumerate(self.cfg.tiers) if t == "fs"]
+        return [i for i, t in enumerate(self.cfg.tiers) if t in ASYNC_TIERS]
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -250,7 +256,7 @@ class TieringWorld:
         from kvref.impl.vllm.tiering import schedule_end_context
 
         self.stats["fs_promotions"] += sum(len(by) for t, by in self.ref.pending_loads.items()
-                                           if self.cfg.tiers[t] == "fs")
+                                           if self.cfg.tiers[t] in ASYNC_TIERS)
         new, self.unscheduled = [r for r in self.unscheduled if r in self.live], []
         self._both("on_schedule_end", lambda: self.ref.on_schedule_end(new),
                    lambda: self.vllm.manager.on_schedule_end(schedule_end_context(new)))
@@ -385,9 +391,7 @@ class TieringWorld:
                 same(f"tier #{i} lookups", tier.lookups.snapshot(), v.lookup_state(i))
                 same(f"tier #{i} jobs in flight", tier.in_flight(), v.in_flight(i))
                 for key, data in tier.files.items():
-                    path = v.tiers[i].file_mapper.get_file_name(key)
-                    with open(path, "rb") as f:
-                        if f.read() != data or data != content_of(key)[:len(data)]:
+                    if v.tier_bytes(i, key) != data or data != content_of(key)[:len(data)]:
                             diffs.append(f"tier #{i}: file of {key.hex()[:8]} does not hold the bytes stored for it")
             det = tier.bp_detector
             same(f"tier #{i} back-pressure", det.snapshot() if det else None, v.detector_snapshot(i))

@@ -83,6 +83,8 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_TIER}.fs_tier", "FileSystemTier FileSystemTier.finish_job FileSystemTier.lookup "
             "FileSystemTier.lose_file FileSystemTier.on_request_finished FileSystemTier.submit_load "
             "FileSystemTier.submit_store FileSystemTier.truncate_file", TIERING),
+    **_each(f"{_TIER}.obj_tier", "ObjectStoreTier ObjectStoreTier.finish_job ObjectStoreTier.truncate_file",
+            TIERING),
     **_each(f"{_TIER}.manager", "PendingPromotion RequestState", RECORD),
     **_each(f"{_TIER}.tier_base", "JobResult TransferJob TierEvent", RECORD),
     **_each(f"{_TIER}.tier_base", "PrimaryBuffer PrimaryBuffer.read PrimaryBuffer.write", TIERING),

@@ -33,6 +33,9 @@ class FileSystemTier(SecondaryTier):
         self.files: dict[OffloadKey, bytes] = {}
         self.jobs: dict[int, TransferJob] = {}
         self.store_keys: dict[int, tuple[OffloadKey, ...]] = {}  # finished stores not yet collected
+        # keys of finished, failed promotions not yet collected: their verdicts turn "absent" when
+        # the manager collects the result (vLLM #49176), not when the I/O ends
+        self.failed_loads: dict[int, tuple[OffloadKey, ...]] = {}
         self.finished: list[JobResult] = []
         self.events: list[TierEvent] | None = [] if enable_events else None
         self.lookups = AsyncLookupManager(self._has_file)
@@ -55,13 +58,14 @@ class FileSystemTier(SecondaryTier):
         self.jobs[job.job_id] = job
 
     def get_finished_jobs(self) -> list[JobResult]:
-        """Collected results; a successful store is announced (KV event) only now, as in vLLM."""
+        """Collected results; only now is a successful store announced (KV event) and a failed
+        promotion's keys marked absent, as in vLLM."""
         out, self.finished = self.finished, []
-        if self.events is not None:
-            for res in out:
-                keys = self.store_keys.pop(res.job_id, None)
-                if res.success and keys:
-                    self.events.append(TierEvent(keys, self.medium, False))
+        for res in out:
+            keys = self.store_keys.pop(res.job_id, None)
+            if self.events is not None and res.success and keys:
+                self.events.append(TierEvent(keys, self.medium, False))
+            self.lookups.mark_miss(self.failed_loads.pop(res.job_id, ()))
         return out
 
     def on_request_finished(self, req_id: str) -> None:
@@ -109,7 +113,7 @@ class FileSystemTier(SecondaryTier):
                     self.primary.write(cid, data)
                     loaded += 1
             if io_error or loaded < len(job.keys):
-                self.lookups.mark_miss(job.keys[loaded:])
+                self.failed_loads[job_id] = tuple(job.keys[loaded:])
                 result = JobResult(job_id, False, tuple(job.keys[:loaded]) or None, elapsed, nbytes)
             else:
                 result = JobResult(job_id, True, None, elapsed, nbytes)
