@@ -14,10 +14,10 @@ pools: the second half of ``conform-scheduler`` (issue #22).
   batch are compared;
 * multi-turn follow-ups (an earlier turn's prompt and output, then a new tail) and, under
   PRIORITY, urgent arrivals admitted behind less urgent running requests;
-* setups (:func:`cache_controls_setups`) drawn two in six from the FA + Mamba "align" pools
+* setups (:func:`cache_controls_setups`) drawn three in seven from the FA + Mamba "align" pools
   (:data:`MAMBA_ALIGN_KINDS`), where vLLM's ``Scheduler._mamba_block_aligned_split`` clips every
   prefill chunk to Mamba state boundaries and the Mamba manager caches partial tails and copies
-  states on write; two in six with speculative decoding, where vLLM runs as its diffusion-LM
+  states on write; two in seven with speculative decoding, where vLLM runs as its diffusion-LM
   scheduler (``DiffusionScheduler`` / ``DiffusionAsyncScheduler``), which for requests without a
   canvas of their own must schedule as the plain one; the rest as the main machine's, or tight
   PRIORITY pools.
@@ -173,15 +173,16 @@ def _roomy(setup):
 
 
 def cache_controls_setups():
-    """FA + Mamba "align" pools, the main machine's setups, speculative decoding (synchronous in
-    one draw: the drafts the runner proposes after each step go to ``update_draft_token_ids``,
-    which the spec-decode machine's mostly async setups seldom reach), or tight PRIORITY pools (the main
-    machine's storms are FCFS: here a victim of lower priority may have been scheduled earlier in
-    the same step, and vLLM gives its tokens back to the budget); prefix caching on; as drawn or
-    roomy."""
-    mamba = scheduler_setups(kinds=MAMBA_ALIGN_KINDS)  # twice: their partial hits and copies need traces
-    drawn = st.one_of(mamba, mamba, scheduler_setups(),
-                      scheduler_setups(spec=True, async_scheduling=False), scheduler_setups(spec=True),
+    """FA + Mamba "align" pools (three in seven), the main machine's setups, speculative decoding
+    (synchronous in one draw, async in another: the drafts the runner proposes after each step
+    go to ``update_draft_token_ids``, which the spec-decode machine's mostly async setups seldom
+    reach), or tight PRIORITY pools (the main machine's storms are FCFS: here a victim of lower
+    priority may have been scheduled earlier in the same step, and vLLM gives its tokens back to
+    the budget); prefix caching on; as drawn or roomy."""
+    mamba = scheduler_setups(kinds=MAMBA_ALIGN_KINDS)  # thrice: their partial hits and copies need traces
+    drawn = st.one_of(mamba, mamba, mamba, scheduler_setups(),
+                      scheduler_setups(spec=True, async_scheduling=False),
+                      scheduler_setups(spec=True, async_scheduling=True),
                       scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
 
