@@ -284,7 +284,7 @@ class VllmTiering:
         path = self.tiers[tier_idx].file_mapper.get_file_name(key)
         if not os.path.exists(path) or not 0 <= size < self.row_bytes:
             return False
-        os.truncate(path, size)
+        os.truncate(path, min(size, os.path.getsize(path)))  # cut only: truncate() would extend a short file
         return True
 
     def write_chunk(self, chunk_id: int, payload: bytes) -> None:
