@@ -69,6 +69,7 @@ class Wire:
     received: dict[tuple[str, str], int] = field(default_factory=dict)
     log: list[tuple[str, str, tuple]] = field(default_factory=list)
     closed: set[str] = field(default_factory=set)
+    routers: dict[str, Any] = field(default_factory=dict)
 
 
 def _free_port() -> int:
@@ -166,12 +167,23 @@ def _classes() -> SimpleNamespace:
 
         def __init__(self, sock, wire: Wire, src: str, dst: str) -> None:
             self._sock, self._wire, self._src, self._dst = sock, wire, src, dst
+            self._connected = False
 
         def send(self, data, flags=0):
             self._sock.send(data, flags)
+            self._connected = True
             key = (self._src, self._dst)
             self._wire.sent[key] = self._wire.sent.get(key, 0) + 1
             self._wire.log.append((self._src, self._dst, summarize(msgspec.msgpack.decode(data))))
+
+        def close(self, *args):
+            """Close, then wait until the live peer's ROUTER has dropped this connection: a
+            reconnect under the same identity before that is refused by the ROUTER (a race
+            between two loopback sockets that the traces must not depend on)."""
+            self._sock.close(*args)
+            router = self._wire.routers.get(self._dst)
+            if self._connected and router is not None and self._dst not in self._wire.closed:
+                router.await_disconnect(self._src)
 
         def __getattr__(self, name):
             return getattr(self._sock, name)
@@ -182,6 +194,22 @@ def _classes() -> SimpleNamespace:
         def __init__(self, sock, wire: Wire, me: str) -> None:
             self._sock, self._wire, self._me = sock, wire, me
             self._ahead: deque = deque()
+            addr = f"inproc://kvref-router-monitor-{id(self)}"
+            sock.monitor(addr, zmq.EVENT_DISCONNECTED)
+            self._monitor = sock.context.socket(zmq.PAIR)
+            self._monitor.connect(addr)
+            wire.routers[me] = self
+
+        def await_disconnect(self, peer: str) -> None:
+            if not self._monitor.poll(int(WIRE_TIMEOUT_S * 1000)):
+                raise WireTimeout(f"{self._me} never saw {peer}'s closed connection go")
+            self._monitor.recv_multipart()
+            self._sock.poll(0)  # let the ROUTER process the pipe's termination
+
+        def close(self, *args):
+            self._wire.routers.pop(self._me, None)
+            self._monitor.close(0)
+            self._sock.close(*args)
 
         def _read(self) -> bool:
             try:
@@ -206,7 +234,9 @@ def _classes() -> SimpleNamespace:
                     return
                 left = deadline - _real_time.monotonic()
                 if left <= 0:
-                    raise WireTimeout(f"messages sent to {self._me} never arrived: {missing}")
+                    recent = [m for m in self._wire.log if m[1] == self._me][-3:]
+                    raise WireTimeout(f"messages sent to {self._me} never arrived: {missing}; the last sent "
+                                      f"there: {recent}")
                 self._sock.poll(min(50, int(left * 1000) + 1))
 
         def recv_multipart(self, flags=0):
@@ -403,17 +433,13 @@ class VllmP2PWorld:
         """The engine goes away: ``shutdown`` (its sessions send DisconnectMsg, sockets close).
 
         Then, for each connection the survivor holds to it, the harness waits (bounded) until the
-        socket monitor's disconnect event is queued, so the survivor's next poll sees it."""
+        socket monitor's fatal event is queued, so the survivor's next poll sees it."""
         mgr = self.managers[node]
         mgr.shutdown()
         self.alive[node] = False
         out = [(r.job_id, r.success) for r in mgr._finished_jobs]
         mgr._finished_jobs = []
         self._settle()
-        for other in NODES:
-            conn = self.managers[other]._control._connections.get(self.ids[node]) if self.alive[other] else None
-            if conn is not None and conn.alive and not conn.monitor_socket.poll(int(WIRE_TIMEOUT_S * 1000)):
-                raise WireTimeout(f"{other}'s connection to the closed {node} saw no disconnect event")
         return out
 
     def read(self, node: str, chunk_ids: list[int]) -> list[bytes]:
@@ -461,6 +487,18 @@ class VllmP2PWorld:
         for node in NODES:
             if self.alive.get(node):
                 self.managers[node]._control._router.settle()
+        self._await_monitors()
+
+    def _await_monitors(self) -> None:
+        """A live connection to an engine that has gone gets a fatal monitor event (disconnected,
+        or closed when the dial fails); wait (bounded) until it is queued, so the next poll sees it."""
+        gone = {self.ids[n] for n in NODES if not self.alive.get(n, True)}
+        for node in NODES:
+            if not self.alive.get(node):
+                continue
+            for pid, conn in self.managers[node]._control._connections.items():
+                if pid in gone and conn.alive and not conn.monitor_socket.poll(int(WIRE_TIMEOUT_S * 1000)):
+                    raise WireTimeout(f"{node}'s connection to the closed {pid} saw no monitor event")
 
     def close(self) -> None:
         """Shut down what is still running and give the p2p modules their ``time`` back."""

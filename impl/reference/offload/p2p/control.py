@@ -7,8 +7,8 @@ driver; each call
 1. drops connections marked dead since the last call;
 2. hands every arrived message to the sender's connection, or — for a sender without one —
    opens an *inbound* connection, returned from this poll (once) with the message buffered;
-3. marks dead a connection whose peer went away (vLLM: the socket monitor's disconnect event)
-   and drops it.
+3. marks dead a connection whose peer went away (vLLM: the socket monitor's disconnect event,
+   or its closed event when dialing an engine that has gone) and drops it.
 
 A message sent to an engine that has gone is lost. ``send`` on a dead connection raises.
 """
@@ -52,9 +52,11 @@ class Conn:
 class ControlPlane:
     """One engine's listening socket and its connections; ``deliver`` is the network's send."""
 
-    def __init__(self, local_id: str, deliver: Callable[[str, str, dict], None]) -> None:
+    def __init__(self, local_id: str, deliver: Callable[[str, str, dict], None],
+                 gone: Callable[[str], bool] = lambda peer_id: False) -> None:
         self.local_id = local_id
         self._deliver = deliver
+        self._gone = gone
         self.connections: dict[str, Conn] = {}
         self.arrived: deque[tuple[str, dict]] = deque()
         self.closed = False
@@ -68,6 +70,8 @@ class ControlPlane:
 
     def _open(self, peer_id: str) -> Conn:
         conn = Conn(peer_id, lambda msg: self._deliver(self.local_id, peer_id, msg))
+        # dialing an engine that has gone fails; vLLM's monitor reports it (EVENT_CLOSED) by the next poll
+        conn.peer_gone = self._gone(peer_id)
         self.connections[peer_id] = conn
         return conn
 

@@ -50,7 +50,8 @@ class P2PWorld:
         self.log: list[tuple[str, str, tuple]] = []
         self.alive = {n: True for n in NODES}
         self.planes = {n: DataPlane(n, bytearray(num_blocks * block_len), block_len) for n in NODES}
-        self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver) for n in NODES}
+        self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver, lambda pid: not self.alive[_name(pid)])
+                         for n in NODES}
         self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
                                            m.connect(f"{n}:{PORT}", num_blocks, block_len, "", "kvref"),
                                            self._resolve) for n in NODES}
