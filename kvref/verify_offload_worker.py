@@ -78,6 +78,13 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     batches = stats["batches"]
     problems = publish_and_subscribe(batches, buffer_steps=max(1, len(batches) // 3), dp_rank=1,
                                      replay_from=(0, len(batches) // 2, len(batches) - 1, len(batches) + 2))
+    from kvref.impl.vllm.kv_event_publisher import check_endpoint_offsets, check_worker_aggregation
+
+    prng = random.Random(f"{NAME}-workers-{ctx.seed}")
+    for events in batches[:8]:  # each worker reports a random part of the step's events
+        workers = [[e for e in events if prng.random() < 0.8] for _ in range(prng.randint(1, 3))]
+        problems += check_worker_aggregation(workers)
+    problems += check_endpoint_offsets()
     if problems:
         return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
                            details=problems[:10], signature=f"{NAME}: kv event publisher")

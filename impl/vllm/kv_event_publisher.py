@@ -132,3 +132,51 @@ def _compare(where: str, t: bytes, topic: str, payload: bytes, want) -> list[str
     if (batch.ts, batch.events, batch.data_parallel_rank) != want:
         return [f"{where}: decoded {batch!r:.300} differs from the published batch {want!r:.300}"]
     return []
+
+
+def check_worker_aggregation(per_worker: list[list[Any]]) -> list[str]:
+    """vLLM's ``KVEventAggregator`` over the KV events several workers reported (each worker's list
+    without repeats): the common events are exactly those every worker reported (routers must only
+    learn of blocks stored on all ranks), all events are every worker's, and the worker count
+    follows ``increment_workers`` / ``reset_workers``."""
+    from vllm.distributed.kv_events import KVEventAggregator
+
+    problems: list[str] = []
+    n = len(per_worker)
+    agg = KVEventAggregator(n)
+    for events in per_worker:
+        agg.add_events(list(events))
+    key = repr
+    common = set(map(key, per_worker[0])).intersection(*(set(map(key, w)) for w in per_worker[1:]))
+    if sorted(map(key, agg.get_common_events())) != sorted(common):
+        problems.append(f"{n} workers: common events {len(agg.get_common_events())}, expected {len(common)}")
+    if sorted(map(key, agg.get_all_events())) != sorted(key(e) for w in per_worker for e in w):
+        problems.append(f"{n} workers: all events differ from the workers' reports")
+    agg.increment_workers(2)
+    if agg.get_number_of_workers() != n + 2:
+        problems.append(f"increment_workers(2) on {n} workers gives {agg.get_number_of_workers()}")
+    agg.reset_workers()
+    agg.clear_events()
+    if agg.get_number_of_workers() != 1 or agg.get_all_events():
+        problems.append("reset_workers / clear_events leave workers or events behind")
+    return problems
+
+
+def check_endpoint_offsets() -> list[str]:
+    """``ZmqEventPublisher.offset_endpoint_port``: data-parallel rank ``r`` publishes on the port
+    ``r`` above the configured one (tcp), or on ``<endpoint>_dp<r>`` (inproc); rank 0, port 0 (the
+    OS picks) and no endpoint are left as they are; anything else is refused."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    off = ZmqEventPublisher.offset_endpoint_port
+    cases = {("tcp://*:5557", 0): "tcp://*:5557", ("tcp://*:5557", 3): "tcp://*:5560",
+             ("tcp://10.0.0.1:7000", 1): "tcp://10.0.0.1:7001", ("tcp://*:0", 2): "tcp://*:0",
+             ("inproc://events", 2): "inproc://events_dp2", (None, 4): None}
+    problems = [f"offset_endpoint_port({e!r}, {r}) = {off(e, r)!r}, expected {want!r}"
+                for (e, r), want in cases.items() if off(e, r) != want]
+    try:
+        off("ipc:///tmp/events", 1)
+        problems.append("offset_endpoint_port accepted an ipc endpoint for rank 1")
+    except ValueError:
+        pass
+    return problems

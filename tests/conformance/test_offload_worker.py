@@ -254,3 +254,25 @@ def test_file_mapper_fault_is_found(monkeypatch):
     monkeypatch.setattr(FileMapper, "__init__", patched)
     rng = random.Random(0)
     assert any(check_file_mapper(rng) for _ in range(profile_examples(20, 60)))
+
+
+def test_event_aggregation_and_endpoint_offsets(monkeypatch):
+    """vLLM's KVEventAggregator keeps exactly the events every worker reported, and dp ranks move
+    endpoints as documented; an aggregator that keeps events seen by any worker is reported."""
+    import random
+
+    from kvref.impl.vllm.kv_event_publisher import check_endpoint_offsets, check_worker_aggregation
+
+    rng = random.Random(0)
+    batches = _event_batches(12)
+    # connectors' events are BlockStored / BlockRemoved (vLLM's AllBlocksCleared is not hashable)
+    per_step = [[[e for e in events if type(e).__name__ != "AllBlocksCleared" and rng.random() < 0.7]
+                 for _ in range(3)] for events in batches]
+    assert any(set(map(repr, w[0])) != set(map(repr, w[1])) for w in per_step)  # workers do differ
+    assert [p for w in per_step for p in check_worker_aggregation(w)] == []
+    assert check_endpoint_offsets() == []
+
+    from vllm.distributed.kv_events import KVEventAggregator
+
+    monkeypatch.setattr(KVEventAggregator, "get_common_events", lambda self: list(self._event_counter))
+    assert any(check_worker_aggregation(w) for w in per_step)
