@@ -245,7 +245,8 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_P2P}.manager", "P2PRequest P2PTierManager P2PTierManager.get_finished_jobs P2PTierManager.lookup "
             "P2PTierManager.on_new_request P2PTierManager.on_request_finished P2PTierManager.shutdown "
             "P2PTierManager.submit_load P2PTierManager.submit_store", P2P),
-    **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done", P2P),
+    **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done validate", P2P),
+    **_each(f"{_P2P}.world", "P2PWorld.inject", "harness hook of the P2P reference world: delivers an out-of-protocol message the machine drew (kvref.models.machines.p2p); the message itself is checked by messages.validate on receipt"),
     **_each(f"{_P2P}.server", "Round ServerRequest ServerRole ServerRole.add_stored_blocks ServerRole.collect_results "
             "ServerRole.drain_pending_aborts ServerRole.finish ServerRole.on_abort_fetch ServerRole.on_fetch Xfer",
             P2P),
