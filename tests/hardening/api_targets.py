@@ -675,9 +675,11 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("write", dict(node="P", chunk_ids=[0], blocks=[b"x" * 16]))
     p2p_case("snapshot", dict(node="P"))
 
-    def tiering_case(method, make_kwargs):  # the multi-tier offloading reference (#22)
+    def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():
             m, ctx, keys = _tiering_manager()
+            if before is not None:
+                before(m, ctx, keys)
             return m, m.check_invariants, make_kwargs(ctx, keys), getattr(m, method)
         add(f"TieringOffloadingManager.{method}", build)
 
@@ -687,7 +689,8 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tiering_case("prepare_store", lambda c, k: dict(keys=[k[2]], ctx=c))
     tiering_case("complete_store", lambda c, k: dict(keys=[k[1]], ctx=c, success=True))
     tiering_case("prepare_load", lambda c, k: dict(keys=[k[0]], ctx=c))
-    tiering_case("complete_load", lambda c, k: dict(keys=[k[0]], ctx=c))
+    tiering_case("complete_load", lambda c, k: dict(keys=[k[0]], ctx=c),
+                 before=lambda m, c, k: m.prepare_load([k[0]], c))  # a load completes what was prepared
     tiering_case("touch", lambda c, k: dict(keys=[k[0]], ctx=c))
     tiering_case("get_load_source", lambda c, k: dict(key=k[0], ctx=c))
     tiering_case("on_new_request", lambda c, k: dict(ctx=RequestContext("r1")))
