@@ -8,6 +8,8 @@ part-way names the keys that did arrive (``successful_keys``), which stay in the
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -47,7 +49,7 @@ class TierEvent:
     removed: bool
 
 
-class SecondaryTier:
+class SecondaryTier(ABC):
     """Base of the reference tiers: the calls vLLM's ``SecondaryTierManager`` answers.
 
     Args:
@@ -71,17 +73,21 @@ class SecondaryTier:
     def block_size_bytes(self) -> int:
         return self.primary.row_bytes
 
+    @abstractmethod
     def lookup(self, key: OffloadKey, req_id: str) -> LookupResult:
-        raise NotImplementedError
+        """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""
 
+    @abstractmethod
     def submit_store(self, job: TransferJob) -> None:
-        raise NotImplementedError
+        """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""
 
+    @abstractmethod
     def submit_load(self, job: TransferJob) -> None:
-        raise NotImplementedError
+        """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""
 
+    @abstractmethod
     def get_finished_jobs(self) -> list[JobResult]:
-        raise NotImplementedError
+        """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""
 
     def on_new_request(self, req_id: str) -> str:
         """The tier's offload policy for the request: "chunk" (the default) or "request"."""
@@ -99,15 +105,17 @@ class SecondaryTier:
     def take_events(self) -> list[TierEvent]:
         return []
 
+    @abstractmethod
     def stored_keys(self) -> set[OffloadKey]:
-        raise NotImplementedError
+        """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""
 
     def in_flight(self) -> Iterable[int]:
         return ()
 
+    @abstractmethod
     def known_jobs(self) -> set[int]:
-        """Jobs submitted to this tier and not yet collected by ``get_finished_jobs``."""
-        raise NotImplementedError
+        """Jobs submitted to this tier and not yet collected by ``get_finished_jobs`` (each tier
+        answers this itself)."""
 
     def check_invariants(self) -> None:
         if self.bp_detector is not None:
