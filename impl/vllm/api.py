@@ -65,6 +65,9 @@ _KCI = "vllm.v1.kv_cache_interface"
 _MGR = "vllm.v1.core.kv_cache_manager"
 _UTILS = "vllm.v1.core.kv_cache_utils"
 _REQ = "vllm.v1.request"
+_CONN_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+_OFF_BASE = "vllm.v1.kv_offload.base"
+_OFF_CFG = "vllm.v1.kv_offload.config"
 _SPEC = ("block_size", "num_kv_heads", "head_size", "dtype")
 
 #: what each adapter area binds to (vLLM 0.33.0 names and keyword parameters)
@@ -161,6 +164,10 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
         _b("vllm.v1.outputs", "ModelRunnerOutput"),
         _b("vllm.v1.structured_output", "StructuredOutputManager"),
+        # cache controls, metrics and the diffusion schedulers (models/machines/scheduler_cache_controls.py)
+        _b("vllm.v1.core.sched.diffusion_scheduler", "DiffusionScheduler"),
+        _b("vllm.v1.core.sched.diffusion_scheduler", "DiffusionAsyncScheduler"),
+        _b("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),
@@ -211,6 +218,57 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.sched.scheduler", "Scheduler.reset_prefix_cache", "reset_running_requests",
            "reset_connector"),
     ),
+    # vLLM's whole OffloadingConnector, scheduler and worker roles, moving bytes (#22)
+    "offload-worker": (
+        _b(_CONN_V1 + ".offloading_connector", "OffloadingConnector"),
+        _b(_CONN_V1 + ".offloading.canonical_mapping", "derive_canonical_mappings"),
+        _b(_CONN_V1 + ".base", "KVConnectorRole"),
+        _b("vllm.distributed.kv_transfer.kv_connector.utils", "KVOutputAggregator"),
+        _b("vllm.utils.math_utils", "cdiv"),
+        _b("vllm.utils.math_utils", "round_up"),
+        _b(_OFF_BASE, "GPULoadStoreSpec"),
+        _b(_OFF_BASE, "OffloadingWorker"),
+        _b(_OFF_BASE, "TransferResult"),
+        _b("vllm.v1.kv_offload.cpu.gpu_worker", "_build_copy_plan"),
+        _b("vllm.v1.kv_offload.cpu.gpu_worker", "_canonical_block_sizes"),
+        _b("vllm.v1.kv_offload.cpu.gpu_worker", "compute_sub_block_ptrs"),
+        _b("vllm.v1.kv_offload.cpu.shared_offload_region", "SharedOffloadRegion"),
+        _b("vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec"),
+        _b("vllm.distributed.kv_events", "KVEventAggregator"),
+        _b(_CONN_V1 + ".simple_cpu_offload_connector", "SimpleCPUOffloadConnector"),
+    ),
+    # multi-tier offloading: TieringOffloadingManager with its file-system and example tiers (#22)
+    "tiering": (
+        _b("vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"),
+        _b("vllm.v1.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager"),
+        _b("vllm.v1.kv_offload.tiering.base", "TransferJob"),
+        _b("vllm.v1.kv_offload.file_mapper", "FileMapper"),
+        _b(_OFF_BASE, "make_offload_key"),
+        _b(_OFF_BASE, "OffloadPolicy"),
+        _b(_OFF_BASE, "RequestOffloadingContext"),
+        _b(_OFF_BASE, "OffloadingGaugeMetadata"),
+        _b(_OFF_BASE, "OffloadingHistogramMetadata"),
+        _b(_OFF_BASE, "ReqContext"),
+        _b(_OFF_BASE, "ScheduleEndContext"),
+        _b(_OFF_BASE, "OffloadingSpec"),
+        _b(_OFF_CFG, "OffloadingConfig"),
+        _b(_OFF_CFG, "OffloadingCacheConfig"),
+        _b(_OFF_CFG, "OffloadingGroupConfig"),
+        _b(_OFF_CFG, "OffloadingModelConfig"),
+        _b(_OFF_CFG, "OffloadingParallelConfig"),
+    ),
+    # the P2P secondary tier: two tier managers over loopback ZMQ (#22)
+    "p2p": (
+        _b("vllm.v1.kv_offload.tiering.p2p.manager", "P2PSecondaryTierManager"),
+        _b("vllm.v1.kv_offload.tiering.p2p.manager", "NixlTransport"),
+        _b("vllm.v1.kv_offload.tiering.p2p.manager", "ZmqTransport"),
+        _b("vllm.v1.kv_offload.tiering.p2p.control.zmq", "ZmqTransport"),
+        _b("vllm.v1.kv_offload.tiering.p2p.data.base", "DataTransport"),
+        _b("vllm.v1.kv_offload.tiering.p2p.data.base", "PollResult"),
+        _b("vllm.v1.kv_offload.tiering.p2p.session.session", "time"),
+        _b("vllm.v1.kv_offload.tiering.p2p.session.client", "time"),
+        _b("vllm.v1.kv_offload.tiering.p2p.session.server", "time"),
+    ),
     # vLLM's own reading of a model's config.json (kvref.impl.vllm.model_config; the HF-config
     # conformance tests compare kvref's derivation with it)
     # the classes kvref demo record --fault patches in-process (a planted fault, never a check)
@@ -255,6 +313,9 @@ CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "conform-planning": ("specs", "planning"),
     "conform-connector": ("specs", "request", "scheduler", "kv-connector"),
     "conform-spec-decode": ("specs", "request", "scheduler"),
+    "conform-offload-worker": ("specs", "request", "kv-manager", "offloading-connector", "offload-worker"),
+    "conform-tiering": ("specs", "tiering"),
+    "conform-p2p": ("tiering", "p2p"),
 }
 
 
