@@ -861,6 +861,9 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
+    from contextlib import nullcontext
+
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     final_dir = Path(out_dir) if out_dir is not None else trace_dir()
     # Failing traces go to a staging folder while Hypothesis searches and shrinks (it re-runs failing
@@ -869,15 +872,23 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
     staging = tempfile.mkdtemp(prefix="kvref-staging-")
     machine = kv_cache_manager_machine(tuple(kinds), traces_to=staging, **machine_kwargs)
     phases = tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink)
+    # A seed must win over a derandomizing profile: Hypothesis' own ``ci`` profile (loaded wherever
+    # the CI variable is set) derandomizes, and derandomize beats global_force_seed, so without
+    # this ``kvref verify --seed 3`` in a CI job silently drew other traces than the same command
+    # run elsewhere (a Ray run of it disagreed with the local one).
+    extra = {"derandomize": False} if seed is not None else {}
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
-                 suppress_health_check=list(HealthCheck), print_blob=True, phases=phases)
+                 suppress_health_check=list(HealthCheck), print_blob=True, phases=phases, **extra)
     t = time.perf_counter()
     # run_state_machine_as_test takes no seed; Hypothesis' own --hypothesis-seed hook does the job
     saved_seed = hcore.global_force_seed
     try:
         if seed is not None:
             hcore.global_force_seed = seed
-        run_state_machine_as_test(machine, settings=s, _min_steps=min_steps + 1)
+        # seeded: no constants from the modules this process has loaded either (the scheduler
+        # machines do the same), so the seed alone fixes the traces, in any process (a Ray worker)
+        with same_inputs_in_every_process() if seed is not None else nullcontext():
+            run_state_machine_as_test(machine, settings=s, _min_steps=min_steps + 1)
     except Exception as exc:  # a Divergence, or several (ExceptionGroup), or Hypothesis' own errors
         subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
         msg = "\n".join(f"{type(e).__name__}: {e}" for e in subs)
