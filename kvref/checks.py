@@ -223,9 +223,9 @@ def mutant_campaign_checks() -> tuple[str, ...]:
 def _vllm_missing() -> str:
     """Why vLLM 0.33.0 cannot be driven here ("" when it imports)."""
     try:
-        from kvref.impl.vllm.kv_cache_manager import _vllm
+        from kvref.impl.vllm.installed import ensure_importable
 
-        _vllm()
+        ensure_importable()
     except Exception as e:  # noqa: BLE001 - ImportError, a wrong version or a broken install
         return f"vLLM not usable: {e}"
     return ""

@@ -17,7 +17,8 @@ symbol.
 """
 
 from .installed import REFERENCE_VLLM_VERSION, VllmInstall, describe_installed_vllm, vllm_available
-from .kv_cache_manager import VllmKVCacheManager, make_vllm_manager, to_vllm_kv_cache_config, to_vllm_spec
+from .kv_cache_manager import VllmKVCacheManager, make_vllm_manager
+from .specs import to_vllm_kv_cache_config, to_vllm_spec
 
 __all__ = [
     "REFERENCE_VLLM_VERSION", "VllmInstall", "VllmKVCacheManager", "describe_installed_vllm", "make_vllm_manager",

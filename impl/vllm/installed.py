@@ -15,7 +15,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from kvref.spec.version import MODELLED_VLLM_VERSION as REFERENCE_VLLM_VERSION  
+from kvref.impl.vllm.loader import load_vllm, set_cpu_environment
+from kvref.spec.version import MODELLED_VLLM_VERSION as REFERENCE_VLLM_VERSION
 
 
 @dataclass(frozen=True)
@@ -106,17 +107,10 @@ def _commit_from_direct_url(pkg_dir: str) -> str | None:
     return None
 
 
-def _quiet_env() -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
 @lru_cache(maxsize=1)
 def describe_installed_vllm() -> VllmInstall:
     """Import vLLM (once per process) and describe it; never raises."""
-    _quiet_env()
+    set_cpu_environment()
     try:
         import vllm
     except Exception as exc:  # ImportError, or a broken install raising anything at import
@@ -133,3 +127,13 @@ def vllm_available() -> tuple[bool, str]:
     """Whether vLLM imports here (any version), with the one-line description or the reason not."""
     info = describe_installed_vllm()
     return info.importable, info.describe()
+
+
+def ensure_importable() -> None:
+    """Import the vLLM classes kvref drives, through the one loader (:func:`.loader.load_vllm`).
+
+    What a caller runs to learn whether vLLM can be *driven* here, not only imported
+    (:func:`describe_installed_vllm` is enough for the latter): raises ImportError naming what is
+    missing, or whatever a broken install raises while its modules load.
+    """
+    load_vllm()

@@ -1,14 +1,13 @@
 """Drive the installed vLLM's own ``KVCacheManager`` through kvref's common interface, for conformance.
 
-The adapter is deliberately thin: it converts kvref specs (dtype *names*) into vLLM specs (torch
-dtypes), builds ``KVCacheConfig`` + ``KVCacheManager`` exactly as ``PoolConfig`` says, mirrors each
+The adapter is deliberately thin: it builds ``KVCacheConfig`` + ``KVCacheManager`` exactly as
+``PoolConfig`` says (with the one converter, :mod:`kvref.impl.vllm.specs`), mirrors each
 kvref :class:`~kvref.impl.request.Request` into a vLLM ``Request`` (same tokens, cache salt,
 ``num_computed_tokens``, ``num_in_flight_tokens``, status) and turns vLLM's ``KVCacheBlocks`` into
 plain block ids. It adds no behaviour of its own, so whatever it returns is what vLLM does.
 
-vLLM is imported lazily (inside functions) so that ``import kvref.impl`` never needs vLLM.
-Set ``VLLM_TARGET_DEVICE=cpu`` before the first call on a machine without a GPU (tests/conftest.py
-does this).
+vLLM is imported lazily (inside functions, by :func:`kvref.impl.vllm.loader.load_vllm`, which also
+sets ``VLLM_TARGET_DEVICE=cpu`` unless set) so that ``import kvref.impl`` never needs vLLM.
 """
 
 from __future__ import annotations
@@ -17,132 +16,13 @@ import os
 from typing import Any, Callable
 
 from kvref.spec.errors import InvalidFieldError
-from kvref.spec.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CircularBufferSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    RSWASpec,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
 
 from kvref.impl.interface import BlockIds, PoolConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.vllm.allocation_watch import AllocationWatch
-
-_vllm_mods: dict[str, Any] | None = None
-
-
-def _vllm() -> dict[str, Any]:
-    """Import the vLLM pieces once; fail with a clear message when vLLM is missing or wrong."""
-    global _vllm_mods
-    if _vllm_mods is not None:
-        return _vllm_mods
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import torch
-        from vllm.lora.request import LoRARequest
-        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import get_hash_fn_by_name, sha256
-        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-        from vllm.v1 import kv_cache_interface as kci
-        from vllm.v1.core import kv_cache_utils
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-        from vllm.v1.request import Request as VRequest
-        from vllm.v1.request import RequestStatus as VStatus
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(f"kvref.impl.vllm needs vLLM installed (any version; kvref models 0.33.0): {exc}") from exc
-    # NONE_HASH is process-global in vLLM; sha256 seeds it with a fixed string (or PYTHONHASHSEED),
-    # which is what kvref's reference hashing reproduces.
-    kv_cache_utils.init_none_hash(sha256)
-    _vllm_mods = dict(
-        torch=torch, SamplingParams=SamplingParams, sha256=sha256, dtypes=STR_DTYPE_TO_TORCH_DTYPE,
-        get_hash_fn_by_name=get_hash_fn_by_name, LoRARequest=LoRARequest,
-        MultiModalFeatureSpec=MultiModalFeatureSpec, PlaceholderRange=PlaceholderRange,
-        kci=kci, utils=kv_cache_utils, KVCacheBlocks=KVCacheBlocks, KVCacheManager=KVCacheManager,
-        VRequest=VRequest, VStatus=VStatus,
-    )
-    return _vllm_mods
-
-
-def _torch_dtype(name: str) -> Any:
-    return _vllm()["dtypes"][name]
-
-
-def to_vllm_spec(spec: KVCacheSpec) -> Any:
-    """The vLLM spec equal to a kvref spec (the dtype names become torch dtypes).
-
-    The one converter every vLLM adapter uses (KV cache manager, scheduler, startup planning).
-    """
-    kci = _vllm()["kci"]
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return kci.UniformTypeKVCacheSpecs(
-            block_size=spec.block_size,
-            kv_cache_specs={n: to_vllm_spec(s) for n, s in spec.kv_cache_specs.items()})
-    if isinstance(spec, MambaSpec):
-        return kci.MambaSpec(
-            block_size=spec.block_size, shapes=tuple(spec.shapes),
-            dtypes=tuple(_torch_dtype(d) for d in spec.dtypes), page_size_padded=spec.page_size_padded,
-            mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
-            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment, dcp_sharded=spec.dcp_sharded)
-    if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec,
-                             CircularBufferSpec)):
-        raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
-                                "FullAttention, MLA, SlidingWindow, ChunkedLocal, CrossAttention, Mamba or "
-                                "UniformType spec")
-    common = dict(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded, num_kv_heads=spec.num_kv_heads,
-                  head_size=spec.head_size, dtype=_torch_dtype(spec.dtype), head_size_v=spec.head_size_v,
-                  page_size_padded=spec.page_size_padded, state_content_bytes=spec.state_content_bytes)
-    if isinstance(spec, MLAAttentionSpec):
-        return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
-                                    sliding_window=spec.sliding_window,
-                                    attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, RSWASpec):
-        return kci.RSWASpec(**common, sliding_window=spec.sliding_window,
-                            attention_chunk_size=spec.attention_chunk_size, rswa_window=spec.rswa_window)
-    if isinstance(spec, SinkFullAttentionSpec):
-        return kci.SinkFullAttentionSpec(**common, sliding_window=spec.sliding_window,
-                                         attention_chunk_size=spec.attention_chunk_size, sink_len=spec.sink_len)
-    if isinstance(spec, CircularBufferSpec):
-        return kci.CircularBufferSpec(**common)
-    if isinstance(spec, FullAttentionSpec):
-        return kci.FullAttentionSpec(**common, sliding_window=spec.sliding_window,
-                                     attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, SlidingWindowSpec):
-        return kci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
-                                     extra_retained_tokens=spec.extra_retained_tokens)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return kci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
-    return kci.CrossAttentionSpec(**common)
-
-
-def to_vllm_kv_cache_config(pool_config: PoolConfig) -> Any:
-    """``KVCacheConfig`` for the scheduler side: groups and ``num_blocks``; no tensors (workers only)."""
-    kci = _vllm()["kci"]
-    groups = [kci.KVCacheGroupSpec(list(g.layer_names) or [f"layer_{i}"], to_vllm_spec(g.kv_cache_spec),
-                                   is_eagle_group=g.is_eagle_group)
-              for i, g in enumerate(pool_config.groups)]
-    return kci.KVCacheConfig(num_blocks=pool_config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                             hash_block_size=pool_config.hash_block_size,
-                             prefix_cache_retention_interval=pool_config.prefix_cache_retention_interval)
-
-
-def _manager_kwargs(pool_config: PoolConfig) -> dict[str, Any]:
-    """vLLM ``KVCacheManager``'s arguments besides the ``KVCacheConfig``, as ``PoolConfig`` says."""
-    return dict(max_model_len=pool_config.max_model_len, scheduler_block_size=pool_config.scheduler_block_size,
-                hash_block_size=pool_config.hash_block_size, max_in_flight_tokens=pool_config.max_in_flight_tokens,
-                enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
-                watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
-                num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats)
-
+from kvref.impl.vllm.loader import load_vllm
+from kvref.impl.vllm.specs import kv_cache_manager_kwargs, to_vllm_kv_cache_config
+from kvref.impl.vllm.specs import to_vllm_spec  # noqa: F401 - re-exported for older callers
 
 _STATUS = {
     RequestStatus.WAITING: "WAITING",
@@ -164,11 +44,11 @@ class VllmKVCacheManager:
     def __init__(self, pool_config: PoolConfig) -> None:
         if not isinstance(pool_config, PoolConfig):
             raise InvalidFieldError("pool_config", pool_config, "a kvref.impl.interface.PoolConfig")
-        v = _vllm()
+        v = load_vllm()
         self.pool_config = pool_config
         self.num_groups = len(pool_config.groups)
         self._kv_cache_config = to_vllm_kv_cache_config(pool_config)
-        self._mgr = v["KVCacheManager"](self._kv_cache_config, **_manager_kwargs(pool_config))
+        self._mgr = v["KVCacheManager"](self._kv_cache_config, **kv_cache_manager_kwargs(pool_config))
         self._pool = self._mgr.block_pool
         self._allocation_watch = AllocationWatch(self._mgr)
         hash_fn = v["get_hash_fn_by_name"](pool_config.prefix_caching_hash_algo)
@@ -190,7 +70,7 @@ class VllmKVCacheManager:
         kv_cache_config = to_vllm_kv_cache_config(self.pool_config)
         kv_cache_config.prefix_cache_retention_interval = retention_interval
         try:
-            _vllm()["KVCacheManager"](kv_cache_config, **_manager_kwargs(self.pool_config))
+            load_vllm()["KVCacheManager"](kv_cache_config, **kv_cache_manager_kwargs(self.pool_config))
         except ValueError:
             return True
         return False
@@ -215,7 +95,7 @@ class VllmKVCacheManager:
         """Run vLLM's ``init_none_hash`` for this pool's hash function; with ``seed``, under
         ``PYTHONHASHSEED=seed`` (vLLM's own override), so vLLM derives NONE_HASH itself. Returns the
         seed vLLM resolved (``get_none_hash_seed``): random for xxhash without a seed."""
-        utils = _vllm()["utils"]
+        utils = load_vllm()["utils"]
         saved = os.environ.get("PYTHONHASHSEED")
         try:
             if seed is not None:
@@ -233,7 +113,7 @@ class VllmKVCacheManager:
     def _ensure_none_hash(self) -> None:
         """vLLM's NONE_HASH is one per process: another adapter (another hash function or seed)
         may have re-initialized it since; re-run ``init_none_hash`` with this pool's seed."""
-        if _vllm()["utils"].NONE_HASH != self._none_hash:
+        if load_vllm()["utils"].NONE_HASH != self._none_hash:
             self._init_none_hash(self._none_hash_seed)
 
     @property
@@ -247,7 +127,7 @@ class VllmKVCacheManager:
         """The vLLM ``Request`` for ``request``, brought up to date with its tokens and progress."""
         if not isinstance(request, Request):
             raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
-        v = _vllm()
+        v = load_vllm()
         self._requests[request.request_id] = request
         self._ensure_none_hash()
         key = (tuple(request.prompt_token_ids), request.cache_salt, request.mm_features, request.lora_request,
@@ -300,7 +180,7 @@ class VllmKVCacheManager:
                 if not isinstance(b, int) or not 0 <= b < len(blocks):
                     raise InvalidFieldError("new_computed_block_ids", block_ids,
                                             f"block ids in [0, {len(blocks)})")
-        return _vllm()["KVCacheBlocks"](tuple([blocks[b] for b in ids] for ids in block_ids))
+        return load_vllm()["KVCacheBlocks"](tuple([blocks[b] for b in ids] for ids in block_ids))
 
     @staticmethod
     def _ids(kv_blocks: Any) -> BlockIds:
@@ -375,7 +255,7 @@ class VllmKVCacheManager:
         return tuple(b.block_id for b in self._pool.free_block_queue.get_all_free_blocks())
 
     def cached_blocks(self) -> dict[tuple[int, int], bytes]:
-        utils = _vllm()["utils"]
+        utils = load_vllm()["utils"]
         out: dict[tuple[int, int], bytes] = {}
         for b in self._pool.blocks:
             key = b.block_hash
@@ -385,7 +265,7 @@ class VllmKVCacheManager:
 
     def cached_block_num_tokens(self) -> dict[tuple[int, int], int | None]:
         """``{(group_id, block_id): prefix tokens the primary hash covers}`` (partial entries end mid-block)."""
-        utils = _vllm()["utils"]
+        utils = load_vllm()["utils"]
         return {(utils.get_group_id(b.block_hash), b.block_id): b.block_hash_num_tokens
                 for b in self._pool.blocks if b.block_hash is not None}
 
@@ -467,7 +347,7 @@ def vllm_resolve_block_hashes(block_hashes: list[bytes], hash_block_size: int, b
     """vLLM's ``resolve_block_hashes`` on ``block_hashes`` (first wrapped in vLLM's own
     ``BlockHashListWithBlockSize`` at ``view_block_size`` when given), read out as a list: what a
     group of ``block_size`` sees. For conformance of the reference's function (issue #23)."""
-    utils = _vllm()["utils"]
+    utils = load_vllm()["utils"]
     hashes: Any = list(block_hashes)
     if view_block_size is not None and view_block_size != hash_block_size:
         hashes = utils.BlockHashListWithBlockSize(hashes, hash_block_size, view_block_size)
@@ -489,7 +369,7 @@ def _embeds_tensor(rows: tuple[bytes, ...] | None) -> Any:
     length allows, else uint8): vLLM hashes exactly those bytes per block (``tensor_data``)."""
     if rows is None:
         return None
-    torch = _vllm()["torch"]
+    torch = load_vllm()["torch"]
     data = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), len(rows[0]))
     return data.view(torch.float32) if len(rows[0]) % 4 == 0 else data
 

@@ -18,9 +18,9 @@ def vllm_mamba_block_aligned_split(config: MambaSplitConfig, num_computed_tokens
                                    num_external_computed_tokens: int = 0, shared_prefix_boundary: int = 0) -> int:
     """What the installed vLLM's scheduler clips the chunk to (same arguments as the reference's
     :func:`~kvref.impl.reference.scheduler_mamba_split.mamba_block_aligned_split`)."""
-    from kvref.impl.vllm.kv_cache_manager import _vllm
+    from kvref.impl.vllm.loader import load_vllm
 
-    _vllm()  # the environment vLLM needs on CPU
+    load_vllm()  # the environment vLLM needs on CPU
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if not isinstance(config, MambaSplitConfig):

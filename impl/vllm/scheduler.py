@@ -37,38 +37,9 @@ from kvref.impl.scheduler_types import (
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.impl.vllm.loader import load_vllm
+from kvref.impl.vllm.specs import to_vllm_spec
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
-
-
-
-def _torch_dtype(name: str):
-    torch = load_vllm()["torch"]
-    return {"fp8": torch.uint8, "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}.get(name) or getattr(torch, name)
-
-
-def to_vllm_spec(spec: ks.KVCacheSpec):
-    """kvref spec → the vLLM spec with the same fields (the scheduler side only reads sizes/kinds)."""
-    vk = load_vllm()["vk"]
-    if isinstance(spec, ks.SlidingWindowSpec):
-        return vk.SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                    head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
-                                    sliding_window=spec.sliding_window,
-                                    extra_retained_tokens=spec.extra_retained_tokens)
-    if isinstance(spec, ks.ChunkedLocalAttentionSpec):
-        return vk.ChunkedLocalAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                            head_size=spec.head_size, dtype=_torch_dtype(spec.dtype),
-                                            attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, ks.MambaSpec):
-        return vk.MambaSpec(block_size=spec.block_size, shapes=spec.shapes,
-                            dtypes=tuple(_torch_dtype(d) for d in spec.dtypes),
-                            mamba_cache_mode=spec.mamba_cache_mode,
-                            num_speculative_blocks=spec.num_speculative_blocks)
-    if type(spec) is ks.FullAttentionSpec:
-        return vk.FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                    head_size=spec.head_size, dtype=_torch_dtype(spec.dtype))
-    raise InvalidFieldError("kv_cache_spec", type(spec).__name__,
-                            "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec or MambaSpec")
 
 
 _STATUS = {
@@ -203,9 +174,9 @@ class VllmScheduler:
         v = self._v = load_vllm()
         self.env = env or VllmEnv()
         vc = self.env.configure(pool, config)
-        kv_cfg = v["vk"].KVCacheConfig(
+        kv_cfg = v["kci"].KVCacheConfig(
             num_blocks=pool.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
+            kv_cache_groups=[v["kci"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
                                                       to_vllm_spec(g.kv_cache_spec))
                              for i, g in enumerate(pool.groups)],
             prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23
@@ -425,9 +396,9 @@ class VllmKVCacheManagerShim:
     def __init__(self, pool: PoolConfig, env: VllmEnv | None = None) -> None:
         v = self._v = load_vllm()
         v["init_none_hash"](v["sha256"])
-        kv_cfg = v["vk"].KVCacheConfig(
+        kv_cfg = v["kci"].KVCacheConfig(
             num_blocks=pool.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[v["vk"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
+            kv_cache_groups=[v["kci"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
                                                       to_vllm_spec(g.kv_cache_spec))
                              for i, g in enumerate(pool.groups)],
             prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23

@@ -104,10 +104,10 @@ class _PoolPair:
 
     def __init__(self, num_blocks: int, hbs: int) -> None:
         require_vllm()
-        from kvref.impl.vllm.kv_cache_manager import _vllm
+        from kvref.impl.vllm.loader import load_vllm
         from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
-        self.v = _vllm()
+        self.v = load_vllm()
         self.hbs = hbs
         self.ref = BlockPool(num_blocks, True, hbs, enable_kv_cache_events=True)
         self.vpool = VllmBlockPool(num_blocks, True, hbs, enable_kv_cache_events=True)

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.vllm
 def kv():
     require_vllm()
     from kvref.impl.vllm import kv_cache_manager
+    from kvref.impl.vllm.loader import load_vllm
 
-    kv_cache_manager._vllm()
+    load_vllm()
     return kv_cache_manager
 
 
