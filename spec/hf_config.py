@@ -668,6 +668,18 @@ def mamba_state_bytes(shapes, dtypes) -> int:
     return sum(prod(s) * get_dtype_size(d) for s, d in zip(shapes, dtypes))
 
 
+def _zamba2_head_size(cfg: _Cfg) -> int:
+    """Zamba2's attention head size, after the check ``Zamba2Attention.__init__`` makes:
+    ``attention_head_dim * num_attention_heads == attention_hidden_size``."""
+    heads = cfg.int("num_attention_heads")
+    hidden = cfg.int("attention_hidden_size", 2 * cfg.int("hidden_size"))
+    head_size = cfg.int("attention_head_dim", 2 * cfg.int("hidden_size") // heads)
+    if head_size * heads != hidden:
+        raise InvalidFieldError(cfg.prefix + "attention_head_dim", head_size,
+                                f"attention_hidden_size ({hidden}) / num_attention_heads ({heads}) (zamba2.py)")
+    return head_size
+
+
 def _attention_geometry(family: str, cfg: _Cfg, use_mla: bool, tp: int) -> tuple[int, int]:
     """``(KV heads per rank, head size)`` as vLLM's ``get_num_kv_heads`` / ``get_head_size`` give
     them, after the checks vLLM makes for tensor parallelism: attention heads divisible by TP
@@ -683,12 +695,7 @@ def _attention_geometry(family: str, cfg: _Cfg, use_mla: bool, tp: int) -> tuple
         raise InvalidFieldError("tensor_parallel_size", tp, f"a divisor or multiple of {cfg.prefix}num_key_value_heads "
                                 f"({total_kv})")
     if family == "zamba2":  # zamba2.py: Attention(heads / TP, attention_head_dim), KV heads = heads
-        hidden = cfg.int("attention_hidden_size", 2 * cfg.int("hidden_size"))
-        head_size = cfg.int("attention_head_dim", 2 * cfg.int("hidden_size") // heads)
-        if head_size * heads != hidden:
-            raise InvalidFieldError(cfg.prefix + "attention_head_dim", head_size,
-                                    f"attention_hidden_size ({hidden}) / num_attention_heads ({heads}) (zamba2.py)")
-        return heads // tp, head_size
+        return heads // tp, _zamba2_head_size(cfg)
     if family == "granite_hybrid":  # granitemoehybrid.py: hidden_size // heads, head_dim unread
         head_size = cfg.int("hidden_size") // heads
     else:
@@ -788,6 +795,10 @@ def layout_from_hf_config(data: Mapping[str, Any], *, block_size: int | None = N
     num_kv_heads = head_size = 0
     if has_attention:
         num_kv_heads, head_size = _attention_geometry(family, cfg, use_mla, tensor_parallel_size)
+    elif family == "zamba2" and cfg.int("num_mem_blocks", 1, minimum=0) > 0:
+        # Zamba2Model builds its num_mem_blocks shared attention blocks eagerly, hybrid layers or
+        # not, so their head-size check rejects a config without any "hybrid" layer too
+        _zamba2_head_size(cfg)
     default_block = 64 if use_mla else 16
     bs = block_size if block_size is not None else default_block
     if block_size is None and use_mla:

@@ -181,7 +181,8 @@ def _layer_kinds(architecture: str, text: Any, n: int, use_mla: bool) -> list[st
         return ["full+mamba"] * n
     if architecture == "Zamba2ForCausalLM":  # zamba2.py: a layer per layers_block_type entry; "hybrid" ones
         # add the shared transformer block, with an Attention (own KV cache) per hybrid layer
-        if text.attention_head_dim * text.num_attention_heads != text.attention_hidden_size:
+        # Zamba2Model builds its num_mem_blocks shared attention blocks eagerly, each checking this
+        if text.num_mem_blocks > 0 and text.attention_head_dim * text.num_attention_heads != text.attention_hidden_size:
             raise ValueError("zamba2.py: attention_hidden_size must be attention_head_dim * num_attention_heads")
         return ["full+mamba" if t == "hybrid" else "mamba" for t in text.layers_block_type]
     if architecture == "GraniteMoeHybridForCausalLM":  # granitemoehybrid.py: ALL_DECODER_LAYER_TYPES

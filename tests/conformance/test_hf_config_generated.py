@@ -397,6 +397,9 @@ CASES = [
     ("qwen1.5-moe-a2.7b", {"num_key_value_heads": None}, {}, "rejected"),
     ("granite-4.0-h-tiny", {"mamba_d_head": 32}, {}, "rejected"),  # transformers' validate_architecture
     ("mamba2-2.7b", {"num_heads": 81}, {}, "rejected"),
+    ("zamba2-2.7b", {"layers_block_type": ["mamba", "mamba"], "num_hidden_layers": 2, "hidden_size": 1024,
+                     "num_attention_heads": 8, "attention_head_dim": 64}, {},
+     "rejected"),  # no hybrid layer, but Zamba2Model builds its shared attention blocks (and their check) eagerly
     ("falcon-h1-7b-instruct", {}, {"tensor_parallel_size": 2, "enable_prefix_caching": False}, "ok"),
     ("mamba-2.8b-hf", {}, {"mamba_ssm_cache_dtype": "float32"}, "ok"),
     ("mamba-2.8b-hf", {"architectures": ["FalconMambaForCausalLM"], "model_type": "falcon_mamba"},
