@@ -21,7 +21,7 @@ from kvref.impl.interface import BlockIds, PoolConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.impl.vllm.loader import load_vllm
-from kvref.impl.vllm.specs import kv_cache_manager_kwargs, to_vllm_kv_cache_config
+from kvref.impl.vllm.specs import build_kv_cache_manager, kv_cache_manager_kwargs, to_vllm_kv_cache_config
 from kvref.impl.vllm.specs import to_vllm_spec  # noqa: F401 - re-exported for older callers
 
 _STATUS = {
@@ -47,8 +47,7 @@ class VllmKVCacheManager:
         v = load_vllm()
         self.pool_config = pool_config
         self.num_groups = len(pool_config.groups)
-        self._kv_cache_config = to_vllm_kv_cache_config(pool_config)
-        self._mgr = v["KVCacheManager"](self._kv_cache_config, **kv_cache_manager_kwargs(pool_config))
+        self._mgr = build_kv_cache_manager(pool_config)
         self._pool = self._mgr.block_pool
         self._allocation_watch = AllocationWatch(self._mgr)
         hash_fn = v["get_hash_fn_by_name"](pool_config.prefix_caching_hash_algo)

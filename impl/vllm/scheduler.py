@@ -37,7 +37,7 @@ from kvref.impl.scheduler_types import (
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.impl.vllm.loader import load_vllm
-from kvref.impl.vllm.specs import to_vllm_spec
+from kvref.impl.vllm.specs import build_kv_cache_manager, to_vllm_kv_cache_config, to_vllm_spec
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
 
@@ -174,12 +174,7 @@ class VllmScheduler:
         v = self._v = load_vllm()
         self.env = env or VllmEnv()
         vc = self.env.configure(pool, config)
-        kv_cfg = v["kci"].KVCacheConfig(
-            num_blocks=pool.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[v["kci"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
-                                                      to_vllm_spec(g.kv_cache_spec))
-                             for i, g in enumerate(pool.groups)],
-            prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23
+        kv_cfg = to_vllm_kv_cache_config(pool)
         if not isinstance(diffusion, bool) or (diffusion and scheduler_cls is not None):
             raise InvalidFieldError("diffusion", diffusion, "True or False (True only without scheduler_cls)")
         if diffusion:  # the diffusion-LM schedulers: canvas widths on top of speculative decoding
@@ -396,22 +391,7 @@ class VllmKVCacheManagerShim:
     def __init__(self, pool: PoolConfig, env: VllmEnv | None = None) -> None:
         v = self._v = load_vllm()
         v["init_none_hash"](v["sha256"])
-        kv_cfg = v["kci"].KVCacheConfig(
-            num_blocks=pool.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[v["kci"].KVCacheGroupSpec(list(g.layer_names) or [f"layer{i}"],
-                                                      to_vllm_spec(g.kv_cache_spec))
-                             for i, g in enumerate(pool.groups)],
-            prefix_cache_retention_interval=pool.prefix_cache_retention_interval)  # #23
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-        self.mgr = KVCacheManager(kv_cfg, max_model_len=pool.max_model_len,
-                                  scheduler_block_size=pool.scheduler_block_size,
-                                  hash_block_size=pool.hash_block_size,
-                                  max_in_flight_tokens=pool.max_in_flight_tokens,
-                                  enable_caching=pool.enable_caching, watermark=pool.watermark,
-                                  use_eagle=pool.use_eagle,
-                                  num_hash_lookahead_tokens=pool.num_hash_lookahead_tokens,
-                                  enable_kv_cache_events=pool.enable_kv_cache_events)
+        self.mgr = build_kv_cache_manager(pool)
         self._allocation_watch = AllocationWatch(self.mgr)
         self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"], pool.num_hash_lookahead_tokens)
         self.pool = pool

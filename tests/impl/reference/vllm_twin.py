@@ -1,6 +1,7 @@
 """Drive vLLM 0.33.0's own KVCacheManager beside the reference (test helper, needs vLLM).
 
-Converts a :class:`~kvref.impl.interface.PoolConfig` into vLLM's ``KVCacheConfig`` and kvref
+Builds vLLM's manager from a :class:`~kvref.impl.interface.PoolConfig` with the adapter's builder
+(:func:`kvref.impl.vllm.specs.build_kv_cache_manager`, the one every vLLM adapter uses), turns kvref
 requests into vLLM requests, and reads back what both can observe: block ids per group, the free
 queue, and the cached hashes. Import only after ``require_vllm()``.
 """
@@ -13,24 +14,16 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1 import kv_cache_interface as vkci  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus as VllmStatus  # noqa: E402
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.vllm import to_vllm_spec  # noqa: E402
+from kvref.impl.vllm.specs import build_kv_cache_manager  # noqa: E402
 from kvref.impl.request import Request, RequestStatus  # noqa: E402
 
 _STATUS = {RequestStatus.WAITING: VllmStatus.WAITING, RequestStatus.RUNNING: VllmStatus.RUNNING,
            RequestStatus.PREEMPTED: VllmStatus.PREEMPTED}
-
-
-def to_vllm_config(cfg: PoolConfig) -> vkci.KVCacheConfig:
-    groups = [vkci.KVCacheGroupSpec([f"layer{i}"], to_vllm_spec(g.kv_cache_spec), is_eagle_group=g.is_eagle_group)
-              for i, g in enumerate(cfg.groups)]
-    return vkci.KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 class VllmTwin:
@@ -39,11 +32,7 @@ class VllmTwin:
     def __init__(self, cfg: PoolConfig) -> None:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(cfg.hash_block_size, sha256) if cfg.enable_caching else None
-        self.mgr = VllmKVCacheManager(
-            to_vllm_config(cfg), max_model_len=cfg.max_model_len,
-            scheduler_block_size=cfg.scheduler_block_size, hash_block_size=cfg.hash_block_size,
-            max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=cfg.enable_caching,
-            use_eagle=cfg.use_eagle, watermark=cfg.watermark)
+        self.mgr = build_kv_cache_manager(cfg)
         self.reqs: dict[str, VllmRequest] = {}
 
     def request(self, req: Request) -> VllmRequest:

@@ -1,7 +1,7 @@
 """Drive vLLM 0.33.0's own ``KVCacheManager`` through the kvref interface (plain ids).
 
-Used by the torch differential tests only (the shared adapter is ``kvref.impl.vllm``, owned
-elsewhere). Import after ``require_vllm()``; it sets ``VLLM_TARGET_DEVICE=cpu`` via conftest.
+Used by the torch differential tests only; the manager itself is built by the adapters' builder
+(:func:`kvref.impl.vllm.specs.build_kv_cache_manager`), so it is configured as every vLLM adapter's. Import after ``require_vllm()``; it sets ``VLLM_TARGET_DEVICE=cpu`` via conftest.
 """
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ from __future__ import annotations
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, get_request_block_hasher
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus as VStatus
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.vllm import to_vllm_spec
+from kvref.impl.vllm.specs import build_kv_cache_manager
 from kvref.impl.request import Request, RequestStatus
 
 _STATUS = {RequestStatus.WAITING: VStatus.WAITING, RequestStatus.RUNNING: VStatus.RUNNING,
@@ -28,23 +26,10 @@ class VllmTwin:
 
     def __init__(self, cfg: PoolConfig) -> None:
         kv_cache_utils.init_none_hash(sha256)
-        groups = [KVCacheGroupSpec([f"g{i}.l0"], to_vllm_spec(g.kv_cache_spec), is_eagle_group=g.is_eagle_group)
-                  for i, g in enumerate(cfg.groups)]
-        page = max(g.kv_cache_spec.page_size_bytes for g in groups)
-        kv = KVCacheConfig(num_blocks=cfg.num_blocks,
-                           kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_blocks,
-                                                           layers=[g.layer_names[0] for g in groups],
-                                                           layer_stride=page, block_stride=page)],
-                           kv_cache_groups=groups)
-        self.mgr = KVCacheManager(kv, max_model_len=cfg.max_model_len,
-                                  scheduler_block_size=cfg.scheduler_block_size,
-                                  hash_block_size=cfg.hash_block_size,
-                                  max_in_flight_tokens=cfg.max_in_flight_tokens,
-                                  enable_caching=cfg.enable_caching, watermark=cfg.watermark,
-                                  use_eagle=cfg.use_eagle)
+        self.mgr = build_kv_cache_manager(cfg)  # the adapters' builder (kvref.impl.vllm.specs)
         self.pool = self.mgr.block_pool
         self.hasher = get_request_block_hasher(cfg.hash_block_size, sha256)
-        self.num_groups = len(groups)
+        self.num_groups = len(cfg.groups)
         self._reqs: dict[str, VRequest] = {}
 
     def _sync(self, r: Request) -> VRequest:
