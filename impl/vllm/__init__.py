@@ -5,10 +5,12 @@ Everything that drives vLLM's own classes lives here: the ``KVCacheManager`` ada
 startup planning (:mod:`.planning`), the offload engines and block pool driver (:mod:`.offload`,
 :mod:`.block_pool`), what is installed (:mod:`.installed`) and which of vLLM's symbols kvref binds
 to (:mod:`.api`). A vLLM whose API moved is therefore met in one place, and every other layer can be
-imported without vLLM: each module imports vLLM lazily, inside the functions that need it — except
-:mod:`.record`, whose recording schedulers subclass vLLM's ``Scheduler``/``AsyncScheduler`` and so
-import vLLM when the module loads; it is imported only lazily (by :mod:`kvref.record`, which a vLLM
-engine loads through ``scheduler_cls``, and by the demo's recording run).
+imported without vLLM: each module imports vLLM lazily, inside the functions that need it, through
+the one loader (:func:`.loader.load_vllm`) where it can. Classes that subclass vLLM's (the recording
+schedulers of :mod:`.record`, the out-of-tree tier of :mod:`.tiering_tiers`) are built when first
+asked for, by the module's ``__getattr__`` (how vLLM resolves ``--scheduler-cls`` and a tier's
+``module_path``). ``tests/impl/vllm/test_lazy_imports.py`` imports every module with vLLM made
+unimportable. vLLM's own objects are built from kvref's specs by one converter (:mod:`.specs`).
 
 kvref models vLLM 0.33.0. Any other installed version — a fork, a nightly, an editable checkout
 reporting ``0.33.1.dev12+gdeadbee`` — is driven all the same: where it behaves differently the

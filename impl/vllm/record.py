@@ -50,7 +50,7 @@ from array import array
 from binascii import b2a_base64
 from itertools import chain, compress
 from math import isfinite
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvref.impl.run_trace.format import (
     FINISH_REASONS,
@@ -64,8 +64,9 @@ from kvref.impl.run_trace.format import (
 from kvref.impl.run_trace.writer import TraceWriter, _dumps
 from kvref.impl.vllm.record_connector import ConnectorTap, connector_header
 from kvref.spec.errors import InvalidFieldError
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:  # vLLM is imported when a recording class is first asked for (see __getattr__)
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 ENV_PATH = "KVREF_RECORD"
 ENV_ANONYMIZE = "KVREF_RECORD_ANONYMIZE"
@@ -721,31 +722,57 @@ class _Recorder:
 _ENGINE_ARGS: dict[str, Any] = {}
 
 
-class RecordingScheduler(_Recorder, Scheduler):
-    """vLLM's synchronous ``Scheduler``, recording a run trace (``--no-async-scheduling``)."""
+def _recording_classes() -> dict[str, type]:
+    """Build the recording schedulers on vLLM's ``Scheduler`` / ``AsyncScheduler`` (once).
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.update(_ENGINE_ARGS)
-        super().__init__(*args, **kwargs)
-        self._kvref_start(is_async_class=False)
+    They subclass vLLM's classes, so they are made when first asked for (module ``__getattr__``,
+    which is how vLLM's ``resolve_obj_by_qualname`` and ``kvref.record`` reach them), not when this
+    module loads: every :mod:`kvref.impl.vllm` module imports without vLLM (#26).
+    """
+    if _CLASSES:
+        return _CLASSES
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    def check_invariants(self) -> None:
-        assert self._kvref_writer is not None
-        self._kvref_writer.check_invariants()
-        assert len(self._kvref_steps) <= 2, "more steps in flight than vLLM's batch queue holds"
-        if self._kvref_tap is not None:
-            self._kvref_tap.check_invariants()
+    class RecordingScheduler(_Recorder, Scheduler):
+        """vLLM's synchronous ``Scheduler``, recording a run trace (``--no-async-scheduling``)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.update(_ENGINE_ARGS)
+            super().__init__(*args, **kwargs)
+            self._kvref_start(is_async_class=False)
+
+        def check_invariants(self) -> None:
+            assert self._kvref_writer is not None
+            self._kvref_writer.check_invariants()
+            assert len(self._kvref_steps) <= 2, "more steps in flight than vLLM's batch queue holds"
+            if self._kvref_tap is not None:
+                self._kvref_tap.check_invariants()
+
+    class RecordingAsyncScheduler(_Recorder, AsyncScheduler):
+        """vLLM's ``AsyncScheduler``, recording a run trace (async scheduling, vLLM's default)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.update(_ENGINE_ARGS)
+            super().__init__(*args, **kwargs)
+            self._kvref_start(is_async_class=True)
+
+        check_invariants = RecordingScheduler.check_invariants
+
+    for cls in (RecordingScheduler, RecordingAsyncScheduler):
+        cls.__qualname__ = cls.__name__  # importable by this name (pickle, --scheduler-cls)
+        _CLASSES[cls.__name__] = cls
+        globals()[cls.__name__] = cls
+    return _CLASSES
 
 
-class RecordingAsyncScheduler(_Recorder, AsyncScheduler):
-    """vLLM's ``AsyncScheduler``, recording a run trace (async scheduling, vLLM's default)."""
+_CLASSES: dict[str, type] = {}
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.update(_ENGINE_ARGS)
-        super().__init__(*args, **kwargs)
-        self._kvref_start(is_async_class=True)
 
-    check_invariants = RecordingScheduler.check_invariants
+def __getattr__(name: str) -> type:
+    if name in ("RecordingScheduler", "RecordingAsyncScheduler"):
+        return _recording_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingScheduler", "build_header",
