@@ -118,11 +118,7 @@ class ConnectorTap:
                 return out
             return call
 
-        c.get_num_new_matched_tokens = get_num_new_matched_tokens
-        c.update_state_after_alloc = update_state_after_alloc
-        c.request_finished = finished(c.request_finished)
-        if hasattr(c, "request_finished_all_groups"):
-            c.request_finished_all_groups = finished(c.request_finished_all_groups)
+        _install(c, get_num_new_matched_tokens, update_state_after_alloc, finished)
         c.has_pending_block_frees = answer("p", c.has_pending_block_frees)
         c.reset_cache = answer("r", c.reset_cache)
 
@@ -158,14 +154,21 @@ class ConnectorTap:
                 return delay, params
             return request_finished
 
-        child.get_num_new_matched_tokens = get_num_new_matched_tokens
-        child.update_state_after_alloc = update_state_after_alloc
-        child.request_finished = finished(child.request_finished)
-        if hasattr(child, "request_finished_all_groups"):
-            child.request_finished_all_groups = finished(child.request_finished_all_groups)
+        _install(child, get_num_new_matched_tokens, update_state_after_alloc, finished)
 
     def check_invariants(self) -> None:
         assert self._kids is None and not self._finishing, "a connector call still open between scheduler calls"
+
+
+def _install(connector, get_num_new_matched_tokens, update_state_after_alloc, finished) -> None:
+    """Put a tap's wrappers on a connector (the top-level one or a ``MultiConnector`` child): the
+    two lookup/allocation calls replaced, and both ``request_finished`` hooks (the per-group one
+    when the connector has it) wrapped by ``finished``."""
+    connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+    connector.update_state_after_alloc = update_state_after_alloc
+    connector.request_finished = finished(connector.request_finished)
+    if hasattr(connector, "request_finished_all_groups"):
+        connector.request_finished_all_groups = finished(connector.request_finished_all_groups)
 
 
 __all__ = ["ConnectorTap", "connector_header"]

@@ -178,11 +178,20 @@ class CPUOffloadingManager:
         """Pin ready chunks for reading; returns their chunk ids."""
         _check_ctx(ctx)
         keys = _check_keys("keys", keys)
+        ids = self._pin_ready_chunks(keys, "prepare_load needs resident, ready chunks")
+        self._record(keys, ctx, reused=keys)
+        return ids
+
+    def _pin_ready_chunks(self, keys: list[OffloadKey], needs: str) -> list[int]:
+        """Pin (``ref_cnt`` += 1, non-evictable from the first pin) the chunks of checked ``keys``,
+        all of which must be resident and ready, else nothing is pinned and OffloadStateError says
+        which one is not and what the caller (``needs``) requires; returns their chunk ids. Loads
+        to the GPU and the tiering manager's cascades pin alike."""
         for k in keys:
             chunk = self.policy.get(k)
             if chunk is None or not chunk.is_ready:
                 raise OffloadStateError(f"keys: {k!r} is {'absent' if chunk is None else 'still being written'};"
-                                        " prepare_load needs resident, ready chunks")
+                                        f" {needs}")
         ids = []
         for k in keys:
             chunk = self.policy.get(k)
@@ -191,7 +200,6 @@ class CPUOffloadingManager:
                 self.num_evictable -= 1
             chunk.ref_cnt += 1
             ids.append(chunk.chunk_id)
-        self._record(keys, ctx, reused=keys)
         return ids
 
     def touch(self, keys: Collection[OffloadKey], ctx: RequestContext) -> None:

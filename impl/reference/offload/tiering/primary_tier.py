@@ -13,7 +13,7 @@ from typing import Collection
 from kvref.spec.errors import InvalidFieldError, check_int
 
 from ..cpu_offloading_manager import CPUOffloadingManager, _check_keys
-from ..keys import OffloadKey, OffloadStateError
+from ..keys import OffloadKey
 from .tier_base import PrimaryBuffer
 
 
@@ -34,18 +34,4 @@ class CPUPrimaryTier(CPUOffloadingManager):
 
     def prepare_read(self, keys: Collection[OffloadKey]) -> list[int]:
         """Pin ready chunks for a cascade; returns their chunk ids."""
-        keys = _check_keys("keys", keys)
-        for k in keys:
-            chunk = self.policy.get(k)
-            if chunk is None or not chunk.is_ready:
-                raise OffloadStateError(f"keys: {k!r} is {'absent' if chunk is None else 'still being written'};"
-                                        " a cascade reads resident, ready chunks")
-        ids = []
-        for k in keys:
-            chunk = self.policy.get(k)
-            if chunk.ref_cnt == 0:
-                self.policy.mark_non_evictable(k)
-                self.num_evictable -= 1
-            chunk.ref_cnt += 1
-            ids.append(chunk.chunk_id)
-        return ids
+        return self._pin_ready_chunks(_check_keys("keys", keys), "a cascade reads resident, ready chunks")
