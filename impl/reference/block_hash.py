@@ -358,7 +358,7 @@ class RequestBlockHasher:
     def check_invariants(self) -> None:
         """Each entry is the chained hash of its request's full blocks, nothing more."""
         for rid, (request, hashes) in self._entries.items():
-            assert request.request_id == rid
+            assert request.request_id == rid, f"M13: hashes of {rid} filed under request {request.request_id}"
             assert len(hashes) * self.hash_block_size + self.num_hash_lookahead_tokens <= request.num_tokens \
                 or not hashes, \
-                f"request {rid}: hashes cover more tokens than it has"
+                f"M13: request {rid}: hashes cover more tokens than it has"

@@ -208,7 +208,7 @@ class BlockPool:
                 removed = self._remove_cached_block_hashes(block)
                 if self.enable_kv_cache_events:
                     self._emit_block_removed_events(removed)
-            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
+            assert block.ref_cnt == 0, f"I3: block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
             if metrics is not None:
                 metrics.on_block_allocated(block.block_id)
@@ -592,51 +592,56 @@ class BlockPool:
         return tuple(b.block_id for b in self.free_block_queue.iter_blocks())
 
     def check_invariants(self) -> None:
-        """docs/invariants.md I1–I8 (I9 needs the managers' tables; I10 is enforced by reset)."""
+        """docs/invariants.md I1–I8 and I11 (I9 needs the managers' tables; I10 is enforced by reset)."""
         n = self.num_gpu_blocks
         # I1: one block object per id.
-        assert len(self.blocks) == n
+        assert len(self.blocks) == n, f"I1: {len(self.blocks)} blocks in a pool of {n}"
         for i, block in enumerate(self.blocks):
-            assert block.block_id == i, f"blocks[{i}] has id {block.block_id}"
+            assert block.block_id == i, f"I1: blocks[{i}] has id {block.block_id}"
         # I2: the null block.
         null = self.null_block
-        assert null is self.blocks[0] and null.is_null
-        assert null.prev_free_block is None and null.next_free_block is None, "null block is in the free queue"
-        assert null.block_hash is None and null.block_id not in self.cached_block_hashes_by_block
-        assert null.ref_cnt == 0, f"null block ref_cnt changed to {null.ref_cnt}"
-        assert not any(b.is_null for b in self.blocks[1:]), "only block 0 may be the null block"
+        assert null is self.blocks[0] and null.is_null, "I2: the null block is not block 0"
+        assert null.prev_free_block is None and null.next_free_block is None, "I2: null block is in the free queue"
+        assert null.block_hash is None and null.block_id not in self.cached_block_hashes_by_block, \
+            "I2: the null block is hashed"
+        assert null.ref_cnt == 0, f"I2: null block ref_cnt changed to {null.ref_cnt}"
+        assert not any(b.is_null for b in self.blocks[1:]), "I2: only block 0 may be the null block"
         # I5: the queue is a well-formed list with a correct count.
         self.free_block_queue.check_invariants()
         in_queue = {b.block_id for b in self.free_block_queue.iter_blocks()}
         # I3 / I4: in the queue <=> ref_cnt == 0; counts never negative.
         num_used = 0
         for block in self.blocks[1:]:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert block.ref_cnt >= 0, f"I4: block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert (block.block_id in in_queue) == (block.ref_cnt == 0), \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_queue={block.block_id in in_queue}"
+                f"I3: block {block.block_id}: ref_cnt {block.ref_cnt} but in_queue={block.block_id in in_queue}"
             num_used += block.ref_cnt > 0
-        assert self.get_num_free_blocks() + num_used == n - 1
+        assert self.get_num_free_blocks() + num_used == n - 1, \
+            f"I5: {self.get_num_free_blocks()} free + {num_used} referenced != {n - 1} non-null blocks"
         # I6: index <-> block hashes agree.
         num_keys = 0
         for key, block in self.cached_block_hash_to_block.items():
             num_keys += 1
-            assert self.blocks[block.block_id] is block and not block.is_null
+            assert self.blocks[block.block_id] is block and not block.is_null, \
+                f"I6: the index maps a key to block {block.block_id}, not a non-null block of this pool"
             assert block.block_hash == key or key in self.cached_block_hashes_by_block.get(block.block_id, ()), \
-                f"index maps a key to block {block.block_id} which does not carry it"
+                f"I6: index maps a key to block {block.block_id} which does not carry it"
         num_expected = 0
         for block in self.blocks:
             if block.block_hash is not None:
-                assert self.enable_caching, "a hash was set with caching disabled"
-                assert self.cached_block_hash_to_block.contain(block.block_hash, block.block_id)
+                assert self.enable_caching, "I6: a hash was set with caching disabled"
+                assert self.cached_block_hash_to_block.contain(block.block_hash, block.block_id), \
+                    f"I6: hashed block {block.block_id} is not in the index"
                 num_expected += 1
             else:
-                assert block.block_hash_num_tokens is None
+                assert block.block_hash_num_tokens is None, \
+                    f"I6: block {block.block_id} has a hash length but no hash"
         for bid, keys in self.cached_block_hashes_by_block.items():
-            assert keys, f"empty secondary key set for block {bid}"
-            assert self.blocks[bid].block_hash is not None, f"block {bid} has secondary keys but no primary"
+            assert keys, f"I6: empty secondary key set for block {bid}"
+            assert self.blocks[bid].block_hash is not None, f"I6: block {bid} has secondary keys but no primary"
             for key in keys:
-                assert self.cached_block_hash_to_block.contain(key, bid)
+                assert self.cached_block_hash_to_block.contain(key, bid), \
+                    f"I6: a secondary key of block {bid} is not in the index"
             num_expected += len(keys)
-        assert num_keys == num_expected, (num_keys, num_expected)
-        # Events: queued only when enabled.
-        assert self.enable_kv_cache_events or not self.kv_event_queue, "events queued with events off"
+        assert num_keys == num_expected, f"I6: {num_keys} index keys but the blocks carry {num_expected}"
+        assert self.enable_kv_cache_events or not self.kv_event_queue, "I11: events queued with events off"

@@ -77,5 +77,5 @@ class CircularBufferManager(FullAttentionManager):
     def check_invariants(self) -> None:
         super().check_invariants()
         for rid, table in self.req_to_blocks.items():
-            assert len(table) <= 1, f"request {rid} holds {len(table)} ring blocks (at most one)"
-            assert all(b.block_hash is None for b in table), f"ring block of {rid} is cached"
+            assert len(table) <= 1, f"M12: request {rid} holds {len(table)} ring blocks (at most one)"
+            assert all(b.block_hash is None for b in table), f"M12: ring block of {rid} is cached"

@@ -120,16 +120,17 @@ class FreeKVCacheBlockQueue:
         """Links are symmetric, the count matches the list, no block appears twice (I5 of
         docs/invariants.md)."""
         head, tail = self.fake_free_list_head, self.fake_free_list_tail
-        assert head.prev_free_block is None and tail.next_free_block is None
+        assert head.prev_free_block is None and tail.next_free_block is None, "I5: a sentinel links outside the list"
         seen: set[int] = set()
         prev = head
         block = head.next_free_block
         while block is not tail:
-            assert block is not None, "free list is broken (no link to the tail)"
-            assert block.prev_free_block is prev, f"block {block.block_id}: prev link is broken"
-            assert block.block_id not in seen, f"block {block.block_id} is twice in the free queue"
+            assert block is not None, "I5: free list is broken (no link to the tail)"
+            assert block.prev_free_block is prev, f"I5: block {block.block_id}: prev link is broken"
+            assert block.block_id not in seen, f"I5: block {block.block_id} is twice in the free queue"
             seen.add(block.block_id)
             prev = block
             block = block.next_free_block
-        assert tail.prev_free_block is prev, "tail's prev link is broken"
-        assert len(seen) == self.num_free_blocks, (len(seen), self.num_free_blocks)
+        assert tail.prev_free_block is prev, "I5: tail's prev link is broken"
+        assert len(seen) == self.num_free_blocks, \
+            f"I5: {len(seen)} blocks in the list, num_free_blocks={self.num_free_blocks}"

@@ -335,7 +335,8 @@ class KVCacheCoordinator:
         """The pool's I1–I8 and every manager's rules, all on one shared pool (M8, docs/invariants.md)."""
         self.block_pool.check_invariants()
         for manager in self.single_type_managers:
-            assert manager.block_pool is self.block_pool
+            assert manager.block_pool is self.block_pool, \
+                f"M8: group {manager.kv_cache_group_id}'s manager has a pool of its own"
             manager.check_invariants()
 
 

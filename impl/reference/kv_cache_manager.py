@@ -560,8 +560,9 @@ class KVCacheManager:
         for block in self.block_pool.blocks[1:]:
             if strict_ref_counts:
                 assert block.ref_cnt == slots[block.block_id], \
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != {slots[block.block_id]} table slots"
+                    f"I9: block {block.block_id}: ref_cnt {block.ref_cnt} != {slots[block.block_id]} table slots"
             else:
-                assert block.ref_cnt >= slots[block.block_id]
+                assert block.ref_cnt >= slots[block.block_id], \
+                    f"I9: block {block.block_id}: ref_cnt {block.ref_cnt} < {slots[block.block_id]} table slots"
         if self.hasher is not None:
             self.hasher.check_invariants()

@@ -461,10 +461,11 @@ class MambaManager(SingleTypeKVCacheManager):
         if not self._align:
             return
         for rid, (position, idx) in self._checkpoints.items():
-            assert position > 0 and idx >= 0, (rid, position, idx)
+            assert position > 0 and idx >= 0, f"M11: request {rid}'s checkpoint at {position}, slot {idx}"
         for rid, (block, boundary) in self._producer_partial_tail_reqs.items():
-            assert boundary % self.block_size, f"producer tail of {rid} at a block boundary {boundary}"
-            assert rid in self.req_to_blocks
+            assert boundary % self.block_size, f"M11: producer tail of {rid} at a block boundary {boundary}"
+            assert rid in self.req_to_blocks, f"M11: producer tail of request {rid}, which holds no table"
         for rid, _gid, block, boundary in self._pending_boundary_state_offloads:
-            assert rid in self.req_to_blocks, f"hand-off of freed request {rid}"
-            assert not block.is_null and boundary > 0
+            assert rid in self.req_to_blocks, f"M11: hand-off of freed request {rid}"
+            assert not block.is_null and boundary > 0, \
+                f"M11: hand-off of request {rid}: block {block.block_id} at boundary {boundary}"

@@ -371,13 +371,15 @@ class SingleTypeKVCacheManager:
         groups by the manager."""
         for rid, table in self.req_to_blocks.items():
             for block in table:
-                assert self.block_pool.blocks[block.block_id] is block
+                assert self.block_pool.blocks[block.block_id] is block, \
+                    f"I1: request {rid} holds block {block.block_id} of another pool"
                 assert block.is_null or block.ref_cnt > 0, \
-                    f"request {rid} holds free block {block.block_id} in group {self.kv_cache_group_id}"
+                    f"I9: request {rid} holds free block {block.block_id} in group {self.kv_cache_group_id}"
             if rid in self.num_cached_block:
                 assert self.num_cached_block[rid] <= len(table) or not table, \
-                    (rid, self.num_cached_block[rid], len(table))
+                    f"M2: request {rid}: num_cached_block {self.num_cached_block[rid]} > {len(table)} blocks"
         for rid in self.num_cached_block:
-            assert rid in self.req_to_blocks, f"running request {rid} without a table"
+            assert rid in self.req_to_blocks, f"M2: running request {rid} without a table"
         for rid, (idx, block) in self._partial_hit_reqs.items():
-            assert self.req_to_blocks[rid][idx] is block
+            assert self.req_to_blocks[rid][idx] is block, \
+                f"M5: request {rid}'s partial-hit block {block.block_id} left its table slot {idx}"

@@ -1,0 +1,105 @@
+"""Every assertion of the reference KV cache core's ``check_invariants()`` starts with its rule name (#26).
+
+docs/invariants.md promises that a failing invariant names its rule (``I3: block 7 ...``) so a
+failure points to the rule's statement. Two checks hold the core to it: a scan of every ``assert``
+in the ``check_invariants`` of the core's modules (its message must begin with an id the document
+defines), and broken states whose failure message is read back.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvref.impl.interface import PoolConfig
+from kvref.impl.reference.adapter import ReferenceKVCacheManager
+from kvref.impl.request import Request
+from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "invariants.md"
+RULES = frozenset(re.findall(r"^\| ([A-Z]\d+) \|", DOC.read_text(encoding="utf-8"), flags=re.M))
+#: the KV cache core: the block pool, its free queue, the managers, the coordinator, the hasher
+CORE = ("block_pool", "free_block_queue", "single_type_manager", "mamba_manager", "circular_buffer_manager",
+        "kv_cache_coordinator", "kv_cache_manager", "block_hash")
+_RULE_PREFIX = re.compile(r"^([A-Z]\d+): ")
+
+
+def _message_head(msg: ast.expr | None) -> str:
+    """The literal text an assert message starts with ("" when it has none or starts with a value)."""
+    if isinstance(msg, ast.Constant) and isinstance(msg.value, str):
+        return msg.value
+    if isinstance(msg, ast.JoinedStr) and msg.values and isinstance(msg.values[0], ast.Constant):
+        return msg.values[0].value
+    return ""
+
+
+def _core_asserts() -> list[tuple[str, int, str]]:
+    out = []
+    for name in CORE:
+        module = importlib.import_module(f"kvref.impl.reference.{name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            fn = cls.__dict__.get("check_invariants")
+            if cls.__module__ != module.__name__ or fn is None:
+                continue
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assert):
+                    out.append((f"{name}.{cls.__name__}", node.lineno, _message_head(node.msg)))
+    return out
+
+
+def test_the_document_defines_the_rule_families():
+    assert {"I1", "I5", "I9", "I11", "M2", "M8", "M13", "Q1", "O1", "S1"} <= RULES
+
+
+def test_every_core_assertion_message_starts_with_a_defined_rule():
+    asserts = _core_asserts()
+    assert len(asserts) >= 40  # the scan reaches the core (a wrong module list would make it vacuous)
+    bad = [(where, line, head) for where, line, head in asserts
+           if not (_RULE_PREFIX.match(head) and _RULE_PREFIX.match(head).group(1) in RULES)]
+    assert not bad, f"check_invariants assertions without a rule name of docs/invariants.md: {bad}"
+
+
+def _manager_with_a_request() -> tuple[ReferenceKVCacheManager, Request]:
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="float16")
+    cfg = PoolConfig(num_blocks=8, groups=(KVCacheGroupSpec(("l0",), spec),), max_model_len=32,
+                     scheduler_block_size=4, hash_block_size=4)
+    mgr = ReferenceKVCacheManager(cfg)
+    req = Request("r", list(range(10)))
+    assert mgr.allocate_slots(req, 10) is not None
+    mgr.check_invariants()
+    return mgr, req
+
+
+def _free_block(mgr):
+    return next(iter(mgr.manager.block_pool.free_block_queue.iter_blocks()))
+
+
+def _held_block(mgr):
+    return mgr.manager.coordinator.single_type_managers[0].req_to_blocks["r"][0]
+
+
+BREAKS = {
+    "I4": lambda mgr: setattr(_free_block(mgr), "ref_cnt", -1),
+    "I3": lambda mgr: setattr(_free_block(mgr), "ref_cnt", 1),
+    "I5": lambda mgr: setattr(mgr.manager.block_pool.free_block_queue, "num_free_blocks",
+                              mgr.manager.block_pool.free_block_queue.num_free_blocks + 1),
+    "I9": lambda mgr: setattr(_held_block(mgr), "ref_cnt", _held_block(mgr).ref_cnt + 1),
+    "I1": lambda mgr: setattr(mgr.manager.block_pool.blocks[3], "block_id", 5),
+    "M2": lambda mgr: mgr.manager.coordinator.single_type_managers[0].num_cached_block.__setitem__("r", 9),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(BREAKS))
+def test_a_broken_state_fails_naming_its_rule(rule):
+    mgr, _ = _manager_with_a_request()
+    BREAKS[rule](mgr)
+    with pytest.raises(AssertionError) as info:
+        mgr.check_invariants()
+    assert str(info.value).startswith(f"{rule}: "), str(info.value)
