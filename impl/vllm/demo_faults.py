@@ -17,7 +17,10 @@ replica of one fix:
   inflating the hit rate the metrics endpoint shows;
 * ``crash`` — the coordinator's ``get_num_blocks_to_allocate`` counts one block too few, so the
   gate admits what the pool cannot hold and ``BlockPool.get_new_blocks`` raises ``ValueError:
-  Cannot get N free blocks from the pool`` inside ``schedule()``.
+  Cannot get N free blocks from the pool`` inside ``schedule()``;
+* ``short-lookahead`` — ``KVCacheManager.allocate_slots`` reserves one lookahead slot fewer than an
+  EAGLE-like drafter asked for (an off-by-one in speculative decoding's block reservation: the
+  drafter then writes past the request's blocks).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from collections.abc import Callable, Iterator
 
 from kvref.spec.errors import InvalidFieldError
 
-FAULTS = ("leak-on-refusal", "early-free", "wrong-hit-length", "skip-preempt-reset", "hit-stats", "crash")
+FAULTS = ("leak-on-refusal", "early-free", "wrong-hit-length", "skip-preempt-reset", "hit-stats", "crash",
+          "short-lookahead")
 
 
 def _patches(name: str) -> list[tuple[object, str, Callable]]:
@@ -88,6 +92,13 @@ def _patches(name: str) -> list[tuple[object, str, Callable]]:
                 return n - 1 if n > 0 else n
             return get_num_blocks_to_allocate
         return [(KVCacheCoordinator, "get_num_blocks_to_allocate", fewer)]
+    if name == "short-lookahead":
+        def short(orig):
+            def allocate_slots(self, request, num_new_tokens, *args, num_lookahead_tokens=0, **kwargs):
+                return orig(self, request, num_new_tokens, *args,
+                            num_lookahead_tokens=max(0, num_lookahead_tokens - 1), **kwargs)
+            return allocate_slots
+        return [(KVCacheManager, "allocate_slots", short)]
     raise InvalidFieldError("fault", name, "one of " + ", ".join(FAULTS))
 
 

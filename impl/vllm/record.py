@@ -140,7 +140,10 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # an EAGLE-like drafter's lookahead slots are modelled (num_speculative_tokens of them)
     lookahead = getattr(s, "num_lookahead_tokens", 0)
     flag(lookahead and not (method == "eagle" and lookahead == k), "lookahead_tokens")
-    flag(getattr(s, "num_prefill_lookahead", 0), "prefill_lookahead")
+    # an EAGLE-family drafter's prefill lookahead of 1 changes nothing in the scheduler or the KV
+    # manager (no chunk ends within 1 token of the end; 1 - 1 = 0 re-prefillable tokens): only
+    # multi-module MTP's longer runway is unmodelled
+    flag(getattr(s, "num_prefill_lookahead", 0) > 1, "prefill_lookahead")
     flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
     flag(getattr(s, "adaptive_long_prefill_threshold", False), "adaptive_long_prefill_threshold")
@@ -185,7 +188,9 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             "scheduler_block_size": s.block_size, "hash_block_size": s.hash_block_size,
             "max_in_flight_tokens": vc.max_in_flight_tokens, "enable_caching": bool(cc.enable_prefix_caching),
             "watermark": float(getattr(sc, "watermark", 0.0)), "use_eagle": bool(getattr(s, "use_eagle_block_drop", False)),
-            "groups": [{"layers": list(g.layer_names), "spec": spec_record(g.kv_cache_spec)}
+            # is_eagle_group: the groups an EAGLE-like drafter's block drop applies to (replayed, #28)
+            "groups": [{"layers": list(g.layer_names), "spec": spec_record(g.kv_cache_spec),
+                        **({"is_eagle_group": True} if getattr(g, "is_eagle_group", False) else {})}
                        for g in kvc.kv_cache_groups],
         },
         "scheduler": {

@@ -18,7 +18,8 @@ requests), ``preemption-storm`` (the smallest full-attention pool, long prompts 
 ``sliding-window`` and ``chunked-local`` (windowed pools at the smallest size startup accepts, long
 prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed priorities),
 ``spec-decode`` (n-gram speculative decoding: the fake runner proposes drafts after every synchronous
-step and accepts a seeded number of them).
+step and accepts a seeded number of them), ``spec-decode-eagle`` (the same with an EAGLE-like drafter:
+lookahead slots reserved past every step, the trailing block of a prefix hit dropped).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class Workload:
     script: Callable[[random.Random, "DemoClient", int], None]  # called once per engine tick
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
-    num_speculative_tokens: int = 0  # n-gram speculative decoding (drafts from the fake runner)
+    num_speculative_tokens: int = 0  # speculative decoding (drafts from the fake runner)
+    #: "ngram", or "eagle" (an EAGLE-like drafter: lookahead slots, the trailing hit block dropped)
+    speculative_method: str = "ngram"
 
 
 def _full(bs: int) -> dict:
@@ -78,7 +81,8 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
     cfg = SchedulerConfig(max_num_batched_tokens=workload.budget, max_num_seqs=workload.max_num_seqs,
                           policy=workload.policy, async_scheduling=async_scheduling,
                           long_prefill_token_threshold=workload.long_prefill_token_threshold,
-                          num_speculative_tokens=workload.num_speculative_tokens)
+                          num_speculative_tokens=workload.num_speculative_tokens,
+                          speculative_method=workload.speculative_method)
     layers = workload.layers(workload.block_size)
 
     def plan(n: int):
@@ -95,7 +99,7 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
             hi = mid
         except InsufficientKVCacheError:
             lo = mid + 1
-    return PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale)))), cfg
+    return PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale))), use_eagle=cfg.use_eagle), cfg
 
 
 class DemoClient:
@@ -281,6 +285,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("spec-decode", "n-gram speculative decoding (3 drafts a step, acceptance drawn per step), shared "
              "prefixes, a tight full-attention pool", _full, 4, 128, 32, 6, 1.5, _prefix_sharing,
              num_speculative_tokens=3),
+    Workload("spec-decode-eagle", "EAGLE-like speculative decoding (2 drafts a step written into lookahead slots, "
+             "the trailing block of every prefix hit dropped), shared prefixes, a tight full + sliding-window "
+             "pool", _swa(16), 4, 128, 32, 6, 1.5, _prefix_sharing, num_speculative_tokens=2,
+             speculative_method="eagle"),
 )}
 
 

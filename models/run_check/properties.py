@@ -51,7 +51,7 @@ from .windows import group_rules
 #: what ``kvref check-run`` lists when every property holds
 PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
                   "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
-                  "blocks within the pool")
+                  "blocks within the pool", "blocks cover the step")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -71,7 +71,7 @@ class Finding:
 
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
-                  "metrics", "block_out_of_pool", "table_too_long")
+                  "metrics", "block_out_of_pool", "table_too_long", "table_too_short")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -116,8 +116,12 @@ class RunProperties:
         unmodelled = list(header.get("unmodelled", []))
         if header.get("connector") is not None:  # format 4 names a replayed connector here, not in unmodelled
             unmodelled.append("kv_connector")
-        if pool.get("use_eagle"):
-            unmodelled.append("eagle")
+        # an EAGLE-like drafter (pool.use_eagle) needs no exemption: its lookahead slots are in the
+        # recorded tables (and checked by "blocks cover the step"), its dropped hit block is simply
+        # not in the hit; a lookahead vLLM sized otherwise is flagged "lookahead_tokens" (#28)
+        spec = header.get("spec") or {}
+        #: KV slots past the scheduled tokens every allocation reserves (an EAGLE-like drafter's)
+        self.lookahead = int(spec.get("num_lookahead_tokens", 0) or 0) if spec.get("num_speculative_tokens") else 0
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -266,6 +270,7 @@ class RunProperties:
             if blocks is not None:
                 self._allocate(line, rid, r, kind, computed, blocks)
             r.computed = computed + n
+            self._covers(line, rid, r)
             self._admission_bound(line, rid, r)
             self._register(rid, r)
             settled.append((rid, r.computed, len(spec.get(rid, ()))))
@@ -456,6 +461,27 @@ class RunProperties:
                            f"{rid} holds {held} blocks in group {g} ({rule.kind}); startup sized a request for at "
                            f"most {rule.bound} (max_admission_blocks_per_request, vLLM #40946)", once=True)
 
+    def _covers(self, line: int, rid: str, r: _Req) -> None:
+        """A scheduled request's table has a slot for every token of the step and for the drafter's
+        lookahead slots past them: ``allocate_slots`` sizes it for ``min(computed + new + lookahead,
+        max_model_len)`` tokens in every attention group (windowed groups keep null entries in
+        front, so their table length counts the same). Fewer blocks means the model (or an
+        EAGLE-like drafter) writes KV past the request's blocks: an under-allocation no other
+        property sees (issue #28)."""
+        if not self.exact or not r.tables:
+            return
+        need = min(r.computed + self.lookahead, self.max_model_len)
+        for g, rule in enumerate(self.rules):
+            if not rule.holds_tokens or g >= len(r.tables):
+                continue
+            want = -(-need // rule.block_size)
+            if len(r.tables[g]) < want:
+                self._find("table_too_short", line,
+                           f"{rid} has {len(r.tables[g])} blocks in group {g} after this step's allocation; its "
+                           f"{r.computed} tokens" + (f" and {self.lookahead} lookahead slots" if self.lookahead else "")
+                           + f" need {want} blocks of {rule.block_size}", once=True)
+                return
+
     def _conserve(self, line: int, rec: dict, call: str) -> None:
         """free + distinct held blocks = num_blocks - 1 (the null block), after every recorded call."""
         free = rec.get("free")
@@ -486,6 +512,8 @@ class RunProperties:
                     rejected = max(0, drafts - (got[rid] - 1))
                     computed -= rejected
                     r.computed -= rejected
+                    if rejected:
+                        self._roll_back_in_flight(rid, rejected)
                 if computed > r.processed:
                     r.processed = computed
         for rid, toks in zip(rec["ids"], sampled):
@@ -504,6 +532,17 @@ class RunProperties:
                     self._register(rid, r)
         self._conserve(line, rec, "update_from_output")
         self._metrics(line, rec)
+
+    def _roll_back_in_flight(self, rid: str, rejected: int) -> None:
+        """Async scheduling: a step of ``rid`` already scheduled behind the settled one counted the
+        rejected drafts among its computed tokens; vLLM's rollback lowers ``num_computed_tokens``
+        under it too, so its end (what the request has processed once it settles, which windowed
+        groups free by) is that much lower. Without this a sliding-window request's settled count
+        ran ahead and a block vLLM still held was counted free (found by the EAGLE demo run, #28)."""
+        for i, (step, settled) in enumerate(self.in_flight):
+            if any(e[0] == rid for e in settled):
+                self.in_flight[i] = (step, [(e[0], e[1] - rejected, e[2]) if e[0] == rid else e
+                                            for e in settled])
 
     def _metrics(self, line: int, rec: dict) -> None:
         expected = self.tally.take()

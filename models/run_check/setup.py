@@ -67,17 +67,30 @@ def _spec(d: dict) -> ks.KVCacheSpec:
     raise KVRefError(f"KV cache spec {kind} is not modelled by kvref's scheduler subset")
 
 
+#: the header's drafting methods the reference replays (vLLM's ``SpeculativeConfig.use_eagle()``
+#: methods are EAGLE-like: lookahead slots and the trailing hit block dropped)
+_REPLAYED_METHODS = {"ngram": "ngram", "eagle": "eagle", "eagle3": "eagle", "mtp": "eagle"}
+
+
 def _spec_decode(spec: dict | None, unmodelled: list[str]) -> dict:
-    """Speculative decoding from the header's ``spec`` (format 3): the n-gram drafter is replayed
-    (drafts from the trace's ``drafts`` records, acceptances from the sampled tokens); an EAGLE-like
-    drafter's block drop is not followed yet (it stays in ``unmodelled``)."""
+    """Speculative decoding from the header's ``spec`` (format 3): drafts come from the trace's
+    ``drafts`` records (synchronous runs) or the scheduled placeholders (async), acceptances from
+    the sampled tokens. An EAGLE-like drafter is replayed too (issue #28): the reference reserves its
+    ``num_lookahead_tokens`` slots and drops the trailing block of a hit as vLLM's
+    ``use_eagle_block_drop`` does; a lookahead count other than ``num_speculative_tokens`` is not
+    modelled and stays in ``unmodelled``."""
     if not isinstance(spec, dict) or not spec.get("num_speculative_tokens"):
         return {}
-    method = spec.get("method")
-    if method != "ngram":
-        unmodelled.append(f"spec_decode (method {method}: only n-gram drafting is replayed)")
+    k = int(spec["num_speculative_tokens"])
+    method = _REPLAYED_METHODS.get(str(spec.get("method")))
+    if method is None:
+        unmodelled.append(f"spec_decode (method {spec.get('method')}: n-gram and EAGLE-like drafting are replayed)")
         return {}
-    return {"num_speculative_tokens": int(spec["num_speculative_tokens"]), "speculative_method": "ngram",
+    lookahead = int(spec.get("num_lookahead_tokens", k if method == "eagle" else 0) or 0)
+    if lookahead != (k if method == "eagle" else 0):
+        unmodelled.append(f"lookahead_tokens ({lookahead} with {method} drafting of {k} tokens)")
+        return {}
+    return {"num_speculative_tokens": k, "speculative_method": method,
             "skip_unused_drafts": bool(spec.get("can_skip_drafts", False))}
 
 
@@ -88,7 +101,8 @@ def setup_from_header(header: dict) -> RunSetup:
     version = str((header.get("producer") or {}).get("vllm", "unknown"))
     pool = config = None
     try:
-        groups = tuple(ks.KVCacheGroupSpec(tuple(g.get("layers") or (f"layer{i}",)), _spec(g["spec"]))
+        groups = tuple(ks.KVCacheGroupSpec(tuple(g.get("layers") or (f"layer{i}",)), _spec(g["spec"]),
+                                           is_eagle_group=bool(g.get("is_eagle_group", False)))
                        for i, g in enumerate(p["groups"]))
         config = SchedulerConfig(
             max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=s["max_num_seqs"],
@@ -107,8 +121,8 @@ def setup_from_header(header: dict) -> RunSetup:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "
                               f"{config.max_in_flight_tokens} in flight)")
-        if pool.use_eagle:
-            unmodelled.append("eagle_block_drop")
+        if pool.use_eagle != config.use_eagle:  # vLLM's use_eagle_block_drop follows the drafter
+            unmodelled.append(f"eagle_block_drop={pool.use_eagle} with {config.speculative_method} drafting")
     except (KVRefError, KeyError, TypeError) as exc:
         unmodelled.append(f"setup: {exc}")
         pool = config = None
