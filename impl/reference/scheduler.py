@@ -567,28 +567,40 @@ class Scheduler:
         self.waiting.check_invariants()
         ids_w = {r.request_id for r in waiting}
         ids_r = [r.request_id for r in self.running]
-        assert len(ids_r) == len(set(ids_r)), "request running twice"
-        assert not ids_w & set(ids_r), "request both waiting and running"
-        assert ids_w | set(ids_r) == set(self.requests), "live request in no queue (or a queued dead one)"
-        assert len(self.running) <= self.config.max_num_seqs
+        assert len(ids_r) == len(set(ids_r)), "Q1: request running twice"
+        assert not ids_w & set(ids_r), "Q1: request both waiting and running"
+        assert ids_w | set(ids_r) == set(self.requests), "Q1: live request in no queue (or a queued dead one)"
+        assert len(self.running) <= self.config.max_num_seqs, \
+            f"Q1: {len(self.running)} running, max_num_seqs={self.config.max_num_seqs}"
         drafts_in_flight: dict[str, int] = {}  # scheduled drafts not yet verified
         for out in self._in_flight.values():
             for s in out.scheduled:
                 drafts_in_flight[s.request_id] = drafts_in_flight.get(s.request_id, 0) + len(s.spec_token_ids)
         for r in self.running:
-            assert r.status == RequestStatus.RUNNING, r
-            assert r.num_output_placeholders >= 0 and r.num_in_flight_tokens >= 0
+            assert r.status == RequestStatus.RUNNING, f"Q2: running request {r.request_id} is {r.status.value}"
+            assert r.num_output_placeholders >= 0 and r.num_in_flight_tokens >= 0, \
+                f"Q6: request {r.request_id}: {r.num_output_placeholders} placeholders, " \
+                f"{r.num_in_flight_tokens} in-flight tokens"
             assert r.num_computed_tokens <= (r.num_tokens + r.num_output_placeholders
                                              + (0 if self.config.async_scheduling
-                                                else drafts_in_flight.get(r.request_id, 0)))
-            assert r.num_computed_tokens < self.max_model_len
+                                                else drafts_in_flight.get(r.request_id, 0))), \
+                f"Q6: request {r.request_id} computed {r.num_computed_tokens} of {r.num_tokens} tokens"
+            assert r.num_computed_tokens < self.max_model_len, \
+                f"Q6: request {r.request_id} computed {r.num_computed_tokens}, max_model_len={self.max_model_len}"
         for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-            assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
-            assert not any(self.kv_cache_manager.get_block_ids(r.request_id)), "waiting request holds blocks"
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
+                f"Q2: waiting request {r.request_id} is {r.status.value}"
+            assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0, \
+                f"Q3: waiting request {r.request_id} keeps {r.num_computed_tokens} computed tokens, " \
+                f"{r.num_output_placeholders} placeholders"
+            assert not any(self.kv_cache_manager.get_block_ids(r.request_id)), \
+                f"Q3: waiting request {r.request_id} holds blocks"
         if not self.config.async_scheduling:
-            assert all(r.num_output_placeholders == 0 for r in self.requests.values())
-        assert len(self._in_flight) <= self.config.max_concurrent_batches
+            assert all(r.num_output_placeholders == 0 for r in self.requests.values()), \
+                "Q6: output placeholders without async scheduling"
+        assert len(self._in_flight) <= self.config.max_concurrent_batches, \
+            f"Q6: {len(self._in_flight)} schedules in flight, " \
+            f"max_concurrent_batches={self.config.max_concurrent_batches}"
         self.spec_decode.check_invariants(self.requests)
         self.kv_cache_manager.check_invariants()
 

@@ -83,10 +83,10 @@ class WaitingQueue:
     def check_invariants(self) -> None:
         if self.policy == "priority":
             keys = [k for k, _ in self._sorted]
-            assert keys == sorted(keys), "priority queue out of order"
-            assert all(k == priority_key(r) for k, r in self._sorted), "stale priority key"
-            assert not self._fcfs
+            assert keys == sorted(keys), "Q5: priority queue out of order"
+            assert all(k == priority_key(r) for k, r in self._sorted), "Q5: stale priority key"
+            assert not self._fcfs, "Q5: a priority queue holds FCFS entries"
         else:
-            assert not self._sorted
+            assert not self._sorted, "Q5: an FCFS queue holds priority entries"
         ids = [r.request_id for r in self]
-        assert len(ids) == len(set(ids)), f"request queued twice: {ids}"
+        assert len(ids) == len(set(ids)), f"Q1: request queued twice: {ids}"

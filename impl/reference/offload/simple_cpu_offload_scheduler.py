@@ -635,17 +635,17 @@ class SimpleCPUOffloadScheduler:
             expected[b.block_id] = expected.get(b.block_id, 0) + 1
         for blk in self.cpu_block_pool.blocks[1:]:
             assert blk.ref_cnt == expected.get(blk.block_id, 0), \
-                f"CPU block {blk.block_id}: ref_cnt {blk.ref_cnt} != transfers+pins {expected.get(blk.block_id, 0)}"
+                f"O2: CPU block {blk.block_id}: ref_cnt {blk.ref_cnt} != transfers+pins {expected.get(blk.block_id, 0)}"
         # O3: a CPU block being written is not findable.
         writing = {b for t in stores for b in t.cpu_block_ids}
         for b in writing:
-            assert self.cpu_block_pool.blocks[b].block_hash is None, f"CPU block {b} hashed while being written"
+            assert self.cpu_block_pool.blocks[b].block_hash is None, f"O3: CPU block {b} hashed while being written"
         # O1 (eager): the in-flight set is exactly the GPU sources of live, non-abandoned stores.
         if not self.lazy:
             live = {g for t in list(self._store_event_to_blocks.values()) + self._pending_finished_stores
                     for g in t.gpu_block_ids}
-            assert self._in_flight_store_gpu_blocks == live, "in-flight set out of sync with issued stores"
+            assert self._in_flight_store_gpu_blocks == live, "O1: in-flight set out of sync with issued stores"
         if self._gpu_block_pool is not None:
             for t in stores + loads:
                 for g in t.gpu_block_ids:
-                    assert self._gpu_block_pool.blocks[g].ref_cnt > 0, f"GPU block {g} freed while in a transfer"
+                    assert self._gpu_block_pool.blocks[g].ref_cnt > 0, f"O2: GPU block {g} freed while in a transfer"

@@ -1,9 +1,10 @@
-"""Every assertion of the reference KV cache core's ``check_invariants()`` starts with its rule name (#26).
+"""Every assertion of the reference core's ``check_invariants()`` starts with its rule name (#26).
 
 docs/invariants.md promises that a failing invariant names its rule (``I3: block 7 ...``) so a
 failure points to the rule's statement. Two checks hold the core to it: a scan of every ``assert``
-in the ``check_invariants`` of the core's modules (its message must begin with an id the document
-defines), and broken states whose failure message is read back.
+in the ``check_invariants`` of the core's modules (the KV cache core, the scheduler, SimpleCPU
+offload; its message must begin with an id the document defines), and broken states whose failure
+message is read back.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ import pytest
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.adapter import ReferenceKVCacheManager
-from kvref.impl.request import Request
+from kvref.impl.request import Request, RequestStatus
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "invariants.md"
 RULES = frozenset(re.findall(r"^\| ([A-Z]\d+) \|", DOC.read_text(encoding="utf-8"), flags=re.M))
-#: the KV cache core: the block pool, its free queue, the managers, the coordinator, the hasher
+#: the KV cache core (block pool, free queue, managers, coordinator, hasher), the scheduler and its
+#: queue, the SimpleCPU offload scheduler
 CORE = ("block_pool", "free_block_queue", "single_type_manager", "mamba_manager", "circular_buffer_manager",
-        "kv_cache_coordinator", "kv_cache_manager", "block_hash")
+        "kv_cache_coordinator", "kv_cache_manager", "block_hash", "scheduler", "scheduler_queue",
+        "offload.simple_cpu_offload_scheduler")
 _RULE_PREFIX = re.compile(r"^([A-Z]\d+): ")
 
 
@@ -51,6 +54,7 @@ def _core_asserts() -> list[tuple[str, int, str]]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Assert):
                     out.append((f"{name}.{cls.__name__}", node.lineno, _message_head(node.msg)))
+    assert {where.split(".")[-2] for where, _, _ in out} >= {name.split(".")[-1] for name in CORE}
     return out
 
 
@@ -60,17 +64,20 @@ def test_the_document_defines_the_rule_families():
 
 def test_every_core_assertion_message_starts_with_a_defined_rule():
     asserts = _core_asserts()
-    assert len(asserts) >= 40  # the scan reaches the core (a wrong module list would make it vacuous)
+    assert len(asserts) >= 60  # the scan reaches the core (a wrong module list would make it vacuous)
     bad = [(where, line, head) for where, line, head in asserts
            if not (_RULE_PREFIX.match(head) and _RULE_PREFIX.match(head).group(1) in RULES)]
     assert not bad, f"check_invariants assertions without a rule name of docs/invariants.md: {bad}"
 
 
-def _manager_with_a_request() -> tuple[ReferenceKVCacheManager, Request]:
+def _pool(**kw) -> PoolConfig:
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="float16")
-    cfg = PoolConfig(num_blocks=8, groups=(KVCacheGroupSpec(("l0",), spec),), max_model_len=32,
-                     scheduler_block_size=4, hash_block_size=4)
-    mgr = ReferenceKVCacheManager(cfg)
+    return PoolConfig(num_blocks=8, groups=(KVCacheGroupSpec(("l0",), spec),), max_model_len=32,
+                      scheduler_block_size=4, hash_block_size=4, **kw)
+
+
+def _manager_with_a_request() -> tuple[ReferenceKVCacheManager, Request]:
+    mgr = ReferenceKVCacheManager(_pool())
     req = Request("r", list(range(10)))
     assert mgr.allocate_slots(req, 10) is not None
     mgr.check_invariants()
@@ -102,4 +109,34 @@ def test_a_broken_state_fails_naming_its_rule(rule):
     BREAKS[rule](mgr)
     with pytest.raises(AssertionError) as info:
         mgr.check_invariants()
+    assert str(info.value).startswith(f"{rule}: "), str(info.value)
+
+
+def _scheduler_running_one():
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.scheduler_types import SchedulerConfig
+
+    sched = Scheduler(_pool(max_in_flight_tokens=16), SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2))
+    sched.add_request(Request("a", list(range(6)), max_tokens=3))
+    sched.add_request(Request("b", list(range(40, 46)), max_tokens=3))
+    sched.schedule()
+    sched.add_request(Request("c", list(range(80, 86)), max_tokens=3))  # waits: two run already
+    sched.check_invariants()
+    return sched
+
+
+SCHEDULER_BREAKS = {
+    "Q1": lambda s: s.running.append(s.running[0]),
+    "Q2": lambda s: setattr(s.running[0], "status", RequestStatus.PREEMPTED),
+    "Q3": lambda s: setattr(next(iter(s.waiting)), "num_computed_tokens", 4),
+    "Q6": lambda s: setattr(s.running[0], "num_in_flight_tokens", -1),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(SCHEDULER_BREAKS))
+def test_a_broken_scheduler_fails_naming_its_rule(rule):
+    sched = _scheduler_running_one()
+    SCHEDULER_BREAKS[rule](sched)
+    with pytest.raises(AssertionError) as info:
+        sched.check_invariants()
     assert str(info.value).startswith(f"{rule}: "), str(info.value)
