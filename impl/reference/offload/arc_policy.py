@@ -133,8 +133,10 @@ class ARCCachePolicy(CachePolicy):
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        assert not (self.t1.keys() & self.t2.keys()), "key in both T1 and T2"
+        assert not (self.t1.keys() & self.t2.keys()), "O7: key in both T1 and T2"
         assert not ((self.t1.keys() | self.t2.keys()) & (self.b1.keys() | self.b2.keys())), \
-            "a resident key is also a ghost"
-        assert len(self.b1) <= self.cache_capacity and len(self.b2) <= self.cache_capacity
-        assert 0 <= self.target_t1_size <= self.cache_capacity
+            "O7: a resident key is also a ghost"
+        assert len(self.b1) <= self.cache_capacity and len(self.b2) <= self.cache_capacity, \
+            f"O7: ghost lists of {len(self.b1)} and {len(self.b2)} keys, capacity {self.cache_capacity}"
+        assert 0 <= self.target_t1_size <= self.cache_capacity, \
+            f"O7: target_t1_size {self.target_t1_size}, capacity {self.cache_capacity}"

@@ -78,5 +78,5 @@ class CachePolicy(ABC):
 
     def check_invariants(self) -> None:
         keys = self.resident_keys()
-        assert len(keys) == len(set(keys)), "a key resident twice"
-        assert len(keys) <= self.cache_capacity, "more resident chunks than capacity"
+        assert len(keys) == len(set(keys)), "O7: a key resident twice"
+        assert len(keys) <= self.cache_capacity, "O7: more resident chunks than capacity"

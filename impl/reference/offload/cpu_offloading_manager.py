@@ -352,11 +352,11 @@ class CPUOffloadingManager:
         self.policy.check_invariants()
         state = self.chunk_state()
         ids = [cid for cid, _ in state.values()]
-        assert len(ids) == len(set(ids)), "two keys share a CPU chunk"
-        assert not set(ids) & set(self._free_list), "a resident chunk is also free"
-        assert len(self._free_list) == len(set(self._free_list)), "a chunk freed twice"
-        assert all(0 <= i < self._num_allocated for i in ids + self._free_list), "chunk id out of range"
-        assert len(ids) + len(self._free_list) == self._num_allocated, "a chunk id leaked"
-        assert self.num_evictable == sum(1 for _, r in state.values() if r == 0), "evictable count drifted"
-        assert self.num_write_pending == sum(1 for _, r in state.values() if r == -1), "pending count drifted"
-        assert all(r >= -1 for _, r in state.values())
+        assert len(ids) == len(set(ids)), "O4: two keys share a CPU chunk"
+        assert not set(ids) & set(self._free_list), "O4: a resident chunk is also free"
+        assert len(self._free_list) == len(set(self._free_list)), "O4: a chunk freed twice"
+        assert all(0 <= i < self._num_allocated for i in ids + self._free_list), "O4: chunk id out of range"
+        assert len(ids) + len(self._free_list) == self._num_allocated, "O4: a chunk id leaked"
+        assert self.num_evictable == sum(1 for _, r in state.values() if r == 0), "O4: evictable count drifted"
+        assert self.num_write_pending == sum(1 for _, r in state.values() if r == -1), "O4: pending count drifted"
+        assert all(r >= -1 for _, r in state.values()), "O4: a chunk's ref_cnt is below -1"

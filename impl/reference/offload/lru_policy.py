@@ -123,6 +123,6 @@ class LRUCachePolicy(CachePolicy):
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        assert set(self.ranks) == set(self.chunks), "rank table out of sync with residents"
+        assert set(self.ranks) == set(self.chunks), "O7: rank table out of sync with residents"
         assert self.evictable == {k for k, c in self.chunks.items() if c.ref_cnt == 0}, \
-            "evictable set is not exactly the ref_cnt==0 chunks"
+            "O7: evictable set is not exactly the ref_cnt==0 chunks"

@@ -569,24 +569,23 @@ class OffloadingConnectorScheduler:
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
-        """The CPU manager's chunk states and each request's jobs (O2–O3 of docs/invariants.md)."""
+        """The CPU manager's chunk states (O4, O7) and each request's jobs (O5, O6 of docs/invariants.md)."""
         self.manager.check_invariants()
         for rid, st in self._req_status.items():
             jobs = [self._jobs[j] for j in st.transfer_jobs]
-            assert all(j.req_id == rid for j in jobs)
+            assert all(j.req_id == rid for j in jobs), f"O5: a job of request {rid} names another request"
             loads = [j for j in jobs if not j.is_store]
-            # O5: one load job, or stores only.
-            assert not loads or len(jobs) == 1, f"request {rid} has a load beside other jobs"
+            assert not loads or len(jobs) == 1, f"O5: request {rid} has a load beside other jobs"
         owned = {j for st in self._req_status.values() for j in st.transfer_jobs}
-        assert owned == set(self._jobs), "a job without its request, or a request job unknown"
+        assert owned == set(self._jobs), "O5: a job without its request, or a request job unknown"
         for bid, jobs in self._block_id_to_pending_jobs.items():
-            assert jobs and jobs <= set(self._jobs), f"fence on block {bid} names finished jobs"
-        # O6: sliding-window sources are fenced from creation.
+            assert jobs and jobs <= set(self._jobs), f"O5: fence on block {bid} names finished jobs"
         for j, job in self._jobs.items():
             for bid in job.fenced_block_ids:
-                assert j in self._block_id_to_pending_jobs.get(bid, ()), f"SW source {bid} of job {j} unfenced"
+                assert j in self._block_id_to_pending_jobs.get(bid, ()), f"O6: SW source {bid} of job {j} unfenced"
         # A hit never names a chunk being written: loads only pin ready chunks.
         for job in self._jobs.values():
             if not job.is_store:
                 for k in job.keys:
-                    assert self.manager.policy.get(k) is not None and self.manager.policy.get(k).ref_cnt > 0
+                    assert self.manager.policy.get(k) is not None and self.manager.policy.get(k).ref_cnt > 0, \
+                        f"O5: load job reads an unpinned chunk {k!r}"

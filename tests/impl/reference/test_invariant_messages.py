@@ -2,8 +2,8 @@
 
 docs/invariants.md promises that a failing invariant names its rule (``I3: block 7 ...``) so a
 failure points to the rule's statement. Two checks hold the core to it: a scan of every ``assert``
-in the ``check_invariants`` of the core's modules (the KV cache core, the scheduler, SimpleCPU
-offload; its message must begin with an id the document defines), and broken states whose failure
+in the ``check_invariants`` of the core's modules (the KV cache core, the scheduler, offloading;
+its message must begin with an id the document defines), and broken states whose failure
 message is read back.
 """
 
@@ -26,10 +26,11 @@ from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 DOC = Path(__file__).resolve().parents[3] / "docs" / "invariants.md"
 RULES = frozenset(re.findall(r"^\| ([A-Z]\d+) \|", DOC.read_text(encoding="utf-8"), flags=re.M))
 #: the KV cache core (block pool, free queue, managers, coordinator, hasher), the scheduler and its
-#: queue, the SimpleCPU offload scheduler
+#: queue, the offload schedulers, the CPU offloading manager and its cache policies
 CORE = ("block_pool", "free_block_queue", "single_type_manager", "mamba_manager", "circular_buffer_manager",
         "kv_cache_coordinator", "kv_cache_manager", "block_hash", "scheduler", "scheduler_queue",
-        "offload.simple_cpu_offload_scheduler")
+        "offload.simple_cpu_offload_scheduler", "offload.cpu_offloading_manager", "offload.offloading_scheduler",
+        "offload.cache_policy", "offload.lru_policy", "offload.arc_policy")
 _RULE_PREFIX = re.compile(r"^([A-Z]\d+): ")
 
 
@@ -59,7 +60,7 @@ def _core_asserts() -> list[tuple[str, int, str]]:
 
 
 def test_the_document_defines_the_rule_families():
-    assert {"I1", "I5", "I9", "I11", "M2", "M8", "M13", "Q1", "O1", "S1"} <= RULES
+    assert {"I1", "I5", "I9", "I11", "M2", "M8", "M13", "Q1", "Q6", "O1", "O7", "S1"} <= RULES
 
 
 def test_every_core_assertion_message_starts_with_a_defined_rule():
@@ -139,4 +140,22 @@ def test_a_broken_scheduler_fails_naming_its_rule(rule):
     SCHEDULER_BREAKS[rule](sched)
     with pytest.raises(AssertionError) as info:
         sched.check_invariants()
+    assert str(info.value).startswith(f"{rule}: "), str(info.value)
+
+
+OFFLOAD_BREAKS = {
+    "O4": lambda m: setattr(m, "num_evictable", m.num_evictable + 1),
+    "O7": lambda m: m.policy.ranks.__setitem__("stray key", 0),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(OFFLOAD_BREAKS))
+def test_a_broken_cpu_offloading_manager_fails_naming_its_rule(rule):
+    from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
+
+    mgr = CPUOffloadingManager(4, cache_policy="lru")
+    mgr.check_invariants()
+    OFFLOAD_BREAKS[rule](mgr)
+    with pytest.raises(AssertionError) as info:
+        mgr.check_invariants()
     assert str(info.value).startswith(f"{rule}: "), str(info.value)
