@@ -820,29 +820,40 @@ def check_invariants(sched: "Scheduler") -> None:
     waiting = list(sched.waiting)
     holding = list(st.kv_holding_waiting)
     ids = [r.request_id for r in sched.running] + [r.request_id for r in waiting] + [r.request_id for r in holding]
-    assert len(ids) == len(set(ids)), "request in two queues"
+    assert len(ids) == len(set(ids)), "Q1: request in two queues"
     live = {rid for rid, r in sched.requests.items() if r.status != RequestStatus.FINISHED}
-    assert set(ids) == live, "live request in no queue (or a queued dead one)"
-    assert len(sched.running) <= sched.config.max_num_seqs
-    assert st.loading <= {r.request_id for r in holding} | set(), "a loading request outside kv_holding_waiting"
+    assert set(ids) == live, "Q1: live request in no queue (or a queued dead one)"
+    assert len(sched.running) <= sched.config.max_num_seqs, \
+        f"Q1: {len(sched.running)} running, max_num_seqs={sched.config.max_num_seqs}"
+    assert st.loading <= {r.request_id for r in holding} | set(), "Q7: a loading request outside kv_holding_waiting"
     for r in sched.running:
-        assert r.status == RequestStatus.RUNNING and r.request_id not in st.loading
-        assert r.num_computed_tokens < sched.max_model_len
+        assert r.status == RequestStatus.RUNNING and r.request_id not in st.loading, \
+            f"Q2: running request {r.request_id} is {r.status.value} (loading: {r.request_id in st.loading})"
+        assert r.num_computed_tokens < sched.max_model_len, \
+            f"Q6: request {r.request_id} computed {r.num_computed_tokens}, max_model_len={sched.max_model_len}"
     for r in waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-        assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
-        assert not any(sched.kv_cache_manager.get_block_ids(r.request_id)), "waiting request holds blocks"
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
+            f"Q2: waiting request {r.request_id} is {r.status.value}"
+        assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0, \
+            f"Q3: waiting request {r.request_id} keeps {r.num_computed_tokens} computed tokens, " \
+            f"{r.num_output_placeholders} placeholders"
+        assert not any(sched.kv_cache_manager.get_block_ids(r.request_id)), \
+            f"Q3: waiting request {r.request_id} holds blocks"
     for r in holding:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-    assert st.finished_recving_kv_req_ids <= st.loading and st.failed_recving_kv_req_ids <= st.loading
-    assert set(st.inflight_prefills) <= set(sched.requests)
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
+            f"Q2: KV-holding waiting request {r.request_id} is {r.status.value}"
+    assert st.finished_recving_kv_req_ids <= st.loading and st.failed_recving_kv_req_ids <= st.loading, \
+        "Q7: a finished or failed KV load of a request that is not loading"
+    assert set(st.inflight_prefills) <= set(sched.requests), "Q7: an in-flight prefill of an unknown request"
     m = _manager(sched)
     # blocks waiting in deferred_frees hold a reference no table slot accounts for
     m.check_invariants(strict_ref_counts=not st.deferred_frees)
     held = [b.block_id for _, blocks in st.deferred_frees for b in blocks if not b.is_null]
-    assert all(m.block_pool.blocks[b].ref_cnt >= 1 for b in held), "a deferred block was freed early"
-    assert [f for f, _ in st.deferred_frees] == sorted(f for f, _ in st.deferred_frees)
-    assert not st.deferred_frees or st.deferred_frees[0][0] > st.processed_step_seq
+    assert all(m.block_pool.blocks[b].ref_cnt >= 1 for b in held), "Q8: a deferred block was freed early"
+    assert [f for f, _ in st.deferred_frees] == sorted(f for f, _ in st.deferred_frees), \
+        "Q8: deferred frees out of step order"
+    assert not st.deferred_frees or st.deferred_frees[0][0] > st.processed_step_seq, \
+        f"Q8: a deferred free due at step {st.deferred_frees[0][0]}, already processed {st.processed_step_seq}"
 
 
 def num_kv_holding_waiting(sched: "Scheduler") -> int:

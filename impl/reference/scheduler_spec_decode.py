@@ -194,13 +194,13 @@ class SpecDecodeState:
 
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self, requests: dict[str, Request]) -> None:
-        assert set(self.spec_token_ids) <= set(requests), "drafts of a request that is not live"
+        assert set(self.spec_token_ids) <= set(requests), "Q9: drafts of a request that is not live"
         for rid, drafts in self.spec_token_ids.items():
-            assert drafts, "empty drafts stored"
-            assert len(drafts) <= self.k, (rid, drafts)
-            assert requests[rid].status != RequestStatus.FINISHED
+            assert drafts, f"Q9: empty drafts stored for {rid}"
+            assert len(drafts) <= self.k, f"Q9: request {rid} holds {len(drafts)} drafts, k={self.k}"
+            assert requests[rid].status != RequestStatus.FINISHED, f"Q9: drafts of finished request {rid}"
         if not self.k:
-            assert not self.spec_token_ids
+            assert not self.spec_token_ids, "Q9: drafts stored without speculative decoding"
 
 
 def drafts_unused(request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
