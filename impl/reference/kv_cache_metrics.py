@@ -72,11 +72,11 @@ class BlockMetricsState:
 
     def check_invariants(self) -> None:
         hits = list(self.access_history)
-        assert len(hits) <= ACCESS_HISTORY
-        assert all(a <= b for a, b in zip(hits, hits[1:])), "access history out of order"
-        assert self.birth_time_ns <= self.last_access_ns
-        assert not hits or hits[-1] == self.last_access_ns, "last access is not the newest in the history"
-        assert not hits or hits[0] >= self.birth_time_ns
+        assert len(hits) <= ACCESS_HISTORY, f"K1: {len(hits)} accesses kept, at most {ACCESS_HISTORY}"
+        assert all(a <= b for a, b in zip(hits, hits[1:])), "K1: access history out of order"
+        assert self.birth_time_ns <= self.last_access_ns, "K1: last access before the block's birth"
+        assert not hits or hits[-1] == self.last_access_ns, "K1: last access is not the newest in the history"
+        assert not hits or hits[0] >= self.birth_time_ns, "K1: an access before the block's birth"
 
 
 class KVCacheMetricsCollector:
@@ -139,4 +139,6 @@ class KVCacheMetricsCollector:
         for state in self.block_metrics.values():
             state.check_invariants()
         for e in self._eviction_events:
-            assert 0 <= e.idle_seconds <= e.lifetime_seconds and all(g >= 0 for g in e.reuse_gaps_seconds)
+            assert 0 <= e.idle_seconds <= e.lifetime_seconds and all(g >= 0 for g in e.reuse_gaps_seconds), \
+                f"K1: eviction event idle {e.idle_seconds}s, lifetime {e.lifetime_seconds}s, " \
+                f"gaps {e.reuse_gaps_seconds}"

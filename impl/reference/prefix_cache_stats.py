@@ -52,5 +52,5 @@ class PrefixCacheStats:
         return asdict(self)
 
     def check_invariants(self) -> None:
-        assert 0 <= self.hits <= self.queries and 0 <= self.preempted_hits <= self.preempted_queries, self
-        assert self.requests >= 0 and self.preempted_requests >= 0, self
+        assert 0 <= self.hits <= self.queries and 0 <= self.preempted_hits <= self.preempted_queries, f"K2: {self}"
+        assert self.requests >= 0 and self.preempted_requests >= 0, f"K2: {self}"

@@ -27,12 +27,14 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "invariants.md"
 RULES = frozenset(re.findall(r"^\| ([A-Z]\d+) \|", DOC.read_text(encoding="utf-8"), flags=re.M))
 #: the KV cache core (block pool, free queue, managers, coordinator, hasher), the scheduler and its
 #: queue, its KV-connector and speculative-decoding state, the offload schedulers, the CPU offloading
-#: manager and its cache policies
+#: manager and its cache policies, metrics, tiered offloading
 CORE = ("block_pool", "free_block_queue", "single_type_manager", "mamba_manager", "circular_buffer_manager",
         "kv_cache_coordinator", "kv_cache_manager", "block_hash", "scheduler", "scheduler_queue",
         "scheduler_connector", "scheduler_spec_decode",
         "offload.simple_cpu_offload_scheduler", "offload.cpu_offloading_manager", "offload.offloading_scheduler",
-        "offload.cache_policy", "offload.lru_policy", "offload.arc_policy")
+        "offload.cache_policy", "offload.lru_policy", "offload.arc_policy", "kv_cache_metrics", "prefix_cache_stats",
+        "offload.tiering.async_lookup", "offload.tiering.backpressure", "offload.tiering.fs_tier",
+        "offload.tiering.manager")
 _RULE_PREFIX = re.compile(r"^([A-Z]\d+): ")
 
 
@@ -64,7 +66,7 @@ def _core_asserts() -> list[tuple[str, int, str]]:
 
 
 def test_the_document_defines_the_rule_families():
-    assert {"I1", "I5", "I9", "I11", "M2", "M8", "M13", "Q1", "Q6", "Q9", "O1", "O7", "S1"} <= RULES
+    assert {"I1", "I5", "I9", "I11", "M2", "M8", "M13", "Q1", "Q6", "Q9", "O1", "O7", "K1", "T1", "S1"} <= RULES
 
 
 def test_every_core_assertion_message_starts_with_a_defined_rule():

@@ -121,11 +121,11 @@ class AsyncLookupManager:
 
     def check_invariants(self) -> None:
         for key, st in self.state.items():
-            assert (st.result is not None) == (st.phase is LookupPhase.RESOLVED), f"{key!r}: verdict vs phase"
-            assert st.phase is LookupPhase.IN_FLIGHT or st.request_ids, f"{key!r}: an idle probe nobody asked for"
-            assert st.generation < self.next_generation
+            assert (st.result is not None) == (st.phase is LookupPhase.RESOLVED), f"T2: {key!r}: verdict vs phase"
+            assert st.phase is LookupPhase.IN_FLIGHT or st.request_ids, f"T2: {key!r}: an idle probe nobody asked for"
+            assert st.generation < self.next_generation, f"T2: {key!r}: a probe generation from the future"
         for req_id, keys in self.req_keys.items():
             for key in keys:
-                assert key in self.state and req_id in self.state[key].request_ids, f"{req_id}: stale reverse index"
+                assert key in self.state and req_id in self.state[key].request_ids, f"T2: {req_id}: stale reverse index"
         pending = {k for k, _, g in self.batch if k in self.state and self.state[k].generation == g}
-        assert all(self.state[k].phase is LookupPhase.PENDING for k in pending), "a batched probe left PENDING"
+        assert all(self.state[k].phase is LookupPhase.PENDING for k in pending), "T2: a batched probe left PENDING"

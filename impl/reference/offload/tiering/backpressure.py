@@ -242,7 +242,9 @@ class EMABackpressureDetector:
                 self.policy.stores_dropped, self.policy.blocks_dropped, acc)
 
     def check_invariants(self) -> None:
-        assert self.ema >= 0.0, "negative latency EMA"
-        assert self.completions >= 0 and self.consecutive_failures >= 0
-        assert not self.failure_tripped or self.under_pressure, "tripped by failures but not under pressure"
-        assert len(self.warmup_samples) == min(self.completions, self.warmup_completions)
+        assert self.ema >= 0.0, "T3: negative latency EMA"
+        assert self.completions >= 0 and self.consecutive_failures >= 0, \
+            f"T3: {self.completions} completions, {self.consecutive_failures} consecutive failures"
+        assert not self.failure_tripped or self.under_pressure, "T3: tripped by failures but not under pressure"
+        assert len(self.warmup_samples) == min(self.completions, self.warmup_completions), \
+            f"T3: {len(self.warmup_samples)} warm-up samples after {self.completions} completions"

@@ -142,6 +142,6 @@ class FileSystemTier(SecondaryTier):
     def check_invariants(self) -> None:
         super().check_invariants()
         self.lookups.check_invariants()
-        assert all(len(v) <= self.block_size_bytes for v in self.files.values()), "a file larger than a chunk"
+        assert all(len(v) <= self.block_size_bytes for v in self.files.values()), "T4: a file larger than a chunk"
         for job in self.jobs.values():
-            assert len(job.keys) == len(job.chunk_ids), f"job {job.job_id}: keys and chunks differ in length"
+            assert len(job.keys) == len(job.chunk_ids), f"T4: job {job.job_id}: keys and chunks differ in length"

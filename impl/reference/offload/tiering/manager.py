@@ -461,22 +461,23 @@ class TieringOffloadingManager:
         cascade_pins: Counter = Counter()
         promoting: Counter = Counter()
         for job_id, (job, i) in self.jobs.items():
-            assert job_id in self.tiers[i].known_jobs(), f"job {job_id} is unknown to its tier #{i}"
+            assert job_id in self.tiers[i].known_jobs(), f"T1: job {job_id} is unknown to its tier #{i}"
             for k in job.keys:
                 (promoting if job.is_promotion else cascade_pins)[k] += 1
         for by_req in self.pending_loads.values():
             for entry in by_req.values():
                 promoting.update(entry.keys)
         for k, n in promoting.items():
-            assert n == 1, f"{k!r} is being promoted {n} times at once"
-            assert k in state and state[k][1] == -1, f"{k!r} is promoted into a slot that is not reserved"
+            assert n == 1, f"T1: {k!r} is being promoted {n} times at once"
+            assert k in state and state[k][1] == -1, f"T1: {k!r} is promoted into a slot that is not reserved"
         for k in set(cascade_pins) | set(self.load_pins):
             pins = cascade_pins[k] + self.load_pins[k]
             assert k in state and state[k][1] == pins, (
-                f"{k!r} has {cascade_pins[k]} cascades and {self.load_pins[k]} GPU loads but ref count {state.get(k)}")
+                f"T1: {k!r} has {cascade_pins[k]} cascades and {self.load_pins[k]} GPU loads "
+                f"but ref count {state.get(k)}")
         for k, (_, ref) in state.items():
-            assert ref <= 0 or cascade_pins[k] + self.load_pins[k] == ref, f"{k!r} pinned {ref} times by nobody"
+            assert ref <= 0 or cascade_pins[k] + self.load_pins[k] == ref, f"T1: {k!r} pinned {ref} times by nobody"
         for req_id, st in self.req_state.items():
-            assert st.pending_primary_stores >= 0
-            assert st.ctx.req_id == req_id
-        assert all(j < self.job_counter for j in self.jobs), "a job id from the future"
+            assert st.pending_primary_stores >= 0, f"T1: request {req_id}: {st.pending_primary_stores} pending stores"
+            assert st.ctx.req_id == req_id, f"T1: request {req_id}'s state carries the context of {st.ctx.req_id}"
+        assert all(j < self.job_counter for j in self.jobs), "T1: a job id from the future"
