@@ -109,7 +109,8 @@ class ClientRole:
         return jobs, kvs
 
     def check_invariants(self) -> None:
-        assert self.active == {kv for kv, st in self.requests.items() if st.loads}, (self.active, self.requests)
+        assert self.active == {kv for kv, st in self.requests.items() if st.loads}, \
+            f"P1: active {self.active} is not the requests with loads {self.requests}"
         for st in self.requests.values():
-            assert st.loads, "an idle request entry is pruned"
-            assert all(0 <= r < st.round_seq for r in st.loads), st
+            assert st.loads, "P1: an idle request entry is pruned"
+            assert all(0 <= r < st.round_seq for r in st.loads), f"P1: a load round that was never issued: {st}"

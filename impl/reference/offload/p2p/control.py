@@ -117,5 +117,5 @@ class ControlPlane:
         self.arrived.clear()
 
     def check_invariants(self) -> None:
-        assert all(pid == c.peer_id for pid, c in self.connections.items())
-        assert not self.closed or not self.connections
+        assert all(pid == c.peer_id for pid, c in self.connections.items()), "P3: a connection under another peer id"
+        assert not self.closed or not self.connections, "P3: a closed control plane keeps connections"

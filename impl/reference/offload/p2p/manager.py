@@ -270,9 +270,9 @@ class P2PTierManager:
         return now
 
     def check_invariants(self) -> None:
-        assert all(s in self.sessions.values() for s in self.kv_to_session.values()), "a bound id's session is live"
-        assert not (self.unbound.keys() & self.reaped.keys()), "a reaped id parks nothing"
-        assert all(self.unbound.values()), "an id parks at least one batch"
+        assert all(s in self.sessions.values() for s in self.kv_to_session.values()), "P3: a bound id's session is live"
+        assert not (self.unbound.keys() & self.reaped.keys()), "P3: a reaped id parks nothing"
+        assert all(self.unbound.values()), "P3: an id parks at least one batch"
         for s in self.sessions.values():
             s.check_invariants()
         self.plane.check_invariants()

@@ -349,10 +349,12 @@ class ServerRole:
 
     def check_invariants(self) -> None:
         for kv, st in self.requests.items():
-            assert st.inflight_tids == {t for t, x in self.inflight.items() if x.kv == kv}, kv
+            assert st.inflight_tids == {t for t, x in self.inflight.items() if x.kv == kv}, \
+                f"P2: request {kv}'s in-flight transfer ids disagree with the transfers"
             for rnd in st.outbound.values():
-                assert rnd.inflight == sum(1 for x in self.inflight.values() if x.rnd is rnd) >= 0
-                assert rnd.remaining >= 0
-                assert not (rnd.available.keys() & rnd.demanded.keys()), "a key is supply or demand, not both"
-        assert all(x.kv in self.requests for x in self.inflight.values())
-        assert all(kv in self.requests for kv, _ in self.pending_aborts)
+                assert rnd.inflight == sum(1 for x in self.inflight.values() if x.rnd is rnd) >= 0, \
+                    f"P2: request {kv}: a round counts {rnd.inflight} in-flight transfers"
+                assert rnd.remaining >= 0, f"P2: request {kv}: a round has {rnd.remaining} remaining"
+                assert not (rnd.available.keys() & rnd.demanded.keys()), "P2: a key is supply or demand, not both"
+        assert all(x.kv in self.requests for x in self.inflight.values()), "P2: a transfer of an unknown request"
+        assert all(kv in self.requests for kv, _ in self.pending_aborts), "P2: an abort of an unknown request"

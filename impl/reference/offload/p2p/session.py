@@ -189,6 +189,6 @@ class Session:
         return jobs, kvs, stores
 
     def check_invariants(self) -> None:
-        assert not (self.send_ready and self.queued), "a ready session sends directly"
+        assert not (self.send_ready and self.queued), "P3: a ready session sends directly"
         self.client.check_invariants()
         self.server.check_invariants()

@@ -93,6 +93,8 @@ class DataPlane:
 
     def check_invariants(self) -> None:
         ids = [t.transfer_id for t in self.pending]
-        assert len(ids) == len(set(ids)) and all(0 <= i < self.next_id for i in ids), ids
-        assert all(len(t.local_idxs) == len(t.remote_idxs) for t in self.pending)
-        assert not self.closed or (not self.pending and not self.peers)
+        assert len(ids) == len(set(ids)) and all(0 <= i < self.next_id for i in ids), \
+            f"P4: pending transfer ids {ids} repeat or were never issued"
+        assert all(len(t.local_idxs) == len(t.remote_idxs) for t in self.pending), \
+            "P4: a transfer's local and remote indices differ in length"
+        assert not self.closed or (not self.pending and not self.peers), "P4: a closed transport keeps transfers"
