@@ -69,9 +69,17 @@ def test_every_generated_connector_run_agrees_with_the_reference(recorded):
         conn, groups = r.header["connector"], r.header["pool"]["groups"]
         shows["divergent_multi_group"] += bool(conn.get("divergent_local_hybrid_hits") and len(groups) > 1
                                                and run.shows["m"])
+        # the block properties hold on connector runs too (#28): blocks a connector keeps past their
+        # request (delayed sends, loads aborted mid-flight) and deferred frees behind a step fence
+        # are counted, so conservation and reuse are checked, not switched off
+        assert r.summary["block_checks"] == "on", r.summary["block_checks"]
+        for kind, n in r.summary["connector_holds"].items():
+            shows["held_" + kind] += n
         assert r.ok
     assert followed >= len(recorded) * 3 // 4
     assert shows["divergent_multi_group"] > 0, dict(shows)
+    # (fenced frees: tests/record/test_connector_block_properties.py draws the async consumer runs)
+    assert shows["held_sending"] and shows["held_recving"], dict(shows)
     assert modes == {False, True}, "both vLLM's Scheduler and its AsyncScheduler (deferred frees) replayed"
     # the replayed runs reach every connector path the recorder writes: lookups answered "not
     # yet", async loads finishing, failing as a whole and in blocks, delayed frees and their

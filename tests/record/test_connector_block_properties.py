@@ -1,0 +1,76 @@
+"""The block properties hold on KV-connector runs (issue #28): blocks a connector keeps past their
+request and blocks vLLM parks behind a step fence are counted, so conservation and reuse are checked
+there (before, a connector run switched them off: "block_checks: off: kv_connector").
+
+Generated runs of vLLM's own ``AsyncScheduler`` with a KV *consumer* (vLLM's ``defer_block_free``:
+a freed request's blocks wait in ``deferred_frees`` until the steps that may still write them were
+processed), recorded through ``scheduler_cls``; then the same with that fence removed in vLLM (the
+bug class ``defer_block_free`` exists for: a block returned to the pool while an in-flight step may
+write it), which ``--properties-only`` must find on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvref.models.run_check import check_trace
+from kvref.models.run_check.connector_runs import record_connector_runs
+
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+def _consumer_async():
+    from kvref.impl.reference.scheduler_connector import KV_CONSUMER
+    from kvref.models.machines.scheduler_connector import connector_setups
+
+    def fenced(setup) -> bool:
+        _pool, cfg, conn = setup
+        first = conn[0] if isinstance(conn, tuple) else conn
+        return cfg.async_scheduling and first.kv_role == KV_CONSUMER
+
+    return connector_setups().filter(fenced)
+
+
+def test_deferred_and_delayed_frees_are_counted_and_the_block_checks_stay_on(tmp_path):
+    require_vllm()
+    runs = record_connector_runs(tmp_path, profile_examples(12, 20), seed=3, setups=_consumer_async())
+    holds = {"sending": 0, "recving": 0, "fence": 0}
+    checked = 0
+    for run in runs:
+        if run.known_hang or run.lost_update:
+            continue
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty:
+            continue
+        assert r.header["scheduler"]["async_scheduling"] and r.header["connector"]["kv_role"] == "kv_consumer"
+        assert r.summary["block_checks"] == "on", r.summary["block_checks"]
+        assert r.ok and r.followed, (run.path, r.findings[:3], r.divergence and r.divergence.table())
+        p = check_trace(run.path, properties_only=True)
+        assert p.ok, (run.path, p.findings[:3])
+        for kind, n in r.summary["connector_holds"].items():
+            holds[kind] += n
+        checked += 1
+    assert checked >= 4
+    assert holds["fence"] > 0 and holds["sending"] > 0, holds
+
+
+def test_a_free_that_ignores_the_step_fence_is_found_by_the_properties_alone(tmp_path, monkeypatch):
+    """vLLM's ``_request_blocks_can_be_freed`` planted to say yes while the request's last step is
+    still in flight: the blocks return to the pool early. Conservation sees fewer blocks in use
+    than the trace says are held (or a parked block handed out again)."""
+    require_vllm()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_request_blocks_can_be_freed", lambda self, request: True)
+    runs = record_connector_runs(tmp_path, profile_examples(12, 20), seed=3, setups=_consumer_async(), strict=False)
+    monkeypatch.undo()
+    kinds: set[str] = set()
+    replay_found = 0
+    for run in runs:
+        p = check_trace(run.path, properties_only=True)
+        kinds.update(f.kind for f in p.findings)
+        replay_found += check_trace(run.path).divergence is not None
+    assert kinds & {"conservation", "reused_while_needed"}, kinds
+    assert replay_found > 0
