@@ -23,6 +23,7 @@ from kvref.impl.interface import PoolConfig
 from kvref.impl.vllm.loader import load_vllm
 from kvref.spec.dtypes import canonical_dtype
 from kvref.spec.errors import InvalidFieldError
+from kvref.spec.hisparse import HiSparseHotSpec, HiSparseResidentSpec
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -60,6 +61,12 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
             mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
             num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
             prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment, dcp_sharded=spec.dcp_sharded)
+    if isinstance(spec, HiSparseHotSpec):  # issue #23: HiSparse hot regions
+        return kci.HiSparseHotSpec(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded,
+                                   page_size=spec.page_size, blocks_per_request=spec.blocks_per_request)
+    if isinstance(spec, HiSparseResidentSpec):
+        return kci.HiSparseResidentSpec(block_size=spec.block_size, dcp_sharded=spec.dcp_sharded,
+                                        page_size=spec.page_size)
     if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec,
                              CircularBufferSpec)):
         raise InvalidFieldError("kv_cache_spec", type(spec).__name__,

@@ -1,0 +1,103 @@
+"""vLLM 0.33.0's HiSparse managers, driven the way its KV-cache coordinator drives them (issue #23).
+
+Builds vLLM's own ``KVCacheManager`` for a :class:`~kvref.spec.hisparse.HiSparsePoolConfig` (host
+source group with the ``HISPARSE_SOURCE`` role, an indexer group, resident and hot groups) and binds
+its ``HiSparseCoordinator`` (``get_hisparse_coordinator``: the host source moves to its private
+host pool). Every operation calls vLLM's single-type managers in the order
+``KVCacheManager.allocate_slots`` / ``KVCacheCoordinator.free`` do, and every observation reads
+vLLM's objects; :class:`kvref.impl.reference.hisparse_pool.HiSparsePool` answers the same calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvref.impl.vllm.loader import load_vllm
+from kvref.impl.vllm.specs import to_vllm_spec
+from kvref.spec.errors import InvalidFieldError
+from kvref.spec.hisparse import HiSparsePoolConfig
+from kvref.spec.kv_cache_interface import FullAttentionSpec
+
+
+class VllmHiSparsePool:
+    kind = "vllm"
+
+    def __init__(self, config: HiSparsePoolConfig) -> None:
+        if not isinstance(config, HiSparsePoolConfig):
+            raise InvalidFieldError("config", config, "a kvref.spec.hisparse.HiSparsePoolConfig")
+        load_vllm()
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
+
+        self.config = config
+        fa = to_vllm_spec(FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=1,
+                                            dtype="float32"))
+        groups = [KVCacheGroupSpec(["source"], fa, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+                  KVCacheGroupSpec(["indexer"], fa, role=KVCacheGroupRole.HISPARSE_INDEXER)]
+        for i in range(config.num_resident_groups):
+            groups.append(KVCacheGroupSpec([f"resident_{i}"], to_vllm_spec(config.resident_spec())))
+            groups.append(KVCacheGroupSpec([f"hot_{i}"], to_vllm_spec(config.hot_spec()), enable_kv_transfer=False))
+        kv_config = KVCacheConfig(num_blocks=config.num_gpu_blocks, hisparse_host_num_blocks=config.host_num_blocks,
+                                  kv_cache_tensors=[], kv_cache_groups=groups)
+        self._mgr = KVCacheManager(kv_config, max_model_len=config.max_model_len,
+                                   max_in_flight_tokens=config.max_in_flight_tokens, enable_caching=False,
+                                   hash_block_size=config.block_size, scheduler_block_size=config.block_size)
+        self.coordinator = get_hisparse_coordinator(self._mgr)
+        self.managers: tuple[Any, ...] = tuple(self._mgr.coordinator.single_type_managers)
+        self.gpu_pool = self._mgr.block_pool
+        self.host_pool = self.managers[0].block_pool
+
+    @property
+    def transition_watermark(self) -> int:
+        return self.coordinator.transition_watermark
+
+    def is_running(self, request_id: str) -> bool:
+        return any(request_id in m.num_cached_block for m in self.managers)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, total_computed_tokens: int,
+                                   num_local_computed_tokens: int, apply_admission_cap: bool) -> list[int]:
+        return [m.get_num_blocks_to_allocate(request_id, num_tokens, [], total_computed_tokens,
+                                             num_local_computed_tokens, num_tokens,
+                                             apply_admission_cap=apply_admission_cap)
+                for m in self.managers]
+
+    def allocate(self, request_id: str, num_tokens: int, num_local_computed_tokens: int,
+                 num_external_computed_tokens: int) -> list[list[int]]:
+        """``allocate_new_computed_blocks`` (a new request with a host hit or an import) then
+        ``allocate_new_blocks``; the new block ids of each group."""
+        if not self.is_running(request_id) and (num_local_computed_tokens or num_external_computed_tokens):
+            for m in self.managers:
+                m.add_local_computed_blocks(request_id, [], num_local_computed_tokens, num_external_computed_tokens)
+            if num_external_computed_tokens:
+                for m in self.managers:
+                    m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                        num_external_computed_tokens)
+        return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens, num_tokens)]
+                for m in self.managers]
+
+    def require_hot(self, request_id: str) -> None:
+        for m in self.coordinator.hot_managers:
+            m.require_hot(request_id)
+
+    def update_residency(self, request_id: str) -> None:
+        self.coordinator.update_residency(request_id)
+
+    def free(self, request_id: str) -> None:
+        self._mgr.coordinator.free(request_id)
+
+    def observe(self) -> dict[str, Any]:
+        tables = []
+        for kind, m in zip(self.config.group_kinds, self.managers):
+            tables.append({rid: [b.block_id for b in (m.get_residency_row(rid) if kind == "resident" else blocks)]
+                           for rid, blocks in m.req_to_blocks.items()})
+        hot = [m for kind, m in zip(self.config.group_kinds, self.managers) if kind == "hot"]
+        return dict(
+            tables=tables,
+            gpu_free=self.gpu_pool.get_num_free_blocks(),
+            host_free=self.host_pool.get_num_free_blocks(),
+            gpu_free_queue=[b.block_id for b in self.gpu_pool.free_block_queue.get_all_free_blocks()],
+            host_free_queue=[b.block_id for b in self.host_pool.free_block_queue.get_all_free_blocks()],
+            hot_required=[sorted(m.hot_required) for m in hot],
+            has_hot=[sorted(rid for rid in m.req_to_blocks if m.has_hot(rid)) for m in hot],
+        )

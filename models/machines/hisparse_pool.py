@@ -1,0 +1,127 @@
+"""Generated programs on a HiSparse pool, run on vLLM's HiSparse managers and the reference's
+(issue #23): after every operation the admission counts of each group, the new block ids of each
+group, every table (resident tables as residency rows), both pools' free counts and free-queue
+orders, and the hot managers' ``hot_required`` / ``has_hot`` must agree.
+
+Programs admit requests cold, on a host prefix hit (null resident pages, a hot region) or with a
+KV-connector import (a writable resident tail page, a hot region), grow them in chunks (running
+requests), sometimes through the full-sequence admission gate (the resident cap), ask for hot
+regions (``require_hot``, what the coordinator does when a page is lost), run the coordinator's
+``update_residency`` transition rule, and free. Pools are small (a few pages of GPU and host
+blocks) so host exhaustion (the admission sentinel) and the transition watermark are reached.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvref.impl.reference.hisparse_pool import HiSparsePool
+from kvref.spec.hisparse import HiSparsePoolConfig
+from kvref.spec.mathutil import cdiv
+
+
+@st.composite
+def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
+    bs = draw(st.sampled_from((1, 2, 4)))
+    max_model_len = draw(st.integers(4, 32))
+    pages = cdiv(max_model_len, bs)
+    return HiSparsePoolConfig(
+        block_size=bs,
+        num_gpu_blocks=draw(st.integers(2, 3 * pages + 6)),
+        host_num_blocks=draw(st.integers(2, 3 * pages + 2)),
+        blocks_per_request=draw(st.integers(1, 3)),
+        num_resident_groups=draw(st.sampled_from((1, 1, 2))),
+        max_model_len=max_model_len,
+        max_in_flight_tokens=draw(st.one_of(st.integers(1, 16), st.just(max_model_len))),
+    )
+
+
+#: (op, request index, chunk, host-hit pages, imported tokens (> 6: an import of that many), full-sequence gate)
+OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "require_hot", "update", "update",
+                                 "free")),
+                st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 0, 1, 2, 3)), st.integers(0, 9),
+                st.integers(0, 3).map(lambda k: k == 0))
+
+
+def _compare(step: str, ref: Any, got: Any, what: str) -> None:
+    assert ref == got, f"HiSparse divergence after {step}: {what}: reference {ref!r} != vLLM {got!r}"
+
+
+def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: list[tuple],
+                         make_vllm: Callable[[HiSparsePoolConfig], Any]) -> Counter:
+    """Run ``ops`` on both pools; raise AssertionError at the first divergence. Returns which
+    paths the run took (for the tests' reach assertions)."""
+    ref, vll = HiSparsePool(config), make_vllm(config)
+    seen: Counter = Counter()
+    _compare("build", ref.transition_watermark, vll.transition_watermark, "transition watermark")
+    _compare("build", ref.observe(), vll.observe(), "state")
+    computed: dict[str, int] = {}
+    bs = config.block_size
+    for n, (op, idx, chunk, hit_pages, imported, gate) in enumerate(ops):
+        rid = f"r{idx}"
+        length = min(lengths[idx % len(lengths)], config.max_model_len)
+        step = f"op {n} {op}({rid})"
+        if op == "schedule":
+            new = rid not in computed
+            if new:
+                local = min(hit_pages * bs, length - 1)
+                external = min(imported, length - 1 - local) if imported > 6 else 0
+            else:
+                local, external = computed[rid], 0
+            total = min(local + external, config.max_model_len)
+            num_tokens = min(total + chunk, length)
+            if num_tokens <= total:
+                continue
+            free = ref.gpu_pool.get_num_free_blocks()
+            if gate:
+                args = (rid, length, total, local, True)
+                counts = ref.get_num_blocks_to_allocate(*args)
+                _compare(step, counts, vll.get_num_blocks_to_allocate(*args), "admission-gate counts per group")
+                if sum(counts) > free:
+                    seen["refused_gate"] += 1
+                    continue
+            args = (rid, num_tokens, total, local, False)
+            counts = ref.get_num_blocks_to_allocate(*args)
+            _compare(step, counts, vll.get_num_blocks_to_allocate(*args), "allocation counts per group")
+            if sum(counts) > free:
+                seen["refused_host" if counts[0] > 0 else "refused_gpu"] += 1
+                continue
+            try:
+                got_ref = ref.allocate(rid, num_tokens, local, external)
+            except Exception as exc:  # vLLM's own counts can under-reserve (the hot region)
+                try:
+                    vll.allocate(rid, num_tokens, local, external)
+                except Exception as vexc:
+                    _compare(step, type(exc).__name__, type(vexc).__name__, "allocation failure")
+                    seen["allocation_failed"] += 1
+                    return seen
+                raise AssertionError(f"{step}: the reference failed ({exc!r}) where vLLM allocated") from exc
+            _compare(step, got_ref, vll.allocate(rid, num_tokens, local, external), "new block ids per group")
+            computed[rid] = num_tokens
+            seen["host_hit" if new and local else "import" if new and external else "admit" if new else "grow"] += 1
+            if any(got_ref[i] for i, k in enumerate(config.group_kinds) if k == "hot"):
+                seen["hot_allocated"] += 1
+        elif op == "require_hot":
+            ref.require_hot(rid)
+            vll.require_hot(rid)
+        elif op == "update":  # the coordinator runs it for scheduled (running) requests
+            if not computed:
+                continue
+            rid = sorted(computed)[idx % len(computed)]
+            before = ref.observe()["hot_required"]
+            ref.update_residency(rid)
+            vll.update_residency(rid)
+            if ref.observe()["hot_required"] != before:
+                seen["transition"] += 1
+        else:
+            ref.free(rid)
+            vll.free(rid)
+            computed.pop(rid, None)
+            seen["free"] += 1
+        ref.check_invariants()
+        _compare(step, ref.observe(), vll.observe(), "state")
+    return seen
