@@ -187,6 +187,10 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload.p2p.world import P2PWorld  # the P2P tier's two engines (#22)
 
     out["P2PWorld"] = (P2PWorld, dict(num_blocks=8, block_len=16))
+    from kvref.impl.reference.hisparse_pool import HiSparsePool
+    from kvref.spec.hisparse import HiSparsePoolConfig
+
+    out["HiSparsePool"] = (HiSparsePool, dict(config=HiSparsePoolConfig(2, 12, 8, 2, 1, 16, 4)))  # issue #23
     out.update(_tiering_constructors())
     return out
 
@@ -1059,6 +1063,35 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
 
     out["parse_request"] = (p2p_manager.parse_request, dict(params={"remote_decoder": {"kv_request_id": "kv0"}}))
     out["summarize"] = (p2p_messages.summarize, dict(msg={"type": "fetch", "kv_request_id": "kv0"}))
+    # HiSparse specs and admission rules (issue #23)
+    from kvref.spec import hisparse as hs
+
+    hot, res = hs.HiSparseHotSpec(block_size=2, page_size=8, blocks_per_request=2), hs.HiSparseResidentSpec(
+        block_size=2, page_size=8)
+    out["HiSparseHotSpec"] = (hs.HiSparseHotSpec, dict(block_size=2, page_size=8, blocks_per_request=2))
+    out["HiSparseResidentSpec"] = (hs.HiSparseResidentSpec, dict(block_size=2, page_size=8))
+    out["HiSparseHotSpec.max_memory_usage_bytes"] = (hot.max_memory_usage_bytes, dict(config=eng, max_model_len=16))
+    out["HiSparseHotSpec.max_num_blocks_per_req"] = (hot.max_num_blocks_per_req, dict(config=eng, max_len=16))
+    out["HiSparseResidentSpec.max_memory_usage_bytes"] = (res.max_memory_usage_bytes, dict(config=eng,
+                                                                                            max_model_len=16))
+    out["HiSparseResidentSpec.max_admission_blocks_per_request"] = (res.max_admission_blocks_per_request, dict(
+        max_in_flight_tokens=4, max_model_len=16))
+    out["HiSparsePoolConfig"] = (hs.HiSparsePoolConfig, dict(block_size=2, num_gpu_blocks=12, host_num_blocks=8,
+                                                             blocks_per_request=2, num_resident_groups=1,
+                                                             max_model_len=16, max_in_flight_tokens=4))
+    out["resident_max_admission_blocks"] = (hs.resident_max_admission_blocks, dict(
+        block_size=2, max_in_flight_tokens=4, max_model_len=16))
+    out["hot_needs_region"] = (hs.hot_needs_region, dict(total_computed_tokens=4, num_local_computed_tokens=4,
+                                                         is_running=False, hot_required=False))
+    out["hot_blocks_to_allocate"] = (hs.hot_blocks_to_allocate, dict(blocks_per_request=2, num_held=1))
+    out["resident_blocks_to_allocate"] = (hs.resident_blocks_to_allocate, dict(
+        block_size=2, num_tokens=12, total_computed_tokens=7, num_local_computed_tokens=0, num_held=0,
+        tail_resident=False, apply_admission_cap=True, max_admission_blocks=2))
+    out["source_admission_count"] = (hs.source_admission_count, dict(num_required=4, num_host_free=3,
+                                                                     num_gpu_blocks=10))
+    out["transition_watermark"] = (hs.transition_watermark, dict(hot_blocks_per_request=[2], num_blocks=40))
+    out["needs_hot_transition"] = (hs.needs_hot_transition, dict(num_gpu_free=1, watermark=2,
+                                                                 fills_admission_window=False))
     return out
 
 

@@ -1,0 +1,84 @@
+"""vLLM 0.33.0's HiSparse managers against the reference's (issue #23): generated programs on
+HiSparse pools (host source, indexer, resident and hot groups) run on vLLM's own managers with its
+``HiSparseCoordinator`` bound, compared after every operation (counts per group, new block ids,
+tables and residency rows, both pools' free counts and queues, hot_required / has_hot)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+from kvref.models.machines.hisparse_pool import OPS, hisparse_pool_configs, run_hisparse_program
+from kvref.spec.hisparse import HiSparsePoolConfig
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
+PROGRAMS = st.lists(OPS, max_size=25)
+
+
+def _vllm_pool():
+    require_vllm()
+    from kvref.impl.vllm.hisparse import VllmHiSparsePool
+
+    return VllmHiSparsePool
+
+
+def test_generated_programs_agree():
+    make = _vllm_pool()
+
+    @settings(max_examples=profile_examples(60, 300), deadline=None)
+    @given(hisparse_pool_configs(), LENGTHS, PROGRAMS)
+    def run(config, lengths, ops):
+        run_hisparse_program(config, lengths, ops, make)
+
+    run()
+
+
+def test_generated_programs_reach_every_hisparse_path():
+    """A fixed-seed run reaches host exhaustion (the source's admission sentinel), host-prefix
+    hits, imports, hot regions, transitions and frees, whatever the profile."""
+    make = _vllm_pool()
+    seen: Counter = Counter()
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(hisparse_pool_configs(), LENGTHS, PROGRAMS)
+    def run(config, lengths, ops):
+        seen.update(run_hisparse_program(config, lengths, ops, make))
+
+    with same_inputs_in_every_process():
+        run()
+    for path in ("refused_host", "refused_gpu", "refused_gate", "admit", "grow", "host_hit", "import",
+                 "hot_allocated", "transition", "free"):
+        assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
+
+
+def test_cold_request_has_no_hot_table():
+    """vLLM's hot manager creates a request's table only with its region: a cold admission leaves
+    none (the reference first created an empty one; the state comparison caught it)."""
+    make = _vllm_pool()
+    config = HiSparsePoolConfig(block_size=1, num_gpu_blocks=3, host_num_blocks=2, blocks_per_request=1,
+                                num_resident_groups=1, max_model_len=4, max_in_flight_tokens=4)
+    vllm_pool = make(config)
+    seen = run_hisparse_program(config, [1], [("schedule", 0, 1, 0, 0, False)], make)
+    assert seen["admit"] == 1
+    vllm_pool.allocate("r0", 1, 0, 0)
+    assert "r0" not in vllm_pool.observe()["tables"][3]
+
+
+def test_host_exhaustion_refuses_with_the_sentinel():
+    """The source adds ``num_gpu_blocks + 1`` once the host pool cannot back the pages."""
+    make = _vllm_pool()
+    config = HiSparsePoolConfig(block_size=2, num_gpu_blocks=20, host_num_blocks=3, blocks_per_request=1,
+                                num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16)
+    pool = make(config)
+    counts = pool.get_num_blocks_to_allocate("r0", 6, 0, 0, False)
+    assert counts[0] == 21 and counts[1] == 3
+    assert pool.get_num_blocks_to_allocate("r0", 4, 0, 0, False)[0] == 0
