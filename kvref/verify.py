@@ -199,7 +199,18 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, "conform-kv-manager")
     if skipped:
         return skipped
-    return _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
+    result = _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
+    if result.status == PASSED:  # HiSparse pools: vLLM's HiSparse managers vs the reference's (#23)
+        from kvref.impl.vllm.hisparse import VllmHiSparsePool
+        from kvref.models.machines.hisparse_pool import run_hisparse_programs
+
+        failure, seen = run_hisparse_programs(VllmHiSparsePool, ctx.examples(40, 200), seed=ctx.seed)
+        if failure:
+            return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on a HiSparse pool",
+                               details=failure.splitlines()[:30])
+        result.summary += (f"; HiSparse pools: {sum(seen.values())} ops, {seen['hot_allocated']} hot regions, "
+                           f"{seen['refused_host']} host-pool refusals, {seen['transition']} transitions")
+    return result
 
 
 def check_torch_differential(ctx: VerifyContext) -> CheckResult:

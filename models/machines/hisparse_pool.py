@@ -125,3 +125,30 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         ref.check_invariants()
         _compare(step, ref.observe(), vll.observe(), "state")
     return seen
+
+
+def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], examples: int,
+                          seed: int | None = None) -> tuple[str | None, Counter]:
+    """``examples`` generated programs (derandomized unless ``seed`` is given), for ``kvref verify``.
+    Returns the first divergence (None when all agree) and the paths reached."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+
+    seen: Counter = Counter()
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(hisparse_pool_configs(), st.lists(st.integers(1, 32), min_size=3, max_size=3), st.lists(OPS, max_size=25))
+    def run(config, lengths, ops):
+        seen.update(run_hisparse_program(config, lengths, ops, make_vllm))
+
+    if seed is not None:
+        run = hypothesis_seed(seed)(run)
+    try:
+        with same_inputs_in_every_process():
+            run()
+    except AssertionError as exc:
+        return str(exc), seen
+    return None, seen
