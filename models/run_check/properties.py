@@ -481,10 +481,7 @@ class RunProperties:
                                f"{rid} got block {b} in group {g}; the pool has {self.num_blocks} blocks")
                     continue
                 if idx < local:
-                    # not on connector runs yet: one generated producer run with prefix-cache resets
-                    # resumes a request on hit blocks the trace shows filled with other tokens while
-                    # vLLM and the reference agree on them (under investigation, #28)
-                    if self.exact and rule.holds_tokens and not self.connector:
+                    if self.exact and rule.holds_tokens:
                         self._check_hit(line, rid, r, g, idx, b)
                 else:
                     self.content.pop(b, None)  # a fresh block: whatever it held was evicted

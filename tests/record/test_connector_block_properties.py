@@ -74,3 +74,19 @@ def test_a_free_that_ignores_the_step_fence_is_found_by_the_properties_alone(tmp
         replay_found += check_trace(run.path).divergence is not None
     assert kinds & {"conservation", "reused_while_needed"}, kinds
     assert replay_found > 0
+
+
+def test_a_hit_on_blocks_cached_by_a_same_step_preemption_is_reported_where_replay_agrees():
+    """A generated connector run (priority policy; recorded from vLLM 0.33.0, kept as data):
+    schedule() preempts r4 after allocating (and caching) two blocks for its next chunk, so their
+    hashes name tokens never computed; at step 10 r4 resumes with a 52-token hit through them. The
+    reference does what vLLM does (replay agrees); the hit-content property names the blocks."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "same_step_preemption_hit.kvtrace.gz"
+    r = check_trace(path, check_invariants_every=1)
+    assert r.followed and r.divergence is None and r.summary["block_checks"] == "on"
+    hits = [f for f in r.findings if f.kind == "wrong_hit"]
+    assert hits and {f.step for f in hits} == {10} and all("r4's prefix-cache hit of 52 tokens" in f.message
+                                                            for f in hits), r.findings
+    assert {f.kind for f in r.findings} == {"wrong_hit"}
