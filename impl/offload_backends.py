@@ -34,7 +34,8 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
         self.conn = SimpleCPUOffloadScheduler(
             groups, cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.block_size, lazy_offload=cfg.lazy,
             world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_hasher=self.mgr.block_hashes, **self.VARIANTS[variant])
+            block_hasher=self.mgr.block_hashes, enable_kv_cache_events=getattr(cfg, "kv_events", False),
+            **self.VARIANTS[variant])
         self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
@@ -55,6 +56,12 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
 
     def reset(self) -> bool:
         return self.conn.reset()
+
+    def take_kv_events(self) -> list[dict]:
+        """The connector's KV cache events since the last call, as plain dicts (every field)."""
+        from kvref.impl.reference.kv_events import event_to_plain
+
+        return [event_to_plain(e) for e in self.conn.take_events()]
 
     def in_flight_set(self) -> set[int]:
         return set(self.conn._in_flight_store_gpu_blocks)

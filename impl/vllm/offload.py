@@ -134,7 +134,7 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
         assert variant == "reference", "vLLM runs as released"
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         vcfg = SimpleNamespace(
-            kv_events_config=None, speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
+            kv_events_config=SimpleNamespace(enable_kv_cache_events=bool(getattr(cfg, "kv_events", False))), speculative_config=None, max_in_flight_tokens=cfg.max_model_len,
             num_prefill_lookahead_tokens=0,
             parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=cfg.world_size),
             model_config=SimpleNamespace(max_model_len=cfg.max_model_len),
@@ -159,6 +159,11 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
 
     def finished(self, req, table):
         self.conn.request_finished_all_groups(req, table)
+
+    def take_kv_events(self):
+        from kvref.impl.vllm.kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self.conn.take_events()]
 
     @staticmethod
     def _transfer(load_state):

@@ -41,7 +41,12 @@ def simple_offload_vllm_config(cfg: Any) -> Any:
     vc.scheduler_config.max_model_len = cfg.max_model_len
     vc.model_config = copy.copy(base.model_config)
     vc.model_config.max_model_len = cfg.max_model_len
-    vc.kv_events_config = None
+    # The connector publishes its CPU cache's KV events when the config turns them on (compared by
+    # the world like the scheduler's); no publisher is built here, only the flag is read.
+    from vllm.config.kv_events import KVEventsConfig
+
+    vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=bool(getattr(cfg, "kv_events", False)),
+                                         publisher="null")
     vc.kv_transfer_config = KVTransferConfig(
         kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both", engine_id="kvref-simple-cpu",
         kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES_PER_RANK * cfg.world_size,

@@ -59,6 +59,9 @@ class SimpleOffloadConfig:
     # carries output placeholders (tokens sampled by a step still in flight) when the connector
     # builds its metadata.
     async_scheduling: bool = False
+    # vLLM's ``kv_events_config.enable_kv_cache_events``: the connector publishes the CPU cache's
+    # BlockStored / BlockRemoved / AllBlocksCleared events, compared after every operation.
+    kv_events: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
@@ -67,7 +70,7 @@ class SimpleOffloadConfig:
     def random(cls, rng: Any) -> SimpleOffloadConfig:
         """A random small configuration for the generated-trace checks (``kvref verify``'s
         conform-offload / machine-offload): tight GPU pools, CPU pools from roomy to one block,
-        synchronous or async scheduling.
+        synchronous or async scheduling, KV cache events on or off.
 
         The scheduling mode is drawn from a generator seeded by ``rng``'s state, without advancing
         ``rng``: the checks draw the OffloadingConnector's cases from the same stream, and they stay
@@ -78,7 +81,7 @@ class SimpleOffloadConfig:
         return cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
                    sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
                    world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
-                   async_scheduling=mode.random() < 0.5)
+                   async_scheduling=mode.random() < 0.5, kv_events=mode.random() < 0.5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +134,7 @@ class SimpleOffloadWorld(OffloadWorldBase):
         self.gpu_content: dict[int, Any] = {}
         self.cpu_content: dict[int, Any] = {}
         self.metas: list[tuple] = []
+        self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
         self.duplicate_stores: list[tuple[int, int]] = []  # (store event, gpu block)
         self._n = 0
         self.failed: str | None = None
@@ -416,7 +420,8 @@ class SimpleOffloadWorld(OffloadWorldBase):
         cq = [b.block_id for b in self.b.cpu_pool.free_block_queue.get_all_free_blocks()]
         cached = sorted((b.block_id, b.block_hash) for b in self.b.cpu_pool.blocks if b.block_hash is not None)
         refs = [b.ref_cnt for b in self.b.gpu_pool.blocks] + [b.ref_cnt for b in self.b.cpu_pool.blocks]
-        return {"gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
+        self.kv_events += self.b.take_kv_events()
+        return {"kv_events": list(self.kv_events), "gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
                 "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()},
                 "connector": self.b.connector_state()}
 

@@ -22,7 +22,7 @@ Stores, lazy mode: a cursor walks the GPU *free queue* and copies hashed blocks 
 the CPU yet, before the allocator evicts them; touching them takes them off the queue.
 
 Not modelled: boundary (Mamba align) hand-offs, fine-grained partial tails / partial hash hits,
-KV events and metrics, DCP/PCP, disk backend, multi-module MTP placeholders. Groups must be full
+metrics, DCP/PCP, disk backend, multi-module MTP placeholders. Groups must be full
 attention (incl. MLA), sliding window or chunked local.
 
 Option: ``dedup_within_scan=True`` also deduplicates within one request's scan (what open vLLM
@@ -53,12 +53,20 @@ from ..block_pool import BlockPool
 from ..kv_cache_block import KVCacheBlock
 from ..kv_cache_coordinator import get_kv_cache_coordinator, scheduler_spec
 from .keys import OffloadStateError
+from .simple_cpu_offload_events import (
+    _block_stored_events,
+    _BlockStoreMeta,
+    _capture_store_meta,
+    _relabel_pool_events,
+)
 
 
 @dataclass
 class TransferMeta:
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    # With KV events on: per block, the ``BlockStored`` payload captured at selection (None: none).
+    block_meta: list[_BlockStoreMeta | None] | None = None
 
 
 @dataclass
@@ -128,14 +136,18 @@ class SimpleCPUOffloadScheduler:
         world_size: workers that must each report a store event before it completes.
         max_num_batched_tokens: sizes the lazy target.
         block_hasher: request -> chained block hashes (vLLM ``request.block_hashes``).
+        enable_kv_cache_events: publish the CPU cache's KV events (vLLM's ``kv_events_config``;
+            :mod:`.simple_cpu_offload_events`), taken with :meth:`take_events`.
     """
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec], num_cpu_blocks: int, max_model_len: int,
                  scheduler_block_size: int, hash_block_size: int, *, lazy_offload: bool = False,
                  world_size: int = 1, max_num_batched_tokens: int = 2048, max_in_flight_tokens: int | None = None,
                  block_hasher: Callable[[Request], list[BlockHash]] | None = None,
-                 dedup_within_scan: bool = False) -> None:
+                 dedup_within_scan: bool = False, enable_kv_cache_events: bool = False) -> None:
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
+        if not isinstance(enable_kv_cache_events, bool):
+            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events, "True or False")
         if num_cpu_blocks > MAX_NUM_BLOCKS:
             raise InvalidFieldError("num_cpu_blocks", num_cpu_blocks, f"an int in [1, {MAX_NUM_BLOCKS}]")
         check_sequence("kv_cache_groups", kv_cache_groups, "a tuple of KVCacheGroupSpec")
@@ -168,7 +180,9 @@ class SimpleCPUOffloadScheduler:
             "not by the GPU startup plan",
             num_blocks=num_cpu_blocks, groups=groups, max_model_len=max_model_len,
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
-            max_in_flight_tokens=max_in_flight_tokens or max_model_len))
+            max_in_flight_tokens=max_in_flight_tokens or max_model_len,
+            enable_kv_cache_events=enable_kv_cache_events))
+        self.enable_kv_cache_events = enable_kv_cache_events
         self.cpu_block_pool: BlockPool = self.cpu_coordinator.block_pool
         self.num_cpu_blocks = num_cpu_blocks
         self.fa_gidx = fa[0]
@@ -307,8 +321,9 @@ class SimpleCPUOffloadScheduler:
         return found[0] if found else None
 
     def _select_eager_blocks(self, state: StoreRequestState, block_ids: Sequence[Sequence[int]]
-                             ) -> tuple[list[int], list[int]]:
-        """(GPU blocks to store, cursor advance per group) over this request's confirmed blocks.
+                             ) -> tuple[list[int], list[int], list[_BlockStoreMeta | None] | None]:
+        """(GPU blocks to store, cursor advance per group, their event payloads or None with
+        events off) over this request's confirmed blocks.
 
         NOTE: in 0.33.0 the in-flight set is only updated *after* the scan, so one physical block
         id reached twice within the scan (a stale sliding-window slot whose block was freed and
@@ -318,6 +333,7 @@ class SimpleCPUOffloadScheduler:
         selected: list[int] = []
         scan_local: set[int] = set()
         advanced = [0] * len(self.groups)
+        metas: list[_BlockStoreMeta | None] | None = [] if self.enable_kv_cache_events else None
         request = state.request
         # Async scheduling: tokens of a step still in flight (its output placeholders) are not
         # confirmed yet; their blocks are stored by a later step (or the finish-time flush).
@@ -343,13 +359,17 @@ class SimpleCPUOffloadScheduler:
                 if len(selected) >= num_free:
                     break
                 selected.append(block.block_id)
+                if metas is not None:
+                    metas.append(_capture_store_meta(request, block.block_hash, i, bs, hashes, self.cpu_block_pool))
                 if self.dedup_within_scan:
                     scan_local.add(block.block_id)
                 advanced[g] += 1
-        return selected, advanced
+        return selected, advanced, metas
 
-    def _prepare_eager_store_specs(self, step: SimpleOffloadStep) -> tuple[list[int], list[int], list[str]]:
+    def _prepare_eager_store_specs(self, step: SimpleOffloadStep
+                                   ) -> tuple[list[int], list[int], list[str], list[_BlockStoreMeta | None] | None]:
         gpu_out: list[int] = []
+        meta_out: list[_BlockStoreMeta | None] | None = [] if self.enable_kv_cache_events else None
         cpu_out: list[int] = []
         req_ids: list[str] = []
         n = len(self.groups)
@@ -369,8 +389,10 @@ class SimpleCPUOffloadScheduler:
                     state.block_ids[g].extend(new_ids[g])
             if not step.num_scheduled_tokens.get(rid, 0):
                 continue
-            gpu_ids, advanced = self._select_eager_blocks(state, state.block_ids)
+            gpu_ids, advanced, metas = self._select_eager_blocks(state, state.block_ids)
             if gpu_ids:
+                if meta_out is not None:
+                    meta_out += metas
                 cpu_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_ids))]
                 req_ids.append(rid)
                 gpu_out += gpu_ids
@@ -380,12 +402,13 @@ class SimpleCPUOffloadScheduler:
                 self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
             for g in range(n):
                 state.num_stored_blocks[g] += advanced[g]
-        return gpu_out, cpu_out, list(dict.fromkeys(req_ids))
+        return gpu_out, cpu_out, list(dict.fromkeys(req_ids)), meta_out
 
-    def _prepare_lazy_store_specs(self) -> tuple[list[int], list[int], list[str]]:
+    def _prepare_lazy_store_specs(self) -> tuple[list[int], list[int], list[str], None]:
+        """Free-queue walk; no request is at hand, so no event payloads (vLLM: ``None``)."""
         pool = self._gpu_block_pool
         if pool is None or self._target_free <= 0:
-            return [], [], []
+            return [], [], [], None
         num_cpu_free = self.cpu_block_pool.get_num_free_blocks()
         if self._cursor is not None and self._cursor.ref_cnt > 0:
             self._cursor = None  # the cursor block was taken off the queue
@@ -400,26 +423,28 @@ class SimpleCPUOffloadScheduler:
                 gpu_ids.append(node.block_id)
         self._cursor = last
         if not gpu_ids:
-            return [], [], []
+            return [], [], [], None
         cpu_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(gpu_ids))]
         pool.touch([pool.blocks[b] for b in gpu_ids])
-        return gpu_ids, cpu_ids, []
+        return gpu_ids, cpu_ids, [], None
 
     def build_connector_meta(self, step: SimpleOffloadStep) -> SimpleOffloadMeta:
         if not isinstance(step, SimpleOffloadStep):
             raise InvalidFieldError("step", step, "a SimpleOffloadStep")
         self.gpu_pool  # noqa: B018 - raises OffloadStateError before any state changes when unbound
-        gpu, cpu, store_reqs = (self._prepare_lazy_store_specs() if self.lazy
-                                else self._prepare_eager_store_specs(step))
+        gpu, cpu, store_reqs, store_meta = (self._prepare_lazy_store_specs() if self.lazy
+                                            else self._prepare_eager_store_specs(step))
         for t in self._pending_finished_stores:
             gpu += t.gpu_block_ids
             cpu += t.cpu_block_ids
+            if store_meta is not None:
+                store_meta += t.block_meta
         self._pending_finished_stores.clear()
         store_event = -1
         if gpu:
             store_event = self._store_event_counter
             self._store_event_counter += 1
-            self._store_event_to_blocks[store_event] = TransferMeta(gpu, cpu)
+            self._store_event_to_blocks[store_event] = TransferMeta(gpu, cpu, store_meta)
             if store_reqs:
                 self._store_event_to_reqs[store_event] = store_reqs
                 for rid in store_reqs:
@@ -498,13 +523,18 @@ class SimpleCPUOffloadScheduler:
             self._in_flight_store_gpu_blocks.difference_update(t.gpu_block_ids)
         gpu = self.gpu_pool
         cpu_blocks = [self.cpu_block_pool.blocks[b] for b in t.cpu_block_ids]
-        for gid, cblk in zip(t.gpu_block_ids, cpu_blocks):
+        for i, (gid, cblk) in enumerate(zip(t.gpu_block_ids, cpu_blocks)):
             gblk = gpu.blocks[gid]
             # NOTE: the GPU block still carries its hash: the store's ref kept it off the queue.
             assert gblk.block_hash is not None
             self.cpu_block_pool._insert_block_hash(gblk.block_hash, cblk, gblk.block_hash_num_tokens)
-            for h in gpu.cached_block_hashes_by_block.get(gid, ()):
+            secondary = list(gpu.cached_block_hashes_by_block.get(gid, ()))
+            for h in secondary:
                 self.cpu_block_pool._insert_block_hash(h, cblk, None)
+            if self.enable_kv_cache_events:
+                meta = t.block_meta[i] if t.block_meta is not None else None
+                self.cpu_block_pool.kv_event_queue += _block_stored_events(
+                    gblk.block_hash, secondary, meta, self.specs, self.group_block_sizes, self.cpu_block_pool)
         self.cpu_block_pool.free_blocks(cpu_blocks)
         gpu.free_blocks([gpu.blocks[b] for b in t.gpu_block_ids])
         if not self.lazy:
@@ -562,10 +592,10 @@ class SimpleCPUOffloadScheduler:
         self._finished_req_ids.add(rid)
         st = self._reqs_to_store.get(rid)
         if st is not None and block_ids and self._gpu_block_pool is not None:
-            gpu_ids, _ = self._select_eager_blocks(st, block_ids)
+            gpu_ids, _, metas = self._select_eager_blocks(st, block_ids)
             if gpu_ids:
                 cpu = self.cpu_block_pool.get_new_blocks(len(gpu_ids))
-                self._pending_finished_stores.append(TransferMeta(gpu_ids, [b.block_id for b in cpu]))
+                self._pending_finished_stores.append(TransferMeta(gpu_ids, [b.block_id for b in cpu], metas))
                 self._in_flight_store_gpu_blocks.update(gpu_ids)
                 self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
         if (pending := self._pending_cpu_hits.pop(rid, None)) is not None:
@@ -582,6 +612,11 @@ class SimpleCPUOffloadScheduler:
             else:
                 self._cleanup_store_request(rid)
         return False, None
+
+    def take_events(self) -> list:
+        """The KV cache events queued since the last call, oldest first ([] with events off):
+        stores published on the CPU, CPU evictions, cache clears (vLLM ``take_events``)."""
+        return _relabel_pool_events(self.cpu_block_pool.take_events())
 
     def reset(self) -> bool:
         """Abandon transfers (their refs are released when workers report them, uncached) and
