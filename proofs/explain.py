@@ -96,6 +96,9 @@ def explain(theorem_id: str, F: Formulas, v: Mapping[str, Any]) -> dict[str, Any
         elif theorem_id == "T8":
             out["reserved_blocks"] = F.async_load_reserved(o, v["R"], v["spec_step"])
             out["free after admission"] = v["free"] - v["n_new"]
+        elif theorem_id == "T9":
+            out["source admission count"] = F.hisparse_source_admission(o, v["required"], v["host_free"], v["nb"])
+            out["GPU blocks available"] = v["free"] - v["reserved"]
     except (KeyError, ZeroDivisionError):  # pragma: no cover - partial models
         pass
     return out

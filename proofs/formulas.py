@@ -161,6 +161,13 @@ class Formulas:
         """``Scheduler._inflight_prefill_reserved_blocks() + _spec_decode_step_blocks``."""
         return inflight_remaining + spec_step_blocks
 
+    # ---------------------------------------------------------------- HiSparse (issue #23)
+
+    def hisparse_source_admission(self, o, required, host_free, num_gpu_blocks):
+        """``HiSparseSourceManager.get_num_blocks_to_allocate``: ``num_gpu_blocks + 1`` when the
+        host pool cannot back the pages, else 0 (``kvref.spec.hisparse.source_admission_count``)."""
+        return o.ite(required > host_free, num_gpu_blocks + 1, 0)
+
     # ---------------------------------------------------------------- block sizes (kv_cache_utils.py)
 
     def hash_block_size(self, o, sizes, cacheable, unit_set, unit, cache_block_size):

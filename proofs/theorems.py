@@ -708,7 +708,36 @@ T8 = Theorem(
 )
 
 
-THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8)
+# ------------------------------------------------------------------------------------------- T9
+
+def _t9(F, o, v):
+    nb, free, other, watermark, reserved, required, host_free = (
+        v[x] for x in "nb free other watermark reserved required host_free".split())
+    hyps = [nb >= 2, free <= nb - 1] + _nonneg(free, other, watermark, reserved, required, host_free)
+    count = F.hisparse_source_admission(o, required, host_free, nb) + other
+    refused = count + watermark > free - reserved  # allocate_slots returns None
+    return hyps, o.And(o.Implies(required > host_free, refused),
+                       o.Implies(required <= host_free, F.hisparse_source_admission(o, required, host_free, nb) == 0))
+
+
+T9 = Theorem(
+    id="T9", name="hisparse-host-refusal",
+    title="a HiSparse request the host pool cannot back is refused, and host blocks never cost GPU blocks",
+    statement=("On a HiSparse pool, when the host source needs more host blocks than its private pool has free, "
+               "allocate_slots refuses the request whatever the GPU pool holds (at most num_gpu_blocks - 1 free: "
+               "block 0 is the null block), the other groups' counts, the watermark and the reservation; when the "
+               "host pool can back it, the source adds nothing to the GPU count (issue #23)."),
+    reference=("kvref.spec.hisparse.source_admission_count",
+               "kvref.impl.reference.hisparse_source_manager.HiSparseSourceManager.get_num_blocks_to_allocate",
+               "vllm.v1.core.single_type_kv_cache_manager.HiSparseSourceManager.get_num_blocks_to_allocate",
+               "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots"),
+    bounds=("the GPU pool has its null block (num_gpu_blocks >= 2, free <= num_gpu_blocks - 1)",),
+    claim=Claim("all", "refused when the host is short, else no GPU charge",
+                _ints("nb free other watermark reserved required host_free"), _t9),
+)
+
+
+THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8, T9)
 BY_ID = {t.id: t for t in THEOREMS}
 BY_NAME = {t.name: t for t in THEOREMS}
 

@@ -200,6 +200,13 @@ class BrokenReservationHalf(Formulas):
         return o.fdiv(inflight_remaining, 2)
 
 
+class BrokenHiSparseSentinelShort(Formulas):
+    name = "broken-hisparse-sentinel-short"
+
+    def hisparse_source_admission(self, o, required, host_free, num_gpu_blocks):
+        return o.ite(required > host_free, num_gpu_blocks - 1, 0)
+
+
 class BrokenAutoFitNoNull(Formulas):
     name = "broken-num-blocks-plus-one"
 
@@ -261,6 +268,9 @@ VARIANTS: tuple[Variant, ...] = (
             "The per-step predictor forgets one block.", BrokenPredictorOffByOne()),
     Variant("broken-reservation-half", "broken", "T8", (),
             "Async loads reserve only half of what in-flight prefills need.", BrokenReservationHalf()),
+    Variant("broken-hisparse-sentinel-short", "broken", "T9", (),
+            "The host-short sentinel is num_gpu_blocks - 1: a free GPU pool admits a request the host pool cannot "
+            "back (its host get_new_blocks then fails).", BrokenHiSparseSentinelShort()),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}

@@ -103,3 +103,14 @@ def test_host_hit_pages_are_null_placeholders(num_hit_tokens):
     pages = -(-num_hit_tokens // 2)
     assert row[:pages] == [0] * pages and all(b > 0 for b in row[pages:])
     assert pool.observe()["hot_required"] == [["a"]]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 40))
+def test_proof_encoding_of_the_source_sentinel_matches_the_spec(required, host_free, num_gpu_blocks):
+    """T9's encoding (kvref.proofs.formulas) is the spec's function, so the theorem is about it."""
+    from kvref.proofs.formulas import REFERENCE
+    from kvref.proofs.ops import PyOps
+
+    assert REFERENCE.hisparse_source_admission(PyOps, required, host_free, num_gpu_blocks) == \
+        source_admission_count(required, host_free, num_gpu_blocks)
