@@ -90,3 +90,21 @@ def test_a_hit_on_blocks_cached_by_a_same_step_preemption_is_reported_where_repl
     assert hits and {f.step for f in hits} == {10} and all("r4's prefix-cache hit of 52 tokens" in f.message
                                                             for f in hits), r.findings
     assert {f.kind for f in r.findings} == {"wrong_hit"}
+
+
+def test_the_prefix_cache_metrics_are_checked_on_connector_runs(tmp_path):
+    """vLLM records a lookup's local prefix-cache stats at the request's admission (async loads
+    included); on a connector run that is the update_state_after_alloc following the lookup's
+    connector question. Pristine runs agree with the recorded SchedulerStats; the demo's
+    ``hit-stats`` fault (a resumed request counted as a new one) is found by --properties-only."""
+    require_vllm()
+    from kvref.impl.vllm.demo_faults import plant
+
+    pristine = record_connector_runs(tmp_path / "pristine", profile_examples(12, 20), seed=2)
+    checked = [check_trace(run.path, properties_only=True) for run in pristine
+               if not (run.known_hang or run.lost_update)]
+    assert checked and not [f for r in checked for f in r.findings if f.kind == "metrics"]
+    with plant("hit-stats"):
+        runs = record_connector_runs(tmp_path / "fault", profile_examples(12, 20), seed=2, strict=False)
+    kinds = {f.kind for run in runs for f in check_trace(run.path, properties_only=True).findings}
+    assert "metrics" in kinds, kinds
