@@ -8,9 +8,12 @@ what vLLM did. The first divergence is shown as a step table (recorded vs refere
 under ``--out`` as a trace of its own that reproduces it (``kvref check-run`` on that file).
 
 Properties of the run itself are checked even where the reference cannot follow (a feature it
-does not model, a newer vLLM, ``--properties-only``): no starvation while nothing runs, no block
-shared by two requests outside prefix-cache hits, block ids within the pool. A summary (steps,
-requests, preemptions, prefix-cache hit rate, longest wait) closes the report.
+does not model, a newer vLLM, ``--properties-only``): no starvation while requests wait, blocks
+conserved per step (free + held = pool, blocks a KV connector keeps and deferred frees counted), no
+block reused while a request still needs it, hits that hold their own tokens, admission within the
+startup bound, tables that cover each step (an EAGLE drafter's lookahead slots included), metrics
+that agree with the trace, block ids within the pool. A summary (steps, requests, preemptions,
+prefix-cache hit rate, longest wait) closes the report.
 
 A run in which vLLM raised (an ``error`` record: the recorder writes the exception, the step and the
 call's inputs before it propagates) is a CRASH finding: the reference replays up to it and says
