@@ -57,6 +57,11 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
     def reset(self) -> bool:
         return self.conn.reset()
 
+    def stats(self) -> tuple[dict[str, int], dict, bool]:
+        """(the connector's interval stats, its boundary save outcomes, has_pending_stores()):
+        boundary hand-offs are not modelled, so no outcome is ever counted."""
+        return self.conn.get_stats(), {}, self.conn.has_pending_stores()
+
     def take_kv_events(self) -> list[dict]:
         """The connector's KV cache events since the last call, as plain dicts (every field)."""
         from kvref.impl.reference.kv_events import event_to_plain

@@ -160,6 +160,14 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
     def finished(self, req, table):
         self.conn.request_finished_all_groups(req, table)
 
+    def stats(self):
+        from vllm.v1.simple_kv_offload.metrics import MetricName as M
+
+        values = self.conn.get_stats().data["data"]
+        return ({"load_blocks": values.get(M.LOAD_BLOCKS, {}).get((), 0),
+                 "used_blocks": values[M.USED_BLOCKS][()], "pending_store_blocks": values[M.PENDING_STORE_BLOCKS][()]},
+                dict(values.get(M.SAVE_OUTCOMES, {})), self.conn.has_pending_stores())
+
     def take_kv_events(self):
         from kvref.impl.vllm.kv_events import vllm_event_to_plain
 

@@ -135,6 +135,7 @@ class SimpleOffloadWorld(OffloadWorldBase):
         self.cpu_content: dict[int, Any] = {}
         self.metas: list[tuple] = []
         self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
+        self.load_blocks_total = 0  # the connector's LOAD_BLOCKS counter, summed over its intervals
         self.duplicate_stores: list[tuple[int, int]] = []  # (store event, gpu block)
         self._n = 0
         self.failed: str | None = None
@@ -421,7 +422,10 @@ class SimpleOffloadWorld(OffloadWorldBase):
         cached = sorted((b.block_id, b.block_hash) for b in self.b.cpu_pool.blocks if b.block_hash is not None)
         refs = [b.ref_cnt for b in self.b.gpu_pool.blocks] + [b.ref_cnt for b in self.b.cpu_pool.blocks]
         self.kv_events += self.b.take_kv_events()
-        return {"kv_events": list(self.kv_events), "gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
+        stats, outcomes, pending = self.b.stats()
+        self.load_blocks_total += stats.pop("load_blocks")
+        return {"kv_events": list(self.kv_events), "stats": (self.load_blocks_total, stats, outcomes, pending),
+                "gpu_free": gq, "cpu_free": cq, "cpu_cached": cached, "refs": refs,
                 "in_flight": sorted(self.b.in_flight_set()), "phases": {k: v.phase for k, v in self.reqs.items()},
                 "connector": self.b.connector_state()}
 

@@ -208,6 +208,8 @@ class SimpleCPUOffloadScheduler:
         self._load_event_counter = 0
         self._store_event_counter = 0
         self._finished_req_ids: set[str] = set()
+        # Blocks of loads the workers completed since the last get_stats() (vLLM's LOAD_BLOCKS).
+        self._interval_load_blocks_completed = 0
 
     def _lazy_target(self, max_num_batched_tokens: int) -> int:
         """Twice the blocks one step can need: a batch per full group, a window per SW group."""
@@ -504,7 +506,7 @@ class SimpleCPUOffloadScheduler:
                 raise OffloadStateError(f"completed_store_events: event {ev} reported by more than "
                                         f"world_size={self.world_size} workers")
         for rid in recv:
-            self._cleanup_load_request(rid)
+            self._interval_load_blocks_completed += self._cleanup_load_request(rid)
         for ev, count in events.items():
             total = self._store_event_pending_counts.get(ev, 0) + count
             if total >= self.world_size:
@@ -550,16 +552,19 @@ class SimpleCPUOffloadScheduler:
         self.cpu_block_pool.free_blocks([self.cpu_block_pool.blocks[b] for b in t.cpu_block_ids])
         self.gpu_pool.free_blocks([self.gpu_pool.blocks[b] for b in t.gpu_block_ids])
 
-    def _cleanup_load_request(self, rid: str) -> None:
+    def _cleanup_load_request(self, rid: str) -> int:
+        """Release a request's load; returns its block count if the load was issued to the
+        workers, else 0 (a never-issued load does not count as completed)."""
         ls = self._reqs_to_load.pop(rid, None) or self._abandoned_reqs_to_load.pop(rid, None)
         if ls is None:
-            return
+            return 0
         if ls.load_event is not None and (reqs := self._load_event_to_reqs.get(ls.load_event)) is not None:
             if rid in reqs:
                 reqs.remove(rid)
             if not reqs:
                 self._load_event_to_reqs.pop(ls.load_event, None)
         self._release_transfer_refs(ls.transfer)
+        return 0 if ls.load_event is None else len(ls.transfer.gpu_block_ids)
 
     def _cleanup_store_request(self, rid: str) -> None:
         st = self._reqs_to_store.pop(rid, None)
@@ -612,6 +617,24 @@ class SimpleCPUOffloadScheduler:
             else:
                 self._cleanup_store_request(rid)
         return False, None
+
+    def has_pending_stores(self) -> bool:
+        """A store is queued (finish-time flush), in flight or abandoned but still running."""
+        return bool(self._pending_finished_stores or self._store_event_to_blocks
+                    or self._abandoned_store_event_to_blocks)
+
+    def get_stats(self) -> dict[str, int]:
+        """What vLLM's ``get_stats`` reports per interval (its ``SimpleCPUOffloadStats``):
+        ``load_blocks`` completed since the last call (drained), the CPU blocks in use
+        (``used_blocks``: every block but the free ones, the null block included) and the CPU
+        blocks of stores not yet completed (``pending_store_blocks``: issued, queued by a
+        finish-time flush, or abandoned by a reset and still running)."""
+        loaded, self._interval_load_blocks_completed = self._interval_load_blocks_completed, 0
+        pending = sum(len(t.cpu_block_ids) for t in (*self._store_event_to_blocks.values(),
+                                                      *self._pending_finished_stores,
+                                                      *self._abandoned_store_event_to_blocks.values()))
+        return {"load_blocks": loaded, "used_blocks": self.num_cpu_blocks - self.cpu_block_pool.get_num_free_blocks(),
+                "pending_store_blocks": pending}
 
     def take_events(self) -> list:
         """The KV cache events queued since the last call, oldest first ([] with events off):
