@@ -204,7 +204,7 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
         from kvref.impl.vllm.hisparse import VllmHiSparsePool
         from kvref.models.machines.hisparse_pool import run_hisparse_programs
 
-        failure, seen = run_hisparse_programs(VllmHiSparsePool, ctx.examples(40, 200), seed=ctx.seed)
+        failure, seen = run_hisparse_programs(VllmHiSparsePool, ctx.examples(60, 200), seed=ctx.seed)
         if failure:
             return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on a HiSparse pool",
                                details=failure.splitlines()[:30])

@@ -96,6 +96,28 @@ class HiSparsePool:
                                                            self._fills_admission_window(request_id)):
             self.require_hot(request_id)
 
+    def adopt(self, request_id: str, page: int, donor_id: str, donor_page: int) -> list[bool]:
+        """Point a host-only page of each resident group at the donor's GPU block of that group and
+        pin it (vLLM ``HiSparseCoordinator._adopt_copies`` does it for GPU copies of host pages)."""
+        out = []
+        for m in self.resident_managers:
+            block = m.get_resident_page(donor_id, donor_page)
+            ok = block is not None and m.adopt_resident_page(request_id, page, block)
+            if ok:
+                m.block_pool._touch([block])
+            out.append(ok)
+        return out
+
+    def drop(self, request_id: str, page: int) -> list[int | None]:
+        """Stop reading an adopted page from the GPU and release its pin."""
+        out = []
+        for m in self.resident_managers:
+            block = m.drop_resident_page(request_id, page)
+            if block is not None:
+                m.block_pool._free_blocks([block])
+            out.append(None if block is None else block.block_id)
+        return out
+
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)
@@ -117,8 +139,9 @@ class HiSparsePool:
         )
 
     def check_invariants(self) -> None:
-        """Each pool's own rules, each manager's, and H3: every GPU block's reference count equals
-        the tables holding it (no unpinning is modelled, so held means referenced)."""
+        """Each pool's own rules, each manager's, and H3: every block's reference count equals the
+        tables reading it (resident groups: their residency rows; no unpinning is modelled, so
+        read means referenced)."""
         self.gpu_pool.check_invariants()
         self.host_pool.check_invariants()
         for m in self.managers:
@@ -126,7 +149,9 @@ class HiSparsePool:
         for pool, managers in ((self.gpu_pool, self.managers[1:]), (self.host_pool, self.managers[:1])):
             held: dict[int, int] = {}
             for m in managers:
-                for table in m.req_to_blocks.values():
+                rows = ([m.get_residency_row(rid) for rid in m.req_to_blocks]
+                        if isinstance(m, HiSparseResidentManager) else m.req_to_blocks.values())
+                for table in rows:
                     for b in table:
                         if not b.is_null:
                             held[b.block_id] = held.get(b.block_id, 0) + 1

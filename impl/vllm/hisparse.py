@@ -83,6 +83,29 @@ class VllmHiSparsePool:
     def update_residency(self, request_id: str) -> None:
         self.coordinator.update_residency(request_id)
 
+    def adopt(self, request_id: str, page: int, donor_id: str, donor_page: int) -> list[bool]:
+        """Point a host-only page of each resident group at the donor's GPU block of that group and
+        pin it, as ``HiSparseCoordinator._adopt_copies`` does for a GPU copy of a host page."""
+        out = []
+        for m in self.coordinator.resident_managers:
+            block = m.get_resident_page(donor_id, donor_page)
+            ok = block is not None and m.adopt_resident_page(request_id, page, block)
+            if ok:
+                m.block_pool.touch([block])
+            out.append(ok)
+        return out
+
+    def drop(self, request_id: str, page: int) -> list[int | None]:
+        """Stop reading an adopted page from the GPU and release its pin (as the coordinator's free
+        unpins a clean page, then drops it)."""
+        out = []
+        for m in self.coordinator.resident_managers:
+            block = m.drop_resident_page(request_id, page)
+            if block is not None:
+                m.block_pool.free_blocks([block])
+            out.append(None if block is None else block.block_id)
+        return out
+
     def free(self, request_id: str) -> None:
         self._mgr.coordinator.free(request_id)
 

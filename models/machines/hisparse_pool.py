@@ -7,7 +7,9 @@ Programs admit requests cold, on a host prefix hit (null resident pages, a hot r
 KV-connector import (a writable resident tail page, a hot region), grow them in chunks (running
 requests), sometimes through the full-sequence admission gate (the resident cap), ask for hot
 regions (``require_hot``, what the coordinator does when a page is lost), run the coordinator's
-``update_residency`` transition rule, and free. Pools are small (a few pages of GPU and host
+``update_residency`` transition rule, point host-only pages at another request's GPU block and
+pin it (``adopt_resident_page``, as the coordinator adopts GPU copies of host pages) or stop
+reading it (``drop_resident_page``, then the pin is released), and free. Pools are small (a few pages of GPU and host
 blocks) so host exhaustion (the admission sentinel) and the transition watermark are reached.
 """
 
@@ -42,9 +44,14 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
 
 #: (op, request index, chunk, host-hit pages, imported tokens (> 6: an import of that many), full-sequence gate)
 OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "require_hot", "update", "update",
-                                 "free")),
-                st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 0, 1, 2, 3)), st.integers(0, 9),
+                                 "adopt", "adopt", "drop", "drop", "free")),
+                st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 1, 2, 3)), st.integers(0, 9),
                 st.integers(0, 3).map(lambda k: k == 0))
+
+#: prompt lengths of the three requests a program uses
+LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
+#: programs long enough to admit two requests and change residency between them
+PROGRAMS = st.lists(OPS, min_size=10, max_size=30)
 
 
 def _compare(step: str, ref: Any, got: Any, what: str) -> None:
@@ -60,6 +67,7 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
     _compare("build", ref.transition_watermark, vll.transition_watermark, "transition watermark")
     _compare("build", ref.observe(), vll.observe(), "state")
     computed: dict[str, int] = {}
+    adopted: set[tuple[str, int]] = set()  # (request, page) pointed at a pinned donor block
     bs = config.block_size
     for n, (op, idx, chunk, hit_pages, imported, gate) in enumerate(ops):
         rid = f"r{idx}"
@@ -117,10 +125,39 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             vll.update_residency(rid)
             if ref.observe()["hot_required"] != before:
                 seen["transition"] += 1
+        elif op in ("adopt", "drop"):  # residency changes on host pages (the coordinator's adoption)
+            if op == "drop" and adopted:
+                rid, page = sorted(adopted)[chunk % len(adopted)]
+                _compare(step, ref.drop(rid, page), vll.drop(rid, page), "dropped block per resident group")
+                adopted.discard((rid, page))
+                seen["drop"] += 1
+                ref.check_invariants()
+                _compare(step, ref.observe(), vll.observe(), "state")
+                continue
+            if op == "drop" or len(computed) < 2:
+                continue
+            rows = ref.observe()["tables"][2]  # the first resident group's rows
+            readers = sorted(r for r in computed if 0 in rows.get(r, ()))
+            if not readers:
+                continue
+            rid = readers[idx % len(readers)]
+            donors = sorted(r for r in computed if r != rid and any(rows.get(r, ())))
+            if not donors:
+                continue
+            donor, donor_row = donors[idx % len(donors)], rows[donors[idx % len(donors)]]
+            host_pages = [i for i, b in enumerate(rows[rid]) if b == 0]
+            page = host_pages[chunk % len(host_pages)]
+            donor_page = [i for i, b in enumerate(donor_row) if b][hit_pages % sum(1 for b in donor_row if b)]
+            got = ref.adopt(rid, page, donor, donor_page)
+            _compare(step, got, vll.adopt(rid, page, donor, donor_page), "adopted per resident group")
+            if all(got):
+                adopted.add((rid, page))
+                seen["adopt"] += 1
         else:
             ref.free(rid)
             vll.free(rid)
             computed.pop(rid, None)
+            adopted.difference_update({(r, p) for r, p in adopted if r == rid})
             seen["free"] += 1
         ref.check_invariants()
         _compare(step, ref.observe(), vll.observe(), "state")
@@ -140,7 +177,7 @@ def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], exampl
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
               suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(hisparse_pool_configs(), st.lists(st.integers(1, 32), min_size=3, max_size=3), st.lists(OPS, max_size=25))
+    @given(hisparse_pool_configs(), LENGTHS, PROGRAMS)
     def run(config, lengths, ops):
         seen.update(run_hisparse_program(config, lengths, ops, make_vllm))
 

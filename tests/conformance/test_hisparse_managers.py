@@ -9,18 +9,15 @@ from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
-from kvref.models.machines.hisparse_pool import OPS, hisparse_pool_configs, run_hisparse_program
+from kvref.models.machines.hisparse_pool import LENGTHS, PROGRAMS, hisparse_pool_configs, run_hisparse_program
 from kvref.spec.hisparse import HiSparsePoolConfig
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
 
-LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
-PROGRAMS = st.lists(OPS, max_size=25)
 
 
 def _vllm_pool():
@@ -43,7 +40,8 @@ def test_generated_programs_agree():
 
 def test_generated_programs_reach_every_hisparse_path():
     """A fixed-seed run reaches host exhaustion (the source's admission sentinel), host-prefix
-    hits, imports, hot regions, transitions and frees, whatever the profile."""
+    hits, imports, hot regions, transitions, adopted and dropped resident pages and frees, whatever
+    the profile."""
     make = _vllm_pool()
     seen: Counter = Counter()
 
@@ -56,7 +54,7 @@ def test_generated_programs_reach_every_hisparse_path():
     with same_inputs_in_every_process():
         run()
     for path in ("refused_host", "refused_gpu", "refused_gate", "admit", "grow", "host_hit", "import",
-                 "hot_allocated", "transition", "free"):
+                 "hot_allocated", "transition", "adopt", "drop", "free"):
         assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
 
 
