@@ -141,7 +141,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.hisparse_source_manager", "HiSparseSourceManager HiSparseSourceManager.bind_host_pool "
             "HiSparseSourceManager.cache_blocks HiSparseSourceManager.get_num_blocks_to_allocate "
             "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.set_ready_prefix_pages", INTERNAL),
-    **_each(f"{_REF}.hisparse_pool", "HiSparsePool.allocate HiSparsePool.free "
+    **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.allocate HiSparsePool.drop HiSparsePool.free "
             "HiSparsePool.get_num_blocks_to_allocate HiSparsePool.is_running HiSparsePool.require_hot "
             "HiSparsePool.update_residency", "conformance-harness side of kvref.models.machines.hisparse_pool, "
             "called only with the harness's generated, valid request ids and token counts"),
