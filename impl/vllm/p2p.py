@@ -70,6 +70,10 @@ class Wire:
     log: list[tuple[str, str, tuple]] = field(default_factory=list)
     closed: set[str] = field(default_factory=set)
     routers: dict[str, Any] = field(default_factory=dict)
+    #: every ZMQ context the world's transports made (:meth:`VllmP2PWorld.close` destroys each)
+    contexts: list = field(default_factory=list)
+    #: set by :meth:`VllmP2PWorld.close`: the trace is over, a closing socket waits for nothing
+    closing: bool = False
 
 
 def _free_port() -> int:
@@ -177,13 +181,23 @@ def _classes() -> SimpleNamespace:
             self._wire.log.append((self._src, self._dst, summarize(msgspec.msgpack.decode(data))))
 
         def close(self, *args):
-            """Close, then wait until the live peer's ROUTER has dropped this connection: a
-            reconnect under the same identity before that is refused by the ROUTER (a race
-            between two loopback sockets that the traces must not depend on)."""
-            self._sock.close(*args)
+            """Close so that a reconnect under the same identity is never refused.
+
+            A ROUTER refuses a second connection whose identity it still routes to (no
+            ``ROUTER_HANDOVER``), silently dropping what it carries: a race between two loopback
+            sockets that the traces must not depend on. So, while the peer's ROUTER is open: first
+            every message counted as sent here is read ahead there (the connection is registered,
+            and nothing it carries, such as a ``DisconnectMsg``, is still on the way), then the
+            socket closes, then the harness waits until that ROUTER no longer routes to this
+            identity (:meth:`_PrefetchingRouter.await_release`). Both waits end on an observed
+            condition, each capped by :data:`WIRE_TIMEOUT_S` with a :class:`WireTimeout`."""
             router = self._wire.routers.get(self._dst)
-            if self._connected and router is not None and self._dst not in self._wire.closed:
-                router.await_disconnect(self._src)
+            live = router is not None and self._dst not in self._wire.closed and not self._wire.closing
+            if live and self._connected:
+                router.settle()
+            self._sock.close(*args)
+            if live:
+                router.await_release(self._src)
 
         def __getattr__(self, name):
             return getattr(self._sock, name)
@@ -194,21 +208,39 @@ def _classes() -> SimpleNamespace:
         def __init__(self, sock, wire: Wire, me: str) -> None:
             self._sock, self._wire, self._me = sock, wire, me
             self._ahead: deque = deque()
-            addr = f"inproc://kvref-router-monitor-{id(self)}"
-            sock.monitor(addr, zmq.EVENT_DISCONNECTED)
-            self._monitor = sock.context.socket(zmq.PAIR)
-            self._monitor.connect(addr)
+            # vLLM's ROUTER only receives; the harness's probe sends (to a closed DEALER that never
+            # reads) and needs an unknown identity to raise instead of being dropped silently
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # and a probe still queued must never hold up the context's term() (vLLM sets 0 at close)
+            sock.setsockopt(zmq.LINGER, 0)
             wire.routers[me] = self
 
-        def await_disconnect(self, peer: str) -> None:
-            if not self._monitor.poll(int(WIRE_TIMEOUT_S * 1000)):
-                raise WireTimeout(f"{self._me} never saw {peer}'s closed connection go")
-            self._monitor.recv_multipart()
-            self._sock.poll(0)  # let the ROUTER process the pipe's termination
+        def routes_to(self, peer: str) -> bool:
+            """Whether this ROUTER still holds a connection under ``peer``'s identity."""
+            try:
+                self._sock.send_multipart([peer.encode(), b""], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return False
+                if exc.errno == zmq.EAGAIN:  # the pipe exists but is terminating
+                    return True
+                raise
+            return True
+
+        def await_release(self, peer: str) -> None:
+            """Wait until the ROUTER has dropped the closed connection under ``peer``'s identity.
+
+            libzmq releases it in several command round trips between the I/O thread and this
+            socket; each probe processes the socket's pending commands. The wait ends when the
+            probe says so (never on elapsed time alone), capped by :data:`WIRE_TIMEOUT_S`."""
+            deadline = _real_time.monotonic() + WIRE_TIMEOUT_S
+            while self.routes_to(peer):
+                if _real_time.monotonic() > deadline:
+                    raise WireTimeout(f"{self._me} still routes to {peer}'s closed connection")
+                _real_time.sleep(0.0002)  # yield to libzmq's I/O thread; the loop re-checks the condition
 
         def close(self, *args):
             self._wire.routers.pop(self._me, None)
-            self._monitor.close(0)
             self._sock.close(*args)
 
         def _read(self) -> bool:
@@ -254,6 +286,7 @@ def _classes() -> SimpleNamespace:
 
         def __init__(self, local_id: str, host: str, port: int) -> None:
             super().__init__(local_id, host, port)
+            self.wire.contexts.append(self._zmq_ctx)
             self._router = _PrefetchingRouter(self._router, self.wire, local_id)
 
         def _open_connection(self, peer_id: str, direction: str = "outbound"):
@@ -501,20 +534,39 @@ class VllmP2PWorld:
                     raise WireTimeout(f"{node}'s connection to the closed {pid} saw no monitor event")
 
     def close(self) -> None:
-        """Shut down what is still running and give the p2p modules their ``time`` back."""
+        """Shut down what is still running, release every socket and give the p2p modules their
+        ``time`` back; idempotent.
+
+        Whatever a failed trace left behind (a shutdown that raised half way, a transport whose
+        ``close`` was cut short), every ZMQ context the world made is destroyed here with linger 0.
+        A context left to the garbage collector is destroyed at an arbitrary later allocation with
+        its sockets' own linger, and its ``term()`` then blocked the process: the ci-profile stall
+        of issue #22."""
         import zmq
 
-        for node, mgr in getattr(self, "managers", {}).items():
-            if getattr(self, "alive", {}).get(node, True):
-                try:
-                    for conn in mgr._control._connections.values():  # the trace is over: no linger
-                        conn._sockets.dealer.setsockopt(zmq.LINGER, 0)
-                    mgr.shutdown()
-                except Exception:  # noqa: BLE001 - teardown of a failed trace must not mask its failure
-                    pass
-        self.alive = {n: False for n in NODES}
-        for mod, t in self._saved_time.items():
-            mod.time = t
-        self._saved_time = {}
-        if hasattr(self, "_logger"):
-            self._logger.setLevel(self._saved_level)
+        wire = getattr(self, "wire", None)
+        if wire is not None:
+            wire.closing = True
+        try:
+            for node, mgr in getattr(self, "managers", {}).items():
+                if getattr(self, "alive", {}).get(node, True):
+                    try:
+                        for conn in mgr._control._connections.values():  # the trace is over: no linger
+                            conn._sockets.dealer.setsockopt(zmq.LINGER, 0)
+                        mgr.shutdown()
+                    except Exception:  # noqa: BLE001 - teardown of a failed trace must not mask its failure
+                        pass
+        finally:
+            for ctx in wire.contexts if wire is not None else ():
+                if not ctx.closed:
+                    ctx.destroy(linger=0)
+            self.alive = {n: False for n in NODES}
+            for mod, t in self._saved_time.items():
+                mod.time = t
+            self._saved_time = {}
+            if hasattr(self, "_logger"):
+                self._logger.setLevel(self._saved_level)
+
+    def open_contexts(self) -> int:
+        """How many of the world's ZMQ contexts are still open (0 once :meth:`close` ran)."""
+        return sum(not ctx.closed for ctx in self.wire.contexts)
