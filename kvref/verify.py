@@ -274,9 +274,20 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult("conform-scheduler", FAILED, "scheduler traces with cache controls diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)
     c = run.coverage
-    return replace(res, summary=res.summary + f"; {run.traces} more with cache controls ({c.get('salted_arrivals', 0)} "
-                   f"salted, {c.get('skip_reading_arrivals', 0)} cache-skipping arrivals, "
-                   f"{c.get('reset_prefix_cache_done', 0)} resets) and Mamba-align pools",
+    res = replace(res, summary=res.summary + f"; {run.traces} more with cache controls ({c.get('salted_arrivals', 0)} "
+                  f"salted, {c.get('skip_reading_arrivals', 0)} cache-skipping arrivals, "
+                  f"{c.get('reset_prefix_cache_done', 0)} resets) and Mamba-align pools",
+                  examined=(res.examined or 0) + run.traces)
+    # then pause states and the counts the engine polls (#22)
+    from kvref.models.machines.scheduler_pause import run_pause_machine
+
+    run = run_pause_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "scheduler traces with pause states diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    return replace(res, summary=res.summary + f"; {run.traces} with pause states ({c.get('paused_all_held_running', 0)} "
+                   f"steps paused with requests running, {c.get('paused_new_held_waiting', 0)} holding new ones)",
                    examined=(res.examined or 0) + run.traces)
 
 

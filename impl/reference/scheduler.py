@@ -14,9 +14,12 @@ loads under both failure policies, delayed frees, ``reset_prefix_cache(reset_con
 MultiConnector) live in :mod:`kvref.impl.reference.scheduler_connector`, called at small hooks
 when the scheduler is built with a ``connector``.
 
+Pause states (``set_pause_state``: :mod:`kvref.impl.reference.scheduler_pause`) and the request
+counts the engine polls (``get_request_counts``, ``get_num_unfinished_requests``,
+``has_finished_requests``, ``get_kv_cache_usage``) are modelled too.
+
 Not modelled: encoder inputs, LoRA, structured output, a KV connector's deferred frees under
-async scheduling, pipeline parallelism, pause states, streaming
-sessions, prefill cadence/DP throttling.
+async scheduling, pipeline parallelism, streaming sessions, prefill cadence/DP throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
 
@@ -49,6 +52,7 @@ from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError
 
 from .scheduler_queue import WaitingQueue
+from .scheduler_pause import PauseState, as_pause_state
 from . import scheduler_connector as _conn
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
@@ -123,6 +127,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.preempted_req_ids: set[str] = set()  # since the last schedule()
         self._in_flight: dict[int, SchedulerOutput] = {}
+        self.pause_state = PauseState.UNPAUSED  # vLLM ``Scheduler._pause_state``
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
         self.connector_state = _conn.make_state(connector, config) if connector is not None else None
@@ -198,6 +203,8 @@ class Scheduler:
                                     " scheduling): call update_from_output first")
         kv = self.kv_cache_manager
         token_budget = cfg.max_num_batched_tokens
+        if self.pause_state == PauseState.PAUSED_ALL:
+            token_budget = 0  # vLLM: paused, nothing is scheduled (running requests keep their blocks)
         scheduled: dict[str, tuple[Request, str, int, BlockIds]] = {}
         preempted: list[Request] = []
         spec = self.spec_decode
@@ -269,7 +276,7 @@ class Scheduler:
             spec.note_scheduled(request, request.num_computed_tokens, num_new)
             spec.take_running_drafts(request, num_new)
 
-        if not preempted:
+        if not preempted and self.pause_state != PauseState.PAUSED_ALL:
             token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled)
 
         total = sum(s[2] for s in scheduled.values())
@@ -305,7 +312,9 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache_manager
         skipped: list[Request] = []
-        while token_budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
+        # PAUSED_NEW admits only requests already holding KV blocks: without a connector, none
+        while (token_budget > 0 and self.waiting and self.pause_state == PauseState.UNPAUSED
+               and len(self.running) < cfg.max_num_seqs):
             request = self.waiting.peek_request()
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could
@@ -531,7 +540,40 @@ class Scheduler:
 
     # ---- observation ----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or _conn.num_kv_holding_waiting(self) > 0
+        return self.get_num_unfinished_requests() > 0
+
+    def set_pause_state(self, pause_state: PauseState | int) -> None:
+        """vLLM ``Scheduler.set_pause_state``: only what later steps schedule changes (see
+        :mod:`.scheduler_pause`); no request is freed, preempted or moved."""
+        self.pause_state = as_pause_state(pause_state)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """vLLM: ``(num_running, num_waiting)``, KV-holding waiting requests counted as waiting."""
+        return len(self.running), len(self.waiting) + _conn.num_kv_holding_waiting(self)
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM: what the pause state lets run. PAUSED_ALL counts none (the engine loop idles);
+        PAUSED_NEW counts running requests and those holding KV blocks, not the queued ones."""
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return 0
+        num_running, num_waiting = self.get_request_counts()
+        if self.pause_state == PauseState.PAUSED_NEW:
+            num_waiting = _conn.num_kv_holding_waiting(self)
+        return num_running + num_waiting
+
+    def has_finished_requests(self) -> bool:
+        """vLLM: finished ids not yet reported by a ``schedule()``, or (with a connector) finished
+        requests whose blocks the connector still holds (still in ``requests``, in no queue)."""
+        if self.finished_req_ids:
+            return True
+        if self.connector_state is None:
+            return False
+        return len(self.requests) > sum(self.get_request_counts())
+
+    def get_kv_cache_usage(self) -> float:
+        """vLLM ``get_kv_cache_usage`` (the ``kv_cache_usage`` of its ``SchedulerStats``): the
+        fraction of the pool's blocks (the null block aside) not free."""
+        return self.kv_cache_manager.usage
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM ``Scheduler.reset_prefix_cache`` (see :func:`.scheduler_connector.reset_prefix_cache`)."""

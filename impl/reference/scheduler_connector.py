@@ -402,7 +402,9 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         (skipped_holding if _holds_kv_blocks(st, r) else skipped_waiting).append(r)
 
     while token_budget > 0:
-        queue = st.kv_holding_waiting if st.kv_holding_waiting else sched.waiting
+        # requests holding KV blocks drain first, and are the only ones PAUSED_NEW admits
+        queue = st.kv_holding_waiting if st.kv_holding_waiting else (
+            sched.waiting if sched.pause_state == 0 else None)  # 0: PauseState.UNPAUSED
         if not queue or len(sched.running) >= cfg.max_num_seqs:
             break
         request = queue.peek_request()

@@ -315,6 +315,26 @@ class VllmScheduler:
         return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests,
                                                  reset_connector=reset_connector)
 
+    def set_pause_state(self, pause_state) -> None:
+        """vLLM ``Scheduler.set_pause_state`` (a kvref ``PauseState`` or its int value)."""
+        from vllm.v1.core.sched.interface import PauseState as VPauseState
+
+        from kvref.impl.reference.scheduler_pause import as_pause_state
+
+        self.scheduler.set_pause_state(VPauseState(int(as_pause_state(pause_state))))
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return tuple(self.scheduler.get_request_counts())
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def has_finished_requests(self) -> bool:
+        return self.scheduler.has_finished_requests()
+
+    def get_kv_cache_usage(self) -> float:
+        return self.scheduler.get_kv_cache_usage()
+
     def take_published_kv_events(self) -> list[list[dict]]:
         """The ``KVEventBatch`` es vLLM's scheduler published since the last call (its
         ``update_from_output`` publishes one per step with events), each as plain event dicts."""

@@ -478,6 +478,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     scheduler_case("finish_requests", lambda s, out: dict(request_ids=["a"]))
     scheduler_case("update_from_output", lambda s, out: dict(output=out, model_output=_model_output(out)))
     scheduler_case("reset_prefix_cache", lambda s, out: dict(reset_running_requests=False, reset_connector=True))
+    scheduler_case("set_pause_state", lambda s, out: dict(pause_state=1))  # issue #22: PAUSED_NEW
 
     def connector_scheduler_case(method, make_kwargs):
         def build():
@@ -806,6 +807,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
     from kvref.impl import interface
     from kvref.impl.reference import kv_events, scheduler_liveness
+    from kvref.impl.reference.scheduler_pause import as_pause_state
     from kvref.impl.reference import block_hash as bh
     from kvref.impl.reference.offload import keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
@@ -950,6 +952,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
         "offloading_kv_events": (offload_events.offloading_kv_events, dict(
+        "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
             events=[OffloadingEvent([keys.make_offload_key(H[0], 0)], removed=True)], use_int=True)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
                                                                                            tokens_per_chunk=4)),

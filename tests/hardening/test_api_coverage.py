@@ -220,6 +220,7 @@ EXCLUDED: dict[str, str] = {
             "TransferMeta", RECORD),
     f"{_REF}.offload.keys.LookupResult": "an enum: its members are the values",
     "kvref.impl.request.RequestStatus": "an enum: its members are the values",
+    f"{_REF}.scheduler_pause.PauseState": "an enum: its members are the values (checked by as_pause_state)",
     f"{_REF}.offload.offloading_scheduler.swa_store_mask": CONNECTOR_STEP,
     **_each("kvref.impl.scheduler_types", "RequestState ScheduledRequest SchedulerOutput SchedulerSnapshot", RECORD),
     **_each("kvref.impl.interface", "KVCacheManagerLike KVCacheManagerLike.allocate_slots KVCacheManagerLike.forget "

@@ -1,0 +1,137 @@
+"""Scheduler traces with pause states and the counts the engine polls: part of ``conform-scheduler``
+(issue #22).
+
+:class:`PauseMachine` is :class:`~kvref.models.machines.scheduler.SchedulerMachine` with a
+``set_pause_state`` rule (vLLM's ``Scheduler.set_pause_state``, what the engine's
+``pause_generation`` calls) drawn among the arrivals, steps and aborts. Under ``PAUSED_ALL``
+vLLM schedules nothing and running requests keep their blocks; under ``PAUSED_NEW`` running
+requests still grow (allocating, and preempting on the tight pools drawn here) while no waiting
+request is admitted, preempted ones included. After every operation, besides the main machine's
+snapshot (queues, request states, block ids, free queue), the driver compares what the engine
+polls: ``get_request_counts``, ``get_num_unfinished_requests`` (pause-aware: it decides when the
+engine loop idles), ``has_finished_requests`` and ``get_kv_cache_usage`` (the ``kv_cache_usage``
+of vLLM's ``SchedulerStats``).
+
+A separate machine (and a separate, small run) so that the main machine's rules draw nothing new:
+its derandomized traces, and the tests that assert rare paths on them, stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvref.impl.reference.scheduler_pause import PauseState
+from kvref.impl.scheduler_types import PRIORITY
+from kvref.models.machines.scheduler import (
+    COVERAGE,
+    Lockstep,
+    SchedulerMachine,
+    SchedulerRun,
+    _diverge,
+    machine_with,
+    run_lockstep_machine,
+    scheduler_setups,
+)
+
+#: drawn pause states: UNPAUSED as often as both pauses together, so traces leave the pause again
+PAUSE_DRAWS = (PauseState.UNPAUSED, PauseState.UNPAUSED, PauseState.PAUSED_NEW, PauseState.PAUSED_ALL)
+
+
+def polled(target) -> tuple:
+    """What vLLM's engine core polls from its scheduler between steps."""
+    return (tuple(target.get_request_counts()), target.get_num_unfinished_requests(),
+            target.has_finished_requests(), target.get_kv_cache_usage())
+
+
+class PauseLockstep(Lockstep):
+    """:class:`Lockstep` with ``set_pause_state`` sent to every target and the polled counts
+    compared after every operation."""
+
+    pause_state = PauseState.UNPAUSED
+
+    def set_pause_state(self, state: PauseState) -> None:
+        for t in self.targets.values():
+            t.set_pause_state(state)
+        self.pause_state = state
+        self.num_steps += 1
+        COVERAGE[f"pause_set_{state.name.lower()}"] += 1
+        self.compare(f"set_pause_state({state.name})")
+
+    def schedule(self):
+        snap = self.last_snapshot
+        out = super().schedule()
+        if snap is not None and self.pause_state == PauseState.PAUSED_ALL and snap.running:
+            COVERAGE["paused_all_held_running"] += 1
+        if snap is not None and self.pause_state == PauseState.PAUSED_NEW:
+            COVERAGE["paused_new_held_waiting"] += bool(snap.waiting)
+            COVERAGE["paused_new_scheduled_running"] += bool(out.scheduled)
+            COVERAGE["paused_new_preempted"] += bool(out.preempted_req_ids)
+        return out
+
+    def compare(self, what: str) -> None:
+        super().compare(what)
+        (n0, p0), *rest = ((name, polled(t)) for name, t in self.targets.items())
+        for name, p in rest:
+            if p != p0:
+                _diverge(f"after {what} (step {self.num_steps}): polled counts differ (request counts, unfinished, has finished, "
+                         f"kv cache usage) {n0}: {p0}, {name}: {p}",
+                         f"after {what}: polled counts differ")
+
+
+class PauseMachine(SchedulerMachine):
+    """The scheduler machine with pause states."""
+
+    driver_class: type = PauseLockstep
+
+    @rule(state=st.sampled_from(PAUSE_DRAWS))
+    def set_pause_state(self, state):
+        self.driver.set_pause_state(state)
+
+    @precondition(lambda self: self.driver.last_snapshot is not None and self.driver.last_snapshot.running)
+    @rule(state=st.sampled_from((PauseState.PAUSED_NEW, PauseState.PAUSED_ALL)))
+    def pause_while_running(self, state):
+        """A pause while requests run: what it must hold (their blocks, their growth) is there.
+        Pauses drawn at any time mostly land on an idle or a waiting-only engine."""
+        self.driver.set_pause_state(state)
+
+    def teardown(self):
+        driver = getattr(self, "driver", None)
+        if driver is not None and driver.pause_state != PauseState.UNPAUSED:
+            driver.set_pause_state(PauseState.UNPAUSED)  # the engine resumes; then the liveness drain
+        super().teardown()
+
+
+def pause_setups():
+    """The main machine's setups, or tight PRIORITY pools (under PAUSED_NEW running requests still
+    grow: on a tight pool they preempt, and the victims may not come back until the pause ends)."""
+    return st.one_of(scheduler_setups(), scheduler_setups(policy=PRIORITY, tight=True))
+
+
+def run_pause_machine(examples: int, reproducible: bool = False, shrink: bool = True,
+                      seed: int | None = None) -> SchedulerRun:
+    """The reference scheduler in lock step with vLLM 0.33.0's on :class:`PauseMachine` traces (at
+    least 30 operations each; liveness drained at teardown after resuming)."""
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+
+    env = VllmEnv()
+    factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
+                                      "ref": lambda p, c: Scheduler(p, c)}
+    drivers: list[Lockstep] = []
+
+    class Counting(PauseLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    base = machine_with(factories, setups=pause_setups(), name="PauseBase")
+    machine = type("PauseRun", (PauseMachine, base), {"driver_class": Counting})
+    COVERAGE.clear()
+    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                            reproducible=reproducible, shrink=shrink)
+    valid = [d for d in drivers if d.num_steps >= 30]
+    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
+                        coverage=dict(COVERAGE), failure=failure, signature=sig)
