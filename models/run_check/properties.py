@@ -137,9 +137,13 @@ class RunProperties:
         self.connector = has_connector or any(u.startswith(("kv_connector", "ec_connector")) for u in unmodelled)
         self.fences = Fences(defers_frees(header))
         #: finished requests whose connector delays the free (sending) -> the block ids per group it
-        #: was handed (vLLM clips the table first: blocks outside it are freed at the finish)
+        #: was handed: vLLM frees the blocks a windowed group skipped (null there) at the finish and
+        #: keeps every other block, those past a table the connector got cut short included
         self.delayed: dict[str, list] = {}
         self.loading: set[str] = set()  # requests waiting for an asynchronous load into their blocks
+        #: request -> the table request_finished was handed (any finish): blocks a windowed group
+        #: skipped show as null there and are freed at once, even when the rest is parked
+        self.clipped: dict[str, list] = {}
         self.parked: dict[str, list] = {}  # pseudo-holder -> [(block, group, position)]
         self.local_hit: dict[str, int] = {}  # the block-aligned local hit the connector was asked with
         #: format-4 connector runs: vLLM records a request's prefix-cache lookup at its admission
@@ -237,12 +241,15 @@ class RunProperties:
         moved = self.parked.setdefault(key, []) if key is not None else None
         if key is not None:
             self.stats["parked_" + key[len(_PARKED_PREFIX):].split(":", 1)[0]] += 1
-        kept = self.delayed.get(rid) if key is not None and key.startswith(parked_key("sending", "")) else None
+        kept = self.clipped.get(rid) if key is not None else None
         for g, table in enumerate(r.tables):
             for idx, b in enumerate(table):
                 if b:
-                    if moved is not None and (kept is None or (g < len(kept) and b in kept[g])):
-                        holders = self.owners[b]
+                    holders = self.owners.get(b)
+                    if holders is None or (rid, g) not in holders:
+                        continue  # never owned (out of the pool: reported) or given up behind a window
+                    if moved is not None and not (kept is not None and g < len(kept) and idx < len(kept[g])
+                                                  and not kept[g][idx]):
                         holders.pop((rid, g), None)
                         holders[(key, g)] = idx
                         moved.append((b, g, idx))
@@ -327,8 +334,10 @@ class RunProperties:
                 continue
             if e[0] == "m":
                 asked[e[1]] = int(e[2] or 0)
-            if e[0] == "f" and e[3]:
-                self.delayed[e[1]] = [set(g) for g in e[2]]
+            if e[0] == "f":
+                self.clipped[e[1]] = [list(g) for g in e[2]]
+                if e[3]:
+                    self.delayed[e[1]] = self.clipped[e[1]]
             elif e[0] == "m":
                 self.local_hit[e[1]] = int(e[2] or 0)
                 r = self.reqs.get(e[1])
@@ -345,6 +354,7 @@ class RunProperties:
         if rid not in self.delayed and rid not in self.loading:
             self.fences.forget(rid)
         self.local_hit.pop(rid, None)
+        self.clipped.pop(rid, None)
         if r.first_step < 0:
             self._note_wait(rid, self.step - r.arrival_step)
         self.waiting.pop(rid, None)
