@@ -102,12 +102,12 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
         return super().pop_blocks_for_free(request_id)
 
     def check_invariants(self) -> None:
-        """H1: a hot region is empty or at most ``blocks_per_request`` blocks, all real blocks of
+        """M14: a hot region is empty or at most ``blocks_per_request`` blocks, all real blocks of
         this group's pool still referenced. (A running cold request has no table here, unlike the
         base's M2: vLLM creates it only with the region.)"""
         for rid, table in self.req_to_blocks.items():
             assert len(table) <= self.blocks_per_request, \
-                f"H1: request {rid} holds {len(table)} hot blocks > blocks_per_request {self.blocks_per_request}"
+                f"M14: request {rid} holds {len(table)} hot blocks > blocks_per_request {self.blocks_per_request}"
             for block in table:
                 assert not block.is_null and self.block_pool.blocks[block.block_id] is block and block.ref_cnt > 0, \
-                    f"H1: request {rid}'s hot region holds block {block.block_id}: null, foreign or free"
+                    f"M14: request {rid}'s hot region holds block {block.block_id}: null, foreign or free"

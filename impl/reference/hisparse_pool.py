@@ -139,7 +139,7 @@ class HiSparsePool:
         )
 
     def check_invariants(self) -> None:
-        """Each pool's own rules, each manager's, and H3: every block's reference count equals the
+        """Each pool's own rules, each manager's, and M16: every block's reference count equals the
         tables reading it (resident groups: their residency rows; no unpinning is modelled, so
         read means referenced)."""
         self.gpu_pool.check_invariants()
@@ -158,4 +158,4 @@ class HiSparsePool:
             for b in pool.blocks:
                 if not b.is_null:
                     assert b.ref_cnt == held.get(b.block_id, 0), \
-                        f"H3: block {b.block_id} has ref_cnt {b.ref_cnt} but {held.get(b.block_id, 0)} tables hold it"
+                        f"M16: block {b.block_id} has ref_cnt {b.ref_cnt} but {held.get(b.block_id, 0)} tables hold it"

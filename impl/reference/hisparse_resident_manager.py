@@ -137,13 +137,15 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
         return [changes.get(i, b) for i, b in enumerate(table, start)]
 
     def check_invariants(self) -> None:
-        """M1-M9 of the base, and H2: residency changes name pages inside their request's table."""
+        """I1 (table blocks belong to this group's pool) and M15: residency changes name pages
+        inside their request's table. Not the base's I9: in vLLM a page the HiSparse coordinator
+        unpinned stays in the append-only table with ref_cnt 0 (its residency row reads null)."""
         for rid, table in self.req_to_blocks.items():
             for block in table:
                 assert self.block_pool.blocks[block.block_id] is block, \
                     f"I1: request {rid} holds block {block.block_id} of another pool"
         for rid, changes in self.residency_changes.items():
-            assert rid in self.req_to_blocks, f"H2: residency changes for unknown request {rid}"
+            assert rid in self.req_to_blocks, f"M15: residency changes for unknown request {rid}"
             n = len(self.req_to_blocks[rid])
             assert all(0 <= i < n for i in changes), \
-                f"H2: request {rid}'s residency changes {sorted(changes)} fall outside its {n} pages"
+                f"M15: request {rid}'s residency changes {sorted(changes)} fall outside its {n} pages"
