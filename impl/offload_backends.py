@@ -109,7 +109,9 @@ class OffloadingReferenceBackend(ReferenceEngine):
     def __init__(self, cfg: Any) -> None:
         groups = cfg.kvref_groups()
         self.mgr = kvref_kv_cache_manager(cfg, groups)
-        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy)
+        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy,
+                                            store_threshold=max(1, getattr(cfg, "store_threshold", 1)),
+                                            max_tracker_size=getattr(cfg, "max_tracker_size", 64_000))
         self.conn = OffloadingConnectorScheduler([g.kv_cache_spec for g in groups], self.manager, cfg.block_size,
                                                  cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
                                                  block_hasher=self.mgr.block_hashes)

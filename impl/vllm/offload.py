@@ -192,7 +192,9 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
 
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         groups = kcfg.kv_cache_groups
-        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy)
+        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy,
+                                store_threshold=getattr(cfg, "store_threshold", 0),
+                                max_tracker_size=getattr(cfg, "max_tracker_size", 64_000))
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             get_sliding_window_size_in_chunks,
         )

@@ -94,6 +94,8 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
         kv_connector_extra_config={"cpu_bytes_to_use": chunk * cfg.num_cpu_chunks,
                                    "blocks_per_chunk": cfg.blocks_per_chunk, "eviction_policy": cfg.cache_policy,
                                    "offload_prompt_only": cfg.offload_prompt_only,
+                                   "store_threshold": getattr(cfg, "store_threshold", 0),
+                                   "max_tracker_size": getattr(cfg, "max_tracker_size", 64_000),
                                    "canonical_layout": canonical_layout,
                                    "spec_name": SPEC_NAME, "spec_module_path": MODULE_PATH})
     return vc

@@ -50,6 +50,11 @@ class OffloadingConfig:
     # sliding-window spec; the offload window and the store mask widen by it (PR 41228).
     extra_retained_tokens: int = 0
     attention_chunk_size: int | None = None  # adds a chunked-local group (Llama 4; PR 51161)
+    # The CPU manager's admission filter (kv_connector_extra_config ``store_threshold`` /
+    # ``max_tracker_size``): a chunk is stored only once offered that many times, offers counted in
+    # an LRU table of at most that many keys; below 2 (vLLM's default 0) no filter.
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -77,7 +82,9 @@ class OffloadingConfig:
         * sliding windows of 1-5 chunks (a miss inside a window-long run matters only from 2 on),
           with MTP's ``extra_retained_tokens`` one time in two;
         * a chunked-local group one time in three (alone beside full attention, or with the SWA
-          group).
+          group);
+        * the CPU manager's store threshold (2 or 3 offers) one time in four, its tracker from a
+          handful of keys (offers age out) to roomy.
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -94,6 +101,9 @@ class OffloadingConfig:
         # Every group draws from the one GPU pool: room for a prompt in each windowed group too.
         windowed = (base["sliding_window"] is not None) + ("attention_chunk_size" in base)
         base["num_gpu_blocks"] += sub.randint(3, 6) * windowed
+        if sub.random() < 1 / 4:
+            base["store_threshold"] = sub.choice([2, 3])
+            base["max_tracker_size"] = sub.choice([3, 6, 64_000])
         return cls(**base)
 
 
