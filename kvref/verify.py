@@ -124,8 +124,9 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     @given(case=plan_cases())
     def agree(case):
         ran[0] += 1
-        theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
-        ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
+        theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens,
+                              case.kv_cache_layout)
+        ours = kvref_outcome(planner, case.layers, case.config, case.available_memory, case.kv_cache_layout)
         assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
         for name, want in theirs.fields.items():
             assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from .block_sizes import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 from .config import EngineConfig
 from .errors import InvalidFieldError, check_int
-from .grouping import check_exact_partition, get_kv_cache_groups, validate_layers
+from .grouping import check_exact_partition, validate_layers
 from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 from .pool_sizing import (
     auto_fit_max_model_len,
@@ -39,6 +39,7 @@ from .pool_sizing import (
     needed_bytes_for,
     pool_bytes_per_block,
 )
+from .planning_packed import DEFAULT_KV_CACHE_LAYOUT, check_layout, get_kv_cache_groups_for_layout, validate_kv_cache_layout
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class KVCachePlan:
     max_in_flight_tokens: int
     enable_caching: bool
     config: EngineConfig = field(repr=False)
+    kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT
 
     @property
     def num_usable_blocks(self) -> int:
@@ -212,7 +214,8 @@ def scheduler_view(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[KVCacheGroupSp
     return tuple(out)
 
 
-def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, available_memory: int) -> KVCachePlan:
+def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, available_memory: int, *,
+                  kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT) -> KVCachePlan:
     """Size the KV cache pool for ``layers`` (layer name → spec, model order) as vLLM 0.33.0 does.
 
     Args:
@@ -221,10 +224,13 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
         config: engine settings; ``max_model_len="auto"`` (or -1) auto-fits.
         available_memory: bytes the profiler left for the KV cache (ignored for the block count
             when ``num_gpu_blocks_override`` is set, exactly as in vLLM).
+        kv_cache_layout: vLLM's resolved ``cache_config.kv_cache_layout`` (``VLLM_KV_CACHE_LAYOUT``);
+            block-outermost layouts (``BLHNC``, ``BLNHC``, ``BHLNC``) pack mixed page sizes
+            (:mod:`kvref.spec.planning_packed`).
 
     Raises:
-        InvalidFieldError: bad input, an invalid ``prefix_match_unit``, or a sliding-window layer
-            with DCP > 1.
+        InvalidFieldError: bad input, an invalid ``prefix_match_unit``, a sliding-window layer
+            with DCP > 1, or a ``kv_cache_layout`` that cannot express mixed page sizes.
         KVCacheGroupingError: layers vLLM cannot group.
         InsufficientKVCacheError: the pool cannot hold one ``max_model_len`` request (or, with
             auto-fit, a single token); ``estimated_max_model_len`` says what would fit.
@@ -233,9 +239,11 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
         raise InvalidFieldError("config", config, "an EngineConfig")
     check_int("available_memory", available_memory, minimum=0)
     layers = validate_layers(layers)
+    check_layout(kv_cache_layout)
 
-    groups = get_kv_cache_groups(layers, config.disable_hybrid_kv_cache_manager)
+    groups = get_kv_cache_groups_for_layout(layers, config.disable_hybrid_kv_cache_manager, kv_cache_layout)
     check_exact_partition(groups, layers)
+    validate_kv_cache_layout(kv_cache_layout, groups)  # vLLM: in the first block-size probe
     bpb = pool_bytes_per_block(groups)
     memory = available_memory
     if config.num_gpu_blocks_override is not None:
@@ -272,4 +280,4 @@ def plan_kv_cache(layers: Mapping[str, KVCacheSpec], config: EngineConfig, avail
         max_concurrency=concurrency,
         kv_cache_size_tokens=int(concurrency * max_model_len) if concurrency != float("inf") else -1,
         max_servable_len=servable, max_in_flight_tokens=config.max_in_flight_tokens,
-        enable_caching=config.enable_prefix_caching, config=config)
+        enable_caching=config.enable_prefix_caching, config=config, kv_cache_layout=kv_cache_layout)

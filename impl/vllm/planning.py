@@ -108,8 +108,9 @@ class VllmPlanner:
     # -- one plan ---------------------------------------------------------------------------
 
     def plan(self, layers: dict[str, KVCacheSpec], config: EngineConfig, available_memory: int,
-             extra_retained_tokens: int) -> Outcome:
+             extra_retained_tokens: int, kv_cache_layout: str = "LBNHC") -> Outcome:
         self.configure(config)
+        self.vc.cache_config.kv_cache_layout = kv_cache_layout  # VLLM_KV_CACHE_LAYOUT
         specs = {n: self.to_vllm(s) for n, s in layers.items()}
         vc, planning, utils = self.vc, self.planning, self.utils
         cls = type(vc)
@@ -129,11 +130,15 @@ class VllmPlanner:
             alignment = utils.resolve_cache_hit_alignment_tokens(sched, vc, sbs, hbs)
         except ValueError as exc:
             return self._classify(exc)
-        except NotImplementedError:
+        except (NotImplementedError, StopIteration):  # StopIteration: an empty packed group (planning_packed)
             return Outcome("grouping")
         except AssertionError as exc:
+            if "KV cache groups miss layers" in str(exc):  # a packed split that drops layers
+                return Outcome("grouping")
             if "DCP not support sliding window" in str(exc):
                 return Outcome("invalid", "dcp_world_size")
+            if "Page padding requires dimensions" in str(exc):
+                return Outcome("invalid", "kv_cache_layout")
             raise
         finally:
             cls.num_prefill_lookahead_tokens = saved
@@ -170,17 +175,19 @@ class VllmPlanner:
             return Outcome("insufficient", InsufficientKVCacheError.AUTO_FIT_FAILED, 0)
         if msg.startswith("Invalid prefix_match_unit"):
             return Outcome("invalid", "prefix_match_unit")
+        if msg.startswith("KV cache layout") and "cannot express" in msg:
+            return Outcome("invalid", "kv_cache_layout")
         if "same window size" in msg or "Failed to promote" in msg:
             return Outcome("grouping")
         raise exc
 
 
-def kvref_outcome(planner: VllmPlanner, layers, config, available_memory) -> Outcome:
+def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:
     """kvref's plan in the same normalised form (specs converted to vLLM's for comparison)."""
     from kvref.spec import plan_kv_cache
 
     try:
-        plan = plan_kv_cache(layers, config, available_memory)
+        plan = plan_kv_cache(layers, config, available_memory, kv_cache_layout=kv_cache_layout)
     except InsufficientKVCacheError as exc:
         return Outcome("insufficient", exc.reason, exc.estimated_max_model_len)
     except KVCacheGroupingError:

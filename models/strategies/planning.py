@@ -26,12 +26,14 @@ from kvref.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kvref.spec.grouping import get_kv_cache_groups
+from kvref.spec.planning_packed import get_kv_cache_groups_for_layout
 from kvref.spec.pool_sizing import group_blocks_per_request, pool_bytes_per_block
 
 #: dtypes whose vLLM storage types are distinct (all fp8 spellings are uint8 in vLLM)
 DTYPES = ("float16", "bfloat16", "float32", "fp8", "int8")
-FAMILIES = ("uniform", "uniform_type", "fa_swa", "fa_chunked", "mla", "mamba", "cross", "random")
+FAMILIES = ("uniform", "uniform_type", "fa_swa", "fa_chunked", "mla", "mamba", "cross", "packed", "random")
+#: vLLM's layouts (``VLLM_KV_CACHE_LAYOUT``); LBNHC is the default, block-outermost ones pack pages
+LAYOUTS = ("LBNHC",) * 4 + ("BLHNC",) * 3 + ("BLNHC", "BHLNC", "LBHNC", "LHBNC")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PlanCase:
     config: EngineConfig
     available_memory: int
     extra_retained_tokens: int
+    kv_cache_layout: str = "LBNHC"
 
 
 def _name(i: int) -> str:
@@ -131,6 +134,29 @@ def layer_sets(draw, family: str | None = None, mamba_mode: str = "none") -> tup
                                    head_size=full.head_size, dtype=dtype, dcp_sharded=full.dcp_sharded)
         n = draw(st.integers(1, 8))
         specs = [full] * n + [cross] * draw(st.integers(max(1, n - 2), n + 2))
+    elif family == "packed":
+        # a repeating pattern of layers with different page sizes (DeepSeek-V4-like indexer next to
+        # attention, Gemma-like head sizes per layer kind): what block-outermost layouts pack
+        bs = draw(st.sampled_from((16, 32, 64)))
+        kinds = draw(st.lists(st.sampled_from(("full", "swa", "mla", "mamba")), min_size=2, max_size=3))
+        pattern = []
+        for kind in kinds:
+            # two layers of a kind usually differ in heads: one bucket holding two page sizes
+            for heads in draw(st.sampled_from(((None,), (1, 4), (2, 8), (None, None)))):
+                kw = draw(attn_kw(dtype=dtype, block_size=bs))
+                if heads is not None:
+                    kw["num_kv_heads"] = heads
+                if kind == "full":
+                    pattern.append(FullAttentionSpec(**kw))
+                elif kind == "swa":
+                    pattern.append(SlidingWindowSpec(**kw, sliding_window=draw(st.sampled_from((128, 1024)))))
+                elif kind == "mla":
+                    pattern.append(MLAAttentionSpec(block_size=bs, num_kv_heads=1,
+                                                    head_size=draw(st.sampled_from((576, 128))), dtype=dtype))
+                else:
+                    pattern.append(draw(mamba_spec(bs, mamba_mode)))
+        for _ in range(draw(st.integers(1, 6))):
+            specs += pattern if draw(st.integers(0, 4)) else [draw(st.sampled_from(pattern))]
     else:  # random: tiny parameters, every kind
         for _ in range(draw(st.integers(1, 10))):
             kw = dict(block_size=draw(st.sampled_from((1, 2, 4, 8, 16))), num_kv_heads=draw(st.integers(1, 3)),
@@ -161,10 +187,10 @@ def with_extra_retained(layers: dict[str, KVCacheSpec], extra: int) -> dict[str,
             for n, s in layers.items()}
 
 
-def _blocks_needed(layers, config) -> tuple[int, int] | None:
+def _blocks_needed(layers, config, layout: str = "LBNHC") -> tuple[int, int] | None:
     """(bytes per block, blocks one request needs) by kvref, or None when that cannot be computed."""
     try:
-        groups = get_kv_cache_groups(layers, config.disable_hybrid_kv_cache_manager)
+        groups = get_kv_cache_groups_for_layout(layers, config.disable_hybrid_kv_cache_manager, layout)
         m = config.resolved_max_model_len
         return pool_bytes_per_block(groups), sum(group_blocks_per_request(g.kv_cache_spec, config, m)
                                                  for g in groups)
@@ -202,7 +228,9 @@ def plan_cases(draw, family: str | None = None) -> PlanCase:
     # they normally agree, sometimes let them differ
     config_mode = mamba_mode if draw(st.integers(0, 6)) else draw(st.sampled_from(("none", "align", "all")))
     config = draw(engine_configs(config_mode))
-    need = _blocks_needed(layers, config)
+    # packed layer sets mostly under the block-outermost layouts that pack them
+    layout = draw(st.sampled_from(("BLHNC", "BLNHC") if family == "packed" and draw(st.integers(0, 3)) else LAYOUTS))
+    need = _blocks_needed(layers, config, layout)
     if need is None or draw(st.integers(0, 4)) == 0:
         memory = draw(st.integers(0, 1 << 34))
     else:
@@ -211,4 +239,4 @@ def plan_cases(draw, family: str | None = None) -> PlanCase:
         memory = max(memory, 0)
         if draw(st.integers(0, 3)) == 0:
             config = replace(config, num_gpu_blocks_override=max(1, blocks + 1 + draw(st.integers(-2, 2))))
-    return PlanCase(family, layers, config, memory, extra)
+    return PlanCase(family, layers, config, memory, extra, layout)

@@ -49,8 +49,9 @@ def _compare(ours: Outcome, theirs: Outcome, case) -> None:
 
 
 def _run(planner: VllmPlanner, case) -> Outcome:
-    theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
-    ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
+    theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens,
+                          case.kv_cache_layout)
+    ours = kvref_outcome(planner, case.layers, case.config, case.available_memory, case.kv_cache_layout)
     _compare(ours, theirs, case)
     SEEN[(case.family, ours.status)] += 1
     return ours

@@ -822,6 +822,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         dtypes,
         grouping,
         planning,
+        planning_packed,
         pool_sizing,
     )
     from kvref.spec import kv_cache_interface as kci
@@ -888,6 +889,18 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             why="a fuzzed pool", num_blocks=9, groups=groups, max_model_len=32, scheduler_block_size=4,
             hash_block_size=4)),
         "scheduler_view": (planning.scheduler_view, dict(groups=groups)),
+        # spec: block-outermost layouts and packed grouping (#22)
+        "planning_packed.check_layout": (planning_packed.check_layout, dict(layout="BLHNC")),
+        "planning_packed.is_block_outermost": (planning_packed.is_block_outermost, dict(layout="BLHNC")),
+        "planning_packed.is_block_compact": (planning_packed.is_block_compact, dict(layout="BLHNC")),
+        "planning_packed.is_layer_compact": (planning_packed.is_layer_compact, dict(layout="BLHNC")),
+        "planning_packed.approximate_gcd": (planning_packed.approximate_gcd, dict(values=[4, 6], lower_bound=2)),
+        "planning_packed.get_packed_kv_cache_groups": (planning_packed.get_packed_kv_cache_groups,
+                                                       dict(layers=layers)),
+        "planning_packed.get_kv_cache_groups_for_layout": (planning_packed.get_kv_cache_groups_for_layout, dict(
+            layers=layers, disable_hybrid_kv_cache_manager=False, layout="BLHNC")),
+        "planning_packed.validate_kv_cache_layout": (planning_packed.validate_kv_cache_layout,
+                                                     dict(layout="BLHNC", groups=groups)),
         "pool_bytes_per_block": (pool_sizing.pool_bytes_per_block, dict(groups=groups)),
         "auto_fit_max_model_len": (pool_sizing.auto_fit_max_model_len, dict(
             groups=groups, config=eng, check_memory=1 << 20, original_max_model_len=64)),
@@ -939,6 +952,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "liveness_guaranteed": (scheduler_liveness.liveness_guaranteed, dict(pool=pc, config=sc)),
         "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
+        "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
         # offload keys and lookups
         "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),
@@ -952,7 +966,6 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
         "offloading_kv_events": (offload_events.offloading_kv_events, dict(
-        "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
             events=[OffloadingEvent([keys.make_offload_key(H[0], 0)], removed=True)], use_int=True)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,
                                                                                            tokens_per_chunk=4)),
