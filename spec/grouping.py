@@ -15,8 +15,9 @@ ladder, in vLLM's order:
    (:func:`group_layers_with_uniform_page_size`). If the pages cannot be unified, MLA next to
    plain sliding-window layers falls back to one full-allocation group; anything else fails.
 
-Only the layer-outermost layout (vLLM's default ``LBNHC``) is modelled, so vLLM's packed
-block-outermost grouping and hidden-state cache groups never apply (see docs/differences.md).
+This is the ladder under the layer-outermost layouts (vLLM's default ``LBNHC``); block-outermost
+layouts try vLLM's packed grouping before step 4 (:mod:`kvref.spec.planning_packed`). Hidden-state
+cache groups are not modelled (see docs/differences.md).
 """
 
 from __future__ import annotations

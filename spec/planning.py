@@ -16,8 +16,9 @@ Replays ``EngineCore._initialize_kv_caches`` → ``get_global_kv_cache_groups`` 
 8. the scheduler's view of the groups, max concurrency, and the scheduler/hash block sizes
    (vLLM #44165).
 
-One worker, no pipeline parallelism, layer-outermost layout (vLLM's default ``LBNHC``); what is
-not modelled is listed in docs/differences.md.
+One worker, no pipeline parallelism; any of vLLM's six ``KVCacheLayout``s (default ``LBNHC``;
+block-outermost ones pack mixed page sizes, :mod:`kvref.spec.planning_packed`); what is not
+modelled is listed in docs/differences.md.
 """
 
 from __future__ import annotations
