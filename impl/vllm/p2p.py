@@ -20,6 +20,10 @@ Determinism, without sleeps that race:
   manager polls, its ROUTER is pre-read until it holds every message sent to it (a bounded wait,
   :data:`WIRE_TIMEOUT_S`, failing with :class:`WireTimeout` naming the pair). A poll therefore
   sees exactly the messages the reference's FIFO network delivers.
+* **Reconnects** are never refused: a closing DEALER waits until the peer's ROUTER has read what it
+  sent and no longer routes to its identity (``_CountingDealer.close``).
+* **Teardown** releases everything: :meth:`VllmP2PWorld.close` destroys every ZMQ context with
+  linger 0, so no context is left for the garbage collector to ``term()`` mid-run (issue #22).
 """
 
 from __future__ import annotations
