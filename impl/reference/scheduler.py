@@ -68,6 +68,10 @@ from kvref.impl.scheduler_types import (
     SpecDecodingStats,
 )
 
+#: the ``PrefixCacheStats`` fields ``make_stats`` reports (vLLM's, ``hits_by_source`` aside: connectors)
+PREFIX_CACHE_STATS_FIELDS = ("reset", "requests", "queries", "hits", "preempted_requests", "preempted_queries",
+                             "preempted_hits")
+
 # Generative models sample one token per step (vLLM ``num_sampled_tokens_per_step``).
 NUM_SAMPLED_TOKENS_PER_STEP = 1
 
@@ -92,6 +96,15 @@ def _cache_blocks(kv, request: Request, num_computed_tokens: int) -> None:
         manager.coordinator.cache_blocks(request, manager.block_hashes(request), num_computed_tokens)
 
 
+def _record_prefix_cache_stats(kv, request: Request, num_hits: int) -> None:
+    """vLLM records a waiting request's local prefix-cache lookup at admission only ("so
+    unscheduled lookups are not counted"): a request the loop stops at is counted when it is
+    admitted, once. Managers without stats (vLLM-twin test doubles) record nothing."""
+    record = getattr(kv, "record_prefix_cache_stats", None)
+    if record is not None:
+        record(request, num_hits)
+
+
 class Scheduler:
     """vLLM's scheduler loop over any :class:`~kvref.impl.interface.KVCacheManagerLike`.
 
@@ -102,11 +115,14 @@ class Scheduler:
             cap differently from what the scheduler keeps in flight).
         config: scheduler settings.
         kv_cache_manager: the manager to drive (default: the reference ``KVCacheManager(pool)``).
+        record_prefix_cache_stats: record each admission's prefix-cache lookup in the manager's
+            stats (what ``make_stats`` reports), as vLLM's scheduler does.
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
                  kv_cache_manager: KVCacheManagerLike | None = None,
-                 connector: _conn.ScriptedConnector | None = None) -> None:
+                 connector: _conn.ScriptedConnector | None = None,
+                 record_prefix_cache_stats: bool = False) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -117,8 +133,14 @@ class Scheduler:
         if config.long_prefill_token_threshold > pool.max_model_len:
             raise InvalidFieldError("long_prefill_token_threshold", config.long_prefill_token_threshold,
                                     f"at most max_model_len={pool.max_model_len}")
+        if not isinstance(record_prefix_cache_stats, bool):
+            raise InvalidFieldError("record_prefix_cache_stats", record_prefix_cache_stats, "True or False")
         self.pool = pool
         self.config = config
+        # vLLM's scheduler records each admission's prefix-cache lookup in its KV cache manager
+        # (``make_stats``). Off by default: the check-run replay (models/run_check/replay.py)
+        # records at the same point itself, and would count every admission twice.
+        self.records_prefix_cache_stats = record_prefix_cache_stats
         self.max_model_len = pool.max_model_len
         self.kv_cache_manager = kv_cache_manager if kv_cache_manager is not None else _default_kv_cache_manager(pool)
         self.requests: dict[str, Request] = {}  # live requests (finished ones are dropped)
@@ -348,6 +370,8 @@ class Scheduler:
                 has_scheduled_reqs=bool(self.running))
             if blocks is None:
                 break  # head-of-line: the requests behind it are not tried this step
+            if self.records_prefix_cache_stats:
+                _record_prefix_cache_stats(kv, request, num_hit)
 
             self.waiting.pop_request()
             self.running.append(request)
@@ -569,6 +593,19 @@ class Scheduler:
         if self.connector_state is None:
             return False
         return len(self.requests) > sum(self.get_request_counts())
+
+    def make_stats(self) -> dict:
+        """The KV-cache part of vLLM's ``make_stats`` (``SchedulerStats`` with ``log_stats``):
+        request counts, ``kv_cache_usage`` and the prefix-cache stats since the last call (which
+        this call resets, as vLLM's does); None without ``pool.log_stats``."""
+        make = getattr(self.kv_cache_manager, "make_prefix_cache_stats", None)
+        stats = make() if make is not None and self.pool.log_stats else None
+        if stats is None:
+            return None
+        num_running, num_waiting = self.get_request_counts()
+        return {"num_running_reqs": num_running, "num_waiting_reqs": num_waiting,
+                "kv_cache_usage": self.get_kv_cache_usage(),
+                "prefix_cache_stats": {f: stats[f] for f in PREFIX_CACHE_STATS_FIELDS}}
 
     def get_kv_cache_usage(self) -> float:
         """vLLM ``get_kv_cache_usage`` (the ``kv_cache_usage`` of its ``SchedulerStats``): the

@@ -467,6 +467,9 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         if blocks is None:
             break  # head-of-line, as without a connector
         conn.update_state_after_alloc(rid, _block_ids(sched, rid), num_external)
+        record = getattr(kv, "record_prefix_cache_stats", None) if sched.records_prefix_cache_stats else None
+        if hit_ids is not None and record is not None:  # a fresh local lookup, recorded at admission as vLLM does
+            record(request, num_local)
 
         if load_async:
             st.loading.add(rid)

@@ -192,8 +192,8 @@ class VllmScheduler:
             finally:
                 vc.scheduler_config.scheduler_cls = None  # the env is shared
             extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
-        if scheduler_cls is None and config.num_speculative_tokens:
-            extra["log_stats"] = True  # SpecDecodingStats are only made with stats on
+        if scheduler_cls is None and (config.num_speculative_tokens or pool.log_stats):
+            extra["log_stats"] = True  # SpecDecodingStats and prefix-cache stats are only made with stats on
         saved_events_config = vc.kv_events_config
         saved_transfer_config = vc.kv_transfer_config
         if connector is not None:  # kvref's scripted connector, built by vLLM's factory by name
@@ -334,6 +334,18 @@ class VllmScheduler:
 
     def get_kv_cache_usage(self) -> float:
         return self.scheduler.get_kv_cache_usage()
+
+    def make_stats(self) -> dict | None:
+        """The KV-cache part of vLLM's ``Scheduler.make_stats()`` (None without ``log_stats``), in
+        the reference's form (:meth:`kvref.impl.reference.scheduler.Scheduler.make_stats`)."""
+        from kvref.impl.reference.scheduler import PREFIX_CACHE_STATS_FIELDS
+
+        stats = self.scheduler.make_stats()
+        if stats is None:
+            return None
+        return {"num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+                "kv_cache_usage": stats.kv_cache_usage,
+                "prefix_cache_stats": {f: getattr(stats.prefix_cache_stats, f) for f in PREFIX_CACHE_STATS_FIELDS}}
 
     def take_published_kv_events(self) -> list[list[dict]]:
         """The ``KVEventBatch`` es vLLM's scheduler published since the last call (its

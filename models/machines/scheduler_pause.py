@@ -9,8 +9,10 @@ requests still grow (allocating, and preempting on the tight pools drawn here) w
 request is admitted, preempted ones included. After every operation, besides the main machine's
 snapshot (queues, request states, block ids, free queue), the driver compares what the engine
 polls: ``get_request_counts``, ``get_num_unfinished_requests`` (pause-aware: it decides when the
-engine loop idles), ``has_finished_requests`` and ``get_kv_cache_usage`` (the ``kv_cache_usage``
-of vLLM's ``SchedulerStats``).
+engine loop idles), ``has_finished_requests``, ``get_kv_cache_usage`` and the KV-cache part of
+``make_stats`` (pools built with ``log_stats``: request counts, ``kv_cache_usage``, and the
+prefix-cache stats recorded at admission since the last call: requests, queries and hits, new and
+preempted apart, and the reset flag).
 
 A separate machine (and a separate, small run) so that the main machine's rules draw nothing new:
 its derandomized traces, and the tests that assert rare paths on them, stay as they are.
@@ -18,6 +20,7 @@ its derandomized traces, and the tests that assert rare paths on them, stay as t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from hypothesis import strategies as st
@@ -43,7 +46,7 @@ PAUSE_DRAWS = (PauseState.UNPAUSED, PauseState.UNPAUSED, PauseState.PAUSED_NEW, 
 def polled(target) -> tuple:
     """What vLLM's engine core polls from its scheduler between steps."""
     return (tuple(target.get_request_counts()), target.get_num_unfinished_requests(),
-            target.has_finished_requests(), target.get_kv_cache_usage())
+            target.has_finished_requests(), target.get_kv_cache_usage(), target.make_stats())
 
 
 class PauseLockstep(Lockstep):
@@ -74,10 +77,15 @@ class PauseLockstep(Lockstep):
     def compare(self, what: str) -> None:
         super().compare(what)
         (n0, p0), *rest = ((name, polled(t)) for name, t in self.targets.items())
+        stats = p0[-1]
+        if stats is not None:
+            COVERAGE["stats_admissions_recorded"] += stats["prefix_cache_stats"]["requests"]
+            COVERAGE["stats_preempted_recorded"] += stats["prefix_cache_stats"]["preempted_requests"]
+            COVERAGE["stats_hits_recorded"] += stats["prefix_cache_stats"]["hits"] > 0
         for name, p in rest:
             if p != p0:
                 _diverge(f"after {what} (step {self.num_steps}): polled counts differ (request counts, unfinished, has finished, "
-                         f"kv cache usage) {n0}: {p0}, {name}: {p}",
+                         f"kv cache usage, stats) {n0}: {p0}, {name}: {p}",
                          f"after {what}: polled counts differ")
 
 
@@ -107,7 +115,8 @@ class PauseMachine(SchedulerMachine):
 def pause_setups():
     """The main machine's setups, or tight PRIORITY pools (under PAUSED_NEW running requests still
     grow: on a tight pool they preempt, and the victims may not come back until the pause ends)."""
-    return st.one_of(scheduler_setups(), scheduler_setups(policy=PRIORITY, tight=True))
+    drawn = st.one_of(scheduler_setups(), scheduler_setups(policy=PRIORITY, tight=True))
+    return drawn.map(lambda setup: (replace(setup[0], log_stats=True), setup[1]))  # make_stats compared
 
 
 def run_pause_machine(examples: int, reproducible: bool = False, shrink: bool = True,
@@ -119,7 +128,7 @@ def run_pause_machine(examples: int, reproducible: bool = False, shrink: bool = 
 
     env = VllmEnv()
     factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
-                                      "ref": lambda p, c: Scheduler(p, c)}
+                                      "ref": lambda p, c: Scheduler(p, c, record_prefix_cache_stats=True)}
     drivers: list[Lockstep] = []
 
     class Counting(PauseLockstep):

@@ -46,7 +46,8 @@ def test_pause_traces_match_vllm_and_reach_every_pause(vllm_scheduler):
     c = run.coverage
     assert run.traces >= 8
     for path in ("pause_set_paused_all", "pause_set_paused_new", "paused_all_held_running",
-                 "paused_new_held_waiting", "paused_new_scheduled_running"):
+                 "paused_new_held_waiting", "paused_new_scheduled_running", "stats_admissions_recorded",
+                 "stats_preempted_recorded", "stats_hits_recorded"):
         assert c.get(path, 0) > 0, (path, c)
 
 
@@ -81,6 +82,28 @@ def test_unfinished_count_that_ignores_the_pause_is_a_divergence(vllm_scheduler,
     run = run_pause_machine(profile_examples(10, 30), reproducible=True, shrink=False)
     assert not run.ok
     assert "differ" in run.failure, run.failure
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault", ["no_record", "hits_as_misses"])
+def test_prefix_cache_stats_vllm_records_wrongly_are_a_divergence(vllm_scheduler, monkeypatch, fault):
+    """vLLM's ``KVCacheManager.record_prefix_cache_stats`` planted to skip admissions, or to
+    count every hit as a miss: ``make_stats``' prefix-cache stats differ from the reference's."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvref.models.machines.scheduler_pause import run_pause_machine
+
+    original = KVCacheManager.record_prefix_cache_stats
+
+    def planted(self, request, num_hits):
+        if fault == "hits_as_misses":
+            original(self, request, 0)
+
+    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_stats", planted)
+    # 30 traces under every profile: hits are recorded mostly when resumed requests come back
+    run = run_pause_machine(30, reproducible=True, shrink=False)
+    assert not run.ok
+    assert "polled counts differ" in run.failure, run.failure
 
 
 @pytest.mark.parametrize("bad", [3, -1, True, "PAUSED_ALL", None, 1.0])
@@ -123,3 +146,30 @@ def test_a_pause_keeps_every_block_and_resuming_runs_on():
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a", "b"]
     sched.check_invariants()
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_make_stats_counts_admissions_only_when_the_scheduler_records(record):
+    """Reference alone: with ``record_prefix_cache_stats`` an admission's lookup is counted once
+    (a second request hits the first one's full blocks), and ``make_stats`` resets the counts."""
+    from dataclasses import replace
+
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.request import Request
+    from kvref.impl.scheduler_types import ModelOutput
+
+    base = _reference_scheduler()
+    sched = Scheduler(replace(base.pool, log_stats=True), base.config, record_prefix_cache_stats=record)
+    sched.add_request(Request("a", prompt_token_ids=list(range(9)), max_tokens=1))
+    out = sched.schedule()
+    sched.update_from_output(out, ModelOutput(sampled_token_ids={"a": [7]}))  # finishes: blocks cached
+    sched.add_request(Request("b", prompt_token_ids=list(range(9)), max_tokens=1))
+    sched.schedule()
+    stats = sched.make_stats()
+    assert stats["num_running_reqs"] == 1 and stats["num_waiting_reqs"] == 0
+    want = (2, 18, 8) if record else (0, 0, 0)
+    got = stats["prefix_cache_stats"]
+    assert (got["requests"], got["queries"], got["hits"]) == want, got
+    assert sched.make_stats()["prefix_cache_stats"]["requests"] == 0  # taken: reset
+    with pytest.raises(InvalidFieldError, match="record_prefix_cache_stats"):
+        Scheduler(base.pool, base.config, record_prefix_cache_stats="yes")
