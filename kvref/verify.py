@@ -114,7 +114,7 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
         return skipped
     from hypothesis import given
 
-    from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome
+    from kvref.impl.vllm.planning import VllmPlanner, kvref_outcome, kvref_per_layer_outcome
     from kvref.models.strategies.planning import plan_cases
 
     planner = VllmPlanner()
@@ -130,6 +130,10 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
         assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
         for name, want in theirs.fields.items():
             assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"
+        # vLLM's public per-layer check_enough_kv_cache_memory on the same layers and memory
+        theirs = planner.check_per_layer(case.layers, case.config, case.available_memory, case.kv_cache_layout)
+        ours = kvref_per_layer_outcome(case.layers, case.config, case.available_memory, case.kv_cache_layout)
+        assert ours.key() == theirs.key(), f"per-layer check: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
 
     failure = run_generated(agree, n, ctx.seed)
     if failure:

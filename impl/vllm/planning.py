@@ -163,6 +163,24 @@ class VllmPlanner:
             cache_hit_alignment_tokens=alignment, max_concurrency=concurrency,
             kv_cache_size_tokens=int(concurrency * mml)))
 
+    def check_per_layer(self, layers: dict[str, KVCacheSpec], config: EngineConfig, available_memory: int,
+                        kv_cache_layout: str = "LBNHC") -> Outcome:
+        """vLLM's public per-layer ``check_enough_kv_cache_memory(vllm_config, specs, memory)``."""
+        self.configure(config)
+        self.vc.cache_config.kv_cache_layout = kv_cache_layout
+        try:
+            self.planning.check_enough_kv_cache_memory(self.vc, {n: self.to_vllm(s) for n, s in layers.items()},
+                                                       available_memory)
+        except ValueError as exc:
+            return self._classify(exc)
+        except (NotImplementedError, StopIteration):
+            return Outcome("grouping")
+        except AssertionError as exc:
+            if "DCP not support sliding window" in str(exc):
+                return Outcome("invalid", "dcp_world_size")
+            raise
+        return Outcome("ok")
+
     @staticmethod
     def _classify(exc: ValueError) -> Outcome:
         msg = str(exc)
@@ -180,6 +198,21 @@ class VllmPlanner:
         if "same window size" in msg or "Failed to promote" in msg:
             return Outcome("grouping")
         raise exc
+
+
+def kvref_per_layer_outcome(layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:
+    """kvref's :func:`~kvref.spec.planning_per_layer_check.check_enough_kv_cache_memory_per_layer` verdict."""
+    from kvref.spec.planning_per_layer_check import check_enough_kv_cache_memory_per_layer
+
+    try:
+        check_enough_kv_cache_memory_per_layer(layers, config, available_memory, kv_cache_layout=kv_cache_layout)
+    except InsufficientKVCacheError as exc:
+        return Outcome("insufficient", exc.reason, exc.estimated_max_model_len)
+    except KVCacheGroupingError:
+        return Outcome("grouping")
+    except InvalidFieldError as exc:
+        return Outcome("invalid", exc.field)
+    return Outcome("ok")
 
 
 def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:

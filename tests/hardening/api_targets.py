@@ -823,6 +823,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         grouping,
         planning,
         planning_packed,
+        planning_per_layer_check,
         pool_sizing,
     )
     from kvref.spec import kv_cache_interface as kci
@@ -901,6 +902,14 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             layers=layers, disable_hybrid_kv_cache_manager=False, layout="BLHNC")),
         "planning_packed.validate_kv_cache_layout": (planning_packed.validate_kv_cache_layout,
                                                      dict(layout="BLHNC", groups=groups)),
+        "planning_per_layer_check.per_layer_memory_bytes": (planning_per_layer_check.per_layer_memory_bytes,
+                                                            dict(layers=layers, config=eng, max_model_len=64)),
+        "planning_per_layer_check.estimate_max_model_len_per_layer": (
+            planning_per_layer_check.estimate_max_model_len_per_layer,
+            dict(layers=layers, config=eng, available_memory=1 << 20, max_model_len=64)),
+        "planning_per_layer_check.check_enough_kv_cache_memory_per_layer": (
+            planning_per_layer_check.check_enough_kv_cache_memory_per_layer,
+            dict(layers=layers, config=eng, available_memory=1 << 20, kv_cache_layout="LBNHC")),
         "pool_bytes_per_block": (pool_sizing.pool_bytes_per_block, dict(groups=groups)),
         "auto_fit_max_model_len": (pool_sizing.auto_fit_max_model_len, dict(
             groups=groups, config=eng, check_memory=1 << 20, original_max_model_len=64)),
