@@ -21,4 +21,14 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not run.ok:
         return CheckResult(name, FAILED, "KV-connector traces diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)
-    return CheckResult(name, PASSED, run.summary, examined=run.traces)
+    # then pause states with a KV connector: PAUSED_NEW still admits KV-holding requests (#22)
+    from kvref.models.machines.scheduler_pause import run_connector_pause_machine
+
+    paused = run_connector_pause_machine(ctx.examples(4, 40), shrink=ctx.shrink, seed=ctx.seed)
+    if not paused.ok:
+        return CheckResult(name, FAILED, "KV-connector traces with pause states diverged from vLLM",
+                           details=paused.failure.splitlines()[:30], signature=paused.signature)
+    c = paused.coverage
+    return CheckResult(name, PASSED, run.summary + f"; {paused.traces} with pause states "
+                       f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held)",
+                       examined=run.traces + paused.traces)

@@ -49,9 +49,9 @@ def polled(target) -> tuple:
             target.has_finished_requests(), target.get_kv_cache_usage(), target.make_stats())
 
 
-class PauseLockstep(Lockstep):
-    """:class:`Lockstep` with ``set_pause_state`` sent to every target and the polled counts
-    compared after every operation."""
+class PauseDriving:
+    """Mixed into a lock-step driver: ``set_pause_state`` sent to every target and the polled
+    counts compared after every operation."""
 
     pause_state = PauseState.UNPAUSED
 
@@ -72,6 +72,7 @@ class PauseLockstep(Lockstep):
             COVERAGE["paused_new_held_waiting"] += bool(snap.waiting)
             COVERAGE["paused_new_scheduled_running"] += bool(out.scheduled)
             COVERAGE["paused_new_preempted"] += bool(out.preempted_req_ids)
+            COVERAGE["paused_new_admitted"] += any(x.kind != "running" for x in out.scheduled)  # KV-holding
         return out
 
     def compare(self, what: str) -> None:
@@ -87,6 +88,10 @@ class PauseLockstep(Lockstep):
                 _diverge(f"after {what} (step {self.num_steps}): polled counts differ (request counts, unfinished, has finished, "
                          f"kv cache usage, stats) {n0}: {p0}, {name}: {p}",
                          f"after {what}: polled counts differ")
+
+
+class PauseLockstep(PauseDriving, Lockstep):
+    """:class:`Lockstep` with pause states."""
 
 
 class PauseMachine(SchedulerMachine):
@@ -144,3 +149,72 @@ def run_pause_machine(examples: int, reproducible: bool = False, shrink: bool = 
     valid = [d for d in drivers if d.num_steps >= 30]
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
                         coverage=dict(COVERAGE), failure=failure, signature=sig)
+
+
+# ---- with a KV connector: PAUSED_NEW still admits requests holding KV blocks ----------------------
+def _connector_pause_machine(factories: dict[str, Callable], driver_class: type):
+    """:class:`~kvref.models.machines.scheduler_connector.ConnectorMachine` with the pause rules:
+    under PAUSED_NEW vLLM still drains ``kv_holding_waiting`` (async loads that finished, promoted
+    loads), and ``get_num_unfinished_requests`` counts them; delayed frees keep finished requests
+    in ``requests`` (``has_finished_requests``)."""
+    from kvref.models.machines.scheduler_connector import ConnectorMachine, connector_machine
+
+    class ConnectorPauseMachine(ConnectorMachine):
+        @rule(state=st.sampled_from(PAUSE_DRAWS))
+        def set_pause_state(self, state):
+            self.driver.set_pause_state(state)
+
+        @precondition(lambda self: self.driver.last_snapshot is not None and (
+            self.driver.last_snapshot.running or self.driver.last_snapshot.kv_holding_waiting))
+        @rule(state=st.sampled_from((PauseState.PAUSED_NEW, PauseState.PAUSED_ALL)))
+        def pause_while_running(self, state):
+            """A pause while requests run or hold KV blocks in the waiting queue."""
+            if self.driver.last_snapshot.kv_holding_waiting:
+                COVERAGE["paused_with_kv_holding_waiting"] += 1
+            self.driver.set_pause_state(state)
+
+        @precondition(lambda self: self.driver.last_snapshot is not None
+                      and self.driver.last_snapshot.kv_holding_waiting
+                      and self.driver.pause_state != PauseState.PAUSED_NEW)
+        @rule()
+        def pause_new_while_loading(self):
+            """PAUSED_NEW while requests wait holding KV blocks (loading, or loaded): the pause
+            must still let them in once their load finished, and only them."""
+            self.driver.set_pause_state(PauseState.PAUSED_NEW)
+
+        def teardown(self):
+            driver = getattr(self, "driver", None)
+            if driver is not None and driver.pause_state != PauseState.UNPAUSED:
+                driver.set_pause_state(PauseState.UNPAUSED)
+            super().teardown()
+
+    base = connector_machine(factories, name="ConnectorPauseBase")
+    return type("ConnectorPauseRun", (ConnectorPauseMachine, base), {"driver_class": driver_class})
+
+
+def run_connector_pause_machine(examples: int, reproducible: bool = False, shrink: bool = True,
+                                seed: int | None = None) -> SchedulerRun:
+    """The reference scheduler with kvref's scripted KV connector in lock step with vLLM 0.33.0's
+    (the connector built by vLLM's factory) on connector traces with pause states."""
+    from kvref.models.machines.scheduler_connector import (
+        CONNECTOR_COVERAGE,
+        ConnectorLockstep,
+        reference_factory,
+        vllm_factory,
+    )
+
+    factories: dict[str, Callable] = {"vllm": vllm_factory(), "ref": reference_factory}
+    drivers: list = []
+
+    class Counting(PauseDriving, ConnectorLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    machine = _connector_pause_machine(factories, Counting)
+    CONNECTOR_COVERAGE.clear()
+    COVERAGE.clear()
+    ok, failure, sig = run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
+                                            reproducible=reproducible, shrink=shrink)
+    return SchedulerRun(ok=ok, traces=len(drivers), ops=sum(d.num_steps for d in drivers),
+                        coverage={**CONNECTOR_COVERAGE, **COVERAGE}, failure=failure, signature=sig)

@@ -173,3 +173,36 @@ def test_make_stats_counts_admissions_only_when_the_scheduler_records(record):
     assert sched.make_stats()["prefix_cache_stats"]["requests"] == 0  # taken: reset
     with pytest.raises(InvalidFieldError, match="record_prefix_cache_stats"):
         Scheduler(base.pool, base.config, record_prefix_cache_stats="yes")
+
+
+@pytest.mark.vllm
+def test_connector_pause_traces_match_vllm_and_admit_kv_holding_requests(vllm_scheduler):
+    """With a KV connector, PAUSED_NEW still admits requests holding KV blocks (finished async
+    loads): reached, and vLLM agrees step by step."""
+    from kvref.models.machines.scheduler_pause import run_connector_pause_machine
+
+    run = run_connector_pause_machine(profile_examples(10, 20), reproducible=True)
+    assert run.ok, run.failure
+    c = run.coverage
+    for path in ("pause_set_paused_new", "paused_new_held_waiting", "paused_new_admitted", "load_ok"):
+        assert c.get(path, 0) > 0, (path, c)
+
+
+@pytest.mark.vllm
+def test_unfinished_count_without_kv_holding_requests_is_a_divergence(vllm_scheduler, monkeypatch):
+    """vLLM's ``get_num_unfinished_requests`` planted to forget KV-holding requests under
+    PAUSED_NEW (the engine would idle while loaded requests may still run)."""
+    from vllm.v1.core.sched.interface import PauseState as VPauseState
+    from vllm.v1.core.sched.scheduler import Scheduler as VScheduler
+
+    from kvref.models.machines.scheduler_pause import run_connector_pause_machine
+
+    original = VScheduler.get_num_unfinished_requests
+
+    def planted(self):
+        return len(self.running) if self.pause_state == VPauseState.PAUSED_NEW else original(self)
+
+    monkeypatch.setattr(VScheduler, "get_num_unfinished_requests", planted)
+    run = run_connector_pause_machine(20, reproducible=True, shrink=False)
+    assert not run.ok
+    assert "polled counts differ" in run.failure or "differ" in run.failure, run.failure
