@@ -87,7 +87,7 @@ def _max_layers_per_page_size(spec: UniformTypeKVCacheSpecs) -> int:
     return Counter(s.page_size_bytes for s in spec.kv_cache_specs.values()).most_common(1)[0][1]
 
 
-def get_packed_kv_cache_groups(layers: Layers) -> tuple[KVCacheGroupSpec, ...] | None:
+def get_packed_kv_cache_groups(layers: Layers, check_partition: bool = True) -> tuple[KVCacheGroupSpec, ...] | None:
     """Group mixed-page-size layers for a block-outermost layout; None when all pages are equal.
 
     Layers go greedily into uniform-type buckets (model order). A *balanced* bucket (as many
@@ -96,8 +96,13 @@ def get_packed_kv_cache_groups(layers: Layers) -> tuple[KVCacheGroupSpec, ...] |
     bucket as floor (it must stay whole). State buckets (Mamba, circular buffers, and sliding
     windows when nothing repeats) split further so that a group fits in the bytes a block needs
     anyway instead of widening it.
+
+    ``check_partition=False`` keeps vLLM's groups when a split drops layers (what its per-layer
+    memory check sizes, as it never checks the partition); an empty group always fails.
     """
     layers = validate_layers(layers, allow_empty=True)
+    if not isinstance(check_partition, bool):
+        raise InvalidFieldError("check_partition", check_partition, "True or False")
     if len({s.page_size_bytes for s in layers.values()}) <= 1:
         return None
     buckets: list[Layers] = []
@@ -145,7 +150,8 @@ def get_packed_kv_cache_groups(layers: Layers) -> tuple[KVCacheGroupSpec, ...] |
             groups.append(KVCacheGroupSpec(tuple(u.kv_cache_specs), u))
             continue
         pattern_repeats = list(zip(*by_page.values()))  # an unbalanced bucket keeps only full repeats
-        if n > len(pattern_repeats) or len(pattern_repeats) * len(by_page) < len(u.kv_cache_specs):
+        if n > len(pattern_repeats) or (check_partition
+                                        and len(pattern_repeats) * len(by_page) < len(u.kv_cache_specs)):
             # vLLM 0.33.0 splits an unbalanced state bucket (e.g. sliding-window layers of two head
             # counts, 3:1) by whole pattern repeats: the split drops layers (its partition check
             # asserts) or makes an empty group (StopIteration in from_specs); startup fails either way
@@ -160,19 +166,21 @@ def get_packed_kv_cache_groups(layers: Layers) -> tuple[KVCacheGroupSpec, ...] |
     return tuple(groups)
 
 
-def get_kv_cache_groups_for_layout(layers: Layers, disable_hybrid_kv_cache_manager: bool,
-                                   layout: str) -> tuple[KVCacheGroupSpec, ...]:
+def get_kv_cache_groups_for_layout(layers: Layers, disable_hybrid_kv_cache_manager: bool, layout: str,
+                                   check_partition: bool = True) -> tuple[KVCacheGroupSpec, ...]:
     """vLLM's ``get_kv_cache_groups`` under ``layout``: the packed grouping comes after the uniform
     and uniform-type cases and before page-size unification, for block-outermost layouts only."""
     layout = check_layout(layout)
     layers = validate_layers(layers, allow_empty=True)
-    if not isinstance(disable_hybrid_kv_cache_manager, bool):
-        raise InvalidFieldError("disable_hybrid_kv_cache_manager", disable_hybrid_kv_cache_manager, "True or False")
+    for name, flag in (("disable_hybrid_kv_cache_manager", disable_hybrid_kv_cache_manager),
+                       ("check_partition", check_partition)):
+        if not isinstance(flag, bool):
+            raise InvalidFieldError(name, flag, "True or False")
     if not is_block_outermost(layout):
         return get_kv_cache_groups(layers, disable_hybrid_kv_cache_manager)
     promoted = unify_hybrid_kv_cache_specs(layers) if disable_hybrid_kv_cache_manager else layers
     if promoted and not is_kv_cache_spec_uniform(promoted) and UniformTypeKVCacheSpecs.from_specs(promoted) is None:
-        packed = get_packed_kv_cache_groups(promoted)
+        packed = get_packed_kv_cache_groups(promoted, check_partition)
         if packed:
             return packed
     return get_kv_cache_groups(layers, disable_hybrid_kv_cache_manager)

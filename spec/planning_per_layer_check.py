@@ -59,7 +59,9 @@ def check_enough_kv_cache_memory_per_layer(layers: Mapping[str, KVCacheSpec], co
     check_int("available_memory", available_memory)
     if not layers:
         return
-    groups = get_kv_cache_groups_for_layout(layers, config.disable_hybrid_kv_cache_manager, kv_cache_layout)
+    # vLLM groups here without its partition check: a packed split that drops layers still sizes
+    groups = get_kv_cache_groups_for_layout(layers, config.disable_hybrid_kv_cache_manager, kv_cache_layout,
+                                            check_partition=False)
     check_memory = available_memory - pool_bytes_per_block(groups) if groups else available_memory
     max_model_len = config.resolved_max_model_len
     if check_memory <= 0:

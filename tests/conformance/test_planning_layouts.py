@@ -100,3 +100,27 @@ def test_approximate_gcd_minimises_padding():
 def test_equal_pages_are_not_packed():
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
     assert get_packed_kv_cache_groups({"a": full, "b": full}) is None
+
+
+def test_unbalanced_state_bucket_split_fails_startup_but_sizes_per_layer(planner):
+    """Sliding-window layers of 1 and 4 heads (4:2) next to MLA, BLHNC: vLLM's packed split keeps
+    whole pattern repeats only, so startup fails (partition assertion / StopIteration) and kvref
+    rejects; vLLM's per-layer memory check groups without the partition check and still answers."""
+    from kvref.impl.vllm.planning import kvref_per_layer_outcome
+    from kvref.spec import KVCacheGroupingError, MLAAttentionSpec
+
+    def swa(heads):
+        return SlidingWindowSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype="float16", sliding_window=1024)
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=128, dtype="float16")
+    kinds = [swa(1), swa(1), swa(1), swa(4), mla, mla, swa(1), swa(4), mla, mla]
+    layers = {f"model.layers.{i}.attn": s for i, s in enumerate(kinds)}
+    cfg = EngineConfig(max_model_len=1, derived_max_model_len=8192)
+    out = _agree(planner, layers, cfg, 1 << 30, "BLHNC")
+    assert out.status == "grouping"
+    with pytest.raises(KVCacheGroupingError):
+        plan_kv_cache(layers, cfg, 1 << 30, kv_cache_layout="BLHNC")
+    for memory in (0, 1 << 30):
+        theirs = planner.check_per_layer(layers, cfg, memory, "BLHNC")
+        assert kvref_per_layer_outcome(layers, cfg, memory, "BLHNC").key() == theirs.key()
+        assert theirs.status == ("ok" if memory else "insufficient")
