@@ -168,6 +168,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.sched.diffusion_scheduler", "DiffusionScheduler"),
         _b("vllm.v1.core.sched.diffusion_scheduler", "DiffusionAsyncScheduler"),
         _b("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector"),
+        _b("vllm.v1.core.sched.interface", "PauseState"),
+        _b("vllm.v1.core.sched.scheduler", "Scheduler.set_pause_state"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),
@@ -187,6 +189,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.request_finished_all_groups"),
         _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.bind_gpu_block_pool"),
         _b("vllm.v1.simple_kv_offload.metadata", "SimpleCPUOffloadWorkerMetadata"),
+        _b("vllm.v1.simple_kv_offload.metrics", "MetricName"),
         _b("vllm.v1.outputs", "KVConnectorOutput", "finished_recving", "kv_connector_worker_meta"),
     ),
     "offloading-connector": (
@@ -269,6 +272,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.p2p.session.client", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.server", "time"),
     ),
+    # HiSparse managers with their bound coordinator, driven in conform-kv-manager (#23)
+    "hisparse": (
+        _b("vllm.v1.hisparse.coordinator", "get_hisparse_coordinator"),
+        _b(_KCI, "KVCacheGroupRole"),
+    ),
     # vLLM's own reading of a model's config.json (kvref.impl.vllm.model_config; the HF-config
     # conformance tests compare kvref's derivation with it)
     # the classes kvref demo record --fault patches in-process (a planted fault, never a check)
@@ -307,7 +315,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
 CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "startup-liveness": ("specs", "request", "kv-manager"),
     "conform-explorer": ("specs", "request", "scheduler"),
-    "conform-kv-manager": ("specs", "request", "kv-manager"),
+    "conform-kv-manager": ("specs", "request", "kv-manager", "hisparse"),
     "conform-scheduler": ("specs", "request", "scheduler"),
     "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
     "conform-planning": ("specs", "planning"),
