@@ -154,66 +154,18 @@ def _fault_result(o: UnitOutcome, fault):
     return FaultResult(fault, ERROR, o.seconds, detail=f"on Ray: {o.error}")
 
 
-def _one(fault, checks, profile, seed, timeout):
-    run = run_units([Unit(None, fault_unit, (None if fault is None else fault.id, checks, profile, seed, timeout))])
-    if run.interrupted:
-        raise KeyboardInterrupt
-    return _fault_result(run.outcomes[0], fault)
-
-
 def run_vllm_faults(faults, checks, profile: str, seed: int, timeout, progress=None):
-    """:func:`kvref.vllm_campaign.run_campaign` with its faults as Ray units: the same baseline
-    rule (checks failing on the clean vLLM are left out), the same rows."""
-    import os
+    """:func:`kvref.vllm_campaign.run_campaign` (the same input checks, the same baseline rule:
+    checks failing on the clean vLLM are left out, the same rows) with each fault, and the clean
+    vLLM, a Ray unit; raises ``KeyboardInterrupt`` after cancelling the remote work on Ctrl-C."""
+    from kvref.vllm_campaign import run_campaign
 
-    from kvref.spec.errors import InvalidFieldError
-    from kvref.vllm_campaign import (DEFAULT_TIMEOUT, ERROR, KILLED, TIMEOUT, CampaignResult,
-                                     installed_vllm_dir, vllm_checks)
+    def on_ray(batch: list, checks: tuple, on_result) -> list:
+        by_key = {(None if f is None else f.id): f for f in batch}
+        run = run_units([Unit(key, fault_unit, (key, checks, profile, seed, timeout)) for key in by_key],
+                        on_done=lambda o: on_result(_fault_result(o, by_key[o.key])))
+        if run.interrupted:
+            raise KeyboardInterrupt
+        return [_fault_result(o, by_key[o.key]) for o in run.outcomes]
 
-    checks = tuple(checks)
-    selectable = vllm_checks(default_only=False)
-    for c in checks:
-        if c not in selectable:
-            raise InvalidFieldError("--checks", c, "checks of kvref verify that drive vLLM: " + ", ".join(selectable))
-    if profile not in DEFAULT_TIMEOUT:
-        raise InvalidFieldError("--profile", profile, "fast / ci / nightly")
-    faults = list(faults)
-    vllm_dir = installed_vllm_dir()
-    for f in faults:  # every fault must apply (to the driver's vLLM, the workers' by the probe) first
-        with open(os.path.join(vllm_dir, f.path), encoding="utf-8") as fh:
-            f.apply_to(fh.read())
-    t0 = time.perf_counter()
-    say = progress or (lambda s: None)
-    say("clean vLLM (baseline) on Ray ...")
-    base = _one(None, checks, profile, seed, timeout)
-    say(f"clean vLLM: {base.outcome} ({base.seconds:.0f} s) {base.detail[:120]}")
-    if base.outcome == TIMEOUT:
-        return CampaignResult([], checks, profile, seed, time.perf_counter() - t0, base, {"*": base.detail})
-    dropped = {name: status for name, status in base.checks.items() if status in ("failed", "error")}
-    while dropped and base.outcome in (KILLED, ERROR):
-        rest = tuple(c for c in checks if c not in dropped)
-        if not rest:
-            break
-        base = _one(None, rest, profile, seed, timeout)
-        more = {n: s for n, s in base.checks.items() if s in ("failed", "error")}
-        if not more:
-            break
-        dropped.update(more)
-    checks = tuple(c for c in checks if c not in dropped)
-    if dropped:
-        say(f"left out (failing on the clean vLLM): {dropped}")
-    by_id = {f.id: f for f in faults}
-    n = {"done": 0}
-
-    def on_done(o: UnitOutcome) -> None:
-        n["done"] += 1
-        r = _fault_result(o, by_id[o.key])
-        say(f"[{n['done']}/{len(faults)}] {o.key} ({r.fault.kind}): {r.outcome}"
-            + (f" by {r.killed_by}" if r.killed_by else "") + f" in {r.seconds:.0f} s"
-            + (f" — {r.detail[:100]}" if r.outcome != KILLED and r.detail else ""))
-
-    run = run_units([Unit(f.id, fault_unit, (f.id, checks, profile, seed, timeout)) for f in faults], on_done=on_done)
-    if run.interrupted:
-        raise KeyboardInterrupt
-    results = [_fault_result(o, by_id[o.key]) for o in run.outcomes]
-    return CampaignResult(results, checks, profile, seed, time.perf_counter() - t0, base, dropped)
+    return run_campaign(faults, checks, profile, seed, timeout, progress=progress, runner=on_ray, where=" on Ray")

@@ -93,6 +93,9 @@ def connect(address: str) -> str:
     if local:
         kwargs["runtime_env"] = {**(env or {}), "env_vars": {**local, **(env or {}).get("env_vars", {})}}
     loopback_only(ray)
+    # ray.init() without an address joins RAY_ADDRESS when it is set: a stale one (passed over
+    # above) hung the run for minutes instead of starting the local cluster
+    os.environ.pop("RAY_ADDRESS", None)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
     return "a local Ray cluster on 127.0.0.1 (auto)"
 

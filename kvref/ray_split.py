@@ -149,6 +149,7 @@ def run_split_on_ray(checks, ctx: VerifyContext, baseline, collect: bool, exitfi
     have an example budget; ``(rows in the checks' order, the interrupted row or None)``."""
     from .ray_inputs import local_modules
     from .ray_runner import Unit, UnitOutcome, run_units
+    from .ray_verify import cut_after_first_failing
     from .report import ERROR, CheckResult
 
     def error_row(name: str, o: UnitOutcome):  # a cancelled unit's row reads "interrupted ..." as unsplit ones do
@@ -193,7 +194,5 @@ def run_split_on_ray(checks, ctx: VerifyContext, baseline, collect: bool, exitfi
         interrupted = next((r for r in results if r.summary.startswith("interrupted")), None) or \
             CheckResult(checks[-1].name, ERROR, "interrupted (Ctrl-C)")
     elif exitfirst:
-        first = next((i for i, r in enumerate(results) if r.failing), None)
-        if first is not None:
-            results = results[:first + 1]
+        results = cut_after_first_failing(results)
     return results, interrupted

@@ -64,7 +64,12 @@ def run_verify(checks, ctx, baseline, collect: bool, exitfirst: bool,
         if interrupted is None:  # everything had finished when Ctrl-C came: still a partial report
             interrupted = CheckResult(order[-1], ERROR, "interrupted (Ctrl-C)")
     elif exitfirst:
-        first = next((i for i, r in enumerate(results) if r.failing), None)
-        if first is not None:
-            results = results[:first + 1]
+        results = cut_after_first_failing(results)
     return results, interrupted
+
+
+def cut_after_first_failing(results: list) -> list:
+    """``--exitfirst``'s report: the rows up to the first failing one in the checks' order (the
+    local loop stops there), whatever order the units finished in."""
+    first = next((i for i, r in enumerate(results) if r.failing), None)
+    return results if first is None else results[:first + 1]

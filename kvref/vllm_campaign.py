@@ -351,12 +351,20 @@ def select_faults(faults: Iterable[SourceFault], ids: Iterable[str] | None = Non
     return faults
 
 
+#: runs faults (None: the clean vLLM) with the checks, calling back with each result as it comes;
+#: returns the results in the faults' order
+FaultRunner = Callable[[list, tuple, "Callable[[FaultResult], None]"], list]
+
+
 def run_campaign(faults: Iterable[SourceFault], checks: Iterable[str] = VLLM_CHECKS, profile: str = "fast",
                  seed: int = 0, timeout: float | None = None, baseline: bool = True,
-                 progress: Callable[[str], None] | None = None) -> CampaignResult:
+                 progress: Callable[[str], None] | None = None, runner: FaultRunner | None = None,
+                 where: str = "") -> CampaignResult:
     """Run every fault; first the clean vLLM through an empty overlay (``baseline``): a check that
     fails there cannot tell a fault from the clean state and is left out (and the campaign is
-    then not ``ok``)."""
+    then not ``ok``). ``runner``: how faults are run (default: :func:`run_fault` one after the
+    other here; ``kvref mutants --target vllm --ray`` ships each as a Ray unit, kvref.ray_mutants,
+    #27); ``where`` is said after "clean vLLM (baseline)"."""
     checks = tuple(checks)
     selectable = vllm_checks(default_only=False)
     for c in checks:
@@ -371,10 +379,17 @@ def run_campaign(faults: Iterable[SourceFault], checks: Iterable[str] = VLLM_CHE
             f.apply_to(fh.read())
     t0 = time.perf_counter()
     say = progress or (lambda s: None)
+    if runner is None:
+        def runner(batch, checks, on_result):
+            out = []
+            for f in batch:
+                out.append(run_fault(f, checks, profile, seed, timeout, vllm_dir))
+                on_result(out[-1])
+            return out
     base, dropped = None, {}
     if baseline:
-        say("clean vLLM (baseline) ...")
-        base = run_fault(None, checks, profile, seed, timeout, vllm_dir)
+        say(f"clean vLLM (baseline){where} ...")
+        [base] = runner([None], checks, lambda r: None)
         say(f"clean vLLM: {base.outcome} ({base.seconds:.0f} s) {base.detail[:120]}")
         if base.outcome == TIMEOUT:
             dropped = {"*": base.detail}
@@ -385,7 +400,7 @@ def run_campaign(faults: Iterable[SourceFault], checks: Iterable[str] = VLLM_CHE
             rest = tuple(c for c in checks if c not in dropped)
             if not rest:
                 break
-            base = run_fault(None, rest, profile, seed, timeout, vllm_dir)
+            [base] = runner([None], rest, lambda r: None)
             more = {n: s for n, s in base.checks.items() if s in ("failed", "error")}
             if not more:
                 break
@@ -393,13 +408,15 @@ def run_campaign(faults: Iterable[SourceFault], checks: Iterable[str] = VLLM_CHE
         checks = tuple(c for c in checks if c not in dropped)
         if dropped:
             say(f"left out (failing on the clean vLLM): {dropped}")
-    results = []
-    for i, f in enumerate(faults, 1):
-        r = run_fault(f, checks, profile, seed, timeout, vllm_dir)
-        results.append(r)
-        say(f"[{i}/{len(faults)}] {f.id} ({f.kind}): {r.outcome}"
+    done = [0]
+
+    def said(r: FaultResult) -> None:
+        done[0] += 1
+        say(f"[{done[0]}/{len(faults)}] {r.fault.id} ({r.fault.kind}): {r.outcome}"
             + (f" by {r.killed_by}" if r.killed_by else "") + f" in {r.seconds:.0f} s"
             + (f" — {r.detail[:100]}" if r.outcome in (ERROR, NOT_LIVE, TIMEOUT) else ""))
+
+    results = runner(faults, checks, said)
     return CampaignResult(results, checks, profile, seed, time.perf_counter() - t0, base, dropped)
 
 

@@ -1,89 +1,70 @@
 """``--ray`` (issue #27): the same verdicts as a local run, a dead worker retried once then an
 error, Ctrl-C cancelling the remote work, a clear exit 2 without Ray or with mismatched workers.
 
-One local Ray cluster for the module: 2 CPUs, no dashboard, on 127.0.0.1 only.
+One local Ray cluster for the module (tests/cli/ray_cluster.py): 2 CPUs, no dashboard, on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray's import: every address 127.0.0.1 (ray_runner.loopback_only)
-ray = pytest.importorskip("ray", reason="Ray not installed: pip install 'kvref[ray]' (requirements/test.txt pins it)")
+from tests.cli.ray_cluster import (interrupt_when, local_and_ray, ray, ray_cluster,  # noqa: F401  (the module's cluster)
+                                   report, run_kvref)
 
-from kvref import cli  # noqa: E402
-from kvref.ray_runner import Unit, check_versions, run_units  # noqa: E402
-from kvref.spec.errors import InvalidFieldError  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    """The module's Ray cluster; yields its address (127.0.0.1:port) for ``--ray`` in a subprocess."""
-    for k, v in {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
-                 "TRANSFORMERS_OFFLINE": "1"}.items():
-        os.environ.setdefault(k, v)
-    from kvref.ray_runner import loopback_only
-
-    loopback_only(ray)
-    if ray.is_initialized():  # a cluster another test's in-process run left behind
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             logging_level="warning")
-    address = ray.get_runtime_context().gcs_address
-    assert address.startswith("127.0.0.1:") and {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
-    yield address
-    ray.shutdown()
+from kvref import cli
+from kvref.ray_runner import Unit, check_versions, run_units
+from kvref.spec.errors import InvalidFieldError
 
 
-def _kvref(*argv: str) -> subprocess.CompletedProcess:
-    """``kvref ARGV`` in a fresh process, as a user runs it (a seed's Hypothesis inputs depend on
-    the modules a process has loaded: kvref.ray_inputs; this test process has loaded others)."""
-    return subprocess.run([sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
-                           *argv], capture_output=True, text=True, timeout=300)
-
-
-def _rows(out: str) -> list[tuple]:
+def _rows(report: dict) -> list[tuple]:
     """What a verify --json report found, without the timings."""
-    return [(c["name"], c["status"], c["summary"], c.get("examined")) for c in json.loads(out)["checks"]]
+    return [(c["name"], c["status"], c["summary"], c.get("examined")) for c in report["checks"]]
 
 
-def test_verify_on_ray_draws_the_local_traces_and_names_the_workers(cluster, tmp_path):
-    """Two generated-trace checks with a seed: the same traces (op counts, preemptions...) on Ray."""
+def _junit(path) -> list[tuple]:
+    """A JUnit report's test cases: name, and what they carry (failure, error, skipped) with its message."""
+    import xml.etree.ElementTree as ET
+
+    return [(case.get("name"), [(child.tag, child.get("message")) for child in case
+                                if child.tag in ("failure", "error", "skipped")])
+            for case in ET.parse(path).iter("testcase")]
+
+
+def test_verify_on_ray_draws_the_local_traces_and_names_the_workers(ray_cluster, tmp_path):
+    """Two generated-trace checks with a seed: the same traces (op counts, preemptions...) on Ray,
+    merged into the same JSON and JUnit report, which names the workers' versions."""
     argv = ["verify", "--only", "spec", "machine-reference", "machine-scheduler", "--json", "--seed", "3",
             "--out", str(tmp_path)]
-    local = _kvref(*argv)
+    local = run_kvref(*argv, "--junit-xml", str(tmp_path / "local.xml"))
     assert local.returncode == 0, local.stderr
-    remote = _kvref(*argv, "--ray", cluster)
+    remote = run_kvref(*argv, "--junit-xml", str(tmp_path / "ray.xml"), "--ray", ray_cluster)
     assert remote.returncode == 0, remote.stderr
-    assert _rows(remote.stdout) == _rows(local.stdout)
-    probe = json.loads(remote.stdout)["ray"]
+    local, remote = report(local), report(remote)
+    assert _rows(remote) == _rows(local) and len(_rows(local)) == 3
+    assert _junit(tmp_path / "ray.xml") == _junit(tmp_path / "local.xml")
+    probe = remote["ray"]
     from kvref import __version__
 
     assert probe["driver"]["kvref"] == __version__ and probe["nodes"][0]["kvref"] == __version__
     assert probe["nodes"][0]["python"] == probe["driver"]["python"] and probe["cpus"] == 2
+    assert probe["nodes"][0]["vllm"] == probe["driver"]["vllm"] and "ray" not in local
 
 
-def _mutant_rows(out: str) -> list[tuple]:
-    return [(r["mutant"], r["killed"], r["by"], r["reason"]) for r in json.loads(out)["mutants"]]
+def _mutant_rows(report: dict) -> list[tuple]:
+    return [(r["mutant"], r["killed"], r["by"], r["reason"]) for r in report["mutants"]]
 
 
-def test_mutants_on_ray_kill_what_the_local_campaign_kills(cluster):
+def test_mutants_on_ray_kill_what_the_local_campaign_kills(ray_cluster):
     """Planted faults (a pool and a spec mutant) and a mutant the selection cannot kill: same rows."""
     argv = ["mutants", "--only", "pool.touch_no_ref", "spec.cdiv_floor", "sched.fcfs_victim_oldest",
             "--checks", "spec-formulas", "pool-machine", "--budget", "20", "--json"]
-    local = _kvref(*argv)
-    assert local.returncode == 0, local.stderr
-    remote = _kvref(*argv, "--ray", cluster)
-    assert remote.returncode == 0, remote.stderr
-    assert _mutant_rows(remote.stdout) == _mutant_rows(local.stdout)
-    assert [r[1] for r in _mutant_rows(local.stdout)] == ["yes", "yes", "NO"]  # the blind one survives
-    assert "on Ray: 1 node(s), 2 CPU(s)" in remote.stderr  # the workers' versions, named
+    local, remote, err = local_and_ray(argv, ray_cluster)
+    assert _mutant_rows(remote) == _mutant_rows(local)
+    assert [r[1] for r in _mutant_rows(local)] == ["yes", "yes", "NO"]  # the blind one survives
+    assert "on Ray: 1 node(s), 2 CPU(s)" in err  # the workers' versions, named
 
 
 def test_a_mutant_whose_unit_died_twice_is_an_error_not_a_survivor_or_a_kill(monkeypatch):
@@ -107,20 +88,26 @@ def test_a_mutant_whose_unit_died_twice_is_an_error_not_a_survivor_or_a_kill(mon
 
 
 @pytest.mark.vllm
-def test_a_vllm_source_fault_on_ray_is_caught_as_locally(cluster):
+def test_a_vllm_source_fault_on_ray_is_caught_as_locally(ray_cluster):
     """``--target vllm``: the clean vLLM and a planted source fault each a unit on a worker (its
-    own overlay of the worker's vLLM): the baseline survives, the fault is killed by the check
-    that kills it locally (BENCHMARKS.md: conform-kv-manager on this fault, seed 0)."""
+    own overlay of the worker's vLLM): the clean vLLM survives and the fault is killed by the same
+    check as in the local campaign."""
     from tests.vllm_env import require_vllm
 
     require_vllm()
-    r = _kvref("mutants", "--target", "vllm", "--faults", "pool.free_count_off_by_one", "--checks",
-               "conform-kv-manager", "--json", "--ray", cluster)
-    assert r.returncode == 0, r.stderr
-    rows = json.loads(r.stdout)
-    assert [(f["id"], f["outcome"], f["killed_by"]) for f in rows["faults"]] == [
-        ("pool.free_count_off_by_one", "killed", "conform-kv-manager")]
-    assert "clean vLLM: survived" in r.stderr and "on Ray: 1 node(s)" in r.stderr
+    argv = ["mutants", "--target", "vllm", "--faults", "pool.free_count_off_by_one", "--checks",
+            "conform-kv-manager", "--json"]
+    local, remote, err = local_and_ray(argv, ray_cluster)
+
+    def verdicts(r):
+        return ([(f["id"], f["outcome"], f["killed_by"], f["checks"]) for f in [r["baseline"], *r["faults"]]],
+                r["dropped_checks"], r["checks"])
+
+    assert verdicts(remote) == verdicts(local)
+    assert verdicts(local)[0] == [("(clean)", "survived", None, {"conform-kv-manager": "passed"}),
+                                  ("pool.free_count_off_by_one", "killed", "conform-kv-manager",
+                                   {"conform-kv-manager": "failed"})]
+    assert "clean vLLM (baseline) on Ray" in err and "clean vLLM: survived" in err and "on Ray: 1 node(s)" in err
 
 
 def test_a_failing_check_on_the_clean_reference_stops_the_campaign_on_ray_too(capsys, monkeypatch):
@@ -199,31 +186,40 @@ def test_ctrl_c_cancels_the_remote_work_and_says_which_units_did_not_finish(tmp_
     assert not marker.exists()
 
 
-def test_ctrl_c_during_verify_on_ray_writes_the_partial_report_and_exits_130(cluster, tmp_path):
+def test_ctrl_c_during_verify_on_ray_writes_the_partial_report_and_exits_130(ray_cluster, tmp_path):
     """SIGINT once a quick check has reported, while a nightly-profile check (minutes) still runs
     on its worker: exit 130, the finished row kept, the running one an interrupted error."""
-    import signal
-
     junit = tmp_path / "r.xml"
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
-                             "verify", "--only", "spec", "machine-scheduler", "--profile", "nightly", "--json",
-                             "--junit-xml", str(junit), "--out", str(tmp_path), "--ray", cluster],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stderr:
-            if "spec: passed" in line:
-                break
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130
-    report = json.loads(out)
-    assert report["interrupted"] is True and "ray" in report
-    assert [(c["name"], c["status"]) for c in report["checks"]] == [("spec", "passed"), ("machine-scheduler", "error")]
-    assert "cancelled on Ray" in report["checks"][1]["summary"]
-    assert junit.exists()
+    done = interrupt_when(["verify", "--only", "spec", "machine-scheduler", "--profile", "nightly", "--json",
+                           "--junit-xml", str(junit), "--out", str(tmp_path), "--ray", ray_cluster], "spec: passed")
+    assert done.returncode == 130, done.stderr
+    got = report(done)
+    assert got["interrupted"] is True and "ray" in got
+    assert [(c["name"], c["status"]) for c in got["checks"]] == [("spec", "passed"), ("machine-scheduler", "error")]
+    assert "cancelled on Ray" in got["checks"][1]["summary"]
+    assert [n for n, _ in _junit(junit)] == ["spec", "machine-scheduler"]
+
+
+def test_a_check_whose_unit_died_twice_is_an_error_row_never_a_pass(monkeypatch):
+    from kvref import ray_verify
+    from kvref.baseline import Baseline
+    from kvref.check_context import VerifyContext
+    from kvref.checks import check_named
+    from kvref.ray_runner import RunOutcome, UnitOutcome
+    from kvref.report import ERROR, PASSED, CheckResult
+
+    def fake(units, on_done=None, max_retries=1):
+        outs = [UnitOutcome("spec", value=CheckResult("spec", PASSED, "ok", examined=1)),
+                UnitOutcome("proofs", error="WorkerCrashedError on Ray after 2 attempt(s): died", seconds=3.0)]
+        for o in outs:
+            on_done(o)
+        return RunOutcome(outs)
+
+    monkeypatch.setattr(ray_verify, "run_units", fake)
+    rows, interrupted = ray_verify.run_verify([check_named("spec"), check_named("proofs")], VerifyContext(),
+                                              Baseline(), False, False, lambda s: None)
+    assert interrupted is None and [(r.name, r.status) for r in rows] == [("spec", PASSED), ("proofs", ERROR)]
+    assert rows[1].failing and rows[1].summary.startswith("WorkerCrashedError on Ray after 2 attempt(s)")
 
 
 def _replaying(order: list[int], values: list):
@@ -293,3 +289,19 @@ def test_an_unreachable_or_malformed_address_is_an_exit_2_error_at_once(capsys):
 def test_ray_and_reach_do_not_mix(capsys):
     assert cli.main(["verify", "--only", "spec", "--reach", "--ray"]) == 2
     assert "--reach" in capsys.readouterr().err
+
+
+def test_auto_joins_the_running_cluster_or_starts_its_own_on_127_0_0_1(ray_cluster):
+    """``--ray`` (auto): the cluster RAY_ADDRESS names; one whose address refuses connections is
+    passed over for a local cluster the run starts and ends; a malformed KVREF_RAY_RUNTIME_ENV is
+    an exit-2 error naming it."""
+    argv = ("verify", "--only", "spec", "--json", "--ray")
+    joined = run_kvref(*argv, env={"RAY_ADDRESS": ray_cluster})
+    assert joined.returncode == 0, joined.stderr
+    assert report(joined)["ray"]["cluster"] == f"the running Ray cluster at {ray_cluster} (auto)"
+    own = run_kvref(*argv, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert own.returncode == 0, own.stderr
+    info = report(own)["ray"]
+    assert info["cluster"] == "a local Ray cluster on 127.0.0.1 (auto)" and info["owned"] is True
+    bad = run_kvref(*argv, env={"RAY_ADDRESS": "127.0.0.1:1", "KVREF_RAY_RUNTIME_ENV": "{pip: vllm"})
+    assert bad.returncode == 2 and "KVREF_RAY_RUNTIME_ENV" in bad.stderr and "a JSON object" in bad.stderr

@@ -3,41 +3,27 @@ the local run's states, counts and shortest traces, on clean scopes and with a p
 worker that dies is retried once, then an error of its unit (never a pass); Ctrl-C cancels the
 remote units and the report says so (exit 130).
 
-One local Ray cluster for the session (tests/cli/ray_cluster.py): 2 CPUs, on 127.0.0.1 only.
+One local Ray cluster for the module (tests/cli/ray_cluster.py): 2 CPUs, on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import pytest
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray's import: every address 127.0.0.1
-ray = pytest.importorskip("ray", reason="Ray not installed: pip install 'kvref[ray]' (requirements/test.txt pins it)")
+from tests.cli.ray_cluster import interrupt_when, local_and_ray, ray, ray_cluster, report  # noqa: F401  (the module's cluster)
 
-from kvref import cli  # noqa: E402
-from kvref.models.explorer.engine import explore  # noqa: E402
-from kvref.models.explorer.kv import SCOPES, KVSystem  # noqa: E402
-from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem  # noqa: E402
-from kvref.models.explorer.toy import ToyPool  # noqa: E402
-from kvref.models.mutants.catalogue import CATALOGUE  # noqa: E402
-from kvref.ray_explore import explore_on_ray  # noqa: E402
-from kvref.spec.errors import InvalidFieldError  # noqa: E402
-from tests.cli.ray_cluster import ray_cluster  # noqa: E402,F401  (the session's cluster)
-
-
-@pytest.fixture(autouse=True)
-def cluster(ray_cluster):
-    """The session's local 2-CPU cluster on 127.0.0.1 (tests/cli/ray_cluster.py)."""
-    if not ray.is_initialized():  # tests/cli/test_ray.py ended its own after this one started
-        pytest.fail("the session's Ray cluster was shut down by another module")
-    return ray_cluster
+from kvref import cli
+from kvref.models.explorer.engine import explore
+from kvref.models.explorer.kv import SCOPES, KVSystem
+from kvref.models.explorer.simple_cpu import OFFLOAD_SCOPES, OffloadSystem
+from kvref.models.explorer.toy import ToyPool
+from kvref.models.mutants.catalogue import CATALOGUE
+from kvref.ray_explore import explore_on_ray
+from kvref.spec.errors import InvalidFieldError
 
 
 def _same(a, b):
@@ -79,17 +65,12 @@ def test_a_planted_fault_gives_the_local_violation_and_shortest_trace_on_ray(nam
     _same(local, got.result)
 
 
-def test_cli_explore_on_ray_prints_the_local_report(cluster):
-    argv = [sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
-            "explore", "--scope", "full", "--json"]
-    local = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    remote = subprocess.run(argv + ["--ray", cluster], capture_output=True, text=True, timeout=300)
-    assert local.returncode == remote.returncode == 0, remote.stderr
-    a, b = json.loads(local.stdout.splitlines()[-1]), json.loads(remote.stdout.splitlines()[-1])
+def test_cli_explore_on_ray_prints_the_local_report(ray_cluster):
+    a, b, err = local_and_ray(["explore", "--scope", "full", "--json"], ray_cluster)
     same = ("states", "transitions", "depth", "complete", "findings")
     assert {k: a[k] for k in same} == {k: b[k] for k in same} and a["states"] > 1000
     assert b["units"] > 10 and b["interrupted"] is False and b["error"] is None and b["ray"]["cpus"] == 2
-    assert "on Ray: 1 node(s), 2 CPU(s)" in remote.stderr and "unit(s) on Ray" in remote.stderr
+    assert "on Ray: 1 node(s), 2 CPU(s)" in err and "unit(s) on Ray" in err
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,23 +158,12 @@ def test_ctrl_c_cancels_the_units_out_and_returns_the_partial_result(tmp_path):
     assert not marker.exists()
 
 
-def test_ctrl_c_during_explore_on_ray_exits_130_with_the_partial_report(cluster):
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
-                             "explore", "--scope", "connector", "--json", "--ray", cluster],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stderr:
-            if "unit(s) on Ray" in line:
-                break
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
-    report = json.loads(out.splitlines()[-1])
-    assert report["interrupted"] is True and report["complete"] is False and "ray" in report
-    assert report["states"] < 2564  # the whole bounded scope has 2,564
+def test_ctrl_c_during_explore_on_ray_exits_130_with_the_partial_report(ray_cluster):
+    done = interrupt_when(["explore", "--scope", "connector", "--json", "--ray", ray_cluster], "unit(s) on Ray")
+    assert done.returncode == 130, done.stderr
+    got = report(done)
+    assert got["interrupted"] is True and got["complete"] is False and "ray" in got
+    assert got["states"] < 2564  # the whole bounded scope has 2,564
 
 
 def test_bad_combinations_are_exit_2_before_connecting(capsys):

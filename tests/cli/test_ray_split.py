@@ -4,28 +4,17 @@ one row; on Ray a unit per part, with the findings of the local run of the same 
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray not installed: pip install 'kvref[ray]' (requirements/test.txt pins it)")
+from tests.cli.ray_cluster import local_and_ray, ray_cluster  # noqa: F401  (the module's cluster)
 
-from kvref import cli  # noqa: E402
-from kvref.baseline import Baseline  # noqa: E402
-from kvref.check_context import Check, VerifyContext  # noqa: E402
-from kvref.ray_split import merge, part_context, part_seed, run_split, run_split_on_ray  # noqa: E402
-from kvref.report import ERROR, FAILED, PASSED, CheckResult  # noqa: E402
-from tests.cli.ray_cluster import ray_cluster  # noqa: E402,F401  (the session's cluster)
-
-
-@pytest.fixture
-def cluster(ray_cluster):
-    if not ray.is_initialized():
-        pytest.fail("the session's Ray cluster was shut down by another module")
-    return ray_cluster
+from kvref import cli
+from kvref.baseline import Baseline
+from kvref.check_context import Check, VerifyContext
+from kvref.ray_split import merge, part_context, part_seed, run_split, run_split_on_ray
+from kvref.report import ERROR, FAILED, PASSED, CheckResult
 
 
 def test_parts_have_distinct_deterministic_seeds_and_share_the_budget():
@@ -74,7 +63,7 @@ PLANTED = Check("planted", "a planted fault", planted)
 FIXED = Check("fixed", "no example budget", fixed)
 
 
-def test_a_planted_fault_splits_into_the_same_findings_on_ray_and_locally(cluster):
+def test_a_planted_fault_splits_into_the_same_findings_on_ray_and_locally():
     ctx = VerifyContext(seed=13)  # 40 cases: parts of 14, 13, 13; only part 2's seed meets the fault
     local = [run_split(c, ctx, Baseline(), False, 3) for c in (PLANTED, FIXED)]
     remote, interrupted = run_split_on_ray([PLANTED, FIXED], ctx, Baseline(), False, False, 3, lambda s: None)
@@ -111,15 +100,11 @@ def test_a_part_whose_unit_died_is_the_row_s_error(monkeypatch):
     assert rows[1].status == ERROR and rows[1].summary.startswith(f"part 3 of 4 (seed {part_seed(2, 2)}): WorkerCrashed")
 
 
-def test_cli_split_on_ray_gives_the_rows_of_the_local_split(cluster, tmp_path):
+def test_cli_split_on_ray_gives_the_rows_of_the_local_split(ray_cluster, tmp_path):
     """Generated-trace checks with a seed: the same traces part by part (op counts, preemptions...)."""
-    argv = [sys.executable, "-c", "import sys; from kvref.cli import main; sys.exit(main(sys.argv[1:]))",
-            "verify", "--only", "spec", "machine-reference", "--json", "--seed", "3", "--split", "2",
-            "--out", str(tmp_path)]
-    local = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    remote = subprocess.run(argv + ["--ray", cluster], capture_output=True, text=True, timeout=300)
-    assert local.returncode == remote.returncode == 0, remote.stderr
-    rows = [[(c["name"], c["status"], c["summary"], c["details"], c["examined"]) for c in json.loads(r.stdout)["checks"]]
+    local, remote, _ = local_and_ray(["verify", "--only", "spec", "machine-reference", "--json", "--seed", "3",
+                                      "--split", "2", "--out", str(tmp_path)], ray_cluster)
+    rows = [[(c["name"], c["status"], c["summary"], c["details"], c["examined"]) for c in r["checks"]]
             for r in (local, remote)]
     assert rows[0] == rows[1]
     spec, machine = rows[0]
