@@ -200,6 +200,15 @@ def test_ctrl_c_during_verify_on_ray_writes_the_partial_report_and_exits_130(ray
     assert [n for n, _ in _junit(junit)] == ["spec", "machine-scheduler"]
 
 
+def test_ctrl_c_during_a_mutant_campaign_on_ray_exits_130(ray_cluster):
+    """SIGINT while the clean-reference unit (a huge budget: minutes) runs on a worker: exit 130,
+    no table (the campaign did not finish)."""
+    done = interrupt_when(["mutants", "--only", "pool.touch_no_ref", "--checks", "pool-machine", "--budget",
+                           "1000000", "--json", "--ray", ray_cluster], "on Ray: 1 node(s)")
+    assert done.returncode == 130, done.stderr
+    assert done.stdout.strip() == ""
+
+
 def test_a_check_whose_unit_died_twice_is_an_error_row_never_a_pass(monkeypatch):
     from kvref import ray_verify
     from kvref.baseline import Baseline
