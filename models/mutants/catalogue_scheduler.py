@@ -73,7 +73,7 @@ _register(
     "sched.admits_after_preemption", f"{_SCHED}.schedule",
     "waiting requests are admitted in a step that preempted (vLLM skips the waiting loop then, "
     "so a freed block is not handed straight to a newcomer)",
-    "if not preempted:", "if True:")
+    "if not preempted and self.pause_state", "if self.pause_state")
 
 
 # ---- the token budget and the admission gates ---------------------------------------------------

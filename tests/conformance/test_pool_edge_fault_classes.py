@@ -31,9 +31,9 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_mods():
     require_vllm()
-    import kvref.impl.vllm.kv_cache_manager as adapter
+    from kvref.impl.vllm.loader import load_vllm
 
-    adapter._vllm()  # imports vLLM once per module
+    load_vllm()  # imports vLLM once per module
     from vllm.v1 import kv_cache_interface
     from vllm.v1.core import kv_cache_coordinator, single_type_kv_cache_manager
 
