@@ -48,11 +48,16 @@ def parse(argv):
     ap.add_argument("--num-stages", type=int, default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", type=float, default=0, metavar="SECONDS",
+                    help="after the default run, time a grid of tunings (tile x warps x stages x splits) in "
+                         "this process for at most SECONDS (compiles included); one table, fastest first")
     args = ap.parse_args(argv)
     for name in ("batch", "context", "kv_heads", "head_size", "gqa", "block_size", "repeats"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')}={v}: expected a positive int")
+    if args.sweep < 0:
+        ap.error(f"--sweep={args.sweep}: expected >= 0 seconds")
     if args.window < 0 or args.threads < 0:
         ap.error(f"--window={args.window} / --threads={args.threads}: expected >= 0")
     return ap, args
@@ -202,6 +207,52 @@ def float64_reference(q, k, v, rows_per_chunk: int = 8):
     return torch.cat(out)
 
 
+#: the grid ``--sweep`` walks, most promising first (a short budget keeps the head of it):
+#: (tile, num_warps, num_stages, splits factor vs the default choice)
+SWEEP = [(t, w, st, f) for f in (1, 2, 0.5) for t in (32, 64, 16) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def sweep(run, exact, kv_bytes: float, copy_gbs: float, default_splits: int, sync, repeats: int,
+          budget_s: float) -> list[tuple]:
+    """Time each tuning of :data:`SWEEP` (``run(**tuning)`` -> output) until ``budget_s`` is spent;
+    a tuning that does not fit or fails to compile is listed with the reason. Rows:
+    ``(seconds or None, tile, warps, stages, splits, rel_error or None, note)``."""
+    from kvref.spec.errors import InvalidFieldError
+
+    rows, t0 = [], time.perf_counter()
+    for tile, warps, stages, factor in SWEEP:
+        if time.perf_counter() - t0 > budget_s:
+            rows.append((None, tile, warps, stages, None, None, "budget spent: not timed"))
+            break
+        splits = max(1, min(64, int(round(default_splits * factor))))
+        tuning = dict(tile=tile, num_warps=warps, num_stages=stages, num_splits=splits)
+        try:
+            out = run(**tuning)
+            rel = float((out.double() - exact).abs().max() / exact.abs().max())
+            secs = timed(lambda: run(**tuning), sync, repeats, 20)
+            rows.append((secs, tile, warps, stages, splits, rel, ""))
+        except (InvalidFieldError, RuntimeError, ValueError) as exc:  # OutOfResources is a RuntimeError
+            rows.append((None, tile, warps, stages, splits, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
+    return rows
+
+
+def print_sweep(rows, kv_bytes: float, copy_gbs: float, t_sdpa: float) -> None:
+    print("| tile | warps | stages | splits | step time | K/V read GB/s | / device copy | time / SDPA | rel. error | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for secs, tile, warps, stages, splits, rel, note in sorted(rows, key=lambda r: (r[0] is None, r[0] or 0)):
+        if secs is None:
+            print(f"| {tile} | {warps} | {stages} | {splits or ''} | | | | | | {note.replace('|', '/')} |")
+            continue
+        gbs = kv_bytes / secs / 1e9
+        print(f"| {tile} | {warps} | {stages} | {splits} | {secs * 1e3:.3f} ms | {gbs:.4g} | {gbs / copy_gbs:.3f} | "
+              f"{secs / t_sdpa:.2f} | {rel:.2e} | {note} |")
+    timed_rows = [r for r in rows if r[0] is not None]
+    if timed_rows:
+        best = min(timed_rows, key=lambda r: r[0])
+        print(f"sweep best: tile {best[1]}, {best[2]} warps, {best[3]} stages, {best[4]} splits: "
+              f"{kv_bytes / best[0] / 1e9 / copy_gbs:.3f} of device copy, {best[0] / t_sdpa:.2f}x SDPA")
+
+
 def main(argv=None) -> int:
     ap, args = parse(argv)
     if args.interpreter:
@@ -289,6 +340,17 @@ def main(argv=None) -> int:
         print(f"| {label} | {t * 1e3:.3f} ms | {batch / t:,.1f} | {gbs:.3g} | {gbs / copy_gbs:.3g} | "
               f"{t / t_sdpa:.3g} | {rel[key]:.2e} |")
     print(f"| device copy (read+write), {kv_bytes / 1e6:.1f} MB | {t_copy * 1e3:.3f} ms | | {copy_gbs:.2f} | 1.000 | | |")
+    if args.sweep:
+        from kvref.impl.torch.triton_kernels.attention import default_splits as splits_for, kernel_config
+        cfg = kernel_config(dtype, mask.kind, hkv * args.gqa, hkv, d, bs, on_gpu, False)
+        auto = args.splits or splits_for(batch * hkv * cfg.consts["HEAD_BLOCKS"], context, cfg.consts["TILE"], device)
+        rows_ = sweep(lambda **tn: paged_attention_triton(q, cache, table, ctx, rows, pos, mask, validate=False, **tn),
+                      exact, kv_bytes, copy_gbs, auto, sync, args.repeats, args.sweep)
+        print_sweep(rows_, kv_bytes, copy_gbs, t_sdpa)
+        bad_sweep = [r for r in rows_ if r[5] is not None and not r[5] <= REL_TOLERANCE[dtype]]
+        if bad_sweep:
+            print(f"FAIL: {len(bad_sweep)} sweep tunings above the relative tolerance {REL_TOLERANCE[dtype]:g}")
+            return 1
     bad = [k for k, v in rel.items() if not v <= REL_TOLERANCE[dtype]]
     if bad:
         print(f"FAIL: relative error vs float64 above {REL_TOLERANCE[dtype]:g} for {', '.join(bad)}")

@@ -9,10 +9,12 @@
 # --no-deps --no-index into a scratch --target directory: the machine's environment is not
 # changed, nothing is downloaded) -> every kernel and `gpu` test of tests/impl/torch compiled on
 # CUDA tensors (TRITON_INTERPRET unset) -> the correctness check (bench_triton_attention.py
-# --check-only) -> the benchmarks (decode vs SDPA and device copy, sliding window, tile sweep,
-# offload through the Triton and torch copiers); run in the order a short budget must not lose
-# (the verdicts first), see --plan. Prints ONE Markdown table (also DIR/table.md;
-# every step's log in DIR).
+# --check-only) -> the benchmarks (decode vs SDPA and device copy, a tuning sweep in one process,
+# sliding window, batch/context sizes, offload through the Triton and torch copiers). The
+# correctness steps ("[check]") run first and side by side (they wait on compiles, which 16 cores
+# do in parallel; pytest spreads over processes where pytest-xdist is installed), then the timed
+# steps one at a time on an idle device, in the order a short budget must not lose; see --plan.
+# Prints ONE Markdown table (also DIR/table.md; every step's log in DIR).
 #
 # Installs nothing the machine lacks: a missing pytest / hypothesis / setuptools is named and the
 # steps needing it are not run (exit 3). Without a CUDA device it says so and exits 2 — it never
@@ -61,8 +63,11 @@ if [ -n "$WHEEL" ] && ! [ -f "$WHEEL" ]; then
 fi
 
 # step name | timeout (s) | arguments of $PY (run in the scratch run directory, see below)
-# pytest in two steps, so that a timeout in one (each distinct kernel configuration compiles on
-# first use) does not cost the other's verdict
+# Steps whose name starts with "[check]" only judge correctness: they run side by side, first (the
+# compiles of each distinct kernel configuration, not the GPU, are what they wait on: 16 cores
+# compile in parallel), pytest with -n 6 where pytest-xdist is installed. The timed steps then run
+# one at a time on an otherwise idle device.
+# pytest in two steps, so that a timeout in one does not cost the other's verdict
 KERNEL_TESTS="tests/impl/torch/test_triton_kernels.py tests/impl/torch/test_triton_real_shapes.py \
 tests/impl/torch/test_triton_shared_memory.py tests/impl/torch/test_triton_compile.py \
 tests/impl/torch/test_triton_offload_launches.py tests/impl/torch/test_kernel_device.py \
@@ -73,20 +78,19 @@ tests/impl/torch/test_triton_benchmarks.py"
 # the gpu test that runs --check-only in a subprocess: the check is its own step below
 DESELECT="tests/impl/torch/test_triton_kernels.py::test_compiled_kernels_on_cuda_match_the_torch_path"
 PYTEST="-m pytest -q -p no:cacheprovider --maxfail=20 -rf"
-# in order of what a short budget must not lose: the verdicts first, then the sweeps
+# in order of what a short budget must not lose: the verdicts first, then the timings
 STEPS=(
-  "correctness check (--check-only)|90|benchmarks/bench_triton_attention.py --check-only"
+  "[check] correctness check (--check-only)|150|benchmarks/bench_triton_attention.py --check-only"
+  "[check] kernel + gpu tests (compiled, CUDA tensors)|170|$PYTEST XDIST6 --deselect $DESELECT $KERNEL_TESTS"
+  "[check] data-path scenarios through the kernels|170|$PYTEST XDIST4 $SCENARIO_TESTS"
   "decode bf16 64x4096 GQA4 (default tuning)|45|benchmarks/bench_triton_attention.py"
+  "decode tuning sweep (tile x warps x stages x splits)|100|benchmarks/bench_triton_attention.py --sweep 70 --repeats 3"
   "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
-  "kernel + gpu tests (compiled, CUDA tensors)|150|$PYTEST --deselect $DESELECT $KERNEL_TESTS"
   "decode, window 1024|30|benchmarks/bench_triton_attention.py --window 1024"
-  "data-path scenarios through the kernels|80|$PYTEST $SCENARIO_TESTS"
   "decode 256x4096|30|benchmarks/bench_triton_attention.py --batch 256"
   "decode 16x32768|30|benchmarks/bench_triton_attention.py --batch 16 --context 32768"
   "offload, torch copier|30|benchmarks/bench_torch_offload.py --device cuda"
-  "decode, tile 64, 8 warps|30|benchmarks/bench_triton_attention.py --tile 64 --num-warps 8"
-  "decode, tile 32, 3 stages|30|benchmarks/bench_triton_attention.py --tile 32 --num-stages 3"
-  "decode, tile 16|30|benchmarks/bench_triton_attention.py --tile 16"
+  "bookkeeping per step, torch on CUDA vs reference|40|benchmarks/bench_torch_bookkeeping.py --device cuda --no-vllm"
 )
 if [ -n "$ONLY" ]; then
   KEEP=()
@@ -96,10 +100,11 @@ if [ -n "$ONLY" ]; then
 fi
 if [ $PLAN -eq 1 ]; then
   echo "gpu-check plan (python: $PY, budget ${BUDGET} s):"
-  echo "  prerequisites: torch with CUDA, triton, pytest, hypothesis, setuptools (for the wheel)"
+  echo "  prerequisites: torch with CUDA, triton, pytest, hypothesis, setuptools (for the wheel); pytest-xdist if there"
   echo "  wheel: ${WHEEL:-pip wheel --no-deps --no-build-isolation $ROOT}; pip install --no-deps --no-index --target SCRATCH"
   for s in "${STEPS[@]}"; do
     IFS='|' read -r name limit cmd <<<"$s"
+    cmd=${cmd/XDIST6/[-n 6 with pytest-xdist]}; cmd=${cmd/XDIST4/[-n 4 with pytest-xdist]}
     echo "  [$limit s] $name: \$PY $cmd"
   done
   exit 0
@@ -121,7 +126,7 @@ cuda = torch.cuda.is_available()
 print("cuda", "yes" if cuda else "no")
 print("device", torch.cuda.get_device_name(0) if cuda else "-")
 print("python", sys.version.split()[0])
-for mod in ("torch", "triton", "numpy", "pytest", "hypothesis", "setuptools", "wheel"):
+for mod in ("torch", "triton", "numpy", "pytest", "hypothesis", "setuptools", "wheel", "xdist"):
     print(mod, ver(mod) or "MISSING")
 EOF
 )
@@ -198,33 +203,79 @@ if [ -n "$WHEEL" ]; then
 fi
 
 figure() {  # the line of a step's log that says what it measured or decided
-  grep -E "goal:|check (passed|failed)|[0-9]+ (passed|failed)|^FAIL|Error|error:" "$1" | tail -2 | tr '|' '/' \
+  grep -E "goal:|sweep best:|check (passed|failed)|[0-9]+ (passed|failed)|^FAIL|Error|error:" "$1" | tail -2 | tr '|' '/' \
     | tr '\n' ' ' | cut -c1-220
 }
 
+# xdist: the checks' pytest runs spread over processes where pytest-xdist is installed
+xdist_args() { if [ "$(get xdist)" != "MISSING" ]; then echo "-n $1"; fi; }
+
+run_step() {  # n name limit cmd: runs one step into step$n.log, writes step$n.rc and step$n.secs
+  local n=$1 name=$2 limit=$3 cmd=$4 t0
+  cmd=${cmd/XDIST6/$(xdist_args 6)}
+  cmd=${cmd/XDIST4/$(xdist_args 4)}
+  t0=$(date +%s)
+  # shellcheck disable=SC2086 # the arguments are split on purpose
+  (cd "$RUN" && timeout "$limit" "$PY" $cmd) >"$OUT/step$n.log" 2>&1
+  echo $? >"$OUT/step$n.rc"
+  echo $(( $(date +%s) - t0 )) >"$OUT/step$n.secs"
+}
+
+report_step() {  # n name limit
+  local n=$1 name=$2 limit=$3 rc secs st
+  rc=$(cat "$OUT/step$n.rc" 2>/dev/null || echo 1)
+  secs=$(cat "$OUT/step$n.secs" 2>/dev/null || echo 0)
+  if [ "$rc" -eq 0 ]; then st="ok"; elif [ "$rc" -eq 124 ]; then st="TIMEOUT (${limit} s)"; STATUS=1; else st="FAILED (exit $rc)"; STATUS=1; fi
+  row "$name" "$st" "$secs" "$(figure "$OUT/step$n.log")"
+  # the benchmark tables themselves, for BENCHMARKS.md
+  grep -E "^\|" "$OUT/step$n.log" >"$OUT/step$n.table.md" 2>/dev/null
+  rm -f "$OUT/step$n.rc" "$OUT/step$n.secs"
+}
+
+runnable() {  # name cmd -> 0 when the step may run; else adds its "not run" row
+  local name=$1 cmd=$2
+  if [ -z "$WHEEL" ]; then row "$name" "not run" 0 "no kvref wheel installed"; return 1; fi
+  if [[ "$cmd" == *pytest* ]] && [ -n "$MISSING" ]; then
+    row "$name" "not run" 0 "missing on this machine:$MISSING (not installed by this script)"
+    STATUS=3
+    return 1
+  fi
+  return 0
+}
+
+clip() {  # limit -> the limit cut to what is left of the budget, or nothing when < 10 s are left
+  local left=$(( BUDGET - $(elapsed) ))
+  if [ $left -lt 10 ]; then return 1; fi
+  if [ "$1" -gt $left ]; then echo $left; else echo "$1"; fi
+}
+
+# phase 1: the [check] steps side by side
+n=0
+PIDS=()
+PAR=()
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$s"
+  n=$((n + 1))
+  [[ "$name" == "[check]"* ]] || continue
+  runnable "$name" "$cmd" || continue
+  if ! limit=$(clip "$limit"); then row "$name" "not run" 0 "budget of $BUDGET s spent"; STATUS=1; continue; fi
+  run_step "$n" "$name" "$limit" "$cmd" &
+  PIDS+=($!)
+  PAR+=("$n|$name|$limit")
+done
+for p in "${PIDS[@]}"; do wait "$p"; done
+for e in "${PAR[@]}"; do IFS='|' read -r k name limit <<<"$e"; report_step "$k" "$name" "$limit"; done
+
+# phase 2: the timed steps, one at a time
 n=0
 for s in "${STEPS[@]}"; do
   IFS='|' read -r name limit cmd <<<"$s"
   n=$((n + 1))
-  log="$OUT/step$n.log"
-  if [ -z "$WHEEL" ]; then row "$name" "not run" 0 "no kvref wheel installed"; continue; fi
-  if [[ "$cmd" == *pytest* ]] && [ -n "$MISSING" ]; then
-    row "$name" "not run" 0 "missing on this machine:$MISSING (not installed by this script)"
-    STATUS=3
-    continue
-  fi
-  left=$(( BUDGET - $(elapsed) ))
-  if [ $left -lt 10 ]; then row "$name" "not run" 0 "budget of $BUDGET s spent"; [ $STATUS -eq 0 ] && STATUS=1; continue; fi
-  [ $limit -gt $left ] && limit=$left
-  T0=$(elapsed)
-  # shellcheck disable=SC2086 # the arguments are split on purpose
-  (cd "$RUN" && timeout "$limit" "$PY" $cmd) >"$log" 2>&1
-  rc=$?
-  secs=$(( $(elapsed) - T0 ))
-  if [ $rc -eq 0 ]; then st="ok"; elif [ $rc -eq 124 ]; then st="TIMEOUT (${limit} s)"; STATUS=1; else st="FAILED (exit $rc)"; STATUS=1; fi
-  row "$name" "$st" "$secs" "$(figure "$log")"
-  # the benchmark tables themselves, for BENCHMARKS.md
-  grep -E "^\|" "$log" >"$OUT/step$n.table.md" 2>/dev/null
+  [[ "$name" == "[check]"* ]] && continue
+  runnable "$name" "$cmd" || continue
+  if ! limit=$(clip "$limit"); then row "$name" "not run" 0 "budget of $BUDGET s spent"; [ $STATUS -eq 0 ] && STATUS=1; continue; fi
+  run_step "$n" "$name" "$limit" "$cmd"
+  report_step "$n" "$name" "$limit"
 done
 
 {

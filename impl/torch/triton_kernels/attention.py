@@ -484,7 +484,9 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     ctx = context_lens.to(dev).to(torch.int64).contiguous()
     rows = query_rows.to(dev).to(torch.int64).contiguous()
     qpos = query_positions.to(dev).to(torch.int64).contiguous()
-    scale_t = torch.tensor([d ** -0.5 if scale is None else scale], dtype=acc, device=dev)
+    # torch.full, not torch.tensor: a host value copied to the device is a blocking copy (a stream
+    # sync per call, the GPU idle while Python prepares the next launch); a fill is a launch
+    scale_t = torch.full((1,), d ** -0.5 if scale is None else scale, dtype=acc, device=dev)
     if split:
         part = torch.empty((t, hq, num_splits, d), dtype=acc, device=dev)
         m = torch.empty((t, hq, num_splits), dtype=acc, device=dev)
