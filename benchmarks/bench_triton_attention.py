@@ -77,6 +77,42 @@ def timed(fn, sync, repeats: int, inner: int) -> float:
     return best
 
 
+def graph_timed(fn, repeats: int, inner: int) -> float | None:
+    """Device time of one ``fn()`` without host overhead: ``inner`` calls captured in a CUDA graph
+    (as an engine runs decode), the best of ``repeats`` replays timed with CUDA events. ``None``
+    when the calls cannot be captured. The eager figure (:func:`timed`) also counts the Python
+    wrapper and the launches whenever the host is slower than the GPU (issue #24: the same
+    configuration timed 0.38 ms in one process and 0.58-0.63 ms in the next, while ncu read the
+    kernel at 370 us)."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except RuntimeError as exc:  # a call that cannot be captured: report it, time eagerly only
+        print(f"(CUDA graph capture failed: {str(exc)[:120]})")
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / inner)
+    return best
+
+
 def check_real_shapes_on_cuda(dev, g) -> list[str]:
     """Every attention shape of the packaged config.json fixtures (``aot.real_shapes``: head sizes
     64-576, GQA 1-128, hybrid block sizes like 528/1568), 1-2 KV heads, two requests just past one
@@ -213,7 +249,7 @@ SWEEP = [(t, w, st, f) for f in (1, 2, 0.5) for t in (32, 64, 16) for w in (4, 8
 
 
 def sweep(run, exact, kv_bytes: float, copy_gbs: float, default_splits: int, sync, repeats: int,
-          budget_s: float) -> list[tuple]:
+          budget_s: float, on_gpu: bool = False) -> list[tuple]:
     """Time each tuning of :data:`SWEEP` (``run(**tuning)`` -> output) until ``budget_s`` is spent;
     a tuning that does not fit or fails to compile is listed with the reason. Rows:
     ``(seconds or None, tile, warps, stages, splits, rel_error or None, note)``."""
@@ -229,7 +265,8 @@ def sweep(run, exact, kv_bytes: float, copy_gbs: float, default_splits: int, syn
         try:
             out = run(**tuning)
             rel = float((out.double() - exact).abs().max() / exact.abs().max())
-            secs = timed(lambda: run(**tuning), sync, repeats, 20)
+            secs = (graph_timed(lambda: run(**tuning), repeats, 20) if on_gpu else None) \
+                or timed(lambda: run(**tuning), sync, repeats, 20)
             rows.append((secs, tile, warps, stages, splits, rel, ""))
         except (InvalidFieldError, RuntimeError, ValueError) as exc:  # OutOfResources is a RuntimeError
             rows.append((None, tile, warps, stages, splits, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
@@ -321,6 +358,10 @@ def main(argv=None) -> int:
                      sync, args.repeats, inner)
     t_torch = timed(lambda: paged_attention(q, cache, table, ctx, rows, pos, mask), sync, args.repeats, inner)
     t_sdpa = timed(sdpa, sync, args.repeats, inner)
+    # device time alone (CUDA graphs): what the kernel costs inside an engine's captured decode step
+    g_triton = graph_timed(lambda: paged_attention_triton(q, cache, table, ctx, rows, pos, mask, validate=False,
+                                                          **tuning), args.repeats, inner) if on_gpu else None
+    g_sdpa = graph_timed(sdpa, args.repeats, inner) if on_gpu else None
     kv_bytes = batch * read * 2 * hkv * d * cache.element_size()
     src = torch.empty(kv_bytes // cache.element_size(), dtype=dtype, device=device)
     dst = torch.empty_like(src)
@@ -333,20 +374,25 @@ def main(argv=None) -> int:
           f" max|triton - torch path|={err:.2e}")
     print("| path | step time | tokens/s | K/V read GB/s | / device copy | time / SDPA | rel. error vs float64 |")
     print("|---|---|---|---|---|---|---|")
-    for label, t, key in (("triton kernel" + (" (interpreted)" if not on_gpu else ""), t_triton, "triton"),
-                          ("torch path (gather + matmul)", t_torch, "torch"),
-                          ("PyTorch SDPA, dense contiguous K/V", t_sdpa, "sdpa")):
+    paths = [("triton kernel" + (" (interpreted)" if not on_gpu else ", eager (host overhead counted)"),
+              t_triton, "triton", t_sdpa),
+             ("torch path (gather + matmul)", t_torch, "torch", t_sdpa),
+             ("PyTorch SDPA, dense contiguous K/V" + (", eager" if on_gpu else ""), t_sdpa, "sdpa", t_sdpa)]
+    if g_triton and g_sdpa:  # each beside the same kind of SDPA time
+        paths += [("triton kernel, CUDA graph (device time)", g_triton, "triton", g_sdpa),
+                  ("PyTorch SDPA, CUDA graph (device time)", g_sdpa, "sdpa", g_sdpa)]
+    for label, t, key, peer in paths:
         gbs = kv_bytes / t / 1e9
         print(f"| {label} | {t * 1e3:.3f} ms | {batch / t:,.1f} | {gbs:.3g} | {gbs / copy_gbs:.3g} | "
-              f"{t / t_sdpa:.3g} | {rel[key]:.2e} |")
+              f"{t / peer:.3g} | {rel[key]:.2e} |")
     print(f"| device copy (read+write), {kv_bytes / 1e6:.1f} MB | {t_copy * 1e3:.3f} ms | | {copy_gbs:.2f} | 1.000 | | |")
     if args.sweep:
         from kvref.impl.torch.triton_kernels.attention import default_splits as splits_for, kernel_config
         cfg = kernel_config(dtype, mask.kind, hkv * args.gqa, hkv, d, bs, on_gpu, False)
         auto = args.splits or splits_for(batch * hkv * cfg.consts["HEAD_BLOCKS"], context, cfg.consts["TILE"], device)
         rows_ = sweep(lambda **tn: paged_attention_triton(q, cache, table, ctx, rows, pos, mask, validate=False, **tn),
-                      exact, kv_bytes, copy_gbs, auto, sync, args.repeats, args.sweep)
-        print_sweep(rows_, kv_bytes, copy_gbs, t_sdpa)
+                      exact, kv_bytes, copy_gbs, auto, sync, args.repeats, args.sweep, on_gpu)
+        print_sweep(rows_, kv_bytes, copy_gbs, g_sdpa or t_sdpa)
         bad_sweep = [r for r in rows_ if r[5] is not None and not r[5] <= REL_TOLERANCE[dtype]]
         if bad_sweep:
             print(f"FAIL: {len(bad_sweep)} sweep tunings above the relative tolerance {REL_TOLERANCE[dtype]:g}")
@@ -356,10 +402,13 @@ def main(argv=None) -> int:
         print(f"FAIL: relative error vs float64 above {REL_TOLERANCE[dtype]:g} for {', '.join(bad)}")
         return 1
     if on_gpu:
-        ratio = kv_bytes / t_triton / 1e9 / copy_gbs
-        print(f"goal: triton / device copy >= 0.60: {'met' if ratio >= 0.60 else 'NOT met'} ({ratio:.3f}); "
-              f"triton time <= 1.5 x SDPA: {'met' if t_triton <= 1.5 * t_sdpa else 'NOT met'} "
-              f"({t_triton / t_sdpa:.2f}x)")
+        # the goal is the kernel's: device time where graphs captured both, else the eager times
+        k_t, s_t, how = (g_triton, g_sdpa, "CUDA graph") if g_triton and g_sdpa else (t_triton, t_sdpa, "eager")
+        ratio = kv_bytes / k_t / 1e9 / copy_gbs
+        print(f"goal ({how} times): triton / device copy >= 0.60: {'met' if ratio >= 0.60 else 'NOT met'} "
+              f"({ratio:.3f}); triton time <= 1.5 x SDPA: {'met' if k_t <= 1.5 * s_t else 'NOT met'} "
+              f"({k_t / s_t:.2f}x); host overhead per eager call beyond device time: "
+              f"{max(0.0, t_triton - k_t) * 1e6:.0f} us")
     return 0
 
 

@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-kib", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel's launch tunings (chunk x num_warps) on the scattered job")
     args = ap.parse_args(argv)
     for name in ("blocks", "layers", "page_kib", "repeats"):
         v = getattr(args, name)
@@ -124,6 +126,22 @@ def main(argv=None) -> int:
                 worst = min(worst, s / base_store, l_ / base_load)
             print(f"| {backend}{' (interpreted)' if backend == 'triton' and not on_gpu else ''} | {job_name} | "
                   f"{s:.3g} | {l_:.3g} | {s / base_store:.3g} | {l_ / base_load:.3g} |")
+    if args.sweep:
+        from kvref.impl.torch.triton_kernels.block_copy import copy_pages_triton
+
+        host_pages = copiers["triton"].host
+        gpu_ids, cpu_ids_ = [g for g, _ in jobs["scattered"]], [c for _, c in jobs["scattered"]]
+        print("| kernel tuning (scattered job) | store GB/s | load GB/s | store / baseline | load / baseline |")
+        print("|---|---|---|---|---|")
+        for chunk in (1024, 2048, 4096):
+            for warps in ((4, 8, 16) if on_gpu else (None,)):
+                kw = dict(chunk=chunk, num_warps=warps)
+                s = total / timed(lambda: copy_pages_triton(cache.backing, host_pages, gpu_ids, cpu_ids_, **kw),
+                                  sync, args.repeats) / 1e9
+                l_ = total / timed(lambda: copy_pages_triton(host_pages, cache.backing, cpu_ids_, gpu_ids, **kw),
+                                   sync, args.repeats) / 1e9
+                print(f"| chunk {chunk} words, {warps or 'default'} warps | {s:.3g} | {l_:.3g} | "
+                      f"{s / base_store:.3g} | {l_ / base_load:.3g} |")
     base = "device<->pinned host copy_" if on_gpu else "CPU memcpy (tensor copy_)"
     print(f"| baseline: {base} | one tensor | {base_store:.3g} | {base_load:.3g} | 1 | 1 |")
     if on_gpu:

@@ -203,7 +203,7 @@ if [ -n "$WHEEL" ]; then
 fi
 
 figure() {  # the line of a step's log that says what it measured or decided
-  grep -E "goal:|sweep best:|check (passed|failed)|[0-9]+ (passed|failed)|^FAIL|Error|error:" "$1" | tail -2 | tr '|' '/' \
+  grep -E "goal[:( ]|sweep best:|check (passed|failed)|[0-9]+ (passed|failed)|^FAIL|Error|error:" "$1" | tail -2 | tr '|' '/' \
     | tr '\n' ' ' | cut -c1-220
 }
 

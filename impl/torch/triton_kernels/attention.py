@@ -52,6 +52,7 @@ next configuration instead of failing the launch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -266,9 +267,14 @@ def default_splits(num_programs: int, max_keys: int, tile: int, device: torch.de
     :data:`MAX_SPLITS`; 1 on the CPU (the interpreter gains nothing from them)."""
     if device.type != "cuda" or num_programs <= 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = -(-16 * sms // num_programs)
     return max(1, min(want, max_keys // (2 * tile), MAX_SPLITS))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _group_block(group_p: int, head_p: int, use_dot: bool) -> int:
@@ -303,6 +309,12 @@ def shared_memory_bound(consts: dict, dtype: torch.dtype, num_stages: int) -> in
 
 def device_shared_limit(device: torch.device) -> int:
     """Shared memory a program may use on ``device`` (bytes): the opt-in maximum per block."""
+    return _shared_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _shared_limit(index: int) -> int:
+    device = torch.device("cuda", index)
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", None)
     if not limit:
@@ -417,6 +429,21 @@ def kernel_config(dtype: torch.dtype, mask_kind: str, num_q_heads: int, num_kv_h
                             f"{shared_limit} B per block: a smaller tile, fewer stages or a smaller group_block")
 
 
+@lru_cache(maxsize=1024)
+def _launch_plan(args: tuple, types: tuple, limit) -> tuple[KernelConfig, tuple[KernelConfig, ...]]:
+    """The configuration to launch and the ones to step down to, per distinct argument tuple:
+    computed once (a decode step calls the wrapper per layer; recomputing the candidates each time
+    was host time the GPU waited on, issue #24). ``types`` is part of the key so that ``tile=True``
+    is not served what ``tile=1`` computed (equal and same hash, but one of them is refused)."""
+    cfg = kernel_config(*args, shared_limit=limit)
+    return cfg, tuple(_step_down(cfg, args))
+
+
+def _step_down(cfg: KernelConfig, args: tuple) -> list[KernelConfig]:
+    cands = candidate_configs(*args)
+    return cands[cands.index(cfg):] if cfg in cands else [cfg]
+
+
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            context_lens: torch.Tensor, query_rows: torch.Tensor, query_positions: torch.Tensor,
                            mask: AttentionMask = AttentionMask(), scale: float | None = None,
@@ -465,7 +492,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     on_cuda = dev.type == "cuda"
     args = (query.dtype, mask.kind, hq, hkv, d, bs, on_cuda, False, tile, num_warps, group_block, num_stages)
     limit = device_shared_limit(dev) if on_cuda else None
-    cfg = kernel_config(*args, shared_limit=limit)
+    try:
+        cfg, rest = _launch_plan(args, tuple(map(type, args)), limit)
+    except TypeError:  # an unhashable tuning value: the uncached path names it
+        cfg = kernel_config(*args, shared_limit=limit)
+        rest = None
     if num_splits is None:
         # The table's reach bounds the context without reading it back when not validating.
         max_keys = (int(context_lens.max()) if context_lens.numel() else 0) if validate else block_table.shape[1] * bs
@@ -498,7 +529,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     run_args = (q, kv_cache, dst, table, ctx, rows, qpos, scale_t, m, l_, q.stride(0), q.stride(1), *strides,
                 kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), table.stride(0),
                 mask.size if mask.kind != "causal" else 1, num_splits)
-    _launch_pass1(cfg, args, limit, split, (t, hkv * cfg.consts["HEAD_BLOCKS"], num_splits), run_args)
+    _launch_pass1(cfg, args, limit, split, (t, hkv * cfg.consts["HEAD_BLOCKS"], num_splits), run_args, rest)
     if split:
         _combine_kernel[(t, hq)](part, m, l_, out, part.stride(0), part.stride(1), part.stride(2), m.stride(0),
                                  m.stride(1), out.stride(0), out.stride(1), num_splits, HEAD=d, HEAD_P=_pow2(d),
@@ -507,7 +538,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     return out.to(q.dtype) if trunc else out
 
 
-def _launch_pass1(cfg: KernelConfig, args: tuple, limit, split: bool, grid: tuple, run_args: tuple) -> None:
+def _launch_pass1(cfg: KernelConfig, args: tuple, limit, split: bool, grid: tuple, run_args: tuple,
+                  rest: tuple | None = None) -> None:
     """Launch pass 1 with ``cfg``; on CUDA, should the compiled kernel still ask for more shared
     memory than the device has (a compiler laying out differently from the bound), step down
     through the remaining candidates of the same tuning instead of failing (issue #24)."""
@@ -516,8 +548,8 @@ def _launch_pass1(cfg: KernelConfig, args: tuple, limit, split: bool, grid: tupl
         return
     from triton.runtime.errors import OutOfResources
 
-    cands = candidate_configs(*args)
-    rest = [c for c in cands[cands.index(cfg):]] if cfg in cands else [cfg]
+    if rest is None:
+        rest = _step_down(cfg, args)
     for i, c in enumerate(rest):
         consts = dict(c.consts, SPLIT=split)
         try:

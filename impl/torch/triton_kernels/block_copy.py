@@ -63,14 +63,15 @@ def _word(tensors: list[torch.Tensor]) -> int:
 
 
 def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_ids, dst_ids,
-                      chunk: int = CHUNK) -> None:
+                      chunk: int = CHUNK, num_warps: int | None = None) -> None:
     """``dsts[l][dst_ids[i]] = srcs[l][src_ids[i]]`` for every layer ``l`` and pair ``i``, as ONE
     kernel launch (issue #24: the torch copier's scattered jobs cost one ``copy_`` per block and
     reached 9-14 % of a pinned-host copy). Each ``srcs[l]``/``dsts[l]`` is a ``[blocks, page]``
     tensor with contiguous pages, all of one dtype and page size; the ids are lists or 1-D
     tensors of equal length with distinct destinations. One side may be pinned host memory when
     the other is on CUDA (the kernel reads or writes it directly); on CPU tensors the kernel runs
-    in Triton's interpreter."""
+    in Triton's interpreter. ``chunk`` (words per program) and ``num_warps`` (CUDA only) tune the
+    launch; neither changes what is copied."""
     from .availability import require_triton
 
     if not isinstance(srcs, (list, tuple)) or not isinstance(dsts, (list, tuple)) or len(srcs) != len(dsts) \
@@ -104,23 +105,35 @@ def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_id
         raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
         raise InvalidFieldError("chunk", chunk, "a power of two")
+    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
+        raise InvalidFieldError("num_warps", num_warps, "a power of two from 1 to 32")
     require_triton(launch)
     if not s_ids.numel():
         return
     word = _word(list(srcs) + list(dsts))
     elem = first.element_size()
     page = first.shape[1] * elem // word
-    table = lambda vals: torch.tensor(vals, dtype=torch.int64, device=launch)  # noqa: E731
     aligned = all(a.data_ptr() % 16 == 0 and a.stride(0) * elem % 16 == 0 for a in list(srcs) + list(dsts)) \
         and first.shape[1] * elem % 16 == 0
-    args = (table([a.data_ptr() for a in srcs]), table([a.data_ptr() for a in dsts]),
-            table([a.stride(0) * elem // word for a in srcs]), table([a.stride(0) * elem // word for a in dsts]),
-            s_ids.to(launch), d_ids.to(launch), page)
+    # Every table the kernel reads (layer addresses, row strides, the id pairs) travels in ONE
+    # copy: from pinned memory and non-blocking on CUDA (six blocking copies were six stream syncs
+    # per job, host time a job waited on; the caching host allocator keeps the pinned buffer alive
+    # until the copy has run)
+    n_layers, n = len(srcs), s_ids.numel()
+    meta = torch.cat([torch.tensor([a.data_ptr() for a in srcs] + [a.data_ptr() for a in dsts]
+                                   + [a.stride(0) * elem // word for a in srcs]
+                                   + [a.stride(0) * elem // word for a in dsts], dtype=torch.int64),
+                      s_ids.cpu(), d_ids.cpu()])
+    if launch.type == "cuda":
+        meta = meta.pin_memory().to(launch, non_blocking=True)
+    parts = meta.split([n_layers, n_layers, n_layers, n_layers, n, n])
+    args = (*parts, page)
     grid = (s_ids.numel(), triton.cdiv(page, chunk), len(srcs))
     kernel, hint = (_copy_pages_kernel, dict(VEC=16 // word)) if aligned else (_copy_pages_kernel_unaligned, {})
     if launch.type == "cuda":
         with torch.cuda.device(launch):
-            kernel[grid](*args, CHUNK=chunk, WORD=_TL_INT[word], **hint)
+            tuning = {"num_warps": num_warps} if num_warps else {}
+            kernel[grid](*args, CHUNK=chunk, WORD=_TL_INT[word], **hint, **tuning)
     else:
         kernel[grid](*args, CHUNK=chunk, WORD=_TL_INT[word], **hint)
 

@@ -313,3 +313,28 @@ def test_a_decode_call_without_validation_never_synchronizes_the_device():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert torch.equal(got, want)
+
+
+def test_the_launch_plan_is_computed_once_per_distinct_arguments_and_still_refuses_bad_tunings():
+    """The wrapper keeps the configuration choice per argument tuple (host time per decode call,
+    issue #24) without letting the cache skip validation: ``tile=True`` equals ``tile=1`` as a key
+    and must still be refused after ``tile=1`` was accepted."""
+    import kvref.impl.torch.triton_kernels.attention as attn
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn((9, 2, 4, 1, 16), generator=g).to(dev)
+    table = (torch.randperm(8, generator=g) + 1).reshape(2, 4).to(torch.int32).to(dev)
+    ctx = torch.tensor([9, 5], device=dev)
+    rows = torch.arange(2, device=dev)
+    q = torch.randn((2, 2, 16), generator=g).to(dev)
+    attn._launch_plan.cache_clear()
+    first = attn.paged_attention_triton(q, cache, table, ctx, rows, ctx - 1, tile=1)
+    again = attn.paged_attention_triton(q, cache, table, ctx, rows, ctx - 1, tile=1)
+    info = attn._launch_plan.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    assert torch.equal(first, again)
+    with pytest.raises(InvalidFieldError, match="tile"):
+        attn.paged_attention_triton(q, cache, table, ctx, rows, ctx - 1, tile=True)
+    with pytest.raises(InvalidFieldError, match="tile"):
+        attn.paged_attention_triton(q, cache, table, ctx, rows, ctx - 1, tile=[32])

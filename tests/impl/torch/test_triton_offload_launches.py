@@ -110,3 +110,43 @@ def test_bad_layer_lists_are_rejected_naming_the_field():
         assert exc.value.field == field
     with pytest.raises(InvalidFieldError, match="chunk"):
         bc.copy_pages_triton([a], [b], [0], [1], chunk=True)
+
+
+def test_bad_launch_tunings_are_rejected_and_any_good_one_copies_the_same_bits():
+    """``chunk`` and ``num_warps`` tune the launch only (the benchmark's sweep picks among them):
+    each good tuning gives the same pages, a bad one is refused naming the field."""
+    dev = kernel_device()
+    src = torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40).to(dev)
+    want = torch.zeros_like(src)
+    bc.copy_pages_triton([src], [want], [1, 4, 2], [3, 0, 5])
+    for chunk, warps in ((2, None), (64, None), (8, 8)):
+        got = torch.zeros_like(src)
+        bc.copy_pages_triton([src], [got], [1, 4, 2], [3, 0, 5], chunk=chunk, num_warps=warps)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(want[3], src[1]) and torch.equal(want[5], src[2])
+    for bad in (3, 0, True, 64.0):
+        with pytest.raises(InvalidFieldError, match="num_warps"):
+            bc.copy_pages_triton([src], [want], [1], [2], num_warps=bad)
+
+
+@pytest.mark.gpu
+def test_a_job_from_id_lists_never_synchronizes_the_device():
+    """Every table a job needs goes to the device in one non-blocking copy from pinned memory:
+    six blocking copies were six stream syncs per job (#24), host time the offload waited on."""
+    if kernel_device() != "cuda":
+        pytest.skip("the kernels run in the interpreter here (CPU tensors)")
+    from kvref.impl.torch.offload_copy import host_buffer
+
+    dev = torch.device("cuda")
+    gpu = [torch.randn((9, 256), device=dev).to(torch.bfloat16) for _ in range(3)]
+    host = [host_buffer((9, 256), torch.bfloat16, dev) for _ in range(3)]
+    bc.copy_pages_triton(gpu, host, [1, 2], [3, 4])  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bc.copy_pages_triton(gpu, host, [5, 1, 8], [2, 7, 0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for g, h in zip(gpu, host):
+        assert torch.equal(h[[2, 7, 0]].view(torch.int16), g[[5, 1, 8]].cpu().view(torch.int16))
