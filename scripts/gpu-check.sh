@@ -85,7 +85,7 @@ STEPS=(
   "[check] data-path scenarios through the kernels|170|$PYTEST XDIST4 $SCENARIO_TESTS"
   "decode bf16 64x4096 GQA4 (default tuning)|45|benchmarks/bench_triton_attention.py"
   "decode tuning sweep (tile x warps x stages x splits)|100|benchmarks/bench_triton_attention.py --sweep 70 --repeats 3"
-  "offload, Triton + torch copiers|40|benchmarks/bench_triton_offload.py"
+  "offload, Triton + torch copiers, kernel tunings|50|benchmarks/bench_triton_offload.py --sweep"
   "decode, window 1024|30|benchmarks/bench_triton_attention.py --window 1024"
   "decode 256x4096|30|benchmarks/bench_triton_attention.py --batch 256"
   "decode 16x32768|30|benchmarks/bench_triton_attention.py --batch 16 --context 32768"

@@ -63,7 +63,7 @@ def _word(tensors: list[torch.Tensor]) -> int:
 
 
 def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_ids, dst_ids,
-                      chunk: int = CHUNK, num_warps: int | None = None) -> None:
+                      chunk: int = CHUNK, num_warps: int | None = None, validate_ids: bool = True) -> None:
     """``dsts[l][dst_ids[i]] = srcs[l][src_ids[i]]`` for every layer ``l`` and pair ``i``, as ONE
     kernel launch (issue #24: the torch copier's scattered jobs cost one ``copy_`` per block and
     reached 9-14 % of a pinned-host copy). Each ``srcs[l]``/``dsts[l]`` is a ``[blocks, page]``
@@ -71,7 +71,9 @@ def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_id
     tensors of equal length with distinct destinations. One side may be pinned host memory when
     the other is on CUDA (the kernel reads or writes it directly); on CPU tensors the kernel runs
     in Triton's interpreter. ``chunk`` (words per program) and ``num_warps`` (CUDA only) tune the
-    launch; neither changes what is copied."""
+    launch; neither changes what is copied. ``validate_ids=False`` skips the range and
+    distinctness checks of the ids, for a caller that checked them against the same bounds (the
+    offload copier: host time per job, issue #24)."""
     from .availability import require_triton
 
     if not isinstance(srcs, (list, tuple)) or not isinstance(dsts, (list, tuple)) or len(srcs) != len(dsts) \
@@ -97,12 +99,10 @@ def copy_pages_triton(srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_id
     if s_ids.shape != d_ids.shape:
         raise InvalidFieldError("src_ids/dst_ids", (s_ids.numel(), d_ids.numel()), "two id lists of equal length")
     n_src, n_dst = min(a.shape[0] for a in srcs), min(a.shape[0] for a in dsts)
-    if s_ids.numel() and (int(s_ids.min()) < 0 or int(s_ids.max()) >= n_src):
-        raise InvalidFieldError("src_ids", s_ids.tolist(), f"ids in [0, {n_src})")
-    if d_ids.numel() and (int(d_ids.min()) < 0 or int(d_ids.max()) >= n_dst):
-        raise InvalidFieldError("dst_ids", d_ids.tolist(), f"ids in [0, {n_dst})")
-    if len(set(d_ids.tolist())) != d_ids.numel():
-        raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
+    if validate_ids is not True and validate_ids is not False:
+        raise InvalidFieldError("validate_ids", validate_ids, "True or False")
+    if validate_ids:
+        _check_ids(s_ids, d_ids, n_src, n_dst)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
         raise InvalidFieldError("chunk", chunk, "a power of two")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32)):
@@ -153,6 +153,15 @@ def _copy_pages_kernel_unaligned(src_addr_ptr, dst_addr_ptr, src_stride_ptr, dst
     i = c * CHUNK + tl.arange(0, CHUNK)
     m = i < page
     tl.store(dst_base + d_row + i, tl.load(src_base + s_row + i, mask=m), mask=m)
+
+
+def _check_ids(s_ids: torch.Tensor, d_ids: torch.Tensor, n_src: int, n_dst: int) -> None:
+    if s_ids.numel() and (int(s_ids.min()) < 0 or int(s_ids.max()) >= n_src):
+        raise InvalidFieldError("src_ids", s_ids.tolist(), f"ids in [0, {n_src})")
+    if d_ids.numel() and (int(d_ids.min()) < 0 or int(d_ids.max()) >= n_dst):
+        raise InvalidFieldError("dst_ids", d_ids.tolist(), f"ids in [0, {n_dst})")
+    if len(set(d_ids.tolist())) != d_ids.numel():
+        raise InvalidFieldError("dst_ids", d_ids.tolist(), "distinct destination blocks")
 
 
 def launch_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:

@@ -150,3 +150,23 @@ def test_a_job_from_id_lists_never_synchronizes_the_device():
     torch.cuda.synchronize()
     for g, h in zip(gpu, host):
         assert torch.equal(h[[2, 7, 0]].view(torch.int16), g[[5, 1, 8]].cpu().view(torch.int16))
+
+
+def test_the_copier_checks_a_job_once_and_still_names_every_bad_pair():
+    """The copier checks a job's pairs a list at a time and tells the kernel wrapper not to check
+    the ids again (host time per job, #24); whatever the fast path does not accept goes through
+    the per-pair checks, which name the field; ``validate_ids`` itself takes only a bool."""
+    from kvref.impl.torch.kv_cache_tensors import KVCacheTensors as _KV
+
+    cache = _KV(GROUPS, 6, 1, torch.float32, torch.device(kernel_device()))
+    copier = OffloadCopier(cache, 5, backend="triton")
+    for bad, field in (([(1, 5)], "cpu_block"), ([(6, 0)], "gpu_block"), ([(1, -1)], "cpu_block"),
+                       ([(True, 0)], "gpu_block"), ([(1, 2.0)], "cpu_block"), ([(1,)], "job"),
+                       ([(1, 2), (3, 2)], "job"), ("12", "job")):
+        with pytest.raises(InvalidFieldError, match=field):
+            copier.store(bad)
+    assert copier._plain_pairs([(1, 2), [3, 4]]) == [(1, 2), (3, 4)]
+    assert copier._plain_pairs([(1, 2), (3, 5)]) is None  # out of range: the slow path names it
+    src = torch.zeros((3, 8), device=kernel_device())
+    with pytest.raises(InvalidFieldError, match="validate_ids"):
+        bc.copy_pages_triton([src], [src.clone()], [0], [1], validate_ids=1)
