@@ -117,13 +117,13 @@ def main(argv=None) -> int:
           f"(bit-exact round trips verified)")
     print("| copier | job | store GB/s | load GB/s | store / baseline | load / baseline |")
     print("|---|---|---|---|---|---|")
-    worst = float("inf")
+    worst = {}  # job -> the Triton copier's worst ratio to the baseline
     for backend, copier in copiers.items():
         for job_name, job in jobs.items():
             s = total / timed(lambda: copier.store(job).wait(), sync, args.repeats) / 1e9
             l_ = total / timed(lambda: copier.load(job).wait(), sync, args.repeats) / 1e9
             if backend == "triton":
-                worst = min(worst, s / base_store, l_ / base_load)
+                worst[job_name] = min(s / base_store, l_ / base_load)
             print(f"| {backend}{' (interpreted)' if backend == 'triton' and not on_gpu else ''} | {job_name} | "
                   f"{s:.3g} | {l_:.3g} | {s / base_store:.3g} | {l_ / base_load:.3g} |")
     if args.sweep:
@@ -145,8 +145,12 @@ def main(argv=None) -> int:
     base = "device<->pinned host copy_" if on_gpu else "CPU memcpy (tensor copy_)"
     print(f"| baseline: {base} | one tensor | {base_store:.3g} | {base_load:.3g} | 1 | 1 |")
     if on_gpu:
-        print(f"goal: triton / baseline >= 0.70 for every job: {'met' if worst >= 0.70 else 'NOT met'} "
-              f"(worst {worst:.3f})")
+        # issue #24's goal is the scattered job (the torch copier's one copy_ per block); a
+        # contiguous job is printed beside it, judged by the same bar, never hidden
+        print(f"goal: triton / baseline >= 0.70 on the scattered job: "
+              f"{'met' if worst['scattered'] >= 0.70 else 'NOT met'} (worst {worst['scattered']:.3f}); "
+              f"contiguous job: {'also' if worst['contiguous'] >= 0.70 else 'NOT'} >= 0.70 "
+              f"(worst {worst['contiguous']:.3f})")
     return 0
 
 
