@@ -18,7 +18,9 @@ Runs of consecutive ``(gpu, cpu)`` pairs are merged into one copy, so a contiguo
 (:mod:`.triton_kernels.block_copy`: ONE launch for the whole job, every page of every layer in
 parallel, the kernel reading/writing the pinned host buffer directly) — the back-end for
 scattered jobs: the torch path's merged runs degenerate to one ``copy_`` per block and layer
-there (9-14 % of a pinned-host copy on an H200, issue #24); default ``"torch"``.
+there (9-14 % of a pinned-host copy on an H200, issue #24); default ``"torch"``. Runs of at
+least :attr:`OffloadCopier.COPY_ENGINE_MIN_BYTES` per layer still go to the copy engine
+(``copy_``), which moves long contiguous runs faster than the kernel does.
 """
 
 from __future__ import annotations
@@ -98,7 +100,15 @@ class OffloadCopier:
     ``backend``: ``"torch"`` (``copy_`` per merged run) or ``"triton"`` (the block-copy kernel).
     """
 
-    def __init__(self, cache: KVCacheTensors, num_cpu_blocks: int, backend: str = "torch") -> None:
+    #: with ``backend="triton"``, a run of consecutive pairs at least this many bytes per layer goes
+    #: through the copy engine (one ``copy_`` per layer) instead of the kernel: on an H100 a
+    #: contiguous 134 MB job moved at 0.66-0.68 of a pinned ``copy_`` through the kernel and 0.88
+    #: as ``copy_`` per run, scattered pages at 0.73-0.76 through the kernel and 0.13-0.15 as
+    #: ``copy_`` per block (issue #24, BENCHMARKS.md); 0 sends every run to the copy engine
+    COPY_ENGINE_MIN_BYTES = 1 << 20
+
+    def __init__(self, cache: KVCacheTensors, num_cpu_blocks: int, backend: str = "torch",
+                 copy_engine_min_bytes: int | None = None) -> None:
         if not isinstance(cache, KVCacheTensors):
             raise InvalidFieldError("cache", cache, "a KVCacheTensors")
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1)
@@ -109,6 +119,9 @@ class OffloadCopier:
         from .triton_kernels import check_backend, require_triton
 
         self.backend = check_backend("backend", backend)
+        check_int("copy_engine_min_bytes", copy_engine_min_bytes, minimum=0, allow_none=True)
+        self.copy_engine_min_bytes = (self.COPY_ENGINE_MIN_BYTES if copy_engine_min_bytes is None
+                                      else copy_engine_min_bytes)
         if backend == "triton":
             require_triton(cache.device)
         self.cache = cache
@@ -159,7 +172,14 @@ class OffloadCopier:
 
     def _copy(self, job: Job, kind: str) -> CopyHandle:
         pairs = self._check(job, kind)
-        runs = merge_runs(pairs) if self.backend == "torch" else ()
+        runs = merge_runs(pairs)
+        if self.backend == "triton":
+            # long runs to the copy engine, the rest (scattered pages, short runs) to ONE launch
+            page_bytes = self.cache.block_stride * self.cache.dtype.itemsize
+            runs = [r for r in runs if r[2] * page_bytes >= self.copy_engine_min_bytes]
+            if runs:
+                taken = {(g + i, c + i) for g, c, n in runs for i in range(n)}
+                pairs = [p for p in pairs if p not in taken]
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
             ctx = torch.cuda.stream(self.stream)
@@ -167,16 +187,16 @@ class OffloadCopier:
             ctx = _nullcontext()
         with ctx:
             if self.backend == "triton":
-                # one launch for the whole job, every layer (issue #24)
+                # one launch for every other pair of the job, every layer (issue #24)
                 from .triton_kernels.block_copy import copy_pages_triton
 
                 gpu, cpu = [g for g, _ in pairs], [c for _, c in pairs]
                 # the ids were checked above against the same bounds: not again per job
-                if kind == "store":
+                if pairs and kind == "store":
                     copy_pages_triton(self.cache.backing, self.host, gpu, cpu, validate_ids=False)
-                else:
+                elif pairs:
                     copy_pages_triton(self.host, self.cache.backing, cpu, gpu, validate_ids=False)
-            for dev, host in zip(self.cache.backing, self.host) if self.backend == "torch" else ():
+            for dev, host in zip(self.cache.backing, self.host):
                 for g, c, n in runs:
                     if kind == "store":
                         host[c:c + n].copy_(dev[g:g + n], non_blocking=self.is_cuda)

@@ -170,3 +170,51 @@ def test_the_copier_checks_a_job_once_and_still_names_every_bad_pair():
     src = torch.zeros((3, 8), device=kernel_device())
     with pytest.raises(InvalidFieldError, match="validate_ids"):
         bc.copy_pages_triton([src], [src.clone()], [0], [1], validate_ids=1)
+
+
+@settings(max_examples=profile_examples(5, 12, 200), deadline=None)
+@given(data=st.data())
+def test_long_runs_go_to_the_copy_engine_and_the_rest_to_one_launch(data):
+    """With ``backend="triton"`` a run of consecutive pairs of at least ``copy_engine_min_bytes``
+    per layer is a ``copy_`` per layer (the copy engine moved contiguous jobs at 0.88 of a pinned
+    copy on an H100, the kernel at 0.66-0.68) and every other pair goes to ONE launch; the result
+    is bit for bit the torch copier's, whatever the split."""
+    num_blocks, num_cpu, layers = 12, 12, 2
+    cache_t = KVCacheTensors(GROUPS, num_blocks, layers, torch.float32, "cpu")
+    page_bytes = cache_t.block_stride * 4
+    run = data.draw(st.integers(2, 6))
+    start_g, start_c = data.draw(st.integers(0, num_blocks - run)), data.draw(st.integers(0, num_cpu - run))
+    long_pairs = [(start_g + i, start_c + i) for i in range(run)]
+    free_g = [g for g in range(num_blocks) if not start_g <= g < start_g + run]
+    free_c = [c for c in range(num_cpu) if not start_c <= c < start_c + run]
+    k = data.draw(st.integers(0, 3))
+    g_pick, c_pick = data.draw(st.permutations(free_g))[:k], data.draw(st.permutations(free_c))[:k]
+    others = [(g, c) for g, c in zip(g_pick, c_pick)]
+    job = long_pairs + others
+    threshold = run * page_bytes  # the long run qualifies; a stray pair that extends it may too
+    seed = data.draw(st.integers(0, 10**6))
+    copies = {}
+    for backend, dev in (("torch", "cpu"), ("triton", kernel_device())):
+        cache = KVCacheTensors(GROUPS, num_blocks, layers, torch.float32, dev)
+        _fill(cache, seed)
+        copier = OffloadCopier(cache, num_cpu, backend=backend, copy_engine_min_bytes=threshold)
+        LAUNCHES.clear()
+        copier.store(job).wait()
+        if backend == "triton":
+            from kvref.impl.torch.offload_copy import merge_runs
+
+            rest = [p for r in merge_runs(job) if r[2] * page_bytes < threshold
+                    for p in ((r[0] + i, r[1] + i) for i in range(r[2]))]
+            assert len(LAUNCHES) == (1 if rest else 0), LAUNCHES
+            if rest:
+                assert LAUNCHES[0][0][0] == len(rest)
+        copies[backend] = [t.cpu() for t in copier.host]
+    for a, b in zip(copies["torch"], copies["triton"]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_copy_engine_threshold_is_validated():
+    cache = KVCacheTensors(GROUPS, 4, 1, torch.float32, kernel_device())
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(InvalidFieldError, match="copy_engine_min_bytes"):
+            OffloadCopier(cache, 4, backend="triton", copy_engine_min_bytes=bad)
