@@ -76,8 +76,38 @@ def test_offload_benchmark_interpreter_mode_verifies_round_trips(capsys):
 
 @pytest.mark.parametrize("name,args", [("bench_triton_attention", ["--batch", "0"]),
                                        ("bench_triton_attention", ["--window", "-1"]),
+                                       ("bench_triton_attention", ["--sweep", "-1"]),
                                        ("bench_triton_offload", ["--blocks", "-3"])])
 def test_benchmarks_reject_bad_arguments_with_exit_2(name, args):
     with pytest.raises(SystemExit) as exc:
         _load(name).main(args)
     assert exc.value.code == 2
+
+
+@needs_interpreter
+def test_the_tuning_sweeps_time_checked_tunings_within_their_budget(capsys, monkeypatch):
+    """``--sweep`` (decode) times tunings fastest first, each output checked against float64, and
+    stops at its budget; a tuning whose output is off fails the run. The offload sweep prints one
+    row per tuning, checked bit-exact through the round trips before it."""
+    bench = _load("bench_triton_attention")
+    monkeypatch.setattr(bench, "SWEEP", [(16, 4, 2, 1), (32, 4, 2, 1), (32, 4, 2, 2)])
+    argv = ["--interpreter", "--batch", "1", "--context", "20", "--kv-heads", "1", "--head-size", "16",
+            "--block-size", "4", "--repeats", "1", "--sweep", "600"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) ms \|", out, re.M)
+    assert len(rows) == 3 and "sweep best: tile" in out, out
+    times = [float(r[4]) for r in rows]
+    assert times == sorted(times)
+    import kvref.impl.torch.triton_kernels.attention as attn
+
+    real = attn.paged_attention_triton
+    monkeypatch.setattr(attn, "paged_attention_triton",
+                        lambda *a, **k: real(*a, **k) * (1.05 if k.get("tile") == 32 else 1.0))
+    bench = _load("bench_triton_attention")
+    monkeypatch.setattr(bench, "SWEEP", [(16, 4, 2, 1), (32, 4, 2, 1)])
+    assert bench.main(argv) == 1
+    assert "FAIL: 1 sweep tunings above the relative tolerance" in capsys.readouterr().out
+    assert _load("bench_triton_offload").main(["--interpreter", "--blocks", "2", "--layers", "1", "--page-kib", "4",
+                                               "--repeats", "1", "--sweep"]) == 0
+    assert len(re.findall(r"^\| chunk \d+ words", capsys.readouterr().out, re.M)) == 3
