@@ -77,7 +77,10 @@ class SimpleOffloadConfig:
         what they were."""
         import random
 
-        mode = random.Random(hash(rng.getstate()))  # ints only: the same on every run
+        # Seeded from the state's int tuple alone: the whole state ends in ``gauss_next``, None here,
+        # and Python 3.11 hashes None by address, so hash(rng.getstate()) changed from process to
+        # process (the draw, and so SimpleCPU's reach, varied between runs of one seed).
+        mode = random.Random(hash(rng.getstate()[1]))
         return cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
                    sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
                    world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
