@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvref.impl.hisparse_calls import HiSparseManagerCalls
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.hisparse import HiSparsePoolConfig, needs_hot_transition, transition_watermark
 from kvref.spec.kv_cache_interface import FullAttentionSpec
@@ -25,7 +26,7 @@ from .hisparse_source_manager import HiSparseSourceManager
 from .single_type_manager import SingleTypeKVCacheManager
 
 
-class HiSparsePool:
+class HiSparsePool(HiSparseManagerCalls):
     kind = "reference"
 
     def __init__(self, config: HiSparsePoolConfig) -> None:
@@ -55,28 +56,6 @@ class HiSparsePool:
         self.hot_managers = tuple(m for m in managers if isinstance(m, HiSparseHotManager))
         self.transition_watermark = transition_watermark([m.blocks_per_request for m in self.hot_managers],
                                                          config.num_gpu_blocks)
-
-    def is_running(self, request_id: str) -> bool:
-        return any(request_id in m.num_cached_block for m in self.managers)
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, total_computed_tokens: int,
-                                   num_local_computed_tokens: int, apply_admission_cap: bool) -> list[int]:
-        return [m.get_num_blocks_to_allocate(request_id, num_tokens, [], total_computed_tokens,
-                                             num_local_computed_tokens, num_tokens,
-                                             apply_admission_cap=apply_admission_cap)
-                for m in self.managers]
-
-    def allocate(self, request_id: str, num_tokens: int, num_local_computed_tokens: int,
-                 num_external_computed_tokens: int) -> list[list[int]]:
-        if not self.is_running(request_id) and (num_local_computed_tokens or num_external_computed_tokens):
-            for m in self.managers:
-                m.add_local_computed_blocks(request_id, [], num_local_computed_tokens, num_external_computed_tokens)
-            if num_external_computed_tokens:
-                for m in self.managers:
-                    m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                        num_external_computed_tokens)
-        return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens, num_tokens)]
-                for m in self.managers]
 
     def require_hot(self, request_id: str) -> None:
         for m in self.hot_managers:

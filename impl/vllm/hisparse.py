@@ -14,12 +14,13 @@ from typing import Any
 
 from kvref.impl.vllm.loader import load_vllm
 from kvref.impl.vllm.specs import to_vllm_spec
+from kvref.impl.hisparse_calls import HiSparseManagerCalls
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.hisparse import HiSparsePoolConfig
 from kvref.spec.kv_cache_interface import FullAttentionSpec
 
 
-class VllmHiSparsePool:
+class VllmHiSparsePool(HiSparseManagerCalls):
     kind = "vllm"
 
     def __init__(self, config: HiSparsePoolConfig) -> None:
@@ -51,30 +52,6 @@ class VllmHiSparsePool:
     @property
     def transition_watermark(self) -> int:
         return self.coordinator.transition_watermark
-
-    def is_running(self, request_id: str) -> bool:
-        return any(request_id in m.num_cached_block for m in self.managers)
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, total_computed_tokens: int,
-                                   num_local_computed_tokens: int, apply_admission_cap: bool) -> list[int]:
-        return [m.get_num_blocks_to_allocate(request_id, num_tokens, [], total_computed_tokens,
-                                             num_local_computed_tokens, num_tokens,
-                                             apply_admission_cap=apply_admission_cap)
-                for m in self.managers]
-
-    def allocate(self, request_id: str, num_tokens: int, num_local_computed_tokens: int,
-                 num_external_computed_tokens: int) -> list[list[int]]:
-        """``allocate_new_computed_blocks`` (a new request with a host hit or an import) then
-        ``allocate_new_blocks``; the new block ids of each group."""
-        if not self.is_running(request_id) and (num_local_computed_tokens or num_external_computed_tokens):
-            for m in self.managers:
-                m.add_local_computed_blocks(request_id, [], num_local_computed_tokens, num_external_computed_tokens)
-            if num_external_computed_tokens:
-                for m in self.managers:
-                    m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                        num_external_computed_tokens)
-        return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens, num_tokens)]
-                for m in self.managers]
 
     def require_hot(self, request_id: str) -> None:
         for m in self.coordinator.hot_managers:

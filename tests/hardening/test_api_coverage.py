@@ -141,10 +141,12 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.hisparse_source_manager", "HiSparseSourceManager HiSparseSourceManager.bind_host_pool "
             "HiSparseSourceManager.cache_blocks HiSparseSourceManager.get_num_blocks_to_allocate "
             "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.set_ready_prefix_pages", INTERNAL),
-    **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.allocate HiSparsePool.drop HiSparsePool.free "
-            "HiSparsePool.get_num_blocks_to_allocate HiSparsePool.is_running HiSparsePool.require_hot "
-            "HiSparsePool.update_residency", "conformance-harness side of kvref.models.machines.hisparse_pool, "
+    **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.drop HiSparsePool.free "
+            "HiSparsePool.require_hot HiSparsePool.update_residency", "conformance-harness side of kvref.models.machines.hisparse_pool, "
             "called only with the harness's generated, valid request ids and token counts"),
+    **_each("kvref.impl.hisparse_calls", "HiSparseManagerCalls.allocate HiSparseManagerCalls.get_num_blocks_to_allocate "
+            "HiSparseManagerCalls.is_running", "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
+            "called only through those pools by kvref.models.machines.hisparse_pool with generated valid calls"),
     **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "
             "CircularBufferManager.allocate_external_computed_blocks CircularBufferManager.allocate_new_blocks "
             "CircularBufferManager.cache_blocks CircularBufferManager.find_longest_cache_hit "
