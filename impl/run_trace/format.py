@@ -45,7 +45,9 @@ Optional per-step observables (version 3, issue #28), what the metrics endpoint 
 conservation checks read: ``sched.free`` / ``update.free`` / ``abort.free``: vLLM's
 ``block_pool.get_num_free_blocks()`` after the call; ``sched.pre_why``: ``{id: reason}`` for the
 step's preemptions (``kv``: a running request could not get blocks; ``reset_prefix_cache``);
-``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``sched.spec``:
+``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``sched.refused``:
+requests ``allocate_slots`` refused during the call, on pools with a windowed group (it frees their
+skipped blocks before refusing); ``sched.spec``:
 ``{id: draft ids}`` scheduled for verification (``-1``: placeholders) and ``sched.skip_drafts``
 (header ``spec``: ``num_speculative_tokens``, ``method``, ``num_lookahead_tokens``,
 ``can_skip_drafts``); ``update.stats``:
@@ -583,6 +585,9 @@ def validate_record(rec: Any, where: str) -> str:
         if spec is not None and (not isinstance(spec, dict) or not all(
                 isinstance(v, list) and all(_is_int(x, -1) for x in v) for v in spec.values())):
             raise _fail(where, "spec", spec, "an object {id: scheduled draft ids (int >= -1)}")
+        refused = rec.get("refused")
+        if refused is not None and (not isinstance(refused, list) or not all(type(x) is str for x in refused)):
+            raise _fail(where, "refused", refused, "a list of request ids allocate_slots refused this step")
         if "loading" in rec and not _is_int(rec["loading"]):
             raise _fail(where, "loading", rec["loading"], "an int >= 0 (requests waiting for a remote KV load)")
     if t == "update" and rec.get("stats") is not None:

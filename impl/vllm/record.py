@@ -361,6 +361,9 @@ class _Recorder:
             anon = self._kvref_anon
             self._kvref_tap = ConnectorTap(self.connector, anon.request_id if anon is not None else None)
         self._kvref_stats = bool(getattr(self, "log_stats", False))
+        self._kvref_refused: list[str] = []  # running requests allocate_slots refused this step
+        if _has_windowed_group(self):
+            _tap_refusals(self)
         self._kvref_writer = TraceWriter(path, build_header(self, anonymize, is_async_class))
         self.kvref_trace_path = path
         ref = weakref.ref(self)
@@ -452,6 +455,7 @@ class _Recorder:
             # the step index this call would have had: the replay schedules once more there
             self._kvref_error("schedule", self._kvref_step, exc, {"throttle": True} if throttle else {})
             self._kvref_pre_why.clear()
+            self._kvref_refused.clear()
             raise
         finally:
             self._kvref_depth -= 1
@@ -582,6 +586,13 @@ class _Recorder:
             extra += ',"pre_why":' + _dumps({(anon.request_id(k) if anon is not None else k): why.get(k, "kv")
                                              for k in pre})
             why.clear()
+        if self._kvref_refused:
+            # allocate_slots frees a windowed group's skipped blocks before it refuses (vLLM's
+            # remove_skipped_blocks runs first): a request left unscheduled still let some go
+            anon = self._kvref_anon
+            extra += ',"refused":' + _dumps([anon.request_id(k) if anon is not None else k
+                                             for k in self._kvref_refused])
+            self._kvref_refused.clear()
         if self._kvref_connector:
             loading = sum(1 for q in (self.waiting, getattr(self, "kv_holding_waiting", ())) for r in q
                           if r.status.name == "WAITING_FOR_REMOTE_KVS")
@@ -731,6 +742,36 @@ class _Recorder:
 #: constructor arguments :func:`recorded_vllm_scheduler` overrides while it builds a scheduler (the
 #: engine core's ``log_stats``; kvref's test adapter passes False, a server True by default)
 _ENGINE_ARGS: dict[str, Any] = {}
+
+
+def _has_windowed_group(s) -> bool:
+    """A KV-cache group frees blocks behind a window (sliding window, chunked local attention)."""
+    groups = getattr(getattr(s, "kv_cache_config", None), "kv_cache_groups", None) or ()
+    return any(getattr(g.kv_cache_spec, "sliding_window", None) or getattr(g.kv_cache_spec, "attention_chunk_size", None)
+               for g in groups)
+
+
+def _tap_refusals(s) -> None:
+    """Note each request ``allocate_slots`` refuses (returns None) during a ``schedule()``.
+
+    vLLM's ``KVCacheManager.allocate_slots`` calls ``remove_skipped_blocks`` before it checks the
+    free blocks, so a running request it refuses keeps its place but has given up the windowed
+    blocks behind its processed tokens; the trace's ``sched.refused`` says which requests, and the
+    block checks free them as vLLM did (found by generated connector runs, #28: conservation
+    counted a block held that vLLM had freed). Installed on the instance only when the pool has a
+    windowed group: elsewhere a refusal frees nothing and the recorder adds no call.
+    """
+    manager = s.kv_cache_manager
+    allocate = manager.allocate_slots
+    refused = s._kvref_refused
+
+    def allocate_slots(request, *args, **kwargs):
+        out = allocate(request, *args, **kwargs)
+        if out is None:
+            refused.append(request.request_id)
+        return out
+
+    manager.allocate_slots = allocate_slots
 
 
 def _recording_classes() -> dict[str, type]:

@@ -66,10 +66,55 @@ def kv_output(kvo: dict | None, fin=()) -> KVConnectorOutput | None:
     which vLLM iterated the ids (``fin``: the error finishes, then the recorded lists)."""
     if not kvo:
         return None
-    order = [rid for rid, _ in fin] + list(kvo.get("r", ())) + list(kvo.get("s", ()))
+    order = _merged_order([list(kvo.get("r", ())), list(kvo.get("s", ())), [rid for rid, _ in fin]])
     return KVConnectorOutput(finished_sending=tuple(kvo.get("s", ())), finished_recving=tuple(kvo.get("r", ())),
                              failed_recving=tuple(kvo.get("f", ())), invalid_block_ids=tuple(kvo.get("i", ())),
-                             order=tuple(dict.fromkeys(order)))
+                             order=tuple(order))
+
+
+def _merged_order(lists: list[list[str]]) -> list[str]:
+    """One order of the ids that keeps each list's own order (the reference ranks every list by
+    one ``order``). vLLM iterates the error finishes and ``finished_recving`` separately: a request
+    whose load failed is in both, and ranking the error finishes first put it ahead of a request
+    that vLLM's ``finished_recving`` named before it, so the two loads' blocks went back to the
+    pool in the other order (a divergence on a pristine generated run, seed 16, #28). Where the
+    lists disagree, the earlier list wins (the transfer lists: their order is the free order)."""
+    after: dict[str, set[str]] = {}
+    ids: dict[str, None] = {}
+    for seq in lists:
+        ids.update(dict.fromkeys(seq))
+    for seq in lists:
+        for a, b in zip(seq, seq[1:]):
+            if a == b or _reaches(after, b, a):
+                continue  # this list disagrees with an earlier one
+            after.setdefault(a, set()).add(b)
+    preds = {i: 0 for i in ids}
+    for a, bs in after.items():
+        for b in bs:
+            preds[b] += 1
+    out: list[str] = []
+    ready = [i for i in ids if not preds[i]]
+    while ready:
+        i = ready.pop(0)
+        out.append(i)
+        for b in sorted(after.get(i, ()), key=list(ids).index):
+            preds[b] -= 1
+            if not preds[b]:
+                ready.append(b)
+        ready.sort(key=list(ids).index)
+    return out
+
+
+def _reaches(after: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        x = todo.pop()
+        if x == goal:
+            return True
+        if x not in seen:
+            seen.add(x)
+            todo.extend(after.get(x, ()))
+    return False
 
 
 class TraceConnector(SchedulerConnector):

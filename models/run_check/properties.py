@@ -141,6 +141,14 @@ class RunProperties:
         #: keeps every other block, those past a table the connector got cut short included
         self.delayed: dict[str, list] = {}
         self.loading: set[str] = set()  # requests waiting for an asynchronous load into their blocks
+        #: loading requests whose load failed with no valid token (failed_recving, or an invalid
+        #: first block): vLLM frees their blocks when it promotes them
+        self.load_zeroed: set[str] = set()
+        #: requests whose async load failed whole under the recompute policy (failed_recving): vLLM
+        #: 0.33.0 keeps them in _inflight_prefills, the self-reservation hang's precondition
+        self.failed_whole: set[str] = set()
+        conn = header.get("connector") or {}
+        self.recompute_failures = conn.get("kv_load_failure_policy", "recompute") == "recompute"
         #: request -> the table request_finished was handed (any finish): blocks a windowed group
         #: skipped show as null there and are freed at once, even when the rest is parked
         self.clipped: dict[str, list] = {}
@@ -207,6 +215,7 @@ class RunProperties:
                     r = self.reqs.get(rid)
                     if r is not None:
                         self._release(rid, park=True)
+                        self._stale_in_flight(rid)
                         r.computed = r.processed = 0
                         r.preempted = True
                         self.waiting[rid] = None
@@ -326,6 +335,8 @@ class RunProperties:
         the prefix-cache stats of each admission that followed a lookup."""
         asked: dict[str, int] = {}
         for e in rec.get("kv") or ():
+            if e[0] == "a":
+                self.failed_whole.discard(e[1])  # admitted (or loading) again: not the hang's state
             if e[0] == "a" and self.lookup_tally and e[1] in asked:
                 r = self.reqs.get(e[1])
                 if r is not None and not r.skip_read:
@@ -341,9 +352,12 @@ class RunProperties:
             elif e[0] == "m":
                 self.local_hit[e[1]] = int(e[2] or 0)
                 r = self.reqs.get(e[1])
-                if r is not None and r.async_held:
+                if r is not None and r.async_held and e[1] in self.load_zeroed:
                     # asked again after its load: the load failed with no valid token, and vLLM's
-                    # _update_waiting_for_remote_kv freed the blocks before this lookup
+                    # _update_waiting_for_remote_kv freed the blocks before this lookup. A load that
+                    # succeeded keeps them, even when the request is asked again (its whole hit
+                    # replayed: num_computed_tokens back to 0; generated connector runs, #28)
+                    self.load_zeroed.discard(e[1])
                     self._release(e[1])
 
     def _finish(self, rid: str, reason: str) -> None:
@@ -359,6 +373,8 @@ class RunProperties:
             self._note_wait(rid, self.step - r.arrival_step)
         self.waiting.pop(rid, None)
         self.exempt.discard(rid)
+        self.load_zeroed.discard(rid)
+        self.failed_whole.discard(rid)
         del self.reqs[rid]
         self.finish_reasons[reason] += 1
 
@@ -376,6 +392,7 @@ class RunProperties:
             r = self.reqs.get(rid)
             if r is not None:
                 self._release(rid, park=True)
+                self._stale_in_flight(rid)
                 r.computed = r.processed = 0
                 r.preempted = True
                 self.waiting[rid] = None
@@ -384,6 +401,13 @@ class RunProperties:
         for rid in rec["fin"]:
             if rid in self.reqs:
                 self._finish(rid, "finished")
+        if self.exact:
+            # allocate_slots refused these (sched.refused): it had freed their windowed groups'
+            # skipped blocks first, so a running request left unscheduled gave some up (#28)
+            for rid in rec.get("refused") or ():
+                r = self.reqs.get(rid)
+                if r is not None and r.running:
+                    self._free_skipped(rid, r)
         rows = sched_rows(rec)
         spec = rec.get("spec") or {}
         self._starvation(line, rec, rows)
@@ -442,12 +466,26 @@ class RunProperties:
                            f"{len(waiting)} request(s) wait while {self.idle_run} schedule calls in a row "
                            f"(since step {self.step - self.idle_run + 1}) schedule nothing ({len(self.running)} "
                            f"running, {len(self.in_flight)} step(s) in flight); first waiting: {head} "
-                           f"({r.prompt_len} prompt tokens, arrived before step {r.arrival_step}): the "
-                           "head-of-line hang of vLLM #39734 / #35541")
+                           f"({r.prompt_len} prompt tokens, arrived before step {r.arrival_step}): "
+                           + (self._self_reservation(rec) or "the head-of-line hang of vLLM #39734 / #35541"))
                 self.idle_reported = True
         elif rows:
             self.idle_run = 0
             self.idle_reported = False
+
+    def _self_reservation(self, rec: dict) -> str:
+        """The idle step asked the connector about a request whose async load had failed whole and
+        got an async load again, with no allocation: vLLM 0.33.0's self-reservation hang
+        (docs/coverage.md, findings): the request stays in ``_inflight_prefills``, whose reserved
+        blocks count its own remaining blocks against its admission. "" when not that."""
+        kv = rec.get("kv") or ()
+        allocated = {e[1] for e in kv if e[0] == "a"}
+        for e in kv:
+            if e[0] == "m" and e[1] in self.failed_whole and e[3] and e[4] and e[1] not in allocated:
+                return (f"vLLM 0.33.0's self-reservation hang: {e[1]}'s async load failed whole (recompute "
+                        "policy), it stays in _inflight_prefills, and the async load the connector offers "
+                        "again is refused against its own reservation (docs/coverage.md)")
+        return ""
 
     def _admit(self, line: int, rid: str, r: _Req, kind: str, computed: int) -> None:
         """A new or resumed request leaves the waiting queue with ``computed`` hit tokens."""
@@ -652,7 +690,7 @@ class RunProperties:
             got = {rid: len(toks) for rid, toks in zip(rec["ids"], sampled)}
             for rid, computed, drafts in settled:
                 r = self.reqs.get(rid)
-                if r is None or not r.running:
+                if r is None or not r.running or computed is None:  # None: stale (preempted since)
                     continue
                 if drafts and got.get(rid):
                     # speculative decoding: the drafts it rejected are rolled back (vLLM's verification)
@@ -673,6 +711,7 @@ class RunProperties:
         for rid, reason in rec["fin"]:
             self._finish(rid, reason)
         kvo = rec.get("kvo") or {}
+        self._failed_loads(kvo)
         for rid in kvo.get("r", ()):
             self._sent(rid, "recving")
         for rid in kvo.get("s", ()):
@@ -685,6 +724,32 @@ class RunProperties:
         self._conserve(line, rec, "update_from_output")
         self._metrics(line, rec)
 
+    def _failed_loads(self, kvo: dict) -> None:
+        """Loading requests left with no valid token by the worker's report: named in
+        ``failed_recving`` (vLLM's ``_handle_failed_recving`` zeroes ``num_computed_tokens``) or
+        with their first block invalid (``_update_requests_with_invalid_blocks`` truncates at the
+        first invalid block; one group, as vLLM requires there)."""
+        failed, invalid = kvo.get("f") or (), set(kvo.get("i") or ())
+        if self.recompute_failures:
+            self.failed_whole.update(rid for rid in failed if rid in self.loading)
+        for rid in self.loading:
+            r = self.reqs.get(rid)
+            if r is None or not r.async_held:
+                continue
+            if rid in failed or (invalid and r.tables and r.tables[0] and r.tables[0][0] in invalid):
+                self.load_zeroed.add(rid)
+
+    def _stale_in_flight(self, rid: str) -> None:
+        """``rid`` was preempted with steps in flight (async scheduling): their output is stale
+        (vLLM's ``_preempt_request`` keeps ``num_in_flight_tokens`` and marks that share stale), so
+        settling them must not raise what the resumed request has processed. vLLM frees windows by
+        ``num_computed_tokens - num_in_flight_tokens``; counting a stale step as processed freed a
+        sliding-window block vLLM still held (a resumed request's first windowed block after a
+        reset_prefix_cache that preempted it: generated connector runs, seeds 5 and 9, #28)."""
+        for i, (step, settled) in enumerate(self.in_flight):
+            if any(e[0] == rid for e in settled):
+                self.in_flight[i] = (step, [(e[0], None, e[2]) if e[0] == rid else e for e in settled])
+
     def _roll_back_in_flight(self, rid: str, rejected: int) -> None:
         """Async scheduling: a step of ``rid`` already scheduled behind the settled one counted the
         rejected drafts among its computed tokens; vLLM's rollback lowers ``num_computed_tokens``
@@ -693,7 +758,7 @@ class RunProperties:
         ran ahead and a block vLLM still held was counted free (found by the EAGLE demo run, #28)."""
         for i, (step, settled) in enumerate(self.in_flight):
             if any(e[0] == rid for e in settled):
-                self.in_flight[i] = (step, [(e[0], e[1] - rejected, e[2]) if e[0] == rid else e
+                self.in_flight[i] = (step, [(e[0], e[1] - rejected, e[2]) if e[0] == rid and e[1] is not None else e
                                             for e in settled])
 
     def _metrics(self, line: int, rec: dict) -> None:

@@ -46,9 +46,13 @@ def test_deferred_and_delayed_frees_are_counted_and_the_block_checks_stay_on(tmp
             continue
         assert r.header["scheduler"]["async_scheduling"] and r.header["connector"]["kv_role"] == "kv_consumer"
         assert r.summary["block_checks"] == "on", r.summary["block_checks"]
-        assert r.ok and r.followed, (run.path, r.findings[:3], r.divergence and r.divergence.table())
+        # vLLM 0.33.0 hangs itself where a whole failed load is offered again (docs/coverage.md):
+        # a true finding, named; a run that got out of it (an abort) is not the drain's known_hang
+        hang = [f for f in r.findings if f.kind == "starvation" and "self-reservation hang" in f.message]
+        assert r.followed and r.divergence is None and r.crash is None, (run.path, r.divergence and r.divergence.table())
+        assert r.num_findings == len(hang), (run.path, r.findings[:3])
         p = check_trace(run.path, properties_only=True)
-        assert p.ok, (run.path, p.findings[:3])
+        assert [f.message for f in p.findings] == [f.message for f in hang], (run.path, p.findings[:3])
         for kind, n in r.summary["connector_holds"].items():
             holds[kind] += n
         checked += 1

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     require_vllm()
-    runs = record_connector_runs(tmp_path_factory.mktemp("connector-runs"), profile_examples(30, 60), seed=2)
+    runs = record_connector_runs(tmp_path_factory.mktemp("connector-runs"), profile_examples(30, 60), seed=3)
     return [r for r in runs if r.shows or r.path.stat().st_size > 0]
 
 
