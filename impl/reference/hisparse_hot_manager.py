@@ -17,14 +17,11 @@ from collections.abc import Sequence
 
 from kvref.spec.hisparse import HiSparseHotSpec, hot_blocks_to_allocate, hot_needs_region
 
-from .block_hash import BlockHash
-from .block_pool import BlockPool
 from .kv_cache_block import KVCacheBlock
-from .single_type_manager import SingleTypeKVCacheManager
-from kvref.impl.request import Request
+from .hisparse_gpu_group import HiSparseGpuGroup
 
 
-class HiSparseHotManager(SingleTypeKVCacheManager):
+class HiSparseHotManager(HiSparseGpuGroup):
     """Hot regions of one HiSparse hot group.
 
     ``has_resident_groups``: whether the pool has HiSparse resident groups (vLLM reads it off its
@@ -78,24 +75,7 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
         self.num_cached_block[request_id] = 0
         if request_id not in self.hot_required:
             return []  # a cold request has no table here until it needs its region
-        table = self.req_to_blocks.setdefault(request_id, [])
-        num_new = self.blocks_per_request - len(table)
-        if num_new <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        table.extend(new_blocks)
-        return new_blocks
-
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
-                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
-        """Never published: the host source owns prefix caching."""
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
-                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
-                               kv_cache_spec: HiSparseHotSpec, drop_eagle_block: bool,
-                               alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in kv_cache_group_ids), 0
+        return self._grow_table(request_id, self.blocks_per_request)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self.hot_required.discard(request_id)

@@ -18,14 +18,12 @@ from collections.abc import Sequence
 from kvref.spec.hisparse import HiSparseResidentSpec, resident_blocks_to_allocate
 from kvref.spec.mathutil import cdiv
 
-from .block_hash import BlockHash
-from .block_pool import BlockPool
 from .kv_cache_block import KVCacheBlock
-from .single_type_manager import SingleTypeKVCacheManager, null_head_len
-from kvref.impl.request import Request
+from .hisparse_gpu_group import HiSparseGpuGroup
+from .single_type_manager import null_head_len
 
 
-class HiSparseResidentManager(SingleTypeKVCacheManager):
+class HiSparseResidentManager(HiSparseGpuGroup):
     def __init__(self, kv_cache_spec: HiSparseResidentSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         assert self.max_admission_blocks_per_request is not None, \
@@ -72,24 +70,7 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
-        table = self.req_to_blocks.setdefault(request_id, [])
-        num_new = cdiv(num_tokens, self.block_size) - len(table)
-        if num_new <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        table.extend(new_blocks)
-        return new_blocks
-
-    def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
-                     retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
-        """Never published: the host source owns prefix caching."""
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
-                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
-                               kv_cache_spec: HiSparseResidentSpec, drop_eagle_block: bool,
-                               alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in kv_cache_group_ids), 0
+        return self._grow_table(request_id, cdiv(num_tokens, self.block_size))
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """The residency row (changes applied) without its null head: the blocks the request reads

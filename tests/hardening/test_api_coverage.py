@@ -127,17 +127,17 @@ EXCLUDED: dict[str, str] = {
     # harness's reference side, driven by kvref.models.machines.hisparse_pool with generated valid calls
     **_each(f"{_REF}.hisparse_hot_manager", "HiSparseHotManager HiSparseHotManager.add_local_computed_blocks "
             "HiSparseHotManager.allocate_external_computed_blocks HiSparseHotManager.allocate_new_blocks "
-            "HiSparseHotManager.cache_blocks HiSparseHotManager.find_longest_cache_hit "
             "HiSparseHotManager.get_num_blocks_to_allocate HiSparseHotManager.get_num_required_blocks "
             "HiSparseHotManager.has_hot HiSparseHotManager.pop_blocks_for_free HiSparseHotManager.require_hot",
             INTERNAL),
     **_each(f"{_REF}.hisparse_resident_manager", "HiSparseResidentManager "
             "HiSparseResidentManager.add_local_computed_blocks HiSparseResidentManager.adopt_resident_page "
             "HiSparseResidentManager.allocate_external_computed_blocks HiSparseResidentManager.allocate_new_blocks "
-            "HiSparseResidentManager.cache_blocks HiSparseResidentManager.drop_resident_page "
-            "HiSparseResidentManager.find_longest_cache_hit HiSparseResidentManager.get_num_blocks_to_allocate "
+            "HiSparseResidentManager.drop_resident_page HiSparseResidentManager.get_num_blocks_to_allocate "
             "HiSparseResidentManager.get_residency_row HiSparseResidentManager.get_resident_page "
             "HiSparseResidentManager.pop_blocks_for_free", INTERNAL),
+    **_each(f"{_REF}.hisparse_gpu_group", "HiSparseGpuGroup HiSparseGpuGroup.cache_blocks "
+            "HiSparseGpuGroup.find_longest_cache_hit", INTERNAL),
     **_each(f"{_REF}.hisparse_source_manager", "HiSparseSourceManager HiSparseSourceManager.bind_host_pool "
             "HiSparseSourceManager.cache_blocks HiSparseSourceManager.get_num_blocks_to_allocate "
             "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.set_ready_prefix_pages", INTERNAL),
