@@ -64,6 +64,11 @@ class PoolConfig:
     #: ``KVCacheConfig``'s default), ``0`` only replay boundaries and shared-prefix junctions, ``k > 0``
     #: also one checkpoint per ``k`` tokens; applies to sliding-window and Mamba groups only
     prefix_cache_retention_interval: int | None = None
+    #: vLLM's ``num_prefill_lookahead_tokens`` (``VllmConfig``: 0 without EAGLE, 1 for EAGLE-family
+    #: drafters, ``num_speculative_tokens`` for multi-module MTP): the drafter reads that many prefill
+    #: tokens past a chunk, so the last ``num_prefill_lookahead - 1`` computed tokens are
+    #: re-prefillable and never published to the prefix cache (issue #23)
+    num_prefill_lookahead: int = 0
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -152,6 +157,14 @@ class PoolConfig:
         # vLLM's coordinator raises ValueError on these; kvref rejects them up front.
         validate_prefix_cache_retention_interval(self.prefix_cache_retention_interval,
                                                  self.scheduler_block_size, self.groups)
+        check_int("num_prefill_lookahead", self.num_prefill_lookahead, minimum=0)
+        # vLLM's coordinator raises ValueError on this (multi-module MTP hits drop one scheduler
+        # block, which must hold the re-prefilled tail); kvref rejects it up front.
+        if self.enable_caching and (self.use_eagle or any(g.is_eagle_group for g in self.groups)) \
+                and self.scheduler_block_size < self.num_prefill_lookahead:
+            raise InvalidFieldError("num_prefill_lookahead", self.num_prefill_lookahead,
+                                    f"at most scheduler_block_size={self.scheduler_block_size} with prefix "
+                                    "caching and EAGLE groups (multi-module MTP)")
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,

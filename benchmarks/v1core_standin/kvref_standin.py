@@ -87,10 +87,11 @@ def _to_pool_config(kv_cache_config: Any, **kw: Any) -> Any:
             raise StandInGap(f"KV cache group role {getattr(role, 'name', role)} (HiSparse)")
         groups.append(KVCacheGroupSpec(tuple(g.layer_names), _to_kvref_spec(g.kv_cache_spec),
                                        is_eagle_group=bool(getattr(g, "is_eagle_group", False))))
-    return PoolConfig(num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
-                      prefix_cache_retention_interval=getattr(kv_cache_config,
-                                                              "prefix_cache_retention_interval", None),
-                      **kw)
+    return PoolConfig.off_plan("vLLM's own unit tests hand KVCacheManager a KVCacheConfig built field by field",
+                               num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
+                               prefix_cache_retention_interval=getattr(kv_cache_config,
+                                                                       "prefix_cache_retention_interval", None),
+                               **kw)
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -160,8 +161,6 @@ class StandInKVCacheManager:
             raise StandInGap("DCP/PCP world size > 1 at runtime")
         if metrics_collector is not None:
             raise StandInGap("KVCacheMetricsCollector (block residency metrics)")
-        if num_prefill_lookahead:
-            raise StandInGap("num_prefill_lookahead")
         if enable_mamba_shared_prefix_checkpoint:
             raise StandInGap("Mamba shared-prefix checkpoint")
         if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
@@ -171,7 +170,7 @@ class StandInKVCacheManager:
             hash_block_size=hash_block_size, max_in_flight_tokens=max_in_flight_tokens,
             enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events, num_hash_lookahead_tokens=int(num_hash_lookahead_tokens),
-            log_stats=log_stats)
+            log_stats=log_stats, num_prefill_lookahead=num_prefill_lookahead)
         self._ref = KVCacheManager(config)
         self._vllm_requests: dict[str, Any] = {}
         self._mirrors: dict[str, Any] = {}

@@ -182,6 +182,9 @@ class KVCacheCoordinator:
         #: None dense, 0 replay boundaries / junctions only, k > 0 also one per k tokens (PoolConfig
         #: validated it as vLLM's coordinator does)
         self.retention_interval = config.prefix_cache_retention_interval
+        #: multi-module MTP: the drafter may re-prefill these last computed tokens, so their KV is
+        #: not final and is never published (vLLM's ``num_prefill_lookahead - 1``)
+        self.num_reprefillable_tokens = max(0, config.num_prefill_lookahead - 1)
         # KV zeroing (spec/kv_zeroing.py), decided on the scheduler's view of the groups as in vLLM
         self.needs_kv_cache_zeroing = needs_kv_cache_zeroing(
             [KVCacheGroupSpec(g.layer_names, spec) for g, spec in zip(self.kv_cache_groups, specs)])
@@ -276,9 +279,8 @@ class KVCacheCoordinator:
     # ------------------------------------------------------------------ caching
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
-        """Tokens whose KV is final and may be published (multi-module MTP is not modelled, so
-        nothing is re-prefillable: all of them)."""
-        return max(0, num_computed_tokens)
+        """Tokens whose KV is final and may be published: all but the re-prefillable tail."""
+        return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
     def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
         """Every caching group publishes up to its cacheable tokens, thinned by the retention
@@ -462,7 +464,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         aligned = self._align_cacheable(num_computed_tokens)
         manager = self.single_type_managers[kv_cache_group_id]
         if manager.use_eagle and aligned > 0:
-            finalized = max(0, num_computed_tokens)
+            finalized = max(0, num_computed_tokens - self.num_reprefillable_tokens)
             return min(finalized, self._align_cacheable(finalized) + manager.block_size)
         return aligned
 

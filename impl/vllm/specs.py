@@ -115,7 +115,8 @@ def kv_cache_manager_kwargs(pool_config: PoolConfig) -> dict[str, Any]:
                 hash_block_size=pool_config.hash_block_size, max_in_flight_tokens=pool_config.max_in_flight_tokens,
                 enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
                 watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
-                num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats)
+                num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats,
+                num_prefill_lookahead=pool_config.num_prefill_lookahead)
 
 
 def build_kv_cache_manager(pool_config: PoolConfig) -> Any:

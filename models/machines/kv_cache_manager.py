@@ -110,6 +110,8 @@ class MachineStats:
     retention_junctions: int = 0
     #: retention intervals probed on each pool (vLLM's coordinator vs the reference's rule)
     retention_probes: dict[str, int] = field(default_factory=dict)
+    #: pools by ``num_prefill_lookahead`` (multi-module MTP re-prefillable tails, issue #23)
+    prefill_lookahead_pools: dict[int, int] = field(default_factory=dict)
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -128,7 +130,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              mamba_align_external_loads: bool = False,
                              kv_events: bool = True, breadth: bool = True,
                              traces_to: str | Path | None = None,
-                             retention: bool | str = False) -> type[RuleBasedStateMachine]:
+                             retention: bool | str = False,
+                             prefill_lookahead: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -150,10 +153,16 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     (``pool_configs``' argument: True one pool in two, ``"always"``) and probe a drawn interval's
     validation on every pool (issue #23); only where ``breadth`` holds. Off by default, so the
     other runs keep their inputs; ``kvref verify``'s conform-kv-manager turns it on.
+
+    ``prefill_lookahead``: draw vLLM's ``num_prefill_lookahead`` (1..4, clamped to the scheduler
+    block size) for EAGLE pools without lookahead hashes (multi-module MTP with
+    ``disable_lookahead_block_hashes``; 1 with them, as vLLM derives it); only where ``breadth``
+    holds. Off by default (``st.just(0)`` draws nothing, so the other runs keep their inputs).
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
     retention = retention if breadth else False
+    prefill_lookahead = prefill_lookahead and breadth
 
     class KVCacheManagerMachine(RuleBasedStateMachine):
         stats = MachineStats()
@@ -173,8 +182,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
                     async_mode=st.booleans(), hashing=hashing_settings(),
-                    retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none())
-        def setup(self, pool, async_mode, hashing, retention_probe) -> None:
+                    retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none(),
+                    num_prefill_lookahead=st.integers(1, 4) if prefill_lookahead else st.just(0))
+        def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
@@ -183,6 +193,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 if hashing["num_hash_lookahead_tokens"]:  # lookahead hashes prove the boundary: no drop
                     hashing = {**hashing, "use_eagle": False}
                 pool = dataclasses.replace(pool, **hashing)
+            if num_prefill_lookahead:
+                # vLLM: 0 without EAGLE; the hash lookahead equals it when lookahead hashes are on
+                eagle_pool = pool.use_eagle or any(g.is_eagle_group for g in pool.groups)
+                n = 0 if not eagle_pool else 1 if pool.num_hash_lookahead_tokens \
+                    else min(num_prefill_lookahead, pool.scheduler_block_size)
+                pool = dataclasses.replace(pool, num_prefill_lookahead=n)
+                self.stats.prefill_lookahead_pools[n] = self.stats.prefill_lookahead_pools.get(n, 0) + 1
             managers = {}
             for kind in kinds:
                 try:
