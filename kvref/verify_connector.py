@@ -1,6 +1,7 @@
 """``kvref verify``'s ``conform-connector`` check: the reference scheduler's KV-connector flows in
 lock step with the installed vLLM's ``Scheduler`` / ``AsyncScheduler`` running the same scripted
-connector (:mod:`kvref.models.machines.scheduler_connector`, issue #22)."""
+connector (:mod:`kvref.models.machines.scheduler_connector`, issue #22), and vLLM's ``MultiConnector``
+on the worker side of the step (:mod:`kvref.models.machines.multi_connector_worker`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,21 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not paused.ok:
         return CheckResult(name, FAILED, "KV-connector traces with pause states diverged from vLLM",
                            details=paused.failure.splitlines()[:30], signature=paused.signature)
+    # then vLLM's MultiConnector on the worker side too: metadata, hooks, merged results, ranks (#22)
+    from kvref.models.machines.multi_connector_worker import (
+        MultiWorkerDivergence,
+        random_multi_worker_cases,
+        run_multi_worker_traces,
+    )
+
+    try:
+        multi = run_multi_worker_traces(random_multi_worker_cases(ctx.seed, ctx.examples(40, 300)))
+    except MultiWorkerDivergence as exc:
+        return CheckResult(name, FAILED, "vLLM's MultiConnector (scheduler + worker roles) diverged from the reference",
+                           details=str(exc).splitlines()[:30], signature=f"{name}: MultiConnector worker side")
     c = paused.coverage
     return CheckResult(name, PASSED, run.summary + f"; {paused.traces} with pause states "
-                       f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held)",
-                       examined=run.traces + paused.traces)
+                       f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held); "
+                       f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
+                       f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished)",
+                       examined=run.traces + paused.traces + multi["traces"])

@@ -306,7 +306,18 @@ def _connector_constructors() -> dict[str, tuple[Callable[..., Any], dict[str, A
         "ScriptedConnector": (ScriptedConnector, dict(config=ConnectorConfig())),
         "MultiScriptedConnector": (MultiScriptedConnector, dict(children=[ScriptedConnector(), ScriptedConnector()],
                                                                 config=ConnectorConfig())),
+        **_multi_worker_constructors(),
     }
+
+
+def _multi_worker_constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """MultiConnector's both-sides reference and its scripted children (#22)."""
+    from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild
+    from kvref.impl.reference.multi_connector_worker import MultiConnectorModel, RankOutputAggregator
+
+    return {"ScriptedWorkerChild": (ScriptedWorkerChild, dict(index=1)),
+            "MultiConnectorModel": (MultiConnectorModel, dict(children=[ScriptedWorkerChild(0), ScriptedWorkerChild(1)])),
+            "RankOutputAggregator": (RankOutputAggregator, dict(expected=2))}
 
 
 #: catalogue entries built through a helper (a lambda or a wrapper): the entry point they call

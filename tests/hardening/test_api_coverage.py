@@ -66,11 +66,25 @@ TIERING = ("building block of the tiering reference (as vLLM's secondary tiers, 
 _TIER = "kvref.impl.reference.offload.tiering"
 
 
+#: MultiConnector's both-sides reference (#22)
+MULTI_WORKER = ("a call of MultiConnector's both-sides reference or of its scripted child, made only by the harness "
+                "kvref.models.machines.multi_connector_worker with the children's scripted answers (as vLLM's "
+                "MultiConnector methods are made only by the engine); the constructors are fuzzed")
+
+
 def _each(module: str, names: str, reason: str) -> dict[str, str]:
     return {f"{module}.{n}": reason for n in names.split()}
 
 
 EXCLUDED: dict[str, str] = {
+    **_each(f"{_REF}.multi_connector_worker", "MultiConnectorModel.bind_connector_metadata "
+            "MultiConnectorModel.build_connector_meta MultiConnectorModel.forward MultiConnectorModel.get_finished "
+            "MultiConnectorModel.get_transfer_results MultiConnectorModel.handle_preemptions "
+            "MultiConnectorModel.register_finished_partial_tail MultiConnectorModel.request_finished "
+            "MultiConnectorModel.update_connector_output RankOutputAggregator.aggregate "
+            "RankOutputAggregator.from_connector aggregate_multi_worker_meta", MULTI_WORKER),
+    **_each(f"{_REF}.connector_worker_child", "ScriptedWorkerChild.call ScriptedWorkerChild.build_connector_meta "
+            "aggregate_worker_meta", MULTI_WORKER),
     **_each(f"{_TIER}.async_lookup", "AsyncLookupManager AsyncLookupManager.cleanup AsyncLookupManager.lookup "
             "AsyncLookupManager.mark_miss LookupPhase LookupState", TIERING),
     **_each(f"{_TIER}.backpressure", "DropStorePolicy.on_store_skipped DropStorePolicy.should_store "

@@ -1,0 +1,267 @@
+"""vLLM 0.33.0's ``MultiConnector`` in both roles — one SCHEDULER instance and one WORKER instance
+per tensor-parallel rank — over children that are kvref's
+:class:`~kvref.impl.reference.connector_worker_child.ScriptedWorkerChild` behind vLLM's
+``KVConnectorBase_V1`` (issue #22).
+
+vLLM builds the children itself from ``kv_connector_extra_config["connectors"]`` (each naming
+:data:`CLASS_NAME` in this module and a script key), so its own config handling, metadata
+plumbing, worker-side merging (``get_transfer_results`` with the extra async saves,
+``build_connector_worker_meta``, ``get_finished_count``, …) and ``KVOutputAggregator`` run as in
+an engine. Every call a child gets is recorded by its script with plain-valued arguments, as the
+reference's children record theirs; nothing here needs a GPU (the KV caches are CPU tensors that
+the children only name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild
+
+from .loader import load_vllm
+
+MODULE_PATH = __name__
+CLASS_NAME = "KvrefWorkerScriptConnector"
+_SCRIPTS: dict[str, ScriptedWorkerChild] = {}
+_ids = itertools.count()
+
+
+def _register(script: ScriptedWorkerChild) -> str:
+    key = f"kvref-worker-{next(_ids)}"
+    _SCRIPTS[key] = script
+    return key
+
+
+def multi_connector_config(children: list[ScriptedWorkerChild], world_size: int = 1) -> Any:
+    """A ``VllmConfig`` selecting vLLM's ``MultiConnector`` over one scripted child per script."""
+    from vllm.config import KVTransferConfig
+
+    from .offload_worker import base_vllm_config
+
+    base = base_vllm_config()
+    vc = copy.copy(base)
+    vc.parallel_config = copy.copy(base.parallel_config)
+    vc.parallel_config.tensor_parallel_size = world_size
+    vc.parallel_config.world_size = world_size
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", engine_id="kvref-multi",
+        kv_connector_extra_config={"connectors": [
+            dict(kv_connector=CLASS_NAME, kv_connector_module_path=MODULE_PATH, kv_role="kv_both",
+                 kv_connector_extra_config={"kvref_worker_script": _register(c)}) for c in children]})
+    return vc
+
+
+@contextlib.contextmanager
+def quiet(*modules: str):
+    """vLLM's log lines from ``modules`` held back: every connector built logs an "experimental
+    API" warning, and ``MultiConnector.shutdown`` logs each failing child's traceback, which the
+    check provokes on purpose and compares."""
+    loggers = [logging.getLogger(m) for m in modules]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+
+
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+def build_multi_connector(children: list[ScriptedWorkerChild], role: str, world_size: int = 1) -> Any:
+    """vLLM's ``MultiConnector`` in ``role`` ("scheduler" or "worker") over ``children``."""
+    load_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    roles = {"scheduler": KVConnectorRole.SCHEDULER, "worker": KVConnectorRole.WORKER}
+    with quiet(f"{_V1}.base"):
+        multi = MultiConnector(multi_connector_config(children, world_size), roles[role], None)
+    assert [c.script for c in multi.sub_connectors] == children
+    return multi
+
+
+def shutdown(multi) -> None:
+    """``multi.shutdown()`` without the tracebacks it logs for the children that fail."""
+    with quiet(f"{_V1}.multi_connector"):
+        multi.shutdown()
+
+
+def scheduler_output(finished_ids) -> Any:
+    """What a child's ``build_connector_meta`` reads of the step (the requests finished since)."""
+    return SimpleNamespace(finished_req_ids=set(finished_ids), num_scheduled_tokens={})
+
+
+def request(request_id: str) -> Any:
+    return SimpleNamespace(request_id=request_id)
+
+
+def multi_metadata(meta) -> tuple[tuple, dict | None]:
+    """vLLM's ``MultiKVConnectorMetadata`` as the reference writes it: the children's tags and the
+    extra async saves."""
+    return tuple(m.tag for m in meta.metadata), (dict(meta.extra_async_saves) if meta.extra_async_saves else None)
+
+
+def worker_meta_items(meta) -> tuple | None:
+    """vLLM's ``MultiKVConnectorWorkerMetadata`` as plain tuples (a child's entry: its items)."""
+    if meta is None:
+        return None
+    return tuple(None if m is None else m.items for m in meta.metadata)
+
+
+def model_runner_output(sending, recving, invalid, worker_meta) -> Any:
+    """One rank's ``ModelRunnerOutput`` carrying its ``KVConnectorOutput`` (for
+    ``KVOutputAggregator``)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+        finished_sending=set(sending or ()) or None, finished_recving=set(recving or ()) or None,
+        invalid_block_ids=set(invalid), kv_connector_worker_meta=worker_meta))
+
+
+def kv_output_aggregator(connector, world_size: int) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+    return KVOutputAggregator.from_connector(connector, world_size)
+
+
+def _make_class():
+    load_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+        SupportsHMA,
+    )
+
+    class _ChildMeta(KVConnectorMetadata):
+        def __init__(self, tag) -> None:
+            self.tag = tag
+
+    class _ChildWorkerMeta(KVConnectorWorkerMetadata):
+        def __init__(self, items: tuple) -> None:
+            self.items = tuple(items)
+
+        def aggregate(self, other):
+            return _ChildWorkerMeta(self.items + other.items)
+
+    class KvrefWorkerScriptConnector(KVConnectorBase_V1, SupportsHMA):
+        """Every call recorded by, and answered from, the registered script."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            self.script: ScriptedWorkerChild = _SCRIPTS.pop(
+                self._kv_transfer_config.kv_connector_extra_config["kvref_worker_script"])
+
+        # ---- scheduler side ----------------------------------------------------------------------
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+            return None
+
+        def build_connector_meta(self, scheduler_output):
+            return _ChildMeta(self.script.build_connector_meta(tuple(sorted(scheduler_output.finished_req_ids))))
+
+        def request_finished(self, request, block_ids):
+            return self.script.call("request_finished", request.request_id)
+
+        def request_finished_all_groups(self, request, block_ids):
+            return self.script.call("request_finished", request.request_id)
+
+        def update_connector_output(self, connector_output) -> None:
+            meta = connector_output.kv_connector_worker_meta
+            self.script.call("update_connector_output", (tuple(sorted(connector_output.finished_sending or ())),
+                                                         None if meta is None else meta.items))
+
+        def has_pending_push_work(self) -> bool:
+            return self.script.call("has_pending_push_work")
+
+        def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
+            return self.script.call("register_finished_partial_tail", request.request_id)
+
+        def get_handshake_metadata(self):
+            return self.script.call("get_handshake_metadata")
+
+        # ---- worker side -------------------------------------------------------------------------
+        def bind_connector_metadata(self, connector_metadata) -> None:
+            super().bind_connector_metadata(connector_metadata)
+            self.script.call("bind_connector_metadata", connector_metadata.tag)
+
+        def clear_connector_metadata(self) -> None:
+            super().clear_connector_metadata()
+            self.script.call("clear_connector_metadata")
+
+        def handle_preemptions(self, kv_connector_metadata) -> None:
+            self.script.call("handle_preemptions", kv_connector_metadata.tag)
+
+        def register_kv_caches(self, kv_caches) -> None:
+            self.script.call("register_kv_caches", tuple(sorted(kv_caches)))
+
+        def unregister_kv_caches(self) -> None:
+            self.script.call("unregister_kv_caches")
+
+        def restore_kv_caches(self) -> None:
+            self.script.call("restore_kv_caches")
+
+        def set_host_xfer_buffer_ops(self, copy_operation) -> None:
+            self.script.call("set_host_xfer_buffer_ops", copy_operation.__name__)
+
+        def set_xfer_handshake_metadata(self, metadata) -> None:
+            self.script.call("set_xfer_handshake_metadata", tuple(sorted(metadata.items())))
+
+        def start_load_kv(self, forward_context, **kwargs) -> None:
+            self.script.call("start_load_kv", forward_context)
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            self.script.call("wait_for_layer_load", layer_name)
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+            self.script.call("save_kv_layer", (layer_name, tuple(kv_layer.shape)))
+
+        def wait_for_save(self) -> None:
+            self.script.call("wait_for_save")
+
+        def finish_forward(self) -> None:
+            self.script.call("finish_forward")
+
+        def reset_capture_state(self) -> None:
+            self.script.call("reset_capture_state")
+
+        def get_finished(self, finished_req_ids):
+            sending, recving = self.script.call("get_finished", tuple(sorted(finished_req_ids)))
+            return (None if sending is None else set(sending)), (None if recving is None else set(recving))
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            return set(self.script.call("get_block_ids_with_load_errors"))
+
+        def get_finished_count(self):
+            return self.script.call("get_finished_count")
+
+        def build_connector_worker_meta(self):
+            items = self.script.call("build_connector_worker_meta")
+            return None if items is None else _ChildWorkerMeta(items)
+
+        def get_mem_pool_context(self):
+            return self.script.call("get_mem_pool_context")
+
+        def shutdown(self) -> None:
+            self.script.call("shutdown")
+
+    return KvrefWorkerScriptConnector
+
+
+def __getattr__(name: str):
+    # vLLM's factory does getattr(module, kv_connector): build the class (importing vLLM) on demand
+    if name == CLASS_NAME:
+        cls = _make_class()
+        globals()[CLASS_NAME] = cls
+        return cls
+    raise AttributeError(name)
