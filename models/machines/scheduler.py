@@ -829,18 +829,15 @@ def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = F
 
         env = VllmEnv()
         factories = {"vllm": lambda p, c: VllmScheduler(p, c, env), **factories}
-    drivers: list[Lockstep] = []
+    from .counted_lockstep import run_counted
 
-    class Counting(Lockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
+    def machine_for(counting: type):
+        machine = machine_with(factories, setups=scheduler_setups(spec=spec), name="SchedulerRun",
+                               spec=spec is not False)
+        machine.driver_class = counting
+        return machine
 
-    machine = machine_with(factories, setups=scheduler_setups(spec=spec), name="SchedulerRun", spec=spec is not False)
-    machine.driver_class = Counting
-    COVERAGE.clear()
-    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
-                                            reproducible=reproducible, shrink=shrink)
-    valid = [d for d in drivers if d.num_steps >= 30]
-    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure, signature=sig)
+    return SchedulerRun(**run_counted(
+        machine_for, Lockstep, lambda machine: run_lockstep_machine(
+            machine, examples, steps=45, min_steps=31, seed=seed, reproducible=reproducible, shrink=shrink),
+        COVERAGE))

@@ -37,6 +37,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvref.impl.scheduler_types import PRIORITY
 
+from kvref.models.machines.counted_lockstep import run_counted
 from kvref.models.machines.scheduler import (
     COVERAGE,
     MAMBA_ALIGN_KINDS,
@@ -207,18 +208,9 @@ def run_cache_controls_machine(examples: int, reproducible: bool = False, shrink
     factories: dict[str, Callable] = {
         "vllm": lambda p, c: VllmScheduler(p, c, env, diffusion=bool(c.num_speculative_tokens)),
         "ref": lambda p, c: Scheduler(p, c)}
-    drivers: list[Lockstep] = []
-
-    class Counting(CacheControlsLockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
-
     base = machine_with(factories, setups=cache_controls_setups(), name="CacheControlsBase")
-    machine = type("CacheControlsRun", (CacheControlsMachine, base), {"driver_class": Counting})
-    COVERAGE.clear()
-    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
-                                            reproducible=reproducible, shrink=shrink)
-    valid = [d for d in drivers if d.num_steps >= 30]
-    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure, signature=sig)
+    return SchedulerRun(**run_counted(
+        lambda counting: type("CacheControlsRun", (CacheControlsMachine, base), {"driver_class": counting}),
+        CacheControlsLockstep,
+        lambda machine: run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                             reproducible=reproducible, shrink=shrink), COVERAGE))

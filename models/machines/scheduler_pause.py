@@ -28,6 +28,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvref.impl.reference.scheduler_pause import PauseState
 from kvref.impl.scheduler_types import PRIORITY
+from kvref.models.machines.counted_lockstep import run_counted
 from kvref.models.machines.scheduler import (
     COVERAGE,
     Lockstep,
@@ -134,21 +135,11 @@ def run_pause_machine(examples: int, reproducible: bool = False, shrink: bool = 
     env = VllmEnv()
     factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
                                       "ref": lambda p, c: Scheduler(p, c, record_prefix_cache_stats=True)}
-    drivers: list[Lockstep] = []
-
-    class Counting(PauseLockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
-
     base = machine_with(factories, setups=pause_setups(), name="PauseBase")
-    machine = type("PauseRun", (PauseMachine, base), {"driver_class": Counting})
-    COVERAGE.clear()
-    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
-                                            reproducible=reproducible, shrink=shrink)
-    valid = [d for d in drivers if d.num_steps >= 30]
-    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure, signature=sig)
+    return SchedulerRun(**run_counted(
+        lambda counting: type("PauseRun", (PauseMachine, base), {"driver_class": counting}), PauseLockstep,
+        lambda machine: run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                             reproducible=reproducible, shrink=shrink), COVERAGE))
 
 
 # ---- with a KV connector: PAUSED_NEW still admits requests holding KV blocks ----------------------
@@ -204,17 +195,9 @@ def run_connector_pause_machine(examples: int, reproducible: bool = False, shrin
     )
 
     factories: dict[str, Callable] = {"vllm": vllm_factory(), "ref": reference_factory}
-    drivers: list = []
-
-    class Counting(PauseDriving, ConnectorLockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
-
-    machine = _connector_pause_machine(factories, Counting)
-    CONNECTOR_COVERAGE.clear()
-    COVERAGE.clear()
-    ok, failure, sig = run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
-                                            reproducible=reproducible, shrink=shrink)
-    return SchedulerRun(ok=ok, traces=len(drivers), ops=sum(d.num_steps for d in drivers),
-                        coverage={**CONNECTOR_COVERAGE, **COVERAGE}, failure=failure, signature=sig)
+    driver = type("PauseConnectorLockstep", (PauseDriving, ConnectorLockstep), {})
+    return SchedulerRun(**run_counted(
+        lambda counting: _connector_pause_machine(factories, counting), driver,
+        lambda machine: run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
+                                             reproducible=reproducible, shrink=shrink),
+        CONNECTOR_COVERAGE, COVERAGE, min_ops=0))
