@@ -287,6 +287,17 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
                   f"salted, {c.get('skip_reading_arrivals', 0)} cache-skipping arrivals, "
                   f"{c.get('reset_prefix_cache_done', 0)} resets) and Mamba-align pools",
                   examined=(res.examined or 0) + run.traces)
+    # then FA + Mamba "align" pools alone: the mixed run above reached no split on them (#22)
+    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
+
+    run = run_mamba_align_machine(ctx.examples(15, 60), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "scheduler traces on Mamba-align pools diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    res = replace(res, summary=res.summary + f"; {run.traces} on Mamba-align pools ({c.get('mamba_clipped_chunks', 0)} "
+                  f"chunks clipped to state boundaries, {c.get('prefix_hits', 0)} prefix hits)",
+                  examined=(res.examined or 0) + run.traces)
     # then pause states and the counts the engine polls (#22)
     from kvref.models.machines.scheduler_pause import run_pause_machine
 
@@ -295,8 +306,19 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult("conform-scheduler", FAILED, "scheduler traces with pause states diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)
     c = run.coverage
-    return replace(res, summary=res.summary + f"; {run.traces} with pause states ({c.get('paused_all_held_running', 0)} "
-                   f"steps paused with requests running, {c.get('paused_new_held_waiting', 0)} holding new ones)",
+    res = replace(res, summary=res.summary + f"; {run.traces} with pause states ({c.get('paused_all_held_running', 0)} "
+                  f"steps paused with requests running, {c.get('paused_new_held_waiting', 0)} holding new ones)",
+                  examined=(res.examined or 0) + run.traces)
+    # then the prefill cadence, the adaptive long-prefill threshold and outranking arrivals (#22)
+    from kvref.models.machines.scheduler_branches import run_branches_machine
+
+    run = run_branches_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "scheduler traces with the prefill cadence diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    return replace(res, summary=res.summary + f"; {run.traces} with the prefill cadence ({c.get('cadence_held_chunk', 0)} "
+                   f"chunks and {c.get('cadence_held_waiting', 0)} admissions held) and outranking arrivals",
                    examined=(res.examined or 0) + run.traces)
 
 

@@ -1,0 +1,97 @@
+"""Scheduler traces on FA + Mamba "align" pools only: the third part of ``conform-scheduler``
+(issue #22).
+
+The cache-controls run (:mod:`kvref.models.machines.scheduler_cache_controls`) draws Mamba "align"
+pools three setups in seven, yet in the default run vLLM's ``Scheduler._mamba_block_aligned_split``
+was never executed: Hypothesis spends a run's first examples on its simplest choices, which pick
+the first branch of the setups' ``one_of`` (a Mamba pool) together with the simplest rule (an
+engine step with nothing queued), and the random examples after them landed on other pools. A
+probe of the seeded run counted 11 vLLM schedulers built on Mamba "align" pools, 229 ``schedule()``
+calls on them, not one request added. Here every trace is a Mamba "align" pool (the Mamba block is
+the attention block, or twice the hash block for fine-grained partial hits), prefix caching on,
+with the cache-controls machine's rules: arrivals sharing prefixes, multi-turn follow-ups of
+finished turns (the hits that reach ``MambaManager.find_longest_cache_hit`` and, on fine-grained
+pools, the partial-tail caching and copy-on-write), resets, aborts, preemption. vLLM clips each
+prefill chunk to Mamba state boundaries (``_mamba_block_aligned_split``); the reference's
+:mod:`kvref.impl.reference.scheduler_mamba_split` must clip it the same, and every observable
+(scheduled tokens, block ids per group, queues, request states, free-block queue) is compared
+after every step by :class:`~kvref.models.machines.scheduler.Lockstep`.
+
+``mamba_cache_mode="all"`` is not drawn: vLLM 0.33.0 refuses prefix caching with it
+(``MambaManager``: "Mamba prefix caching requires mamba_cache_mode='align'"), and without caching
+it schedules as "none", which the main machine's ``full+mamba`` pools cover.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hypothesis import strategies as st
+
+from kvref.models.machines.scheduler import (
+    COVERAGE,
+    MAMBA_ALIGN_KINDS,
+    Lockstep,
+    SchedulerRun,
+    machine_with,
+    run_lockstep_machine,
+    scheduler_setups,
+)
+from kvref.models.machines.scheduler_cache_controls import (
+    CacheControlsLockstep,
+    CacheControlsMachine,
+    _cacheable,
+    _roomy,
+)
+
+
+def mamba_align_setups():
+    """FA + Mamba "align" pools (coarse or fine-grained hashes), prefix caching on, synchronous or
+    async scheduling, FCFS or PRIORITY, tight or startup-sized; as drawn or roomy (cached turns
+    then survive until their follow-ups arrive)."""
+    drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS),
+                      scheduler_setups(kinds=MAMBA_ALIGN_KINDS, tight=True)).filter(_cacheable)
+    return st.one_of(drawn.map(_roomy), drawn)
+
+
+def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: bool = True,
+                            seed: int | None = None) -> SchedulerRun:
+    """The reference scheduler in lock step with vLLM 0.33.0's on Mamba "align" pools (traces of
+    at least 30 operations; liveness drained at teardown as in the main machine). The coverage
+    adds ``mamba_traces`` (traces that added a request) and ``mamba_clipped_chunks`` (prefill
+    chunks the split cut short of what the budget allowed, by the reference's count)."""
+    from kvref.impl.reference import scheduler_mamba_split as split_module
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+
+    env = VllmEnv()
+    factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
+                                      "ref": lambda p, c: Scheduler(p, c)}
+    drivers: list[Lockstep] = []
+
+    class Counting(CacheControlsLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    base = machine_with(factories, setups=mamba_align_setups(), name="MambaAlignBase")
+    machine = type("MambaAlignRun", (CacheControlsMachine, base), {"driver_class": Counting})
+    original = split_module.mamba_block_aligned_split
+
+    def counting_split(config, *args, **kwargs):
+        n = original(config, *args, **kwargs)
+        num_new_tokens = args[3] if len(args) > 3 else kwargs["num_new_tokens"]
+        COVERAGE["mamba_clipped_chunks"] += n < num_new_tokens
+        return n
+
+    COVERAGE.clear()
+    split_module.mamba_block_aligned_split = counting_split
+    try:
+        ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                                reproducible=reproducible, shrink=shrink)
+    finally:
+        split_module.mamba_block_aligned_split = original
+    valid = [d for d in drivers if d.num_steps >= 30]
+    COVERAGE["mamba_traces"] = sum(1 for d in valid if d.specs)
+    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
+                        coverage=dict(COVERAGE), failure=failure, signature=sig)
