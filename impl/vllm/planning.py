@@ -21,7 +21,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvref.spec import (
     EngineConfig,
@@ -200,33 +200,35 @@ class VllmPlanner:
         raise exc
 
 
+def _kvref_attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Outcome | None]:
+    """``fn``'s result, or the normalised outcome of kvref's refusal (one mapping of kvref's errors
+    to :class:`Outcome` for every kvref-side verdict, as the planner has for vLLM's)."""
+    try:
+        return fn(*args, **kwargs), None
+    except InsufficientKVCacheError as exc:
+        return None, Outcome("insufficient", exc.reason, exc.estimated_max_model_len)
+    except KVCacheGroupingError:
+        return None, Outcome("grouping")
+    except InvalidFieldError as exc:
+        return None, Outcome("invalid", exc.field)
+
+
 def kvref_per_layer_outcome(layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:
     """kvref's :func:`~kvref.spec.planning_per_layer_check.check_enough_kv_cache_memory_per_layer` verdict."""
     from kvref.spec.planning_per_layer_check import check_enough_kv_cache_memory_per_layer
 
-    try:
-        check_enough_kv_cache_memory_per_layer(layers, config, available_memory, kv_cache_layout=kv_cache_layout)
-    except InsufficientKVCacheError as exc:
-        return Outcome("insufficient", exc.reason, exc.estimated_max_model_len)
-    except KVCacheGroupingError:
-        return Outcome("grouping")
-    except InvalidFieldError as exc:
-        return Outcome("invalid", exc.field)
-    return Outcome("ok")
+    _, refused = _kvref_attempt(check_enough_kv_cache_memory_per_layer, layers, config, available_memory,
+                                kv_cache_layout=kv_cache_layout)
+    return refused or Outcome("ok")
 
 
 def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:
     """kvref's plan in the same normalised form (specs converted to vLLM's for comparison)."""
     from kvref.spec import plan_kv_cache
 
-    try:
-        plan = plan_kv_cache(layers, config, available_memory, kv_cache_layout=kv_cache_layout)
-    except InsufficientKVCacheError as exc:
-        return Outcome("insufficient", exc.reason, exc.estimated_max_model_len)
-    except KVCacheGroupingError:
-        return Outcome("grouping")
-    except InvalidFieldError as exc:
-        return Outcome("invalid", exc.field)
+    plan, refused = _kvref_attempt(plan_kv_cache, layers, config, available_memory, kv_cache_layout=kv_cache_layout)
+    if refused:
+        return refused
     plan.check_invariants()
     m = plan.max_model_len
     return Outcome("ok", fields=dict(
