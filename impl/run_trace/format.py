@@ -38,6 +38,8 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            exception propagates; a crashed run's ``end`` record counts its ``errors``.
 ``reset``  ``reset_prefix_cache`` was called: ``running`` (running requests preempted too), ``ok``.
 ``drafts`` ``update_draft_token_ids``: the drafts a synchronous runner proposed, ``ids`` and ``tokens``.
+``pause``  ``set_pause_state`` (the engine's ``pause_generation``): ``state`` 0 UNPAUSED, 1
+           PAUSED_NEW, 2 PAUSED_ALL.
 ``end``    the scheduler shut down: ``steps``, ``records``, ``how``; ``errors`` if any call raised.
 ========== =========================================================================================
 
@@ -114,7 +116,7 @@ from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
 VERSION = 4
-RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts")
+RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts", "pause")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
 #: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
@@ -565,6 +567,9 @@ def validate_record(rec: Any, where: str) -> str:
         _validate_error(rec, where)
     elif t == "reset":
         pass
+    elif t == "pause":
+        if rec.get("state") not in (0, 1, 2) or type(rec.get("state")) is not int:
+            raise _fail(where, "state", rec.get("state"), "a pause state: 0 UNPAUSED, 1 PAUSED_NEW, 2 PAUSED_ALL")
     elif t == "drafts":
         ids = _str_list(where, rec, "ids")
         toks = rec.get("tokens")

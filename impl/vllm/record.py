@@ -503,6 +503,14 @@ class _Recorder:
         self._kvref_writer.write({"t": "drafts", "ids": ids, "tokens": toks})
         return out
 
+    def set_pause_state(self, pause_state) -> None:
+        # the engine's pause_generation / resume (weight updates, RL rollouts): what later steps may
+        # schedule changes, so the replay must pause its reference at the same point (#28)
+        super().set_pause_state(pause_state)
+        w = self._kvref_writer
+        if w is not None and not w.closed:
+            w.write({"t": "pause", "state": int(pause_state)})
+
     def reset_prefix_cache(self, *args, **kwargs):
         running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
         if running:  # every running request is preempted for the reset: the next step's pre_why

@@ -74,7 +74,7 @@ class Finding:
 
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
-                  "metrics", "block_out_of_pool", "table_too_long", "table_too_short")
+                  "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -161,6 +161,9 @@ class RunProperties:
         self.lookup_tally = has_connector
         self.seen_loading = False
         self.exempt: set[str] = set()
+        #: vLLM's pause state (``pause`` records): 1 PAUSED_NEW admits only requests holding KV
+        #: blocks, 2 PAUSED_ALL schedules nothing; neither is starvation
+        self.paused = 0
         self.max_findings = max_findings
         self.findings: list[Finding] = []
         self.num_findings = 0
@@ -209,6 +212,8 @@ class RunProperties:
         elif t == "error":
             step = rec["step"]
             self._find("crash", line, f"vLLM raised {rec['type']} in {rec['call']} (step {step}): {rec['message']}")
+        elif t == "pause":
+            self.paused = rec["state"]
         elif t == "reset":
             if rec.get("running"):  # every running request was preempted at once (named at the next step)
                 for rid in list(self.running):
@@ -411,6 +416,8 @@ class RunProperties:
         rows = sched_rows(rec)
         spec = rec.get("spec") or {}
         self._starvation(line, rec, rows)
+        if self.paused:
+            self._paused(line, rows)
         tokens = 0
         settled = []
         for rid, kind, n, computed, blocks in rows:
@@ -456,7 +463,7 @@ class RunProperties:
         # may be what the waiting request needs: the transfer, not the scheduler, holds it back
         held_back = any(self.parked.values())
         if (not rows and waiting and not rec["pre"] and not loading and not blind and not asked_again
-                and not held_back
+                and not held_back and not self.paused
                 and not (self.exempt and any(r in self.exempt for r in waiting))):
             self.idle_run += 1
             if self.idle_run >= self.starvation_steps and not self.idle_reported:
@@ -472,6 +479,22 @@ class RunProperties:
         elif rows:
             self.idle_run = 0
             self.idle_reported = False
+
+    def _paused(self, line: int, rows: list) -> None:
+        """What a pause lets run (vLLM's ``set_pause_state``): under PAUSED_ALL nothing, under
+        PAUSED_NEW running requests and the waiting ones that already hold KV blocks (a finished
+        asynchronous load), never a request admitted without blocks."""
+        if self.paused == 2 and rows:
+            self._find("scheduled_while_paused", line, f"PAUSED_ALL, yet the step schedules {len(rows)} request(s) "
+                       f"({', '.join(row[0] for row in rows[:4])}): a paused scheduler schedules nothing")
+        elif self.paused == 1:
+            for rid, kind, _n, _computed, _blocks in rows:
+                r = self.reqs.get(rid)
+                # (an inexact connector run does not track which waiting requests hold blocks)
+                if kind != "c" and not (r is not None and r.async_held) and (self.exact or not self.connector):
+                    self._find("scheduled_while_paused", line,
+                               f"PAUSED_NEW, yet {rid} is admitted ({'resumed' if kind == 'r' else 'new'}, holding no "
+                               "KV blocks): only running requests and requests holding KV blocks may run")
 
     def _self_reservation(self, rec: dict) -> str:
         """The idle step asked the connector about a request whose async load had failed whole and

@@ -193,6 +193,8 @@ class LockstepReplay:
                 self._stop(line, "reset_prefix_cache (not modelled by the reference)")
             else:
                 self._reset(line, rec)
+        elif t == "pause":
+            self.scheduler.set_pause_state(rec["state"])  # vLLM's pause states, modelled (#28)
         elif t == "drafts":
             from kvref.impl.scheduler_types import DraftTokenIds
 
