@@ -15,6 +15,8 @@ from typing import Any
 
 from kvref.impl.offload_engine import ReferenceEngine, kvref_kv_cache_manager
 from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
+from kvref.impl.reference.kv_events import use_int_block_hashes
+from kvref.impl.reference.offload.offload_event_tracker import OffloadingEventsTracker, event_group_specs
 from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler
 from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler, SimpleOffloadStep
 
@@ -109,12 +111,16 @@ class OffloadingReferenceBackend(ReferenceEngine):
     def __init__(self, cfg: Any) -> None:
         groups = cfg.kvref_groups()
         self.mgr = kvref_kv_cache_manager(cfg, groups)
-        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy,
+        kv_events = getattr(cfg, "kv_events", "off")  # "off", "placeholder" or "self_describing"
+        self.manager = CPUOffloadingManager(cfg.num_cpu_chunks, cfg.cache_policy, enable_events=kv_events != "off",
                                             store_threshold=max(1, getattr(cfg, "store_threshold", 1)),
                                             max_tracker_size=getattr(cfg, "max_tracker_size", 64_000))
-        self.conn = OffloadingConnectorScheduler([g.kv_cache_spec for g in groups], self.manager, cfg.block_size,
+        specs = [g.kv_cache_spec for g in groups]
+        tracker = OffloadingEventsTracker(kv_events != "off", kv_events == "self_describing", event_group_specs(specs),
+                                          use_int_block_hashes())
+        self.conn = OffloadingConnectorScheduler(specs, self.manager, cfg.block_size,
                                                  cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
-                                                 block_hasher=self.mgr.block_hashes)
+                                                 block_hasher=self.mgr.block_hashes, events_tracker=tracker)
         self.gpu_pool = self.mgr.block_pool
 
     def on_new_request(self, req):
@@ -141,6 +147,12 @@ class OffloadingReferenceBackend(ReferenceEngine):
 
     def chunk_state(self):
         return self.manager.chunk_state()
+
+    def take_kv_events(self) -> list[dict]:
+        """The connector's KV cache events since the last call, as plain dicts (every field)."""
+        from kvref.impl.reference.kv_events import event_to_plain
+
+        return [event_to_plain(e) for e in self.conn.take_events()]
 
     def check_invariants(self):
         self.conn.check_invariants()

@@ -192,7 +192,8 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
 
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         groups = kcfg.kv_cache_groups
-        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy,
+        kv_events = getattr(cfg, "kv_events", "off")  # "off", "placeholder" or "self_describing"
+        self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy, enable_events=kv_events != "off",
                                 store_threshold=getattr(cfg, "store_threshold", 0),
                                 max_tracker_size=getattr(cfg, "max_tracker_size", 64_000))
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -207,7 +208,8 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
                 for i, g in enumerate(groups)]),
             blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=cfg.block_size,
             tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
-            extra_config={}, kv_events_config=OffloadingKVEventsConfig(False, False),
+            extra_config={},
+            kv_events_config=OffloadingKVEventsConfig(kv_events != "off", kv_events == "self_describing"),
             get_manager=lambda: self.manager)
         vcfg = SimpleNamespace(
             cache_config=SimpleNamespace(prefix_cache_retention_interval=None, enable_prefix_caching=True),
@@ -237,6 +239,11 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
 
     def reset(self):
         self.conn.reset_cache()
+
+    def take_kv_events(self):
+        from kvref.impl.vllm.kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self.conn.take_events()]
 
     def chunk_state(self):
         pol = self.manager._policy

@@ -55,6 +55,9 @@ class OffloadingConfig:
     # an LRU table of at most that many keys; below 2 (vLLM's default 0) no filter.
     store_threshold: int = 0
     max_tracker_size: int = 64_000
+    # KV cache events: "off", "placeholder" (vLLM's enable_kv_cache_events alone) or
+    # "self_describing" (with the connector's self_describing_kv_events: payloads with tokens).
+    kv_events: str = "off"
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -84,7 +87,8 @@ class OffloadingConfig:
         * a chunked-local group one time in three (alone beside full attention, or with the SWA
           group);
         * the CPU manager's store threshold (2 or 3 offers) one time in four, its tracker from a
-          handful of keys (offers age out) to roomy.
+          handful of keys (offers age out) to roomy;
+        * KV cache events one time in two, half of them self-describing.
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -104,6 +108,7 @@ class OffloadingConfig:
         if sub.random() < 1 / 4:
             base["store_threshold"] = sub.choice([2, 3])
             base["max_tracker_size"] = sub.choice([3, 6, 64_000])
+        base["kv_events"] = sub.choice(["off", "off", "placeholder", "self_describing"])
         return cls(**base)
 
 
@@ -140,6 +145,7 @@ class OffloadingWorld(OffloadWorldBase):
         self.metas: list[tuple] = []
         self._n = 0
         self.reset_undelivered = False
+        self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
 
     @property
     def b(self):
@@ -206,6 +212,7 @@ class OffloadingWorld(OffloadWorldBase):
         # lookup of the step as (request, GPU hit tokens, tokens the connector offers to load) - a
         # lookup answer compared even when the allocation after it fails on both backends.
         meta = (*self.b.build_meta(self._scheduler_output(OffloadingStep, batch)), tuple(lookups))
+        self._take_kv_events()
         self.reset_undelivered = False
         self.metas.append(meta)
         loads, stores, flush, _ = meta
@@ -266,6 +273,7 @@ class OffloadingWorld(OffloadWorldBase):
         count = min(count, self.cfg.num_workers - job["reported"])
         job["reported"] += count
         self.b.complete({j: count})
+        self._take_kv_events()
         if job["reported"] >= self.cfg.num_workers:
             del self.jobs[j]
             if not job["store"]:
@@ -274,6 +282,12 @@ class OffloadingWorld(OffloadWorldBase):
                 self._update_waiting_for_remote_kv(self.reqs[job["req"]])
         self.b.check_invariants()
         return True
+
+    def _take_kv_events(self) -> None:
+        """Drain the connector's KV cache events (stores and evictions of the step, stores a
+        completion made readable) into ``kv_events``, which :meth:`observe` shows."""
+        if self.cfg.kv_events != "off":
+            self.kv_events.extend(self.b.take_kv_events())
 
     def finish(self, rid, aborted=True):
         r = self.reqs[rid]
@@ -304,4 +318,5 @@ class OffloadingWorld(OffloadWorldBase):
 
     def observe(self):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
-        return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()}}
+        return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
+                "kv_events": self.kv_events}

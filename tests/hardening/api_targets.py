@@ -70,6 +70,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         OffloadingConnectorScheduler as OffloadingScheduler,
     )
     from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
+    from kvref.impl.reference.offload.offload_event_tracker import EventGroupSpec, OffloadingEventsTracker
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
         SimpleCPUOffloadScheduler,
         SimpleOffloadStep,
@@ -148,6 +149,9 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                           extra_retained_tokens=0)),
         "SimpleOffloadStep": (SimpleOffloadStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
                                                       preempted_req_ids=set())),
+        "OffloadingEventsTracker": (OffloadingEventsTracker, dict(
+            enable_kv_cache_events=True, self_describing=True, group_specs={0: EventGroupSpec("full_attention", None)},
+            use_int=True)),
         "OffloadingStep": (OffloadingStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
                                                 preempted_req_ids=set())),
         "Op": (Op, dict(name="finish", args={"rid": "r0"})),
@@ -434,6 +438,22 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
             return sched, sched.check_invariants, make_kwargs(sched, r0, r1), getattr(sched, method)
         add(f"OffloadingConnectorScheduler.{method}", build)
 
+    def tracker_case(method, make_kwargs):
+        def build():
+            from kvref.impl.reference.offload.offload_event_tracker import OffloadingEventsTracker, event_group_specs
+
+            t = OffloadingEventsTracker(True, True, event_group_specs([FULL]))
+            return t, t.check_invariants, make_kwargs(t), getattr(t, method)
+        add(f"OffloadingEventsTracker.{method}", build)
+
+    def _tracker_snapshot(t):
+        return t.snapshot(H, list(range(16)), 0, False, 4, 1, 1)
+
+    tracker_case("snapshot", lambda t: dict(block_hashes=H, token_ids=list(range(16)), group_idx=0, windowed=False,
+                                            tokens_per_block=4, blocks_per_chunk=1, chunk_idx=1))
+    tracker_case("record_store", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
+    tracker_case("record_lookup", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
+    tracker_case("take_events", lambda t: dict(events=[]))
     connector_case("on_new_request", lambda s, r0, r1: dict(req=r1))
     connector_case("get_num_new_matched_tokens", lambda s, r0, r1: dict(req=r0, num_computed_tokens=0))
     connector_case("update_state_after_alloc", lambda s, r0, r1: dict(req=r0, blocks=[[(1, False), (2, False)]],
@@ -842,7 +862,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.spec import prefix_cache_retention as retention
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
-    from kvref.impl.reference.offload import offload_events
+    from kvref.impl.reference.offload import offload_event_tracker, offload_events
     from kvref.impl.reference.offload.cpu_offloading_manager import OffloadingEvent
 
     page = cmap.AttentionPage("split", "HND", 2, 1, 2, 2)
@@ -985,6 +1005,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "mla_mapping": (cmap.mla_mapping, dict(page_size_bytes=8, tp_size=2, rank=1)),
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
+        "event_group_specs": (offload_event_tracker.event_group_specs, dict(specs=[FULL, SWA])),
         "offloading_kv_events": (offload_events.offloading_kv_events, dict(
             events=[OffloadingEvent([keys.make_offload_key(H[0], 0)], removed=True)], use_int=True)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,

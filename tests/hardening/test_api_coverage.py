@@ -232,6 +232,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.offload.cpu_offloading_manager", "OffloadingEvent PrepareStoreOutput", RECORD),
     **_each(f"{_REF}.offload.canonical_mapping", "ReferenceMapping", RECORD),
     **_each(f"{_REF}.offload.offloading_scheduler", "GroupOffloadConfig OffloadingMeta TransferJob", RECORD),
+    **_each(f"{_REF}.offload.offload_event_tracker", "ChunkEventMetadata EventGroupSpec", RECORD),
     **_each(f"{_REF}.offload.simple_cpu_offload_scheduler", "LoadRequestState SimpleOffloadMeta StoreRequestState "
             "TransferMeta", RECORD),
     f"{_REF}.offload.keys.LookupResult": "an enum: its members are the values",

@@ -95,6 +95,12 @@ def reach():
                 counts["chunked_local_loads"] += sum(get_offload_group_idx(k) == local for _, _, keys, _, _ in loads
                                                      for k in keys)
             counts["lookups_compared"] += sum(len(meta[3]) for meta in w.metas)
+            if cfg.kv_events != "off":
+                counts[f"{cfg.kv_events}_configs"] += 1
+                stored = [e for e in w.kv_events if e["type"] == "BlockStored"]
+                counts[f"{cfg.kv_events}_payloads"] += sum(e["token_ids"] != [] for e in stored)
+                counts[f"{cfg.kv_events}_placeholders"] += sum(e["token_ids"] == [] for e in stored)
+                counts[f"{cfg.kv_events}_removals"] += sum(e["type"] == "BlockRemoved" for e in w.kv_events)
     finally:
         mp.undo()
     return counts
@@ -114,6 +120,15 @@ def test_mtp_windows_and_chunked_local_groups_are_generated(reach):
     assert reach["widened_window_configs"] >= 5 and reach["widened_window_loads"] >= 2, reach  # 16, 3
     assert reach["chunked_local_configs"] >= 5, reach  # 12
     assert reach["chunked_local_stores"] > 0 and reach["chunked_local_loads"] > 0, reach
+
+
+def test_kv_events_are_generated_in_both_modes(reach):
+    """conform-offload compares the connector's KV cache events: placeholders (events on) and
+    self-describing payloads (tokens, parent, every block hash of a chunk), stores and evictions."""
+    assert reach["placeholder_configs"] >= 3 and reach["self_describing_configs"] >= 3, reach
+    assert reach["placeholder_payloads"] == 0 and reach["placeholder_removals"] > 0, reach
+    assert reach["self_describing_payloads"] >= 20 and reach["self_describing_removals"] > 0, reach
+    assert reach["self_describing_placeholders"] > 0, reach  # windowed groups, or keys without a snapshot
 
 
 def test_every_lookup_answer_is_an_output():

@@ -23,7 +23,10 @@ Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (
 ``extra_retained_tokens``) and chunked-local groups (PR 51161: windowed, one attention chunk),
 ``tokens_per_hash == tokens_per_block``, CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE,
 no Mamba/partial tails, no sync loads, no retention interval, no ``max_load_tokens`` /
-``max_offload_tokens``, no KV events or metrics.
+``max_offload_tokens``, no metrics. KV events (placeholder or self-describing payloads) through
+:class:`.offload_event_tracker.OffloadingEventsTracker`: stores and full-attention lookup hits
+snapshot their chunk's payload, :meth:`OffloadingConnectorScheduler.take_events` translates the
+manager's events.
 """
 
 from __future__ import annotations
@@ -44,8 +47,16 @@ from kvref.spec.mathutil import cdiv
 
 from ..block_hash import BlockHash, RequestBlockHasher
 from .cpu_offloading_manager import CPUOffloadingManager
-from .keys import OffloadKey, OffloadStateError, RequestContext, get_sliding_window_size_in_chunks, make_offload_key
+from .keys import (
+    LookupResult,
+    OffloadKey,
+    OffloadStateError,
+    RequestContext,
+    get_sliding_window_size_in_chunks,
+    make_offload_key,
+)
 from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
+from .offload_event_tracker import OffloadingEventsTracker
 
 
 @dataclass(frozen=True)
@@ -166,12 +177,17 @@ class OffloadingConnectorScheduler:
         blocks_per_chunk: GPU blocks per offloaded chunk.
         num_workers: reports a job needs to complete.
         offload_prompt_only: store prompt chunks only (vLLM's default).
+        events_tracker: the KV event payload tracker (None: events off; the manager then has no
+            events either).
     """
 
     def __init__(self, specs: Sequence[KVCacheSpec], manager: CPUOffloadingManager, tokens_per_hash: int,
                  blocks_per_chunk: int = 1, num_workers: int = 1, offload_prompt_only: bool = True,
-                 block_hasher: Callable[[Request], list[BlockHash]] | None = None) -> None:
+                 block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+                 events_tracker: OffloadingEventsTracker | None = None) -> None:
         check_int("tokens_per_hash", tokens_per_hash, minimum=1)
+        if events_tracker is not None and not isinstance(events_tracker, OffloadingEventsTracker):
+            raise InvalidFieldError("events_tracker", events_tracker, "an OffloadingEventsTracker or None")
         check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
         check_int("num_workers", num_workers, minimum=1)
         if not isinstance(manager, CPUOffloadingManager):
@@ -210,8 +226,37 @@ class OffloadingConnectorScheduler:
         self._batch_load_jobs: dict[int, TransferJob] = {}
         self._batch_jobs_to_flush: set[int] = set()
         self._batch_allocated: set[int] = set()
+        self.events_tracker = events_tracker or OffloadingEventsTracker(False, False, {})
 
     # ------------------------------------------------------------------ helpers
+
+    def _snapshot(self, st: _ReqState, c: GroupOffloadConfig, chunk_idx: int):
+        t = self.events_tracker
+        if not t.enabled:
+            return None
+        return t.snapshot(self.block_hasher(st.req), st.req.all_token_ids, c.group_idx, c.window is not None,
+                          c.tokens_per_block, self.blocks_per_chunk, chunk_idx)
+
+    def _recording_lookup(self, st: _ReqState) -> Callable:
+        """The manager's lookup for ``st``; with self-describing events on, a full-attention chunk
+        seen as HIT or HIT_PENDING is snapshotted (vLLM ``_maximal_prefix_lookup``), whether or
+        not the request is then allocated."""
+        if not self.events_tracker.enabled:
+            return lambda k: self.manager.lookup(k, st.ctx)
+        where = {k: (c, i) for c, g in zip(self.groups, st.groups) if c.window is None
+                 for i, k in enumerate(g.offload_keys)}
+
+        def lookup(k):
+            r = self.manager.lookup(k, st.ctx)
+            if k in where and r in (LookupResult.HIT, LookupResult.HIT_PENDING):
+                c, i = where[k]
+                self.events_tracker.record_lookup(k, self._snapshot(st, c, i))
+            return r
+        return lookup
+
+    def take_events(self) -> list:
+        """The KV cache events since the last call (vLLM ``OffloadingConnectorScheduler.take_events``)."""
+        return self.events_tracker.take_events(self.manager.take_events())
 
     def _status(self, req: Request) -> _ReqState:
         _check_request(req)
@@ -263,7 +308,7 @@ class OffloadingConnectorScheduler:
         self._update_offload_keys(st)
         st.num_locally_computed_tokens = num_computed_tokens
         hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
-                                     req.num_tokens, num_computed_tokens, lambda k: self.manager.lookup(k, st.ctx),
+                                     req.num_tokens, num_computed_tokens, self._recording_lookup(st),
                                      self._chunks_being_loaded)
         return hit, bool(hit)
 
@@ -441,6 +486,7 @@ class OffloadingConnectorScheduler:
                 for k, key in enumerate(g.offload_keys[start:n_chunks]):
                     if key not in to_store:
                         continue
+                    self.events_tracker.record_store(key, self._snapshot(st, c, start + k))
                     for b in range(bpc):
                         bid = g.block_ids[(start + k) * bpc + b]
                         if bid == 0:
@@ -452,7 +498,9 @@ class OffloadingConnectorScheduler:
             st.transfer_jobs.add(job)
             for bid in fenced:  # sliding-window sources can be freed while running: fence now
                 self._block_id_to_pending_jobs.setdefault(bid, set()).add(job)
-            self._jobs[job] = _Job(rid, self.num_workers, to_store, True, deferred, fenced)
+            # A copy of the set, as vLLM's TransferJobStatus holds: completion announces the keys in
+            # this set's iteration order, which a copy can change (KV events compare it).
+            self._jobs[job] = _Job(rid, self.num_workers, set(to_store), True, deferred, fenced)
             out[job] = TransferJob(rid, tuple(res.keys_to_store), tuple(src), tuple(res.chunk_ids))
             if st.finished:
                 for bid in deferred:
@@ -565,12 +613,14 @@ class OffloadingConnectorScheduler:
         self._jobs.clear()
         self._block_id_to_pending_jobs.clear()
         self._chunks_being_loaded.clear()
+        self.events_tracker.reset()
 
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
         """The CPU manager's chunk states (O4, O7) and each request's jobs (O5, O6 of docs/invariants.md)."""
         self.manager.check_invariants()
+        self.events_tracker.check_invariants()
         for rid, st in self._req_status.items():
             jobs = [self._jobs[j] for j in st.transfer_jobs]
             assert all(j.req_id == rid for j in jobs), f"O5: a job of request {rid} names another request"
