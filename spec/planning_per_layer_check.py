@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .config import EngineConfig
-from .errors import InsufficientKVCacheError, InvalidFieldError, check_int
+from .errors import InvalidFieldError, check_int
 from .grouping import validate_layers
 from .kv_cache_interface import KVCacheSpec
 from .planning_packed import DEFAULT_KV_CACHE_LAYOUT, get_kv_cache_groups_for_layout
-from .pool_sizing import CONSERVING_MEMORY_URL, format_gib, pool_bytes_per_block
+from .pool_sizing import no_memory_error, pool_bytes_per_block, too_long_error
 
 
 def per_layer_memory_bytes(layers: Mapping[str, KVCacheSpec], config: EngineConfig, max_model_len: int) -> int:
@@ -65,22 +65,10 @@ def check_enough_kv_cache_memory_per_layer(layers: Mapping[str, KVCacheSpec], co
     check_memory = available_memory - pool_bytes_per_block(groups) if groups else available_memory
     max_model_len = config.resolved_max_model_len
     if check_memory <= 0:
-        raise InsufficientKVCacheError(
-            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
-            "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, "
-            f"despite its name). See {CONSERVING_MEMORY_URL} for more details.",
-            estimated_max_model_len=0, available_bytes=check_memory, reason=InsufficientKVCacheError.NO_MEMORY)
+        raise no_memory_error(check_memory)
     needed = per_layer_memory_bytes(layers, config, max_model_len)
     if needed <= check_memory:
         return
     estimated = estimate_max_model_len_per_layer(layers, config, check_memory, max_model_len)
-    estimated_msg = (f"Based on the available memory, the estimated maximum model length is {estimated}. "
-                     if estimated > 0 else "")
-    raise InsufficientKVCacheError(
-        f"To serve at least one request with the model's max seq len ({max_model_len}), "
-        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV cache memory "
-        f"({format_gib(check_memory)} GiB). {estimated_msg}Try increasing `gpu_memory_utilization` (which also "
-        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
-        f"See {CONSERVING_MEMORY_URL} for more details. [kvref: per-layer sum, null block held back]",
-        estimated_max_model_len=estimated, needed_bytes=needed, available_bytes=check_memory,
-        reason=InsufficientKVCacheError.TOO_LONG)
+    raise too_long_error(max_model_len, needed, check_memory, estimated,
+                         "[kvref: per-layer sum, null block held back]")

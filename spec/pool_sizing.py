@@ -42,6 +42,34 @@ def format_gib(num_bytes: int) -> str:
     return f"{round(num_bytes / GiB, 2)}"
 
 
+def no_memory_error(check_memory: int, note: str = "") -> InsufficientKVCacheError:
+    """vLLM's startup failure when no block is left once the null block is held back (its message,
+    then kvref's ``note``). One text for the group-based and the per-layer check (#26)."""
+    return InsufficientKVCacheError(
+        "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, "
+        f"despite its name). See {CONSERVING_MEMORY_URL} for more details." + (f" {note}" if note else ""),
+        estimated_max_model_len=0, needed_bytes=0, available_bytes=check_memory,
+        reason=InsufficientKVCacheError.NO_MEMORY)
+
+
+def too_long_error(max_model_len: int, needed: int, check_memory: int, estimated: int,
+                   note: str = "") -> InsufficientKVCacheError:
+    """vLLM's startup failure when one request of ``max_model_len`` tokens needs ``needed`` bytes,
+    more than ``check_memory`` (its message with the estimate when one token fits, then kvref's
+    ``note``). One text for the group-based and the per-layer check (#26)."""
+    estimated_msg = (f"Based on the available memory, the estimated maximum model length is {estimated}. "
+                     if estimated > 0 else "")
+    return InsufficientKVCacheError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV cache memory "
+        f"({format_gib(check_memory)} GiB). {estimated_msg}Try increasing `gpu_memory_utilization` (which also "
+        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
+        f"See {CONSERVING_MEMORY_URL} for more details." + (f" {note}" if note else ""),
+        estimated_max_model_len=estimated, needed_bytes=needed, available_bytes=check_memory,
+        reason=InsufficientKVCacheError.TOO_LONG)
+
+
 def validate_groups(groups: object) -> "list[KVCacheGroupSpec]":
     """``groups`` as a list after checking every item is a :class:`KVCacheGroupSpec`."""
     if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Iterable):
@@ -150,32 +178,19 @@ def check_enough_kv_cache_memory(groups: "tuple[KVCacheGroupSpec, ...]", config:
     check_int("max_model_len", max_model_len, minimum=0)
     bpb = pool_bytes_per_block(groups)
     if check_memory <= 0:
-        raise InsufficientKVCacheError(
-            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
-            "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, "
-            f"despite its name). See {CONSERVING_MEMORY_URL} for more details. "
-            f"[kvref: {max(check_memory + bpb, 0)} bytes hold {max(check_memory + bpb, 0) // bpb} block(s) of "
-            f"{bpb} bytes; block 0 is the null block, so no block is usable.]",
-            estimated_max_model_len=0, needed_bytes=0, available_bytes=check_memory,
-            reason=InsufficientKVCacheError.NO_MEMORY)
+        raise no_memory_error(
+            check_memory, f"[kvref: {max(check_memory + bpb, 0)} bytes hold {max(check_memory + bpb, 0) // bpb} "
+            f"block(s) of {bpb} bytes; block 0 is the null block, so no block is usable.]")
     needed = needed_bytes_for(groups, config, max_model_len)
     if needed <= check_memory:
         return
     estimated = estimate_max_model_len(groups, config, check_memory, max_model_len)
-    estimated_msg = (f"Based on the available memory, the estimated maximum model length is {estimated}. "
-                     if estimated > 0 else "")
     per_group = [group_blocks_per_request(g.kv_cache_spec, config, max_model_len) for g in groups]
-    raise InsufficientKVCacheError(
-        f"To serve at least one request with the model's max seq len ({max_model_len}), "
-        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV cache memory "
-        f"({format_gib(check_memory)} GiB). {estimated_msg}Try increasing `gpu_memory_utilization` (which also "
-        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
-        f"See {CONSERVING_MEMORY_URL} for more details. "
+    raise too_long_error(
+        max_model_len, needed, check_memory, estimated,
         f"[kvref: one request needs {sum(per_group)} blocks (per group {per_group}) of {bpb} bytes = {needed} "
         f"bytes; the pool has {check_memory // bpb} usable blocks ({check_memory} bytes after holding back "
-        "the null block).]",
-        estimated_max_model_len=estimated, needed_bytes=needed, available_bytes=check_memory,
-        reason=InsufficientKVCacheError.TOO_LONG)
+        "the null block).]")
 
 
 def auto_fit_max_model_len(groups: "tuple[KVCacheGroupSpec, ...]", config: "EngineConfig",
