@@ -1,0 +1,61 @@
+"""The Mamba "align" part of ``conform-scheduler`` (issue #22): the reference scheduler in lock
+step with vLLM 0.33.0's on FA + Mamba "align" pools alone (``scheduler_mamba``).
+
+The planted faults show that the comparison sees the chunk split and the Mamba manager's cache
+hits: vLLM's scheduler without its split, or its Mamba manager that never finds a hit, must diverge
+from the reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm_scheduler():
+    require_vllm()
+    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
+
+    return scheduler
+
+
+def test_mamba_align_traces_match_vllm_and_reach_the_split_and_hits(vllm_scheduler):
+    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
+
+    run = run_mamba_align_machine(profile_examples(10, 40), reproducible=True)
+    assert run.ok, run.failure
+    c = run.coverage
+    assert c["mamba_traces"] >= 5, c
+    for path in ("mamba_clipped_chunks", "prefix_hits", "follow_ups", "prefill_chunks", "preemptions"):
+        assert c.get(path, 0) > 0, (path, c)
+
+
+def test_a_vllm_scheduler_that_does_not_split_is_a_divergence(vllm_scheduler, monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
+
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split",
+                        lambda self, request, num_new_tokens, *a, **k: num_new_tokens)
+    run = run_mamba_align_machine(profile_examples(10, 40), reproducible=True, shrink=False)
+    assert not run.ok, "an unclipped chunk went unnoticed"
+    assert run.failure.startswith("Divergence"), run.failure
+
+
+def test_a_mamba_manager_that_finds_no_hit_is_a_divergence(vllm_scheduler, monkeypatch):
+    """vLLM's Mamba manager reports no cached state (the attention group's hit then reconciles
+    to nothing): a follow-up the reference admits with a hit is admitted cold on vLLM."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
+
+    def no_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    monkeypatch.setattr(MambaManager, "find_longest_cache_hit", classmethod(no_hit))
+    run = run_mamba_align_machine(profile_examples(10, 40), reproducible=True, shrink=False)
+    assert not run.ok, "a lost Mamba hit went unnoticed"
