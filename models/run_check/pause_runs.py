@@ -43,7 +43,7 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
     return build
 
 
-def _startup_setups():
+def _startup_setups(kinds=None):
     """The pause machine's setups (:func:`~kvref.models.machines.scheduler_pause.pause_setups`)
     on pools vLLM's startup accepts only: the machine also draws startup-inconsistent pools (a
     request that can never fit waits at the head forever), which no engine runs, and check-run
@@ -55,17 +55,21 @@ def _startup_setups():
     from kvref.impl.scheduler_types import PRIORITY
     from kvref.models.machines.scheduler import scheduler_setups
 
-    drawn = st.one_of(scheduler_setups(consistent=True), scheduler_setups(consistent=True, policy=PRIORITY, tight=True))
+    more = {"kinds": tuple(kinds)} if kinds is not None else {}
+    drawn = st.one_of(scheduler_setups(consistent=True, **more),
+                      scheduler_setups(consistent=True, policy=PRIORITY, tight=True, **more))
     return drawn.map(lambda setup: (replace(setup[0], log_stats=True), setup[1]))
 
 
 def record_pause_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 40,
-                      strict: bool = True) -> list[RecordedRun]:
+                      strict: bool = True, kinds=None) -> list[RecordedRun]:
     """Record ``examples`` generated runs with pause states of vLLM's scheduler into ``directory``.
 
     Raises the machine's failure (an AssertionError) when vLLM's run broke one of the machine's own
     checks (liveness after the pause ends) — unless not ``strict`` (a vLLM with a planted fault):
-    the runs recorded up to then are returned. The seed alone fixes the draws.
+    the runs recorded up to then are returned. The seed alone fixes the draws. ``kinds``: the pool
+    kinds drawn (``kvref.models.machines.scheduler``'s, e.g. ``MAMBA_ALIGN_KINDS``), else the
+    machine's default.
     """
     from kvref.models.machines.scheduler import Lockstep, machine_with, run_lockstep_machine
     from kvref.models.machines.scheduler_pause import PauseLockstep, PauseMachine
@@ -79,7 +83,7 @@ def record_pause_runs(directory: str | os.PathLike, examples: int, seed: int = 0
             # update_from_output's return value (the metrics endpoint's view)
             Lockstep.compare(self, what)
 
-    base = machine_with({"vllm": _recording_factory({}, directory, runs)}, setups=_startup_setups(),
+    base = machine_with({"vllm": _recording_factory({}, directory, runs)}, setups=_startup_setups(kinds),
                         name="RecordedPauseBase")
     machine = type("RecordedPauseRun", (PauseMachine, base), {"driver_class": Driver})
     base_teardown = machine.teardown

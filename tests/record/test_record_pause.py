@@ -100,3 +100,33 @@ def test_a_vllm_whose_pause_is_planted_away_is_found(tmp_path, monkeypatch, faul
     props = [check_trace(run.path, properties_only=True) for run in runs]
     assert any(r.divergence is not None for r in replay)
     assert any(f.kind == "scheduled_while_paused" for p in props for f in p.findings)
+
+
+def test_mamba_align_runs_are_replayed(tmp_path):
+    """Mamba "align" mode (vLLM's _mamba_block_aligned_split, align-mode state blocks and hits) was
+    named unmodelled and skipped from line 1; without a KV connector the reference follows it step
+    by step (#28). A split planted away in vLLM diverges."""
+    require_vllm()
+    from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS
+
+    runs = record_pause_runs(tmp_path / "pristine", profile_examples(8, 12), seed=2, kinds=MAMBA_ALIGN_KINDS)
+    followed = 0
+    for run in runs:
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty:
+            continue
+        assert any(g["spec"].get("mamba_cache_mode") == "align" for g in r.header["pool"]["groups"])
+        assert not r.header["unmodelled"], r.header["unmodelled"]
+        assert r.followed and r.divergence is None and r.num_findings == 0, (run.path, r.divergence, r.findings[:2])
+        followed += 1
+    assert followed >= len(runs) // 2
+
+
+def test_a_mamba_split_planted_away_diverges(tmp_path, monkeypatch):
+    require_vllm()
+    from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", lambda self, request, num_new_tokens, *a, **k: num_new_tokens)
+    runs = record_pause_runs(tmp_path, profile_examples(8, 12), seed=2, kinds=MAMBA_ALIGN_KINDS, strict=False)
+    assert any(check_trace(run.path).divergence is not None for run in runs)
