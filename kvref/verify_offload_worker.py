@@ -73,6 +73,13 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector diverged from the reference",
                            details=[text[:1500]], signature=f"{NAME}: SimpleCPU {type(exc).__name__}")
+    from kvref.models.machines.simple_offload_connector import run_connector_construction
+
+    try:  # the connector's construction path: extra config -> budget, pool size, mode, backend (#22)
+        built = run_connector_construction(ctx.seed, ctx.examples(60, 400))
+    except OffloadInvariantError as exc:
+        return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector is configured unlike the reference",
+                           details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU construction")
     from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
 
     batches = stats["batches"]
@@ -112,7 +119,9 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        "on "
                        f"vLLM's scheduler + worker roles ({stats['events']} CPU-tier KV events, {len(batches)} "
                        f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
-                       f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {mappers} file-tier layouts and "
+                       f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {built['configs']} of its "
+                       f"configurations built in both roles ({built['refused']} refused, {built['sized_from_bytes']} "
+                       f"sized from byte budgets, {built['disk']} disk), {mappers} file-tier layouts and "
                        f"{layers} layers' canonical page mappings: jobs, pools, bytes, events, file names and mappings "
                        "agree with the reference",
-                       examined=stats["ops"] + simple["ops"] + mappers + layers)
+                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers)

@@ -55,6 +55,33 @@ def simple_offload_vllm_config(cfg: Any) -> Any:
     return vc
 
 
+def build_simple_cpu_connector(cfg: Any, extra: dict, role: str, *, enable_prefix_caching: bool = True,
+                               aligned_num_cpu_blocks: int | None = None) -> Any:
+    """vLLM's ``SimpleCPUOffloadConnector`` in ``role`` ("scheduler" or "worker") for ``cfg``'s GPU
+    pool, with ``extra`` as its whole ``kv_connector_extra_config`` (the construction path a server
+    takes: budgets, explicit or agreed block counts, backend, store mode); vLLM's own error when it
+    refuses the configuration. Returns ``(connector, gpu KVCacheConfig)``."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        SimpleCPUOffloadConnector,
+    )
+
+    _, kcfg, _ = vllm_kv_cache_manager(cfg)
+    vc = simple_offload_vllm_config(cfg)
+    vc.cache_config.enable_prefix_caching = enable_prefix_caching
+    vc.cache_config.simple_cpu_offload_num_blocks = aligned_num_cpu_blocks
+    vc.kv_transfer_config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                                             engine_id="kvref-simple-cpu", kv_connector_extra_config=dict(extra))
+    roles = {"scheduler": KVConnectorRole.SCHEDULER, "worker": KVConnectorRole.WORKER}
+    from .multi_connector_worker import quiet
+
+    # vLLM's "experimental API" line per build, and its warnings about the generated configurations
+    with quiet("vllm.distributed.kv_transfer.kv_connector.v1.base",
+               "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"):
+        return SimpleCPUOffloadConnector(vc, roles[role], kcfg), kcfg
+
+
 class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
     """vLLM's ``SimpleCPUOffloadConnector`` (SCHEDULER role) over its GPU ``KVCacheManager``;
     ``conn`` is the connector's ``SimpleCPUOffloadScheduler`` (read for the compared state only),

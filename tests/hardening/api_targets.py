@@ -46,6 +46,12 @@ def _cpu_manager():
     return CPUOffloadingManager(4)
 
 
+def _simple_cpu_settings():
+    from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_connector_settings
+
+    return simple_cpu_connector_settings
+
+
 def _metrics_collector():
     from kvref.impl.reference.kv_cache_metrics import KVCacheMetricsCollector
 
@@ -888,6 +894,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             groups=groups, config=eng, scheduler_block_size=4, hash_block_size=4)),
         "resolve_kv_cache_block_sizes": (block_sizes.resolve_kv_cache_block_sizes, dict(groups=groups, config=eng)),
         "KVCacheMetricsCollector.seeded": (_metrics_collector().seeded, dict(sample_rate=0.5, seed=0)),  # #22
+        "simple_cpu_connector_settings": (_simple_cpu_settings(), dict(  # #22
+            extra={"cpu_bytes_to_use": 640, "lazy_offload": True}, world_size=2, enable_prefix_caching=True,
+            num_gpu_blocks=10, gpu_total_bytes=320, aligned_num_cpu_blocks=None, check_capacity=True)),
         # spec: KV zeroing (issue #23)
         "kv_zeroing.iter_layer_specs": (kv_zeroing.iter_layer_specs, dict(kv_cache_spec=FULL)),
         "kv_zeroing.has_mamba_layers": (kv_zeroing.has_mamba_layers, dict(groups=groups)),

@@ -85,6 +85,7 @@ EXCLUDED: dict[str, str] = {
             "RankOutputAggregator.from_connector aggregate_multi_worker_meta", MULTI_WORKER),
     **_each(f"{_REF}.connector_worker_child", "ScriptedWorkerChild.call ScriptedWorkerChild.build_connector_meta "
             "aggregate_worker_meta", MULTI_WORKER),
+    f"{_REF}.offload.simple_cpu_connector_config.SimpleCPUConnectorSettings": RECORD,
     **_each(f"{_TIER}.async_lookup", "AsyncLookupManager AsyncLookupManager.cleanup AsyncLookupManager.lookup "
             "AsyncLookupManager.mark_miss LookupPhase LookupState", TIERING),
     **_each(f"{_TIER}.backpressure", "DropStorePolicy.on_store_skipped DropStorePolicy.should_store "

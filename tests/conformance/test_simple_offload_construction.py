@@ -1,0 +1,53 @@
+"""vLLM's ``SimpleCPUOffloadConnector`` built from generated ``kv_connector_extra_config``s in both
+roles vs the reference's reading of them (issue #22): the per-rank budget, the pool's size (from
+bytes, explicit, or the workers' agreed count), the store mode, the backend, and the refusals. The
+generator reaches each kind, and a planted sizing fault in vLLM's own class is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def run():
+    require_vllm()
+    from kvref.models.machines.simple_offload_connector import run_connector_construction
+
+    return run_connector_construction
+
+
+def test_clean_vllm_agrees_and_every_kind_is_drawn(run):
+    stats = run(0, 60)
+    assert stats["configs"] == 60
+    assert stats["refused"] > 0
+    assert stats["sized_from_bytes"] > 0
+    assert stats["disk"] > 0
+
+
+def _derive_ignoring_agreed(original):
+    def derive(gpu_config, cpu_capacity_bytes, num_cpu_blocks=None, aligned_num_cpu_blocks=None):
+        return original(gpu_config, cpu_capacity_bytes, num_cpu_blocks, None)
+    return staticmethod(derive)
+
+
+def _lazy_target_without_watermark(kv_cache_config, max_num_batched_tokens, cp_world_size=1):
+    return sum(-(-max_num_batched_tokens // g.kv_cache_spec.block_size)
+               for g in kv_cache_config.prefix_cacheable_groups)
+
+
+@pytest.mark.parametrize("fault", ["agreed", "lazy_target"])
+def test_planted_sizing_faults_are_caught(run, monkeypatch, fault):
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as S
+
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    if fault == "agreed":
+        monkeypatch.setattr(S, "_derive_cpu_config", _derive_ignoring_agreed(S._derive_cpu_config))
+    else:
+        monkeypatch.setattr(S, "_estimate_lazy_target_blocks", staticmethod(_lazy_target_without_watermark))
+    with pytest.raises(OffloadInvariantError):
+        run(0, 60)
