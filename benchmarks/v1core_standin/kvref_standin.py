@@ -219,6 +219,8 @@ class StandInKVCacheManager:
         kreq.num_preemptions = vreq.num_preemptions
         kreq.status = _status(vreq.status)
         kreq.skip_reading_prefix_cache = bool(getattr(vreq, "skip_reading_prefix_cache", False))
+        # the scheduler stores get_computed_blocks' junction on the request (sparse retention)
+        kreq.shared_prefix_boundary = getattr(vreq, "shared_prefix_boundary", 0)
         return kreq
 
     def _forget(self, rid: str) -> None:
@@ -355,13 +357,20 @@ class StandInKVCacheManager:
         self._ref.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> Any:
-        return self._ref.take_kv_cache_block_copies()
+        """vLLM's form: the copies, and their endpoints (held until the worker copied them); the
+        reference drains the same pairs as block ids."""
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-    def take_boundary_state_offloads(self, *args: Any, **kwargs: Any) -> Any:
-        raise StandInGap("Mamba boundary-state offloads (take_boundary_state_offloads)")
+        pairs = self._ref.take_kv_cache_block_copies()
+        blocks = self.block_pool.blocks
+        return ([KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs],
+                [blocks[i] for pair in pairs for i in pair])
 
-    def finalize_partial_tail_offloads(self, *args: Any, **kwargs: Any) -> Any:
-        raise StandInGap("Mamba partial-tail offloads (finalize_partial_tail_offloads)")
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return self._ref.take_boundary_state_offloads()
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        return self._ref.finalize_partial_tail_offloads(self._mirror(request))
 
     def new_step_starts(self) -> None:
         self._ref.new_step_starts()

@@ -134,6 +134,14 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """vLLM ``take_boundary_state_offloads`` (Mamba "align" hand-offs, drained every step)."""
+        return self.manager.take_boundary_state_offloads()
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """vLLM ``finalize_partial_tail_offloads`` (a finishing producer's partial tails)."""
+        return self.manager.finalize_partial_tail_offloads(request)
+
     def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
         """The scheduler's end of ``schedule()``: drain the pending copy-on-write pairs and free
         their retained endpoints (vLLM ``take_kv_cache_block_copies`` + ``block_pool.free_blocks``

@@ -491,6 +491,30 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain the Mamba "align" boundary-state hand-offs for a KV connector, as vLLM's scheduler
+        does every step: ``{request id: [(group id, block id, boundary tokens), ...]}`` (committed
+        boundary snapshots and the copy-on-write target of a sub-block partial hit)."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.single_type_managers:
+            for request_id, group_id, block, boundary in manager.take_pending_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, boundary))
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing KV producer's partial tails to offload: ``(group id, block id, boundary)``
+        per Mamba "align" group whose request stopped exactly at its boundary with nothing in
+        flight (vLLM calls it before freeing a producer's request)."""
+        self._check_request(request)
+        offloads = []
+        for manager in self.coordinator.single_type_managers:
+            finalized = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, request.num_in_flight_tokens)
+            if finalized is not None:
+                group_id, block, boundary = finalized
+                offloads.append((group_id, block.block_id, boundary))
+        return offloads
+
     def take_kv_cache_block_copies(self) -> list[tuple[int, int]]:
         """Drain pending copy-on-write (source, destination) block-id pairs."""
         pairs = []

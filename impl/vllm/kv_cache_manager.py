@@ -226,6 +226,15 @@ class VllmKVCacheManager:
         self._mirror_keys.pop(request_id, None)
         self._requests.pop(request_id, None)
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """vLLM's ``take_boundary_state_offloads`` (Mamba "align" hand-offs; the scheduler drains it
+        every step)."""
+        return {rid: [tuple(e) for e in entries] for rid, entries in self._mgr.take_boundary_state_offloads().items()}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """vLLM's ``finalize_partial_tail_offloads`` (a finishing KV producer's partial tails)."""
+        return [tuple(e) for e in self._mgr.finalize_partial_tail_offloads(self._mirror(request))]
+
     def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
         """vLLM's scheduler at the end of ``schedule()``: ``take_kv_cache_block_copies`` and free the
         retained endpoints (the non-deferred path). Returns the (source, destination) ids."""

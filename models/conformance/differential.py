@@ -166,6 +166,10 @@ class Harness:
         self.num_diverged_hits = 0  # connector lookups whose per-group hits diverged (hybrid Mamba)
         self.num_stats_taken = 0  # make_prefix_cache_stats ops that returned stats
         self.num_zeroed_blocks = 0  # block ids recorded for KV zeroing (compared in order)
+        #: Mamba "align" boundary-state hand-offs drained (every step) and finishing producers'
+        #: partial tails (issue #23), compared
+        self.num_boundary_state_offloads = 0
+        self.num_partial_tail_offloads = 0
         self.num_failed_loads = 0  # async loads that failed with a valid prefix (re-recorded for zeroing)
         self.num_junctions = 0  # lookups where a sparse group lagged a longer hit (shared_prefix_boundary > 0)
         self.compare_events = pool_config.enable_kv_cache_events and self._all_have("take_kv_events")
@@ -252,6 +256,7 @@ class Harness:
         if not res.skipped and op.name in ("admit", "step", "load_done"):
             self._release_block_copies(op)
             self._take_new_block_ids(op)
+            self._take_boundary_state_offloads(op)
         self.num_applied += 1
         self.num_skipped += res.skipped
         self.max_live = max(self.max_live, len(self.live()))
@@ -276,6 +281,14 @@ class Harness:
         if self._all_have("take_new_block_ids"):
             ids = self._call("take_new_block_ids", op, lambda _k, m: m.take_new_block_ids())
             self.num_zeroed_blocks += len(ids)
+
+    def _take_boundary_state_offloads(self, op: Op) -> None:
+        """Mamba "align" boundary-state hand-offs (issue #23), drained after the step as vLLM's
+        scheduler does every ``schedule()``; compared per request, in order."""
+        if self._all_have("take_boundary_state_offloads"):
+            offloads = self._call("take_boundary_state_offloads", op,
+                                  lambda _k, m: m.take_boundary_state_offloads())
+            self.num_boundary_state_offloads += sum(map(len, offloads.values()))
 
     def _call(self, what: str, op: Op, fn: Callable[[str, KVCacheManagerLike], Any]) -> Any:
         """Call ``fn`` on every manager; the results must agree. Returns the first one."""
@@ -499,6 +512,11 @@ class Harness:
 
     def _finish(self, s: _ReqState, op: Op) -> None:
         r = s.request
+        if s.holds_blocks and self._all_have("finalize_partial_tail_offloads"):
+            # a KV producer's finish, before the free (vLLM's _free_request); compared
+            tails = self._call("finalize_partial_tail_offloads", op,
+                               lambda _k, m: m.finalize_partial_tail_offloads(r))
+            self.num_partial_tail_offloads += len(tails)
         self._free(s, op, "finish")
         r.status = RequestStatus.FINISHED
         s.holds_blocks = False

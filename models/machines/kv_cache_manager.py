@@ -112,6 +112,9 @@ class MachineStats:
     retention_probes: dict[str, int] = field(default_factory=dict)
     #: pools by ``num_prefill_lookahead`` (multi-module MTP re-prefillable tails, issue #23)
     prefill_lookahead_pools: dict[int, int] = field(default_factory=dict)
+    #: Mamba "align" boundary-state hand-offs and finishing producers' partial tails compared
+    boundary_state_offloads: int = 0
+    partial_tail_offloads: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -157,7 +160,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     ``prefill_lookahead``: draw vLLM's ``num_prefill_lookahead`` (1..4, clamped to the scheduler
     block size) for EAGLE pools without lookahead hashes (multi-module MTP with
     ``disable_lookahead_block_hashes``; 1 with them, as vLLM derives it); only where ``breadth``
-    holds. Off by default (``st.just(0)`` draws nothing, so the other runs keep their inputs).
+    holds. Off by default (then not an argument of the setup rule, so the other runs keep their inputs).
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
@@ -179,12 +182,15 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.num_edge_fills = 0
             self.num_full_pool_follow_ups = 0
 
+        # the lookahead is an argument only when drawn: even st.just(0) shifts the other runs' inputs
+        lookahead_arg = {"num_prefill_lookahead": st.integers(1, 4)} if prefill_lookahead else {}
+
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
                     async_mode=st.booleans(), hashing=hashing_settings(),
                     retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none(),
-                    num_prefill_lookahead=st.integers(1, 4) if prefill_lookahead else st.just(0))
-        def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead) -> None:
+                    **lookahead_arg)
+        def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead=0) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
@@ -244,6 +250,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.partial_entries += self.h.num_partial_entries
                 self.stats.cow_copies += self.h.num_cow_copies
                 self.stats.zeroed_blocks += self.h.num_zeroed_blocks
+                self.stats.boundary_state_offloads += self.h.num_boundary_state_offloads
+                self.stats.partial_tail_offloads += self.h.num_partial_tail_offloads
                 self.stats.failed_loads += self.h.num_failed_loads
                 self.stats.junctions += self.h.num_junctions
                 if self.h.pool_config.prefix_cache_retention_interval is not None:

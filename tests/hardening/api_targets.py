@@ -407,6 +407,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     manager_case("evict_blocks", lambda m, r0, r1: dict(block_ids={1}))
     manager_case("get_blocks", lambda m, r0, r1: dict(request_id="r0"))
     manager_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
+    manager_case("finalize_partial_tail_offloads", lambda m, r0, r1: dict(request=r0))  # #23 Mamba hand-offs
 
     def offload_case(method, make_kwargs):
         def build():
@@ -614,6 +615,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     ref_adapter_case("get_computed_blocks_for_connector", lambda m, r0, r1: dict(request=r1))
     ref_adapter_case("free_holding_view", lambda m, r0, r1: dict(request=r0))
     ref_adapter_case("record_blocks_for_zeroing", lambda m, r0, r1: dict(request_id="r0", start_token=4))  # #23
+    ref_adapter_case("finalize_partial_tail_offloads", lambda m, r0, r1: dict(request=r0))  # #23 Mamba hand-offs
     ref_adapter_case("get_computed_blocks_and_boundary", lambda m, r0, r1: dict(request=r1))  # #23 retention
     ref_adapter_case("rejects_prefix_cache_retention_interval", lambda m, r0, r1: dict(retention_interval=8))
     for kind in ("reference", "torch"):
