@@ -24,9 +24,12 @@ it schedules as "none", which the main machine's ``full+mamba`` pools cover.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from hypothesis import strategies as st
+
+from kvref.spec.kv_cache_interface import MambaSpec
 
 from kvref.models.machines.scheduler import (
     COVERAGE,
@@ -45,12 +48,33 @@ from kvref.models.machines.scheduler_cache_controls import (
 )
 
 
+@st.composite
+def _with_checkpoints_and_retention(draw, setup):
+    """``setup`` with, half the time each, a prefill-checkpoint block on the Mamba group (the
+    backend exports the prompt's boundary state from inside the final chunk, on an alignment grid
+    of 1 token or one hash block: vLLM then lets that chunk run past the last block boundary) and a
+    sparse ``prefix_cache_retention_interval`` (0: only replay boundaries and shared-prefix
+    junctions keep a state; k scheduler blocks: one more per k-block segment), the paths of
+    ``MambaManager.reachable_block_mask`` and ``_cache_partial_tail_block`` that dense pools never
+    take."""
+    pool, config = setup
+    checkpoint = draw(st.sampled_from((None, None, 1, pool.hash_block_size)), label="mamba_checkpoint")
+    groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_prefill_checkpoint_blocks=1,
+                                                    prefill_checkpoint_alignment=checkpoint))
+                   if checkpoint is not None and isinstance(g.kv_cache_spec, MambaSpec) else g for g in pool.groups)
+    retention = draw(st.sampled_from((None, None, 0, 1, 2)), label="retention_blocks")
+    interval = None if retention is None else retention * pool.scheduler_block_size
+    return replace(pool, groups=groups, prefix_cache_retention_interval=interval), config
+
+
 def mamba_align_setups():
     """FA + Mamba "align" pools (coarse or fine-grained hashes), prefix caching on, synchronous or
-    async scheduling, FCFS or PRIORITY, tight or startup-sized; as drawn or roomy (cached turns
-    then survive until their follow-ups arrive)."""
+    async scheduling, FCFS or PRIORITY, tight or startup-sized, with or without prefill
+    checkpoints and sparse retention; as drawn or roomy (cached turns then survive until their
+    follow-ups arrive)."""
     drawn = st.one_of(scheduler_setups(kinds=MAMBA_ALIGN_KINDS),
                       scheduler_setups(kinds=MAMBA_ALIGN_KINDS, tight=True)).filter(_cacheable)
+    drawn = drawn.flatmap(_with_checkpoints_and_retention)
     return st.one_of(drawn.map(_roomy), drawn)
 
 
@@ -58,7 +82,8 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
                             seed: int | None = None) -> SchedulerRun:
     """The reference scheduler in lock step with vLLM 0.33.0's on Mamba "align" pools (traces of
     at least 30 operations; liveness drained at teardown as in the main machine). The coverage
-    adds ``mamba_traces`` (traces that added a request) and ``mamba_clipped_chunks`` (prefill
+    adds ``mamba_traces`` (traces that added a request; ``mamba_checkpoint_traces`` and
+    ``mamba_sparse_retention_traces`` of them with prefill checkpoints, sparse retention) and ``mamba_clipped_chunks`` (prefill
     chunks the split cut short of what the budget allowed, by the reference's count)."""
     from kvref.impl.reference import scheduler_mamba_split as split_module
     from kvref.impl.reference.scheduler import Scheduler
@@ -93,5 +118,9 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
         split_module.mamba_block_aligned_split = original
     valid = [d for d in drivers if d.num_steps >= 30]
     COVERAGE["mamba_traces"] = sum(1 for d in valid if d.specs)
+    COVERAGE["mamba_checkpoint_traces"] = sum(1 for d in valid if d.specs and any(
+        getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) for g in d.pool.groups))
+    COVERAGE["mamba_sparse_retention_traces"] = sum(
+        1 for d in valid if d.specs and d.pool.prefix_cache_retention_interval is not None)
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
                         coverage=dict(COVERAGE), failure=failure, signature=sig)

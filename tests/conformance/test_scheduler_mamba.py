@@ -30,6 +30,7 @@ def test_mamba_align_traces_match_vllm_and_reach_the_split_and_hits(vllm_schedul
     assert run.ok, run.failure
     c = run.coverage
     assert c["mamba_traces"] >= 5, c
+    assert c["mamba_checkpoint_traces"] > 0 and c["mamba_sparse_retention_traces"] > 0, c
     for path in ("mamba_clipped_chunks", "prefix_hits", "follow_ups", "prefill_chunks", "preemptions"):
         assert c.get(path, 0) > 0, (path, c)
 
