@@ -164,6 +164,7 @@ class RunProperties:
         #: vLLM's pause state (``pause`` records): 1 PAUSED_NEW admits only requests holding KV
         #: blocks, 2 PAUSED_ALL schedules nothing; neither is starvation
         self.paused = 0
+        self.priority = (header.get("scheduler") or {}).get("policy") == "priority"
         self.max_findings = max_findings
         self.findings: list[Finding] = []
         self.num_findings = 0
@@ -627,8 +628,13 @@ class RunProperties:
         have = self.content.get(b)
         if have != want:
             what = "was never filled (or was evicted since)" if have is None else "holds other tokens"
+            why = ""
+            if have is None and self.priority and self.stats["preemptions"]:
+                why = ("; under the priority policy vLLM 0.33.0 may preempt a request it already scheduled in the "
+                       "same step, after allocate_slots cached that step's blocks, whose KV is then never computed "
+                       "(docs/record.md, Findings)")
             self._find("wrong_hit", line, f"{rid}'s prefix-cache hit of {r.computed} tokens uses block {b} (group {g}, "
-                       f"position {idx}), which {what}: the hit is not its own prefix")
+                       f"position {idx}), which {what}: the hit is not its own prefix{why}")
 
     def _register(self, rid: str, r: _Req) -> None:
         """Full blocks whose tokens are all known and computed now hold those tokens (vLLM caches
