@@ -123,8 +123,21 @@ class OffloadingReferenceBackend(ReferenceEngine):
                                                  block_hasher=self.mgr.block_hashes, events_tracker=tracker)
         self.gpu_pool = self.mgr.block_pool
 
-    def on_new_request(self, req):
-        self.conn.on_new_request(req)
+    def on_new_request(self, req, kv_transfer_params=None):
+        self.conn.on_new_request(req, kv_transfer_params)
+
+    def hit_sources(self, req, n_ext):
+        """``get_external_cache_hit_sources`` as sorted (source, tokens) pairs."""
+        return sorted(self.conn.get_external_cache_hit_sources(req, n_ext).items())
+
+    def request_offload_state(self, rid):
+        """What the connector parsed from a request's ``kv_transfer_params``: its load tier filter
+        ("ALL", or its (medium, locality) matchers) and load / store caps; None once untracked."""
+        st = self.conn._req_status.get(rid)
+        if st is None:
+            return None
+        f = st.load_tier_filter
+        return ("ALL" if f.everything else f.matchers, st.max_load_tokens, st.max_offload_tokens)
 
     def after_alloc(self, req, n_ext):
         blocks = self.mgr.get_blocks(req.request_id).blocks

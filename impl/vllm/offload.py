@@ -240,6 +240,24 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     def reset(self):
         self.conn.reset_cache()
 
+    def on_new_request(self, req, kv_transfer_params=None):
+        req.kv_transfer_params = kv_transfer_params  # vLLM reads it from SamplingParams.extra_args
+        self.conn.on_new_request(req)
+
+    def hit_sources(self, req, n_ext):
+        return sorted((s.value, n) for s, n in self.conn.get_external_cache_hit_sources(req, n_ext).items())
+
+    def request_offload_state(self, rid):
+        from vllm.v1.kv_offload.base import TierFilter
+
+        st = self.conn._req_status.get(rid)
+        if st is None:
+            return None
+        f = st.req_context.load_tier_filter
+        matchers = "ALL" if f is TierFilter.ALL else tuple(
+            (m.medium.value if m.medium else None, m.locality.value if m.locality else None) for m in f.matchers)
+        return (matchers, st.max_load_tokens, st.max_offload_tokens)
+
     def take_kv_events(self):
         from kvref.impl.vllm.kv_events import vllm_event_to_plain
 

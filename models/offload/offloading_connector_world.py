@@ -58,6 +58,9 @@ class OffloadingConfig:
     # KV cache events: "off", "placeholder" (vLLM's enable_kv_cache_events alone) or
     # "self_describing" (with the connector's self_describing_kv_events: payloads with tokens).
     kv_events: str = "off"
+    # Requests' kv_transfer_params, cycled by arrival (request i gets entry i % len; () = none):
+    # load tier filters (kv_load_tiers, valid and malformed), max_load_tokens, max_offload_tokens.
+    kv_transfer_params: tuple = ()
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -88,7 +91,8 @@ class OffloadingConfig:
           group);
         * the CPU manager's store threshold (2 or 3 offers) one time in four, its tracker from a
           handful of keys (offers age out) to roomy;
-        * KV cache events one time in two, half of them self-describing.
+        * KV cache events one time in two, half of them self-describing;
+        * requests' ``kv_transfer_params`` one time in two (:func:`random_transfer_params`).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -109,7 +113,31 @@ class OffloadingConfig:
             base["store_threshold"] = sub.choice([2, 3])
             base["max_tracker_size"] = sub.choice([3, 6, 64_000])
         base["kv_events"] = sub.choice(["off", "off", "placeholder", "self_describing"])
+        if sub.random() < 1 / 2:
+            base["kv_transfer_params"] = tuple(random_transfer_params(sub) for _ in range(sub.randint(2, 5)))
         return cls(**base)
+
+
+# kv_load_tiers values: matchers that parse, entries vLLM skips (unknown or non-string medium /
+# locality, non-dict entries), an explicit [], all entries skipped, and a value that is not a list.
+TIER_VALUES = ([], [{"medium": "cpu"}], [{"medium": "CPU", "locality": "local"}], [{"locality": "Remote"}], [{}],
+               [{"medium": "disk"}], ["cpu"], "cpu", [{"medium": 3}], [{"medium": "storage"}, {"medium": "bogus"}],
+               [{"medium": "cpu", "locality": "far"}, {"locality": "LOCAL"}], None)
+
+
+def random_transfer_params(rng: Any) -> dict | None:
+    """One request's ``kv_transfer_params``: None, or some of a tier filter and load / store caps
+    (ints of a few chunks, 0, and values vLLM ignores: negative, bool, float, str)."""
+    if rng.random() < 0.25:
+        return None
+    out: dict = {}
+    if rng.random() < 0.5:
+        out["kv_load_tiers"] = rng.choice(TIER_VALUES)
+    if rng.random() < 0.5:
+        out["max_load_tokens"] = rng.choice([0, 4, 7, 8, 12, 16, 24, -1, True, 8.0, "8"])
+    if rng.random() < 0.5:
+        out["max_offload_tokens"] = rng.choice([0, 4, 6, 8, 13, 16, -4, False, None])
+    return out
 
 
 def _vllm_backend(cfg: OffloadingConfig):
@@ -146,6 +174,7 @@ class OffloadingWorld(OffloadWorldBase):
         self._n = 0
         self.reset_undelivered = False
         self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
+        self.hit_sources: list[tuple] = []  # (request, get_external_cache_hit_sources) per load
 
     @property
     def b(self):
@@ -170,8 +199,14 @@ class OffloadingWorld(OffloadWorldBase):
     def add_request(self, prompt, max_out=2):
         rid = super().add_request(prompt, max_out)
         self.prompts[rid] = list(prompt)
-        self.b.on_new_request(self.reqs[rid].req)
+        params = self.cfg.kv_transfer_params
+        self.b.on_new_request(self.reqs[rid].req, params[(self._n - 1) % len(params)] if params else None)
         return rid
+
+    def _wait_for_remote_kvs(self, r, n_hit, n_ext):
+        super()._wait_for_remote_kvs(r, n_hit, n_ext)
+        # where the accepted external hit came from (vLLM's scheduler asks right after allocation)
+        self.hit_sources.append((r.rid, tuple(self.b.hit_sources(r.req, n_ext))))
 
     def _key(self, r, g, pos):
         return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
@@ -319,4 +354,5 @@ class OffloadingWorld(OffloadWorldBase):
     def observe(self):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
         return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
-                "kv_events": self.kv_events}
+                "kv_events": self.kv_events, "hit_sources": self.hit_sources,
+                "transfer_params": {rid: self.b.request_offload_state(rid) for rid in self.reqs}}

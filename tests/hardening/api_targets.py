@@ -77,6 +77,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     )
     from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
     from kvref.impl.reference.offload.offload_event_tracker import EventGroupSpec, OffloadingEventsTracker
+    from kvref.impl.reference.offload.tier_filter import TierFilter
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
         SimpleCPUOffloadScheduler,
         SimpleOffloadStep,
@@ -155,6 +156,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                           extra_retained_tokens=0)),
         "SimpleOffloadStep": (SimpleOffloadStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
                                                       preempted_req_ids=set())),
+        "TierFilter": (TierFilter, dict(matchers=(("CPU", None),), everything=False)),
         "OffloadingEventsTracker": (OffloadingEventsTracker, dict(
             enable_kv_cache_events=True, self_describing=True, group_specs={0: EventGroupSpec("full_attention", None)},
             use_int=True)),
@@ -461,7 +463,8 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tracker_case("record_store", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
     tracker_case("record_lookup", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
     tracker_case("take_events", lambda t: dict(events=[]))
-    connector_case("on_new_request", lambda s, r0, r1: dict(req=r1))
+    connector_case("on_new_request", lambda s, r0, r1: dict(req=r1, kv_transfer_params={"max_load_tokens": 4}))
+    connector_case("get_external_cache_hit_sources", lambda s, r0, r1: dict(req=r0, num_external_tokens=0))
     connector_case("get_num_new_matched_tokens", lambda s, r0, r1: dict(req=r0, num_computed_tokens=0))
     connector_case("update_state_after_alloc", lambda s, r0, r1: dict(req=r0, blocks=[[(1, False), (2, False)]],
                                                                       num_external_tokens=0))
@@ -870,7 +873,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.spec import prefix_cache_retention as retention
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
-    from kvref.impl.reference.offload import offload_event_tracker, offload_events
+    from kvref.impl.reference.offload import offload_event_tracker, offload_events, tier_filter
     from kvref.impl.reference.offload.cpu_offloading_manager import OffloadingEvent
 
     page = cmap.AttentionPage("split", "HND", 2, 1, 2, 2)
@@ -1017,6 +1020,10 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
         "event_group_specs": (offload_event_tracker.event_group_specs, dict(specs=[FULL, SWA])),
+        "parse_tier_filter": (tier_filter.parse_tier_filter, dict(raw=[{"medium": "cpu"}])),
+        "request_tier_filter": (tier_filter.request_tier_filter, dict(kv_transfer_params={"kv_load_tiers": []})),
+        "token_cap": (tier_filter.token_cap, dict(kv_transfer_params={"max_load_tokens": 8}, name="max_load_tokens")),
+        "TierFilter.allows": (tier_filter.ALL.allows, dict(medium="CPU", locality=None)),
         "offloading_kv_events": (offload_events.offloading_kv_events, dict(
             events=[OffloadingEvent([keys.make_offload_key(H[0], 0)], removed=True)], use_int=True)),
         "get_sliding_window_size_in_chunks": (keys.get_sliding_window_size_in_chunks, dict(spec=SWA,

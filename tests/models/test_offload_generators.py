@@ -95,6 +95,15 @@ def reach():
                 counts["chunked_local_loads"] += sum(get_offload_group_idx(k) == local for _, _, keys, _, _ in loads
                                                      for k in keys)
             counts["lookups_compared"] += sum(len(meta[3]) for meta in w.metas)
+            if cfg.kv_transfer_params:
+                counts["transfer_params_configs"] += 1
+                capped = {rid for rid in w.reqs if (p := cfg.kv_transfer_params[int(rid[1:]) % len(
+                    cfg.kv_transfer_params)]) and type(p.get("max_load_tokens")) is int and p["max_load_tokens"] >= 0}
+                counts["capped_lookups"] += sum(rid in capped and bool(n_ext) for meta in w.metas
+                                                for rid, _, n_ext in meta[3])
+                tiers = {repr(p.get("kv_load_tiers")) for p in cfg.kv_transfer_params if p and "kv_load_tiers" in p}
+                counts["tier_values"] += len(tiers)
+            counts["hit_sources"] += len(w.hit_sources)
             if cfg.kv_events != "off":
                 counts[f"{cfg.kv_events}_configs"] += 1
                 stored = [e for e in w.kv_events if e["type"] == "BlockStored"]
@@ -129,6 +138,14 @@ def test_kv_events_are_generated_in_both_modes(reach):
     assert reach["placeholder_payloads"] == 0 and reach["placeholder_removals"] > 0, reach
     assert reach["self_describing_payloads"] >= 20 and reach["self_describing_removals"] > 0, reach
     assert reach["self_describing_placeholders"] > 0, reach  # windowed groups, or keys without a snapshot
+
+
+def test_transfer_params_and_hit_sources_are_generated(reach):
+    """Requests carry kv_transfer_params (tier filters valid and malformed, load caps) and loads
+    split their hit by source (sliding-window history no key covers: test_offload_hit_sources)."""
+    assert reach["transfer_params_configs"] >= 5 and reach["tier_values"] >= 5, reach
+    assert reach["capped_lookups"] >= 2, reach  # 4 when written
+    assert reach["hit_sources"] >= 20, reach
 
 
 def test_every_lookup_answer_is_an_output():

@@ -130,10 +130,12 @@ def lookup_order(groups: Sequence[LookupGroup]) -> tuple[tuple[int, ...], tuple[
 def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[Sequence[OffloadKey]],
                            num_tokens: int, num_computed_tokens: int, lookup: Lookup,
                            chunks_being_loaded: set[OffloadKey] | None = None,
-                           max_num_new_tokens: int | None = None) -> int | None:
+                           max_num_new_tokens: int | None = None, max_load_tokens: int | None = None) -> int | None:
     """Tokens beyond ``num_computed_tokens`` loadable from offloaded chunks, 0 for none, None
     to ask again later (pending writes, or a chunk another request is loading right now — see
-    vLLM PR 29087). No EAGLE groups, Mamba align mode, ``max_load_tokens`` or partial tails."""
+    vLLM PR 29087). ``max_load_tokens`` (the request's ``kv_transfer_params`` cap) limits the hit
+    and makes every group's boundary chunk aligned. No EAGLE groups, Mamba align mode or partial
+    tails."""
     _check_groups(groups)
     if not isinstance(group_keys, (list, tuple)) or len(group_keys) != len(groups):
         raise InvalidFieldError("group_keys", group_keys, f"{len(groups)} lists of offload keys, one per group")
@@ -142,6 +144,7 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     check_int("num_tokens", num_tokens, minimum=0)
     check_int("num_computed_tokens", num_computed_tokens, minimum=0)
     check_int("max_num_new_tokens", max_num_new_tokens, minimum=0, allow_none=True)
+    check_int("max_load_tokens", max_load_tokens, minimum=0, allow_none=True)
     if chunks_being_loaded is not None and not isinstance(chunks_being_loaded, (set, frozenset)):
         raise InvalidFieldError("chunks_being_loaded", chunks_being_loaded, "a set of offload keys or None")
     fa, sw = lookup_order(groups)
@@ -149,6 +152,8 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     max_hit = num_tokens
     if max_num_new_tokens is not None:
         max_hit = min(max_hit, num_computed_tokens + max_num_new_tokens)
+    if max_load_tokens is not None:
+        max_hit = min(max_hit, num_computed_tokens + max_load_tokens)
     if sw:
         max_hit -= 1  # the last prompt token is recomputed (logprobs) and SW must still hit after that
     num_hit = 0
@@ -161,6 +166,8 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
             g, keys = groups[gi], group_keys[gi]
             tpc = g.tokens_per_chunk
             max_hit = min(max_hit, len(keys) * tpc)
+            if max_load_tokens is not None:
+                max_hit -= max_hit % tpc  # a capped hit ends on this group's chunk boundary
             if max_hit - num_computed_tokens < tpc:
                 return 0
             n_chunks = min(cdiv(max_hit, tpc), len(keys))

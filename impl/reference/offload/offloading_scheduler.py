@@ -22,8 +22,10 @@ group (:mod:`.keys`) and stored in / loaded from an offloading manager (the CPU 
 Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (with MTP's
 ``extra_retained_tokens``) and chunked-local groups (PR 51161: windowed, one attention chunk),
 ``tokens_per_hash == tokens_per_block``, CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE,
-no Mamba/partial tails, no sync loads, no retention interval, no ``max_load_tokens`` /
-``max_offload_tokens``, no metrics. KV events (placeholder or self-describing payloads) through
+no Mamba/partial tails, no sync loads, no retention interval, no metrics. A request's
+``kv_transfer_params`` give its load tier filter (no effect on the CPU tier) and its
+``max_load_tokens`` / ``max_offload_tokens`` caps (:mod:`.tier_filter`); the external hit is split
+by source (:meth:`OffloadingConnectorScheduler.get_external_cache_hit_sources`). KV events (placeholder or self-describing payloads) through
 :class:`.offload_event_tracker.OffloadingEventsTracker`: stores and full-attention lookup hits
 snapshot their chunk's payload, :meth:`OffloadingConnectorScheduler.take_events` translates the
 manager's events.
@@ -57,6 +59,8 @@ from .keys import (
 )
 from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
 from .offload_event_tracker import OffloadingEventsTracker
+from . import tier_filter
+from .tier_filter import TierFilter, request_tier_filter, token_cap
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ class _ReqState:
     finished: bool = False
     aborted: bool = False
     finished_signaled: bool = False
+    # from kv_transfer_params (.tier_filter): the load tier filter and the load / store caps
+    load_tier_filter: TierFilter = tier_filter.ALL
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+    # the token ranges each loaded key covers (for get_external_cache_hit_sources)
+    load_key_ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -280,6 +290,8 @@ class OffloadingConnectorScheduler:
 
     def _offloadable(self, st: _ReqState, num_tokens: int) -> int:
         n = min(num_tokens, st.req.num_tokens)
+        if st.max_offload_tokens is not None:
+            n = min(n, st.max_offload_tokens)
         return min(n, st.req.num_prompt_tokens) if self.offload_prompt_only else n
 
     def _storable_chunks(self, st: _ReqState, c: GroupOffloadConfig, g: _GroupState, num_tokens: int) -> int:
@@ -287,13 +299,19 @@ class OffloadingConnectorScheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def on_new_request(self, req: Request) -> None:
+    def on_new_request(self, req: Request, kv_transfer_params: dict | None = None) -> None:
+        """``kv_transfer_params``: the request's (vLLM ``Request.kv_transfer_params``): its load tier
+        filter and ``max_load_tokens`` / ``max_offload_tokens`` caps (:mod:`.tier_filter`)."""
         _check_request(req)
         if req.request_id in self._req_status:
             raise OffloadStateError(f"request {req.request_id!r} is already known")
+        tiers = request_tier_filter(kv_transfer_params)
         ctx = RequestContext(req.request_id)
         self.manager.on_new_request(ctx)
-        self._req_status[req.request_id] = _ReqState(req, ctx, tuple(_GroupState() for _ in self.groups))
+        self._req_status[req.request_id] = _ReqState(
+            req, ctx, tuple(_GroupState() for _ in self.groups), load_tier_filter=tiers,
+            max_load_tokens=token_cap(kv_transfer_params, "max_load_tokens"),
+            max_offload_tokens=token_cap(kv_transfer_params, "max_offload_tokens"))
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         check_int("num_computed_tokens", num_computed_tokens, minimum=0)
@@ -309,7 +327,7 @@ class OffloadingConnectorScheduler:
         st.num_locally_computed_tokens = num_computed_tokens
         hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
                                      req.num_tokens, num_computed_tokens, self._recording_lookup(st),
-                                     self._chunks_being_loaded)
+                                     self._chunks_being_loaded, max_load_tokens=st.max_load_tokens)
         return hit, bool(hit)
 
     def update_state_after_alloc(self, req: Request, blocks: Sequence[Sequence[tuple[int, bool]]],
@@ -340,6 +358,7 @@ class OffloadingConnectorScheduler:
             raise OffloadStateError(f"request {req.request_id!r} still has transfers; a load needs none")
         keys: list[OffloadKey] = []
         dst: list[int] = []
+        st.load_key_ranges.clear()
         for c, g, grp in zip(self.groups, st.groups, blocks):
             n_gpu = cdiv(cached, c.tokens_per_block)
             if len(grp) < n_gpu:
@@ -351,7 +370,12 @@ class OffloadingConnectorScheduler:
                     start = i
                     break
             if n_gpu - start:
-                keys += g.offload_keys[start // self.blocks_per_chunk:cdiv(cached, c.tokens_per_chunk)]
+                first = start // self.blocks_per_chunk
+                group_keys = g.offload_keys[first:cdiv(cached, c.tokens_per_chunk)]
+                keys += group_keys
+                st.load_key_ranges.extend((max(start * c.tokens_per_block, i * c.tokens_per_chunk),
+                                           min(cached, (i + 1) * c.tokens_per_chunk))
+                                          for i in range(first, first + len(group_keys)))
             dst += [b for b, _ in grp[start:n_gpu]]
             g.next_stored_chunk_idx = cdiv(cached, c.tokens_per_chunk)  # don't re-store the hits
         chunk_ids = self.manager.prepare_load(keys, st.ctx)
@@ -360,6 +384,24 @@ class OffloadingConnectorScheduler:
         st.transfer_jobs.add(job)
         self._jobs[job] = _Job(req.request_id, self.num_workers, set(keys), False)
         self._chunks_being_loaded.update(keys)
+
+    def get_external_cache_hit_sources(self, req: Request, num_external_tokens: int) -> dict[str, int]:
+        """The accepted external hit split by where its tokens came from (vLLM 0.33.0
+        ``get_external_cache_hit_sources``): tokens a loaded key covers come from the CPU tier
+        (``"host"``); tokens no key covers (history a sliding window omits) are
+        ``"external_unspecified"``. Only non-zero counts."""
+        _check_request(req)
+        check_int("num_external_tokens", num_external_tokens, minimum=0)
+        if num_external_tokens == 0:
+            return {}
+        st = self._status(req)
+        start = st.num_locally_computed_tokens
+        end = start + num_external_tokens
+        covered: set[int] = set()
+        for lo, hi in st.load_key_ranges:
+            covered.update(range(max(start, lo), min(end, hi)))
+        out = {"host": len(covered), "external_unspecified": num_external_tokens - len(covered)}
+        return {k: v for k, v in out.items() if v}
 
     def request_finished(self, req: Request, aborted: bool = False) -> tuple[bool, None]:
         """Blocks may be freed at once (returns ``(False, None)``); the last chunks are stored by the
