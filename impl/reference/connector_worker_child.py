@@ -37,7 +37,8 @@ class ScriptedWorkerChild:
                                 "get_finished_count": None, "build_connector_worker_meta": None,
                                 "get_mem_pool_context": None, "get_handshake_metadata": None,
                                 "request_finished": (False, None), "has_pending_push_work": False,
-                                "register_finished_partial_tail": False, "shutdown": None}
+                                "register_finished_partial_tail": False, "shutdown": None,
+                                "get_kv_connector_stats": None}
 
     def __init__(self, index: int) -> None:
         if type(index) is not int or index < 0:
@@ -71,4 +72,9 @@ def aggregate_worker_meta(a: tuple, b: tuple) -> tuple:
     return tuple(a) + tuple(b)
 
 
-__all__ = ["ChildShutdownError", "ScriptedWorkerChild", "aggregate_worker_meta"]
+def aggregate_stats(a: dict, b: dict) -> dict:
+    """The scripted child's transfer-stats ``aggregate``: counters summed by name."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
+
+
+__all__ = ["ChildShutdownError", "ScriptedWorkerChild", "aggregate_stats", "aggregate_worker_meta"]

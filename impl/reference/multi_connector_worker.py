@@ -19,6 +19,8 @@ the rules a worker process relies on, beside the scheduler-side lookup rules of
 * ``build_connector_worker_meta``: None when no child has any, else one entry per child (None
   for a child without); ``aggregate`` (across ranks) entry by entry; ``update_connector_output``
   gives child i entry i;
+* ``get_kv_connector_stats``: the children's stats by connector class, a class's aggregated; across
+  ranks class by class (``MultiKVConnectorStats``);
 * ``get_mem_pool_context``: at most one child may have one (ValueError otherwise);
   ``get_handshake_metadata``: the first child's that is not None; ``has_pending_push_work`` and
   ``register_finished_partial_tail``: any child; ``shutdown``: every child, then the last failure
@@ -32,7 +34,10 @@ from typing import Any
 
 from kvref.spec.errors import InvalidFieldError
 
-from .connector_worker_child import ScriptedWorkerChild, aggregate_worker_meta
+from .connector_worker_child import ScriptedWorkerChild, aggregate_stats, aggregate_worker_meta
+
+#: the key under which MultiConnector files a scripted child's stats (vLLM: the child's class name)
+SCRIPTED = "scripted"
 
 FORWARD_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "finish_forward",
                  "reset_capture_state", "register_kv_caches", "unregister_kv_caches", "restore_kv_caches",
@@ -164,6 +169,18 @@ class MultiConnectorModel:
             return None
         return tuple(metas)
 
+    def get_kv_connector_stats(self) -> dict | None:
+        """The children's transfer stats grouped by connector kind (one kind here: every child is
+        scripted), aggregated within a kind; None when no child has any."""
+        out: dict[str, dict] | None = None
+        for c in self.children:
+            stats = c.call("get_kv_connector_stats")
+            if stats is None:
+                continue
+            out = out if out is not None else {}
+            out[SCRIPTED] = aggregate_stats(out[SCRIPTED], stats) if SCRIPTED in out else dict(stats)
+        return out
+
     def get_mem_pool_context(self) -> Any:
         found = [ctx for ctx in (c.call("get_mem_pool_context") for c in self.children) if ctx is not None]
         if len(found) > 1:
@@ -184,6 +201,14 @@ class MultiConnectorModel:
         assert all(n >= 1 for n in self.extra_async_saves.values()), self.extra_async_saves
         for c in self.children:
             c.check_invariants()
+
+
+def aggregate_multi_stats(a: dict | None, b: dict | None) -> dict | None:
+    """``MultiKVConnectorStats.aggregate`` across ranks: kind by kind, a kind new to ``a`` taken as
+    it is."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {**a, **{k: aggregate_stats(a[k], v) if k in a else v for k, v in b.items()}}
 
 
 def aggregate_multi_worker_meta(a: tuple | None, b: tuple | None) -> tuple | None:
@@ -221,18 +246,21 @@ class RankOutputAggregator:
                 del remaining[rid]
 
     def aggregate(self, outputs: Sequence[tuple]) -> tuple:
-        """``outputs``: per rank ``(sending, recving, invalid_block_ids, worker_meta)``; returns
-        the same four, merged."""
+        """``outputs``: per rank ``(sending, recving, invalid_block_ids, worker_meta, stats)``;
+        returns the same five, merged."""
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set()
         meta: tuple | None = None
-        for s, r, bad, m in outputs:
+        stats: dict | None = None
+        for s, r, bad, m, st in outputs:
             self._count(s or (), self.send_remaining, sending)
             self._count(r or (), self.recv_remaining, recving)
             invalid |= set(bad)
             meta = aggregate_multi_worker_meta(meta, m)
-        return frozenset(sending), frozenset(recving), frozenset(invalid), meta
+            stats = aggregate_multi_stats(stats, st)
+        return frozenset(sending), frozenset(recving), frozenset(invalid), meta, stats
 
 
-__all__ = ["FORWARD_HOOKS", "MultiConnectorModel", "RankOutputAggregator", "aggregate_multi_worker_meta"]
+__all__ = ["FORWARD_HOOKS", "SCRIPTED", "MultiConnectorModel", "RankOutputAggregator", "aggregate_multi_stats",
+           "aggregate_multi_worker_meta"]

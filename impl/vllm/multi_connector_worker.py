@@ -18,10 +18,11 @@ import contextlib
 import copy
 import itertools
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild
+from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild, aggregate_stats
 
 from .loader import load_vllm
 
@@ -116,14 +117,28 @@ def worker_meta_items(meta) -> tuple | None:
     return tuple(None if m is None else m.items for m in meta.metadata)
 
 
-def model_runner_output(sending, recving, invalid, worker_meta) -> Any:
+def multi_stats(stats) -> dict | None:
+    """vLLM's ``MultiKVConnectorStats`` as the reference writes it (kind -> counters)."""
+    if stats is None:
+        return None
+    return {("scripted" if k == CLASS_NAME else k): dict(v.data) for k, v in stats.data.items()}
+
+
+def rebuilt_stats(stats) -> Any:
+    """What the logging side rebuilds from a worker's stats (``MultiConnector.build_kv_connector_stats``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    return MultiConnector.build_kv_connector_stats(data=None if stats is None else dict(stats.data))
+
+
+def model_runner_output(sending, recving, invalid, worker_meta, stats=None) -> Any:
     """One rank's ``ModelRunnerOutput`` carrying its ``KVConnectorOutput`` (for
     ``KVOutputAggregator``)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
         finished_sending=set(sending or ()) or None, finished_recving=set(recving or ()) or None,
-        invalid_block_ids=set(invalid), kv_connector_worker_meta=worker_meta))
+        invalid_block_ids=set(invalid), kv_connector_worker_meta=worker_meta, kv_connector_stats=stats))
 
 
 def kv_output_aggregator(connector, world_size: int) -> Any:
@@ -140,6 +155,7 @@ def _make_class():
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
     class _ChildMeta(KVConnectorMetadata):
         def __init__(self, tag) -> None:
@@ -151,6 +167,20 @@ def _make_class():
 
         def aggregate(self, other):
             return _ChildWorkerMeta(self.items + other.items)
+
+    @dataclass
+    class _ChildStats(KVConnectorStats):
+        def aggregate(self, other):
+            return _ChildStats(data=aggregate_stats(self.data, other.data))
+
+        def reduce(self):
+            return dict(self.data)
+
+        def reset(self):
+            self.data = {}
+
+        def is_empty(self):
+            return not any(self.data.values())
 
     class KvrefWorkerScriptConnector(KVConnectorBase_V1, SupportsHMA):
         """Every call recorded by, and answered from, the registered script."""
@@ -248,6 +278,10 @@ def _make_class():
         def build_connector_worker_meta(self):
             items = self.script.call("build_connector_worker_meta")
             return None if items is None else _ChildWorkerMeta(items)
+
+        def get_kv_connector_stats(self):
+            stats = self.script.call("get_kv_connector_stats")
+            return None if stats is None else _ChildStats(data=dict(stats))
 
         def get_mem_pool_context(self):
             return self.script.call("get_mem_pool_context")

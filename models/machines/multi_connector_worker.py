@@ -175,7 +175,7 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
             p.both("register_finished_partial_tail", lambda: p.ref[0].register_finished_partial_tail("tail"),
                    lambda: p.vllm[0].register_finished_partial_tail(vmw.request("tail"), ([],), []))
         meta_ref_v: list = []
-        p.both("build_connector_meta", lambda: meta_ref_v.append(p.ref[0].build_connector_meta(tuple(finished)))
+        p.both("build_connector_meta", lambda: meta_ref_v.append(p.ref[0].build_connector_meta(tuple(sorted(finished))))
                or meta_ref_v[-1],
                lambda: meta_ref_v.append(p.vllm[0].build_connector_meta(vmw.scheduler_output(finished)))
                or vmw.multi_metadata(meta_ref_v[-1]))
@@ -239,6 +239,11 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
                      [frozenset(rng.sample(range(1, 9), rng.randint(0, 2))) for _ in range(n)])
             invalid = p.both("get_block_ids_with_load_errors", ref.get_block_ids_with_load_errors,
                              vm.get_block_ids_with_load_errors, frozenset)[1]
+            p.answer(r, "get_kv_connector_stats",
+                     [_maybe(rng, 0.5, {"jobs": rng.randint(0, 3), "bytes": rng.randint(0, 64)}) for _ in range(n)])
+            st_ref_v: list = []
+            p.both("get_kv_connector_stats", lambda: st_ref_v.append(ref.get_kv_connector_stats()) or st_ref_v[-1],
+                   lambda: st_ref_v.append(vm.get_kv_connector_stats()) or vmw.multi_stats(st_ref_v[-1]))
             p.answer(r, "build_connector_worker_meta",
                      [_maybe(rng, 0.5, ((r - 1, i, step),)) for i in range(n)])
             wm_ref_v: list = []
@@ -246,17 +251,29 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
                    or wm_ref_v[-1], lambda: wm_ref_v.append(vm.build_connector_worker_meta())
                    or vmw.worker_meta_items(wm_ref_v[-1]))
             p.both("clear_connector_metadata", ref.clear_connector_metadata, vm.clear_connector_metadata)
-            outputs_ref.append((sending, recving, invalid, wm_ref_v[0]))
-            outputs_vllm.append(vmw.model_runner_output(sending, recving, invalid, wm_ref_v[1]))
+            outputs_ref.append((sending, recving, invalid, wm_ref_v[0], st_ref_v[0]))
+            outputs_vllm.append(vmw.model_runner_output(sending, recving, invalid, wm_ref_v[1], st_ref_v[1]))
             stats["calls"] += 1
         merged = [None, None]
         p.both("KVOutputAggregator.aggregate", lambda: merged.__setitem__(0, agg_ref.aggregate(outputs_ref)),
                lambda: merged.__setitem__(1, agg_vllm.aggregate(outputs_vllm).kv_connector_output))
         out = merged[1]
         got = (frozenset(out.finished_sending or ()), frozenset(out.finished_recving or ()),
-               frozenset(out.invalid_block_ids), vmw.worker_meta_items(out.kv_connector_worker_meta))
+               frozenset(out.invalid_block_ids), vmw.worker_meta_items(out.kv_connector_worker_meta),
+               vmw.multi_stats(out.kv_connector_stats))
         if got != merged[0]:
             raise MultiWorkerDivergence(f"step {step}: the ranks' outputs merged: reference {merged[0]}, vLLM {got}")
+        # the logging side: stats rebuilt from the merged ones, reduced, reset
+        rebuilt = vmw.rebuilt_stats(out.kv_connector_stats)
+        want = merged[0][4] or {}
+        if (vmw.multi_stats(rebuilt) or {}) != want or rebuilt.reduce() != {
+                vmw.CLASS_NAME: v for v in want.values()} or rebuilt.is_empty() != (not any(
+                any(v.values()) for v in want.values())):
+            raise MultiWorkerDivergence(f"step {step}: stats rebuilt {rebuilt.to_dict()} / reduced "
+                                        f"{rebuilt.reduce()}, the ranks reported {want}")
+        rebuilt.reset()
+        if not rebuilt.is_empty():
+            raise MultiWorkerDivergence(f"step {step}: stats {rebuilt.to_dict()} not empty after reset")
         for r in ranks:
             for rid in set(outputs_ref[r - 1][0] or ()):
                 rank_done[rid] = rank_done.get(rid, 0) + 1

@@ -83,7 +83,18 @@ def _shutdown_stops_at_failure(self):
         c.shutdown()
 
 
-@pytest.mark.parametrize("fault", ["sends", "extra_meta", "worker_meta", "load_errors", "shutdown"])
+def _stats_first_child(self):
+    """Planted: the first child's stats stand for all of them (the others' dropped)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorStats
+
+    for c in self._connectors:
+        stats = c.get_kv_connector_stats()
+        if stats is not None:
+            return MultiKVConnectorStats(data={type(c).__name__: stats})
+    return None
+
+
+@pytest.mark.parametrize("fault", ["sends", "extra_meta", "worker_meta", "load_errors", "shutdown", "stats"])
 def test_planted_faults_are_caught(M, monkeypatch, fault):
     multi_connector, mw = M
     cls = multi_connector.MultiConnector
@@ -91,7 +102,8 @@ def test_planted_faults_are_caught(M, monkeypatch, fault):
              "extra_meta": ("build_connector_meta", _meta_without_extra_saves(cls.build_connector_meta)),
              "worker_meta": ("build_connector_worker_meta", _worker_meta_packed),
              "load_errors": ("get_block_ids_with_load_errors", _load_errors_first_child),
-             "shutdown": ("shutdown", _shutdown_stops_at_failure)}[fault]
+             "shutdown": ("shutdown", _shutdown_stops_at_failure),
+             "stats": ("get_kv_connector_stats", _stats_first_child)}[fault]
     monkeypatch.setattr(cls, *plant)
     with pytest.raises(mw.MultiWorkerDivergence):
         mw.run_multi_worker_traces(mw.random_multi_worker_cases(0, 40))

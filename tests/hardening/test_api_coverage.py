@@ -82,9 +82,9 @@ EXCLUDED: dict[str, str] = {
             "MultiConnectorModel.get_transfer_results MultiConnectorModel.handle_preemptions "
             "MultiConnectorModel.register_finished_partial_tail MultiConnectorModel.request_finished "
             "MultiConnectorModel.update_connector_output RankOutputAggregator.aggregate "
-            "RankOutputAggregator.from_connector aggregate_multi_worker_meta", MULTI_WORKER),
+            "RankOutputAggregator.from_connector aggregate_multi_worker_meta aggregate_multi_stats", MULTI_WORKER),
     **_each(f"{_REF}.connector_worker_child", "ScriptedWorkerChild.call ScriptedWorkerChild.build_connector_meta "
-            "aggregate_worker_meta", MULTI_WORKER),
+            "aggregate_worker_meta aggregate_stats", MULTI_WORKER),
     f"{_REF}.offload.simple_cpu_connector_config.SimpleCPUConnectorSettings": RECORD,
     **_each(f"{_TIER}.async_lookup", "AsyncLookupManager AsyncLookupManager.cleanup AsyncLookupManager.lookup "
             "AsyncLookupManager.mark_miss LookupPhase LookupState", TIERING),
