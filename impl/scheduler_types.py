@@ -46,6 +46,13 @@ class SchedulerConfig:
         skip_unused_drafts: vLLM's ``Scheduler.can_skip_drafts`` (a drafter with lookahead slots
             under the V2 model runner, the GPU default): a step whose drafts no request can use
             says ``skip_drafts`` and the runner proposes none.
+        long_prefill_token_threshold_adaptive: floor a nonzero ``long_prefill_token_threshold``
+            at ``max_num_batched_tokens // (running + waiting requests)`` (vLLM's field of that
+            name; :mod:`kvref.impl.reference.scheduler_cadence`).
+        prefill_schedule_interval: vLLM's local prefill cadence: while a decode runs, prefill
+            (new admissions and running chunks alike) is held until this many executed steps
+            passed since the last prefill-carrying step; 1: off
+            (:mod:`kvref.impl.reference.scheduler_cadence`).
     """
 
     max_num_batched_tokens: int = 64
@@ -58,14 +65,17 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     speculative_method: str = NGRAM
     skip_unused_drafts: bool = False
+    long_prefill_token_threshold_adaptive: bool = False
+    prefill_schedule_interval: int = 1
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_choice("policy", self.policy, (FCFS, PRIORITY))
+        check_int("prefill_schedule_interval", self.prefill_schedule_interval, minimum=1)
         for name in ("enable_chunked_prefill", "scheduler_reserve_full_isl", "async_scheduling",
-                     "skip_unused_drafts"):
+                     "skip_unused_drafts", "long_prefill_token_threshold_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
         check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)

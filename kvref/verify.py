@@ -312,7 +312,7 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     # then the prefill cadence, the adaptive long-prefill threshold and outranking arrivals (#22)
     from kvref.models.machines.scheduler_branches import run_branches_machine
 
-    run = run_branches_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
+    run = run_branches_machine(ctx.examples(30, 150), shrink=ctx.shrink, seed=ctx.seed)
     if not run.ok:
         return CheckResult("conform-scheduler", FAILED, "scheduler traces with the prefill cadence diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)

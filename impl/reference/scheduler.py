@@ -18,8 +18,11 @@ Pause states (``set_pause_state``: :mod:`kvref.impl.reference.scheduler_pause`) 
 counts the engine polls (``get_request_counts``, ``get_num_unfinished_requests``,
 ``has_finished_requests``, ``get_kv_cache_usage``) are modelled too.
 
+The adaptive long-prefill threshold and the local prefill cadence (``prefill_schedule_interval``)
+live in :mod:`kvref.impl.reference.scheduler_cadence` (the cadence without a KV connector only).
+
 Not modelled: encoder inputs, LoRA, structured output, a KV connector's deferred frees under
-async scheduling, pipeline parallelism, streaming sessions, prefill cadence/DP throttling.
+async scheduling, pipeline parallelism, streaming sessions, DP prefill throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
 
@@ -56,6 +59,7 @@ from .scheduler_pause import PauseState, as_pause_state
 from . import scheduler_connector as _conn
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
+from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -162,6 +166,10 @@ class Scheduler:
             raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
                                     "False without an EAGLE-like drafter (speculative_method='eagle')")
         self.spec_decode = SpecDecodeState(config)
+        if connector is not None and config.prefill_schedule_interval > 1:
+            raise InvalidFieldError("config.prefill_schedule_interval", config.prefill_schedule_interval,
+                                    "1 with a KV connector (kvref models the prefill cadence without one)")
+        self.cadence = PrefillCadence(config)  # prefill cadence (:mod:`.scheduler_cadence`)
         self._num_invalid_spec_tokens: dict[int, dict[str, int]] = {}  # id(output) -> invalid drafts
 
     # ---- arrivals and aborts --------------------------------------------------------------------
@@ -239,6 +247,8 @@ class Scheduler:
         # only request there is nobody to starve").
         num_eligible = len(self.running) + len(self.waiting) + _conn.num_kv_holding_waiting(self)
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        long_prefill = adaptive_long_prefill_threshold(cfg, long_prefill, num_eligible)
+        defer_prefills = self.cadence.defer_prefills(self.running)
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -248,6 +258,9 @@ class Scheduler:
                     >= request.num_prompt_tokens + request.max_tokens):
                 # Async: the step in flight already reaches max_tokens; no extra step.
                 req_index += 1
+                continue
+            if defer_prefills and request.is_prefill_chunk:
+                req_index += 1  # prefill cadence: this chunk waits for a cadence step; decodes go on
                 continue
             num_new = (request.num_tokens + spec.num_spec(request) + request.num_output_placeholders
                        - request.num_computed_tokens)
@@ -299,9 +312,14 @@ class Scheduler:
             spec.take_running_drafts(request, num_new)
 
         if not preempted and self.pause_state != PauseState.PAUSED_ALL:
-            token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled)
+            token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled,
+                                                  defer_prefills)
+            self.cadence.after_waiting_loop(defer_prefills, self.waiting)
 
         total = sum(s[2] for s in scheduled.values())
+        prefill_admitted = any(kind != "running" and r.num_computed_tokens < r.num_tokens - 1
+                               for r, kind, _, _ in scheduled.values())
+        self.cadence.after_schedule(total, prefill_scheduled or prefill_admitted)
         assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         release_copies = getattr(kv, "release_kv_cache_block_copies", None)
@@ -327,7 +345,7 @@ class Scheduler:
 
     def _schedule_waiting(self, token_budget: int, long_prefill: int,
                           scheduled: dict[str, tuple[Request, str, int, BlockIds]],
-                          prefill_scheduled: bool = False) -> int:
+                          prefill_scheduled: bool = False, defer_prefills: bool = False) -> int:
         """Admit waiting requests in queue order until one does not fit (head-of-line, #39734)."""
         if self.connector_state is not None:
             return _conn.schedule_waiting(self, token_budget, long_prefill, scheduled)
@@ -342,9 +360,12 @@ class Scheduler:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could
                 # resample a position that output later fills. Skip it (it does not block).
                 skipped.append(self.waiting.pop_request())
+                self.cadence.note_skipped(request)
                 continue
 
             hit_ids, num_hit = kv.get_computed_blocks(request)
+            if defer_prefills and num_hit < request.num_tokens - 1:
+                break  # prefill cadence: no prefill this step (scheduler_cadence)
             num_new = request.num_tokens - num_hit
             padded = self.spec_decode.pad_new_decode(
                 num_new, num_hit, prefill_scheduled, any(v[1] == "running" for v in scheduled.values()),
@@ -374,6 +395,7 @@ class Scheduler:
                 _record_prefix_cache_stats(kv, request, num_hit)
 
             self.waiting.pop_request()
+            self.cadence.note_admitted(request)
             self.running.append(request)
             kind = "new" if request.status == RequestStatus.WAITING else "resumed"
             scheduled[request.request_id] = (request, kind, num_new, kv.get_block_ids(request.request_id))
@@ -644,6 +666,7 @@ class Scheduler:
             return _conn.check_invariants(self)
         waiting = list(self.waiting)
         self.waiting.check_invariants()
+        self.cadence.check_invariants()
         ids_w = {r.request_id for r in waiting}
         ids_r = [r.request_id for r in self.running]
         assert len(ids_r) == len(set(ids_r)), "Q1: request running twice"

@@ -86,6 +86,8 @@ class VllmEnv:
         sc.enable_chunked_prefill = config.enable_chunked_prefill
         sc.policy = config.policy
         sc.scheduler_reserve_full_isl = config.scheduler_reserve_full_isl
+        sc.long_prefill_token_threshold_adaptive = config.long_prefill_token_threshold_adaptive
+        sc.prefill_schedule_interval = config.prefill_schedule_interval  # local cadence: no DP here
         sc.watermark = pool.watermark
         # CpuPlatform forced this to False at construction; set it after (see module docstring).
         sc.async_scheduling = config.async_scheduling

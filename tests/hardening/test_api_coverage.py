@@ -137,6 +137,11 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.scheduler_mamba_split", "scheduler_split_config split_scheduled_chunk",
             "the reference Scheduler's hooks into mamba_block_aligned_split (fuzzed itself), called with its "
             "own checked state"),
+    **_each(f"{_REF}.scheduler_cadence", "adaptive_long_prefill_threshold PrefillCadence PrefillCadence.defer_prefills "
+            "PrefillCadence.note_skipped PrefillCadence.note_admitted PrefillCadence.after_waiting_loop "
+            "PrefillCadence.after_schedule PrefillCadence.check_invariants",
+            "the reference Scheduler's prefill-cadence hooks (issue #22), called with its own state and a "
+            "validated SchedulerConfig (its new fields are fuzzed through SchedulerConfig)"),
     **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
     # HiSparse (issue #23): the managers are HiSparsePool's building blocks; the pool is the conformance
     # harness's reference side, driven by kvref.models.machines.hisparse_pool with generated valid calls

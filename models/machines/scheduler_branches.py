@@ -1,0 +1,196 @@
+"""Scheduler traces through the branches of vLLM's ``schedule()`` the main machine leaves
+unexecuted: part of ``conform-scheduler`` (issue #22).
+
+:class:`BranchesMachine` is :class:`~kvref.models.machines.scheduler.SchedulerMachine` on setups
+that turn on what decides how much prefill a step carries
+(:mod:`kvref.impl.reference.scheduler_cadence`): the local prefill cadence
+(``prefill_schedule_interval`` 2-4: running chunks skipped and admissions stopped while decodes
+run, the capacity escape of vLLM #44558) and the adaptive long-prefill threshold; and, on tight
+PRIORITY pools, arrivals that outrank every request already running, so a later running request
+that cannot grow preempts an earlier one *already scheduled in this step* (vLLM gives back its
+tokens and drops its blocks from the step) or preempts itself and lets the ones after it go on.
+After every operation the main machine's comparison runs (outputs, queues, request states, block
+ids, free queue, KV events); at teardown the engine drains within :func:`drain_bound` times the
+interval.
+
+A separate machine (and a separate, small run) so that the main machine's rules draw nothing new:
+its derandomized traces, and the tests that assert rare paths on them, stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvref.impl.reference.scheduler_cadence import adaptive_long_prefill_threshold
+from kvref.impl.reference.scheduler_liveness import drain_bound
+from kvref.impl.scheduler_types import PRIORITY
+from kvref.models.machines.scheduler import (
+    COVERAGE,
+    MAX_REQUESTS,
+    Lockstep,
+    SchedulerMachine,
+    SchedulerRun,
+    machine_with,
+    request_specs,
+    run_lockstep_machine,
+    scheduler_setups,
+)
+
+
+class BranchesLockstep(Lockstep):
+    """:class:`Lockstep` that tallies the cadence, adaptive-threshold and priority-victim paths
+    (read from the reference target before each step) and drains within the cadence's bound."""
+
+    def _reference(self):
+        return self.targets.get("ref")
+
+    def schedule(self):
+        ref, snap = self._reference(), self.last_snapshot
+        before = list(snap.running) if snap is not None else []
+        if ref is not None:
+            n = len(ref.running) + len(ref.waiting)
+            threshold = self.config.long_prefill_token_threshold if n > 1 else 0
+            if adaptive_long_prefill_threshold(self.config, threshold, n) > threshold:
+                COVERAGE["adaptive_threshold_raised"] += 1
+            if ref.cadence.interval > 1 and any(not r.is_prefill_chunk for r in ref.running):
+                if ref.cadence.defer_prefills(ref.running):
+                    COVERAGE["cadence_held_chunk"] += any(r.is_prefill_chunk for r in ref.running)
+                    COVERAGE["cadence_held_waiting"] += bool(ref.waiting)
+                elif ref.cadence.capacity_bound:
+                    COVERAGE["cadence_capacity_escape"] += 1
+        out = super().schedule()
+        if self.config.policy == PRIORITY and len(before) > 1 and ref is not None:
+            prio = {r.request_id: r.priority for r in ref.requests.values()}
+            COVERAGE["priority_outranked_behind"] += any(prio.get(b, 0) < prio.get(before[0], 0) for b in before[1:])
+        scheduled = {s.request_id for s in out.scheduled if s.kind == "running"}
+        for rid in out.preempted_req_ids:
+            if rid in before and any(r in scheduled for r in before[before.index(rid) + 1:]):
+                # PRIORITY: a victim ahead of a request the loop went on to schedule (preempted by
+                # a later request after it was scheduled itself, or it preempted itself and the
+                # loop went on)
+                COVERAGE["priority_victim_before_scheduled"] += 1
+        return out
+
+    def drain(self) -> int:
+        """:meth:`Lockstep.drain` with the bound stretched by the cadence: a prefill chunk may wait
+        ``interval - 1`` executed steps for its turn while decodes run."""
+        live = [r for r in self.requests[next(iter(self.targets))].values() if not r.is_finished]
+        interval = self.config.prefill_schedule_interval
+        bound = (drain_bound(live, self.pool, self.config) + 1) * interval
+        start = self.num_schedules
+        while self.unfinished() or self.num_in_flight():
+            if self.num_schedules - start > bound:
+                snap = next(iter(self.snapshots().values()))
+                raise AssertionError(
+                    f"liveness: not drained within {bound} schedule calls (prefill_schedule_interval={interval}): "
+                    f"waiting={snap.waiting} running={snap.running} free={snap.num_free_blocks}")
+            self.engine_step()
+        return self.num_schedules - start
+
+
+class BranchesMachine(SchedulerMachine):
+    """The scheduler machine with arrivals that outrank the running requests."""
+
+    driver_class: type = BranchesLockstep
+
+    @precondition(lambda self: self.num_added < MAX_REQUESTS and self.driver.config.policy == PRIORITY
+                  and self.driver.last_snapshot is not None and self.driver.last_snapshot.running)
+    @rule(data=st.data())
+    def outranking_arrival(self, data, length: int | None = None):
+        """A request better than every drawn priority (0..2) arrives while others run: admitted
+        after them, it sits behind them in ``running``, so when it cannot grow the victim is a
+        request the loop already scheduled in this step."""
+        pool = self.driver.pool
+        # short (it fits beside them), mostly one whole block: its first decode then needs a block
+        short = min(pool.max_model_len - 1, pool.scheduler_block_size)
+        spec = data.draw(request_specs(self.num_added, short + 1))
+        if length is not None or data.draw(st.booleans()):
+            n = short if length is None else length
+            spec = replace(spec, prompt=(spec.prompt * n)[:n])
+        self.num_added += 1
+        self.driver.add(replace(spec, priority=-1 - self.num_added, max_tokens=max(spec.max_tokens, 10)))
+        COVERAGE["outranking_arrivals"] += 1
+        for _ in range(data.draw(st.integers(2, 12))):
+            self.driver.engine_step()  # admitted behind them, both grow until the tight pool runs dry
+
+    @precondition(lambda self: self.num_added + 2 <= MAX_REQUESTS and self.driver.config.policy == PRIORITY
+                  and self.driver.last_snapshot is not None and not self.driver.last_snapshot.running
+                  and not self.driver.last_snapshot.waiting)
+    @rule(data=st.data())
+    def priority_pair(self, data):
+        """On an idle engine: a low-priority request, one step, then an outranking short one; both
+        decode on the tight pool until one cannot grow. The outranking one sits second in
+        ``running``, so the victim the loop picks for it is the first, already scheduled in this
+        step (vLLM hands back its tokens and its step blocks), or the first cannot grow itself,
+        preempts itself, and the loop goes on to the second."""
+        pool = self.driver.pool
+        # long: the tight pool holds it and a short one beside it, not both at full length
+        long_min = max(1, pool.max_model_len - 3 * pool.scheduler_block_size)
+        spec = data.draw(request_specs(self.num_added, pool.max_model_len, min_length=long_min))
+        self.num_added += 1
+        self.driver.add(replace(spec, priority=2, max_tokens=12))
+        self.driver.engine_step()
+        state = self.driver.last_snapshot.requests.get(spec.request_id)
+        if state is None or spec.request_id not in self.driver.last_snapshot.running:
+            return
+        # the short one's length lines its block crossings up with the first's (or one step
+        # ahead): when the pool has one block left at a crossing, the first takes it and the
+        # second must preempt it
+        bs = pool.scheduler_block_size
+        n_first = len(spec.prompt) + len(state.output_token_ids) + 1 + data.draw(st.integers(-1, 0))
+        length = min((n_first - 1) % bs + 1, pool.max_model_len - 1)
+        self.outranking_arrival(data, length)
+
+
+@st.composite
+def branches_setups(draw):
+    """The main machine's setups (or tight PRIORITY pools) with the cadence and the adaptive
+    threshold drawn: an interval of 2-4 in three setups of four, a nonzero threshold (adaptive)
+    in half."""
+    interval = draw(st.sampled_from((1, 1, 1, 2, 3, 4)))
+    if interval > 1:
+        # room to admit: a tight pool or few slots leave requests waiting, which turns the cadence
+        # off (the capacity escape) before it ever holds a prefill
+        pool, cfg = draw(scheduler_setups(consistent=True))
+        cfg = replace(cfg, max_num_seqs=max(cfg.max_num_seqs, 4))
+    else:
+        pool, cfg = draw(scheduler_setups(policy=PRIORITY, tight=True))
+        cfg = replace(cfg, max_num_seqs=max(cfg.max_num_seqs, 2))  # two run at once: victims to pick
+    adaptive = draw(st.booleans())
+    threshold = cfg.long_prefill_token_threshold
+    if adaptive and not threshold and cfg.enable_chunked_prefill:
+        threshold = min(draw(st.sampled_from((2, 4))), pool.max_model_len)
+    cfg = replace(cfg, prefill_schedule_interval=interval, long_prefill_token_threshold_adaptive=adaptive,
+                  long_prefill_token_threshold=threshold)
+    return pool, cfg
+
+
+def run_branches_machine(examples: int, reproducible: bool = False, shrink: bool = True,
+                         seed: int | None = None) -> SchedulerRun:
+    """The reference scheduler in lock step with vLLM 0.33.0's on :class:`BranchesMachine` traces
+    (at least 30 operations each; liveness drained at teardown)."""
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
+
+    env = VllmEnv()
+    factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
+                                      "ref": lambda p, c: Scheduler(p, c)}
+    drivers: list[Lockstep] = []
+
+    class Counting(BranchesLockstep):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            drivers.append(self)
+
+    base = machine_with(factories, setups=branches_setups(), name="BranchesBase")
+    machine = type("BranchesRun", (BranchesMachine, base), {"driver_class": Counting})
+    COVERAGE.clear()
+    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                            reproducible=reproducible, shrink=shrink)
+    valid = [d for d in drivers if d.num_steps >= 30]
+    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
+                        coverage=dict(COVERAGE), failure=failure, signature=sig)
