@@ -1,4 +1,4 @@
-"""Scheduler traces on FA + Mamba "align" pools only: the third part of ``conform-scheduler``
+"""Scheduler traces on FA + Mamba "align" pools (and sparse sliding windows): the third part of ``conform-scheduler``
 (issue #22).
 
 The cache-controls run (:mod:`kvref.models.machines.scheduler_cache_controls`) draws Mamba "align"
@@ -16,6 +16,10 @@ prefill chunk to Mamba state boundaries (``_mamba_block_aligned_split``); the re
 :mod:`kvref.impl.reference.scheduler_mamba_split` must clip it the same, and every observable
 (scheduled tokens, block ids per group, queues, request states, free-block queue) is compared
 after every step by :class:`~kvref.models.machines.scheduler.Lockstep`.
+
+One trace in three runs instead on an FA + sliding-window pool with a sparse
+``prefix_cache_retention_interval``, where ``SlidingWindowManager.reachable_block_mask`` decides
+which window tails stay cached (the other scheduler runs draw dense pools only).
 
 ``mamba_cache_mode="all"`` is not drawn: vLLM 0.33.0 refuses prefix caching with it
 (``MambaManager``: "Mamba prefix caching requires mamba_cache_mode='align'"), and without caching
@@ -78,6 +82,16 @@ def mamba_align_setups():
     return st.one_of(drawn.map(_roomy), drawn)
 
 
+def sparse_window_setups():
+    """FA + sliding-window pools with prefix caching and a sparse ``prefix_cache_retention_interval``
+    (0, 1, 2 or 4 scheduler blocks): ``SlidingWindowManager.reachable_block_mask`` keeps only the
+    window tails a hit can use, which the main machine's dense pools never ask."""
+    return (scheduler_setups(kinds=("full+swa",)).filter(_cacheable)
+            .flatmap(lambda setup: st.sampled_from((0, 1, 2, 4)).map(lambda k: (replace(
+                setup[0], prefix_cache_retention_interval=k * setup[0].scheduler_block_size), setup[1])))
+            .map(_roomy))
+
+
 def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: bool = True,
                             seed: int | None = None) -> SchedulerRun:
     """The reference scheduler in lock step with vLLM 0.33.0's on Mamba "align" pools (traces of
@@ -99,7 +113,9 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
             super().__init__(*a, **k)
             drivers.append(self)
 
-    base = machine_with(factories, setups=mamba_align_setups(), name="MambaAlignBase")
+    # two traces in three on Mamba "align" pools, one on sparse sliding windows
+    setups = st.one_of(mamba_align_setups(), mamba_align_setups(), sparse_window_setups())
+    base = machine_with(factories, setups=setups, name="MambaAlignBase")
     machine = type("MambaAlignRun", (CacheControlsMachine, base), {"driver_class": Counting})
     original = split_module.mamba_block_aligned_split
 
@@ -117,10 +133,12 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
     finally:
         split_module.mamba_block_aligned_split = original
     valid = [d for d in drivers if d.num_steps >= 30]
-    COVERAGE["mamba_traces"] = sum(1 for d in valid if d.specs)
-    COVERAGE["mamba_checkpoint_traces"] = sum(1 for d in valid if d.specs and any(
+    is_mamba = [any(isinstance(g.kv_cache_spec, MambaSpec) for g in d.pool.groups) for d in valid]
+    COVERAGE["mamba_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and m)
+    COVERAGE["sparse_window_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and not m)
+    COVERAGE["mamba_checkpoint_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and m and any(
         getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) for g in d.pool.groups))
     COVERAGE["mamba_sparse_retention_traces"] = sum(
-        1 for d in valid if d.specs and d.pool.prefix_cache_retention_interval is not None)
+        1 for d, m in zip(valid, is_mamba) if d.specs and m and d.pool.prefix_cache_retention_interval is not None)
     return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
                         coverage=dict(COVERAGE), failure=failure, signature=sig)

@@ -26,11 +26,12 @@ def vllm_scheduler():
 def test_mamba_align_traces_match_vllm_and_reach_the_split_and_hits(vllm_scheduler):
     from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
 
-    run = run_mamba_align_machine(profile_examples(10, 40), reproducible=True)
+    run = run_mamba_align_machine(profile_examples(15, 40), reproducible=True)
     assert run.ok, run.failure
     c = run.coverage
-    assert c["mamba_traces"] >= 5, c
+    assert c["mamba_traces"] >= 3, c
     assert c["mamba_checkpoint_traces"] > 0 and c["mamba_sparse_retention_traces"] > 0, c
+    assert c["sparse_window_traces"] > 0, c
     for path in ("mamba_clipped_chunks", "prefix_hits", "follow_ups", "prefill_chunks", "preemptions"):
         assert c.get(path, 0) > 0, (path, c)
 
