@@ -4,14 +4,19 @@
 ``short-lookahead``, which needs a drafter, plus ``unfenced-free``: vLLM's
 ``_request_blocks_can_be_freed`` always yes, i.e. ``defer_block_free``'s step fence ignored) and
 pristine, record ``--examples`` generated connector runs of vLLM's own scheduler
-(``models/run_check/connector_runs.py``, seed 2) into ``DIR/<fault>``.
+(``models/run_check/connector_runs.py``) into ``DIR/<fault>/<seed>``.
 
 ``check DIR``: check every recorded run (the machine's known vLLM hangs and lost updates left out)
 with replay and with ``--properties-only``; print per fault the runs and how many each flags. Run it
 with ``PYTHONPATH`` pointing at an older kvref tree to measure that checker on the same traces.
 
-    .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/conn --examples 40
+    .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/conn --examples 40 --seeds 2,3,4
     .venv/bin/python benchmarks/bench_check_run_connector.py check /tmp/conn
+    .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/pause --generator pause --seeds 1,2
+
+``--seeds``: the generator honours its seed (#28), so several seeds draw more runs per fault.
+``--generator pause``: runs with scheduler pause states (``models/run_check/pause_runs.py``) and
+two pause faults (``pause-ignored``, ``pause-all-as-new``) instead of ``unfenced-free``.
 """
 
 from __future__ import annotations
@@ -23,46 +28,73 @@ import shutil
 from collections import Counter
 
 
-def record(root: str, examples: int) -> None:
+def _recorder(generator: str):
+    if generator == "pause":
+        from kvref.models.run_check.pause_runs import record_pause_runs
+
+        return record_pause_runs
+    from kvref.models.run_check.connector_runs import record_connector_runs
+
+    return record_connector_runs
+
+
+def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -> None:
+    from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvref.impl.vllm.demo_faults import FAULTS, plant
-    from kvref.models.run_check.connector_runs import record_connector_runs
 
+    rec = _recorder(generator)
     shutil.rmtree(root, ignore_errors=True)
-    for fault in ("pristine", "unfenced-free") + tuple(f for f in FAULTS if f != "short-lookahead"):
-        d = os.path.join(root, fault)
-        if fault == "unfenced-free":
-            orig = Scheduler._request_blocks_can_be_freed
-            Scheduler._request_blocks_can_be_freed = lambda self, request: True
-            try:
-                runs = record_connector_runs(d, examples, seed=2, strict=False)
-            finally:
-                Scheduler._request_blocks_can_be_freed = orig
-        else:
-            with plant(None if fault == "pristine" else fault):
-                runs = record_connector_runs(d, examples, seed=2, strict=False)
-        with open(os.path.join(d, "skip.txt"), "w") as f:
-            f.writelines(os.path.basename(r.path) + "\n" for r in runs if r.known_hang or r.lost_update)
+    planted = {"unfenced-free": ("_request_blocks_can_be_freed", lambda self, request: True),
+               # the pause generator's own faults: vLLM's set_pause_state ignored, or PAUSED_ALL taken for PAUSED_NEW
+               "pause-ignored": ("set_pause_state", lambda self, state: None),
+               "pause-all-as-new": ("set_pause_state", lambda self, state, _set=Scheduler.set_pause_state: _set(
+                   self, PauseState.PAUSED_NEW if state == PauseState.PAUSED_ALL else state))}
+    extra = ("pause-ignored", "pause-all-as-new") if generator == "pause" else ("unfenced-free",)
+    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if f != "short-lookahead"):
+        runs = []
+        for seed in seeds:
+            d = os.path.join(root, fault, str(seed))
+            if fault in planted:
+                name, fn = planted[fault]
+                orig = getattr(Scheduler, name)
+                setattr(Scheduler, name, fn)
+                try:
+                    runs = rec(d, examples, seed=seed, strict=False)
+                finally:
+                    setattr(Scheduler, name, orig)
+            else:
+                with plant(None if fault == "pristine" else fault):
+                    runs = rec(d, examples, seed=seed, strict=False)
+            with open(os.path.join(d, "skip.txt"), "w") as f:
+                f.writelines(os.path.basename(r.path) + "\n" for r in runs
+                             if getattr(r, "known_hang", False) or getattr(r, "lost_update", False))
 
 
 def check(root: str) -> None:
-    from kvref.models.run_check import check_trace
-
     print("| fault | runs | check-run (replay) | --properties-only |\n|---|---:|---:|---:|")
     for d in sorted(glob.glob(os.path.join(root, "*"))):
-        skip = set(open(os.path.join(d, "skip.txt")).read().split())
         c: Counter = Counter()
-        for p in sorted(glob.glob(os.path.join(d, "*.kvtrace.gz"))):
-            if os.path.basename(p) in skip:
-                continue
-            r = check_trace(p)
-            if r.empty:
-                continue
-            c["runs"] += 1
-            c["replay"] += not r.ok
-            c["props"] += not check_trace(p, properties_only=True).ok
+        for sd in sorted(glob.glob(os.path.join(d, "*", "skip.txt"))):
+            skip = set(open(sd).read().split())
+            for p in sorted(glob.glob(os.path.join(os.path.dirname(sd), "*.kvtrace.gz"))):
+                if os.path.basename(p) in skip:
+                    continue
+                _count(c, p)
         print(f"| {os.path.basename(d)} | {c['runs']} | {c['replay']} | {c['props']} |")
+
+
+def _count(c: Counter, p: str) -> None:
+    """One trace: checked with replay and with ``--properties-only``."""
+    from kvref.models.run_check import check_trace
+
+    r = check_trace(p)
+    if r.empty:
+        return
+    c["runs"] += 1
+    c["replay"] += not r.ok
+    c["props"] += not check_trace(p, properties_only=True).ok
 
 
 def main() -> None:
@@ -70,11 +102,17 @@ def main() -> None:
     ap.add_argument("what", choices=("record", "check"))
     ap.add_argument("root")
     ap.add_argument("--examples", type=int, default=40)
+    ap.add_argument("--seeds", default="2", help="comma-separated seeds (each records --examples runs per fault)")
+    ap.add_argument("--generator", choices=("connector", "pause"), default="connector",
+                    help="connector runs (default) or runs with scheduler pause states")
     a = ap.parse_args()
     from kvref.quiet import quiet_third_party
 
     quiet_third_party(False)
-    record(a.root, a.examples) if a.what == "record" else check(a.root)
+    if a.what == "record":
+        record(a.root, a.examples, tuple(int(x) for x in a.seeds.split(",")), a.generator)
+    else:
+        check(a.root)
 
 
 if __name__ == "__main__":
