@@ -130,6 +130,10 @@ class OffloadingReferenceBackend(ReferenceEngine):
         """``get_external_cache_hit_sources`` as sorted (source, tokens) pairs."""
         return sorted(self.conn.get_external_cache_hit_sources(req, n_ext).items())
 
+    def connector_stats(self):
+        """``get_stats`` since the last call, as {metric: value} (histograms of delays: counts)."""
+        return self.conn.get_stats()
+
     def request_offload_state(self, rid):
         """What the connector parsed from a request's ``kv_transfer_params``: its load tier filter
         ("ALL", or its (medium, locality) matchers) and load / store caps; None once untracked."""

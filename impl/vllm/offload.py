@@ -247,6 +247,20 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     def hit_sources(self, req, n_ext):
         return sorted((s.value, n) for s, n in self.conn.get_external_cache_hit_sources(req, n_ext).items())
 
+    def connector_stats(self):
+        stats = self.conn.get_stats()
+        if stats is None:
+            return {}
+        types, values = stats.data["types"], stats.data["data"]
+        out = {}
+        for name, by_labels in values.items():
+            value = by_labels[()]
+            short = name.removeprefix("vllm:kv_offload_")
+            if types[name] == "histogram" and name.endswith("_delay_seconds"):
+                value = len(value)  # timings: compare how many were observed
+            out[short] = value
+        return out
+
     def request_offload_state(self, rid):
         from vllm.v1.kv_offload.base import TierFilter
 

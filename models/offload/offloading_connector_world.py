@@ -175,6 +175,7 @@ class OffloadingWorld(OffloadWorldBase):
         self.reset_undelivered = False
         self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
         self.hit_sources: list[tuple] = []  # (request, get_external_cache_hit_sources) per load
+        self.stats: list[dict] = []  # the connector's get_stats after every step
 
     @property
     def b(self):
@@ -248,6 +249,7 @@ class OffloadingWorld(OffloadWorldBase):
         # lookup answer compared even when the allocation after it fails on both backends.
         meta = (*self.b.build_meta(self._scheduler_output(OffloadingStep, batch)), tuple(lookups))
         self._take_kv_events()
+        self.stats.append(self.b.connector_stats())  # vLLM's engine collects them every step
         self.reset_undelivered = False
         self.metas.append(meta)
         loads, stores, flush, _ = meta
@@ -354,5 +356,5 @@ class OffloadingWorld(OffloadWorldBase):
     def observe(self):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
         return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
-                "kv_events": self.kv_events, "hit_sources": self.hit_sources,
+                "kv_events": self.kv_events, "hit_sources": self.hit_sources, "stats": self.stats,
                 "transfer_params": {rid: self.b.request_offload_state(rid) for rid in self.reqs}}

@@ -3,7 +3,7 @@
 ``OffloadingConfig.random`` draws KV cache events (placeholder or self-describing payloads) and
 requests' ``kv_transfer_params`` (load tier filters, ``max_load_tokens``, ``max_offload_tokens``);
 the world compares every published event, each request's parsed filter and caps, every lookup and
-the hit sources. On the OffloadingConnector cases ``kvref verify`` draws (fixed seed, the same on
+the hit sources, and the connector's stats after every step. On the OffloadingConnector cases ``kvref verify`` draws (fixed seed, the same on
 every run and profile) clean vLLM agrees op by op, and faults planted in vLLM's own source
 (``offloading/events.py`` and ``offloading/scheduler.py``, compiled in-process) are each flagged.
 """
@@ -64,6 +64,10 @@ def _directed_evictions():
     return worlds
 
 
+def _any(cfg):
+    return True
+
+
 def _events(cfg):
     return cfg.kv_events != "off"
 
@@ -113,6 +117,15 @@ FAULTS = {
     # the store cap is ignored
     "max-offload-ignored": (_params, f"{_OFF}.scheduler:OffloadingConnectorScheduler._calc_num_offloadable_tokens",
                             "num = min(num, max_offload_tokens)", "num = num"),
+    # a store the manager refuses is not counted
+    "allocation-failure-uncounted": (_any, f"{_OFF}.scheduler:OffloadingConnectorScheduler._build_store_jobs",
+                                     "self._connector_stats.increase_counter(\n                    _ConnectorMetricName."
+                                     "ALLOCATION_FAILURE\n                )\n                logger.warning",
+                                     "logger.warning"),
+    # the allocation-size histogram records the whole offer, not the new chunks
+    "allocation-size-of-offer": (_any, "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager.prepare_store",
+                                 "self.allocation_sizes_in_current_batch.append(len(keys_to_store))",
+                                 "self.allocation_sizes_in_current_batch.append(len(keys))"),
     # a capped hit is not rounded down to a chunk boundary
     "max-load-unaligned": (_params, f"{_OFF}.scheduler:OffloadingConnectorScheduler._lookup_complete_chunks",
                            "max_hit_size_tokens = round_down(\n                        max_hit_size_tokens, tokens_per_chunk\n                    )",

@@ -98,6 +98,10 @@ class CPUOffloadingManager:
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self.counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
+        # metrics since the last get_stats (vLLM ``*_in_current_batch``): sizes of the allocations
+        # asked for, new chunks the store threshold held back
+        self.allocation_sizes: list[int] = []
+        self.stores_skipped = 0
         self._num_allocated = 0  # fresh chunk ids 0..num_chunks-1 are handed out first
         self._free_list: list[int] = []  # then recycled ids, last freed first
         self.num_evictable = 0
@@ -241,7 +245,9 @@ class CPUOffloadingManager:
             elif chunk.is_ready:
                 ready_existing.append(k)
         if self.counts is not None:
+            candidates = len(new_keys)
             new_keys = [k for k in new_keys if self.counts.get(k, 0) >= self.store_threshold]
+            self.stores_skipped += candidates - len(new_keys)
 
         st = self._access(ctx)
         misses = [k for k in new_keys if k not in st.store_misses]
@@ -255,6 +261,7 @@ class CPUOffloadingManager:
         if not new_keys:
             return PrepareStoreOutput([], [], [])
 
+        self.allocation_sizes.append(len(new_keys))  # counted even if the allocation then fails
         shortfall = len(new_keys) - self.num_free_chunks
         evicted: list[OffloadKey] = []
         if shortfall > 0:
@@ -326,6 +333,24 @@ class CPUOffloadingManager:
         self.num_write_pending = 0
         self._free_list.clear()
         self._num_allocated = 0
+
+    def get_stats(self) -> dict:
+        """The manager's metrics since the last call (vLLM ``CPUOffloadingManager.get_stats``):
+        cache usage (chunks in use, neither free nor evictable), write usage (chunks being
+        written), read usage (the rest of the use), each as a fraction of the pool; the sizes of
+        the allocations asked for; with a store threshold, the new chunks it held back."""
+        used = self.num_chunks - self.num_free_chunks - self.num_evictable
+        usage = used / self.num_chunks
+        write = self.num_write_pending / self.num_chunks
+        out = {"cpu_cache_usage_perc": usage, "cpu_cache_write_usage_perc": write,
+               "cpu_cache_read_usage_perc": max(usage - write, 0.0)}
+        if self.allocation_sizes:
+            out["cpu_allocation_size"] = self.allocation_sizes
+        self.allocation_sizes = []
+        if self.store_threshold >= 2:
+            out["stores_skipped"] = self.stores_skipped
+            self.stores_skipped = 0
+        return out
 
     def take_events(self) -> list[OffloadingEvent]:
         if self.events is None:

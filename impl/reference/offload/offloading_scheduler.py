@@ -123,6 +123,7 @@ class _ReqState:
     finished: bool = False
     aborted: bool = False
     finished_signaled: bool = False
+    lookup_deferred: bool = False  # a lookup answered "later" and no answer came since
     # from kv_transfer_params (.tier_filter): the load tier filter and the load / store caps
     load_tier_filter: TierFilter = tier_filter.ALL
     max_load_tokens: int | None = None
@@ -237,6 +238,8 @@ class OffloadingConnectorScheduler:
         self._batch_jobs_to_flush: set[int] = set()
         self._batch_allocated: set[int] = set()
         self.events_tracker = events_tracker or OffloadingEventsTracker(False, False, {})
+        # metrics since the last get_stats: lookups done, deferred lookups answered, stores refused
+        self._stats = {"lookups": 0, "deferred_answered": 0, "allocation_failures": 0}
 
     # ------------------------------------------------------------------ helpers
 
@@ -328,7 +331,30 @@ class OffloadingConnectorScheduler:
         hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
                                      req.num_tokens, num_computed_tokens, self._recording_lookup(st),
                                      self._chunks_being_loaded, max_load_tokens=st.max_load_tokens)
+        self._stats["lookups"] += 1
+        if hit is None:
+            st.lookup_deferred = True
+        else:
+            self._observe_deferred(st)
         return hit, bool(hit)
+
+    def _observe_deferred(self, st: _ReqState) -> None:
+        if st.lookup_deferred:
+            st.lookup_deferred = False
+            self._stats["deferred_answered"] += 1
+
+    def get_stats(self) -> dict:
+        """The metrics since the last call, by vLLM's metric names without the ``vllm:kv_offload_``
+        prefix (vLLM ``OffloadingConnectorScheduler.get_stats``): how many lookups ran and how many
+        deferred lookups were answered (vLLM times both: kvref counts the observations), stores the
+        manager refused (no room), and the manager's own (:meth:`CPUOffloadingManager.get_stats`).
+        A metric with nothing to report is absent."""
+        s, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+        out = {name: s[k] for name, k in (("lookup_sync_delay_seconds", "lookups"),
+                                          ("lookup_async_delay_seconds", "deferred_answered"),
+                                          ("allocation_failure", "allocation_failures")) if s[k]}
+        out.update(self.manager.get_stats())
+        return out
 
     def update_state_after_alloc(self, req: Request, blocks: Sequence[Sequence[tuple[int, bool]]],
                                  num_external_tokens: int) -> None:
@@ -415,6 +441,7 @@ class OffloadingConnectorScheduler:
             return False, None
         if st.finished:
             raise OffloadStateError(f"request {req.request_id!r} already finished")
+        self._observe_deferred(st)
         st.finished, st.aborted = True, bool(aborted)
         self._update_offload_keys(st)
         for job in st.transfer_jobs:
@@ -516,6 +543,7 @@ class OffloadingConnectorScheduler:
                 continue
             res = self.manager.prepare_store(new_keys, st.ctx)
             if res is None:
+                self._stats["allocation_failures"] += 1
                 continue  # no room now: retried next step
             if not res.keys_to_store:
                 self._advance(st, n_off)
