@@ -12,7 +12,8 @@ does not model, a newer vLLM, ``--properties-only``): no starvation while reques
 conserved per step (free + held = pool, blocks a KV connector keeps and deferred frees counted), no
 block reused while a request still needs it, hits that hold their own tokens, admission within the
 startup bound, tables that cover each step (an EAGLE drafter's lookahead slots included), metrics
-that agree with the trace, block ids within the pool. A summary (steps, requests, preemptions,
+that agree with the trace, block ids within the pool, nothing scheduled against a pause state
+(``set_pause_state`` is recorded and replayed). A summary (steps, requests, preemptions,
 prefix-cache hit rate, longest wait) closes the report.
 
 A run in which vLLM raised (an ``error`` record: the recorder writes the exception, the step and the

@@ -54,7 +54,7 @@ from .windows import group_rules
 #: what ``kvref check-run`` lists when every property holds
 PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
                   "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
-                  "blocks within the pool", "blocks cover the step")
+                  "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
