@@ -145,6 +145,20 @@ class BranchesMachine(SchedulerMachine):
         length = min((n_first - 1) % bs + 1, pool.max_model_len - 1)
         self.outranking_arrival(data, length)
 
+    @precondition(lambda self: self.num_added < MAX_REQUESTS and self.driver.config.prefill_schedule_interval > 1
+                  and self.driver.last_snapshot is not None and self.driver.last_snapshot.running
+                  and not self.driver.last_snapshot.waiting)
+    @rule(data=st.data())
+    def arrival_while_decoding(self, data):
+        """Under the cadence, a prompt arrives at an empty queue while requests run: the steps
+        within the interval stop the waiting loop at it (the step that drained the queue turned
+        the capacity escape off), the next cadence step admits it."""
+        spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len, min_length=2))
+        self.num_added += 1
+        self.driver.add(spec)
+        for _ in range(data.draw(st.integers(1, self.driver.config.prefill_schedule_interval + 1))):
+            self.driver.engine_step()
+
 
 @st.composite
 def branches_setups(draw):

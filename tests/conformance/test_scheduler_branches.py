@@ -25,7 +25,9 @@ def vllm_scheduler():
 def test_branch_traces_match_vllm_and_reach_every_rule(vllm_scheduler):
     from kvref.models.machines.scheduler_branches import run_branches_machine
 
-    run = run_branches_machine(profile_examples(30, 60), reproducible=True)
+    # the same derandomized traces under every profile: the rare paths asserted below are reached
+    # by these 30 (the check itself draws 150 at ci)
+    run = run_branches_machine(30, reproducible=True)
     assert run.ok, run.failure
     assert run.traces >= 25
     c = run.coverage
