@@ -68,3 +68,30 @@ def test_a_short_lookahead_reservation_is_caught_at_its_step(env, tmp_path, caps
     assert "table_too_short" in {f.kind for f in p.findings}, p.findings
     [short] = [f for f in p.findings if f.kind == "table_too_short"]
     assert short.step == step and "2 lookahead slots" in short.message
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_longer_lookahead_is_replayed_and_a_short_reservation_caught(env, tmp_path, monkeypatch, k):
+    """An EAGLE-like drafter (EAGLE, EAGLE3, single-module MTP) proposing k > 2 drafts: k lookahead
+    slots past every step, the drafts verified and rolled back, sync and async — the replay follows
+    every step with the block checks on; the lookahead reservation one short diverges and is a
+    table_too_short finding by the properties alone (#28). Multi-module MTP's prefill lookahead
+    (num_prefill_lookahead > 1) is still named unmodelled: the reference scheduler does not split
+    prefill chunks around it."""
+    from dataclasses import replace
+
+    from kvref.demo import record_demo
+    from kvref.models.run_check import demo
+
+    monkeypatch.setitem(demo.WORKLOADS, "eagle-k", replace(demo.WORKLOADS["spec-decode-eagle"], num_speculative_tokens=k))
+    for async_scheduling in (True, False):
+        path = tmp_path / f"k{k}-{async_scheduling}.kvtrace.gz"
+        record_demo(path, "eagle-k", None, async_scheduling, seed=1, ticks=150, env=env)
+        r = check_trace(path, check_invariants_every=1)
+        assert r.header["spec"]["num_speculative_tokens"] == k == r.header["spec"]["num_lookahead_tokens"]
+        assert r.followed and r.divergence is None and r.num_findings == 0, (r.stopped_because, r.findings[:2])
+        assert r.summary["block_checks"] == "on"
+    bad = tmp_path / f"k{k}-short.kvtrace.gz"
+    record_demo(bad, "eagle-k", "short-lookahead", True, seed=1, ticks=150, env=env)
+    assert check_trace(bad).divergence is not None
+    assert {f.kind for f in check_trace(bad, properties_only=True).findings} == {"table_too_short"}
