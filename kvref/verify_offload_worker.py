@@ -121,7 +121,8 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
                        f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {built['configs']} of its "
                        f"configurations built in both roles ({built['refused']} refused, {built['sized_from_bytes']} "
-                       f"sized from byte budgets, {built['disk']} disk), {mappers} file-tier layouts and "
+                       f"sized from byte budgets, {built['disk']} disk, {built['in_multi']} found inside a MultiConnector), "
+                       f"{mappers} file-tier layouts and "
                        f"{layers} layers' canonical page mappings: jobs, pools, bytes, events, file names and mappings "
                        "agree with the reference",
                        examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers)

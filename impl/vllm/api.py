@@ -240,6 +240,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.register_finished_partial_tail", "request", "block_ids",
            "partial_tail_offloads"),
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.sub_connectors"),
+        _b(_CONN_V1 + ".simple_cpu_offload_connector", "_find_simple_cpu_offload_connector", "connector"),
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.build_kv_connector_stats", "data"),
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.get_kv_connector_stats"),
         _b(_CONN_V1 + ".metrics", "KVConnectorStats", "data"),

@@ -82,6 +82,42 @@ def build_simple_cpu_connector(cfg: Any, extra: dict, role: str, *, enable_prefi
         return SimpleCPUOffloadConnector(vc, roles[role], kcfg), kcfg
 
 
+def find_simple_cpu_in_multi(cfg: Any, extra: dict, position: int | None, num_children: int) -> tuple[int | None, Any]:
+    """vLLM's ``MultiConnector`` (WORKER role, as a worker process holds it) over ``num_children``
+    scripted children with a ``SimpleCPUOffloadConnector`` (configured by ``extra``) at
+    ``position`` (None: none), and what vLLM's ``_find_simple_cpu_offload_connector`` finds in it
+    (the worker asks it for the agreed pool size). Returns ``(index of the found child or None,
+    its get_aligned_num_cpu_blocks())``."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        _find_simple_cpu_offload_connector,
+    )
+
+    from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild
+
+    from .multi_connector_worker import multi_connector_config, quiet
+
+    _, kcfg, _ = vllm_kv_cache_manager(cfg)
+    vc = multi_connector_config([ScriptedWorkerChild(i) for i in range(num_children)], cfg.world_size)
+    vc.cache_config = simple_offload_vllm_config(cfg).cache_config
+    children = list(vc.kv_transfer_config.kv_connector_extra_config["connectors"])
+    if position is not None:
+        children.insert(position, dict(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                                       kv_connector_extra_config=dict(extra)))
+    vc.kv_transfer_config = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id="kvref-multi",
+                                             kv_connector_extra_config={"connectors": children})
+    with quiet("vllm.distributed.kv_transfer.kv_connector.v1.base",
+               "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"):
+        multi = MultiConnector(vc, KVConnectorRole.WORKER, kcfg)
+    found = _find_simple_cpu_offload_connector(multi)
+    if found is None:
+        return None, None
+    index = next(i for i, c in enumerate(multi.sub_connectors) if c is found)
+    return index, found.get_aligned_num_cpu_blocks()
+
+
 class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
     """vLLM's ``SimpleCPUOffloadConnector`` (SCHEDULER role) over its GPU ``KVCacheManager``;
     ``conn`` is the connector's ``SimpleCPUOffloadScheduler`` (read for the compared state only),

@@ -139,6 +139,20 @@ def compare_connector_construction(cfg, extra: dict, prefix_caching: bool, agree
     return None
 
 
+def compare_find_in_multi(rng, cfg, extra: dict) -> str | None:
+    """A worker's MultiConnector with or without a SimpleCPU child among scripted ones: vLLM must
+    find exactly that child (the worker asks it for the pool size the ranks agreed on; before its
+    KV caches are registered it has none)."""
+    from kvref.impl.vllm.simple_offload_connector import find_simple_cpu_in_multi
+
+    n = rng.randint(0, 2)
+    position = rng.choice([None, *range(n + 1)]) if n else 0  # a MultiConnector has at least one child
+    got = find_simple_cpu_in_multi(cfg, extra, position, n)
+    if got != (position, None):
+        return f"MultiConnector of {n} scripted children + SimpleCPU at {position}: vLLM found {got}"
+    return None
+
+
 def run_connector_construction(seed: int, n: int) -> dict:
     """``n`` generated configurations through :func:`compare_connector_construction`; raises
     :class:`OffloadInvariantError` at the first difference."""
@@ -147,7 +161,7 @@ def run_connector_construction(seed: int, n: int) -> dict:
     from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
 
     rng = random.Random(f"simple-cpu-construction-{seed}")
-    stats = {"configs": 0, "refused": 0, "sized_from_bytes": 0, "disk": 0}
+    stats = {"configs": 0, "refused": 0, "sized_from_bytes": 0, "disk": 0, "in_multi": 0}
     from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_connector_settings
 
     for _ in range(n):
@@ -166,5 +180,10 @@ def run_connector_construction(seed: int, n: int) -> dict:
             stats["refused"] += 1
             continue
         stats["disk"] += s.disk_mode
+        if s.num_cpu_blocks is not None and not s.disk_mode and rng.random() < 0.3:
+            bad = compare_find_in_multi(rng, cfg, extra)
+            if bad:
+                raise OffloadInvariantError(f"SimpleCPUOffloadConnector in a MultiConnector: {bad}")
+            stats["in_multi"] += 1
         stats["sized_from_bytes"] += s.num_cpu_blocks is not None and s.num_cpu_blocks_override is None and agreed is None
     return stats

@@ -26,6 +26,7 @@ def test_clean_vllm_agrees_and_every_kind_is_drawn(run):
     assert stats["refused"] > 0
     assert stats["sized_from_bytes"] > 0
     assert stats["disk"] > 0
+    assert stats["in_multi"] > 0  # a worker's MultiConnector searched for its SimpleCPU child
 
 
 def _derive_ignoring_agreed(original):
@@ -39,13 +40,18 @@ def _lazy_target_without_watermark(kv_cache_config, max_num_batched_tokens, cp_w
                for g in kv_cache_config.prefix_cacheable_groups)
 
 
-@pytest.mark.parametrize("fault", ["agreed", "lazy_target"])
+@pytest.mark.parametrize("fault", ["agreed", "lazy_target", "find_in_multi"])
 def test_planted_sizing_faults_are_caught(run, monkeypatch, fault):
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler as S
 
     from kvref.models.offload.world_common import OffloadInvariantError
 
-    if fault == "agreed":
+    if fault == "find_in_multi":  # planted: only a top-level SimpleCPU connector is found
+        from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as mod
+
+        monkeypatch.setattr(mod, "_find_simple_cpu_offload_connector",
+                            lambda c: c if isinstance(c, mod.SimpleCPUOffloadConnector) else None)
+    elif fault == "agreed":
         monkeypatch.setattr(S, "_derive_cpu_config", _derive_ignoring_agreed(S._derive_cpu_config))
     else:
         monkeypatch.setattr(S, "_estimate_lazy_target_blocks", staticmethod(_lazy_target_without_watermark))
