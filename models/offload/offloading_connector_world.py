@@ -58,7 +58,7 @@ class OffloadingConfig:
     # KV cache events: "off", "placeholder" (vLLM's enable_kv_cache_events alone) or
     # "self_describing" (with the connector's self_describing_kv_events: payloads with tokens).
     kv_events: str = "off"
-    # Requests' kv_transfer_params, cycled by arrival (request i gets entry i % len; () = none):
+    # Requests' kv_transfer_params: odd arrivals 2k+1 get entry k % len (() = none, as even arrivals):
     # load tier filters (kv_load_tiers, valid and malformed), max_load_tokens, max_offload_tokens.
     kv_transfer_params: tuple = ()
 
@@ -92,7 +92,7 @@ class OffloadingConfig:
         * the CPU manager's store threshold (2 or 3 offers) one time in four, its tracker from a
           handful of keys (offers age out) to roomy;
         * KV cache events one time in two, half of them self-describing;
-        * requests' ``kv_transfer_params`` one time in two (:func:`random_transfer_params`).
+        * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -113,7 +113,7 @@ class OffloadingConfig:
             base["store_threshold"] = sub.choice([2, 3])
             base["max_tracker_size"] = sub.choice([3, 6, 64_000])
         base["kv_events"] = sub.choice(["off", "off", "placeholder", "self_describing"])
-        if sub.random() < 1 / 2:
+        if sub.random() < 1 / 3:
             base["kv_transfer_params"] = tuple(random_transfer_params(sub) for _ in range(sub.randint(2, 5)))
         return cls(**base)
 
@@ -200,8 +200,9 @@ class OffloadingWorld(OffloadWorldBase):
     def add_request(self, prompt, max_out=2):
         rid = super().add_request(prompt, max_out)
         self.prompts[rid] = list(prompt)
-        params = self.cfg.kv_transfer_params
-        self.b.on_new_request(self.reqs[rid].req, params[(self._n - 1) % len(params)] if params else None)
+        params, i = self.cfg.kv_transfer_params, self._n - 1
+        # every other arrival carries params (the others keep the uncapped lookups other checks need)
+        self.b.on_new_request(self.reqs[rid].req, params[(i // 2) % len(params)] if params and i % 2 else None)
         return rid
 
     def _wait_for_remote_kvs(self, r, n_hit, n_ext):

@@ -97,8 +97,10 @@ def reach():
             counts["lookups_compared"] += sum(len(meta[3]) for meta in w.metas)
             if cfg.kv_transfer_params:
                 counts["transfer_params_configs"] += 1
-                capped = {rid for rid in w.reqs if (p := cfg.kv_transfer_params[int(rid[1:]) % len(
-                    cfg.kv_transfer_params)]) and type(p.get("max_load_tokens")) is int and p["max_load_tokens"] >= 0}
+                capped = {rid for rid in w.reqs if (cap := w.b.request_offload_state(rid)) and cap[1] is not None}
+                capped |= {rid for rid in w.reqs if int(rid[1:]) % 2 and (p := cfg.kv_transfer_params[
+                    int(rid[1:]) // 2 % len(cfg.kv_transfer_params)]) and type(p.get("max_load_tokens")) is int
+                    and p["max_load_tokens"] >= 0}
                 counts["capped_lookups"] += sum(rid in capped and bool(n_ext) for meta in w.metas
                                                 for rid, _, n_ext in meta[3])
                 tiers = {repr(p.get("kv_load_tiers")) for p in cfg.kv_transfer_params if p and "kv_load_tiers" in p}

@@ -72,7 +72,7 @@ def test_max_load_tokens_caps_the_hit_to_whole_chunks(params, hit):
     """blocks_per_chunk 2 (8-token chunks): a 12-token cap loads one chunk, a cap under a chunk
     nothing; a bool is no cap."""
     w = _revisit(OffloadingConfig(blocks_per_chunk=2, num_gpu_blocks=30, num_cpu_chunks=32,
-                                  kv_transfer_params=(None, params)), None)
+                                  kv_transfer_params=(params,)), None)  # odd arrivals (r1) get params
     assert w.metas[-1][3] == (("r1", 0, hit),)
     if hit:
         assert w.hit_sources == [("r1", (("host", hit),))]
@@ -81,9 +81,10 @@ def test_max_load_tokens_caps_the_hit_to_whole_chunks(params, hit):
 def test_max_offload_tokens_caps_the_stores():
     w = OffloadingWorld(OffloadingConfig(num_cpu_chunks=32, kv_transfer_params=({"max_offload_tokens": 9},)),
                         "reference")
-    w.add_request(list(range(100, 133)))
+    w.add_request(list(range(100, 133)))  # r0: even arrivals carry no params
+    w.add_request(list(range(300, 333)))  # r1
     stored = []
     for _ in range(6):
-        stored += [k for job in w.step(8)[1] for k in job[2]]
-    assert len(stored) == 2  # two 4-token chunks fit under 9 tokens
-    assert w.b.request_offload_state("r0") == ("ALL", None, 9)
+        stored += [job[1] for job in w.step(8)[1] for k in job[2]]
+    assert stored.count("r1") == 2 and stored.count("r0") == 8  # two 4-token chunks fit under 9 tokens
+    assert w.b.request_offload_state("r1") == ("ALL", None, 9) and w.b.request_offload_state("r0") == ("ALL", None, None)
