@@ -152,11 +152,38 @@ def test_the_whole_tree_is_scanned_and_type_checking_imports_are_not_edges():
     assert found == [], found  # the kernels no longer import the package: no way back
 
 
+def _benchmark_files() -> list[Path]:
+    """Every benchmark module, those in sub-folders (``benchmarks/v1core_standin``) included."""
+    return sorted((ROOT / "benchmarks").rglob("*.py"))
+
+
 def test_benchmarks_import_kvref_never_the_tests():
+    files = _benchmark_files()
+    assert any(p.parent != ROOT / "benchmarks" for p in files), "the scan reaches the sub-folders"
     offenders = []
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in files:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                          if n == "tests" or n.startswith("tests.")]
     assert not offenders, offenders
+
+
+def test_no_import_cycle_with_the_benchmarks():
+    """The benchmarks join the graph as ``benchmarks.*``: kvref never imports them back, and two
+    benchmark modules never import each other both ways (#26: the scan covers benchmarks/)."""
+    mods = sources()
+    for path in _benchmark_files():
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        mods[name] = (path.read_text(encoding="utf-8"), path.name == "__init__.py")
+    graph = import_graph(mods)
+    assert any(name.startswith("benchmarks.") and edges for name, edges in graph.items()), \
+        "the benchmarks' imports of kvref are edges of the graph"
+    assert not cycles(graph), cycles(graph)
+    # a cycle between two benchmark modules (lazy imports both ways) is seen
+    a, b = "benchmarks.v1core_standin.run_v1core", "benchmarks.v1core_standin.kvref_standin"
+    back = {a: (mods[a][0] + f"\n\ndef _x():\n    import {b}\n", False),
+            b: (mods[b][0] + f"\n\ndef _y():\n    import {a}\n", False)}
+    assert sorted([a, b]) in cycles(import_graph({**mods, **back}))
