@@ -54,6 +54,14 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.models.machines.offload_worker import run_traces
     from kvref.models.offload.world_common import OffloadInvariantError
 
+    from kvref.models.machines.simple_offload_connector import run_connector_construction
+
+    try:  # the connector's construction path: extra config -> budget, pool size, mode, backend (#22)
+        built = run_connector_construction(ctx.seed, ctx.examples(60, 400))
+    except OffloadInvariantError as exc:
+        return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector is configured unlike the reference",
+                           details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU construction")
+
     import random
 
     from kvref.models.machines.canonical_mapping import compare_layer, random_layer_case
@@ -73,13 +81,6 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector diverged from the reference",
                            details=[text[:1500]], signature=f"{NAME}: SimpleCPU {type(exc).__name__}")
-    from kvref.models.machines.simple_offload_connector import run_connector_construction
-
-    try:  # the connector's construction path: extra config -> budget, pool size, mode, backend (#22)
-        built = run_connector_construction(ctx.seed, ctx.examples(60, 400))
-    except OffloadInvariantError as exc:
-        return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector is configured unlike the reference",
-                           details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU construction")
     from kvref.impl.vllm.kv_event_publisher import publish_and_subscribe
 
     batches = stats["batches"]
