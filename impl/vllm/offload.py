@@ -259,6 +259,8 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
             if types[name] == "histogram" and name.endswith("_delay_seconds"):
                 value = len(value)  # timings: compare how many were observed
             out[short] = value
+        if stats.data.get("info") is not None:
+            out["info"] = stats.data["info"]
         return out
 
     def request_offload_state(self, rid):

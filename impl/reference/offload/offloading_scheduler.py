@@ -240,6 +240,7 @@ class OffloadingConnectorScheduler:
         self.events_tracker = events_tracker or OffloadingEventsTracker(False, False, {})
         # metrics since the last get_stats: lookups done, deferred lookups answered, stores refused
         self._stats = {"lookups": 0, "deferred_answered": 0, "allocation_failures": 0}
+        self._info_sent = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -348,12 +349,16 @@ class OffloadingConnectorScheduler:
         prefix (vLLM ``OffloadingConnectorScheduler.get_stats``): how many lookups ran and how many
         deferred lookups were answered (vLLM times both: kvref counts the observations), stores the
         manager refused (no room), and the manager's own (:meth:`CPUOffloadingManager.get_stats`).
-        A metric with nothing to report is absent."""
+        A metric with nothing to report is absent. The first call also carries the static config
+        facts (``info``: one series per cache; the CPU cache here reports none, one empty series)."""
         s, self._stats = self._stats, dict.fromkeys(self._stats, 0)
         out = {name: s[k] for name, k in (("lookup_sync_delay_seconds", "lookups"),
                                           ("lookup_async_delay_seconds", "deferred_answered"),
                                           ("allocation_failure", "allocation_failures")) if s[k]}
         out.update(self.manager.get_stats())
+        if not self._info_sent:
+            out["info"] = [{}]
+            self._info_sent = True
         return out
 
     def update_state_after_alloc(self, req: Request, blocks: Sequence[Sequence[tuple[int, bool]]],
