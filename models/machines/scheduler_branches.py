@@ -28,6 +28,7 @@ from hypothesis.stateful import precondition, rule
 from kvref.impl.reference.scheduler_cadence import adaptive_long_prefill_threshold
 from kvref.impl.reference.scheduler_liveness import drain_bound
 from kvref.impl.scheduler_types import PRIORITY
+from kvref.models.machines.counted_lockstep import run_counted
 from kvref.models.machines.scheduler import (
     COVERAGE,
     MAX_REQUESTS,
@@ -178,8 +179,10 @@ def branches_setups(draw):
     threshold = cfg.long_prefill_token_threshold
     if adaptive and not threshold and cfg.enable_chunked_prefill:
         threshold = min(draw(st.sampled_from((2, 4))), pool.max_model_len)
+    # an admission limit below the runner's slots in one setup of three
+    active = draw(st.one_of(st.none(), st.none(), st.integers(1, cfg.max_num_seqs)))
     cfg = replace(cfg, prefill_schedule_interval=interval, long_prefill_token_threshold_adaptive=adaptive,
-                  long_prefill_token_threshold=threshold)
+                  long_prefill_token_threshold=threshold, max_num_active_seqs=active)
     return pool, cfg
 
 
@@ -193,18 +196,9 @@ def run_branches_machine(examples: int, reproducible: bool = False, shrink: bool
     env = VllmEnv()
     factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
                                       "ref": lambda p, c: Scheduler(p, c)}
-    drivers: list[Lockstep] = []
-
-    class Counting(BranchesLockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
-
     base = machine_with(factories, setups=branches_setups(), name="BranchesBase")
-    machine = type("BranchesRun", (BranchesMachine, base), {"driver_class": Counting})
-    COVERAGE.clear()
-    ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
-                                            reproducible=reproducible, shrink=shrink)
-    valid = [d for d in drivers if d.num_steps >= 30]
-    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure, signature=sig)
+    return SchedulerRun(**run_counted(
+        lambda counting: type("BranchesRun", (BranchesMachine, base), {"driver_class": counting}),
+        BranchesLockstep,
+        lambda machine: run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                             reproducible=reproducible, shrink=shrink), COVERAGE))
