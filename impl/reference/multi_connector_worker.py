@@ -41,7 +41,8 @@ SCRIPTED = "scripted"
 
 FORWARD_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "finish_forward",
                  "reset_capture_state", "register_kv_caches", "unregister_kv_caches", "restore_kv_caches",
-                 "set_host_xfer_buffer_ops", "set_xfer_handshake_metadata", "clear_connector_metadata")
+                 "set_host_xfer_buffer_ops", "set_xfer_handshake_metadata", "set_xfer_handshake_metadata_pp_aware",
+                 "clear_connector_metadata", "bind_gpu_block_pool")
 
 
 class MultiConnectorModel:

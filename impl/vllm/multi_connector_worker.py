@@ -95,6 +95,14 @@ def shutdown(multi) -> None:
         multi.shutdown()
 
 
+def block_pool(num_blocks: int) -> Any:
+    """A GPU ``BlockPool`` of vLLM's for the scheduler to bind (the children only read its size)."""
+    load_vllm()
+    from vllm.v1.core.block_pool import BlockPool
+
+    return BlockPool(num_blocks, enable_caching=True, hash_block_size=4)
+
+
 def scheduler_output(finished_ids) -> Any:
     """What a child's ``build_connector_meta`` reads of the step (the requests finished since)."""
     return SimpleNamespace(finished_req_ids=set(finished_ids), num_scheduled_tokens={})
@@ -246,6 +254,12 @@ def _make_class():
 
         def set_xfer_handshake_metadata(self, metadata) -> None:
             self.script.call("set_xfer_handshake_metadata", tuple(sorted(metadata.items())))
+
+        def set_xfer_handshake_metadata_pp_aware(self, metadata) -> None:
+            self.script.call("set_xfer_handshake_metadata_pp_aware", tuple(sorted(metadata.items())))
+
+        def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+            self.script.call("bind_gpu_block_pool", gpu_block_pool.num_gpu_blocks)
 
         def start_load_kv(self, forward_context, **kwargs) -> None:
             self.script.call("start_load_kv", forward_context)

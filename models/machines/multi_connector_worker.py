@@ -134,6 +134,14 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
         p.both("set_xfer_handshake_metadata",
                lambda r=r: p.ref[r].forward("set_xfer_handshake_metadata", tuple(sorted(hs.items()))),
                lambda r=r: p.vllm[r].set_xfer_handshake_metadata(hs))
+    hs_pp = {(rank - 1, 0): f"hs-pp-{rank}" for rank in ranks}
+    for r in ranks:
+        p.both("set_xfer_handshake_metadata_pp_aware",
+               lambda r=r: p.ref[r].forward("set_xfer_handshake_metadata_pp_aware", tuple(sorted(hs_pp.items()))),
+               lambda r=r: p.vllm[r].set_xfer_handshake_metadata_pp_aware(hs_pp))
+    pool = vmw.block_pool(rng.randint(4, 16))  # the scheduler binds its GPU block pool to the connector
+    p.both("bind_gpu_block_pool", lambda: p.ref[0].forward("bind_gpu_block_pool", pool.num_gpu_blocks),
+           lambda: p.vllm[0].bind_gpu_block_pool(pool))
     # the engine sizes its output aggregator from the connector's finished count (None: world size)
     counts = [rng.choice([None, w, w, w + 1]) for _ in range(n)]
     p.answer(1, "get_finished_count", counts)
