@@ -53,6 +53,9 @@ class SchedulerConfig:
             (new admissions and running chunks alike) is held until this many executed steps
             passed since the last prefill-carrying step; 1: off
             (:mod:`kvref.impl.reference.scheduler_cadence`).
+        max_num_active_seqs: admission into ``running`` stops at this many requests (vLLM's field:
+            smaller decode batches without shrinking the runner's ``max_num_seqs`` slots); None:
+            ``max_num_seqs``.
     """
 
     max_num_batched_tokens: int = 64
@@ -67,6 +70,7 @@ class SchedulerConfig:
     skip_unused_drafts: bool = False
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    max_num_active_seqs: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -74,6 +78,10 @@ class SchedulerConfig:
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_choice("policy", self.policy, (FCFS, PRIORITY))
         check_int("prefill_schedule_interval", self.prefill_schedule_interval, minimum=1)
+        check_int("max_num_active_seqs", self.max_num_active_seqs, minimum=1, allow_none=True)
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise InvalidFieldError("max_num_active_seqs", self.max_num_active_seqs,  # as vLLM's config
+                                    f"at most max_num_seqs={self.max_num_seqs} (or None)")
         for name in ("enable_chunked_prefill", "scheduler_reserve_full_isl", "async_scheduling",
                      "skip_unused_drafts", "long_prefill_token_threshold_adaptive"):
             if not isinstance(getattr(self, name), bool):
@@ -106,6 +114,11 @@ class SchedulerConfig:
     def can_skip_drafts(self) -> bool:
         """vLLM's ``Scheduler.can_skip_drafts``: ``num_lookahead_tokens > 0`` and the V2 runner."""
         return self.skip_unused_drafts and self.num_lookahead_tokens > 0
+
+    @property
+    def max_num_active_reqs(self) -> int:
+        """vLLM's ``Scheduler.max_num_active_reqs``: the admission limit of the waiting loop."""
+        return self.max_num_active_seqs if self.max_num_active_seqs is not None else self.max_num_seqs
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -354,7 +354,7 @@ class Scheduler:
         skipped: list[Request] = []
         # PAUSED_NEW admits only requests already holding KV blocks: without a connector, none
         while (token_budget > 0 and self.waiting and self.pause_state == PauseState.UNPAUSED
-               and len(self.running) < cfg.max_num_seqs):
+               and len(self.running) < cfg.max_num_active_reqs):
             request = self.waiting.peek_request()
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could

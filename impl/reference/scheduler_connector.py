@@ -405,7 +405,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         # requests holding KV blocks drain first, and are the only ones PAUSED_NEW admits
         queue = st.kv_holding_waiting if st.kv_holding_waiting else (
             sched.waiting if sched.pause_state == 0 else None)  # 0: PauseState.UNPAUSED
-        if not queue or len(sched.running) >= cfg.max_num_seqs:
+        if not queue or len(sched.running) >= cfg.max_num_active_reqs:
             break
         request = queue.peek_request()
         rid = request.request_id

@@ -82,6 +82,7 @@ class VllmEnv:
         sc.max_num_batched_tokens = config.max_num_batched_tokens
         sc.max_num_scheduled_tokens = None
         sc.max_num_seqs = config.max_num_seqs
+        sc.max_num_active_seqs = config.max_num_active_seqs
         sc.long_prefill_token_threshold = config.long_prefill_token_threshold
         sc.enable_chunked_prefill = config.enable_chunked_prefill
         sc.policy = config.policy

@@ -179,8 +179,9 @@ def branches_setups(draw):
     threshold = cfg.long_prefill_token_threshold
     if adaptive and not threshold and cfg.enable_chunked_prefill:
         threshold = min(draw(st.sampled_from((2, 4))), pool.max_model_len)
-    # an admission limit below the runner's slots in one setup of three
-    active = draw(st.one_of(st.none(), st.none(), st.integers(1, cfg.max_num_seqs)))
+    # cadence setups: an admission limit below the runner's slots in one of three (vLLM's
+    # max_num_active_seqs); PRIORITY setups keep two or more running at once
+    active = draw(st.one_of(st.none(), st.none(), st.integers(1, cfg.max_num_seqs))) if interval > 1 else None
     cfg = replace(cfg, prefill_schedule_interval=interval, long_prefill_token_threshold_adaptive=adaptive,
                   long_prefill_token_threshold=threshold, max_num_active_seqs=active)
     return pool, cfg

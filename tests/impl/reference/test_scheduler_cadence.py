@@ -95,3 +95,17 @@ def test_cadence_config_is_checked():
                       scheduler_block_size=4, hash_block_size=4, max_in_flight_tokens=config.max_in_flight_tokens)
     with pytest.raises(InvalidFieldError, match="prefill_schedule_interval"):
         Scheduler(pool, config, connector=ScriptedConnector())
+
+
+def test_max_num_active_seqs_limits_admission_below_the_runner_slots():
+    """vLLM's ``max_num_active_seqs``: the waiting loop stops at that many running requests."""
+    s = _scheduler(max_num_seqs=4, max_num_active_seqs=2)
+    for rid in "abc":
+        s.add_request(Request(rid, [1, 2, 3], max_tokens=2))
+    assert _step(s) == {"a": 3, "b": 3}
+    assert _step(s) == {"a": 1, "b": 1}  # both finish
+    assert _step(s) == {"c": 3}
+    with pytest.raises(InvalidFieldError, match="max_num_active_seqs"):
+        SchedulerConfig(max_num_seqs=2, max_num_active_seqs=3)
+    with pytest.raises(InvalidFieldError, match="max_num_active_seqs"):
+        SchedulerConfig(max_num_active_seqs=0)
