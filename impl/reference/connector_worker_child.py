@@ -25,6 +25,7 @@ class ScriptedWorkerChild:
 
     Args:
         index: the child's position in the MultiConnector's config (named in its metadata).
+        kv_cache_layout, sleep_mode, piecewise_cudagraph: the child's class-level answers.
 
     Attributes:
         answers: the answer for each call name, set by the driver before the call; a missing
@@ -40,10 +41,21 @@ class ScriptedWorkerChild:
                                 "register_finished_partial_tail": False, "shutdown": None,
                                 "get_kv_connector_stats": None}
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, kv_cache_layout: str | None = None, sleep_mode: bool = False,
+                 piecewise_cudagraph: bool = False) -> None:
         if type(index) is not int or index < 0:
             raise InvalidFieldError("index", index, "an int >= 0")
+        if kv_cache_layout is not None and not isinstance(kv_cache_layout, str):
+            raise InvalidFieldError("kv_cache_layout", kv_cache_layout, "None or a layout name")
+        for name, value in (("sleep_mode", sleep_mode), ("piecewise_cudagraph", piecewise_cudagraph)):
+            if not isinstance(value, bool):
+                raise InvalidFieldError(name, value, "True or False")
         self.index = index
+        #: what the child's class says from its config alone (classmethods in vLLM): the KV cache
+        #: layout it needs, whether it supports sleep mode, whether it needs piecewise CUDA graphs
+        self.kv_cache_layout = kv_cache_layout
+        self.sleep_mode = sleep_mode
+        self.piecewise_cudagraph = piecewise_cudagraph
         self.answers: dict[str, Any] = {}
         self.calls: list[tuple[str, Any]] = []
         self._step = 0

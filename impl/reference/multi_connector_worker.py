@@ -21,6 +21,9 @@ the rules a worker process relies on, beside the scheduler-side lookup rules of
   gives child i entry i;
 * ``get_kv_connector_stats``: the children's stats by connector class, a class's aggregated; across
   ranks class by class (``MultiKVConnectorStats``);
+* from the config alone: the KV cache layout the children need (two different ones are an error,
+  ValueError), sleep mode only if every child supports it, piecewise CUDA graphs if any child
+  needs them;
 * ``get_mem_pool_context``: at most one child may have one (ValueError otherwise);
   ``get_handshake_metadata``: the first child's that is not None; ``has_pending_push_work`` and
   ``register_finished_partial_tail``: any child; ``shutdown``: every child, then the last failure
@@ -59,6 +62,20 @@ class MultiConnectorModel:
         #: metadata; worker: received and not used up)
         self.extra_async_saves: dict[str, int] = {}
         self.bound: tuple | None = None  # the metadata bound on a worker (child metas, extra saves)
+
+    # ---- from the config alone (classmethods in vLLM) ---------------------------------------------
+    def required_kvcache_layout(self) -> str | None:
+        """The one layout the children need (None: none needs one); two different is an error."""
+        layouts = {c.kv_cache_layout for c in self.children if c.kv_cache_layout is not None}
+        if len(layouts) > 1:
+            raise ValueError(f"KV cache layout mismatch: {sorted(layouts)}")
+        return next(iter(layouts), None)
+
+    def supports_sleep_mode(self) -> bool:
+        return all(c.sleep_mode for c in self.children)
+
+    def requires_piecewise_for_cudagraph(self) -> bool:
+        return any(c.piecewise_cudagraph for c in self.children)
 
     # ---- scheduler side ---------------------------------------------------------------------------
     def request_finished(self, request_id: str) -> tuple[bool, dict | None]:

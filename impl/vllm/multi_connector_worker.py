@@ -53,7 +53,9 @@ def multi_connector_config(children: list[ScriptedWorkerChild], world_size: int 
         kv_connector="MultiConnector", kv_role="kv_both", engine_id="kvref-multi",
         kv_connector_extra_config={"connectors": [
             dict(kv_connector=CLASS_NAME, kv_connector_module_path=MODULE_PATH, kv_role="kv_both",
-                 kv_connector_extra_config={"kvref_worker_script": _register(c)}) for c in children]})
+                 kv_connector_extra_config={"kvref_worker_script": _register(c), "kvref_layout": c.kv_cache_layout,
+                                            "kvref_sleep": c.sleep_mode, "kvref_piecewise": c.piecewise_cudagraph})
+            for c in children]})
     return vc
 
 
@@ -87,6 +89,20 @@ def build_multi_connector(children: list[ScriptedWorkerChild], role: str, world_
         multi = MultiConnector(multi_connector_config(children, world_size), roles[role], None)
     assert [c.script for c in multi.sub_connectors] == children
     return multi
+
+
+def class_answers(multi) -> tuple:
+    """What vLLM's ``MultiConnector`` class says from the config alone: ``(required KV cache layout
+    or the refusal, supports sleep mode, requires piecewise CUDA graphs)``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    ktc = multi._vllm_config.kv_transfer_config
+    try:
+        layout = MultiConnector.get_required_kvcache_layout(multi._vllm_config)
+    except ValueError:
+        layout = ValueError
+    return (layout, MultiConnector.supports_sleep_mode(ktc),
+            MultiConnector.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config))
 
 
 def shutdown(multi) -> None:
@@ -197,6 +213,19 @@ def _make_class():
             super().__init__(vllm_config, role, kv_cache_config)
             self.script: ScriptedWorkerChild = _SCRIPTS.pop(
                 self._kv_transfer_config.kv_connector_extra_config["kvref_worker_script"])
+
+        # ---- from the config alone ---------------------------------------------------------------
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return vllm_config.kv_transfer_config.kv_connector_extra_config.get("kvref_layout")
+
+        @classmethod
+        def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+            return bool(kv_transfer_config.kv_connector_extra_config.get("kvref_sleep"))
+
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+            return bool(extra_config.get("kvref_piecewise"))
 
         # ---- scheduler side ----------------------------------------------------------------------
         def get_num_new_matched_tokens(self, request, num_computed_tokens):

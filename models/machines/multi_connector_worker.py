@@ -60,8 +60,11 @@ class _Pair:
 
         self.vmw = vmw
         n, w = case.num_children, case.world_size
-        self.kids_ref = [[ScriptedWorkerChild(i) for i in range(n)] for _ in range(w + 1)]  # [0]: scheduler
-        self.kids_vllm = [[ScriptedWorkerChild(i) for i in range(n)] for _ in range(w + 1)]
+        rng = random.Random(f"class-{case.seed}")  # each child's class-level answers
+        traits = [dict(kv_cache_layout=rng.choice([None, None, "HND", "NHD"]), sleep_mode=rng.random() < 0.7,
+                       piecewise_cudagraph=rng.random() < 0.3) for _ in range(n)]
+        self.kids_ref = [[ScriptedWorkerChild(i, **traits[i]) for i in range(n)] for _ in range(w + 1)]  # [0]: scheduler
+        self.kids_vllm = [[ScriptedWorkerChild(i, **traits[i]) for i in range(n)] for _ in range(w + 1)]
         self.ref = [MultiConnectorModel(k) for k in self.kids_ref]
         self.vllm = [vmw.build_multi_connector(self.kids_vllm[0], "scheduler", w)]
         self.vllm += [vmw.build_multi_connector(k, "worker", w) for k in self.kids_vllm[1:]]
@@ -119,6 +122,14 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
     def copy_blocks(*args):  # the host-buffer copy op a platform hands the connectors
         return None
 
+    # ---- what the engine asks the class before building anything -----------------------------------
+    ref0 = p.ref[0]
+    want = (_outcome(ref0.required_kvcache_layout), ref0.supports_sleep_mode(), ref0.requires_piecewise_for_cudagraph())
+    want = (want[0][1] if want[0][0] == "ok" else ValueError, want[1], want[2])
+    got = vmw.class_answers(p.vllm[0])
+    if got != want:
+        raise MultiWorkerDivergence(f"class-level answers (layout, sleep mode, piecewise): reference {want}, "
+                                    f"vLLM {got}")
     # ---- setup: what a worker does once -----------------------------------------------------------
     for r in ranks:
         p.both("register_kv_caches", lambda r=r: p.ref[r].forward("register_kv_caches", tuple(sorted(caches))),

@@ -94,7 +94,17 @@ def _stats_first_child(self):
     return None
 
 
-@pytest.mark.parametrize("fault", ["sends", "extra_meta", "worker_meta", "load_errors", "shutdown", "stats"])
+def _first_layout(cls, vllm_config):
+    """Planted: the first child's layout wins (a mismatch between children goes unnoticed)."""
+    for child_cls, temp_config in cls._get_connector_classes_and_configs(vllm_config):
+        layout = child_cls.get_required_kvcache_layout(temp_config)
+        if layout is not None:
+            return layout
+    return None
+
+
+@pytest.mark.parametrize("fault", ["sends", "extra_meta", "worker_meta", "load_errors", "shutdown", "stats",
+                                   "layout"])
 def test_planted_faults_are_caught(M, monkeypatch, fault):
     multi_connector, mw = M
     cls = multi_connector.MultiConnector
@@ -103,7 +113,8 @@ def test_planted_faults_are_caught(M, monkeypatch, fault):
              "worker_meta": ("build_connector_worker_meta", _worker_meta_packed),
              "load_errors": ("get_block_ids_with_load_errors", _load_errors_first_child),
              "shutdown": ("shutdown", _shutdown_stops_at_failure),
-             "stats": ("get_kv_connector_stats", _stats_first_child)}[fault]
+             "stats": ("get_kv_connector_stats", _stats_first_child),
+             "layout": ("get_required_kvcache_layout", classmethod(_first_layout))}[fault]
     monkeypatch.setattr(cls, *plant)
     with pytest.raises(mw.MultiWorkerDivergence):
         mw.run_multi_worker_traces(mw.random_multi_worker_cases(0, 40))

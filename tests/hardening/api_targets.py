@@ -327,7 +327,8 @@ def _multi_worker_constructors() -> dict[str, tuple[Callable[..., Any], dict[str
     from kvref.impl.reference.connector_worker_child import ScriptedWorkerChild
     from kvref.impl.reference.multi_connector_worker import MultiConnectorModel, RankOutputAggregator
 
-    return {"ScriptedWorkerChild": (ScriptedWorkerChild, dict(index=1)),
+    return {"ScriptedWorkerChild": (ScriptedWorkerChild, dict(index=1, kv_cache_layout="HND", sleep_mode=True,
+                                                              piecewise_cudagraph=False)),
             "MultiConnectorModel": (MultiConnectorModel, dict(children=[ScriptedWorkerChild(0), ScriptedWorkerChild(1)])),
             "RankOutputAggregator": (RankOutputAggregator, dict(expected=2))}
 
