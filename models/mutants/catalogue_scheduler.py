@@ -99,8 +99,8 @@ _register(
 
 _register(
     "sched.max_num_seqs_off_by_one", f"{_SCHED}._schedule_waiting",
-    "admission stops at max_num_seqs + 1 running requests",
-    "len(self.running) < cfg.max_num_seqs", "len(self.running) <= cfg.max_num_seqs")
+    "admission stops at max_num_seqs (or max_num_active_seqs) + 1 running requests",
+    "len(self.running) < cfg.max_num_active_reqs", "len(self.running) <= cfg.max_num_active_reqs")
 
 _register(
     "sched.chunks_without_chunked_prefill", f"{_SCHED}._schedule_waiting",
