@@ -32,7 +32,8 @@ def test_at_least_six_scheduler_mutants_apply_and_restore():
 
 def test_edit_source_changes_one_snippet_and_keeps_line_numbers():
     original = Scheduler._schedule_waiting
-    faulty = edit_source(original, "len(self.running) < cfg.max_num_seqs", "len(self.running) <= cfg.max_num_seqs")
+    faulty = edit_source(original, "len(self.running) < cfg.max_num_active_reqs",
+                         "len(self.running) <= cfg.max_num_active_reqs")
     assert faulty is not original and faulty.__qualname__ == original.__qualname__
     assert faulty.__code__.co_firstlineno == original.__code__.co_firstlineno
     assert faulty.__code__.co_filename == original.__code__.co_filename
