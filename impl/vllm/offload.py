@@ -244,11 +244,16 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
         req.kv_transfer_params = kv_transfer_params  # vLLM reads it from SamplingParams.extra_args
         self.conn.on_new_request(req)
 
+    @property
+    def _sched(self):
+        """The scheduler side: ``self.conn``, or the whole connector's ``scheduler`` (conform-offload-worker)."""
+        return getattr(self.conn, "scheduler", self.conn)
+
     def hit_sources(self, req, n_ext):
-        return sorted((s.value, n) for s, n in self.conn.get_external_cache_hit_sources(req, n_ext).items())
+        return sorted((s.value, n) for s, n in self._sched.get_external_cache_hit_sources(req, n_ext).items())
 
     def connector_stats(self):
-        stats = self.conn.get_stats()
+        stats = self._sched.get_stats()
         if stats is None:
             return {}
         types, values = stats.data["types"], stats.data["data"]
@@ -266,7 +271,7 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     def request_offload_state(self, rid):
         from vllm.v1.kv_offload.base import TierFilter
 
-        st = self.conn._req_status.get(rid)
+        st = self._sched._req_status.get(rid)
         if st is None:
             return None
         f = st.req_context.load_tier_filter

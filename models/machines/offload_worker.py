@@ -60,7 +60,19 @@ class OffloadingWorkerWorld(OffloadingWorld):
     writes its share of); ``"reference"``: kvref's reference backend under the same handover rule."""
 
     def __init__(self, cfg, backend: str = "reference", strict: bool = True) -> None:
+        # This machine publishes and compares the CPU tier's events itself (placeholders, through
+        # vLLM's KV-event aggregation); the events and per-request params conform-offload draws on
+        # the scheduler alone stay off here, so its traces are the ones it was written for.
+        from dataclasses import replace
+
+        cfg = replace(cfg, kv_events="off", kv_transfer_params=())
         super().__init__(cfg, backend, strict)
+        # vLLM's whole connector also reports the workers' transfer metrics (bytes, times) and its
+        # CPU cache's byte size (info), which depend on the worker's page layout: only the
+        # scheduler's and the CPU manager's metrics are compared here.
+        self.stats_compared = {"lookup_sync_delay_seconds", "lookup_async_delay_seconds", "allocation_failure",
+                               "cpu_cache_usage_perc", "cpu_cache_write_usage_perc", "cpu_cache_read_usage_perc",
+                               "cpu_allocation_size", "stores_skipped"}
         self.steps = 0
         self.created: dict[int, int] = {}  # store job -> step that created it
         self.flushed_by_meta: set[int] = set()

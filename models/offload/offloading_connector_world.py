@@ -176,6 +176,7 @@ class OffloadingWorld(OffloadWorldBase):
         self.kv_events: list[dict] = []  # every KV cache event the connector published, in order
         self.hit_sources: list[tuple] = []  # (request, get_external_cache_hit_sources) per load
         self.stats: list[dict] = []  # the connector's get_stats after every step
+        self.stats_compared: set[str] | None = None  # None: every metric; else only these names
 
     @property
     def b(self):
@@ -250,7 +251,10 @@ class OffloadingWorld(OffloadWorldBase):
         # lookup answer compared even when the allocation after it fails on both backends.
         meta = (*self.b.build_meta(self._scheduler_output(OffloadingStep, batch)), tuple(lookups))
         self._take_kv_events()
-        self.stats.append(self.b.connector_stats())  # vLLM's engine collects them every step
+        stats = self.b.connector_stats()  # vLLM's engine collects them every step
+        if self.stats_compared is not None:
+            stats = {k: v for k, v in stats.items() if k in self.stats_compared}
+        self.stats.append(stats)
         self.reset_undelivered = False
         self.metas.append(meta)
         loads, stores, flush, _ = meta
