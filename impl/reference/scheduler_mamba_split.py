@@ -182,13 +182,15 @@ def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local
     ``admitting``: the request was just looked up in the prefix cache, which (as in vLLM's
     ``schedule()``) sets its ``shared_prefix_boundary``: the junction where one group cached more
     than the reconciled hit, a stop for this and every later chunk of the request."""
-    config = scheduler_split_config(scheduler)
-    if config is None:
-        return num_new_tokens
     if admitting:
+        # on every pool, not only Mamba "align" ones: sparse retention keeps the junction's
+        # sliding-window tail too (``reachable_block_mask``'s reachable boundaries)
         manager = getattr(scheduler.kv_cache_manager, "manager", None)  # the reference's rich manager
         lookup = getattr(manager, "get_computed_blocks", None)
         request.shared_prefix_boundary = lookup(request)[2] if lookup is not None else 0
+    config = scheduler_split_config(scheduler)
+    if config is None:
+        return num_new_tokens
     return mamba_block_aligned_split(config, request.num_computed_tokens, request.num_prompt_tokens,
                                      request.num_tokens, num_new_tokens, num_new_local_computed_tokens,
                                      shared_prefix_boundary=getattr(request, "shared_prefix_boundary", 0))

@@ -93,12 +93,13 @@ def sparse_window_setups():
 
 
 def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: bool = True,
-                            seed: int | None = None) -> SchedulerRun:
+                            seed: int | None = None, setups=None) -> SchedulerRun:
     """The reference scheduler in lock step with vLLM 0.33.0's on Mamba "align" pools (traces of
     at least 30 operations; liveness drained at teardown as in the main machine). The coverage
     adds ``mamba_traces`` (traces that added a request; ``mamba_checkpoint_traces`` and
     ``mamba_sparse_retention_traces`` of them with prefill checkpoints, sparse retention) and ``mamba_clipped_chunks`` (prefill
-    chunks the split cut short of what the budget allowed, by the reference's count)."""
+    chunks the split cut short of what the budget allowed, by the reference's count). ``setups``:
+    another setup strategy (default: Mamba "align" two in three, sparse sliding windows)."""
     from kvref.impl.reference import scheduler_mamba_split as split_module
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
@@ -114,7 +115,8 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
             drivers.append(self)
 
     # two traces in three on Mamba "align" pools, one on sparse sliding windows
-    setups = st.one_of(mamba_align_setups(), mamba_align_setups(), sparse_window_setups())
+    if setups is None:
+        setups = st.one_of(mamba_align_setups(), mamba_align_setups(), sparse_window_setups())
     base = machine_with(factories, setups=setups, name="MambaAlignBase")
     machine = type("MambaAlignRun", (CacheControlsMachine, base), {"driver_class": Counting})
     original = split_module.mamba_block_aligned_split

@@ -61,3 +61,16 @@ def test_a_mamba_manager_that_finds_no_hit_is_a_divergence(vllm_scheduler, monke
     monkeypatch.setattr(MambaManager, "find_longest_cache_hit", classmethod(no_hit))
     run = run_mamba_align_machine(profile_examples(10, 40), reproducible=True, shrink=False)
     assert not run.ok, "a lost Mamba hit went unnoticed"
+
+
+def test_sparse_window_traces_record_the_junction_as_vllm_does(vllm_scheduler):
+    """vLLM's ``schedule()`` stores ``get_computed_blocks``' shared-prefix junction on every admitted
+    request; sparse retention then keeps the sliding-window tail ending there. The reference stored
+    it only on Mamba "align" pools, so on FA+SWA pools under ``prefix_cache_retention_interval`` it
+    dropped a tail vLLM caches: the published ``BlockStored`` and the block ids differed (seed 1
+    diverged within 40 traces before the fix)."""
+    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine, sparse_window_setups
+
+    run = run_mamba_align_machine(40, seed=1, shrink=False, setups=sparse_window_setups())
+    assert run.ok, run.failure
+    assert run.coverage["sparse_window_traces"] >= 20, run.coverage
