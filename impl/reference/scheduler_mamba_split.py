@@ -182,13 +182,14 @@ def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local
     ``admitting``: the request was just looked up in the prefix cache, which (as in vLLM's
     ``schedule()``) sets its ``shared_prefix_boundary``: the junction where one group cached more
     than the reconciled hit, a stop for this and every later chunk of the request."""
-    if admitting:
-        # on every pool, not only Mamba "align" ones: sparse retention keeps the junction's
-        # sliding-window tail too (``reachable_block_mask``'s reachable boundaries)
+    config = scheduler_split_config(scheduler)
+    if admitting and (config is not None or scheduler.pool.prefix_cache_retention_interval is not None):
+        # vLLM stores it on every admitted request; it matters to Mamba "align" pools and to sparse
+        # retention, which keeps the junction's sliding-window tail too (``reachable_block_mask``'s
+        # reachable boundaries); elsewhere the second lookup is skipped
         manager = getattr(scheduler.kv_cache_manager, "manager", None)  # the reference's rich manager
         lookup = getattr(manager, "get_computed_blocks", None)
         request.shared_prefix_boundary = lookup(request)[2] if lookup is not None else 0
-    config = scheduler_split_config(scheduler)
     if config is None:
         return num_new_tokens
     return mamba_block_aligned_split(config, request.num_computed_tokens, request.num_prompt_tokens,
