@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 
 from kvref.spec.kv_cache_interface import MambaSpec
 
+from kvref.models.machines.counted_lockstep import run_counted
 from kvref.models.machines.scheduler import (
     COVERAGE,
     MAMBA_ALIGN_KINDS,
-    Lockstep,
     SchedulerRun,
     machine_with,
     run_lockstep_machine,
@@ -92,14 +92,31 @@ def sparse_window_setups():
             .map(_roomy))
 
 
+class MambaLockstep(CacheControlsLockstep):
+    """:class:`CacheControlsLockstep` that tallies, at its first arrival, what kind of pool the
+    trace runs on (``mamba_traces``, of them ``mamba_checkpoint_traces`` with prefill checkpoints
+    and ``mamba_sparse_retention_traces`` with sparse retention; ``sparse_window_traces``)."""
+
+    def add(self, spec) -> None:
+        if not self.specs:
+            groups = self.pool.groups
+            if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+                COVERAGE["mamba_traces"] += 1
+                COVERAGE["mamba_checkpoint_traces"] += any(
+                    getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) for g in groups)
+                COVERAGE["mamba_sparse_retention_traces"] += self.pool.prefix_cache_retention_interval is not None
+            else:
+                COVERAGE["sparse_window_traces"] += 1
+        super().add(spec)
+
+
 def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: bool = True,
                             seed: int | None = None, setups=None) -> SchedulerRun:
     """The reference scheduler in lock step with vLLM 0.33.0's on Mamba "align" pools (traces of
     at least 30 operations; liveness drained at teardown as in the main machine). The coverage
-    adds ``mamba_traces`` (traces that added a request; ``mamba_checkpoint_traces`` and
-    ``mamba_sparse_retention_traces`` of them with prefill checkpoints, sparse retention) and ``mamba_clipped_chunks`` (prefill
-    chunks the split cut short of what the budget allowed, by the reference's count). ``setups``:
-    another setup strategy (default: Mamba "align" two in three, sparse sliding windows)."""
+    adds :class:`MambaLockstep`'s tallies and ``mamba_clipped_chunks`` (prefill chunks the split
+    cut short of what the budget allowed, by the reference's count). ``setups``: another setup
+    strategy (default: Mamba "align" two in three, sparse sliding windows)."""
     from kvref.impl.reference import scheduler_mamba_split as split_module
     from kvref.impl.reference.scheduler import Scheduler
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
@@ -107,18 +124,10 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
     env = VllmEnv()
     factories: dict[str, Callable] = {"vllm": lambda p, c: VllmScheduler(p, c, env),
                                       "ref": lambda p, c: Scheduler(p, c)}
-    drivers: list[Lockstep] = []
-
-    class Counting(CacheControlsLockstep):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            drivers.append(self)
-
     # two traces in three on Mamba "align" pools, one on sparse sliding windows
     if setups is None:
         setups = st.one_of(mamba_align_setups(), mamba_align_setups(), sparse_window_setups())
     base = machine_with(factories, setups=setups, name="MambaAlignBase")
-    machine = type("MambaAlignRun", (CacheControlsMachine, base), {"driver_class": Counting})
     original = split_module.mamba_block_aligned_split
 
     def counting_split(config, *args, **kwargs):
@@ -127,20 +136,12 @@ def run_mamba_align_machine(examples: int, reproducible: bool = False, shrink: b
         COVERAGE["mamba_clipped_chunks"] += n < num_new_tokens
         return n
 
-    COVERAGE.clear()
     split_module.mamba_block_aligned_split = counting_split
     try:
-        ok, failure, sig = run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
-                                                reproducible=reproducible, shrink=shrink)
+        return SchedulerRun(**run_counted(
+            lambda counting: type("MambaAlignRun", (CacheControlsMachine, base), {"driver_class": counting}),
+            MambaLockstep,
+            lambda machine: run_lockstep_machine(machine, examples, steps=45, min_steps=31, seed=seed,
+                                                 reproducible=reproducible, shrink=shrink), COVERAGE))
     finally:
         split_module.mamba_block_aligned_split = original
-    valid = [d for d in drivers if d.num_steps >= 30]
-    is_mamba = [any(isinstance(g.kv_cache_spec, MambaSpec) for g in d.pool.groups) for d in valid]
-    COVERAGE["mamba_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and m)
-    COVERAGE["sparse_window_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and not m)
-    COVERAGE["mamba_checkpoint_traces"] = sum(1 for d, m in zip(valid, is_mamba) if d.specs and m and any(
-        getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) for g in d.pool.groups))
-    COVERAGE["mamba_sparse_retention_traces"] = sum(
-        1 for d, m in zip(valid, is_mamba) if d.specs and m and d.pool.prefix_cache_retention_interval is not None)
-    return SchedulerRun(ok=ok, traces=len(valid), ops=sum(d.num_steps for d in valid),
-                        coverage=dict(COVERAGE), failure=failure, signature=sig)
