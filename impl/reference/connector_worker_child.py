@@ -76,7 +76,8 @@ class ScriptedWorkerChild:
         return (self.index, self._step)
 
     def check_invariants(self) -> None:
-        assert self._step >= 0 and all(isinstance(c, tuple) and len(c) == 2 for c in self.calls)
+        assert self._step >= 0 and all(isinstance(c, tuple) and len(c) == 2 for c in self.calls), \
+            f"C2: step {self._step}, calls {self.calls[-3:]}"
 
 
 def aggregate_worker_meta(a: tuple, b: tuple) -> tuple:

@@ -216,7 +216,7 @@ class MultiConnectorModel:
             raise failure
 
     def check_invariants(self) -> None:
-        assert all(n >= 1 for n in self.extra_async_saves.values()), self.extra_async_saves
+        assert all(n >= 1 for n in self.extra_async_saves.values()), f"C1: extra async saves {self.extra_async_saves}"
         for c in self.children:
             c.check_invariants()
 

@@ -75,6 +75,7 @@ class PrefillCadence:
             self.last_prefill_step = self.num_executed_steps
 
     def check_invariants(self) -> None:
-        assert self.interval >= 1
-        assert self.num_executed_steps >= 0
-        assert -self.interval <= self.last_prefill_step <= self.num_executed_steps
+        assert self.interval >= 1, f"Q10: prefill_schedule_interval {self.interval}"
+        assert self.num_executed_steps >= 0, f"Q10: executed steps {self.num_executed_steps}"
+        assert -self.interval <= self.last_prefill_step <= self.num_executed_steps, \
+            f"Q10: last prefill step {self.last_prefill_step} outside [-{self.interval}, {self.num_executed_steps}]"

@@ -78,6 +78,8 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
         raise InvalidFieldError("shape", shape, "a tuple of 1 to 4 sizes")
     for n in shape:
         check_int("shape", n, minimum=0)
+        if n > 2**62:  # torch takes int64 sizes: a larger one is a TypeError inside torch.zeros
+            raise InvalidFieldError("shape", tuple(shape), "sizes of at most 2**62")
     if not isinstance(dtype, torch.dtype):
         raise InvalidFieldError("dtype", dtype, "a torch.dtype")
     try:
@@ -90,7 +92,7 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
         raise InvalidFieldError("device", device, "a CUDA device present on this machine (pinned memory needs one)")
     try:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=dev.type == "cuda")
-    except (RuntimeError, MemoryError, OverflowError) as exc:  # a size no allocator can serve
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as exc:  # a size no allocator can serve
         raise InvalidFieldError("shape", tuple(shape), f"a host buffer this machine can allocate ({exc})") from None
 
 

@@ -209,9 +209,9 @@ class OffloadingEventsTracker:
 
     def check_invariants(self) -> None:
         """Snapshots exist only when self-describing is on, each of a whole chunk of its own group."""
-        assert self.enabled or not self.pending, "E1: a snapshot kept with self-describing events off"
+        assert self.enabled or not self.pending, "O8: a snapshot kept with self-describing events off"
         for k, meta in self.pending.items():
-            assert meta.group_idx == get_offload_group_idx(k), f"E1: snapshot of {k!r} names group {meta.group_idx}"
+            assert meta.group_idx == get_offload_group_idx(k), f"O8: snapshot of {k!r} names group {meta.group_idx}"
             assert meta.block_hashes and meta.block_hashes[-1] == get_offload_block_hash(k), \
-                f"E1: snapshot of {k!r} does not end at the key's hash"
-            assert len(meta.token_ids) == len(meta.block_hashes) * meta.block_size, f"E1: snapshot of {k!r} tokens"
+                f"O8: snapshot of {k!r} does not end at the key's hash"
+            assert len(meta.token_ids) == len(meta.block_hashes) * meta.block_size, f"O8: snapshot of {k!r} tokens"

@@ -84,3 +84,14 @@ def test_the_copy_kernel_launches_on_cuda_beside_a_pinned_host_tensor(monkeypatc
     for src, dst in ((dev, pageable), (pageable, dev)):
         with pytest.raises(InvalidFieldError, match="unpinned host tensor"):
             launch_device(src, dst)
+
+
+@pytest.mark.parametrize("shape", [(0, 10**30), (10**30,), (2**63,)])
+def test_a_size_torch_cannot_even_represent_is_refused_naming_the_shape(shape):
+    """Found by the API fuzz suite (ci profile): ``(0, 10**30)`` escaped as torch's TypeError (sizes
+    are int64 inside torch), not an InvalidFieldError."""
+    from kvref.impl.torch import offload_copy
+    from kvref.spec.errors import InvalidFieldError
+
+    with pytest.raises(InvalidFieldError, match="shape"):
+        offload_copy.host_buffer(shape, torch.float32, "cpu")
