@@ -71,7 +71,7 @@ class Baseline:
     @classmethod
     def load(cls, path: str) -> "Baseline":
         """Read a baseline file; every problem is a :class:`BaselineError` naming file and position."""
-        from kvref.cli_input import read_json
+        from kvref.cli.input import read_json
 
         try:  # not UTF-8, an int of 5,000 digits, nesting 10,000 deep: named, never a traceback
             data = read_json("--baseline", path, "baseline file")

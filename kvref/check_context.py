@@ -3,7 +3,7 @@
 Every check of kvref — those ``kvref verify`` runs, those the mutant campaigns select — is a
 :class:`Check` whose ``run(ctx: VerifyContext) -> CheckResult``. The one list of them is
 :data:`kvref.checks.CHECKS`; the bodies live beside what they check (:mod:`kvref.verify`,
-:mod:`kvref.cli_explore`, :mod:`kvref.models.mutants.campaign`) and import only this module, so
+:mod:`kvref.cli.explore`, :mod:`kvref.models.mutants.campaign`) and import only this module, so
 the registry imports them and nothing imports back.
 """
 

@@ -20,7 +20,7 @@ Example — one entry, and the campaign form of a check whose body is a verdict 
           _verdict_check("pool-machine", campaign.pool_machine_verdict), default=False,
           blind_to=_NO_SCHEDULER)
 
-The bodies live beside what they check (:mod:`kvref.verify`, :mod:`kvref.cli_explore`,
+The bodies live beside what they check (:mod:`kvref.verify`, :mod:`kvref.cli.explore`,
 :mod:`kvref.models.mutants.campaign`) and never import this module: the import graph runs from
 the registry to the bodies only.
 """
@@ -34,7 +34,7 @@ from kvref.models.mutants import campaign
 from kvref.spec.errors import InvalidFieldError
 
 from .check_context import CAMPAIGN, Check, VerifyContext, vllm_gate
-from .cli_explore import check_explorer, check_explorer_conformance
+from .cli.explore import check_explorer, check_explorer_conformance
 from .report import FAILED, PASSED, CheckResult
 from .verify_connector import check_connector_conformance
 from .verify_p2p import check_p2p_conformance

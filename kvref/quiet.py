@@ -5,7 +5,7 @@ in CI logs.
 stderr (the OffloadingConnector's "cannot store chunks" for every refused store, the CPU
 platform's "CPU backend prefers block_size…", "Triton is not installed…", transformers' RoPE
 validation), burying kvref's own progress; and rich's ``console.log`` wrapped each progress line
-at 80 columns with a ``cli_verify.py:60`` suffix when stderr was not a terminal (issue #16).
+at 80 columns with a ``cli/verify.py:60`` suffix when stderr was not a terminal (issue #16).
 :func:`quiet_third_party` raises those libraries' log levels to ERROR and hides their Python
 warnings; :func:`progress_console` is a stderr console that neither wraps nor names a source line.
 Errors still show; kvref's own output is untouched.

@@ -232,7 +232,7 @@ def explore_on_ray(system: Any, *, mutants: tuple[str, ...] = (), min_parallel_l
                check_deadlocks=check_deadlocks, check_liveness=check_liveness, max_findings=max_findings,
                max_depth=max_depth, min_parallel_level=min_parallel_level, progress=progress, backend=backend)
     except KeyboardInterrupt:
-        from kvref.cli_interrupt import acknowledge
+        from kvref.cli.interrupt import acknowledge
 
         acknowledge()  # taken: the partial report is written, not interrupted again
         out.interrupted, res.complete = True, False

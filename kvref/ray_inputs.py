@@ -4,7 +4,7 @@ A seed does not fix Hypothesis' inputs alone: since 6.1xx Hypothesis mixes into 
 constants found in the source of every *local* module loaded so far (not site-packages, not the
 stdlib, not tests: ``hypothesis.internal.conjecture.providers._get_local_constants``). kvref is such
 a local module tree, so a check's traces depend on which kvref modules its process has imported.
-A Ray worker imports others than ``kvref verify`` does (kvref.ray_runner, no kvref.cli_*), and on
+A Ray worker imports others than ``kvref verify`` does (kvref.ray_runner, no kvref.cli.*), and on
 a first try ``machine-scheduler --seed 3`` drew other traces on Ray than locally (1678 ops, 2
 preemptions vs 1693 ops, 20 preemptions).
 

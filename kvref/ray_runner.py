@@ -334,7 +334,7 @@ def run_units(units: Sequence[Unit], on_done: Callable[[UnitOutcome], bool | Non
             if stopped:
                 break
     except KeyboardInterrupt:
-        from kvref.cli_interrupt import acknowledge
+        from kvref.cli.interrupt import acknowledge
 
         acknowledge()  # taken: the partial report is written, not interrupted again
         interrupted = True

@@ -57,7 +57,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         return
     from kvref.spec.errors import InvalidFieldError
 
-    from .cli_checks import check_writable_dir
+    from .cli.arguments import check_writable_dir
     from .reach_exclusions import load_exclusions
     from .reach_modules import resolve_modules
 

@@ -3,7 +3,7 @@
 Each body is a function ``(VerifyContext) -> CheckResult``; which checks exist, in which order,
 and which the mutant campaigns select is :data:`kvref.checks.CHECKS` (the one registry). Bodies
 import what they need lazily, so ``kvref verify --only proofs`` does not pay for torch or vLLM.
-The explorer checks' bodies are in :mod:`kvref.cli_explore`, beside the explorer's command.
+The explorer checks' bodies are in :mod:`kvref.cli.explore`, beside the explorer's command.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 from .check_context import Check, VerifyContext, vllm_available, vllm_gate  # noqa: F401  (re-exported)
-from .cli_explore import check_explorer, check_explorer_conformance  # noqa: F401  (bodies of explorer, conform-explorer)
+from .cli.explore import check_explorer, check_explorer_conformance  # noqa: F401  (bodies of explorer, conform-explorer)
 from .report import ACCEPTED, ERROR, FAILED, PASSED, SKIPPED, UNKNOWN, CheckResult
 
 
@@ -145,7 +145,7 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
 def check_proofs(ctx: VerifyContext) -> CheckResult:
     """Z3 theorems T1-T9 proved over unbounded ints; every historic variant refuted with a reproducer."""
-    from kvref.cli_prove import verify_check
+    from kvref.cli.prove import verify_check
 
     return verify_check(ctx)
 

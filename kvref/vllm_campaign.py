@@ -218,7 +218,7 @@ def _verify_options() -> set[str]:
     ``--shrink-seconds``; the campaign then runs every check and shrinks as verify does)."""
     import argparse
 
-    from kvref.cli_verify import add_parser
+    from kvref.cli.verify import add_parser
 
     p = add_parser(argparse.ArgumentParser().add_subparsers())
     return {o for a in p._actions for o in a.option_strings}

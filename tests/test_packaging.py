@@ -22,7 +22,7 @@ def test_wheel_contains_every_layer_and_imports_outside_the_repo(tmp_path):
                    "kvref/impl/vllm/__init__.py", "kvref/impl/vllm/api.py", "kvref/impl/run_trace/__init__.py",
                    "kvref/impl/torch/triton_kernels/__init__.py", "kvref/models/run_check/__init__.py",
                    "kvref/models/mutants/vllm_source/catalogue.py", "kvref/models/machines/scheduler.py",
-                   "kvref/models/__init__.py", "kvref/proofs/__init__.py", "kvref/cli.py",
+                   "kvref/models/__init__.py", "kvref/proofs/__init__.py", "kvref/cli/__init__.py",
                    "kvref/examples/llama3_8b.json", "kvref/examples/gemma3_27b_like.toml"):
         assert module in names, f"{module} missing from the wheel"
     for init in (ROOT / "models").rglob("__init__.py"):  # every models/ sub-package ships

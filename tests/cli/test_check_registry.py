@@ -18,7 +18,7 @@ NAMES = [c.name for c in checks.CHECKS]
 
 
 def _verify_choices() -> list[str]:
-    from kvref.cli_verify import add_parser
+    from kvref.cli.verify import add_parser
 
     parser = add_parser(argparse.ArgumentParser().add_subparsers())
     return next(a.choices for a in parser._actions if "--only" in a.option_strings)

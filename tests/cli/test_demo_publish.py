@@ -115,7 +115,7 @@ def test_a_duplicated_batch_reaches_a_live_watcher(capsys) -> None:
     connecting before the demo binds, and a paced demo waits a moment after binding before its
     first step, so the subscription is in place before the duplicated batch goes out."""
     require_vllm()
-    from kvref.cli_watch import watch
+    from kvref.cli.watch import watch
     from kvref.models.kv_events.watch import EventStreamWatcher
 
     demo = _Demo("prefix-sharing", "duplicate-batch", interval=0.02)

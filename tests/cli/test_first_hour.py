@@ -165,7 +165,7 @@ def test_every_command_runs_quiet(monkeypatch) -> None:
 
     monkeypatch.setattr(cli, "build_parser", probed)
     argv = {"replay": ["x.json"], "check-run": ["x.kvtrace.gz"], "watch": ["tcp://127.0.0.1:1"]}
-    names = [m.split("_", 1)[1].replace("_", "-") for m in cli.SUBCOMMAND_MODULES]
+    names = [m.rsplit(".", 1)[1].replace("_", "-") for m in cli.SUBCOMMAND_MODULES]
     for name in names:
         calls.clear()
         cli.main([name, *argv.get(name, [])])

@@ -144,7 +144,7 @@ def test_explore_out_must_be_writable(capsys, tmp_path):
 
 
 def test_workers_auto_counts_idle_cores(monkeypatch, capsys):
-    from kvref.cli_explore import auto_workers
+    from kvref.cli.explore import auto_workers
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))

@@ -60,7 +60,7 @@ def test_verify_is_quiet_by_default_and_verbose_on_request(tmp_path):
     assert quiet.returncode in (0, 1), quiet.stderr[-2000:]
     noise = ("cannot store chunks", "CPU backend prefers", "Triton is not installed", "Failed to import from vllm._C")
     assert [n for n in noise if n in quiet.stderr] == [], quiet.stderr[-2000:]
-    assert "cli_verify.py:" not in quiet.stderr
+    assert "cli/verify.py:" not in quiet.stderr
     assert [line for line in quiet.stderr.splitlines() if "conform-offload:" in line]  # kvref's own progress stays
     loud = subprocess.run(cmd + ["--verbose"], capture_output=True, text=True, env=env, timeout=600)
     assert "cannot store chunks" in loud.stderr, loud.stderr[-2000:]  # the noise exists: quiet hides it

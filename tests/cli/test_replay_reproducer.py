@@ -20,7 +20,7 @@ def test_replay_a_proof_reproducer(tmp_path, capsys):
 
 def test_replay_of_a_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(InvalidFieldError):
-        from kvref.cli_replay import _run_reproducer
+        from kvref.cli.replay import _run_reproducer
 
         _run_reproducer(str(tmp_path / "nope.py"), None, False)
     assert cli.main(["replay", str(tmp_path / "nope.py"), "--exec-python"]) == 2

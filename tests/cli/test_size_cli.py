@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvref import cli_size
-from kvref.cli_size import example_names, main, parse_bytes
+from kvref.cli import size as cli_size
+from kvref.cli.size import example_names, main, parse_bytes
 
 EXAMPLES = ("deepseek_v3_like", "gemma3_27b_like", "llama3_8b", "nemotron_h_8b_like")
 
@@ -131,7 +131,7 @@ def test_parse_bytes_units():
 
 
 def test_wires_into_a_parent_parser(capsys):
-    """How kvref/cli.py wires it: add_parser(subparsers) + run(args)."""
+    """How kvref/cli/__init__.py wires it: add_parser(subparsers) + run(args)."""
     parser = argparse.ArgumentParser(prog="kvref")
     sub = parser.add_subparsers(dest="command")
     cli_size.add_parser(sub).set_defaults(_run=cli_size.run)

@@ -192,7 +192,7 @@ def test_clean_stream_exits_0_and_rebuilds_vllms_index(vllm_stream, capsys) -> N
 
 @pytest.mark.vllm
 def test_watcher_shadow_equals_vllms_index_with_the_vllm_decoder(vllm_stream) -> None:
-    from kvref.cli_watch import watch
+    from kvref.cli.watch import watch
 
     batches, mgr = vllm_stream
     pub = _Publisher()
@@ -215,7 +215,7 @@ def test_a_last_batch_missed_on_the_wire_is_fetched_from_replay(vllm_stream) -> 
     """No later batch reveals the gap, so only asking the replay socket while the stream is quiet
     recovers it (the CI flake behind this test: the final batch was published while the watcher's
     subscription was still joining, and the watcher waited for it until --seconds)."""
-    from kvref.cli_watch import watch
+    from kvref.cli.watch import watch
 
     batches, mgr = vllm_stream
     pub = _Publisher()
@@ -281,7 +281,7 @@ def test_a_lost_batch_is_flagged_and_exits_1(vllm_stream, capsys) -> None:
 
 @pytest.mark.vllm
 def test_a_duplicated_batch_is_flagged_and_exits_1(vllm_stream) -> None:
-    from kvref.cli_watch import exit_status, watch
+    from kvref.cli.watch import exit_status, watch
 
     batches, _ = vllm_stream
     pub = _Publisher()
@@ -368,7 +368,7 @@ def test_vllms_scheduler_publishes_to_a_bound_watcher() -> None:
     from kvref.spec.kv_cache_interface import KVCacheGroupSpec
     from vllm.config.kv_events import KVEventsConfig
 
-    from kvref.cli_watch import watch
+    from kvref.cli.watch import watch
 
     port, replay_port = _free_port(), _free_port()
     env = VllmEnv()

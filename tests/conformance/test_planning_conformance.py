@@ -191,7 +191,7 @@ def test_spec_formulas_match_vllm(planner, args, max_len):
 @pytest.mark.parametrize("example", ["deepseek_v3_like", "gemma3_27b_like", "llama3_8b", "nemotron_h_8b_like"])
 def test_packaged_examples_match_vllm(planner, example):
     """The layouts `kvref size` ships plan the same in vLLM."""
-    from kvref.cli_size import build_layers, load_layout, parse_bytes
+    from kvref.cli.size import build_layers, load_layout, parse_bytes
 
     data = load_layout(None, example)
     config = EngineConfig(**data["engine"])

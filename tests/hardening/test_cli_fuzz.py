@@ -67,13 +67,13 @@ def test_every_subcommand_has_cases():
     from kvref.cli import SUBCOMMAND_MODULES
 
     covered = {c.argv[0] for c in cases() if c.argv}
-    assert {m.split("_", 1)[1].replace("_", "-") for m in SUBCOMMAND_MODULES} <= covered
+    assert {m.rsplit(".", 1)[1].replace("_", "-") for m in SUBCOMMAND_MODULES} <= covered
 
 
 def test_a_closed_stdout_is_not_an_input_error(monkeypatch, capsys):
     """``kvref size ... --json | head -2``: the reader left; that was reported as an input error
     (``error: [Errno 32] Broken pipe``, exit 2). Now 141, what a shell reports for SIGPIPE, silently."""
-    from kvref import cli_size
+    from kvref.cli import size as cli_size
 
     def reader_left(args):
         raise BrokenPipeError(32, "Broken pipe")
@@ -90,7 +90,7 @@ def test_watch_replay_wait_ends_with_the_run():
 
     import zmq
 
-    from kvref.cli_watch import _Replay
+    from kvref.cli.watch import _Replay
 
     replay = _Replay(zmq.Context.instance(), "tcp://127.0.0.1:9")
     try:

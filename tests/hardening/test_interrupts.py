@@ -65,7 +65,7 @@ def test_interrupt_without_json_prints_the_partial_table(monkeypatch, capsys, tm
 
 def test_interrupt_before_the_first_check_still_prints_a_json_report(monkeypatch, capsys):
     """Ctrl-C while verify still starts up (SIGINT at 0.5 s): stdout was empty, ``| jq`` failed."""
-    from kvref import cli_verify
+    from kvref.cli import verify as cli_verify
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -82,7 +82,7 @@ def test_interrupt_before_the_first_check_still_writes_the_junit_report(monkeypa
     (it was never written, so a CI system saw a missing report, not an interrupted one)."""
     import xml.etree.ElementTree as ET
 
-    from kvref import cli_verify
+    from kvref.cli import verify as cli_verify
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -103,7 +103,7 @@ def test_a_clean_run_says_it_was_not_interrupted(capsys):
 
 
 def test_interrupt_of_any_command_exits_130(monkeypatch, capsys):
-    from kvref import cli_size
+    from kvref.cli import size as cli_size
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -119,7 +119,7 @@ def test_a_ctrl_c_python_drops_is_raised_again(monkeypatch, capsys):
     The CLI raises it again until the run takes it; the dropped one prints no traceback."""
     import gc
 
-    from kvref import cli_size
+    from kvref.cli import size as cli_size
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is handled by the test harness here")
@@ -312,7 +312,7 @@ def _interrupt_case(name: str, seconds: float, tmp_path, long_trace) -> None:
     assert got is not None, f"kvref {name} ended within {seconds} s: no longer a long run, pick another"
     rc, out, err, stopped = got
     # never 0: an interrupted run is not green; and never -2 (death by SIGINT at interpreter exit:
-    # a re-raised interrupt left pending after the run had stopped, see kvref.cli_interrupt)
+    # a re-raised interrupt left pending after the run had stopped, see kvref.cli.interrupt)
     assert rc == 130, (rc, err[-2000:])
     assert "Traceback" not in out + err, err[-3000:]
     assert "interrupted" in err
@@ -343,7 +343,7 @@ def test_sigint_at_other_moments(name, seconds, tmp_path, long_trace):
 
 _FLAG_SCRIPT = """
 import ctypes, sys
-from kvref.cli_interrupt import acknowledge, sigint_reraised
+from kvref.cli.interrupt import acknowledge, sigint_reraised
 flag = ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt")
 with sigint_reraised():
     flag.value = 1  # what CPython leaves when a C extension's PyRun_* code took the Ctrl-C
@@ -357,7 +357,7 @@ sys.exit(130)
 def test_a_handled_interrupt_exits_130_not_by_sigint(tmp_path):
     """CPython 3.11 kills itself with SIGINT at exit (status -2) when an interrupt ever ended code
     run through PyRun_* (seen when Ctrl-C lands inside vLLM's import), though kvref handled it and
-    returned 130; kvref.cli_interrupt clears that flag once the run took the interrupt. Run as
+    returned 130; kvref.cli.interrupt clears that flag once the run took the interrupt. Run as
     ``python -m`` like ``kvref`` itself (``-c`` exits before the flag is read)."""
     (tmp_path / "kvref_flag_probe.py").write_text(_FLAG_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}

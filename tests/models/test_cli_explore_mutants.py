@@ -1,4 +1,4 @@
-"""``kvref explore`` and ``kvref mutants`` subcommand modules (wired by kvref/cli.py)."""
+"""``kvref explore`` and ``kvref mutants`` subcommand modules (wired by kvref/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvref import cli_explore, cli_mutants
+from kvref.cli import explore as cli_explore, mutants as cli_mutants
 
 
 def _run(argv):
@@ -49,7 +49,7 @@ def test_mutants_list_and_a_single_run(capsys):
 
 
 def test_verify_explorer_check_passes_and_writes_traces_on_failure(tmp_path):
-    from kvref.cli_explore import check_explorer
+    from kvref.cli.explore import check_explorer
     from kvref.models.mutants.catalogue import CATALOGUE
     from kvref.verify import VerifyContext
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvref import cli_replay
+from kvref.cli import replay as cli_replay
 from kvref.impl.interface import PoolConfig, make_manager
 from kvref.models.conformance import differential
 from kvref.models.conformance.differential import Divergence, Harness

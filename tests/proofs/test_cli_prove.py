@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvref import cli_prove
+from kvref.cli import prove as cli_prove
 
 
 def _run(argv):

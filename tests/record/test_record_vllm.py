@@ -206,7 +206,7 @@ def test_a_missing_output_path_is_a_clear_error(env, monkeypatch):
 
 def test_importing_the_public_alias_does_not_import_vllm():
     code = ("import sys, kvref.record; assert 'vllm' not in sys.modules, 'vllm imported'; "
-            "import kvref.cli_check_run, kvref.models.run_check; assert 'vllm' not in sys.modules; print('ok')")
+            "import kvref.cli.check_run, kvref.models.run_check; assert 'vllm' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 

@@ -57,7 +57,7 @@ def default_replay_endpoint(endpoint: str) -> str | None:
 def _check(args: argparse.Namespace) -> None:
     import math
 
-    from kvref.cli_watch import check_endpoint
+    from kvref.cli.watch import check_endpoint
     from kvref.spec.errors import InvalidFieldError
 
     check_endpoint("ENDPOINT", args.endpoint, bind=True)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if not stream.done.is_set():
             raise  # kvref.cli: exit 130
-        from kvref.cli_interrupt import acknowledge
+        from kvref.cli.interrupt import acknowledge
 
         acknowledge()  # Ctrl-C during the hold: the stream was published whole
     return 0

@@ -149,7 +149,7 @@ def _with_sets(scope, sets: list[str]):
 def _check_arguments(args: argparse.Namespace) -> None:
     """Bounds and types of the flags, before anything is explored (``--workers 10**30`` used to
     fork until memory ran out; ``--max-seconds nan`` to run unbounded)."""
-    from kvref.cli_checks import MAX_WORKERS, check_count, check_seconds
+    from kvref.cli.arguments import MAX_WORKERS, check_count, check_seconds
     from kvref.spec.errors import InvalidFieldError
 
     if args.workers != "auto":
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if args.against is not None:
         return _run_conformance(args)
     if args.out is not None:
-        from kvref.cli_checks import check_writable_dir
+        from kvref.cli.arguments import check_writable_dir
 
         check_writable_dir("--out", args.out)
     if args.toy:

@@ -68,7 +68,7 @@ def run(args) -> int:
     from kvref.proofs import PROVED, run_all
     if args.list:
         return _list(args.json)
-    from kvref.cli_checks import check_seconds, check_writable_dir
+    from kvref.cli.arguments import check_seconds, check_writable_dir
 
     # inf/nan/huge used to crash converting to Z3's milliseconds, after the theorems were built
     check_seconds("--timeout", args.timeout, allow_none=False)

@@ -15,7 +15,7 @@ crash looks like::
 
 ``kvref demo campaign`` records every workload with every fault and reports what ``check-run`` and
 ``--properties-only`` catch (BENCHMARKS.md). ``kvref demo publish ENDPOINT`` publishes vLLM's KV
-events for ``kvref watch`` (``kvref/cli_demo_publish.py``).
+events for ``kvref watch`` (``kvref/cli/demo_publish.py``).
 
 Exit status (record): 0 the trace was written (also when the planted fault made vLLM raise: the
 trace records the crash), 2 a bad option or an unwritable path, 130 interrupted.
@@ -32,7 +32,7 @@ import time
 #: ``kvref demo`` subcommands besides ``record`` (defined here): modules with ``add_parser(sub)`` and
 #: ``run(args)``, registered when present. ``publish`` (KV events for ``kvref watch``) lives in its own
 #: module.
-DEMO_SUBCOMMAND_MODULES = ("kvref.cli_demo_publish",)
+DEMO_SUBCOMMAND_MODULES = ("kvref.cli.demo_publish",)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from kvref.cli_checks import check_writable_dir
+    from kvref.cli.arguments import check_writable_dir
     from kvref.quiet import quiet_third_party
     from kvref.spec.errors import InvalidFieldError
 

@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidFieldError("FILE", args.trace, "a trace (.json); a .py reproducer runs Python code and "
                                                         "needs --exec-python (only for files you trust)")
         return _run_reproducer(args.trace, args.kinds_given, args.verbose)
-    from kvref.cli_explore import is_explorer_trace, replay_explorer_trace
-    from kvref.cli_input import read_json
+    from kvref.cli.explore import is_explorer_trace, replay_explorer_trace
+    from kvref.cli.input import read_json
 
     # the file as JSON first: unreadable, not UTF-8, nested 10,000 deep (a RecursionError in both
     # readers below) or an int of 5,000 digits named with the file and position
@@ -214,7 +214,7 @@ def _explorer_kinds(args: argparse.Namespace, data: dict) -> str:
 def _replay_explorer(args: argparse.Namespace) -> int:
     import json
 
-    from kvref.cli_explore import replay_explorer_trace
+    from kvref.cli.explore import replay_explorer_trace
     from kvref.spec.errors import InvalidFieldError
 
     if args.table:
@@ -242,7 +242,7 @@ def _replay_world_on_vllm(path: str, data: dict, verbose: bool) -> int:
     queue, chunk/job states, request phases). vLLM raising where the reference does not is a
     divergence (e.g. ``reset-swa``: vLLM 0.33.0's connector reset, docs/offload.md).
     Exit 1 when the finding reproduces or vLLM diverges, 0 otherwise."""
-    from kvref.cli_explore import _system_for, _tupled
+    from kvref.cli.explore import _system_for, _tupled
 
     actions = data.get("actions")
     system = _system_for(data, path)

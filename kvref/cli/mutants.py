@@ -58,7 +58,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     Hypothesis, ``--budget 10**30`` to run forever, ``--min-rate 2`` to fail every campaign)."""
     import math
 
-    from kvref.cli_checks import MAX_BUDGET, check_count, check_seconds
+    from kvref.cli.arguments import MAX_BUDGET, check_count, check_seconds
     from kvref.spec.errors import InvalidFieldError
 
     check_count("--budget", args.budget, minimum=1, maximum=MAX_BUDGET, why="examples per machine run")
@@ -171,7 +171,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     from kvref.vllm_campaign import RECALL_GOAL, VLLM_CHECKS, CampaignResult, run_campaign, select_faults
 
     if args.from_json is not None:
-        from kvref.cli_input import read_json
+        from kvref.cli.input import read_json
 
         data = read_json("--from-json", args.from_json, "saved --json result")
         if not isinstance(data, dict):

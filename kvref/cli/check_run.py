@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidFieldError("--starvation-steps", args.starvation_steps, "an int >= 1")
     if not os.path.isfile(args.trace):
         raise InvalidFieldError("TRACE", args.trace, "an existing trace file")
-    from kvref.cli_checks import check_writable_dir
+    from kvref.cli.arguments import check_writable_dir
 
     check_writable_dir("--out", args.out)  # a divergence's reproducer goes there: checked before the replay
     t0 = time.perf_counter()

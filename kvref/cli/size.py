@@ -94,14 +94,14 @@ def load_layout(path: str | None, example: str | None) -> dict[str, Any]:
         name = matches[0]
         text = (resources.files("kvref") / "examples" / name).read_text()
     elif path is not None:
-        from kvref.cli_input import read_text
+        from kvref.cli.input import read_text
 
         name = path
         text = read_text("config", path, "JSON or TOML layout file")
     else:
         raise InvalidFieldError("config", None, "a layout file (JSON/TOML) or --example NAME")
     if not name.endswith(".toml"):
-        from kvref.cli_input import parse_json
+        from kvref.cli.input import parse_json
 
         data = parse_json("config", name, text)  # the position named; nesting and 5,000-digit ints too
     else:
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}")
         return 0
     if args.plot:  # checked before the plan is made, not after
-        from kvref.cli_checks import check_writable_file
+        from kvref.cli.arguments import check_writable_file
 
         check_writable_file("--plot", args.plot)
         from kvref.plot import plot_format
@@ -484,7 +484,7 @@ def render(name: str, plan: KVCachePlan, show_layers: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m kvref.cli_size``): ``kvref size`` itself, so the same checks,
+    """Standalone entry (``python -m kvref.cli.size``): ``kvref size`` itself, so the same checks,
     exit statuses and Ctrl-C handling apply (it had its own parser, without them)."""
     from kvref.cli import main as kvref_main
 

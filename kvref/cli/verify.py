@@ -23,7 +23,7 @@ import time
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    from .checks import CHECKS
+    from ..checks import CHECKS
 
     p = sub.add_parser("verify", help="run the proofs, state machines, explorer and conformance checks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,10 +56,10 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
                         "distinct deterministic seeds), merged into its row; with --ray a unit each (#27, docs/ray.md)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
-    from .reach import add_arguments as add_reach_arguments
+    from ..reach import add_arguments as add_reach_arguments
 
     add_reach_arguments(p)  # --reach [DIR], --reach-exclusions, --changed-since (#22)
-    from .ray_runner import add_argument as add_ray_argument
+    from ..ray_runner import add_argument as add_ray_argument
 
     add_ray_argument(p)  # --ray [ADDRESS]: the checks as Ray units (#27, docs/ray.md)
     return p
@@ -82,7 +82,7 @@ def checked_meta(checks) -> dict:
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything the run will write or wait for, checked before the first check runs (an
     unwritable report path used to fail after every check had run, and lose the results)."""
-    from .cli_checks import check_seconds, check_writable_dir, check_writable_file
+    from .arguments import check_seconds, check_writable_dir, check_writable_file
 
     check_writable_dir("--out", args.out)
     if args.junit_xml is not None:
@@ -90,13 +90,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.update_baseline is not None:
         check_writable_file("--update-baseline", args.update_baseline)
     check_seconds("--shrink-seconds", args.shrink_seconds)
-    from .cli_checks import check_count
+    from .arguments import check_count
 
     check_count("--split", getattr(args, "split", 1), minimum=1, maximum=1024, why="seed ranges per check")
-    from .reach import check_arguments as check_reach_arguments
+    from ..reach import check_arguments as check_reach_arguments
 
     check_reach_arguments(args)
-    from .baseline import Baseline
+    from ..baseline import Baseline
 
     if args.baseline is not None:
         Baseline.load(args.baseline)
@@ -107,19 +107,19 @@ def check_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .cli_checks import JsonStdout
-    from .report import ERROR, CheckResult, to_json, render_table, write_junit_xml
-    from .check_context import VerifyContext
-    from .checks import select_checks
-    from .verify import run_check
+    from .arguments import JsonStdout
+    from ..report import ERROR, CheckResult, to_json, render_table, write_junit_xml
+    from ..check_context import VerifyContext
+    from ..checks import select_checks
+    from ..verify import run_check
 
-    from .baseline import Baseline
+    from ..baseline import Baseline
 
     check_arguments(args)
     ctx = VerifyContext(profile=args.profile, against=args.against, device=args.device, out_dir=args.out,
                         seed=args.seed, write_reproducers=args.write_reproducers, shrink_seconds=args.shrink_seconds)
     baseline = Baseline.load(args.baseline) if args.baseline is not None else Baseline()
-    from . import reach as reach_mod
+    from .. import reach as reach_mod
 
     only = args.only or (reach_mod.default_checks() if reach_mod.enabled(args) else None)
     checks = select_checks(only=only, skip=args.skip, mutants=args.mutants, against=args.against)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise InvalidFieldError("--skip", args.skip, "a selection that leaves at least one check to run "
                                                      f"(--only {' '.join(args.only or ['(defaults)'])} less --skip is empty)")
-    from .quiet import progress_console, quiet_third_party
+    from ..quiet import progress_console, quiet_third_party
 
     quiet_third_party(args.verbose)  # before any check imports vLLM
     console = progress_console()
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if reach is not None:
             raise InvalidFieldError("--ray", args.ray, "a run without --reach/--changed-since (coverage is measured "
                                                        "in this process)")
-        from .ray_runner import describe, start
+        from ..ray_runner import describe, start
 
         ray_info = start(args.ray)
         console.log(describe(ray_info), markup=False)
@@ -152,13 +152,13 @@ def run(args: argparse.Namespace) -> int:
     with json_out, console.status("starting") as status:
         split = getattr(args, "split", 1)
         if ray_info is not None and split > 1:  # #27: each check as seed-range units
-            from .ray_split import run_split_on_ray
+            from ..ray_split import run_split_on_ray
 
             status.update(f"{len(checks)} check(s) in {split} seed ranges each on Ray")
             results, interrupted = run_split_on_ray(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
                                                     split, lambda line: console.log(line, markup=False))
         elif ray_info is not None:
-            from .ray_verify import run_verify
+            from ..ray_verify import run_verify
 
             status.update(f"{len(checks)} check(s) on Ray")
             results, interrupted = run_verify(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
@@ -172,13 +172,13 @@ def run(args: argparse.Namespace) -> int:
                 reach.enter(check.name)
             try:
                 if split > 1:  # #27: the check as N seed ranges, merged (kvref.ray_split)
-                    from .ray_split import run_split
+                    from ..ray_split import run_split
 
                     result = run_split(check, ctx, baseline, bool(args.update_baseline), split)
                 else:
                     result = run_check(check, ctx, baseline, collect=bool(args.update_baseline))
             except KeyboardInterrupt:
-                from .cli_interrupt import acknowledge
+                from .interrupt import acknowledge
 
                 acknowledge()  # taken: the partial report is written, not interrupted again
                 interrupted = CheckResult(check.name, ERROR, "interrupted (Ctrl-C) before it finished",
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                     break
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
     if ray_info is not None:
-        from .ray_runner import stop
+        from ..ray_runner import stop
 
         stop(ray_info)  # cancelled units are rows of their own; the report names the workers
         not_run = [r.name for r in results if r is not interrupted and r.summary.startswith("interrupted")]
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             caption = "checked against " + VllmInstall(**fields).describe()
         out.print(render_table(results, caption=caption))
         if ray_info is not None:
-            from .ray_runner import describe
+            from ..ray_runner import describe
 
             out.print(describe(ray_info), markup=False)
         if reach is not None:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # kvref.cli.main: exit 130, after the partial reports are written
     if any(r.failing for r in results):
         return 1
-    from .report import nothing_checked
+    from ..report import nothing_checked
 
     if nothing_checked(results):  # every check skipped: nothing was examined, never "clean" (issue #25)
         from kvref.cli import EXIT_NOTHING_CHECKED

@@ -1,7 +1,7 @@
 """The ``kvref`` command line: ``verify`` (the main job), ``size``, ``prove``, ``explore``,
 ``mutants``, ``replay``, ``check-run``, ``watch``.
 
-Subcommands live in their own modules (``kvref/cli_*.py``), each exposing
+Subcommands live in their own modules (``kvref/cli/*.py``, issue #26), each exposing
 ``add_parser(subparsers)`` and ``run(args) -> int``; this file only wires them.
 """
 
@@ -13,15 +13,15 @@ import sys
 
 #: subcommand modules, in the order ``kvref --help`` lists them
 SUBCOMMAND_MODULES = (
-    "kvref.cli_verify",
-    "kvref.cli_size",
-    "kvref.cli_prove",
-    "kvref.cli_explore",
-    "kvref.cli_mutants",
-    "kvref.cli_replay",
-    "kvref.cli_check_run",
-    "kvref.cli_watch",
-    "kvref.cli_demo",  # a group: demo record (cli_demo), demo publish (cli_demo_publish)
+    "kvref.cli.verify",
+    "kvref.cli.size",
+    "kvref.cli.prove",
+    "kvref.cli.explore",
+    "kvref.cli.mutants",
+    "kvref.cli.replay",
+    "kvref.cli.check_run",
+    "kvref.cli.watch",
+    "kvref.cli.demo",  # a group: demo record (demo.py), demo publish (demo_publish.py)
 )
 
 
@@ -67,16 +67,16 @@ def main(argv: list[str] | None = None) -> int:
       and what is allowed, never a traceback;
     * 130: interrupted (Ctrl-C / SIGINT); a subcommand that writes reports writes a partial one
       first (``kvref verify``). A Ctrl-C that Python dropped (raised inside a garbage-collector
-      callback) is raised again until the run takes it (:mod:`kvref.cli_interrupt`).
+      callback) is raised again until the run takes it (:mod:`kvref.cli.interrupt`).
     """
-    from kvref.cli_interrupt import sigint_reraised
+    from kvref.cli.interrupt import sigint_reraised
 
     with sigint_reraised():
         return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from kvref.cli_interrupt import acknowledge
+    from kvref.cli.interrupt import acknowledge
 
     try:
         parser = build_parser()

@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
               replay_endpoint=args.replay_endpoint, decoder=args.decoder, watcher=w,
               status=None if args.quiet else sys.stderr, bind=args.bind)
     except KeyboardInterrupt:
-        from kvref.cli_interrupt import acknowledge
+        from kvref.cli.interrupt import acknowledge
 
         acknowledge()
         interrupted = True
