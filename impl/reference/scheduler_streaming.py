@@ -61,6 +61,13 @@ class SessionState:
     queues: dict[str, deque] = field(default_factory=dict)
     waiting_for_input: set[str] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.queues, dict) or not all(
+                isinstance(k, str) and isinstance(q, deque) for k, q in self.queues.items()):
+            raise InvalidFieldError("queues", self.queues, "a dict of request id -> deque of updates")
+        if not isinstance(self.waiting_for_input, set) or not self.waiting_for_input <= set(self.queues):
+            raise InvalidFieldError("waiting_for_input", self.waiting_for_input, "a set of session ids in queues")
+
     @property
     def num_waiting_for_streaming_input(self) -> int:
         return len(self.waiting_for_input)
@@ -74,9 +81,20 @@ class SessionState:
         assert set(self.queues) <= live_ids, "S2: a finished request still has a session queue"
 
 
+def _check_request(request) -> None:
+    if not isinstance(request, Request):
+        raise InvalidFieldError("request", request, "a kvref Request")
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, SessionState):
+        raise InvalidFieldError("state", state, "a SessionState")
+
+
 def update_request_as_session(request: Request, update: StreamingUpdate) -> None:
     """vLLM ``_update_request_as_session``: keep every output token but the final sampled one as
     prompt, append the update's prompt, take its ``max_tokens`` and ``arrival_time``, WAITING."""
+    _check_request(request)
     if not isinstance(update, StreamingUpdate):
         raise InvalidFieldError("update", update, "a StreamingUpdate")
     all_tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
@@ -95,6 +113,8 @@ def update_request_as_session(request: Request, update: StreamingUpdate) -> None
 def handle_stopped_request(request: Request, state: SessionState) -> bool:
     """vLLM ``_handle_stopped_request`` for a stopped request; True when it is finished (not a
     session, or its next queued update is the finishing ``None``)."""
+    _check_request(request)
+    _check_state(state)
     if request.request_id not in state.queues:
         return True
     frontier = request.num_computed_tokens - request.num_output_placeholders
@@ -120,6 +140,8 @@ def add_update(state: SessionState, request: Request, update: StreamingUpdate | 
     """A second ``add_request`` for a live session: ``"queued"`` (the session runs or waits in a
     queue), ``"applied"`` (it waited for input: applied at once) or ``"finish"`` (it waited for
     input and the update is the finishing ``None``: the caller aborts it)."""
+    _check_state(state)
+    _check_request(request)
     rid = request.request_id
     if rid not in state.queues:
         raise InvalidFieldError("request.request_id", rid, "a live streaming session (duplicate request id)")
@@ -137,5 +159,8 @@ def add_update(state: SessionState, request: Request, update: StreamingUpdate | 
 
 def forget(state: SessionState, request_id: str) -> None:
     """The session finished or was aborted: drop its queue and waiting mark."""
+    _check_state(state)
+    if not isinstance(request_id, str):
+        raise InvalidFieldError("request_id", request_id, "a request id (str)")
     state.queues.pop(request_id, None)
     state.waiting_for_input.discard(request_id)

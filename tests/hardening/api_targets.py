@@ -845,6 +845,26 @@ def _trace_header():
     return header_for(*full_setup())
 
 
+def _streaming_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    from collections import deque
+
+    from kvref.impl.reference import scheduler_streaming as ss
+    from kvref.impl.request import Request
+
+    upd = ss.StreamingUpdate((4, 5), 2, 1.0)
+    return {
+        "StreamingUpdate": (ss.StreamingUpdate, dict(prompt_token_ids=(4, 5), max_tokens=2, arrival_time=1.0)),
+        "SessionState": (ss.SessionState, dict(queues={"r0": deque()}, waiting_for_input=set())),
+        "update_request_as_session": (ss.update_request_as_session,
+                                      dict(request=Request("r0", [1, 2], output_token_ids=[3]), update=upd)),
+        "handle_stopped_request": (ss.handle_stopped_request,
+                                   dict(request=Request("r0", [1, 2]), state=ss.SessionState())),
+        "add_update": (ss.add_update, dict(state=ss.SessionState(queues={"r0": deque()}),
+                                           request=Request("r0", [1, 2]), update=upd)),
+        "forget": (ss.forget, dict(state=ss.SessionState(), request_id="r0")),
+    }
+
+
 def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """name -> (callable without state of its own, valid keyword arguments): module functions,
     static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
@@ -1008,6 +1028,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
         "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
+        # issue #22: streaming-input sessions
+        **_streaming_functions(),
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
         # offload keys and lookups
         "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),

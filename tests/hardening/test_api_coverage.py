@@ -77,6 +77,7 @@ def _each(module: str, names: str, reason: str) -> dict[str, str]:
 
 
 EXCLUDED: dict[str, str] = {
+    f"{_REF}.scheduler_streaming.SessionState.check_invariants": "an invariant checker: asserts by design",
     **_each(f"{_REF}.multi_connector_worker", "MultiConnectorModel.bind_connector_metadata "
             "MultiConnectorModel.build_connector_meta MultiConnectorModel.forward MultiConnectorModel.get_finished "
             "MultiConnectorModel.get_transfer_results MultiConnectorModel.handle_preemptions "
