@@ -309,6 +309,17 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     res = replace(res, summary=res.summary + f"; {run.traces} with pause states ({c.get('paused_all_held_running', 0)} "
                   f"steps paused with requests running, {c.get('paused_new_held_waiting', 0)} holding new ones)",
                   examined=(res.examined or 0) + run.traces)
+    # then streaming-input sessions on vLLM's own session code (#22)
+    from kvref.models.machines.scheduler_streaming import run_streaming_sessions
+
+    run = run_streaming_sessions(ctx.examples(30, 120), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "streaming-input sessions diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    res = replace(res, summary=res.summary + f"; {run.traces} streaming-session histories "
+                  f"({c.get('update_queued', 0)} queued and {c.get('update_applied_at_once', 0)} at-once updates)",
+                  examined=(res.examined or 0) + run.traces)
     # then the prefill cadence, the adaptive long-prefill threshold and outranking arrivals (#22)
     from kvref.models.machines.scheduler_branches import run_branches_machine
 
