@@ -318,7 +318,8 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
                            details=run.failure.splitlines()[:30], signature=run.signature)
     c = run.coverage
     res = replace(res, summary=res.summary + f"; {run.traces} streaming-session histories "
-                  f"({c.get('update_queued', 0)} queued and {c.get('update_applied_at_once', 0)} at-once updates)",
+                  f"({c.get('update_queued', 0)} queued and {c.get('update_applied_at_once', 0)} at-once updates, "
+                  f"{c.get('update_drops_a_full_blocks_hash', 0)} dropping a full block's hash)",
                   examined=(res.examined or 0) + run.traces)
     # then the prefill cadence, the adaptive long-prefill threshold and outranking arrivals (#22)
     from kvref.models.machines.scheduler_branches import run_branches_machine

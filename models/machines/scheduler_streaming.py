@@ -35,7 +35,7 @@ STOP = st.tuples(st.just("stop"))
 UPDATE = st.tuples(st.just("update"), TOKENS, st.integers(1, 4), st.integers(0, 5))
 # each step: a turn generates, then one action; the ending actions are drawn less often, so
 # histories get to the paths after a wait
-ACTION = st.one_of(STOP, UPDATE, STOP, UPDATE, st.tuples(st.just("finish")), st.tuples(st.just("abort")))
+ACTION = st.one_of(STOP, UPDATE, STOP, UPDATE, STOP, UPDATE, st.tuples(st.just("finish")), st.tuples(st.just("abort")))
 OPS = st.lists(st.tuples(GEN, ACTION), min_size=1, max_size=8).map(lambda steps: [op for s in steps for op in s])
 
 
@@ -51,9 +51,17 @@ def _ref_view(req: Request, state: ss.SessionState, live: bool) -> dict:
             "num_queued_updates": len(state.queues.get(req.request_id, ()))}
 
 
+def _note_block_end(req: Request, applies: bool, hash_block_size: int = 2) -> None:
+    """Count updates applied where the dropped final token ends a hash block: the block's hash
+    must go with it (the rare case of ``_update_request_as_session``'s hash trimming)."""
+    if applies and (len(req.prompt_token_ids) + len(req.output_token_ids)) % hash_block_size == 0:
+        COVERAGE["update_drops_a_full_blocks_hash"] += 1
+
+
 def _stop(sched, v, vr, req, state, n) -> bool:
     """The turn stops: both sides handle it; True while the session lives on."""
     queue = state.queues["s"]
+    _note_block_end(req, queue and queue[0] is not None)
     COVERAGE["stop_applied_queued_update" if queue and queue[0] is not None
              else "stop_finished_by_queued_none" if queue else "stop_waits_for_input"] += 1
     finished_v = sched._handle_stopped_request(vr)
@@ -65,13 +73,13 @@ def _stop(sched, v, vr, req, state, n) -> bool:
     return not finished_v
 
 
-def run_history(vs: Any, ops: list[tuple]) -> None:
+def run_history(vs: Any, ops: list[tuple], prompt: tuple[int, ...] = (1, 2, 3)) -> None:
     """Drive one session through ``ops`` on ``vs`` (a VllmScheduler) and on kvref's rules; raise
     AssertionError at the first observable that differs."""
     from kvref.impl.vllm import scheduler_streaming as vss
 
     sched, v = vs.scheduler, vs._v
-    req = Request("s", [1, 2, 3], max_tokens=4)
+    req = Request("s", list(prompt), max_tokens=4)
     state = ss.SessionState(queues={"s": deque()})
     vss.add_session(vs, req)
     live = True
@@ -101,6 +109,7 @@ def run_history(vs: Any, ops: list[tuple]) -> None:
             _, prompt, mt, at = op
             upd = ss.StreamingUpdate(tuple(prompt), mt, float(at))
             COVERAGE["update_applied_at_once" if waiting else "update_queued"] += 1
+            _note_block_end(req, waiting)
             vss.add_update(vs, "s", upd)
             assert ss.add_update(state, req, upd) == ("applied" if waiting else "queued")
         elif kind == "finish":
@@ -164,11 +173,11 @@ def run_streaming_sessions(examples: int, reproducible: bool = False, shrink: bo
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=reproducible,
               suppress_health_check=list(HealthCheck), phases=list(Phase) if shrink else [Phase.generate])
-    @given(OPS)
-    def run(ops):
+    @given(TOKENS, OPS)
+    def run(prompt, ops):
         counted["traces"] += 1
         counted["ops"] += len(ops)
-        run_history(make(), ops)
+        run_history(make(), ops, tuple(prompt))
 
     saved_seed = hcore.global_force_seed
     if seed is not None:

@@ -47,11 +47,12 @@ def test_generated_session_histories_match_vllm(vs_factory):
 def test_derandomized_histories_reach_every_session_path(vs_factory):
     from kvref.models.machines.scheduler_streaming import run_streaming_sessions
 
-    # derandomized under every profile: the rare paths asserted below are reached by these 80
-    run = run_streaming_sessions(80, reproducible=True)
+    # derandomized under every profile: the rare paths asserted below are reached by these 200
+    run = run_streaming_sessions(200, reproducible=True)
     assert run.ok, run.failure
     for path in ("update_queued", "update_applied_at_once", "stop_applied_queued_update", "stop_waits_for_input",
-                 "stop_finished_by_queued_none", "finish_queued", "finish_while_waiting", "abort_while_waiting"):
+                 "stop_finished_by_queued_none", "finish_queued", "finish_while_waiting", "abort_while_waiting",
+                 "update_drops_a_full_blocks_hash"):
         assert run.coverage.get(path), f"path {path} not reached: {run.coverage}"
 
 
@@ -93,6 +94,12 @@ def test_fault_update_keeps_the_dropped_tokens_hashes_diverges(vs_factory):
 
     with _patched(Scheduler, "_update_request_as_session", wrapper), pytest.raises(AssertionError, match="hash"):
         run_history(vs_factory(), FAULT_HISTORY)
+    # the generated runner conform-scheduler uses finds it too (derandomized: the same histories)
+    from kvref.models.machines.scheduler_streaming import run_streaming_sessions
+
+    with _patched(Scheduler, "_update_request_as_session", wrapper):
+        run = run_streaming_sessions(200, reproducible=True, shrink=False)
+    assert not run.ok and "stale block hashes" in run.failure and run.signature
 
 
 @pytest.mark.vllm
