@@ -49,6 +49,7 @@ from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError, check_choice, check_int
 from kvref.spec.kv_cache_interface import MambaSpec
 
+from .scheduler_mamba_split import split_scheduled_chunk, store_shared_prefix_boundary
 from .scheduler_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -424,6 +425,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         num_local = 0
         if request.num_computed_tokens == 0:
             hit_ids, num_local = kv.get_computed_blocks(request)
+            store_shared_prefix_boundary(sched, request)  # vLLM keeps the look-up's junction (Mamba "align")
             block_size = sched.pool.scheduler_block_size
             partial_tail = num_local % block_size
             aligned = num_local - partial_tail
@@ -457,6 +459,12 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                 break
             num_new = min(num_new, token_budget)
             assert num_new > 0
+            # Mamba "align": vLLM's _mamba_block_aligned_split also on the connector path, the
+            # chunk starting after the local and the external hit
+            num_new = split_scheduled_chunk(sched, request, num_new, num_local,
+                                            num_external_computed_tokens=num_external)
+            if num_new == 0:
+                break
 
         reserved = inflight_prefill_reserved_blocks(sched) if load_async else 0
         blocks = kv.allocate_slots(

@@ -174,24 +174,38 @@ def scheduler_split_config(scheduler) -> MambaSplitConfig | None:
     return config
 
 
+def store_shared_prefix_boundary(scheduler, request) -> None:
+    """Set ``request.shared_prefix_boundary`` from a fresh prefix-cache look-up, as vLLM's
+    ``schedule()`` does on every admission look-up (also one that starts an async KV load: the
+    promoted request's later chunks stop at the same junction).
+
+    Only where it matters, Mamba "align" pools (the split) and sparse retention (which keeps the
+    junction's sliding-window tail too, ``reachable_block_mask``'s reachable boundaries); elsewhere
+    the second look-up is skipped."""
+    if scheduler_split_config(scheduler) is None and scheduler.pool.prefix_cache_retention_interval is None:
+        return
+    manager = getattr(scheduler.kv_cache_manager, "manager", None)  # the reference's rich manager
+    lookup = getattr(manager, "get_computed_blocks", None)
+    request.shared_prefix_boundary = lookup(request)[2] if lookup is not None else 0
+
+
 def split_scheduled_chunk(scheduler, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
-                          admitting: bool = False) -> int:
+                          admitting: bool = False, num_external_computed_tokens: int = 0) -> int:
     """The scheduler's hook: ``num_new_tokens`` clipped for ``request`` on a Mamba "align" pool,
     unchanged on any other pool.
 
     ``admitting``: the request was just looked up in the prefix cache, which (as in vLLM's
     ``schedule()``) sets its ``shared_prefix_boundary``: the junction where one group cached more
-    than the reconciled hit, a stop for this and every later chunk of the request."""
+    than the reconciled hit, a stop for this and every later chunk of the request (see
+    :func:`store_shared_prefix_boundary`). ``num_external_computed_tokens``: a KV connector's
+    (synchronous) external hit, which moves the chunk's start as in vLLM's
+    ``start = num_computed + local + external``."""
+    if admitting:
+        store_shared_prefix_boundary(scheduler, request)
     config = scheduler_split_config(scheduler)
-    if admitting and (config is not None or scheduler.pool.prefix_cache_retention_interval is not None):
-        # vLLM stores it on every admitted request; it matters to Mamba "align" pools and to sparse
-        # retention, which keeps the junction's sliding-window tail too (``reachable_block_mask``'s
-        # reachable boundaries); elsewhere the second lookup is skipped
-        manager = getattr(scheduler.kv_cache_manager, "manager", None)  # the reference's rich manager
-        lookup = getattr(manager, "get_computed_blocks", None)
-        request.shared_prefix_boundary = lookup(request)[2] if lookup is not None else 0
     if config is None:
         return num_new_tokens
     return mamba_block_aligned_split(config, request.num_computed_tokens, request.num_prompt_tokens,
                                      request.num_tokens, num_new_tokens, num_new_local_computed_tokens,
+                                     num_external_computed_tokens,
                                      shared_prefix_boundary=getattr(request, "shared_prefix_boundary", 0))

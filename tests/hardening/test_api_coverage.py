@@ -135,7 +135,7 @@ EXCLUDED: dict[str, str] = {
             "MambaManager.get_num_skipped_tokens MambaManager.pop_blocks_for_free MambaManager.remove_skipped_blocks "
             "MambaManager.finalize_partial_tail_offload MambaManager.reachable_block_mask", INTERNAL),
     **_each(f"{_REF}.rswa_manager", "RSWAManager RSWAManager.remove_skipped_blocks", INTERNAL),
-    **_each(f"{_REF}.scheduler_mamba_split", "scheduler_split_config split_scheduled_chunk",
+    **_each(f"{_REF}.scheduler_mamba_split", "scheduler_split_config split_scheduled_chunk store_shared_prefix_boundary",
             "the reference Scheduler's hooks into mamba_block_aligned_split (fuzzed itself), called with its "
             "own checked state"),
     **_each(f"{_REF}.scheduler_cadence", "adaptive_long_prefill_threshold PrefillCadence PrefillCadence.defer_prefills "
