@@ -75,10 +75,10 @@ class SessionState:
     def check_invariants(self, live_ids: set[str]) -> None:
         """A session waiting for input has an empty queue (vLLM asserts it in
         ``_handle_blocked_waiting_request``) and is live; every queue belongs to a live session."""
-        assert self.waiting_for_input <= set(self.queues), "S1: waiting for input but not a session"
+        assert self.waiting_for_input <= set(self.queues), "Q11: waiting for input but not a session"
         for rid in self.waiting_for_input:
-            assert not self.queues[rid], f"S1: session {rid} waits for input with updates queued"
-        assert set(self.queues) <= live_ids, "S2: a finished request still has a session queue"
+            assert not self.queues[rid], f"Q11: session {rid} waits for input with updates queued"
+        assert set(self.queues) <= live_ids, "Q12: a finished request still has a session queue"
 
 
 def _check_request(request) -> None:
