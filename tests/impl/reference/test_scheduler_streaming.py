@@ -85,5 +85,5 @@ def test_invariants_catch_a_waiting_session_with_queued_updates():
     r = _session(state)
     ss.handle_stopped_request(r, state)
     state.queues["s"].append(None)
-    with pytest.raises(AssertionError, match="S1"):
+    with pytest.raises(AssertionError, match="Q11"):
         state.check_invariants({"s"})
