@@ -152,12 +152,13 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     flag(getattr(s, "num_prefill_lookahead", 0) > 1, "prefill_lookahead")
     flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
-    flag(getattr(s, "adaptive_long_prefill_threshold", False), "adaptive_long_prefill_threshold")
+    # the adaptive long-prefill threshold, max_num_active_seqs and the local prefill cadence are
+    # replayed (the header's scheduler section carries them; impl/reference/scheduler_cadence.py):
+    # only the cadence beside a KV connector, which the reference scheduler refuses, is named (#28)
     flag(getattr(s, "defer_block_free", False) and conn is None, "deferred_block_free")
-    flag(getattr(s, "max_num_active_reqs", sc.max_num_seqs) != sc.max_num_seqs, "max_num_active_seqs")
     flag(getattr(s, "max_num_scheduled_tokens", sc.max_num_batched_tokens) != sc.max_num_batched_tokens,
          "max_num_scheduled_tokens")
-    flag(getattr(sc, "prefill_schedule_interval", 1) != 1, "prefill_schedule_interval")
+    flag(_local_prefill_interval(s) != 1 and conn is not None, "prefill_schedule_interval (with a KV connector)")
     flag(getattr(s, "num_sampled_tokens_per_step", 1) != 1, "pooling_or_diffusion_model")
     flag(getattr(s, "is_encoder_decoder", False), "encoder_decoder")
     flag(getattr(s, "dcp_world_size", 1) != 1, "decode_context_parallel")
@@ -176,6 +177,13 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
         name = type(g.kv_cache_spec).__name__
         flag(name not in _MODELLED_SPECS, f"kv_cache_spec:{name} (group {i})")
     return found
+
+
+def _local_prefill_interval(s: Scheduler) -> int:
+    """The prefill cadence this scheduler applies itself: vLLM's ``local_prefill_interval`` (the
+    configured ``prefill_schedule_interval`` without data parallelism, 1 where a DP coordinator
+    drives it); older vLLMs without the attribute fall back to the config field."""
+    return int(getattr(s, "local_prefill_interval", getattr(s.scheduler_config, "prefill_schedule_interval", 1)))
 
 
 def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
@@ -213,7 +221,9 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", True)),
             "async_scheduling": bool(sc.async_scheduling),
             "async_class": is_async_class,
-            "prefill_schedule_interval": getattr(sc, "prefill_schedule_interval", 1),
+            "prefill_schedule_interval": _local_prefill_interval(s),
+            "long_prefill_token_threshold_adaptive": bool(getattr(s, "adaptive_long_prefill_threshold", False)),
+            "max_num_active_seqs": getattr(s, "max_num_active_reqs", sc.max_num_seqs),
         },
         "unmodelled": _setup_unmodelled(s, is_async_class),
         **({"spec": _spec_header(s)} if getattr(vc, "speculative_config", None) is not None else {}),

@@ -19,7 +19,8 @@ requests), ``preemption-storm`` (the smallest full-attention pool, long prompts 
 prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed priorities),
 ``spec-decode`` (n-gram speculative decoding: the fake runner proposes drafts after every synchronous
 step and accepts a seeded number of them), ``spec-decode-eagle`` (the same with an EAGLE-like drafter:
-lookahead slots reserved past every step, the trailing block of a prefix hit dropped).
+lookahead slots reserved past every step, the trailing block of a prefix hit dropped), ``cadence``
+(vLLM's local prefill cadence, the adaptive long-prefill threshold and ``max_num_active_seqs``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class Workload:
     num_speculative_tokens: int = 0  # speculative decoding (drafts from the fake runner)
     #: "ngram", or "eagle" (an EAGLE-like drafter: lookahead slots, the trailing hit block dropped)
     speculative_method: str = "ngram"
+    #: vLLM's local prefill cadence, adaptive long-prefill threshold and admission cap into running
+    #: (``SchedulerConfig`` fields of those names; replayed by check-run, #28)
+    prefill_schedule_interval: int = 1
+    long_prefill_token_threshold_adaptive: bool = False
+    max_num_active_seqs: int | None = None
 
 
 def _full(bs: int) -> dict:
@@ -82,7 +88,10 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
                           policy=workload.policy, async_scheduling=async_scheduling,
                           long_prefill_token_threshold=workload.long_prefill_token_threshold,
                           num_speculative_tokens=workload.num_speculative_tokens,
-                          speculative_method=workload.speculative_method)
+                          speculative_method=workload.speculative_method,
+                          prefill_schedule_interval=workload.prefill_schedule_interval,
+                          long_prefill_token_threshold_adaptive=workload.long_prefill_token_threshold_adaptive,
+                          max_num_active_seqs=workload.max_num_active_seqs)
     layers = workload.layers(workload.block_size)
 
     def plan(n: int):
@@ -289,6 +298,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "the trailing block of every prefix hit dropped), shared prefixes, a tight full + sliding-window "
              "pool", _swa(16), 4, 128, 32, 6, 1.5, _prefix_sharing, num_speculative_tokens=2,
              speculative_method="eagle"),
+    Workload("cadence", "a prefill cadence of 3 steps, an adaptive long-prefill threshold and at most 4 of 8 "
+             "runner slots active: decodes run while prefill waits its turn, long prompts on a full + "
+             "sliding-window pool", _swa(16), 4, 160, 32, 8, 1.5, _long_prompts, long_prefill_token_threshold=8,
+             prefill_schedule_interval=3, long_prefill_token_threshold_adaptive=True, max_num_active_seqs=4),
 )}
 
 

@@ -54,7 +54,9 @@ def header_for(pool: PoolConfig, config: SchedulerConfig, producer: str = "kvref
                       "enable_chunked_prefill": config.enable_chunked_prefill, "policy": config.policy,
                       "scheduler_reserve_full_isl": config.scheduler_reserve_full_isl,
                       "async_scheduling": config.async_scheduling, "async_class": config.async_scheduling,
-                      "prefill_schedule_interval": 1},
+                      "prefill_schedule_interval": config.prefill_schedule_interval,
+                      "long_prefill_token_threshold_adaptive": config.long_prefill_token_threshold_adaptive,
+                      "max_num_active_seqs": config.max_num_active_reqs},
         "unmodelled": [],
     }
 

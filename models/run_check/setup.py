@@ -94,6 +94,20 @@ def _spec_decode(spec: dict | None, unmodelled: list[str]) -> dict:
             "skip_unused_drafts": bool(spec.get("can_skip_drafts", False))}
 
 
+def _cadence(s: dict) -> dict:
+    """The header's prefill cadence, adaptive long-prefill threshold and ``max_num_active_seqs``
+    (replayed since session 11, #28; a trace without them ran with vLLM's defaults)."""
+    out: dict = {}
+    if int(s.get("prefill_schedule_interval", 1) or 1) != 1:
+        out["prefill_schedule_interval"] = int(s["prefill_schedule_interval"])
+    if s.get("long_prefill_token_threshold_adaptive"):
+        out["long_prefill_token_threshold_adaptive"] = True
+    active = s.get("max_num_active_seqs")
+    if active is not None and active != s["max_num_seqs"]:
+        out["max_num_active_seqs"] = int(active)
+    return out
+
+
 def setup_from_header(header: dict) -> RunSetup:
     """Rebuild the reference setup; never raises for a well-formed header (reasons go to ``unmodelled``)."""
     unmodelled = list(header.get("unmodelled", []))
@@ -110,7 +124,7 @@ def setup_from_header(header: dict) -> RunSetup:
             enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)), policy=s.get("policy", "fcfs"),
             scheduler_reserve_full_isl=bool(s.get("scheduler_reserve_full_isl", True)),
             async_scheduling=bool(s.get("async_class", s.get("async_scheduling", False))),
-            **_spec_decode(header.get("spec"), unmodelled))
+            **_cadence(s), **_spec_decode(header.get("spec"), unmodelled))
         pool = PoolConfig.off_plan("a recorded run's pool, as the engine's own startup built it",
                                    num_blocks=p["num_blocks"], groups=groups, max_model_len=p["max_model_len"],
                           scheduler_block_size=p["scheduler_block_size"], hash_block_size=p["hash_block_size"],
