@@ -454,8 +454,13 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                       + [0] * max(0, tail - 4))[:limit]
             rid = f"r{self._next_rid}"
             self._next_rid += 1
+            # the follow-up hits the local cache: in "full" report mode (which changes no hash) that hit
+            # is announced in KV events (vLLM's emit_cached_block_events; not where aligned_chunk
+            # looks hits up on the reference alone, see _add)
+            full = (breadth and self.mamba_split is None
+                    and data.draw(st.integers(0, 3), label="report_full") == 0)
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 8)),
-                                       cache_salt=base.cache_salt)))
+                                       cache_salt=base.cache_salt, **({"report_full": True} if full else {}))))
             chunk = data.draw(st.sampled_from((4, 16, 1024)), label="chunk")
             sbs = self.h.pool_config.scheduler_block_size
             self._admit(data, rid, chunk, data.draw(st.sampled_from((sbs, 2 * sbs, 4, 16, 64)), label="external"))
