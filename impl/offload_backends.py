@@ -134,6 +134,10 @@ class OffloadingReferenceBackend(ReferenceEngine):
         """``get_stats`` since the last call, as {metric: value} (histograms of delays: counts)."""
         return self.conn.get_stats()
 
+    def pending_push_work(self) -> bool:
+        """``has_pending_push_work``: must the engine keep stepping with nothing scheduled?"""
+        return self.conn.has_pending_push_work()
+
     def request_offload_state(self, rid):
         """What the connector parsed from a request's ``kv_transfer_params``: its load tier filter
         ("ALL", or its (medium, locality) matchers) and load / store caps; None once untracked."""

@@ -252,6 +252,10 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     def hit_sources(self, req, n_ext):
         return sorted((s.value, n) for s, n in self._sched.get_external_cache_hit_sources(req, n_ext).items())
 
+    def pending_push_work(self) -> bool:
+        # the scheduler's, or the whole connector's (conform-offload-worker), which forwards to it
+        return self.conn.has_pending_push_work()
+
     def connector_stats(self):
         stats = self._sched.get_stats()
         if stats is None:

@@ -177,6 +177,9 @@ class OffloadingWorld(OffloadWorldBase):
         self.hit_sources: list[tuple] = []  # (request, get_external_cache_hit_sources) per load
         self.stats: list[dict] = []  # the connector's get_stats after every step
         self.stats_compared: set[str] | None = None  # None: every metric; else only these names
+        # has_pending_push_work after every step and every completion (the engine asks it before each
+        # schedule(): a wrong False leaves reported jobs and a reset fence undelivered in an idle engine)
+        self.push_work: list[bool] = []
 
     @property
     def b(self):
@@ -283,6 +286,7 @@ class OffloadingWorld(OffloadWorldBase):
         for job in self.jobs.values():
             job["new"] = False
         self._update_from_output(batch)
+        self.push_work.append(self.b.pending_push_work())
         self.b.check_invariants()
         return meta
 
@@ -322,6 +326,7 @@ class OffloadingWorld(OffloadWorldBase):
                 for b in job["dst"]:
                     self.gpu_content[b] = ("loaded", b)
                 self._update_waiting_for_remote_kv(self.reqs[job["req"]])
+        self.push_work.append(self.b.pending_push_work())
         self.b.check_invariants()
         return True
 
@@ -362,4 +367,5 @@ class OffloadingWorld(OffloadWorldBase):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
         return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
                 "kv_events": self.kv_events, "hit_sources": self.hit_sources, "stats": self.stats,
+                "push_work": self.push_work,
                 "transfer_params": {rid: self.b.request_offload_state(rid) for rid in self.reqs}}

@@ -616,6 +616,14 @@ class OffloadingConnectorScheduler:
         self._batch_allocated = set()
         return meta
 
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine must keep stepping with nothing scheduled (vLLM
+        ``OffloadingConnectorScheduler.has_pending_push_work``): a job some worker has not reported
+        yet, or a reset fence still counting down late reports of the jobs a reset flushed. The
+        CPU manager itself never has work of its own (vLLM's ``OffloadingManager.has_pending_work``
+        is False for it); an engine that stopped stepping here would never deliver a completion."""
+        return bool(self._jobs or self._reset_fence)
+
     # ------------------------------------------------------------------ completions / reset
 
     def update_connector_output(self, completed_jobs: dict[int, int]) -> None:
