@@ -75,6 +75,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
     "specs": (
         _b(_KCI, "FullAttentionSpec", *_SPEC, "sliding_window", "attention_chunk_size"),
         _b(_KCI, "MLAAttentionSpec", *_SPEC, "cache_dtype_str"),
+        _b(_KCI, "HiddenStateCacheSpec", *_SPEC, "cache_dtype_str"),  # extract_hidden_states layers (#22)
         _b(_KCI, "SlidingWindowSpec", *_SPEC, "sliding_window"),
         _b(_KCI, "ChunkedLocalAttentionSpec", *_SPEC, "attention_chunk_size"),
         _b(_KCI, "CrossAttentionSpec", *_SPEC),
@@ -298,8 +299,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.p2p.manager", "NixlTransport"),
         _b("vllm.v1.kv_offload.tiering.p2p.manager", "ZmqTransport"),
         _b("vllm.v1.kv_offload.tiering.p2p.control.zmq", "ZmqTransport"),
-        _b("vllm.v1.kv_offload.tiering.p2p.data.base", "DataTransport"),
-        _b("vllm.v1.kv_offload.tiering.p2p.data.base", "PollResult"),
+        _b("vllm.v1.kv_offload.tiering.p2p.data.nixl", "NixlTransport"),
+        _b("vllm.v1.kv_offload.tiering.p2p.data.nixl", "_NixlAgent"),
+        _b("vllm.v1.kv_offload.tiering.p2p.data", "nixl"),
+        _b("vllm.distributed.nixl_utils", "NixlWrapper"),
+        _b("vllm.distributed.nixl_utils", "nixl_agent_config"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.session", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.client", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.server", "time"),

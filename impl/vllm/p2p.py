@@ -3,12 +3,12 @@
 :class:`VllmP2PWorld` answers the calls of :class:`kvref.impl.reference.offload.p2p.world.P2PWorld`
 with two of vLLM 0.33.0's ``P2PSecondaryTierManager`` (``vllm/v1/kv_offload/tiering/p2p/``), a
 producer ``P`` and a consumer ``D``, each with its real ``ZmqTransport`` bound on loopback TCP and
-its real ``P2PSession``/``ClientRole``/``ServerRole`` objects. Only the data plane is replaced:
-``NixlTransport`` needs the NIXL library (and UCX), which is not installed, so
-:class:`InMemoryTransport` implements vLLM's ``DataTransport`` interface over the two engines'
-primary buffers (docs/differences.md, "P2P data plane"): ``write_blocks`` queues a transfer, the
-harness decides when it completes or fails (``complete_transfers``), and a completed one copies
-the bytes into the peer's buffer, so what one engine stored is what the other reads back.
+its real ``P2PSession``/``ClientRole``/``ServerRole`` objects, and its real ``NixlTransport`` over
+NIXL agents with the UCX backend (the tier's default, ``backends=None``), registering each
+engine's primary buffer as DRAM: a WRITE the trace lets land (``complete_transfers``) moves the
+bytes over UCX on loopback into the peer's buffer, so what one engine stored is what the other
+reads back. The harness holds each posted WRITE at the NIXL agent until the trace resolves it, and
+reuses one NIXL agent per engine across worlds (:mod:`kvref.impl.vllm.p2p_nixl`).
 
 Determinism, without sleeps that race:
 
@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvref.impl.reference.offload.p2p.messages import summarize
+from kvref.impl.vllm import p2p_nixl
 from kvref.spec.errors import InvalidFieldError
 
 #: longest a manager's poll waits for a counted message to reach its ROUTER socket
@@ -92,83 +93,6 @@ def _classes() -> SimpleNamespace:
     import msgspec
     import zmq
     from vllm.v1.kv_offload.tiering.p2p.control.zmq import ZmqTransport
-    from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport, PollResult
-
-    class InMemoryTransport(DataTransport):
-        """vLLM's ``DataTransport`` contract over in-process buffers (the one fake).
-
-        Transfers stay pending (NIXL's ``PROC``) until :meth:`complete` resolves them; a
-        ``mode="wait"`` cancel therefore returns every still-pending id, as NIXL does for a WRITE it
-        cannot stop, and ``mode="immediate"`` drops them unwritten."""
-
-        def __init__(self, fabric: dict, name: str, view: memoryview, config_fields: dict | None) -> None:
-            super().__init__(view, config_fields=config_fields)
-            self.name = name
-            self._fabric = fabric
-            fabric[name] = self
-            self.peers: dict[str, InMemoryTransport] = {}
-            self.pending: list[tuple[int, str, list[int], list[int]]] = []
-            self._finished: dict[str, tuple[list[int], list[int]]] = {}
-            self.faults: dict[str, str] = {}
-            self._ids = itertools.count()
-            self.closed = False
-
-        def get_agent_metadata(self) -> bytes:
-            return self.name.encode()
-
-        def add_remote_peer(self, peer_id, agent_metadata, base_addr, num_blocks, block_len) -> None:
-            remote = self._fabric.get(bytes(agent_metadata).decode())
-            if remote is None or remote.closed:
-                raise RuntimeError(f"no live transport named {agent_metadata!r}")
-            self.peers[peer_id] = remote
-
-        def remove_remote_peer(self, peer_id: str) -> None:
-            self.peers.pop(peer_id, None)
-            self.faults.pop(peer_id, None)
-
-        def write_blocks(self, peer_id, local_idxs, remote_idxs):
-            if peer_id not in self.peers or self.closed:
-                return None
-            tid = next(self._ids)
-            self.pending.append((tid, peer_id, list(local_idxs), list(remote_idxs)))
-            return tid
-
-        def complete(self, count: int, ok: bool) -> int:
-            """Resolve the oldest ``count`` pending transfers; a successful one copies its blocks."""
-            done, self.pending = self.pending[:count], self.pending[count:]
-            for tid, peer_id, local, remote in done:
-                target = self.peers.get(peer_id)
-                if ok and target is not None and not target.closed:
-                    n = self.block_len
-                    src_flat, dst_flat = self._view.cast("B"), target._view.cast("B")
-                    for src, dst in zip(local, remote):
-                        dst_flat[dst * n:(dst + 1) * n] = src_flat[src * n:(src + 1) * n]
-                slot = self._finished.setdefault(peer_id, ([], []))
-                slot[0 if ok and target is not None else 1].append(tid)
-            return len(done)
-
-        def poll(self, peer_id=None):
-            peers = [peer_id] if peer_id is not None else list(self._finished)
-            done: list[int] = []
-            failed: list[int] = []
-            for p in peers:
-                d, f = self._finished.pop(p, ([], []))
-                done += d
-                failed += f
-            return PollResult(done=done, failed=failed,
-                              peer_fault=self.faults.get(peer_id) if peer_id is not None else None)
-
-        def cancel(self, transfer_ids, mode="immediate"):
-            ids = set(transfer_ids)
-            if mode == "immediate":
-                self.pending = [t for t in self.pending if t[0] not in ids]
-                return []
-            return [t[0] for t in self.pending if t[0] in ids]
-
-        def close(self) -> None:
-            self.closed = True
-            self.pending.clear()
-            self.peers.clear()
 
     class _CountingDealer:
         """A DEALER socket that counts and logs what it sends (for the settle wait)."""
@@ -302,7 +226,7 @@ def _classes() -> SimpleNamespace:
             self.wire.closed.add(self._local_id)
             super().close()
 
-    return SimpleNamespace(InMemoryTransport=InMemoryTransport, CountingZmqTransport=CountingZmqTransport)
+    return SimpleNamespace(CountingZmqTransport=CountingZmqTransport)
 
 
 def _offloading_spec(block_len: int) -> Any:
@@ -355,7 +279,7 @@ class VllmP2PWorld:
         self.clock = VirtualClock()
         self.wire = Wire()
         self.num_blocks, self.block_len = num_blocks, block_len
-        self._fabric: dict = {}
+        self.agents: dict[str, Any] = {}  # node -> its HeldAgent (the NIXL agent under its transport)
         self._saved_time = {}
         fake_time = SimpleNamespace(monotonic=self.clock.monotonic, sleep=self.clock.sleep, time=_real_time.time)
         for name in _P2P_MODULES:
@@ -367,7 +291,8 @@ class VllmP2PWorld:
         self._saved_level = self._logger.level
         self._logger.setLevel(logging.CRITICAL)
         transport_cls = type("WorldZmqTransport", (cls.CountingZmqTransport,), {"wire": self.wire})
-        saved = manager_module.NixlTransport, manager_module.ZmqTransport
+        nixl = p2p_nixl.nixl_module()
+        saved = manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent
         self.buffers: dict[str, bytearray] = {}
         self.managers: dict[str, Any] = {}
         self.ids: dict[str, str] = {}
@@ -376,8 +301,8 @@ class VllmP2PWorld:
             for node in NODES:
                 buf = bytearray(num_blocks * block_len)
                 view = memoryview(buf).cast("B", (num_blocks, block_len))
-                manager_module.NixlTransport = (lambda name, v, config_fields=None, **_:
-                                                cls.InMemoryTransport(self._fabric, name, v, config_fields))
+                manager_module.NixlTransport = p2p_nixl.settled_transport_class()
+                nixl._NixlAgent = lambda name, cfg, _node=node: p2p_nixl.HeldAgent(_node, self.agents)
                 manager_module.ZmqTransport = transport_cls
                 mgr = manager_module.P2PSecondaryTierManager(_offloading_spec(block_len), view, host=HOST,
                                                              port=_free_port())
@@ -386,7 +311,7 @@ class VllmP2PWorld:
             self.close()
             raise
         finally:
-            manager_module.NixlTransport, manager_module.ZmqTransport = saved
+            manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent = saved
         self.alive = {n: True for n in NODES}
 
     # -- the world's calls (same as the reference world) ------------------------------------------
@@ -443,7 +368,7 @@ class VllmP2PWorld:
         return out
 
     def complete_transfers(self, node: str, count: int, ok: bool) -> int:
-        return self.managers[node]._data.complete(count, ok)
+        return self.agents[node].complete(count, ok)
 
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
@@ -464,7 +389,7 @@ class VllmP2PWorld:
     def fault(self, node: str) -> None:
         """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
         other = self.ids[NODES[1 - NODES.index(node)]]
-        self.managers[node]._data.faults[other] = "injected data-plane fault"
+        self.managers[node]._data._set_peer_fault(other, "injected data-plane fault")
 
     def shutdown(self, node: str) -> list[tuple[int, bool]]:
         """The engine goes away: ``shutdown`` (its sessions send DisconnectMsg, sockets close).
@@ -515,8 +440,11 @@ class VllmP2PWorld:
             unbound={kv: [b.job_id for b in bs] for kv, bs in sorted(mgr._unbound_stores.items())},
             bound=sorted(mgr._kv_to_session), reaped=sorted(mgr._reaped_stores),
             failed=sorted(mgr._failed_req_ids),
-            transfers=[(t[0], name.get(t[1], t[1]), t[2], t[3]) for t in data.pending],
-            peers=sorted(name.get(p, p) for p in data.peers))
+            transfers=[(tid, name.get(e.peer_id, e.peer_id), local, remote) for tid, e in data._inflight.items()
+                       for h, local, remote in self.agents[node].pending_writes() if h is e.handle],
+            peers=sorted(name.get(p, p) for p in data._remote_dlists),
+            strikes={name.get(p, p): n for p, n in sorted(data._peer_strikes.items())},
+            faults={name.get(p, p): c for p, c in sorted(data._peer_faults.items())})
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -565,6 +493,8 @@ class VllmP2PWorld:
                 if not ctx.closed:
                     ctx.destroy(linger=0)
             self.alive = {n: False for n in NODES}
+            for agent in getattr(self, "agents", {}).values():  # the pooled NIXL agents start the next world clean
+                agent.release_all()
             for mod, t in self._saved_time.items():
                 mod.time = t
             self._saved_time = {}

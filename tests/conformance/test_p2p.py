@@ -1,4 +1,4 @@
-"""vLLM's P2P secondary tier (two ``P2PSecondaryTierManager`` over loopback ZMQ, the in-memory
+"""vLLM's P2P secondary tier (two ``P2PSecondaryTierManager`` over loopback ZMQ, vLLM's NIXL
 data plane) in lock step with the reference world, on generated traces (#22).
 
 The runs are derandomized (the same traces every run, under both profiles), so the paths they
@@ -48,31 +48,43 @@ def test_a_wrong_abort_round_in_the_reference_is_found(monkeypatch):
     assert "abort_fetch" in failure and "diverged" in failure
 
 
-def test_the_in_memory_transport_keeps_vllms_data_transport_contract():
-    """What the sessions rely on (vLLM ``data/base.py``): unregistered peers get no transfer id,
-    ids are unique, poll reports each finished id once and only to its peer's scope, a wait-mode
-    cancel keeps pending writes, an immediate one drops them, a completed write copies bytes."""
+def test_vllms_nixl_transport_moves_bytes_when_the_trace_lets_a_write_land():
+    """vLLM's own ``NixlTransport`` over a real NIXL agent (UCX, DRAM on loopback) under the held
+    agent: an unregistered peer gets no transfer id; a posted WRITE stays in flight (a wait-mode
+    cancel keeps it) and writes nothing until the world lands it, then its bytes are in the peer's
+    buffer and a scoped poll reports it once; a failed one writes nothing, and three failures in a
+    row fault the peer until it is removed."""
     require_vllm()
-    from kvref.impl.vllm.p2p import _classes
+    from kvref.impl.vllm.p2p import VllmP2PWorld
 
-    cls = _classes().InMemoryTransport
-    fabric: dict = {}
-    bufs = [bytearray(4 * 8), bytearray(4 * 8)]
-    a, b = (cls(fabric, name, memoryview(buf).cast("B", (4, 8)), None) for name, buf in zip("ab", bufs))
-    assert a.write_blocks("b", [0], [1]) is None
-    a.add_remote_peer("b", b"b", b.base_addr, 4, 8)
-    bufs[0][0:8] = b"01234567"
-    t0, t1, t2 = a.write_blocks("b", [0], [1]), a.write_blocks("b", [0], [2]), a.write_blocks("b", [0], [3])
-    assert len({t0, t1, t2}) == 3
-    assert a.cancel([t0, t1], mode="wait") == [t0, t1]
-    assert a.complete(1, ok=True) == 1 and bytes(bufs[1][8:16]) == b"01234567"
-    assert a.poll("other").done == [] and list(a.poll("b").done) == [t0] and list(a.poll("b").done) == []
-    assert a.cancel([t1], mode="immediate") == [] and a.complete(5, ok=False) == 1
-    assert list(a.poll("b").failed) == [t2] and bytes(bufs[1][16:24]) == bytes(8)
-    a.faults["b"] = "down"
-    assert a.poll("b").peer_fault == "down"
-    a.close()
-    assert a.write_blocks("b", [0], [1]) is None
+    world = VllmP2PWorld(num_blocks=4, block_len=8)
+    try:
+        world.new_request("D", "d0", "remote_prefiller", "kv0")
+        for _ in range(2):
+            world.poll("P")
+            world.poll("D")
+        p = world.managers["P"]._data
+        d_id = world.ids["D"]
+        assert p.write_blocks("nobody:1", [0], [1]) is None
+        world.write("P", [0], [b"01234567"])
+        t0, t1 = p.write_blocks(d_id, [0], [1]), p.write_blocks(d_id, [0], [2])
+        assert t0 != t1 and p.cancel([t0], mode="wait") == [t0]
+        assert world.read("D", [1]) == [bytes(8)] and list(p.poll(d_id).done) == []
+        assert world.complete_transfers("P", 1, True) == 1
+        assert world.read("D", [1]) == [b"01234567"]
+        assert list(p.poll(d_id).done) == [t0] and list(p.poll(d_id).done) == []
+        assert world.complete_transfers("P", 1, False) == 1
+        assert list(p.poll(d_id).failed) == [t1] and world.read("D", [2]) == [bytes(8)]
+        for _ in range(2):
+            p.write_blocks(d_id, [0], [3])
+            world.complete_transfers("P", 1, False)
+            p.poll(d_id)
+        assert p.poll(d_id).peer_fault == "3 consecutive transfer failures (last: state ERR)"
+        assert world.snapshot("P")["faults"] == {"D": "3 consecutive transfer failures (last: state ERR)"}
+        p.remove_remote_peer(d_id)
+        assert p.poll(d_id).peer_fault is None and p.write_blocks(d_id, [0], [1]) is None
+    finally:
+        world.close()
 
 
 def test_closing_a_world_releases_every_zmq_context_even_when_a_shutdown_raises():

@@ -1,20 +1,30 @@
-"""The data plane's contract (vLLM ``tiering/p2p/data/base.py``): block writes to a peer.
+"""The data plane (vLLM ``tiering/p2p/data/base.py``'s contract as ``data/nixl.py``'s NixlTransport keeps it).
 
 One per engine, over its primary buffer. A peer must be registered (its layout learned in the
 handshake) before blocks are written to it; ``write_blocks`` returns a transfer id or None
 (unregistered peer); a transfer is pending until it completes or fails, and ``poll(peer)``
-reports, once, the ids that finished since the last poll for that peer. ``cancel`` in ``"wait"``
-mode keeps every transfer that may still be writing (NIXL cannot stop a WRITE in flight: vLLM's
-abort drain waits for them) and returns their ids; ``"immediate"`` drops them. A peer the plane
-judges unusable is reported in ``poll(peer).peer_fault`` until the peer is removed.
+reports, once, the ids that finished since the last poll for that peer (``poll()`` without a
+peer drains every peer: the shutdown drain). ``cancel`` in ``"wait"`` mode keeps every transfer
+that may still be writing (NIXL cannot stop a WRITE in flight: vLLM's abort drain waits for them)
+and returns their ids, while a transfer that already finished is released there and never
+reported by a later poll; ``"immediate"`` releases every named transfer, pending or finished.
 
-Here transfers complete when the trace says (:meth:`DataPlane.complete`), like the in-memory
-transport the vLLM world uses; a completed write copies the blocks into the peer's buffer.
+**Peer faults** (NIXL's failure model, ``data/base.py`` "Failure model"): each failed transfer a
+poll reports is a *strike* against its peer; a poll that reports a success for the peer clears
+its strikes first; :data:`MAX_CONSECUTIVE_TRANSFER_FAILURES` strikes in a row fault the peer, and
+a faulted peer is reported in ``poll(peer).peer_fault`` (its first cause only) until it is
+removed. Removing a peer forgets its strikes and its fault.
+
+Here transfers complete when the trace says (:meth:`DataPlane.complete`), as the vLLM world holds
+NIXL's WRITEs until then; a completed write copies the blocks into the peer's buffer, and a
+write whose peer was removed or has shut down fails (its endpoint is gone).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MAX_CONSECUTIVE_TRANSFER_FAILURES = 3  # vLLM data/nixl.py _MAX_CONSECUTIVE_TRANSFER_FAILURES
 
 
 @dataclass
@@ -36,6 +46,7 @@ class DataPlane:
     pending: list[Transfer] = field(default_factory=list)
     finished: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     faults: dict[str, str] = field(default_factory=dict)
+    strikes: dict[str, int] = field(default_factory=dict)
     next_id: int = 0
     closed: bool = False
 
@@ -48,6 +59,11 @@ class DataPlane:
     def remove_remote_peer(self, peer_id: str) -> None:
         self.peers.pop(peer_id, None)
         self.faults.pop(peer_id, None)
+        self.strikes.pop(peer_id, None)
+
+    def set_peer_fault(self, peer_id: str, cause: str) -> None:
+        """Judge ``peer_id`` unusable; the first cause stays until the peer is removed."""
+        self.faults.setdefault(peer_id, cause)
 
     def write_blocks(self, peer_id: str, local_idxs: list[int], remote_idxs: list[int]) -> int | None:
         if peer_id not in self.peers or self.closed:
@@ -63,33 +79,48 @@ class DataPlane:
         n = self.block_len
         for t in done:
             target = self.peers.get(t.peer_id)
-            if ok and target is not None and not target.closed:
+            landed = ok and target is not None and not target.closed
+            if landed:
                 for src, dst in zip(t.local_idxs, t.remote_idxs):
                     target.buffer[dst * n:(dst + 1) * n] = self.buffer[src * n:(src + 1) * n]
-            self.finished.setdefault(t.peer_id, ([], []))[0 if ok and target is not None else 1].append(t.transfer_id)
+            self.finished.setdefault(t.peer_id, ([], []))[0 if landed else 1].append(t.transfer_id)
         return len(done)
 
     def poll(self, peer_id: str | None = None) -> tuple[list[int], list[int], str | None]:
         """``(done, failed, peer_fault)`` since the last poll (of ``peer_id``, or of every peer)."""
         done: list[int] = []
         failed: list[int] = []
+        struck: list[str] = []
         for p in [peer_id] if peer_id is not None else list(self.finished):
             d, f = self.finished.pop(p, ([], []))
+            if d:
+                self.strikes.pop(p, None)  # a success between failures (NIXL applies it first)
             done += d
             failed += f
-        return done, failed, self.faults.get(peer_id) if peer_id is not None else None
+            struck += [p] * len(f)
+        for p in struck:
+            self.strikes[p] = self.strikes.get(p, 0) + 1
+            if self.strikes[p] >= MAX_CONSECUTIVE_TRANSFER_FAILURES:
+                self.set_peer_fault(p, f"{self.strikes[p]} consecutive transfer failures (last: state ERR)")
+        return sorted(done), sorted(failed), self.faults.get(peer_id) if peer_id is not None else None
 
     def cancel(self, transfer_ids: list[int], mode: str = "immediate") -> list[int]:
         ids = set(transfer_ids)
-        if mode == "immediate":
-            self.pending = [t for t in self.pending if t.transfer_id not in ids]
-            return []
-        return [t.transfer_id for t in self.pending if t.transfer_id in ids]
+        pending = {t.transfer_id for t in self.pending}
+        still = [] if mode == "immediate" else [t for t in transfer_ids if t in pending]
+        released = ids - set(still)  # a finished transfer is released here: no later poll reports it
+        self.pending = [t for t in self.pending if t.transfer_id not in released]
+        for p, (d, f) in list(self.finished.items()):
+            self.finished[p] = ([t for t in d if t not in released], [t for t in f if t not in released])
+        return still
 
     def close(self) -> None:
         self.closed = True
         self.pending.clear()
+        self.finished.clear()
         self.peers.clear()
+        self.faults.clear()
+        self.strikes.clear()
 
     def check_invariants(self) -> None:
         ids = [t.transfer_id for t in self.pending]

@@ -157,7 +157,7 @@ class P2PWorld:
     def fault(self, node: str) -> None:
         """The data plane judges the other engine unusable (``PollResult.peer_fault``)."""
         self._live(node)
-        self.planes[node].faults[f"{NODES[1 - NODES.index(node)]}:{PORT}"] = "injected data-plane fault"
+        self.planes[node].set_peer_fault(f"{NODES[1 - NODES.index(node)]}:{PORT}", "injected data-plane fault")
 
     def shutdown(self, node: str) -> list[tuple[int, bool]]:
         """The engine goes away: its writes drain (up to 3 s), its sessions disconnect."""
@@ -218,7 +218,9 @@ class P2PWorld:
             unbound={kv: [b[0] for b in bs] for kv, bs in sorted(mgr.unbound.items())},
             bound=sorted(mgr.kv_to_session), reaped=sorted(mgr.reaped), failed=sorted(mgr.failed),
             transfers=[(t.transfer_id, _name(t.peer_id), t.local_idxs, t.remote_idxs) for t in plane.pending],
-            peers=sorted(_name(p) for p in plane.peers))
+            peers=sorted(_name(p) for p in plane.peers),
+            strikes={_name(p): n for p, n in sorted(plane.strikes.items())},
+            faults={_name(p): c for p, c in sorted(plane.faults.items())})
 
     def check_invariants(self) -> None:
         for n in NODES:

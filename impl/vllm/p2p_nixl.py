@@ -1,0 +1,239 @@
+"""vLLM's ``NixlTransport`` over real NIXL agents, with the world deciding when a WRITE lands.
+
+The P2P world (:mod:`kvref.impl.vllm.p2p`) runs vLLM 0.33.0's own ``NixlTransport`` as the data
+plane: memory registration, descriptor lists, peer registration on its worker thread, WRITE
+submission, state polling, strikes and peer faults, cancel and close are all vLLM's code over a
+real ``nixl_agent`` with its UCX backend, and a completed WRITE moves the bytes over UCX on
+loopback from one engine's buffer to the other's.
+
+Two things are the harness's, both at the NIXL agent (vLLM's ``_NixlAgent``), never in vLLM's code:
+
+* **When a WRITE lands.** :class:`HeldAgent` forwards every agent call to the real agent except
+  ``transfer``: a posted WRITE is *held* (its state reads ``PROC``) until the trace resolves it
+  (:meth:`HeldAgent.complete`, oldest first, the reference data plane's order). A successful one is
+  then posted to NIXL for real and awaited until NIXL reports ``DONE`` (bounded by
+  :data:`LAND_TIMEOUT_S`); a failed one reads ``ERR`` and is never posted, so nothing lands — the
+  outcome a failed RDMA WRITE reports. Without the hold, a loopback WRITE lands within
+  microseconds and the traces would depend on thread timing.
+* **Agent reuse.** Creating a NIXL agent with its UCX backend costs about half a second, so the
+  process keeps one real agent per engine slot (:func:`pooled_agent`) and every world's transport
+  gets a fresh :class:`HeldAgent` over it. vLLM's ``_init`` still registers the world's buffer and
+  prepares its descriptors; ``close`` releases them again; what a failed trace leaves behind is
+  released by :meth:`HeldAgent.release_all`. The UCX backend is created on the pooled agent once.
+
+Peer registration (vLLM ``add_remote_peer_async``) runs on the transport's own worker thread;
+:class:`SettledNixlTransport` waits for it to finish before returning the future, so the session's
+``_poll_registration`` sees it resolved at the same poll as the reference (vLLM's only change of
+behaviour under the harness: a registration never straddles two polls).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time as _real_time
+from functools import lru_cache
+from typing import Any
+
+#: longest the harness waits for a released WRITE to be reported DONE by NIXL
+LAND_TIMEOUT_S = 5.0
+
+
+class LandTimeout(RuntimeError):
+    """A WRITE the trace let land was not reported DONE by NIXL in time (or reported ERR)."""
+
+
+_POOL: dict[str, Any] = {}
+_POOL_LOCK = threading.Lock()
+_BACKENDS: set[str] = set()
+
+
+def pooled_agent(slot: str) -> Any:
+    """The process's real NIXL agent for engine ``slot`` (created on first use, then reused)."""
+    from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
+
+    with _POOL_LOCK:
+        agent = _POOL.get(slot)
+        if agent is None:
+            agent = _POOL[slot] = NixlWrapper(f"kvref-p2p-{slot}", nixl_agent_config(backends=[]))
+        return agent
+
+
+class HeldAgent:
+    """A NIXL agent whose WRITEs land when the trace says (module docstring)."""
+
+    def __init__(self, slot: str, agents: dict[str, "HeldAgent"]) -> None:
+        self.slot = slot
+        self.real = pooled_agent(slot)
+        self._agents = agents  # the world's agents by slot (a closed one refuses registration)
+        agents[slot] = self
+        self.held: list[Any] = []  # posted WRITE handles, oldest first, not yet resolved
+        self.resolved: dict[int, tuple[Any, str]] = {}  # id(handle) -> (handle, "DONE" | "ERR")
+        self.remotes: list[str] = []  # remote agents this world loaded
+        self.dlists: list[Any] = []
+        self._dlist_owner: dict[int, str] = {}  # id(remote dlist) -> the remote agent it addresses
+        #: id(handle) -> (remote agent, local block indexes, remote block indexes)
+        self.writes: dict[int, tuple[str, list[int], list[int]]] = {}
+        self.regs: list[Any] = []
+        self.closed = False
+
+    # -- forwarded, tracked so a failed trace can be cleaned up -----------------------------------
+
+    def create_backend(self, name: str, params: dict) -> None:
+        if (self.slot, name) not in _BACKENDS:
+            self.real.create_backend(name, params)
+            _BACKENDS.add((self.slot, name))
+
+    def register_memory(self, descs, mem_type: str = "DRAM"):
+        reg = self.real.register_memory(descs, mem_type=mem_type)
+        self.regs.append(reg)
+        return reg
+
+    def deregister_memory(self, reg) -> None:
+        self.closed = True  # vLLM's close: the engine's memory is gone
+        if reg in self.regs:
+            self.regs.remove(reg)
+        self.real.deregister_memory(reg)
+
+    def get_xfer_descs(self, descs, mem_type: str = "DRAM"):
+        return self.real.get_xfer_descs(descs, mem_type=mem_type)
+
+    def prep_xfer_dlist(self, agent_name: str, descs):
+        dlist = self.real.prep_xfer_dlist(agent_name, descs)
+        self.dlists.append(dlist)
+        self._dlist_owner[id(dlist)] = agent_name
+        return dlist
+
+    def release_dlist_handle(self, dlist) -> None:
+        self.dlists = [d for d in self.dlists if d is not dlist]
+        self._dlist_owner.pop(id(dlist), None)
+        self.real.release_dlist_handle(dlist)
+
+    def get_agent_metadata(self) -> bytes:
+        return self.real.get_agent_metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        owner = next((a for a in self._agents.values() if a.real.get_agent_metadata() == metadata), None)
+        if owner is None or owner.closed:
+            # a real engine that has gone cannot be reached; NIXL names this error
+            raise RuntimeError("NIXL_ERR_NOT_FOUND: the remote engine's agent has shut down")
+        name = self.real.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self.remotes.append(name)
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        if name in self.remotes:
+            self.remotes.remove(name)
+        self.real.remove_remote_agent(name)
+
+    def make_prepped_xfer(self, op, local_dlist, local_idxs, remote_dlist, remote_idxs, *args, **kw):
+        handle = self.real.make_prepped_xfer(op, local_dlist, local_idxs, remote_dlist, remote_idxs, *args, **kw)
+        self.writes[id(handle)] = (self._dlist_owner.get(id(remote_dlist), ""), [int(i) for i in local_idxs],
+                                   [int(i) for i in remote_idxs])
+        return handle
+
+    # -- held WRITEs --------------------------------------------------------------------------------
+
+    def transfer(self, handle, notif_msg: bytes = b"") -> str:
+        self.held.append(handle)
+        return "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        if any(h is handle for h in self.held):
+            return "PROC"
+        entry = self.resolved.get(id(handle))
+        if entry is not None:
+            return entry[1]
+        return self.real.check_xfer_state(handle)
+
+    def release_xfer_handle(self, handle) -> None:
+        self.held = [h for h in self.held if h is not handle]  # never posted: nothing lands
+        self.resolved.pop(id(handle), None)
+        self.writes.pop(id(handle), None)
+        self.real.release_xfer_handle(handle)
+
+    def complete(self, count: int, ok: bool) -> int:
+        """Resolve the oldest ``count`` held WRITEs: ``ok`` lands each (a real NIXL WRITE, awaited
+        until DONE), otherwise each reads ``ERR`` and nothing is written. A WRITE whose target
+        engine has shut down, or whose remote agent was removed meanwhile, fails (``ERR``): its
+        endpoint is gone."""
+        done, self.held = self.held[:count], self.held[count:]
+        for handle in done:
+            land = ok and self.reachable(handle)
+            if land:
+                self._land(handle)
+            self.resolved[id(handle)] = (handle, "DONE" if land else "ERR")
+        return len(done)
+
+    def reachable(self, handle) -> bool:
+        """Whether the WRITE's target agent is still loaded here and its engine still running."""
+        remote = self.writes.get(id(handle), ("",))[0]
+        owner = next((a for a in self._agents.values() if a.real_name == remote), None)
+        return remote in self.remotes and owner is not None and not owner.closed
+
+    @property
+    def real_name(self) -> str:
+        return f"kvref-p2p-{self.slot}"
+
+    def pending_writes(self) -> list[tuple[Any, list[int], list[int]]]:
+        """The held WRITEs, oldest first: (handle, local indexes, remote indexes)."""
+        return [(h, *self.writes.get(id(h), ("", [], []))[1:]) for h in self.held]
+
+    def _land(self, handle) -> None:
+        status = self.real.transfer(handle)
+        deadline = _real_time.monotonic() + LAND_TIMEOUT_S
+        while status != "DONE":
+            if status == "ERR":
+                raise LandTimeout(f"NIXL reported ERR for a loopback WRITE of engine {self.slot}")
+            if _real_time.monotonic() > deadline:
+                raise LandTimeout(f"a loopback WRITE of engine {self.slot} was not DONE after {LAND_TIMEOUT_S}s")
+            status = self.real.check_xfer_state(handle)
+
+    def release_all(self) -> None:
+        """Give back whatever the world's transport did not release (a failed trace), so the pooled
+        agent starts the next world clean."""
+        for handle in self.held + [h for h, _ in self.resolved.values()]:
+            try:
+                self.real.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - best-effort cleanup of a failed trace
+                pass
+        self.held, self.resolved, self.writes = [], {}, {}
+        for name in self.remotes:
+            try:
+                self.real.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001
+                pass
+        for dlist in self.dlists:
+            try:
+                self.real.release_dlist_handle(dlist)
+            except Exception:  # noqa: BLE001
+                pass
+        for reg in self.regs:
+            try:
+                self.real.deregister_memory(reg)
+            except Exception:  # noqa: BLE001
+                pass
+        self.remotes, self.dlists, self.regs = [], [], []
+        self.closed = True
+
+
+@lru_cache(maxsize=1)
+def settled_transport_class() -> type:
+    """vLLM's ``NixlTransport`` whose peer registration has finished when its future is returned."""
+    from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport
+
+    class SettledNixlTransport(NixlTransport):
+        def add_remote_peer_async(self, peer_id, agent_metadata, base_addr, num_blocks, block_len):
+            fut = super().add_remote_peer_async(peer_id, agent_metadata, base_addr, num_blocks, block_len)
+            concurrent.futures.wait([fut], timeout=LAND_TIMEOUT_S)
+            return fut
+
+    return SettledNixlTransport
+
+
+def nixl_module() -> Any:
+    """vLLM's ``data/nixl.py`` module (whose ``_NixlAgent`` the world replaces while it builds)."""
+    from vllm.v1.kv_offload.tiering.p2p.data import nixl
+
+    return nixl
