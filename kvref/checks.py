@@ -146,7 +146,7 @@ CHECKS: list[Check] = [
           check_p2p_conformance, vllm=True),
     Check("conform-offload-worker", "vLLM's whole OffloadingConnector (scheduler + worker roles, bytes) vs the reference",
           check_offload_worker_conformance, vllm=True),
-    Check("conform-tiering", "multi-tier offloading (TieringOffloadingManager, fs/example tiers) vs the reference",
+    Check("conform-tiering", "multi-tier offloading (TieringOffloadingManager, fs/obj/example/kvcr tiers) vs the reference",
           check_tiering_conformance, vllm=True),
     Check("conform-planning", "startup pool sizing vs the installed vLLM on generated configs",
           check_planning_conformance, vllm=True),

@@ -233,6 +233,12 @@ class VllmTiering:
                 self.job_gates[i] = _JobGates(tier)
             if tier.tier_type in ("fs", "obj"):
                 self.lookup_gates[i] = _install_lookup_gate(tier)
+        self.kvcr_gates: dict[int, Any] = {}
+        for i, tier in enumerate(self.tiers):
+            if tier.tier_type == "kvcr":
+                from kvref.impl.vllm.tiering_kvcr import KvcrGate
+
+                self.kvcr_gates[i] = KvcrGate(tier, WAIT_S, TierTimeout)
         self._flat = self.primary.get_kv_memoryview().cast("B")
         self.row_bytes = self.primary.get_kv_memoryview().strides[0]
         self.ctx: dict[str, Any] = {}
@@ -336,6 +342,8 @@ class VllmTiering:
         tier = self.tiers[tier_idx]
         if tier.tier_type in ("fs", "obj"):
             return {k for k in universe if self.tier_bytes(tier_idx, k) is not None}
+        if tier.tier_type == "kvcr":
+            return {k for k, (state, _) in self.kvcr_gates[tier_idx].residency().items() if state == "ready"}
         return {bytes(k) for k in tier.chunks}  # the example tier and kvref's RequestLevelTier
 
     def lookup_state(self, tier_idx: int) -> dict:
@@ -377,13 +385,14 @@ class VllmTiering:
         keys = type(self.spec).config_info_keys(self.spec.extra_config)
         return tuple(keys), [dict(m) for m in self.manager.config_info()]
 
-    def take_stats(self, prefix: str = "vllm:kv_offload_tiering_") -> dict[str, float]:
-        """``get_stats().reduce()`` cut to the tiering metrics (the primary tier's own are
-        conform-offload's)."""
+    def take_stats(self, prefix: tuple[str, ...] = ("vllm:kv_offload_tiering_", "vllm:kvcr_")) -> dict[str, float]:
+        """``get_stats().reduce()`` cut to the tiering and KVCR metrics (the primary tier's own are
+        conform-offload's); KVCR's duration histograms by count only (their sums are wall-clock)."""
         stats = self.manager.get_stats()
         if stats is None:
             return {}
-        return {k: v for k, v in stats.reduce().items() if k.startswith(prefix)}
+        return {k: v for k, v in stats.reduce().items()
+                if k.startswith(prefix) and not (k.startswith("vllm:kvcr_duration") and k.endswith("_sum"))}
 
 
 def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",
@@ -419,7 +428,9 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         groups=(OffloadingGroupConfig(16, ("layer",), 0),), worker_kv_bytes_per_block=64,
         enable_kv_cache_events=enable_events,
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * 4096,
-                      "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs},
+                      "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs,
+                      # KVCR's local-DRAM inventory events name their tier (kvcr refuses otherwise)
+                      "self_describing_kv_events": any(t["type"] == "kvcr" for t in tiers)},
         engine_id=f"kvref-tiering-{os.getpid()}-{next(_ENGINES)}",
         model=OffloadingModelConfig(name="kvref", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),

@@ -27,6 +27,7 @@ from kvref.impl.reference.offload.tiering.backpressure import POLICIES, EMABackp
 from kvref.impl.reference.offload.tiering.clock import VirtualClock
 from kvref.impl.reference.offload.tiering.example_tier import ExampleTier
 from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
+from kvref.impl.reference.offload.tiering.kvcr_tier import KVCRTier
 from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
 from kvref.impl.reference.offload.tiering.obj_tier import ObjectStoreTier
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
@@ -36,7 +37,7 @@ ROW_BYTES = 4096
 #: out-of-tree tier (kvref.impl.vllm.tiering_tiers)
 REQUEST_LEVEL = "RequestLevelTier"
 TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"), ("fs", REQUEST_LEVEL),
-                (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"))
+                (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"), ("kvcr",), ("kvcr", "fs"), ("fs", "kvcr"))
 #: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
 ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
@@ -55,6 +56,8 @@ class TieringConfig:
     warmup: int = 2
     num_keys: int = 8
     report_scheduled: bool = True  # end of step names newly scheduled requests (lookup counting stops)
+    kvcr_slots: int = 2  # local-DRAM slots of a KVCR tier
+    kvcr_policy: str = "lru"
 
     @staticmethod
     def random(rng: random.Random) -> "TieringConfig":
@@ -62,12 +65,17 @@ class TieringConfig:
                              cache_policy=rng.choice(("lru", "lru", "arc")),
                              backpressure=rng.choice((None, "ThrottledDropPolicy", "DropStorePolicy")),
                              warmup=rng.randint(1, 3), num_keys=rng.randint(6, 10),
-                             report_scheduled=rng.random() < 0.5)
+                             report_scheduled=rng.random() < 0.5, kvcr_slots=rng.randint(1, 4),
+                             kvcr_policy=rng.choice(("lru", "lru", "fifo")))
 
     def vllm_tier_configs(self) -> list[dict]:
         out = []
         for t in self.tiers:
             cfg: dict = {"type": t}
+            if t == "kvcr":
+                from kvref.impl.vllm.tiering_kvcr import kvcr_tier_config
+
+                cfg = kvcr_tier_config(self.kvcr_slots, self.kvcr_policy)
             if t == REQUEST_LEVEL:
                 cfg["module_path"] = "kvref.impl.vllm.tiering_tiers"
             if t in ASYNC_TIERS and self.backpressure:
@@ -107,7 +115,9 @@ class TieringWorld:
             if t in ASYNC_TIERS and cfg.backpressure:
                 det = EMABackpressureDetector(**default_config(t), warmup_completions=cfg.warmup,
                                               policy=POLICIES[cfg.backpressure](), clock=self.clock.monotonic)
-            if t in ASYNC_TIERS:
+            if t == "kvcr":
+                tiers.append(KVCRTier(t, self.primary.buffer, cfg.kvcr_slots, cfg.kvcr_policy))
+            elif t in ASYNC_TIERS:
                 cls = ObjectStoreTier if t == "obj" else FileSystemTier
                 tiers.append(cls(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True))
             else:
@@ -122,7 +132,8 @@ class TieringWorld:
         self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
-                      "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0}
+                      "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
+                      "kvcr_copy_failures": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -263,6 +274,8 @@ class TieringWorld:
 
     def op_finish_job(self, t: int, pick: int, io_error: bool) -> None:
         fs = self.fs_tiers()
+        if not fs:
+            return
         i = fs[t % len(fs)]
         jobs = self.ref.tiers[i].in_flight()
         if not jobs:
@@ -277,6 +290,8 @@ class TieringWorld:
 
     def op_lookup_worker(self, t: int) -> None:
         fs = self.fs_tiers()
+        if not fs:
+            return
         i = fs[t % len(fs)]
         r, v = self._both("lookup worker", lambda: self.ref.tiers[i].run_lookup_worker(),
                           lambda: self.vllm.run_lookup_worker(i))
@@ -322,14 +337,28 @@ class TieringWorld:
                 else:
                     self.op_lose_file(t, ks[lose])
 
+    def kvcr_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.cfg.tiers) if t == "kvcr"]
+
+    def op_kvcr_fail(self) -> None:
+        """The next copy the KVCR tier starts fails (its NIXL transfer reports an error)."""
+        for i in self.kvcr_tiers():
+            self.ref.tiers[i].fail_copies += 1
+            self.vllm.kvcr_gates[i].fail_next()
+            self.stats["kvcr_copy_failures"] += 1
+
     def op_lose_file(self, t: int, k: int) -> None:
         fs = self.fs_tiers()
+        if not fs:
+            return
         i = fs[t % len(fs)]
         key = self.keys[k % len(self.keys)]
         self._both("lose_file", lambda: self.ref.tiers[i].lose_file(key), lambda: self.vllm.lose_file(i, key))
 
     def op_truncate_file(self, t: int, k: int, size: int) -> None:
         fs = self.fs_tiers()
+        if not fs:
+            return
         i = fs[t % len(fs)]
         key = self.keys[k % len(self.keys)]
         r, v = self._both("truncate_file", lambda: self.ref.tiers[i].truncate_file(key, size),
@@ -349,7 +378,8 @@ class TieringWorld:
                 "pinned or reserved": [k.hex()[:8] for k, (_, r) in self.primary.chunk_state().items() if r != 0],
                 "probes": [len(t.lookups.state) for t in self.ref.tiers if isinstance(t, FileSystemTier)
                            if t.lookups.state]}
-        if any(left.values()) or self.ref.has_pending_work():
+        busy = bool(self.ref.jobs) or any(not isinstance(t, KVCRTier) and t.has_pending_work() for t in self.ref.tiers)
+        if any(left.values()) or busy:  # a KVCR tier always answers has_pending_work (control messages)
             raise TieringDivergence(f"not quiescent after every request and job finished: {left}")
 
     def op_advance(self, dt: float) -> None:
@@ -393,6 +423,12 @@ class TieringWorld:
                 for key, data in tier.files.items():
                     if v.tier_bytes(i, key) != data or data != content_of(key)[:len(data)]:
                             diffs.append(f"tier #{i}: file of {key.hex()[:8]} does not hold the bytes stored for it")
+            if isinstance(tier, KVCRTier):
+                gate = v.kvcr_gates[i]
+                same(f"tier #{i} KVCR residency", tier.residency(), gate.residency())
+                for key, r in tier.res.items():
+                    if r.state == "ready" and gate.slot_bytes(key) != r.data:
+                        diffs.append(f"tier #{i}: KVCR slot of {key.hex()[:8]} does not hold the bytes stored for it")
             det = tier.bp_detector
             same(f"tier #{i} back-pressure", det.snapshot() if det else None, v.detector_snapshot(i))
         for rid in self.ref.req_state:
@@ -462,6 +498,7 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (1, ("truncate_file", rng.randrange(2), rng.randrange(nk), rng.choice((0, 1, ROW_BYTES - 1)))),
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
+        (3 if world.kvcr_tiers() else 0, ("kvcr_fail",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
     ]
     if not world.live and rng.random() < 0.8:
@@ -479,7 +516,8 @@ def _evicted_to_disk(rng: random.Random, world: TieringWorld) -> int:
     """A key on some fs tier but not in the primary tier, when there is one."""
     primary = world.primary.chunk_state()
     on_disk = sorted({world.keys.index(k) for i in world.fs_tiers() for k in world.ref.tiers[i].files
-                      if k not in primary})
+                      if k not in primary} | {world.keys.index(k) for i in world.kvcr_tiers()
+                                              for k in world.ref.tiers[i].stored_keys() if k not in primary})
     return rng.choice(on_disk) if on_disk and rng.random() < 0.8 else rng.randrange(world.cfg.num_keys)
 
 
@@ -586,11 +624,14 @@ def run_ops(cfg: TieringConfig, ops: list) -> dict:
 def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60)) -> dict:
     """``n`` generated configurations and traces (seeded by ``seed``); sums their stats."""
     rng = random.Random(f"conform-tiering-{seed}")
-    total = {"traces": 0}
-    for _ in range(n):
+    total = {"traces": 0, "kvcr_traces": 0}
+    for t in range(n):
         cfg = TieringConfig.random(rng)
+        if t == n - 1 and n >= 3 and not total["kvcr_traces"]:  # every run drives the KVCR tier too
+            cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if "kvcr" in lay])
         stats, _ = run_trace(cfg, random.Random(rng.random()), rng.randint(*n_ops))
         for k, val in stats.items():
             total[k] = total.get(k, 0) + val
         total["traces"] += 1
+        total["kvcr_traces"] += "kvcr" in cfg.tiers
     return total

@@ -101,6 +101,7 @@ EXCLUDED: dict[str, str] = {
             "FileSystemTier.submit_store FileSystemTier.truncate_file", TIERING),
     **_each(f"{_TIER}.obj_tier", "ObjectStoreTier ObjectStoreTier.finish_job ObjectStoreTier.truncate_file",
             TIERING),
+    **_each(f"{_TIER}.kvcr_tier", "KVCRTier KVCRTier.lookup KVCRTier.submit_load KVCRTier.submit_store", TIERING),
     **_each(f"{_TIER}.manager", "PendingPromotion RequestState", RECORD),
     **_each(f"{_TIER}.tier_base", "JobResult TransferJob TierEvent", RECORD),
     **_each(f"{_TIER}.tier_base", "PrimaryBuffer PrimaryBuffer.read PrimaryBuffer.write", TIERING),
@@ -143,6 +144,10 @@ EXCLUDED: dict[str, str] = {
             "PrefillCadence.after_schedule PrefillCadence.check_invariants",
             "the reference Scheduler's prefill-cadence hooks (issue #22), called with its own state and a "
             "validated SchedulerConfig (its new fields are fuzzed through SchedulerConfig)"),
+    **_each(f"{_REF}.scheduler_connector_stats", "check_invariants connector_stats flag_connector_reset "
+            "record_connector_prefix_cache_stats set_kv_fetch_stage",
+            "the reference Scheduler's make_stats bookkeeping with a KV connector (issue #22), called with its "
+            "own ConnectorState; reached through Scheduler.make_stats"),
     **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
     # HiSparse (issue #23): the managers are HiSparsePool's building blocks; the pool is the conformance
     # harness's reference side, driven by kvref.models.machines.hisparse_pool with generated valid calls

@@ -394,6 +394,8 @@ class TieringOffloadingManager:
         busy = {i: list(t.in_flight()) for i, t in enumerate(self.tiers) if list(t.in_flight())}
         if busy:
             raise OffloadStateError(f"tiers: jobs still in flight {busy}; drain them before reset_cache")
+        for tier in self.tiers:
+            tier.drain_jobs()
         self._process_finished_jobs()
         assert not self.jobs
         self.pending_loads.clear()
@@ -448,6 +450,8 @@ class TieringOffloadingManager:
                 self.counters[f"{M}backpressure_blocks_dropped:{label}"] += blocks
         out.update(self.counters)
         out.update(self.lookup_metrics.take())
+        for tier in self.tiers:
+            out.update(tier.take_stats())
         self.counters = Counter()
         return out
 

@@ -105,6 +105,15 @@ class SecondaryTier(ABC):
     def take_events(self) -> list[TierEvent]:
         return []
 
+    def take_stats(self) -> dict[str, float]:
+        """The tier's own metrics (vLLM ``SecondaryTierManager.get_stats``); most tiers have none."""
+        return {}
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished (vLLM ``drain_jobs``, before a reset);
+        tiers whose jobs the trace finishes explicitly have nothing to wait for here."""
+        return
+
     @abstractmethod
     def stored_keys(self) -> set[OffloadKey]:
         """Each tier (fs, obj, example) answers this itself, as vLLM's secondary tiers do."""

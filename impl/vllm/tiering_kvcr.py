@@ -1,0 +1,142 @@
+"""vLLM 0.33.0's KVCR secondary tier (``tiering/kvcr/manager.py``) on CPU, driven reproducibly.
+
+The tier is built by vLLM's own factory from ``{"type": "kvcr", ...}`` (:func:`kvcr_tier_config`):
+the real ``kvcr`` 0.1.1 library with its local-DRAM backend (``secondary_g2_slots`` slots of an
+anonymous ``mmap``), real NIXL with its UCX backend copying between the primary tier's
+``SharedOffloadRegion`` and those slots, and kvcr's progress thread. Nothing is faked; the harness
+only decides *when* things happen:
+
+* **Copies.** KVCR hands each local copy (``_LocalCopyOp``) to its progress thread. The progress
+  thread's completed queue is swapped for :class:`_NotifyingQueue`, and ``submit`` waits (bounded
+  by :data:`~kvref.impl.vllm.tiering.WAIT_S`) until the thread has published that copy: a copy is
+  done by the time the manager call that started it returns, and becomes visible to the tier only
+  when the tiering manager next polls it (``get_finished_jobs`` -> ``poll_completed``), exactly
+  as a fast NIXL transfer is seen on the scheduler thread. :meth:`KvcrGate.fail_next` makes the
+  next copy report failure (a NIXL transfer error) instead.
+* **Time.** KVCR's operational clock (LRU recency, deadlines) is a counter that advances by one per
+  reading, so recency order is the order of events and no deadline (``operation_timeout_ms`` is
+  large) expires during a trace.
+
+The control channel binds a free loopback port; no peer is configured, so no remote path runs (a
+framework pin needs a second engine asking this one for blocks: out of scope, see
+docs/differences.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import threading
+
+from kvref.spec.errors import InvalidFieldError, check_int
+
+#: longest a KVCR operation may stay open (ms); the counter clock never gets there
+_TIMEOUT_MS = 10 ** 9
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvcr_tier_config(slots: int, policy: str = "lru", telemetry: bool = True) -> dict:
+    """vLLM's tier config for a KVCR tier with ``slots`` local-DRAM slots (one chunk each)."""
+    check_int("slots", slots, minimum=1)
+    if policy not in ("lru", "fifo"):
+        raise InvalidFieldError("policy", policy, "'lru' or 'fifo' (the policies that need no G3 tier)")
+    return {"type": "kvcr", "router_capabilities": ["router_hint"], "control_host": "127.0.0.1",
+            "control_ports": [_free_port()], "control_advertise_host": "127.0.0.1",
+            "secondary_g2_slots": slots, "policy": policy, "enable_telemetry": bool(telemetry),
+            "operation_timeout_ms": _TIMEOUT_MS, "abandon_timeout_ms": 2 * _TIMEOUT_MS}
+
+
+class _NotifyingQueue:
+    """The progress thread's completed queue (``put``/``get_nowait``), counting what it published."""
+
+    def __init__(self, copy_type: type) -> None:
+        self._items: list = []
+        self._copy_type = copy_type
+        self.copies = 0
+        self.cv = threading.Condition()
+
+    def put(self, item) -> None:
+        with self.cv:
+            self._items.append(item)
+            self.copies += isinstance(item, self._copy_type)
+            self.cv.notify_all()
+
+    def get_nowait(self):
+        with self.cv:
+            if not self._items:
+                raise queue.Empty
+            return self._items.pop(0)
+
+
+class KvcrGate:
+    """Installed on one KVCR tier: copies finish before the call that started them returns."""
+
+    def __init__(self, tier, wait_s: float, timeout_error: type[Exception] = TimeoutError) -> None:
+        """``timeout_error``: raised (naming the copy) when the progress thread misses ``wait_s``."""
+        from kvcr.local_dram import _LocalCopyOp
+
+        self.tier = tier
+        core = tier._kvcr._core
+        self.core = core
+        ticks = itertools.count(1)
+        core._clock = lambda: float(next(ticks))
+        progress = core._progress
+        done = _NotifyingQueue(_LocalCopyOp)
+        progress._completed = done
+        self.done = done
+        self.submitted = 0
+        self._fail_next = 0
+        real_submit = progress.submit
+
+        def submit(item) -> None:
+            if not isinstance(item, _LocalCopyOp):
+                real_submit(item)
+                return
+            self.submitted += 1
+            want = self.submitted
+            real_submit(item)
+            with done.cv:
+                if not done.cv.wait_for(lambda: done.copies >= want, timeout=wait_s):
+                    raise timeout_error(f"tier {tier.tier_type}: KVCR's progress thread did not finish copy "
+                                      f"{item.op_id} within {wait_s}s")
+            if self._fail_next:
+                self._fail_next -= 1
+                item.success = False  # the NIXL transfer reported an error
+        progress.submit = submit
+
+    def fail_next(self) -> None:
+        """One more of the next copies this tier starts fails (its NIXL transfer ends in error)."""
+        self._fail_next += 1
+
+    # -- observables ------------------------------------------------------------------------
+
+    def residency(self) -> dict[bytes, tuple[str, int]]:
+        """key -> (state "filling"/"ready"/"discarding", claims) of every local-DRAM block."""
+        out = {}
+        for key, rec in self.core._block_record_map.items():
+            res = rec.local_dram
+            if res is not None:
+                out[bytes(key)] = (res.state.name.lower(), res.claim_count)
+        return out
+
+    def slot_bytes(self, key: bytes) -> bytes | None:
+        """What the local-DRAM slot of ``key`` holds (None when it holds no READY copy)."""
+        rec = self.core._block_record_map.get(key)
+        res = rec.local_dram if rec is not None else None
+        if res is None or res.state.name != "READY":
+            return None
+        dram = self.core._local_dram
+        label, slot = res.slots[0]
+        base, length, size = dram._pools[label.partition(":")[0]]
+        import ctypes
+
+        return ctypes.string_at(base + slot * size, size)
+
+
+__all__ = ["KvcrGate", "kvcr_tier_config"]
