@@ -29,6 +29,14 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not paused.ok:
         return CheckResult(name, FAILED, "KV-connector traces with pause states diverged from vLLM",
                            details=paused.failure.splitlines()[:30], signature=paused.signature)
+    # then a consumer's whole life under async scheduling: deferred frees, make_stats polled after
+    # every operation (skipped waiting requests, KV-fetch stages, connector hits), shutdown (#22)
+    from kvref.models.machines.scheduler_lifecycle import run_lifecycle_machine
+
+    life = run_lifecycle_machine(ctx.examples(5, 40), shrink=ctx.shrink, seed=ctx.seed)
+    if not life.ok:
+        return CheckResult(name, FAILED, "KV-connector lifecycle traces (async consumer, stats, shutdown) diverged "
+                           "from vLLM", details=life.failure.splitlines()[:30], signature=life.signature)
     # then vLLM's MultiConnector on the worker side too: metadata, hooks, merged results, ranks (#22)
     from kvref.models.machines.multi_connector_worker import (
         MultiWorkerDivergence,
@@ -44,6 +52,9 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     c = paused.coverage
     return CheckResult(name, PASSED, run.summary + f"; {paused.traces} with pause states "
                        f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held); "
+                       f"{life.traces} async-consumer lifecycles ({life.coverage.get('steps_with_deferred_frees', 0)} "
+                       f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
+                       f"in progress); "
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished)",
-                       examined=run.traces + paused.traces + multi["traces"])
+                       examined=run.traces + paused.traces + life.traces + multi["traces"])

@@ -57,6 +57,7 @@ from kvref.spec.errors import InvalidFieldError
 from .scheduler_queue import WaitingQueue
 from .scheduler_pause import PauseState, as_pause_state
 from . import scheduler_connector as _conn
+from . import scheduler_connector_stats as _conn_stats
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
@@ -625,9 +626,24 @@ class Scheduler:
         if stats is None:
             return None
         num_running, num_waiting = self.get_request_counts()
-        return {"num_running_reqs": num_running, "num_waiting_reqs": num_waiting,
+        waiting_ids = [r.request_id for r in self.waiting] + list(_conn.kv_holding_waiting_ids(self))
+        if self.connector_state is not None:  # deferred requests, async loads by stage, external hits
+            extra = _conn_stats.connector_stats(self.connector_state, waiting_ids)
+        else:  # vLLM: the stage tally is all zeros and there are no connector stats
+            extra = {"num_skipped_waiting_reqs": len(self.cadence.skipped_ids & set(waiting_ids)),
+                     "num_kv_fetch_reqs_by_stage": dict.fromkeys(_conn_stats.KV_FETCH_STAGES, 0),
+                     "connector_prefix_cache_stats": None}
+        # vLLM's num_waiting_reqs leaves the skipped (deferred) requests out
+        return {"num_running_reqs": num_running, "num_waiting_reqs": num_waiting - extra["num_skipped_waiting_reqs"],
                 "kv_cache_usage": self.get_kv_cache_usage(),
-                "prefix_cache_stats": {f: stats[f] for f in PREFIX_CACHE_STATS_FIELDS}}
+                "prefix_cache_stats": {f: stats[f] for f in PREFIX_CACHE_STATS_FIELDS}, **extra}
+
+    def shutdown(self) -> None:
+        """vLLM ``Scheduler.shutdown`` (the engine core's exit): the KV connector is shut down (its
+        ``shutdown`` hook, which a connector uses to finish its transfers); the scheduler's state
+        is left as it was, as vLLM leaves it."""
+        if self.connector_state is not None:
+            self.connector_state.connector.shutdown()
 
     def get_kv_cache_usage(self) -> float:
         """vLLM ``get_kv_cache_usage`` (the ``kv_cache_usage`` of its ``SchedulerStats``): the

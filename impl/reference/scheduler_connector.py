@@ -50,6 +50,16 @@ from kvref.spec.errors import InvalidFieldError, check_choice, check_int
 from kvref.spec.kv_cache_interface import MambaSpec
 
 from .scheduler_mamba_split import split_scheduled_chunk, store_shared_prefix_boundary
+from .scheduler_connector_stats import (
+    KV_FETCH_COMPLETED_WAITING,
+    KV_FETCH_IN_PROGRESS,
+    KV_FETCH_WAITING_TO_START,
+    flag_connector_reset,
+    new_connector_prefix_cache_stats,
+    record_connector_prefix_cache_stats,
+    set_kv_fetch_stage,
+)
+from .scheduler_connector_stats import check_invariants as _check_stats_invariants
 from .scheduler_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -281,6 +291,10 @@ class ScriptedConnector(SchedulerConnector):
             self.store_reset = True
         return self.config.reset_cache_result
 
+    def shutdown(self) -> None:
+        """vLLM ``KVConnectorBase_V1.shutdown`` (the scheduler's ``shutdown`` at engine exit): logged."""
+        self.calls.append(("shutdown",))
+
 
 # ---- the scheduler's connector state and rules ----------------------------------------------------
 class ConnectorState:
@@ -301,6 +315,12 @@ class ConnectorState:
         self.processed_step_seq = 0
         self.deferred_frees: deque = deque()
         self.last_sched_seq: dict[str, int] = {}
+        # what make_stats reports (scheduler_connector_stats): the waiting requests the loop
+        # skipped since they last ran (vLLM ``deferred_waiting``), async loads by stage
+        # (``_kv_fetch_stages``) and the connector's prefix-cache counters since the last call
+        self.deferred_waiting: set[str] = set()
+        self.kv_fetch_stages: dict[str, str] = {}
+        self.connector_prefix_cache_stats = new_connector_prefix_cache_stats()
 
     @property
     def recompute_kv_load_failures(self) -> bool:
@@ -400,6 +420,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
 
     def skip(queue: WaitingQueue) -> None:
         r = queue.pop_request()
+        st.deferred_waiting.add(r.request_id)
         (skipped_holding if _holds_kv_blocks(st, r) else skipped_waiting).append(r)
 
     while token_budget > 0:
@@ -446,6 +467,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                 num_external = ext
             num_computed = num_local + num_external
             assert num_computed <= request.num_tokens
+            set_kv_fetch_stage(st, rid, KV_FETCH_WAITING_TO_START if load_async else None)
         else:
             num_computed = request.num_computed_tokens  # a promoted load
 
@@ -478,21 +500,26 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         record = getattr(kv, "record_prefix_cache_stats", None) if sched.records_prefix_cache_stats else None
         if hit_ids is not None and record is not None:  # a fresh local lookup, recorded at admission as vLLM does
             record(request, num_local)
+        if hit_ids is not None and request.num_tokens - num_local:  # vLLM: connector queries != 0
+            record_connector_prefix_cache_stats(st, request, request.num_tokens - num_local, num_external)
 
         if load_async:
             st.loading.add(rid)
             request.num_computed_tokens = num_computed
             st.inflight_prefills[rid] = request
+            set_kv_fetch_stage(st, rid, KV_FETCH_IN_PROGRESS)
             skip(queue)
             continue
 
         queue.pop_request()
+        st.deferred_waiting.discard(rid)
         sched.running.append(request)
         kind = "new" if request.status == RequestStatus.WAITING else "resumed"
         scheduled[rid] = (request, kind, num_new, kv.get_block_ids(rid))
         token_budget -= num_new
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        set_kv_fetch_stage(st, rid, None)
         if num_computed + num_new < request.num_tokens:
             st.inflight_prefills[rid] = request
     if skipped_holding:
@@ -715,6 +742,7 @@ def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed
         request = sched.requests[rid]
         if rid in st.loading:
             st.finished_recving_kv_req_ids.add(rid)
+            set_kv_fetch_stage(st, rid, KV_FETCH_COMPLETED_WAITING)
         else:
             assert request.status == RequestStatus.FINISHED, rid
             _free_blocks(sched, request)
@@ -743,6 +771,7 @@ def finish_requests(sched: "Scheduler", ids, reason: str) -> list[Request]:
     sched.running = [r for r in sched.running if id(r) not in gone]
     sched.waiting.remove_requests(valid)
     st.kv_holding_waiting.remove_requests(valid)
+    st.deferred_waiting.difference_update(r.request_id for r in valid)
     for request in valid:
         rid = request.request_id
         delay = False
@@ -763,6 +792,7 @@ def free_request(sched: "Scheduler", request: Request, delay_free_blocks: bool =
     blocks (``delay_free``); they are freed on ``finished_sending``."""
     st = sched.connector_state
     st.inflight_prefills.pop(request.request_id, None)
+    set_kv_fetch_stage(st, request.request_id, None)
     m = _manager(sched)
     rid = request.request_id
     m.remove_skipped_blocks(rid, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
@@ -819,7 +849,10 @@ def reset_connector_cache(sched: "Scheduler") -> bool:
     st = sched.connector_state
     if st is None:
         return True
-    return st.connector.reset_cache() is not False
+    if st.connector.reset_cache() is False:
+        return False
+    flag_connector_reset(st)  # vLLM (log_stats): connector_prefix_cache_stats.reset = True
+    return True
 
 
 # ---- observation ----------------------------------------------------------------------------------
@@ -836,6 +869,7 @@ def check_invariants(sched: "Scheduler") -> None:
     assert len(ids) == len(set(ids)), "Q1: request in two queues"
     live = {rid for rid, r in sched.requests.items() if r.status != RequestStatus.FINISHED}
     assert set(ids) == live, "Q1: live request in no queue (or a queued dead one)"
+    _check_stats_invariants(st, sched.requests)
     assert len(sched.running) <= sched.config.max_num_seqs, \
         f"Q1: {len(sched.running)} running, max_num_seqs={sched.config.max_num_seqs}"
     assert st.loading <= {r.request_id for r in holding} | set(), "Q7: a loading request outside kv_holding_waiting"

@@ -109,4 +109,9 @@ class MultiScriptedConnector(SchedulerConnector):
         results = [c.reset_cache() is not False for c in self.children]
         return all(results)
 
+    def shutdown(self) -> None:
+        """vLLM ``MultiConnector.shutdown``: every child in order."""
+        for c in self.children:
+            c.shutdown()
+
 __all__ = ["MultiScriptedConnector"]

@@ -134,6 +134,9 @@ def _make_class():
         def reset_cache(self) -> bool | None:
             return self.script.reset_cache()
 
+        def shutdown(self) -> None:
+            self.script.shutdown()
+
         # ---- worker side: never called (no model runner) ----------------------------------------
         def start_load_kv(self, forward_context, **kwargs) -> None:
             raise NotImplementedError("kvref's scripted connector has no worker side")

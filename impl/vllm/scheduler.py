@@ -343,12 +343,24 @@ class VllmScheduler:
         the reference's form (:meth:`kvref.impl.reference.scheduler.Scheduler.make_stats`)."""
         from kvref.impl.reference.scheduler import PREFIX_CACHE_STATS_FIELDS
 
+        from kvref.impl.reference.scheduler_connector_stats import CONNECTOR_PREFIX_CACHE_STATS_FIELDS
+
         stats = self.scheduler.make_stats()
         if stats is None:
             return None
+        conn = stats.connector_prefix_cache_stats
         return {"num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
                 "kv_cache_usage": stats.kv_cache_usage,
-                "prefix_cache_stats": {f: getattr(stats.prefix_cache_stats, f) for f in PREFIX_CACHE_STATS_FIELDS}}
+                "prefix_cache_stats": {f: getattr(stats.prefix_cache_stats, f) for f in PREFIX_CACHE_STATS_FIELDS},
+                "num_skipped_waiting_reqs": stats.num_skipped_waiting_reqs,
+                "num_kv_fetch_reqs_by_stage": dict(stats.num_kv_fetch_reqs_by_stage),
+                "connector_prefix_cache_stats": None if conn is None else {
+                    f: getattr(conn, f) for f in CONNECTOR_PREFIX_CACHE_STATS_FIELDS}}
+
+    def shutdown(self) -> None:
+        """vLLM ``Scheduler.shutdown`` (the engine core's exit: the KV-event publisher and the
+        connector shut down)."""
+        self.scheduler.shutdown()
 
     def take_published_kv_events(self) -> list[list[dict]]:
         """The ``KVEventBatch`` es vLLM's scheduler published since the last call (its

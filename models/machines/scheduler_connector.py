@@ -64,11 +64,14 @@ OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
 
 @st.composite
 def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chunked", "full+mamba"),
-                     large: bool = False):
+                     large: bool = False, async_scheduling: bool | None = None,
+                     roles: tuple[str, ...] = (KV_CONSUMER, KV_PRODUCER)):
     """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
-    sync or async scheduling (a consumer's block frees are then deferred to step fences)."""
-    pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large))
-    role = draw(st.sampled_from((KV_CONSUMER, KV_PRODUCER)))
+    sync or async scheduling (a consumer's block frees are then deferred to step fences);
+    ``async_scheduling`` / ``roles`` narrow the draw (scheduler_lifecycle.py)."""
+    pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large,
+                                      async_scheduling=async_scheduling))
+    role = draw(st.sampled_from(roles))
     policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))
 
     def one() -> ConnectorConfig:

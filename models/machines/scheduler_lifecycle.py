@@ -1,0 +1,139 @@
+"""A KV-connector scheduler's whole life, with what the engine polls after every step (#22).
+
+``conform-connector``'s main run draws sync and async scheduling, consumers and producers, and
+compares queues, requests, blocks and connector calls. This run narrows the setups to the
+configuration where vLLM's scheduler does the most KV bookkeeping of its own, and compares what
+the main run does not look at:
+
+* async scheduling with a KV *consumer*: two batches in flight, so a finished or preempted
+  request's blocks return to the pool only after the steps that may still write them were
+  processed (vLLM ``defer_block_free``, ``_free_request_blocks``, ``_drain_deferred_frees``);
+* ``log_stats``: after every operation the polled counts and the KV part of ``make_stats``
+  (``scheduler_pause.polled``) — the waiting requests the scan skipped (``deferred_waiting``,
+  left out of ``num_waiting_reqs``), async loads by fetch stage (``_set_kv_fetch_stage``) and the
+  connector's prefix-cache stats (external hits at admission, the reset flag);
+* requests that skip reading the prefix cache (prompt logprobs): the connector is asked, its hit
+  ignored;
+* the engine's exit: ``Scheduler.shutdown`` shuts the connector down (its last call), after the
+  liveness drain.
+
+A separate machine and run so that the main machine's derandomized traces stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvref.impl.reference.scheduler_connector import KV_CONSUMER
+
+from .scheduler import COVERAGE, SchedulerRun, _diverge, request_specs
+from .scheduler_connector import (
+    CONNECTOR_COVERAGE,
+    MAX_REQUESTS,
+    ConnectorLockstep,
+    ConnectorMachine,
+    _call_lists,
+    _children,
+    connector_machine,
+    connector_setups,
+    external_hits,
+    vllm_factory,
+)
+from .scheduler_pause import polled
+
+LIFECYCLE_COVERAGE: Counter = Counter()
+"""Tallies of what the lifecycle traces reached (tests assert the rare ones occur)."""
+
+
+@st.composite
+def lifecycle_setups(draw):
+    """Connector setups with async scheduling, a consumer (deferred frees) and stats on."""
+    pool, cfg, conn = draw(connector_setups(async_scheduling=True, roles=(KV_CONSUMER,)))
+    return replace(pool, log_stats=True), cfg, conn
+
+
+class LifecycleLockstep(ConnectorLockstep):
+    """The connector driver comparing the polled counts and ``make_stats`` after every operation,
+    with the engine's exit (``shutdown``)."""
+
+    def compare(self, what: str) -> None:
+        super().compare(what)
+        (n0, p0), *rest = ((name, polled(t)) for name, t in self.targets.items())
+        for name, p in rest:
+            if p != p0:
+                _diverge(f"after {what} (step {self.num_steps}): polled counts differ (request counts, unfinished, "
+                         f"has finished, kv cache usage, stats) {n0}: {p0}, {name}: {p}",
+                         f"after {what}: polled counts differ")
+        _tally(p0[-1])
+
+    def shutdown(self) -> None:
+        for t in self.targets.values():
+            t.shutdown()
+        self.num_steps += 1
+        self._compare_calls("shutdown")
+        for child in _call_lists(self.script):
+            assert child and child[-1] == ("shutdown",), f"the connector's last call is not shutdown: {child[-3:]}"
+        LIFECYCLE_COVERAGE["shutdowns"] += 1
+
+
+def _tally(stats: dict | None) -> None:
+    if not stats:
+        return
+    LIFECYCLE_COVERAGE["skipped_waiting_polled"] += stats["num_skipped_waiting_reqs"] > 0
+    for stage, n in stats["num_kv_fetch_reqs_by_stage"].items():
+        LIFECYCLE_COVERAGE[f"kv_fetch_{stage}"] += n > 0
+    conn = stats["connector_prefix_cache_stats"] or {}
+    LIFECYCLE_COVERAGE["connector_hits_recorded"] += conn.get("hits", 0) > 0
+    LIFECYCLE_COVERAGE["connector_preempted_recorded"] += conn.get("preempted_requests", 0) > 0
+    LIFECYCLE_COVERAGE["connector_reset_flagged"] += bool(conn.get("reset"))
+
+
+class LifecycleMachine(ConnectorMachine):
+    """The connector machine whose arrivals may skip reading the prefix cache."""
+
+    @precondition(lambda self: self.num_added < MAX_REQUESTS)
+    @rule(data=st.data())
+    def add_request(self, data):
+        spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
+        spec = replace(spec, skip_reading_prefix_cache=data.draw(st.sampled_from((False, False, False, True))))
+        LIFECYCLE_COVERAGE["skip_reading_arrivals"] += spec.skip_reading_prefix_cache
+        hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
+        self.num_added += 1
+        self.driver.add_with_hit(spec, hit)
+
+    def teardown(self):
+        driver = getattr(self, "driver", None)
+        super().teardown()
+        if driver is not None and not driver.known_hang:
+            driver.shutdown()
+
+
+def lifecycle_machine(factories: dict[str, Callable], driver_class: type = LifecycleLockstep):
+    base = connector_machine(factories, setups=lifecycle_setups(), name="LifecycleBase")
+    return type("LifecycleRun", (LifecycleMachine, base), {"driver_class": driver_class})
+
+
+def reference_factory(pool, config, connector):
+    from kvref.impl.reference.scheduler import Scheduler
+
+    return Scheduler(pool, config, connector=connector, record_prefix_cache_stats=True)
+
+
+def run_lifecycle_machine(examples: int, reproducible: bool = False, shrink: bool = True,
+                          seed: int | None = None) -> SchedulerRun:
+    """The reference scheduler with kvref's scripted KV connector in lock step with vLLM 0.33.0's
+    on lifecycle traces (async consumer, stats polled after every operation, shutdown)."""
+    from .counted_lockstep import run_counted
+    from .scheduler import run_lockstep_machine
+
+    factories: dict[str, Callable] = {"vllm": vllm_factory(), "ref": reference_factory}
+    return SchedulerRun(**run_counted(
+        lambda counting: lifecycle_machine(factories, counting), LifecycleLockstep,
+        lambda machine: run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
+                                             reproducible=reproducible, shrink=shrink),
+        CONNECTOR_COVERAGE, COVERAGE, LIFECYCLE_COVERAGE, min_ops=0))

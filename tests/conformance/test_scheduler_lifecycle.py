@@ -1,0 +1,117 @@
+"""A KV consumer's whole life under async scheduling in ``conform-connector`` (#22): deferred block
+frees, the KV part of ``make_stats`` polled after every operation (skipped waiting requests,
+KV-fetch stages, the connector's prefix-cache stats) and ``shutdown``, the reference scheduler in
+lock step with vLLM 0.33.0's (``models/machines/scheduler_lifecycle.py``).
+
+Planted faults in vLLM's own scheduler (monkeypatched for the test's duration) show each of these
+observables is compared: the same machine that passes on pristine vLLM must diverge."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+def _sched_cls():
+    require_vllm()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def _run(examples: int):
+    from kvref.models.machines.scheduler_lifecycle import run_lifecycle_machine
+
+    return run_lifecycle_machine(examples, reproducible=True, shrink=False)
+
+
+def test_lifecycle_traces_match_vllm_and_reach_every_path():
+    _sched_cls()
+    run = _run(profile_examples(10, 30))
+    assert run.ok, run.failure
+    assert run.traces >= 8
+    c = run.coverage
+    for path in ("steps_with_deferred_frees", "kv_fetch_waiting_to_start", "kv_fetch_in_progress",
+                 "kv_fetch_completed_waiting", "skipped_waiting_polled", "connector_hits_recorded",
+                 "connector_preempted_recorded", "connector_reset_flagged", "skip_reading_arrivals",
+                 "shutdowns"):
+        assert c.get(path, 0) > 0, (path, c)
+
+
+def stage_never_left(monkeypatch):
+    """A request's previous KV-fetch stage is never taken out of the tally."""
+    cls = _sched_cls()
+
+    def patched(self, request, stage):
+        if self._kv_fetch_stages is not None and stage is not None:
+            self._kv_fetch_stages[request] = stage
+            self._kv_fetch_counts[stage] += 1
+
+    monkeypatch.setattr(cls, "_set_kv_fetch_stage", patched)
+
+
+def frees_not_deferred(monkeypatch):
+    """Deferred frees are drained before their fence step was processed."""
+    cls = _sched_cls()
+
+    def patched(self):
+        while self.deferred_frees:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+
+    monkeypatch.setattr(cls, "_drain_deferred_frees", patched)
+    real = cls._free_request_blocks
+
+    def free_now(self, request):
+        real(self, request)
+        self._drain_deferred_frees()
+
+    monkeypatch.setattr(cls, "_free_request_blocks", free_now)
+
+
+def skipped_counted_as_waiting(monkeypatch):
+    """``make_stats`` counts skipped (deferred) requests among the waiting ones."""
+    cls = _sched_cls()
+    real = cls.make_stats
+
+    def patched(self, *a, **k):
+        stats = real(self, *a, **k)
+        if stats is not None:
+            stats.num_waiting_reqs += stats.num_skipped_waiting_reqs
+            stats.num_skipped_waiting_reqs = 0
+        return stats
+
+    monkeypatch.setattr(cls, "make_stats", patched)
+
+
+def connector_hits_not_reset(monkeypatch):
+    """The connector's prefix-cache stats keep accumulating across ``make_stats`` calls."""
+    cls = _sched_cls()
+    real = cls.make_stats
+
+    def patched(self, *a, **k):
+        kept = self.connector_prefix_cache_stats
+        stats = real(self, *a, **k)
+        if kept is not None:
+            self.connector_prefix_cache_stats = kept
+        return stats
+
+    monkeypatch.setattr(cls, "make_stats", patched)
+
+
+def shutdown_skips_connector(monkeypatch):
+    """``shutdown`` forgets the KV connector."""
+    cls = _sched_cls()
+    monkeypatch.setattr(cls, "shutdown", lambda self: None)
+
+
+@pytest.mark.parametrize("plant", [stage_never_left, frees_not_deferred, skipped_counted_as_waiting,
+                                   connector_hits_not_reset, shutdown_skips_connector])
+def test_planted_vllm_fault_diverges(monkeypatch, plant):
+    plant(monkeypatch)
+    run = _run(profile_examples(10, 20))
+    assert not run.ok, f"{plant.__name__}: no divergence found"
