@@ -17,7 +17,8 @@ ladder, in vLLM's order:
 
 This is the ladder under the layer-outermost layouts (vLLM's default ``LBNHC``); block-outermost
 layouts try vLLM's packed grouping before step 4 (:mod:`kvref.spec.planning_packed`). Hidden-state
-cache groups are not modelled (see docs/differences.md).
+cache layers are set apart before step 4 and come back as groups of their own
+(:mod:`kvref.spec.planning_hidden_state`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .kv_cache_interface import (
     _check_specs,
 )
 from .mathutil import cdiv
+from .planning_hidden_state import _add_hidden_state_groups, _split_hidden_state_layers
 
 Layers = dict[str, KVCacheSpec]
 
@@ -264,14 +266,18 @@ def get_kv_cache_groups(layers: Layers, disable_hybrid_kv_cache_manager: bool = 
     uniform = UniformTypeKVCacheSpecs.from_specs(layers)
     if uniform is not None:
         return (KVCacheGroupSpec(tuple(layers), uniform),)
+    # hidden-state layers keep their own block table: grouped apart, aligned at the end
+    attention, hidden = _split_hidden_state_layers(layers)
+    if not attention:  # vLLM fails on min() of no buckets
+        raise KVCacheGroupingError(f"hidden-state layers {sorted(hidden)} alone, with different specs")
     try:
-        unified = unify_kv_cache_spec_page_size(layers)
+        unified = unify_kv_cache_spec_page_size(attention)
     except _PageSizeNotUnifiable as exc:
-        fallback = _full_allocation_fallback(layers)
+        fallback = None if hidden else _full_allocation_fallback(layers)
         if fallback is None:
             raise KVCacheGroupingError(str(exc)) from None
         return fallback
-    return group_layers_with_uniform_page_size(unified)
+    return _add_hidden_state_groups(group_layers_with_uniform_page_size(unified), hidden)
 
 
 def check_exact_partition(groups: tuple[KVCacheGroupSpec, ...], layers: Layers) -> None:

@@ -317,6 +317,17 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HiddenStateCacheSpec(MLAAttentionSpec):
+    """A layer that stores hidden states in the KV cache (vLLM's ``extract_hidden_states``: one
+    "head" per captured layer, ``head_size`` = the hidden size), laid out like MLA.
+
+    Grouping keeps it out of the attention buckets: it becomes a group of its own whose block size
+    divides the other groups' and whose page is padded to their common page (see
+    :mod:`kvref.spec.planning_hidden_state`). Merges like MLA layers.
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: blocks wholly before the window are freed as the request advances.
 
@@ -759,6 +770,7 @@ class KVCacheGroupSpec:
 _UNIFORM_TYPE_BASE.update({
     FullAttentionSpec: FullAttentionSpec,
     MLAAttentionSpec: FullAttentionSpec,
+    HiddenStateCacheSpec: FullAttentionSpec,  # vLLM registers it so; grouping sets it apart after step 3
     RSWASpec: FullAttentionSpec,
     SinkFullAttentionSpec: FullAttentionSpec,
     CircularBufferSpec: CircularBufferSpec,

@@ -34,6 +34,7 @@ from .kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 from .mathutil import cdiv
+from .planning_hidden_state import _split_hidden_state_layers
 
 #: vLLM's ``KVCacheLayout`` members: physical order of the logical axes L=0, B=1, H=2, N=3, C=4
 KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {
@@ -180,9 +181,10 @@ def get_kv_cache_groups_for_layout(layers: Layers, disable_hybrid_kv_cache_manag
         return get_kv_cache_groups(layers, disable_hybrid_kv_cache_manager)
     promoted = unify_hybrid_kv_cache_specs(layers) if disable_hybrid_kv_cache_manager else layers
     if promoted and not is_kv_cache_spec_uniform(promoted) and UniformTypeKVCacheSpecs.from_specs(promoted) is None:
-        packed = get_packed_kv_cache_groups(promoted, check_partition)
+        attention, hidden = _split_hidden_state_layers(promoted)  # packed without the hidden-state layers
+        packed = get_packed_kv_cache_groups(attention, check_partition) if attention else None
         if packed:
-            return packed
+            return packed + tuple(KVCacheGroupSpec((name,), spec) for name, spec in hidden.items())
     return get_kv_cache_groups(layers, disable_hybrid_kv_cache_manager)
 
 

@@ -192,6 +192,12 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.simple_kv_offload.metadata", "SimpleCPUOffloadWorkerMetadata"),
         _b("vllm.v1.simple_kv_offload.metrics", "MetricName"),
         _b("vllm.v1.outputs", "KVConnectorOutput", "finished_recving", "kv_connector_worker_meta"),
+        # Mamba "align" pools (simple_offload_mamba.py): the hand-offs ride in the SchedulerOutput
+        _b("vllm.v1.core.sched.output", "KVConnectorBlockState", "req_ids", "resolve_block_ids",
+           "boundary_state_offloads"),
+        _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.get_boundary_store_stats"),
+        _b(_MGR, "KVCacheManager.take_boundary_state_offloads"),
+        _b(_MGR, "KVCacheManager.take_kv_cache_block_copies"),
     ),
     "offloading-connector": (
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler"),

@@ -29,6 +29,7 @@ from kvref.spec.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -76,9 +77,9 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
                   head_size=spec.head_size, dtype=to_torch_dtype(spec.dtype), head_size_v=spec.head_size_v,
                   page_size_padded=spec.page_size_padded, state_content_bytes=spec.state_content_bytes)
     if isinstance(spec, MLAAttentionSpec):
-        return kci.MLAAttentionSpec(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
-                                    sliding_window=spec.sliding_window,
-                                    attention_chunk_size=spec.attention_chunk_size)
+        cls = kci.HiddenStateCacheSpec if isinstance(spec, HiddenStateCacheSpec) else kci.MLAAttentionSpec
+        return cls(**common, cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
+                   sliding_window=spec.sliding_window, attention_chunk_size=spec.attention_chunk_size)
     if isinstance(spec, RSWASpec):
         return kci.RSWASpec(**common, sliding_window=spec.sliding_window,
                             attention_chunk_size=spec.attention_chunk_size, rswa_window=spec.rswa_window)
@@ -116,7 +117,8 @@ def kv_cache_manager_kwargs(pool_config: PoolConfig) -> dict[str, Any]:
                 enable_caching=pool_config.enable_caching, use_eagle=pool_config.use_eagle,
                 watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
                 num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats,
-                num_prefill_lookahead=pool_config.num_prefill_lookahead)
+                num_prefill_lookahead=pool_config.num_prefill_lookahead,
+                dcp_world_size=pool_config.dcp_world_size, pcp_world_size=pool_config.pcp_world_size)
 
 
 def build_kv_cache_manager(pool_config: PoolConfig) -> Any:

@@ -20,6 +20,7 @@ from kvref.spec import (
     CrossAttentionSpec,
     EngineConfig,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     KVCacheSpec,
     KVRefError,
     MambaSpec,
@@ -31,7 +32,9 @@ from kvref.spec.pool_sizing import group_blocks_per_request, pool_bytes_per_bloc
 
 #: dtypes whose vLLM storage types are distinct (all fp8 spellings are uint8 in vLLM)
 DTYPES = ("float16", "bfloat16", "float32", "fp8", "int8")
-FAMILIES = ("uniform", "uniform_type", "fa_swa", "fa_chunked", "mla", "mamba", "cross", "packed", "random")
+FAMILIES = ("uniform", "uniform_type", "fa_swa", "fa_chunked", "mla", "mamba", "cross", "packed", "random", "hidden")
+#: the models a hidden-state extractor (vLLM's extract_hidden_states) is drawn beside
+_HIDDEN_BASES = ("uniform", "fa_swa", "fa_chunked", "mla", "mamba", "packed")
 #: vLLM's layouts (``VLLM_KV_CACHE_LAYOUT``); LBNHC is the default, block-outermost ones pack pages
 LAYOUTS = ("LBNHC",) * 4 + ("BLHNC",) * 3 + ("BLNHC", "BHLNC", "LBHNC", "LHBNC")
 
@@ -74,8 +77,24 @@ def mamba_spec(draw, block_size: int, mode: str) -> MambaSpec:
 
 
 @st.composite
+def hidden_state_layers(draw, block_size: int, dtype: str, first: int) -> dict[str, KVCacheSpec]:
+    """1-2 hidden-state cache layers of an extractor (one head per captured layer, head size = the
+    hidden size), at the model's block size: per-token bytes from below to far above the model's
+    page, so the common page is sometimes scaled up to hold one token (``_ensure_min_page_size``)."""
+    return {_name(first + i): HiddenStateCacheSpec(
+        block_size=block_size, num_kv_heads=draw(st.sampled_from((1, 2, 3, 4))),
+        head_size=draw(st.sampled_from((64, 256, 1024, 2880, 4096, 8192))), dtype=dtype)
+        for i in range(draw(st.integers(1, 2)))}
+
+
+@st.composite
 def layer_sets(draw, family: str | None = None, mamba_mode: str = "none") -> tuple[str, dict[str, KVCacheSpec]]:
     family = family or draw(st.sampled_from(FAMILIES))
+    if family == "hidden":  # a model plus the layers its hidden states are stored in
+        _, layers = draw(layer_sets(draw(st.sampled_from(_HIDDEN_BASES)), mamba_mode))
+        block_size = min(s.block_size for s in layers.values())  # the cache config's (attention's)
+        dtype = next((s.dtype for s in layers.values() if hasattr(s, "dtype")), "float16")
+        return family, {**layers, **draw(hidden_state_layers(block_size, dtype, len(layers)))}
     dtype = draw(st.sampled_from(DTYPES))
     specs: list[KVCacheSpec] = []
     if family == "uniform":

@@ -126,6 +126,8 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                                           offload_prompt_only=True)),
         "FullAttentionSpec": (FullAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")),
         "MLAAttentionSpec": (MLAAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16")),
+        "HiddenStateCacheSpec": (kci_.HiddenStateCacheSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
+                                                                 dtype="bfloat16")),
         "SlidingWindowSpec": (SlidingWindowSpec, dict(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16",
                                                       sliding_window=4)),
         "ChunkedLocalAttentionSpec": (ChunkedLocalAttentionSpec, dict(block_size=4, num_kv_heads=1, head_size=4,
