@@ -80,5 +80,10 @@ class ReferenceEngine:
     def free(self, req) -> None:
         self.mgr.free(req)
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """The GPU cache's Mamba "align" boundary-state hand-offs since the last call, as vLLM's
+        ``schedule()`` drains them into ``SchedulerOutput.kv_connector_block_state`` every step."""
+        return self.mgr.take_boundary_state_offloads()
+
     def match(self, req, n_computed):
         return self.conn.get_num_new_matched_tokens(req, n_computed)

@@ -216,6 +216,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "OffloadingConnectorScheduler.get_external_cache_hit_sources"),
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler.take_events"),
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler.get_stats"),
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+           "OffloadingConnectorScheduler.has_pending_push_work"),
         _b("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager", "cache_policy", "enable_events"),
         _b("vllm.v1.outputs", "KVConnectorOutput", "kv_connector_worker_meta"),
     ),

@@ -32,13 +32,16 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
     from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSWA
 
-    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+    from kvref.impl.vllm.specs import to_vllm_spec
+    from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(cfg.block_size, sha256)
     kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
-    def vllm_spec(spec):  # cfg.kvref_groups(): full attention, sliding window (+ extra retained), chunked local
+    def vllm_spec(spec):  # cfg.kvref_groups(): full attention, sliding window (+ extra retained), chunked local,
+        if isinstance(spec, MambaSpec):  # Mamba "align"
+            return to_vllm_spec(spec)
         if isinstance(spec, SlidingWindowSpec):
             return VSWA(sliding_window=spec.sliding_window, extra_retained_tokens=spec.extra_retained_tokens, **kw)
         if isinstance(spec, ChunkedLocalAttentionSpec):
@@ -119,7 +122,8 @@ def vllm_scheduler_output(step: Any) -> SimpleNamespace:
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], new_block_ids=[i for _, i in cached],
                                               resumed_req_ids=set()),
         num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
-        preempted_req_ids=set(step.preempted_req_ids), kv_connector_block_state=None,
+        preempted_req_ids=set(step.preempted_req_ids),
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=dict(getattr(step, "boundary_state_offloads", {}))),
         kv_cache_block_copies=None)
 
 

@@ -65,7 +65,9 @@ class OffloadingWorkerWorld(OffloadingWorld):
         # the scheduler alone stay off here, so its traces are the ones it was written for.
         from dataclasses import replace
 
-        cfg = replace(cfg, kv_events="off", kv_transfer_params=())
+        # A Mamba "align" group stays with conform-offload too: the worker's byte layout here is
+        # attention pages only (the recurrent state's page is another shape).
+        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False)
         super().__init__(cfg, backend, strict)
         # vLLM's whole connector also reports the workers' transfer metrics (bytes, times) and its
         # CPU cache's byte size (info), which depend on the worker's page layout: only the
@@ -240,7 +242,10 @@ def run_traces(cases, on_difference=None) -> dict:
     stats = {"traces": 0, "ops": 0, "loads_checked": 0, "blocks_checked": 0, "jobs_executed": 0, "events": 0,
              "stopped_at_shared_breach": 0,
              "stopped_at_known_corruption": 0, "batches": []}
+    from dataclasses import replace
+
     for i, (cfg, ops) in enumerate(cases):
+        cfg = replace(cfg, mamba_align=False)  # attention pages only, as OffloadingWorkerWorld
         # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0
         # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
         # connector reset), after which loaded bytes may rightly differ from computed ones

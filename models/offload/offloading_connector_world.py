@@ -22,7 +22,8 @@ from typing import Any
 
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
 from kvref.impl.reference.offload.offloading_scheduler import OffloadingStep
-from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
+from kvref.impl.reference.scheduler_mamba_split import MambaSplitConfig, mamba_block_aligned_split
+from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec, MambaSpec
 
 from kvref.impl.offload_backends import OffloadingReferenceBackend
 
@@ -61,6 +62,11 @@ class OffloadingConfig:
     # Requests' kv_transfer_params: odd arrivals 2k+1 get entry k % len (() = none, as even arrivals):
     # load tier filters (kv_load_tiers, valid and malformed), max_load_tokens, max_offload_tokens.
     kv_transfer_params: tuple = ()
+    # Adds a Mamba group in "align" mode (hybrid models: Jamba, Nemotron-H, Qwen3-Next): prefill
+    # chunks stop on its state boundaries (``_mamba_block_aligned_split``), the GPU cache hands each
+    # cached boundary state to the connector (``boundary_state_offloads``), which stores the chunk
+    # ends among them, and a hit ends on a Mamba chunk and loads the state there.
+    mamba_align: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -72,7 +78,15 @@ class OffloadingConfig:
             kw = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32")
             groups.append(KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(
                 attention_chunk_size=self.attention_chunk_size, **kw)))
+        if self.mamba_align:
+            groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=self.block_size, shapes=((2, 8),),
+                                                                 dtypes=("float16",), mamba_cache_mode="align")))
         return tuple(groups)
+
+    def mamba_split(self) -> MambaSplitConfig | None:
+        """Where the world's scheduler clips prefill chunks (None: no Mamba "align" group)."""
+        return (MambaSplitConfig(block_size=self.block_size, hash_block_size=self.block_size)
+                if self.mamba_align else None)
 
     @classmethod
     def random(cls, rng: Any) -> OffloadingConfig:
@@ -92,7 +106,9 @@ class OffloadingConfig:
         * the CPU manager's store threshold (2 or 3 offers) one time in four, its tracker from a
           handful of keys (offers age out) to roomy;
         * KV cache events one time in two, half of them self-describing;
-        * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`).
+        * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`);
+        * a Mamba "align" group one time in three, where requests carry no ``kv_transfer_params``
+          (a few GPU blocks more: each request holds one or two states).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -115,6 +131,9 @@ class OffloadingConfig:
         base["kv_events"] = sub.choice(["off", "off", "placeholder", "self_describing"])
         if sub.random() < 1 / 3:
             base["kv_transfer_params"] = tuple(random_transfer_params(sub) for _ in range(sub.randint(2, 5)))
+        if not base.get("kv_transfer_params") and sub.random() < 1 / 2:  # the capped lookups stay as drawn
+            base["mamba_align"] = True
+            base["num_gpu_blocks"] += sub.randint(2, 4)
         return cls(**base)
 
 
@@ -217,12 +236,21 @@ class OffloadingWorld(OffloadWorldBase):
     def _key(self, r, g, pos):
         return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
 
+    def _clip(self, r, n, n_hit=0):
+        """``n`` new tokens after ``r.computed`` (+ a new local hit of ``n_hit``), clipped as vLLM's
+        scheduler clips prefill chunks on a Mamba "align" pool (the reference's statement of
+        ``_mamba_block_aligned_split``, conformance-checked against vLLM's by conform-scheduler)."""
+        split = self.cfg.mamba_split()
+        if split is None or n <= 0:
+            return n
+        return mamba_block_aligned_split(split, r.computed, r.req.num_prompt_tokens, r.req.num_tokens, n, n_hit)
+
     def step(self, chunk):
         batch = ScheduledBatch()
         lookups = []
         for rid in self.live("running"):
             r = self.reqs[rid]
-            n = min(chunk, r.req.num_tokens - r.computed)
+            n = self._clip(r, min(chunk, r.req.num_tokens - r.computed))
             if n <= 0:
                 continue
             ids = self.b.allocate(r.req, n)
@@ -244,7 +272,9 @@ class OffloadingWorld(OffloadWorldBase):
                     continue
                 self._wait_for_remote_kvs(r, n_hit, n_ext)
                 continue
-            n = min(chunk, r.req.num_tokens - r.computed - n_hit)
+            n = self._clip(r, min(chunk, r.req.num_tokens - r.computed - n_hit), n_hit)
+            if n <= 0:
+                continue
             if self.b.allocate(r.req, n, n_hit, hits if n_hit else None) is None:
                 continue
             self.b.after_alloc(r.req, 0)
@@ -252,7 +282,10 @@ class OffloadingWorld(OffloadWorldBase):
         # The step's output: the backend's (load jobs, store jobs, flushed jobs) and every connector
         # lookup of the step as (request, GPU hit tokens, tokens the connector offers to load) - a
         # lookup answer compared even when the allocation after it fails on both backends.
-        meta = (*self.b.build_meta(self._scheduler_output(OffloadingStep, batch)), tuple(lookups))
+        step = self._scheduler_output(OffloadingStep, batch)
+        # vLLM's schedule() drains the GPU cache's Mamba "align" boundary-state hand-offs every step
+        step.boundary_state_offloads = self.b.take_boundary_state_offloads()
+        meta = (*self.b.build_meta(step), tuple(lookups))
         self._take_kv_events()
         stats = self.b.connector_stats()  # vLLM's engine collects them every step
         if self.stats_compared is not None:

@@ -746,6 +746,8 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tiering_case("on_new_request", lambda c, k: dict(ctx=RequestContext("r1")))
     tiering_case("on_request_finished", lambda c, k: dict(ctx=c))
     tiering_case("on_schedule_end", lambda c, k: dict(new_req_ids=["r0"]))
+    tiering_case("create_store_job", lambda c, k: dict(keys=[k[0]], ctx=c, tier_idx=0))  # a peer's pin
+    tiering_case("poll_tiers", lambda c, k: dict())
 
     def primary_read():
         m, ctx, keys = _tiering_manager()
@@ -874,7 +876,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference import kv_events, scheduler_liveness
     from kvref.impl.reference.scheduler_pause import as_pause_state
     from kvref.impl.reference import block_hash as bh
-    from kvref.impl.reference.offload import keys, lookup
+    from kvref.impl.reference.offload import boundary_stores, keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
@@ -1066,6 +1068,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             groups=[lookup.LookupGroup(4)], group_keys=[[keys.make_offload_key(H[0], 0)]], num_tokens=8,
             num_computed_tokens=0, lookup=_hit, chunks_being_loaded=None, max_num_new_tokens=None)),
         "lookup_order": (lookup.lookup_order, dict(groups=[lookup.LookupGroup(4)])),
+        # Mamba "align" boundary-state stores of the OffloadingConnector (#22)
+        "check_handoffs": (boundary_stores.check_handoffs, dict(handoffs={"r0": [(1, 3, 8)]})),
+        "aligned_boundary_stores": (boundary_stores.aligned_boundary_stores, dict(
+            handoffs={"r0": [(1, 3, 8)]}, tokens_per_chunk={1: 4}, max_boundary=lambda rid: 8)),
+        "make_boundary_key": (boundary_stores.make_boundary_key, dict(
+            block_hashes=H, group_idx=1, boundary_tokens=4, tokens_per_hash=4, ctx=keys.RequestContext("r0"))),
         "LookupGroup.load_window": (lookup.LookupGroup(4, 1, 4).load_window, dict(num_tokens=6)),
         # run traces and conformance traces (data read from files: every field checked)
         "decode_tokens": (run_format.decode_tokens, dict(text=run_format.encode_tokens([1, 2, 3]))),

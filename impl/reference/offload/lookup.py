@@ -130,12 +130,14 @@ def lookup_order(groups: Sequence[LookupGroup]) -> tuple[tuple[int, ...], tuple[
 def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[Sequence[OffloadKey]],
                            num_tokens: int, num_computed_tokens: int, lookup: Lookup,
                            chunks_being_loaded: set[OffloadKey] | None = None,
-                           max_num_new_tokens: int | None = None, max_load_tokens: int | None = None) -> int | None:
+                           max_num_new_tokens: int | None = None, max_load_tokens: int | None = None,
+                           mamba_align_size: int | None = None) -> int | None:
     """Tokens beyond ``num_computed_tokens`` loadable from offloaded chunks, 0 for none, None
     to ask again later (pending writes, or a chunk another request is loading right now — see
     vLLM PR 29087). ``max_load_tokens`` (the request's ``kv_transfer_params`` cap) limits the hit
-    and makes every group's boundary chunk aligned. No EAGLE groups, Mamba align mode or partial
-    tails."""
+    and makes every group's boundary chunk aligned. ``mamba_align_size`` (a Mamba "align" group's
+    chunk, vLLM ``resolve_mamba_align_size``): the hit ends on a multiple of it, where a state was
+    stored. No EAGLE groups or partial tails."""
     _check_groups(groups)
     if not isinstance(group_keys, (list, tuple)) or len(group_keys) != len(groups):
         raise InvalidFieldError("group_keys", group_keys, f"{len(groups)} lists of offload keys, one per group")
@@ -145,6 +147,7 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     check_int("num_computed_tokens", num_computed_tokens, minimum=0)
     check_int("max_num_new_tokens", max_num_new_tokens, minimum=0, allow_none=True)
     check_int("max_load_tokens", max_load_tokens, minimum=0, allow_none=True)
+    check_int("mamba_align_size", mamba_align_size, minimum=1, allow_none=True)
     if chunks_being_loaded is not None and not isinstance(chunks_being_loaded, (set, frozenset)):
         raise InvalidFieldError("chunks_being_loaded", chunks_being_loaded, "a set of offload keys or None")
     fa, sw = lookup_order(groups)
@@ -156,6 +159,8 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
         max_hit = min(max_hit, num_computed_tokens + max_load_tokens)
     if sw:
         max_hit -= 1  # the last prompt token is recomputed (logprobs) and SW must still hit after that
+        if mamba_align_size is not None:
+            max_hit -= max_hit % mamba_align_size  # only chunk-end states exist
     num_hit = 0
     defer = False
     todo = all_groups

@@ -21,8 +21,10 @@ group (:mod:`.keys`) and stored in / loaded from an offloading manager (the CPU 
 
 Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (with MTP's
 ``extra_retained_tokens``) and chunked-local groups (PR 51161: windowed, one attention chunk),
-``tokens_per_hash == tokens_per_block``, CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE,
-no Mamba/partial tails, no sync loads, no retention interval, no metrics. A request's
+Mamba "align" groups with their boundary-state stores (:mod:`.boundary_stores`),
+``tokens_per_hash == tokens_per_block`` (so no partial tails: vLLM turns them on only for a Mamba
+block wider than the hash block), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, no sync
+loads, no retention interval. A request's
 ``kv_transfer_params`` give its load tier filter (no effect on the CPU tier) and its
 ``max_load_tokens`` / ``max_offload_tokens`` caps (:mod:`.tier_filter`); the external hit is split
 by source (:meth:`OffloadingConnectorScheduler.get_external_cache_hit_sources`). KV events (placeholder or self-describing payloads) through
@@ -43,6 +45,7 @@ from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from kvref.spec.mathutil import cdiv
@@ -57,6 +60,7 @@ from .keys import (
     get_sliding_window_size_in_chunks,
     make_offload_key,
 )
+from .boundary_stores import aligned_boundary_stores, check_handoffs, make_boundary_key
 from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
 from .offload_event_tracker import OffloadingEventsTracker
 from . import tier_filter
@@ -71,6 +75,9 @@ class GroupOffloadConfig:
     tokens_per_chunk: int
     hashes_per_chunk: int
     window: int | None  # sliding_window_size_in_chunks
+    # Mamba "align": the group's states come from the GPU cache's boundary hand-offs
+    # (:mod:`.boundary_stores`), never from the connector's copy of the block table
+    requires_cow_source: bool = False
 
     def lookup_group(self) -> LookupGroup:
         sw = self.spec if isinstance(self.spec, SlidingWindowSpec) else None
@@ -163,6 +170,9 @@ class OffloadingStep:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # the step's Mamba "align" boundary-state hand-offs (``kv_connector_block_state``):
+    # {request_id: [(group_id, block_id, boundary_tokens), ...]}
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -179,10 +189,14 @@ def _check_request(req: object) -> None:
 
 class OffloadingConnectorScheduler:
     """Args:
-        specs: the GPU KV cache groups' specs (full attention, sliding window or chunked local).
+        specs: the GPU KV cache groups' specs (full attention, sliding window, chunked local or
+            Mamba in "align" mode).
             A chunked-local group is windowed like a sliding-window one (``cdiv(attention_chunk,
             chunk)`` trailing chunks, looked up from the right, sources fenced at creation) but
             keeps every block it holds (no store mask, no widening of the load window).
+            A Mamba "align" group is a window of one chunk in the lookup, which rounds the hit down
+            to its chunk (``resolve_mamba_align_size``); it loads the state at the hit's end and
+            stores only the boundary states the GPU cache hands over (:mod:`.boundary_stores`).
         manager: the offloading manager (a :class:`CPUOffloadingManager`).
         tokens_per_hash: request hash granularity (== every group's block size here).
         blocks_per_chunk: GPU blocks per offloaded chunk.
@@ -206,14 +220,16 @@ class OffloadingConnectorScheduler:
         cfgs = []
         check_sequence("specs", specs, "a tuple of KV cache specs")
         for i, spec in enumerate(specs):
-            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-                raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention, sliding-window or chunked-local spec")
+            is_align = isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
+            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)) and not is_align:
+                raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention, sliding-window, chunked-local or "
+                                                             "Mamba 'align' spec")
             if spec.block_size != tokens_per_hash:
                 raise InvalidFieldError(f"specs[{i}].block_size", spec.block_size,
                                         f"== tokens_per_hash={tokens_per_hash} (finer hashes are not modelled)")
             tpc = spec.block_size * blocks_per_chunk
             cfgs.append(GroupOffloadConfig(i, spec, spec.block_size, tpc, tpc // tokens_per_hash,
-                                           get_sliding_window_size_in_chunks(spec, tpc)))
+                                           get_sliding_window_size_in_chunks(spec, tpc), is_align))
         self.groups = tuple(cfgs)
         self.manager = manager
         self.tokens_per_hash = tokens_per_hash
@@ -223,6 +239,9 @@ class OffloadingConnectorScheduler:
         self.block_hasher = block_hasher or RequestBlockHasher(tokens_per_hash).block_hashes
         fa, sw = lookup_order([c.lookup_group() for c in self.groups])
         self._sliding_window_groups = sw
+        # Mamba "align" hits end on the group's chunk (vLLM ``resolve_mamba_align_size``: every such
+        # group has the same chunk, as all groups here share one block size)
+        self._mamba_align_size = next((c.tokens_per_chunk for c in cfgs if c.requires_cow_source), None)
         fa_tpc = {self.groups[i].tokens_per_chunk for i in fa}
         # Hits end on a full-attention chunk boundary; with no FA group, on the largest chunk.
         self.alignment_tokens = (fa_tpc.pop() if len(fa_tpc) == 1 else
@@ -331,7 +350,8 @@ class OffloadingConnectorScheduler:
         st.num_locally_computed_tokens = num_computed_tokens
         hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
                                      req.num_tokens, num_computed_tokens, self._recording_lookup(st),
-                                     self._chunks_being_loaded, max_load_tokens=st.max_load_tokens)
+                                     self._chunks_being_loaded, max_load_tokens=st.max_load_tokens,
+                                     mamba_align_size=self._mamba_align_size)
         self._stats["lookups"] += 1
         if hit is None:
             st.lookup_deferred = True
@@ -404,9 +424,12 @@ class OffloadingConnectorScheduler:
                 first = start // self.blocks_per_chunk
                 group_keys = g.offload_keys[first:cdiv(cached, c.tokens_per_chunk)]
                 keys += group_keys
-                st.load_key_ranges.extend((max(start * c.tokens_per_block, i * c.tokens_per_chunk),
-                                           min(cached, (i + 1) * c.tokens_per_chunk))
-                                          for i in range(first, first + len(group_keys)))
+                if isinstance(c.spec, MambaSpec):  # a recurrent state supports the whole reused prefix
+                    st.load_key_ranges.extend((local, cached) for _ in group_keys)
+                else:
+                    st.load_key_ranges.extend((max(start * c.tokens_per_block, i * c.tokens_per_chunk),
+                                               min(cached, (i + 1) * c.tokens_per_chunk))
+                                              for i in range(first, first + len(group_keys)))
             dst += [b for b, _ in grp[start:n_gpu]]
             g.next_stored_chunk_idx = cdiv(cached, c.tokens_per_chunk)  # don't re-store the hits
         chunk_ids = self.manager.prepare_load(keys, st.ctx)
@@ -519,8 +542,8 @@ class OffloadingConnectorScheduler:
                     hb = n_chunks * bpc
                     start = min(start, (hb - hb % align_blocks) // bpc)
                 ranges.append((start, n_chunks))
-                if n_chunks <= start:
-                    continue
+                if c.requires_cow_source or n_chunks <= start:
+                    continue  # a Mamba "align" group stores only its handed-over boundary states
                 keys = g.offload_keys[start:n_chunks]
                 reps = g.block_ids[start * bpc + bpc - 1:n_chunks * bpc:bpc]
                 mask = prompt_mask = None
@@ -584,6 +607,33 @@ class OffloadingConnectorScheduler:
                         self._batch_jobs_to_flush.add(job)
         return out
 
+    def _build_aligned_boundary_store_jobs(self, handoffs) -> dict[int, TransferJob]:
+        """One store job per handed-over Mamba "align" state worth storing (:mod:`.boundary_stores`),
+        its one source block fenced at once; job ids before the ordinary stores'."""
+        out: dict[int, TransferJob] = {}
+
+        def max_boundary(rid: str) -> int | None:
+            st = self._req_status.get(rid)
+            return None if st is None else self._offloadable(st, st.req.num_tokens)
+
+        for rid, group_idx, block_id, boundary in aligned_boundary_stores(
+                handoffs, {c.group_idx: c.tokens_per_chunk for c in self.groups}, max_boundary):
+            st, c = self._req_status[rid], self.groups[group_idx]
+            key = make_boundary_key(self.block_hasher(st.req), group_idx, boundary, self.tokens_per_hash, st.ctx)
+            res = self.manager.prepare_store([key], st.ctx)
+            if res is None:
+                self._stats["allocation_failures"] += 1
+                continue
+            if not res.keys_to_store:
+                continue
+            job = self._new_job()
+            st.transfer_jobs.add(job)
+            self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job)  # fenced from creation
+            self._jobs[job] = _Job(rid, self.num_workers, {key}, True, [], [block_id])
+            out[job] = TransferJob(rid, (key,), (block_id,), tuple(res.chunk_ids))
+            self.events_tracker.record_store(key, self._snapshot(st, c, boundary // c.tokens_per_chunk - 1))
+        return out
+
     def _advance(self, st: _ReqState, n_off: int) -> None:
         for c, g in zip(self.groups, st.groups):
             g.next_stored_chunk_idx = max(g.next_stored_chunk_idx, self._storable_chunks(st, c, g, n_off))
@@ -594,6 +644,7 @@ class OffloadingConnectorScheduler:
         for rid, _, _ in step.scheduled:
             if rid not in self._req_status:
                 raise OffloadStateError(f"step.scheduled: request {rid!r} is unknown")
+        check_handoffs(step.boundary_state_offloads)
         self._update_req_states(step)
         for rid in step.preempted_req_ids:
             st = self._req_status.get(rid)
@@ -601,7 +652,8 @@ class OffloadingConnectorScheduler:
                 self._batch_jobs_to_flush.update(st.transfer_jobs - self._batch_load_jobs.keys())
         for bid in self._batch_allocated:  # a fenced source was re-allocated: wait for its copy
             self._batch_jobs_to_flush.update(self._block_id_to_pending_jobs.get(bid, ()))
-        stores = self._build_store_jobs(step)
+        stores = self._build_aligned_boundary_store_jobs(step.boundary_state_offloads)
+        stores.update(self._build_store_jobs(step))
         meta = OffloadingMeta(self._batch_load_jobs, stores, frozenset(self._batch_jobs_to_flush))
         for rid in step.finished_req_ids:
             st = self._req_status.get(rid)
