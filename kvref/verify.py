@@ -415,7 +415,12 @@ def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, "conform-offload")
     if skipped:
         return skipped
-    return _run_offload(ctx, "conform-offload", ("reference", "vllm"))
+    result = _run_offload(ctx, "conform-offload", ("reference", "vllm"))
+    if result.status != PASSED:
+        return result
+    from .verify_simple_mamba import with_simple_mamba  # SimpleCPU on Mamba "align" pools (#22)
+
+    return with_simple_mamba(ctx, result)
 
 
 def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:

@@ -21,9 +21,17 @@ event.
 Stores, lazy mode: a cursor walks the GPU *free queue* and copies hashed blocks that are not on
 the CPU yet, before the allocator evicts them; touching them takes them off the queue.
 
-Not modelled: boundary (Mamba align) hand-offs, fine-grained partial tails / partial hash hits,
-metrics, DCP/PCP, disk backend, multi-module MTP placeholders. Groups must be full
-attention (incl. MLA), sliding window or chunked local.
+Mamba "align" pools (eager mode; :mod:`.simple_cpu_boundary_stores`): a Mamba table is not
+positionally stable (interior states are nulled), so the cursors skip it and the scheduler hands
+the connector each committed boundary state by block id (``SimpleOffloadStep.
+boundary_state_offloads``); every hand-off is stored or counted under the outcome that declined it
+(vLLM's ``BoundaryStoreStats``, reported as ``SAVE_OUTCOMES``). With fine-grained hits (a block
+wider than ``hash_block_size``) a finishing request also stores the full-attention block holding
+its prompt's last hash boundary (the partial tail a later request can hit).
+
+Not modelled: DCP/PCP, disk backend, multi-module MTP placeholders, lazy mode or KV events on
+Mamba pools, block sizes wider than ``hash_block_size`` without a Mamba "align" group. Groups must
+be full attention (incl. MLA), sliding window, chunked local or Mamba "align".
 
 Option: ``dedup_within_scan=True`` also deduplicates within one request's scan (what open vLLM
 PR 42903 proposes; not 0.33.0). Historic behaviour (before vLLM #41289: stores scheduled in
@@ -44,6 +52,7 @@ from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from kvref.spec.mathutil import cdiv
@@ -53,6 +62,13 @@ from ..block_pool import BlockPool
 from ..kv_cache_block import KVCacheBlock
 from ..kv_cache_coordinator import get_kv_cache_coordinator, scheduler_spec
 from .keys import OffloadStateError
+from .simple_cpu_boundary_stores import (
+    OUTCOMES,
+    _BoundaryStoreStats,
+    _check_boundary_offloads,
+    _classify_store_candidate,
+    _find_fa_partial_tail_source,
+)
 from .simple_cpu_offload_events import (
     _block_stored_events,
     _BlockStoreMeta,
@@ -101,6 +117,9 @@ class SimpleOffloadStep:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: Mamba "align" hand-offs drained by the scheduler this step (vLLM's
+    #: ``KVConnectorBlockState.boundary_state_offloads``): request id -> [(group, GPU block, tokens)]
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,10 @@ class SimpleOffloadMeta:
 
 
 _MODELLED = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+
+
+def _modelled(spec: object) -> bool:
+    return isinstance(spec, _MODELLED) or (isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align")
 
 
 def _check_block_table(block_ids: object, num_groups: int) -> None:
@@ -157,17 +180,29 @@ class SimpleCPUOffloadScheduler:
         check_int("hash_block_size", hash_block_size, minimum=1)
         groups = tuple(kv_cache_groups)
         for i, g in enumerate(groups):
-            if not isinstance(g, KVCacheGroupSpec) or not isinstance(scheduler_spec(g.kv_cache_spec), _MODELLED):
-                raise InvalidFieldError(f"kv_cache_groups[{i}]", g, "a full-attention, sliding-window or "
-                                        "chunked-local KVCacheGroupSpec (others are not modelled)")
+            if not isinstance(g, KVCacheGroupSpec) or not _modelled(scheduler_spec(g.kv_cache_spec)):
+                raise InvalidFieldError(f"kv_cache_groups[{i}]", g, "a full-attention, sliding-window, "
+                                        "chunked-local or Mamba 'align' KVCacheGroupSpec (others are not modelled)")
         specs = [scheduler_spec(g.kv_cache_spec) for g in groups]
         fa = [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
         if not fa:
             raise InvalidFieldError("kv_cache_groups", groups, "at least one full-attention group")
+        mamba = any(isinstance(s, MambaSpec) for s in specs)
         for i, s in enumerate(specs):
-            if s.block_size != hash_block_size:
+            if s.block_size != hash_block_size and not mamba:
                 raise InvalidFieldError(f"kv_cache_groups[{i}].block_size", s.block_size,
-                                        f"== hash_block_size={hash_block_size} (fine-grained hits are not modelled)")
+                                        f"== hash_block_size={hash_block_size} without a Mamba 'align' group "
+                                        "(coarse hash resolution is not modelled here)")
+            if s.block_size % hash_block_size or scheduler_block_size % s.block_size:
+                raise InvalidFieldError(f"kv_cache_groups[{i}].block_size", s.block_size,
+                                        f"a multiple of hash_block_size={hash_block_size} dividing "
+                                        f"scheduler_block_size={scheduler_block_size}")
+        if mamba and lazy_offload:
+            raise InvalidFieldError("lazy_offload", lazy_offload, "False on a Mamba 'align' pool (vLLM's lazy "
+                                    "CPU pool turns fine-grained hits off; not modelled)")
+        if mamba and enable_kv_cache_events:
+            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events,
+                                    "False on a Mamba 'align' pool (its event payloads are not modelled)")
         self.groups = groups
         self.specs = specs
         self.block_size = scheduler_block_size
@@ -187,7 +222,11 @@ class SimpleCPUOffloadScheduler:
         self.num_cpu_blocks = num_cpu_blocks
         self.fa_gidx = fa[0]
         self.group_block_sizes = [s.block_size for s in specs]
-        self.prefix_cacheable_group_ids = tuple(range(len(groups)))
+        self.fa_block_size = self.group_block_sizes[self.fa_gidx]
+        self.prefix_cacheable_group_ids = tuple(i for i, s in enumerate(specs) if s.prefix_cacheable)
+        #: vLLM's cumulative boundary hand-off outcomes and the snapshot ``get_stats`` drains against
+        self.boundary_store_stats = _BoundaryStoreStats()
+        self._boundary_stats_snapshot = _BoundaryStoreStats()
         self.block_hasher = block_hasher or RequestBlockHasher(hash_block_size).block_hashes
         self._gpu_block_pool: BlockPool | None = None
 
@@ -215,7 +254,9 @@ class SimpleCPUOffloadScheduler:
         """Twice the blocks one step can need: a batch per full group, a window per SW group."""
         t = 0
         for s in self.specs:
-            if isinstance(s, SlidingWindowSpec):
+            if isinstance(s, MambaSpec):
+                t += 2
+            elif isinstance(s, SlidingWindowSpec):
                 t += cdiv(s.sliding_window, s.block_size) + 1
             else:
                 t += cdiv(max_num_batched_tokens, s.block_size)
@@ -342,8 +383,12 @@ class SimpleCPUOffloadScheduler:
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         num_free = self.cpu_block_pool.get_num_free_blocks()
         for g, ids in enumerate(block_ids):
+            if g not in self.prefix_cacheable_group_ids:
+                continue
             if len(selected) >= num_free:
                 break
+            if not self.cpu_coordinator.single_type_managers[g].has_positionally_stable_blocks:
+                continue  # a Mamba "align" table: its states come as boundary hand-offs instead
             bs = self.group_block_sizes[g]
             ready = min(len(ids), self.cpu_coordinator.get_num_cacheable_tokens(confirmed, g) // bs)
             hashes = resolve_block_hashes(self.block_hasher(request), self.hash_block_size, bs)
@@ -375,6 +420,38 @@ class SimpleCPUOffloadScheduler:
         cpu_out: list[int] = []
         req_ids: list[str] = []
         n = len(self.groups)
+        num_free = self.cpu_block_pool.get_num_free_blocks()
+        stats = self.boundary_store_stats
+        for rid, entries in step.boundary_state_offloads.items():
+            # A request finishing or preempted in this step gives its blocks up (another request
+            # may hold them already): its hand-offs are dropped, not read.
+            state = self._reqs_to_store.get(rid)
+            if state is None or state.finished or rid in step.preempted_req_ids or rid in step.finished_req_ids:
+                stats.count("published", len(entries))
+                stats.count("dropped_request_gone", len(entries))
+                continue
+            stored_any = False
+            for _, gid, _ in entries:
+                stats.count("published")
+                block = self.gpu_pool.blocks[gid]
+                outcome = _classify_store_candidate(block, self._in_flight_store_gpu_blocks, self.cpu_block_pool)
+                if outcome != "ready":
+                    stats.count(outcome)
+                    continue
+                if num_free <= 0:
+                    stats.count("dropped_cpu_full")
+                    continue
+                cpu_out.append(self.cpu_block_pool.get_new_blocks(1)[0].block_id)
+                gpu_out.append(gid)
+                if meta_out is not None:
+                    meta_out.append(None)  # the block's own keys are published at completion
+                self._in_flight_store_gpu_blocks.add(gid)
+                self.gpu_pool.touch([block])
+                num_free -= 1
+                stats.count("stored")
+                stored_any = True
+            if stored_any:
+                req_ids.append(rid)
         for rid in step.preempted_req_ids:
             state = self._reqs_to_store.get(rid)
             if state is not None:  # the request resumes with a whole new table
@@ -434,6 +511,7 @@ class SimpleCPUOffloadScheduler:
         if not isinstance(step, SimpleOffloadStep):
             raise InvalidFieldError("step", step, "a SimpleOffloadStep")
         self.gpu_pool  # noqa: B018 - raises OffloadStateError before any state changes when unbound
+        _check_boundary_offloads(step.boundary_state_offloads, len(self.groups), len(self.gpu_pool.blocks))
         gpu, cpu, store_reqs, store_meta = (self._prepare_lazy_store_specs() if self.lazy
                                             else self._prepare_eager_store_specs(step))
         for t in self._pending_finished_stores:
@@ -598,6 +676,12 @@ class SimpleCPUOffloadScheduler:
         st = self._reqs_to_store.get(rid)
         if st is not None and block_ids and self._gpu_block_pool is not None:
             gpu_ids, _, metas = self._select_eager_blocks(st, block_ids)
+            tail = _find_fa_partial_tail_source(self, request, block_ids)
+            # A decode that filled the boundary block already selected it: one CPU block per GPU block.
+            if tail is not None and tail not in gpu_ids and len(gpu_ids) < self.cpu_block_pool.get_num_free_blocks():
+                gpu_ids.append(tail)
+                if metas is not None:
+                    metas.append(None)
             if gpu_ids:
                 cpu = self.cpu_block_pool.get_new_blocks(len(gpu_ids))
                 self._pending_finished_stores.append(TransferMeta(gpu_ids, [b.block_id for b in cpu], metas))
@@ -636,6 +720,17 @@ class SimpleCPUOffloadScheduler:
         return {"load_blocks": loaded, "used_blocks": self.num_cpu_blocks - self.cpu_block_pool.get_num_free_blocks(),
                 "pending_store_blocks": pending}
 
+    def take_save_outcomes(self) -> dict[tuple[str], int]:
+        """The boundary hand-off outcomes since the last call, ``{(outcome,): count}`` for the
+        positive ones (vLLM's ``SAVE_OUTCOMES`` counter, drained by its ``get_stats``)."""
+        out = self.boundary_store_stats.delta(self._boundary_stats_snapshot)
+        self._boundary_stats_snapshot = self.boundary_store_stats.copy()
+        return {(k,): out[k] for k in OUTCOMES if out[k] > 0}
+
+    def get_boundary_store_stats(self) -> dict[str, int]:
+        """The cumulative hand-off counters (vLLM's ``get_boundary_store_stats``)."""
+        return self.boundary_store_stats.as_dict()
+
     def take_events(self) -> list:
         """The KV cache events queued since the last call, oldest first ([] with events off):
         stores published on the CPU, CPU evictions, cache clears (vLLM ``take_events``)."""
@@ -664,6 +759,9 @@ class SimpleCPUOffloadScheduler:
         self._store_event_pending_counts = {e: c for e, c in self._store_event_pending_counts.items()
                                             if e in self._abandoned_store_event_to_blocks}
         self._cursor = None
+        # Fresh counters seeded with what was not drained yet, so a reset mid-interval loses nothing.
+        self.boundary_store_stats = _BoundaryStoreStats(self.boundary_store_stats.delta(self._boundary_stats_snapshot))
+        self._boundary_stats_snapshot = _BoundaryStoreStats()
         if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load:
             return False
         return self.cpu_block_pool.reset_prefix_cache()
