@@ -207,6 +207,21 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
     if skipped:
         return skipped
     result = _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
+    if result.status == PASSED:  # then every group set alone: the main run meets only some of them (#22)
+        from kvref.models.machines.kv_cache_manager_sweep import run_group_set_sweep
+
+        sweep = run_group_set_sweep(("reference", "vllm"), ctx.examples(2, 4), seed=ctx.seed,
+                                    out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink, retention=True,
+                                    prefill_lookahead=True)
+        if not sweep.ok:
+            run = sweep.failure
+            return CheckResult("conform-kv-manager", FAILED, f"reference and vLLM diverged on a "
+                               f"{list(sweep.traces)[-1]} pool" + (f" — replay with `kvref replay {run.trace_path} "
+                                                                   "--kinds reference,vllm`" if run.trace_path else ""),
+                               details=run.failure.splitlines()[:30], artifacts=[run.trace_path] if run.trace_path
+                               else [], signature=run.signature)
+        result.summary += (f"; every group set alone: {sum(sweep.traces.values())} traces on {len(sweep.traces)} "
+                           f"sets ({sweep.ops} ops, {sweep.prefix_hits} prefix hits)")
     if result.status == PASSED:  # HiSparse pools: vLLM's HiSparse managers vs the reference's (#23)
         from kvref.impl.vllm.hisparse import VllmHiSparsePool
         from kvref.models.conformance import accepted
