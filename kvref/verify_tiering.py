@@ -29,5 +29,5 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{stats['traces']} tiering traces ({stats['ops']} ops, {stats['retries']} RETRY answers, "
                        f"{stats['promotions']} HIT_PENDING answers, {stats['io_errors']} injected I/O errors, "
                        f"{stats['kvcr_traces']} traces with a KVCR tier, {stats['kvcr_copy_failures']} failed KVCR "
-                       "copies) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
+                       f"copies, {stats['poll_rounds']} tier-poll rounds, {stats['peer_pins']} peer pins) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
                        "events, metrics and bytes agree with the reference", examined=stats["ops"])

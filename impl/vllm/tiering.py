@@ -239,11 +239,43 @@ class VllmTiering:
                 from kvref.impl.vllm.tiering_kvcr import KvcrGate
 
                 self.kvcr_gates[i] = KvcrGate(tier, WAIT_S, TierTimeout)
+        if manager._tier_poll_thread is not None:
+            self._park_poll_thread()
         self._flat = self.primary.get_kv_memoryview().cast("B")
         self.row_bytes = self.primary.get_kv_memoryview().strides[0]
         self.ctx: dict[str, Any] = {}
 
     # -- the harness ------------------------------------------------------------------------
+
+    def _park_poll_thread(self) -> None:
+        """vLLM's tier-poll thread started in the constructor and runs a round every
+        ``tier_poll_interval_s`` (an hour here). Before the trace starts, wait until it has run a
+        round and is waiting for the next: the trace's own :meth:`poll_tiers` rounds are then the
+        only ones, and shutdown's stop request ends its wait. The thread reads its stop event
+        afresh at every round, so it is swapped for one that says when it is waited on; the old
+        one is set to wake a thread already waiting (one more round, on an idle manager)."""
+        m = self.manager
+        parked = threading.Condition()
+
+        class _StopEvent(threading.Event):
+            waiting = False
+
+            def wait(self, timeout=None):
+                with parked:
+                    self.waiting = True
+                    parked.notify_all()
+                return super().wait(timeout)
+
+        old, m._tier_poll_stop = m._tier_poll_stop, _StopEvent()
+        old.set()
+        with parked:
+            if not parked.wait_for(lambda: m._tier_poll_stop.waiting, timeout=WAIT_S):
+                raise TierTimeout(f"the tier-poll thread did not finish its first round within {WAIT_S}s")
+
+    def poll_tiers(self) -> None:
+        """One tier-poll round, as vLLM's thread runs it (under the manager's lock)."""
+        with self.manager.lock:
+            self.manager.poll_tiers()
 
     def finish_job(self, tier_idx: int, job_id: int, io_error: bool = False) -> None:
         tier = self.tiers[tier_idx]
@@ -430,7 +462,10 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * 4096,
                       "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs,
                       # KVCR's local-DRAM inventory events name their tier (kvcr refuses otherwise)
-                      "self_describing_kv_events": any(t["type"] == "kvcr" for t in tiers)},
+                      "self_describing_kv_events": any(t["type"] == "kvcr" for t in tiers),
+                      # a tier-poll thread (for tiers that opt in) that waits an hour between rounds:
+                      # the trace runs the rounds (VllmTiering.poll_tiers)
+                      "tier_poll_interval_s": 3600.0},
         engine_id=f"kvref-tiering-{os.getpid()}-{next(_ENGINES)}",
         model=OffloadingModelConfig(name="kvref", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),

@@ -17,7 +17,7 @@ _CLASSES: dict[str, type] = {}
 
 
 def _request_level_tier() -> type:
-    if not _CLASSES:
+    if "RequestLevelTier" not in _CLASSES:
         from vllm.v1.kv_offload.base import OffloadPolicy, RequestOffloadingContext
         from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 
@@ -32,7 +32,48 @@ def _request_level_tier() -> type:
     return _CLASSES["RequestLevelTier"]
 
 
+def _polled_tier() -> type:
+    if "PolledTier" not in _CLASSES:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.tiering.base import JobResult
+        from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+
+        class PolledTier(ExampleSecondaryTierManager):
+            """vLLM's example tier serving a peer, opted into the tier-poll thread: a peer's key
+            request (:meth:`peer_request`) is served at the next round through the parent, whose
+            HITs are pinned by ``create_store_job`` and released at the next poll (the peer reads
+            at once), as vLLM's KVCR tier serves framework pins."""
+
+            tolerates_off_thread_polling = True
+
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                self.peer_requests: list[tuple] = []
+                self.served = 0
+
+            def peer_request(self, keys) -> None:
+                self.peer_requests.append(tuple(keys))
+
+            def serve_external_requests(self, parent) -> None:
+                pending, self.peer_requests = self.peer_requests, []
+                for keys in pending:
+                    ctx = ReqContext(req_id=f"peer:{self.served}")
+                    self.served += 1
+                    parent.on_new_request(ctx)
+                    for key in keys:  # pin each HIT at once: a later key's promotion may evict it
+                        if parent.lookup(key, ctx) is LookupResult.HIT:
+                            job = parent.create_store_job([key], ctx)
+                            self.completed_jobs.append(JobResult(job_id=job.job_id, success=True))
+                    parent.on_request_finished(ctx)
+
+        PolledTier.__qualname__ = "PolledTier"
+        _CLASSES["PolledTier"] = globals()["PolledTier"] = PolledTier
+    return _CLASSES["PolledTier"]
+
+
 def __getattr__(name: str) -> type:
+    if name == "PolledTier":
+        return _polled_tier()
     if name == "RequestLevelTier":
         return _request_level_tier()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from kvref.impl.reference.offload.keys import LookupResult, RequestContext
 from kvref.impl.reference.offload.tiering.backpressure import POLICIES, EMABackpressureDetector, default_config
 from kvref.impl.reference.offload.tiering.clock import VirtualClock
-from kvref.impl.reference.offload.tiering.example_tier import ExampleTier
+from kvref.impl.reference.offload.tiering.example_tier import ExampleTier, PolledTier
 from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
 from kvref.impl.reference.offload.tiering.kvcr_tier import KVCRTier
 from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
@@ -36,8 +36,11 @@ ROW_BYTES = 4096
 #: "RequestLevelTier": vLLM's example tier asking for request-level offloading, loaded as an
 #: out-of-tree tier (kvref.impl.vllm.tiering_tiers)
 REQUEST_LEVEL = "RequestLevelTier"
+#: "PolledTier": vLLM's example tier serving a peer from the tier-poll thread (kvref.impl.vllm.tiering_tiers)
+POLLED = "PolledTier"
 TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"), ("fs", REQUEST_LEVEL),
-                (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"), ("kvcr",), ("kvcr", "fs"), ("fs", "kvcr"))
+                (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"), ("kvcr",), ("kvcr", "fs"), ("fs", "kvcr"),
+                (POLLED, "fs"), ("fs", POLLED), (REQUEST_LEVEL, POLLED))
 #: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
 ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
@@ -76,7 +79,7 @@ class TieringConfig:
                 from kvref.impl.vllm.tiering_kvcr import kvcr_tier_config
 
                 cfg = kvcr_tier_config(self.kvcr_slots, self.kvcr_policy)
-            if t == REQUEST_LEVEL:
+            if t in (REQUEST_LEVEL, POLLED):
                 cfg["module_path"] = "kvref.impl.vllm.tiering_tiers"
             if t in ASYNC_TIERS and self.backpressure:
                 cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": self.backpressure,
@@ -120,6 +123,8 @@ class TieringWorld:
             elif t in ASYNC_TIERS:
                 cls = ObjectStoreTier if t == "obj" else FileSystemTier
                 tiers.append(cls(t, self.primary.buffer, self.clock.monotonic, det, enable_events=True))
+            elif t == POLLED:
+                tiers.append(PolledTier(t, self.primary.buffer, det))
             else:
                 tiers.append(ExampleTier(t, self.primary.buffer, det, "request" if t == REQUEST_LEVEL else "chunk"))
         self.ref = TieringOffloadingManager(self.primary, tiers, self.clock.monotonic)
@@ -133,7 +138,7 @@ class TieringWorld:
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
-                      "kvcr_copy_failures": 0}
+                      "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -340,6 +345,26 @@ class TieringWorld:
     def kvcr_tiers(self) -> list[int]:
         return [i for i, t in enumerate(self.cfg.tiers) if t == "kvcr"]
 
+    def polled_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.cfg.tiers) if t == POLLED]
+
+    def op_peer_request(self, ks: tuple) -> None:
+        """A peer asks the polled tier for keys ``ks`` (served at the next round)."""
+        keys = [self.keys[k % len(self.keys)] for k in ks]
+        for i in self.polled_tiers():
+            self.ref.tiers[i].peer_request(keys)
+            self.vllm.tiers[i].peer_request(keys)
+            self.stats["peer_requests"] += 1
+
+    def op_poll_tiers(self) -> None:
+        """A round of the tier-poll thread between two manager calls."""
+        if not self.polled_tiers():
+            return
+        jobs_before = self.ref.job_counter
+        self._both("poll_tiers", self.ref.poll_tiers, self.vllm.poll_tiers)
+        self.stats["poll_rounds"] += 1
+        self.stats["peer_pins"] += self.ref.job_counter - jobs_before
+
     def op_kvcr_fail(self) -> None:
         """The next copy the KVCR tier starts fails (its NIXL transfer reports an error)."""
         for i in self.kvcr_tiers():
@@ -477,6 +502,11 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         pool = absent if absent and rng.random() < 0.7 else range(nk)
         return tuple(rng.choice(pool) for _ in range(rng.randint(1, min(3, world.cfg.num_chunks))))
 
+    def held() -> tuple:  # mostly keys the primary tier holds: a peer asks for what it was told exists
+        present = [i for i, k in enumerate(world.keys) if k in primary]
+        pool = present if present and rng.random() < 0.8 else range(nk)
+        return tuple(rng.choice(pool) for _ in range(rng.randint(1, 3)))
+
     p = rng.randrange(1000)
     busy = max((len(world.ref.tiers[i].in_flight()) for i in world.fs_tiers()), default=0)
     choices = [
@@ -499,6 +529,8 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
         (3 if world.kvcr_tiers() else 0, ("kvcr_fail",)),
+        (8 if world.polled_tiers() else 0, ("peer_request", held())),
+        (8 if world.polled_tiers() else 0, ("poll_tiers",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
     ]
     if not world.live and rng.random() < 0.8:
@@ -557,6 +589,11 @@ def _tail(rng: random.Random, world: TieringWorld):
             yield ("complete_store", 0, True)
         yield ("drain",)
         yield ("finish_request", 0)
+    if world.polled_tiers():  # a peer asks for what the primary tier holds; two rounds pin and release
+        held = tuple(i for i, k in enumerate(world.keys) if k in world.primary.chunk_state())
+        yield ("peer_request", held + tuple(rng.sample(range(world.cfg.num_keys), 2)))
+        yield ("poll_tiers",)
+        yield ("poll_tiers",)
     primary = world.primary.chunk_state()
     gone = [i for i, k in enumerate(world.keys) if k not in primary]
     group = tuple(rng.sample(gone, min(len(gone), 3)))
@@ -624,14 +661,18 @@ def run_ops(cfg: TieringConfig, ops: list) -> dict:
 def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60)) -> dict:
     """``n`` generated configurations and traces (seeded by ``seed``); sums their stats."""
     rng = random.Random(f"conform-tiering-{seed}")
-    total = {"traces": 0, "kvcr_traces": 0}
+    total = {"traces": 0, "kvcr_traces": 0, "polled_traces": 0}
     for t in range(n):
         cfg = TieringConfig.random(rng)
-        if t == n - 1 and n >= 3 and not total["kvcr_traces"]:  # every run drives the KVCR tier too
+        # every run of 3 traces or more drives the KVCR tier and the tier-poll thread too
+        if t == n - 1 and n >= 3 and not total["kvcr_traces"]:
             cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if "kvcr" in lay])
+        if t == n - 2 and n >= 3 and not total["polled_traces"]:
+            cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if POLLED in lay])
         stats, _ = run_trace(cfg, random.Random(rng.random()), rng.randint(*n_ops))
         for k, val in stats.items():
             total[k] = total.get(k, 0) + val
         total["traces"] += 1
         total["kvcr_traces"] += "kvcr" in cfg.tiers
+        total["polled_traces"] += POLLED in cfg.tiers
     return total

@@ -746,7 +746,6 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tiering_case("on_new_request", lambda c, k: dict(ctx=RequestContext("r1")))
     tiering_case("on_request_finished", lambda c, k: dict(ctx=c))
     tiering_case("on_schedule_end", lambda c, k: dict(new_req_ids=["r0"]))
-    tiering_case("create_store_job", lambda c, k: dict(keys=[k[0]], ctx=c, tier_idx=0))  # a peer's pin
     tiering_case("poll_tiers", lambda c, k: dict())
 
     def primary_read():

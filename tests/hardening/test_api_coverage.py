@@ -102,6 +102,11 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_TIER}.obj_tier", "ObjectStoreTier ObjectStoreTier.finish_job ObjectStoreTier.truncate_file",
             TIERING),
     **_each(f"{_TIER}.kvcr_tier", "KVCRTier KVCRTier.lookup KVCRTier.submit_load KVCRTier.submit_store", TIERING),
+    **_each(f"{_TIER}.example_tier", "PolledTier PolledTier.peer_request PolledTier.serve_external_requests",
+            TIERING),
+    f"{_TIER}.tier_base.SecondaryTier.serve_external_requests": TIERING,
+    f"{_TIER}.manager.TieringOffloadingManager.create_store_job": TIERING + " (a tier serving a peer calls it and "
+    "then owns the job it registers: alone, the job is one no tier knows)",
     **_each(f"{_TIER}.manager", "PendingPromotion RequestState", RECORD),
     **_each(f"{_TIER}.tier_base", "JobResult TransferJob TierEvent", RECORD),
     **_each(f"{_TIER}.tier_base", "PrimaryBuffer PrimaryBuffer.read PrimaryBuffer.write", TIERING),

@@ -48,3 +48,41 @@ class ExampleTier(SecondaryTier):
 
     def stored_keys(self) -> set[OffloadKey]:
         return set(self.chunks)
+
+
+class PolledTier(ExampleTier):
+    """The example tier as a tier that serves a peer and opts into the tier-poll thread
+    (kvref's out-of-tree ``PolledTier`` on the vLLM side, ``kvref.impl.vllm.tiering_tiers``).
+
+    A peer asks for keys (:meth:`peer_request`); the next serving round (a tier-poll round or the
+    end of the step) opens a request ``peer:<n>`` through the parent, told to skip this tier,
+    looks each key up, pins each HIT in the primary tier at once with ``create_store_job`` and
+    finishes the request. The peer reads the pinned chunks at once: the job is reported finished at
+    the next poll, which releases the pins. (vLLM's KVCR tier serves its peers' pins this way, but
+    looks every key up before pinning the HITs together: a later key's promotion can evict an
+    earlier HIT, and ``prepare_read`` then fails part-way, the keys before it left pinned.)
+    """
+
+    tolerates_off_thread_polling = True
+
+    def __init__(self, tier_type: str, primary, bp_detector=None) -> None:
+        super().__init__(tier_type, primary, bp_detector)
+        self.peer_requests: list[tuple[OffloadKey, ...]] = []
+        self.served = 0
+
+    def peer_request(self, keys) -> None:
+        self.peer_requests.append(tuple(keys))
+
+    def serve_external_requests(self, parent, tier_idx: int) -> None:
+        from ..keys import RequestContext
+
+        pending, self.peer_requests = self.peer_requests, []
+        for keys in pending:
+            ctx = RequestContext(f"peer:{self.served}")
+            self.served += 1
+            parent.on_new_request(ctx, exclude_tier_idx=tier_idx)
+            for key in keys:  # pinned at once: the promotion a later key starts may evict an unpinned HIT
+                if parent.lookup(key, ctx, exclude_tier_idx=tier_idx) is LookupResult.HIT:
+                    job = parent.create_store_job([key], ctx, tier_idx)
+                    self.completed.append(JobResult(job.job_id, True))
+            parent.on_request_finished(ctx, exclude_tier_idx=tier_idx)

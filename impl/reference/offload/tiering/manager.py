@@ -102,9 +102,10 @@ class TieringOffloadingManager:
         self.jobs[job.job_id] = (job, tier_idx)
         return job
 
-    def _create_store_job(self, keys: Collection[OffloadKey], ctx: RequestContext, tier_idx: int) -> TransferJob:
+    def create_store_job(self, keys: Collection[OffloadKey], ctx: RequestContext, tier_idx: int) -> TransferJob:
         """Pin ``keys`` (ready primary chunks) and register a cascade to tier ``tier_idx``; the
-        caller submits it (vLLM's ``ParentManager.create_store_job``)."""
+        caller submits it, or (a tier serving a peer) reports it when the peer is done with the
+        chunks (vLLM's ``ParentManager.create_store_job``)."""
         keys = _check_keys("keys", keys)
         self._state(ctx)
         check_int("tier_idx", tier_idx, minimum=0)
@@ -118,8 +119,11 @@ class TieringOffloadingManager:
         self.processed_this_step = True
         self._process_finished_jobs()
 
-    def _process_finished_jobs(self) -> None:
+    def _process_finished_jobs(self, only=None) -> None:
+        """Collect every tier's finished jobs (``only``: just these tier indexes)."""
         for i, tier in enumerate(self.tiers):
+            if only is not None and i not in only:
+                continue
             for res in tier.get_finished_jobs():
                 if res.job_id not in self.jobs:
                     raise OffloadStateError(f"job_id: {res.job_id} reported by tier #{i} is not in flight")
@@ -191,6 +195,12 @@ class TieringOffloadingManager:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def _check_exclude(self, exclude_tier_idx) -> None:
+        if exclude_tier_idx is not None:
+            check_int("exclude_tier_idx", exclude_tier_idx, minimum=0)
+            if exclude_tier_idx >= len(self.tiers):
+                raise InvalidFieldError("exclude_tier_idx", exclude_tier_idx, f"None or a tier index < {len(self.tiers)}")
+
     def _req_ctx(self, req_id: str) -> RequestContext | None:
         st = self.req_state.get(req_id)
         return st.ctx if st is not None else None
@@ -200,12 +210,15 @@ class TieringOffloadingManager:
             raise InvalidFieldError("ctx", ctx, f"the context of a live request ({sorted(self.req_state)})")
         return self.req_state[ctx.req_id]
 
-    def on_new_request(self, ctx: RequestContext) -> str:
+    def on_new_request(self, ctx: RequestContext, exclude_tier_idx: int | None = None) -> str:
         """Returns "request" when any tier wants request-level offloading, else "chunk"."""
         if not isinstance(ctx, RequestContext):
             raise InvalidFieldError("ctx", ctx, "a RequestContext")
+        self._check_exclude(exclude_tier_idx)
         st = RequestState(ctx)
         for i, tier in enumerate(self.tiers):
+            if i == exclude_tier_idx:  # a tier's own peer request (vLLM's _SecondaryTierFacingParent)
+                continue
             if tier.on_new_request(ctx.req_id) == "request":
                 st.request_level_tiers = (st.request_level_tiers or set()) | {i}
         self.req_state[ctx.req_id] = st
@@ -213,27 +226,30 @@ class TieringOffloadingManager:
         self.primary.on_new_request(ctx)
         return "request" if st.request_level_tiers else "chunk"
 
-    def on_request_finished(self, ctx: RequestContext) -> None:
+    def on_request_finished(self, ctx: RequestContext, exclude_tier_idx: int | None = None) -> None:
         st = self._state(ctx)
+        self._check_exclude(exclude_tier_idx)
         self.primary.on_request_finished(ctx)
         st.is_finished = True
-        self._maybe_finalize(ctx.req_id)
+        self._maybe_finalize(ctx.req_id, exclude_tier_idx)
 
-    def _maybe_finalize(self, req_id: str) -> None:
+    def _maybe_finalize(self, req_id: str, exclude_tier_idx: int | None = None) -> None:
         st = self.req_state[req_id]
         if not st.is_finished or st.pending_primary_stores or st.pending_cascade_keys:
             return
-        for tier in self.tiers:
-            tier.on_request_finished(req_id)
+        for i, tier in enumerate(self.tiers):
+            if i != exclude_tier_idx:
+                tier.on_request_finished(req_id)
         self.lookup_metrics.on_request_finished(req_id)
         self.load_sources.pop(req_id, None)
         del self.req_state[req_id]
 
     # -- the OffloadingManager calls ------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, ctx: RequestContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, ctx: RequestContext, exclude_tier_idx: int | None = None) -> LookupResult:
         _check_keys("key", (key,))
         self._state(ctx)
+        self._check_exclude(exclude_tier_idx)
         self._maybe_process_finished_jobs()
         found = self.primary.lookup(key, ctx)
         self.lookup_metrics.on_lookup(ctx.req_id, key, PRIMARY_LABEL, found, 0.0)  # no time passes in a call
@@ -243,6 +259,8 @@ class TieringOffloadingManager:
             return LookupResult.MISS
         any_retry = False
         for i, tier in enumerate(self.tiers):
+            if i == exclude_tier_idx:
+                continue
             result = tier.lookup(key, ctx.req_id)
             self.lookup_metrics.on_lookup(ctx.req_id, key, self._label(i), result, 0.0)
             if result is LookupResult.HIT:
@@ -333,7 +351,7 @@ class TieringOffloadingManager:
             return
         for i in st.request_level_tiers:
             if self._should_store_to_tier(self.tiers[i], len(ready)):
-                self.tiers[i].submit_store(self._create_store_job(ready, ctx, i))
+                self.tiers[i].submit_store(self.create_store_job(ready, ctx, i))
 
     def complete_store(self, keys: Collection[OffloadKey], ctx: RequestContext, success: bool = True) -> None:
         """The GPU->primary store of ``keys`` (the ``keys_to_store`` of one ``prepare_store``) ended."""
@@ -352,7 +370,7 @@ class TieringOffloadingManager:
             for i, tier in enumerate(self.tiers):
                 if not self._should_store_to_tier(tier, len(keys)):
                     continue
-                tier.submit_store(self._create_store_job(keys, ctx, i))
+                tier.submit_store(self.create_store_job(keys, ctx, i))
         st.pending_primary_stores -= 1
         self._maybe_finalize(ctx.req_id)
 
@@ -362,6 +380,8 @@ class TieringOffloadingManager:
                 or not all(isinstance(r, str) for r in new_req_ids)):
             raise InvalidFieldError("new_req_ids", new_req_ids, "a collection of request ids")
         self._maybe_process_finished_jobs()
+        for i, tier in enumerate(self.tiers):  # before the gate reopens: their lookups do not poll
+            tier.serve_external_requests(self, i)
         self.processed_this_step = False
         for i, by_req in self.pending_loads.items():
             for entry in by_req.values():
@@ -378,6 +398,19 @@ class TieringOffloadingManager:
         for req_id in new_req_ids:
             if req_id in self.req_state:
                 self.lookup_metrics.on_request_allocated(req_id)
+
+    def poll_tiers(self) -> None:
+        """One round of vLLM's tier-poll thread (``poll_tiers``): the tiers that tolerate off-thread
+        polling are polled for finished jobs and serve their peers; the step's poll gate is held
+        shut meanwhile and then put back untouched, so the step's own poll still runs."""
+        polled = [i for i, t in enumerate(self.tiers) if t.tolerates_off_thread_polling]
+        gate, self.processed_this_step = self.processed_this_step, True
+        try:
+            self._process_finished_jobs(polled)
+            for i in polled:
+                self.tiers[i].serve_external_requests(self, i)
+        finally:
+            self.processed_this_step = gate
 
     def has_pending_work(self) -> bool:
         return (bool(self.jobs) or any(st.pending_cascade_keys for st in self.req_state.values())

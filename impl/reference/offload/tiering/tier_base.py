@@ -59,6 +59,8 @@ class SecondaryTier(ABC):
     """
 
     medium: str = MEDIUM_CPU
+    #: serviced between steps by the manager's tier-poll thread too (vLLM's class attribute)
+    tolerates_off_thread_polling: bool = False
 
     def __init__(self, tier_type: str, primary: "PrimaryBuffer", bp_detector=None) -> None:
         self.tier_type = tier_type
@@ -104,6 +106,11 @@ class SecondaryTier(ABC):
 
     def take_events(self) -> list[TierEvent]:
         return []
+
+    def serve_external_requests(self, parent, tier_idx: int) -> None:
+        """Serve what a peer asked for through ``parent`` (the tiering manager, told to skip tier
+        ``tier_idx``: vLLM's ``_SecondaryTierFacingParent``); most tiers have no peers."""
+        return
 
     def take_stats(self) -> dict[str, float]:
         """The tier's own metrics (vLLM ``SecondaryTierManager.get_stats``); most tiers have none."""
