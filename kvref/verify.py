@@ -355,7 +355,20 @@ def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, "conform-spec-decode")
     if skipped:
         return skipped
-    return _scheduler_machine(ctx, "conform-spec-decode", with_vllm=True, spec=True, examples=(25, 200))
+    res = _scheduler_machine(ctx, "conform-spec-decode", with_vllm=True, spec=True, examples=(25, 200))
+    if res.status != PASSED:
+        return res
+    # then admissions padded to 1 + num_spec_tokens rows: arrivals repeating a prompt to one token
+    # past a block, so the hit leaves one token (#22)
+    from kvref.models.machines.scheduler_spec_padding import run_spec_padding_machine
+
+    run = run_spec_padding_machine(ctx.examples(4, 30), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-spec-decode", FAILED, "scheduler traces with padded admissions diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    return replace(res, summary=res.summary + f"; {run.traces} with repeated prompts "
+                   f"({run.coverage.get('spec_padded', 0)} padded admissions)",
+                   examined=(res.examined or 0) + run.traces)
 
 
 def _offload_cases(rng, n):
