@@ -259,6 +259,16 @@ def _offloading_spec(block_len: int) -> Any:
     return P2PTierSpec(cfg)
 
 
+class _EnvOverrides:
+    """``vllm.envs`` as one module sees it, with a few values set by the world."""
+
+    def __init__(self, real: Any, **values: Any) -> None:
+        self._real, self._values = real, values
+
+    def __getattr__(self, name: str) -> Any:
+        return self._values[name] if name in self._values else getattr(self._real, name)
+
+
 _P2P_MODULES = ("vllm.v1.kv_offload.tiering.p2p.manager", "vllm.v1.kv_offload.tiering.p2p.session.session",
                 "vllm.v1.kv_offload.tiering.p2p.session.client", "vllm.v1.kv_offload.tiering.p2p.session.server")
 
@@ -266,15 +276,19 @@ _P2P_MODULES = ("vllm.v1.kv_offload.tiering.p2p.manager", "vllm.v1.kv_offload.ti
 class VllmP2PWorld:
     """Two vLLM P2P tier managers (``P``, ``D``) over real ZMQ and the in-memory data plane."""
 
-    def __init__(self, num_blocks: int = 8, block_len: int = 16) -> None:
+    def __init__(self, num_blocks: int = 8, block_len: int = 16, max_peers: int = 128,
+                 idle_timeout_s: int = 300) -> None:
+        """``max_peers`` and ``idle_timeout_s`` are what the managers read as ``VLLM_P2P_MAX_PEERS`` and
+        ``VLLM_P2P_IDLE_TIMEOUT_S`` (vLLM's defaults here), for this world only."""
         import importlib
 
+        import vllm.envs as real_envs
         from vllm.v1.kv_offload.tiering.p2p import manager as manager_module
 
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidFieldError("num_blocks", num_blocks, "a positive int")
-        if not isinstance(block_len, int) or block_len < 1:
-            raise InvalidFieldError("block_len", block_len, "a positive int")
+        for name, value, least in (("num_blocks", num_blocks, 1), ("block_len", block_len, 1),
+                                   ("max_peers", max_peers, 1), ("idle_timeout_s", idle_timeout_s, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidFieldError(name, value, f"an int >= {least}")
         cls = _classes()
         self.clock = VirtualClock()
         self.wire = Wire()
@@ -286,6 +300,10 @@ class VllmP2PWorld:
             mod = importlib.import_module(name)
             self._saved_time[mod] = mod.time
             mod.time = fake_time
+        # the manager reads its peer limit and idle timeout from vllm.envs at each use
+        self._saved_envs = manager_module, manager_module.envs
+        manager_module.envs = _EnvOverrides(real_envs, VLLM_P2P_MAX_PEERS=max_peers,
+                                            VLLM_P2P_IDLE_TIMEOUT_S=idle_timeout_s)
         # the tier logs every timeout, peer loss and protocol error: traces make hundreds of them on purpose
         self._logger = logging.getLogger("vllm.v1.kv_offload.tiering.p2p")
         self._saved_level = self._logger.level
@@ -498,6 +516,10 @@ class VllmP2PWorld:
             for mod, t in self._saved_time.items():
                 mod.time = t
             self._saved_time = {}
+            saved_envs = getattr(self, "_saved_envs", None)
+            if saved_envs is not None:
+                saved_envs[0].envs = saved_envs[1]
+                self._saved_envs = None
             if hasattr(self, "_logger"):
                 self._logger.setLevel(self._saved_level)
 

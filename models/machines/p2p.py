@@ -29,6 +29,8 @@ KEYS_PER_KV = 2
 NUM_BLOCKS = 8
 BLOCK_LEN = 16
 ADVANCES = (0.05, 1.0, 5.0, 10.0, 31.0, 61.0)
+#: (VLLM_P2P_MAX_PEERS, VLLM_P2P_IDLE_TIMEOUT_S): vLLM's defaults, or scarce slots (idle eviction on)
+LIMITS = ((2, 10), (128, 300), (1, 31))
 KEY_LISTS = st.lists(st.integers(0, KEYS_PER_KV - 1), min_size=1, max_size=KEYS_PER_KV, unique=True)
 
 
@@ -66,6 +68,7 @@ class Coverage:
     reaped: int = 0
     shutdowns: int = 0
     faults: int = 0
+    idle_reaps: int = 0
 
 
 COVERAGE = Coverage()
@@ -84,15 +87,20 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self.loads: dict[int, list[bytes]] = {}
             self.forged: set[str] = set()  # ids a forged transfer_done may have ended a load of
 
-        def _start(self) -> None:
+        def _start(self, limits: tuple[int, int]) -> None:
+            max_peers, idle_timeout_s = limits
+            self.idle_timeout_s = idle_timeout_s
             for name, factory in world_factories.items():
-                self.worlds[name] = factory()
+                self.worlds[name] = factory(max_peers=max_peers, idle_timeout_s=idle_timeout_s)
             for w in self.worlds.values():
                 for kv in KV_IDS:
                     for i in range(KEYS_PER_KV):
                         w.write("P", [slot_of(kv, i)], [content_of(key_of(kv, i))])
 
         def teardown(self) -> None:
+            ref = self.worlds.get("ref")
+            if ref is not None:
+                COVERAGE.idle_reaps += sum(m.idle_reaped for m in ref.managers.values())
             for w in self.worlds.values():
                 w.close()
 
@@ -168,11 +176,13 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self.reqs["D"][req] = kv
 
         @initialize(kv=st.sampled_from(KV_IDS), stored=KEY_LISTS, loaded=KEY_LISTS, load_first=st.booleans(),
-                    consume=st.booleans())
-        def opening(self, kv: str, stored: list[int], loaded: list[int], load_first: bool, consume: bool) -> None:
+                    consume=st.booleans(), limits=st.sampled_from(LIMITS))
+        def opening(self, kv: str, stored: list[int], loaded: list[int], load_first: bool, consume: bool,
+                    limits: tuple[int, int]) -> None:
             """Every trace opens with one shared request and a tick, so even a handful of examples
-            moves bytes; the rules then go anywhere."""
-            self._start()
+            moves bytes; the rules then go anywhere. The engines' peer limit and idle timeout are
+            drawn: vLLM's defaults, or a scarce peer budget under which idle sessions are evicted."""
+            self._start(limits)
             self.share(kv, stored, loaded, not load_first, not consume)
             self.tick()
 
@@ -277,6 +287,13 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             if self._all("inject", node, msg) and isinstance(msg, dict) and msg["type"] == "transfer_done":
                 # the consumer trusts its peer: a forged success ends a load with nothing written
                 self.forged.add(kv)
+
+        @rule()
+        def pause(self) -> None:
+            """The engines go quiet for longer than the idle timeout, then a healthy tick: a session
+            with no pending work is evicted where peer slots are scarce (vLLM ``_reap_idle_sessions``)."""
+            self._all("advance", self.idle_timeout_s + 1)
+            self.tick()
 
         @rule(seconds=st.sampled_from(ADVANCES))
         def advance(self, seconds: float) -> None:

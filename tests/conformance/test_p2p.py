@@ -19,7 +19,8 @@ pytestmark = pytest.mark.vllm
 
 #: what every run must reach (counted by the machine): bytes through, both outcomes of loads and
 #: stores, reaped parked stores, an engine going away, a data-plane fault
-RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked", "reaped", "shutdowns", "faults")
+RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked", "reaped", "shutdowns", "faults",
+        "idle_reaps")
 
 
 def _run(examples: int, **kw) -> tuple[bool, str, dict]:

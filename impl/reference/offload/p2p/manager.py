@@ -15,7 +15,10 @@ What the tier keeps per kv_request_id (the id both engines share for one request
   at once (nothing to serve).
 * **sessions**: one per peer; a dead one is reaped: its loads and stores fail, its ids fail, the
   peer is unregistered from the data plane; after a data-plane fault, reconnecting to the peer
-  waits (1 s, doubling up to 60 s while faults repeat).
+  waits (1 s, doubling up to 60 s while faults repeat). When free peer slots are scarce
+  (``max_peers - sessions <= min(IDLE_REAP_HEADROOM, max_peers - 1)``), a session with no pending
+  work and no activity for ``idle_timeout_s`` is evicted the same way, without a backoff
+  (vLLM ``_reap_idle_sessions``; ``VLLM_P2P_MAX_PEERS``, ``VLLM_P2P_IDLE_TIMEOUT_S``, 0 disables).
 
 Every public call runs one step of the tier; ``get_finished_jobs`` runs the poll sweep (control
 plane, every session, binding, reaping) and hands over the finished jobs.
@@ -39,6 +42,8 @@ DRAIN_SLEEP_S = 0.001
 RECONNECT_MIN_BACKOFF_S = 1.0
 RECONNECT_MAX_BACKOFF_S = 60.0
 MAX_PEERS = 128  # VLLM_P2P_MAX_PEERS's default
+IDLE_TIMEOUT_S = 300  # VLLM_P2P_IDLE_TIMEOUT_S's default
+IDLE_REAP_HEADROOM = 8
 
 ROLES = ("remote_prefiller", "remote_decoder")
 
@@ -72,8 +77,12 @@ def parse_request(params: object) -> P2PRequest | None:
 
 
 class P2PTierManager:
-    def __init__(self, local_id: str, plane: DataPlane, control: ControlPlane, hello: dict, resolve_peer) -> None:
+    def __init__(self, local_id: str, plane: DataPlane, control: ControlPlane, hello: dict, resolve_peer,
+                 max_peers: int = MAX_PEERS, idle_timeout_s: int = IDLE_TIMEOUT_S) -> None:
         self.local_id = local_id
+        self.max_peers = max_peers
+        self.idle_timeout_s = idle_timeout_s
+        self.idle_reaped = 0  # sessions evicted as idle (a count for the generators' coverage)
         self.plane = plane
         self.control = control
         self._hello = hello
@@ -160,7 +169,8 @@ class P2PTierManager:
     # -- sessions ---------------------------------------------------------------------------------
 
     def _new_session(self, peer_id: str, conn) -> Session:
-        return Session(peer_id, self.local_id, self.plane, self._hello, conn, self._resolve_peer, self.now)
+        return Session(peer_id, self.local_id, self.plane, self._hello, conn, self._resolve_peer, self.now,
+                       clock=lambda: self.now)
 
     def _reconnect_wait(self, peer_id: str) -> float:
         entry = self.backoff.get(peer_id)
@@ -170,14 +180,14 @@ class P2PTierManager:
         s = self.sessions.get(peer_id)
         if s is not None:
             return s
-        if self._reconnect_wait(peer_id) > 0 or len(self.sessions) >= MAX_PEERS:
+        if self._reconnect_wait(peer_id) > 0 or len(self.sessions) >= self.max_peers:
             return None
         s = self.sessions[peer_id] = self._new_session(peer_id, self.control.connect(peer_id))
         return s
 
     def _accept(self, conns) -> None:
         for conn in conns:
-            if len(self.sessions) >= MAX_PEERS:
+            if len(self.sessions) >= self.max_peers:
                 conn.close()
             elif self._reconnect_wait(conn.peer_id) > 0:
                 try:
@@ -200,13 +210,7 @@ class P2PTierManager:
 
     def _reap_dead(self) -> None:
         for pid in [p for p, s in self.sessions.items() if s.conn is not None and not s.alive]:
-            s = self.sessions.pop(pid)
-            for kv in [k for k, b in self.kv_to_session.items() if b is s]:
-                del self.kv_to_session[kv]
-            jobs, kvs, stores = s.close()
-            self.finished += [(j, False) for j in jobs] + [(j, False) for j in stores]
-            self.failed.update(kvs)
-            self.plane.remove_remote_peer(pid)
+            s = self._close_session(pid)
             if s.server.peer_fault is not None:
                 self.faults[pid] = self.faults.get(pid, 0) + 1
                 self._schedule_backoff(pid)
@@ -217,6 +221,28 @@ class P2PTierManager:
         for kv in [k for k, b in self.unbound.items() if b and b[0][3] <= self.now - UNBOUND_STORE_TIMEOUT_S]:
             self.reaped[kv] = self.now
             self.finished += [(job, False) for job, *_ in self.unbound.pop(kv)]
+
+    def _close_session(self, pid: str) -> Session:
+        """Tear a session down: its loads and stores fail, its ids fail, the peer is unregistered."""
+        s = self.sessions.pop(pid)
+        for kv in [k for k, b in self.kv_to_session.items() if b is s]:
+            del self.kv_to_session[kv]
+        jobs, kvs, stores = s.close()
+        self.finished += [(j, False) for j in jobs] + [(j, False) for j in stores]
+        self.failed.update(kvs)
+        self.plane.remove_remote_peer(pid)
+        return s
+
+    def _reap_idle(self) -> None:
+        if self.idle_timeout_s <= 0:
+            return
+        headroom = min(IDLE_REAP_HEADROOM, max(0, self.max_peers - 1))
+        if len(self.sessions) < self.max_peers - headroom:
+            return
+        deadline = self.now - self.idle_timeout_s
+        for pid in [p for p, s in self.sessions.items() if not s.has_pending_work and s.last_activity_at <= deadline]:
+            self._close_session(pid)
+            self.idle_reaped += 1
 
     def get_finished_jobs(self, now: float) -> list[tuple[int, bool]]:
         """The poll sweep, then the jobs finished since the last call."""
@@ -239,6 +265,7 @@ class P2PTierManager:
                     s.add_stored_blocks(kv, keys, ids, job, now)
         self._reap_dead()
         self._reap_unbound()
+        self._reap_idle()
         out, self.finished = self.finished, []
         return out
 

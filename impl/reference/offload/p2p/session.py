@@ -9,7 +9,8 @@ that it registered us), then flushed in order. A second ``connect``, a malformed
 duplicate fetch is a protocol error: ``disconnect`` is sent and the connection marked dead. A
 session not ready within :data:`HANDSHAKE_TIMEOUT_S` of connecting is marked dead. A data-plane
 fault disconnects once pending writes drain, or after :data:`PEER_FAULT_DRAIN_S`. The manager
-reaps dead sessions.
+reaps dead sessions, and idle ones (:attr:`Session.last_activity_at`: the last poll that received
+a message, or the last send through the send gate; vLLM ``P2PSession.last_activity_at``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ MAX_CONSECUTIVE_DISPATCH_ERRORS = 5
 
 class Session:
     def __init__(self, peer_id: str, local_id: str, plane: DataPlane, hello: dict, conn: Conn,
-                 resolve_peer, now: float) -> None:
+                 resolve_peer, now: float, clock=None) -> None:
         self.peer_id = peer_id
         self.local_id = local_id
         self.plane = plane
@@ -39,7 +40,9 @@ class Session:
         self.registered: bool | None = None  # a peer registration awaiting its ack: None (none), True/False
         self.peer_fault_at: float | None = None
         self.connected_at = now
+        self.last_activity_at = now
         self.now = now
+        self._clock = clock  # the engine's current time (a send between polls stamps activity with it)
         self.new_fetch_ids: list[str] = []
         self.client = ClientRole(self._send)
         self.server = ServerRole(peer_id, plane, self._send)
@@ -70,6 +73,7 @@ class Session:
             return
         try:
             self.conn.send(msg)
+            self.last_activity_at = self._clock() if self._clock is not None else self.now
         except RuntimeError:
             self.conn.mark_dead()
 
@@ -133,7 +137,10 @@ class Session:
         self.now = now
         if self.conn is None:
             return [], [], []
-        for msg in self.conn.recv():
+        msgs = self.conn.recv()
+        if msgs:
+            self.last_activity_at = now
+        for msg in msgs:
             try:
                 self._dispatch(msg)
             except ValueError:

@@ -14,7 +14,7 @@ from kvref.spec.errors import InvalidFieldError, check_int
 
 from . import messages as m
 from .control import ControlPlane
-from .manager import ROLES, P2PTierManager
+from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, P2PTierManager
 from .transport import DataPlane
 
 NODES = ("P", "D")
@@ -39,9 +39,14 @@ def _str(field: str, value: object) -> str:
 
 
 class P2PWorld:
-    def __init__(self, num_blocks: int = 8, block_len: int = 16) -> None:
+    def __init__(self, num_blocks: int = 8, block_len: int = 16, max_peers: int = MAX_PEERS,
+                 idle_timeout_s: int = IDLE_TIMEOUT_S) -> None:
+        """``max_peers`` and ``idle_timeout_s`` are vLLM's ``VLLM_P2P_MAX_PEERS`` and
+        ``VLLM_P2P_IDLE_TIMEOUT_S`` (0 disables idle eviction) for both engines."""
         check_int("num_blocks", num_blocks, minimum=1)
         check_int("block_len", block_len, minimum=1)
+        check_int("max_peers", max_peers, minimum=1)
+        check_int("idle_timeout_s", idle_timeout_s, minimum=0)
         if num_blocks * block_len > MAX_BUFFER_BYTES:
             raise InvalidFieldError("num_blocks * block_len", num_blocks * block_len,
                                     f"at most {MAX_BUFFER_BYTES} bytes per engine (a model world, not a cache)")
@@ -54,7 +59,8 @@ class P2PWorld:
                          for n in NODES}
         self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
                                            m.connect(f"{n}:{PORT}", num_blocks, block_len, "", "kvref"),
-                                           self._resolve) for n in NODES}
+                                           self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s)
+                         for n in NODES}
 
     def _resolve(self, connect_msg: dict) -> DataPlane | None:
         peer = _name(connect_msg["peer_id"])

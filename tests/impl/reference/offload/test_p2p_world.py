@@ -108,6 +108,29 @@ def test_a_data_plane_fault_disconnects_and_backs_off():
     assert w.managers["P"].backoff  # the first fault reconnects at once, a repeat waits
 
 
+def test_idle_sessions_are_evicted_only_where_peer_slots_are_scarce():
+    """vLLM ``_reap_idle_sessions``: no pending work and no activity for the idle timeout evicts a
+    session once ``sessions >= max_peers - min(8, max_peers - 1)``; the peer then sees it close."""
+    for max_peers, evicted in ((2, True), (128, False)):
+        w = P2PWorld(max_peers=max_peers, idle_timeout_s=10)
+        _pair(w)
+        _ticks(w)
+        w.advance(9)
+        _ticks(w, 1)  # not yet idle for the timeout
+        assert set(w.snapshot("P")["sessions"]) == {"D"}
+        w.advance(10)  # exactly the timeout since the last activity: idle (vLLM's deadline is inclusive)
+        _ticks(w, 2)
+        assert (w.snapshot("P")["sessions"] == {} and w.snapshot("D")["sessions"] == {}) is evicted
+        assert (w.managers["P"].idle_reaped + w.managers["D"].idle_reaped > 0) is evicted
+    w = P2PWorld(max_peers=2, idle_timeout_s=10)
+    _pair(w)
+    _ticks(w)
+    w.submit_load("D", "d", 7, K, [5, 6])  # a load in flight is pending work: never idle
+    w.advance(11)
+    w.poll("D")
+    assert set(w.snapshot("D")["sessions"]) == {"P"}
+
+
 @pytest.mark.parametrize("call, kwargs, field", [
     ("new_request", dict(node="X", req_id="r", role="remote_decoder", kv_request_id="kv"), "node"),
     ("new_request", dict(node="P", req_id="r", role="remote_kv_source", kv_request_id="kv"), "role"),
@@ -116,6 +139,8 @@ def test_a_data_plane_fault_disconnects_and_backs_off():
     ("submit_load", dict(node="D", req_id="d", job_id=-1, keys=K, chunk_ids=[0, 1]), "job_id"),
     ("complete_transfers", dict(node="P", count=1, ok="yes"), "ok"),
     ("advance", dict(seconds=-1), "seconds"),
+    ("__init__", dict(max_peers=0), "max_peers"),
+    ("__init__", dict(idle_timeout_s=-1), "idle_timeout_s"),
     ("write", dict(node="P", chunk_ids=[9], blocks=[b"x" * 16]), "chunk_ids"),
 ])
 def test_bad_input_names_the_field_and_changes_nothing(call, kwargs, field):
