@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
+from kvref.spec.context_parallel import check_context_parallel
 from kvref.spec.errors import InvalidFieldError, check_int, check_sequence
 from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 from kvref.spec.prefix_cache_retention import validate_prefix_cache_retention_interval
@@ -69,6 +70,12 @@ class PoolConfig:
     #: tokens past a chunk, so the last ``num_prefill_lookahead - 1`` computed tokens are
     #: re-prefillable and never published to the prefix cache (issue #23)
     num_prefill_lookahead: int = 0
+    #: context parallelism (issue #23, spec/context_parallel.py): vLLM's ``dcp_world_size`` (the
+    #: managers of DCP-sharded groups count ``block_size × dcp`` tokens per block) and
+    #: ``pcp_world_size`` (scales nothing; narrows the groups accepted with prefix caching). vLLM's
+    #: scheduler passes ``decode_context_parallel_size`` and PCP 1
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -165,6 +172,9 @@ class PoolConfig:
             raise InvalidFieldError("num_prefill_lookahead", self.num_prefill_lookahead,
                                     f"at most scheduler_block_size={self.scheduler_block_size} with prefix "
                                     "caching and EAGLE groups (multi-module MTP)")
+        # vLLM asserts these in the coordinator and the managers' lookups; kvref rejects them up front.
+        check_context_parallel([getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in self.groups],
+                               self.dcp_world_size, self.pcp_world_size, self.enable_caching)
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,

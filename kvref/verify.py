@@ -179,8 +179,9 @@ def _kv_machine(ctx: VerifyContext, name: str, kinds: tuple[str, ...], what: str
     n = ctx.examples(25, 200)
     # sparse prefix-cache retention intervals on SWA/Mamba pools (#23; ignored where torch is driven)
     # multi-module MTP lookahead on EAGLE pools (#23: the re-prefillable tail is never published)
+    # DCP/PCP world sizes (#23: DCP-scaled manager blocks, hits at the sharded block)
     run = run_machine(kinds, n, seed=ctx.seed, out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink, retention=True,
-                      prefill_lookahead=True)
+                      prefill_lookahead=True, context_parallel=True)
     st = run.stats
     summary = (f"{len(st.steps)} generated traces ({sum(st.steps)} ops, >= 30 each) on {'+'.join(kinds)}: "
                f"{st.admissions} admissions, {st.prefix_hits} prefix hits, {st.preemptions} preemptions, "

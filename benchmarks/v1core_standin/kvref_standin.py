@@ -157,8 +157,6 @@ class StandInKVCacheManager:
         from kvref.impl.reference.kv_cache_manager import KVCacheManager
 
         _BUILT[0] += 1
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise StandInGap("DCP/PCP world size > 1 at runtime")
         if metrics_collector is not None:
             raise StandInGap("KVCacheMetricsCollector (block residency metrics)")
         if enable_mamba_shared_prefix_checkpoint:
@@ -170,7 +168,8 @@ class StandInKVCacheManager:
             hash_block_size=hash_block_size, max_in_flight_tokens=max_in_flight_tokens,
             enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events, num_hash_lookahead_tokens=int(num_hash_lookahead_tokens),
-            log_stats=log_stats, num_prefill_lookahead=num_prefill_lookahead)
+            log_stats=log_stats, num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
         self._ref = KVCacheManager(config)
         self._vllm_requests: dict[str, Any] = {}
         self._mirrors: dict[str, Any] = {}
@@ -186,6 +185,10 @@ class StandInKVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.coordinator = self._ref.coordinator
         self.block_pool = self._ref.block_pool
+        # vLLM's tests call the pool's cache_full_blocks with vLLM's signature (the request first;
+        # its hashes are read from it): route those calls, leave the reference's own untouched
+        self.block_pool.__class__ = _standin_pool_class(type(self.block_pool))
+        self.block_pool._standin = self
         self.num_kv_cache_groups = self._ref.num_kv_cache_groups
         self.watermark_blocks = self._ref.watermark_blocks
         self.kv_cache_event_metadata = self._ref.kv_cache_event_metadata
@@ -318,9 +321,19 @@ class StandInKVCacheManager:
 
     def take_events(self) -> list:
         import vllm.distributed.kv_events as vev
+        from vllm.v1.core import kv_cache_manager as vkcm
 
         out = []
         for ev in self._ref.take_events():
+            if type(ev).__module__.startswith("vllm."):
+                # a test queued vLLM's own event on the pool: handed back as is; the reference
+                # leaves a BlockStored of an unknown group unannotated, vLLM also logs it
+                idx = getattr(ev, "group_idx", None)
+                if isinstance(ev, vev.BlockStored) and idx is not None \
+                        and not 0 <= idx < len(self.kv_cache_event_metadata):
+                    vkcm.logger.warning("Group index `%s` not in KV cache metadata", idx)
+                out.append(ev)
+                continue
             cls = getattr(vev, type(ev).__name__, None)
             if cls is None:
                 raise StandInGap(f"KV event {type(ev).__name__}")
@@ -378,6 +391,47 @@ class StandInKVCacheManager:
     def __getattr__(self, name: str) -> Any:
         # an AttributeError, so vLLM's hasattr() probes see what they would see on a class without it
         raise AttributeError(f"kvref stand-in: KVCacheManager.{name}")
+
+
+# ---------------------------------------------------------------------------------------- pool
+
+
+_POOL_CLASSES: dict[type, type] = {}
+
+#: the pool methods vLLM's tests call with vLLM's signature: the request first (a vLLM request, whose
+#: ``block_hashes`` the reference takes explicitly), then these arguments
+_VLLM_SIGNATURES = {
+    "cache_full_blocks": ("blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id",
+                          "block_mask"),
+    "cache_partial_block": ("block", "num_tokens", "kv_cache_group_id", "block_size", "replace_existing_hashes"),
+}
+
+
+def _vllm_signature(name: str, base: type) -> Any:
+    names = _VLLM_SIGNATURES[name]
+    ref_method = getattr(base, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = kwargs.get("request", args[0] if args else None)
+        if not hasattr(request, "block_hashes") or "block_hashes" in kwargs:
+            return ref_method(self, *args, **kwargs)  # the reference's own call
+        rest = {k: v for k, v in kwargs.items() if k != "request"}
+        rest.update(zip(names, args[1:] if args and args[0] is request else args))
+        return ref_method(self, request.block_hashes, request=self._standin._mirror(request), **rest)
+
+    method.__name__ = name
+    return method
+
+
+def _standin_pool_class(base: type) -> type:
+    """The reference pool's class whose ``cache_full_blocks`` / ``cache_partial_block`` also answer
+    vLLM's signatures (the translation only; the reference decides)."""
+    if getattr(base, "_standin_pool", False):
+        return base
+    if base not in _POOL_CLASSES:
+        methods = {name: _vllm_signature(name, base) for name in _VLLM_SIGNATURES}
+        _POOL_CLASSES[base] = type(f"StandIn{base.__name__}", (base,), {**methods, "_standin_pool": True})
+    return _POOL_CLASSES[base]
 
 
 # ---------------------------------------------------------------------------------------- hooks

@@ -54,7 +54,8 @@ class CircularBufferManager(FullAttentionManager):
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
-                               alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+                               alignment_tokens: int, dcp_world_size: int = 1,
+                               pcp_world_size: int = 1) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         return tuple([] for _ in kv_cache_group_ids), 0
 
     def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,

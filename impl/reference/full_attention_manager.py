@@ -28,12 +28,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
-                               alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+                               alignment_tokens: int, dcp_world_size: int = 1,
+                               pcp_world_size: int = 1) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Phase 1: cached full blocks from the start until the first miss. Phase 2 (only when
         hits may land on hash boundaries inside a block): the longest cached interior boundary
-        of the next block. EAGLE drops one unit; the result is rounded down to the alignment."""
+        of the next block. EAGLE drops one unit; the result is rounded down to the alignment.
+        Under DCP the hashes are viewed at the sharded block (``block_size × dcp``); PCP scales
+        nothing (spec/context_parallel.py)."""
         assert isinstance(kv_cache_spec, (FullAttentionSpec, ChunkedLocalAttentionSpec))
-        block_size = kv_cache_spec.block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size
         hbs = block_pool.hash_block_size
         fine_grained = alignment_tokens < block_size and block_size % alignment_tokens == 0
         coarse = block_hashes if block_size == hbs else BlockHashListWithBlockSize(block_hashes, hbs, block_size)

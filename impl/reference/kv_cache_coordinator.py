@@ -31,10 +31,11 @@ roles.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
+from kvref.spec.context_parallel import manager_block_size
 from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -77,20 +78,34 @@ def _layer_specs(spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
 
 
 def partial_hash_hits_enabled(group_specs: Sequence[KVCacheSpec], hash_block_size: int,
-                              manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None) -> bool:
-    """Whether aligned Mamba states support hits inside a block (vLLM's function of the same name,
-    DCP 1): some Mamba "align" layer has a block larger than ``hash_block_size``, and (with
-    ``manager_classes``, one per group) every other cacheable group either looks up inside blocks
-    itself or has blocks of exactly ``hash_block_size``."""
+                              manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None,
+                              dcp_world_size: int = 1) -> bool:
+    """Whether aligned Mamba states support hits inside a block (vLLM's function of the same name):
+    some Mamba "align" layer has a block larger than ``hash_block_size`` (or as large, under DCP,
+    which scales the full-attention block instead), and (with ``manager_classes``, one per group)
+    every other cacheable group either looks up inside blocks itself or has (DCP-scaled) blocks of
+    exactly ``hash_block_size``."""
     if not any(isinstance(layer, MambaSpec) and layer.mamba_cache_mode == "align"
-               and layer.block_size > hash_block_size
+               and (layer.block_size > hash_block_size
+                    or (dcp_world_size > 1 and layer.block_size == hash_block_size))
                for spec in group_specs for layer in _layer_specs(spec)):
         return False
     if manager_classes is None:
         return True
     return all(not spec.prefix_cacheable or cls.supports_fine_grained_hash_lookup
-               or spec.block_size == hash_block_size
+               or manager_block_size(spec, dcp_world_size) == hash_block_size
                for spec, cls in zip(group_specs, manager_classes))
+
+
+def context_parallel_kwargs(manager: SingleTypeKVCacheManager, pcp_world_size: int | None = None) -> dict[str, int]:
+    """The world-size keywords of a manager's ``find_longest_cache_hit``: the manager's own sizes
+    (as vLLM's hybrid coordinator passes them; its one-group coordinator passes the engine's PCP
+    size, ``pcp_world_size``), none at DCP = PCP = 1 (every manager class takes the call without
+    them)."""
+    pcp = manager.pcp_world_size if pcp_world_size is None else pcp_world_size
+    if manager.dcp_world_size == 1 and pcp == 1:
+        return {}
+    return {"dcp_world_size": manager.dcp_world_size, "pcp_world_size": pcp}
 
 
 def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained_lookup: bool) -> int:
@@ -193,7 +208,8 @@ class KVCacheCoordinator:
                 spec, max_in_flight_tokens, max_model_len, block_pool=self.block_pool,
                 enable_caching=enable_caching, kv_cache_group_id=i,
                 scheduler_block_size=scheduler_block_size,
-                needs_kv_cache_zeroing=self.needs_kv_cache_zeroing)
+                needs_kv_cache_zeroing=self.needs_kv_cache_zeroing,
+                dcp_world_size=config.dcp_world_size, pcp_world_size=config.pcp_world_size)
             for i, spec in enumerate(specs))
         if use_eagle:
             for manager in self.single_type_managers:
@@ -320,11 +336,15 @@ class KVCacheCoordinator:
 
     def emit_cached_block_events(self, request: Request, block_hashes: Sequence[BlockHash],
                                  computed_blocks: HitBlocks) -> None:
-        """``BlockStored`` per group for a reused prefix (``kv_cache_report_mode == "full"``)."""
+        """``BlockStored`` per group for a reused prefix (``kv_cache_report_mode == "full"``), at
+        the group manager's block size. NOTE: vLLM 0.33.0 passes the spec's unscaled
+        ``block_size`` here, so under DCP its lookup asserts (a sharded group's unscaled block is
+        not a multiple of the hash block) or announces the hit at the wrong granularity; kvref
+        announces the blocks the hit holds (docs/differences.md, issue #23)."""
         for group_id, blocks in enumerate(computed_blocks):
             if blocks:
                 self.block_pool.emit_cached_block_events(
-                    request, block_hashes, len(blocks), self.specs[group_id].block_size, group_id)
+                    request, block_hashes, len(blocks), self.single_type_managers[group_id].block_size, group_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -362,13 +382,15 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         if isinstance(config, PoolConfig):
             if len(config.groups) != 1:
                 raise InvalidFieldError("groups", len(config.groups), "exactly one group")
-            block_size = scheduler_spec(config.groups[0].kv_cache_spec).block_size
+            # the manager's block: block_size × DCP for a DCP-sharded group
+            block_size = manager_block_size(scheduler_spec(config.groups[0].kv_cache_spec), config.dcp_world_size)
             if config.enable_caching and config.hash_block_size != block_size:
                 raise InvalidFieldError("hash_block_size", config.hash_block_size,
-                                        f"the group's block_size={block_size} (one group)")
+                                        f"the group's block_size={block_size} (one group"
+                                        + (f", DCP {config.dcp_world_size})" if block_size != scheduler_spec(
+                                            config.groups[0].kv_cache_spec).block_size else ")"))
         super().__init__(config)
-        block_size = self.specs[0].block_size
-        self.block_size = block_size
+        self.block_size = self.single_type_managers[0].block_size
         self.single_type_managers[0].use_eagle = 0 in self.drop_eagle_group_ids
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
@@ -376,7 +398,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         manager = self.single_type_managers[0]
         blocks, hit_length = type(manager).find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.specs[0],
-            0 in self.drop_eagle_group_ids, self.block_size)
+            0 in self.drop_eagle_group_ids, self.block_size,
+            **context_parallel_kwargs(manager, self.config.pcp_world_size))
         return blocks, hit_length, 0
 
 
@@ -388,12 +411,14 @@ class SpecGroup:
     group_ids: list[int]
     manager_cls: type[SingleTypeKVCacheManager]
     use_eagle: bool
-
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
+    #: the managers' block size (``spec.block_size × DCP`` for a DCP-sharded spec) and the
+    #: ``find_longest_cache_hit`` keywords of their context-parallel world sizes
+    block_size: int = 0
+    cp_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.block_size:
+            self.block_size = self.spec.block_size
         # cached type tests: the lookup loop runs for every new request
         self.is_full_attention = isinstance(self.spec, FullAttentionSpec)
         self.is_mamba = isinstance(self.spec, MambaSpec)
@@ -405,23 +430,27 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def __init__(self, config: PoolConfig) -> None:
         super().__init__(config)
         scheduler_block_size, hash_block_size = config.scheduler_block_size, config.hash_block_size
-        for i, spec in enumerate(self.specs):
-            if spec.prefix_cacheable and spec.block_size % hash_block_size:
+        for i, (spec, manager) in enumerate(zip(self.specs, self.single_type_managers)):
+            if spec.prefix_cacheable and manager.block_size % hash_block_size:
                 raise InvalidFieldError("hash_block_size", hash_block_size,
-                                        f"a divisor of group {i}'s block_size={spec.block_size}")
+                                        f"a divisor of group {i}'s block_size={manager.block_size}")
         for i, spec in enumerate(self.specs):
             if isinstance(spec, ChunkedLocalAttentionSpec) and spec.block_size != scheduler_block_size:
                 raise InvalidFieldError(f"groups[{i}].block_size", spec.block_size,
                                         f"scheduler_block_size={scheduler_block_size}: chunked local "
                                         "attention hits need block-aligned lookups (vLLM asserts this)")
         self.enable_partial_hash_hits = partial_hash_hits_enabled(
-            self.specs, hash_block_size, [type(m) for m in self.single_type_managers])
-        # Fine-grained hits land on hash boundaries; otherwise on scheduler blocks.
-        alignment = hash_block_size if self.enable_partial_hash_hits else scheduler_block_size
-        self.cache_hit_alignment_tokens = alignment
+            self.specs, hash_block_size, [type(m) for m in self.single_type_managers], config.dcp_world_size)
+        alignment = self._cache_hit_alignment_tokens
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = alignment
         self._split_groups()
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Where hits land (vLLM's private property of this name, which its tests read):
+        ``hash_block_size`` with fine-grained partial hits, else ``scheduler_block_size``."""
+        return self.hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
 
     def _split_groups(self) -> None:
         """Batch prefix-cacheable groups with equal specs; full attention first (its left-to-right
@@ -438,7 +467,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     group.use_eagle = group.use_eagle or use_eagle
                     break
             else:
-                self.attention_groups.append(SpecGroup(spec, [i], cls, use_eagle))
+                manager = self.single_type_managers[i]
+                self.attention_groups.append(SpecGroup(spec, [i], cls, use_eagle, manager.block_size,
+                                                       context_parallel_kwargs(manager)))
         if not self.attention_groups:
             raise InvalidFieldError("kv_cache_groups", [type(s).__name__ for s in self.specs],
                                     "at least one prefix-cacheable group")
@@ -488,7 +519,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         simple = self._simple_hybrid
         eagle_verified: set[int] = set()
         max_hash_tokens = len(block_hashes) * self.hash_block_size
-        pool, alignment = self.block_pool, self.cache_hit_alignment_tokens
+        pool, alignment = self.block_pool, self._cache_hit_alignment_tokens
         while True:
             curr = hit_length
             for idx, group in enumerate(self.attention_groups):
@@ -501,7 +532,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if drop_eagle and not group.is_mamba:
                     max_length = self._eagle_lookup_length(group, curr, max_hash_tokens)
                 blocks, new_hit = group.manager_cls.find_longest_cache_hit(
-                    block_hashes, max_length, group.group_ids, pool, group.spec, drop_eagle, alignment)
+                    block_hashes, max_length, group.group_ids, pool, group.spec, drop_eagle, alignment,
+                    **group.cp_kwargs)
                 if drop_eagle:
                     eagle_verified.add(idx)
                 elif new_hit < curr:
@@ -544,7 +576,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 length = self._eagle_lookup_length(group, length, num_hash_tokens)
             blocks, group_hit = group.manager_cls.find_longest_cache_hit(
                 block_hashes, length, group.group_ids, self.block_pool, group.spec, group.use_eagle,
-                self.cache_hit_alignment_tokens)
+                self._cache_hit_alignment_tokens, **group.cp_kwargs)
             for gid, group_blocks in zip(group.group_ids, blocks):
                 hit_blocks[gid] = group_blocks
                 hit_lengths[gid] = group_hit

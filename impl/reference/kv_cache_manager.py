@@ -418,13 +418,15 @@ class KVCacheManager:
         # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group; it ends on a
         # block boundary unless fine-grained hits let it end on a hash boundary inside the block.
         unit = self.block_pool.hash_block_size if self.coordinator.enable_partial_hash_hits else None
-        for g, (group, spec) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs)):
-            expected = -(-num_new_computed_tokens // spec.block_size) if spec.prefix_cacheable else 0
-            if len(group) != expected or (expected and num_new_computed_tokens % (unit or spec.block_size)):
+        for g, (group, spec, manager) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs,
+                                                        self.coordinator.single_type_managers)):
+            block_size = manager.block_size  # block_size × DCP for a DCP-sharded group
+            expected = -(-num_new_computed_tokens // block_size) if spec.prefix_cacheable else 0
+            if len(group) != expected or (expected and num_new_computed_tokens % (unit or block_size)):
                 raise InvalidFieldError(
                     "num_new_computed_tokens", num_new_computed_tokens,
                     f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
-                    f"of {spec.block_size} tokens)")
+                    f"of {block_size} tokens)")
             self.block_pool._check_own(group, "new_computed_blocks")
             # What find_longest_cache_hit returns: cached blocks; null only as the placeholder of a
             # skipped position, which full attention never has (an unpublished or null "hit" shares

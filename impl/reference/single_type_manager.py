@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from kvref.spec.context_parallel import manager_world_sizes
 from kvref.spec.kv_cache_interface import KVCacheSpec
 from kvref.spec.kv_zeroing import records_new_block_ids
 from kvref.spec.mathutil import cdiv
@@ -47,6 +48,8 @@ class SingleTypeKVCacheManager:
         kv_cache_group_id: index of the group (part of every prefix-cache key).
         scheduler_block_size: the scheduling granularity, a multiple of this group's block size
             (vLLM PR #44165); the default cache-hit alignment.
+        dcp_world_size / pcp_world_size: the engine's context-parallel sizes; kept (and DCP scales
+            ``block_size``) only when the spec is DCP-sharded.
         max_admission_blocks_per_request: the recycling-aware per-request cap
             (``spec.max_admission_blocks_per_request``) for windowed specs, else None. Applied
             only when ``apply_admission_cap`` is passed (the full-sequence admission gate), see
@@ -61,7 +64,8 @@ class SingleTypeKVCacheManager:
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
                  max_admission_blocks_per_request: int | None = None,
-                 needs_kv_cache_zeroing: bool = False) -> None:
+                 needs_kv_cache_zeroing: bool = False, dcp_world_size: int = 1,
+                 pcp_world_size: int = 1) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_pool = block_pool
         self.enable_caching = enable_caching
@@ -69,7 +73,11 @@ class SingleTypeKVCacheManager:
         self.scheduler_block_size = scheduler_block_size
         #: hits land on multiples of this (the hybrid coordinator may lower it to hash_block_size)
         self.cache_hit_alignment_tokens = scheduler_block_size
-        self.block_size = kv_cache_spec.block_size
+        # context parallelism (spec/context_parallel.py): a DCP-sharded group's block covers
+        # block_size × DCP tokens; a replicated group runs with world sizes 1
+        self.dcp_world_size, self.pcp_world_size = manager_world_sizes(kv_cache_spec, dcp_world_size,
+                                                                       pcp_world_size)
+        self.block_size = kv_cache_spec.block_size * self.dcp_world_size
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -306,10 +314,12 @@ class SingleTypeKVCacheManager:
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
-                               alignment_tokens: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+                               alignment_tokens: int, dcp_world_size: int = 1,
+                               pcp_world_size: int = 1) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest prefix (≤ ``max_length`` tokens, a multiple of ``alignment_tokens``) cached in
         every group of ``kv_cache_group_ids``: per-group hit blocks (null where the layer does
-        not read) and the hit length in tokens."""
+        not read) and the hit length in tokens. ``dcp_world_size`` / ``pcp_world_size`` are the
+        manager's (the coordinator passes them only when one is above 1)."""
         raise NotImplementedError("abstract: each single-type manager implements its own cache-hit search")
 
     # ------------------------------------------------------------------ freeing

@@ -39,6 +39,7 @@ from kvref.models.conformance.differential import Divergence, Harness
 from kvref.models.strategies.hash_inputs import hashing_settings, request_hash_inputs
 from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
 from kvref.models.conformance.trace import Op
+from kvref.models.machines.context_parallel import context_parallel_draws, with_context_parallel
 from kvref.models.machines.kv_cache_manager_edges import MAX_LIVE_REQUESTS, EdgeAiming
 from kvref.models.machines.kv_metrics_pairing import MetricsPairing
 from kvref.models.machines.mamba_chunks import aligned_chunk, mamba_split_config
@@ -115,6 +116,8 @@ class MachineStats:
     #: Mamba "align" boundary-state hand-offs and finishing producers' partial tails compared
     boundary_state_offloads: int = 0
     partial_tail_offloads: int = 0
+    #: pools by context-parallel world sizes ("dcp2/pcp1", ...; issue #23)
+    context_parallel_pools: dict[str, int] = field(default_factory=dict)
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -134,7 +137,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              kv_events: bool = True, breadth: bool = True,
                              traces_to: str | Path | None = None,
                              retention: bool | str = False,
-                             prefill_lookahead: bool = False) -> type[RuleBasedStateMachine]:
+                             prefill_lookahead: bool = False,
+                             context_parallel: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -161,11 +165,16 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     block size) for EAGLE pools without lookahead hashes (multi-module MTP with
     ``disable_lookahead_block_hashes``; 1 with them, as vLLM derives it); only where ``breadth``
     holds. Off by default (then not an argument of the setup rule, so the other runs keep their inputs).
+
+    ``context_parallel``: run pools under DCP/PCP (``models.machines.context_parallel``: DCP 2 or
+    4 in three pools of four, PCP 2 in one of four, groups and block sizes re-resolved as vLLM accepts
+    them; issue #23); only where ``breadth`` holds. Off by default, likewise not a setup argument.
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
     retention = retention if breadth else False
     prefill_lookahead = prefill_lookahead and breadth
+    context_parallel = context_parallel and breadth
 
     class KVCacheManagerMachine(EdgeAiming, RuleBasedStateMachine):
         stats = MachineStats()
@@ -175,6 +184,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.h: Harness | None = None
             self.metrics: MetricsPairing | None = None
             self.mamba_split = None
+            self.dcp_scaled = False  # some group's manager block is scaled by DCP
             self.async_mode = False
             self._next_rid = 0
             self.num_storms = 0
@@ -184,13 +194,16 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
 
         # the lookahead is an argument only when drawn: even st.just(0) shifts the other runs' inputs
         lookahead_arg = {"num_prefill_lookahead": st.integers(1, 4)} if prefill_lookahead else {}
+        if context_parallel:
+            lookahead_arg["context_parallel_draw"] = context_parallel_draws()
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
                     async_mode=st.booleans(), hashing=hashing_settings(),
                     retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none(),
                     **lookahead_arg)
-        def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead=0) -> None:
+        def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead=0,
+                  context_parallel_draw=None) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
@@ -199,6 +212,10 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 if hashing["num_hash_lookahead_tokens"]:  # lookahead hashes prove the boundary: no drop
                     hashing = {**hashing, "use_eagle": False}
                 pool = dataclasses.replace(pool, **hashing)
+            if context_parallel_draw is not None:
+                pool = with_context_parallel(pool, *context_parallel_draw)
+                key = f"dcp{pool.dcp_world_size}/pcp{pool.pcp_world_size}"
+                self.stats.context_parallel_pools[key] = self.stats.context_parallel_pools.get(key, 0) + 1
             if num_prefill_lookahead:
                 # vLLM: 0 without EAGLE; the hash lookahead equals it when lookahead hashes are on
                 eagle_pool = pool.use_eagle or any(g.is_eagle_group for g in pool.groups)
@@ -220,6 +237,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.metrics = MetricsPairing(managers, pool.num_blocks) if {"reference", "vllm"} <= set(managers) \
                 else None
             self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"
+            self.dcp_scaled = any(g.kv_cache_spec.effective_block_size(pool.dcp_world_size)
+                                  != g.kv_cache_spec.block_size for g in pool.groups)
             self._probe_retention_validation(managers, retention_probe)
             self.async_mode = async_mode
             name = _group_set_name(pool)
@@ -349,9 +368,10 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             rid = f"r{self._next_rid}"
             self._next_rid += 1
             extras = data.draw(request_hash_inputs(prompt), label="hash_inputs") if breadth else {}
-            if self.mamba_split is not None:
+            if self.mamba_split is not None or self.dcp_scaled:
                 # aligned_chunk looks the hit up on the compared reference itself: with "full"
-                # reporting that lookup would queue KV events vLLM never sees
+                # reporting that lookup would queue KV events vLLM never sees; under DCP vLLM
+                # announces hits at the unscaled block size (docs/differences.md, issue #23)
                 extras.pop("report_full", None)
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 32)),
                                        cache_salt=data.draw(CACHE_SALTS), **extras)))
@@ -457,7 +477,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             # the follow-up hits the local cache: in "full" report mode (which changes no hash) that hit
             # is announced in KV events (vLLM's emit_cached_block_events; not where aligned_chunk
             # looks hits up on the reference alone, see _add)
-            full = (breadth and self.mamba_split is None
+            full = (breadth and self.mamba_split is None and not self.dcp_scaled
                     and data.draw(st.integers(0, 3), label="report_full") == 0)
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 8)),
                                        cache_salt=base.cache_salt, **({"report_full": True} if full else {}))))

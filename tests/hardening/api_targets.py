@@ -895,6 +895,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.spec import kv_cache_interface as kci
     from kvref.spec import kv_zeroing
     from kvref.spec import prefix_cache_retention as retention
+    from kvref.spec import context_parallel
 
     from kvref.impl.reference.offload import canonical_mapping as cmap
     from kvref.impl.reference.offload import offload_event_tracker, offload_events, tier_filter
@@ -922,6 +923,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "resolve_cache_hit_alignment_tokens": (block_sizes.resolve_cache_hit_alignment_tokens, dict(
             groups=groups, config=eng, scheduler_block_size=4, hash_block_size=4)),
         "resolve_kv_cache_block_sizes": (block_sizes.resolve_kv_cache_block_sizes, dict(groups=groups, config=eng)),
+        # spec: DCP/PCP at runtime (issue #23)
+        "manager_world_sizes": (context_parallel.manager_world_sizes, dict(spec=FULL, dcp_world_size=2,
+                                                                           pcp_world_size=1)),
+        "manager_block_size": (context_parallel.manager_block_size, dict(spec=FULL, dcp_world_size=2)),
+        "check_context_parallel": (context_parallel.check_context_parallel, dict(
+            specs=(FULL, SWA), dcp_world_size=1, pcp_world_size=1, enable_caching=True)),
         "KVCacheMetricsCollector.seeded": (_metrics_collector().seeded, dict(sample_rate=0.5, seed=0)),  # #22
         "simple_cpu_connector_settings": (_simple_cpu_settings(), dict(  # #22
             extra={"cpu_bytes_to_use": 640, "lazy_offload": True}, world_size=2, enable_prefix_caching=True,

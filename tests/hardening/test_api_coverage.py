@@ -194,7 +194,7 @@ EXCLUDED: dict[str, str] = {
             "UnitaryKVCacheCoordinator UnitaryKVCacheCoordinator.find_longest_cache_hit get_kv_cache_coordinator "
             "get_manager_for_kv_cache_spec manager_class_for_spec scheduler_spec "
             "HybridKVCacheCoordinator.find_longest_cache_hit_per_group eagle_proof_margin "
-            "partial_hash_hits_enabled", INTERNAL),
+            "partial_hash_hits_enabled context_parallel_kwargs", INTERNAL),
     **_each(f"{_REF}.scheduler_queue", "WaitingQueue WaitingQueue.add_request WaitingQueue.prepend_request "
             "WaitingQueue.prepend_requests WaitingQueue.remove_requests priority_key", INTERNAL),
     **_each(f"{_REF}.block_hash", "BlockHashListWithBlockSize RequestBlockHasher RequestBlockHasher.block_hashes "
