@@ -608,6 +608,18 @@ class Scheduler:
             num_waiting = _conn.num_kv_holding_waiting(self)
         return num_running + num_waiting
 
+    def has_request(self, request_id: str) -> bool:
+        """vLLM ``has_request``: the id is known (live, or finished with blocks a connector still
+        holds); the engine asks it before an abort or a streaming update."""
+        if not isinstance(request_id, str):
+            raise InvalidFieldError("request_id", request_id, "a request id (str)")
+        return request_id in self.requests
+
+    def has_requests(self) -> bool:
+        """vLLM ``has_requests``: the engine keeps stepping while requests are unfinished or
+        finished ones still hold blocks (the scripted connector has no pending push work)."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
     def has_finished_requests(self) -> bool:
         """vLLM: finished ids not yet reported by a ``schedule()``, or (with a connector) finished
         requests whose blocks the connector still holds (still in ``requests``, in no queue)."""

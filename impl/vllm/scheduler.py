@@ -338,6 +338,19 @@ class VllmScheduler:
     def get_kv_cache_usage(self) -> float:
         return self.scheduler.get_kv_cache_usage()
 
+    def has_request(self, request_id: str) -> bool:
+        return self.scheduler.has_request(request_id)
+
+    def has_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    @property
+    def pause_state(self):
+        """vLLM ``Scheduler.pause_state`` as kvref's ``PauseState``."""
+        from kvref.impl.reference.scheduler_pause import as_pause_state
+
+        return as_pause_state(int(self.scheduler.pause_state))
+
     def make_stats(self) -> dict | None:
         """The KV-cache part of vLLM's ``Scheduler.make_stats()`` (None without ``log_stats``), in
         the reference's form (:meth:`kvref.impl.reference.scheduler.Scheduler.make_stats`)."""

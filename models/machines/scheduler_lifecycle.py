@@ -8,8 +8,9 @@ the main run does not look at:
 * async scheduling with a KV *consumer*: two batches in flight, so a finished or preempted
   request's blocks return to the pool only after the steps that may still write them were
   processed (vLLM ``defer_block_free``, ``_free_request_blocks``, ``_drain_deferred_frees``);
-* ``log_stats``: after every operation the polled counts and the KV part of ``make_stats``
-  (``scheduler_pause.polled``) — the waiting requests the scan skipped (``deferred_waiting``,
+* ``log_stats``: after every operation what the engine polls (``has_requests``, ``has_request`` of
+  every id, ``pause_state``, the counts of ``scheduler_pause.polled``) and the KV part of
+  ``make_stats`` — the waiting requests the scan skipped (``deferred_waiting``,
   left out of ``num_waiting_reqs``), async loads by fetch stage (``_set_kv_fetch_stage``) and the
   connector's prefix-cache stats (external hits at admission, the reset flag);
 * requests that skip reading the prefix cache (prompt logprobs): the connector is asked, its hit
@@ -63,11 +64,14 @@ class LifecycleLockstep(ConnectorLockstep):
 
     def compare(self, what: str) -> None:
         super().compare(what)
-        (n0, p0), *rest = ((name, polled(t)) for name, t in self.targets.items())
+        ids = sorted(self.specs)
+        (n0, p0), *rest = ((name, (t.has_requests(), tuple(t.has_request(r) for r in ids), int(t.pause_state))
+                            + polled(t)) for name, t in self.targets.items())
         for name, p in rest:
             if p != p0:
-                _diverge(f"after {what} (step {self.num_steps}): polled counts differ (request counts, unfinished, "
-                         f"has finished, kv cache usage, stats) {n0}: {p0}, {name}: {p}",
+                _diverge(f"after {what} (step {self.num_steps}): polled counts differ (has requests, has request per "
+                         f"id, pause state, request counts, unfinished, has finished, kv cache usage, stats) "
+                         f"{n0}: {p0}, {name}: {p}",
                          f"after {what}: polled counts differ")
         _tally(p0[-1])
 

@@ -523,6 +523,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     scheduler_case("update_from_output", lambda s, out: dict(output=out, model_output=_model_output(out)))
     scheduler_case("reset_prefix_cache", lambda s, out: dict(reset_running_requests=False, reset_connector=True))
     scheduler_case("set_pause_state", lambda s, out: dict(pause_state=1))  # issue #22: PAUSED_NEW
+    scheduler_case("has_request", lambda s, out: dict(request_id="a"))  # issue #22: polled by the engine
 
     def connector_scheduler_case(method, make_kwargs):
         def build():
