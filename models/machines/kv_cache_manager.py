@@ -116,8 +116,11 @@ class MachineStats:
     #: Mamba "align" boundary-state hand-offs and finishing producers' partial tails compared
     boundary_state_offloads: int = 0
     partial_tail_offloads: int = 0
-    #: pools by context-parallel world sizes ("dcp2/pcp1", ...; issue #23)
+    #: pools by context-parallel world sizes ("dcp2/pcp1", ...; issue #23), and the prefix hits and
+    #: copy-on-write pairs compared on pools where DCP scales some group's block
     context_parallel_pools: dict[str, int] = field(default_factory=dict)
+    dcp_prefix_hits: int = 0
+    dcp_cow_copies: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -273,6 +276,9 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.partial_tail_offloads += self.h.num_partial_tail_offloads
                 self.stats.failed_loads += self.h.num_failed_loads
                 self.stats.junctions += self.h.num_junctions
+                if self.dcp_scaled:
+                    self.stats.dcp_prefix_hits += self.h.num_prefix_hits
+                    self.stats.dcp_cow_copies += self.h.num_cow_copies
                 if self.h.pool_config.prefix_cache_retention_interval is not None:
                     self.stats.retention_junctions += self.h.num_junctions
                 self.stats.resets += self.h.num_resets
@@ -478,7 +484,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             # is announced in KV events (vLLM's emit_cached_block_events; not where aligned_chunk
             # looks hits up on the reference alone, see _add)
             full = (breadth and self.mamba_split is None and not self.dcp_scaled
-                    and data.draw(st.integers(0, 3), label="report_full") == 0)
+                    and data.draw(st.booleans(), label="report_full"))
             self._apply(Op("add", dict(rid=rid, prompt=prompt, max_tokens=data.draw(st.integers(1, 8)),
                                        cache_salt=base.cache_salt, **({"report_full": True} if full else {}))))
             chunk = data.draw(st.sampled_from((4, 16, 1024)), label="chunk")
