@@ -272,6 +272,12 @@ class VllmTiering:
             if not parked.wait_for(lambda: m._tier_poll_stop.waiting, timeout=WAIT_S):
                 raise TierTimeout(f"the tier-poll thread did not finish its first round within {WAIT_S}s")
 
+    def kvcr_request_pin(self, tier_idx: int, keys) -> None:
+        """A peer reads ``keys`` from tier ``tier_idx``'s engine: kvcr's remote side asks vLLM's
+        adapter to pin them (the ``request_pin`` binding kvcr calls on a peer's read; kvcr discards
+        and releases a pin result it did not ask for, as it does one whose read has ended)."""
+        self.tiers[tier_idx]._framework_pin_adapter.request_pin([bytes(k) for k in keys])
+
     def poll_tiers(self) -> None:
         """One tier-poll round, as vLLM's thread runs it (under the manager's lock)."""
         with self.manager.lock:

@@ -68,7 +68,10 @@ class TieringConfig:
                              cache_policy=rng.choice(("lru", "lru", "arc")),
                              backpressure=rng.choice((None, "ThrottledDropPolicy", "DropStorePolicy")),
                              warmup=rng.randint(1, 3), num_keys=rng.randint(6, 10),
-                             report_scheduled=rng.random() < 0.5, kvcr_slots=rng.randint(1, 4),
+                             report_scheduled=rng.random() < 0.5,
+                             # mostly more slots than primary chunks: what the primary tier evicts
+                             # is still there to come back; sometimes fewer (stores refused, evictions)
+                             kvcr_slots=rng.choice((1, 2, 6, 7, 8, 10)),
                              kvcr_policy=rng.choice(("lru", "lru", "fifo")))
 
     def vllm_tier_configs(self) -> list[dict]:
@@ -365,6 +368,15 @@ class TieringWorld:
         self.stats["poll_rounds"] += 1
         self.stats["peer_pins"] += self.ref.job_counter - jobs_before
 
+    def op_kvcr_pin(self, ks: tuple) -> None:
+        """A peer reads keys ``ks`` through the KVCR tier: they are pinned at the end of the step
+        (only where the KVCR tier is the only secondary tier, see docs/differences.md)."""
+        if self.cfg.tiers != ("kvcr",):
+            return
+        keys = [self.keys[k % len(self.keys)] for k in ks]
+        self.ref.tiers[0].request_pin(keys)
+        self.vllm.kvcr_request_pin(0, keys)
+
     def op_kvcr_fail(self) -> None:
         """The next copy the KVCR tier starts fails (its NIXL transfer reports an error)."""
         for i in self.kvcr_tiers():
@@ -529,6 +541,7 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (6, ("advance", rng.choice((0.0005, 0.002, 0.02, 0.3, 2.0, 5.0)))),
         (1, ("reset",)),
         (3 if world.kvcr_tiers() else 0, ("kvcr_fail",)),
+        (8 if world.cfg.tiers == ("kvcr",) else 0, ("kvcr_pin", held())),
         (8 if world.polled_tiers() else 0, ("peer_request", held())),
         (8 if world.polled_tiers() else 0, ("poll_tiers",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
@@ -594,6 +607,11 @@ def _tail(rng: random.Random, world: TieringWorld):
         yield ("peer_request", held + tuple(rng.sample(range(world.cfg.num_keys), 2)))
         yield ("poll_tiers",)
         yield ("poll_tiers",)
+    if world.cfg.tiers == ("kvcr",):  # a peer reads what the primary tier holds: pinned, then released
+        held = tuple(i for i, k in enumerate(world.keys) if k in world.primary.chunk_state())
+        yield ("kvcr_pin", held + tuple(rng.sample(range(world.cfg.num_keys), 2)))
+        yield ("schedule_end",)
+        yield ("schedule_end",)
     primary = world.primary.chunk_state()
     gone = [i for i, k in enumerate(world.keys) if k not in primary]
     group = tuple(rng.sample(gone, min(len(gone), 3)))
@@ -635,6 +653,10 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
             trace.append(op)
             world.apply(op)
         world.check_declarations()
+        for tier in world.ref.tiers:
+            if isinstance(tier, KVCRTier):
+                for name, n in tier.counts.items():
+                    world.stats[f"kvcr_{name}"] = world.stats.get(f"kvcr_{name}", 0) + n
         return dict(world.stats), trace
     except TieringDivergence as exc:
         raise TieringDivergence(f"{exc}\nconfig {cfg}\ntrace {trace}") from None

@@ -90,6 +90,10 @@ class KVCRTier(SecondaryTier):
         self.events: list[TierEvent] | None = [] if enable_events else None
         self.stats: Counter = Counter()
         self.fail_copies = 0  # the next copies this many fail (a NIXL transfer error)
+        self.counts: Counter = Counter()  # paths taken (for the tests' reach assertions)
+        self.pin_requests: list[tuple[OffloadKey, ...]] = []  # a peer's reads kvcr asked us to pin
+        self.pins: list[int] = []  # store jobs pinning what a peer reads, released at the next poll
+        self._sources = 0
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class KVCRTier(SecondaryTier):
         r = self.res.get(key)
         if r is None:
             return LookupResult.MISS
+        self.counts["hits" if r.state == "ready" else "retries"] += 1
         return LookupResult.HIT if r.state == "ready" else LookupResult.RETRY
 
     def submit_store(self, job: TransferJob) -> None:
@@ -161,11 +166,13 @@ class KVCRTier(SecondaryTier):
                 victims = sorted((v, k) for k, v in self.evictable.items() if k not in protected)
                 if not victims:
                     op.results[key] = False
+                    self.counts["stores_refused"] += 1
                     continue
                 victim = victims[0][1]
                 del self.evictable[victim]
                 del self.res[victim]
                 evicted.append(victim)
+                self.counts["evictions"] += 1
             self.res[key] = _Residency("filling", self.primary.read(cid))
             copy_keys.append(key)
         self._event(evicted, True)
@@ -181,6 +188,7 @@ class KVCRTier(SecondaryTier):
         remote = [k for k in op.keys if k not in self.res]
         if remote:
             self.stats["duration:remote_deliver:failed"] += 1
+            self.counts["loads_of_absent_keys"] += 1
         if not local:
             self.completed.append((op, {k: False for k in op.keys}))
             return
@@ -219,9 +227,12 @@ class KVCRTier(SecondaryTier):
         out = []
         for op, entries in self.completed:
             ok = all(entries.values())
+            self.counts[f"{'loads' if op.job.is_promotion else 'stores'}_{'ok' if ok else 'failed'}"] += 1
             good = {k for k, v in entries.items() if v} if op.job.is_promotion else None
             out.append(JobResult(op.job.job_id, ok, None if ok else good))
         self.completed = []
+        out += [JobResult(job_id, True) for job_id in self.pins]
+        self.pins = []
         return out
 
     def _finish_fill(self, c: _Copy) -> None:
@@ -267,12 +278,36 @@ class KVCRTier(SecondaryTier):
             c.op.results[key] = c.success
         self._maybe_complete(c.op)
 
+    def request_pin(self, keys) -> None:
+        """kvcr asks the framework to pin ``keys`` for a peer's read (its ``request_pin`` binding)."""
+        self.pin_requests.append(tuple(keys))
+
+    def serve_external_requests(self, parent, tier_idx: int) -> None:
+        """vLLM's ``_FrameworkPinAdapter``: each pin request opens ``kvcr-source:<n>`` (skipping
+        this tier), looks every key up, pins the HITs with one ``create_store_job`` and finishes
+        the request. kvcr then takes the pin result (the peer's read is done: the pin is released
+        at the next poll and its job reported finished after the tier's own results)."""
+        from ..keys import RequestContext
+
+        pending, self.pin_requests = self.pin_requests, []
+        for keys in pending:
+            ctx = RequestContext(f"kvcr-source:{self._sources}")
+            self._sources += 1
+            parent.on_new_request(ctx, exclude_tier_idx=tier_idx)
+            try:
+                hits = [k for k in keys if parent.lookup(k, ctx, exclude_tier_idx=tier_idx) is LookupResult.HIT]
+                if hits:
+                    self.pins.append(parent.create_store_job(hits, ctx, tier_idx).job_id)
+                    self.counts["pins"] += 1
+            finally:
+                parent.on_request_finished(ctx, exclude_tier_idx=tier_idx)
+
     def get_finished_jobs(self) -> list[JobResult]:
         out, self.finished = self.finished, []
         return out + self._poll()
 
     def drain_jobs(self) -> None:
-        while self.open_ops or self.copies or self.completed:
+        while self.open_ops or self.copies or self.completed or self.pins:
             self.finished.extend(self._poll())
 
     def has_pending_work(self) -> bool:
@@ -292,7 +327,7 @@ class KVCRTier(SecondaryTier):
 
     def known_jobs(self) -> set[int]:
         return ({op.job.job_id for op in self.open_ops} | {op.job.job_id for op, _ in self.completed}
-                | {c.op.job.job_id for c in self.copies} | {r.job_id for r in self.finished})
+                | {c.op.job.job_id for c in self.copies} | {r.job_id for r in self.finished} | set(self.pins))
 
     def take_stats(self) -> dict[str, float]:
         """kvcr's telemetry as vLLM reports it (``vllm:kvcr_*``), duration histograms by count."""
