@@ -20,7 +20,7 @@ def mamba_split_config(pool: PoolConfig) -> MambaSplitConfig | None:
     """The split settings of ``pool``; None when no Mamba group runs in "align" mode."""
     specs = [getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in pool.groups]
     partial = pool.enable_caching and len(specs) > 1 and partial_hash_hits_enabled(
-        specs, pool.hash_block_size, [manager_class_for_spec(s) for s in specs])
+        specs, pool.hash_block_size, [manager_class_for_spec(s) for s in specs], pool.dcp_world_size)
     return MambaSplitConfig.from_specs(specs, pool.hash_block_size, pool.scheduler_block_size, partial,
                                        use_eagle_block_drop=pool.use_eagle)
 
