@@ -96,6 +96,13 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
     if problems:
         return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
                            details=problems[:10], signature=f"{NAME}: kv event publisher")
+    from kvref.models.machines.shared_offload_region import run_region_cases  # the CPU tier's /dev/shm region
+
+    try:
+        regions = run_region_cases(ctx.seed, ctx.examples(40, 300))
+    except AssertionError as exc:
+        return CheckResult(NAME, FAILED, "vLLM's SharedOffloadRegion maps or lays out bytes unlike the reference",
+                           details=[str(exc)[:1500]], signature=f"{NAME}: shared offload region")
     from kvref.models.machines.file_mapper import check_file_mapper
 
     frng = random.Random(f"{NAME}-files-{ctx.seed}")
@@ -123,7 +130,9 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {built['configs']} of its "
                        f"configurations built in both roles ({built['refused']} refused, {built['sized_from_bytes']} "
                        f"sized from byte budgets, {built['disk']} disk, {built['in_multi']} found inside a MultiConnector), "
+                       f"{regions['cases']} shared host regions ({regions['regions']} workers' mappings, "
+                       f"{regions['segmented']} split into files, {regions['bytes_checked']} bytes compared), "
                        f"{mappers} file-tier layouts and "
                        f"{layers} layers' canonical page mappings: jobs, pools, bytes, events, file names and mappings "
                        "agree with the reference",
-                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers)
+                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers + regions["cases"])

@@ -52,6 +52,12 @@ def _simple_cpu_settings():
     return simple_cpu_connector_settings
 
 
+def _region_layout():
+    from kvref.impl.reference.offload import shared_region_layout
+
+    return shared_region_layout
+
+
 def _metrics_collector():
     from kvref.impl.reference.kv_cache_metrics import KVCacheMetricsCollector
 
@@ -934,6 +940,13 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "simple_cpu_connector_settings": (_simple_cpu_settings(), dict(  # #22
             extra={"cpu_bytes_to_use": 640, "lazy_offload": True}, world_size=2, enable_prefix_caching=True,
             num_gpu_blocks=10, gpu_total_bytes=320, aligned_num_cpu_blocks=None, check_capacity=True)),
+        # the CPU offload tier's shared region layout (#22)
+        "region_segments": (_region_layout().region_segments, dict(
+            mmap_path="/dev/shm/x", num_chunks=4, row_stride=8192, num_segments=2, min_segment_bytes=8192)),
+        "worker_slot_ranges": (_region_layout().worker_slot_ranges, dict(
+            rank=1, num_chunks=4, row_stride=8192, cpu_page_size=3000, page_size=4096, segmented=True)),
+        "worker_view_offsets": (_region_layout().worker_view_offsets, dict(rank=1, cpu_page_size=100, sizes=[40, 60])),
+        "canonical_view_offsets": (_region_layout().canonical_view_offsets, dict(row_stride=256, sizes=[200, 56])),
         # spec: KV zeroing (issue #23)
         "kv_zeroing.iter_layer_specs": (kv_zeroing.iter_layer_specs, dict(kv_cache_spec=FULL)),
         "kv_zeroing.has_mamba_layers": (kv_zeroing.has_mamba_layers, dict(groups=groups)),
