@@ -212,7 +212,7 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
                 for i, g in enumerate(groups)]),
             blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=cfg.block_size,
             tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
-            extra_config={},
+            extra_config={"sync_load_budget_bytes": getattr(cfg, "sync_load_budget_bytes", 0)},
             kv_events_config=OffloadingKVEventsConfig(kv_events != "off", kv_events == "self_describing"),
             get_manager=lambda: self.manager)
         vcfg = SimpleNamespace(

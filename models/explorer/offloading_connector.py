@@ -112,7 +112,7 @@ class _JobRenaming(IdRenaming):
     keyed = {"_jobs": "job", "_reset_fence": "job", "_batch_load_jobs": "job", "jobs": "job"}
     valued = {"transfer_jobs": "job", "_batch_jobs_to_flush": "job", "_block_id_to_pending_jobs": "job"}
     thresholds = {"_stale_job_threshold": "job"}
-    skipped = frozenset({"_job_counter", "metas", "kv_events", "hit_sources", "stats", "push_work"})  # histories, not state
+    skipped = frozenset({"_job_counter", "metas", "kv_events", "hit_sources", "stats", "push_work", "sync_loads"})  # histories, not state
 
     def __init__(self, world: Any) -> None:
         conn = world.b.conn

@@ -65,9 +65,10 @@ class OffloadingWorkerWorld(OffloadingWorld):
         # the scheduler alone stay off here, so its traces are the ones it was written for.
         from dataclasses import replace
 
-        # A Mamba "align" group stays with conform-offload too: the worker's byte layout here is
-        # attention pages only (the recurrent state's page is another shape).
-        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False)
+        # A Mamba "align" group and synchronous loads stay with conform-offload too: the worker's
+        # byte layout here is attention pages only (the recurrent state's page is another shape), and
+        # its handover rule knows asynchronous loads only.
+        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False, sync_load_budget_bytes=0)
         super().__init__(cfg, backend, strict)
         # vLLM's whole connector also reports the workers' transfer metrics (bytes, times) and its
         # CPU cache's byte size (info), which depend on the worker's page layout: only the
@@ -245,7 +246,7 @@ def run_traces(cases, on_difference=None) -> dict:
     from dataclasses import replace
 
     for i, (cfg, ops) in enumerate(cases):
-        cfg = replace(cfg, mamba_align=False)  # attention pages only, as OffloadingWorkerWorld
+        cfg = replace(cfg, mamba_align=False, sync_load_budget_bytes=0)  # as OffloadingWorkerWorld
         # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0
         # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
         # connector reset), after which loaded bytes may rightly differ from computed ones

@@ -67,6 +67,9 @@ class OffloadingConfig:
     # cached boundary state to the connector (``boundary_state_offloads``), which stores the chunk
     # ends among them, and a hit ends on a Mamba chunk and loads the state there.
     mamba_align: bool = False
+    # kv_connector_extra_config's sync_load_budget_bytes: hits whose bytes (tokens x 8 bytes per group
+    # here) fit the step's budget load before the forward pass and the request runs at once (0: off)
+    sync_load_budget_bytes: int = 0
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -108,7 +111,8 @@ class OffloadingConfig:
         * KV cache events one time in two, half of them self-describing;
         * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`);
         * a Mamba "align" group one time in three, where requests carry no ``kv_transfer_params``
-          (a few GPU blocks more: each request holds one or two states).
+          (a few GPU blocks more: each request holds one or two states);
+        * a synchronous-load budget one time in three (from a chunk or two per step to unlimited).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -134,6 +138,8 @@ class OffloadingConfig:
         if not base.get("kv_transfer_params") and sub.random() < 1 / 2:  # the capped lookups stay as drawn
             base["mamba_align"] = True
             base["num_gpu_blocks"] += sub.randint(2, 4)
+        if sub.random() < 1 / 3:
+            base["sync_load_budget_bytes"] = sub.choice([64, 128, 256, 512, 10**6])
         return cls(**base)
 
 
@@ -199,6 +205,8 @@ class OffloadingWorld(OffloadWorldBase):
         # has_pending_push_work after every step and every completion (the engine asks it before each
         # schedule(): a wrong False leaves reported jobs and a reset fence undelivered in an idle engine)
         self.push_work: list[bool] = []
+        # (request, tokens, allocated) of every hit the connector answered to load synchronously
+        self.sync_loads: list[tuple[str, int, bool]] = []
 
     @property
     def b(self):
@@ -261,12 +269,25 @@ class OffloadingWorld(OffloadWorldBase):
         for rid in self.live("waiting"):
             r = self.reqs[rid]
             hits, n_hit, n_ext = None, 0, 0
+            load_async = True
             if r.computed == 0:
                 hits, n_hit = self.b.get_computed_blocks(r.req)
-                n_ext, _ = self.b.match(r.req, n_hit)
+                n_ext, load_async = self.b.match(r.req, n_hit)
                 lookups.append((rid, n_hit, n_ext))
                 if n_ext is None:
                     continue  # the connector asks to be asked again
+            if n_ext > 0 and not load_async:
+                # A synchronous load: the blocks are allocated and hashed now, the worker fills them
+                # before this step's forward pass, and the request computes the rest at once.
+                n = self._clip(r, min(chunk, r.req.num_tokens - r.computed - n_hit - n_ext), n_hit + n_ext)
+                allocated = n > 0 and self.b.allocate(r.req, n, n_hit, hits if n_hit else None, n_ext) is not None
+                self.sync_loads.append((rid, n_ext, allocated))
+                if not allocated:
+                    continue  # the reservation stays spent for the step (vLLM keeps it too)
+                self.b.after_alloc(r.req, n_ext)
+                self.hit_sources.append((r.rid, tuple(self.b.hit_sources(r.req, n_ext))))
+                self._schedule_waiting(batch, r, n_hit + n_ext, n)
+                continue
             if n_ext > 0:
                 if self.b.allocate(r.req, 0, n_hit, hits, n_ext, True) is None:
                     continue
@@ -400,5 +421,5 @@ class OffloadingWorld(OffloadWorldBase):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
         return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
                 "kv_events": self.kv_events, "hit_sources": self.hit_sources, "stats": self.stats,
-                "push_work": self.push_work,
+                "push_work": self.push_work, "sync_loads": self.sync_loads,
                 "transfer_params": {rid: self.b.request_offload_state(rid) for rid in self.reqs}}

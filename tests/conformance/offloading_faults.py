@@ -14,6 +14,10 @@ differing output/observation is a finding.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import sys
+import textwrap
 from collections.abc import Iterable
 
 from tests.vllm_faults import planted_vllm_fault
@@ -25,6 +29,30 @@ _PATHS = {"distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
 def vllm_offloading_fault(fault_id: str):
     """:func:`tests.vllm_faults.planted_vllm_fault` for the OffloadingConnector's files."""
     return planted_vllm_fault(fault_id, tuple(_PATHS))
+
+
+@contextlib.contextmanager
+def planted_edit(owner, name: str, old: str, new: str):
+    """vLLM's ``owner.name`` with one source edit ``old`` -> ``new`` (not in the campaign's
+    catalogue), compiled in its module's namespace and swapped in for the ``with`` block."""
+    func = vars(owner)[name]
+    src = textwrap.dedent(inspect.getsource(func))
+    assert src.count(old) == 1, (name, old)
+    ns: dict = {}
+    # vLLM's own function with the test's edit (test-local)
+    exec(compile(src.replace(old, new), f"<planted {name}>", "exec"), vars(sys.modules[owner.__module__]), ns)  # noqa: S102
+    setattr(owner, name, ns[name])
+    try:
+        yield
+    finally:
+        setattr(owner, name, func)
+
+
+def offloading_scheduler_class():
+    """vLLM's ``OffloadingConnectorScheduler`` (the owner of most planted edits)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    return OffloadingConnectorScheduler
 
 
 def conform_offloading(cases: Iterable) -> str | None:

@@ -11,34 +11,15 @@ the offload window or between chunk ends, Mamba loads.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import random
-import sys
-import textwrap
 from collections import Counter
 
 import pytest
 
-from tests.conformance.offloading_faults import conform_offloading
+from tests.conformance.offloading_faults import conform_offloading, offloading_scheduler_class, planted_edit
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
-
-
-@contextlib.contextmanager
-def _planted(owner, name: str, old: str, new: str):
-    """vLLM's ``owner.name`` with ``old`` -> ``new`` in its source, compiled in its module, for the block."""
-    func = vars(owner)[name]
-    src = textwrap.dedent(inspect.getsource(func))
-    assert src.count(old) == 1, (name, old)
-    ns: dict = {}
-    exec(compile(src.replace(old, new), f"<planted {name}>", "exec"), vars(sys.modules[owner.__module__]), ns)  # noqa: S102
-    setattr(owner, name, ns[name])
-    try:
-        yield
-    finally:
-        setattr(owner, name, func)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +34,6 @@ def cases():
 @pytest.fixture(scope="module")
 def mamba_cases(cases):
     return [c for c in cases if c[0].mamba_align]
-
-
-def _sched():
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
-
-    return OffloadingConnectorScheduler
 
 
 FAULTS = {
@@ -85,13 +60,13 @@ def test_mamba_cases_agree_on_clean_vllm(mamba_cases):
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_planted_boundary_store_fault_is_flagged(mamba_cases, fault):
     name, old, new = FAULTS[fault]
-    with _planted(_sched(), name, old, new):
+    with planted_edit(offloading_scheduler_class(), name, old, new):
         finding = conform_offloading(mamba_cases)
     assert finding is not None, f"{fault} survived the fast Mamba 'align' cases"
 
 
 def test_engine_told_to_stop_with_jobs_in_flight_is_flagged(cases):
-    with _planted(_sched(), "has_pending_push_work", "if self._jobs or self._reset_fence:", "if False:"):
+    with planted_edit(offloading_scheduler_class(), "has_pending_push_work", "if self._jobs or self._reset_fence:", "if False:"):
         finding = conform_offloading(cases[:8])
     assert finding is not None
 

@@ -58,6 +58,12 @@ def _region_layout():
     return shared_region_layout
 
 
+def _sync_load_budget():
+    from kvref.impl.reference.offload.sync_loads import SyncLoadBudget
+
+    return SyncLoadBudget
+
+
 def _metrics_collector():
     from kvref.impl.reference.kv_cache_metrics import KVCacheMetricsCollector
 
@@ -162,6 +168,7 @@ def constructors() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "RequestContext": (RequestContext, dict(req_id="r0")),
         "LookupGroup": (LookupGroup, dict(tokens_per_chunk=4, window=None, sliding_window=None,
                                           extra_retained_tokens=0)),
+        "SyncLoadBudget": (_sync_load_budget(), dict(budget_bytes=64, kv_bytes_per_token=8)),
         "SimpleOffloadStep": (SimpleOffloadStep, dict(scheduled=[], num_scheduled_tokens={}, finished_req_ids=set(),
                                                       preempted_req_ids=set())),
         "TierFilter": (TierFilter, dict(matchers=(("CPU", None),), everything=False)),
@@ -765,6 +772,14 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
         c = VirtualClock()
         return c, (lambda: None), dict(dt=0.5), c.advance
 
+    def sync_reserve():
+        from kvref.impl.reference.offload.sync_loads import SyncLoadBudget
+
+        b = SyncLoadBudget(64, 8)
+        return b, b.check_invariants, dict(req_id="r0", num_computed_tokens=0, num_hit_tokens=4, num_tokens=9), \
+            b.reserve
+
+    add("SyncLoadBudget.reserve", sync_reserve)
     add("CPUPrimaryTier.prepare_read", primary_read)
     add("VirtualClock.advance", clock_advance)
     return cases

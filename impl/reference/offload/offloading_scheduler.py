@@ -63,6 +63,7 @@ from .keys import (
 from .boundary_stores import aligned_boundary_stores, check_handoffs, make_boundary_key
 from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
 from .offload_event_tracker import OffloadingEventsTracker
+from .sync_loads import SyncLoadBudget
 from . import tier_filter
 from .tier_filter import TierFilter, request_tier_filter, token_cap
 
@@ -147,6 +148,7 @@ class _Job:
     is_store: bool
     deferred_fence_block_ids: list[int] = field(default_factory=list)
     fenced_block_ids: list[int] = field(default_factory=list)
+    is_sync_load: bool = False  # copied before the step's forward: stores may run beside it
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ class TransferJob:
     keys: tuple[OffloadKey, ...]
     block_ids: tuple[int, ...]
     chunk_ids: tuple[int, ...]
+    sync: bool = False  # a load the worker finishes before this step's forward pass (.sync_loads)
 
 
 @dataclass
@@ -204,12 +207,16 @@ class OffloadingConnectorScheduler:
         offload_prompt_only: store prompt chunks only (vLLM's default).
         events_tracker: the KV event payload tracker (None: events off; the manager then has no
             events either).
+        sync_load_budget_bytes: bytes per step loaded synchronously (``kv_connector_extra_config``;
+            0: every load asynchronous), see :mod:`.sync_loads`.
+        kv_bytes_per_token: what one token costs the budget (every group's bytes per token).
     """
 
     def __init__(self, specs: Sequence[KVCacheSpec], manager: CPUOffloadingManager, tokens_per_hash: int,
                  blocks_per_chunk: int = 1, num_workers: int = 1, offload_prompt_only: bool = True,
                  block_hasher: Callable[[Request], list[BlockHash]] | None = None,
-                 events_tracker: OffloadingEventsTracker | None = None) -> None:
+                 events_tracker: OffloadingEventsTracker | None = None, sync_load_budget_bytes: int = 0,
+                 kv_bytes_per_token: int = 0) -> None:
         check_int("tokens_per_hash", tokens_per_hash, minimum=1)
         if events_tracker is not None and not isinstance(events_tracker, OffloadingEventsTracker):
             raise InvalidFieldError("events_tracker", events_tracker, "an OffloadingEventsTracker or None")
@@ -256,6 +263,7 @@ class OffloadingConnectorScheduler:
         self._batch_load_jobs: dict[int, TransferJob] = {}
         self._batch_jobs_to_flush: set[int] = set()
         self._batch_allocated: set[int] = set()
+        self._sync = SyncLoadBudget(sync_load_budget_bytes, kv_bytes_per_token)
         self.events_tracker = events_tracker or OffloadingEventsTracker(False, False, {})
         # metrics since the last get_stats: lookups done, deferred lookups answered, stores refused
         self._stats = {"lookups": 0, "deferred_answered": 0, "allocation_failures": 0}
@@ -357,7 +365,8 @@ class OffloadingConnectorScheduler:
             st.lookup_deferred = True
         else:
             self._observe_deferred(st)
-        return hit, bool(hit)
+        sync = self._sync.reserve(req.request_id, num_computed_tokens, hit, req.num_tokens)
+        return hit, bool(hit) and not sync
 
     def _observe_deferred(self, st: _ReqState) -> None:
         if st.lookup_deferred:
@@ -405,6 +414,7 @@ class OffloadingConnectorScheduler:
         st = self._status(req)
         local = st.num_locally_computed_tokens
         cached = local + num_external_tokens
+        sync = req.request_id in self._sync.reserved
         if st.transfer_jobs:
             raise OffloadStateError(f"request {req.request_id!r} still has transfers; a load needs none")
         keys: list[OffloadKey] = []
@@ -417,7 +427,7 @@ class OffloadingConnectorScheduler:
             start = n_gpu
             for i in range(cdiv(local, c.tokens_per_block), n_gpu):
                 bid, hashed = grp[i]
-                if bid != 0 and not hashed:
+                if bid != 0 and (sync or not hashed):  # a sync load's blocks are hashed at allocation
                     start = i
                     break
             if n_gpu - start:
@@ -434,10 +444,11 @@ class OffloadingConnectorScheduler:
             g.next_stored_chunk_idx = cdiv(cached, c.tokens_per_chunk)  # don't re-store the hits
         chunk_ids = self.manager.prepare_load(keys, st.ctx)
         job = self._new_job()
-        self._batch_load_jobs[job] = TransferJob(req.request_id, tuple(keys), tuple(dst), tuple(chunk_ids))
+        self._batch_load_jobs[job] = TransferJob(req.request_id, tuple(keys), tuple(dst), tuple(chunk_ids), sync)
         st.transfer_jobs.add(job)
-        self._jobs[job] = _Job(req.request_id, self.num_workers, set(keys), False)
-        self._chunks_being_loaded.update(keys)
+        self._jobs[job] = _Job(req.request_id, self.num_workers, set(keys), False, is_sync_load=sync)
+        if not sync:  # a synchronous copy ends before anyone else can look these keys up
+            self._chunks_being_loaded.update(keys)
 
     def get_external_cache_hit_sources(self, req: Request, num_external_tokens: int) -> dict[str, int]:
         """The accepted external hit split by where its tokens came from (vLLM 0.33.0
@@ -666,6 +677,7 @@ class OffloadingConnectorScheduler:
         self._batch_load_jobs = {}
         self._batch_jobs_to_flush = set()
         self._batch_allocated = set()
+        self._sync.end_step()
         return meta
 
     def has_pending_push_work(self) -> bool:
@@ -730,7 +742,7 @@ class OffloadingConnectorScheduler:
         """Drop every chunk and job. In-flight jobs are flushed with the next metadata; their late
         reports only count down the reset fence. Not allowed mid-step, nor twice before a step
         delivered the previous reset's flush (vLLM asserts both)."""
-        if self._batch_load_jobs or self._batch_jobs_to_flush or self._batch_allocated:
+        if self._batch_load_jobs or self._batch_jobs_to_flush or self._batch_allocated or self._sync.reserved:
             raise OffloadStateError("reset_cache: a step is in progress or the last reset's flush is undelivered")
         self._batch_jobs_to_flush.update(self._jobs)
         for rid, st in list(self._req_status.items()):
@@ -756,10 +768,11 @@ class OffloadingConnectorScheduler:
         """The CPU manager's chunk states (O4, O7) and each request's jobs (O5, O6 of docs/invariants.md)."""
         self.manager.check_invariants()
         self.events_tracker.check_invariants()
+        self._sync.check_invariants()
         for rid, st in self._req_status.items():
             jobs = [self._jobs[j] for j in st.transfer_jobs]
             assert all(j.req_id == rid for j in jobs), f"O5: a job of request {rid} names another request"
-            loads = [j for j in jobs if not j.is_store]
+            loads = [j for j in jobs if not j.is_store and not j.is_sync_load]
             assert not loads or len(jobs) == 1, f"O5: request {rid} has a load beside other jobs"
         owned = {j for st in self._req_status.values() for j in st.transfer_jobs}
         assert owned == set(self._jobs), "O5: a job without its request, or a request job unknown"
