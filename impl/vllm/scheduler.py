@@ -197,11 +197,18 @@ class VllmScheduler:
             extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
         if scheduler_cls is None and (config.num_speculative_tokens or pool.log_stats):
             extra["log_stats"] = True  # SpecDecodingStats and prefix-cache stats are only made with stats on
+        shared = vc
         saved_events_config = vc.kv_events_config
         saved_transfer_config = vc.kv_transfer_config
         if connector is not None:  # kvref's scripted connector, built by vLLM's factory by name
+            import copy
+
             from .connector import kv_transfer_config
 
+            # the scheduler keeps its own (shallow) copy of the config: it reads kv_transfer_config
+            # again at runtime (a producer's finish-time partial tails in _connector_finished),
+            # while the shared env's config gets its own back below
+            vc = copy.copy(vc)
             vc.kv_transfer_config = kv_transfer_config(connector)
         if pool.enable_kv_cache_events:  # vLLM's own switch; the publisher is replaced below
             from vllm.config.kv_events import KVEventsConfig
@@ -213,8 +220,8 @@ class VllmScheduler:
                                  block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
                                  **extra)
         finally:
-            vc.kv_events_config = saved_events_config  # the env is shared
-            vc.kv_transfer_config = saved_transfer_config
+            shared.kv_events_config = saved_events_config  # the env is shared
+            shared.kv_transfer_config = saved_transfer_config
         self.connector = connector
         if config.num_speculative_tokens:
             # GPU deployments run the V2 model runner, which lets a drafter with lookahead slots
