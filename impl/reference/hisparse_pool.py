@@ -1,12 +1,13 @@
 """A HiSparse pool in the reference: the host source, indexer, resident and hot managers over one
-GPU pool and a private host pool, with the HiSparse coordinator's admission-side rules (issue #23).
+GPU pool and a private host pool, with the HiSparse coordinator (issue #23).
 
 The group layout is :class:`kvref.spec.hisparse.HiSparsePoolConfig`'s. The operations are those
 vLLM's ``KVCacheManager`` / ``KVCacheCoordinator`` run on the managers (admission counts, hit and
-import set-up, allocation, free) and the ``HiSparseCoordinator.update_residency`` transition rule
-(:func:`kvref.spec.hisparse.needs_hot_transition`). Not modelled (docs/coverage.md): host write-back
-(spills and their worker completions), hence publication of durable host pages, unpinning of clean
-resident pages and GPU copies adopted by later hits — they start from worker completion reports.
+import set-up, allocation, free) and those the scheduler and the HiSparse connector run on the
+coordinator (:class:`~.hisparse_coordinator.HiSparseCoordinator`: per-step write-back planning and
+residency, the offload command, the workers' completion reports, host-import completion, residency
+updates and row mirrors for the worker). The GPU pool is a :class:`~.hisparse_block_pool.ReuseWatchingBlockPool`,
+so clean pages can be released while still read.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 
 from kvref.impl.hisparse_calls import HiSparseManagerCalls
 from kvref.spec.errors import InvalidFieldError
-from kvref.spec.hisparse import HiSparsePoolConfig, needs_hot_transition, transition_watermark
+from kvref.spec.hisparse import HiSparsePoolConfig
 from kvref.spec.kv_cache_interface import FullAttentionSpec
 
-from .block_pool import BlockPool
+from .hisparse_block_pool import ReuseWatchingBlockPool
+from .hisparse_coordinator import HiSparseCoordinator
 from .full_attention_manager import FullAttentionManager
 from .hisparse_hot_manager import HiSparseHotManager
 from .hisparse_resident_manager import HiSparseResidentManager
@@ -34,11 +36,10 @@ class HiSparsePool(HiSparseManagerCalls):
             raise InvalidFieldError("config", config, "a kvref.spec.hisparse.HiSparsePoolConfig")
         self.config = config
         bs = config.block_size
-        self.gpu_pool = BlockPool(config.num_gpu_blocks, enable_caching=False, hash_block_size=bs)
+        self.gpu_pool = ReuseWatchingBlockPool(config.num_gpu_blocks, enable_caching=False, hash_block_size=bs)
         fa = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32")
         common = dict(block_pool=self.gpu_pool, enable_caching=False, scheduler_block_size=bs)
         source = HiSparseSourceManager(fa, kv_cache_group_id=0, **common)
-        source.bind_host_pool(config.host_num_blocks, config.num_gpu_blocks)
         managers: list[SingleTypeKVCacheManager] = [source, FullAttentionManager(fa, kv_cache_group_id=1, **common)]
         resident_spec, hot_spec = config.resident_spec(), config.hot_spec()
         cap = resident_spec.max_admission_blocks_per_request(config.max_in_flight_tokens, config.max_model_len)
@@ -51,29 +52,20 @@ class HiSparsePool(HiSparseManagerCalls):
                 managers.append(HiSparseHotManager(hot_spec, kv_cache_group_id=gid, has_resident_groups=True,
                                                    **common))
         self.managers = tuple(managers)
+        # binds the source's private host pool, as vLLM's get_hisparse_coordinator does
+        self.coordinator = HiSparseCoordinator(self.managers, config.num_gpu_blocks, config.host_num_blocks,
+                                               config.max_model_len)
         self.host_pool = source.block_pool
-        self.resident_managers = tuple(m for m in managers if isinstance(m, HiSparseResidentManager))
-        self.hot_managers = tuple(m for m in managers if isinstance(m, HiSparseHotManager))
-        self.transition_watermark = transition_watermark([m.blocks_per_request for m in self.hot_managers],
-                                                         config.num_gpu_blocks)
+        self.resident_managers = self.coordinator.resident_managers
+        self.hot_managers = self.coordinator.hot_managers
+
+    @property
+    def transition_watermark(self) -> int:
+        return self.coordinator.transition_watermark
 
     def require_hot(self, request_id: str) -> None:
         for m in self.hot_managers:
             m.require_hot(request_id)
-
-    def _fills_admission_window(self, request_id: str) -> bool:
-        return any(len(m.req_to_blocks.get(request_id, ())) >= m.max_admission_blocks_per_request
-                   for m in self.resident_managers)
-
-    def update_residency(self, request_id: str) -> None:
-        """A request that cannot read from host yet (no complete hot region) is asked for one when
-        the GPU pool runs below the watermark or it fills its admission window. (Requests that can
-        read from host would release their clean pages: none are clean without write-back.)"""
-        can_read_from_host = bool(self.hot_managers) and all(m.has_hot(request_id) for m in self.hot_managers)
-        if not can_read_from_host and needs_hot_transition(self.gpu_pool.get_num_free_blocks(),
-                                                           self.transition_watermark,
-                                                           self._fills_admission_window(request_id)):
-            self.require_hot(request_id)
 
     def adopt(self, request_id: str, page: int, donor_id: str, donor_page: int) -> list[bool]:
         """Point a host-only page of each resident group at the donor's GPU block of that group and
@@ -102,39 +94,46 @@ class HiSparsePool(HiSparseManagerCalls):
             m.free(request_id)
 
     def observe(self) -> dict[str, Any]:
-        tables = []
-        for m in self.managers:
-            tables.append({rid: [b.block_id for b in (m.get_residency_row(rid)
-                                                      if isinstance(m, HiSparseResidentManager) else blocks)]
-                           for rid, blocks in m.req_to_blocks.items()})
-        return dict(
-            tables=tables,
-            gpu_free=self.gpu_pool.get_num_free_blocks(),
-            host_free=self.host_pool.get_num_free_blocks(),
-            gpu_free_queue=list(self.gpu_pool.free_block_ids()),
-            host_free_queue=list(self.host_pool.free_block_ids()),
-            hot_required=[sorted(m.hot_required) for m in self.hot_managers],
-            has_hot=[sorted(rid for rid in m.req_to_blocks if m.has_hot(rid)) for m in self.hot_managers],
-        )
+        return self.observe_pools(list(self.gpu_pool.free_block_ids()), list(self.host_pool.free_block_ids()))
 
     def check_invariants(self) -> None:
-        """Each pool's own rules, each manager's, and M16: every block's reference count equals the
-        tables reading it (resident groups: their residency rows; no unpinning is modelled, so
-        read means referenced)."""
+        """Each pool's own rules, each manager's, the coordinator's, and M16: every block's reference
+        count equals its readers that pin it: the tables reading it (resident groups: residency
+        rows without their unpinned pages), the transfers in flight (a GPU block until every
+        worker enqueued it, a host block until it completed) and a finished request's host blocks
+        kept for its last publication."""
         self.gpu_pool.check_invariants()
         self.host_pool.check_invariants()
         for m in self.managers:
             m.check_invariants()
-        for pool, managers in ((self.gpu_pool, self.managers[1:]), (self.host_pool, self.managers[:1])):
-            held: dict[int, int] = {}
-            for m in managers:
-                rows = ([m.get_residency_row(rid) for rid in m.req_to_blocks]
-                        if isinstance(m, HiSparseResidentManager) else m.req_to_blocks.values())
-                for table in rows:
-                    for b in table:
-                        if not b.is_null:
-                            held[b.block_id] = held.get(b.block_id, 0) + 1
+        coord = self.coordinator
+        coord.check_invariants()
+        held: dict[int, int] = {}
+        host_held: dict[int, int] = {}
+
+        def hold(counts: dict[int, int], blocks) -> None:
+            for b in blocks:
+                if not b.is_null:
+                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
+
+        for m in self.managers[1:]:
+            for rid, table in m.req_to_blocks.items():
+                if isinstance(m, HiSparseResidentManager):
+                    state = coord.request_states.get(rid)
+                    unpinned = state.unpinned_pages if state is not None else set()
+                    table = [b for i, b in enumerate(m.get_residency_row(rid)) if i not in unpinned]
+                hold(held, table)
+        for table in self.managers[0].req_to_blocks.values():
+            hold(host_held, table)
+        for pending in coord.pending_spills.values():
+            if not pending.enqueue_applied:
+                hold(held, pending.resident_blocks)
+            hold(host_held, [pending.host_block])
+        for state in {id(p.request_state): p.request_state for p in coord.pending_spills.values()}.values():
+            if state.publication is not None and state.publication.detached_blocks is not None:
+                hold(host_held, state.publication.detached_blocks)
+        for pool, counts in ((self.gpu_pool, held), (self.host_pool, host_held)):
             for b in pool.blocks:
                 if not b.is_null:
-                    assert b.ref_cnt == held.get(b.block_id, 0), \
-                        f"M16: block {b.block_id} has ref_cnt {b.ref_cnt} but {held.get(b.block_id, 0)} tables hold it"
+                    assert b.ref_cnt == counts.get(b.block_id, 0), \
+                        f"M16: block {b.block_id} has ref_cnt {b.ref_cnt} but {counts.get(b.block_id, 0)} readers pin it"

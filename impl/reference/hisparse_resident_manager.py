@@ -24,6 +24,9 @@ from .single_type_manager import null_head_len
 
 
 class HiSparseResidentManager(HiSparseGpuGroup):
+    #: the HiSparse coordinator (:class:`~.hisparse_coordinator.HiSparseCoordinator`), set when it binds
+    coordinator = None
+
     def __init__(self, kv_cache_spec: HiSparseResidentSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         assert self.max_admission_blocks_per_request is not None, \
@@ -52,8 +55,10 @@ class HiSparseResidentManager(HiSparseGpuGroup):
         assert not new_computed_blocks, "a HiSparse resident group never hits"
         table = self.req_to_blocks.setdefault(request_id, [])
         assert not table, f"request {request_id} already has resident pages"
-        table.extend([self._null_block] * cdiv(num_local_computed_tokens, self.block_size))
+        num_host_pages = cdiv(num_local_computed_tokens, self.block_size)
+        table.extend([self._null_block] * num_host_pages)
         self.num_cached_block[request_id] = 0
+        self.coordinator.commit_computed_blocks(request_id, num_host_pages)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int,
@@ -74,7 +79,9 @@ class HiSparseResidentManager(HiSparseGpuGroup):
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """The residency row (changes applied) without its null head: the blocks the request reads
-        are the ones it frees, not the ones its append-only table first held."""
+        are the ones it frees, not the ones its append-only table first held. The coordinator
+        detaches the request first (its clean pages are released, still readable copies)."""
+        self.coordinator.free(request_id)
         row = self.get_residency_row(request_id)
         self.residency_changes.pop(request_id, None)
         super().pop_blocks_for_free(request_id)

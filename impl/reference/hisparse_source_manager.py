@@ -6,10 +6,12 @@ page can be written back and its GPU block later reclaimed. Host blocks never co
 GPU pool; when the host pool cannot back a request's pages the admission count is a sentinel no
 GPU pool can meet (:func:`kvref.spec.hisparse.source_admission_count`), so the allocation is refused.
 
-Publication is deferred: a page's hash is published only once its host copy is durable (vLLM's
-HiSparse coordinator tracks that with worker write completions). The reference is told how many
-leading pages are durable (``set_ready_prefix_pages``); until then ``cache_blocks`` publishes
-nothing, so a request on a HiSparse pool gets no prefix hit from pages still being written back.
+Publication is deferred: ``cache_blocks`` hands the request to the HiSparse coordinator
+(:class:`~.hisparse_coordinator.HiSparseCoordinator`), which publishes a page's hash only once its
+host copy is durable (``publish_blocks``), so a request gets no prefix hit from pages still being
+written back. External imports are noted with the coordinator too: only a completed receive makes
+them readable. Host copy-on-write pairs go to the coordinator (``take_host_cow_copies``), never to
+the generic block-copy path.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ class HiSparseSourceManager(FullAttentionManager):
     #: the host tier keeps prefixes the device groups have already lost (no hit truncation)
     retains_longer_hit: ClassVar[bool] = True
 
+    #: the HiSparse coordinator, set when it binds the host pool
+    coordinator = None
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: GPU pool size, for the admission sentinel (set by ``bind_host_pool``)
         self.num_gpu_blocks: int | None = None
-        #: request -> leading pages whose host copies are durable (publishable)
-        self.ready_prefix_pages: dict[str, int] = {}
 
     def bind_host_pool(self, num_blocks: int, num_gpu_blocks: int) -> None:
         """Replace the device pool by a private host pool of ``num_blocks`` blocks."""
@@ -61,17 +64,34 @@ class HiSparseSourceManager(FullAttentionManager):
                                                       num_tokens_main_model)
         return source_admission_count(required, self.block_pool.get_num_free_blocks(), self.num_gpu_blocks)
 
-    def set_ready_prefix_pages(self, request_id: str, num_pages: int) -> None:
-        check_int("num_pages", num_pages, minimum=0)
-        self.ready_prefix_pages[request_id] = max(num_pages, self.ready_prefix_pages.get(request_id, 0))
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Host copies never reach the worker's generic block-copy path."""
+        return []
+
+    def take_host_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Drain the host copy-on-write pairs for the coordinator."""
+        copies, self._pending_cow_copies = self._pending_cow_copies, []
+        return copies
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int, record_for_zeroing: bool = True) -> None:
+        if num_external_computed_tokens <= 0:
+            return
+        # the connector writes these pages; only a successful receive makes them readable
+        self.coordinator.record_pending_host_import(request_id, num_local_computed_tokens + num_external_computed_tokens)
+        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                  num_external_computed_tokens, record_for_zeroing)
 
     def cache_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
                      retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
-        """Publish only the durable prefix of the computed tokens."""
-        durable = self.ready_prefix_pages.get(request.request_id, 0) * self.block_size
-        super().cache_blocks(request, block_hashes, min(num_tokens, durable), retention_interval,
-                             replay_boundaries)
+        """Publish only once durable: the coordinator calls ``publish_blocks`` as write-backs complete."""
+        self.coordinator.publish_when_ready(request, block_hashes, num_tokens, retention_interval,
+                                            replay_boundaries=replay_boundaries)
+
+    def publish_blocks(self, request: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                       retention_interval: int | None = None, replay_boundaries: Sequence[int] = ()) -> None:
+        super().cache_blocks(request, block_hashes, num_tokens, retention_interval, replay_boundaries)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        self.ready_prefix_pages.pop(request_id, None)
+        self.coordinator.free(request_id)
         return super().pop_blocks_for_free(request_id)

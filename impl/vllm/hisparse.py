@@ -57,9 +57,6 @@ class VllmHiSparsePool(HiSparseManagerCalls):
         for m in self.coordinator.hot_managers:
             m.require_hot(request_id)
 
-    def update_residency(self, request_id: str) -> None:
-        self.coordinator.update_residency(request_id)
-
     def adopt(self, request_id: str, page: int, donor_id: str, donor_page: int) -> list[bool]:
         """Point a host-only page of each resident group at the donor's GPU block of that group and
         pin it, as ``HiSparseCoordinator._adopt_copies`` does for a GPU copy of a host page."""
@@ -84,20 +81,10 @@ class VllmHiSparsePool(HiSparseManagerCalls):
         return out
 
     def free(self, request_id: str) -> None:
+        """``KVCacheCoordinator.free``: each manager frees its table (the host source and resident
+        managers detach the request from the HiSparse coordinator first)."""
         self._mgr.coordinator.free(request_id)
 
     def observe(self) -> dict[str, Any]:
-        tables = []
-        for kind, m in zip(self.config.group_kinds, self.managers):
-            tables.append({rid: [b.block_id for b in (m.get_residency_row(rid) if kind == "resident" else blocks)]
-                           for rid, blocks in m.req_to_blocks.items()})
-        hot = [m for kind, m in zip(self.config.group_kinds, self.managers) if kind == "hot"]
-        return dict(
-            tables=tables,
-            gpu_free=self.gpu_pool.get_num_free_blocks(),
-            host_free=self.host_pool.get_num_free_blocks(),
-            gpu_free_queue=[b.block_id for b in self.gpu_pool.free_block_queue.get_all_free_blocks()],
-            host_free_queue=[b.block_id for b in self.host_pool.free_block_queue.get_all_free_blocks()],
-            hot_required=[sorted(m.hot_required) for m in hot],
-            has_hot=[sorted(rid for rid in m.req_to_blocks if m.has_hot(rid)) for m in hot],
-        )
+        return self.observe_pools([b.block_id for b in self.gpu_pool.free_block_queue.get_all_free_blocks()],
+                                  [b.block_id for b in self.host_pool.free_block_queue.get_all_free_blocks()])

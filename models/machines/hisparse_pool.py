@@ -31,27 +31,46 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
     bs = draw(st.sampled_from((1, 2, 4)))
     max_model_len = draw(st.integers(4, 32))
     pages = cdiv(max_model_len, bs)
+    groups = draw(st.sampled_from((1, 1, 2)))
+    # small pools refuse and exhaust; roomy ones (every group can hold a long request and a half)
+    # keep requests running long enough for write-backs to complete and pages to be unpinned; tight
+    # ones (one long request and its hot regions) make a second request reuse unpinned blocks
+    roomy = 3 * (groups + 1) * pages // 2 + 4
+    tight = (groups + 1) * pages + 3 * groups + 1
     return HiSparsePoolConfig(
         block_size=bs,
-        num_gpu_blocks=draw(st.integers(2, 3 * pages + 6)),
+        num_gpu_blocks=draw(st.one_of(st.integers(2, 3 * pages + 6), st.integers(roomy, roomy + pages),
+                                      st.integers(tight, tight + pages // 2),
+                                      st.integers((groups + 1) * pages // 3 + 2, (groups + 1) * pages // 2 + 2))),
         host_num_blocks=draw(st.integers(2, 3 * pages + 2)),
         blocks_per_request=draw(st.integers(1, 3)),
-        num_resident_groups=draw(st.sampled_from((1, 1, 2))),
+        num_resident_groups=groups,
         max_model_len=max_model_len,
         max_in_flight_tokens=draw(st.one_of(st.integers(1, 16), st.just(max_model_len))),
     )
 
 
-#: (op, request index, chunk, host-hit pages, imported tokens (> 6: an import of that many), full-sequence gate)
-OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "require_hot", "update", "update",
-                                 "adopt", "adopt", "drop", "drop", "free")),
+#: (op, request index, chunk, host-hit pages, imported tokens (> 4: an import of that many), full-sequence gate)
+#: the coordinator's ops reuse the fields: ``complete`` with the gate set or a hit field below 2
+#: reports every transfer sent run by one worker, else picks one with the index and reports
+#: ``1 + chunk % 2`` enqueuing workers and ``imported % 3`` completions;
+#: ``import_done`` fails the import when ``imported`` is even
+OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "schedule", "require_hot",
+                                 "require_hot", "update", "update", "adopt", "adopt", "drop", "drop", "free",
+                                 "offload", "offload", "complete", "complete", "complete", "import_done",
+                                 "import_done", "residency", "mirrors")),
                 st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 1, 2, 3)), st.integers(0, 9),
                 st.integers(0, 3).map(lambda k: k == 0))
 
 #: prompt lengths of the three requests a program uses
 LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
 #: programs long enough to admit two requests and change residency between them
-PROGRAMS = st.lists(OPS, min_size=10, max_size=30)
+#: a request that takes its hot region, writes back a long prefix and has it completed, so the
+#: programs after it run with clean and unpinned pages in the pool (else rare in short programs)
+WRITE_BACK_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 11, 0, 0, False),
+                     ("offload", 0, 1, 0, 0, False), ("complete", 0, 1, 0, 0, True), ("update", 1, 1, 0, 0, False)]
+PROGRAMS = st.one_of(st.lists(OPS, min_size=10, max_size=40),
+                     st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops))
 
 
 class HiSparseDivergence(AssertionError):
@@ -78,7 +97,10 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
     _compare("build", ref.transition_watermark, vll.transition_watermark, "transition watermark")
     _compare("build", ref.observe(), vll.observe(), "state")
     computed: dict[str, int] = {}
+    num_unpinned, hot_required = 0, [[] for _ in range(config.num_resident_groups)]
     adopted: set[tuple[str, int]] = set()  # (request, page) pointed at a pinned donor block
+    importing: set[str] = set()  # requests whose import the connector has not finished
+    sent: list[int] = []  # transfer ids handed to the workers, not yet completed
     bs = config.block_size
     for n, (op, idx, chunk, hit_pages, imported, gate) in enumerate(ops):
         rid = f"r{idx}"
@@ -88,7 +110,7 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             new = rid not in computed
             if new:
                 local = min(hit_pages * bs, length - 1)
-                external = min(imported, length - 1 - local) if imported > 6 else 0
+                external = min(imported, length - 1 - local) if imported > 4 else 0
             else:
                 local, external = computed[rid], 0
             total = min(local + external, config.max_model_len)
@@ -123,21 +145,33 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             _compare(step, got_ref, vll.allocate(rid, num_tokens, local, external), "new block ids per group")
             computed[rid] = num_tokens
             seen["host_hit" if new and local else "import" if new and external else "admit" if new else "grow"] += 1
+            if new and external:
+                importing.add(rid)
             if any(got_ref[i] for i, k in enumerate(config.group_kinds) if k == "hot"):
                 seen["hot_allocated"] += 1
+            if chunk % 3:  # the step's write-back planning and residency rule (the HiSparse connector)
+                ref.advance_scheduled([(rid, num_tokens)])
+                vll.advance_scheduled([(rid, num_tokens)])
+                seen["advance"] += 1
         elif op == "require_hot":
             ref.require_hot(rid)
             vll.require_hot(rid)
         elif op == "update":  # the coordinator runs it for scheduled (running) requests
             if not computed:
                 continue
-            rid = sorted(computed)[idx % len(computed)]
-            before = ref.observe()["hot_required"]
-            ref.update_residency(rid)
-            vll.update_residency(rid)
-            if ref.observe()["hot_required"] != before:
-                seen["transition"] += 1
+            if idx == 0:  # the residency rule alone
+                rid = sorted(computed)[chunk % len(computed)]
+                ref.update_residency(rid)
+                vll.update_residency(rid)
+            else:  # a step that schedules every running request (write-back planning + residency)
+                running = [(r, computed[r]) for r in sorted(computed)]
+                ref.advance_scheduled(running)
+                vll.advance_scheduled(running)
+                seen["advance"] += 1
         elif op in ("adopt", "drop"):  # residency changes on host pages (the coordinator's adoption)
+            # an adopted page the coordinator unpinned (written back) no longer holds the adoption's pin
+            states = ref.coordinator.request_states
+            adopted = {(r, p) for r, p in adopted if r not in states or p not in states[r].unpinned_pages}
             if op == "drop" and adopted:
                 rid, page = sorted(adopted)[chunk % len(adopted)]
                 _compare(step, ref.drop(rid, page), vll.drop(rid, page), "dropped block per resident group")
@@ -165,14 +199,71 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             if all(got):
                 adopted.add((rid, page))
                 seen["adopt"] += 1
+        elif op == "offload":  # the step's offload command: the transfers planned since the last one
+            got = ref.build_offload_command()
+            _compare(step, got, vll.build_offload_command(), "page transfers")
+            sent.extend(t[0] for t in got)
+            seen["transfers_sent"] += len(got)
+            seen["restores_sent"] += sum(1 for t in got if t[4])
+        elif op == "complete":  # a worker report: enqueued / completed counts per transfer id
+            if not sent:
+                continue
+            if gate or hit_pages < 2:  # one worker ran every transfer sent
+                enqueued = completed = dict.fromkeys(sent, 1)
+            else:
+                tid = sent[idx % len(sent)]
+                enqueued = {tid: 1 + chunk % 2} if hit_pages == 2 else {}
+                completed = {tid: imported % 3} if imported % 3 else {}
+            before = len(ref.coordinator.pending_spills)
+            ref.update_spills(enqueued, completed)
+            vll.update_spills(enqueued, completed)
+            done = before - len(ref.coordinator.pending_spills)
+            if done:
+                sent = [t for t in sent if t in ref.coordinator.pending_spills]
+                seen["transfers_done"] += done
+        elif op == "import_done":  # the connector's receive finished (or failed)
+            if not importing:
+                continue
+            rid = sorted(importing)[idx % len(importing)]
+            importing.discard(rid)
+            ref.finish_host_import(rid, imported % 2 == 0)
+            vll.finish_host_import(rid, imported % 2 == 0)
+            seen["import_failed" if imported % 2 == 0 else "import_done"] += 1
+        elif op == "residency":  # what the worker is sent for the scheduled requests
+            got = ref.take_residency_updates(sorted(computed))
+            _compare(step, got, vll.take_residency_updates(sorted(computed)), "residency updates")
+            seen["residency_updates"] += len(got)
+        elif op == "mirrors":  # row mirrors and the all-resident fast path of a step
+            if not computed:
+                continue
+            rid = sorted(computed)[idx % len(computed)]
+            rows = [(rid, max(0, computed[rid] - chunk), min(chunk, computed[rid]))]
+            got = ref.build_row_mirrors(rows)
+            _compare(step, got, vll.build_row_mirrors(rows), "row mirrors")
+            resident = ref.all_context_pages_resident(rows)
+            _compare(step, resident, vll.all_context_pages_resident(rows), "all context pages resident")
+            seen["mirrors"] += len(got)
+            seen["all_resident"] += resident
         else:
             ref.free(rid)
             vll.free(rid)
             computed.pop(rid, None)
+            importing.discard(rid)
             adopted.difference_update({(r, p) for r, p in adopted if r == rid})
             seen["free"] += 1
         ref.check_invariants()
-        _compare(step, ref.observe(), vll.observe(), "state")
+        state = ref.observe()
+        _compare(step, state, vll.observe(), "state")
+        if op in ("update", "schedule") and any(set(now) - set(was) for now, was
+                                                  in zip(state["hot_required"], hot_required)):
+            seen["transition"] += 1  # the residency rule asked for a hot region
+        hot_required = state["hot_required"]
+        unpinned = sum(len(r["unpinned"]) for r in state["request_states"].values())
+        if unpinned > num_unpinned:
+            seen["unpinned"] += 1
+        elif unpinned < num_unpinned and op != "free":  # the pool reused an unpinned page's block
+            seen["page_lost"] += 1
+        num_unpinned = unpinned
     return seen
 
 

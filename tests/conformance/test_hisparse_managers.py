@@ -40,12 +40,14 @@ def test_generated_programs_agree():
 
 def test_generated_programs_reach_every_hisparse_path():
     """A fixed-seed run reaches host exhaustion (the source's admission sentinel), host-prefix
-    hits, imports, hot regions, transitions, adopted and dropped resident pages and frees, whatever
-    the profile."""
+    hits, imports, hot regions, transitions, adopted and dropped resident pages and frees, and the
+    coordinator's paths: write-backs planned, sent and completed, import restores, clean pages
+    unpinned and lost to reuse, completed and failed imports, residency updates, row mirrors and
+    fully resident steps, whatever the profile."""
     make = _vllm_pool()
     seen: Counter = Counter()
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(hisparse_pool_configs(), LENGTHS, PROGRAMS)
     def run(config, lengths, ops):
@@ -54,7 +56,10 @@ def test_generated_programs_reach_every_hisparse_path():
     with same_inputs_in_every_process():
         run()
     for path in ("refused_host", "refused_gpu", "refused_gate", "admit", "grow", "host_hit", "import",
-                 "hot_allocated", "transition", "adopt", "drop", "free"):
+                 "hot_allocated", "transition", "adopt", "drop", "free",
+                 # the coordinator's write-back and residency (#23)
+                 "advance", "transfers_sent", "transfers_done", "restores_sent", "unpinned", "page_lost",
+                 "import_done", "import_failed", "residency_updates", "mirrors", "all_resident"):
         assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
 
 

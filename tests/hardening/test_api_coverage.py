@@ -171,12 +171,34 @@ EXCLUDED: dict[str, str] = {
             "HiSparseGpuGroup.find_longest_cache_hit", INTERNAL),
     **_each(f"{_REF}.hisparse_source_manager", "HiSparseSourceManager HiSparseSourceManager.bind_host_pool "
             "HiSparseSourceManager.cache_blocks HiSparseSourceManager.get_num_blocks_to_allocate "
-            "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.set_ready_prefix_pages", INTERNAL),
+            "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.allocate_external_computed_blocks "
+            "HiSparseSourceManager.publish_blocks", INTERNAL),
     **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.drop HiSparsePool.free "
-            "HiSparsePool.require_hot HiSparsePool.update_residency", "conformance-harness side of kvref.models.machines.hisparse_pool, "
+            "HiSparsePool.require_hot", "conformance-harness side of kvref.models.machines.hisparse_pool, "
             "called only with the harness's generated, valid request ids and token counts"),
+    # the HiSparse coordinator (#23) is built by HiSparsePool over its own managers and reached through
+    # the pool's coordinator calls (HiSparseManagerCalls), which the harness drives with generated ids,
+    # counts and worker reports of transfers it was sent
+    **_each(f"{_REF}.hisparse_block_pool", "ReuseWatchingBlockPool ReuseWatchingBlockPool.get_new_blocks "
+            "ReuseWatchingBlockPool.unpin_blocks", INTERNAL),
+    **_each(f"{_REF}.hisparse_coordinator", "HiSparseCoordinator HiSparseCoordinator.advance_scheduled "
+            "HiSparseCoordinator.commit_computed_blocks HiSparseCoordinator.complete_host_import "
+            "HiSparseCoordinator.finish_host_import HiSparseCoordinator.free "
+            "HiSparseCoordinator.plan_prefix_materialization HiSparseCoordinator.record_pending_host_import "
+            "HiSparseCoordinator.update_residency HiSparseCoordinator.update_spills", INTERNAL),
+    **_each(f"{_REF}.hisparse_publication", "HiSparsePublication.publish_when_ready "
+            "HiSparsePublication.release_completed_host_copies", INTERNAL),
+    **_each(f"{_REF}.hisparse_views", "HiSparseWorkerViews.all_context_pages_resident "
+            "HiSparseWorkerViews.build_row_mirrors HiSparseWorkerViews.take_residency_updates", INTERNAL),
+    **_each(f"{_REF}.hisparse_state", "HiSparseRequestState PendingPublication PendingSpill SparseKVOffloadCommand "
+            "SparseKVPageTransfer SparseKVResidencyUpdate SparseKVRowMirror",
+            "the HiSparse coordinator's records (vLLM's names), built only by it"),
     **_each("kvref.impl.hisparse_calls", "HiSparseManagerCalls.allocate HiSparseManagerCalls.get_num_blocks_to_allocate "
-            "HiSparseManagerCalls.is_running", "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
+            "HiSparseManagerCalls.is_running HiSparseManagerCalls.advance_scheduled "
+            "HiSparseManagerCalls.all_context_pages_resident HiSparseManagerCalls.build_row_mirrors "
+            "HiSparseManagerCalls.finish_host_import HiSparseManagerCalls.observe_pools "
+            "HiSparseManagerCalls.take_residency_updates HiSparseManagerCalls.update_residency "
+            "HiSparseManagerCalls.update_spills", "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
             "called only through those pools by kvref.models.machines.hisparse_pool with generated valid calls"),
     **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "
             "CircularBufferManager.allocate_external_computed_blocks CircularBufferManager.allocate_new_blocks "

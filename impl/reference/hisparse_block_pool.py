@@ -1,0 +1,79 @@
+"""The GPU pool a HiSparse coordinator releases clean pages into (vLLM 0.33.0 ``BlockPool.unpin_blocks``
+and its reuse watchers, ``v1/core/block_pool.py``; issue #23).
+
+HiSparse keeps GPU-resident pages as a write-back cache of the host tier: once a page's host copy
+is durable and its request can read from host, the coordinator drops the page's reference with
+``unpin_blocks``. The block counts as free (it joins the *back* of the free queue, a last-resort
+eviction candidate, whether or not prefix caching is on) but the request keeps reading it until the
+pool hands it out again; at that moment (``get_new_blocks``, or a successful
+``reset_prefix_cache``) the watcher registered for it is called once, so the coordinator stops
+reading it. A watcher stays registered while the block is touched and freed again in between (an
+adopted GPU copy): only reuse or a reset ends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvref.spec.errors import InvalidFieldError
+
+from .block_pool import BlockPool
+from .kv_cache_block import KVCacheBlock
+
+ReuseWatcher = Callable[[KVCacheBlock], None]
+
+
+class ReuseWatchingBlockPool(BlockPool):
+    """A :class:`BlockPool` whose blocks can be released while still read (``unpin_blocks``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: block id -> what to call when the pool hands the block out again
+        self._reuse_watchers: dict[int, ReuseWatcher] = {}
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: ReuseWatcher) -> None:
+        """Drop one reference from each block and watch it; blocks reaching 0 join the back of the
+        free queue in the given order (never the front: they are still being read)."""
+        if not callable(on_reuse):
+            raise InvalidFieldError("on_reuse", on_reuse, "a callable taking the reused block")
+        blocks = list(blocks)
+        self._check_own(blocks, "blocks")
+        for block in blocks:
+            if block.is_null or block.ref_cnt <= 0:
+                raise InvalidFieldError("blocks", block.block_id, "referenced, non-null blocks of this pool")
+        released = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        taken = super().get_new_blocks(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(taken)
+        return taken
+
+    def reset_prefix_cache(self) -> bool:
+        if not super().reset_prefix_cache():
+            return False
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+        return True
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def watched_block_ids(self) -> tuple[int, ...]:
+        """Blocks released while still read, in release order (for observation)."""
+        return tuple(self._reuse_watchers)
+
+    def check_invariants(self) -> None:
+        """The pool's own rules, and M17: only non-null blocks of this pool are watched."""
+        super().check_invariants()
+        for bid in self._reuse_watchers:
+            assert 0 < bid < self.num_gpu_blocks, f"M17: a reuse watcher on block {bid}, not a non-null block"
