@@ -183,7 +183,7 @@ class StandInKVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = None
         self.mamba_shared_prefix_checkpoint = False
-        self.coordinator = self._ref.coordinator
+        self.coordinator = _coordinator_view(self._ref.coordinator, kv_cache_config)
         self.block_pool = self._ref.block_pool
         # vLLM's tests call the pool's cache_full_blocks with vLLM's signature (the request first;
         # its hashes are read from it): route those calls, leave the reference's own untouched
@@ -355,7 +355,7 @@ class StandInKVCacheManager:
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         kreq = self._mirror(request)
         if self._ref.hasher is not None:
-            self.coordinator.cache_blocks(kreq, self._ref.hasher.block_hashes(kreq), num_computed_tokens)
+            self._ref.coordinator.cache_blocks(kreq, self._ref.hasher.block_hashes(kreq), num_computed_tokens)
 
     def create_kv_cache_blocks(self, blocks: Any) -> Any:
         return self._vllm_blocks(self._ref.create_kv_cache_blocks(tuple(list(g) for g in blocks)))
@@ -391,6 +391,45 @@ class StandInKVCacheManager:
     def __getattr__(self, name: str) -> Any:
         # an AttributeError, so vLLM's hasattr() probes see what they would see on a class without it
         raise AttributeError(f"kvref stand-in: KVCacheManager.{name}")
+
+
+# ---------------------------------------------------------------------------------------- views
+
+
+class _View:
+    """Reads and writes go to the reference object, except the names this view answers itself."""
+
+    def __init__(self, target: Any, **own: Any) -> None:
+        object.__setattr__(self, "_target", target)
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_target"), name, value)
+
+
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _view(target: Any, **own: Any) -> _View:
+    """A view of ``target`` whose class carries the target's class name (vLLM's tests compare
+    ``type(manager.coordinator).__name__``; the reference classes bear vLLM's names)."""
+    cls = type(target)
+    if cls not in _VIEW_CLASSES:
+        _VIEW_CLASSES[cls] = type(cls.__name__, (_View,), {"__qualname__": cls.__qualname__})
+    return _VIEW_CLASSES[cls](target, **own)
+
+
+def _coordinator_view(coordinator: Any, kv_cache_config: Any) -> _View:
+    """The reference coordinator whose managers show vLLM's spec objects as ``kv_cache_spec``:
+    vLLM's engine and scheduler test them with ``isinstance`` against vLLM's classes
+    (``is_full_attention_spec``, the spec-decode step blocks)."""
+    managers = tuple(_view(m, kv_cache_spec=g.kv_cache_spec)
+                     for m, g in zip(coordinator.single_type_managers, kv_cache_config.kv_cache_groups))
+    return _view(coordinator, single_type_managers=managers)
 
 
 # ---------------------------------------------------------------------------------------- pool
