@@ -168,3 +168,46 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
 
     def reset(self) -> bool:
         return self.connector.reset_cache()
+
+    def take_kv_events(self):
+        from kvref.impl.vllm.kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self.connector.take_events()]
+
+    def stats(self):
+        """The scheduler's interval stats through the connector's ``get_kv_connector_stats``, and
+        ``has_pending_push_work`` (what the engine asks before it lets a finished request go)."""
+        from vllm.v1.simple_kv_offload.metrics import MetricName as M
+
+        values = self.connector.get_kv_connector_stats().data["data"]
+        return ({"load_blocks": values.get(M.LOAD_BLOCKS, {}).get((), 0),
+                 "used_blocks": values[M.USED_BLOCKS][()], "pending_store_blocks": values[M.PENDING_STORE_BLOCKS][()]},
+                dict(values.get(M.SAVE_OUTCOMES, {})), self.connector.has_pending_push_work())
+
+
+def role_answers(conn: Any, role: str, cfg: Any) -> dict[str, Any]:
+    """What a built connector of ``role`` answers to the calls of the *other* role's side that
+    a process may still make on it: the worker role to every scheduler-side call (a lookup, an
+    allocation, metadata, completions, finishes, pending work, events, a reset, a pool binding,
+    the hand-off counters, stats), the scheduler role to the worker-side pool-size question."""
+    if role == "scheduler":
+        return {"aligned_num_cpu_blocks": conn.get_aligned_num_cpu_blocks()}
+    from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleOffloadStep
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request as VRequest
+
+    hasher, _, mgr = vllm_kv_cache_manager(cfg)
+    req = VRequest(request_id="kvref-role", prompt_token_ids=list(range(2 * cfg.block_size + 1)),
+                   sampling_params=SamplingParams(max_tokens=2), pooling_params=None, block_hasher=hasher)
+    m = conn.build_connector_meta(vllm_scheduler_output(SimpleOffloadStep()))
+    return {"match": tuple(conn.get_num_new_matched_tokens(req, 0)),
+            "alloc": conn.update_state_after_alloc(req, mgr.empty_kv_cache_blocks, 0),
+            "meta": (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
+                     list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush),
+            "output": conn.update_connector_output(KVConnectorOutput()),
+            "finished": tuple(conn.request_finished(req, [])),
+            "finished_all_groups": tuple(conn.request_finished_all_groups(req, ([],))),
+            "pending": conn.has_pending_push_work(), "events": list(conn.take_events()),
+            "reset": conn.reset_cache(), "bind": conn.bind_gpu_block_pool(mgr.block_pool),
+            "boundary_stats": conn.get_boundary_store_stats(), "stats": conn.get_kv_connector_stats()}

@@ -90,7 +90,11 @@ def compare_connector_construction(cfg, extra: dict, prefix_caching: bool, agree
     observable agrees, else what differs."""
     from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_connector_settings
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleCPUOffloadScheduler
-    from kvref.impl.vllm.simple_offload_connector import build_simple_cpu_connector
+    from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_role_answers
+    from kvref.impl.vllm.simple_offload_connector import build_simple_cpu_connector, role_answers
+
+    def handler_built(conn) -> bool:  # offloading on (prefix caching): the role's own side exists
+        return conn.scheduler_manager is not None or conn.worker_handler is not None
 
     page = 8 * cfg.block_size
     where = f"{cfg} extra={extra} prefix_caching={prefix_caching} agreed={agreed}"
@@ -111,6 +115,10 @@ def compare_connector_construction(cfg, extra: dict, prefix_caching: bool, agree
             if isinstance(ref, ValueError) != isinstance(conn, ValueError):
                 return f"{role} role, {where}: reference {ref!r}, vLLM {conn!r}"
             continue
+        if handler_built(conn):
+            answers, want_answers = role_answers(conn, role, cfg), simple_cpu_role_answers(role)
+            if answers != want_answers:
+                return f"{role} role, {where}: the other role's calls answer {answers}, reference {want_answers}"
         handler = conn.scheduler_manager if role == "scheduler" else conn.worker_handler
         if (handler is None) != (not prefix_caching) or (conn.worker_handler if role == "scheduler"
                                                           else conn.scheduler_manager) is not None:

@@ -133,3 +133,19 @@ def simple_cpu_connector_settings(extra: Mapping[str, Any], *, world_size: int, 
 
 
 __all__ = ["SimpleCPUConnectorSettings", "simple_cpu_connector_settings"]
+
+
+def simple_cpu_role_answers(role: str) -> dict[str, Any]:
+    """What a connector of ``role`` answers to the other role's calls (vLLM builds one object per
+    process with one side set): the worker role has no scheduler side, so a lookup finds nothing
+    (``(0, False)``), metadata carries no load or store (events ``-1``, no flush), finishing never
+    delays the free (``(False, None)``), nothing is pending, no event is published and a reset
+    reports nothing (``None``); the scheduler role has no worker side, so it knows no pool size the
+    workers agreed on (``None``)."""
+    if role not in ("scheduler", "worker"):
+        raise InvalidFieldError("role", role, "'scheduler' or 'worker'")
+    if role == "scheduler":
+        return {"aligned_num_cpu_blocks": None}
+    return {"match": (0, False), "alloc": None, "meta": (-1, [], [], -1, [], [], False), "output": None,
+            "finished": (False, None), "finished_all_groups": (False, None), "pending": False, "events": [],
+            "reset": None, "bind": None, "boundary_stats": None, "stats": None}
