@@ -411,23 +411,57 @@ class _View:
         setattr(object.__getattribute__(self, "_target"), name, value)
 
 
+class _ManagerView(_View):
+    """A reference single-type manager with vLLM's ``cache_blocks`` signature: vLLM passes no
+    hashes (the request carries them), the reference takes the ones its coordinator publishes."""
+
+    #: manager id -> the hashes its coordinator is publishing right now (set around a replaced
+    #: ``cache_blocks``, so the original reached through the replacement gets them)
+    _publishing: dict[int, Any] = {}
+
+    def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, *,
+                     replay_boundaries: Any = ()) -> None:
+        target = object.__getattribute__(self, "_target")
+        hashes = _ManagerView._publishing.get(id(target), getattr(request, "block_hashes", None))
+        if hashes is None:
+            raise StandInGap("SingleTypeKVCacheManager.cache_blocks outside the coordinator's publication")
+        return type(target).cache_blocks(target, request, hashes, num_tokens, retention_interval,
+                                         tuple(replay_boundaries))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        target = object.__getattribute__(self, "_target")
+        if name != "cache_blocks" or not callable(value):
+            return super().__setattr__(name, value)
+
+        def called_by_the_reference(request: Any, block_hashes: Any, num_tokens: int,
+                                    retention_interval: int | None = None, replay_boundaries: Any = ()) -> None:
+            # a replacement with vLLM's signature (a test's spy): hand it vLLM's arguments
+            _ManagerView._publishing[id(target)] = block_hashes
+            try:
+                return value(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+            finally:
+                _ManagerView._publishing.pop(id(target), None)
+
+        setattr(target, "cache_blocks", called_by_the_reference)
+
+
 _VIEW_CLASSES: dict[type, type] = {}
 
 
-def _view(target: Any, **own: Any) -> _View:
+def _view(target: Any, base: type = _View, **own: Any) -> _View:
     """A view of ``target`` whose class carries the target's class name (vLLM's tests compare
     ``type(manager.coordinator).__name__``; the reference classes bear vLLM's names)."""
     cls = type(target)
-    if cls not in _VIEW_CLASSES:
-        _VIEW_CLASSES[cls] = type(cls.__name__, (_View,), {"__qualname__": cls.__qualname__})
-    return _VIEW_CLASSES[cls](target, **own)
+    if (cls, base) not in _VIEW_CLASSES:
+        _VIEW_CLASSES[cls, base] = type(cls.__name__, (base,), {"__qualname__": cls.__qualname__})
+    return _VIEW_CLASSES[cls, base](target, **own)
 
 
 def _coordinator_view(coordinator: Any, kv_cache_config: Any) -> _View:
     """The reference coordinator whose managers show vLLM's spec objects as ``kv_cache_spec``:
     vLLM's engine and scheduler test them with ``isinstance`` against vLLM's classes
     (``is_full_attention_spec``, the spec-decode step blocks)."""
-    managers = tuple(_view(m, kv_cache_spec=g.kv_cache_spec)
+    managers = tuple(_view(m, _ManagerView, kv_cache_spec=g.kv_cache_spec)
                      for m, g in zip(coordinator.single_type_managers, kv_cache_config.kv_cache_groups))
     return _view(coordinator, single_type_managers=managers)
 
