@@ -57,3 +57,26 @@ def test_planted_sizing_faults_are_caught(run, monkeypatch, fault):
         monkeypatch.setattr(S, "_estimate_lazy_target_blocks", staticmethod(_lazy_target_without_watermark))
     with pytest.raises(OffloadInvariantError):
         run(0, 60)
+
+
+def test_a_worker_role_answering_for_the_scheduler_is_caught(run, monkeypatch):
+    """Planted: the worker role reports pending push work (the engine would hold finished requests
+    for a scheduler side that does not exist in that process)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
+
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    monkeypatch.setattr(SimpleCPUOffloadConnector, "has_pending_push_work",
+                        lambda self: self.scheduler_manager is None or self.scheduler_manager.has_pending_stores())
+    with pytest.raises(OffloadInvariantError, match="other role"):
+        run(0, 60)
+
+
+def test_role_answers_refuse_an_unknown_role():
+    from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_role_answers
+    from kvref.spec.errors import InvalidFieldError
+
+    assert simple_cpu_role_answers("scheduler") == {"aligned_num_cpu_blocks": None}
+    assert simple_cpu_role_answers("worker")["match"] == (0, False)
+    with pytest.raises(InvalidFieldError, match="role"):
+        simple_cpu_role_answers("both")
