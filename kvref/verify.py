@@ -212,11 +212,10 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
         return skipped
     result = _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
     if result.status == PASSED:  # then every group set alone: the main run meets only some of them (#22)
-        from kvref.models.machines.kv_cache_manager_sweep import run_group_set_sweep
+        from kvref.models.machines.kv_cache_manager_sweep import sweep_every_group_set
 
-        sweep = run_group_set_sweep(("reference", "vllm"), ctx.examples(2, 4), seed=ctx.seed,
-                                    out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink, retention=True,
-                                    prefill_lookahead=True)
+        sweep = sweep_every_group_set(("reference", "vllm"), ctx.examples(2, 4), seed=ctx.seed,
+                                      out_dir=ctx.ensure_out_dir(), shrink=ctx.shrink, prefill_lookahead=True)
         if not sweep.ok:
             run = sweep.failure
             return CheckResult("conform-kv-manager", FAILED, f"reference and vLLM diverged on a "

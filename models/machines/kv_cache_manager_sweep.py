@@ -6,7 +6,8 @@ default profile's 25 examples) mutates the first traces it finds: seeded runs of
 buffer's ring block, the sliding-window hit search off the alignment grid, Mamba prefix caching)
 ran in one run and not in the next. The sweep runs the same machine, with the same options, on each
 group set in turn for a few traces, so every manager kind is compared with vLLM on every run,
-whatever the main run drew.
+whatever the main run drew; then the sliding-window and Mamba "align" sets again with EAGLE and
+sparse prefix-cache retention on every pool (:func:`sweep_every_group_set`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field
 from kvref.models.machines.kv_cache_manager import MachineRun, run_machine
 from kvref.models.strategies.pools import GROUP_SETS
 from kvref.spec.errors import InvalidFieldError, check_int
+
+
+#: the group sets whose hit searches and retention masks depend on EAGLE and sparse retention
+#: (sliding-window and Mamba "align" groups)
+SPARSE_GROUP_SETS = ("fa+swa", "fa+swa+swa", "swa", "fa+mamba_align", "fa+mamba_fine")
 
 
 @dataclass
@@ -50,4 +56,23 @@ def run_group_set_sweep(kinds: tuple[str, ...], examples_per_set: int, *, group_
         if not run.ok:
             sweep.failure = run
             break
+    return sweep
+
+
+def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed: int | None = None,
+                          **run_kwargs) -> SweepRun:
+    """conform-kv-manager's sweep: every group set with the main run's drawn options (sparse
+    retention one pool in two, EAGLE one in six), then the :data:`SPARSE_GROUP_SETS` with EAGLE
+    wherever a pool allows it and sparse retention on every pool (the sliding-window hit search's
+    dropped block and off-grid trimming, the retention masks). One :class:`SweepRun` for both
+    (the second pass's sets are named ``"<set> (EAGLE, sparse)"``)."""
+    sweep = run_group_set_sweep(kinds, examples_per_set, seed=seed, retention=True, **run_kwargs)
+    if not sweep.ok:
+        return sweep
+    sparse = run_group_set_sweep(kinds, examples_per_set, group_sets=SPARSE_GROUP_SETS, seed=seed,
+                                 retention="always", eagle="always", **run_kwargs)
+    sweep.traces.update({f"{k} (EAGLE, sparse)": v for k, v in sparse.traces.items()})
+    sweep.ops += sparse.ops
+    sweep.prefix_hits += sparse.prefix_hits
+    sweep.failure = sparse.failure
     return sweep

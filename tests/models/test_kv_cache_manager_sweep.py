@@ -6,16 +6,19 @@ from __future__ import annotations
 import pytest
 
 from kvref.models.machines import kv_cache_manager_sweep as sweep_mod
-from kvref.models.machines.kv_cache_manager_sweep import run_group_set_sweep
+from kvref.models.machines.kv_cache_manager_sweep import SPARSE_GROUP_SETS, run_group_set_sweep, sweep_every_group_set
 from kvref.models.strategies.pools import GROUP_SETS
 from kvref.spec.errors import InvalidFieldError
 
 
 def test_every_group_set_gets_traces(tmp_path):
-    sweep = run_group_set_sweep(("reference",), 2, seed=0, out_dir=str(tmp_path), shrink=False)
+    """Both passes: every group set with drawn options, then the windowed/Mamba sets with EAGLE and
+    sparse retention on every pool."""
+    sweep = sweep_every_group_set(("reference",), 2, seed=0, out_dir=str(tmp_path), shrink=False)
     assert sweep.ok
-    assert set(sweep.traces) == set(GROUP_SETS) and all(n >= 1 for n in sweep.traces.values()), sweep.traces
-    assert sweep.ops >= 30 * len(GROUP_SETS) and sweep.prefix_hits > 0
+    want = set(GROUP_SETS) | {f"{g} (EAGLE, sparse)" for g in SPARSE_GROUP_SETS}
+    assert set(sweep.traces) == want and all(n >= 1 for n in sweep.traces.values()), sweep.traces
+    assert sweep.ops >= 30 * len(want) and sweep.prefix_hits > 0
 
 
 def test_a_failing_group_set_stops_the_sweep(monkeypatch, tmp_path):
