@@ -135,6 +135,9 @@ class ConnectorLockstep(Lockstep):
         self._promoted: set[str] = set()  # loads reported finished, not yet scheduled
         self.known_hang = False  # the drain met a hang vLLM 0.33.0 has too (see drain)
 
+    #: what the fake worker draws for each async load it settles (a subclass may weigh them)
+    outcomes: tuple[str, ...] = OUTCOMES
+
     @property
     def script(self) -> ScriptedConnector:
         return next(iter(self.connectors.values()))
@@ -212,7 +215,7 @@ class ConnectorLockstep(Lockstep):
         for rid, (at, block_ids, local, ext) in sorted(c.pending_loads.items()):
             if at > step:
                 continue
-            outcome = "ok" if draw is None else draw(st.sampled_from(OUTCOMES))
+            outcome = "ok" if draw is None else draw(st.sampled_from(self.outcomes))
             if outcome == "invalid" and not single_group:
                 outcome = "failed"
             if outcome == "wait":
