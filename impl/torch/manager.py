@@ -86,6 +86,10 @@ class TorchKVCacheManager:
             raise InvalidFieldError("prefix_cache_retention_interval", cfg.prefix_cache_retention_interval,
                                     "None (dense retention; the torch implementation does not model sparse "
                                     "retention)")
+        for field_name in ("dcp_world_size", "pcp_world_size"):  # issue #23: the reference models them
+            if getattr(cfg, field_name) != 1:
+                raise InvalidFieldError(field_name, getattr(cfg, field_name),
+                                        "1 (the torch implementation does not model context parallelism)")
         kinds: list[GroupKind] = []
         for i, g in enumerate(cfg.groups):
             kind = kind_for(g.kv_cache_spec)

@@ -99,3 +99,17 @@ def test_unitary_pool_hashes_at_the_sharded_block():
     # the hit is announced in the blocks it holds (vLLM 0.33.0 asserts here: docs/differences.md)
     announced = [e for e in m.take_events() if type(e).__name__ == "BlockStored"]
     assert [(e.block_size, len(e.block_hashes)) for e in announced] == [(8, 2)]
+
+
+def test_torch_implementation_refuses_context_parallel():
+    """The torch implementation does not model DCP/PCP: it refuses such a pool instead of running it
+    at world size 1."""
+    pytest.importorskip("torch")
+    from kvref.impl.interface import make_manager
+
+    pool = PoolConfig(num_blocks=8, groups=(KVCacheGroupSpec(("l",), FULL),), max_model_len=32,
+                      scheduler_block_size=8, hash_block_size=8, dcp_world_size=2)
+    with pytest.raises(InvalidFieldError) as info:
+        make_manager("torch", pool)
+    assert info.value.field == "dcp_world_size"
+    make_manager("torch", dataclasses.replace(pool, dcp_world_size=1, hash_block_size=4))
