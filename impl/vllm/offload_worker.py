@@ -101,6 +101,23 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
     return vc
 
 
+def vllm_offloading_chunk_config(cfg: Any, kv_cache_config: Any, chunk_options: dict) -> tuple[int, tuple]:
+    """vLLM's ``build_offloading_config`` for ``cfg`` with the chunk options ``chunk_options``
+    (``blocks_per_chunk`` / ``block_size`` in ``kv_connector_extra_config``, replacing the config's
+    own): ``(blocks_per_chunk, each group's sliding_window_size_in_chunks)``; vLLM's refusal
+    (ValueError, AssertionError, TypeError) propagates."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+
+    vc = offloading_vllm_config(cfg, kv_cache_config)
+    extra = dict(vc.kv_transfer_config.kv_connector_extra_config)
+    extra.pop("blocks_per_chunk", None)
+    extra.update(chunk_options)
+    vc.kv_transfer_config = copy.copy(vc.kv_transfer_config)
+    vc.kv_transfer_config.kv_connector_extra_config = extra
+    out = build_offloading_config(vc, kv_cache_config)
+    return out.cache.blocks_per_chunk, tuple(g.sliding_window_size_in_chunks for g in out.groups)
+
+
 @dataclass
 class _Job:
     store: bool

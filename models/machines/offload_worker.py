@@ -227,6 +227,60 @@ def apply_worker_op(w: OffloadingWorkerWorld, op):
     return apply_offloading_op(w, op)
 
 
+#: chunk-size option values: ints, multiples and non-multiples of the block, values int() reads
+#: (numeric strings, floats), zero and negative counts, and values int() refuses
+CHUNK_VALUES = (1, 2, 3, 4, 8, 12, 6, "2", "8", 2.7, 0, -1, "x", "")
+
+
+def run_chunk_configs(rng, n: int) -> dict:
+    """``n`` chunk-size options (``blocks_per_chunk`` and/or ``block_size`` in
+    ``kv_connector_extra_config``) through vLLM's ``build_offloading_config`` and the reference's
+    :func:`~kvref.impl.reference.offload.chunk_config.blocks_per_chunk`: both refuse, or both give the
+    same blocks per chunk and every group the same sliding-window size in chunks. A ``block_size``
+    of 0 or less is left out of the draw (vLLM 0.33.0 accepts it; kvref refuses: docs/differences.md).
+    Raises :class:`OffloadInvariantError` at the first difference."""
+    from kvref.impl.reference.offload.chunk_config import blocks_per_chunk
+    from kvref.impl.reference.offload.keys import get_sliding_window_size_in_chunks
+    from kvref.impl.vllm.offload import vllm_kv_cache_manager
+    from kvref.impl.vllm.offload_worker import vllm_offloading_chunk_config
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig
+    from kvref.spec.errors import InvalidFieldError
+
+    out = {"chunk_configs": 0, "chunk_configs_refused": 0}
+    for i in range(n):
+        cfg = OffloadingConfig.random(rng)
+        groups = cfg.kvref_groups()
+        opts: dict = {}
+        form = ("blocks", "tokens", "both", "tokens", "neither")[i % 5]
+        if form in ("blocks", "both"):  # every value in every form within 5 * len(CHUNK_VALUES) draws
+            opts["blocks_per_chunk"] = CHUNK_VALUES[i // 5 % len(CHUNK_VALUES)]
+        if form in ("tokens", "both"):
+            value = CHUNK_VALUES[i // 5 % len(CHUNK_VALUES)] if form == "tokens" else rng.choice(CHUNK_VALUES)
+            opts["block_size"] = value * cfg.block_size if type(value) is int and rng.random() < 0.5 else value
+            if type(opts["block_size"]) is int and opts["block_size"] <= 0:
+                opts["block_size"] = cfg.block_size  # vLLM's finding, not drawn (see above)
+        try:
+            ref = blocks_per_chunk(opts, [g.kv_cache_spec.block_size for g in groups])
+            ref_windows = tuple(get_sliding_window_size_in_chunks(g.kv_cache_spec, cfg.block_size * ref)
+                                for g in groups)
+        except InvalidFieldError as exc:
+            ref, ref_windows = None, str(exc)
+        _, kcfg, _ = vllm_kv_cache_manager(cfg)
+        try:
+            got, windows = vllm_offloading_chunk_config(cfg, kcfg, opts)
+        except (ValueError, AssertionError, TypeError) as exc:  # vLLM's refusals (int() of a non-number: TypeError)
+            got, windows = None, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a crash where vLLM should refuse or answer is a finding
+            raise OffloadInvariantError(f"chunk options {opts} on {cfg}: vLLM build_offloading_config crashed "
+                                        f"({type(exc).__name__}: {exc}); reference {ref} {ref_windows}") from exc
+        out["chunk_configs"] += 1
+        out["chunk_configs_refused"] += ref is None
+        if (ref is None) != (got is None) or (ref is not None and (ref, ref_windows) != (got, windows)):
+            raise OffloadInvariantError(f"chunk options {opts} on {cfg}: reference {ref} {ref_windows}, "
+                                        f"vLLM build_offloading_config {got} {windows}")
+    return out
+
+
 #: the KV-event batches run_traces keeps for the publisher round trip
 MAX_BATCHES = 24
 
@@ -244,7 +298,10 @@ def run_traces(cases, on_difference=None) -> dict:
              "stopped_at_shared_breach": 0,
              "stopped_at_known_corruption": 0, "batches": []}
     from dataclasses import replace
+    import random
 
+    cases = list(cases)
+    stats.update(run_chunk_configs(random.Random(f"chunk-configs-{len(cases)}"), max(16, 2 * len(cases))))
     for i, (cfg, ops) in enumerate(cases):
         cfg = replace(cfg, mamba_align=False, sync_load_budget_bytes=0)  # as OffloadingWorkerWorld
         # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0

@@ -40,7 +40,8 @@ def planted_edit(owner, name: str, old: str, new: str):
     assert src.count(old) == 1, (name, old)
     ns: dict = {}
     # vLLM's own function with the test's edit (test-local)
-    exec(compile(src.replace(old, new), f"<planted {name}>", "exec"), vars(sys.modules[owner.__module__]), ns)  # noqa: S102
+    module = sys.modules[getattr(owner, "__module__", None) or owner.__name__]  # a class, or a module itself
+    exec(compile(src.replace(old, new), f"<planted {name}>", "exec"), vars(module), ns)  # noqa: S102
     setattr(owner, name, ns[name])
     try:
         yield

@@ -897,7 +897,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference import kv_events, scheduler_liveness
     from kvref.impl.reference.scheduler_pause import as_pause_state
     from kvref.impl.reference import block_hash as bh
-    from kvref.impl.reference.offload import boundary_stores, keys, lookup
+    from kvref.impl.reference.offload import boundary_stores, chunk_config, keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
@@ -1103,6 +1103,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             groups=[lookup.LookupGroup(4)], group_keys=[[keys.make_offload_key(H[0], 0)]], num_tokens=8,
             num_computed_tokens=0, lookup=_hit, chunks_being_loaded=None, max_num_new_tokens=None)),
         "lookup_order": (lookup.lookup_order, dict(groups=[lookup.LookupGroup(4)])),
+        "blocks_per_chunk": (chunk_config.blocks_per_chunk, dict(extra_config={"block_size": 8},
+                                                                 group_tokens_per_block=[4])),
         # Mamba "align" boundary-state stores of the OffloadingConnector (#22)
         "check_handoffs": (boundary_stores.check_handoffs, dict(handoffs={"r0": [(1, 3, 8)]})),
         "aligned_boundary_stores": (boundary_stores.aligned_boundary_stores, dict(
