@@ -56,7 +56,7 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
 #: ``1 + chunk % 2`` enqueuing workers and ``imported % 3`` completions;
 #: ``import_done`` fails the import when ``imported`` is even
 OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "schedule", "require_hot",
-                                 "require_hot", "update", "update", "adopt", "adopt", "drop", "drop", "free",
+                                 "require_hot", "update", "update", "adopt", "adopt", "adopt", "drop", "drop", "free",
                                  "offload", "offload", "complete", "complete", "complete", "import_done",
                                  "import_done", "residency", "mirrors")),
                 st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 1, 2, 3)), st.integers(0, 9),
@@ -69,7 +69,7 @@ LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
 #: programs after it run with clean and unpinned pages in the pool (else rare in short programs)
 WRITE_BACK_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 11, 0, 0, False),
                      ("offload", 0, 1, 0, 0, False), ("complete", 0, 1, 0, 0, True), ("update", 1, 1, 0, 0, False)]
-PROGRAMS = st.one_of(st.lists(OPS, min_size=10, max_size=40),
+PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops))
 
 

@@ -42,8 +42,8 @@ def test_generated_programs_reach_every_hisparse_path():
     """A fixed-seed run reaches host exhaustion (the source's admission sentinel), host-prefix
     hits, imports, hot regions, transitions, adopted and dropped resident pages and frees, and the
     coordinator's paths: write-backs planned, sent and completed, import restores, clean pages
-    unpinned and lost to reuse, completed and failed imports, residency updates, row mirrors and
-    fully resident steps, whatever the profile."""
+    unpinned, completed and failed imports, residency updates, row mirrors and fully resident steps,
+    whatever the profile. (A page lost to the pool's reuse is rarer: see the next test.)"""
     make = _vllm_pool()
     seen: Counter = Counter()
 
@@ -58,9 +58,24 @@ def test_generated_programs_reach_every_hisparse_path():
     for path in ("refused_host", "refused_gpu", "refused_gate", "admit", "grow", "host_hit", "import",
                  "hot_allocated", "transition", "adopt", "drop", "free",
                  # the coordinator's write-back and residency (#23)
-                 "advance", "transfers_sent", "transfers_done", "restores_sent", "unpinned", "page_lost",
+                 "advance", "transfers_sent", "transfers_done", "restores_sent", "unpinned",
                  "import_done", "import_failed", "residency_updates", "mirrors", "all_resident"):
         assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
+
+
+def test_a_reused_unpinned_block_loses_the_page_on_both_sides():
+    """A request with its hot region writes back eight pages; all but the active tail are unpinned
+    (free, at the back of the queue, still read); a second request's allocation takes the free front
+    and then the oldest unpinned block: both coordinators drop that page from the reader's row, mark
+    it stale for the worker and ask for a hot region, with equal state after every op."""
+    make = _vllm_pool()
+    config = HiSparsePoolConfig(block_size=1, num_gpu_blocks=25, host_num_blocks=20, blocks_per_request=1,
+                                num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16)
+    ops = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 8, 0, 0, False), ("offload", 0, 1, 0, 0, False),
+           ("complete", 0, 1, 0, 0, True), ("update", 1, 1, 0, 0, False), ("residency", 0, 1, 0, 0, False),
+           ("schedule", 1, 4, 0, 0, False), ("residency", 0, 1, 0, 0, False), ("schedule", 0, 1, 0, 0, False)]
+    seen = run_hisparse_program(config, [8, 4, 4], ops, make)
+    assert seen["transfers_done"] == 8 and seen["unpinned"] == 1 and seen["page_lost"] == 1, dict(seen)
 
 
 def test_cold_request_has_no_hot_table():
