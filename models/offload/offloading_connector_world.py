@@ -70,6 +70,9 @@ class OffloadingConfig:
     # kv_connector_extra_config's sync_load_budget_bytes: hits whose bytes (tokens x 8 bytes per group
     # here) fit the step's budget load before the forward pass and the request runs at once (0: off)
     sync_load_budget_bytes: int = 0
+    # A pure Mamba model (Mamba2, Falcon-Mamba): the Mamba "align" group alone, no attention group;
+    # only with ``mamba_align`` and no windowed group (hits then align to the Mamba chunk itself).
+    mamba_only: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -84,6 +87,8 @@ class OffloadingConfig:
         if self.mamba_align:
             groups.append(KVCacheGroupSpec(("mamba",), MambaSpec(block_size=self.block_size, shapes=((2, 8),),
                                                                  dtypes=("float16",), mamba_cache_mode="align")))
+            if self.mamba_only and len(groups) == 2:  # FA + Mamba: drop the attention group
+                groups = groups[1:]
         return tuple(groups)
 
     def mamba_split(self) -> MambaSplitConfig | None:
@@ -111,7 +116,8 @@ class OffloadingConfig:
         * KV cache events one time in two, half of them self-describing;
         * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`);
         * a Mamba "align" group one time in three, where requests carry no ``kv_transfer_params``
-          (a few GPU blocks more: each request holds one or two states);
+          (a few GPU blocks more: each request holds one or two states), half of them alone
+          (a pure Mamba model: no attention group);
         * a synchronous-load budget one time in three (from a chunk or two per step to unlimited).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
@@ -138,6 +144,9 @@ class OffloadingConfig:
         if not base.get("kv_transfer_params") and sub.random() < 1 / 2:  # the capped lookups stay as drawn
             base["mamba_align"] = True
             base["num_gpu_blocks"] += sub.randint(2, 4)
+            if sub.random() < 1 / 2:  # a pure Mamba model: the state group alone
+                base.update(mamba_only=True, sliding_window=None, extra_retained_tokens=0)
+                base.pop("attention_chunk_size", None)
         if sub.random() < 1 / 3:
             base["sync_load_budget_bytes"] = sub.choice([64, 128, 256, 512, 10**6])
         return cls(**base)

@@ -104,6 +104,8 @@ def test_fast_cases_reach_the_boundary_store_paths(mamba_cases):
         counts["off_chunk_states"] += sum(b % tpc != 0 for _, _, b in entries)
         counts["decode_states"] += cfg.offload_prompt_only and sum(
             b > len(w.prompts[rid]) for h in seen for rid, es in h.items() for _, _, b in es)
+        counts["mamba_only_loads"] += cfg.mamba_only and sum(len(m[0]) for m in w.metas)
         assert not w.violations, w.violations
     assert counts["boundary_stores"] >= 30 and counts["boundary_stores_flushed"] >= 1, counts
+    assert counts["mamba_only_loads"] >= 1, counts
     assert counts["mamba_loads"] >= 2 and counts["off_chunk_states"] >= 1 and counts["decode_states"] >= 1, counts

