@@ -29,12 +29,14 @@ PRE_41289 = CATALOGUE["offload.in_flight_not_deduped"]
 LAZY = SimpleOffloadConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=24, lazy=True, max_num_batched_tokens=8)
 
 
-def _run(cfg, variant="reference", n=None, shrink=True):
+def _run(cfg, variant="reference", n=None, shrink=True, derandomize=False):
     machine = make_simple_offload_machine(cfg, "reference", variant)
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    # a run that must find a rare trace draws the same examples every time (the ci profile is random)
+    fixed = dict(derandomize=True, database=None) if derandomize else {}
     run_state_machine_as_test(machine, settings=settings(max_examples=n or profile_examples(25, 150),
                                                          stateful_step_count=25, deadline=None, phases=phases,
-                                                         report_multiple_bugs=False))
+                                                         report_multiple_bugs=False, **fixed))
 
 
 @pytest.mark.parametrize("cfg", [FA_ONLY, FA_ONLY_2W, LAZY], ids=["eager", "eager-2-workers", "lazy"])
@@ -51,7 +53,7 @@ def test_state_machine_finds_the_pre_41289_duplicate_store():
     hits the GPU prefix cache while the first request's store is still in flight stores the same
     GPU blocks again. The machine must find that on the variant."""
     with PRE_41289.applied(), pytest.raises(OffloadInvariantError, match="two in-flight stores"):
-        _run(FA_ONLY, n=profile_examples(200, 300), shrink=False)
+        _run(FA_ONLY, n=profile_examples(200, 300), shrink=False, derandomize=True)
 
 
 def test_pre_41289_duplicate_directed():
