@@ -43,8 +43,13 @@ from kvref.spec.errors import InvalidFieldError
 
 #: longest the harness waits for a vLLM thread to reach the point the trace asked for
 WAIT_S = 10.0
+#: longest a tier's drain loop may keep polling (its jobs have all ended by then unless one never will)
+DRAIN_WAIT_S = 2.0
 _TIME_MODULES = ("vllm.v1.kv_offload.tiering.manager", "vllm.v1.kv_offload.tiering.metrics",
                  "vllm.v1.kv_offload.tiering.backpressure", "vllm.v1.kv_offload.tiering.fs.thread_pool")
+#: modules whose drain loops sleep between polls: the proxy bounds such a loop (it needs optional
+#: packages: kvcr, nixl)
+_DRAIN_MODULES = ("vllm.v1.kv_offload.tiering.kvcr.manager", "vllm.v1.kv_offload.tiering.obj.manager")
 _ENGINES = iter(range(1 << 62))
 
 
@@ -56,9 +61,24 @@ class _TimeProxy:
     """The ``time`` module with ``monotonic`` read from the active virtual clock (if any)."""
 
     clock: VirtualClock | None = None
+    _streak_start: float | None = None
+    _last_sleep = 0.0
 
     def monotonic(self) -> float:
         return self.clock.monotonic() if self.clock is not None else _real_time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        """A drain loop's pause (``drain_jobs`` polls and sleeps until its jobs end): real, but a
+        run of pauses longer than :data:`DRAIN_WAIT_S` raises :class:`TierTimeout` instead of spinning
+        forever on a job that will never end (a fault the trace planted, say)."""
+        now = _real_time.monotonic()
+        if self._streak_start is None or now - self._last_sleep > 0.5:
+            self._streak_start = now
+        self._last_sleep = now
+        if now - self._streak_start > DRAIN_WAIT_S:
+            self._streak_start = None
+            raise TierTimeout(f"a tier's drain loop still had jobs after {DRAIN_WAIT_S}s")
+        _real_time.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_real_time, name)
@@ -76,6 +96,11 @@ def virtual_time(clock: VirtualClock):
     import logging
 
     mods = [importlib.import_module(m) for m in _TIME_MODULES]
+    for name in _DRAIN_MODULES:
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:  # kvcr or nixl absent: that tier cannot be built either
+            pass
     quiet = [logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool"),  # injected I/O errors are expected
              logging.getLogger("vllm.v1.kv_offload.tiering.factory"),  # so is kvref's out-of-tree tier
              logging.getLogger("vllm.v1.kv_offload.tiering.obj.manager"),  # and failed object transfers

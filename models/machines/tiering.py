@@ -31,6 +31,7 @@ from kvref.impl.reference.offload.tiering.kvcr_tier import KVCRTier
 from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
 from kvref.impl.reference.offload.tiering.obj_tier import ObjectStoreTier
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
+from kvref.spec.errors import InvalidFieldError
 
 ROW_BYTES = 4096
 #: "RequestLevelTier": vLLM's example tier asking for request-level offloading, loaded as an
@@ -657,11 +658,26 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
             if isinstance(tier, KVCRTier):
                 for name, n in tier.counts.items():
                     world.stats[f"kvcr_{name}"] = world.stats.get(f"kvcr_{name}", 0) + n
-        return dict(world.stats), trace
+        result = dict(world.stats), trace
     except TieringDivergence as exc:
+        _close_quietly(world)
         raise TieringDivergence(f"{exc}\nconfig {cfg}\ntrace {trace}") from None
-    finally:
+    except BaseException:
+        _close_quietly(world)
+        raise
+    world.close()
+    return result
+
+
+def _close_quietly(world: TieringWorld) -> None:
+    """Close after a failure without hiding it: a planted fault may also keep a job from ever
+    ending, so the tier's drain times out (TierTimeout); the first failure is the one to report."""
+    from kvref.impl.vllm.tiering import TierTimeout
+
+    try:
         world.close()
+    except TierTimeout:
+        pass
 
 
 def run_ops(cfg: TieringConfig, ops: list) -> dict:
@@ -680,16 +696,21 @@ def run_ops(cfg: TieringConfig, ops: list) -> dict:
             world.close()
 
 
-def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60)) -> dict:
-    """``n`` generated configurations and traces (seeded by ``seed``); sums their stats."""
+def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60), layouts=None) -> dict:
+    """``n`` generated configurations and traces (seeded by ``seed``); sums their stats.
+    ``layouts``: draw the tier layouts from these (default :data:`TIER_LAYOUTS`)."""
+    if layouts is not None and (not layouts or any(lay not in TIER_LAYOUTS for lay in layouts)):
+        raise InvalidFieldError("layouts", layouts, f"None or tier layouts from {TIER_LAYOUTS}")
     rng = random.Random(f"conform-tiering-{seed}")
     total = {"traces": 0, "kvcr_traces": 0, "polled_traces": 0}
     for t in range(n):
         cfg = TieringConfig.random(rng)
+        if layouts is not None:
+            cfg.tiers = rng.choice(list(layouts))
         # every run of 3 traces or more drives the KVCR tier and the tier-poll thread too
-        if t == n - 1 and n >= 3 and not total["kvcr_traces"]:
+        if layouts is None and t == n - 1 and n >= 3 and not total["kvcr_traces"]:
             cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if "kvcr" in lay])
-        if t == n - 2 and n >= 3 and not total["polled_traces"]:
+        if layouts is None and t == n - 2 and n >= 3 and not total["polled_traces"]:
             cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if POLLED in lay])
         stats, _ = run_trace(cfg, random.Random(rng.random()), rng.randint(*n_ops))
         for k, val in stats.items():

@@ -1,0 +1,128 @@
+"""vLLM 0.33.0's KVCR secondary tier (kvcr 0.1.1, local DRAM, real NIXL/UCX copies) and the tiering
+manager's tier-poll thread with a peer-serving tier, against kvref's reference, every observable
+compared after every operation (#22); and faults planted in vLLM's code that the traces must find."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+KVCR_LAYOUTS = (("kvcr",), ("kvcr", "fs"), ("fs", "kvcr"))
+POLLED_LAYOUTS = (("PolledTier", "fs"), ("fs", "PolledTier"), ("RequestLevelTier", "PolledTier"))
+
+
+def _require_kvcr():
+    require_vllm()
+    pytest.importorskip("kvcr")
+    pytest.importorskip("nixl")
+
+
+def _traces(seed: int, n: int, layouts) -> dict:
+    from kvref.models.machines.tiering import run_traces
+
+    return run_traces(seed, n, layouts=layouts)
+
+
+def test_kvcr_traces_agree_and_reach_the_kvcr_paths():
+    """Seeded (deterministic) KVCR traces: every answer and state agrees, and KVCR's paths are
+    reached: hits served back to the primary tier, LRU/FIFO evictions, stores refused with no
+    evictable slot, failed copies, framework pins for a peer's read."""
+    _require_kvcr()
+    n = profile_examples(4, 12)
+    stats = _traces(0, n, KVCR_LAYOUTS + (("kvcr",),))  # KVCR alone twice as often: pins run there
+    assert stats["traces"] == n == stats["kvcr_traces"]
+    for path in ("kvcr_hits", "kvcr_loads_ok", "kvcr_evictions", "kvcr_stores_ok", "kvcr_stores_failed",
+                 "kvcr_copy_failures", "kvcr_pins"):
+        assert stats.get(path, 0) > 0, (path, stats)
+
+
+def test_poll_thread_traces_agree_and_serve_peers():
+    """Seeded traces with a tier that opts into vLLM's tier-poll thread: rounds between manager
+    calls collect its jobs and serve a peer's reads (pins through the parent, released later)."""
+    _require_kvcr()
+    n = profile_examples(3, 9)
+    stats = _traces(1, n, POLLED_LAYOUTS)
+    assert stats["polled_traces"] == n
+    assert stats["poll_rounds"] > 0 and stats["peer_pins"] > 0, stats
+
+
+def _finds(monkeypatch, target: str, replacement, layouts, seeds=range(3), n: int = 4) -> str:
+    """Plant ``replacement`` at ``target`` (module:attribute path) in vLLM and return the divergence."""
+    _require_kvcr()
+    import importlib
+
+    from kvref.models.machines.tiering import TieringDivergence
+
+    mod_name, attr = target.split(":")
+    obj = importlib.import_module(mod_name)
+    *owners, name = attr.split(".")
+    for o in owners:
+        obj = getattr(obj, o)
+    monkeypatch.setattr(obj, name, replacement(getattr(obj, name)))
+    for seed in seeds:
+        try:
+            _traces(seed, n, layouts)
+        except TieringDivergence as exc:
+            return str(exc)
+    raise AssertionError(f"the planted fault at {target} was not found")
+
+
+K = "vllm.v1.kv_offload.tiering.kvcr.manager"
+
+
+def test_finds_a_kvcr_store_that_ignores_failed_copies(monkeypatch):
+    """A store job must fail when a block's copy failed (the primary chunk's pin is released either
+    way, but the cascade failure is counted and back-pressure sees a failure)."""
+    def optimistic(orig):
+        def poll(self):
+            from vllm.v1.kv_offload.tiering.base import JobResult
+
+            return [JobResult(r.job_id, True, None, r.transfer_time, r.transfer_bytes) for r in orig(self)]
+        return poll
+
+    msg = _finds(monkeypatch, f"{K}:KVCRSecondaryTierManager._poll_finished_jobs", optimistic, KVCR_LAYOUTS)
+    assert "vLLM" in msg
+
+
+def test_finds_kvcr_evictions_that_are_not_announced(monkeypatch):
+    """Every block KVCR evicts from its DRAM is announced as removed (a KV-event consumer would
+    otherwise route requests to blocks that are gone)."""
+    def silent(orig):
+        def record(self, event):
+            if not event.removed:
+                orig(self, event)
+        return record
+
+    msg = _finds(monkeypatch, f"{K}:KVCRSecondaryTierManager._record_inventory", silent, KVCR_LAYOUTS)
+    assert "events" in msg
+
+
+def test_finds_pins_that_are_never_released(monkeypatch):
+    """A framework pin kvcr gives back must end its store job (the primary chunks are unpinned)."""
+    def keep(orig):
+        def release_pin(self, pin_handle):
+            return True
+        return release_pin
+
+    msg = _finds(monkeypatch, f"{K}:_FrameworkPinAdapter.release_pin", keep, (("kvcr",),), seeds=range(4))
+    assert "vLLM" in msg
+
+
+def test_finds_a_poll_round_that_leaves_the_step_gate_shut(monkeypatch):
+    """A tier-poll round must put the step's poll gate back: left shut, the next lookups of the
+    step skip their poll and answer from stale state."""
+    def sticky(orig):
+        def poll_tiers(self):
+            self._process_finished_jobs(self._polled_tiers)
+            self._processed_jobs_this_step = True
+            for tier in self._polled_tiers:
+                tier.serve_external_requests(self._tier_parents[tier])
+        return poll_tiers
+
+    msg = _finds(monkeypatch, "vllm.v1.kv_offload.tiering.manager:TieringOffloadingManager.poll_tiers", sticky,
+                 POLLED_LAYOUTS)
+    assert "vLLM" in msg
