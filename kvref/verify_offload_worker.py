@@ -62,6 +62,13 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult(NAME, FAILED, "vLLM's SimpleCPUOffloadConnector is configured unlike the reference",
                            details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU construction")
 
+    from kvref.models.machines.simple_offload_connector import run_sizing_agreement
+
+    try:  # the ranks' pool-size agreement: forked gloo ranks run vLLM's all-reduce (#22)
+        sized = run_sizing_agreement(ctx.seed, ctx.examples(3, 12))
+    except OffloadInvariantError as exc:
+        return CheckResult(NAME, FAILED, "vLLM's SimpleCPU ranks agree on another pool size than the reference",
+                           details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU pool-size agreement")
     import random
 
     from kvref.models.machines.canonical_mapping import compare_layer, random_layer_case
@@ -129,7 +136,8 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"batches round-tripped through vLLM's ZMQ publisher), {simple['traces']} traces "
                        f"({simple['ops']} ops) of the whole SimpleCPUOffloadConnector, {built['configs']} of its "
                        f"configurations built in both roles ({built['refused']} refused, {built['sized_from_bytes']} "
-                       f"sized from byte budgets, {built['disk']} disk, {built['in_multi']} found inside a MultiConnector), "
+                       f"sized from byte budgets, {built['disk']} disk, {built['in_multi']} found inside a MultiConnector; "
+                       f"{sized['rank_sets']} rank sets agreeing on the pool size over gloo), "
                        f"{regions['cases']} shared host regions ({regions['regions']} workers' mappings, "
                        f"{regions['segmented']} split into files, {regions['bytes_checked']} bytes compared), "
                        f"{mappers} file-tier layouts and "

@@ -198,6 +198,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler.get_boundary_store_stats"),
         _b(_MGR, "KVCacheManager.take_boundary_state_offloads"),
         _b(_MGR, "KVCacheManager.take_kv_cache_block_copies"),
+        # the ranks' pool-size agreement (simple_offload_sizing.py): forked gloo ranks
+        _b("vllm.distributed.parallel_state", "init_distributed_environment", "world_size", "rank",
+           "distributed_init_method", "local_rank", "backend"),
+        _b("vllm.v1.kv_offload.cpu.spec", "_all_workers_barrier"),
+        _b("vllm.v1.simple_kv_offload.sizing", "sync_num_offload_blocks_across_workers"),
     ),
     "offloading-connector": (
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler"),

@@ -195,3 +195,24 @@ def run_connector_construction(seed: int, n: int) -> dict:
             stats["in_multi"] += 1
         stats["sized_from_bytes"] += s.num_cpu_blocks is not None and s.num_cpu_blocks_override is None and agreed is None
     return stats
+
+
+def run_sizing_agreement(seed: int, n: int) -> dict:
+    """``n`` generated rank sets (1-3 ranks, each with its own pool size) agree on the pool size in
+    vLLM's forked, gloo-connected ranks exactly as the reference says; raises
+    :class:`OffloadInvariantError` at the first difference."""
+    import random
+
+    from kvref.impl.reference.offload.simple_cpu_connector_config import agreed_num_cpu_blocks as want
+    from kvref.impl.vllm.simple_offload_sizing import agreed_num_cpu_blocks as got
+
+    rng = random.Random(f"simple-cpu-sizing-{seed}")
+    stats = {"rank_sets": 0, "ranks": 0}
+    for _ in range(n):
+        counts = [rng.choice([1, 3, 40, rng.randint(1, 200)]) for _ in range(rng.randint(1, 3))]
+        answers, expected = got(counts), want(counts)
+        if answers != expected:
+            raise OffloadInvariantError(f"SimpleCPU ranks with pools {counts} agreed on {answers}, reference {expected}")
+        stats["rank_sets"] += 1
+        stats["ranks"] += len(counts)
+    return stats

@@ -80,3 +80,19 @@ def test_role_answers_refuse_an_unknown_role():
     assert simple_cpu_role_answers("worker")["match"] == (0, False)
     with pytest.raises(InvalidFieldError, match="role"):
         simple_cpu_role_answers("both")
+
+
+def test_ranks_agree_on_the_smallest_pool_and_a_max_is_caught(run, monkeypatch):
+    """vLLM's forked gloo ranks all-reduce their pool sizes (MIN); planted: MAX (a rank would
+    allocate block ids its peers lack)."""
+    import torch.distributed as dist
+
+    from kvref.models.machines.simple_offload_connector import run_sizing_agreement
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    stats = run_sizing_agreement(0, 4)
+    assert stats["ranks"] > stats["rank_sets"], "some rank set has several ranks"
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, op=None: real(t, group=group, op=dist.ReduceOp.MAX))
+    with pytest.raises(OffloadInvariantError, match="agreed"):
+        run_sizing_agreement(0, 4)

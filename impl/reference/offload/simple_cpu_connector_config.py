@@ -149,3 +149,13 @@ def simple_cpu_role_answers(role: str) -> dict[str, Any]:
     return {"match": (0, False), "alloc": None, "meta": (-1, [], [], -1, [], [], False), "output": None,
             "finished": (False, None), "finished_all_groups": (False, None), "pending": False, "events": [],
             "reset": None, "bind": None, "boundary_stats": None, "stats": None}
+
+
+def agreed_num_cpu_blocks(local_counts: list[int]) -> list[int]:
+    """Per rank, the CPU pool size the ranks agree on: the smallest rank's own count (each rank
+    sizes from its own budget; a larger pool on one rank would hold block ids the others lack). One
+    rank keeps its own."""
+    if not isinstance(local_counts, list) or not local_counts or any(
+            type(c) is not int or c < 1 for c in local_counts):
+        raise InvalidFieldError("local_counts", local_counts, "a non-empty list of block counts (ints >= 1)")
+    return [min(local_counts)] * len(local_counts)
