@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvref.impl.reference.offload.p2p.messages import summarize
+from kvref.impl.reference.offload.p2p.parent import ScriptedParent, ctx_key
 from kvref.impl.vllm import p2p_nixl
 from kvref.spec.errors import InvalidFieldError
 
@@ -229,6 +230,35 @@ def _classes() -> SimpleNamespace:
     return SimpleNamespace(CountingZmqTransport=CountingZmqTransport)
 
 
+@lru_cache(maxsize=1)
+def _parent_class() -> type:
+    """vLLM's ``ParentManager`` over a :class:`ScriptedParent` (the producer's tiering manager)."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import LookupResult, RequestOffloadingContext
+    from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
+
+    class ScriptedParentManager(ParentManager):
+        def __init__(self, scripted: ScriptedParent) -> None:
+            self.scripted = scripted
+
+        def on_new_request(self, req_context):
+            self.scripted.on_new_request(req_context.req_id)
+            return RequestOffloadingContext()
+
+        def lookup(self, key, req_context):
+            return LookupResult[self.scripted.lookup(bytes(key), req_context.req_id)]
+
+        def create_store_job(self, keys, req_context):
+            job, pinned, slots = self.scripted.create_store_job([bytes(k) for k in keys], req_context.req_id)
+            return TransferJob(job_id=job, keys=pinned, chunk_ids=np.asarray(slots, dtype=np.int64),
+                               is_promotion=False, req_context=req_context)
+
+        def on_request_finished(self, req_context) -> None:
+            self.scripted.on_request_finished(req_context.req_id)
+
+    return ScriptedParentManager
+
+
 def _offloading_spec(block_len: int) -> Any:
     """A normalized ``OffloadingConfig`` for one scheduler-side engine (rank 0, DP index 0).
 
@@ -331,6 +361,7 @@ class VllmP2PWorld:
         finally:
             manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent = saved
         self.alive = {n: True for n in NODES}
+        self.parents = {n: _parent_class()(ScriptedParent()) for n in NODES}
 
     # -- the world's calls (same as the reference world) ------------------------------------------
 
@@ -354,6 +385,23 @@ class VllmP2PWorld:
 
     def lookup(self, node: str, req_id: str, key: bytes) -> str:
         return self.managers[node].lookup(key, self._reqs[(node, req_id)]).name
+
+    def hold(self, node: str, key: bytes, chunk_id: int, pending: int) -> None:
+        self.parents[node].scripted.hold(key, chunk_id, pending)
+
+    def serve(self, node: str) -> None:
+        self.managers[node].serve_external_requests(self.parents[node])
+        self._settle()
+
+    def schedule_end(self, node: str) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.managers[node].on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        self._settle()
+
+    def parent_log(self, node: str) -> list[tuple]:
+        parent = self.parents[node].scripted
+        return list(parent.log) + [("open", *ctx_key(c)) for c in sorted(parent.open, key=ctx_key)]
 
     def _job(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> Any:
         import numpy as np
@@ -445,11 +493,16 @@ class VllmP2PWorld:
                       for kv, st in s._client._requests.items() if st.loads}
             srv = s._server
             rounds = {kv: sorted((r, rnd.demand_received, rnd.inflight, rnd.remaining, rnd.cancelled,
-                                  rnd.finishing, tuple(sorted(rnd.pending_job_ids)))
+                                  rnd.finishing, tuple(sorted(rnd.pending_job_ids)), rnd.lookup_supplied)
                                  for r, rnd in st.outbound.items())
                       for kv, st in srv._requests.items() if st.outbound}
+            probes = {kv: sorted((bytes(k), h) for k, h in st.probes.items())
+                      for kv, st in s._client._requests.items() if st.probes}
+            lookups = {kv: (len(st.pending_lookups), sorted((i, lu.round_seq, sorted(bytes(k) for k in lu.pending))
+                                                           for i, lu in st.lookups.items()))
+                       for kv, st in srv._requests.items() if st.lookups or st.pending_lookups}
             sessions[name.get(pid, pid)] = dict(
-                ready=s.ready, alive=s.alive, client=client, rounds=rounds,
+                ready=s.ready, alive=s.alive, client=client, rounds=rounds, probes=probes, lookups=lookups,
                 store_jobs=sorted(srv._store_jobs), inflight=len(srv._inflight),
                 aborts=sorted(srv._pending_aborts), fault=srv.peer_fault)
         data = mgr._data

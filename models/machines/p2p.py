@@ -25,6 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvref.impl.reference.offload.p2p.world import P2PWorld
 
 KV_IDS = ("kv0", "kv1")
+#: ids of symmetric requests (their own: a PD id's failures would turn every probe into a MISS)
+SYM_IDS = ("sym0",)
 KEYS_PER_KV = 2
 NUM_BLOCKS = 8
 BLOCK_LEN = 16
@@ -40,7 +42,7 @@ def key_of(kv: str, i: int) -> bytes:
 
 def slot_of(kv: str, i: int) -> int:
     """Each key has its own slot in both engines' buffers (a stored slot is never reused)."""
-    return KV_IDS.index(kv) * KEYS_PER_KV + i
+    return (KV_IDS + SYM_IDS).index(kv) * KEYS_PER_KV + i
 
 
 def content_of(key: bytes) -> bytes:
@@ -69,6 +71,10 @@ class Coverage:
     shutdowns: int = 0
     faults: int = 0
     idle_reaps: int = 0
+    probe_hits: int = 0
+    probe_misses: int = 0
+    probe_retries: int = 0
+    symmetric_loads: int = 0
 
 
 COVERAGE = Coverage()
@@ -86,6 +92,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self.next_job = 0
             self.loads: dict[int, list[bytes]] = {}
             self.forged: set[str] = set()  # ids a forged transfer_done may have ended a load of
+            self.symmetric: set[str] = set()  # D's requests that probe P (``remote_kv_source``)
 
         def _start(self, limits: tuple[int, int]) -> None:
             max_peers, idle_timeout_s = limits
@@ -93,9 +100,10 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             for name, factory in world_factories.items():
                 self.worlds[name] = factory(max_peers=max_peers, idle_timeout_s=idle_timeout_s)
             for w in self.worlds.values():
-                for kv in KV_IDS:
+                for kv in KV_IDS + SYM_IDS:
                     for i in range(KEYS_PER_KV):
                         w.write("P", [slot_of(kv, i)], [content_of(key_of(kv, i))])
+                        w.hold("P", key_of(kv, i), slot_of(kv, i), 0)  # P's tiering manager has every key
 
         def teardown(self) -> None:
             ref = self.worlds.get("ref")
@@ -146,6 +154,8 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                     snap = self._all("snapshot", node)
                     COVERAGE.reaped += bool(snap["reaped"])
                 self._all("read", node, list(range(NUM_BLOCKS)))
+            for node in ("P", "D"):
+                self._all("parent_log", node)
             msgs = {name: w.messages() for name, w in self.worlds.items()}
             first = next(iter(msgs.values()))
             for name, log in msgs.items():
@@ -176,15 +186,22 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self.reqs["D"][req] = kv
 
         @initialize(kv=st.sampled_from(KV_IDS), stored=KEY_LISTS, loaded=KEY_LISTS, load_first=st.booleans(),
-                    consume=st.booleans(), limits=st.sampled_from(LIMITS))
+                    consume=st.booleans(), limits=st.sampled_from(LIMITS), symmetric=st.booleans(),
+                    pending=st.sampled_from((0, 1, -1)))
         def opening(self, kv: str, stored: list[int], loaded: list[int], load_first: bool, consume: bool,
-                    limits: tuple[int, int]) -> None:
+                    limits: tuple[int, int], symmetric: bool, pending: int) -> None:
             """Every trace opens with one shared request and a tick, so even a handful of examples
-            moves bytes; the rules then go anywhere. The engines' peer limit and idle timeout are
-            drawn: vLLM's defaults, or a scarce peer budget under which idle sessions are evicted."""
+            moves bytes; half of them then probe P symmetrically (a key P's manager may still be
+            promoting, or not hold) and fetch what P confirmed; the rules then go anywhere. The
+            engines' peer limit and idle timeout are drawn: vLLM's defaults, or a scarce peer
+            budget under which idle sessions are evicted."""
             self._start(limits)
             self.share(kv, stored, loaded, not load_first, not consume)
             self.tick()
+            if symmetric:
+                self.catalogue(SYM_IDS[0], 1, pending)
+                self.symmetric_request(SYM_IDS[0])
+                self._probe(max(self.symmetric), list(range(KEYS_PER_KV)), 4, lambda: True)
 
         @precondition(lambda self: self._alive("P") and self._alive("D"))
         @rule(kv=st.sampled_from(KV_IDS), stored=KEY_LISTS, loaded=KEY_LISTS, load_first=st.booleans(),
@@ -222,11 +239,79 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self._all("submit_store", "P", req, self.next_job, [key_of(kv, i) for i in idx],
                       [slot_of(kv, i) for i in idx])
 
+        @precondition(lambda self: self._alive("D") and len(self.reqs["D"]) < 4)
+        @rule(kv=st.sampled_from(SYM_IDS))
+        def symmetric_request(self, kv: str) -> None:
+            """A symmetric-P2P consumer (``remote_kv_source``): its lookups probe P."""
+            req = f"s{self.next_req}"
+            self.next_req += 1
+            self._all("new_request", "D", req, "remote_kv_source", kv)
+            self.reqs["D"][req] = kv
+            self.symmetric.add(req)
+
+        @precondition(lambda self: self._alive("D") and self.symmetric)
+        @rule(data=st.data())
+        def probe(self, data: st.DataObject) -> None:
+            """The scheduler asks the tier about a symmetric request's keys (RETRY until P answers)."""
+            req = data.draw(st.sampled_from(sorted(self.symmetric)), label="request")
+            idx = data.draw(KEY_LISTS, label="keys")
+            steps = data.draw(st.integers(1, 3), label="steps")
+            self._probe(req, idx, steps, lambda: data.draw(st.booleans(), label="fetch"))
+
+        def _probe(self, req: str, idx: list[int], steps: int, fetch) -> None:
+            kv = self.reqs["D"][req]
+            for step in range(steps):  # the scheduler asks again each step
+                if step:
+                    self.tick()
+                if req not in self.symmetric or not self._alive("D"):
+                    return
+                for i in idx:
+                    result = self._all("lookup", "D", req, key_of(kv, i))
+                    if result == "HIT":
+                        COVERAGE.probe_hits += 1
+                    elif result == "MISS":
+                        COVERAGE.probe_misses += 1
+                    else:
+                        COVERAGE.probe_retries += 1
+            confirmed = self._confirmed(req) if req in self.symmetric and self._alive("D") else []
+            if confirmed and fetch():  # load what the peer confirmed
+                self._load_confirmed(req, confirmed)
+
+        def _confirmed(self, req: str) -> list[int]:
+            """The keys of ``req``'s id that the peer answered HIT in the current lookup round: all
+            the scheduler may fetch (vLLM asserts it). The round is per id and ends with any fetch,
+            finish or session loss, so it is read from the tier's state (equal in every world)."""
+            kv = self.reqs["D"][req]
+            snap = next(iter(self.worlds.values())).snapshot("D")
+            probes = snap["sessions"].get("P", {}).get("probes", {}).get(kv, [])
+            return sorted(int(k.decode().split("/")[1]) for k, hit in probes if hit is True)
+
+        def _load_confirmed(self, req: str, idx: list[int]) -> None:
+            kv = self.reqs["D"][req]
+            keys = [key_of(kv, i) for i in idx]
+            self.next_job += 1
+            self.loads[self.next_job] = keys
+            COVERAGE.symmetric_loads += bool(keys)
+            self._all("submit_load", "D", req, self.next_job, keys, [slot_of(kv, i) for i in idx])
+
+        @precondition(lambda self: self._alive("P"))
+        @rule(kv=st.sampled_from(SYM_IDS), i=st.integers(0, KEYS_PER_KV - 1), pending=st.sampled_from((-1, 0, 1, 3)))
+        def catalogue(self, kv: str, i: int, pending: int) -> None:
+            """P's tiering manager drops a key (-1), holds it, or is still promoting it (HIT_PENDING
+            for the next ``pending`` lookups)."""
+            self._all("hold", "P", key_of(kv, i), slot_of(kv, i), pending)
+
         @precondition(lambda self: self._alive("D") and self.reqs["D"])
         @rule(data=st.data())
         def load(self, data: st.DataObject) -> None:
             req = data.draw(st.sampled_from(sorted(self.reqs["D"])), label="request")
             kv = self.reqs["D"][req]
+            if req in self.symmetric:  # the scheduler loads only keys the peer confirmed (vLLM asserts it)
+                confirmed = self._confirmed(req)
+                idx = data.draw(st.lists(st.sampled_from(confirmed or [0]), unique=True, min_size=min(1, len(confirmed)),
+                                         max_size=len(confirmed)), label="keys")
+                self._load_confirmed(req, idx)
+                return
             idx = data.draw(st.lists(st.integers(0, KEYS_PER_KV - 1), max_size=KEYS_PER_KV, unique=True), label="keys")
             keys = [key_of(kv, i) for i in idx]
             self._all("lookup", "D", req, keys[0] if keys else key_of(kv, 0))
@@ -241,6 +326,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             req = data.draw(st.sampled_from(sorted(self.reqs[node])), label="request")
             self._all("finish", node, req)
             del self.reqs[node][req]
+            self.symmetric.discard(req)
 
         @rule(node=st.sampled_from(("P", "D")), twice=st.booleans())
         def poll(self, node: str, twice: bool) -> None:
@@ -250,8 +336,13 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
 
         @rule()
         def tick(self) -> None:
-            """Writes land and both engines poll twice: what a healthy pair does between steps."""
+            """Each engine serves its peer's lookups and ends its step (its own lookups go out); writes
+            land and both engines poll; twice: what a healthy pair does between steps."""
             for _ in range(2):
+                for node in ("P", "D"):
+                    if self._alive(node):
+                        self._all("serve", node)
+                        self._all("schedule_end", node)
                 if self._alive("P"):
                     self._all("complete_transfers", "P", NUM_BLOCKS, True)
                 for node in ("P", "D"):
@@ -282,6 +373,9 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 ("P", {"type": "abort_ack", "kv_request_id": kv, "round_seq": rnd}),
                 ("P", {"type": "transfer_done", "kv_request_id": 7, "success": True, "round_seq": rnd}),
                 ("D", {"type": "no-such-message"}),
+                ("D", {"type": "lookup", "kv_request_id": kv, "keys": keys, "round_seq": rnd}),
+                ("P", {"type": "lookup_resp", "kv_request_id": kv, "keys": keys, "hits": [True] * len(keys)}),
+                ("P", {"type": "lookup_resp", "kv_request_id": kv, "keys": keys, "hits": []}),
                 ("D", "connect"), ("P", "connect"),
             ]), label="message")
             if self._all("inject", node, msg) and isinstance(msg, dict) and msg["type"] == "transfer_done":
@@ -316,6 +410,8 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 return
             self._jobs(self._all("shutdown", node))
             self.reqs[node].clear()
+            if node == "D":
+                self.symmetric.clear()
             COVERAGE.shutdowns += 1
 
     return P2PMachine

@@ -18,9 +18,10 @@ from tests.vllm_env import require_vllm
 pytestmark = pytest.mark.vllm
 
 #: what every run must reach (counted by the machine): bytes through, both outcomes of loads and
-#: stores, reaped parked stores, an engine going away, a data-plane fault
+#: stores, reaped parked stores, an engine going away, a data-plane fault, an idle session evicted,
+#: symmetric probes answered HIT, MISS and RETRY, and a fetch of confirmed keys
 RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked", "reaped", "shutdowns", "faults",
-        "idle_reaps")
+        "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads")
 
 
 def _run(examples: int, **kw) -> tuple[bool, str, dict]:

@@ -738,6 +738,10 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("read", dict(node="D", chunk_ids=[0]))
     p2p_case("write", dict(node="P", chunk_ids=[0], blocks=[b"x" * 16]))
     p2p_case("snapshot", dict(node="P"))
+    p2p_case("hold", dict(node="P", key=b"k", chunk_id=0, pending=1))
+    p2p_case("serve", dict(node="P"))
+    p2p_case("schedule_end", dict(node="D"))
+    p2p_case("parent_log", dict(node="P"))
 
     def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():

@@ -322,20 +322,27 @@ EXCLUDED: dict[str, str] = {
             "spec_record", VLLM),
     **_each("kvref.spec.hf_config", "ModelLayout ModelLayout.engine_config mamba_state", HF),
     **_each(f"{_P2P}.client", "ClientRequest ClientRole ClientRole.collect_results ClientRole.finish "
-            "ClientRole.on_abort_ack ClientRole.on_transfer_done ClientRole.request_blocks Load", P2P),
+            "ClientRole.on_abort_ack ClientRole.on_transfer_done ClientRole.request_blocks Load ClientRole.expired_lookup "
+            "ClientRole.flush_pending_lookups ClientRole.on_lookup_resp ClientRole.register_lookup", P2P),
     **_each(f"{_P2P}.control", "Conn Conn.send ControlPlane ControlPlane.connect ControlPlane.peer_went_away", P2P),
     **_each(f"{_P2P}.manager", "P2PRequest P2PTierManager P2PTierManager.get_finished_jobs P2PTierManager.lookup "
             "P2PTierManager.on_new_request P2PTierManager.on_request_finished P2PTierManager.shutdown "
-            "P2PTierManager.submit_load P2PTierManager.submit_store", P2P),
-    **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done validate", P2P),
+            "P2PTierManager.submit_load P2PTierManager.submit_store P2PTierManager.on_schedule_end "
+            "P2PTierManager.serve_external_requests", P2P),
+    **_each(f"{_P2P}.parent", "ScriptedParent.create_store_job ScriptedParent.hold ScriptedParent.lookup "
+            "ScriptedParent.on_new_request ScriptedParent.on_request_finished ctx_key", P2P),
+    **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done validate lookup "
+            "lookup_resp", P2P),
     **_each(f"{_P2P}.world", "P2PWorld.inject", "harness hook of the P2P reference world: delivers an out-of-protocol message the machine drew (kvref.models.machines.p2p); the message itself is checked by messages.validate on receipt"),
     **_each(f"{_P2P}.server", "Round ServerRequest ServerRole ServerRole.add_stored_blocks ServerRole.collect_results "
-            "ServerRole.drain_pending_aborts ServerRole.finish ServerRole.on_abort_fetch ServerRole.on_fetch Xfer",
+            "ServerRole.drain_pending_aborts ServerRole.finish ServerRole.on_abort_fetch ServerRole.on_fetch Xfer "
+            "ActiveLookup ServerRole.on_lookup ServerRole.serve_external_requests",
             P2P),
     **_each(f"{_P2P}.session", "Session Session.add_stored_blocks Session.finish_request Session.poll "
-            "Session.request_blocks", P2P),
+            "Session.request_blocks Session.flush_pending_lookups Session.register_lookup "
+            "Session.serve_external_requests", P2P),
     **_each(f"{_P2P}.transport", "DataPlane DataPlane.add_remote_peer DataPlane.cancel DataPlane.complete "
-            "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer", P2P),
+            "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer DataPlane.set_peer_fault", P2P),
 }
 
 

@@ -45,7 +45,7 @@ MAX_PEERS = 128  # VLLM_P2P_MAX_PEERS's default
 IDLE_TIMEOUT_S = 300  # VLLM_P2P_IDLE_TIMEOUT_S's default
 IDLE_REAP_HEADROOM = 8
 
-ROLES = ("remote_prefiller", "remote_decoder")
+ROLES = ("remote_prefiller", "remote_decoder", "remote_kv_source")
 
 
 @dataclass
@@ -54,6 +54,7 @@ class P2PRequest:
 
     kv_request_id: str | None
     peer_id: str | None  # set on the consumer side
+    do_probe: bool = False  # a symmetric consumer (``remote_kv_source``): lookups probe the peer
 
 
 def parse_request(params: object) -> P2PRequest | None:
@@ -66,12 +67,14 @@ def parse_request(params: object) -> P2PRequest | None:
         sub = params.get(role)
         if sub is not None and not isinstance(sub, dict):
             raise InvalidFieldError(f"kv_transfer_params[{role!r}]", sub, "a dict or None")
-    src = params.get("remote_prefiller")
+    src, probe = params.get("remote_prefiller"), False
+    if src is None:  # a PD source wins; only without one is a symmetric source read
+        src, probe = params.get("remote_kv_source"), True
     if src:
         host, port, kv = src.get("remote_host"), src.get("remote_port"), src.get("kv_request_id")
         if host and port and kv:
-            return P2PRequest(kv, f"{host}:{port}")
-    if "remote_decoder" in params:
+            return P2PRequest(kv, f"{host}:{port}", probe)
+    if params.get("remote_decoder") is not None:
         return P2PRequest((params["remote_decoder"] or {}).get("kv_request_id") or None, None)
     return None
 
@@ -96,6 +99,7 @@ class P2PTierManager:
         self.backoff: dict[str, tuple[float, float]] = {}  # peer -> (wait, retry at)
         self.faults: dict[str, int] = {}
         self.requests: dict[str, P2PRequest | None] = {}
+        self.failed_serves: list[str] = []  # reaped sessions' lookup requests, finished at the next serve
         self.now = 0.0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -112,11 +116,35 @@ class P2PTierManager:
             return "REQUEST_LEVEL"
         return "CHUNK_LEVEL"
 
-    def lookup(self, req_id: str) -> str:
+    def lookup(self, req_id: str, key: bytes) -> str:
+        """PD consumer: HIT (the producer has every block). Symmetric consumer: the probe's answer,
+        RETRY until the peer answered (MISS without a session)."""
         info = self.requests[req_id]
         if info is None or info.peer_id is None or info.kv_request_id in self.failed:
             return "MISS"
+        if info.do_probe:
+            s = self.sessions.get(info.peer_id)
+            if s is None:
+                return "MISS"
+            hit = s.register_lookup(info.kv_request_id, key)
+            return "RETRY" if hit is None else "HIT" if hit else "MISS"
         return "HIT"
+
+    def on_schedule_end(self, now: float) -> None:
+        """The end of a scheduler step: every session flushes the lookups registered in it."""
+        self.now = now
+        for s in self.sessions.values():
+            s.flush_pending_lookups(now)
+
+    def serve_external_requests(self, parent, now: float) -> None:
+        """Finish the synthetic lookup requests of reaped sessions, then let every session serve
+        its peers' lookups against ``parent`` (the engine's tiering manager)."""
+        self.now = now
+        for ctx in self.failed_serves:
+            parent.on_request_finished(ctx)
+        self.failed_serves = []
+        for s in self.sessions.values():
+            s.serve_external_requests(parent, now)
 
     def on_request_finished(self, req_id: str, now: float) -> None:
         self.now = now
@@ -227,9 +255,10 @@ class P2PTierManager:
         s = self.sessions.pop(pid)
         for kv in [k for k, b in self.kv_to_session.items() if b is s]:
             del self.kv_to_session[kv]
-        jobs, kvs, stores = s.close()
+        jobs, kvs, stores, serves = s.close()
         self.finished += [(j, False) for j in jobs] + [(j, False) for j in stores]
         self.failed.update(kvs)
+        self.failed_serves += serves
         self.plane.remove_remote_peer(pid)
         return s
 

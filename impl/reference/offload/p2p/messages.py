@@ -57,6 +57,14 @@ def abort_ack(kv_request_id: str, round_seq: int) -> dict:
     return {TYPE_KEY: ABORT_ACK, "kv_request_id": kv_request_id, "round_seq": round_seq}
 
 
+def lookup(kv_request_id: str, keys: list[bytes], round_seq: int) -> dict:
+    return {TYPE_KEY: LOOKUP, "kv_request_id": kv_request_id, "keys": list(keys), "round_seq": round_seq}
+
+
+def lookup_resp(kv_request_id: str, keys: list[bytes], hits: list[bool]) -> dict:
+    return {TYPE_KEY: LOOKUP_RESP, "kv_request_id": kv_request_id, "keys": list(keys), "hits": list(hits)}
+
+
 def _require(msg: dict, key: str, typ: type, what: str) -> None:
     val = msg.get(key)
     if not isinstance(val, typ) or (typ is int and isinstance(val, bool)) or \
@@ -87,6 +95,18 @@ def validate(msg: dict) -> None:
     elif kind in (ABORT_FETCH, ABORT_ACK):
         _require(msg, "kv_request_id", str, "a")
         _require(msg, "round_seq", int, "non-negative")
+    elif kind == LOOKUP:
+        _require(msg, "kv_request_id", str, "a")
+        _require(msg, "keys", list, "a")
+        _require(msg, "round_seq", int, "non-negative")
+    elif kind == LOOKUP_RESP:
+        _require(msg, "kv_request_id", str, "a")
+        _require(msg, "keys", list, "a")
+        _require(msg, "hits", list, "a")
+        if len(msg["keys"]) != len(msg["hits"]):
+            raise ValueError("keys/hits length mismatch")
+        if any(not isinstance(h, bool) for h in msg["hits"]):
+            raise ValueError(f"hits: invalid value in {msg['hits']!r}")
 
 
 def summarize(msg: Any) -> tuple:

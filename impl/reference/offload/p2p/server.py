@@ -18,6 +18,17 @@ reads its blocks (a WRITE in flight cannot be stopped):
 
 Submit-store batches always join round 0 (vLLM's PD producer), so only a consumer's first fetch
 round of an id can be served by stores; later rounds wait for timeouts or finish.
+
+**Inbound lookups** (a symmetric consumer's ``lookup``) are queued at dispatch and resolved at the
+engine's next ``serve_external_requests`` against its tiering manager (the ``parent``): each
+lookup opens a synthetic request (``parent.on_new_request``), asks ``parent.lookup`` per distinct
+key, pins the hits at once (``parent.create_store_job``, whose job supplies the lookup's round,
+marked *lookup-supplied*), keeps HIT_PENDING/RETRY keys for later serves until
+:data:`LOOKUP_PENDING_TIMEOUT_S` after it arrived (then MISS), and answers one ``lookup_resp``
+with every key in wire order before ``parent.on_request_finished``. A fetch that demands a key a
+lookup-supplied round holds no supply for fails at once. The terminal empty fetch, a local finish
+or the session's close drop the id's parked lookups; their synthetic requests are finished at the
+next serve (the manager's, after a close).
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ from .transport import DataPlane
 
 STORE_TIMEOUT_S = 30.0
 CANCEL_RETRY_INTERVAL_S = 0.1
+LOOKUP_PENDING_TIMEOUT_S = 5.0
 
 
 @dataclass
 class Round:
+    lookup_supplied: bool = False  # supply came from lookup pins: unmatched demand fails at once
     demand_received: bool = False
     available: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> (job, local idx)
     demanded: dict[bytes, int] = field(default_factory=dict)  # key -> remote idx
@@ -55,9 +68,23 @@ class Xfer:
 
 
 @dataclass
+class ActiveLookup:
+    lookup_id: int
+    kv: str
+    ctx: str  # the synthetic request id the parent sees
+    round_seq: int
+    keys: list[bytes]
+    deadline: float
+    resolved: dict[bytes, bool] = field(default_factory=dict)
+    pending: set[bytes] = field(default_factory=set)
+
+
+@dataclass
 class ServerRequest:
     outbound: dict[int, Round] = field(default_factory=dict)
     inflight_tids: set[int] = field(default_factory=set)
+    pending_lookups: list[tuple[list[bytes], float, int]] = field(default_factory=list)  # (keys, at, round)
+    lookups: dict[int, ActiveLookup] = field(default_factory=dict)
 
 
 class ServerRole:
@@ -71,13 +98,16 @@ class ServerRole:
         self.pending_results: list[tuple[int, bool]] = []
         self.pending_aborts: dict[tuple[str, int], float] = {}
         self.peer_fault: str | None = None
+        self.serve_pending: set[str] = set()
+        self.finished_lookup_ctxs: list[str] = []
+        self._lookup_ids = 0
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
     def _prune(self, kv: str) -> None:
         st = self.requests.get(kv)
-        if st is not None and not st.outbound and not st.inflight_tids and \
-                not any(k == kv for k, _ in self.pending_aborts):
+        if st is not None and not st.outbound and not st.inflight_tids and not st.lookups and \
+                not st.pending_lookups and not any(k == kv for k, _ in self.pending_aborts):
             del self.requests[kv]
 
     def _round(self, kv: str, rnd: int) -> Round:
@@ -108,13 +138,16 @@ class ServerRole:
 
     # -- supply and demand ------------------------------------------------------------------------
 
-    def add_stored_blocks(self, kv: str, keys: list[bytes], block_ids: list[int], job: int, now: float) -> None:
+    def add_stored_blocks(self, kv: str, keys: list[bytes], block_ids: list[int], job: int, now: float,
+                          round_seq: int = 0, from_lookup: bool = False) -> None:
         self.store_jobs[job] = now
-        rnd = self._round(kv, 0)
+        rnd = self._round(kv, round_seq)
         if rnd.cancelled:
             self.store_jobs.pop(job)
             self.pending_results.append((job, False))
             return
+        if from_lookup:
+            rnd.lookup_supplied = True
         rnd.pending_jobs.add(job)
         local, remote = [], []
         for key, idx in zip(keys, block_ids):
@@ -124,7 +157,7 @@ class ServerRole:
             else:
                 rnd.available[key] = (job, idx)
         if local and rnd.demand_received:
-            self._submit(kv, local, remote, {job}, rnd, 0)
+            self._submit(kv, local, remote, {job}, rnd, round_seq)
 
     def on_fetch(self, kv: str, keys: list[bytes], indexes: list[int], key: int) -> None:
         st = self.requests.get(kv)
@@ -143,9 +176,13 @@ class ServerRole:
                 jobs.add(job)
             else:
                 rnd.demanded[k] = ridx
-        if not keys:  # the terminal empty fetch: every round of the id ends, no reply
+        if not keys:  # the terminal empty fetch: lookups and every round of the id end, no reply
+            self._finish_inbound_lookups(kv)
             for r in list(self.requests[kv].outbound):
                 self._finalize(kv, r, send_done=False)
+            return
+        if rnd.lookup_supplied and rnd.demanded:  # no late store can supply a symmetric round
+            self._finalize(kv, key, success=False)
             return
         if local:
             self._submit(kv, local, remote, jobs, rnd, key)
@@ -213,6 +250,7 @@ class ServerRole:
 
     def finish(self, kv: str) -> None:
         """The request finished locally: no more stores will come for it."""
+        self._finish_inbound_lookups(kv)
         st = self.requests.get(kv)
         if st is None:
             return
@@ -223,6 +261,93 @@ class ServerRole:
             rnd.finishing = True
             if rnd.demand_received and not rnd.inflight:
                 self._finalize(kv, key)
+
+    # -- inbound lookups ---------------------------------------------------------------------------
+
+    def on_lookup(self, kv: str, keys: list[bytes], round_seq: int, now: float) -> None:
+        self.requests.setdefault(kv, ServerRequest()).pending_lookups.append((list(keys), now, round_seq))
+        self.serve_pending.add(kv)
+
+    def serve_external_requests(self, parent, now: float) -> None:
+        """Resolve queued and parked lookups against ``parent``, then finish closed lookups' requests."""
+        for kv in list(self.serve_pending):
+            st = self.requests.get(kv)
+            if st is None:
+                self.serve_pending.discard(kv)
+                continue
+            if st.pending_lookups:
+                pending, st.pending_lookups = st.pending_lookups, []
+                for keys, at, rnd in pending:
+                    self._process_inbound_lookup(kv, keys, at, rnd, parent, now)
+            self._resolve_pending_lookups(kv, parent, now)
+            st = self.requests.get(kv)
+            if st is None or (not st.pending_lookups and not st.lookups):
+                self.serve_pending.discard(kv)
+                self._prune(kv)
+        for ctx in self.finished_lookup_ctxs:
+            parent.on_request_finished(ctx)
+        self.finished_lookup_ctxs = []
+
+    def _poll_lookup_keys(self, lookup: ActiveLookup, keys, parent, now: float) -> None:
+        hits = []
+        for key in keys:
+            if key in lookup.resolved:
+                continue
+            result = parent.lookup(key, lookup.ctx)
+            if result in ("HIT", "MISS"):
+                lookup.resolved[key] = result == "HIT"
+                lookup.pending.discard(key)
+                if result == "HIT":
+                    hits.append(key)
+            else:  # HIT_PENDING / RETRY: asked again at the next serve
+                lookup.pending.add(key)
+        if hits:  # pinned at once: the whole serve runs under one hold of the tiering manager's lock
+            job, pinned_keys, chunk_ids = parent.create_store_job(hits, lookup.ctx)
+            self.add_stored_blocks(lookup.kv, pinned_keys, chunk_ids, job, now, round_seq=lookup.round_seq,
+                                   from_lookup=True)
+
+    def _process_inbound_lookup(self, kv: str, keys: list[bytes], at: float, round_seq: int, parent,
+                                now: float) -> None:
+        self._lookup_ids += 1
+        lookup = ActiveLookup(self._lookup_ids, kv, f"p2p:{self.peer_id}:{kv}:lu{self._lookup_ids}", round_seq,
+                              list(keys), at + LOOKUP_PENDING_TIMEOUT_S)
+        parent.on_new_request(lookup.ctx)
+        self._poll_lookup_keys(lookup, dict.fromkeys(lookup.keys), parent, now)
+        if lookup.pending:
+            self.requests.setdefault(kv, ServerRequest()).lookups[lookup.lookup_id] = lookup
+        else:
+            self._finalize_lookup(lookup, parent)
+
+    def _resolve_pending_lookups(self, kv: str, parent, now: float) -> None:
+        st = self.requests.get(kv)
+        if st is None or not st.lookups:
+            return
+        done = []
+        for lookup_id, lookup in st.lookups.items():
+            self._poll_lookup_keys(lookup, list(lookup.pending), parent, now)
+            if lookup.pending and now >= lookup.deadline:  # a stuck producer: the stragglers miss
+                for key in lookup.pending:
+                    lookup.resolved[key] = False
+                lookup.pending.clear()
+            if not lookup.pending:
+                done.append(lookup_id)
+        for lookup_id in done:
+            self._finalize_lookup(st.lookups.pop(lookup_id), parent)
+
+    def _finalize_lookup(self, lookup: ActiveLookup, parent) -> None:
+        if lookup.keys:
+            self._send(m.lookup_resp(lookup.kv, lookup.keys, [lookup.resolved[k] for k in lookup.keys]))
+        parent.on_request_finished(lookup.ctx)
+
+    def _finish_inbound_lookups(self, kv: str) -> None:
+        st = self.requests.get(kv)
+        if st is None:
+            return
+        st.pending_lookups.clear()
+        self.finished_lookup_ctxs += [lu.ctx for lu in st.lookups.values()]
+        st.lookups.clear()
+        self.serve_pending.discard(kv)
+        self._prune(kv)
 
     # -- aborts -----------------------------------------------------------------------------------
 
@@ -335,9 +460,13 @@ class ServerRole:
         self.pending_results.clear()
         return out
 
-    def close(self) -> list[int]:
-        """The failed store jobs; pending writes are dropped."""
+    def close(self) -> tuple[list[int], list[str]]:
+        """``(failed store jobs, synthetic lookup requests still owing on_request_finished)``;
+        pending writes are dropped."""
         failed = list(self.store_jobs)
+        serves = [lu.ctx for st in self.requests.values() for lu in st.lookups.values()] + self.finished_lookup_ctxs
+        self.finished_lookup_ctxs = []
+        self.serve_pending.clear()
         self.store_jobs.clear()
         if self.inflight:
             self.plane.cancel(list(self.inflight))
@@ -345,7 +474,7 @@ class ServerRole:
         self.pending_results.clear()
         self.requests.clear()
         self.pending_aborts.clear()
-        return failed
+        return failed, serves
 
     def check_invariants(self) -> None:
         for kv, st in self.requests.items():

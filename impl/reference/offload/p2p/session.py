@@ -110,6 +110,11 @@ class Session:
             self.client.on_transfer_done(msg["kv_request_id"], msg["success"], msg["round_seq"])
         elif kind == m.ABORT_ACK:
             self.client.on_abort_ack(msg["kv_request_id"], msg["round_seq"])
+        elif kind == m.LOOKUP:
+            self.server.on_lookup(msg["kv_request_id"], [bytes(k) for k in msg["keys"]], msg["round_seq"], self.now)
+        elif kind == m.LOOKUP_RESP:
+            self.client.on_lookup_resp(msg["kv_request_id"], [bytes(k) for k in msg["keys"]], list(msg["hits"]),
+                                       self.now)
         elif kind == m.DISCONNECT:
             if self.conn is not None:
                 self.conn.mark_dead()
@@ -157,6 +162,8 @@ class Session:
         stores = self.server.collect_results(now)
         self.server.drain_pending_aborts(now)
         self._escalate_peer_fault(now)
+        if self.client.expired_lookup(now) is not None:  # a peer that stopped answering probes
+            self._disconnect()
         fetched, self.new_fetch_ids = self.new_fetch_ids, []
         return loads, stores, fetched
 
@@ -177,15 +184,25 @@ class Session:
     def add_stored_blocks(self, kv: str, keys: list[bytes], block_ids: list[int], job: int, now: float) -> None:
         self.server.add_stored_blocks(kv, keys, block_ids, job, now)
 
+    def register_lookup(self, kv: str, key: bytes) -> bool | None:
+        return self.client.register_lookup(kv, key)
+
+    def flush_pending_lookups(self, now: float) -> None:
+        self.client.flush_pending_lookups(self.send_ready, now)
+
+    def serve_external_requests(self, parent, now: float) -> None:
+        self.server.serve_external_requests(parent, now)
+
     def finish_request(self, kv: str, now: float) -> None:
         self.client.finish(kv, now)
         self.server.finish(kv)
 
-    def close(self) -> tuple[list[int], list[str], list[int]]:
-        """``(failed load jobs, failed kv ids, failed store jobs)``; sends ``disconnect``."""
+    def close(self) -> tuple[list[int], list[str], list[int], list[str]]:
+        """``(failed load jobs, failed kv ids, failed store jobs, synthetic lookup requests owing
+        on_request_finished)``; sends ``disconnect``."""
         self.registered = None
         jobs, kvs = self.client.close()
-        stores = self.server.close()
+        stores, serves = self.server.close()
         if self.conn is not None:
             try:
                 self.conn.send(m.disconnect())
@@ -193,7 +210,7 @@ class Session:
                 pass
             self.conn.close()
             self.conn = None
-        return jobs, kvs, stores
+        return jobs, kvs, stores, serves
 
     def check_invariants(self) -> None:
         assert not (self.send_ready and self.queued), "P3: a ready session sends directly"

@@ -15,6 +15,7 @@ from kvref.spec.errors import InvalidFieldError, check_int
 from . import messages as m
 from .control import ControlPlane
 from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, P2PTierManager
+from .parent import ScriptedParent, ctx_key
 from .transport import DataPlane
 
 NODES = ("P", "D")
@@ -61,6 +62,7 @@ class P2PWorld:
                                            m.connect(f"{n}:{PORT}", num_blocks, block_len, "", "kvref"),
                                            self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s)
                          for n in NODES}
+        self.parents = {n: ScriptedParent() for n in NODES}  # each engine's tiering manager, as its tier sees it
 
     def _resolve(self, connect_msg: dict) -> DataPlane | None:
         peer = _name(connect_msg["peer_id"])
@@ -117,9 +119,31 @@ class P2PWorld:
         return list(keys), list(chunk_ids)
 
     def lookup(self, node: str, req_id: str, key: bytes) -> str:
+        """The tier's answer for ``key``: HIT / MISS, or RETRY while a symmetric probe is unanswered."""
         if not isinstance(key, bytes) or not key:
             raise InvalidFieldError("key", key, "non-empty bytes")
-        return self._request(node, req_id).lookup(req_id)
+        return self._request(node, req_id).lookup(req_id, key)
+
+    def hold(self, node: str, key: bytes, chunk_id: int, pending: int) -> None:
+        """``node``'s tiering manager holds ``key`` at primary slot ``chunk_id`` (answering
+        HIT_PENDING to the next ``pending`` lookups), or no longer holds it (``pending < 0``)."""
+        self._live(node)
+        self._slots([chunk_id])
+        self.parents[node].hold(key, chunk_id, pending)
+
+    def serve(self, node: str) -> None:
+        """``serve_external_requests``: the tier answers its peers' lookups against its parent."""
+        self._live(node).serve_external_requests(self.parents[node], self.now)
+
+    def schedule_end(self, node: str) -> None:
+        """``on_schedule_end``: the lookups registered in this step go out."""
+        self._live(node).on_schedule_end(self.now)
+
+    def parent_log(self, node: str) -> list[tuple]:
+        """Every call ``node``'s tier made to its parent, in order; then the synthetic requests
+        still open (``("open", kv, lookup)``, sorted)."""
+        parent = self.parents[_node(node)]
+        return list(parent.log) + [("open", *ctx_key(c)) for c in sorted(parent.open, key=ctx_key)]
 
     def submit_store(self, node: str, req_id: str, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> None:
         mgr = self._request(node, req_id)
@@ -212,10 +236,15 @@ class P2PWorld:
                       for kv, st in s.client.requests.items() if st.loads}
             srv = s.server
             rounds = {kv: sorted((r, rnd.demand_received, rnd.inflight, rnd.remaining, rnd.cancelled,
-                                  rnd.finishing, tuple(sorted(rnd.pending_jobs)))
+                                  rnd.finishing, tuple(sorted(rnd.pending_jobs)), rnd.lookup_supplied)
                                  for r, rnd in st.outbound.items())
                       for kv, st in srv.requests.items() if st.outbound}
+            probes = {kv: sorted(st.probes.items()) for kv, st in s.client.requests.items() if st.probes}
+            lookups = {kv: (len(st.pending_lookups), sorted((i, lu.round_seq, sorted(lu.pending))
+                                                           for i, lu in st.lookups.items()))
+                       for kv, st in srv.requests.items() if st.lookups or st.pending_lookups}
             sessions[_name(pid)] = dict(ready=s.send_ready, alive=s.alive, client=client, rounds=rounds,
+                                 probes=probes, lookups=lookups,
                                  store_jobs=sorted(srv.store_jobs), inflight=len(srv.inflight),
                                  aborts=sorted(srv.pending_aborts), fault=srv.peer_fault)
         plane = self.planes[node]

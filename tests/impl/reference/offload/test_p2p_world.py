@@ -131,15 +131,69 @@ def test_idle_sessions_are_evicted_only_where_peer_slots_are_scarce():
     assert set(w.snapshot("D")["sessions"]) == {"P"}
 
 
+def _step(w: P2PWorld, n: int = 2) -> list:
+    """``n`` scheduler steps of both engines: serve the peer's lookups, end the step, poll."""
+    out = []
+    for _ in range(n):
+        for node in ("P", "D"):
+            w.serve(node)
+            w.schedule_end(node)
+        w.complete_transfers("P", 8, True)
+        out += w.poll("P") + w.poll("D")
+        w.check_invariants()
+    return out
+
+
+def test_a_symmetric_consumer_probes_then_fetches_what_the_peer_pinned():
+    """``remote_kv_source``: lookups answer RETRY until P's serve resolves them against its tiering
+    manager (a HIT_PENDING key is asked again at the next serve), the hits are pinned as that
+    round's supply, and the fetch of the confirmed keys moves their bytes."""
+    w = P2PWorld()
+    w.write("P", [0, 1], [b"a" * 16, b"b" * 16])
+    w.hold("P", b"k0", 0, 0)
+    w.hold("P", b"k1", 1, 1)  # still being promoted: one HIT_PENDING first
+    w.new_request("D", "s", "remote_kv_source", "kv0")
+    assert [w.lookup("D", "s", k) for k in K] == ["RETRY", "RETRY"]
+    _step(w, 4)  # handshake, the lookup goes out, P serves it (k1 pending), P serves k1 again
+    assert [w.lookup("D", "s", k) for k in K] == ["HIT", "HIT"]
+    w.submit_load("D", "s", 9, K, [4, 5])
+    done = _step(w)
+    assert (9, True) in done and {(1_000_000, True), (1_000_001, True)} <= set(done)  # the pins end too
+    assert w.read("D", [4, 5]) == [b"a" * 16, b"b" * 16]
+    calls = [c[0] for c in w.parent_log("P")]
+    assert calls == ["on_new_request", "lookup", "lookup", "create_store_job", "lookup", "create_store_job",
+                     "on_request_finished"]  # every synthetic request is finished: nothing left open
+
+
+def test_a_probe_stuck_pending_misses_at_the_deadline_and_an_unpinned_fetch_fails_at_once():
+    w = P2PWorld()
+    w.hold("P", b"k0", 0, 0)
+    w.hold("P", b"k1", 1, 10**6)  # never leaves HIT_PENDING
+    w.new_request("D", "s", "remote_kv_source", "kv0")
+    assert [w.lookup("D", "s", k) for k in K] == ["RETRY", "RETRY"]
+    _step(w, 4)
+    assert [w.lookup("D", "s", k) for k in K] == ["RETRY", "RETRY"]  # P holds the response back
+    w.advance(5)  # LOOKUP_PENDING_TIMEOUT_S after the lookup arrived
+    _step(w, 2)
+    assert [w.lookup("D", "s", k) for k in K] == ["HIT", "MISS"]
+    # a peer out of protocol fetches a key the round holds no pin for: the round fails at once
+    assert w.inject("D", {"type": "fetch", "kv_request_id": "kv0", "keys": K, "block_indexes": [4, 5],
+                          "round_seq": 0})
+    _step(w, 1)
+    assert ("P", "D", ("transfer_done", "kv0", 0, (), (), False, ())) in w.messages()
+
+
 @pytest.mark.parametrize("call, kwargs, field", [
     ("new_request", dict(node="X", req_id="r", role="remote_decoder", kv_request_id="kv"), "node"),
-    ("new_request", dict(node="P", req_id="r", role="remote_kv_source", kv_request_id="kv"), "role"),
+    ("new_request", dict(node="P", req_id="r", role="remote_nowhere", kv_request_id="kv"), "role"),
     ("submit_store", dict(node="P", req_id="nope", job_id=1, keys=K, chunk_ids=[0, 1]), "req_id"),
     ("submit_store", dict(node="P", req_id="p", job_id=1, keys=K, chunk_ids=[0]), "chunk_ids"),
     ("submit_load", dict(node="D", req_id="d", job_id=-1, keys=K, chunk_ids=[0, 1]), "job_id"),
     ("complete_transfers", dict(node="P", count=1, ok="yes"), "ok"),
     ("advance", dict(seconds=-1), "seconds"),
     ("__init__", dict(max_peers=0), "max_peers"),
+    ("hold", dict(node="P", key=b"k", chunk_id=8, pending=0), "chunk_ids"),
+    ("hold", dict(node="P", key=b"k", chunk_id=0, pending=True), "pending"),
     ("__init__", dict(idle_timeout_s=-1), "idle_timeout_s"),
     ("write", dict(node="P", chunk_ids=[9], blocks=[b"x" * 16]), "chunk_ids"),
 ])
