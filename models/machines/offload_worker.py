@@ -251,11 +251,12 @@ def run_chunk_configs(rng, n: int) -> dict:
         cfg = OffloadingConfig.random(rng)
         groups = cfg.kvref_groups()
         opts: dict = {}
+        # every value within len(CHUNK_VALUES) draws, every value in every form within 5 times that
         form = ("blocks", "tokens", "both", "tokens", "neither")[i % 5]
-        if form in ("blocks", "both"):  # every value in every form within 5 * len(CHUNK_VALUES) draws
-            opts["blocks_per_chunk"] = CHUNK_VALUES[i // 5 % len(CHUNK_VALUES)]
+        if form in ("blocks", "both"):
+            opts["blocks_per_chunk"] = CHUNK_VALUES[i % len(CHUNK_VALUES)]
         if form in ("tokens", "both"):
-            value = CHUNK_VALUES[i // 5 % len(CHUNK_VALUES)] if form == "tokens" else rng.choice(CHUNK_VALUES)
+            value = CHUNK_VALUES[i % len(CHUNK_VALUES)] if form == "tokens" else rng.choice(CHUNK_VALUES)
             opts["block_size"] = value * cfg.block_size if type(value) is int and rng.random() < 0.5 else value
             if type(opts["block_size"]) is int and opts["block_size"] <= 0:
                 opts["block_size"] = cfg.block_size  # vLLM's finding, not drawn (see above)
