@@ -318,6 +318,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.distributed.nixl_utils", "NixlWrapper"),
         _b("vllm.distributed.nixl_utils", "nixl_agent_config"),
         _b("vllm.v1.kv_offload.tiering.p2p.manager", "envs"),
+        _b("vllm.v1.kv_offload.base", "LookupResult"),
+        _b("vllm.v1.kv_offload.tiering.base", "ParentManager"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.session", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.client", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.server", "time"),
