@@ -267,6 +267,20 @@ _add(
           bug="PR 48017, PR 51482", behaviour="free-order"),
 )
 
+# DCP at runtime (issue #23): conform-kv-manager's DCP/PCP pools (models/machines/context_parallel.py)
+_add(
+    fault("stm.dcp_lookup_unscaled", _STM,
+          "            # the sharded block size.\n            block_size *= dcp_world_size\n",
+          "            # the sharded block size.\n            pass\n",
+          CLASSIC, "dropped scaling: full-attention lookups under DCP read the hashes at the unscaled block "
+                   "(hits of the wrong length, blocks of another prefix)", behaviour="prefix-cache"),
+    fault("utils.dcp_partial_hits_strict", _UTILS,
+          "            or (dcp_world_size > 1 and spec.block_size >= hash_block_size)",
+          "            or (dcp_world_size > 1 and spec.block_size > hash_block_size)",
+          CLASSIC, "wrong comparison: DCP no longer turns fine-grained hits on for a Mamba block equal to the "
+                   "hash block (hits land on scheduler blocks only)", behaviour="prefix-cache"),
+)
+
 # --------------------------------------------------------------------------------------------
 # scheduler (v1/core/sched/)
 
