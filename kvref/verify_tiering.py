@@ -17,11 +17,13 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
         return skipped
     from kvref.impl.vllm.tiering import TierTimeout
     from kvref.models.machines.tiering import TieringDivergence, run_traces
+    from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
 
     n = ctx.examples(6, 60)
     try:
         stats = run_traces(ctx.seed, n)
-    except (TieringDivergence, TierTimeout) as exc:
+        stats.update(run_config_cases(ctx.seed, ctx.examples(6, 30)))
+    except (TieringDivergence, TierTimeout, ConfigDivergence) as exc:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's tiering manager diverged from the reference",
                            details=[text[:2000]], signature=f"{NAME}: {str(exc).split(':')[0][:80]}")
@@ -29,5 +31,6 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{stats['traces']} tiering traces ({stats['ops']} ops, {stats['retries']} RETRY answers, "
                        f"{stats['promotions']} HIT_PENDING answers, {stats['io_errors']} injected I/O errors, "
                        f"{stats['kvcr_traces']} traces with a KVCR tier, {stats['kvcr_copy_failures']} failed KVCR "
-                       f"copies, {stats['poll_rounds']} tier-poll rounds, {stats['peer_pins']} peer pins) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
+                       f"copies, {stats['poll_rounds']} tier-poll rounds, {stats['peer_pins']} peer pins; {stats['configs']} "
+                       f"KVCR configs, {stats['configs_refused']} refused as the reference says) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
                        "events, metrics and bytes agree with the reference", examined=stats["ops"])

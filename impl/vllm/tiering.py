@@ -459,9 +459,11 @@ class VllmTiering:
 
 
 def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",
-                       enable_events: bool = True) -> VllmTiering:
+                       enable_events: bool = True, self_describing_events: bool | None = None) -> VllmTiering:
     """vLLM's tiering manager for ``tiers`` (dicts: ``type`` "fs" or "example", optional
-    ``backpressure`` as vLLM's tier config takes it); fs tiers get their own temporary directory."""
+    ``backpressure`` as vLLM's tier config takes it); fs tiers get their own temporary directory.
+    ``self_describing_events``: the spec's ``self_describing_kv_events`` (default: on when a
+    KVCR tier is configured, which needs it for its local DRAM inventory)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -493,7 +495,8 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * 4096,
                       "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs,
                       # KVCR's local-DRAM inventory events name their tier (kvcr refuses otherwise)
-                      "self_describing_kv_events": any(t["type"] == "kvcr" for t in tiers),
+                      "self_describing_kv_events": (any(t["type"] == "kvcr" for t in tiers)
+                                                    if self_describing_events is None else self_describing_events),
                       # a tier-poll thread (for tiers that opt in) that waits an hour between rounds:
                       # the trace runs the rounds (VllmTiering.poll_tiers)
                       "tier_poll_interval_s": 3600.0},

@@ -126,3 +126,28 @@ def test_finds_a_poll_round_that_leaves_the_step_gate_shut(monkeypatch):
     msg = _finds(monkeypatch, "vllm.v1.kv_offload.tiering.manager:TieringOffloadingManager.poll_tiers", sticky,
                  POLLED_LAYOUTS)
     assert "vLLM" in msg
+
+
+def test_kvcr_configs_are_refused_as_the_reference_says():
+    """Generated KVCR tier configs behind an fs tier: vLLM builds exactly those the reference
+    accepts, refuses the others with the rule's exception, and shuts the fs tier it built down."""
+    _require_kvcr()
+    from kvref.models.machines.tiering_config import run_config_cases
+
+    n = profile_examples(8, 30)
+    stats = run_config_cases(0, n)
+    assert stats["configs"] == n
+    assert stats["configs_accepted"] > 0 and stats["configs_refused"] > 0, stats
+
+
+def test_finds_a_kvcr_tier_that_accepts_any_router(monkeypatch):
+    """Planted: vLLM's KVCR tier no longer requires the router_hint capability."""
+    _require_kvcr()
+    import vllm.v1.kv_offload.tiering.kvcr.manager as km
+
+    from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
+
+    monkeypatch.setattr(km, "_REQUIRED_ROUTER_CAPABILITIES", frozenset())
+    with pytest.raises(ConfigDivergence, match="router"):
+        for seed in range(6):
+            run_config_cases(seed, 10)

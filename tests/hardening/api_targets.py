@@ -903,6 +903,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference import block_hash as bh
     from kvref.impl.reference.offload import boundary_stores, chunk_config, keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
+    from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
     from kvref.impl.run_trace.writer import compression_for
@@ -1071,6 +1072,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
         "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
+        "kvcr_config_error": (kvcr_config_error, dict(  # issue #22: KVCR tier configs vLLM refuses
+            cfg={"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
+                 "secondary_g2_slots": 2, "policy": "lru"}, events=True, self_describing=True)),
         # issue #22: streaming-input sessions
         **_streaming_functions(),
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),

@@ -162,3 +162,29 @@ def test_bad_arguments_are_named():
     m, tier, ctx = _world()
     with pytest.raises(InvalidFieldError, match="exclude_tier_idx"):
         m.lookup(_key(0), ctx, exclude_tier_idx=5)
+
+
+def test_kvcr_config_rules_in_vllms_order():
+    from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
+
+    ok = {"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
+          "secondary_g2_slots": 2, "policy": "lru"}
+    assert kvcr_config_error(ok, True, True) is None
+    assert kvcr_config_error(ok, True, False) == ("ValueError", "self_describing_kv_events")
+    assert kvcr_config_error(ok, False, False) is None  # no events: no inventory to describe
+    assert kvcr_config_error({**ok, "policy": "mru"}, True, True) == ("ValueError", "policy")
+    assert kvcr_config_error({**ok, "policy": "kvcr.policy.PlacementAction"}, True, True) == ("TypeError", "policy")
+    assert kvcr_config_error({**ok, "policy": "kvref_no_such.Policy"}, True, True) == ("ImportError", "policy")
+    assert kvcr_config_error({**ok, "policy": "g3_lru"}, True, True) == ("ValueError", "policy")
+    # the policy rule comes first, then the service pairing, then the router
+    assert kvcr_config_error({**ok, "policy": "mru", "router_capabilities": []}, True, True)[1] == "policy"
+    assert kvcr_config_error({**ok, "compatibility_digest": "d", "router_capabilities": []}, True, True)[1] == \
+        "kvcr_service_socket_path"
+    assert kvcr_config_error({**ok, "router_capabilities": None}, True, True)[1] == "router_capabilities"
+    assert kvcr_config_error({**ok, "control_ports": [1, 2]}, True, True)[1] == "control_ports"
+    assert kvcr_config_error({**ok, "control_ports": [0]}, True, True)[1] == "control_ports"
+    assert kvcr_config_error({**ok, "secondary_g2_slots": -1}, True, True)[1] == "secondary_g2_slots"
+    with pytest.raises(InvalidFieldError, match="cfg"):
+        kvcr_config_error({"type": "fs"}, True, True)
+    with pytest.raises(InvalidFieldError, match="events"):
+        kvcr_config_error(ok, "yes", True)
