@@ -147,7 +147,10 @@ class OffloadingConfig:
             if sub.random() < 1 / 2:  # a pure Mamba model: the state group alone
                 base.update(mamba_only=True, sliding_window=None, extra_retained_tokens=0)
                 base.pop("attention_chunk_size", None)
-        if sub.random() < 1 / 3:
+        # not with a Mamba group: a synchronous load on FA + SWA + Mamba "align" can make
+        # allocate_slots raise (no free block) in vLLM 0.33.0 and the reference alike (not yet
+        # understood; docs/offload.md)
+        if sub.random() < 1 / 3 and not base.get("mamba_align"):
             base["sync_load_budget_bytes"] = sub.choice([64, 128, 256, 512, 10**6])
         return cls(**base)
 
