@@ -19,7 +19,7 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.models.machines.tiering import TieringDivergence, run_traces
     from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
 
-    n = ctx.examples(6, 60)
+    n = ctx.examples(8, 60)  # 8: three draw the KVCR, polled and obj tiers, five any layout
     try:
         stats = run_traces(ctx.seed, n)
         stats.update(run_config_cases(ctx.seed, ctx.examples(6, 30)))

@@ -42,6 +42,8 @@ POLLED = "PolledTier"
 TIER_LAYOUTS = (("fs",), ("fs", "example"), ("example", "fs"), ("fs", "fs"), ("fs", REQUEST_LEVEL),
                 (REQUEST_LEVEL, "fs"), ("obj",), ("obj", "fs"), ("kvcr",), ("kvcr", "fs"), ("fs", "kvcr"),
                 (POLLED, "fs"), ("fs", POLLED), (REQUEST_LEVEL, POLLED))
+#: every run of this many traces or more draws a layout with each of these tiers
+MUST_DRAW = ("kvcr", POLLED, "obj")
 #: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
 ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
@@ -703,15 +705,16 @@ def run_traces(seed: int, n: int, n_ops: tuple[int, int] = (25, 60), layouts=Non
         raise InvalidFieldError("layouts", layouts, f"None or tier layouts from {TIER_LAYOUTS}")
     rng = random.Random(f"conform-tiering-{seed}")
     total = {"traces": 0, "kvcr_traces": 0, "polled_traces": 0}
+    drawn: list[tuple[str, ...]] = []
     for t in range(n):
         cfg = TieringConfig.random(rng)
         if layouts is not None:
             cfg.tiers = rng.choice(list(layouts))
-        # every run of 3 traces or more drives the KVCR tier and the tier-poll thread too
-        if layouts is None and t == n - 1 and n >= 3 and not total["kvcr_traces"]:
-            cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if "kvcr" in lay])
-        if layouts is None and t == n - 2 and n >= 3 and not total["polled_traces"]:
-            cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if POLLED in lay])
+        elif n >= len(MUST_DRAW):  # every run of a few traces drives each kind of tier at least once
+            missing = [kind for kind in MUST_DRAW if not any(kind in lay for lay in drawn)]
+            if missing and n - t <= len(missing):
+                cfg.tiers = rng.choice([lay for lay in TIER_LAYOUTS if missing[0] in lay])
+        drawn.append(cfg.tiers)
         stats, _ = run_trace(cfg, random.Random(rng.random()), rng.randint(*n_ops))
         for k, val in stats.items():
             total[k] = total.get(k, 0) + val
