@@ -436,6 +436,9 @@ class VllmP2PWorld:
     def complete_transfers(self, node: str, count: int, ok: bool) -> int:
         return self.agents[node].complete(count, ok)
 
+    def break_transfers(self, node: str, count: int, error: str) -> int:
+        return self.agents[node].break_writes(count, error)
+
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
 
@@ -515,6 +518,7 @@ class VllmP2PWorld:
                        for h, local, remote in self.agents[node].pending_writes() if h is e.handle],
             peers=sorted(name.get(p, p) for p in data._remote_dlists),
             strikes={name.get(p, p): n for p, n in sorted(data._peer_strikes.items())},
+            broken=sorted(tid for tid, e in data._inflight.items() if id(e.handle) in self.agents[node].broken),
             faults={name.get(p, p): c for p, c in sorted(data._peer_faults.items())})
 
     # -- plumbing ---------------------------------------------------------------------------------

@@ -39,6 +39,18 @@ from typing import Any
 LAND_TIMEOUT_S = 5.0
 
 
+class nixlRemoteDisconnectError(RuntimeError):  # noqa: N801 - NIXL's name, which vLLM matches by type name
+    """NIXL's error for a WRITE whose target endpoint is gone (terminal: nothing more lands)."""
+
+
+class nixlNotFoundError(RuntimeError):  # noqa: N801
+    """NIXL's error for a handle or remote agent it no longer knows (the WRITE may still land)."""
+
+
+#: the errors a broken WRITE's state check raises, by the name the world is given
+NIXL_ERRORS = {"remote_disconnect": nixlRemoteDisconnectError, "not_found": nixlNotFoundError}
+
+
 class LandTimeout(RuntimeError):
     """A WRITE the trace let land was not reported DONE by NIXL in time (or reported ERR)."""
 
@@ -69,6 +81,7 @@ class HeldAgent:
         agents[slot] = self
         self.held: list[Any] = []  # posted WRITE handles, oldest first, not yet resolved
         self.resolved: dict[int, tuple[Any, str]] = {}  # id(handle) -> (handle, "DONE" | "ERR")
+        self.broken: dict[int, tuple[Any, str]] = {}  # id(handle) -> (handle, error name): its state check raises
         self.remotes: list[str] = []  # remote agents this world loaded
         self.dlists: list[Any] = []
         self._dlist_owner: dict[int, str] = {}  # id(remote dlist) -> the remote agent it addresses
@@ -142,6 +155,9 @@ class HeldAgent:
     def check_xfer_state(self, handle) -> str:
         if any(h is handle for h in self.held):
             return "PROC"
+        broken = self.broken.get(id(handle))
+        if broken is not None:
+            raise NIXL_ERRORS[broken[1]](f"getXferStatus: {broken[1]} (injected by the trace)")
         entry = self.resolved.get(id(handle))
         if entry is not None:
             return entry[1]
@@ -150,6 +166,7 @@ class HeldAgent:
     def release_xfer_handle(self, handle) -> None:
         self.held = [h for h in self.held if h is not handle]  # never posted: nothing lands
         self.resolved.pop(id(handle), None)
+        self.broken.pop(id(handle), None)
         self.writes.pop(id(handle), None)
         self.real.release_xfer_handle(handle)
 
@@ -164,6 +181,15 @@ class HeldAgent:
             if land:
                 self._land(handle)
             self.resolved[id(handle)] = (handle, "DONE" if land else "ERR")
+        return len(done)
+
+    def break_writes(self, count: int, error: str) -> int:
+        """The oldest ``count`` held WRITEs break: from now on their state check raises NIXL's
+        ``error`` (``remote_disconnect``: terminal; ``not_found``: the WRITE may still be landing, so
+        it stays in flight); nothing is written."""
+        done, self.held = self.held[:count], self.held[count:]
+        for handle in done:
+            self.broken[id(handle)] = (handle, error)
         return len(done)
 
     def reachable(self, handle) -> bool:
@@ -193,12 +219,12 @@ class HeldAgent:
     def release_all(self) -> None:
         """Give back whatever the world's transport did not release (a failed trace), so the pooled
         agent starts the next world clean."""
-        for handle in self.held + [h for h, _ in self.resolved.values()]:
+        for handle in self.held + [h for h, _ in self.resolved.values()] + [h for h, _ in self.broken.values()]:
             try:
                 self.real.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - best-effort cleanup of a failed trace
                 pass
-        self.held, self.resolved, self.writes = [], {}, {}
+        self.held, self.resolved, self.writes, self.broken = [], {}, {}, {}
         for name in self.remotes:
             try:
                 self.real.remove_remote_agent(name)

@@ -75,6 +75,7 @@ class Coverage:
     probe_misses: int = 0
     probe_retries: int = 0
     symmetric_loads: int = 0
+    broken: int = 0
 
 
 COVERAGE = Coverage()
@@ -353,6 +354,13 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
         @rule(count=st.integers(1, 2), ok=st.booleans())
         def complete_transfers(self, count: int, ok: bool) -> None:
             self._all("complete_transfers", "P", count, ok)
+
+        @precondition(lambda self: self._alive("P"))
+        @rule(count=st.integers(1, 2), error=st.sampled_from(("remote_disconnect", "not_found")))
+        def break_transfers(self, count: int, error: str) -> None:
+            """NIXL fails P's oldest writes by raising from their state check: a remote disconnect
+            (terminal), or a handle it no longer knows (the write may still land: kept in flight)."""
+            COVERAGE.broken += self._all("break_transfers", "P", count, error)
 
         @precondition(lambda self: self._alive("P") and self._alive("D"))
         @rule(data=st.data())

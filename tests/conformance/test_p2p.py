@@ -89,6 +89,39 @@ def test_vllms_nixl_transport_moves_bytes_when_the_trace_lets_a_write_land():
         world.close()
 
 
+def test_a_write_whose_nixl_state_check_raises_faults_its_peer_as_the_reference_says():
+    """A state check raising ``nixlRemoteDisconnectError`` ends the WRITE (reported failed once, no
+    strike); ``nixlNotFoundError`` keeps it in flight (it may still land, vLLM #59790): a wait-mode
+    cancel keeps it and only an immediate one drops it. Either faults the peer with NIXL's status,
+    in vLLM's transport and in the reference data plane alike."""
+    require_vllm()
+    from kvref.impl.reference.offload.p2p.world import P2PWorld
+    from kvref.impl.vllm.p2p import VllmP2PWorld
+
+    seen = []
+    for world in (VllmP2PWorld(num_blocks=4, block_len=8), P2PWorld(num_blocks=4, block_len=8)):
+        try:
+            world.new_request("D", "d0", "remote_prefiller", "kv0")
+            for _ in range(2):
+                world.poll("P")
+                world.poll("D")
+            plane = world.managers["P"]._data if isinstance(world, VllmP2PWorld) else world.planes["P"]
+            d_id = world.ids["D"] if isinstance(world, VllmP2PWorld) else "D:1"
+            t0, t1 = plane.write_blocks(d_id, [0], [1]), plane.write_blocks(d_id, [0], [2])
+            assert world.break_transfers("P", 1, "remote_disconnect") == 1
+            assert world.break_transfers("P", 1, "not_found") == 1
+            first = plane.poll(d_id)
+            assert list(first[1] if isinstance(first, tuple) else first.failed) == [t0]
+            fault = first[2] if isinstance(first, tuple) else first.peer_fault
+            assert fault == "NIXL_ERR_REMOTE_DISCONNECT"  # the first cause stays
+            assert list(plane.cancel([t1], mode="wait")) == [t1] and world.snapshot("P")["broken"] == [t1]
+            assert list(plane.cancel([t1], mode="immediate")) == [] and world.snapshot("P")["broken"] == []
+            seen.append((world.snapshot("P")["faults"], world.snapshot("P")["strikes"], world.read("D", [1, 2])))
+        finally:
+            world.close()
+    assert seen[0] == seen[1] == ({"D": "NIXL_ERR_REMOTE_DISCONNECT"}, {}, [bytes(8), bytes(8)])
+
+
 def test_closing_a_world_releases_every_zmq_context_even_when_a_shutdown_raises():
     """A context left to the garbage collector was destroyed at an arbitrary later allocation, and
     its ``term()`` blocked the process (the ci-profile stall of #22): ``close`` destroys every one,

@@ -742,6 +742,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("serve", dict(node="P"))
     p2p_case("schedule_end", dict(node="D"))
     p2p_case("parent_log", dict(node="P"))
+    p2p_case("break_transfers", dict(node="P", count=1, error="not_found"))
 
     def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():

@@ -343,7 +343,8 @@ EXCLUDED: dict[str, str] = {
             "Session.request_blocks Session.flush_pending_lookups Session.register_lookup "
             "Session.serve_external_requests", P2P),
     **_each(f"{_P2P}.transport", "DataPlane DataPlane.add_remote_peer DataPlane.cancel DataPlane.complete "
-            "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer DataPlane.set_peer_fault", P2P),
+            "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer DataPlane.set_peer_fault "
+            "DataPlane.break_transfers", P2P),
 }
 
 

@@ -15,6 +15,12 @@ its strikes first; :data:`MAX_CONSECUTIVE_TRANSFER_FAILURES` strikes in a row fa
 a faulted peer is reported in ``poll(peer).peer_fault`` (its first cause only) until it is
 removed. Removing a peer forgets its strikes and its fault.
 
+**Broken transfers** (a state check that raises): the first check of one faults its peer with
+NIXL's status (``NIXL_ERR_REMOTE_DISCONNECT`` / ``NIXL_ERR_NOT_FOUND``), never a strike; a remote
+disconnect is terminal (the poll reports it failed, a wait-mode cancel releases it), while a
+not-found one stays in flight (the WRITE may still be landing, vLLM #59790) until an immediate
+cancel; a wait-mode cancel re-checks it (faulting the peer again if it was removed meanwhile).
+
 Here transfers complete when the trace says (:meth:`DataPlane.complete`), as the vLLM world holds
 NIXL's WRITEs until then; a completed write copies the blocks into the peer's buffer, and a
 write whose peer was removed or has shut down fails (its endpoint is gone).
@@ -25,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_CONSECUTIVE_TRANSFER_FAILURES = 3  # vLLM data/nixl.py _MAX_CONSECUTIVE_TRANSFER_FAILURES
+#: what a broken transfer's state check raises -> the peer-fault status NIXL reports for it
+BREAK_STATUS = {"remote_disconnect": "NIXL_ERR_REMOTE_DISCONNECT", "not_found": "NIXL_ERR_NOT_FOUND"}
 
 
 @dataclass
@@ -33,6 +41,8 @@ class Transfer:
     peer_id: str
     local_idxs: list[int]
     remote_idxs: list[int]
+    error: str | None = None  # broken: what its state check raises (BREAK_STATUS)
+    struck: bool = False  # its failed check already faulted the peer (a poll charges it once)
 
 
 @dataclass
@@ -47,6 +57,7 @@ class DataPlane:
     finished: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     faults: dict[str, str] = field(default_factory=dict)
     strikes: dict[str, int] = field(default_factory=dict)
+    broken: list[Transfer] = field(default_factory=list)
     next_id: int = 0
     closed: bool = False
 
@@ -86,10 +97,27 @@ class DataPlane:
             self.finished.setdefault(t.peer_id, ([], []))[0 if landed else 1].append(t.transfer_id)
         return len(done)
 
+    def break_transfers(self, count: int, error: str) -> int:
+        """The oldest ``count`` pending transfers break (their state check raises ``error``)."""
+        done, self.pending = self.pending[:count], self.pending[count:]
+        for t in done:
+            t.error = error
+        self.broken += done
+        return len(done)
+
     def poll(self, peer_id: str | None = None) -> tuple[list[int], list[int], str | None]:
         """``(done, failed, peer_fault)`` since the last poll (of ``peer_id``, or of every peer)."""
         done: list[int] = []
         failed: list[int] = []
+        for t in sorted(self.broken, key=lambda t: t.transfer_id):
+            if peer_id is not None and t.peer_id != peer_id:
+                continue
+            if not t.struck:
+                self.set_peer_fault(t.peer_id, BREAK_STATUS[t.error])
+                t.struck = True
+            if t.error == "remote_disconnect":  # terminal: reported failed, no strike
+                self.broken.remove(t)
+                failed.append(t.transfer_id)
         struck: list[str] = []
         for p in [peer_id] if peer_id is not None else list(self.finished):
             d, f = self.finished.pop(p, ([], []))
@@ -107,7 +135,20 @@ class DataPlane:
     def cancel(self, transfer_ids: list[int], mode: str = "immediate") -> list[int]:
         ids = set(transfer_ids)
         pending = {t.transfer_id for t in self.pending}
-        still = [] if mode == "immediate" else [t for t in transfer_ids if t in pending]
+        broken = {t.transfer_id: t for t in self.broken}
+        if mode == "immediate":
+            still = []
+        else:
+            still = []
+            for tid in transfer_ids:
+                t = broken.get(tid)
+                if t is not None:  # its state check raises again: the peer is faulted
+                    self.set_peer_fault(t.peer_id, BREAK_STATUS[t.error])
+                    if t.error != "remote_disconnect":
+                        still.append(tid)
+                elif tid in pending:
+                    still.append(tid)
+        self.broken = [t for t in self.broken if t.transfer_id not in ids or t.transfer_id in still]
         released = ids - set(still)  # a finished transfer is released here: no later poll reports it
         self.pending = [t for t in self.pending if t.transfer_id not in released]
         for p, (d, f) in list(self.finished.items()):
@@ -117,6 +158,7 @@ class DataPlane:
     def close(self) -> None:
         self.closed = True
         self.pending.clear()
+        self.broken.clear()
         self.finished.clear()
         self.peers.clear()
         self.faults.clear()

@@ -16,7 +16,7 @@ from . import messages as m
 from .control import ControlPlane
 from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, P2PTierManager
 from .parent import ScriptedParent, ctx_key
-from .transport import DataPlane
+from .transport import BREAK_STATUS, DataPlane
 
 NODES = ("P", "D")
 MAX_BUFFER_BYTES = 1 << 26
@@ -166,6 +166,15 @@ class P2PWorld:
             raise InvalidFieldError("ok", ok, "a bool")
         return self.planes[node].complete(count, ok)
 
+    def break_transfers(self, node: str, count: int, error: str) -> int:
+        """The oldest ``count`` pending writes of ``node`` break: their state check raises NIXL's
+        ``error`` (``remote_disconnect``: terminal; ``not_found``: they stay in flight)."""
+        self._live(node)
+        check_int("count", count, minimum=0)
+        if not isinstance(error, str) or error not in BREAK_STATUS:
+            raise InvalidFieldError("error", error, f"one of {sorted(BREAK_STATUS)}")
+        return self.planes[node].break_transfers(count, error)
+
     def advance(self, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise InvalidFieldError("seconds", seconds, "a non-negative number")
@@ -255,6 +264,7 @@ class P2PWorld:
             transfers=[(t.transfer_id, _name(t.peer_id), t.local_idxs, t.remote_idxs) for t in plane.pending],
             peers=sorted(_name(p) for p in plane.peers),
             strikes={_name(p): n for p, n in sorted(plane.strikes.items())},
+            broken=sorted(t.transfer_id for t in plane.broken),
             faults={_name(p): c for p, c in sorted(plane.faults.items())})
 
     def check_invariants(self) -> None:

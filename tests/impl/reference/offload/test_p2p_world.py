@@ -194,6 +194,7 @@ def test_a_probe_stuck_pending_misses_at_the_deadline_and_an_unpinned_fetch_fail
     ("__init__", dict(max_peers=0), "max_peers"),
     ("hold", dict(node="P", key=b"k", chunk_id=8, pending=0), "chunk_ids"),
     ("hold", dict(node="P", key=b"k", chunk_id=0, pending=True), "pending"),
+    ("break_transfers", dict(node="P", count=1, error="melted"), "error"),
     ("__init__", dict(idle_timeout_s=-1), "idle_timeout_s"),
     ("write", dict(node="P", chunk_ids=[9], blocks=[b"x" * 16]), "chunk_ids"),
 ])
