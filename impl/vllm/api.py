@@ -271,6 +271,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
     "offload-worker": (
         _b(_CONN_V1 + ".offloading_connector", "OffloadingConnector"),
         _b(_CONN_V1 + ".offloading.canonical_mapping", "derive_canonical_mappings"),
+        _b(_CONN_V1 + ".offloading.config", "build_offloading_config"),  # the chunk-option sweep
         _b(_CONN_V1 + ".base", "KVConnectorRole"),
         _b("vllm.distributed.kv_transfer.kv_connector.utils", "KVOutputAggregator"),
         _b("vllm.utils.math_utils", "cdiv"),
