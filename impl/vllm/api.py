@@ -292,6 +292,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"),
         _b("vllm.v1.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager"),
         _b("vllm.v1.kv_offload.tiering.base", "TransferJob"),
+        _b("vllm.v1.kv_offload.tiering.base", "JobResult"),  # kvref's PolledTier reports peer pins (#22)
         _b("vllm.v1.kv_offload.file_mapper", "FileMapper"),
         _b(_OFF_BASE, "make_offload_key"),
         _b(_OFF_BASE, "OffloadPolicy"),
