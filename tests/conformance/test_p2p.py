@@ -47,7 +47,9 @@ def test_a_wrong_abort_round_in_the_reference_is_found(monkeypatch):
     monkeypatch.setattr(messages, "abort_fetch", lambda kv, rnd: real(kv, rnd + 1))
     ok, failure, _ = _run(40)
     assert not ok
-    assert "abort_fetch" in failure and "diverged" in failure
+    # the same derandomized run agrees without the plant (the generated test); here the first
+    # observable to differ is the abort message or the bookkeeping it leaves (rounds, loads)
+    assert "diverged" in failure and ("abort_fetch" in failure or "snapshot" in failure), failure[:2000]
 
 
 def test_vllms_nixl_transport_moves_bytes_when_the_trace_lets_a_write_land():
