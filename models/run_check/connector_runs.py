@@ -63,14 +63,19 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
 
 
 def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 30,
-                          setups=None, strict: bool = True, anonymize: bool = False) -> list[RecordedRun]:
+                          setups=None, strict: bool = True, anonymize: bool = False,
+                          pause: bool = False) -> list[RecordedRun]:
     """Record ``examples`` generated connector runs of vLLM's scheduler into ``directory``.
 
     Raises the machine's failure (an AssertionError naming it) when vLLM's run itself broke an
     invariant of the machine (a liveness failure that is not a known vLLM 0.33.0 hang) — unless not
     ``strict`` (a vLLM with a planted fault): the runs recorded up to that one are returned, it
     included. ``anonymize``: record as ``KVREF_RECORD_ANONYMIZE=1`` does (the connector's answers
-    name the anonymous request ids).
+    name the anonymous request ids). ``pause``: the connector machine with the pause rules
+    (:func:`~kvref.models.machines.scheduler_pause._connector_pause_machine`: pause states drawn
+    while requests run or wait holding KV blocks, PAUSED_NEW while loads are in flight), so the
+    traces carry ``pause`` records beside the connector's answers (#28); not with ``setups`` (that
+    machine draws the connector machine's own setups).
     """
     from kvref.models.machines.scheduler import run_lockstep_machine
     from kvref.models.machines.scheduler_connector import ConnectorLockstep, connector_machine
@@ -100,9 +105,26 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                     self.lost_update = True
                 raise
 
-    machine = connector_machine({"vllm": _recording_factory(holder, directory, runs, anonymize)}, setups=setups,
-                                name="RecordedConnectorRun")
-    machine.driver_class = Recorded
+    factories = {"vllm": _recording_factory(holder, directory, runs, anonymize)}
+    if pause:
+        from kvref.models.machines.scheduler_pause import PauseDriving, _connector_pause_machine
+
+        if setups is not None:
+            from kvref.spec.errors import InvalidFieldError
+
+            raise InvalidFieldError("setups", setups, "None with pause=True (the connector pause machine draws "
+                                    "its own setups)")
+
+        class RecordedPause(PauseDriving, Recorded):
+            def compare(self, what: str) -> None:
+                # not the polled counts: make_stats() would reset the counters the recorder reads
+                # from update_from_output's return value (the metrics endpoint's view)
+                Recorded.compare(self, what)
+
+        machine = _connector_pause_machine(factories, RecordedPause)
+    else:
+        machine = connector_machine(factories, setups=setups, name="RecordedConnectorRun")
+        machine.driver_class = Recorded
     base_teardown = machine.teardown
 
     def teardown(self):

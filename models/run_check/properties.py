@@ -147,6 +147,10 @@ class RunProperties:
         #: requests whose async load failed whole under the recompute policy (failed_recving): vLLM
         #: 0.33.0 keeps them in _inflight_prefills, the self-reservation hang's precondition
         self.failed_whole: set[str] = set()
+        #: requests given an asynchronous load and not scheduled since: vLLM 0.33.0 queued them in
+        #: kv_holding_waiting, which PAUSED_NEW still drains, also after a load that failed whole
+        #: freed their blocks (they stay queued there; generated connector pause runs, #28)
+        self.remote_waited: set[str] = set()
         conn = header.get("connector") or {}
         self.recompute_failures = conn.get("kv_load_failure_policy", "recompute") == "recompute"
         #: request -> the table request_finished was handed (any finish): blocks a windowed group
@@ -319,6 +323,7 @@ class RunProperties:
                 continue
             rid, r = e[1], self.reqs[e[1]]
             self.loading.add(rid)
+            self.remote_waited.add(rid)
             self._release(rid)
             r.tables = [[] for _ in range(self.num_groups)]
             r.filled = [0] * self.num_groups
@@ -381,6 +386,7 @@ class RunProperties:
         self.exempt.discard(rid)
         self.load_zeroed.discard(rid)
         self.failed_whole.discard(rid)
+        self.remote_waited.discard(rid)
         del self.reqs[rid]
         self.finish_reasons[reason] += 1
 
@@ -419,6 +425,7 @@ class RunProperties:
         self._starvation(line, rec, rows)
         if self.paused:
             self._paused(line, rows)
+        self.remote_waited.difference_update(row[0] for row in rows)
         tokens = 0
         settled = []
         for rid, kind, n, computed, blocks in rows:
@@ -484,7 +491,11 @@ class RunProperties:
     def _paused(self, line: int, rows: list) -> None:
         """What a pause lets run (vLLM's ``set_pause_state``): under PAUSED_ALL nothing, under
         PAUSED_NEW running requests and the waiting ones that already hold KV blocks (a finished
-        asynchronous load), never a request admitted without blocks."""
+        asynchronous load), never a request admitted without blocks. vLLM 0.33.0 decides by queue,
+        not by blocks: a request whose asynchronous load failed whole (recompute policy) had its
+        blocks freed but stays in ``kv_holding_waiting``, which PAUSED_NEW drains, so it is admitted
+        and recomputes its prompt under the pause; allowed here (``remote_waited``) as vLLM does
+        it (a generated connector pause run, seed 6, #28)."""
         if self.paused == 2 and rows:
             self._find("scheduled_while_paused", line, f"PAUSED_ALL, yet the step schedules {len(rows)} request(s) "
                        f"({', '.join(row[0] for row in rows[:4])}): a paused scheduler schedules nothing")
@@ -492,7 +503,8 @@ class RunProperties:
             for rid, kind, _n, _computed, _blocks in rows:
                 r = self.reqs.get(rid)
                 # (an inexact connector run does not track which waiting requests hold blocks)
-                if kind != "c" and not (r is not None and r.async_held) and (self.exact or not self.connector):
+                held = r is not None and (r.async_held or rid in self.remote_waited)
+                if kind != "c" and not held and (self.exact or not self.connector):
                     self._find("scheduled_while_paused", line,
                                f"PAUSED_NEW, yet {rid} is admitted ({'resumed' if kind == 'r' else 'new'}, holding no "
                                "KV blocks): only running requests and requests holding KV blocks may run")
