@@ -17,6 +17,8 @@ with ``PYTHONPATH`` pointing at an older kvref tree to measure that checker on t
 ``--seeds``: the generator honours its seed (#28), so several seeds draw more runs per fault.
 ``--generator pause``: runs with scheduler pause states (``models/run_check/pause_runs.py``) and
 two pause faults (``pause-ignored``, ``pause-all-as-new``) instead of ``unfenced-free``.
+``--generator connector-pause``: connector runs with pause states (``record_connector_runs(...,
+pause=True)``), the two pause faults and ``unfenced-free``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def _recorder(generator: str):
         return record_pause_runs
     from kvref.models.run_check.connector_runs import record_connector_runs
 
+    if generator == "connector-pause":
+        return lambda *a, **k: record_connector_runs(*a, pause=True, **k)
     return record_connector_runs
 
 
@@ -51,7 +55,8 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -
                "pause-ignored": ("set_pause_state", lambda self, state: None),
                "pause-all-as-new": ("set_pause_state", lambda self, state, _set=Scheduler.set_pause_state: _set(
                    self, PauseState.PAUSED_NEW if state == PauseState.PAUSED_ALL else state))}
-    extra = ("pause-ignored", "pause-all-as-new") if generator == "pause" else ("unfenced-free",)
+    extra = {"pause": ("pause-ignored", "pause-all-as-new"), "connector": ("unfenced-free",),
+             "connector-pause": ("pause-ignored", "pause-all-as-new", "unfenced-free")}[generator]
     for fault in ("pristine",) + extra + tuple(f for f in FAULTS if f != "short-lookahead"):
         runs = []
         for seed in seeds:
@@ -103,8 +108,8 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("--examples", type=int, default=40)
     ap.add_argument("--seeds", default="2", help="comma-separated seeds (each records --examples runs per fault)")
-    ap.add_argument("--generator", choices=("connector", "pause"), default="connector",
-                    help="connector runs (default) or runs with scheduler pause states")
+    ap.add_argument("--generator", choices=("connector", "pause", "connector-pause"), default="connector",
+                    help="connector runs (default), runs with scheduler pause states, or connector runs with them")
     a = ap.parse_args()
     from kvref.quiet import quiet_third_party
 
