@@ -154,9 +154,14 @@ class KVConnectorOutput:
     #: replay in another process: vLLM iterates sets of str ids, whose order follows the process's
     #: hash seed, and the frees follow it); empty: iterate as vLLM would here (a set)
     order: tuple[str, ...] = ()
+    #: the order in which the recorded engine finished the requests whose load failed (vLLM's
+    #: ``finish_requests(error_req_ids)``, a set of its own): it may disagree with ``order``'s
+    #: ranking of ``finished_recving`` (two sets iterated one after the other), so one rank cannot
+    #: serve both; empty: use ``order``
+    error_order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("finished_sending", "finished_recving", "failed_recving", "order"):
+        for name in ("finished_sending", "finished_recving", "failed_recving", "order", "error_order"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(x, str) for x in value):
                 raise InvalidFieldError(name, value, "a tuple of request ids")
@@ -719,11 +724,13 @@ def _handle_invalid_blocks(sched: "Scheduler", invalid: set[int], num_scheduled_
     return sync_failed
 
 
-def _in_order(ids, kv_output: KVConnectorOutput | None):
-    """``set(ids)`` (vLLM's iteration), or in the recorded engine's order (``kv_output.order``)."""
-    if kv_output is None or not kv_output.order:
+def _in_order(ids, kv_output: KVConnectorOutput | None, errors: bool = False):
+    """``set(ids)`` (vLLM's iteration), or in the recorded engine's order (``kv_output.order``;
+    ``errors``: its ``error_order`` where recorded)."""
+    order = kv_output and ((errors and kv_output.error_order) or kv_output.order)
+    if not order:
         return set(ids)
-    rank = {rid: i for i, rid in enumerate(kv_output.order)}
+    rank = {rid: i for i, rid in enumerate(order)}
     return sorted(set(ids), key=lambda rid: rank.get(rid, len(rank)))
 
 
@@ -734,7 +741,7 @@ def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed
     if failed and not st.recompute_kv_load_failures:
         error_ids.update(failed)
     if error_ids:
-        finish_requests(sched, _in_order(error_ids, kv_output), "error")
+        finish_requests(sched, _in_order(error_ids, kv_output, errors=True), "error")
     if kv_output is None:
         return
     st.connector.update_connector_output(kv_output)

@@ -69,7 +69,7 @@ def kv_output(kvo: dict | None, fin=()) -> KVConnectorOutput | None:
     order = _merged_order([list(kvo.get("r", ())), list(kvo.get("s", ())), [rid for rid, _ in fin]])
     return KVConnectorOutput(finished_sending=tuple(kvo.get("s", ())), finished_recving=tuple(kvo.get("r", ())),
                              failed_recving=tuple(kvo.get("f", ())), invalid_block_ids=tuple(kvo.get("i", ())),
-                             order=tuple(order))
+                             order=tuple(order), error_order=tuple(rid for rid, _ in fin))
 
 
 def _merged_order(lists: list[list[str]]) -> list[str]:
