@@ -15,7 +15,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.hisparse_layout import (hisparse_device_buffer_size, hisparse_hot_blocks_per_request,
                                         hisparse_host_num_blocks, lay_out_hisparse_groups)
 
@@ -41,7 +41,7 @@ def layout_cases(draw) -> LayoutCase:
     source = tuple((f"model.layers.{i}.attn", draw(st.sampled_from(heads)), draw(st.booleans()))
                    for i in range(n))
     indexer = tuple((f"model.layers.{i}.indexer", draw(st.sampled_from([32, 64, 128, 192])))
-                    for i in range(draw(st.integers(1, 2))))
+                    for i in range(draw(st.sampled_from([0, 1, 1, 2, 2, 2]))))
     top_k = draw(st.sampled_from([8, 64, 512, 2048]))
     buffer = draw(st.one_of(st.none(), st.none(), st.integers(1, 40000), st.sampled_from([top_k, 2 * top_k, 32768, 32769])))
     max_model_len = draw(st.integers(1, 4096))
@@ -59,6 +59,7 @@ def kvref_layout(case: LayoutCase) -> dict[str, Any]:
     source_page = sum(page for _, page, _ in source)
     indexer_page = sum(bs * head for _, head in case.indexer)
     try:
+        check_int("indexer_page", indexer_page, minimum=1)  # vLLM partitions the layers first
         size = hisparse_device_buffer_size(1, case.top_k, case.device_buffer_size)
         device = lay_out_hisparse_groups(source, indexer_page, bs, hisparse_hot_blocks_per_request(size, bs))
         host = hisparse_host_num_blocks(case.host_budget, source_page, False, case.max_model_len, bs)
@@ -74,6 +75,8 @@ def kvref_layout(case: LayoutCase) -> dict[str, Any]:
 
 def rejection_field(message: str) -> str:
     """The spec field matching a vLLM layout rejection message (the rule that fired)."""
+    if "requires sparse-MLA and indexer" in message:
+        return "indexer_page"
     if "device_buffer_size" in message:
         return "device_buffer_size"
     if "hot-cache groups require one page size" in message:

@@ -48,7 +48,7 @@ def _run(examples: int) -> Counter:
 def test_generated_cases_reach_every_layout_path():
     require_vllm()
     seen = _run(40)  # the fast-profile budget conform-planning gives this family
-    assert {"device_buffer_size", "source_layers", "host_budget", "ok:3"} <= set(seen), seen
+    assert {"indexer_page", "device_buffer_size", "source_layers", "host_budget", "ok:3"} <= set(seen), seen
     assert any(k.startswith("ok:") and int(k[3:]) >= 5 for k in seen), seen  # >= 2 hot groups laid out
 
 
