@@ -139,6 +139,14 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
     # packing, the MLA + sliding-window fallback or hidden-state alignment ran in one run, not the next
     for family in FAMILIES:
         failure = failure or run_generated(given(case=plan_cases(family))(agree), ctx.examples(20, 60), ctx.seed)
+    # HiSparse's startup layout (#22/#23): vLLM's layout.py groups and host pool vs kvref.spec.hisparse_layout
+    from kvref.models.conformance.hisparse_layout import agree_layout, layout_cases
+
+    def agree_hisparse(case):
+        ran[0] += 1
+        agree_layout(case)
+
+    failure = failure or run_generated(given(case=layout_cases())(agree_hisparse), ctx.examples(40, 200), ctx.seed)
     if failure:
         return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
                            details=failure.splitlines()[:20])

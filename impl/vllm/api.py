@@ -326,6 +326,15 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.p2p.session.client", "time"),
         _b("vllm.v1.kv_offload.tiering.p2p.session.server", "time"),
     ),
+    # HiSparse's startup layout (kvref.impl.vllm.hisparse_layout), driven in conform-planning (#22/#23)
+    "hisparse-layout": (
+        _b("vllm.v1.hisparse.layout", "_lay_out_hisparse_groups"),
+        _b("vllm.v1.hisparse.layout", "create_hisparse_layout"),
+        _b(_KCI, "KVCacheGroupSpec"),
+        _b(_KCI, "MLAAttentionSpec", "cache_role", "is_index_group_leader"),
+        _b(_KCI, "SparseCacheRole"),
+        _b(_KCI, "UniformTypeKVCacheSpecs.from_specs"),
+    ),
     # HiSparse managers with their bound coordinator, driven in conform-kv-manager (#23)
     "hisparse": (
         _b("vllm.v1.hisparse.coordinator", "get_hisparse_coordinator"),
@@ -372,7 +381,7 @@ CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "conform-kv-manager": ("specs", "request", "kv-manager", "hisparse"),
     "conform-scheduler": ("specs", "request", "scheduler"),
     "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
-    "conform-planning": ("specs", "planning"),
+    "conform-planning": ("specs", "planning", "hisparse-layout"),
     "conform-connector": ("specs", "request", "scheduler", "kv-connector", "multi-connector-worker"),
     "conform-spec-decode": ("specs", "request", "scheduler"),
     "conform-offload-worker": ("specs", "request", "kv-manager", "offloading-connector", "offload-worker"),

@@ -1246,6 +1246,20 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["transition_watermark"] = (hs.transition_watermark, dict(hot_blocks_per_request=[2], num_blocks=40))
     out["needs_hot_transition"] = (hs.needs_hot_transition, dict(num_gpu_free=1, watermark=2,
                                                                  fills_admission_window=False))
+    # HiSparse startup layout rules (#22/#23)
+    from kvref.spec import hisparse_layout as hl
+
+    src = [("a", 8, True), ("b", 8, False)]
+    out["hot_group_layers"] = (hl.hot_group_layers, dict(source_layers=src, indexer_page=16))
+    out["lay_out_hisparse_groups"] = (hl.lay_out_hisparse_groups, dict(source_layers=src, indexer_page=16,
+                                                                       block_size=2, blocks_per_request=2))
+    out["hisparse_device_buffer_size"] = (hl.hisparse_device_buffer_size, dict(max_query_len=1, top_k=4,
+                                                                               configured=None))
+    out["hisparse_hot_blocks_per_request"] = (hl.hisparse_hot_blocks_per_request, dict(device_buffer_size=8,
+                                                                                       block_size=2))
+    out["hisparse_host_num_blocks"] = (hl.hisparse_host_num_blocks, dict(host_budget=4096, source_page=16,
+                                                                         shared_host_pool=False, max_model_len=16,
+                                                                         block_size=2))
     return out
 
 
