@@ -23,6 +23,8 @@ import threading
 import time
 
 import pytest
+
+from tests.foreground import as_foreground_job
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.kv_events.watch import EventStreamWatcher
 
@@ -343,7 +345,7 @@ def test_ctrl_c_prints_the_partial_summary_and_exits_130(tmp_path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvref.cli", "watch", f"tcp://127.0.0.1:{port}",
                              "--seconds", str(BOUND_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=as_foreground_job)
     try:
         first = proc.stderr.readline()  # the first status line: the loop is running
         assert first.startswith("[kvref watch"), first

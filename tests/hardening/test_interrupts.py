@@ -19,6 +19,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from tests.foreground import as_foreground_job
+
 from kvref import checks, cli, verify
 from kvref.report import PASSED, CheckResult
 
@@ -181,7 +183,7 @@ def test_z3_cancelled_by_sigint_raises_keyboard_interrupt(monkeypatch):
 def _spawn(argv, cwd):
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "kvref.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, preexec_fn=as_foreground_job)
 
 
 def _interrupt_after(p, marker: str | None, err_lines: list[str], limit: float = 240.0) -> float:
