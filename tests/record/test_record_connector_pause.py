@@ -12,8 +12,6 @@ that stops draining loaded requests under PAUSED_NEW must diverge.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import Counter
 
 import pytest
@@ -21,6 +19,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.connector_runs import record_connector_runs
 
 from tests.conftest import profile_examples
+from tests.record.traces import read_lines, without
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -39,8 +38,7 @@ def recorded(tmp_path_factory):
 
 
 def _records(path) -> list[dict]:
-    with gzip.open(path, "rt") as f:
-        return [json.loads(x) for x in f][1:]
+    return read_lines(path)[1:]
 
 
 def _pause_paths(path) -> Counter:
@@ -91,14 +89,7 @@ def test_a_connector_replay_without_the_pause_records_diverges(recorded, tmp_pat
         recs = _records(run.path)
         if not any(rec["t"] == "pause" and rec["state"] for rec in recs):
             continue
-        with gzip.open(run.path, "rt") as f:
-            header = f.readline()
-        out = tmp_path / f"stripped-{i}.kvtrace.gz"
-        with gzip.open(out, "wt") as f:
-            f.write(header)
-            for rec in recs:
-                if rec["t"] != "pause":
-                    f.write(json.dumps(rec) + "\n")
+        out = without(run.path, tmp_path / f"stripped-{i}.kvtrace.gz", "pause")
         diverged += check_trace(out).divergence is not None
     assert diverged > 0
 

@@ -10,14 +10,13 @@ a vLLM whose pause is planted away is found by the replay and by ``--properties-
 
 from __future__ import annotations
 
-import gzip
-import json
 
 import pytest
 from kvref.models.run_check import check_trace
 from kvref.models.run_check.pause_runs import record_pause_runs
 
 from tests.conftest import profile_examples
+from tests.record.traces import read_lines, without
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -30,8 +29,7 @@ def recorded(tmp_path_factory):
 
 
 def _records(path) -> list[dict]:
-    with gzip.open(path, "rt") as f:
-        return [json.loads(x) for x in f][1:]
+    return read_lines(path)[1:]
 
 
 def test_every_generated_pause_run_agrees_with_the_reference(recorded):
@@ -66,14 +64,7 @@ def test_a_replay_without_the_pause_records_diverges(recorded, tmp_path):
         recs = _records(run.path)
         if not any(rec["t"] == "pause" and rec["state"] for rec in recs):
             continue
-        with gzip.open(run.path, "rt") as f:
-            header = f.readline()
-        out = tmp_path / f"stripped-{i}.kvtrace.gz"
-        with gzip.open(out, "wt") as f:
-            f.write(header)
-            for rec in recs:
-                if rec["t"] != "pause":
-                    f.write(json.dumps(rec) + "\n")
+        out = without(run.path, tmp_path / f"stripped-{i}.kvtrace.gz", "pause")
         diverged += check_trace(out).divergence is not None
     assert diverged > 0
 

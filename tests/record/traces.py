@@ -93,5 +93,16 @@ def rewrite(path, out, edit, version: int | None = None) -> str:
     return str(out)
 
 
+def without(path, out, kind: str) -> str:
+    """Copy a gzipped trace leaving out every record of type ``kind`` (the header kept verbatim);
+    returns ``out``: a replay of the copy shows what those records carried."""
+    with gzip.open(path, "rt") as f:
+        header, *lines = f.readlines()
+    with gzip.open(out, "wt") as f:
+        f.write(header)
+        f.writelines(line for line in lines if json.loads(line)["t"] != kind)
+    return str(out)
+
+
 __all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rewrite", "sched", "sched_rows", "update",
-           "write_trace"]
+           "without", "write_trace"]
