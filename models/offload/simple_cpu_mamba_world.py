@@ -101,72 +101,53 @@ class SimpleOffloadMambaWorld(SimpleOffloadWorld):
                                                         max_prefill_tokens=cfg.max_num_batched_tokens)
         self.junction: dict[str, int] = {}
         self._tally = backend == "reference"  # count each path once per trace pair
+        self._step_extras: tuple[dict, list] = ({}, [])  # the last step's hand-offs and copy pairs
 
     def _count(self, key: str, n: int = 1) -> None:
         if self._tally:
             MAMBA_COVERAGE[key] += n
 
-    def _split(self, rid: str, n: int, n_hit: int) -> int:
-        r = self.reqs[rid]
+    def step(self, chunk: int) -> tuple:
+        """:meth:`SimpleOffloadWorld.step` after ``new_step_starts``; returns the metadata with the
+        step's hand-offs and copy-on-write pairs."""
+        self.b.new_step_starts()
+        self._step_extras = ({}, [])
+        meta = super().step(chunk)
+        return (meta, *self._step_extras)
+
+    # -- the schedule loop's hooks -------------------------------------------------------------
+
+    def _lookup(self, r) -> tuple[Any, int]:
+        """The look-up also gives the shared-prefix junction, where chunks stop."""
+        hits, n_hit, self.junction[r.rid] = self.b.lookup(r.req)
+        self._count("sub_block_local_hit", bool(n_hit % self.cfg.block_size))
+        return hits, n_hit
+
+    def _clip(self, r, n: int, n_hit: int) -> int:
+        """Chunks end at Mamba state boundaries (vLLM's ``_mamba_block_aligned_split``)."""
         if n <= 0:
             return n
         return mamba_block_aligned_split(self.split_config, r.computed, r.req.num_prompt_tokens, r.req.num_tokens, n,
                                          num_new_local_computed_tokens=n_hit,
-                                         shared_prefix_boundary=self.junction.get(rid, 0))
+                                         shared_prefix_boundary=self.junction.get(r.rid, 0))
 
-    def step(self, chunk: int) -> tuple:
-        self.b.new_step_starts()
-        batch = ScheduledBatch()
-        for rid in self.live("running"):
-            r = self.reqs[rid]
-            n = self._split(rid, min(chunk, r.req.num_tokens - r.computed), 0)
-            if n <= 0:
-                continue
-            ids = self.b.allocate(r.req, n)
-            if ids is None:
-                continue
-            batch.add(r, self.b.table(rid) if r.full_table_next else ids, r.full_table_next, n)
-        for rid in self.live("waiting"):
-            r = self.reqs[rid]
-            hits, n_hit = None, 0
-            if r.computed == 0:
-                hits, n_hit, self.junction[rid] = self.b.lookup(r.req)
-                n_ext, _ = self.b.match(r.req, n_hit)
-                self._count("sub_block_local_hit", bool(n_hit % self.cfg.block_size))
-            else:
-                n_ext = 0
-            if n_ext > 0:
-                ids = self.b.allocate(r.req, 0, n_hit, hits, n_ext, True)
-                if ids is None:
-                    continue
-                self._count("cpu_load")
-                self._wait_for_remote_kvs(r, n_hit, n_ext)
-                continue
-            n = self._split(rid, min(chunk, r.req.num_tokens - r.computed - n_hit), n_hit)
-            ids = self.b.allocate(r.req, n, n_hit, hits if n_hit else None) if n > 0 else None
-            if ids is None:
-                if r.computed == 0:
-                    self.b.match(r.req, 0)  # vLLM re-looks-up next time; drop any pin now (as retry would)
-                continue
-            if r.computed == 0:
-                self.b.after_alloc(r.req, 0)
-            self._schedule_waiting(batch, r, n_hit, n)
+    def _wait_for_remote_kvs(self, r, n_hit: int, n_ext: int) -> None:
+        self._count("cpu_load")
+        super()._wait_for_remote_kvs(r, n_hit, n_ext)
+
+    def _connector_step(self, batch: ScheduledBatch) -> SimpleOffloadStep:
+        """The step's hand-offs drained into its ``KVConnectorBlockState``, after which the
+        copy-on-write pairs of sub-block hits are released (as ``schedule()`` does)."""
         handoffs = self.b.take_boundary_state_offloads()
         if self.cfg.odd_handoffs and handoffs:
             self._add_odd_handoffs(handoffs)
         copies = self.b.release_kv_cache_block_copies()
-        step = self._scheduler_output(SimpleOffloadStep, batch)
+        step = super()._connector_step(batch)
         step.boundary_state_offloads = handoffs
         self._count("handoffs", sum(map(len, handoffs.values())))
         self._count("copies", len(copies))
-        meta = self.b.build_meta(step)
-        self.metas.append(meta)
-        self._on_loads(meta)
-        self._forward(batch)
-        self._on_stores(meta)
-        self._update_from_output(batch)
-        self._check()
-        return meta, handoffs, copies
+        self._step_extras = (handoffs, copies)
+        return step
 
     def _add_odd_handoffs(self, handoffs: dict) -> None:
         """After the first request's own entries: its first entry again (in flight or on the CPU by

@@ -171,13 +171,17 @@ class SimpleOffloadWorld(OffloadWorldBase):
     # -- operations ----------------------------------------------------------------------------
 
     def step(self, chunk: int) -> tuple:
+        """One ``schedule()``: running requests first, then waiting ones (a local look-up, the
+        connector's match, an async load or a chunk), then the connector's metadata. The Mamba world
+        (:mod:`.simple_cpu_mamba_world`) is this loop with its own look-up, chunk clipping and
+        step extras (the hooks ``_lookup``, ``_clip``, ``_connector_step``)."""
         batch = ScheduledBatch()
         for rid in self.live("running"):
             r = self.reqs[rid]
             ph = r.req.num_output_placeholders
             if ph > 0 and r.computed + 2 - ph >= r.req.num_prompt_tokens + r.max_out:
                 continue  # async: the step in flight already samples the last token (vLLM's guard)
-            n = min(chunk, r.req.num_tokens + ph - r.computed)
+            n = self._clip(r, min(chunk, r.req.num_tokens + ph - r.computed), 0)
             if n <= 0:
                 continue
             ids = self.b.allocate(r.req, n)
@@ -190,7 +194,7 @@ class SimpleOffloadWorld(OffloadWorldBase):
                 continue  # async: preempted in a schedule; resumes after its stale output is back
             hits, n_hit = (None, 0)
             if r.computed == 0:
-                hits, n_hit = self.b.get_computed_blocks(r.req)
+                hits, n_hit = self._lookup(r)
                 n_ext, _ = self.b.match(r.req, n_hit)
             else:
                 n_ext = 0
@@ -200,8 +204,9 @@ class SimpleOffloadWorld(OffloadWorldBase):
                     continue
                 self._wait_for_remote_kvs(r, n_hit, n_ext)
                 continue
-            n = min(chunk, r.req.num_tokens - r.computed - n_hit)
-            ids = self.b.allocate(r.req, n, n_hit, hits if n_hit else None)
+            n = self._clip(r, min(chunk, r.req.num_tokens - r.computed - n_hit), n_hit)
+            # vLLM schedules no empty chunk: the hit leaves at least one token, but a clip may not
+            ids = self.b.allocate(r.req, n, n_hit, hits if n_hit else None) if n > 0 else None
             if ids is None:
                 if r.computed == 0:
                     self.b.match(r.req, 0)  # vLLM re-looks-up next time; drop any pin now (as retry would)
@@ -209,7 +214,7 @@ class SimpleOffloadWorld(OffloadWorldBase):
             if r.computed == 0:
                 self.b.after_alloc(r.req, 0)
             self._schedule_waiting(batch, r, n_hit, n)
-        meta = self.b.build_meta(self._scheduler_output(SimpleOffloadStep, batch))
+        meta = self.b.build_meta(self._connector_step(batch))
         self.metas.append(meta)
         self._on_loads(meta)
         if self.cfg.async_scheduling:
@@ -222,6 +227,21 @@ class SimpleOffloadWorld(OffloadWorldBase):
             self._update_from_output(batch)
         self._check()
         return meta
+
+    # -- the schedule loop's hooks (the Mamba world's variation) -------------------------------
+
+    def _lookup(self, r: WorldRequest) -> tuple[Any, int]:
+        """The local prefix-cache hit of a new request: (hit blocks, hit tokens)."""
+        return self.b.get_computed_blocks(r.req)
+
+    def _clip(self, r: WorldRequest, n: int, n_hit: int) -> int:
+        """The tokens ``r`` runs this step out of the ``n`` the budget allows (after ``n_hit`` hit
+        tokens): all of them on these pools."""
+        return n
+
+    def _connector_step(self, batch: ScheduledBatch) -> SimpleOffloadStep:
+        """The connector's view of the step's ``SchedulerOutput``."""
+        return self._scheduler_output(SimpleOffloadStep, batch)
 
     # -- async scheduling ----------------------------------------------------------------------
 
