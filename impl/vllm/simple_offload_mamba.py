@@ -13,12 +13,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvref.impl.simple_cpu_mamba_backends import mamba_pool_config
+from kvref.impl.simple_cpu_mamba_backends import MambaAlignStepCalls, mamba_pool_config
 
 from .offload import SimpleCPUVllmBackend, vllm_scheduler_output
 
 
-class SimpleCPUMambaVllmBackend(SimpleCPUVllmBackend):
+class SimpleCPUMambaVllmBackend(MambaAlignStepCalls, SimpleCPUVllmBackend):
     """vLLM's KVCacheManager (FA + Mamba "align") + SimpleCPUOffloadScheduler bound to its pool."""
 
     name = "vllm"
@@ -55,20 +55,9 @@ class SimpleCPUMambaVllmBackend(SimpleCPUVllmBackend):
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
 
-    def lookup(self, req) -> tuple[Any, int, int]:
-        return self.mgr.get_computed_blocks(req)
-
-    def new_step_starts(self) -> None:
-        self.mgr.new_step_starts()
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return self.mgr.take_boundary_state_offloads()
-
-    def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+    def _take_copies(self) -> tuple[list[tuple[int, int]], list[Any]]:
         copies, retained = self.mgr.take_kv_cache_block_copies()
-        if retained:
-            self.mgr.block_pool.free_blocks(retained)
-        return [(c.src_block_id, c.dst_block_id) for c in copies]
+        return [(c.src_block_id, c.dst_block_id) for c in copies], retained
 
     def build_meta(self, step):
         from vllm.v1.core.sched.output import KVConnectorBlockState
@@ -83,10 +72,7 @@ class SimpleCPUMambaVllmBackend(SimpleCPUVllmBackend):
         return (m.load_event, list(m.load_gpu_blocks), list(m.load_cpu_blocks), m.store_event,
                 list(m.store_gpu_blocks), list(m.store_cpu_blocks), m.need_flush)
 
-    def connector_state(self) -> dict:
+    def _boundary_store_stats(self) -> dict[str, int]:
         from dataclasses import asdict
 
-        state = super().connector_state()
-        state["boundary_store_stats"] = asdict(self.conn.get_boundary_store_stats())
-        return state
-
+        return asdict(self.conn.get_boundary_store_stats())
