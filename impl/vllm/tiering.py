@@ -317,6 +317,18 @@ class VllmTiering:
             return
         self.job_gates[tier_idx].finish(job_id, io_error)
 
+    def obj_fault(self, tier_idx: int, stage: str) -> None:
+        """The next NIXL call of kind ``stage`` that obj tier ``tier_idx`` makes fails
+        (:meth:`kvref.impl.vllm.tiering_obj_agent.InMemoryObjAgent.arm`)."""
+        tier = self.tiers[tier_idx] if 0 <= tier_idx < len(self.tiers) else None
+        if tier is None or tier.tier_type != "obj":
+            raise InvalidFieldError("tier_idx", tier_idx, "the index of an obj tier")
+        tier._agent.arm(stage)
+
+    def obj_agents(self) -> dict[int, Any]:
+        """tier index -> the in-memory NIXL agent of each obj tier (see its ``leaks``)."""
+        return {i: t._agent for i, t in enumerate(self.tiers) if t.tier_type == "obj"}
+
     def _object_name(self, tier_idx: int, key: bytes) -> str:
         return self.tiers[tier_idx]._file_mapper.get_file_name(key)
 

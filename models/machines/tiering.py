@@ -13,7 +13,11 @@ again in the primary tier.
 Operations (:func:`random_trace`): new/finish request, lookup, prepare_store + complete_store
 (success or failure, late, out of order), prepare_load + complete_load, touch, end of step,
 an fs job finishing (or failing with an I/O error) in any order, the lookup worker answering a
-batch, a file disappearing, the clock advancing (back-pressure), reset_cache + on_reset_flushed.
+batch, a file disappearing, the clock advancing (back-pressure), reset_cache + on_reset_flushed,
+a NIXL call of the object-store tier failing (a refused submission, a state query or handle release
+that raises: which call takes the fault is compared too). A run with an obj tier tries each such
+fault once more at its end and shuts down with object transfers still in flight: the agent must
+then hold no registration, descriptor list or transfer handle (but those a failed release leaked).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvref.impl.reference.offload.tiering.example_tier import ExampleTier, Polle
 from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
 from kvref.impl.reference.offload.tiering.kvcr_tier import KVCRTier
 from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManager
+from kvref.impl.reference.offload.tiering.obj_tier import FAULTS as OBJ_FAULTS
 from kvref.impl.reference.offload.tiering.obj_tier import ObjectStoreTier
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
 from kvref.spec.errors import InvalidFieldError
@@ -141,10 +146,12 @@ class TieringWorld:
         self.out = _Outstanding()
         self.metrics_seen: set[str] = set()
         self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
+        self.closed = False
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
-                      "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0}
+                      "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0,
+                      "obj_faults_armed": 0, "obj_abandoned": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -387,6 +394,22 @@ class TieringWorld:
             self.vllm.kvcr_gates[i].fail_next()
             self.stats["kvcr_copy_failures"] += 1
 
+    def obj_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.cfg.tiers) if t == "obj"]
+
+    def op_obj_fault(self, t: int, stage: int) -> None:
+        """The next NIXL call of kind ``OBJ_FAULTS[stage]`` an obj tier makes fails (one armed at a time)."""
+        objs = self.obj_tiers()
+        if not objs:
+            return
+        i = objs[t % len(objs)]
+        if self.ref.tiers[i].armed is not None:
+            return
+        name = OBJ_FAULTS[stage % len(OBJ_FAULTS)]
+        self.ref.tiers[i].arm(name)
+        self.vllm.obj_fault(i, name)
+        self.stats["obj_faults_armed"] += 1
+
     def op_lose_file(self, t: int, k: int) -> None:
         fs = self.fs_tiers()
         if not fs:
@@ -463,6 +486,10 @@ class TieringWorld:
                 for key, data in tier.files.items():
                     if v.tier_bytes(i, key) != data or data != content_of(key)[:len(data)]:
                             diffs.append(f"tier #{i}: file of {key.hex()[:8]} does not hold the bytes stored for it")
+            if isinstance(tier, ObjectStoreTier):
+                agent = v.obj_agents()[i]
+                same(f"tier #{i} armed NIXL fault", tier.armed, agent.armed)
+                same(f"tier #{i} NIXL faults taken", tier.fired, agent.fired)
             if isinstance(tier, KVCRTier):
                 gate = v.kvcr_gates[i]
                 same(f"tier #{i} KVCR residency", tier.residency(), gate.residency())
@@ -504,7 +531,18 @@ class TieringWorld:
             raise TieringDivergence(f"config info tier labels {labels}, expected {expected}")
 
     def close(self) -> None:
+        """Shut vLLM's manager down (transfers may still be in flight); an obj tier's NIXL agent
+        must be left holding nothing (:meth:`InMemoryObjAgent.leaks`)."""
+        if self.closed:
+            return
+        self.closed = True
+        agents = self.vllm.obj_agents()
+        self.stats["obj_abandoned"] += sum(len(a.in_flight()) for a in agents.values())
         self.vllm.shutdown()
+        for i, agent in agents.items():
+            if agent.leaks():
+                raise TieringDivergence(f"tier #{i}: after shutdown the object store's NIXL agent still holds "
+                                        f"{agent.leaks()}")
 
 
 def random_op(rng: random.Random, world: TieringWorld) -> tuple:
@@ -548,6 +586,7 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (8 if world.polled_tiers() else 0, ("peer_request", held())),
         (8 if world.polled_tiers() else 0, ("poll_tiers",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
+        (5 if world.obj_tiers() else 0, ("obj_fault", rng.randrange(2), rng.randrange(len(OBJ_FAULTS)))),
     ]
     if not world.live and rng.random() < 0.8:
         return ("new_request",)  # most operations act for a live request
@@ -629,9 +668,40 @@ def _tail(rng: random.Random, world: TieringWorld):
         while world.out.loads:
             yield ("complete_load", 0)
         yield ("finish_request", 0)
+    if world.obj_tiers():
+        yield from _obj_fault_rounds(rng, world)
     yield ("drain",)
     yield ("quiescent",)
     yield ("reset",)
+    if world.obj_tiers():  # shut down with object transfers in flight (the close checks the agent)
+        yield ("new_request",)
+        for k in rng.sample(range(world.cfg.num_keys), 2):
+            yield ("prepare_store", 0, (k,))
+            while world.out.stores:
+                yield ("complete_store", 0, True)
+        yield ("schedule_end",)
+
+
+def _obj_fault_rounds(rng: random.Random, world: TieringWorld):
+    """Each NIXL fault in turn (random order): armed, then a store of a key the primary tier lacks
+    or a promotion of one it lost, finished and collected."""
+    for stage in rng.sample(range(len(OBJ_FAULTS)), len(OBJ_FAULTS)):
+        yield ("obj_fault", 0, stage)
+        primary = world.primary.chunk_state()
+        absent = [i for i, k in enumerate(world.keys) if k not in primary]
+        if absent and rng.random() < 0.5:
+            yield ("new_request",)
+            yield ("prepare_store", 0, (rng.choice(absent),))
+            while world.out.stores:
+                yield ("complete_store", 0, True)
+            yield ("drain",)
+            yield ("finish_request", 0)
+        else:
+            yield ("revisit", _evicted_to_disk(rng, world))
+            yield ("schedule_end",)
+            yield ("drain",)
+            yield ("finish_request", 0)
+        yield ("drain",)
 
 
 def run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int) -> tuple[dict, list]:
@@ -657,9 +727,13 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
             world.apply(op)
         world.check_declarations()
         for tier in world.ref.tiers:
+            if isinstance(tier, ObjectStoreTier):
+                for name, n in tier.fired.items():
+                    world.stats[f"obj_fault_{name}"] = world.stats.get(f"obj_fault_{name}", 0) + n
             if isinstance(tier, KVCRTier):
                 for name, n in tier.counts.items():
                     world.stats[f"kvcr_{name}"] = world.stats.get(f"kvcr_{name}", 0) + n
+        world.close()
         result = dict(world.stats), trace
     except TieringDivergence as exc:
         _close_quietly(world)
@@ -667,7 +741,6 @@ def _run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int, clock: Virtua
     except BaseException:
         _close_quietly(world)
         raise
-    world.close()
     return result
 
 
@@ -678,7 +751,7 @@ def _close_quietly(world: TieringWorld) -> None:
 
     try:
         world.close()
-    except TierTimeout:
+    except (TierTimeout, TieringDivergence):
         pass
 
 

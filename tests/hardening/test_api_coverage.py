@@ -99,8 +99,8 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_TIER}.fs_tier", "FileSystemTier FileSystemTier.finish_job FileSystemTier.lookup "
             "FileSystemTier.lose_file FileSystemTier.on_request_finished FileSystemTier.submit_load "
             "FileSystemTier.submit_store FileSystemTier.truncate_file", TIERING),
-    **_each(f"{_TIER}.obj_tier", "ObjectStoreTier ObjectStoreTier.finish_job ObjectStoreTier.truncate_file",
-            TIERING),
+    **_each(f"{_TIER}.obj_tier", "ObjectStoreTier ObjectStoreTier.finish_job ObjectStoreTier.truncate_file "
+            "ObjectStoreTier.arm ObjectStoreTier.submit_load ObjectStoreTier.submit_store", TIERING),
     **_each(f"{_TIER}.kvcr_tier", "KVCRTier KVCRTier.lookup KVCRTier.submit_load KVCRTier.submit_store "
             "KVCRTier.request_pin KVCRTier.serve_external_requests", TIERING),
     **_each(f"{_TIER}.example_tier", "PolledTier PolledTier.peer_request PolledTier.serve_external_requests",
