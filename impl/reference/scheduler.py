@@ -324,7 +324,9 @@ class Scheduler:
         assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         release_copies = getattr(kv, "release_kv_cache_block_copies", None)
-        if release_copies is not None and self.connector_state is None:
+        if self.connector_state is not None:
+            _conn.release_cow_copies(self)  # fenced like vLLM's with deferred frees (#28)
+        elif release_copies is not None:
             release_copies()  # copy-on-write endpoints kept for this step's copies (_free_cow_retained_blocks)
 
         out = SchedulerOutput(

@@ -164,10 +164,9 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     flag(getattr(s, "dcp_world_size", 1) != 1, "decode_context_parallel")
     flag(getattr(getattr(vc, "parallel_config", None), "pipeline_parallel_size", 1) != 1, "pipeline_parallel")
     # Mamba "align" mode (vLLM's _mamba_block_aligned_split, align-mode state blocks and hits) is
-    # replayed (#28: generated runs agree step by step); with a KV connector the reference's hybrid
-    # lookup and allocation still differ from vLLM's (generated connector runs diverge), so named
-    flag(getattr(getattr(vc, "cache_config", None), "mamba_cache_mode", "none") == "align" and conn is not None,
-         "mamba_align_mode (with a KV connector)")
+    # replayed, with a KV connector too (#28): the reference's connector path splits like vLLM's
+    # waiting loop and returns copy-on-write endpoints at the end of schedule() as vLLM's
+    # _free_cow_retained_blocks does (it kept them: a free-block divergence after a delayed free)
     flag(getattr(getattr(vc, "cache_config", None), "enable_mamba_shared_prefix_checkpoint", False),
          "mamba_shared_prefix_checkpoint")
     flag(bool(sc.async_scheduling) != is_async_class,
