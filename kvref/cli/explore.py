@@ -17,6 +17,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+from typing import Any, Callable
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
@@ -345,6 +346,39 @@ def _system_for(data: dict, path: str):
     raise InvalidFieldError(f"{path}: scope", name, "a scope name of kvref explore --scope")
 
 
+def _finding(data: dict, path: str) -> tuple[Any, list, str]:
+    """A finding's system (its scope with its ``set`` overrides), its actions (checked to be a
+    list) and how the replay names it: what both replays of a finding read first."""
+    from kvref.spec.errors import InvalidFieldError
+
+    actions = data.get("actions")
+    if not isinstance(actions, list):
+        raise InvalidFieldError(f"{path}: actions", type(actions).__name__, "a list of actions")
+    return _system_for(data, path), actions, f"{data.get('scope')} ({len(actions)} actions)"
+
+
+def walk_finding(system, state, actions: list, where: str, verbose: bool,
+                 step: Callable[[int, Any, Any, Any], tuple[int | None, Any]]) -> tuple[int | None, Any]:
+    """Apply a finding's ``actions`` from ``state``, each only where the system enables it there
+    (otherwise the finding does not reproduce: printed, exit code 0). ``step(i, raw, action,
+    state)`` applies one and returns (an exit code to stop with, or None to go on; the next
+    state). Returns (the exit code it stopped with, or None when every action applied; the last
+    state). The loop of both replays: the reference alone or in lock step (:func:`replay_explorer_trace`)
+    and the reference beside vLLM's offload world (``kvref.cli.replay``)."""
+    for i, raw in enumerate(actions):
+        action = _tupled(raw)
+        enabled = list(system.actions(state))
+        if action not in enabled:
+            print(f"NOT REPRODUCED: {where}: action #{i} {raw} is not enabled here (enabled: {enabled})")
+            return 0, state
+        if verbose:
+            print(f"#{i:3d} {raw}")
+        code, state = step(i, raw, action, state)
+        if code is not None:
+            return code, state
+    return None, state
+
+
 def replay_explorer_trace(path: str, kinds: str | None = None, verbose: bool = False) -> int:
     """``kvref replay explore-*.json``: apply the finding's actions from the scope's initial state,
     checking every invariant after each; with ``--kinds`` naming vllm and/or torch (KV scopes),
@@ -356,10 +390,7 @@ def replay_explorer_trace(path: str, kinds: str | None = None, verbose: bool = F
 
     with open(path) as fh:
         data = json.load(fh)
-    actions = data.get("actions")
-    if not isinstance(actions, list):
-        raise InvalidFieldError(f"{path}: actions", type(actions).__name__, "a list of actions")
-    system = _system_for(data, path)
+    system, actions, where = _finding(data, path)
     targets = tuple(k.strip() for k in (kinds or "reference").split(",") if k.strip() and k.strip() != "reference")
     lockstep = None
     if targets:
@@ -372,28 +403,25 @@ def replay_explorer_trace(path: str, kinds: str | None = None, verbose: bool = F
         if bad:
             raise InvalidFieldError("--kinds", bad[0], "reference, " + ", ".join(TARGETS))
         lockstep = _Lockstep(system, _factories(targets))
-    state = next(iter(system.initial_states()))
-    where = f"{data.get('scope')} ({len(actions)} actions)"
-    for i, raw in enumerate(actions):
-        action = _tupled(raw)
-        enabled = list(system.actions(state))
-        if action not in enabled:
-            print(f"NOT REPRODUCED: {where}: action #{i} {raw} is not enabled here (enabled: {enabled})")
-            return 0
-        if verbose:
-            print(f"#{i:3d} {raw}")
+
+    def step(i, raw, action, state):
         try:
             state = system.step(state, action)
             system.check(state)
         except AssertionError as exc:
             print(f"REPRODUCED ({data.get('kind')}): {where}: action #{i} {raw}: {exc}")
-            return 1
+            return 1, state
         if lockstep is not None:
             try:
                 lockstep.apply(action)
             except AssertionError as exc:
                 print(f"DIVERGENCE (reference,{','.join(targets)}) at action #{i} {raw}: {exc}")
-                return 1
+                return 1, state
+        return None, state
+
+    code, state = walk_finding(system, next(iter(system.initial_states())), actions, where, verbose, step)
+    if code is not None:
+        return code
     if data.get("kind") in ("deadlock", "livelock") and not system.is_final(state):
         moves = [a for a in system.actions(state) if system.key(system.step(state, a)) != system.key(state)]
         if not moves:

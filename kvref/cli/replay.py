@@ -242,23 +242,16 @@ def _replay_world_on_vllm(path: str, data: dict, verbose: bool) -> int:
     queue, chunk/job states, request phases). vLLM raising where the reference does not is a
     divergence (e.g. ``reset-swa``: vLLM 0.33.0's connector reset, docs/offload.md).
     Exit 1 when the finding reproduces or vLLM diverges, 0 otherwise."""
-    from kvref.cli.explore import _system_for, _tupled
+    from kvref.cli.explore import _finding, walk_finding
 
-    actions = data.get("actions")
-    system = _system_for(data, path)
+    system, actions, where = _finding(data, path)
     ref = next(iter(system.initial_states()))
     world = type(ref[0])
     kwargs = {"strict": False} if world.__name__ == "OffloadingWorld" else {"allow_duplicates_within_event": True}
     theirs = (world(system.scope.config(), "vllm", **kwargs), 0)
-    where = f"{data.get('scope')} ({len(actions)} actions)"
-    for i, raw in enumerate(actions):
-        action = _tupled(raw)
-        enabled = list(system.actions(ref))
-        if action not in enabled:
-            print(f"NOT REPRODUCED: {where}: action #{i} {raw} is not enabled here (enabled: {enabled})")
-            return 0
-        if verbose:
-            print(f"#{i:3d} {raw}")
+
+    def step(i, raw, action, ref):
+        nonlocal theirs
         ref_error = vllm_error = None
         try:
             ref = system.step_consuming(ref, action)
@@ -275,14 +268,19 @@ def _replay_world_on_vllm(path: str, data: dict, verbose: bool) -> int:
         if ref_error is not None:
             print(f"REPRODUCED ({data.get('kind')}) on the reference: {where}: action #{i} {raw}: {ref_error}")
             print(f"  on vLLM: {vllm_error}" if vllm_error else "  on vLLM: no failure at this action")
-            return 1
+            return 1, ref
         if vllm_error is not None:
             print(f"DIVERGENCE (reference,vllm) at action #{i} {raw}: {vllm_error}")
-            return 1
+            return 1, ref
         mine, its = ref[0].observe(), theirs[0].observe()
         if mine != its:
             print(f"DIVERGENCE (reference,vllm) at action #{i} {raw}: reference observes {mine!r:.400}, "
                   f"vLLM {its!r:.400}")
-            return 1
+            return 1, ref
+        return None, ref
+
+    code, _ = walk_finding(system, ref, actions, where, verbose, step)
+    if code is not None:
+        return code
     print(f"NOT REPRODUCED: {where}: every action applied, every invariant holds, vllm agrees with the reference")
     return 0
