@@ -76,6 +76,10 @@ class PoolConfig:
     #: scheduler passes ``decode_context_parallel_size`` and PCP 1
     dcp_world_size: int = 1
     pcp_world_size: int = 1
+    #: vLLM's ``CacheConfig.enable_mamba_shared_prefix_checkpoint`` (issue #23): a Mamba "align"
+    #: group also keys the state at a request's shared-prefix junction, where an EAGLE sibling
+    #: resumes; vLLM's ``KVCacheManager`` narrows it (EAGLE groups, partial hash hits, no MTP tail)
+    enable_mamba_shared_prefix_checkpoint: bool = False
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -146,7 +150,7 @@ class PoolConfig:
         if not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool) \
                 or not 0.0 <= self.watermark < 1.0:
             raise InvalidFieldError("watermark", self.watermark, "a float in [0, 1)")
-        for flag in ("enable_caching", "use_eagle"):
+        for flag in ("enable_caching", "use_eagle", "enable_mamba_shared_prefix_checkpoint"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidFieldError(flag, getattr(self, flag), "True or False")
         if not isinstance(self.enable_kv_cache_events, bool):

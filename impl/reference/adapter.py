@@ -43,6 +43,12 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
             return True
         return False
 
+    @property
+    def mamba_shared_prefix_checkpoint(self) -> bool:
+        """Whether the pool's Mamba groups key the shared-prefix junction (the manager's narrowing
+        of ``enable_mamba_shared_prefix_checkpoint``; the scheduler splits chunks by it)."""
+        return self.manager.mamba_shared_prefix_checkpoint
+
     def get_computed_blocks_and_boundary(self, request: Request) -> tuple[BlockIds, int, int]:
         """The whole ``get_computed_blocks`` answer: hit ids, hit tokens and the shared-prefix
         boundary (where a sparse-retention group lags a longer hit; the scheduler stores it on the

@@ -42,6 +42,7 @@ from .errors import UnknownRequestError
 from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from .kv_events import BlockStored, KVCacheEvent, kv_cache_spec_kind, kv_cache_spec_sliding_window
+from .mamba_manager import MambaManager
 from .prefix_cache_stats import PrefixCacheStats
 
 
@@ -98,6 +99,21 @@ class KVCacheManager:
         self.enable_caching = config.enable_caching
         self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(config)
         self.block_pool = self.coordinator.block_pool
+        #: the shared-prefix checkpoint (issue #23, vLLM's ``enable_mamba_shared_prefix_checkpoint``),
+        #: narrowed as vLLM narrows it: only with EAGLE groups (a sibling resumes at the junction),
+        #: partial hash hits (a sub-block junction can be keyed) and no multi-module MTP tail (then
+        #: ``cache_blocks`` is handed the computed count less the re-prefillable tail, not the chunk
+        #: end). The scheduler reads the same predicate, so it never ends a chunk at a junction the
+        #: Mamba managers would refuse to key.
+        self.mamba_shared_prefix_checkpoint = (
+            config.enable_mamba_shared_prefix_checkpoint
+            and bool(self.coordinator.eagle_group_ids)
+            and self.coordinator.enable_partial_hash_hits
+            and self.coordinator.num_reprefillable_tokens == 0)
+        if self.mamba_shared_prefix_checkpoint:
+            for manager in self.coordinator.single_type_managers:
+                if isinstance(manager, MambaManager):
+                    manager.shared_prefix_checkpoint = True
         self.enable_kv_cache_events = config.enable_kv_cache_events
         #: per group: (kv_cache_spec_kind, sliding window) that ``take_events`` stamps on stores
         self.kv_cache_event_metadata = tuple(
@@ -422,7 +438,10 @@ class KVCacheManager:
                                                         self.coordinator.single_type_managers)):
             block_size = manager.block_size  # block_size × DCP for a DCP-sharded group
             expected = -(-num_new_computed_tokens // block_size) if spec.prefix_cacheable else 0
-            if len(group) != expected or (expected and num_new_computed_tokens % (unit or block_size)):
+            # a divergent hybrid hit (get_computed_blocks_for_connector) may leave a group lagging
+            # behind the full-attention hit; vLLM takes it only with external tokens behind it
+            lagging = num_external_computed_tokens > 0 and len(group) < expected
+            if (len(group) != expected and not lagging) or (expected and num_new_computed_tokens % (unit or block_size)):
                 raise InvalidFieldError(
                     "num_new_computed_tokens", num_new_computed_tokens,
                     f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "

@@ -27,8 +27,13 @@ Only the state after the last computed token matters, so ``get_num_skipped_token
   retention keeps its block; under 0 a checkpoint block is reserved only on the chunk reaching
   the prefill end (the coordinator passes ``prefill_end``).
 
-Not modelled: the shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``), hence no
-junction stops.
+* Shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``, set on this manager by the
+  ``KVCacheManager`` when EAGLE groups, partial hash hits and no MTP tail allow it): besides the
+  prompt's last hash boundary, the state at the request's shared-prefix junction
+  (``Request.shared_prefix_boundary``, where a sibling's hit stopped and the scheduler now ends a
+  chunk) is keyed as a partial tail too, but only while that junction lies in the prompt chunk
+  being computed (``num_computed_tokens < junction <= num_prompt_tokens``): in decode the state
+  block is mutated in place and matches its key only after the step's forward.
 """
 
 from __future__ import annotations
@@ -435,7 +440,11 @@ class MambaManager(SingleTypeKVCacheManager):
         hbs = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        if num_tokens != self._prompt_boundary(request, hbs):
+        # the junction is the other place a sibling resumes (where the scheduler ends a chunk)
+        junction = getattr(request, "shared_prefix_boundary", 0)
+        at_junction = (self.shared_prefix_checkpoint and num_tokens == junction
+                       and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens)
+        if num_tokens != self._prompt_boundary(request, hbs) and not at_junction:
             return None
         block_idx = cdiv(num_tokens, self.block_size) - 1
         if block_idx >= len(table):

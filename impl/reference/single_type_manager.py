@@ -83,6 +83,9 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         #: set by the coordinator: this group drops the EAGLE block on hits
         self.use_eagle = False
+        #: set by the ``KVCacheManager`` (vLLM's narrowed ``enable_mamba_shared_prefix_checkpoint``):
+        #: only an EAGLE Mamba "align" group ever gets it
+        self.shared_prefix_checkpoint = False
         self._null_block = block_pool.null_block
         # Partial (fine-grained) hit tails awaiting their copy-on-write block: rid -> (index, block)
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}

@@ -74,6 +74,12 @@ class VllmKVCacheManager:
             return True
         return False
 
+    @property
+    def mamba_shared_prefix_checkpoint(self) -> bool:
+        """vLLM's ``KVCacheManager.mamba_shared_prefix_checkpoint``: its narrowing of
+        ``enable_mamba_shared_prefix_checkpoint`` (EAGLE groups, partial hash hits, no MTP tail)."""
+        return bool(self._mgr.mamba_shared_prefix_checkpoint)
+
     def enable_kv_cache_metrics(self, sample_rate: float):
         """Attach vLLM's own ``KVCacheMetricsCollector`` (``--kv-cache-metrics``) to this manager's
         block pool and return it; vLLM then reports the sampled blocks' allocations, hits and

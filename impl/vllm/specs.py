@@ -118,7 +118,8 @@ def kv_cache_manager_kwargs(pool_config: PoolConfig) -> dict[str, Any]:
                 watermark=pool_config.watermark, enable_kv_cache_events=pool_config.enable_kv_cache_events,
                 num_hash_lookahead_tokens=pool_config.num_hash_lookahead_tokens, log_stats=pool_config.log_stats,
                 num_prefill_lookahead=pool_config.num_prefill_lookahead,
-                dcp_world_size=pool_config.dcp_world_size, pcp_world_size=pool_config.pcp_world_size)
+                dcp_world_size=pool_config.dcp_world_size, pcp_world_size=pool_config.pcp_world_size,
+                enable_mamba_shared_prefix_checkpoint=pool_config.enable_mamba_shared_prefix_checkpoint)
 
 
 def build_kv_cache_manager(pool_config: PoolConfig) -> Any:

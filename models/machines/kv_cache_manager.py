@@ -37,12 +37,19 @@ from kvref.spec.kv_cache_interface import MambaSpec, RSWASpec
 from kvref.models.conformance.accepted import is_accepted
 from kvref.models.conformance.differential import Divergence, Harness
 from kvref.models.strategies.hash_inputs import hashing_settings, request_hash_inputs
-from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts
+from kvref.models.strategies.pools import CACHE_SALTS, GROUP_SETS, TOKENS, pool_configs, prompts, tokens_from_seed
 from kvref.models.conformance.trace import Op
 from kvref.models.machines.context_parallel import context_parallel_draws, with_context_parallel
 from kvref.models.machines.kv_cache_manager_edges import MAX_LIVE_REQUESTS, EdgeAiming
 from kvref.models.machines.kv_metrics_pairing import MetricsPairing
 from kvref.models.machines.mamba_chunks import aligned_chunk, mamba_split_config
+from kvref.models.machines.mamba_junctions import (
+    JunctionCheckpoints,
+    compare_shared_prefix_checkpoint,
+    shared_prefix_checkpoint_draws,
+    with_shared_prefix_checkpoint,
+    with_split_junction_stop,
+)
 
 MAX_BATCHES_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling
 
@@ -121,6 +128,11 @@ class MachineStats:
     context_parallel_pools: dict[str, int] = field(default_factory=dict)
     dcp_prefix_hits: int = 0
     dcp_cow_copies: int = 0
+    #: Mamba shared-prefix checkpoint (issue #23): pools by whether vLLM's narrowed flag is on
+    #: ("on", or "off" where it was asked for and narrowed away), and junction states keyed in a
+    #: sub-block (reference and vLLM compared after each op)
+    shared_prefix_checkpoint_pools: dict[str, int] = field(default_factory=dict)
+    junction_checkpoints: int = 0
 
     def runs_with_at_least(self, n: int) -> int:
         return sum(1 for s in self.steps if s >= n)
@@ -141,7 +153,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              traces_to: str | Path | None = None,
                              retention: bool | str = False,
                              prefill_lookahead: bool = False,
-                             context_parallel: bool = False) -> type[RuleBasedStateMachine]:
+                             context_parallel: bool = False,
+                             shared_prefix_checkpoint: bool | str = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -172,12 +185,20 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
     ``context_parallel``: run pools under DCP/PCP (``models.machines.context_parallel``: DCP 2 or
     4 in three pools of four, PCP 2 in one of four, groups and block sizes re-resolved as vLLM accepts
     them; issue #23); only where ``breadth`` holds. Off by default, likewise not a setup argument.
+
+    ``shared_prefix_checkpoint``: ask for vLLM's ``enable_mamba_shared_prefix_checkpoint`` on pools
+    with a Mamba "align" group (True one pool in two, ``"always"`` every such pool), with EAGLE
+    drafting one such pool in two (the feature needs EAGLE groups; vLLM narrows it away without
+    them, without partial hash hits and under an MTP tail, and both narrowings are compared); chunks
+    then stop at the junction and the Mamba group keys its state there (issue #23). Only where
+    ``breadth`` holds; off by default, likewise not a setup argument.
     """
     kinds = tuple(kinds)
     breadth = breadth and set(kinds) <= {"reference", "vllm"}
     retention = retention if breadth else False
     prefill_lookahead = prefill_lookahead and breadth
     context_parallel = context_parallel and breadth
+    shared_prefix_checkpoint = shared_prefix_checkpoint if breadth else False
 
     class KVCacheManagerMachine(EdgeAiming, RuleBasedStateMachine):
         stats = MachineStats()
@@ -188,6 +209,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.metrics: MetricsPairing | None = None
             self.mamba_split = None
             self.dcp_scaled = False  # some group's manager block is scaled by DCP
+            self.junctions = JunctionCheckpoints()
             self.async_mode = False
             self._next_rid = 0
             self.num_storms = 0
@@ -199,6 +221,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
         lookahead_arg = {"num_prefill_lookahead": st.integers(1, 4)} if prefill_lookahead else {}
         if context_parallel:
             lookahead_arg["context_parallel_draw"] = context_parallel_draws()
+        if shared_prefix_checkpoint:
+            lookahead_arg["shared_prefix_draw"] = shared_prefix_checkpoint_draws(shared_prefix_checkpoint)
 
         @initialize(pool=pool_configs(group_sets=group_sets, max_blocks=max_blocks, eagle=eagle,
                                       retention=retention),
@@ -206,7 +230,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     retention_probe=st.one_of(st.none(), st.integers(-8, 40)) if retention else st.none(),
                     **lookahead_arg)
         def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead=0,
-                  context_parallel_draw=None) -> None:
+                  context_parallel_draw=None, shared_prefix_draw=None) -> None:
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
@@ -219,6 +243,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 pool = with_context_parallel(pool, *context_parallel_draw)
                 key = f"dcp{pool.dcp_world_size}/pcp{pool.pcp_world_size}"
                 self.stats.context_parallel_pools[key] = self.stats.context_parallel_pools.get(key, 0) + 1
+            if shared_prefix_draw is not None:
+                pool = with_shared_prefix_checkpoint(pool, *shared_prefix_draw)
             if num_prefill_lookahead:
                 # vLLM: 0 without EAGLE; the hash lookahead equals it when lookahead hashes are on
                 eagle_pool = pool.use_eagle or any(g.is_eagle_group for g in pool.groups)
@@ -240,6 +266,12 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             self.metrics = MetricsPairing(managers, pool.num_blocks) if {"reference", "vllm"} <= set(managers) \
                 else None
             self.mamba_split = mamba_split_config(pool)  # None unless a Mamba group is "align"
+            if pool.enable_mamba_shared_prefix_checkpoint:
+                on = compare_shared_prefix_checkpoint(managers)
+                self.mamba_split = with_split_junction_stop(self.mamba_split, on)
+                key = "on" if on else "off"
+                self.stats.shared_prefix_checkpoint_pools[key] = self.stats.shared_prefix_checkpoint_pools.get(key, 0) + 1
+                self.junctions = JunctionCheckpoints(self.h, managers.get("reference") if on else None)
             self.dcp_scaled = any(g.kv_cache_spec.effective_block_size(pool.dcp_world_size)
                                   != g.kv_cache_spec.block_size for g in pool.groups)
             self._probe_retention_validation(managers, retention_probe)
@@ -276,6 +308,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.partial_tail_offloads += self.h.num_partial_tail_offloads
                 self.stats.failed_loads += self.h.num_failed_loads
                 self.stats.junctions += self.h.num_junctions
+                self.stats.junction_checkpoints += self.junctions.count
                 if self.dcp_scaled:
                     self.stats.dcp_prefix_hits += self.h.num_prefix_hits
                     self.stats.dcp_cow_copies += self.h.num_cow_copies
@@ -341,6 +374,7 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                                  exc.signature, trace_path=str(path)) from exc
             finally:
                 self.stats.seconds_in_harness += time.perf_counter() - t
+            self.junctions.observe()
 
         def _in_flight_allowed(self, rid: str, chunk: int) -> bool:
             assert self.h is not None
@@ -393,6 +427,37 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
             rid = self._add(data)
             chunk = data.draw(st.sampled_from((1, 4, 16, 64, 1024)), label="chunk")
             self._admit(data, rid, chunk, 0)
+
+        if shared_prefix_checkpoint:  # a rule only where asked for: the other runs keep their inputs
+            @precondition(lambda self: self.junctions.managers and len(self.h.live()) < MAX_LIVE_REQUESTS - 1
+                          and bool(self._computed_prefixes()))
+            @rule(data=st.data())
+            def add_siblings(self, data) -> None:
+                """Where the Mamba shared-prefix checkpoint is on (issue #23): one or two requests
+                sharing a cut of a computed sequence, each with a fresh tail, admitted at once (a
+                new scheduler step between them). The attention groups hit the shared prefix, the
+                Mamba group lags (its states sit at other requests' chunk ends), so the lookup
+                returns a junction; the split stops the first chunk there and the Mamba group keys
+                that state, which the second sibling resumes at."""
+                self._count("add_siblings")
+                assert self.h is not None
+                known = data.draw(st.sampled_from(self._computed_prefixes()), label="known")
+                limit = max(3, min(self.h.pool_config.max_model_len - 1, 64))
+                cut = data.draw(st.integers(2, min(len(known), limit - 1)), label="cut")
+                for n in range(data.draw(st.integers(1, 2), label="siblings")):
+                    if n:
+                        self._apply(Op("new_step", {}))
+                    tail = tokens_from_seed(data.draw(st.integers(0, 2**16), label="tail_seed"),
+                                            data.draw(st.integers(1, limit - cut), label="tail"))
+                    rid = f"r{self._next_rid}"
+                    self._next_rid += 1
+                    self._apply(Op("add", dict(rid=rid, prompt=list(known[:cut]) + tail,
+                                               max_tokens=data.draw(st.integers(1, 8)), cache_salt=None)))
+                    self._admit(data, rid, 1024, 0)
+
+            def _computed_prefixes(self) -> list[list[int]]:
+                return [s.request.all_token_ids[:s.request.num_computed_tokens] for s in self.h.reqs.values()
+                        if s.request.num_computed_tokens > 2]
 
         @precondition(lambda self: self._has("waiting"))
         @rule(data=st.data())

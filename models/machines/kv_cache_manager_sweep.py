@@ -7,7 +7,9 @@ buffer's ring block, the sliding-window hit search off the alignment grid, Mamba
 ran in one run and not in the next. The sweep runs the same machine, with the same options, on each
 group set in turn for a few traces, so every manager kind is compared with vLLM on every run,
 whatever the main run drew; then the sliding-window and Mamba "align" sets again with EAGLE and
-sparse prefix-cache retention on every pool (:func:`sweep_every_group_set`).
+sparse prefix-cache retention on every pool, asking for the Mamba shared-prefix checkpoint one
+pool in two; then the fine-grained Mamba set with the checkpoint on every pool (issue #23), so that
+vLLM's junction states are compared on every run (:func:`sweep_every_group_set`).
 """
 
 from __future__ import annotations
@@ -64,15 +66,27 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     """conform-kv-manager's sweep: every group set with the main run's drawn options (sparse
     retention one pool in two, EAGLE one in six), then the :data:`SPARSE_GROUP_SETS` with EAGLE
     wherever a pool allows it and sparse retention on every pool (the sliding-window hit search's
-    dropped block and off-grid trimming, the retention masks). One :class:`SweepRun` for both
-    (the second pass's sets are named ``"<set> (EAGLE, sparse)"``)."""
+    dropped block and off-grid trimming, the retention masks; the Mamba shared-prefix checkpoint
+    asked for one pool in two), then ``fa+mamba_fine`` with the checkpoint asked for on every pool
+    (EAGLE one pool in two: vLLM's narrowing is compared too). One :class:`SweepRun` for all
+    (the later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
+    checkpoint)"``)."""
     sweep = run_group_set_sweep(kinds, examples_per_set, seed=seed, retention=True, **run_kwargs)
     if not sweep.ok:
         return sweep
     sparse = run_group_set_sweep(kinds, examples_per_set, group_sets=SPARSE_GROUP_SETS, seed=seed,
-                                 retention="always", eagle="always", **run_kwargs)
-    sweep.traces.update({f"{k} (EAGLE, sparse)": v for k, v in sparse.traces.items()})
-    sweep.ops += sparse.ops
-    sweep.prefix_hits += sparse.prefix_hits
-    sweep.failure = sparse.failure
+                                 retention="always", eagle="always", shared_prefix_checkpoint=True, **run_kwargs)
+    _merge(sweep, sparse, "EAGLE, sparse")
+    if not sweep.ok:
+        return sweep
+    junctions = run_group_set_sweep(kinds, 2 * examples_per_set, group_sets=("fa+mamba_fine",), seed=seed,
+                                    retention=True, shared_prefix_checkpoint="always", **run_kwargs)
+    _merge(sweep, junctions, "shared-prefix checkpoint")
     return sweep
+
+
+def _merge(sweep: SweepRun, later: SweepRun, label: str) -> None:
+    sweep.traces.update({f"{k} ({label})": v for k, v in later.traces.items()})
+    sweep.ops += later.ops
+    sweep.prefix_hits += later.prefix_hits
+    sweep.failure = later.failure

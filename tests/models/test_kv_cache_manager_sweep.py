@@ -12,11 +12,13 @@ from kvref.spec.errors import InvalidFieldError
 
 
 def test_every_group_set_gets_traces(tmp_path):
-    """Both passes: every group set with drawn options, then the windowed/Mamba sets with EAGLE and
-    sparse retention on every pool."""
+    """All passes: every group set with drawn options, then the windowed/Mamba sets with EAGLE and
+    sparse retention on every pool, then the fine-grained Mamba set with the shared-prefix
+    checkpoint asked for on every pool."""
     sweep = sweep_every_group_set(("reference",), 2, seed=0, out_dir=str(tmp_path), shrink=False)
     assert sweep.ok
-    want = set(GROUP_SETS) | {f"{g} (EAGLE, sparse)" for g in SPARSE_GROUP_SETS}
+    want = set(GROUP_SETS) | {f"{g} (EAGLE, sparse)" for g in SPARSE_GROUP_SETS} \
+        | {"fa+mamba_fine (shared-prefix checkpoint)"}
     assert set(sweep.traces) == want and all(n >= 1 for n in sweep.traces.values()), sweep.traces
     assert sweep.ops >= 30 * len(want) and sweep.prefix_hits > 0
 
