@@ -335,6 +335,17 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_KCI, "SparseCacheRole"),
         _b(_KCI, "UniformTypeKVCacheSpecs.from_specs"),
     ),
+    # HiSparse's whole startup sizing (kvref.impl.vllm.planning_hisparse), driven in conform-planning (#22/#23)
+    "hisparse-planning": (
+        _b("vllm.config.attention", "HiSparseConfig", "device_buffer_size"),
+        _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role", "kv_connector_extra_config"),
+        _b("vllm.v1.hisparse.layout", "get_hisparse_kv_cache_groups"),
+        _b("vllm.v1.hisparse.layout", "get_hisparse_steady_state_concurrency"),
+        _b(_KCI, "HiSparseHotSpec"),
+        _b(_KCI, "HiSparseResidentSpec"),
+        _b(_UTILS, "update_kv_cache_capacity"),
+        _b("vllm.v1.core.kv_cache_planning", "_pool_bytes_per_block"),
+    ),
     # HiSparse managers with their bound coordinator, driven in conform-kv-manager (#23)
     "hisparse": (
         _b("vllm.v1.hisparse.coordinator", "get_hisparse_coordinator"),
@@ -381,7 +392,7 @@ CHECK_AREAS: dict[str, tuple[str, ...]] = {
     "conform-kv-manager": ("specs", "request", "kv-manager", "hisparse"),
     "conform-scheduler": ("specs", "request", "scheduler"),
     "conform-offload": ("specs", "request", "kv-manager", "simple-offload", "offloading-connector"),
-    "conform-planning": ("specs", "planning", "hisparse-layout"),
+    "conform-planning": ("specs", "planning", "hisparse-layout", "hisparse-planning"),
     "conform-connector": ("specs", "request", "scheduler", "kv-connector", "multi-connector-worker"),
     "conform-spec-decode": ("specs", "request", "scheduler"),
     "conform-offload-worker": ("specs", "request", "kv-manager", "offloading-connector", "offload-worker"),

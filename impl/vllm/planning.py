@@ -6,7 +6,8 @@ layout once (``LBNHC``, vLLM's default), and per case set only the fields vLLM's
 functions read, then call exactly what ``EngineCore._initialize_kv_caches`` calls:
 ``get_global_kv_cache_groups`` → ``get_kv_cache_configs`` → ``generate_scheduler_kv_cache_config``
 → (``cache_config.block_size`` = smallest prefix-cacheable group block size) →
-``get_max_concurrency_for_kv_cache_config`` → ``resolve_kv_cache_block_sizes``.
+``update_kv_cache_capacity`` (``get_kv_cache_capacity`` → ``get_max_concurrency_for_kv_cache_config``)
+→ ``resolve_kv_cache_block_sizes``.
 
 ``extra_retained_tokens`` reaches vLLM the way it does in production: ``get_global_kv_cache_groups``
 tags every sliding-window layer with ``num_prefill_lookahead_tokens - 1``; the driver sets that
@@ -125,7 +126,9 @@ class VllmPlanner:
                              if g.kv_cache_spec.prefix_cacheable]
             vc.cache_config.block_size = min(participating or [g.kv_cache_spec.block_size
                                                                for g in sched.kv_cache_groups])
-            concurrency = utils.get_max_concurrency_for_kv_cache_config(vc, sched)
+            # as EngineCore does: update_kv_cache_capacity stores both capacity figures in the cache config
+            utils.update_kv_cache_capacity(vc, sched)
+            concurrency = vc.cache_config.kv_cache_max_concurrency
             sbs, hbs = utils.resolve_kv_cache_block_sizes(sched, vc)
             alignment = utils.resolve_cache_hit_alignment_tokens(sched, vc, sbs, hbs)
         except ValueError as exc:
@@ -161,7 +164,7 @@ class VllmPlanner:
             num_blocks=worker.num_blocks, max_model_len=mml, blocks_per_request=per_group,
             admission_caps=caps, memory_bounds=bounds, scheduler_block_size=sbs, hash_block_size=hbs,
             cache_hit_alignment_tokens=alignment, max_concurrency=concurrency,
-            kv_cache_size_tokens=int(concurrency * mml)))
+            kv_cache_size_tokens=vc.cache_config.kv_cache_size_tokens))
 
     def check_per_layer(self, layers: dict[str, KVCacheSpec], config: EngineConfig, available_memory: int,
                         kv_cache_layout: str = "LBNHC") -> Outcome:

@@ -1260,6 +1260,16 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["hisparse_host_num_blocks"] = (hl.hisparse_host_num_blocks, dict(host_budget=4096, source_page=16,
                                                                          shared_host_pool=False, max_model_len=16,
                                                                          block_size=2))
+    # HiSparse startup sizing: pools, tensors, both concurrency figures (#22/#23)
+    from kvref.spec import planning_hisparse as ph
+
+    out["plan_hisparse_kv_cache"] = (ph.plan_hisparse_kv_cache, dict(
+        source=[("a", 128, True)], indexer=[("i", 256)], block_size=2, top_k=4, device_buffer_size=None,
+        host_budget=4096, max_model_len=16, available_memory=1 << 16, max_in_flight_tokens=8))
+    out["hisparse_max_concurrency"] = (ph.hisparse_max_concurrency, dict(num_blocks=10, device_blocks=3,
+                                                                         host_num_blocks=20, host_blocks=4))
+    out["hisparse_steady_state_concurrency"] = (ph.hisparse_steady_state_concurrency, dict(
+        num_blocks=10, admission_blocks=3, steady_blocks=2, host_num_blocks=20, host_blocks=4))
     return out
 
 

@@ -290,6 +290,7 @@ EXCLUDED: dict[str, str] = {
     **_each("kvref.spec.kv_cache_interface", "AttentionSpec KVCacheSpec KVCacheSpec.max_memory_usage_bytes "
             "KVCacheSpec.max_num_blocks_per_req", ABSTRACT + " (every concrete spec overrides this method)"),
     **_each("kvref.spec.planning", "GroupPlan KVCachePlan", RECORD),
+    **_each("kvref.spec.planning_hisparse", "HiSparsePlan HiSparseTensor", RECORD),
     **_each("kvref.impl.run_trace.format", "block_table cached_block_ids encode_lengths int_column sched_record "
             "sched_rows update_sampled", CODEC),
     **_each("kvref.impl.torch.block_pool", "as_device group_key TorchBlockPool.cache_full_block "
