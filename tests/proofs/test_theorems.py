@@ -66,51 +66,39 @@ def test_each_needed_bound_is_needed():
     assert seen >= 3
 
 
+def _resolve(theorem_id: str, ref: str):
+    """The object a dotted ``ref`` names: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = ref.split(".")
+    for i in range(len(parts), 1, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{theorem_id}: cannot import {ref}")
+
+
+def _references(prefix: str) -> list[tuple[str, str]]:
+    return [(t.id, ref) for t in THEOREMS for ref in t.reference if ref.startswith(prefix)]
+
+
 def test_kvref_references_resolve_to_real_functions():
     """Every ``kvref.*`` reference a theorem names is an importable attribute (so a rename breaks
     this test instead of leaving a theorem about a function that no longer exists)."""
-    import importlib
-
-    checked = 0
-    for t in THEOREMS:
-        for ref in t.reference:
-            if not ref.startswith("kvref."):
-                continue
-            parts = ref.split(".")
-            for i in range(len(parts), 1, -1):
-                try:
-                    obj = importlib.import_module(".".join(parts[:i]))
-                except ImportError:
-                    continue
-                for attr in parts[i:]:
-                    obj = getattr(obj, attr)
-                assert callable(obj), ref
-                checked += 1
-                break
-            else:
-                raise AssertionError(f"{t.id}: cannot import {ref}")
-    assert checked >= 15
+    refs = _references("kvref.")
+    for theorem_id, ref in refs:
+        assert callable(_resolve(theorem_id, ref)), ref
+    assert len(refs) >= 15
 
 
 @pytest.mark.vllm
 def test_vllm_references_resolve_in_vllm_0_33():
-    import importlib
-
     from tests.vllm_env import require_vllm
 
     require_vllm()
-    for t in THEOREMS:
-        for ref in t.reference:
-            if not ref.startswith("vllm."):
-                continue
-            parts = ref.split(".")
-            for i in range(len(parts), 1, -1):
-                try:
-                    obj = importlib.import_module(".".join(parts[:i]))
-                except ImportError:
-                    continue
-                for attr in parts[i:]:
-                    obj = getattr(obj, attr)
-                break
-            else:
-                raise AssertionError(f"{t.id}: cannot import {ref}")
+    for theorem_id, ref in _references("vllm."):
+        _resolve(theorem_id, ref)
