@@ -23,35 +23,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.reference.scheduler_liveness import liveness_guaranteed, startup_consistent
 from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.impl.request import Request
 from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from tests.conftest import profile_examples
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import scheduler_targets as _targets
+from tests.conformance.scheduler_targets import vllm_env  # noqa: F401 - the module-scoped fixture
 
 pytestmark = pytest.mark.vllm
 
 MIN_STEPS = 30
 STEP_COUNT = 45
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    require_vllm()
-    from kvref.impl.vllm import scheduler as vllm_scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return vllm_scheduler, vllm_scheduler.VllmEnv()
-
-
-def _targets(vllm_env, shim: bool = True):
-    mod, env = vllm_env
-    targets = {"vllm": lambda p, c: mod.VllmScheduler(p, c, env), "ref": lambda p, c: Scheduler(p, c)}
-    if shim:
-        targets["ref+vllmkv"] = lambda p, c: Scheduler(p, c, mod.VllmKVCacheManagerShim(p, env))
-    return targets
 
 
 def test_generated_traces_match_vllm(vllm_env):

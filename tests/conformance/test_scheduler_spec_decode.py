@@ -20,14 +20,14 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.request import Request
 from kvref.impl.scheduler_types import EAGLE, ModelOutput, SchedulerConfig
 from kvref.models.machines.scheduler import COVERAGE, Lockstep, RequestSpec, machine_with, scheduler_setups
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from tests.conftest import profile_examples
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import scheduler_targets as _targets
+from tests.conformance.scheduler_targets import vllm_env  # noqa: F401 - the module-scoped fixture
 
 pytestmark = pytest.mark.vllm
 
@@ -39,22 +39,6 @@ RARE = ("spec_verify_steps", "spec_rejected", "spec_all_accepted", "spec_padded"
         "spec_drafts_in_output",
         "preemptions", "prefix_hits", "steps_async", "steps_sync",
         "finished_stop", "finished_length")
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    require_vllm()
-    from kvref.impl.vllm import scheduler as vllm_scheduler  # noqa: PLC0415 - imports vLLM once per module
-
-    return vllm_scheduler, vllm_scheduler.VllmEnv()
-
-
-def _targets(vllm_env, shim: bool = True):
-    mod, env = vllm_env
-    targets = {"vllm": lambda p, c: mod.VllmScheduler(p, c, env), "ref": lambda p, c: Scheduler(p, c)}
-    if shim:
-        targets["ref+vllmkv"] = lambda p, c: Scheduler(p, c, mod.VllmKVCacheManagerShim(p, env))
-    return targets
 
 
 def test_generated_spec_decode_traces_match_vllm(vllm_env):
