@@ -364,9 +364,19 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult("conform-scheduler", FAILED, "scheduler traces with the prefill cadence diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)
     c = run.coverage
-    return replace(res, summary=res.summary + f"; {run.traces} with the prefill cadence ({c.get('cadence_held_chunk', 0)} "
-                   f"chunks and {c.get('cadence_held_waiting', 0)} admissions held) and outranking arrivals",
-                   examined=(res.examined or 0) + run.traces)
+    res = replace(res, summary=res.summary + f"; {run.traces} with the prefill cadence ({c.get('cadence_held_chunk', 0)} "
+                  f"chunks and {c.get('cadence_held_waiting', 0)} admissions held) and outranking arrivals",
+                  examined=(res.examined or 0) + run.traces)
+    # then multimodal requests on an encoder budget and cache (#22)
+    from kvref.models.machines.scheduler_encoder import run_encoder_machine
+
+    run = run_encoder_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
+    if not run.ok:
+        return CheckResult("conform-scheduler", FAILED, "scheduler traces with encoder inputs diverged from vLLM",
+                           details=run.failure.splitlines()[:30], signature=run.signature)
+    c = run.coverage
+    return replace(res, summary=res.summary + f"; {run.traces} with encoder inputs ({c.get('encoder_inputs_scheduled', 0)} "
+                   f"encoded, {c.get('encoder_evictions', 0)} evicted)", examined=(res.examined or 0) + run.traces)
 
 
 def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:

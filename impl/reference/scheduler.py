@@ -21,7 +21,10 @@ counts the engine polls (``get_request_counts``, ``get_num_unfinished_requests``
 The adaptive long-prefill threshold and the local prefill cadence (``prefill_schedule_interval``)
 live in :mod:`kvref.impl.reference.scheduler_cadence` (the cadence without a KV connector only).
 
-Not modelled: encoder inputs, LoRA, structured output, a KV connector's deferred frees under
+Encoder inputs (the encoder compute budget and cache that cut a multimodal request's chunk) live
+in :mod:`kvref.impl.reference.scheduler_encoder` (without a KV connector).
+
+Not modelled: LoRA, structured output, a KV connector's deferred frees under
 async scheduling, pipeline parallelism, streaming sessions, DP prefill throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
@@ -61,6 +64,7 @@ from . import scheduler_connector_stats as _conn_stats
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
+from . import scheduler_encoder as _enc
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -122,12 +126,15 @@ class Scheduler:
         kv_cache_manager: the manager to drive (default: the reference ``KVCacheManager(pool)``).
         record_prefix_cache_stats: record each admission's prefix-cache lookup in the manager's
             stats (what ``make_stats`` reports), as vLLM's scheduler does.
+        encoder_budget: the encoder limits of a multimodal model
+            (:class:`~kvref.impl.reference.scheduler_encoder.EncoderBudget`; None: a text model's).
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
                  kv_cache_manager: KVCacheManagerLike | None = None,
                  connector: _conn.ScriptedConnector | None = None,
-                 record_prefix_cache_stats: bool = False) -> None:
+                 record_prefix_cache_stats: bool = False,
+                 encoder_budget: _enc.EncoderBudget | None = None) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -172,6 +179,8 @@ class Scheduler:
                                     "1 with a KV connector (kvref models the prefill cadence without one)")
         self.cadence = PrefillCadence(config)  # prefill cadence (:mod:`.scheduler_cadence`)
         self._num_invalid_spec_tokens: dict[int, dict[str, int]] = {}  # id(output) -> invalid drafts
+        # encoder inputs of multimodal requests (:mod:`.scheduler_encoder`)
+        self.encoder = _enc.EncoderState(encoder_budget if encoder_budget is not None else _enc.EncoderBudget())
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -193,6 +202,9 @@ class Scheduler:
         if request.num_prompt_tokens >= self.max_model_len:
             raise InvalidFieldError("len(request.prompt_token_ids)", request.num_prompt_tokens,
                                     f"fewer than max_model_len={self.max_model_len} tokens")
+        if request.mm_features and self.connector_state is not None:
+            raise InvalidFieldError("request.mm_features", len(request.mm_features),
+                                    "none with a KV connector (kvref models encoder inputs without one)")
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         if self.connector_state is not None:
@@ -240,6 +252,7 @@ class Scheduler:
         preempted: list[Request] = []
         spec = self.spec_decode
         spec.start_step()
+        self.encoder.start_step()
         prefill_scheduled = False  # a running prefill chunk in the batch (no spec-decode padding)
         if hasattr(kv, "new_step_starts"):
             kv.new_step_starts()
@@ -270,6 +283,7 @@ class Scheduler:
             num_new = min(num_new, token_budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - NUM_SAMPLED_TOKENS_PER_STEP)
             num_new = split_scheduled_chunk(self, request, num_new)  # Mamba "align": chunks end on states
+            num_new, encoding = self.encoder.try_schedule(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -293,6 +307,7 @@ class Scheduler:
                         # Give back what the victim already took this step.
                         token_budget += scheduled.pop(victim.request_id)[2]
                         spec.unschedule(victim.request_id)
+                        self.encoder.unschedule(victim)
                 else:
                     victim = self.running.pop()
                 self._preempt_request(victim, drop_stale_output=_conn.requires_kv_delivery(self))
@@ -311,12 +326,14 @@ class Scheduler:
             prefill_scheduled |= request.is_prefill_chunk
             spec.note_scheduled(request, request.num_computed_tokens, num_new)
             spec.take_running_drafts(request, num_new)
+            self.encoder.commit(request, encoding)
 
         if not preempted and self.pause_state != PauseState.PAUSED_ALL:
             token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled,
                                                   defer_prefills)
             self.cadence.after_waiting_loop(defer_prefills, self.waiting)
 
+        self.encoder.end_step()
         total = sum(s[2] for s in scheduled.values())
         prefill_admitted = any(kind != "running" and r.num_computed_tokens < r.num_tokens - 1
                                for r, kind, _, _ in scheduled.values())
@@ -387,12 +404,20 @@ class Scheduler:
                 break
             if is_padded and num_new != padded:
                 num_new, is_padded = 1, False  # vLLM drops spec-decode padding the alignment clipped
+            num_new, encoding = self.encoder.try_schedule(request, num_hit, num_new)
+            if num_new == 0:
+                # the encoder limits leave no token: requeued, it does not stall the ones behind it
+                skipped.append(self.waiting.pop_request())
+                self.cadence.note_skipped(request)
+                continue
 
             blocks = kv.allocate_slots(
                 request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,
                 num_lookahead_tokens=cfg.num_lookahead_tokens, full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
                 has_scheduled_reqs=bool(self.running))
             if blocks is None:
+                if request.mm_features:
+                    self.encoder.manager.free(request)  # the cache references its lookup took
                 break  # head-of-line: the requests behind it are not tried this step
             if self.records_prefix_cache_stats:
                 _record_prefix_cache_stats(kv, request, num_hit)
@@ -408,6 +433,7 @@ class Scheduler:
             self.spec_decode.note_scheduled(request, num_hit, num_new)
             if is_padded:
                 self.spec_decode.mark_padded(request.request_id)
+            self.encoder.commit(request, encoding)
         self.waiting.prepend_requests(skipped)
         return token_budget
 
@@ -442,6 +468,7 @@ class Scheduler:
             _conn.free_request_blocks(self, request)  # deferred while a step may still write them
         else:
             self.kv_cache_manager.free(request)
+        self.encoder.manager.free(request)
         if self.connector_state is not None:
             self.connector_state.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -499,11 +526,13 @@ class Scheduler:
             if s.request_id in failed or request.status == RequestStatus.FINISHED:
                 continue  # a failed KV load, or finished while the connector holds its blocks
             new_ids = list(model_output.sampled_token_ids.get(s.request_id, ()))
-            if not new_ids:
-                continue
-            if s.spec_token_ids:
+            if new_ids and s.spec_token_ids:
                 self.spec_decode.verify(request, s.spec_token_ids, len(new_ids), stale,
                                         num_invalid_spec_tokens.get(s.request_id, 0))
+            if request.mm_features:
+                _enc.free_encoder_inputs(self.encoder, request)  # only once the step has executed
+            if not new_ids:
+                continue
             status_before = request.status
             had_placeholders = request.num_output_placeholders > 0
             is_stopped = self._append_output(request, new_ids, stale)
@@ -583,6 +612,7 @@ class Scheduler:
         if self.connector_state is not None:
             return _conn.free_request(self, request)
         self.spec_decode.forget(request.request_id)
+        self.encoder.manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -659,6 +689,11 @@ class Scheduler:
         if self.connector_state is not None:
             self.connector_state.connector.shutdown()
 
+    def encoder_view(self) -> dict:
+        """The encoder cache and what the last ``schedule()`` encoded and evicted (vLLM
+        ``scheduled_encoder_inputs`` / ``free_encoder_mm_hashes``)."""
+        return self.encoder.view()
+
     def get_kv_cache_usage(self) -> float:
         """vLLM ``get_kv_cache_usage`` (the ``kv_cache_usage`` of its ``SchedulerStats``): the
         fraction of the pool's blocks (the null block aside) not free."""
@@ -734,6 +769,7 @@ class Scheduler:
             f"Q6: {len(self._in_flight)} schedules in flight, " \
             f"max_concurrent_batches={self.config.max_concurrent_batches}"
         self.spec_decode.check_invariants(self.requests)
+        self.encoder.manager.check_invariants()
         self.kv_cache_manager.check_invariants()
 
 

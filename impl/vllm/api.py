@@ -171,6 +171,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.kv_cache_metrics", "KVCacheMetricsCollector"),
         _b("vllm.v1.core.sched.interface", "PauseState"),
         _b("vllm.v1.core.sched.scheduler", "Scheduler.set_pause_state"),
+        # encoder inputs of multimodal requests (models/machines/scheduler_encoder.py, #22)
+        _b("vllm.v1.core.encoder_cache_manager", "EncoderCacheManager", "cache_size"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),

@@ -90,6 +90,7 @@ class VllmEnv:
         sc.long_prefill_token_threshold_adaptive = config.long_prefill_token_threshold_adaptive
         sc.prefill_schedule_interval = config.prefill_schedule_interval  # local cadence: no DP here
         sc.watermark = pool.watermark
+        sc.disable_chunked_mm_input = False  # VllmScheduler sets it for an encoder budget
         # CpuPlatform forced this to False at construction; set it after (see module docstring).
         sc.async_scheduling = config.async_scheduling
         vc.cache_config.enable_prefix_caching = pool.enable_caching
@@ -170,7 +171,8 @@ class VllmScheduler:
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
-                 scheduler_cls: str | None = None, connector=None, diffusion: bool = False) -> None:
+                 scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
+                 encoder_budget=None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -223,6 +225,9 @@ class VllmScheduler:
             shared.kv_events_config = saved_events_config  # the env is shared
             shared.kv_transfer_config = saved_transfer_config
         self.connector = connector
+        self._encoder_output: dict = {"scheduled_encoder_inputs": {}, "free_encoder_mm_hashes": ()}
+        if encoder_budget is not None:
+            self._set_encoder_budget(encoder_budget)
         if config.num_speculative_tokens:
             # GPU deployments run the V2 model runner, which lets a drafter with lookahead slots
             # skip useless drafts; the CPU config picks the V1 runner (no Triton), so the flag is
@@ -240,15 +245,46 @@ class VllmScheduler:
         self._reqs: dict[str, Any] = {}  # every request ever added (finished ones too)
         self._outputs: dict[int, Any] = {}  # id(SchedulerOutput) -> vLLM SchedulerOutput
 
+    def _set_encoder_budget(self, budget) -> None:
+        """A multimodal model's encoder limits on the text model's scheduler (the tiny Llama has
+        no ``MultiModalBudget``): vLLM's own ``EncoderCacheManager`` of ``encoder_cache_size``
+        embeddings, ``max_num_encoder_input_tokens`` and ``disable_chunked_mm_input``, what
+        ``Scheduler.__init__`` derives from a multimodal model's budget."""
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        from kvref.impl.reference.scheduler_encoder import EncoderBudget
+
+        if not isinstance(budget, EncoderBudget):
+            raise InvalidFieldError("encoder_budget", budget, "an EncoderBudget")
+        if self.connector is not None:
+            raise InvalidFieldError("encoder_budget", budget, "None with a KV connector")
+        self.scheduler.max_num_encoder_input_tokens = budget.encoder_compute_budget
+        self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=budget.encoder_cache_size)
+        self.scheduler.scheduler_config.disable_chunked_mm_input = budget.disable_chunked_mm_input
+
+    def encoder_view(self) -> dict:
+        """vLLM's encoder cache and the last step's encoder inputs, in the reference's form
+        (:meth:`kvref.impl.reference.scheduler.Scheduler.encoder_view`)."""
+        m = self.scheduler.encoder_cache_manager
+        cache = {"num_free_slots": m.num_free_slots, "num_freeable_slots": m.num_freeable_slots,
+                 "cached": {h: frozenset(r) for h, r in m.cached.items()},
+                 "freeable": tuple(m.freeable.items()),
+                 "request_cached_ids": {r: frozenset(i) for r, i in m.request_cached_ids.items()}}
+        return {"cache": cache, **self._encoder_output}
+
     # ---- calls -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         v = self._v
         sp = v["SamplingParams"](max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
                                  ignore_eos=True, skip_reading_prefix_cache=request.skip_reading_prefix_cache)
+        mm = [v["MultiModalFeatureSpec"](
+            data=None, modality=f.modality, identifier=f.identifier,
+            mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
+            for f in request.mm_features] or None
         vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                            sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
                            cache_salt=request.cache_salt, priority=request.priority,
-                           block_hasher=self._hasher if self.pool.enable_caching else None)
+                           block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm)
         self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
 
@@ -271,6 +307,9 @@ class VllmScheduler:
                 num_computed_tokens=vr.num_computed_tokens - n,
                 block_ids=_ids(blocks, len(self.pool.groups)), is_prefill_chunk=vr.is_prefill_chunk,
                 spec_token_ids=tuple(int(t) for t in spec_tokens.get(rid, ()))))
+        self._encoder_output = {
+            "scheduled_encoder_inputs": {r: tuple(i) for r, i in so.scheduled_encoder_inputs.items()},
+            "free_encoder_mm_hashes": tuple(so.free_encoder_mm_hashes)}
         out = SchedulerOutput(scheduled=tuple(sched), preempted_req_ids=frozenset(so.preempted_req_ids),
                               finished_req_ids=frozenset(so.finished_req_ids), skip_drafts=bool(so.skip_drafts))
         self._outputs[id(out)] = (out, so)

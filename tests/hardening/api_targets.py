@@ -895,6 +895,18 @@ def _streaming_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]
     }
 
 
+def _encoder_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """The reference scheduler's encoder budget and cache (#22)."""
+    from kvref.impl.reference import scheduler_encoder as se
+
+    return {
+        "EncoderBudget": (se.EncoderBudget, dict(encoder_compute_budget=4, encoder_cache_size=8,
+                                                 disable_chunked_mm_input=False)),
+        "EncoderCacheManager": (se.EncoderCacheManager, dict(cache_size=8)),
+        "EncoderState": (se.EncoderState, dict(budget=se.EncoderBudget(4, 8))),
+    }
+
+
 def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """name -> (callable without state of its own, valid keyword arguments): module functions,
     static/class methods and the methods of frozen spec objects (nothing to snapshot)."""
@@ -1078,6 +1090,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                  "secondary_g2_slots": 2, "policy": "lru"}, events=True, self_describing=True)),
         # issue #22: streaming-input sessions
         **_streaming_functions(),
+        **_encoder_functions(),
         "make_manager": (interface.make_manager, dict(kind="reference", pool_config=pc)),
         # offload keys and lookups
         "make_offload_key": (keys.make_offload_key, dict(block_hash=H[0], group_idx=0)),

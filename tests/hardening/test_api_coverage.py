@@ -150,6 +150,14 @@ EXCLUDED: dict[str, str] = {
             "PrefillCadence.after_schedule PrefillCadence.check_invariants",
             "the reference Scheduler's prefill-cadence hooks (issue #22), called with its own state and a "
             "validated SchedulerConfig (its new fields are fuzzed through SchedulerConfig)"),
+    **_each(f"{_REF}.scheduler_encoder", "EncoderCacheManager.allocate EncoderCacheManager.can_allocate "
+            "EncoderCacheManager.check_and_update_cache EncoderCacheManager.free EncoderCacheManager.free_encoder_input "
+            "EncoderCacheManager.get_cached_input_ids EncoderState.commit EncoderState.try_schedule "
+            "EncoderState.unschedule allocate_encoder_inputs features_in_window free_encoder_inputs "
+            "num_encoder_embeds try_schedule_encoder_inputs",
+            "a step of the reference Scheduler's encoder gate (issue #22), called at its hooks with its own "
+            "checked requests (vLLM's EncoderCacheManager is driven only by its Scheduler too); the budget and "
+            "the cache constructors are fuzzed"),
     **_each(f"{_REF}.scheduler_connector_stats", "check_invariants connector_stats flag_connector_reset "
             "record_connector_prefix_cache_stats set_kv_fetch_stage",
             "the reference Scheduler's make_stats bookkeeping with a KV connector (issue #22), called with its "
