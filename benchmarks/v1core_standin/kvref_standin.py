@@ -159,8 +159,6 @@ class StandInKVCacheManager:
         _BUILT[0] += 1
         if metrics_collector is not None:
             raise StandInGap("KVCacheMetricsCollector (block residency metrics)")
-        if enable_mamba_shared_prefix_checkpoint:
-            raise StandInGap("Mamba shared-prefix checkpoint")
         if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
             raise StandInGap("HiSparse host pool")
         config = _to_pool_config(
@@ -169,7 +167,8 @@ class StandInKVCacheManager:
             enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events, num_hash_lookahead_tokens=int(num_hash_lookahead_tokens),
             log_stats=log_stats, num_prefill_lookahead=num_prefill_lookahead,
-            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint)
         self._ref = KVCacheManager(config)
         self._vllm_requests: dict[str, Any] = {}
         self._mirrors: dict[str, Any] = {}
@@ -182,7 +181,7 @@ class StandInKVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = None
-        self.mamba_shared_prefix_checkpoint = False
+        self.mamba_shared_prefix_checkpoint = self._ref.mamba_shared_prefix_checkpoint
         self.coordinator = _coordinator_view(self._ref.coordinator, kv_cache_config)
         self.block_pool = self._ref.block_pool
         # vLLM's tests call the pool's cache_full_blocks with vLLM's signature (the request first;
@@ -427,6 +426,12 @@ class _ManagerView(_View):
             raise StandInGap("SingleTypeKVCacheManager.cache_blocks outside the coordinator's publication")
         return type(target).cache_blocks(target, request, hashes, num_tokens, retention_interval,
                                          tuple(replay_boundaries))
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int, retention_interval: int | None) -> Any:
+        # vLLM's signature (Mamba "align" managers): the hashes are the request's own
+        target = object.__getattribute__(self, "_target")
+        return type(target)._cache_partial_tail_block(target, request, request.block_hashes, num_tokens,
+                                                      retention_interval)
 
     def __setattr__(self, name: str, value: Any) -> None:
         target = object.__getattribute__(self, "_target")
