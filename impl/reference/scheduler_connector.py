@@ -414,6 +414,24 @@ def _truncate(hit_ids, num_tokens: int, sched: "Scheduler"):
     return tuple(out)
 
 
+def _local_prefix_cache_hit(sched: "Scheduler", request: Request) -> tuple:
+    """vLLM ``_get_local_prefix_cache_hit``: ``(hit block ids, local hit tokens, hit_diverged)``.
+
+    A connector that supports divergent local hybrid hits is asked with the full-attention hit
+    (``get_computed_blocks_for_connector``: on a Mamba + full-attention pool each group is looked
+    up on its own, the Mamba group may lag); any other connector with ``get_computed_blocks``'s.
+    Either way the look-up's shared-prefix junction is kept (Mamba "align")."""
+    kv = sched.kv_cache_manager
+    lookup = getattr(kv, "get_computed_blocks_for_connector", None)
+    if sched.connector_state.config.divergent_local_hybrid_hits and lookup is not None:
+        hit_ids, num_local, boundary, diverged = lookup(request)
+        request.shared_prefix_boundary = boundary
+        return hit_ids, num_local, diverged
+    hit_ids, num_local = kv.get_computed_blocks(request)
+    store_shared_prefix_boundary(sched, request)  # vLLM keeps the look-up's junction (Mamba "align")
+    return hit_ids, num_local, False
+
+
 def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, scheduled: dict) -> int:
     """vLLM ``schedule()``'s waiting loop with a KV connector (see the module docstring)."""
     cfg = sched.config
@@ -450,8 +468,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         hit_ids = None
         num_local = 0
         if request.num_computed_tokens == 0:
-            hit_ids, num_local = kv.get_computed_blocks(request)
-            store_shared_prefix_boundary(sched, request)  # vLLM keeps the look-up's junction (Mamba "align")
+            hit_ids, num_local, hit_diverged = _local_prefix_cache_hit(sched, request)
             block_size = sched.pool.scheduler_block_size
             partial_tail = num_local % block_size
             aligned = num_local - partial_tail
@@ -470,6 +487,11 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                 load_async = False
             else:
                 num_external = ext
+            if hit_diverged and num_external == 0:
+                # no external tokens back the deeper full-attention hit: its Mamba state is missing,
+                # so vLLM reconciles to the hit every group agrees on
+                hit_ids, num_local = kv.get_computed_blocks(request)
+                store_shared_prefix_boundary(sched, request)
             num_computed = num_local + num_external
             assert num_computed <= request.num_tokens
             set_kv_fetch_stage(st, rid, KV_FETCH_WAITING_TO_START if load_async else None)

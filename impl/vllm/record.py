@@ -128,14 +128,11 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # a KV connector is replayed from its recorded answers (format 4, record_connector.py); what
     # the reference does not model beside it is named
     # a connector that supports divergent local hybrid hits is replayed (the header's
-    # divergent_local_hybrid_hits makes the reference ask get_computed_blocks_for_connector); vLLM
-    # only lets hits diverge on a pool with Mamba layers and prefix caching (Mamba "align" mode,
-    # itself named below), so only that combination is named: a full + sliding-window or
-    # chunked-local pool's lookup is get_computed_blocks's (it was wrongly named before, #28)
+    # divergent_local_hybrid_hits makes the reference ask get_computed_blocks_for_connector): on a
+    # Mamba pool with prefix caching too, where the Mamba group's hit may lag the full-attention
+    # one and a hit with no external tokens behind it is reconciled (#28: generated align
+    # connector runs agree step by step)
     conn = getattr(s, "connector", None)
-    flag(conn is not None and getattr(conn, "supports_divergent_local_hybrid_hits", False)
-         and getattr(s.kv_cache_config, "has_mamba_layers", False) and s.cache_config.enable_prefix_caching,
-         "kv_connector_divergent_hybrid_hits")
     flag(getattr(s, "defer_async_loads", False), "deferred_async_loads")
     flag(getattr(s, "aux_output_connector", None) is not None, "aux_output_connector")
     flag(getattr(s, "ec_connector", None) is not None, "ec_connector")

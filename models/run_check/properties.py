@@ -345,6 +345,7 @@ class RunProperties:
         """A record's connector log (format 4): delayed frees, the local hit each lookup saw, and
         the prefix-cache stats of each admission that followed a lookup."""
         asked: dict[str, int] = {}
+        admitted_at: dict[str, int] | None = None  # computed tokens of the step's admissions
         for e in rec.get("kv") or ():
             if e[0] == "a":
                 self.failed_whole.discard(e[1])  # admitted (or loading) again: not the hang's state
@@ -352,7 +353,11 @@ class RunProperties:
                 r = self.reqs.get(e[1])
                 if r is not None and not r.skip_read:
                     num_tokens = len(r.tokens) if self.exact else r.prompt_len
-                    self.tally.admitted(r.preempted, num_tokens, asked.pop(e[1]))
+                    if admitted_at is None:
+                        admitted_at = ({row[0]: row[3] for row in sched_rows(rec) if row[1] != "c"}
+                                       if rec["t"] == "sched" else {})
+                    self.tally.admitted(r.preempted, num_tokens,
+                                        self._admitted_local_hit(e, asked.pop(e[1]), admitted_at))
                 continue
             if e[0] == "m":
                 asked[e[1]] = int(e[2] or 0)
@@ -370,6 +375,18 @@ class RunProperties:
                     # replayed: num_computed_tokens back to 0; generated connector runs, #28)
                     self.load_zeroed.discard(e[1])
                     self._release(e[1])
+
+    @staticmethod
+    def _admitted_local_hit(alloc: list, asked: int, admitted_at: dict[str, int]) -> int:
+        """The local hit vLLM records at an admission (``record_prefix_cache_stats(request,
+        num_new_local_computed_tokens)``): for a request scheduled in the step, its computed tokens
+        less the connector's external ones, since the block-aligned hit it asked the connector
+        with is not always the one it kept -- a sub-block local tail the remote hit does not exceed
+        stays, and a divergent hybrid hit with no external tokens behind it is reconciled to the
+        hit every group agrees on (generated Mamba "align" connector runs, #28); an asynchronous
+        load (not scheduled) keeps the hit it asked with."""
+        computed = admitted_at.get(alloc[1])
+        return asked if computed is None else computed - int(alloc[3] or 0)
 
     def _finish(self, rid: str, reason: str) -> None:
         r = self.reqs.get(rid)
