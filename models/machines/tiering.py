@@ -683,25 +683,34 @@ def _tail(rng: random.Random, world: TieringWorld):
 
 
 def _obj_fault_rounds(rng: random.Random, world: TieringWorld):
-    """Each NIXL fault in turn (random order): armed, then a store of a key the primary tier lacks
-    or a promotion of one it lost, finished and collected."""
+    """Each NIXL fault in turn (random order): armed, then (until a call takes it, a few tries) a
+    store of a key the primary tier lacks or a promotion of one it lost; the store's transfer is
+    collected by a poll or by the drain of a reset_cache (its results wait for the next poll)."""
+    tier = world.ref.tiers[world.obj_tiers()[0]]
     for stage in rng.sample(range(len(OBJ_FAULTS)), len(OBJ_FAULTS)):
         yield ("obj_fault", 0, stage)
-        primary = world.primary.chunk_state()
-        absent = [i for i, k in enumerate(world.keys) if k not in primary]
-        if absent and rng.random() < 0.5:
-            yield ("new_request",)
-            yield ("prepare_store", 0, (rng.choice(absent),))
-            while world.out.stores:
-                yield ("complete_store", 0, True)
-            yield ("drain",)
-            yield ("finish_request", 0)
-        else:
-            yield ("revisit", _evicted_to_disk(rng, world))
-            yield ("schedule_end",)
-            yield ("drain",)
-            yield ("finish_request", 0)
-        yield ("drain",)
+        for _ in range(3):
+            if tier.armed is None:
+                break
+            primary = world.primary.chunk_state()
+            absent = [i for i, k in enumerate(world.keys) if k not in primary]
+            if absent and rng.random() < 0.6:
+                yield ("new_request",)
+                yield ("prepare_store", 0, (rng.choice(absent),))
+                while world.out.stores:
+                    yield ("complete_store", 0, True)
+                yield ("schedule_end",)  # submits the cascades
+                yield ("finish_request", 0)
+                if rng.random() < 0.5:
+                    yield ("reset",)  # the drain polls what the reset's harness finished
+                    yield ("reset_flushed",)
+                yield ("drain",)
+            else:
+                yield ("revisit", _evicted_to_disk(rng, world))
+                yield ("schedule_end",)
+                yield ("drain",)
+                yield ("finish_request", 0)
+                yield ("drain",)
 
 
 def run_trace(cfg: TieringConfig, rng: random.Random, n_ops: int) -> tuple[dict, list]:
