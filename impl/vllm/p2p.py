@@ -62,9 +62,21 @@ class VirtualClock:
     def monotonic(self) -> float:
         return self.now
 
+    #: sleeps a drain may still take (None: any number); see :meth:`VllmP2PWorld.drain`
+    sleeps_left: int | None = None
+
     def sleep(self, seconds: float) -> None:
-        """A drain loop's sleep passes virtual time (vLLM's shutdown drain waits up to 3 s)."""
+        """A drain loop's sleep passes virtual time (vLLM's shutdown drain waits up to 3 s); past
+        ``sleeps_left`` it raises :class:`DrainCut` instead (the caller's patience ran out)."""
+        if self.sleeps_left is not None:
+            if self.sleeps_left <= 0:
+                raise DrainCut("drain_jobs still had work after its poll sweeps")
+            self.sleeps_left -= 1
         self.now += seconds
+
+
+class DrainCut(RuntimeError):
+    """A ``drain_jobs`` the world cut short (:data:`~kvref.impl.reference.offload.p2p.world.DRAIN_POLLS`)."""
 
 
 @dataclass
@@ -432,6 +444,22 @@ class VllmP2PWorld:
         out = [(r.job_id, r.success) for r in self.managers[node].get_finished_jobs()]
         self._settle()
         return out
+
+    def drain(self, node: str) -> bool:
+        """``drain_jobs`` on ``node``, cut after ``DRAIN_POLLS`` poll sweeps as the reference world's
+        (the other engine does not act meanwhile): True when it drained."""
+        from kvref.impl.reference.offload.p2p.world import DRAIN_POLLS
+
+        self.clock.sleeps_left = DRAIN_POLLS - 1
+        try:
+            self.managers[node].drain_jobs()
+            drained = True
+        except DrainCut:
+            drained = False
+        finally:
+            self.clock.sleeps_left = None
+        self._settle()
+        return drained
 
     def complete_transfers(self, node: str, count: int, ok: bool) -> int:
         return self.agents[node].complete(count, ok)

@@ -76,6 +76,8 @@ class Coverage:
     probe_retries: int = 0
     symmetric_loads: int = 0
     broken: int = 0
+    drains: int = 0
+    drains_cut: int = 0
 
 
 COVERAGE = Coverage()
@@ -349,6 +351,17 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 for node in ("P", "D"):
                     if self._alive(node):
                         self._jobs(self._all("poll", node))
+
+        @rule(node=st.sampled_from(("P", "D")))
+        def drain(self, node: str) -> None:
+            """``drain_jobs`` (a reset's first step): poll sweeps until the engine has no load or
+            write outstanding (cut after a few: the other engine does not act meanwhile); what it
+            collects is reported by the next poll."""
+            if not self._alive(node):
+                return
+            drained = self._all("drain", node)
+            COVERAGE.drains += drained
+            COVERAGE.drains_cut += not drained
 
         @precondition(lambda self: self._alive("P"))
         @rule(count=st.integers(1, 2), ok=st.booleans())

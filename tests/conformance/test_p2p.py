@@ -19,9 +19,10 @@ pytestmark = pytest.mark.vllm
 
 #: what every run must reach (counted by the machine): bytes through, both outcomes of loads and
 #: stores, reaped parked stores, an engine going away, a data-plane fault, an idle session evicted,
-#: symmetric probes answered HIT, MISS and RETRY, and a fetch of confirmed keys
+#: symmetric probes answered HIT, MISS and RETRY, a fetch of confirmed keys, and drains (a reset's)
+#: that ended and that still had loads or writes outstanding after their sweeps
 RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked", "reaped", "shutdowns", "faults",
-        "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads")
+        "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads", "drains", "drains_cut")
 
 
 def _run(examples: int, **kw) -> tuple[bool, str, dict]:
@@ -48,8 +49,21 @@ def test_a_wrong_abort_round_in_the_reference_is_found(monkeypatch):
     ok, failure, _ = _run(40)
     assert not ok
     # the same derandomized run agrees without the plant (the generated test); here the first
-    # observable to differ is the abort message or the bookkeeping it leaves (rounds, loads)
-    assert "diverged" in failure and ("abort_fetch" in failure or "snapshot" in failure), failure[:2000]
+    # observable to differ is the abort message, the bookkeeping it leaves (rounds, loads) or the
+    # load results it makes (a drain's sweeps can collect them first)
+    assert "diverged" in failure and any(w in failure for w in ("abort_fetch", "snapshot", "poll(")), failure[:2000]
+
+
+def test_a_drain_that_does_not_wait_for_outstanding_work_is_found(monkeypatch):
+    """Planted in vLLM: ``drain_jobs`` returns after one sweep with loads or writes still
+    outstanding (a reset would then reuse primary memory a transfer still touches)."""
+    require_vllm()
+    from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
+
+    monkeypatch.setattr(P2PSecondaryTierManager, "drain_jobs", lambda self: self._poll_once())
+    ok, failure, _ = _run(40)
+    assert not ok
+    assert "drain" in failure, failure[:2000]
 
 
 def test_vllms_nixl_transport_moves_bytes_when_the_trace_lets_a_write_land():

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 
 from . import messages as m
 from .control import ControlPlane
@@ -275,6 +275,26 @@ class P2PTierManager:
 
     def get_finished_jobs(self, now: float) -> list[tuple[int, bool]]:
         """The poll sweep, then the jobs finished since the last call."""
+        self._poll_once(now)
+        out, self.finished = self.finished, []
+        return out
+
+    def drain_jobs(self, now: float, max_polls: int) -> tuple[float, bool]:
+        """vLLM's ``drain_jobs`` (before a reset): poll sweeps, :data:`DRAIN_SLEEP_S` apart, until no
+        session has a load or a write outstanding; nothing is cancelled and the results wait for the
+        next ``get_finished_jobs``. vLLM waits as long as that takes; a caller's patience is
+        ``max_polls`` sweeps. Returns (the clock after, whether it drained)."""
+        check_int("max_polls", max_polls, minimum=1)
+        for i in range(max_polls):
+            self._poll_once(now)
+            if not any(s.has_pending_work for s in self.sessions.values()):
+                return now, True
+            if i < max_polls - 1:
+                now += DRAIN_SLEEP_S
+        return now, False
+
+    def _poll_once(self, now: float) -> None:
+        """vLLM's ``_poll_once``: accept peers, poll every session, bind fetched ids, reap."""
         self.now = now
         self._accept(self.control.poll())
         for s in list(self.sessions.values()):
@@ -295,8 +315,6 @@ class P2PTierManager:
         self._reap_dead()
         self._reap_unbound()
         self._reap_idle()
-        out, self.finished = self.finished, []
-        return out
 
     def shutdown(self, now: float) -> float:
         """Drain pending writes (up to :data:`SHUTDOWN_DRAIN_TIMEOUT_S`), close every session (their

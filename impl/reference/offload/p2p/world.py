@@ -21,6 +21,9 @@ from .transport import BREAK_STATUS, DataPlane
 NODES = ("P", "D")
 MAX_BUFFER_BYTES = 1 << 26
 PORT = 1  # every reference engine "listens" on port 1 of a host named after it: ids "P:1", "D:1"
+#: poll sweeps a drain may take in a world (vLLM's has no limit; one engine alone could wait forever
+#: for the other's writes)
+DRAIN_POLLS = 3
 
 
 def _name(engine_id: str) -> str:
@@ -158,6 +161,12 @@ class P2PWorld:
 
     def poll(self, node: str) -> list[tuple[int, bool]]:
         return self._live(node).get_finished_jobs(self.now)
+
+    def drain(self, node: str) -> bool:
+        """``drain_jobs`` on ``node`` (a reset's first step), its patience :data:`DRAIN_POLLS` poll
+        sweeps (the other engine does not act meanwhile); True when it drained."""
+        self.now, drained = self._live(node).drain_jobs(self.now, DRAIN_POLLS)
+        return drained
 
     def complete_transfers(self, node: str, count: int, ok: bool) -> int:
         self._live(node)
