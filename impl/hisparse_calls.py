@@ -17,28 +17,65 @@ class HiSparseManagerCalls:
     """Mixin: needs ``self.managers``, the pool's single-type managers in KV cache group order."""
 
     managers: tuple[Any, ...]
+    #: request -> per-group hit blocks of its last ``find_longest_cache_hit``, until admitted
+    _hits: dict[str, list[list[Any]]]
 
     def is_running(self, request_id: str) -> bool:
         return any(request_id in m.num_cached_block for m in self.managers)
 
+    # ---------------------------------------------------------------- prefix caching (enable_caching)
+    # Each side hashes its own requests (``block_hashes``) and publishes through its own
+    # coordinator (``cache_blocks``); the hit search is written once here.
+
+    def find_longest_cache_hit(self, request_id: str, prompt: list[int], max_length: int) -> tuple[int, list[list[int]]]:
+        """``HybridKVCacheCoordinator.find_longest_cache_hit`` on a HiSparse pool: the prefix-cacheable
+        groups are the host source (first: full attention) and the GPU indexer, which looks only as
+        far as the source hit; the reconciled hit is the indexer's, whose blocks are cut to it while
+        the source keeps its longer hit (``retains_longer_hit``: ``allocate`` cuts it to the tokens
+        the request reuses). Remembers the hit for the admission; returns the hit length and the
+        hit block ids of each group."""
+        hashes = self.block_hashes(request_id, prompt)
+        bs = self.config.block_size
+        source, indexer = self.managers[0], self.managers[1]
+        (src_blocks,), src_len = type(source).find_longest_cache_hit(
+            hashes, max_length, [0], source.block_pool, source.kv_cache_spec, False, bs)
+        (idx_blocks,), hit = type(indexer).find_longest_cache_hit(
+            hashes, src_len, [1], indexer.block_pool, indexer.kv_cache_spec, False, bs)
+        hits = [list(src_blocks), list(idx_blocks)[:-(-hit // bs)]] + [[] for _ in self.managers[2:]]
+        self._hits[request_id] = hits
+        return hit, [[b.block_id for b in blocks] for blocks in hits]
+
+    def _new_computed_blocks(self, request_id: str, num_reused_tokens: int) -> list[list[Any]]:
+        """The remembered hit of a request being admitted, the source's cut to the reused tokens
+        (``KVCacheManager.allocate_slots``: retained-hit groups keep the local and external hits)."""
+        hits = self._hits.get(request_id)
+        if hits is None:
+            return [[] for _ in self.managers]
+        return [hits[0][:-(-num_reused_tokens // self.config.block_size)], *hits[1:]]
+
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, total_computed_tokens: int,
                                    num_local_computed_tokens: int, apply_admission_cap: bool) -> list[int]:
-        return [m.get_num_blocks_to_allocate(request_id, num_tokens, [], total_computed_tokens,
+        new = ([[] for _ in self.managers] if self.is_running(request_id)
+               else self._new_computed_blocks(request_id, total_computed_tokens))
+        return [m.get_num_blocks_to_allocate(request_id, num_tokens, blocks, total_computed_tokens,
                                              num_local_computed_tokens, num_tokens,
                                              apply_admission_cap=apply_admission_cap)
-                for m in self.managers]
+                for m, blocks in zip(self.managers, new)]
 
     def allocate(self, request_id: str, num_tokens: int, num_local_computed_tokens: int,
                  num_external_computed_tokens: int) -> list[list[int]]:
         """``allocate_new_computed_blocks`` (a new request with a host hit or an import) then
         ``allocate_new_blocks``; the new block ids of each group."""
         if not self.is_running(request_id) and (num_local_computed_tokens or num_external_computed_tokens):
-            for m in self.managers:
-                m.add_local_computed_blocks(request_id, [], num_local_computed_tokens, num_external_computed_tokens)
+            new = self._new_computed_blocks(request_id, num_local_computed_tokens + num_external_computed_tokens)
+            for m, blocks in zip(self.managers, new):
+                m.add_local_computed_blocks(request_id, blocks, num_local_computed_tokens,
+                                            num_external_computed_tokens)
             if num_external_computed_tokens:
                 for m in self.managers:
                     m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
                                                         num_external_computed_tokens)
+        self._hits.pop(request_id, None)
         return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens, num_tokens)]
                 for m in self.managers]
 
@@ -64,6 +101,14 @@ class HiSparseManagerCalls:
 
     def finish_host_import(self, request_id: str, failed: bool) -> None:
         self.coordinator.finish_host_import(request_id, failed=failed)
+
+    def take_host_block_copies(self) -> list[tuple[int, int]]:
+        """The host copy-on-write work drained for the worker, as ``(src, dst)`` block ids."""
+        return [(c.src_block_id, c.dst_block_id) if hasattr(c, "src_block_id") else tuple(c)
+                for c in self.coordinator.take_host_block_copies()]
+
+    def release_completed_host_copies(self, dst_block_ids: list[int]) -> None:
+        self.coordinator.release_completed_host_copies(list(dst_block_ids))
 
     def take_residency_updates(self, request_ids: list[str]) -> dict[str, tuple]:
         return {rid: (list(u.pages), [list(ids) for ids in u.block_ids])
@@ -105,6 +150,13 @@ class HiSparseManagerCalls:
             pending_imports=dict(sorted(coord._pending_imports.items())),
             resident_requests=sorted(coord._resident_requests),
             pending_work=(coord.has_pending_work(), coord.has_pending_reclamation()),
+            # prefix caching: the published blocks of each pool, the GPU copies of published host
+            # pages and the host copies the worker has not reported run
+            cached=[sorted(b.block_id for b in pool.blocks if b.block_hash is not None)
+                    for pool in (gpu_pool, self.managers[0].block_pool)],
+            copies=sorted(tuple(b.block_id for b in blocks) for blocks in coord.copies.values()),
+            copy_by_block=sorted(coord._copy_by_block),
+            retained_copies=sorted(coord._retained_copies),
         )
 
 
@@ -115,10 +167,19 @@ def _observe_request_state(state: Any) -> dict[str, Any]:
                 pending=dict(sorted(state.pending_pages.items())), pinned_clean=sorted(state.pinned_clean),
                 unpinned=sorted(state.unpinned_pages), to_adopt=state.pages_to_adopt,
                 copies_recorded=state.copies_recorded_blocks, synced=state.synced_pages,
-                stale=sorted(state.stale_pages), publishing=state.publication is not None)
+                stale=sorted(state.stale_pages), publishing=_observe_publication(state.publication))
+
+
+def _observe_publication(pub: Any) -> tuple | None:
+    """A pending publication (vLLM's ``_PendingPublication`` or the reference's) as plain values."""
+    if pub is None:
+        return None
+    return (pub.request.request_id, pub.num_computed_tokens, pub.num_pages, pub.retention_interval,
+            tuple(pub.replay_boundaries), None if pub.detached_blocks is None
+            else [b.block_id for b in pub.detached_blocks], pub.num_cached_blocks)
 
 
 def _observe_spill(pending: Any) -> tuple:
     return (pending.page, pending.host_block.block_id, tuple(b.block_id for b in pending.resident_blocks),
             pending.restore, pending.expected_worker_completions, pending.worker_completions,
-            pending.enqueue_applied)
+            pending.enqueue_applied, _observe_publication(pending.request_state.publication))

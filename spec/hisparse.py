@@ -203,8 +203,13 @@ class HiSparsePoolConfig:
     num_resident_groups: int
     max_model_len: int
     max_in_flight_tokens: int
+    #: prefix caching: the host source publishes a page's hash once its host copy is durable, and
+    #: a later hit on it adopts the page's GPU copies (vLLM ``HiSparseCoordinator``)
+    enable_caching: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_caching, bool):
+            raise InvalidFieldError("HiSparsePoolConfig.enable_caching", self.enable_caching, "True or False")
         check_int("HiSparsePoolConfig.block_size", self.block_size, minimum=1)
         check_int("HiSparsePoolConfig.num_gpu_blocks", self.num_gpu_blocks, minimum=2)
         check_int("HiSparsePoolConfig.host_num_blocks", self.host_num_blocks, minimum=2)

@@ -301,7 +301,10 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
 
     def _complete_host_writes(self) -> None:
         completed = [p for p in self.pending_spills.values() if p.enqueue_applied and self._all_workers_done(p)]
-        completed_request_ids: list[str] = []
+        # a set, as in vLLM: requests completing in one report publish in set order, and when two
+        # of them publish the same hash the copy recorded last is the one a later hit adopts, so
+        # the order is observable (it follows the process's string hash seed on both sides)
+        completed_request_ids: set[str] = set()
         for pending in completed:
             del self.pending_spills[pending.transfer_id]
             request_id, page_idx = pending.page
@@ -314,8 +317,7 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
                     self._page_became_clean(request_id, state, page_idx)
                     if pending.restore:
                         self._record_copy(request_id, page_idx, pending.host_block)
-                if request_id not in completed_request_ids:
-                    completed_request_ids.append(request_id)
+                completed_request_ids.add(request_id)
             elif state.publication is not None:  # a finished request's last write-backs
                 if not pending.restore:
                     state.valid_pages.add(page_idx)

@@ -19,6 +19,11 @@ from kvref.spec.errors import InvalidFieldError
 from kvref.spec.hisparse import HiSparsePoolConfig
 from kvref.spec.kv_cache_interface import FullAttentionSpec
 
+from kvref.impl.request import Request, RequestStatus
+from kvref.spec.mathutil import round_down
+from kvref.spec.prefix_cache_retention import replay_boundaries
+
+from .block_hash import RequestBlockHasher, sha256
 from .hisparse_block_pool import ReuseWatchingBlockPool
 from .hisparse_coordinator import HiSparseCoordinator
 from .full_attention_manager import FullAttentionManager
@@ -36,9 +41,10 @@ class HiSparsePool(HiSparseManagerCalls):
             raise InvalidFieldError("config", config, "a kvref.spec.hisparse.HiSparsePoolConfig")
         self.config = config
         bs = config.block_size
-        self.gpu_pool = ReuseWatchingBlockPool(config.num_gpu_blocks, enable_caching=False, hash_block_size=bs)
+        caching = config.enable_caching
+        self.gpu_pool = ReuseWatchingBlockPool(config.num_gpu_blocks, enable_caching=caching, hash_block_size=bs)
         fa = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32")
-        common = dict(block_pool=self.gpu_pool, enable_caching=False, scheduler_block_size=bs)
+        common = dict(block_pool=self.gpu_pool, enable_caching=caching, scheduler_block_size=bs)
         source = HiSparseSourceManager(fa, kv_cache_group_id=0, **common)
         managers: list[SingleTypeKVCacheManager] = [source, FullAttentionManager(fa, kv_cache_group_id=1, **common)]
         resident_spec, hot_spec = config.resident_spec(), config.hot_spec()
@@ -58,6 +64,10 @@ class HiSparsePool(HiSparseManagerCalls):
         self.host_pool = source.block_pool
         self.resident_managers = self.coordinator.resident_managers
         self.hot_managers = self.coordinator.hot_managers
+        self._hits = {}
+        self._hasher = RequestBlockHasher(bs, sha256) if caching else None
+        #: the requests prefix caching hashes and publishes, by id
+        self.requests: dict[str, Request] = {}
 
     @property
     def transition_watermark(self) -> int:
@@ -89,9 +99,38 @@ class HiSparsePool(HiSparseManagerCalls):
             out.append(None if block is None else block.block_id)
         return out
 
-    def free(self, request_id: str) -> None:
+    def _request(self, request_id: str, prompt: list[int]) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.prompt_token_ids != list(prompt):
+            req = self.requests[request_id] = Request(request_id, list(prompt), max_tokens=1,
+                                                      status=RequestStatus.RUNNING)
+        return req
+
+    def block_hashes(self, request_id: str, prompt: list[int]) -> list:
+        return [] if self._hasher is None else self._hasher.block_hashes(self._request(request_id, prompt))
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        """``KVCacheCoordinator.cache_blocks`` after an allocation: every caching group publishes up
+        to ``num_tokens`` rounded down to the scheduler block (the host source only once durable)."""
+        req = self.requests[request_id]
+        boundaries = replay_boundaries(len(req.prompt_token_ids), self.config.block_size, use_eagle=False)
+        hashes = self._hasher.block_hashes(req)
+        for m in self.managers:
+            if m.enable_caching:
+                m.cache_blocks(req, hashes, round_down(num_tokens, self.config.block_size),
+                               retention_interval=None, replay_boundaries=boundaries)
+
+    def free(self, request_id: str, finished: bool = True) -> None:
+        """``KVCacheCoordinator.free`` of a finished (or, ``finished=False``, a preempted) request."""
+        self._hits.pop(request_id, None)
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.status = RequestStatus.FINISHED if finished else RequestStatus.PREEMPTED
         for m in self.managers:
             m.free(request_id)
+        if self._hasher is not None:
+            self._hasher.forget(request_id)
+        self.requests.pop(request_id, None)
 
     def observe(self) -> dict[str, Any]:
         return self.observe_pools(list(self.gpu_pool.free_block_ids()), list(self.host_pool.free_block_ids()))

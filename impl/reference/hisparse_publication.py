@@ -63,7 +63,7 @@ class HiSparsePublication:
         """On free: a finished request with write-backs in flight keeps its sealed host blocks for
         the publication its last completion makes; any other drops the publication."""
         pub = state.publication
-        if pub is not None and pub.request.is_finished() and state.pending_pages:
+        if pub is not None and pub.request.is_finished and state.pending_pages:  # kvref Request: a property
             pub.detached_blocks = self.host_manager.req_to_blocks[request_id][:pub.num_pages]
             pub.num_cached_blocks = self.host_manager.num_cached_block.get(request_id, 0)
             # completed pages need leases too: an allocation may evict them before the rest finish
@@ -165,7 +165,27 @@ class HiSparsePublication:
         return self.host_manager.block_pool
 
     def _check_publication_invariants(self) -> None:
-        """M18 (copies): every block the reverse index names is a copy of the hash it names."""
+        """M18 (copies): every block the reverse index names is a copy of the hash it names.
+        M19 (publication): no published host block is the destination of a write-back still in
+        flight (a page's hash is published only once its host copy is durable; a restore reads a
+        durable page); a live request's pending publication covers at most its host table; a
+        detached publication (a finished request's) exists only while its write-backs are in
+        flight, and every copy-on-write pair held for the worker has both endpoints referenced."""
         for bid, host_hash in self._copy_by_block.items():
             assert any(b.block_id == bid for b in self.copies.get(host_hash, ())), \
                 f"M18: block {bid} is indexed as a copy of a hash that does not list it"
+        for pending in self.pending_spills.values():
+            assert pending.restore or pending.host_block.block_hash is None, \
+                f"M19: host block {pending.host_block.block_id} is published while its write-back is in flight"
+            pub = pending.request_state.publication
+            if pub is not None and pub.detached_blocks is not None:
+                assert pending.request_state.pending_pages, "M19: a detached publication with nothing in flight"
+        for rid, state in self.request_states.items():
+            pub = state.publication
+            if pub is not None:
+                assert pub.detached_blocks is None, f"M19: live request {rid} has a detached publication"
+                assert pub.num_pages <= len(self.host_manager.req_to_blocks.get(rid, ())), \
+                    f"M19: request {rid}'s publication covers {pub.num_pages} pages beyond its host table"
+        for dst, (src, cow) in self._retained_copies.items():
+            assert cow.block_id == dst and src.ref_cnt > 0 and cow.ref_cnt > 0, \
+                f"M19: host copy into {dst} lost a referenced endpoint before the worker ran it"

@@ -26,7 +26,7 @@ class VllmHiSparsePool(HiSparseManagerCalls):
     def __init__(self, config: HiSparsePoolConfig) -> None:
         if not isinstance(config, HiSparsePoolConfig):
             raise InvalidFieldError("config", config, "a kvref.spec.hisparse.HiSparsePoolConfig")
-        load_vllm()
+        v = load_vllm()
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
@@ -42,12 +42,18 @@ class VllmHiSparsePool(HiSparseManagerCalls):
         kv_config = KVCacheConfig(num_blocks=config.num_gpu_blocks, hisparse_host_num_blocks=config.host_num_blocks,
                                   kv_cache_tensors=[], kv_cache_groups=groups)
         self._mgr = KVCacheManager(kv_config, max_model_len=config.max_model_len,
-                                   max_in_flight_tokens=config.max_in_flight_tokens, enable_caching=False,
+                                   max_in_flight_tokens=config.max_in_flight_tokens,
+                                   enable_caching=config.enable_caching,
                                    hash_block_size=config.block_size, scheduler_block_size=config.block_size)
         self.coordinator = get_hisparse_coordinator(self._mgr)
         self.managers: tuple[Any, ...] = tuple(self._mgr.coordinator.single_type_managers)
         self.gpu_pool = self._mgr.block_pool
         self.host_pool = self.managers[0].block_pool
+        self._hits = {}
+        self._v = v
+        self._hasher = v["get_request_block_hasher"](config.block_size, v["sha256"]) if config.enable_caching else None
+        #: vLLM ``Request`` objects prefix caching hashes and publishes, by id
+        self.requests: dict[str, Any] = {}
 
     @property
     def transition_watermark(self) -> int:
@@ -80,9 +86,31 @@ class VllmHiSparsePool(HiSparseManagerCalls):
             out.append(None if block is None else block.block_id)
         return out
 
-    def free(self, request_id: str) -> None:
+    def _request(self, request_id: str, prompt: list[int]) -> Any:
+        req = self.requests.get(request_id)
+        if req is None or list(req.prompt_token_ids) != list(prompt):
+            v = self._v
+            req = self.requests[request_id] = v["VRequest"](
+                request_id=request_id, prompt_token_ids=list(prompt), sampling_params=v["SamplingParams"](max_tokens=1),
+                pooling_params=None, block_hasher=self._hasher)
+            req.status = v["VStatus"].RUNNING
+        return req
+
+    def block_hashes(self, request_id: str, prompt: list[int]) -> list:
+        return [] if self._hasher is None else list(self._request(request_id, prompt).block_hashes)
+
+    def cache_blocks(self, request_id: str, num_tokens: int) -> None:
+        """vLLM's ``KVCacheCoordinator.cache_blocks``, as ``allocate_slots`` calls it."""
+        self._mgr.coordinator.cache_blocks(self.requests[request_id], num_tokens)
+
+    def free(self, request_id: str, finished: bool = True) -> None:
         """``KVCacheCoordinator.free``: each manager frees its table (the host source and resident
-        managers detach the request from the HiSparse coordinator first)."""
+        managers detach the request from the HiSparse coordinator first); the request is finished
+        (or, ``finished=False``, preempted) first, as the scheduler leaves it."""
+        self._hits.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.status = self._v["VStatus"].FINISHED_STOPPED if finished else self._v["VStatus"].PREEMPTED
         self._mgr.coordinator.free(request_id)
 
     def observe(self) -> dict[str, Any]:

@@ -47,7 +47,15 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
         num_resident_groups=groups,
         max_model_len=max_model_len,
         max_in_flight_tokens=draw(st.one_of(st.integers(1, 16), st.just(max_model_len))),
+        enable_caching=draw(st.booleans()),
     )
+
+
+def prompt_of(idx: int, length: int) -> list[int]:
+    """Request ``idx``'s prompt: r0 and r1 (and every request re-admitted under its id) share one
+    token stream, so prefix caching finds the other's (or its own earlier) published pages; r2
+    leaves it half-way."""
+    return [t if idx % 3 < 2 or t < length // 2 else 1000 + t for t in range(length)]
 
 
 #: (op, request index, chunk, host-hit pages, imported tokens (> 4: an import of that many), full-sequence gate)
@@ -58,7 +66,7 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
 OPS = st.tuples(st.sampled_from(("schedule", "schedule", "schedule", "schedule", "schedule", "require_hot",
                                  "require_hot", "update", "update", "adopt", "adopt", "adopt", "drop", "drop", "free",
                                  "offload", "offload", "complete", "complete", "complete", "import_done",
-                                 "import_done", "residency", "mirrors")),
+                                 "import_done", "residency", "mirrors", "host_copies")),
                 st.integers(0, 2), st.integers(1, 12), st.sampled_from((0, 0, 1, 2, 3)), st.integers(0, 9),
                 st.integers(0, 3).map(lambda k: k == 0))
 
@@ -69,8 +77,20 @@ LENGTHS = st.lists(st.integers(1, 32), min_size=3, max_size=3)
 #: programs after it run with clean and unpinned pages in the pool (else rare in short programs)
 WRITE_BACK_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 11, 0, 0, False),
                      ("offload", 0, 1, 0, 0, False), ("complete", 0, 1, 0, 0, True), ("update", 1, 1, 0, 0, False)]
+#: with prefix caching: r0 publishes what it computed, is finished while its write-backs are in
+#: flight (its host blocks are kept for the publication its last completion makes), then r1, on
+#: the same prompt, hits the published host pages and adopts their GPU copies
+#: with prefix caching: r0 writes back and publishes while running, then r1 on the same prompt
+#: hits its host pages and adopts r0's GPU blocks as copies
+COPY_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 5, 0, 0, False), ("offload", 0, 1, 0, 0, False),
+               ("complete", 0, 1, 0, 0, True), ("schedule", 1, 5, 0, 0, False)]
+FINISH_IN_FLIGHT_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 11, 0, 0, False),
+                           ("offload", 0, 1, 0, 0, False), ("free", 0, 1, 0, 0, False),
+                           ("complete", 0, 1, 0, 0, True), ("schedule", 1, 5, 0, 0, False)]
 PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
-                     st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops))
+                     st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops),
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: FINISH_IN_FLIGHT_PREFIX + ops),
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: COPY_PREFIX + ops))
 
 
 class HiSparseDivergence(AssertionError):
@@ -98,6 +118,8 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
     _compare("build", ref.observe(), vll.observe(), "state")
     computed: dict[str, int] = {}
     num_unpinned, hot_required = 0, [[] for _ in range(config.num_resident_groups)]
+    num_copy_pages = 0
+    num_cached_host = 0
     adopted: set[tuple[str, int]] = set()  # (request, page) pointed at a pinned donor block
     importing: set[str] = set()  # requests whose import the connector has not finished
     sent: list[int] = []  # transfer ids handed to the workers, not yet completed
@@ -108,7 +130,13 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         step = f"op {n} {op}({rid})"
         if op == "schedule":
             new = rid not in computed
-            if new:
+            if new and config.enable_caching:  # the host source's published pages (and the indexer's)
+                prompt = prompt_of(idx, length)
+                hit = ref.find_longest_cache_hit(rid, prompt, length - 1)
+                _compare(step, hit, vll.find_longest_cache_hit(rid, prompt, length - 1), "prefix-cache hit")
+                local = hit[0]
+                external = min(imported, length - 1 - local) if imported > 4 else 0
+            elif new:
                 local = min(hit_pages * bs, length - 1)
                 external = min(imported, length - 1 - local) if imported > 4 else 0
             else:
@@ -147,6 +175,12 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             seen["host_hit" if new and local else "import" if new and external else "admit" if new else "grow"] += 1
             if new and external:
                 importing.add(rid)
+            if config.enable_caching:
+                seen["cache_hit"] += bool(new and local)
+                if rid not in importing:  # an async load delays caching until it lands
+                    ref.cache_blocks(rid, num_tokens)
+                    vll.cache_blocks(rid, num_tokens)
+                    seen["cache_blocks"] += 1
             if any(got_ref[i] for i, k in enumerate(config.group_kinds) if k == "hot"):
                 seen["hot_allocated"] += 1
             if chunk % 3:  # the step's write-back planning and residency rule (the HiSparse connector)
@@ -215,9 +249,16 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
                 enqueued = {tid: 1 + chunk % 2} if hit_pages == 2 else {}
                 completed = {tid: imported % 3} if imported % 3 else {}
             before = len(ref.coordinator.pending_spills)
+            detached = sum(p.request_state.publication is not None
+                           and p.request_state.publication.detached_blocks is not None
+                           for p in ref.coordinator.pending_spills.values())
             ref.update_spills(enqueued, completed)
             vll.update_spills(enqueued, completed)
             done = before - len(ref.coordinator.pending_spills)
+            if detached and not any(p.request_state.publication is not None
+                                    and p.request_state.publication.detached_blocks is not None
+                                    for p in ref.coordinator.pending_spills.values()):
+                seen["detached_published"] += 1  # a finished request's last write-back published it
             if done:
                 sent = [t for t in sent if t in ref.coordinator.pending_spills]
                 seen["transfers_done"] += done
@@ -244,9 +285,18 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             _compare(step, resident, vll.all_context_pages_resident(rows), "all context pages resident")
             seen["mirrors"] += len(got)
             seen["all_resident"] += resident
+        elif op == "host_copies":  # the step's host copy-on-write work, run and reported by the worker
+            got = ref.take_host_block_copies()
+            _compare(step, got, vll.take_host_block_copies(), "host block copies")
+            ref.release_completed_host_copies([dst for _, dst in got])
+            vll.release_completed_host_copies([dst for _, dst in got])
+            seen["host_copies"] += len(got)
         else:
-            ref.free(rid)
-            vll.free(rid)
+            # a finished request's publication outlives it; a preempted one's is dropped
+            finished = chunk % 4 != 0
+            ref.free(rid, finished)
+            vll.free(rid, finished)
+            seen["free_finished" if finished else "free_preempted"] += 1
             computed.pop(rid, None)
             importing.discard(rid)
             adopted.difference_update({(r, p) for r, p in adopted if r == rid})
@@ -259,6 +309,17 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             seen["transition"] += 1  # the residency rule asked for a hot region
         hot_required = state["hot_required"]
         unpinned = sum(len(r["unpinned"]) for r in state["request_states"].values())
+        # host-hit pages (null in the append-only table) the coordinator pointed at a GPU copy of
+        # their published host page (not the program's own "adopt" op)
+        first = ref.resident_managers[0]
+        copy_pages = sum(1 for r, table in first.req_to_blocks.items() for i, b in enumerate(table)
+                         if b.is_null and (r, i) not in adopted and first.get_resident_page(r, i) is not None)
+        if copy_pages > num_copy_pages:
+            seen["copy_adopted"] += 1
+        num_copy_pages = copy_pages
+        if len(state["cached"][1]) > num_cached_host:
+            seen["host_published"] += 1
+        num_cached_host = len(state["cached"][1])
         if unpinned > num_unpinned:
             seen["unpinned"] += 1
         elif unpinned < num_unpinned and op != "free":  # the pool reused an unpinned page's block

@@ -183,7 +183,8 @@ EXCLUDED: dict[str, str] = {
             "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.allocate_external_computed_blocks "
             "HiSparseSourceManager.publish_blocks", INTERNAL),
     **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.drop HiSparsePool.free "
-            "HiSparsePool.require_hot", "conformance-harness side of kvref.models.machines.hisparse_pool, "
+            "HiSparsePool.require_hot HiSparsePool.block_hashes HiSparsePool.cache_blocks",
+            "conformance-harness side of kvref.models.machines.hisparse_pool, "
             "called only with the harness's generated, valid request ids and token counts"),
     # the HiSparse coordinator (#23) is built by HiSparsePool over its own managers and reached through
     # the pool's coordinator calls (HiSparseManagerCalls), which the harness drives with generated ids,
@@ -207,7 +208,9 @@ EXCLUDED: dict[str, str] = {
             "HiSparseManagerCalls.all_context_pages_resident HiSparseManagerCalls.build_row_mirrors "
             "HiSparseManagerCalls.finish_host_import HiSparseManagerCalls.observe_pools "
             "HiSparseManagerCalls.take_residency_updates HiSparseManagerCalls.update_residency "
-            "HiSparseManagerCalls.update_spills", "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
+            "HiSparseManagerCalls.update_spills HiSparseManagerCalls.find_longest_cache_hit "
+            "HiSparseManagerCalls.take_host_block_copies HiSparseManagerCalls.release_completed_host_copies",
+            "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
             "called only through those pools by kvref.models.machines.hisparse_pool with generated valid calls"),
     **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "
             "CircularBufferManager.allocate_external_computed_blocks CircularBufferManager.allocate_new_blocks "
