@@ -9,7 +9,7 @@ The explorer checks' bodies are in :mod:`kvref.cli.explore`, beside the explorer
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .check_context import Check, VerifyContext, vllm_available, vllm_gate  # noqa: F401  (re-exported)
 from .cli.explore import check_explorer, check_explorer_conformance  # noqa: F401  (bodies of explorer, conform-explorer)
@@ -296,6 +296,85 @@ def _scheduler_machine(ctx: VerifyContext, name: str, with_vllm: bool, spec: boo
     return CheckResult(name, PASSED, run.summary, examined=run.traces)
 
 
+@dataclass(frozen=True)
+class SubRun:
+    """A run a conformance check makes after its main machine, as data: a generated-trace runner
+    (``module:function``, imported when it runs, called with the examples, ``shrink`` and ``seed``,
+    returning ``ok``, ``failure``, ``signature``, ``traces`` and ``coverage``), its example budget
+    (fast, ci), what diverged when it fails, and what it adds to the summary when it passes
+    (``str.format`` over its coverage counters, 0 where absent, and ``traces``)."""
+
+    runner: str
+    examples: tuple[int, int]
+    what: str
+    summary: str
+
+
+class _Counts(dict):
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+def _then(ctx: VerifyContext, name: str, res: CheckResult, runs: tuple[SubRun, ...]) -> CheckResult:
+    """Run ``runs`` in order after a passing main run: the first divergence fails the check ``name``
+    (its trace shrunk and its signature kept for the baseline); each pass extends the summary and
+    the examined count."""
+    import importlib
+
+    for sub in runs:
+        module, func = sub.runner.split(":")
+        run = getattr(importlib.import_module(module), func)(ctx.examples(*sub.examples), shrink=ctx.shrink,
+                                                              seed=ctx.seed)
+        if not run.ok:
+            return CheckResult(name, FAILED, f"{sub.what} diverged from vLLM", details=run.failure.splitlines()[:30],
+                               signature=run.signature)
+        res = replace(res, summary=res.summary + sub.summary.format_map(_Counts(run.coverage, traces=run.traces)),
+                      examined=(res.examined or 0) + run.traces)
+    return res
+
+
+#: conform-scheduler's runs after the main machine, in order (#22 each)
+SCHEDULER_RUNS = (
+    # salted / cache-skipping arrivals, prefix-cache resets and FA + Mamba "align" pools
+    SubRun("kvref.models.machines.scheduler_cache_controls:run_cache_controls_machine", (30, 150),
+           "scheduler traces with cache controls",
+           "; {traces} more with cache controls ({salted_arrivals} salted, {skip_reading_arrivals} cache-skipping "
+           "arrivals, {reset_prefix_cache_done} resets) and Mamba-align pools"),
+    # FA + Mamba "align" pools alone: the mixed run above reached no split on them
+    SubRun("kvref.models.machines.scheduler_mamba:run_mamba_align_machine", (15, 60),
+           "scheduler traces on Mamba-align pools",
+           "; {traces} on Mamba-align pools ({mamba_clipped_chunks} chunks clipped to state boundaries, "
+           "{prefix_hits} prefix hits)"),
+    # pause states and the counts the engine polls
+    SubRun("kvref.models.machines.scheduler_pause:run_pause_machine", (6, 40),
+           "scheduler traces with pause states",
+           "; {traces} with pause states ({paused_all_held_running} steps paused with requests running, "
+           "{paused_new_held_waiting} holding new ones)"),
+    # streaming-input sessions on vLLM's own session code
+    SubRun("kvref.models.machines.scheduler_streaming:run_streaming_sessions", (30, 120),
+           "streaming-input sessions",
+           "; {traces} streaming-session histories ({update_queued} queued and {update_applied_at_once} at-once "
+           "updates, {update_drops_a_full_blocks_hash} dropping a full block's hash)"),
+    # the prefill cadence, the adaptive long-prefill threshold and outranking arrivals
+    SubRun("kvref.models.machines.scheduler_branches:run_branches_machine", (30, 150),
+           "scheduler traces with the prefill cadence",
+           "; {traces} with the prefill cadence ({cadence_held_chunk} chunks and {cadence_held_waiting} admissions "
+           "held) and outranking arrivals"),
+    # multimodal requests on an encoder budget and cache
+    SubRun("kvref.models.machines.scheduler_encoder:run_encoder_machine", (6, 40),
+           "scheduler traces with encoder inputs",
+           "; {traces} with encoder inputs ({encoder_inputs_scheduled} encoded, {encoder_evictions} evicted)"),
+)
+
+#: conform-spec-decode's runs after the main machine
+SPEC_DECODE_RUNS = (
+    # admissions padded to 1 + num_spec_tokens rows: arrivals repeating a prompt to one token past a
+    # block, so the hit leaves one token
+    SubRun("kvref.models.machines.scheduler_spec_padding:run_spec_padding_machine", (4, 30),
+           "scheduler traces with padded admissions", "; {traces} with repeated prompts ({spec_padded} padded admissions)"),
+)
+
+
 def check_scheduler_machine(ctx: VerifyContext) -> CheckResult:
     """The reference scheduler alone: invariants every step, liveness drain on consistent pools
     (half the setups with speculative decoding)."""
@@ -310,73 +389,7 @@ def check_scheduler_conformance(ctx: VerifyContext) -> CheckResult:
     res = _scheduler_machine(ctx, "conform-scheduler", with_vllm=True)
     if res.status != PASSED:
         return res
-    # then salted / cache-skipping arrivals, prefix-cache resets and FA + Mamba "align" pools (#22)
-    from kvref.models.machines.scheduler_cache_controls import run_cache_controls_machine
-
-    run = run_cache_controls_machine(ctx.examples(30, 150), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "scheduler traces with cache controls diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    res = replace(res, summary=res.summary + f"; {run.traces} more with cache controls ({c.get('salted_arrivals', 0)} "
-                  f"salted, {c.get('skip_reading_arrivals', 0)} cache-skipping arrivals, "
-                  f"{c.get('reset_prefix_cache_done', 0)} resets) and Mamba-align pools",
-                  examined=(res.examined or 0) + run.traces)
-    # then FA + Mamba "align" pools alone: the mixed run above reached no split on them (#22)
-    from kvref.models.machines.scheduler_mamba import run_mamba_align_machine
-
-    run = run_mamba_align_machine(ctx.examples(15, 60), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "scheduler traces on Mamba-align pools diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    res = replace(res, summary=res.summary + f"; {run.traces} on Mamba-align pools ({c.get('mamba_clipped_chunks', 0)} "
-                  f"chunks clipped to state boundaries, {c.get('prefix_hits', 0)} prefix hits)",
-                  examined=(res.examined or 0) + run.traces)
-    # then pause states and the counts the engine polls (#22)
-    from kvref.models.machines.scheduler_pause import run_pause_machine
-
-    run = run_pause_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "scheduler traces with pause states diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    res = replace(res, summary=res.summary + f"; {run.traces} with pause states ({c.get('paused_all_held_running', 0)} "
-                  f"steps paused with requests running, {c.get('paused_new_held_waiting', 0)} holding new ones)",
-                  examined=(res.examined or 0) + run.traces)
-    # then streaming-input sessions on vLLM's own session code (#22)
-    from kvref.models.machines.scheduler_streaming import run_streaming_sessions
-
-    run = run_streaming_sessions(ctx.examples(30, 120), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "streaming-input sessions diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    res = replace(res, summary=res.summary + f"; {run.traces} streaming-session histories "
-                  f"({c.get('update_queued', 0)} queued and {c.get('update_applied_at_once', 0)} at-once updates, "
-                  f"{c.get('update_drops_a_full_blocks_hash', 0)} dropping a full block's hash)",
-                  examined=(res.examined or 0) + run.traces)
-    # then the prefill cadence, the adaptive long-prefill threshold and outranking arrivals (#22)
-    from kvref.models.machines.scheduler_branches import run_branches_machine
-
-    run = run_branches_machine(ctx.examples(30, 150), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "scheduler traces with the prefill cadence diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    res = replace(res, summary=res.summary + f"; {run.traces} with the prefill cadence ({c.get('cadence_held_chunk', 0)} "
-                  f"chunks and {c.get('cadence_held_waiting', 0)} admissions held) and outranking arrivals",
-                  examined=(res.examined or 0) + run.traces)
-    # then multimodal requests on an encoder budget and cache (#22)
-    from kvref.models.machines.scheduler_encoder import run_encoder_machine
-
-    run = run_encoder_machine(ctx.examples(6, 40), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-scheduler", FAILED, "scheduler traces with encoder inputs diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    c = run.coverage
-    return replace(res, summary=res.summary + f"; {run.traces} with encoder inputs ({c.get('encoder_inputs_scheduled', 0)} "
-                   f"encoded, {c.get('encoder_evictions', 0)} evicted)", examined=(res.examined or 0) + run.traces)
+    return _then(ctx, "conform-scheduler", res, SCHEDULER_RUNS)
 
 
 def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:
@@ -388,17 +401,7 @@ def check_spec_decode_conformance(ctx: VerifyContext) -> CheckResult:
     res = _scheduler_machine(ctx, "conform-spec-decode", with_vllm=True, spec=True, examples=(25, 200))
     if res.status != PASSED:
         return res
-    # then admissions padded to 1 + num_spec_tokens rows: arrivals repeating a prompt to one token
-    # past a block, so the hit leaves one token (#22)
-    from kvref.models.machines.scheduler_spec_padding import run_spec_padding_machine
-
-    run = run_spec_padding_machine(ctx.examples(4, 30), shrink=ctx.shrink, seed=ctx.seed)
-    if not run.ok:
-        return CheckResult("conform-spec-decode", FAILED, "scheduler traces with padded admissions diverged from vLLM",
-                           details=run.failure.splitlines()[:30], signature=run.signature)
-    return replace(res, summary=res.summary + f"; {run.traces} with repeated prompts "
-                   f"({run.coverage.get('spec_padded', 0)} padded admissions)",
-                   examined=(res.examined or 0) + run.traces)
+    return _then(ctx, "conform-spec-decode", res, SPEC_DECODE_RUNS)
 
 
 def _offload_cases(rng, n):
