@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig
@@ -124,3 +124,21 @@ def test_machine_with_the_shared_prefix_checkpoint(vllm_loaded):
     stats = machine.stats
     assert stats.shared_prefix_checkpoint_pools.get("on", 0) > 0, stats.shared_prefix_checkpoint_pools
     assert stats.junction_checkpoints > 0, stats
+
+
+@pytest.mark.parametrize("fault_id, machine_kwargs", [
+    ("stm.shared_prefix_junction_ignored", {}),
+    ("stm.shared_prefix_past_junction", {}),
+    ("kvm.shared_prefix_checkpoint_under_mtp", dict(prefill_lookahead=True)),
+])
+def test_planted_vllm_faults_are_caught(vllm_loaded, fault_id, machine_kwargs):
+    """The catalogue's faults in vLLM's shared-prefix checkpoint (models/mutants/vllm_source) make
+    the same generated runs diverge from the reference."""
+    from tests.vllm_faults import planted_vllm_fault
+
+    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+mamba_fine",), eagle="always",
+                                       shared_prefix_checkpoint="always", **machine_kwargs)
+    with planted_vllm_fault(fault_id), pytest.raises(Divergence):
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=profile_examples(20, 50), stateful_step_count=30, deadline=None, derandomize=True,
+            database=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]))

@@ -281,6 +281,28 @@ _add(
                    "hash block (hits land on scheduler blocks only)", behaviour="prefix-cache"),
 )
 
+# Mamba shared-prefix checkpoint (issue #23): conform-kv-manager's sweep asks for
+# enable_mamba_shared_prefix_checkpoint on fine-grained Mamba pools (models/machines/mamba_junctions.py)
+_add(
+    fault("stm.shared_prefix_junction_ignored", _STM,
+          "        if num_tokens != latest_prompt_hash_boundary and not (\n            self.shared_prefix_checkpoint\n",
+          "        if num_tokens != latest_prompt_hash_boundary and not (\n            False\n",
+          CLASSIC, "dropped branch: with the shared-prefix checkpoint on, the Mamba state at the junction is not "
+                   "keyed (the scheduler still ends the chunk there; siblings recompute the prefix)",
+          behaviour="prefix-cache"),
+    fault("stm.shared_prefix_past_junction", _STM,
+          "            and num_tokens == request.shared_prefix_boundary\n",
+          "            and num_tokens >= request.shared_prefix_boundary\n",
+          CLASSIC, "wrong comparison: every hash boundary of the prompt past the junction is keyed as a partial "
+                   "tail, not the junction alone", behaviour="prefix-cache"),
+    fault("kvm.shared_prefix_checkpoint_under_mtp", _KVM,
+          "            and self.coordinator.num_reprefillable_tokens == 0\n",
+          "",
+          CLASSIC, "dropped condition: the shared-prefix checkpoint stays on under multi-module MTP, whose "
+                   "cache_blocks is handed the computed count less the re-prefillable tail",
+          behaviour="prefix-cache"),
+)
+
 # --------------------------------------------------------------------------------------------
 # scheduler (v1/core/sched/)
 
