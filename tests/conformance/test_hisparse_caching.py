@@ -92,3 +92,51 @@ def test_generated_programs_with_caching_agree():
         run_hisparse_program(config, lengths, ops, make)
 
     run()
+
+
+# ---------------------------------------------------------------- planted faults in vLLM's coordinator
+# Each wraps one of vLLM's own HiSparseCoordinator methods in-process (undone by monkeypatch) and
+# requires the comparison to find it on the hand programs above.
+
+def _fault_no_copies_recorded(coordinator_cls, monkeypatch):
+    """Published host pages never index their GPU copies, so later hits read from host only."""
+    monkeypatch.setattr(coordinator_cls, "_record_copies", lambda self, request_id, num_computed_tokens: None)
+
+
+def _fault_hit_not_adopted(coordinator_cls, monkeypatch):
+    """A host hit never schedules the adoption of its pages' GPU copies."""
+    original = coordinator_cls.commit_computed_blocks
+
+    def commit(self, request_id, num_host_pages):
+        original(self, request_id, num_host_pages)
+        if request_id in self.request_states:
+            self.request_states[request_id].pages_to_adopt = 0
+
+    monkeypatch.setattr(coordinator_cls, "commit_computed_blocks", commit)
+
+
+def _fault_finished_publication_dropped(coordinator_cls, monkeypatch):
+    """A finished request's publication is dropped on free as if it were preempted."""
+    original = coordinator_cls.free
+
+    def free(self, request_id):
+        state = self.request_states.get(request_id)
+        if state is not None:
+            state.publication = None
+        original(self, request_id)
+
+    monkeypatch.setattr(coordinator_cls, "free", free)
+
+
+@pytest.mark.parametrize("fault, prefix", [(_fault_no_copies_recorded, COPY_PREFIX),
+                                           (_fault_hit_not_adopted, COPY_PREFIX),
+                                           (_fault_finished_publication_dropped, FINISH_IN_FLIGHT_PREFIX)])
+def test_a_planted_fault_in_vllms_publication_paths_is_found(fault, prefix, monkeypatch):
+    from kvref.models.machines.hisparse_pool import HiSparseDivergence
+
+    make = _vllm_pool()
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    fault(HiSparseCoordinator, monkeypatch)
+    with pytest.raises(HiSparseDivergence):
+        run_hisparse_program(ROOMY, [20, 20, 20], prefix + [("update", 1, 1, 0, 0, False)], make)
