@@ -66,6 +66,18 @@ def test_table_on_an_explorer_trace_is_refused_not_ignored(tmp_path, capsys) -> 
     assert "--table" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kinds", ["reference", "reference,vllm"])
+def test_an_explorer_trace_whose_actions_are_not_a_list_is_refused(tmp_path, capsys, kinds) -> None:
+    """Both replays of a finding read it through one door (#26): beside vLLM's offload world too, a
+    string of actions is an input error naming the field (it was walked character by character)."""
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"format": "kvref-explorer-trace", "version": 1, "scope": "offload", "toy": False,
+                                "set": [], "kind": "violation", "message": "", "actions": "step"}))
+    assert main(["replay", str(path), "--kinds", kinds]) == 2
+    err = capsys.readouterr().err
+    assert "actions" in err and "a list of actions" in err
+
+
 def test_the_toy_scope_says_it_replays_on_the_reference_only(tmp_path, capsys) -> None:
     out = tmp_path / "findings"
     assert main(["explore", "--toy", "--out", str(out)]) == 1
