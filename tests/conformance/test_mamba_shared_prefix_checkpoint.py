@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.models.conformance.differential import Divergence, Harness
 from kvref.models.conformance.trace import Op
-from kvref.models.machines.kv_cache_manager import kv_cache_manager_machine
+from kvref.models.machines.kv_cache_manager import run_machine
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 from tests.conftest import profile_examples
@@ -112,18 +110,26 @@ def test_a_non_bool_flag_is_refused():
         dataclasses.replace(_pool(False), enable_mamba_shared_prefix_checkpoint=1)
 
 
+def _run(examples: int, **machine_kwargs):
+    """Fixed seeds (reproducible in any process: run_machine drops Hypothesis' module constants);
+    up to three batches, the first that diverges ends it. Returns the runs."""
+    runs = []
+    for seed in (1, 2, 3):
+        runs.append(run_machine(("reference", "vllm"), examples, seed=seed, shrink=False, group_sets=("fa+mamba_fine",),
+                                eagle="always", shared_prefix_checkpoint="always", **machine_kwargs))
+        if not runs[-1].ok or sum(r.stats.junction_checkpoints for r in runs):
+            break
+    return runs
+
+
 def test_machine_with_the_shared_prefix_checkpoint(vllm_loaded):
     """Generated fine-grained Mamba "align" pools with EAGLE and the feature on, siblings sharing
     cuts of computed sequences, chunks ending at junctions, everything compared with vLLM after
-    every op; derandomized, so junction states are always keyed."""
-    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+mamba_fine",), eagle="always",
-                                       shared_prefix_checkpoint="always")
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=profile_examples(20, 50), stateful_step_count=30, deadline=None, derandomize=True,
-        database=None))
-    stats = machine.stats
-    assert stats.shared_prefix_checkpoint_pools.get("on", 0) > 0, stats.shared_prefix_checkpoint_pools
-    assert stats.junction_checkpoints > 0, stats
+    every op; junction states are keyed."""
+    runs = _run(profile_examples(12, 30))
+    assert all(r.ok for r in runs), runs[-1].failure
+    assert sum(r.stats.shared_prefix_checkpoint_pools.get("on", 0) for r in runs) > 0
+    assert sum(r.stats.junction_checkpoints for r in runs) > 0, [r.stats for r in runs]
 
 
 @pytest.mark.parametrize("fault_id, machine_kwargs", [
@@ -136,9 +142,6 @@ def test_planted_vllm_faults_are_caught(vllm_loaded, fault_id, machine_kwargs):
     the same generated runs diverge from the reference."""
     from tests.vllm_faults import planted_vllm_fault
 
-    machine = kv_cache_manager_machine(("reference", "vllm"), group_sets=("fa+mamba_fine",), eagle="always",
-                                       shared_prefix_checkpoint="always", **machine_kwargs)
-    with planted_vllm_fault(fault_id), pytest.raises(Divergence):
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=profile_examples(20, 50), stateful_step_count=30, deadline=None, derandomize=True,
-            database=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]))
+    with planted_vllm_fault(fault_id):
+        runs = _run(profile_examples(12, 30), **machine_kwargs)
+    assert not runs[-1].ok and "Divergence" in runs[-1].failure, fault_id
