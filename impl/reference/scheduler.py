@@ -63,6 +63,7 @@ from . import scheduler_connector as _conn
 from . import scheduler_connector_stats as _conn_stats
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
+from .scheduler_prefill_lookahead import reserve_prefill_lookahead
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from . import scheduler_encoder as _enc
 from kvref.impl.scheduler_types import (
@@ -284,6 +285,9 @@ class Scheduler:
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - NUM_SAMPLED_TOKENS_PER_STEP)
             num_new = split_scheduled_chunk(self, request, num_new)  # Mamba "align": chunks end on states
             num_new, encoding = self.encoder.try_schedule(request, request.num_computed_tokens, num_new)
+            if self.pool.num_prefill_lookahead > 1:  # multi-module MTP (scheduler_prefill_lookahead)
+                num_new = reserve_prefill_lookahead(self.pool.num_prefill_lookahead, request,
+                                                    request.num_computed_tokens, num_new)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -405,6 +409,8 @@ class Scheduler:
             if is_padded and num_new != padded:
                 num_new, is_padded = 1, False  # vLLM drops spec-decode padding the alignment clipped
             num_new, encoding = self.encoder.try_schedule(request, num_hit, num_new)
+            if self.pool.num_prefill_lookahead > 1:  # multi-module MTP (scheduler_prefill_lookahead)
+                num_new = reserve_prefill_lookahead(self.pool.num_prefill_lookahead, request, num_hit, num_new)
             if num_new == 0:
                 # the encoder limits leave no token: requeued, it does not stall the ones behind it
                 skipped.append(self.waiting.pop_request())

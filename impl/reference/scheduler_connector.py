@@ -50,6 +50,7 @@ from kvref.spec.errors import InvalidFieldError, check_choice, check_int
 from kvref.spec.kv_cache_interface import MambaSpec
 
 from .scheduler_mamba_split import split_scheduled_chunk, store_shared_prefix_boundary
+from .scheduler_prefill_lookahead import reserve_prefill_lookahead
 from .scheduler_connector_stats import (
     KV_FETCH_COMPLETED_WAITING,
     KV_FETCH_IN_PROGRESS,
@@ -514,6 +515,11 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                                             num_external_computed_tokens=num_external)
             if num_new == 0:
                 break
+            if sched.pool.num_prefill_lookahead > 1:  # multi-module MTP: requeued when cut to nothing
+                num_new = reserve_prefill_lookahead(sched.pool.num_prefill_lookahead, request, num_computed, num_new)
+                if num_new == 0:
+                    skip(queue)
+                    continue
 
         reserved = inflight_prefill_reserved_blocks(sched) if load_async else 0
         blocks = kv.allocate_slots(

@@ -143,10 +143,9 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # an EAGLE-like drafter's lookahead slots are modelled (num_speculative_tokens of them)
     lookahead = getattr(s, "num_lookahead_tokens", 0)
     flag(lookahead and not (method == "eagle" and lookahead == k), "lookahead_tokens")
-    # an EAGLE-family drafter's prefill lookahead of 1 changes nothing in the scheduler or the KV
-    # manager (no chunk ends within 1 token of the end; 1 - 1 = 0 re-prefillable tokens): only
-    # multi-module MTP's longer runway is unmodelled
-    flag(getattr(s, "num_prefill_lookahead", 0) > 1, "prefill_lookahead")
+    # the drafter's prefill lookahead is replayed (the header's spec carries it): 1 for an
+    # EAGLE-family drafter changes nothing; multi-module MTP's longer runway is the reference's
+    # scheduler_prefill_lookahead and the manager's re-prefillable tail (#28)
     flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
     # the adaptive long-prefill threshold, max_num_active_seqs and the local prefill cadence are
@@ -237,6 +236,7 @@ def _spec_header(s) -> dict:
     return {"num_speculative_tokens": int(getattr(sc, "num_speculative_tokens", 0) or 0),
             "method": str(getattr(sc, "method", "")),
             "num_lookahead_tokens": int(getattr(s, "num_lookahead_tokens", 0) or 0),
+            "num_prefill_lookahead": int(getattr(s, "num_prefill_lookahead", 0) or 0),
             "can_skip_drafts": bool(getattr(s, "can_skip_drafts", False))}
 
 

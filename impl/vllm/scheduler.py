@@ -104,6 +104,7 @@ class VllmEnv:
         vc.speculative_config = self._speculative_config(pool, config)
         assert vc.max_in_flight_tokens == config.max_in_flight_tokens
         assert vc.num_lookahead_tokens == config.num_lookahead_tokens
+        assert pool.num_prefill_lookahead <= 1 or vc.num_prefill_lookahead_tokens == pool.num_prefill_lookahead
         return vc
 
     def _speculative_config(self, pool: PoolConfig, config: SchedulerConfig) -> Any:
@@ -119,7 +120,7 @@ class VllmEnv:
         k = config.num_speculative_tokens
         if not k:
             return None
-        key = (k, config.speculative_method, pool.num_hash_lookahead_tokens)
+        key = (k, config.speculative_method, pool.num_hash_lookahead_tokens, pool.num_prefill_lookahead)
         cache = self.__dict__.setdefault("_spec_configs", {})
         if key not in cache:
             from vllm.config import SpeculativeConfig
@@ -129,6 +130,15 @@ class VllmEnv:
             if config.speculative_method != "ngram":
                 object.__setattr__(sc, "method", config.speculative_method)
                 object.__setattr__(sc, "disable_lookahead_block_hashes", not pool.num_hash_lookahead_tokens)
+            if pool.num_prefill_lookahead > 1:
+                # multi-module MTP (#28): method "mtp" with num_nextn_predict_layers modules, which
+                # makes VllmConfig.num_prefill_lookahead_tokens = k (the scheduler's
+                # _reserve_prefill_lookahead and the manager's re-prefillable tail read it)
+                from types import SimpleNamespace
+
+                object.__setattr__(sc, "method", "mtp")
+                object.__setattr__(sc, "draft_model_config", SimpleNamespace(
+                    hf_config=SimpleNamespace(num_nextn_predict_layers=pool.num_prefill_lookahead)))
             cache[key] = sc
         return cache[key]
 

@@ -205,7 +205,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         caching = True  # vLLM: "align" is Mamba prefix caching, which needs chunked prefill
         cfg = replace(cfg, enable_chunked_prefill=True)
     use_spec = draw(st.booleans()) if spec is None else spec
-    hash_lookahead = 0
+    hash_lookahead = prefill_lookahead = 0
     if use_spec:
         k = min(draw(st.integers(1, 4)), cfg.max_num_batched_tokens - 1)
         if 0 < cfg.long_prefill_token_threshold < 1 + k:
@@ -224,6 +224,21 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         # (num_hash_lookahead_tokens = 1, no block drop); disable_lookahead_block_hashes drops the
         # trailing hit block instead
         hash_lookahead = int(cfg.use_eagle and caching and draw(st.booleans()))
+        # multi-module MTP (#28; only where spec=True, so other draws keep their sequences): the
+        # drafter reads k prompt tokens past a chunk (VllmConfig.num_prefill_lookahead_tokens = k),
+        # so the scheduler never ends a chunk within k of the prefill end and the manager keeps the
+        # last k - 1 computed tokens unpublished; sliding windows retain k - 1 more tokens (vLLM's
+        # startup tags them so); a block at least k with caching (vLLM's coordinator refuses less)
+        if spec is True and method == EAGLE and k > 1 and (not caching or bs >= k) \
+                and all(isinstance(g.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)) for g in groups) \
+                and draw(st.booleans()):
+            prefill_lookahead = k
+            hash_lookahead *= k  # the block hashes cover the drafter's whole read-ahead
+            # short chunks end near a prompt's end often (at least 1 + k: see the padding above)
+            cfg = replace(cfg, long_prefill_token_threshold=min(max_model_len, draw(st.sampled_from(
+                (cfg.long_prefill_token_threshold, k + 1, 2 * k)))))
+            groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, extra_retained_tokens=k - 1))
+                           if isinstance(g.kv_cache_spec, SlidingWindowSpec) else g for g in groups)
         groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
                        if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
@@ -248,7 +263,7 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
                                num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
                       hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                       watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
-                      num_hash_lookahead_tokens=hash_lookahead)
+                      num_hash_lookahead_tokens=hash_lookahead, num_prefill_lookahead=prefill_lookahead)
     return pool, cfg
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
@@ -65,6 +65,10 @@ class Workload:
     prefill_schedule_interval: int = 1
     long_prefill_token_threshold_adaptive: bool = False
     max_num_active_seqs: int | None = None
+    #: multi-module MTP (vLLM's ``num_prefill_lookahead_tokens`` = ``num_speculative_tokens``): no
+    #: prefill chunk ends within it of the prompt's end, the KV manager keeps the last ``- 1``
+    #: computed tokens unpublished (0: another drafter's; replayed by check-run, #28)
+    num_prefill_lookahead: int = 0
 
 
 def _full(bs: int) -> dict:
@@ -108,7 +112,10 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
             hi = mid
         except InsufficientKVCacheError:
             lo = mid + 1
-    return PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale))), use_eagle=cfg.use_eagle), cfg
+    pool = PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale))), use_eagle=cfg.use_eagle)
+    if workload.num_prefill_lookahead:  # the drafter's setting, not the plan's
+        pool = replace(pool, num_prefill_lookahead=workload.num_prefill_lookahead)
+    return pool, cfg
 
 
 class DemoClient:
@@ -298,6 +305,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "the trailing block of every prefix hit dropped), shared prefixes, a tight full + sliding-window "
              "pool", _swa(16), 4, 128, 32, 6, 1.5, _prefix_sharing, num_speculative_tokens=2,
              speculative_method="eagle"),
+    Workload("spec-decode-mtp", "multi-module MTP speculative decoding (3 drafts, 3 MTP modules: no prefill chunk "
+             "ends within 3 tokens of the prompt's end, the last 2 computed tokens are never published), long "
+             "prompts cut by a long-prefill threshold on a full-attention pool", _full, 4, 160, 32, 6, 1.5,
+             _long_prompts, long_prefill_token_threshold=8, num_speculative_tokens=3, speculative_method="eagle",
+             num_prefill_lookahead=3),
     Workload("cadence", "a prefill cadence of 3 steps, an adaptive long-prefill threshold and at most 4 of 8 "
              "runner slots active: decodes run while prefill waits its turn, long prompts on a full + "
              "sliding-window pool", _swa(16), 4, 160, 32, 8, 1.5, _long_prompts, long_prefill_token_threshold=8,

@@ -54,7 +54,8 @@ from .windows import group_rules
 #: what ``kvref check-run`` lists when every property holds
 PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
                   "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
-                  "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause")
+                  "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause",
+                  "prefill chunks leave the MTP runway")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -74,7 +75,8 @@ class Finding:
 
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
-                  "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused")
+                  "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
+                  "prefill_lookahead")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -130,6 +132,9 @@ class RunProperties:
         spec = header.get("spec") or {}
         #: KV slots past the scheduled tokens every allocation reserves (an EAGLE-like drafter's)
         self.lookahead = int(spec.get("num_lookahead_tokens", 0) or 0) if spec.get("num_speculative_tokens") else 0
+        #: a multi-module MTP drafter's prefill runway (vLLM's num_prefill_lookahead_tokens): no
+        #: prefill chunk may end within it of the prompt's end (_reserve_prefill_lookahead, #28)
+        self.prefill_lookahead = int(spec.get("num_prefill_lookahead", 0) or 0)
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -376,6 +381,19 @@ class RunProperties:
                     self.load_zeroed.discard(e[1])
                     self._release(e[1])
 
+    def _prefill_runway(self, line: int, rid: str, r: "_Req", computed: int, n: int) -> None:
+        """A first prefill's chunk ending short of the prompt must leave the drafter's whole runway:
+        vLLM's ``_reserve_prefill_lookahead`` cuts a chunk that would end within
+        ``num_prefill_lookahead`` tokens of the end (the MTP chain would fall back to sampled drafts
+        and pollute its trailing modules' KV). Resumed requests are left out (their known tokens
+        include outputs an async trace may not show yet)."""
+        left = r.prompt_len - computed - n
+        if not r.preempted and 0 < left < self.prefill_lookahead:
+            self._find("prefill_lookahead", line,
+                       f"{rid}'s prefill chunk ({n} tokens from {computed}) ends {left} token(s) before the end "
+                       f"of its {r.prompt_len}-token prompt, inside the multi-module MTP drafter's runway of "
+                       f"{self.prefill_lookahead} (vLLM's _reserve_prefill_lookahead never ends a chunk there)")
+
     @staticmethod
     def _admitted_local_hit(alloc: list, asked: int, admitted_at: dict[str, int]) -> int:
         """The local hit vLLM records at an admission (``record_prefix_cache_stats(request,
@@ -459,6 +477,8 @@ class RunProperties:
                 self.running.add(rid)
             if blocks is not None:
                 self._allocate(line, rid, r, kind, computed, blocks)
+            if self.prefill_lookahead > 1:
+                self._prefill_runway(line, rid, r, computed, n)
             r.computed = computed + n
             self._covers(line, rid, r)
             self._admission_bound(line, rid, r)

@@ -131,6 +131,9 @@ def setup_from_header(header: dict) -> RunSetup:
                           max_in_flight_tokens=p.get("max_in_flight_tokens") or config.max_in_flight_tokens,
                           enable_caching=bool(p.get("enable_caching", True)), watermark=float(p.get("watermark", 0.0)),
                           use_eagle=bool(p.get("use_eagle", False)),
+                          # multi-module MTP's runway (#28): the scheduler's chunk rule and the
+                          # manager's unpublished tail; a trace without it had none past 1
+                          num_prefill_lookahead=int((header.get("spec") or {}).get("num_prefill_lookahead", 0) or 0),
                           log_stats=True)  # the reference's prefix-cache stats, compared with the recorded ones
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "

@@ -898,12 +898,14 @@ def _streaming_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]
 def _encoder_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """The reference scheduler's encoder budget and cache (#22)."""
     from kvref.impl.reference import scheduler_encoder as se
+    from kvref.impl.reference import scheduler_lora as sl
 
     return {
         "EncoderBudget": (se.EncoderBudget, dict(encoder_compute_budget=4, encoder_cache_size=8,
                                                  disable_chunked_mm_input=False)),
         "EncoderCacheManager": (se.EncoderCacheManager, dict(cache_size=8)),
         "EncoderState": (se.EncoderState, dict(budget=se.EncoderBudget(4, 8))),
+        "check_max_loras": (sl.check_max_loras, dict(max_loras=2)),
     }
 
 
@@ -1225,6 +1227,11 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         config=MambaSplitConfig(block_size=8, hash_block_size=2, partial_cache_hit=True), num_computed_tokens=0,
         num_prompt_tokens=21, num_tokens=21, num_new_tokens=21, num_new_local_computed_tokens=0,
         num_external_computed_tokens=0, shared_prefix_boundary=0))
+    # multi-module MTP's prefill runway in the scheduler (issue #28)
+    from kvref.impl.reference.scheduler_prefill_lookahead import reserve_prefill_lookahead
+
+    out["reserve_prefill_lookahead"] = (reserve_prefill_lookahead, dict(
+        num_prefill_lookahead=3, request=_request("mtp", 21), num_computed_tokens=8, num_new_tokens=11))
     from kvref.impl.reference.offload.p2p import manager as p2p_manager
     from kvref.impl.reference.offload.p2p import messages as p2p_messages
 
