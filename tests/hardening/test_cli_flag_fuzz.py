@@ -146,3 +146,13 @@ def test_combinations_of_options(sub):
         assert not problems, f"{got_argv}\nexit {rc}\n{problems}\nstdout: {out[-600:]}\nstderr: {err[-1200:]}"
 
     run()
+
+
+def test_only_runs_that_start_ray_leave_the_test_process():
+    """``--ray`` read as ``auto`` (bare, or ``--ray=--``) runs in a fresh ``kvref``; an address Ray's
+    check refuses, and every run without ``--ray``, stay in process (their errors are the finding)."""
+    assert fz.reaches_ray(["verify", "--only", "spec", "--ray=--"])
+    assert fz.reaches_ray(["verify", "--only", "spec", "--ray"])
+    assert not fz.reaches_ray(["verify", "--only", "spec", "--ray=bogus"])
+    assert not fz.reaches_ray(["verify", "--only", "spec"])
+    assert not fz.reaches_ray(["verify", "--no-such-flag"])
