@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvref.models.machines.kv_cache_manager import MachineRun, run_machine
+from kvref.models.machines.kv_cache_manager import MachineRun, MachineStats, run_machine
+from kvref.models.machines.mamba_junction_programs import run_junction_programs
 from kvref.models.strategies.pools import GROUP_SETS
 from kvref.spec.errors import InvalidFieldError, check_int
 
@@ -68,9 +69,11 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     wherever a pool allows it and sparse retention on every pool (the sliding-window hit search's
     dropped block and off-grid trimming, the retention masks; the Mamba shared-prefix checkpoint
     asked for one pool in two), then ``fa+mamba_fine`` with the checkpoint asked for on every pool
-    (EAGLE one pool in two: vLLM's narrowing is compared too). One :class:`SweepRun` for all
-    (the later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
-    checkpoint)"``)."""
+    (EAGLE one pool in two: vLLM's narrowing is compared too), then ``10 * examples_per_set``
+    generated sibling programs that build junctions on purpose
+    (:mod:`~kvref.models.machines.mamba_junction_programs`). One :class:`SweepRun` for all (the
+    later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
+    checkpoint)"``, ``"fa+mamba_fine (junction programs)"``)."""
     sweep = run_group_set_sweep(kinds, examples_per_set, seed=seed, retention=True, **run_kwargs)
     if not sweep.ok:
         return sweep
@@ -82,6 +85,16 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     junctions = run_group_set_sweep(kinds, 2 * examples_per_set, group_sets=("fa+mamba_fine",), seed=seed,
                                     retention=True, shared_prefix_checkpoint="always", **run_kwargs)
     _merge(sweep, junctions, "shared-prefix checkpoint")
+    if not sweep.ok:
+        return sweep
+    # the junction built on purpose: siblings of a computed prompt, chunks clipped at the junction
+    failure, path, sig, seen = run_junction_programs(kinds, 10 * examples_per_set, seed=seed or 0,
+                                                     out_dir=run_kwargs.get("out_dir"))
+    sweep.traces["fa+mamba_fine (junction programs)"] = seen["programs"] + bool(failure)
+    sweep.ops += seen["ops"]
+    sweep.prefix_hits += seen["prefix_hits"]
+    if failure:
+        sweep.failure = MachineRun(MachineStats(), 0.0, failure=failure, trace_path=path, signature=sig)
     return sweep
 
 

@@ -19,6 +19,7 @@ from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.models.conformance.differential import Divergence, Harness
 from kvref.models.conformance.trace import Op
 from kvref.models.machines.kv_cache_manager import run_machine
+from kvref.models.machines.mamba_junction_programs import run_junction_programs
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 from tests.conftest import profile_examples
@@ -132,16 +133,26 @@ def test_machine_with_the_shared_prefix_checkpoint(vllm_loaded):
     assert sum(r.stats.junction_checkpoints for r in runs) > 0, [r.stats for r in runs]
 
 
-@pytest.mark.parametrize("fault_id, machine_kwargs", [
-    ("stm.shared_prefix_junction_ignored", {}),
-    ("stm.shared_prefix_past_junction", {}),
-    ("kvm.shared_prefix_checkpoint_under_mtp", dict(prefill_lookahead=True)),
-])
-def test_planted_vllm_faults_are_caught(vllm_loaded, fault_id, machine_kwargs):
+def test_junction_programs_agree_with_vllm_and_reach_the_junction(vllm_loaded):
+    """conform-kv-manager's sibling programs: vLLM and the reference agree after every op, junction
+    states are keyed, siblings hit them (copy-on-write of the shared partial tail)."""
+    failure, _, _, seen = run_junction_programs(("reference", "vllm"), profile_examples(20, 60), seed=0)
+    assert failure is None, failure
+    assert seen["junction_checkpoints"] > 0 and seen["prefix_hits"] > 0 and seen["cow_copies"] > 0, seen
+    assert 0 < seen["on"] < seen["programs"], seen  # MTP-tail pools narrow the flag away
+
+
+@pytest.mark.parametrize("fault_id", ["stm.shared_prefix_junction_ignored", "stm.shared_prefix_past_junction",
+                                      "kvm.shared_prefix_checkpoint_under_mtp"])
+def test_planted_vllm_faults_are_caught(vllm_loaded, fault_id, tmp_path):
     """The catalogue's faults in vLLM's shared-prefix checkpoint (models/mutants/vllm_source) make
-    the same generated runs diverge from the reference."""
+    the sibling programs (and the machine's shared-prefix runs) diverge from the reference."""
     from tests.vllm_faults import planted_vllm_fault
 
     with planted_vllm_fault(fault_id):
-        runs = _run(profile_examples(12, 30), **machine_kwargs)
+        failure, path, sig, _ = run_junction_programs(("reference", "vllm"), profile_examples(20, 60), seed=0,
+                                                      out_dir=str(tmp_path))
+        runs = _run(profile_examples(12, 30), prefill_lookahead=fault_id.startswith("kvm."))
+    assert failure and sig, fault_id
+    assert path is None or path.startswith(str(tmp_path))
     assert not runs[-1].ok and "Divergence" in runs[-1].failure, fault_id

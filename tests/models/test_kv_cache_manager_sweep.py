@@ -18,7 +18,7 @@ def test_every_group_set_gets_traces(tmp_path):
     sweep = sweep_every_group_set(("reference",), 2, seed=0, out_dir=str(tmp_path), shrink=False)
     assert sweep.ok
     want = set(GROUP_SETS) | {f"{g} (EAGLE, sparse)" for g in SPARSE_GROUP_SETS} \
-        | {"fa+mamba_fine (shared-prefix checkpoint)"}
+        | {"fa+mamba_fine (shared-prefix checkpoint)", "fa+mamba_fine (junction programs)"}
     assert set(sweep.traces) == want and all(n >= 1 for n in sweep.traces.values()), sweep.traces
     assert sweep.ops >= 30 * len(want) and sweep.prefix_hits > 0
 
