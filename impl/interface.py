@@ -80,6 +80,12 @@ class PoolConfig:
     #: group also keys the state at a request's shared-prefix junction, where an EAGLE sibling
     #: resumes; vLLM's ``KVCacheManager`` narrows it (EAGLE groups, partial hash hits, no MTP tail)
     enable_mamba_shared_prefix_checkpoint: bool = False
+    #: HiSparse (issue #23): each group's role, vLLM's ``KVCacheGroupRole`` values (``"default"``,
+    #: ``"hisparse_source"``: the host source, whose manager moves to a private host pool;
+    #: ``"hisparse_indexer"``), None for all default; and ``KVCacheConfig.hisparse_host_num_blocks``,
+    #: the host pool's size, which a source group requires (vLLM's coordinator raises without it)
+    group_roles: tuple[str, ...] | None = None
+    hisparse_host_num_blocks: int | None = None
     #: how this pool was made: ``"plan"`` (:meth:`from_plan`, the road startup takes), ``"off-plan:
     #: <why>"`` (:meth:`off_plan`) or ``""`` (built field by field, e.g. in a unit test). Not part of
     #: equality: two pools with the same fields behave the same whatever their origin.
@@ -179,6 +185,7 @@ class PoolConfig:
         # vLLM asserts these in the coordinator and the managers' lookups; kvref rejects them up front.
         check_context_parallel([getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in self.groups],
                                self.dcp_world_size, self.pcp_world_size, self.enable_caching)
+        self._check_hisparse()
         # vLLM asserts this in the coordinator (PR 44165); kvref rejects it up front.
         if self.scheduler_block_size % self.hash_block_size:
             raise InvalidFieldError("scheduler_block_size", self.scheduler_block_size,
@@ -188,6 +195,31 @@ class PoolConfig:
                 raise InvalidFieldError(
                     "scheduler_block_size", self.scheduler_block_size,
                     f"a multiple of group {i}'s block_size={g.kv_cache_spec.block_size}")
+
+
+    def _check_hisparse(self) -> None:
+        """Group roles and the HiSparse host pool: one role per group, at most one host source
+        (vLLM: "Only one HiSparse host group is supported."), which needs host capacity."""
+        check_int("hisparse_host_num_blocks", self.hisparse_host_num_blocks, minimum=1, allow_none=True)
+        if self.group_roles is None:
+            return
+        check_sequence("group_roles", self.group_roles, "a tuple of group roles")
+        object.__setattr__(self, "group_roles", tuple(self.group_roles))
+        if len(self.group_roles) != len(self.groups):
+            raise InvalidFieldError("group_roles", self.group_roles, f"one role per group ({len(self.groups)})")
+        for i, role in enumerate(self.group_roles):
+            if role not in GROUP_ROLES:
+                raise InvalidFieldError(f"group_roles[{i}]", role, "one of " + ", ".join(GROUP_ROLES))
+        num_sources = self.group_roles.count("hisparse_source")
+        if num_sources > 1:
+            raise InvalidFieldError("group_roles", self.group_roles, "at most one hisparse_source group")
+        if num_sources and self.hisparse_host_num_blocks is None:
+            raise InvalidFieldError("hisparse_host_num_blocks", None,
+                                    "the host pool's size (a hisparse_source group needs host capacity)")
+
+
+#: vLLM 0.33.0's ``KVCacheGroupRole`` values
+GROUP_ROLES = ("default", "hisparse_source", "hisparse_indexer")
 
 
 @runtime_checkable

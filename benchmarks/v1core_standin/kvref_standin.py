@@ -80,17 +80,18 @@ def _to_pool_config(kv_cache_config: Any, **kw: Any) -> Any:
     from kvref.impl.interface import PoolConfig
     from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
-    groups = []
+    groups, roles = [], []
     for g in kv_cache_config.kv_cache_groups:
         role = getattr(g, "role", None)
-        if role is not None and getattr(role, "name", str(role)) not in ("DEFAULT", "NONE", "STANDARD"):
-            raise StandInGap(f"KV cache group role {getattr(role, 'name', role)} (HiSparse)")
+        roles.append("default" if role is None else str(getattr(role, "value", role)))
         groups.append(KVCacheGroupSpec(tuple(g.layer_names), _to_kvref_spec(g.kv_cache_spec),
                                        is_eagle_group=bool(getattr(g, "is_eagle_group", False))))
     return PoolConfig.off_plan("vLLM's own unit tests hand KVCacheManager a KVCacheConfig built field by field",
                                num_blocks=kv_cache_config.num_blocks, groups=tuple(groups),
                                prefix_cache_retention_interval=getattr(kv_cache_config,
                                                                        "prefix_cache_retention_interval", None),
+                               group_roles=tuple(roles),
+                               hisparse_host_num_blocks=getattr(kv_cache_config, "hisparse_host_num_blocks", None),
                                **kw)
 
 
@@ -159,8 +160,6 @@ class StandInKVCacheManager:
         _BUILT[0] += 1
         if metrics_collector is not None:
             raise StandInGap("KVCacheMetricsCollector (block residency metrics)")
-        if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
-            raise StandInGap("HiSparse host pool")
         config = _to_pool_config(
             kv_cache_config, max_model_len=max_model_len, scheduler_block_size=scheduler_block_size,
             hash_block_size=hash_block_size, max_in_flight_tokens=max_in_flight_tokens,
@@ -522,6 +521,20 @@ def install() -> None:
 
     kv_cache_manager.KVCacheManager = StandInKVCacheManager
     scheduler.KVCacheManager = StandInKVCacheManager
+    import vllm.v1.hisparse.coordinator as hisparse
+
+    vllm_get_hisparse_coordinator = hisparse.get_hisparse_coordinator
+
+    def get_hisparse_coordinator(kv_cache_manager: Any) -> Any:
+        """The reference's HiSparse coordinator of a stand-in (bound when its pool was built)."""
+        if not isinstance(kv_cache_manager, StandInKVCacheManager):
+            return vllm_get_hisparse_coordinator(kv_cache_manager)
+        coordinator = kv_cache_manager._ref.coordinator.hisparse_coordinator
+        if coordinator is None:
+            raise ValueError("No HiSparse cache group is configured.")
+        return coordinator
+
+    hisparse.get_hisparse_coordinator = get_hisparse_coordinator
 
 
 def pytest_configure(config: pytest.Config) -> None:

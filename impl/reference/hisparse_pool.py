@@ -26,6 +26,7 @@ from kvref.spec.prefix_cache_retention import replay_boundaries
 from .block_hash import RequestBlockHasher, sha256
 from .hisparse_block_pool import ReuseWatchingBlockPool
 from .hisparse_coordinator import HiSparseCoordinator
+from .hisparse_invariants import check_hisparse_ref_counts
 from .full_attention_manager import FullAttentionManager
 from .hisparse_hot_manager import HiSparseHotManager
 from .hisparse_resident_manager import HiSparseResidentManager
@@ -145,34 +146,5 @@ class HiSparsePool(HiSparseManagerCalls):
         self.host_pool.check_invariants()
         for m in self.managers:
             m.check_invariants()
-        coord = self.coordinator
-        coord.check_invariants()
-        held: dict[int, int] = {}
-        host_held: dict[int, int] = {}
-
-        def hold(counts: dict[int, int], blocks) -> None:
-            for b in blocks:
-                if not b.is_null:
-                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
-
-        for m in self.managers[1:]:
-            for rid, table in m.req_to_blocks.items():
-                if isinstance(m, HiSparseResidentManager):
-                    state = coord.request_states.get(rid)
-                    unpinned = state.unpinned_pages if state is not None else set()
-                    table = [b for i, b in enumerate(m.get_residency_row(rid)) if i not in unpinned]
-                hold(held, table)
-        for table in self.managers[0].req_to_blocks.values():
-            hold(host_held, table)
-        for pending in coord.pending_spills.values():
-            if not pending.enqueue_applied:
-                hold(held, pending.resident_blocks)
-            hold(host_held, [pending.host_block])
-        for state in {id(p.request_state): p.request_state for p in coord.pending_spills.values()}.values():
-            if state.publication is not None and state.publication.detached_blocks is not None:
-                hold(host_held, state.publication.detached_blocks)
-        for pool, counts in ((self.gpu_pool, held), (self.host_pool, host_held)):
-            for b in pool.blocks:
-                if not b.is_null:
-                    assert b.ref_cnt == counts.get(b.block_id, 0), \
-                        f"M16: block {b.block_id} has ref_cnt {b.ref_cnt} but {counts.get(b.block_id, 0)} readers pin it"
+        self.coordinator.check_invariants()
+        check_hisparse_ref_counts(self.managers, self.coordinator)

@@ -37,6 +37,7 @@ from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
 from kvref.spec.context_parallel import manager_block_size
 from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.hisparse import HiSparseHotSpec, HiSparseResidentSpec
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -60,6 +61,11 @@ from .chunked_local_manager import ChunkedLocalAttentionManager
 from .circular_buffer_manager import CircularBufferManager
 from .cross_attention_manager import CrossAttentionManager
 from .full_attention_manager import FullAttentionManager
+from .hisparse_block_pool import ReuseWatchingBlockPool
+from .hisparse_coordinator import HiSparseCoordinator
+from .hisparse_hot_manager import HiSparseHotManager
+from .hisparse_resident_manager import HiSparseResidentManager
+from .hisparse_source_manager import HiSparseSourceManager
 from .kv_cache_block import KVCacheBlock
 from .mamba_manager import MambaManager
 from .rswa_manager import RSWAManager
@@ -122,8 +128,15 @@ def scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
 
 
-def manager_class_for_spec(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """vLLM's registry, for the specs kvref models (MLA is full attention)."""
+def manager_class_for_spec(spec: KVCacheSpec, role: str = "default") -> type[SingleTypeKVCacheManager]:
+    """vLLM's registry, for the specs kvref models (MLA is full attention); a role-registered
+    manager (the HiSparse host source) takes precedence."""
+    if role == "hisparse_source":
+        return HiSparseSourceManager
+    if isinstance(spec, HiSparseResidentSpec):
+        return HiSparseResidentManager
+    if isinstance(spec, HiSparseHotSpec):
+        return HiSparseHotManager
     if isinstance(spec, RSWASpec):
         return RSWAManager
     if isinstance(spec, SinkFullAttentionSpec):
@@ -149,11 +162,21 @@ def get_manager_for_kv_cache_spec(spec: KVCacheSpec, max_in_flight_tokens: int, 
                                   **kwargs) -> SingleTypeKVCacheManager:
     """Build the group's manager; windowed specs get their admission cap from the spec itself,
     the single source of truth shared with startup sizing (vLLM #40946)."""
-    cls = manager_class_for_spec(spec)
-    cap = spec.admission_cap(max_in_flight_tokens, max_model_len)
+    cls = manager_class_for_spec(spec, kwargs.pop("role", "default"))
+    cap = (spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+           if isinstance(spec, HiSparseResidentSpec) else spec.admission_cap(max_in_flight_tokens, max_model_len))
     if cap is not None:
         kwargs["max_admission_blocks_per_request"] = cap
     return cls(spec, **kwargs)
+
+
+def _hisparse_kwargs(spec: KVCacheSpec, role: str, specs: Sequence[KVCacheSpec]) -> dict:
+    """The role a group's manager is picked by, and whether a hot group has resident groups
+    beside it (vLLM's hot manager asks its coordinator)."""
+    kwargs: dict = {"role": role}
+    if isinstance(spec, HiSparseHotSpec):
+        kwargs["has_resident_groups"] = any(isinstance(s, HiSparseResidentSpec) for s in specs)
+    return kwargs
 
 
 class KVCacheCoordinator:
@@ -188,8 +211,11 @@ class KVCacheCoordinator:
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events=config.enable_kv_cache_events)
+        roles = config.group_roles or ("default",) * len(self.kv_cache_groups)
+        hisparse = config.hisparse_host_num_blocks is not None or "hisparse_source" in roles
+        # HiSparse releases clean resident pages while still read (vLLM BlockPool.unpin_blocks)
+        self.block_pool = (ReuseWatchingBlockPool if hisparse else BlockPool)(
+            num_blocks, enable_caching, hash_block_size, enable_kv_cache_events=config.enable_kv_cache_events)
         self.eagle_group_ids = {i for i, g in enumerate(self.kv_cache_groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(self.kv_cache_groups)))
@@ -209,8 +235,16 @@ class KVCacheCoordinator:
                 enable_caching=enable_caching, kv_cache_group_id=i,
                 scheduler_block_size=scheduler_block_size,
                 needs_kv_cache_zeroing=self.needs_kv_cache_zeroing,
-                dcp_world_size=config.dcp_world_size, pcp_world_size=config.pcp_world_size)
+                dcp_world_size=config.dcp_world_size, pcp_world_size=config.pcp_world_size,
+                **_hisparse_kwargs(spec, roles[i], specs))
             for i, spec in enumerate(specs))
+        #: the HiSparse coordinator bound to the host source (vLLM binds it on the first
+        #: ``get_hisparse_coordinator``, which must run before the first admission: kvref binds it here)
+        self.hisparse_coordinator: HiSparseCoordinator | None = None
+        if "hisparse_source" in roles:
+            self.hisparse_coordinator = HiSparseCoordinator(
+                self.single_type_managers, num_blocks, config.hisparse_host_num_blocks, max_model_len,
+                num_reprefillable_tokens=self.num_reprefillable_tokens)
         if use_eagle:
             for manager in self.single_type_managers:
                 if isinstance(manager, MambaManager):
@@ -343,11 +377,13 @@ class KVCacheCoordinator:
         announces the blocks the hit holds (docs/differences.md, issue #23)."""
         for group_id, blocks in enumerate(computed_blocks):
             if blocks:
-                self.block_pool.emit_cached_block_events(
+                self.single_type_managers[group_id].block_pool.emit_cached_block_events(
                     request, block_hashes, len(blocks), self.single_type_managers[group_id].block_size, group_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Reset each manager's pool once (the HiSparse host source has its own)."""
+        pools = dict.fromkeys(m.block_pool for m in self.single_type_managers) or {self.block_pool: None}
+        return all([pool.reset_prefix_cache() for pool in pools])
 
     def new_step_starts(self) -> None:
         for manager in self.single_type_managers:
@@ -357,9 +393,14 @@ class KVCacheCoordinator:
         """The pool's I1–I8 and every manager's rules, all on one shared pool (M8, docs/invariants.md)."""
         self.block_pool.check_invariants()
         for manager in self.single_type_managers:
-            assert manager.block_pool is self.block_pool, \
-                f"M8: group {manager.kv_cache_group_id}'s manager has a pool of its own"
+            if isinstance(manager, HiSparseSourceManager):  # bound to its private host pool
+                manager.block_pool.check_invariants()
+            else:
+                assert manager.block_pool is self.block_pool, \
+                    f"M8: group {manager.kv_cache_group_id}'s manager has a pool of its own"
             manager.check_invariants()
+        if self.hisparse_coordinator is not None:
+            self.hisparse_coordinator.check_invariants()
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
@@ -519,7 +560,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         simple = self._simple_hybrid
         eagle_verified: set[int] = set()
         max_hash_tokens = len(block_hashes) * self.hash_block_size
-        pool, alignment = self.block_pool, self._cache_hit_alignment_tokens
+        alignment = self._cache_hit_alignment_tokens
         while True:
             curr = hit_length
             for idx, group in enumerate(self.attention_groups):
@@ -532,7 +573,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if drop_eagle and not group.is_mamba:
                     max_length = self._eagle_lookup_length(group, curr, max_hash_tokens)
                 blocks, new_hit = group.manager_cls.find_longest_cache_hit(
-                    block_hashes, max_length, group.group_ids, pool, group.spec, drop_eagle, alignment,
+                    block_hashes, max_length, group.group_ids, self.single_type_managers[first].block_pool,
+                    group.spec, drop_eagle, alignment,
                     **group.cp_kwargs)
                 if drop_eagle:
                     eagle_verified.add(idx)
@@ -549,7 +591,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if simple:
                 break
         for group in self.attention_groups:
-            if not group.is_full_attention:
+            # the HiSparse host source keeps its longer hit (``retains_longer_hit``)
+            if not group.is_full_attention or getattr(self.single_type_managers[group.group_ids[0]],
+                                                      "retains_longer_hit", False):
                 continue
             num_blocks = cdiv(hit_length, group.block_size)
             for gid in group.group_ids:
@@ -575,7 +619,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if group.use_eagle and not group.is_mamba:
                 length = self._eagle_lookup_length(group, length, num_hash_tokens)
             blocks, group_hit = group.manager_cls.find_longest_cache_hit(
-                block_hashes, length, group.group_ids, self.block_pool, group.spec, group.use_eagle,
+                block_hashes, length, group.group_ids, self.single_type_managers[group.group_ids[0]].block_pool,
+                group.spec, group.use_eagle,
                 self._cache_hit_alignment_tokens, **group.cp_kwargs)
             for gid, group_blocks in zip(group.group_ids, blocks):
                 hit_blocks[gid] = group_blocks

@@ -39,6 +39,7 @@ from kvref.spec.kv_cache_interface import (
 
 from .block_hash import BlockHash, RequestBlockHasher, get_hash_fn_by_name
 from .errors import UnknownRequestError
+from .hisparse_invariants import check_hisparse_ref_counts
 from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from .kv_events import BlockStored, KVCacheEvent, kv_cache_spec_kind, kv_cache_spec_sliding_window
@@ -434,19 +435,26 @@ class KVCacheManager:
         # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group; it ends on a
         # block boundary unless fine-grained hits let it end on a hash boundary inside the block.
         unit = self.block_pool.hash_block_size if self.coordinator.enable_partial_hash_hits else None
+        hits = list(new_computed_blocks.blocks)
         for g, (group, spec, manager) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs,
                                                         self.coordinator.single_type_managers)):
             block_size = manager.block_size  # block_size × DCP for a DCP-sharded group
             expected = -(-num_new_computed_tokens // block_size) if spec.prefix_cacheable else 0
+            retained = getattr(manager, "retains_longer_hit", False)
+            if retained and len(group) > expected:
+                # the HiSparse host source keeps a longer hit: vLLM keeps the part the local and
+                # external hits reuse (KVCacheManager.allocate_slots, retained_hit_group_ids)
+                group = hits[g] = group[:-(-(num_new_computed_tokens + num_external_computed_tokens) // block_size)]
             # a divergent hybrid hit (get_computed_blocks_for_connector) may leave a group lagging
             # behind the full-attention hit; vLLM takes it only with external tokens behind it
             lagging = num_external_computed_tokens > 0 and len(group) < expected
-            if (len(group) != expected and not lagging) or (expected and num_new_computed_tokens % (unit or block_size)):
+            wrong_length = len(group) < expected or (len(group) > expected and not retained)
+            if (wrong_length and not lagging) or (expected and num_new_computed_tokens % (unit or block_size)):
                 raise InvalidFieldError(
                     "num_new_computed_tokens", num_new_computed_tokens,
                     f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
                     f"of {block_size} tokens)")
-            self.block_pool._check_own(group, "new_computed_blocks")
+            manager.block_pool._check_own(group, "new_computed_blocks")
             # What find_longest_cache_hit returns: cached blocks; null only as the placeholder of a
             # skipped position, which full attention never has (an unpublished or null "hit" shares
             # nothing real; chunked-local hits may be all null, vLLM counts them as computed).
@@ -458,7 +466,7 @@ class KVCacheManager:
             raise InvalidFieldError(f"new_computed_blocks[{g}]", [b.block_id for b in group],
                                     "cached blocks of this pool (a prefix-cache hit; null only where a "
                                     "windowed group skips a block)")
-        return new_computed_blocks.blocks
+        return tuple(hits)
 
     # ------------------------------------------------------------------ freeing and the rest
 
@@ -595,6 +603,12 @@ class KVCacheManager:
         number of table slots holding it (``>=`` when others may pin blocks, e.g. offloading).
         Rule names: docs/invariants.md."""
         self.coordinator.check_invariants()
+        hisparse = getattr(self.coordinator, "hisparse_coordinator", None)
+        if hisparse is not None:  # M16 replaces I9: pages released while read, transfers' pins, a host pool
+            check_hisparse_ref_counts(self.coordinator.single_type_managers, hisparse)
+            if self.hasher is not None:
+                self.hasher.check_invariants()
+            return
         slots: Counter[int] = Counter()
         for manager in self.coordinator.single_type_managers:
             for table in manager.req_to_blocks.values():

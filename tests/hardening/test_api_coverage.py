@@ -158,6 +158,9 @@ EXCLUDED: dict[str, str] = {
             "a step of the reference Scheduler's encoder gate (issue #22), called at its hooks with its own "
             "checked requests (vLLM's EncoderCacheManager is driven only by its Scheduler too); the budget and "
             "the cache constructors are fuzzed"),
+    **_each(f"{_REF}.scheduler_lora", "running_loras exceeds_max_loras",
+            "the reference Scheduler's max_loras rule (issue #22), called in its waiting loop with its own "
+            "checked requests; max_loras itself is fuzzed (check_max_loras, Scheduler)"),
     **_each(f"{_REF}.scheduler_connector_stats", "check_invariants connector_stats flag_connector_reset "
             "record_connector_prefix_cache_stats set_kv_fetch_stage",
             "the reference Scheduler's make_stats bookkeeping with a KV connector (issue #22), called with its "
@@ -198,6 +201,7 @@ EXCLUDED: dict[str, str] = {
             "HiSparseCoordinator.update_residency HiSparseCoordinator.update_spills", INTERNAL),
     **_each(f"{_REF}.hisparse_publication", "HiSparsePublication.publish_when_ready "
             "HiSparsePublication.release_completed_host_copies", INTERNAL),
+    **_each(f"{_REF}.hisparse_invariants", "check_hisparse_ref_counts", INTERNAL),
     **_each(f"{_REF}.hisparse_views", "HiSparseWorkerViews.all_context_pages_resident "
             "HiSparseWorkerViews.build_row_mirrors HiSparseWorkerViews.take_residency_updates", INTERNAL),
     **_each(f"{_REF}.hisparse_state", "HiSparseRequestState PendingPublication PendingSpill SparseKVOffloadCommand "
