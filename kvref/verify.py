@@ -364,6 +364,9 @@ SCHEDULER_RUNS = (
     SubRun("kvref.models.machines.scheduler_encoder:run_encoder_machine", (6, 40),
            "scheduler traces with encoder inputs",
            "; {traces} with encoder inputs ({encoder_inputs_scheduled} encoded, {encoder_evictions} evicted)"),
+    # LoRA arrivals under max_loras
+    SubRun("kvref.models.machines.scheduler_lora:run_lora_machine", (4, 30),
+           "scheduler traces with LoRA adapters", "; {traces} with LoRA adapters ({lora_held_waiting} held by max_loras)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -24,7 +24,9 @@ live in :mod:`kvref.impl.reference.scheduler_cadence` (the cadence without a KV 
 Encoder inputs (the encoder compute budget and cache that cut a multimodal request's chunk) live
 in :mod:`kvref.impl.reference.scheduler_encoder` (without a KV connector).
 
-Not modelled: LoRA, structured output, a KV connector's deferred frees under
+LoRA's ``max_loras`` admission rule lives in :mod:`kvref.impl.reference.scheduler_lora`.
+
+Not modelled: structured output, a KV connector's deferred frees under
 async scheduling, pipeline parallelism, streaming sessions, DP prefill throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
@@ -66,6 +68,7 @@ from .scheduler_mamba_split import split_scheduled_chunk
 from .scheduler_prefill_lookahead import reserve_prefill_lookahead
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from . import scheduler_encoder as _enc
+from . import scheduler_lora as _lora
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -129,13 +132,14 @@ class Scheduler:
             stats (what ``make_stats`` reports), as vLLM's scheduler does.
         encoder_budget: the encoder limits of a multimodal model
             (:class:`~kvref.impl.reference.scheduler_encoder.EncoderBudget`; None: a text model's).
+        max_loras: vLLM ``LoRAConfig.max_loras`` (None: LoRA off; :mod:`.scheduler_lora`).
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
                  kv_cache_manager: KVCacheManagerLike | None = None,
                  connector: _conn.ScriptedConnector | None = None,
                  record_prefix_cache_stats: bool = False,
-                 encoder_budget: _enc.EncoderBudget | None = None) -> None:
+                 encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -182,6 +186,9 @@ class Scheduler:
         self._num_invalid_spec_tokens: dict[int, dict[str, int]] = {}  # id(output) -> invalid drafts
         # encoder inputs of multimodal requests (:mod:`.scheduler_encoder`)
         self.encoder = _enc.EncoderState(encoder_budget if encoder_budget is not None else _enc.EncoderBudget())
+        self.max_loras = _lora.check_max_loras(max_loras)
+        if self.max_loras is not None and connector is not None:
+            raise InvalidFieldError("max_loras", max_loras, "None with a KV connector (kvref models LoRA without one)")
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -376,6 +383,8 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache_manager
         skipped: list[Request] = []
+        # the adapters of every running request, scheduled in this step or not (max_loras)
+        scheduled_loras = _lora.running_loras(self.running) if self.max_loras is not None else set()
         # PAUSED_NEW admits only requests already holding KV blocks: without a connector, none
         while (token_budget > 0 and self.waiting and self.pause_state == PauseState.UNPAUSED
                and len(self.running) < cfg.max_num_active_reqs):
@@ -384,6 +393,10 @@ class Scheduler:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could
                 # resample a position that output later fills. Skip it (it does not block).
                 skipped.append(self.waiting.pop_request())
+                self.cadence.note_skipped(request)
+                continue
+            if _lora.exceeds_max_loras(request, scheduled_loras, self.max_loras):
+                skipped.append(self.waiting.pop_request())  # one adapter too many: skipped, not stalling
                 self.cadence.note_skipped(request)
                 continue
 
@@ -431,6 +444,8 @@ class Scheduler:
             self.waiting.pop_request()
             self.cadence.note_admitted(request)
             self.running.append(request)
+            if self.max_loras is not None and request.lora_request is not None:
+                scheduled_loras.add(request.lora_request.lora_int_id)
             kind = "new" if request.status == RequestStatus.WAITING else "resumed"
             scheduled[request.request_id] = (request, kind, num_new, kv.get_block_ids(request.request_id))
             token_budget -= num_new

@@ -173,6 +173,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.sched.scheduler", "Scheduler.set_pause_state"),
         # encoder inputs of multimodal requests (models/machines/scheduler_encoder.py, #22)
         _b("vllm.v1.core.encoder_cache_manager", "EncoderCacheManager", "cache_size"),
+        # LoRA's max_loras admission (models/machines/scheduler_lora.py, #22)
+        _b("vllm.config", "LoRAConfig", "max_loras"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),

@@ -182,7 +182,7 @@ class VllmScheduler:
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
                  scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
-                 encoder_budget=None) -> None:
+                 encoder_budget=None, max_loras: int | None = None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -238,6 +238,8 @@ class VllmScheduler:
         self._encoder_output: dict = {"scheduled_encoder_inputs": {}, "free_encoder_mm_hashes": ()}
         if encoder_budget is not None:
             self._set_encoder_budget(encoder_budget)
+        if max_loras is not None:
+            self._set_max_loras(max_loras)
         if config.num_speculative_tokens:
             # GPU deployments run the V2 model runner, which lets a drafter with lookahead slots
             # skip useless drafts; the CPU config picks the V1 runner (no Triton), so the flag is
@@ -272,6 +274,18 @@ class VllmScheduler:
         self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=budget.encoder_cache_size)
         self.scheduler.scheduler_config.disable_chunked_mm_input = budget.disable_chunked_mm_input
 
+    def _set_max_loras(self, max_loras: int) -> None:
+        """LoRA on: vLLM's ``LoRAConfig(max_loras=...)`` as the scheduler's ``lora_config`` (the
+        scheduler reads only ``max_loras``; the tiny Llama has no LoRA layers to build)."""
+        from vllm.config import LoRAConfig
+
+        from kvref.impl.reference.scheduler_lora import check_max_loras
+
+        check_max_loras(max_loras)
+        if self.connector is not None:
+            raise InvalidFieldError("max_loras", max_loras, "None with a KV connector")
+        self.scheduler.lora_config = LoRAConfig(max_loras=max_loras)
+
     def encoder_view(self) -> dict:
         """vLLM's encoder cache and the last step's encoder inputs, in the reference's form
         (:meth:`kvref.impl.reference.scheduler.Scheduler.encoder_view`)."""
@@ -294,7 +308,11 @@ class VllmScheduler:
         vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                            sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
                            cache_salt=request.cache_salt, priority=request.priority,
-                           block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm)
+                           block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm,
+                           lora_request=None if request.lora_request is None else v["LoRARequest"](
+                               lora_name=request.lora_request.lora_name,
+                               lora_int_id=request.lora_request.lora_int_id,
+                               lora_path=request.lora_request.lora_path))
         self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
 

@@ -139,6 +139,13 @@ class EncoderLockstep(Lockstep):
                 _diverge(f"after {what} (step {self.num_steps}): encoder state differs in {keys}\n"
                          f"  {n0}: {v0}\n  {name}: {v}", f"after {what}: encoder {', '.join(keys)} differ")
 
+    def _check_whole_prompts(self, out):
+        """The whole-prompt rule holds for requests without images only: vLLM's encoder gate runs
+        after the chunked-prefill stop, so with chunked prefill off a prompt is still cut before
+        an image the encoder budget or cache cannot take (both schedulers cut it the same way)."""
+        super()._check_whole_prompts(replace(out, scheduled=tuple(
+            s for s in out.scheduled if not getattr(self.specs[s.request_id], "items", ()))))
+
     def schedule(self):
         out = super().schedule()
         view = self.targets["ref"].encoder_view() if "ref" in self.targets else None

@@ -898,12 +898,14 @@ def _streaming_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]
 def _encoder_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     """The reference scheduler's encoder budget and cache (#22)."""
     from kvref.impl.reference import scheduler_encoder as se
+    from kvref.impl.reference import scheduler_lora as sl
 
     return {
         "EncoderBudget": (se.EncoderBudget, dict(encoder_compute_budget=4, encoder_cache_size=8,
                                                  disable_chunked_mm_input=False)),
         "EncoderCacheManager": (se.EncoderCacheManager, dict(cache_size=8)),
         "EncoderState": (se.EncoderState, dict(budget=se.EncoderBudget(4, 8))),
+        "check_max_loras": (sl.check_max_loras, dict(max_loras=2)),
     }
 
 
