@@ -20,7 +20,10 @@ replica of one fix:
   Cannot get N free blocks from the pool`` inside ``schedule()``;
 * ``short-lookahead`` — ``KVCacheManager.allocate_slots`` reserves one lookahead slot fewer than an
   EAGLE-like drafter asked for (an off-by-one in speculative decoding's block reservation: the
-  drafter then writes past the request's blocks).
+  drafter then writes past the request's blocks);
+* ``short-runway`` — ``Scheduler._reserve_prefill_lookahead`` keeps one token less than a
+  multi-module MTP drafter's prefill runway (an off-by-one: a chunk may end one token inside it,
+  where the last MTP module falls back to a sampled draft; manifests with ``spec-decode-mtp``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterator
 from kvref.spec.errors import InvalidFieldError
 
 FAULTS = ("leak-on-refusal", "early-free", "wrong-hit-length", "skip-preempt-reset", "hit-stats", "crash",
-          "short-lookahead")
+          "short-lookahead", "short-runway")
 
 
 def _patches(name: str) -> list[tuple[object, str, Callable]]:
@@ -99,6 +102,15 @@ def _patches(name: str) -> list[tuple[object, str, Callable]]:
                             num_lookahead_tokens=max(0, num_lookahead_tokens - 1), **kwargs)
             return allocate_slots
         return [(KVCacheManager, "allocate_slots", short)]
+    if name == "short-runway":
+        def runway(orig):
+            def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+                remaining = request.num_tokens - num_computed_tokens - num_new_tokens
+                if 0 < remaining < self.num_prefill_lookahead - 1:
+                    num_new_tokens -= self.num_prefill_lookahead - 1 - remaining
+                return max(num_new_tokens, 0)
+            return _reserve_prefill_lookahead
+        return [(Scheduler, "_reserve_prefill_lookahead", runway)]
     raise InvalidFieldError("fault", name, "one of " + ", ".join(FAULTS))
 
 

@@ -13,7 +13,8 @@ conserved per step (free + held = pool, blocks a KV connector keeps and deferred
 block reused while a request still needs it, hits that hold their own tokens, admission within the
 startup bound, tables that cover each step (an EAGLE drafter's lookahead slots included), metrics
 that agree with the trace, block ids within the pool, nothing scheduled against a pause state
-(``set_pause_state`` is recorded and replayed). A summary (steps, requests, preemptions,
+(``set_pause_state`` is recorded and replayed), prefill chunks that leave a multi-module MTP
+drafter's runway (``num_prefill_lookahead``). A summary (steps, requests, preemptions,
 prefix-cache hit rate, longest wait) closes the report.
 
 A run in which vLLM raised (an ``error`` record: the recorder writes the exception, the step and the
