@@ -120,6 +120,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_MGR, "KVCacheManager.evict_blocks"),
         _b(_MGR, "KVCacheBlocks"),
         _b("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks"),
+        # the free block queue's own API, driven by generated programs (free_block_queue.py, #22)
+        _b(_UTILS, "FreeKVCacheBlockQueue"),
+        _b(_UTILS, "KVCacheBlock", "block_id"),
     ),
     "block-pool": (
         _b("vllm.v1.core.block_pool", "BlockPool"),

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvref.models.machines.kv_cache_manager import MachineRun, MachineStats, run_machine
+from kvref.models.conformance.accepted import signature
+from kvref.models.machines.free_queue_programs import run_free_queue_programs
 from kvref.models.machines.mamba_junction_programs import run_junction_programs
 from kvref.models.strategies.pools import GROUP_SETS
 from kvref.spec.errors import InvalidFieldError, check_int
@@ -73,7 +75,9 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     generated sibling programs that build junctions on purpose
     (:mod:`~kvref.models.machines.mamba_junction_programs`). One :class:`SweepRun` for all (the
     later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
-    checkpoint)"``, ``"fa+mamba_fine (junction programs)"``)."""
+    checkpoint)"``, ``"fa+mamba_fine (junction programs)"``); with vLLM among ``kinds``, last,
+    generated op sequences on vLLM's free block queue beside the reference's
+    (:mod:`~kvref.models.machines.free_queue_programs`, ``"free block queue (programs)"``)."""
     sweep = run_group_set_sweep(kinds, examples_per_set, seed=seed, retention=True, **run_kwargs)
     if not sweep.ok:
         return sweep
@@ -95,6 +99,15 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     sweep.prefix_hits += seen["prefix_hits"]
     if failure:
         sweep.failure = MachineRun(MachineStats(), 0.0, failure=failure, trace_path=path, signature=sig)
+        return sweep
+    if "vllm" in kinds:  # the free block queue's whole API, vLLM's queue beside the reference's (#22)
+        from kvref.impl.vllm.free_block_queue import VllmFreeBlockQueue
+
+        failure, seen = run_free_queue_programs(VllmFreeBlockQueue, 10 * examples_per_set, seed=seed or 0)
+        sweep.traces["free block queue (programs)"] = 10 * examples_per_set
+        sweep.ops += sum(seen.values())
+        if failure:
+            sweep.failure = MachineRun(MachineStats(), 0.0, failure=failure, signature=signature(failure))
     return sweep
 
 
