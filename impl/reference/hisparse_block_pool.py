@@ -77,3 +77,26 @@ class ReuseWatchingBlockPool(BlockPool):
         super().check_invariants()
         for bid in self._reuse_watchers:
             assert 0 < bid < self.num_gpu_blocks, f"M17: a reuse watcher on block {bid}, not a non-null block"
+
+
+class SharedEventQueueBlockPool(BlockPool):
+    """The HiSparse host pool: its KV cache events (``medium`` CPU) go into the device pool's
+    queue, so one ``take_events`` drains both in order (vLLM ``SharedEventQueueBlockPool``,
+    ``v1/hisparse/block_pool.py``). The owner swaps in a fresh queue on every drain, so this one
+    reads the queue through its owner rather than holding it."""
+
+    def __init__(self, *args, event_owner: BlockPool, **kwargs) -> None:
+        if not isinstance(event_owner, BlockPool):
+            raise InvalidFieldError("event_owner", event_owner, "the device BlockPool whose queue this pool shares")
+        self._event_owner = event_owner
+        super().__init__(*args, **kwargs)
+
+    @property
+    def kv_event_queue(self) -> list:
+        return self._event_owner.kv_event_queue
+
+    @kv_event_queue.setter
+    def kv_event_queue(self, events: list) -> None:
+        # the base's constructor seeds an empty queue, and a drain here swaps one in: the owner's
+        if events:
+            raise InvalidFieldError("kv_event_queue", events, "empty: the owner pool holds the queue")

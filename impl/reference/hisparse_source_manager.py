@@ -24,7 +24,7 @@ from kvref.spec.errors import check_int
 from kvref.spec.hisparse import source_admission_count
 
 from .block_hash import BlockHash
-from .block_pool import BlockPool
+from .hisparse_block_pool import SharedEventQueueBlockPool
 from .full_attention_manager import FullAttentionManager
 from .kv_cache_block import KVCacheBlock
 from .kv_events import MEDIUM_CPU
@@ -48,8 +48,10 @@ class HiSparseSourceManager(FullAttentionManager):
         check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
         assert not self.req_to_blocks, "bind the host pool before the first request"
         device_pool = self.block_pool
-        self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching,
-                                    hash_block_size=device_pool.hash_block_size, medium=MEDIUM_CPU)
+        # host events (medium CPU) go into the device pool's queue (vLLM SharedEventQueueBlockPool)
+        self.block_pool = SharedEventQueueBlockPool(
+            num_blocks, enable_caching=self.enable_caching, hash_block_size=device_pool.hash_block_size,
+            enable_kv_cache_events=device_pool.enable_kv_cache_events, medium=MEDIUM_CPU, event_owner=device_pool)
         self._null_block = self.block_pool.null_block
         self.num_gpu_blocks = num_gpu_blocks
 

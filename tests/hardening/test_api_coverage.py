@@ -193,7 +193,7 @@ EXCLUDED: dict[str, str] = {
     # the pool's coordinator calls (HiSparseManagerCalls), which the harness drives with generated ids,
     # counts and worker reports of transfers it was sent
     **_each(f"{_REF}.hisparse_block_pool", "ReuseWatchingBlockPool ReuseWatchingBlockPool.get_new_blocks "
-            "ReuseWatchingBlockPool.unpin_blocks", INTERNAL),
+            "ReuseWatchingBlockPool.unpin_blocks SharedEventQueueBlockPool", INTERNAL),
     **_each(f"{_REF}.hisparse_coordinator", "HiSparseCoordinator HiSparseCoordinator.advance_scheduled "
             "HiSparseCoordinator.commit_computed_blocks HiSparseCoordinator.complete_host_import "
             "HiSparseCoordinator.finish_host_import HiSparseCoordinator.free "
