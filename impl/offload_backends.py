@@ -120,7 +120,7 @@ class OffloadingReferenceBackend(ReferenceEngine):
                                           use_int_block_hashes())
         # vLLM's kv_bytes_per_token: every offloaded group's bytes per block on one worker, per token
         per_token = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) // cfg.block_size for g in groups)
-        self.conn = OffloadingConnectorScheduler(specs, self.manager, cfg.block_size,
+        self.conn = OffloadingConnectorScheduler(specs, self.manager, getattr(cfg, "hash_block_size", None) or cfg.block_size,
                                                  cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
                                                  block_hasher=self.mgr.block_hashes, events_tracker=tracker,
                                                  sync_load_budget_bytes=getattr(cfg, "sync_load_budget_bytes", 0),

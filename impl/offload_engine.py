@@ -29,11 +29,13 @@ def kvref_kv_cache_groups(block_size: int, sliding_window: int | None) -> tuple[
 
 
 def kvref_kv_cache_manager(cfg: Any, groups: tuple[KVCacheGroupSpec, ...]) -> KVCacheManager:
-    """kvref's GPU ``KVCacheManager`` with prefix caching, one block size for scheduling and hashing."""
+    """kvref's GPU ``KVCacheManager`` with prefix caching: requests hashed every ``cfg.hash_block_size``
+    tokens where the config sets it (finer than the blocks), else every block."""
     return KVCacheManager(PoolConfig.off_plan(
         "an offload scenario's GPU pool: its block count is the scenario's, not a startup plan's",
         num_blocks=cfg.num_gpu_blocks, groups=groups, max_model_len=cfg.max_model_len,
-        scheduler_block_size=cfg.block_size, hash_block_size=cfg.block_size, enable_caching=True))
+        scheduler_block_size=cfg.block_size, hash_block_size=getattr(cfg, "hash_block_size", None) or cfg.block_size,
+        enable_caching=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +86,19 @@ class ReferenceEngine:
         """The GPU cache's Mamba "align" boundary-state hand-offs since the last call, as vLLM's
         ``schedule()`` drains them into ``SchedulerOutput.kv_connector_block_state`` every step."""
         return self.mgr.take_boundary_state_offloads()
+
+    def release_kv_cache_block_copies(self) -> list[tuple[int, int]]:
+        """The step's copy-on-write pairs (source, destination ids), their retained endpoints freed,
+        as vLLM's ``schedule()`` does (``take_kv_cache_block_copies`` + ``_free_cow_retained_blocks``,
+        the copy's step not in flight)."""
+        pairs, retained = [], []
+        for manager in self.mgr.coordinator.single_type_managers:
+            for src, dst in manager.take_pending_cow_copies():
+                pairs.append((src.block_id, dst.block_id))
+                retained += (src, dst)
+        if retained:
+            self.mgr.block_pool.free_blocks(retained)
+        return pairs
 
     def match(self, req, n_computed):
         return self.conn.get_num_new_matched_tokens(req, n_computed)

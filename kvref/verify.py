@@ -484,7 +484,12 @@ def check_offload_conformance(ctx: VerifyContext) -> CheckResult:
         return result
     from .verify_simple_mamba import with_simple_mamba  # SimpleCPU on Mamba "align" pools (#22)
 
-    return with_simple_mamba(ctx, result)
+    result = with_simple_mamba(ctx, result)
+    if result.status != PASSED:
+        return result
+    from .verify_offload_tails import with_partial_tails  # the OffloadingConnector's partial tails (#22)
+
+    return with_partial_tails(ctx, result)
 
 
 def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:

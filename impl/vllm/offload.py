@@ -36,7 +36,8 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
     from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(cfg.block_size, sha256)
+    hash_block_size = getattr(cfg, "hash_block_size", None) or cfg.block_size  # finer hashes: partial tails
+    hasher = get_request_block_hasher(hash_block_size, sha256)
     kw = dict(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
     def vllm_spec(spec):  # cfg.kvref_groups(): full attention, sliding window (+ extra retained), chunked local,
@@ -56,7 +57,7 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
                                                          layer_stride=page, block_stride=page)],
                          kv_cache_groups=groups)
     mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
-                          hash_block_size=cfg.block_size, enable_caching=True)
+                          hash_block_size=hash_block_size, enable_caching=True)
     return hasher, kcfg, mgr
 
 
@@ -99,6 +100,12 @@ class VllmEngine(ReferenceEngine):
 
     def after_alloc(self, req, n_ext):
         self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), n_ext)
+
+    def release_kv_cache_block_copies(self):
+        copies, retained = self.mgr.take_kv_cache_block_copies()
+        if retained:
+            self.mgr.block_pool.free_blocks(retained)
+        return [(c.src_block_id, c.dst_block_id) for c in copies]
 
     def check_invariants(self):
         """kvref's pool and manager invariants on the GPU ``KVCacheManager`` under the connector
@@ -210,7 +217,7 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
                 group_id=i, tokens_per_block=cfg.block_size,
                 sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(g.kv_cache_spec, tpc))
                 for i, g in enumerate(groups)]),
-            blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=cfg.block_size,
+            blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=getattr(cfg, "hash_block_size", None) or cfg.block_size,
             tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
             extra_config={"sync_load_budget_bytes": getattr(cfg, "sync_load_budget_bytes", 0)},
             kv_events_config=OffloadingKVEventsConfig(kv_events != "off", kv_events == "self_describing"),

@@ -73,6 +73,15 @@ class OffloadingConfig:
     # A pure Mamba model (Mamba2, Falcon-Mamba): the Mamba "align" group alone, no attention group;
     # only with ``mamba_align`` and no windowed group (hits then align to the Mamba chunk itself).
     mamba_only: bool = False
+    # Request hashes finer than the blocks (``hash_block_size`` < ``block_size``; None: the block
+    # size). With a Mamba "align" group beside full attention this turns on vLLM's fine-grained
+    # Mamba hits and the OffloadingConnector's partial tails: the prompt's last hash boundary inside
+    # a block is stored (the COW-ed state + the attention block holding it) and looked up.
+    hash_block_size: int | None = None
+
+    def tokens_per_hash(self) -> int:
+        """The request hash granularity (vLLM's ``hash_block_size``, the connector's ``tokens_per_hash``)."""
+        return self.hash_block_size or self.block_size
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
@@ -93,8 +102,10 @@ class OffloadingConfig:
 
     def mamba_split(self) -> MambaSplitConfig | None:
         """Where the world's scheduler clips prefill chunks (None: no Mamba "align" group)."""
-        return (MambaSplitConfig(block_size=self.block_size, hash_block_size=self.block_size)
-                if self.mamba_align else None)
+        if not self.mamba_align:
+            return None
+        return MambaSplitConfig(block_size=self.block_size, hash_block_size=self.tokens_per_hash(),
+                                partial_cache_hit=self.tokens_per_hash() < self.block_size and not self.mamba_only)
 
     @classmethod
     def random(cls, rng: Any) -> OffloadingConfig:
@@ -117,7 +128,8 @@ class OffloadingConfig:
         * requests' ``kv_transfer_params`` one time in three (:func:`random_transfer_params`);
         * a Mamba "align" group one time in three, where requests carry no ``kv_transfer_params``
           (a few GPU blocks more: each request holds one or two states), half of them alone
-          (a pure Mamba model: no attention group);
+          (a pure Mamba model: no attention group), a quarter beside full attention alone with
+          request hashes finer than the blocks (vLLM's partial tails: 8/4, 8/2 or 4/2 tokens);
         * a synchronous-load budget one time in three (from a chunk or two per step to unlimited).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
@@ -146,6 +158,11 @@ class OffloadingConfig:
             base["num_gpu_blocks"] += sub.randint(2, 4)
             if sub.random() < 1 / 2:  # a pure Mamba model: the state group alone
                 base.update(mamba_only=True, sliding_window=None, extra_retained_tokens=0)
+                base.pop("attention_chunk_size", None)
+            elif sub.random() < 1 / 2:  # finer hashes: vLLM's partial tails (FA + Mamba, one block a chunk)
+                bs, hbs = sub.choice([(8, 4), (8, 2), (4, 2)])
+                base.update(block_size=bs, hash_block_size=hbs, blocks_per_chunk=1, sliding_window=None,
+                            extra_retained_tokens=0)
                 base.pop("attention_chunk_size", None)
         # not with a Mamba group: a synchronous load on FA + SWA + Mamba "align" can make
         # allocate_slots raise (no free block) in vLLM 0.33.0 and the reference alike (not yet
@@ -207,6 +224,8 @@ class OffloadingWorld(OffloadWorldBase):
         self.preempted_pending: set[str] = set()
         self.jobs: dict[int, dict] = {}  # job -> {"store": bool, "req": rid, "src": [...], "reported": n}
         self.gpu_content: dict[int, Any] = {}
+        self.copies: list[list[tuple[int, int]]] = []  # the copy-on-write pairs of every step
+        self.partial_written: dict[int, int] = {}  # block -> tokens its last writer filled (partial tails)
         self.metas: list[tuple] = []
         self._n = 0
         self.reset_undelivered = False
@@ -254,7 +273,9 @@ class OffloadingWorld(OffloadWorldBase):
         self.hit_sources.append((r.rid, tuple(self.b.hit_sources(r.req, n_ext))))
 
     def _key(self, r, g, pos):
-        return make_block_hash_with_group_id(self.b.block_hashes(r.req)[pos], g)
+        """The (group, hash) key of block ``pos`` of ``r``: the hash ending at the block's end."""
+        per_block = self.cfg.block_size // self.cfg.tokens_per_hash()
+        return make_block_hash_with_group_id(self.b.block_hashes(r.req)[(pos + 1) * per_block - 1], g)
 
     def _clip(self, r, n, n_hit=0):
         """``n`` new tokens after ``r.computed`` (+ a new local hit of ``n_hit``), clipped as vLLM's
@@ -266,6 +287,10 @@ class OffloadingWorld(OffloadWorldBase):
         return mamba_block_aligned_split(split, r.computed, r.req.num_prompt_tokens, r.req.num_tokens, n, n_hit)
 
     def step(self, chunk):
+        # vLLM's schedule() starts every step so: the GPU cache forgets which blocks it cached in the
+        # last step (a Mamba hit on a block cached in the same step waits a step; without this, every
+        # later hit on such a block would wait forever)
+        self.b.mgr.new_step_starts()
         batch = ScheduledBatch()
         lookups = []
         for rid in self.live("running"):
@@ -284,10 +309,17 @@ class OffloadingWorld(OffloadWorldBase):
             load_async = True
             if r.computed == 0:
                 hits, n_hit = self.b.get_computed_blocks(r.req)
-                n_ext, load_async = self.b.match(r.req, n_hit)
+                # vLLM's scheduler shows the connector a block-aligned local hit: a longer external
+                # hit replaces a sub-block (partial-tail) local hit, a shorter one is dropped
+                partial = n_hit % self.cfg.block_size
+                n_ext, load_async = self.b.match(r.req, n_hit - partial)
                 lookups.append((rid, n_hit, n_ext))
                 if n_ext is None:
                     continue  # the connector asks to be asked again
+                if partial and n_ext > partial:
+                    hits, n_hit = self.b.mgr.truncate_computed_blocks(hits, n_hit - partial), n_hit - partial
+                elif partial:
+                    n_ext, load_async = 0, True
             if n_ext > 0 and not load_async:
                 # A synchronous load: the blocks are allocated and hashed now, the worker fills them
                 # before this step's forward pass, and the request computes the rest at once.
@@ -318,6 +350,9 @@ class OffloadingWorld(OffloadWorldBase):
         step = self._scheduler_output(OffloadingStep, batch)
         # vLLM's schedule() drains the GPU cache's Mamba "align" boundary-state hand-offs every step
         step.boundary_state_offloads = self.b.take_boundary_state_offloads()
+        self._record_handoffs(step.boundary_state_offloads)
+        # ... and releases the blocks its copy-on-write pairs retained (sub-block Mamba hits)
+        self.copies.append(self.b.release_kv_cache_block_copies())
         meta = (*self.b.build_meta(step), tuple(lookups))
         self._take_kv_events()
         stats = self.b.connector_stats()  # vLLM's engine collects them every step
@@ -341,14 +376,14 @@ class OffloadingWorld(OffloadWorldBase):
             self.jobs[j] = {"store": True, "req": rid, "src": list(blocks), "reported": 0, "new": True,
                             "flushed": j in flushed}
             if j in flushed:
-                self._check_store_source(j, blocks)
+                self._check_store_source(j, blocks, rid, keys)
             else:
-                new_stores.append((j, blocks))
+                new_stores.append((j, blocks, rid, keys))
         # The forward pass writes this step's tokens. A source of an earlier store still running may
         # only be overwritten if the job was flushed (waited for) - the fence, vLLM #41228.
         self._forward(batch)
-        for j, blocks in new_stores:
-            self._check_store_source(j, blocks)
+        for j, blocks, rid, keys in new_stores:
+            self._check_store_source(j, blocks, rid, keys)
         for job in self.jobs.values():
             job["new"] = False
         self._update_from_output(batch)
@@ -356,11 +391,40 @@ class OffloadingWorld(OffloadWorldBase):
         self.b.check_invariants()
         return meta
 
-    def _check_store_source(self, j, blocks):
+    def _check_store_source(self, j, blocks, rid=None, keys=()):
         for b in blocks:
             c = self.gpu_content.get(b)
+            if c is not None and c[0] == "partial" and self._partial_tail_source(b, c, keys):
+                continue
+            if c is not None and c[0] == "state" and c[1] == rid:
+                continue
             if c is None or c[0] == "partial":
                 self._fail(f"store job {j} reads GPU block {b}, which holds {c!r}, not a full computed block")
+
+    def _partial_tail_source(self, bid, content, keys) -> bool:
+        """A partial-tail store (finer hashes) reads the attention block holding a hash boundary
+        before the block is full: valid when the job's key of that group names a boundary inside
+        the block, and the tokens written in the block reach it (appending past it keeps it)."""
+        if self.cfg.tokens_per_hash() == self.cfg.block_size:
+            return False
+        rid, g, pos = content[1:4]
+        written = self.partial_written[bid]
+        hashes = [bytes(h) for h in self.b.block_hashes(self.reqs[rid].req)]
+        bs = self.cfg.block_size
+        for key in keys:
+            if bytes(key[-4:]) == g.to_bytes(4, "big") and bytes(key[:-4]) in hashes:
+                boundary = (hashes.index(bytes(key[:-4])) + 1) * self.cfg.tokens_per_hash()
+                if pos * bs < boundary <= pos * bs + written:
+                    return True
+        return False
+
+    def _record_handoffs(self, handoffs) -> None:
+        """A Mamba state handed over inside a block (a partial tail, COW-ed into a block of its own
+        that no table holds) holds the request's state at that boundary."""
+        for rid, entries in handoffs.items():
+            for g, bid, boundary in entries:
+                if bid and boundary % self.cfg.block_size:
+                    self.gpu_content[bid] = ("state", rid, g, boundary)
 
     def _write_computed(self, r, start, end):
         bs = self.cfg.block_size
@@ -369,13 +433,19 @@ class OffloadingWorld(OffloadWorldBase):
             for pos in range(start // bs, (end - 1) // bs + 1 if end > start else start // bs):
                 if pos < len(ids) and ids[pos] != 0:
                     bid = ids[pos]
+                    old = self.gpu_content.get(bid)
+                    # appending to the partial block a partial-tail store reads keeps what it reads
+                    appends = old is not None and old[0] == "partial" and old[1:4] == (r.rid, g, pos)
                     for j, job in self.jobs.items():
+                        if appends:
+                            break
                         if job["store"] and bid in job["src"] and not job["new"] and not job.get("flushed"):
                             self._fail(f"GPU block {bid} (request {r.rid}, group {g}, position {pos}) is "
                                        f"overwritten while store job {j} may still read it and was not flushed")
                     full = (pos + 1) * bs <= end
-                    self.gpu_content[bid] = self._key(r, g, pos) if full and pos < len(self.b.block_hashes(r.req)) \
-                        else ("partial", r.rid, g, pos)
+                    hashed = (pos + 1) * bs <= len(self.b.block_hashes(r.req)) * self.cfg.tokens_per_hash()
+                    self.gpu_content[bid] = self._key(r, g, pos) if full and hashed else ("partial", r.rid, g, pos)
+                    self.partial_written[bid] = min(end, (pos + 1) * bs) - pos * bs
 
     def complete(self, pick, count=1):
         if not self.jobs:
@@ -433,5 +503,5 @@ class OffloadingWorld(OffloadWorldBase):
         gq = [b.block_id for b in self.b.gpu_pool.free_block_queue.get_all_free_blocks()]
         return {"gpu_free": gq, "chunks": self.b.chunk_state(), "phases": {k: v.phase for k, v in self.reqs.items()},
                 "kv_events": self.kv_events, "hit_sources": self.hit_sources, "stats": self.stats,
-                "push_work": self.push_work, "sync_loads": self.sync_loads,
+                "push_work": self.push_work, "sync_loads": self.sync_loads, "copies": self.copies,
                 "transfer_params": {rid: self.b.request_offload_state(rid) for rid in self.reqs}}

@@ -479,6 +479,12 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tracker_case("record_store", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
     tracker_case("record_lookup", lambda t: dict(key=H[1] + bytes(4), meta=_tracker_snapshot(t)))
     tracker_case("take_events", lambda t: dict(events=[]))
+    # partial tails (#22): the valid part of a block, at hash granularity
+    tracker_case("snapshot_partial_tail", lambda t: dict(block_hashes=H, token_ids=list(range(16)), group_idx=0,
+                                                         windowed=False, tokens_per_chunk=8, tokens_per_hash=4,
+                                                         boundary_tokens=12))
+    tracker_case("record_partial_lookup", lambda t: dict(key=H[2] + bytes(4), meta=t.snapshot_partial_tail(
+        H, list(range(16)), 0, False, 8, 4, 12)))
     connector_case("on_new_request", lambda s, r0, r1: dict(req=r1, kv_transfer_params={"max_load_tokens": 4}))
     connector_case("get_external_cache_hit_sources", lambda s, r0, r1: dict(req=r0, num_external_tokens=0))
     connector_case("get_num_new_matched_tokens", lambda s, r0, r1: dict(req=r0, num_computed_tokens=0))

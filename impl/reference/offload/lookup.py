@@ -131,13 +131,15 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
                            num_tokens: int, num_computed_tokens: int, lookup: Lookup,
                            chunks_being_loaded: set[OffloadKey] | None = None,
                            max_num_new_tokens: int | None = None, max_load_tokens: int | None = None,
-                           mamba_align_size: int | None = None) -> int | None:
+                           mamba_align_size: int | None = None, hit_ends: list[int] | None = None) -> int | None:
     """Tokens beyond ``num_computed_tokens`` loadable from offloaded chunks, 0 for none, None
     to ask again later (pending writes, or a chunk another request is loading right now — see
     vLLM PR 29087). ``max_load_tokens`` (the request's ``kv_transfer_params`` cap) limits the hit
     and makes every group's boundary chunk aligned. ``mamba_align_size`` (a Mamba "align" group's
     chunk, vLLM ``resolve_mamba_align_size``): the hit ends on a multiple of it, where a state was
-    stored. No EAGLE groups or partial tails."""
+    stored. ``hit_ends`` (one int per group, filled in): where each full-attention group's last
+    prefix lookup confirmed hits to (a chunk index; vLLM ``lookup_hit_end_chunk_idx``, which the
+    partial-tail lookup reads), 0 for the others. No EAGLE groups."""
     _check_groups(groups)
     if not isinstance(group_keys, (list, tuple)) or len(group_keys) != len(groups):
         raise InvalidFieldError("group_keys", group_keys, f"{len(groups)} lists of offload keys, one per group")
@@ -148,6 +150,10 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     check_int("max_num_new_tokens", max_num_new_tokens, minimum=0, allow_none=True)
     check_int("max_load_tokens", max_load_tokens, minimum=0, allow_none=True)
     check_int("mamba_align_size", mamba_align_size, minimum=1, allow_none=True)
+    if hit_ends is not None and (not isinstance(hit_ends, list) or len(hit_ends) != len(groups)):
+        raise InvalidFieldError("hit_ends", hit_ends, f"None or a list of {len(groups)} ints (filled in)")
+    if hit_ends is not None:
+        hit_ends[:] = [0] * len(groups)
     if chunks_being_loaded is not None and not isinstance(chunks_being_loaded, (set, frozenset)):
         raise InvalidFieldError("chunks_being_loaded", chunks_being_loaded, "a set of offload keys or None")
     fa, sw = lookup_order(groups)
@@ -180,6 +186,8 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
             window_keys = keys[start:n_chunks]
             if g.window is None:
                 hits = maximal_prefix_lookup(window_keys, lookup)
+                if hit_ends is not None:
+                    hit_ends[gi] = start + (hits or 0)
             else:
                 hits = sliding_window_lookup(window_keys, g.window, lookup,
                                              g.load_window(min(max_hit, n_chunks * tpc)))

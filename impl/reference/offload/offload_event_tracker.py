@@ -114,9 +114,13 @@ class OffloadingEventsTracker:
     # ------------------------------------------------------------------ recording
 
     def snapshot(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], group_idx: int, windowed: bool,
-                 tokens_per_block: int, blocks_per_chunk: int, chunk_idx: int) -> ChunkEventMetadata | None:
+                 tokens_per_block: int, blocks_per_chunk: int, chunk_idx: int,
+                 tokens_per_hash: int | None = None) -> ChunkEventMetadata | None:
         """The payload of chunk ``chunk_idx`` of a request (its hashes and tokens), or None when no
-        snapshot is kept (self-describing off, or a windowed group)."""
+        snapshot is kept (self-describing off, or a windowed group). ``block_hashes`` are the
+        request's hashes every ``tokens_per_hash`` tokens (None: every block); a block's hash on the
+        event is the one ending it (vLLM ``resolve_block_hashes``), the parent the fine hash before
+        the chunk."""
         check_sequence("block_hashes", block_hashes, "the request's block hashes (a list of bytes)")
         check_sequence("token_ids", token_ids, "the request's token ids (a list of ints)")
         check_int("group_idx", group_idx, minimum=0)
@@ -125,15 +129,51 @@ class OffloadingEventsTracker:
         check_int("tokens_per_block", tokens_per_block, minimum=1)
         check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
         check_int("chunk_idx", chunk_idx, minimum=0)
+        check_int("tokens_per_hash", tokens_per_hash, minimum=1, allow_none=True)
+        tph = tokens_per_block if tokens_per_hash is None else tokens_per_hash
+        if tokens_per_block % tph:
+            raise InvalidFieldError("tokens_per_hash", tokens_per_hash, f"a divisor of tokens_per_block={tokens_per_block}")
         if not self.enabled or windowed:
             return None
-        first, last = chunk_idx * blocks_per_chunk, (chunk_idx + 1) * blocks_per_chunk
+        scale = tokens_per_block // tph
+        first, last = chunk_idx * blocks_per_chunk * scale, (chunk_idx + 1) * blocks_per_chunk * scale
         if last > len(block_hashes):
-            raise InvalidFieldError("chunk_idx", chunk_idx, f"a chunk with all {blocks_per_chunk} block hashes "
+            raise InvalidFieldError("chunk_idx", chunk_idx, f"a chunk with all {blocks_per_chunk * scale} hashes "
                                                             f"({len(block_hashes)} known)")
-        start, end = first * tokens_per_block, last * tokens_per_block
-        return ChunkEventMetadata(tuple(block_hashes[first:last]), block_hashes[first - 1] if first else None,
+        start, end = first * tph, last * tph
+        return ChunkEventMetadata(tuple(block_hashes[first + scale - 1:last:scale]),
+                                  block_hashes[first - 1] if first else None,
                                   tuple(token_ids[start:end]), tokens_per_block, group_idx,
+                                  self.group_specs.get(group_idx, EventGroupSpec(None, None)))
+
+    def snapshot_partial_tail(self, block_hashes: Sequence[bytes], token_ids: Sequence[int], group_idx: int,
+                              windowed: bool, tokens_per_chunk: int, tokens_per_hash: int,
+                              boundary_tokens: int) -> ChunkEventMetadata | None:
+        """The payload of a partial tail ending at ``boundary_tokens`` (vLLM
+        ``OffloadingEventsTracker._record_partial_tail``): only the valid part of its physical block
+        - the hashes and tokens from the block's start to the boundary, at hash granularity
+        (``block_size`` = ``tokens_per_hash``); None when no snapshot is kept (self-describing off,
+        or a windowed / Mamba group)."""
+        check_sequence("block_hashes", block_hashes, "the request's block hashes (a list of bytes)")
+        check_sequence("token_ids", token_ids, "the request's token ids (a list of ints)")
+        check_int("group_idx", group_idx, minimum=0)
+        if not isinstance(windowed, bool):
+            raise InvalidFieldError("windowed", windowed, "a bool (the group is windowed or Mamba)")
+        check_int("tokens_per_chunk", tokens_per_chunk, minimum=1)
+        check_int("tokens_per_hash", tokens_per_hash, minimum=1)
+        check_int("boundary_tokens", boundary_tokens, minimum=tokens_per_hash)
+        if boundary_tokens % tokens_per_hash or tokens_per_chunk % tokens_per_hash:
+            raise InvalidFieldError("boundary_tokens", boundary_tokens,
+                                    f"a multiple of tokens_per_hash={tokens_per_hash} (itself dividing the chunk)")
+        if boundary_tokens // tokens_per_hash > len(block_hashes) or boundary_tokens > len(token_ids):
+            raise InvalidFieldError("boundary_tokens", boundary_tokens, "within the request's hashed tokens")
+        if not self.enabled or windowed:
+            return None
+        # the boundary token itself must not select the next block when it ends one exactly
+        chunk_start = (boundary_tokens - 1) // tokens_per_chunk * tokens_per_chunk
+        first, last = chunk_start // tokens_per_hash, boundary_tokens // tokens_per_hash
+        return ChunkEventMetadata(tuple(block_hashes[first:last]), block_hashes[first - 1] if first else None,
+                                  tuple(token_ids[chunk_start:boundary_tokens]), tokens_per_hash, group_idx,
                                   self.group_specs.get(group_idx, EventGroupSpec(None, None)))
 
     def record_store(self, key: OffloadKey, meta: ChunkEventMetadata | None) -> None:
@@ -152,6 +192,13 @@ class OffloadingEventsTracker:
         if meta is None:
             return
         self.pending.setdefault(key, meta).residencies.add(PRIMARY)
+
+    def record_partial_lookup(self, key: OffloadKey, meta: ChunkEventMetadata | None) -> None:
+        """A partial tail a lookup hit: snapshot it unless one exists (an existing snapshot keeps its
+        residencies as they are, unlike :meth:`record_lookup`; vLLM ``record_partial_lookup``)."""
+        _check_key_meta(key, meta)
+        if meta is not None:
+            self.pending.setdefault(key, meta)
 
     def reset(self) -> None:
         self.pending.clear()

@@ -22,8 +22,9 @@ group (:mod:`.keys`) and stored in / loaded from an offloading manager (the CPU 
 Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (with MTP's
 ``extra_retained_tokens``) and chunked-local groups (PR 51161: windowed, one attention chunk),
 Mamba "align" groups with their boundary-state stores (:mod:`.boundary_stores`),
-``tokens_per_hash == tokens_per_block`` (so no partial tails: vLLM turns them on only for a Mamba
-block wider than the hash block), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, no sync
+``tokens_per_hash == tokens_per_block``, or finer hashes on full attention + Mamba "align" pools with
+one block a chunk, where vLLM's partial tails (states inside a block) are stored, looked up and
+loaded (:mod:`.partial_tails`), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, no sync
 loads, no retention interval. A request's
 ``kv_transfer_params`` give its load tier filter (no effect on the CPU tier) and its
 ``max_load_tokens`` / ``max_offload_tokens`` caps (:mod:`.tier_filter`); the external hit is split
@@ -61,6 +62,7 @@ from .keys import (
     make_offload_key,
 )
 from .boundary_stores import aligned_boundary_stores, check_handoffs, make_boundary_key
+from .partial_tails import PartialTails
 from .lookup import LookupGroup, lookup_complete_chunks, lookup_order
 from .offload_event_tracker import OffloadingEventsTracker
 from .sync_loads import SyncLoadBudget
@@ -138,6 +140,8 @@ class _ReqState:
     max_offload_tokens: int | None = None
     # the token ranges each loaded key covers (for get_external_cache_hit_sources)
     load_key_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # the hash boundary inside a block the last lookup hit (.partial_tails), consumed by the load
+    partial_tail_boundary: int | None = None
 
 
 @dataclass
@@ -190,7 +194,7 @@ def _check_request(req: object) -> None:
         raise InvalidFieldError("req", req, "a kvref.impl.request.Request")
 
 
-class OffloadingConnectorScheduler:
+class OffloadingConnectorScheduler(PartialTails):
     """Args:
         specs: the GPU KV cache groups' specs (full attention, sliding window, chunked local or
             Mamba in "align" mode).
@@ -201,7 +205,8 @@ class OffloadingConnectorScheduler:
             to its chunk (``resolve_mamba_align_size``); it loads the state at the hit's end and
             stores only the boundary states the GPU cache hands over (:mod:`.boundary_stores`).
         manager: the offloading manager (a :class:`CPUOffloadingManager`).
-        tokens_per_hash: request hash granularity (== every group's block size here).
+        tokens_per_hash: request hash granularity: every group's block size, or a divisor of it on a
+            full-attention + Mamba "align" pool with one block a chunk (partial tails).
         blocks_per_chunk: GPU blocks per offloaded chunk.
         num_workers: reports a job needs to complete.
         offload_prompt_only: store prompt chunks only (vLLM's default).
@@ -231,16 +236,22 @@ class OffloadingConnectorScheduler:
             if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)) and not is_align:
                 raise InvalidFieldError(f"specs[{i}]", spec, "a full-attention, sliding-window, chunked-local or "
                                                              "Mamba 'align' spec")
-            if spec.block_size != tokens_per_hash:
+            if spec.block_size % tokens_per_hash:
                 raise InvalidFieldError(f"specs[{i}].block_size", spec.block_size,
-                                        f"== tokens_per_hash={tokens_per_hash} (finer hashes are not modelled)")
+                                        f"a multiple of tokens_per_hash={tokens_per_hash}")
             tpc = spec.block_size * blocks_per_chunk
             cfgs.append(GroupOffloadConfig(i, spec, spec.block_size, tpc, tpc // tokens_per_hash,
                                            get_sliding_window_size_in_chunks(spec, tpc), is_align))
         self.groups = tuple(cfgs)
-        self.manager = manager
         self.tokens_per_hash = tokens_per_hash
         self.blocks_per_chunk = blocks_per_chunk
+        self._init_partial_tails()
+        if any(c.tokens_per_block != tokens_per_hash for c in cfgs) and not self.supports_partial_tail:
+            raise InvalidFieldError("tokens_per_hash", tokens_per_hash,
+                                    "every group's block_size, unless the pool has partial tails (full attention + "
+                                    "Mamba 'align' groups of one block size, one block a chunk): finer hashes are "
+                                    "modelled only there")
+        self.manager = manager
         self.num_workers = num_workers
         self.offload_prompt_only = offload_prompt_only
         self.block_hasher = block_hasher or RequestBlockHasher(tokens_per_hash).block_hashes
@@ -276,7 +287,7 @@ class OffloadingConnectorScheduler:
         if not t.enabled:
             return None
         return t.snapshot(self.block_hasher(st.req), st.req.all_token_ids, c.group_idx, c.window is not None,
-                          c.tokens_per_block, self.blocks_per_chunk, chunk_idx)
+                          c.tokens_per_block, self.blocks_per_chunk, chunk_idx, self.tokens_per_hash)
 
     def _recording_lookup(self, st: _ReqState) -> Callable:
         """The manager's lookup for ``st``; with self-describing events on, a full-attention chunk
@@ -356,10 +367,12 @@ class OffloadingConnectorScheduler:
             return None, False  # a load or store of this request is still running: retry later
         self._update_offload_keys(st)
         st.num_locally_computed_tokens = num_computed_tokens
+        hit_ends = [0] * len(self.groups)
         hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
                                      req.num_tokens, num_computed_tokens, self._recording_lookup(st),
                                      self._chunks_being_loaded, max_load_tokens=st.max_load_tokens,
-                                     mamba_align_size=self._mamba_align_size)
+                                     mamba_align_size=self._mamba_align_size, hit_ends=hit_ends)
+        hit = self._lookup_with_partial_tail(st, hit, hit_ends)
         self._stats["lookups"] += 1
         if hit is None:
             st.lookup_deferred = True
@@ -417,6 +430,10 @@ class OffloadingConnectorScheduler:
         sync = req.request_id in self._sync.reserved
         if st.transfer_jobs:
             raise OffloadStateError(f"request {req.request_id!r} still has transfers; a load needs none")
+        tail = st.partial_tail_boundary
+        if tail is not None and tail != cached:
+            raise OffloadStateError(f"request {req.request_id!r}: the lookup hit a partial tail at {tail} tokens, "
+                                    f"the load ends at {cached}")
         keys: list[OffloadKey] = []
         dst: list[int] = []
         st.load_key_ranges.clear()
@@ -432,7 +449,10 @@ class OffloadingConnectorScheduler:
                     break
             if n_gpu - start:
                 first = start // self.blocks_per_chunk
-                group_keys = g.offload_keys[first:cdiv(cached, c.tokens_per_chunk)]
+                # a partial tail loads the boundary's key in place of its (incomplete) last chunk
+                group_keys = g.offload_keys[first:cdiv(cached, c.tokens_per_chunk) - (tail is not None)]
+                if tail is not None:
+                    group_keys.append(self._partial_tail_key(st, c, tail))
                 keys += group_keys
                 if isinstance(c.spec, MambaSpec):  # a recurrent state supports the whole reused prefix
                     st.load_key_ranges.extend((local, cached) for _ in group_keys)
@@ -449,6 +469,7 @@ class OffloadingConnectorScheduler:
         self._jobs[job] = _Job(req.request_id, self.num_workers, set(keys), False, is_sync_load=sync)
         if not sync:  # a synchronous copy ends before anyone else can look these keys up
             self._chunks_being_loaded.update(keys)
+        st.partial_tail_boundary = None
 
     def get_external_cache_hit_sources(self, req: Request, num_external_tokens: int) -> dict[str, int]:
         """The accepted external hit split by where its tokens came from (vLLM 0.33.0
@@ -645,6 +666,16 @@ class OffloadingConnectorScheduler:
             self.events_tracker.record_store(key, self._snapshot(st, c, boundary // c.tokens_per_chunk - 1))
         return out
 
+    def _register_store_job(self, st: _ReqState, res, sources: list[int]) -> tuple[int, TransferJob]:
+        """A new store job of ``st`` for the manager's accepted ``res``, reading ``sources``, which
+        are fenced from creation (a boundary state's block can be re-allocated in the next step)."""
+        job = self._new_job()
+        st.transfer_jobs.add(job)
+        for bid in sources:
+            self._block_id_to_pending_jobs.setdefault(bid, set()).add(job)
+        self._jobs[job] = _Job(st.req.request_id, self.num_workers, set(res.keys_to_store), True, [], list(sources))
+        return job, TransferJob(st.req.request_id, tuple(res.keys_to_store), tuple(sources), tuple(res.chunk_ids))
+
     def _advance(self, st: _ReqState, n_off: int) -> None:
         for c, g in zip(self.groups, st.groups):
             g.next_stored_chunk_idx = max(g.next_stored_chunk_idx, self._storable_chunks(st, c, g, n_off))
@@ -664,6 +695,7 @@ class OffloadingConnectorScheduler:
         for bid in self._batch_allocated:  # a fenced source was re-allocated: wait for its copy
             self._batch_jobs_to_flush.update(self._block_id_to_pending_jobs.get(bid, ()))
         stores = self._build_aligned_boundary_store_jobs(step.boundary_state_offloads)
+        stores.update(self._build_partial_tail_store_jobs(step.boundary_state_offloads))
         stores.update(self._build_store_jobs(step))
         meta = OffloadingMeta(self._batch_load_jobs, stores, frozenset(self._batch_jobs_to_flush))
         for rid in step.finished_req_ids:
@@ -755,6 +787,7 @@ class OffloadingConnectorScheduler:
             for g in st.groups:
                 g.next_stored_chunk_idx = 0
             st.transfer_jobs.clear()
+            st.partial_tail_boundary = None
         self._stale_job_threshold = self._job_counter
         self._reset_fence.update((j, job.pending_count) for j, job in self._jobs.items())
         self._jobs.clear()

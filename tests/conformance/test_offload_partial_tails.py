@@ -1,0 +1,123 @@
+"""conform-offload on pools with partial tails: request hashes finer than the blocks beside a Mamba
+"align" group, where vLLM's OffloadingConnector stores the prompt's last hash boundary inside a block
+(``_build_partial_tail_store_jobs``: the COW-ed state + the attention block holding it), looks it up
+past the complete chunks (``_lookup``, ``_lookup_partial_tail``, the bridge chunk) and loads it
+(``update_state_after_alloc``), with self-describing KV events for it (``record_partial_store`` /
+``record_partial_lookup``). The reference must agree step by step; faults of that class, planted in
+vLLM's own source for one test, must be flagged by the cases ``kvref verify`` draws at the ``fast``
+profile (seed 0), while the clean vLLM passes them.
+
+The derandomized reach test counts, on the reference, that those cases take the paths the faults
+sit on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tests.conformance.offloading_faults import offloading_scheduler_class, planted_edit
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def tail_cases():
+    """What conform-offload runs at the fast profile, seed 0: its partial-tail traces, and the
+    general traces' configurations with partial tails."""
+    require_vllm()
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig
+    from kvref.models.offload.offloading_partial_tails import partial_tail_cases
+    from kvref.verify import _offload_cases
+
+    general = [c for c in _offload_cases(random.Random(0), 80)
+               if isinstance(c[0], OffloadingConfig) and c[0].hash_block_size]
+    return partial_tail_cases(0, 8) + general
+
+
+def conform_tails(cases) -> str | None:
+    """conform-offload's partial-tail comparison (reference vs vLLM after every operation): the
+    first finding, or None."""
+    from kvref.models.offload.offloading_partial_tails import run_partial_tail_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    try:
+        run_partial_tail_traces(cases)
+    except OffloadInvariantError as exc:
+        return str(exc)[:400]
+    return None
+
+
+FAULTS = {
+    # a partial tail whose key is still being written is taken as a hit (loads a chunk not yet stored)
+    "partial_lookup_ignores_pending": ("_lookup_partial_tail", "    if pending:\n        return False, True\n",
+                                       ""),
+    # the load reads the complete chunk of the tail's block as well as the tail's own key
+    "partial_load_keeps_last_chunk": ("update_state_after_alloc",
+                                      "end_chunk_idx = num_chunks - (partial_tail_boundary is not None)",
+                                      "end_chunk_idx = num_chunks"),
+    # a partial hit may cover the last prompt token (nothing left to compute)
+    "partial_hit_covers_last_prompt_token": ("_lookup", "min(req_status.req.num_prompt_tokens - 1, block_end - 1)",
+                                             "min(req_status.req.num_prompt_tokens, block_end - 1)"),
+    # the partial tail's sources are not fenced: a re-allocated COW block is not waited for
+    "partial_store_unfenced": ("_build_partial_tail_store_jobs",
+                               "self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job_id)", "pass"),
+    # the attention source is the block before the boundary's
+    "partial_store_block_off_by_one": ("_build_partial_tail_store_jobs",
+                                       "block_idx = boundary // self._partial_tail_block_size\n",
+                                       "block_idx = boundary // self._partial_tail_block_size - 1\n"),
+}
+
+
+def test_partial_tail_cases_agree_on_clean_vllm(tail_cases):
+    assert len(tail_cases) >= 3
+    assert conform_tails(tail_cases) is None
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_planted_partial_tail_fault_is_flagged(tail_cases, fault):
+    name, old, new = FAULTS[fault]
+    with planted_edit(offloading_scheduler_class(), name, old, new):
+        finding = conform_tails(tail_cases)
+    assert finding is not None, f"{fault} survived the fast partial-tail cases"
+
+
+def test_fast_cases_reach_the_partial_tail_paths(tail_cases):
+    """On the reference (derandomized: the cases are seeded), the fast partial-tail cases store
+    partial tails (flushed when their COW block is re-allocated), hit them past the complete chunks,
+    defer a lookup on a tail still being stored, load them, and snapshot them for self-describing
+    events. (The bridge chunk of ``_lookup`` needs EAGLE proof margins: a hit presented block-aligned
+    cannot reach the next block without them.)"""
+    from kvref.impl.reference.offload import offload_event_tracker
+    from kvref.impl.reference.offload.partial_tails import PartialTails
+    from kvref.models.offload import offloading_partial_tails as tails
+
+    counts: Counter = Counter()
+    real_lookup = PartialTails._lookup_with_partial_tail
+    real_snapshot = offload_event_tracker.OffloadingEventsTracker.snapshot_partial_tail
+
+    def lookup(sched, st, hit, ends):
+        out = real_lookup(sched, st, hit, ends)
+        counts["tail_hits"] += st.partial_tail_boundary is not None
+        counts["tail_deferred"] += hit == 0 and out is None
+        return out
+
+    def snapshot(self, *args):
+        out = real_snapshot(self, *args)
+        counts["partial_snapshots"] += out is not None
+        return out
+
+    tails.COVERAGE.clear()
+    PartialTails._lookup_with_partial_tail = lookup
+    offload_event_tracker.OffloadingEventsTracker.snapshot_partial_tail = snapshot
+    try:
+        tails.run_partial_tail_traces(tail_cases, backends=("reference",))
+    finally:
+        PartialTails._lookup_with_partial_tail = real_lookup
+        offload_event_tracker.OffloadingEventsTracker.snapshot_partial_tail = real_snapshot
+    counts.update(tails.COVERAGE)
+    assert counts["tail_stores"] >= 20 and counts["tail_flushes"] >= 1 and counts["tail_loads"] >= 1, counts
+    assert counts["tail_hits"] >= 5 and counts["tail_deferred"] >= 1 and counts["partial_snapshots"] >= 1, counts
