@@ -148,14 +148,14 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
     failure = failure or run_generated(given(case=layout_cases())(agree_hisparse), ctx.examples(40, 200), ctx.seed)
     # HiSparse's whole startup sizing (#22/#23): pools, tensors, auto-fit, capacity and steady-state concurrency
-    from kvref.models.conformance.planning_hisparse import agree_hisparse_plan, hisparse_plan_cases
+    from kvref.models.conformance.planning_hisparse import agree_hisparse_plan, hisparse_plan_families
 
     def agree_hisparse_sizing(case):
         ran[0] += 1
         agree_hisparse_plan(planner, case)
 
-    failure = failure or run_generated(given(case=hisparse_plan_cases())(agree_hisparse_sizing),
-                                       ctx.examples(40, 200), ctx.seed)
+    for cases, n in hisparse_plan_families(ctx.examples):  # deployments that start, then each flaw alone
+        failure = failure or run_generated(given(case=cases)(agree_hisparse_sizing), n, ctx.seed)
     if failure:
         return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
                            details=failure.splitlines()[:20])

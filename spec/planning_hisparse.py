@@ -87,7 +87,9 @@ class HiSparsePlan:
         """The figures agree with each other: steady state never below admission concurrency."""
         assert len(self.blocks_per_request) == len(self.device_groups) == len(self.steady_blocks_per_request)
         assert all(0 < s <= a for s, a in zip(self.steady_blocks_per_request, self.blocks_per_request))
-        assert self.steady_state_concurrency >= self.max_concurrency
+        # never below admission's figure: exactly so in reals, within float rounding as computed
+        assert (self.steady_state_concurrency >= self.max_concurrency
+                or math.isclose(self.steady_state_concurrency, self.max_concurrency, rel_tol=1e-12))
         assert self.kv_cache_size_tokens == int(self.max_concurrency * self.max_model_len)
         assert self.host_num_blocks >= self.host_blocks_per_request + 2  # one request, the null block, a tail
         assert all(t.size == self.bytes_per_block * self.num_blocks for t in self.tensors if not t.host_resident)

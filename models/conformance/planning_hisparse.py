@@ -14,7 +14,7 @@ setting (with vLLM's estimated maximum length). Run inside ``conform-planning``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hypothesis import strategies as st
 
@@ -39,36 +39,58 @@ class HiSparsePlanCase:
     kv_cache_layout: str
 
 
+#: one flaw per rejected case, so every rule of vLLM's HiSparse startup is met in a short run
+FLAWS = ("no_indexer", "device_buffer", "mixed_heads", "short_host", "exact_host", "no_connector", "layout",
+         "memory", "override")
+
+
 @st.composite
-def hisparse_plan_cases(draw) -> HiSparsePlanCase:
+def hisparse_plan_cases(draw, flaw: str | None = "any") -> HiSparsePlanCase:
+    """``flaw=None``: a deployment that starts (uniform source heads, an indexer, a valid hot buffer, a
+    host pool with room, memory for several requests, a block-outermost layout), so the pools, tensors
+    and both concurrency figures are compared; one of :data:`FLAWS`: that deployment with the flaw, so
+    its rule is met; ``"any"``: four in ten without a flaw, the rest with any one."""
+    if flaw == "any":
+        flaw = None if draw(st.integers(0, 9)) < 4 else draw(st.sampled_from(FLAWS))
+    elif flaw is not None and flaw not in FLAWS:
+        raise InvalidFieldError("flaw", flaw, "None, 'any' or one of " + ", ".join(FLAWS))
     block_size = draw(st.sampled_from([16, 64]))
-    heads = draw(st.sampled_from([(64,), (64,), (64,), (32, 64), (64, 128)]))
-    n = draw(st.integers(1, 5))
+    heads = draw(st.sampled_from([(32, 64), (64, 128)] if flaw == "mixed_heads" else [(64,), (128,)]))
+    n = draw(st.integers(2 if flaw == "mixed_heads" else 1, 5))
     source = tuple((f"model.layers.{i}.attn", draw(st.sampled_from(heads)), i == 0 or draw(st.booleans()))
                    for i in range(n))
     indexer = tuple((f"model.layers.{i}.indexer", draw(st.sampled_from([64, 128, 192])))
-                    for i in range(draw(st.sampled_from([1, 2, 2, 3, 3, 3, 0]))))
+                    for i in range(0 if flaw == "no_indexer" else draw(st.integers(1, 3))))
     top_k = draw(st.sampled_from([8, 64, 512]))
-    buffer = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(top_k, 4096),
-                            st.sampled_from([1, top_k, 2 * top_k, 32769])))
-    auto = draw(st.integers(0, 3)) == 0
+    buffer = draw(st.sampled_from([1, top_k - 1, 32769]) if flaw == "device_buffer" else
+                  st.one_of(st.none(), st.integers(top_k, 4096), st.sampled_from([top_k, 32768])))
+    # auto-fit meets the host pool and the layout in its length test (vLLM's HiSparse ``fits``)
+    auto = draw(st.integers(0, 3)) < (2 if flaw in ("short_host", "no_connector", "layout") else 1)
     mml = draw(st.one_of(st.integers(1, 4096), st.sampled_from([1, 16, 64, 1024])))
-    config = EngineConfig(block_size=block_size, max_model_len="auto" if auto else mml,
-                          derived_max_model_len=mml,
+    override = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1000, 2000)))
+    config = EngineConfig(block_size=block_size, max_model_len="auto" if auto else mml, derived_max_model_len=mml,
                           max_num_batched_tokens=draw(st.sampled_from([1, 16, 100, 2048, 8192])),
                           max_concurrent_batches=draw(st.sampled_from([1, 1, 2])),
-                          num_gpu_blocks_override=draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 200))))
+                          num_gpu_blocks_override=draw(st.integers(1, 8)) if flaw == "override" else override)
     source_page = block_size * sum(h for _, h, _ in source)
     host_need = source_page * (cdiv(mml, block_size) + 2)
-    host_budget = draw(st.one_of(st.integers(host_need, 4 * host_need), st.integers(host_need, 4 * host_need),
-                                 st.integers(0, host_need), st.sampled_from([None, host_need, host_need - 1])))
-    # device memory around one request: blocks of at most the widest source/indexer group
+    host_budget = (None if flaw == "no_connector" else host_need if flaw == "exact_host" else
+                   draw(st.integers(0, host_need - 1)) if flaw == "short_host" else
+                   draw(st.integers(host_need, 256 * host_need)))
+    # device memory: room for several requests (blocks at most the widest group), or about one
     block_guess = block_size * max(sum(h for _, h, _ in source), sum(h for _, h in indexer), 1)
-    blocks_need = 2 * cdiv(mml, block_size) + cdiv(buffer or 2 * top_k, block_size) + 1
-    available = block_guess * draw(st.one_of(st.integers(0, 2 * blocks_need), st.integers(blocks_need, 8 * blocks_need))) \
-        + draw(st.integers(0, block_guess))
-    layout = draw(st.sampled_from(["BLNHC"] * 5 + ["BLHNC", "BHLNC", "LBNHC"]))
+    blocks_need = (n + 1) * cdiv(mml, block_size) + n * cdiv(buffer or 2 * top_k, block_size) + 1
+    low, high = (0, 2 * blocks_need) if flaw == "memory" else (blocks_need, draw(st.sampled_from([8, 32])) * blocks_need)
+    available = block_guess * draw(st.integers(low, high)) + draw(st.integers(0, block_guess))
+    layout = draw(st.sampled_from(["BHLNC", "LBNHC", "LBHNC"] if flaw == "layout" else ["BLNHC", "BLHNC"]))
     return HiSparsePlanCase(source, indexer, top_k, buffer, host_budget, config, available, layout)
+
+
+def hisparse_plan_families(examples: Callable[[int, int], int]) -> list[tuple[Any, int]]:
+    """(strategy, example count) per family, ``examples(fast, ci)`` sizing each: deployments that start,
+    then every flaw alone, so each rule of vLLM's HiSparse startup is met in every run (a short run of
+    ``"any"`` meets a given flaw a handful of times at most)."""
+    return [(hisparse_plan_cases(None), examples(16, 80))] + [(hisparse_plan_cases(f), examples(3, 12)) for f in FLAWS]
 
 
 def kvref_hisparse_plan(case: HiSparsePlanCase) -> dict[str, Any]:
