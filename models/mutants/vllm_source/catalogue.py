@@ -438,6 +438,26 @@ _add(
           HISTORIC, "before PR 51161: chunked-local specs fall through to the FullAttention assert (the "
                     "offloading connector crashes at startup on Llama 4)", bug="#51150, PR 51161",
           behaviour="offload"),
+    # partial tails: FA + Mamba "align" pools with hashes finer than the blocks (#22)
+    fault("offl.partial_tail_pending_taken", _OFFL,
+          "        if pending:\n            return False, True\n", "",
+          CLASSIC, "dropped check: a partial tail whose keys are still being stored is taken as a hit (the load "
+                   "reads CPU chunks not written yet)", behaviour="offload"),
+    fault("offl.partial_tail_load_keeps_last_chunk", _OFFL,
+          "end_chunk_idx = num_chunks - (partial_tail_boundary is not None)", "end_chunk_idx = num_chunks",
+          CLASSIC, "off-by-one: a partial-tail load also reads the complete chunk of the tail's block",
+          behaviour="offload"),
+    fault("offl.partial_tail_covers_last_prompt_token", _OFFL,
+          "min(req_status.req.num_prompt_tokens - 1, block_end - 1)",
+          "min(req_status.req.num_prompt_tokens, block_end - 1)",
+          CLASSIC, "off-by-one: a partial-tail hit may cover the last prompt token (nothing left to compute)",
+          behaviour="offload"),
+    fault("offl.partial_tail_store_unfenced", _OFFL,
+          "            for block_id in source_blocks:\n"
+          "                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job_id)\n",
+          "            for block_id in source_blocks:\n                pass\n",
+          CLASSIC, "dropped fence: a re-allocated COW source of a partial-tail store is not waited for (the CPU "
+                   "copy keeps another request's state)", behaviour="offload"),
 )
 
 # --------------------------------------------------------------------------------------------
