@@ -30,6 +30,25 @@ class ReuseWatchingBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         #: block id -> what to call when the pool hands the block out again
         self._reuse_watchers: dict[int, ReuseWatcher] = {}
+        #: pools whose blocks a caller may hand back here (the HiSparse host pool): vLLM's blocks
+        #: know their pool, and ``free_blocks`` returns each to its own (``pop_blocks_for_free``
+        #: gives the host source's blocks with the device groups')
+        self.other_pools: list[BlockPool] = []
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Free this pool's blocks, then hand each other pool its own, in the given order."""
+        blocks = list(ordered_blocks) if not isinstance(ordered_blocks, list) else ordered_blocks
+        own, others = [], {}
+        for block in blocks:
+            pool = next((p for p in self.other_pools if 0 <= getattr(block, "block_id", -1) < len(p.blocks)
+                         and p.blocks[block.block_id] is block), None)
+            if pool is None:
+                own.append(block)
+            elif not block.is_null:
+                others.setdefault(id(pool), (pool, []))[1].append(block)
+        super().free_blocks(own)
+        for pool, pool_blocks in others.values():
+            pool.free_blocks(pool_blocks)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: ReuseWatcher) -> None:
         """Drop one reference from each block and watch it; blocks reaching 0 join the back of the

@@ -88,6 +88,7 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
             if not isinstance(pool, ReuseWatchingBlockPool):
                 raise InvalidFieldError("gpu_pool", type(pool).__name__, "a ReuseWatchingBlockPool (unpin_blocks)")
             self.gpu_pool = pool
+            pool.other_pools.append(self.host_manager.block_pool)
             self.max_spill_pages = max_model_len // self.host_manager.block_size
             # requests start reading from host once the shared pool runs this low, so admissions
             # find evictable pages rather than pinned ones

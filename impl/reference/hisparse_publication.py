@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .block_hash import BlockHashWithGroupId
-from .hisparse_state import HiSparseRequestState, PendingPublication
+from .hisparse_state import HiSparseRequestState, KVCacheBlockCopy, PendingPublication
 from .kv_cache_block import KVCacheBlock
 
 
@@ -144,13 +144,13 @@ class HiSparsePublication:
 
     # ------------------------------------------------------------------ host copy-on-write
 
-    def take_host_block_copies(self) -> tuple[tuple[int, int], ...]:
-        """Drain the host source's copy-on-write pairs as ``(src, dst)`` block ids, keeping both
-        endpoints referenced until ``release_completed_host_copies``."""
+    def take_host_block_copies(self) -> tuple[KVCacheBlockCopy, ...]:
+        """Drain the host source's copy-on-write pairs for the worker, keeping both endpoints
+        referenced until ``release_completed_host_copies``."""
         pairs = self.host_manager.take_host_cow_copies()
         for src, dst in pairs:
             self._retained_copies[dst.block_id] = (src, dst)
-        return tuple((src.block_id, dst.block_id) for src, dst in pairs)
+        return tuple(KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs)
 
     def release_completed_host_copies(self, dst_block_ids: Iterable[int]) -> None:
         blocks: list[KVCacheBlock] = []

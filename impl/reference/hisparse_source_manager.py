@@ -66,6 +66,15 @@ class HiSparseSourceManager(FullAttentionManager):
                                                       num_tokens_main_model)
         return source_admission_count(required, self.block_pool.get_num_free_blocks(), self.num_gpu_blocks)
 
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Host blocks are never zeroed by the worker (vLLM: the source records none)."""
+        return False
+
+    def take_new_block_ids(self) -> list[int]:
+        self.new_block_ids = []
+        return []
+
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """Host copies never reach the worker's generic block-copy path."""
         return []

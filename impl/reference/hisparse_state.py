@@ -21,6 +21,15 @@ ACTIVE_TAIL_PAGES = 2
 
 
 @dataclass(frozen=True)
+class KVCacheBlockCopy:
+    """One block copy the worker runs (vLLM ``KVCacheBlockCopy``): the HiSparse host source's
+    copy-on-write pairs reach the worker this way, never through the generic copy path."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
+@dataclass(frozen=True)
 class SparseKVPageTransfer:
     """Copy one page between the GPU resident groups and its host block: a write-back after the
     step's forward (``after_forward``), or a ``restore`` of an imported host page to the GPU."""

@@ -184,7 +184,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.hisparse_source_manager", "HiSparseSourceManager HiSparseSourceManager.bind_host_pool "
             "HiSparseSourceManager.cache_blocks HiSparseSourceManager.get_num_blocks_to_allocate "
             "HiSparseSourceManager.pop_blocks_for_free HiSparseSourceManager.allocate_external_computed_blocks "
-            "HiSparseSourceManager.publish_blocks", INTERNAL),
+            "HiSparseSourceManager.publish_blocks HiSparseSourceManager.take_new_block_ids", INTERNAL),
     **_each(f"{_REF}.hisparse_pool", "HiSparsePool.adopt HiSparsePool.drop HiSparsePool.free "
             "HiSparsePool.require_hot HiSparsePool.block_hashes HiSparsePool.cache_blocks",
             "conformance-harness side of kvref.models.machines.hisparse_pool, "
@@ -193,7 +193,8 @@ EXCLUDED: dict[str, str] = {
     # the pool's coordinator calls (HiSparseManagerCalls), which the harness drives with generated ids,
     # counts and worker reports of transfers it was sent
     **_each(f"{_REF}.hisparse_block_pool", "ReuseWatchingBlockPool ReuseWatchingBlockPool.get_new_blocks "
-            "ReuseWatchingBlockPool.unpin_blocks SharedEventQueueBlockPool", INTERNAL),
+            "ReuseWatchingBlockPool.unpin_blocks ReuseWatchingBlockPool.free_blocks SharedEventQueueBlockPool",
+            INTERNAL),
     **_each(f"{_REF}.hisparse_coordinator", "HiSparseCoordinator HiSparseCoordinator.advance_scheduled "
             "HiSparseCoordinator.commit_computed_blocks HiSparseCoordinator.complete_host_import "
             "HiSparseCoordinator.finish_host_import HiSparseCoordinator.free "
@@ -204,7 +205,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.hisparse_invariants", "check_hisparse_ref_counts", INTERNAL),
     **_each(f"{_REF}.hisparse_views", "HiSparseWorkerViews.all_context_pages_resident "
             "HiSparseWorkerViews.build_row_mirrors HiSparseWorkerViews.take_residency_updates", INTERNAL),
-    **_each(f"{_REF}.hisparse_state", "HiSparseRequestState PendingPublication PendingSpill SparseKVOffloadCommand "
+    **_each(f"{_REF}.hisparse_state", "HiSparseRequestState KVCacheBlockCopy PendingPublication PendingSpill SparseKVOffloadCommand "
             "SparseKVPageTransfer SparseKVResidencyUpdate SparseKVRowMirror",
             "the HiSparse coordinator's records (vLLM's names), built only by it"),
     **_each("kvref.impl.hisparse_calls", "HiSparseManagerCalls.allocate HiSparseManagerCalls.get_num_blocks_to_allocate "
