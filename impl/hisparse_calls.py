@@ -27,7 +27,8 @@ class HiSparseManagerCalls:
     # Each side hashes its own requests (``block_hashes``) and publishes through its own
     # coordinator (``cache_blocks``); the hit search is written once here.
 
-    def find_longest_cache_hit(self, request_id: str, prompt: list[int], max_length: int) -> tuple[int, list[list[int]]]:
+    def find_longest_cache_hit(self, request_id: str, prompt: list[int],
+                               max_length: int) -> tuple[int, list[list[int]]]:
         """``HybridKVCacheCoordinator.find_longest_cache_hit`` on a HiSparse pool: the prefix-cacheable
         groups are the host source (first: full attention) and the GPU indexer, which looks only as
         far as the source hit; the reconciled hit is the indexer's, whose blocks are cut to it while

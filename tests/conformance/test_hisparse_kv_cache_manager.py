@@ -57,7 +57,8 @@ def _vllm_manager(num_blocks: int, host_blocks: int, caching: bool):
 
 def test_pool_config_checks_the_hisparse_fields():
     with pytest.raises(InvalidFieldError, match="hisparse_host_num_blocks"):
-        _pool_config(20, 8, False).__class__(**{**_pool_config(20, 8, False).__dict__, "hisparse_host_num_blocks": None})
+        PoolConfig(num_blocks=20, groups=_groups(), max_model_len=64, scheduler_block_size=BS, hash_block_size=BS,
+                   group_roles=ROLES)
     with pytest.raises(InvalidFieldError, match="group_roles"):
         PoolConfig(num_blocks=20, groups=_groups(), max_model_len=64, scheduler_block_size=BS, hash_block_size=BS,
                    group_roles=ROLES[:3], hisparse_host_num_blocks=8)
