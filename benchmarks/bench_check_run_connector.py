@@ -19,6 +19,20 @@ with ``PYTHONPATH`` pointing at an older kvref tree to measure that checker on t
 two pause faults (``pause-ignored``, ``pause-all-as-new``) instead of ``unfenced-free``.
 ``--generator connector-pause``: connector runs with pause states (``record_connector_runs(...,
 pause=True)``), the two pause faults and ``unfenced-free``.
+``--generator connector-align``: connector runs on FA + Mamba "align" pools (``MAMBA_ALIGN_KINDS``:
+copy-on-write state blocks, divergent hybrid hits), ``unfenced-free`` beside the demo faults.
+
+``--generator demo-mtp``: the ``spec-decode-mtp`` demo workload (multi-module MTP), sync and async,
+one run each per seed, with every demo fault (the drafter's ``short-lookahead`` and
+``short-runway`` included).
+
+``as-before DIR OUT``: copy DIR's traces adding to each header what the session-11 recorder named
+unmodelled there (``mamba_align_mode (with a KV connector)``, ``kv_connector_divergent_hybrid_hits``
+on Mamba pools with prefix caching, ``prefill_lookahead`` for multi-module MTP), so an older checker
+(``PYTHONPATH``) checks the same runs as it saw them then (#28)::
+
+    .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/align --generator connector-align --seeds 2,3,4
+    .venv/bin/python benchmarks/bench_check_run_connector.py as-before /tmp/align /tmp/align_before
 """
 
 from __future__ import annotations
@@ -39,6 +53,21 @@ def _recorder(generator: str):
 
     if generator == "connector-pause":
         return lambda *a, **k: record_connector_runs(*a, pause=True, **k)
+    if generator == "demo-mtp":
+        from pathlib import Path
+
+        from kvref.demo import record_demo
+
+        def mtp(d, examples, seed, strict):  # examples: unused (one sync and one async run)
+            Path(d).mkdir(parents=True, exist_ok=True)
+            return [record_demo(os.path.join(d, f"mtp-{a}.kvtrace.gz"), "spec-decode-mtp", None, a, seed=seed,
+                                ticks=150) for a in (False, True)]
+        return mtp
+    if generator == "connector-align":
+        from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS
+        from kvref.models.machines.scheduler_connector import connector_setups
+
+        return lambda *a, **k: record_connector_runs(*a, setups=connector_setups(kinds=MAMBA_ALIGN_KINDS), **k)
     return record_connector_runs
 
 
@@ -56,8 +85,11 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -
                "pause-all-as-new": ("set_pause_state", lambda self, state, _set=Scheduler.set_pause_state: _set(
                    self, PauseState.PAUSED_NEW if state == PauseState.PAUSED_ALL else state))}
     extra = {"pause": ("pause-ignored", "pause-all-as-new"), "connector": ("unfenced-free",),
+             "connector-align": ("unfenced-free",), "demo-mtp": (),
              "connector-pause": ("pause-ignored", "pause-all-as-new", "unfenced-free")}[generator]
-    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if f != "short-lookahead"):
+    # the drafter faults need a drafter, which no generated run has
+    drafter = ("short-lookahead", "short-runway")
+    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if generator == "demo-mtp" or f not in drafter):
         runs = []
         for seed in seeds:
             d = os.path.join(root, fault, str(seed))
@@ -90,6 +122,38 @@ def check(root: str) -> None:
         print(f"| {os.path.basename(d)} | {c['runs']} | {c['replay']} | {c['props']} |")
 
 
+def as_before(root: str, out: str) -> None:
+    """Copy every trace of ``root`` (same layout, skip lists kept) with the header naming what the
+    session-11 recorder named unmodelled on such a run."""
+    import gzip
+    import json
+
+    shutil.rmtree(out, ignore_errors=True)
+    for p in glob.glob(os.path.join(root, "**", "*"), recursive=True):
+        q = os.path.join(out, os.path.relpath(p, root))
+        if os.path.isdir(p):
+            os.makedirs(q, exist_ok=True)
+            continue
+        os.makedirs(os.path.dirname(q), exist_ok=True)
+        if not p.endswith(".kvtrace.gz"):
+            shutil.copy(p, q)
+            continue
+        with gzip.open(p, "rt") as f:
+            header, *body = f.readlines()
+        h = json.loads(header)
+        names, conn = h.setdefault("unmodelled", []), h.get("connector")
+        mamba = [g["spec"] for g in h["pool"]["groups"] if g["spec"]["type"] == "MambaSpec"]
+        if conn is not None and conn.get("divergent_local_hybrid_hits") and mamba and h["pool"].get("enable_caching"):
+            names.append("kv_connector_divergent_hybrid_hits")
+        if conn is not None and any(m.get("mamba_cache_mode") == "align" for m in mamba):
+            names.append("mamba_align_mode (with a KV connector)")
+        if int((h.get("spec") or {}).get("num_prefill_lookahead", 0) or 0) > 1:
+            names.append("prefill_lookahead")
+        with gzip.open(q, "wt") as f:
+            f.write(json.dumps(h) + "\n")
+            f.writelines(body)
+
+
 def _count(c: Counter, p: str) -> None:
     """One trace: checked with replay and with ``--properties-only``."""
     from kvref.models.run_check import check_trace
@@ -104,11 +168,13 @@ def _count(c: Counter, p: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("record", "check"))
+    ap.add_argument("what", choices=("record", "check", "as-before"))
     ap.add_argument("root")
+    ap.add_argument("out", nargs="?", help="as-before: the copy's directory")
     ap.add_argument("--examples", type=int, default=40)
     ap.add_argument("--seeds", default="2", help="comma-separated seeds (each records --examples runs per fault)")
-    ap.add_argument("--generator", choices=("connector", "pause", "connector-pause"), default="connector",
+    ap.add_argument("--generator", choices=("connector", "pause", "connector-pause", "connector-align", "demo-mtp"),
+                    default="connector",
                     help="connector runs (default), runs with scheduler pause states, or connector runs with them")
     a = ap.parse_args()
     from kvref.quiet import quiet_third_party
@@ -116,6 +182,10 @@ def main() -> None:
     quiet_third_party(False)
     if a.what == "record":
         record(a.root, a.examples, tuple(int(x) for x in a.seeds.split(",")), a.generator)
+    elif a.what == "as-before":
+        if not a.out or os.path.abspath(a.out) == os.path.abspath(a.root):
+            ap.error("as-before needs an OUT directory other than ROOT")
+        as_before(a.root, a.out)
     else:
         check(a.root)
 
