@@ -137,7 +137,7 @@ class HiSparseManagerCalls:
         return dict(
             tables=tables,
             gpu_free=gpu_pool.get_num_free_blocks(),
-            host_free=self.managers[0].block_pool.get_num_free_blocks(),
+            host_free=coord.get_host_block_pool().get_num_free_blocks(),
             gpu_free_queue=gpu_free_queue,
             host_free_queue=host_free_queue,
             hot_required=[sorted(m.hot_required) for m in hot],

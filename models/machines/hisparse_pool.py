@@ -93,6 +93,24 @@ PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=30).map(lambda ops: COPY_PREFIX + ops))
 
 
+#: fixed programs every run starts with, so the rare paths are reached whatever the draws: a
+#: reused unpinned block loses its page (a tight pool), a published prefix is hit and its GPU copies
+#: adopted, a finished request publishes after its last write-back (roomy pools, caching on)
+HAND_PROGRAMS = [
+    (HiSparsePoolConfig(block_size=1, num_gpu_blocks=25, host_num_blocks=20, blocks_per_request=1,
+                        num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16),
+     [8, 4, 4], WRITE_BACK_PREFIX[:1] + [("schedule", 0, 8, 0, 0, False)] + WRITE_BACK_PREFIX[2:]
+     + [("residency", 0, 1, 0, 0, False), ("schedule", 1, 4, 0, 0, False), ("residency", 0, 1, 0, 0, False),
+        ("schedule", 0, 1, 0, 0, False)]),
+    (HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
+                        num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
+     [20, 20, 20], COPY_PREFIX + [("update", 1, 1, 0, 0, False)]),
+    (HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
+                        num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
+     [20, 20, 20], FINISH_IN_FLIGHT_PREFIX),
+]
+
+
 class HiSparseDivergence(AssertionError):
     """A difference between the reference and vLLM on a HiSparse pool. ``signature`` names what
     differed without ids or values, so a baseline (``kvref verify --baseline``) can accept it and
@@ -356,6 +374,12 @@ def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], exampl
     if seed is not None:
         run = hypothesis_seed(seed)(run)
     try:
+        for config, lengths, ops in HAND_PROGRAMS:
+            try:
+                seen.update(run_hisparse_program(config, lengths, ops, make_vllm))
+            except HiSparseDivergence as exc:
+                if not is_accepted(exc.signature):
+                    raise
         with same_inputs_in_every_process():
             run()
     except AssertionError as exc:
