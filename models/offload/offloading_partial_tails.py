@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld
+from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld, random_transfer_params
 from kvref.models.offload.world_common import OffloadInvariantError
 
 #: operation kinds (the 9-tuples of :mod:`kvref.models.offload.traces`): ``cload`` with its flag set
@@ -35,14 +35,29 @@ COVERAGE: Counter = Counter()
 
 def partial_tail_config(rng: random.Random) -> OffloadingConfig:
     """A random pool with partial tails: FA + Mamba "align", 8- or 4-token blocks, hashes of half or a
-    quarter block, CPU pools from tight to roomy, events and worker counts as conform-offload draws."""
+    quarter block, CPU pools from tight to roomy, events and worker counts as conform-offload draws,
+    and one time in three requests' ``kv_transfer_params`` (load caps cut the tail lookup; store caps
+    only those vLLM ignores or reads as none here: a positive cap below a prompt's tail makes vLLM
+    0.33.0 assert, :func:`_without_store_cap`)."""
     bs, hbs = rng.choice([(8, 4), (8, 2), (4, 2)])
+    params = tuple(_without_store_cap(random_transfer_params(rng)) for _ in range(rng.randint(2, 4))) \
+        if rng.random() < 1 / 3 else ()
     return OffloadingConfig(block_size=bs, hash_block_size=hbs, blocks_per_chunk=1, mamba_align=True, max_model_len=64,
                             num_gpu_blocks=rng.randint(32, 48) * 8 // bs, num_cpu_chunks=rng.choice([3, 6, 12, 24, 48]),
                             cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
                             offload_prompt_only=rng.random() < 0.7,
                             store_threshold=rng.choice([0, 0, 0, 2]),
-                            kv_events=rng.choice(["off", "placeholder", "self_describing", "self_describing"]))
+                            kv_events=rng.choice(["off", "placeholder", "self_describing", "self_describing"]),
+                            kv_transfer_params=params)
+
+
+def _without_store_cap(params: dict | None) -> dict | None:
+    """``params`` less a positive ``max_offload_tokens``: vLLM 0.33.0's partial-tail store asserts
+    ``boundary <= max_offload_tokens`` and the engine dies (docs/differences.md; the directed test
+    ``test_vllm_asserts_on_a_store_cap_below_a_partial_tail`` keeps that visible)."""
+    if params and type(params.get("max_offload_tokens")) is int and params["max_offload_tokens"] > 0:
+        params = {k: v for k, v in params.items() if k != "max_offload_tokens"}
+    return params
 
 
 def _op(rng: random.Random, kind: str, **fixed) -> tuple:

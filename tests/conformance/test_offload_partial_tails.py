@@ -121,3 +121,28 @@ def test_fast_cases_reach_the_partial_tail_paths(tail_cases):
     counts.update(tails.COVERAGE)
     assert counts["tail_stores"] >= 20 and counts["tail_flushes"] >= 1 and counts["tail_loads"] >= 1, counts
     assert counts["tail_hits"] >= 5 and counts["tail_deferred"] >= 1 and counts["partial_snapshots"] >= 1, counts
+
+
+def test_vllm_asserts_on_a_store_cap_below_a_partial_tail():
+    """vLLM 0.33.0: a request whose ``max_offload_tokens`` ends before its prompt's partial tail
+    makes ``_build_partial_tail_store_jobs`` assert ``boundary <= max_boundary`` (the engine dies);
+    the reference skips that tail, as the aligned boundary stores skip states past the window
+    (docs/differences.md). The generated traces leave such caps out (``_without_store_cap``)."""
+    require_vllm()
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld
+
+    cfg = OffloadingConfig(block_size=8, hash_block_size=4, blocks_per_chunk=1, mamba_align=True, max_model_len=64,
+                           num_gpu_blocks=40, num_cpu_chunks=24, kv_transfer_params=({"max_offload_tokens": 8},))
+    ref, vll = (OffloadingWorld(cfg, b, strict=False) for b in ("reference", "vllm"))
+    for w in (ref, vll):
+        w.add_request(list(range(100, 120)))  # even arrival: no params
+        w.add_request(list(range(200, 222)))  # max_offload_tokens 8, its prompt's tail at 20
+    for _ in range(4):
+        ref.step(64)
+    with pytest.raises(AssertionError):
+        for _ in range(4):
+            vll.step(64)
+    tails = [keys for m in ref.metas for _, rid, keys, _, _ in m[1] if rid == "r1" and len(keys) > 1]
+    assert tails == [], "the reference stored r1's tail past its max_offload_tokens"
+    assert any(len(keys) > 1 for m in ref.metas for _, rid, keys, _, _ in m[1] if rid == "r0"), \
+        "r0 (no cap) stores its partial tail"

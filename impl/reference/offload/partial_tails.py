@@ -26,9 +26,10 @@ below the bridge). A pending key makes the request come back later, but only if 
 hit.
 
 Stores: only hand-offs off the block grid (``boundary % block_size``), all at one boundary per
-request and step, within the prompt (and ``max_offload_tokens``, where vLLM reads 0 as "no cap":
-``max_offload_tokens or num_prompt_tokens``); a request whose table does not reach the boundary's
-block yet is skipped. The sources are fenced at once (the COW block leaves the request at the next
+request and step, within the prompt and ``max_offload_tokens`` (where vLLM reads 0 as "no cap":
+``max_offload_tokens or num_prompt_tokens``); a tail past that cap is not stored (vLLM 0.33.0
+asserts ``boundary <= max_boundary`` there and the engine dies: a deliberate difference,
+docs/differences.md); a request whose table does not reach the boundary's block yet is skipped. The sources are fenced at once (the COW block leaves the request at the next
 step, the attention block is still written past the boundary but never before it).
 """
 
@@ -180,9 +181,13 @@ class PartialTails:
             req = st.req
             # vLLM reads a max_offload_tokens of 0 as "no cap" here (``or``)
             max_boundary = min(req.num_prompt_tokens, st.max_offload_tokens or req.num_prompt_tokens)
-            if boundary % self.tokens_per_hash or boundary > max_boundary:
+            if boundary % self.tokens_per_hash:
                 raise OffloadStateError(f"boundary_state_offloads: request {rid!r}'s partial tail at {boundary} is "
-                                        f"off the hash grid or past its offload window ({max_boundary})")
+                                        f"off the hash grid ({self.tokens_per_hash} tokens)")
+            if boundary > max_boundary:
+                # past the request's max_offload_tokens: not stored (vLLM 0.33.0 asserts here and the
+                # engine dies; docs/differences.md)
+                continue
             cow_blocks = {g: bid for g, bid, _ in entries}
             if not cow_groups <= cow_blocks.keys():
                 raise OffloadStateError(f"boundary_state_offloads: request {rid!r}'s partial tail lacks a state "
