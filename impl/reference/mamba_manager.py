@@ -467,6 +467,9 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def check_invariants(self) -> None:
         super().check_invariants()
+        # vLLM arms the shared-prefix checkpoint only on caching "align" groups (issue #23)
+        assert not self.shared_prefix_checkpoint or (self._align and self.enable_caching), \
+            f"M11: shared-prefix checkpoint on a {self.mamba_cache_mode!r} group (caching={self.enable_caching})"
         if not self._align:
             return
         for rid, (position, idx) in self._checkpoints.items():
