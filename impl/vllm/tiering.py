@@ -104,6 +104,7 @@ def virtual_time(clock: VirtualClock):
     quiet = [logging.getLogger("vllm.v1.kv_offload.tiering.fs.thread_pool"),  # injected I/O errors are expected
              logging.getLogger("vllm.v1.kv_offload.tiering.factory"),  # so is kvref's out-of-tree tier
              logging.getLogger("vllm.v1.kv_offload.tiering.obj.manager"),  # and failed object transfers
+             logging.getLogger("vllm.v1.kv_offload.tiering.manager"),  # and a tier's failed shutdown
              logging.getLogger("vllm.distributed.nixl_utils")]  # NIXL is absent: kvref's agent stands in
     levels = [log.level for log in quiet]
     for log in quiet:
@@ -266,6 +267,11 @@ class VllmTiering:
                 self.kvcr_gates[i] = KvcrGate(tier, WAIT_S, TierTimeout)
         if manager._tier_poll_thread is not None:
             self._park_poll_thread()
+        self.shutdown_calls: list = []  # what manager.shutdown() reached: tier indexes, then "primary"
+        for i, tier in enumerate(self.tiers):
+            tier.shutdown = self._recording(tier.shutdown, i)
+        self._primary_shutdown = self.primary.shutdown
+        self.primary.shutdown = self._recording(self.primary.shutdown, "primary")
         self._flat = self.primary.get_kv_memoryview().cast("B")
         self.row_bytes = self.primary.get_kv_memoryview().strides[0]
         self.ctx: dict[str, Any] = {}
@@ -296,6 +302,12 @@ class VllmTiering:
         with parked:
             if not parked.wait_for(lambda: m._tier_poll_stop.waiting, timeout=WAIT_S):
                 raise TierTimeout(f"the tier-poll thread did not finish its first round within {WAIT_S}s")
+
+    def _recording(self, shutdown, what):
+        def recorded() -> None:
+            self.shutdown_calls.append(what)
+            return shutdown()
+        return recorded
 
     def kvcr_request_pin(self, tier_idx: int, keys) -> None:
         """A peer reads ``keys`` from tier ``tier_idx``'s engine: kvcr's remote side asks vLLM's
@@ -375,16 +387,27 @@ class VllmTiering:
     def primary_bytes(self) -> bytes:
         return self._flat.tobytes()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """``manager.shutdown()``; True when a tier's shutdown failed as a trace asked
+        (:class:`~kvref.impl.vllm.tiering_tiers.TierShutdownError`): vLLM then keeps the primary
+        tier, which the harness releases itself (``shutdown_calls`` says what vLLM reached)."""
+        from kvref.impl.vllm.tiering_tiers import TierShutdownError
+
         for gates in self.job_gates.values():
             gates.release_all()
         for gate in self.lookup_gates.values():
             gate.release_all()
+        failed = False
         try:
             self._flat.release()
-            self.manager.shutdown()
+            try:
+                self.manager.shutdown()
+            except TierShutdownError:
+                failed = True
+                self._primary_shutdown()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+        return failed
 
     # -- observables ------------------------------------------------------------------------
 

@@ -16,6 +16,17 @@ from __future__ import annotations
 _CLASSES: dict[str, type] = {}
 
 
+class TierShutdownError(RuntimeError):
+    """What the shutdown of a tier built with ``fail_shutdown`` set raises (a third-party tier
+    whose teardown fails: vLLM must still shut the other tiers down and keep the primary memory)."""
+
+
+def _shutdown(tier, base) -> None:
+    base.shutdown(tier)
+    if tier.fail_shutdown:
+        raise TierShutdownError(f"kvref: tier {tier.tier_type}: shutdown failed (injected)")
+
+
 def _request_level_tier() -> type:
     if "RequestLevelTier" not in _CLASSES:
         from vllm.v1.kv_offload.base import OffloadPolicy, RequestOffloadingContext
@@ -24,8 +35,13 @@ def _request_level_tier() -> type:
         class RequestLevelTier(ExampleSecondaryTierManager):
             """vLLM's in-memory example tier asking for request-level offloading for every request."""
 
+            fail_shutdown = False  # set by a trace: shutdown raises TierShutdownError
+
             def on_new_request(self, req_context) -> RequestOffloadingContext:
                 return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+
+            def shutdown(self) -> None:
+                _shutdown(self, ExampleSecondaryTierManager)
 
         RequestLevelTier.__qualname__ = "RequestLevelTier"
         _CLASSES["RequestLevelTier"] = globals()["RequestLevelTier"] = RequestLevelTier
@@ -45,6 +61,10 @@ def _polled_tier() -> type:
             at once), as vLLM's KVCR tier serves framework pins."""
 
             tolerates_off_thread_polling = True
+            fail_shutdown = False  # set by a trace: shutdown raises TierShutdownError
+
+            def shutdown(self) -> None:
+                _shutdown(self, ExampleSecondaryTierManager)
 
             def __init__(self, *args, **kwargs) -> None:
                 super().__init__(*args, **kwargs)

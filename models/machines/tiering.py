@@ -36,6 +36,7 @@ from kvref.impl.reference.offload.tiering.manager import TieringOffloadingManage
 from kvref.impl.reference.offload.tiering.obj_tier import FAULTS as OBJ_FAULTS
 from kvref.impl.reference.offload.tiering.obj_tier import ObjectStoreTier
 from kvref.impl.reference.offload.tiering.primary_tier import CPUPrimaryTier
+from kvref.impl.reference.offload.tiering.tier_base import TierShutdownError
 from kvref.spec.errors import InvalidFieldError
 
 ROW_BYTES = 4096
@@ -69,6 +70,12 @@ class TieringConfig:
     report_scheduled: bool = True  # end of step names newly scheduled requests (lookup counting stops)
     kvcr_slots: int = 2  # local-DRAM slots of a KVCR tier
     kvcr_policy: str = "lru"
+    #: the out-of-tree tiers' (request-level, polled) shutdown raises; None: in configurations with
+    #: an odd number of primary chunks (so it takes nothing from the trace's random stream)
+    fail_shutdown: bool | None = None
+
+    def fails_shutdown(self) -> bool:
+        return self.num_chunks % 2 == 1 if self.fail_shutdown is None else self.fail_shutdown
 
     @staticmethod
     def random(rng: random.Random) -> "TieringConfig":
@@ -147,11 +154,16 @@ class TieringWorld:
         self.metrics_seen: set[str] = set()
         self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
         self.closed = False
+        if cfg.fails_shutdown():  # a third-party tier whose teardown fails
+            for i, t in enumerate(cfg.tiers):
+                if t in (REQUEST_LEVEL, POLLED):
+                    self.ref.tiers[i].fail_shutdown = True
+                    self.vllm.tiers[i].fail_shutdown = True
         self.stats = {"ops": 0, "promotions": 0, "fs_promotions_checked": 0, "retries": 0, "io_errors": 0,
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
                       "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0,
-                      "obj_faults_armed": 0, "obj_abandoned": 0}
+                      "obj_faults_armed": 0, "obj_abandoned": 0, "failed_shutdowns": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -538,7 +550,16 @@ class TieringWorld:
         self.closed = True
         agents = self.vllm.obj_agents()
         self.stats["obj_abandoned"] += sum(len(a.in_flight()) for a in agents.values())
-        self.vllm.shutdown()
+        try:
+            self.ref.shutdown()
+            ref_failed = False
+        except TierShutdownError:
+            ref_failed = True
+        vllm_failed = self.vllm.shutdown()
+        self.stats["failed_shutdowns"] += ref_failed
+        if (self.ref.shut_down, ref_failed) != (self.vllm.shutdown_calls, vllm_failed):
+            raise TieringDivergence(f"shutdown: reference reached {self.ref.shut_down} (a tier failed: {ref_failed}), "
+                                    f"vLLM {self.vllm.shutdown_calls} (a tier failed: {vllm_failed})")
         for i, agent in agents.items():
             if agent.leaks():
                 raise TieringDivergence(f"tier #{i}: after shutdown the object store's NIXL agent still holds "

@@ -39,7 +39,7 @@ from ..cpu_offloading_manager import _check_keys
 from ..keys import LookupResult, OffloadKey, OffloadStateError, RequestContext
 from .lookup_metrics import LookupMetrics
 from .primary_tier import CPUPrimaryTier
-from .tier_base import JobResult, SecondaryTier, TransferJob
+from .tier_base import JobResult, SecondaryTier, TierShutdownError, TransferJob
 
 PRIMARY_LABEL = ("0:primary",)
 M = "vllm:kv_offload_tiering_"
@@ -89,6 +89,22 @@ class TieringOffloadingManager:
         self.counters: Counter = Counter()
         self.load_pins: Counter = Counter()  # pins held by GPU loads (prepare_load), per key
         self.lookup_metrics = LookupMetrics(clock)
+        self.shut_down: list = []  # what shutdown() reached, in order: tier indexes, then "primary"
+
+    def shutdown(self) -> None:
+        """vLLM's ``shutdown``: every secondary tier gets its attempt, in order, even after one
+        failed; then the last failure is raised and the primary tier is kept (a failed tier may
+        still use the primary memory), else the primary tier is released too."""
+        error = None
+        for i, tier in enumerate(self.tiers):
+            self.shut_down.append(i)
+            try:
+                tier.shutdown()
+            except TierShutdownError as exc:
+                error = exc
+        if error is not None:
+            raise error
+        self.shut_down.append("primary")
 
     # -- jobs ---------------------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class TierEvent:
     removed: bool
 
 
+class TierShutdownError(RuntimeError):
+    """A tier's ``shutdown`` failed (a trace sets ``fail_shutdown`` on an out-of-tree tier)."""
+
+
 class SecondaryTier(ABC):
     """Base of the reference tiers: the calls vLLM's ``SecondaryTierManager`` answers.
 
@@ -115,6 +119,15 @@ class SecondaryTier(ABC):
     def take_stats(self) -> dict[str, float]:
         """The tier's own metrics (vLLM ``SecondaryTierManager.get_stats``); most tiers have none."""
         return {}
+
+    #: this tier's shutdown raises :class:`TierShutdownError` (what a trace says of a third-party tier)
+    fail_shutdown: bool = False
+
+    def shutdown(self) -> None:
+        """Release the tier's resources (vLLM ``SecondaryTierManager.shutdown``); nothing to release
+        in the reference, but a tier can be made to fail here."""
+        if self.fail_shutdown:
+            raise TierShutdownError(f"tier {self.tier_type}: shutdown failed")
 
     def drain_jobs(self) -> None:
         """Block until every submitted job has finished (vLLM ``drain_jobs``, before a reset);
