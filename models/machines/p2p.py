@@ -77,6 +77,7 @@ class Coverage:
     symmetric_loads: int = 0
     broken: int = 0
     drains: int = 0
+    shutdown_drains: int = 0
     drains_cut: int = 0
 
 
@@ -123,6 +124,11 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             if any(v != values[0] for v in values[1:]):
                 raise Divergence(f"{call}{args}", results)
             return values[0]
+
+        def _writes_in_flight(self) -> bool:
+            """P's sessions have WRITEs in flight (the reference world says; the worlds agree on it)."""
+            ref = self.worlds.get("ref")
+            return ref is not None and any(s.server.inflight for s in ref.managers["P"].sessions.values())
 
         def _alive(self, node: str) -> bool:
             return all(w.alive[node] for w in self.worlds.values())
@@ -429,6 +435,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
         def shutdown(self, node: str, now: int) -> None:
             if now:  # rare: one draw in eight
                 return
+            COVERAGE.shutdown_drains += node == "P" and self._writes_in_flight()
             self._jobs(self._all("shutdown", node))
             self.reqs[node].clear()
             if node == "D":

@@ -737,6 +737,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("submit_load", dict(node="D", req_id="d0", job_id=2, keys=[b"k"], chunk_ids=[1]))
     p2p_case("finish", dict(node="D", req_id="d0"))
     p2p_case("poll", dict(node="P"))
+    p2p_case("drain", dict(node="D"))
     p2p_case("complete_transfers", dict(node="P", count=1, ok=True))
     p2p_case("advance", dict(seconds=1.0))
     p2p_case("fault", dict(node="P"))

@@ -346,7 +346,7 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_P2P}.manager", "P2PRequest P2PTierManager P2PTierManager.get_finished_jobs P2PTierManager.lookup "
             "P2PTierManager.on_new_request P2PTierManager.on_request_finished P2PTierManager.shutdown "
             "P2PTierManager.submit_load P2PTierManager.submit_store P2PTierManager.on_schedule_end "
-            "P2PTierManager.serve_external_requests", P2P),
+            "P2PTierManager.serve_external_requests P2PTierManager.drain_jobs", P2P),
     **_each(f"{_P2P}.parent", "ScriptedParent.create_store_job ScriptedParent.hold ScriptedParent.lookup "
             "ScriptedParent.on_new_request ScriptedParent.on_request_finished ctx_key", P2P),
     **_each(f"{_P2P}.messages", "abort_ack abort_fetch connect connect_ack fetch transfer_done validate lookup "
