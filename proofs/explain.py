@@ -35,6 +35,9 @@ LEGEND: dict[str, str] = {
     "free": "free blocks", "R": "blocks in-flight prefills still need", "spec_step": "spec-decode step blocks",
     "full_need": "full-sequence gate need of the new request", "n_new": "blocks the admission allocates now",
     "reserved": "reserved_blocks", "watermark": "watermark blocks",
+    "A": "HiSparse device blocks one max_model_len request takes at admission",
+    "S": "... at steady state (resident groups pinned to ACTIVE_TAIL_PAGES)",
+    "H": "hisparse_host_num_blocks", "h": "host blocks one max_model_len request takes",
 }
 
 
@@ -99,6 +102,10 @@ def explain(theorem_id: str, F: Formulas, v: Mapping[str, Any]) -> dict[str, Any
         elif theorem_id == "T9":
             out["source admission count"] = F.hisparse_source_admission(o, v["required"], v["host_free"], v["nb"])
             out["GPU blocks available"] = v["free"] - v["reserved"]
+        elif theorem_id == "T10":
+            num, den = F.hisparse_steady_gpu(o, v["nb"], v["A"], v["S"])
+            out["steady-state GPU concurrency"] = f"{num}/{den}"
+            out["admission concurrency (GPU, host)"] = f"{v['nb']}/{v['A']}, {v['H']}/{v['h']}"
     except (KeyError, ZeroDivisionError):  # pragma: no cover - partial models
         pass
     return out

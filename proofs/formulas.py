@@ -168,6 +168,14 @@ class Formulas:
         host pool cannot back the pages, else 0 (``kvref.spec.hisparse.source_admission_count``)."""
         return o.ite(required > host_free, num_gpu_blocks + 1, 0)
 
+    def hisparse_steady_gpu(self, o, num_blocks, admission_blocks, steady_blocks):
+        """The GPU part of ``get_hisparse_steady_state_concurrency`` as a fraction ``(num, den)``:
+        ``nb / A`` below one admission window, else ``1 + (nb - A) / S`` = ``(S + nb - A) / S``
+        (``kvref.spec.planning_hisparse.hisparse_steady_state_concurrency``; issue #22)."""
+        below = num_blocks < admission_blocks
+        return (o.ite(below, num_blocks, steady_blocks + num_blocks - admission_blocks),
+                o.ite(below, admission_blocks, steady_blocks))
+
     # ---------------------------------------------------------------- block sizes (kv_cache_utils.py)
 
     def hash_block_size(self, o, sizes, cacheable, unit_set, unit, cache_block_size):

@@ -737,7 +737,50 @@ T9 = Theorem(
 )
 
 
-THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8, T9)
+# ------------------------------------------------------------------------------------------ T10
+
+def _frac_le(o, a, b):
+    """``a <= b`` for fractions ``(num, den)`` with positive denominators."""
+    return a[0] * b[1] <= b[0] * a[1]
+
+
+def _frac_min(o, a, b):
+    le = _frac_le(o, a, b)
+    return o.ite(le, a[0], b[0]), o.ite(le, a[1], b[1])
+
+
+def _t10(F, o, v, *, steady_within_window=True):
+    nb, A, S, H, h = (v[x] for x in "nb A S H h".split())
+    hyps = _nonneg(nb, H) + _pos(A, S, h) + ([S <= A] if steady_within_window else [])
+    gpu = F.hisparse_steady_gpu(o, nb, A, S)
+    steady = _frac_min(o, gpu, (H, h))
+    admission = _frac_min(o, (nb, A), (H, h))  # get_max_concurrency_for_kv_cache_config with the host group
+    return hyps, o.And(_frac_le(o, admission, steady), _frac_le(o, gpu, (nb, S)), gpu[0] >= 0)
+
+
+T10 = Theorem(
+    id="T10", name="hisparse-steady-state",
+    title="HiSparse's steady-state concurrency is never below the admission figure, nor above the steady footprint",
+    statement=("For a HiSparse pool of nb GPU blocks, a request needing A device blocks at admission and S at "
+               "steady state (its resident groups pinned to the active tail, S <= A), and a host pool of H blocks "
+               "with h per request: the HiSparseConnector's steady-state maximum concurrency is at least the "
+               "engine's maximum concurrency min(nb/A, H/h) (the figure an operator reads can only grow once "
+               "requests read from host), never negative, and its GPU part is at most nb/S (it never promises "
+               "more requests than the pool holds at their steady footprint). Issue #22 (vLLM "
+               "get_hisparse_steady_state_concurrency, get_max_concurrency_for_kv_cache_config)."),
+    reference=("kvref.spec.planning_hisparse.hisparse_steady_state_concurrency",
+               "kvref.spec.planning_hisparse.hisparse_max_concurrency",
+               "vllm.v1.hisparse.layout.get_hisparse_steady_state_concurrency",
+               "vllm.v1.core.kv_cache_utils.get_max_concurrency_for_kv_cache_config"),
+    bounds=("a request's steady blocks are at most its admission blocks (S <= A: min(required, "
+            "ACTIVE_TAIL_PAGES) per resident group)",),
+    claim=Claim("all", "admission <= steady, steady GPU <= nb/S, non-negative", _ints("nb A S H h"), _t10),
+    necessary=(Claim("steady-above-window", "steady blocks above the admission window (S > A)", _ints("nb A S H h"),
+                     lambda F, o, v: _t10(F, o, v, steady_within_window=False)),),
+)
+
+
+THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8, T9, T10)
 BY_ID = {t.id: t for t in THEOREMS}
 BY_NAME = {t.name: t for t in THEOREMS}
 

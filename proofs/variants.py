@@ -207,6 +207,13 @@ class BrokenHiSparseSentinelShort(Formulas):
         return o.ite(required > host_free, num_gpu_blocks - 1, 0)
 
 
+class BrokenHiSparseSteadyNoWindowBranch(Formulas):
+    name = "broken-hisparse-steady-no-window-branch"
+
+    def hisparse_steady_gpu(self, o, num_blocks, admission_blocks, steady_blocks):
+        return steady_blocks + num_blocks - admission_blocks, steady_blocks
+
+
 class BrokenAutoFitNoNull(Formulas):
     name = "broken-num-blocks-plus-one"
 
@@ -271,6 +278,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("broken-hisparse-sentinel-short", "broken", "T9", (),
             "The host-short sentinel is num_gpu_blocks - 1: a free GPU pool admits a request the host pool cannot "
             "back (its host get_new_blocks then fails).", BrokenHiSparseSentinelShort()),
+    Variant("broken-hisparse-steady-no-window-branch", "broken", "T10", (),
+            "The steady-state figure charges one admission window even when the pool holds less than one: "
+            "below A blocks it reports fewer requests than admission does (negative when nb < A - S).",
+            BrokenHiSparseSteadyNoWindowBranch()),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections import Counter
 
 import pytest
 from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from kvref.spec import InsufficientKVCacheError
 from kvref.spec.errors import InvalidFieldError
@@ -185,3 +187,18 @@ def test_a_planted_fault_in_the_rule_is_caught(monkeypatch):
 
     monkeypatch.setattr(planning_hisparse, "ACTIVE_TAIL_PAGES", 1)
     _assert_caught()
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(nb=st.integers(0, 500), a=st.integers(1, 60), s=st.integers(1, 60), host=st.integers(0, 500),
+       h=st.integers(1, 60))
+def test_t10s_encoding_is_the_spec_function(nb, a, s, host, h):
+    """T10 (kvref.proofs) reasons about the spec's steady-state figure: the fraction it encodes, capped by
+    the host pool, is exactly what hisparse_steady_state_concurrency computes."""
+    from kvref.proofs.formulas import REFERENCE
+    from kvref.proofs.ops import PyOps
+
+    s = min(s, a)
+    num, den = REFERENCE.hisparse_steady_gpu(PyOps, nb, a, s)
+    # the same rational; the spec's float (1 + (nb - A) / S) may differ from num / den in the last bit
+    assert math.isclose(min(num / den, host / h), hisparse_steady_state_concurrency(nb, a, s, host, h), rel_tol=1e-12)
