@@ -38,6 +38,7 @@ from typing import Any, Callable, Hashable
 from kvref.spec.errors import InvalidFieldError
 
 from kvref.models.explorer.kv import SCOPES, KVSystem, Scope, sampled_token
+from kvref.models.explorer.scope_lookup import named_scope
 from kvref.models.explorer.vocabulary import fmt_action
 from kvref.models.machines.scheduler import _diff, _fmt  # the lock-step machine's renderings of outputs / snapshots
 
@@ -213,12 +214,7 @@ def explore_conformance(scope: Scope | str, targets: tuple[str, ...] | list[str]
     Stops at the first divergence (``result.divergence``: the shortest-first path and the
     difference). Needs vLLM 0.33.0 for ``"vllm"`` and torch for ``"torch"``.
     """
-    if isinstance(scope, str):
-        if scope not in SCOPES:
-            raise InvalidFieldError("scope", scope, "one of " + ", ".join(SCOPES))
-        scope = SCOPES[scope]
-    if not isinstance(scope, Scope):
-        raise InvalidFieldError("scope", scope, "a scope name or a Scope")
+    scope = named_scope(scope, SCOPES, Scope)
     targets = tuple(targets)
     if not targets or len(set(targets)) != len(targets):
         raise InvalidFieldError("targets", targets, "one or more of " + ", ".join(TARGETS) + ", each once")

@@ -669,12 +669,9 @@ def explore_scope(scope: Scope | str, **kwargs: Any):
     """Explore ``scope`` (a :class:`Scope` or a name in :data:`SCOPES`); kwargs go to
     :func:`~kvref.models.explorer.engine.explore`."""
     from kvref.models.explorer.engine import explore
+    from kvref.models.explorer.scope_lookup import named_scope
 
-    if isinstance(scope, str):
-        if scope not in SCOPES:
-            raise InvalidFieldError("scope", scope, "one of " + ", ".join(SCOPES))
-        scope = SCOPES[scope]
-    return explore(KVSystem(scope), **kwargs)
+    return explore(KVSystem(named_scope(scope, SCOPES, Scope)), **kwargs)
 
 
 def with_overrides(scope: Scope, **changes: Any) -> Scope:

@@ -182,15 +182,6 @@ class ConnectorSystem(WorldSystem):
 def explore_connector(scope: ConnectorScope | str = "connector", **kwargs: Any):
     """Explore ``scope`` (bounded by its ``max_depth``; None: completely, with deadlock checks;
     kwargs go to ``explore``)."""
-    from kvref.models.explorer.engine import explore
+    from kvref.models.explorer.scope_lookup import named_scope
 
-    if isinstance(scope, str):
-        if scope not in CONNECTOR_SCOPES:
-            raise InvalidFieldError("scope", scope, "one of " + ", ".join(CONNECTOR_SCOPES))
-        scope = CONNECTOR_SCOPES[scope]
-    if not isinstance(scope, ConnectorScope):
-        raise InvalidFieldError("scope", scope, "a scope name or a ConnectorScope")
-    kwargs.setdefault("max_depth", scope.max_depth)
-    # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
-    kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)
-    return explore(ConnectorSystem(scope), **kwargs)
+    return ConnectorSystem(named_scope(scope, CONNECTOR_SCOPES, ConnectorScope)).explore(**kwargs)

@@ -267,6 +267,16 @@ class WorldSystem:
     def _apply(self, w: Any, a: Hashable) -> None:
         raise InvalidFieldError("action", a, "arrive / step / preempt or one of this world's transfer actions")
 
+    def explore(self, **kwargs: Any):
+        """Explore this scope (bounded by its ``max_depth``; None: completely, with deadlock
+        checks; kwargs go to :func:`~kvref.models.explorer.engine.explore`)."""
+        from kvref.models.explorer.engine import explore
+
+        kwargs.setdefault("max_depth", self.scope.max_depth)
+        # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
+        kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)
+        return explore(self, **kwargs)
+
 
 class OffloadSystem(WorldSystem):
     """A :class:`~kvref.models.explorer.engine.TransitionSystem` over ``SimpleOffloadWorld``."""
@@ -319,15 +329,7 @@ class OffloadSystem(WorldSystem):
 
 
 def explore_offload(scope: OffloadScope | str = "offload", **kwargs: Any):
-    from kvref.models.explorer.engine import explore
+    """Explore ``scope`` (see :meth:`WorldSystem.explore`)."""
+    from kvref.models.explorer.scope_lookup import named_scope
 
-    if isinstance(scope, str):
-        if scope not in OFFLOAD_SCOPES:
-            raise InvalidFieldError("scope", scope, "one of " + ", ".join(OFFLOAD_SCOPES))
-        scope = OFFLOAD_SCOPES[scope]
-    if not isinstance(scope, OffloadScope):
-        raise InvalidFieldError("scope", scope, "a scope name or a OffloadScope")
-    kwargs.setdefault("max_depth", scope.max_depth)
-    # a depth-bounded search cuts states off mid-work: only a complete one can call a state stuck
-    kwargs.setdefault("check_deadlocks", kwargs["max_depth"] is None)
-    return explore(OffloadSystem(scope), **kwargs)
+    return OffloadSystem(named_scope(scope, OFFLOAD_SCOPES, OffloadScope)).explore(**kwargs)
