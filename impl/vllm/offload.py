@@ -261,14 +261,17 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
         return getattr(self.conn, "scheduler", self.conn)
 
     def hit_sources(self, req, n_ext):
-        return sorted((s.value, n) for s, n in self._sched.get_external_cache_hit_sources(req, n_ext).items())
+        # the whole connector (conform-offload-worker) forwards to its scheduler, as vLLM's Scheduler calls it
+        return sorted((s.value, n) for s, n in self.conn.get_external_cache_hit_sources(req, n_ext).items())
 
     def pending_push_work(self) -> bool:
         # the scheduler's, or the whole connector's (conform-offload-worker), which forwards to it
         return self.conn.has_pending_push_work()
 
     def connector_stats(self):
-        stats = self._sched.get_stats()
+        # the whole connector's get_kv_connector_stats (conform-offload-worker), as vLLM's Scheduler polls it
+        get = getattr(self.conn, "get_kv_connector_stats", None)
+        stats = get() if get is not None else self._sched.get_stats()
         if stats is None:
             return {}
         types, values = stats.data["types"], stats.data["data"]
