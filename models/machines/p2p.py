@@ -337,8 +337,15 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             del self.reqs[node][req]
             self.symmetric.discard(req)
 
-        @rule(node=st.sampled_from(("P", "D")), twice=st.booleans())
-        def poll(self, node: str, twice: bool) -> None:
+        @rule(node=st.sampled_from(("P", "D")), twice=st.booleans(), drain=st.integers(0, 3))
+        def poll(self, node: str, twice: bool, drain: int) -> None:
+            """One or two polls; one draw in four drains first (``drain_jobs``, a reset's first
+            step: poll sweeps until the engine has no load or write outstanding, cut after a few as
+            the other engine does not act meanwhile; what it collects the polls report)."""
+            if not drain and self._alive(node):
+                drained = self._all("drain", node)
+                COVERAGE.drains += drained
+                COVERAGE.drains_cut += not drained
             for _ in range(2 if twice else 1):
                 if self._alive(node):
                     self._jobs(self._all("poll", node))
@@ -357,17 +364,6 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 for node in ("P", "D"):
                     if self._alive(node):
                         self._jobs(self._all("poll", node))
-
-        @rule(node=st.sampled_from(("P", "D")))
-        def drain(self, node: str) -> None:
-            """``drain_jobs`` (a reset's first step): poll sweeps until the engine has no load or
-            write outstanding (cut after a few: the other engine does not act meanwhile); what it
-            collects is reported by the next poll."""
-            if not self._alive(node):
-                return
-            drained = self._all("drain", node)
-            COVERAGE.drains += drained
-            COVERAGE.drains_cut += not drained
 
         @precondition(lambda self: self._alive("P"))
         @rule(count=st.integers(1, 2), ok=st.booleans())
