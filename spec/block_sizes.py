@@ -11,11 +11,12 @@ rejects the configuration with :class:`~kvref.spec.errors.InvalidFieldError`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
 from .errors import InvalidFieldError, check_int
-from .kv_cache_interface import KVCacheGroupSpec, MambaSpec, UniformTypeKVCacheSpecs
+from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, MambaSpec, UniformTypeKVCacheSpecs
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import EngineConfig
@@ -27,6 +28,23 @@ def group_block_size(group: KVCacheGroupSpec, dcp_world_size: int) -> int:
         raise InvalidFieldError("group", group, "a KVCacheGroupSpec")
     check_int("dcp_world_size", dcp_world_size, minimum=1)
     return group.kv_cache_spec.effective_block_size(dcp_world_size)
+
+
+def resolve_dcp_kv_cache_spec(spec: KVCacheSpec, dcp_world_size: int) -> KVCacheSpec:
+    """``spec`` with its block size scaled to the tokens one block spans under DCP (vLLM
+    ``resolve_dcp_kv_cache_spec``): a DCP-sharded spec's block covers ``block_size × dcp_world_size``
+    tokens; a replicated one, or DCP 1, is returned unchanged; a uniform-type spec is scaled with
+    every layer spec inside it. What a connector keying blocks by tokens (the Mooncake store) sees."""
+    if not isinstance(spec, KVCacheSpec):
+        raise InvalidFieldError("spec", spec, "a KVCacheSpec")
+    check_int("dcp_world_size", dcp_world_size, minimum=1)
+    block_size = spec.effective_block_size(dcp_world_size)
+    if block_size == spec.block_size:
+        return spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return dataclasses.replace(spec, block_size=block_size, kv_cache_specs={
+            name: resolve_dcp_kv_cache_spec(layer, dcp_world_size) for name, layer in spec.kv_cache_specs.items()})
+    return dataclasses.replace(spec, block_size=block_size)
 
 
 def _layer_specs(group: KVCacheGroupSpec):

@@ -188,6 +188,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_UTILS, "get_max_concurrency_for_kv_cache_config"),
         _b(_UTILS, "resolve_kv_cache_block_sizes"),
         _b(_UTILS, "resolve_cache_hit_alignment_tokens"),
+        _b(_UTILS, "resolve_dcp_kv_cache_spec"),
     ),
     "simple-offload": (
         _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler", "cpu_capacity_bytes",

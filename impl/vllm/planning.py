@@ -147,6 +147,7 @@ class VllmPlanner:
             cls.num_prefill_lookahead_tokens = saved
         worker = cfgs[0]
         mml = vc.model_config.max_model_len
+        dcp = vc.parallel_config.decode_context_parallel_size
         per_group, caps, bounds = [], [], []
         for g, sg in zip(worker.kv_cache_groups, sched.kv_cache_groups):
             spec = g.kv_cache_spec
@@ -164,7 +165,10 @@ class VllmPlanner:
             num_blocks=worker.num_blocks, max_model_len=mml, blocks_per_request=per_group,
             admission_caps=caps, memory_bounds=bounds, scheduler_block_size=sbs, hash_block_size=hbs,
             cache_hit_alignment_tokens=alignment, max_concurrency=concurrency,
-            kv_cache_size_tokens=vc.cache_config.kv_cache_size_tokens))
+            kv_cache_size_tokens=vc.cache_config.kv_cache_size_tokens,
+            # the token span of each group's block under DCP (what a token-keyed connector stores)
+            dcp_specs=[None if _padded(g.kv_cache_spec) else utils.resolve_dcp_kv_cache_spec(g.kv_cache_spec, dcp)
+                       for g in worker.kv_cache_groups]))
 
     def check_per_layer(self, layers: dict[str, KVCacheSpec], config: EngineConfig, available_memory: int,
                         kv_cache_layout: str = "LBNHC") -> Outcome:
@@ -203,6 +207,14 @@ class VllmPlanner:
         raise exc
 
 
+def _padded(spec: Any) -> bool:
+    """Whether a (kvref or vLLM) group spec has a padded page: vLLM's ``resolve_dcp_kv_cache_spec``
+    keeps the unscaled ``page_size_padded``, below the scaled page, which kvref's specs refuse to
+    hold (docs/differences.md), so the DCP view of such a group is not compared."""
+    layers = getattr(spec, "kv_cache_specs", None) or {"": spec}
+    return any(getattr(s, "page_size_padded", None) is not None for s in layers.values())
+
+
 def _kvref_attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Outcome | None]:
     """``fn``'s result, or the normalised outcome of kvref's refusal (one mapping of kvref's errors
     to :class:`Outcome` for every kvref-side verdict, as the planner has for vLLM's)."""
@@ -228,6 +240,7 @@ def kvref_per_layer_outcome(layers, config, available_memory, kv_cache_layout: s
 def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cache_layout: str = "LBNHC") -> Outcome:
     """kvref's plan in the same normalised form (specs converted to vLLM's for comparison)."""
     from kvref.spec import plan_kv_cache
+    from kvref.spec.block_sizes import resolve_dcp_kv_cache_spec
 
     plan, refused = _kvref_attempt(plan_kv_cache, layers, config, available_memory, kv_cache_layout=kv_cache_layout)
     if refused:
@@ -243,4 +256,7 @@ def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cac
         memory_bounds=[g.kv_cache_spec.max_memory_usage_bytes(config, m) for g in plan.scheduler_groups],
         scheduler_block_size=plan.scheduler_block_size, hash_block_size=plan.hash_block_size,
         cache_hit_alignment_tokens=plan.cache_hit_alignment_tokens, max_concurrency=plan.max_concurrency,
-        kv_cache_size_tokens=plan.kv_cache_size_tokens))
+        kv_cache_size_tokens=plan.kv_cache_size_tokens,
+        dcp_specs=[None if _padded(g.kv_cache_spec) else
+                   planner.to_vllm(resolve_dcp_kv_cache_spec(g.kv_cache_spec, config.dcp_world_size))
+                   for g in plan.groups]))

@@ -972,6 +972,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "resolve_cache_hit_alignment_tokens": (block_sizes.resolve_cache_hit_alignment_tokens, dict(
             groups=groups, config=eng, scheduler_block_size=4, hash_block_size=4)),
         "resolve_kv_cache_block_sizes": (block_sizes.resolve_kv_cache_block_sizes, dict(groups=groups, config=eng)),
+        "resolve_dcp_kv_cache_spec": (block_sizes.resolve_dcp_kv_cache_spec, dict(spec=FULL, dcp_world_size=2)),
         # spec: DCP/PCP at runtime (issue #23)
         "manager_world_sizes": (context_parallel.manager_world_sizes, dict(spec=FULL, dcp_world_size=2,
                                                                            pcp_world_size=1)),
