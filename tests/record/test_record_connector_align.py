@@ -92,7 +92,7 @@ def _reconciled_admissions(path) -> int:
     return n
 
 
-def test_divergent_hybrid_hits_are_replayed_and_their_stats_hold(tmp_path):
+def test_divergent_hybrid_hits_are_replayed_and_their_stats_hold(tmp_path, monkeypatch):
     """A connector supporting divergent local hybrid hits on an align pool was named unmodelled
     (``kv_connector_divergent_hybrid_hits``): check-run fell back to the properties, whose metrics
     check then reported false findings -- it tallied the hit the connector was asked with, but
@@ -101,7 +101,18 @@ def test_divergent_hybrid_hits_are_replayed_and_their_stats_hold(tmp_path):
     ``get_computed_blocks_for_connector`` and reconciles as vLLM does; the properties tally the
     admitted hit (computed less external tokens)."""
     require_vllm()
+    from kvref.impl.reference import scheduler_connector
+
     runs = _record(tmp_path, 3)
+    real, fenced = scheduler_connector.release_cow_copies, []
+
+    def counted(sched):  # the copy-on-write endpoints an async consumer's step fence holds back
+        st = sched.connector_state
+        n = len(st.deferred_frees)
+        real(sched)
+        fenced.append(len(st.deferred_frees) > n)
+
+    monkeypatch.setattr(scheduler_connector, "release_cow_copies", counted)
     divergent = reconciled = 0
     for run in runs:
         r = check_trace(run.path, check_invariants_every=1)
@@ -116,6 +127,13 @@ def test_divergent_hybrid_hits_are_replayed_and_their_stats_hold(tmp_path):
         reconciled += _reconciled_admissions(run.path)
     assert divergent >= 3
     assert reconciled >= 1  # the path the metrics property miscounted
+    assert sum(fenced) >= 1  # seed 3 also reaches the fenced release (vLLM's deferred_frees)
+    # and a reference that frees them at once, fence or not, diverges there
+    monkeypatch.setattr(scheduler_connector, "release_cow_copies", lambda sched: [
+        sched.kv_cache_manager.manager.block_pool.free_blocks([b for m in sched.kv_cache_manager.manager.coordinator
+                                                               .single_type_managers
+                                                               for pair in m.take_pending_cow_copies() for b in pair])])
+    assert any(check_trace(run.path).divergence is not None for run in runs)
 
 
 def test_a_vllm_that_never_reconciles_a_divergent_hit_diverges(tmp_path, monkeypatch):
