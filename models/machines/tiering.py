@@ -607,8 +607,9 @@ def random_op(rng: random.Random, world: TieringWorld) -> tuple:
         (8 if world.polled_tiers() else 0, ("peer_request", held())),
         (8 if world.polled_tiers() else 0, ("poll_tiers",)),
         (30 if world.ref.promotions_held else 1, ("reset_flushed",)),  # the scheduler flushes soon after
-        (5 if world.obj_tiers() else 0, ("obj_fault", rng.randrange(2), rng.randrange(len(OBJ_FAULTS)))),
     ]
+    if world.obj_tiers():  # drawn only here: traces without an obj tier keep their random stream
+        choices.append((5, ("obj_fault", rng.randrange(2), rng.randrange(len(OBJ_FAULTS)))))
     if not world.live and rng.random() < 0.8:
         return ("new_request",)  # most operations act for a live request
     total = sum(w for w, _ in choices)
