@@ -140,3 +140,34 @@ def test_a_planted_fault_in_vllms_publication_paths_is_found(fault, prefix, monk
     fault(HiSparseCoordinator, monkeypatch)
     with pytest.raises(HiSparseDivergence):
         run_hisparse_program(ROOMY, [20, 20, 20], prefix + [("update", 1, 1, 0, 0, False)], make)
+
+
+def test_host_copy_on_write_is_held_until_the_worker_reports_it():
+    """A partial host hit's copy-on-write (set up as vLLM's own test does: a shared host block
+    marked as the request's partial tail) is drained by ``take_host_block_copies`` with both
+    endpoints held past the request's free, and released by ``release_completed_host_copies``:
+    same pairs, same host free queue and counts on both sides after every step."""
+    from kvref.impl.reference.hisparse_pool import HiSparsePool
+
+    make = _vllm_pool()
+    config = HiSparsePoolConfig(block_size=2, num_gpu_blocks=12, host_num_blocks=6, blocks_per_request=1,
+                                num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16)
+    pools = (HiSparsePool(config), make(config))
+    for pool in pools:
+        source = pool.managers[0]
+        block = source.block_pool.get_new_blocks(1)[0]
+        source.req_to_blocks["cow"] = [block]
+        source._partial_hit_reqs["cow"] = (0, block)
+        source.allocate_new_blocks("cow", 2, 2)
+    assert [p.managers[0].take_new_block_ids() for p in pools] == [[], []]  # host blocks are never zeroed
+    copies = [p.take_host_block_copies() for p in pools]
+    assert copies[0] == copies[1] and len(copies[0]) == 1
+    for pool in pools:
+        pool.managers[0].free("cow")
+    assert pools[0].observe() == pools[1].observe() and pools[0].observe()["retained_copies"] == [copies[0][0][1]]
+    pools[0].check_invariants()  # M16 counts the retained endpoints, M19 keeps them referenced
+    for pool in pools:
+        pool.release_completed_host_copies([copies[0][0][1]])
+    assert pools[0].observe() == pools[1].observe() and not pools[0].observe()["retained_copies"]
+    assert pools[0].host_pool.get_num_free_blocks() == config.host_num_blocks - 1
+    pools[0].check_invariants()
