@@ -71,7 +71,7 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     wherever a pool allows it and sparse retention on every pool (the sliding-window hit search's
     dropped block and off-grid trimming, the retention masks; the Mamba shared-prefix checkpoint
     asked for one pool in two), then ``fa+mamba_fine`` with the checkpoint asked for on every pool
-    (EAGLE one pool in two: vLLM's narrowing is compared too), then ``10 * examples_per_set``
+    (EAGLE one pool in two: vLLM's narrowing is compared too), then ``30 * examples_per_set``
     generated sibling programs that build junctions on purpose
     (:mod:`~kvref.models.machines.mamba_junction_programs`). One :class:`SweepRun` for all (the
     later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
@@ -92,7 +92,7 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     if not sweep.ok:
         return sweep
     # the junction built on purpose: siblings of a computed prompt, chunks clipped at the junction
-    failure, path, sig, seen = run_junction_programs(kinds, 10 * examples_per_set, seed=seed or 0,
+    failure, path, sig, seen = run_junction_programs(kinds, 30 * examples_per_set, seed=seed or 0,
                                                      out_dir=run_kwargs.get("out_dir"))
     sweep.traces["fa+mamba_fine (junction programs)"] = seen["programs"] + bool(failure)
     sweep.ops += seen["ops"]

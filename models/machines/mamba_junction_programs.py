@@ -40,6 +40,7 @@ from kvref.models.machines.mamba_junctions import (
 )
 from kvref.models.strategies.pools import pool_configs, tokens_from_seed
 from kvref.spec.errors import check_int
+from kvref.spec.kv_cache_interface import KVCacheGroupSpec
 
 _ADMIT = dict(full_sequence_must_fit=False, reserved_blocks=0, in_flight=False)
 
@@ -51,6 +52,12 @@ def junction_programs(draw) -> dict:
     # block narrows it away, and its hits land on the scheduler's alignment grid
     group_set = draw(st.sampled_from(("fa+mamba_fine", "fa+mamba_fine", "fa+mamba_fine", "fa+mamba_align")))
     pool = draw(pool_configs(group_sets=(group_set,), eagle="always", retention=True))
+    # the full-attention block as wide as the Mamba block one pool in two: a hit ending inside it is
+    # a partial hit of both groups (both copy the shared tail on write)
+    fa, mamba = pool.groups[0].kv_cache_spec, pool.groups[1].kv_cache_spec
+    if fa.block_size < mamba.block_size and draw(st.booleans()):
+        wide = KVCacheGroupSpec(pool.groups[0].layer_names, dataclasses.replace(fa, block_size=mamba.block_size))
+        pool = dataclasses.replace(pool, groups=(wide, *pool.groups[1:]))
     # multi-module MTP one pool in three (vLLM then narrows the flag away), clamped as vLLM requires
     lookahead = min(draw(st.sampled_from((0, 0, 0, 1, 2, 3))), pool.scheduler_block_size)
     pool = dataclasses.replace(pool, enable_mamba_shared_prefix_checkpoint=True, enable_kv_cache_events=True,
@@ -64,7 +71,7 @@ def junction_programs(draw) -> dict:
         # mostly a new scheduler step first; else the sibling arrives in the step that cached the
         # states it hits, and vLLM defers it (the same-step guard)
         siblings.append(dict(cut=cut, tail=tail, chunk=draw(st.sampled_from((2, 4, 8, 16, 1024))),
-                             finish=draw(st.booleans()), new_step=draw(st.sampled_from((True, True, False)))))
+                             finish=draw(st.booleans()), new_step=draw(st.booleans())))
     return dict(pool=pool, base=base, chunk=draw(st.sampled_from((4, 8, 16, 1024))), siblings=siblings)
 
 
