@@ -59,7 +59,7 @@ def hisparse_plan_cases(draw, flaw: str | None = "any") -> HiSparsePlanCase:
     n = draw(st.integers(2 if flaw == "mixed_heads" else 1, 5))
     source = tuple((f"model.layers.{i}.attn", draw(st.sampled_from(heads)), i == 0 or draw(st.booleans()))
                    for i in range(n))
-    indexer = tuple((f"model.layers.{i}.indexer", draw(st.sampled_from([64, 128, 192])))
+    indexer = tuple((f"model.layers.{i}.indexer", draw(st.sampled_from([64, 96, 128, 192])))
                     for i in range(0 if flaw == "no_indexer" else draw(st.integers(1, 3))))
     top_k = draw(st.sampled_from([8, 64, 512]))
     buffer = draw(st.sampled_from([1, top_k - 1, 32769]) if flaw == "device_buffer" else

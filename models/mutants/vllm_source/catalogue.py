@@ -30,6 +30,7 @@ _SCHED = "v1/core/sched/scheduler.py"
 _QUEUE = "v1/core/sched/request_queue.py"
 _ASYNC = "v1/core/sched/async_scheduler.py"
 _PLAN = "v1/core/kv_cache_planning.py"
+_HSL = "v1/hisparse/layout.py"
 _IFACE = "v1/kv_cache_interface.py"
 _SIMPLE = "v1/simple_kv_offload/manager.py"
 _OFFL = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
@@ -500,6 +501,38 @@ _add(
           "            self.sliding_window - 1 + max_in_flight_tokens,\n",
           CLASSIC, "dropped term: the sliding-window admission cap forgets extra_retained_tokens",
           behaviour="admission"),
+    # HiSparse's startup sizing and the DCP spec view (conform-planning, #22/#23)
+    fault("plan.hisparse_steady_tail_off_by_one", _HSL,
+          "            required = min(required, ACTIVE_TAIL_PAGES)\n",
+          "            required = min(required, ACTIVE_TAIL_PAGES + 1)\n",
+          CLASSIC, "off-by-one: the steady-state concurrency charges a running request one resident page more "
+                   "than its active tail", behaviour="planning"),
+    fault("utils.concurrency_ignores_host_pool", _UTILS,
+          "    if host_blocks_per_request:\n",
+          "    if False:\n",
+          CLASSIC, "dropped limit: max concurrency ignores the HiSparse host pool (reports what the GPU pool "
+                   "holds although the host pool backs fewer requests)", behaviour="planning"),
+    fault("plan.hisparse_host_offset_unscaled", _HSL,
+          "                * max(layer_stride, spec.page_size_bytes)\n",
+          "                * spec.page_size_bytes\n",
+          CLASSIC, "wrong stride: a layer-outermost host tensor's offset counts pages, not whole layers of the "
+                   "host pool (the second spec's layers overlap the first's)", behaviour="planning"),
+    fault("plan.hisparse_fits_ignores_failed_config", _PLAN,
+          "            except ValueError:\n                return False\n",
+          "            except ValueError:\n                pass\n",
+          CLASSIC, "swallowed error: HiSparse auto-fit counts a length whose host pool (or layout) cannot be "
+                   "built as fitting, so startup fails after auto-fit instead of shortening max_model_len",
+          behaviour="planning"),
+    fault("plan.hisparse_hot_page_unaligned", _PLAN,
+          "        if isinstance(group.kv_cache_spec, HiSparseHotSpec)\n",
+          "        if False\n",
+          CLASSIC, "dropped alignment: a block-outermost HiSparse pool's block is not rounded up to the hot page "
+                   "(a hot page straddles two blocks)", behaviour="planning"),
+    fault("utils.dcp_spec_layers_unscaled", _UTILS,
+          "                name: resolve_dcp_kv_cache_spec(layer_spec, dcp_world_size)\n",
+          "                name: layer_spec\n",
+          CLASSIC, "missed recursion: a uniform-type group's layer specs keep the unscaled block size under DCP",
+          behaviour="planning"),
 )
 
 # --------------------------------------------------------------------------------------------
