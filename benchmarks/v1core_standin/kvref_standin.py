@@ -467,7 +467,20 @@ def _coordinator_view(coordinator: Any, kv_cache_config: Any) -> _View:
     (``is_full_attention_spec``, the spec-decode step blocks)."""
     managers = tuple(_view(m, _ManagerView, kv_cache_spec=g.kv_cache_spec)
                      for m, g in zip(coordinator.single_type_managers, kv_cache_config.kv_cache_groups))
-    return _view(coordinator, single_type_managers=managers)
+    return _view(coordinator, _CoordinatorView, single_type_managers=managers)
+
+
+class _CoordinatorView(_View):
+    """vLLM's connectors assert ``isinstance(coordinator, HybridKVCacheCoordinator)`` before asking a
+    hybrid pool's per-group hits: the view answers ``__class__`` (what ``isinstance`` also reads)
+    with vLLM's class of the reference coordinator's name; ``type()`` still names the view."""
+
+    @property
+    def __class__(self) -> type:  # noqa: D401 - isinstance() reads it
+        import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
+
+        name = type(object.__getattribute__(self, "_target")).__name__
+        return getattr(vllm_coordinator, name, type(self))
 
 
 # ---------------------------------------------------------------------------------------- pool
