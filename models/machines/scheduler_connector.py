@@ -323,6 +323,15 @@ class ConnectorLockstep(Lockstep):
                 and head not in snap.block_ids
                 and (ref is None or head in ref.connector_state.inflight_prefills))
 
+    def _holding_deadlock(self, snap) -> bool:
+        """Nothing runs, is in flight or is being transferred, and every kv_holding_waiting request
+        holds the blocks of a completed load: a schedule() with no arrivals changes nothing, for
+        ever (the drain only asks after ``bound`` schedule calls made no progress)."""
+        if snap.running or not snap.kv_holding_waiting or self.num_in_flight() or self.pending_transfers():
+            return False
+        return all(rid in snap.block_ids and snap.requests[rid].num_computed_tokens > 0
+                   for rid in snap.kv_holding_waiting)
+
     def pending_transfers(self) -> bool:
         return bool(self.script.pending_loads or self.script.pending_sends)
 
@@ -353,6 +362,14 @@ class ConnectorLockstep(Lockstep):
                     # load failed, the request stays in _inflight_prefills without blocks, and
                     # its retried async load reserves its own remaining blocks against itself
                     CONNECTOR_COVERAGE["vllm_hang_self_reservation"] += 1
+                    self.known_hang = True
+                    return self.num_schedules - start
+                if self._holding_deadlock(snap):
+                    # vLLM 0.33.0 itself hangs here too (docs/coverage.md, findings): requests
+                    # whose async loads completed hold their loaded blocks in kv_holding_waiting,
+                    # none can allocate the rest of its prompt from what is free, and nothing runs
+                    # that could be preempted or finish. Lock-step with vLLM reaches the same state
+                    CONNECTOR_COVERAGE["vllm_hang_holding_deadlock"] += 1
                     self.known_hang = True
                     return self.num_schedules - start
                 raise AssertionError(
