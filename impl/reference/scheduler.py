@@ -133,13 +133,16 @@ class Scheduler:
         encoder_budget: the encoder limits of a multimodal model
             (:class:`~kvref.impl.reference.scheduler_encoder.EncoderBudget`; None: a text model's).
         max_loras: vLLM ``LoRAConfig.max_loras`` (None: LoRA off; :mod:`.scheduler_lora`).
+        use_v2_model_runner: the workers run vLLM's V2 model runner: resumed requests are sent as
+            new ones, and steps carry the encoder-input updates (:mod:`.scheduler_encoder`).
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
                  kv_cache_manager: KVCacheManagerLike | None = None,
                  connector: _conn.ScriptedConnector | None = None,
                  record_prefix_cache_stats: bool = False,
-                 encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None) -> None:
+                 encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None,
+                 use_v2_model_runner: bool = False) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -185,7 +188,9 @@ class Scheduler:
         self.cadence = PrefillCadence(config)  # prefill cadence (:mod:`.scheduler_cadence`)
         self._num_invalid_spec_tokens: dict[int, dict[str, int]] = {}  # id(output) -> invalid drafts
         # encoder inputs of multimodal requests (:mod:`.scheduler_encoder`)
-        self.encoder = _enc.EncoderState(encoder_budget if encoder_budget is not None else _enc.EncoderBudget())
+        self.encoder = _enc.EncoderState(encoder_budget if encoder_budget is not None else _enc.EncoderBudget(),
+                                         use_v2_model_runner)
+        self.use_v2_model_runner = use_v2_model_runner
         self.max_loras = _lora.check_max_loras(max_loras)
         if self.max_loras is not None and connector is not None:
             raise InvalidFieldError("max_loras", max_loras, "None with a KV connector (kvref models LoRA without one)")
@@ -344,7 +349,8 @@ class Scheduler:
                                                   defer_prefills)
             self.cadence.after_waiting_loop(defer_prefills, self.waiting)
 
-        self.encoder.end_step()
+        self.encoder.end_step([v[0] for v in scheduled.values()],
+                              [v[0] for v in scheduled.values() if v[1] != "running"])
         total = sum(s[2] for s in scheduled.values())
         prefill_admitted = any(kind != "running" and r.num_computed_tokens < r.num_tokens - 1
                                for r, kind, _, _ in scheduled.values())
@@ -446,7 +452,8 @@ class Scheduler:
             self.running.append(request)
             if self.max_loras is not None and request.lora_request is not None:
                 scheduled_loras.add(request.lora_request.lora_int_id)
-            kind = "new" if request.status == RequestStatus.WAITING else "resumed"
+            # the V2 runner gets a resumed request as a new one (all its blocks, all its tokens)
+            kind = "new" if request.status == RequestStatus.WAITING or self.use_v2_model_runner else "resumed"
             scheduled[request.request_id] = (request, kind, num_new, kv.get_block_ids(request.request_id))
             token_budget -= num_new
             request.status = RequestStatus.RUNNING
@@ -489,7 +496,7 @@ class Scheduler:
             _conn.free_request_blocks(self, request)  # deferred while a step may still write them
         else:
             self.kv_cache_manager.free(request)
-        self.encoder.manager.free(request)
+        self.encoder.forget(request)
         if self.connector_state is not None:
             self.connector_state.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -633,7 +640,7 @@ class Scheduler:
         if self.connector_state is not None:
             return _conn.free_request(self, request)
         self.spec_decode.forget(request.request_id)
-        self.encoder.manager.free(request)
+        self.encoder.forget(request)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

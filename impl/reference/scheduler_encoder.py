@@ -22,8 +22,14 @@ end inside an item is cut back to before it.
 Modelled for decoder-only models without an EC connector, items whose placeholder tokens are all
 embeddings (no ``is_embed`` mask) and a drafter without prefill lookahead (no EAGLE shift);
 identifiers always carry the same embedding count (vLLM's input processor guarantees it; the
-mismatch rejection is not drawn). The worker-side feature transport of the V2 model runner
-(``_get_encoder_input_updates``) moves multimodal data only, no KV state.
+mismatch rejection is not drawn).
+
+With the V2 model runner the scheduler also tells the workers which items' data to install and
+release (vLLM ``_get_encoder_input_updates``): a request sent as new (admitted, or resumed: the V2
+runner gets resumed requests as new ones) installs every item its prefix hit does not cover
+(``strip_covered_mm_data``); an item encoded again
+after a release is installed again; an item not encoded in this step is released once the
+request's confirmed progress (computed tokens less in-flight prefill or placeholders) passes it.
 """
 
 from __future__ import annotations
@@ -202,10 +208,17 @@ class EncoderState:
     """The scheduler's encoder side: the cache manager plus what the last ``schedule()`` encoded
     (vLLM ``SchedulerOutput.scheduled_encoder_inputs`` / ``free_encoder_mm_hashes``)."""
 
-    def __init__(self, budget: EncoderBudget) -> None:
+    def __init__(self, budget: EncoderBudget, use_v2_model_runner: bool = False) -> None:
         if not isinstance(budget, EncoderBudget):
             raise InvalidFieldError("encoder_budget", budget, "an EncoderBudget")
+        if not isinstance(use_v2_model_runner, bool):
+            raise InvalidFieldError("use_v2_model_runner", use_v2_model_runner, "True or False")
         self.budget = budget
+        self.use_v2_model_runner = use_v2_model_runner
+        #: V2 runner: request id -> items whose data the workers hold (vLLM _pending_encoder_input_ids)
+        self.pending_input_ids: dict[str, set[int]] = {}
+        #: V2 runner: the last step's ``encoder_input_updates`` ("install" / "release" per item)
+        self.encoder_input_updates: dict[str, dict[int, str]] = {}
         self.manager = EncoderCacheManager(budget.encoder_cache_size)
         self.scheduled_encoder_inputs: dict[str, tuple[int, ...]] = {}
         self.free_encoder_mm_hashes: tuple[str, ...] = ()
@@ -242,13 +255,24 @@ class EncoderState:
         if inputs:
             self.step_budget += sum(num_encoder_embeds(request, i) for i in inputs)
 
-    def end_step(self) -> None:
+    def end_step(self, scheduled: list[Request] = (), new_requests: list[Request] = ()) -> None:
+        """Close the step: its encoder inputs, evictions and (V2 runner) the workers' updates for
+        the ``scheduled`` requests, ``new_requests`` among them sent as new ones; called before the
+        step advances their computed tokens, as vLLM builds its output first."""
         self.scheduled_encoder_inputs = {r: tuple(i) for r, i in self.step_inputs.items()}
         self.free_encoder_mm_hashes = tuple(self.manager.get_freed_mm_hashes())
+        self.encoder_input_updates = (encoder_input_updates(self, scheduled, new_requests)
+                                      if self.use_v2_model_runner else {})
+
+    def forget(self, request: Request) -> None:
+        """Preempted or finished: its cache references go, and the workers drop its items."""
+        self.manager.free(request)
+        self.pending_input_ids.pop(request.request_id, None)
 
     def view(self) -> dict:
         return {"cache": self.manager.view(), "scheduled_encoder_inputs": dict(self.scheduled_encoder_inputs),
-                "free_encoder_mm_hashes": self.free_encoder_mm_hashes}
+                "free_encoder_mm_hashes": self.free_encoder_mm_hashes,
+                "encoder_input_updates": {r: dict(u) for r, u in self.encoder_input_updates.items()}}
 
 
 def features_in_window(request: Request, start: int, end: int) -> range:
@@ -319,3 +343,37 @@ def free_encoder_inputs(state: EncoderState, request: Request) -> None:
         pos = request.mm_features[i].mm_position
         if pos.offset + pos.length <= request.num_computed_tokens - request.num_output_placeholders:
             state.manager.free_encoder_input(request, i)
+
+
+def encoder_input_updates(state: EncoderState, scheduled: list[Request], new_requests: list[Request]
+                          ) -> dict[str, dict[int, str]]:
+    """vLLM ``_get_encoder_input_updates`` (V2 runner): per scheduled request, the items whose
+    data the workers install (``"install"``) or release (``"release"``) in this step."""
+    for request in new_requests:
+        if request.mm_features:
+            # sent with the new request, less the items a prefix hit already covers (vLLM
+            # strip_covered_mm_data: no encoder run can be scheduled for those)
+            state.pending_input_ids[request.request_id] = {
+                i for i, f in enumerate(request.mm_features)
+                if f.mm_position.offset + f.mm_position.length > request.num_computed_tokens}
+    updates: dict[str, dict[int, str]] = {}
+    for request in scheduled:
+        pending = state.pending_input_ids.get(request.request_id)
+        if pending is None:
+            continue
+        encoding = state.step_inputs.get(request.request_id, ())
+        for i in encoding:
+            if i not in pending:
+                # a running request rewound (rejected drafts) past a released item: install again
+                updates.setdefault(request.request_id, {})[i] = "install"
+                pending.add(i)
+        # confirmed progress: not the in-flight prefill, not speculative placeholders
+        computed = request.num_computed_tokens - max(request.num_output_placeholders, request.num_in_flight_tokens)
+        for i in sorted(pending):
+            if i in encoding:
+                continue
+            pos = request.mm_features[i].mm_position
+            if pos.offset + pos.length <= computed:
+                updates.setdefault(request.request_id, {})[i] = "release"
+                pending.remove(i)
+    return updates

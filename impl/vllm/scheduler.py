@@ -182,7 +182,7 @@ class VllmScheduler:
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
                  scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
-                 encoder_budget=None, max_loras: int | None = None) -> None:
+                 encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -235,11 +235,19 @@ class VllmScheduler:
             shared.kv_events_config = saved_events_config  # the env is shared
             shared.kv_transfer_config = saved_transfer_config
         self.connector = connector
-        self._encoder_output: dict = {"scheduled_encoder_inputs": {}, "free_encoder_mm_hashes": ()}
+        self._encoder_output: dict = {"scheduled_encoder_inputs": {}, "free_encoder_mm_hashes": (),
+                                      "encoder_input_updates": {}}
         if encoder_budget is not None:
             self._set_encoder_budget(encoder_budget)
         if max_loras is not None:
             self._set_max_loras(max_loras)
+        if not isinstance(use_v2_model_runner, bool):
+            raise InvalidFieldError("use_v2_model_runner", use_v2_model_runner, "True or False")
+        # the CPU config picks the V1 runner (no Triton); GPU deployments run V2, whose scheduler
+        # output differs (resumed requests sent as new, encoder-input updates): set as V2 sets it
+        self.scheduler.use_v2_model_runner = use_v2_model_runner
+        # V2: items carry data the workers install (a placeholder: only its presence is read)
+        self._mm_data = {"kvref": True} if use_v2_model_runner else None
         if config.num_speculative_tokens:
             # GPU deployments run the V2 model runner, which lets a drafter with lookahead slots
             # skip useless drafts; the CPU config picks the V1 runner (no Triton), so the flag is
@@ -302,7 +310,7 @@ class VllmScheduler:
         sp = v["SamplingParams"](max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
                                  ignore_eos=True, skip_reading_prefix_cache=request.skip_reading_prefix_cache)
         mm = [v["MultiModalFeatureSpec"](
-            data=None, modality=f.modality, identifier=f.identifier,
+            data=self._mm_data, modality=f.modality, identifier=f.identifier,
             mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
             for f in request.mm_features] or None
         vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
@@ -337,7 +345,9 @@ class VllmScheduler:
                 spec_token_ids=tuple(int(t) for t in spec_tokens.get(rid, ()))))
         self._encoder_output = {
             "scheduled_encoder_inputs": {r: tuple(i) for r, i in so.scheduled_encoder_inputs.items()},
-            "free_encoder_mm_hashes": tuple(so.free_encoder_mm_hashes)}
+            "free_encoder_mm_hashes": tuple(so.free_encoder_mm_hashes),
+            "encoder_input_updates": {r: {i: "release" if d is None else "install" for i, d in u.items()}
+                                      for r, u in (so.encoder_input_updates or {}).items()}}
         out = SchedulerOutput(scheduled=tuple(sched), preempted_req_ids=frozenset(so.preempted_req_ids),
                               finished_req_ids=frozenset(so.finished_req_ids), skip_drafts=bool(so.skip_drafts))
         self._outputs[id(out)] = (out, so)

@@ -12,7 +12,9 @@ cache no longer holds schedules nothing) and budgets a single step cannot cover 
 before the item; a waiting request cut to nothing is skipped, not head-of-line blocking). After
 every operation the main machine's comparison runs (outputs, queues, request states, block ids,
 free queue, KV events) and, beside it, the encoder cache (free and freeable slots, references,
-the freeable order) and the step's ``scheduled_encoder_inputs`` / ``free_encoder_mm_hashes``.
+the freeable order) and the step's ``scheduled_encoder_inputs`` / ``free_encoder_mm_hashes``; in
+half the setups the workers run the V2 model runner (resumed requests sent as new ones, the
+step's encoder-input installs and releases compared too).
 
 Liveness is not asserted (a request whose items together outgrow the cache waits forever in vLLM
 too); teardown runs a bounded drain under the same comparison.
@@ -74,9 +76,9 @@ def encoder_budgets(draw, item_max: int):
 
 @st.composite
 def encoder_setups(draw):
-    """``(pool, config, budget, item_max)``: the main machine's startup-consistent setups (no
-    speculative decoding), long enough for a few items; items never outgrow one step's tokens
-    (vLLM's startup budget)."""
+    """``(pool, config, budget, item_max, use_v2_model_runner)``: the main machine's
+    startup-consistent setups (no speculative decoding), long enough for a few items; items never
+    outgrow one step's tokens (vLLM's startup budget); the V2 model runner in half."""
     pool, cfg = draw(scheduler_setups(consistent=True, spec=False).filter(lambda s: s[0].max_model_len >= 24))
     limit = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
     item_max = max(s for s in ITEM_SIZES.values() if s <= max(2, limit)) if limit >= 2 else 2
@@ -84,7 +86,7 @@ def encoder_setups(draw):
         cfg = replace(cfg, long_prefill_token_threshold=0)
     if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < pool.max_model_len:
         cfg = replace(cfg, enable_chunked_prefill=True)  # whole prompts with images must fit a step
-    return pool, cfg, draw(encoder_budgets(item_max)), item_max
+    return pool, cfg, draw(encoder_budgets(item_max)), item_max, draw(st.booleans())
 
 
 def _place_items(rng: random.Random, length: int, sizes: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
@@ -152,6 +154,9 @@ class EncoderLockstep(Lockstep):
         if view is not None:
             COVERAGE["encoder_inputs_scheduled"] += sum(len(i) for i in view["scheduled_encoder_inputs"].values())
             COVERAGE["encoder_evictions"] += len(view["free_encoder_mm_hashes"])
+            for updates in view["encoder_input_updates"].values():
+                for kind in updates.values():
+                    COVERAGE[f"encoder_v2_{kind}s"] += 1
             ref = self.targets["ref"]
             for s in out.scheduled:
                 r = ref.requests.get(s.request_id)
@@ -168,14 +173,14 @@ class EncoderMachine(SchedulerMachine):
 
     driver_class: type = EncoderLockstep
     check_liveness = False
-    #: budget -> ``name -> (pool, config) -> target``
+    #: (budget, use_v2_model_runner) -> ``name -> (pool, config) -> target``
     factories_for: Callable = None
 
     @initialize(setup=encoder_setups())
     def init(self, setup):
-        pool, config, budget, self.item_max = setup
+        pool, config, budget, self.item_max, v2 = setup
         self.budget = budget
-        self.driver = self.driver_class(pool, config, type(self).factories_for(budget))
+        self.driver = self.driver_class(pool, config, type(self).factories_for(budget, v2))
         self.num_added = 0
         self.drawn: list[EncoderRequestSpec] = []
 
@@ -241,9 +246,10 @@ def run_encoder_machine(examples: int, reproducible: bool = False, shrink: bool 
 
     env = VllmEnv()
 
-    def factories_for(budget: EncoderBudget) -> dict[str, Callable]:
-        return {"vllm": lambda p, c: VllmScheduler(p, c, env, encoder_budget=budget),
-                "ref": lambda p, c: tallying_reference(Scheduler(p, c, encoder_budget=budget))}
+    def factories_for(budget: EncoderBudget, v2: bool) -> dict[str, Callable]:
+        return {"vllm": lambda p, c: VllmScheduler(p, c, env, encoder_budget=budget, use_v2_model_runner=v2),
+                "ref": lambda p, c: tallying_reference(Scheduler(p, c, encoder_budget=budget,
+                                                                 use_v2_model_runner=v2))}
 
     def machine_for(counting: type):
         return type("EncoderRun", (EncoderMachine,), {"driver_class": counting,

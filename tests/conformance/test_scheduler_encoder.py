@@ -4,7 +4,8 @@
 ``conform-scheduler``).
 
 Planted faults in vLLM's encoder cache show the comparison sees each rule: evicting the newest
-freeable entry instead of the oldest, or releasing an item one token late, must diverge."""
+freeable entry instead of the oldest, or releasing an item one token late, must diverge; so must
+a V2-runner vLLM that installs items a prefix hit covers."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 from tests.vllm_env import require_vllm
 
-#: the derandomized traces the path test runs (the check draws 6 at fast, 40 at ci)
-EXAMPLES = 12
+#: the derandomized examples the path test runs (the check draws 6 at fast, 40 at ci)
+EXAMPLES = 20
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,11 @@ def test_encoder_traces_match_vllm_and_reach_every_rule(vllm_scheduler):
     # the same derandomized traces under every profile: the paths asserted below are reached by them
     run = run_encoder_machine(EXAMPLES, reproducible=True)
     assert run.ok, run.failure
-    assert run.traces >= 10
+    assert run.traces >= 20
     c = run.coverage
     for path in ("encoder_inputs_scheduled", "encoder_evictions", "encoder_cache_hits", "encoder_duplicate_inputs",
-                 "encoder_chunks_cut", "encoder_waiting_skipped", "encoder_unchunked_rollback"):
+                 "encoder_chunks_cut", "encoder_waiting_skipped", "encoder_unchunked_rollback",
+                 "encoder_v2_releases"):
         assert c.get(path, 0) > 0, (path, c)
 
 
@@ -74,6 +76,18 @@ def test_vllm_with_a_planted_encoder_fault_is_a_divergence(vllm_scheduler, monke
     run = run_encoder_machine(EXAMPLES, reproducible=True, shrink=False)
     assert not run.ok
     assert "Divergence" in run.failure and "encoder" in run.failure, run.failure
+
+
+@pytest.mark.vllm
+def test_vllm_v2_installing_covered_items_is_a_divergence(vllm_scheduler, monkeypatch):
+    from vllm.v1.core.sched import output
+
+    from kvref.models.machines.scheduler_encoder import run_encoder_machine
+
+    monkeypatch.setattr(output, "strip_covered_mm_data", lambda features, num_computed, uses_mrope=False: features)
+    run = run_encoder_machine(EXAMPLES, reproducible=True, shrink=False)
+    assert not run.ok
+    assert "Divergence" in run.failure and "encoder_input_updates" in run.failure, run.failure
 
 
 @pytest.mark.vllm

@@ -153,7 +153,8 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.scheduler_encoder", "EncoderCacheManager.allocate EncoderCacheManager.can_allocate "
             "EncoderCacheManager.check_and_update_cache EncoderCacheManager.free EncoderCacheManager.free_encoder_input "
             "EncoderCacheManager.get_cached_input_ids EncoderState.commit EncoderState.try_schedule "
-            "EncoderState.unschedule allocate_encoder_inputs features_in_window free_encoder_inputs "
+            "EncoderState.unschedule EncoderState.end_step EncoderState.forget encoder_input_updates "
+            "allocate_encoder_inputs features_in_window free_encoder_inputs "
             "num_encoder_embeds try_schedule_encoder_inputs",
             "a step of the reference Scheduler's encoder gate (issue #22), called at its hooks with its own "
             "checked requests (vLLM's EncoderCacheManager is driven only by its Scheduler too); the budget and "
