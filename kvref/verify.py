@@ -361,7 +361,7 @@ SCHEDULER_RUNS = (
            "; {traces} with the prefill cadence ({cadence_held_chunk} chunks and {cadence_held_waiting} admissions "
            "held) and outranking arrivals"),
     # multimodal requests on an encoder budget and cache
-    SubRun("kvref.models.machines.scheduler_encoder:run_encoder_machine", (6, 40),
+    SubRun("kvref.models.machines.scheduler_encoder:run_encoder_machine", (8, 40),
            "scheduler traces with encoder inputs",
            "; {traces} with encoder inputs ({encoder_inputs_scheduled} encoded, {encoder_evictions} evicted)"),
     # LoRA arrivals under max_loras

@@ -13,7 +13,7 @@ import pytest
 
 from tests.vllm_env import require_vllm
 
-#: the derandomized examples the path test runs (the check draws 6 at fast, 40 at ci)
+#: the derandomized examples the path test runs (the check draws 8 at fast, 40 at ci)
 EXAMPLES = 20
 
 
