@@ -9,7 +9,9 @@ requests), sometimes through the full-sequence admission gate (the resident cap)
 regions (``require_hot``, what the coordinator does when a page is lost), run the coordinator's
 ``update_residency`` transition rule, point host-only pages at another request's GPU block and
 pin it (``adopt_resident_page``, as the coordinator adopts GPU copies of host pages) or stop
-reading it (``drop_resident_page``, then the pin is released), and free. Pools are small (a few pages of GPU and host
+reading it (``drop_resident_page``, then the pin is released), and free. With prefix caching on, a
+hit can end inside the source's last hit block, so the host source copies it on write: the pending
+pairs (ids and ref counts) are compared after every op and drained for the worker by ``host_copies``. Pools are small (a few pages of GPU and host
 blocks) so host exhaustion (the admission sentinel) and the transition watermark are reached.
 """
 
@@ -87,10 +89,17 @@ COPY_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 5, 0, 0, Fals
 FINISH_IN_FLIGHT_PREFIX = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 11, 0, 0, False),
                            ("offload", 0, 1, 0, 0, False), ("free", 0, 1, 0, 0, False),
                            ("complete", 0, 1, 0, 0, True), ("schedule", 1, 5, 0, 0, False)]
+#: with prefix caching: r1's hit on r0's published pages ends inside a host block, so the host
+#: source copies that block on write (drained for the worker by ``host_copies``)
+HOST_COW_PREFIX = COPY_PREFIX[:-1] + [("schedule", 1, 5, 2, 0, False)]
+#: the worker's copy work drained, the requests freed, drained again (copies still pending are handed over)
+HOST_COW_DRAIN = [("host_copies", 0, 1, 0, 0, False), ("free", 0, 1, 0, 0, False), ("free", 1, 1, 0, 0, False),
+                  ("host_copies", 0, 1, 0, 0, False)]
 PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops),
                      st.lists(OPS, min_size=5, max_size=30).map(lambda ops: FINISH_IN_FLIGHT_PREFIX + ops),
-                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: COPY_PREFIX + ops))
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: COPY_PREFIX + ops),
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: HOST_COW_PREFIX + ops + HOST_COW_DRAIN))
 
 
 #: fixed programs every run starts with, so the rare paths are reached whatever the draws: a
@@ -108,6 +117,9 @@ HAND_PROGRAMS = [
     (HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
                         num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
      [20, 20, 20], FINISH_IN_FLIGHT_PREFIX),
+    (HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
+                        num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
+     [20, 20, 20], HOST_COW_PREFIX + [("free", 1, 1, 0, 0, False), ("host_copies", 0, 1, 0, 0, False)]),
 ]
 
 
@@ -124,6 +136,13 @@ class HiSparseDivergence(AssertionError):
 def _compare(step: str, ref: Any, got: Any, what: str) -> None:
     if ref != got:
         raise HiSparseDivergence(f"HiSparse divergence after {step}: {what}: reference {ref!r} != vLLM {got!r}", what)
+
+
+def _pending_host_copies(pool: Any) -> list[tuple[int, int, int, int]]:
+    """The host source's copy-on-write pairs not yet drained for the worker, as (source id, source
+    ref count, copy id, copy ref count): both endpoints must stay referenced until the worker has
+    copied (vLLM's ``_apply_cow`` gives the copy an extra ref)."""
+    return [(src.block_id, src.ref_cnt, dst.block_id, dst.ref_cnt) for src, dst in pool.managers[0]._pending_cow_copies]
 
 
 def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: list[tuple],
@@ -153,6 +172,12 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
                 hit = ref.find_longest_cache_hit(rid, prompt, length - 1)
                 _compare(step, hit, vll.find_longest_cache_hit(rid, prompt, length - 1), "prefix-cache hit")
                 local = hit[0]
+                if hit_pages >= 2 and bs > 1 and local:
+                    # a reconciled hit ending inside the source's last hit block (what a
+                    # fine-grained hash-block hit of a Mamba-align group makes of it): the source
+                    # shares that block and copies it on write (host copy-on-write, issue #23)
+                    local -= 1 + (hit_pages - 2 + chunk) % (bs - 1)
+                    seen["partial_host_hit"] += 1
                 external = min(imported, length - 1 - local) if imported > 4 else 0
             elif new:
                 local = min(hit_pages * bs, length - 1)
@@ -322,6 +347,9 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         ref.check_invariants()
         state = ref.observe()
         _compare(step, state, vll.observe(), "state")
+        pending = _pending_host_copies(ref)
+        _compare(step, pending, _pending_host_copies(vll), "pending host copy-on-write pairs")
+        seen["host_cow_pending"] += bool(pending)
         if op in ("update", "schedule") and any(set(now) - set(was) for now, was
                                                   in zip(state["hot_required"], hot_required)):
             seen["transition"] += 1  # the residency rule asked for a hot region
