@@ -224,7 +224,7 @@ class OffloadingWorld(OffloadWorldBase):
         self.preempted_pending: set[str] = set()
         self.jobs: dict[int, dict] = {}  # job -> {"store": bool, "req": rid, "src": [...], "reported": n}
         self.gpu_content: dict[int, Any] = {}
-        self.copies: list[list[tuple[int, int]]] = []  # the copy-on-write pairs of every step
+        self.copies: list[tuple[int, list[tuple[int, int]]]] = []  # (step, copy-on-write pairs) per step with any
         self.partial_written: dict[int, int] = {}  # block -> tokens its last writer filled (partial tails)
         self.metas: list[tuple] = []
         self._n = 0
@@ -352,7 +352,9 @@ class OffloadingWorld(OffloadWorldBase):
         step.boundary_state_offloads = self.b.take_boundary_state_offloads()
         self._record_handoffs(step.boundary_state_offloads)
         # ... and releases the blocks its copy-on-write pairs retained (sub-block Mamba hits)
-        self.copies.append(self.b.release_kv_cache_block_copies())
+        pairs = self.b.release_kv_cache_block_copies()
+        if pairs:  # (step, pairs): no entry on pools without copies (the explorer keys on the world)
+            self.copies.append((len(self.metas), pairs))
         meta = (*self.b.build_meta(step), tuple(lookups))
         self._take_kv_events()
         stats = self.b.connector_stats()  # vLLM's engine collects them every step
