@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvref.impl.interface import make_manager
-from kvref.spec.kv_cache_interface import MambaSpec, RSWASpec
+from kvref.spec.kv_cache_interface import MambaSpec, RSWASpec, SlidingWindowSpec
 
 from kvref.models.conformance.accepted import is_accepted
 from kvref.models.conformance.differential import Divergence, Harness
@@ -120,6 +120,11 @@ class MachineStats:
     retention_probes: dict[str, int] = field(default_factory=dict)
     #: pools by ``num_prefill_lookahead`` (multi-module MTP re-prefillable tails, issue #23)
     prefill_lookahead_pools: dict[int, int] = field(default_factory=dict)
+    #: pools by ``num_hash_lookahead_tokens`` where a prefill lookahead was drawn (multi-module MTP
+    #: with lookahead hashes: every block's hash covers the next n tokens, issue #23)
+    hash_lookahead_pools: dict[int, int] = field(default_factory=dict)
+    #: prefix hits on pools hashing a lookahead of >= 2 tokens
+    hash_lookahead_hits: int = 0
     #: Mamba "align" boundary-state hand-offs and finishing producers' partial tails compared
     boundary_state_offloads: int = 0
     partial_tail_offloads: int = 0
@@ -146,6 +151,10 @@ def _group_set_name(pool) -> str:
     return "+".join(type(g.kv_cache_spec).__name__.replace("Spec", "") for g in pool.groups)
 
 
+def _one_sliding_window_group(pool) -> bool:
+    return len(pool.groups) == 1 and isinstance(pool.groups[0].kv_cache_spec, SlidingWindowSpec)
+
+
 def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...] = GROUP_SETS,
                              max_blocks: int = 48, eagle: bool | str = True,
                              mamba_align_external_loads: bool = False,
@@ -154,7 +163,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                              retention: bool | str = False,
                              prefill_lookahead: bool = False,
                              context_parallel: bool = False,
-                             shared_prefix_checkpoint: bool | str = False) -> type[RuleBasedStateMachine]:
+                             shared_prefix_checkpoint: bool | str = False,
+                             hash_lookahead_always: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving the implementations ``kinds`` side by side.
 
     A pool that an implementation other than vLLM refuses (``ValueError``: kvref's "not modelled"
@@ -179,8 +189,12 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
 
     ``prefill_lookahead``: draw vLLM's ``num_prefill_lookahead`` (1..4, clamped to the scheduler
     block size) for EAGLE pools without lookahead hashes (multi-module MTP with
-    ``disable_lookahead_block_hashes``; 1 with them, as vLLM derives it); only where ``breadth``
+    ``disable_lookahead_block_hashes``) and, with them, the same n as ``num_hash_lookahead_tokens``
+    (vLLM derives one from the other: every block's hash covers the next n tokens) except on a pool
+    of one sliding-window group (1 there: vLLM's IndexError, docs/coverage.md); only where ``breadth``
     holds. Off by default (then not an argument of the setup rule, so the other runs keep their inputs).
+    ``hash_lookahead_always``: every EAGLE pool hashes a lookahead (the drawn n with
+    ``prefill_lookahead``), for tests that must reach it in a few examples.
 
     ``context_parallel``: run pools under DCP/PCP (``models.machines.context_parallel``: DCP 2 or
     4 in three pools of four, PCP 2 in one of four, groups and block sizes re-resolved as vLLM accepts
@@ -231,9 +245,12 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                     **lookahead_arg)
         def setup(self, pool, async_mode, hashing, retention_probe, num_prefill_lookahead=0,
                   context_parallel_draw=None, shared_prefix_draw=None) -> None:
+            drawn_eagle = pool.use_eagle or any(g.is_eagle_group for g in pool.groups)
             if kv_events:
                 pool = dataclasses.replace(pool, enable_kv_cache_events=True)
             if breadth:
+                if hash_lookahead_always and drawn_eagle:
+                    hashing = {**hashing, "num_hash_lookahead_tokens": 1}
                 if any(isinstance(g.kv_cache_spec, MambaSpec) for g in pool.groups):
                     hashing = {**hashing, "num_hash_lookahead_tokens": 0}  # see hashing_settings
                 if hashing["num_hash_lookahead_tokens"]:  # lookahead hashes prove the boundary: no drop
@@ -250,6 +267,16 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 eagle_pool = pool.use_eagle or any(g.is_eagle_group for g in pool.groups)
                 n = 0 if not eagle_pool else 1 if pool.num_hash_lookahead_tokens \
                     else min(num_prefill_lookahead, pool.scheduler_block_size)
+                if pool.num_hash_lookahead_tokens and drawn_eagle and not _one_sliding_window_group(pool):
+                    # multi-module MTP with lookahead hashes (vLLM's num_hash_lookahead_tokens is
+                    # num_prefill_lookahead_tokens, the block drop off); not on a pool of one
+                    # sliding-window group, where vLLM's lookup reads a hash lookahead of >= 2
+                    # leaves out (IndexError, docs/coverage.md)
+                    n = min(num_prefill_lookahead, pool.scheduler_block_size)
+                    pool = dataclasses.replace(pool, num_hash_lookahead_tokens=n)
+                if pool.num_hash_lookahead_tokens:
+                    k = pool.num_hash_lookahead_tokens
+                    self.stats.hash_lookahead_pools[k] = self.stats.hash_lookahead_pools.get(k, 0) + 1
                 pool = dataclasses.replace(pool, num_prefill_lookahead=n)
                 self.stats.prefill_lookahead_pools[n] = self.stats.prefill_lookahead_pools.get(n, 0) + 1
             managers = {}
@@ -289,6 +316,8 @@ def kv_cache_manager_machine(kinds: tuple[str, ...], group_sets: tuple[str, ...]
                 self.stats.step_rejections += self.h.num_step_rejections
                 self.stats.ops_applied += self.h.num_applied
                 self.stats.prefix_hits += self.h.num_prefix_hits
+                if self.h.pool_config.num_hash_lookahead_tokens >= 2:
+                    self.stats.hash_lookahead_hits += self.h.num_prefix_hits
                 self.stats.preemptions += self.h.num_preemptions
                 self.stats.async_batches += self.h.num_async_batches
                 self.stats.external_loads += self.h.num_external_loads
