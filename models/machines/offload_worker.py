@@ -68,7 +68,9 @@ class OffloadingWorkerWorld(OffloadingWorld):
         # A Mamba "align" group and synchronous loads stay with conform-offload too: the worker's
         # byte layout here is attention pages only (the recurrent state's page is another shape), and
         # its handover rule knows asynchronous loads only.
-        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False, sync_load_budget_bytes=0)
+        # Hashes finer than the blocks come only with the Mamba group (vLLM's partial tails): they go too.
+        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False, sync_load_budget_bytes=0,
+                      hash_block_size=None)
         super().__init__(cfg, backend, strict)
         # vLLM's whole connector also reports the workers' transfer metrics (bytes, times) and its
         # CPU cache's byte size (info), which depend on the worker's page layout: only the
@@ -304,7 +306,7 @@ def run_traces(cases, on_difference=None) -> dict:
     cases = list(cases)
     stats.update(run_chunk_configs(random.Random(f"chunk-configs-{len(cases)}"), max(16, 2 * len(cases))))
     for i, (cfg, ops) in enumerate(cases):
-        cfg = replace(cfg, mamba_align=False, sync_load_budget_bytes=0)  # as OffloadingWorkerWorld
+        cfg = replace(cfg, mamba_align=False, sync_load_budget_bytes=0, hash_block_size=None)  # as OffloadingWorkerWorld
         # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0
         # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
         # connector reset), after which loaded bytes may rightly differ from computed ones

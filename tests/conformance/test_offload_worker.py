@@ -32,6 +32,18 @@ def test_whole_connector_matches_reference_with_bytes():
     assert stats["loads_checked"] > 0 and stats["blocks_checked"] > 0
 
 
+def test_configs_with_hashes_finer_than_blocks_run_on_the_worker():
+    """conform-offload's partial-tail configs (hash_block_size < block_size, FA + Mamba 'align')
+    reach this check too; the worker world drops the Mamba group and with it the finer hashes,
+    instead of the reference refusing to start (ci run of conform-offload-worker, session 12)."""
+    require_vllm()
+    from kvref.models.machines.offload_worker import run_traces
+
+    cases = [(cfg, ops) for cfg, ops in offload_worker_cases(0, 300) if cfg.hash_block_size][:2]
+    assert cases, "no draw with finer hashes among 300"
+    assert run_traces(cases)["traces"] == len(cases)
+
+
 def _worker_cls():
     require_vllm()
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
