@@ -24,8 +24,9 @@ managers the interval and the prompt's replay boundaries; sliding-window and Mam
 only the blocks their ``reachable_block_mask`` keeps. Under interval 0 ``prefill_end`` reaches the
 managers (Mamba reserves a prefill checkpoint only on the chunk reaching it); otherwise it is 0.
 
-Digest §6. Not modelled: DCP/PCP, metrics, multi-module MTP (``num_prefill_lookahead``), HiSparse
-roles.
+Digest §6. DCP/PCP block scaling (spec/context_parallel.py), multi-module MTP's re-prefillable
+tail (``num_prefill_lookahead``) and HiSparse group roles (``PoolConfig.group_roles``, the host
+pool) are modelled; metrics other than prefix-cache stats are not.
 """
 
 from __future__ import annotations
