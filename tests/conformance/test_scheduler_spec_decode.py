@@ -54,6 +54,16 @@ def test_generated_spec_decode_traces_match_vllm(vllm_env):
                                                     stateful_step_count=STEP_COUNT, derandomize=True,
                                                     database=None))
     print("spec decode coverage:", dict(COVERAGE))
+    if profile_examples(False, True) and not COVERAGE["spec_stale_verify"]:
+        # a stale verification needs async scheduling, a rejected draft and a step in flight; when
+        # the mixed draws of the pass above miss it (the MTP setups joined them in session 12 and
+        # moved every draw), a derandomized async-only pass looks for it on its own
+        async_only = machine_with(_targets(vllm_env), setups=scheduler_setups(spec=True, async_scheduling=True),
+                                  name="SpecDecodeAsyncConformance", spec=True)
+        with same_inputs_in_every_process():
+            run_state_machine_as_test(async_only, _min_steps=MIN_STEPS + 1,
+                                      settings=settings(max_examples=100, stateful_step_count=STEP_COUNT,
+                                                        derandomize=True, database=None))
     if profile_examples(False, True):
         missing = [k for k in RARE if COVERAGE[k] == 0]
         assert not missing, f"paths never exercised: {missing} (coverage {dict(COVERAGE)})"
