@@ -54,4 +54,7 @@ def test_vllm_without_admission_padding_diverges(monkeypatch):
     monkeypatch.setattr(Scheduler, "schedule", unpadded)
     run = _run(profile_examples(4, 10))
     assert not run.ok, "admissions without spec-decode padding went unnoticed"
-    assert "schedule" in run.failure, run.failure[:500]
+    # the un-padded admission shows at its schedule() or, since session 12's MTP setups moved the
+    # draws, first as the fewer KV blocks it holds once the step's output is processed
+    assert "schedule" in run.failure or ("blocks r" in run.failure and "num_free_blocks" in run.failure), \
+        run.failure[:500]
