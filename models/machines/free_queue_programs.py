@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from kvref.impl.free_block_queue_view import FreeBlockQueueView
 from kvref.impl.reference.free_block_queue import FreeKVCacheBlockQueue
 from kvref.impl.reference.kv_cache_block import KVCacheBlock
 from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
@@ -25,41 +26,13 @@ from kvref.spec.errors import check_int
 OPS = ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n", "ids_after")
 
 
-class ReferenceFreeBlockQueue:
+class ReferenceFreeBlockQueue(FreeBlockQueueView):
     """The reference's queue behind block ids (the twin of ``kvref.impl.vllm.free_block_queue``)."""
 
     def __init__(self, num_blocks: int) -> None:
         check_int("num_blocks", num_blocks, minimum=0)
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.queue = FreeKVCacheBlockQueue(list(self.blocks))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.queue.num_free_blocks
-
-    def popleft(self) -> int:
-        return self.queue.popleft().block_id
-
-    def popleft_n(self, n: int) -> list[int]:
-        return [b.block_id for b in self.queue.popleft_n(n)]
-
-    def remove(self, block_id: int) -> None:
-        self.queue.remove(self.blocks[block_id])
-
-    def append(self, block_id: int) -> None:
-        self.queue.append(self.blocks[block_id])
-
-    def append_n(self, block_ids: list[int]) -> None:
-        self.queue.append_n([self.blocks[i] for i in block_ids])
-
-    def prepend_n(self, block_ids: list[int]) -> None:
-        self.queue.prepend_n([self.blocks[i] for i in block_ids])
-
-    def free_block_ids(self) -> list[int]:
-        return [b.block_id for b in self.queue.get_all_free_blocks()]
-
-    def ids_after(self, cursor: int | None) -> list[int]:
-        return [b.block_id for b in self.queue.iter_blocks_after(None if cursor is None else self.blocks[cursor])]
+        blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        super().__init__(blocks, FreeKVCacheBlockQueue(list(blocks)))
 
 
 @st.composite
