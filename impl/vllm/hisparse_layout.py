@@ -15,6 +15,23 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 
+def vllm_sparse_mla_specs(source: Sequence[tuple[str, int, bool]], indexer: Sequence[tuple[str, int]],
+                          block_size: int) -> dict[str, Any]:
+    """vLLM's own ``MLAAttentionSpec`` per layer: ``source`` (name, head_size, index-group leader)
+    with the sparse role, ``indexer`` (name, head_size) with the indexer role, uint8 pages."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    specs: dict[str, Any] = {}
+    for name, head, leader in source:
+        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
+                                       cache_role=SparseCacheRole.SPARSE, is_index_group_leader=leader)
+    for name, head in indexer:
+        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
+                                       cache_role=SparseCacheRole.INDEXER)
+    return specs
+
+
 def vllm_hisparse_layout(source: Sequence[tuple[str, int, bool]], indexer: Sequence[tuple[str, int]],
                          block_size: int, top_k: int, device_buffer_size: int | None, host_budget: int,
                          max_model_len: int) -> dict[str, Any]:
@@ -25,18 +42,10 @@ def vllm_hisparse_layout(source: Sequence[tuple[str, int, bool]], indexer: Seque
     """
     import logging
 
-    import torch
     from vllm.v1.hisparse.layout import _lay_out_hisparse_groups, create_hisparse_layout
-    from vllm.v1.kv_cache_interface import (KVCacheGroupSpec, MLAAttentionSpec, SparseCacheRole,
-                                            UniformTypeKVCacheSpecs)
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
 
-    specs: dict[str, Any] = {}
-    for name, head, leader in source:
-        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
-                                       cache_role=SparseCacheRole.SPARSE, is_index_group_leader=leader)
-    for name, head in indexer:
-        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
-                                       cache_role=SparseCacheRole.INDEXER)
+    specs = vllm_sparse_mla_specs(source, indexer, block_size)
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
                                decode_context_parallel_size=1, world_size=1, distributed_executor_backend="mp",
                                nnodes_within_dp=1)

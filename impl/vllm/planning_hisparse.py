@@ -41,19 +41,14 @@ def vllm_hisparse_plan(planner: Any, source: Sequence[tuple[str, int, bool]], in
     ``{"error": rule, "estimated_max_model_len": n}`` when vLLM rejects it, else the device groups,
     pools, tensors and the three capacity figures.
     """
-    import torch
     from vllm.config import KVTransferConfig
     from vllm.config.attention import HiSparseConfig
     from vllm.v1.hisparse.layout import get_hisparse_kv_cache_groups, get_hisparse_steady_state_concurrency
-    from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec, MLAAttentionSpec, SparseCacheRole
+    from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 
-    specs: dict[str, Any] = {}
-    for name, head, leader in source:
-        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
-                                       cache_role=SparseCacheRole.SPARSE, is_index_group_leader=leader)
-    for name, head in indexer:
-        specs[name] = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=torch.uint8,
-                                       cache_role=SparseCacheRole.INDEXER)
+    from kvref.impl.vllm.hisparse_layout import vllm_sparse_mla_specs
+
+    specs = vllm_sparse_mla_specs(source, indexer, block_size)
     vc, planning, utils = planner.vc, planner.planning, planner.utils
     planner.configure(config)
     hf = vc.model_config.hf_config
