@@ -100,6 +100,15 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         workers = [[e for e in events if prng.random() < 0.8] for _ in range(prng.randint(1, 3))]
         problems += check_worker_aggregation(workers)
     problems += check_endpoint_offsets()
+    from kvref.impl.vllm.kv_event_publisher_edges import (  # tcp endpoints, factory, aggregator (#22)
+        check_aggregator_refusals,
+        check_publisher_factory,
+        check_tcp_streams,
+    )
+
+    problems += check_tcp_streams(batches, ctx.seed)
+    problems += check_publisher_factory(ctx.seed)
+    problems += check_aggregator_refusals([e for events in batches for e in events], ctx.seed)
     if problems:
         return CheckResult(NAME, FAILED, "vLLM's ZMQ KV-event publisher did not deliver the events as published",
                            details=problems[:10], signature=f"{NAME}: kv event publisher")

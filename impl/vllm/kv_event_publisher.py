@@ -165,13 +165,14 @@ def check_worker_aggregation(per_worker: list[list[Any]]) -> list[str]:
 def check_endpoint_offsets() -> list[str]:
     """``ZmqEventPublisher.offset_endpoint_port``: data-parallel rank ``r`` publishes on the port
     ``r`` above the configured one (tcp), or on ``<endpoint>_dp<r>`` (inproc); rank 0, port 0 (the
-    OS picks) and no endpoint are left as they are; anything else is refused."""
+    OS picks), a tcp endpoint without a port and no endpoint are left as they are; anything else is
+    refused."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     off = ZmqEventPublisher.offset_endpoint_port
     cases = {("tcp://*:5557", 0): "tcp://*:5557", ("tcp://*:5557", 3): "tcp://*:5560",
              ("tcp://10.0.0.1:7000", 1): "tcp://10.0.0.1:7001", ("tcp://*:0", 2): "tcp://*:0",
-             ("inproc://events", 2): "inproc://events_dp2", (None, 4): None}
+             ("inproc://events", 2): "inproc://events_dp2", (None, 4): None, ("tcp", 1): "tcp"}
     problems = [f"offset_endpoint_port({e!r}, {r}) = {off(e, r)!r}, expected {want!r}"
                 for (e, r), want in cases.items() if off(e, r) != want]
     try:
