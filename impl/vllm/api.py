@@ -178,6 +178,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.encoder_cache_manager", "EncoderCacheManager", "cache_size"),
         # LoRA's max_loras admission (models/machines/scheduler_lora.py, #22)
         _b("vllm.config", "LoRAConfig", "max_loras"),
+        # check_stop's EOS, min_tokens and repetition rules (models/machines/scheduler_stop.py, #22)
+        _b("vllm.sampling_params", "SamplingParams.__init__", "max_tokens", "stop_token_ids", "ignore_eos",
+           "min_tokens", "repetition_detection", "skip_reading_prefix_cache"),
+        _b("vllm.sampling_params", "SamplingParams.update_from_generation_config"),
+        _b("vllm.sampling_params", "RepetitionDetectionParams", "max_pattern_size", "min_pattern_size", "min_count"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),
@@ -293,6 +298,10 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.cpu.shared_offload_region", "SharedOffloadRegion"),
         _b("vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec"),
         _b("vllm.distributed.kv_events", "KVEventAggregator"),
+        # the publisher's factory, no-op publisher and a connector's event container (kv_event_publisher_edges.py)
+        _b("vllm.distributed.kv_events", "EventPublisherFactory.register_publisher", "name", "ctor"),
+        _b("vllm.distributed.kv_events", "NullEventPublisher"),
+        _b(_CONN_V1 + ".lmcache_connector", "LMCacheKVEvents"),
         _b(_CONN_V1 + ".simple_cpu_offload_connector", "SimpleCPUOffloadConnector"),
     ),
     # multi-tier offloading: TieringOffloadingManager with its file-system and example tiers (#22)
@@ -301,6 +310,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager"),
         _b("vllm.v1.kv_offload.tiering.base", "TransferJob"),
         _b("vllm.v1.kv_offload.tiering.base", "JobResult"),  # kvref's PolledTier reports peer pins (#22)
+        _b("vllm.v1.kv_offload.tiering.backpressure", "EMABackpressureDetector"),  # back-pressure programs (#22)
+        _b("vllm.v1.kv_offload.tiering.backpressure", "DropStorePolicy"),
+        _b("vllm.v1.kv_offload.tiering.backpressure", "ThrottledDropPolicy"),
         _b("vllm.v1.kv_offload.file_mapper", "FileMapper"),
         _b(_OFF_BASE, "make_offload_key"),
         _b(_OFF_BASE, "OffloadPolicy"),
