@@ -121,6 +121,8 @@ RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "dra
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
 #: the keys of an ``update`` record's ``stats`` (all ints except ``usage``, a float in [0, 1])
 STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait",
+              # num_skipped_waiting_reqs: vLLM's deferred_waiting, left out of "wait" (#28)
+              "skip",
               # the connector's prefix-cache stats (format 4, KV-connector runs): external hits per
               # lookup, and whether a connector cache reset happened since the last stats
               "creq", "cq", "ch", "cpreq", "cpq", "cph", "creset")
@@ -523,6 +525,17 @@ def validate_record(rec: Any, where: str) -> str:
         _str_list(where, rec, "resumed")
         _str_list(where, rec, "pre")
         _str_list(where, rec, "fin")
+        # the step's encoder inputs, evictions and V2 updates (#28)
+        enc, eupd = rec.get("enc"), rec.get("eupd")
+        if enc is not None and not (isinstance(enc, dict) and all(
+                isinstance(v, list) and all(_is_int(x) for x in v) for v in enc.values())):
+            raise _fail(where, "enc", enc, "an object: request id -> input indexes (ints >= 0)")
+        if "efree" in rec:
+            _str_list(where, rec, "efree")
+        if eupd is not None and not (isinstance(eupd, dict) and all(
+                isinstance(u, dict) and all(k.isdigit() and v in ("install", "release") for k, v in u.items())
+                for u in eupd.values())):
+            raise _fail(where, "eupd", eupd, 'an object: request id -> {input index: "install" or "release"}')
     elif t == "update":
         if not _is_int(rec.get("step"), -1):
             raise _fail(where, "step", rec.get("step"), "an int >= 0 (-1: a step the recorder did not see)")
@@ -558,6 +571,17 @@ def validate_record(rec: Any, where: str) -> str:
             raise _fail(where, "priority", rec.get("priority"), "an int")
         if type(rec.get("arrival")) not in (int, float):
             raise _fail(where, "arrival", rec.get("arrival"), "a number (seconds)")
+        # multimodal items and the LoRA adapter (#28)
+        mm = rec.get("mm")
+        if mm is not None and not (isinstance(mm, list) and all(
+                isinstance(e, list) and len(e) == 4 and type(e[0]) is str and e[0] and _is_int(e[1])
+                and _is_int(e[2], 1) and type(e[3]) is str for e in mm)):
+            raise _fail(where, "mm", mm, "a list of [identifier (str), offset (int >= 0), length (int >= 1), "
+                        "modality (str)]")
+        lora = rec.get("lora")
+        if lora is not None and not (isinstance(lora, list) and len(lora) == 3 and type(lora[0]) is str and lora[0]
+                                     and _is_int(lora[1], 1) and type(lora[2]) is str and lora[2]):
+            raise _fail(where, "lora", lora, "[name (str), id (int >= 1), path (str)]")
     elif t == "abort":
         _str_list(where, rec, "ids")
     elif t == "end":

@@ -146,7 +146,9 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # the drafter's prefill lookahead is replayed (the header's spec carries it): 1 for an
     # EAGLE-family drafter changes nothing; multi-module MTP's longer runway is the reference's
     # scheduler_prefill_lookahead and the manager's re-prefillable tail (#28)
-    flag(getattr(s, "num_hash_lookahead_tokens", 0), "hash_lookahead_tokens")
+    # lookahead block hashes (an EAGLE-family drafter's hashes cover the tokens its KV at a block's
+    # last position reads ahead) are replayed: the header's pool carries num_hash_lookahead_tokens,
+    # the reference's manager hashes the same way (#28)
     flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
     # the adaptive long-prefill threshold, max_num_active_seqs and the local prefill cadence are
     # replayed (the header's scheduler section carries them; impl/reference/scheduler_cadence.py):
@@ -163,8 +165,13 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # replayed, with a KV connector too (#28): the reference's connector path splits like vLLM's
     # waiting loop and returns copy-on-write endpoints at the end of schedule() as vLLM's
     # _free_cow_retained_blocks does (it kept them: a free-block divergence after a delayed free)
-    flag(getattr(getattr(vc, "cache_config", None), "enable_mamba_shared_prefix_checkpoint", False),
-         "mamba_shared_prefix_checkpoint")
+    # the Mamba shared-prefix checkpoint is replayed (the header's pool carries it; the reference's
+    # managers narrow and split at the junction as vLLM does, #28)
+    # encoder inputs (multimodal) are replayed with vLLM's own EncoderCacheManager sizes (the
+    # header's scheduler.encoder); another encoder cache manager (an EC connector's) is not modelled
+    ecm = getattr(s, "encoder_cache_manager", None)
+    flag(ecm is not None and type(ecm).__name__ != "EncoderCacheManager",
+         f"encoder_cache_manager:{type(ecm).__name__}")
     flag(bool(sc.async_scheduling) != is_async_class,
          "async_scheduling_mismatch (async_scheduling=%s with a %s scheduler class)"
          % (sc.async_scheduling, "async" if is_async_class else "synchronous"))
@@ -201,6 +208,9 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             "scheduler_block_size": s.block_size, "hash_block_size": s.hash_block_size,
             "max_in_flight_tokens": vc.max_in_flight_tokens, "enable_caching": bool(cc.enable_prefix_caching),
             "watermark": float(getattr(sc, "watermark", 0.0)), "use_eagle": bool(getattr(s, "use_eagle_block_drop", False)),
+            # replayed (#28): lookahead block hashes, and the Mamba shared-prefix checkpoint as configured
+            "num_hash_lookahead_tokens": int(getattr(s, "num_hash_lookahead_tokens", 0) or 0),
+            "mamba_shared_prefix_checkpoint": bool(getattr(cc, "enable_mamba_shared_prefix_checkpoint", False)),
             # is_eagle_group: the groups an EAGLE-like drafter's block drop applies to (replayed, #28)
             "groups": [{"layers": list(g.layer_names), "spec": spec_record(g.kv_cache_spec),
                         **({"is_eagle_group": True} if getattr(g, "is_eagle_group", False) else {})}
@@ -219,11 +229,33 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             "prefill_schedule_interval": _local_prefill_interval(s),
             "long_prefill_token_threshold_adaptive": bool(getattr(s, "adaptive_long_prefill_threshold", False)),
             "max_num_active_seqs": getattr(s, "max_num_active_reqs", sc.max_num_seqs),
+            # what multimodal and LoRA requests need replayed (#28): the encoder limits vLLM derived
+            # from the model's MultiModalBudget, LoRAConfig.max_loras, and the V2 model runner
+            # (resumed requests sent as new ones, the encoder-input updates)
+            "use_v2_model_runner": bool(getattr(s, "use_v2_model_runner", False)),
+            "max_loras": _max_loras(s),
+            "encoder": _encoder_header(s),
         },
         "unmodelled": _setup_unmodelled(s, is_async_class),
         **({"spec": _spec_header(s)} if getattr(vc, "speculative_config", None) is not None else {}),
         **({"connector": connector_header(s)} if getattr(s, "connector", None) is not None else {}),
     }
+
+
+def _max_loras(s) -> int | None:
+    """vLLM's ``LoRAConfig.max_loras`` the scheduler admits under, or None (LoRA off)."""
+    lc = getattr(s, "lora_config", None)
+    return int(lc.max_loras) if lc else None
+
+
+def _encoder_header(s) -> dict:
+    """The encoder limits vLLM's ``Scheduler.__init__`` took from the model's ``MultiModalBudget``
+    (zero for a text model): the compute budget per step, the encoder cache's size (both in
+    embeddings) and ``disable_chunked_mm_input``."""
+    ecm = getattr(s, "encoder_cache_manager", None)
+    return {"compute_budget": int(getattr(s, "max_num_encoder_input_tokens", 0) or 0),
+            "cache_size": int(getattr(ecm, "cache_size", 0) or 0),
+            "disable_chunked_mm_input": bool(getattr(s.scheduler_config, "disable_chunked_mm_input", False))}
 
 
 #: drafting methods kvref's scheduler models (n-gram; EAGLE-like drafters with lookahead slots)
@@ -296,10 +328,10 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
         found.append("pooling")
     if getattr(request, "use_structured_output", False):
         found.append("structured_output")
-    if getattr(request, "mm_features", None):
-        found.append("multimodal")
-    if getattr(request, "lora_request", None) is not None:
-        found.append("lora")
+    # multimodal items and LoRA adapters are recorded (add.mm, add.lora) and replayed (#28); an item
+    # whose placeholder tokens are not all embeddings (an is_embed mask) is not modelled
+    if any(getattr(f.mm_position, "is_embed", None) is not None for f in getattr(request, "mm_features", None) or ()):
+        found.append("multimodal (is_embed mask)")
     if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
         found.append("prompt_embeds")
     if getattr(request, "kv_transfer_params", None):
@@ -307,6 +339,42 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
     if sp is not None and getattr(sp, "repetition_detection", None) is not None:
         found.append("repetition_detection")
     return found
+
+
+def _features_json(request, anon) -> str:
+    """``,"mm":[[identifier, offset, length, modality], ...]`` and ``,"lora":[name, id, path]``: a
+    request's multimodal items (their identifiers enter the block hashes and key the encoder cache)
+    and LoRA adapter (its name and path enter the hashes, its id counts against max_loras), or ""
+    (#28). Anonymized: identifiers, names and paths become keyed hashes (equal stays equal)."""
+    out = ""
+    mm = getattr(request, "mm_features", None)
+    if mm:
+        key = anon.salt if anon is not None else str
+        out += ',"mm":' + _dumps([[key(f.identifier), int(f.mm_position.offset), int(f.mm_position.length),
+                                    str(f.modality)] for f in mm])
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        key = anon.salt if anon is not None else str
+        out += ',"lora":' + _dumps([key(lora.lora_name), int(lora.lora_int_id), key(lora.lora_path)])
+    return out
+
+
+def _encoder_json(so, anon) -> str:
+    """A step's encoder inputs (``,"enc":{id: [input ids]}``), the encoder-cache entries it evicted
+    (``,"efree":[identifier, ...]``) and, for the V2 model runner, the items the workers install or
+    release (``,"eupd":{id: {input id: "install"|"release"}}``): compared by the replay (#28)."""
+    out = ""
+    rid = anon.request_id if anon is not None else str
+    key = anon.salt if anon is not None else str
+    if so.scheduled_encoder_inputs:
+        out += ',"enc":' + _dumps({rid(r): [int(i) for i in ids] for r, ids in so.scheduled_encoder_inputs.items()})
+    if so.free_encoder_mm_hashes:
+        out += ',"efree":' + _dumps([key(h) for h in so.free_encoder_mm_hashes])
+    upd = getattr(so, "encoder_input_updates", None)
+    if upd:
+        out += ',"eupd":' + _dumps({rid(r): {str(i): "release" if d is None else "install" for i, d in u.items()}
+                                    for r, u in upd.items()})
+    return out
 
 
 SKIP_DRAFTS = ',"skip_drafts":true'
@@ -324,13 +392,16 @@ def _stats_json(outputs) -> str:
         if st is None:
             continue
         p = st.prefix_cache_stats
+        # skip: vLLM's num_skipped_waiting_reqs (deferred_waiting: requests its waiting loop skipped,
+        # left out of num_waiting_reqs), so the properties can count the waiting queue (#28)
         if p is None:
-            return ',"stats":{"usage":%r,"run":%d,"wait":%d}' % (float(st.kv_cache_usage), st.num_running_reqs,
-                                                                 st.num_waiting_reqs)
+            return ',"stats":{"usage":%r,"run":%d,"wait":%d,"skip":%d}' % (
+                float(st.kv_cache_usage), st.num_running_reqs, st.num_waiting_reqs, st.num_skipped_waiting_reqs)
         c = st.connector_prefix_cache_stats
-        return (',"stats":{"usage":%r,"req":%d,"q":%d,"h":%d,"preq":%d,"pq":%d,"ph":%d,"run":%d,"wait":%d%s}' % (
+        return (',"stats":{"usage":%r,"req":%d,"q":%d,"h":%d,"preq":%d,"pq":%d,"ph":%d,"run":%d,"wait":%d,"skip":%d%s}'
+                % (
             float(st.kv_cache_usage), p.requests, p.queries, p.hits, p.preempted_requests, p.preempted_queries,
-            p.preempted_hits, st.num_running_reqs, st.num_waiting_reqs,
+            p.preempted_hits, st.num_running_reqs, st.num_waiting_reqs, st.num_skipped_waiting_reqs,
             "" if c is None else ',"creq":%d,"cq":%d,"ch":%d,"cpreq":%d,"cpq":%d,"cph":%d,"creset":%d' % (
                 c.requests, c.queries, c.hits, c.preempted_requests, c.preempted_queries, c.preempted_hits,
                 bool(c.reset))))
@@ -571,11 +642,12 @@ class _Recorder:
         extra = _request_unmodelled(request, existing)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
                 # the request never reads the prefix cache (prompt logprobs): replayed (issue #28)
                 ',"skip_read":true' if getattr(request, "skip_reading_prefix_cache", False) else "",
+                _features_json(request, anon),
                 ',"x":' + _dumps(extra) if extra else ""))
 
     def _kvref_on_schedule(self, so, throttle: bool) -> None:
@@ -583,8 +655,8 @@ class _Recorder:
         self._kvref_step = step + 1
         self._kvref_steps[id(so)] = step
         extra = ',"throttle":true' if throttle else ""  # DP prefill cadence: not modelled, the checker stops following
-        if so.scheduled_encoder_inputs:
-            extra += ',"x":["encoder_inputs"]'
+        if so.scheduled_encoder_inputs or so.free_encoder_mm_hashes or getattr(so, "encoder_input_updates", None):
+            extra += _encoder_json(so, self._kvref_anon)  # replayed and compared (#28)
         spec = so.scheduled_spec_decode_tokens
         if spec:  # the drafts scheduled for verification (-1: placeholders), what the replay compares
             anon = self._kvref_anon
@@ -760,6 +832,15 @@ class _Recorder:
 #: constructor arguments :func:`recorded_vllm_scheduler` overrides while it builds a scheduler (the
 #: engine core's ``log_stats``; kvref's test adapter passes False, a server True by default)
 _ENGINE_ARGS: dict[str, Any] = {}
+#: what a multimodal / LoRA model's engine sets while vLLM's ``Scheduler.__init__`` runs (the encoder
+#: budget, ``lora_config``, the V2 runner), applied by :func:`recorded_vllm_scheduler` before the
+#: recorder writes its header (kvref's adapter drives a text model and sets them afterwards)
+_ENGINE_SETUP: list = []
+
+
+def _engine_setup(s) -> None:
+    for apply in _ENGINE_SETUP:
+        apply(s)
 
 
 def _has_windowed_group(s) -> bool:
@@ -810,6 +891,7 @@ def _recording_classes() -> dict[str, type]:
         def __init__(self, *args, **kwargs) -> None:
             kwargs.update(_ENGINE_ARGS)
             super().__init__(*args, **kwargs)
+            _engine_setup(self)
             self._kvref_start(is_async_class=False)
 
         def check_invariants(self) -> None:
@@ -825,6 +907,7 @@ def _recording_classes() -> dict[str, type]:
         def __init__(self, *args, **kwargs) -> None:
             kwargs.update(_ENGINE_ARGS)
             super().__init__(*args, **kwargs)
+            _engine_setup(self)
             self._kvref_start(is_async_class=True)
 
         check_invariants = RecordingScheduler.check_invariants
@@ -850,7 +933,8 @@ __all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingSch
 
 
 def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None, log_stats: bool = True,
-                            connector=None):
+                            connector=None, encoder_budget=None, max_loras: int | None = None,
+                            use_v2_model_runner: bool = False):
     """A :class:`~kvref.impl.vllm.scheduler.VllmScheduler` whose vLLM scheduler is built from a
     ``scheduler_cls`` string exactly as vLLM's engine core builds it (``SchedulerConfig.
     get_scheduler_cls()``, then the engine core's constructor arguments); default: the recording
@@ -860,7 +944,10 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
     then records the ``SchedulerStats`` the metrics endpoint would have shown. ``connector``: a
     :class:`~kvref.impl.reference.scheduler_connector.ScriptedConnector` (or its MultiConnector
     composition) that vLLM builds through its own ``KVConnectorFactory`` (:mod:`.connector`); the
-    recorder then records its answers (format 4).
+    recorder then records its answers (format 4). ``encoder_budget``, ``max_loras``,
+    ``use_v2_model_runner``: a multimodal model's encoder limits, LoRA, the V2 model runner, set on
+    vLLM's scheduler as a server's engine has them when the recorder writes its header;
+    ``pool.enable_mamba_shared_prefix_checkpoint`` goes to vLLM's ``CacheConfig`` (#28).
     """
     if type(log_stats) is not bool:
         raise InvalidFieldError("log_stats", log_stats, "True or False")
@@ -874,8 +961,45 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
         def close(self) -> None:
             self.scheduler.shutdown()
 
+    if type(use_v2_model_runner) is not bool:
+        raise InvalidFieldError("use_v2_model_runner", use_v2_model_runner, "True or False")
+    if max_loras is not None:
+        from kvref.impl.reference.scheduler_lora import check_max_loras
+
+        check_max_loras(max_loras)
+    if encoder_budget is not None:
+        from kvref.impl.reference.scheduler_encoder import EncoderBudget
+
+        if not isinstance(encoder_budget, EncoderBudget):
+            raise InvalidFieldError("encoder_budget", encoder_budget, "an EncoderBudget")
+
+    def setup(s) -> None:  # before the header: what a multimodal / LoRA engine's __init__ set
+        if encoder_budget is not None:
+            from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+            s.max_num_encoder_input_tokens = encoder_budget.encoder_compute_budget
+            s.encoder_cache_manager = EncoderCacheManager(cache_size=encoder_budget.encoder_cache_size)
+            s.scheduler_config.disable_chunked_mm_input = encoder_budget.disable_chunked_mm_input
+        if max_loras is not None:
+            from vllm.config import LoRAConfig
+
+            s.lora_config = LoRAConfig(max_loras=max_loras)
+        s.use_v2_model_runner = use_v2_model_runner
+        if config.num_speculative_tokens:  # the V2 runner's draft skipping (the header's spec reads it)
+            s.can_skip_drafts = config.can_skip_drafts
+
+    from .scheduler import VllmEnv
+
+    env = env or VllmEnv()
+    cache = env.vllm_config.cache_config
+    saved_checkpoint = cache.enable_mamba_shared_prefix_checkpoint
+    cache.enable_mamba_shared_prefix_checkpoint = bool(getattr(pool, "enable_mamba_shared_prefix_checkpoint", False))
     _ENGINE_ARGS["log_stats"] = log_stats
+    _ENGINE_SETUP.append(setup)
     try:
-        return _Driven(pool, config, env, scheduler_cls=scheduler_cls, connector=connector)
+        return _Driven(pool, config, env, scheduler_cls=scheduler_cls, connector=connector,
+                       encoder_budget=encoder_budget, max_loras=max_loras, use_v2_model_runner=use_v2_model_runner)
     finally:
         _ENGINE_ARGS.clear()
+        _ENGINE_SETUP.clear()
+        cache.enable_mamba_shared_prefix_checkpoint = saved_checkpoint

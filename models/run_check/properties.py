@@ -135,6 +135,8 @@ class RunProperties:
         #: a multi-module MTP drafter's prefill runway (vLLM's num_prefill_lookahead_tokens): no
         #: prefill chunk may end within it of the prompt's end (_reserve_prefill_lookahead, #28)
         self.prefill_lookahead = int(spec.get("num_prefill_lookahead", 0) or 0)
+        #: vLLM's V2 model runner: a resumed request is sent as a new one (#28)
+        self.v2_runner = bool((header.get("scheduler") or {}).get("use_v2_model_runner", False))
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -468,6 +470,8 @@ class RunProperties:
             r = self.reqs.get(rid)
             if r is None:  # scheduled without an arrival record (trace started mid-run)
                 r = self.reqs[rid] = _Req(arrival_step=step, prompt_len=0)
+            if kind == "n" and self.v2_runner and r.preempted:
+                kind = "r"  # the V2 runner gets a resumed request as a new one
             if kind != "c":
                 self._admit(line, rid, r, kind, computed)
             elif self.exact:
@@ -855,8 +859,11 @@ class RunProperties:
                           f"{usage(free, self.num_blocks)!r}")
         if "run" in stats and stats["run"] != len(self.running):
             bad.append(f"running: reported {stats['run']}, the trace has {len(self.running)}")
-        if "wait" in stats and not self.connector and stats["wait"] != len(self.waiting):
-            bad.append(f"waiting: reported {stats['wait']}, the trace has {len(self.waiting)}")
+        # vLLM leaves the requests its waiting loop skipped (deferred_waiting) out of num_waiting_reqs
+        # and reports them as num_skipped_waiting_reqs ("skip", recorded since #28's LoRA replay)
+        if "wait" in stats and not self.connector and stats["wait"] + stats.get("skip", 0) != len(self.waiting):
+            bad.append(f"waiting: reported {stats['wait']} (+ {stats.get('skip', 0)} skipped), the trace has "
+                       f"{len(self.waiting)}")
         if bad:
             self._find("metrics", line, "the SchedulerStats of this step disagree with the trace: " + "; ".join(bad),
                        once=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
-from kvref.impl.request import Request, RequestStatus
+from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
@@ -118,10 +118,22 @@ class Divergence:
 
 
 def _request(rec: dict) -> Request:
-    """A reference request from an ``add`` record."""
+    """A reference request from an ``add`` record (its multimodal items and LoRA adapter, #28)."""
+    mm = tuple(MultiModalFeatureSpec(str(i), PlaceholderRange(int(off), int(n)), str(kind))
+               for i, off, n, kind in rec.get("mm") or ())
+    lora = rec.get("lora")
     return Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
                    priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]),
-                   skip_reading_prefix_cache=rec.get("skip_read") is True)
+                   skip_reading_prefix_cache=rec.get("skip_read") is True, mm_features=mm,
+                   lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
+
+
+def recorded_encoder(rec: dict) -> dict:
+    """A ``sched`` record's encoder inputs, evictions and V2 updates, as the reference's
+    ``encoder_view()`` shows them (absent keys: none)."""
+    return {"scheduled_encoder_inputs": {r: tuple(i) for r, i in (rec.get("enc") or {}).items()},
+            "free_encoder_mm_hashes": tuple(rec.get("efree") or ()),
+            "encoder_input_updates": {r: {int(i): k for i, k in u.items()} for r, u in (rec.get("eupd") or {}).items()}}
 
 
 class LockstepReplay:
@@ -140,8 +152,8 @@ class LockstepReplay:
         self.steps_compared = 0
         #: the replay's KV connector (format-4 connector runs): answers from the trace
         self.connector = TraceConnector(setup.connector) if self.following and setup.connector is not None else None
-        self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector) if self.following
-                          else None)
+        self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector, **setup.scheduler_kwargs())
+                          if self.following else None)
         self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
         self._live: dict[str, Request] = {}
         self.crash: Crash | None = None
@@ -324,6 +336,10 @@ class LockstepReplay:
         if rec.get("x"):
             self._stop(line, f"request {rec['id']} uses {', '.join(rec['x'])}")
             return
+        if rec.get("mm") and self.connector is not None:
+            self._stop(line, f"request {rec['id']} has multimodal items on a KV-connector run (kvref models "
+                       "encoder inputs without a connector)")
+            return
         try:
             r = _request(rec)
             self.scheduler.add_request(r)
@@ -373,6 +389,8 @@ class LockstepReplay:
                                      {"preempted": rec_pre, "finished": rec_fin},
                                      {"preempted": ref_pre, "finished": ref_fin}))
             return
+        if not self._check_encoder(line, rec):
+            return
         if not self._check_free(line, rec["step"], "schedule", rec):
             return
         live = self._live
@@ -394,6 +412,25 @@ class LockstepReplay:
                 else:
                     self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
         self.steps_compared += 1
+
+    def _check_encoder(self, line: int, rec: dict) -> bool:
+        """The step's encoder inputs, encoder-cache evictions and (V2 runner) the workers' item
+        installs and releases, recorded against the reference's (#28); False on a divergence."""
+        view = getattr(self.scheduler, "encoder_view", None)
+        if view is None:
+            return True
+        v = view()
+        ref = {k: v[k] for k in ("scheduled_encoder_inputs", "free_encoder_mm_hashes", "encoder_input_updates")}
+        ref["scheduled_encoder_inputs"] = {r: tuple(i) for r, i in ref["scheduled_encoder_inputs"].items()}
+        ref["free_encoder_mm_hashes"] = tuple(ref["free_encoder_mm_hashes"])
+        want = recorded_encoder(rec)
+        if ref == want:
+            return True
+        keys = [k for k in want if want[k] != ref[k]]
+        self._diverge(Divergence(line, rec["step"], "schedule", "different encoder inputs (" + ", ".join(keys) + ")",
+                                 recorded_rows(rec), reference_rows(self._in_flight[rec["step"]]),
+                                 {k: want[k] for k in keys}, {k: ref[k] for k in keys}))
+        return False
 
     def _record_connector_admissions(self, out: SchedulerOutput, record) -> None:
         """vLLM records a lookup's local hit at admission, which with a connector is the allocation
@@ -466,9 +503,14 @@ class LockstepReplay:
         if self.connector is not None:  # vLLM: waiting + kv_holding_waiting - deferred_waiting
             holding = sched.connector_state.kv_holding_waiting
             self._deferred.intersection_update(self._live)
-            wait += len(holding) - sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
-        expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running), wait=wait)
-        keys = ("req", "q", "h", "preq", "pq", "ph", "run", "wait")
+            skip = sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
+            wait += len(holding)
+        else:  # vLLM's deferred_waiting: requests its waiting loop skipped (one LoRA adapter too many,
+            # encoder limits that leave no token, stale async output) until admitted (#28)
+            skip = len(sched.cadence.skipped_ids & {r.request_id for r in sched.waiting})
+        expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running), wait=wait - skip,
+                        skip=skip)
+        keys = ("req", "q", "h", "preq", "pq", "ph", "run", "wait", "skip")
         if self.connector is not None:
             expected.update(self._conn_stats)
             self._conn_stats = dict.fromkeys(_CONN_STATS, 0)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_connector import ConnectorConfig
+from kvref.impl.reference.scheduler_encoder import EncoderBudget
+from kvref.impl.reference.scheduler_lora import check_max_loras
 from kvref.impl.scheduler_types import SchedulerConfig
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import KVRefError
@@ -38,6 +40,22 @@ class RunSetup:
     scheduler: dict = field(default_factory=dict)
     #: the recorded KV connector's knobs (format 4: its answers are in the trace), or None
     connector: ConnectorConfig | None = None
+    #: a multimodal model's encoder limits (None: a text model's), LoRA's max_loras (None: off) and
+    #: the V2 model runner, as the header recorded them (#28)
+    encoder_budget: EncoderBudget | None = None
+    max_loras: int | None = None
+    use_v2_model_runner: bool = False
+
+    def scheduler_kwargs(self) -> dict:
+        """The reference ``Scheduler``'s arguments beside the pool and config."""
+        out: dict = {}
+        if self.encoder_budget is not None:
+            out["encoder_budget"] = self.encoder_budget
+        if self.max_loras is not None:
+            out["max_loras"] = self.max_loras
+        if self.use_v2_model_runner:
+            out["use_v2_model_runner"] = True
+        return out
 
     @property
     def followable(self) -> bool:
@@ -134,11 +152,15 @@ def setup_from_header(header: dict) -> RunSetup:
                           # multi-module MTP's runway (#28): the scheduler's chunk rule and the
                           # manager's unpublished tail; a trace without it had none past 1
                           num_prefill_lookahead=int((header.get("spec") or {}).get("num_prefill_lookahead", 0) or 0),
+                          # lookahead block hashes and the Mamba shared-prefix checkpoint (#28)
+                          num_hash_lookahead_tokens=int(p.get("num_hash_lookahead_tokens", 0) or 0),
+                          enable_mamba_shared_prefix_checkpoint=bool(p.get("mamba_shared_prefix_checkpoint", False)),
                           log_stats=True)  # the reference's prefix-cache stats, compared with the recorded ones
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "
                               f"{config.max_in_flight_tokens} in flight)")
-        if pool.use_eagle != config.use_eagle:  # vLLM's use_eagle_block_drop follows the drafter
+        # vLLM's use_eagle_block_drop follows the drafter, unless lookahead hashes prove the boundary
+        if pool.use_eagle != (config.use_eagle and not pool.num_hash_lookahead_tokens):
             unmodelled.append(f"eagle_block_drop={pool.use_eagle} with {config.speculative_method} drafting")
     except (KVRefError, KeyError, TypeError) as exc:
         unmodelled.append(f"setup: {exc}")
@@ -150,5 +172,30 @@ def setup_from_header(header: dict) -> RunSetup:
         connector = connector_config(header["connector"])
         if config is not None and config.num_speculative_tokens:
             unmodelled.append("kv_connector with speculative decoding (the reference models neither together)")
+    budget, max_loras, v2 = _multimodal_and_lora(s, connector is not None, unmodelled)
     return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s),
-                    connector=connector)
+                    connector=connector, encoder_budget=budget, max_loras=max_loras, use_v2_model_runner=v2)
+
+
+def _multimodal_and_lora(s: dict, has_connector: bool, unmodelled: list[str]):
+    """The header's encoder limits, ``max_loras`` and V2 runner (#28; a trace without them ran a text
+    model without LoRA on the V1 runner). kvref models encoder inputs and LoRA without a KV connector
+    only: beside one they are named."""
+    budget = max_loras = None
+    e = s.get("encoder") or {}
+    try:
+        if e.get("compute_budget") or e.get("cache_size") or e.get("disable_chunked_mm_input"):
+            budget = EncoderBudget(int(e.get("compute_budget", 0)), int(e.get("cache_size", 0)),
+                                   bool(e.get("disable_chunked_mm_input", False)))
+        if s.get("max_loras") is not None:
+            max_loras = check_max_loras(s["max_loras"])
+    except (ValueError, TypeError) as exc:
+        unmodelled.append(f"setup: {exc}")
+        return None, None, False
+    if has_connector and budget is not None:
+        unmodelled.append("encoder_inputs (with a KV connector)")
+        budget = None
+    if has_connector and max_loras is not None:
+        unmodelled.append("lora (with a KV connector)")
+        max_loras = None
+    return budget, max_loras, bool(s.get("use_v2_model_runner", False))

@@ -1,0 +1,142 @@
+"""Generated runs of vLLM's scheduler with the features check-run once skipped, recorded as a server would.
+
+The recorder named four features unmodelled and ``kvref check-run`` fell back to the run
+properties for them from line 1 (issue #28): multimodal requests (encoder inputs), LoRA,
+lookahead block hashes (``num_hash_lookahead_tokens``) and the Mamba shared-prefix checkpoint. The
+reference models all four now, so the header carries their settings and the arrivals their items
+and adapters, and the replay follows them. The runs are the conform-scheduler machines' draws,
+with vLLM's ``Scheduler`` / ``AsyncScheduler`` built from ``kvref.record.Recording*Scheduler``
+through ``scheduler_cls`` as the only target:
+
+* ``multimodal``: :class:`~kvref.models.machines.scheduler_encoder.EncoderMachine` (image items
+  shared, repeated and evicted under a per-step encoder budget and a small encoder cache, the V2
+  model runner in half the setups);
+* ``lora``: :class:`~kvref.models.machines.scheduler_lora.LoraMachine` (three adapters under
+  ``max_loras`` 1 or 2);
+* ``hash-lookahead``: the main machine's EAGLE-like speculative-decoding setups with prefix
+  caching and lookahead block hashes (no trailing-block drop);
+* ``mamba-checkpoint``: the main machine's full-attention + Mamba ``align`` pools with
+  ``enable_mamba_shared_prefix_checkpoint`` on (chunks stop at a shared-prefix junction).
+
+:func:`record_feature_runs` returns the traces; ``kvref check-run`` must follow and agree with every
+one of them (tests/record/test_record_features.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from .connector_runs import RecordedRun
+
+#: the features :func:`record_feature_runs` draws
+FEATURES = ("multimodal", "lora", "hash-lookahead", "mamba-checkpoint")
+
+
+def _recorder(env_holder: dict, directory: Path, runs: list[RecordedRun], feature: str, **engine):
+    """``(pool, config) -> target``: vLLM's scheduler through the recording class, ``engine`` (the
+    encoder budget, max_loras, the V2 runner) set as the model's engine sets them."""
+    from kvref.impl.vllm.record import recorded_vllm_scheduler
+    from kvref.impl.vllm.scheduler import VllmEnv
+
+    def build(pool, config):
+        if env_holder.get("env") is None:
+            env_holder["env"] = VllmEnv()
+        path = directory / f"{feature}-run-{len(runs)}.kvtrace.gz"
+        saved = os.environ.get("KVREF_RECORD")
+        os.environ["KVREF_RECORD"] = str(path)
+        try:
+            target = recorded_vllm_scheduler(pool, config, env_holder["env"], **engine)
+        finally:
+            if saved is None:
+                os.environ.pop("KVREF_RECORD", None)
+            else:
+                os.environ["KVREF_RECORD"] = saved
+        runs.append(RecordedRun(path))
+        return target
+
+    return build
+
+
+def _closing(machine: type) -> type:
+    """Close every recorded target at teardown (the engine core's shutdown writes the end record)."""
+    base_teardown = machine.teardown
+
+    def teardown(self):
+        try:
+            base_teardown(self)
+        finally:
+            driver = getattr(self, "driver", None)
+            if driver is not None:
+                for t in driver.targets.values():
+                    t.close()
+
+    machine.teardown = teardown
+    return machine
+
+
+def _hash_lookahead_setups():
+    from kvref.models.machines.scheduler import scheduler_setups
+
+    return scheduler_setups(consistent=True, spec=True).filter(lambda s: s[0].num_hash_lookahead_tokens > 0)
+
+
+def _checkpoint_setups():
+    from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS, scheduler_setups
+
+    return scheduler_setups(consistent=True, kinds=MAMBA_ALIGN_KINDS).map(
+        lambda s: (replace(s[0], enable_mamba_shared_prefix_checkpoint=True), s[1]))
+
+
+def _machine(feature: str, env_holder: dict, directory: Path, runs: list[RecordedRun]) -> type:
+    if feature == "multimodal":
+        from kvref.models.machines.scheduler_encoder import EncoderMachine
+
+        def factories_for(budget, v2):
+            return {"vllm": _recorder(env_holder, directory, runs, feature, encoder_budget=budget,
+                                      use_v2_model_runner=v2)}
+
+        return type("RecordedEncoderRun", (EncoderMachine,), {"factories_for": staticmethod(factories_for)})
+    if feature == "lora":
+        from kvref.models.machines.scheduler_lora import LoraMachine
+
+        def lora_factories(max_loras):
+            return {"vllm": _recorder(env_holder, directory, runs, feature, max_loras=max_loras)}
+
+        return type("RecordedLoraRun", (LoraMachine,), {"factories_for": staticmethod(lora_factories)})
+    from kvref.models.machines.scheduler import machine_with
+
+    setups = _hash_lookahead_setups() if feature == "hash-lookahead" else _checkpoint_setups()
+    return machine_with({"vllm": _recorder(env_holder, directory, runs, feature)}, setups=setups,
+                        name="RecordedFeatureRun", spec=feature == "hash-lookahead")
+
+
+def record_feature_runs(directory: str | os.PathLike, feature: str, examples: int, seed: int = 0,
+                        steps: int = 40, strict: bool = True) -> list[RecordedRun]:
+    """Record ``examples`` generated runs of vLLM's scheduler using ``feature`` (one of
+    :data:`FEATURES`) into ``directory``.
+
+    Raises the machine's failure (an AssertionError) when vLLM's run broke one of the machine's own
+    checks (liveness at teardown) — unless not ``strict`` (a vLLM with a planted fault): the runs
+    recorded up to then are returned. The seed alone fixes the draws.
+    """
+    from kvref.models.machines.scheduler import run_lockstep_machine
+    from kvref.spec.errors import InvalidFieldError, check_int
+
+    if feature not in FEATURES:
+        raise InvalidFieldError("feature", feature, "one of " + ", ".join(FEATURES))
+    check_int("examples", examples, minimum=1)
+    check_int("steps", steps, minimum=2)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    runs: list[RecordedRun] = []
+    machine = _closing(_machine(feature, {}, directory, runs))
+    ok, failure, _ = run_lockstep_machine(machine, examples, steps=steps, min_steps=steps // 2, seed=seed,
+                                          reproducible=False, shrink=False)
+    if not ok and strict:
+        raise AssertionError(f"a generated {feature} run failed the machine's own checks:\n" + failure)
+    return runs
+
+
+__all__ = ["FEATURES", "record_feature_runs"]
