@@ -90,10 +90,13 @@ class HiSparseManagerCalls:
     def advance_scheduled(self, requests: list[tuple[str, int]]) -> None:
         self.coordinator.advance_scheduled(list(requests))
 
-    def build_offload_command(self) -> list[tuple]:
+    def build_offload_command(self) -> list[tuple] | None:
         """The page transfers planned since the last command: (id, host block, resident blocks,
-        after_forward, restore)."""
+        after_forward, restore); None when the layout has no resident group (a host-only pool sends
+        the worker no offload command)."""
         command = self.coordinator.build_offload_command()
+        if command is None:
+            return None
         return [(t.transfer_id, t.host_block_id, tuple(t.resident_block_ids), t.after_forward, t.restore)
                 for t in command.page_transfers]
 

@@ -194,7 +194,9 @@ class HiSparsePoolConfig:
     (full attention, ``host_num_blocks`` host blocks), the device *indexer* (full attention), then
     ``num_resident_groups`` times a resident group followed by a hot group, all of one
     ``block_size`` (vLLM requires host and resident block sizes to match). ``num_gpu_blocks``
-    includes the null block, as in vLLM."""
+    includes the null block, as in vLLM. ``num_resident_groups=0`` is a host-only layout: vLLM's
+    ``HiSparseCoordinator`` accepts it (it binds the host pool and plans no residency), though its
+    layout builder always adds a resident group."""
 
     block_size: int
     num_gpu_blocks: int
@@ -214,7 +216,7 @@ class HiSparsePoolConfig:
         check_int("HiSparsePoolConfig.num_gpu_blocks", self.num_gpu_blocks, minimum=2)
         check_int("HiSparsePoolConfig.host_num_blocks", self.host_num_blocks, minimum=2)
         check_int("HiSparsePoolConfig.blocks_per_request", self.blocks_per_request, minimum=1)
-        check_int("HiSparsePoolConfig.num_resident_groups", self.num_resident_groups, minimum=1)
+        check_int("HiSparsePoolConfig.num_resident_groups", self.num_resident_groups, minimum=0)
         check_int("HiSparsePoolConfig.max_model_len", self.max_model_len, minimum=1)
         check_int("HiSparsePoolConfig.max_in_flight_tokens", self.max_in_flight_tokens, minimum=1)
 

@@ -74,6 +74,14 @@ class HiSparsePool(HiSparseManagerCalls):
     def transition_watermark(self) -> int:
         return self.coordinator.transition_watermark
 
+    def bound_coordinator(self) -> HiSparseCoordinator:
+        """The coordinator the managers are bound to (vLLM's ``get_hisparse_coordinator`` returns
+        it on every call after the first instead of building, and binding, another)."""
+        bound = {id(m.coordinator): m.coordinator for m in self.managers if getattr(m, "coordinator", None)}
+        if len(bound) != 1:
+            raise RuntimeError(f"HiSparse managers bound to {len(bound)} coordinators, expected one")
+        return next(iter(bound.values()))
+
     def require_hot(self, request_id: str) -> None:
         for m in self.hot_managers:
             m.require_hot(request_id)

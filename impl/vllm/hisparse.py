@@ -59,6 +59,13 @@ class VllmHiSparsePool(HiSparseManagerCalls):
     def transition_watermark(self) -> int:
         return self.coordinator.transition_watermark
 
+    def bound_coordinator(self) -> Any:
+        """``get_hisparse_coordinator`` asked again: the coordinator memoised on the managers (a
+        second one would bind the host source to a fresh host pool)."""
+        from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+        return get_hisparse_coordinator(self._mgr)
+
     def require_hot(self, request_id: str) -> None:
         for m in self.coordinator.hot_managers:
             m.require_hot(request_id)

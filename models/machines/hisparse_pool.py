@@ -53,6 +53,24 @@ def hisparse_pool_configs(draw) -> HiSparsePoolConfig:
     )
 
 
+@st.composite
+def host_only_pool_configs(draw) -> HiSparsePoolConfig:
+    """A host source and its indexer without resident or hot groups: vLLM's
+    ``HiSparseCoordinator`` accepts such a layout (it binds the host pool, ``has_host_cache``) and
+    every per-step entry point (write-back planning, residency, the offload command, row mirrors,
+    import completion) must then plan nothing. The host pool holds three full requests: with no
+    GPU pool vLLM's host admission sentinel has nothing to size itself by (it asserts one exists),
+    a limit of vLLM's that the layout builder never meets (it always adds a resident group)."""
+    bs = draw(st.sampled_from((1, 2, 4)))
+    max_model_len = draw(st.integers(4, 32))
+    pages = cdiv(max_model_len, bs)
+    return HiSparsePoolConfig(
+        block_size=bs, num_gpu_blocks=draw(st.integers(2, 2 * pages + 4)), host_num_blocks=3 * pages + 4,
+        blocks_per_request=1, num_resident_groups=0, max_model_len=max_model_len,
+        max_in_flight_tokens=draw(st.one_of(st.integers(1, 16), st.just(max_model_len))),
+        enable_caching=draw(st.booleans()))
+
+
 def prompt_of(idx: int, length: int) -> list[int]:
     """Request ``idx``'s prompt: r0 and r1 (and every request re-admitted under its id) share one
     token stream, so prefix caching finds the other's (or its own earlier) published pages; r2
@@ -153,6 +171,9 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
     seen: Counter = Counter()
     _compare("build", ref.transition_watermark, vll.transition_watermark, "transition watermark")
     _compare("build", ref.observe(), vll.observe(), "state")
+    # asked again, each side returns the coordinator it built (memoised on the managers), unchanged
+    _compare("build", (ref.bound_coordinator() is ref.coordinator, ref.observe()),
+             (vll.bound_coordinator() is vll.coordinator, vll.observe()), "coordinator asked again, and the state")
     computed: dict[str, int] = {}
     num_unpinned, hot_required = 0, [[] for _ in range(config.num_resident_groups)]
     num_copy_pages = 0
@@ -257,7 +278,7 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
                 ref.check_invariants()
                 _compare(step, ref.observe(), vll.observe(), "state")
                 continue
-            if op == "drop" or len(computed) < 2:
+            if op == "drop" or len(computed) < 2 or not config.num_resident_groups:
                 continue
             rows = ref.observe()["tables"][2]  # the first resident group's rows
             readers = sorted(r for r in computed if 0 in rows.get(r, ()))
@@ -271,6 +292,14 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             host_pages = [i for i, b in enumerate(rows[rid]) if b == 0]
             page = host_pages[chunk % len(host_pages)]
             donor_page = [i for i, b in enumerate(donor_row) if b][hit_pages % sum(1 for b in donor_row if b)]
+            # pages a request cannot adopt, refused by both without a change: one past its table, one
+            # already read from the GPU, and any page of a request with no table
+            resident = [i for i, b in enumerate(rows[rid]) if b]
+            for bad_rid, bad_page in ((rid, len(rows[rid]) + chunk % 3), ("r-none", page),
+                                      *(((rid, resident[chunk % len(resident)]),) if resident else ())):
+                got = ref.adopt(bad_rid, bad_page, donor, donor_page)
+                _compare(step, got, vll.adopt(bad_rid, bad_page, donor, donor_page), "refused adoption")
+                seen["adopt_refused"] += not any(got)
             got = ref.adopt(rid, page, donor, donor_page)
             _compare(step, got, vll.adopt(rid, page, donor, donor_page), "adopted per resident group")
             if all(got):
@@ -279,6 +308,7 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         elif op == "offload":  # the step's offload command: the transfers planned since the last one
             got = ref.build_offload_command()
             _compare(step, got, vll.build_offload_command(), "page transfers")
+            got = got or []  # None: a host-only layout has no offload command
             sent.extend(t[0] for t in got)
             seen["transfers_sent"] += len(got)
             seen["restores_sent"] += sum(1 for t in got if t[4])
@@ -328,6 +358,18 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             _compare(step, resident, vll.all_context_pages_resident(rows), "all context pages resident")
             seen["mirrors"] += len(got)
             seen["all_resident"] += resident
+            # the whole context (host-only pages have no mirror source, a request with no table no
+            # rows): read-only, so the draws after it are those of the step without it
+            whole = [(rid, 0, computed[rid]), ("r-none", 0, chunk)]
+            got = ref.build_row_mirrors(whole)
+            _compare(step, got, vll.build_row_mirrors(whole), "row mirrors of the whole context")
+            first = ref.resident_managers[0] if ref.resident_managers else None
+            if first is None or len(first.req_to_blocks.get(rid, ())) < cdiv(computed[rid] + chunk, bs):
+                # rows past the request's table: not all resident, decided before any state changes
+                past = [(rid, computed[rid], chunk)]
+                got = ref.all_context_pages_resident(past)
+                _compare(step, got, vll.all_context_pages_resident(past), "all context pages resident past the table")
+                seen["mirrors_past_table"] += 1
         elif op == "host_copies":  # the step's host copy-on-write work, run and reported by the worker
             got = ref.take_host_block_copies()
             _compare(step, got, vll.take_host_block_copies(), "host block copies")
@@ -357,9 +399,10 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         unpinned = sum(len(r["unpinned"]) for r in state["request_states"].values())
         # host-hit pages (null in the append-only table) the coordinator pointed at a GPU copy of
         # their published host page (not the program's own "adopt" op)
-        first = ref.resident_managers[0]
-        copy_pages = sum(1 for r, table in first.req_to_blocks.items() for i, b in enumerate(table)
-                         if b.is_null and (r, i) not in adopted and first.get_resident_page(r, i) is not None)
+        first = ref.resident_managers[0] if ref.resident_managers else None  # none: a host-only layout
+        copy_pages = 0 if first is None else sum(
+            1 for r, table in first.req_to_blocks.items() for i, b in enumerate(table)
+            if b.is_null and (r, i) not in adopted and first.get_resident_page(r, i) is not None)
         if copy_pages > num_copy_pages:
             seen["copy_adopted"] += 1
         num_copy_pages = copy_pages
@@ -399,8 +442,21 @@ def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], exampl
                 reject()
             raise
 
+    @settings(max_examples=max(2, examples // 8), deadline=None, database=None, derandomize=seed is None,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(host_only_pool_configs(), LENGTHS, PROGRAMS)
+    def run_host_only(config, lengths, ops):
+        try:
+            seen.update(run_hisparse_program(config, lengths, ops, make_vllm))
+        except HiSparseDivergence as exc:
+            if is_accepted(exc.signature):
+                reject()
+            raise
+        seen["host_only"] += 1
+
     if seed is not None:
         run = hypothesis_seed(seed)(run)
+        run_host_only = hypothesis_seed(seed)(run_host_only)
     try:
         for config, lengths, ops in HAND_PROGRAMS:
             try:
@@ -410,6 +466,11 @@ def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], exampl
                     raise
         with same_inputs_in_every_process():
             run()
+        try:
+            with same_inputs_in_every_process():
+                run_host_only()
+        except Unsatisfiable:  # every host-only program ended at a difference the baseline accepts
+            pass
     except AssertionError as exc:
         return str(exc), seen, getattr(exc, "signature", None)
     except Unsatisfiable:  # every program ended at a difference the baseline accepts
