@@ -56,5 +56,6 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
                        f"in progress); "
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
-                       f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished)",
+                       f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
+                       f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
                        examined=run.traces + paused.traces + life.traces + multi["traces"])

@@ -272,6 +272,15 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.build_kv_connector_stats", "data"),
         _b(_CONN_V1 + ".multi_connector", "MultiConnector.get_kv_connector_stats"),
         _b(_CONN_V1 + ".metrics", "KVConnectorStats", "data"),
+        # the stats' way to the logger and the metrics endpoint (models/machines/multi_connector_worker.py)
+        _b(_CONN_V1 + ".metrics", "KVConnectorPromMetrics", "vllm_config", "metric_types", "labelnames",
+           "per_engine_labelvalues"),
+        _b(_CONN_V1 + ".metrics", "KVConnectorLogging", "kv_transfer_config"),
+        _b(_CONN_V1 + ".metrics", "KVConnectorLogging.log", "log_fn"),
+        _b(_CONN_V1 + ".metrics", "KVConnectorProm", "vllm_config", "labelnames", "per_engine_labelvalues"),
+        _b("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "name",
+           "module_path", "class_name"),
+        _b(_CONN_V1 + ".multi_connector", "MultiConnector.all_children_support_hma", "kv_transfer_config"),
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_connector_module_path", "kv_role", "engine_id",
            "kv_connector_extra_config"),
         _b("vllm.distributed.kv_transfer.kv_connector.utils", "KVOutputAggregator.from_connector", "connector",
@@ -313,6 +322,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.kv_offload.tiering.backpressure", "EMABackpressureDetector"),  # back-pressure programs (#22)
         _b("vllm.v1.kv_offload.tiering.backpressure", "DropStorePolicy"),
         _b("vllm.v1.kv_offload.tiering.backpressure", "ThrottledDropPolicy"),
+        _b("vllm.v1.kv_offload.tiering.manager", "_TIER_POLL_JOIN_TIMEOUT_S"),  # tier-poll programs (#22)
+        _b("vllm.v1.kv_offload.tiering.manager", "TieringOffloadingManager._tier_poll_loop"),
         _b("vllm.v1.kv_offload.file_mapper", "FileMapper"),
         _b(_OFF_BASE, "make_offload_key"),
         _b(_OFF_BASE, "OffloadPolicy"),

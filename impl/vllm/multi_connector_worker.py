@@ -29,6 +29,11 @@ from .loader import load_vllm
 MODULE_PATH = __name__
 CLASS_NAME = "KvrefWorkerScriptConnector"
 _SCRIPTS: dict[str, ScriptedWorkerChild] = {}
+
+
+def nothing_to_log(data: dict) -> bool:
+    """The scripted child rebuilds no stats from a serialized interval without jobs."""
+    return not data.get("jobs")
 _ids = itertools.count()
 
 
@@ -155,6 +160,59 @@ def rebuilt_stats(stats) -> Any:
     return MultiConnector.build_kv_connector_stats(data=None if stats is None else dict(stats.data))
 
 
+def stats_payload(stats) -> dict | None:
+    """What the scheduler puts in ``SchedulerStats.kv_connector_stats`` for the logger process:
+    ``MultiKVConnectorStats.to_dict()`` (connector class name -> that child's serialized stats)."""
+    return None if stats is None else stats.to_dict()
+
+
+def register_child_class() -> None:
+    """The scripted child registered with vLLM's ``KVConnectorFactory`` under its class name, as a
+    plugin registers itself, so the logging side can rebuild its serialized stats by name
+    (``MultiConnector.build_kv_connector_stats``). Once per process."""
+    load_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CLASS_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CLASS_NAME, MODULE_PATH, CLASS_NAME)
+
+
+def connector_logging(multi) -> Any:
+    """vLLM's logger-side ``KVConnectorLogging`` for ``multi``'s config (it resolves MultiConnector)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    register_child_class()
+    return KVConnectorLogging(multi._vllm_config.kv_transfer_config)
+
+
+def connector_prom(multi, num_engines: int) -> Any:
+    """vLLM's ``KVConnectorProm`` for ``multi``'s config (``MultiConnector.build_prom_metrics``
+    with prometheus_client's metric types); returns it and the child metrics it built."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    before = len(PROM_BUILT)
+    prom = KVConnectorProm(multi._vllm_config, ["model_name", "engine"],
+                           {i: ["kvref", str(i)] for i in range(num_engines)})
+    return prom, PROM_BUILT[before:]
+
+
+def children_support_hma(multi, extra: list[dict] | None) -> bool:
+    """``MultiConnector.all_children_support_hma`` for ``multi``'s config with its children
+    replaced by ``extra`` (None: as configured)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    ktc = multi._vllm_config.kv_transfer_config
+    if extra is not None:
+        ktc = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id=ktc.engine_id,
+                               kv_connector_extra_config={"connectors": extra})
+    return MultiConnector.all_children_support_hma(ktc)
+
+
+#: every child Prometheus-metrics object vLLM asked the scripted class to build, in order
+PROM_BUILT: list[Any] = []
+
+
 def model_runner_output(sending, recving, invalid, worker_meta, stats=None) -> Any:
     """One rank's ``ModelRunnerOutput`` carrying its ``KVConnectorOutput`` (for
     ``KVOutputAggregator``)."""
@@ -179,7 +237,7 @@ def _make_class():
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
     class _ChildMeta(KVConnectorMetadata):
         def __init__(self, tag) -> None:
@@ -206,6 +264,16 @@ def _make_class():
         def is_empty(self):
             return not any(self.data.values())
 
+    class _ChildProm(KVConnectorPromMetrics):
+        """Records what the metrics endpoint is asked to observe (no Prometheus series made)."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.observed: list[tuple[dict, int]] = []
+
+        def observe(self, transfer_stats_data, engine_idx: int = 0):
+            self.observed.append((dict(transfer_stats_data), engine_idx))
+
     class KvrefWorkerScriptConnector(KVConnectorBase_V1, SupportsHMA):
         """Every call recorded by, and answered from, the registered script."""
 
@@ -226,6 +294,20 @@ def _make_class():
         @classmethod
         def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
             return bool(extra_config.get("kvref_piecewise"))
+
+        @classmethod
+        def build_kv_connector_stats(cls, data=None):
+            """The logger's rebuild of this child's serialized stats: nothing to log for an
+            interval without jobs (kvref's child; :func:`nothing_to_log`)."""
+            if data is None:
+                return _ChildStats()
+            return None if nothing_to_log(data) else _ChildStats(data=dict(data))
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            prom = _ChildProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            PROM_BUILT.append(prom)
+            return prom
 
         # ---- scheduler side ----------------------------------------------------------------------
         def get_num_new_matched_tokens(self, request, num_computed_tokens):

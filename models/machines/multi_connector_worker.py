@@ -14,7 +14,9 @@ in which children fail.
 Oracles, after every call: the answer and every child's call log equal the reference's, and the
 extra-async-save counts on every instance agree; independently of the reference, a rank reports a
 request as finished sending exactly when the last child that saves it has reported it there, and
-the aggregate exactly when the last rank has.
+the aggregate exactly when the last rank has. The merged stats then take the engine's way to the
+logger and the metrics endpoint (:class:`_LoggingSide`), compared with the reference's after
+every step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvref.impl.reference.connector_worker_child import ChildShutdownError, ScriptedWorkerChild
-from kvref.impl.reference.multi_connector_worker import MultiConnectorModel, RankOutputAggregator
+from kvref.impl.reference.multi_connector_worker import MultiConnectorModel, RankOutputAggregator, aggregate_multi_stats
 
 
 class MultiWorkerDivergence(AssertionError):
@@ -102,6 +104,81 @@ class _Pair:
             self.ref[inst].check_invariants()
 
 
+#: a child class of vLLM's that is not ``SupportsHMA`` (for ``all_children_support_hma``)
+NOT_HMA_CHILD = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+class _LoggingSide:
+    """The stats' way from the scheduler to the logger process and the metrics endpoint, vLLM's
+    classes against the reference's stats (#22): ``MultiKVConnectorStats.to_dict`` (the payload
+    of ``SchedulerStats``), ``KVConnectorLogging`` rebuilding it by connector class name
+    (``MultiConnector.build_kv_connector_stats``; the scripted child rebuilds nothing from an
+    interval without jobs), accumulating intervals (``MultiKVConnectorStats.aggregate``) and
+    logging them, and ``KVConnectorProm`` (``MultiConnector.build_prom_metrics``: one metrics
+    object per child class) handing each class its part of the payload."""
+
+    def __init__(self, p: _Pair, rng: random.Random) -> None:
+        self.p, self.rng, self.vmw = p, rng, p.vmw
+        multi = p.vllm[0]
+        self.logging = self.vmw.connector_logging(multi)
+        self.engines = rng.randint(1, 3)
+        self.prom, built = self.vmw.connector_prom(multi, self.engines)
+        if len(built) != 1:
+            raise MultiWorkerDivergence(f"build_prom_metrics built {len(built)} metrics objects for "
+                                        f"{len(multi._connectors)} children of one class; expected one")
+        self.child_prom = built[0]
+        self.observed: list[tuple[dict, int]] = []
+        self.acc: dict | None = None  # the reference's accumulated interval
+        self.observes = 0
+        self.logged = 0
+        kids = [dict(c) for c in multi._vllm_config.kv_transfer_config.kv_connector_extra_config["connectors"]]
+        at = rng.randrange(len(kids) + 1)
+        for extra, want in ((None, True), ([], False), (kids[:at] + [NOT_HMA_CHILD] + kids[at:], False)):
+            got = self.vmw.children_support_hma(multi, extra)
+            if got != want:
+                raise MultiWorkerDivergence(f"all_children_support_hma with children "
+                                            f"{'as configured' if extra is None else extra}: {got}, expected {want}")
+
+    def step(self, step: int, payload: dict | None, ref_stats: dict | None, last: bool) -> None:
+        """``payload``: vLLM's ``MultiKVConnectorStats.to_dict()`` of the ranks' merged stats."""
+        vmw = self.vmw
+        want = None if ref_stats is None else {vmw.CLASS_NAME: dict(v) for v in ref_stats.values()}
+        if payload != want:
+            raise MultiWorkerDivergence(f"step {step}: SchedulerStats payload {payload}, the reference's {want}")
+        if payload is not None:  # the metrics endpoint gets every payload, with the engine's index
+            engine = self.rng.randrange(self.engines)
+            foreign = {"OffloadingConnector": {"jobs": step}}  # a class with no metrics here: skipped
+            self.prom.observe({**payload, **foreign} if self.rng.random() < 0.5 else payload, engine)
+            self.observed += [(dict(v), engine) for k, v in payload.items() if k == vmw.CLASS_NAME]
+            if self.child_prom.observed != self.observed:
+                raise MultiWorkerDivergence(f"step {step}: the child's Prometheus metrics observed "
+                                            f"{self.child_prom.observed[-3:]}, expected {self.observed[-3:]}")
+        if payload:  # the logger's interval accumulator
+            self.logging.observe(payload)
+            self.observes += 1
+            rebuilt = {k: v for k, v in payload.items() if not vmw.nothing_to_log(v)}
+            self.acc = rebuilt if self.acc is None else aggregate_multi_stats(self.acc, rebuilt)
+        if last or self.rng.random() < 0.3:
+            self._log(step)
+
+    def _log(self, step: int) -> None:
+        acc = self.logging.transfer_stats_accumulator
+        got = None if acc is None else {k: dict(v) for k, v in acc.reduce().items()}
+        if got != self.acc:
+            raise MultiWorkerDivergence(f"step {step}: the logger accumulated {got}, the reference {self.acc}")
+        lines: list[tuple] = []
+        self.logging.log(log_fn=lambda *args: lines.append(args))
+        expect = self.acc is not None and any(any(v.values()) for v in self.acc.values())
+        if len(lines) != int(expect) or (lines and any(f"{k}=" not in lines[0][1] for k in self.acc)):
+            raise MultiWorkerDivergence(f"step {step}: the logger logged {lines} for the interval {self.acc}")
+        self.logged += len(lines)
+        if expect:  # a logged interval starts afresh; an empty one goes on accumulating
+            self.acc = None
+        if (self.logging.transfer_stats_accumulator is None) != (self.acc is None):
+            raise MultiWorkerDivergence(f"step {step}: the logger's interval {'not ' if expect else ''}reset after "
+                                        f"{'logging' if expect else 'an empty interval'}")
+
+
 def _maybe(rng: random.Random, p: float, value: Any) -> Any:
     return value if rng.random() < p else None
 
@@ -115,7 +192,7 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
     vmw = p.vmw
     n, w = case.num_children, case.world_size
     ranks = range(1, w + 1)
-    stats = {"calls": 0, "sends_finished": 0, "extra_saves": 0, "raised": 0}
+    stats = {"calls": 0, "sends_finished": 0, "extra_saves": 0, "raised": 0, "logged": 0, "prom_observed": 0}
     layers = [f"model.layers.{i}.attn" for i in range(case.num_layers)]
     caches = {name: torch.zeros(2, 4, 8) for name in layers}
 
@@ -164,6 +241,8 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
            lambda: aggs.append(RankOutputAggregator.from_connector(p.ref[1], w)) or aggs[-1].expected,
            lambda: aggs.append(vmw.kv_output_aggregator(p.vllm[1], w)) or aggs[-1]._expected_finished_count)
     agg_ref, agg_vllm = aggs
+    side = random.Random(f"logging-{case.seed}")  # draws of the logging side, apart from the trace's
+    logging_side = _LoggingSide(p, side)
 
     # ---- steps ------------------------------------------------------------------------------------
     saving: dict[str, set[int]] = {}  # request -> children that save it asynchronously
@@ -180,8 +259,11 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
             answers = [(rng.random() < 0.6, {"k": i} if clash else _maybe(rng, 0.5, {f"k{i}": rid}))
                        for i in range(n)]
             p.answer(0, "request_finished", answers)
+            # one KV cache group: the engine calls either form; both ask every child (#22)
+            one_group = side.random() < 0.3
             out = p.both(f"request_finished({rid})", lambda rid=rid: p.ref[0].request_finished(rid),
-                         lambda rid=rid: p.vllm[0].request_finished_all_groups(vmw.request(rid), ([],)))
+                         lambda rid=rid: p.vllm[0].request_finished(vmw.request(rid), []) if one_group
+                         else p.vllm[0].request_finished_all_groups(vmw.request(rid), ([],)))
             stats["calls"] += 1
             if out[0] == "raised":
                 stats["raised"] += 1
@@ -282,6 +364,7 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
                vmw.multi_stats(out.kv_connector_stats))
         if got != merged[0]:
             raise MultiWorkerDivergence(f"step {step}: the ranks' outputs merged: reference {merged[0]}, vLLM {got}")
+        payload = vmw.stats_payload(out.kv_connector_stats)  # serialized before the logging side resets them
         # the logging side: stats rebuilt from the merged ones, reduced, reset
         rebuilt = vmw.rebuilt_stats(out.kv_connector_stats)
         want = merged[0][4] or {}
@@ -293,6 +376,8 @@ def run_multi_worker_trace(case: MultiWorkerCase) -> dict:
         rebuilt.reset()
         if not rebuilt.is_empty():
             raise MultiWorkerDivergence(f"step {step}: stats {rebuilt.to_dict()} not empty after reset")
+        logging_side.step(step, payload, merged[0][4], last=step == case.steps - 1)
+        stats["logged"], stats["prom_observed"] = logging_side.logged, len(logging_side.observed)
         for r in ranks:
             for rid in set(outputs_ref[r - 1][0] or ()):
                 rank_done[rid] = rank_done.get(rid, 0) + 1
@@ -327,7 +412,8 @@ def random_multi_worker_cases(seed: int, n: int) -> list[MultiWorkerCase]:
 def run_multi_worker_traces(cases) -> dict:
     """Run every case; raises :class:`MultiWorkerDivergence` (naming the case) at the first
     difference."""
-    total = {"traces": 0, "calls": 0, "sends_finished": 0, "extra_saves": 0, "raised": 0}
+    total = {"traces": 0, "calls": 0, "sends_finished": 0, "extra_saves": 0, "raised": 0, "logged": 0,
+             "prom_observed": 0}
     for case in cases:
         try:
             stats = run_multi_worker_trace(case)
