@@ -176,6 +176,20 @@ class Formulas:
         return (o.ite(below, num_blocks, steady_blocks + num_blocks - admission_blocks),
                 o.ite(below, admission_blocks, steady_blocks))
 
+    # ---------------------------------------------------------------- pipeline parallel (issue #22)
+
+    def pp_workers_checked(self, o, checks):
+        """``get_kv_cache_configs`` checks every worker's projected groups against its own memory
+        (``kvref.spec.planning_parallel.plan_kv_cache_workers``)."""
+        return o.And(*checks)
+
+    def pp_common_num_blocks(self, o, own):
+        """Every worker is re-planned with the smallest worker's ``memory // bytes_per_block``."""
+        acc = own[0]
+        for x in own[1:]:
+            acc = o.min(acc, x)
+        return acc
+
     # ---------------------------------------------------------------- block sizes (kv_cache_utils.py)
 
     def hash_block_size(self, o, sizes, cacheable, unit_set, unit, cache_block_size):

@@ -780,7 +780,57 @@ T10 = Theorem(
 )
 
 
-THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8, T9, T10)
+# ------------------------------------------------------------------------------------------ T11
+
+_PP_WORKERS = 3
+
+
+def _t11(F, o, v, *, same_need=True):
+    """Three pipeline workers: worker i has ``bpb_i`` bytes per block (its projected groups'
+    widest), ``mem_i`` profiled bytes (or ``override × bpb_i``), and needs ``S_i`` blocks for one
+    ``max_model_len`` request (the same on every worker: the projected groups keep the global
+    groups' specs)."""
+    override, override_set = v["override"], v["override_set"]
+    hyps = _pos(override) + _nonneg(v["S0"])
+    checks, own, memory = [], [], []
+    for i in range(_PP_WORKERS):
+        bpb, mem, need = v[f"bpb{i}"], v[f"mem{i}"], v[f"S{i}"]
+        hyps += _pos(bpb) + _nonneg(mem, need)
+        if same_need and i:
+            hyps.append(need == v["S0"])
+        m = o.ite(override_set, override * bpb, mem)
+        memory.append(m)
+        checks.append(F.check_passes(o, need * bpb, m - bpb))  # null block held back (PR 47272)
+        own.append(o.fdiv(m, bpb))
+    hyps.append(F.pp_workers_checked(o, checks))
+    nb = F.pp_common_num_blocks(o, own)
+    return hyps, o.And(*[v[f"S{i}"] <= nb - 1 for i in range(_PP_WORKERS)],
+                       *[nb * v[f"bpb{i}"] <= memory[i] for i in range(_PP_WORKERS)])
+
+
+_T11_VARS = {**_ints(" ".join(f"bpb{i} mem{i} S{i}" for i in range(_PP_WORKERS)) + " override"),
+             "override_set": BOOL}
+
+T11 = Theorem(
+    id="T11", name="pipeline-common-pool",
+    title="with pipeline parallelism, the common block count holds one max-length request on every worker",
+    statement=("For three workers (PP stages / TP ranks) with any bytes per block bpb_i, profiled memory mem_i "
+               "(or num_gpu_blocks_override x bpb_i) and S blocks one max_model_len request needs: if "
+               "get_kv_cache_configs' per-worker check passes (S x bpb_i <= memory_i - bpb_i, the null block held "
+               "back), then the smallest worker's block count nb = min_i memory_i // bpb_i, which every worker "
+               "gets, leaves S <= nb - 1 usable blocks for the scheduler's request, and every worker's tensors "
+               "(nb x bpb_i bytes) fit its memory. Issue #22 (vLLM get_kv_cache_configs)."),
+    reference=("kvref.spec.planning_parallel.plan_kv_cache_workers",
+               "vllm.v1.core.kv_cache_planning.get_kv_cache_configs"),
+    bounds=("every worker needs the same blocks per max-length request (its groups are projections of the same "
+            "global groups)",),
+    claim=Claim("all", "S <= nb - 1 on every worker, nb x bpb_i <= memory_i", _T11_VARS, _t11),
+    necessary=(Claim("different-needs", "workers needing different block counts", _T11_VARS,
+                     lambda F, o, v: _t11(F, o, v, same_need=False)),),
+)
+
+
+THEOREMS: tuple[Theorem, ...] = (T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
 BY_ID = {t.id: t for t in THEOREMS}
 BY_NAME = {t.name: t for t in THEOREMS}
 

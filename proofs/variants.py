@@ -214,6 +214,13 @@ class BrokenHiSparseSteadyNoWindowBranch(Formulas):
         return steady_blocks + num_blocks - admission_blocks, steady_blocks
 
 
+class BrokenPPFirstWorkerOnly(Formulas):
+    name = "broken-pp-first-worker-only"
+
+    def pp_workers_checked(self, o, checks):
+        return checks[0]
+
+
 class BrokenAutoFitNoNull(Formulas):
     name = "broken-num-blocks-plus-one"
 
@@ -282,6 +289,9 @@ VARIANTS: tuple[Variant, ...] = (
             "The steady-state figure charges one admission window even when the pool holds less than one: "
             "below A blocks it reports fewer requests than admission does (negative when nb < A - S).",
             BrokenHiSparseSteadyNoWindowBranch()),
+    Variant("broken-pp-first-worker-only", "broken", "T11", (),
+            "Only the first worker's memory is checked: a later pipeline stage with less memory sets the common "
+            "block count below one max-length request.", BrokenPPFirstWorkerOnly()),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}
