@@ -3,7 +3,8 @@
 ``TieringOffloadingSpec``) against kvref's reference on generated traces, every observable compared
 after every operation (:mod:`kvref.models.machines.tiering`, issue #22); and vLLM's back-pressure
 detector and policies against the reference's on generated completion-time programs
-(:mod:`kvref.models.machines.tiering_backpressure`)."""
+(:mod:`kvref.models.machines.tiering_backpressure`); and vLLM's tier-poll thread, pass by pass,
+against the reference's loop (:mod:`kvref.models.machines.tiering_poll_loop`)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.models.machines.tiering import TieringDivergence, run_traces
     from kvref.models.machines.tiering_backpressure import BackpressureDivergence, run_programs
     from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
+    from kvref.models.machines.tiering_poll_loop import PollLoopDivergence
+    from kvref.models.machines.tiering_poll_loop import run_programs as run_poll_programs
 
     n = ctx.examples(8, 60)  # 8: three draw the KVCR, polled and obj tiers, five any layout
     try:
         stats = run_traces(ctx.seed, n)
         stats.update(run_config_cases(ctx.seed, ctx.examples(6, 30)))
         stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
-    except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence) as exc:
+        stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
+    except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence, PollLoopDivergence) as exc:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's tiering manager diverged from the reference",
                            details=[text[:2000]], signature=f"{NAME}: {str(exc).split(':')[0][:80]}")
@@ -37,5 +41,6 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{stats['kvcr_traces']} traces with a KVCR tier, {stats['kvcr_copy_failures']} failed KVCR "
                        f"copies, {stats['poll_rounds']} tier-poll rounds, {stats['peer_pins']} peer pins; {stats['configs']} "
                        f"KVCR configs, {stats['configs_refused']} refused as the reference says; {stats['bp_programs']} back-pressure "
-                       f"programs, {stats['bp_ops']} ops) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
-                       "events, metrics and bytes agree with the reference", examined=stats["ops"] + stats["bp_ops"])
+                       f"programs, {stats['bp_ops']} ops; {stats['poll_programs']} tier-poll thread programs, "
+                       f"{stats['poll_ops']} ops) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
+                       "events, metrics and bytes agree with the reference", examined=stats["ops"] + stats["bp_ops"] + stats["poll_ops"])

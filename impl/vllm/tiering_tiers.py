@@ -74,7 +74,20 @@ def _polled_tier() -> type:
             def peer_request(self, keys) -> None:
                 self.peer_requests.append(tuple(keys))
 
+            serve_calls = 0  # serve_external_requests calls (tier-poll rounds and step ends)
+            fail_serve = False  # set by a tier-poll program: serving raises (a transport error, say)
+            #: set by a tier-poll program: (entered, release) events; serving blocks until released
+            hang = None
+
             def serve_external_requests(self, parent) -> None:
+                self.serve_calls += 1
+                if self.hang is not None:
+                    entered, release = self.hang
+                    self.hang = None
+                    entered.set()
+                    release.wait()
+                if self.fail_serve:
+                    raise RuntimeError(f"kvref: tier {self.tier_type}: serving failed (injected)")
                 pending, self.peer_requests = self.peer_requests, []
                 for keys in pending:
                     ctx = ReqContext(req_id=f"peer:{self.served}")

@@ -5,15 +5,11 @@ and faults planted in vLLM's detector and policy are found."""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import sys
-import textwrap
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conformance.tiering_planted import edited
 from tests.conftest import profile_examples
 from tests.vllm_env import require_vllm
 
@@ -42,25 +38,6 @@ def test_every_decision_path_is_reached():
     assert [p for p in PATHS if not stats.get(p)] == [], stats
 
 
-@contextlib.contextmanager
-def _edited(cls_name: str, method: str, old: str, new: str):
-    """vLLM's own ``cls_name.method`` with ``old`` replaced by ``new``, for the ``with`` block."""
-    module = sys.modules[BP]
-    cls = getattr(module, cls_name)
-    func = cls.__dict__[method]
-    src = inspect.getsource(func)
-    assert src.count(old) == 1, (cls_name, method, old)
-    src = src.replace(old, new).replace("super().", f"super({cls_name}, self).")  # no __class__ cell outside
-    ns: dict = {}
-    exec(compile(textwrap.dedent(src), f"<planted {cls_name}.{method}>", "exec"),  # noqa: S102
-         vars(module), ns)
-    setattr(cls, method, ns[method])
-    try:
-        yield
-    finally:
-        setattr(cls, method, func)
-
-
 PLANTED = [
     # the throttle forgets the fraction it carried: every store after the first drop is dropped
     ("ThrottledDropPolicy", "should_store", "self._drop_accumulator -= 1.0", "self._drop_accumulator = 1.0"),
@@ -83,10 +60,7 @@ PLANTED = [
                                                                   enumerate(PLANTED)])
 def test_planted_faults_are_found(cls_name, method, old, new):
     require_vllm()
-    import importlib
-
-    importlib.import_module(BP)
     from kvref.models.machines.tiering_backpressure import BackpressureDivergence, run_programs
 
-    with _edited(cls_name, method, old, new), pytest.raises(BackpressureDivergence):
+    with edited(BP, cls_name, method, old, new), pytest.raises(BackpressureDivergence):
         run_programs(0, 60)

@@ -774,6 +774,17 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     tiering_case("on_schedule_end", lambda c, k: dict(new_req_ids=["r0"]))
     tiering_case("poll_tiers", lambda c, k: dict())
 
+    def poll_loop_case(method, kwargs):  # the tier-poll thread's loop (#22)
+        def build():
+            from kvref.impl.reference.offload.tiering.poll_loop import TierPollLoop
+
+            loop = TierPollLoop()
+            return loop, loop.check_invariants, dict(kwargs), getattr(loop, method)
+        add(f"TierPollLoop.{method}", build)
+
+    poll_loop_case("iteration", dict(now=1000.0, lock_free=True, round_ok=False))
+    poll_loop_case("shutdown", dict(now=1000.0, lock_free=True, round_ok=True, stuck=False))
+
     def primary_read():
         m, ctx, keys = _tiering_manager()
         return m.primary, m.primary.check_invariants, dict(keys=[keys[0]]), m.primary.prepare_read
