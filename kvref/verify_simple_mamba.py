@@ -30,7 +30,10 @@ def with_simple_mamba(ctx: VerifyContext, result: CheckResult) -> CheckResult:
                            "from the reference", details=[f"{type(exc).__name__}: {exc}"[:1500]],
                            signature=f"{result.name}: SimpleCPU Mamba {type(exc).__name__}")
     c = MAMBA_COVERAGE
-    return replace(result, summary=f"{result.summary}; {stats['traces']} SimpleCPU traces on FA + Mamba 'align' "
-                   f"pools ({stats['ops']} ops: {c['handoffs']} boundary hand-offs, {c['odd_handoffs']} odd ones, "
-                   f"{c['finish_flush']} finish-time flushes, {c['copies']} copy-on-write pairs, {c['cpu_load']} "
-                   "CPU loads) agree", examined=result.examined + stats["ops"])
+    result = replace(result, summary=f"{result.summary}; {stats['traces']} SimpleCPU traces on FA + Mamba 'align' "
+                     f"pools ({stats['ops']} ops: {c['handoffs']} boundary hand-offs, {c['odd_handoffs']} odd ones, "
+                     f"{c['finish_flush']} finish-time flushes, {c['copies']} copy-on-write pairs, {c['cpu_load']} "
+                     "CPU loads) agree", examined=result.examined + stats["ops"])
+    from .verify_simple_edges import with_lookup_edges  # then the look-up / hand-off edges (#22)
+
+    return with_lookup_edges(ctx, result)

@@ -285,6 +285,8 @@ class SimpleCPUOffloadScheduler:
         self._check_live(request)
         if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
             self._free_pending_cpu_hit(stale)
+        if request.skip_reading_prefix_cache:
+            return 0, False  # prompt logprobs / pooling: nothing cached is read, the CPU's neither
         if num_computed_tokens % self.block_size:
             return 0, False  # a load copies whole blocks: it cannot start mid-block
         for s in self.specs:

@@ -1,0 +1,134 @@
+"""The SimpleCPU connector's look-up and allocation hand-off at its edges, reference vs vLLM on
+generated traces (issue #22).
+
+The engine world (:mod:`kvref.models.offload.simple_cpu_world`) asks the connector only what
+vLLM's ``Scheduler`` asks on the common path. Between the trace's operations this module probes a
+waiting request, on every backend alike, with what the scheduler also does
+(``vllm/v1/core/sched/scheduler.py``, ``SimpleCPUOffloadScheduler.get_num_new_matched_tokens`` /
+``update_state_after_alloc``):
+
+* a CPU hit is offered and pinned, then the scheduler takes none of it (a local partial tail that
+  the remote hit does not exceed, a replay window): ``update_state_after_alloc(.., 0)`` must
+  release the pin (the CPU block's ref count goes back);
+* a local prefix that ends inside a block: no external look-up (loads copy whole blocks);
+* a local prefix that already covers every full block: nothing left to look up;
+* a request that does not read the prefix cache (prompt logprobs, pooling): no CPU hit either;
+* external tokens reported with no pending hit: the load is skipped, nothing is pinned;
+* a second look-up of the same request drops the first one's pin (a retry after a failed
+  allocation).
+
+Every answer, and then the whole observed state (pools, ref counts, pins, store cursors, KV
+events, stats), must be the same on both backends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from typing import Any
+
+from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOffloadWorld
+from kvref.models.offload.traces import apply_op, random_ops
+from kvref.models.offload.world_common import OffloadInvariantError
+
+_VLLM_LOGGER = "vllm.v1.simple_kv_offload.manager"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """vLLM's warnings for the probes held back: they are provoked on purpose."""
+    lg = logging.getLogger(_VLLM_LOGGER)
+    was = lg.disabled
+    lg.disabled = True
+    try:
+        yield
+    finally:
+        lg.disabled = was
+
+
+def _waiting_new(w: SimpleOffloadWorld) -> list[str]:
+    """Requests the scheduler has not looked up yet (waiting, nothing computed, no load)."""
+    return [rid for rid in w.live("waiting") if w.reqs[rid].computed == 0 and rid not in w.loads]
+
+
+def probe(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple:
+    """The edge calls on request ``rid`` of world ``w``; returns every answer."""
+    b, bs = w.b, w.cfg.block_size
+    req = w.reqs[rid].req
+    out: list[Any] = []
+    with _quiet():
+        out.append(b.match(req, 0))  # may pin a CPU hit
+        if retry:
+            out.append(b.match(req, 0))  # the retry drops the first pin, pins again
+        b.after_alloc(req, 0)  # the scheduler takes none of it: the pin is released
+        out.append(b.match(req, bs * (req.num_tokens // bs)))  # every full block local already
+        req.skip_reading_prefix_cache = True
+        try:
+            out.append(b.match(req, 0))  # reads no cache: no CPU hit
+        finally:
+            req.skip_reading_prefix_cache = False
+        out.append(b.match(req, mid_block))  # a local prefix ending inside a block (drops any pin)
+        b.after_alloc(req, bs)  # external tokens without a pending hit: the load is skipped
+    return tuple(out)
+
+
+def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple:
+    """:func:`probe`'s answers, or the exception it raised (compared by type)."""
+    try:
+        return probe(w, rid, mid_block, retry)
+    except Exception as exc:  # noqa: BLE001 - either side may crash where the other does not
+        return ("raised", type(exc).__name__, str(exc)[:200])
+
+
+def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("reference", "vllm")) -> dict:
+    """``ops`` on one world per backend, a probe of a random new request after about every third
+    operation; raises :class:`OffloadInvariantError` at the first difference. Returns counts."""
+    rng = random.Random(f"simple-lookup-edges-{seed}")
+    worlds = [SimpleOffloadWorld(cfg, be, allow_duplicates_within_event=True) for be in backends]
+    stats = {"ops": 0, "probes": 0, "hits_declined": 0}
+    for j, op in enumerate(ops):
+        outs = [apply_op(w, op) for w in worlds]
+        stats["ops"] += 1
+        if outs[0] != outs[-1] or worlds[0].observe() != worlds[-1].observe():
+            return stats  # the plain trace differs: conform-offload's own loop reports that
+        candidates = _waiting_new(worlds[0])
+        if not candidates or candidates != _waiting_new(worlds[-1]) or rng.random() < 0.6:
+            continue
+        rid = rng.choice(candidates)
+        mid_block, retry = rng.randrange(1, cfg.block_size), rng.random() < 0.5
+        answers = [_answers(w, rid, mid_block, retry) for w in worlds]
+        stats["probes"] += 1
+        stats["hits_declined"] += answers[0][0][0] > 0
+        if answers[0] != answers[-1] or answers[0][0] == "raised":
+            raise OffloadInvariantError(f"op {j} {op}, probe of {rid} (mid-block {mid_block}, retry {retry}): "
+                                        f"reference answered {answers[0]}, vLLM {answers[-1]}")
+        seen = [w.observe() for w in worlds]
+        if seen[0] != seen[-1]:
+            diff = sorted(k for k in seen[0] if seen[0][k] != seen[-1].get(k))
+            raise OffloadInvariantError(f"op {j} {op}, after the probe of {rid} (mid-block {mid_block}, retry "
+                                        f"{retry}): {diff} differ: reference "
+                                        f"{[seen[0][k] for k in diff]!r:.400}, vLLM {[seen[-1][k] for k in diff]!r:.400}")
+        for w in worlds:
+            w.b.check_invariants()
+    return stats
+
+
+def lookup_edge_cases(seed: int, n: int) -> list[tuple[SimpleOffloadConfig, list]]:
+    """``n`` random SimpleCPU configurations with traces."""
+    rng = random.Random(f"simple-lookup-edge-cases-{seed}")
+    return [(SimpleOffloadConfig.random(rng), random_ops(rng, rng.randint(20, 40))) for _ in range(n)]
+
+
+def run_lookup_edge_cases(seed: int, n: int) -> dict:
+    """Every case of :func:`lookup_edge_cases`; raises naming the case at the first difference."""
+    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0}
+    for i, (cfg, ops) in enumerate(lookup_edge_cases(seed, n)):
+        try:
+            got = run_lookup_edges(cfg, ops, seed * 1000 + i)
+        except OffloadInvariantError as exc:
+            raise OffloadInvariantError(f"SimpleCPU look-up edges, case {i} {cfg}: {exc}") from exc
+        total["traces"] += 1
+        for k, v in got.items():
+            total[k] += v
+    return total

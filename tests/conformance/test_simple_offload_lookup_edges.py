@@ -1,0 +1,90 @@
+"""The SimpleCPU connector's look-up / allocation hand-off edges, reference vs vLLM 0.33.0 on
+generated traces (:mod:`kvref.models.offload.simple_cpu_lookup_edges`, issue #22): clean vLLM
+agrees and the probes meet real CPU hits; each planted fault in vLLM's
+``get_num_new_matched_tokens`` / ``update_state_after_alloc`` is caught."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import random
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import profile_examples
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def E():
+    require_vllm()
+    import kvref.impl.vllm.offload  # noqa: F401  (imports vLLM once per module)
+    from kvref.models.offload import simple_cpu_lookup_edges
+
+    return simple_cpu_lookup_edges
+
+
+def test_clean_vllm_agrees_and_hits_are_declined(E):
+    stats = E.run_lookup_edge_cases(0, 12)
+    assert stats["traces"] == 12
+    assert stats["probes"] > 0
+    assert stats["hits_declined"] > 0  # a pinned CPU hit the scheduler took none of
+
+
+@settings(max_examples=profile_examples(5, 20), deadline=None, database=None)
+@given(seed=st.integers(0, 2**31 - 1), n_ops=st.integers(10, 40))
+def test_generated_traces_agree(E, seed, n_ops):
+    from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig
+    from kvref.models.offload.traces import random_ops
+
+    rng = random.Random(seed)
+    E.run_lookup_edges(SimpleOffloadConfig.random(rng), random_ops(rng, n_ops), seed)
+
+
+@contextlib.contextmanager
+def _planted(method: str, old: str, new: str):
+    """vLLM's ``SimpleCPUOffloadScheduler.<method>`` with ``old`` replaced by ``new`` (once)."""
+    from vllm.v1.simple_kv_offload import manager
+
+    cls = manager.SimpleCPUOffloadScheduler
+    func = vars(cls)[method]
+    src = inspect.getsource(func)
+    assert src.count(old) == 1, (method, old)
+    ns: dict = {}
+    exec(compile(textwrap.dedent(src.replace(old, new)), f"<fault {method}>", "exec"),  # noqa: S102
+         vars(sys.modules[manager.__name__]), ns)
+    setattr(cls, method, ns[method])
+    try:
+        yield
+    finally:
+        setattr(cls, method, func)
+
+
+FAULTS = {
+    # a request that reads no prefix cache still gets a CPU hit
+    "skip-reading-ignored": ("get_num_new_matched_tokens", "if request.skip_reading_prefix_cache:", "if False:"),
+    # a retried look-up keeps the first look-up's pin (the CPU block is never freed)
+    "stale-pin-kept": ("get_num_new_matched_tokens",
+                       "if stale := self._pending_cpu_hits.pop(request.request_id, None):",
+                       "if (stale := self._pending_cpu_hits.pop(request.request_id, None)) and False:"),
+    # a hit the scheduler declined keeps its pin
+    "declined-pin-kept": ("update_state_after_alloc", "a pending CPU hit; releasing the stale pin.\",\n"
+                          "                    req_id,\n                )\n"
+                          "                self._free_pending_cpu_hit(pending)",
+                          "a pending CPU hit; releasing the stale pin.\",\n"
+                          "                    req_id,\n                )"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_planted_fault_is_caught(E, fault):
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    with _planted(*FAULTS[fault]), pytest.raises(OffloadInvariantError):
+        E.run_lookup_edge_cases(0, 12)
