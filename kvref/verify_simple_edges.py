@@ -20,11 +20,12 @@ def with_lookup_edges(ctx: VerifyContext, result: CheckResult) -> CheckResult:
     from kvref.models.offload.world_common import OffloadInvariantError
 
     try:
-        stats = run_lookup_edge_cases(ctx.seed, ctx.examples(10, 80))
+        stats = run_lookup_edge_cases(ctx.seed, ctx.examples(20, 120))
     except (AssertionError, OffloadInvariantError) as exc:
         return CheckResult(result.name, FAILED, "vLLM's SimpleCPU look-up / allocation hand-off diverged from the "
                            "reference", details=[f"{type(exc).__name__}: {exc}"[:1500]],
                            signature=f"{result.name}: SimpleCPU look-up edges {type(exc).__name__}")
     return replace(result, summary=f"{result.summary}; {stats['probes']} SimpleCPU look-up edge probes over "
-                   f"{stats['traces']} traces ({stats['hits_declined']} CPU hits declined) agree",
+                   f"{stats['traces']} traces ({stats['hits_declined']} CPU hits declined, "
+                   f"{stats['unissued_loads']} loads dropped before issue) agree",
                    examined=result.examined + stats["ops"])

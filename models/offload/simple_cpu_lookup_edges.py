@@ -15,7 +15,9 @@ waiting request, on every backend alike, with what the scheduler also does
 * a request that does not read the prefix cache (prompt logprobs, pooling): no CPU hit either;
 * external tokens reported with no pending hit: the load is skipped, nothing is pinned;
 * a second look-up of the same request drops the first one's pin (a retry after a failed
-  allocation).
+  allocation);
+* a CPU hit allocated as an async load that the connector has not yet sent to the worker, then a
+  reset or an abort: the load is dropped at once, its pins released.
 
 Every answer, and then the whole observed state (pools, ref counts, pins, store cursors, KV
 events, stats), must be the same on both backends.
@@ -73,9 +75,32 @@ def probe(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple
     return tuple(out)
 
 
-def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple:
-    """:func:`probe`'s answers, or the exception it raised (compared by type)."""
+def probe_unissued_load(w: SimpleOffloadWorld, rid: str, then_reset: bool) -> tuple:
+    """Request ``rid`` of world ``w`` gets its CPU hit allocated as an async load, and before the
+    next step issues it the connector is reset (``then_reset``) and the request is aborted.
+    Returns every answer. (A completion reported afterwards for that load is ignored by vLLM and
+    refused by the reference, which takes it for a worker's bad report: not probed.)"""
+    b, r = w.b, w.reqs[rid]
+    req = r.req
+    hits, n_local = b.get_computed_blocks(req)
+    with _quiet():
+        n_ext, is_async = b.match(req, n_local)
+    if n_ext == 0:
+        return n_local, n_ext, is_async
+    ids = b.allocate(req, 0, n_local, hits if n_local else None, n_ext, True)
+    if ids is None:  # no room: the pin stays until the next look-up drops it
+        return n_local, n_ext, is_async, None
+    b.after_alloc(req, n_ext)  # the load is planned; no load event yet
+    reset = w.reset() if then_reset else None  # a load never sent to the worker is dropped at once
+    w.finish(rid)  # an un-issued load is released with the request
+    return n_local, n_ext, is_async, len(ids[0]) if ids else 0, reset
+
+
+def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool, unissued: bool, then_reset: bool) -> tuple:
+    """:func:`probe`'s (or :func:`probe_unissued_load`'s) answers, or the exception it raised."""
     try:
+        if unissued:
+            return probe_unissued_load(w, rid, then_reset)
         return probe(w, rid, mid_block, retry)
     except Exception as exc:  # noqa: BLE001 - either side may crash where the other does not
         return ("raised", type(exc).__name__, str(exc)[:200])
@@ -86,23 +111,34 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
     operation; raises :class:`OffloadInvariantError` at the first difference. Returns counts."""
     rng = random.Random(f"simple-lookup-edges-{seed}")
     worlds = [SimpleOffloadWorld(cfg, be, allow_duplicates_within_event=True) for be in backends]
-    stats = {"ops": 0, "probes": 0, "hits_declined": 0}
+    stats = {"ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0}
     for j, op in enumerate(ops):
         outs = [apply_op(w, op) for w in worlds]
         stats["ops"] += 1
         if outs[0] != outs[-1] or worlds[0].observe() != worlds[-1].observe():
             return stats  # the plain trace differs: conform-offload's own loop reports that
-        candidates = _waiting_new(worlds[0])
-        if not candidates or candidates != _waiting_new(worlds[-1]) or rng.random() < 0.6:
+        if rng.random() < 0.5:
             continue
-        rid = rng.choice(candidates)
+        if rng.random() < 0.7:  # an earlier request's tokens again: its blocks may be on the CPU
+            pick, shorter = rng.randrange(100), rng.random() < 0.3
+            for w in worlds:
+                w.readd(pick, drop_last_block=shorter)
+        candidates = _waiting_new(worlds[0])
+        if not candidates or candidates != _waiting_new(worlds[-1]):
+            continue
+        rid = candidates[-1] if rng.random() < 0.7 else rng.choice(candidates)
         mid_block, retry = rng.randrange(1, cfg.block_size), rng.random() < 0.5
-        answers = [_answers(w, rid, mid_block, retry) for w in worlds]
+        unissued, then_reset = rng.random() < 0.5, rng.random() < 0.3
+        answers = [_answers(w, rid, mid_block, retry, unissued, then_reset) for w in worlds]
         stats["probes"] += 1
-        stats["hits_declined"] += answers[0][0][0] > 0
         if answers[0] != answers[-1] or answers[0][0] == "raised":
-            raise OffloadInvariantError(f"op {j} {op}, probe of {rid} (mid-block {mid_block}, retry {retry}): "
-                                        f"reference answered {answers[0]}, vLLM {answers[-1]}")
+            raise OffloadInvariantError(f"op {j} {op}, {'un-issued load ' if unissued else ''}probe of {rid} "
+                                        f"(mid-block {mid_block}, retry {retry}, reset {then_reset}): reference "
+                                        f"answered {answers[0]}, vLLM {answers[-1]}")
+        if unissued:
+            stats["unissued_loads"] += len(answers[0]) > 4
+        else:
+            stats["hits_declined"] += answers[0][0][0] > 0
         seen = [w.observe() for w in worlds]
         if seen[0] != seen[-1]:
             diff = sorted(k for k in seen[0] if seen[0][k] != seen[-1].get(k))
@@ -122,7 +158,7 @@ def lookup_edge_cases(seed: int, n: int) -> list[tuple[SimpleOffloadConfig, list
 
 def run_lookup_edge_cases(seed: int, n: int) -> dict:
     """Every case of :func:`lookup_edge_cases`; raises naming the case at the first difference."""
-    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0}
+    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0}
     for i, (cfg, ops) in enumerate(lookup_edge_cases(seed, n)):
         try:
             got = run_lookup_edges(cfg, ops, seed * 1000 + i)

@@ -30,11 +30,12 @@ def E():
     return simple_cpu_lookup_edges
 
 
-def test_clean_vllm_agrees_and_hits_are_declined(E):
-    stats = E.run_lookup_edge_cases(0, 12)
+def test_clean_vllm_agrees_and_the_edges_are_met(E):
+    stats = E.run_lookup_edge_cases(1, 12)  # fixed draws (random.Random): the same under every profile
     assert stats["traces"] == 12
     assert stats["probes"] > 0
     assert stats["hits_declined"] > 0  # a pinned CPU hit the scheduler took none of
+    assert stats["unissued_loads"] > 0  # an allocated load dropped before the worker got it
 
 
 @settings(max_examples=profile_examples(5, 20), deadline=None, database=None)
@@ -79,6 +80,9 @@ FAULTS = {
                           "                self._free_pending_cpu_hit(pending)",
                           "a pending CPU hit; releasing the stale pin.\",\n"
                           "                    req_id,\n                )"),
+    # an aborted request's load that was never issued keeps its CPU and GPU pins
+    "unissued-load-kept": ("request_finished", "            else:\n                self._cleanup_load_request(req_id)",
+                           "            else:\n                pass"),
 }
 
 
@@ -87,4 +91,4 @@ def test_planted_fault_is_caught(E, fault):
     from kvref.models.offload.world_common import OffloadInvariantError
 
     with _planted(*FAULTS[fault]), pytest.raises(OffloadInvariantError):
-        E.run_lookup_edge_cases(0, 12)
+        E.run_lookup_edge_cases(1, 12)
