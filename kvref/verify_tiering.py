@@ -4,7 +4,9 @@
 after every operation (:mod:`kvref.models.machines.tiering`, issue #22); and vLLM's back-pressure
 detector and policies against the reference's on generated completion-time programs
 (:mod:`kvref.models.machines.tiering_backpressure`); and vLLM's tier-poll thread, pass by pass,
-against the reference's loop (:mod:`kvref.models.machines.tiering_poll_loop`)."""
+against the reference's loop (:mod:`kvref.models.machines.tiering_poll_loop`); and generated spec
+configs (tiers, back-pressure resolution, refusals) through vLLM's front door
+(:mod:`kvref.models.machines.tiering_spec_config`)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
     from kvref.models.machines.tiering_poll_loop import PollLoopDivergence
     from kvref.models.machines.tiering_poll_loop import run_programs as run_poll_programs
+    from kvref.models.machines.tiering_spec_config import SpecConfigDivergence, run_spec_cases
 
     n = ctx.examples(8, 60)  # 8: three draw the KVCR, polled and obj tiers, five any layout
     try:
@@ -31,7 +34,9 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
         stats.update(run_config_cases(ctx.seed, ctx.examples(6, 30)))
         stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
         stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
-    except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence, PollLoopDivergence) as exc:
+        stats.update(run_spec_cases(ctx.seed, ctx.examples(120, 400)))  # ~0.3 s per 120 configs
+    except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence, PollLoopDivergence,
+            SpecConfigDivergence) as exc:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's tiering manager diverged from the reference",
                            details=[text[:2000]], signature=f"{NAME}: {str(exc).split(':')[0][:80]}")
@@ -42,5 +47,6 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
                        f"copies, {stats['poll_rounds']} tier-poll rounds, {stats['peer_pins']} peer pins; {stats['configs']} "
                        f"KVCR configs, {stats['configs_refused']} refused as the reference says; {stats['bp_programs']} back-pressure "
                        f"programs, {stats['bp_ops']} ops; {stats['poll_programs']} tier-poll thread programs, "
-                       f"{stats['poll_ops']} ops) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
+                       f"{stats['poll_ops']} ops; {stats['spec_configs']} spec configs, {stats.get('spec_configs_refused', 0)} "
+                       "refused as the reference says) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
                        "events, metrics and bytes agree with the reference", examined=stats["ops"] + stats["bp_ops"] + stats["poll_ops"])

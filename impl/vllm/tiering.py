@@ -494,11 +494,15 @@ class VllmTiering:
 
 
 def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",
-                       enable_events: bool = True, self_describing_events: bool | None = None) -> VllmTiering:
+                       enable_events: bool = True, self_describing_events: bool | None = None,
+                       extra: dict | None = None) -> VllmTiering:
     """vLLM's tiering manager for ``tiers`` (dicts: ``type`` "fs" or "example", optional
     ``backpressure`` as vLLM's tier config takes it); fs tiers get their own temporary directory.
     ``self_describing_events``: the spec's ``self_describing_kv_events`` (default: on when a
-    KVCR tier is configured, which needs it for its local DRAM inventory)."""
+    KVCR tier is configured, which needs it for its local DRAM inventory). ``extra``: more of the
+    spec's extra config (top-level ``backpressure``, ``store_threshold``, ...), set last."""
+    if extra is not None and not isinstance(extra, dict):
+        raise InvalidFieldError("extra", extra, "None or a dict of the spec's extra config")
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -513,12 +517,12 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
     tier_cfgs = []
     for i, t in enumerate(tiers):
         cfg = dict(t)
-        if cfg["type"] == "obj":
+        if cfg.get("type") == "obj":
             cfg.setdefault("store_config", {"bucket": "kvref", "endpoint_override": "in-memory"})
             cfg.setdefault("prefix", f"tier{i}")
             cfg.setdefault("io_threads", 1)
             cfg.setdefault("enable_kv_events", enable_events)
-        if cfg["type"] == "fs":
+        if cfg.get("type") == "fs":
             cfg.setdefault("root_dir", os.path.join(root, f"tier{i}"))
             cfg.setdefault("n_read_threads", 24)
             cfg.setdefault("n_write_threads", 24)
@@ -530,11 +534,11 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * 4096,
                       "eviction_policy": cache_policy, "secondary_tiers": tier_cfgs,
                       # KVCR's local-DRAM inventory events name their tier (kvcr refuses otherwise)
-                      "self_describing_kv_events": (any(t["type"] == "kvcr" for t in tiers)
+                      "self_describing_kv_events": (any(t.get("type") == "kvcr" for t in tiers)
                                                     if self_describing_events is None else self_describing_events),
                       # a tier-poll thread (for tiers that opt in) that waits an hour between rounds:
                       # the trace runs the rounds (VllmTiering.poll_tiers)
-                      "tier_poll_interval_s": 3600.0},
+                      "tier_poll_interval_s": 3600.0, **(extra or {})},
         engine_id=f"kvref-tiering-{os.getpid()}-{next(_ENGINES)}",
         model=OffloadingModelConfig(name="kvref", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -542,10 +546,10 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),
         replicated_layout=False)
-    spec = TieringOffloadingSpec(ocfg)
     bucket: dict[str, bytes] = {}
     try:
-        with _in_memory_nixl(bucket, any(t["type"] == "obj" for t in tiers)):
+        spec = TieringOffloadingSpec(ocfg)
+        with _in_memory_nixl(bucket, any(t.get("type") == "obj" for t in tiers)):
             manager = spec.get_manager()
     except Exception:
         shutil.rmtree(root, ignore_errors=True)

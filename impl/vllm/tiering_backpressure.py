@@ -51,4 +51,16 @@ def snapshot(detector: Any) -> tuple:
             getattr(p, "_drop_accumulator", 0.0))
 
 
-__all__ = ["POLICY_NAMES", "build_detector", "default_config", "snapshot"]
+def describe(detector: Any) -> tuple | None:
+    """A tier's detector as vLLM's factory configured it, in the order of the reference's
+    ``tier_configs.resolve_secondary_tiers``: (class, high, low, alpha, warm-up, decay half-life,
+    cool-down, failure threshold, policy class, ramp factor), or None."""
+    if detector is None:
+        return None
+    p = detector.policy
+    return (type(detector).__name__, detector._high, detector._low, detector._alpha, detector._warmup_completions,
+            detector._decay_half_life_s, detector._cooldown_s, detector._failure_threshold, type(p).__name__,
+            getattr(p, "_ramp_factor", None))
+
+
+__all__ = ["POLICY_NAMES", "build_detector", "default_config", "describe", "snapshot"]

@@ -37,6 +37,11 @@ def _request_level_tier() -> type:
 
             fail_shutdown = False  # set by a trace: shutdown raises TierShutdownError
 
+            def __init__(self, *args, fail_shutdown: bool = False, **kwargs) -> None:
+                """``fail_shutdown`` (a tier config key): the tier's shutdown raises."""
+                super().__init__(*args, **kwargs)
+                self.fail_shutdown = fail_shutdown
+
             def on_new_request(self, req_context) -> RequestOffloadingContext:
                 return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 

@@ -750,6 +750,9 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("schedule_end", dict(node="D"))
     p2p_case("parent_log", dict(node="P"))
     p2p_case("break_transfers", dict(node="P", count=1, error="not_found"))
+    p2p_case("fail_submissions", dict(node="P", count=1, kind="post_err"))
+    p2p_case("fail_registrations", dict(node="P", count=1))
+    p2p_case("reseed", dict(node="D", differs=True))
 
     def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():
@@ -917,6 +920,8 @@ def _encoder_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]
     """The reference scheduler's encoder budget and cache (#22)."""
     from kvref.impl.reference import scheduler_encoder as se
     from kvref.impl.reference import scheduler_lora as sl
+    from kvref.impl.reference import scheduler_stop as stop
+    from kvref.impl.request import RepetitionDetectionParams, Request
 
     return {
         "EncoderBudget": (se.EncoderBudget, dict(encoder_compute_budget=4, encoder_cache_size=8,
@@ -924,6 +929,12 @@ def _encoder_functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]
         "EncoderCacheManager": (se.EncoderCacheManager, dict(cache_size=8)),
         "EncoderState": (se.EncoderState, dict(budget=se.EncoderBudget(4, 8))),
         "check_max_loras": (sl.check_max_loras, dict(max_loras=2)),
+        # check_stop's rules (scheduler_stop, #22)
+        "RepetitionDetectionParams": (RepetitionDetectionParams, dict(max_pattern_size=2, min_pattern_size=1,
+                                                                      min_count=2)),
+        "ends_in_repetition": (stop.ends_in_repetition,
+                               dict(token_ids=[1, 2, 1, 2], params=RepetitionDetectionParams(2, 1, 2))),
+        "stop_reason": (stop.stop_reason, dict(request=Request("r0", [1, 2], output_token_ids=[3]), max_model_len=8)),
     }
 
 
@@ -937,6 +948,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload import boundary_stores, chunk_config, keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
+    from kvref.impl.reference.offload.tiering import tier_configs
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
     from kvref.impl.run_trace.writer import compression_for
@@ -1169,6 +1181,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "Trace.loads": (conf_trace.Trace.loads, dict(text=conf_trace.Trace(pc).dumps())),
         "Op.from_json": (conf_trace.Op.from_json, dict(obj={"op": "finish", "rid": "r0"})),
         "tiering.default_config": (default_config, dict(tier_type="fs", locality=None)),  # #22
+        # #22: what vLLM's TieringOffloadingSpec builds from its extra config, or why it refuses
+        "resolve_secondary_tiers": (tier_configs.resolve_secondary_tiers, dict(extra_config={"secondary_tiers": [
+            {"type": "fs", "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]},
+            resolve_class=lambda module_path, name: None)),
+        "resolve_backpressure": (tier_configs.resolve_backpressure, dict(
+            tier_cfg={"type": "fs", "backpressure": {"alpha": 0.5}}, top_level={"backpressure_cls": "EMABackpressureDetector"})),
     }
     out["SlidingWindowSpec.merge"] = (SlidingWindowSpec.merge, dict(specs=[SWA, SWA]))
     rswa = kci.RSWASpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", rswa_window=8)
@@ -1256,6 +1274,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
 
     out["parse_request"] = (p2p_manager.parse_request, dict(params={"remote_decoder": {"kv_request_id": "kv0"}}))
     out["summarize"] = (p2p_messages.summarize, dict(msg={"type": "fetch", "kv_request_id": "kv0"}))
+    from kvref.impl.reference.offload.p2p.world import malformed_params
+
+    out["malformed_params"] = (malformed_params, dict(role="no_params", kv_request_id="kv0", host="P", port=1))
     # HiSparse specs and admission rules (issue #23)
     from kvref.spec import hisparse as hs
 
