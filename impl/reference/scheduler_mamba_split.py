@@ -170,6 +170,15 @@ def scheduler_split_config(scheduler) -> MambaSplitConfig | None:
         max_prefill = min(max_prefill, cfg.long_prefill_token_threshold)
     config = MambaSplitConfig.from_specs(specs, pool.hash_block_size, pool.scheduler_block_size, partial,
                                          use_eagle_block_drop=pool.use_eagle, max_prefill_tokens=max_prefill)
+    if config is not None:
+        # vLLM's scheduler reads both beside the specs: lookahead hashes move the prompt checkpoint
+        # (get_mamba_prefill_checkpoint_position), and mamba_shared_prefix_checkpoint is
+        # mamba_partial_cache_hit and the manager's narrowing (found replaying recorded runs, #28)
+        from dataclasses import replace
+
+        config = replace(config, num_hash_lookahead_tokens=pool.num_hash_lookahead_tokens,
+                         shared_prefix_checkpoint=config.partial_cache_hit and bool(
+                             getattr(scheduler.kv_cache_manager, "mamba_shared_prefix_checkpoint", False)))
     scheduler._mamba_split_config = config
     return config
 
