@@ -15,8 +15,9 @@ through ``scheduler_cls`` as the only target:
   ``max_loras`` 1 or 2);
 * ``hash-lookahead``: the main machine's EAGLE-like speculative-decoding setups with prefix
   caching and lookahead block hashes (no trailing-block drop);
-* ``mamba-checkpoint``: the main machine's full-attention + Mamba ``align`` pools with
-  ``enable_mamba_shared_prefix_checkpoint`` on (chunks stop at a shared-prefix junction).
+* ``mamba-checkpoint``: the main machine's full-attention + Mamba ``align`` pools (fine-grained
+  hits) under an EAGLE-like drafter with ``enable_mamba_shared_prefix_checkpoint`` on (chunks stop
+  at a shared-prefix junction).
 
 :func:`record_feature_runs` returns the traces; ``kvref check-run`` must follow and agree with every
 one of them (tests/record/test_record_features.py).
@@ -83,10 +84,13 @@ def _hash_lookahead_setups():
 
 
 def _checkpoint_setups():
-    from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS, scheduler_setups
+    """Full attention + a Mamba "align" group hashed at half its block (fine-grained hits) under an
+    EAGLE-like drafter: where vLLM's manager narrows the checkpoint on (an EAGLE group, partial hash
+    hits, no MTP tail) and its scheduler stops chunks at a junction."""
+    from kvref.models.machines.scheduler import scheduler_setups
 
-    return scheduler_setups(consistent=True, kinds=MAMBA_ALIGN_KINDS).map(
-        lambda s: (replace(s[0], enable_mamba_shared_prefix_checkpoint=True), s[1]))
+    return scheduler_setups(consistent=True, kinds=("full+mamba_fine",), spec=True).filter(
+        lambda s: s[0].use_eagle).map(lambda s: (replace(s[0], enable_mamba_shared_prefix_checkpoint=True), s[1]))
 
 
 def _machine(feature: str, env_holder: dict, directory: Path, runs: list[RecordedRun]) -> type:
@@ -109,7 +113,7 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
 
     setups = _hash_lookahead_setups() if feature == "hash-lookahead" else _checkpoint_setups()
     return machine_with({"vllm": _recorder(env_holder, directory, runs, feature)}, setups=setups,
-                        name="RecordedFeatureRun", spec=feature == "hash-lookahead")
+                        name="RecordedFeatureRun", spec=True)
 
 
 def record_feature_runs(directory: str | os.PathLike, feature: str, examples: int, seed: int = 0,

@@ -100,6 +100,10 @@ class _Req:
     skip_read: bool = False  # never reads the prefix cache (prompt logprobs): no lookup is counted
     async_held: bool = False  # holds blocks allocated for an asynchronous load, not yet scheduled
     preempted: bool = False  # preempted at least once (vLLM's num_preemptions > 0)
+    #: what enters vLLM's block hashes beside the tokens and the salt (#28): the LoRA adapter's
+    #: (name, path), and the multimodal items as (identifier, offset, length)
+    lora: tuple | None = None
+    mm: tuple = ()
 
 
 class RunProperties:
@@ -117,7 +121,9 @@ class RunProperties:
         self.max_model_len = pool["max_model_len"]
         self.rules = group_rules(header)
         self.group_bs = [r.block_size for r in self.rules]
-        self.max_table = [-(-self.max_model_len // bs) + 1 for bs in self.group_bs]
+        # + a Mamba group's speculative state blocks (one per draft: EAGLE on Mamba "align" pools, #28)
+        self.max_table = [-(-self.max_model_len // bs) + 1 + int(g["spec"].get("num_speculative_blocks", 0) or 0)
+                          for bs, g in zip(self.group_bs, header["pool"]["groups"])]
         self.num_groups = len(self.group_bs)
         self.starvation_steps = starvation_steps
         unmodelled = list(header.get("unmodelled", []))
@@ -137,6 +143,8 @@ class RunProperties:
         self.prefill_lookahead = int(spec.get("num_prefill_lookahead", 0) or 0)
         #: vLLM's V2 model runner: a resumed request is sent as a new one (#28)
         self.v2_runner = bool((header.get("scheduler") or {}).get("use_v2_model_runner", False))
+        #: lookahead block hashes: a block's hash covers this many tokens after it (#28)
+        self.hash_lookahead = int(header["pool"].get("num_hash_lookahead_tokens", 0) or 0)
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -244,7 +252,9 @@ class RunProperties:
         prompt = rec["prompt"]
         tokens = decode_tokens(prompt) if self.exact else []
         self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(prompt), tokens=tokens,
-                              salt=rec.get("salt"), skip_read=rec.get("skip_read") is True)
+                              salt=rec.get("salt"), skip_read=rec.get("skip_read") is True,
+                              lora=(rec["lora"][0], rec["lora"][2]) if rec.get("lora") else None,
+                              mm=tuple((e[0], e[1], e[2]) for e in rec.get("mm") or ()))
         self.waiting[rid] = None
         if rec.get("x"):
             self.exempt.add(rid)
@@ -636,7 +646,8 @@ class RunProperties:
                     holders[(rid, g)] = idx
             if len(table) > self.max_table[g]:
                 self._find("table_too_long", line, f"{rid} holds {len(table)} blocks in group {g}; "
-                           f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1}")
+                           f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1} (with its "
+                           "speculative state blocks)")
         if kind != "c" and self.exact:
             self._free_skipped(rid, r)  # a hit's blocks behind the window are freed at admission
 
@@ -666,9 +677,15 @@ class RunProperties:
         if keys is None:
             keys = r.chains[bs] = []
         toks = r.tokens
+        ahead = self.hash_lookahead
         while len(keys) < upto:
             i = len(keys)
-            keys.append(hash((keys[-1] if keys else hash(("salt", r.salt)), tuple(toks[i * bs:(i + 1) * bs]))))
+            lo, hi = i * bs, (i + 1) * bs
+            # as vLLM's hashes (#28): the LoRA adapter with the salt, the identifiers of the
+            # multimodal items the block overlaps, the lookahead tokens past the block
+            items = tuple(e[0] for e in r.mm if e[1] < hi and e[1] + e[2] > lo)
+            keys.append(hash((keys[-1] if keys else hash(("salt", r.salt, r.lora)), tuple(toks[lo:hi]),
+                              items, tuple(toks[hi:hi + ahead]))))
         return keys
 
     def _check_hit(self, line: int, rid: str, r: _Req, g: int, idx: int, b: int) -> None:
@@ -677,6 +694,8 @@ class RunProperties:
             self._find("wrong_hit", line, f"{rid}'s prefix-cache hit covers block {b} at position {idx} of group {g}, "
                        f"past its {len(r.tokens)} known tokens")
             return
+        if (idx + 1) * bs + self.hash_lookahead > len(r.tokens):
+            return  # its lookahead tokens are not in the trace yet: the key cannot be formed
         want = self._chain(r, bs, idx + 1)[idx]
         have = self.content.get(b)
         if have != want:
@@ -694,7 +713,8 @@ class RunProperties:
         them at allocation, up to ``min(computed, num_tokens)``)."""
         if not self.exact or not r.tables:
             return
-        upto_tokens = min(r.computed, len(r.tokens))
+        # a lookahead hash needs the tokens past the block: a block is cached once they are known
+        upto_tokens = min(r.computed, len(r.tokens) - self.hash_lookahead)
         for g, rule in enumerate(self.rules):
             if not rule.holds_tokens:
                 continue
