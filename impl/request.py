@@ -70,6 +70,25 @@ class LoRARequest:
         return self.lora_name
 
 
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """vLLM ``RepetitionDetectionParams``: finish a request whose output ends in ``min_count``
+    repetitions of an n-gram of ``min_pattern_size`` (0: 1) to ``max_pattern_size`` tokens
+    (``check_stop``: status ``FINISHED_REPETITION``, checked only past ``min_tokens``)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("repetition_detection.max_pattern_size", self.max_pattern_size, minimum=0)
+        check_int("repetition_detection.min_pattern_size", self.min_pattern_size, minimum=0)
+        if self.min_pattern_size > self.max_pattern_size:
+            raise InvalidFieldError("repetition_detection.min_pattern_size", self.min_pattern_size,
+                                    f"at most max_pattern_size={self.max_pattern_size}")
+        check_int("repetition_detection.min_count", self.min_count, minimum=2 if self.max_pattern_size else 0)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -89,6 +108,11 @@ class Request:
         priority / arrival_time: order for the PRIORITY policy (lower first).
         stop_token_ids: sampling one of these finishes the request (vLLM's
             ``SamplingParams.stop_token_ids``; reason ``"stop"``).
+        eos_token_id: sampling it finishes the request (reason ``"stop"``; vLLM's
+            ``SamplingParams.eos_token_id``, None with ``ignore_eos``).
+        min_tokens: output tokens before a repetition may finish the request (vLLM's
+            ``check_stop`` tests it after the stop tokens and the length caps).
+        repetition_detection: a :class:`RepetitionDetectionParams` (reason ``"repetition"``), or None.
 
     Scheduler-owned progress (vLLM ``Request`` fields of the same names):
         num_output_placeholders: async scheduling: tokens sampled by in-flight steps, not yet known.
@@ -96,7 +120,7 @@ class Request:
             preempted request (delivered, or dropped, when it returns).
         is_prefill_chunk: after the last schedule, the request has not yet reached the end of its
             known tokens (its step samples nothing).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once FINISHED.
+        finish_reason: ``"stop"``, ``"length"``, ``"repetition"`` or ``"abort"`` once FINISHED.
 
     Inputs of the block hashes and KV events (vLLM ``Request`` fields of the same names):
         mm_features: multimodal items, sorted by offset, not overlapping, inside the prompt.
@@ -135,6 +159,9 @@ class Request:
     session_id: str | None = None
     skip_reading_prefix_cache: bool = False
     kv_cache_report_mode: str = "incremental"
+    eos_token_id: int | None = None
+    min_tokens: int = 0
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -154,6 +181,15 @@ class Request:
         for t in self.stop_token_ids:
             check_int("stop_token_ids[i]", t, minimum=0)
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.eos_token_id is not None:
+            check_int("eos_token_id", self.eos_token_id, minimum=0)
+        check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:  # vLLM's SamplingParams refuses it too
+            raise InvalidFieldError("min_tokens", self.min_tokens, f"at most max_tokens={self.max_tokens}")
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection,
+                                                                    RepetitionDetectionParams):
+            raise InvalidFieldError("repetition_detection", self.repetition_detection,
+                                    "None or a RepetitionDetectionParams")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidFieldError("cache_salt", self.cache_salt, "None or a str")
         self._check_hash_inputs()

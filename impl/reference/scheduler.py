@@ -2,7 +2,8 @@
 
 Modelled: waiting and running queues, the token budget, chunked prefill (and its absence),
 ``long_prefill_token_threshold``, prefix-cache hits on admission, FCFS and PRIORITY preemption by
-recompute, finishing (``max_tokens``, ``max_model_len``, stop token ids, abort), the
+recompute, finishing (``max_tokens``, ``max_model_len``, stop token ids, EOS, ``min_tokens`` and
+repetition detection: :mod:`kvref.impl.reference.scheduler_stop`; abort), the
 full-sequence admission gate (``scheduler_reserve_full_isl``), and async scheduling's output
 placeholders, in-flight tokens and stale output of preempted requests.
 
@@ -69,6 +70,7 @@ from .scheduler_prefill_lookahead import reserve_prefill_lookahead
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from . import scheduler_encoder as _enc
 from . import scheduler_lora as _lora
+from .scheduler_stop import stop_reason
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -601,12 +603,10 @@ class Scheduler:
         stopped = False
         for n, token in enumerate(new_ids, 1):
             request.output_token_ids.append(token)
-            if token in request.stop_token_ids:
-                request.finish_reason = "stop"
-            elif request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
-                request.finish_reason = "length"
-            else:
+            reason = stop_reason(request, self.max_model_len)  # eos, stop ids, length, repetition
+            if reason is None:
                 continue
+            request.finish_reason = reason
             request.status = RequestStatus.FINISHED
             if not stale:
                 request.num_computed_tokens -= len(new_ids) - n

@@ -46,9 +46,10 @@ _STATUS = {
     "WAITING": "waiting", "RUNNING": "running", "PREEMPTED": "preempted",
     "FINISHED_STOPPED": "finished", "FINISHED_LENGTH_CAPPED": "finished", "FINISHED_ABORTED": "finished",
     "FINISHED_ERROR": "finished",  # a KV load failed under kv_load_failure_policy="fail"
+    "FINISHED_REPETITION": "finished",  # check_stop's repetition detection
 }
 _REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
-           "FINISHED_ERROR": "error"}
+           "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition"}
 
 
 class VllmEnv:
@@ -307,8 +308,7 @@ class VllmScheduler:
     # ---- calls -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         v = self._v
-        sp = v["SamplingParams"](max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
-                                 ignore_eos=True, skip_reading_prefix_cache=request.skip_reading_prefix_cache)
+        sp = self._sampling_params(request)
         mm = [v["MultiModalFeatureSpec"](
             data=self._mm_data, modality=f.modality, identifier=f.identifier,
             mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
@@ -323,6 +323,23 @@ class VllmScheduler:
                                lora_path=request.lora_request.lora_path))
         self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
+
+    def _sampling_params(self, request: Request) -> Any:
+        """vLLM ``SamplingParams`` for ``request``'s stop rules: an EOS token is set the way the
+        engine's input processor sets it (``update_from_generation_config``; without one,
+        ``ignore_eos``), ``min_tokens`` and ``repetition_detection`` as the API passes them."""
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        rd = request.repetition_detection
+        sp = self._v["SamplingParams"](
+            max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=request.eos_token_id is None, min_tokens=request.min_tokens,
+            repetition_detection=None if rd is None else RepetitionDetectionParams(
+                max_pattern_size=rd.max_pattern_size, min_pattern_size=rd.min_pattern_size, min_count=rd.min_count),
+            skip_reading_prefix_cache=request.skip_reading_prefix_cache)
+        if request.eos_token_id is not None:
+            sp.update_from_generation_config({}, request.eos_token_id)
+        return sp
 
     def schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
