@@ -123,3 +123,46 @@ class VllmHiSparsePool(HiSparseManagerCalls):
     def observe(self) -> dict[str, Any]:
         return self.observe_pools([b.block_id for b in self.gpu_pool.free_block_queue.get_all_free_blocks()],
                                   [b.block_id for b in self.host_pool.free_block_queue.get_all_free_blocks()])
+
+
+def vllm_hisparse_coordinator_for_layout(layout: list[tuple[str, int]], host_num_blocks: int | None,
+                                         num_gpu_blocks: int, max_model_len: int, blocks_per_request: int = 1) -> Any:
+    """vLLM's ``KVCacheManager`` over the groups of ``layout`` (``(kind, block_size)`` in group
+    order, kinds as :data:`kvref.impl.reference.hisparse_group_layout.GROUP_KINDS`) and its
+    ``get_hisparse_coordinator``: the coordinator, or vLLM's own error for a layout it rejects.
+    The scheduler block is the layout's largest block size (all are powers of two), the hash
+    block its smallest, so ``KVCacheManager`` itself accepts every mix and the coordinator decides."""
+    from kvref.impl.reference.hisparse_group_layout import check_group_layout
+
+    layout = check_group_layout(layout)
+    load_vllm()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupRole, KVCacheGroupSpec
+
+    groups = []
+    for i, (kind, bs) in enumerate(layout):
+        fa = to_vllm_spec(FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32"))
+        config = HiSparsePoolConfig(block_size=bs, num_gpu_blocks=num_gpu_blocks, host_num_blocks=2,
+                                    blocks_per_request=blocks_per_request, num_resident_groups=1,
+                                    max_model_len=max_model_len, max_in_flight_tokens=max_model_len)
+        if kind == "source":
+            groups.append(KVCacheGroupSpec([f"g{i}"], fa, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True))
+        elif kind == "indexer":
+            groups.append(KVCacheGroupSpec([f"g{i}"], fa, role=KVCacheGroupRole.HISPARSE_INDEXER))
+        elif kind == "full":
+            groups.append(KVCacheGroupSpec([f"g{i}"], fa))
+        elif kind == "resident":
+            groups.append(KVCacheGroupSpec([f"g{i}"], to_vllm_spec(config.resident_spec())))
+        else:
+            groups.append(KVCacheGroupSpec([f"g{i}"], to_vllm_spec(config.hot_spec()), enable_kv_transfer=False))
+    sizes = [bs for _, bs in layout]
+    kv_config = KVCacheConfig(num_blocks=num_gpu_blocks, hisparse_host_num_blocks=host_num_blocks,
+                              kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = KVCacheManager(kv_config, max_model_len=max_model_len, max_in_flight_tokens=max_model_len,
+                             enable_caching=False, hash_block_size=min(sizes), scheduler_block_size=max(sizes))
+    return get_hisparse_coordinator(manager)
+
+
+#: the layouts vLLM's coordinator accepts, as the HiSparse programs compare them (#22)
+VllmHiSparsePool.coordinator_for_layout = staticmethod(vllm_hisparse_coordinator_for_layout)

@@ -471,6 +471,15 @@ def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], exampl
                 run_host_only()
         except Unsatisfiable:  # every host-only program ended at a difference the baseline accepts
             pass
+        # which group layouts the coordinator accepts (a pool class without the builder: none)
+        build = getattr(make_vllm, "coordinator_for_layout", None)
+        if build is not None:
+            from kvref.models.machines.hisparse_layouts import run_hisparse_layouts
+
+            failure, layouts = run_hisparse_layouts(build, max(2, examples // 10), seed=seed)
+            seen.update(layouts)
+            if failure:
+                return failure, seen, "HiSparse pool: accepted group layouts differ"
     except AssertionError as exc:
         return str(exc), seen, getattr(exc, "signature", None)
     except Unsatisfiable:  # every program ended at a difference the baseline accepts
