@@ -1247,6 +1247,13 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["hybrid_attention_block_size"] = (hf_config.hybrid_attention_block_size, dict(
         attention_page_per_token=512, mamba_page=100_000, block_size=16, kernel_block_size=16,
         checkpoint_alignment=None))
+    # which group layouts the HiSparse coordinator accepts (issue #22)
+    from kvref.impl.reference.hisparse_group_layout import check_group_layout, hisparse_coordinator_for_layout
+
+    out["check_group_layout"] = (check_group_layout, dict(layout=[("source", 2), ("indexer", 2)]))
+    out["hisparse_coordinator_for_layout"] = (hisparse_coordinator_for_layout, dict(
+        layout=[("source", 2), ("indexer", 2), ("resident", 2), ("hot", 2)], host_num_blocks=8, num_gpu_blocks=12,
+        max_model_len=16, blocks_per_request=1))
     # Mamba "align" prefill checkpoints and the scheduler's chunk split (issue #23)
     from kvref.impl.reference.scheduler_mamba_split import MambaSplitConfig, mamba_block_aligned_split
 

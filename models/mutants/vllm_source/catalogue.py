@@ -599,6 +599,47 @@ _add(
           NEUTRAL, "a local variable renamed throughout a function", behaviour="refactor"),
 )
 
+# --------------------------------------------------------------------------------------------
+# the HiSparse coordinator's layout checks, host-only layouts, adoption and row mirrors
+# (conform-kv-manager's HiSparse programs and layouts, models/machines/hisparse_*.py, #22)
+
+_HSC = "v1/hisparse/coordinator.py"
+
+_add(
+    fault("hisparse.two_host_groups_accepted", _HSC,
+          "                if self.host_manager is not None:\n"
+          "                    raise ValueError(\"Only one HiSparse host group is supported.\")\n",
+          "                if False:\n"
+          "                    raise ValueError(\"Only one HiSparse host group is supported.\")\n",
+          CLASSIC, "dropped check: a layout with two host groups is accepted (the second rebinds the host pool)",
+          behaviour="hisparse"),
+    fault("hisparse.host_group_order_max", _HSC,
+          "            if self.host_group_id > min(resident_group_ids):\n",
+          "            if self.host_group_id > max(resident_group_ids):\n",
+          CLASSIC, "wrong bound: a host group between two resident groups is accepted", behaviour="hisparse"),
+    fault("hisparse.mirror_gap_ends_window", _HSC,
+          "                if len(source_starts) != len(self.resident_managers):\n"
+          "                    token_position += num_rows\n                    continue\n",
+          "                if len(source_starts) != len(self.resident_managers):\n"
+          "                    break\n",
+          CLASSIC, "wrong exit: a page with no GPU copy ends the request's row mirrors, so the mirrorable pages "
+                   "after it are never mirrored (their host rows stay stale)", behaviour="hisparse"),
+    fault("hisparse.host_only_offload_command", _HSC,
+          "        if not self.resident_managers:\n            return None\n"
+          "        command = SparseKVOffloadCommand(",
+          "        if False:\n            return None\n"
+          "        command = SparseKVOffloadCommand(",
+          CLASSIC, "dropped guard: a layout without resident groups sends the worker an (empty) offload command",
+          behaviour="hisparse"),
+    fault("stm.hisparse_adopt_past_table", _STM,
+          "        if blocks is None or block_idx >= len(blocks):\n            return False\n"
+          "        if self.get_resident_page(request_id, block_idx) is not None:\n            return False\n",
+          "        if blocks is None or block_idx > len(blocks):\n            return False\n"
+          "        if self.get_resident_page(request_id, block_idx) is not None:\n            return False\n",
+          CLASSIC, "off by one: a resident group adopts a GPU copy for the page one past the request's table",
+          behaviour="hisparse"),
+)
+
 
 def check_catalogue(vllm_dir: str | None = None) -> list[FaultDoesNotApplyError]:
     """Every fault's edits applied to the installed files; the errors of those that do not apply."""
