@@ -658,8 +658,12 @@ class RunProperties:
         for (orid, og), oidx in list(holders.items()):
             other = self.reqs.get(orid)
             rule = self.rules[og]
-            if other is not None and og < len(other.tables) and oidx < rule.needed_from(other.processed,
-                                                                                       len(other.tables[og])):
+            if other is not None and og < len(other.tables) and (
+                    oidx < rule.needed_from(other.processed, len(other.tables[og]))
+                    # a Mamba "align" request's own state block moving to a later slot of its table:
+                    # vLLM's MambaManager hands its speculative state blocks on as the request
+                    # advances (EAGLE on Mamba align pools, #28)
+                    or (orid == rid and og == g and rule.kind == "mamba" and rule.keep_last > 1 and oidx < idx)):
                 # behind the holder's window: vLLM may have freed it at a point the trace does not show
                 del holders[(orid, og)]
                 other.tables[og][oidx] = 0
@@ -740,10 +744,14 @@ class RunProperties:
             if rule.bound is None or g >= len(r.tables):
                 continue
             held = sum(1 for b in r.tables[g] if b)
-            if held > rule.bound:
+            # an EAGLE-like drafter's lookahead slots lie past a window's admission cap (full
+            # attention stops at max_model_len): vLLM allocates them there too (#28)
+            extra = -(-self.lookahead // rule.block_size) if rule.kind in ("window", "chunk") else 0
+            if held > rule.bound + extra:
                 self._find("admission_bound", line,
                            f"{rid} holds {held} blocks in group {g} ({rule.kind}); startup sized a request for at "
-                           f"most {rule.bound} (max_admission_blocks_per_request, vLLM #40946)", once=True)
+                           f"most {rule.bound + extra} (max_admission_blocks_per_request, vLLM #40946"
+                           + (", with the drafter's lookahead slots" if extra else "") + ")", once=True)
 
     def _covers(self, line: int, rid: str, r: _Req) -> None:
         """A scheduled request's table has a slot for every token of the step and for the drafter's

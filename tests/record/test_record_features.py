@@ -1,0 +1,197 @@
+"""check-run replays multimodal requests, LoRA, lookahead block hashes and the Mamba shared-prefix
+checkpoint (issue #28).
+
+The recorder named all four unmodelled and check-run fell back to the run properties from line 1.
+Now the header carries their settings (encoder limits, ``max_loras``, the V2 runner,
+``num_hash_lookahead_tokens``, the checkpoint switch), arrivals their items and adapters, steps their
+encoder inputs and evictions, and the replay follows them on the reference configured the same way.
+
+Generated runs of each feature (the conform-scheduler machines' draws, :mod:`kvref.models.run_check.
+feature_runs`) are recorded from vLLM's own ``Scheduler`` / ``AsyncScheduler`` through
+``scheduler_cls``: every one is replayed step by step and agrees, and holds every property alone. The
+same draws recorded from a vLLM with a fault planted in the feature's path are flagged by the replay:
+
+* LoRA: the adapter left out of the block hashes (``_gen_lora_extra_hash_keys`` returns nothing):
+  prefix hits across adapters;
+* multimodal: the encoder cache never reports a hit (``check_and_update_cache``): items encoded
+  again (or vLLM crashes);
+* lookahead hashes: the engine's block hasher built without the lookahead tokens;
+* the Mamba checkpoint: vLLM's scheduler ignoring it (chunks stop at the junction's block floor).
+
+Seeded, with a fixed number of runs: every profile records the same runs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+
+import pytest
+from kvref.models.run_check import check_trace
+from kvref.models.run_check.feature_runs import FEATURES, record_feature_runs
+
+from kvref import cli
+from tests.record.traces import read_lines
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+#: feature -> (seed, runs): draws that reach the feature's path and the planted fault (checked below)
+DRAWS = {"lora": (0, 6), "multimodal": (0, 6), "hash-lookahead": (0, 6), "mamba-checkpoint": (0, 8)}
+STEPS = 30
+
+
+def _plant(mp: pytest.MonkeyPatch, feature: str) -> None:
+    if feature == "lora":
+        import vllm.v1.core.kv_cache_utils as utils
+
+        mp.setattr(utils, "_gen_lora_extra_hash_keys", lambda request: [])
+    elif feature == "multimodal":
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        mp.setattr(EncoderCacheManager, "check_and_update_cache", lambda self, request, input_id: False)
+    elif feature == "hash-lookahead":
+        from kvref.impl.vllm.loader import load_vllm
+
+        v = load_vllm()
+        real = v["get_request_block_hasher"]
+        mp.setitem(v, "get_request_block_hasher", lambda bs, fn, lookahead=0: real(bs, fn, 0))
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        real_init = Scheduler.__init__
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            self.mamba_shared_prefix_checkpoint = False
+
+        mp.setattr(Scheduler, "__init__", init)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """feature -> (pristine runs, runs of the same draws on a vLLM with the fault planted)."""
+    require_vllm()
+    cache: dict = {}
+
+    def get(feature: str):
+        if feature not in cache:
+            seed, n = DRAWS[feature]
+            d = tmp_path_factory.mktemp(feature)
+            pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=STEPS)
+            with pytest.MonkeyPatch.context() as mp:
+                _plant(mp, feature)
+                faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=STEPS, strict=False)
+            cache[feature] = (pristine, faulty)
+        return cache[feature]
+
+    return get
+
+
+def _shows(path) -> Counter:
+    """What a trace shows of the features."""
+    c: Counter = Counter()
+    for rec in read_lines(path)[1:]:
+        if rec["t"] == "add":
+            c["lora"] += bool(rec.get("lora"))
+            c["mm"] += bool(rec.get("mm"))
+        elif rec["t"] == "sched":
+            for k in ("enc", "efree", "eupd"):
+                c[k] += bool(rec.get(k))
+        elif rec["t"] == "update":
+            stats = rec.get("stats") or {}
+            c["skipped_waiting"] += bool(stats.get("skip"))
+            c["hits"] += bool(stats.get("h"))
+    return c
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_feature_runs_are_replayed_step_by_step(recorded, feature):
+    pristine, _ = recorded(feature)
+    shows: Counter = Counter()
+    followed = 0
+    for run in pristine:
+        header = read_lines(run.path)[0]
+        assert header["unmodelled"] == [], header["unmodelled"]
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty:
+            continue
+        assert r.followed and r.verdict == "agrees", (run.path, r.stopped_because, r.findings[:2],
+                                                      r.divergence and r.divergence.table())
+        assert r.steps_compared == r.summary["steps"]
+        p = check_trace(run.path, properties_only=True)
+        assert p.verdict == "properties hold", (run.path, p.findings[:3])
+        followed += 1
+        shows.update(_shows(run.path))
+        pool, sched = header["pool"], header["scheduler"]
+        shows["lookahead_pool"] += pool["num_hash_lookahead_tokens"] > 0
+        shows["checkpoint_pool"] += pool["mamba_shared_prefix_checkpoint"]
+        shows["max_loras"] += sched["max_loras"] is not None
+        shows["encoder_budget"] += sched["encoder"]["compute_budget"] > 0
+        shows["v2"] += sched["use_v2_model_runner"]
+    assert followed >= 4
+    if feature == "lora":  # adapters on arrivals, and requests max_loras held back (vLLM's deferred_waiting)
+        assert shows["lora"] >= 10 and shows["skipped_waiting"] >= 10 and shows["max_loras"] == followed, shows
+    elif feature == "multimodal":  # items encoded, evicted, installed by the V2 runner
+        assert shows["mm"] >= 10 and shows["enc"] >= 10 and shows["efree"] >= 5 and shows["eupd"] >= 5, shows
+        assert shows["encoder_budget"] == followed and 0 < shows["v2"] < followed, shows
+    elif feature == "hash-lookahead":
+        assert shows["lookahead_pool"] == followed and shows["hits"] >= 3, shows
+    else:
+        assert shows["checkpoint_pool"] == followed, shows
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_fault_planted_in_the_feature_is_flagged(recorded, feature, tmp_path, capsys):
+    """No false green: the same draws on a vLLM with the fault are flagged by the replay (a
+    divergence, or vLLM's crash), exit 1 from ``kvref check-run``."""
+    _, faulty = recorded(feature)
+    flagged = []
+    props = 0
+    for run in faulty:
+        r = check_trace(run.path)
+        if r.empty:
+            continue
+        assert r.followed or r.divergence is not None or r.crash is not None, (run.path, r.stopped_because)
+        if r.verdict != "agrees":
+            flagged.append(run.path)
+            props += check_trace(run.path, properties_only=True).verdict != "properties hold"
+    assert flagged, f"no {feature} run with the planted fault was flagged"
+    assert cli.main(["check-run", str(flagged[0]), "--out", str(tmp_path / "cx")]) == 1
+    assert capsys.readouterr().out.strip().endswith(("verdict: FINDINGS", "verdict: CRASH"))
+    if feature in ("lora", "hash-lookahead"):  # a hit on other content: the hit-content property too
+        assert props >= 1
+
+
+def _without(header: dict, feature: str) -> None:
+    if feature == "lora":
+        header["scheduler"]["max_loras"] = None
+    elif feature == "multimodal":
+        header["scheduler"]["encoder"] = {"compute_budget": 0, "cache_size": 0, "disable_chunked_mm_input": False}
+    elif feature == "hash-lookahead":
+        header["pool"]["num_hash_lookahead_tokens"] = 0
+        header["pool"]["use_eagle"] = True  # the block drop a drafter without lookahead hashes has
+    else:
+        header["pool"]["mamba_shared_prefix_checkpoint"] = False
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_replay_without_the_recorded_setting_diverges(recorded, feature, tmp_path):
+    """The replay reads the feature's setting from the header: taken away, some run diverges
+    (the replay does not silently agree, nor fall back to the properties)."""
+    pristine, _ = recorded(feature)
+    diverged = 0
+    for run in pristine:
+        with gzip.open(run.path, "rt") as f:
+            header, *body = f.readlines()
+        header = json.loads(header)
+        _without(header, feature)
+        bad = tmp_path / run.path.name
+        with gzip.open(bad, "wt") as f:
+            f.write(json.dumps(header) + "\n")
+            f.writelines(body)
+        r = check_trace(bad)
+        assert r.followed or r.divergence is not None, r.stopped_because
+        diverged += r.divergence is not None
+    assert diverged >= 1
