@@ -19,6 +19,9 @@ Nothing is faked. To make runs reproducible the harness decides *when* the threa
 * **Lookups.** The lookup worker's queue is swapped for :class:`GatedQueue`: the worker takes a
   batch only when :meth:`VllmTiering.run_lookup_worker` releases one, and the harness waits until
   the worker is back at the queue (its answers posted).
+* **I/O errors.** A store job the trace fails runs vLLM's own write path with writes that come up
+  short (``os`` of the fs block I/O module, inside :func:`virtual_time`), so vLLM's error handling
+  runs and must leave no temporary file; a failed load raises ``OSError`` from the gate.
 * **Time.** ``time`` in the manager, metrics, back-pressure and thread-pool modules is a proxy whose
   ``monotonic`` is the trace's :class:`VirtualClock` while a :func:`virtual_time` block is active;
   job submit times (stamped with the real clock by ``TransferJob``'s default) are restamped with
@@ -51,6 +54,9 @@ _TIME_MODULES = ("vllm.v1.kv_offload.tiering.manager", "vllm.v1.kv_offload.tieri
 #: packages: kvcr, nixl)
 _DRAIN_MODULES = ("vllm.v1.kv_offload.tiering.kvcr.manager", "vllm.v1.kv_offload.tiering.obj.manager")
 _ENGINES = iter(range(1 << 62))
+#: the fs tier's block I/O module: its ``os`` is :class:`_FsIoOs` inside a :func:`virtual_time` block
+_FS_IO_MODULE = "vllm.v1.kv_offload.tiering.fs.io"
+_SHORT_WRITES = threading.local()  # .on: this pool thread's writes come up short; .hits: how many did
 
 
 class TierTimeout(RuntimeError):
@@ -84,7 +90,24 @@ class _TimeProxy:
         return getattr(_real_time, name)
 
 
+class _FsIoOs:
+    """The ``os`` module as vLLM's fs block I/O sees it: a pool thread running a store job the
+    trace failed writes half of each block (a full disk's short write), so vLLM's own
+    ``_store_block`` meets the error, removes its temporary file and raises."""
+
+    def write(self, fd: int, data) -> int:
+        if getattr(_SHORT_WRITES, "on", False):
+            _SHORT_WRITES.hits += 1
+            view = memoryview(data).cast("B")
+            return os.write(fd, view[:len(view) // 2])
+        return os.write(fd, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
 _PROXY = _TimeProxy()
+_FS_IO_OS = _FsIoOs()
 _PROXY_LOCK = threading.Lock()
 
 
@@ -109,11 +132,13 @@ def virtual_time(clock: VirtualClock):
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
+    fs_io = importlib.import_module(_FS_IO_MODULE)
     with _PROXY_LOCK:
         saved = [m.time for m in mods]
         for m in mods:
             m.time = _PROXY
         _PROXY.clock = clock
+        saved_os, fs_io.os = fs_io.os, _FS_IO_OS
     try:
         yield
     finally:
@@ -121,6 +146,7 @@ def virtual_time(clock: VirtualClock):
             _PROXY.clock = None
             for m, t in zip(mods, saved):
                 m.time = t
+            fs_io.os = saved_os
         for log, level in zip(quiet, levels):
             log.setLevel(level)
 
@@ -186,10 +212,12 @@ class _JobGates:
         self.pool = tier._pool
         self.gates: dict[int, list] = {}  # job id -> [Event, io_error]
         self.lock = threading.Lock()
+        self.short_write_failures = 0  # failed store tasks whose error vLLM's own write path raised
+        self.short_write_jobs = 0  # store tasks that wrote short and still returned (none, in vLLM 0.33.0)
         for name in ("enqueue_store", "enqueue_load"):
-            setattr(self.pool, name, self._wrap(getattr(self.pool, name)))
+            setattr(self.pool, name, self._wrap(getattr(self.pool, name), name == "enqueue_store"))
 
-    def _wrap(self, enqueue):
+    def _wrap(self, enqueue, store: bool):
         def gated_enqueue(job_id, n_tasks, tasks):
             gate = [threading.Event(), False, threading.Event()]
             with self.lock:
@@ -199,6 +227,19 @@ class _JobGates:
                 def run():
                     gate[2].set()  # a pool thread took the task (its transfer clock started)
                     gate[0].wait()
+                    if gate[1] and store:  # vLLM's own write path fails (a short write)
+                        _SHORT_WRITES.on, _SHORT_WRITES.hits = True, 0
+                        try:
+                            out = task()
+                        except OSError:
+                            self.short_write_failures += _SHORT_WRITES.hits > 0
+                            raise
+                        finally:
+                            _SHORT_WRITES.on = False
+                        if not _SHORT_WRITES.hits:  # nothing to write (the file was there): fail anyway
+                            raise OSError(f"kvref: I/O error injected into job {job_id}")
+                        self.short_write_jobs += 1  # vLLM's write path returned normally after a short write
+                        return out
                     if gate[1]:
                         raise OSError(f"kvref: I/O error injected into job {job_id}")
                     return task()
@@ -379,6 +420,10 @@ class VllmTiering:
             return False
         os.truncate(path, min(size, os.path.getsize(path)))  # cut only: truncate() would extend a short file
         return True
+
+    def temp_files(self) -> list[str]:
+        """Temporary files an fs tier left behind (a failed store must remove its own)."""
+        return sorted(os.path.join(d, f) for d, _, files in os.walk(self.root) for f in files if f.endswith(".tmp"))
 
     def write_chunk(self, chunk_id: int, payload: bytes) -> None:
         """What a GPU->CPU store writes into primary slot ``chunk_id``."""

@@ -163,7 +163,7 @@ class TieringWorld:
                       "evictions": 0, "stores_refused": 0, "fs_promotions": 0,
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
                       "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0,
-                      "obj_faults_armed": 0, "obj_abandoned": 0, "failed_shutdowns": 0}
+                      "obj_faults_armed": 0, "obj_abandoned": 0, "failed_shutdowns": 0, "fs_short_writes": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -316,6 +316,9 @@ class TieringWorld:
             self.stats["fs_promotions_checked"] += 1
         res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error),
                             lambda: self.vllm.finish_job(i, job, io_error))
+        gates = self.vllm.job_gates.get(i)
+        if gates is not None:
+            self.stats["fs_short_writes"] = sum(g.short_write_failures for g in self.vllm.job_gates.values())
         self.stats["partial_promotions"] += bool(not res.success and res.successful_keys)
 
     def op_lookup_worker(self, t: int) -> None:
@@ -490,6 +493,7 @@ class TieringWorld:
         same("requests", {r: (s.pending_primary_stores, s.is_finished, s.request_level_tiers, tuple(s.pending_cascade_keys))
                           for r, s in self.ref.req_state.items()}, v.req_state())
         same("has_pending_work", self.ref.has_pending_work(), v.manager.has_pending_work())
+        same("temporary files left by fs stores", [], v.temp_files())
         for i, tier in enumerate(self.ref.tiers):
             same(f"tier #{i} keys", tier.stored_keys(), v.stored_keys(i, self.keys))
             if isinstance(tier, FileSystemTier):

@@ -12,13 +12,16 @@ import textwrap
 
 @contextlib.contextmanager
 def edited(module_name: str, cls_name: str, method: str, old: str, new: str):
-    """``cls_name.method`` of ``module_name`` with ``old`` (found exactly once) replaced by ``new``."""
+    """``cls_name.method`` of ``module_name`` (a module function when ``cls_name`` is None) with
+    ``old`` (found exactly once) replaced by ``new``."""
     module = importlib.import_module(module_name)
-    cls = getattr(module, cls_name)
-    func = cls.__dict__[method]
+    cls = getattr(module, cls_name) if cls_name else module
+    func = cls.__dict__[method] if cls_name else getattr(module, method)
     src = inspect.getsource(func)
     assert src.count(old) == 1, (cls_name, method, old)
-    src = src.replace(old, new).replace("super().", f"super({cls_name}, self).")  # no __class__ cell outside
+    src = src.replace(old, new)
+    if cls_name:
+        src = src.replace("super().", f"super({cls_name}, self).")  # no __class__ cell outside its class
     ns: dict = {}
     exec(compile(textwrap.dedent(src), f"<planted {cls_name}.{method}>", "exec"), vars(module), ns)  # noqa: S102
     setattr(cls, method, ns[method])
