@@ -156,6 +156,15 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
     for cases, n in hisparse_plan_families(ctx.examples):  # deployments that start, then each flaw alone
         failure = failure or run_generated(given(case=cases)(agree_hisparse_sizing), n, ctx.seed)
+    # pipeline/tensor parallel (#22): several workers' layer sets, vLLM's get_kv_cache_configs over them
+    from kvref.models.conformance.planning_parallel import agree_parallel, parallel_plan_families
+
+    def agree_workers(case):
+        ran[0] += 1
+        agree_parallel(planner, case)
+
+    for cases, n in parallel_plan_families(ctx.examples):  # a mixed run, then each shape alone
+        failure = failure or run_generated(given(case=cases)(agree_workers), n, ctx.seed)
     if failure:
         return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
                            details=failure.splitlines()[:20])
@@ -367,6 +376,11 @@ SCHEDULER_RUNS = (
     # LoRA arrivals under max_loras
     SubRun("kvref.models.machines.scheduler_lora:run_lora_machine", (4, 30),
            "scheduler traces with LoRA adapters", "; {traces} with LoRA adapters ({lora_held_waiting} held by max_loras)"),
+    # check_stop's EOS, min_tokens and repetition rules (every finish frees KV blocks)
+    SubRun("kvref.models.machines.scheduler_stop:run_stop_machine", (8, 30),
+           "scheduler traces with stop rules",
+           "; {traces} with stop rules ({stop_eos} EOS, {finished_repetition} repetition finishes, "
+           "{repetition_held_by_min_tokens} held by min_tokens)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -55,5 +55,7 @@ def _paths(case: ParallelPlanCase, outcome: Any) -> set[str]:
 
 def parallel_plan_families(examples: Callable[[int, int], int]) -> list[tuple[Any, int]]:
     """(strategy, examples) pairs: a mixed run, then each shape alone (a short run meets each)."""
-    return [(parallel_plan_cases(), examples(30, 200))] + [(parallel_plan_cases(shape), examples(8, 30))
-                                                           for shape in dict.fromkeys(SHAPES)]
+    return ([(parallel_plan_cases(), examples(30, 200))]
+            + [(parallel_plan_cases(shape), examples(12 if shape == "tp" else 8, 30)) for shape in dict.fromkeys(SHAPES)]
+            # stages that split a uniform-type or packed group (the projection keeps a part of its specs)
+            + [(parallel_plan_cases("pp", family), examples(6, 20)) for family in ("uniform_type", "packed")])

@@ -15,15 +15,18 @@ from dataclasses import dataclass, field, replace
 
 from hypothesis import strategies as st
 
-from kvref.spec import AttentionSpec, EngineConfig, KVCacheSpec, KVRefError
+from kvref.spec import AUTO, AttentionSpec, EngineConfig, KVCacheSpec, KVRefError
 from kvref.spec.planning_packed import get_kv_cache_groups_for_layout
 from kvref.spec.planning_parallel import project_kv_cache_groups_to_worker
 from kvref.spec.pool_sizing import group_blocks_per_request, pool_bytes_per_block
 
 from .planning import FAMILIES, LAYOUTS, engine_configs, layer_sets, with_extra_retained
 
-#: what a case stresses: "pp" (stages), "tp" (replicas), "free" (attention-free), "mismatch"
-SHAPES = ("pp", "pp", "pp", "pp", "tp", "tp", "free", "mismatch")
+#: what a case stresses: "pp" (stages), "tp" (replicas), "autofit" (each stage fits another length),
+#: "free" (attention-free), "mismatch" (a layer two workers report differently)
+SHAPES = ("pp", "pp", "pp", "pp", "tp", "tp", "autofit", "free", "mismatch")
+#: TP cases draw attention-only models (a Mamba layer is never replicated, so its gcd is always 1)
+_TP_FAMILIES = ("uniform", "uniform_type", "fa_swa", "fa_chunked", "mla", "cross", "hidden")
 
 
 @dataclass(frozen=True)
@@ -65,15 +68,25 @@ def stage_split(draw, names: list[str]) -> list[list[str]]:
 def parallel_plan_cases(draw, shape: str | None = None, family: str | None = None) -> ParallelPlanCase:
     shape = shape or draw(st.sampled_from(SHAPES))
     mamba_mode = draw(st.sampled_from(("none", "align", "all")))
-    family, layers = draw(layer_sets(family or draw(st.sampled_from(FAMILIES)), mamba_mode))
+    families = _TP_FAMILIES if shape == "tp" else FAMILIES
+    family, layers = draw(layer_sets(family or draw(st.sampled_from(families)), mamba_mode))
     extra = draw(st.sampled_from((0,) * 6 + (1, 3)))
     layers = with_extra_retained(layers, extra)
     config = draw(engine_configs(mamba_mode))
+    if shape == "autofit":
+        config = replace(config, max_model_len=AUTO, derived_max_model_len=draw(st.sampled_from((4096, 32768, 131072))),
+                         num_gpu_blocks_override=None)
     layout = draw(st.sampled_from(("BLHNC", "BLNHC") if family == "packed" and draw(st.integers(0, 3)) else LAYOUTS))
-    tp = draw(st.sampled_from((1, 2, 4, 8))) if shape == "tp" else draw(st.sampled_from((1, 1, 1, 2)))
+    if shape == "tp" and family != "packed":
+        layout = "LBNHC"
+    tp = draw(st.sampled_from((2, 4, 8))) if shape == "tp" else draw(st.sampled_from((1, 1, 1, 2)))
+    if shape == "tp":  # DCP-sharded caches are never TP replicas
+        config = replace(config, dcp_world_size=draw(st.sampled_from((1, 1, 2))))
     if shape == "free":
         workers = [{} for _ in range(draw(st.integers(1, 4)))]
         memory = [draw(st.integers(0, 1 << 30)) for _ in workers]
+        if draw(st.booleans()):
+            config = replace(config, num_gpu_blocks_override=draw(st.integers(1, 64)))
         return ParallelPlanCase(shape, "free", workers, config, memory, 0, layout, tp)
     stages = draw(stage_split(list(layers)))
     ranks = tp if shape == "tp" else draw(st.sampled_from((1, 1, 2)))
@@ -87,16 +100,24 @@ def parallel_plan_cases(draw, shape: str | None = None, family: str | None = Non
         except KVRefError:  # a padded page too small for twice the tokens
             other = replace(workers[i][name], dcp_sharded=not workers[i][name].dcp_sharded)
         workers.append({name: other})
-    shards = draw(st.sampled_from((None, None, 1, 1, 2, 4)))
+    # vLLM's MLA layers say 1; more shards than TP ranks is clamped to one replica
+    if shape == "tp" and config.dcp_world_size > 1:  # fewer shards than ranks: replicas unless DCP-sharded
+        shards = draw(st.sampled_from((1, max(1, tp // 2))))
+    else:
+        shards = draw(st.sampled_from((None, 1, max(1, tp // 2), tp, 2 * tp, 4 * tp) if shape == "tp"
+                                      else (None, None, 1, 1, 2, 4)))
     max_tp_shards = {n: shards for n, s in layers.items()
                      if shards is not None and isinstance(s, AttentionSpec)}
     memory = []
-    anywhere = draw(st.integers(0, 5)) == 0  # else each worker near its own boundary, mostly above it
-    short = draw(st.integers(-1, len(workers) * 3))  # this worker (if any) gets one block too few
+    # else each worker near its own boundary, mostly above it (TP cases: replicas need a plan that starts)
+    anywhere = shape != "tp" and draw(st.integers(0, 5)) == 0
+    short = draw(st.integers(-1, len(workers) * 3)) if shape != "tp" else -1  # this worker gets a block too few
     for i, w in enumerate(workers):
         need = _worker_need(layers, w, config, layout)
         if need is None or need[0] == 0 or anywhere:
             memory.append(draw(st.integers(0, 1 << 34)))
+        elif shape == "autofit":  # room for a fraction of one model-length request: each fits its own length
+            memory.append(need[0] * (2 + draw(st.integers(0, max(need[1] - 1, 0)))))
         else:
             bpb, blocks = need
             spare = -1 if i == short else draw(st.sampled_from((0, 0, 1, 2, 5, 40)))

@@ -535,6 +535,52 @@ _add(
           behaviour="planning"),
 )
 
+# pipeline/tensor-parallel startup planning (get_kv_cache_configs over several workers, #22)
+
+_add(
+    fault("plan.pp_merge_mismatch_unchecked", _PLAN,
+          "                assert merged_kv_cache_specs[layer_name] == layer_spec, (\n",
+          "                assert True, (\n",
+          CLASSIC, "dropped check: a layer two workers report with different specs is planned with the first "
+                   "worker's spec", behaviour="planning"),
+    fault("plan.pp_projection_keeps_whole_uniform_spec", _PLAN,
+          "        if worker_layer_names and isinstance(group_spec, UniformTypeKVCacheSpecs):\n",
+          "        if False and isinstance(group_spec, UniformTypeKVCacheSpecs):\n",
+          CLASSIC, "missed projection: a worker holding part of a uniform-type group keeps every stage's layer "
+                   "specs in its group spec", behaviour="planning"),
+    fault("plan.pp_autofit_last_worker", _PLAN,
+          "        if worker_max < auto_fit_max:\n",
+          "        if worker_max < original_max:\n",
+          CLASSIC, "wrong variable: auto-fit keeps the last worker below the model's length, not the tightest "
+                   "one (another stage cannot hold a max_model_len request)", behaviour="planning"),
+    fault("plan.pp_check_first_worker_only", _PLAN,
+          "    for groups, avail_mem in zip(projected_groups_per_worker, check_memory):\n        if not groups:\n",
+          "    for groups, avail_mem in zip(projected_groups_per_worker[:1], check_memory):\n        if not groups:\n",
+          CLASSIC, "truncated loop: only the first worker's memory is checked (a later pipeline stage too small "
+                   "for one request starts)", behaviour="planning"),
+    fault("plan.pp_common_blocks_largest", _PLAN,
+          "    min_num_blocks = min(\n        kv_cache_config.num_blocks for kv_cache_config in kv_cache_configs\n",
+          "    min_num_blocks = max(\n        kv_cache_config.num_blocks for kv_cache_config in kv_cache_configs\n",
+          CLASSIC, "wrong extreme: every worker gets the largest worker's block count (the smaller ones' pools "
+                   "overrun their memory)", behaviour="planning"),
+    fault("plan.pp_shrink_without_replan", _PLAN,
+          "        if kv_cache_config.num_blocks == min_num_blocks:\n            continue\n",
+          "        if True:\n            kv_cache_config.num_blocks = min_num_blocks\n            continue\n",
+          CLASSIC, "dropped re-plan: a worker's block count is lowered to the common one but its tensors keep "
+                   "their own size (unused memory stays allocated, strides do not match the block count)",
+          behaviour="planning"),
+    fault("plan.tp_replicas_ignore_dcp", _PLAN,
+          "    if spec.dcp_sharded and dcp_size > 1:\n        return 1\n",
+          "    if False:\n        return 1\n",
+          CLASSIC, "dropped condition: a DCP-sharded cache counts as replicated over TP ranks (offloading "
+                   "would store one rank's shard for all)", behaviour="planning"),
+    fault("plan.tp_replicas_unclamped", _PLAN,
+          "    return max(1, tp_size // spec.max_tp_shards)\n",
+          "    return tp_size // spec.max_tp_shards\n",
+          CLASSIC, "missing clamp: more shards than TP ranks gives 0 replicas, which the gcd turns into "
+                   "'every rank holds the same KV'", behaviour="planning"),
+)
+
 # --------------------------------------------------------------------------------------------
 # neutral refactors: behaviour-preserving, must NOT be flagged
 
@@ -600,6 +646,40 @@ _add(
 )
 
 # --------------------------------------------------------------------------------------------
+# the scheduler's stop rules (v1/core/sched/utils.py check_stop; conform-scheduler's stop-rule
+# traces, models/machines/scheduler_stop.py, #22): a finish frees the request's KV blocks
+
+_SCHED_UTILS = "v1/core/sched/utils.py"
+
+_add(
+    fault("sched.stop_eos_held_by_min_tokens", _SCHED_UTILS,
+          "    if last_token_id == sampling_params.eos_token_id:\n",
+          "    if last_token_id == sampling_params.eos_token_id and (\n"
+          "        request.num_output_tokens >= sampling_params.min_tokens\n    ):\n",
+          CLASSIC, "wrong order: an EOS token sampled before min_tokens no longer finishes the request "
+                   "(check_stop leaves min_tokens to the logits processors; only repetition waits for it)",
+          behaviour="stop"),
+    fault("sched.stop_min_tokens_off_by_one", _SCHED_UTILS,
+          "    if request.num_output_tokens < sampling_params.min_tokens:\n",
+          "    if request.num_output_tokens <= sampling_params.min_tokens:\n",
+          CLASSIC, "off by one: repetition detection waits one output past min_tokens", behaviour="stop"),
+    fault("sched.repetition_pattern_filling_output_missed", _SCHED_UTILS,
+          "        if pattern_len * min_count > len(token_ids):\n",
+          "        if pattern_len * min_count >= len(token_ids):\n",
+          CLASSIC, "off by one: an n-gram whose repetitions make up the whole output is not detected",
+          behaviour="stop"),
+    fault("sched.repetition_one_copy_short", _SCHED_UTILS,
+          "        for m in range(1, repetition_min_count):\n",
+          "        for m in range(1, repetition_min_count - 1):\n",
+          CLASSIC, "off by one: min_count - 1 copies of an n-gram count as a repetition", behaviour="stop"),
+    fault("sched.repetition_reported_as_stop", _SCHED_UTILS,
+          "        request.status = RequestStatus.FINISHED_REPETITION\n",
+          "        request.status = RequestStatus.FINISHED_STOPPED\n",
+          CLASSIC, "wrong status: a detected repetition finishes as a stop (finish reason 'stop', not "
+                   "'repetition')", behaviour="stop"),
+)
+
+# --------------------------------------------------------------------------------------------
 # the HiSparse coordinator's layout checks, host-only layouts, adoption and row mirrors
 # (conform-kv-manager's HiSparse programs and layouts, models/machines/hisparse_*.py, #22)
 
@@ -638,6 +718,11 @@ _add(
           "        if self.get_resident_page(request_id, block_idx) is not None:\n            return False\n",
           CLASSIC, "off by one: a resident group adopts a GPU copy for the page one past the request's table",
           behaviour="hisparse"),
+    fault("hisparse.import_last_page_not_valid", _HSC,
+          "        state.valid_pages = set(range(num_pages))\n",
+          "        state.valid_pages = set(range(num_pages - 1))\n",
+          CLASSIC, "off by one: a landed KV-connector import leaves its last full page invalid (written back "
+                   "again, never published)", behaviour="hisparse"),
 )
 
 
