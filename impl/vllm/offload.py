@@ -134,6 +134,20 @@ def vllm_scheduler_output(step: Any) -> SimpleNamespace:
         kv_cache_block_copies=None)
 
 
+def merged_worker_meta(events: dict[int, int]) -> Any:
+    """The scheduler's ``kv_connector_worker_meta`` for store completions ``events`` (store event ->
+    how many workers report it now): one ``SimpleCPUOffloadWorkerMetadata`` per reporting rank (rank
+    ``r`` reports the events more than ``r`` workers finish), merged with its ``aggregate`` as
+    vLLM's ``KVOutputAggregator`` merges the ranks' outputs (#22)."""
+    from functools import reduce
+
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+    ranks = [SimpleCPUOffloadWorkerMetadata({ev: 1 for ev, n in events.items() if n > r})
+             for r in range(max(events.values(), default=0))]
+    return reduce(lambda a, b: a.aggregate(b), ranks) if ranks else SimpleCPUOffloadWorkerMetadata({})
+
+
 class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
     """vLLM 0.33.0's KVCacheManager + SimpleCPUOffloadScheduler bound to its GPU block pool."""
 
@@ -163,10 +177,8 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
 
     def complete(self, recv, events):
         from vllm.v1.outputs import KVConnectorOutput
-        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-
         self.conn.update_connector_output(KVConnectorOutput(
-            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
+            finished_recving=set(recv), kv_connector_worker_meta=merged_worker_meta(events)))
 
     def finished(self, req, table):
         self.conn.request_finished_all_groups(req, table)

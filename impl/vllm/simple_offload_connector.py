@@ -16,7 +16,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvref.impl.vllm.offload import SimpleCPUVllmBackend, vllm_kv_cache_manager, vllm_scheduler_output
+from kvref.impl.vllm.offload import (
+    SimpleCPUVllmBackend,
+    merged_worker_meta,
+    vllm_kv_cache_manager,
+    vllm_scheduler_output,
+)
 from kvref.impl.vllm.offload_worker import base_vllm_config
 
 #: the per-rank CPU budget the bare-scheduler backend gives vLLM (the pool is sized by num_cpu_blocks)
@@ -158,10 +163,8 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
 
     def complete(self, recv, events):
         from vllm.v1.outputs import KVConnectorOutput
-        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-
         self.connector.update_connector_output(KVConnectorOutput(
-            finished_recving=set(recv), kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(dict(events))))
+            finished_recving=set(recv), kv_connector_worker_meta=merged_worker_meta(events)))
 
     def finished(self, req, table):
         self.connector.request_finished_all_groups(req, table)
