@@ -120,6 +120,15 @@ PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=30).map(lambda ops: HOST_COW_PREFIX + ops + HOST_COW_DRAIN))
 
 
+#: an import admitted, its receive completed (``import_done`` with an odd ``imported``), the restore
+#: sent and completed, the request grown and written back, a second request admitted, the first freed
+IMPORT_RESTORE = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 12, 0, 7, False),
+                  ("import_done", 0, 1, 0, 1, False), ("offload", 0, 1, 0, 0, False), ("complete", 0, 1, 0, 0, True),
+                  ("schedule", 0, 4, 0, 0, False), ("update", 1, 1, 0, 0, False), ("offload", 0, 1, 0, 0, False),
+                  ("complete", 0, 1, 0, 0, True),
+                  ("schedule", 1, 8, 0, 0, False), ("free", 0, 1, 0, 0, False)]
+
+
 #: fixed programs every run starts with, so the rare paths are reached whatever the draws: a
 #: reused unpinned block loses its page (a tight pool), a published prefix is hit and its GPU copies
 #: adopted, a finished request publishes after its last write-back (roomy pools, caching on)
@@ -138,6 +147,12 @@ HAND_PROGRAMS = [
     (HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
                         num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
      [20, 20, 20], HOST_COW_PREFIX + [("free", 1, 1, 0, 0, False), ("host_copies", 0, 1, 0, 0, False)]),
+    # a KV-connector import that lands: the coordinator marks the imported pages valid and plans a
+    # restore of the writable tail page, whose completion records the tail's GPU copy (a host page
+    # not yet published has no hash to index it by); then the request runs on and a second one hits
+    *((HiSparsePoolConfig(block_size=bs, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
+                          num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=caching),
+       [20, 20, 20], IMPORT_RESTORE) for caching in (False, True) for bs in (1, 2)),
 ]
 
 

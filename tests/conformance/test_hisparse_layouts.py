@@ -37,6 +37,7 @@ def test_host_only_programs_refusals_and_probes_agree():
     assert failure is None, failure
     assert seen["host_only"] >= 2 and seen["admit"] and seen["free"]
     assert seen["adopt_refused"] and seen["mirrors_past_table"]
+    assert seen["import_done"] >= 4 and seen["restores_sent"] >= 4  # the landed imports' restores
     assert seen["none:accepted"] and seen["two_sources:rejected"]
 
 
