@@ -723,11 +723,6 @@ _add(
           "        state.valid_pages = set(range(num_pages - 1))\n",
           CLASSIC, "off by one: a landed KV-connector import leaves its last full page invalid (written back "
                    "again, never published)", behaviour="hisparse"),
-    fault("hisparse.import_last_page_not_valid", _HSC,
-          "        state.valid_pages = set(range(num_pages))\n",
-          "        state.valid_pages = set(range(num_pages - 1))\n",
-          CLASSIC, "off by one: a landed KV-connector import leaves its last full page invalid (written back "
-                   "again, never published)", behaviour="hisparse"),
 )
 
 
