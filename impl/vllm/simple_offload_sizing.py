@@ -55,3 +55,14 @@ def agreed_num_cpu_blocks(counts: list[int], timeout: float = 60.0) -> list[Any]
                 p.terminate()
                 p.join(5)
     return out
+
+
+def unsynced_num_cpu_blocks(count: int) -> int | None:
+    """vLLM's sizing in a process without ``torch.distributed`` (this one): the rank keeps its own
+    count. None when this process has a process group (then the case cannot be run here)."""
+    import torch.distributed as dist
+    from vllm.v1.simple_kv_offload.sizing import sync_num_offload_blocks_across_workers
+
+    if dist.is_initialized():
+        return None
+    return sync_num_offload_blocks_across_workers(count)

@@ -205,11 +205,19 @@ def run_sizing_agreement(seed: int, n: int) -> dict:
 
     from kvref.impl.reference.offload.simple_cpu_connector_config import agreed_num_cpu_blocks as want
     from kvref.impl.vllm.simple_offload_sizing import agreed_num_cpu_blocks as got
+    from kvref.impl.vllm.simple_offload_sizing import unsynced_num_cpu_blocks as unsynced
 
     rng = random.Random(f"simple-cpu-sizing-{seed}")
-    stats = {"rank_sets": 0, "ranks": 0}
+    lone_rng = random.Random(f"simple-cpu-sizing-lone-{seed}")  # apart from the rank sets' draws
+    stats = {"rank_sets": 0, "ranks": 0, "lone": 0}
     for _ in range(n):
         counts = [rng.choice([1, 3, 40, rng.randint(1, 200)]) for _ in range(rng.randint(1, 3))]
+        if len(counts) == 1 and lone_rng.random() < 0.5:  # a lone worker without a process group
+            lone = unsynced(counts[0])
+            if lone is not None and [lone] != want(counts):
+                raise OffloadInvariantError(f"a lone SimpleCPU worker without torch.distributed sized {counts} as "
+                                            f"{lone}, reference {want(counts)}")
+            stats["lone"] += lone is not None
         answers, expected = got(counts), want(counts)
         if answers != expected:
             raise OffloadInvariantError(f"SimpleCPU ranks with pools {counts} agreed on {answers}, reference {expected}")

@@ -96,3 +96,31 @@ def test_ranks_agree_on_the_smallest_pool_and_a_max_is_caught(run, monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, op=None: real(t, group=group, op=dist.ReduceOp.MAX))
     with pytest.raises(OffloadInvariantError, match="agreed"):
         run_sizing_agreement(0, 4)
+
+
+def test_a_lone_worker_keeps_its_pool_and_a_change_is_caught(run):
+    """A worker process without torch.distributed keeps its own pool size (vLLM's sizing returns
+    it unchanged); planted: one block more."""
+    import inspect
+    import sys
+    import textwrap
+
+    from vllm.v1.simple_kv_offload import sizing
+
+    from kvref.models.machines.simple_offload_connector import run_sizing_agreement
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    assert run_sizing_agreement(0, 4)["lone"] > 0  # fixed draws: rank set 3 is a lone worker
+    real = sizing.sync_num_offload_blocks_across_workers
+    src = inspect.getsource(real)
+    old = "if not dist.is_initialized():\n        return num_offload_blocks"
+    assert src.count(old) == 1
+    ns: dict = {}
+    exec(compile(textwrap.dedent(src.replace(old, old + " + 1")), "<fault sizing>", "exec"),  # noqa: S102
+         vars(sys.modules[sizing.__name__]), ns)
+    sizing.sync_num_offload_blocks_across_workers = ns["sync_num_offload_blocks_across_workers"]
+    try:
+        with pytest.raises(OffloadInvariantError, match="lone"):
+            run_sizing_agreement(0, 4)
+    finally:
+        sizing.sync_num_offload_blocks_across_workers = real
