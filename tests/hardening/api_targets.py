@@ -1136,6 +1136,12 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "mla_mapping": (cmap.mla_mapping, dict(page_size_bytes=8, tp_size=2, rank=1)),
         "opaque_mapping": (cmap.opaque_mapping, dict(page_size_bytes=8, num_ranks=2, rank=1)),
         "shard_plan": (cmap.shard_plan, dict(total_kv_heads=2, tp_size=4, num_kv_heads=1)),
+        "ContextParallel": (cmap.ContextParallel, dict(dcp=2, pcp=1, interleave=2)),  # #22: CP in the mapping
+        "ContextParallel.cp_rank": (cmap.ContextParallel(2, 2, 1).cp_rank, dict(rank=3, tp_size=2)),
+        "ContextParallel.canonical_token": (cmap.ContextParallel(2, 1, 2).canonical_token, dict(token=3, cp_rank=1)),
+        "ContextParallel.tiles": (cmap.ContextParallel(2, 1, 2).tiles, dict(block_size=4)),
+        "recognized_order": (cmap.recognized_order, dict(kind="split", block_size=2, heads=1, head_size=2,
+                                                         strides=(4, 2, 4, 1))),
         "event_group_specs": (offload_event_tracker.event_group_specs, dict(specs=[FULL, SWA])),
         "parse_tier_filter": (tier_filter.parse_tier_filter, dict(raw=[{"medium": "cpu"}])),
         "request_tier_filter": (tier_filter.request_tier_filter, dict(kv_transfer_params={"kv_load_tiers": []})),
@@ -1337,6 +1343,18 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                                                          host_num_blocks=20, host_blocks=4))
     out["hisparse_steady_state_concurrency"] = (ph.hisparse_steady_state_concurrency, dict(
         num_blocks=10, admission_blocks=3, steady_blocks=2, host_num_blocks=20, host_blocks=4))
+    # pipeline/tensor-parallel planning over several workers (#22)
+    from kvref.spec import planning_parallel as pp
+
+    stages = [{"l0": FULL}, {"l1": SWA}]
+    out["plan_kv_cache_workers"] = (pp.plan_kv_cache_workers, dict(
+        kv_cache_specs=stages, config=_engine(), available_memory=[1 << 20, 1 << 20], kv_cache_layout="LBNHC",
+        tensor_parallel_size=2, max_tp_shards={"l0": 1}))
+    out["merge_worker_kv_cache_specs"] = (pp.merge_worker_kv_cache_specs, dict(kv_cache_specs=stages))
+    out["project_kv_cache_groups_to_worker"] = (pp.project_kv_cache_groups_to_worker, dict(
+        global_groups=(GROUP, KVCacheGroupSpec(("l1",), SWA)), worker_layers={"l0": FULL}))
+    out["kv_cache_groups_tp_replicas"] = (pp.kv_cache_groups_tp_replicas, dict(
+        groups=(GROUP,), tensor_parallel_size=4, dcp_world_size=1, max_tp_shards={"l0": 1}, global_groups=(GROUP,)))
     return out
 
 

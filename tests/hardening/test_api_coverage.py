@@ -308,6 +308,7 @@ EXCLUDED: dict[str, str] = {
             "KVCacheSpec.max_num_blocks_per_req", ABSTRACT + " (every concrete spec overrides this method)"),
     **_each("kvref.spec.planning", "GroupPlan KVCachePlan", RECORD),
     **_each("kvref.spec.planning_hisparse", "HiSparsePlan HiSparseTensor", RECORD),
+    **_each("kvref.spec.planning_parallel", "ParallelKVCachePlan WorkerPlan", RECORD),
     **_each("kvref.impl.run_trace.format", "block_table cached_block_ids encode_lengths int_column sched_record "
             "sched_rows update_sampled", CODEC),
     **_each("kvref.impl.torch.block_pool", "as_device group_key TorchBlockPool.cache_full_block "
@@ -362,7 +363,7 @@ EXCLUDED: dict[str, str] = {
             "Session.serve_external_requests", P2P),
     **_each(f"{_P2P}.transport", "DataPlane DataPlane.add_remote_peer DataPlane.cancel DataPlane.complete "
             "DataPlane.poll DataPlane.remove_remote_peer DataPlane.write_blocks Transfer DataPlane.set_peer_fault "
-            "DataPlane.break_transfers", P2P),
+            "DataPlane.break_transfers DataPlane.fail_submissions peer_fault_status", P2P),
 }
 
 
