@@ -71,7 +71,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                            details=[str(exc)[:1500]], signature=f"{NAME}: SimpleCPU pool-size agreement")
     import random
 
-    from kvref.models.machines.canonical_mapping import compare_layer, random_layer_case
+    from kvref.models.machines.canonical_mapping import compare_layer, layer_cases
 
     n = ctx.examples(8, 120)
     try:
@@ -129,9 +129,9 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
             return CheckResult(NAME, FAILED, "vLLM's FileMapper breaks its file layout",
                                details=[bad[:1500]], signature=f"{NAME}: file mapper")
     rng = random.Random(f"{NAME}-layers-{ctx.seed}")
-    layers = ctx.examples(30, 300)
-    for _ in range(layers):
-        diff = compare_layer(random_layer_case(rng))
+    layers = ctx.examples(60, 300)
+    for case in layer_cases(rng, layers):  # with CP, MLA, Mamba, odd strides... forced first (#22)
+        diff = compare_layer(case)
         if diff:
             return CheckResult(NAME, FAILED, "vLLM's canonical page mapping differs from the reference",
                                details=[diff[:1500]], signature=f"{NAME}: canonical mapping")

@@ -293,6 +293,13 @@ AREAS: dict[str, tuple[Binding, ...]] = {
     "offload-worker": (
         _b(_CONN_V1 + ".offloading_connector", "OffloadingConnector"),
         _b(_CONN_V1 + ".offloading.canonical_mapping", "derive_canonical_mappings"),
+        # the canonical mapping's generated layers: quantized, padded, MLA states, Mamba, HiSparse pages
+        _b(_KCI, "KVQuantMode"),
+        _b(_KCI, "FullAttentionSpec", *_SPEC, "kv_quant_mode", "page_size_padded"),
+        _b(_KCI, "MLAAttentionSpec", *_SPEC, "kv_quant_mode", "tokens_per_state"),
+        _b(_KCI, "MambaSpec", "block_size", "shapes", "dtypes", "page_size_padded"),
+        _b(_KCI, "HiSparseResidentSpec", "block_size", "page_size"),
+        _b(_KCI, "UniformTypeKVCacheSpecs", "block_size", "kv_cache_specs"),
         _b(_CONN_V1 + ".offloading.config", "build_offloading_config"),  # the chunk-option sweep
         _b(_CONN_V1 + ".base", "KVConnectorRole"),
         _b("vllm.distributed.kv_transfer.kv_connector.utils", "KVOutputAggregator"),

@@ -56,31 +56,82 @@ def _expand(mapping: Any) -> ReferenceMapping:
                             mapping.num_writers, mapping.writer_index, mapping.parallelism_agnostic)
 
 
+def strided_tensor(kind: str, block_size: int, heads: int, head_size: int, elem_size: int,
+                   strides: tuple[int, ...]):
+    """A layer tensor of ``kind``'s shape whose page dims have the given element ``strides``
+    (split: (K/V half, token, head, x); packed: (head, token, x)) and whose blocks follow each other,
+    so vLLM recognizes (or refuses) its layout from these strides alone."""
+    import torch
+
+    dims = (2, block_size, heads, head_size) if kind == "split" else (heads, block_size, 2 * head_size)
+    block = 1 + sum((n - 1) * st for n, st in zip(dims, strides))
+    storage = torch.zeros(NUM_BLOCKS * block, dtype=getattr(torch, _DTYPES[elem_size]))
+    return storage.as_strided((NUM_BLOCKS, *dims), (block, *strides))
+
+
 def vllm_mappings(page: AttentionPage | None, total_kv_heads: int, tp_size: int, *, block_size: int,
                   heads: int, head_size: int, elem_size: int, mla: bool = False,
-                  world_size: int | None = None) -> list[ReferenceMapping | None]:
-    """Every rank's mapping of one layer as vLLM derives it (None where vLLM returns none: a worker
-    group that is not exactly the TP grid)."""
+                  world_size: int | None = None, dcp: int = 1, pcp: int = 1, interleave: int = 1,
+                  layer_kind: str | None = None, kind: str | None = None, strides: tuple[int, ...] | None = None,
+                  tensor_elem: int | None = None, per_token_head: bool = False, tensor_form: str = "tensor",
+                  mla_tokens_per_state: int = 1, uniform: bool = False,
+                  page_size_padded: int | None = None) -> list[ReferenceMapping | None]:
+    """Every rank's mapping of one layer as vLLM derives it, over the ``tp x pcp`` grid (None where
+    vLLM returns none: a worker group that is not exactly that grid, a layer with no canonical page).
+
+    ``layer_kind``: ``"attention"`` (default; ``"mla"`` when ``mla``), ``"mla"``, ``"mamba"`` or
+    ``"other"`` (a HiSparse resident page); ``kind`` + ``strides``: the attention tensor's page kind and
+    element strides (else ``page``'s dense layout); ``tensor_elem``: the tensor's element size when
+    it differs from the spec's; ``tensor_form``: ``"tensor"``, ``"list"`` (several tensors) or
+    ``"absent"``; ``uniform``: the group's spec is a ``UniformTypeKVCacheSpecs``."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import derive_canonical_mappings
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiSparseResidentSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVQuantMode,
+        MambaSpec,
+        MLAAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     dtype = getattr(torch, _DTYPES[elem_size])
-    if mla:
-        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size, dtype=dtype)
+    layer_kind = layer_kind or ("mla" if mla else "attention")
+    quant = KVQuantMode.INT8_PER_TOKEN_HEAD if per_token_head else KVQuantMode.NONE
+    if layer_kind == "mla":
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size, dtype=dtype,
+                                kv_quant_mode=quant, tokens_per_state=mla_tokens_per_state)
         tensor = torch.zeros(NUM_BLOCKS, block_size, head_size, dtype=dtype)
+    elif layer_kind == "mamba":
+        spec = MambaSpec(block_size=block_size, shapes=((heads, head_size), (block_size,)), dtypes=(dtype, dtype),
+                         page_size_padded=page_size_padded)
+        tensor = [torch.zeros(NUM_BLOCKS, heads, head_size, dtype=dtype)]
+    elif layer_kind == "other":
+        spec = HiSparseResidentSpec(block_size=block_size, page_size=block_size * head_size * elem_size)
+        tensor = torch.zeros(NUM_BLOCKS, block_size * head_size, dtype=dtype)
     else:
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
-        tensor = layer_tensor(page, block_size, heads, head_size, elem_size)
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
+                                 kv_quant_mode=quant, page_size_padded=page_size_padded)
+        elem = tensor_elem or elem_size
+        if kind is not None and strides is not None:
+            tensor = strided_tensor(kind, block_size, heads, head_size, elem, strides)
+        else:
+            tensor = layer_tensor(page, block_size, heads, head_size, elem)
+    if tensor_form == "list":
+        tensor = [tensor, tensor]
+    group_spec = UniformTypeKVCacheSpecs(block_size=block_size, kv_cache_specs={"layer": spec}) if uniform else spec
     kcfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+                         kv_cache_groups=[KVCacheGroupSpec(["layer"], group_spec)])
+    caches = {} if tensor_form == "absent" else {"layer": tensor}
     out = []
-    for rank in range(tp_size):
+    for rank in range(tp_size * pcp):
         vc = SimpleNamespace(
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, prefill_context_parallel_size=1,
-                                            decode_context_parallel_size=1, cp_kv_cache_interleave_size=1,
-                                            world_size=world_size or tp_size, rank=rank),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, prefill_context_parallel_size=pcp,
+                                            decode_context_parallel_size=dcp, cp_kv_cache_interleave_size=interleave,
+                                            world_size=world_size or tp_size * pcp, rank=rank),
             model_config=SimpleNamespace(get_total_num_kv_heads=lambda: total_kv_heads))
-        m = derive_canonical_mappings(vc, kcfg, {"layer": tensor}).get("layer")
+        m = derive_canonical_mappings(vc, kcfg, caches).get("layer")
         out.append(None if m is None else _expand(m))
     return out

@@ -126,10 +126,9 @@ def test_planted_worker_fault_is_found(fault, monkeypatch):
 def _layer_cases(n: int, seed: int = 0):
     import random
 
-    from kvref.models.machines.canonical_mapping import random_layer_case
+    from kvref.models.machines.canonical_mapping import layer_cases
 
-    rng = random.Random(seed)
-    return [random_layer_case(rng) for _ in range(n)]
+    return layer_cases(random.Random(seed), n)
 
 
 def test_canonical_mappings_match_reference():
@@ -138,11 +137,20 @@ def test_canonical_mappings_match_reference():
     require_vllm()
     from kvref.models.machines.canonical_mapping import compare_layer
 
-    cases = _layer_cases(profile_examples(60, 300))
+    cases = _layer_cases(profile_examples(80, 300))
     kinds = {(c.kind, c.mla, c.heads == max(1, c.total_kv_heads // c.tp_size), c.total_kv_heads < c.tp_size)
              for c in cases}
     assert ("split", False, True, True) in kinds and ("packed", False, True, False) in kinds  # replicated, sharded
-    assert any(c.mla for c in cases) and any(c.kind is None for c in cases) and any(not k[2] for k in kinds)
+    assert any(c.kind_of_layer == "mla" for c in cases) and any(c.kind is None for c in cases)
+    assert any(not k[2] for k in kinds)
+    # context parallelism certified (replicas splitting tokens under DCP, PCP ranks) and the layers and
+    # tensors vLLM must refuse (#22)
+    certified_cp = [c for c in cases if c.dcp * c.pcp > 1 and c.reference()[0] is not None
+                    and c.reference()[0].canonical_page_size_bytes != c.ranks * c.reference()[0].local_page_size_bytes]
+    assert any(c.dcp > 1 for c in certified_cp) and any(c.pcp > 1 for c in certified_cp)
+    assert {"mamba", "other", "mla"} <= {c.kind_of_layer for c in cases}
+    assert any(c.aliased for c in cases) and any(c.perm for c in cases) and any(c.per_token_head for c in cases)
+    assert {"list", "absent"} <= {c.tensor_form for c in cases} and any(c.uniform for c in cases)
     assert [d for d in map(compare_layer, cases) if d] == []
 
 
@@ -161,6 +169,73 @@ def test_canonical_mapping_fault_is_found(monkeypatch):
 
     monkeypatch.setattr(cm, "_split_kv_regions", patched)
     assert any(compare_layer(c) for c in _layer_cases(profile_examples(60, 300)))
+
+
+def _cp_token_shards_swapped(monkeypatch):
+    """Each CP rank's tokens placed at another rank's canonical positions."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
+
+    def patched(local_idx, ctx):
+        chunk, pos = divmod(local_idx, ctx.interleave)
+        return (chunk * ctx.cp_size + (ctx.cp_size - 1 - ctx.total_cp_rank)) * ctx.interleave + pos
+
+    monkeypatch.setattr(cm, "_local_to_canonical_token", patched)
+
+
+def _dcp_writers_not_divided(monkeypatch):
+    """Replicas that split a block's tokens under DCP all elected as that block's writers: the
+    writer count ignores DCP (the MLA and attention paths both)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
+
+    real = cm._layer_mapping
+
+    def patched(spec, kv_cache, num_blocks, ctx):
+        m = real(spec, kv_cache, num_blocks, ctx)
+        if m is None or ctx.dcp_size == 1:
+            return m
+        from dataclasses import replace
+
+        writers = m.num_writers * ctx.dcp_size
+        return replace(m, num_writers=writers, writer_index=ctx.tp_rank % writers)
+
+    monkeypatch.setattr(cm, "_layer_mapping", patched)
+
+
+def _mamba_padded_fallback(monkeypatch):
+    """A Mamba layer's fallback sized from its padded page."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
+
+    monkeypatch.setattr(cm, "_unpadded_page_size",
+                        lambda spec: spec.page_size_bytes if isinstance(spec, cm.MambaSpec) else
+                        getattr(spec, "unpadded_page_size_bytes", None))
+
+
+def _odd_strides_certified(monkeypatch):
+    """A split page whose token and head strides match neither layout read as NHD."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
+
+    real = cm._split_kv_regions
+
+    def patched(kv_cache, spec, head_shard, num_head_shards, cp_size):
+        got = real(kv_cache, spec, head_shard, num_head_shards, cp_size)
+        if got is None and kv_cache.stride()[-1] == 1 and kv_cache.element_size() * 2 * spec.block_size \
+                * spec.num_kv_heads * spec.head_size == spec.real_page_size_bytes:
+            return real(kv_cache.contiguous(), spec, head_shard, num_head_shards, cp_size)
+        return got
+
+    monkeypatch.setattr(cm, "_split_kv_regions", patched)
+
+
+@pytest.mark.parametrize("fault", [_cp_token_shards_swapped, _dcp_writers_not_divided, _mamba_padded_fallback,
+                                   _odd_strides_certified], ids=lambda f: f.__name__.strip("_"))
+def test_canonical_mapping_cp_and_layout_faults_are_found(fault, monkeypatch):
+    """Faults planted in vLLM's context-parallel placement, DCP writer election, Mamba fallback size
+    and stride recognition are each reported on the generated layers (#22)."""
+    require_vllm()
+    from kvref.models.machines.canonical_mapping import compare_layer
+
+    fault(monkeypatch)
+    assert any(compare_layer(c) for c in _layer_cases(profile_examples(80, 300)))
 
 
 def _event_batches(n: int):
