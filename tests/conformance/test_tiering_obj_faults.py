@@ -118,3 +118,24 @@ def test_finds_a_shutdown_that_leaves_transfer_handles(monkeypatch):
         return shutdown
 
     assert "still holds" in _finds(monkeypatch, "shutdown", forgetful)
+
+
+def test_shutdown_releases_the_rest_when_one_release_fails():
+    """Seeded obj traces whose shutdown takes a failing NIXL release (some configurations arm one):
+    every other handle is still released."""
+    stats = _traces(0, 6)
+    assert stats["obj_shutdown_faults"] > 0, stats
+
+
+def test_finds_a_shutdown_that_gives_up_on_a_transfer_after_a_failed_release():
+    """Planted: a transfer whose handle release fails at shutdown keeps its descriptor list and
+    registration (the shutdown moves on to the next transfer)."""
+    require_vllm()
+    from kvref.models.machines.tiering import TieringDivergence
+    from tests.conformance.tiering_planted import edited
+
+    old = 'except Exception as exc:\n                logger.warning("release_xfer_handle failed for job %d: %s", job_id, exc)'
+    new = "except Exception as exc:\n                continue"
+    with edited("vllm.v1.kv_offload.tiering.obj.manager", "ObjectStoreSecondaryTierManager", "shutdown", old, new):
+        with pytest.raises(TieringDivergence, match="still holds"):
+            _traces(0, 6)
