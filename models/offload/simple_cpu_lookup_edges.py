@@ -17,7 +17,8 @@ waiting request, on every backend alike, with what the scheduler also does
 * a second look-up of the same request drops the first one's pin (a retry after a failed
   allocation);
 * a CPU hit allocated as an async load that the connector has not yet sent to the worker, then a
-  reset or an abort: the load is dropped at once, its pins released.
+  reset or an abort: the load is dropped at once, its pins released (half the time after the
+  engine went idle and the GPU forgot its prefix cache, so that the prefix is on the CPU only).
 
 Every answer, and then the whole observed state (pools, ref counts, pins, store cursors, KV
 events, stats), must be the same on both backends.
@@ -34,19 +35,22 @@ from kvref.models.offload.simple_cpu_world import SimpleOffloadConfig, SimpleOff
 from kvref.models.offload.traces import apply_op, random_ops
 from kvref.models.offload.world_common import OffloadInvariantError
 
-_VLLM_LOGGER = "vllm.v1.simple_kv_offload.manager"
+_VLLM_LOGGERS = ("vllm.v1.simple_kv_offload.manager", "vllm.v1.core.block_pool")
 
 
 @contextlib.contextmanager
 def _quiet():
-    """vLLM's warnings for the probes held back: they are provoked on purpose."""
-    lg = logging.getLogger(_VLLM_LOGGER)
-    was = lg.disabled
-    lg.disabled = True
+    """vLLM's warnings for the probes (and a refused GPU prefix-cache reset) held back: they are
+    provoked on purpose."""
+    loggers = [logging.getLogger(name) for name in _VLLM_LOGGERS]
+    was = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
     try:
         yield
     finally:
-        lg.disabled = was
+        for lg, w in zip(loggers, was):
+            lg.disabled = w
 
 
 def _waiting_new(w: SimpleOffloadWorld) -> list[str]:
@@ -91,16 +95,35 @@ def probe_unissued_load(w: SimpleOffloadWorld, rid: str, then_reset: bool) -> tu
     if ids is None:  # no room: the pin stays until the next look-up drops it
         return n_local, n_ext, is_async, None
     b.after_alloc(req, n_ext)  # the load is planned; no load event yet
-    reset = w.reset() if then_reset else None  # a load never sent to the worker is dropped at once
+    reset = None
+    if then_reset:  # a load never sent to the worker is dropped at once, its pins released
+        reset = (w.reset(), w.b.connector_state(), [blk.ref_cnt for blk in w.b.cpu_pool.blocks],
+                 [blk.ref_cnt for blk in w.b.gpu_pool.blocks])
     w.finish(rid)  # an un-issued load is released with the request
     return n_local, n_ext, is_async, len(ids[0]) if ids else 0, reset
 
 
-def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool, unissued: bool, then_reset: bool) -> tuple:
+def idle_and_forget_gpu(w: SimpleOffloadWorld, keep: str) -> bool:
+    """Every live request but ``keep`` aborted, every transfer completed, then vLLM's
+    ``reset_prefix_cache()`` without ``reset_connector``: the GPU forgets its prefix cache, the CPU
+    keeps its blocks, so ``keep``'s look-up finds its prefix on the CPU only."""
+    for rid in w.live():
+        if rid != keep:
+            w.finish(rid)
+    while w.stores or w.loads:
+        w.complete_store(0, 2)
+        w.complete_load(0)
+    with _quiet():
+        return w.b.mgr.reset_prefix_cache()
+
+
+def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool, unissued: bool, then_reset: bool,
+             forget_gpu: bool) -> tuple:
     """:func:`probe`'s (or :func:`probe_unissued_load`'s) answers, or the exception it raised."""
     try:
         if unissued:
-            return probe_unissued_load(w, rid, then_reset)
+            forgot = idle_and_forget_gpu(w, rid) if forget_gpu else None
+            return forgot, *probe_unissued_load(w, rid, then_reset)
         return probe(w, rid, mid_block, retry)
     except Exception as exc:  # noqa: BLE001 - either side may crash where the other does not
         return ("raised", type(exc).__name__, str(exc)[:200])
@@ -111,7 +134,7 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
     operation; raises :class:`OffloadInvariantError` at the first difference. Returns counts."""
     rng = random.Random(f"simple-lookup-edges-{seed}")
     worlds = [SimpleOffloadWorld(cfg, be, allow_duplicates_within_event=True) for be in backends]
-    stats = {"ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0}
+    stats = {"ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0}
     for j, op in enumerate(ops):
         outs = [apply_op(w, op) for w in worlds]
         stats["ops"] += 1
@@ -128,15 +151,16 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
             continue
         rid = candidates[-1] if rng.random() < 0.7 else rng.choice(candidates)
         mid_block, retry = rng.randrange(1, cfg.block_size), rng.random() < 0.5
-        unissued, then_reset = rng.random() < 0.5, rng.random() < 0.3
-        answers = [_answers(w, rid, mid_block, retry, unissued, then_reset) for w in worlds]
+        unissued, then_reset, forget_gpu = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
+        answers = [_answers(w, rid, mid_block, retry, unissued, then_reset, forget_gpu) for w in worlds]
         stats["probes"] += 1
         if answers[0] != answers[-1] or answers[0][0] == "raised":
             raise OffloadInvariantError(f"op {j} {op}, {'un-issued load ' if unissued else ''}probe of {rid} "
                                         f"(mid-block {mid_block}, retry {retry}, reset {then_reset}): reference "
                                         f"answered {answers[0]}, vLLM {answers[-1]}")
         if unissued:
-            stats["unissued_loads"] += len(answers[0]) > 4
+            stats["unissued_loads"] += len(answers[0]) > 5
+            stats["dropped_by_reset"] += len(answers[0]) > 5 and then_reset
         else:
             stats["hits_declined"] += answers[0][0][0] > 0
         seen = [w.observe() for w in worlds]
@@ -158,7 +182,7 @@ def lookup_edge_cases(seed: int, n: int) -> list[tuple[SimpleOffloadConfig, list
 
 def run_lookup_edge_cases(seed: int, n: int) -> dict:
     """Every case of :func:`lookup_edge_cases`; raises naming the case at the first difference."""
-    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0}
+    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0}
     for i, (cfg, ops) in enumerate(lookup_edge_cases(seed, n)):
         try:
             got = run_lookup_edges(cfg, ops, seed * 1000 + i)
