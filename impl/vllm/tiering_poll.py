@@ -47,6 +47,7 @@ class PollGate:
         self.taken = 0
         self.parked_at: str | None = None  # "wait", "acquire", None (running) or "exited"
         self.contended = False
+        self.slow = False  # a thread waiting after a round does not see the stop request (descheduled)
         self.after_contended = False
         self.stop: GateEvent | None = None
         self.thread: threading.Thread | None = None
@@ -56,10 +57,17 @@ class PollGate:
         with self.cv:
             self.parked_at = where
             self.cv.notify_all()
-            self.cv.wait_for(lambda: self.granted > self.taken or self.stop.is_set())
+            self.cv.wait_for(lambda: self.granted > self.taken or (self.stop.is_set() and not
+                                                                   (self.slow and where == "wait")))
             if self.granted > self.taken:
                 self.taken += 1
             self.parked_at = None
+            self.cv.notify_all()
+
+    def wake(self) -> None:
+        """A slow thread is scheduled again."""
+        with self.cv:
+            self.slow = False
             self.cv.notify_all()
 
     def wait_parked(self, what: str) -> str:
@@ -191,6 +199,7 @@ def drive_poll_loop(tiering, wait_s: float, timeout_error: type[Exception]):
         log.propagate = saved_propagate
         gate.contended = False
         gate.stop.set()
+        gate.wake()
 
 
 __all__ = ["GateEvent", "GatedLock", "LOG_EVENTS", "LogCapture", "PollGate", "STUCK_JOIN_TIMEOUT_S", "drive_poll_loop",

@@ -29,7 +29,7 @@ from kvref.impl.reference.offload.tiering.poll_loop import TierPollLoop
 from kvref.spec.errors import InvalidFieldError
 
 POLLED = {"type": "PolledTier", "module_path": "kvref.impl.vllm.tiering_tiers"}
-PATHS = ("stalled", "round_failed", "gave_up", "join_timeout", "shutdown_at_lock", "shutdown_stuck",
+PATHS = ("stalled", "round_failed", "gave_up", "join_timeout", "shutdown_at_lock", "shutdown_stuck", "shutdown_slow",
          "step_after_give_up", "failure_recovered")
 
 
@@ -53,7 +53,8 @@ def random_program(rng: random.Random, n_ops: int) -> list[tuple]:
             ops.append(("advance", rng.choice((0.0, 0.3, 0.5, 1.0, 5.0, 12.0, 31.0))))
         else:
             ops.append(("step_end",))
-    ops.append(("shutdown", rng.choice(("parked", "parked", "stuck")), rng.random() < 0.5, rng.random() < 0.3))
+    ops.append(("shutdown", rng.choice(("parked", "parked", "stuck", "slow")), rng.random() < 0.5,
+                rng.random() < 0.3))
     return ops
 
 
@@ -129,6 +130,7 @@ class PollLoopWorld:
 
         m, calls = self.tiering.manager, self.tiering.shutdown_calls
         stuck = kind == "stuck" and self.ref.alive
+        slow = kind == "slow" and self.ref.alive and self.ref.parked_at == "wait"
         release = threading.Event()
         if stuck:
             entered = threading.Event()
@@ -140,27 +142,33 @@ class PollLoopWorld:
             if not entered.wait(WAIT_S):
                 raise TierTimeout("the tier-poll thread did not enter the round it was to be stuck in")
             self.hit("shutdown_stuck")
+        elif slow:
+            self.gate.slow = True
+            self.hit("shutdown_slow")
         else:
             self.gate.contended = contended and self.ref.parked_at == "acquire"
             self.tier.fail_serve = fail
             if self.ref.alive and self.ref.parked_at == "acquire":
                 self.hit("shutdown_at_lock")
-        want, ref_logs = self.ref.shutdown(self.clock.monotonic(), not self.gate.contended, not fail, stuck)
+        want, ref_logs = self.ref.shutdown(self.clock.monotonic(), not self.gate.contended, not fail, stuck, slow)
         self.tiering._flat.release()  # the harness's view of the primary buffer (VllmTiering.shutdown does so too)
         try:
-            with stuck_join_timeout() if stuck else contextlib.nullcontext():
+            with stuck_join_timeout() if stuck or slow else contextlib.nullcontext():
                 m.shutdown()
             got = "tiers"
         except RuntimeError:
             got = "raised"
         finally:
             release.set()
+            self.gate.wake()
         self.tier.fail_serve = False
         self.gate.contended = False
         reached = list(calls)
         if stuck:
             self.gate.thread.join(WAIT_S)
             self.ref.stuck_round_ends()
+        if slow:
+            self.gate.thread.join(WAIT_S)
         where = "exited" if not self.gate.thread.is_alive() else "running"
         logs = self.capture.take()
         served, ref_served = self.tier.serve_calls - self.serve_base, self.ref.rounds + self.steps

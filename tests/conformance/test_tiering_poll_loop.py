@@ -1,7 +1,8 @@
 """vLLM 0.33.0's tier-poll thread (``TieringOffloadingManager._tier_poll_loop`` and ``shutdown``)
 against the reference's :class:`TierPollLoop`, pass by pass (#22): failed rounds, a lock held
 elsewhere, the give-up after 30 s of failures, per-step servicing after it, and shutdown with the
-thread waiting, at the lock or stuck in a round; every path reached, planted faults found."""
+thread waiting, at the lock, stuck in a round or too slow to wake; every path reached, planted
+faults found."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ PLANTED = [
     ("_tier_poll_loop", "                    stalled_since = None\n                continue", "                continue"),
     # shutdown tears the tiers down under a thread stuck mid-round
     ("shutdown", "if self._tier_poll_thread is not None:", "if False:"),
+    # a thread too slow to stop: the tiers are never shut down although the lock was free
+    ("shutdown", "try:\n                self._shutdown_tiers()\n            finally:",
+     "try:\n                pass\n            finally:"),
 ]
 
 

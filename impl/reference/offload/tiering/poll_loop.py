@@ -13,7 +13,8 @@ Tiers that cannot wait for an engine step (a peer asking for blocks) opt into a 
   that clock). A round that never gets the lock neither fails nor succeeds;
 * what ``shutdown`` does with it: stop and join it before any tier is torn down (a tier transport
   closed under a live round can crash the process); a thread that does not exit in time gets an
-  error log, and then the tiers are shut down under the manager lock, or, if even the lock is
+  error log, and then the tiers are shut down under the manager lock (the thread exits when it
+  next wakes, seeing the stop request), or, if even the lock is
   unavailable (the thread is stuck mid-round), ``shutdown`` raises and shuts nothing down.
 
 :class:`TierPollLoop` follows one thread: :meth:`iteration` is one pass of the loop,
@@ -90,18 +91,23 @@ class TierPollLoop:
             self.alive = False
         return logs
 
-    def shutdown(self, now: float, lock_free: bool, round_ok: bool = True, stuck: bool = False) -> tuple[str, list[str]]:
+    def shutdown(self, now: float, lock_free: bool, round_ok: bool = True, stuck: bool = False,
+                 slow: bool = False) -> tuple[str, list[str]]:
         """``shutdown()`` while the thread waits where :attr:`parked_at` says, or (``stuck``) while
         it is blocked inside a round that got the lock (a round that will succeed once unblocked:
         :meth:`stuck_round_ends`). Returns (``"tiers"``: the tiers and the primary are shut down;
         ``"raised"``: RuntimeError, nothing shut down; what was logged). A thread parked at the
         lock takes one more pass first (``lock_free``/``round_ok`` as in :meth:`iteration`); then it
-        sees the stop request and exits."""
+        sees the stop request and exits. ``slow``: the thread, waiting after a round, wakes only
+        after the join timed out (descheduled): the tiers are shut down under the manager lock."""
         now = _check_time(now)
-        for name, flag in (("lock_free", lock_free), ("round_ok", round_ok), ("stuck", stuck)):
+        for name, flag in (("lock_free", lock_free), ("round_ok", round_ok), ("stuck", stuck), ("slow", slow)):
             _check_bool(name, flag)
         if not self.alive:
             return "tiers", []
+        if slow and not stuck and self.parked_at == "wait":
+            self.alive = False
+            return "tiers", ["join_timeout"]
         if stuck:
             self.stalled_since = None
             self.parked_at = "wait"
