@@ -165,6 +165,14 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
     for cases, n in parallel_plan_families(ctx.examples):  # a mixed run, then each shape alone
         failure = failure or run_generated(given(case=cases)(agree_workers), n, ctx.seed)
+    # the packing chunk size and hidden-state block size helpers over their whole domain (#22)
+    from kvref.models.conformance.planning_helpers import agree_helpers, helper_cases
+
+    def agree_helper(case):
+        ran[0] += 1
+        agree_helpers(case)
+
+    failure = failure or run_generated(given(case=helper_cases())(agree_helper), ctx.examples(30, 200), ctx.seed)
     if failure:
         return CheckResult("conform-planning", FAILED, "kvref and vLLM plan a pool differently",
                            details=failure.splitlines()[:20])
@@ -377,10 +385,15 @@ SCHEDULER_RUNS = (
     SubRun("kvref.models.machines.scheduler_lora:run_lora_machine", (4, 30),
            "scheduler traces with LoRA adapters", "; {traces} with LoRA adapters ({lora_held_waiting} held by max_loras)"),
     # check_stop's EOS, min_tokens and repetition rules (every finish frees KV blocks)
-    SubRun("kvref.models.machines.scheduler_stop:run_stop_machine", (8, 30),
+    SubRun("kvref.models.machines.scheduler_stop:run_stop_machine", (10, 40),
            "scheduler traces with stop rules",
            "; {traces} with stop rules ({stop_eos} EOS, {finished_repetition} repetition finishes, "
            "{repetition_held_by_min_tokens} held by min_tokens)"),
+    # streaming-input sessions inside whole steps: stopped turns keep their KV in kv_holding_waiting
+    SubRun("kvref.models.machines.scheduler_sessions:run_session_machine", (10, 40),
+           "scheduler traces with streaming sessions",
+           "; {traces} with streaming sessions ({session_turn_stopped_kept} turns kept with their blocks, "
+           "{session_resumed_on_its_blocks} resumed on them, {session_update_applied_at_once} updates to waiting sessions)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -49,3 +49,23 @@ def test_a_planted_fault_in_vllms_parallel_planning_is_caught(planner, fault):
     with planted_vllm_fault(fault, ("v1/core/kv_cache_planning.py",)):
         with pytest.raises(AssertionError, match=r"kvref .* vLLM"):  # a planned value or verdict differs
             _run(planner, shrink=False)
+
+
+def test_planning_helpers_agree_over_their_whole_domain(planner):
+    """_approximate_gcd (refusals, a lower bound above every value) and _largest_divisor_at_most (a
+    limit below one) agree with kvref's on generated arguments, edges included."""
+    from kvref.models.conformance.planning_helpers import agree_helpers, helper_cases
+
+    edges: set[str] = set()
+
+    def check(case):
+        agree_helpers(case)
+        if not case.values or min(case.values) <= 0:
+            edges.add("refused")
+        elif case.lower_bound is not None and case.lower_bound > max(case.values):
+            edges.add("lower_bound_above")
+        if case.limit < 1:
+            edges.add("limit_below_one")
+
+    settings(max_examples=60, derandomize=True, database=None, deadline=None)(given(case=helper_cases())(check))()
+    assert edges == {"refused", "lower_bound_above", "limit_below_one"}, edges
