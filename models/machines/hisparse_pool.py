@@ -128,6 +128,15 @@ IMPORT_RESTORE = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 12, 0, 7, 
                   ("complete", 0, 1, 0, 0, True),
                   ("schedule", 1, 8, 0, 0, False), ("free", 0, 1, 0, 0, False)]
 
+#: with prefix caching on a pool of 24 blocks: r0 writes back, publishes and is freed (its blocks
+#: stay indexed as GPU copies of its host pages), r2 and r1 hit the published pages and grow until
+#: the pool hands out a copy's block (the copy is dropped from the index; a reader loses the page)
+COPY_REUSED = [("require_hot", 0, 1, 0, 0, False), ("schedule", 0, 8, 0, 0, False), ("offload", 0, 1, 0, 0, False),
+               ("complete", 0, 1, 0, 0, True), ("update", 1, 1, 0, 0, False), ("offload", 0, 1, 0, 0, False),
+               ("complete", 0, 1, 0, 0, True), ("free", 0, 1, 0, 0, False),
+               ("schedule", 2, 12, 0, 0, False), ("schedule", 2, 12, 0, 0, False), ("schedule", 1, 8, 0, 0, False),
+               ("schedule", 1, 8, 0, 0, False), ("free", 2, 1, 0, 0, False), ("schedule", 0, 8, 0, 0, False)]
+
 
 #: fixed programs every run starts with, so the rare paths are reached whatever the draws: a
 #: reused unpinned block loses its page (a tight pool), a published prefix is hit and its GPU copies
@@ -153,6 +162,9 @@ HAND_PROGRAMS = [
     *((HiSparsePoolConfig(block_size=bs, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
                           num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=caching),
        [20, 20, 20], IMPORT_RESTORE) for caching in (False, True) for bs in (1, 2)),
+    (HiSparsePoolConfig(block_size=2, num_gpu_blocks=24, host_num_blocks=40, blocks_per_request=1,
+                        num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
+     [16, 16, 16], COPY_REUSED),
 ]
 
 

@@ -41,6 +41,25 @@ def test_host_only_programs_refusals_and_probes_agree():
     assert seen["none:accepted"] and seen["two_sources:rejected"]
 
 
+@pytest.mark.vllm
+def test_a_reused_copy_block_is_dropped_from_the_copy_index():
+    require_vllm()
+    from kvref.impl.vllm.hisparse import VllmHiSparsePool
+    from kvref.models.machines.hisparse_pool import COPY_REUSED, HAND_PROGRAMS, run_hisparse_program
+
+    (config, lengths, _), = [p for p in HAND_PROGRAMS if p[2] is COPY_REUSED]
+
+    def copies_after(ops):
+        pools = []
+        seen = run_hisparse_program(config, lengths, ops, lambda c: pools.append(VllmHiSparsePool(c)) or pools[-1])
+        return {b.block_id for blocks in pools[0].coordinator.copies.values() for b in blocks}, seen
+
+    published, _ = copies_after(COPY_REUSED[:8])  # r0 written back, published and freed
+    left, seen = copies_after(COPY_REUSED)
+    assert published and published - left, (published, left)  # the pool handed a copy's block out
+    assert seen["copy_adopted"] and seen["page_lost"], seen
+
+
 def test_reference_rejects_each_faulty_layout_naming_the_field():
     good = [("source", 2), ("indexer", 2), ("resident", 2), ("hot", 2)]
     c = hisparse_coordinator_for_layout(good, 8, 20, 16)
