@@ -723,6 +723,12 @@ _add(
           "        state.valid_pages = set(range(num_pages - 1))\n",
           CLASSIC, "off by one: a landed KV-connector import leaves its last full page invalid (written back "
                    "again, never published)", behaviour="hisparse"),
+    fault("hisparse.reused_copy_kept", _HSC,
+          "        if host_hash is not None:\n            self._drop_copy(host_hash)\n",
+          "        if False:\n            self._drop_copy(host_hash)\n",
+          CLASSIC, "dropped call: a GPU copy of a published host page stays indexed after the pool hands its "
+                   "block to another request (a later hit would adopt another request's KV)",
+          behaviour="hisparse"),
 )
 
 
