@@ -26,9 +26,15 @@ copy-on-write state blocks, divergent hybrid hits), ``unfenced-free`` beside the
 one run each per seed, with every demo fault (the drafter's ``short-lookahead`` and
 ``short-runway`` included).
 
+``--generator multimodal|lora|hash-lookahead|mamba-checkpoint``: generated runs of the feature
+(``models/run_check/feature_runs.py``: the conform-scheduler machines' draws) with the feature's own
+planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28).
+
 ``as-before DIR OUT``: copy DIR's traces adding to each header what the session-11 recorder named
 unmodelled there (``mamba_align_mode (with a KV connector)``, ``kv_connector_divergent_hybrid_hits``
-on Mamba pools with prefix caching, ``prefill_lookahead`` for multi-module MTP), so an older checker
+on Mamba pools with prefix caching, ``prefill_lookahead`` for multi-module MTP; session 12's:
+``multimodal`` / ``lora`` on requests with items / an adapter, ``hash_lookahead_tokens``,
+``mamba_shared_prefix_checkpoint``), so an older checker
 (``PYTHONPATH``) checks the same runs as it saw them then (#28)::
 
     .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/align --generator connector-align --seeds 2,3,4
@@ -68,7 +74,17 @@ def _recorder(generator: str):
         from kvref.models.machines.scheduler_connector import connector_setups
 
         return lambda *a, **k: record_connector_runs(*a, setups=connector_setups(kinds=MAMBA_ALIGN_KINDS), **k)
+    if generator in _FEATURES:
+        from kvref.models.run_check.feature_runs import record_feature_runs
+
+        return lambda d, examples, seed, strict: record_feature_runs(d, generator, examples, seed=seed, steps=30,
+                                                                     strict=strict)
     return record_connector_runs
+
+
+#: the feature generators (#28) and the fault planted in each one's path
+_FEATURES = {"multimodal": "encoder-never-hits", "lora": "lora-unhashed", "hash-lookahead": "hasher-no-lookahead",
+             "mamba-checkpoint": "checkpoint-ignored"}
 
 
 def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -> None:
@@ -86,14 +102,23 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -
                    self, PauseState.PAUSED_NEW if state == PauseState.PAUSED_ALL else state))}
     extra = {"pause": ("pause-ignored", "pause-all-as-new"), "connector": ("unfenced-free",),
              "connector-align": ("unfenced-free",), "demo-mtp": (),
-             "connector-pause": ("pause-ignored", "pause-all-as-new", "unfenced-free")}[generator]
+             "connector-pause": ("pause-ignored", "pause-all-as-new", "unfenced-free"),
+             **{g: (f,) for g, f in _FEATURES.items()}}[generator]
     # the drafter faults need a drafter, which no generated run has
     drafter = ("short-lookahead", "short-runway")
-    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if generator == "demo-mtp" or f not in drafter):
+    # EAGLE drafters in the hash-lookahead and mamba-checkpoint draws: short-lookahead applies there
+    eagle = generator in ("hash-lookahead", "mamba-checkpoint")
+    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if generator == "demo-mtp" or f not in drafter
+                                                 or (eagle and f == "short-lookahead")):
         runs = []
         for seed in seeds:
             d = os.path.join(root, fault, str(seed))
-            if fault in planted:
+            if fault in _FEATURES.values():
+                from kvref.impl.vllm.record_faults import plant_feature_fault
+
+                with plant_feature_fault(fault):
+                    runs = rec(d, examples, seed=seed, strict=False)
+            elif fault in planted:
                 name, fn = planted[fault]
                 orig = getattr(Scheduler, name)
                 setattr(Scheduler, name, fn)
@@ -149,9 +174,37 @@ def as_before(root: str, out: str) -> None:
             names.append("mamba_align_mode (with a KV connector)")
         if int((h.get("spec") or {}).get("num_prefill_lookahead", 0) or 0) > 1:
             names.append("prefill_lookahead")
+        if h["pool"].get("num_hash_lookahead_tokens"):  # session 12's recorder (#28)
+            names.append("hash_lookahead_tokens")
+        if h["pool"].get("mamba_shared_prefix_checkpoint"):
+            names.append("mamba_shared_prefix_checkpoint")
+        body = [_as_before_line(line) for line in body]
         with gzip.open(q, "wt") as f:
             f.write(json.dumps(h) + "\n")
             f.writelines(body)
+
+
+def _as_before_line(line: str) -> str:
+    """A record as session 12's recorder wrote it: an arrival with items or an adapter named (``x``),
+    a step with encoder inputs named (``x``, no enc/efree/eupd), stats without ``skip``."""
+    import json
+
+    if line.startswith('{"t":"add"') and ('"mm":' in line or '"lora":' in line):
+        rec = json.loads(line)
+        rec.setdefault("x", []).extend(n for n, k in (("multimodal", "mm"), ("lora", "lora")) if rec.get(k))
+        return json.dumps(rec) + "\n"
+    if line.startswith('{"t":"sched"') and ('"enc":' in line or '"efree":' in line or '"eupd":' in line):
+        rec = json.loads(line)
+        if rec.pop("enc", None):
+            rec["x"] = ["encoder_inputs"]
+        rec.pop("efree", None)
+        rec.pop("eupd", None)
+        return json.dumps(rec) + "\n"
+    if line.startswith('{"t":"update"') and '"skip":' in line:
+        rec = json.loads(line)
+        rec.get("stats", {}).pop("skip", None)
+        return json.dumps(rec) + "\n"
+    return line
 
 
 def _count(c: Counter, p: str) -> None:
@@ -173,7 +226,8 @@ def main() -> None:
     ap.add_argument("out", nargs="?", help="as-before: the copy's directory")
     ap.add_argument("--examples", type=int, default=40)
     ap.add_argument("--seeds", default="2", help="comma-separated seeds (each records --examples runs per fault)")
-    ap.add_argument("--generator", choices=("connector", "pause", "connector-pause", "connector-align", "demo-mtp"),
+    ap.add_argument("--generator", choices=("connector", "pause", "connector-pause", "connector-align", "demo-mtp",
+                                            *_FEATURES),
                     default="connector",
                     help="connector runs (default), runs with scheduler pause states, or connector runs with them")
     a = ap.parse_args()

@@ -32,6 +32,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import FEATURES, record_feature_runs
 
 from kvref import cli
+from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
 from tests.record.traces import read_lines
 from tests.vllm_env import require_vllm
 
@@ -40,33 +41,8 @@ pytestmark = pytest.mark.vllm
 #: feature -> (seed, runs): draws that reach the feature's path and the planted fault (checked below)
 DRAWS = {"lora": (0, 6), "multimodal": (0, 6), "hash-lookahead": (0, 6), "mamba-checkpoint": (0, 8)}
 STEPS = 30
-
-
-def _plant(mp: pytest.MonkeyPatch, feature: str) -> None:
-    if feature == "lora":
-        import vllm.v1.core.kv_cache_utils as utils
-
-        mp.setattr(utils, "_gen_lora_extra_hash_keys", lambda request: [])
-    elif feature == "multimodal":
-        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-
-        mp.setattr(EncoderCacheManager, "check_and_update_cache", lambda self, request, input_id: False)
-    elif feature == "hash-lookahead":
-        from kvref.impl.vllm.loader import load_vllm
-
-        v = load_vllm()
-        real = v["get_request_block_hasher"]
-        mp.setitem(v, "get_request_block_hasher", lambda bs, fn, lookahead=0: real(bs, fn, 0))
-    else:
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        real_init = Scheduler.__init__
-
-        def init(self, *args, **kwargs):
-            real_init(self, *args, **kwargs)
-            self.mamba_shared_prefix_checkpoint = False
-
-        mp.setattr(Scheduler, "__init__", init)
+#: the fault planted in each feature's path (kvref/impl/vllm/record_faults.py)
+FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +56,7 @@ def recorded(tmp_path_factory):
             seed, n = DRAWS[feature]
             d = tmp_path_factory.mktemp(feature)
             pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=STEPS)
-            with pytest.MonkeyPatch.context() as mp:
-                _plant(mp, feature)
+            with plant_feature_fault(FAULT[feature]):
                 faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=STEPS, strict=False)
             cache[feature] = (pristine, faulty)
         return cache[feature]

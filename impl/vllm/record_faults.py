@@ -1,0 +1,75 @@
+"""Faults planted in vLLM's own code, in-process, in the paths check-run replays since #28 for
+multimodal requests, LoRA, lookahead block hashes and the Mamba shared-prefix checkpoint.
+
+Each is a plausible regression of that path, planted before a run is recorded (the scheduler then
+binds the faulty code as if vLLM shipped it) and undone afterwards; the planted-fault tests and the
+detection campaign (``benchmarks/bench_check_run_connector.py --generator <feature>``) measure
+whether ``kvref check-run`` and ``--properties-only`` flag the recorded runs. A measurement tool,
+never a check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvref.spec.errors import InvalidFieldError
+
+#: fault name -> (the feature whose path it is in, what it does)
+FEATURE_FAULTS = {
+    "lora-unhashed": ("lora", "the LoRA adapter left out of the block hashes (_gen_lora_extra_hash_keys "
+                              "returns nothing): prefix hits across adapters"),
+    "encoder-never-hits": ("multimodal", "the encoder cache never reports a cached item "
+                                         "(EncoderCacheManager.check_and_update_cache): items encoded again"),
+    "hasher-no-lookahead": ("hash-lookahead", "the engine's block hasher built without the lookahead tokens "
+                                              "(get_request_block_hasher(..., 0)) while the pool hashes with them"),
+    "checkpoint-ignored": ("mamba-checkpoint", "vLLM's scheduler ignores the shared-prefix checkpoint "
+                                               "(mamba_shared_prefix_checkpoint off: chunks stop at the junction's "
+                                               "block floor)"),
+}
+
+
+@contextmanager
+def plant_feature_fault(name: str) -> Iterator[None]:
+    """Plant the fault ``name`` (a key of :data:`FEATURE_FAULTS`) while the block runs."""
+    if name not in FEATURE_FAULTS:
+        raise InvalidFieldError("fault", name, "one of " + ", ".join(FEATURE_FAULTS))
+    undo = []
+    try:
+        if name == "lora-unhashed":
+            from vllm.v1.core import kv_cache_utils
+
+            real = kv_cache_utils._gen_lora_extra_hash_keys
+            kv_cache_utils._gen_lora_extra_hash_keys = lambda request: []
+            undo.append(lambda: setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", real))
+        elif name == "encoder-never-hits":
+            from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+            real = EncoderCacheManager.check_and_update_cache
+            EncoderCacheManager.check_and_update_cache = lambda self, request, input_id: False
+            undo.append(lambda: setattr(EncoderCacheManager, "check_and_update_cache", real))
+        elif name == "hasher-no-lookahead":
+            from .loader import load_vllm
+
+            v = load_vllm()
+            real = v["get_request_block_hasher"]
+            v["get_request_block_hasher"] = lambda block_size, hash_fn, lookahead=0: real(block_size, hash_fn, 0)
+            undo.append(lambda: v.__setitem__("get_request_block_hasher", real))
+        else:
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            real = Scheduler.__init__
+
+            def init(self, *args, **kwargs):
+                real(self, *args, **kwargs)
+                self.mamba_shared_prefix_checkpoint = False
+
+            Scheduler.__init__ = init
+            undo.append(lambda: setattr(Scheduler, "__init__", real))
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+__all__ = ["FEATURE_FAULTS", "plant_feature_fault"]
