@@ -115,7 +115,9 @@ class _LoggingSide:
     (``MultiConnector.build_kv_connector_stats``; the scripted child rebuilds nothing from an
     interval without jobs), accumulating intervals (``MultiKVConnectorStats.aggregate``) and
     logging them, and ``KVConnectorProm`` (``MultiConnector.build_prom_metrics``: one metrics
-    object per child class) handing each class its part of the payload."""
+    object per child class) handing each class its part of the payload. Once per trace also what
+    the engine asks the class or the connector about its children: ``all_children_support_hma``
+    and the cache-hit sources of a request no child offered tokens for."""
 
     def __init__(self, p: _Pair, rng: random.Random) -> None:
         self.p, self.rng, self.vmw = p, rng, p.vmw
@@ -131,6 +133,14 @@ class _LoggingSide:
         self.acc: dict | None = None  # the reference's accumulated interval
         self.observes = 0
         self.logged = 0
+        # no child offered tokens for a request (the scripted children offer none): the external
+        # tokens are reported as from an unspecified source, none for no tokens (base connector's rule)
+        for n in (0, rng.randint(1, 64)):
+            got_src = {getattr(k, "value", k): v for k, v in
+                       multi.get_external_cache_hit_sources(self.vmw.request(f"hits-{n}"), n).items()}
+            if got_src != ({"external_unspecified": n} if n else {}):
+                raise MultiWorkerDivergence(f"get_external_cache_hit_sources with no chosen child, {n} tokens: "
+                                            f"{got_src}")
         kids = [dict(c) for c in multi._vllm_config.kv_transfer_config.kv_connector_extra_config["connectors"]]
         at = rng.randrange(len(kids) + 1)
         for extra, want in ((None, True), ([], False), (kids[:at] + [NOT_HMA_CHILD] + kids[at:], False)):

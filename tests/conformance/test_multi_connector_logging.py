@@ -1,7 +1,8 @@
 """vLLM's ``MultiConnector`` stats on their way to the logger and the metrics endpoint vs the
 reference (issue #22): ``MultiKVConnectorStats.to_dict`` / ``aggregate``,
 ``MultiConnector.build_kv_connector_stats`` from serialized payloads, ``build_prom_metrics`` and
-``MultiKVConnectorPromMetrics.observe``, ``all_children_support_hma``. Clean vLLM agrees on the
+``MultiKVConnectorPromMetrics.observe``, ``all_children_support_hma``,
+``get_external_cache_hit_sources`` without a chosen child. Clean vLLM agrees on the
 generated traces and takes the paths; each planted fault is caught."""
 
 from __future__ import annotations
@@ -82,7 +83,13 @@ def _hma_any_child(cls, kv_transfer_config):
                                                                           **c})) for c in kids)
 
 
-@pytest.mark.parametrize("fault", ["to_dict", "aggregate", "rebuild", "prom_per_child", "observe", "hma"])
+def _no_hit_sources(self, request, num_external_tokens):
+    """Planted: a request no child was chosen for reports no hit source at all."""
+    return {}
+
+
+@pytest.mark.parametrize("fault", ["to_dict", "aggregate", "rebuild", "prom_per_child", "observe", "hma",
+                                   "hit_sources"])
 def test_planted_logging_faults_are_caught(M, monkeypatch, fault):
     multi_connector, mw = M
     cls = multi_connector.MultiConnector
@@ -94,6 +101,7 @@ def test_planted_logging_faults_are_caught(M, monkeypatch, fault):
         "prom_per_child": (cls, "build_prom_metrics", classmethod(_prom_per_child)),
         "observe": (multi_connector.MultiKVConnectorPromMetrics, "observe", _observe_whole_payload),
         "hma": (cls, "all_children_support_hma", classmethod(_hma_any_child)),
+        "hit_sources": (cls, "get_external_cache_hit_sources", _no_hit_sources),
     }[fault]
     monkeypatch.setattr(target, name, fn)
     with pytest.raises(mw.MultiWorkerDivergence):
