@@ -4,7 +4,9 @@ TRACE is what vLLM wrote with a kvref recording scheduler (``vllm serve MODEL --
 kvref.record.RecordingAsyncScheduler`` with ``KVREF_RECORD=run.kvtrace.gz``; docs/record.md).
 The reference scheduler and KV cache manager are rebuilt from the trace's header and replayed in
 lock step: every step's batch, token counts, computed tokens and block ids per group compared with
-what vLLM did. The first divergence is shown as a step table (recorded vs reference) and written
+what vLLM did (and the encoder inputs a multimodal run encodes and evicts; multimodal items, LoRA
+adapters, lookahead block hashes and the Mamba shared-prefix checkpoint are replayed). The first
+divergence is shown as a step table (recorded vs reference) and written
 under ``--out`` as a trace of its own that reproduces it (``kvref check-run`` on that file).
 
 Properties of the run itself are checked even where the reference cannot follow (a feature it
