@@ -113,6 +113,8 @@ class Request:
         min_tokens: output tokens before a repetition may finish the request (vLLM's
             ``check_stop`` tests it after the stop tokens and the length caps).
         repetition_detection: a :class:`RepetitionDetectionParams` (reason ``"repetition"``), or None.
+        resumable: a streaming-input session (vLLM ``Request.resumable``): a stopped turn keeps the
+            request and its KV blocks for the next input chunk (:mod:`kvref.impl.reference.scheduler_sessions`).
 
     Scheduler-owned progress (vLLM ``Request`` fields of the same names):
         num_output_placeholders: async scheduling: tokens sampled by in-flight steps, not yet known.
@@ -162,6 +164,7 @@ class Request:
     eos_token_id: int | None = None
     min_tokens: int = 0
     repetition_detection: RepetitionDetectionParams | None = None
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -190,6 +193,8 @@ class Request:
                                                                     RepetitionDetectionParams):
             raise InvalidFieldError("repetition_detection", self.repetition_detection,
                                     "None or a RepetitionDetectionParams")
+        if not isinstance(self.resumable, bool):
+            raise InvalidFieldError("resumable", self.resumable, "True or False")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidFieldError("cache_salt", self.cache_salt, "None or a str")
         self._check_hash_inputs()

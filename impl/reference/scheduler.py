@@ -27,8 +27,11 @@ in :mod:`kvref.impl.reference.scheduler_encoder` (without a KV connector).
 
 LoRA's ``max_loras`` admission rule lives in :mod:`kvref.impl.reference.scheduler_lora`.
 
+Streaming-input sessions (``resumable`` requests: updates, stopped turns kept with their KV blocks
+in ``kv_holding_waiting``) live in :mod:`kvref.impl.reference.scheduler_sessions`.
+
 Not modelled: structured output, a KV connector's deferred frees under
-async scheduling, pipeline parallelism, streaming sessions, DP prefill throttling.
+async scheduling, pipeline parallelism, DP prefill throttling.
 
 The scheduling rules, in the order ``schedule()`` applies them:
 
@@ -71,6 +74,7 @@ from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from . import scheduler_encoder as _enc
 from . import scheduler_lora as _lora
 from .scheduler_stop import stop_reason
+from . import scheduler_sessions as _sess
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -196,6 +200,7 @@ class Scheduler:
         self.max_loras = _lora.check_max_loras(max_loras)
         if self.max_loras is not None and connector is not None:
             raise InvalidFieldError("max_loras", max_loras, "None with a KV connector (kvref models LoRA without one)")
+        self.sessions = _sess.SessionSteps(config.policy)  # streaming-input sessions (:mod:`.scheduler_sessions`)
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -206,6 +211,10 @@ class Scheduler:
         """
         if not isinstance(request, Request):
             raise InvalidFieldError("request", request, "a kvref Request")
+        if request.request_id in self.requests and self.sessions.is_session(request.request_id):
+            if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+                raise InvalidFieldError("request.status", request.status.value, "a fresh WAITING request (an update)")
+            return _sess.add_update(self, request)  # a streaming session's next input (or its end)
         if request.request_id in self.requests:
             raise InvalidFieldError("request.request_id", request.request_id, "an id not already queued")
         if any(sr.request_id == request.request_id for out in self._in_flight.values() for sr in out.scheduled):
@@ -220,8 +229,11 @@ class Scheduler:
         if request.mm_features and self.connector_state is not None:
             raise InvalidFieldError("request.mm_features", len(request.mm_features),
                                     "none with a KV connector (kvref models encoder inputs without one)")
+        _sess.check_new_session(self, request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if request.resumable:
+            _sess.add_session(self, request)
         if self.connector_state is not None:
             self.connector_state.connector.on_new_request(request.request_id)
 
@@ -243,6 +255,7 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.remove_requests(valid)
         for request in valid:
+            _sess.forget(self, request)  # a session: its updates, its wait and its KV-holding place go
             request.status = RequestStatus.FINISHED
             request.finish_reason = "abort"
             self._free_request(request)
@@ -274,7 +287,7 @@ class Scheduler:
 
         # The threshold only protects other requests from a long prefill (vLLM: "when it is the
         # only request there is nobody to starve").
-        num_eligible = len(self.running) + len(self.waiting) + _conn.num_kv_holding_waiting(self)
+        num_eligible = sum(self.get_request_counts())
         long_prefill = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         long_prefill = adaptive_long_prefill_threshold(cfg, long_prefill, num_eligible)
         defer_prefills = self.cadence.defer_prefills(self.running)
@@ -349,7 +362,7 @@ class Scheduler:
         if not preempted and self.pause_state != PauseState.PAUSED_ALL:
             token_budget = self._schedule_waiting(token_budget, long_prefill, scheduled, prefill_scheduled,
                                                   defer_prefills)
-            self.cadence.after_waiting_loop(defer_prefills, self.waiting)
+            self.cadence.after_waiting_loop(defer_prefills, list(self.waiting) + list(self.sessions.kv_holding_waiting))
 
         self.encoder.end_step([v[0] for v in scheduled.values()],
                               [v[0] for v in scheduled.values() if v[1] != "running"])
@@ -391,24 +404,40 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache_manager
         skipped: list[Request] = []
+        skipped_holding: list[Request] = []  # skipped sessions that hold KV blocks
+        kv_holding = self.sessions.kv_holding_waiting
+
+        def skip(queue: WaitingQueue) -> None:
+            r = queue.pop_request()
+            (skipped_holding if r.num_computed_tokens > 0 else skipped).append(r)
+            self.cadence.note_skipped(r)
+
         # the adapters of every running request, scheduled in this step or not (max_loras)
         scheduled_loras = _lora.running_loras(self.running) if self.max_loras is not None else set()
-        # PAUSED_NEW admits only requests already holding KV blocks: without a connector, none
-        while (token_budget > 0 and self.waiting and self.pause_state == PauseState.UNPAUSED
-               and len(self.running) < cfg.max_num_active_reqs):
-            request = self.waiting.peek_request()
+        while token_budget > 0:
+            # sessions holding KV blocks drain first, and are the only ones PAUSED_NEW admits
+            queue = kv_holding if kv_holding else (self.waiting if self.pause_state == PauseState.UNPAUSED else None)
+            # sessions waiting for input are in no queue's turn but keep a model-runner slot
+            if not queue or len(self.running) + self.sessions.num_waiting_for_streaming_input >= cfg.max_num_active_reqs:
+                break
+            request = queue.peek_request()
+            if self.sessions.waiting_for_input(request):
+                skip(queue)  # vLLM _handle_blocked_waiting_request: WAITING_FOR_STREAMING_REQ
+                continue
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could
                 # resample a position that output later fills. Skip it (it does not block).
-                skipped.append(self.waiting.pop_request())
-                self.cadence.note_skipped(request)
+                skip(queue)
                 continue
             if _lora.exceeds_max_loras(request, scheduled_loras, self.max_loras):
-                skipped.append(self.waiting.pop_request())  # one adapter too many: skipped, not stalling
-                self.cadence.note_skipped(request)
+                skip(queue)  # one adapter too many: skipped, not stalling
                 continue
 
-            hit_ids, num_hit = kv.get_computed_blocks(request)
+            looked_up = request.num_computed_tokens == 0
+            if looked_up:
+                hit_ids, num_hit = kv.get_computed_blocks(request)
+            else:  # a session resuming on the KV blocks it kept: no prefix-cache lookup
+                hit_ids, num_hit = None, request.num_computed_tokens
             if defer_prefills and num_hit < request.num_tokens - 1:
                 break  # prefill cadence: no prefill this step (scheduler_cadence)
             num_new = request.num_tokens - num_hit
@@ -424,7 +453,8 @@ class Scheduler:
                 break
             num_new = min(num_new, token_budget)
             assert num_new > 0
-            num_new = split_scheduled_chunk(self, request, num_new, num_hit, admitting=True)  # Mamba "align"
+            num_new = split_scheduled_chunk(self, request, num_new, num_hit if looked_up else 0,
+                                            admitting=looked_up)  # Mamba "align"
             if num_new == 0:
                 break
             if is_padded and num_new != padded:
@@ -434,22 +464,21 @@ class Scheduler:
                 num_new = reserve_prefill_lookahead(self.pool.num_prefill_lookahead, request, num_hit, num_new)
             if num_new == 0:
                 # the encoder limits leave no token: requeued, it does not stall the ones behind it
-                skipped.append(self.waiting.pop_request())
-                self.cadence.note_skipped(request)
+                skip(queue)
                 continue
 
             blocks = kv.allocate_slots(
-                request, num_new, num_new_computed_tokens=num_hit, new_computed_block_ids=hit_ids,
+                request, num_new, num_new_computed_tokens=num_hit if looked_up else 0, new_computed_block_ids=hit_ids,
                 num_lookahead_tokens=cfg.num_lookahead_tokens, full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
                 has_scheduled_reqs=bool(self.running))
             if blocks is None:
                 if request.mm_features:
                     self.encoder.manager.free(request)  # the cache references its lookup took
                 break  # head-of-line: the requests behind it are not tried this step
-            if self.records_prefix_cache_stats:
+            if self.records_prefix_cache_stats and looked_up:
                 _record_prefix_cache_stats(kv, request, num_hit)
 
-            self.waiting.pop_request()
+            queue.pop_request()
             self.cadence.note_admitted(request)
             self.running.append(request)
             if self.max_loras is not None and request.lora_request is not None:
@@ -465,6 +494,7 @@ class Scheduler:
                 self.spec_decode.mark_padded(request.request_id)
             self.encoder.commit(request, encoding)
         self.waiting.prepend_requests(skipped)
+        kv_holding.prepend_requests(skipped_holding)
         return token_budget
 
     def _update_after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -542,6 +572,7 @@ class Scheduler:
         self.spec_decode.start_update()
         num_invalid_spec_tokens = self._num_invalid_spec_tokens.pop(id(output), {})
         stopped: list[tuple[Request, RequestStatus]] = []
+        continuing: list[tuple[Request, RequestStatus]] = []  # sessions whose turn stopped
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
             if request is None:
@@ -571,12 +602,18 @@ class Scheduler:
                 # Async: the sampled token is known now, so its full block can be cached.
                 _cache_blocks(self.kv_cache_manager, request,
                               request.num_computed_tokens - request.num_in_flight_tokens)
-            if is_stopped:
+            if is_stopped and not _sess.handle_stopped(self, request):
+                continuing.append((request, status_before))  # a session: kept, with its blocks
+            elif is_stopped:
                 stopped.append((request, status_before))
                 self._free_request(request)  # at once, in batch order, as vLLM does
-        gone = {id(r) for r, _ in stopped}
+        gone = {id(r) for r, _ in stopped + continuing}
         self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting.remove_requests([r for r, st in stopped if st != RequestStatus.RUNNING])
+        left_waiting = [r for r, st in stopped + continuing if st != RequestStatus.RUNNING]
+        self.waiting.remove_requests(left_waiting)
+        self.sessions.kv_holding_waiting.remove_requests(left_waiting)
+        for request, _ in continuing:
+            _sess.enqueue_waiting(self, request)  # vLLM _enqueue_waiting_request
         if self.connector_state is not None:
             _conn.after_output(self, kv_connector_output, failed)
         self._publish_kv_events()
@@ -641,6 +678,7 @@ class Scheduler:
             return _conn.free_request(self, request)
         self.spec_decode.forget(request.request_id)
         self.encoder.forget(request)
+        _sess.forget(self, request)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -656,17 +694,19 @@ class Scheduler:
 
     def get_request_counts(self) -> tuple[int, int]:
         """vLLM: ``(num_running, num_waiting)``, KV-holding waiting requests counted as waiting."""
-        return len(self.running), len(self.waiting) + _conn.num_kv_holding_waiting(self)
+        return (len(self.running),
+                len(self.waiting) + _conn.num_kv_holding_waiting(self) + len(self.sessions.kv_holding_waiting))
 
     def get_num_unfinished_requests(self) -> int:
         """vLLM: what the pause state lets run. PAUSED_ALL counts none (the engine loop idles);
-        PAUSED_NEW counts running requests and those holding KV blocks, not the queued ones."""
+        PAUSED_NEW counts running requests and those holding KV blocks, not the queued ones;
+        sessions waiting for input are never counted."""
         if self.pause_state == PauseState.PAUSED_ALL:
             return 0
         num_running, num_waiting = self.get_request_counts()
         if self.pause_state == PauseState.PAUSED_NEW:
-            num_waiting = _conn.num_kv_holding_waiting(self)
-        return num_running + num_waiting
+            num_waiting = _conn.num_kv_holding_waiting(self) + len(self.sessions.kv_holding_waiting)
+        return num_running + num_waiting - self.sessions.num_waiting_for_streaming_input
 
     def has_request(self, request_id: str) -> bool:
         """vLLM ``has_request``: the id is known (live, or finished with blocks a connector still
@@ -698,7 +738,8 @@ class Scheduler:
         if stats is None:
             return None
         num_running, num_waiting = self.get_request_counts()
-        waiting_ids = [r.request_id for r in self.waiting] + list(_conn.kv_holding_waiting_ids(self))
+        waiting_ids = ([r.request_id for r in self.waiting] + list(_conn.kv_holding_waiting_ids(self))
+                       + [r.request_id for r in self.sessions.kv_holding_waiting])
         if self.connector_state is not None:  # deferred requests, async loads by stage, external hits
             extra = _conn_stats.connector_stats(self.connector_state, waiting_ids)
         else:  # vLLM: the stage tally is all zeros and there are no connector stats
@@ -749,7 +790,8 @@ class Scheduler:
                        if any(self.kv_cache_manager.get_block_ids(rid))},
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             free_block_queue=(self.kv_cache_manager.free_block_queue()
-                              if hasattr(self.kv_cache_manager, "free_block_queue") else None))
+                              if hasattr(self.kv_cache_manager, "free_block_queue") else None),
+            kv_holding_waiting=tuple(r.request_id for r in self.sessions.kv_holding_waiting))
         return snap if self.connector_state is None else _conn.snapshot(self, snap)
 
     def check_invariants(self) -> None:
@@ -757,9 +799,11 @@ class Scheduler:
         (docs/invariants.md)."""
         if self.connector_state is not None:
             return _conn.check_invariants(self)
-        waiting = list(self.waiting)
+        holding = list(self.sessions.kv_holding_waiting)
+        waiting = list(self.waiting) + holding
         self.waiting.check_invariants()
         self.cadence.check_invariants()
+        self.sessions.check_invariants(self.requests)
         ids_w = {r.request_id for r in waiting}
         ids_r = [r.request_id for r in self.running]
         assert len(ids_r) == len(set(ids_r)), "Q1: request running twice"
@@ -785,6 +829,8 @@ class Scheduler:
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
                 f"Q2: waiting request {r.request_id} is {r.status.value}"
+            if any(r is h for h in holding):
+                continue  # a session keeps its blocks while it waits (Q13)
             assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0, \
                 f"Q3: waiting request {r.request_id} keeps {r.num_computed_tokens} computed tokens, " \
                 f"{r.num_output_placeholders} placeholders"

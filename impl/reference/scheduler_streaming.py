@@ -132,6 +132,7 @@ def handle_stopped_request(request: Request, state: SessionState) -> bool:
         update_request_as_session(request, update)
     else:
         request.status = RequestStatus.WAITING
+        request.finish_reason = None  # vLLM: WAITING_FOR_STREAMING_REQ has no finish reason
         state.waiting_for_input.add(request.request_id)
     return False
 

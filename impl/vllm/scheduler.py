@@ -47,6 +47,7 @@ _STATUS = {
     "FINISHED_STOPPED": "finished", "FINISHED_LENGTH_CAPPED": "finished", "FINISHED_ABORTED": "finished",
     "FINISHED_ERROR": "finished",  # a KV load failed under kv_load_failure_policy="fail"
     "FINISHED_REPETITION": "finished",  # check_stop's repetition detection
+    "WAITING_FOR_STREAMING_REQ": "waiting",  # a session waiting for input (kvref: WAITING + SessionState)
 }
 _REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
            "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition"}
@@ -317,11 +318,13 @@ class VllmScheduler:
                            sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
                            cache_salt=request.cache_salt, priority=request.priority,
                            block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm,
+                           resumable=request.resumable,
                            lora_request=None if request.lora_request is None else v["LoRARequest"](
                                lora_name=request.lora_request.lora_name,
                                lora_int_id=request.lora_request.lora_int_id,
                                lora_path=request.lora_request.lora_path))
-        self._reqs[request.request_id] = vr
+        if request.request_id not in self.scheduler.requests:  # an update keeps the session's own request
+            self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
 
     def _sampling_params(self, request: Request) -> Any:
@@ -509,8 +512,8 @@ class VllmScheduler:
         from kvref.impl.vllm.invariants import check_scheduler
 
         s = self.scheduler
-        assert self.connector is not None or not s.kv_holding_waiting, \
-            "KV-holding waiting requests come only from a KV connector"
+        assert self.connector is not None or all(r.resumable for r in s.kv_holding_waiting), \
+            "KV-holding waiting requests come only from a KV connector or streaming sessions"
         check_scheduler(s, max_num_seqs=self.config.max_num_seqs)
         self._allocation_watch.check()
 

@@ -731,6 +731,43 @@ _add(
           behaviour="hisparse"),
 )
 
+# --------------------------------------------------------------------------------------------
+# streaming-input sessions inside whole steps (v1/core/sched/scheduler.py; conform-scheduler's
+# session traces, models/machines/scheduler_sessions.py, #22): a stopped turn keeps its KV blocks
+
+_add(
+    fault("sched.session_waiting_for_input_scheduled", _SCHED,
+          "            assert not request.streaming_queue\n            return False\n",
+          "            assert not request.streaming_queue\n            return True\n",
+          CLASSIC, "wrong return: a session waiting for input is scheduled again (on its last turn's "
+                   "tokens) instead of being skipped until its next chunk arrives", behaviour="sessions"),
+    fault("sched.session_kv_holding_to_waiting", _SCHED,
+          "        if self._holds_kv_blocks(request):\n            self.kv_holding_waiting.add_request(request)\n",
+          "        if False:\n            self.kv_holding_waiting.add_request(request)\n",
+          CLASSIC, "wrong queue: a stopped session that keeps its KV blocks goes to the plain waiting queue "
+                   "(behind new arrivals, not drained first, not admitted under PAUSED_NEW)", behaviour="sessions"),
+    fault("sched.session_slot_not_counted", _SCHED,
+          "                num_running = len(self.running) + self.num_waiting_for_streaming_input\n",
+          "                num_running = len(self.running)\n",
+          CLASSIC, "dropped term: sessions waiting for input no longer count against max_num_seqs, so more "
+                   "requests are admitted than the model runner has slots", behaviour="sessions"),
+    fault("sched.session_counted_unfinished", _SCHED,
+          "        num_waiting -= self.num_waiting_for_streaming_input\n",
+          "",
+          CLASSIC, "dropped update: sessions waiting for input count as unfinished work (the engine loop "
+                   "never idles on them)", behaviour="sessions"),
+    fault("sched.session_stale_block_hash_kept", _SCHED,
+          "        del session.block_hashes[keep_end // self.hash_block_size :]\n",
+          "        del session.block_hashes[keep_end // self.hash_block_size + 1 :]\n",
+          CLASSIC, "off by one: the hash of the block the dropped sampled token fell in survives an update "
+                   "(the new tokens are cached under the old hash)", behaviour="sessions"),
+    fault("sched.session_keeps_in_flight_tokens", _SCHED,
+          "        request.num_computed_tokens = safe_frontier\n",
+          "",
+          CLASSIC, "dropped reset: a stopped session keeps the computed tokens of its in-flight output "
+                   "placeholders (async scheduling), past the KV it materialized", behaviour="sessions"),
+)
+
 
 def check_catalogue(vllm_dir: str | None = None) -> list[FaultDoesNotApplyError]:
     """Every fault's edits applied to the installed files; the errors of those that do not apply."""
