@@ -128,6 +128,7 @@ def virtual_time(clock: VirtualClock):
              logging.getLogger("vllm.v1.kv_offload.tiering.factory"),  # so is kvref's out-of-tree tier
              logging.getLogger("vllm.v1.kv_offload.tiering.obj.manager"),  # and failed object transfers
              logging.getLogger("vllm.v1.kv_offload.tiering.manager"),  # and a tier's failed shutdown
+             logging.getLogger("vllm.v1.kv_offload.tiering.spec"),  # and one in a refused config's clean-up
              logging.getLogger("vllm.distributed.nixl_utils")]  # NIXL is absent: kvref's agent stands in
     levels = [log.level for log in quiet]
     for log in quiet:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import os
 import random
 import threading
 
@@ -97,7 +98,9 @@ def random_case(rng: random.Random) -> tuple[list, dict, str]:
 
 
 def _regions() -> set[str]:
-    return set(glob.glob("/dev/shm/vllm_offload_*.mmap"))
+    """This process's shared regions (build_vllm_tiering names its engines after the pid; other
+    processes may be building their own meanwhile)."""
+    return set(glob.glob(f"/dev/shm/vllm_offload_kvref-tiering-{os.getpid()}-*.mmap"))
 
 
 def run_case(tiers: list, extra: dict, policy: str, counts: dict) -> None:
