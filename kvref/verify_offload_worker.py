@@ -135,6 +135,14 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         if diff:
             return CheckResult(NAME, FAILED, "vLLM's canonical page mapping differs from the reference",
                                details=[diff[:1500]], signature=f"{NAME}: canonical mapping")
+    from kvref.models.machines.offload_layout_gate import compare_gate, gate_cases
+
+    gates = ctx.examples(40, 300)
+    for case in gate_cases(random.Random(f"{NAME}-gate-{ctx.seed}"), gates):  # build_offloading_config's
+        diff = compare_gate(case)  # parallelism gate on generated layer sets (#22)
+        if diff:
+            return CheckResult(NAME, FAILED, "vLLM's build_offloading_config gates parallelism unlike the reference",
+                               details=[diff[:1500]], signature=f"{NAME}: offloading parallelism gate")
     return CheckResult(NAME, PASSED,
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked, "
@@ -150,6 +158,7 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{regions['cases']} shared host regions ({regions['regions']} workers' mappings, "
                        f"{regions['segmented']} split into files, {regions['bytes_checked']} bytes compared), "
                        f"{mappers} file-tier layouts and "
-                       f"{layers} layers' canonical page mappings: jobs, pools, bytes, events, file names and mappings "
-                       "agree with the reference",
-                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers + regions["cases"])
+                       f"{layers} layers' canonical page mappings and {gates} layer sets' offloading parallelism "
+                       "gates: jobs, pools, bytes, events, file names, mappings and gates agree with the reference",
+                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers + regions["cases"]
+                       + gates)

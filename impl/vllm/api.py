@@ -301,6 +301,15 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_KCI, "HiSparseResidentSpec", "block_size", "page_size"),
         _b(_KCI, "UniformTypeKVCacheSpecs", "block_size", "kv_cache_specs"),
         _b(_CONN_V1 + ".offloading.config", "build_offloading_config"),  # the chunk-option sweep
+        # build_offloading_config's parallelism gate on generated layer sets (offload_layout_gate)
+        _b(_KCI, "SlidingWindowSpec", *_SPEC, "sliding_window", "kv_quant_mode", "page_size_padded"),
+        _b(_KCI, "ChunkedLocalAttentionSpec", *_SPEC, "attention_chunk_size", "kv_quant_mode"),
+        _b(_KCI, "CircularBufferSpec", *_SPEC, "kv_quant_mode", "page_size_padded"),
+        _b(_KCI, "SlidingWindowMLASpec", *_SPEC, "sliding_window", "kv_quant_mode"),
+        _b(_KCI, "HiddenStateCacheSpec", *_SPEC, "kv_quant_mode", "tokens_per_state"),
+        _b(_KCI, "KVCacheTensor", "size", "layers", "layer_stride", "block_stride"),
+        _b(_KCI, "KVCacheGroupSpec", "enable_kv_transfer"),
+        _b(_KCI, "KVCacheConfig", "num_blocks", "kv_cache_tensors", "kv_cache_groups", "kv_tp_replicas"),
         _b(_CONN_V1 + ".base", "KVConnectorRole"),
         _b("vllm.distributed.kv_transfer.kv_connector.utils", "KVOutputAggregator"),
         _b("vllm.utils.math_utils", "cdiv"),

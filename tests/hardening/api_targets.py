@@ -974,6 +974,11 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload.cpu_offloading_manager import OffloadingEvent
 
     page = cmap.AttentionPage("split", "HND", 2, 1, 2, 2)
+    from kvref.impl.reference.offload import parallel_layout as playout
+
+    _ol = playout.OffloadLayer("full", 1, 16, 4)
+    _og = playout.OffloadGroup((_ol, _ol))
+    _op = playout.OffloadParallel(2, 2)
     eng = _engine()
     groups = (GROUP, KVCacheGroupSpec(("l1",), SWA))
     layers = {"l0": FULL, "l1": SWA}
@@ -1142,6 +1147,17 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "ContextParallel.tiles": (cmap.ContextParallel(2, 1, 2).tiles, dict(block_size=4)),
         "recognized_order": (cmap.recognized_order, dict(kind="split", block_size=2, heads=1, head_size=2,
                                                          strides=(4, 2, 4, 1))),
+        # build_offloading_config's parallelism gate (#22)
+        "OffloadLayer": (playout.OffloadLayer, dict(kind="full", num_kv_heads=1, page_size_bytes=16, block_size=4)),
+        "OffloadGroup": (playout.OffloadGroup, dict(layers=(_ol,), uniform=True)),
+        "OffloadParallel": (playout.OffloadParallel, dict(tp=2, total_kv_heads=2, use_mla=True, kv_tp_replicas=2)),
+        "offloaded_groups": (playout.offloaded_groups, dict(groups=[_og])),
+        "worker_kv_bytes_per_block": (playout.worker_kv_bytes_per_block, dict(groups=[_og], num_blocks=4,
+                                                                              tensor_bytes=None)),
+        "layer_certifiable": (playout.layer_certifiable, dict(layer=_ol, total_kv_heads=2, tp=2)),
+        "parallelism_agnostic": (playout.parallelism_agnostic, dict(groups=[_og], par=_op, canonical=True)),
+        "replicated_layout": (playout.replicated_layout, dict(groups=[_og], par=_op, canonical=False,
+                                                              worker_bytes=16)),
         "event_group_specs": (offload_event_tracker.event_group_specs, dict(specs=[FULL, SWA])),
         "parse_tier_filter": (tier_filter.parse_tier_filter, dict(raw=[{"medium": "cpu"}])),
         "request_tier_filter": (tier_filter.request_tier_filter, dict(kv_transfer_params={"kv_load_tiers": []})),
