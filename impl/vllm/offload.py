@@ -138,14 +138,15 @@ def merged_worker_meta(events: dict[int, int]) -> Any:
     """The scheduler's ``kv_connector_worker_meta`` for store completions ``events`` (store event ->
     how many workers report it now): one ``SimpleCPUOffloadWorkerMetadata`` per reporting rank (rank
     ``r`` reports the events more than ``r`` workers finish), merged with its ``aggregate`` as
-    vLLM's ``KVOutputAggregator`` merges the ranks' outputs (#22)."""
+    vLLM's ``KVOutputAggregator`` merges the ranks' outputs; None when no store completed (#22)."""
     from functools import reduce
 
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
     ranks = [SimpleCPUOffloadWorkerMetadata({ev: 1 for ev, n in events.items() if n > r})
              for r in range(max(events.values(), default=0))]
-    return reduce(lambda a, b: a.aggregate(b), ranks) if ranks else SimpleCPUOffloadWorkerMetadata({})
+    # a worker with no completed store reports no metadata (``build_connector_worker_meta``: None)
+    return reduce(lambda a, b: a.aggregate(b), ranks) if ranks else None
 
 
 class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):

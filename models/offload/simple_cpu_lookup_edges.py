@@ -79,9 +79,10 @@ def probe(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple
     return tuple(out)
 
 
-def probe_unissued_load(w: SimpleOffloadWorld, rid: str, then_reset: bool) -> tuple:
+def probe_unissued_load(w: SimpleOffloadWorld, rid: str, then_reset: bool, abort_pinned: bool = False) -> tuple:
     """Request ``rid`` of world ``w`` gets its CPU hit allocated as an async load, and before the
-    next step issues it the connector is reset (``then_reset``) and the request is aborted.
+    next step issues it the connector is reset (``then_reset``) and the request is aborted (with
+    ``abort_pinned`` it is aborted right after the look-up pinned the hit, before any allocation).
     Returns every answer. (A completion reported afterwards for that load is ignored by vLLM and
     refused by the reference, which takes it for a worker's bad report: not probed.)"""
     b, r = w.b, w.reqs[rid]
@@ -91,6 +92,9 @@ def probe_unissued_load(w: SimpleOffloadWorld, rid: str, then_reset: bool) -> tu
         n_ext, is_async = b.match(req, n_local)
     if n_ext == 0:
         return n_local, n_ext, is_async
+    if abort_pinned:  # aborted between the look-up and the allocation: the pin goes with it
+        w.finish(rid)
+        return n_local, n_ext, is_async, "aborted while pinned"
     ids = b.allocate(req, 0, n_local, hits if n_local else None, n_ext, True)
     if ids is None:  # no room: the pin stays until the next look-up drops it
         return n_local, n_ext, is_async, None
@@ -118,12 +122,12 @@ def idle_and_forget_gpu(w: SimpleOffloadWorld, keep: str) -> bool:
 
 
 def _answers(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool, unissued: bool, then_reset: bool,
-             forget_gpu: bool) -> tuple:
+             forget_gpu: bool, abort_pinned: bool) -> tuple:
     """:func:`probe`'s (or :func:`probe_unissued_load`'s) answers, or the exception it raised."""
     try:
         if unissued:
             forgot = idle_and_forget_gpu(w, rid) if forget_gpu else None
-            return forgot, *probe_unissued_load(w, rid, then_reset)
+            return forgot, *probe_unissued_load(w, rid, then_reset, abort_pinned)
         return probe(w, rid, mid_block, retry)
     except Exception as exc:  # noqa: BLE001 - either side may crash where the other does not
         return ("raised", type(exc).__name__, str(exc)[:200])
@@ -134,7 +138,8 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
     operation; raises :class:`OffloadInvariantError` at the first difference. Returns counts."""
     rng = random.Random(f"simple-lookup-edges-{seed}")
     worlds = [SimpleOffloadWorld(cfg, be, allow_duplicates_within_event=True) for be in backends]
-    stats = {"ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0}
+    stats = {"ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0,
+             "aborted_while_pinned": 0}
     for j, op in enumerate(ops):
         outs = [apply_op(w, op) for w in worlds]
         stats["ops"] += 1
@@ -152,7 +157,8 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
         rid = candidates[-1] if rng.random() < 0.7 else rng.choice(candidates)
         mid_block, retry = rng.randrange(1, cfg.block_size), rng.random() < 0.5
         unissued, then_reset, forget_gpu = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
-        answers = [_answers(w, rid, mid_block, retry, unissued, then_reset, forget_gpu) for w in worlds]
+        abort_pinned = rng.random() < 0.25
+        answers = [_answers(w, rid, mid_block, retry, unissued, then_reset, forget_gpu, abort_pinned) for w in worlds]
         stats["probes"] += 1
         if answers[0] != answers[-1] or answers[0][0] == "raised":
             raise OffloadInvariantError(f"op {j} {op}, {'un-issued load ' if unissued else ''}probe of {rid} "
@@ -161,6 +167,7 @@ def run_lookup_edges(cfg: SimpleOffloadConfig, ops: list, seed: int, backends=("
         if unissued:
             stats["unissued_loads"] += len(answers[0]) > 5
             stats["dropped_by_reset"] += len(answers[0]) > 5 and then_reset
+            stats["aborted_while_pinned"] += answers[0][-1] == "aborted while pinned"
         else:
             stats["hits_declined"] += answers[0][0][0] > 0
         seen = [w.observe() for w in worlds]
@@ -182,7 +189,8 @@ def lookup_edge_cases(seed: int, n: int) -> list[tuple[SimpleOffloadConfig, list
 
 def run_lookup_edge_cases(seed: int, n: int) -> dict:
     """Every case of :func:`lookup_edge_cases`; raises naming the case at the first difference."""
-    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0}
+    total = {"traces": 0, "ops": 0, "probes": 0, "hits_declined": 0, "unissued_loads": 0, "dropped_by_reset": 0,
+             "aborted_while_pinned": 0}
     for i, (cfg, ops) in enumerate(lookup_edge_cases(seed, n)):
         try:
             got = run_lookup_edges(cfg, ops, seed * 1000 + i)

@@ -37,6 +37,7 @@ def test_clean_vllm_agrees_and_the_edges_are_met(E):
     assert stats["hits_declined"] > 0  # a pinned CPU hit the scheduler took none of
     assert stats["unissued_loads"] > 0  # an allocated load dropped before the worker got it
     assert stats["dropped_by_reset"] > 0  # ... by a connector reset
+    assert stats["aborted_while_pinned"] > 0  # aborted between the look-up and the allocation
 
 
 @settings(max_examples=profile_examples(5, 20), deadline=None, database=None)
@@ -84,6 +85,9 @@ FAULTS = {
     # an aborted request's load that was never issued keeps its CPU and GPU pins
     "unissued-load-kept": ("request_finished", "            else:\n                self._cleanup_load_request(req_id)",
                            "            else:\n                pass"),
+    # a request aborted between its look-up and its allocation keeps the CPU hit pinned
+    "abort-keeps-pin": ("request_finished", "if pending is not None:\n            self._free_pending_cpu_hit(pending)",
+                        "if pending is not None:\n            pass"),
     # a reset keeps an un-issued load (and its pins) as if it were running on the worker
     "reset-keeps-unissued-load": ("reset", "                self._reqs_to_load[req_id] = state\n"
                                   "                self._cleanup_load_request(req_id)",
