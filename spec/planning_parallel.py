@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import reduce
 from math import gcd
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from .block_sizes import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 from .config import EngineConfig
@@ -216,9 +216,23 @@ def _check_memories(available_memory: object, n: int) -> list[int]:
     return list(available_memory)
 
 
+def mark_eagle_groups(groups: Sequence[KVCacheGroupSpec], draft_layers: Collection[str]) -> tuple[KVCacheGroupSpec, ...]:
+    """vLLM's EAGLE block drop in ``get_global_kv_cache_groups``: with
+    ``speculative_config.use_eagle_block_drop()``, a group is the draft's (``is_eagle_group``)
+    exactly when it holds a draft layer (``spec.is_draft``); its volatile trailing prefix-cache
+    block is then dropped at runtime."""
+    groups = validate_groups(groups)
+    if isinstance(draft_layers, (str, bytes)) or not isinstance(draft_layers, Collection) \
+            or not all(isinstance(n, str) for n in draft_layers):
+        raise InvalidFieldError("draft_layers", draft_layers, "a collection of layer names")
+    return tuple(KVCacheGroupSpec(g.layer_names, g.kv_cache_spec, not set(draft_layers).isdisjoint(g.layer_names))
+                 for g in groups)
+
+
 def plan_kv_cache_workers(kv_cache_specs: Sequence[Layers], config: EngineConfig, available_memory: Sequence[int],
                           *, kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT, tensor_parallel_size: int = 1,
-                          max_tp_shards: Mapping[str, int] | None = None) -> ParallelKVCachePlan:
+                          max_tp_shards: Mapping[str, int] | None = None,
+                          draft_layers: Collection[str] | None = None) -> ParallelKVCachePlan:
     """Size every worker's pool as vLLM 0.33.0's ``get_global_kv_cache_groups`` +
     ``get_kv_cache_configs`` + ``generate_scheduler_kv_cache_config`` do.
 
@@ -229,6 +243,8 @@ def plan_kv_cache_workers(kv_cache_specs: Sequence[Layers], config: EngineConfig
         available_memory: per worker, bytes the profiler left for its KV cache.
         kv_cache_layout: vLLM's resolved ``cache_config.kv_cache_layout``.
         tensor_parallel_size, max_tp_shards: for ``kv_tp_replicas`` only.
+        draft_layers: the EAGLE drafter's layers when vLLM drops its volatile block
+            (``use_eagle_block_drop()``); None: no such speculative config.
 
     Raises:
         InvalidFieldError: bad input, a layer with different specs on two workers, a worker with
@@ -256,6 +272,8 @@ def plan_kv_cache_workers(kv_cache_specs: Sequence[Layers], config: EngineConfig
     global_groups = get_kv_cache_groups_for_layout(merged, config.disable_hybrid_kv_cache_manager, kv_cache_layout)
     if merged:
         check_exact_partition(global_groups, merged)
+    if draft_layers is not None:
+        global_groups = mark_eagle_groups(global_groups, draft_layers)
     projected = [project_kv_cache_groups_to_worker(global_groups, w) for w in workers_layers]
     for groups in projected:
         if groups:

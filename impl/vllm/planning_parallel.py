@@ -12,6 +12,7 @@ each attention layer's ``max_tp_shards`` are set for the call.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Mapping, Sequence
 
 from kvref.spec import EngineConfig, KVCacheSpec
@@ -29,14 +30,19 @@ def _strip_tp_shards(kci: Any, spec: Any) -> Any:
     return spec
 
 
-def _groups(kci: Any, groups: Sequence[Any]) -> list[tuple[tuple[str, ...], Any]]:
-    return [(tuple(g.layer_names), _strip_tp_shards(kci, g.kv_cache_spec)) for g in groups]
+def _groups(kci: Any, groups: Sequence[Any]) -> list[tuple[tuple[str, ...], Any, bool]]:
+    return [(tuple(g.layer_names), _strip_tp_shards(kci, g.kv_cache_spec), g.is_eagle_group) for g in groups]
 
 
 def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpec]], config: EngineConfig,
                  available_memory: Sequence[int], extra_retained_tokens: int, kv_cache_layout: str = "LBNHC",
-                 tensor_parallel_size: int = 1, max_tp_shards: Mapping[str, int] | None = None) -> Outcome:
-    """vLLM's plan for ``workers`` (one layer dict per PP stage × TP rank), normalised."""
+                 tensor_parallel_size: int = 1, max_tp_shards: Mapping[str, int] | None = None,
+                 draft_layers: Sequence[str] | None = None) -> Outcome:
+    """vLLM's plan for ``workers`` (one layer dict per PP stage × TP rank), normalised.
+
+    ``draft_layers``: layers whose vLLM spec says ``is_draft``, planned under a speculative config
+    whose ``use_eagle_block_drop()`` is true (a stand-in object: planning reads only that, and the
+    ``method`` a warning names)."""
     planner.configure(config)
     vc, planning, utils, kci = planner.vc, planner.planning, planner.utils, planner.kci
     vc.cache_config.kv_cache_layout = kv_cache_layout
@@ -46,6 +52,8 @@ def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpe
         theirs = planner.to_vllm(spec)
         if name in shards and isinstance(theirs, kci.AttentionSpec):
             theirs = dataclasses.replace(theirs, max_tp_shards=shards[name])
+        if draft_layers is not None and name in draft_layers:
+            theirs = dataclasses.replace(theirs, is_draft=True)
         return theirs
 
     specs = [{n: convert(n, s) for n, s in w.items()} for w in workers]
@@ -54,6 +62,9 @@ def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpe
     saved_tp = vc.parallel_config.tensor_parallel_size
     cls.num_prefill_lookahead_tokens = property(lambda self: extra_retained_tokens + 1 if extra_retained_tokens else 0)
     vc.parallel_config.tensor_parallel_size = tensor_parallel_size
+    saved_spec = vc.speculative_config
+    if draft_layers is not None:
+        vc.speculative_config = types.SimpleNamespace(use_eagle_block_drop=lambda: True, method="eagle")
     try:
         global_groups = planning.get_global_kv_cache_groups(vc, [dict(s) for s in specs])
         cfgs = planning.get_kv_cache_configs(vc, [dict(s) for s in specs], list(available_memory), global_groups)
@@ -96,17 +107,18 @@ def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpe
     finally:
         cls.num_prefill_lookahead_tokens = saved
         vc.parallel_config.tensor_parallel_size = saved_tp
+        vc.speculative_config = saved_spec
     return Outcome("ok", fields=fields)
 
 
 def kvref_workers_outcome(planner: VllmPlanner, workers, config, available_memory, kv_cache_layout: str = "LBNHC",
-                          tensor_parallel_size: int = 1, max_tp_shards=None) -> Outcome:
+                          tensor_parallel_size: int = 1, max_tp_shards=None, draft_layers=None) -> Outcome:
     """kvref's :func:`~kvref.spec.planning_parallel.plan_kv_cache_workers` in the same normalised form."""
     from kvref.spec.planning_parallel import plan_kv_cache_workers
 
     plan, refused = _kvref_attempt(plan_kv_cache_workers, workers, config, available_memory,
                                    kv_cache_layout=kv_cache_layout, tensor_parallel_size=tensor_parallel_size,
-                                   max_tp_shards=max_tp_shards)
+                                   max_tp_shards=max_tp_shards, draft_layers=draft_layers)
     if refused:
         if refused.status == "invalid" and refused.detail.startswith("kv_cache_specs["):
             return Outcome("invalid", "kv_cache_specs")
@@ -114,7 +126,7 @@ def kvref_workers_outcome(planner: VllmPlanner, workers, config, available_memor
     plan.check_invariants()
 
     def groups(gs):
-        return [(g.layer_names, planner.to_vllm(g.kv_cache_spec)) for g in gs]
+        return [(g.layer_names, planner.to_vllm(g.kv_cache_spec), g.is_eagle_group) for g in gs]
 
     fields: dict[str, Any] = dict(
         global_groups=groups(plan.global_groups), max_model_len=plan.max_model_len,

@@ -2,8 +2,8 @@
 ``get_kv_cache_configs`` over several workers vs :mod:`kvref.spec.planning_parallel` (#22).
 
 Generated pipeline-parallel splits (1-4 stages, each reported by 1-8 TP ranks), per-worker memory
-around each worker's own boundary, overrides, auto-fit, ``max_tp_shards``, attention-free models
-and a layer reported differently by two workers. Every observable is compared: the global groups,
+around each worker's own boundary, overrides, auto-fit, ``max_tp_shards``, EAGLE drafter layers,
+attention-free models and a layer reported differently by two workers. Every observable is compared: the global groups,
 each worker's projected groups, bytes per block, block count (the smallest worker's for all),
 KV cache tensor sizes and ``kv_tp_replicas``, ``max_model_len`` after auto-fit, the scheduler's
 groups, block sizes, alignment and capacity; or the verdict (which rule refuses, with vLLM's
@@ -17,7 +17,7 @@ from typing import Any, Callable
 from kvref.models.strategies.planning_parallel import SHAPES, ParallelPlanCase, parallel_plan_cases
 
 #: the shapes a run must have planned at least once (a fast run meets each; see :func:`parallel_plan_families`)
-PATHS = ("pp_ok", "pp_shrink", "tp_replicated", "free", "mismatch", "pp_refused")
+PATHS = ("pp_ok", "pp_shrink", "tp_replicated", "free", "mismatch", "pp_refused", "eagle")
 
 
 def agree_parallel(planner: Any, case: ParallelPlanCase, seen: set[str] | None = None) -> None:
@@ -25,9 +25,9 @@ def agree_parallel(planner: Any, case: ParallelPlanCase, seen: set[str] | None =
     from kvref.impl.vllm.planning_parallel import kvref_workers_outcome, plan_workers
 
     theirs = plan_workers(planner, case.workers, case.config, case.available_memory, case.extra_retained_tokens,
-                          case.kv_cache_layout, case.tensor_parallel_size, case.max_tp_shards)
+                          case.kv_cache_layout, case.tensor_parallel_size, case.max_tp_shards, case.draft_layers)
     ours = kvref_workers_outcome(planner, case.workers, case.config, case.available_memory, case.kv_cache_layout,
-                                 case.tensor_parallel_size, case.max_tp_shards)
+                                 case.tensor_parallel_size, case.max_tp_shards, case.draft_layers)
     assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
     assert set(ours.fields) == set(theirs.fields), (sorted(ours.fields), sorted(theirs.fields), case)
     for name, want in theirs.fields.items():
@@ -46,10 +46,12 @@ def _paths(case: ParallelPlanCase, outcome: Any) -> set[str]:
     if len(stages) > 1:
         out.add("pp_ok")
         if len({b for b in outcome.fields["tensor_bytes"] for b in b}) > 1 or any(
-                not g for w in outcome.fields["worker_groups"] for g, _ in w):
+                not g for w in outcome.fields["worker_groups"] for g, _, _ in w):
             out.add("pp_shrink")
     if any(r > 1 for r in outcome.fields["kv_tp_replicas"]):
         out.add("tp_replicated")
+    if any(eagle for _, _, eagle in outcome.fields["global_groups"]):
+        out.add("eagle")
     return out
 
 

@@ -40,6 +40,7 @@ class ParallelPlanCase:
     kv_cache_layout: str = "LBNHC"
     tensor_parallel_size: int = 1
     max_tp_shards: dict[str, int] = field(default_factory=dict)
+    draft_layers: tuple[str, ...] | None = None  # EAGLE drafter layers under use_eagle_block_drop()
 
 
 def _worker_need(layers, worker, config, layout) -> tuple[int, int] | None:
@@ -127,4 +128,7 @@ def parallel_plan_cases(draw, shape: str | None = None, family: str | None = Non
         need = _worker_need(layers, workers[0], config, layout)
         if need is not None:
             config = replace(config, num_gpu_blocks_override=max(1, need[1] + 1 + draw(st.integers(-2, 2))))
-    return ParallelPlanCase(shape, family, workers, config, memory, extra, layout, tp, max_tp_shards)
+    # an EAGLE drafter's layers (vLLM marks their groups is_eagle_group), sometimes none of them
+    draft = (tuple(draw(st.lists(st.sampled_from(sorted(layers)), max_size=2, unique=True)))
+             if draw(st.integers(0, 3)) == 0 else None)
+    return ParallelPlanCase(shape, family, workers, config, memory, extra, layout, tp, max_tp_shards, draft)

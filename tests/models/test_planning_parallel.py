@@ -208,3 +208,15 @@ def test_t11s_encoding_is_the_spec_rule(bpb, mem, need, override):
     assert plan.num_blocks == REFERENCE.pp_common_num_blocks(o, [m // b for b, m in zip(bpb, memory)])
     hyps_ok, goal_ok = T11.claim.evaluate(REFERENCE, values)
     assert hyps_ok and goal_ok
+
+
+def test_eagle_groups_are_those_holding_a_draft_layer():
+    stages = [{"a": FA, "b": SWA, "c": SWA}, {"d": FA}]
+    plan = plan_kv_cache_workers(stages, CFG, [1 << 24] * 2, draft_layers=["d"])
+    assert [(g.layer_names, g.is_eagle_group) for g in plan.global_groups] == [(("a", "d"), True), (("b", "c"), False)]
+    # the flag travels with the projection (stage 0 holds none of the draft's layers) and to the scheduler
+    assert [g.is_eagle_group for g in plan.workers[0].groups] == [True, False]
+    assert [g.is_eagle_group for g in plan.scheduler_groups] == [True, False]
+    assert not any(g.is_eagle_group for g in plan_kv_cache_workers(stages, CFG, [1 << 24] * 2).global_groups)
+    with pytest.raises(InvalidFieldError):
+        plan_kv_cache_workers(stages, CFG, [1 << 24] * 2, draft_layers="d")
