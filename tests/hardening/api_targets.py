@@ -1365,7 +1365,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     stages = [{"l0": FULL}, {"l1": SWA}]
     out["plan_kv_cache_workers"] = (pp.plan_kv_cache_workers, dict(
         kv_cache_specs=stages, config=_engine(), available_memory=[1 << 20, 1 << 20], kv_cache_layout="LBNHC",
-        tensor_parallel_size=2, max_tp_shards={"l0": 1}))
+        tensor_parallel_size=2, max_tp_shards={"l0": 1}, draft_layers=["l1"]))
+    out["mark_eagle_groups"] = (pp.mark_eagle_groups, dict(groups=(GROUP,), draft_layers=["l0"]))
     out["merge_worker_kv_cache_specs"] = (pp.merge_worker_kv_cache_specs, dict(kv_cache_specs=stages))
     out["project_kv_cache_groups_to_worker"] = (pp.project_kv_cache_groups_to_worker, dict(
         global_groups=(GROUP, KVCacheGroupSpec(("l1",), SWA)), worker_layers={"l0": FULL}))
