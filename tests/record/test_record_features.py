@@ -170,3 +170,23 @@ def test_a_replay_without_the_recorded_setting_diverges(recorded, feature, tmp_p
         assert r.followed or r.divergence is not None, r.stopped_because
         diverged += r.divergence is not None
     assert diverged >= 1
+
+
+def test_anonymized_multimodal_and_lora_runs_are_replayed(tmp_path, monkeypatch):
+    """KVREF_RECORD_ANONYMIZE: item identifiers, adapter names and paths become keyed hashes (equal
+    stays equal), so the replay still agrees and no identifier or adapter name is in the file."""
+    require_vllm()
+    monkeypatch.setenv("KVREF_RECORD_ANONYMIZE", "1")
+    for feature in ("multimodal", "lora"):
+        followed = 0
+        for run in record_feature_runs(tmp_path / feature, feature, 4, seed=0, steps=STEPS):
+            with gzip.open(run.path, "rt") as f:
+                text = f.read()
+            assert json.loads(text.split("\n", 1)[0])["anonymized"] is True
+            assert '"img' not in text and '"/adapters/' not in text and '"sql"' not in text
+            r = check_trace(run.path)
+            if r.empty:
+                continue
+            assert r.followed and r.verdict == "agrees", (r.findings[:2], r.divergence and r.divergence.table())
+            followed += 1
+        assert followed >= 2
