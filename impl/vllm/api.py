@@ -302,6 +302,7 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_KCI, "UniformTypeKVCacheSpecs", "block_size", "kv_cache_specs"),
         _b(_CONN_V1 + ".offloading.config", "build_offloading_config"),  # the chunk-option sweep
         # build_offloading_config's parallelism gate on generated layer sets (offload_layout_gate)
+        _b("vllm.distributed.kv_transfer.kv_connector.utils", "get_kv_connector_cache_layout"),
         _b(_KCI, "SlidingWindowSpec", *_SPEC, "sliding_window", "kv_quant_mode", "page_size_padded"),
         _b(_KCI, "ChunkedLocalAttentionSpec", *_SPEC, "attention_chunk_size", "kv_quant_mode"),
         _b(_KCI, "CircularBufferSpec", *_SPEC, "kv_quant_mode", "page_size_padded"),

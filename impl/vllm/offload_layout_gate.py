@@ -58,6 +58,17 @@ def vllm_spec(layer: OffloadLayer) -> Any:
     return FullAttentionSpec(**page)
 
 
+def vllm_required_layout(hisparse: bool) -> str | None:
+    """The layout vLLM's engine takes from the OffloadingConnector (``get_kv_connector_cache_layout``
+    through the connector factory), with or without a HiSparse attention config."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    vc = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path=None),
+        attention_config=SimpleNamespace(hisparse_config=SimpleNamespace() if hisparse else None))
+    return get_kv_connector_cache_layout(vc)
+
+
 def vllm_offloading_gate(groups: list[OffloadGroup], par: OffloadParallel, canonical: bool, num_blocks: int,
                          tensor_bytes: int | None) -> dict | str:
     """vLLM's answer as ``{"group_ids", "worker_kv_bytes_per_block", "parallelism_agnostic",

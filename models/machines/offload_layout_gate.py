@@ -23,6 +23,7 @@ from kvref.impl.reference.offload.parallel_layout import (
     offloaded_groups,
     parallelism_agnostic,
     replicated_layout,
+    required_kv_cache_layout,
     worker_kv_bytes_per_block,
 )
 from kvref.spec.errors import InvalidFieldError
@@ -114,9 +115,14 @@ def random_gate_case(rng, force: str | None = None) -> GateCase:
 
 def compare_gate(case: GateCase) -> str | None:
     """None when vLLM's ``build_offloading_config`` agrees with the reference, else what differs."""
-    from kvref.impl.vllm.offload_layout_gate import vllm_offloading_gate
+    from kvref.impl.vllm.offload_layout_gate import vllm_offloading_gate, vllm_required_layout
 
     want = case.reference()
+    hisparse = case.num_blocks % 3 == 0  # the layout the connector asks the engine for, either way
+    layout = vllm_required_layout(hisparse)
+    if layout != required_kv_cache_layout(hisparse):
+        return f"HiSparse {hisparse}: vLLM's engine takes the layout {layout!r} from the OffloadingConnector, " \
+               f"the reference {required_kv_cache_layout(hisparse)!r}"
     try:
         got = vllm_offloading_gate(list(case.groups), case.par, case.canonical, case.num_blocks, case.tensor_bytes)
     except AssertionError as exc:

@@ -1158,6 +1158,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "parallelism_agnostic": (playout.parallelism_agnostic, dict(groups=[_og], par=_op, canonical=True)),
         "replicated_layout": (playout.replicated_layout, dict(groups=[_og], par=_op, canonical=False,
                                                               worker_bytes=16)),
+        "required_kv_cache_layout": (playout.required_kv_cache_layout, dict(hisparse=True)),
         "event_group_specs": (offload_event_tracker.event_group_specs, dict(specs=[FULL, SWA])),
         "parse_tier_filter": (tier_filter.parse_tier_filter, dict(raw=[{"medium": "cpu"}])),
         "request_tier_filter": (tier_filter.request_tier_filter, dict(kv_transfer_params={"kv_load_tiers": []})),

@@ -19,6 +19,8 @@ Written from the facts:
   splitting its page; full or sliding-window attention (not an MLA subclass, not chunked-local)
   whose heads shard evenly (the model's KV heads a multiple or divisor of TP) to exactly
   ``max(1, total // tp)`` per rank — and no DCP/PCP, and the world exactly the TP group;
+* the KV cache layout the connector asks the engine for: layer-outermost ``LBHNC`` (a layer's
+  blocks contiguous, heads before tokens), block-outermost ``BLHNC`` under HiSparse;
 * replicated layout without the canonical layout: an MLA model under TP > 1 whose cache is
   replicated on all TP ranks, with bytes to offload, no PP/PCP/DCP, world = TP, the ``mp``
   executor on one node; with it: agnostic, every offloaded layer exact MLA, one node, and one
@@ -212,3 +214,11 @@ def replicated_layout(groups: list[OffloadGroup], par: OffloadParallel, canonica
     return (par.use_mla and par.tp > 1 and par.kv_tp_replicas == par.tp and worker_bytes > 0
             and par.pp == 1 and par.pcp == 1 and par.dcp == 1 and par.world == par.tp
             and par.backend == "mp" and par.nnodes == 1)
+
+
+def required_kv_cache_layout(hisparse: bool) -> str:
+    """The KV cache layout the OffloadingConnector requires of the engine (``hisparse``: a HiSparse
+    attention config is set)."""
+    if not isinstance(hisparse, bool):
+        raise InvalidFieldError("hisparse", hisparse, "a bool")
+    return "BLHNC" if hisparse else "LBHNC"
