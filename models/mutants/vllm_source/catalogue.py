@@ -579,6 +579,11 @@ _add(
           "    return tp_size // spec.max_tp_shards\n",
           CLASSIC, "missing clamp: more shards than TP ranks gives 0 replicas, which the gcd turns into "
                    "'every rank holds the same KV'", behaviour="planning"),
+    fault("plan.eagle_group_needs_every_draft_layer", _PLAN,
+          "            group.is_eagle_group = not draft_layer_names.isdisjoint(group.layer_names)\n",
+          "            group.is_eagle_group = draft_layer_names <= set(group.layer_names)\n",
+          CLASSIC, "wrong set test: a group is the EAGLE draft's only when it holds every draft layer (a drafter "
+                   "spread over two groups keeps its volatile blocks cached in both)", behaviour="planning"),
 )
 
 # --------------------------------------------------------------------------------------------
