@@ -181,7 +181,7 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
 
 
 def check_proofs(ctx: VerifyContext) -> CheckResult:
-    """Z3 theorems T1-T10 proved over unbounded ints; every historic variant refuted with a reproducer."""
+    """Z3 theorems T1-T11 proved over unbounded ints; every historic variant refuted with a reproducer."""
     from kvref.cli.prove import verify_check
 
     return verify_check(ctx)

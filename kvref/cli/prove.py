@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "prove", help="prove the KV-cache theorems with Z3 (or find counterexamples under a variant)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("theorems", nargs="*", metavar="THEOREM",
-                   help="theorem ids or names (T1..T10); default: all, or the one --variant breaks")
+                   help="theorem ids or names (T1..T11); default: all, or the one --variant breaks")
     p.add_argument("--variant", default=None, metavar="NAME",
                    help="run under a historic / broken variant (see --list)")
     p.add_argument("--out", default="counterexamples", metavar="DIR",
