@@ -64,7 +64,15 @@ def _first_layer_certifies_group(monkeypatch):
     monkeypatch.setattr(config, "iter_layer_specs", lambda spec: tuple(real(spec))[:1])
 
 
-@pytest.mark.parametrize("fault", [_uniform_bytes_as_shared, _transfer_flag_ignored, _first_layer_certifies_group],
+def _hisparse_layout_ignored(monkeypatch):
+    """The connector asks for the layer-outermost layout under HiSparse too."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    monkeypatch.setattr(OffloadingConnector, "get_required_kvcache_layout", classmethod(lambda cls, vc: "LBHNC"))
+
+
+@pytest.mark.parametrize("fault", [_uniform_bytes_as_shared, _transfer_flag_ignored, _first_layer_certifies_group,
+                                   _hisparse_layout_ignored],
                          ids=lambda f: f.__name__.strip("_"))
 def test_gate_fault_is_found(fault, monkeypatch):
     require_vllm()
