@@ -9,8 +9,9 @@ from .report import FAILED, PASSED, CheckResult
 
 
 def check_p2p_conformance(ctx: VerifyContext) -> CheckResult:
-    """Stores, fetches, timeouts, aborts, finishes, failed writes, a data-plane fault and an engine
-    going away: results, bookkeeping, every control message and both buffers after every step."""
+    """Stores, fetches, timeouts, aborts, finishes, failed writes, data-plane faults and reconnect
+    backoff, refused WRITEs and handshakes, malformed requests and an engine going away: results,
+    bookkeeping, every control message and both buffers after every step."""
     name = "conform-p2p"
     skipped = vllm_gate(ctx, name)
     if skipped:

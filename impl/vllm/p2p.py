@@ -40,6 +40,7 @@ from typing import Any
 
 from kvref.impl.reference.offload.p2p.messages import summarize
 from kvref.impl.reference.offload.p2p.parent import ScriptedParent, ctx_key
+from kvref.impl.reference.offload.p2p.world import MALFORMED, malformed_params
 from kvref.impl.vllm import p2p_nixl
 from kvref.spec.errors import InvalidFieldError
 
@@ -374,6 +375,7 @@ class VllmP2PWorld:
             manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent = saved
         self.alive = {n: True for n in NODES}
         self.parents = {n: _parent_class()(ScriptedParent()) for n in NODES}
+        self._seeds = {n: self.managers[n]._get_hash_seed() for n in NODES}  # the seed both engines share
 
     # -- the world's calls (same as the reference world) ------------------------------------------
 
@@ -382,6 +384,8 @@ class VllmP2PWorld:
         ``remote_decoder`` (a producer) or ``remote_kv_source`` (a symmetric consumer)."""
         other = NODES[1 - NODES.index(node)]
         host, port = self.ids[other].rsplit(":", 1)
+        if role in MALFORMED:  # none, or a role block missing what makes it usable
+            return malformed_params(role, kv_request_id, host, int(port))
         if role == "remote_decoder":
             return {role: {"kv_request_id": kv_request_id}}
         return {role: {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}}
@@ -467,6 +471,20 @@ class VllmP2PWorld:
     def break_transfers(self, node: str, count: int, error: str) -> int:
         return self.agents[node].break_writes(count, error)
 
+    def fail_submissions(self, node: str, count: int, kind: str) -> None:
+        """NIXL refuses ``node``'s next ``count`` WRITE submissions as ``kind`` (at the agent)."""
+        self.agents[node].fail_submissions(count, kind)
+
+    def fail_registrations(self, node: str, count: int) -> None:
+        """``node``'s next ``count`` peer registrations fail: preparing the peer's descriptors raises."""
+        self.agents[node].registration_failures += count
+
+    def reseed(self, node: str, differs: bool) -> None:
+        """The hash seed ``node``'s manager gives the sessions it opens from now on (vLLM resolves
+        it once, ``_get_hash_seed``): the shared one, or another."""
+        mgr = self.managers[node]
+        mgr._hash_seed = self._seeds[node] + ("-reseeded" if differs else "")
+
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
 
@@ -545,6 +563,9 @@ class VllmP2PWorld:
             transfers=[(tid, name.get(e.peer_id, e.peer_id), local, remote) for tid, e in data._inflight.items()
                        for h, local, remote in self.agents[node].pending_writes() if h is e.handle],
             peers=sorted(name.get(p, p) for p in data._remote_dlists),
+            # the remote NIXL agents the engine's agent still holds, by name as NIXL keeps them (one
+            # per registered peer: a failed or superseded registration must give its agent back)
+            agents=sorted({a.rsplit("-", 1)[1] for a in self.agents[node].remotes}),
             strikes={name.get(p, p): n for p, n in sorted(data._peer_strikes.items())},
             broken=sorted(tid for tid, e in data._inflight.items() if id(e.handle) in self.agents[node].broken),
             faults={name.get(p, p): c for p, c in sorted(data._peer_faults.items())})

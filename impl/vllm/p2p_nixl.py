@@ -21,6 +21,12 @@ Two things are the harness's, both at the NIXL agent (vLLM's ``_NixlAgent``), ne
   prepares its descriptors; ``close`` releases them again; what a failed trace leaves behind is
   released by :meth:`HeldAgent.release_all`. The UCX backend is created on the pooled agent once.
 
+* **Refusals.** The trace may have NIXL refuse the next WRITE submissions
+  (:meth:`HeldAgent.fail_submissions`: ``make_prepped_xfer`` raises, or ``transfer()`` reports
+  ``"ERR"`` or raises, as the reference's ``SUBMIT_ERRORS`` names them) or the next peer
+  registrations (:attr:`HeldAgent.registration_failures`: ``prep_xfer_dlist`` for the peer's
+  blocks raises); vLLM's ``write_blocks`` and ``_build_peer_handles`` handle what is raised.
+
 Peer registration (vLLM ``add_remote_peer_async``) runs on the transport's own worker thread;
 :class:`SettledNixlTransport` waits for it to finish before returning the future, so the session's
 ``_poll_registration`` sees it resolved at the same poll as the reference (vLLM's only change of
@@ -34,6 +40,8 @@ import threading
 import time as _real_time
 from functools import lru_cache
 from typing import Any
+
+from kvref.impl.reference.offload.p2p.transport import SUBMIT_ERRORS
 
 #: longest the harness waits for a released WRITE to be reported DONE by NIXL
 LAND_TIMEOUT_S = 5.0
@@ -49,6 +57,13 @@ class nixlNotFoundError(RuntimeError):  # noqa: N801
 
 #: the errors a broken WRITE's state check raises, by the name the world is given
 NIXL_ERRORS = {"remote_disconnect": nixlRemoteDisconnectError, "not_found": nixlNotFoundError}
+
+
+def _exception(refusal: str) -> Exception:
+    """What NIXL raises for a refused submission (the reference's ``SUBMIT_ERRORS`` entry)."""
+    _, name, text = SUBMIT_ERRORS[refusal]
+    cls = {"RuntimeError": RuntimeError, **{c.__name__: c for c in NIXL_ERRORS.values()}}[name]
+    return cls(text)
 
 
 class LandTimeout(RuntimeError):
@@ -89,6 +104,9 @@ class HeldAgent:
         self.writes: dict[int, tuple[str, list[int], list[int]]] = {}
         self.regs: list[Any] = []
         self.closed = False
+        self.submit_failures: list[str] = []  # armed refusals of the next submissions, oldest first
+        self._post_failures: dict[int, str] = {}  # id(handle) -> the refusal its transfer() meets
+        self.registration_failures = 0  # armed refusals of the next peer registrations
 
     # -- forwarded, tracked so a failed trace can be cleaned up -----------------------------------
 
@@ -112,6 +130,9 @@ class HeldAgent:
         return self.real.get_xfer_descs(descs, mem_type=mem_type)
 
     def prep_xfer_dlist(self, agent_name: str, descs):
+        if self.registration_failures and agent_name in self.remotes:
+            self.registration_failures -= 1
+            raise RuntimeError(f"NIXL_ERR_BACKEND: prep_xfer_dlist for {agent_name} refused (injected)")
         dlist = self.real.prep_xfer_dlist(agent_name, descs)
         self.dlists.append(dlist)
         self._dlist_owner[id(dlist)] = agent_name
@@ -136,12 +157,18 @@ class HeldAgent:
         return name
 
     def remove_remote_agent(self, name: str) -> None:
-        if name in self.remotes:
-            self.remotes.remove(name)
+        # NIXL keeps one remote agent per name: loading it again (a peer registered a second time,
+        # vLLM's handshake after a refused one) and removing it once leaves none
+        self.remotes = [r for r in self.remotes if r != name]
         self.real.remove_remote_agent(name)
 
     def make_prepped_xfer(self, op, local_dlist, local_idxs, remote_dlist, remote_idxs, *args, **kw):
+        refusal = self.submit_failures.pop(0) if self.submit_failures else None
+        if refusal is not None and SUBMIT_ERRORS[refusal][0] == "make_prepped_xfer":
+            raise _exception(refusal)
         handle = self.real.make_prepped_xfer(op, local_dlist, local_idxs, remote_dlist, remote_idxs, *args, **kw)
+        if refusal is not None:
+            self._post_failures[id(handle)] = refusal
         self.writes[id(handle)] = (self._dlist_owner.get(id(remote_dlist), ""), [int(i) for i in local_idxs],
                                    [int(i) for i in remote_idxs])
         return handle
@@ -149,6 +176,11 @@ class HeldAgent:
     # -- held WRITEs --------------------------------------------------------------------------------
 
     def transfer(self, handle, notif_msg: bytes = b"") -> str:
+        refusal = self._post_failures.pop(id(handle), None)
+        if refusal == "post_err":
+            return "ERR"
+        if refusal is not None:
+            raise _exception(refusal)
         self.held.append(handle)
         return "PROC"
 
@@ -165,10 +197,16 @@ class HeldAgent:
 
     def release_xfer_handle(self, handle) -> None:
         self.held = [h for h in self.held if h is not handle]  # never posted: nothing lands
+        self._post_failures.pop(id(handle), None)
         self.resolved.pop(id(handle), None)
         self.broken.pop(id(handle), None)
         self.writes.pop(id(handle), None)
         self.real.release_xfer_handle(handle)
+
+    def fail_submissions(self, count: int, kind: str) -> None:
+        """The next ``count`` WRITE submissions are refused as ``kind`` (the reference's
+        ``SUBMIT_ERRORS``: which agent call fails and what it raises)."""
+        self.submit_failures += [kind] * count
 
     def complete(self, count: int, ok: bool) -> int:
         """Resolve the oldest ``count`` held WRITEs: ``ok`` lands each (a real NIXL WRITE, awaited
@@ -225,6 +263,7 @@ class HeldAgent:
             except Exception:  # noqa: BLE001 - best-effort cleanup of a failed trace
                 pass
         self.held, self.resolved, self.writes, self.broken = [], {}, {}, {}
+        self._post_failures, self.submit_failures, self.registration_failures = {}, [], 0
         for name in self.remotes:
             try:
                 self.real.remove_remote_agent(name)

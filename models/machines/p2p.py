@@ -5,7 +5,10 @@ with ``remote_prefiller``) — share a few kv_request_ids. The machine draws req
 both sides, stores on ``P`` (any subset of the id's keys, in any order), lookups and loads on
 ``D`` (subsets that may not match what was stored), request finishes in any order, polls of
 either engine, data-plane writes completing or failing, virtual time passing every protocol
-timeout, a data-plane fault and an engine going away. After every step it compares everything
+timeout, a data-plane fault (once, or again right after the reconnect, so the next dial waits
+out vLLM's reconnect backoff), an engine going away, WRITE submissions and peer registrations NIXL
+refuses, an engine whose hash seed differs (its handshakes are refused) and requests whose
+``kv_transfer_params`` are missing or malformed. After every step it compares everything
 both worlds can observe: the call's result, each engine's bookkeeping
 (:meth:`~kvref.impl.reference.offload.p2p.world.P2PWorld.snapshot`), every control message in
 order per direction, and both engines' buffers byte for byte. Beside the comparison an
@@ -22,11 +25,14 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvref.impl.reference.offload.p2p.world import P2PWorld
+from kvref.impl.reference.offload.p2p.transport import SUBMIT_ERRORS
+from kvref.impl.reference.offload.p2p.world import MALFORMED, P2PWorld
 
 KV_IDS = ("kv0", "kv1")
 #: ids of symmetric requests (their own: a PD id's failures would turn every probe into a MISS)
 SYM_IDS = ("sym0",)
+#: the id of requests whose kv_transfer_params are missing or malformed (their own slots)
+ODD_IDS = ("odd0",)
 KEYS_PER_KV = 2
 NUM_BLOCKS = 8
 BLOCK_LEN = 16
@@ -42,7 +48,7 @@ def key_of(kv: str, i: int) -> bytes:
 
 def slot_of(kv: str, i: int) -> int:
     """Each key has its own slot in both engines' buffers (a stored slot is never reused)."""
-    return (KV_IDS + SYM_IDS).index(kv) * KEYS_PER_KV + i
+    return (KV_IDS + SYM_IDS + ODD_IDS).index(kv) * KEYS_PER_KV + i
 
 
 def content_of(key: bytes) -> bytes:
@@ -79,6 +85,14 @@ class Coverage:
     drains: int = 0
     shutdown_drains: int = 0
     drains_cut: int = 0
+    malformed_requests: int = 0
+    refaults: int = 0
+    refused_post_err: int = 0  # WRITE submissions NIXL refused, per kind (transport.SUBMIT_ERRORS)
+    refused_prep_error: int = 0
+    refused_remote_disconnect: int = 0
+    refused_not_found: int = 0
+    rejected_peers: int = 0  # handshakes refused (a hash seed that differs, a registration that failed)
+    refused_registrations: int = 0
 
 
 COVERAGE = Coverage()
@@ -113,6 +127,11 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             ref = self.worlds.get("ref")
             if ref is not None:
                 COVERAGE.idle_reaps += sum(m.idle_reaped for m in ref.managers.values())
+                COVERAGE.rejected_peers += sum(m.rejected_peers for m in ref.managers.values())
+                for plane in ref.planes.values():
+                    for kind, n in plane.refused.items():
+                        name = "refused_registrations" if kind == "registration" else f"refused_{kind}"
+                        setattr(COVERAGE, name, getattr(COVERAGE, name) + n)
             for w in self.worlds.values():
                 w.close()
 
@@ -186,9 +205,13 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self._all("new_request", "P", req, "remote_decoder", kv)
             self.reqs["P"][req] = kv
 
-        @precondition(lambda self: self._alive("D") and len(self.reqs["D"]) < 4)
+        @precondition(lambda self: self._alive("D") and self._alive("P") and len(self.reqs["D"]) < 4)
         @rule(kv=st.sampled_from(KV_IDS))
         def consumer_request(self, kv: str) -> None:
+            """A consumer request dials P: only while P runs. A dial to a port nobody listens on is
+            refused by loopback TCP either at once or a moment later, and only the later refusal
+            gives ZMQ's monitor the fatal event vLLM watches for (the first retries quietly until the
+            handshake timeout): a race the traces must not depend on (the harness's WireTimeout)."""
             req = f"d{self.next_req}"
             self.next_req += 1
             self._all("new_request", "D", req, "remote_prefiller", kv)
@@ -248,10 +271,11 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self._all("submit_store", "P", req, self.next_job, [key_of(kv, i) for i in idx],
                       [slot_of(kv, i) for i in idx])
 
-        @precondition(lambda self: self._alive("D") and len(self.reqs["D"]) < 4)
+        @precondition(lambda self: self._alive("D") and self._alive("P") and len(self.reqs["D"]) < 4)
         @rule(kv=st.sampled_from(SYM_IDS))
         def symmetric_request(self, kv: str) -> None:
-            """A symmetric-P2P consumer (``remote_kv_source``): its lookups probe P."""
+            """A symmetric-P2P consumer (``remote_kv_source``): its lookups probe P (it dials P: only
+            while P runs, see :meth:`consumer_request`)."""
             req = f"s{self.next_req}"
             self.next_req += 1
             self._all("new_request", "D", req, "remote_kv_source", kv)
@@ -355,13 +379,26 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
         def tick(self) -> None:
             """Each engine serves its peer's lookups and ends its step (its own lookups go out); writes
             land and both engines poll; twice: what a healthy pair does between steps."""
+            self._tick("ok")
+
+        @rule(land=st.sampled_from(("fail", "remote_disconnect", "not_found")))
+        def rough_tick(self, land: str) -> None:
+            """A tick whose WRITEs do not land: they fail (ERR, a strike each), or their state check
+            raises NIXL's ``land`` error (:meth:`break_transfers`). Writes are only in flight
+            between P's poll that submits them and the next tick, so a tick is where they fail."""
+            self._tick(land)
+
+        def _tick(self, land: str) -> None:
             for _ in range(2):
                 for node in ("P", "D"):
                     if self._alive(node):
                         self._all("serve", node)
                         self._all("schedule_end", node)
                 if self._alive("P"):
-                    self._all("complete_transfers", "P", NUM_BLOCKS, True)
+                    if land in ("ok", "fail"):
+                        self._all("complete_transfers", "P", NUM_BLOCKS, land == "ok")
+                    else:
+                        COVERAGE.broken += self._all("break_transfers", "P", NUM_BLOCKS, land)
                 for node in ("P", "D"):
                     if self._alive(node):
                         self._jobs(self._all("poll", node))
@@ -401,10 +438,56 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 ("P", {"type": "lookup_resp", "kv_request_id": kv, "keys": keys, "hits": [True] * len(keys)}),
                 ("P", {"type": "lookup_resp", "kv_request_id": kv, "keys": keys, "hits": []}),
                 ("D", "connect"), ("P", "connect"),
+                ("D", {"type": "fetch", "kv_request_id": kv, "keys": keys, "block_indexes": [-1] * len(keys),
+                       "round_seq": rnd}),
+                ("P", {"type": "lookup_resp", "kv_request_id": kv, "keys": keys, "hits": [1] * len(keys)}),
+                ("D", {"type": "abort_fetch", "kv_request_id": kv, "round_seq": -1}),
+                ("D", {"type": "lookup", "kv_request_id": kv, "keys": kv, "round_seq": rnd}),
             ]), label="message")
             if self._all("inject", node, msg) and isinstance(msg, dict) and msg["type"] == "transfer_done":
                 # the consumer trusts its peer: a forged success ends a load with nothing written
                 self.forged.add(kv)
+
+        @precondition(lambda self: any(self._alive(n) and len(self.reqs[n]) < 4 for n in ("P", "D")))
+        @rule(data=st.data(), role=st.sampled_from(MALFORMED))
+        def malformed_request(self, data: st.DataObject, role: str) -> None:
+            """A request whose kv_transfer_params are missing or lack what its role needs: not a P2P
+            request to vLLM (lookups MISS, stores succeed, loads fail), or a producer without an id
+            (its stores fail). The store, load and finish rules then use it like any other."""
+            node = data.draw(st.sampled_from([n for n in ("P", "D") if self._alive(n) and len(self.reqs[n]) < 4]),
+                             label="node")
+            req = f"m{self.next_req}"
+            self.next_req += 1
+            self._all("new_request", node, req, role, ODD_IDS[0])
+            self._all("lookup", node, req, key_of(ODD_IDS[0], 0))
+            self.reqs[node][req] = ODD_IDS[0]
+            COVERAGE.malformed_requests += 1
+
+        @rule(data=st.data(), node=st.sampled_from(("P", "D")),
+              what=st.sampled_from(("writes", "registration", "seed")))
+        def refuse(self, data: st.DataObject, node: str, what: str) -> None:
+            """What the engines' setup can refuse, armed for what comes next (one rule, so the
+            other rules keep their share of the draws):
+
+            * ``writes``: NIXL refuses P's next WRITE submissions (vLLM ``write_blocks``'s except
+              path) as a post that reports ERR or raises a remote disconnect, a transfer that
+              cannot be prepared, or one whose error names NIXL_ERR_NOT_FOUND: a strike each (three
+              in a row fault the peer), or a peer fault at once;
+            * ``registration``: ``node``'s next peer registration fails (the peer's descriptors
+              cannot be prepared): that handshake is refused and the session reaped;
+            * ``seed``: ``node`` opens its next sessions with another hash seed (or the shared one
+              again): a peer whose seed differs is refused at the handshake (vLLM ``_on_connect``)."""
+            if what == "writes":
+                node = "P"
+            if not self._alive(node):
+                return
+            if what == "writes":
+                count = data.draw(st.integers(1, 3), label="count")
+                self._all("fail_submissions", "P", count, data.draw(st.sampled_from(sorted(SUBMIT_ERRORS)), label="kind"))
+            elif what == "registration":
+                self._all("fail_registrations", node, 1)
+            else:
+                self._all("reseed", node, data.draw(st.booleans(), label="differs"))
 
         @rule()
         def pause(self) -> None:
@@ -426,6 +509,23 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 return
             self._all("fault", "P")
             COVERAGE.faults += 1
+
+        @precondition(lambda self: self._alive("P") and self._alive("D") and len(self.reqs["D"]) < 3)
+        @rule(node=st.sampled_from(("P", "D")), kv=st.sampled_from(KV_IDS))
+        def refault(self, node: str, kv: str) -> None:
+            """A peer that keeps faulting: ``node``'s data plane judges the other engine unusable, the
+            session is torn down, D dials P again for a new request; twice. The second teardown
+            follows the first within the backoff window, so the next dial waits it out (vLLM
+            ``_schedule_reconnect_backoff``): D refuses to dial (its request fails), or P refuses D's
+            connection with a DisconnectMsg."""
+            for _ in range(2):
+                self._all("fault", node)
+                self.tick()
+                if not (self._alive("D") and self._alive("P")):
+                    return
+                self.consumer_request(kv)
+                self.tick()
+            COVERAGE.refaults += 1
 
         @precondition(lambda self: self._alive("P") and self._alive("D"))
         @rule(node=st.sampled_from(("P", "D")), now=st.integers(0, 7))

@@ -22,22 +22,39 @@ pytestmark = pytest.mark.vllm
 #: symmetric probes answered HIT, MISS and RETRY, a fetch of confirmed keys, and drains (a reset's)
 #: that ended and that still had loads or writes outstanding after their sweeps
 RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked", "reaped", "shutdowns", "faults",
-        "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads", "drains", "drains_cut")
+        "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads", "drains", "drains_cut",
+        # malformed requests, a peer faulted again within its reconnect backoff, refused handshakes
+        # (a hash seed that differs, a failed registration) and WRITEs NIXL refused
+        "malformed_requests", "refaults", "rejected_peers", "refused_registrations", "broken")
+#: the derandomized passes a run may take until it has reached every RARE path (seed None: Hypothesis's
+#: own derandomized seed; the rules are many and the fast profile's 40 examples few)
+SEEDS = (None, 1, 2)
 
 
 def _run(examples: int, **kw) -> tuple[bool, str, dict]:
     require_vllm()
     before = dataclasses.asdict(machine.COVERAGE)
-    ok, failure, _ = machine.run_p2p_machine(with_vllm=True, examples=examples, reproducible=True, shrink=False, **kw)
+    # a forced seed fixes the traces as derandomizing does (Hypothesis ignores it when derandomized)
+    ok, failure, _ = machine.run_p2p_machine(with_vllm=True, examples=examples, reproducible=kw.get("seed") is None,
+                                             shrink=False, **kw)
     after = dataclasses.asdict(machine.COVERAGE)
     return ok, failure, {k: after[k] - before[k] for k in after}
 
 
 def test_vllm_p2p_tier_agrees_with_the_reference_on_generated_traces():
-    ok, failure, reached = _run(profile_examples(40, 200))
-    assert ok, failure
-    missed = [k for k in RARE if not reached[k]]
-    assert not missed, f"the generated traces never reached {missed}: {reached}"
+    """Derandomized passes (the same traces every run) until every RARE path was reached: a
+    further pass runs only while one is still missed."""
+    total: dict[str, int] = {}
+    for seed in SEEDS:
+        ok, failure, reached = _run(profile_examples(40, 200), seed=seed)
+        assert ok, failure
+        total = {k: total.get(k, 0) + v for k, v in reached.items()}
+        if all(total[k] for k in RARE):
+            break
+    missed = [k for k in RARE if not total[k]]
+    assert not missed, f"the generated traces never reached {missed}: {total}"
+    refused = [k for k in total if k.startswith("refused_") and k != "refused_registrations"]
+    assert any(total[k] for k in refused), f"no WRITE submission was refused: {total}"
 
 
 def test_a_wrong_abort_round_in_the_reference_is_found(monkeypatch):

@@ -86,6 +86,7 @@ class P2PTierManager:
         self.max_peers = max_peers
         self.idle_timeout_s = idle_timeout_s
         self.idle_reaped = 0  # sessions evicted as idle (a count for the generators' coverage)
+        self.rejected_peers = 0  # sessions reaped after their handshake was refused (the same)
         self.plane = plane
         self.control = control
         self._hello = hello
@@ -239,6 +240,7 @@ class P2PTierManager:
     def _reap_dead(self) -> None:
         for pid in [p for p, s in self.sessions.items() if s.conn is not None and not s.alive]:
             s = self._close_session(pid)
+            self.rejected_peers += s.rejected
             if s.server.peer_fault is not None:
                 self.faults[pid] = self.faults.get(pid, 0) + 1
                 self._schedule_backoff(pid)

@@ -121,6 +121,13 @@ def summarize(msg: Any) -> tuple:
         return (kind, msg.get("num_blocks"), msg.get("block_len"))
     if kind == CONNECT_ACK:
         return (kind,)
-    keys = tuple(bytes(k) for k in msg.get("keys", ()))
-    return (kind, msg.get("kv_request_id"), msg.get("round_seq"), keys, tuple(msg.get("block_indexes", ())),
-            msg.get("success"), tuple(msg.get("hits", ())))
+    keys = _seq(msg.get("keys", ()), lambda k: bytes(k) if isinstance(k, (bytes, bytearray)) else k)
+    return (kind, msg.get("kv_request_id"), msg.get("round_seq"), keys, _seq(msg.get("block_indexes", ())),
+            msg.get("success"), _seq(msg.get("hits", ())))
+
+
+def _seq(value: Any, item=lambda v: v) -> tuple:
+    """A list field as a tuple; a malformed one (not a list: a peer out of protocol) as its repr."""
+    if isinstance(value, (list, tuple)):
+        return tuple(item(v) for v in value)
+    return ("<not a list>", repr(value))

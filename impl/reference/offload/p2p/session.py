@@ -38,6 +38,7 @@ class Session:
         self.send_ready = False
         self.queued: list[dict] = []
         self.registered: bool | None = None  # a peer registration awaiting its ack: None (none), True/False
+        self.rejected = False  # the peer's handshake was refused: incompatible, or its registration failed
         self.peer_fault_at: float | None = None
         self.connected_at = now
         self.last_activity_at = now
@@ -130,6 +131,7 @@ class Session:
                 or msg["block_len"] != mine["block_len"] or (fp_mine and fp_theirs and fp_theirs != fp_mine) \
                 or msg["hash_seed"] != mine["hash_seed"]:
             self.conn.mark_dead()  # an incompatible peer: rejected, no ack
+            self.rejected = True
             return
         try:
             self.plane.add_remote_peer(self.peer_id, self._resolve_peer(msg))
@@ -154,6 +156,7 @@ class Session:
             ok, self.registered = self.registered, None
             if not ok:
                 self.conn.mark_dead()
+                self.rejected = True
             elif self.conn.alive:
                 self._do_send(m.connect_ack(self.local_id))
         if not self.send_ready and self.conn.alive and now - self.connected_at > HANDSHAKE_TIMEOUT_S:

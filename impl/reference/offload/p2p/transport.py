@@ -21,6 +21,13 @@ disconnect is terminal (the poll reports it failed, a wait-mode cancel releases 
 not-found one stays in flight (the WRITE may still be landing, vLLM #59790) until an immediate
 cancel; a wait-mode cancel re-checks it (faulting the peer again if it was removed meanwhile).
 
+**Refused submissions and registrations** (vLLM ``write_blocks``'s and ``_build_peer_handles``'
+except paths): NIXL may refuse a WRITE when it is posted (:data:`SUBMIT_ERRORS`); the write gets
+no transfer id and vLLM classifies the error at once (``_record_failure``): NIXL's peer-scope
+errors, matched by exception name or by status text (:func:`peer_fault_status`), fault the peer;
+anything else is one strike (``"<exception>: <text>"``), three in a row a fault. A refused peer
+registration (building the peer's descriptor list raises) fails the handshake.
+
 Here transfers complete when the trace says (:meth:`DataPlane.complete`), as the vLLM world holds
 NIXL's WRITEs until then; a completed write copies the blocks into the peer's buffer, and a
 write whose peer was removed or has shut down fails (its endpoint is gone).
@@ -33,6 +40,26 @@ from dataclasses import dataclass, field
 MAX_CONSECUTIVE_TRANSFER_FAILURES = 3  # vLLM data/nixl.py _MAX_CONSECUTIVE_TRANSFER_FAILURES
 #: what a broken transfer's state check raises -> the peer-fault status NIXL reports for it
 BREAK_STATUS = {"remote_disconnect": "NIXL_ERR_REMOTE_DISCONNECT", "not_found": "NIXL_ERR_NOT_FOUND"}
+#: NIXL's peer-scope errors by exception name -> status (vLLM data/nixl.py ``_PEER_FAULT_ERRORS``)
+PEER_FAULT_ERRORS = {"nixlRemoteDisconnectError": "NIXL_ERR_REMOTE_DISCONNECT",
+                     "nixlNotFoundError": "NIXL_ERR_NOT_FOUND"}
+#: how a WRITE's submission is refused, by the name the world is given: (the NIXL agent call that
+#: fails, the exception vLLM sees, its text). ``post_err`` is ``transfer()`` returning ``"ERR"``,
+#: which vLLM turns into its own RuntimeError.
+SUBMIT_ERRORS = {
+    "post_err": ("transfer", "RuntimeError", "transfer() posted with status ERR"),
+    "prep_error": ("make_prepped_xfer", "RuntimeError", "NIXL_ERR_BACKEND: make_prepped_xfer refused (injected)"),
+    "remote_disconnect": ("transfer", "nixlRemoteDisconnectError", "remote endpoint gone (injected)"),
+    "not_found": ("make_prepped_xfer", "RuntimeError", "NIXL_ERR_NOT_FOUND: remote agent unknown (injected)"),
+}
+
+
+def peer_fault_status(exc_name: str, text: str) -> str | None:
+    """NIXL's status for a peer-scope error (by exception name, else by status text), or None."""
+    status = PEER_FAULT_ERRORS.get(exc_name)
+    if status is not None:
+        return status
+    return next((s for s in PEER_FAULT_ERRORS.values() if s in text), None)
 
 
 @dataclass
@@ -60,11 +87,21 @@ class DataPlane:
     broken: list[Transfer] = field(default_factory=list)
     next_id: int = 0
     closed: bool = False
+    #: armed refusals: the next submissions fail this way (:data:`SUBMIT_ERRORS`), oldest first
+    submit_failures: list[str] = field(default_factory=list)
+    #: armed refusals: this many next peer registrations fail (the peer's descriptors cannot be built)
+    registration_failures: int = 0
+    #: the refusals met so far, by kind ("registration" for a peer registration): generator coverage
+    refused: dict[str, int] = field(default_factory=dict)
 
     def add_remote_peer(self, peer_id: str, remote: "DataPlane | None") -> None:
         """Register ``peer_id`` (its plane learned from the handshake); raises if it is gone."""
         if remote is None or remote.closed:
             raise RuntimeError(f"no live data plane for {peer_id}")
+        if self.registration_failures:
+            self.registration_failures -= 1
+            self.refused["registration"] = self.refused.get("registration", 0) + 1
+            raise RuntimeError(f"the descriptors of {peer_id} could not be prepared")
         self.peers[peer_id] = remote
 
     def remove_remote_peer(self, peer_id: str) -> None:
@@ -78,6 +115,16 @@ class DataPlane:
 
     def write_blocks(self, peer_id: str, local_idxs: list[int], remote_idxs: list[int]) -> int | None:
         if peer_id not in self.peers or self.closed:
+            return None
+        if self.submit_failures:  # refused when posted: no transfer id, classified at once
+            kind = self.submit_failures.pop(0)
+            self.refused[kind] = self.refused.get(kind, 0) + 1
+            _, exc_name, text = SUBMIT_ERRORS[kind]
+            status = peer_fault_status(exc_name, text)
+            if status is not None:
+                self.set_peer_fault(peer_id, status)
+            else:
+                self._strike(peer_id, f"{exc_name}: {text}")
             return None
         tid = self.next_id
         self.next_id += 1
@@ -127,10 +174,18 @@ class DataPlane:
             failed += f
             struck += [p] * len(f)
         for p in struck:
-            self.strikes[p] = self.strikes.get(p, 0) + 1
-            if self.strikes[p] >= MAX_CONSECUTIVE_TRANSFER_FAILURES:
-                self.set_peer_fault(p, f"{self.strikes[p]} consecutive transfer failures (last: state ERR)")
+            self._strike(p, "state ERR")
         return sorted(done), sorted(failed), self.faults.get(peer_id) if peer_id is not None else None
+
+    def _strike(self, peer_id: str, cause: str) -> None:
+        """One more consecutive failure for ``peer_id``; the third in a row faults it."""
+        self.strikes[peer_id] = self.strikes.get(peer_id, 0) + 1
+        if self.strikes[peer_id] >= MAX_CONSECUTIVE_TRANSFER_FAILURES:
+            self.set_peer_fault(peer_id, f"{self.strikes[peer_id]} consecutive transfer failures (last: {cause})")
+
+    def fail_submissions(self, count: int, kind: str) -> None:
+        """The next ``count`` WRITE submissions are refused as ``kind`` (:data:`SUBMIT_ERRORS`)."""
+        self.submit_failures += [kind] * count
 
     def cancel(self, transfer_ids: list[int], mode: str = "immediate") -> list[int]:
         ids = set(transfer_ids)

@@ -16,7 +16,7 @@ from . import messages as m
 from .control import ControlPlane
 from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, P2PTierManager
 from .parent import ScriptedParent, ctx_key
-from .transport import BREAK_STATUS, DataPlane
+from .transport import BREAK_STATUS, SUBMIT_ERRORS, DataPlane
 
 NODES = ("P", "D")
 MAX_BUFFER_BYTES = 1 << 26
@@ -24,6 +24,25 @@ PORT = 1  # every reference engine "listens" on port 1 of a host named after it:
 #: poll sweeps a drain may take in a world (vLLM's has no limit; one engine alone could wait forever
 #: for the other's writes)
 DRAIN_POLLS = 3
+#: ``kv_transfer_params`` beyond the three well-formed roles: none at all, and each role's block
+#: missing what makes it usable. vLLM reads these as "not a P2P request" (lookups MISS, stores
+#: succeed locally, loads fail), except a ``remote_decoder`` block without an id: still a producer,
+#: whose stores must fail rather than succeed locally (vLLM ``P2PDestInfo``).
+MALFORMED = ("no_params", "remote_decoder_without_id", "remote_prefiller_without_address",
+             "remote_kv_source_without_id")
+#: the hash seed every engine starts with, and the one a reseeded engine announces instead
+HASH_SEEDS = ("kvref", "kvref-reseeded")
+
+
+def malformed_params(role: str, kv_request_id: str, host: str, port: int) -> dict | None:
+    """The ``kv_transfer_params`` of a :data:`MALFORMED` role (the other engine at ``host:port``)."""
+    if not isinstance(role, str) or role not in MALFORMED:
+        raise InvalidFieldError("role", role, f"one of {MALFORMED}")
+    return {"no_params": None,
+            "remote_decoder_without_id": {"remote_decoder": {}},
+            "remote_prefiller_without_address": {"remote_prefiller": {"kv_request_id": kv_request_id}},
+            "remote_kv_source_without_id": {"remote_kv_source": {"remote_host": host, "remote_port": port}},
+            }[role]
 
 
 def _name(engine_id: str) -> str:
@@ -62,7 +81,7 @@ class P2PWorld:
         self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver, lambda pid: not self.alive[_name(pid)])
                          for n in NODES}
         self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
-                                           m.connect(f"{n}:{PORT}", num_blocks, block_len, "", "kvref"),
+                                           m.connect(f"{n}:{PORT}", num_blocks, block_len, "", HASH_SEEDS[0]),
                                            self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s)
                          for n in NODES}
         self.parents = {n: ScriptedParent() for n in NODES}  # each engine's tiering manager, as its tier sees it
@@ -82,15 +101,18 @@ class P2PWorld:
         """The ``kv_transfer_params`` of a request on ``node`` in ``role`` toward the other engine."""
         other = NODES[1 - NODES.index(_node(node))]
         _str("kv_request_id", kv_request_id)
-        if role not in ROLES:
-            raise InvalidFieldError("role", role, f"one of {ROLES}")
+        if role not in ROLES + MALFORMED:
+            raise InvalidFieldError("role", role, f"one of {ROLES + MALFORMED}")
+        if role in MALFORMED:
+            return malformed_params(role, kv_request_id, other, PORT)
         if role == "remote_decoder":
             return {role: {"kv_request_id": kv_request_id}}
         return {role: {"kv_request_id": kv_request_id, "remote_host": other, "remote_port": PORT}}
 
     def new_request(self, node: str, req_id: str, role: str, kv_request_id: str) -> str:
         """Open a request on ``node`` (``remote_decoder``: a producer; ``remote_prefiller``: a
-        consumer of the other engine); returns the offload policy the tier asks for."""
+        consumer of the other engine; or one of :data:`MALFORMED`); returns the offload policy the
+        tier asks for."""
         mgr = self._live(node)
         if _str("req_id", req_id) in mgr.requests:
             raise InvalidFieldError("req_id", req_id, f"a request id not open on {node}")
@@ -184,6 +206,28 @@ class P2PWorld:
             raise InvalidFieldError("error", error, f"one of {sorted(BREAK_STATUS)}")
         return self.planes[node].break_transfers(count, error)
 
+    def fail_submissions(self, node: str, count: int, kind: str) -> None:
+        """NIXL refuses ``node``'s next ``count`` WRITE submissions as ``kind`` (``SUBMIT_ERRORS``)."""
+        self._live(node)
+        check_int("count", count, minimum=0)
+        if not isinstance(kind, str) or kind not in SUBMIT_ERRORS:
+            raise InvalidFieldError("kind", kind, f"one of {sorted(SUBMIT_ERRORS)}")
+        self.planes[node].fail_submissions(count, kind)
+
+    def fail_registrations(self, node: str, count: int) -> None:
+        """``node``'s next ``count`` peer registrations fail (the handshake is refused)."""
+        self._live(node)
+        check_int("count", count, minimum=0)
+        self.planes[node].registration_failures += count
+
+    def reseed(self, node: str, differs: bool) -> None:
+        """``node``'s hash seed for the sessions it opens from now on: the shared one, or another
+        (a peer whose seed differs is rejected at the handshake: its block hashes would not match)."""
+        mgr = self._live(node)
+        if not isinstance(differs, bool):
+            raise InvalidFieldError("differs", differs, "a bool")
+        mgr._hello = {**mgr._hello, "hash_seed": HASH_SEEDS[differs]}
+
     def advance(self, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise InvalidFieldError("seconds", seconds, "a non-negative number")
@@ -272,6 +316,7 @@ class P2PWorld:
             bound=sorted(mgr.kv_to_session), reaped=sorted(mgr.reaped), failed=sorted(mgr.failed),
             transfers=[(t.transfer_id, _name(t.peer_id), t.local_idxs, t.remote_idxs) for t in plane.pending],
             peers=sorted(_name(p) for p in plane.peers),
+            agents=sorted(_name(p) for p in plane.peers),  # NIXL holds one remote agent per registered peer
             strikes={_name(p): n for p, n in sorted(plane.strikes.items())},
             broken=sorted(t.transfer_id for t in plane.broken),
             faults={_name(p): c for p, c in sorted(plane.faults.items())})
