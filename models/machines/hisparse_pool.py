@@ -166,6 +166,11 @@ HAND_PROGRAMS = [
                         num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
      [16, 16, 16], COPY_REUSED),
 ]
+#: the first program on two resident groups: a lost page is read from one block per group, so when
+#: the pool hands out one group's block the other group's block stops being read by the page too
+HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=1, num_gpu_blocks=34, host_num_blocks=20, blocks_per_request=1,
+                                         num_resident_groups=2, max_model_len=16, max_in_flight_tokens=16),
+                      *HAND_PROGRAMS[0][1:]))
 
 
 class HiSparseDivergence(AssertionError):

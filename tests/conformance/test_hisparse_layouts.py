@@ -60,6 +60,17 @@ def test_a_reused_copy_block_is_dropped_from_the_copy_index():
     assert seen["copy_adopted"] and seen["page_lost"], seen
 
 
+@pytest.mark.vllm
+def test_a_page_lost_on_two_resident_groups():
+    require_vllm()
+    from kvref.impl.vllm.hisparse import VllmHiSparsePool
+    from kvref.models.machines.hisparse_pool import HAND_PROGRAMS, run_hisparse_program
+
+    (config, lengths, ops), = [p for p in HAND_PROGRAMS if p[0].num_resident_groups == 2]
+    seen = run_hisparse_program(config, lengths, ops, VllmHiSparsePool)
+    assert seen["unpinned"] and seen["page_lost"], seen
+
+
 def test_reference_rejects_each_faulty_layout_naming_the_field():
     good = [("source", 2), ("indexer", 2), ("resident", 2), ("hot", 2)]
     c = hisparse_coordinator_for_layout(good, 8, 20, 16)
