@@ -734,6 +734,13 @@ _add(
           CLASSIC, "dropped call: a GPU copy of a published host page stays indexed after the pool hands its "
                    "block to another request (a later hit would adopt another request's KV)",
           behaviour="hisparse"),
+    fault("hisparse.lost_page_other_group_owner_kept", _HSC,
+          "            if owners is not None:\n                owners.discard((request_id, page_idx))\n"
+          "        state.unpinned_pages.discard(page_idx)\n",
+          "            if owners is not None:\n                pass\n"
+          "        state.unpinned_pages.discard(page_idx)\n",
+          CLASSIC, "dropped call: a page lost in one resident group stays an owner of its block in the other "
+                   "group (that block's later reuse loses the page again)", behaviour="hisparse"),
 )
 
 # --------------------------------------------------------------------------------------------
