@@ -418,7 +418,8 @@ class Scheduler:
             # sessions holding KV blocks drain first, and are the only ones PAUSED_NEW admits
             queue = kv_holding if kv_holding else (self.waiting if self.pause_state == PauseState.UNPAUSED else None)
             # sessions waiting for input are in no queue's turn but keep a model-runner slot
-            if not queue or len(self.running) + self.sessions.num_waiting_for_streaming_input >= cfg.max_num_active_reqs:
+            has_slot = len(self.running) < cfg.max_num_active_reqs - self.sessions.num_waiting_for_streaming_input
+            if not queue or not has_slot:
                 break
             request = queue.peek_request()
             if self.sessions.waiting_for_input(request):
