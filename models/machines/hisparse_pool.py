@@ -408,6 +408,9 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             ref.release_completed_host_copies([dst for _, dst in got])
             vll.release_completed_host_copies([dst for _, dst in got])
             seen["host_copies"] += len(got)
+            if got:  # the same completions reported again release nothing more (compared below)
+                ref.release_completed_host_copies([dst for _, dst in got])
+                vll.release_completed_host_copies([dst for _, dst in got])
         else:
             # a finished request's publication outlives it; a preempted one's is dropped
             finished = chunk % 4 != 0
