@@ -12,8 +12,8 @@ input, queued updates, ``num_waiting_for_streaming_input``, liveness, and (an in
 vLLM's block hashes against a fresh request's over the same tokens, so a dropped token's hash may
 not survive an update.
 
-Not covered here: sessions inside whole scheduler steps (re-enqueue into ``kv_holding_waiting``,
-the active-request limit, request counts); kvref's reference scheduler has no session hooks yet.
+Sessions inside whole scheduler steps (re-enqueue into ``kv_holding_waiting``, the active-request
+limit, request counts) are compared by :mod:`kvref.models.machines.scheduler_sessions`.
 """
 
 from __future__ import annotations
