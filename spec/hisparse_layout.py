@@ -16,7 +16,7 @@ laid-out groups with them on generated layer sets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .errors import InvalidFieldError, check_int
 from .mathutil import cdiv
@@ -25,6 +25,30 @@ HISPARSE_HOT_SUFFIX = ".hisparse_hot"
 HISPARSE_RESIDENT_SUFFIX = ".hisparse_resident"
 # vLLM's ``SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT``: a shared host mmap aligns each block to it
 SHARED_HOST_BLOCK_ALIGNMENT = 4096
+
+
+def check_hisparse_first_group(block_sizes: Collection[int], model_versions: Collection[str | None],
+                               non_mla_layers: Sequence[str]) -> int:
+    """vLLM's ``_partition_hisparse_specs`` and ``_lay_out_hisparse_groups`` checks on the first KV
+    cache group (every MLA layer, and whatever else shares its uniform-type group), in vLLM's order:
+    one block size (else the layers form no uniform-type group: "requires uniform sparse-MLA cache
+    specs"), no DeepSeek-V4 MLA layer, MLA layers only. Returns the one GPU block size."""
+    if isinstance(block_sizes, (str, bytes)) or not isinstance(block_sizes, Collection) or not block_sizes:
+        raise InvalidFieldError("block_sizes", block_sizes, "a non-empty collection of block sizes")
+    for b in block_sizes:
+        check_int("block_size", b, minimum=1)
+    if len(set(block_sizes)) != 1:
+        raise InvalidFieldError("block_size", sorted(set(block_sizes)), "one block size for every HiSparse layer")
+    if isinstance(model_versions, (str, bytes)) or not isinstance(model_versions, Collection):
+        raise InvalidFieldError("model_versions", model_versions, "a collection of MLA model versions")
+    if "deepseek_v4" in model_versions:
+        raise InvalidFieldError("model_version", "deepseek_v4", "an MLA model version HiSparse supports (not DeepSeek V4)")
+    if isinstance(non_mla_layers, (str, bytes)) or not isinstance(non_mla_layers, Sequence) \
+            or not all(isinstance(n, str) for n in non_mla_layers):
+        raise InvalidFieldError("non_mla_layers", non_mla_layers, "a list of layer names")
+    if non_mla_layers:
+        raise InvalidFieldError("layers", list(non_mla_layers), "MLA layers only in HiSparse's first cache group")
+    return next(iter(block_sizes))
 
 
 def hot_group_layers(source_layers: Sequence[tuple[str, int, bool]], indexer_page: int) -> list[list[str]]:

@@ -32,10 +32,35 @@ def vllm_sparse_mla_specs(source: Sequence[tuple[str, int, bool]], indexer: Sequ
     return specs
 
 
+#: ways a first group breaks vLLM's HiSparse partition checks (kvref.spec.hisparse_layout.check_hisparse_first_group)
+FLAWS = ("block_size", "deepseek_v4", "full_attention")
+
+
+def _spoil(specs: dict[str, Any], flaw: str | None, block_size: int) -> None:
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    names = list(specs)
+    if flaw == "block_size":
+        specs[names[-1]] = dataclasses.replace(specs[names[-1]], block_size=2 * block_size)
+    elif flaw == "deepseek_v4":
+        specs[names[0]] = dataclasses.replace(specs[names[0]], model_version="deepseek_v4")
+    elif flaw == "full_attention":
+        specs["model.layers.extra.attn"] = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64,
+                                                             dtype=torch.uint8)
+    elif flaw is not None:
+        raise ValueError(f"flaw={flaw!r}: one of {FLAWS}")
+
+
 def vllm_hisparse_layout(source: Sequence[tuple[str, int, bool]], indexer: Sequence[tuple[str, int]],
                          block_size: int, top_k: int, device_buffer_size: int | None, host_budget: int,
-                         max_model_len: int) -> dict[str, Any]:
+                         max_model_len: int, flaw: str | None = None) -> dict[str, Any]:
     """vLLM's layout of ``source`` (name, head_size, leader) and ``indexer`` (name, head_size) layers.
+
+    ``flaw`` spoils the first group the way :data:`FLAWS` says (the last layer at twice the block
+    size, the first source layer a DeepSeek-V4 MLA spec, or one full-attention layer beside them).
 
     Returns ``{"error": message}`` when vLLM rejects it, else the groups as
     ``(role, layer names, page_size, blocks_per_request)`` and the host pool's block count/stride.
@@ -46,6 +71,7 @@ def vllm_hisparse_layout(source: Sequence[tuple[str, int, bool]], indexer: Seque
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
 
     specs = vllm_sparse_mla_specs(source, indexer, block_size)
+    _spoil(specs, flaw, block_size)
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
                                decode_context_parallel_size=1, world_size=1, distributed_executor_backend="mp",
                                nnodes_within_dp=1)

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvref.spec.errors import InvalidFieldError, check_int
-from kvref.spec.hisparse_layout import (hisparse_device_buffer_size, hisparse_hot_blocks_per_request,
+from kvref.spec.hisparse_layout import (check_hisparse_first_group, hisparse_device_buffer_size, hisparse_hot_blocks_per_request,
                                         hisparse_host_num_blocks, lay_out_hisparse_groups)
 
 _UNIFORM = "UniformTypeKVCacheSpecs"
@@ -31,6 +31,7 @@ class LayoutCase:
     device_buffer_size: int | None
     host_budget: int
     max_model_len: int
+    flaw: str | None = None  # a spoiled first group (kvref.impl.vllm.hisparse_layout.FLAWS)
 
 
 @st.composite
@@ -52,6 +53,33 @@ def layout_cases(draw) -> LayoutCase:
     return LayoutCase(source, indexer, block_size, top_k, buffer, host_budget, max_model_len)
 
 
+@st.composite
+def flawed_layout_cases(draw) -> LayoutCase:
+    """A layout case whose first group breaks one of vLLM's partition checks (two layers at least,
+    so one can carry another block size)."""
+    from dataclasses import replace
+
+    from kvref.impl.vllm.hisparse_layout import FLAWS
+
+    case = draw(layout_cases().filter(lambda c: len(c.source) + len(c.indexer) >= 2))
+    return replace(case, flaw=draw(st.sampled_from(FLAWS)))
+
+
+def _first_group_rule(case: LayoutCase) -> None:
+    """kvref's view of the first group ``case.flaw`` spoils (the same layers the driver builds)."""
+    names = [n for n, _, _ in case.source] + [n for n, _ in case.indexer]
+    sizes = [case.block_size] * len(names)
+    versions: list[str | None] = [None] * len(names)
+    extra: list[str] = []
+    if case.flaw == "block_size":
+        sizes[-1] = 2 * case.block_size
+    elif case.flaw == "deepseek_v4":
+        versions[0] = "deepseek_v4"
+    elif case.flaw == "full_attention":
+        extra = ["model.layers.extra.attn"]
+    check_hisparse_first_group(sizes, versions, extra)
+
+
 def kvref_layout(case: LayoutCase) -> dict[str, Any]:
     """The spec's layout of ``case``, in the driver's normalised form; ``{"error": field}`` on a rejection."""
     bs = case.block_size
@@ -59,6 +87,7 @@ def kvref_layout(case: LayoutCase) -> dict[str, Any]:
     source_page = sum(page for _, page, _ in source)
     indexer_page = sum(bs * head for _, head in case.indexer)
     try:
+        _first_group_rule(case)
         check_int("indexer_page", indexer_page, minimum=1)  # vLLM partitions the layers first
         size = hisparse_device_buffer_size(1, case.top_k, case.device_buffer_size)
         device = lay_out_hisparse_groups(source, indexer_page, bs, hisparse_hot_blocks_per_request(size, bs))
@@ -77,6 +106,12 @@ def rejection_field(message: str) -> str:
     """The spec field matching a vLLM layout rejection message (the rule that fired)."""
     if "requires sparse-MLA and indexer" in message:
         return "indexer_page"
+    if "requires uniform sparse-MLA" in message or "one resolved GPU block size" in message:
+        return "block_size"
+    if "DeepSeek V4" in message:
+        return "model_version"
+    if "MLA only" in message:
+        return "layers"
     if "device_buffer_size" in message:
         return "device_buffer_size"
     if "hot-cache groups require one page size" in message:
@@ -91,7 +126,7 @@ def agree_layout(case: LayoutCase) -> dict[str, Any]:
     from kvref.impl.vllm.hisparse_layout import vllm_hisparse_layout
 
     theirs = vllm_hisparse_layout(case.source, case.indexer, case.block_size, case.top_k, case.device_buffer_size,
-                                  case.host_budget, case.max_model_len)
+                                  case.host_budget, case.max_model_len, case.flaw)
     ours = kvref_layout(case)
     if "error" in theirs:
         assert ours.get("error") == rejection_field(theirs["error"]), \

@@ -85,3 +85,34 @@ def test_a_planted_fault_in_the_rule_is_caught(monkeypatch):
     monkeypatch.setattr(hisparse_layout, "hot_group_layers", lambda layers, page: real(layers, page - 1))  # ">=" for ">"
     with pytest.raises(AssertionError, match="HiSparse layout"):
         _run(200)
+
+
+def test_first_group_rules_in_vllms_order():
+    from kvref.spec.hisparse_layout import check_hisparse_first_group
+
+    assert check_hisparse_first_group([16, 16], [None, None], []) == 16
+    for args, field in [(([16, 32], ["deepseek_v4"], ["x"]), "block_size"),  # the uniform-type group comes first
+                        (([16, 16], [None, "deepseek_v4"], ["x"]), "model_version"),
+                        (([16], [None], ["model.layers.9.attn"]), "layers")]:
+        with pytest.raises(InvalidFieldError) as err:
+            check_hisparse_first_group(*args)
+        assert err.value.field == field
+
+
+@pytest.mark.vllm
+def test_flawed_first_groups_are_refused_by_the_same_rule():
+    """Two block sizes, a DeepSeek-V4 MLA layer or a full-attention layer in the first group: vLLM's
+    partition refuses each, and kvref names the same rule (derandomized, conform-planning's budget)."""
+    require_vllm()
+    from kvref.models.conformance.hisparse_layout import agree_layout, flawed_layout_cases, rejection_field
+
+    seen: Counter = Counter()
+
+    @settings(max_examples=10, derandomize=True, database=None, deadline=None)
+    @given(case=flawed_layout_cases())
+    def run(case):
+        out = agree_layout(case)
+        seen[rejection_field(out["error"]) if "error" in out else "ok"] += 1
+
+    run()
+    assert set(seen) == {"block_size", "model_version", "layers"}, seen
