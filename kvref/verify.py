@@ -147,6 +147,11 @@ def check_planning_conformance(ctx: VerifyContext) -> CheckResult:
         agree_layout(case)
 
     failure = failure or run_generated(given(case=layout_cases())(agree_hisparse), ctx.examples(40, 200), ctx.seed)
+    # a first group vLLM's HiSparse partition refuses: two block sizes, a DeepSeek-V4 layer, a non-MLA layer
+    from kvref.models.conformance.hisparse_layout import flawed_layout_cases
+
+    failure = failure or run_generated(given(case=flawed_layout_cases())(agree_hisparse), ctx.examples(10, 40),
+                                       ctx.seed)
     # HiSparse's whole startup sizing (#22/#23): pools, tensors, auto-fit, capacity and steady-state concurrency
     from kvref.models.conformance.planning_hisparse import agree_hisparse_plan, hisparse_plan_families
 

@@ -1368,6 +1368,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         kv_cache_specs=stages, config=_engine(), available_memory=[1 << 20, 1 << 20], kv_cache_layout="LBNHC",
         tensor_parallel_size=2, max_tp_shards={"l0": 1}, draft_layers=["l1"]))
     out["mark_eagle_groups"] = (pp.mark_eagle_groups, dict(groups=(GROUP,), draft_layers=["l0"]))
+    out["check_hisparse_first_group"] = (hl.check_hisparse_first_group, dict(
+        block_sizes=[2, 2], model_versions=[None, None], non_mla_layers=[]))
     out["merge_worker_kv_cache_specs"] = (pp.merge_worker_kv_cache_specs, dict(kv_cache_specs=stages))
     out["project_kv_cache_groups_to_worker"] = (pp.project_kv_cache_groups_to_worker, dict(
         global_groups=(GROUP, KVCacheGroupSpec(("l1",), SWA)), worker_layers={"l0": FULL}))
