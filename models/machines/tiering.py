@@ -53,6 +53,9 @@ MUST_DRAW = ("kvcr", POLLED, "obj")
 #: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
 ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
+#: tiers a configuration with back-pressure gives a detector: the storage tiers, and the
+#: request-level tier (its cascades of chunks already in the primary tier are then gated too)
+BACKPRESSURED = ASYNC_TIERS + (REQUEST_LEVEL,)
 
 
 class TieringDivergence(AssertionError):
@@ -99,7 +102,7 @@ class TieringConfig:
                 cfg = kvcr_tier_config(self.kvcr_slots, self.kvcr_policy)
             if t in (REQUEST_LEVEL, POLLED):
                 cfg["module_path"] = "kvref.impl.vllm.tiering_tiers"
-            if t in ASYNC_TIERS and self.backpressure:
+            if t in BACKPRESSURED and self.backpressure:
                 cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": self.backpressure,
                                        "warmup_completions": self.warmup}
             out.append(cfg)
@@ -133,7 +136,7 @@ class TieringWorld:
         tiers = []
         for t in cfg.tiers:
             det = None
-            if t in ASYNC_TIERS and cfg.backpressure:
+            if t in BACKPRESSURED and cfg.backpressure:
                 det = EMABackpressureDetector(**default_config(t), warmup_completions=cfg.warmup,
                                               policy=POLICIES[cfg.backpressure](), clock=self.clock.monotonic)
             if t == "kvcr":
