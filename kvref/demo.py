@@ -57,7 +57,9 @@ def record_demo(path: str | os.PathLike, workload: str = "prefix-sharing", fault
     Args:
         path: the trace (``*.gz``: gzip).
         workload: a name from :data:`kvref.models.run_check.demo.WORKLOADS`.
-        fault: a name from :data:`kvref.impl.vllm.demo_faults.FAULTS`, or None.
+        fault: a name from :data:`kvref.impl.vllm.demo_faults.FAULTS` or
+            :data:`kvref.impl.vllm.record_faults.FEATURE_FAULTS` (a fault in the multimodal, LoRA,
+            lookahead-hash or Mamba-checkpoint path, #28), or None.
         async_scheduling: ``RecordingAsyncScheduler`` (vLLM's default) or ``RecordingScheduler``.
         seed: draws the workload's arrivals and the fake model's tokens.
         ticks: engine iterations with arrivals (the run then drains).
@@ -70,11 +72,12 @@ def record_demo(path: str | os.PathLike, workload: str = "prefix-sharing", fault
     _check(seed, ticks, async_scheduling)
     from kvref.impl.run_trace.writer import _fspath, compression_for
     from kvref.impl.vllm.demo_faults import FAULTS, plant
+    from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
 
     path = _fspath(path)
     compression_for(path)
-    if fault is not None and fault not in FAULTS:
-        raise InvalidFieldError("--fault", fault, "one of " + ", ".join(FAULTS))
+    if fault is not None and fault not in FAULTS and fault not in FEATURE_FAULTS:
+        raise InvalidFieldError("--fault", fault, "one of " + ", ".join((*FAULTS, *FEATURE_FAULTS)))
     from kvref.impl.vllm.record import ENV_ANONYMIZE, ENV_PATH, recorded_vllm_scheduler
     from kvref.impl.vllm.scheduler import VllmEnv
 
@@ -87,9 +90,10 @@ def record_demo(path: str | os.PathLike, workload: str = "prefix-sharing", fault
     crashed = None
     # planted before the scheduler is built: vLLM's objects then bind the faulty methods, as they
     # would in a vLLM with the bug compiled in
-    with plant(fault):
+    with plant_feature_fault(fault) if fault in FEATURE_FAULTS else plant(fault):
         try:
-            target = recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls, log_stats=True)
+            target = recorded_vllm_scheduler(pool, cfg, env, scheduler_cls=cls, log_stats=True,
+                                             encoder_budget=w.encoder_budget, max_loras=w.max_loras)
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -113,7 +113,9 @@ def run_campaign(args: argparse.Namespace) -> int:
         return got
 
     workloads = names(args.workloads, tuple(WORKLOADS), "--workloads")
-    faults = names(args.faults, FAULTS, "--faults")
+    from kvref.impl.vllm.record_faults import FEATURE_FAULTS
+
+    faults = names(args.faults, (*FAULTS, *FEATURE_FAULTS), "--faults")  # the feature faults on request (#28)
     _check_seed_ticks(args)
     modes = (True,) if args.async_only else (False,) if args.sync_only else (True, False)
     quiet_third_party(False)

@@ -20,7 +20,9 @@ prompts, a long-prefill threshold), ``priority`` (the priority policy with mixed
 ``spec-decode`` (n-gram speculative decoding: the fake runner proposes drafts after every synchronous
 step and accepts a seeded number of them), ``spec-decode-eagle`` (the same with an EAGLE-like drafter:
 lookahead slots reserved past every step, the trailing block of a prefix hit dropped), ``cadence``
-(vLLM's local prefill cadence, the adaptive long-prefill threshold and ``max_num_active_seqs``).
+(vLLM's local prefill cadence, the adaptive long-prefill threshold and ``max_num_active_seqs``),
+``multimodal`` (image items under an encoder budget and cache), ``lora`` (adapters under
+``max_loras``), ``eagle-lookahead-hash`` (an EAGLE-like drafter with lookahead block hashes).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvref.impl.interface import PoolConfig
-from kvref.impl.request import Request
+from kvref.impl.reference.scheduler_encoder import EncoderBudget
+from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig, SchedulerOutput
 from kvref.spec import EngineConfig, plan_kv_cache
 from kvref.spec import kv_cache_interface as ks
@@ -69,6 +72,12 @@ class Workload:
     #: prefill chunk ends within it of the prompt's end, the KV manager keeps the last ``- 1``
     #: computed tokens unpublished (0: another drafter's; replayed by check-run, #28)
     num_prefill_lookahead: int = 0
+    #: a multimodal model's encoder limits (None: a text model), LoRA's max_loras (None: off), and an
+    #: EAGLE-like drafter's lookahead block hashes instead of the trailing-block drop (replayed by
+    #: check-run since session 13, #28)
+    encoder_budget: EncoderBudget | None = None
+    max_loras: int | None = None
+    hash_lookahead: bool = False
 
 
 def _full(bs: int) -> dict:
@@ -115,6 +124,8 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
     pool = PoolConfig.from_plan(plan(max(lo, int(lo * workload.pool_scale))), use_eagle=cfg.use_eagle)
     if workload.num_prefill_lookahead:  # the drafter's setting, not the plan's
         pool = replace(pool, num_prefill_lookahead=workload.num_prefill_lookahead)
+    if workload.hash_lookahead:  # each block's hash covers the token after it: no trailing-block drop
+        pool = replace(pool, use_eagle=False, num_hash_lookahead_tokens=max(1, workload.num_prefill_lookahead))
     return pool, cfg
 
 
@@ -125,14 +136,19 @@ class DemoClient:
         self._engine = engine
 
     def add(self, prompt, max_tokens: int, priority: int = 0, request_id: str | None = None,
-            stop: bool = False) -> str:
+            stop: bool = False, items=(), adapter: str | None = None) -> str:
+        """Send a request; ``items``: ``(identifier, offset, length)`` multimodal items of the prompt
+        (dropped where the prompt was cut short of them); ``adapter``: a LoRA adapter's name."""
         e = self._engine
         rid = request_id or f"req-{e.num_added}"
         e.num_added += 1
         prompt = [int(t) for t in prompt][: e.pool.max_model_len - 1]
         max_tokens = max(1, min(max_tokens, e.pool.max_model_len - len(prompt)))
+        mm = tuple(MultiModalFeatureSpec(ident, PlaceholderRange(off, n)) for ident, off, n in items
+                   if off + n <= len(prompt))
+        lora = None if adapter is None else LoRARequest(adapter, _ADAPTERS.index(adapter) + 1, f"/adapters/{adapter}")
         r = Request(rid, prompt, max_tokens=max_tokens, priority=priority, arrival_time=float(e.tick),
-                    stop_token_ids=(STOP_TOKEN,) if stop else ())
+                    stop_token_ids=(STOP_TOKEN,) if stop else (), mm_features=mm, lora_request=lora)
         e.target.add_request(r)
         e.live[rid] = r
         e.outputs[rid] = []
@@ -281,6 +297,33 @@ def _priority(rng, c, tick) -> None:
         c.add(_tokens(rng, rng.randint(5, 70)), rng.randint(3, 16), priority=rng.choice([0, 1, 1, 2, 2, 2]))
 
 
+#: the demo's LoRA adapters (id = position + 1)
+_ADAPTERS = ("sql", "chat", "code")
+#: the demo's images: identifier -> placeholder tokens (one size per identifier)
+_IMAGES = {"cat": 6, "dog": 10, "chart": 16, "scan": 24}
+IMAGE_TOKEN = 7
+
+
+def _multimodal(rng, c, tick) -> None:
+    """Chat turns with one or two images from a small set (shared, repeated), behind a system prompt."""
+    if rng.random() < 0.45:
+        system = [(5 * i) % (VOCAB - 2) + 1 for i in range(12)]
+        prompt, items = list(system), []
+        for ident in rng.sample(sorted(_IMAGES), rng.choice([1, 1, 2])):
+            prompt += _tokens(rng, rng.randint(0, 6))
+            items.append((ident, len(prompt), _IMAGES[ident]))
+            prompt += [IMAGE_TOKEN] * _IMAGES[ident]
+        c.add(prompt + _tokens(rng, rng.randint(2, 12)), rng.randint(2, 10), items=items)
+
+
+def _lora(rng, c, tick) -> None:
+    """Three adapters (and the base model) over shared system prompts: max_loras holds some back."""
+    systems = [[(11 * s + i) % (VOCAB - 2) + 1 for i in range(24)] for s in range(2)]
+    if rng.random() < 0.5:
+        c.add(systems[rng.randrange(2)] + _tokens(rng, rng.randint(3, 24)), rng.randint(3, 14),
+              adapter=rng.choice((None,) + _ADAPTERS))
+
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("prefix-sharing", "three system prompts shared by most requests, full + sliding-window pool",
              _swa(16), 4, 128, 32, 6, 2.0, _prefix_sharing),
@@ -314,6 +357,17 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "runner slots active: decodes run while prefill waits its turn, long prompts on a full + "
              "sliding-window pool", _swa(16), 4, 160, 32, 8, 1.5, _long_prompts, long_prefill_token_threshold=8,
              prefill_schedule_interval=3, long_prefill_token_threshold_adaptive=True, max_num_active_seqs=4),
+    Workload("multimodal", "image chat: one or two of four images per request (shared, so the encoder cache "
+             "hits and evicts), an encoder budget of 32 embeddings a step, a cache of 40, a tight full-attention "
+             "pool", _full, 4, 128, 32, 6, 1.5, _multimodal,
+             encoder_budget=EncoderBudget(encoder_compute_budget=32, encoder_cache_size=40)),
+    Workload("lora", "three LoRA adapters and the base model over shared system prompts, max_loras 2 (adapters "
+             "held back), prefix hits within an adapter only, full + sliding-window pool", _swa(16), 4, 128, 32, 6,
+             1.5, _lora, max_loras=2),
+    Workload("eagle-lookahead-hash", "EAGLE-like speculative decoding with lookahead block hashes (each block's "
+             "hash covers the token after it, no trailing-block drop), shared prefixes, a tight full-attention "
+             "pool", _full, 4, 128, 32, 6, 1.5, _prefix_sharing, num_speculative_tokens=2, speculative_method="eagle",
+             hash_lookahead=True),
 )}
 
 

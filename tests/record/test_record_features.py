@@ -195,3 +195,23 @@ def test_anonymized_multimodal_and_lora_runs_are_replayed(tmp_path, monkeypatch)
             assert r.followed and r.verdict == "agrees", (r.findings[:2], r.divergence and r.divergence.table())
             followed += 1
         assert followed >= 2
+
+
+@pytest.mark.parametrize("workload", ["multimodal", "lora", "eagle-lookahead-hash"])
+def test_the_feature_demo_workloads_are_replayed(workload, tmp_path):
+    """The demo workloads of the four features' first three (``kvref demo record --workload ...``:
+    image chat under an encoder budget, adapters under max_loras, EAGLE with lookahead hashes) are
+    recorded from vLLM's AsyncScheduler and followed step by step, their features shown."""
+    require_vllm()
+    from kvref.demo import record_demo
+
+    run = record_demo(tmp_path / f"{workload}.kvtrace.gz", workload, None, True, seed=0, ticks=120)
+    assert run.crashed is None
+    r = check_trace(run.path, check_invariants_every=1)
+    assert r.followed and r.verdict == "agrees", (r.findings[:2], r.divergence and r.divergence.table())
+    assert r.steps_compared == r.summary["steps"] > 80 and r.summary["block_checks"] == "on"
+    assert check_trace(run.path, properties_only=True).verdict == "properties hold"
+    shows = _shows(run.path)
+    want = {"multimodal": ("enc", "efree"), "lora": ("lora", "skipped_waiting"),
+            "eagle-lookahead-hash": ("hits",)}[workload]
+    assert all(shows[k] >= 5 for k in want), shows
