@@ -232,3 +232,45 @@ def test_a_local_store_of_a_request_that_is_not_p2p_must_succeed():
                  "JobResult(job_id=job_id, success=True)", "JobResult(job_id=job_id, success=False)"):
         assert "poll" in (lockstep([("new_request", "P", "pm", "no_params", "kv0"),
                                     ("submit_store", "P", "pm", 1, KEYS[:1], [0]), ("poll", "P")]) or "")
+
+
+def _messages():
+    from hypothesis import strategies as st
+
+    value = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.text(max_size=2), st.binary(max_size=2),
+                      st.lists(st.one_of(st.booleans(), st.integers(-1, 2), st.binary(min_size=1, max_size=2)),
+                               max_size=3))
+    fields = ("peer_id", "kv_request_id", "round_seq", "keys", "block_indexes", "hits", "success")
+    return st.builds(lambda kind, body: {"type": kind, **body},
+                     st.sampled_from(("connect_ack", "fetch", "transfer_done", "abort_fetch", "abort_ack", "lookup",
+                                      "lookup_resp")),
+                     st.dictionaries(st.sampled_from(fields), value))
+
+
+def test_the_reference_rejects_exactly_the_control_messages_vllm_rejects():
+    """vLLM's ``*Msg.validate`` and the reference's ``messages.validate`` on generated messages of
+    every validated type (any field missing, of the wrong type, negative, or a list of mixed
+    items): one raises ValueError exactly when the other does (a rejected message disconnects)."""
+    require_vllm()
+    from hypothesis import given, settings
+
+    from kvref.impl.reference.offload.p2p import messages
+    from tests.conftest import profile_examples
+    from vllm.v1.kv_offload.tiering.p2p.session import protocol as p
+
+    classes = {c.TYPE: c for c in (p.ConnectAckMsg, p.FetchMsg, p.TransferDoneMsg, p.AbortFetchMsg, p.AbortAckMsg,
+                                   p.LookupMsg, p.LookupRespMsg)}
+
+    def rejects(validate, msg) -> bool:
+        try:
+            validate(dict(msg))
+        except ValueError:
+            return True
+        return False
+
+    @settings(max_examples=profile_examples(300, 1000), deadline=None, derandomize=True, database=None)
+    @given(msg=_messages())
+    def agree(msg):
+        assert rejects(classes[msg["type"]].validate, msg) == rejects(messages.validate, msg), msg
+
+    agree()

@@ -66,9 +66,10 @@ def lookup_resp(kv_request_id: str, keys: list[bytes], hits: list[bool]) -> dict
 
 
 def _require(msg: dict, key: str, typ: type, what: str) -> None:
+    """``isinstance`` as vLLM's ``_require*`` check it: a bool is an int there (``round_seq``
+    False is round 0, True round 1), so it is accepted here too."""
     val = msg.get(key)
-    if not isinstance(val, typ) or (typ is int and isinstance(val, bool)) or \
-            (what == "non-negative" and val < 0) or (what == "positive" and val <= 0):
+    if not isinstance(val, typ) or (what == "non-negative" and val < 0) or (what == "positive" and val <= 0):
         raise ValueError(f"{key}: expected {what} {typ.__name__}, got {val!r}")
 
 
