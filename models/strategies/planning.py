@@ -259,3 +259,36 @@ def plan_cases(draw, family: str | None = None) -> PlanCase:
         if draw(st.integers(0, 3)) == 0:
             config = replace(config, num_gpu_blocks_override=max(1, blocks + 1 + draw(st.integers(-2, 2))))
     return PlanCase(family, layers, config, memory, extra, layout)
+
+
+@st.composite
+def fallback_cases(draw) -> PlanCase:
+    """MLA next to sliding-window layers whose pages cannot be unified (vLLM's full-allocation
+    fallback), with the variations that decline it or pad it: padded sliding-window pages (their
+    promoted padding), a sliding-window layer DCP-replicated unlike the MLA layers (promotion fails),
+    a hidden-state extractor layer (no fallback with hidden states), a chunked-local layer."""
+    bs = draw(st.sampled_from((16, 32, 64)))
+    dtype = draw(st.sampled_from(("float16", "bfloat16")))
+    mla = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=dtype)
+    swa = SlidingWindowSpec(block_size=bs, num_kv_heads=draw(st.sampled_from((2, 4))), head_size=64, dtype=dtype,
+                            sliding_window=draw(st.sampled_from((128, 512))))
+    variation = draw(st.sampled_from(("plain", "padded", "replicated", "hidden", "chunked")))
+    if variation == "padded":
+        padded = swa.page_size_bytes + draw(st.sampled_from((64, 1024, 4096)))
+        while mla.page_size_bytes % padded == 0:  # else vLLM unifies by scaling a padded page (differences.md)
+            padded += 64
+        swa = replace(swa, page_size_padded=padded)
+    elif variation == "replicated":
+        swa = replace(swa, dcp_sharded=False)
+    specs: list[KVCacheSpec] = [mla] * draw(st.integers(1, 6)) + [swa] * draw(st.integers(1, 6))
+    if variation == "hidden":
+        specs.append(HiddenStateCacheSpec(block_size=bs, num_kv_heads=1, head_size=draw(st.sampled_from((64, 4096))),
+                                          dtype=dtype))
+    elif variation == "chunked":
+        specs.append(ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=dtype,
+                                               attention_chunk_size=256))
+    layers = {_name(i): s for i, s in enumerate(draw(st.permutations(specs)))}
+    config = replace(draw(engine_configs()), dcp_world_size=1)
+    need = _blocks_needed(layers, config)
+    memory = draw(st.integers(0, 1 << 32)) if need is None else need[0] * (need[1] + 1 + draw(st.integers(-1, 3)))
+    return PlanCase("fallback", layers, config, max(memory, 0), 0)

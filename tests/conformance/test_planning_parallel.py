@@ -70,3 +70,29 @@ def test_planning_helpers_agree_over_their_whole_domain(planner):
 
     settings(max_examples=60, derandomize=True, database=None, deadline=None)(given(case=helper_cases())(check))()
     assert edges == {"refused", "lower_bound_above", "limit_below_one"}, edges
+
+
+def test_full_allocation_fallback_cases_agree(planner):
+    """MLA + sliding-window layers whose pages cannot be unified: vLLM's full-allocation fallback
+    (one uniform-type group, padded pages re-padded) and the variations that decline it (a
+    DCP-replicated sliding window, a hidden-state layer, a chunked-local layer) plan identically
+    (derandomized, conform-planning's fast budget plus margin)."""
+    from kvref.impl.vllm.planning import kvref_outcome
+    from kvref.models.strategies.planning import fallback_cases
+
+    seen: set[str] = set()
+
+    def check(case):
+        theirs = planner.plan(case.layers, case.config, case.available_memory, case.extra_retained_tokens)
+        ours = kvref_outcome(planner, case.layers, case.config, case.available_memory)
+        assert ours.key() == theirs.key(), (ours.key(), theirs.key(), case)
+        for name, want in theirs.fields.items():
+            assert ours.fields[name] == want, (name, case)
+        if theirs.status == "ok" and len(theirs.fields["groups"]) == 1 and len(case.layers) > 1:
+            seen.add("fallback")
+        elif theirs.status != "ok" or len(theirs.fields["groups"]) > 1:
+            seen.add("declined")
+
+    settings(max_examples=40, derandomize=True, database=None, deadline=None,
+             suppress_health_check=list(HealthCheck))(given(case=fallback_cases())(check))()
+    assert seen == {"fallback", "declined"}, seen
