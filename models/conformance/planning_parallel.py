@@ -32,6 +32,13 @@ def agree_parallel(planner: Any, case: ParallelPlanCase, seen: set[str] | None =
     assert set(ours.fields) == set(theirs.fields), (sorted(ours.fields), sorted(theirs.fields), case)
     for name, want in theirs.fields.items():
         assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"
+    if case.shape == "free":  # vLLM's public per-layer check has nothing to check either
+        from kvref.impl.vllm.planning import kvref_per_layer_outcome
+
+        theirs_check = planner.check_per_layer({}, case.config, case.available_memory[0], case.kv_cache_layout)
+        ours_check = kvref_per_layer_outcome({}, case.config, case.available_memory[0], case.kv_cache_layout)
+        assert ours_check.key() == theirs_check.key(), f"per-layer check: kvref {ours_check.key()} vs vLLM " \
+                                                       f"{theirs_check.key()}\n{case}"
     if seen is not None:
         seen.update(_paths(case, theirs))
 
