@@ -121,7 +121,7 @@ class LayerCase:
 #: short run still meets each of them
 FEATURES = ("cp", "mla", "mamba", "other", "aliased:split", "aliased:packed", "perm:split", "perm:packed",
             "per_token_head", "elem:split", "elem:packed", "list", "absent", "mla_dense", "split:NHD", "split:HND",
-            "packed:NHD", "packed:HND", "flat", "uneven:heads", "uneven:total", "uneven:tp", "grid")
+            "packed:NHD", "packed:HND", "flat", "uneven:heads", "uneven:total", "uneven:tp", "grid", "partial_chunk")
 
 
 def layer_cases(rng, n: int) -> list[LayerCase]:
@@ -145,11 +145,12 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
     kind = forced_kind or rng.choice(["split", "packed", "split", "packed", None])
     order, bs = forced_order or rng.choice(["NHD", "HND"]), rng.choice([2, 4, 16] if forced_order else [1, 2, 4, 16])
     dcp = pcp = interleave = 1
+    head_size = rng.choice([1, 2, 8])
     # sides that reach the layout or the mapping need a layer that certifies up to them: even heads,
     # DCP within the replicas, whole interleave chunks
-    certifying = force in ("split", "packed", "mla_dense", "aliased", "perm", "elem", "flat")
+    certifying = force in ("split", "packed", "mla_dense", "aliased", "perm", "elem", "flat", "partial_chunk")
     if force in ("cp", "split", "packed", "mla_dense") or (force != "uneven" and rng.random() < 0.4):
-        dcp, pcp, interleave = rng.choice([1, 2, 4]), rng.choice([1, 1, 2]), rng.choice([1, 1, 2, 4, 8])
+        dcp, pcp, interleave = rng.choice([1, 2, 4]), rng.choice([1, 1, 2]), rng.choice([1, 1, 2, 3, 4, 8])
         tp = min(tp, 4)
         if force == "cp":  # DCP over heads that may not be replicated enough for it
             dcp, interleave = rng.choice([2, 4]), 1
@@ -160,27 +161,32 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
             replication = tp if force == "mla_dense" else tp // total if total < tp else 1
             dcp = rng.choice([d for d in (1, 2, 4) if replication % d == 0])
             interleave = rng.choice([i for i in (1, 2, 4, 8) if i <= bs and bs % i == 0])
+        if force == "partial_chunk":  # CP whose interleave does not divide the block: not certified
+            bs, pcp, interleave = rng.choice([4, 16]), 2, 3
     r = rng.random()
     layer_kind = "attention" if r < 0.8 else "mamba" if r < 0.88 else "other" if r < 0.93 else "mla"
     if force in ("mla", "mamba", "other", "mla_dense"):
         layer_kind = "mla" if force == "mla_dense" else force
-    if force in ("aliased", "perm", "per_token_head", "elem", "list", "absent", "split", "packed", "flat", "uneven"):
+    if force in ("aliased", "perm", "per_token_head", "elem", "list", "absent", "split", "packed", "flat", "uneven",
+                 "partial_chunk"):
         layer_kind, kind = "attention", None if force == "flat" else kind or "split"
     perm = pad = None
-    plain = force in ("split", "packed", "mla_dense")
+    plain = force in ("split", "packed", "mla_dense", "partial_chunk")
     if kind is not None and not plain and (force == "perm" or rng.random() < 0.2):  # permuted/padded
         perm = tuple(rng.sample(range(4 if kind == "split" else 3), 4 if kind == "split" else 3))
         pad = rng.choice([0, 0, 1, 2])
     aliased = None
     if kind is not None and not plain and (force == "aliased" or rng.random() < 0.1):  # any token/head strides
         aliased = tuple(rng.choice([1, 2, 4]) * rng.choice([1, 2, 8, 16]) for _ in range(2))
+        if kind == "split" and rng.random() < 0.5:  # HND's head stride, a token stride of neither layout
+            aliased = (head_size * rng.choice([2, 3]), bs * head_size)
     mla = force in (None, "cp") and rng.random() < 0.1
     if force == "uneven":  # a rank head count vLLM does not shard to, or heads that do not shard evenly
         if uneven != "heads":  # more heads than ranks not a multiple of them, or the other way round
             total, tp = rng.choice([(3, 2), (6, 4)] if uneven == "total" else [(3, 4), (3, 8)])
         heads = max(1, total // tp) + (1 if uneven == "heads" else 0)
     elem = rng.choice([1, 2, 4])
-    return LayerCase(total, tp, heads, kind, order, bs, rng.choice([1, 2, 8]), elem, mla=mla,
+    return LayerCase(total, tp, heads, kind, order, bs, head_size, elem, mla=mla,
                      world_size=tp * pcp + 1 if force == "grid" or (force is None and rng.random() < 0.05) else None,
                      dcp=dcp, pcp=pcp,
                      interleave=interleave, layer_kind=layer_kind, perm=perm, pad=pad or 0, aliased=aliased,
@@ -193,7 +199,7 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
                      mla_tokens_per_state=2 if (mla or layer_kind == "mla") and bs > 1 and force != "mla_dense"
                      and (force == "mla" or rng.random() < 0.3) else 1,
                      uniform=rng.random() < 0.3,
-                     page_size_padded=(1 << 16) if rng.random() < 0.15 else None)
+                     page_size_padded=(1 << 16) if rng.random() < (0.67 if force == "mamba" else 0.15) else None)
 
 
 def compare_layer(case: LayerCase) -> str | None:

@@ -62,8 +62,9 @@ def _layer(rng, kind: str, bs: int, heads: int) -> OffloadLayer:
 
 #: sides of the gate a case can be made to reach (``random_gate_case``'s ``force``): a layer set the
 #: canonical layout certifies only if every layer of a ``UniformTypeKVCacheSpecs`` group is looked at
-#: (its first certifies, a later one does not), and an MLA model replicated on every TP rank
-FORCES = ("uniform_mixed", "mla_replicated")
+#: (its first certifies, a later one does not), an MLA model replicated on every TP rank, and a set
+#: refused for its per-token-head quantization alone
+FORCES = ("uniform_mixed", "mla_replicated", "per_token_head")
 
 
 def gate_cases(rng, n: int) -> list[GateCase]:
@@ -81,6 +82,11 @@ def random_gate_case(rng, force: str | None = None) -> GateCase:
         bad = _layer(rng, rng.choice(["chunked", "hidden_state", "swa_mla"]), bs, total // tp)
         return GateCase((OffloadGroup((replace(good, per_token_head=False), bad), uniform=True),),
                         OffloadParallel(tp, total), True, 8, None)
+    if force == "per_token_head":  # a layer set the canonical gate refuses for its quantization alone
+        tp = rng.choice([1, 2, 4])
+        total, bs = tp * rng.choice([1, 2]), rng.choice([2, 4])
+        layer = replace(_layer(rng, rng.choice(["full", "swa"]), bs, total // tp), per_token_head=True)
+        return GateCase((OffloadGroup((layer,) * rng.choice([1, 2])),), OffloadParallel(tp, total), True, 8, None)
     if force == "mla_replicated":
         tp, bs = rng.choice([2, 4]), rng.choice([2, 4])
         layer = replace(_layer(rng, "mla", bs, 1), per_token_head=False, tokens_per_state=1)

@@ -461,6 +461,57 @@ _add(
                    "copy keeps another request's state)", behaviour="offload"),
 )
 
+# OffloadingConnector worker setup: canonical page mappings, the parallelism gate, the layout the
+# connector asks for (conform-offload-worker's generated layers and layer sets, #22)
+_CMAP = "distributed/kv_transfer/kv_connector/v1/offloading/canonical_mapping.py"
+_OFFL_CONN = "distributed/kv_transfer/kv_connector/v1/offloading_connector.py"
+_add(
+    fault("offl.cmap_cp_rank_dropped", _CMAP,
+          "    return (chunk * ctx.cp_size + ctx.total_cp_rank) * ctx.interleave + pos_in_chunk",
+          "    return (chunk * ctx.cp_size) * ctx.interleave + pos_in_chunk",
+          CLASSIC, "dropped term: every context-parallel rank places its tokens at CP rank 0's canonical positions",
+          behaviour="offload-worker"),
+    fault("offl.cmap_dcp_writers", _CMAP,
+          "        num_writers=replication // ctx.dcp_size,",
+          "        num_writers=replication,",
+          CLASSIC, "wrong count: DCP ranks that split a block's tokens are counted as rotating writers of it",
+          behaviour="offload-worker"),
+    fault("offl.cmap_partial_chunk_certified", _CMAP,
+          "    if ctx.cp_size > 1 and (ctx.interleave > bs or bs % ctx.interleave):",
+          "    if ctx.cp_size > 1 and ctx.interleave > bs:",
+          CLASSIC, "dropped check: a block that is not whole interleave chunks is certified under CP",
+          behaviour="offload-worker"),
+    fault("offl.cmap_hnd_token_stride_unchecked", _CMAP,
+          "    if head_stride == bs * head_size and token_stride == head_size:  # HND",
+          "    if head_stride == bs * head_size:  # HND",
+          CLASSIC, "dropped check: a split page is read as HND from its head stride alone",
+          behaviour="offload-worker"),
+    fault("offl.cmap_mamba_padded_page", _CMAP,
+          "        return replace(spec, page_size_padded=None).page_size_bytes",
+          "        return spec.page_size_bytes",
+          CLASSIC, "wrong size: a Mamba layer's fallback spans its padded page", behaviour="offload-worker"),
+    fault("offl.cfg_per_token_head_certified", _OFFL_CFG,
+          "            if spec.kv_quant_mode.is_per_token_head:\n                return False\n",
+          "",
+          CLASSIC, "dropped check: the canonical gate certifies per-token-head quantized layers",
+          behaviour="offload-worker"),
+    fault("offl.cfg_uniform_bytes_per_layer", _OFFL_CFG,
+          "    if isinstance(spec, UniformTypeKVCacheSpecs):\n        return spec.page_size_bytes\n",
+          "",
+          CLASSIC, "dropped branch: a UniformTypeKVCacheSpecs group's bytes per block are its whole page "
+                   "times its layers", behaviour="offload-worker"),
+    fault("offl.cfg_canonical_world_unchecked", _OFFL_CFG,
+          "            and parallel_config.world_size == tp_size\n",
+          "",
+          CLASSIC, "dropped check: the canonical gate calls a world that is not the TP group agnostic",
+          behaviour="offload-worker"),
+    fault("offl.conn_hisparse_layout", _OFFL_CONN,
+          "            return \"BLHNC\"",
+          "            return \"LBHNC\"",
+          CLASSIC, "wrong value: the connector asks for the layer-outermost layout under HiSparse too",
+          behaviour="offload-worker"),
+)
+
 # --------------------------------------------------------------------------------------------
 # startup planning and spec formulas (v1/core/kv_cache_planning.py, v1/kv_cache_interface.py)
 
