@@ -185,27 +185,36 @@ def connector_logging(multi) -> Any:
     return KVConnectorLogging(multi._vllm_config.kv_transfer_config)
 
 
-def connector_prom(multi, num_engines: int) -> Any:
+def connector_prom(multi, num_engines: int, children: list[dict] | None = None) -> Any:
     """vLLM's ``KVConnectorProm`` for ``multi``'s config (``MultiConnector.build_prom_metrics``
-    with prometheus_client's metric types); returns it and the child metrics it built."""
+    with prometheus_client's metric types), its children replaced by ``children`` if given;
+    returns it and the scripted child metrics it built."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
+    vc = multi._vllm_config
+    if children is not None:
+        vc = copy.copy(vc)
+        vc.kv_transfer_config = _with_children(vc.kv_transfer_config, children)
     before = len(PROM_BUILT)
-    prom = KVConnectorProm(multi._vllm_config, ["model_name", "engine"],
-                           {i: ["kvref", str(i)] for i in range(num_engines)})
+    prom = KVConnectorProm(vc, ["model_name", "engine"], {i: ["kvref", str(i)] for i in range(num_engines)})
     return prom, PROM_BUILT[before:]
+
+
+def _with_children(ktc, children: list[dict]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id=ktc.engine_id,
+                            kv_connector_extra_config={"connectors": children})
 
 
 def children_support_hma(multi, extra: list[dict] | None) -> bool:
     """``MultiConnector.all_children_support_hma`` for ``multi``'s config with its children
     replaced by ``extra`` (None: as configured)."""
-    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
     ktc = multi._vllm_config.kv_transfer_config
     if extra is not None:
-        ktc = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id=ktc.engine_id,
-                               kv_connector_extra_config={"connectors": extra})
+        ktc = _with_children(ktc, extra)
     return MultiConnector.all_children_support_hma(ktc)
 
 

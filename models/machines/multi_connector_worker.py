@@ -143,11 +143,20 @@ class _LoggingSide:
                                             f"{got_src}")
         kids = [dict(c) for c in multi._vllm_config.kv_transfer_config.kv_connector_extra_config["connectors"]]
         at = rng.randrange(len(kids) + 1)
-        for extra, want in ((None, True), ([], False), (kids[:at] + [NOT_HMA_CHILD] + kids[at:], False)):
+        mixed = kids[:at] + [NOT_HMA_CHILD] + kids[at:]
+        for extra, want in ((None, True), ([], False), (mixed, False)):
             got = self.vmw.children_support_hma(multi, extra)
             if got != want:
                 raise MultiWorkerDivergence(f"all_children_support_hma with children "
                                             f"{'as configured' if extra is None else extra}: {got}, expected {want}")
+        # beside a child class without Prometheus metrics (vLLM's ExampleConnector): only the
+        # scripted class gets metrics, and a payload hands it its own part only
+        prom, built = self.vmw.connector_prom(multi, 1, mixed)
+        payload = {self.vmw.CLASS_NAME: {"jobs": at + 1}, NOT_HMA_CHILD["kv_connector"]: {"jobs": 7}}
+        prom.observe(payload, 0)
+        if len(built) != 1 or built[0].observed != [({"jobs": at + 1}, 0)]:
+            raise MultiWorkerDivergence(f"build_prom_metrics beside a class without metrics built {len(built)} "
+                                        f"metrics objects; observed {[b.observed for b in built]}")
 
     def step(self, step: int, payload: dict | None, ref_stats: dict | None, last: bool) -> None:
         """``payload``: vLLM's ``MultiKVConnectorStats.to_dict()`` of the ranks' merged stats."""
