@@ -55,6 +55,16 @@ def _node(node: object) -> str:
     return node
 
 
+#: most refusals armed at once (a model world: a handful of WRITEs or handshakes per trace)
+MAX_ARMED = 64
+
+
+def _count(count: object) -> None:
+    check_int("count", count, minimum=0)
+    if count > MAX_ARMED:
+        raise InvalidFieldError("count", count, f"at most {MAX_ARMED} refusals armed at once")
+
+
 def _str(field: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidFieldError(field, value, "a non-empty str")
@@ -209,7 +219,7 @@ class P2PWorld:
     def fail_submissions(self, node: str, count: int, kind: str) -> None:
         """NIXL refuses ``node``'s next ``count`` WRITE submissions as ``kind`` (``SUBMIT_ERRORS``)."""
         self._live(node)
-        check_int("count", count, minimum=0)
+        _count(count)
         if not isinstance(kind, str) or kind not in SUBMIT_ERRORS:
             raise InvalidFieldError("kind", kind, f"one of {sorted(SUBMIT_ERRORS)}")
         self.planes[node].fail_submissions(count, kind)
@@ -217,7 +227,7 @@ class P2PWorld:
     def fail_registrations(self, node: str, count: int) -> None:
         """``node``'s next ``count`` peer registrations fail (the handshake is refused)."""
         self._live(node)
-        check_int("count", count, minimum=0)
+        _count(count)
         self.planes[node].registration_failures += count
 
     def reseed(self, node: str, differs: bool) -> None:
