@@ -260,3 +260,17 @@ def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cac
         dcp_specs=[None if _padded(g.kv_cache_spec) else
                    planner.to_vllm(resolve_dcp_kv_cache_spec(g.kv_cache_spec, config.dcp_world_size))
                    for g in plan.groups]))
+
+
+def vllm_approximate_gcd(values: list[int], **kwargs: Any) -> int:
+    """vLLM's ``_approximate_gcd`` (the packed layouts' chunk size), called as is."""
+    from vllm.v1.core.kv_cache_planning import _approximate_gcd
+
+    return _approximate_gcd(values, **kwargs)
+
+
+def vllm_largest_divisor_at_most(value: int, limit: int) -> int:
+    """vLLM's ``_largest_divisor_at_most`` (the hidden-state block size), called as is."""
+    from vllm.v1.core.kv_cache_planning import _largest_divisor_at_most
+
+    return _largest_divisor_at_most(value, limit)

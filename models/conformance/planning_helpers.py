@@ -45,12 +45,12 @@ def _attempt(fn, *args: Any, **kw: Any) -> tuple[str, Any]:
 
 def agree_helpers(case: HelperCase) -> None:
     """The two pairs of helpers give the same results and refuse the same arguments."""
-    from vllm.v1.core import kv_cache_planning as planning
+    from kvref.impl.vllm.planning import vllm_approximate_gcd, vllm_largest_divisor_at_most
 
     kw = {} if case.lower_bound is None else {"lower_bound": case.lower_bound}
-    theirs = _attempt(planning._approximate_gcd, list(case.values), **kw)
+    theirs = _attempt(vllm_approximate_gcd, list(case.values), **kw)
     ours = _attempt(approximate_gcd, list(case.values), **kw)
     assert ours == theirs, f"approximate_gcd: kvref {ours} != vLLM {theirs}\n{case}"
-    theirs = planning._largest_divisor_at_most(case.value, case.limit)
+    theirs = vllm_largest_divisor_at_most(case.value, case.limit)
     ours = _largest_divisor_at_most(case.value, case.limit)
     assert ours == theirs, f"largest_divisor_at_most: kvref {ours} != vLLM {theirs}\n{case}"
