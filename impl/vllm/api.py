@@ -194,6 +194,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_UTILS, "resolve_kv_cache_block_sizes"),
         _b(_UTILS, "resolve_cache_hit_alignment_tokens"),
         _b(_UTILS, "resolve_dcp_kv_cache_spec"),
+        # the packing chunk size and hidden-state block size, compared over their whole domain (#22)
+        _b("vllm.v1.core.kv_cache_planning", "_approximate_gcd", "lower_bound"),
+        _b("vllm.v1.core.kv_cache_planning", "_largest_divisor_at_most"),
     ),
     "simple-offload": (
         _b("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler", "cpu_capacity_bytes",
