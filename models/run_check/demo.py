@@ -139,6 +139,8 @@ class DemoClient:
             stop: bool = False, items=(), adapter: str | None = None) -> str:
         """Send a request; ``items``: ``(identifier, offset, length)`` multimodal items of the prompt
         (dropped where the prompt was cut short of them); ``adapter``: a LoRA adapter's name."""
+        if adapter is not None and adapter not in _ADAPTERS:
+            raise InvalidFieldError("adapter", adapter, "None or one of " + ", ".join(_ADAPTERS))
         e = self._engine
         rid = request_id or f"req-{e.num_added}"
         e.num_added += 1
