@@ -353,6 +353,10 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_OFF_BASE, "ReqContext"),
         _b(_OFF_BASE, "ScheduleEndContext"),
         _b(_OFF_BASE, "OffloadingSpec"),
+        _b(_OFF_BASE, "TierFilter"),  # a request's load tier filter in tiering lookups (#22)
+        _b(_OFF_BASE, "TierMatcher"),
+        _b(_OFF_BASE, "Medium"),
+        _b(_OFF_BASE, "Locality"),
         _b(_OFF_CFG, "OffloadingConfig"),
         _b(_OFF_CFG, "OffloadingCacheConfig"),
         _b(_OFF_CFG, "OffloadingGroupConfig"),

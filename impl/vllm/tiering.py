@@ -464,6 +464,16 @@ class VllmTiering:
             self.ctx[req_id] = ReqContext(req_id=req_id)
         return self.ctx[req_id]
 
+    def set_load_tier_filter(self, req_id: str, matchers, everything: bool) -> None:
+        """The request's ``load_tier_filter`` (what its ``kv_load_tiers`` asked for): ``matchers``
+        are (medium, locality) names or None, as the reference's ``TierFilter`` holds them;
+        ``everything``: vLLM's ``TierFilter.ALL``."""
+        from vllm.v1.kv_offload.base import Locality, Medium, TierFilter, TierMatcher
+
+        flt = TierFilter.ALL if everything else TierFilter(matchers=tuple(
+            TierMatcher(medium=Medium[m] if m else None, locality=Locality[lc] if lc else None) for m, lc in matchers))
+        self.req_context(req_id).load_tier_filter = flt
+
     def chunk_state(self) -> dict[bytes, tuple[int, int]]:
         pol = self.primary._policy
         items = pol.chunks.items() if hasattr(pol, "chunks") else list(pol.t1.items()) + list(pol.t2.items())

@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass, field
 
 from kvref.impl.reference.offload.keys import LookupResult, RequestContext
+from kvref.impl.reference.offload.tier_filter import parse_tier_filter
 from kvref.impl.reference.offload.tiering.backpressure import POLICIES, EMABackpressureDetector, default_config
 from kvref.impl.reference.offload.tiering.clock import VirtualClock
 from kvref.impl.reference.offload.tiering.example_tier import ExampleTier, PolledTier
@@ -53,6 +54,9 @@ MUST_DRAW = ("kvcr", POLLED, "obj")
 #: tiers whose jobs and lookups run on threads the trace drives (file system, object store)
 ASYNC_TIERS = ("fs", "obj")
 MAX_JOBS_PER_TIER = 40  # below the 48 pool threads a gated vLLM fs tier has
+#: kv_load_tiers values a request may carry (None: none given); most requests carry none
+LOAD_TIERS = (None, None, None, None, None, [], [{"medium": "cpu"}], [{"medium": "storage"}],
+              [{"locality": "remote"}], [{"medium": "storage", "locality": "local"}], "all")
 #: tiers a configuration with back-pressure gives a detector: the storage tiers, and the
 #: request-level tier (its cascades of chunks already in the primary tier are then gated too)
 BACKPRESSURED = ASYNC_TIERS + (REQUEST_LEVEL,)
@@ -167,7 +171,7 @@ class TieringWorld:
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
                       "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0,
                       "obj_faults_armed": 0, "obj_abandoned": 0, "failed_shutdowns": 0, "fs_short_writes": 0,
-                      "obj_shutdown_faults": 0}
+                      "obj_shutdown_faults": 0, "load_tier_filters": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -202,8 +206,16 @@ class TieringWorld:
 
     def op_new_request(self) -> None:
         rid = f"r{self.next_req}"
+        # the request's kv_load_tiers, drawn from its number and the config (not the trace's
+        # random stream): which tiers may serve its loads
+        raw = LOAD_TIERS[(7 * self.next_req + self.cfg.num_keys) % len(LOAD_TIERS)]
         self.next_req += 1
         self.ctx[rid] = RequestContext(rid)
+        if raw is not None:
+            flt = parse_tier_filter(raw)
+            self.ctx[rid].set_state(flt)
+            self.vllm.set_load_tier_filter(rid, flt.matchers, flt.everything)
+            self.stats["load_tier_filters"] += 1
         self.live.append(rid)
         if self.cfg.report_scheduled:
             self.unscheduled.append(rid)

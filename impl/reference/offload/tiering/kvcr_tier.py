@@ -65,6 +65,7 @@ class _Copy:
 
 class KVCRTier(SecondaryTier):
     medium = MEDIUM_CPU  # of its inventory events (local DRAM)
+    declared_medium = None  # vLLM's KVCR tier class declares no medium: every load tier filter allows it
 
     @property
     def cache_hit_source(self) -> str:

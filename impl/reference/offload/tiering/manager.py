@@ -37,6 +37,7 @@ from kvref.spec.errors import InvalidFieldError, check_int
 
 from ..cpu_offloading_manager import _check_keys
 from ..keys import LookupResult, OffloadKey, OffloadStateError, RequestContext
+from ..tier_filter import TierFilter
 from .lookup_metrics import LookupMetrics
 from .primary_tier import CPUPrimaryTier
 from .tier_base import JobResult, SecondaryTier, TierShutdownError, TransferJob
@@ -274,8 +275,13 @@ class TieringOffloadingManager:
         if self.promotions_held:
             return LookupResult.MISS
         any_retry = False
+        # the request's kv_load_tiers (vLLM's ReqContext.load_tier_filter; here in the context's
+        # state, keyed by type): a tier it does not allow is not asked, and its lookup not counted
+        load_filter = ctx.get_state(TierFilter)
         for i, tier in enumerate(self.tiers):
             if i == exclude_tier_idx:
+                continue
+            if load_filter is not None and not load_filter.allows(tier.declared_medium, None):
                 continue
             result = tier.lookup(key, ctx.req_id)
             self.lookup_metrics.on_lookup(ctx.req_id, key, self._label(i), result, 0.0)

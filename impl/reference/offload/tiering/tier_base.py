@@ -76,6 +76,12 @@ class SecondaryTier(ABC):
         return HIT_SOURCE[self.medium]
 
     @property
+    def declared_medium(self) -> str | None:
+        """The medium vLLM's tier class declares (``medium``), which a request's load tier filter
+        matches against; None (a tier that declares none) matches every filter."""
+        return self.medium
+
+    @property
     def block_size_bytes(self) -> int:
         return self.primary.row_bytes
 
