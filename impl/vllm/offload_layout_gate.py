@@ -70,11 +70,17 @@ def vllm_required_layout(hisparse: bool) -> str | None:
 
 
 def vllm_offloading_gate(groups: list[OffloadGroup], par: OffloadParallel, canonical: bool, num_blocks: int,
-                         tensor_bytes: int | None) -> dict | str:
+                         tensor_bytes: int | None, hisparse_host: bool = False) -> dict | str:
     """vLLM's answer as ``{"group_ids", "worker_kv_bytes_per_block", "parallelism_agnostic",
     "replicated_layout"}``, or its refusal's text."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupRole,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        UniformTypeKVCacheSpecs,
+    )
 
     kv_groups = []
     for gi, g in enumerate(groups):
@@ -84,11 +90,13 @@ def vllm_offloading_gate(groups: list[OffloadGroup], par: OffloadParallel, canon
                                            kv_cache_specs={n: vllm_spec(x) for n, x in zip(names, g.layers)})
         else:
             spec = vllm_spec(g.layers[0])
-        kv_groups.append(KVCacheGroupSpec(names, spec, enable_kv_transfer=g.transfer))
+        role = KVCacheGroupRole.HISPARSE_INDEXER if g.hisparse_indexer else KVCacheGroupRole.DEFAULT
+        kv_groups.append(KVCacheGroupSpec(names, spec, enable_kv_transfer=g.transfer, role=role))
     tensors = [] if tensor_bytes is None else [KVCacheTensor(size=tensor_bytes, layers=["g0.l0"], layer_stride=0,
                                                                  block_stride=max(1, tensor_bytes // max(1, num_blocks)))]
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_groups,
-                         kv_tp_replicas=par.kv_tp_replicas)
+                         kv_tp_replicas=par.kv_tp_replicas,
+                         hisparse_host_num_blocks=num_blocks if hisparse_host else None)
     vc = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"canonical_layout": canonical},
                                            engine_id="kvref"),

@@ -38,16 +38,18 @@ class GateCase:
     canonical: bool
     num_blocks: int
     tensor_bytes: int | None
+    hisparse_host: bool = False
 
     def reference(self) -> dict | str:
+        groups, hs = list(self.groups), self.hisparse_host
         try:
-            ids = offloaded_groups(list(self.groups))
+            ids = offloaded_groups(groups, hs)
         except InvalidFieldError:
             return "refused"
-        wb = worker_kv_bytes_per_block(list(self.groups), self.num_blocks, self.tensor_bytes)
+        wb = worker_kv_bytes_per_block(groups, self.num_blocks, self.tensor_bytes, hs)
         return {"group_ids": ids, "worker_kv_bytes_per_block": wb,
-                "parallelism_agnostic": parallelism_agnostic(list(self.groups), self.par, self.canonical),
-                "replicated_layout": replicated_layout(list(self.groups), self.par, self.canonical, wb)}
+                "parallelism_agnostic": parallelism_agnostic(groups, self.par, self.canonical),
+                "replicated_layout": replicated_layout(groups, self.par, self.canonical, wb, hs)}
 
 
 def _layer(rng, kind: str, bs: int, heads: int) -> OffloadLayer:
@@ -103,20 +105,24 @@ def random_gate_case(rng, force: str | None = None) -> GateCase:
     kinds = (["mla", "mla", "swa_mla", "hidden_state"] if mla_model else ["full", "full", "swa", "chunked"]) \
         + ["mamba", "circular"] * (dcp == 1 and rng.random() < 0.3)
     groups = []
+    hisparse_host = rng.random() < 0.12  # a HiSparse host pool: the indexer groups are offloaded
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
         heads = max(1, total // tp) if rng.random() < 0.8 else rng.choice([1, 2, 3])
         uniform = rng.random() < 0.3
         n = rng.choice([1, 2, 3])
         first = rng.choice(kinds)
         layers = tuple(_layer(rng, rng.choice(kinds) if uniform and i else first, bs, heads) for i in range(n))
-        groups.append(OffloadGroup(layers, uniform, transfer=rng.random() > 0.08))
+        groups.append(OffloadGroup(layers, uniform, transfer=rng.random() > 0.08,
+                                   # (an indexer is an attention cache, never the compressor's ring)
+                                   hisparse_indexer=hisparse_host and rng.random() < 0.6
+                                   and all(x.kind != "circular" for x in layers)))
     par = OffloadParallel(tp, total, dcp, pcp, pp, world_size=0 if rng.random() < 0.85 else tp * pp * pcp + 1,
                           use_mla=mla_model, v2_runner=rng.random() < 0.1,
                           backend="mp" if rng.random() < 0.85 else "ray", nnodes=1 if rng.random() < 0.9 else 2,
                           kv_tp_replicas=tp if mla_model and rng.random() < 0.8 else 1)
     num_blocks = rng.choice([0, 8, 8, 8, 30])
     tensor_bytes = rng.choice([None, None, num_blocks * 96 + rng.choice([0, 5])])
-    return GateCase(tuple(groups), par, rng.random() < 0.5, num_blocks, tensor_bytes)
+    return GateCase(tuple(groups), par, rng.random() < 0.5, num_blocks, tensor_bytes, hisparse_host)
 
 
 def compare_gate(case: GateCase) -> str | None:
@@ -130,7 +136,8 @@ def compare_gate(case: GateCase) -> str | None:
         return f"HiSparse {hisparse}: vLLM's engine takes the layout {layout!r} from the OffloadingConnector, " \
                f"the reference {required_kv_cache_layout(hisparse)!r}"
     try:
-        got = vllm_offloading_gate(list(case.groups), case.par, case.canonical, case.num_blocks, case.tensor_bytes)
+        got = vllm_offloading_gate(list(case.groups), case.par, case.canonical, case.num_blocks, case.tensor_bytes,
+                                   case.hisparse_host)
     except AssertionError as exc:
         return f"{case}: vLLM's build_offloading_config failed its assertion ({exc}); reference {want}"
     if isinstance(got, str):

@@ -7,9 +7,10 @@ pages are one replicated layout for all TP ranks (MLA's latent is the same on ev
 Written from the facts:
 
 * offloaded groups: those that take part in KV transfer and whose every layer is prefix-cacheable
-  (a circular-buffer ring is not); none is refused;
+  (a circular-buffer ring is not) — with a HiSparse host pool, the HiSparse indexer groups instead;
+  none is refused;
 * bytes per block: the first KV cache tensor's size over the block count when the config lists
-  tensors, else the offloaded groups' pages (a group with one spec: its page times its layers; a
+  tensors and there is no HiSparse host pool, else the offloaded groups' pages (a group with one spec: its page times its layers; a
   ``UniformTypeKVCacheSpecs`` group: the sum of its layers' pages); 0 without blocks;
 * agnostic without the canonical layout: the V1 model runner, one cache group whose spec is plain
   (not MLA) full attention with head-sharded pages (heads x TP = the model's KV heads), no
@@ -78,12 +79,13 @@ class OffloadGroup:
     layers: tuple[OffloadLayer, ...]
     uniform: bool = False
     transfer: bool = True
+    hisparse_indexer: bool = False  # the group's role is HiSparse's indexer
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not self.layers or not all(
                 isinstance(x, OffloadLayer) for x in self.layers):
             raise InvalidFieldError("layers", self.layers, "a non-empty tuple of OffloadLayer")
-        for name in ("uniform", "transfer"):
+        for name in ("uniform", "transfer", "hisparse_indexer"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "a bool")
 
@@ -140,25 +142,30 @@ def _groups(groups: object) -> tuple[OffloadGroup, ...]:
     return tuple(groups)
 
 
-def offloaded_groups(groups: list[OffloadGroup]) -> tuple[int, ...]:
-    """The ids of the groups the connector offloads; InvalidFieldError when there are none
-    (vLLM: "KV offloading found no eligible cache groups")."""
-    ids = tuple(i for i, g in enumerate(_groups(groups)) if g.offloaded)
+def offloaded_groups(groups: list[OffloadGroup], hisparse_host: bool = False) -> tuple[int, ...]:
+    """The ids of the groups the connector offloads (``hisparse_host``: the config has a HiSparse
+    host pool); InvalidFieldError when there are none (vLLM: "KV offloading found no eligible cache
+    groups")."""
+    if not isinstance(hisparse_host, bool):
+        raise InvalidFieldError("hisparse_host", hisparse_host, "a bool")
+    ids = tuple(i for i, g in enumerate(_groups(groups))
+                if (g.hisparse_indexer if hisparse_host else g.offloaded))
     if not ids:
         raise InvalidFieldError("groups", groups, "at least one transferable, prefix-cacheable cache group")
     return ids
 
 
-def worker_kv_bytes_per_block(groups: list[OffloadGroup], num_blocks: int, tensor_bytes: int | None) -> int:
+def worker_kv_bytes_per_block(groups: list[OffloadGroup], num_blocks: int, tensor_bytes: int | None,
+                              hisparse_host: bool = False) -> int:
     """One GPU block's bytes on a worker (``tensor_bytes``: the first KV cache tensor's size, None
     when the config lists no tensors)."""
-    ids = offloaded_groups(groups)
+    ids = offloaded_groups(groups, hisparse_host)
     _int("num_blocks", num_blocks, 0)
     if tensor_bytes is not None:
         _int("tensor_bytes", tensor_bytes, 0)
     if num_blocks == 0:
         return 0
-    if tensor_bytes is not None:
+    if tensor_bytes is not None and not hisparse_host:
         return tensor_bytes // num_blocks
     return sum(groups[i].bytes_per_block for i in ids)
 
@@ -200,12 +207,12 @@ def parallelism_agnostic(groups: list[OffloadGroup], par: OffloadParallel, canon
 
 
 def replicated_layout(groups: list[OffloadGroup], par: OffloadParallel, canonical: bool,
-                      worker_bytes: int) -> bool:
+                      worker_bytes: int, hisparse_host: bool = False) -> bool:
     """Whether one host page layout serves every TP rank (MLA's replicated latent)."""
     groups = _groups(groups)
     _int("worker_bytes", worker_bytes, 0)
     if canonical:
-        ids = offloaded_groups(groups)
+        ids = offloaded_groups(groups, hisparse_host)
         return (parallelism_agnostic(groups, par, True)
                 and all(x.kind == "mla" for i in ids for x in groups[i].specs)
                 and par.nnodes == 1 and (par.world == 1 or par.backend == "mp"))
