@@ -166,6 +166,14 @@ HAND_PROGRAMS = [
                         num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32, enable_caching=True),
      [16, 16, 16], COPY_REUSED),
 ]
+#: a host hit leaves r1's first pages host-only: it adopts r0's GPU blocks for two of them, and is
+#: refused a page past its table, a page already read from the GPU and any page of a request with
+#: no table (both sides refuse, nothing changes); then one adopted page is dropped again
+HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_num_blocks=30, blocks_per_request=1,
+                                         num_resident_groups=1, max_model_len=32, max_in_flight_tokens=32),
+                      [20, 20, 20], [("schedule", 0, 8, 0, 0, False), ("schedule", 1, 8, 2, 0, False),
+                                     ("adopt", 1, 3, 0, 0, False), ("adopt", 1, 4, 1, 0, False),
+                                     ("drop", 1, 1, 0, 0, False)]))
 #: the first program on two resident groups: a lost page is read from one block per group, so when
 #: the pool hands out one group's block the other group's block stops being read by the page too
 HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=1, num_gpu_blocks=34, host_num_blocks=20, blocks_per_request=1,

@@ -71,6 +71,17 @@ def test_a_page_lost_on_two_resident_groups():
     assert seen["unpinned"] and seen["page_lost"], seen
 
 
+@pytest.mark.vllm
+def test_refused_adoptions_change_nothing_on_either_side():
+    require_vllm()
+    from kvref.impl.vllm.hisparse import VllmHiSparsePool
+    from kvref.models.machines.hisparse_pool import HAND_PROGRAMS, run_hisparse_program
+
+    (config, lengths, ops), = [p for p in HAND_PROGRAMS if p[2][-1][0] == "drop"]
+    seen = run_hisparse_program(config, lengths, ops, VllmHiSparsePool)
+    assert seen["adopt"] == 2 and seen["adopt_refused"] >= 4 and seen["drop"] == 1, seen
+
+
 def test_reference_rejects_each_faulty_layout_naming_the_field():
     good = [("source", 2), ("indexer", 2), ("resident", 2), ("hot", 2)]
     c = hisparse_coordinator_for_layout(good, 8, 20, 16)
