@@ -26,7 +26,6 @@ from kvref.spec.prefix_cache_retention import replay_boundaries
 from .block_hash import RequestBlockHasher, sha256
 from .hisparse_block_pool import ReuseWatchingBlockPool
 from .hisparse_coordinator import HiSparseCoordinator
-from .hisparse_group_layout import hisparse_coordinator_for_layout
 from .hisparse_invariants import check_hisparse_ref_counts
 from .full_attention_manager import FullAttentionManager
 from .hisparse_hot_manager import HiSparseHotManager
@@ -37,8 +36,6 @@ from .single_type_manager import SingleTypeKVCacheManager
 
 class HiSparsePool(HiSparseManagerCalls):
     kind = "reference"
-    #: the coordinator over any group layout (which layouts it accepts, compared with vLLM's)
-    coordinator_for_layout = staticmethod(hisparse_coordinator_for_layout)
 
     def __init__(self, config: HiSparsePoolConfig) -> None:
         if not isinstance(config, HiSparsePoolConfig):
