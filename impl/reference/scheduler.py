@@ -141,6 +141,9 @@ class Scheduler:
         max_loras: vLLM ``LoRAConfig.max_loras`` (None: LoRA off; :mod:`.scheduler_lora`).
         use_v2_model_runner: the workers run vLLM's V2 model runner: resumed requests are sent as
             new ones, and steps carry the encoder-input updates (:mod:`.scheduler_encoder`).
+        include_finished_set: each ``update_from_output`` reports the requests freed since the
+            previous one (vLLM's ``EngineCoreOutputs.finished_requests``, which the engine core
+            asks for with several data-parallel engines): :attr:`finished_requests`.
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
@@ -148,7 +151,7 @@ class Scheduler:
                  connector: _conn.ScriptedConnector | None = None,
                  record_prefix_cache_stats: bool = False,
                  encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None,
-                 use_v2_model_runner: bool = False) -> None:
+                 use_v2_model_runner: bool = False, include_finished_set: bool = False) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -201,6 +204,13 @@ class Scheduler:
         if self.max_loras is not None and connector is not None:
             raise InvalidFieldError("max_loras", max_loras, "None with a KV connector (kvref models LoRA without one)")
         self.sessions = _sess.SessionSteps(config.policy)  # streaming-input sessions (:mod:`.scheduler_sessions`)
+        if not isinstance(include_finished_set, bool) or (include_finished_set and connector is not None):
+            raise InvalidFieldError("include_finished_set", include_finished_set,
+                                    "True or False (True only without a KV connector)")
+        # vLLM ``finished_req_ids_dict`` (one client): ids freed since the last update_from_output
+        self._finished_since_output: set[str] | None = set() if include_finished_set else None
+        #: the set the last ``update_from_output`` reported (None: none, or include_finished_set off)
+        self.finished_requests: frozenset[str] | None = None
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -238,7 +248,11 @@ class Scheduler:
             self.connector_state.connector.on_new_request(request.request_id)
 
     def finish_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
-        """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks."""
+        """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks.
+        ``None`` aborts every live request (vLLM: "If request_ids is None, all requests will be
+        finished")."""
+        if request_ids is None:
+            request_ids = list(self.requests)
         if isinstance(request_ids, str):
             ids: tuple = (request_ids,)
         elif isinstance(request_ids, (list, tuple, set, frozenset)):
@@ -618,6 +632,9 @@ class Scheduler:
         if self.connector_state is not None:
             _conn.after_output(self, kv_connector_output, failed)
         self._publish_kv_events()
+        if self._finished_since_output is not None:  # vLLM: then cleared, until the next update
+            self.finished_requests = frozenset(self._finished_since_output) or None
+            self._finished_since_output.clear()
 
     def _publish_kv_events(self) -> None:
         """vLLM's ``update_from_output`` ends by taking every KV cache event queued since the last
@@ -681,6 +698,8 @@ class Scheduler:
         self.encoder.forget(request)
         _sess.forget(self, request)
         self.finished_req_ids.add(request.request_id)
+        if self._finished_since_output is not None:
+            self._finished_since_output.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 

@@ -99,7 +99,9 @@ def add_update(sched: "Scheduler", request: Request) -> None:
     session = sched.requests[request.request_id]
     update = None
     if request.resumable:
-        update = ss.StreamingUpdate(tuple(request.prompt_token_ids), request.max_tokens, request.arrival_time)
+        update = ss.StreamingUpdate(tuple(request.prompt_token_ids), request.max_tokens, request.arrival_time,
+                                    request.stop_token_ids, request.eos_token_id, request.min_tokens,
+                                    request.repetition_detection)
         kept = session.num_tokens - 1 if session.request_id in sched.sessions.state.waiting_for_input else None
         if kept is not None and kept + len(update.prompt_token_ids) >= sched.max_model_len:
             raise InvalidFieldError("len(request.prompt_token_ids)", len(update.prompt_token_ids),

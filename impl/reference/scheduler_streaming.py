@@ -30,17 +30,23 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvref.impl.request import Request, RequestStatus
+from kvref.impl.request import RepetitionDetectionParams, Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError
 
 
 @dataclass(frozen=True)
 class StreamingUpdate:
-    """vLLM ``StreamingUpdate``: the next input chunk of a session (multimodal items aside)."""
+    """vLLM ``StreamingUpdate``: the next input chunk of a session (multimodal items aside). Its
+    ``sampling_params`` replace the session's, so the stop rules (``stop_token_ids``,
+    ``eos_token_id``, ``min_tokens``, ``repetition_detection``) are the update's from then on."""
 
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     arrival_time: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
+    min_tokens: int = 0
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, (list, tuple)) or any(
@@ -51,6 +57,11 @@ class StreamingUpdate:
             raise InvalidFieldError("update.max_tokens", self.max_tokens, "an int >= 1")
         if not isinstance(self.arrival_time, (int, float)) or isinstance(self.arrival_time, bool):
             raise InvalidFieldError("update.arrival_time", self.arrival_time, "a number")
+        # the stop rules: validated as a Request's (one of the same id would carry them)
+        Request("update", list(self.prompt_token_ids) or [0], max_tokens=self.max_tokens,
+                stop_token_ids=self.stop_token_ids, eos_token_id=self.eos_token_id, min_tokens=self.min_tokens,
+                repetition_detection=self.repetition_detection)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -106,6 +117,10 @@ def update_request_as_session(request: Request, update: StreamingUpdate) -> None
     request.output_token_ids = []
     request.max_tokens = update.max_tokens
     request.arrival_time = update.arrival_time
+    request.stop_token_ids = update.stop_token_ids  # vLLM: the update's sampling_params replace the session's
+    request.eos_token_id = update.eos_token_id
+    request.min_tokens = update.min_tokens
+    request.repetition_detection = update.repetition_detection
     request.finish_reason = None
     request.status = RequestStatus.WAITING
 

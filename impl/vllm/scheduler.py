@@ -184,7 +184,8 @@ class VllmScheduler:
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
                  scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
-                 encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False) -> None:
+                 encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False,
+                 include_finished_set: bool = False) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -211,6 +212,10 @@ class VllmScheduler:
             extra = dict(include_finished_set=False, log_stats=False)  # the engine core's arguments
         if scheduler_cls is None and (config.num_speculative_tokens or pool.log_stats):
             extra["log_stats"] = True  # SpecDecodingStats and prefix-cache stats are only made with stats on
+        if include_finished_set:  # the engine core's choice with several data-parallel engines
+            extra["include_finished_set"] = True
+        #: ``EngineCoreOutputs.finished_requests`` of the last ``update_from_output`` (one client)
+        self.finished_requests = None
         shared = vc
         saved_events_config = vc.kv_events_config
         saved_transfer_config = vc.kv_transfer_config
@@ -388,6 +393,9 @@ class VllmScheduler:
 
             mro.kv_connector_output = to_vllm_output(kv_connector_output)
         outputs = self.scheduler.update_from_output(so, mro)
+        eco = (outputs or {}).get(0)
+        finished = getattr(eco, "finished_requests", None) if eco is not None else None
+        self.finished_requests = frozenset(finished) if finished else None
         stats = next((eco.scheduler_stats for eco in (outputs or {}).values()
                       if getattr(eco, "scheduler_stats", None) is not None), None)
         sd = getattr(stats, "spec_decoding_stats", None)

@@ -10,7 +10,8 @@ holding a model-runner slot, left out of the unfinished count, counted as deferr
 its own blocks once an update arrives. After every operation the main machine's comparison runs
 (outputs, queues including ``kv_holding_waiting``, request states, block ids, free queue, KV
 events) plus the counts the engine polls and ``make_stats``
-(:class:`~kvref.models.machines.scheduler_pause.PauseDriving`). At teardown every live session is
+(:class:`~kvref.models.machines.scheduler_pause.PauseDriving`), and, with ``include_finished_set``
+on, the ids each update reports freed since the previous one; ``finish_requests(None)`` aborts all. At teardown every live session is
 sent the finishing update and the engine runs until all are finished (or, on a pool the waiting
 sessions filled, until the KV-holding session at the head waits for blocks nobody frees).
 """
@@ -33,6 +34,8 @@ from kvref.models.machines.scheduler import (
     RequestSpec,
     SchedulerMachine,
     SchedulerRun,
+    _diverge,
+    fake_token,
     request_specs,
     run_lockstep_machine,
     scheduler_setups,
@@ -106,14 +109,30 @@ class SessionLockstep(PauseDriving, Lockstep):
                 COVERAGE["session_resumed_on_its_blocks"] += 1
         return out
 
+    def abort_all(self) -> None:
+        """``finish_requests(None)``: every live request aborted (sessions waiting for input too)."""
+        for t in self.targets.values():
+            t.finish_requests(None)
+        self.num_steps += 1
+        COVERAGE["session_abort_all"] += 1
+        self.compare("finish_requests(None)")
+
     def complete(self, seed: int | None = None) -> None:
         before = self.last_snapshot
         super().complete(seed)
+        # include_finished_set: the ids freed since the previous update (aborts between them too)
+        (n0, f0), *rest = ((name, t.finished_requests) for name, t in self.targets.items())
+        for name, f in rest:
+            if f != f0:
+                _diverge(f"update_from_output (step {self.num_steps}): finished_requests differ: {n0} {sorted(f0 or ())}, "
+                         f"{name} {sorted(f or ())}", "update_from_output: finished_requests differ")
+        COVERAGE["finished_set_reported"] += bool(f0)
         after = self.last_snapshot
         for rid in self.worst_length:
             b, a = before.requests.get(rid), after.requests.get(rid)
             if b is not None and a is not None and b.status == "running" and a.status == "waiting":
                 COVERAGE["session_turn_stopped_kept"] += 1
+                COVERAGE["session_stopped_with_placeholders"] += b.num_output_placeholders > 1
                 COVERAGE["session_kept_kv_blocks"] += rid in after.kv_holding_waiting
 
 
@@ -124,9 +143,11 @@ class SessionMachine(SchedulerMachine):
     #: ``name -> (pool, config) -> target``
     factories: dict[str, Callable] = {}
 
-    @initialize(setup=scheduler_setups(consistent=True, spec=False, policy=FCFS))
-    def init(self, setup):
+    @initialize(setup=scheduler_setups(consistent=True, spec=False, policy=FCFS), seqs=st.integers(2, 4))
+    def init(self, setup, seqs):
         pool, config = setup
+        # room for more than the sessions waiting for input, so the waiting loop meets them
+        config = replace(config, max_num_seqs=max(config.max_num_seqs, seqs))
         self.driver = self.driver_class(replace(pool, log_stats=True), config, self.factories)  # make_stats compared
         self.num_added = 0
 
@@ -136,7 +157,11 @@ class SessionMachine(SchedulerMachine):
         longest = self.driver.pool.max_model_len
         # short prompts and turns, so sessions stop (and take updates) within the trace
         spec = data.draw(request_specs(self.num_added, min(longest, 12)))
-        spec = SessionRequestSpec(**{**spec.__dict__, "max_tokens": min(spec.max_tokens, 4)},
+        # a stop token the fake model samples early: under async scheduling the turn then stops with
+        # an output placeholder in flight, which _handle_stopped_request must drop
+        stop = data.draw(st.sampled_from((spec.stop_token_ids, (fake_token(spec.request_id, 0),),
+                                          (fake_token(spec.request_id, 1),))))
+        spec = SessionRequestSpec(**{**spec.__dict__, "max_tokens": min(spec.max_tokens, 4), "stop_token_ids": stop},
                                   resumable=data.draw(st.sampled_from((True, True, True, False))))
         self.num_added += 1
         COVERAGE["session_arrivals"] += spec.resumable
@@ -155,9 +180,37 @@ class SessionMachine(SchedulerMachine):
             return  # the session would outgrow the model: the engine's input processor refuses that
         self.driver.update(rid, prompt, max_tokens, float(data.draw(st.integers(0, 50))))
 
+    def _waiting_at_block_end(self) -> list[str]:
+        """Sessions waiting for input whose dropped final token ends a hash block: an update must
+        take that block's hash with it (vLLM trims ``block_hashes`` at ``keep_end // hash_block_size``)."""
+        ref = self.driver.targets.get("ref")
+        if ref is None:
+            return []
+        hbs = self.driver.pool.hash_block_size
+        return [rid for rid in sorted(ref.sessions.state.waiting_for_input)
+                if ref.requests[rid].num_tokens % hbs == 0
+                and self.driver.worst_length[rid] + hbs + 1 < self.driver.pool.max_model_len]
+
+    @precondition(lambda self: self._waiting_at_block_end())
+    @rule(data=st.data())
+    def update_at_block_end(self, data):
+        """The update refills the block its session's dropped token ended, so that block is
+        computed and cached again under the hash of its new tokens."""
+        rid = data.draw(st.sampled_from(self._waiting_at_block_end()))
+        hbs = self.driver.pool.hash_block_size
+        COVERAGE["session_update_drops_a_full_blocks_hash"] += 1
+        self.driver.update(rid, tuple(data.draw(st.lists(st.integers(1, 40), min_size=hbs, max_size=hbs))), 1,
+                           float(data.draw(st.integers(0, 50))))
+
     @rule(state=st.sampled_from(PAUSE_DRAWS))
     def set_pause_state(self, state):
         self.driver.set_pause_state(state)
+
+    @precondition(lambda self: self.num_added >= 3)
+    @rule(data=st.data())
+    def abort_all(self, data):
+        if data.draw(st.integers(0, 7)) == 0:  # rarely: it ends every session of the trace
+            self.driver.abort_all()
 
     def whole_prompts_compete(self) -> None:
         """Not a rule here: its long prompts leave no room for session updates (the main machine runs it)."""
@@ -197,8 +250,8 @@ def run_session_machine(examples: int, reproducible: bool = False, shrink: bool 
     from kvref.impl.vllm.scheduler import VllmEnv, VllmScheduler
 
     env = VllmEnv()
-    factories = {"vllm": lambda p, c: VllmScheduler(p, c, env),
-                 "ref": lambda p, c: Scheduler(p, c, record_prefix_cache_stats=True)}
+    factories = {"vllm": lambda p, c: VllmScheduler(p, c, env, include_finished_set=True),
+                 "ref": lambda p, c: Scheduler(p, c, record_prefix_cache_stats=True, include_finished_set=True)}
 
     def machine_for(counting: type):
         return type("SessionRun", (SessionMachine,), {"driver_class": counting, "factories": factories})

@@ -162,6 +162,11 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.scheduler_lora", "running_loras exceeds_max_loras",
             "the reference Scheduler's max_loras rule (issue #22), called in its waiting loop with its own "
             "checked requests; max_loras itself is fuzzed (check_max_loras, Scheduler)"),
+    **_each(f"{_REF}.scheduler_sessions", "SessionSteps SessionSteps.check_invariants SessionSteps.is_session "
+            "SessionSteps.waiting_for_input add_session add_update check_new_session enqueue_waiting forget "
+            "handle_stopped",
+            "the reference Scheduler's streaming-session hooks (issue #22), called with the Scheduler and its "
+            "own SessionSteps; reached (and fuzzed) through Scheduler.add_request / update_from_output"),
     **_each(f"{_REF}.scheduler_connector_stats", "check_invariants connector_stats flag_connector_reset "
             "record_connector_prefix_cache_stats set_kv_fetch_stage",
             "the reference Scheduler's make_stats bookkeeping with a KV connector (issue #22), called with its "

@@ -829,6 +829,16 @@ _add(
           "",
           CLASSIC, "dropped reset: a stopped session keeps the computed tokens of its in-flight output "
                    "placeholders (async scheduling), past the KV it materialized", behaviour="sessions"),
+    fault("sched.finished_set_not_cleared", _SCHED,
+          "            finished_req_ids.clear()\n",
+          "",
+          CLASSIC, "dropped reset: with include_finished_set, every update reports again the requests freed "
+                   "before the previous one", behaviour="sessions"),
+    fault("sched.abort_all_aborts_none", _SCHED,
+          "            request_ids = self.requests.keys()\n",
+          "            request_ids = ()\n",
+          CLASSIC, "wrong default: finish_requests(None) aborts nothing instead of every request (their KV "
+                   "blocks stay held)", behaviour="sessions"),
 )
 
 
