@@ -333,6 +333,7 @@ class VllmP2PWorld:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InvalidFieldError(name, value, f"an int >= {least}")
         cls = _classes()
+        p2p_nixl.recycle_agents()
         self.clock = VirtualClock()
         self.wire = Wire()
         self.num_blocks, self.block_len = num_blocks, block_len

@@ -16,7 +16,8 @@ Two things are the harness's, both at the NIXL agent (vLLM's ``_NixlAgent``), ne
   outcome a failed RDMA WRITE reports. Without the hold, a loopback WRITE lands within
   microseconds and the traces would depend on thread timing.
 * **Agent reuse.** Creating a NIXL agent with its UCX backend costs about half a second, so the
-  process keeps one real agent per engine slot (:func:`pooled_agent`) and every world's transport
+  process keeps one real agent per engine slot (:func:`pooled_agent`, replaced every
+  :data:`RECYCLE_AFTER` worlds by :func:`recycle_agents`) and every world's transport
   gets a fresh :class:`HeldAgent` over it. vLLM's ``_init`` still registers the world's buffer and
   prepares its descriptors; ``close`` releases them again; what a failed trace leaves behind is
   released by :meth:`HeldAgent.release_all`. The UCX backend is created on the pooled agent once.
@@ -70,20 +71,37 @@ class LandTimeout(RuntimeError):
     """A WRITE the trace let land was not reported DONE by NIXL in time (or reported ERR)."""
 
 
-_POOL: dict[str, Any] = {}
+_POOL: dict[str, tuple[Any, str]] = {}  # slot -> (the real agent, its name)
 _POOL_LOCK = threading.Lock()
-_BACKENDS: set[str] = set()
+_BACKENDS: set[tuple[str, str]] = set()  # (agent name, backend) created
+#: worlds the pooled agents serve before they are replaced: UCX keeps the TCP connections of every
+#: peer registration (about nine sockets a handshake, both ends in this process) until its agent
+#: goes away, and a process that ran a thousand worlds on one pair ran out of file descriptors
+RECYCLE_AFTER = 100
+_WORLDS = [0, 0]  # worlds since the pool's agents were made, the pool's generation
 
 
-def pooled_agent(slot: str) -> Any:
-    """The process's real NIXL agent for engine ``slot`` (created on first use, then reused)."""
+def recycle_agents() -> None:
+    """Count one more world; every :data:`RECYCLE_AFTER` worlds the next world gets new agents
+    (the old ones go with the worlds that still hold them, and their connections with them)."""
+    with _POOL_LOCK:
+        _WORLDS[0] += 1
+        if _WORLDS[0] > RECYCLE_AFTER:
+            _POOL.clear()
+            _WORLDS[0], _WORLDS[1] = 1, _WORLDS[1] + 1
+
+
+def pooled_agent(slot: str) -> tuple[Any, str]:
+    """The process's real NIXL agent for engine ``slot`` and its name (created on first use, then
+    reused until :func:`recycle_agents` replaces it; the name ends in ``-<slot>``)."""
     from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 
     with _POOL_LOCK:
-        agent = _POOL.get(slot)
-        if agent is None:
-            agent = _POOL[slot] = NixlWrapper(f"kvref-p2p-{slot}", nixl_agent_config(backends=[]))
-        return agent
+        entry = _POOL.get(slot)
+        if entry is None:
+            name = f"kvref-p2p-g{_WORLDS[1]}-{slot}"
+            entry = _POOL[slot] = (NixlWrapper(name, nixl_agent_config(backends=[])), name)
+        return entry
 
 
 class HeldAgent:
@@ -91,7 +109,7 @@ class HeldAgent:
 
     def __init__(self, slot: str, agents: dict[str, "HeldAgent"]) -> None:
         self.slot = slot
-        self.real = pooled_agent(slot)
+        self.real, self.real_name = pooled_agent(slot)
         self._agents = agents  # the world's agents by slot (a closed one refuses registration)
         agents[slot] = self
         self.held: list[Any] = []  # posted WRITE handles, oldest first, not yet resolved
@@ -111,9 +129,9 @@ class HeldAgent:
     # -- forwarded, tracked so a failed trace can be cleaned up -----------------------------------
 
     def create_backend(self, name: str, params: dict) -> None:
-        if (self.slot, name) not in _BACKENDS:
+        if (self.real_name, name) not in _BACKENDS:
             self.real.create_backend(name, params)
-            _BACKENDS.add((self.slot, name))
+            _BACKENDS.add((self.real_name, name))
 
     def register_memory(self, descs, mem_type: str = "DRAM"):
         reg = self.real.register_memory(descs, mem_type=mem_type)
@@ -235,10 +253,6 @@ class HeldAgent:
         remote = self.writes.get(id(handle), ("",))[0]
         owner = next((a for a in self._agents.values() if a.real_name == remote), None)
         return remote in self.remotes and owner is not None and not owner.closed
-
-    @property
-    def real_name(self) -> str:
-        return f"kvref-p2p-{self.slot}"
 
     def pending_writes(self) -> list[tuple[Any, list[int], list[int]]]:
         """The held WRITEs, oldest first: (handle, local indexes, remote indexes)."""
