@@ -472,9 +472,10 @@ class VllmP2PWorld:
     def break_transfers(self, node: str, count: int, error: str) -> int:
         return self.agents[node].break_writes(count, error)
 
-    def fail_submissions(self, node: str, count: int, kind: str) -> None:
-        """NIXL refuses ``node``'s next ``count`` WRITE submissions as ``kind`` (at the agent)."""
-        self.agents[node].fail_submissions(count, kind)
+    def fail_submissions(self, node: str, count: int, kind: str, after: int = 0) -> None:
+        """NIXL lets ``node``'s next ``after`` WRITE submissions through, then refuses ``count`` as
+        ``kind`` (at the agent)."""
+        self.agents[node].fail_submissions(count, kind, after)
 
     def fail_registrations(self, node: str, count: int) -> None:
         """``node``'s next ``count`` peer registrations fail: preparing the peer's descriptors raises."""

@@ -122,7 +122,7 @@ class HeldAgent:
         self.writes: dict[int, tuple[str, list[int], list[int]]] = {}
         self.regs: list[Any] = []
         self.closed = False
-        self.submit_failures: list[str] = []  # armed refusals of the next submissions, oldest first
+        self.submit_failures: list[str | None] = []  # armed refusals of the next submissions (None: through)
         self._post_failures: dict[int, str] = {}  # id(handle) -> the refusal its transfer() meets
         self.registration_failures = 0  # armed refusals of the next peer registrations
 
@@ -221,10 +221,10 @@ class HeldAgent:
         self.writes.pop(id(handle), None)
         self.real.release_xfer_handle(handle)
 
-    def fail_submissions(self, count: int, kind: str) -> None:
-        """The next ``count`` WRITE submissions are refused as ``kind`` (the reference's
-        ``SUBMIT_ERRORS``: which agent call fails and what it raises)."""
-        self.submit_failures += [kind] * count
+    def fail_submissions(self, count: int, kind: str, after: int = 0) -> None:
+        """After ``after`` more submissions go through, the next ``count`` are refused as ``kind``
+        (the reference's ``SUBMIT_ERRORS``: which agent call fails and what it raises)."""
+        self.submit_failures += [None] * after + [kind] * count
 
     def complete(self, count: int, ok: bool) -> int:
         """Resolve the oldest ``count`` held WRITEs: ``ok`` lands each (a real NIXL WRITE, awaited

@@ -87,8 +87,8 @@ class DataPlane:
     broken: list[Transfer] = field(default_factory=list)
     next_id: int = 0
     closed: bool = False
-    #: armed refusals: the next submissions fail this way (:data:`SUBMIT_ERRORS`), oldest first
-    submit_failures: list[str] = field(default_factory=list)
+    #: armed refusals: the next submissions fail this way (:data:`SUBMIT_ERRORS`; None: goes through)
+    submit_failures: list[str | None] = field(default_factory=list)
     #: armed refusals: this many next peer registrations fail (the peer's descriptors cannot be built)
     registration_failures: int = 0
     #: the refusals met so far, by kind ("registration" for a peer registration): generator coverage
@@ -116,8 +116,8 @@ class DataPlane:
     def write_blocks(self, peer_id: str, local_idxs: list[int], remote_idxs: list[int]) -> int | None:
         if peer_id not in self.peers or self.closed:
             return None
-        if self.submit_failures:  # refused when posted: no transfer id, classified at once
-            kind = self.submit_failures.pop(0)
+        kind = self.submit_failures.pop(0) if self.submit_failures else None
+        if kind is not None:  # refused when posted: no transfer id, classified at once
             self.refused[kind] = self.refused.get(kind, 0) + 1
             _, exc_name, text = SUBMIT_ERRORS[kind]
             status = peer_fault_status(exc_name, text)
@@ -183,9 +183,10 @@ class DataPlane:
         if self.strikes[peer_id] >= MAX_CONSECUTIVE_TRANSFER_FAILURES:
             self.set_peer_fault(peer_id, f"{self.strikes[peer_id]} consecutive transfer failures (last: {cause})")
 
-    def fail_submissions(self, count: int, kind: str) -> None:
-        """The next ``count`` WRITE submissions are refused as ``kind`` (:data:`SUBMIT_ERRORS`)."""
-        self.submit_failures += [kind] * count
+    def fail_submissions(self, count: int, kind: str, after: int = 0) -> None:
+        """After ``after`` more submissions go through, the next ``count`` are refused as ``kind``
+        (:data:`SUBMIT_ERRORS`)."""
+        self.submit_failures += [None] * after + [kind] * count
 
     def cancel(self, transfer_ids: list[int], mode: str = "immediate") -> list[int]:
         ids = set(transfer_ids)

@@ -216,13 +216,17 @@ class P2PWorld:
             raise InvalidFieldError("error", error, f"one of {sorted(BREAK_STATUS)}")
         return self.planes[node].break_transfers(count, error)
 
-    def fail_submissions(self, node: str, count: int, kind: str) -> None:
-        """NIXL refuses ``node``'s next ``count`` WRITE submissions as ``kind`` (``SUBMIT_ERRORS``)."""
+    def fail_submissions(self, node: str, count: int, kind: str, after: int = 0) -> None:
+        """NIXL lets ``node``'s next ``after`` WRITE submissions through, then refuses ``count`` as
+        ``kind`` (``SUBMIT_ERRORS``)."""
         self._live(node)
         _count(count)
         if not isinstance(kind, str) or kind not in SUBMIT_ERRORS:
             raise InvalidFieldError("kind", kind, f"one of {sorted(SUBMIT_ERRORS)}")
-        self.planes[node].fail_submissions(count, kind)
+        check_int("after", after, minimum=0)
+        if after > MAX_ARMED:
+            raise InvalidFieldError("after", after, f"at most {MAX_ARMED}")
+        self.planes[node].fail_submissions(count, kind, after)
 
     def fail_registrations(self, node: str, count: int) -> None:
         """``node``'s next ``count`` peer registrations fail (the handshake is refused)."""
