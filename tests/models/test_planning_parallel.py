@@ -88,6 +88,8 @@ def test_the_smallest_worker_sets_every_workers_block_count():
     assert [w.own_num_blocks for w in plan.workers] == [100, 40]
     assert plan.num_blocks == 40
     assert [w.tensor_bytes for w in plan.workers] == [40 * 16384, 40 * 24576]  # stage 0 shrunk, not its own 100
+    summary = plan.to_dict()
+    assert summary["num_blocks"] == 40 and [w["own_num_blocks"] for w in summary["workers"]] == [100, 40]
     # the same stage 1 with one block too few for a request is refused, although stage 0 has plenty
     with pytest.raises(InsufficientKVCacheError) as err:
         plan_kv_cache_workers(stages, CFG, [100 * 16384, 16 * 24576])
