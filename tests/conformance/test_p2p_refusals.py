@@ -268,7 +268,7 @@ def test_the_reference_rejects_exactly_the_control_messages_vllm_rejects():
             return True
         return False
 
-    @settings(max_examples=profile_examples(300, 1000), deadline=None, derandomize=True, database=None)
+    @settings(max_examples=profile_examples(200, 400), deadline=None, derandomize=True, database=None)
     @given(msg=_messages())
     def agree(msg):
         assert rejects(classes[msg["type"]].validate, msg) == rejects(messages.validate, msg), msg
