@@ -483,9 +483,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 return
             if what == "writes":
                 count = data.draw(st.integers(1, 3), label="count")
-                kind = data.draw(st.sampled_from(sorted(SUBMIT_ERRORS)), label="kind")
-                # after one WRITE goes through: a round refused while another of its WRITEs is in flight
-                self._all("fail_submissions", "P", count, kind, data.draw(st.integers(0, 1), label="after"))
+                self._all("fail_submissions", "P", count, data.draw(st.sampled_from(sorted(SUBMIT_ERRORS)), label="kind"))
             elif what == "registration":
                 self._all("fail_registrations", node, 1)
             else:
