@@ -82,10 +82,11 @@ HANDSHAKE = [("new_request", "D", "d0", "remote_prefiller", "kv0"), ("new_reques
 
 
 def refused_round(kind: str) -> list[tuple]:
-    """D fetches both keys of kv0; P stores one (its WRITE goes out), then the other, whose WRITE is
-    refused as ``kind`` while the first is still in flight: the round fails once that one lands."""
+    """D fetches both keys of kv0; NIXL lets one WRITE through and refuses the next as ``kind``; P
+    stores one key (its WRITE goes out), then the other, whose WRITE is refused while the first is
+    still in flight: the round fails once that one lands."""
     return HANDSHAKE + [("submit_load", "D", "d0", 1, KEYS, [2, 3]), ("poll", "P"),
-                        ("submit_store", "P", "p0", 2, KEYS[:1], [0]), ("fail_submissions", "P", 1, kind),
+                        ("fail_submissions", "P", 1, kind, 1), ("submit_store", "P", "p0", 2, KEYS[:1], [0]),
                         ("submit_store", "P", "p0", 3, KEYS[1:], [1]), ("poll", "P"), ("poll", "D"),
                         ("complete_transfers", "P", 1, True), ("poll", "P"), ("poll", "D"), ("poll", "P"),
                         ("poll", "D")]
