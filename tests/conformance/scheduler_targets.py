@@ -31,3 +31,14 @@ def scheduler_targets(vllm_env, shim: bool = True) -> dict:
     if shim:
         targets["ref+vllmkv"] = lambda p, c: Scheduler(p, c, mod.VllmKVCacheManagerShim(p, env))
     return targets
+
+
+@pytest.fixture(scope="module")
+def vllm_scheduler():
+    """kvref's vLLM scheduler adapter module (``kvref.impl.vllm.scheduler``), imported once per test
+    module; skips where vLLM is not installed. The scheduler-level conformance modules take it by
+    importing this fixture instead of each keeping a copy."""
+    require_vllm()
+    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
+
+    return scheduler

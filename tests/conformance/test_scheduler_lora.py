@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import vllm_scheduler  # noqa: F401 - the module-scoped fixture
 
 #: the derandomized traces the tests run (the check draws 4 at fast, 30 at ci)
 EXAMPLES = 8
-
-
-@pytest.fixture(scope="module")
-def vllm_scheduler():
-    require_vllm()
-    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return scheduler
 
 
 @pytest.mark.vllm

@@ -10,17 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import profile_examples
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import vllm_scheduler  # noqa: F401 - the module-scoped fixture
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def vllm_scheduler():
-    require_vllm()
-    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return scheduler
 
 
 def test_mamba_align_traces_match_vllm_and_reach_the_split_and_hits(vllm_scheduler):

@@ -12,15 +12,7 @@ import pytest
 from kvref.impl.reference.scheduler_pause import PauseState
 from kvref.spec.errors import InvalidFieldError
 from tests.conftest import profile_examples
-from tests.vllm_env import require_vllm
-
-
-@pytest.fixture(scope="module")
-def vllm_scheduler():
-    require_vllm()
-    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return scheduler
+from tests.conformance.scheduler_targets import vllm_scheduler  # noqa: F401 - the module-scoped fixture
 
 
 def _reference_scheduler():

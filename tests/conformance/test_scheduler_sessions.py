@@ -14,7 +14,7 @@ from kvref.impl.scheduler_types import PRIORITY, ModelOutput, SchedulerConfig
 from kvref.models.machines.scheduler import _attn
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import vllm_scheduler  # noqa: F401 - the module-scoped fixture
 
 #: the traces the tests run (the check draws 10 at fast, 40 at ci)
 EXAMPLES = 10
@@ -114,14 +114,6 @@ def test_the_finished_set_and_abort_all():
     assert s.finished_requests == {"b"}
     with pytest.raises(InvalidFieldError, match="include_finished_set"):
         Scheduler(_scheduler().pool, _scheduler().config, include_finished_set=1)
-
-
-@pytest.fixture(scope="module")
-def vllm_scheduler():
-    require_vllm()
-    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return scheduler
 
 
 @pytest.mark.vllm

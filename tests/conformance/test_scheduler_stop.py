@@ -13,7 +13,7 @@ from kvref.impl.reference.scheduler_stop import ends_in_repetition, stop_reason
 from kvref.impl.request import RepetitionDetectionParams, Request
 from kvref.spec.errors import InvalidFieldError
 from tests.conftest import profile_examples
-from tests.vllm_env import require_vllm
+from tests.conformance.scheduler_targets import vllm_scheduler  # noqa: F401 - the module-scoped fixture
 
 #: the derandomized traces the tests run (the check draws 8 at fast, 30 at ci)
 EXAMPLES = 8
@@ -106,14 +106,6 @@ def test_a_repetition_finish_frees_the_blocks_in_the_same_update():
     assert r.output_token_ids == [6, 6] and "a" not in s.requests
     assert s.kv_cache_manager.get_num_free_blocks() == free
     s.check_invariants()
-
-
-@pytest.fixture(scope="module")
-def vllm_scheduler():
-    require_vllm()
-    from kvref.impl.vllm import scheduler  # noqa: PLC0415 - imports vLLM (~6 s), once per module
-
-    return scheduler
 
 
 @pytest.mark.vllm
