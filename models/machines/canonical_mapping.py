@@ -121,7 +121,7 @@ class LayerCase:
 #: short run still meets each of them
 FEATURES = ("cp", "mla", "mamba", "other", "aliased:split", "aliased:packed", "perm:split", "perm:packed",
             "per_token_head", "elem:split", "elem:packed", "list", "absent", "mla_dense", "split:NHD", "split:HND",
-            "packed:NHD", "packed:HND", "flat", "uneven:heads", "uneven:total", "uneven:tp", "grid", "partial_chunk")
+            "packed:NHD", "packed:HND", "flat", "uneven:heads", "uneven:total", "uneven:tp", "grid", "partial_chunk", "dcp_replicas")
 
 
 def layer_cases(rng, n: int) -> list[LayerCase]:
@@ -148,7 +148,8 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
     head_size = rng.choice([1, 2, 8])
     # sides that reach the layout or the mapping need a layer that certifies up to them: even heads,
     # DCP within the replicas, whole interleave chunks
-    certifying = force in ("split", "packed", "mla_dense", "aliased", "perm", "elem", "flat", "partial_chunk")
+    certifying = force in ("split", "packed", "mla_dense", "aliased", "perm", "elem", "flat", "partial_chunk",
+                           "dcp_replicas")
     if force in ("cp", "split", "packed", "mla_dense") or (force != "uneven" and rng.random() < 0.4):
         dcp, pcp, interleave = rng.choice([1, 2, 4]), rng.choice([1, 1, 2]), rng.choice([1, 1, 2, 3, 4, 8])
         tp = min(tp, 4)
@@ -161,6 +162,8 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
             replication = tp if force == "mla_dense" else tp // total if total < tp else 1
             dcp = rng.choice([d for d in (1, 2, 4) if replication % d == 0])
             interleave = rng.choice([i for i in (1, 2, 4, 8) if i <= bs and bs % i == 0])
+        if force == "dcp_replicas":  # replicated heads whose ranks split the tokens under DCP
+            tp, total, heads, dcp, interleave = 4, rng.choice([1, 2]), 1, 2, 1
         if force == "partial_chunk":  # CP whose interleave does not divide the block: not certified
             bs, pcp, interleave = rng.choice([4, 16]), 2, 3
     r = rng.random()
@@ -168,10 +171,10 @@ def random_layer_case(rng, force: str | None = None) -> LayerCase:
     if force in ("mla", "mamba", "other", "mla_dense"):
         layer_kind = "mla" if force == "mla_dense" else force
     if force in ("aliased", "perm", "per_token_head", "elem", "list", "absent", "split", "packed", "flat", "uneven",
-                 "partial_chunk"):
+                 "partial_chunk", "dcp_replicas"):
         layer_kind, kind = "attention", None if force == "flat" else kind or "split"
     perm = pad = None
-    plain = force in ("split", "packed", "mla_dense", "partial_chunk")
+    plain = force in ("split", "packed", "mla_dense", "partial_chunk", "dcp_replicas")
     if kind is not None and not plain and (force == "perm" or rng.random() < 0.2):  # permuted/padded
         perm = tuple(rng.sample(range(4 if kind == "split" else 3), 4 if kind == "split" else 3))
         pad = rng.choice([0, 0, 1, 2])
