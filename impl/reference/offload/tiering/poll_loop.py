@@ -126,9 +126,10 @@ class TierPollLoop:
         self.alive = False
 
     def check_invariants(self) -> None:
-        assert self.parked_at in ("wait", "acquire"), f"T5: parked at {self.parked_at!r}"
-        assert self.stalled_since is None or self.parked_at == "acquire", "T5: a stall clock after a round"
-        assert self.rounds >= 0 and self.last_error_log >= 0.0, (self.rounds, self.last_error_log)
+        assert self.parked_at in ("wait", "acquire"), f"T6: parked at {self.parked_at!r}"
+        assert self.stalled_since is None or self.parked_at == "acquire", "T6: a stall clock after a round"
+        assert self.rounds >= 0 and self.last_error_log >= 0.0, \
+            f"T6: negative rounds or error-log time ({self.rounds}, {self.last_error_log})"
 
 
 __all__ = ["TIER_POLL_ERROR_LOG_INTERVAL_S", "TIER_POLL_GIVE_UP_AFTER_S", "TIER_POLL_STALL_WARN_S", "TierPollLoop"]
