@@ -14,8 +14,11 @@ from kvref.proofs.crosshair_run import CONFIRMED, NOT_ANALYSED, NOT_REFUTED, REF
 
 @pytest.fixture(scope="module")
 def report():
-    # Fixed budget: 2 s per condition, 1 s per path (about 40 s in all on 2 cores).
-    return run_crosshair(per_condition_timeout=2.0, per_path_timeout=1.0)
+    # Fixed budget: 5 s per condition, 1 s per path. 2 s per condition left the cap contracts
+    # unanalysed ("no report from CrossHair") whenever the machine was loaded (two full-suite runs
+    # with a `kvref verify` beside them); those contracts are confirmed over all paths well within
+    # the budget, so only a starved run spends it.
+    return run_crosshair(per_condition_timeout=5.0, per_path_timeout=1.0)
 
 
 def test_no_contract_is_refuted(report):
