@@ -30,51 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .connector_runs import RecordedRun
+from .recording import closing_targets, scheduler_recorder
 
 #: the features :func:`record_feature_runs` draws
 FEATURES = ("multimodal", "lora", "hash-lookahead", "mamba-checkpoint")
-
-
-def _recorder(env_holder: dict, directory: Path, runs: list[RecordedRun], feature: str, **engine):
-    """``(pool, config) -> target``: vLLM's scheduler through the recording class, ``engine`` (the
-    encoder budget, max_loras, the V2 runner) set as the model's engine sets them."""
-    from kvref.impl.vllm.record import recorded_vllm_scheduler
-    from kvref.impl.vllm.scheduler import VllmEnv
-
-    def build(pool, config):
-        if env_holder.get("env") is None:
-            env_holder["env"] = VllmEnv()
-        path = directory / f"{feature}-run-{len(runs)}.kvtrace.gz"
-        saved = os.environ.get("KVREF_RECORD")
-        os.environ["KVREF_RECORD"] = str(path)
-        try:
-            target = recorded_vllm_scheduler(pool, config, env_holder["env"], **engine)
-        finally:
-            if saved is None:
-                os.environ.pop("KVREF_RECORD", None)
-            else:
-                os.environ["KVREF_RECORD"] = saved
-        runs.append(RecordedRun(path))
-        return target
-
-    return build
-
-
-def _closing(machine: type) -> type:
-    """Close every recorded target at teardown (the engine core's shutdown writes the end record)."""
-    base_teardown = machine.teardown
-
-    def teardown(self):
-        try:
-            base_teardown(self)
-        finally:
-            driver = getattr(self, "driver", None)
-            if driver is not None:
-                for t in driver.targets.values():
-                    t.close()
-
-    machine.teardown = teardown
-    return machine
 
 
 def _hash_lookahead_setups():
@@ -98,21 +57,21 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
         from kvref.models.machines.scheduler_encoder import EncoderMachine
 
         def factories_for(budget, v2):
-            return {"vllm": _recorder(env_holder, directory, runs, feature, encoder_budget=budget,
-                                      use_v2_model_runner=v2)}
+            return {"vllm": scheduler_recorder(env_holder, directory, runs, feature, encoder_budget=budget,
+                                               use_v2_model_runner=v2)}
 
         return type("RecordedEncoderRun", (EncoderMachine,), {"factories_for": staticmethod(factories_for)})
     if feature == "lora":
         from kvref.models.machines.scheduler_lora import LoraMachine
 
         def lora_factories(max_loras):
-            return {"vllm": _recorder(env_holder, directory, runs, feature, max_loras=max_loras)}
+            return {"vllm": scheduler_recorder(env_holder, directory, runs, feature, max_loras=max_loras)}
 
         return type("RecordedLoraRun", (LoraMachine,), {"factories_for": staticmethod(lora_factories)})
     from kvref.models.machines.scheduler import machine_with
 
     setups = _hash_lookahead_setups() if feature == "hash-lookahead" else _checkpoint_setups()
-    return machine_with({"vllm": _recorder(env_holder, directory, runs, feature)}, setups=setups,
+    return machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature)}, setups=setups,
                         name="RecordedFeatureRun", spec=True)
 
 
@@ -135,7 +94,7 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     runs: list[RecordedRun] = []
-    machine = _closing(_machine(feature, {}, directory, runs))
+    machine = closing_targets(_machine(feature, {}, directory, runs))
     ok, failure, _ = run_lockstep_machine(machine, examples, steps=steps, min_steps=steps // 2, seed=seed,
                                           reproducible=False, shrink=False)
     if not ok and strict:

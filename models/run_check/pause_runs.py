@@ -18,29 +18,7 @@ import os
 from pathlib import Path
 
 from .connector_runs import RecordedRun
-
-
-def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun]):
-    from kvref.impl.vllm.record import recorded_vllm_scheduler
-    from kvref.impl.vllm.scheduler import VllmEnv
-
-    def build(pool, config):
-        if env_holder.get("env") is None:
-            env_holder["env"] = VllmEnv()
-        path = directory / f"pause-run-{len(runs)}.kvtrace.gz"
-        saved = os.environ.get("KVREF_RECORD")
-        os.environ["KVREF_RECORD"] = str(path)
-        try:
-            target = recorded_vllm_scheduler(pool, config, env_holder["env"])
-        finally:
-            if saved is None:
-                os.environ.pop("KVREF_RECORD", None)
-            else:
-                os.environ["KVREF_RECORD"] = saved
-        runs.append(RecordedRun(path))
-        return target
-
-    return build
+from .recording import closing_targets, scheduler_recorder
 
 
 def _startup_setups(kinds=None):
@@ -83,21 +61,10 @@ def record_pause_runs(directory: str | os.PathLike, examples: int, seed: int = 0
             # update_from_output's return value (the metrics endpoint's view)
             Lockstep.compare(self, what)
 
-    base = machine_with({"vllm": _recording_factory({}, directory, runs)}, setups=_startup_setups(kinds),
+    base = machine_with({"vllm": scheduler_recorder({}, directory, runs, "pause")}, setups=_startup_setups(kinds),
                         name="RecordedPauseBase")
     machine = type("RecordedPauseRun", (PauseMachine, base), {"driver_class": Driver})
-    base_teardown = machine.teardown
-
-    def teardown(self):
-        try:
-            base_teardown(self)
-        finally:
-            driver = getattr(self, "driver", None)
-            if driver is not None:
-                for t in driver.targets.values():
-                    t.close()
-
-    machine.teardown = teardown
+    machine = closing_targets(machine)
     ok, failure, _ = run_lockstep_machine(machine, examples, steps=steps, min_steps=steps // 2, seed=seed,
                                           reproducible=False, shrink=False)
     if not ok and strict:
