@@ -1,4 +1,4 @@
-"""The run-trace format, version 4: what each line holds, and how a reader checks it.
+"""The run-trace format, version 5: what each line holds, and how a reader checks it.
 
 One header line, then one JSON object per line, each with a type ``"t"``:
 
@@ -6,7 +6,10 @@ One header line, then one JSON object per line, each with a type ``"t"``:
 ``add``    a request arrived: ``id``, ``prompt`` (base64 of little-endian uint32 token ids),
            ``max_tokens``, ``stop`` (stop token ids, EOS included unless ignored), ``salt``
            (``cache_salt`` or null), ``priority``, ``arrival``; ``x``: features of the request the
-           reference does not model (structured output, multimodal, LoRA, ...), if any.
+           reference does not model (structured output, multimodal, LoRA, ...), if any; version 5
+           (issue #28) adds vLLM ``check_stop``'s other inputs: ``eos`` (``SamplingParams.eos_token_id``,
+           null with ``ignore_eos``), ``min`` (``min_tokens``, absent: 0), ``rep``
+           (``repetition_detection`` as ``[max_pattern_size, min_pattern_size, min_count]``, absent: off).
 ``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
            ``status`` (vLLM's ``RequestStatus`` name).
 ``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call); ``ids`` and ``n``: the
@@ -80,7 +83,11 @@ recorder writes); version 1 traces (dense lists only) read unchanged. A version-
 version-2 trace by its header instead of misreading it. 3 added ``error`` and ``reset`` records and
 the per-step observables above; versions 1 and 2 read unchanged (they simply lack them). 4 added
 the connector's answers (``kv``, ``kvo``, header ``connector``): a version-3 connector trace reads
-unchanged, and is checked by the properties only, as before.
+unchanged, and is checked by the properties only, as before. 5 (issue #28, session 14) marks what session 13's
+recorder added while still writing 4 (``stats.skip``: a session-12 reader refused it, naming the
+line, instead of the version) and adds the stop inputs on ``add`` (``eos``, ``min``, ``rep``): a
+version-4 trace reads unchanged (its ``stop`` already holds the EOS id; a request with repetition
+detection is named unmodelled there), and a version-4 reader refuses a version-5 trace by its header.
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
@@ -115,7 +122,7 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
-VERSION = 4
+VERSION = 5
 RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts", "pause")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
@@ -578,6 +585,16 @@ def validate_record(rec: Any, where: str) -> str:
                 and _is_int(e[2], 1) and type(e[3]) is str for e in mm)):
             raise _fail(where, "mm", mm, "a list of [identifier (str), offset (int >= 0), length (int >= 1), "
                         "modality (str)]")
+        # check_stop's inputs besides max_tokens and stop (version 5, #28)
+        if rec.get("eos") is not None and not _is_int(rec.get("eos")):
+            raise _fail(where, "eos", rec.get("eos"), "null or the EOS token id (int >= 0)")
+        if "min" in rec and not (_is_int(rec["min"]) and rec["min"] <= rec["max_tokens"]):
+            raise _fail(where, "min", rec["min"], f"min_tokens: an int in [0, max_tokens={rec['max_tokens']}]")
+        rep = rec.get("rep")
+        if rep is not None and not (isinstance(rep, list) and len(rep) == 3 and all(_is_int(x) for x in rep)
+                                    and rep[1] <= rep[0] and (rep[0] == 0 or rep[2] >= 2)):
+            raise _fail(where, "rep", rep, "[max_pattern_size, min_pattern_size <= max_pattern_size, "
+                        "min_count >= 2] (ints >= 0; repetition_detection)")
         lora = rec.get("lora")
         if lora is not None and not (isinstance(lora, list) and len(lora) == 3 and type(lora[0]) is str and lora[0]
                                      and _is_int(lora[1], 1) and type(lora[2]) is str and lora[2]):

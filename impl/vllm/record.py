@@ -336,9 +336,28 @@ def _request_unmodelled(request, existing: bool) -> list[str]:
         found.append("prompt_embeds")
     if getattr(request, "kv_transfer_params", None):
         found.append("kv_transfer")
-    if sp is not None and getattr(sp, "repetition_detection", None) is not None:
-        found.append("repetition_detection")
+    # repetition detection, min_tokens and the EOS id are recorded (add.rep/min/eos, format 5) and
+    # replayed through the reference's check_stop (#28)
     return found
+
+
+def _stop_json(sp, anon) -> str:
+    """``,"eos":id`` (or null with ``ignore_eos``), ``,"min":n`` (when not 0) and ``,"rep":[max
+    pattern, min pattern, min count]`` (when set): what vLLM's ``check_stop`` reads besides
+    ``max_tokens`` and the stop ids, so the replay can tell whether each request stopped at the
+    right token (format 5, #28). Anonymized: the EOS id goes through the token mapping, as ``stop``."""
+    if sp is None:
+        return ""
+    eos = sp.eos_token_id
+    if eos is not None and anon is not None:
+        eos = anon.tokens([eos])[0]
+    out = ',"eos":' + ("null" if eos is None else str(int(eos)))
+    if sp.min_tokens:
+        out += ',"min":%d' % sp.min_tokens
+    rd = getattr(sp, "repetition_detection", None)
+    if rd is not None:
+        out += ',"rep":[%d,%d,%d]' % (rd.max_pattern_size, rd.min_pattern_size, rd.min_count)
+    return out
 
 
 def _features_json(request, anon) -> str:
@@ -642,8 +661,9 @@ class _Recorder:
         extra = _request_unmodelled(request, existing)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s}' % (
-                rid_json, _u32(prompt), request.max_tokens, _ints(stop), "null" if salt is None else _dumps(salt),
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s}' % (
+                rid_json, _u32(prompt), request.max_tokens, _ints(stop), _stop_json(sp, anon),
+                "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
                 # the request never reads the prefix cache (prompt logprobs): replayed (issue #28)
                 ',"skip_read":true' if getattr(request, "skip_reading_prefix_cache", False) else "",

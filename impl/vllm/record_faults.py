@@ -1,5 +1,6 @@
 """Faults planted in vLLM's own code, in-process, in the paths check-run replays since #28 for
-multimodal requests, LoRA, lookahead block hashes and the Mamba shared-prefix checkpoint.
+multimodal requests, LoRA, lookahead block hashes, the Mamba shared-prefix checkpoint and the stop
+conditions (``check_stop``: EOS, stop ids, ``min_tokens``, repetition detection).
 
 Each is a plausible regression of that path, planted before a run is recorded (the scheduler then
 binds the faulty code as if vLLM shipped it) and undone afterwards; the planted-fault tests and the
@@ -26,6 +27,11 @@ FEATURE_FAULTS = {
     "checkpoint-ignored": ("mamba-checkpoint", "vLLM's scheduler ignores the shared-prefix checkpoint "
                                                "(mamba_shared_prefix_checkpoint off: chunks stop at the junction's "
                                                "block floor)"),
+    # the order of check_stop's rules is a history of bugs (vLLM PRs #47489, #49521, #51299)
+    "min-tokens-first": ("stop-conditions", "check_stop tests min_tokens before EOS and the stop ids: an EOS "
+                                            "or stop id sampled before min_tokens no longer stops the request"),
+    "repetition-ignores-min": ("stop-conditions", "check_stop's repetition rule ignores min_tokens: a repeated "
+                                                  "n-gram stops the request before its min_tokens outputs"),
 }
 
 
@@ -55,6 +61,31 @@ def plant_feature_fault(name: str) -> Iterator[None]:
             real = v["get_request_block_hasher"]
             v["get_request_block_hasher"] = lambda block_size, hash_fn, lookahead=0: real(block_size, hash_fn, 0)
             undo.append(lambda: v.__setitem__("get_request_block_hasher", real))
+        elif name in ("min-tokens-first", "repetition-ignores-min"):
+            from vllm.v1.core.sched import scheduler as sched_module
+            from vllm.v1.core.sched.utils import check_sequence_repetition
+
+            real = sched_module.check_stop
+            if name == "min-tokens-first":
+                def check_stop(request, max_model_len):
+                    if request.num_output_tokens < request.sampling_params.min_tokens and not (
+                            request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens):
+                        return False
+                    return real(request, max_model_len)
+            else:
+                def check_stop(request, max_model_len):
+                    if real(request, max_model_len):
+                        return True
+                    rd = request.sampling_params.repetition_detection
+                    if rd is not None and check_sequence_repetition(request.output_token_ids, rd):
+                        from vllm.v1.request import RequestStatus
+
+                        request.status = RequestStatus.FINISHED_REPETITION
+                        request.stop_reason = "repetition_detected"
+                        return True
+                    return False
+            sched_module.check_stop = check_stop
+            undo.append(lambda: setattr(sched_module, "check_stop", real))
         else:
             from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -22,7 +22,9 @@ step and accepts a seeded number of them), ``spec-decode-eagle`` (the same with 
 lookahead slots reserved past every step, the trailing block of a prefix hit dropped), ``cadence``
 (vLLM's local prefill cadence, the adaptive long-prefill threshold and ``max_num_active_seqs``),
 ``multimodal`` (image items under an encoder budget and cache), ``lora`` (adapters under
-``max_loras``), ``eagle-lookahead-hash`` (an EAGLE-like drafter with lookahead block hashes).
+``max_loras``), ``eagle-lookahead-hash`` (an EAGLE-like drafter with lookahead block hashes),
+``stop-conditions`` (vLLM's ``check_stop`` inputs: EOS, stop ids, ``min_tokens``, repetition
+detection, over a fake model with a small output vocabulary so that every rule fires).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from dataclasses import dataclass, replace
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_encoder import EncoderBudget
-from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
+from kvref.impl.reference.scheduler_stop import ends_in_repetition
+from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, RepetitionDetectionParams, Request
 from kvref.impl.scheduler_types import DraftTokenIds, ModelOutput, SchedulerConfig, SchedulerOutput
 from kvref.spec import EngineConfig, plan_kv_cache
 from kvref.spec import kv_cache_interface as ks
@@ -78,6 +81,9 @@ class Workload:
     encoder_budget: EncoderBudget | None = None
     max_loras: int | None = None
     hash_lookahead: bool = False
+    #: the fake model samples output tokens in ``[1, output_vocab)``: a small vocabulary makes EOS,
+    #: stop ids and repeated n-grams frequent (the ``stop-conditions`` workload, #28)
+    output_vocab: int = VOCAB
 
 
 def _full(bs: int) -> dict:
@@ -136,9 +142,13 @@ class DemoClient:
         self._engine = engine
 
     def add(self, prompt, max_tokens: int, priority: int = 0, request_id: str | None = None,
-            stop: bool = False, items=(), adapter: str | None = None) -> str:
+            stop: bool = False, items=(), adapter: str | None = None, eos: int | None = None,
+            min_tokens: int = 0, repetition: tuple[int, int, int] | None = None, stop_ids=()) -> str:
         """Send a request; ``items``: ``(identifier, offset, length)`` multimodal items of the prompt
-        (dropped where the prompt was cut short of them); ``adapter``: a LoRA adapter's name."""
+        (dropped where the prompt was cut short of them); ``adapter``: a LoRA adapter's name; ``eos``,
+        ``min_tokens`` and ``repetition`` (``(max_pattern_size, min_pattern_size, min_count)``): the
+        sampling parameters vLLM's ``check_stop`` reads (``min_tokens`` is cut to ``max_tokens``),
+        ``stop_ids`` stop token ids besides ``stop``'s."""
         if adapter is not None and adapter not in _ADAPTERS:
             raise InvalidFieldError("adapter", adapter, "None or one of " + ", ".join(_ADAPTERS))
         e = self._engine
@@ -149,8 +159,10 @@ class DemoClient:
         mm = tuple(MultiModalFeatureSpec(ident, PlaceholderRange(off, n)) for ident, off, n in items
                    if off + n <= len(prompt))
         lora = None if adapter is None else LoRARequest(adapter, _ADAPTERS.index(adapter) + 1, f"/adapters/{adapter}")
+        rd = None if repetition is None else RepetitionDetectionParams(*repetition)
         r = Request(rid, prompt, max_tokens=max_tokens, priority=priority, arrival_time=float(e.tick),
-                    stop_token_ids=(STOP_TOKEN,) if stop else (), mm_features=mm, lora_request=lora)
+                    stop_token_ids=((STOP_TOKEN,) if stop else ()) + tuple(int(t) for t in stop_ids), mm_features=mm, lora_request=lora,
+                    eos_token_id=eos, min_tokens=min(min_tokens, max_tokens), repetition_detection=rd)
         e.target.add_request(r)
         e.live[rid] = r
         e.outputs[rid] = []
@@ -184,6 +196,7 @@ class DemoEngine:
         self.tick = 0
         self.num_schedules = 0
         self.idle_schedules = 0  # schedule calls in a row that scheduled nothing
+        self.vocab = VOCAB  # output tokens are drawn in [1, vocab): the workload's output_vocab
 
     def client(self) -> DemoClient:
         """What a workload script (or a test) uses to send and abort requests on this engine."""
@@ -195,7 +208,7 @@ class DemoEngine:
             self.just_finished.append((rid, list(r.prompt_token_ids), self.outputs.pop(rid, [])))
 
     def _token(self, rid: str, k: int) -> int:
-        return random.Random(f"{self.seed}:{rid}:{k}").randrange(1, VOCAB)
+        return random.Random(f"{self.seed}:{rid}:{k}").randrange(1, self.vocab)
 
     def _settle(self) -> None:
         out: SchedulerOutput = self.in_flight.popleft()
@@ -218,8 +231,19 @@ class DemoEngine:
         for rid in list(self.live):
             r = self.live[rid]
             toks = self.outputs[rid]
-            if len(toks) >= r.max_tokens or (r.stop_token_ids and toks and toks[-1] in r.stop_token_ids):
+            if toks and self._stopped(r, toks):
                 self.forget(rid)
+
+    def _stopped(self, r: Request, toks: list) -> bool:
+        """Whether the engine sees ``r`` finished by its outputs ``toks`` (vLLM's ``check_stop`` on
+        the last token; the engine only forgets it, the scheduler decides)."""
+        last = toks[-1]
+        if last == r.eos_token_id or last in r.stop_token_ids:
+            return True
+        if len(toks) >= r.max_tokens or len(r.prompt_token_ids) + len(toks) >= self.pool.max_model_len:
+            return True
+        rd = r.repetition_detection
+        return len(toks) >= r.min_tokens and rd is not None and ends_in_repetition(toks, rd)
 
     def step(self) -> None:
         """One engine iteration (vLLM's ``step_with_batch_queue``)."""
@@ -237,6 +261,7 @@ class DemoEngine:
     def serve(self, workload: Workload, ticks: int) -> None:
         """Run ``ticks`` engine iterations with the workload's arrivals, then drain what is left."""
         rng = random.Random(self.seed)
+        self.vocab = workload.output_vocab
         client = self.client()
         for self.tick in range(ticks):
             workload.script(rng, client, self.tick)
@@ -326,6 +351,28 @@ def _lora(rng, c, tick) -> None:
               adapter=rng.choice((None,) + _ADAPTERS))
 
 
+#: the ``stop-conditions`` workload's EOS token, stop id and output vocabulary (tokens 1..4)
+EOS_TOKEN = 3
+_STOP_ID = 4
+_STOP_VOCAB = 5
+
+
+def _stop_conditions(rng, c, tick) -> None:
+    """Requests with vLLM's stop inputs drawn together over a 4-token output vocabulary: the EOS id
+    (or ``ignore_eos``), a stop id, ``min_tokens`` (which holds back only the repetition rule) and
+    repetition detection (n-grams of 1 to 3 tokens repeated 3 or 4 times), behind shared prompts."""
+    systems = [[(13 * s + i) % (VOCAB - 2) + 1 for i in range(20)] for s in range(2)]
+    if rng.random() < 0.5:
+        max_tokens = rng.randint(2, 20)
+        c.add(systems[rng.randrange(2)] + _tokens(rng, rng.randint(2, 20)), max_tokens,
+              eos=EOS_TOKEN if rng.random() < 0.4 else None,
+              min_tokens=rng.choice([0, 2, rng.randint(0, max_tokens), rng.randint(0, max_tokens)]),
+              repetition=rng.choice([None, (2, 0, 3), (3, 2, 3), (1, 1, 4)]))
+    elif rng.random() < 0.4:  # a stop id inside the output vocabulary: vLLM's stop_token_ids
+        c.add(_tokens(rng, rng.randint(4, 30)), rng.randint(2, 16), eos=EOS_TOKEN, min_tokens=rng.randint(0, 2),
+              stop_ids=(_STOP_ID,))
+
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("prefix-sharing", "three system prompts shared by most requests, full + sliding-window pool",
              _swa(16), 4, 128, 32, 6, 2.0, _prefix_sharing),
@@ -370,6 +417,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              "hash covers the token after it, no trailing-block drop), shared prefixes, a tight full-attention "
              "pool", _full, 4, 128, 32, 6, 1.5, _prefix_sharing, num_speculative_tokens=2, speculative_method="eagle",
              hash_lookahead=True),
+    Workload("stop-conditions", "vLLM's check_stop inputs together: an EOS id (or ignore_eos), stop ids, "
+             "min_tokens and repetition detection over a 4-token output vocabulary (every rule fires), shared "
+             "prompts on a full + sliding-window pool", _swa(16), 4, 128, 32, 6, 1.5, _stop_conditions,
+             output_vocab=_STOP_VOCAB),
 )}
 
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
-from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
+from kvref.impl.request import (LoRARequest, MultiModalFeatureSpec, PlaceholderRange, RepetitionDetectionParams, Request,
+                                RequestStatus)
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
@@ -122,8 +123,14 @@ def _request(rec: dict) -> Request:
     mm = tuple(MultiModalFeatureSpec(str(i), PlaceholderRange(int(off), int(n)), str(kind))
                for i, off, n, kind in rec.get("mm") or ())
     lora = rec.get("lora")
+    rep = rec.get("rep")
+    # check_stop's inputs (format 5, #28): a version-4 trace's ``stop`` already holds the EOS id, and
+    # min_tokens only holds back the repetition rule, which a version-4 recorder named unmodelled
+    stop = dict(eos_token_id=rec.get("eos"), min_tokens=rec.get("min", 0),
+                repetition_detection=None if rep is None else RepetitionDetectionParams(*rep))
     return Request(rec["id"], decode_tokens(rec["prompt"]), max_tokens=rec["max_tokens"], cache_salt=rec["salt"],
                    priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]),
+                   **stop,
                    skip_reading_prefix_cache=rec.get("skip_read") is True, mm_features=mm,
                    lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
 

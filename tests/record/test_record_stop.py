@@ -1,0 +1,92 @@
+"""check-run follows vLLM's stop conditions (issue #28): the recorder writes what ``check_stop``
+reads (format 5: ``add.eos``, ``add.min``, ``add.rep`` beside ``max_tokens`` and the stop ids),
+and the replay's reference decides every finish from the recorded sampled tokens, so a request
+stopped at the wrong token (which request, which step, which reason, the blocks freed) diverges.
+
+The runs are the ``stop-conditions`` demo workload: vLLM's own ``Scheduler`` / ``AsyncScheduler``
+built through ``scheduler_cls``, a fake model over a 4-token output vocabulary so that EOS, a stop
+id, the length caps and repetition detection (held back by ``min_tokens``) all fire. Fixed seeds
+and tick counts: the same runs at every profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvref.models.run_check import check_trace
+from tests.record.traces import read_lines, rewrite
+from tests.vllm_env import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+TICKS = 150
+
+
+@pytest.fixture(scope="module")
+def env():
+    require_vllm()
+    from kvref.impl.vllm.scheduler import VllmEnv
+
+    return VllmEnv()
+
+
+def _record(env, tmp_path, fault=None, async_scheduling=True):
+    from kvref.demo import record_demo
+
+    path = tmp_path / f"stop-{fault}-{async_scheduling}.kvtrace.gz"
+    run = record_demo(path, "stop-conditions", fault, async_scheduling, ticks=TICKS, env=env)
+    return run, read_lines(run.path)
+
+
+@pytest.fixture(scope="module")
+def pristine(env, tmp_path_factory):
+    """The pristine async run (recorded once: three tests compare with it)."""
+    return _record(env, tmp_path_factory.mktemp("stop"))
+
+
+def _reasons(lines) -> set:
+    return {why for rec in lines[1:] if rec["t"] == "update" for _, why in rec["fin"]}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_pristine_stop_conditions_run_is_replayed_with_every_finish_compared(env, pristine, tmp_path,
+                                                                              async_scheduling):
+    run, lines = pristine if async_scheduling else _record(env, tmp_path, async_scheduling=False)
+    assert run.crashed is None and lines[0]["version"] == 5 and lines[0]["unmodelled"] == []
+    adds = [rec for rec in lines[1:] if rec["t"] == "add"]
+    # every check_stop input is in the trace, and nothing names repetition detection unmodelled
+    assert any(rec.get("eos") == 3 for rec in adds) and any(rec.get("eos") is None for rec in adds)
+    assert any(rec.get("min", 0) > 0 for rec in adds) and any(rec.get("rep") for rec in adds)
+    assert not any(rec.get("x") for rec in adds)
+    assert {"stop", "length", "repetition"} <= _reasons(lines)
+    r = check_trace(run.path, check_invariants_every=1)
+    assert r.ok and r.followed and r.verdict == "agrees", (r.findings, r.divergence and r.divergence.table())
+    assert r.summary["block_checks"] == "on" and r.summary["finished"].get("repetition", 0) > 0
+
+
+def test_a_replay_without_the_stop_inputs_diverges_at_a_finish(pristine, tmp_path):
+    """The recorded inputs are what the replay's finishes rest on: without ``rep`` and ``min`` the
+    reference lets a repetition run on (or stops one min_tokens held back)."""
+    run, _ = pristine
+
+    def strip(rec):
+        if rec["t"] == "add":
+            rec.pop("rep", None)
+            rec.pop("min", None)
+        return rec
+
+    out = rewrite(run.path, tmp_path / "stripped.kvtrace.gz", strip)
+    r = check_trace(out)
+    assert not r.ok and r.divergence is not None
+    assert r.divergence.call == "update_from_output" and "finishes differ" in r.divergence.message
+
+
+@pytest.mark.parametrize("fault", ["min-tokens-first", "repetition-ignores-min"])
+def test_a_fault_planted_in_vllms_check_stop_is_flagged_at_its_finish(env, pristine, tmp_path, fault):
+    """vLLM's check_stop with its rules in a historic wrong order (min_tokens before EOS and the stop
+    ids; the repetition rule ignoring min_tokens) stops requests at other tokens: the replay names
+    the update whose finishes differ (exit 1)."""
+    run, lines = _record(env, tmp_path, fault)
+    assert run.crashed is None and lines[1:-1] != pristine[1][1:-1]  # the fault manifested
+    r = check_trace(run.path)
+    assert not r.ok and r.verdict == "FINDINGS" and r.divergence is not None
+    assert r.divergence.call == "update_from_output" and "finishes differ" in r.divergence.message
