@@ -173,30 +173,24 @@ class OffloadCopier:
         return pairs
 
     def _copy(self, job: Job, kind: str) -> CopyHandle:
-        pairs = self._check(job, kind)
-        runs = merge_runs(pairs)
-        if self.backend == "triton":
-            # long runs to the copy engine, the rest (scattered pages, short runs) to ONE launch
-            page_bytes = self.cache.block_stride * self.cache.dtype.itemsize
-            runs = [r for r in runs if r[2] * page_bytes >= self.copy_engine_min_bytes]
-            if runs:
-                taken = {(g + i, c + i) for g, c, n in runs for i in range(n)}
-                pairs = [p for p in pairs if p not in taken]
+        if isinstance(job, torch.Tensor) or type(job).__module__ == "numpy":
+            runs, gpu, cpu = self._plan_table(self._check_table(job, kind))
+        else:
+            runs, gpu, cpu = self._plan_pairs(self._check(job, kind))
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
             ctx = torch.cuda.stream(self.stream)
         else:
             ctx = _nullcontext()
         with ctx:
-            if self.backend == "triton":
-                # one launch for every other pair of the job, every layer (issue #24)
+            if len(gpu):
+                # one launch for every pair the copy engine does not take, every layer (issue #24)
                 from .triton_kernels.block_copy import copy_pages_triton
 
-                gpu, cpu = [g for g, _ in pairs], [c for _, c in pairs]
                 # the ids were checked above against the same bounds: not again per job
-                if pairs and kind == "store":
+                if kind == "store":
                     copy_pages_triton(self.cache.backing, self.host, gpu, cpu, validate_ids=False)
-                elif pairs:
+                else:
                     copy_pages_triton(self.host, self.cache.backing, cpu, gpu, validate_ids=False)
             for dev, host in zip(self.cache.backing, self.host):
                 for g, c, n in runs:
@@ -210,8 +204,71 @@ class OffloadCopier:
                 event.record(self.stream)
         return CopyHandle(kind, len(job), event)
 
+    def _min_engine_run(self) -> int:
+        """The fewest consecutive pairs the triton back-end hands to the copy engine."""
+        page_bytes = self.cache.block_stride * self.cache.dtype.itemsize
+        return max(1, -(-self.copy_engine_min_bytes // page_bytes))
+
+    def _plan_pairs(self, pairs: Job) -> "tuple[list[tuple[int, int, int]], list[int], list[int]]":
+        """``(runs for the copy engine, the kernel's gpu ids, its cpu ids)`` of a checked list job."""
+        runs = merge_runs(pairs)
+        if self.backend != "triton":
+            return runs, [], []
+        # long runs to the copy engine, the rest (scattered pages, short runs) to ONE launch
+        shortest = self._min_engine_run()
+        runs = [r for r in runs if r[2] >= shortest]
+        if runs:
+            taken = {(g + i, c + i) for g, c, n in runs for i in range(n)}
+            pairs = [p for p in pairs if p not in taken]
+        return runs, [g for g, _ in pairs], [c for _, c in pairs]
+
+    def _check_table(self, job, kind: str) -> torch.Tensor:
+        """An id-array job (what vLLM's offload workers hold: ``np.ndarray`` block ids) as an
+        ``(n, 2)`` int64 CPU tensor, checked with a few tensor operations instead of a Python pass
+        per pair: the host time per job that kept the scattered job under its goal (issue #24)."""
+        try:
+            ids = torch.as_tensor(job)
+        except (TypeError, RuntimeError, ValueError):
+            raise InvalidFieldError("job", type(job).__name__, "an (n, 2) integer array of (gpu_block, cpu_block) rows") from None
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 2 \
+                or ids.shape[1] != 2:
+            raise InvalidFieldError("job", (tuple(ids.shape), str(ids.dtype)),
+                                    "an (n, 2) integer array of (gpu_block, cpu_block) rows")
+        ids = ids.to("cpu", torch.int64)
+        if ids.shape[0]:
+            lo, hi = ids.amin(0).tolist(), ids.amax(0).tolist()
+            for field, col, bound in (("gpu_block", 0, self.cache.num_blocks), ("cpu_block", 1, self.num_cpu_blocks)):
+                if lo[col] < 0 or hi[col] >= bound:
+                    raise InvalidFieldError(field, lo[col] if lo[col] < 0 else hi[col], f"an int in [0, {bound})")
+            dst = ids[:, 1 if kind == "store" else 0].sort().values
+            if bool((dst[1:] == dst[:-1]).any()):
+                raise InvalidFieldError("job", int(dst[1:][dst[1:] == dst[:-1]][0]),
+                                        f"distinct destination blocks (a {kind} writes each once)")
+        return ids
+
+    def _plan_table(self, ids: torch.Tensor) -> "tuple[list[tuple[int, int, int]], torch.Tensor, torch.Tensor]":
+        """:meth:`_plan_pairs` for a checked id array, in tensor operations: the same runs
+        (``merge_runs`` order: sorted by gpu then cpu id) and the same split."""
+        n = ids.shape[0]
+        if n == 0:
+            return [], ids[:, 0], ids[:, 1]
+        ids = ids[(ids[:, 0] * self.num_cpu_blocks + ids[:, 1]).argsort()]
+        begins = torch.ones(n, dtype=torch.bool)
+        begins[1:] = ((ids[1:] - ids[:-1]) != 1).any(1)
+        starts = begins.nonzero().flatten()
+        lengths = torch.diff(starts, append=torch.tensor([n]))
+        if self.backend != "triton":
+            long = torch.ones_like(lengths, dtype=torch.bool)
+        else:
+            long = lengths >= self._min_engine_run()
+        runs = list(zip(ids[starts[long], 0].tolist(), ids[starts[long], 1].tolist(), lengths[long].tolist()))
+        rest = ids[~long[begins.cumsum(0) - 1]]  # each pair's run (repeat_interleave: ms under load)
+        return runs, rest[:, 0], rest[:, 1]
+
     def store(self, job: Job) -> CopyHandle:
-        """Device blocks → host blocks."""
+        """Device blocks → host blocks. ``job``: a list of ``(gpu_block, cpu_block)`` pairs, or an
+        ``(n, 2)`` integer array of them (torch or numpy: checked and split without a Python pass
+        per pair, the cheaper form for long jobs)."""
         return self._copy(job, "store")
 
     def load(self, job: Job) -> CopyHandle:
