@@ -13,7 +13,17 @@ from it) checks:
   image the layout predicts (a segment mapped at the wrong offset or a view one slot off shows);
 * the files: gone once all workers passed the barrier, else kept until the creator cleans up,
   gone after cleanup, gone after a refused creation (whose error is the refusal itself);
-* cleanup: the descriptor closed, the mapping released unless a view is still exported.
+* cleanup: the descriptor closed, the mapping released unless a view is still exported, and a
+  second cleanup changes nothing;
+* the host's pre-faulting: on a kernel without ``MADV_POPULATE_WRITE`` vLLM touches page by page
+  and must keep the bytes an earlier worker already wrote (each case without a barrier fills the
+  first worker's region before the others map it); a ``madvise`` that fails otherwise surfaces
+  as that error;
+* failed constructions leave nothing behind: a collective that fails at the barrier, a creator
+  that fails after joiners opened its file (they must give up with vLLM's "creator failed"
+  error, not wait out the 30 s), a refused pre-fault: every worker raises the first error (a
+  failing barrier on the way out must not replace it), and no file, descriptor or mapping of the
+  region remains.
 """
 
 from __future__ import annotations
@@ -42,11 +52,20 @@ def random_region_case(rng) -> dict:
     rankless = rng.random() < 0.15
     sizes = [[rng.choice([cpu_page // 2, cpu_page // 3, cpu_page - 8, 64, cpu_page + 1]) for _ in range(rng.randint(1, 3))]
              for _ in range(workers)]
+    populate_shard = rng.random() < 0.3
+    fail = not barrier and rng.random() < 0.15
+    # how construction goes wrong, if it does: a collective failing at the barrier, the creator
+    # failing once the joiners opened its file, madvise refusing (inside the guarded section only
+    # with per-shard pre-faulting: vLLM's per-worker pre-fault runs after it, unguarded)
+    trouble = rng.choice(["none"] * 6 + ["collective"] + ["late_creator"] * (barrier and workers > 1)
+                         + ["madvise"] * (populate_shard and not fail))
+    populate = "error" if trouble == "madvise" else rng.choice(["kernel", "kernel", "fallback"])
     return dict(workers=workers, cpu_page=cpu_page, row_stride=row_stride, num_chunks=rng.randint(1, 6),
                 num_segments=rng.choice([1, 2, 3, 4]), min_segment_bytes=rng.choice([row_stride, 2 * row_stride, 1 << 30]),
-                barrier=barrier, populate_shard=rng.random() < 0.3, rankless=rankless,
+                barrier=barrier, populate_shard=populate_shard, rankless=rankless,
                 canonical=rankless or rng.random() < 0.3, sizes=sizes, retain=rng.random() < 0.2,
-                fail=not barrier and rng.random() < 0.15)
+                fail=fail and trouble != "collective", trouble=trouble, populate=populate,
+                twice=rng.random() < 0.3)
 
 
 _CYCLE = bytes(range(251)) * 40  # longer than any view row here
@@ -69,13 +88,28 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
     ranks = [None] * w if case["rankless"] else list(range(w))
     where = f"region case {case}"
     tally = {"regions": 0, "segmented": 0, "views": 0, "refused_views": 0, "bytes_checked": 0, "retained": 0,
-             "refused_creations": 0}
+             "refused_creations": 0, "prefilled": 0, "fallback_populate": 0, "failed_collectives": 0,
+             "late_creator_failures": 0, "refused_populates": 0, "second_cleanups": 0}
+    trouble = case.get("trouble", "none")
+    first_image: list[bytes] = []
+
+    def fill_first(region) -> None:
+        """What an earlier worker wrote before the later ones map the region: a known image."""
+        data = bytes((7 * i + 3) % 251 + 1 for i in range(rows * stride))
+        V.write_base(region, data)
+        first_image.append(data)
+
     regions = V.build_regions(engine, rows, ranks, stride, cpu_page, barrier=case["barrier"],
                               populate_shard=case["populate_shard"], num_segments=case["num_segments"],
-                              min_segment_bytes=case["min_segment_bytes"], fail_first_creator=case["fail"])
+                              min_segment_bytes=case["min_segment_bytes"], fail_first_creator=case["fail"],
+                              creator_fails_late=trouble == "late_creator", barrier_fails=trouble == "collective",
+                              populate=case.get("populate", "kernel"),
+                              after_first=None if case["barrier"] or trouble != "none" else fill_first)
     segments = region_segments(path, rows, stride, case["num_segments"], case["min_segment_bytes"])
     paths = [p for p, _, _ in segments]
     try:
+        if trouble != "none":
+            return _compare_failed_construction(case, regions, paths, path, where, tally), tally
         if case["fail"]:
             if not isinstance(regions[0], MemoryError):
                 return f"{where}: the refused creator gave {regions[0]!r}, not the refusal", tally
@@ -92,7 +126,14 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
         exists = [os.path.exists(p) for p in paths]
         if exists != [not case["barrier"]] * len(paths):
             return f"{where}: files {paths} exist {exists} after construction (barrier={case['barrier']})", tally
-        image = bytearray(rows * stride)
+        image = bytearray(first_image[0]) if first_image else bytearray(rows * stride)
+        tally["prefilled"] += bool(first_image)
+        tally["fallback_populate"] += case.get("populate") == "fallback"
+        if first_image:
+            for region, rank in zip(regions, ranks):
+                if V.base_bytes(region) != first_image[0]:
+                    return (f"{where}: rank {rank} does not see the bytes the first worker wrote before it "
+                            f"mapped the region (pre-faulting with populate={case.get('populate')} lost them)"), tally
         views_alive = []
         for region, rank in zip(regions, ranks):
             got = V.region_segments(region)
@@ -149,6 +190,16 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
                 return f"{where}: rank {ranks[i]}: base_tensor still served after cleanup", tally
             except RuntimeError:
                 pass
+            if case.get("twice"):
+                tally["second_cleanups"] += 1
+                again = V.cleanup(region)
+                if again != (kept, closed):
+                    return f"{where}: rank {ranks[i]}: a second cleanup gave {again}, the first {(kept, closed)}", tally
+        fds = V.open_fds(path)
+        if fds and held is None:  # a mapping vLLM keeps holds its own descriptor (mmap dups it)
+            return f"{where}: {fds} descriptors of the region's files still open after every worker cleaned up", tally
+        if held is None and V.mapped(path):
+            return f"{where}: the region is still mapped after every worker cleaned up (nothing exports it)", tally
         if held is not None:
             held.release()
         leftover = [p for p in paths if os.path.exists(p)]
@@ -161,6 +212,55 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
                 os.unlink(p)
 
 
+def _compare_failed_construction(case: dict, regions: list, paths: list[str], path: str, where: str,
+                                 tally: dict) -> str | None:
+    """A construction that cannot succeed: every worker raises the error the trouble predicts (the
+    first one, never one from releasing its peers), and nothing of the region is left."""
+    trouble, n = case["trouble"], len(regions)
+    got = [type(r).__name__ + ": " + str(r) if isinstance(r, BaseException) else "a region" for r in regions]
+    if trouble == "collective":
+        tally["failed_collectives"] += 1
+        want = [f"RuntimeError: kvref: collective failed (worker {i}, call 1)" for i in range(n)]
+        if got != want:
+            return f"{where}: a failing collective gave {got}, expected {want}"
+    elif trouble == "late_creator":
+        tally["late_creator_failures"] += 1
+        refused = [g for g in got if g.startswith("MemoryError: kvref: planted refusal")]
+        gave_up = [g for g in got if g == "RuntimeError: Shared offload region creator failed during initialization."]
+        if len(refused) != 1 or len(gave_up) != n - 1:
+            return f"{where}: a creator failing after {n - 1} joiners opened its file gave {got}"
+    else:
+        tally["refused_populates"] += 1
+        import errno
+
+        ok = all(isinstance(r, OSError) and r.errno == errno.EPERM for r in regions)
+        if not ok:
+            return f"{where}: a refused madvise gave {got}, expected that OSError (EPERM) from every worker"
+    leftover = [p for p in paths if os.path.exists(p)]
+    if leftover:
+        return f"{where}: failed construction ({trouble}) left files {leftover}"
+    from kvref.impl.vllm import shared_region as V
+
+    fds = V.open_fds(path)
+    if fds:
+        return f"{where}: failed construction ({trouble}) left {fds} descriptors of the region's files open"
+    if V.mapped(path):
+        return f"{where}: failed construction ({trouble}) left the region mapped"
+    return None
+
+
+#: the first cases' failure paths (a creator failing under joiners needs a barrier and peers; a
+#: refused madvise the guarded per-shard pre-fault), so that a small budget reaches each
+_FORCED = (
+    dict(trouble="late_creator", barrier=True, workers=3, rankless=False, fail=False, populate="kernel",
+         sizes=[[64], [64], [64]]),
+    dict(trouble="madvise", populate_shard=True, fail=False, populate="error"),
+    dict(trouble="collective", fail=False),
+    dict(trouble="none", barrier=False, fail=False, populate="fallback", rankless=False, populate_shard=False,
+         retain=True, twice=True),
+)
+
+
 def run_region_cases(seed: int, n: int) -> dict[str, Any]:
     """``n`` generated cases through :func:`compare_region_case`; raises ``AssertionError`` at the
     first difference."""
@@ -168,8 +268,10 @@ def run_region_cases(seed: int, n: int) -> dict[str, Any]:
 
     rng = random.Random(f"shared-offload-region-{seed}")
     totals: dict[str, int] = {"cases": 0}
-    for _ in range(n):
+    for i in range(n):
         case = random_region_case(rng)
+        if i < len(_FORCED):  # every failure path in the first cases, whatever the budget
+            case.update(_FORCED[i])
         bad, tally = compare_region_case(case)
         if bad:
             raise AssertionError(f"vLLM's SharedOffloadRegion: {bad}")
