@@ -89,8 +89,10 @@ def test_bad_load_job_and_constructor_args():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_round_trip_uses_pinned_host_and_events(backend):
-    """Both back-ends on CUDA (issue #24: the triton one refused its own pinned host side)."""
+@pytest.mark.parametrize("form", ["pairs", "id array"])
+def test_cuda_round_trip_uses_pinned_host_and_events(backend, form):
+    """Both back-ends on CUDA (issue #24: the triton one refused its own pinned host side), with the
+    job as a list of pairs and as an (n, 2) id array (its ids reach the kernel as CPU tensors)."""
     if backend == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
     cache = KVCacheTensors(GROUPS, 64, 2, torch.bfloat16, device="cuda")
@@ -100,6 +102,8 @@ def test_cuda_round_trip_uses_pinned_host_and_events(backend):
     copier = OffloadCopier(cache, 64, backend=backend)
     assert copier.host[0].is_pinned()
     job = [(g, 63 - g) for g in range(1, 64)]
+    if form == "id array":
+        job = torch.tensor(job, dtype=torch.int32)
     h = copier.store(job)
     h.wait()
     for t in cache.backing:
