@@ -72,6 +72,9 @@ def test_offload_benchmark_interpreter_mode_verifies_round_trips(capsys):
     assert rc == 0, out
     assert "bit-exact round trips verified" in out
     assert len(re.findall(r"^\| (triton \(interpreted\)|torch) \| (contiguous|scattered) \|", out, re.M)) == 4
+    # the same jobs as (n, 2) id arrays, with the host time of a store
+    assert len(re.findall(r"^\| (triton \(interpreted\)|torch) \| (contiguous|scattered), id array \|( [^|]+ \|){4} \d+ \|$",
+                          out, re.M)) == 4, out
 
 
 @pytest.mark.parametrize("name,args", [("bench_triton_attention", ["--batch", "0"]),
