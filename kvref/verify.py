@@ -403,6 +403,11 @@ SCHEDULER_RUNS = (
            "scheduler traces with streaming sessions",
            "; {traces} with streaming sessions ({session_turn_stopped_kept} turns kept with their blocks, "
            "{session_resumed_on_its_blocks} resumed on them, {session_update_applied_at_once} updates to waiting sessions)"),
+    # the waiting queues alone, every method on both policies, refusals included
+    SubRun("kvref.models.machines.scheduler_queue:run_queue_machine", (20, 80),
+           "waiting-queue operation sequences",
+           "; {traces} waiting-queue histories on vLLM's FCFS/priority queues ({removed_one} removals, "
+           "{pop_empty_refused} empty pops refused)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -13,6 +13,10 @@ from collections import deque
 from typing import Iterable, Iterator
 
 from kvref.impl.request import Request
+from kvref.spec.errors import InvalidFieldError
+
+#: vLLM ``SchedulingPolicy`` values (``create_request_queue`` raises ``ValueError`` on any other)
+POLICIES = ("fcfs", "priority")
 
 
 def priority_key(request: Request) -> tuple:
@@ -28,6 +32,8 @@ class WaitingQueue:
     """
 
     def __init__(self, policy: str) -> None:
+        if policy not in POLICIES:  # vLLM create_request_queue: "Unknown scheduling policy"
+            raise InvalidFieldError("policy", policy, "one of " + ", ".join(POLICIES))
         self.policy = policy
         self._fcfs: deque[Request] = deque()
         self._sorted: list[tuple[tuple, Request]] = []
@@ -57,10 +63,25 @@ class WaitingQueue:
             self._fcfs.extendleft(reversed(items))
 
     def peek_request(self) -> Request:
+        """The head; an empty queue is refused (vLLM raises ``IndexError`` on both policies)."""
+        self._refuse_empty("peek_request")
         return self._sorted[0][1] if self.policy == "priority" else self._fcfs[0]
 
     def pop_request(self) -> Request:
+        """Remove and return the head; an empty queue is refused, the queue unchanged."""
+        self._refuse_empty("pop_request")
         return self._sorted.pop(0)[1] if self.policy == "priority" else self._fcfs.popleft()
+
+    def _refuse_empty(self, what: str) -> None:
+        if not self:
+            raise InvalidFieldError(what, "an empty waiting queue", "a queue holding a request")
+
+    def remove_request(self, request: Request) -> None:
+        """Remove one queued request (vLLM ``remove_request``: ``deque.remove`` / ``list.remove``
+        and a re-heapify); one not queued is refused (vLLM raises ``ValueError``), nothing changed."""
+        if not any(r is request for r in self):
+            raise InvalidFieldError("request", getattr(request, "request_id", request), "a request in this queue")
+        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         ids = {id(r) for r in requests}

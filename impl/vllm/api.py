@@ -183,6 +183,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "min_tokens", "repetition_detection", "skip_reading_prefix_cache"),
         _b("vllm.sampling_params", "SamplingParams.update_from_generation_config"),
         _b("vllm.sampling_params", "RepetitionDetectionParams", "max_pattern_size", "min_pattern_size", "min_count"),
+        # the waiting queues alone (models/machines/scheduler_queue.py, #22)
+        _b("vllm.v1.core.sched.request_queue", "SchedulingPolicy"),
+        _b("vllm.v1.core.sched.request_queue", "create_request_queue"),
+        _b(_REQ, "Request", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
+           "arrival_time", "priority"),
     ),
     "planning": (
         _b("vllm.config", "KVTransferConfig", "kv_connector", "kv_role"),

@@ -241,7 +241,7 @@ EXCLUDED: dict[str, str] = {
             "HybridKVCacheCoordinator.find_longest_cache_hit_per_group eagle_proof_margin "
             "partial_hash_hits_enabled context_parallel_kwargs", INTERNAL),
     **_each(f"{_REF}.scheduler_queue", "WaitingQueue WaitingQueue.add_request WaitingQueue.prepend_request "
-            "WaitingQueue.prepend_requests WaitingQueue.remove_requests priority_key", INTERNAL),
+            "WaitingQueue.prepend_requests WaitingQueue.remove_requests WaitingQueue.remove_request priority_key", INTERNAL),
     **_each(f"{_REF}.block_hash", "BlockHashListWithBlockSize RequestBlockHasher RequestBlockHasher.block_hashes "
             "RequestBlockHasher.forget RequestBlockHasher.peek", INTERNAL),
     **_each(f"{_REF}.block_hash", "compute_none_hash get_block_hash get_group_id sha256 hash_block_tokens "
