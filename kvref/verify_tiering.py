@@ -6,7 +6,8 @@ detector and policies against the reference's on generated completion-time progr
 (:mod:`kvref.models.machines.tiering_backpressure`); and vLLM's tier-poll thread, pass by pass,
 against the reference's loop (:mod:`kvref.models.machines.tiering_poll_loop`); and generated spec
 configs (tiers, back-pressure resolution, refusals) through vLLM's front door
-(:mod:`kvref.models.machines.tiering_spec_config`)."""
+(:mod:`kvref.models.machines.tiering_spec_config`); and generated worker layer references through
+``create_worker``'s canonical-layout rule (:mod:`kvref.models.machines.tiering_canonical_refs`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     from kvref.impl.vllm.tiering import TierTimeout
     from kvref.models.machines.tiering import TieringDivergence, run_traces
     from kvref.models.machines.tiering_backpressure import BackpressureDivergence, run_programs
+    from kvref.models.machines.tiering_canonical_refs import CanonicalRefsDivergence, run_worker_cases
     from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
     from kvref.models.machines.tiering_poll_loop import PollLoopDivergence
     from kvref.models.machines.tiering_poll_loop import run_programs as run_poll_programs
@@ -35,8 +37,9 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
         stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
         stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
         stats.update(run_spec_cases(ctx.seed, ctx.examples(120, 400)))  # ~0.3 s per 120 configs
+        stats.update(run_worker_cases(ctx.seed, ctx.examples(60, 200)))  # ~0.2 s per 100 cases
     except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence, PollLoopDivergence,
-            SpecConfigDivergence) as exc:
+            SpecConfigDivergence, CanonicalRefsDivergence) as exc:
         text = f"{type(exc).__name__}: {exc}"
         return CheckResult(NAME, FAILED, "vLLM's tiering manager diverged from the reference",
                            details=[text[:2000]], signature=f"{NAME}: {str(exc).split(':')[0][:80]}")
@@ -48,5 +51,6 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
                        f"KVCR configs, {stats['configs_refused']} refused as the reference says; {stats['bp_programs']} back-pressure "
                        f"programs, {stats['bp_ops']} ops; {stats['poll_programs']} tier-poll thread programs, "
                        f"{stats['poll_ops']} ops; {stats['spec_configs']} spec configs, {stats.get('spec_configs_refused', 0)} "
-                       "refused as the reference says) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
+                       f"refused as the reference says; {stats['worker_cases']} worker layer-ref sets, "
+                       f"{stats['worker_refused']} refused for canonical layout as the reference says) on vLLM's TieringOffloadingManager with fs/obj/example/kvcr tiers: answers, chunks, jobs, probes, back-pressure, "
                        "events, metrics and bytes agree with the reference", examined=stats["ops"] + stats["bp_ops"] + stats["poll_ops"])

@@ -367,6 +367,14 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_OFF_CFG, "OffloadingGroupConfig"),
         _b(_OFF_CFG, "OffloadingModelConfig"),
         _b(_OFF_CFG, "OffloadingParallelConfig"),
+        # the tiering worker's canonical-layout refs through create_worker (tiering_canonical, #22)
+        _b(_OFF_BASE, "CanonicalKVCacheRef", "tensor_idx", "page_size_bytes", "mapping"),
+        _b(_OFF_BASE, "CanonicalKVCaches", "tensors", "group_data_refs"),
+        _b(_OFF_BASE, "CanonicalKVCacheTensor", "tensor", "page_size_bytes"),
+        _b(_OFF_BASE, "CanonicalPageMapping", "canonical_page_size_bytes", "local_page_size_bytes", "runs",
+           "num_writers", "writer_index", "parallelism_agnostic"),
+        _b(_OFF_BASE, "CopyRun"),
+        _b("vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec.create_worker", "kv_caches"),
     ),
     # the P2P secondary tier: two tier managers over loopback ZMQ (#22)
     "p2p": (

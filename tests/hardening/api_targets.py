@@ -948,6 +948,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload import boundary_stores, chunk_config, keys, lookup
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
+    from kvref.spec.tiering_canonical_refs import canonical_refs_verdict
     from kvref.impl.reference.offload.tiering import tier_configs
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
@@ -1126,6 +1127,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "kvcr_config_error": (kvcr_config_error, dict(  # issue #22: KVCR tier configs vLLM refuses
             cfg={"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
                  "secondary_g2_slots": 2, "policy": "lru"}, events=True, self_describing=True)),
+        "canonical_refs_verdict": (canonical_refs_verdict, dict(  # issue #22: tiering worker's canonical refs
+            canonical_layout=True, is_parallelism_agnostic=False, portable=[[True, False], [None]])),
         # issue #22: streaming-input sessions
         **_streaming_functions(),
         **_encoder_functions(),
