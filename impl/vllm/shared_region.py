@@ -52,12 +52,12 @@ def _segment_minimum(min_segment_bytes: int):
 
 
 @contextlib.contextmanager
-def _join_timeout():
+def _join_timeout(seconds: float | None = None):
     import vllm.v1.kv_offload.cpu.shared_offload_region as mod
 
     fn = mod._wait_for_file_size
     saved = fn.__defaults__
-    fn.__defaults__ = (JOIN_TIMEOUT_S,)
+    fn.__defaults__ = (JOIN_TIMEOUT_S if seconds is None else seconds,)
     try:
         yield
     finally:
@@ -143,14 +143,16 @@ def build_regions(engine_id: str, num_chunks: int, ranks: list[int | None], kv_b
                   cpu_page_size: int, *, barrier: bool, populate_shard: bool, num_segments: int,
                   min_segment_bytes: int, fail_first_creator: bool = False, creator_fails_late: bool = False,
                   barrier_fails: bool = False, populate: str = "kernel",
-                  after_first: Callable[[Any], None] | None = None) -> list[Any]:
+                  after_first: Callable[[Any], None] | None = None,
+                  join_timeout_s: float | None = None) -> list[Any]:
     """One region (or the exception its construction raised) per entry of ``ranks``.
 
     ``fail_first_creator``: the first worker's creator memory check refuses (vLLM then removes
     the files it made and re-raises). ``creator_fails_late`` (with a barrier): whichever worker
     creates the file refuses once every other worker opened it. ``barrier_fails``: each worker's
     barrier raises at every call. ``populate``: one of :data:`POPULATE_MODES`. ``after_first``
-    (without a barrier): called with the first region built, before the next worker builds."""
+    (without a barrier): called with the first region built, before the next worker builds.
+    ``join_timeout_s``: how long a joiner waits for the file's size (default :data:`JOIN_TIMEOUT_S`)."""
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     n = len(ranks)
@@ -179,7 +181,8 @@ def build_regions(engine_id: str, num_chunks: int, ranks: list[int | None], kv_b
 
     if populate not in POPULATE_MODES:
         raise InvalidFieldError("populate", populate, f"one of {POPULATE_MODES}")
-    with _segment_minimum(min_segment_bytes), _populate_mode(populate), _quiet_region_log(), _join_timeout():
+    with _segment_minimum(min_segment_bytes), _populate_mode(populate), _quiet_region_log(), \
+            _join_timeout(join_timeout_s):
         if barrier and not barrier_fails:
             threads = [threading.Thread(target=build, args=(i,)) for i in range(n)]
             for t in threads:

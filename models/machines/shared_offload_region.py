@@ -23,7 +23,8 @@ from it) checks:
   that fails after joiners opened its file (they must give up with vLLM's "creator failed"
   error, not wait out the 30 s), a refused pre-fault: every worker raises the first error (a
   failing barrier on the way out must not replace it), and no file, descriptor or mapping of the
-  region remains.
+  region remains; workers finding the never-sized file of a creator that died (killed between
+  creating and sizing it) time out rather than map it, and leave that file as they found it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from kvref.impl.reference.offload.shared_region_layout import (
 from kvref.spec.mathutil import cdiv
 
 _COUNTER = [0]
+#: how long a worker waits on a dead creator's never-sized file here (vLLM: 30 s)
+_STUB_WAIT_S = 0.05
 
 
 def random_region_case(rng) -> dict:
@@ -57,7 +60,7 @@ def random_region_case(rng) -> dict:
     # how construction goes wrong, if it does: a collective failing at the barrier, the creator
     # failing once the joiners opened its file, madvise refusing (inside the guarded section only
     # with per-shard pre-faulting: vLLM's per-worker pre-fault runs after it, unguarded)
-    trouble = rng.choice(["none"] * 6 + ["collective"] + ["late_creator"] * (barrier and workers > 1)
+    trouble = rng.choice(["none"] * 6 + ["collective", "stale_stub"] + ["late_creator"] * (barrier and workers > 1)
                          + ["madvise"] * (populate_shard and not fail))
     populate = "error" if trouble == "madvise" else rng.choice(["kernel", "kernel", "fallback"])
     return dict(workers=workers, cpu_page=cpu_page, row_stride=row_stride, num_chunks=rng.randint(1, 6),
@@ -89,7 +92,7 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
     where = f"region case {case}"
     tally = {"regions": 0, "segmented": 0, "views": 0, "refused_views": 0, "bytes_checked": 0, "retained": 0,
              "refused_creations": 0, "prefilled": 0, "fallback_populate": 0, "failed_collectives": 0,
-             "late_creator_failures": 0, "refused_populates": 0, "second_cleanups": 0}
+             "late_creator_failures": 0, "refused_populates": 0, "second_cleanups": 0, "stale_stubs": 0}
     trouble = case.get("trouble", "none")
     first_image: list[bytes] = []
 
@@ -99,12 +102,15 @@ def compare_region_case(case: dict) -> tuple[str | None, dict]:
         V.write_base(region, data)
         first_image.append(data)
 
+    if trouble == "stale_stub":  # a creator killed between creating the file and sizing it
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     regions = V.build_regions(engine, rows, ranks, stride, cpu_page, barrier=case["barrier"],
                               populate_shard=case["populate_shard"], num_segments=case["num_segments"],
                               min_segment_bytes=case["min_segment_bytes"], fail_first_creator=case["fail"],
                               creator_fails_late=trouble == "late_creator", barrier_fails=trouble == "collective",
                               populate=case.get("populate", "kernel"),
-                              after_first=None if case["barrier"] or trouble != "none" else fill_first)
+                              after_first=None if case["barrier"] or trouble != "none" else fill_first,
+                              join_timeout_s=_STUB_WAIT_S if trouble == "stale_stub" else None)
     segments = region_segments(path, rows, stride, case["num_segments"], case["min_segment_bytes"])
     paths = [p for p, _, _ in segments]
     try:
@@ -223,6 +229,16 @@ def _compare_failed_construction(case: dict, regions: list, paths: list[str], pa
         want = [f"RuntimeError: kvref: collective failed (worker {i}, call 1)" for i in range(n)]
         if got != want:
             return f"{where}: a failing collective gave {got}, expected {want}"
+    elif trouble == "stale_stub":
+        tally["stale_stubs"] += 1
+        want = [f"TimeoutError: Timed out waiting for mmap file to reach {_first_length(case)} bytes"] * n
+        if got != want:
+            return f"{where}: workers finding a never-sized file of a dead creator gave {got}, expected {want}"
+        # nobody created it, so nobody removes it: the dead creator's stub stays (and nothing else)
+        extra = [p for p in paths[1:] if os.path.exists(p)]
+        if not os.path.exists(path) or extra:
+            return f"{where}: after a dead creator's stub: the stub exists {os.path.exists(path)}, other files {extra}"
+        paths = paths[1:]
     elif trouble == "late_creator":
         tally["late_creator_failures"] += 1
         refused = [g for g in got if g.startswith("MemoryError: kvref: planted refusal")]
@@ -256,9 +272,16 @@ _FORCED = (
          sizes=[[64], [64], [64]]),
     dict(trouble="madvise", populate_shard=True, fail=False, populate="error"),
     dict(trouble="collective", fail=False),
+    dict(trouble="stale_stub", fail=False, populate="kernel"),
     dict(trouble="none", barrier=False, fail=False, populate="fallback", rankless=False, populate_shard=False,
          retain=True, twice=True),
 )
+
+
+def _first_length(case: dict) -> int:
+    """The first backing file's size, which a joiner waits for."""
+    return region_segments("x", case["num_chunks"], case["row_stride"], case["num_segments"],
+                           case["min_segment_bytes"])[0][2]
 
 
 def run_region_cases(seed: int, n: int) -> dict[str, Any]:

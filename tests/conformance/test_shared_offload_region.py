@@ -25,7 +25,7 @@ def test_generated_regions_agree_and_reach_every_path(Region):
     totals = run_region_cases(0, profile_examples(40, 200))
     for key in ("regions", "segmented", "views", "refused_views", "retained", "refused_creations", "prefilled",
                 "fallback_populate", "failed_collectives", "late_creator_failures", "refused_populates",
-                "second_cleanups"):
+                "second_cleanups", "stale_stubs"):
         assert totals[key] > 0, (key, totals)
 
 
