@@ -253,7 +253,22 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, "conform-kv-manager")
     if skipped:
         return skipped
+    # each manager's publication mask alone, over the inputs engine traces never pass (#22): no or a
+    # sub-block alignment, DCP-wide blocks, the offloading connector's final partial segment
+    from hypothesis import given
+
+    from kvref.impl.vllm.retention_masks import vllm_reachable_block_mask
+    from kvref.models.conformance.retention_masks import agree_mask, any_mask_cases
+
+    masks = ctx.examples(150, 1000)
+    failure = run_generated(given(case=any_mask_cases())(lambda case: agree_mask(case, vllm_reachable_block_mask)),
+                            masks, ctx.seed)
+    if failure:
+        return CheckResult("conform-kv-manager", FAILED, "reference and vLLM publish different blocks "
+                           "(reachable_block_mask)", details=failure.splitlines()[:30])
     result = _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
+    if result.status == PASSED:
+        result.summary += f"; {masks} generated publication masks"
     if result.status == PASSED:  # then every group set alone: the main run meets only some of them (#22)
         from kvref.models.machines.kv_cache_manager_sweep import sweep_every_group_set
 

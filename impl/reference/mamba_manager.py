@@ -349,12 +349,15 @@ class MambaManager(SingleTypeKVCacheManager):
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
                              kv_cache_spec: KVCacheSpec, use_eagle: bool,
                              retention_interval: int | None = None,
-                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+                             reachable_boundaries: Sequence[int] = (), dcp_world_size: int = 1,
+                             final_segment_end_block: int | None = None) -> list[bool] | None:
         """Sparse state-snapshot retention: a Mamba hit needs only the state block ending at it
         (no window; draft models have no Mamba layers, so no EAGLE shift). Dense (None): every
         block. Positive: the block ending each ``retention_interval``-token segment (every block
         when a segment is one block or less). 0: no segments. Under 0 or positive the block ending
-        at each of ``reachable_boundaries`` (floored to the alignment) is kept too."""
+        at each of ``reachable_boundaries`` (floored to the alignment) is kept too. A state block is
+        one rank's block whatever ``dcp_world_size``, and the offloader's ``final_segment_end_block``
+        adds nothing: both are accepted for the common signature and, as in vLLM, ignored."""
         if retention_interval is None or alignment_tokens is None:
             return None
         assert isinstance(kv_cache_spec, MambaSpec)

@@ -270,13 +270,15 @@ class SingleTypeKVCacheManager:
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
                              kv_cache_spec: KVCacheSpec, use_eagle: bool,
                              retention_interval: int | None = None,
-                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+                             reachable_boundaries: Sequence[int] = (), dcp_world_size: int = 1,
+                             final_segment_end_block: int | None = None) -> list[bool] | None:
         """Which full blocks in ``[start_block, end_block)`` could ever serve a hit; None = all.
 
         Dense here (full attention and every kind that caches densely). Sliding-window and Mamba
         managers thin it out by ``retention_interval`` (spec/prefix_cache_retention.py), keeping
         the tails that end at ``reachable_boundaries`` (token positions). vLLM's
-        ``final_segment_end_block`` (passed only by the offloading connector) is not modelled.
+        ``dcp_world_size`` and ``final_segment_end_block`` (the offloading connector's) only matter
+        to the sliding-window mask.
         """
         return None
 
@@ -307,7 +309,8 @@ class SingleTypeKVCacheManager:
             return
         mask = self.reachable_block_mask(num_cached, num_full, self.cache_hit_alignment_tokens,
                                          self.kv_cache_spec, self.use_eagle, retention_interval,
-                                         self._reachable_boundaries(request, replay_boundaries))
+                                         self._reachable_boundaries(request, replay_boundaries),
+                                         dcp_world_size=self.dcp_world_size)
         self.block_pool.cache_full_blocks(block_hashes, self.req_to_blocks.setdefault(rid, []),
                                           num_cached, num_full, self.block_size,
                                           self.kv_cache_group_id, mask, request=request)

@@ -95,7 +95,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None,
                              kv_cache_spec: KVCacheSpec, use_eagle: bool,
                              retention_interval: int | None = None,
-                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
+                             reachable_boundaries: Sequence[int] = (), dcp_world_size: int = 1,
+                             final_segment_end_block: int | None = None) -> list[bool] | None:
         """Only the ``need`` blocks ending at a boundary a hit can land on are worth publishing.
 
         The segments: every alignment boundary when dense (``retention_interval`` None: with
@@ -106,11 +107,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         between segments. With EAGLE the run ends one block further (the peeked block). None (cache
         all) when a segment is no longer than the run, or the alignment is sub-block (block
         granularity cannot express it: every block is kept, which never loses a hit).
+
+        With decode context parallelism a block spans ``dcp_world_size`` ranks' tokens, so the run
+        and the segments are counted in those wider blocks. ``final_segment_end_block`` (passed by
+        the offloading connector, which stores a finished request's last, partial segment too):
+        without EAGLE the ``need`` blocks before it, within that partial segment, are kept as well.
         """
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         if alignment_tokens is None:
             return None
-        block_size = kv_cache_spec.block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size
         if alignment_tokens % block_size:
             return None
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
@@ -124,9 +130,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for i in range(start_block, end_block):
                 if i >= shift and (i - shift) % per_segment >= per_segment - need:
                     mask[i - start_block] = True
+            if final_segment_end_block is not None and not use_eagle:
+                _keep_final_segment_tail(mask, start_block, end_block, final_segment_end_block, per_segment, need)
         if retention_interval is not None:
             for boundary in reachable_boundaries:
                 end = boundary // alignment_tokens * alignment_tokens // block_size + shift
                 for j in range(max(start_block, end - need), min(end_block, end)):
                     mask[j - start_block] = True
         return mask
+
+
+def _keep_final_segment_tail(mask: list[bool], start_block: int, end_block: int, final_end: int,
+                             per_segment: int, need: int) -> None:
+    """Mark the ``need`` blocks before ``final_end`` that lie in its partial segment (none when
+    ``final_end`` is on a segment boundary: the segment tails already cover it)."""
+    partial = final_end % per_segment
+    if not partial:
+        return
+    tail_start = max(final_end - partial, final_end - need)
+    for i in range(max(start_block, tail_start), min(end_block, final_end)):
+        mask[i - start_block] = True

@@ -118,6 +118,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_MGR, "KVCacheManager.take_events"),
         _b(_MGR, "KVCacheManager.reset_prefix_cache"),
         _b(_MGR, "KVCacheManager.evict_blocks"),
+        # each manager's publication mask, called alone (kvref.impl.vllm.retention_masks, #22)
+        *(_b("vllm.v1.core.single_type_kv_cache_manager", f"{cls}.reachable_block_mask", "start_block", "end_block",
+             "alignment_tokens", "kv_cache_spec", "use_eagle", "retention_interval", "reachable_boundaries",
+             "dcp_world_size", "final_segment_end_block")
+          for cls in ("FullAttentionManager", "SlidingWindowManager", "MambaManager")),
         _b(_MGR, "KVCacheBlocks"),
         _b("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks"),
         # the free block queue's own API, driven by generated programs (free_block_queue.py, #22)

@@ -184,6 +184,17 @@ _add(
           "        req_blocks.extend(allocated_blocks)\n        if self._record_new_block_ids and record_for_zeroing:",
           CLASSIC, "off-by-one: external (connector) computed tokens get one block fewer than they span",
           behaviour="external-tokens"),
+    fault("stm.swa_mask_ignores_dcp", _STM,
+          "        block_size = kv_cache_spec.block_size * dcp_world_size\n",
+          "        block_size = kv_cache_spec.block_size\n",
+          CLASSIC, "dropped factor: the sliding-window publication mask counts rank-local blocks under decode "
+                   "context parallelism, so it keeps the wrong blocks (#22: reachable_block_mask)",
+          behaviour="prefix-cache"),
+    fault("stm.swa_final_tail_one_short", _STM,
+          "                        final_segment_start, final_segment_end_block - need\n",
+          "                        final_segment_start, final_segment_end_block - need + 1\n",
+          CLASSIC, "off-by-one: the offloading connector's final partial segment keeps one block fewer than a "
+                   "hit at its end needs (#22: reachable_block_mask)", behaviour="prefix-cache"),
 )
 
 # --------------------------------------------------------------------------------------------
