@@ -178,23 +178,36 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
         return [vllm_event_to_plain(e) for e in self.connector.take_events()]
 
     def stats(self):
-        """The scheduler's interval stats through the connector's ``get_kv_connector_stats``, and
-        ``has_pending_push_work`` (what the engine asks before it lets a finished request go)."""
+        """The scheduler's interval stats through the connector's ``get_kv_connector_stats``, read
+        as the logger process reads them (rebuilt from their serialized data by the class's
+        ``build_kv_connector_stats``), the cumulative boundary hand-off counters
+        (``get_boundary_store_stats``: a counter the reference has at zero is reported beside the
+        save outcomes, so it shows as a difference) and ``has_pending_push_work`` (what the engine
+        asks before it lets a finished request go)."""
+        import copy
+        from dataclasses import asdict
+
         from vllm.v1.simple_kv_offload.metrics import MetricName as M
 
-        values = self.connector.get_kv_connector_stats().data["data"]
+        sent = self.connector.get_kv_connector_stats()
+        values = type(self.connector).build_kv_connector_stats(data=copy.deepcopy(sent.data)).data["data"]
+        outcomes = dict(values.get(M.SAVE_OUTCOMES, {}))
+        outcomes.update({f"boundary.{k}": v for k, v in asdict(self.connector.get_boundary_store_stats()).items() if v})
         return ({"load_blocks": values.get(M.LOAD_BLOCKS, {}).get((), 0),
-                 "used_blocks": values[M.USED_BLOCKS][()], "pending_store_blocks": values[M.PENDING_STORE_BLOCKS][()]},
-                dict(values.get(M.SAVE_OUTCOMES, {})), self.connector.has_pending_push_work())
+                 "used_blocks": values.get(M.USED_BLOCKS, {}).get(()),  # None where the rebuild lost it
+                 "pending_store_blocks": values.get(M.PENDING_STORE_BLOCKS, {}).get(())},
+                outcomes, self.connector.has_pending_push_work())
 
 
 def role_answers(conn: Any, role: str, cfg: Any) -> dict[str, Any]:
     """What a built connector of ``role`` answers to the calls of the *other* role's side that
     a process may still make on it: the worker role to every scheduler-side call (a lookup, an
     allocation, metadata, completions, finishes, pending work, events, a reset, a pool binding,
-    the hand-off counters, stats), the scheduler role to the worker-side pool-size question."""
+    the hand-off counters, stats), the scheduler role to the worker-side questions (the pool size,
+    finished transfers, the worker metadata)."""
     if role == "scheduler":
-        return {"aligned_num_cpu_blocks": conn.get_aligned_num_cpu_blocks()}
+        return {"aligned_num_cpu_blocks": conn.get_aligned_num_cpu_blocks(),
+                "worker_finished": conn.get_finished({"kvref-role"}), "worker_meta": conn.build_connector_worker_meta()}
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleOffloadStep
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import KVConnectorOutput

@@ -76,7 +76,8 @@ def test_role_answers_refuse_an_unknown_role():
     from kvref.impl.reference.offload.simple_cpu_connector_config import simple_cpu_role_answers
     from kvref.spec.errors import InvalidFieldError
 
-    assert simple_cpu_role_answers("scheduler") == {"aligned_num_cpu_blocks": None}
+    assert simple_cpu_role_answers("scheduler") == {"aligned_num_cpu_blocks": None, "worker_finished": (None, None),
+                                                    "worker_meta": None}
     assert simple_cpu_role_answers("worker")["match"] == (0, False)
     with pytest.raises(InvalidFieldError, match="role"):
         simple_cpu_role_answers("both")
@@ -124,3 +125,17 @@ def test_a_lone_worker_keeps_its_pool_and_a_change_is_caught(run):
             run_sizing_agreement(0, 4)
     finally:
         sizing.sync_num_offload_blocks_across_workers = real
+
+
+def test_a_scheduler_role_answering_for_the_workers_is_caught(run, monkeypatch):
+    """Planted: the scheduler role reports finished transfers (empty sets, not "nothing tracked"):
+    the engine would count them as this process's worker reporting."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
+
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    real = SimpleCPUOffloadConnector.get_finished
+    monkeypatch.setattr(SimpleCPUOffloadConnector, "get_finished",
+                        lambda self, ids: (set(), set()) if self.worker_handler is None else real(self, ids))
+    with pytest.raises(OffloadInvariantError, match="other role"):
+        run(0, 60)

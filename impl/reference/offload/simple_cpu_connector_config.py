@@ -141,11 +141,12 @@ def simple_cpu_role_answers(role: str) -> dict[str, Any]:
     (``(0, False)``), metadata carries no load or store (events ``-1``, no flush), finishing never
     delays the free (``(False, None)``), nothing is pending, no event is published and a reset
     reports nothing (``None``); the scheduler role has no worker side, so it knows no pool size the
-    workers agreed on (``None``)."""
+    workers agreed on (``None``), has no finished transfers to report (``(None, None)``: neither
+    sending nor receiving tracked) and no worker metadata (``None``)."""
     if role not in ("scheduler", "worker"):
         raise InvalidFieldError("role", role, "'scheduler' or 'worker'")
     if role == "scheduler":
-        return {"aligned_num_cpu_blocks": None}
+        return {"aligned_num_cpu_blocks": None, "worker_finished": (None, None), "worker_meta": None}
     return {"match": (0, False), "alloc": None, "meta": (-1, [], [], -1, [], [], False), "output": None,
             "finished": (False, None), "finished_all_groups": (False, None), "pending": False, "events": [],
             "reset": None, "bind": None, "boundary_stats": None, "stats": None}
