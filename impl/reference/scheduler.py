@@ -264,6 +264,10 @@ class Scheduler:
                 raise InvalidFieldError("request_ids[i]", rid, "a request id (str)")
         if self.connector_state is not None:
             return _conn.finish_requests(self, ids if isinstance(request_ids, str) else set(ids), "abort")
+        return self._finish(ids, "abort")
+
+    def _finish(self, ids, reason: str) -> list[Request]:
+        """Finish the live requests among ``ids``, in that order, with ``reason``; free them."""
         valid = [self.requests[r] for r in dict.fromkeys(ids) if r in self.requests]
         gone = {id(r) for r in valid}
         self.running = [r for r in self.running if id(r) not in gone]
@@ -271,7 +275,7 @@ class Scheduler:
         for request in valid:
             _sess.forget(self, request)  # a session: its updates, its wait and its KV-holding place go
             request.status = RequestStatus.FINISHED
-            request.finish_reason = "abort"
+            request.finish_reason = reason
             self._free_request(request)
         return valid
 
@@ -629,12 +633,27 @@ class Scheduler:
         self.sessions.kv_holding_waiting.remove_requests(left_waiting)
         for request, _ in continuing:
             _sess.enqueue_waiting(self, request)  # vLLM _enqueue_waiting_request
+        self._finish_encoder_mismatches()
         if self.connector_state is not None:
             _conn.after_output(self, kv_connector_output, failed)
         self._publish_kv_events()
         if self._finished_since_output is not None:  # vLLM: then cleared, until the next update
             self.finished_requests = frozenset(self._finished_since_output) or None
             self._finished_since_output.clear()
+
+    def _finish_encoder_mismatches(self) -> None:
+        """vLLM ``update_from_output``: the requests an encoder-cache embedding-count mismatch
+        rejected since the last update (:func:`kvref.impl.reference.scheduler_encoder._reject_mismatch`)
+        are finished as errors, freeing their KV blocks, in the order vLLM's ``finish_requests``
+        walks them (a set of their ids). None with a KV connector: the reference refuses multimodal
+        requests then."""
+        mismatched = self.encoder.encoder_cache_mismatch_reqs
+        if not mismatched:
+            return
+        error_req_ids: set[str] = set()
+        error_req_ids.update(mismatched)
+        mismatched.clear()
+        self._finish(tuple(set(error_req_ids)), "error")
 
     def _publish_kv_events(self) -> None:
         """vLLM's ``update_from_output`` ends by taking every KV cache event queued since the last

@@ -21,8 +21,9 @@ end inside an item is cut back to before it.
 
 Modelled for decoder-only models without an EC connector, items whose placeholder tokens are all
 embeddings (no ``is_embed`` mask) and a drafter without prefill lookahead (no EAGLE shift);
-identifiers always carry the same embedding count (vLLM's input processor guarantees it; the
-mismatch rejection is not drawn).
+an identifier reused with another embedding count (a client-provided multimodal UUID reused for
+different content) rejects the request: it schedules nothing, and the next ``update_from_output``
+finishes it as an error (vLLM ``_reject_on_encoder_cache_embed_mismatch``).
 
 With the V2 model runner the scheduler also tells the workers which items' data to install and
 release (vLLM ``_get_encoder_input_updates``): a request sent as new (admitted, or resumed: the V2
@@ -143,6 +144,10 @@ class EncoderCacheManager:
         refs = self.request_hash_refs.setdefault(request_id, {})
         refs[mm_hash] = refs.get(mm_hash, 0) + 1
 
+    def get_cached_num_encoder_embeds(self, request: Request, input_id: int) -> int | None:
+        """The embedding count the cache holds for this input's identifier (None: not cached)."""
+        return self.num_embeds_by_hash.get(request.mm_features[input_id].identifier)
+
     def get_cached_input_ids(self, request: Request) -> set[int]:
         return self.request_cached_ids.get(request.request_id, set())
 
@@ -222,6 +227,9 @@ class EncoderState:
         self.manager = EncoderCacheManager(budget.encoder_cache_size)
         self.scheduled_encoder_inputs: dict[str, tuple[int, ...]] = {}
         self.free_encoder_mm_hashes: tuple[str, ...] = ()
+        #: requests an identifier's embedding count mismatch rejected since the last update_from_output
+        #: (vLLM ``Scheduler.encoder_cache_mismatch_reqs``), finished there as errors
+        self.encoder_cache_mismatch_reqs: set[str] = set()
 
         self.step_budget = budget.encoder_compute_budget  # encoder_compute_budget left in this step
         self.step_inputs: dict[str, list[int]] = {}  # scheduled_encoder_inputs being built
@@ -298,7 +306,7 @@ def try_schedule_encoder_inputs(state: EncoderState, request: Request, num_compu
     manager = state.manager
     to_schedule: list[int] = []
     duplicates: list[int] = []
-    scheduled_hashes: set[str] = set()
+    scheduled_hashes: dict[str, int] = {}  # identifier -> embeddings, picked by this call
     num_embeds_to_schedule = 0
     end = num_computed_tokens + num_new_tokens
     for i in features_in_window(request, num_computed_tokens, end):
@@ -309,21 +317,37 @@ def try_schedule_encoder_inputs(state: EncoderState, request: Request, num_compu
             # the chunk would split the item: stop before it (`<=`: starting at it splits it too)
             num_new_tokens = max(0, start_pos - num_computed_tokens)
             break
+        n = num_encoder_embeds(request, i)
         if feature.identifier in scheduled_hashes:
+            if scheduled_hashes[feature.identifier] != n:
+                return _reject_mismatch(state, request, encoder_compute_budget)
             duplicates.append(i)  # the same item earlier in this request, encoded once
             continue
+        cached = manager.get_cached_num_encoder_embeds(request, i)
+        if cached is not None and cached != n:
+            return _reject_mismatch(state, request, encoder_compute_budget)
         if manager.check_and_update_cache(request, i):
             continue  # encoded by an earlier step (of this request or another)
         if not manager.can_allocate(request, i, encoder_compute_budget, num_embeds_to_schedule):
             num_new_tokens = min(num_new_tokens, start_pos - num_computed_tokens) \
                 if num_computed_tokens < start_pos else 0
             break
-        n = num_encoder_embeds(request, i)
         num_embeds_to_schedule += n
         encoder_compute_budget -= n
-        scheduled_hashes.add(feature.identifier)
+        scheduled_hashes[feature.identifier] = n
         to_schedule.append(i)
     return to_schedule, num_new_tokens, encoder_compute_budget, duplicates
+
+
+def _reject_mismatch(state: EncoderState, request: Request, encoder_compute_budget: int
+                     ) -> tuple[list[int], int, int, list[int]]:
+    """vLLM ``_reject_on_encoder_cache_embed_mismatch``: an identifier this step already encodes,
+    or the cache holds, with another embedding count than this input's (a client-provided UUID
+    reused for different content). Serving it would hand the model the wrong embeddings, so the
+    request schedules nothing now and is finished as an error by the next ``update_from_output``.
+    Cache references taken for earlier inputs of the call stay until then (as in vLLM)."""
+    state.encoder_cache_mismatch_reqs.add(request.request_id)
+    return [], 0, encoder_compute_budget, []
 
 
 def allocate_encoder_inputs(state: EncoderState, request: Request, input_ids: list[int],

@@ -55,15 +55,22 @@ DRAIN_STEPS = 60
 
 @dataclass(frozen=True)
 class EncoderRequestSpec(RequestSpec):
-    """A :class:`RequestSpec` with image items: ``(identifier, offset)`` pairs, sorted."""
+    """A :class:`RequestSpec` with image items: ``(identifier, offset)`` pairs, sorted.
+    ``sizes``, when given, are the items' embedding counts (one per item); an item whose size is
+    not its identifier's :data:`ITEM_SIZES` entry is a client-provided UUID reused for other
+    content (vLLM rejects the request once the encoder cache or the step holds the other size)."""
 
     items: tuple[tuple[str, int], ...] = ()
+    sizes: tuple[int, ...] = ()
+
+    def item_size(self, k: int) -> int:
+        return self.sizes[k] if self.sizes else ITEM_SIZES[self.items[k][0]]
 
     def make(self) -> Request:
         return Request(self.request_id, list(self.prompt), max_tokens=self.max_tokens, priority=self.priority,
                        arrival_time=self.arrival_time, stop_token_ids=self.stop_token_ids,
-                       mm_features=tuple(MultiModalFeatureSpec(ident, PlaceholderRange(offset, ITEM_SIZES[ident]))
-                                         for ident, offset in self.items))
+                       mm_features=tuple(MultiModalFeatureSpec(ident, PlaceholderRange(offset, self.item_size(k)))
+                                         for k, (ident, offset) in enumerate(self.items)))
 
 
 @st.composite
@@ -117,11 +124,18 @@ def encoder_request_specs(draw, index: int, max_model_len: int, item_max: int, e
     if n > 1 and rng.randrange(2) == 0:
         idents[0] = idents[1] = "img0"  # the same small image twice in one prompt: encoded once per step
     sizes = [(ident, ITEM_SIZES[ident]) for ident in idents]
+    if n and rng.randrange(4) == 0:
+        # a reused UUID: one item (the repeated image's second occurrence, if any) with another size
+        k = n - 1
+        other = [z for z in (ITEM_SIZES[idents[k]] - 1, ITEM_SIZES[idents[k]] + 1) if 1 <= z <= item_max]
+        if other:
+            sizes[k] = (idents[k], rng.choice(other))
     items = _place_items(rng, len(spec.prompt), sizes)
+    item_sizes = tuple(size for _, size in sizes[:len(items)])
     prompt = list(spec.prompt)
-    for ident, offset in items:
-        prompt[offset:offset + ITEM_SIZES[ident]] = [IMAGE_TOKEN] * ITEM_SIZES[ident]
-    return EncoderRequestSpec(**{**spec.__dict__, "prompt": tuple(prompt)}, items=items)
+    for (ident, offset), size in zip(items, item_sizes):
+        prompt[offset:offset + size] = [IMAGE_TOKEN] * size
+    return EncoderRequestSpec(**{**spec.__dict__, "prompt": tuple(prompt)}, items=items, sizes=item_sizes)
 
 
 class EncoderLockstep(Lockstep):
@@ -229,6 +243,7 @@ def tallying_reference(scheduler):
                 f.mm_position.offset == num_computed_tokens + cut for f in request.mm_features):
             COVERAGE["encoder_unchunked_rollback"] += 1
         COVERAGE["encoder_duplicate_inputs"] += len(duplicates)
+        COVERAGE["encoder_embed_mismatch_rejected"] += request.request_id in state.encoder_cache_mismatch_reqs
         # referenced by this lookup, not encoded: found in the cache (check_and_update_cache)
         COVERAGE["encoder_cache_hits"] += len(set(state.manager.get_cached_input_ids(request)) - before)
         return cut, pending

@@ -28,8 +28,22 @@ def test_encoder_traces_match_vllm_and_reach_every_rule(vllm_scheduler):
     c = run.coverage
     for path in ("encoder_inputs_scheduled", "encoder_evictions", "encoder_cache_hits", "encoder_duplicate_inputs",
                  "encoder_chunks_cut", "encoder_waiting_skipped", "encoder_unchunked_rollback",
-                 "encoder_v2_releases"):
+                 "encoder_v2_releases", "encoder_embed_mismatch_rejected"):
         assert c.get(path, 0) > 0, (path, c)
+
+
+@pytest.mark.vllm
+def test_vllm_serving_a_reused_uuid_of_another_size_is_a_divergence(vllm_scheduler, monkeypatch):
+    """vLLM without its embed-count check (before ``_reject_on_encoder_cache_embed_mismatch``):
+    the request reusing an identifier with another size is scheduled instead of failing."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvref.models.machines.scheduler_encoder import run_encoder_machine
+
+    monkeypatch.setattr(Scheduler, "_reject_on_encoder_cache_embed_mismatch", lambda self, *args: False)
+    run = run_encoder_machine(EXAMPLES, reproducible=True, shrink=False)
+    assert not run.ok
+    assert "Divergence" in run.failure, run.failure
 
 
 def _evict_newest_first(original):
@@ -113,6 +127,41 @@ def test_a_second_image_waits_for_the_encoder_budget(vllm_scheduler):
     view = d.targets["ref"].encoder_view()
     assert view["scheduled_encoder_inputs"] == {"a": (0,)}
     assert view["cache"]["num_free_slots"] == 4
+
+
+@pytest.mark.vllm
+def test_a_reused_uuid_of_another_size_fails_the_request_and_frees_its_blocks(vllm_scheduler):
+    """"a" caches img2 with 4 embeddings; "b" carries img2 with 3: it schedules nothing, and the
+    step's update finishes it as an error (vLLM _reject_on_encoder_cache_embed_mismatch); "a"
+    goes on. Compared with vLLM after every call."""
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.reference.scheduler import Scheduler
+    from kvref.impl.reference.scheduler_encoder import EncoderBudget
+    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.models.machines.scheduler import _attn
+    from kvref.models.machines.scheduler_encoder import EncoderLockstep, EncoderRequestSpec
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    env = vllm_scheduler.VllmEnv()
+    budget = EncoderBudget(encoder_compute_budget=8, encoder_cache_size=8)
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)
+    pool = PoolConfig.off_plan("two short multimodal requests", num_blocks=20,
+                               groups=(KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, 4)),), max_model_len=32,
+                               scheduler_block_size=4, hash_block_size=4,
+                               max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=True)
+    d = EncoderLockstep(pool, cfg, {
+        "vllm": lambda p, c: vllm_scheduler.VllmScheduler(p, c, env, encoder_budget=budget),
+        "ref": lambda p, c: Scheduler(p, c, encoder_budget=budget)})
+    d.add(EncoderRequestSpec("a", (1, 2) + (9,) * 4 + (3, 4), 4, 0, 0.0, items=(("img2", 2),)))
+    d.engine_step()
+    d.add(EncoderRequestSpec("b", (5, 6, 7) + (9,) * 3 + (8,), 4, 0, 1.0, items=(("img2", 3),), sizes=(3,)))
+    ref = d.targets["ref"]
+    out = d.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert ref.encoder.encoder_cache_mismatch_reqs == {"b"}
+    d.engine_step()  # settles the step, which finishes "b" as an error
+    assert "b" not in ref.requests and "a" in ref.requests
+    assert not ref.encoder.encoder_cache_mismatch_reqs
 
 
 def test_encoder_cache_evicts_the_oldest_unreferenced_entry():

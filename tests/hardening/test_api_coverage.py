@@ -152,7 +152,8 @@ EXCLUDED: dict[str, str] = {
             "validated SchedulerConfig (its new fields are fuzzed through SchedulerConfig)"),
     **_each(f"{_REF}.scheduler_encoder", "EncoderCacheManager.allocate EncoderCacheManager.can_allocate "
             "EncoderCacheManager.check_and_update_cache EncoderCacheManager.free EncoderCacheManager.free_encoder_input "
-            "EncoderCacheManager.get_cached_input_ids EncoderState.commit EncoderState.try_schedule "
+            "EncoderCacheManager.get_cached_input_ids EncoderCacheManager.get_cached_num_encoder_embeds "
+            "EncoderState.commit EncoderState.try_schedule "
             "EncoderState.unschedule EncoderState.end_step EncoderState.forget encoder_input_updates "
             "allocate_encoder_inputs features_in_window free_encoder_inputs "
             "num_encoder_embeds try_schedule_encoder_inputs",
