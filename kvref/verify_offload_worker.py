@@ -143,7 +143,17 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
         if diff:
             return CheckResult(NAME, FAILED, "vLLM's build_offloading_config gates parallelism unlike the reference",
                                details=[diff[:1500]], signature=f"{NAME}: offloading parallelism gate")
+    from kvref.models.machines.offload_policies import run_policy_cases  # LRU / ARC / out-of-tree, call by call (#22)
+
+    try:
+        policies = run_policy_cases(ctx.seed, ctx.examples(60, 300))
+    except AssertionError as exc:
+        return CheckResult(NAME, FAILED, "vLLM's CPU-tier cache policy (LRU / ARC) differs from the reference",
+                           details=[str(exc)[:1500]], signature=f"{NAME}: cache policies")
     return CheckResult(NAME, PASSED,
+                       f"{policies['cases']} cache-policy sequences ({policies['ops']} calls, {policies['bulk']} bulk) "
+                       "on vLLM's LRU, ARC and an out-of-tree policy, "
+                       f"{stats.get('stats_intervals', 0)} traces' stats merged and reduced as the metrics endpoint does, "
                        f"{stats['traces']} OffloadingConnector traces ({stats['ops']} ops, {stats['jobs_executed']} "
                        f"transfers run by the workers, {stats['blocks_checked']} loaded blocks byte-checked, "
                        f"{stats['stopped_at_shared_breach']} ended at a content breach vLLM 0.33.0 and the reference "
@@ -160,5 +170,5 @@ def check_offload_worker_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{mappers} file-tier layouts and "
                        f"{layers} layers' canonical page mappings and {gates} layer sets' offloading parallelism "
                        "gates: jobs, pools, bytes, events, file names, mappings and gates agree with the reference",
-                       examined=stats["ops"] + simple["ops"] + built["configs"] + mappers + layers + regions["cases"]
-                       + gates)
+                       examined=stats["ops"] + policies["ops"] + simple["ops"] + built["configs"] + mappers + layers
+                       + regions["cases"] + gates)

@@ -342,6 +342,16 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.distributed.kv_events", "NullEventPublisher"),
         _b(_CONN_V1 + ".lmcache_connector", "LMCacheKVEvents"),
         _b(_CONN_V1 + ".simple_cpu_offload_connector", "SimpleCPUOffloadConnector"),
+        # the CPU tier's cache policies driven call by call (offload_policies) and the connector's
+        # stats merged and reduced over a trace (offload_stats), #22
+        _b(_OFF_BASE, "ReqContext", "req_id"),
+        _b("vllm.v1.kv_offload.cpu.policies.base", "CachePolicy"),
+        _b("vllm.v1.kv_offload.cpu.policies.base", "ChunkStatus"),
+        _b("vllm.v1.kv_offload.cpu.policies.factory", "CachePolicyFactory.get_cache_policy_cls", "name", "module_path"),
+        _b("vllm.v1.kv_offload.cpu.policies.factory", "CachePolicyFactory.register_cache_policy", "name",
+           "module_path", "class_name"),
+        _b("vllm.v1.kv_offload.cpu.policies.lru", "LRUCachePolicy"),
+        _b(_CONN_V1 + ".offloading.metrics", "OffloadingConnectorStats", "data"),
     ),
     # multi-tier offloading: TieringOffloadingManager with its file-system and example tiers (#22)
     "tiering": (

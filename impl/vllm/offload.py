@@ -287,6 +287,10 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
         stats = get() if get is not None else self._sched.get_stats()
         if stats is None:
             return {}
+        import copy
+
+        # the raw payloads too: what the metrics endpoint aggregates over an interval (offload_stats, #22)
+        vars(self).setdefault("stats_payloads", []).append(copy.deepcopy(stats.data))
         types, values = stats.data["types"], stats.data["data"]
         out = {}
         for name, by_labels in values.items():

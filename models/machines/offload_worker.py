@@ -328,11 +328,13 @@ def run_traces(cases, on_difference=None) -> dict:
             if bad:
                 worlds[1]._b.shutdown()
                 raise OffloadInvariantError(f"trace {i}: {bad}")
+        both_stepped = True  # every op ran on both worlds: their per-step stats line up (offload_stats)
         try:
             for j, op in enumerate(ops):
                 try:
                     outs = [apply_worker_op(w, op) for w in worlds]
                 except KeyError:
+                    both_stepped = False
                     break  # vLLM 0.33.0's KeyError after a connector reset (docs/offload.md); reference survives
                 except (AssertionError, OffloadInvariantError) as exc:
                     raise type(exc)(f"trace {i} op {j} {op} on {cfg}: {exc}") from exc
@@ -359,6 +361,15 @@ def run_traces(cases, on_difference=None) -> dict:
                 if worlds[1].known_corruption:
                     stats["stopped_at_known_corruption"] += 1
                     break
+            payloads = getattr(worlds[1]._b, "stats_payloads", None)
+            if both_stepped and payloads:  # what the metrics endpoint reports over the trace (#22)
+                from kvref.models.machines.offload_stats import compare_interval
+
+                bad = compare_interval(worlds[0].stats, payloads, worlds[0].stats_compared,
+                                       random.Random(f"offload-stats-{i}"))
+                if bad:
+                    raise OffloadInvariantError(f"trace {i} on {cfg}: {bad}")
+                stats["stats_intervals"] = stats.get("stats_intervals", 0) + 1
         finally:
             v = worlds[1]
             stats["loads_checked"] += v.loads_checked

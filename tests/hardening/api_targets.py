@@ -946,6 +946,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.scheduler_pause import as_pause_state
     from kvref.impl.reference import block_hash as bh
     from kvref.impl.reference.offload import boundary_stores, chunk_config, keys, lookup
+    from kvref.impl.reference.offload import offload_stats as _offload_stats
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
     from kvref.spec.tiering_canonical_refs import canonical_refs_verdict
@@ -1184,6 +1185,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
             groups=[lookup.LookupGroup(4)], group_keys=[[keys.make_offload_key(H[0], 0)]], num_tokens=8,
             num_computed_tokens=0, lookup=_hit, chunks_being_loaded=None, max_num_new_tokens=None)),
         "lookup_order": (lookup.lookup_order, dict(groups=[lookup.LookupGroup(4)])),
+        "reduce_steps": (_offload_stats.reduce_steps, dict(steps=[{"allocation_failure": 1,
+                                                                  "cpu_allocation_size": [2]}])),
         "blocks_per_chunk": (chunk_config.blocks_per_chunk, dict(extra_config={"block_size": 8},
                                                                  group_tokens_per_block=[4])),
         # Mamba "align" boundary-state stores of the OffloadingConnector (#22)

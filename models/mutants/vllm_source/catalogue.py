@@ -853,6 +853,57 @@ _add(
 )
 
 
+# the CPU tier's cache policies (LRU, ARC, the factory, the base class's compatibility hooks) and the
+# connector's stats merged over an interval (conform-offload-worker's policy sequences and stats
+# intervals, #22)
+_POL = "v1/kv_offload/cpu/policies/"
+_OFFL_METRICS = "distributed/kv_transfer/kv_connector/v1/offloading/metrics.py"
+_add(
+    fault("offl.arc_touch_promotes_pending", _POL + "arc.py",
+          "                if not chunk.is_ready:\n",
+          "                if chunk.ref_cnt > 0:\n",
+          CLASSIC, "wrong condition: a touch promotes a chunk still being stored to ARC's frequency list T2 "
+                   "(and keeps a pinned ready one in T1)", behaviour="offload"),
+    fault("offl.arc_remove_t2_kept", _POL + "arc.py",
+          "        if self.t1.pop(key, None) is None:\n            self.t2.pop(key, None)\n",
+          "        if self.t1.pop(key, None) is None:\n            pass\n",
+          CLASSIC, "dropped removal: ARC's remove forgets a chunk only in T1; one in T2 stays resident",
+          behaviour="offload"),
+    fault("offl.lru_heap_rebuild_unheapified", _POL + "lru.py",
+          "            self._heap = [(self._ranks[key], key) for key in self._evictable]\n"
+          "            heapq.heapify(self._heap)\n        else:",
+          "            self._heap = [(self._ranks[key], key) for key in self._evictable]\n        else:",
+          CLASSIC, "dropped call: the LRU heap rebuilt after a long recency update is not heapified (evictions "
+                   "leave the least recent order)", behaviour="offload"),
+    fault("offl.lru_ready_insert_pinned", _POL + "lru.py",
+          "        if chunk.ref_cnt == 0:\n            self._evictable.add(key)\n",
+          "        if chunk.ref_cnt > 0:\n            self._evictable.add(key)\n",
+          CLASSIC, "wrong comparison: a chunk inserted ready is never evictable under LRU", behaviour="offload"),
+    fault("offl.policy_factory_rebinds_name", _POL + "factory.py",
+          "        if name in cls._registry:\n            raise ValueError",
+          "        if name in ():\n            raise ValueError",
+          CLASSIC, "dropped check: registering a taken cache-policy name silently replaces the policy",
+          behaviour="offload"),
+    fault("offl.policy_base_first_group_only", _POL + "base.py",
+          "        for keys in key_groups:\n            self.touch(keys, req_context)\n",
+          "        for keys in key_groups[:1]:\n            self.touch(keys, req_context)\n",
+          CLASSIC, "dropped groups: the base on_request_finished (out-of-tree policies) touches only the first "
+                   "KV cache group's keys", behaviour="offload"),
+    fault("offl.stats_gauge_summed", _OFFL_METRICS,
+          "                    current_label_values[labelvalues] = value\n",
+          "                    current_label_values[labelvalues] = current_label_values.get(labelvalues, 0) + value\n",
+          CLASSIC, "wrong merge: gauges (CPU cache usage) are summed over an interval instead of keeping the "
+                   "latest", behaviour="offload-worker"),
+    fault("offl.stats_counter_last", _OFFL_METRICS,
+          "                        current_label_values.get(labelvalues, 0) + value\n",
+          "                        value\n",
+          CLASSIC, "wrong merge: counters keep the last increment instead of their sum", behaviour="offload-worker"),
+    fault("offl.stats_hist_sum_counts", _OFFL_METRICS,
+          "                    return_dict[f\"{key_with_labels}_sum\"] = sum(value)\n",
+          "                    return_dict[f\"{key_with_labels}_sum\"] = len(value)\n",
+          CLASSIC, "copy-paste: a histogram's reduced _sum is its count", behaviour="offload-worker"),
+)
+
 def check_catalogue(vllm_dir: str | None = None) -> list[FaultDoesNotApplyError]:
     """Every fault's edits applied to the installed files; the errors of those that do not apply."""
     vllm_dir = vllm_dir or installed_vllm_dir()
