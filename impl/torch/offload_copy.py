@@ -132,6 +132,7 @@ class OffloadCopier:
         self.host = [host_buffer((num_cpu_blocks, cache.block_stride), cache.dtype, cache.device)
                      for _ in cache.backing]
         self.stream = torch.cuda.Stream(device=cache.device) if self.is_cuda else None
+        self._plans: dict = {}  # kind -> PageCopyPlan (triton back-end, built on first use)
 
     def _check(self, job: Job, kind: str) -> Job:
         if not isinstance(job, (list, tuple)):
@@ -184,14 +185,12 @@ class OffloadCopier:
             ctx = _nullcontext()
         with ctx:
             if len(gpu):
-                # one launch for every pair the copy engine does not take, every layer (issue #24)
-                from .triton_kernels.block_copy import copy_pages_triton
-
+                # one launch for every pair the copy engine does not take, every layer (issue #24);
                 # the ids were checked above against the same bounds: not again per job
                 if kind == "store":
-                    copy_pages_triton(self.cache.backing, self.host, gpu, cpu, validate_ids=False)
+                    self._page_plan("store").launch(gpu, cpu, validate_ids=False)
                 else:
-                    copy_pages_triton(self.host, self.cache.backing, cpu, gpu, validate_ids=False)
+                    self._page_plan("load").launch(cpu, gpu, validate_ids=False)
             for dev, host in zip(self.cache.backing, self.host):
                 for g, c, n in runs:
                     if kind == "store":
@@ -203,6 +202,17 @@ class OffloadCopier:
                 event = torch.cuda.Event()
                 event.record(self.stream)
         return CopyHandle(kind, len(job), event)
+
+    def _page_plan(self, kind: str):
+        """The kernel launch plan of one direction, built on first use and kept: this copier's
+        tensors never change, so their checks and layer tables are paid once (issue #24)."""
+        plans = self._plans
+        if kind not in plans:
+            from .triton_kernels.block_copy import PageCopyPlan
+
+            src, dst = (self.cache.backing, self.host) if kind == "store" else (self.host, self.cache.backing)
+            plans[kind] = PageCopyPlan(src, dst)
+        return plans[kind]
 
     def _min_engine_run(self) -> int:
         """The fewest consecutive pairs the triton back-end hands to the copy engine."""
@@ -236,33 +246,35 @@ class OffloadCopier:
                                     "an (n, 2) integer array of (gpu_block, cpu_block) rows")
         ids = ids.to("cpu", torch.int64)
         if ids.shape[0]:
-            lo, hi = ids.amin(0).tolist(), ids.amax(0).tolist()
+            lo, hi = (t.tolist() for t in torch.aminmax(ids, dim=0))
             for field, col, bound in (("gpu_block", 0, self.cache.num_blocks), ("cpu_block", 1, self.num_cpu_blocks)):
                 if lo[col] < 0 or hi[col] >= bound:
                     raise InvalidFieldError(field, lo[col] if lo[col] < 0 else hi[col], f"an int in [0, {bound})")
-            dst = ids[:, 1 if kind == "store" else 0].sort().values
-            if bool((dst[1:] == dst[:-1]).any()):
-                raise InvalidFieldError("job", int(dst[1:][dst[1:] == dst[:-1]][0]),
-                                        f"distinct destination blocks (a {kind} writes each once)")
+            dst = ids[:, 1 if kind == "store" else 0]
+            if torch.unique(dst).numel() != dst.numel():
+                seen = set()
+                twice = next(d for d in dst.tolist() if d in seen or seen.add(d))
+                raise InvalidFieldError("job", twice, f"distinct destination blocks (a {kind} writes each once)")
         return ids
 
     def _plan_table(self, ids: torch.Tensor) -> "tuple[list[tuple[int, int, int]], torch.Tensor, torch.Tensor]":
-        """:meth:`_plan_pairs` for a checked id array, in tensor operations: the same runs
-        (``merge_runs`` order: sorted by gpu then cpu id) and the same split."""
+        """:meth:`_plan_pairs` for a checked id array, in a few tensor operations (each costs tens
+        of microseconds of host time: as few as the plan allows): the same runs (``merge_runs``
+        order: sorted by gpu then cpu id) and the same split."""
         n = ids.shape[0]
         if n == 0:
             return [], ids[:, 0], ids[:, 1]
-        ids = ids[(ids[:, 0] * self.num_cpu_blocks + ids[:, 1]).argsort()]
-        begins = torch.ones(n, dtype=torch.bool)
-        begins[1:] = ((ids[1:] - ids[:-1]) != 1).any(1)
+        ordered = ids[(ids[:, 0] * self.num_cpu_blocks + ids[:, 1]).argsort()]
+        extends = (ordered.diff(dim=0) == 1).all(1)  # pair i + 1 continues pair i's run
+        shortest = self._min_engine_run() if self.backend == "triton" else 1
+        if shortest > 1 and not bool(extends.any()):  # scattered: every pair to the kernel
+            return [], ids[:, 0], ids[:, 1]
+        begins = torch.cat([torch.ones(1, dtype=torch.bool), ~extends])
         starts = begins.nonzero().flatten()
         lengths = torch.diff(starts, append=torch.tensor([n]))
-        if self.backend != "triton":
-            long = torch.ones_like(lengths, dtype=torch.bool)
-        else:
-            long = lengths >= self._min_engine_run()
-        runs = list(zip(ids[starts[long], 0].tolist(), ids[starts[long], 1].tolist(), lengths[long].tolist()))
-        rest = ids[~long[begins.cumsum(0) - 1]]  # each pair's run (repeat_interleave: ms under load)
+        long = lengths >= shortest
+        runs = list(zip(ordered[starts[long], 0].tolist(), ordered[starts[long], 1].tolist(), lengths[long].tolist()))
+        rest = ordered[~long[begins.cumsum(0) - 1]]  # each pair's run (repeat_interleave: ms under load)
         return runs, rest[:, 0], rest[:, 1]
 
     def store(self, job: Job) -> CopyHandle:

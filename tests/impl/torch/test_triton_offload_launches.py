@@ -218,3 +218,28 @@ def test_copy_engine_threshold_is_validated():
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(InvalidFieldError, match="copy_engine_min_bytes"):
             OffloadCopier(cache, 4, backend="triton", copy_engine_min_bytes=bad)
+
+
+def test_a_copier_builds_each_launch_plan_once_and_reuses_it():
+    """The tensor checks and layer tables of a launch are paid once per copier and direction (host
+    time per job, #24): every later job of the same direction reuses the plan, and a plan still
+    refuses ids that do not pair up."""
+    cache = KVCacheTensors(GROUPS, 6, 2, torch.float32, kernel_device())
+    _fill(cache, 3)
+    before = [t.cpu().clone() for t in cache.backing]
+    copier = OffloadCopier(cache, 6, backend="triton")
+    copier.store([(1, 4), (3, 0)]).wait()
+    plan = copier._plans["store"]
+    copier.store(torch.tensor([[5, 2]])).wait()
+    assert copier._plans["store"] is plan and "load" not in copier._plans
+    for t in cache.backing:
+        t.zero_()
+    copier.load([(2, 4), (4, 0), (0, 2)]).wait()
+    for t, old in zip(cache.backing, before):
+        got = t.cpu()
+        for dst, src in ((2, 1), (4, 3), (0, 5)):
+            assert torch.equal(got[dst].view(torch.uint8), old[src].view(torch.uint8))
+    with pytest.raises(InvalidFieldError, match="src_ids/dst_ids"):
+        plan.launch([0, 1], [2])
+    with pytest.raises(InvalidFieldError, match="dst_ids"):
+        plan.launch([0], [6])
