@@ -106,6 +106,16 @@ class HiSparseManagerCalls:
     def finish_host_import(self, request_id: str, failed: bool) -> None:
         self.coordinator.finish_host_import(request_id, failed=failed)
 
+    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
+        """The connector's completion of an import, called directly (what ``finish_host_import``
+        calls with the tokens recorded): its pages become clean and its last page is restored."""
+        self.coordinator.complete_host_import(request_id, num_computed_tokens)
+
+    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
+        """Plan the write-back of the request's sealed pages up to ``num_computed_tokens`` (what
+        ``advance_scheduled`` calls, there less the re-prefillable tail)."""
+        self.coordinator.plan_prefix_materialization(request_id, num_computed_tokens)
+
     def take_host_block_copies(self) -> list[tuple[int, int]]:
         """The host copy-on-write work drained for the worker, as ``(src, dst)`` block ids."""
         return [(c.src_block_id, c.dst_block_id) if hasattr(c, "src_block_id") else tuple(c)

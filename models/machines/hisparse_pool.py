@@ -457,7 +457,29 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
         elif unpinned < num_unpinned and op != "free":  # the pool reused an unpinned page's block
             seen["page_lost"] += 1
         num_unpinned = unpinned
+    _probe_coordinator_entry_points(ref, vll, computed, bs, seen)
     return seen
+
+
+def _probe_coordinator_entry_points(ref: Any, vll: Any, computed: dict[str, int], bs: int, seen: Counter) -> None:
+    """After the program, the coordinator's own entry points called directly with what the
+    connector may pass but the programs never do (#22): an import completed for a request with no
+    host table (nothing to restore) or of no tokens (nothing to restore either), on every layout a
+    host-only one included (which plans nothing), and write-back planned up to past each request's
+    table, the re-prefillable tail included. State compared after each call."""
+    probes = [("complete_host_import", "r-none", 0), ("complete_host_import", "r-none", 3 * bs + 1),
+              ("plan_prefix_materialization", "r-none", 4 * bs)]
+    probes += [("plan_prefix_materialization", rid, n + 2 * bs) for rid, n in sorted(computed.items())]
+    for name, rid, tokens in probes:
+        step = f"probe {name}({rid}, {tokens})"
+        getattr(ref, name)(rid, tokens)
+        getattr(vll, name)(rid, tokens)
+        ref.check_invariants()
+        _compare(step, ref.observe(), vll.observe(), "state")
+        got = ref.build_offload_command()
+        _compare(step, got, vll.build_offload_command(), "page transfers")
+        seen["probe_transfers"] += len(got or ())
+    seen["probes"] += len(probes)
 
 
 def run_hisparse_programs(make_vllm: Callable[[HiSparsePoolConfig], Any], examples: int,

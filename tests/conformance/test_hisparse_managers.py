@@ -59,7 +59,9 @@ def test_generated_programs_reach_every_hisparse_path():
                  "hot_allocated", "transition", "adopt", "drop", "free",
                  # the coordinator's write-back and residency (#23)
                  "advance", "transfers_sent", "transfers_done", "restores_sent", "unpinned",
-                 "import_done", "import_failed", "residency_updates", "mirrors", "all_resident"):
+                 "import_done", "import_failed", "residency_updates", "mirrors", "all_resident",
+                 # the coordinator's entry points probed after each program, planning write-backs (#22)
+                 "probes", "probe_transfers"):
         assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
 
 
@@ -100,3 +102,20 @@ def test_host_exhaustion_refuses_with_the_sentinel():
     counts = pool.get_num_blocks_to_allocate("r0", 6, 0, 0, False)
     assert counts[0] == 21 and counts[1] == 3
     assert pool.get_num_blocks_to_allocate("r0", 4, 0, 0, False)[0] == 0
+
+
+def test_probed_entry_points_agree_on_a_host_only_layout_and_an_unknown_request():
+    """The end-of-program probes alone on a hand program: a host-only layout plans nothing for a
+    running request, vLLM's coordinator and the reference's alike; on a resident layout an import
+    completed for a request with no host table restores nothing, and write-back planned past a
+    request's computed tokens (its re-prefillable tail) plans the same transfers on both sides."""
+    from kvref.spec.hisparse import HiSparsePoolConfig
+
+    make = _vllm_pool()
+    for groups in (0, 1):
+        config = HiSparsePoolConfig(block_size=2, num_gpu_blocks=30, host_num_blocks=30, blocks_per_request=1,
+                                    num_resident_groups=groups, max_model_len=16, max_in_flight_tokens=16)
+        seen = run_hisparse_program(config, [12, 8, 8], [("schedule", 0, 9, 0, 0, False)], make)
+        assert seen["admit"] == 1 and seen["probes"] == 4, dict(seen)
+        # host-only: nothing to write back; resident: the probe writes back the pages the schedule did not
+        assert (seen["probe_transfers"] > 0) == bool(groups), dict(seen)

@@ -221,7 +221,8 @@ EXCLUDED: dict[str, str] = {
             "HiSparseManagerCalls.finish_host_import HiSparseManagerCalls.observe_pools "
             "HiSparseManagerCalls.take_residency_updates HiSparseManagerCalls.update_residency "
             "HiSparseManagerCalls.update_spills HiSparseManagerCalls.find_longest_cache_hit "
-            "HiSparseManagerCalls.take_host_block_copies HiSparseManagerCalls.release_completed_host_copies",
+            "HiSparseManagerCalls.take_host_block_copies HiSparseManagerCalls.release_completed_host_copies "
+            "HiSparseManagerCalls.complete_host_import HiSparseManagerCalls.plan_prefix_materialization",
             "the manager calls HiSparsePool and VllmHiSparsePool share (#26), "
             "called only through those pools by kvref.models.machines.hisparse_pool with generated valid calls"),
     **_each(f"{_REF}.circular_buffer_manager", "CircularBufferManager CircularBufferManager.add_local_computed_blocks "

@@ -803,6 +803,13 @@ _add(
           "        state.unpinned_pages.discard(page_idx)\n",
           CLASSIC, "dropped call: a page lost in one resident group stays an owner of its block in the other "
                    "group (that block's later reuse loses the page again)", behaviour="hisparse"),
+    fault("hisparse.host_only_materializes", _HSC,
+          "        if not self.resident_managers:\n            return\n        assert self.host_manager is not None\n"
+          "        host_block_size = self.host_manager.block_size\n",
+          "        assert self.host_manager is not None\n"
+          "        host_block_size = self.host_manager.block_size\n",
+          CLASSIC, "dropped guard: write-back planning on a layout without resident groups plans transfers with "
+                   "no GPU page (#22: the coordinator's entry points probed directly)", behaviour="hisparse"),
 )
 
 # --------------------------------------------------------------------------------------------
