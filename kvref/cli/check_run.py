@@ -16,7 +16,9 @@ block reused while a request still needs it, hits that hold their own tokens, ad
 startup bound, tables that cover each step (an EAGLE drafter's lookahead slots included), metrics
 that agree with the trace, block ids within the pool, nothing scheduled against a pause state
 (``set_pause_state`` is recorded and replayed), prefill chunks that leave a multi-module MTP
-drafter's runway (``num_prefill_lookahead``). A summary (steps, requests, preemptions,
+drafter's runway (``num_prefill_lookahead``), finishes that follow vLLM's ``check_stop`` rules
+over the recorded tokens (EOS, stop ids, ``max_tokens`` / ``max_model_len``, repetition detection
+past ``min_tokens``: recorded since format 5, and replayed). A summary (steps, requests, preemptions,
 prefix-cache hit rate, longest wait) closes the report.
 
 A run in which vLLM raised (an ``error`` record: the recorder writes the exception, the step and the

@@ -49,13 +49,14 @@ from .held import Fences, defers_frees, is_parked, parked_key
 
 _PARKED_PREFIX = parked_key("", "")[:-1]  # "<prefix><kind>:<rid>": the part before the kind
 from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
+from .stops import StopRules
 from .windows import group_rules
 
 #: what ``kvref check-run`` lists when every property holds
 PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
                   "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
                   "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause",
-                  "prefill chunks leave the MTP runway")
+                  "prefill chunks leave the MTP runway", "finishes follow the stop rules")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -76,7 +77,7 @@ class Finding:
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
                   "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
-                  "prefill_lookahead")
+                  "prefill_lookahead", "stop_rule")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -180,6 +181,9 @@ class RunProperties:
         self.lookup_tally = has_connector
         self.seen_loading = False
         self.exempt: set[str] = set()
+        # every finish follows check_stop's rules (#28); not on a connector trace without the
+        # worker's reports (format 3): a failed load's dropped output is not in it
+        self.stops = StopRules(self.max_model_len, enabled=has_connector or "kv_connector" not in unmodelled)
         #: vLLM's pause state (``pause`` records): 1 PAUSED_NEW admits only requests holding KV
         #: blocks, 2 PAUSED_ALL schedules nothing; neither is starvation
         self.paused = 0
@@ -220,12 +224,17 @@ class RunProperties:
         if self.connector and "kv" in rec:
             self._connector_answers(rec)
         if t == "sched":
+            self.stops.sched(rec)
             self._sched(line, rec)
         elif t == "update":
+            for message in self.stops.update(rec):
+                self._find("stop_rule", line, message)
             self._update(line, rec)
         elif t == "add":
             self._add(rec)
+            self.stops.add(rec, self.reqs[rec["id"]].prompt_len)
         elif t == "abort":
+            self.stops.abort(rec)
             for rid in rec["ids"]:
                 self._finish(rid, "abort")
             self._conserve(line, rec, "finish_requests")
@@ -235,6 +244,7 @@ class RunProperties:
         elif t == "pause":
             self.paused = rec["state"]
         elif t == "reset":
+            self.stops.reset(rec)
             if rec.get("running"):  # every running request was preempted at once (named at the next step)
                 for rid in list(self.running):
                     r = self.reqs.get(rid)
@@ -927,6 +937,7 @@ class RunProperties:
 
     def check_invariants(self) -> None:
         assert self.running <= set(self.reqs), "a running request that is not live"
+        self.stops.check_invariants()
         assert not (set(self.waiting) & self.running), "a request both waiting and running"
         for b, holders in self.owners.items():
             assert holders and 0 < b, (b, holders)

@@ -61,6 +61,8 @@ def test_a_pristine_stop_conditions_run_is_replayed_with_every_finish_compared(e
     r = check_trace(run.path, check_invariants_every=1)
     assert r.ok and r.followed and r.verdict == "agrees", (r.findings, r.divergence and r.divergence.table())
     assert r.summary["block_checks"] == "on" and r.summary["finished"].get("repetition", 0) > 0
+    p = check_trace(run.path, properties_only=True, check_invariants_every=1)  # the stop-rule property too
+    assert p.ok and p.num_findings == 0, p.findings
 
 
 def test_a_replay_without_the_stop_inputs_diverges_at_a_finish(pristine, tmp_path):
@@ -84,9 +86,11 @@ def test_a_replay_without_the_stop_inputs_diverges_at_a_finish(pristine, tmp_pat
 def test_a_fault_planted_in_vllms_check_stop_is_flagged_at_its_finish(env, pristine, tmp_path, fault):
     """vLLM's check_stop with its rules in a historic wrong order (min_tokens before EOS and the stop
     ids; the repetition rule ignoring min_tokens) stops requests at other tokens: the replay names
-    the update whose finishes differ (exit 1)."""
+    the update whose finishes differ (exit 1), and the stop-rule property alone names a request."""
     run, lines = _record(env, tmp_path, fault)
     assert run.crashed is None and lines[1:-1] != pristine[1][1:-1]  # the fault manifested
     r = check_trace(run.path)
     assert not r.ok and r.verdict == "FINDINGS" and r.divergence is not None
     assert r.divergence.call == "update_from_output" and "finishes differ" in r.divergence.message
+    p = check_trace(run.path, properties_only=True)
+    assert not p.ok and any(f.kind == "stop_rule" and "request " in f.message for f in p.findings), p.findings

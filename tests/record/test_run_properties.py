@@ -7,6 +7,8 @@ recorded: block ids per group, free-block counts, stats.
 
 from __future__ import annotations
 
+import pytest
+
 from kvref.models.run_check import check_trace
 
 from tests.record.traces import add, full_setup, header_for, hybrid_setup, sched, update, write_trace
@@ -58,7 +60,8 @@ def test_starvation_under_async_scheduling_is_seen_whatever_is_in_flight(tmp_pat
 
 # ---- conservation -----------------------------------------------------------------------------------------
 def _conservation(free_after_first: int) -> list:
-    return [add("a", [1, 2, 3, 4, 5]), dict(sched(0, [["a", "n", 5, 0, [[1, 2]]]]), free=free_after_first),
+    # max_tokens 1: the one sampled token finishes it by length (the stop-rule property holds)
+    return [add("a", [1, 2, 3, 4, 5], max_tokens=1), dict(sched(0, [["a", "n", 5, 0, [[1, 2]]]]), free=free_after_first),
             dict(update(0, {"a": [9]}, fin=[["a", "length"]]), free=19)]
 
 
@@ -156,3 +159,40 @@ def test_block_checks_are_off_where_the_trace_cannot_show_every_free(tmp_path):
     h["pool"]["groups"][1]["spec"]["mamba_cache_mode"] = "none"
     kinds, r = _kinds(tmp_path, h, recs, name="none.jsonl")
     assert kinds == ["conservation"] and r.summary["block_checks"] == "on"
+
+
+# ---- stop rules (#28) ---------------------------------------------------------------------------------------
+def _stops(fin_at: int, reason: str, sampled=(5, 3), **stop) -> list:
+    """'a' (max_tokens 6) decodes one token a step; it finishes at step ``fin_at`` with ``reason``."""
+    recs = [{**add("a", [1, 2, 3, 4], max_tokens=6), **stop}, sched(0, [["a", "n", 4, 0, [[1]]]])]
+    for k, token in enumerate(sampled):
+        fin = [["a", reason]] if k == fin_at else []
+        if k:
+            new = [[1 + (3 + k) // 4]] if (3 + k) % 4 == 0 else None  # a new block every 4 tokens
+            recs.append(sched(k, [["a", "c", 1, 3 + k, new]]))
+        recs.append(update(k, {"a": [token]}, fin=fin))
+        if fin:
+            break
+    return recs
+
+
+@pytest.mark.parametrize("stop, recs_args, kinds_want", [
+    ({"eos": 3}, (1, "stop"), []),  # the EOS id at output 2: a stop
+    ({"eos": 3}, (5, "stop"), ["stop_rule"]),  # the EOS id sampled and the request went on
+    ({"eos": 3, "min": 4}, (1, "stop"), []),  # min_tokens holds back only the repetition rule
+    ({}, (1, "stop"), ["stop_rule"]),  # no rule names token 3
+    ({}, (5, "length", (5, 3, 7, 8, 1, 2)), []),  # max_tokens 6
+    ({}, (4, "length", (5, 3, 7, 8, 1, 2)), ["stop_rule"]),  # one output short of max_tokens
+    ({"rep": [1, 1, 3]}, (2, "repetition", (4, 4, 4)), []),  # one token three times
+    ({"rep": [1, 1, 3], "min": 4}, (2, "repetition", (4, 4, 4)), ["stop_rule"]),  # before min_tokens
+    ({"rep": [1, 1, 3], "min": 4}, (3, "repetition", (4, 4, 4, 4)), []),
+])
+def test_every_finish_follows_vllms_stop_rules(tmp_path, stop, recs_args, kinds_want):
+    """The stop-rule property walks vLLM's check_stop over the trace's tokens, independent of the
+    reference: a request that sampled its EOS and went on, or stopped where no rule stops it (a
+    repetition before min_tokens, a length cap one short), is a finding naming the request."""
+    pool, cfg = full_setup()
+    kinds, r = _kinds(tmp_path, header_for(pool, cfg), _stops(*recs_args, **stop))
+    assert kinds == kinds_want, r.findings
+    if kinds_want:
+        assert "request a" in r.findings[0].message and not r.ok
