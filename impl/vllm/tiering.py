@@ -42,7 +42,7 @@ from collections import deque
 from typing import Any
 
 from kvref.impl.reference.offload.tiering.clock import VirtualClock
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 
 #: longest the harness waits for a vLLM thread to reach the point the trace asked for
 WAIT_S = 10.0
@@ -551,12 +551,14 @@ class VllmTiering:
 
 def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, cache_policy: str = "lru",
                        enable_events: bool = True, self_describing_events: bool | None = None,
-                       extra: dict | None = None) -> VllmTiering:
+                       extra: dict | None = None, data_parallel_rank_local: int | None = None) -> VllmTiering:
     """vLLM's tiering manager for ``tiers`` (dicts: ``type`` "fs" or "example", optional
     ``backpressure`` as vLLM's tier config takes it); fs tiers get their own temporary directory.
     ``self_describing_events``: the spec's ``self_describing_kv_events`` (default: on when a
     KVCR tier is configured, which needs it for its local DRAM inventory). ``extra``: more of the
-    spec's extra config (top-level ``backpressure``, ``store_threshold``, ...), set last."""
+    spec's extra config (top-level ``backpressure``, ``store_threshold``, ...), set last.
+    ``data_parallel_rank_local``: the parallel config's (a KVCR tier binds the control port at it)."""
+    check_int("data_parallel_rank_local", data_parallel_rank_local, minimum=0, allow_none=True)
     if extra is not None and not isinstance(extra, dict):
         raise InvalidFieldError("extra", extra, "None or a dict of the spec's extra config")
     from vllm.v1.kv_offload.config import (
@@ -600,7 +602,8 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
+                                          data_parallel_rank_local=data_parallel_rank_local,
+                                          is_parallelism_agnostic=False),
         replicated_layout=False)
     bucket: dict[str, bytes] = {}
     try:

@@ -139,4 +139,23 @@ class KvcrGate:
         return ctypes.string_at(base + slot * size, size)
 
 
-__all__ = ["KvcrGate", "kvcr_tier_config"]
+def kvcr_built(tier) -> dict:
+    """What vLLM's KVCR tier handed kvcr when it started it: the control port it binds, its local
+    DRAM bytes (None: none), whether a G3 tier runs, the policy class and whether an inventory sink
+    is installed (compared with the reference's ``kvcr_built_tier``)."""
+    core = tier._kvcr._core
+    mapping = tier._local_dram_mmap
+    return {"control_port": core.framework_control._bind_port,
+            "local_dram_bytes": None if mapping is None else len(mapping), "g3": core._g3 is not None,
+            "policy": type(core._policy._policy).__name__, "inventory": core._inventory_sink_callback is not None}
+
+
+def retained_native_buffers() -> int:
+    """How many buffers vLLM's KVCR tier keeps mapped for the life of the process (after startup
+    failures that could not stop native work)."""
+    from vllm.v1.kv_offload.tiering.kvcr import manager
+
+    return len(manager._RETAINED_NATIVE_BUFFERS)
+
+
+__all__ = ["KvcrGate", "kvcr_built", "kvcr_tier_config", "retained_native_buffers"]

@@ -151,3 +151,47 @@ def test_finds_a_kvcr_tier_that_accepts_any_router(monkeypatch):
     with pytest.raises(ConfigDivergence, match="router"):
         for seed in range(6):
             run_config_cases(seed, 10)
+
+
+def test_every_config_rule_is_reached():
+    """Seeded (no Hypothesis draw): three rounds of the check's families (its fast run is one, seed 0)
+    refuse for every rule vLLM and kvcr check, and build some."""
+    _require_kvcr()
+    from kvref.models.machines.tiering_config import run_config_cases
+
+    stats = run_config_cases(0, 33)
+    rules = ("policy", "kvcr_service_socket_path", "router_capabilities", "self_describing_kv_events",
+             "control_ports", "secondary_g2_slots", "operation_timeout_ms", "g3")
+    assert stats["configs_accepted"] > 3 and [r for r in rules if not stats.get(f"refused_{r}")] == [], stats
+
+
+KVCR_PLANTED = [  # (the family of cases that finds it, the edit)
+    # with no local data-parallel rank the tier binds a port that is not there
+    ("any", "dp_local_rank = 0\n", "dp_local_rank = 1\n"),
+    # a data-parallel engine binds the first port, not its own
+    ("dp_rank", "control_ports[dp_local_rank],", "control_ports[0],"),
+    # a G3 tier's inventory is published without naming its tier
+    ("self_describing", "or g3 is not None\n            )\n            and not self_describing_events",
+     ")\n            and not self_describing_events"),
+    # a negative slot count is taken as none
+    ("secondary_g2_slots", "if secondary_g2_slots < 0:", "if secondary_g2_slots < -1:"),
+    # the inventory sink is installed with KV events off
+    ("events_off", "inventory_sink=(self._record_inventory if events_enabled else None)",
+     "inventory_sink=self._record_inventory"),
+    # local DRAM is configured beside a KVCR service
+    ("service", "            if kvcr_service_socket_path is not None:\n                logger.warning(",
+     "            if False:\n                logger.warning("),
+    # a KVCR startup failure closes the buffers native work may still write into
+    ("g3", "if not isinstance(exc, Exception) or isinstance(exc, KVCRStartupError):", "if False:"),
+]
+
+
+@pytest.mark.parametrize("family,old,new", KVCR_PLANTED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(KVCR_PLANTED)])
+def test_planted_kvcr_config_faults_are_found(family, old, new):
+    _require_kvcr()
+    from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
+    from tests.conformance.tiering_planted import edited
+
+    with edited("vllm.v1.kv_offload.tiering.kvcr.manager", "KVCRSecondaryTierManager", "__init__", old, new), \
+            pytest.raises(ConfigDivergence):
+        run_config_cases(0, 8, (family,))

@@ -949,6 +949,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload import offload_stats as _offload_stats
     from kvref.impl.reference.offload.tiering.backpressure import default_config
     from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_config_error
+    from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_built_tier
     from kvref.spec.tiering_canonical_refs import canonical_refs_verdict
     from kvref.impl.reference.offload.tiering import tier_configs
     from kvref.impl.request import Request
@@ -1130,6 +1131,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                  "secondary_g2_slots": 2, "policy": "lru"}, events=True, self_describing=True)),
         "canonical_refs_verdict": (canonical_refs_verdict, dict(  # issue #22: tiering worker's canonical refs
             canonical_layout=True, is_parallelism_agnostic=False, portable=[[True, False], [None]])),
+        "kvcr_built_tier": (kvcr_built_tier, dict(  # issue #22: what vLLM hands kvcr for an accepted config
+            cfg={"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
+                 "secondary_g2_slots": 2, "policy": "lru"}, events=True, block_size_bytes=64, dp_local_rank=None)),
         # issue #22: streaming-input sessions
         **_streaming_functions(),
         **_encoder_functions(),

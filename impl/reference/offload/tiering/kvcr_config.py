@@ -8,12 +8,19 @@ vLLM checks in this order, and the first failing rule is the one reported:
    import that fails an ImportError, an object that is not such a class a TypeError.
 2. ``kvcr_service_socket_path`` and ``compatibility_digest`` come together (ValueError).
 3. ``router_capabilities`` includes ``router_hint`` (ValueError).
-4. With KV events on, a local DRAM tier (``secondary_g2_slots`` > 0) needs
-   ``self_describing_kv_events`` (ValueError).
-5. With no local data-parallel rank, ``control_ports`` has exactly one port; every port is in
-   1..65535 (ValueError).
+4. With KV events on, a local inventory (``secondary_g2_slots`` > 0, a KVCR service, or a ``g3``
+   file tier) needs ``self_describing_kv_events`` (ValueError).
+5. ``control_ports``: with no local data-parallel rank, exactly one port (the rank is then 0);
+   with one, a port at that index; every port in 1..65535 (ValueError).
 6. ``secondary_g2_slots`` >= 0 (ValueError).
-7. kvcr itself: a ``g3_*`` policy needs a G3 (file) tier, which kvref never configures (ValueError).
+7. ``g3`` names its ``paths`` (vLLM reads them before kvcr starts: a KeyError otherwise).
+8. kvcr itself, when vLLM starts it: a configured KVCR service must answer (kvref runs none, so a
+   configured ``kvcr_service_socket_path`` is unreachable: kvcr's ``KVCRServiceError``);
+   ``operation_timeout_ms`` > 0 and ``abandon_timeout_ms`` >= twice it (ValueError); the policy's
+   tiers are configured (a ``g3_*`` policy, or None with no G3 tier, needs G3); a G3 tier needs the
+   local DRAM tier (ValueError); and its NIXL ``backend`` must exist (kvref's machines have the
+   ``POSIX`` backend; another name fails in NIXL after native work began: ``KVCRStartupError``,
+   where vLLM keeps the buffers KVCR registered for the life of the process).
 """
 
 from __future__ import annotations
@@ -45,19 +52,24 @@ def _policy_error(policy) -> tuple[str, str] | None:
     return None
 
 
-def kvcr_config_error(cfg: dict, events: bool, self_describing: bool) -> tuple[str, str] | None:
+def kvcr_config_error(cfg: dict, events: bool, self_describing: bool,
+                      dp_local_rank: int | None = None) -> tuple[str, str] | None:
     """``(exception class name, the field at fault)`` for the first rule ``cfg`` breaks, or None.
 
     Args:
         cfg: the tier's config as vLLM's factory receives it (``type`` and the keyword arguments).
         events: KV-cache events are enabled for the offloading spec.
         self_describing: ``self_describing_kv_events`` is set in the spec's extra config.
+        dp_local_rank: the parallel config's ``data_parallel_rank_local`` (None: unset).
     """
     if not isinstance(cfg, dict) or cfg.get("type") != "kvcr":
         raise InvalidFieldError("cfg", cfg, "a KVCR tier config (a dict with type 'kvcr')")
     for name, flag in (("events", events), ("self_describing", self_describing)):
         if not isinstance(flag, bool):
             raise InvalidFieldError(name, flag, "a bool")
+    if dp_local_rank is not None and (isinstance(dp_local_rank, bool) or not isinstance(dp_local_rank, int)
+                                      or dp_local_rank < 0):
+        raise InvalidFieldError("dp_local_rank", dp_local_rank, "None or an int >= 0")
     slots = cfg.get("secondary_g2_slots", 0)
     if isinstance(slots, bool) or not isinstance(slots, int):
         raise InvalidFieldError("cfg", cfg, "secondary_g2_slots an int")
@@ -68,21 +80,70 @@ def kvcr_config_error(cfg: dict, events: bool, self_describing: bool) -> tuple[s
     caps = cfg.get("router_capabilities")
     if caps is not None and (isinstance(caps, (str, bytes)) or not isinstance(caps, (list, tuple, set, frozenset))):
         raise InvalidFieldError("cfg", cfg, "router_capabilities None or a collection of names")
+    g3 = cfg.get("g3")
+    if g3 is not None and not isinstance(g3, dict):
+        raise InvalidFieldError("cfg", cfg, "g3 None or a dict of kvcr's G3Options")
+    timeouts = (cfg.get("operation_timeout_ms", 1000), cfg.get("abandon_timeout_ms", 5000))
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in timeouts):
+        raise InvalidFieldError("cfg", cfg, "operation_timeout_ms and abandon_timeout_ms ints")
     err = _policy_error(cfg.get("policy"))
     if err:
         return err
-    if (cfg.get("kvcr_service_socket_path") is None) != (cfg.get("compatibility_digest") is None):
+    service = cfg.get("kvcr_service_socket_path")
+    if (service is None) != (cfg.get("compatibility_digest") is None):
         return ("ValueError", "kvcr_service_socket_path")
     if "router_hint" not in set(cfg.get("router_capabilities") or ()):
         return ("ValueError", "router_capabilities")
-    if events and (slots > 0 or cfg.get("kvcr_service_socket_path") is not None) and not self_describing:
+    if events and (slots > 0 or service is not None or g3 is not None) and not self_describing:
         return ("ValueError", "self_describing_kv_events")
-    if ports is None or len(ports) != 1:
+    if dp_local_rank is None:
+        if ports is None or len(ports) != 1:
+            return ("ValueError", "control_ports")
+        dp_local_rank = 0
+    if ports is None or not dp_local_rank < len(ports):
         return ("ValueError", "control_ports")
     if any(not 1 <= p <= 65535 for p in ports):
         return ("ValueError", "control_ports")
     if slots < 0:
         return ("ValueError", "secondary_g2_slots")
-    if cfg.get("policy") in ("g3_fifo", "g3_lru"):
+    if g3 is not None and "paths" not in g3:
+        return ("KeyError", "g3")
+    if service is not None:
+        return ("KVCRServiceError", "kvcr_service_socket_path")
+    if timeouts[0] <= 0:
+        return ("ValueError", "operation_timeout_ms")
+    if timeouts[1] < 2 * timeouts[0]:
+        return ("ValueError", "abandon_timeout_ms")
+    if g3 is None and cfg.get("policy") in ("g3_fifo", "g3_lru"):
         return ("ValueError", "policy")
+    if g3 is not None and slots == 0:
+        return ("ValueError", "g3")
+    if g3 is not None and g3.get("backend", "GDS_MT") != "POSIX":
+        return ("KVCRStartupError", "g3")
     return None
+
+
+_POLICY_CLASSES = {"fifo": "FIFOPolicy", "lru": "LRUPolicy", "g3_fifo": "G3FIFOPolicy", "g3_lru": "G3LRUPolicy"}
+
+
+def kvcr_built_tier(cfg: dict, events: bool, block_size_bytes: int, dp_local_rank: int | None = None) -> dict:
+    """What vLLM hands kvcr for a config :func:`kvcr_config_error` accepts: the control port (the
+    one at the local data-parallel rank, 0 when unset), the local DRAM bytes (one block per slot;
+    None without slots, or when a KVCR service owns the pool), whether a G3 tier is configured, the
+    policy class (None: ``G3LRUPolicy`` with a G3 tier, else ``LRUPolicy``) and whether the tier's
+    inventory is published (only with KV events on)."""
+    if kvcr_config_error(cfg, events, True, dp_local_rank) is not None and \
+            kvcr_config_error(cfg, events, False, dp_local_rank) is not None:
+        raise InvalidFieldError("cfg", cfg, "a KVCR tier config vLLM accepts")
+    if isinstance(block_size_bytes, bool) or not isinstance(block_size_bytes, int) or block_size_bytes < 1:
+        raise InvalidFieldError("block_size_bytes", block_size_bytes, "an int >= 1")
+    slots = cfg.get("secondary_g2_slots", 0)
+    policy = cfg.get("policy")
+    g3 = cfg.get("g3") is not None
+    return {"control_port": cfg["control_ports"][dp_local_rank or 0],
+            "local_dram_bytes": slots * block_size_bytes if slots and cfg.get("kvcr_service_socket_path") is None
+            else None,
+            "g3": g3,
+            "policy": _POLICY_CLASSES.get(policy, policy.rpartition(".")[2]) if policy is not None
+            else ("G3LRUPolicy" if g3 else "LRUPolicy"),
+            "inventory": events}

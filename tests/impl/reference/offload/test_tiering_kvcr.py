@@ -188,3 +188,35 @@ def test_kvcr_config_rules_in_vllms_order():
         kvcr_config_error({"type": "fs"}, True, True)
     with pytest.raises(InvalidFieldError, match="events"):
         kvcr_config_error(ok, "yes", True)
+
+
+def test_kvcr_start_rules_and_what_vllm_hands_kvcr():
+    from kvref.impl.reference.offload.tiering.kvcr_config import kvcr_built_tier, kvcr_config_error
+
+    ok = {"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
+          "secondary_g2_slots": 2, "policy": "lru"}
+    g3 = {"paths": ["/x/g3.bin"], "capacity_bytes_per_file": 1 << 16, "backend": "POSIX"}
+    # the local data-parallel rank picks its port
+    assert kvcr_config_error({**ok, "control_ports": [1, 2]}, True, True, 1) is None
+    assert kvcr_config_error({**ok, "control_ports": [1, 2]}, True, True, 2) == ("ValueError", "control_ports")
+    assert kvcr_built_tier({**ok, "control_ports": [1, 2]}, True, 64, 1)["control_port"] == 2
+    # a G3 tier: needs self-describing events, its paths, local DRAM and a NIXL backend that exists
+    assert kvcr_config_error({**ok, "secondary_g2_slots": 0, "g3": g3}, True, False) == \
+        ("ValueError", "self_describing_kv_events")
+    assert kvcr_config_error({**ok, "g3": {"backend": "POSIX"}}, True, True) == ("KeyError", "g3")
+    assert kvcr_config_error({**ok, "secondary_g2_slots": 0, "g3": g3}, True, True) == ("ValueError", "g3")
+    assert kvcr_config_error({**ok, "g3": {**g3, "backend": "NOPE"}}, True, True) == ("KVCRStartupError", "g3")
+    assert kvcr_config_error({**ok, "policy": "g3_lru", "g3": g3}, True, True) is None
+    assert kvcr_built_tier({**ok, "policy": None, "g3": g3}, True, 64)["policy"] == "G3LRUPolicy"
+    # kvcr's timeouts, then the service kvref never runs (checked before them)
+    assert kvcr_config_error({**ok, "operation_timeout_ms": 0}, True, True) == ("ValueError", "operation_timeout_ms")
+    assert kvcr_config_error({**ok, "abandon_timeout_ms": 1999}, True, True) == ("ValueError", "abandon_timeout_ms")
+    svc = {**ok, "kvcr_service_socket_path": "/x.sock", "compatibility_digest": "d", "operation_timeout_ms": 0}
+    assert kvcr_config_error(svc, True, True) == ("KVCRServiceError", "kvcr_service_socket_path")
+    # KV events off: no inventory, and no self-description needed
+    assert kvcr_built_tier(ok, False, 64) == {"control_port": 5555, "local_dram_bytes": 128, "g3": False,
+                                              "policy": "LRUPolicy", "inventory": False}
+    with pytest.raises(InvalidFieldError, match="dp_local_rank"):
+        kvcr_config_error(ok, True, True, -1)
+    with pytest.raises(InvalidFieldError, match="cfg"):
+        kvcr_built_tier({**ok, "policy": "mru"}, True, 64)
