@@ -63,9 +63,8 @@ def plant_feature_fault(name: str) -> Iterator[None]:
             undo.append(lambda: v.__setitem__("get_request_block_hasher", real))
         elif name in ("min-tokens-first", "repetition-ignores-min"):
             from vllm.v1.core.sched import scheduler as sched_module
-            from vllm.v1.core.sched.utils import check_sequence_repetition
 
-            real = sched_module.check_stop
+            real = sched_module.check_stop  # the name update_from_output calls
             if name == "min-tokens-first":
                 def check_stop(request, max_model_len):
                     if request.num_output_tokens < request.sampling_params.min_tokens and not (
@@ -74,16 +73,15 @@ def plant_feature_fault(name: str) -> Iterator[None]:
                     return real(request, max_model_len)
             else:
                 def check_stop(request, max_model_len):
-                    if real(request, max_model_len):
-                        return True
-                    rd = request.sampling_params.repetition_detection
-                    if rd is not None and check_sequence_repetition(request.output_token_ids, rd):
-                        from vllm.v1.request import RequestStatus
-
-                        request.status = RequestStatus.FINISHED_REPETITION
-                        request.stop_reason = "repetition_detected"
-                        return True
-                    return False
+                    sp = request.sampling_params
+                    if not sp.min_tokens or sp.repetition_detection is None:
+                        return real(request, max_model_len)
+                    saved = sp.min_tokens
+                    sp.min_tokens = 0  # vLLM's own rules, min_tokens forgotten
+                    try:
+                        return real(request, max_model_len)
+                    finally:
+                        sp.min_tokens = saved
             sched_module.check_stop = check_stop
             undo.append(lambda: setattr(sched_module, "check_stop", real))
         else:
