@@ -41,6 +41,7 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
         self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
+        self.non_hma_sibling = bool(getattr(cfg, "non_hma_sibling", False))
 
     def after_alloc(self, req, n_ext) -> None:
         self.conn.update_state_after_alloc(req, self.table(req.request_id), n_ext)
@@ -54,7 +55,8 @@ class SimpleCPUReferenceBackend(ReferenceEngine):
         self.conn.update_connector_output(recv, events)
 
     def finished(self, req, table) -> None:
-        self.conn.request_finished(req, table)
+        # beside a non-HMA sibling the finish carries no flush (SimpleOffloadConfig.non_hma_sibling)
+        self.conn.request_finished(req, () if getattr(self, "non_hma_sibling", False) else table)
 
     def reset(self) -> bool:
         return self.conn.reset()

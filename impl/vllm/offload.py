@@ -170,6 +170,7 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
         self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool
+        self.non_hma_sibling = bool(getattr(cfg, "non_hma_sibling", False))
 
     def build_meta(self, step):
         m = self.conn.build_connector_meta(vllm_scheduler_output(step))
@@ -182,7 +183,10 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
             finished_recving=set(recv), kv_connector_worker_meta=merged_worker_meta(events)))
 
     def finished(self, req, table):
-        self.conn.request_finished_all_groups(req, table)
+        if getattr(self, "non_hma_sibling", False):  # what MultiConnector calls beside a non-HMA child (one group)
+            self.conn.request_finished(req, table[0])
+        else:
+            self.conn.request_finished_all_groups(req, table)
 
     def stats(self):
         from vllm.v1.simple_kv_offload.metrics import MetricName as M

@@ -123,6 +123,33 @@ def find_simple_cpu_in_multi(cfg: Any, extra: dict, position: int | None, num_ch
     return index, found.get_aligned_num_cpu_blocks()
 
 
+def _beside_non_hma_child(vc: Any, kcfg: Any) -> Any:
+    """vLLM's ``MultiConnector`` (SCHEDULER role) over the SimpleCPU connector ``vc`` selects and
+    vLLM's ``ExampleConnector`` (not ``SupportsHMA``; its scheduler side answers no hits and
+    finishes without delay); with a child lacking HMA vLLM needs the hybrid KV cache manager off."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from .multi_connector_worker import quiet
+
+    simple = vc.kv_transfer_config
+    mvc = copy.copy(vc)
+    mvc.scheduler_config = copy.copy(vc.scheduler_config)
+    mvc.scheduler_config.disable_hybrid_kv_cache_manager = True
+    mvc.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", engine_id=simple.engine_id,
+        kv_connector_extra_config={"connectors": [
+            dict(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                 kv_connector_extra_config=dict(simple.kv_connector_extra_config)),
+            dict(kv_connector="ExampleConnector", kv_role="kv_both")]})
+    with quiet("vllm.distributed.kv_transfer.kv_connector.v1.base",
+               "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"):
+        multi = MultiConnector(mvc, KVConnectorRole.SCHEDULER, kcfg)
+    assert not MultiConnector.all_children_support_hma(mvc.kv_transfer_config)
+    return multi
+
+
 class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
     """vLLM's ``SimpleCPUOffloadConnector`` (SCHEDULER role) over its GPU ``KVCacheManager``;
     ``conn`` is the connector's ``SimpleCPUOffloadScheduler`` (read for the compared state only),
@@ -139,8 +166,10 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
         assert variant == "reference", "vLLM runs as released"
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
         vc = simple_offload_vllm_config(cfg)
-        self.connector = SimpleCPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, kcfg)
-        self.connector.bind_gpu_block_pool(self.mgr.block_pool)
+        self.multi = _beside_non_hma_child(vc, kcfg) if getattr(cfg, "non_hma_sibling", False) else None
+        self.connector = SimpleCPUOffloadConnector(vc, KVConnectorRole.SCHEDULER, kcfg) if self.multi is None \
+            else self.multi.sub_connectors[0]
+        (self.multi or self.connector).bind_gpu_block_pool(self.mgr.block_pool)
         # a best-effort cache: a lost store is a later miss, so the scheduler must not wait for delivery
         assert self.connector.requires_kv_delivery is False
         self.conn = self.connector.scheduler_manager
@@ -167,7 +196,9 @@ class SimpleCPUConnectorVllmBackend(SimpleCPUVllmBackend):
             finished_recving=set(recv), kv_connector_worker_meta=merged_worker_meta(events)))
 
     def finished(self, req, table):
-        self.connector.request_finished_all_groups(req, table)
+        # the engine's finish; beside a non-HMA sibling it reaches the connector through
+        # MultiConnector, which falls back to each child's request_finished
+        (self.multi or self.connector).request_finished_all_groups(req, table)
 
     def reset(self) -> bool:
         return self.connector.reset_cache()

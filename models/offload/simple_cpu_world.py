@@ -62,6 +62,11 @@ class SimpleOffloadConfig:
     # vLLM's ``kv_events_config.enable_kv_cache_events``: the connector publishes the CPU cache's
     # BlockStored / BlockRemoved / AllBlocksCleared events, compared after every operation.
     kv_events: bool = False
+    # The connector sits in a MultiConnector beside a child without HMA support (one KV cache
+    # group): the engine's finish reaches it as ``request_finished`` (MultiConnector falls back
+    # from ``request_finished_all_groups``), which does not flush the confirmed blocks its eager
+    # cursors have not reached; the reference finishes with no block table then.
+    non_hma_sibling: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
         return kvref_kv_cache_groups(self.block_size, self.sliding_window)
@@ -81,10 +86,15 @@ class SimpleOffloadConfig:
         # and Python 3.11 hashes None by address, so hash(rng.getstate()) changed from process to
         # process (the draw, and so SimpleCPU's reach, varied between runs of one seed).
         mode = random.Random(hash(rng.getstate()[1]))
-        return cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
-                   sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
-                   world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
-                   async_scheduling=mode.random() < 0.5, kv_events=mode.random() < 0.5)
+        cfg = cls(block_size=4, num_gpu_blocks=rng.randint(8, 16), num_cpu_blocks=rng.choice([40, 24, 8, 3, 1]),
+                  sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
+                  world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
+                  async_scheduling=mode.random() < 0.5, kv_events=mode.random() < 0.5)
+        if cfg.sliding_window is None and mode.random() < 0.3:  # one group: a non-HMA sibling is allowed
+            from dataclasses import replace
+
+            cfg = replace(cfg, non_hma_sibling=True)
+        return cfg
 
 
 # --------------------------------------------------------------------------------------------
