@@ -94,3 +94,31 @@ def test_a_fault_planted_in_vllms_check_stop_is_flagged_at_its_finish(env, prist
     assert r.divergence.call == "update_from_output" and "finishes differ" in r.divergence.message
     p = check_trace(run.path, properties_only=True)
     assert not p.ok and any(f.kind == "stop_rule" and "request " in f.message for f in p.findings), p.findings
+
+
+def test_an_anonymized_stop_conditions_run_keeps_its_stops(env, tmp_path, monkeypatch):
+    """Anonymized, the EOS id and stop ids go through the same token mapping as the sampled tokens
+    (equal stays equal, so repetitions stay repetitions): the replay agrees and no plain EOS id or
+    stop id is left in the arrivals."""
+    from kvref.impl.vllm.record import ENV_ANONYMIZE, ENV_PATH, recorded_vllm_scheduler
+    from kvref.models.run_check.demo import EOS_TOKEN, DemoEngine, plan_pool, workload
+
+    w = workload("stop-conditions")
+    pool, cfg = plan_pool(w, True)
+    path = tmp_path / "anon.kvtrace.gz"
+    monkeypatch.setenv(ENV_PATH, str(path))
+    monkeypatch.setenv(ENV_ANONYMIZE, "1")
+    target = recorded_vllm_scheduler(pool, cfg, env, scheduler_cls="kvref.record.RecordingAsyncScheduler",
+                                     log_stats=True)
+    try:
+        DemoEngine(target, pool, cfg, seed=0).serve(w, TICKS)
+    finally:
+        target.close()
+    lines = read_lines(path)
+    assert lines[0]["anonymized"] is True
+    eos = {rec["eos"] for rec in lines[1:] if rec["t"] == "add" and rec.get("eos") is not None}
+    assert len(eos) == 1 and eos != {EOS_TOKEN}  # one EOS id, renamed
+    assert {"stop", "repetition"} <= _reasons(lines)
+    r = check_trace(path, check_invariants_every=1)
+    assert r.ok and r.followed and r.verdict == "agrees", r.divergence and r.divergence.table()
+    assert r.summary["finished"].get("repetition", 0) > 0
