@@ -53,7 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_record(demo_sub) -> None:
     from kvref.models.run_check.demo import WORKLOADS
 
-    faults = ("leak-on-refusal", "early-free", "wrong-hit-length", "skip-preempt-reset", "hit-stats", "crash")
+    from kvref.impl.vllm.demo_faults import FAULTS  # neither module imports vLLM until a fault is planted
+    from kvref.impl.vllm.record_faults import FEATURE_FAULTS
+
+    faults = (*FAULTS, *FEATURE_FAULTS)  # the feature faults manifest on their own workload (#28)
     q = demo_sub.add_parser("record", help="record vLLM's own scheduler serving a demo workload (a fake model)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("out", metavar="OUT", help="the trace to write (*.kvtrace.gz: gzip)")
@@ -62,7 +65,8 @@ def _add_record(demo_sub) -> None:
     q.add_argument("--fault", default=None, choices=faults,
                    help="plant a fault into vLLM's KV-cache code for this run: a leaked block on refused admission, "
                         "a block freed too early, a wrong hit length, a skipped preemption reset, miscounted "
-                        "prefix-cache stats, a crash")
+                        "prefix-cache stats, a crash, one lookahead slot or MTP runway token short; or a feature "
+                        "fault: " + "; ".join(f"{k} ({w}): {d}" for k, (w, d) in FEATURE_FAULTS.items()))
     mode = q.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True,
                       help="RecordingAsyncScheduler: vLLM's AsyncScheduler (the default, as vLLM's)")

@@ -40,3 +40,16 @@ def test_an_unwritable_output_and_a_missing_demo_command_are_input_errors(tmp_pa
     assert "OUT" in capsys.readouterr().err
     assert cli.main(["demo"]) == 2
     assert "DEMO_COMMAND" in capsys.readouterr().err
+
+
+def test_demo_record_plants_every_fault_the_campaign_knows():
+    """``--fault`` takes the feature faults too (the check_stop ones among them, #28): before, the
+    record command offered six of the eight demo faults and none of the feature faults."""
+    from kvref.impl.vllm.demo_faults import FAULTS
+    from kvref.impl.vllm.record_faults import FEATURE_FAULTS
+
+    demo = fz.subparsers()["demo"]
+    nested = next(a for a in demo._actions if isinstance(a, argparse._SubParsersAction))
+    [fault] = [a for a in nested.choices["record"]._actions if "--fault" in a.option_strings]
+    assert set(fault.choices) == set(FAULTS) | set(FEATURE_FAULTS)
+    assert {"min-tokens-first", "repetition-ignores-min"} <= set(fault.choices)
