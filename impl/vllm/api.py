@@ -390,6 +390,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "num_writers", "writer_index", "parallelism_agnostic"),
         _b(_OFF_BASE, "CopyRun"),
         _b("vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec.create_worker", "kv_caches"),
+        _b("vllm.v1.kv_offload.tiering.spec", "CPUOffloadingWorker", "kv_caches", "blocks_per_chunk", "num_cpu_chunks",
+           "mmap_region", "canonical_layout"),
         # the KVCR tier's native buffers kept after a startup failure (tiering_kvcr.retained_native_buffers, #22)
         _b("vllm.v1.kv_offload.tiering.kvcr.manager", "_RETAINED_NATIVE_BUFFERS"),
     ),

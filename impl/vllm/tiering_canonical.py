@@ -4,32 +4,53 @@ references: does it refuse them for canonical offload, what does it record, and 
 :func:`create_tiering_worker` builds vLLM's ``TieringOffloadingSpec`` (no secondary tier: the worker
 side does not build tiers) for a parallel config and hands ``create_worker`` a ``CanonicalKVCaches``
 whose layer references carry, or lack, a ``CanonicalPageMapping`` with the given
-``parallelism_agnostic``. What it reports:
+``parallelism_agnostic``. vLLM's ``CPUOffloadingWorker`` copies between GPU tensors and pinned host
+memory on CUDA streams (excluded from reach as needs-gpu); for the call, ``create_worker`` is handed
+:class:`_RecordingWorker` in its place, which records what vLLM passes it (and fails when asked, as
+pinning or a stream can), so the spec's own code runs the same on any machine. What it reports:
 
-* ``outcome``: ``"worker"`` when vLLM went on to build its ``CPUOffloadingWorker`` (the frame of
-  ``CPUOffloadingWorker.__init__`` ran: the references passed; that worker needs CUDA, so on a CPU
-  machine its construction fails there, and that failure is not a verdict on the references), or
-  ``"refused"`` with vLLM's exception when the spec refused before building the worker;
-* ``all_layers_portable`` and ``replicated_layout`` as the spec recorded them, and the rank of the
-  shared-region slot the worker was handed (``worker_rank``, None when refused);
-* ``leftover``: the shared-region files of this engine left in ``/dev/shm`` (``create_worker``
-  releases the worker's mapping when it fails).
+* ``outcome``: ``"worker"`` when vLLM built its worker, ``"worker_failed"`` when the worker's
+  construction failed (the exception propagates), ``"refused"`` with vLLM's exception when the spec
+  refused the references before building the worker;
+* ``worker``: what vLLM handed its worker (``canonical_layout``, ``blocks_per_chunk``,
+  ``num_cpu_chunks``, the shared-region slot's rank), None when refused;
+* ``all_layers_portable`` and ``replicated_layout`` as the spec recorded them;
+* ``leftover``: the shared-region files of this engine left in ``/dev/shm`` after the built worker
+  is shut down (``create_worker`` releases the worker's mapping when it fails).
 """
 
 from __future__ import annotations
 
 import glob
 import itertools
-import logging
 import os
 from dataclasses import dataclass
 
 from kvref.spec.errors import InvalidFieldError, check_int
 
 _ENGINES = itertools.count()
+
+
+class _RecordingWorker:
+    """Stands in for vLLM's ``CPUOffloadingWorker`` (CUDA-only): records its arguments; owns the
+    shared region once built (released at ``shutdown``, as vLLM's worker does); fails when
+    :data:`fail` is set, before taking the region."""
+
+    fail = False
+    last: tuple | None = None
+
+    def __init__(self, kv_caches, blocks_per_chunk, num_cpu_chunks, mmap_region=None, canonical_layout=False):
+        type(self).last = (canonical_layout, blocks_per_chunk, num_cpu_chunks,
+                           None if mmap_region is None else mmap_region.rank)
+        if type(self).fail:
+            raise RuntimeError("kvref: the worker could not be built (pinning failed)")
+        self._mmap_region = mmap_region
+
+    def shutdown(self) -> None:
+        if self._mmap_region is not None:
+            self._mmap_region.cleanup()
+            self._mmap_region = None
 _PAGE = 64
-#: vLLM's module whose constructor marks "the references passed"
-_WORKER_FILE = os.path.join("kv_offload", "cpu", "gpu_worker.py")
 
 
 @dataclass(frozen=True)
@@ -38,7 +59,7 @@ class WorkerOutcome:
     error: str | None  # "ExceptionClass: message" when refused
     all_layers_portable: bool | None
     replicated_layout: bool
-    worker_rank: int | None  # the rank of the shared-region slot vLLM handed its worker
+    worker: tuple | None  # (canonical_layout, blocks_per_chunk, num_cpu_chunks, region rank) handed over
     leftover: tuple[str, ...]
 
 
@@ -50,11 +71,13 @@ def _check_portable(portable) -> None:
 
 
 def create_tiering_worker(canonical_layout: bool, is_parallelism_agnostic: bool, portable,
-                          world_size: int = 1, rank: int = 0, replicated_layout: bool = False) -> WorkerOutcome:
+                          world_size: int = 1, rank: int = 0, replicated_layout: bool = False,
+                          worker_fails: bool = False) -> WorkerOutcome:
     """Run vLLM's ``create_worker`` once (see the module docstring); ``portable`` per group, per ref:
-    None (no mapping) or the mapping's ``parallelism_agnostic``."""
+    None (no mapping) or the mapping's ``parallelism_agnostic``; ``worker_fails``: the worker's
+    construction fails."""
     for name, flag in (("canonical_layout", canonical_layout), ("is_parallelism_agnostic", is_parallelism_agnostic),
-                       ("replicated_layout", replicated_layout)):
+                       ("replicated_layout", replicated_layout), ("worker_fails", worker_fails)):
         if not isinstance(flag, bool):
             raise InvalidFieldError(name, flag, "a bool")
     _check_portable(portable)
@@ -77,7 +100,7 @@ def create_tiering_worker(canonical_layout: bool, is_parallelism_agnostic: bool,
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+    from vllm.v1.kv_offload.tiering import spec as tiering_spec
 
     engine = f"kvref-tierwork-{os.getpid()}-{next(_ENGINES)}"
     ocfg = OffloadingConfig(
@@ -92,8 +115,7 @@ def create_tiering_worker(canonical_layout: bool, is_parallelism_agnostic: bool,
                                           data_parallel_rank_local=None,
                                           is_parallelism_agnostic=is_parallelism_agnostic),
         replicated_layout=replicated_layout, canonical_layout=canonical_layout)
-    spec = TieringOffloadingSpec(ocfg)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = tiering_spec.TieringOffloadingSpec(ocfg)
     tensors, refs = [], []
     for group in portable:
         group_refs = []
@@ -103,36 +125,29 @@ def create_tiering_worker(canonical_layout: bool, is_parallelism_agnostic: bool,
                 runs=(CopyRun(0, 0, _PAGE, 1, _PAGE, _PAGE),), num_writers=1, writer_index=0,
                 parallelism_agnostic=p)
             group_refs.append(CanonicalKVCacheRef(tensor_idx=len(tensors), page_size_bytes=_PAGE, mapping=mapping))
-            tensors.append(CanonicalKVCacheTensor(tensor=torch.zeros(4, _PAGE, dtype=torch.int8, device=device),
+            tensors.append(CanonicalKVCacheTensor(tensor=torch.zeros(4, _PAGE, dtype=torch.int8),
                                                   page_size_bytes=_PAGE))
         refs.append(group_refs)
-    region_log = logging.getLogger("vllm.v1.kv_offload.cpu.shared_offload_region")
-    level = region_log.level
-    region_log.setLevel(logging.ERROR)  # "Keeping ... mapped": the CPU machine's worker failure, expected
-    worker = worker_rank = None
+    real = tiering_spec.CPUOffloadingWorker
+    tiering_spec.CPUOffloadingWorker = _RecordingWorker
+    _RecordingWorker.fail, _RecordingWorker.last = worker_fails, None
+    worker = None
     try:
         worker = spec.create_worker(CanonicalKVCaches(tensors=tensors, group_data_refs=refs))
-        outcome, error, worker_rank = "worker", None, worker._mmap_region.rank
+        outcome, error = "worker", None
     except Exception as exc:  # noqa: BLE001 - the outcome is what is compared
-        tb, entered = exc.__traceback__, False
-        while tb is not None:  # the worker's constructor ran: read the region it was handed
-            if tb.tb_frame.f_code.co_filename.endswith(_WORKER_FILE) and tb.tb_frame.f_code.co_name == "__init__":
-                region = tb.tb_frame.f_locals.get("mmap_region")
-                entered, worker_rank = True, getattr(region, "rank", None)
-                break
-            tb = tb.tb_next
-        outcome, error = ("worker", None) if entered else ("refused", f"{type(exc).__name__}: {exc}")
-        del tb, exc
+        failed = _RecordingWorker.last is not None
+        outcome, error = ("worker_failed" if failed else "refused"), f"{type(exc).__name__}: {exc}"
     finally:
-        region_log.setLevel(level)
+        tiering_spec.CPUOffloadingWorker = real
     try:
-        leftover = tuple(sorted(glob.glob(f"/dev/shm/vllm_offload_{engine}.mmap*")))
-        return WorkerOutcome(outcome, error, spec.all_layers_portable, spec.replicated_layout, worker_rank, leftover)
-    finally:
         if worker is not None:
             worker.shutdown()
+        leftover = tuple(sorted(glob.glob(f"/dev/shm/vllm_offload_{engine}.mmap*")))
+        return WorkerOutcome(outcome, error, spec.all_layers_portable, spec.replicated_layout,
+                             _RecordingWorker.last, leftover)
+    finally:
         for path in glob.glob(f"/dev/shm/vllm_offload_{engine}.mmap*"):
             os.remove(path)
-
 
 __all__ = ["WorkerOutcome", "create_tiering_worker"]

@@ -6,8 +6,9 @@ rank, ``replicated_layout``) and one to three KV-cache groups of one to three la
 with no canonical mapping or one whose ``parallelism_agnostic`` is drawn. vLLM must refuse exactly
 the references the rule refuses (a ``RuntimeError`` naming the rule), build its worker for the
 others, record the same ``all_layers_portable``, keep ``replicated_layout`` as configured (tiering
-always allocates on the shared region), hand its worker the shared-region slot of rank 0 when
-the layout is replicated (else of its own rank) and leave no shared-region file behind either way.
+always allocates on the shared region), hand its worker the layout flag, chunking and the
+shared-region slot of rank 0 when the layout is replicated (else of its own rank), let a worker that
+fails to build fail the call, and leave no shared-region file behind either way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def random_case(rng: random.Random) -> dict:
                  for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 3))]
     return {"canonical_layout": rng.random() < 0.85, "is_parallelism_agnostic": rng.random() < 0.5,
             "portable": portable, "world_size": world, "rank": rng.randrange(world),
-            "replicated_layout": rng.random() < 0.3}
+            "replicated_layout": rng.random() < 0.3, "worker_fails": rng.random() < 0.15}
 
 
 def run_case(case: dict, counts: dict) -> None:
@@ -41,7 +42,7 @@ def run_case(case: dict, counts: dict) -> None:
     refusal, portable = canonical_refs_verdict(case["canonical_layout"], case["is_parallelism_agnostic"],
                                                case["portable"])
     got = create_tiering_worker(**case)
-    want_outcome = "worker" if refusal is None else "refused"
+    want_outcome = "refused" if refusal is not None else "worker_failed" if case["worker_fails"] else "worker"
     problems = []
     if got.outcome != want_outcome:
         problems.append(f"reference {refusal or 'builds the worker'}, vLLM {got.outcome} ({got.error})")
@@ -51,9 +52,13 @@ def run_case(case: dict, counts: dict) -> None:
         problems.append(f"all_layers_portable: reference {portable}, vLLM {got.all_layers_portable}")
     if got.replicated_layout != case["replicated_layout"]:
         problems.append(f"replicated_layout: configured {case['replicated_layout']}, vLLM {got.replicated_layout}")
-    want_rank = None if refusal is not None else 0 if case["replicated_layout"] else case["rank"]
-    if got.worker_rank != want_rank:
-        problems.append(f"worker's shared-region rank: reference {want_rank}, vLLM {got.worker_rank}")
+    # what the worker is handed: the layout, one block per chunk, the spec's 2 chunks, and the slot
+    # of rank 0 when the layout is replicated (every rank holds the same bytes), else its own rank
+    want_worker = None if refusal is not None else (
+        case["canonical_layout"], 1, 2, 0 if case["replicated_layout"] else case["rank"])
+    if got.worker != want_worker:
+        problems.append(f"worker handed (canonical_layout, blocks_per_chunk, chunks, region rank): reference "
+                        f"{want_worker}, vLLM {got.worker}")
     if got.leftover:
         problems.append(f"create_worker left shared-region files {list(got.leftover)}")
     if problems:

@@ -1,6 +1,6 @@
 """Generated worker layer references through vLLM 0.33.0's ``TieringOffloadingSpec.create_worker``
 (#22): the canonical-layout refusals, ``all_layers_portable``, the worker's shared-region rank and
-the clean-up after a refusal agree with :func:`kvref.spec.tiering_canonical_refs.canonical_refs_verdict`;
+the clean-up after a refusal or a failed worker agree with :func:`kvref.spec.tiering_canonical_refs.canonical_refs_verdict`;
 faults planted in the rule are found."""
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ _REF = st.one_of(st.none(), st.booleans())
 @settings(max_examples=profile_examples(20, 60), deadline=None)
 @given(canonical=st.booleans(), agnostic=st.booleans(),
        portable=st.lists(st.lists(_REF, min_size=1, max_size=3), min_size=1, max_size=3),
-       world=st.sampled_from([(1, 0), (2, 0), (2, 1)]), replicated=st.booleans())
-def test_generated_refs_agree(canonical, agnostic, portable, world, replicated):
+       world=st.sampled_from([(1, 0), (2, 0), (2, 1)]), replicated=st.booleans(), fails=st.booleans())
+def test_generated_refs_agree(canonical, agnostic, portable, world, replicated, fails):
     require_vllm()
     from kvref.models.machines.tiering_canonical_refs import run_case
 
     counts: dict = {}
     run_case({"canonical_layout": canonical, "is_parallelism_agnostic": agnostic, "portable": portable,
-              "world_size": world[0], "rank": world[1], "replicated_layout": replicated}, counts)
+              "world_size": world[0], "rank": world[1], "replicated_layout": replicated,
+              "worker_fails": fails}, counts)
     assert counts["worker_cases"] == 1
 
 
@@ -56,8 +57,11 @@ PLANTED = [
     # opaque bytes land in a namespace shared across topologies
     ("TieringOffloadingSpec", "_validate_canonical_refs",
      "if self.config.parallel.is_parallelism_agnostic and not", "if False and not"),
-    # a refused worker keeps its shared-region mapping
+    # a refused (or failed) worker keeps its shared-region mapping
     ("TieringOffloadingSpec", "create_worker", "worker_mmap.cleanup()\n", "pass\n"),
+    # the worker is not told the layout is canonical
+    ("TieringOffloadingSpec", "create_worker", "canonical_layout=self.config.canonical_layout,\n",
+     "canonical_layout=False,\n"),
     # a replicated layout's worker writes its own rank's slot
     ("TieringOffloadingSpec", "create_worker", "rank = 0 if self.replicated_layout else", "rank ="),
     # canonical_layout is not validated at all
