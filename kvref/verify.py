@@ -266,6 +266,15 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
     if failure:
         return CheckResult("conform-kv-manager", FAILED, "reference and vLLM publish different blocks "
                            "(reachable_block_mask)", details=failure.splitlines()[:30])
+    # the sink-attention manager, which vLLM's coordinator cannot build, built directly (#22)
+    from kvref.impl.vllm.sink_manager import vllm_sink_manager_run
+    from kvref.models.conformance.sink_manager import agree_sink, sink_cases
+
+    failure = run_generated(given(case=sink_cases())(lambda case: agree_sink(case, vllm_sink_manager_run)),
+                            ctx.examples(40, 200), ctx.seed)
+    if failure:
+        return CheckResult("conform-kv-manager", FAILED, "reference and vLLM differ on SinkFullAttentionManager",
+                           details=failure.splitlines()[:30])
     result = _kv_machine(ctx, "conform-kv-manager", ("reference", "vllm"), "reference and vLLM")
     if result.status == PASSED:
         result.summary += f"; {masks} generated publication masks"

@@ -123,6 +123,10 @@ AREAS: dict[str, tuple[Binding, ...]] = {
              "alignment_tokens", "kv_cache_spec", "use_eagle", "retention_interval", "reachable_boundaries",
              "dcp_world_size", "final_segment_end_block")
           for cls in ("FullAttentionManager", "SlidingWindowManager", "MambaManager")),
+        # the sink-attention manager built directly over its own pool (kvref.impl.vllm.sink_manager, #22)
+        _b("vllm.v1.core.single_type_kv_cache_manager", "SinkFullAttentionManager", "kv_cache_spec", "block_pool",
+           "enable_caching", "kv_cache_group_id", "scheduler_block_size", "dcp_world_size"),
+        _b("vllm.v1.core.block_pool", "BlockPool", "num_gpu_blocks", "enable_caching", "hash_block_size"),
         _b(_MGR, "KVCacheBlocks"),
         _b("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks"),
         # the free block queue's own API, driven by generated programs (free_block_queue.py, #22)
