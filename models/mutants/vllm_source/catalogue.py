@@ -401,32 +401,6 @@ _add(
                    "is rejected again every step and never frees its slot", behaviour="encoder"),
 )
 
-# the waiting queues alone and the encoder-cache embed-count check (conform-scheduler's queue and
-# encoder runs, #22)
-_add(
-    fault("sched.queue_priority_remove_no_heapify", _QUEUE,
-          "        self._heap.remove(request)\n        heapq.heapify(self._heap)\n",
-          "        self._heap.remove(request)\n",
-          CLASSIC, "dropped call: removing one request from the priority queue leaves the heap unordered, so a "
-                   "later pop or iteration yields a lower-priority request first", behaviour="queue"),
-    fault("sched.queue_fcfs_prepend_to_back", _QUEUE,
-          "        self.extendleft(requests)\n",
-          "        self.extend(requests)\n",
-          CLASSIC, "wrong queue end: requests skipped in a pass are put back behind the waiting queue instead "
-                   "of in front (later arrivals overtake them)", behaviour="queue"),
-    fault("sched.encoder_embed_mismatch_served", _SCHED,
-          "        if cached_num_encoder_embeds == requested_num_encoder_embeds:\n            return False\n",
-          "        return False\n",
-          CLASSIC, "dropped check: a multimodal identifier reused with another embedding count is served from "
-                   "the encoder cache (or encoded once for both sizes) instead of failing the request",
-          behaviour="encoder"),
-    fault("sched.encoder_mismatch_never_failed", _SCHED,
-          "        error_req_ids.update(self.encoder_cache_mismatch_reqs)\n",
-          "",
-          CLASSIC, "dropped update: a request the embed-count check rejected is never finished as an error; it "
-                   "is rejected again every step and never frees its slot", behaviour="encoder"),
-)
-
 # --------------------------------------------------------------------------------------------
 # SimpleCPU offload scheduler (v1/simple_kv_offload/manager.py)
 
