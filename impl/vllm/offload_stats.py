@@ -1,8 +1,9 @@
 """vLLM's ``OffloadingConnectorStats`` merged over an interval and reduced, as its logger does (#22).
 
 The engine gets one stats payload per step (per worker) from the offloading connector; across the
-IPC hop a payload travels as its self-describing ``data`` dict and is rebuilt with
-``OffloadingConnectorStats(data=...)``. The logger merges an interval's payloads with
+IPC hop a payload travels as its self-describing ``data`` dict and is rebuilt by the connector
+class, ``OffloadingConnector.build_kv_connector_stats(data)`` (what vLLM's stats logger does).
+The logger merges an interval's payloads with
 ``aggregate`` and reports ``reduce()``. :func:`aggregate_and_reduce` does exactly that with
 vLLM's class over payloads a trace produced, merging consecutive runs first (workers' / steps'
 partial sums) and then the runs, in order, so the reference's fold
@@ -15,6 +16,7 @@ import copy
 from typing import Any, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 
 def aggregate_and_reduce(payloads: Sequence[dict[str, Any]], cuts: Sequence[int]) -> dict[str, Any]:
@@ -22,13 +24,14 @@ def aggregate_and_reduce(payloads: Sequence[dict[str, Any]], cuts: Sequence[int]
     aggregated into a fresh stats object, then the runs into one. Returns its ``reduce()``, its
     ``info``, whether it is empty, and how many merges were of an empty payload."""
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(payloads)), len(payloads)]
-    total = OffloadingConnectorStats()
+    build = OffloadingConnector.build_kv_connector_stats
+    total = build()
     empty_merges = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        run = OffloadingConnectorStats()
-        run = run.aggregate(OffloadingConnectorStats())  # a worker with nothing to report: no change
+        run = build()
+        run = run.aggregate(build())  # a worker with nothing to report: no change
         for data in payloads[lo:hi]:
-            other = OffloadingConnectorStats(data=copy.deepcopy(data))  # rebuilt after the IPC hop
+            other = build(copy.deepcopy(data))  # rebuilt after the IPC hop
             empty_merges += other.is_empty()
             run = run.aggregate(other)
         empty_merges += run.is_empty()

@@ -19,7 +19,8 @@ plus two facts of vLLM's worker (``offloading/worker.py``):
 
 The worker half must also report what it ran: the aggregated ``completed_jobs`` equal the
 completions the trace delivered, no ``finished_sending``, and ``finished_recving`` names a request
-exactly when the last rank finishes its (asynchronous) load.
+exactly when the last rank finishes an asynchronous load (a synchronous one, waited for before the
+forward pass of the step that scheduled its request, names none).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ class OffloadingWorkerWorld(OffloadingWorld):
         # the scheduler alone stay off here, so its traces are the ones it was written for.
         from dataclasses import replace
 
-        # A Mamba "align" group and synchronous loads stay with conform-offload too: the worker's
-        # byte layout here is attention pages only (the recurrent state's page is another shape), and
-        # its handover rule knows asynchronous loads only.
+        # A Mamba "align" group stays with conform-offload too: the worker's byte layout here is
+        # attention pages only (the recurrent state's page is another shape).
         # Hashes finer than the blocks come only with the Mamba group (vLLM's partial tails): they go too.
-        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False, sync_load_budget_bytes=0,
-                      hash_block_size=None)
+        # Synchronous loads run here (#22): the worker waits for them before the forward pass and
+        # reports them without a finished_recving (their request already runs).
+        cfg = replace(cfg, kv_events="off", kv_transfer_params=(), mamba_align=False, hash_block_size=None)
         super().__init__(cfg, backend, strict)
         # vLLM's whole connector also reports the workers' transfer metrics (bytes, times) and its
         # CPU cache's byte size (info), which depend on the worker's page layout: only the
@@ -79,6 +80,7 @@ class OffloadingWorkerWorld(OffloadingWorld):
                                "cpu_cache_usage_perc", "cpu_cache_write_usage_perc", "cpu_cache_read_usage_perc",
                                "cpu_allocation_size", "stores_skipped"}
         self.steps = 0
+        self.sync_jobs: set[int] = set()  # load jobs of synchronous loads (no finished_recving)
         self.created: dict[int, int] = {}  # store job -> step that created it
         self.flushed_by_meta: set[int] = set()
         self.loads_checked = 0
@@ -111,9 +113,18 @@ class OffloadingWorkerWorld(OffloadingWorld):
         return self._b if hasattr(self._b, "workers") else None
 
     def step(self, chunk):
+        seen = len(self.sync_loads)
         meta = super().step(chunk)
         self.steps += 1
         loads, stores, flush, _ = meta
+        sync_reqs = {rid for rid, _, allocated in self.sync_loads[seen:] if allocated}
+        for j, rid, *_ in loads:
+            if rid in sync_reqs:
+                # every rank waited for it before this step's forward pass: its bytes are in place
+                # now (the driver reports it later, when the request may have let its blocks go)
+                self.sync_jobs.add(j)
+                if self._bytes is not None:
+                    self._check_loaded(j, self.jobs[j], range(self.cfg.num_workers))
         for j, *_ in stores:
             self.created[j] = self.steps
         self.flushed_by_meta |= set(flush)
@@ -148,6 +159,7 @@ class OffloadingWorkerWorld(OffloadingWorld):
             return False
         j = ready[pick % len(ready)]
         job = dict(self.jobs[j])
+        sync = j in self.sync_jobs
         rank0 = job["reported"]
         b = self._bytes
         if b is not None:
@@ -159,15 +171,16 @@ class OffloadingWorkerWorld(OffloadingWorld):
             ranks = range(rank0, min(rank0 + count, self.cfg.num_workers))
             last = rank0 + len(ranks) >= self.cfg.num_workers
             recv = b.finished_recving[-1]
-            want = {job["req"]} if (not job["store"] and last) else set()
+            want = {job["req"]} if (not job["store"] and last and not sync) else set()
             if recv != want:
                 raise OffloadInvariantError(
                     f"job {j}: the workers' finished_recving is {sorted(recv)}, expected {sorted(want)}")
-            if not job["store"]:
+            if not job["store"] and not sync:
                 self._check_loaded(j, job, ranks)
         if j not in self.jobs:
             self.created.pop(j, None)
             self.flushed_by_meta.discard(j)
+            self.sync_jobs.discard(j)
         return done
 
     def _check_loaded(self, j, job, ranks) -> None:
@@ -306,7 +319,9 @@ def run_traces(cases, on_difference=None) -> dict:
     cases = list(cases)
     stats.update(run_chunk_configs(random.Random(f"chunk-configs-{len(cases)}"), max(16, 2 * len(cases))))
     for i, (cfg, ops) in enumerate(cases):
-        cfg = replace(cfg, mamba_align=False, sync_load_budget_bytes=0, hash_block_size=None)  # as OffloadingWorkerWorld
+        cfg = replace(cfg, mamba_align=False, hash_block_size=None)  # as OffloadingWorkerWorld
+        if i % 3 == 2 and not cfg.sync_load_budget_bytes:  # every third trace loads small hits at once (#22)
+            cfg = replace(cfg, sync_load_budget_bytes=(128, 512, 10**6)[i // 3 % 3])
         # content-model breaches are recorded (strict=False), compared, and end the trace: vLLM 0.33.0
         # has one the reference shares (docs/offload.md "Found": stale sliding-window stores after a
         # connector reset), after which loaded bytes may rightly differ from computed ones
@@ -377,5 +392,6 @@ def run_traces(cases, on_difference=None) -> dict:
             stats["batches"] += v.published[:max(0, MAX_BATCHES - len(stats["batches"]))]
             if v._b is not None:
                 stats["jobs_executed"] += sum(len(h.log.executed) for h in v._b.host)
+                stats["sync_loads"] = stats.get("sync_loads", 0) + sum(len(h.log.expedited) for h in v._b.host)
                 v._b.shutdown()
     return stats

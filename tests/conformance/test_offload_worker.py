@@ -44,6 +44,51 @@ def test_configs_with_hashes_finer_than_blocks_run_on_the_worker():
     assert run_traces(cases)["traces"] == len(cases)
 
 
+def _sync_cases(n: int) -> list:
+    """``n`` worker traces, each with a per-step sync-load budget (the draws conform-offload makes
+    one config in three), so that hits small enough load before the forward pass."""
+    import random
+    from dataclasses import replace
+
+    rng = random.Random(7)
+    return [(replace(cfg, sync_load_budget_bytes=rng.choice([64, 128, 256, 512, 10**6])), ops)
+            for cfg, ops in offload_worker_cases(0, 40) if not cfg.mamba_align][:n]
+
+
+def test_sync_loads_run_on_the_worker():
+    """Synchronous loads through vLLM's whole connector (#22): the workers submit them expedited and
+    wait for them before the forward pass, their bytes are checked then, and they are reported
+    without a finished_recving. Session 13's divergence was the harness's: vLLM's connector was
+    built without the budget (kv_connector_extra_config) and the handover rule expected every
+    load's request in finished_recving."""
+    require_vllm()
+    from kvref.models.machines.offload_worker import run_traces
+
+    stats = run_traces(_sync_cases(profile_examples(6, 12)))
+    assert stats["sync_loads"] > 0 and stats["loads_checked"] > 0
+
+
+def test_sync_budget_reaches_vllms_connector(monkeypatch):
+    """The whole connector is built with the trace's budget: without it every hit loads
+    asynchronously on vLLM's side while the reference loads it at once (the traces diverge)."""
+    require_vllm()
+    from kvref.impl.vllm import offload_worker as ow
+    from kvref.models.machines.offload_worker import run_traces
+
+    case = _sync_cases(1)[0]
+    captured = {}
+    real = ow.offloading_vllm_config
+
+    def spy(*args, **kwargs):
+        vc = real(*args, **kwargs)
+        captured.update(vc.kv_transfer_config.kv_connector_extra_config)
+        return vc
+
+    monkeypatch.setattr(ow, "offloading_vllm_config", spy)
+    run_traces([case])
+    assert captured.get("sync_load_budget_bytes") == case[0].sync_load_budget_bytes > 0
+
+
 def _worker_cls():
     require_vllm()
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
