@@ -7,7 +7,8 @@ with an fs tier before it. :func:`kvcr_config_error` says whether vLLM must refu
 must then raise that exception (naming the rule) from ``get_manager``, which shuts the fs tier it
 had built down again (its pool threads end); an accepted config must build, and its manager shuts
 down cleanly, having handed kvcr the control port at its local data-parallel rank, the local DRAM,
-G3 tier, policy and inventory sink the reference says (issue #22).
+G3 tier, policy and inventory sink the reference says, and declaring and reporting KVCR's metrics
+only with ``enable_telemetry`` (issue #22).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def random_case(rng: random.Random, family: str | None = None) -> tuple[dict, bo
     self-describing, the local data-parallel rank); ``family``: what to vary (default: drawn)."""
     from kvref.impl.vllm.tiering_kvcr import kvcr_tier_config
 
-    cfg = kvcr_tier_config(rng.choice((1, 2, 3)), rng.choice(("lru", "fifo")))
+    cfg = kvcr_tier_config(rng.choice((1, 2, 3)), rng.choice(("lru", "fifo")), telemetry=rng.random() < 0.7)
     events, self_describing, dp = True, True, None
     family = family or rng.choice(FAMILIES)
     for what in [family] + ([rng.choice(FAMILIES)] if rng.random() < 0.25 else []):
@@ -181,6 +182,8 @@ def _run_case(build_vllm_tiering, rng: random.Random, family: str, out: dict) ->
     else:
         try:
             got = kvcr_built(world.tiers[1])
+            got["metrics"] = tuple(sorted(k for k in world.metric_definitions() if k.startswith("vllm:kvcr_")))
+            got["reports_stats"] = any(k.startswith("vllm:kvcr_") for k in world.take_stats())
             expected = None if want is not None else kvcr_built_tier(cfg, events, world.tiers[1].block_size_bytes, dp)
         finally:
             world.shutdown()

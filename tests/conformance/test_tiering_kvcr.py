@@ -184,6 +184,12 @@ KVCR_PLANTED = [  # (the family of cases that finds it, the edit)
     # a KVCR startup failure closes the buffers native work may still write into
     ("g3", "if not isinstance(exc, Exception) or isinstance(exc, KVCRStartupError):", "if False:"),
 ]
+KVCR_PLANTED_ELSEWHERE = [  # (family, method of KVCRSecondaryTierManager, the edit)
+    # KVCR's metrics are declared without telemetry
+    ("any", "build_metric_definitions", 'if not extra_config.get("enable_telemetry", False):', "if False:"),
+    # KVCR's stats lose vLLM's namespace
+    ("any", "get_stats", "metrics[_vllm_metric_name(name)] = metrics.pop(name)", "pass"),
+]
 
 
 @pytest.mark.parametrize("family,old,new", KVCR_PLANTED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(KVCR_PLANTED)])
@@ -193,5 +199,16 @@ def test_planted_kvcr_config_faults_are_found(family, old, new):
     from tests.conformance.tiering_planted import edited
 
     with edited("vllm.v1.kv_offload.tiering.kvcr.manager", "KVCRSecondaryTierManager", "__init__", old, new), \
+            pytest.raises(ConfigDivergence):
+        run_config_cases(0, 8, (family,))
+
+
+@pytest.mark.parametrize("family,method,old,new", KVCR_PLANTED_ELSEWHERE, ids=[m for _, m, _, _ in KVCR_PLANTED_ELSEWHERE])
+def test_planted_kvcr_metric_faults_are_found(family, method, old, new):
+    _require_kvcr()
+    from kvref.models.machines.tiering_config import ConfigDivergence, run_config_cases
+    from tests.conformance.tiering_planted import edited
+
+    with edited("vllm.v1.kv_offload.tiering.kvcr.manager", "KVCRSecondaryTierManager", method, old, new), \
             pytest.raises(ConfigDivergence):
         run_config_cases(0, 8, (family,))

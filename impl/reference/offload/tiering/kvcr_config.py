@@ -123,6 +123,9 @@ def kvcr_config_error(cfg: dict, events: bool, self_describing: bool,
     return None
 
 
+#: the metrics vLLM declares for a KVCR tier with ``enable_telemetry`` (kvcr's four, in vLLM's namespace)
+KVCR_METRICS = ("vllm:kvcr_duration_seconds", "vllm:kvcr_state", "vllm:kvcr_transfer_blocks",
+                "vllm:kvcr_transfer_bytes")
 _POLICY_CLASSES = {"fifo": "FIFOPolicy", "lru": "LRUPolicy", "g3_fifo": "G3FIFOPolicy", "g3_lru": "G3LRUPolicy"}
 
 
@@ -130,8 +133,9 @@ def kvcr_built_tier(cfg: dict, events: bool, block_size_bytes: int, dp_local_ran
     """What vLLM hands kvcr for a config :func:`kvcr_config_error` accepts: the control port (the
     one at the local data-parallel rank, 0 when unset), the local DRAM bytes (one block per slot;
     None without slots, or when a KVCR service owns the pool), whether a G3 tier is configured, the
-    policy class (None: ``G3LRUPolicy`` with a G3 tier, else ``LRUPolicy``) and whether the tier's
-    inventory is published (only with KV events on)."""
+    policy class (None: ``G3LRUPolicy`` with a G3 tier, else ``LRUPolicy``), whether the tier's
+    inventory is published (only with KV events on), and, with ``enable_telemetry`` only, the KVCR
+    metrics the spec declares and KVCR's own stats (its state gauges) in the manager's stats."""
     if kvcr_config_error(cfg, events, True, dp_local_rank) is not None and \
             kvcr_config_error(cfg, events, False, dp_local_rank) is not None:
         raise InvalidFieldError("cfg", cfg, "a KVCR tier config vLLM accepts")
@@ -146,4 +150,6 @@ def kvcr_built_tier(cfg: dict, events: bool, block_size_bytes: int, dp_local_ran
             "g3": g3,
             "policy": _POLICY_CLASSES.get(policy, policy.rpartition(".")[2]) if policy is not None
             else ("G3LRUPolicy" if g3 else "LRUPolicy"),
-            "inventory": events}
+            "inventory": events,
+            "metrics": KVCR_METRICS if cfg.get("enable_telemetry", False) else (),
+            "reports_stats": bool(cfg.get("enable_telemetry", False))}

@@ -215,7 +215,9 @@ def test_kvcr_start_rules_and_what_vllm_hands_kvcr():
     assert kvcr_config_error(svc, True, True) == ("KVCRServiceError", "kvcr_service_socket_path")
     # KV events off: no inventory, and no self-description needed
     assert kvcr_built_tier(ok, False, 64) == {"control_port": 5555, "local_dram_bytes": 128, "g3": False,
-                                              "policy": "LRUPolicy", "inventory": False}
+                                              "policy": "LRUPolicy", "inventory": False, "metrics": (),
+                                              "reports_stats": False}
+    assert kvcr_built_tier({**ok, "enable_telemetry": True}, True, 64)["metrics"][1] == "vllm:kvcr_state"
     with pytest.raises(InvalidFieldError, match="dp_local_rank"):
         kvcr_config_error(ok, True, True, -1)
     with pytest.raises(InvalidFieldError, match="cfg"):
