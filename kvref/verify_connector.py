@@ -37,6 +37,12 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not life.ok:
         return CheckResult(name, FAILED, "KV-connector lifecycle traces (async consumer, stats, shutdown) diverged "
                            "from vLLM", details=life.failure.splitlines()[:30], signature=life.signature)
+    # then the same with a HiSparse host pool: async loads wait for the steps in flight (#22)
+    deferred = run_lifecycle_machine(ctx.examples(10, 40), shrink=ctx.shrink, seed=ctx.seed, hisparse=True)
+    if not deferred.ok:
+        return CheckResult(name, FAILED, "KV-connector lifecycle traces with deferred async loads (HiSparse) "
+                           "diverged from vLLM", details=deferred.failure.splitlines()[:30],
+                           signature=deferred.signature)
     # then vLLM's MultiConnector on the worker side too: metadata, hooks, merged results, ranks (#22)
     from kvref.models.machines.multi_connector_worker import (
         MultiWorkerDivergence,
@@ -54,8 +60,9 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held); "
                        f"{life.traces} async-consumer lifecycles ({life.coverage.get('steps_with_deferred_frees', 0)} "
                        f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
-                       f"in progress); "
+                       f"in progress); {deferred.traces} with deferred async loads "
+                       f"({deferred.coverage.get('deferred_loads_started', 0)} started after their fence); "
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
                        f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
-                       examined=run.traces + paused.traces + life.traces + multi["traces"])
+                       examined=run.traces + paused.traces + life.traces + deferred.traces + multi["traces"])

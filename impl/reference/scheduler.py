@@ -181,7 +181,7 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED  # vLLM ``Scheduler._pause_state``
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
-        self.connector_state = _conn.make_state(connector, config) if connector is not None else None
+        self.connector_state = _conn.make_state(connector, config, pool) if connector is not None else None
         # vLLM: an EAGLE-like drafter drops the trailing hit block (use_eagle_block_drop) unless
         # its block hashes cover the lookahead token instead (num_hash_lookahead_tokens)
         if config.use_eagle and not pool.num_hash_lookahead_tokens and not pool.use_eagle:

@@ -30,9 +30,13 @@ names its vLLM counterpart):
 
 * with two batches in flight a consumer's freed blocks return to the pool only once the steps
   that may still write them were processed (``defer_block_free``, ``_drain_deferred_frees``), and
-  a victim whose free would be deferred is not preempted.
+  a victim whose free would be deferred is not preempted;
+* with a HiSparse host pool as well (``hisparse_host_num_blocks``: HiSparse keeps reading a
+  released page until the pool reuses it) an async load admitted while a step is in flight is not
+  handed to the connector at once: it waits in ``deferred_loads`` until that step was processed
+  (``_drain_deferred_loads``), and an abort before then frees its blocks at once (no load started).
 
-Not modelled: deferred async loads (HiSparse), partial-tail
+Not modelled: partial-tail
 offloads (Mamba align mode), DSV4 sliding-window replay, the aux-output and encoder connectors,
 connector stats. The connector itself is :class:`ScriptedConnector`: a deterministic stand-in
 whose answers the trace chooses, run unchanged inside vLLM by
@@ -88,6 +92,13 @@ class ConnectorConfig:
         divergent_local_hybrid_hits: ``supports_divergent_local_hybrid_hits`` (the scheduler then
             asks ``get_computed_blocks_for_connector`` for the local hit).
         reset_cache_result: what ``reset_cache()`` returns (True, False or None).
+        supports_hma: the connector implements vLLM's ``SupportsHMA`` (``request_finished_all_groups``);
+            one that does not is told a finished request's blocks of its single KV cache group
+            (``request_finished(request, block_ids[0])``) and is refused with several groups.
+        hisparse_host_pool: the KV cache config has a HiSparse host pool (vLLM
+            ``KVCacheConfig.hisparse_host_num_blocks`` set): with deferred frees, async loads are
+            deferred too (``defer_async_loads``). A KV-cache-config fact, carried here because the
+            scheduler reads it only for its connector.
     """
 
     kv_role: str = KV_CONSUMER
@@ -96,11 +107,14 @@ class ConnectorConfig:
     pending_frees_stop_preemption: bool = False
     divergent_local_hybrid_hits: bool = False
     reset_cache_result: bool | None = True
+    hisparse_host_pool: bool = False
+    supports_hma: bool = True
 
     def __post_init__(self) -> None:
         check_choice("kv_role", self.kv_role, (KV_CONSUMER, KV_PRODUCER))
         check_choice("kv_load_failure_policy", self.kv_load_failure_policy, (RECOMPUTE, FAIL))
-        for name in ("pending_frees_stop_preemption", "divergent_local_hybrid_hits"):
+        for name in ("pending_frees_stop_preemption", "divergent_local_hybrid_hits", "hisparse_host_pool",
+                     "supports_hma"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
         for name in ("requires_kv_delivery", "reset_cache_result"):
@@ -321,29 +335,46 @@ class ConnectorState:
         self.processed_step_seq = 0
         self.deferred_frees: deque = deque()
         self.last_sched_seq: dict[str, int] = {}
+        # deferred async loads (vLLM ``defer_async_loads``, HiSparse): request id -> (fence,
+        # external tokens, connector queries, connector hits), in admission order
+        self.defer_async_loads = False
+        self.deferred_loads: dict[str, tuple[int, int, int, int]] = {}
         # what make_stats reports (scheduler_connector_stats): the waiting requests the loop
         # skipped since they last ran (vLLM ``deferred_waiting``), async loads by stage
         # (``_kv_fetch_stages``) and the connector's prefix-cache counters since the last call
         self.deferred_waiting: set[str] = set()
         self.kv_fetch_stages: dict[str, str] = {}
         self.connector_prefix_cache_stats = new_connector_prefix_cache_stats()
+        #: the connector stats the last update_from_output reported (log_stats; vLLM's
+        #: ``SchedulerStats.connector_prefix_cache_stats`` in its return value)
+        self.output_connector_prefix_cache_stats: dict | None = None
 
     @property
     def recompute_kv_load_failures(self) -> bool:
         return self.config.kv_load_failure_policy == RECOMPUTE
 
 
-def make_state(connector: ScriptedConnector, config) -> ConnectorState:
-    """The scheduler's connector state; refuses what kvref does not model with a connector."""
+def make_state(connector: ScriptedConnector, config, pool=None) -> ConnectorState:
+    """The scheduler's connector state; refuses what kvref does not model with a connector (and,
+    given the ``pool``, a connector without ``SupportsHMA`` on several KV cache groups)."""
     if getattr(config, "num_speculative_tokens", 0):
         raise InvalidFieldError("config.num_speculative_tokens", config.num_speculative_tokens,
                                 "0 with a KV connector (spec decoding with a connector is not modelled)")
     if not isinstance(connector, SchedulerConnector):
         raise InvalidFieldError("connector", connector, "a ScriptedConnector or MultiScriptedConnector")
+    children = getattr(connector, "children", [connector])
+    if pool is not None and len(pool.groups) > 1 and not all(c.config.supports_hma for c in children):
+        # vLLM turns the hybrid allocator off for such a connector; kvref's pools fix their groups
+        raise InvalidFieldError("connector.config.supports_hma", False,
+                                f"True with {len(pool.groups)} KV cache groups (a connector without SupportsHMA "
+                                "sees one group only)")
     st = ConnectorState(connector, config.policy)
     # With overlapping batches a step may still write a freed request's blocks, and a consumer's
     # load into them would not be ordered after that write: vLLM defers the frees to step fences.
     st.defer_block_free = config.max_concurrent_batches > 1 and not connector.config.is_kv_producer
+    # HiSparse reads a released page until the pool reuses it: a load into a reused page must wait
+    # for the steps in flight as well
+    st.defer_async_loads = st.defer_block_free and connector.config.hisparse_host_pool
     return st
 
 
@@ -529,12 +560,20 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
             has_scheduled_reqs=bool(sched.running))
         if blocks is None:
             break  # head-of-line, as without a connector
-        conn.update_state_after_alloc(rid, _block_ids(sched, rid), num_external)
+        queries = request.num_tokens - num_local if hit_ids is not None else 0  # vLLM: connector queries
+        # HiSparse: a step in flight may still read the pages this load would write; the connector
+        # hears of the load (and the stats record it) once that step was processed
+        defer_load = load_async and st.defer_async_loads and st.sched_step_seq > st.processed_step_seq
+        if defer_load:
+            st.last_sched_seq[rid] = st.sched_step_seq
+            st.deferred_loads[rid] = (st.sched_step_seq, num_external, queries, num_external)
+        else:
+            conn.update_state_after_alloc(rid, _block_ids(sched, rid), num_external)
         record = getattr(kv, "record_prefix_cache_stats", None) if sched.records_prefix_cache_stats else None
         if hit_ids is not None and record is not None:  # a fresh local lookup, recorded at admission as vLLM does
             record(request, num_local)
-        if hit_ids is not None and request.num_tokens - num_local:  # vLLM: connector queries != 0
-            record_connector_prefix_cache_stats(st, request, request.num_tokens - num_local, num_external)
+        if queries and not defer_load:
+            record_connector_prefix_cache_stats(st, request, queries, num_external)
 
         if load_async:
             st.loading.add(rid)
@@ -671,6 +710,21 @@ def step_processed(sched: "Scheduler", num_scheduled_tokens: dict[str, int]) -> 
     if st.defer_block_free and sum(num_scheduled_tokens.values()) > 0:
         st.processed_step_seq += 1
         _drain_deferred_frees(sched)
+        _drain_deferred_loads(sched)
+
+
+def _drain_deferred_loads(sched: "Scheduler") -> None:
+    """vLLM ``_drain_deferred_loads``: hand the connector, in admission order, the deferred async
+    loads whose fence step was processed (stopping at the first still fenced), with the blocks
+    the request holds now, and record their connector stats then."""
+    st = sched.connector_state
+    for rid, (fence, num_tokens, queries, hits) in list(st.deferred_loads.items()):
+        if fence > st.processed_step_seq:
+            break
+        del st.deferred_loads[rid]
+        st.connector.update_state_after_alloc(rid, _block_ids(sched, rid), num_tokens)
+        if queries:
+            record_connector_prefix_cache_stats(st, sched.requests[rid], queries, hits)
 
 
 def requires_kv_delivery(sched: "Scheduler") -> bool:
@@ -792,8 +846,20 @@ def after_output(sched: "Scheduler", kv_output: KVConnectorOutput | None, failed
         error_ids.update(failed)
     if error_ids:
         finish_requests(sched, _in_order(error_ids, kv_output, errors=True), "error")
-    if kv_output is None:
-        return
+    if kv_output is not None:
+        _finished_transfers(sched, kv_output)
+    if sched.pool.log_stats:
+        # vLLM's update_from_output ends with make_stats() (the step's SchedulerStats), which starts
+        # fresh connector stats: what this update recorded (deferred loads it handed the connector)
+        # goes out with this step, not to a later make_stats
+        st.output_connector_prefix_cache_stats = st.connector_prefix_cache_stats
+        st.connector_prefix_cache_stats = new_connector_prefix_cache_stats()
+
+
+def _finished_transfers(sched: "Scheduler", kv_output: KVConnectorOutput) -> None:
+    """The connector's report: finished loads are promoted at the next schedule, finished sends
+    (and loads of requests that finished meanwhile) free the blocks."""
+    st = sched.connector_state
     st.connector.update_connector_output(kv_output)
     for rid in _in_order(kv_output.finished_recving, kv_output):
         request = sched.requests[rid]
@@ -833,7 +899,8 @@ def finish_requests(sched: "Scheduler", ids, reason: str) -> list[Request]:
         rid = request.request_id
         delay = False
         if rid in st.loading:
-            delay = rid not in st.finished_recving_kv_req_ids
+            # a deferred load never started, so it will not report done: free now
+            delay = st.deferred_loads.pop(rid, None) is None and rid not in st.finished_recving_kv_req_ids
             st.finished_recving_kv_req_ids.discard(rid)
             st.failed_recving_kv_req_ids.discard(rid)
             st.loading.discard(rid)
@@ -948,6 +1015,9 @@ def check_invariants(sched: "Scheduler") -> None:
             f"Q2: KV-holding waiting request {r.request_id} is {r.status.value}"
     assert st.finished_recving_kv_req_ids <= st.loading and st.failed_recving_kv_req_ids <= st.loading, \
         "Q7: a finished or failed KV load of a request that is not loading"
+    assert set(st.deferred_loads) <= st.loading and (st.defer_async_loads or not st.deferred_loads), \
+        "Q7: a deferred KV load of a request that is not loading (or without defer_async_loads)"
+    assert all(f <= st.sched_step_seq for f, *_ in st.deferred_loads.values()), "Q7: a deferred load fenced ahead"
     assert set(st.inflight_prefills) <= set(sched.requests), "Q7: an in-flight prefill of an unknown request"
     m = _manager(sched)
     # blocks waiting in deferred_frees hold a reference no table slot accounts for

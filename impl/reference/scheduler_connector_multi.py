@@ -47,7 +47,8 @@ class MultiScriptedConnector(SchedulerConnector):
         self.config = ConnectorConfig(
             kv_role=base.kv_role, kv_load_failure_policy=base.kv_load_failure_policy,
             requires_kv_delivery=any(c.config.delivery for c in children),
-            divergent_local_hybrid_hits=all(c.config.divergent_local_hybrid_hits for c in children))
+            divergent_local_hybrid_hits=all(c.config.divergent_local_hybrid_hits for c in children),
+            hisparse_host_pool=base.hisparse_host_pool)
         self.requests_to_connector: dict[str, int] = {}
 
     # ---- what a driver reads (merged over the children) ----------------------------------------

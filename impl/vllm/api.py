@@ -269,6 +269,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "invalid_block_ids"),
         _b("vllm.v1.core.sched.scheduler", "Scheduler.reset_prefix_cache", "reset_running_requests",
            "reset_connector"),
+        # a HiSparse host pool defers async loads (defer_async_loads, _drain_deferred_loads, #22)
+        _b(_KCI, "KVCacheConfig", "hisparse_host_num_blocks"),
     ),
     # vLLM's MultiConnector in both roles over kvref's scripted children (kvref.impl.vllm.multi_connector_worker)
     "multi-connector-worker": (

@@ -24,6 +24,9 @@ from .loader import load_vllm
 
 MODULE_PATH = __name__
 CLASS_NAME = "KvrefScriptedConnector"
+#: the same connector without vLLM's ``SupportsHMA`` (``ConnectorConfig.supports_hma=False``): the
+#: scheduler then hands ``request_finished`` the single group's block ids
+CLASS_NAME_NO_HMA = "KvrefScriptedConnectorNoHMA"
 _SCRIPTS: dict[str, ScriptedConnector] = {}
 _ids = itertools.count()
 
@@ -36,7 +39,8 @@ def register_script(script: ScriptedConnector) -> str:
 
 
 def _child(script: ScriptedConnector) -> dict:
-    return dict(kv_connector=CLASS_NAME, kv_connector_module_path=MODULE_PATH, kv_role=script.config.kv_role,
+    name = CLASS_NAME if script.config.supports_hma else CLASS_NAME_NO_HMA
+    return dict(kv_connector=name, kv_connector_module_path=MODULE_PATH, kv_role=script.config.kv_role,
                 kv_load_failure_policy=script.config.kv_load_failure_policy,
                 kv_connector_extra_config={"kvref_script": register_script(script)})
 
@@ -83,7 +87,7 @@ def _make_class():
     class _Meta(KVConnectorMetadata):
         pass
 
-    class KvrefScriptedConnector(KVConnectorBase_V1, SupportsHMA):
+    class _Forwarding:
         """Scheduler-side calls forwarded to the registered :class:`ScriptedConnector`."""
 
         def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
@@ -150,13 +154,18 @@ def _make_class():
         def wait_for_save(self) -> None:
             raise NotImplementedError("kvref's scripted connector has no worker side")
 
-    return KvrefScriptedConnector
+    class KvrefScriptedConnector(_Forwarding, KVConnectorBase_V1, SupportsHMA):
+        """kvref's scripted connector as vLLM's scheduler sees it (hybrid-allocator aware)."""
+
+    class KvrefScriptedConnectorNoHMA(_Forwarding, KVConnectorBase_V1):
+        """The same forwarding without ``SupportsHMA`` (single-group pools only, as vLLM requires)."""
+
+    return KvrefScriptedConnector, KvrefScriptedConnectorNoHMA
 
 
 def __getattr__(name: str):
-    # vLLM's factory does getattr(module, kv_connector): build the class (importing vLLM) on demand
-    if name == CLASS_NAME:
-        cls = _make_class()
-        globals()[CLASS_NAME] = cls
-        return cls
+    # vLLM's factory does getattr(module, kv_connector): build the classes (importing vLLM) on demand
+    if name in (CLASS_NAME, CLASS_NAME_NO_HMA):
+        globals()[CLASS_NAME], globals()[CLASS_NAME_NO_HMA] = _make_class()
+        return globals()[name]
     raise AttributeError(name)

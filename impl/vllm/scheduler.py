@@ -216,6 +216,8 @@ class VllmScheduler:
             extra["include_finished_set"] = True
         #: ``EngineCoreOutputs.finished_requests`` of the last ``update_from_output`` (one client)
         self.finished_requests = None
+        #: the connector's prefix-cache stats in the last ``update_from_output``'s ``SchedulerStats``
+        self.output_connector_prefix_cache_stats: dict | None = None
         shared = vc
         saved_events_config = vc.kv_events_config
         saved_transfer_config = vc.kv_transfer_config
@@ -229,6 +231,13 @@ class VllmScheduler:
             # while the shared env's config gets its own back below
             vc = copy.copy(vc)
             vc.kv_transfer_config = kv_transfer_config(connector)
+            if connector.config.hisparse_host_pool:  # a HiSparse host pool: vLLM defers async loads too
+                kv_cfg.hisparse_host_num_blocks = pool.num_blocks
+            if not all(c.config.supports_hma for c in getattr(connector, "children", [connector])):
+                # vLLM's factory refuses a connector without SupportsHMA unless the engine runs with
+                # --disable-hybrid-kv-cache-manager (the pool has one group: nothing else changes)
+                vc.scheduler_config = copy.copy(vc.scheduler_config)
+                vc.scheduler_config.disable_hybrid_kv_cache_manager = True
         if pool.enable_kv_cache_events:  # vLLM's own switch; the publisher is replaced below
             from vllm.config.kv_events import KVEventsConfig
 
@@ -398,6 +407,11 @@ class VllmScheduler:
         self.finished_requests = frozenset(finished) if finished else None
         stats = next((eco.scheduler_stats for eco in (outputs or {}).values()
                       if getattr(eco, "scheduler_stats", None) is not None), None)
+        conn = getattr(stats, "connector_prefix_cache_stats", None)
+        if conn is not None:  # what a KV connector's loads added in this step (the reference's output view)
+            from kvref.impl.reference.scheduler_connector_stats import CONNECTOR_PREFIX_CACHE_STATS_FIELDS
+
+            self.output_connector_prefix_cache_stats = {f: getattr(conn, f) for f in CONNECTOR_PREFIX_CACHE_STATS_FIELDS}
         sd = getattr(stats, "spec_decoding_stats", None)
         self._spec_decoding_stats = None if sd is None else SpecDecodingStats(
             sd.num_spec_tokens, sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,

@@ -16,7 +16,13 @@ the main run does not look at:
 * requests that skip reading the prefix cache (prompt logprobs): the connector is asked, its hit
   ignored;
 * the engine's exit: ``Scheduler.shutdown`` shuts the connector down (its last call), after the
-  liveness drain.
+  liveness drain;
+* on single-group pools half the connectors lack ``SupportsHMA`` (vLLM's ``_connector_finished``
+  calls ``request_finished`` with the one group's blocks; under ``MultiConnector`` its own fallback);
+* half the setups have a HiSparse host pool (``KVCacheConfig.hisparse_host_num_blocks``): an async
+  load admitted while a step is in flight reaches the connector only once that step was processed
+  (vLLM ``defer_async_loads``, ``deferred_loads``, ``_drain_deferred_loads``): the connector's call
+  log shows when, the stats record it then, and an abort before then frees its blocks at once.
 
 A separate machine and run so that the main machine's derandomized traces stay as they are.
 """
@@ -52,9 +58,19 @@ LIFECYCLE_COVERAGE: Counter = Counter()
 
 
 @st.composite
-def lifecycle_setups(draw):
-    """Connector setups with async scheduling, a consumer (deferred frees) and stats on."""
+def lifecycle_setups(draw, hisparse: bool | None = None):
+    """Connector setups with async scheduling, a consumer (deferred frees) and stats on; with a
+    HiSparse host pool (deferred async loads) as ``hisparse`` says (None: drawn)."""
     pool, cfg, conn = draw(connector_setups(async_scheduling=True, roles=(KV_CONSUMER,)))
+    if hisparse is None:
+        hisparse = draw(st.booleans())  # a HiSparse host pool: async loads are deferred too
+
+    def knobs(c):
+        # on a single-group pool a connector may lack SupportsHMA (request_finished on one group)
+        hma = True if len(pool.groups) > 1 else draw(st.booleans())
+        return replace(c, hisparse_host_pool=hisparse, supports_hma=hma)
+
+    conn = tuple(knobs(c) for c in conn) if isinstance(conn, tuple) else knobs(conn)
     return replace(pool, log_stats=True), cfg, conn
 
 
@@ -79,6 +95,39 @@ class LifecycleLockstep(ConnectorLockstep):
                          f"after {what}: polled counts differ")
         _tally(p0[-1])
 
+    def _reference_state(self):
+        return next((t.connector_state for t in self.targets.values()
+                     if getattr(t, "connector_state", None) is not None), None)
+
+    def schedule(self):
+        out = super().schedule()
+        st = self._reference_state()
+        if st is not None and st.deferred_loads:
+            LIFECYCLE_COVERAGE["deferred_loads_pending"] += 1
+        return out
+
+    def complete(self, draw=None, report=None) -> None:
+        st = self._reference_state()
+        before = set(st.deferred_loads) if st is not None else set()
+        super().complete(draw, report)
+        # the connector stats update_from_output's own SchedulerStats carried (deferred loads it
+        # started are recorded there)
+        (n0, s0), *rest = ((name, _output_stats(t)) for name, t in self.targets.items())
+        for name, s in rest:
+            if s != s0:
+                _diverge(f"update_from_output (step {self.num_steps}): the connector stats in its SchedulerStats "
+                         f"differ: {n0}: {s0}, {name}: {s}", "update_from_output: connector stats differ")
+        if s0 and s0.get("requests", 0) + s0.get("preempted_requests", 0):
+            LIFECYCLE_COVERAGE["connector_stats_in_output"] += 1
+        if before:
+            LIFECYCLE_COVERAGE["deferred_loads_started"] += len(before - set(st.deferred_loads))
+
+    def abort(self, request_id: str) -> None:
+        st = self._reference_state()
+        if st is not None and request_id in st.deferred_loads:
+            LIFECYCLE_COVERAGE["deferred_load_aborted"] += 1
+        super().abort(request_id)
+
     def shutdown(self) -> None:
         for t in self.targets.values():
             t.shutdown()
@@ -87,6 +136,11 @@ class LifecycleLockstep(ConnectorLockstep):
         for child in _call_lists(self.script):
             assert child and child[-1] == ("shutdown",), f"the connector's last call is not shutdown: {child[-3:]}"
         LIFECYCLE_COVERAGE["shutdowns"] += 1
+
+
+def _output_stats(target) -> dict | None:
+    st = getattr(target, "connector_state", None)
+    return st.output_connector_prefix_cache_stats if st is not None else target.output_connector_prefix_cache_stats
 
 
 def _tally(stats: dict | None) -> None:
@@ -111,8 +165,61 @@ class LifecycleMachine(ConnectorMachine):
         spec = replace(spec, skip_reading_prefix_cache=data.draw(st.sampled_from((False, False, False, True))))
         LIFECYCLE_COVERAGE["skip_reading_arrivals"] += spec.skip_reading_prefix_cache
         hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
+        if self.driver.script.config.hisparse_host_pool:  # mostly async loads: the ones HiSparse defers
+            hit = tuple(replace(h, load_async=data.draw(st.sampled_from((True, True, True, False)))) for h in hit)
         self.num_added += 1
         self.driver.add_with_hit(spec, hit)
+
+    def _loading(self) -> list[str]:
+        st = self.driver._reference_state()
+        return sorted(st.loading) if st is not None else []
+
+    def _step_in_flight(self) -> bool:
+        """A step that scheduled tokens is in flight (the scheduled-step fence is ahead)."""
+        st_ = self.driver._reference_state()
+        return st_ is not None and st_.sched_step_seq > st_.processed_step_seq
+
+    @precondition(lambda self: self.num_added < MAX_REQUESTS and self.driver.script.config.hisparse_host_pool
+                  and self.driver.can_schedule() and self._step_in_flight())
+    @rule(data=st.data())
+    def async_arrival_in_flight(self, data):
+        """Under HiSparse: a request whose prefix the store holds arrives while a step is in flight
+        and the engine schedules at once, so its async load is admitted behind that step's fence
+        (arrivals at an idle engine are admitted with nothing in flight and never deferred)."""
+        spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
+        hit = tuple(replace(data.draw(external_hits(len(spec.prompt))), load_async=True, num_pending_lookups=0)
+                    for _ in _children(self.driver.script))
+        self.num_added += 1
+        self.driver.add_with_hit(spec, hit)
+        self.driver.schedule()
+        self._maybe_abort_deferred(data)
+
+    def _maybe_abort_deferred(self, data) -> None:
+        """Sometimes abort a load HiSparse just deferred, before it starts (the client gave up: its
+        blocks are freed behind the step fence, and no finished_recving will come)."""
+        st_ = self.driver._reference_state()
+        if st_ is not None and st_.deferred_loads and data.draw(st.booleans()):
+            self.driver.abort(data.draw(st.sampled_from(sorted(st_.deferred_loads))))
+
+    @rule(data=st.data())
+    def engine_step(self, data):
+        """An engine step; a load HiSparse just deferred is sometimes aborted before it starts."""
+        d = self.driver
+        if d.can_schedule() and (d.unfinished() or d.num_in_flight() == 0):
+            d.schedule()
+            self._maybe_abort_deferred(data)
+            if d.num_in_flight() < d.depth and d.unfinished():
+                return
+        d.complete(data.draw)
+
+    @precondition(lambda self: bool(self._loading()))
+    @rule(data=st.data())
+    def abort_loading(self, data):
+        """Abort a request whose async load is in flight or, under HiSparse, not started yet
+        (its blocks wait for finished_recving, or are freed at once behind the step fence)."""
+        deferred = sorted(self.driver._reference_state().deferred_loads)
+        pool = deferred if deferred and data.draw(st.booleans()) else self._loading()
+        self.driver.abort(data.draw(st.sampled_from(pool)))
 
     def teardown(self):
         driver = getattr(self, "driver", None)
@@ -121,8 +228,9 @@ class LifecycleMachine(ConnectorMachine):
             driver.shutdown()
 
 
-def lifecycle_machine(factories: dict[str, Callable], driver_class: type = LifecycleLockstep):
-    base = connector_machine(factories, setups=lifecycle_setups(), name="LifecycleBase")
+def lifecycle_machine(factories: dict[str, Callable], driver_class: type = LifecycleLockstep,
+                      hisparse: bool | None = None):
+    base = connector_machine(factories, setups=lifecycle_setups(hisparse), name="LifecycleBase")
     return type("LifecycleRun", (LifecycleMachine, base), {"driver_class": driver_class})
 
 
@@ -133,15 +241,16 @@ def reference_factory(pool, config, connector):
 
 
 def run_lifecycle_machine(examples: int, reproducible: bool = False, shrink: bool = True,
-                          seed: int | None = None) -> SchedulerRun:
+                          seed: int | None = None, hisparse: bool | None = None) -> SchedulerRun:
     """The reference scheduler with kvref's scripted KV connector in lock step with vLLM 0.33.0's
-    on lifecycle traces (async consumer, stats polled after every operation, shutdown)."""
+    on lifecycle traces (async consumer, stats polled after every operation, shutdown); ``hisparse``:
+    every setup (True), none (False) or half (None) with a HiSparse host pool (deferred loads)."""
     from .counted_lockstep import run_counted
     from .scheduler import run_lockstep_machine
 
     factories: dict[str, Callable] = {"vllm": vllm_factory(), "ref": reference_factory}
     return SchedulerRun(**run_counted(
-        lambda counting: lifecycle_machine(factories, counting), LifecycleLockstep,
+        lambda counting: lifecycle_machine(factories, counting, hisparse), LifecycleLockstep,
         lambda machine: run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
                                              reproducible=reproducible, shrink=shrink),
         CONNECTOR_COVERAGE, COVERAGE, LIFECYCLE_COVERAGE, min_ops=0))

@@ -23,10 +23,10 @@ def _sched_cls():
     return Scheduler
 
 
-def _run(examples: int):
+def _run(examples: int, hisparse: bool | None = None):
     from kvref.models.machines.scheduler_lifecycle import run_lifecycle_machine
 
-    return run_lifecycle_machine(examples, reproducible=True, shrink=False)
+    return run_lifecycle_machine(examples, reproducible=True, shrink=False, hisparse=hisparse)
 
 
 def test_lifecycle_traces_match_vllm_and_reach_every_path():
@@ -114,4 +114,61 @@ def shutdown_skips_connector(monkeypatch):
 def test_planted_vllm_fault_diverges(monkeypatch, plant):
     plant(monkeypatch)
     run = _run(profile_examples(10, 20))
+    assert not run.ok, f"{plant.__name__}: no divergence found"
+
+
+# ---- deferred async loads under HiSparse (defer_async_loads, _drain_deferred_loads) ----------------
+def test_deferred_loads_match_vllm_and_reach_every_path():
+    """With a HiSparse host pool an async load admitted while a step is in flight reaches the
+    connector only after that step was processed; the stats go out with that update's output."""
+    _sched_cls()
+    run = _run(profile_examples(10, 20), hisparse=True)
+    assert run.ok, run.failure
+    c = run.coverage
+    for path in ("deferred_loads_pending", "deferred_loads_started", "connector_stats_in_output",
+                 "steps_with_deferred_frees"):
+        assert c.get(path, 0) > 0, (path, c)
+
+
+def loads_never_deferred(monkeypatch):
+    """``defer_async_loads`` is never set: every async load goes to the connector at admission."""
+    cls = _sched_cls()
+    real = cls.__init__
+
+    def patched(self, *a, **k):
+        real(self, *a, **k)
+        self.defer_async_loads = False
+
+    monkeypatch.setattr(cls, "__init__", patched)
+
+
+def deferred_load_not_recorded(monkeypatch):
+    """A deferred load's connector query is lost: its external hit never reaches the stats."""
+    cls = _sched_cls()
+    real = cls._drain_deferred_loads
+
+    def patched(self):
+        self.deferred_loads = {rid: (fence, n, 0, h) for rid, (fence, n, _, h) in self.deferred_loads.items()}
+        real(self)
+
+    monkeypatch.setattr(cls, "_drain_deferred_loads", patched)
+
+
+def deferred_load_hands_no_tokens(monkeypatch):
+    """A deferred load starts with no external tokens (the connector loads nothing)."""
+    cls = _sched_cls()
+    real = cls._drain_deferred_loads
+
+    def patched(self):
+        self.deferred_loads = {rid: (fence, 0, q, h) for rid, (fence, _, q, h) in self.deferred_loads.items()}
+        real(self)
+
+    monkeypatch.setattr(cls, "_drain_deferred_loads", patched)
+
+
+@pytest.mark.parametrize("plant", [loads_never_deferred, deferred_load_not_recorded,
+                                   deferred_load_hands_no_tokens])
+def test_planted_deferred_load_fault_diverges(monkeypatch, plant):
+    plant(monkeypatch)
+    run = _run(profile_examples(10, 20), hisparse=True)
     assert not run.ok, f"{plant.__name__}: no divergence found"

@@ -965,6 +965,37 @@ def by_id() -> dict[str, SourceFault]:
 
 #: the CI subset (tests/models/test_vllm_mutants_campaign.py): faults each killed within seconds at
 #: the fast profile by a different check, and two neutrals that must pass every check
+# --------------------------------------------------------------------------------------------
+# deferred async loads under HiSparse (v1/core/sched/scheduler.py defer_async_loads,
+# _drain_deferred_loads; conform-connector's lifecycle traces with a HiSparse host pool, #22). The
+# drain's stop at a later fence is not planted: with two batches in flight at most one fence is
+# outstanding when it runs (it needs pipeline parallelism, which kvref does not drive)
+
+_add(
+    fault("sched.deferred_load_never_deferred", _SCHED,
+          "                        and self.sched_step_seq > self.processed_step_seq\n",
+          "                        and self.sched_step_seq < self.processed_step_seq\n",
+          CLASSIC, "wrong comparison: with a HiSparse host pool an async load admitted while a step is in "
+                   "flight is handed to the connector at once (it may write pages that step still reads)",
+          behaviour="kv-connector"),
+    fault("sched.deferred_load_abort_keeps_blocks", _SCHED,
+          "                    self.deferred_loads.pop(request.request_id, None) is None\n",
+          "                    self.deferred_loads.pop(request.request_id, None) is None or True\n",
+          CLASSIC, "wrong condition: an aborted load that was still deferred (never started) waits for a "
+                   "finished_recving that never comes, so its blocks leak", behaviour="kv-connector"),
+    fault("sched.deferred_load_stats_dropped", _SCHED,
+          "            if self.connector_prefix_cache_stats is not None and queries != 0:\n",
+          "            if self.connector_prefix_cache_stats is not None and queries == 0:\n",
+          CLASSIC, "wrong comparison: a deferred load's external hit is never recorded in the connector's "
+                   "prefix-cache stats when it starts", behaviour="kv-connector"),
+    fault("sched.deferred_load_unfenced_free", _SCHED,
+          "                        request.last_sched_seq = self.sched_step_seq\n",
+          "",
+          CLASSIC, "dropped update: a deferred load's request keeps an old fence, so aborting it returns its "
+                   "blocks to the pool while the step in flight may still use them", behaviour="kv-connector"),
+)
+
+
 CI_SUBSET = (
     "pool.free_uncached_appended",
     "stm.pre40946_gate_uncapped",
