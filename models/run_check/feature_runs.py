@@ -34,6 +34,9 @@ from .recording import closing_targets, scheduler_recorder
 
 #: the features :func:`record_feature_runs` draws
 FEATURES = ("multimodal", "lora", "hash-lookahead", "mamba-checkpoint")
+#: and the stop conditions (session 14, format 5): :class:`~kvref.models.machines.scheduler_stop.StopMachine`'s
+#: arrivals (an EOS token or none, ``min_tokens``, repetition detectors) over a three-token model
+GENERATED = FEATURES + ("stop-conditions",)
 
 
 def _hash_lookahead_setups():
@@ -61,6 +64,11 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
                                                use_v2_model_runner=v2)}
 
         return type("RecordedEncoderRun", (EncoderMachine,), {"factories_for": staticmethod(factories_for)})
+    if feature == "stop-conditions":
+        from kvref.models.machines.scheduler_stop import StopMachine
+
+        return type("RecordedStopRun", (StopMachine,),
+                    {"factories": {"vllm": scheduler_recorder(env_holder, directory, runs, feature)}})
     if feature == "lora":
         from kvref.models.machines.scheduler_lora import LoraMachine
 
@@ -78,7 +86,7 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
 def record_feature_runs(directory: str | os.PathLike, feature: str, examples: int, seed: int = 0,
                         steps: int = 40, strict: bool = True) -> list[RecordedRun]:
     """Record ``examples`` generated runs of vLLM's scheduler using ``feature`` (one of
-    :data:`FEATURES`) into ``directory``.
+    :data:`GENERATED`) into ``directory``.
 
     Raises the machine's failure (an AssertionError) when vLLM's run broke one of the machine's own
     checks (liveness at teardown) — unless not ``strict`` (a vLLM with a planted fault): the runs
@@ -87,8 +95,8 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     from kvref.models.machines.scheduler import run_lockstep_machine
     from kvref.spec.errors import InvalidFieldError, check_int
 
-    if feature not in FEATURES:
-        raise InvalidFieldError("feature", feature, "one of " + ", ".join(FEATURES))
+    if feature not in GENERATED:
+        raise InvalidFieldError("feature", feature, "one of " + ", ".join(GENERATED))
     check_int("examples", examples, minimum=1)
     check_int("steps", steps, minimum=2)
     directory = Path(directory)
@@ -102,4 +110,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["FEATURES", "record_feature_runs"]
+__all__ = ["FEATURES", "GENERATED", "record_feature_runs"]

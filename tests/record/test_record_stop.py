@@ -10,6 +10,8 @@ and tick counts: the same runs at every profile."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from kvref.models.run_check import check_trace
@@ -122,3 +124,54 @@ def test_an_anonymized_stop_conditions_run_keeps_its_stops(env, tmp_path, monkey
     r = check_trace(path, check_invariants_every=1)
     assert r.ok and r.followed and r.verdict == "agrees", r.divergence and r.divergence.table()
     assert r.summary["finished"].get("repetition", 0) > 0
+
+
+@pytest.fixture(scope="module")
+def generated(env, tmp_path_factory):
+    """fault -> the stop machine's generated runs of vLLM's scheduler (seed 0, 8 examples: the same
+    draws at every profile), recorded through scheduler_cls; None: pristine."""
+    from kvref.impl.vllm.record_faults import plant_feature_fault
+    from kvref.models.run_check.feature_runs import record_feature_runs
+
+    d = tmp_path_factory.mktemp("generated-stop")
+    out = {None: record_feature_runs(d / "pristine", "stop-conditions", 8, seed=0, steps=30)}
+    for fault in ("min-tokens-first", "repetition-ignores-min"):
+        with plant_feature_fault(fault):
+            out[fault] = record_feature_runs(d / fault, "stop-conditions", 8, seed=0, steps=30, strict=False)
+    return out
+
+
+def test_generated_stop_runs_are_replayed_and_hold_every_property(generated):
+    """StopMachine's draws (an EOS token or none, min_tokens, repetition detectors, a three-token
+    model), not a hand-picked workload: every run is followed step by step and agrees, and the
+    stop-rule property holds alone, over stop, length and repetition finishes."""
+    reasons: Counter = Counter()
+    followed = 0
+    for run in generated[None]:
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty:
+            continue
+        assert r.followed and r.verdict == "agrees", (run.path, r.stopped_because, r.divergence and r.divergence.table())
+        p = check_trace(run.path, properties_only=True)
+        assert p.verdict == "properties hold", (run.path, p.findings[:3])
+        reasons.update(_reasons_counted(read_lines(run.path)))
+        followed += 1
+    assert followed >= 6 and reasons["stop"] and reasons["length"] and reasons["repetition"], reasons
+
+
+@pytest.mark.parametrize("fault", ["min-tokens-first", "repetition-ignores-min"])
+def test_generated_stop_runs_on_a_faulty_check_stop_are_flagged(generated, fault):
+    flagged = props = 0
+    for run in generated[fault]:
+        r = check_trace(run.path)
+        if r.empty or r.verdict == "agrees":
+            continue
+        assert r.divergence is not None and "finishes differ" in r.divergence.message, r.verdict
+        flagged += 1
+        p = check_trace(run.path, properties_only=True)
+        props += any(f.kind == "stop_rule" for f in p.findings)
+    assert flagged >= 1 and props == flagged, (flagged, props)
+
+
+def _reasons_counted(lines) -> Counter:
+    return Counter(why for rec in lines[1:] if rec["t"] == "update" for _, why in rec["fin"])
