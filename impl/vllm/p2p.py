@@ -40,7 +40,7 @@ from typing import Any
 
 from kvref.impl.reference.offload.p2p.messages import summarize
 from kvref.impl.reference.offload.p2p.parent import ScriptedParent, ctx_key
-from kvref.impl.reference.offload.p2p.world import MALFORMED, malformed_params
+from kvref.impl.reference.offload.p2p.world import MALFORMED, STRANGER, malformed_params, stranger_hello
 from kvref.impl.vllm import p2p_nixl
 from kvref.spec.errors import InvalidFieldError
 
@@ -137,6 +137,8 @@ def _classes() -> SimpleNamespace:
             live = router is not None and self._dst not in self._wire.closed and not self._wire.closing
             if live and self._connected:
                 router.settle()
+            elif live:  # it sent nothing (a connection refused at once): its dial may still be registering
+                router.await_registration(self._src)
             self._sock.close(*args)
             if live:
                 router.await_release(self._src)
@@ -179,6 +181,16 @@ def _classes() -> SimpleNamespace:
             while self.routes_to(peer):
                 if _real_time.monotonic() > deadline:
                     raise WireTimeout(f"{self._me} still routes to {peer}'s closed connection")
+                _real_time.sleep(0.0002)  # yield to libzmq's I/O thread; the loop re-checks the condition
+
+        def await_registration(self, peer: str) -> None:
+            """Wait until this ROUTER holds the connection a DEALER under ``peer``'s identity dialled,
+            so the DEALER's close releases it (:meth:`await_release`) instead of the registration
+            landing after the close and refusing the identity's next connection. The dial is on
+            loopback to a bound socket, so the wait ends on the probe; past :data:`WIRE_TIMEOUT_S` it
+            stops waiting (the release wait then sees whatever was registered)."""
+            deadline = _real_time.monotonic() + WIRE_TIMEOUT_S
+            while not self.routes_to(peer) and _real_time.monotonic() <= deadline:
                 _real_time.sleep(0.0002)  # yield to libzmq's I/O thread; the loop re-checks the condition
 
         def close(self, *args):
@@ -240,7 +252,8 @@ def _classes() -> SimpleNamespace:
             self.wire.closed.add(self._local_id)
             super().close()
 
-    return SimpleNamespace(CountingZmqTransport=CountingZmqTransport)
+    return SimpleNamespace(CountingZmqTransport=CountingZmqTransport, CountingDealer=_CountingDealer,
+                           PrefetchingRouter=_PrefetchingRouter)
 
 
 @lru_cache(maxsize=1)
@@ -375,6 +388,8 @@ class VllmP2PWorld:
         finally:
             manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent = saved
         self.alive = {n: True for n in NODES}
+        self._stranger: Any = None  # the stranger's ROUTER, bound on first use (:meth:`_stranger_router`)
+        self._stranger_dealers: dict[str, Any] = {}  # node -> the stranger's DEALER to it
         self.parents = {n: _parent_class()(ScriptedParent()) for n in NODES}
         self._seeds = {n: self.managers[n]._get_hash_seed() for n in NODES}  # the seed both engines share
 
@@ -402,6 +417,56 @@ class VllmP2PWorld:
 
     def lookup(self, node: str, req_id: str, key: bytes) -> str:
         return self.managers[node].lookup(key, self._reqs[(node, req_id)]).name
+
+    # -- the stranger: a third engine that only speaks the control protocol -------------------------
+
+    def _stranger_router(self) -> Any:
+        """The stranger's ROUTER on loopback (bound on first use, in a context of its own that
+        :meth:`close` destroys): it reads what the engines send it (counted like any delivery, so a
+        closing DEALER's wait ends) and never answers."""
+        if self._stranger is None:
+            import zmq
+
+            ctx = zmq.Context()
+            self.wire.contexts.append(ctx)
+            self._stranger_ctx = ctx
+            sock = ctx.socket(zmq.ROUTER)
+            port = sock.bind_to_random_port(f"tcp://{HOST}")
+            self.ids[STRANGER] = f"{HOST}:{port}"
+            self._stranger = _classes().PrefetchingRouter(sock, self.wire, self.ids[STRANGER])
+        return self._stranger
+
+    def stranger_request(self, node: str, req_id: str, kv_request_id: str) -> str:
+        """A consumer request on ``node`` whose source is the stranger (see the reference world)."""
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self._stranger_router()
+        host, port = self.ids[STRANGER].rsplit(":", 1)
+        params = {"remote_prefiller": {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": int(port)}}
+        ctx = ReqContext(req_id=req_id, kv_transfer_params=params)
+        self._reqs[(node, req_id)] = ctx
+        out = self.managers[node].on_new_request(ctx)
+        self._settle()
+        return out.policy.name
+
+    def stranger_connects(self, node: str, kind: str) -> None:
+        """The stranger sends ``node`` an incompatible ``connect`` (the reference's ``stranger_hello``,
+        with the NIXL fields vLLM's validation wants) on its one DEALER to ``node``."""
+        import msgspec
+        import zmq
+
+        self._stranger_router()
+        sid = self.ids[STRANGER]
+        dealer = self._stranger_dealers.get(node)
+        if dealer is None:
+            sock = self._stranger_ctx.socket(zmq.DEALER)
+            sock.identity = sid.encode()
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{self.ids[node]}")
+            dealer = self._stranger_dealers[node] = _classes().CountingDealer(sock, self.wire, sid, self.ids[node])
+        msg = stranger_hello(kind, sid, self.num_blocks, self.block_len)
+        dealer.send(msgspec.msgpack.encode({**msg, "agent_metadata": b"stranger", "base_addr": 0}))
+        self._settle()
 
     def hold(self, node: str, key: bytes, chunk_id: int, pending: int) -> None:
         self.parents[node].scripted.hold(key, chunk_id, pending)
@@ -578,6 +643,9 @@ class VllmP2PWorld:
         for node in NODES:
             if self.alive.get(node):
                 self.managers[node]._control._router.settle()
+        if self._stranger is not None:  # what the engines sent the stranger: read, never answered
+            self._stranger.settle()
+            self._stranger._ahead.clear()
         self._await_monitors()
 
     def _await_monitors(self) -> None:

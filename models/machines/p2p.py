@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvref.impl.reference.offload.p2p.transport import SUBMIT_ERRORS
-from kvref.impl.reference.offload.p2p.world import MALFORMED, P2PWorld
+from kvref.impl.reference.offload.p2p.world import MALFORMED, STRANGER_CONNECTS, P2PWorld
 
 KV_IDS = ("kv0", "kv1")
 #: ids of symmetric requests (their own: a PD id's failures would turn every probe into a MISS)
@@ -93,6 +93,8 @@ class Coverage:
     refused_not_found: int = 0
     rejected_peers: int = 0  # handshakes refused (a hash seed that differs, a registration that failed)
     refused_registrations: int = 0
+    strangers: int = 0  # handshakes of the third engine (every one refused)
+    refused_at_limit: int = 0  # connections refused and dials not made for want of a peer slot
 
 
 COVERAGE = Coverage()
@@ -128,6 +130,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             if ref is not None:
                 COVERAGE.idle_reaps += sum(m.idle_reaped for m in ref.managers.values())
                 COVERAGE.rejected_peers += sum(m.rejected_peers for m in ref.managers.values())
+                COVERAGE.refused_at_limit += sum(m.refused_at_limit for m in ref.managers.values())
                 for plane in ref.planes.values():
                     for kind, n in plane.refused.items():
                         name = "refused_registrations" if kind == "registration" else f"refused_{kind}"
@@ -226,10 +229,14 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             moves bytes; half of them then probe P symmetrically (a key P's manager may still be
             promoting, or not hold) and fetch what P confirmed; the rules then go anywhere. The
             engines' peer limit and idle timeout are drawn: vLLM's defaults, or a scarce peer
-            budget under which idle sessions are evicted."""
+            budget under which idle sessions are evicted, and a third engine (:meth:`refuse`'s stranger)
+            dials the engine and is dialled by it while its one slot is taken."""
             self._start(limits)
             self.share(kv, stored, loaded, not load_first, not consume)
             self.tick()
+            if limits[0] == 1:  # one peer slot: a third engine finds it taken (no draw of its own)
+                self._stranger("D" if consume else "P", STRANGER_CONNECTS[(2 * len(stored) + len(loaded)) % 5],
+                               dial=load_first)
             if symmetric:
                 self.catalogue(SYM_IDS[0], 1, pending)
                 self.symmetric_request(SYM_IDS[0])
@@ -464,7 +471,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             COVERAGE.malformed_requests += 1
 
         @rule(data=st.data(), node=st.sampled_from(("P", "D")),
-              what=st.sampled_from(("writes", "registration", "seed")))
+              what=st.sampled_from(("writes", "registration", "seed", "stranger")))
         def refuse(self, data: st.DataObject, node: str, what: str) -> None:
             """What the engines' setup can refuse, armed for what comes next (one rule, so the
             other rules keep their share of the draws):
@@ -476,18 +483,39 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             * ``registration``: ``node``'s next peer registration fails (the peer's descriptors
               cannot be prepared): that handshake is refused and the session reaped;
             * ``seed``: ``node`` opens its next sessions with another hash seed (or the shared one
-              again): a peer whose seed differs is refused at the handshake (vLLM ``_on_connect``)."""
+              again): a peer whose seed differs is refused at the handshake (vLLM ``_on_connect``);
+            * ``stranger``: a third engine (a bare control socket, no tier) appears: ``node`` may open
+              a consumer request whose source is the stranger, which never answers (the dial times
+              out its handshake), then the stranger sends ``node`` a handshake it must refuse
+              (another block length or model config, no blocks, a bad peer id, another hash seed).
+              Where ``node``'s peer slots are all taken (a scarce ``VLLM_P2P_MAX_PEERS``) it makes
+              no dial (the request fails at once) and refuses the connection before any session
+              exists (vLLM ``_get_or_create_session``'s and ``_accept_new_peers``' peer limit)."""
             if what == "writes":
                 node = "P"
             if not self._alive(node):
                 return
-            if what == "writes":
+            if what == "stranger":
+                self._stranger(node, data.draw(st.sampled_from(STRANGER_CONNECTS), label="connect"),
+                               data.draw(st.booleans(), label="dial"))
+            elif what == "writes":
                 count = data.draw(st.integers(1, 3), label="count")
                 self._all("fail_submissions", "P", count, data.draw(st.sampled_from(sorted(SUBMIT_ERRORS)), label="kind"))
             elif what == "registration":
                 self._all("fail_registrations", node, 1)
             else:
                 self._all("reseed", node, data.draw(st.booleans(), label="differs"))
+
+        def _stranger(self, node: str, kind: str, dial: bool) -> None:
+            COVERAGE.strangers += 1
+            if dial and len(self.reqs[node]) < 4:
+                req = f"x{self.next_req}"
+                self.next_req += 1
+                self._all("stranger_request", node, req, ODD_IDS[0])
+                self.reqs[node][req] = ODD_IDS[0]
+                self._all("lookup", node, req, key_of(ODD_IDS[0], 0))
+            self._all("stranger_connects", node, kind)
+            self._jobs(self._all("poll", node))
 
         @rule()
         def pause(self) -> None:

@@ -87,6 +87,7 @@ class P2PTierManager:
         self.idle_timeout_s = idle_timeout_s
         self.idle_reaped = 0  # sessions evicted as idle (a count for the generators' coverage)
         self.rejected_peers = 0  # sessions reaped after their handshake was refused (the same)
+        self.refused_at_limit = 0  # connections refused, and dials not made, for want of a peer slot (the same)
         self.plane = plane
         self.control = control
         self._hello = hello
@@ -209,7 +210,10 @@ class P2PTierManager:
         s = self.sessions.get(peer_id)
         if s is not None:
             return s
-        if self._reconnect_wait(peer_id) > 0 or len(self.sessions) >= self.max_peers:
+        if self._reconnect_wait(peer_id) > 0:
+            return None
+        if len(self.sessions) >= self.max_peers:  # every peer slot taken: no dial (vLLM logs it)
+            self.refused_at_limit += 1
             return None
         s = self.sessions[peer_id] = self._new_session(peer_id, self.control.connect(peer_id))
         return s
@@ -217,6 +221,7 @@ class P2PTierManager:
     def _accept(self, conns) -> None:
         for conn in conns:
             if len(self.sessions) >= self.max_peers:
+                self.refused_at_limit += 1
                 conn.close()
             elif self._reconnect_wait(conn.peer_id) > 0:
                 try:

@@ -128,6 +128,7 @@ class Session:
         fp_theirs, fp_mine = msg.get("config_fingerprint", ""), mine["config_fingerprint"]
         if not isinstance(msg.get("peer_id"), str) or not isinstance(msg.get("num_blocks"), int) \
                 or not isinstance(msg.get("block_len"), int) or not isinstance(msg.get("hash_seed"), str) \
+                or msg["num_blocks"] <= 0 or msg["block_len"] <= 0 \
                 or msg["block_len"] != mine["block_len"] or (fp_mine and fp_theirs and fp_theirs != fp_mine) \
                 or msg["hash_seed"] != mine["hash_seed"]:
             self.conn.mark_dead()  # an incompatible peer: rejected, no ack

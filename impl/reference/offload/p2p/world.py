@@ -32,6 +32,28 @@ MALFORMED = ("no_params", "remote_decoder_without_id", "remote_prefiller_without
              "remote_kv_source_without_id")
 #: the hash seed every engine starts with, and the one a reseeded engine announces instead
 HASH_SEEDS = ("kvref", "kvref-reseeded")
+#: the config fingerprint every engine of a world announces (one model config; vLLM hashes it)
+FINGERPRINT = "kvref-model"
+#: a third engine that only speaks the control protocol (no tier, no data plane): it dials the
+#: engines with handshakes they must refuse, and never answers what they send it
+STRANGER = "X"
+#: how the stranger's ``connect`` is incompatible (vLLM ``ConnectMsg.validate`` and ``_on_connect``):
+#: another block length, no blocks, a peer id that is not a str, another model config, another seed
+STRANGER_CONNECTS = ("block_len", "num_blocks", "peer_id", "fingerprint", "seed")
+
+
+def stranger_hello(kind: str, peer_id: str, num_blocks: int, block_len: int) -> dict:
+    """The stranger's ``connect`` of :data:`STRANGER_CONNECTS` kind ``kind`` (otherwise what a world's
+    own engines announce): every kind is one an engine must refuse at the handshake."""
+    if not isinstance(kind, str) or kind not in STRANGER_CONNECTS:
+        raise InvalidFieldError("kind", kind, f"one of {STRANGER_CONNECTS}")
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("block_len", block_len, minimum=1)
+    msg = m.connect(_str("peer_id", peer_id), num_blocks, block_len, FINGERPRINT, HASH_SEEDS[0])
+    msg.update({"block_len": {"block_len": 2 * block_len}, "num_blocks": {"num_blocks": 0},
+                "peer_id": {"peer_id": 7}, "fingerprint": {"config_fingerprint": "another-model"},
+                "seed": {"hash_seed": "another-seed"}}[kind])
+    return msg
 
 
 def malformed_params(role: str, kv_request_id: str, host: str, port: int) -> dict | None:
@@ -88,10 +110,11 @@ class P2PWorld:
         self.log: list[tuple[str, str, tuple]] = []
         self.alive = {n: True for n in NODES}
         self.planes = {n: DataPlane(n, bytearray(num_blocks * block_len), block_len) for n in NODES}
-        self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver, lambda pid: not self.alive[_name(pid)])
-                         for n in NODES}
+        # the stranger (:data:`STRANGER`) never goes away: a dial to it never fails
+        self.controls = {n: ControlPlane(f"{n}:{PORT}", self._deliver,
+                                         lambda pid: not self.alive.get(_name(pid), True)) for n in NODES}
         self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
-                                           m.connect(f"{n}:{PORT}", num_blocks, block_len, "", HASH_SEEDS[0]),
+                                           m.connect(f"{n}:{PORT}", num_blocks, block_len, FINGERPRINT, HASH_SEEDS[0]),
                                            self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s)
                          for n in NODES}
         self.parents = {n: ScriptedParent() for n in NODES}  # each engine's tiering manager, as its tier sees it
@@ -102,7 +125,7 @@ class P2PWorld:
 
     def _deliver(self, src: str, dst: str, msg: dict) -> None:
         self.log.append((_name(src), _name(dst), m.summarize(msg)))
-        if self.alive[_name(dst)]:
+        if _name(dst) in self.controls and self.alive[_name(dst)]:  # the stranger reads nothing
             self.controls[_name(dst)].arrived.append((src, msg))
 
     # -- the world's calls ------------------------------------------------------------------------
@@ -128,6 +151,25 @@ class P2PWorld:
             raise InvalidFieldError("req_id", req_id, f"a request id not open on {node}")
         params = self.peer_params(node, role, _str("kv_request_id", kv_request_id))
         return mgr.on_new_request(req_id, params, self.now)
+
+    def stranger_request(self, node: str, req_id: str, kv_request_id: str) -> str:
+        """Open a consumer request on ``node`` whose source is the stranger (:data:`STRANGER`): the
+        engine dials it unless its peer slots are all taken (vLLM ``_get_or_create_session``'s
+        limit), and the stranger never completes the handshake."""
+        mgr = self._live(node)
+        if _str("req_id", req_id) in mgr.requests:
+            raise InvalidFieldError("req_id", req_id, f"a request id not open on {node}")
+        params = {"remote_prefiller": {"kv_request_id": _str("kv_request_id", kv_request_id),
+                                       "remote_host": STRANGER, "remote_port": PORT}}
+        return mgr.on_new_request(req_id, params, self.now)
+
+    def stranger_connects(self, node: str, kind: str) -> None:
+        """The stranger sends ``node`` a ``connect`` of :data:`STRANGER_CONNECTS` kind ``kind``: at its
+        peer limit the engine refuses the connection (vLLM ``_accept_new_peers``), otherwise the
+        session it opens refuses the handshake."""
+        self._live(node)
+        msg = stranger_hello(kind, f"{STRANGER}:{PORT}", self.num_blocks, self.block_len)
+        self._deliver(f"{STRANGER}:{PORT}", f"{node}:{PORT}", msg)
 
     def _live(self, node: object) -> P2PTierManager:
         mgr = self.managers[_node(node)]
