@@ -753,6 +753,8 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("fail_submissions", dict(node="P", count=1, kind="post_err"))
     p2p_case("fail_registrations", dict(node="P", count=1))
     p2p_case("reseed", dict(node="D", differs=True))
+    p2p_case("stranger_request", dict(node="D", req_id="x0", kv_request_id="odd0"))
+    p2p_case("stranger_connects", dict(node="P", kind="block_len"))
 
     def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():
@@ -1317,6 +1319,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload.p2p.world import malformed_params
 
     out["malformed_params"] = (malformed_params, dict(role="no_params", kv_request_id="kv0", host="P", port=1))
+    from kvref.impl.reference.offload.p2p.world import stranger_hello  # the third engine's handshake (#22)
+
+    out["stranger_hello"] = (stranger_hello, dict(kind="seed", peer_id="X:1", num_blocks=8, block_len=16))
     # HiSparse specs and admission rules (issue #23)
     from kvref.spec import hisparse as hs
 
