@@ -304,6 +304,27 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
                                details=failure.splitlines()[:30], signature=sig or accepted.signature(failure))
         result.summary += (f"; HiSparse pools: {sum(seen.values())} ops, {seen['hot_allocated']} hot regions, "
                            f"{seen['refused_host']} host-pool refusals, {seen['transition']} transitions")
+        # the same pools behind vLLM's whole KVCacheManager: hits, allocate_slots' trim of the host
+        # source's longer hit, write-backs (#22)
+        from collections import Counter
+
+        from hypothesis import strategies as st
+
+        from kvref.impl.vllm.hisparse_kv_manager import VllmHiSparseKVCacheManager
+        from kvref.models.conformance.hisparse_kv_manager import STEPS, run_whole_manager_program, whole_manager_configs
+
+        whole = Counter()
+
+        @given(config=whole_manager_configs(), lengths=st.lists(st.integers(8, 48), min_size=3, max_size=3),
+               steps=STEPS)
+        def agree_whole(config, lengths, steps):
+            whole.update(run_whole_manager_program(config, lengths, steps, VllmHiSparseKVCacheManager))
+
+        failure = run_generated(agree_whole, ctx.examples(10, 40), ctx.seed)
+        if failure:
+            return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on a HiSparse pool behind "
+                               "KVCacheManager", details=failure.splitlines()[:30])
+        result.summary += f"; HiSparse KVCacheManager: {whole['allocated']} allocations, {whole['hit']} hits"
     return result
 
 

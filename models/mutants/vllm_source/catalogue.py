@@ -835,6 +835,11 @@ _add(
           "        state.unpinned_pages.discard(page_idx)\n",
           CLASSIC, "dropped call: a page lost in one resident group stays an owner of its block in the other "
                    "group (that block's later reuse loses the page again)", behaviour="hisparse"),
+    fault("kvm.hisparse_longer_hit_untrimmed", _KVM,
+          "            if self.retained_hit_group_ids:\n",
+          "            if False:\n",
+          CLASSIC, "dropped trim: allocate_slots hands the HiSparse host source its whole longer hit instead of "
+                   "the prefix the request reuses (#22: retained_hit_group_ids)", behaviour="hisparse"),
     fault("hisparse.host_only_materializes", _HSC,
           "        if not self.resident_managers:\n            return\n        assert self.host_manager is not None\n"
           "        host_block_size = self.host_manager.block_size\n",
