@@ -33,7 +33,7 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     n = ctx.examples(8, 60)  # 8: three draw the KVCR, polled and obj tiers, five any layout
     try:
         stats = run_traces(ctx.seed, n)
-        stats.update(run_config_cases(ctx.seed, ctx.examples(11, 44)))  # fast: one per tiering_config.FAMILIES
+        stats.update(run_config_cases(ctx.seed, ctx.examples(12, 48)))  # fast: one per tiering_config.FAMILIES
         stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
         stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
         stats.update(run_spec_cases(ctx.seed, ctx.examples(120, 400)))  # ~0.3 s per 120 configs

@@ -2,7 +2,8 @@
 
 Each case mutates a valid KVCR tier config (policy, router capabilities, control ports and the local
 data-parallel rank that picks one, local DRAM slots, service socket/digest, operation/abandon
-timeouts, a G3 file tier and its NIXL backend, KV events and their self-description) and builds vLLM's ``TieringOffloadingSpec``
+timeouts, a G3 file tier and its NIXL backend, the NIXL backends of local DRAM and the remote path,
+KV events and their self-description) and builds vLLM's ``TieringOffloadingSpec``
 with an fs tier before it. :func:`kvcr_config_error` says whether vLLM must refuse it and why; vLLM
 must then raise that exception (naming the rule) from ``get_manager``, which shuts the fs tier it
 had built down again (its pool threads end); an accepted config must build, and its manager shuts
@@ -28,10 +29,10 @@ _KEYWORD = {"policy": "polic", "kvcr_service_socket_path": "kvcr_service_socket_
             "router_capabilities": "router capabilities", "self_describing_kv_events": "self_describing_kv_events",
             "control_ports": "control_ports", "secondary_g2_slots": "secondary_g2_slots",
             "operation_timeout_ms": "operation_timeout_ms", "abandon_timeout_ms": "abandon_timeout_ms",
-            "g3": "G3"}
+            "g3": "G3", "backend": "backend"}
 #: what a case varies, drawn in turn so that a short run reaches every rule
 FAMILIES = ("any", "policy", "router_capabilities", "service", "self_describing", "control_ports", "dp_rank",
-            "secondary_g2_slots", "timeouts", "g3", "events_off")
+            "secondary_g2_slots", "timeouts", "g3", "events_off", "backend")
 
 
 class ConfigDivergence(AssertionError):
@@ -67,7 +68,7 @@ def random_case(rng: random.Random, family: str | None = None) -> tuple[dict, bo
             cfg["control_ports"] = rng.choice(([], [cfg["control_ports"][0], 1], [0], [65536]))
         elif what == "dp_rank":  # a data-parallel engine: the port at its local rank
             dp = rng.choice((0, 1, 1, 2))
-            ports = [rng.randint(1, 65535) for _ in range(rng.choice((dp + 1, dp + 1, 2, 3)))]
+            ports = [rng.randint(1, 65535) for _ in range(rng.choice((dp + 1, dp + 1, dp, 3)))]
             if dp < len(ports):
                 ports[dp] = cfg["control_ports"][0]
             if rng.random() < 0.2:
@@ -87,6 +88,9 @@ def random_case(rng: random.Random, family: str | None = None) -> tuple[dict, bo
             cfg["policy"] = rng.choice((None, "g3_lru", "g3_fifo", "lru"))
             if rng.random() < 0.2:
                 cfg["secondary_g2_slots"] = 0
+        elif what == "backend":  # a NIXL backend no machine has: KVCR fails once native work began
+            cfg[rng.choice(("local_dram_backend", "remote_fw_dram_backend"))] = "KVREF_NO_SUCH_BACKEND"
+            cfg["secondary_g2_slots"] = rng.choice((0, 1, 2))
         elif what == "events_off":
             events = False
         elif what == "self_describing":

@@ -149,8 +149,7 @@ def test_finds_a_kvcr_tier_that_accepts_any_router(monkeypatch):
 
     monkeypatch.setattr(km, "_REQUIRED_ROUTER_CAPABILITIES", frozenset())
     with pytest.raises(ConfigDivergence, match="router"):
-        for seed in range(6):
-            run_config_cases(seed, 10)
+        run_config_cases(0, 8, ("router_capabilities",))
 
 
 def test_every_config_rule_is_reached():
@@ -159,9 +158,9 @@ def test_every_config_rule_is_reached():
     _require_kvcr()
     from kvref.models.machines.tiering_config import run_config_cases
 
-    stats = run_config_cases(0, 33)
+    stats = run_config_cases(0, 36)
     rules = ("policy", "kvcr_service_socket_path", "router_capabilities", "self_describing_kv_events",
-             "control_ports", "secondary_g2_slots", "operation_timeout_ms", "g3")
+             "control_ports", "secondary_g2_slots", "operation_timeout_ms", "g3", "backend")
     assert stats["configs_accepted"] > 3 and [r for r in rules if not stats.get(f"refused_{r}")] == [], stats
 
 
@@ -183,6 +182,9 @@ KVCR_PLANTED = [  # (the family of cases that finds it, the edit)
      "            if False:\n                logger.warning("),
     # a KVCR startup failure closes the buffers native work may still write into
     ("g3", "if not isinstance(exc, Exception) or isinstance(exc, KVCRStartupError):", "if False:"),
+    # the local DRAM mapping is not kept after a startup failure that could not stop native work
+    ("backend", "if local_mapping is not None:\n                    _RETAINED_NATIVE_BUFFERS.append(",
+     "if False:\n                    _RETAINED_NATIVE_BUFFERS.append("),
 ]
 KVCR_PLANTED_ELSEWHERE = [  # (family, method of KVCRSecondaryTierManager, the edit)
     # KVCR's metrics are declared without telemetry

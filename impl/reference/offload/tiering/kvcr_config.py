@@ -20,7 +20,9 @@ vLLM checks in this order, and the first failing rule is the one reported:
    tiers are configured (a ``g3_*`` policy, or None with no G3 tier, needs G3); a G3 tier needs the
    local DRAM tier (ValueError); and its NIXL ``backend`` must exist (kvref's machines have the
    ``POSIX`` backend; another name fails in NIXL after native work began: ``KVCRStartupError``,
-   where vLLM keeps the buffers KVCR registered for the life of the process).
+   where vLLM keeps the buffers KVCR registered for the life of the process); so must the NIXL
+   backends of the remote path (``remote_fw_dram_backend``, always) and of local DRAM
+   (``local_dram_backend``, when vLLM configures local DRAM): kvref's machines have ``UCX``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def kvcr_config_error(cfg: dict, events: bool, self_describing: bool,
         return ("ValueError", "g3")
     if g3 is not None and g3.get("backend", "GDS_MT") != "POSIX":
         return ("KVCRStartupError", "g3")
+    local_dram = slots > 0 and service is None
+    if cfg.get("remote_fw_dram_backend", "UCX") != "UCX" or (local_dram and cfg.get("local_dram_backend", "UCX") != "UCX"):
+        return ("KVCRStartupError", "backend")
     return None
 
 

@@ -218,6 +218,10 @@ def test_kvcr_start_rules_and_what_vllm_hands_kvcr():
                                               "policy": "LRUPolicy", "inventory": False, "metrics": (),
                                               "reports_stats": False}
     assert kvcr_built_tier({**ok, "enable_telemetry": True}, True, 64)["metrics"][1] == "vllm:kvcr_state"
+    # the NIXL backends: the remote path's always, local DRAM's only with local DRAM
+    assert kvcr_config_error({**ok, "remote_fw_dram_backend": "X"}, True, True) == ("KVCRStartupError", "backend")
+    assert kvcr_config_error({**ok, "local_dram_backend": "X"}, True, True) == ("KVCRStartupError", "backend")
+    assert kvcr_config_error({**ok, "local_dram_backend": "X", "secondary_g2_slots": 0}, True, True) is None
     with pytest.raises(InvalidFieldError, match="dp_local_rank"):
         kvcr_config_error(ok, True, True, -1)
     with pytest.raises(InvalidFieldError, match="cfg"):
