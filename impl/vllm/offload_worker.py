@@ -374,6 +374,7 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         self.manager = self.conn.scheduler.manager
         self.gpu_pool = self.mgr.block_pool
         self.page = kcfg.kv_cache_tensors[0].size // kcfg.num_blocks
+        self.unloaded = b"\xa5" * self.page  # what a load's GPU block holds until the load writes it
         self.workers, self.kv, self.host = [], [], []
         for rank in range(cfg.num_workers):
             w = OffloadingConnector(offloading_vllm_config(cfg, kcfg, rank, engine, canonical_layout),
@@ -402,6 +403,12 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         stores = {j: (t.req_id, keys(j), tuple(t.src_spec.block_ids.tolist()), tuple(t.dst_spec.block_ids.tolist()))
                   for j, t in meta.store_jobs.items()}
         out = norm_offloading_meta(loads, stores, meta.jobs_to_flush or ())
+        # a load's GPU blocks are scrubbed before the ranks run it: bytes an earlier owner of the same
+        # content left there would hide a load that never wrote them (a sync load not waited for)
+        for t in meta.load_jobs.values():
+            for block in t.dst_spec.block_ids.tolist():
+                for rank in range(len(self.workers)):
+                    self.write_block(rank, block, self.unloaded)
         # worker role: each rank gets its own copy, as each deserializes its own SchedulerOutput
         for w in self.workers:
             w.clear_connector_metadata()  # the previous step's (kept bound for get_finished between steps)

@@ -199,8 +199,10 @@ class OffloadingWorkerWorld(OffloadingWorld):
             for rank in ranks:
                 want = block_content(self._key(r, g, pos), rank, b.page)
                 self.blocks_checked += 1
-                if b.block_bytes(rank, block) != want:
-                    if self.had_reset and self.cfg.sliding_window is not None:
+                got = b.block_bytes(rank, block)
+                if got != want:
+                    # foreign KV, not KV never loaded (the scrubbed block: a load that did not run)
+                    if self.had_reset and self.cfg.sliding_window is not None and got != b.unloaded:
                         # vLLM 0.33.0 after a connector reset stores stale sliding-window ids under a
                         # request's chunk keys (docs/offload.md "Found"): foreign KV comes back
                         self.known_corruption = f"load job {j}, GPU block {block}, after a connector reset"

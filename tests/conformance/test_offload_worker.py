@@ -68,6 +68,34 @@ def test_sync_loads_run_on_the_worker():
     assert stats["sync_loads"] > 0 and stats["loads_checked"] > 0
 
 
+@pytest.mark.parametrize("fault", ["not_waited", "reported"])
+def test_planted_sync_load_faults_are_found(fault, monkeypatch):
+    """A sync load the worker does not wait for (its blocks still hold the scrub pattern at the
+    forward pass, even where a connector reset would excuse foreign KV), or one whose request it
+    names in finished_recving."""
+    require_vllm()
+    from kvref.models.machines.offload_worker import run_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    cls = _worker_cls()
+    real = cls.start_kv_transfers
+
+    def patched(self, metadata):
+        if fault == "not_waited":
+            wait, self.worker.wait = self.worker.wait, lambda job_ids: None
+            try:
+                return real(self, metadata)
+            finally:
+                self.worker.wait = wait
+        real(self, metadata)
+        for j, entry in metadata.load_jobs.items():
+            self._load_jobs[j] = entry.req_id
+
+    monkeypatch.setattr(cls, "start_kv_transfers", patched)
+    with pytest.raises((AssertionError, OffloadInvariantError)):
+        run_traces(_sync_cases(profile_examples(6, 12)))
+
+
 def test_sync_budget_reaches_vllms_connector(monkeypatch):
     """The whole connector is built with the trace's budget: without it every hit loads
     asynchronously on vLLM's side while the reference loads it at once (the traces diverge)."""

@@ -946,6 +946,16 @@ _add(
           "                    return_dict[f\"{key_with_labels}_sum\"] = sum(value)\n",
           "                    return_dict[f\"{key_with_labels}_sum\"] = len(value)\n",
           CLASSIC, "copy-paste: a histogram's reduced _sum is its count", behaviour="offload-worker"),
+    fault("offl.worker_sync_load_not_waited", "distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
+          "        if sync_job_ids:\n            self.worker.wait(sync_job_ids)\n",
+          "",
+          CLASSIC, "dropped wait: a synchronous load is only submitted before the forward pass (the request "
+                   "computes over blocks whose KV has not arrived)", behaviour="offload-worker"),
+    fault("offl.worker_sync_load_reported", "distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
+          "                sync_job_ids.add(job_id)\n                self._load_jobs[job_id] = None\n",
+          "                sync_job_ids.add(job_id)\n                self._load_jobs[job_id] = entry.req_id\n",
+          CLASSIC, "wrong bookkeeping: a synchronous load names its (already running) request in "
+                   "finished_recving", behaviour="offload-worker"),
 )
 
 def check_catalogue(vllm_dir: str | None = None) -> list[FaultDoesNotApplyError]:
