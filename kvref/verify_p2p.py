@@ -10,13 +10,14 @@ from .report import FAILED, PASSED, CheckResult
 
 def check_p2p_conformance(ctx: VerifyContext) -> CheckResult:
     """Stores, fetches, timeouts, aborts, finishes, failed writes, data-plane faults and reconnect
-    backoff, refused WRITEs and handshakes, malformed requests and an engine going away: results,
-    bookkeeping, every control message and both buffers after every step."""
+    backoff, refused WRITEs and handshakes, malformed requests, a third engine at the peer limit and
+    an engine going away: results, bookkeeping, every control message and both buffers after every
+    step; then the tier's options (parked-store timeout, back-pressure) built or refused as vLLM does."""
     name = "conform-p2p"
     skipped = vllm_gate(ctx, name)
     if skipped:
         return skipped
-    from kvref.models.machines.p2p import COVERAGE, run_p2p_machine
+    from kvref.models.machines.p2p import COVERAGE, run_p2p_config_cases, run_p2p_machine
 
     examples = ctx.examples(20, 300)
     before = COVERAGE.bytes_checked
@@ -24,5 +25,11 @@ def check_p2p_conformance(ctx: VerifyContext) -> CheckResult:
     if not ok:
         return CheckResult(name, FAILED, "P2P tier traces diverged from vLLM", details=failure.splitlines()[:30],
                            signature=sig)
+    options = ctx.examples(4, 20)
+    ok, failure = run_p2p_config_cases(options, seed=ctx.seed)
+    if not ok:
+        return CheckResult(name, FAILED, "P2P tier options resolved differently from vLLM", details=[failure],
+                           signature="p2p:tier options")
     return CheckResult(name, PASSED, f"{examples} two-engine traces agree ({COVERAGE.bytes_checked - before} "
-                       f"loaded blocks checked byte for byte)", examined=examples)
+                       f"loaded blocks checked byte for byte), and {options} generated tier options",
+                       examined=examples + options)

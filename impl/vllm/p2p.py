@@ -333,9 +333,13 @@ class VllmP2PWorld:
     """Two vLLM P2P tier managers (``P``, ``D``) over real ZMQ and the in-memory data plane."""
 
     def __init__(self, num_blocks: int = 8, block_len: int = 16, max_peers: int = 128,
-                 idle_timeout_s: int = 300) -> None:
+                 idle_timeout_s: int = 300, unbound_store_timeout_s: object = 60.0, backpressure: bool = False) -> None:
         """``max_peers`` and ``idle_timeout_s`` are what the managers read as ``VLLM_P2P_MAX_PEERS`` and
-        ``VLLM_P2P_IDLE_TIMEOUT_S`` (vLLM's defaults here), for this world only."""
+        ``VLLM_P2P_IDLE_TIMEOUT_S`` (vLLM's defaults here), for this world only; each engine's control
+        address comes from ``VLLM_P2P_SIDE_CHANNEL_HOST``/``_PORT`` (a free loopback port each). The
+        tier options ``unbound_store_timeout_s`` and ``backpressure`` (a detector handed to the tier)
+        go to vLLM's constructor as the tiering factory passes them; a refusal raises vLLM's
+        ValueError after the world is released."""
         import importlib
 
         import vllm.envs as real_envs
@@ -379,8 +383,14 @@ class VllmP2PWorld:
                 manager_module.NixlTransport = p2p_nixl.settled_transport_class()
                 nixl._NixlAgent = lambda name, cfg, _node=node: p2p_nixl.HeldAgent(_node, self.agents)
                 manager_module.ZmqTransport = transport_cls
-                mgr = manager_module.P2PSecondaryTierManager(_offloading_spec(block_len), view, host=HOST,
-                                                             port=_free_port())
+                manager_module.envs = _EnvOverrides(real_envs, VLLM_P2P_MAX_PEERS=max_peers,
+                                                    VLLM_P2P_IDLE_TIMEOUT_S=idle_timeout_s,
+                                                    VLLM_P2P_SIDE_CHANNEL_HOST=HOST,
+                                                    VLLM_P2P_SIDE_CHANNEL_PORT=_free_port())
+                options = {"backpressure_detector": object()} if backpressure else {}
+                mgr = manager_module.P2PSecondaryTierManager(_offloading_spec(block_len), view,
+                                                             unbound_store_timeout_s=unbound_store_timeout_s,
+                                                             **options)
                 self.buffers[node], self.managers[node], self.ids[node] = buf, mgr, mgr._local_id
         except Exception:
             self.close()
@@ -388,6 +398,8 @@ class VllmP2PWorld:
         finally:
             manager_module.NixlTransport, manager_module.ZmqTransport, nixl._NixlAgent = saved
         self.alive = {n: True for n in NODES}
+        #: the parked-store timeout vLLM's engines resolved (both take the same option)
+        self.unbound_store_timeout_s = {n: self.managers[n]._unbound_store_timeout_s for n in NODES}
         self._stranger: Any = None  # the stranger's ROUTER, bound on first use (:meth:`_stranger_router`)
         self._stranger_dealers: dict[str, Any] = {}  # node -> the stranger's DEALER to it
         self.parents = {n: _parent_class()(ScriptedParent()) for n in NODES}

@@ -583,3 +583,54 @@ def run_p2p_machine(with_vllm: bool, examples: int, steps: int = 30, reproducibl
     machine = make_machine(factories)
     return run_lockstep_machine(machine, examples=examples, steps=steps, min_steps=min(steps, 10), seed=seed,
                                 reproducible=reproducible, shrink=shrink)
+
+
+#: ``unbound_store_timeout_s`` options a deployment may write: numbers of every kind, numeric and
+#: other strings, None, bools and a list (vLLM converts with ``float()`` and wants a positive result)
+TIER_TIMEOUTS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 10**6),
+    st.sampled_from(["60", " 2.5 ", "nan", "inf", "-1", "0", "1e-9", "abc", "", "1_0"]),
+    st.none(), st.booleans(), st.just([1]))
+
+
+def run_p2p_config_cases(examples: int, seed: int | None = None) -> tuple[bool, str]:
+    """vLLM's P2P tier built with generated tier options (``unbound_store_timeout_s``, a back-pressure
+    detector) beside the reference world: refused by both (vLLM's ValueError, the reference's
+    InvalidFieldError), or accepted by both with the same resolved timeout on each engine.
+    ``(ok, failure)``; derandomized under ``seed`` (the same options every run)."""
+    import math
+
+    from hypothesis import HealthCheck, given, settings
+
+    from kvref.impl.vllm.p2p import VllmP2PWorld
+
+    def outcome(factory, timeout: object, backpressure: bool) -> tuple:
+        try:
+            world = factory(unbound_store_timeout_s=timeout, backpressure=backpressure)
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal must be a ValueError, as the reference's
+            return ("refused", isinstance(exc, ValueError))
+        try:
+            return ("accepted", {n: ("nan" if math.isnan(v) else v) for n, v in world.unbound_store_timeout_s.items()})
+        finally:
+            world.close()
+
+    @settings(max_examples=examples, derandomize=seed is None, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(timeout=TIER_TIMEOUTS, backpressure=st.booleans())
+    def case(timeout: object, backpressure: bool) -> None:
+        got = {name: outcome(f, timeout, backpressure) for name, f in (("vllm", VllmP2PWorld), ("ref", P2PWorld))}
+        if got["vllm"] != got["ref"]:
+            raise Divergence(f"tier options (unbound_store_timeout_s={timeout!r}, backpressure={backpressure})", got)
+
+    import hypothesis.core as hcore
+
+    saved = hcore.global_force_seed
+    if seed is not None:
+        hcore.global_force_seed = seed
+    try:
+        case()
+        return True, ""
+    except Divergence as exc:
+        return False, str(exc)
+    finally:
+        hcore.global_force_seed = saved

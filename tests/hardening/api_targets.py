@@ -1322,6 +1322,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.reference.offload.p2p.world import stranger_hello  # the third engine's handshake (#22)
 
     out["stranger_hello"] = (stranger_hello, dict(kind="seed", peer_id="X:1", num_blocks=8, block_len=16))
+    out["unbound_store_timeout"] = (p2p_manager.unbound_store_timeout, dict(value=60.0, backpressure=False))
     # HiSparse specs and admission rules (issue #23)
     from kvref.spec import hisparse as hs
 

@@ -48,6 +48,24 @@ IDLE_REAP_HEADROOM = 8
 ROLES = ("remote_prefiller", "remote_decoder", "remote_kv_source")
 
 
+def unbound_store_timeout(value: object, backpressure: bool = False) -> float:
+    """The parked-store timeout a P2P tier takes from its ``unbound_store_timeout_s`` option (vLLM
+    ``P2PSecondaryTierManager.__init__``): anything ``float()`` converts to a positive number (a
+    numeric str, ``True``, ``inf``), else refused; a back-pressure detector is refused first (the
+    generic store-latency detector cannot fail fast in PD mode, so vLLM rejects it for this tier)."""
+    if not isinstance(backpressure, bool):
+        raise InvalidFieldError("backpressure", backpressure, "a bool (whether the tier was given a detector)")
+    if backpressure:
+        raise InvalidFieldError("backpressure", backpressure, "no back-pressure detector for the P2P tier")
+    try:
+        timeout_s = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        timeout_s = float("nan")
+    if not timeout_s > 0:
+        raise InvalidFieldError("unbound_store_timeout_s", value, "a positive number, or anything float() makes one")
+    return timeout_s
+
+
 @dataclass
 class P2PRequest:
     """A request's parsed kv_transfer_params: the consumer's source peer or the producer's id."""
@@ -81,8 +99,10 @@ def parse_request(params: object) -> P2PRequest | None:
 
 class P2PTierManager:
     def __init__(self, local_id: str, plane: DataPlane, control: ControlPlane, hello: dict, resolve_peer,
-                 max_peers: int = MAX_PEERS, idle_timeout_s: int = IDLE_TIMEOUT_S) -> None:
+                 max_peers: int = MAX_PEERS, idle_timeout_s: int = IDLE_TIMEOUT_S,
+                 unbound_store_timeout_s: float = UNBOUND_STORE_TIMEOUT_S) -> None:
         self.local_id = local_id
+        self.unbound_store_timeout_s = unbound_store_timeout(unbound_store_timeout_s)
         self.max_peers = max_peers
         self.idle_timeout_s = idle_timeout_s
         self.idle_reaped = 0  # sessions evicted as idle (a count for the generators' coverage)
@@ -253,7 +273,7 @@ class P2PTierManager:
     def _reap_unbound(self) -> None:
         for kv in [k for k, t in self.reaped.items() if t <= self.now - REAPED_ID_RETENTION_S]:
             del self.reaped[kv]
-        for kv in [k for k, b in self.unbound.items() if b and b[0][3] <= self.now - UNBOUND_STORE_TIMEOUT_S]:
+        for kv in [k for k, b in self.unbound.items() if b and b[0][3] <= self.now - self.unbound_store_timeout_s]:
             self.reaped[kv] = self.now
             self.finished += [(job, False) for job, *_ in self.unbound.pop(kv)]
 

@@ -14,7 +14,7 @@ from kvref.spec.errors import InvalidFieldError, check_int
 
 from . import messages as m
 from .control import ControlPlane
-from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, P2PTierManager
+from .manager import IDLE_TIMEOUT_S, MAX_PEERS, ROLES, UNBOUND_STORE_TIMEOUT_S, P2PTierManager, unbound_store_timeout
 from .parent import ScriptedParent, ctx_key
 from .transport import BREAK_STATUS, SUBMIT_ERRORS, DataPlane
 
@@ -95,13 +95,17 @@ def _str(field: str, value: object) -> str:
 
 class P2PWorld:
     def __init__(self, num_blocks: int = 8, block_len: int = 16, max_peers: int = MAX_PEERS,
-                 idle_timeout_s: int = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: int = IDLE_TIMEOUT_S, unbound_store_timeout_s: object = UNBOUND_STORE_TIMEOUT_S,
+                 backpressure: bool = False) -> None:
         """``max_peers`` and ``idle_timeout_s`` are vLLM's ``VLLM_P2P_MAX_PEERS`` and
-        ``VLLM_P2P_IDLE_TIMEOUT_S`` (0 disables idle eviction) for both engines."""
+        ``VLLM_P2P_IDLE_TIMEOUT_S`` (0 disables idle eviction) for both engines; the tier options
+        ``unbound_store_timeout_s`` and a ``backpressure`` detector are resolved or refused as
+        vLLM's tier does (:func:`~.manager.unbound_store_timeout`)."""
         check_int("num_blocks", num_blocks, minimum=1)
         check_int("block_len", block_len, minimum=1)
         check_int("max_peers", max_peers, minimum=1)
         check_int("idle_timeout_s", idle_timeout_s, minimum=0)
+        unbound_s = unbound_store_timeout(unbound_store_timeout_s, backpressure)
         if num_blocks * block_len > MAX_BUFFER_BYTES:
             raise InvalidFieldError("num_blocks * block_len", num_blocks * block_len,
                                     f"at most {MAX_BUFFER_BYTES} bytes per engine (a model world, not a cache)")
@@ -115,9 +119,12 @@ class P2PWorld:
                                          lambda pid: not self.alive.get(_name(pid), True)) for n in NODES}
         self.managers = {n: P2PTierManager(f"{n}:{PORT}", self.planes[n], self.controls[n],
                                            m.connect(f"{n}:{PORT}", num_blocks, block_len, FINGERPRINT, HASH_SEEDS[0]),
-                                           self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s)
+                                           self._resolve, max_peers=max_peers, idle_timeout_s=idle_timeout_s,
+                                           unbound_store_timeout_s=unbound_s)
                          for n in NODES}
         self.parents = {n: ScriptedParent() for n in NODES}  # each engine's tiering manager, as its tier sees it
+        #: the parked-store timeout each engine resolved from its tier option
+        self.unbound_store_timeout_s = {n: self.managers[n].unbound_store_timeout_s for n in NODES}
 
     def _resolve(self, connect_msg: dict) -> DataPlane | None:
         peer = _name(connect_msg["peer_id"])
