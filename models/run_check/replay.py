@@ -481,8 +481,15 @@ class LockstepReplay:
             return
         live = self._live
         ref_fin = {}
-        # with a connector a request may finish unscheduled (a failed load under "fail")
-        for rid in (list(live) if self.connector is not None else [s.request_id for s in out.scheduled]):
+        # with a connector a request may finish unscheduled (a failed load under "fail"); without
+        # one, a request the encoder-cache mismatch rejected (it scheduled nothing: vLLM finishes it
+        # as an error in this update), which the reference's finished set names since its schedule()
+        if self.connector is not None:
+            candidates = list(live)
+        else:
+            candidates = [s.request_id for s in out.scheduled]
+            candidates += [rid for rid in self.scheduler.finished_req_ids if rid in live]
+        for rid in candidates:
             r = live.get(rid)
             if r is not None and r.status == RequestStatus.FINISHED:
                 ref_fin[rid] = r.finish_reason

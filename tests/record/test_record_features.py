@@ -78,6 +78,7 @@ def _shows(path) -> Counter:
             stats = rec.get("stats") or {}
             c["skipped_waiting"] += bool(stats.get("skip"))
             c["hits"] += bool(stats.get("h"))
+            c["error_fin"] += sum(why == "error" for _, why in rec["fin"])
     return c
 
 
@@ -116,6 +117,10 @@ def test_feature_runs_are_replayed_step_by_step(recorded, feature, tmp_path, cap
     elif feature == "multimodal":  # items encoded, evicted, installed by the V2 runner
         assert shows["mm"] >= 10 and shows["enc"] >= 10 and shows["efree"] >= 5 and shows["eupd"] >= 5, shows
         assert shows["encoder_budget"] == followed and 0 < shows["v2"] < followed, shows
+        # an item identifier reused with another embedding count: vLLM rejects the request, which
+        # scheduled nothing, and finishes it as an error in the next update (the replay saw only
+        # scheduled requests' finishes before session 14)
+        assert shows["error_fin"] >= 1, shows
     elif feature == "hash-lookahead":
         assert shows["lookahead_pool"] == followed and shows["hits"] >= 3, shows
     else:
