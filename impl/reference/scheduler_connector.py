@@ -142,17 +142,21 @@ class ExternalHit:
         num_pending_lookups: the first this many ``get_num_new_matched_tokens`` answer None
             ("ask again later").
         delay_free: ``request_finished`` says the connector still sends the request's blocks.
+        persistent: the store keeps its copy after a load (an offload tier, not a one-shot P/D
+            transfer): a preempted request finds it again and reloads it; such a store matches
+            at most up to the last prompt token.
     """
 
     num_tokens: int = 0
     load_async: bool = False
     num_pending_lookups: int = 0
     delay_free: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_tokens", self.num_tokens, minimum=0)
         check_int("num_pending_lookups", self.num_pending_lookups, minimum=0)
-        for name in ("load_async", "delay_free"):
+        for name in ("load_async", "delay_free", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
 
@@ -261,8 +265,11 @@ class ScriptedConnector(SchedulerConnector):
         # failed load is recomputed locally
         available = 0 if self.store_reset or request_id in self.consumed else hit.num_tokens
         # a sync load must leave a token to compute in the step; an async one may cover the
-        # whole prompt (the scheduler recomputes the last token after it lands)
-        available = min(available, num_tokens if hit.load_async else num_tokens - 1)
+        # whole prompt (the scheduler recomputes the last token after it lands) -- unless the store
+        # keeps its copy: an offload tier matches up to the last prompt token (vLLM's offloading
+        # connector), else a one-token prompt would reload for ever after each landing
+        whole = hit.load_async and not hit.persistent
+        available = min(available, num_tokens if whole else num_tokens - 1)
         ext = max(0, available - num_computed_tokens)
         return ext, hit.load_async and ext > 0
 
@@ -296,7 +303,7 @@ class ScriptedConnector(SchedulerConnector):
                            tuple(sorted(out.finished_recving)), tuple(sorted(out.failed_recving)),
                            tuple(sorted(out.invalid_block_ids))))
         for rid in out.finished_recving:
-            if self.pending_loads.pop(rid, None) is not None:
+            if self.pending_loads.pop(rid, None) is not None and not self.hits.get(rid, ExternalHit()).persistent:
                 self.consumed.add(rid)
         for rid in out.finished_sending:
             self.pending_sends.pop(rid, None)

@@ -100,11 +100,22 @@ class LifecycleLockstep(ConnectorLockstep):
                      if getattr(t, "connector_state", None) is not None), None)
 
     def schedule(self):
+        promoted = set(self._promoted)
         out = super().schedule()
+        # a preempted request whose reload landed resumes (vLLM promotes it as PREEMPTED)
+        LIFECYCLE_COVERAGE["reload_after_preemption_resumed"] += sum(
+            s.kind == "resumed" and s.request_id in promoted for s in out.scheduled)
         st = self._reference_state()
         if st is not None and st.deferred_loads:
             LIFECYCLE_COVERAGE["deferred_loads_pending"] += 1
         return out
+
+    def worker_report(self, step, draw):
+        report = super().worker_report(step, draw)
+        if report.invalid_block_ids and self.last_snapshot is not None:
+            held = [b for groups in self.last_snapshot.block_ids.values() for g in groups for b in set(g)]
+            LIFECYCLE_COVERAGE["invalid_block_shared"] += any(held.count(b) > 1 for b in report.invalid_block_ids)
+        return report
 
     def complete(self, draw=None, report=None) -> None:
         st = self._reference_state()
@@ -167,6 +178,10 @@ class LifecycleMachine(ConnectorMachine):
         hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
         if self.driver.script.config.hisparse_host_pool:  # mostly async loads: the ones HiSparse defers
             hit = tuple(replace(h, load_async=data.draw(st.sampled_from((True, True, True, False)))) for h in hit)
+        # an offload tier keeps its copy: a preempted request reloads it (asynchronously: promoted
+        # as PREEMPTED, resumed rather than new; vLLM _handle_blocked_waiting_request)
+        hit = tuple(replace(h, persistent=data.draw(st.booleans())) for h in hit)
+        LIFECYCLE_COVERAGE["persistent_hits"] += any(h.persistent for h in hit)
         self.num_added += 1
         self.driver.add_with_hit(spec, hit)
 
