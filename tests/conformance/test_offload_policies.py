@@ -57,8 +57,6 @@ def test_policies_match_reference_and_reach_the_rare_paths(monkeypatch):
                                    "base_first_group_only"])
 def test_planted_policy_faults_are_found(monkeypatch, fault):
     require_vllm()
-    import heapq
-
     from vllm.v1.kv_offload.cpu.policies import arc, base, lru
 
     from kvref.impl.vllm.offload_policies import TouchPerGroupLRUCachePolicy
@@ -84,8 +82,7 @@ def test_planted_policy_faults_are_found(monkeypatch, fault):
                 self._heap = [(self._ranks[k], k) for k in self._evictable]
                 return
             return update(self, updated)
-        monkeypatch.setattr(lru.LRUCachePolicy, "_update_heap", unheapified)
-        assert heapq  # the real rebuild heapifies; this one does not
+        monkeypatch.setattr(lru.LRUCachePolicy, "_update_heap", unheapified)  # the real one heapifies
     else:
         def first_group(self, key_groups, insertion_only, reused, ctx):
             return base.CachePolicy.on_request_finished(self, key_groups[:1], insertion_only, reused, ctx)
