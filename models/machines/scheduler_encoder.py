@@ -226,6 +226,15 @@ def tallying_reference(scheduler):
     state = scheduler.encoder
     original = state.try_schedule
 
+    original_unschedule = state.unschedule
+
+    def unschedule(request):
+        # a PRIORITY preemption of a request this step scheduled with encoder inputs
+        COVERAGE["encoder_preempted_inputs_restored"] += bool(state.step_inputs.get(request.request_id))
+        return original_unschedule(request)
+
+    state.unschedule = unschedule
+
     def try_schedule(request, num_computed_tokens, num_new_tokens):
         before = set(state.manager.get_cached_input_ids(request))
         cut, pending = original(request, num_computed_tokens, num_new_tokens)
@@ -270,7 +279,95 @@ def run_encoder_machine(examples: int, reproducible: bool = False, shrink: bool 
         return type("EncoderRun", (EncoderMachine,), {"driver_class": counting,
                                                       "factories_for": staticmethod(factories_for)})
 
-    return SchedulerRun(**run_counted(
+    run = SchedulerRun(**run_counted(
         machine_for, EncoderLockstep,
         lambda machine: run_lockstep_machine(machine, max(1, examples), steps=45, min_steps=31, seed=seed,
                                              reproducible=reproducible, shrink=shrink), COVERAGE))
+    if not run.ok:
+        return run
+    # PRIORITY preemptions of a request scheduled earlier in the same step with an image: the
+    # machine's traces almost never line them up
+    try:
+        cases = run_priority_preemption_cases(max(1, examples), factories_for, seed=seed, reproducible=reproducible)
+    except AssertionError as e:
+        return replace(run, ok=False, coverage=dict(COVERAGE), failure=f"Divergence: {e}",
+                       signature=getattr(e, "signature", None))
+    return replace(run, traces=run.traces + cases, coverage=dict(COVERAGE))
+
+
+@st.composite
+def priority_preemption_cases(draw):
+    """A PRIORITY step that preempts a request it already scheduled with an image: a low-priority
+    request ``a`` is admitted alone (a whole-budget chunk), a higher-priority ``b`` arrives and is
+    admitted beside it (both on ``long_prefill_token_threshold``-token chunks), and on the next step
+    ``a``'s chunk encodes its image while ``b``'s decode needs a block the pool (sized to the
+    token, one block more in some cases) no longer has: ``b`` preempts ``a``, whose encoder
+    inputs give their compute budget back (vLLM ``schedule``'s restore of ``encoder_compute_budget``).
+    Returns ``(pool, config, budget, v2, a, b)``."""
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.scheduler_types import PRIORITY, SchedulerConfig
+    from kvref.models.machines.scheduler import _attn
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    bs = draw(st.sampled_from((2, 4)))
+    chunk = draw(st.integers(4, 6))
+    ident = draw(st.sampled_from([i for i, s in ITEM_SIZES.items() if s <= chunk]))
+    size = ITEM_SIZES[ident]
+    offset = 3 * chunk + draw(st.integers(0, chunk - size))  # inside a's third chunk
+    prompt_a = tuple(range(1, offset + 1)) + (IMAGE_TOKEN,) * size + tuple(range(40, 40 + draw(st.integers(1, 6))))
+    len_b = bs * draw(st.integers(1, chunk // bs))  # a full last block: its first decode needs a new one
+    cfg = SchedulerConfig(max_num_batched_tokens=2 * chunk, max_num_seqs=2, long_prefill_token_threshold=chunk,
+                          policy=PRIORITY, async_scheduling=draw(st.booleans()))
+    a_blocks = -(-min(len(prompt_a), 4 * chunk) // bs)
+    b_blocks = len_b // bs
+    slack = draw(st.sampled_from((1, 1, 1, 2)))  # one block is the pool's null block
+    pool = PoolConfig.off_plan("a priority preemption across an image", num_blocks=a_blocks + b_blocks + slack,
+                               groups=(KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, bs)),), max_model_len=64,
+                               scheduler_block_size=bs, hash_block_size=bs,
+                               max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=draw(st.booleans()))
+    budget = EncoderBudget(encoder_compute_budget=draw(st.integers(size, 2 * size)),
+                           encoder_cache_size=draw(st.integers(size, 3 * size)))
+    a = EncoderRequestSpec("a", prompt_a, draw(st.integers(1, 4)), draw(st.integers(1, 3)), 0.0,
+                           items=((ident, offset),))
+    b = RequestSpec("b", tuple(range(60, 60 + len_b)), draw(st.integers(1, 4)), 0, 1.0)
+    return pool, cfg, budget, draw(st.booleans()), a, b
+
+
+def run_priority_preemption_cases(examples: int, factories_for: Callable, seed: int | None = None,
+                                  reproducible: bool = False) -> int:
+    """``examples`` :func:`priority_preemption_cases`, each run to the end (at most
+    :data:`DRAIN_STEPS` engine steps) under :class:`EncoderLockstep`'s comparison after every
+    call; an ``AssertionError`` is the divergence. Returns the cases run."""
+    from contextlib import nullcontext
+
+    import hypothesis.core as hcore
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+
+    ran = [0]
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=reproducible,
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    @given(priority_preemption_cases())
+    def run(case):
+        pool, cfg, budget, v2, a, b = case
+        ran[0] += 1
+        d = EncoderLockstep(pool, cfg, factories_for(budget, v2))
+        d.add(a)
+        d.engine_step()
+        d.add(b)
+        for _ in range(DRAIN_STEPS):
+            if not (d.unfinished() or d.num_in_flight()):
+                break
+            d.engine_step()
+
+    saved_seed = hcore.global_force_seed
+    if seed is not None:
+        hcore.global_force_seed = seed
+    try:
+        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
+            run()
+    finally:
+        hcore.global_force_seed = saved_seed
+    return ran[0]

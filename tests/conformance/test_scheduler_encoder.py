@@ -28,7 +28,7 @@ def test_encoder_traces_match_vllm_and_reach_every_rule(vllm_scheduler):
     c = run.coverage
     for path in ("encoder_inputs_scheduled", "encoder_evictions", "encoder_cache_hits", "encoder_duplicate_inputs",
                  "encoder_chunks_cut", "encoder_waiting_skipped", "encoder_unchunked_rollback",
-                 "encoder_v2_releases", "encoder_embed_mismatch_rejected"):
+                 "encoder_v2_releases", "encoder_embed_mismatch_rejected", "encoder_preempted_inputs_restored"):
         assert c.get(path, 0) > 0, (path, c)
 
 
