@@ -399,6 +399,12 @@ _add(
           "",
           CLASSIC, "dropped update: a request the embed-count check rejected is never finished as an error; it "
                    "is rejected again every step and never frees its slot", behaviour="encoder"),
+    fault("sched.preempted_encoder_inputs_kept", _SCHED,
+          "                            preempted_encoder_inputs = scheduled_encoder_inputs.pop(\n",
+          "                            preempted_encoder_inputs = scheduled_encoder_inputs.get(\n",
+          CLASSIC, "PRIORITY: a request preempted after this step scheduled it keeps its encoder inputs in the "
+                   "step's scheduled_encoder_inputs (the workers encode images of a request not in the batch)",
+          behaviour="encoder"),
 )
 
 # --------------------------------------------------------------------------------------------
