@@ -403,18 +403,18 @@ class OffloadingConnectorVllmBackend(OffloadingVllmBackend):
         stores = {j: (t.req_id, keys(j), tuple(t.src_spec.block_ids.tolist()), tuple(t.dst_spec.block_ids.tolist()))
                   for j, t in meta.store_jobs.items()}
         out = norm_offloading_meta(loads, stores, meta.jobs_to_flush or ())
-        # a load's GPU blocks are scrubbed before the ranks run it: bytes an earlier owner of the same
-        # content left there would hide a load that never wrote them (a sync load not waited for)
-        for t in meta.load_jobs.values():
-            for block in t.dst_spec.block_ids.tolist():
-                for rank in range(len(self.workers)):
-                    self.write_block(rank, block, self.unloaded)
         # worker role: each rank gets its own copy, as each deserializes its own SchedulerOutput
-        for w in self.workers:
+        for rank, w in enumerate(self.workers):
             w.clear_connector_metadata()  # the previous step's (kept bound for get_finished between steps)
             m = copy.deepcopy(meta)
             w.bind_connector_metadata(m)
-            w.handle_preemptions(m)
+            w.handle_preemptions(m)  # flushed stores read their blocks here
+            # then a load's GPU blocks are scrubbed before the rank runs it: bytes an earlier owner of
+            # the same content left there would hide a load that never wrote them (a sync load not
+            # waited for)
+            for t in meta.load_jobs.values():
+                for block in t.dst_spec.block_ids.tolist():
+                    self.write_block(rank, block, self.unloaded)
             w.start_load_kv(None)
         return out
 
