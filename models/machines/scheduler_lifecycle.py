@@ -213,7 +213,7 @@ class LifecycleMachine(ConnectorMachine):
         """Sometimes abort a load HiSparse just deferred, before it starts (the client gave up: its
         blocks are freed behind the step fence, and no finished_recving will come)."""
         st_ = self.driver._reference_state()
-        if st_ is not None and st_.deferred_loads and data.draw(st.booleans()):
+        if st_ is not None and st_.deferred_loads and data.draw(st.sampled_from((True, False))):
             self.driver.abort(data.draw(st.sampled_from(sorted(st_.deferred_loads))))
 
     @rule(data=st.data())

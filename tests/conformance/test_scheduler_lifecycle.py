@@ -122,7 +122,7 @@ def test_deferred_loads_match_vllm_and_reach_every_path():
     """With a HiSparse host pool an async load admitted while a step is in flight reaches the
     connector only after that step was processed; the stats go out with that update's output."""
     _sched_cls()
-    run = _run(profile_examples(10, 20), hisparse=True)
+    run = _run(profile_examples(20, 30), hisparse=True)
     assert run.ok, run.failure
     c = run.coverage
     for path in ("deferred_loads_pending", "deferred_loads_started", "connector_stats_in_output",
