@@ -558,6 +558,10 @@ class VllmP2PWorld:
         """``node``'s next ``count`` peer registrations fail: preparing the peer's descriptors raises."""
         self.agents[node].registration_failures += count
 
+    def fail_releases(self, node: str, count: int, kind: str) -> None:
+        """``node``'s NIXL agent refuses the next ``count`` releases of a peer's ``kind`` handle."""
+        self.agents[node].release_failures[kind] += count
+
     def reseed(self, node: str, differs: bool) -> None:
         """The hash seed ``node``'s manager gives the sessions it opens from now on (vLLM resolves
         it once, ``_get_hash_seed``): the shared one, or another."""
@@ -644,7 +648,7 @@ class VllmP2PWorld:
             peers=sorted(name.get(p, p) for p in data._remote_dlists),
             # the remote NIXL agents the engine's agent still holds, by name as NIXL keeps them (one
             # per registered peer: a failed or superseded registration must give its agent back)
-            agents=sorted({a.rsplit("-", 1)[1] for a in self.agents[node].remotes}),
+            agents=sorted({a.rsplit("-", 1)[1] for a in self.agents[node].remotes + self.agents[node].leaked}),
             strikes={name.get(p, p): n for p, n in sorted(data._peer_strikes.items())},
             broken=sorted(tid for tid, e in data._inflight.items() if id(e.handle) in self.agents[node].broken),
             faults={name.get(p, p): c for p, c in sorted(data._peer_faults.items())})

@@ -125,6 +125,10 @@ class HeldAgent:
         self.submit_failures: list[str | None] = []  # armed refusals of the next submissions (None: through)
         self._post_failures: dict[int, str] = {}  # id(handle) -> the refusal its transfer() meets
         self.registration_failures = 0  # armed refusals of the next peer registrations
+        #: armed failures of the next releases of a peer's handles, by kind (``dlist``: its descriptor
+        #: list, ``agent``: its remote agent), and the remote agents whose removal failed (still loaded)
+        self.release_failures = {"dlist": 0, "agent": 0}
+        self.leaked: list[str] = []
 
     # -- forwarded, tracked so a failed trace can be cleaned up -----------------------------------
 
@@ -158,8 +162,11 @@ class HeldAgent:
 
     def release_dlist_handle(self, dlist) -> None:
         self.dlists = [d for d in self.dlists if d is not dlist]
-        self._dlist_owner.pop(id(dlist), None)
+        owner = self._dlist_owner.pop(id(dlist), None)
         self.real.release_dlist_handle(dlist)
+        if self.release_failures["dlist"] and owner not in (None, "NIXL_INIT_AGENT"):  # a peer's, not ours
+            self.release_failures["dlist"] -= 1
+            raise RuntimeError("NIXL_ERR_BACKEND: release_dlist_handle refused (injected)")
 
     def get_agent_metadata(self) -> bytes:
         return self.real.get_agent_metadata()
@@ -172,6 +179,7 @@ class HeldAgent:
         name = self.real.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else name
         self.remotes.append(name)
+        self.leaked = [r for r in self.leaked if r != name]  # loaded again under its name
         return name
 
     def remove_remote_agent(self, name: str) -> None:
@@ -179,6 +187,10 @@ class HeldAgent:
         # vLLM's handshake after a refused one) and removing it once leaves none
         self.remotes = [r for r in self.remotes if r != name]
         self.real.remove_remote_agent(name)
+        if self.release_failures["agent"]:  # NIXL refuses: to the engine the agent stays loaded
+            self.release_failures["agent"] -= 1
+            self.leaked.append(name)
+            raise RuntimeError("NIXL_ERR_BACKEND: remove_remote_agent refused (injected)")
 
     def make_prepped_xfer(self, op, local_dlist, local_idxs, remote_dlist, remote_idxs, *args, **kw):
         refusal = self.submit_failures.pop(0) if self.submit_failures else None
@@ -278,6 +290,7 @@ class HeldAgent:
                 pass
         self.held, self.resolved, self.writes, self.broken = [], {}, {}, {}
         self._post_failures, self.submit_failures, self.registration_failures = {}, [], 0
+        self.release_failures, self.leaked = {"dlist": 0, "agent": 0}, []
         for name in self.remotes:
             try:
                 self.real.remove_remote_agent(name)

@@ -93,8 +93,9 @@ class Coverage:
     refused_not_found: int = 0
     rejected_peers: int = 0  # handshakes refused (a hash seed that differs, a registration that failed)
     refused_registrations: int = 0
+    release_failures: int = 0  # a removed peer's handle release NIXL refused (its agent may stay loaded)
     strangers: int = 0  # handshakes of the third engine (every one refused)
-    refused_at_limit: int = 0  # connections refused and dials not made for want of a peer slot
+    limit_refusals: int = 0  # connections refused and dials not made for want of a peer slot
 
 
 COVERAGE = Coverage()
@@ -130,10 +131,11 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             if ref is not None:
                 COVERAGE.idle_reaps += sum(m.idle_reaped for m in ref.managers.values())
                 COVERAGE.rejected_peers += sum(m.rejected_peers for m in ref.managers.values())
-                COVERAGE.refused_at_limit += sum(m.refused_at_limit for m in ref.managers.values())
+                COVERAGE.limit_refusals += sum(m.refused_at_limit for m in ref.managers.values())
                 for plane in ref.planes.values():
                     for kind, n in plane.refused.items():
-                        name = "refused_registrations" if kind == "registration" else f"refused_{kind}"
+                        name = {"registration": "refused_registrations", "release": "release_failures"}.get(
+                            kind, f"refused_{kind}")
                         setattr(COVERAGE, name, getattr(COVERAGE, name) + n)
             for w in self.worlds.values():
                 w.close()
@@ -229,14 +231,20 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             moves bytes; half of them then probe P symmetrically (a key P's manager may still be
             promoting, or not hold) and fetch what P confirmed; the rules then go anywhere. The
             engines' peer limit and idle timeout are drawn: vLLM's defaults, or a scarce peer
-            budget under which idle sessions are evicted, and a third engine (:meth:`refuse`'s stranger)
-            dials the engine and is dialled by it while its one slot is taken."""
+            budget under which idle sessions are evicted. Without draws of their own (the traces stay
+            those drawn before): with one peer slot a third engine (a bare control socket, no tier) is
+            dialled by an engine and sends it a handshake it must refuse (:meth:`_stranger`); with two,
+            NIXL refuses the next release of a removed peer's descriptor list or remote agent (vLLM
+            ``_release_remote_handles``: the other handle is still released; a remote agent whose
+            removal was refused stays loaded until the peer registers again)."""
             self._start(limits)
             self.share(kv, stored, loaded, not load_first, not consume)
             self.tick()
             if limits[0] == 1:  # one peer slot: a third engine finds it taken (no draw of its own)
-                self._stranger("D" if consume else "P", STRANGER_CONNECTS[(2 * len(stored) + len(loaded)) % 5],
-                               dial=load_first)
+                kind = STRANGER_CONNECTS[(2 * len(stored) + len(loaded) + KV_IDS.index(kv)) % len(STRANGER_CONNECTS)]
+                self._stranger("D" if consume else "P", kind, dial=load_first)
+            elif limits[0] == 2:  # idle sessions are evicted: NIXL refuses a removed peer's next release
+                self._all("fail_releases", "P" if consume else "D", 1, "dlist" if load_first else "agent")
             if symmetric:
                 self.catalogue(SYM_IDS[0], 1, pending)
                 self.symmetric_request(SYM_IDS[0])
@@ -471,7 +479,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             COVERAGE.malformed_requests += 1
 
         @rule(data=st.data(), node=st.sampled_from(("P", "D")),
-              what=st.sampled_from(("writes", "registration", "seed", "stranger")))
+              what=st.sampled_from(("writes", "registration", "seed")))
         def refuse(self, data: st.DataObject, node: str, what: str) -> None:
             """What the engines' setup can refuse, armed for what comes next (one rule, so the
             other rules keep their share of the draws):
@@ -483,22 +491,12 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             * ``registration``: ``node``'s next peer registration fails (the peer's descriptors
               cannot be prepared): that handshake is refused and the session reaped;
             * ``seed``: ``node`` opens its next sessions with another hash seed (or the shared one
-              again): a peer whose seed differs is refused at the handshake (vLLM ``_on_connect``);
-            * ``stranger``: a third engine (a bare control socket, no tier) appears: ``node`` may open
-              a consumer request whose source is the stranger, which never answers (the dial times
-              out its handshake), then the stranger sends ``node`` a handshake it must refuse
-              (another block length or model config, no blocks, a bad peer id, another hash seed).
-              Where ``node``'s peer slots are all taken (a scarce ``VLLM_P2P_MAX_PEERS``) it makes
-              no dial (the request fails at once) and refuses the connection before any session
-              exists (vLLM ``_get_or_create_session``'s and ``_accept_new_peers``' peer limit)."""
+              again): a peer whose seed differs is refused at the handshake (vLLM ``_on_connect``)."""
             if what == "writes":
                 node = "P"
             if not self._alive(node):
                 return
-            if what == "stranger":
-                self._stranger(node, data.draw(st.sampled_from(STRANGER_CONNECTS), label="connect"),
-                               data.draw(st.booleans(), label="dial"))
-            elif what == "writes":
+            if what == "writes":
                 count = data.draw(st.integers(1, 3), label="count")
                 self._all("fail_submissions", "P", count, data.draw(st.sampled_from(sorted(SUBMIT_ERRORS)), label="kind"))
             elif what == "registration":
@@ -507,6 +505,12 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 self._all("reseed", node, data.draw(st.booleans(), label="differs"))
 
         def _stranger(self, node: str, kind: str, dial: bool) -> None:
+            """A third engine appears: with ``dial`` ``node`` opens a consumer request whose source is the
+            stranger, which never answers (the dial times out its handshake); then the stranger sends
+            ``node`` a handshake of :data:`STRANGER_CONNECTS` kind ``kind`` (another block length or
+            model config, no blocks, a bad peer id, another hash seed). Where ``node``'s peer slots are
+            all taken it makes no dial (the request fails at once) and refuses the connection before
+            any session exists (vLLM ``_get_or_create_session``'s and ``_accept_new_peers``' limit)."""
             COVERAGE.strangers += 1
             if dial and len(self.reqs[node]) < 4:
                 req = f"x{self.next_req}"

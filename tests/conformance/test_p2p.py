@@ -25,7 +25,10 @@ RARE = ("loads_ok", "loads_failed", "stores_ok", "stores_failed", "bytes_checked
         "idle_reaps", "probe_hits", "probe_misses", "probe_retries", "symmetric_loads", "drains", "drains_cut",
         # malformed requests, a peer faulted again within its reconnect backoff, refused handshakes
         # (a hash seed that differs, a failed registration) and WRITEs NIXL refused
-        "malformed_requests", "refaults", "rejected_peers", "refused_registrations", "broken")
+        "malformed_requests", "refaults", "rejected_peers", "refused_registrations", "broken",
+        # a third engine refused at the peer limit and at the handshake, a removed peer's handle
+        # release NIXL refused
+        "strangers", "limit_refusals", "release_failures")
 #: the derandomized passes a run may take until it has reached every RARE path (seed None: Hypothesis's
 #: own derandomized seed; the rules are many and the fast profile's 40 examples few)
 SEEDS = (None, 1, 2)
@@ -49,11 +52,11 @@ def test_vllm_p2p_tier_agrees_with_the_reference_on_generated_traces():
         ok, failure, reached = _run(profile_examples(40, 200), seed=seed)
         assert ok, failure
         total = {k: total.get(k, 0) + v for k, v in reached.items()}
-        if all(total[k] for k in RARE):
+        refused = [k for k in total if k.startswith("refused_") and k != "refused_registrations"]
+        if all(total[k] for k in RARE) and any(total[k] for k in refused):
             break
     missed = [k for k in RARE if not total[k]]
     assert not missed, f"the generated traces never reached {missed}: {total}"
-    refused = [k for k in total if k.startswith("refused_") and k != "refused_registrations"]
     assert any(total[k] for k in refused), f"no WRITE submission was refused: {total}"
 
 

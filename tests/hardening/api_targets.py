@@ -755,6 +755,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     p2p_case("reseed", dict(node="D", differs=True))
     p2p_case("stranger_request", dict(node="D", req_id="x0", kv_request_id="odd0"))
     p2p_case("stranger_connects", dict(node="P", kind="block_len"))
+    p2p_case("fail_releases", dict(node="P", count=1, kind="agent"))
 
     def tiering_case(method, make_kwargs, before=None):  # the multi-tier offloading reference (#22)
         def build():

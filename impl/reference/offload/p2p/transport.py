@@ -93,6 +93,11 @@ class DataPlane:
     registration_failures: int = 0
     #: the refusals met so far, by kind ("registration" for a peer registration): generator coverage
     refused: dict[str, int] = field(default_factory=dict)
+    #: armed failures of the next releases of a peer's handles (vLLM ``_release_remote_handles``):
+    #: ``dlist`` (its descriptor list: logged, the agent is still removed) or ``agent`` (its remote
+    #: agent: logged, the agent stays loaded); the peers whose agent stayed loaded
+    release_failures: dict[str, int] = field(default_factory=lambda: {"dlist": 0, "agent": 0})
+    leaked: set[str] = field(default_factory=set)
 
     def add_remote_peer(self, peer_id: str, remote: "DataPlane | None") -> None:
         """Register ``peer_id`` (its plane learned from the handshake); raises if it is gone."""
@@ -101,10 +106,25 @@ class DataPlane:
         if self.registration_failures:
             self.registration_failures -= 1
             self.refused["registration"] = self.refused.get("registration", 0) + 1
+            self._remove_agent(peer_id)  # its agent was loaded before the descriptors failed
             raise RuntimeError(f"the descriptors of {peer_id} could not be prepared")
         self.peers[peer_id] = remote
+        self.leaked.discard(peer_id)  # loaded again under its name
+
+    def _remove_agent(self, peer_id: str) -> None:
+        if self.release_failures["agent"]:
+            self.release_failures["agent"] -= 1
+            self.refused["release"] = self.refused.get("release", 0) + 1
+            self.leaked.add(peer_id)
+        else:
+            self.leaked.discard(peer_id)
 
     def remove_remote_peer(self, peer_id: str) -> None:
+        if peer_id in self.peers:  # its handles are released: a failure of one never skips the other
+            if self.release_failures["dlist"]:
+                self.release_failures["dlist"] -= 1
+                self.refused["release"] = self.refused.get("release", 0) + 1
+            self._remove_agent(peer_id)
         self.peers.pop(peer_id, None)
         self.faults.pop(peer_id, None)
         self.strikes.pop(peer_id, None)

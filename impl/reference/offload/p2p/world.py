@@ -283,6 +283,15 @@ class P2PWorld:
         _count(count)
         self.planes[node].registration_failures += count
 
+    def fail_releases(self, node: str, count: int, kind: str) -> None:
+        """NIXL refuses ``node``'s next ``count`` releases of a peer's ``kind`` handle when the peer is
+        removed (``dlist``: its descriptor list, ``agent``: its remote agent, which stays loaded)."""
+        self._live(node)
+        _count(count)
+        if kind not in ("dlist", "agent"):
+            raise InvalidFieldError("kind", kind, 'one of ("dlist", "agent")')
+        self.planes[node].release_failures[kind] += count
+
     def reseed(self, node: str, differs: bool) -> None:
         """``node``'s hash seed for the sessions it opens from now on: the shared one, or another
         (a peer whose seed differs is rejected at the handshake: its block hashes would not match)."""
@@ -379,7 +388,8 @@ class P2PWorld:
             bound=sorted(mgr.kv_to_session), reaped=sorted(mgr.reaped), failed=sorted(mgr.failed),
             transfers=[(t.transfer_id, _name(t.peer_id), t.local_idxs, t.remote_idxs) for t in plane.pending],
             peers=sorted(_name(p) for p in plane.peers),
-            agents=sorted(_name(p) for p in plane.peers),  # NIXL holds one remote agent per registered peer
+            # NIXL holds one remote agent per registered peer, and those whose removal it refused
+            agents=sorted(_name(p) for p in set(plane.peers) | plane.leaked),
             strikes={_name(p): n for p, n in sorted(plane.strikes.items())},
             broken=sorted(t.transfer_id for t in plane.broken),
             faults={_name(p): c for p, c in sorted(plane.faults.items())})
