@@ -39,6 +39,8 @@ BLOCK_LEN = 16
 ADVANCES = (0.05, 1.0, 5.0, 10.0, 31.0, 61.0)
 #: (VLLM_P2P_MAX_PEERS, VLLM_P2P_IDLE_TIMEOUT_S): vLLM's defaults, or scarce slots (idle eviction on)
 LIMITS = ((2, 10), (128, 300), (1, 31))
+#: job numbers of the stranger's requests start above every drawn job's
+STRANGER_JOBS = 1_000_000
 KEY_LISTS = st.lists(st.integers(0, KEYS_PER_KV - 1), min_size=1, max_size=KEYS_PER_KV, unique=True)
 
 
@@ -114,6 +116,7 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
             self.loads: dict[int, list[bytes]] = {}
             self.forged: set[str] = set()  # ids a forged transfer_done may have ended a load of
             self.symmetric: set[str] = set()  # D's requests that probe P (``remote_kv_source``)
+            self.strangers = 0  # the stranger's requests so far (ids and job numbers of their own)
 
         def _start(self, limits: tuple[int, int]) -> None:
             max_peers, idle_timeout_s = limits
@@ -505,21 +508,29 @@ def make_machine(world_factories: dict[str, Any]) -> type[RuleBasedStateMachine]
                 self._all("reseed", node, data.draw(st.booleans(), label="differs"))
 
         def _stranger(self, node: str, kind: str, dial: bool) -> None:
-            """A third engine appears: with ``dial`` ``node`` opens a consumer request whose source is the
-            stranger, which never answers (the dial times out its handshake); then the stranger sends
-            ``node`` a handshake of :data:`STRANGER_CONNECTS` kind ``kind`` (another block length or
-            model config, no blocks, a bad peer id, another hash seed). Where ``node``'s peer slots are
-            all taken it makes no dial (the request fails at once) and refuses the connection before
-            any session exists (vLLM ``_get_or_create_session``'s and ``_accept_new_peers``' limit)."""
+            """A third engine appears: where ``node``'s peer slots are all taken and with ``dial``,
+            ``node`` opens a consumer request whose source is the stranger: no dial is made, its
+            lookup MISSes and its load fails (vLLM ``_get_or_create_session``'s limit); then the
+            stranger sends ``node`` a handshake of :data:`STRANGER_CONNECTS` kind ``kind`` (another
+            block length or model config, no blocks, a bad peer id, another hash seed), refused
+            before any session exists at the limit (``_accept_new_peers``), else by the session it
+            opens. The request is finished here, under ids and job numbers of its own, and no session
+            to the stranger outlives the call: the rest of the trace is the one drawn before."""
             COVERAGE.strangers += 1
-            if dial and len(self.reqs[node]) < 4:
-                req = f"x{self.next_req}"
-                self.next_req += 1
+            ref = self.worlds.get("ref")
+            scarce = ref is not None and len(ref.managers[node].sessions) >= ref.managers[node].max_peers
+            req = None
+            if dial and scarce:
+                self.strangers += 1
+                req, job = f"x{self.strangers}", STRANGER_JOBS + self.strangers
                 self._all("stranger_request", node, req, ODD_IDS[0])
-                self.reqs[node][req] = ODD_IDS[0]
                 self._all("lookup", node, req, key_of(ODD_IDS[0], 0))
+                self.loads[job] = [key_of(ODD_IDS[0], 0)]
+                self._all("submit_load", node, req, job, [key_of(ODD_IDS[0], 0)], [slot_of(ODD_IDS[0], 0)])
             self._all("stranger_connects", node, kind)
             self._jobs(self._all("poll", node))
+            if req is not None:
+                self._all("finish", node, req)
 
         @rule()
         def pause(self) -> None:

@@ -51,7 +51,7 @@ def test_a_tier_that_ignores_a_backpressure_detector_is_found(monkeypatch):
         return kwargs
 
     _plant(monkeypatch, drop)
-    ok, failure = run_p2p_config_cases(8)
+    ok, failure = run_p2p_config_cases(30)
     assert not ok and "backpressure=True" in failure, failure
 
 
