@@ -126,7 +126,9 @@ class PageCopyPlan:
         table = torch.tensor([a.data_ptr() for a in self.srcs] + [a.data_ptr() for a in self.dsts]
                              + [a.stride(0) * elem // self.word for a in self.srcs]
                              + [a.stride(0) * elem // self.word for a in self.dsts], dtype=torch.int64)
-        self.tables = table.to(self.launch_on).split([len(srcs)] * 4)
+        if self.launch_on.type == "cuda":  # non-blocking from pinned memory: building a plan never syncs
+            table = table.pin_memory().to(self.launch_on, non_blocking=True)
+        self.tables = table.split([len(srcs)] * 4)
 
     def launch(self, src_ids, dst_ids, validate_ids: bool = True) -> None:
         """Copy ``src_ids[i]`` to ``dst_ids[i]`` in every layer (lists or 1-D int tensors)."""
