@@ -17,32 +17,42 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
-from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
-from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-
 OUT_OF_TREE_MODULE = __name__
 
 
-class TouchPerGroupLRUCachePolicy(LRUCachePolicy):
-    """vLLM's LRU with the base ``CachePolicy.on_request_finished`` (a touch per group)."""
+def __getattr__(name: str) -> Any:
+    """``TouchPerGroupLRUCachePolicy`` — vLLM's LRU with the base ``CachePolicy.on_request_finished``
+    (a touch per group) — built on first access (vLLM's factory reads it by name from this module),
+    so importing this module does not import vLLM (tests/impl/vllm/test_lazy_imports.py)."""
+    if name != "TouchPerGroupLRUCachePolicy":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-    on_request_finished = CachePolicy.on_request_finished
+    cls = type(name, (LRUCachePolicy,), {"on_request_finished": CachePolicy.on_request_finished,
+                                         "__module__": __name__, "__doc__": __getattr__.__doc__})
+    globals()[name] = cls
+    return cls
+
+
+def _factory() -> Any:
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    return CachePolicyFactory
 
 
 def policy_class(name: str, module_path: str | None = None) -> type:
     """The class vLLM's factory resolves for ``name`` (registered, or out-of-tree from a module)."""
-    return CachePolicyFactory.get_cache_policy_cls(name, module_path)
+    return _factory().get_cache_policy_cls(name, module_path)
 
 
 def register_policy(name: str, module_path: str, class_name: str) -> None:
     """vLLM's ``register_cache_policy`` (refuses a taken name with ValueError)."""
-    CachePolicyFactory.register_cache_policy(name, module_path, class_name)
+    _factory().register_cache_policy(name, module_path, class_name)
 
 
 def registered_policies() -> list[str]:
-    return sorted(CachePolicyFactory._registry)
+    return sorted(_factory()._registry)
 
 
 class VllmPolicy:
@@ -53,14 +63,18 @@ class VllmPolicy:
         self.kind = "arc" if hasattr(self.policy, "t1") else "lru"
 
     @staticmethod
-    def new_context(req_id: str, positions: dict[bytes, int]) -> ReqContext:
+    def new_context(req_id: str, positions: dict[bytes, int]) -> Any:
+        from vllm.v1.kv_offload.base import ReqContext
+
         ctx = ReqContext(req_id=req_id)
         for key, pos in positions.items():
             ctx.set_offload_key_position(key, pos)
         return ctx
 
     @staticmethod
-    def new_chunk(chunk_id: int, ref_cnt: int) -> ChunkStatus:
+    def new_chunk(chunk_id: int, ref_cnt: int) -> Any:
+        from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
         chunk = ChunkStatus(chunk_id)
         chunk.ref_cnt = ref_cnt
         return chunk
@@ -76,11 +90,11 @@ class VllmPolicy:
         out = self.policy.evict(n, protected)
         return None if out is None else [(key, int(chunk.chunk_id)) for key, chunk in out]
 
-    def touch(self, keys: Iterable[bytes], ctx: ReqContext) -> None:
+    def touch(self, keys: Iterable[bytes], ctx: Any) -> None:
         self.policy.touch(keys, ctx)
 
     def on_request_finished(self, groups: Sequence[Sequence[bytes]], insertion_only: set[bytes],
-                            reused: set[bytes], ctx: ReqContext) -> None:
+                            reused: set[bytes], ctx: Any) -> None:
         self.policy.on_request_finished(groups, insertion_only, reused, ctx)
 
     def observe(self) -> dict[str, Any]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 
 def aggregate_and_reduce(payloads: Sequence[dict[str, Any]], cuts: Sequence[int]) -> dict[str, Any]:
     """``payloads`` (each a stats ``data`` dict, in step order) cut at ``cuts`` into runs; each run
     aggregated into a fresh stats object, then the runs into one. Returns its ``reduce()``, its
     ``info``, whether it is empty, and how many merges were of an empty payload."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(payloads)), len(payloads)]
     build = OffloadingConnector.build_kv_connector_stats
     total = build()
@@ -45,6 +45,8 @@ def aggregate_and_reduce(payloads: Sequence[dict[str, Any]], cuts: Sequence[int]
 def refuses_untyped(payload: dict[str, Any], key: str, bad_type: str | None) -> tuple[bool, bool]:
     """A payload whose metric ``key`` has no type (``bad_type`` None) or an unknown one: does
     ``aggregate`` refuse it, and does ``reduce`` (AssertionError naming the key either way)?"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
     data = copy.deepcopy(payload)
     if bad_type is None:
         data["types"].pop(key, None)
