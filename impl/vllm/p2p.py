@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import time as _real_time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
+from kvref.impl.vllm.loopback_port import free_loopback_port
 from kvref.impl.reference.offload.p2p.messages import summarize
 from kvref.impl.reference.offload.p2p.parent import ScriptedParent, ctx_key
 from kvref.impl.reference.offload.p2p.world import MALFORMED, STRANGER, malformed_params, stranger_hello
@@ -93,12 +93,6 @@ class Wire:
     contexts: list = field(default_factory=list)
     #: set by :meth:`VllmP2PWorld.close`: the trace is over, a closing socket waits for nothing
     closing: bool = False
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @lru_cache(maxsize=1)
@@ -386,7 +380,7 @@ class VllmP2PWorld:
                 manager_module.envs = _EnvOverrides(real_envs, VLLM_P2P_MAX_PEERS=max_peers,
                                                     VLLM_P2P_IDLE_TIMEOUT_S=idle_timeout_s,
                                                     VLLM_P2P_SIDE_CHANNEL_HOST=HOST,
-                                                    VLLM_P2P_SIDE_CHANNEL_PORT=_free_port())
+                                                    VLLM_P2P_SIDE_CHANNEL_PORT=free_loopback_port(HOST))
                 options = {"backpressure_detector": object()} if backpressure else {}
                 mgr = manager_module.P2PSecondaryTierManager(_offloading_spec(block_len), view,
                                                              unbound_store_timeout_s=unbound_store_timeout_s,

@@ -29,16 +29,11 @@ import queue
 import socket
 import threading
 
+from kvref.impl.vllm.loopback_port import free_loopback_port as _free_port
 from kvref.spec.errors import InvalidFieldError, check_int
 
 #: longest a KVCR operation may stay open (ms); the counter clock never gets there
 _TIMEOUT_MS = 10 ** 9
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvcr_tier_config(slots: int, policy: str = "lru", telemetry: bool = True) -> dict:
