@@ -57,6 +57,15 @@ def _profile_only_skip(item) -> str | None:
     return None
 
 
+#: test files scripts/run-tests.sh runs in its one-process pass after the parallel one (marked
+#: ``serial`` here): each starts its own Ray cluster (two at once on one machine stalled a retry test
+#: for 20 minutes), or sends SIGINT at a wall-clock moment that a loaded core makes meaningless
+SERIAL_FILES = frozenset({
+    "tests/cli/test_ray.py",
+    "tests/cli/test_ray_explore.py",
+    "tests/hardening/test_interrupts.py",
+})
+
 #: set by the hook below: how many profile-only parametrizations were left out, for the one line
 _PROFILE_DESELECTED: list[int] = []
 
@@ -72,6 +81,10 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=left_out)
         items[:] = keep
     _PROFILE_DESELECTED[:] = [len(left_out)]
+    serial = pytest.mark.serial
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in SERIAL_FILES:
+            item.add_marker(serial)
     if not _cuda_available():
         skip_gpu = pytest.mark.skip(reason="no CUDA device on this machine (GPU-only test)")
         for item in items:
