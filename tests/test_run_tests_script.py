@@ -11,15 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import SERIAL_FILES
+from tests.conftest import ISOLATED_FILES, SERIAL_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "run-tests.sh"
 
 
 def test_every_serial_file_exists():
-    missing = sorted(f for f in SERIAL_FILES if not (ROOT / f).is_file())
-    assert not missing, f"SERIAL_FILES names files that are gone: {missing}"
+    missing = sorted(f for f in SERIAL_FILES | ISOLATED_FILES if not (ROOT / f).is_file())
+    assert not missing, f"SERIAL_FILES / ISOLATED_FILES name files that are gone: {missing}"
 
 
 def test_serial_files_are_marked_and_nothing_else_is(pytestconfig):

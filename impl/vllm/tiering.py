@@ -291,6 +291,8 @@ class VllmTiering:
 
     def __init__(self, spec, manager, clock: VirtualClock, root: str) -> None:
         self.spec, self.manager, self.clock, self.root = spec, manager, clock, root
+        #: the KVCR progress threads alive before this world was built (build_vllm_tiering sets it)
+        self.progress_before: set[int] = set()
         self.primary = manager.primary_tier
         self.tiers = manager.secondary_tiers
         self.job_gates: dict[int, _JobGates] = {}
@@ -453,6 +455,10 @@ class VllmTiering:
                 self._primary_shutdown()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+            # a KVCR loop vLLM's shutdown did not close (a tier's failed shutdown, a planted fault)
+            from kvref.impl.vllm.tiering_kvcr import close_orphaned_kvcr_progress
+
+            close_orphaned_kvcr_progress(self.progress_before)
         return failed
 
     # -- observables ------------------------------------------------------------------------
@@ -606,17 +612,23 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
                                           is_parallelism_agnostic=False),
         replicated_layout=False)
     bucket: dict[str, bytes] = {}
+    from kvref.impl.vllm.tiering_kvcr import close_orphaned_kvcr_progress, kvcr_progress_threads
+
+    progress_before = kvcr_progress_threads()
     try:
         spec = TieringOffloadingSpec(ocfg)
         with _in_memory_nixl(bucket, any(t.get("type") == "obj" for t in tiers)):
             manager = spec.get_manager()
     except Exception:
         shutil.rmtree(root, ignore_errors=True)
+        close_orphaned_kvcr_progress(progress_before)  # a KVCR startup failure leaves its loop running
         raise
     if manager.primary_tier._num_chunks != num_chunks:
         raise InvalidFieldError("num_chunks", num_chunks, f"the {manager.primary_tier._num_chunks} chunks "
                                                           "vLLM's spec made of cpu_bytes_to_use")
-    return VllmTiering(spec, manager, clock, root)
+    world = VllmTiering(spec, manager, clock, root)
+    world.progress_before = progress_before
+    return world
 
 
 @contextlib.contextmanager

@@ -154,3 +154,52 @@ def retained_native_buffers() -> int:
 
 
 __all__ = ["KvcrGate", "kvcr_built", "kvcr_tier_config", "retained_native_buffers"]
+
+
+def kvcr_progress_threads() -> set[int]:
+    """Idents of the live ``kvcr-progress`` threads (one per KVCR instance kvcr started)."""
+    return {t.ident for t in threading.enumerate() if t.name == "kvcr-progress" and t.is_alive() and t.ident}
+
+
+def close_orphaned_kvcr_progress(before: set[int]) -> int:
+    """Close the KVCR progress loops that nothing will close: those started since ``before``
+    (:func:`kvcr_progress_threads`) still running, and any whose thread ended with its NIXL agent
+    still held. kvcr's startup failures (a G3 backend that does not exist ends the loop's thread
+    during start-up) and a trace a planted fault ended leave them behind. Each NIXL agent's UCX
+    threads poll with a zero timeout, about 0.15 of a core each, for the life of the process: an
+    accumulated handful made every later test of a one-process suite crawl (CI ran past 5,400 s,
+    stop 33). A loop that refuses to close (a fault left a transfer active) has its agent dropped.
+    Returns how many loops were closed or dropped."""
+    import gc
+
+    try:
+        from kvcr.progress import _KVCRProgress
+    except ImportError:  # kvcr is not installed: no KVCR tier was built
+        return 0
+    import warnings
+
+    new = kvcr_progress_threads() - before
+    with warnings.catch_warnings():  # isinstance on some objects of the heap warns (torch's old aliases)
+        warnings.simplefilter("ignore")
+        loops = [obj for obj in gc.get_objects() if isinstance(obj, _KVCRProgress)]
+    found = 0
+    for obj in loops:
+        thread = getattr(obj, "_thread", None)
+        running = thread is not None and thread.is_alive()
+        if running and thread.ident in new:
+            found += 1
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001 - a loop that cannot close: its agent is dropped below
+                pass
+            running = thread.is_alive()
+        if not running and getattr(obj, "_nixl_agent", None) is not None:
+            found += 1
+            try:
+                obj._close_nixl()
+            except Exception:  # noqa: BLE001 - active transfers or registrations: drop the agent anyway
+                pass
+            obj._nixl_agent = None
+    if found:
+        gc.collect()
+    return found
