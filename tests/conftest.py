@@ -73,6 +73,13 @@ SERIAL_FILES = frozenset({
 #: process (CI ran past 5,400 s, stop 33)
 ISOLATED_FILES = frozenset({
     "tests/conformance/test_tiering_kvcr.py",
+    # vLLM's P2P tier managers start NIXL agents (num_threads=4) that VllmP2PWorld.close does not
+    # release: each of these files left about 2 cores busy after it ended
+    "tests/conformance/test_p2p.py",
+    "tests/conformance/test_p2p_options.py",
+    "tests/conformance/test_p2p_refusals.py",
+    "tests/conformance/test_p2p_releases.py",
+    "tests/conformance/test_p2p_stranger.py",
 })
 
 #: set by the hook below: how many profile-only parametrizations were left out, for the one line
