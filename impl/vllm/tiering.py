@@ -458,7 +458,8 @@ class VllmTiering:
             # a KVCR loop vLLM's shutdown did not close (a tier's failed shutdown, a planted fault)
             from kvref.impl.vllm.tiering_kvcr import close_orphaned_kvcr_progress
 
-            close_orphaned_kvcr_progress(self.progress_before)
+            if self.kvcr_gates:  # the heap scan only where a KVCR tier was built
+                close_orphaned_kvcr_progress(self.progress_before)
         return failed
 
     # -- observables ------------------------------------------------------------------------
@@ -621,7 +622,8 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
             manager = spec.get_manager()
     except Exception:
         shutil.rmtree(root, ignore_errors=True)
-        close_orphaned_kvcr_progress(progress_before)  # a KVCR startup failure leaves its loop running
+        if any(t.get("type") == "kvcr" for t in tiers):  # a KVCR startup failure leaves its loop running
+            close_orphaned_kvcr_progress(progress_before)
         raise
     if manager.primary_tier._num_chunks != num_chunks:
         raise InvalidFieldError("num_chunks", num_chunks, f"the {manager.primary_tier._num_chunks} chunks "

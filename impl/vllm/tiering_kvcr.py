@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import socket
 import threading
 
 from kvref.impl.vllm.loopback_port import free_loopback_port as _free_port
@@ -153,9 +152,6 @@ def retained_native_buffers() -> int:
     return len(manager._RETAINED_NATIVE_BUFFERS)
 
 
-__all__ = ["KvcrGate", "kvcr_built", "kvcr_tier_config", "retained_native_buffers"]
-
-
 def kvcr_progress_threads() -> set[int]:
     """Idents of the live ``kvcr-progress`` threads (one per KVCR instance kvcr started)."""
     return {t.ident for t in threading.enumerate() if t.name == "kvcr-progress" and t.is_alive() and t.ident}
@@ -203,3 +199,7 @@ def close_orphaned_kvcr_progress(before: set[int]) -> int:
     if found:
         gc.collect()
     return found
+
+
+__all__ = ["KvcrGate", "close_orphaned_kvcr_progress", "kvcr_built", "kvcr_progress_threads", "kvcr_tier_config",
+           "retained_native_buffers"]
