@@ -174,6 +174,17 @@ class VllmKVCacheManager:
         vreq.status = getattr(v["VStatus"], _STATUS[request.status])
         return vreq
 
+    def vllm_request(self, request: Request) -> Any:
+        """vLLM's ``Request`` mirroring ``request``, brought up to date (the one mirror of kvref
+        requests in vLLM's: tests that call vLLM's manager directly, e.g. to hold its
+        ``KVCacheBlocks`` or read ``block_hashes``, take it here rather than building their own)."""
+        return self._mirror(request)
+
+    @property
+    def vllm_manager(self) -> Any:
+        """vLLM's own ``KVCacheManager`` behind this adapter (built by :func:`.specs.build_kv_cache_manager`)."""
+        return self._mgr
+
     def _blocks_from_ids(self, block_ids: BlockIds | None) -> Any:
         if block_ids is None or not any(block_ids):
             return None  # vLLM maps None to its shared empty KVCacheBlocks, like a miss would
@@ -283,6 +294,15 @@ class VllmKVCacheManager:
         return {(utils.get_group_id(b.block_hash), b.block_id): b.block_hash_num_tokens
                 for b in self._pool.blocks if b.block_hash is not None}
 
+    def hash_index(self) -> dict[bytes, tuple[int, ...]]:
+        """vLLM's prefix-cache index: ``{hash key bytes: the block ids cached under it}``."""
+        return {bytes(key): (v.block_id,) if hasattr(v, "block_id") else tuple(v)
+                for key, v in self._pool.cached_block_hash_to_block._cache.items()}
+
+    def ref_counts(self) -> list[int]:
+        """Every block's ``ref_cnt``, by block id (the null block 0 included)."""
+        return [b.ref_cnt for b in self._pool.blocks]
+
     @property
     def usage(self) -> float:
         return self._mgr.usage
@@ -345,14 +365,17 @@ class VllmKVCacheManager:
 
     # -- invariants of vLLM's own state (docs/invariants.md), read through its internals -------
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_tables: bool = True) -> None:
         """kvref's invariants on vLLM's pool, free-queue links and managers
-        (:mod:`kvref.impl.vllm.invariants`): I1-I6, I9, M1-M3, and every held request's tables
-        spanning its computed tokens (read from the caller's requests, which are current; the
-        vLLM mirrors are refreshed only at the next call)."""
+        (:mod:`kvref.impl.vllm.invariants`): I1-I6, I9, M1-M3, and, with ``held_tables``, every held
+        request's tables spanning its computed tokens (read from the caller's requests, which are
+        current; the vLLM mirrors are refreshed only at the next call). The reference scheduler's
+        shim (:class:`~kvref.impl.vllm.scheduler.VllmKVCacheManagerShim`) leaves the tables to the
+        scheduler's own check."""
         from kvref.impl.vllm.invariants import check_kv_cache_manager
 
-        check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks, requests=self._requests)
+        check_kv_cache_manager(self._mgr, num_blocks=self.pool_config.num_blocks,
+                               requests=self._requests if held_tables else None)
         self._allocation_watch.check()
 
 

@@ -8,8 +8,9 @@ table, free count, free-queue order, cached hashes (and, where the other side ex
 whole hash map and ref counts). Block ids must match exactly, not up to renaming.
 
 ``make_differential_machine(other_factory)`` returns a ``RuleBasedStateMachine`` class; the
-other implementation is vLLM's ``KVCacheManager`` (tests/impl/torch/vllm_twin.py) or the
-reference (``kvref.impl.reference.adapter``).
+other implementation is vLLM's ``KVCacheManager`` (behind
+:class:`kvref.impl.vllm.kv_cache_manager.VllmKVCacheManager`) or the reference
+(``kvref.impl.reference.adapter``).
 """
 
 from __future__ import annotations

@@ -263,17 +263,17 @@ def test_mamba_align_external_tokens_underestimate_is_a_vllm_bug_reproduced(pair
     The reference reproduces it: both raise the same ValueError on the same state."""
     p = pair_cls(config([fa(8), mamba(2)], num_blocks=6, hbs=2, max_model_len=64))
     req = Request("r", list(range(25)))
-    vreq = p.twin.request(req)
+    vreq = p.twin.vllm_request(req)
     m = p.ref.manager
     predicted = m.coordinator.get_num_blocks_to_allocate("r", 25, ((), ()), 0, 24, 0, 25)
     assert predicted == 5 == m.get_num_free_blocks()  # the gate passes with 5 predicted
     with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
-        p.twin.mgr.allocate_slots(vreq, 1, num_external_computed_tokens=24)
+        p.twin.vllm_manager.allocate_slots(vreq, 1, num_external_computed_tokens=24)
     with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
         p.ref.allocate_slots(req, 1, num_external_computed_tokens=24)
     # and both are left in the same (half-allocated) state
-    assert p.ref.free_block_queue() == p.twin.free_queue()
-    assert p.ref.get_block_ids("r") == tuple(tuple(x) for x in p.twin.mgr.get_block_ids("r"))
+    assert p.ref.free_block_queue() == p.twin.free_block_queue()
+    assert p.ref.get_block_ids("r") == tuple(tuple(x) for x in p.twin.vllm_manager.get_block_ids("r"))
 
 
 @pytest.mark.parametrize("seed", [None, "0", "12345"])
@@ -287,5 +287,5 @@ def test_hash_bytes_match_vllm_under_pythonhashseed(pair_cls, monkeypatch, seed)
     p = pair_cls(config([fa(4)], num_blocks=20))
     for rid, salt in (("a", None), ("b", "salt")):
         req = Request(rid, list(range(13)), cache_salt=salt)
-        assert p.ref.manager.block_hashes(req) == list(p.twin.request(req).block_hashes)
+        assert p.ref.manager.block_hashes(req) == list(p.twin.vllm_request(req).block_hashes)
         assert p.admit(req)

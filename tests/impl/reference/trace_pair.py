@@ -10,8 +10,7 @@ from __future__ import annotations
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.adapter import ReferenceKVCacheManager
 from kvref.impl.request import Request, RequestStatus
-
-from .vllm_twin import VllmTwin
+from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
 
 
 def _ids(kv_blocks) -> tuple[tuple[int, ...], ...]:
@@ -22,19 +21,22 @@ class TracePair:
     def __init__(self, cfg: PoolConfig) -> None:
         self.cfg = cfg
         self.ref = ReferenceKVCacheManager(cfg)
-        self.twin = VllmTwin(cfg)
+        # vLLM's own manager behind the adapter, whose request mirror is the one every vLLM driver
+        # uses (#26: no test-side copy); the pair calls the manager itself (``vllm_manager``) so the
+        # hit's KVCacheBlocks go back to allocate_slots as vLLM handed them out
+        self.twin = VllmKVCacheManager(cfg)
         self.live: dict[str, Request] = {}
 
     def lookup(self, req: Request):
         ids, n = self.ref.get_computed_blocks(req)
-        vblocks, vn, _ = self.twin.mgr.get_computed_blocks(self.twin.request(req))
+        vblocks, vn, _ = self.twin.vllm_manager.get_computed_blocks(self.twin.vllm_request(req))
         assert (n, ids) == (vn, _ids(vblocks)), f"hit differs: ref {n} {ids} vllm {vn} {_ids(vblocks)}"
         return ids, n, vblocks
 
     def allocate(self, req: Request, num_new_tokens: int, num_hit: int = 0, hit_ids=None, vhits=None,
                  **kw) -> bool:
         out = self.ref.allocate_slots(req, num_new_tokens, num_hit, hit_ids, **kw)
-        vout = self.twin.mgr.allocate_slots(self.twin.request(req), num_new_tokens, num_hit, vhits, **kw)
+        vout = self.twin.vllm_manager.allocate_slots(self.twin.vllm_request(req), num_new_tokens, num_hit, vhits, **kw)
         assert (out is None) == (vout is None), f"admission differs: ref {out} vllm {vout}"
         if out is not None:
             assert out == _ids(vout), f"new blocks differ: ref {out} vllm {_ids(vout)}"
@@ -44,32 +46,32 @@ class TracePair:
 
     def free(self, req: Request) -> None:
         self.ref.free(req)
-        self.twin.mgr.free(self.twin.request(req))
+        self.twin.vllm_manager.free(self.twin.vllm_request(req))
         self.live.pop(req.request_id, None)
         self.compare()
 
     def new_step(self) -> None:
         self.ref.new_step_starts()
-        self.twin.mgr.new_step_starts()
+        self.twin.vllm_manager.new_step_starts()
 
     def reset_prefix_cache(self) -> None:
-        assert self.ref.manager.reset_prefix_cache() == self.twin.mgr.reset_prefix_cache()
+        assert self.ref.manager.reset_prefix_cache() == self.twin.vllm_manager.reset_prefix_cache()
         self.compare()
 
     def evict(self, block_ids: set[int]) -> None:
         self.ref.manager.evict_blocks(block_ids)
-        self.twin.mgr.evict_blocks(block_ids)
+        self.twin.vllm_manager.evict_blocks(block_ids)
         self.compare()
 
     def compare(self) -> None:
-        assert self.ref.free_block_queue() == self.twin.free_queue(), \
-            f"free queue differs:\n ref   {self.ref.free_block_queue()}\n vllm  {self.twin.free_queue()}"
+        assert self.ref.free_block_queue() == self.twin.free_block_queue(), \
+            f"free queue differs:\n ref   {self.ref.free_block_queue()}\n vllm  {self.twin.free_block_queue()}"
         assert self.ref.cached_blocks() == self.twin.cached_blocks(), "cached hashes differ"
         for rid in self.live:
             ref_ids = self.ref.get_block_ids(rid)
-            v_ids = tuple(tuple(x) for x in self.twin.mgr.get_block_ids(rid))
+            v_ids = tuple(tuple(x) for x in self.twin.vllm_manager.get_block_ids(rid))
             assert ref_ids == v_ids, f"table of {rid} differs: ref {ref_ids} vllm {v_ids}"
-        assert abs(self.ref.manager.usage - self.twin.mgr.usage) < 1e-12
+        assert abs(self.ref.manager.usage - self.twin.vllm_manager.usage) < 1e-12
         self.ref.check_invariants()
 
     # -------------------------------------------------------------- scheduler-like helpers

@@ -19,10 +19,12 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def twin_factory():
+    """vLLM's own KVCacheManager behind the adapters' interface (#26: the one mirror of kvref
+    requests, no test-side copy); ``hash_index`` and ``ref_counts`` feed the deep comparison."""
     require_vllm()
-    from tests.impl.torch.vllm_twin import VllmTwin
+    from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
 
-    return VllmTwin
+    return VllmKVCacheManager
 
 
 def test_torch_matches_vllm_state_machine(twin_factory):
