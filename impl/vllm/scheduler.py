@@ -36,8 +36,9 @@ from kvref.impl.scheduler_types import (
 )
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
+from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
 from kvref.impl.vllm.loader import load_vllm
-from kvref.impl.vllm.specs import build_kv_cache_manager, to_vllm_kv_cache_config, to_vllm_spec
+from kvref.impl.vllm.specs import to_vllm_kv_cache_config, to_vllm_spec
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
 
@@ -570,40 +571,20 @@ class VllmKVCacheManagerShim:
     requests, so the reference *scheduler* can run on vLLM's block management.
 
     Comparing "reference scheduler on this shim" with vLLM's ``Scheduler`` isolates scheduling
-    rules from block-management differences. Each kvref request has a vLLM twin whose tokens,
-    computed/in-flight counts and status are synced before every call.
+    rules from block-management differences. Each kvref request has a vLLM twin, synced before
+    every call by the KV cache manager adapter's one request mirror
+    (:meth:`~kvref.impl.vllm.kv_cache_manager.VllmKVCacheManager.vllm_request`, #26: this class kept
+    a copy of it); the shim keeps its own narrower surface (the reference scheduler probes its
+    manager's methods) and hands a hit's ``KVCacheBlocks`` back to ``allocate_slots`` as vLLM gave them.
     """
 
     def __init__(self, pool: PoolConfig, env: VllmEnv | None = None) -> None:
-        v = self._v = load_vllm()
-        v["init_none_hash"](v["sha256"])
-        self.mgr = build_kv_cache_manager(pool)
-        self._allocation_watch = AllocationWatch(self.mgr)
-        self._hasher = v["get_request_block_hasher"](pool.hash_block_size, v["sha256"], pool.num_hash_lookahead_tokens)
+        self._kv = VllmKVCacheManager(pool)
+        self.mgr = self._kv.vllm_manager
+        self._twin = self._kv.vllm_request
         self.pool = pool
         self.num_groups = len(pool.groups)
-        self._twins: dict[str, Any] = {}
         self._hits: dict[str, Any] = {}
-
-    def _twin(self, r: Request):
-        v = self._v
-        vr = self._twins.get(r.request_id)
-        if vr is None:
-            vr = v["VRequest"](request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-                               sampling_params=v["SamplingParams"](max_tokens=r.max_tokens),
-                               pooling_params=None, arrival_time=r.arrival_time, cache_salt=r.cache_salt,
-                               priority=r.priority,
-                               block_hasher=self._hasher if self.pool.enable_caching else None)
-            self._twins[r.request_id] = vr
-        extra = r.output_token_ids[vr.num_output_tokens:]
-        if extra:
-            vr.append_output_token_ids(list(extra))
-        vr.num_computed_tokens = r.num_computed_tokens
-        vr.num_in_flight_tokens = r.num_in_flight_tokens
-        vs = v["VStatus"]
-        vr.status = {"waiting": vs.WAITING, "running": vs.RUNNING, "preempted": vs.PREEMPTED,
-                     "finished": vs.FINISHED_ABORTED}[r.status.value]
-        return vr
 
     def get_computed_blocks(self, request: Request):
         blocks, n, _ = self.mgr.get_computed_blocks(self._twin(request))
@@ -653,7 +634,5 @@ class VllmKVCacheManagerShim:
         return _free_queue(self.mgr)
 
     def check_invariants(self) -> None:
-        from kvref.impl.vllm.invariants import check_kv_cache_manager
-
-        check_kv_cache_manager(self.mgr, num_blocks=self.pool.num_blocks)
-        self._allocation_watch.check()
+        # the pool, managers and allocation order only: the requests' tables are the scheduler's to check
+        self._kv.check_invariants(held_tables=False)
