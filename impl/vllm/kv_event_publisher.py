@@ -71,7 +71,7 @@ def publish_and_subscribe(batches: list[list[Any]], buffer_steps: int, dp_rank: 
             pub.publish(KVEventBatch(ts=float(i), events=list(events)))
         live = _receive_live(sub, len(batches), problems)
         for seq, (t, payload) in live.items():
-            problems += _compare(f"live batch {seq}", t, topic, payload, want[seq] if seq < len(want) else None)
+            problems += compare_batch(f"live batch {seq}", t, topic, payload, want[seq] if seq < len(want) else None)
         for start in replay_from:
             problems += _replay(req, start, buffer_steps, topic, want)
     except zmq.Again:
@@ -100,32 +100,48 @@ def _receive_live(sub, n: int, problems: list[str]) -> dict[int, tuple[bytes, by
 
 
 def _replay(req, start: int, buffer_steps: int, topic: str, want: list) -> list[str]:
-    req.send_multipart((b"", start.to_bytes(8, "big")))
     kept = range(max(0, len(want) - buffer_steps), len(want))
     expect = [s for s in kept if s >= start]
-    got, problems = [], []
-    while True:
-        frames = req.recv_multipart()
-        if len(frames) != 4 or frames[0] != b"":
-            return problems + [f"replay from {start}: a reply of {len(frames)} frames"]
-        _, t, seq_frame, payload = frames
-        if seq_frame == END_SEQ:
-            if (t, payload) != (b"", b""):
-                problems.append(f"replay from {start}: the end marker carries {t!r}, {payload[:20]!r}")
-            break
-        seq = parse_seq(seq_frame)
-        got.append(seq)
-        problems += _compare(f"replay from {start}, batch {seq}", t, topic, payload,
-                             want[seq] if 0 <= seq < len(want) else None)
-    if got != expect:
+    got, problems = replay_from(req, start, lambda seq, t, payload: compare_batch(
+        f"replay from {start}, batch {seq}", t, topic, payload, want[seq] if 0 <= seq < len(want) else None))
+    if got is not None and got != expect:
         problems.append(f"replay from {start} (buffer {buffer_steps}, {len(want)} published) returned sequences "
                         f"{got}, expected {expect}")
     return problems
 
 
-def _compare(where: str, t: bytes, topic: str, payload: bytes, want) -> list[str]:
+def replay_from(req, start: int, check) -> tuple[list[int] | None, list[str]]:
+    """One replay of vLLM's ``ZmqEventPublisher`` (``_service_replay``) on the REQ socket ``req``:
+    ask for every kept batch from sequence ``start``, read the ``(b"", topic, seq, payload)``
+    replies up to the end marker (``END_SEQ``, empty topic and payload) and pass each batch to
+    ``check(seq, topic, payload)``, which returns its problems. Returns the sequences replayed, in
+    order, and the problems; the sequences are None where a reply of the wrong shape cut the
+    replay short (nothing more can be read from the socket). The one replay loop of the publisher
+    checks here and in :mod:`.kv_event_publisher_edges` (#26)."""
+    req.send_multipart((b"", start.to_bytes(8, "big")))
+    got: list[int] = []
+    problems: list[str] = []
+    while True:
+        frames = req.recv_multipart()
+        if len(frames) != 4 or frames[0] != b"":
+            return None, problems + [f"replay from {start}: a reply of {len(frames)} frames"]
+        _, t, seq_frame, payload = frames
+        if seq_frame == END_SEQ:
+            if (t, payload) != (b"", b""):
+                problems.append(f"replay from {start}: the end marker carries {t!r}, {payload[:20]!r}")
+            return got, problems
+        seq = parse_seq(seq_frame)
+        got.append(seq)
+        problems += check(seq, t, payload)
+
+
+def compare_batch(where: str, t: bytes, topic: str, payload: bytes, want,
+                  unpublished: str = "a sequence number that was never published") -> list[str]:
+    """What differs between a batch read back (topic ``t``, msgpack ``payload``) and the batch
+    published under that sequence (``want``: ``(ts, events, data_parallel_rank)``, None where none
+    was): ``unpublished``, a wrong topic, or a decoded batch that differs."""
     if want is None:
-        return [f"{where}: a sequence number that was never published"]
+        return [f"{where}: {unpublished}"]
     if t != topic.encode():
         return [f"{where}: topic {t!r}, expected {topic!r}"]
     batch = decode_batch(payload, "generic")

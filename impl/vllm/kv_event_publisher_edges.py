@@ -33,7 +33,8 @@ import os
 import random
 from typing import Any
 
-from kvref.impl.vllm.kv_events import END_SEQ, decode_batch, parse_seq, vllm_event_to_plain
+from kvref.impl.vllm.kv_event_publisher import compare_batch, replay_from
+from kvref.impl.vllm.kv_events import parse_seq, vllm_event_to_plain
 
 _ids = itertools.count()
 #: how long a receive waits for the publisher thread before the round trip is reported broken
@@ -102,14 +103,8 @@ class _Stream:
 
 
 def _compare(where: str, topic: str, t: bytes, payload: bytes, want) -> list[str]:
-    if want is None:
-        return [f"{where}: a sequence number that was never published with an encodable batch"]
-    if t != topic.encode():
-        return [f"{where}: topic {t!r}, expected {topic!r}"]
-    b = decode_batch(payload, "generic")
-    if (b.ts, b.events, b.data_parallel_rank) != want:
-        return [f"{where}: decoded {b!r:.300} differs from the published batch {want!r:.300}"]
-    return []
+    return compare_batch(where, t, topic, payload, want,
+                         unpublished="a sequence number that was never published with an encodable batch")
 
 
 def _probe_until_subscribed(pub, sub, stream: _Stream, batch_cls, topic: str) -> list[str]:
@@ -168,22 +163,10 @@ def _receive_rest(sub, stream: _Stream, first: int, topic: str) -> list[str]:
 def _replay(req, start: int, stream: _Stream, topic: str, junk_first: bool) -> list[str]:
     if junk_first:  # a request of the wrong shape (from sequence 0): ignored, no answer
         req.send_multipart((b"", b"kvref", (0).to_bytes(8, "big")))
-    req.send_multipart((b"", start.to_bytes(8, "big")))
     expect = [s for s in stream.kept() if s >= start]
-    got, problems = [], []
-    while True:
-        frames = req.recv_multipart()
-        if len(frames) != 4 or frames[0] != b"":
-            return problems + [f"replay from {start}: a reply of {len(frames)} frames"]
-        _, t, seq_frame, payload = frames
-        if seq_frame == END_SEQ:
-            if (t, payload) != (b"", b""):
-                problems.append(f"replay from {start}: the end marker carries {t!r}, {payload[:20]!r}")
-            break
-        seq = parse_seq(seq_frame)
-        got.append(seq)
-        problems += _compare(f"replay from {start}, batch {seq}", topic, t, payload, stream.sent.get(seq))
-    if got != expect:
+    got, problems = replay_from(req, start, lambda seq, t, payload: _compare(
+        f"replay from {start}, batch {seq}", topic, t, payload, stream.sent.get(seq)))
+    if got is not None and got != expect:
         problems.append(f"replay from {start} (buffer {stream.buffer_steps}) returned sequences {got}, "
                         f"expected {expect}" + (" after a malformed request" if junk_first else ""))
     return problems
