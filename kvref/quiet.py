@@ -19,7 +19,11 @@ import warnings
 
 #: loggers of the libraries kvref drives; their INFO/WARNING lines are about *their* setup on this
 #: machine (no GPU, no Triton), not about what kvref checks
-NOISY_LOGGERS = ("vllm", "transformers", "torch", "triton", "xgrammar", "filelock", "urllib3", "huggingface_hub")
+NOISY_LOGGERS = ("vllm", "transformers", "torch", "triton", "xgrammar", "filelock", "urllib3", "huggingface_hub",
+                 "nixl")
+#: vLLM ERROR lines that report what kvref's checks plant on purpose (a connector's failed KV load
+#: under ``failure_policy=fail``: conform-connector fails loads by design), not a problem of the run
+PLANTED_ERRORS = ("Failing %d request(s) due to KV load failure",)
 #: modules whose Python warnings are hidden by default
 _NOISY_MODULES = r"(vllm|torch|transformers|triton|xgrammar|huggingface_hub)(\..*)?$"
 
@@ -36,9 +40,25 @@ def quiet_third_party(verbose: bool = False) -> None:
         return
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # NIXL (the KVCR and P2P tiers' transfer library) configures its "nixl" logger at its first
+    # get_logger, over any level set before, from NIXL_LOG_LEVEL: its "Backend UCX was
+    # instantiated" / "Initialized NIXL agent" INFO lines came once per agent (69 of them in one
+    # `--profile ci` run)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    sched = logging.getLogger("vllm.v1.core.sched.scheduler")
+    if not any(isinstance(f, _PlantedErrors) for f in sched.filters):
+        sched.addFilter(_PlantedErrors())
     warnings.filterwarnings("ignore", module=_NOISY_MODULES)
+
+
+class _PlantedErrors(logging.Filter):
+    """Drops vLLM's ERROR records for the failures kvref plants (:data:`PLANTED_ERRORS`); any other
+    record, ERROR or not, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(PLANTED_ERRORS))
 
 
 def progress_console():

@@ -16,6 +16,7 @@ from kvref.quiet import NOISY_LOGGERS, progress_console, quiet_third_party
 @pytest.fixture
 def restore_logging(monkeypatch):
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
     levels = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
     import warnings
 
@@ -32,6 +33,24 @@ def test_quiet_raises_levels_and_vllm_env(restore_logging):
         assert logging.getLogger(name).getEffectiveLevel() == logging.ERROR
     assert not logging.getLogger("vllm.platforms.cpu").isEnabledFor(logging.WARNING)
     assert logging.getLogger("vllm.platforms.cpu").isEnabledFor(logging.ERROR)
+
+
+def test_quiet_hides_nixl_info_and_planted_load_failures_but_not_other_errors(restore_logging):
+    """NIXL reads its level from NIXL_LOG_LEVEL when it configures its logger (after ours), and
+    conform-connector fails KV loads on purpose: vLLM's ERROR line for each is kvref's own doing."""
+    quiet_third_party(verbose=False)
+    assert os.environ["NIXL_LOG_LEVEL"] == "ERROR"
+    assert not logging.getLogger("nixl.api").isEnabledFor(logging.INFO)
+    sched = logging.getLogger("vllm.v1.core.sched.scheduler")
+
+    def record(msg):
+        return logging.LogRecord(sched.name, logging.ERROR, __file__, 1, msg, (2, 4, {"r1"}), None)
+
+    assert not sched.filter(record("Failing %d request(s) due to KV load failure "
+                                   "(failure_policy=fail, %d tokens affected). Request IDs: %s"))
+    assert sched.filter(record("Cannot get %d free blocks %s"))  # any other error still shows
+    quiet_third_party(verbose=False)
+    assert len(sched.filters) == len(set(map(type, sched.filters)))  # called twice: one filter
 
 
 def test_verbose_changes_nothing(restore_logging):
