@@ -7,6 +7,8 @@ process has imported before a run then changes the inputs from a few dozen draws
 campaign's ``scheduler-vllm`` check killed a mutant in a fresh process and missed it inside the
 full test suite. :func:`same_inputs_in_every_process` switches that source off for the duration
 of a run (an empty constant pool), so a derandomized run depends on its seed alone.
+:func:`seeded` adds the seed itself: the runners of the machines take ``seed`` and force it on
+Hypothesis for their run (#26: five runners kept a copy of that block).
 
 It patches a Hypothesis internal; where the internal is missing (another Hypothesis version) it
 does nothing, and the run is as reproducible as that version makes it.
@@ -14,10 +16,10 @@ does nothing, and the run is as reproducible as that version makes it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
-__all__ = ["same_inputs_in_every_process"]
+__all__ = ["same_inputs_in_every_process", "seeded"]
 
 
 @contextmanager
@@ -41,3 +43,22 @@ def same_inputs_in_every_process() -> Iterator[bool]:
     finally:
         providers._get_local_constants = original
         cache.cache.clear()
+
+
+@contextmanager
+def seeded(seed: int | None, same_inputs: bool = False) -> Iterator[None]:
+    """Within the block Hypothesis' global seed is ``seed`` (what ``--hypothesis-seed`` sets:
+    ``@given`` tests and ``run_state_machine_as_test`` take no seed of their own; None keeps the
+    current one), restored after; with a seed, or ``same_inputs`` (a derandomized run), the block
+    also runs under :func:`same_inputs_in_every_process`, so the seed alone fixes the inputs in
+    any process (a Ray worker, the full test suite)."""
+    import hypothesis.core as hcore
+
+    saved = hcore.global_force_seed
+    if seed is not None:
+        hcore.global_force_seed = seed
+    try:
+        with same_inputs_in_every_process() if same_inputs or seed is not None else nullcontext():
+            yield
+    finally:
+        hcore.global_force_seed = saved

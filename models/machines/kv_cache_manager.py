@@ -815,12 +815,10 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
         out_dir: where a failing trace is saved (default ``$KVREF_TRACE_DIR`` or ``<tmp>/kvref-traces``).
         shrink: shrink a failing trace to a minimal one (slower; off gives the first failing trace).
     """
-    import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
-    from contextlib import nullcontext
 
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import seeded
 
     final_dir = Path(out_dir) if out_dir is not None else trace_dir()
     # Failing traces go to a staging folder while Hypothesis searches and shrinks (it re-runs failing
@@ -838,13 +836,10 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
                  suppress_health_check=list(HealthCheck), print_blob=True, phases=phases, **extra)
     t = time.perf_counter()
     # run_state_machine_as_test takes no seed; Hypothesis' own --hypothesis-seed hook does the job
-    saved_seed = hcore.global_force_seed
     try:
-        if seed is not None:
-            hcore.global_force_seed = seed
         # seeded: no constants from the modules this process has loaded either (the scheduler
         # machines do the same), so the seed alone fixes the traces, in any process (a Ray worker)
-        with same_inputs_in_every_process() if seed is not None else nullcontext():
+        with seeded(seed):
             run_state_machine_as_test(machine, settings=s, _min_steps=min_steps + 1)
     except Exception as exc:  # a Divergence, or several (ExceptionGroup), or Hypothesis' own errors
         subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
@@ -859,5 +854,4 @@ def run_machine(kinds: tuple[str, ...], examples: int, *, steps: int = 40, min_s
         return MachineRun(machine.stats, time.perf_counter() - t, msg, path, sig)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        hcore.global_force_seed = saved_seed
     return MachineRun(machine.stats, time.perf_counter() - t)

@@ -776,6 +776,24 @@ class SchedulerRun:
                 f"{c.get('idle_with_waiting', 0)} head-of-line idle steps" + spec)
 
 
+def run_generated_histories(run, counted: dict[str, int], coverage: dict[str, int], seed: int | None,
+                            reproducible: bool) -> SchedulerRun:
+    """Run ``run`` (a ``@given`` test over generated operation histories that counts its
+    ``traces`` and ``ops`` into ``counted`` and its reach into ``coverage``) under ``seed``: a
+    passing :class:`SchedulerRun`, or the first divergence (an ``AssertionError``) with its
+    signature. The one scaffolding of the queue and streaming-session runners (#26)."""
+    from kvref.models.hypothesis_runs.reproducible import seeded
+
+    try:
+        with seeded(seed, same_inputs=reproducible):
+            run()
+        return SchedulerRun(ok=True, traces=counted["traces"], ops=counted["ops"], coverage=dict(coverage))
+    except AssertionError as e:
+        text = str(e)
+        return SchedulerRun(ok=False, traces=counted["traces"], ops=counted["ops"], coverage=dict(coverage),
+                            failure=text, signature=signature(text.split(": ", 1)[-1]))
+
+
 def _describe(e: BaseException) -> str:
     """``Type: message``; a bare ``assert`` (no message) is named by the line that failed."""
     text = str(e).strip()
@@ -797,19 +815,13 @@ def run_lockstep_machine(machine, examples: int, steps: int, min_steps: int, see
     ``reproducible`` derandomizes it; either way the run draws no constants from the modules the
     process has loaded, so a seeded ``kvref verify`` inside a test process draws the traces the
     same command draws alone."""
-    from contextlib import nullcontext
-
-    import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import seeded
 
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
     try:
-        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
+        with seeded(seed, same_inputs=reproducible):
             run_state_machine_as_test(
                 machine, _min_steps=min_steps,
                 settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
@@ -821,8 +833,6 @@ def run_lockstep_machine(machine, examples: int, steps: int, min_steps: int, see
         failure = "\n".join(_describe(x) for x in subs)
         sig = next((x.signature for x in subs if isinstance(x, Divergence)), None) or signature(_describe(subs[0]))
         return False, failure, sig
-    finally:
-        hcore.global_force_seed = saved_seed
 
 
 def run_scheduler_machine(with_vllm: bool, examples: int, reproducible: bool = False,

@@ -50,6 +50,7 @@ from .scheduler import (
     Divergence,
     Lockstep,
     SchedulerMachine,
+    SchedulerRun,
     _AcceptedDuringTeardown,
     _diverge,
     request_specs,
@@ -471,13 +472,9 @@ def vllm_factory(env=None):
 
 # ---- a runner outside pytest (``kvref verify``'s conform-connector) ------------------------------
 @dataclass
-class ConnectorRun:
-    ok: bool
-    traces: int
-    ops: int
-    coverage: dict[str, int]
-    failure: str = ""
-    signature: str | None = None
+class ConnectorRun(SchedulerRun):
+    """What :func:`run_connector_machine` found: a :class:`SchedulerRun` summarised by the
+    connector's counters (#26: it repeated SchedulerRun's fields)."""
 
     @property
     def summary(self) -> str:

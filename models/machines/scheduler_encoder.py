@@ -338,12 +338,9 @@ def run_priority_preemption_cases(examples: int, factories_for: Callable, seed: 
     """``examples`` :func:`priority_preemption_cases`, each run to the end (at most
     :data:`DRAIN_STEPS` engine steps) under :class:`EncoderLockstep`'s comparison after every
     call; an ``AssertionError`` is the divergence. Returns the cases run."""
-    from contextlib import nullcontext
-
-    import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+    from kvref.models.hypothesis_runs.reproducible import seeded
 
     ran = [0]
 
@@ -362,12 +359,6 @@ def run_priority_preemption_cases(examples: int, factories_for: Callable, seed: 
                 break
             d.engine_step()
 
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
-    try:
-        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
-            run()
-    finally:
-        hcore.global_force_seed = saved_seed
+    with seeded(seed, same_inputs=reproducible):
+        run()
     return ran[0]

@@ -18,7 +18,7 @@ from collections import Counter
 from hypothesis import strategies as st
 
 from kvref.impl.request import Request
-from kvref.models.machines.scheduler import SchedulerRun
+from kvref.models.machines.scheduler import SchedulerRun, run_generated_histories
 
 #: what the last run reached (ops refused on an empty queue, removals, ...)
 COVERAGE: Counter = Counter()
@@ -135,13 +135,7 @@ def run_queue_history(policy: str, ops: list) -> None:
 def run_queue_machine(examples: int, reproducible: bool = False, shrink: bool = True,
                       seed: int | None = None) -> SchedulerRun:
     """``examples`` generated operation sequences on both queues, compared after every operation."""
-    from contextlib import nullcontext
-
-    import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, given, settings
-
-    from kvref.models.conformance.accepted import signature
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     counted = {"traces": 0, "ops": 0}
     COVERAGE.clear()
@@ -154,18 +148,9 @@ def run_queue_machine(examples: int, reproducible: bool = False, shrink: bool = 
         counted["ops"] += len(ops)
         run_queue_history(policy, ops)
 
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
-    try:
+    def unknown_policies_then_run():
         for policy in UNKNOWN_POLICIES:
             run_queue_history(policy, [])
-        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
-            run()
-        return SchedulerRun(ok=True, traces=counted["traces"], ops=counted["ops"], coverage=dict(COVERAGE))
-    except AssertionError as e:
-        text = str(e)
-        return SchedulerRun(ok=False, traces=counted["traces"], ops=counted["ops"], coverage=dict(COVERAGE),
-                            failure=text, signature=signature(text.split(": ", 1)[-1]))
-    finally:
-        hcore.global_force_seed = saved_seed
+        run()
+
+    return run_generated_histories(unknown_policies_then_run, counted, COVERAGE, seed, reproducible)

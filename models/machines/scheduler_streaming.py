@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from kvref.impl.reference import scheduler_streaming as ss
 from kvref.impl.request import Request
-from kvref.models.machines.scheduler import SchedulerRun
+from kvref.models.machines.scheduler import SchedulerRun, run_generated_histories
 
 COVERAGE: Counter = Counter()
 
@@ -159,13 +159,7 @@ def streaming_scheduler_factory():
 def run_streaming_sessions(examples: int, reproducible: bool = False, shrink: bool = True,
                            seed: int | None = None) -> SchedulerRun:
     """``examples`` generated session histories, each compared after every operation."""
-    from contextlib import nullcontext
-
-    import hypothesis.core as hcore
     from hypothesis import HealthCheck, Phase, given, settings
-
-    from kvref.models.conformance.accepted import signature
-    from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
 
     make = streaming_scheduler_factory()
     counted = {"traces": 0, "ops": 0}
@@ -179,16 +173,4 @@ def run_streaming_sessions(examples: int, reproducible: bool = False, shrink: bo
         counted["ops"] += len(ops)
         run_history(make(), ops, tuple(prompt))
 
-    saved_seed = hcore.global_force_seed
-    if seed is not None:
-        hcore.global_force_seed = seed
-    try:
-        with same_inputs_in_every_process() if reproducible or seed is not None else nullcontext():
-            run()
-        return SchedulerRun(ok=True, traces=counted["traces"], ops=counted["ops"], coverage=dict(COVERAGE))
-    except AssertionError as e:
-        text = str(e)
-        return SchedulerRun(ok=False, traces=counted["traces"], ops=counted["ops"], coverage=dict(COVERAGE),
-                            failure=text, signature=signature(text.split(": ", 1)[-1]))
-    finally:
-        hcore.global_force_seed = saved_seed
+    return run_generated_histories(run, counted, COVERAGE, seed, reproducible)
