@@ -13,16 +13,24 @@ partial hits, copy-on-write of shared partial tails, hand-over of a producer's t
 "align" groups get prefill checkpoint blocks one time in two. FA + R-SWA (``fa+rswa``: the
 gap between the prompt and the decode window is freed) and FA + a circular buffer (``fa+ring``:
 one uncached ring block per request).
+
+The scheduler and hash block sizes are the ones startup resolves for the drawn groups
+(:func:`kvref.spec.resolve_kv_cache_block_sizes`, what :func:`~kvref.spec.plan_kv_cache` calls),
+and a pool that startup would build exactly as drawn comes through :func:`plan_kv_cache` and
+:meth:`PoolConfig.from_plan`; every other one comes through :meth:`PoolConfig.off_plan`, naming what
+startup would not do (#26: the strategy took an lcm of its own and sometimes doubled it unsaid).
+The draws are the same either way, so the machines exercise the same pools.
 """
 
 from __future__ import annotations
 
 import random
-from math import gcd
+import dataclasses
 
 from hypothesis import strategies as st
 
 from kvref.impl.interface import PoolConfig
+from kvref.spec import EngineConfig, KVRefError, plan_kv_cache, resolve_kv_cache_block_sizes
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -39,10 +47,6 @@ GROUP_SETS = ("fa", "fa+fa", "fa+swa", "fa+chunked", "fa+swa+swa", "swa", "fa+ma
 HYBRID_GROUP_SETS = tuple(g for g in GROUP_SETS if "+" in g)
 
 _DTYPES = ("float16", "bfloat16", "float32", "fp8")
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // gcd(a, b)
 
 
 @st.composite
@@ -105,11 +109,20 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
                              # MTP/EAGLE state blocks: relocated to the table's end as the state moves
                              num_speculative_blocks=draw(st.sampled_from((0, 0, 0, 1, 2))))
         groups.append(KVCacheGroupSpec(layer, spec))
-    sbs = 1
-    for bs in sizes:
-        sbs = _lcm(sbs, bs)
-    if len(names) > 1 and "chunked" not in names:
-        sbs *= draw(st.sampled_from((1, 1, 2)))
+    # Startup's block sizes (resolve_kv_cache_block_sizes): the lcm of the group block sizes; a
+    # hashing hybrid pool hashes at the drawn size, the user's prefix_match_unit (it divides every
+    # group's block size); a single hashing group at its block size, which the draw made it.
+    hybrid_hashing = len(names) > 1 and enable_caching
+    engine = EngineConfig(enable_prefix_caching=enable_caching, prefix_match_unit=hash_bs if hybrid_hashing else None,
+                          mamba_cache_mode="align" if "mamba_align" in names or "mamba_fine" in names else "none")
+    sbs, startup_hash_bs = resolve_kv_cache_block_sizes(tuple(groups), engine)
+    off_plan = []  # what startup would not do, for PoolConfig.off_plan's why
+    if startup_hash_bs != hash_bs:
+        off_plan.append(f"prefix caching off yet hashing every {hash_bs} tokens (startup: {startup_hash_bs})")
+    if len(names) > 1 and "chunked" not in names and draw(st.sampled_from((1, 1, 2))) == 2:
+        sbs *= 2
+        off_plan.append("scheduler_block_size twice startup's lcm of the group block sizes (hits and admission on "
+                        "a grid coarser than any group's block, the coordinator's divisibility rules still holding)")
     max_model_len = draw(st.integers(8, 96))
     # The in-flight budget the window/chunk admission caps are computed with. None (a whole request)
     # never lets a cap bind; small budgets make long requests run at the cap, where a predictor that
@@ -135,12 +148,37 @@ def pool_configs(draw, group_sets: tuple[str, ...] = GROUP_SETS, min_blocks: int
     if retention and sparse and enable_caching and (retention == "always" or draw(st.booleans())):
         # 0: only replay boundaries and junctions; k scheduler blocks: also one tail per k blocks
         retention_interval = sbs * draw(st.sampled_from((0, 0, 1, 2, 3, 4)), label="retention_blocks")
-    return PoolConfig.off_plan("generated pools aim at admission edges (a block short, a block spare) startup "
-                               "never sizes; models.strategies.planning draws planned ones",
-                               num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
-                      scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
-                      enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
-                      prefix_cache_retention_interval=retention_interval)
+    fields = dict(num_blocks=num_blocks, groups=tuple(groups), max_model_len=max_model_len,
+                  scheduler_block_size=sbs, hash_block_size=hash_bs, max_in_flight_tokens=max_in_flight,
+                  enable_caching=enable_caching, watermark=watermark, use_eagle=use_eagle,
+                  prefix_cache_retention_interval=retention_interval)
+    return _pool(fields, engine, off_plan)
+
+
+def _pool(fields: dict, engine: EngineConfig, off_plan: list[str]) -> PoolConfig:
+    """The drawn pool through :meth:`PoolConfig.from_plan` where :func:`plan_kv_cache` builds it as
+    drawn (each group one layer, ``num_gpu_blocks_override`` the block count, the in-flight budget one
+    batch of ``max_num_batched_tokens``), else through :meth:`PoolConfig.off_plan` saying why not."""
+    if fields["max_in_flight_tokens"] is None:
+        off_plan.append("no scheduler behind it (max_in_flight_tokens None: a whole request in flight)")
+    if fields["prefix_cache_retention_interval"] is not None:
+        off_plan.append("sparse prefix-cache retention, which kvref's plan does not carry")
+    if not off_plan:
+        engine = dataclasses.replace(engine, max_model_len=fields["max_model_len"],
+                                     max_num_batched_tokens=fields["max_in_flight_tokens"],
+                                     num_gpu_blocks_override=fields["num_blocks"])
+        try:
+            plan = plan_kv_cache({g.layer_names[0]: g.kv_cache_spec for g in fields["groups"]}, engine, 0)
+        except KVRefError as exc:  # mostly: a pool below one max_model_len request (aimed at on purpose)
+            off_plan.append(f"startup refuses it ({type(exc).__name__})")
+        else:
+            pool = PoolConfig.from_plan(plan, watermark=fields["watermark"], use_eagle=fields["use_eagle"])
+            differ = sorted(k for k, v in fields.items() if getattr(pool, k) != v)
+            if not differ:
+                return pool
+            off_plan.append(f"startup would build other {', '.join(differ)} (page sizes unified or padded)")
+    return PoolConfig.off_plan("generated pools aim at admission edges startup never sizes: " + "; ".join(off_plan),
+                               **fields)
 
 
 #: small vocabulary so unrelated prompts still collide on short blocks now and then
