@@ -24,8 +24,8 @@ The draws are the same either way, so the machines exercise the same pools.
 
 from __future__ import annotations
 
-import random
 import dataclasses
+import random
 
 from hypothesis import strategies as st
 
