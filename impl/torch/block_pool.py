@@ -253,25 +253,26 @@ class TorchBlockPool:
         """I2–I5 and I8's queue keys of docs/invariants.md, read from the tensors."""
         ref = self.ref_cnt.cpu()
         key = self.queue_key.cpu()
-        assert key[NULL_BLOCK_ID] == NOT_FREE, "null block is in the free queue"
+        assert key[NULL_BLOCK_ID] == NOT_FREE, "I2: null block is in the free queue"
         real = torch.arange(self.num_blocks) != NULL_BLOCK_ID
-        assert bool((ref[real] >= 0).all()), "negative ref count"
+        assert bool((ref[real] >= 0).all()), "I4: negative ref count"
         queued = key != NOT_FREE
-        assert bool((queued[real] == (ref[real] == 0)).all()), "queued <=> ref_cnt == 0 broken"
-        assert int(queued.sum()) == self.num_free, "num_free drifted"
+        assert bool((queued[real] == (ref[real] == 0)).all()), "I3: queued <=> ref_cnt == 0 broken"
+        assert int(queued.sum()) == self.num_free, "I5: num_free drifted"
         qk = key[queued]
-        assert qk.unique().numel() == qk.numel(), "duplicate queue keys"
+        assert qk.unique().numel() == qk.numel(), "I8: duplicate queue keys"
         if qk.numel():
-            assert int(qk.min()) >= self._min_key and int(qk.max()) <= self._max_key
+            assert int(qk.min()) >= self._min_key and int(qk.max()) <= self._max_key, \
+                f"I8: queue keys outside [{self._min_key}, {self._max_key}]"
         has = self.has_hash.cpu()
-        assert set(torch.nonzero(has).flatten().tolist()) == set(self._primary), "has_hash drifted"
-        assert not bool(has[NULL_BLOCK_ID]), "null block cached"
-        assert set(self._secondary) <= set(self._primary), "secondary key without primary"
+        assert set(torch.nonzero(has).flatten().tolist()) == set(self._primary), "I6: has_hash drifted"
+        assert not bool(has[NULL_BLOCK_ID]), "I2: null block cached"
+        assert set(self._secondary) <= set(self._primary), "I6: secondary key without primary"
         for k, blocks in self._map.items():
-            assert blocks, f"empty entry for {k.hex()}"
+            assert blocks, f"I6: empty entry for {k.hex()}"
             for b in blocks:
                 p = self._primary.get(b)
                 assert p is not None and (p[0] == k or k in self._secondary.get(b, ())), \
-                    f"map entry {k.hex()} -> {b} not owned by the block"
+                    f"I6: map entry {k.hex()} -> {b} not owned by the block"
         for b, (k, _) in self._primary.items():
-            assert b in self._map.get(k, {}), f"block {b}'s primary hash not in the map"
+            assert b in self._map.get(k, {}), f"I6: block {b}'s primary hash not in the map"

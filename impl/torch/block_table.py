@@ -119,13 +119,15 @@ class BlockTables:
         return self.table.index_select(0, rows), self.length.index_select(0, rows)
 
     def check_invariants(self) -> None:
+        """M6 (the leading nulls are the skipped prefix) and D1 (the tensors mirror the bookkeeping),
+        docs/invariants.md."""
         for rid, row in self._row.items():
-            assert int(self.length[row]) == self._len[rid], f"length mirror drifted for {rid}"
+            assert int(self.length[row]) == self._len[rid], f"D1: length mirror drifted for {rid}"
             ids = self.table[row, : self._len[rid]]
             head = self._null_head[rid]
             assert bool((ids[:head] == 0).all()) and bool((ids[head:] != 0).all()), \
-                f"nulls of {rid} are not exactly its first {head} entries"
-        assert len(set(self._row.values())) == len(self._row), "two requests share a row"
+                f"M6: nulls of {rid} are not exactly its first {head} entries"
+        assert len(set(self._row.values())) == len(self._row), "D1: two requests share a row"
 
 
 def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,

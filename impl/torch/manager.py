@@ -531,4 +531,4 @@ class TorchKVCacheManager:
                         ref[b] += 1
         pool_ref = self.pool.ref_cnt.cpu()
         ref[NULL_BLOCK_ID] = pool_ref[NULL_BLOCK_ID]
-        assert torch.equal(ref, pool_ref), "ref counts differ from the block tables' references"
+        assert torch.equal(ref, pool_ref), "I9: ref counts differ from the block tables' references"

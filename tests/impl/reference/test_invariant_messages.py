@@ -1,4 +1,5 @@
-"""Every assertion of the reference's ``check_invariants()`` starts with its rule name (#26).
+"""Every assertion of the reference's and the torch implementation's ``check_invariants()`` starts
+with its rule name (#26).
 
 docs/invariants.md promises that a failing invariant names its rule (``I3: block 7 ...``) so a
 failure points to the rule's statement. Two checks hold the reference to it: a scan of every
@@ -24,6 +25,8 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "invariants.md"
 RULES = frozenset(re.findall(r"^\| ([A-Z]\d+) \|", DOC.read_text(encoding="utf-8"), flags=re.M))
 #: every module of the reference is scanned (a new structure's check_invariants is held to it too)
 PACKAGE = Path(importlib.import_module("kvref.impl.reference").__file__).parent
+#: and of the torch implementation (its tensors keep the same pool rules, plus D1)
+TORCH = Path(importlib.import_module("kvref.impl.torch").__file__).parent
 _RULE_PREFIX = re.compile(r"^([A-Z]\d+): ")
 
 
@@ -36,13 +39,14 @@ def _message_head(msg: ast.expr | None) -> str:
     return ""
 
 
-def _reference_asserts() -> list[tuple[str, int, str]]:
-    """``(file, line, message head)`` of every assert inside any ``check_invariants`` of the reference."""
+def _reference_asserts(package: Path = PACKAGE) -> list[tuple[str, int, str]]:
+    """``(file, line, message head)`` of every assert inside any ``check_invariants`` of ``package``
+    (the reference by default)."""
     out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(fn, ast.FunctionDef) and fn.name == "check_invariants":
-                out += [(str(path.relative_to(PACKAGE)), node.lineno, _message_head(node.msg))
+                out += [(str(path.relative_to(package)), node.lineno, _message_head(node.msg))
                         for node in ast.walk(fn) if isinstance(node, ast.Assert)]
     return out
 
@@ -60,6 +64,14 @@ def test_every_reference_assertion_message_starts_with_a_defined_rule():
     bad = [(where, line, head) for where, line, head in asserts
            if not (_RULE_PREFIX.match(head) and _RULE_PREFIX.match(head).group(1) in RULES)]
     assert not bad, f"check_invariants assertions without a rule name of docs/invariants.md: {bad}"
+
+
+def test_every_torch_assertion_message_starts_with_a_defined_rule():
+    asserts = _reference_asserts(TORCH)
+    assert {"block_pool.py", "block_table.py", "manager.py"} <= {f for f, _, _ in asserts} and len(asserts) >= 16
+    bad = [(where, line, head) for where, line, head in asserts
+           if not (_RULE_PREFIX.match(head) and _RULE_PREFIX.match(head).group(1) in RULES)]
+    assert not bad, f"torch check_invariants assertions without a rule name of docs/invariants.md: {bad}"
 
 
 def _pool(**kw) -> PoolConfig:
@@ -147,6 +159,31 @@ def test_a_broken_cpu_offloading_manager_fails_naming_its_rule(rule):
     mgr = CPUOffloadingManager(4, cache_policy="lru")
     mgr.check_invariants()
     OFFLOAD_BREAKS[rule](mgr)
+    with pytest.raises(AssertionError) as info:
+        mgr.check_invariants()
+    assert str(info.value).startswith(f"{rule}: "), str(info.value)
+
+
+def _torch_manager_with_a_request():
+    from kvref.impl.torch import make_manager
+
+    mgr = make_manager(_pool(), device="cpu")
+    assert mgr.allocate_slots(Request("r", list(range(10))), 10) is not None
+    mgr.check_invariants()
+    return mgr
+
+
+TORCH_BREAKS = {
+    "I4": lambda m: m.pool.ref_cnt.__setitem__(7, -1),
+    "I5": lambda m: setattr(m.pool, "num_free", m.pool.num_free + 1),
+    "I9": lambda m: m.pool.ref_cnt.__setitem__(1, int(m.pool.ref_cnt[1]) + 1),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(TORCH_BREAKS))
+def test_a_broken_torch_pool_fails_naming_its_rule(rule):
+    mgr = _torch_manager_with_a_request()
+    TORCH_BREAKS[rule](mgr)
     with pytest.raises(AssertionError) as info:
         mgr.check_invariants()
     assert str(info.value).startswith(f"{rule}: "), str(info.value)
