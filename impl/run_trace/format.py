@@ -1,4 +1,4 @@
-"""The run-trace format, version 5: what each line holds, and how a reader checks it.
+"""The run-trace format, version 6: what each line holds, and how a reader checks it.
 
 One header line, then one JSON object per line, each with a type ``"t"``:
 
@@ -9,7 +9,10 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            reference does not model (structured output, multimodal, LoRA, ...), if any; version 5
            (issue #28) adds vLLM ``check_stop``'s other inputs: ``eos`` (``SamplingParams.eos_token_id``,
            null with ``ignore_eos``), ``min`` (``min_tokens``, absent: 0), ``rep``
-           (``repetition_detection`` as ``[max_pattern_size, min_pattern_size, min_count]``, absent: off).
+           (``repetition_detection`` as ``[max_pattern_size, min_pattern_size, min_count]``, absent: off);
+           version 6 adds ``resumable`` (true: vLLM's ``Request.resumable``, a streaming-input
+           session's turn; absent: false). An ``add`` whose ``id`` is a live session's is the
+           session's next input (``resumable``) or its end (not).
 ``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
            ``status`` (vLLM's ``RequestStatus`` name).
 ``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call); ``ids`` and ``n``: the
@@ -88,6 +91,11 @@ recorder added while still writing 4 (``stats.skip``: a session-12 reader refuse
 line, instead of the version) and adds the stop inputs on ``add`` (``eos``, ``min``, ``rep``): a
 version-4 trace reads unchanged (its ``stop`` already holds the EOS id; a request with repetition
 detection is named unmodelled there), and a version-4 reader refuses a version-5 trace by its header.
+6 (issue #28, session 15) records streaming-input sessions (``add.resumable``, updates as ``add``
+records with the session's id), which a version-5 recorder named ``streaming_input`` on the arrival:
+a version-5 trace reads unchanged (``stats.skip`` included) and stops its replay at such an arrival
+as before; a version-5 reader refuses a version-6 trace by its header (it would replay a session's
+turn as a plain request).
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
@@ -122,7 +130,7 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError
 
 FORMAT = "kvref-run-trace"
-VERSION = 5
+VERSION = 6
 RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts", "pause")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
@@ -595,6 +603,8 @@ def validate_record(rec: Any, where: str) -> str:
                                     and rep[1] <= rep[0] and (rep[0] == 0 or rep[2] >= 2)):
             raise _fail(where, "rep", rep, "[max_pattern_size, min_pattern_size <= max_pattern_size, "
                         "min_count >= 2] (ints >= 0; repetition_detection)")
+        if "resumable" in rec and rec["resumable"] is not True:
+            raise _fail(where, "resumable", rec["resumable"], "true (a streaming-input session's turn) or absent")
         lora = rec.get("lora")
         if lora is not None and not (isinstance(lora, list) and len(lora) == 3 and type(lora[0]) is str and lora[0]
                                      and _is_int(lora[1], 1) and type(lora[2]) is str and lora[2]):

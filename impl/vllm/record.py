@@ -319,11 +319,31 @@ def _reason(status) -> str:
     return why
 
 
-def _request_unmodelled(request, existing: bool) -> list[str]:
+def _streaming_unmodelled(s, request) -> str | None:
+    """Why a streaming-input session (a ``resumable`` arrival, or an update: ``add_request`` with a
+    live session's id) cannot be replayed, or None. The reference models vLLM's sessions
+    (impl/reference/scheduler_sessions.py) under FCFS without a KV connector, speculative decoding
+    or multimodal items, and refuses a session outside that; the recorder names those (#28)."""
+    if getattr(s, "connector", None) is not None:
+        return "streaming_input (with a KV connector)"
+    if getattr(s.vllm_config, "speculative_config", None) is not None:
+        return "streaming_input (with speculative decoding)"
+    if getattr(request, "mm_features", None):
+        return "streaming_input (multimodal)"
+    if str(s.scheduler_config.policy).lower() != "fcfs":
+        return "streaming_input (priority policy)"
+    return None
+
+
+def _request_unmodelled(request, existing: bool, s=None) -> list[str]:
     found = []
     sp = request.sampling_params
+    # streaming-input sessions are recorded (add.resumable; an update is an add with the session's
+    # id) and replayed where the reference models them (#28, format 6)
     if existing or getattr(request, "resumable", False):
-        found.append("streaming_input")
+        why = _streaming_unmodelled(s, request) if s is not None else "streaming_input"
+        if why:
+            found.append(why)
     if request.pooling_params is not None:
         found.append("pooling")
     if getattr(request, "use_structured_output", False):
@@ -658,15 +678,18 @@ class _Recorder:
             rid_json = _dumps(rid)
         # One line by hand: the base64 prompt needs no JSON escaping (the encoder's scan of a
         # 4,000-token prompt costs as much as encoding it).
-        extra = _request_unmodelled(request, existing)
+        extra = _request_unmodelled(request, existing, self)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), _stop_json(sp, anon),
                 "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
                 # the request never reads the prefix cache (prompt logprobs): replayed (issue #28)
                 ',"skip_read":true' if getattr(request, "skip_reading_prefix_cache", False) else "",
+                # a streaming-input session's turn (format 6, #28): vLLM's Request.resumable; an add
+                # with a live session's id is its next input, or (not resumable) its end
+                ',"resumable":true' if getattr(request, "resumable", False) else "",
                 _features_json(request, anon),
                 ',"x":' + _dumps(extra) if extra else ""))
 

@@ -1,6 +1,7 @@
 """Faults planted in vLLM's own code, in-process, in the paths check-run replays since #28 for
-multimodal requests, LoRA, lookahead block hashes, the Mamba shared-prefix checkpoint and the stop
-conditions (``check_stop``: EOS, stop ids, ``min_tokens``, repetition detection).
+multimodal requests, LoRA, lookahead block hashes, the Mamba shared-prefix checkpoint, the stop
+conditions (``check_stop``: EOS, stop ids, ``min_tokens``, repetition detection), streaming-input
+sessions and ``reset_prefix_cache`` through the scheduler.
 
 Each is a plausible regression of that path, planted before a run is recorded (the scheduler then
 binds the faulty code as if vLLM shipped it) and undone afterwards; the planted-fault tests and the
@@ -32,6 +33,13 @@ FEATURE_FAULTS = {
                                             "or stop id sampled before min_tokens no longer stops the request"),
     "repetition-ignores-min": ("stop-conditions", "check_stop's repetition rule ignores min_tokens: a repeated "
                                                   "n-gram stops the request before its min_tokens outputs"),
+    # session 15 (#28, format 6): streaming-input sessions and prefix-cache resets
+    "session-keeps-final-token": ("streaming-input", "_update_request_as_session keeps the stopped turn's final "
+                                                     "sampled token (never computed) in the session's prompt: an "
+                                                     "off-by-one in the kept output"),
+    "reset-preempts-in-order": ("prefix-cache-reset", "reset_prefix_cache(reset_running_requests=True) preempts the "
+                                                      "running requests first to last, so they come back in reverse "
+                                                      "order (vLLM preempts last to first to keep FIFO)"),
 }
 
 
@@ -84,6 +92,31 @@ def plant_feature_fault(name: str) -> Iterator[None]:
                         sp.min_tokens = saved
             sched_module.check_stop = check_stop
             undo.append(lambda: setattr(sched_module, "check_stop", real))
+        elif name == "session-keeps-final-token":
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            real = Scheduler._update_request_as_session
+
+            def update_as_session(self, session, update):
+                # a copy of the final token at the end: vLLM's own code drops the copy and keeps the
+                # final sampled token among the outputs that become prompt
+                session._all_token_ids.append(session._all_token_ids[-1])
+                return real(self, session, update)
+
+            Scheduler._update_request_as_session = update_as_session
+            undo.append(lambda: setattr(Scheduler, "_update_request_as_session", real))
+        elif name == "reset-preempts-in-order":
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            real = Scheduler.reset_prefix_cache
+
+            def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+                if reset_running_requests:
+                    self.running.reverse()  # vLLM pops from the end: now the first running goes first
+                return real(self, reset_running_requests, reset_connector)
+
+            Scheduler.reset_prefix_cache = reset_prefix_cache
+            undo.append(lambda: setattr(Scheduler, "reset_prefix_cache", real))
         else:
             from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -37,6 +37,16 @@ FEATURES = ("multimodal", "lora", "hash-lookahead", "mamba-checkpoint")
 #: and the stop conditions (session 14, format 5): :class:`~kvref.models.machines.scheduler_stop.StopMachine`'s
 #: arrivals (an EOS token or none, ``min_tokens``, repetition detectors) over a three-token model
 GENERATED = FEATURES + ("stop-conditions",)
+#: what session 15 replays (#28, format 6): ``streaming-input``, the conform-scheduler session machine's
+#: draws (:class:`~kvref.models.machines.scheduler_sessions.SessionMachine`: resumable arrivals, their
+#: updates and finishing updates, turns that stop and keep their KV blocks, pause states, abort-all);
+#: ``prefix-cache-reset``, the cache-controls machine's
+#: (:class:`~kvref.models.machines.scheduler_cache_controls.CacheControlsMachine`: ``reset_prefix_cache``
+#: through the scheduler, with or without preempting the running requests, on salted and
+#: cache-skipping arrivals and multi-turn follow-ups), without speculative decoding (vLLM's
+#: diffusion-LM scheduler is what that machine compares there, not a recorded server's)
+SESSION_FEATURES = ("streaming-input", "prefix-cache-reset")
+GENERATED += SESSION_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -55,7 +65,63 @@ def _checkpoint_setups():
         lambda s: s[0].use_eagle).map(lambda s: (replace(s[0], enable_mamba_shared_prefix_checkpoint=True), s[1]))
 
 
+def _reset_setups():
+    """The cache-controls machine's setups without speculative decoding (see SESSION_FEATURES), only
+    startup-consistent ones (a server runs only those: on a pool too small for any request vLLM
+    never schedules, a hang the starvation property rightly reports)."""
+    from hypothesis import strategies as st
+
+    from kvref.impl.scheduler_types import PRIORITY
+    from kvref.models.machines.scheduler import MAMBA_ALIGN_KINDS, scheduler_setups
+    from kvref.models.machines.scheduler_cache_controls import _cacheable, _roomy
+
+    mamba = scheduler_setups(consistent=True, kinds=MAMBA_ALIGN_KINDS)
+    drawn = st.one_of(mamba, mamba, mamba, scheduler_setups(consistent=True), scheduler_setups(consistent=True),
+                      scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
+    return st.one_of(drawn, drawn.map(_roomy))
+
+
+def _reset_while_running():
+    """A rule for the recorded reset runs: ``reset_prefix_cache(reset_running_requests=True)`` while
+    two requests or more run (at most twice a trace). The machine's own reset rule is one rule among
+    many and mostly meets an idle or single-request scheduler; the preemption order of a reset (the
+    running requests come back first to last) shows only with several."""
+    from hypothesis.stateful import precondition, rule
+
+    def running(self) -> int:
+        snap = self.driver.last_snapshot
+        return len(snap.running) if snap is not None else 0
+
+    @precondition(lambda self: running(self) >= 2 and self.driver.num_resets < 2)
+    @rule()
+    def reset_while_running(self):
+        self.driver.reset_prefix_cache(True, False)
+
+    return reset_while_running
+
+
 def _machine(feature: str, env_holder: dict, directory: Path, runs: list[RecordedRun]) -> type:
+    if feature == "streaming-input":
+        from kvref.models.machines.scheduler import Lockstep
+        from kvref.models.machines.scheduler_sessions import SessionLockstep, SessionMachine
+
+        class Driver(SessionLockstep):
+            def compare(self, what: str) -> None:
+                # not the polled counts: make_stats() would reset the counters the recorder reads
+                # from update_from_output's return value (the metrics endpoint's view)
+                Lockstep.compare(self, what)
+
+        return type("RecordedSessionRun", (SessionMachine,),
+                    {"driver_class": Driver,
+                     "factories": {"vllm": scheduler_recorder(env_holder, directory, runs, feature)}})
+    if feature == "prefix-cache-reset":
+        from kvref.models.machines.scheduler import machine_with
+        from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep, CacheControlsMachine
+
+        base = machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature)},
+                            setups=_reset_setups(), name="RecordedResetBase")
+        return type("RecordedResetRun", (CacheControlsMachine, base),
+                    {"driver_class": CacheControlsLockstep, "reset_while_running": _reset_while_running()})
     if feature == "multimodal":
         from kvref.models.machines.scheduler_encoder import EncoderMachine
 
@@ -110,4 +176,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["FEATURES", "GENERATED", "record_feature_runs"]
+__all__ = ["FEATURES", "GENERATED", "SESSION_FEATURES", "record_feature_runs"]

@@ -105,6 +105,12 @@ class _Req:
     #: (name, path), and the multimodal items as (identifier, offset, length)
     lora: tuple | None = None
     mm: tuple = ()
+    #: streaming-input sessions (format 6, #28): the updates queued for the next stopped turn
+    #: (an ``add`` record, or None: the finishing update), outputs sampled this turn, and whether
+    #: it waits holding its KV blocks (vLLM's kv_holding_waiting: no prefix-cache lookup at resume)
+    pending: list = field(default_factory=list)
+    num_out: int = 0
+    session_held: bool = False
 
 
 class RunProperties:
@@ -181,13 +187,26 @@ class RunProperties:
         self.lookup_tally = has_connector
         self.seen_loading = False
         self.exempt: set[str] = set()
+        #: streaming-input sessions (format 6): live ones, and those waiting for their next input
+        #: (vLLM's WAITING_FOR_STREAMING_REQ: skipped by the waiting loop, never starvation)
+        self.sessions: set[str] = set()
+        self.awaiting_input: set[str] = set()
+        #: session -> the last step scheduled when its turn stopped (that output is stale: dropped)
+        self.session_stale: dict[str, int] = {}
+        #: requests a prefix-cache reset preempted with steps in flight: vLLM preempts them in drop
+        #: mode (drop_stale_output), so the output of those steps never joins their tokens
+        self.drop_stale: set[str] = set()
         # every finish follows check_stop's rules (#28); not on a connector trace without the
         # worker's reports (format 3): a failed load's dropped output is not in it
         self.stops = StopRules(self.max_model_len, enabled=has_connector or "kv_connector" not in unmodelled)
+        self.stops.sessions = self.sessions
         #: vLLM's pause state (``pause`` records): 1 PAUSED_NEW admits only requests holding KV
         #: blocks, 2 PAUSED_ALL schedules nothing; neither is starvation
         self.paused = 0
         self.priority = (header.get("scheduler") or {}).get("policy") == "priority"
+        sched = header.get("scheduler") or {}
+        #: vLLM's max_num_active_reqs (model-runner slots; sessions waiting for input hold theirs)
+        self.max_active = int(sched.get("max_num_active_seqs") or sched.get("max_num_seqs") or 1 << 30)
         self.max_findings = max_findings
         self.findings: list[Finding] = []
         self.num_findings = 0
@@ -231,8 +250,11 @@ class RunProperties:
                 self._find("stop_rule", line, message)
             self._update(line, rec)
         elif t == "add":
-            self._add(rec)
-            self.stops.add(rec, self.reqs[rec["id"]].prompt_len)
+            if rec["id"] in self.sessions:
+                self._session_update(rec)
+            else:
+                self._add(rec)
+                self.stops.add(rec, self.reqs[rec["id"]].prompt_len)
         elif t == "abort":
             self.stops.abort(rec)
             for rid in rec["ids"]:
@@ -251,6 +273,7 @@ class RunProperties:
                     if r is not None:
                         self._release(rid, park=True)
                         self._stale_in_flight(rid)
+                        self.drop_stale.add(rid)  # vLLM drops (not appends) that in-flight output
                         r.computed = r.processed = 0
                         r.preempted = True
                         self.waiting[rid] = None
@@ -268,7 +291,66 @@ class RunProperties:
         self.waiting[rid] = None
         if rec.get("x"):
             self.exempt.add(rid)
+        elif rec.get("resumable"):
+            self.sessions.add(rid)
         self.stats["requests"] += 1
+
+    # ---- streaming-input sessions (format 6, #28) --------------------------------------------------
+    def _session_update(self, rec: dict) -> None:
+        """An ``add`` with a live session's id (vLLM ``add_request`` -> ``StreamingUpdate``): applied
+        at once while the session waits for input, else queued for its next stopped turn. A
+        finishing update (not ``resumable``) of a waiting session aborts it inside the call (the next
+        step's ``fin`` names it); a queued one makes the next stop a finish."""
+        rid = rec["id"]
+        r = self.reqs[rid]
+        self.stats["session_updates"] += 1
+        if rid not in self.awaiting_input:
+            r.pending.append(rec if rec.get("resumable") else None)
+        elif rec.get("resumable"):
+            self._apply_update(rid, r, rec)
+        else:  # vLLM finish_requests(FINISHED_ABORTED) inside add_request: its blocks are free now
+            self._finish(rid, "abort")
+
+    def _apply_update(self, rid: str, r: _Req, rec: dict) -> None:
+        """vLLM ``_update_request_as_session``: every output token but the final sampled one becomes
+        prompt, the update's prompt follows; its stop rules apply from now on."""
+        self.awaiting_input.discard(rid)
+        prompt = decode_tokens(rec["prompt"]) if self.exact else None
+        if self.exact:
+            r.tokens = r.tokens[:-1] + list(prompt)
+            r.prompt_len = len(r.tokens)
+        else:
+            r.prompt_len = r.prompt_len + r.num_out - 1 + _num_tokens_b64(rec["prompt"])
+        r.num_out = 0
+        r.chains = {}  # the dropped token's block (and those after it) hold other tokens now
+        self.stops.begin_turn(rid, rec, r.prompt_len)
+
+    def _turn_stopped(self, rid: str) -> None:
+        """vLLM ``_handle_stopped_request`` for a session that is not finished: it leaves the running
+        queue keeping its KV blocks (its in-flight work dropped: the computed tokens fall back to
+        those settled), then takes its next queued update or waits for one."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return
+        self.stats["session_turns"] += 1
+        # vLLM: num_computed_tokens falls back to the settled frontier, but the turn's steps still in
+        # flight keep counting in num_in_flight_tokens until their (stale) output returns, and
+        # allocate_slots frees windows by computed - in flight: the frontier less those tokens
+        frontier = r.processed
+        r.processed = max(0, frontier - max(0, r.computed - frontier))
+        for i, (step, settled) in enumerate(self.in_flight):
+            if any(e[0] == rid for e in settled):
+                self.in_flight[i] = (step, [(e[0], frontier, e[2]) if e[0] == rid else e for e in settled])
+        self.session_stale[rid] = self.step
+        r.computed = frontier
+        r.running = False
+        self.running.discard(rid)
+        self.waiting[rid] = None
+        r.session_held = frontier > 0
+        if r.pending and r.pending[0] is not None:
+            self._apply_update(rid, r, r.pending.pop(0))
+        else:
+            self.awaiting_input.add(rid)
 
     def _release(self, rid: str, park: bool = False) -> None:
         """``rid`` lets go of its blocks; ``park``: vLLM frees them (finish, preemption), so a
@@ -441,6 +523,11 @@ class RunProperties:
             self._note_wait(rid, self.step - r.arrival_step)
         self.waiting.pop(rid, None)
         self.exempt.discard(rid)
+        self.sessions.discard(rid)
+        self.awaiting_input.discard(rid)
+        self.session_stale.pop(rid, None)
+        self.drop_stale.discard(rid)
+        self.stops.finished(rid)
         self.load_zeroed.discard(rid)
         self.failed_whole.discard(rid)
         self.remote_waited.discard(rid)
@@ -531,6 +618,12 @@ class RunProperties:
         # blocks a connector still holds past their request (a send in flight, a fence not reached)
         # may be what the waiting request needs: the transfer, not the scheduler, holds it back
         held_back = any(self.parked.values())
+        if self.awaiting_input:  # sessions waiting for their next input: the engine idles on them,
+            # and they keep their model-runner slots (vLLM's waiting loop admits nobody while
+            # running + waiting-for-input sessions fill max_num_active_reqs)
+            waiting = {rid: None for rid in waiting if rid not in self.awaiting_input}
+            if len(self.running) + len(self.awaiting_input) >= self.max_active:
+                waiting = {}
         if (not rows and waiting and not rec["pre"] and not loading and not blind and not asked_again
                 and not held_back and not self.paused
                 and not (self.exempt and any(r in self.exempt for r in waiting))):
@@ -543,7 +636,8 @@ class RunProperties:
                            f"(since step {self.step - self.idle_run + 1}) schedule nothing ({len(self.running)} "
                            f"running, {len(self.in_flight)} step(s) in flight); first waiting: {head} "
                            f"({r.prompt_len} prompt tokens, arrived before step {r.arrival_step}): "
-                           + (self._self_reservation(rec) or "the head-of-line hang of vLLM #39734 / #35541"))
+                           + (self._self_reservation(rec) or self._sessions_hold(head, r)
+                              or "the head-of-line hang of vLLM #39734 / #35541"))
                 self.idle_reported = True
         elif rows:
             self.idle_run = 0
@@ -564,11 +658,26 @@ class RunProperties:
             for rid, kind, _n, _computed, _blocks in rows:
                 r = self.reqs.get(rid)
                 # (an inexact connector run does not track which waiting requests hold blocks)
-                held = r is not None and (r.async_held or rid in self.remote_waited)
+                held = r is not None and (r.async_held or rid in self.remote_waited or r.session_held)
                 if kind != "c" and not held and (self.exact or not self.connector):
                     self._find("scheduled_while_paused", line,
                                f"PAUSED_NEW, yet {rid} is admitted ({'resumed' if kind == 'r' else 'new'}, holding no "
                                "KV blocks): only running requests and requests holding KV blocks may run")
+
+    def _sessions_hold(self, head: str, r: _Req) -> str:
+        """Nothing runs and waiting streaming-input sessions hold KV blocks: vLLM 0.33.0 keeps a
+        stopped session's blocks while it waits (kv_holding_waiting), drains that queue first and
+        preempts nobody from the waiting loop, so once the waiting sessions hold the blocks the
+        first of them needs, nothing frees them and nothing behind them runs either (generated
+        session runs, #28; the conform-scheduler session machine's teardown meets it too). "" when
+        not."""
+        holders = [rid for rid in self.waiting if rid in self.sessions and self.reqs[rid].session_held
+                   and self.reqs[rid].tables]
+        if self.running or not holders:
+            return ""
+        return (f"waiting streaming-input sessions ({', '.join(holders[:4])}) hold KV blocks: vLLM 0.33.0 keeps a "
+                "stopped session's blocks while it waits (kv_holding_waiting), drains that queue first and "
+                "preempts nobody from the waiting loop, so nothing frees them")
 
     def _self_reservation(self, rec: dict) -> str:
         """The idle step asked the connector about a request whose async load had failed whole and
@@ -587,10 +696,17 @@ class RunProperties:
     def _admit(self, line: int, rid: str, r: _Req, kind: str, computed: int) -> None:
         """A new or resumed request leaves the waiting queue with ``computed`` hit tokens."""
         st = self.stats
+        # a session resuming on the KV blocks it kept: vLLM makes no prefix-cache lookup (a session
+        # the stop rules lost track of shows it by a second first admission with computed tokens)
+        resumed_session = r.session_held or (kind == "n" and computed > 0 and rid in self.stops.lost
+                                             and r.first_step >= 0)
+        r.session_held = False
         if r.first_step < 0:
             r.first_step = self.step
             self._note_wait(rid, self.step - r.arrival_step)
-        if kind == "n":
+        if resumed_session:
+            st["session_resumes"] += 1
+        elif kind == "n":
             st["new_prompt_tokens"] += r.prompt_len
             st["hit_tokens"] += computed
             if computed:
@@ -598,8 +714,11 @@ class RunProperties:
         else:
             st["resumes"] += 1
         num_tokens = len(r.tokens) if self.exact else r.prompt_len + r.computed  # (tokens known when exact)
-        if not r.skip_read and not self.lookup_tally:  # vLLM counts no lookup for a request that skipped it
-            self.tally.admitted(kind == "r", num_tokens, computed)
+        # vLLM counts no lookup for a request that skipped it, nor for a session resuming on its blocks
+        if not r.skip_read and not self.lookup_tally and not resumed_session:
+            # vLLM counts a lookup as a preempted one by num_preemptions > 0, which a session keeps
+            # across its turns (a later turn is admitted as new)
+            self.tally.admitted(kind == "r" or (rid in self.sessions and r.preempted), num_tokens, computed)
         if self.exact and r.tokens and computed > len(r.tokens) - 1:
             self._find("wrong_hit", line, f"{rid} is admitted with {computed} computed tokens of its {len(r.tokens)}: "
                        "a prefix-cache hit never covers the last token (its logits must be computed)")
@@ -607,7 +726,8 @@ class RunProperties:
         self.waiting.pop(rid, None)
         r.tables = [[] for _ in range(self.num_groups)]
         r.filled = [0] * self.num_groups
-        r.processed = computed
+        # a session resuming on its blocks may still have its stopped turn's steps in flight
+        r.processed = min(r.processed, computed) if resumed_session else computed
         r.computed = computed
 
     def _free_skipped(self, rid: str, r: _Req) -> None:
@@ -802,15 +922,23 @@ class RunProperties:
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
         sampled = update_sampled(rec)
+        dropped: set = set()  # this step's output vLLM discards (drop-mode stale output)
         if self.in_flight and (step < 0 or self.in_flight[0][0] == step):
             _, settled = self.in_flight.popleft()
+            if self.drop_stale:
+                dropped = {e[0] for e in settled if e[1] is None and e[0] in self.drop_stale}
+                self.drop_stale.difference_update(
+                    rid for rid in list(self.drop_stale)
+                    if not any(e[0] == rid and e[1] is None for _, later in self.in_flight for e in later))
             if settled:  # a non-empty step processed: deferred frees whose fence it reached return
                 for key in self.fences.processed():
                     self._unpark(key)
             got = {rid: len(toks) for rid, toks in zip(rec["ids"], sampled)}
             for rid, computed, drafts in settled:
                 r = self.reqs.get(rid)
-                if r is None or not r.running or computed is None:  # None: stale (preempted since)
+                # None: stale (preempted since); a session whose turn stopped settles its dropped
+                # steps to its frontier (vLLM's num_in_flight_tokens falls as their output returns)
+                if r is None or computed is None or not (r.running or rid in self.session_stale):
                     continue
                 if drafts and got.get(rid):
                     # speculative decoding: the drafts it rejected are rolled back (vLLM's verification)
@@ -821,13 +949,15 @@ class RunProperties:
                         self._roll_back_in_flight(rid, rejected)
                 if computed > r.processed:
                     r.processed = computed
+        stale = self.session_stale
         for rid, toks in zip(rec["ids"], sampled):
             r = self.reqs.get(rid)
-            if r is not None and toks:
+            if r is not None and toks and not (stale and stale.get(rid, -1) >= step) and rid not in dropped:
+                r.num_out += len(toks)
                 if self.exact:
                     r.tokens.extend(toks)
-                else:
-                    r.prompt_len += 0
+        for rid in self.stops.turn_stopped:  # sessions whose turn stopped (not finished)
+            self._turn_stopped(rid)
         for rid, reason in rec["fin"]:
             self._finish(rid, reason)
         kvo = rec.get("kvo") or {}
@@ -895,11 +1025,15 @@ class RunProperties:
         if free is not None and "usage" in stats and usage_differs(stats["usage"], usage(free, self.num_blocks)):
             bad.insert(0, f"usage: reported {stats['usage']!r}, 1 - free/(num_blocks - 1) = "
                           f"{usage(free, self.num_blocks)!r}")
-        if "run" in stats and stats["run"] != len(self.running):
+        # a session whose turn stops the trace no longer shows (stop_rules lost its output count)
+        # may have left the running queue unseen: the counts are not compared while one lives
+        lost = bool(self.stops.lost)
+        if "run" in stats and stats["run"] != len(self.running) and not lost:
             bad.append(f"running: reported {stats['run']}, the trace has {len(self.running)}")
         # vLLM leaves the requests its waiting loop skipped (deferred_waiting) out of num_waiting_reqs
         # and reports them as num_skipped_waiting_reqs ("skip", recorded since #28's LoRA replay)
-        if "wait" in stats and not self.connector and stats["wait"] + stats.get("skip", 0) != len(self.waiting):
+        if ("wait" in stats and not self.connector and not lost
+                and stats["wait"] + stats.get("skip", 0) != len(self.waiting)):
             bad.append(f"waiting: reported {stats['wait']} (+ {stats.get('skip', 0)} skipped), the trace has "
                        f"{len(self.waiting)}")
         if bad:

@@ -35,6 +35,7 @@ from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import (LoRARequest, MultiModalFeatureSpec, PlaceholderRange, RepetitionDetectionParams, Request,
                                 RequestStatus)
 from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
+from kvref.spec.errors import InvalidFieldError
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
 from .crash import Crash
@@ -132,6 +133,7 @@ def _request(rec: dict) -> Request:
                    priority=rec["priority"], arrival_time=float(rec["arrival"]), stop_token_ids=tuple(rec["stop"]),
                    **stop,
                    skip_reading_prefix_cache=rec.get("skip_read") is True, mm_features=mm,
+                   resumable=rec.get("resumable") is True,
                    lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
 
 
@@ -207,11 +209,8 @@ class LockstepReplay:
             for i in ids:
                 del self._live[i]
             self._check_free(line, -1, "finish_requests", rec)
-        elif t == "reset":
-            if self.connector is None:
-                self._stop(line, "reset_prefix_cache (not modelled by the reference)")
-            else:
-                self._reset(line, rec)
+        elif t == "reset":  # through the reference's scheduler, with or without a connector (#28)
+            self._reset(line, rec)
         elif t == "pause":
             self.scheduler.set_pause_state(rec["state"])  # vLLM's pause states, modelled (#28)
         elif t == "drafts":
@@ -254,7 +253,10 @@ class LockstepReplay:
         return True
 
     def _reset(self, line: int, rec: dict) -> None:
-        """``reset_prefix_cache`` on a connector run: the connector's cache reset answers from the trace."""
+        """``reset_prefix_cache`` through the reference's scheduler (vLLM ``Scheduler.reset_prefix_cache``:
+        with ``running`` every running request is preempted first, its in-flight output dropped; the
+        preemptions show in the next step's ``pre``). On a connector run the connector's cache reset
+        answers from the trace."""
         got: list = []
 
         def reset() -> None:
@@ -347,13 +349,24 @@ class LockstepReplay:
             self._stop(line, f"request {rec['id']} has multimodal items on a KV-connector run (kvref models "
                        "encoder inputs without a connector)")
             return
+        session = self._live.get(rec["id"])  # an add with a live session's id: its next input or its end
         try:
             r = _request(rec)
             self.scheduler.add_request(r)
+        except InvalidFieldError as exc:
+            if exc.field == "request.resumable":  # a session where the reference does not model one
+                self._stop(line, f"request {rec['id']} is a streaming-input session the reference does not model "
+                           f"here ({exc.allowed})")
+                return
+            self._diverge(Divergence(line, -1, "add_request", f"the reference rejects request {rec['id']}: {exc}"))
+            return
         except ValueError as exc:
             self._diverge(Divergence(line, -1, "add_request", f"the reference rejects request {rec['id']}: {exc}"))
             return
-        self._live[r.request_id] = r
+        if session is None:
+            self._live[r.request_id] = r
+        elif session.status == RequestStatus.FINISHED:  # the finishing update of a session waiting for input
+            del self._live[session.request_id]
 
     def _schedule(self, line: int, rec: dict) -> None:
         if rec.get("x") or rec.get("throttle"):
@@ -365,6 +378,9 @@ class LockstepReplay:
         if odd:
             self._stop(line, f"step {rec['step']} preempts for {', '.join(odd)} (not modelled by the reference)")
             return
+        # sessions that kept their KV blocks resume on them without a prefix-cache lookup (vLLM
+        # looks up only a request with no computed tokens), so no lookup is recorded for them
+        resuming = {r.request_id for r in self.scheduler.sessions.kv_holding_waiting}
         got_out: list = []
         if not self._kv_call(line, rec["step"], "schedule", lambda: got_out.append(self.scheduler.schedule())):
             return
@@ -411,7 +427,7 @@ class LockstepReplay:
             self.steps_compared += 1
             return
         for s in out.scheduled:
-            if s.kind != "running":
+            if s.kind != "running" and s.request_id not in resuming:
                 # vLLM records at admission ("unscheduled lookups are not counted"); the reference
                 # scheduler does not call it itself, so the replay does, at the same point
                 if record is not None:
@@ -520,8 +536,11 @@ class LockstepReplay:
             skip = sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
             wait += len(holding)
         else:  # vLLM's deferred_waiting: requests its waiting loop skipped (one LoRA adapter too many,
-            # encoder limits that leave no token, stale async output) until admitted (#28)
-            skip = len(sched.cadence.skipped_ids & {r.request_id for r in sched.waiting})
+            # encoder limits that leave no token, stale async output, a session waiting for input)
+            # until admitted (#28); sessions keeping their KV blocks wait in kv_holding_waiting
+            holding = sched.sessions.kv_holding_waiting
+            wait += len(holding)
+            skip = len(sched.cadence.skipped_ids & {r.request_id for q in (sched.waiting, holding) for r in q})
         expected.update(usage=usage(self._ref_free(), self._num_blocks), run=len(sched.running), wait=wait - skip,
                         skip=skip)
         keys = ("req", "q", "h", "preq", "pq", "ph", "run", "wait", "skip")

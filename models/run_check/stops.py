@@ -12,8 +12,14 @@ the last rule: the output ends in ``min_count`` copies of one n-gram of ``min_pa
 meaning 1) to ``max_pattern_size`` tokens (``repetition``). Their order has been wrong before
 (vLLM PRs #47489, #49521, #51299 moved ``min_tokens`` after the length caps).
 
-Not judged: requests the recorder named unmodelled (``x``: pooling, structured output, streaming
-input); an update the recorder did not place (step -1); a request's output once a step of it came
+A streaming-input session (``add.resumable``, format 6) is judged turn by turn: a turn that meets a
+stop rule without finishing is the session's stopped turn (vLLM's ``_handle_stopped_request`` keeps
+the request), named in :attr:`StopRules.turn_stopped` for the run properties, which start the next
+turn with :meth:`StopRules.begin_turn` when its update is applied; output of the turn's steps still
+in flight when it stopped is stale (vLLM drops it) and not judged.
+
+Not judged: requests the recorder named unmodelled (``x``: pooling, structured output, a streaming
+input session the reference does not model); an update the recorder did not place (step -1); a request's output once a step of it came
 back stale (it was preempted while that step was in flight: vLLM may drop such output), since its
 output count is then unknown; likewise the outputs of an update whose KV connector reported failed
 loads (vLLM drops the output of the requests it reschedules for them); finishes with other reasons
@@ -86,6 +92,18 @@ class StopRules:
         self.preempted_at: dict[str, int] = {}
         self.last_step = -1
         self.judged = 0  # finishes (and non-finishes at a stop token) compared
+        #: streaming-input sessions (shared with the run properties, which add and drop them)
+        self.sessions: set[str] = set()
+        #: sessions whose turn stopped in the last :meth:`update` (not finished: vLLM keeps them)
+        self.turn_stopped: list[str] = []
+        #: session -> the last step scheduled when its turn stopped: output of steps up to it is stale
+        self.stale_until: dict[str, int] = {}
+        #: requests whose last preemption was for KV space (``pre_why`` "kv"): vLLM appends their
+        #: stale output (not drop mode), so a session's stop rules go on judging it
+        self.kv_preempted: set[str] = set()
+        #: sessions whose output count is unknown (stale output vLLM may have dropped): their turn
+        #: stops cannot be told from the trace any more
+        self.lost: set[str] = set()
 
     def add(self, rec: dict, prompt_len: int) -> None:
         if rec.get("x") or not self.enabled:
@@ -93,15 +111,27 @@ class StopRules:
             return
         self.reqs[rec["id"]] = _Stops(rec, prompt_len)
 
+    def begin_turn(self, rid: str, rec: dict, prompt_len: int) -> None:
+        """A session's update was applied: its next turn stops by the update's rules (vLLM replaces
+        the session's ``sampling_params`` and ``max_tokens``), counting outputs from 0."""
+        if self.enabled and not rec.get("x"):
+            self.reqs[rid] = _Stops(rec, prompt_len)
+
     def sched(self, rec: dict) -> None:
         self.last_step = rec["step"]
+        why = rec.get("pre_why") or {}
         for rid in rec.get("pre") or ():
             self.preempted_at[rid] = rec["step"]
+            if why.get(rid) == "kv":
+                self.kv_preempted.add(rid)
+            else:
+                self.kv_preempted.discard(rid)
 
     def reset(self, rec: dict) -> None:
         if rec.get("running"):
             for rid in self.reqs:
                 self.preempted_at[rid] = self.last_step + 1
+                self.kv_preempted.discard(rid)
 
     def abort(self, rec: dict) -> None:
         for rid in rec["ids"]:
@@ -111,6 +141,13 @@ class StopRules:
         self.reqs.pop(rid, None)
         self.preempted_at.pop(rid, None)
 
+    def finished(self, rid: str) -> None:
+        """``rid`` is gone (any finish): nothing of it is judged again."""
+        self._forget(rid)
+        self.stale_until.pop(rid, None)
+        self.kv_preempted.discard(rid)
+        self.lost.discard(rid)
+
     def update(self, rec: dict) -> list[str]:
         step = rec["step"]
         fin = {rid: why for rid, why in rec["fin"]}
@@ -118,13 +155,17 @@ class StopRules:
         # (failed_kv_load_req_ids), which the trace does not name
         load_failed = bool((rec.get("kvo") or {}).get("i") or (rec.get("kvo") or {}).get("f"))
         found = []
+        self.turn_stopped = []
         for rid, toks in zip(rec["ids"], update_sampled(rec)):
             r = self.reqs.get(rid)
-            if r is None or not toks:
+            if r is None or not toks or self.stale_until.get(rid, -1) >= step:
                 continue
             if step < 0 or load_failed or self.preempted_at.get(rid, -1) > step:
-                self._forget(rid)  # stale (or unplaced) output: its count is unknown from here
-                continue
+                if not (rid in self.sessions and step >= 0 and not load_failed and rid in self.kv_preempted):
+                    self._forget(rid)  # stale (or unplaced) output: its count is unknown from here
+                    if rid in self.sessions:
+                        self.lost.add(rid)
+                    continue
             want, at = None, 0
             for at, token in enumerate(toks, 1):
                 want = r.append(token, self.max_model_len)
@@ -134,6 +175,12 @@ class StopRules:
             if got is not None and got not in RULE_REASONS:
                 continue  # finished for another reason (error, abort inside the update)
             self.judged += 1
+            if got is None and want is not None and rid in self.sessions:
+                # a session's turn stopped: vLLM keeps the request (it waits for its next input)
+                self.turn_stopped.append(rid)
+                self.stale_until[rid] = self.last_step
+                del self.reqs[rid]
+                continue
             if got != want:
                 self._forget(rid)  # one finding per request: its output count is off from here
                 what = (f"stops with {want!r} at its output token {r.num_outputs} (token {toks[at - 1]}; "

@@ -4,6 +4,7 @@ without planted faults, checked by ``check-run`` (replay) and ``--properties-onl
 from __future__ import annotations
 
 import pytest
+from kvref.impl.run_trace.format import VERSION
 from kvref.models.run_check import check_trace
 
 from kvref import cli
@@ -35,7 +36,7 @@ def test_a_pristine_demo_run_agrees_with_every_observable_compared(env, tmp_path
     run = _record(env, tmp_path, workload, async_scheduling=async_scheduling)
     assert run.crashed is None and run.scheduler_cls.endswith("AsyncScheduler" if async_scheduling else ".RecordingScheduler")
     lines = read_lines(run.path)
-    assert lines[0]["log_stats"] is True and lines[0]["version"] == 5
+    assert lines[0]["log_stats"] is True and lines[0]["version"] == VERSION
     assert all("free" in rec for rec in lines[1:] if rec["t"] in ("sched", "update"))
     assert any(rec.get("stats", {}).get("req") for rec in lines[1:] if rec["t"] == "update")
     r = check_trace(run.path, check_invariants_every=1)

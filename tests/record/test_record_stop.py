@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 
+from kvref.impl.run_trace.format import VERSION
 from kvref.models.run_check import check_trace
 from tests.record.traces import read_lines, rewrite
 from tests.vllm_env import require_vllm
@@ -53,7 +54,7 @@ def _reasons(lines) -> set:
 def test_a_pristine_stop_conditions_run_is_replayed_with_every_finish_compared(env, pristine, tmp_path,
                                                                               async_scheduling):
     run, lines = pristine if async_scheduling else _record(env, tmp_path, async_scheduling=False)
-    assert run.crashed is None and lines[0]["version"] == 5 and lines[0]["unmodelled"] == []
+    assert run.crashed is None and lines[0]["version"] == VERSION and lines[0]["unmodelled"] == []
     adds = [rec for rec in lines[1:] if rec["t"] == "add"]
     # every check_stop input is in the trace, and nothing names repetition detection unmodelled
     assert any(rec.get("eos") == 3 for rec in adds) and any(rec.get("eos") is None for rec in adds)

@@ -1,6 +1,7 @@
 """Trace format versions (issue #28): the reader takes every older version it can read and refuses a
 newer one by its header, with the version named (``kvref check-run``: exit 2). Version 5 (session
-14) marks session 13's ``stats.skip`` and adds the stop inputs on ``add``; the version-4 traces
+14) marks session 13's ``stats.skip`` and adds the stop inputs on ``add``; version 6 (session 15)
+records streaming-input sessions (``add.resumable``); the version-4 traces
 checked in beside these tests were written by the version-4 recorder (vLLM 0.33.0)."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 V4_TRACES = sorted(glob.glob(os.path.join(DATA, "*.kvtrace.gz")))
 
 
-def test_the_writer_writes_version_5():
-    assert VERSION == 5
+def test_the_writer_writes_version_6():
+    assert VERSION == 6
 
 
 @pytest.mark.parametrize("path", V4_TRACES, ids=os.path.basename)
@@ -50,7 +51,7 @@ def test_session_13s_skip_key_reads_in_a_version_4_trace(tmp_path):
             rec["stats"] = {"skip": 0}
         return rec
 
-    for version in (4, 5):
+    for version in (4, 5, 6):  # version 6 (streaming sessions) reads both older versions' skip key
         out = rewrite(src, tmp_path / f"v{version}.kvtrace.gz", with_stats, version=version)
         with TraceReader(out) as reader:
             assert reader.header["version"] == version

@@ -1,0 +1,175 @@
+"""check-run replays streaming-input sessions and ``reset_prefix_cache`` through the scheduler
+(issue #28, session 15, format 6).
+
+The recorder named a ``resumable`` arrival (and every update of a session) ``streaming_input`` and
+check-run stopped the replay there; a ``reset`` record on a run without a KV connector stopped it
+too. The reference models both (impl/reference/scheduler_sessions.py; ``Scheduler.reset_prefix_cache``,
+compared with vLLM in conform-scheduler), so the recorder now writes ``add.resumable`` (an update is an
+``add`` with the session's id) and the replay follows sessions and resets step by step. What the
+reference does not model beside a session (a KV connector, speculative decoding, multimodal items,
+the priority policy) is still named.
+
+Generated runs (:mod:`kvref.models.run_check.feature_runs`: the conform-scheduler session and
+cache-controls machines' draws, recorded from vLLM's ``Scheduler`` / ``AsyncScheduler`` through
+``scheduler_cls``) agree step by step; the same draws on a vLLM with a fault planted in the path
+(:mod:`kvref.impl.vllm.record_faults`) are flagged by the replay. Seeded, a fixed number of runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from kvref.models.run_check import check_trace
+from kvref.models.run_check.feature_runs import SESSION_FEATURES, record_feature_runs
+
+from kvref import cli
+from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
+from tests.record.traces import read_lines, rewrite
+from tests.vllm_env import require_vllm
+
+#: feature -> (seed, examples): draws that reach the feature's path and the planted fault
+DRAWS = {"streaming-input": (0, 10), "prefix-cache-reset": (0, 10)}
+STEPS = 30
+FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items() if feature in SESSION_FEATURES}
+#: the property findings a pristine run may carry, each vLLM 0.33.0's own hang (the replay agrees):
+#: waiting sessions hold the KV blocks the first of them needs (docs/record.md), or a head-of-line
+#: request the full-ISL reservation never admits on a tight pool
+KNOWN_HANGS = ("streaming-input sessions", "head-of-line hang of vLLM #39734")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """feature -> (pristine runs, runs of the same draws on a vLLM with the fault planted)."""
+    cache: dict = {}
+
+    def get(feature: str):
+        require_vllm()
+        if feature not in cache:
+            seed, n = DRAWS[feature]
+            d = tmp_path_factory.mktemp(feature)
+            pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=STEPS)
+            with plant_feature_fault(FAULT[feature]):
+                faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=STEPS, strict=False)
+            cache[feature] = (pristine, faulty)
+        return cache[feature]
+
+    return get
+
+
+def _shows(lines: list) -> Counter:
+    """What a trace shows of sessions and resets."""
+    c: Counter = Counter()
+    seen: set = set()
+    sessions: set = set()
+    for rec in lines[1:]:
+        if rec["t"] == "add":
+            c["updates"] += rec["id"] in seen
+            c["finishing_updates"] += rec["id"] in seen and not rec.get("resumable")
+            if rec.get("resumable") and rec["id"] not in seen:
+                sessions.add(rec["id"])
+            seen.add(rec["id"])
+        elif rec["t"] == "sched":
+            # a session admitted again on the blocks it kept: a "new" row with computed tokens
+            c["resumed_on_blocks"] += sum(1 for rid, c0, _b in rec["new"] if rid in sessions and c0)
+            c["reset_preemptions"] += sum(w == "reset_prefix_cache" for w in (rec.get("pre_why") or {}).values())
+        elif rec["t"] == "reset":
+            c["resets"] += 1
+            c["resets_running"] += bool(rec.get("running"))
+    c["sessions"] = len(sessions)
+    return c
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("feature", SESSION_FEATURES)
+def test_pristine_runs_are_replayed_step_by_step(recorded, feature, tmp_path, capsys):
+    pristine, _ = recorded(feature)
+    shows: Counter = Counter()
+    followed = 0
+    for run in pristine:
+        lines = read_lines(run.path)
+        assert lines[0]["unmodelled"] == [] and not any(rec.get("x") for rec in lines[1:]), run.path
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty or not any(rec["t"] == "add" for rec in lines[1:]):
+            continue
+        assert r.followed and r.divergence is None and r.crash is None, (
+            run.path, r.stopped_because, r.divergence and r.divergence.table())
+        assert r.steps_compared == r.summary["steps"]
+        p = check_trace(run.path, properties_only=True)
+        # the properties hold alone, but for vLLM's own hangs (findings, which the replay agrees with)
+        assert all(f.kind == "starvation" and any(h in f.message for h in KNOWN_HANGS) for f in p.findings), (
+            run.path, [(f.kind, f.message) for f in p.findings[:3]])
+        if r.verdict == "agrees" and not followed:
+            assert cli.main(["check-run", str(run.path), "--out", str(tmp_path / "cx")]) == 0
+            assert "verdict: agrees" in capsys.readouterr().out
+        followed += 1
+        shows.update(_shows(lines))
+    assert followed >= 6, followed
+    if feature == "streaming-input":  # sessions, their updates and ends, turns resumed on kept blocks
+        assert shows["sessions"] >= 20 and shows["updates"] >= 20 and shows["finishing_updates"] >= 5, shows
+        assert shows["resumed_on_blocks"] >= 5, shows
+    else:  # resets, some preempting the running requests
+        assert shows["resets"] >= 4 and shows["resets_running"] >= 2 and shows["reset_preemptions"] >= 2, shows
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("feature", SESSION_FEATURES)
+def test_a_fault_planted_in_the_path_is_flagged_by_the_replay(recorded, feature, tmp_path, capsys):
+    _, faulty = recorded(feature)
+    flagged = []
+    for run in faulty:
+        r = check_trace(run.path)
+        if r.empty:
+            continue
+        assert r.followed or r.divergence is not None or r.crash is not None, (run.path, r.stopped_because)
+        if r.divergence is not None:
+            flagged.append(run.path)
+    assert flagged, f"no {feature} run with {FAULT[feature]} planted was flagged"
+    assert cli.main(["check-run", str(flagged[0]), "--out", str(tmp_path / "cx")]) == 1
+    assert capsys.readouterr().out.strip().endswith("verdict: FINDINGS")
+
+
+@pytest.mark.vllm
+def test_a_version_5_streaming_arrival_still_stops_the_replay(recorded, tmp_path):
+    """A version-5 recorder named a session ``streaming_input`` on its arrival (no ``resumable``):
+    such a trace still reads, and its replay stops there and says why, as before."""
+    pristine, _ = recorded("streaming-input")
+    run = next(r for r in pristine if _shows(read_lines(r.path))["sessions"])
+
+    def as_v5(rec):
+        if rec["t"] == "add" and rec.pop("resumable", None):
+            rec["x"] = ["streaming_input"]
+        return rec
+
+    old = rewrite(run.path, tmp_path / "v5.kvtrace.gz", as_v5, version=5)
+    r = check_trace(old)
+    assert not r.followed and r.divergence is None and "streaming_input" in r.stopped_because, r.stopped_because
+
+
+def _scheduler(connector=None, spec=None, policy="fcfs"):
+    return SimpleNamespace(connector=connector, vllm_config=SimpleNamespace(speculative_config=spec),
+                           scheduler_config=SimpleNamespace(policy=policy))
+
+
+def _request(resumable=True, mm=()):
+    return SimpleNamespace(resumable=resumable, mm_features=list(mm), sampling_params=None, pooling_params=None,
+                           use_structured_output=False, prompt_embeds=None, prompt_token_ids=[1, 2],
+                           kv_transfer_params=None)
+
+
+@pytest.mark.parametrize("setup, named", [
+    (dict(), None),
+    (dict(connector=object()), "streaming_input (with a KV connector)"),
+    (dict(spec=object()), "streaming_input (with speculative decoding)"),
+    (dict(policy="priority"), "streaming_input (priority policy)"),
+])
+def test_the_recorder_names_only_the_sessions_the_reference_does_not_model(setup, named):
+    """Cheap (no vLLM): the arrival's unmodelled list for a session (and for an update of one)."""
+    from kvref.impl.vllm.record import _request_unmodelled
+
+    for existing, request in ((False, _request()), (True, _request(resumable=False))):
+        assert _request_unmodelled(request, existing, _scheduler(**setup)) == ([named] if named else [])
+    item = SimpleNamespace(mm_position=SimpleNamespace(is_embed=None))
+    assert _request_unmodelled(_request(mm=[item]), False, _scheduler()) == ["streaming_input (multimodal)"]
+    assert _request_unmodelled(_request(resumable=False), False, _scheduler(connector=object())) == []
