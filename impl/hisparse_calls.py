@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvref.spec.errors import InvalidFieldError, check_int
+
 
 class HiSparseManagerCalls:
     """Mixin: needs ``self.managers``, the pool's single-type managers in KV cache group order."""
@@ -172,6 +174,57 @@ class HiSparseManagerCalls:
             copy_by_block=sorted(coord._copy_by_block),
             retained_copies=sorted(coord._retained_copies),
         )
+
+
+class HiSparseWholeManagerCalls:
+    """Mixin: a HiSparse pool driven through its whole ``KVCacheManager`` (``get_computed_blocks``
+    -> ``allocate_slots`` -> ``free``), the calls written once for vLLM's manager
+    (:class:`kvref.impl.vllm.hisparse_kv_manager.VllmHiSparseKVCacheManager`) and the reference's
+    (``kvref.models.conformance.hisparse_kv_manager.ReferenceHiSparseKVCacheManager``; #26: the
+    duplicates tool's D17). Needs ``self._mgr`` (the manager), ``self.requests`` and
+    ``self._request(request_id, prompt)`` (the pool's), ``self._whole_hits`` (a dict) and
+    ``self._status(name)``, the side's own request status of a name."""
+
+    _mgr: Any
+    requests: dict[str, Any]
+    _whole_hits: dict[str, Any]
+    #: the side's request status for ``"WAITING"``, ``"RUNNING"`` and ``"FINISHED"``
+    _status: Any
+
+    def manager_hit(self, request_id: str, prompt: list[int]) -> tuple[int, list[list[int]]]:
+        """``get_computed_blocks`` for a new request: (hit tokens, block ids per group)."""
+        if request_id in self.requests:
+            raise InvalidFieldError("request_id", request_id, "a request not admitted yet")
+        req = self._request(request_id, prompt)
+        req.status = self._status("WAITING")
+        blocks, num_hit, _ = self._mgr.get_computed_blocks(req)
+        self._whole_hits[request_id] = (blocks, num_hit)
+        return num_hit, [list(ids) for ids in blocks.get_block_ids()]
+
+    def manager_allocate(self, request_id: str, num_new_tokens: int) -> list[list[int]] | None:
+        """``allocate_slots`` with the hit found at admission (none when running): the new block
+        ids per group, or None when the manager refuses."""
+        check_int("num_new_tokens", num_new_tokens, minimum=1)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise InvalidFieldError("request_id", request_id, "a request asked for its hit first")
+        blocks, num_hit = self._whole_hits.get(request_id, (None, 0))
+        got = self._mgr.allocate_slots(req, num_new_tokens, num_hit, blocks)
+        if got is None:
+            return None
+        self._whole_hits.pop(request_id, None)
+        req.status = self._status("RUNNING")
+        return [list(ids) for ids in got.get_block_ids()]
+
+    def manager_computed(self, request_id: str, num_tokens: int) -> None:
+        """The step ran: the request has ``num_tokens`` computed (``allocate_slots`` cached them)."""
+        self.requests[request_id].num_computed_tokens = num_tokens
+
+    def manager_free(self, request_id: str) -> None:
+        req = self.requests.pop(request_id)
+        self._whole_hits.pop(request_id, None)
+        req.status = self._status("FINISHED")
+        self._mgr.free(req)
 
 
 def _observe_request_state(state: Any) -> dict[str, Any]:

@@ -17,11 +17,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from kvref.impl.hisparse_calls import HiSparseWholeManagerCalls
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.hisparse_pool import HiSparsePool
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.request import Request, RequestStatus
-from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.hisparse import HiSparsePoolConfig
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
@@ -43,7 +43,7 @@ def _pool_config(config: HiSparsePoolConfig) -> PoolConfig:
                                hisparse_host_num_blocks=config.host_num_blocks)
 
 
-class ReferenceHiSparseKVCacheManager(HiSparsePool):
+class ReferenceHiSparseKVCacheManager(HiSparseWholeManagerCalls, HiSparsePool):
     """The reference ``KVCacheManager`` over the same pool, answering the calls of
     :class:`kvref.impl.vllm.hisparse_kv_manager.VllmHiSparseKVCacheManager` (and, through the
     coordinator it builds, those of :class:`HiSparsePool`: the offload command, reports, state)."""
@@ -60,35 +60,8 @@ class ReferenceHiSparseKVCacheManager(HiSparsePool):
         self.requests: dict[str, Request] = {}
         self._whole_hits: dict[str, Any] = {}
 
-    def manager_hit(self, request_id: str, prompt: list[int]) -> tuple[int, list[list[int]]]:
-        if request_id in self.requests:
-            raise InvalidFieldError("request_id", request_id, "a request not admitted yet")
-        req = self.requests[request_id] = Request(request_id, list(prompt), max_tokens=1)
-        blocks, num_hit, _ = self._mgr.get_computed_blocks(req)
-        self._whole_hits[request_id] = (blocks, num_hit)
-        return num_hit, [list(ids) for ids in blocks.get_block_ids()]
-
-    def manager_allocate(self, request_id: str, num_new_tokens: int) -> list[list[int]] | None:
-        check_int("num_new_tokens", num_new_tokens, minimum=1)
-        req = self.requests.get(request_id)
-        if req is None:
-            raise InvalidFieldError("request_id", request_id, "a request asked for its hit first")
-        blocks, num_hit = self._whole_hits.get(request_id, (None, 0))
-        got = self._mgr.allocate_slots(req, num_new_tokens, num_hit, blocks)
-        if got is None:
-            return None
-        self._whole_hits.pop(request_id, None)
-        req.status = RequestStatus.RUNNING
-        return [list(ids) for ids in got.get_block_ids()]
-
-    def manager_computed(self, request_id: str, num_tokens: int) -> None:
-        self.requests[request_id].num_computed_tokens = num_tokens
-
-    def manager_free(self, request_id: str) -> None:
-        req = self.requests.pop(request_id)
-        self._whole_hits.pop(request_id, None)
-        req.status = RequestStatus.FINISHED
-        self._mgr.free(req)
+    def _status(self, name: str) -> RequestStatus:
+        return RequestStatus[name]
 
     def check_invariants(self) -> None:
         self._mgr.check_invariants()
