@@ -59,7 +59,7 @@ def _vllm_batches(steps: int = 14) -> tuple[list[list], object]:
             mgr.free(r)
         if step % 6 == 5:
             assert mgr.reset_prefix_cache()
-        events = mgr._mgr.take_events()
+        events = mgr.vllm_manager.take_events()
         batches.append(events or [])
     return batches, mgr
 

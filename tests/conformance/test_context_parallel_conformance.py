@@ -110,7 +110,7 @@ def _vllm_refuses(fields: dict) -> bool:
     hbs = fields["hash_block_size"]
     hasher = PoolConfig(num_blocks=8, groups=(KVCacheGroupSpec(("h",), FullAttentionSpec(**{**_ATTN, "block_size": hbs})),),
                         max_model_len=64, scheduler_block_size=hbs, hash_block_size=hbs)
-    vreq = make_manager("vllm", hasher)._mirror(Request(request_id="r", prompt_token_ids=list(range(40))))
+    vreq = make_manager("vllm", hasher).vllm_request(Request(request_id="r", prompt_token_ids=list(range(40))))
     try:
         manager = load_vllm()["KVCacheManager"](to_vllm_kv_cache_config(pool), **kwargs)
         manager.get_computed_blocks(vreq)

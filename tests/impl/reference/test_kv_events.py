@@ -344,7 +344,7 @@ def test_report_mode_full_hits_are_announced_like_vllm() -> None:
     _both(ref, vllm, lambda m: m.free(first))
     again = Request("again", list(range(13)) + [99])
     again.kv_cache_report_mode = "full"  # type: ignore[attr-defined]
-    vllm._mirror(again).kv_cache_report_mode = "full"
+    vllm.vllm_request(again).kv_cache_report_mode = "full"
     events = _both(ref, vllm, lambda m: m.get_computed_blocks(again))
     assert [(e["type"], e["group_idx"], e["parent_block_hash"]) for e in events] == [
         ("BlockStored", 0, None), ("BlockStored", 1, None)]

@@ -97,7 +97,7 @@ def test_stale_link_on_a_held_block_is_caught(vllm_mods):
 def test_cached_block_count_kept_after_free_is_caught(vllm_mods):
     kv, _ = vllm_mods
     m, _, b = _manager_with_requests(kv)
-    mgr = m._mgr.coordinator.single_type_managers[0]
+    mgr = m.vllm_manager.coordinator.single_type_managers[0]
     kept = mgr.num_cached_block["b"]
     m.free(b)
     b.status = RequestStatus.PREEMPTED
@@ -119,7 +119,7 @@ def test_null_block_ref_count_drift_is_caught(vllm_mods):
 def test_null_slot_after_a_real_block_in_a_window_table_is_caught(vllm_mods):
     kv, _ = vllm_mods
     m, _, _ = _manager_with_requests(kv, swa=True)
-    swa = m._mgr.coordinator.single_type_managers[1]
+    swa = m.vllm_manager.coordinator.single_type_managers[1]
     table = swa.req_to_blocks["a"]
     assert len(table) >= 3
     # swap a null slot in behind a real block, and keep the counts exact (the freed block is queued)
@@ -190,7 +190,7 @@ def test_block_in_two_groups_tables_is_caught(vllm_mods):
     """vLLM #33775's symptom: one group's allocation took a block another group then holds as a hit."""
     kv, _ = vllm_mods
     m, _, _ = _manager_with_requests(kv, swa=True)
-    g0, g1 = m._mgr.coordinator.single_type_managers
+    g0, g1 = m.vllm_manager.coordinator.single_type_managers
     shared = g0.req_to_blocks["b"][0]
     dropped = g1.req_to_blocks["b"][0]
     g1.req_to_blocks["b"][0] = shared  # keep ref counts exact: shared gains a holder, dropped loses one
