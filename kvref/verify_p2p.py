@@ -17,16 +17,20 @@ def check_p2p_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, name)
     if skipped:
         return skipped
+    from kvref.impl.vllm.native_agents import native_agents_released
     from kvref.models.machines.p2p import COVERAGE, run_p2p_config_cases, run_p2p_machine
 
     examples = ctx.examples(20, 300)
     before = COVERAGE.bytes_checked
-    ok, failure, sig = run_p2p_machine(with_vllm=True, examples=examples, shrink=ctx.shrink, seed=ctx.seed)
-    if not ok:
-        return CheckResult(name, FAILED, "P2P tier traces diverged from vLLM", details=failure.splitlines()[:30],
-                           signature=sig)
-    options = ctx.examples(4, 20)
-    ok, failure = run_p2p_config_cases(options, seed=ctx.seed)
+    # the worlds' NIXL agents are destroyed when the check ends: their UCX threads would poll with a
+    # zero timeout for the rest of the verify run (#22/#26)
+    with native_agents_released():
+        ok, failure, sig = run_p2p_machine(with_vllm=True, examples=examples, shrink=ctx.shrink, seed=ctx.seed)
+        if not ok:
+            return CheckResult(name, FAILED, "P2P tier traces diverged from vLLM", details=failure.splitlines()[:30],
+                               signature=sig)
+        options = ctx.examples(4, 20)
+        ok, failure = run_p2p_config_cases(options, seed=ctx.seed)
     if not ok:
         return CheckResult(name, FAILED, "P2P tier options resolved differently from vLLM", details=[failure],
                            signature="p2p:tier options")

@@ -21,6 +21,7 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
     skipped = vllm_gate(ctx, NAME)
     if skipped:
         return skipped
+    from kvref.impl.vllm.native_agents import native_agents_released
     from kvref.impl.vllm.tiering import TierTimeout
     from kvref.models.machines.tiering import TieringDivergence, run_traces
     from kvref.models.machines.tiering_backpressure import BackpressureDivergence, run_programs
@@ -32,12 +33,14 @@ def check_tiering_conformance(ctx: VerifyContext) -> CheckResult:
 
     n = ctx.examples(8, 60)  # 8: three draw the KVCR, polled and obj tiers, five any layout
     try:
-        stats = run_traces(ctx.seed, n)
-        stats.update(run_config_cases(ctx.seed, ctx.examples(12, 48)))  # fast: one per tiering_config.FAMILIES
-        stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
-        stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
-        stats.update(run_spec_cases(ctx.seed, ctx.examples(120, 400)))  # ~0.3 s per 120 configs
-        stats.update(run_worker_cases(ctx.seed, ctx.examples(60, 200)))  # ~0.2 s per 100 cases
+        # what KVCR start-ups and traces left running is destroyed when the check ends (#22/#26)
+        with native_agents_released():
+            stats = run_traces(ctx.seed, n)
+            stats.update(run_config_cases(ctx.seed, ctx.examples(12, 48)))  # fast: one per tiering_config.FAMILIES
+            stats.update(run_programs(ctx.seed, ctx.examples(60, 300)))  # ~0.1 s per 60 programs
+            stats.update(run_poll_programs(ctx.seed, ctx.examples(30, 150)))  # ~1 s per 30 programs
+            stats.update(run_spec_cases(ctx.seed, ctx.examples(120, 400)))  # ~0.3 s per 120 configs
+            stats.update(run_worker_cases(ctx.seed, ctx.examples(60, 200)))  # ~0.2 s per 100 cases
     except (TieringDivergence, TierTimeout, ConfigDivergence, BackpressureDivergence, PollLoopDivergence,
             SpecConfigDivergence, CanonicalRefsDivergence) as exc:
         text = f"{type(exc).__name__}: {exc}"

@@ -7,6 +7,7 @@ Profiles: ``fast`` (default, for a laptop), ``ci`` (selected when CI=true, see s
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -34,6 +35,20 @@ def profile_examples(fast: int, ci: int, nightly: int | None = None) -> int:
     if name == "nightly":
         return nightly if nightly is not None else ci * 100
     return ci if name == "ci" else fast
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_native_agents():
+    """After each test module, the NIXL agents its vLLM worlds started are destroyed (the P2P
+    world's pool, what KVCR start-ups left: kvref.impl.vllm.native_agents): each agent's UCX
+    threads poll with a zero timeout for as long as it exists, and a module that left a handful
+    made every later test of its process crawl (#22/#26). Nothing is imported for a module that
+    drove neither."""
+    yield
+    if "kvref.impl.vllm.p2p_nixl" in sys.modules or "kvref.impl.vllm.tiering_kvcr" in sys.modules:
+        from kvref.impl.vllm.native_agents import release_native_agents
+
+        release_native_agents()
 
 
 def _cuda_available() -> bool:

@@ -17,10 +17,12 @@ Two things are the harness's, both at the NIXL agent (vLLM's ``_NixlAgent``), ne
   microseconds and the traces would depend on thread timing.
 * **Agent reuse.** Creating a NIXL agent with its UCX backend costs about half a second, so the
   process keeps one real agent per engine slot (:func:`pooled_agent`, replaced every
-  :data:`RECYCLE_AFTER` worlds by :func:`recycle_agents`) and every world's transport
-  gets a fresh :class:`HeldAgent` over it. vLLM's ``_init`` still registers the world's buffer and
-  prepares its descriptors; ``close`` releases them again; what a failed trace leaves behind is
-  released by :meth:`HeldAgent.release_all`. The UCX backend is created on the pooled agent once.
+  :data:`RECYCLE_AFTER` worlds by :func:`recycle_agents`, destroyed by :func:`release_agents` when
+  a check or test module is done: an agent's UCX threads poll for as long as it exists) and every
+  world's transport gets a fresh :class:`HeldAgent` over it. vLLM's ``_init`` still registers the
+  world's buffer and prepares its descriptors; ``close`` releases them again; what a failed trace
+  leaves behind is released by :meth:`HeldAgent.release_all`. The UCX backend is created on the
+  pooled agent once.
 
 * **Refusals.** The trace may have NIXL refuse the next WRITE submissions
   (:meth:`HeldAgent.fail_submissions`: ``make_prepped_xfer`` raises, or ``transfer()`` reports
@@ -39,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time as _real_time
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -79,6 +82,7 @@ _BACKENDS: set[tuple[str, str]] = set()  # (agent name, backend) created
 #: goes away, and a process that ran a thousand worlds on one pair ran out of file descriptors
 RECYCLE_AFTER = 100
 _WORLDS = [0, 0]  # worlds since the pool's agents were made, the pool's generation
+_HELD: "weakref.WeakSet[HeldAgent]" = weakref.WeakSet()  # every HeldAgent not yet released
 
 
 def recycle_agents() -> None:
@@ -89,6 +93,30 @@ def recycle_agents() -> None:
         if _WORLDS[0] > RECYCLE_AFTER:
             _POOL.clear()
             _WORLDS[0], _WORLDS[1] = 1, _WORLDS[1] + 1
+
+
+def release_agents() -> int:
+    """Destroy the pooled NIXL agents and the agents of older generations that worlds still hold:
+    the pool is emptied, every :class:`HeldAgent` gives back what it holds and lets go of its real
+    agent, and the next world creates new agents (a new generation's names). NIXL has no call that
+    stops an agent; its native agent, and the UCX progress threads that poll with a zero timeout
+    (about 0.15 of a core each), go when the last reference to it does, so nothing else may keep
+    one (:mod:`kvref.impl.vllm.native_agents`). Call it when no world is in use any more (the end
+    of a check or a test module): a world still open has no agent afterwards. Returns how many
+    agents were let go."""
+    with _POOL_LOCK:
+        agents = {id(agent): agent for agent, _ in _POOL.values()}
+        _POOL.clear()
+        _BACKENDS.clear()
+        held = list(_HELD)
+        _HELD.clear()
+        agents.update((id(h.real), h.real) for h in held if h.real is not None)
+        if agents:
+            _WORLDS[0], _WORLDS[1] = 0, _WORLDS[1] + 1
+    for h in held:
+        h.release_all()
+        h.real = None
+    return len(agents)
 
 
 def pooled_agent(slot: str) -> tuple[Any, str]:
@@ -110,6 +138,7 @@ class HeldAgent:
     def __init__(self, slot: str, agents: dict[str, "HeldAgent"]) -> None:
         self.slot = slot
         self.real, self.real_name = pooled_agent(slot)
+        _HELD.add(self)
         self._agents = agents  # the world's agents by slot (a closed one refuses registration)
         agents[slot] = self
         self.held: list[Any] = []  # posted WRITE handles, oldest first, not yet resolved
@@ -282,7 +311,9 @@ class HeldAgent:
 
     def release_all(self) -> None:
         """Give back whatever the world's transport did not release (a failed trace), so the pooled
-        agent starts the next world clean."""
+        agent starts the next world clean (nothing, once :func:`release_agents` let its agent go)."""
+        if self.real is None:
+            return
         for handle in self.held + [h for h, _ in self.resolved.values()] + [h for h, _ in self.broken.values()]:
             try:
                 self.real.release_xfer_handle(handle)

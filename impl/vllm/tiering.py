@@ -613,9 +613,11 @@ def build_vllm_tiering(num_chunks: int, tiers: list[dict], clock: VirtualClock, 
                                           is_parallelism_agnostic=False),
         replicated_layout=False)
     bucket: dict[str, bytes] = {}
-    from kvref.impl.vllm.tiering_kvcr import close_orphaned_kvcr_progress, kvcr_progress_threads
+    from kvref.impl.vllm.tiering_kvcr import close_orphaned_kvcr_progress, kvcr_progress_threads, note_kvcr_start
 
     progress_before = kvcr_progress_threads()
+    if any(t.get("type") == "kvcr" for t in tiers):
+        note_kvcr_start()
     try:
         spec = TieringOffloadingSpec(ocfg)
         with _in_memory_nixl(bucket, any(t.get("type") == "obj" for t in tiers)):

@@ -33,6 +33,8 @@ from kvref.spec.errors import InvalidFieldError, check_int
 
 #: longest a KVCR operation may stay open (ms); the counter clock never gets there
 _TIMEOUT_MS = 10 ** 9
+#: KVCR tiers asked for (:func:`note_kvcr_start`) since :func:`release_kvcr_agents` last looked
+_STARTS = [0]
 
 
 def kvcr_tier_config(slots: int, policy: str = "lru", telemetry: bool = True) -> dict:
@@ -165,19 +167,25 @@ def close_orphaned_kvcr_progress(before: set[int]) -> int:
     threads poll with a zero timeout, about 0.15 of a core each, for the life of the process: an
     accumulated handful made every later test of a one-process suite crawl (CI ran past 5,400 s,
     stop 33). A loop that refuses to close (a fault left a transfer active) has its agent dropped.
-    Returns how many loops were closed or dropped."""
+
+    A loop whose thread ended with a failure keeps it (``_failure``, raised again by every later
+    call), and kvcr keeps the core of a failed start-up for the life of the process
+    (``kvcr.api._NONQUIESCENT_STARTUP_RESOURCES``): the failure's traceback holds the frames of
+    the loop's start-up, whose locals hold its NIXL agent even after the loop let go of it. Those
+    tracebacks are dropped (the failure keeps its type and message), so the agent and its threads
+    go. Returns how many loops were closed, dropped or freed of a traceback."""
     import gc
 
     try:
         from kvcr.progress import _KVCRProgress
     except ImportError:  # kvcr is not installed: no KVCR tier was built
         return 0
-    import warnings
-
     new = kvcr_progress_threads() - before
-    with warnings.catch_warnings():  # isinstance on some objects of the heap warns (torch's old aliases)
-        warnings.simplefilter("ignore")
-        loops = [obj for obj in gc.get_objects() if isinstance(obj, _KVCRProgress)]
+    # by the real type: isinstance asks an object's __class__, which lazy proxies on the heap answer
+    # by importing (openai's module client imports half its package) and torch's old aliases by warning
+    loops = [obj for obj in gc.get_objects() if issubclass(type(obj), _KVCRProgress)]
+    from kvref.impl.vllm.native_agents import drop_tracebacks
+
     found = 0
     for obj in loops:
         thread = getattr(obj, "_thread", None)
@@ -196,10 +204,31 @@ def close_orphaned_kvcr_progress(before: set[int]) -> int:
             except Exception:  # noqa: BLE001 - active transfers or registrations: drop the agent anyway
                 pass
             obj._nixl_agent = None
+        failure = getattr(obj, "_failure", None)
+        if not running and failure is not None and failure.__traceback__ is not None:
+            found += 1
+            drop_tracebacks(failure)
     if found:
         gc.collect()
     return found
 
 
+def note_kvcr_start() -> None:
+    """A KVCR tier is about to be built (:func:`~kvref.impl.vllm.tiering.build_vllm_tiering`):
+    the next :func:`release_kvcr_agents` looks for what it left."""
+    _STARTS[0] += 1
+
+
+def release_kvcr_agents() -> int:
+    """Close every KVCR progress loop still running and free the agents of ended ones
+    (:func:`close_orphaned_kvcr_progress` sparing none), if a KVCR tier was asked for since the
+    last call (otherwise no heap scan: nothing to find). For the end of a check or a test module,
+    when no tiering world is in use any more. Returns how many loops were closed or freed."""
+    if not _STARTS[0]:
+        return 0
+    _STARTS[0] = 0
+    return close_orphaned_kvcr_progress(set())
+
+
 __all__ = ["KvcrGate", "close_orphaned_kvcr_progress", "kvcr_built", "kvcr_progress_threads", "kvcr_tier_config",
-           "retained_native_buffers"]
+           "note_kvcr_start", "release_kvcr_agents", "retained_native_buffers"]
