@@ -12,7 +12,11 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            (``repetition_detection`` as ``[max_pattern_size, min_pattern_size, min_count]``, absent: off);
            version 6 adds ``resumable`` (true: vLLM's ``Request.resumable``, a streaming-input
            session's turn; absent: false). An ``add`` whose ``id`` is a live session's is the
-           session's next input (``resumable``) or its end (not).
+           session's next input (``resumable``) or its end (not). Version 6 also adds ``embeds``
+           for a request with prompt embeddings: base64 of an 8-byte BLAKE2b digest of each prompt
+           position's embedding row (keyed under the run's anonymizer key when anonymized), which
+           the block hashes take as the rows (equal rows, equal digests); ``prompt`` then holds
+           vLLM's token ids for those positions (0 where the embedding stands in).
 ``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
            ``status`` (vLLM's ``RequestStatus`` name).
 ``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call); ``ids`` and ``n``: the
@@ -92,9 +96,9 @@ line, instead of the version) and adds the stop inputs on ``add`` (``eos``, ``mi
 version-4 trace reads unchanged (its ``stop`` already holds the EOS id; a request with repetition
 detection is named unmodelled there), and a version-4 reader refuses a version-5 trace by its header.
 6 (issue #28, session 15) records streaming-input sessions (``add.resumable``, updates as ``add``
-records with the session's id), which a version-5 recorder named ``streaming_input`` on the arrival:
-a version-5 trace reads unchanged (``stats.skip`` included) and stops its replay at such an arrival
-as before; a version-5 reader refuses a version-6 trace by its header (it would replay a session's
+records with the session's id) and prompt embeddings (``add.embeds``), which a version-5 recorder
+named ``streaming_input`` / ``prompt_embeds`` on the arrival: a version-5 trace reads unchanged
+(``stats.skip`` included) and stops its replay at such an arrival as before; a version-5 reader refuses a version-6 trace by its header (it would replay a session's
 turn as a plain request).
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
@@ -127,7 +131,7 @@ import sys
 from array import array
 from typing import Any
 
-from kvref.spec.errors import InvalidFieldError
+from kvref.spec.errors import InvalidFieldError, check_int
 
 FORMAT = "kvref-run-trace"
 VERSION = 6
@@ -258,6 +262,62 @@ class TokenAnonymizer:
         if type(salt) is not str:
             raise InvalidFieldError("salt", salt, "a cache salt (str) or None")
         return hashlib.blake2b(salt.encode(), key=self._key, digest_size=8).hexdigest()
+
+
+    def embeds_digests(self, data, row_bytes: int) -> bytes:
+        """:func:`embeds_digests` keyed with this run's key: a reader cannot test a guessed
+        embedding (a token's, from the public model) against the trace."""
+        return embeds_digests(data, row_bytes, self._key)
+
+
+#: bytes of one prompt embedding row's digest in an ``add`` record's ``embeds`` (version 6)
+EMBED_DIGEST_SIZE = 8
+
+
+def embeds_digests(data, row_bytes: int, key: bytes = b"") -> bytes:
+    """The ``embeds`` digests of raw prompt embeddings ``data`` (rows of ``row_bytes`` bytes, row
+    after row): an 8-byte BLAKE2b of each row, concatenated. Equal rows give equal digests, which
+    is all the block hashes need of them (vLLM hashes a block's rows' bytes)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidFieldError("data", type(data).__name__, "the embeddings' raw bytes (bytes or a memoryview)")
+    if type(key) is not bytes or len(key) > 64:
+        raise InvalidFieldError("key", key, "bytes of at most 64 (a BLAKE2b key; b'' for none)")
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise InvalidFieldError("data", "a non-contiguous view", "contiguous bytes")
+    view = view.cast("B")
+    check_int("row_bytes", row_bytes, minimum=1)
+    if len(view) % row_bytes:
+        raise InvalidFieldError("row_bytes", row_bytes, f"a positive divisor of the embeddings' {len(view)} bytes")
+    return b"".join(hashlib.blake2b(view[i:i + row_bytes], digest_size=EMBED_DIGEST_SIZE, key=key).digest()
+                    for i in range(0, len(view), row_bytes))
+
+
+def decode_embeds(text: str) -> tuple[bytes, ...]:
+    """An ``add`` record's ``embeds`` as one digest row per prompt token (what the reference's
+    ``Request.prompt_embeds`` takes)."""
+    raw = None
+    if type(text) is str:
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except ValueError:
+            raw = None
+    if raw is None or len(raw) % EMBED_DIGEST_SIZE:
+        raise InvalidFieldError("embeds", text, f"base64 of {EMBED_DIGEST_SIZE}-byte digests")
+    return tuple(raw[i:i + EMBED_DIGEST_SIZE] for i in range(0, len(raw), EMBED_DIGEST_SIZE))
+
+
+def _b64_len(text: str) -> int:
+    """Decoded length of base64 ``text`` (-1 when it is not base64)."""
+    try:
+        return len(base64.b64decode(text, validate=True))
+    except (ValueError, TypeError):
+        return -1
+
+
+def _num_b64_uint32(text: Any) -> int:
+    n = _b64_len(text) if type(text) is str else -1
+    return n // 4 if n >= 0 else -1
 
 
 # ---- validation (reader side) -------------------------------------------------------------------
@@ -603,6 +663,12 @@ def validate_record(rec: Any, where: str) -> str:
                                     and rep[1] <= rep[0] and (rep[0] == 0 or rep[2] >= 2)):
             raise _fail(where, "rep", rep, "[max_pattern_size, min_pattern_size <= max_pattern_size, "
                         "min_count >= 2] (ints >= 0; repetition_detection)")
+        emb = rec.get("embeds")
+        if emb is not None:
+            n = _num_b64_uint32(rec["prompt"])
+            if type(emb) is not str or _b64_len(emb) != EMBED_DIGEST_SIZE * n:
+                raise _fail(where, "embeds", emb if type(emb) is not str else f"{_b64_len(emb)} bytes",
+                            f"base64 of {EMBED_DIGEST_SIZE}-byte digests, one per prompt token ({n})")
         if "resumable" in rec and rec["resumable"] is not True:
             raise _fail(where, "resumable", rec["resumable"], "true (a streaming-input session's turn) or absent")
         lora = rec.get("lora")

@@ -187,6 +187,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.encoder_cache_manager", "EncoderCacheManager", "cache_size"),
         # LoRA's max_loras admission (models/machines/scheduler_lora.py, #22)
         _b("vllm.config", "LoRAConfig", "max_loras"),
+        # a prompt-embeds request's rows as vLLM's hasher reads them (the recorder's add.embeds, #28)
+        _b("vllm.v1.utils", "tensor_data"),
         # check_stop's EOS, min_tokens and repetition rules (models/machines/scheduler_stop.py, #22)
         _b("vllm.sampling_params", "SamplingParams.__init__", "max_tokens", "stop_token_ids", "ignore_eos",
            "min_tokens", "repetition_detection", "skip_reading_prefix_cache"),

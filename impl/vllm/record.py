@@ -330,6 +330,8 @@ def _streaming_unmodelled(s, request) -> str | None:
         return "streaming_input (with speculative decoding)"
     if getattr(request, "mm_features", None):
         return "streaming_input (multimodal)"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "streaming_input (prompt embeds)"
     if str(s.scheduler_config.policy).lower() != "fcfs":
         return "streaming_input (priority policy)"
     return None
@@ -352,13 +354,35 @@ def _request_unmodelled(request, existing: bool, s=None) -> list[str]:
     # whose placeholder tokens are not all embeddings (an is_embed mask) is not modelled
     if any(getattr(f.mm_position, "is_embed", None) is not None for f in getattr(request, "mm_features", None) or ()):
         found.append("multimodal (is_embed mask)")
-    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
-        found.append("prompt_embeds")
+    # prompt embeddings are recorded (add.embeds: a digest per row, format 6) and replayed (#28)
+    if getattr(request, "prompt_embeds", None) is None and request.prompt_token_ids is None:
+        found.append("prompt_embeds")  # no token ids and no embeddings: nothing to replay
     if getattr(request, "kv_transfer_params", None):
         found.append("kv_transfer")
     # repetition detection, min_tokens and the EOS id are recorded (add.rep/min/eos, format 5) and
     # replayed through the reference's check_stop (#28)
     return found
+
+
+def _embeds_json(request, anon) -> str:
+    """``,"embeds":"<base64>"``: an 8-byte digest of each prompt position's embedding row (keyed
+    when anonymized), what vLLM's block hashes take of a prompt-embeds request
+    (``_gen_prompt_embeds_extra_hash_keys``: the bytes of the block's rows), or "" (format 6, #28).
+    One pass over the tensor's bytes at arrival, as vLLM's hasher makes per block."""
+    pe = getattr(request, "prompt_embeds", None)
+    if pe is None:
+        return ""
+    from vllm.v1.utils import tensor_data
+
+    from kvref.impl.run_trace.format import embeds_digests
+
+    data = tensor_data(pe)
+    rows = int(pe.shape[0]) if len(pe.shape) else 0
+    if not rows:
+        return ',"embeds":""'
+    row_bytes = len(data) // rows
+    digests = anon.embeds_digests(data, row_bytes) if anon is not None else embeds_digests(data, row_bytes)
+    return ',"embeds":"%s"' % b2a_base64(digests, newline=False).decode("ascii")
 
 
 def _stop_json(sp, anon) -> str:
@@ -665,6 +689,10 @@ class _Recorder:
         if eos is not None and eos not in stop:
             stop.append(eos)
         prompt = request.prompt_token_ids or ()
+        if getattr(request, "prompt_embeds", None) is not None:
+            # the token ids vLLM hashes for the prompt: 0 where an embedding stands in (vLLM's
+            # Request zeroes those positions of _all_token_ids), beside the embeds digests
+            prompt = list(request.all_token_ids)[:request.num_prompt_tokens]
         rid, salt = request.request_id, request.cache_salt
         anon = self._kvref_anon
         if anon is not None:
@@ -681,7 +709,7 @@ class _Recorder:
         extra = _request_unmodelled(request, existing, self)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), _stop_json(sp, anon),
                 "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
@@ -690,7 +718,7 @@ class _Recorder:
                 # a streaming-input session's turn (format 6, #28): vLLM's Request.resumable; an add
                 # with a live session's id is its next input, or (not resumable) its end
                 ',"resumable":true' if getattr(request, "resumable", False) else "",
-                _features_json(request, anon),
+                _features_json(request, anon), _embeds_json(request, anon),
                 ',"x":' + _dumps(extra) if extra else ""))
 
     def _kvref_on_schedule(self, so, throttle: bool) -> None:

@@ -37,6 +37,9 @@ FEATURE_FAULTS = {
     "session-keeps-final-token": ("streaming-input", "_update_request_as_session keeps the stopped turn's final "
                                                      "sampled token (never computed) in the session's prompt: an "
                                                      "off-by-one in the kept output"),
+    "embeds-unhashed": ("prompt-embeds", "the prompt embeddings left out of the block hashes "
+                                         "(_gen_prompt_embeds_extra_hash_keys returns nothing): prompts of equal "
+                                         "token ids hit each other whatever their embeddings"),
     "reset-preempts-in-order": ("prefix-cache-reset", "reset_prefix_cache(reset_running_requests=True) preempts the "
                                                       "running requests first to last, so they come back in reverse "
                                                       "order (vLLM preempts last to first to keep FIFO)"),
@@ -92,6 +95,12 @@ def plant_feature_fault(name: str) -> Iterator[None]:
                         sp.min_tokens = saved
             sched_module.check_stop = check_stop
             undo.append(lambda: setattr(sched_module, "check_stop", real))
+        elif name == "embeds-unhashed":
+            from vllm.v1.core import kv_cache_utils
+
+            real = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
+            kv_cache_utils._gen_prompt_embeds_extra_hash_keys = lambda request, start, end: []
+            undo.append(lambda: setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", real))
         elif name == "session-keeps-final-token":
             from vllm.v1.core.sched.scheduler import Scheduler
 

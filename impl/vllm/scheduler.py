@@ -36,7 +36,7 @@ from kvref.impl.scheduler_types import (
 )
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
-from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
+from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager, _embeds_tensor
 from kvref.impl.vllm.loader import load_vllm
 from kvref.impl.vllm.specs import to_vllm_kv_cache_config, to_vllm_spec
 from kvref.spec import kv_cache_interface as ks
@@ -333,7 +333,7 @@ class VllmScheduler:
                            sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
                            cache_salt=request.cache_salt, priority=request.priority,
                            block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm,
-                           resumable=request.resumable,
+                           resumable=request.resumable, prompt_embeds=_embeds_tensor(request.prompt_embeds),
                            lora_request=None if request.lora_request is None else v["LoRARequest"](
                                lora_name=request.lora_request.lora_name,
                                lora_int_id=request.lora_request.lora_int_id,

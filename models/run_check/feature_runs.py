@@ -26,7 +26,7 @@ one of them (tests/record/test_record_features.py).
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .connector_runs import RecordedRun
@@ -46,7 +46,12 @@ GENERATED = FEATURES + ("stop-conditions",)
 #: cache-skipping arrivals and multi-turn follow-ups), without speculative decoding (vLLM's
 #: diffusion-LM scheduler is what that machine compares there, not a recorded server's)
 SESSION_FEATURES = ("streaming-input", "prefix-cache-reset")
-GENERATED += SESSION_FEATURES
+#: and ``prompt-embeds``: the main machine's draws (startup-consistent pools with prefix caching,
+#: no speculative decoding) whose arrivals mostly carry prompt embeddings, as a server gets them
+#: (token ids all 0, the embeddings hashed into every block), rows derived from the drawn tokens so
+#: shared prefixes share them, one arrival in four with other rows for the same tokens (format 6)
+EMBEDS_FEATURES = ("prompt-embeds",)
+GENERATED += SESSION_FEATURES + EMBEDS_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -100,7 +105,47 @@ def _reset_while_running():
     return reset_while_running
 
 
+def _embeds_machine(factories: dict) -> type:
+    """The main scheduler machine whose ``add_request`` (and ``burst``) draws prompt-embeds arrivals
+    (see :data:`EMBEDS_FEATURES`)."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import precondition, rule
+
+    from kvref.impl.request import Request
+    from kvref.models.machines.scheduler import MAX_REQUESTS, RequestSpec, machine_with, request_specs, scheduler_setups
+
+    @dataclass(frozen=True)
+    class EmbedsRequestSpec(RequestSpec):
+        embeds: tuple | None = None
+
+        def make(self) -> Request:
+            r = super().make()
+            if self.embeds is None:
+                return r
+            return Request(r.request_id, [0] * len(self.prompt), max_tokens=r.max_tokens, priority=r.priority,
+                           arrival_time=r.arrival_time, stop_token_ids=r.stop_token_ids, prompt_embeds=self.embeds)
+
+    setups = scheduler_setups(consistent=True).filter(lambda s: s[0].enable_caching)
+    base = machine_with(factories, setups=setups, name="RecordedEmbedsBase")
+
+    class RecordedEmbedsRun(base):
+        @precondition(lambda self: self.num_added < MAX_REQUESTS)
+        @rule(data=st.data())
+        def add_request(self, data):
+            spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
+            if data.draw(st.integers(0, 3)):  # three arrivals in four carry embeddings
+                variant = data.draw(st.sampled_from((0, 0, 0, 1)))  # 1: other rows for the same tokens
+                rows = tuple(bytes((t % 251, variant, 7, 11)) * 2 for t in spec.prompt)
+                spec = EmbedsRequestSpec(**spec.__dict__, embeds=rows)
+            self.num_added += 1
+            self.driver.add(spec)
+
+    return RecordedEmbedsRun
+
+
 def _machine(feature: str, env_holder: dict, directory: Path, runs: list[RecordedRun]) -> type:
+    if feature == "prompt-embeds":
+        return _embeds_machine({"vllm": scheduler_recorder(env_holder, directory, runs, feature)})
     if feature == "streaming-input":
         from kvref.models.machines.scheduler import Lockstep
         from kvref.models.machines.scheduler_sessions import SessionLockstep, SessionMachine
@@ -176,4 +221,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["FEATURES", "GENERATED", "SESSION_FEATURES", "record_feature_runs"]
+__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "SESSION_FEATURES", "record_feature_runs"]

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
+from kvref.impl.run_trace.format import decode_embeds, decode_tokens, sched_rows, update_sampled
 
 from .held import Fences, defers_frees, is_parked, parked_key
 
@@ -111,6 +111,9 @@ class _Req:
     pending: list = field(default_factory=list)
     num_out: int = 0
     session_held: bool = False
+    #: prompt embeddings (format 6): one digest per prompt position, None without (their rows
+    #: enter vLLM's block hashes: equal tokens with other embeddings are other content)
+    embeds: tuple | None = None
 
 
 class RunProperties:
@@ -287,7 +290,8 @@ class RunProperties:
         self.reqs[rid] = _Req(arrival_step=self.step + 1, prompt_len=_num_tokens_b64(prompt), tokens=tokens,
                               salt=rec.get("salt"), skip_read=rec.get("skip_read") is True,
                               lora=(rec["lora"][0], rec["lora"][2]) if rec.get("lora") else None,
-                              mm=tuple((e[0], e[1], e[2]) for e in rec.get("mm") or ()))
+                              mm=tuple((e[0], e[1], e[2]) for e in rec.get("mm") or ()),
+                              embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") and self.exact else None)
         self.waiting[rid] = None
         if rec.get("x"):
             self.exempt.add(rid)
@@ -818,8 +822,9 @@ class RunProperties:
             # as vLLM's hashes (#28): the LoRA adapter with the salt, the identifiers of the
             # multimodal items the block overlaps, the lookahead tokens past the block
             items = tuple(e[0] for e in r.mm if e[1] < hi and e[1] + e[2] > lo)
+            embeds = None if r.embeds is None else r.embeds[lo:hi]  # past the prompt: () (vLLM: no rows)
             keys.append(hash((keys[-1] if keys else hash(("salt", r.salt, r.lora)), tuple(toks[lo:hi]),
-                              items, tuple(toks[hi:hi + ahead]))))
+                              items, tuple(toks[hi:hi + ahead]), embeds)))
         return keys
 
     def _check_hit(self, line: int, rid: str, r: _Req, g: int, idx: int, b: int) -> None:

@@ -34,7 +34,7 @@ from kvref.impl.reference.scheduler import Scheduler
 from kvref.impl.scheduler_types import ModelOutput, SchedulerOutput
 from kvref.impl.request import (LoRARequest, MultiModalFeatureSpec, PlaceholderRange, RepetitionDetectionParams, Request,
                                 RequestStatus)
-from kvref.impl.run_trace.format import decode_tokens, sched_rows, update_sampled
+from kvref.impl.run_trace.format import decode_embeds, decode_tokens, sched_rows, update_sampled
 from kvref.spec.errors import InvalidFieldError
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
@@ -134,6 +134,8 @@ def _request(rec: dict) -> Request:
                    **stop,
                    skip_reading_prefix_cache=rec.get("skip_read") is True, mm_features=mm,
                    resumable=rec.get("resumable") is True,
+                   # prompt embeddings (format 6): a digest per row stands for the row
+                   prompt_embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") else None,
                    lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
 
 

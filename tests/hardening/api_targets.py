@@ -695,6 +695,7 @@ def method_cases() -> list[tuple[str, Callable[[], tuple[Any, Callable[[], None]
     anonymizer_case("request_id", lambda a: dict(request_id="r1"))
     anonymizer_case("forget", lambda a: dict(request_id="r0"))
     anonymizer_case("salt", lambda a: dict(salt="s"))
+    anonymizer_case("embeds_digests", lambda a: dict(data=b"\x01" * 8, row_bytes=4))  # #28 format 6
 
     def ctx_case(method, make_kwargs):
         def build():
@@ -1206,6 +1207,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         # run traces and conformance traces (data read from files: every field checked)
         "decode_tokens": (run_format.decode_tokens, dict(text=run_format.encode_tokens([1, 2, 3]))),
         "encode_tokens": (run_format.encode_tokens, dict(tokens=[1, 2, 3])),
+        # prompt-embeds digests (#28, format 6)
+        "embeds_digests": (run_format.embeds_digests, dict(data=b"\x00" * 8, row_bytes=4, key=b"k")),
+        "decode_embeds": (run_format.decode_embeds, dict(text=run_format.encode_tokens([1, 2, 3, 4]))),
         "validate_header": (run_format.validate_header, dict(header=_trace_header(), where="t:1")),
         "validate_record": (run_format.validate_record, dict(rec={"t": "abort", "ids": ["r0"]}, where="t:2")),
         "compression_for": (compression_for, dict(path="run.kvtrace.gz")),

@@ -1,11 +1,13 @@
-"""check-run replays streaming-input sessions and ``reset_prefix_cache`` through the scheduler
-(issue #28, session 15, format 6).
+"""check-run replays streaming-input sessions, ``reset_prefix_cache`` through the scheduler and
+prompt embeddings (issue #28, session 15, format 6).
 
 The recorder named a ``resumable`` arrival (and every update of a session) ``streaming_input`` and
 check-run stopped the replay there; a ``reset`` record on a run without a KV connector stopped it
 too. The reference models both (impl/reference/scheduler_sessions.py; ``Scheduler.reset_prefix_cache``,
 compared with vLLM in conform-scheduler), so the recorder now writes ``add.resumable`` (an update is an
-``add`` with the session's id) and the replay follows sessions and resets step by step. What the
+``add`` with the session's id) and the replay follows sessions and resets step by step. A request with
+prompt embeddings was named ``prompt_embeds``; the reference's block hashes take the embedding rows, so
+the recorder writes a digest per row (``add.embeds``) and the replay hashes those. What the
 reference does not model beside a session (a KV connector, speculative decoding, multimodal items,
 the priority policy) is still named.
 
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 from kvref.models.run_check import check_trace
-from kvref.models.run_check.feature_runs import SESSION_FEATURES, record_feature_runs
+from kvref.models.run_check.feature_runs import EMBEDS_FEATURES, SESSION_FEATURES, record_feature_runs
 
 from kvref import cli
 from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
@@ -30,9 +32,10 @@ from tests.record.traces import read_lines, rewrite
 from tests.vllm_env import require_vllm
 
 #: feature -> (seed, examples): draws that reach the feature's path and the planted fault
-DRAWS = {"streaming-input": (0, 10), "prefix-cache-reset": (0, 10)}
+DRAWS = {"streaming-input": (0, 10), "prefix-cache-reset": (0, 10), "prompt-embeds": (0, 5)}
+FEATURES = SESSION_FEATURES + EMBEDS_FEATURES
 STEPS = 30
-FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items() if feature in SESSION_FEATURES}
+FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items() if feature in FEATURES}
 #: the property findings a pristine run may carry, each vLLM 0.33.0's own hang (the replay agrees):
 #: waiting sessions hold the KV blocks the first of them needs (docs/record.md), or a head-of-line
 #: request the full-ISL reservation never admits on a tight pool
@@ -63,7 +66,11 @@ def _shows(lines: list) -> Counter:
     c: Counter = Counter()
     seen: set = set()
     sessions: set = set()
+    embeds: dict = {}
     for rec in lines[1:]:
+        if rec["t"] == "add" and rec.get("embeds"):
+            c["embeds"] += 1
+            embeds.setdefault((rec["prompt"], rec["embeds"][:12]), []).append(rec["id"])
         if rec["t"] == "add":
             c["updates"] += rec["id"] in seen
             c["finishing_updates"] += rec["id"] in seen and not rec.get("resumable")
@@ -73,6 +80,7 @@ def _shows(lines: list) -> Counter:
         elif rec["t"] == "sched":
             # a session admitted again on the blocks it kept: a "new" row with computed tokens
             c["resumed_on_blocks"] += sum(1 for rid, c0, _b in rec["new"] if rid in sessions and c0)
+            c["embeds_hits"] += sum(1 for rid, c0, _b in rec["new"] if c0 and any(rid in v for v in embeds.values()))
             c["reset_preemptions"] += sum(w == "reset_prefix_cache" for w in (rec.get("pre_why") or {}).values())
         elif rec["t"] == "reset":
             c["resets"] += 1
@@ -82,7 +90,7 @@ def _shows(lines: list) -> Counter:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("feature", SESSION_FEATURES)
+@pytest.mark.parametrize("feature", FEATURES)
 def test_pristine_runs_are_replayed_step_by_step(recorded, feature, tmp_path, capsys):
     pristine, _ = recorded(feature)
     shows: Counter = Counter()
@@ -105,8 +113,10 @@ def test_pristine_runs_are_replayed_step_by_step(recorded, feature, tmp_path, ca
             assert "verdict: agrees" in capsys.readouterr().out
         followed += 1
         shows.update(_shows(lines))
-    assert followed >= 6, followed
-    if feature == "streaming-input":  # sessions, their updates and ends, turns resumed on kept blocks
+    assert followed >= (6 if feature in SESSION_FEATURES else 4), followed
+    if feature == "prompt-embeds":  # embeddings on most arrivals, prefix hits among them
+        assert shows["embeds"] >= 20 and shows["embeds_hits"] >= 3, shows
+    elif feature == "streaming-input":  # sessions, their updates and ends, turns resumed on kept blocks
         assert shows["sessions"] >= 20 and shows["updates"] >= 20 and shows["finishing_updates"] >= 5, shows
         assert shows["resumed_on_blocks"] >= 5, shows
     else:  # resets, some preempting the running requests
@@ -114,7 +124,7 @@ def test_pristine_runs_are_replayed_step_by_step(recorded, feature, tmp_path, ca
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("feature", SESSION_FEATURES)
+@pytest.mark.parametrize("feature", FEATURES)
 def test_a_fault_planted_in_the_path_is_flagged_by_the_replay(recorded, feature, tmp_path, capsys):
     _, faulty = recorded(feature)
     flagged = []
@@ -173,3 +183,46 @@ def test_the_recorder_names_only_the_sessions_the_reference_does_not_model(setup
     item = SimpleNamespace(mm_position=SimpleNamespace(is_embed=None))
     assert _request_unmodelled(_request(mm=[item]), False, _scheduler()) == ["streaming_input (multimodal)"]
     assert _request_unmodelled(_request(resumable=False), False, _scheduler(connector=object())) == []
+    embeds = _request()
+    embeds.prompt_embeds = object()
+    assert _request_unmodelled(embeds, False, _scheduler()) == ["streaming_input (prompt embeds)"]
+    embeds.resumable = False  # prompt embeddings alone are replayed (add.embeds)
+    assert _request_unmodelled(embeds, False, _scheduler()) == []
+
+
+def test_embeds_digests_keep_equal_rows_equal_and_a_bad_embeds_field_is_named(tmp_path):
+    """Cheap (no vLLM): a digest per row, equal rows equal (keyed digests too, under another key:
+    an anonymized trace cannot be tested against a guessed embedding); a reader names an ``embeds``
+    whose length is not one digest per prompt token."""
+    import base64
+    import struct
+
+    from kvref.impl.run_trace.format import (EMBED_DIGEST_SIZE, TokenAnonymizer, TraceFormatError, decode_embeds,
+                                             embeds_digests)
+    from kvref.models.run_check.generate import generate_trace
+    from tests.record.traces import hybrid_setup
+
+    data = struct.pack("<6f", 1, 2, 1, 2, 3, 4)  # rows (1, 2), (1, 2), (3, 4)
+    plain = decode_embeds(base64.b64encode(embeds_digests(data, 8)).decode())
+    keyed = TokenAnonymizer().embeds_digests(data, 8)
+    assert len(plain) == 3 and plain[0] == plain[1] != plain[2] and all(len(d) == EMBED_DIGEST_SIZE for d in plain)
+    assert keyed[:8] == keyed[8:16] != keyed[16:] and keyed[:8] != plain[0]
+    with pytest.raises(ValueError):
+        embeds_digests(data, 5)
+
+    pool, cfg = hybrid_setup(num_blocks=None)
+    src = str(tmp_path / "src.kvtrace.gz")
+    generate_trace(src, pool, cfg, steps=10, seed=2)
+
+    def short(rec):
+        if rec["t"] == "add":
+            rec["embeds"] = base64.b64encode(b"x" * EMBED_DIGEST_SIZE).decode()  # one row, not one per token
+        return rec
+
+    from kvref.impl.run_trace import TraceReader
+
+    out = rewrite(src, tmp_path / "bad.kvtrace.gz", short)
+    with pytest.raises(TraceFormatError) as e, TraceReader(out) as reader:
+        for _ in reader.records():
+            pass
+    assert "embeds" in str(e.value) and "one per prompt token" in str(e.value)
