@@ -26,7 +26,8 @@ copy-on-write state blocks, divergent hybrid hits), ``unfenced-free`` beside the
 one run each per seed, with every demo fault (the drafter's ``short-lookahead`` and
 ``short-runway`` included).
 
-``--generator multimodal|lora|hash-lookahead|mamba-checkpoint``: generated runs of the feature
+``--generator multimodal|lora|hash-lookahead|mamba-checkpoint|streaming-input|prefix-cache-reset|prompt-embeds``:
+generated runs of the feature
 (``models/run_check/feature_runs.py``: the conform-scheduler machines' draws) with the feature's own
 planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28).
 
@@ -83,7 +84,9 @@ def _recorder(generator: str):
 
 
 #: the feature generators (#28) and the fault planted in each one's path
-_FEATURES = {"multimodal": "encoder-never-hits", "lora": "lora-unhashed", "hash-lookahead": "hasher-no-lookahead",
+_FEATURES = {"streaming-input": "session-keeps-final-token", "prefix-cache-reset": "reset-preempts-in-order",
+             "prompt-embeds": "embeds-unhashed",  # session 15 (#28, format 6)
+             "multimodal": "encoder-never-hits", "lora": "lora-unhashed", "hash-lookahead": "hasher-no-lookahead",
              "mamba-checkpoint": "checkpoint-ignored"}
 
 
