@@ -226,3 +226,26 @@ def test_embeds_digests_keep_equal_rows_equal_and_a_bad_embeds_field_is_named(tm
         for _ in reader.records():
             pass
     assert "embeds" in str(e.value) and "one per prompt token" in str(e.value)
+
+
+@pytest.mark.vllm
+def test_anonymized_session_and_embeds_runs_are_replayed(tmp_path, monkeypatch):
+    """KVREF_RECORD_ANONYMIZE: a session's updates keep its anonymous id (the recorder forgets an
+    id only once vLLM let the request go) and the embeddings' digests are keyed, equal rows still
+    equal: the replay agrees with every run."""
+    require_vllm()
+    monkeypatch.setenv("KVREF_RECORD_ANONYMIZE", "1")
+    for feature in ("streaming-input", "prompt-embeds"):
+        followed = 0
+        shows: Counter = Counter()
+        for run in record_feature_runs(tmp_path / feature, feature, 4, seed=3, steps=STEPS):
+            lines = read_lines(run.path)
+            assert lines[0]["anonymized"] is True
+            r = check_trace(run.path)
+            if r.empty:
+                continue
+            assert r.followed and r.divergence is None, (run.path, r.divergence and r.divergence.table())
+            followed += 1
+            shows.update(_shows(lines))
+        assert followed >= 2, feature
+        assert shows["updates" if feature == "streaming-input" else "embeds"] >= 5, (feature, shows)
