@@ -50,24 +50,29 @@ def test_drop_tracebacks_drops_the_whole_chain_and_keeps_the_message():
 
 
 @needs_proc
-def test_a_released_p2p_world_leaves_no_agent_and_no_native_thread():
-    """Two P2P worlds (the second reuses the pooled agents), closed, then released: the native
-    threads the agents started are gone and no NIXL agent is alive. ~3 s."""
+def test_a_released_p2p_world_leaves_no_agent_and_no_native_thread(monkeypatch):
+    """Two P2P worlds, the second after the pool was recycled (its new agents replace the first
+    world's, which go at once), closed, then released: the native threads the agents started are
+    gone and no NIXL agent is alive. ~3 s."""
     require_vllm()
     pytest.importorskip("nixl")
+    from kvref.impl.vllm import p2p_nixl
     from kvref.impl.vllm.p2p import VllmP2PWorld
 
     release_native_agents()  # whatever an earlier test of this process left
-    before, agents_before = native_thread_ids(), live_nixl_agents()
-    assert agents_before == []
+    before = native_thread_ids()
+    assert live_nixl_agents() == []
+    monkeypatch.setattr(p2p_nixl, "RECYCLE_AFTER", 1)
+    names = []
     for _ in range(2):
         world = VllmP2PWorld(num_blocks=4, block_len=8)
         try:
             running = native_thread_ids() - before
             assert running, "a P2P world's UCX agents run native threads: the test could not fail"
-            assert len(live_nixl_agents()) == 2
+            names.append(live_nixl_agents())
         finally:
             world.close()
+    assert len(names[0]) == 2 and len(names[1]) == 2 and not set(names[0]) & set(names[1]), names
     del world
     assert release_native_agents() >= 2
     assert live_nixl_agents() == []
