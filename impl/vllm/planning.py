@@ -16,11 +16,9 @@ property for the call (it is normally derived from a multi-module MTP speculativ
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +29,7 @@ from kvref.spec import (
     KVCacheGroupingError,
     KVCacheSpec,
 )
+from kvref.impl.vllm.scratch import tiny_llama_dir
 
 
 @dataclass
@@ -62,12 +61,7 @@ class VllmPlanner:
         self.dtypes = STR_DTYPE_TO_TORCH_DTYPE
         self.KVTransferConfig = KVTransferConfig
         self.VllmConfig = VllmConfig
-        d = tempfile.mkdtemp(prefix="kvref_tiny_llama_")
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "num_hidden_layers": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
-                       "torch_dtype": "float16"}, f)
+        d = tiny_llama_dir(num_hidden_layers=4, max_position_embeddings=4096)
         mc = ModelConfig(model=d, tokenizer=d, skip_tokenizer_init=True, max_model_len=1024, dtype="float16")
         self.vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16))
         resolve_kv_cache_layout(self.vc, [["LBNHC", "LBHNC"]], [])

@@ -17,9 +17,6 @@ before ``update_from_output``.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Any
 
 from kvref.impl.interface import BlockIds, PoolConfig
@@ -38,6 +35,7 @@ from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager, _embeds_tensor
 from kvref.impl.vllm.loader import load_vllm
+from kvref.impl.vllm.scratch import tiny_llama_dir
 from kvref.impl.vllm.specs import to_vllm_kv_cache_config, to_vllm_spec
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
@@ -63,12 +61,7 @@ class VllmEnv:
     def __init__(self) -> None:
         v = load_vllm()
         v["init_none_hash"](v["sha256"])
-        d = tempfile.mkdtemp(prefix="kvref_tiny_llama_")
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 16,
-                       "torch_dtype": "float16"}, f)
+        d = tiny_llama_dir(num_hidden_layers=2, max_position_embeddings=1 << 16)
         mc = v["ModelConfig"](model=d, tokenizer=d, skip_tokenizer_init=True, max_model_len=4096,
                               dtype="float16")
         self.vllm_config = v["VllmConfig"](

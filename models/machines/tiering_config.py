@@ -41,9 +41,9 @@ class ConfigDivergence(AssertionError):
 
 def _g3(rng: random.Random) -> dict:
     """kvcr's G3 (file) tier options: a file in a fresh directory (vLLM passes them to kvcr)."""
-    import tempfile
+    from kvref.impl.vllm.scratch import scratch_dir
 
-    g3 = {"paths": [os.path.join(tempfile.mkdtemp(prefix="kvref-g3-"), "g3.bin")], "capacity_bytes_per_file": 1 << 16,
+    g3 = {"paths": [os.path.join(scratch_dir("g3-"), "g3.bin")], "capacity_bytes_per_file": 1 << 16,
           "backend": rng.choice(("POSIX", "KVREF_NO_SUCH_BACKEND"))}
     if rng.random() < 0.15:
         del g3["paths"]
