@@ -132,6 +132,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         # the free block queue's own API, driven by generated programs (free_block_queue.py, #22)
         _b(_UTILS, "FreeKVCacheBlockQueue"),
         _b(_UTILS, "KVCacheBlock", "block_id"),
+        # the prefix-cache index's own API, driven by generated programs (block_hash_map.py, #22)
+        _b("vllm.v1.core.block_pool", "BlockHashToBlockMap"),
+        *(_b("vllm.v1.core.block_pool", f"BlockHashToBlockMap.{m}", *args)
+          for m, args in (("insert", ("key", "block")), ("pop", ("key", "block_id")), ("get_one_block", ("key",)),
+                          ("contain", ("key", "block_id")))),
     ),
     "block-pool": (
         _b("vllm.v1.core.block_pool", "BlockPool"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvref.models.machines.kv_cache_manager import MachineRun, MachineStats, run_machine
 from kvref.models.conformance.accepted import signature
+from kvref.models.machines.block_index_programs import run_block_index_programs
 from kvref.models.machines.free_queue_programs import run_free_queue_programs
 from kvref.models.machines.mamba_junction_programs import run_junction_programs
 from kvref.models.strategies.pools import GROUP_SETS
@@ -77,7 +78,9 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
     later passes' sets are named ``"<set> (EAGLE, sparse)"``, ``"<set> (shared-prefix
     checkpoint)"``, ``"fa+mamba_fine (junction programs)"``); with vLLM among ``kinds``, last,
     generated op sequences on vLLM's free block queue beside the reference's
-    (:mod:`~kvref.models.machines.free_queue_programs`, ``"free block queue (programs)"``)."""
+    (:mod:`~kvref.models.machines.free_queue_programs`, ``"free block queue (programs)"``) and on
+    vLLM's prefix-cache index beside the reference's
+    (:mod:`~kvref.models.machines.block_index_programs`, ``"prefix-cache index (programs)"``)."""
     sweep = run_group_set_sweep(kinds, examples_per_set, seed=seed, retention=True, **run_kwargs)
     if not sweep.ok:
         return sweep
@@ -105,6 +108,15 @@ def sweep_every_group_set(kinds: tuple[str, ...], examples_per_set: int, *, seed
 
         failure, seen = run_free_queue_programs(VllmFreeBlockQueue, 10 * examples_per_set, seed=seed or 0)
         sweep.traces["free block queue (programs)"] = 10 * examples_per_set
+        sweep.ops += sum(seen.values())
+        if failure:
+            sweep.failure = MachineRun(MachineStats(), 0.0, failure=failure, signature=signature(failure))
+            return sweep
+        # the prefix-cache index's whole API, vLLM's map beside the reference's (#22)
+        from kvref.impl.vllm.block_hash_map import VllmBlockHashToBlockMap
+
+        failure, seen = run_block_index_programs(VllmBlockHashToBlockMap, 10 * examples_per_set, seed=seed or 0)
+        sweep.traces["prefix-cache index (programs)"] = 10 * examples_per_set + 1
         sweep.ops += sum(seen.values())
         if failure:
             sweep.failure = MachineRun(MachineStats(), 0.0, failure=failure, signature=signature(failure))
