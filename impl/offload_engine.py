@@ -49,8 +49,10 @@ class ReferenceEngine:
     mgr: Any
     conn: Any
 
-    def make_request(self, rid: str, prompt: list[int], max_tokens: int) -> Any:
-        return Request(rid, prompt, max_tokens=max_tokens)
+    def make_request(self, rid: str, prompt: list[int], max_tokens: int, prompt_logprobs: bool = False) -> Any:
+        """``prompt_logprobs``: the request asks for its prompt's logprobs, so it never reads the
+        prefix cache (vLLM's ``SamplingParams`` sets ``skip_reading_prefix_cache`` for it)."""
+        return Request(rid, prompt, max_tokens=max_tokens, skip_reading_prefix_cache=prompt_logprobs)
 
     def append_token(self, req, tok: int) -> None:
         req.output_token_ids.append(tok)

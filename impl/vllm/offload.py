@@ -70,12 +70,12 @@ class VllmEngine(ReferenceEngine):
 
     _hasher: Callable
 
-    def make_request(self, rid, prompt, max_tokens):
+    def make_request(self, rid, prompt, max_tokens, prompt_logprobs=False):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request as VRequest
 
-        return VRequest(request_id=rid, prompt_token_ids=list(prompt),
-                        sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0 if prompt_logprobs else None)
+        return VRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
                         block_hasher=self._hasher)
 
     def append_token(self, req, tok):

@@ -78,6 +78,10 @@ class OffloadingConfig:
     # Mamba hits and the OffloadingConnector's partial tails: the prompt's last hash boundary inside
     # a block is stored (the COW-ed state + the attention block holding it) and looked up.
     hash_block_size: int | None = None
+    # Every k-th arrival (k > 0; 0: none) asks for its prompt's logprobs, so it never reads the prefix
+    # cache: no GPU hit, and the connector answers 0 without a lookup (vLLM's
+    # ``skip_reading_prefix_cache``); its chunks are still stored for the others.
+    prompt_logprobs_every: int = 0
 
     def tokens_per_hash(self) -> int:
         """The request hash granularity (vLLM's ``hash_block_size``, the connector's ``tokens_per_hash``)."""
@@ -130,7 +134,9 @@ class OffloadingConfig:
           (a few GPU blocks more: each request holds one or two states), half of them alone
           (a pure Mamba model: no attention group), a quarter beside full attention alone with
           request hashes finer than the blocks (vLLM's partial tails: 8/4, 8/2 or 4/2 tokens);
-        * a synchronous-load budget one time in three (from a chunk or two per step to unlimited).
+        * a synchronous-load budget one time in three (from a chunk or two per step to unlimited);
+        * one time in four, every 2nd, 3rd or 5th arrival asks for prompt logprobs (it reads no
+          prefix cache, GPU or offloaded).
         """
         base = dict(block_size=4, blocks_per_chunk=rng.choice([1, 1, 2]), num_gpu_blocks=rng.randint(10, 18),
                     num_cpu_chunks=rng.choice([16, 6, 32, 2]), sliding_window=rng.choice([None, 4, 8, 12]),
@@ -169,6 +175,8 @@ class OffloadingConfig:
         # understood; docs/offload.md)
         if sub.random() < 1 / 3 and not base.get("mamba_align"):
             base["sync_load_budget_bytes"] = sub.choice([64, 128, 256, 512, 10**6])
+        if sub.random() < 1 / 4:  # drawn last: the draws above stay as they were
+            base["prompt_logprobs_every"] = sub.choice([2, 3, 5])
         return cls(**base)
 
 
@@ -260,7 +268,8 @@ class OffloadingWorld(OffloadWorldBase):
         self.violations.append(msg)
 
     def add_request(self, prompt, max_out=2):
-        rid = super().add_request(prompt, max_out)
+        k = self.cfg.prompt_logprobs_every
+        rid = super().add_request(prompt, max_out, prompt_logprobs=k > 0 and self._n % k == k - 1)
         self.prompts[rid] = list(prompt)
         params, i = self.cfg.kv_transfer_params, self._n - 1
         # every other arrival carries params (the others keep the uncapped lookups other checks need)

@@ -78,10 +78,11 @@ class OffloadWorldBase:
         return [rid for rid in self.order if self.reqs[rid].phase != "done"
                 and (phase is None or self.reqs[rid].phase == phase)]
 
-    def add_request(self, prompt: list[int], max_out: int = 2) -> str:
+    def add_request(self, prompt: list[int], max_out: int = 2, prompt_logprobs: bool = False) -> str:
+        """``prompt_logprobs``: the request never reads the prefix cache (GPU or offloaded)."""
         rid = f"r{self._n}"
         self._n += 1
-        self.reqs[rid] = WorldRequest(rid, self.b.make_request(rid, prompt, max_out + 1), max_out)
+        self.reqs[rid] = WorldRequest(rid, self.b.make_request(rid, prompt, max_out + 1, prompt_logprobs), max_out)
         self.order.append(rid)
         return rid
 

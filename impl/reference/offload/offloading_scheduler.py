@@ -367,17 +367,24 @@ class OffloadingConnectorScheduler(PartialTails):
             return None, False  # a load or store of this request is still running: retry later
         self._update_offload_keys(st)
         st.num_locally_computed_tokens = num_computed_tokens
-        hit_ends = [0] * len(self.groups)
-        hit = lookup_complete_chunks([c.lookup_group() for c in self.groups], [g.offload_keys for g in st.groups],
-                                     req.num_tokens, num_computed_tokens, self._recording_lookup(st),
-                                     self._chunks_being_loaded, max_load_tokens=st.max_load_tokens,
-                                     mamba_align_size=self._mamba_align_size, hit_ends=hit_ends)
-        hit = self._lookup_with_partial_tail(st, hit, hit_ends)
-        self._stats["lookups"] += 1
-        if hit is None:
-            st.lookup_deferred = True
+        if req.skip_reading_prefix_cache:
+            # vLLM: a request that must not read the prefix cache (prompt logprobs, some pooling
+            # requests) gets no offloaded hit either, without a lookup: nothing is timed or recorded
+            # and its partial-tail boundary stays as it was; its chunks are still stored.
+            hit = 0
         else:
-            self._observe_deferred(st)
+            hit_ends = [0] * len(self.groups)
+            hit = lookup_complete_chunks([c.lookup_group() for c in self.groups],
+                                         [g.offload_keys for g in st.groups], req.num_tokens, num_computed_tokens,
+                                         self._recording_lookup(st), self._chunks_being_loaded,
+                                         max_load_tokens=st.max_load_tokens, mamba_align_size=self._mamba_align_size,
+                                         hit_ends=hit_ends)
+            hit = self._lookup_with_partial_tail(st, hit, hit_ends)
+            self._stats["lookups"] += 1
+            if hit is None:
+                st.lookup_deferred = True
+            else:
+                self._observe_deferred(st)
         sync = self._sync.reserve(req.request_id, num_computed_tokens, hit, req.num_tokens)
         return hit, bool(hit) and not sync
 
