@@ -56,6 +56,10 @@ class SchedulerConfig:
         max_num_active_seqs: admission into ``running`` stops at this many requests (vLLM's field:
             smaller decode batches without shrinking the runner's ``max_num_seqs`` slots); None:
             ``max_num_seqs``.
+        spec_decode_metrics_level: per-request speculative-decoding metrics (vLLM's
+            ``ObservabilityConfig.per_request_spec_decode_metrics``): ``"none"``, ``"summary"``
+            (per request a histogram of accepted drafts per verify step and the drafts proposed)
+            or ``"detailed"`` (also the per-step sequences); :class:`RequestSpecDecodeMetrics`.
     """
 
     max_num_batched_tokens: int = 64
@@ -71,6 +75,7 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
     max_num_active_seqs: int | None = None
+    spec_decode_metrics_level: str = "none"
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -88,6 +93,7 @@ class SchedulerConfig:
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
         check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
         check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        check_choice("spec_decode_metrics_level", self.spec_decode_metrics_level, SPEC_DECODE_METRICS_LEVELS)
         if self.num_speculative_tokens and 0 < self.long_prefill_token_threshold < 1 + self.num_speculative_tokens:
             # vLLM 0.33.0 pads a one-token admission beside a running decode to 1 + k tokens, then
             # cuts it to the threshold and fails ``assert num_new_tokens == 1 + self.num_spec_tokens``
@@ -229,6 +235,25 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
     num_draft_tokens_per_pos: tuple[int, ...] = ()
+
+
+#: vLLM's ``ObservabilityConfig.per_request_spec_decode_metrics`` values
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")
+
+
+@dataclass(frozen=True)
+class RequestSpecDecodeMetrics:
+    """vLLM's per-request ``RequestSpecDecodeMetrics`` (``vllm/v1/metrics/stats.py``), as a value:
+    ``histogram[j]`` counts the verify steps that accepted ``j`` drafts (``num_spec_tokens + 1``
+    entries), ``num_draft_tokens`` the drafts proposed less the grammar-invalid ones, and with the
+    ``"detailed"`` level the per-step accepted / proposed counts in order. The scheduler observes
+    it in ``update_from_output`` for every verified step, stale ones included, and the engine
+    reports it with the request's finishing output."""
+
+    histogram: tuple[int, ...]
+    num_draft_tokens: int = 0
+    per_step_accepted: tuple[int, ...] = ()
+    per_step_drafted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
     ModelOutput,
+    RequestSpecDecodeMetrics,
     RequestState,
     ScheduledRequest,
     SchedulerConfig,
@@ -242,6 +243,7 @@ class Scheduler:
         _sess.check_new_session(self, request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        self.spec_decode.add(request.request_id)
         if request.resumable:
             _sess.add_session(self, request)
         if self.connector_state is not None:
@@ -709,8 +711,16 @@ class Scheduler:
         """The ``SpecDecodingStats`` of the last ``update_from_output`` (None when it verified no draft)."""
         return self.spec_decode.last_stats
 
+    @property
+    def request_spec_decode_metrics(self) -> dict[str, RequestSpecDecodeMetrics]:
+        """Per-request speculative-decoding metrics (``spec_decode_metrics_level``): the live
+        requests' and those of the requests the last ``update_from_output`` finished (vLLM reports
+        them with the finishing output)."""
+        return {**self.spec_decode.metrics, **self.spec_decode.finished_metrics}
+
     def _free_request(self, request: Request) -> None:
         assert request.status == RequestStatus.FINISHED
+        self.spec_decode.freed(request.request_id)
         if self.connector_state is not None:
             return _conn.free_request(self, request)
         self.spec_decode.forget(request.request_id)

@@ -25,12 +25,17 @@ the last update). The facts, from ``vllm/v1/core/sched/scheduler.py`` and ``asyn
   after it — a non-final prefill chunk, or a step sure to reach ``max_tokens`` even if every draft
   is rejected (``_drafts_unused``) — tells the runner to propose none.
 * Preemption clears a request's drafts (recompute has no use for them).
+* **Per-request metrics** (``spec_decode_metrics_level`` ``"summary"`` / ``"detailed"``: vLLM's
+  ``per_request_spec_decode_metrics``): every arrival gets a ``RequestSpecDecodeMetrics``; each
+  verification above, stale or not, adds one to ``histogram[accepted]`` and the drafts proposed
+  (less the grammar-invalid ones) to ``num_draft_tokens``, and ``"detailed"`` also appends both
+  per step. They survive preemption and go out with the request's finishing output.
 """
 
 from __future__ import annotations
 
 from kvref.impl.request import Request, RequestStatus
-from kvref.impl.scheduler_types import DraftTokenIds, SchedulerConfig, SpecDecodingStats
+from kvref.impl.scheduler_types import DraftTokenIds, RequestSpecDecodeMetrics, SchedulerConfig, SpecDecodingStats
 from kvref.spec.errors import InvalidFieldError
 
 #: vLLM's placeholder draft id (padding, async placeholders, grammar-invalid drafts)
@@ -45,6 +50,9 @@ class SpecDecodeState:
         step_spec_tokens: drafts scheduled in the step being built (``scheduled_spec_decode_tokens``).
         drafts_needed: some request of the step being built can use the drafts proposed after it.
         last_stats: the ``SpecDecodingStats`` of the last ``update_from_output`` (None: no draft verified).
+        metrics: live requests' per-request metrics (empty with ``spec_decode_metrics_level="none"``).
+        finished_metrics: the metrics of the requests freed since the last ``update_from_output``
+            began (those it finished are what vLLM reports with their finishing output).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -54,6 +62,20 @@ class SpecDecodeState:
         self.step_spec_tokens: dict[str, tuple[int, ...]] = {}
         self.drafts_needed = True
         self.last_stats: SpecDecodingStats | None = None
+        self.metrics: dict[str, RequestSpecDecodeMetrics] = {}
+        self.finished_metrics: dict[str, RequestSpecDecodeMetrics] = {}
+
+    # ---- add_request() / freeing ----------------------------------------------------------------
+    def add(self, request_id: str) -> None:
+        """A new request gets empty per-request metrics when they are on (vLLM ``add_request``)."""
+        if self.config.spec_decode_metrics_level != "none":
+            self.metrics[request_id] = RequestSpecDecodeMetrics((0,) * (self.k + 1))
+
+    def freed(self, request_id: str) -> None:
+        """A finished request's metrics leave with it (reported with its finishing output)."""
+        m = self.metrics.pop(request_id, None)
+        if m is not None:
+            self.finished_metrics[request_id] = m
 
     # ---- schedule() ---------------------------------------------------------------------------
     def start_step(self) -> None:
@@ -118,6 +140,7 @@ class SpecDecodeState:
     # ---- update_from_output() -----------------------------------------------------------------
     def start_update(self) -> None:
         self.last_stats = None
+        self.finished_metrics = {}
 
     def verify(self, request: Request, spec_tokens: tuple[int, ...], num_generated: int, stale: bool,
                num_invalid: int = 0) -> None:
@@ -139,6 +162,14 @@ class SpecDecodeState:
             self.k, s.num_drafts + 1, s.num_draft_tokens + num_draft, s.num_accepted_tokens + num_accepted,
             tuple(c + (i < num_accepted) for i, c in enumerate(s.num_accepted_tokens_per_pos)),
             tuple(c + (i < num_draft) for i, c in enumerate(s.num_draft_tokens_per_pos)))
+        m = self.metrics.get(request.request_id)
+        if m is not None:  # vLLM RequestSpecDecodeMetrics.observe
+            detailed = self.config.spec_decode_metrics_level == "detailed"
+            self.metrics[request.request_id] = RequestSpecDecodeMetrics(
+                tuple(c + (j == num_accepted) for j, c in enumerate(m.histogram)),
+                m.num_draft_tokens + num_draft,
+                m.per_step_accepted + ((num_accepted,) if detailed else ()),
+                m.per_step_drafted + ((num_draft,) if detailed else ()))
 
     def check_sampled(self, rid: str, ids: list, spec_tokens: tuple[int, ...]) -> None:
         """A step verifying ``d`` drafts samples at most ``d + 1`` tokens (vLLM asserts at most

@@ -24,6 +24,7 @@ from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
     ModelOutput,
+    RequestSpecDecodeMetrics,
     RequestState,
     ScheduledRequest,
     SchedulerConfig,
@@ -50,6 +51,12 @@ _STATUS = {
 }
 _REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
            "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition"}
+
+
+def _spec_metrics(m: Any) -> RequestSpecDecodeMetrics:
+    """kvref's value of vLLM's ``RequestSpecDecodeMetrics``."""
+    return RequestSpecDecodeMetrics(tuple(m.histogram), m.num_draft_tokens, tuple(m.per_step_accepted),
+                                    tuple(m.per_step_drafted))
 
 
 class VllmEnv:
@@ -98,6 +105,8 @@ class VllmEnv:
                                            if isinstance(g.kv_cache_spec, ks.MambaSpec)
                                            and g.kv_cache_spec.mamba_cache_mode == "align"), 16)
         vc.speculative_config = self._speculative_config(pool, config)
+        # per-request spec-decode metrics (RequestSpecDecodeMetrics), read by the Scheduler's __init__
+        vc.observability_config.per_request_spec_decode_metrics = config.spec_decode_metrics_level
         assert vc.max_in_flight_tokens == config.max_in_flight_tokens
         assert vc.num_lookahead_tokens == config.num_lookahead_tokens
         assert pool.num_prefill_lookahead <= 1 or vc.num_prefill_lookahead_tokens == pool.num_prefill_lookahead
@@ -264,6 +273,7 @@ class VllmScheduler:
             # set as the V2 runner sets it (see SchedulerConfig.skip_unused_drafts)
             self.scheduler.can_skip_drafts = config.can_skip_drafts
         self._spec_decoding_stats = None
+        self._finished_spec_metrics: dict[str, RequestSpecDecodeMetrics] = {}
         self._allocation_watch = AllocationWatch(self.scheduler.kv_cache_manager)
         self._published = _CapturingPublisher()
         if pool.enable_kv_cache_events:
@@ -396,6 +406,10 @@ class VllmScheduler:
 
             mro.kv_connector_output = to_vllm_output(kv_connector_output)
         outputs = self.scheduler.update_from_output(so, mro)
+        # the per-request spec-decode metrics vLLM reports with each finishing output
+        self._finished_spec_metrics = {o.request_id: _spec_metrics(o.spec_decode_metrics)
+                                       for eco in (outputs or {}).values() for o in getattr(eco, "outputs", ())
+                                       if getattr(o, "spec_decode_metrics", None) is not None}
         eco = (outputs or {}).get(0)
         finished = getattr(eco, "finished_requests", None) if eco is not None else None
         self.finished_requests = frozenset(finished) if finished else None
@@ -429,6 +443,14 @@ class VllmScheduler:
     def spec_decoding_stats(self) -> SpecDecodingStats | None:
         """The ``SpecDecodingStats`` vLLM's last ``update_from_output`` reported (its ``SchedulerStats``)."""
         return self._spec_decoding_stats
+
+    @property
+    def request_spec_decode_metrics(self) -> dict[str, RequestSpecDecodeMetrics]:
+        """vLLM's per-request ``RequestSpecDecodeMetrics``: the live requests' and those the last
+        ``update_from_output`` reported with finishing outputs."""
+        live = {rid: _spec_metrics(r.spec_decode_metrics) for rid, r in self.scheduler.requests.items()
+                if r.spec_decode_metrics is not None}
+        return {**live, **self._finished_spec_metrics}
 
     def finish_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, self._v["VStatus"].FINISHED_ABORTED)

@@ -241,6 +241,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
                            if isinstance(g.kv_cache_spec, SlidingWindowSpec) else g for g in groups)
         groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
                        if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
+        if spec is True:  # per-request metrics (only where spec=True: other draws keep their sequences)
+            cfg = replace(cfg, spec_decode_metrics_level=draw(st.sampled_from(("none", "summary", "detailed"))))
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
     # fine-grained Mamba hits: hashes of half a block (the FA+Mamba "align" block stays the unit)
     hash_bs = bs // 2 if bs > 1 and any(g.layer_names == ("mamba_fine",) for g in groups) else bs
@@ -505,6 +507,15 @@ class Lockstep:
             if s != s0:
                 _diverge(f"update_from_output (step {self.num_steps}): spec decoding stats differ\n"
                          f"  {n0}: {s0}\n  {name}: {s}", "update_from_output: spec decoding stats differ")
+        if self.config.spec_decode_metrics_level != "none":  # per-request metrics (#22)
+            metrics = {name: t.request_spec_decode_metrics for name, t in self.targets.items()}
+            (n0, m0), *rest = metrics.items()
+            for name, m in rest:
+                if m != m0:
+                    _diverge(f"update_from_output (step {self.num_steps}): per-request spec decode metrics differ\n"
+                             f"  {n0}: {m0}\n  {name}: {m}",
+                             "update_from_output: per-request spec decode metrics differ")
+            COVERAGE["spec_request_metrics_observed"] += sum(sum(x.histogram) > 0 for x in m0.values())
         for s in out.scheduled:
             n = len(model_output.sampled_token_ids.get(s.request_id, ()))
             if s.spec_token_ids and n:

@@ -36,7 +36,7 @@ STEP_COUNT = 45
 #: paths the spec-decode traces must keep reaching at ci profile
 RARE = ("spec_verify_steps", "spec_rejected", "spec_all_accepted", "spec_padded", "spec_draft_updates",
         "spec_skip_drafts", "spec_stale_verify", "spec_eagle_prefix_hits", "spec_padded_drafts",
-        "spec_drafts_in_output",
+        "spec_drafts_in_output", "spec_request_metrics_observed",
         "preemptions", "prefix_hits", "steps_async", "steps_sync",
         "finished_stop", "finished_length")
 
@@ -108,6 +108,50 @@ def test_eagle_prefix_hit_is_padded_and_verified(vllm_env, is_async):
     snap = d.snapshots()["vllm"]
     assert snap.requests["a"].status == "finished" and snap.requests["b"].status == "finished"
     assert len(snap.requests["a"].output_token_ids) == 8
+
+
+def _metrics_trace(vllm_env, level: str) -> Lockstep:
+    """Two requests sharing a prompt under n-gram drafts, synchronous, with per-request metrics at
+    ``level``: the Lockstep compares vLLM's RequestSpecDecodeMetrics with the reference's after
+    every update (live requests and those finished in it)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, num_speculative_tokens=3,
+                          spec_decode_metrics_level=level)
+    d = Lockstep(_pool(64, cfg, use_eagle=False), cfg, _targets(vllm_env, shim=False))
+    COVERAGE.clear()
+    prompt = tuple(range(1, 10))
+    d.add(RequestSpec("a", prompt, max_tokens=9, priority=0, arrival_time=0.0))
+    d.add(RequestSpec("b", prompt + (5,), max_tokens=6, priority=0, arrival_time=1.0))
+    d.seen_metrics = []  # every request's metrics after each step, as the reference has them
+    for _ in range(20):
+        d.engine_step()  # seeded by the step count: drafts proposed, some accepted, some rejected
+        d.seen_metrics += d.targets["ref"].request_spec_decode_metrics.values()
+    return d
+
+
+@pytest.mark.parametrize("level", ["summary", "detailed"])
+def test_per_request_spec_decode_metrics_match_vllm(vllm_env, level):
+    """vLLM's per_request_spec_decode_metrics: each verified step adds to the request's histogram
+    of accepted drafts and its proposed drafts ("detailed": the per-step sequences too)."""
+    d = _metrics_trace(vllm_env, level)
+    assert all(r.status == "finished" for r in d.snapshots()["vllm"].requests.values())
+    assert COVERAGE["spec_request_metrics_observed"] > 0, dict(COVERAGE)  # compared with a draft verified
+    # steps that accepted no draft, some and all of them, in both requests' metrics
+    assert {j for m in d.seen_metrics for j, c in enumerate(m.histogram) if c} == {0, 1, 2, 3}
+    assert any(m.per_step_accepted for m in d.seen_metrics) == (level == "detailed")
+
+
+def test_a_wrong_per_request_metric_in_vllm_diverges(vllm_env, monkeypatch):
+    """A planted fault: vLLM's observe counts a verify step's accepted drafts one bucket low."""
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    real = RequestSpecDecodeMetrics.observe
+
+    def observe(self, num_draft_tokens, num_accepted, detailed=False):
+        real(self, num_draft_tokens, max(num_accepted - 1, 0), detailed)
+
+    monkeypatch.setattr(RequestSpecDecodeMetrics, "observe", observe)
+    with pytest.raises(AssertionError, match="per-request spec decode metrics differ"):
+        _metrics_trace(vllm_env, "summary")
 
 
 def test_vllm_fails_when_the_padded_admission_is_cut_by_the_long_prefill_threshold(vllm_env):

@@ -274,8 +274,9 @@ EXCLUDED: dict[str, str] = {
             "SpecDecodeState.mark_padded SpecDecodeState.note_scheduled SpecDecodeState.num_spec "
             "SpecDecodeState.pad_new_decode SpecDecodeState.take_running_drafts SpecDecodeState.unschedule "
             "SpecDecodeState.update_draft_token_ids SpecDecodeState.verify SpecDecodeState.invalid_in_output "
-            "drafts_unused", SPEC_STEP),
+            "SpecDecodeState.add SpecDecodeState.freed drafts_unused", SPEC_STEP),
     "kvref.impl.scheduler_types.SpecDecodingStats": RECORD,
+    "kvref.impl.scheduler_types.RequestSpecDecodeMetrics": RECORD,
     **_each(f"{_REF}.scheduler_connector", "ScriptedConnector.build_connector_meta "
             "ScriptedConnector.get_num_new_matched_tokens ScriptedConnector.on_new_request "
             "ScriptedConnector.request_finished ScriptedConnector.update_connector_output "
