@@ -136,6 +136,9 @@ class Request:
         kv_cache_report_mode: ``"full"`` also announces the blocks of a prefix-cache hit in KV
             events (vLLM reads it from ``SamplingParams.extra_args``); ``"incremental"`` (default)
             only newly cached blocks.
+        do_remote_prefill: the request's ``kv_transfer_params`` say ``do_remote_prefill`` (the
+            decode side of a prefill/decode split: its KV comes from a remote prefill); with a KV
+            connector vLLM counts it as waiting to start a KV fetch from its arrival.
     """
 
     request_id: str
@@ -161,6 +164,7 @@ class Request:
     session_id: str | None = None
     skip_reading_prefix_cache: bool = False
     kv_cache_report_mode: str = "incremental"
+    do_remote_prefill: bool = False
     eos_token_id: int | None = None
     min_tokens: int = 0
     repetition_detection: RepetitionDetectionParams | None = None
@@ -229,6 +233,8 @@ class Request:
             raise InvalidFieldError("kv_cache_report_mode", self.kv_cache_report_mode, "'incremental' or 'full'")
         if not isinstance(self.skip_reading_prefix_cache, bool):
             raise InvalidFieldError("skip_reading_prefix_cache", self.skip_reading_prefix_cache, "True or False")
+        if not isinstance(self.do_remote_prefill, bool):
+            raise InvalidFieldError("do_remote_prefill", self.do_remote_prefill, "True or False")
 
     @property
     def num_prompt_tokens(self) -> int:

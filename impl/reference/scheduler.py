@@ -248,6 +248,9 @@ class Scheduler:
             _sess.add_session(self, request)
         if self.connector_state is not None:
             self.connector_state.connector.on_new_request(request.request_id)
+            if request.do_remote_prefill:  # vLLM counts P/D requests from arrival (all run slots may be taken)
+                _conn_stats.set_kv_fetch_stage(self.connector_state, request.request_id,
+                                               _conn_stats.KV_FETCH_WAITING_TO_START)
 
     def finish_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         """Abort requests (unknown or finished ids are ignored, as in vLLM); free their blocks.

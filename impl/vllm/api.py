@@ -196,9 +196,13 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.utils", "tensor_data"),
         # check_stop's EOS, min_tokens and repetition rules (models/machines/scheduler_stop.py, #22)
         _b("vllm.sampling_params", "SamplingParams.__init__", "max_tokens", "stop_token_ids", "ignore_eos",
-           "min_tokens", "repetition_detection", "skip_reading_prefix_cache"),
+           "min_tokens", "repetition_detection", "skip_reading_prefix_cache", "extra_args"),
         _b("vllm.sampling_params", "SamplingParams.update_from_generation_config"),
         _b("vllm.sampling_params", "RepetitionDetectionParams", "max_pattern_size", "min_pattern_size", "min_count"),
+        # per-request spec-decode metrics (conform-spec-decode, #22)
+        _b("vllm.config", "ObservabilityConfig", "per_request_spec_decode_metrics"),
+        _b("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "num_spec_tokens", "histogram", "num_draft_tokens",
+           "per_step_accepted", "per_step_drafted"),
         # the waiting queues alone (models/machines/scheduler_queue.py, #22)
         _b("vllm.v1.core.sched.request_queue", "SchedulingPolicy"),
         _b("vllm.v1.core.sched.request_queue", "create_request_queue"),

@@ -357,7 +357,8 @@ class VllmScheduler:
             ignore_eos=request.eos_token_id is None, min_tokens=request.min_tokens,
             repetition_detection=None if rd is None else RepetitionDetectionParams(
                 max_pattern_size=rd.max_pattern_size, min_pattern_size=rd.min_pattern_size, min_count=rd.min_count),
-            skip_reading_prefix_cache=request.skip_reading_prefix_cache)
+            skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+            extra_args={"kv_transfer_params": {"do_remote_prefill": True}} if request.do_remote_prefill else None)
         if request.eos_token_id is not None:
             sp.update_from_generation_config({}, request.eos_token_id)
         return sp

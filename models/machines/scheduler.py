@@ -119,11 +119,14 @@ class RequestSpec:
     #: per-request prefix-cache controls (drawn by :class:`CacheControlsMachine` only)
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    #: kv_transfer_params' do_remote_prefill (drawn by the connector lifecycle machine only)
+    do_remote_prefill: bool = False
 
     def make(self) -> Request:
         return Request(self.request_id, list(self.prompt), max_tokens=self.max_tokens, priority=self.priority,
                        arrival_time=self.arrival_time, stop_token_ids=self.stop_token_ids,
-                       cache_salt=self.cache_salt, skip_reading_prefix_cache=self.skip_reading_prefix_cache)
+                       cache_salt=self.cache_salt, skip_reading_prefix_cache=self.skip_reading_prefix_cache,
+                       do_remote_prefill=self.do_remote_prefill)
 
 
 def _attn(cls, bs: int, **kw):

@@ -15,6 +15,8 @@ the main run does not look at:
   connector's prefix-cache stats (external hits at admission, the reset flag);
 * requests that skip reading the prefix cache (prompt logprobs): the connector is asked, its hit
   ignored;
+* requests whose ``kv_transfer_params`` say ``do_remote_prefill`` (the decode side of a P/D split):
+  counted as waiting to start a KV fetch from their arrival, before any lookup;
 * the engine's exit: ``Scheduler.shutdown`` shuts the connector down (its last call), after the
   liveness drain;
 * on single-group pools half the connectors lack ``SupportsHMA`` (vLLM's ``_connector_finished``
@@ -175,6 +177,10 @@ class LifecycleMachine(ConnectorMachine):
         spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
         spec = replace(spec, skip_reading_prefix_cache=data.draw(st.sampled_from((False, False, False, True))))
         LIFECYCLE_COVERAGE["skip_reading_arrivals"] += spec.skip_reading_prefix_cache
+        # the decode side of a prefill/decode split: kv_transfer_params say do_remote_prefill, so
+        # vLLM counts the request as waiting to start a KV fetch from its arrival (make_stats)
+        spec = replace(spec, do_remote_prefill=data.draw(st.sampled_from((False, False, True))))
+        LIFECYCLE_COVERAGE["remote_prefill_arrivals"] += spec.do_remote_prefill
         hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
         if self.driver.script.config.hisparse_host_pool:  # mostly async loads: the ones HiSparse defers
             hit = tuple(replace(h, load_async=data.draw(st.sampled_from((True, True, True, False)))) for h in hit)

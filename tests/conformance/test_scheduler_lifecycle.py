@@ -38,7 +38,7 @@ def test_lifecycle_traces_match_vllm_and_reach_every_path():
     for path in ("steps_with_deferred_frees", "kv_fetch_waiting_to_start", "kv_fetch_in_progress",
                  "kv_fetch_completed_waiting", "skipped_waiting_polled", "connector_hits_recorded",
                  "connector_preempted_recorded", "connector_reset_flagged", "skip_reading_arrivals",
-                 "shutdowns"):
+                 "remote_prefill_arrivals", "shutdowns"):
         assert c.get(path, 0) > 0, (path, c)
 
 
@@ -109,8 +109,23 @@ def shutdown_skips_connector(monkeypatch):
     monkeypatch.setattr(cls, "shutdown", lambda self: None)
 
 
+def remote_prefill_not_counted_at_arrival(monkeypatch):
+    """A P/D request (``kv_transfer_params`` ``do_remote_prefill``) is not counted as waiting to
+    start a KV fetch until the scheduler looks it up."""
+    cls = _sched_cls()
+    real = cls.add_request
+
+    def patched(self, request):
+        params, request.kv_transfer_params = request.kv_transfer_params, None
+        real(self, request)
+        request.kv_transfer_params = params
+
+    monkeypatch.setattr(cls, "add_request", patched)
+
+
 @pytest.mark.parametrize("plant", [stage_never_left, frees_not_deferred, skipped_counted_as_waiting,
-                                   connector_hits_not_reset, shutdown_skips_connector])
+                                   connector_hits_not_reset, shutdown_skips_connector,
+                                   remote_prefill_not_counted_at_arrival])
 def test_planted_vllm_fault_diverges(monkeypatch, plant):
     plant(monkeypatch)
     run = _run(profile_examples(10, 20))
