@@ -244,8 +244,8 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
                            if isinstance(g.kv_cache_spec, SlidingWindowSpec) else g for g in groups)
         groups = tuple(replace(g, kv_cache_spec=replace(g.kv_cache_spec, num_speculative_blocks=k))
                        if isinstance(g.kv_cache_spec, MambaSpec) else g for g in groups)
-        if spec is True:  # per-request metrics (only where spec=True: other draws keep their sequences)
-            cfg = replace(cfg, spec_decode_metrics_level=draw(st.sampled_from(("none", "summary", "detailed"))))
+        if spec is True:  # per-request metrics, from what was drawn (no draw: every other draw keeps its sequence)
+            cfg = replace(cfg, spec_decode_metrics_level=("none", "summary", "detailed")[(max_model_len + k) % 3])
     watermark = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1)))
     # fine-grained Mamba hits: hashes of half a block (the FA+Mamba "align" block stays the unit)
     hash_bs = bs // 2 if bs > 1 and any(g.layer_names == ("mamba_fine",) for g in groups) else bs

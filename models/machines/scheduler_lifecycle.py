@@ -178,8 +178,9 @@ class LifecycleMachine(ConnectorMachine):
         spec = replace(spec, skip_reading_prefix_cache=data.draw(st.sampled_from((False, False, False, True))))
         LIFECYCLE_COVERAGE["skip_reading_arrivals"] += spec.skip_reading_prefix_cache
         # the decode side of a prefill/decode split: kv_transfer_params say do_remote_prefill, so
-        # vLLM counts the request as waiting to start a KV fetch from its arrival (make_stats)
-        spec = replace(spec, do_remote_prefill=data.draw(st.sampled_from((False, False, True))))
+        # vLLM counts the request as waiting to start a KV fetch from its arrival (make_stats); one
+        # arrival in three, by its index (no draw: the traces' other draws keep their sequences)
+        spec = replace(spec, do_remote_prefill=self.num_added % 3 == 1)
         LIFECYCLE_COVERAGE["remote_prefill_arrivals"] += spec.do_remote_prefill
         hit = tuple(data.draw(external_hits(len(spec.prompt))) for _ in _children(self.driver.script))
         if self.driver.script.config.hisparse_host_pool:  # mostly async loads: the ones HiSparse defers
