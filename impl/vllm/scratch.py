@@ -5,7 +5,7 @@ vLLM's ``ModelConfig`` wants a model directory, so the vLLM-facing adapters writ
 tier wants a file path. Each of those used to be a fresh ``tempfile.mkdtemp`` that nothing removed:
 one machine's ``/tmp`` held 797 ``kvref_tiny_llama_*`` and 69 ``kvref-g3-*`` directories after a few
 test runs and ``kvref verify`` calls. Here every such directory sits under one per-process root,
-removed at exit, and the tiny model directory is written once per process and shape.
+removed at exit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import shutil
 import tempfile
 
 _root: tuple[int, str] | None = None  # (pid that made it, path)
-_tiny_models: dict[tuple[int, int], str] = {}
 
 
 def _remove(pid: int, path: str) -> None:
@@ -27,10 +26,9 @@ def _remove(pid: int, path: str) -> None:
 
 def scratch_root() -> str:
     """This process's scratch root (made on first use, removed when the process exits)."""
-    global _root, _tiny_models
-    if _root is None or _root[0] != os.getpid():
+    global _root
+    if _root is None or _root[0] != os.getpid():  # a forked child makes (and removes) its own
         _root = (os.getpid(), tempfile.mkdtemp(prefix="kvref-scratch-"))
-        _tiny_models = {}  # a forked child's inherited paths belong to its parent's root
         atexit.register(_remove, *_root)
     return _root[1]
 
@@ -41,17 +39,18 @@ def scratch_dir(prefix: str) -> str:
 
 
 def tiny_llama_dir(num_hidden_layers: int, max_position_embeddings: int) -> str:
-    """A model directory holding only the ``config.json`` of a tiny Llama (64 hidden, 4 query and
-    2 KV heads, float16): what vLLM's ``ModelConfig`` reads; its KV cache specs come from kvref's
-    own layers, never from this model. Written once per process and shape."""
-    key = (num_hidden_layers, max_position_embeddings)
-    path = _tiny_models.get(key) if _root is not None and _root[0] == os.getpid() else None
-    if path is None or not os.path.isfile(os.path.join(path, "config.json")):
-        path = scratch_dir("tiny_llama_")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "num_hidden_layers": num_hidden_layers, "vocab_size": 1000,
-                       "max_position_embeddings": max_position_embeddings, "torch_dtype": "float16"}, f)
-        _tiny_models[key] = path
+    """A fresh model directory holding only the ``config.json`` of a tiny Llama (64 hidden, 4 query
+    and 2 KV heads, float16): what vLLM's ``ModelConfig`` reads; its KV cache specs come from
+    kvref's own layers, never from this model.
+
+    Fresh on every call, never shared: vLLM caches what it reads from a model path for the life of
+    the process, and each ``VllmEnv`` re-targets (mutates) its config in place, so two envs on one
+    path would see each other's settings (a shared path made a pristine mamba-checkpoint feature run
+    fail its allocation check in a test process that had built other envs before)."""
+    path = scratch_dir("tiny_llama_")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "num_hidden_layers": num_hidden_layers, "vocab_size": 1000,
+                   "max_position_embeddings": max_position_embeddings, "torch_dtype": "float16"}, f)
     return path

@@ -11,9 +11,9 @@ import sys
 from kvref.impl.vllm import scratch
 
 
-def test_tiny_model_dir_is_written_once_per_shape_under_the_process_root() -> None:
+def test_every_tiny_model_dir_is_fresh_under_the_process_root() -> None:
     a = scratch.tiny_llama_dir(2, 1 << 16)
-    assert scratch.tiny_llama_dir(2, 1 << 16) == a
+    assert scratch.tiny_llama_dir(2, 1 << 16) != a  # never shared: vLLM caches per model path
     b = scratch.tiny_llama_dir(4, 4096)
     assert b != a
     assert os.path.dirname(a) == os.path.dirname(b) == scratch.scratch_root()
