@@ -85,7 +85,7 @@ def _recorder(generator: str):
 
 #: the feature generators (#28) and the fault planted in each one's path
 _FEATURES = {"streaming-input": "session-keeps-final-token", "prefix-cache-reset": "reset-preempts-in-order",
-             "prompt-embeds": "embeds-unhashed",  # session 15 (#28, format 6)
+             "prompt-embeds": "embeds-unhashed",  # session 16 (#28, format 6)
              "multimodal": "encoder-never-hits", "lora": "lora-unhashed", "hash-lookahead": "hasher-no-lookahead",
              "mamba-checkpoint": "checkpoint-ignored"}
 

@@ -95,7 +95,7 @@ recorder added while still writing 4 (``stats.skip``: a session-12 reader refuse
 line, instead of the version) and adds the stop inputs on ``add`` (``eos``, ``min``, ``rep``): a
 version-4 trace reads unchanged (its ``stop`` already holds the EOS id; a request with repetition
 detection is named unmodelled there), and a version-4 reader refuses a version-5 trace by its header.
-6 (issue #28, session 15) records streaming-input sessions (``add.resumable``, updates as ``add``
+6 (issue #28, session 16) records streaming-input sessions (``add.resumable``, updates as ``add``
 records with the session's id) and prompt embeddings (``add.embeds``), which a version-5 recorder
 named ``streaming_input`` / ``prompt_embeds`` on the arrival: a version-5 trace reads unchanged
 (``stats.skip`` included) and stops its replay at such an arrival as before; a version-5 reader refuses a version-6 trace by its header (it would replay a session's

@@ -33,7 +33,7 @@ FEATURE_FAULTS = {
                                             "or stop id sampled before min_tokens no longer stops the request"),
     "repetition-ignores-min": ("stop-conditions", "check_stop's repetition rule ignores min_tokens: a repeated "
                                                   "n-gram stops the request before its min_tokens outputs"),
-    # session 15 (#28, format 6): streaming-input sessions and prefix-cache resets
+    # session 16 (#28, format 6): streaming-input sessions and prefix-cache resets
     "session-keeps-final-token": ("streaming-input", "_update_request_as_session keeps the stopped turn's final "
                                                      "sampled token (never computed) in the session's prompt: an "
                                                      "off-by-one in the kept output"),

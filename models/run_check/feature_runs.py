@@ -37,7 +37,7 @@ FEATURES = ("multimodal", "lora", "hash-lookahead", "mamba-checkpoint")
 #: and the stop conditions (session 14, format 5): :class:`~kvref.models.machines.scheduler_stop.StopMachine`'s
 #: arrivals (an EOS token or none, ``min_tokens``, repetition detectors) over a three-token model
 GENERATED = FEATURES + ("stop-conditions",)
-#: what session 15 replays (#28, format 6): ``streaming-input``, the conform-scheduler session machine's
+#: what session 16 replays (#28, format 6): ``streaming-input``, the conform-scheduler session machine's
 #: draws (:class:`~kvref.models.machines.scheduler_sessions.SessionMachine`: resumable arrivals, their
 #: updates and finishing updates, turns that stop and keep their KV blocks, pause states, abort-all);
 #: ``prefix-cache-reset``, the cache-controls machine's

@@ -1,5 +1,5 @@
 """check-run replays streaming-input sessions, ``reset_prefix_cache`` through the scheduler and
-prompt embeddings (issue #28, session 15, format 6).
+prompt embeddings (issue #28, session 16, format 6).
 
 The recorder named a ``resumable`` arrival (and every update of a session) ``streaming_input`` and
 check-run stopped the replay there; a ``reset`` record on a run without a KV connector stopped it

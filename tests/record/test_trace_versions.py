@@ -1,6 +1,6 @@
 """Trace format versions (issue #28): the reader takes every older version it can read and refuses a
 newer one by its header, with the version named (``kvref check-run``: exit 2). Version 5 (session
-14) marks session 13's ``stats.skip`` and adds the stop inputs on ``add``; version 6 (session 15)
+14) marks session 13's ``stats.skip`` and adds the stop inputs on ``add``; version 6 (session 16)
 records streaming-input sessions (``add.resumable``); the version-4 traces
 checked in beside these tests were written by the version-4 recorder (vLLM 0.33.0)."""
 
