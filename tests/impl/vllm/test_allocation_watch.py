@@ -119,3 +119,52 @@ def test_hits_touched_after_an_allocation_are_flagged_on_any_free_queue(kv):
     run()
     with planted_vllm_fault("coord.pre33775_external_before_touch"), pytest.raises(VllmStateError, match="M10"):
         run()
+
+
+class _FakePool:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+    def touch(self, blocks):
+        return None
+
+    def get_new_blocks(self, n: int):
+        self.free -= n
+        return [object()] * n
+
+
+class _FakeManager:
+    """Just the four calls the watch wraps: a predictor that answers ``count`` and an allocation
+    that takes ``take`` blocks from the free queue."""
+
+    def __init__(self, count: int, take: int) -> None:
+        self.block_pool = _FakePool(10)
+        self.coordinator = self
+        self.count, self.take = count, take
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs) -> int:
+        return self.count
+
+    def allocate_slots(self, request, *args, **kwargs):
+        self.coordinator.get_num_blocks_to_allocate()
+        return self.block_pool.get_new_blocks(self.take)
+
+
+@pytest.mark.parametrize(("count", "take", "flagged"), [(-1, 0, False), (-2, 0, False), (0, 0, False), (-1, 1, True),
+                                                         (0, 1, True), (2, 2, False), (2, 3, True)])
+def test_a_count_below_zero_bounds_the_step_at_zero(count, take, flagged):
+    """vLLM's Mamba "align" predictor may count below zero (a request holding more blocks than its
+    chunk needs); taking nothing then is no finding, taking any block is (the hybrid sum can hide
+    one group's need behind another's negative count)."""
+    from types import SimpleNamespace
+
+    from kvref.impl.vllm.allocation_watch import AllocationWatch
+
+    mgr = _FakeManager(count, take)
+    watch = AllocationWatch(mgr)
+    mgr.allocate_slots(SimpleNamespace(request_id="r1"))
+    assert watch.steps_checked == 1
+    assert bool(watch.violations) is flagged, watch.violations
