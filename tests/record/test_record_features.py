@@ -32,8 +32,8 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import FEATURES, record_feature_runs
 
 from kvref import cli
-from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
-from tests.record.traces import read_lines
+from kvref.impl.vllm.record_faults import FEATURE_FAULTS
+from tests.record.traces import pristine_and_faulty_runs, read_lines
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -48,20 +48,7 @@ FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items()}
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """feature -> (pristine runs, runs of the same draws on a vLLM with the fault planted)."""
-    require_vllm()
-    cache: dict = {}
-
-    def get(feature: str):
-        if feature not in cache:
-            seed, n = DRAWS[feature]
-            d = tmp_path_factory.mktemp(feature)
-            pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=STEPS)
-            with plant_feature_fault(FAULT[feature]):
-                faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=STEPS, strict=False)
-            cache[feature] = (pristine, faulty)
-        return cache[feature]
-
-    return get
+    return pristine_and_faulty_runs(tmp_path_factory, DRAWS, FAULT, STEPS)
 
 
 def _shows(path) -> Counter:

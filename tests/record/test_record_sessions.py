@@ -27,8 +27,8 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import EMBEDS_FEATURES, SESSION_FEATURES, record_feature_runs
 
 from kvref import cli
-from kvref.impl.vllm.record_faults import FEATURE_FAULTS, plant_feature_fault
-from tests.record.traces import read_lines, rewrite
+from kvref.impl.vllm.record_faults import FEATURE_FAULTS
+from tests.record.traces import pristine_and_faulty_runs, read_lines, rewrite
 from tests.vllm_env import require_vllm
 
 #: feature -> (seed, examples): draws that reach the feature's path and the planted fault
@@ -45,20 +45,7 @@ KNOWN_HANGS = ("streaming-input sessions", "head-of-line hang of vLLM #39734")
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """feature -> (pristine runs, runs of the same draws on a vLLM with the fault planted)."""
-    cache: dict = {}
-
-    def get(feature: str):
-        require_vllm()
-        if feature not in cache:
-            seed, n = DRAWS[feature]
-            d = tmp_path_factory.mktemp(feature)
-            pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=STEPS)
-            with plant_feature_fault(FAULT[feature]):
-                faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=STEPS, strict=False)
-            cache[feature] = (pristine, faulty)
-        return cache[feature]
-
-    return get
+    return pristine_and_faulty_runs(tmp_path_factory, DRAWS, FAULT, STEPS)
 
 
 def _shows(lines: list) -> Counter:

@@ -106,3 +106,28 @@ def without(path, out, kind: str) -> str:
 
 __all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rewrite", "sched", "sched_rows", "update",
            "without", "write_trace"]
+
+
+def pristine_and_faulty_runs(tmp_path_factory, draws: dict, faults: dict, steps: int):
+    """A module fixture's getter: feature -> (its pristine recorded runs, the same draws recorded on a
+    vLLM with the feature's fault planted), recorded once per feature. ``draws``: feature -> (seed,
+    runs); ``faults``: feature -> the fault's name in kvref/impl/vllm/record_faults.py."""
+    from kvref.impl.vllm.record_faults import plant_feature_fault
+    from kvref.models.run_check.feature_runs import record_feature_runs
+
+    from tests.vllm_env import require_vllm
+
+    cache: dict = {}
+
+    def get(feature: str):
+        require_vllm()
+        if feature not in cache:
+            seed, n = draws[feature]
+            d = tmp_path_factory.mktemp(feature)
+            pristine = record_feature_runs(d / "pristine", feature, n, seed=seed, steps=steps)
+            with plant_feature_fault(faults[feature]):
+                faulty = record_feature_runs(d / "faulty", feature, n, seed=seed, steps=steps, strict=False)
+            cache[feature] = (pristine, faulty)
+        return cache[feature]
+
+    return get
