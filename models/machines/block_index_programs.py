@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from kvref.impl.block_hash_map_view import BlockHashMapView
 from kvref.impl.reference.block_hash import make_block_hash_with_group_id
 from kvref.impl.reference.block_hash_to_block_map import BlockHashToBlockMap
 from kvref.impl.reference.kv_cache_block import KVCacheBlock
-from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+from kvref.models.hypothesis_runs.programs import first_unaccepted_difference
 from kvref.spec.errors import check_int
 
 OPS = ("insert", "pop", "get_one_block", "contain", "len")
@@ -106,24 +104,8 @@ def run_block_index_programs(make_vllm_index, examples: int, *, seed: int = 0) -
     check_int("examples", examples, minimum=1)
     check_int("seed", seed, minimum=0)
     seen: Counter = Counter()
-    found: list[str] = []
     failure = run_program(*FIRST_PROGRAM, make_vllm_index(FIRST_PROGRAM[0]), seen)
     if failure and not is_accepted(signature(failure)):
         return failure, seen
-
-    @hypothesis_seed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=(Phase.generate,))
-    @given(program=block_index_programs())
-    def body(program) -> None:
-        if found:
-            return
-        num_blocks, ops = program
-        failure = run_program(num_blocks, ops, make_vllm_index(num_blocks), seen)
-        # a difference the baseline accepts discards its program and the search goes on (as the machines)
-        if failure and not is_accepted(signature(failure)):
-            found.append(failure)
-
-    with same_inputs_in_every_process():
-        body()
-    return (found[0] if found else None), seen
+    return first_unaccepted_difference(
+        block_index_programs(), lambda p: run_program(p[0], p[1], make_vllm_index(p[0]), seen), examples, seed), seen

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from kvref.impl.free_block_queue_view import FreeBlockQueueView
 from kvref.impl.reference.free_block_queue import FreeKVCacheBlockQueue
 from kvref.impl.reference.kv_cache_block import KVCacheBlock
-from kvref.models.hypothesis_runs.reproducible import same_inputs_in_every_process
+from kvref.models.hypothesis_runs.programs import first_unaccepted_difference
 from kvref.spec.errors import check_int
 
 OPS = ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n", "ids_after")
@@ -92,27 +90,8 @@ def run_program(num_blocks: int, ops: list[tuple[str, int]], vllm_queue, seen: C
 def run_free_queue_programs(make_vllm_queue, examples: int, *, seed: int = 0) -> tuple[str | None, Counter]:
     """``examples`` generated programs, each on a fresh ``make_vllm_queue(num_blocks)`` beside the
     reference's queue. Returns the first difference (None when all agreed) and the ops seen."""
-    from kvref.models.conformance.accepted import is_accepted, signature
-
     check_int("examples", examples, minimum=1)
     check_int("seed", seed, minimum=0)
     seen: Counter = Counter()
-    found: list[str] = []
-
-    @hypothesis_seed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=(Phase.generate,))
-    @given(program=free_queue_programs())
-    def body(program) -> None:
-        if found:
-            return
-        num_blocks, ops = program
-        failure = run_program(num_blocks, ops, make_vllm_queue(num_blocks), seen)
-        # a difference the baseline accepts (kvref verify --baseline / --update-baseline) discards its
-        # program and the search goes on, as in the machines
-        if failure and not is_accepted(signature(failure)):
-            found.append(failure)
-
-    with same_inputs_in_every_process():
-        body()
-    return (found[0] if found else None), seen
+    return first_unaccepted_difference(
+        free_queue_programs(), lambda p: run_program(p[0], p[1], make_vllm_queue(p[0]), seen), examples, seed), seen
