@@ -202,12 +202,24 @@ class LifecycleMachine(ConnectorMachine):
         return st_ is not None and st_.sched_step_seq > st_.processed_step_seq
 
     @precondition(lambda self: self.num_added < MAX_REQUESTS and self.driver.script.config.hisparse_host_pool
-                  and self.driver.can_schedule() and self._step_in_flight())
+                  and self.driver.can_schedule())
     @rule(data=st.data())
     def async_arrival_in_flight(self, data):
         """Under HiSparse: a request whose prefix the store holds arrives while a step is in flight
         and the engine schedules at once, so its async load is admitted behind that step's fence
-        (arrivals at an idle engine are admitted with nothing in flight and never deferred)."""
+        (arrivals at an idle engine are admitted with nothing in flight and never deferred).
+
+        When no step that scheduled tokens is in flight, the engine's next step goes first (an
+        empty step in flight is settled before): the machine's other rules seldom leave exactly
+        one such step in flight, so the rule, waiting for that state, ran in none of 45 traces
+        (seed 0, 40 examples) and an abort of a deferred load was reached once in 50 traces (the
+        catalogue's ``sched.deferred_load_unfenced_free`` survived every check)."""
+        d = self.driver
+        if not self._step_in_flight() and d.unfinished():
+            if d.num_in_flight():
+                d.complete(data.draw)
+            d.schedule()
+        LIFECYCLE_COVERAGE["arrival_behind_a_step"] += self._step_in_flight()
         spec = data.draw(request_specs(self.num_added, self.driver.pool.max_model_len))
         hit = tuple(replace(data.draw(external_hits(len(spec.prompt))), load_async=True, num_pending_lookups=0)
                     for _ in _children(self.driver.script))

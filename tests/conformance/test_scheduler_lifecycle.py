@@ -141,7 +141,7 @@ def test_deferred_loads_match_vllm_and_reach_every_path():
     assert run.ok, run.failure
     c = run.coverage
     for path in ("deferred_loads_pending", "deferred_loads_started", "connector_stats_in_output",
-                 "steps_with_deferred_frees"):
+                 "steps_with_deferred_frees", "arrival_behind_a_step", "deferred_load_aborted"):
         assert c.get(path, 0) > 0, (path, c)
 
 
@@ -181,8 +181,26 @@ def deferred_load_hands_no_tokens(monkeypatch):
     monkeypatch.setattr(cls, "_drain_deferred_loads", patched)
 
 
+def deferred_load_unfenced(monkeypatch):
+    """A deferred load's request keeps its old fence (``last_sched_seq`` not set at admission, the
+    catalogue's ``sched.deferred_load_unfenced_free``): aborting it returns its blocks to the pool
+    while the step in flight may still use them."""
+    cls = _sched_cls()
+    real = cls.schedule
+
+    def patched(self, *a, **k):
+        before = {rid: r.last_sched_seq for rid, r in self.requests.items()}
+        deferred = set(self.deferred_loads)
+        out = real(self, *a, **k)
+        for rid in set(self.deferred_loads) - deferred:
+            self.requests[rid].last_sched_seq = before.get(rid, 0)
+        return out
+
+    monkeypatch.setattr(cls, "schedule", patched)
+
+
 @pytest.mark.parametrize("plant", [loads_never_deferred, deferred_load_not_recorded,
-                                   deferred_load_hands_no_tokens])
+                                   deferred_load_hands_no_tokens, deferred_load_unfenced])
 def test_planted_deferred_load_fault_diverges(monkeypatch, plant):
     plant(monkeypatch)
     run = _run(profile_examples(10, 20), hisparse=True)
