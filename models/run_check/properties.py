@@ -29,6 +29,19 @@ them strong enough to stand alone:
 * **Metrics agree with the trace.** The ``SchedulerStats`` each ``update_from_output`` returned (the
   metrics endpoint's ``kv_cache_usage``, prefix-cache ``queries``/``hits``, running/waiting counts)
   equal what the recorded steps imply (:mod:`.metrics`).
+* **Nothing scheduled past a request's tokens** (session 17, #28). ``num_computed + scheduled``
+  never exceeds the tokens the request has (prompt + outputs the trace delivered; a streaming
+  session's kept outputs less its final sampled token) plus what vLLM schedules ahead of its output:
+  one placeholder per step of it still in flight that samples, and its drafts. vLLM's
+  ``num_new_tokens = num_tokens(+spec, +placeholders) - num_computed_tokens``.
+* **Admissions in waiting-queue order** (session 17, #28). Under the FCFS policy vLLM's waiting loop
+  admits from the head of ``waiting``: arrivals append, preemptions (for KV space, or all running
+  requests for ``reset_prefix_cache``) put the preempted requests back at the head in their running
+  order. A request is admitted past one ahead of it only if that one may be skipped (waiting for
+  streaming input, stale output in flight, a LoRA, multimodal or other skippable feature).
+* **A reset succeeds exactly when no block is in use** (session 17, #28). vLLM's
+  ``BlockPool.reset_prefix_cache`` refuses while any block besides the null block is in use (after
+  preempting the running requests when asked to); ``free`` then equals the usable pool.
 * **Usage within the pool.** Every block id is below ``num_blocks``; a table never exceeds what
   ``max_model_len`` needs.
 * **A summary** a developer pastes into a PR: steps, requests, finishes by reason, preemptions by
@@ -56,7 +69,9 @@ from .windows import group_rules
 PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reused while needed",
                   "hits hold their tokens", "admission within the startup bound", "metrics agree with the trace",
                   "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause",
-                  "prefill chunks leave the MTP runway", "finishes follow the stop rules")
+                  "prefill chunks leave the MTP runway", "finishes follow the stop rules",
+                  "nothing scheduled past a request's tokens", "admissions in waiting-queue order",
+                  "a reset succeeds exactly when no block is in use")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -77,7 +92,7 @@ class Finding:
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
                   "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
-                  "prefill_lookahead", "stop_rule")
+                  "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -148,6 +163,8 @@ class RunProperties:
         spec = header.get("spec") or {}
         #: KV slots past the scheduled tokens every allocation reserves (an EAGLE-like drafter's)
         self.lookahead = int(spec.get("num_lookahead_tokens", 0) or 0) if spec.get("num_speculative_tokens") else 0
+        #: drafts a step may schedule past a request's tokens (a decode padded to 1 + k included)
+        self.num_spec = int(spec.get("num_speculative_tokens", 0) or 0)
         #: a multi-module MTP drafter's prefill runway (vLLM's num_prefill_lookahead_tokens): no
         #: prefill chunk may end within it of the prompt's end (_reserve_prefill_lookahead, #28)
         self.prefill_lookahead = int(spec.get("num_prefill_lookahead", 0) or 0)
@@ -217,6 +234,14 @@ class RunProperties:
         self.reqs: dict[str, _Req] = {}
         self.waiting: dict[str, None] = {}  # insertion-ordered
         self.running: set[str] = set()
+        #: vLLM's ``running`` list in its order (admissions append), and its FCFS ``waiting`` deque
+        #: (arrivals append, preemptions prepend); requests holding KV blocks while they wait (a
+        #: stopped session's turn, an async load) are in ``kv_holding_waiting``, not in it
+        self.run_order: dict[str, None] = {}
+        self.queue: list[str] = []
+        #: the waiting-queue order is checked: FCFS, no connector (its async loads and "ask again"
+        #: answers skip requests by what the trace shows only in part)
+        self.check_order = not self.priority and not self.connector
         self.owners: dict[int, dict] = {}  # block id -> {(rid, group): table position}
         self.content: dict[int, int] = {}  # block id -> content key of the tokens it holds (if full)
         self.in_flight: deque = deque()  # (step, [(rid, computed after)]) not yet settled
@@ -271,6 +296,9 @@ class RunProperties:
         elif t == "reset":
             self.stops.reset(rec)
             if rec.get("running"):  # every running request was preempted at once (named at the next step)
+                # vLLM pops them from the end of running and prepends each to waiting: back at its head
+                # in their running order (the FIFO order its comment names)
+                self._prepend([rid for rid in self.run_order if rid in self.running])
                 for rid in list(self.running):
                     r = self.reqs.get(rid)
                     if r is not None:
@@ -280,6 +308,7 @@ class RunProperties:
                         r.computed = r.processed = 0
                         r.preempted = True
                         self.waiting[rid] = None
+            self._reset_result(line, rec)
             if rec.get("ok"):
                 self.content.clear()  # reset_prefix_cache forgets every cached block
 
@@ -293,6 +322,7 @@ class RunProperties:
                               mm=tuple((e[0], e[1], e[2]) for e in rec.get("mm") or ()),
                               embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") and self.exact else None)
         self.waiting[rid] = None
+        self.queue.append(rid)
         if rec.get("x"):
             self.exempt.add(rid)
         elif rec.get("resumable"):
@@ -351,6 +381,12 @@ class RunProperties:
         self.running.discard(rid)
         self.waiting[rid] = None
         r.session_held = frontier > 0
+        self.run_order.pop(rid, None)
+        # vLLM takes a stopped turn out of its queue (a preempted one's stale output can stop it) and
+        # enqueues it again: at the back of waiting, or in kv_holding_waiting when it holds KV
+        self._unqueue(rid)
+        if not r.session_held:
+            self.queue.append(rid)
         if r.pending and r.pending[0] is not None:
             self._apply_update(rid, r, r.pending.pop(0))
         else:
@@ -392,6 +428,7 @@ class RunProperties:
         r.async_held = False
         r.running = False
         self.running.discard(rid)
+        self.run_order.pop(rid, None)
 
     def _drop_owner(self, b: int, rid: str, g: int) -> None:
         holders = self.owners.get(b)
@@ -526,6 +563,7 @@ class RunProperties:
         if r.first_step < 0:
             self._note_wait(rid, self.step - r.arrival_step)
         self.waiting.pop(rid, None)
+        self._unqueue(rid)
         self.exempt.discard(rid)
         self.sessions.discard(rid)
         self.awaiting_input.discard(rid)
@@ -548,6 +586,11 @@ class RunProperties:
         st = self.stats
         st["steps"] += 1
         why = rec.get("pre_why") or {}
+        if rec["pre"]:
+            # preempted for KV space in this call: popped from the end of running, each prepended to
+            # waiting (those a reset preempted were queued at its record)
+            pre = set(rec["pre"])
+            self._prepend([rid for rid in self.run_order if rid in pre and why.get(rid) != "reset_prefix_cache"])
         for rid in rec["pre"]:
             r = self.reqs.get(rid)
             if r is not None:
@@ -574,6 +617,10 @@ class RunProperties:
         if self.paused:
             self._paused(line, rows)
         self.remote_waited.difference_update(row[0] for row in rows)
+        if self.check_order and not self.paused and self.queue:
+            self._admission_order(line, rows)
+        ahead = self._ahead() if self.in_flight else {}
+        num_spec = self.num_spec
         tokens = 0
         settled = []
         for rid, kind, n, computed, blocks in rows:
@@ -590,10 +637,16 @@ class RunProperties:
             if not r.running:
                 r.running = True
                 self.running.add(rid)
+                self.run_order[rid] = None  # vLLM appends an admitted request to running
             if blocks is not None:
                 self._allocate(line, rid, r, kind, computed, blocks)
             if self.prefill_lookahead > 1:
                 self._prefill_runway(line, rid, r, computed, n)
+            if r.prompt_len and (rid not in self.sessions or rid in self.stops.reqs):
+                have = r.prompt_len + r.num_out
+                extra = ahead.get(rid, 0) + max(len(spec.get(rid, ())), num_spec)
+                if computed + n > have + extra:
+                    self._past_tokens(line, rid, r, computed, n, have, extra)
             r.computed = computed + n
             self._covers(line, rid, r)
             self._admission_bound(line, rid, r)
@@ -608,6 +661,120 @@ class RunProperties:
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_blocks = max(self.peak_blocks, len(self.owners))
         self._conserve(line, rec, "schedule")
+
+    # ---- waiting-queue order, tokens scheduled, reset result (session 17, #28) ---------------------
+    def _prepend(self, rids: list) -> None:
+        """``rids`` (in this order) go back to the head of vLLM's FCFS waiting queue."""
+        if rids:
+            self.queue[:0] = [rid for rid in rids if rid in self.reqs and rid not in self.queue]
+
+    def _unqueue(self, rid: str) -> None:
+        try:
+            self.queue.remove(rid)
+        except ValueError:
+            pass
+
+    def _skippable(self, rid: str) -> str:
+        """Why vLLM's waiting loop may pass over ``rid`` (``skip_request``) rather than stop at it, as
+        far as the trace shows; "" when nothing lets it: it waits for a streaming input
+        (``WAITING_FOR_STREAMING_REQ``), has deliverable stale output in flight (preempted for KV
+        space under async scheduling), a LoRA adapter (``max_loras``), encoder inputs or a drafter
+        runway (a chunk cut to 0 tokens), or a feature the reference does not model (``x``)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return "unknown"
+        if rid in self.awaiting_input:
+            return "waiting for streaming input"
+        if rid in self.exempt or r.lora or r.mm or self.prefill_lookahead:
+            return "a skippable feature"
+        if r.session_held or r.async_held:
+            return "holds KV blocks"
+        if rid not in self.drop_stale and any(e[0] == rid and e[1] is None for _, settled in self.in_flight
+                                              for e in settled):
+            return "stale output in flight"
+        return ""
+
+    def _admission_order(self, line: int, rows: list) -> None:
+        """The requests a step admits from ``waiting`` leave it in its order, passing over only
+        requests vLLM's waiting loop may skip (FCFS; vLLM's ``FCFSRequestQueue``: arrivals append,
+        preemptions prepend, skipped requests are put back in place). An admission past a request it
+        may not skip, or in another order, means the queue vLLM kept is not the one its rules make --
+        e.g. preempted requests put back in another order (reset_prefix_cache preempts last to first
+        so they come back first to last)."""
+        want = [row[0] for row in rows if row[1] != "c" and row[0] in self.reqs
+                and not self.reqs[row[0]].session_held and not self.reqs[row[0]].async_held]
+        if not want:
+            return
+        pending = set(want)
+        pos: dict[str, int] = {}
+        for i, q in enumerate(self.queue):
+            if q in pending:
+                pos[q] = i
+                pending.discard(q)
+                if not pending:
+                    break
+        order = [rid for rid in want if rid in pos]
+        if not order:
+            return
+        for a, b in zip(order, order[1:]):
+            if pos[a] > pos[b]:
+                self._find("admission_order", line,
+                           f"{a} is admitted before {b}, which is ahead of it in the waiting queue (FCFS: arrivals "
+                           "join at the back, preempted requests go back to the front in their running order)",
+                           once=True)
+                return
+        admitted = set(order)
+        for q in self.queue[:max(pos.values())]:
+            if q not in admitted and not self._skippable(q):
+                late = next(rid for rid in order if pos[rid] > self.queue.index(q))
+                r = self.reqs[q]
+                self._find("admission_order", line,
+                           f"{late} is admitted past {q}, which is ahead of it in the waiting queue and cannot be "
+                           f"skipped ({'preempted' if r.preempted else 'arrived before step ' + str(r.arrival_step)}"
+                           "; FCFS: vLLM's waiting loop stops at the first request it cannot schedule)", once=True)
+                return
+
+    def _ahead(self) -> dict[str, int]:
+        """Tokens a step may schedule past a request's known tokens for its steps still in flight:
+        one output placeholder per step that samples (its chunk reached the prompt's end) and its
+        drafts (vLLM's ``num_output_placeholders``, async scheduling). Steps whose output vLLM drops
+        (a stopped session turn, a reset's drop mode) or a preemption made stale hold none."""
+        ahead: dict[str, int] = {}
+        stale = self.session_stale
+        for step, settled in self.in_flight:
+            for rid, computed, drafts in settled:
+                if computed is None or stale.get(rid, -1) >= step:
+                    continue
+                r = self.reqs.get(rid)
+                if r is not None and computed >= r.prompt_len:
+                    ahead[rid] = ahead.get(rid, 0) + 1 + drafts
+        return ahead
+
+    def _past_tokens(self, line: int, rid: str, r: _Req, computed: int, n: int, have: int, extra: int) -> None:
+        session = " (a streaming session: its kept outputs, less the final sampled token, then the update's prompt)" \
+            if rid in self.sessions else ""
+        self._find("past_tokens", line,
+                   f"{rid} is scheduled {n} tokens from {computed} (to {computed + n}), past the {have} tokens it "
+                   f"has{session}" + (f" and {extra} placeholder/draft slots" if extra else "")
+                   + ": vLLM schedules num_tokens - num_computed_tokens at most", once=True)
+
+    def _reset_result(self, line: int, rec: dict) -> None:
+        """``reset_prefix_cache`` succeeds exactly when every block but the null block is free (vLLM's
+        ``BlockPool.reset_prefix_cache``; the running requests were preempted first when asked): the
+        recorded ``free`` after the call decides, and on exact bookkeeping no block may be held. A
+        connector reset asked for too may fail on its own."""
+        ok = bool(rec.get("ok"))
+        free = rec.get("free")
+        if free is not None and (ok != (free == self.num_blocks - 1)) and (ok or not rec.get("connector")):
+            self._find("reset_result", line,
+                       f"reset_prefix_cache reported {'success' if ok else 'failure'} with {free} of "
+                       f"{self.num_blocks - 1} usable blocks free: vLLM resets the prefix cache exactly when "
+                       "no block is in use", once=True)
+        elif ok and self.exact and self.owners:
+            self._find("reset_result", line,
+                       f"reset_prefix_cache reported success while live requests hold {len(self.owners)} block(s): "
+                       "vLLM refuses a reset while any block is in use", once=True)
+        self._conserve(line, rec, "reset_prefix_cache")
 
     def _starvation(self, line: int, rec: dict, rows: list) -> None:
         """Nothing scheduled while requests wait, whatever is in flight (async keeps a step there)."""
@@ -728,6 +895,7 @@ class RunProperties:
                        "a prefix-cache hit never covers the last token (its logits must be computed)")
         self._release(rid)
         self.waiting.pop(rid, None)
+        self._unqueue(rid)
         r.tables = [[] for _ in range(self.num_groups)]
         r.filled = [0] * self.num_groups
         # a session resuming on its blocks may still have its stopped turn's steps in flight
@@ -1078,6 +1246,9 @@ class RunProperties:
         assert self.running <= set(self.reqs), "a running request that is not live"
         self.stops.check_invariants()
         assert not (set(self.waiting) & self.running), "a request both waiting and running"
+        assert not (set(self.queue) & self.running), "a running request in the waiting queue"
+        assert len(set(self.queue)) == len(self.queue) and set(self.queue) <= set(self.waiting), "waiting queue"
+        assert set(self.run_order) == self.running, "running order out of step with the running set"
         for b, holders in self.owners.items():
             assert holders and 0 < b, (b, holders)
             for (rid, g), idx in holders.items():

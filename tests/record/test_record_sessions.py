@@ -40,6 +40,9 @@ FAULT = {feature: name for name, (feature, _) in FEATURE_FAULTS.items() if featu
 #: waiting sessions hold the KV blocks the first of them needs (docs/record.md), or a head-of-line
 #: request the full-ISL reservation never admits on a tight pool
 KNOWN_HANGS = ("streaming-input sessions", "head-of-line hang of vLLM #39734")
+#: feature -> the run property its planted fault breaks (flagged without the replay)
+PROPERTY_BROKEN = {"streaming-input": "past_tokens", "prefix-cache-reset": "admission_order",
+                   "prompt-embeds": "wrong_hit"}
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +115,15 @@ def test_pristine_runs_are_replayed_step_by_step(recorded, feature, tmp_path, ca
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("feature", FEATURES)
-def test_a_fault_planted_in_the_path_is_flagged_by_the_replay(recorded, feature, tmp_path, capsys):
+def test_a_fault_planted_in_the_path_is_flagged_by_the_replay_and_the_properties(recorded, feature, tmp_path,
+                                                                               capsys):
+    """The replay flags the fault; ``--properties-only`` too, by the property the fault breaks
+    (session 17, #28): a session resumed with its final sampled token kept schedules past the tokens
+    it has; preempted requests a reset put back in reverse come back out of waiting-queue order; a hit
+    between prompts whose embeddings differ holds other content."""
     _, faulty = recorded(feature)
     flagged = []
+    props: Counter = Counter()
     for run in faulty:
         r = check_trace(run.path)
         if r.empty:
@@ -122,7 +131,9 @@ def test_a_fault_planted_in_the_path_is_flagged_by_the_replay(recorded, feature,
         assert r.followed or r.divergence is not None or r.crash is not None, (run.path, r.stopped_because)
         if r.divergence is not None:
             flagged.append(run.path)
+            props.update({f.kind for f in check_trace(run.path, properties_only=True).findings})
     assert flagged, f"no {feature} run with {FAULT[feature]} planted was flagged"
+    assert props[PROPERTY_BROKEN[feature]] >= 1, props
     assert cli.main(["check-run", str(flagged[0]), "--out", str(tmp_path / "cx")]) == 1
     assert capsys.readouterr().out.strip().endswith("verdict: FINDINGS")
 

@@ -1,0 +1,146 @@
+"""Session 17's run properties (issue #28, "check-run with teeth"): each on a hand-built trace that
+violates it and on one that does not, checked ``--properties-only`` (what a user on another vLLM runs).
+
+* nothing scheduled past a request's tokens (vLLM: ``num_new_tokens = num_tokens - num_computed``),
+  a streaming session's kept outputs less its final sampled token included;
+* admissions in waiting-queue order (FCFS: arrivals at the back, preempted requests back at the
+  front in their running order, as ``reset_prefix_cache`` and the running loop put them);
+* a reset succeeds exactly when no block is in use (``BlockPool.reset_prefix_cache``).
+
+Cheap: a few hand-written records each (well under a second in all at CI=true).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvref.models.run_check import check_trace
+
+from tests.record.traces import add, full_setup, header_for, sched, update, write_trace
+
+
+def _kinds(tmp_path, header, recs, name):
+    r = check_trace(write_trace(tmp_path / name, header, recs), properties_only=True, check_invariants_every=1)
+    return [f.kind for f in r.findings], r
+
+
+# ---- nothing scheduled past a request's tokens -----------------------------------------------------------
+def test_a_step_never_schedules_more_tokens_than_the_request_has(tmp_path):
+    pool, cfg = full_setup()
+    h = header_for(pool, cfg)
+
+    def run(first: int) -> list:
+        return [add("a", [1, 2, 3, 4, 5], max_tokens=3), sched(0, [["a", "n", first, 0, [[1, 2]]]]),
+                update(0, {"a": [9]})]
+
+    kinds, r = _kinds(tmp_path, h, run(6), "past.jsonl")
+    assert kinds == ["past_tokens"] and "past the 5 tokens it has" in r.findings[0].message
+    kinds, r = _kinds(tmp_path, h, run(5), "ok.jsonl")
+    assert kinds == [] and r.ok
+
+
+def test_async_placeholders_allow_one_token_per_sampling_step_in_flight(tmp_path):
+    """Async scheduling: vLLM schedules a decode step before the previous one's token is back
+    (``num_output_placeholders``); one step in flight that samples allows one more token, not two."""
+    pool, cfg = full_setup()
+    h = header_for(pool, replace(cfg, async_scheduling=True))
+
+    def run(second: int) -> list:
+        return [add("a", [1, 2, 3, 4], max_tokens=5), sched(0, [["a", "n", 4, 0, [[1]]]]),
+                sched(1, [["a", "c", second, 4, [[2]]]]), update(0, {"a": [9]}), update(1, {"a": [8]})]
+
+    kinds, _ = _kinds(tmp_path, h, run(1), "ok.jsonl")
+    assert kinds == []
+    kinds, r = _kinds(tmp_path, h, run(2), "past.jsonl")
+    assert kinds == ["past_tokens"] and "1 placeholder/draft slots" in r.findings[0].message
+
+
+def _session(resume_tokens: int) -> list:
+    """A streaming session: a 3-token turn stops at max_tokens 2 (tokens 9, 10 sampled; 9 computed),
+    its next input [7, 8] arrives while it waits; vLLM keeps [1, 2, 3, 9] (the final sampled 10 is
+    dropped), so the resumed turn has 6 tokens and 4 computed."""
+    s = add("s", [1, 2, 3], max_tokens=2)
+    s["resumable"] = True
+    nxt = add("s", [7, 8], max_tokens=2)
+    nxt["resumable"] = True
+    return [s, sched(0, [["s", "n", 3, 0, [[1]]]]), update(0, {"s": [9]}),
+            sched(1, [["s", "c", 1, 3, None]]), update(1, {"s": [10]}), nxt,
+            sched(2, [["s", "n", resume_tokens, 4, [[1, 2]]]]), update(2, {"s": [11]})]
+
+
+def test_a_resumed_session_schedules_its_kept_outputs_less_the_final_token(tmp_path):
+    """vLLM's ``_update_request_as_session`` keeps every output but the final sampled one (never
+    computed): a session resumed with one token more than that (an off-by-one in the kept output)
+    schedules past the tokens the trace gives it."""
+    h = header_for(*full_setup())
+    kinds, r = _kinds(tmp_path, h, _session(2), "ok.jsonl")
+    assert kinds == [] and r.ok
+    kinds, r = _kinds(tmp_path, h, _session(3), "past.jsonl")
+    assert kinds == ["past_tokens"] and "a streaming session" in r.findings[0].message
+
+
+# ---- admissions in waiting-queue order ---------------------------------------------------------------------
+def _after_reset(admit: list) -> list:
+    """FCFS: a, b run, c waits; reset_prefix_cache(reset_running_requests=True) preempts a and b
+    (vLLM pops b then a, prepending each: the queue is a, b, c); the next step admits ``admit``."""
+    tables = {"a": [[1, 2]], "b": [[3, 4]], "c": [[5, 6]]}
+    recs = [add("a", [1] * 5), add("b", [2] * 5), add("c", [3] * 5),
+            sched(0, [["a", "n", 5, 0, [[1, 2]]], ["b", "n", 5, 0, [[3, 4]]]]), update(0, {"a": [9], "b": [9]}),
+            {"t": "reset", "running": True, "ok": True, "free": 19}]
+    step = sched(1, [[rid, "r" if rid != "c" else "n", 6 if rid != "c" else 5, 0, tables[rid]] for rid in admit],
+                 pre=["a", "b"])
+    step["pre_why"] = {"a": "reset_prefix_cache", "b": "reset_prefix_cache"}
+    return recs + [step]
+
+
+def test_preempted_requests_come_back_in_their_running_order(tmp_path):
+    h = header_for(*full_setup())
+    kinds, r = _kinds(tmp_path, h, _after_reset(["a", "b"]), "ok.jsonl")
+    assert kinds == [] and r.ok
+    kinds, r = _kinds(tmp_path, h, _after_reset(["a", "b", "c"]), "ok3.jsonl")
+    assert kinds == []
+    kinds, r = _kinds(tmp_path, h, _after_reset(["b", "a"]), "reversed.jsonl")
+    assert kinds == ["admission_order"] and "b is admitted before a" in r.findings[0].message
+
+
+def test_nothing_is_admitted_past_a_request_that_cannot_be_skipped(tmp_path):
+    h = header_for(*full_setup())
+    kinds, r = _kinds(tmp_path, h, _after_reset(["b"]), "past_a.jsonl")
+    assert kinds == ["admission_order"] and "b is admitted past a" in r.findings[0].message
+    kinds, r = _kinds(tmp_path, h, _after_reset(["c"]), "past_ab.jsonl")
+    assert kinds == ["admission_order"] and "c is admitted past a" in r.findings[0].message
+
+
+def test_the_priority_policy_orders_its_queue_by_priority_not_arrival(tmp_path):
+    """Under the priority policy vLLM's waiting queue is a heap on (priority, arrival): the FCFS
+    order is not asked of it."""
+    pool, cfg = full_setup()
+    h = header_for(pool, replace(cfg, policy="priority"))
+    kinds, _ = _kinds(tmp_path, h, _after_reset(["b", "a"]), "priority.jsonl")
+    assert kinds == []
+
+
+# ---- a reset succeeds exactly when no block is in use ------------------------------------------------------
+def _reset_while_held(ok: bool, free: int) -> list:
+    """a holds 2 blocks of the 19 usable ones; reset_prefix_cache without preempting it."""
+    return [add("a", [1] * 5, max_tokens=3), sched(0, [["a", "n", 5, 0, [[1, 2]]]]), update(0, {"a": [9]}),
+            {"t": "reset", "running": False, "ok": ok, "free": free}]
+
+
+def test_a_reset_reports_success_only_with_every_block_free(tmp_path):
+    h = header_for(*full_setup())
+    kinds, r = _kinds(tmp_path, h, _reset_while_held(False, 17), "refused.jsonl")
+    assert kinds == [] and r.ok
+    kinds, r = _kinds(tmp_path, h, _reset_while_held(True, 17), "ok_held.jsonl")
+    assert kinds == ["reset_result"] and "reported success with 17 of 19" in r.findings[0].message
+    # the pool says all free, but the trace has a still holding its blocks: a freed-while-held block
+    kinds, r = _kinds(tmp_path, h, _reset_while_held(True, 19), "ok_lying.jsonl")
+    assert kinds == ["reset_result", "conservation"] and "hold 2 block(s)" in r.findings[0].message
+    # nothing held, every block free: a refusal is the finding
+    idle = [{"t": "reset", "running": False, "ok": False, "free": 19}, add("a", [1] * 5),
+            sched(0, [["a", "n", 5, 0, [[1, 2]]]])]
+    kinds, r = _kinds(tmp_path, h, idle, "refused_idle.jsonl")
+    assert kinds == ["reset_result"] and "reported failure with 19 of 19" in r.findings[0].message
+    kinds, r = _kinds(tmp_path, h, [dict(idle[0], ok=True)] + idle[1:], "ok_idle.jsonl")
+    assert kinds == [] and r.ok
+
