@@ -126,7 +126,9 @@ class OffloadingReferenceBackend(ReferenceEngine):
                                                  cfg.blocks_per_chunk, cfg.num_workers, cfg.offload_prompt_only,
                                                  block_hasher=self.mgr.block_hashes, events_tracker=tracker,
                                                  sync_load_budget_bytes=getattr(cfg, "sync_load_budget_bytes", 0),
-                                                 kv_bytes_per_token=per_token)
+                                                 kv_bytes_per_token=per_token,
+                                                 retention_interval=getattr(cfg, "prefix_cache_retention_interval", None),
+                                                 eagle_groups=[i for i, g in enumerate(groups) if g.is_eagle_group])
         self.gpu_pool = self.mgr.block_pool
 
     def on_new_request(self, req, kv_transfer_params=None):

@@ -35,7 +35,19 @@ def kvref_kv_cache_manager(cfg: Any, groups: tuple[KVCacheGroupSpec, ...]) -> KV
         "an offload scenario's GPU pool: its block count is the scenario's, not a startup plan's",
         num_blocks=cfg.num_gpu_blocks, groups=groups, max_model_len=cfg.max_model_len,
         scheduler_block_size=cfg.block_size, hash_block_size=getattr(cfg, "hash_block_size", None) or cfg.block_size,
-        enable_caching=True))
+        enable_caching=True, use_eagle=any(g.is_eagle_group for g in groups),
+        prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None)))
+
+
+def note_shared_prefix_boundary(req: Any, junction: int, retention_interval: int | None) -> None:
+    """What vLLM's ``Scheduler`` does with the third answer of ``get_computed_blocks``: the junction
+    where a sparse-retention group's hit stopped short of the shared prefix becomes
+    ``request.shared_prefix_boundary`` (the OffloadingConnector then keeps its tail, and the GPU
+    cache its state). Only on pools with a retention interval, the one place the offload worlds
+    read it: elsewhere their prefill chunks do not stop at the junction as vLLM's Mamba split
+    does, so the worlds leave it at 0 on both sides."""
+    if retention_interval is not None:
+        req.shared_prefix_boundary = junction
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +79,8 @@ class ReferenceEngine:
                       "finished": RequestStatus.FINISHED, "aborted": RequestStatus.FINISHED}[status]
 
     def get_computed_blocks(self, req):
-        blocks, n, _ = self.mgr.get_computed_blocks(req)
+        blocks, n, junction = self.mgr.get_computed_blocks(req)
+        note_shared_prefix_boundary(req, junction, self.mgr.coordinator.retention_interval)
         return blocks, n
 
     def allocate(self, req, n_new, n_hit=0, hits=None, n_ext=0, delay=False):

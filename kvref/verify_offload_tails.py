@@ -14,7 +14,7 @@ from .report import FAILED, CheckResult
 
 def with_partial_tails(ctx: VerifyContext, result: CheckResult) -> CheckResult:
     """``result`` (conform-offload's, passed) extended by the partial-tail traces, or the failure
-    they found."""
+    they found; then by the retention-interval part (:mod:`.verify_offload_retention`)."""
     from kvref.models.offload.offloading_partial_tails import COVERAGE, partial_tail_cases, run_partial_tail_traces
     from kvref.models.offload.world_common import OffloadInvariantError
 
@@ -26,6 +26,9 @@ def with_partial_tails(ctx: VerifyContext, result: CheckResult) -> CheckResult:
                            "pool with partial tails", details=[str(exc)[:1500]],
                            signature=f"{result.name}: OffloadingConnector partial tails")
     c = COVERAGE
-    return replace(result, summary=f"{result.summary}; {stats['traces']} OffloadingConnector traces with partial "
-                   f"tails ({stats['ops']} ops: {c['tail_stores']} partial-tail stores, {c['tail_flushes']} "
-                   f"flushed, {c['tail_loads']} loaded) agree", examined=result.examined + stats["ops"])
+    result = replace(result, summary=f"{result.summary}; {stats['traces']} OffloadingConnector traces with partial "
+                     f"tails ({stats['ops']} ops: {c['tail_stores']} partial-tail stores, {c['tail_flushes']} "
+                     f"flushed, {c['tail_loads']} loaded) agree", examined=result.examined + stats["ops"])
+    from .verify_offload_retention import with_retention  # under a prefix-cache retention interval (#22)
+
+    return with_retention(ctx, result)

@@ -254,6 +254,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
            "OffloadingConnectorScheduler.request_finished"),
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config", "get_sliding_window_size_in_chunks"),
+        # from_spec alone: conform-offload compares its refusals of retention intervals (#22)
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "SchedulerOffloadConfig.from_spec"),
         _b("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", "OffloadingWorkerMetadata",
            "completed_jobs"),
         _b("vllm.v1.kv_offload.base", "OffloadingKVEventsConfig"),

@@ -49,15 +49,18 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
             return VLocal(attention_chunk_size=spec.attention_chunk_size, **kw)
         return VFull(**kw)
 
-    groups = [VGroup(list(g.layer_names), vllm_spec(g.kv_cache_spec)) for g in cfg.kvref_groups()]
+    groups = [VGroup(list(g.layer_names), vllm_spec(g.kv_cache_spec), is_eagle_group=g.is_eagle_group)
+              for g in cfg.kvref_groups()]
     page = groups[0].kv_cache_spec.page_size_bytes
     kcfg = KVCacheConfig(num_blocks=cfg.num_gpu_blocks,
                          kv_cache_tensors=[KVCacheTensor(size=page * cfg.num_gpu_blocks,
                                                          layers=[g.layer_names[0] for g in groups],
                                                          layer_stride=page, block_stride=page)],
-                         kv_cache_groups=groups)
+                         kv_cache_groups=groups,
+                         prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None))
     mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
-                          hash_block_size=hash_block_size, enable_caching=True)
+                          hash_block_size=hash_block_size, enable_caching=True,
+                          use_eagle=any(g.is_eagle_group for g in groups))
     return hasher, kcfg, mgr
 
 
@@ -92,7 +95,10 @@ class VllmEngine(ReferenceEngine):
                       "loading": VS.WAITING_FOR_REMOTE_KVS}[status]
 
     def get_computed_blocks(self, req):
+        from kvref.impl.offload_engine import note_shared_prefix_boundary
+
         out = self.mgr.get_computed_blocks(req)
+        note_shared_prefix_boundary(req, out[2], self.mgr.coordinator.retention_interval)
         return out[0], out[1]
 
     def cache_blocks(self, req, n):
@@ -131,7 +137,8 @@ def vllm_scheduler_output(step: Any) -> SimpleNamespace:
         num_scheduled_tokens=dict(step.num_scheduled_tokens), finished_req_ids=step.finished_req_ids,
         preempted_req_ids=set(step.preempted_req_ids),
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads=dict(getattr(step, "boundary_state_offloads", {}))),
-        kv_cache_block_copies=None)
+        kv_cache_block_copies=[SimpleNamespace(src_block_id=s, dst_block_id=d)
+                               for s, d in getattr(step, "kv_cache_block_copies", ())] or None)
 
 
 def merged_worker_meta(events: dict[int, int]) -> Any:
@@ -206,6 +213,51 @@ class SimpleCPUVllmBackend(VllmEngine, SimpleCPUReferenceBackend):
         return load_state.transfer_meta
 
 
+def vllm_offloading_config(cfg: Any, kcfg: Any, get_manager: Callable) -> tuple[Any, Any]:
+    """The ``OffloadingSpec`` and ``VllmConfig`` fields vLLM's ``OffloadingConnectorScheduler`` (and
+    its ``SchedulerOffloadConfig.from_spec``) reads, for an offload world's ``cfg`` over the GPU
+    cache config ``kcfg``; ``get_manager`` returns the CPU offloading manager."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_sliding_window_size_in_chunks
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    groups = kcfg.kv_cache_groups
+    kv_events = getattr(cfg, "kv_events", "off")  # "off", "placeholder" or "self_describing"
+    tpc = cfg.block_size * cfg.blocks_per_chunk
+    spec = SimpleNamespace(
+        config=SimpleNamespace(groups=[SimpleNamespace(
+            group_id=i, tokens_per_block=cfg.block_size,
+            sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(g.kv_cache_spec, tpc))
+            for i, g in enumerate(groups)]),
+        blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=getattr(cfg, "hash_block_size", None) or cfg.block_size,
+        tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
+        extra_config={"sync_load_budget_bytes": getattr(cfg, "sync_load_budget_bytes", 0)},
+        kv_events_config=OffloadingKVEventsConfig(kv_events != "off", kv_events == "self_describing"),
+        get_manager=get_manager)
+    vcfg = SimpleNamespace(
+        cache_config=SimpleNamespace(prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None),
+                                     enable_prefix_caching=True),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(world_size=cfg.num_workers, decode_context_parallel_size=1))
+    return spec, vcfg
+
+
+def vllm_offloading_config_refusal(cfg: Any) -> str | None:
+    """Why vLLM's ``SchedulerOffloadConfig.from_spec`` refuses ``cfg``'s connector configuration
+    (its ``ValueError``), or None when it accepts it. Only the connector decides: the GPU cache is
+    built without the retention interval (its own coordinator refuses some values first)."""
+    from dataclasses import replace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import SchedulerOffloadConfig
+
+    _, kcfg, _ = vllm_kv_cache_manager(replace(cfg, prefix_cache_retention_interval=None))
+    spec, vcfg = vllm_offloading_config(cfg, kcfg, lambda: None)
+    try:
+        SchedulerOffloadConfig.from_spec(spec, vcfg, kcfg)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
     """vLLM 0.33.0's KVCacheManager + OffloadingConnectorScheduler over its CPUOffloadingManager."""
 
@@ -215,34 +267,14 @@ class OffloadingVllmBackend(VllmEngine, OffloadingReferenceBackend):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
             OffloadingConnectorScheduler as VSched,
         )
-        from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VManager
 
         self._hasher, kcfg, self.mgr = vllm_kv_cache_manager(cfg)
-        groups = kcfg.kv_cache_groups
         kv_events = getattr(cfg, "kv_events", "off")  # "off", "placeholder" or "self_describing"
         self.manager = VManager(cfg.num_cpu_chunks, cache_policy=cfg.cache_policy, enable_events=kv_events != "off",
                                 store_threshold=getattr(cfg, "store_threshold", 0),
                                 max_tracker_size=getattr(cfg, "max_tracker_size", 64_000))
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-            get_sliding_window_size_in_chunks,
-        )
-
-        tpc = cfg.block_size * cfg.blocks_per_chunk
-        spec = SimpleNamespace(
-            config=SimpleNamespace(groups=[SimpleNamespace(
-                group_id=i, tokens_per_block=cfg.block_size,
-                sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(g.kv_cache_spec, tpc))
-                for i, g in enumerate(groups)]),
-            blocks_per_chunk=cfg.blocks_per_chunk, tokens_per_hash=getattr(cfg, "hash_block_size", None) or cfg.block_size,
-            tokens_per_block=tuple(cfg.block_size for _ in groups), offload_prompt_only=cfg.offload_prompt_only,
-            extra_config={"sync_load_budget_bytes": getattr(cfg, "sync_load_budget_bytes", 0)},
-            kv_events_config=OffloadingKVEventsConfig(kv_events != "off", kv_events == "self_describing"),
-            get_manager=lambda: self.manager)
-        vcfg = SimpleNamespace(
-            cache_config=SimpleNamespace(prefix_cache_retention_interval=None, enable_prefix_caching=True),
-            speculative_config=None,
-            parallel_config=SimpleNamespace(world_size=cfg.num_workers, decode_context_parallel_size=1))
+        spec, vcfg = vllm_offloading_config(cfg, kcfg, lambda: self.manager)
         self.conn = VSched(spec, vcfg, kcfg)
         self.gpu_pool = self.mgr.block_pool
 

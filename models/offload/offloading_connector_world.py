@@ -82,6 +82,16 @@ class OffloadingConfig:
     # cache: no GPU hit, and the connector answers 0 without a lookup (vLLM's
     # ``skip_reading_prefix_cache``); its chunks are still stored for the others.
     prompt_logprobs_every: int = 0
+    # vLLM's prefix_cache_retention_interval (CacheConfig; the GPU cache's KVCacheConfig and the
+    # connector's SchedulerOffloadConfig both read it): None dense; 0 only the replay boundary and
+    # shared-prefix junction tails of sliding-window groups are cached and offloaded; k > 0 those plus
+    # one tail per k tokens. Drawn by :mod:`kvref.models.offload.offloading_retention`, not by random().
+    prefix_cache_retention_interval: int | None = None
+    # EAGLE/MTP drafting: the index (in kvref_groups()) of the group holding the drafter's layers
+    # (vLLM's is_eagle_group; None: no drafter). The GPU cache then drops a hit's last block of that
+    # group (use_eagle) and the connector pops its trailing chunk and stores it only once stable.
+    # Drawn by :mod:`kvref.models.offload.offloading_eagle`, not by random().
+    eagle_group: int | None = None
 
     def tokens_per_hash(self) -> int:
         """The request hash granularity (vLLM's ``hash_block_size``, the connector's ``tokens_per_hash``)."""
@@ -102,6 +112,8 @@ class OffloadingConfig:
                                                                  dtypes=("float16",), mamba_cache_mode="align")))
             if self.mamba_only and len(groups) == 2:  # FA + Mamba: drop the attention group
                 groups = groups[1:]
+        if self.eagle_group is not None:
+            groups[self.eagle_group] = replace(groups[self.eagle_group], is_eagle_group=True)
         return tuple(groups)
 
     def mamba_split(self) -> MambaSplitConfig | None:
@@ -362,6 +374,7 @@ class OffloadingWorld(OffloadWorldBase):
         self._record_handoffs(step.boundary_state_offloads)
         # ... and releases the blocks its copy-on-write pairs retained (sub-block Mamba hits)
         pairs = self.b.release_kv_cache_block_copies()
+        step.kv_cache_block_copies = list(pairs)  # the connector sees them in the SchedulerOutput
         if pairs:  # (step, pairs): no entry on pools without copies (the explorer keys on the world)
             self.copies.append((len(self.metas), pairs))
         meta = (*self.b.build_meta(step), tuple(lookups))

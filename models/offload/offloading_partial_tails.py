@@ -118,10 +118,21 @@ def run_partial_tail_traces(cases, backends: tuple[str, ...] = ("reference", "vl
     """Run every case on ``backends``, compared after every operation; raise
     :class:`OffloadInvariantError` at the first difference (or a content-model breach on one backend
     only). Returns ``{"traces", "ops"}``; :data:`COVERAGE` gains what the reference world reached."""
-    traces = ops_run = 0
-    for i, (cfg, ops) in enumerate(cases):
+    cases = list(cases)
+    for i, (cfg, _) in enumerate(cases):
         if not isinstance(cfg, OffloadingConfig) or not cfg.hash_block_size:
             raise OffloadInvariantError(f"case {i}: not a partial-tail configuration: {cfg!r}")
+    return run_compared_traces(cases, backends, "partial-tail", _count)
+
+
+def run_compared_traces(cases, backends: tuple[str, ...], what: str, count=None) -> dict[str, int]:
+    """Run every (config, ops) case on ``backends`` with :func:`apply_partial_tail_op`, compared
+    after every operation (the step outputs and everything :meth:`OffloadingWorld.observe` shows);
+    raise :class:`OffloadInvariantError` naming ``what`` trace at the first difference, an
+    assertion of either side, or a content-model breach on one backend only. ``count(world)`` is
+    called with each finished reference world. Returns ``{"traces", "ops"}``."""
+    traces = ops_run = 0
+    for i, (cfg, ops) in enumerate(cases):
         worlds = [OffloadingWorld(cfg, b, strict=False) for b in backends]
         traces += 1
         for j, op in enumerate(ops):
@@ -130,19 +141,20 @@ def run_partial_tail_traces(cases, backends: tuple[str, ...] = ("reference", "vl
             except KeyError:
                 break  # vLLM 0.33.0's KeyError after a connector reset (docs/offload.md), as conform-offload
             except AssertionError as exc:
-                raise OffloadInvariantError(f"partial-tail trace {i} op {j} {op}: {type(exc).__name__}: {exc}; "
+                raise OffloadInvariantError(f"{what} trace {i} op {j} {op}: {type(exc).__name__}: {exc}; "
                                             f"config {cfg}") from exc
             ops_run += 1
             if len(worlds) > 1:
                 a, b = worlds[0].observe(), worlds[1].observe()
                 if outs[0] != outs[1] or a != b:
-                    what = "the step outputs" if outs[0] != outs[1] else \
+                    diff = "the step outputs" if outs[0] != outs[1] else \
                         "the observed " + ", ".join(k for k in a if a[k] != b.get(k))
-                    raise OffloadInvariantError(f"partial-tail trace {i} op {j} {op}: {what} differ; config {cfg}")
+                    raise OffloadInvariantError(f"{what} trace {i} op {j} {op}: {diff} differ; config {cfg}")
         if len({tuple(w.violations) for w in worlds}) > 1:
-            raise OffloadInvariantError(f"partial-tail trace {i}: the content model breaks on one backend only: "
+            raise OffloadInvariantError(f"{what} trace {i}: the content model breaks on one backend only: "
                                         f"{[w.violations[:2] for w in worlds]}; config {cfg}")
-        _count(worlds[0])
+        if count is not None:
+            count(worlds[0])
     return {"traces": traces, "ops": ops_run}
 
 

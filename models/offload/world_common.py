@@ -55,6 +55,10 @@ class ScheduledBatch:
     advances: list[tuple[WorldRequest, int, int]] = field(default_factory=list)
 
     def add(self, r: WorldRequest, block_ids, full_table: bool, n: int) -> None:
+        if not full_table and not any(block_ids):
+            # vLLM's scheduler sends a running request's new blocks as ``get_block_ids(allow_none=True)``:
+            # None when no group got a block this step (the connectors skip it)
+            block_ids = None
         self.scheduled.append((r.rid, block_ids, full_table))
         r.full_table_next = False
         self.num_scheduled_tokens[r.rid] = n

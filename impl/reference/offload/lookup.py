@@ -96,18 +96,23 @@ class LookupGroup:
     ``sliding_window`` / ``extra_retained_tokens`` are set for SlidingWindowSpec groups only: they
     widen the window when the hit's right edge is not chunk aligned
     (``GroupOffloadConfig.load_window_size_in_chunks``).
+    ``eagle``: the group holds EAGLE/MTP drafter layers (vLLM ``is_eagle_group``): its trailing hit
+    chunk is volatile, so it is looked up one chunk further and that chunk popped (issue #52735).
     """
 
     tokens_per_chunk: int
     window: int | None = None
     sliding_window: int | None = None
     extra_retained_tokens: int = 0
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         check_int("tokens_per_chunk", self.tokens_per_chunk, minimum=1)
         check_int("window", self.window, minimum=1, allow_none=True)
         check_int("sliding_window", self.sliding_window, minimum=1, allow_none=True)
         check_int("extra_retained_tokens", self.extra_retained_tokens, minimum=0)
+        if not isinstance(self.eagle, bool):
+            raise InvalidFieldError("eagle", self.eagle, "True or False")
 
     def load_window(self, num_tokens: int) -> int | None:
         check_int("num_tokens", num_tokens, minimum=0)
@@ -139,7 +144,13 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     chunk, vLLM ``resolve_mamba_align_size``): the hit ends on a multiple of it, where a state was
     stored. ``hit_ends`` (one int per group, filled in): where each full-attention group's last
     prefix lookup confirmed hits to (a chunk index; vLLM ``lookup_hit_end_chunk_idx``, which the
-    partial-tail lookup reads), 0 for the others. No EAGLE groups."""
+    partial-tail lookup reads), 0 for the others.
+
+    An EAGLE group (``LookupGroup.eagle``) not yet verified in this round is queried one chunk
+    past the boundary (a window one chunk longer), and its last hit chunk is popped: the drafter's
+    KV of the last position may be rewritten, so a hit never ends on it, and the widened query
+    keeps the pop from pushing the boundary under a coarser group's chunk (vLLM #52735). It stays
+    verified until a non-EAGLE group tightens the boundary."""
     _check_groups(groups)
     if not isinstance(group_keys, (list, tuple)) or len(group_keys) != len(groups):
         raise InvalidFieldError("group_keys", group_keys, f"{len(groups)} lists of offload keys, one per group")
@@ -170,18 +181,21 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
     num_hit = 0
     defer = False
     todo = all_groups
+    verified: set[int] = set()  # EAGLE groups whose volatile chunk this round already popped
     while todo:
         saw_sw = False
         current, todo = todo, ()
         for gi in current:
             g, keys = groups[gi], group_keys[gi]
             tpc = g.tokens_per_chunk
+            unverified = g.eagle and gi not in verified
             max_hit = min(max_hit, len(keys) * tpc)
             if max_load_tokens is not None:
                 max_hit -= max_hit % tpc  # a capped hit ends on this group's chunk boundary
             if max_hit - num_computed_tokens < tpc:
                 return 0
-            n_chunks = min(cdiv(max_hit, tpc), len(keys))
+            query_max = min(max_hit + tpc, len(keys) * tpc) if unverified else max_hit
+            n_chunks = min(cdiv(query_max, tpc), len(keys))
             start = num_computed_tokens // tpc
             window_keys = keys[start:n_chunks]
             if g.window is None:
@@ -189,18 +203,23 @@ def lookup_complete_chunks(groups: Sequence[LookupGroup], group_keys: Sequence[S
                 if hit_ends is not None:
                     hit_ends[gi] = start + (hits or 0)
             else:
-                hits = sliding_window_lookup(window_keys, g.window, lookup,
-                                             g.load_window(min(max_hit, n_chunks * tpc)))
+                hits = sliding_window_lookup(window_keys, g.window + unverified, lookup,
+                                             g.load_window(min(max_hit, (n_chunks - unverified) * tpc)) + unverified)
             if hits == 0:
                 return 0
             if hits is None:
                 defer = True
             else:
+                if unverified:
+                    hits -= 1  # the volatile trailing chunk
+                    verified.add(gi)
                 max_hit = min(max_hit, tpc * (start + hits))
             new_hit = max_hit - num_computed_tokens
             if new_hit < tpc:
                 return 0
             if new_hit < num_hit:
+                if not g.eagle:
+                    verified.clear()  # a tighter boundary: the EAGLE groups pop again
                 if defer:
                     # Re-check everything: the deferral may not matter at the smaller boundary.
                     defer = False

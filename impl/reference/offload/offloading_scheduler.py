@@ -24,8 +24,9 @@ Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (
 Mamba "align" groups with their boundary-state stores (:mod:`.boundary_stores`),
 ``tokens_per_hash == tokens_per_block``, or finer hashes on full attention + Mamba "align" pools with
 one block a chunk, where vLLM's partial tails (states inside a block) are stored, looked up and
-loaded (:mod:`.partial_tails`), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, no sync
-loads, no retention interval. A request's
+loaded (:mod:`.partial_tails`), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, synchronous
+loads (:mod:`.sync_loads`), vLLM's ``prefix_cache_retention_interval`` (sliding-window stores
+masked to the retained tails, :func:`swa_store_mask`). A request's
 ``kv_transfer_params`` give its load tier filter (no effect on the CPU tier) and its
 ``max_load_tokens`` / ``max_offload_tokens`` caps (:mod:`.tier_filter`); the external hit is split
 by source (:meth:`OffloadingConnectorScheduler.get_external_cache_hit_sources`). KV events (placeholder or self-describing payloads) through
@@ -37,7 +38,7 @@ manager's events.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 from kvref.impl.request import Request
@@ -52,6 +53,7 @@ from kvref.spec.kv_cache_interface import (
 from kvref.spec.mathutil import cdiv
 
 from ..block_hash import BlockHash, RequestBlockHasher
+from ..sliding_window_manager import SlidingWindowManager
 from .cpu_offloading_manager import CPUOffloadingManager
 from .keys import (
     LookupResult,
@@ -81,39 +83,37 @@ class GroupOffloadConfig:
     # Mamba "align": the group's states come from the GPU cache's boundary hand-offs
     # (:mod:`.boundary_stores`), never from the connector's copy of the block table
     requires_cow_source: bool = False
+    # the group holds EAGLE/MTP drafter layers (vLLM ``KVCacheGroupSpec.is_eagle_group``)
+    is_eagle_group: bool = False
 
     def lookup_group(self) -> LookupGroup:
         sw = self.spec if isinstance(self.spec, SlidingWindowSpec) else None
         return LookupGroup(self.tokens_per_chunk, self.window, sw.sliding_window if sw else None,
-                           sw.extra_retained_tokens if sw else 0)
+                           sw.extra_retained_tokens if sw else 0, self.is_eagle_group)
 
 
 def swa_store_mask(spec: SlidingWindowSpec, start_block: int, end_block: int, alignment_tokens: int | None,
-                   final_segment_end_block: int | None) -> list[bool] | None:
-    """Blocks of a sliding-window group some aligned hit could need (vLLM
-    ``SlidingWindowManager.reachable_block_mask``, dense retention, no EAGLE); None = all.
+                   final_segment_end_block: int | None, retention_interval: int | None = None,
+                   reachable_boundaries: Sequence[int] = (), use_eagle: bool = False) -> list[bool] | None:
+    """Blocks of a sliding-window group some aligned hit could need; None = all. vLLM
+    ``_reachable_store_block_mask``: the GPU cache's own ``SlidingWindowManager.reachable_block_mask``
+    (``use_eagle`` for a drafter group: the run a hit needs is a block longer and ends a block
+    later, and no final-segment tail is kept) on the spec widened by ``extra_retained_tokens`` (the offloader restores all it
+    kept, PR 41228).
 
-    A hit ends on an ``alignment_tokens`` boundary and needs the ``cdiv(window - 1, block)``
-    blocks before it; the final (partial) segment of a request keeps the tail before its end too.
-    The offloader widens the window by ``extra_retained_tokens`` (it restores all it kept).
+    Dense (``retention_interval`` None): a hit ends on an ``alignment_tokens`` boundary and needs
+    the ``cdiv(window - 1, block)`` blocks before it; the final (partial) segment of a request keeps
+    the tail before its end too. Sparse (vLLM's ``prefix_cache_retention_interval``, 0 or a multiple
+    of the chunk): one tail per interval-long segment (none under 0), plus the tail ending at each
+    of ``reachable_boundaries`` (the replay boundary ``num_prompt_tokens - 1`` and the request's
+    shared-prefix junction), floored to the alignment.
     """
-    if alignment_tokens is None:
-        return None
-    bs = spec.block_size
-    if alignment_tokens % bs:
-        return None
-    need = cdiv(spec.sliding_window + spec.extra_retained_tokens - 1, bs)
-    per_segment = alignment_tokens // bs
-    if need >= per_segment:
-        return None
-    mask = [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
-    if final_segment_end_block is not None:
-        size = final_segment_end_block % per_segment
-        if size:
-            tail_start = max(final_segment_end_block - size, final_segment_end_block - need)
-            for i in range(max(start_block, tail_start), min(end_block, final_segment_end_block)):
-                mask[i - start_block] = True
-    return mask
+    if spec.extra_retained_tokens:
+        spec = replace(spec, sliding_window=spec.sliding_window + spec.extra_retained_tokens,
+                       extra_retained_tokens=0)
+    return SlidingWindowManager.reachable_block_mask(
+        start_block, end_block, alignment_tokens, spec, use_eagle, retention_interval=retention_interval,
+        reachable_boundaries=reachable_boundaries, final_segment_end_block=final_segment_end_block)
 
 
 @dataclass
@@ -180,6 +180,9 @@ class OffloadingStep:
     # the step's Mamba "align" boundary-state hand-offs (``kv_connector_block_state``):
     # {request_id: [(group_id, block_id, boundary_tokens), ...]}
     boundary_state_offloads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # the step's copy-on-write pairs ``(source, destination)`` block ids (``kv_cache_block_copies``:
+    # sub-block Mamba hits copy a state into a fresh block before the forward pass)
+    kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,33 @@ class OffloadingMeta:
     load_jobs: dict[int, TransferJob]
     store_jobs: dict[int, TransferJob]
     jobs_to_flush: frozenset[int]
+
+
+def _check_eagle_groups(eagle_groups: object, specs: Sequence[KVCacheSpec]) -> frozenset[int]:
+    """The EAGLE group indices, checked: distinct attention groups of ``specs`` (drafters hold no
+    Mamba layers)."""
+    if not isinstance(eagle_groups, (list, tuple, set, frozenset)) or not all(
+            type(i) is int and 0 <= i < len(specs) for i in eagle_groups):
+        raise InvalidFieldError("eagle_groups", eagle_groups, f"group indices in [0, {len(specs)})")
+    for i in eagle_groups:
+        if isinstance(specs[i], MambaSpec):
+            raise InvalidFieldError(f"eagle_groups[{i}]", i, "an attention group (drafters hold no Mamba layers)")
+    return frozenset(eagle_groups)
+
+
+def _check_retention_interval(retention_interval: int | None, groups: Sequence[GroupOffloadConfig]) -> None:
+    """vLLM ``SchedulerOffloadConfig.from_spec`` refuses (``ValueError``) a negative interval, and
+    one that is not a multiple of a windowed group's chunk (its sparse tails must end on the chunks
+    the connector stores); full-attention groups cache densely and ignore it."""
+    if retention_interval is None:
+        return
+    if retention_interval < 0:
+        raise InvalidFieldError("retention_interval", retention_interval, "None or a non-negative int")
+    for c in groups:
+        if c.window is not None and retention_interval % c.tokens_per_chunk:
+            raise InvalidFieldError("retention_interval", retention_interval,
+                                    f"a multiple of group {c.group_idx}'s tokens_per_chunk={c.tokens_per_chunk} "
+                                    "(a windowed group)")
 
 
 def _check_request(req: object) -> None:
@@ -215,14 +245,27 @@ class OffloadingConnectorScheduler(PartialTails):
         sync_load_budget_bytes: bytes per step loaded synchronously (``kv_connector_extra_config``;
             0: every load asynchronous), see :mod:`.sync_loads`.
         kv_bytes_per_token: what one token costs the budget (every group's bytes per token).
+        retention_interval: vLLM's ``prefix_cache_retention_interval`` (``SchedulerOffloadConfig``):
+            None stores every reachable sliding-window chunk (dense); 0 only the tails at the
+            request's replay boundary and shared-prefix junction; k > 0 those plus one tail per
+            k-token segment. As in vLLM's ``from_spec`` it must be non-negative and, where a group
+            is windowed (sliding window, chunked local, Mamba), a multiple of its chunk.
+        eagle_groups: indices of the groups holding EAGLE/MTP drafter layers (vLLM's
+            ``is_eagle_group``): their trailing hit chunk is popped in the lookup, their last
+            offloadable chunk is not stored while the request decodes (a rejected draft may rewrite
+            it; stored once the request finished, #52735), and a sliding-window one keeps the
+            EAGLE store mask. Full-attention, sliding-window and chunked-local groups only, and no
+            partial tails (their EAGLE proof margins are not modelled).
     """
 
     def __init__(self, specs: Sequence[KVCacheSpec], manager: CPUOffloadingManager, tokens_per_hash: int,
                  blocks_per_chunk: int = 1, num_workers: int = 1, offload_prompt_only: bool = True,
                  block_hasher: Callable[[Request], list[BlockHash]] | None = None,
                  events_tracker: OffloadingEventsTracker | None = None, sync_load_budget_bytes: int = 0,
-                 kv_bytes_per_token: int = 0) -> None:
+                 kv_bytes_per_token: int = 0, retention_interval: int | None = None,
+                 eagle_groups: Sequence[int] = ()) -> None:
         check_int("tokens_per_hash", tokens_per_hash, minimum=1)
+        check_int("retention_interval", retention_interval, allow_none=True)
         if events_tracker is not None and not isinstance(events_tracker, OffloadingEventsTracker):
             raise InvalidFieldError("events_tracker", events_tracker, "an OffloadingEventsTracker or None")
         check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
@@ -241,11 +284,17 @@ class OffloadingConnectorScheduler(PartialTails):
                                         f"a multiple of tokens_per_hash={tokens_per_hash}")
             tpc = spec.block_size * blocks_per_chunk
             cfgs.append(GroupOffloadConfig(i, spec, spec.block_size, tpc, tpc // tokens_per_hash,
-                                           get_sliding_window_size_in_chunks(spec, tpc), is_align))
+                                           get_sliding_window_size_in_chunks(spec, tpc), is_align,
+                                           i in _check_eagle_groups(eagle_groups, specs)))
         self.groups = tuple(cfgs)
+        _check_retention_interval(retention_interval, self.groups)
+        self.retention_interval = retention_interval
         self.tokens_per_hash = tokens_per_hash
         self.blocks_per_chunk = blocks_per_chunk
         self._init_partial_tails()
+        if self.supports_partial_tail and any(c.is_eagle_group for c in cfgs):
+            raise InvalidFieldError("eagle_groups", eagle_groups, "() on a pool with partial tails (their EAGLE proof "
+                                                                  "margins are not modelled)")
         if any(c.tokens_per_block != tokens_per_hash for c in cfgs) and not self.supports_partial_tail:
             raise InvalidFieldError("tokens_per_hash", tokens_per_hash,
                                     "every group's block_size, unless the pool has partial tails (full attention + "
@@ -337,7 +386,10 @@ class OffloadingConnectorScheduler(PartialTails):
         return min(n, st.req.num_prompt_tokens) if self.offload_prompt_only else n
 
     def _storable_chunks(self, st: _ReqState, c: GroupOffloadConfig, g: _GroupState, num_tokens: int) -> int:
-        return min(num_tokens // c.tokens_per_chunk, len(g.block_ids) // self.blocks_per_chunk, len(g.offload_keys))
+        n = num_tokens // c.tokens_per_chunk
+        if c.is_eagle_group and num_tokens > st.req.num_prompt_tokens and not st.req.is_finished:
+            n = max(0, n - 1)  # decoding: a rejected draft may still rewrite the trailing chunk
+        return min(n, len(g.block_ids) // self.blocks_per_chunk, len(g.offload_keys))
 
     # ------------------------------------------------------------------ requests
 
@@ -532,6 +584,9 @@ class OffloadingConnectorScheduler(PartialTails):
                 for c, g in zip(self.groups, st.groups):
                     g.block_ids.extend(new_ids[c.group_idx])
                     self._batch_allocated.update(b for b in new_ids[c.group_idx] if b != 0)
+        # A copy's destination is written this step like a new block (vLLM #41228's fence): a store
+        # still reading it is flushed first, and a sliding-window slot holding it is stale.
+        self._batch_allocated.update(dst for _, dst in step.kv_cache_block_copies)
         # A sliding-window block that left the window can be freed and re-allocated before it was
         # stored: a not-yet-stored slot holding a block allocated this step is stale -> 0.
         if self._sliding_window_groups and self._batch_allocated:
@@ -560,6 +615,14 @@ class OffloadingConnectorScheduler(PartialTails):
                 after = req.num_computed_tokens + step.num_scheduled_tokens[rid]
             n_off = self._offloadable(st, after)
             prompt_off = self._offloadable(st, req.num_prompt_tokens)
+            retention = self.retention_interval
+            # sparse retention keeps the tails at the prompt's replay boundary and at the junction
+            # the GPU cache's lookup reported (vLLM: ``req.shared_prefix_boundary``, 0 = none)
+            boundaries: tuple[int, ...] = ()
+            if retention is not None:
+                boundaries = (req.num_prompt_tokens - 1,)
+                if getattr(req, "shared_prefix_boundary", 0):
+                    boundaries += (req.shared_prefix_boundary,)
             new_keys: list[OffloadKey] = []
             ranges: list[tuple[int, int]] = []
             for c, g in zip(self.groups, st.groups):
@@ -568,10 +631,13 @@ class OffloadingConnectorScheduler(PartialTails):
                 prompt_chunks = prompt_off // c.tokens_per_chunk
                 is_sw = isinstance(c.spec, SlidingWindowSpec)
                 align_blocks = (self.alignment_tokens // c.tokens_per_block
-                                if is_sw and self.alignment_tokens is not None
+                                if is_sw and not c.is_eagle_group and self.alignment_tokens is not None
                                 and self.alignment_tokens % c.tokens_per_block == 0 else None)
-                reconsider = st.finished and n_chunks != prompt_chunks and align_blocks is not None
-                if st.finished:
+                reconsider = (st.finished and n_chunks != prompt_chunks and retention is None
+                              and align_blocks is not None)
+                if retention is not None or c.is_eagle_group:
+                    horizon = None  # sparse retention / EAGLE: no final-segment tail
+                elif st.finished:
                     horizon: int | None = n_chunks
                 elif n_chunks <= prompt_chunks:
                     horizon = prompt_chunks
@@ -588,7 +654,8 @@ class OffloadingConnectorScheduler(PartialTails):
                 mask = prompt_mask = None
                 if is_sw:
                     mask = swa_store_mask(c.spec, start * bpc, n_chunks * bpc, self.alignment_tokens,
-                                          None if horizon is None else horizon * bpc)
+                                          None if horizon is None else horizon * bpc, retention, boundaries,
+                                          c.is_eagle_group)
                     if reconsider:
                         prompt_mask = swa_store_mask(c.spec, start * bpc, n_chunks * bpc, self.alignment_tokens,
                                                      prompt_chunks * bpc)

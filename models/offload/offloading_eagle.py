@@ -1,0 +1,83 @@
+"""Generated traces for the OffloadingConnector on pools with an EAGLE/MTP drafter group (#22).
+
+A KV cache group holding the drafter's layers (vLLM ``KVCacheGroupSpec.is_eagle_group``) is
+volatile at its tail: the drafter's KV of the last accepted position is rewritten when a draft is
+rejected. vLLM's OffloadingConnector therefore
+
+* looks such a group up one chunk past the boundary and pops its last hit chunk (a window one
+  chunk longer for a sliding-window drafter group), re-popping when a non-drafter group tightens the
+  boundary (``_lookup_complete_chunks``; issue #52735: without the widened query the pop could push
+  the boundary under a coarser group's chunk and zero the whole hit);
+* does not store the group's last offloadable chunk while the request decodes, and stores it once
+  the request finished (``RequestOffloadState.storable_chunks``, #52735: a chunk skipped without
+  the cursor holding back would leave a permanent hole in the prefix);
+* masks a sliding-window drafter group's stores with the EAGLE run (a block longer, ending a block
+  later) and keeps no final-segment tail for it.
+
+The GPU cache runs with ``use_eagle`` and drops a hit's last block of that group. The traces are
+the partial-tail traces' rounds (shared-prefix arrivals, drains, idle GPU prefix-cache resets, so
+arrivals look their prefixes up in the CPU pool) on FA pools and FA + sliding-window pools with
+the drafter on either group, decode tokens offloaded mostly; each is
+compared with the installed vLLM after every operation.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld, random_transfer_params
+from kvref.models.offload.offloading_partial_tails import partial_tail_ops, run_compared_traces
+from kvref.models.offload.world_common import OffloadInvariantError
+
+#: what the EAGLE traces reached on the reference, summed over runs (the check's summary)
+COVERAGE: Counter = Counter()
+
+
+def eagle_config(rng: random.Random) -> OffloadingConfig:
+    """A random pool with a drafter group: FA alone, or beside a sliding window (one to four
+    blocks, MTP's extra retained tokens one time in three), the drafter on either group (no
+    chunked-local group: EAGLE refuses chunked local attention with prefix caching); one or two
+    blocks a chunk; decode tokens offloaded three times in four;
+    CPU pools from tight to roomy; events and worker counts as conform-offload draws; requests'
+    ``kv_transfer_params`` one time in two (a ``max_load_tokens`` cap ends the hit inside the
+    keys, where the drafter group's widened query reaches a chunk further than the cap)."""
+    bpc = rng.choice([1, 1, 2])
+    sw = rng.choice([None, 4, 8, 12, 16])
+    cfg = OffloadingConfig(
+        block_size=4, blocks_per_chunk=bpc, max_model_len=128, num_gpu_blocks=rng.randint(30, 44),
+        num_cpu_chunks=rng.choice([3, 6, 12, 24, 48]), sliding_window=sw,
+        extra_retained_tokens=rng.choice([0, 0, 3]) if sw else 0,
+        cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
+        offload_prompt_only=rng.random() < 0.25, store_threshold=rng.choice([0, 0, 0, 2]),
+        kv_events=rng.choice(["off", "placeholder", "self_describing"]),
+        kv_transfer_params=tuple(random_transfer_params(rng) for _ in range(rng.randint(2, 4)))
+        if rng.random() < 1 / 2 else ())
+    return OffloadingConfig(**{**vars(cfg), "eagle_group": rng.randrange(len(cfg.kvref_groups()))})
+
+
+def eagle_cases(seed: int, n: int) -> list[tuple[OffloadingConfig, list[tuple]]]:
+    """``n`` (config, ops) pairs drawn from ``seed``."""
+    rng = random.Random(f"offload-eagle-{seed}")
+    return [(eagle_config(rng), partial_tail_ops(rng, rng.randint(30, 50))) for _ in range(n)]
+
+
+def run_eagle_traces(cases, backends: tuple[str, ...] = ("reference", "vllm")) -> dict[str, int]:
+    """Every case on ``backends``, compared after every operation
+    (:func:`~kvref.models.offload.offloading_partial_tails.run_compared_traces`); raises
+    :class:`OffloadInvariantError` at the first difference. :data:`COVERAGE` gains what the
+    reference worlds reached."""
+    cases = list(cases)
+    for i, (cfg, _) in enumerate(cases):
+        if not isinstance(cfg, OffloadingConfig) or cfg.eagle_group is None:
+            raise OffloadInvariantError(f"case {i}: no drafter group: {cfg!r}")
+    return run_compared_traces(cases, backends, "EAGLE", _count)
+
+
+def _count(w: OffloadingWorld) -> None:
+    """Loads and stores that hold a key of the drafter group."""
+    g = w.cfg.eagle_group
+    for m in w.metas:
+        for kind, jobs in (("eagle_loads", m[0]), ("eagle_stores", m[1])):
+            COVERAGE[kind] += sum(any(int.from_bytes(bytes(k[-4:]), "big") == g for k in keys)
+                                  for _, _, keys, _, _ in jobs)

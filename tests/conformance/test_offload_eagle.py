@@ -1,0 +1,108 @@
+"""conform-offload on pools with an EAGLE/MTP drafter group (issue #22): vLLM's OffloadingConnector
+pops the drafter group's volatile trailing chunk from a hit (querying one chunk further, #52735),
+holds its last offloadable chunk back while the request decodes and stores it once finished
+(#52735), and masks a sliding-window drafter group's stores with the EAGLE run. The cases are the
+first 12 of the ``ci`` draw (seed 0; ``fast`` runs the first 6); each fault planted in vLLM's own
+source must be flagged while the clean vLLM agrees."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.offloading_faults import offloading_scheduler_class, planted_edit
+from tests.vllm_env import require_vllm
+
+
+@pytest.fixture(scope="module")
+def cases():
+    from kvref.models.offload.offloading_eagle import eagle_cases
+
+    return eagle_cases(0, 12)
+
+
+def _finding(cases):
+    from kvref.models.offload.offloading_eagle import run_eagle_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    try:
+        run_eagle_traces(cases)
+    except OffloadInvariantError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.vllm
+def test_eagle_traces_agree_on_clean_vllm(cases):
+    require_vllm()
+    from kvref.models.offload.offloading_eagle import COVERAGE
+
+    COVERAGE.clear()
+    assert _finding(cases) is None
+    # the drafter group's chunks are both loaded and stored, on FA and sliding-window drafters
+    assert COVERAGE["eagle_loads"] > 0 and COVERAGE["eagle_stores"] > 0, COVERAGE
+    assert {c.eagle_group for c, _ in cases} == {0, 1}
+
+
+def _request_state_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import RequestOffloadState
+
+    return RequestOffloadState
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("owner, name, old, new", [
+    # the volatile chunk stored while decoding
+    ("state", "storable_chunks", "num_chunks = max(0, num_chunks - 1)", "pass"),
+    # the hit keeps the volatile chunk
+    ("sched", "_lookup_complete_chunks", "num_hit_chunks -= 1", "pass"),
+    # #52735: the pop without the widened query loses a chunk under a load cap
+    ("sched", "_lookup_complete_chunks", "max_hit_size_tokens + tokens_per_chunk,", "max_hit_size_tokens,"),
+    # a sliding-window drafter group stored with the plain (non-EAGLE) mask
+    ("sched", "_reachable_store_block_mask", "use_eagle=group_config.is_eagle_group", "use_eagle=False"),
+], ids=["stored-while-decoding", "no-pop", "no-widening", "plain-mask"])
+def test_planted_eagle_faults_are_flagged(cases, owner, name, old, new):
+    require_vllm()
+    cls = _request_state_class() if owner == "state" else offloading_scheduler_class()
+    with planted_edit(cls, name, old, new):
+        finding = _finding(cases)
+    assert finding is not None and "differ" in finding, finding
+
+
+def test_the_lookup_pops_a_drafter_groups_last_chunk():
+    """One FA drafter group, 4-token chunks, every key a hit: a 12-token prefix capped at 8 loadable
+    tokens queries 3 chunks and pops the third, so 8 load; a plain group gets 8 as well but looks
+    up only 2 keys, and with only 2 keys stored the drafter group gets 4."""
+    from kvref.impl.reference.offload.keys import LookupResult
+    from kvref.impl.reference.offload.lookup import LookupGroup, lookup_complete_chunks
+
+    keys = [b"a", b"b", b"c"]
+
+    def run(eagle, stored):
+        seen = []
+
+        def lookup(k):
+            seen.append(k)
+            return LookupResult.HIT if k in stored else LookupResult.MISS
+        hit = lookup_complete_chunks([LookupGroup(4, eagle=eagle)], [keys], 13, 0, lookup, max_load_tokens=8)
+        return hit, seen
+
+    assert run(True, set(keys)) == (8, keys)
+    assert run(False, set(keys)) == (8, keys[:2])
+    assert run(True, {b"a", b"b"}) == (4, keys)
+
+
+def test_eagle_groups_are_refused_where_not_modelled():
+    from kvref.impl.reference.offload.cpu_offloading_manager import CPUOffloadingManager
+    from kvref.impl.reference.offload.offloading_scheduler import OffloadingConnectorScheduler
+    from kvref.spec.errors import InvalidFieldError
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    fa = FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, dtype="float32")
+    mamba = MambaSpec(block_size=8, shapes=((2, 8),), dtypes=("float16",), mamba_cache_mode="align")
+    with pytest.raises(InvalidFieldError, match="eagle_groups"):
+        OffloadingConnectorScheduler([fa], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[1])
+    with pytest.raises(InvalidFieldError, match="Mamba"):
+        OffloadingConnectorScheduler([fa, mamba], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[1])
+    with pytest.raises(InvalidFieldError, match="partial tails"):  # finer hashes: EAGLE proof margins
+        OffloadingConnectorScheduler([fa, mamba], CPUOffloadingManager(4, "lru"), 4, eagle_groups=[0])
+    assert OffloadingConnectorScheduler([fa], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[0]).groups[0].is_eagle_group
