@@ -473,6 +473,10 @@ SCHEDULER_RUNS = (
            "waiting-queue operation sequences",
            "; {traces} waiting-queue histories on vLLM's FCFS/priority queues ({removed_one} removals, "
            "{pop_empty_refused} empty pops refused)"),
+    # sync KV loads failing in blocks a later request shares (vLLM _update_requests_with_invalid_blocks)
+    SubRun("kvref.models.machines.scheduler_load_failures:run_load_failure_cases", (5, 30),
+           "sync KV loads failing in shared blocks",
+           "; {traces} sync KV loads failing ({invalid_block_shared} in blocks a later request shares)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -245,10 +245,16 @@ class VllmScheduler:
             from vllm.config.kv_events import KVEventsConfig
 
             vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        # Where the hash block size is the scheduler's block size, it is left to vLLM's default
+        # (``Scheduler.__init__``'s ``hash_block_size=None`` means ``block_size``: what a caller
+        # that does not pass it gets), so the traces check that default against the request
+        # hasher's size; unequal sizes are passed, as the engine core passes the size its
+        # ``resolve_kv_cache_block_sizes`` chose.
+        hash_block_size = None if pool.hash_block_size == pool.scheduler_block_size else pool.hash_block_size
         try:
             self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
                                  structured_output_manager=v["StructuredOutputManager"](vc),
-                                 block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
+                                 block_size=pool.scheduler_block_size, hash_block_size=hash_block_size,
                                  **extra)
         finally:
             shared.kv_events_config = saved_events_config  # the env is shared

@@ -244,3 +244,47 @@ def test_partial_hit_copy_on_write_hangs_a_startup_consistent_pool(vllm_env, is_
     pool, drained = run(12)
     assert all(s.status == "finished" for s in drained.requests.values())
     assert not liveness_guaranteed(pool, cfg) and liveness_guaranteed(_fa_mamba_fine_pool(13, cfg), cfg)
+
+
+
+def _prefix_hit_trace(vllm_env) -> dict[str, int]:
+    """Two requests with the same 12-token prompt on an FA + SWA pool of 4-token blocks (hash blocks
+    of the same size; a hybrid pool: vLLM's single-group coordinator asserts the two sizes equal
+    itself): the second arrives after the first was computed. Returns the computed tokens
+    each new request was admitted with (every target compared after every call)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2)
+    pool = _fa_swa_pool(num_blocks=24, max_model_len=32, cfg=cfg)
+    d = Lockstep(pool, cfg, _targets(vllm_env, shim=False))
+    admitted = {}
+    for rid, t in (("a", 0.0), ("b", 1.0)):
+        d.add(RequestSpec(rid, tuple(range(12)), max_tokens=3, priority=0, arrival_time=t))
+        out = d.schedule()
+        admitted.update((s.request_id, s.num_computed_tokens) for s in out.scheduled if s.kind == "new")
+        d.complete()
+    assert d.targets["vllm"].scheduler.hash_block_size == 4
+    d.drain()
+    return admitted
+
+
+def test_vllm_default_hash_block_size_is_the_block_size(vllm_env):
+    """Pools whose hash block size is the scheduler's block size build vLLM's scheduler without
+    ``hash_block_size`` (its default, ``block_size``, vLLM ``Scheduler.__init__``): the second
+    request hits the first one's 2 full blocks on every target (< 1 s)."""
+    assert _prefix_hit_trace(vllm_env) == {"a": 0, "b": 8}
+
+
+def test_a_wrong_default_hash_block_size_diverges(vllm_env, monkeypatch):
+    """Planted fault: vLLM's default hash block size is half the block size (its hybrid manager
+    then reads the request's 4-token block hashes as 2-token ones): the trace diverges (< 1 s)."""
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmSched
+
+    from kvref.models.machines.scheduler import Divergence
+
+    real = VllmSched.__init__
+
+    def patched(self, *a, hash_block_size=None, **k):
+        real(self, *a, hash_block_size=k["block_size"] // 2 if hash_block_size is None else hash_block_size, **k)
+
+    monkeypatch.setattr(VllmSched, "__init__", patched)
+    with pytest.raises(Divergence):
+        _prefix_hit_trace(vllm_env)
