@@ -42,6 +42,10 @@ them strong enough to stand alone:
 * **A reset succeeds exactly when no block is in use** (session 17, #28). vLLM's
   ``BlockPool.reset_prefix_cache`` refuses while any block besides the null block is in use (after
   preempting the running requests when asked to); ``free`` then equals the usable pool.
+* **Fresh blocks in free-queue order** (session 17, #28; vLLM 0.33.0 traces with exact bookkeeping
+  on full-attention / chunked-local pools, no connector, no speculative decoding, no streaming
+  sessions): a fresh allocation gets the head of vLLM's free block queue, as the trace's
+  allocations, hits and frees build it (:mod:`.free_queue`).
 * **Usage within the pool.** Every block id is below ``num_blocks``; a table never exceeds what
   ``max_model_len`` needs.
 * **A summary** a developer pastes into a PR: steps, requests, finishes by reason, preemptions by
@@ -57,10 +61,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvref.impl.run_trace.format import decode_embeds, decode_tokens, sched_rows, update_sampled
+from kvref.spec.version import MODELLED_VLLM_VERSION
 
 from .held import Fences, defers_frees, is_parked, parked_key
 
 _PARKED_PREFIX = parked_key("", "")[:-1]  # "<prefix><kind>:<rid>": the part before the kind
+from .free_queue import FreeQueue
 from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
 from .stops import StopRules
 from .windows import group_rules
@@ -71,7 +77,7 @@ PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reu
                   "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause",
                   "prefill chunks leave the MTP runway", "finishes follow the stop rules",
                   "nothing scheduled past a request's tokens", "admissions in waiting-queue order",
-                  "a reset succeeds exactly when no block is in use")
+                  "a reset succeeds exactly when no block is in use", "fresh blocks in free-queue order")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -92,7 +98,7 @@ class Finding:
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
                   "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
-                  "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result")
+                  "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result", "free_order")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -129,6 +135,8 @@ class _Req:
     #: prompt embeddings (format 6): one digest per prompt position, None without (their rows
     #: enter vLLM's block hashes: equal tokens with other embeddings are other content)
     embeds: tuple | None = None
+    #: per group: table positions whose block vLLM has given a block hash (the free queue's view)
+    hashed_upto: list = field(default_factory=list)
 
 
 class RunProperties:
@@ -177,6 +185,27 @@ class RunProperties:
         # state blocks by rules the trace does not show)
         self.exact = not self.inexact and all(r.kind != "unknown" and r.frees_exactly for r in self.rules)
         self.connector = has_connector or any(u.startswith(("kv_connector", "ec_connector")) for u in unmodelled)
+        #: vLLM's free block queue (free_queue.py), where every free is in the trace and its order
+        #: known: exact bookkeeping, full-attention and chunked-local groups only (both cache every
+        #: full block; a sliding-window group caches only the blocks a later hit can reach, Mamba's
+        #: frees follow its own rules), no connector (it holds blocks past their request), no
+        #: lookahead hashes, no
+        #: speculative decoding (which blocks a verification step leaves hashed depends on the
+        #: drafts vLLM accepted and the outputs it trimmed at a stop, not all in the trace)
+        #: The queue's policy is vLLM 0.33.0's (blocks without a hash to the front is recent): the
+        #: check is on for traces of that version only, not on another vLLM's (--properties-only).
+        same_vllm = str((header.get("producer") or {}).get("vllm", "")).split("+")[0] == MODELLED_VLLM_VERSION
+        self.fq = (FreeQueue(self.num_blocks, bool(pool.get("enable_caching", True)))
+                   if same_vllm and self.exact and not self.connector and not self.hash_lookahead and not self.num_spec
+                   and all(r.kind in ("full", "chunk") for r in self.rules) else None)
+        #: this step preempted for KV space: its allocations interleave with those frees in an order
+        #: the trace does not show (the queue's content stays exact: frees prepend or append, takes
+        #: remove the block they name)
+        self.fq_unordered = False
+        #: update_from_output caches blocks too under async scheduling (vLLM: a request with output
+        #: placeholders)
+        self.fq_update_caches = (self.fq is not None and self.fq.caching
+                                 and bool((header.get("scheduler") or {}).get("async_scheduling")))
         self.fences = Fences(defers_frees(header))
         #: finished requests whose connector delays the free (sending) -> the block ids per group it
         #: was handed: vLLM frees the blocks a windowed group skipped (null there) at the finish and
@@ -291,6 +320,7 @@ class RunProperties:
         elif t == "error":
             step = rec["step"]
             self._find("crash", line, f"vLLM raised {rec['type']} in {rec['call']} (step {step}): {rec['message']}")
+            self.fq = None  # what the failed call had freed or allocated is unknown
         elif t == "pause":
             self.paused = rec["state"]
         elif t == "reset":
@@ -299,7 +329,8 @@ class RunProperties:
                 # vLLM pops them from the end of running and prepends each to waiting: back at its head
                 # in their running order (the FIFO order its comment names)
                 self._prepend([rid for rid in self.run_order if rid in self.running])
-                for rid in list(self.running):
+                # freed in that order too: the last running request first
+                for rid in reversed([rid for rid in self.run_order if rid in self.running]):
                     r = self.reqs.get(rid)
                     if r is not None:
                         self._release(rid, park=True)
@@ -311,6 +342,8 @@ class RunProperties:
             self._reset_result(line, rec)
             if rec.get("ok"):
                 self.content.clear()  # reset_prefix_cache forgets every cached block
+                if self.fq is not None:
+                    self.fq.hashed.clear()
 
     def _add(self, rec: dict) -> None:
         rid = rec["id"]
@@ -327,6 +360,7 @@ class RunProperties:
             self.exempt.add(rid)
         elif rec.get("resumable"):
             self.sessions.add(rid)
+            self.fq = None  # a session's kept blocks re-hashed after its update: not modelled
         self.stats["requests"] += 1
 
     # ---- streaming-input sessions (format 6, #28) --------------------------------------------------
@@ -410,7 +444,9 @@ class RunProperties:
         if key is not None:
             self.stats["parked_" + key[len(_PARKED_PREFIX):].split(":", 1)[0]] += 1
         kept = self.clipped.get(rid) if key is not None else None
+        fq = self.fq
         for g, table in enumerate(r.tables):
+            dropped = [] if fq is not None else None
             for idx, b in enumerate(table):
                 if b:
                     holders = self.owners.get(b)
@@ -423,6 +459,10 @@ class RunProperties:
                         moved.append((b, g, idx))
                     else:
                         self._drop_owner(b, rid, g)
+                        if dropped is not None:
+                            dropped.append(b)
+            if dropped:  # one free_blocks call per group, the table's tail first
+                fq.free([b for b in reversed(dropped) if b not in self.owners])
         r.tables = []
         r.filled = []
         r.async_held = False
@@ -591,7 +631,16 @@ class RunProperties:
             # waiting (those a reset preempted were queued at its record)
             pre = set(rec["pre"])
             self._prepend([rid for rid in self.run_order if rid in pre and why.get(rid) != "reset_prefix_cache"])
-        for rid in rec["pre"]:
+        kv_pre = [rid for rid in rec["pre"] if why.get(rid) != "reset_prefix_cache"]
+        self.fq_unordered = bool(kv_pre)
+        pre_order = rec["pre"]
+        if self.fq is not None and len(kv_pre) > 1:
+            if self.priority:  # preempted by (priority, arrival), which the checker does not keep
+                self.fq = None
+            else:  # vLLM's running loop pops the last running request first
+                rank = {rid: i for i, rid in enumerate(self.run_order)}
+                pre_order = sorted(rec["pre"], key=lambda rid: -rank.get(rid, -1))
+        for rid in pre_order:
             r = self.reqs.get(rid)
             if r is not None:
                 self._release(rid, park=True)
@@ -603,14 +652,18 @@ class RunProperties:
                 self.preempt_reasons[why.get(rid, "unrecorded")] += 1
         for rid in rec["fin"]:
             if rid in self.reqs:
+                if self.reqs[rid].tables:
+                    self.fq = None  # freed at a point the trace does not show
                 self._finish(rid, "finished")
         if self.exact:
             # allocate_slots refused these (sched.refused): it had freed their windowed groups'
             # skipped blocks first, so a running request left unscheduled gave some up (#28)
             for rid in rec.get("refused") or ():
                 r = self.reqs.get(rid)
-                if r is not None and r.running:
-                    self._free_skipped(rid, r)
+                if r is not None and r.running and self._free_skipped(rid, r):
+                    # freed mid-step (before the preemption the refusal led to), where the trace does
+                    # not show: the queue's order is unknown from here
+                    self.fq = None
         rows = sched_rows(rec)
         spec = rec.get("spec") or {}
         self._starvation(line, rec, rows)
@@ -632,13 +685,15 @@ class RunProperties:
                 kind = "r"  # the V2 runner gets a resumed request as a new one
             if kind != "c":
                 self._admit(line, rid, r, kind, computed)
-            elif self.exact:
-                self._free_skipped(rid, r)
+            elif self.exact and self._free_skipped(rid, r) and self.fq_unordered:
+                self.fq = None  # freed before or after this step's preemptions: unknown
             if not r.running:
                 r.running = True
                 self.running.add(rid)
                 self.run_order[rid] = None  # vLLM appends an admitted request to running
             if blocks is not None:
+                if self.fq is not None:
+                    self._fq_allocate(line, rid, kind, computed, blocks)
                 self._allocate(line, rid, r, kind, computed, blocks)
             if self.prefill_lookahead > 1:
                 self._prefill_runway(line, rid, r, computed, n)
@@ -648,6 +703,8 @@ class RunProperties:
                 if computed + n > have + extra:
                     self._past_tokens(line, rid, r, computed, n, have, extra)
             r.computed = computed + n
+            if self.fq is not None and self.fq.caching:
+                self._fq_hash(r, r.computed)
             self._covers(line, rid, r)
             self._admission_bound(line, rid, r)
             self._register(rid, r)
@@ -776,6 +833,52 @@ class RunProperties:
                        "vLLM refuses a reset while any block is in use", once=True)
         self._conserve(line, rec, "reset_prefix_cache")
 
+    def _fq_allocate(self, line: int, rid: str, kind: str, computed: int, blocks: list) -> None:
+        """A row's allocation against vLLM's free queue: ``allocate_slots`` touches the hit blocks of
+        every group first, then takes each group's fresh blocks from the queue's head."""
+        fq = self.fq
+        groups = blocks[: self.num_groups]
+        hits = [computed // bs if kind != "c" else 0 for bs in self.group_bs]
+        for g, ids in enumerate(groups):
+            for b in ids[: hits[g]]:
+                if b:
+                    fq.touch(b)
+        for g, ids in enumerate(groups):
+            for b in ids[hits[g]:]:
+                if not b or b >= self.num_blocks:
+                    continue
+                head, free = fq.head(), b in fq.order
+                if fq.take(b) or self.fq_unordered:
+                    continue
+                if not free:
+                    self.fq = None  # not free here at all: conservation or reuse says what
+                    return
+                self._find("free_order", line,
+                           f"{rid} gets block {b} fresh (group {g}) while block {head} heads vLLM's free block queue: "
+                           "BlockPool.get_new_blocks takes the head (freed blocks without a prefix-cache hash go to "
+                           "the front, a request's table tail first; cached ones to the back, evicted oldest first)",
+                           once=True)
+                self.fq = None  # one finding: the queue vLLM kept is another from here on
+                return
+
+    def _fq_hash(self, r: _Req, computed: int) -> None:
+        """Full blocks vLLM caches (``cache_blocks``) up to ``min(computed, num_tokens)`` tokens carry a
+        block hash from now on: freed, they go to the back. ``allocate_slots`` caches up to the
+        step's end; ``update_from_output`` up to the settled tokens under async scheduling or
+        speculative decoding."""
+        if not r.tables or not r.hashed_upto:
+            return
+        upto_tokens = min(computed, len(r.tokens))
+        hashed = self.fq.hashed
+        for g, bs in enumerate(self.group_bs):
+            table = r.tables[g]
+            start, upto = r.hashed_upto[g], min(upto_tokens // bs, len(table))
+            for idx in range(start, upto):
+                if table[idx]:
+                    hashed.add(table[idx])
+            if upto > start:
+                r.hashed_upto[g] = upto
+
     def _starvation(self, line: int, rec: dict, rows: list) -> None:
         """Nothing scheduled while requests wait, whatever is in flight (async keeps a step there)."""
         waiting = self.waiting
@@ -898,21 +1001,31 @@ class RunProperties:
         self._unqueue(rid)
         r.tables = [[] for _ in range(self.num_groups)]
         r.filled = [0] * self.num_groups
+        r.hashed_upto = [0] * self.num_groups
         # a session resuming on its blocks may still have its stopped turn's steps in flight
         r.processed = min(r.processed, computed) if resumed_session else computed
         r.computed = computed
 
-    def _free_skipped(self, rid: str, r: _Req) -> None:
-        """What ``remove_skipped_blocks`` frees at this request's allocation (settled tokens)."""
+    def _free_skipped(self, rid: str, r: _Req) -> int:
+        """What ``remove_skipped_blocks`` frees at this request's allocation (settled tokens); the
+        number of blocks it let go of. vLLM frees them per group, the last skipped one first."""
+        n = 0
         for g, rule in enumerate(self.rules):
             if g >= len(r.tables) or not rule.frees_exactly:
                 continue
             table = r.tables[g]
+            freed = []
             for idx in range(min(rule.skipped_blocks(r.processed), len(table))):
                 b = table[idx]
                 if b:
                     self._drop_owner(b, rid, g)
                     table[idx] = 0
+                    freed.append(b)
+            if freed:
+                n += len(freed)
+                if self.fq is not None:
+                    self.fq.free([b for b in reversed(freed) if b not in self.owners])
+        return n
 
     def _allocate(self, line: int, rid: str, r: _Req, kind: str, computed: int, blocks: list) -> None:
         owners = self.owners
@@ -951,7 +1064,8 @@ class RunProperties:
                            f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1} (with its "
                            "speculative state blocks)")
         if kind != "c" and self.exact:
-            self._free_skipped(rid, r)  # a hit's blocks behind the window are freed at admission
+            if self._free_skipped(rid, r):  # a hit's blocks behind the window are freed at admission
+                self.fq = None  # (vLLM pads those with nulls: never seen in a vLLM trace)
 
     def _check_reuse(self, line: int, rid: str, g: int, idx: int, b: int) -> None:
         holders = self.owners.get(b)
@@ -967,6 +1081,7 @@ class RunProperties:
                     # advances (EAGLE on Mamba align pools, #28)
                     or (orid == rid and og == g and rule.kind == "mamba" and rule.keep_last > 1 and oidx < idx)):
                 # behind the holder's window: vLLM may have freed it at a point the trace does not show
+                self.fq = None
                 del holders[(orid, og)]
                 other.tables[og][oidx] = 0
                 continue
@@ -1129,6 +1244,10 @@ class RunProperties:
                 r.num_out += len(toks)
                 if self.exact:
                     r.tokens.extend(toks)
+                # vLLM caches a running request's settled full blocks when its output returns under
+                # async scheduling (before it frees a finished one)
+                if self.fq_update_caches and self.fq is not None and r.running and r.tables:
+                    self._fq_hash(r, r.processed)
         for rid in self.stops.turn_stopped:  # sessions whose turn stopped (not finished)
             self._turn_stopped(rid)
         for rid, reason in rec["fin"]:
@@ -1249,6 +1368,8 @@ class RunProperties:
         assert not (set(self.queue) & self.running), "a running request in the waiting queue"
         assert len(set(self.queue)) == len(self.queue) and set(self.queue) <= set(self.waiting), "waiting queue"
         assert set(self.run_order) == self.running, "running order out of step with the running set"
+        if self.fq is not None:
+            self.fq.check_invariants(self.owners)
         for b, holders in self.owners.items():
             assert holders and 0 < b, (b, holders)
             for (rid, g), idx in holders.items():

@@ -164,7 +164,7 @@ def test_a_prefix_hit_may_share_blocks(tmp_path):
 def test_an_unmodelled_feature_stops_the_replay_not_the_properties(tmp_path, capsys):
     pool, cfg = full_setup()
     recs = [add("a", [1, 2, 3], x=["structured_output"]),
-            sched(0, [["a", "n", 3, 0, [[5]]]]),
+            sched(0, [["a", "n", 3, 0, [[1]]]]),  # block 1: the free queue's head
             update(0, {"a": [4]})]
     path = write_trace(tmp_path / "t.jsonl", header_for(pool, cfg), recs)
     r = check_trace(path)

@@ -83,12 +83,13 @@ def test_a_resumed_session_schedules_its_kept_outputs_less_the_final_token(tmp_p
 def _after_reset(admit: list) -> list:
     """FCFS: a, b run, c waits; reset_prefix_cache(reset_running_requests=True) preempts a and b
     (vLLM pops b then a, prepending each: the queue is a, b, c); the next step admits ``admit``."""
-    tables = {"a": [[1, 2]], "b": [[3, 4]], "c": [[5, 6]]}
     recs = [add("a", [1] * 5), add("b", [2] * 5), add("c", [3] * 5),
             sched(0, [["a", "n", 5, 0, [[1, 2]]], ["b", "n", 5, 0, [[3, 4]]]]), update(0, {"a": [9], "b": [9]}),
             {"t": "reset", "running": True, "ok": True, "free": 19}]
-    step = sched(1, [[rid, "r" if rid != "c" else "n", 6 if rid != "c" else 5, 0, tables[rid]] for rid in admit],
-                 pre=["a", "b"])
+    # fresh blocks from the head of vLLM's free queue after the reset's frees: 2, 4, 5, 6, ...
+    free = iter([2, 4, 5, 6, 7, 8])
+    step = sched(1, [[rid, "r" if rid != "c" else "n", 6 if rid != "c" else 5, 0, [[next(free), next(free)]]]
+                     for rid in admit], pre=["a", "b"])
     step["pre_why"] = {"a": "reset_prefix_cache", "b": "reset_prefix_cache"}
     return recs + [step]
 
@@ -144,3 +145,53 @@ def test_a_reset_reports_success_only_with_every_block_free(tmp_path):
     kinds, r = _kinds(tmp_path, h, [dict(idle[0], ok=True)] + idle[1:], "ok_idle.jsonl")
     assert kinds == [] and r.ok
 
+
+
+# ---- fresh blocks in free-queue order ------------------------------------------------------------------------
+def _after_finish(b_blocks: list) -> list:
+    """a (5 tokens: block 1 full and cached, block 2 partial) finishes; vLLM frees its table tail
+    first: block 2 (no hash) to the front of the free queue, block 1 (cached) to the back; b's fresh
+    blocks come from the front."""
+    return [add("a", [1] * 5, max_tokens=1), sched(0, [["a", "n", 5, 0, [[1, 2]]]]),
+            update(0, {"a": [9]}, fin=[["a", "length"]]), add("b", [2] * 5), sched(1, [["b", "n", 5, 0, [b_blocks]]])]
+
+
+def test_fresh_blocks_come_from_the_head_of_the_free_queue(tmp_path):
+    pool, cfg = full_setup()
+    h = header_for(pool, cfg)
+    kinds, r = _kinds(tmp_path, h, _after_finish([2, 3]), "ok.jsonl")
+    assert kinds == [] and r.ok
+    kinds, r = _kinds(tmp_path, h, _after_finish([3, 4]), "lru.jsonl")
+    assert kinds == ["free_order"] and "block 3 fresh (group 0) while block 2 heads" in r.findings[0].message
+    # the queue's policy is vLLM 0.33.0's: a trace of another vLLM is not held to it
+    other = {**h, "producer": {**h["producer"], "vllm": "0.34.0"}}
+    kinds, _ = _kinds(tmp_path, other, _after_finish([3, 4]), "other_vllm.jsonl")
+    assert kinds == []
+    # without prefix caching no block has a hash: both go to the front, the tail first
+    h = header_for(replace(pool, enable_caching=False), cfg)
+    kinds, _ = _kinds(tmp_path, h, _after_finish([2, 1]), "nocache_ok.jsonl")
+    assert kinds == []
+    kinds, _ = _kinds(tmp_path, h, _after_finish([2, 3]), "nocache_bad.jsonl")
+    assert kinds == ["free_order"]
+
+
+def _reset_then(c_blocks: list) -> list:
+    """Priority policy: a and b run (block 1 / 3 full and cached, 2 / 4 partial); a reset preempts
+    both, last running first (b, then a): the free queue is 2, 4, 5 .. 19, 3, 1; c comes first."""
+    recs = [add("a", [1] * 5), add("b", [2] * 5),
+            sched(0, [["a", "n", 5, 0, [[1, 2]]], ["b", "n", 5, 0, [[3, 4]]]]), update(0, {"a": [9], "b": [9]}),
+            {"t": "reset", "running": True, "ok": True, "free": 19}, add("c", [3] * 5)]
+    step = sched(1, [["c", "n", 5, 0, [c_blocks]]], pre=["a", "b"])
+    step["pre_why"] = {"a": "reset_prefix_cache", "b": "reset_prefix_cache"}
+    return recs + [step]
+
+
+def test_a_reset_frees_the_running_requests_last_to_first(tmp_path):
+    """vLLM's reset_prefix_cache pops running requests from the end: under the priority policy
+    (where the admission order does not show it) only the block ids a later request gets do."""
+    pool, cfg = full_setup()
+    h = header_for(pool, replace(cfg, policy="priority"))
+    kinds, r = _kinds(tmp_path, h, _reset_then([2, 4]), "ok.jsonl")
+    assert kinds == [] and r.ok
+    kinds, r = _kinds(tmp_path, h, _reset_then([4, 2]), "first_to_last.jsonl")
+    assert kinds == ["free_order"] and "block 4 fresh (group 0) while block 2 heads" in r.findings[0].message
