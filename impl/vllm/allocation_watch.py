@@ -17,6 +17,17 @@ so a violation is never a false alarm: gross taken >= net taken > predicted). Th
 (``kvref prove``: predictor-equals-allocator) proves the rule for kvref's formulas; this is the same
 rule observed on the installed vLLM, on every step of every trace, whatever the pool's pressure.
 
+**M3g, per group (#22/#28).** vLLM compares only the *sum* of the groups' counts with the free
+blocks, and its Mamba "align" count can be negative (a running request whose main-model tokens fell
+back after rejected drafts), so a sum can hide one group's need behind another's negative count, or
+an over-count in one group hide an under-count in another. The watch also reads each single-type
+manager's own count and charges each group's gross take (blocks from ``get_new_blocks`` and
+free-queue hits it touched) to it: a group taking more than its count (0 below zero), a step taking
+more than the free blocks its check saw, or a step asking an empty pool after its check passed (vLLM
+then raises, and the summed bound above never runs) is a finding. vLLM's scheduler never nets the
+counts (``docs/invariants.md`` M3g: a fixed lookahead makes every other group's count 0 when Mamba's
+is negative); a caller raising a running request's lookahead after a rollback does.
+
 **M10 (#33775).** A prefix hit whose block sits in the free queue (ref count 0) is only safe once
 ``touch`` took it out: a ``get_new_blocks`` before that may pop it (evict its hash) and hand the
 same block to another group or slot. vLLM 0.33.0 touches every group's hits first, then allocates
@@ -38,48 +49,78 @@ from typing import Any
 
 
 class AllocationWatch:
-    """M3 and M10 on one vLLM ``KVCacheManager`` (see the module doc)."""
+    """M3 (summed and per group, M3g) and M10 on one vLLM ``KVCacheManager`` (see the module doc)."""
 
     def __init__(self, mgr: Any) -> None:
         self.violations: list[str] = []
         self.steps_checked = 0
+        #: steps where one group counted below zero while another counted above it (the sum nets
+        #: them): how often a trace reached the case M3g guards
+        self.netted_steps = 0
+        #: checked steps where some group counted below zero (vLLM's Mamba "align" predictor)
+        self.negative_count_steps = 0
         self._last: tuple[int, int] | None = None
         self._in_call = False
         self._taken_in_call = 0
+        self._group: int | None = None  # the group whose allocation is running, if any
+        self._request_id = ""
+        self._group_counts: dict[int, int] = {}
+        self._group_taken: dict[int, int] = {}
         coordinator, pool = mgr.coordinator, mgr.block_pool
         predict, allocate = coordinator.get_num_blocks_to_allocate, mgr.allocate_slots
         touch, get_new_blocks = pool.touch, pool.get_new_blocks
 
+        def charge(n: int) -> None:
+            self._taken_in_call += n
+            if self._group is not None:
+                self._group_taken[self._group] = self._group_taken.get(self._group, 0) + n
+
         def pool_get_new_blocks(num_blocks: int) -> Any:
+            if self._in_call and self._last is not None and num_blocks > pool.get_num_free_blocks():
+                # vLLM raises next: the step passed its admission check and the pool cannot serve it
+                self._admitted_but_short(num_blocks, pool.get_num_free_blocks())
             out = get_new_blocks(num_blocks)
             if self._in_call:
-                self._taken_in_call += len(out)
+                charge(len(out))
             return out
 
         def pool_touch(blocks: Any) -> Any:
-            if self._in_call and self._taken_in_call:
-                ids = [b.block_id for b in blocks if not b.is_null]
-                if ids:
-                    self.violations.append(
-                        f"M10 (#33775): allocate_slots touched prefix hits {ids[:8]} after taking "
-                        f"{self._taken_in_call} blocks from the free queue in the same call: an earlier "
-                        f"allocation may have evicted them")
+            if self._in_call:
+                if self._taken_in_call:
+                    ids = [b.block_id for b in blocks if not b.is_null]
+                    if ids:
+                        self.violations.append(
+                            f"M10 (#33775): allocate_slots touched prefix hits {ids[:8]} after taking "
+                            f"{self._taken_in_call} blocks from the free queue in the same call: an earlier "
+                            f"allocation may have evicted them")
+                # a hit with no holder sits in the free queue: touching takes it out (gross, per group)
+                evicted = sum(b.ref_cnt == 0 and not b.is_null for b in blocks)
+                if evicted and self._group is not None:
+                    self._group_taken[self._group] = self._group_taken.get(self._group, 0) + evicted
             return touch(blocks)
 
         def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:
+            self._group_counts = {}
             n = predict(*args, **kwargs)
             # the full-sequence gate's call carries apply_admission_cap=True; the step's does not
             if not kwargs.get("apply_admission_cap", False):
                 self._last = (n, pool.get_num_free_blocks())
+                self._step_counts = dict(self._group_counts)
             return n
+
+        self._step_counts: dict[int, int] = {}
+        for g, manager in enumerate(getattr(coordinator, "single_type_managers", ())):
+            self._wrap_group(g, manager)
 
         def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
             self._last = None
+            self._step_counts, self._group_taken = {}, {}
+            self._request_id = request.request_id
             self._in_call, self._taken_in_call = True, 0
             try:
                 out = allocate(request, *args, **kwargs)
             finally:
-                self._in_call = False
+                self._in_call, self._group = False, None
             if out is not None and self._last is not None:
                 predicted, free_before = self._last
                 taken = free_before - pool.get_num_free_blocks()
@@ -93,12 +134,69 @@ class AllocationWatch:
                     self.violations.append(
                         f"M3 (T7): allocate_slots({request.request_id!r}) took {taken} blocks from the free queue "
                         f"where its per-step check counted {predicted} (free before: {free_before})")
+                self._check_groups(request.request_id, free_before)
             return out
 
         coordinator.get_num_blocks_to_allocate = get_num_blocks_to_allocate
         mgr.allocate_slots = allocate_slots
         pool.touch = pool_touch
         pool.get_new_blocks = pool_get_new_blocks
+
+    def _wrap_group(self, g: int, manager: Any) -> None:
+        """Read group ``g``'s own per-step count and charge what its allocation calls take to it."""
+        count = manager.get_num_blocks_to_allocate
+
+        def get_num_blocks_to_allocate(*args: Any, **kwargs: Any) -> int:
+            n = count(*args, **kwargs)
+            self._group_counts[g] = self._group_counts.get(g, 0) + n
+            return n
+
+        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        for name in ("add_local_computed_blocks", "allocate_external_computed_blocks", "allocate_new_blocks"):
+            method = getattr(manager, name, None)
+            if method is not None:
+                setattr(manager, name, self._charged(g, method))
+
+    def _charged(self, g: int, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outer, self._group = self._group, g
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._group = outer
+        return call
+
+    def _check_groups(self, request_id: str, free_before: int) -> None:
+        """M3g: per group, the blocks its allocation took (gross: new blocks and free-queue hits
+        touched) never exceed its own count, or 0 where that count is negative. vLLM's coordinator
+        compares only the sum, so a Mamba "align" count below zero (a running request holding more
+        state blocks than this step's main-model tokens need) nets out another group's need; the
+        step then passes the check at a full pool and raises mid-allocation. Also the whole step:
+        the gross blocks taken never exceed the free blocks the admission check saw."""
+        counts = self._step_counts
+        if any(n < 0 for n in counts.values()):
+            self.negative_count_steps += 1
+            self.netted_steps += any(n > 0 for n in counts.values())
+        for g, taken in sorted(self._group_taken.items()):
+            if g in counts and taken > max(counts[g], 0):
+                self.violations.append(
+                    f"M3g: allocate_slots({request_id!r}) group {g} took {taken} blocks where its own "
+                    f"count was {counts[g]} (per-group counts {counts}, summed {sum(counts.values())}, "
+                    f"free before: {free_before})")
+                return
+        gross = sum(self._group_taken.values())
+        if gross > free_before:
+            self.violations.append(
+                f"M3g: allocate_slots({request_id!r}) took {gross} blocks where its admission check saw "
+                f"{free_before} free (per-group counts {counts})")
+
+    def _admitted_but_short(self, num_blocks: int, num_free: int) -> None:
+        assert self._last is not None
+        predicted, free_before = self._last
+        self.violations.append(
+            f"M3g: allocate_slots({self._request_id!r}) passed its admission check (counted {predicted}, "
+            f"per-group {self._step_counts}, free {free_before}) and then asked the pool for {num_blocks} "
+            f"blocks with {num_free} free: vLLM raises 'Cannot get {num_blocks} free blocks from the pool'")
 
     def check(self) -> None:
         """Raise a finding for the first rule broken since the last check (then forget them)."""

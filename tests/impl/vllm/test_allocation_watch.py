@@ -168,3 +168,58 @@ def test_a_count_below_zero_bounds_the_step_at_zero(count, take, flagged):
     mgr.allocate_slots(SimpleNamespace(request_id="r1"))
     assert watch.steps_checked == 1
     assert bool(watch.violations) is flagged, watch.violations
+
+
+class _FakeGroup:
+    def __init__(self, pool: _FakePool, count: int, take: int) -> None:
+        self.pool, self.count, self.take = pool, count, take
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs) -> int:
+        return self.count
+
+    def allocate_new_blocks(self, *args, **kwargs):
+        return self.pool.get_new_blocks(self.take)
+
+
+class _FakeHybrid:
+    """A coordinator that sums its groups' counts (vLLM's) over groups answering ``(count, take)``."""
+
+    def __init__(self, free: int, groups: list[tuple[int, int]]) -> None:
+        self.block_pool = _FakePool(free)
+        self.single_type_managers = [_FakeGroup(self.block_pool, c, t) for c, t in groups]
+        self.coordinator = self
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs) -> int:
+        return sum(g.get_num_blocks_to_allocate() for g in self.single_type_managers)
+
+    def allocate_slots(self, request, *args, **kwargs):
+        if self.coordinator.get_num_blocks_to_allocate() > self.block_pool.get_num_free_blocks():
+            return None
+        return [g.allocate_new_blocks() for g in self.single_type_managers]
+
+
+@pytest.mark.parametrize(("free", "groups", "flagged"), [
+    (10, [(2, 3), (2, 1)], "group 0 took 3 blocks where its own count was 2"),  # the sum (4) hides it
+    (10, [(0, 0), (-1, 0)], None),  # a negative count taking nothing, no other group's need
+    # netted with room to spare: each group within its own count, the step over the sum (M3)
+    (10, [(1, 1), (-1, 0)], "M3 (T7): allocate_slots('r1') took 1 blocks from the free queue where its per-step "
+                            "check counted 0"),
+    (10, [(3, 3), (0, 0), (1, 1)], None),
+    (0, [(1, 1), (-1, 0)], "passed its admission check (counted 0, per-group {0: 1, 1: -1}, free 0)"),
+])
+def test_per_group_counts_bound_each_groups_take(free, groups, flagged):
+    """M3g: each group's take is bounded by its own count (or 0 below zero), which the summed
+    bound (M3) misses when another group over-counts; a step that passed the summed check and then
+    asks an empty pool for blocks is named before vLLM raises (M3 never sees a step that raised)."""
+    from types import SimpleNamespace
+
+    from kvref.impl.vllm.allocation_watch import AllocationWatch
+
+    mgr = _FakeHybrid(free, groups)
+    watch = AllocationWatch(mgr)
+    mgr.allocate_slots(SimpleNamespace(request_id="r1"))  # the fake pool lends below zero where vLLM raises
+    assert watch.steps_checked == 1
+    if flagged is None:
+        assert not watch.violations, watch.violations
+    else:
+        assert any(flagged in v for v in watch.violations), watch.violations
