@@ -35,7 +35,8 @@ def kvref_kv_cache_manager(cfg: Any, groups: tuple[KVCacheGroupSpec, ...]) -> KV
         "an offload scenario's GPU pool: its block count is the scenario's, not a startup plan's",
         num_blocks=cfg.num_gpu_blocks, groups=groups, max_model_len=cfg.max_model_len,
         scheduler_block_size=cfg.block_size, hash_block_size=getattr(cfg, "hash_block_size", None) or cfg.block_size,
-        enable_caching=True, use_eagle=any(g.is_eagle_group for g in groups),
+        enable_caching=True,
+        use_eagle=any(g.is_eagle_group for g in groups) or bool(getattr(cfg, "speculative_eagle", False)),
         prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None)))
 
 

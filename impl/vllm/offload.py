@@ -60,7 +60,7 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
                          prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None))
     mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
                           hash_block_size=hash_block_size, enable_caching=True,
-                          use_eagle=any(g.is_eagle_group for g in groups))
+                          use_eagle=any(g.is_eagle_group for g in groups) or bool(getattr(cfg, "speculative_eagle", False)))
     return hasher, kcfg, mgr
 
 
@@ -236,7 +236,9 @@ def vllm_offloading_config(cfg: Any, kcfg: Any, get_manager: Callable) -> tuple[
     vcfg = SimpleNamespace(
         cache_config=SimpleNamespace(prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None),
                                      enable_prefix_caching=True),
-        speculative_config=None,
+        # EAGLE-style speculative decoding: what from_spec asks of it (its block drop on)
+        speculative_config=SimpleNamespace(use_eagle_block_drop=lambda: True)
+        if getattr(cfg, "eagle_group", None) is not None or getattr(cfg, "speculative_eagle", False) else None,
         parallel_config=SimpleNamespace(world_size=cfg.num_workers, decode_context_parallel_size=1))
     return spec, vcfg
 

@@ -92,6 +92,10 @@ class OffloadingConfig:
     # group (use_eagle) and the connector pops its trailing chunk and stores it only once stable.
     # Drawn by :mod:`kvref.models.offload.offloading_eagle`, not by random().
     eagle_group: int | None = None
+    # Speculative decoding with EAGLE's block drop on although no group is flagged (a drafter owning
+    # no KV cache, or a runner that does not tag draft layers): the GPU cache drops a hit's last
+    # block in every group, the connector treats every group as non-draft (vLLM #52735's fallback).
+    speculative_eagle: bool = False
 
     def tokens_per_hash(self) -> int:
         """The request hash granularity (vLLM's ``hash_block_size``, the connector's ``tokens_per_hash``)."""

@@ -36,13 +36,15 @@ COVERAGE: Counter = Counter()
 
 def eagle_config(rng: random.Random) -> OffloadingConfig:
     """A random pool with a drafter group: FA alone, or beside a sliding window (one to four
-    blocks, MTP's extra retained tokens one time in three), the drafter on either group (no
-    chunked-local group: EAGLE refuses chunked local attention with prefix caching); one or two
-    blocks a chunk; decode tokens offloaded three times in four;
-    CPU pools from tight to roomy; events and worker counts as conform-offload draws; requests'
-    ``kv_transfer_params`` one time in two (a ``max_load_tokens`` cap ends the hit inside the
-    keys, where the drafter group's widened query reaches a chunk further than the cap)."""
-    bpc = rng.choice([1, 1, 2])
+    blocks, MTP's extra retained tokens one time in three), the drafter on either group, one
+    time in five none flagged (speculative decoding whose drafter is not annotated: the GPU drops in
+    every group, the connector treats none as a drafter); no chunked-local group (EAGLE refuses
+    chunked local attention with prefix caching); one, two or four blocks a chunk; decode tokens offloaded
+    three times in four; CPU pools from tight to roomy; events and worker counts as conform-offload draws; requests'
+    ``kv_transfer_params`` one time in two, one of them a chunk-aligned ``max_load_tokens`` cap (it
+    ends the hit inside the keys, where the drafter group's widened query reaches a chunk further
+    than the cap)."""
+    bpc = rng.choice([1, 1, 2, 4])  # 4: a segment longer than a drafter window's run (a real EAGLE mask)
     sw = rng.choice([None, 4, 8, 12, 16])
     cfg = OffloadingConfig(
         block_size=4, blocks_per_chunk=bpc, max_model_len=128, num_gpu_blocks=rng.randint(30, 44),
@@ -51,9 +53,14 @@ def eagle_config(rng: random.Random) -> OffloadingConfig:
         cache_policy=rng.choice(["lru", "arc"]), num_workers=rng.randint(1, 2),
         offload_prompt_only=rng.random() < 0.25, store_threshold=rng.choice([0, 0, 0, 2]),
         kv_events=rng.choice(["off", "placeholder", "self_describing"]),
-        kv_transfer_params=tuple(random_transfer_params(rng) for _ in range(rng.randint(2, 4)))
-        if rng.random() < 1 / 2 else ())
-    return OffloadingConfig(**{**vars(cfg), "eagle_group": rng.randrange(len(cfg.kvref_groups()))})
+        kv_transfer_params=({"max_load_tokens": 4 * bpc * rng.randint(1, 3)},)
+        + tuple(random_transfer_params(rng) for _ in range(rng.randint(1, 3))) if rng.random() < 1 / 2 else ())
+    eagle_group = rng.randrange(len(cfg.kvref_groups()))
+    # drawn from a generator seeded by rng's state, rng not advanced: the other draws stay as they were
+    if random.Random(hash(rng.getstate()[1])).random() < 1 / 5:
+        # speculative decoding, no group flagged: the GPU drops in every group, the connector in none
+        return OffloadingConfig(**{**vars(cfg), "speculative_eagle": True})
+    return OffloadingConfig(**{**vars(cfg), "eagle_group": eagle_group})
 
 
 def eagle_cases(seed: int, n: int) -> list[tuple[OffloadingConfig, list[tuple]]]:
@@ -69,15 +76,15 @@ def run_eagle_traces(cases, backends: tuple[str, ...] = ("reference", "vllm")) -
     reference worlds reached."""
     cases = list(cases)
     for i, (cfg, _) in enumerate(cases):
-        if not isinstance(cfg, OffloadingConfig) or cfg.eagle_group is None:
+        if not isinstance(cfg, OffloadingConfig) or (cfg.eagle_group is None and not cfg.speculative_eagle):
             raise OffloadInvariantError(f"case {i}: no drafter group: {cfg!r}")
     return run_compared_traces(cases, backends, "EAGLE", _count)
 
 
 def _count(w: OffloadingWorld) -> None:
-    """Loads and stores that hold a key of the drafter group."""
+    """Loads and stores that hold a key of the drafter group (none flagged: of any group)."""
     g = w.cfg.eagle_group
     for m in w.metas:
         for kind, jobs in (("eagle_loads", m[0]), ("eagle_stores", m[1])):
-            COVERAGE[kind] += sum(any(int.from_bytes(bytes(k[-4:]), "big") == g for k in keys)
+            COVERAGE[kind] += sum(any(g is None or int.from_bytes(bytes(k[-4:]), "big") == g for k in keys)
                                   for _, _, keys, _, _ in jobs)

@@ -3,7 +3,8 @@ pops the drafter group's volatile trailing chunk from a hit (querying one chunk 
 holds its last offloadable chunk back while the request decodes and stores it once finished
 (#52735), and masks a sliding-window drafter group's stores with the EAGLE run. The cases are the
 first 12 of the ``ci`` draw (seed 0; ``fast`` runs the first 6); each fault planted in vLLM's own
-source must be flagged while the clean vLLM agrees."""
+source must be flagged while the clean vLLM agrees (the widened query under a load cap, which the
+draw meets rarely, on a directed trace)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_eagle_traces_agree_on_clean_vllm(cases):
     assert _finding(cases) is None
     # the drafter group's chunks are both loaded and stored, on FA and sliding-window drafters
     assert COVERAGE["eagle_loads"] > 0 and COVERAGE["eagle_stores"] > 0, COVERAGE
-    assert {c.eagle_group for c, _ in cases} == {0, 1}
+    assert {c.eagle_group for c, _ in cases} == {0, 1, None}  # None: speculative decoding, none flagged
 
 
 def _request_state_class():
@@ -55,17 +56,48 @@ def _request_state_class():
     ("state", "storable_chunks", "num_chunks = max(0, num_chunks - 1)", "pass"),
     # the hit keeps the volatile chunk
     ("sched", "_lookup_complete_chunks", "num_hit_chunks -= 1", "pass"),
-    # #52735: the pop without the widened query loses a chunk under a load cap
-    ("sched", "_lookup_complete_chunks", "max_hit_size_tokens + tokens_per_chunk,", "max_hit_size_tokens,"),
     # a sliding-window drafter group stored with the plain (non-EAGLE) mask
     ("sched", "_reachable_store_block_mask", "use_eagle=group_config.is_eagle_group", "use_eagle=False"),
-], ids=["stored-while-decoding", "no-pop", "no-widening", "plain-mask"])
+], ids=["stored-while-decoding", "no-pop", "plain-mask"])
 def test_planted_eagle_faults_are_flagged(cases, owner, name, old, new):
     require_vllm()
     cls = _request_state_class() if owner == "state" else offloading_scheduler_class()
     with planted_edit(cls, name, old, new):
         finding = _finding(cases)
     assert finding is not None and "differ" in finding, finding
+
+
+def _capped_reload(backend: str):
+    """A 21-token prompt stored whole, the GPU prefix cache reset, the prompt again with a load cap
+    of 8 tokens (two chunks): the step's lookup and load jobs."""
+    from kvref.models.offload.offloading_connector_world import OffloadingConfig, OffloadingWorld
+
+    cfg = OffloadingConfig(block_size=4, num_gpu_blocks=40, num_cpu_chunks=32, eagle_group=0,
+                           kv_transfer_params=({"max_load_tokens": 8},))
+    w = OffloadingWorld(cfg, backend, strict=False)
+    prompt = list(range(100, 121))
+    w.add_request(prompt)
+    for _ in range(4):
+        w.step(32)
+    while w.jobs:
+        w.complete(0, 2)
+    w.step(32)
+    assert w.reset_gpu_prefix_cache()
+    w.add_request(prompt)  # the second arrival carries the params
+    loads, _, _, lookups = w.step(32)
+    return lookups, [(j, r, len(k)) for j, r, k, _, _ in loads]
+
+
+@pytest.mark.vllm
+def test_a_capped_drafter_lookup_keeps_the_widened_query():
+    """vLLM #52735: the drafter group is queried a chunk past the cap, so the pop leaves the capped
+    hit whole (8 tokens, two chunks); the fault planted in vLLM (no widening) loads one chunk."""
+    require_vllm()
+    ref = _capped_reload("reference")
+    assert ref == _capped_reload("vllm") and ref[0] == (("r1", 0, 8),), ref
+    with planted_edit(offloading_scheduler_class(), "_lookup_complete_chunks",
+                      "max_hit_size_tokens + tokens_per_chunk,", "max_hit_size_tokens,"):
+        assert _capped_reload("vllm")[0] == (("r1", 0, 4),)
 
 
 def test_the_lookup_pops_a_drafter_groups_last_chunk():
