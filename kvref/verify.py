@@ -477,6 +477,11 @@ SCHEDULER_RUNS = (
     SubRun("kvref.models.machines.scheduler_load_failures:run_load_failure_cases", (5, 30),
            "sync KV loads failing in shared blocks",
            "; {traces} sync KV loads failing ({invalid_block_shared} in blocks a later request shares)"),
+    # --kv-cache-metrics: the collector vLLM's scheduler builds, beside the reference's
+    SubRun("kvref.models.machines.scheduler_kv_metrics:run_kv_metrics_machine", (3, 20),
+           "scheduler traces with KV cache metrics",
+           "; {traces} with KV cache metrics ({eviction_events} eviction events, {followed_blocks_hit} hits on "
+           "followed blocks)"),
 )
 
 #: conform-spec-decode's runs after the main machine

@@ -201,6 +201,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.sampling_params", "RepetitionDetectionParams", "max_pattern_size", "min_pattern_size", "min_count"),
         # per-request spec-decode metrics (conform-spec-decode, #22)
         _b("vllm.config", "ObservabilityConfig", "per_request_spec_decode_metrics"),
+        # --kv-cache-metrics on the scheduler (models/machines/scheduler_kv_metrics.py, #22)
+        _b("vllm.config", "ObservabilityConfig", "kv_cache_metrics", "kv_cache_metrics_sample"),
         _b("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "num_spec_tokens", "histogram", "num_draft_tokens",
            "per_step_accepted", "per_step_drafted"),
         # the waiting queues alone (models/machines/scheduler_queue.py, #22)

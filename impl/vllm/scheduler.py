@@ -188,7 +188,7 @@ class VllmScheduler:
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
                  scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
                  encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False,
-                 include_finished_set: bool = False) -> None:
+                 include_finished_set: bool = False, kv_cache_metrics_sample: float | None = None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -251,6 +251,15 @@ class VllmScheduler:
         # hasher's size; unequal sizes are passed, as the engine core passes the size its
         # ``resolve_kv_cache_block_sizes`` chose.
         hash_block_size = None if pool.hash_block_size == pool.scheduler_block_size else pool.hash_block_size
+        # --kv-cache-metrics: the Scheduler builds its own KVCacheMetricsCollector at this sample
+        # rate and hands it to its KVCacheManager (read in __init__ only; the env's config is shared)
+        obs = vc.observability_config
+        saved_metrics = (obs.kv_cache_metrics, obs.kv_cache_metrics_sample)
+        if kv_cache_metrics_sample is not None:
+            if isinstance(kv_cache_metrics_sample, bool) or not isinstance(kv_cache_metrics_sample, (int, float)) \
+                    or not 0 < kv_cache_metrics_sample <= 1:
+                raise InvalidFieldError("kv_cache_metrics_sample", kv_cache_metrics_sample, "None or a number in (0, 1]")
+            obs.kv_cache_metrics, obs.kv_cache_metrics_sample = True, float(kv_cache_metrics_sample)
         try:
             self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
                                  structured_output_manager=v["StructuredOutputManager"](vc),
@@ -259,6 +268,7 @@ class VllmScheduler:
         finally:
             shared.kv_events_config = saved_events_config  # the env is shared
             shared.kv_transfer_config = saved_transfer_config
+            obs.kv_cache_metrics, obs.kv_cache_metrics_sample = saved_metrics
         self.connector = connector
         self._encoder_output: dict = {"scheduled_encoder_inputs": {}, "free_encoder_mm_hashes": (),
                                       "encoder_input_updates": {}}
@@ -499,6 +509,12 @@ class VllmScheduler:
         from kvref.impl.reference.scheduler_pause import as_pause_state
 
         return as_pause_state(int(self.scheduler.pause_state))
+
+    @property
+    def kv_metrics_collector(self):
+        """vLLM's own ``KVCacheMetricsCollector`` of this scheduler (None without
+        ``kv_cache_metrics_sample``)."""
+        return self.scheduler.kv_metrics_collector
 
     def make_stats(self) -> dict | None:
         """The KV-cache part of vLLM's ``Scheduler.make_stats()`` (None without ``log_stats``), in
