@@ -176,6 +176,19 @@ VLLM_FIRST = ("conform-kv-manager", "conform-scheduler", "conform-spec-decode", 
               "conform-offload", "conform-tiering", "conform-offload-worker",
               "conform-planning", "conform-explorer", "conform-p2p")
 
+#: the checks ``kvref verify`` runs in a second process, beside the others (#22,
+#: :mod:`kvref.verify_ahead`): each draws nothing from Hypothesis' constant pool (Z3, CrossHair,
+#: the machine runners, which switch the pool off; the second process checks it on every run, and
+#: a check that did draw runs again in the first), so it finds there what it finds in one process.
+#: The split balances the two processes in the default run (BENCHMARKS.md, session 17): the proofs
+#: and CrossHair run while startup-liveness, the machines, the explorers and torch run here
+AHEAD = ("proofs", "crosshair", "conform-scheduler", "conform-spec-decode", "conform-p2p", "conform-tiering")
+
+#: the checks whose inputs depend on the kvref modules loaded before them (their ``run_generated``
+#: ``@given`` runs read Hypothesis' constant pool; measured, session 17): with a second process
+#: they wait for every row before theirs; the others run without waiting
+DRAWS_CONSTANTS = ("conform-kv-manager", "conform-planning")
+
 #: the reference mutant campaign's checks by default, in its order (cheapest first); the vLLM ones
 #: only where vLLM imports
 MUTANT_CAMPAIGN = ("spec-formulas", "explorer", "pool-machine", "scheduler-machine", "manager-machine",

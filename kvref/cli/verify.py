@@ -54,6 +54,10 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--split", type=int, default=1, metavar="N",
                    help="run each check with an example budget as N seed ranges (1/N of its examples each, "
                         "distinct deterministic seeds), merged into its row; with --ray a unit each (#27, docs/ray.md)")
+    p.add_argument("--jobs", type=int, choices=(1, 2), default=2 if (os.cpu_count() or 1) >= 2 else 1,
+                   help="2 (the default where there are 2+ cores): the checks that draw no Hypothesis constants "
+                        "(kvref.checks.AHEAD) run in a second process ahead of their turn, same inputs, same "
+                        "report; 1: every check in this process, one after the other")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
     from ..reach import add_arguments as add_reach_arguments
@@ -149,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
         console.log(describe(ray_info), markup=False)
     if reach is not None:
         reach.start()
+    def log_row(result) -> None:
+        console.log(f"{result.name}: {result.status} ({result.seconds:.1f}s) {result.summary}", markup=False)
+        if result.failing:
+            for line in [*result.details[:3], *(f"counterexample: {a}" for a in result.artifacts[:1])]:
+                console.log(f"  {line}", markup=False)
+
     with json_out, console.status("starting") as status:
         split = getattr(args, "split", 1)
         if ray_info is not None and split > 1:  # #27: each check as seed-range units
@@ -163,7 +173,36 @@ def run(args: argparse.Namespace) -> int:
             status.update(f"{len(checks)} check(s) on Ray")
             results, interrupted = run_verify(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
                                               lambda line: console.log(line, markup=False))
-        for i, check in enumerate(checks if ray_info is None else (), 1):
+        ahead = None  # #22: the checks kvref.checks.AHEAD names run in a second process meanwhile
+        if ray_info is None and split == 1 and reach is None and getattr(args, "jobs", 1) > 1:
+            from ..verify_ahead import run_verify_ahead, start_ahead
+
+            def early(result) -> None:  # a finding is said when it is made; its row comes in order
+                console.log(f"{result.name}: {result.status} ({result.seconds:.1f}s) {result.summary} "
+                            "(said now; its row follows in the checks' order)", markup=False)
+
+            ahead = start_ahead(checks, ctx, args.baseline, bool(args.update_baseline), args.verbose, early)
+        if ahead is not None:
+            def run_here(check):
+                return run_check(check, ctx, baseline, collect=bool(args.update_baseline))
+
+            def started(i, check):
+                status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
+                if not sys.stderr.isatty():
+                    console.log(f"[{i}/{len(checks)}] {check.name}: started", markup=False)
+
+            def report(result) -> bool:
+                for note in ahead.notes:
+                    console.log(f"second process: {note}", markup=False)
+                ahead.notes.clear()
+                log_row(result)
+                return result.failing and args.exitfirst
+
+            results, interrupted = run_verify_ahead(checks, ahead, run_here, report, started, early)
+            if interrupted is not None:
+                console.log(f"{interrupted.name}: interrupted; {len(checks) - len(results)} check(s) not run; "
+                            "writing the partial report", markup=False)
+        for i, check in enumerate(checks if ray_info is None and ahead is None else (), 1):
             status.update(f"[{i}/{len(checks)}] {check.name}: {check.description}")
             if not sys.stderr.isatty():  # no spinner in a CI log: say what is running
                 console.log(f"[{i}/{len(checks)}] {check.name}: started", markup=False)
@@ -188,12 +227,9 @@ def run(args: argparse.Namespace) -> int:
                             "partial report", markup=False)
                 break
             results.append(result)
-            console.log(f"{check.name}: {result.status} ({result.seconds:.1f}s) {result.summary}", markup=False)
-            if result.failing:
-                for line in [*result.details[:3], *(f"counterexample: {a}" for a in result.artifacts[:1])]:
-                    console.log(f"  {line}", markup=False)
-                if args.exitfirst:
-                    break
+            log_row(result)
+            if result.failing and args.exitfirst:
+                break
     not_run = [c.name for c in checks[len(results):]] if interrupted else []
     if ray_info is not None:
         from ..ray_runner import stop
