@@ -31,6 +31,19 @@ generated runs of the feature
 (``models/run_check/feature_runs.py``: the conform-scheduler machines' draws) with the feature's own
 planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28).
 
+``--no-demo-faults``: record pristine and the generator's own faults only (session 17's campaign,
+#28: the three session features, seeds 0-9)::
+
+    for g in streaming-input prefix-cache-reset; do
+        .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/s17/$g --generator $g \
+            --examples 20 --seeds 0,1,2,3,4,5,6,7,8,9 --no-demo-faults; done
+    .venv/bin/python benchmarks/bench_check_run_connector.py record /tmp/s17/prompt-embeds \
+        --generator prompt-embeds --examples 10 --seeds 0,1,2,3,4,5,6,7,8,9 --no-demo-faults
+    .venv/bin/python benchmarks/bench_check_run_connector.py check /tmp/s17/streaming-input
+
+``check`` prints, per fault, the runs, those ``kvref check-run`` flags (replay and properties),
+those ``--properties-only`` flags, and those whose replay diverges (or crashes) on its own.
+
 ``as-before DIR OUT``: copy DIR's traces adding to each header what the session-11 recorder named
 unmodelled there (``mamba_align_mode (with a KV connector)``, ``kv_connector_divergent_hybrid_hits``
 on Mamba pools with prefix caching, ``prefill_lookahead`` for multi-module MTP; session 12's:
@@ -90,7 +103,7 @@ _FEATURES = {"streaming-input": "session-keeps-final-token", "prefix-cache-reset
              "mamba-checkpoint": "checkpoint-ignored"}
 
 
-def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -> None:
+def record(root: str, examples: int, seeds=(2,), generator: str = "connector", demo_faults: bool = True) -> None:
     from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -111,8 +124,9 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -
     drafter = ("short-lookahead", "short-runway")
     # EAGLE drafters in the hash-lookahead and mamba-checkpoint draws: short-lookahead applies there
     eagle = generator in ("hash-lookahead", "mamba-checkpoint")
-    for fault in ("pristine",) + extra + tuple(f for f in FAULTS if generator == "demo-mtp" or f not in drafter
-                                                 or (eagle and f == "short-lookahead")):
+    demo = tuple(f for f in FAULTS if generator == "demo-mtp" or f not in drafter
+                 or (eagle and f == "short-lookahead")) if demo_faults else ()
+    for fault in ("pristine",) + extra + demo:
         runs = []
         for seed in seeds:
             d = os.path.join(root, fault, str(seed))
@@ -138,7 +152,7 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector") -
 
 
 def check(root: str) -> None:
-    print("| fault | runs | check-run (replay) | --properties-only |\n|---|---:|---:|---:|")
+    print("| fault | runs | check-run (replay) | --properties-only | replay diverges |\n|---|---:|---:|---:|---:|")
     for d in sorted(glob.glob(os.path.join(root, "*"))):
         c: Counter = Counter()
         for sd in sorted(glob.glob(os.path.join(d, "*", "skip.txt"))):
@@ -147,7 +161,7 @@ def check(root: str) -> None:
                 if os.path.basename(p) in skip:
                     continue
                 _count(c, p)
-        print(f"| {os.path.basename(d)} | {c['runs']} | {c['replay']} | {c['props']} |")
+        print(f"| {os.path.basename(d)} | {c['runs']} | {c['replay']} | {c['props']} | {c['diverged']} |")
 
 
 def as_before(root: str, out: str) -> None:
@@ -219,6 +233,7 @@ def _count(c: Counter, p: str) -> None:
         return
     c["runs"] += 1
     c["replay"] += not r.ok
+    c["diverged"] += r.divergence is not None or r.crash is not None
     c["props"] += not check_trace(p, properties_only=True).ok
 
 
@@ -229,6 +244,8 @@ def main() -> None:
     ap.add_argument("out", nargs="?", help="as-before: the copy's directory")
     ap.add_argument("--examples", type=int, default=40)
     ap.add_argument("--seeds", default="2", help="comma-separated seeds (each records --examples runs per fault)")
+    ap.add_argument("--no-demo-faults", action="store_true",
+                    help="record pristine and the generator's own faults only, not the demo faults")
     ap.add_argument("--generator", choices=("connector", "pause", "connector-pause", "connector-align", "demo-mtp",
                                             *_FEATURES),
                     default="connector",
@@ -238,7 +255,7 @@ def main() -> None:
 
     quiet_third_party(False)
     if a.what == "record":
-        record(a.root, a.examples, tuple(int(x) for x in a.seeds.split(",")), a.generator)
+        record(a.root, a.examples, tuple(int(x) for x in a.seeds.split(",")), a.generator, not a.no_demo_faults)
     elif a.what == "as-before":
         if not a.out or os.path.abspath(a.out) == os.path.abspath(a.root):
             ap.error("as-before needs an OUT directory other than ROOT")

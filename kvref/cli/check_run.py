@@ -166,8 +166,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  ... {result.num_findings - len(result.findings)} more")
     else:
         checks = str(result.summary.get("block_checks", "on"))
+        order = str(result.summary.get("free_order_check", "on"))
         print("properties: " + ", ".join(PROPERTY_NAMES)
-              + ("" if checks == "on" else f" (conservation, reuse, hit content and the admission bound {checks})"))
+              + ("" if checks == "on" else f" (conservation, reuse, hit content and the admission bound {checks})")
+              + ("" if order == "on" else f" (free-queue order {order})"))
     print(_summary_table(result.summary))
     rate = result.records / seconds if seconds > 0 else 0.0
     print(f"checked {result.records:,} records in {seconds:.1f} s ({rate:,.0f} records/s)")

@@ -195,9 +195,14 @@ class RunProperties:
         #: The queue's policy is vLLM 0.33.0's (blocks without a hash to the front is recent): the
         #: check is on for traces of that version only, not on another vLLM's (--properties-only).
         same_vllm = str((header.get("producer") or {}).get("vllm", "")).split("+")[0] == MODELLED_VLLM_VERSION
-        self.fq = (FreeQueue(self.num_blocks, bool(pool.get("enable_caching", True)))
-                   if same_vllm and self.exact and not self.connector and not self.hash_lookahead and not self.num_spec
-                   and all(r.kind in ("full", "chunk") for r in self.rules) else None)
+        off = [why for why, cond in (
+            (f"vLLM {(header.get('producer') or {}).get('vllm')} (the queue's policy is {MODELLED_VLLM_VERSION}'s)",
+             not same_vllm), ("block checks off", not self.exact), ("kv_connector", self.connector),
+            ("lookahead hashes", bool(self.hash_lookahead)), ("speculative decoding", bool(self.num_spec)),
+            ("a sliding-window or Mamba group", not all(r.kind in ("full", "chunk") for r in self.rules))) if cond]
+        self.fq = None if off else FreeQueue(self.num_blocks, bool(pool.get("enable_caching", True)))
+        #: why the free-queue check is off ("" while on), for the summary
+        self.fq_why_off = "off: " + off[0] if off else ""
         #: this step preempted for KV space: its allocations interleave with those frees in an order
         #: the trace does not show (the queue's content stays exact: frees prepend or append, takes
         #: remove the block they name)
@@ -320,7 +325,7 @@ class RunProperties:
         elif t == "error":
             step = rec["step"]
             self._find("crash", line, f"vLLM raised {rec['type']} in {rec['call']} (step {step}): {rec['message']}")
-            self.fq = None  # what the failed call had freed or allocated is unknown
+            self._fq_off("a crash")  # what the failed call had freed or allocated is unknown
         elif t == "pause":
             self.paused = rec["state"]
         elif t == "reset":
@@ -360,7 +365,8 @@ class RunProperties:
             self.exempt.add(rid)
         elif rec.get("resumable"):
             self.sessions.add(rid)
-            self.fq = None  # a session's kept blocks re-hashed after its update: not modelled
+            # a session's kept blocks re-hashed after its update: not modelled
+            self._fq_off("streaming sessions")
         self.stats["requests"] += 1
 
     # ---- streaming-input sessions (format 6, #28) --------------------------------------------------
@@ -636,7 +642,7 @@ class RunProperties:
         pre_order = rec["pre"]
         if self.fq is not None and len(kv_pre) > 1:
             if self.priority:  # preempted by (priority, arrival), which the checker does not keep
-                self.fq = None
+                self._fq_off("several KV preemptions in a step under the priority policy")
             else:  # vLLM's running loop pops the last running request first
                 rank = {rid: i for i, rid in enumerate(self.run_order)}
                 pre_order = sorted(rec["pre"], key=lambda rid: -rank.get(rid, -1))
@@ -653,7 +659,8 @@ class RunProperties:
         for rid in rec["fin"]:
             if rid in self.reqs:
                 if self.reqs[rid].tables:
-                    self.fq = None  # freed at a point the trace does not show
+                    # freed at a point the trace does not show
+                    self._fq_off("a finish first named in sched.fin")
                 self._finish(rid, "finished")
         if self.exact:
             # allocate_slots refused these (sched.refused): it had freed their windowed groups'
@@ -663,7 +670,7 @@ class RunProperties:
                 if r is not None and r.running and self._free_skipped(rid, r):
                     # freed mid-step (before the preemption the refusal led to), where the trace does
                     # not show: the queue's order is unknown from here
-                    self.fq = None
+                    self._fq_off("a refused request freed blocks mid-step")
         rows = sched_rows(rec)
         spec = rec.get("spec") or {}
         self._starvation(line, rec, rows)
@@ -686,7 +693,8 @@ class RunProperties:
             if kind != "c":
                 self._admit(line, rid, r, kind, computed)
             elif self.exact and self._free_skipped(rid, r) and self.fq_unordered:
-                self.fq = None  # freed before or after this step's preemptions: unknown
+                # freed before or after this step's preemptions: unknown
+                self._fq_off("skipped blocks freed in a step that preempted for KV space")
             if not r.running:
                 r.running = True
                 self.running.add(rid)
@@ -833,6 +841,12 @@ class RunProperties:
                        "vLLM refuses a reset while any block is in use", once=True)
         self._conserve(line, rec, "reset_prefix_cache")
 
+    def _fq_off(self, why: str) -> None:
+        """The free-queue order leaves the trace (or was found broken) here: checked no further."""
+        if self.fq is not None:
+            self.fq = None
+            self.fq_why_off = f"off from step {max(self.step, 0)}: {why}"
+
     def _fq_allocate(self, line: int, rid: str, kind: str, computed: int, blocks: list) -> None:
         """A row's allocation against vLLM's free queue: ``allocate_slots`` touches the hit blocks of
         every group first, then takes each group's fresh blocks from the queue's head."""
@@ -851,14 +865,16 @@ class RunProperties:
                 if fq.take(b) or self.fq_unordered:
                     continue
                 if not free:
-                    self.fq = None  # not free here at all: conservation or reuse says what
+                    # not free here at all: conservation or reuse says what
+                    self._fq_off("a fresh block that was not free")
                     return
                 self._find("free_order", line,
                            f"{rid} gets block {b} fresh (group {g}) while block {head} heads vLLM's free block queue: "
                            "BlockPool.get_new_blocks takes the head (freed blocks without a prefix-cache hash go to "
                            "the front, a request's table tail first; cached ones to the back, evicted oldest first)",
                            once=True)
-                self.fq = None  # one finding: the queue vLLM kept is another from here on
+                # one finding: the queue vLLM kept is another from here on
+                self._fq_off("after its finding")
                 return
 
     def _fq_hash(self, r: _Req, computed: int) -> None:
@@ -1065,7 +1081,8 @@ class RunProperties:
                            "speculative state blocks)")
         if kind != "c" and self.exact:
             if self._free_skipped(rid, r):  # a hit's blocks behind the window are freed at admission
-                self.fq = None  # (vLLM pads those with nulls: never seen in a vLLM trace)
+                # (vLLM pads those with nulls: never seen in a vLLM trace)
+                self._fq_off("a hit's skipped blocks freed at admission")
 
     def _check_reuse(self, line: int, rid: str, g: int, idx: int, b: int) -> None:
         holders = self.owners.get(b)
@@ -1081,7 +1098,7 @@ class RunProperties:
                     # advances (EAGLE on Mamba align pools, #28)
                     or (orid == rid and og == g and rule.kind == "mamba" and rule.keep_last > 1 and oidx < idx)):
                 # behind the holder's window: vLLM may have freed it at a point the trace does not show
-                self.fq = None
+                self._fq_off("a block taken behind a window")
                 del holders[(orid, og)]
                 other.tables[og][oidx] = 0
                 continue
@@ -1356,6 +1373,7 @@ class RunProperties:
                if self.connector else {}),
             "starvation_check": ("on" if not self.connector else "on (except while a remote KV load is pending)"
                                  if self.seen_loading else "off: kv_connector (the trace records no pending loads)"),
+            "free_order_check": self.fq_why_off or "on",
             "block_checks": "on" if self.exact else "off: " + ", ".join(
                 self.inexact or [f"group {g} ({r.kind})" for g, r in enumerate(self.rules)
                                  if r.kind == "unknown" or not r.frees_exactly]),

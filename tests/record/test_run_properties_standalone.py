@@ -160,13 +160,14 @@ def test_fresh_blocks_come_from_the_head_of_the_free_queue(tmp_path):
     pool, cfg = full_setup()
     h = header_for(pool, cfg)
     kinds, r = _kinds(tmp_path, h, _after_finish([2, 3]), "ok.jsonl")
-    assert kinds == [] and r.ok
+    assert kinds == [] and r.ok and r.summary["free_order_check"] == "on"
     kinds, r = _kinds(tmp_path, h, _after_finish([3, 4]), "lru.jsonl")
     assert kinds == ["free_order"] and "block 3 fresh (group 0) while block 2 heads" in r.findings[0].message
+    assert r.summary["free_order_check"] == "off from step 1: after its finding"
     # the queue's policy is vLLM 0.33.0's: a trace of another vLLM is not held to it
     other = {**h, "producer": {**h["producer"], "vllm": "0.34.0"}}
-    kinds, _ = _kinds(tmp_path, other, _after_finish([3, 4]), "other_vllm.jsonl")
-    assert kinds == []
+    kinds, r = _kinds(tmp_path, other, _after_finish([3, 4]), "other_vllm.jsonl")
+    assert kinds == [] and r.summary["free_order_check"].startswith("off: vLLM 0.34.0")
     # without prefix caching no block has a hash: both go to the front, the tail first
     h = header_for(replace(pool, enable_caching=False), cfg)
     kinds, _ = _kinds(tmp_path, h, _after_finish([2, 1]), "nocache_ok.jsonl")
