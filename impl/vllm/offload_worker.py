@@ -74,7 +74,8 @@ def offloading_vllm_config(cfg: Any, kv_cache_config: Any, rank: int = 0, engine
     vc.cache_config.block_size = cfg.block_size
     vc.cache_config.enable_prefix_caching = True
     # dense retention, as the GPU KVCacheConfig of vllm_kv_cache_manager and the reference
-    # (sparse retention, vLLM's default 0, is outside the reference: docs/differences.md)
+    # (sparse retention, vLLM's default 0, is compared on the scheduler side by conform-offload:
+    # models/offload/offloading_retention.py; docs/differences.md)
     vc.cache_config.prefix_cache_retention_interval = None
     # the layout OffloadingConnector.get_required_kvcache_layout asks the engine for
     vc.cache_config.kv_cache_layout = "LBHNC"
