@@ -74,7 +74,7 @@ def local_modules() -> set[str]:
 
 
 def start_ahead(checks, ctx: VerifyContext, baseline: str | None, collect: bool,
-                verbose: bool = False, on_failing=None) -> "AheadRun | None":
+                verbose: bool = False, on_failing=None, exitfirst: bool = False) -> "AheadRun | None":
     """The second process for ``checks`` (the run's order), or None where it gains nothing: no
     :data:`kvref.checks.AHEAD` check among them, or nothing else to run meanwhile."""
     from .checks import AHEAD
@@ -83,7 +83,7 @@ def start_ahead(checks, ctx: VerifyContext, baseline: str | None, collect: bool,
     names = [n for n in order if n in AHEAD]
     if not names or len(names) == len(order):
         return None
-    return AheadRun(names, ctx, baseline, collect, verbose, on_failing)
+    return AheadRun(names, ctx, baseline, collect, verbose, on_failing, exitfirst)
 
 
 class AheadRun:
@@ -96,10 +96,12 @@ class AheadRun:
         verbose: ``-v`` (third-party log lines on its stderr, which goes to a file shown on a crash).
         on_failing: called with a failing result the moment it comes (from a reader thread), so a
             finding is said at once, ahead of the rows before it; its row still comes in order.
+        exitfirst: ``--exitfirst``: it stops after its first failing check (no row after that one
+            is reported), leaving the cores to the checks before it.
     """
 
     def __init__(self, names: list[str], ctx: VerifyContext, baseline: str | None, collect: bool,
-                 verbose: bool = False, on_failing=None) -> None:
+                 verbose: bool = False, on_failing=None, exitfirst: bool = False) -> None:
         self.names = list(names)
         self._on_failing = on_failing
         self.notes: list[str] = []
@@ -108,7 +110,7 @@ class AheadRun:
         self._ended = False
         self._log = tempfile.TemporaryFile(mode="w+", prefix="kvref_ahead_")
         spec = {"names": self.names, "ctx": asdict(ctx), "baseline": baseline, "collect": collect,
-                "verbose": verbose}
+                "verbose": verbose, "exitfirst": exitfirst}
         import atexit
 
         atexit.register(self.close)  # a run that raised half-way leaves no second process behind
@@ -289,6 +291,8 @@ def _run_child(spec: dict, out) -> None:
             seen = now
             out.write(json.dumps({"name": name, "result": asdict(result), "modules": modules,
                                   "pool_reads": reads.count - before}) + "\n")
+            if result.failing and spec.get("exitfirst"):
+                break
 
 
 # --------------------------------------------------------------------------------------------

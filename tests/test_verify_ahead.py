@@ -190,3 +190,19 @@ def test_kvref_verify_with_a_second_process_reports_the_one_process_rows(monkeyp
         reports.append(json.loads(out)["checks"])
     two, one = ([(c["name"], c["status"], c["summary"], c["examined"]) for c in r] for r in reports)
     assert two == one and [row[0] for row in two] == ["spec", "machine-offload"]
+
+
+def test_jobs_auto_takes_a_second_process_only_where_the_load_leaves_a_core(monkeypatch):
+    import os
+
+    from kvref.cli.verify import jobs_for
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for load, want in ((0.3, 2), (1.7, 2), (2.0, 1), (5.5, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        n, why = jobs_for("auto")
+        assert n == want and f"{load:.2f}" in why
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert jobs_for("auto")[0] == 1
+    assert jobs_for("2") == (2, "") and jobs_for("1") == (1, "")

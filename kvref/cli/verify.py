@@ -54,10 +54,11 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     p.add_argument("--split", type=int, default=1, metavar="N",
                    help="run each check with an example budget as N seed ranges (1/N of its examples each, "
                         "distinct deterministic seeds), merged into its row; with --ray a unit each (#27, docs/ray.md)")
-    p.add_argument("--jobs", type=int, choices=(1, 2), default=2 if (os.cpu_count() or 1) >= 2 else 1,
-                   help="2 (the default where there are 2+ cores): the checks that draw no Hypothesis constants "
-                        "(kvref.checks.AHEAD) run in a second process ahead of their turn, same inputs, same "
-                        "report; 1: every check in this process, one after the other")
+    p.add_argument("--jobs", choices=("auto", "1", "2"), default="auto",
+                   help="2: the checks that draw no Hypothesis constants (kvref.checks.AHEAD) run in a second "
+                        "process beside the others, same inputs, same report; 1: every check in this process, "
+                        "one after the other; auto (default): 2 where there are 2+ cores and the load average "
+                        "is below the core count, else 1")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show vLLM's, transformers' and torch's own log lines and warnings (quiet by default)")
     from ..reach import add_arguments as add_reach_arguments
@@ -81,6 +82,23 @@ def checked_meta(checks) -> dict:
 
         meta["vllm"] = describe_installed_vllm().to_dict()
     return meta
+
+
+def jobs_for(jobs: str) -> tuple[int, str]:
+    """``--jobs``: 1 or 2, and ``auto``: 2 where a second process finds a core; with the line that
+    says why (auto only). On a machine whose load average already reaches its core count the second
+    process only shares the cores the first one had (session 17, load 4-6 on 2 cores: 9 % less
+    wall, and the first failing check of a planted vLLM fault came later, 52 s against 23 s), so
+    auto is 1 there."""
+    if jobs != "auto":
+        return int(jobs), ""
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        load = 0.0
+    n = 2 if cpus >= 2 and load < cpus else 1
+    return n, f"--jobs auto: {cpus} CPU(s), load average {load:.2f} -> {n} process(es)"
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -174,14 +192,21 @@ def run(args: argparse.Namespace) -> int:
             results, interrupted = run_verify(checks, ctx, baseline, bool(args.update_baseline), args.exitfirst,
                                               lambda line: console.log(line, markup=False))
         ahead = None  # #22: the checks kvref.checks.AHEAD names run in a second process meanwhile
-        if ray_info is None and split == 1 and reach is None and getattr(args, "jobs", 1) > 1:
+        jobs, why = jobs_for(getattr(args, "jobs", "1")) if ray_info is None and split == 1 and reach is None \
+            else (1, "")
+        from ..checks import AHEAD
+
+        if why and 0 < sum(c.name in AHEAD for c in checks) < len(checks):  # said where it decides something
+            console.log(why, markup=False)
+        if jobs > 1:
             from ..verify_ahead import run_verify_ahead, start_ahead
 
             def early(result) -> None:  # a finding is said when it is made; its row comes in order
                 console.log(f"{result.name}: {result.status} ({result.seconds:.1f}s) {result.summary} "
                             "(said now; its row follows in the checks' order)", markup=False)
 
-            ahead = start_ahead(checks, ctx, args.baseline, bool(args.update_baseline), args.verbose, early)
+            ahead = start_ahead(checks, ctx, args.baseline, bool(args.update_baseline), args.verbose, early,
+                                args.exitfirst)
         if ahead is not None:
             def run_here(check):
                 return run_check(check, ctx, baseline, collect=bool(args.update_baseline))
