@@ -15,6 +15,13 @@ from .check_context import VerifyContext
 from .report import FAILED, CheckResult
 
 
+def connector_divergence(result: CheckResult, where: str, signature: str, exc: Exception) -> CheckResult:
+    """conform-offload's failed row for a divergence one of its OffloadingConnector sub-runs found
+    (``where``: the pools it ran on, in the message; ``signature``: what the finding is grouped by)."""
+    return CheckResult(result.name, FAILED, f"vLLM's OffloadingConnector diverged from the reference {where}",
+                       details=[str(exc)[:1500]], signature=f"{result.name}: OffloadingConnector {signature}")
+
+
 def with_retention(ctx: VerifyContext, result: CheckResult) -> CheckResult:
     """``result`` (conform-offload's, passed) extended by the retention refusals and traces, or the
     failure they found."""
@@ -33,9 +40,7 @@ def with_retention(ctx: VerifyContext, result: CheckResult) -> CheckResult:
                                                             ctx.examples(12, 60)))
         stats = run_retention_traces(retention_cases(ctx.seed, ctx.examples(4, 40)))
     except OffloadInvariantError as exc:
-        return CheckResult(result.name, FAILED, "vLLM's OffloadingConnector diverged from the reference under a "
-                           "prefix-cache retention interval", details=[str(exc)[:1500]],
-                           signature=f"{result.name}: OffloadingConnector retention interval")
+        return connector_divergence(result, "under a prefix-cache retention interval", "retention interval", exc)
     c = COVERAGE
     result = replace(result, summary=f"{result.summary}; {refusals['configs']} retention-interval connector configs "
                      f"({refusals['refused']} refused) and {stats['traces']} traces under an interval ({stats['ops']} "
@@ -54,9 +59,7 @@ def with_eagle(ctx: VerifyContext, result: CheckResult) -> CheckResult:
     try:
         stats = run_eagle_traces(eagle_cases(ctx.seed, ctx.examples(6, 60)))
     except OffloadInvariantError as exc:
-        return CheckResult(result.name, FAILED, "vLLM's OffloadingConnector diverged from the reference on a pool "
-                           "with an EAGLE drafter group", details=[str(exc)[:1500]],
-                           signature=f"{result.name}: OffloadingConnector EAGLE group")
+        return connector_divergence(result, "on a pool with an EAGLE drafter group", "EAGLE group", exc)
     c = COVERAGE
     return replace(result, summary=f"{result.summary}; {stats['traces']} traces with an EAGLE drafter group "
                    f"({stats['ops']} ops, {c['eagle_loads']} loads and {c['eagle_stores']} stores of its chunks) agree",

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .check_context import VerifyContext
-from .report import FAILED, CheckResult
+from .report import CheckResult
+from .verify_offload_retention import connector_divergence, with_retention
 
 
 def with_partial_tails(ctx: VerifyContext, result: CheckResult) -> CheckResult:
@@ -22,13 +23,9 @@ def with_partial_tails(ctx: VerifyContext, result: CheckResult) -> CheckResult:
     try:
         stats = run_partial_tail_traces(partial_tail_cases(ctx.seed, ctx.examples(8, 80)))
     except OffloadInvariantError as exc:
-        return CheckResult(result.name, FAILED, "vLLM's OffloadingConnector diverged from the reference on a "
-                           "pool with partial tails", details=[str(exc)[:1500]],
-                           signature=f"{result.name}: OffloadingConnector partial tails")
+        return connector_divergence(result, "on a pool with partial tails", "partial tails", exc)
     c = COVERAGE
     result = replace(result, summary=f"{result.summary}; {stats['traces']} OffloadingConnector traces with partial "
                      f"tails ({stats['ops']} ops: {c['tail_stores']} partial-tail stores, {c['tail_flushes']} "
                      f"flushed, {c['tail_loads']} loaded) agree", examined=result.examined + stats["ops"])
-    from .verify_offload_retention import with_retention  # under a prefix-cache retention interval (#22)
-
     return with_retention(ctx, result)

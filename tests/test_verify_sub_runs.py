@@ -58,3 +58,38 @@ def test_the_first_divergence_fails_the_check_and_stops():
     assert res.summary == "the failing run diverged from vLLM"
     assert res.details == ["op 7 diverged", "line two"] and res.signature == "sig-x"
     assert [c[0] for c in CALLS] == ["pass", "fail"]
+
+
+def test_offload_sub_run_divergences_fail_conform_offload_with_their_own_signature(monkeypatch):
+    """conform-offload's retention and EAGLE sub-runs (kvref.verify_offload_retention) turn an
+    OffloadInvariantError into the check's failed row, naming where it diverged, with the error as
+    the details and a signature per sub-run; no later sub-run runs after one failed."""
+    from kvref import verify_offload_retention as vor
+    from kvref.models.offload import offloading_eagle, offloading_retention
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    def diverge(*_args, **_kwargs):
+        raise OffloadInvariantError("op 3: stores differ")
+
+    def not_reached(*_args, **_kwargs):
+        raise AssertionError("a sub-run after the failing one ran")
+
+    monkeypatch.setattr(offloading_retention, "retention_refusal_cases", lambda rng, n: [])
+    monkeypatch.setattr(offloading_retention, "compare_refusals", lambda cases: {"configs": 0, "refused": 0})
+    monkeypatch.setattr(offloading_retention, "retention_cases", lambda seed, n: [])
+    monkeypatch.setattr(offloading_retention, "run_retention_traces", diverge)
+    monkeypatch.setattr(offloading_eagle, "run_eagle_traces", not_reached)
+    passed = CheckResult("conform-offload", PASSED, "main", examined=10)
+    res = vor.with_retention(VerifyContext(), passed)
+    assert res.status == FAILED and res.name == "conform-offload"
+    assert res.summary == ("vLLM's OffloadingConnector diverged from the reference under a prefix-cache "
+                           "retention interval")
+    assert res.details == ["op 3: stores differ"]
+    assert res.signature == "conform-offload: OffloadingConnector retention interval"
+
+    monkeypatch.setattr(offloading_eagle, "eagle_cases", lambda seed, n: [])
+    monkeypatch.setattr(offloading_eagle, "run_eagle_traces", diverge)
+    res = vor.with_eagle(VerifyContext(), passed)
+    assert res.status == FAILED
+    assert res.summary == "vLLM's OffloadingConnector diverged from the reference on a pool with an EAGLE drafter group"
+    assert res.signature == "conform-offload: OffloadingConnector EAGLE group"
