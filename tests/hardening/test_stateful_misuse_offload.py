@@ -208,9 +208,10 @@ class SimpleOffloadMisuse(RuleBasedStateMachine):
     @rule(event=st.integers(0, 40), count=st.sampled_from([1, 0, -1, 3]))
     def completion_not_in_flight(self, event, count):
         """Never issued, already completed (a duplicated completion event), or a count that is no count."""
-        pending = self.conn._store_event_pending_counts
-        if event in pending and count == 1:
-            return  # a valid completion: the world's own rule sends those
+        c = self.conn
+        issued = event in c._store_event_to_blocks or event in c._abandoned_store_event_to_blocks
+        if issued and 1 <= count <= c.world_size - c._store_event_pending_counts.get(event, 0):
+            return  # a valid completion (issued, not yet fully reported): the world's rule sends those
         self._bad(lambda: self.conn.update_connector_output((), {event: count}))
 
     @rule(rid=st.sampled_from(["ghost", "r0", "r1"]))
