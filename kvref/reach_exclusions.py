@@ -8,12 +8,20 @@ by naming it here. An entry that names a module or function that does not exist,
 checks did execute, is *stale* (:func:`kvref.reach_report.apply_exclusions`): it excludes nothing and the report fails
 until the entry is fixed, so the file cannot drift into silent exclusions.
 
+``blocks`` names code *inside* a function that is outside KV-cache management — the scheduler's
+encoder-cache connector or structured-output branches sit in the middle of ``Scheduler.schedule``,
+which is KV-cache code. An entry is the header of an ``if``/``elif`` statement, compared with its
+whitespace collapsed; what it excludes is that statement's body (its statements and the branches
+that start in it or enter it), never the header, which runs and stays counted. A header that
+matches nothing, or matches a body some check executed, is stale like a function.
+
 Format (TOML)::
 
     [[exclude]]
     module = "vllm/v1/core/encoder_cache_manager.py"
     functions = ["EncoderCacheManager.free"]      # coverage.py's qualified names; or
-    # whole_module = true                          # every line of the file (a GPU-only module)
+    # whole_module = true                          # every line of the file (a GPU-only module); or
+    # blocks = ["if self.ec_connector is not None:"]   # the bodies of these if/elif statements
     reason = "outside-kv-cache"                    # or "needs-gpu"
     why = "what it is and why the checks cannot run it"
 """
@@ -45,9 +53,19 @@ class Exclusion:
     whole_module: bool
     reason: str
     why: str
+    #: if/elif headers whose bodies are excluded (whitespace-collapsed)
+    blocks: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
-        return ("<whole module>",) if self.whole_module else self.functions
+        if self.whole_module:
+            return ("<whole module>",)
+        return self.functions or tuple(f"block `{b}`" for b in self.blocks)
+
+
+def collapse(text: str) -> str:
+    """A header's text with its whitespace collapsed, none just inside parentheses and no trailing
+    comma before a closing one (how ``blocks`` entries are compared with the source)."""
+    return " ".join(text.split()).replace("( ", "(").replace(" )", ")").replace(",)", ")")
 
 
 def load_exclusions(path: str | None = None) -> tuple[Exclusion, ...]:
@@ -81,9 +99,10 @@ def parse_exclusions(text: str, where: str = "exclusions") -> tuple[Exclusion, .
         at = f"{where}: exclude[{i}]"
         if not isinstance(e, dict):
             raise InvalidFieldError(at, e, "a table")
-        unknown = set(e) - {"module", "functions", "whole_module", "reason", "why"}
+        unknown = set(e) - {"module", "functions", "whole_module", "blocks", "reason", "why"}
         if unknown:
-            raise InvalidFieldError(f"{at}", sorted(unknown)[0], "module, functions, whole_module, reason, why")
+            raise InvalidFieldError(f"{at}", sorted(unknown)[0],
+                                    "module, functions, whole_module, blocks, reason, why")
         module = e.get("module")
         if not isinstance(module, str) or not module.startswith("vllm/") or not module.endswith(".py"):
             raise InvalidFieldError(f"{at}.module", module, "a file path under vllm/ ending in .py")
@@ -93,9 +112,15 @@ def parse_exclusions(text: str, where: str = "exclusions") -> tuple[Exclusion, .
         functions = e.get("functions", [])
         if not isinstance(functions, list) or not all(isinstance(f, str) and f for f in functions):
             raise InvalidFieldError(f"{at}.functions", functions, "a list of qualified function names")
-        if whole == bool(functions):
-            raise InvalidFieldError(f"{at}.functions", functions, "a non-empty list, or whole_module = true "
-                                    "(exactly one of the two)")
+        blocks = e.get("blocks", [])
+        if not isinstance(blocks, list) or not all(isinstance(b, str) and b.strip() for b in blocks):
+            raise InvalidFieldError(f"{at}.blocks", blocks, "a list of if/elif header lines")
+        bad = [b for b in blocks if not collapse(b).startswith(("if ", "elif ")) or not collapse(b).endswith(":")]
+        if bad:
+            raise InvalidFieldError(f"{at}.blocks", bad[0], "an if/elif header, e.g. 'if self.x is not None:'")
+        if whole + bool(functions) + bool(blocks) != 1:
+            raise InvalidFieldError(f"{at}.functions", functions, "a non-empty list, or whole_module = true, "
+                                    "or a non-empty blocks list (exactly one of the three)")
         reason = e.get("reason")
         if reason not in REASONS:
             raise InvalidFieldError(f"{at}.reason", reason, "one of " + ", ".join(REASONS) + " (any other "
@@ -103,5 +128,6 @@ def parse_exclusions(text: str, where: str = "exclusions") -> tuple[Exclusion, .
         why = e.get("why")
         if not isinstance(why, str) or not why.strip():
             raise InvalidFieldError(f"{at}.why", why, "what the code is and why the checks cannot run it")
-        out.append(Exclusion(module, tuple(functions), whole, reason, why.strip()))
+        out.append(Exclusion(module, tuple(functions), whole, reason, why.strip(),
+                             tuple(collapse(b) for b in blocks)))
     return tuple(out)

@@ -41,10 +41,24 @@ class FunctionReach:
     #: the exclusion's reason key, when excluded
     excluded: str | None = None
     why: str | None = None
+    #: lines and branch arcs never executed (what an excluded block may take out of the count)
+    missing_lines: list[int] = field(default_factory=list)
+    missing_arcs: list[tuple[int, int]] = field(default_factory=list)
+    #: units of excluded if/elif bodies inside the function, per reason key (``blocks`` entries)
+    block_excluded: dict[str, int] = field(default_factory=dict)
 
     @property
     def units(self) -> int:
         return self.statements + self.branches
+
+    @property
+    def excluded_units(self) -> int:
+        """What the exclusion file takes out of the count: all of it, or its excluded blocks."""
+        return self.units if self.excluded else sum(self.block_excluded.values())
+
+    @property
+    def counted(self) -> int:
+        return self.units - self.excluded_units
 
     @property
     def covered(self) -> int:
@@ -57,8 +71,9 @@ class FunctionReach:
     def to_dict(self) -> dict:
         return {"name": self.name or "<module level>", "line": self.line, "statements": self.statements,
                 "branches": self.branches, "covered_statements": self.covered_statements,
-                "covered_branches": self.covered_branches, "percent": _pct(self.covered, self.units),
-                "executed": self.executed, "checks": self.checks, "excluded": self.excluded, "why": self.why}
+                "covered_branches": self.covered_branches, "percent": _pct(self.covered, self.counted),
+                "executed": self.executed, "checks": self.checks, "excluded": self.excluded, "why": self.why,
+                "excluded_block_units": sum(self.block_excluded.values())}
 
 
 @dataclass
@@ -77,7 +92,7 @@ class ModuleReach:
 
     @property
     def excluded_units(self) -> int:
-        return sum(f.units for f in self.functions if f.excluded)
+        return sum(f.excluded_units for f in self.functions)
 
     def function(self, name: str) -> list[FunctionReach]:
         return [f for f in self.functions if f.name == name]
@@ -117,9 +132,11 @@ def _region(name: str, data: dict) -> FunctionReach:
     ctx = data.get("contexts") or {}
     checks = sorted({c or NO_CHECK for lines in ctx.values() for c in lines})
     executed = sorted(data.get("executed_lines", []))
+    missing = sorted(data.get("missing_lines", []))
     return FunctionReach(_base(name), int(data.get("start_line", 1)), s["num_statements"], s.get("num_branches", 0),
                          s["covered_lines"], s.get("covered_branches", 0), checks, executed,
-                         sorted(executed + list(data.get("missing_lines", []))))
+                         sorted(executed + missing), missing_lines=missing,
+                         missing_arcs=[(int(a), int(b)) for a, b in data.get("missing_branches", [])])
 
 
 def modules_from_json(report: dict, by_rel: dict[str, str]) -> list[ModuleReach]:
@@ -149,13 +166,15 @@ def _unmeasured(path: str) -> list[FunctionReach]:
     fr = PythonFileReporter(path)
     statements = fr.lines()
     arcs = fr.exit_counts()
+    branch_arcs = [(a, b) for a, b in fr.arcs() if arcs.get(a, 0) > 1]
     regions = [r for r in fr.code_regions() if r.kind == "function"]
     inside: set[int] = set().union(*(r.lines for r in regions)) if regions else set()
 
     def make(name: str, line: int, lines: set[int]) -> FunctionReach:
         st = sorted(statements & lines)
         br = sum(n for ln, n in arcs.items() if ln in lines and n > 1)
-        return FunctionReach(name, line, len(st), br, 0, 0, [], [], st)
+        return FunctionReach(name, line, len(st), br, 0, 0, [], [], st, missing_lines=st,
+                             missing_arcs=[(a, b) for a, b in branch_arcs if a in lines])
 
     out = [make("", 1, set(statements) - inside)]
     out += sorted((make(r.name, r.start, r.lines) for r in regions), key=lambda f: f.line)
@@ -179,6 +198,9 @@ def apply_exclusions(modules: list[ModuleReach], exclusions: tuple[Exclusion, ..
             for f in mod.functions:
                 f.excluded, f.why = e.reason, e.why
             continue
+        if e.blocks:
+            stale += _exclude_blocks(mod, e)
+            continue
         for name in e.functions:
             found = mod.function(name)
             if not found:
@@ -192,12 +214,72 @@ def apply_exclusions(modules: list[ModuleReach], exclusions: tuple[Exclusion, ..
     return stale
 
 
+def _if_headers(path: str) -> list[tuple[str, int, int, int]]:
+    """Every if/elif statement of the file: (collapsed header text, header line, first and last
+    line of its body). A header split over lines reads as one line (``if (a and b):``)."""
+    import ast
+
+    from .reach_exclusions import collapse
+
+    with open(path, encoding="utf-8") as fh:
+        src = fh.read()
+    lines = src.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.If):
+            # the header: from the if/elif keyword to the end of its test, then the colon
+            # (closing parentheses after the test, up to the colon, are part of the header)
+            end, col = node.test.end_lineno, node.test.end_col_offset
+            head = lines[node.lineno - 1:end]
+            head[-1] = head[-1][:col]
+            head[0] = head[0][node.col_offset:] if len(head) > 1 else head[0][node.col_offset:col]
+            tail, ln = lines[end - 1][col:], end
+            while ":" not in tail and ln < len(lines):
+                tail, ln = tail + " " + lines[ln], ln + 1
+            text = collapse(" ".join(head) + tail[:tail.find(":") + 1])
+            last = max(getattr(n, "end_lineno", None) or n.lineno for n in node.body)
+            out.append((text, node.lineno,
+                        node.body[0].lineno, last))
+    return out
+
+
+def _exclude_blocks(mod: ModuleReach, e: Exclusion) -> list[Stale]:
+    """Exclude the bodies of ``e.blocks``' if/elif headers in ``mod``: their never-executed
+    statements and the branches that start in or enter them; a header matching nothing, or a
+    body a check executed, is stale (it excludes nothing)."""
+    try:
+        headers = _if_headers(mod.path)
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        return [Stale(e.module, f"block `{b}`", f"the module could not be parsed ({exc})") for b in e.blocks]
+    stale = []
+    for block in e.blocks:
+        found = [(h, lo, hi) for text, h, lo, hi in headers if text == block]
+        if not found:
+            stale.append(Stale(e.module, f"block `{block}`", "no such if/elif header in this vLLM's module"))
+            continue
+        for h, lo, hi in found:
+            owner = [f for f in mod.functions if h in f.statement_lines]
+            ran = sorted({c for f in owner for c in f.checks})
+            if any(lo <= ln <= hi for f in owner for ln in f.executed_lines):
+                stale.append(Stale(e.module, f"block `{block}` (line {h})",
+                                   f"its body was executed (by {', '.join(ran)}): not excludable"))
+                continue
+            for f in owner:
+                units = sum(1 for ln in f.missing_lines if lo <= ln <= hi)
+                units += sum(1 for a, b in f.missing_arcs if lo <= a <= hi or (a == h and lo <= b <= hi))
+                if units:
+                    f.block_excluded[e.reason] = f.block_excluded.get(e.reason, 0) + units
+    return stale
+
+
 def figure(modules: list[ModuleReach]) -> dict:
     """The headline numbers: counted/covered units, the excluded share per reason."""
     total = sum(m.units for m in modules)
     excluded = sum(m.excluded_units for m in modules)
     covered = sum(m.covered for m in modules)
-    by_reason = {REASONS[r]: sum(f.units for m in modules for f in m.functions if f.excluded == r) for r in REASONS}
+    by_reason = {REASONS[r]: sum(f.units if f.excluded == r else f.block_excluded.get(r, 0)
+                                 for m in modules for f in m.functions if not f.excluded or f.excluded == r)
+                 for r in REASONS}
     counted = total - excluded
     return {"percent": _pct(covered, counted), "covered": covered, "counted": counted, "total": total,
             "excluded": excluded, "excluded_percent": _pct(excluded, total) if total else 0.0,
@@ -219,8 +301,8 @@ def listing_markdown(modules: list[ModuleReach], fig: dict, stale: list[Stale]) 
     if stale:
         lines += ["## Stale exclusions (they exclude nothing)", ""]
         lines += [f"- `{s.module}` `{s.function}`: {s.problem}" for s in stale] + [""]
-    gaps = sorted(((f.units - f.covered, m.module, f) for m in modules for f in m.functions
-                   if f.name and not f.excluded and f.covered < f.units), key=lambda g: (-g[0], g[1], g[2].line))
+    gaps = sorted(((f.counted - f.covered, m.module, f) for m in modules for f in m.functions
+                   if f.name and not f.excluded and f.covered < f.counted), key=lambda g: (-g[0], g[1], g[2].line))
     lines += ["## The largest gaps (units not executed, per function)", "",
               "| not executed | module | function | state |", "|---|---|---|---|"]
     lines += [f"| {n} | {mod} | `{f.name}` | {'MISSED' if not f.executed else 'partly'} |" for n, mod, f in gaps[:40]]
@@ -231,8 +313,10 @@ def listing_markdown(modules: list[ModuleReach], fig: dict, stale: list[Stale]) 
                   "| function | line | covered | state | checks |", "|---|---|---|---|---|"]
         for f in m.functions:
             state = (f"excluded ({REASONS[f.excluded]}): {f.why}" if f.excluded else
-                     "MISSED" if not f.executed else "partly" if f.covered < f.units else "executed")
-            lines.append(f"| `{f.name or '<module level>'}` | {f.line} | {f.covered}/{f.units} | {state} | "
+                     "MISSED" if not f.executed else "partly" if f.covered < f.counted else "executed")
+            if f.block_excluded and not f.excluded:
+                state += "; blocks excluded: " + ", ".join(f"{n} ({REASONS[r]})" for r, n in f.block_excluded.items())
+            lines.append(f"| `{f.name or '<module level>'}` | {f.line} | {f.covered}/{f.units if f.excluded else f.counted} | {state} | "
                          f"{', '.join(f.checks)} |")
         lines.append("")
     return "\n".join(lines)

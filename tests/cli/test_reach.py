@@ -291,3 +291,108 @@ def test_the_listing_names_the_largest_gaps_first_and_never_an_excluded_function
     assert gaps.index("`BlockPool.missed` | MISSED") < gaps.index("`BlockPool.ran` | partly")
     assert "gpu_only" not in gaps
     assert "| `BlockPool.gpu_only` | 1 | 0/4 | excluded (needs a GPU): test |" in text
+
+
+_BLOCKS_SRC = '''\
+def step(x, ec, log):
+    y = 0
+    if ec is not None:
+        y += 1
+        if ec:
+            y += 2
+    elif (log and
+          x > 9):
+        y += 3
+    if x > 0:
+        y += 4
+    return y
+'''
+
+
+def _measured_blocks_module(tmp_path):
+    """A tiny module measured by coverage.py in branch mode (real statements and arcs): ``step``
+    run with ``ec=None, log=False`` and ``x`` 1 and 0, so the ``ec`` body and the ``elif`` body never
+    ran and ``if x > 0`` ran both ways."""
+    import importlib.util
+
+    coverage = pytest.importorskip("coverage")
+    from kvref.reach_report import modules_from_json
+
+    path = tmp_path / "mod_blocks.py"
+    path.write_text(_BLOCKS_SRC)
+    cov = coverage.Coverage(data_file=str(tmp_path / "cov"), branch=True, include=[str(path)])
+    cov.start()
+    try:
+        spec = importlib.util.spec_from_file_location("mod_blocks", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.step(1, None, False)
+        mod.step(0, None, False)
+    finally:
+        cov.stop()
+    out = tmp_path / "cov.json"
+    cov.json_report(morfs=[str(path)], outfile=str(out))
+    import json
+
+    return modules_from_json(json.loads(out.read_text()), {"vllm/v1/x.py": str(path)})
+
+
+def test_a_block_exclusion_takes_out_only_the_never_run_body_of_its_if_header(tmp_path):
+    """``blocks`` entries (#22): the bodies of the named if/elif headers leave the count — their
+    statements and the branches that start in or enter them — while the headers, and every other
+    line, stay counted; a header split over lines matches its one-line form."""
+    [mod] = _measured_blocks_module(tmp_path)
+    before = figure([mod])
+    assert before["excluded"] == 0 and before["counted"] > before["covered"]
+    text = ('[[exclude]]\nmodule = "vllm/v1/x.py"\nblocks = ["if ec is not None:", "elif (log and x > 9):"]\n'
+            'reason = "outside-kv-cache"\nwhy = "test"\n')
+    assert apply_exclusions([mod], parse_exclusions(text)) == []
+    after = figure([mod])
+    # excluded: statements y+=1, if ec, y+=2, y+=3 (4) + arcs 3->4, 5->6, 5->10, 7->9 (4)
+    assert after["excluded"] == 8, after
+    assert after["covered"] == before["covered"]
+    # the headers stay counted and ran both ways where they could (3->7, 7->10, 10->11, 10->12):
+    # nothing but the two bodies was missed, so what is left counted is all covered
+    assert after["counted"] == after["covered"], after
+    assert after["excluded_by_reason"][REASONS["outside-kv-cache"]]["units"] == 8
+
+
+def test_a_block_exclusion_is_stale_for_a_header_that_is_missing_or_whose_body_ran(tmp_path):
+    [mod] = _measured_blocks_module(tmp_path)
+    text = ('[[exclude]]\nmodule = "vllm/v1/x.py"\nblocks = ["if x > 0:", "if nothing_like_this:"]\n'
+            'reason = "outside-kv-cache"\nwhy = "test"\n')
+    stale = apply_exclusions([mod], parse_exclusions(text))
+    assert sorted(s.problem.split(" (")[0] for s in stale) == [
+        "its body was executed", "no such if/elif header in this vLLM's module"]
+    assert figure([mod])["excluded"] == 0  # a stale header excludes nothing
+
+
+@pytest.mark.parametrize("blocks, field", [
+    ('["y = 1"]', "blocks"),                    # not an if/elif header
+    ('["if x"]', "blocks"),                     # no colon
+    ('[""]', "blocks"),
+    ('"if x:"', "blocks"),                      # not a list
+])
+def test_a_malformed_blocks_entry_is_refused_naming_the_field(blocks, field):
+    text = f'[[exclude]]\nmodule = "vllm/a.py"\nblocks = {blocks}\nreason = "outside-kv-cache"\nwhy = "w"\n'
+    with pytest.raises(InvalidFieldError) as err:
+        parse_exclusions(text, "f.toml")
+    assert field in err.value.field
+    both = '[[exclude]]\nmodule = "vllm/a.py"\nfunctions = ["f"]\nblocks = ["if x:"]\nreason = "needs-gpu"\nwhy = "w"\n'
+    with pytest.raises(InvalidFieldError, match="exactly one of the three"):
+        parse_exclusions(both, "f.toml")
+
+
+def test_the_packaged_block_exclusions_match_headers_of_the_installed_vllm():
+    """Static half of the staleness rule for ``blocks``: every header exists in its module."""
+    from kvref.reach_report import _if_headers
+
+    try:
+        by_rel = resolve_modules().by_rel()
+    except InvalidFieldError:
+        pytest.skip("vLLM not installed")
+    entries = [e for e in load_exclusions() if e.blocks]
+    assert entries, "the packaged file has block entries (scheduler.py's encoder cache, logging, ...)"
+    for e in entries:
+        headers = {text for text, *_ in _if_headers(by_rel[e.module])}
+        assert set(e.blocks) <= headers, (e.module, set(e.blocks) - headers)
