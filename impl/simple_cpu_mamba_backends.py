@@ -78,7 +78,7 @@ class SimpleCPUMambaReferenceBackend(MambaAlignStepCalls, SimpleCPUReferenceBack
         self.conn = SimpleCPUOffloadScheduler(
             cfg.kvref_groups(), cfg.num_cpu_blocks, cfg.max_model_len, cfg.block_size, cfg.hash_block_size,
             world_size=cfg.world_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_hasher=self.mgr.block_hashes, **self.VARIANTS[variant])
+            block_hasher=self.mgr.block_hashes, enable_kv_cache_events=cfg.kv_events, **self.VARIANTS[variant])
         self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.gpu_pool = self.mgr.block_pool
         self.cpu_pool = self.conn.cpu_block_pool

@@ -44,7 +44,7 @@ class SimpleCPUMambaVllmBackend(MambaAlignStepCalls, SimpleCPUVllmBackend):
                                                layer_stride=page, block_stride=page)]
         self.mgr = VKVCacheManager(kcfg, **kv_cache_manager_kwargs(pool))
         vcfg = SimpleNamespace(
-            kv_events_config=SimpleNamespace(enable_kv_cache_events=False), speculative_config=None,
+            kv_events_config=SimpleNamespace(enable_kv_cache_events=bool(cfg.kv_events)), speculative_config=None,
             max_in_flight_tokens=cfg.max_model_len, num_prefill_lookahead_tokens=0,
             parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=cfg.world_size),
             model_config=SimpleNamespace(max_model_len=cfg.max_model_len),

@@ -53,13 +53,15 @@ class SimpleOffloadMambaConfig:
     world_size: int = 1
     max_model_len: int = 256
     max_num_batched_tokens: int = 64
-    # what SimpleOffloadWorld reads: eager stores, synchronous scheduling, no KV events, no window
     # feed the connector hand-offs vLLM's manager does not make today (a repeated entry, the null
     # block, an unhashed block of the request): the connector's declining branches, counted
     odd_handoffs: bool = False
+    # vLLM's ``kv_events_config.enable_kv_cache_events``: the CPU cache's BlockStored events, with
+    # the payloads of each block and of the hash units inside it, and none for hand-offs and tails
+    kv_events: bool = False
+    # what SimpleOffloadWorld reads: eager stores, synchronous scheduling, no window
     lazy: bool = False
     async_scheduling: bool = False
-    kv_events: bool = False
     sliding_window: None = None
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
@@ -70,9 +72,14 @@ class SimpleOffloadMambaConfig:
 
     @classmethod
     def random(cls, rng: Any) -> SimpleOffloadMambaConfig:
+        """KV events are drawn from a generator seeded by ``rng``'s state without advancing it, so
+        the traces drawn after the configuration stay what they were."""
+        import random
+
+        side = random.Random(hash(rng.getstate()[1]))  # the int tuple alone: see SimpleOffloadConfig.random
         return cls(hash_block_size=rng.choice([4, 4, 2]), num_gpu_blocks=rng.randint(12, 24),
                    num_cpu_blocks=rng.choice([40, 24, 16, 8, 3, 1]), world_size=rng.randint(1, 2),
-                   odd_handoffs=rng.random() < 0.3)
+                   odd_handoffs=rng.random() < 0.3, kv_events=side.random() < 0.5)
 
 
 def _reference(cfg, variant="reference"):
@@ -102,6 +109,7 @@ class SimpleOffloadMambaWorld(SimpleOffloadWorld):
         self.junction: dict[str, int] = {}
         self._tally = backend == "reference"  # count each path once per trace pair
         self._step_extras: tuple[dict, list] = ({}, [])  # the last step's hand-offs and copy pairs
+        self._events_counted = 0  # KV events already tallied by observe()
 
     def _count(self, key: str, n: int = 1) -> None:
         if self._tally:
@@ -171,6 +179,12 @@ class SimpleOffloadMambaWorld(SimpleOffloadWorld):
         seen = super().observe()
         for (outcome,), n in seen["stats"][2].items():
             self._count(f"outcome:{outcome}", n)
+        for e in seen["kv_events"][self._events_counted:]:  # the BlockStored kinds published
+            if e["type"] == "BlockStored":
+                kind = ("hash_unit_payload" if e["block_size"] == self.cfg.hash_block_size and e["token_ids"]
+                        else "block_payload" if e["token_ids"] else f"no_payload_size_{e['block_size']}")
+                self._count(f"stored_event:{kind}")
+        self._events_counted = len(seen["kv_events"])
         return seen
 
     def finish(self, rid: str) -> None:

@@ -46,11 +46,15 @@ def test_generated_traces_agree_and_reach_every_path(VSched, monkeypatch):
 
     for outcome in OUTCOMES:  # every reason a hand-off is stored or declined, counted alike
         assert MAMBA_COVERAGE[f"outcome:{outcome}"] > 0, (outcome, dict(MAMBA_COVERAGE))
+    # KV events on (about half the configurations): a block's payload, a hash unit's payload under
+    # a secondary key, and a hand-off published with no payload (its group's block size)
+    for kind in ("block_payload", "hash_unit_payload", "no_payload_size_8"):
+        assert MAMBA_COVERAGE[f"stored_event:{kind}"] > 0, (kind, dict(MAMBA_COVERAGE))
 
 
-def _planted(monkeypatch, VSched, name, make):
+def _planted(monkeypatch, VSched, name, make, match=None):
     monkeypatch.setattr(VSched, name, make(getattr(VSched, name)))
-    with pytest.raises(OffloadInvariantError):
+    with pytest.raises(OffloadInvariantError, match=match):
         run_simple_mamba_traces(simple_mamba_cases(0, 12))
 
 
@@ -68,3 +72,27 @@ def test_hand_offs_stored_while_in_flight_are_found(VSched, monkeypatch):
         return classify
 
     _planted(monkeypatch, VSched, "_classify_store_candidate", make)
+
+
+def test_hash_unit_payloads_dropped_by_vllm_are_found(VSched, monkeypatch):
+    """vLLM publishing a wide block's secondary keys without the payloads captured for its hash
+    units (``block_size`` 0, no tokens) is a difference the KV-event comparison finds."""
+    def make(original):
+        def select(self, state, block_ids):
+            gpu_ids, advanced, metas = original(self, state, block_ids)
+            for i, by_hash in enumerate(metas or ()):
+                metas[i] = {k: m for k, m in by_hash.items() if m.block_size is None}
+            return gpu_ids, advanced, metas
+        return select
+
+    _planted(monkeypatch, VSched, "_select_eager_blocks_to_store", make, match="kv_events")
+
+
+def test_reference_without_hash_unit_payloads_is_found(VSched, monkeypatch):
+    """The reference's own capture matters: without the hash-unit payloads it differs from vLLM."""
+    import kvref.impl.reference.offload.simple_cpu_offload_scheduler as sched
+
+    original = sched._capture_store_meta
+    monkeypatch.setattr(sched, "_capture_store_meta", lambda *args, **kw: original(*args[:6]))
+    with pytest.raises(OffloadInvariantError, match="kv_events"):
+        run_simple_mamba_traces(simple_mamba_cases(0, 12))

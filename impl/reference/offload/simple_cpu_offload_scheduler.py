@@ -29,8 +29,12 @@ boundary_state_offloads``); every hand-off is stored or counted under the outcom
 wider than ``hash_block_size``) a finishing request also stores the full-attention block holding
 its prompt's last hash boundary (the partial tail a later request can hit).
 
-Not modelled: DCP/PCP, disk backend, multi-module MTP placeholders, lazy mode or KV events on
-Mamba pools, block sizes wider than ``hash_block_size`` without a Mamba "align" group. Groups must
+KV events on Mamba "align" pools (:mod:`.simple_cpu_offload_events`): a positional store captures a
+payload for its block and one per hash unit inside it (published with the GPU block's secondary
+keys); a hand-off or a partial tail captures none (its keys are known at completion only).
+
+Not modelled: DCP/PCP, disk backend, multi-module MTP placeholders, lazy mode on Mamba pools, block
+sizes wider than ``hash_block_size`` without a Mamba "align" group. Groups must
 be full attention (incl. MLA), sliding window, chunked local or Mamba "align".
 
 Option: ``dedup_within_scan=True`` also deduplicates within one request's scan (what open vLLM
@@ -81,8 +85,9 @@ from .simple_cpu_offload_events import (
 class TransferMeta:
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
-    # With KV events on: per block, the ``BlockStored`` payload captured at selection (None: none).
-    block_meta: list[_BlockStoreMeta | None] | None = None
+    # With KV events on: per block, the ``BlockStored`` payloads captured at selection (its primary
+    # key's, then its hash units'; None: none captured).
+    block_meta: list[tuple[_BlockStoreMeta, ...] | None] | None = None
 
 
 @dataclass
@@ -200,9 +205,6 @@ class SimpleCPUOffloadScheduler:
         if mamba and lazy_offload:
             raise InvalidFieldError("lazy_offload", lazy_offload, "False on a Mamba 'align' pool (vLLM's lazy "
                                     "CPU pool turns fine-grained hits off; not modelled)")
-        if mamba and enable_kv_cache_events:
-            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events,
-                                    "False on a Mamba 'align' pool (its event payloads are not modelled)")
         self.groups = groups
         self.specs = specs
         self.block_size = scheduler_block_size
@@ -366,7 +368,7 @@ class SimpleCPUOffloadScheduler:
         return found[0] if found else None
 
     def _select_eager_blocks(self, state: StoreRequestState, block_ids: Sequence[Sequence[int]]
-                             ) -> tuple[list[int], list[int], list[_BlockStoreMeta | None] | None]:
+                             ) -> tuple[list[int], list[int], list[tuple[_BlockStoreMeta, ...] | None] | None]:
         """(GPU blocks to store, cursor advance per group, their event payloads or None with
         events off) over this request's confirmed blocks.
 
@@ -378,7 +380,7 @@ class SimpleCPUOffloadScheduler:
         selected: list[int] = []
         scan_local: set[int] = set()
         advanced = [0] * len(self.groups)
-        metas: list[_BlockStoreMeta | None] | None = [] if self.enable_kv_cache_events else None
+        metas: list[tuple[_BlockStoreMeta, ...] | None] | None = [] if self.enable_kv_cache_events else None
         request = state.request
         # Async scheduling: tokens of a step still in flight (its output placeholders) are not
         # confirmed yet; their blocks are stored by a later step (or the finish-time flush).
@@ -393,7 +395,8 @@ class SimpleCPUOffloadScheduler:
                 continue  # a Mamba "align" table: its states come as boundary hand-offs instead
             bs = self.group_block_sizes[g]
             ready = min(len(ids), self.cpu_coordinator.get_num_cacheable_tokens(confirmed, g) // bs)
-            hashes = resolve_block_hashes(self.block_hasher(request), self.hash_block_size, bs)
+            fine = self.block_hasher(request)
+            hashes = resolve_block_hashes(fine, self.hash_block_size, bs)
             for i in range(state.num_stored_blocks[g], ready):
                 block = pool.blocks[ids[i]]
                 if block.is_null:
@@ -409,16 +412,18 @@ class SimpleCPUOffloadScheduler:
                     break
                 selected.append(block.block_id)
                 if metas is not None:
-                    metas.append(_capture_store_meta(request, block.block_hash, i, bs, hashes, self.cpu_block_pool))
+                    metas.append(_capture_store_meta(request, block.block_hash, i, bs, hashes, self.cpu_block_pool,
+                                                     fine, self.hash_block_size))
                 if self.dedup_within_scan:
                     scan_local.add(block.block_id)
                 advanced[g] += 1
         return selected, advanced, metas
 
     def _prepare_eager_store_specs(self, step: SimpleOffloadStep
-                                   ) -> tuple[list[int], list[int], list[str], list[_BlockStoreMeta | None] | None]:
+                                   ) -> tuple[list[int], list[int], list[str],
+                                              list[tuple[_BlockStoreMeta, ...] | None] | None]:
         gpu_out: list[int] = []
-        meta_out: list[_BlockStoreMeta | None] | None = [] if self.enable_kv_cache_events else None
+        meta_out: list[tuple[_BlockStoreMeta, ...] | None] | None = [] if self.enable_kv_cache_events else None
         cpu_out: list[int] = []
         req_ids: list[str] = []
         n = len(self.groups)

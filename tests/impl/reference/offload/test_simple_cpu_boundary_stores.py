@@ -112,9 +112,31 @@ def test_mamba_pools_refuse_what_is_not_modelled():
     groups = CFG.kvref_groups()
     with pytest.raises(InvalidFieldError, match="lazy_offload"):
         SimpleCPUOffloadScheduler(groups, 8, 256, 8, 4, lazy_offload=True)
-    with pytest.raises(InvalidFieldError, match="enable_kv_cache_events"):
-        SimpleCPUOffloadScheduler(groups, 8, 256, 8, 4, enable_kv_cache_events=True)
     with pytest.raises(InvalidFieldError, match="block_size"):
         SimpleCPUOffloadScheduler(groups, 8, 256, 12, 4)  # 8-token groups do not divide the scheduler block
     with pytest.raises(InvalidFieldError, match="hash_block_size"):
         SimpleCPUOffloadScheduler(groups[:1], 8, 256, 8, 4)  # finer hashes without Mamba: not modelled
+
+
+def test_kv_events_on_a_mamba_pool_carry_block_and_hash_unit_payloads():
+    """With KV events on, a 13-token prompt's second 8-token block first holds the prompt's last
+    hash boundary (12 tokens: a partial-hash key), then fills up with decoded tokens and is stored
+    under its full key: it publishes that primary key with its 8 tokens, and the boundary key (a
+    secondary key of the GPU block) with the 4 tokens of that hash unit and ``block_size=4``, both
+    chained to the hash of tokens 104-107; Mamba states stored from hand-offs carry no payload."""
+    from dataclasses import replace
+
+    w = SimpleOffloadMambaWorld(replace(CFG, kv_events=True), "reference")
+    rid = w.add_request(PROMPT, 6)
+    for _ in range(10):
+        w.step(8)
+    assert w.reqs[rid].phase == "done"
+    while w.stores:
+        w.complete_store(0, w.cfg.world_size)
+    stored = [e for e in w.b.take_kv_events() if e["type"] == "BlockStored"]
+    fa = [e for e in stored if e["group_idx"] == 0]
+    assert [(e["block_size"], e["token_ids"][:5]) for e in fa] == [
+        (8, [100, 101, 102, 103, 104]), (8, [108, 109, 110, 111, 112]), (4, [108, 109, 110, 111])]
+    assert fa[0]["parent_block_hash"] is None and fa[1]["parent_block_hash"] == fa[2]["parent_block_hash"] is not None
+    mamba = [e for e in stored if e["group_idx"] == 1]
+    assert mamba and all(e["token_ids"] == [] and e["block_size"] == 8 for e in mamba)
