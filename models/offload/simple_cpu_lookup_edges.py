@@ -12,6 +12,8 @@ waiting request, on every backend alike, with what the scheduler also does
   release the pin (the CPU block's ref count goes back);
 * a local prefix that ends inside a block: no external look-up (loads copy whole blocks);
 * a local prefix that already covers every full block: nothing left to look up;
+* with a chunked-local attention group, a local prefix of whole blocks ending inside a chunk: no
+  external look-up (chunk boundaries must be absolute positions);
 * a request that does not read the prefix cache (prompt logprobs, pooling): no CPU hit either;
 * external tokens reported with no pending hit: the load is skipped, nothing is pinned;
 * a second look-up of the same request drops the first one's pin (a retry after a failed
@@ -74,6 +76,10 @@ def probe(w: SimpleOffloadWorld, rid: str, mid_block: int, retry: bool) -> tuple
             out.append(b.match(req, 0))  # reads no cache: no CPU hit
         finally:
             req.skip_reading_prefix_cache = False
+        if w.cfg.local_chunk is not None and w.cfg.local_chunk > bs:
+            # a chunked-local group: a local prefix of whole blocks ending inside a chunk looks
+            # nothing up (an external suffix must start on a chunk boundary)
+            out.append(b.match(req, bs))
         out.append(b.match(req, mid_block))  # a local prefix ending inside a block (drops any pin)
         b.after_alloc(req, bs)  # external tokens without a pending hit: the load is skipped
     return tuple(out)

@@ -32,7 +32,7 @@ from kvref.impl.reference.block_hash import make_block_hash_with_group_id
 from kvref.impl.reference.offload.simple_cpu_offload_scheduler import (
     SimpleOffloadStep,
 )
-from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
 
 from kvref.impl.offload_backends import SimpleCPUReferenceBackend
 
@@ -67,15 +67,29 @@ class SimpleOffloadConfig:
     # from ``request_finished_all_groups``), which does not flush the confirmed blocks its eager
     # cursors have not reached; the reference finishes with no block table then.
     non_hma_sibling: bool = False
+    # adds a chunked-local attention group (this chunk size, a multiple of the block size): an
+    # external hit must start on a chunk boundary, so a local prefix ending mid-chunk loads nothing
+    local_chunk: int | None = None
+    # the full-attention group listed last, after the window/chunked ones (a model whose first
+    # layers are local, as Gemma 3's): the connector finds it by kind, not by position
+    full_attention_last: bool = False
 
     def kvref_groups(self) -> tuple[KVCacheGroupSpec, ...]:
-        return kvref_kv_cache_groups(self.block_size, self.sliding_window)
+        groups = list(kvref_kv_cache_groups(self.block_size, self.sliding_window))
+        if self.local_chunk is not None:
+            groups.append(KVCacheGroupSpec(("local",), ChunkedLocalAttentionSpec(
+                block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32",
+                attention_chunk_size=self.local_chunk)))
+        if self.full_attention_last:
+            groups.append(groups.pop(0))
+        return tuple(groups)
 
     @classmethod
     def random(cls, rng: Any) -> SimpleOffloadConfig:
         """A random small configuration for the generated-trace checks (``kvref verify``'s
         conform-offload / machine-offload): tight GPU pools, CPU pools from roomy to one block,
-        synchronous or async scheduling, KV cache events on or off.
+        synchronous or async scheduling, KV cache events on or off, a chunked-local group in about
+        a quarter, the full-attention group listed last in about half of those with several.
 
         The scheduling mode is drawn from a generator seeded by ``rng``'s state, without advancing
         ``rng``: the checks draw the OffloadingConnector's cases from the same stream, and they stay
@@ -90,10 +104,16 @@ class SimpleOffloadConfig:
                   sliding_window=rng.choice([None, None, 4, 8, 12]), lazy=rng.random() < 0.5,
                   world_size=rng.randint(1, 2), max_num_batched_tokens=rng.choice([8, 16]),
                   async_scheduling=mode.random() < 0.5, kv_events=mode.random() < 0.5)
-        if cfg.sliding_window is None and mode.random() < 0.3:  # one group: a non-HMA sibling is allowed
-            from dataclasses import replace
+        from dataclasses import replace
 
+        if cfg.sliding_window is None and mode.random() < 0.3:  # one group: a non-HMA sibling is allowed
             cfg = replace(cfg, non_hma_sibling=True)
+        # further groups, from a generator of their own (the draws above stay what they were)
+        groups = random.Random(hash(rng.getstate()[1]) + 1)
+        if not cfg.non_hma_sibling and groups.random() < 0.25:
+            cfg = replace(cfg, local_chunk=groups.choice([8, 12]))
+        if (cfg.sliding_window is not None or cfg.local_chunk is not None) and groups.random() < 0.5:
+            cfg = replace(cfg, full_attention_last=True)
         return cfg
 
 

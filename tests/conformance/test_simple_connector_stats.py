@@ -69,7 +69,7 @@ def test_a_multi_connector_flushing_beside_a_non_hma_child_is_found(monkeypatch)
     from kvref.models.offload.world_common import OffloadInvariantError
     from kvref.verify_offload_worker import simple_connector_cases
 
-    cases = [(replace(c, non_hma_sibling=True, sliding_window=None, lazy=False), ops)
+    cases = [(replace(c, non_hma_sibling=True, sliding_window=None, local_chunk=None, lazy=False), ops)
              for c, ops in simple_connector_cases(0, 6)]
     assert run_simple_connector_traces(cases[:2])["ops"] > 50  # clean: they agree
 
