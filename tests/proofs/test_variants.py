@@ -62,3 +62,14 @@ def test_unknown_variant_is_rejected():
         get_variant("no-such-bug")
     with pytest.raises(ValueError):
         run_all(variant="no-such-bug")
+
+
+def test_a_variant_whose_claim_search_misses_is_settled_by_its_first_failing_lemma():
+    """With no time for the whole-claim search (``cex_timeout_ms=1``) a variant falls back to the
+    lemmas and stops at the first counterexample: T5's pre-42992 variant fails its 'hash divides
+    size 2' fold, and the lemma after it (which runs into Z3's timeout) is never asked."""
+    r = prove_theorem("T5", "pre-42992-stale-hash-block-size", cex_timeout_ms=1)
+    assert r.status == COUNTEREXAMPLE and r.failing_claim == "fold:hash|size2"
+    assert [c.status for c in r.lemmas][-1] == COUNTEREXAMPLE
+    assert COUNTEREXAMPLE not in [c.status for c in r.lemmas][:-1]
+    assert "fold:hash|sbs" not in {c.claim for c in r.lemmas}
