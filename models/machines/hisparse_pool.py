@@ -113,11 +113,17 @@ HOST_COW_PREFIX = COPY_PREFIX[:-1] + [("schedule", 1, 5, 2, 0, False)]
 #: the worker's copy work drained, the requests freed, drained again (copies still pending are handed over)
 HOST_COW_DRAIN = [("host_copies", 0, 1, 0, 0, False), ("free", 0, 1, 0, 0, False), ("free", 1, 1, 0, 0, False),
                   ("host_copies", 0, 1, 0, 0, False)]
+#: the write-back of WRITE_BACK_PREFIX reported by workers a step apart (TP > 1): one enqueued it,
+#: then a straggler says two did and one completed (the first enqueue report fixed the count: the
+#: transfer is done), then a straggler's report for a transfer already completed (ignored)
+STRAGGLER_PREFIX = WRITE_BACK_PREFIX[:3] + [("complete", 0, 2, 2, 0, False), ("complete", 0, 1, 3, 0, False),
+                                            ("complete", 0, 3, 3, 0, False), ("update", 1, 1, 0, 0, False)]
 PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops),
                      st.lists(OPS, min_size=5, max_size=30).map(lambda ops: FINISH_IN_FLIGHT_PREFIX + ops),
                      st.lists(OPS, min_size=5, max_size=30).map(lambda ops: COPY_PREFIX + ops),
-                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: HOST_COW_PREFIX + ops + HOST_COW_DRAIN))
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: HOST_COW_PREFIX + ops + HOST_COW_DRAIN),
+                     st.lists(OPS, min_size=5, max_size=30).map(lambda ops: STRAGGLER_PREFIX + ops))
 
 
 #: an import admitted, its receive completed (``import_done`` with an odd ``imported``), the restore
@@ -221,6 +227,7 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
     adopted: set[tuple[str, int]] = set()  # (request, page) pointed at a pinned donor block
     importing: set[str] = set()  # requests whose import the connector has not finished
     sent: list[int] = []  # transfer ids handed to the workers, not yet completed
+    ever_sent: list[int] = []  # every transfer id handed to the workers (for straggler reports)
     bs = config.block_size
     for n, (op, idx, chunk, hit_pages, imported, gate) in enumerate(ops):
         rid = f"r{idx}"
@@ -350,13 +357,24 @@ def run_hisparse_program(config: HiSparsePoolConfig, lengths: list[int], ops: li
             _compare(step, got, vll.build_offload_command(), "page transfers")
             got = got or []  # None: a host-only layout has no offload command
             sent.extend(t[0] for t in got)
+            ever_sent.extend(t[0] for t in got)
             seen["transfers_sent"] += len(got)
             seen["restores_sent"] += sum(1 for t in got if t[4])
         elif op == "complete":  # a worker report: enqueued / completed counts per transfer id
-            if not sent:
+            straggler = hit_pages == 3 and (gate or not imported % 3)
+            if not sent and not (straggler and ever_sent):
                 continue
-            if gate or hit_pages < 2:  # one worker ran every transfer sent
+            if (gate or hit_pages < 2) and not straggler:  # one worker ran every transfer sent
                 enqueued = completed = dict.fromkeys(sent, 1)
+            elif straggler:
+                # a straggler worker (TP > 1, reporting a step late) enqueued and completed a
+                # transfer: still pending, its enqueued count counts only as the first report and
+                # its completion adds up; already completed and gone, the report is ignored
+                gone = [t for t in ever_sent if t not in ref.coordinator.pending_spills] or ever_sent
+                tid = sent[idx % len(sent)] if sent and chunk % 3 else gone[(idx + chunk) % len(gone)]
+                enqueued, completed = {tid: 2}, {tid: 1}
+                seen["straggler_report"] += 1
+                seen["straggler_after_done"] += tid not in ref.coordinator.pending_spills
             else:
                 tid = sent[idx % len(sent)]
                 enqueued = {tid: 1 + chunk % 2} if hit_pages == 2 else {}

@@ -61,7 +61,9 @@ def test_generated_programs_reach_every_hisparse_path():
                  "advance", "transfers_sent", "transfers_done", "restores_sent", "unpinned",
                  "import_done", "import_failed", "residency_updates", "mirrors", "all_resident",
                  # the coordinator's entry points probed after each program, planning write-backs (#22)
-                 "probes", "probe_transfers"):
+                 "probes", "probe_transfers",
+                 # straggler worker reports: a transfer's later enqueue report, one after it completed
+                 "straggler_report", "straggler_after_done"):
         assert seen[path] > 0, f"{path} never reached: {dict(seen)}"
 
 
@@ -119,3 +121,44 @@ def test_probed_entry_points_agree_on_a_host_only_layout_and_an_unknown_request(
         assert seen["admit"] == 1 and seen["probes"] == 4, dict(seen)
         # host-only: nothing to write back; resident: the probe writes back the pages the schedule did not
         assert (seen["probe_transfers"] > 0) == bool(groups), dict(seen)
+
+
+#: a pool where r0's 11-token prefill writes back several pages (one HAND_PROGRAMS pool, longer prompts)
+STRAGGLER_POOL = HiSparsePoolConfig(block_size=1, num_gpu_blocks=25, host_num_blocks=20, blocks_per_request=1,
+                                    num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16)
+
+
+def _straggler_program(make) -> Counter:
+    from kvref.models.machines.hisparse_pool import STRAGGLER_PREFIX
+
+    return run_hisparse_program(STRAGGLER_POOL, [12, 4, 4], STRAGGLER_PREFIX + [("free", 0, 1, 0, 0, False)], make)
+
+
+def test_straggler_reports_agree():
+    """Workers reporting a write-back a step apart (TP > 1): the first enqueue report fixes how
+    many must complete, a later one does not change it, and a report for a completed transfer is
+    ignored; both sides agree after every report (and the fixed-seed run above reaches both)."""
+    seen = _straggler_program(_vllm_pool())
+    assert seen["straggler_report"] == 2 and seen["straggler_after_done"] == 1, dict(seen)
+    assert seen["transfers_done"] > 0, dict(seen)
+
+
+def test_a_later_enqueue_report_overwriting_the_expected_count_is_found(monkeypatch):
+    """vLLM's first-report-counts rule dropped: a straggler's enqueue report resets how many
+    workers must complete the transfer, so the page is released at another step than the reference's."""
+    make = _vllm_pool()
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    def update_spills(self, enqueued_counts, completed_counts):
+        for spill_id, count in enqueued_counts.items():
+            if (pending := self.pending_spills.get(spill_id)) is not None:
+                pending.expected_worker_completions = count
+        for spill_id, count in completed_counts.items():
+            if (pending := self.pending_spills.get(spill_id)) is not None:
+                pending.worker_completions += count
+        self._apply_enqueued_spills()
+        self._complete_host_writes()
+
+    monkeypatch.setattr(HiSparseCoordinator, "update_spills", update_spills)
+    with pytest.raises(AssertionError):
+        _straggler_program(make)
