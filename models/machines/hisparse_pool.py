@@ -116,7 +116,8 @@ HOST_COW_DRAIN = [("host_copies", 0, 1, 0, 0, False), ("free", 0, 1, 0, 0, False
 #: the write-back of WRITE_BACK_PREFIX reported by workers a step apart (TP > 1): one enqueued it,
 #: then a straggler says two did and one completed (the first enqueue report fixed the count: the
 #: transfer is done), then a straggler's report for a transfer already completed (ignored)
-STRAGGLER_PREFIX = WRITE_BACK_PREFIX[:3] + [("complete", 0, 2, 2, 0, False), ("complete", 0, 1, 3, 0, False),
+#: (the second transfer sent, so its page is written back before the first's: out of order)
+STRAGGLER_PREFIX = WRITE_BACK_PREFIX[:3] + [("complete", 1, 2, 2, 0, False), ("complete", 1, 1, 3, 0, False),
                                             ("complete", 0, 3, 3, 0, False), ("update", 1, 1, 0, 0, False)]
 PROGRAMS = st.one_of(st.lists(OPS, min_size=20, max_size=40),
                      st.lists(OPS, min_size=5, max_size=35).map(lambda ops: WRITE_BACK_PREFIX + ops),
@@ -185,6 +186,12 @@ HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=2, num_gpu_blocks=40, host_n
 HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=1, num_gpu_blocks=34, host_num_blocks=20, blocks_per_request=1,
                                          num_resident_groups=2, max_model_len=16, max_in_flight_tokens=16),
                       *HAND_PROGRAMS[0][1:]))
+
+#: the straggler reports on one pool, always run (the page written back out of order is then
+#: skipped by the write-back planning the end-of-program probes ask for)
+HAND_PROGRAMS.append((HiSparsePoolConfig(block_size=1, num_gpu_blocks=25, host_num_blocks=20, blocks_per_request=1,
+                                         num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16),
+                      [12, 4, 4], STRAGGLER_PREFIX))
 
 
 class HiSparseDivergence(AssertionError):

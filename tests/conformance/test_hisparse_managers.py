@@ -123,15 +123,14 @@ def test_probed_entry_points_agree_on_a_host_only_layout_and_an_unknown_request(
         assert (seen["probe_transfers"] > 0) == bool(groups), dict(seen)
 
 
-#: a pool where r0's 11-token prefill writes back several pages (one HAND_PROGRAMS pool, longer prompts)
-STRAGGLER_POOL = HiSparsePoolConfig(block_size=1, num_gpu_blocks=25, host_num_blocks=20, blocks_per_request=1,
-                                    num_resident_groups=1, max_model_len=16, max_in_flight_tokens=16)
-
-
 def _straggler_program(make) -> Counter:
-    from kvref.models.machines.hisparse_pool import STRAGGLER_PREFIX
+    """The last hand program (run by conform-kv-manager every time): straggler reports on a pool
+    where r0's 11-token prefill writes back several pages, then r0 freed."""
+    from kvref.models.machines.hisparse_pool import HAND_PROGRAMS, STRAGGLER_PREFIX
 
-    return run_hisparse_program(STRAGGLER_POOL, [12, 4, 4], STRAGGLER_PREFIX + [("free", 0, 1, 0, 0, False)], make)
+    config, lengths, ops = HAND_PROGRAMS[-1]
+    assert ops == STRAGGLER_PREFIX
+    return run_hisparse_program(config, lengths, ops + [("free", 0, 1, 0, 0, False)], make)
 
 
 def test_straggler_reports_agree():
