@@ -211,10 +211,21 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             # replayed (#28): lookahead block hashes, and the Mamba shared-prefix checkpoint as configured
             "num_hash_lookahead_tokens": int(getattr(s, "num_hash_lookahead_tokens", 0) or 0),
             "mamba_shared_prefix_checkpoint": bool(getattr(cc, "enable_mamba_shared_prefix_checkpoint", False)),
-            # is_eagle_group: the groups an EAGLE-like drafter's block drop applies to (replayed, #28)
+            # sparse prefix-cache retention (None: dense): which sliding-window / Mamba blocks vLLM
+            # caches, so which of their freed blocks go to the free queue's back (run properties'
+            # free_order, #28 session 18); replayed too
+            "prefix_cache_retention_interval": getattr(kvc, "prefix_cache_retention_interval", None),
+            # the coordinator rounds what it caches down to this many tokens (a hybrid pool's
+            # scheduler block unless fine-grained hits; 1: no rounding): which blocks of a group
+            # smaller than the scheduler block get a hash (free_order, #28 session 18)
+            **_cache_round(s),
+            # is_eagle_group: the groups an EAGLE-like drafter's block drop applies to (replayed, #28);
+            # cache_hit_alignment_tokens / drops_eagle_block: each manager's hit alignment and EAGLE
+            # block drop, which its reachable-block mask (the blocks it caches) follows
             "groups": [{"layers": list(g.layer_names), "spec": spec_record(g.kv_cache_spec),
-                        **({"is_eagle_group": True} if getattr(g, "is_eagle_group", False) else {})}
-                       for g in kvc.kv_cache_groups],
+                        **({"is_eagle_group": True} if getattr(g, "is_eagle_group", False) else {}),
+                        **_alignment(s, i)}
+                       for i, g in enumerate(kvc.kv_cache_groups)],
         },
         "scheduler": {
             "max_num_batched_tokens": sc.max_num_batched_tokens,
@@ -240,6 +251,36 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
         **({"spec": _spec_header(s)} if getattr(vc, "speculative_config", None) is not None else {}),
         **({"connector": connector_header(s)} if getattr(s, "connector", None) is not None else {}),
     }
+
+
+def _cache_round(s) -> dict:
+    """``{"cache_round_tokens": n}``: vLLM 0.33.0's ``HybridKVCacheCoordinator._align_cacheable``
+    rounds the tokens ``cache_blocks`` may cache down to the scheduler block size unless
+    fine-grained partial hash hits are on (1); the unitary coordinator does not round (1). {} where
+    the coordinator is neither (another vLLM): the trace then does not say."""
+    coord = getattr(getattr(s, "kv_cache_manager", None), "coordinator", None)
+    if coord is None:
+        return {}
+    if hasattr(type(coord), "_align_cacheable"):
+        return {"cache_round_tokens": 1 if coord.enable_partial_hash_hits else int(coord.scheduler_block_size)}
+    if type(coord).__name__ in ("UnitaryKVCacheCoordinator", "KVCacheCoordinatorNoPrefixCache"):
+        return {"cache_round_tokens": 1}
+    return {}
+
+
+def _alignment(s, group: int) -> dict:
+    """What a group's manager caches by (#28, session 18): ``cache_hit_alignment_tokens`` (vLLM 0.33.0:
+    every manager has one; the coordinator sets it to the hash block size under fine-grained hybrid
+    hits) and ``drops_eagle_block`` (the manager's ``use_eagle``, which the coordinator sets per
+    group); {} where the manager has no alignment."""
+    try:
+        m = s.kv_cache_manager.coordinator.single_type_managers[group]
+        n = m.cache_hit_alignment_tokens
+    except (AttributeError, IndexError):
+        return {}
+    if n is None:
+        return {}
+    return {"cache_hit_alignment_tokens": int(n), "drops_eagle_block": bool(getattr(m, "use_eagle", False))}
 
 
 def _max_loras(s) -> int | None:

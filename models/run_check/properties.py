@@ -186,9 +186,10 @@ class RunProperties:
         self.exact = not self.inexact and all(r.kind != "unknown" and r.frees_exactly for r in self.rules)
         self.connector = has_connector or any(u.startswith(("kv_connector", "ec_connector")) for u in unmodelled)
         #: vLLM's free block queue (free_queue.py), where every free is in the trace and its order
-        #: known: exact bookkeeping, full-attention and chunked-local groups only (both cache every
-        #: full block; a sliding-window group caches only the blocks a later hit can reach, Mamba's
-        #: frees follow its own rules), no connector (it holds blocks past their request), no
+        #: known: exact bookkeeping, full-attention, chunked-local and sliding-window groups (the
+        #: first two cache every full block; a sliding-window group only the blocks a later hit can
+        #: reach, windows.GroupRule.caches, known from session 18's traces under dense retention;
+        #: Mamba's frees follow its own rules), no connector (it holds blocks past their request), no
         #: lookahead hashes, no
         #: speculative decoding (which blocks a verification step leaves hashed depends on the
         #: drafts vLLM accepted and the outputs it trimmed at a stop, not all in the trace)
@@ -199,8 +200,21 @@ class RunProperties:
             (f"vLLM {(header.get('producer') or {}).get('vllm')} (the queue's policy is {MODELLED_VLLM_VERSION}'s)",
              not same_vllm), ("block checks off", not self.exact), ("kv_connector", self.connector),
             ("lookahead hashes", bool(self.hash_lookahead)), ("speculative decoding", bool(self.num_spec)),
-            ("a sliding-window or Mamba group", not all(r.kind in ("full", "chunk") for r in self.rules))) if cond]
+            ("a Mamba group", any(r.kind not in ("full", "chunk", "window") for r in self.rules)),
+            ("a sliding-window group whose cached blocks the trace does not say (recorded since session 18)",
+             any(r.kind == "window" and "cache_hit_alignment_tokens" not in g
+                 for r, g in zip(self.rules, pool["groups"]))
+             or (any(r.kind == "window" for r in self.rules) and "prefix_cache_retention_interval" not in pool)),
+            ("a group of blocks smaller than the scheduler block without the coordinator's cache rounding "
+             "(recorded since session 18)", "cache_round_tokens" not in pool
+             and any(bs < pool["scheduler_block_size"] for bs in self.group_bs)),
+            ("sparse prefix-cache retention on a sliding-window group (its shared-prefix junction is not in the "
+             "trace)", any(r.kind == "window" for r in self.rules)
+             and pool.get("prefix_cache_retention_interval") is not None)) if cond]
         self.fq = None if off else FreeQueue(self.num_blocks, bool(pool.get("enable_caching", True)))
+        #: vLLM's hybrid coordinator caches only up to a multiple of the scheduler block
+        #: (``_align_cacheable``): a group of smaller blocks leaves the last ones of a step unhashed
+        self.cache_round = max(1, int(pool.get("cache_round_tokens", 1) or 1))
         #: why the free-queue check is off ("" while on), for the summary
         self.fq_why_off = "off: " + off[0] if off else ""
         #: this step preempted for KV space: its allocations interleave with those frees in an order
@@ -432,6 +446,19 @@ class RunProperties:
         else:
             self.awaiting_input.add(rid)
 
+    def _refused_then_preempted(self, rec: dict, kv_pre: list) -> None:
+        """A running request ``allocate_slots`` refused in this step and then preempted for KV space:
+        vLLM freed its windowed groups' skipped blocks at the refusal (``remove_skipped_blocks``
+        runs before the allocation fails), before any preemption's frees. With one refused request
+        that order is known (its skipped blocks, then the preempted requests last running first);
+        with several, each refusal's frees fall between other preemptions': the free-queue order is
+        unknown from here (session 18, #28: a LoRA run on a sliding-window pool)."""
+        refused = [rid for rid in rec.get("refused") or () if rid in kv_pre]
+        for rid in refused:
+            r = self.reqs.get(rid)
+            if r is not None and r.running and self._free_skipped(rid, r) and len(rec.get("refused") or ()) > 1:
+                self._fq_off("several refused requests freed blocks mid-step")
+
     def _release(self, rid: str, park: bool = False) -> None:
         """``rid`` lets go of its blocks; ``park``: vLLM frees them (finish, preemption), so a
         connector's delayed free or a step fence may keep them out of the pool (held.py)."""
@@ -646,6 +673,8 @@ class RunProperties:
             else:  # vLLM's running loop pops the last running request first
                 rank = {rid: i for i, rid in enumerate(self.run_order)}
                 pre_order = sorted(rec["pre"], key=lambda rid: -rank.get(rid, -1))
+        if self.exact and kv_pre:
+            self._refused_then_preempted(rec, kv_pre)
         for rid in pre_order:
             r = self.reqs.get(rid)
             if r is not None:
@@ -884,13 +913,14 @@ class RunProperties:
         speculative decoding."""
         if not r.tables or not r.hashed_upto:
             return
-        upto_tokens = min(computed, len(r.tokens))
+        upto_tokens = min(computed, len(r.tokens)) // self.cache_round * self.cache_round
         hashed = self.fq.hashed
         for g, bs in enumerate(self.group_bs):
             table = r.tables[g]
+            caches = self.rules[g].caches
             start, upto = r.hashed_upto[g], min(upto_tokens // bs, len(table))
             for idx in range(start, upto):
-                if table[idx]:
+                if table[idx] and caches(idx):  # a sliding window caches each segment's tail only
                     hashed.add(table[idx])
             if upto > start:
                 r.hashed_upto[g] = upto

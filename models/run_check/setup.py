@@ -155,6 +155,9 @@ def setup_from_header(header: dict) -> RunSetup:
                           # lookahead block hashes and the Mamba shared-prefix checkpoint (#28)
                           num_hash_lookahead_tokens=int(p.get("num_hash_lookahead_tokens", 0) or 0),
                           enable_mamba_shared_prefix_checkpoint=bool(p.get("mamba_shared_prefix_checkpoint", False)),
+                          # sparse prefix-cache retention, recorded since session 18 (#28); an older
+                          # trace's pool was dense unless the engine was configured otherwise
+                          prefix_cache_retention_interval=p.get("prefix_cache_retention_interval"),
                           log_stats=True)  # the reference's prefix-cache stats, compared with the recorded ones
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             unmodelled.append(f"max_in_flight_tokens={pool.max_in_flight_tokens} (the reference's scheduler keeps "

@@ -39,6 +39,21 @@ class GroupRule:
     extra: int = 0  # extra_retained_tokens
     keep_last: int = 0  # Mamba outside "none" mode: state blocks kept at the end
     bound: int | None = None  # the most blocks one request may hold (startup sizing)
+    #: sliding window: the full blocks vLLM caches, one segment's tail per this many blocks
+    #: (``reachable_block_mask`` under dense retention); 0: every full block
+    per_segment: int = 0
+    need: int = 0  # ... the last ``need`` blocks of each segment (a hit's contiguous run)
+    shift: int = 0  # ... counted from this block (1 with the EAGLE block drop: the peeked block)
+
+    def caches(self, idx: int) -> bool:
+        """Whether vLLM gives the full block at table position ``idx`` a prefix-cache hash
+        (``cache_blocks``): every one but on a sliding-window group whose segments are longer than
+        a hit's run, where only each segment's last ``need`` blocks can serve a hit (vLLM 0.33.0
+        ``SlidingWindowManager.reachable_block_mask``, dense retention). A block without a hash
+        goes to the free queue's front when freed, one with a hash to its back."""
+        if not self.per_segment:
+            return True
+        return idx >= self.shift and (idx - self.shift) % self.per_segment >= self.per_segment - self.need
 
     def skipped_blocks(self, processed: int) -> int:
         """Leading blocks vLLM frees once ``processed`` tokens are settled (table positions)."""
@@ -86,7 +101,7 @@ def group_rules(header: dict) -> list[GroupRule]:
         bound = cap if cap is not None else -(-mml // spec.block_size)
         if name == "SlidingWindowSpec":
             rules.append(GroupRule("window", spec.block_size, spec.sliding_window, spec.extra_retained_tokens,
-                                   bound=bound))
+                                   bound=bound, **_window_mask(pool, g, spec)))
         elif name == "ChunkedLocalAttentionSpec":
             rules.append(GroupRule("chunk", spec.block_size, spec.attention_chunk_size, bound=bound))
         elif name == "MambaSpec":
@@ -97,3 +112,23 @@ def group_rules(header: dict) -> list[GroupRule]:
         else:
             rules.append(GroupRule("full", spec.block_size, bound=bound))
     return rules
+
+
+def _window_mask(pool: dict, group: dict, spec) -> dict:
+    """A sliding-window group's caching segments (:meth:`GroupRule.caches`) as vLLM 0.33.0's
+    ``reachable_block_mask`` draws them under dense retention (``prefix_cache_retention_interval``
+    None): a segment per ``cache_hit_alignment_tokens``, of which a hit needs the last
+    ``cdiv(window - 1, block_size)`` blocks (one more where the manager drops the EAGLE block,
+    ``drops_eagle_block``, which also shifts the run one block right). Every block is cached when the run fills a segment or the alignment
+    is not a whole number of blocks. {} (every block) where the trace does not say: the free-queue
+    check then stays off for the group (``cache_hit_alignment_tokens`` missing: recorded since
+    session 18, #28; sparse retention: its shared-prefix junction is not in the trace)."""
+    align = group.get("cache_hit_alignment_tokens")
+    if not align or pool.get("prefix_cache_retention_interval") is not None:
+        return {}
+    bs = spec.block_size
+    eagle = bool(group.get("drops_eagle_block", False))
+    need = -(-(spec.sliding_window - 1) // bs) + int(eagle)
+    if align % bs or need >= align // bs:
+        return {}
+    return {"per_segment": align // bs, "need": need, "shift": int(eagle)}

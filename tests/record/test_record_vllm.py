@@ -96,8 +96,36 @@ def _chunked_setup(async_scheduling=False):
     return pool, cfg
 
 
+def _half_block_window_setup():
+    """FA in 8-token blocks beside a 5-token window in 2-token blocks (session 18, #28): hits align
+    to 8 tokens, so vLLM caches only each 8-token segment's last two window blocks, and the hybrid
+    coordinator caches only whole 8-token blocks; the free-queue check follows both."""
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, **ATTN)),
+              KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=2, sliding_window=5, **ATTN)))
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3)
+    pool = PoolConfig(num_blocks=40, groups=groups, max_model_len=64, scheduler_block_size=8, hash_block_size=2,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+    return pool, cfg
+
+
+def _sparse_retention_setup():
+    """A hybrid window pool under sparse prefix-cache retention (one window tail per 8 tokens): the
+    header's interval configures the replay (session 18, #28: replayed as dense before, these runs
+    diverged within a few steps)."""
+    from dataclasses import replace
+
+    pool, cfg = hybrid_setup(num_blocks=48, window=5)
+    return replace(pool, prefix_cache_retention_interval=8), cfg
+
+
 WORKLOADS = {
     "hybrid-swa-prefix-hits": lambda: hybrid_setup(num_blocks=48),
+    "hybrid-swa-half-blocks": _half_block_window_setup,
+    "hybrid-swa-sparse-retention": _sparse_retention_setup,
     "hybrid-swa-async": lambda: hybrid_setup(num_blocks=40, async_scheduling=True),
     "preemption-storm": lambda: hybrid_setup(num_blocks=None, max_num_seqs=5),
     "preemption-storm-async": lambda: hybrid_setup(num_blocks=None, max_num_seqs=5, async_scheduling=True),
@@ -115,10 +143,20 @@ def test_a_recorded_vllm_run_agrees_with_the_reference_step_by_step(name, env, t
     header = read_lines(path)[0]
     assert header["scheduler"]["async_class"] is cfg.async_scheduling and header["unmodelled"] == []
     assert [g["spec"]["type"] for g in header["pool"]["groups"]] == [type(g.kv_cache_spec).__name__ for g in pool.groups]
+    # what the free-queue check needs on sliding-window pools (session 18, #28): dense retention,
+    # each manager's hit alignment (the scheduler block here) and EAGLE block drop
+    assert header["pool"]["prefix_cache_retention_interval"] == pool.prefix_cache_retention_interval
+    assert [(g["cache_hit_alignment_tokens"], g["drops_eagle_block"]) for g in header["pool"]["groups"]] == \
+        [(pool.scheduler_block_size, False)] * len(pool.groups)
+    assert header["pool"]["cache_round_tokens"] == pool.scheduler_block_size  # every workload is hybrid
     r = check_trace(path, check_invariants_every=1)
     assert r.divergence is None, r.divergence.table()
     assert r.ok and r.followed and r.steps_compared == r.summary["steps"] > 100 and not r.truncated
     s = r.summary
+    if pool.prefix_cache_retention_interval is None:
+        assert "sliding-window" not in s["free_order_check"] and "Mamba" not in s["free_order_check"]
+    else:
+        assert s["free_order_check"].startswith("off: sparse prefix-cache retention")
     assert sum(s["finished"].values()) > 10
     if "prefix" in name:
         assert s["prefix_hits"] > 0

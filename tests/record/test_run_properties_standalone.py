@@ -196,3 +196,110 @@ def test_a_reset_frees_the_running_requests_last_to_first(tmp_path):
     assert kinds == [] and r.ok
     kinds, r = _kinds(tmp_path, h, _reset_then([4, 2]), "first_to_last.jsonl")
     assert kinds == ["free_order"] and "block 4 fresh (group 0) while block 2 heads" in r.findings[0].message
+
+
+# ---- the free queue on a sliding-window group (session 18) ---------------------------------------------------
+def _window_header(window: int = 3, **pool_extra) -> dict:
+    """FA (4-token blocks) + a 3-token sliding window in 2-token blocks: hits align to 4 tokens, so
+    a window hit needs 1 block of each 2-block segment and vLLM 0.33.0's ``reachable_block_mask``
+    caches only each segment's second block (table positions 1, 3, ...)."""
+    from kvref.impl.interface import PoolConfig
+    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    from tests.record.traces import ATTN
+
+    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=4, **ATTN)),
+              KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=2, sliding_window=window, **ATTN)))
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)
+    pool = PoolConfig(num_blocks=20, groups=groups, max_model_len=32, scheduler_block_size=4, hash_block_size=2,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+    h = header_for(pool, cfg)
+    h["pool"].update(pool_extra)
+    return h
+
+
+def _window_run(b_blocks: list) -> list:
+    """a (8 tokens: FA blocks 1, 2; window blocks 3-6, all full) finishes; vLLM frees group by group,
+    each table's tail first: FA 2, 1 (cached) to the back; window 6, 5, 4, 3 of which 4 and 6 are
+    cached (back) and 5, 3 not (front, 5 at the head). The queue: 5, 3, 7 .. 19, 2, 1, 6, 4."""
+    return [add("a", [1] * 8, max_tokens=1), sched(0, [["a", "n", 8, 0, [[1, 2], [3, 4, 5, 6]]]]),
+            update(0, {"a": [9]}, fin=[["a", "length"]]), add("b", [2] * 5),
+            sched(1, [["b", "n", 5, 0, b_blocks]])]
+
+
+def test_a_sliding_window_group_caches_only_the_blocks_a_hit_can_reach(tmp_path):
+    """Session 18 (#28): with the hit alignment and the retention interval in the header the
+    free-queue check runs on sliding-window pools; an uncached window block goes to the front.
+    Holding every window block cached (what the check assumed for full attention) would put 7 at
+    the head: that run is the finding."""
+    aligned = [{"cache_hit_alignment_tokens": 4, "drops_eagle_block": False}] * 2
+
+    def header(**extra):
+        h = _window_header(**extra)
+        if "prefix_cache_retention_interval" in extra:
+            h["pool"]["groups"] = [dict(g, **a) for g, a in zip(h["pool"]["groups"], aligned)]
+        return h
+
+    dense = header(prefix_cache_retention_interval=None, cache_round_tokens=4)
+    kinds, r = _kinds(tmp_path, dense, _window_run([[5, 3], [7, 8, 9]]), "ok.jsonl")
+    assert kinds == [] and r.ok and r.summary["free_order_check"] == "on"
+    kinds, r = _kinds(tmp_path, dense, _window_run([[7, 8], [9, 10, 11]]), "all_cached.jsonl")
+    assert kinds == ["free_order"] and "block 7 fresh (group 0) while block 5 heads" in r.findings[0].message
+    # a trace without what the mask needs (before session 18), or under sparse retention (the
+    # shared-prefix junction is not recorded): off, said so
+    kinds, r = _kinds(tmp_path, _window_header(), _window_run([[7, 8], [9, 10, 11]]), "old.jsonl")
+    assert kinds == [] and "sliding-window group whose cached blocks" in r.summary["free_order_check"]
+    kinds, r = _kinds(tmp_path, header(prefix_cache_retention_interval=8, cache_round_tokens=4), _window_run([[7, 8], [9, 10, 11]]),
+                      "sparse.jsonl")
+    assert kinds == [] and "sparse prefix-cache retention" in r.summary["free_order_check"]
+
+
+def test_a_refused_request_frees_its_skipped_blocks_before_its_preemption(tmp_path):
+    """vLLM's ``allocate_slots`` frees a sliding-window request's skipped blocks before it refuses
+    the allocation; the preemption that follows frees the rest (session 18, #28: a LoRA run's false
+    alarm when the check freed all at the preemption). Caching off: every freed block goes to the
+    front. a (8 tokens, window 3 in 2-token blocks) settles 8, is refused and preempted: first its
+    skipped window blocks 7, 6, 5, then FA 4, 3, 2, 1, then window 8: the queue is 8, 4, 3, 2, 1, 7 ..."""
+    from tests.record.traces import hybrid_setup
+
+    pool, cfg = hybrid_setup(num_blocks=20, window=3, block_size=2, caching=False)
+    h = header_for(pool, replace(cfg, policy="priority"))
+    h["pool"]["prefix_cache_retention_interval"] = None
+    h["pool"]["groups"] = [dict(g, cache_hit_alignment_tokens=2, drops_eagle_block=False) for g in h["pool"]["groups"]]
+
+    def run(b_blocks: list) -> list:
+        step1 = sched(1, [], pre=["a"])
+        step1.update(pre_why={"a": "kv"}, refused=["a"])
+        return [add("a", [1] * 8, max_tokens=9), sched(0, [["a", "n", 8, 0, [[1, 2, 3, 4], [5, 6, 7, 8]]]]),
+                update(0, {"a": [9]}), step1, add("b", [2] * 5), sched(2, [["b", "n", 5, 0, b_blocks]])]
+
+    kinds, r = _kinds(tmp_path, h, run([[8, 4, 3], [2, 1, 7]]), "ok.jsonl")
+    assert kinds == [] and r.summary["free_order_check"] == "on"
+    kinds, r = _kinds(tmp_path, h, run([[8, 7, 6], [5, 4, 3]]), "all_at_preemption.jsonl")
+    assert kinds == ["free_order"] and "block 7 fresh (group 0) while block 4 heads" in r.findings[0].message
+
+
+def test_a_hybrid_pool_caches_only_up_to_a_whole_scheduler_block(tmp_path):
+    """vLLM's hybrid coordinator rounds what it caches down to the scheduler block
+    (``_align_cacheable``, recorded as ``cache_round_tokens``): a 2-token window block past the last
+    whole 4-token block stays unhashed (a vLLM run with 8-token FA and 2-token window blocks showed
+    it, session 18). Window 5: a hit needs 2 blocks, a segment holds 2, every block is cacheable.
+    a (6 tokens) finishes: FA 2 (partial) to the front, 1 to the back; window 5 (tokens 4-5, past
+    the rounding) to the front, 4 and 3 to the back: the queue is 5, 2, 6 .. 19, 1, 4, 3."""
+    h = _window_header(window=5, prefix_cache_retention_interval=None, cache_round_tokens=4)
+    h["pool"]["groups"] = [dict(g, cache_hit_alignment_tokens=4, drops_eagle_block=False) for g in h["pool"]["groups"]]
+
+    def run(b_blocks: list) -> list:
+        return [add("a", [1] * 6, max_tokens=1), sched(0, [["a", "n", 6, 0, [[1, 2], [3, 4, 5]]]]),
+                update(0, {"a": [9]}, fin=[["a", "length"]]), add("b", [2] * 5), sched(1, [["b", "n", 5, 0, b_blocks]])]
+
+    kinds, r = _kinds(tmp_path, h, run([[5, 2], [6, 7, 8]]), "ok.jsonl")
+    assert kinds == [] and r.ok and r.summary["free_order_check"] == "on"
+    kinds, r = _kinds(tmp_path, h, run([[2, 6], [7, 8, 9]]), "unrounded.jsonl")
+    assert kinds == ["free_order"] and "block 2 fresh (group 0) while block 5 heads" in r.findings[0].message
+    # the rounding not in the trace (before session 18): off on a pool with a group smaller than the
+    # scheduler block
+    del h["pool"]["cache_round_tokens"]
+    kinds, r = _kinds(tmp_path, h, run([[2, 6], [7, 8, 9]]), "old.jsonl")
+    assert kinds == [] and "cache rounding" in r.summary["free_order_check"]
