@@ -41,6 +41,10 @@ planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28
         --generator prompt-embeds --examples 10 --seeds 0,1,2,3,4,5,6,7,8,9 --no-demo-faults
     .venv/bin/python benchmarks/bench_check_run_connector.py check /tmp/s17/streaming-input
 
+Session 18 (#28) re-recorded the reset campaign the same way (``/tmp/s18/prefix-cache-reset``): its
+headers carry what the free-queue check needs on sliding-window pools (retention interval, the
+coordinator's cache rounding, each group's hit alignment), which older traces lack.
+
 ``check`` prints, per fault, the runs, those ``kvref check-run`` flags (replay and properties),
 those ``--properties-only`` flags, and those whose replay diverges (or crashes) on its own.
 
