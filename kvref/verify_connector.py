@@ -43,6 +43,12 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult(name, FAILED, "KV-connector lifecycle traces with deferred async loads (HiSparse) "
                            "diverged from vLLM", details=deferred.failure.splitlines()[:30],
                            signature=deferred.signature)
+    # then preempted requests reloading their KV asynchronously: promoted back to PREEMPTED (#22)
+    reload = run_lifecycle_machine(ctx.examples(3, 15), shrink=ctx.shrink, seed=ctx.seed, hisparse=False,
+                                   reload=True)
+    if not reload.ok:
+        return CheckResult(name, FAILED, "KV-connector traces with preempted requests reloading their KV diverged "
+                           "from vLLM", details=reload.failure.splitlines()[:30], signature=reload.signature)
     # then vLLM's MultiConnector on the worker side too: metadata, hooks, merged results, ranks (#22)
     from kvref.models.machines.multi_connector_worker import (
         MultiWorkerDivergence,
@@ -62,7 +68,10 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
                        f"in progress); {deferred.traces} with deferred async loads "
                        f"({deferred.coverage.get('deferred_loads_started', 0)} started after their fence); "
+                       f"{reload.traces} with preempted requests' KV stored "
+                       f"({reload.coverage.get('preempted_stored', 0)} stored for reload); "
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
                        f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
-                       examined=run.traces + paused.traces + life.traces + deferred.traces + multi["traces"])
+                       examined=run.traces + paused.traces + life.traces + deferred.traces + reload.traces
+                       + multi["traces"])

@@ -66,11 +66,13 @@ OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
 @st.composite
 def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chunked", "full+mamba"),
                      large: bool = False, async_scheduling: bool | None = None,
-                     roles: tuple[str, ...] = (KV_CONSUMER, KV_PRODUCER)):
+                     roles: tuple[str, ...] = (KV_CONSUMER, KV_PRODUCER), tight: bool | None = None):
     """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
     sync or async scheduling (a consumer's block frees are then deferred to step fences);
-    ``async_scheduling`` / ``roles`` narrow the draw (scheduler_lifecycle.py)."""
-    pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=draw(st.booleans()), large=large,
+    ``async_scheduling`` / ``roles`` / ``tight`` narrow the draw (scheduler_lifecycle.py; ``tight``
+    None: drawn)."""
+    tight = draw(st.booleans()) if tight is None else tight
+    pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=tight, large=large,
                                       async_scheduling=async_scheduling))
     role = draw(st.sampled_from(roles))
     policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))

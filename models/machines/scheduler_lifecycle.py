@@ -24,7 +24,10 @@ the main run does not look at:
 * half the setups have a HiSparse host pool (``KVCacheConfig.hisparse_host_num_blocks``): an async
   load admitted while a step is in flight reaches the connector only once that step was processed
   (vLLM ``defer_async_loads``, ``deferred_loads``, ``_drain_deferred_loads``): the connector's call
-  log shows when, the stats record it then, and an abort before then frees its blocks at once.
+  log shows when, the stats record it then, and an abort before then frees its blocks at once;
+* a run of its own (``reload=True``): tight pools without local prefix caching whose store saves a
+  preempted request's tokens, so the request reloads them asynchronously and vLLM promotes it back
+  to PREEMPTED, scheduled as resumed (``_handle_blocked_waiting_request``).
 
 A separate machine and run so that the main machine's derandomized traces stay as they are.
 """
@@ -60,10 +63,19 @@ LIFECYCLE_COVERAGE: Counter = Counter()
 
 
 @st.composite
-def lifecycle_setups(draw, hisparse: bool | None = None):
+def lifecycle_setups(draw, hisparse: bool | None = None, reload: bool = False):
     """Connector setups with async scheduling, a consumer (deferred frees) and stats on; with a
-    HiSparse host pool (deferred async loads) as ``hisparse`` says (None: drawn)."""
-    pool, cfg, conn = draw(connector_setups(async_scheduling=True, roles=(KV_CONSUMER,)))
+    HiSparse host pool (deferred async loads) as ``hisparse`` says (None: drawn).
+
+    ``reload``: the setups where a preempted request loads its KV again, asynchronously (see
+    :func:`run_lifecycle_machine`): tight pools, so requests are preempted, and no local prefix
+    caching, so a preempted request's own computed blocks do not cover the store's hit (with
+    caching its lookup starts past them and the store, capped one token short of the prompt, then
+    seldom has more: 0 reloads after preemption in 50 traces of the mixed run, seed 0, ci)."""
+    pool, cfg, conn = draw(connector_setups(async_scheduling=True, roles=(KV_CONSUMER,),
+                                            tight=True if reload else None))
+    if reload:
+        pool = replace(pool, enable_caching=False)
     if hisparse is None:
         hisparse = draw(st.booleans())  # a HiSparse host pool: async loads are deferred too
 
@@ -101,16 +113,44 @@ class LifecycleLockstep(ConnectorLockstep):
         return next((t.connector_state for t in self.targets.values()
                      if getattr(t, "connector_state", None) is not None), None)
 
+    #: reload runs (``run_lifecycle_machine(reload=True)``): a preempted request's store holds its
+    #: whole prompt, loaded asynchronously
+    reload = False
+
     def schedule(self):
         promoted = set(self._promoted)
+        st_ = self._reference_state()
+        snap = self.last_snapshot
+        reloading = {rid for rid in (st_.loading if st_ is not None and snap is not None else ())
+                     if rid in snap.requests and snap.requests[rid].num_preemptions}
         out = super().schedule()
+        # vLLM _handle_blocked_waiting_request: a landed reload of a preempted request (scheduler.py 3531)
+        LIFECYCLE_COVERAGE["preempted_reload_promoted"] += len(reloading - st_.loading) if st_ is not None else 0
         # a preempted request whose reload landed resumes (vLLM promotes it as PREEMPTED)
         LIFECYCLE_COVERAGE["reload_after_preemption_resumed"] += sum(
             s.kind == "resumed" and s.request_id in promoted for s in out.scheduled)
         st = self._reference_state()
         if st is not None and st.deferred_loads:
             LIFECYCLE_COVERAGE["deferred_loads_pending"] += 1
+        if self.reload:
+            self._store_preempted()
         return out
+
+    def _store_preempted(self) -> None:
+        """An offload tier saved what a preempted request computed: its store now holds the
+        request's tokens (prompt and outputs) and loads them asynchronously, the same answer for every target's connector. Drawn
+        hits alone reached no reload after a preemption (the request's first hit was mostly
+        synchronous, short or absent)."""
+        for rid, s in self.last_snapshot.requests.items():
+            if s.status != "preempted":
+                continue
+            n = len(self.specs[rid].prompt) + len(s.output_token_ids)  # its outputs were saved too
+            for c in self.connectors.values():
+                for child in _children(c):
+                    h = child.hits.get(rid)
+                    if h is not None and not (h.load_async and h.persistent and h.num_tokens == n):
+                        child.set_hit(rid, replace(h, num_tokens=n, load_async=True, persistent=True))
+                        LIFECYCLE_COVERAGE["preempted_stored"] += 1
 
     def worker_report(self, step, draw):
         report = super().worker_report(step, draw)
@@ -171,6 +211,9 @@ def _tally(stats: dict | None) -> None:
 class LifecycleMachine(ConnectorMachine):
     """The connector machine whose arrivals may skip reading the prefix cache."""
 
+    #: every external hit persistent and asynchronous (``run_lifecycle_machine(reload=True)``)
+    reload = False
+
     @precondition(lambda self: self.num_added < MAX_REQUESTS)
     @rule(data=st.data())
     def add_request(self, data):
@@ -188,6 +231,8 @@ class LifecycleMachine(ConnectorMachine):
         # an offload tier keeps its copy: a preempted request reloads it (asynchronously: promoted
         # as PREEMPTED, resumed rather than new; vLLM _handle_blocked_waiting_request)
         hit = tuple(replace(h, persistent=data.draw(st.booleans())) for h in hit)
+        if self.reload:  # every hit an offload tier's, loaded asynchronously: each preemption reloads
+            hit = tuple(replace(h, persistent=True) for h in hit)
         LIFECYCLE_COVERAGE["persistent_hits"] += any(h.persistent for h in hit)
         self.num_added += 1
         self.driver.add_with_hit(spec, hit)
@@ -263,9 +308,13 @@ class LifecycleMachine(ConnectorMachine):
 
 
 def lifecycle_machine(factories: dict[str, Callable], driver_class: type = LifecycleLockstep,
-                      hisparse: bool | None = None):
-    base = connector_machine(factories, setups=lifecycle_setups(hisparse), name="LifecycleBase")
-    return type("LifecycleRun", (LifecycleMachine, base), {"driver_class": driver_class})
+                      hisparse: bool | None = None, reload: bool = False):
+    base = connector_machine(factories, setups=lifecycle_setups(hisparse, reload), name="LifecycleBase")
+    if reload:
+        # mostly landing loads: a failed reload is recomputed and never promoted
+        driver_class = type("ReloadLockstep", (driver_class,),
+                            {"reload": True, "outcomes": ("wait", "ok", "ok", "ok", "failed", "invalid")})
+    return type("LifecycleRun", (LifecycleMachine, base), {"driver_class": driver_class, "reload": reload})
 
 
 def reference_factory(pool, config, connector):
@@ -275,16 +324,23 @@ def reference_factory(pool, config, connector):
 
 
 def run_lifecycle_machine(examples: int, reproducible: bool = False, shrink: bool = True,
-                          seed: int | None = None, hisparse: bool | None = None) -> SchedulerRun:
+                          seed: int | None = None, hisparse: bool | None = None,
+                          reload: bool = False) -> SchedulerRun:
     """The reference scheduler with kvref's scripted KV connector in lock step with vLLM 0.33.0's
     on lifecycle traces (async consumer, stats polled after every operation, shutdown); ``hisparse``:
-    every setup (True), none (False) or half (None) with a HiSparse host pool (deferred loads)."""
+    every setup (True), none (False) or half (None) with a HiSparse host pool (deferred loads).
+
+    ``reload``: tight pools without local prefix caching whose every external hit is persistent
+    and asynchronous, so a preempted request reloads its KV: vLLM promotes such a request from
+    WAITING_FOR_REMOTE_KVS back to PREEMPTED, not WAITING (``_handle_blocked_waiting_request``,
+    scheduler.py 3530-3531), and schedules it as resumed; the snapshots (statuses) and the
+    scheduled kinds are compared after every operation."""
     from .counted_lockstep import run_counted
     from .scheduler import run_lockstep_machine
 
     factories: dict[str, Callable] = {"vllm": vllm_factory(), "ref": reference_factory}
     return SchedulerRun(**run_counted(
-        lambda counting: lifecycle_machine(factories, counting, hisparse), LifecycleLockstep,
+        lambda counting: lifecycle_machine(factories, counting, hisparse, reload), LifecycleLockstep,
         lambda machine: run_lockstep_machine(machine, examples, steps=40, min_steps=20, seed=seed,
                                              reproducible=reproducible, shrink=shrink),
         CONNECTOR_COVERAGE, COVERAGE, LIFECYCLE_COVERAGE, min_ops=0))

@@ -205,3 +205,60 @@ def test_planted_deferred_load_fault_diverges(monkeypatch, plant):
     plant(monkeypatch)
     run = _run(profile_examples(10, 20), hisparse=True)
     assert not run.ok, f"{plant.__name__}: no divergence found"
+
+
+def _run_reload(examples: int):
+    from kvref.models.machines.scheduler_lifecycle import run_lifecycle_machine
+
+    return run_lifecycle_machine(examples, reproducible=True, shrink=False, hisparse=False, reload=True)
+
+
+def test_preempted_reloads_match_vllm_and_are_promoted():
+    """conform-connector's reload run: a preempted request's store holds its tokens, so it loads
+    them asynchronously and vLLM promotes it back to PREEMPTED (scheduler.py 3530-3531), which the
+    reference must match."""
+    _sched_cls()
+    run = _run_reload(profile_examples(4, 6))
+    assert run.ok, run.failure
+    assert run.coverage.get("preempted_stored", 0) > 0, run.coverage
+    assert run.coverage.get("preempted_reload_promoted", 0) > 0, run.coverage
+
+
+def reload_promoted_as_waiting(monkeypatch):
+    """vLLM promotes a landed reload of a preempted request to WAITING (as a new request)."""
+    cls = _sched_cls()
+    from vllm.v1.request import RequestStatus
+
+    orig = cls._handle_blocked_waiting_request
+
+    def patched(self, request):
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        proceed = orig(self, request)
+        if was_loading and request.status == RequestStatus.PREEMPTED:
+            request.status = RequestStatus.WAITING
+        return proceed
+
+    monkeypatch.setattr(cls, "_handle_blocked_waiting_request", patched)
+
+
+def reference_reload_promoted_as_waiting(monkeypatch):
+    """The reference forgets the preemption when a reload lands (WAITING instead of PREEMPTED)."""
+    from kvref.impl.reference import scheduler_connector as sc
+    from kvref.impl.request import RequestStatus
+
+    orig = sc.update_waiting_for_remote_kv
+
+    def patched(sched, request):
+        orig(sched, request)
+        if request.status == RequestStatus.PREEMPTED:
+            request.status = RequestStatus.WAITING
+
+    monkeypatch.setattr(sc, "update_waiting_for_remote_kv", patched)
+
+
+@pytest.mark.parametrize("plant", [reload_promoted_as_waiting, reference_reload_promoted_as_waiting])
+def test_planted_reload_fault_diverges(monkeypatch, plant):
+    plant(monkeypatch)
+    run = _run_reload(profile_examples(4, 6))
+    assert not run.ok
+    assert "preempted" in run.failure or "resumed" in run.failure, run.failure
