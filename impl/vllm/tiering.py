@@ -33,6 +33,7 @@ A wait that runs out raises :class:`TierTimeout` naming the job or tier: never a
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -57,6 +58,7 @@ _ENGINES = iter(range(1 << 62))
 #: the fs tier's block I/O module: its ``os`` is :class:`_FsIoOs` inside a :func:`virtual_time` block
 _FS_IO_MODULE = "vllm.v1.kv_offload.tiering.fs.io"
 _SHORT_WRITES = threading.local()  # .on: this pool thread's writes come up short; .hits: how many did
+_RENAME_RACES = threading.local()  # .on: another writer publishes first, the rename meets EEXIST; .hits
 
 
 class TierTimeout(RuntimeError):
@@ -101,6 +103,18 @@ class _FsIoOs:
             view = memoryview(data).cast("B")
             return os.write(fd, view[:len(view) // 2])
         return os.write(fd, data)
+
+    def replace(self, src, dst) -> None:
+        """A store job the trace races: another writer (same content-hashed name, so the same
+        bytes) publishes the block after ``_store_block``'s "exists?" check, and the rename fails
+        with ``EEXIST`` as on shared filesystems that do not replace (vLLM must count the block
+        stored and remove its temporary file)."""
+        if getattr(_RENAME_RACES, "on", False):
+            _RENAME_RACES.hits += 1
+            with open(src, "rb") as mine, open(dst, "wb") as other:
+                other.write(mine.read())
+            raise FileExistsError(errno.EEXIST, "kvref: another writer published the block", dst)
+        os.replace(src, dst)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -215,12 +229,13 @@ class _JobGates:
         self.lock = threading.Lock()
         self.short_write_failures = 0  # failed store tasks whose error vLLM's own write path raised
         self.short_write_jobs = 0  # store tasks that wrote short and still returned (none, in vLLM 0.33.0)
+        self.rename_races = 0  # blocks whose rename met EEXIST after another writer published them
         for name in ("enqueue_store", "enqueue_load"):
             setattr(self.pool, name, self._wrap(getattr(self.pool, name), name == "enqueue_store"))
 
     def _wrap(self, enqueue, store: bool):
         def gated_enqueue(job_id, n_tasks, tasks):
-            gate = [threading.Event(), False, threading.Event()]
+            gate = [threading.Event(), False, threading.Event(), False]  # go, io error, taken, rename race
             with self.lock:
                 self.gates[job_id] = gate
 
@@ -243,6 +258,14 @@ class _JobGates:
                         return out
                     if gate[1]:
                         raise OSError(f"kvref: I/O error injected into job {job_id}")
+                    if gate[3] and store:
+                        _RENAME_RACES.on, _RENAME_RACES.hits = True, 0
+                        try:
+                            return task()
+                        finally:
+                            _RENAME_RACES.on = False
+                            with self.lock:
+                                self.rename_races += _RENAME_RACES.hits
                     return task()
                 return run
 
@@ -256,13 +279,15 @@ class _JobGates:
         with self.lock:
             return sorted(j for j, g in self.gates.items() if not g[0].is_set())
 
-    def finish(self, job_id: int, io_error: bool) -> None:
+    def finish(self, job_id: int, io_error: bool, rename_race: bool = False) -> None:
         with self.lock:
             gate = self.gates.get(job_id)
         if gate is None or gate[0].is_set():
             raise InvalidFieldError("job_id", job_id, f"a job in flight on tier {self.tier.tier_type} "
                                                       f"({self.in_flight()})")
-        gate[1] = io_error
+        if rename_race and io_error:
+            raise InvalidFieldError("rename_race", rename_race, "False when io_error is set")
+        gate[1], gate[3] = io_error, rename_race
         gate[0].set()
         cond = self.pool._condition
         with cond:
@@ -364,14 +389,18 @@ class VllmTiering:
         with self.manager.lock:
             self.manager.poll_tiers()
 
-    def finish_job(self, tier_idx: int, job_id: int, io_error: bool = False) -> None:
+    def finish_job(self, tier_idx: int, job_id: int, io_error: bool = False, rename_race: bool = False) -> None:
+        """``rename_race``: a store job's blocks are published by another writer before its
+        renames, which fail with ``EEXIST`` (:meth:`_FsIoOs.replace`); fs tiers only."""
         tier = self.tiers[tier_idx]
         if tier.tier_type == "obj":
+            if rename_race:
+                raise InvalidFieldError("rename_race", rename_race, "False on an obj tier (fs tiers only)")
             if job_id not in self.in_flight(tier_idx):
                 raise InvalidFieldError("job_id", job_id, f"a transfer in flight on tier #{tier_idx}")
             tier._agent.complete(tier._transfers[job_id].xfer_handle, io_error)
             return
-        self.job_gates[tier_idx].finish(job_id, io_error)
+        self.job_gates[tier_idx].finish(job_id, io_error, rename_race)
 
     def obj_fault(self, tier_idx: int, stage: str) -> None:
         """The next NIXL call of kind ``stage`` that obj tier ``tier_idx`` makes fails

@@ -161,6 +161,9 @@ class TieringWorld:
         self.metrics_seen: set[str] = set()
         self.unscheduled: list[str] = []  # requests the next end of step reports as newly scheduled
         self.closed = False
+        #: which successful fs stores race another writer's rename (EEXIST): its own generator,
+        #: seeded by the configuration, so the trace's random stream (and every draw) stays as it was
+        self.race_rng = random.Random(f"rename-race-{cfg!r}")
         if cfg.fails_shutdown():  # a third-party tier whose teardown fails
             for i, t in enumerate(cfg.tiers):
                 if t in (REQUEST_LEVEL, POLLED):
@@ -171,7 +174,8 @@ class TieringWorld:
                       "partial_promotions": 0, "request_level_cascades": 0, "parked_cascade_steps": 0,
                       "kvcr_copy_failures": 0, "poll_rounds": 0, "peer_requests": 0, "peer_pins": 0,
                       "obj_faults_armed": 0, "obj_abandoned": 0, "failed_shutdowns": 0, "fs_short_writes": 0,
-                      "obj_shutdown_faults": 0, "load_tier_filters": 0}
+                      "obj_shutdown_faults": 0, "load_tier_filters": 0,
+                      "fs_rename_races": 0}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -330,11 +334,22 @@ class TieringWorld:
         self.stats["io_errors"] += io_error
         if self.ref.jobs[job][0].is_promotion and not io_error:
             self.stats["fs_promotions_checked"] += 1
-        res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error),
-                            lambda: self.vllm.finish_job(i, job, io_error))
+        # a successful store on an fs tier: about one in four has its renames meet EEXIST after
+        # another writer published the same blocks (vLLM's _store_block counts them stored)
+        race = (not io_error and self.cfg.tiers[i] == "fs" and not self.ref.jobs[job][0].is_promotion
+                and self.race_rng.random() < 0.25)
+        res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error, rename_race=race),
+                            lambda: self.vllm.finish_job(i, job, io_error, rename_race=race))
         gates = self.vllm.job_gates.get(i)
         if gates is not None:
             self.stats["fs_short_writes"] = sum(g.short_write_failures for g in self.vllm.job_gates.values())
+        if race:
+            ref_races = sum(t.rename_races for t in self.ref.tiers if type(t) is FileSystemTier)
+            vllm_races = sum(g.rename_races for g in self.vllm.job_gates.values())
+            if ref_races != vllm_races:
+                raise TieringDivergence(f"finish_job {job}: blocks whose rename met EEXIST: reference "
+                                        f"{ref_races}, vLLM {vllm_races}")
+            self.stats["fs_rename_races"] = ref_races
         self.stats["partial_promotions"] += bool(not res.success and res.successful_keys)
 
     def op_lookup_worker(self, t: int) -> None:

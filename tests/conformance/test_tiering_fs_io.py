@@ -1,7 +1,10 @@
 """vLLM 0.33.0's fs tier when a store's write fails (#22): a store job the trace fails runs vLLM's
 own block writer with writes that come up short (a full disk), so ``_store_block`` raises, removes
 its temporary file and the job fails as the reference says; no temporary file may be left behind.
-Faults planted in vLLM's write path are found."""
+A successful store may race another writer: the block is published between ``_store_block``'s
+"exists?" check and its rename, which fails with ``EEXIST`` (shared filesystems that do not
+replace); vLLM counts the block stored and removes its temporary file, as the reference says.
+Faults planted in vLLM's write path, and in the reference, are found."""
 
 from __future__ import annotations
 
@@ -35,6 +38,11 @@ PLANTED = [
      "            pass\n        except OSError as cleanup_exc:"),
     # a short write is not noticed: half a block is published as the block
     ("_store_block", "if written < len(view_slice):", "if False:"),
+    # a rename that meets EEXIST fails the store (the block another writer published is not counted)
+    ("_store_block", "except FileExistsError:", "except ():"),
+    # a rename that meets EEXIST leaves the temporary file behind
+    ("_store_block", "            with contextlib.suppress(OSError):\n                os.remove(tmp_path)",
+     "            pass"),
 ]
 
 
@@ -44,4 +52,28 @@ def test_planted_faults_are_found(function, old, new):
     from kvref.models.machines.tiering import TieringDivergence
 
     with edited(IO, None, function, old, new), pytest.raises(TieringDivergence):
+        _traces(0, 4)
+
+
+def test_rename_races_count_as_stored():
+    """The seeded traces race some stores' renames (its own generator: the traces are unchanged),
+    and vLLM agrees with the reference on every one (the job succeeds, the key is stored, no
+    temporary file is left, the same number of blocks raced). 4 traces: ~15 s CPU at CI=true."""
+    stats = _traces(0, 4)
+    assert stats["fs_rename_races"] > 0, stats
+
+
+def test_reference_failing_a_raced_store_is_found(monkeypatch):
+    """The planted fault on the reference's side: a raced rename fails the store."""
+    require_vllm()
+    from kvref.impl.reference.offload.tiering.fs_tier import FileSystemTier
+    from kvref.models.machines.tiering import TieringDivergence
+
+    real = FileSystemTier.finish_job
+
+    def raced_is_failed(self, job_id, io_error=False, rename_race=False):
+        return real(self, job_id, io_error or rename_race)
+
+    monkeypatch.setattr(FileSystemTier, "finish_job", raced_is_failed)
+    with pytest.raises(TieringDivergence):
         _traces(0, 4)

@@ -31,6 +31,7 @@ class FileSystemTier(SecondaryTier):
         super().__init__(tier_type, primary, bp_detector)
         self.clock = clock
         self.files: dict[OffloadKey, bytes] = {}
+        self.rename_races = 0  # stored blocks whose rename met EEXIST (another writer published them first)
         self.jobs: dict[int, TransferJob] = {}
         self.store_keys: dict[int, tuple[OffloadKey, ...]] = {}  # finished stores not yet collected
         # keys of finished, failed promotions not yet collected: their verdicts turn "absent" when
@@ -91,8 +92,18 @@ class FileSystemTier(SecondaryTier):
 
     # -- what the trace decides ---------------------------------------------------------------
 
-    def finish_job(self, job_id: int, io_error: bool = False) -> JobResult:
-        """The pool finishes job ``job_id``; ``io_error`` makes its I/O fail before it starts."""
+    def finish_job(self, job_id: int, io_error: bool = False, rename_race: bool = False) -> JobResult:
+        """The pool finishes job ``job_id``; ``io_error`` makes its I/O fail before it starts.
+
+        ``rename_race`` (a store only, without ``io_error``): another writer publishes each block
+        of the job between the tier's "file exists?" check and its rename, and the rename fails
+        with ``EEXIST`` (some shared filesystems do that instead of replacing). File names are
+        content hashes, so the file in place is this block: the store still succeeds, as in
+        vLLM 0.33.0's ``fs/io.py::_store_block`` (the temporary file is removed, no error)."""
+        if rename_race and io_error:
+            raise InvalidFieldError("rename_race", rename_race, "False when io_error is set")
+        if rename_race and job_id in self.jobs and self.jobs[job_id].is_promotion:
+            raise InvalidFieldError("rename_race", rename_race, "False for a promotion (load) job")
         job = self.jobs.pop(job_id, None)
         if job is None:
             raise InvalidFieldError("job_id", job_id, f"a job in flight on this tier ({sorted(self.jobs)})")
@@ -120,6 +131,9 @@ class FileSystemTier(SecondaryTier):
         else:
             if not io_error:
                 for key, cid in zip(job.keys, job.chunk_ids):
+                    if rename_race and key not in self.files:
+                        self.files[key] = self.primary.read(cid)  # the other writer's file: the same block
+                        self.rename_races += 1
                     self.files.setdefault(key, self.primary.read(cid))
             self.store_keys[job_id] = tuple(job.keys)
             result = JobResult(job_id, not io_error, None, elapsed, nbytes)
