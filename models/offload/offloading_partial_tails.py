@@ -114,15 +114,23 @@ def partial_tail_cases(seed: int, n: int) -> list[tuple[OffloadingConfig, list[t
     return [(partial_tail_config(rng), partial_tail_ops(rng, rng.randint(30, 50))) for _ in range(n)]
 
 
-def run_partial_tail_traces(cases, backends: tuple[str, ...] = ("reference", "vllm")) -> dict[str, int]:
+def run_partial_tail_traces(cases, backends: tuple[str, ...] = ("reference", "vllm"), digest=None) -> dict[str, int]:
     """Run every case on ``backends``, compared after every operation; raise
     :class:`OffloadInvariantError` at the first difference (or a content-model breach on one backend
-    only). Returns ``{"traces", "ops"}``; :data:`COVERAGE` gains what the reference world reached."""
+    only). Returns ``{"traces", "ops"}``; :data:`COVERAGE` gains what the reference world reached.
+    ``digest`` (a hashlib object), when given, is fed each finished reference world's job metadata
+    and KV events: a fingerprint of the whole trace (the reproducibility test compares it)."""
     cases = list(cases)
     for i, (cfg, _) in enumerate(cases):
         if not isinstance(cfg, OffloadingConfig) or not cfg.hash_block_size:
             raise OffloadInvariantError(f"case {i}: not a partial-tail configuration: {cfg!r}")
-    return run_compared_traces(cases, backends, "partial-tail", _count)
+
+    def count(w: OffloadingWorld) -> None:
+        _count(w)
+        if digest is not None:
+            digest.update(repr((w.metas, w.kv_events)).encode())
+
+    return run_compared_traces(cases, backends, "partial-tail", count)
 
 
 def run_compared_traces(cases, backends: tuple[str, ...], what: str, count=None) -> dict[str, int]:

@@ -13,6 +13,7 @@ sit on.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 
@@ -146,3 +147,52 @@ def test_vllm_asserts_on_a_store_cap_below_a_partial_tail():
     assert tails == [], "the reference stored r1's tail past its max_offload_tokens"
     assert any(len(keys) > 1 for m in ref.metas for _, rid, keys, _, _ in m[1] if rid == "r0"), \
         "r0 (no cap) stores its partial tail"
+
+
+def test_partial_tail_sub_run_is_reproducible_across_hash_seeds(monkeypatch):
+    """conform-offload's partial-tail sub-run gives one trace per seed whatever the caller's
+    PYTHONHASHSEED (which salts the set order vLLM's complete_store walks, and NONE_HASH): its
+    traces run in a child process pinned to the seed (kvref.verify_offload_tails), so two runs
+    from an environment with PYTHONHASHSEED 1 and then 2 get the same stats, counts and trace
+    digest (a child that inherited the caller's value would differ: NONE_HASH and the set order
+    follow it). One trace per run; two spawned interpreters, ~20 s at CI=true under load."""
+    require_vllm()
+    from kvref.verify_offload_tails import run_pinned_partial_tails
+
+    outs = []
+    for hash_seed in ("1", "2"):
+        monkeypatch.setenv("PYTHONHASHSEED", hash_seed)
+        outs.append(run_pinned_partial_tails(0, 1))
+        assert os.environ["PYTHONHASHSEED"] == hash_seed  # the caller's value is restored
+    assert outs[0] == outs[1]
+    assert outs[0][0]["traces"] == 1 and outs[0][0]["ops"] > 0
+
+
+def test_pinned_partial_tails_rejects_bad_arguments():
+    from kvref.verify_offload_tails import run_pinned_partial_tails
+
+    with pytest.raises(ValueError, match="seed"):
+        run_pinned_partial_tails("0", 2)
+    with pytest.raises(ValueError, match="n"):
+        run_pinned_partial_tails(0, -1)
+
+
+def test_a_divergence_in_the_pinned_child_fails_conform_offload(monkeypatch):
+    """The child's OffloadInvariantError comes back as conform-offload's failed row naming the
+    partial tails, with the child's message as the details; no later sub-run runs (<0.1 s)."""
+    from kvref import verify_offload_tails as vot
+    from kvref.check_context import VerifyContext
+    from kvref.models.offload.world_common import OffloadInvariantError
+    from kvref.report import FAILED, PASSED, CheckResult
+
+    def diverge(seed, n):
+        raise OffloadInvariantError("partial-tail trace 0 op 4: the step outputs differ")
+
+    def not_reached(*_args, **_kwargs):
+        raise AssertionError("the retention sub-run ran after the failing one")
+
+    monkeypatch.setattr(vot, "run_pinned_partial_tails", diverge)
+    monkeypatch.setattr(vot, "with_retention", not_reached)
+    res = vot.with_partial_tails(VerifyContext(), CheckResult("conform-offload", PASSED, "main", examined=10))
+    assert res.status == FAILED and "partial tails" in res.summary
+    assert res.details == ["partial-tail trace 0 op 4: the step outputs differ"]
