@@ -338,8 +338,9 @@ class TieringWorld:
         # another writer published the same blocks (vLLM's _store_block counts them stored)
         race = (not io_error and self.cfg.tiers[i] == "fs" and not self.ref.jobs[job][0].is_promotion
                 and self.race_rng.random() < 0.25)
-        res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error, rename_race=race),
-                            lambda: self.vllm.finish_job(i, job, io_error, rename_race=race))
+        race_kw = {"rename_race": True} if race else {}  # the obj tier's finish_job takes none
+        res, _ = self._both("finish_job", lambda: self.ref.tiers[i].finish_job(job, io_error, **race_kw),
+                            lambda: self.vllm.finish_job(i, job, io_error, **race_kw))
         gates = self.vllm.job_gates.get(i)
         if gates is not None:
             self.stats["fs_short_writes"] = sum(g.short_write_failures for g in self.vllm.job_gates.values())
