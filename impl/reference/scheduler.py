@@ -212,6 +212,11 @@ class Scheduler:
         self._finished_since_output: set[str] | None = set() if include_finished_set else None
         #: the set the last ``update_from_output`` reported (None: none, or include_finished_set off)
         self.finished_requests: frozenset[str] | None = None
+        #: a recorded run's finish order, handed over by check-run's replay for one update: where
+        #: vLLM walks a ``set`` of request ids (the encoder-cache mismatch errors), the order is the
+        #: recording process's string-hash order, which the replaying process cannot reproduce;
+        #: None: this process's own set order (what vLLM does beside it, in conformance)
+        self.finish_order_hint: tuple[str, ...] | None = None
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -650,15 +655,20 @@ class Scheduler:
         """vLLM ``update_from_output``: the requests an encoder-cache embedding-count mismatch
         rejected since the last update (:func:`kvref.impl.reference.scheduler_encoder._reject_mismatch`)
         are finished as errors, freeing their KV blocks, in the order vLLM's ``finish_requests``
-        walks them (a set of their ids). None with a KV connector: the reference refuses multimodal
-        requests then."""
+        walks them (a set of their ids), or in :attr:`finish_order_hint`'s when a replay gives one
+        (the free order decides which free blocks later allocations get). None with a KV
+        connector: the reference refuses multimodal requests then."""
         mismatched = self.encoder.encoder_cache_mismatch_reqs
         if not mismatched:
             return
         error_req_ids: set[str] = set()
         error_req_ids.update(mismatched)
         mismatched.clear()
-        self._finish(tuple(set(error_req_ids)), "error")
+        ids = tuple(set(error_req_ids))
+        if self.finish_order_hint is not None:  # the recorded order first; the rest in set order
+            rank = {rid: i for i, rid in enumerate(self.finish_order_hint)}
+            ids = tuple(sorted(ids, key=lambda rid: rank.get(rid, len(rank))))
+        self._finish(ids, "error")
 
     def _publish_kv_events(self) -> None:
         """vLLM's ``update_from_output`` ends by taking every KV cache event queued since the last

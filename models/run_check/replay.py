@@ -490,6 +490,10 @@ class LockstepReplay:
         out = self._in_flight.pop(step)
         sampled = {rid: toks for rid, toks in zip(rec["ids"], update_sampled(rec)) if toks}
         kvo = kv_output(rec.get("kvo"), rec["fin"]) if self.connector is not None else None
+        # vLLM freed this update's errors in its process's set order, which the trace keeps
+        hint_owner = self.scheduler if hasattr(self.scheduler, "finish_order_hint") else None
+        if hint_owner is not None:
+            hint_owner.finish_order_hint = tuple(rid for rid, _ in rec["fin"])
         try:
             if not self._kv_call(line, step, "update_from_output",
                                  lambda: self.scheduler.update_from_output(out, ModelOutput(sampled), kvo)):
@@ -497,6 +501,9 @@ class LockstepReplay:
         except ValueError as exc:
             self._diverge(Divergence(line, step, "update_from_output", f"the reference rejects the output: {exc}"))
             return
+        finally:
+            if hint_owner is not None:
+                hint_owner.finish_order_hint = None
         live = self._live
         ref_fin = {}
         # with a connector a request may finish unscheduled (a failed load under "fail"); without
