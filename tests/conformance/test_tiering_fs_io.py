@@ -77,3 +77,13 @@ def test_reference_failing_a_raced_store_is_found(monkeypatch):
     monkeypatch.setattr(FileSystemTier, "finish_job", raced_is_failed)
     with pytest.raises(TieringDivergence):
         _traces(0, 4)
+
+
+def test_rename_races_beside_an_obj_tier():
+    """An fs tier after an obj tier (whose jobs never race): the races reach the fs tier only and
+    agree; the obj tier's finish_job is called as before (a regression of 90640a4's fix)."""
+    require_vllm()
+    from kvref.models.machines.tiering import run_traces
+
+    stats = run_traces(0, 3, layouts=(("obj", "fs"),))
+    assert stats["traces"] == 3 and stats["fs_rename_races"] > 0, stats
