@@ -80,14 +80,14 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
                        has_scheduled_reqs: bool = True,
-                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:
+                       skip_zeroing_group_ids: tuple[int, ...] = (), num_encoder_tokens: int = 0) -> BlockIds | None:
         out = self.manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, self._blocks_from_ids(new_computed_block_ids),
             num_lookahead_tokens=num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
             reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs,
-            skip_zeroing_group_ids=skip_zeroing_group_ids)
+            skip_zeroing_group_ids=skip_zeroing_group_ids, num_encoder_tokens=num_encoder_tokens)
         if out is None:
             return None
         if not out.blocks:  # no groups

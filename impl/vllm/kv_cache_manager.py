@@ -219,7 +219,7 @@ class VllmKVCacheManager:
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
                        has_scheduled_reqs: bool = True,
-                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:
+                       skip_zeroing_group_ids: tuple[int, ...] = (), num_encoder_tokens: int = 0) -> BlockIds | None:
         vreq = self._mirror(request)
         out = self._mgr.allocate_slots(
             vreq, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
@@ -227,7 +227,7 @@ class VllmKVCacheManager:
             num_lookahead_tokens=num_lookahead_tokens, num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks, full_sequence_must_fit=full_sequence_must_fit,
             reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs,
-            skip_zeroing_group_ids=tuple(skip_zeroing_group_ids))
+            skip_zeroing_group_ids=tuple(skip_zeroing_group_ids), num_encoder_tokens=num_encoder_tokens)
         return None if out is None else self._ids(out)
 
     def free(self, request: Request) -> None:
