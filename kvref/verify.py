@@ -345,6 +345,25 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
                                "KVCacheManager", details=failure.splitlines()[:30],
                                signature=whole_signature(failure))
         result.summary += f"; HiSparse KVCacheManager: {whole['allocated']} allocations, {whole['hit']} hits"
+    if result.status == PASSED:  # encoder-decoder pools: cross-attention sized by encoder tokens (#22)
+        from collections import Counter
+
+        from kvref.impl.reference.adapter import ReferenceKVCacheManager
+        from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
+        from kvref.models.conformance.encoder_decoder import encoder_decoder_cases, run_encoder_decoder
+
+        encdec = Counter()
+
+        def pair(pool):
+            return {"reference": ReferenceKVCacheManager(pool), "vllm": VllmKVCacheManager(pool)}
+
+        failure = run_generated(given(case=encoder_decoder_cases())(
+            lambda case: encdec.update(run_encoder_decoder(case, pair))), ctx.examples(10, 60), ctx.seed)
+        if failure:
+            return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on an encoder-decoder "
+                               "pool (cross-attention)", details=failure.splitlines()[:30])
+        result.summary += (f"; encoder-decoder pools: {encdec['admitted']} admissions, {encdec['refused']} "
+                           f"refusals, {encdec['external']} external loads, {encdec['steps']} steps")
     return result
 
 
