@@ -211,7 +211,9 @@ def check_managers(coordinator: Any, pool: Any, *, exact_ref_counts: bool = True
                             "(kept after free: its next blocks would be taken as already cached)")
             if n > len(table):
                 _fail("M2", f"group {g}: num_cached_block[{rid!r}]={n} > table length {len(table)}")
-        if requests is not None and name in _NO_NULL_SLOTS | _NULL_PREFIX:
+        # a cross-attention table holds the encoder's tokens, allocated at admission, not the
+        # decoder's computed tokens: M1's span rule is the decoder groups' (encoder-decoder pools, #22)
+        if requests is not None and name in (_NO_NULL_SLOTS | _NULL_PREFIX) - {"CrossAttentionManager"}:
             bs = mgr.block_size
             for rid, table in tables.items():
                 r = requests.get(rid)
