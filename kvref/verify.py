@@ -101,6 +101,31 @@ def run_generated(test, examples: int, seed: int) -> str | None:
     return None
 
 
+
+def run_generated_accepting(body, strategies: dict, signature, examples: int, seed: int) -> str | None:
+    """:func:`run_generated` for a comparison whose differences a baseline may accept
+    (``kvref verify --baseline``): ``body(**drawn)`` runs under ``@given(**strategies)``; an
+    AssertionError whose ``signature(text)`` the baseline accepts discards that example and the search
+    goes on. None when nothing failed, or every example met an accepted difference."""
+    from hypothesis import given, reject
+    from hypothesis.errors import Unsatisfiable
+
+    from kvref.models.conformance import accepted
+
+    def agree(**drawn):
+        try:
+            body(**drawn)
+        except AssertionError as exc:
+            if accepted.is_accepted(signature(str(exc))):
+                reject()
+            raise
+
+    try:
+        return run_generated(given(**strategies)(agree), examples, seed)
+    except Unsatisfiable:  # every example met a difference the baseline accepts
+        return None
+
+
 def _leaves(group: BaseException) -> list[BaseException]:
     if isinstance(group, BaseExceptionGroup):
         return [leaf for e in group.exceptions for leaf in _leaves(e)]
@@ -308,9 +333,7 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
         # source's longer hit, write-backs (#22)
         from collections import Counter
 
-        from hypothesis import reject
         from hypothesis import strategies as st
-        from hypothesis.errors import Unsatisfiable
 
         from kvref.impl.vllm.hisparse_kv_manager import VllmHiSparseKVCacheManager
         from kvref.models.conformance.hisparse_kv_manager import STEPS, run_whole_manager_program, whole_manager_configs
@@ -326,20 +349,11 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
             what = line.split(": ", 1)[-1].split(" kvref")[0]
             return f"HiSparse KVCacheManager: {accepted.signature(what)} differs"
 
-        @given(config=whole_manager_configs(), lengths=st.lists(st.integers(8, 48), min_size=3, max_size=3),
-               steps=STEPS)
-        def agree_whole(config, lengths, steps):
-            try:
-                whole.update(run_whole_manager_program(config, lengths, steps, VllmHiSparseKVCacheManager))
-            except AssertionError as exc:
-                if accepted.is_accepted(whole_signature(str(exc))):
-                    reject()
-                raise
-
-        try:
-            failure = run_generated(agree_whole, ctx.examples(10, 40), ctx.seed)
-        except Unsatisfiable:  # every program met a difference the baseline accepts
-            failure = None
+        failure = run_generated_accepting(
+            lambda config, lengths, steps: whole.update(
+                run_whole_manager_program(config, lengths, steps, VllmHiSparseKVCacheManager)),
+            dict(config=whole_manager_configs(), lengths=st.lists(st.integers(8, 48), min_size=3, max_size=3),
+                 steps=STEPS), whole_signature, ctx.examples(10, 40), ctx.seed)
         if failure:
             return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on a HiSparse pool behind "
                                "KVCacheManager", details=failure.splitlines()[:30],
@@ -347,9 +361,6 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
         result.summary += f"; HiSparse KVCacheManager: {whole['allocated']} allocations, {whole['hit']} hits"
     if result.status == PASSED:  # encoder-decoder pools: cross-attention sized by encoder tokens (#22)
         from collections import Counter
-
-        from hypothesis import reject
-        from hypothesis.errors import Unsatisfiable
 
         from kvref.impl.reference.adapter import ReferenceKVCacheManager
         from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
@@ -369,19 +380,9 @@ def check_kv_manager_conformance(ctx: VerifyContext) -> CheckResult:
             what = line.split(" kvref ")[0].split(": ", 1)[-1].rstrip(":")
             return f"encoder-decoder pool: {accepted.signature(what)} differs"
 
-        @given(case=encoder_decoder_cases())
-        def agree_encdec(case):
-            try:
-                encdec.update(run_encoder_decoder(case, pair))
-            except AssertionError as exc:
-                if accepted.is_accepted(encdec_signature(str(exc))):
-                    reject()
-                raise
-
-        try:
-            failure = run_generated(agree_encdec, ctx.examples(10, 60), ctx.seed)
-        except Unsatisfiable:  # every program met a difference the baseline accepts
-            failure = None
+        failure = run_generated_accepting(lambda case: encdec.update(run_encoder_decoder(case, pair)),
+                                          dict(case=encoder_decoder_cases()), encdec_signature,
+                                          ctx.examples(10, 60), ctx.seed)
         if failure:
             return CheckResult("conform-kv-manager", FAILED, "reference and vLLM diverged on an encoder-decoder "
                                "pool (cross-attention)", details=failure.splitlines()[:30],
