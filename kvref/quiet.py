@@ -28,6 +28,17 @@ PLANTED_ERRORS = ("Failing %d request(s) due to KV load failure",)
 _NOISY_MODULES = r"(vllm|torch|transformers|triton|xgrammar|huggingface_hub)(\..*)?$"
 
 
+#: whether :func:`quiet_third_party` silenced this process; a child process kvref spawns reads it
+#: (:func:`quieted`) and silences itself the same way: the partial-tail traces' spawned child
+#: printed 180 "cannot store chunks" lines into a quiet ``kvref verify`` (CI, stop 36)
+_QUIETED = False
+
+
+def quieted() -> bool:
+    """Whether this process's third-party logging was silenced by :func:`quiet_third_party`."""
+    return _QUIETED
+
+
 def quiet_third_party(verbose: bool = False) -> None:
     """Silence third-party logging below ERROR and their warnings, unless ``verbose``.
 
@@ -36,8 +47,10 @@ def quiet_third_party(verbose: bool = False) -> None:
     inspection) inherit it. With ``verbose`` nothing is changed, so a user's own
     ``VLLM_LOGGING_LEVEL`` applies.
     """
+    global _QUIETED
     if verbose:
         return
+    _QUIETED = True
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # NIXL (the KVCR and P2P tiers' transfer library) configures its "nixl" logger at its first

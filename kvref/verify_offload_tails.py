@@ -29,10 +29,17 @@ from .report import CheckResult
 from .verify_offload_retention import connector_divergence, with_retention
 
 
-def _tails_child(seed: int, n: int, conn) -> None:
+def _tails_child(seed: int, n: int, conn, quiet: bool = False) -> None:
     """The child's body: run the ``n`` partial-tail cases of ``seed`` and send back
-    ``("ok", stats, coverage, digest)``, ``("diverged", message)`` or ``("error", message)``."""
+    ``("ok", stats, coverage, digest)``, ``("diverged", message)`` or ``("error", message)``.
+    ``quiet``: the parent silenced third-party logging, so the child does too (a spawned
+    interpreter starts with none of the parent's logger levels)."""
     import hashlib
+
+    if quiet:
+        from kvref.quiet import quiet_third_party
+
+        quiet_third_party()
 
     from kvref.models.offload.offloading_partial_tails import COVERAGE, partial_tail_cases, run_partial_tail_traces
     from kvref.models.offload.world_common import OffloadInvariantError
@@ -55,6 +62,7 @@ def run_pinned_partial_tails(seed: int, n: int) -> tuple[dict[str, int], dict[st
     :class:`~kvref.models.offload.world_common.OffloadInvariantError` when reference and vLLM
     differ, RuntimeError when the child fails otherwise."""
     from kvref.models.offload.world_common import OffloadInvariantError
+    from kvref.quiet import quieted
 
     if not isinstance(seed, int) or isinstance(seed, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seed {seed!r} / n {n!r}: seed must be an int, n an int >= 0")
@@ -63,7 +71,7 @@ def run_pinned_partial_tails(seed: int, n: int) -> tuple[dict[str, int], dict[st
     old = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = str(seed % 2**32)  # the spawned interpreter reads it at start
     try:
-        proc = ctx.Process(target=_tails_child, args=(seed, n, sender), name="kvref-partial-tails")
+        proc = ctx.Process(target=_tails_child, args=(seed, n, sender, quieted()), name="kvref-partial-tails")
         proc.start()
     finally:
         if old is None:

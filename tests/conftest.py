@@ -59,6 +59,31 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def interpreter_wanted(environ, cuda_available) -> bool:
+    """Whether to set ``TRITON_INTERPRET=1``: only when unset and no CUDA device is present.
+
+    Triton has no CPU back-end; with ``TRITON_INTERPRET=1`` the kernel tests (``tests/impl/torch``)
+    run kvref's kernels on CPU tensors in its interpreter. Where a CUDA device is present the
+    variable is left unset, so the kernels compile and run on CUDA tensors (issue #24: forcing the
+    interpreter on a GPU machine never ran the cubins). A caller's explicit setting wins either
+    way (``TRITON_INTERPRET=0`` without a GPU: the kernel tests skip with the reason).
+
+    Decided here, in the root conftest, before any test module is imported: triton reads the
+    variable when a function is decorated, and that includes triton.language's own ``@jit``
+    helpers (``tl.zeros``, ``tl.sum``'s combiners), decorated when ``triton.language`` is first
+    imported. Collecting ``tests/conformance`` imports vLLM, which imports triton.language; when
+    the variable was set only by ``tests/impl/torch/conftest.py`` (collected later) those helpers
+    stayed compiled-mode functions, and every kernel test of an xdist worker that had collected
+    them first failed with "Cannot call @triton.jit'd outside of the scope of a kernel" (57 of
+    58 failures of stop 36's CI).
+    """
+    return "TRITON_INTERPRET" not in environ and not cuda_available()
+
+
+if interpreter_wanted(os.environ, _cuda_available):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def _profile_only_skip(item) -> str | None:
     """The reason of a ``skipif`` whose condition holds and that names another Hypothesis profile
     (``reason="nightly profile only"``), for a parametrized case; else None."""

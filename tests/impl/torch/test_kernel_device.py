@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.impl.torch.conftest import interpreter_wanted
+from tests.conftest import interpreter_wanted
 
 
 def test_the_interpreter_is_forced_only_without_a_gpu_and_without_a_caller_setting():
@@ -41,3 +41,17 @@ def test_on_a_gpu_the_kernel_tests_run_compiled_unless_the_caller_asked_for_the_
     if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes"):
         pytest.skip("TRITON_INTERPRET=1 was set by the caller")
     assert kernel_device() == "cuda"
+
+
+def test_triton_language_helpers_are_interpreted_when_the_kernels_are():
+    """Stop 36's CI: vLLM's import (collecting tests/conformance) imported triton.language before
+    the interpreter was switched on, so ``tl.zeros`` stayed a compiled-mode function and every
+    interpreted kernel that called it failed. Run inside the whole suite, this checks the process
+    the kernel tests share: the language's own helpers are interpreted exactly when ours are."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.language as tl
+
+    from kvref.impl.torch.triton_kernels.attention import _paged_attention_kernel
+
+    ours = type(_paged_attention_kernel).__name__
+    assert type(tl.zeros).__name__ == ours, (type(tl.zeros), ours)
