@@ -26,7 +26,14 @@ class SchedulerConfig:
     """The scheduler settings kvref models (vLLM's ``SchedulerConfig`` fields of the same names).
 
     Args:
-        max_num_batched_tokens: token budget of one step (``max_num_scheduled_tokens`` defaults to it).
+        max_num_batched_tokens: input budget of one step: the tokens the runner takes (vLLM's
+            ``input_budget``; ``max_num_scheduled_tokens`` defaults to it).
+        max_num_scheduled_tokens: the tokens the scheduler may issue in one step (vLLM's field of
+            that name, ``--max-num-scheduled-tokens``; None: ``max_num_batched_tokens``). vLLM
+            keeps two budgets, this one and the input budget, and takes both down by every
+            scheduled chunk, so a step schedules at most the smaller of the two (drafting slots,
+            which would charge the input budget alone, are 0 for the drafters kvref models:
+            n-gram, EAGLE, MTP). The Mamba ``align`` split caps a chunk by this value alone.
         max_num_seqs: running requests at most.
         long_prefill_token_threshold: cap on one request's chunk when more than one request is
             eligible (0: off).
@@ -76,9 +83,11 @@ class SchedulerConfig:
     prefill_schedule_interval: int = 1
     max_num_active_seqs: int | None = None
     spec_decode_metrics_level: str = "none"
+    max_num_scheduled_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        check_int("max_num_scheduled_tokens", self.max_num_scheduled_tokens, minimum=1, allow_none=True)
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         check_choice("policy", self.policy, (FCFS, PRIORITY))
@@ -120,6 +129,19 @@ class SchedulerConfig:
     def can_skip_drafts(self) -> bool:
         """vLLM's ``Scheduler.can_skip_drafts``: ``num_lookahead_tokens > 0`` and the V2 runner."""
         return self.skip_unused_drafts and self.num_lookahead_tokens > 0
+
+    @property
+    def scheduled_tokens_cap(self) -> int:
+        """vLLM's ``Scheduler.max_num_scheduled_tokens``: the configured value, else
+        ``max_num_batched_tokens`` (the Mamba ``align`` split's chunk cap)."""
+        return self.max_num_batched_tokens if self.max_num_scheduled_tokens is None else self.max_num_scheduled_tokens
+
+    @property
+    def step_token_budget(self) -> int:
+        """The tokens one step may schedule: the smaller of vLLM's two budgets (``token_budget``
+        from ``max_num_scheduled_tokens``, ``input_budget`` from ``max_num_batched_tokens``), which
+        every scheduled chunk takes down alike."""
+        return min(self.scheduled_tokens_cap, self.max_num_batched_tokens)
 
     @property
     def max_num_active_reqs(self) -> int:

@@ -301,7 +301,9 @@ class Scheduler:
                                     f"at most {limit} step(s) in flight ({'async' if limit == 2 else 'synchronous'}"
                                     " scheduling): call update_from_output first")
         kv = self.kv_cache_manager
-        token_budget = cfg.max_num_batched_tokens
+        # vLLM keeps token_budget (max_num_scheduled_tokens) and input_budget (max_num_batched_tokens)
+        # and takes both down by every chunk: the step is bounded by the smaller one
+        token_budget = cfg.step_token_budget
         if self.pause_state == PauseState.PAUSED_ALL:
             token_budget = 0  # vLLM: paused, nothing is scheduled (running requests keep their blocks)
         scheduled: dict[str, tuple[Request, str, int, BlockIds]] = {}
@@ -398,7 +400,7 @@ class Scheduler:
         prefill_admitted = any(kind != "running" and r.num_computed_tokens < r.num_tokens - 1
                                for r, kind, _, _ in scheduled.values())
         self.cadence.after_schedule(total, prefill_scheduled or prefill_admitted)
-        assert 0 <= token_budget and total <= cfg.max_num_batched_tokens
+        assert 0 <= token_budget and total <= cfg.step_token_budget
         assert len(self.running) <= cfg.max_num_seqs
         release_copies = getattr(kv, "release_kv_cache_block_copies", None)
         if self.connector_state is not None:

@@ -17,7 +17,7 @@ every live request finishes within :func:`drain_bound` ``schedule()`` calls. The
   needs at most ``Σ_g cap_g(max_model_len) <= num_blocks - 1`` blocks, so its allocation succeeds
   (the watermark is waived when nothing is running), and a waiting head passes the gate on an
   empty pool (S5).
-* *The first claimant progresses.* Let ``c = min(max_num_batched_tokens, long_prefill_token_threshold
+* *The first claimant progresses.* Let ``c = min(step budget, long_prefill_token_threshold
   or ∞)``. The first request of ``running`` gets its tokens before anyone else; if its blocks do not
   fit it preempts others, never itself unless alone (FCFS preempts ``running[-1]``; PRIORITY the
   largest key). So it completes within ``T_r = cdiv(min(P_r + max_tokens_r, M), c) + max_tokens_r``
@@ -99,10 +99,12 @@ def startup_consistent(pool: PoolConfig, config: SchedulerConfig) -> bool:
     * a Mamba group outside "align" mode has a block of at least ``max_model_len`` tokens, and
     * without chunked prefill, one step can hold a whole prompt (vLLM's ``SchedulerConfig``
       requires ``max_num_batched_tokens >= max_model_len`` then; otherwise the waiting loop stops
-      on a long prompt forever, the same head-of-line hang).
+      on a long prompt forever, the same head-of-line hang). A smaller ``max_num_scheduled_tokens``
+      caps the step the same way and vLLM's startup does not compare it with ``max_model_len``:
+      the step's budget (:attr:`SchedulerConfig.step_token_budget`) is what must hold a prompt.
     """
     _check_setup(pool, config)
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < pool.max_model_len:
+    if not config.enable_chunked_prefill and config.step_token_budget < pool.max_model_len:
         return False
     for g in pool.groups:
         spec = g.kv_cache_spec
@@ -138,7 +140,7 @@ def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> 
     _check_setup(pool, config)
     if not isinstance(request, Request):
         raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
-    c = config.max_num_batched_tokens
+    c = config.step_token_budget
     if config.long_prefill_token_threshold > 0:
         c = min(c, config.long_prefill_token_threshold)
     length = min(request.num_prompt_tokens + request.max_tokens, pool.max_model_len)

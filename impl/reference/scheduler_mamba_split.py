@@ -165,7 +165,7 @@ def scheduler_split_config(scheduler) -> MambaSplitConfig | None:
     specs = [getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in pool.groups]
     partial = pool.enable_caching and len(specs) > 1 and partial_hash_hits_enabled(
         specs, pool.hash_block_size, [manager_class_for_spec(s) for s in specs])
-    max_prefill = cfg.max_num_batched_tokens
+    max_prefill = cfg.scheduled_tokens_cap  # vLLM: self.max_num_scheduled_tokens, not the input budget
     if cfg.long_prefill_token_threshold > 0:
         max_prefill = min(max_prefill, cfg.long_prefill_token_threshold)
     config = MambaSplitConfig.from_specs(specs, pool.hash_block_size, pool.scheduler_block_size, partial,

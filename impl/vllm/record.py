@@ -154,8 +154,8 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # replayed (the header's scheduler section carries them; impl/reference/scheduler_cadence.py):
     # only the cadence beside a KV connector, which the reference scheduler refuses, is named (#28)
     flag(getattr(s, "defer_block_free", False) and conn is None, "deferred_block_free")
-    flag(getattr(s, "max_num_scheduled_tokens", sc.max_num_batched_tokens) != sc.max_num_batched_tokens,
-         "max_num_scheduled_tokens")
+    # an explicit max_num_scheduled_tokens (the step's token budget beside the input budget) is
+    # replayed: the header's scheduler section carries it (#28)
     flag(_local_prefill_interval(s) != 1 and conn is not None, "prefill_schedule_interval (with a KV connector)")
     flag(getattr(s, "num_sampled_tokens_per_step", 1) != 1, "pooling_or_diffusion_model")
     flag(getattr(s, "is_encoder_decoder", False), "encoder_decoder")

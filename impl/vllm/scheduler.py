@@ -83,7 +83,7 @@ class VllmEnv:
         vc.model_config.max_model_len = pool.max_model_len
         sc.max_model_len = pool.max_model_len
         sc.max_num_batched_tokens = config.max_num_batched_tokens
-        sc.max_num_scheduled_tokens = None
+        sc.max_num_scheduled_tokens = config.max_num_scheduled_tokens  # None: the Scheduler takes the input budget
         sc.max_num_seqs = config.max_num_seqs
         sc.max_num_active_seqs = config.max_num_active_seqs
         sc.long_prefill_token_threshold = config.long_prefill_token_threshold

@@ -269,7 +269,24 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
                       hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
                       watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
                       num_hash_lookahead_tokens=hash_lookahead, num_prefill_lookahead=prefill_lookahead)
-    return pool, cfg
+    return pool, with_scheduled_tokens_cap(cfg, max_model_len + bs)
+
+
+def with_scheduled_tokens_cap(cfg: SchedulerConfig, salt: int) -> SchedulerConfig:
+    """``cfg`` with an explicit ``max_num_scheduled_tokens`` in two setups of six (#28/#22): half
+    the input budget (the token budget binds, the step schedules fewer tokens than the runner
+    takes) or twice it (the input budget binds; vLLM's Mamba ``align`` split still caps a chunk by
+    the larger value). Chosen from what was drawn, with no draw of its own, so every other draw
+    keeps its sequence. Only with chunked prefill (without it a prompt longer than the step's
+    budget waits forever, a config vLLM's startup does not refuse), and never below one decode
+    plus its drafts (vLLM would rather not schedule a padded decode than cut it: a hang)."""
+    if not cfg.enable_chunked_prefill:
+        return cfg
+    pick = (7 * salt + cfg.max_num_batched_tokens) % 6
+    if pick > 1:
+        return cfg
+    cap = max(1, cfg.max_num_batched_tokens // 2) if pick == 0 else 2 * cfg.max_num_batched_tokens
+    return replace(cfg, max_num_scheduled_tokens=max(cap, 1 + cfg.num_speculative_tokens))
 
 
 PREFIXES = (tuple(range(1, 1025)), tuple(range(2000, 3024)), tuple(7 for _ in range(1024)))

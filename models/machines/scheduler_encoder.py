@@ -87,7 +87,7 @@ def encoder_setups(draw):
     startup-consistent setups (no speculative decoding), long enough for a few items; items never
     outgrow one step's tokens (vLLM's startup budget); the V2 model runner in half."""
     pool, cfg = draw(scheduler_setups(consistent=True, spec=False).filter(lambda s: s[0].max_model_len >= 24))
-    limit = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
+    limit = min(cfg.step_token_budget, cfg.long_prefill_token_threshold or cfg.step_token_budget)
     item_max = max(s for s in ITEM_SIZES.values() if s <= max(2, limit)) if limit >= 2 else 2
     if limit < 2:
         cfg = replace(cfg, long_prefill_token_threshold=0)

@@ -48,7 +48,7 @@ def header_for(pool: PoolConfig, config: SchedulerConfig, producer: str = "kvref
                  "groups": [{"layers": list(g.layer_names), "spec": _spec_record(g.kv_cache_spec)}
                             for g in pool.groups]},
         "scheduler": {"max_num_batched_tokens": config.max_num_batched_tokens,
-                      "max_num_scheduled_tokens": config.max_num_batched_tokens,
+                      "max_num_scheduled_tokens": config.scheduled_tokens_cap,
                       "max_num_seqs": config.max_num_seqs,
                       "long_prefill_token_threshold": config.long_prefill_token_threshold,
                       "enable_chunked_prefill": config.enable_chunked_prefill, "policy": config.policy,

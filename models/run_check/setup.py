@@ -114,8 +114,13 @@ def _spec_decode(spec: dict | None, unmodelled: list[str]) -> dict:
 
 def _cadence(s: dict) -> dict:
     """The header's prefill cadence, adaptive long-prefill threshold and ``max_num_active_seqs``
-    (replayed since session 11, #28; a trace without them ran with vLLM's defaults)."""
+    (replayed since session 11, #28; a trace without them ran with vLLM's defaults), and an
+    explicit ``max_num_scheduled_tokens`` (replayed since session 19: the reference schedules at
+    most the smaller of the two step budgets, as vLLM does)."""
     out: dict = {}
+    scheduled = s.get("max_num_scheduled_tokens")
+    if scheduled is not None and scheduled != s["max_num_batched_tokens"]:
+        out["max_num_scheduled_tokens"] = int(scheduled)
     if int(s.get("prefill_schedule_interval", 1) or 1) != 1:
         out["prefill_schedule_interval"] = int(s["prefill_schedule_interval"])
     if s.get("long_prefill_token_threshold_adaptive"):
