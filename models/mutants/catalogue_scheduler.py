@@ -88,8 +88,8 @@ _register(
 
 _register(
     "sched.budget_off_by_one", f"{_SCHED}.schedule",
-    "the step's token budget is max_num_batched_tokens - 1",
-    "token_budget = cfg.max_num_batched_tokens\n", "token_budget = cfg.max_num_batched_tokens - 1\n")
+    "the step's token budget is one short (the smaller of max_num_scheduled_tokens and max_num_batched_tokens, less 1)",
+    "token_budget = cfg.step_token_budget\n", "token_budget = cfg.step_token_budget - 1\n")
 
 _register(
     "sched.running_not_charged", f"{_SCHED}.schedule",
