@@ -2,7 +2,10 @@
 Mamba "align" pools with request hashes finer than the blocks, against the reference after every
 operation (:mod:`kvref.models.offload.offloading_partial_tails`): partial-tail stores (the COW-ed
 state and the attention block holding the boundary, fenced at once), lookups past the complete
-chunks with the bridge chunk, loads of the tail, and their self-describing KV events.
+chunks with the bridge chunk, loads of the tail, and their self-describing KV events; and the same
+pools with an EAGLE drafter group (:func:`kvref.models.offload.offloading_eagle.eagle_partial_tail_cases`:
+tails keyed at the drafter's proof margin, two blocks searched, the bridge chunk loaded, tails stored
+only by requests that loaded from the CPU tier once their proof is computed).
 
 The traces run in a child process started with ``PYTHONHASHSEED`` pinned to the check's seed, so
 one seed gives one trace in every run. Why a process: vLLM 0.33.0's OffloadingConnector keeps a
@@ -29,9 +32,9 @@ from .report import CheckResult
 from .verify_offload_retention import connector_divergence, with_retention
 
 
-def _tails_child(seed: int, n: int, conn, quiet: bool = False) -> None:
-    """The child's body: run the ``n`` partial-tail cases of ``seed`` and send back
-    ``("ok", stats, coverage, digest)``, ``("diverged", message)`` or ``("error", message)``.
+def _tails_child(seed: int, n: int, conn, quiet: bool = False, n_eagle: int = 0) -> None:
+    """The child's body: run the ``n`` partial-tail cases of ``seed`` (then its ``n_eagle`` EAGLE
+    partial-tail cases) and send back ``("ok", stats, coverage, digest)``, ``("diverged", message)`` or ``("error", message)``.
     ``quiet``: the parent silenced third-party logging, so the child does too (a spawned
     interpreter starts with none of the parent's logger levels)."""
     import hashlib
@@ -41,13 +44,20 @@ def _tails_child(seed: int, n: int, conn, quiet: bool = False) -> None:
 
         quiet_third_party()
 
+    from kvref.models.offload.offloading_eagle import (TAIL_COVERAGE, eagle_partial_tail_cases,
+                                                       run_eagle_partial_tail_traces)
     from kvref.models.offload.offloading_partial_tails import COVERAGE, partial_tail_cases, run_partial_tail_traces
     from kvref.models.offload.world_common import OffloadInvariantError
 
     try:
         digest = hashlib.sha256()
         stats = run_partial_tail_traces(partial_tail_cases(seed, n), digest=digest)
-        conn.send(("ok", stats, dict(COVERAGE), digest.hexdigest()))
+        counts = dict(COVERAGE)
+        if n_eagle:
+            eagle = run_eagle_partial_tail_traces(eagle_partial_tail_cases(seed, n_eagle), digest=digest)
+            stats.update({f"eagle_{k}": v for k, v in eagle.items()})
+            counts.update({f"eagle_{k}": v for k, v in TAIL_COVERAGE.items()})
+        conn.send(("ok", stats, counts, digest.hexdigest()))
     except OffloadInvariantError as exc:
         conn.send(("diverged", str(exc)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -56,8 +66,9 @@ def _tails_child(seed: int, n: int, conn, quiet: bool = False) -> None:
         conn.close()
 
 
-def run_pinned_partial_tails(seed: int, n: int) -> tuple[dict[str, int], dict[str, int], str]:
-    """The ``n`` partial-tail cases of ``seed`` in a child process whose ``PYTHONHASHSEED`` is
+def run_pinned_partial_tails(seed: int, n: int, n_eagle: int = 0) -> tuple[dict[str, int], dict[str, int], str]:
+    """The ``n`` partial-tail cases of ``seed`` (and ``n_eagle`` EAGLE partial-tail cases, their
+    stats and counts under ``eagle_`` names) in a child process whose ``PYTHONHASHSEED`` is
     ``seed`` (mod 2**32). Returns ``(stats, coverage counts, trace digest)``; raises
     :class:`~kvref.models.offload.world_common.OffloadInvariantError` when reference and vLLM
     differ, RuntimeError when the child fails otherwise."""
@@ -66,12 +77,14 @@ def run_pinned_partial_tails(seed: int, n: int) -> tuple[dict[str, int], dict[st
 
     if not isinstance(seed, int) or isinstance(seed, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seed {seed!r} / n {n!r}: seed must be an int, n an int >= 0")
+    if not isinstance(n_eagle, int) or isinstance(n_eagle, bool) or n_eagle < 0:
+        raise ValueError(f"n_eagle {n_eagle!r}: an int >= 0")
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     old = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = str(seed % 2**32)  # the spawned interpreter reads it at start
     try:
-        proc = ctx.Process(target=_tails_child, args=(seed, n, sender, quieted()), name="kvref-partial-tails")
+        proc = ctx.Process(target=_tails_child, args=(seed, n, sender, quieted(), n_eagle), name="kvref-partial-tails")
         proc.start()
     finally:
         if old is None:
@@ -99,12 +112,16 @@ def with_partial_tails(ctx: VerifyContext, result: CheckResult) -> CheckResult:
 
     COVERAGE.clear()
     try:
-        stats, counts, _ = run_pinned_partial_tails(ctx.seed, ctx.examples(8, 80))
+        stats, counts, _ = run_pinned_partial_tails(ctx.seed, ctx.examples(8, 80), ctx.examples(4, 40))
     except OffloadInvariantError as exc:
         return connector_divergence(result, "on a pool with partial tails", "partial tails", exc)
     COVERAGE.update(counts)
     c = COVERAGE
     result = replace(result, summary=f"{result.summary}; {stats['traces']} OffloadingConnector traces with partial "
                      f"tails ({stats['ops']} ops: {c['tail_stores']} partial-tail stores, {c['tail_flushes']} "
-                     f"flushed, {c['tail_loads']} loaded) agree", examined=result.examined + stats["ops"])
+                     f"flushed, {c['tail_loads']} loaded) agree; {stats.get('eagle_traces', 0)} with an EAGLE drafter group "
+                     f"({stats.get('eagle_ops', 0)} ops: {c['eagle_tail_stores']} tails stored at the proof margin, "
+                     f"{c['eagle_unloaded_skips'] + c['eagle_proof_skips']} skipped by it, {c['eagle_tail_hits']} hit, "
+                     f"{c['eagle_bridge_hits']} with the bridge chunk) agree",
+                     examined=result.examined + stats["ops"] + stats.get("eagle_ops", 0))
     return with_retention(ctx, result)

@@ -58,10 +58,27 @@ def vllm_kv_cache_manager(cfg: Any) -> tuple[Callable, Any, Any]:
                                                          layer_stride=page, block_stride=page)],
                          kv_cache_groups=groups,
                          prefix_cache_retention_interval=getattr(cfg, "prefix_cache_retention_interval", None))
+    # as vLLM's EngineCore sets them on the scheduler's config before the connector is built: the
+    # connector's EAGLE proof margin on a partial-tail pool is one hash where hits are fine-grained
+    # (OffloadingConnectorScheduler.__init__ reads cache_hit_alignment_tokens), else one block
+    kcfg.hash_block_size = hash_block_size
+    kcfg.cache_hit_alignment_tokens = _cache_hit_alignment_tokens(kcfg, cfg.block_size, hash_block_size)
     mgr = VKVCacheManager(kcfg, max_model_len=cfg.max_model_len, scheduler_block_size=cfg.block_size,
                           hash_block_size=hash_block_size, enable_caching=True,
                           use_eagle=any(g.is_eagle_group for g in groups) or bool(getattr(cfg, "speculative_eagle", False)))
     return hasher, kcfg, mgr
+
+
+def _cache_hit_alignment_tokens(kcfg, block_size: int, hash_block_size: int) -> int:
+    """vLLM 0.33.0 ``resolve_cache_hit_alignment_tokens`` for ``kcfg`` as ``EngineCore`` calls it
+    (prefix caching on, no decode context parallelism): the hash size where aligned Mamba states
+    allow sub-block hits and every group's manager supports fine-grained lookups, else the block
+    size."""
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    return resolve_cache_hit_alignment_tokens(kcfg, vcfg, block_size, hash_block_size)
 
 
 class VllmEngine(ReferenceEngine):

@@ -124,8 +124,11 @@ class OffloadingConfig:
         """Where the world's scheduler clips prefill chunks (None: no Mamba "align" group)."""
         if not self.mamba_align:
             return None
+        # with a drafter the engine runs EAGLE's block drop, which moves the prefill checkpoint a
+        # hash before the last one (vLLM ``get_mamba_prefill_checkpoint_position``)
         return MambaSplitConfig(block_size=self.block_size, hash_block_size=self.tokens_per_hash(),
-                                partial_cache_hit=self.tokens_per_hash() < self.block_size and not self.mamba_only)
+                                partial_cache_hit=self.tokens_per_hash() < self.block_size and not self.mamba_only,
+                                use_eagle_block_drop=self.eagle_group is not None or self.speculative_eagle)
 
     @classmethod
     def random(cls, rng: Any) -> OffloadingConfig:

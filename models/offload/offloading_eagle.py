@@ -88,3 +88,68 @@ def _count(w: OffloadingWorld) -> None:
         for kind, jobs in (("eagle_loads", m[0]), ("eagle_stores", m[1])):
             COVERAGE[kind] += sum(any(g is None or int.from_bytes(bytes(k[-4:]), "big") == g for k in keys)
                                   for _, _, keys, _, _ in jobs)
+
+
+#: what the EAGLE + partial-tail traces reached on the reference, summed over runs
+TAIL_COVERAGE: Counter = Counter()
+
+
+def eagle_partial_tail_config(rng: random.Random) -> OffloadingConfig:
+    """A partial-tail pool (:func:`~kvref.models.offload.offloading_partial_tails.partial_tail_config`:
+    full attention + Mamba "align", blocks wider than the hashes, one block a chunk) whose
+    full-attention group holds the drafter. vLLM then keys that group's partial tail at its EAGLE
+    proof margin past the boundary (one hash: these pools' hits are fine-grained), searches two
+    blocks past the complete hit (the bridge chunk is the drafter's popped one), and stores a tail
+    only for a request that loaded from the CPU tier, once the step computes its proof."""
+    from kvref.models.offload.offloading_partial_tails import partial_tail_config
+
+    cfg = partial_tail_config(rng)
+    return OffloadingConfig(**{**vars(cfg), "eagle_group": 0})
+
+
+def eagle_partial_tail_cases(seed: int, n: int) -> list[tuple[OffloadingConfig, list[tuple]]]:
+    """``n`` (config, ops) pairs drawn from ``seed``: the partial-tail traces' rounds (arrivals of
+    earlier prompts cut at their tails, drains, idle GPU prefix-cache resets)."""
+    rng = random.Random(f"offload-eagle-partial-tails-{seed}")
+    return [(eagle_partial_tail_config(rng), eagle_partial_tail_ops(rng, rng.randint(30, 50))) for _ in range(n)]
+
+
+def eagle_partial_tail_ops(rng: random.Random, n: int) -> list[tuple]:
+    """About ``n`` operations in rounds over one shared prefix family: three waves of arrivals, each
+    run to the end, its jobs completed and the GPU prefix cache reset. A tail is stored only by a
+    request that loaded from the CPU tier, so it takes two waves to store one (the first stores the
+    complete chunks, the second loads them and hands its tail over) and a third to look it up (and
+    the bridge chunk before it); a few random operations (:data:`~.offloading_partial_tails.KINDS`)
+    between rounds."""
+    from kvref.models.offload.offloading_partial_tails import KINDS, _op
+
+    ops: list[tuple] = []
+    while len(ops) < n:
+        fam = rng.choice([0, 1])
+        for _ in range(3):
+            ops += [_op(rng, "add", fam=fam) for _ in range(rng.randint(1, 2))]
+            ops += [_op(rng, "step", rep=4) for _ in range(rng.randint(2, 4))]
+            ops += [_op(rng, "drain"), _op(rng, "cload", flag=True)]
+        ops += [_op(rng, rng.choice(KINDS)) for _ in range(rng.randint(0, 3))]
+    return ops
+
+
+def run_eagle_partial_tail_traces(cases, backends: tuple[str, ...] = ("reference", "vllm"),
+                                  digest=None) -> dict[str, int]:
+    """Every case on ``backends``, compared after every operation (jobs, keys, blocks, chunk states,
+    KV events, hit sources, metrics); raises :class:`OffloadInvariantError` at the first difference.
+    :data:`TAIL_COVERAGE` gains the reference connector's partial-tail counts (tail hits, those
+    loading the bridge chunk, stores, stores skipped for the margin). ``digest``: as
+    :func:`~kvref.models.offload.offloading_partial_tails.run_partial_tail_traces`."""
+    cases = list(cases)
+    for i, (cfg, _) in enumerate(cases):
+        if not isinstance(cfg, OffloadingConfig) or cfg.eagle_group is None or not cfg.hash_block_size:
+            raise OffloadInvariantError(f"case {i}: not an EAGLE partial-tail configuration: {cfg!r}")
+
+    def count(w: OffloadingWorld) -> None:
+        _count(w)
+        TAIL_COVERAGE.update(w.b.conn.partial_tail_counts)
+        if digest is not None:
+            digest.update(repr((w.metas, w.kv_events)).encode())
+
+    return run_compared_traces(cases, backends, "EAGLE partial-tail", count)

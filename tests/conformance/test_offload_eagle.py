@@ -135,6 +135,70 @@ def test_eagle_groups_are_refused_where_not_modelled():
         OffloadingConnectorScheduler([fa], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[1])
     with pytest.raises(InvalidFieldError, match="Mamba"):
         OffloadingConnectorScheduler([fa, mamba], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[1])
-    with pytest.raises(InvalidFieldError, match="partial tails"):  # finer hashes: EAGLE proof margins
-        OffloadingConnectorScheduler([fa, mamba], CPUOffloadingManager(4, "lru"), 4, eagle_groups=[0])
+    # finer hashes (partial tails): the drafter group's tails are keyed one hash past the boundary
+    tails = OffloadingConnectorScheduler([fa, mamba], CPUOffloadingManager(4, "lru"), 4, eagle_groups=[0])
+    assert tails.supports_partial_tail and tails.eagle_proof_margins == {0: 4}
     assert OffloadingConnectorScheduler([fa], CPUOffloadingManager(4, "lru"), 8, eagle_groups=[0]).groups[0].is_eagle_group
+
+
+@pytest.fixture(scope="module")
+def tail_cases():
+    from kvref.models.offload.offloading_eagle import eagle_partial_tail_cases
+
+    return eagle_partial_tail_cases(0, 8)
+
+
+def _tail_finding(cases):
+    from kvref.models.offload.offloading_eagle import run_eagle_partial_tail_traces
+    from kvref.models.offload.world_common import OffloadInvariantError
+
+    try:
+        run_eagle_partial_tail_traces(cases)
+    except OffloadInvariantError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.vllm
+def test_eagle_partial_tail_traces_agree_and_reach_the_margin():
+    """Partial tails with a drafter group (#22): conform-offload's pinned child (seed 0, no plain
+    partial-tail case, 8 EAGLE ones) agrees with vLLM, and the traces store tails at the proof
+    margin, skip those of requests that did not load from the CPU tier, hit tails and load the
+    bridge chunk with them (~15 s at CI=true: one spawned interpreter)."""
+    require_vllm()
+    from kvref.verify_offload_tails import run_pinned_partial_tails
+
+    stats, counts, _ = run_pinned_partial_tails(0, 0, 8)
+    assert stats["traces"] == 0 and stats["eagle_traces"] == 8 and stats["eagle_ops"] > 300, stats
+    for what in ("eagle_tail_stores", "eagle_unloaded_skips", "eagle_tail_hits", "eagle_bridge_hits"):
+        assert counts.get(what, 0) > 0, (what, counts)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name, old, new", [
+    # the drafter's tail keyed at the boundary (its proof margin ignored)
+    ("_partial_tail_key_tokens", "boundary + self._eagle_proof_margins.get(group_config.group_idx, 0)", "boundary"),
+    # one block searched: the tail past the drafter's popped chunk (with the bridge) is never found
+    ("_lookup", "num_search_blocks = 2 if self._max_eagle_proof_margin else 1", "num_search_blocks = 1"),
+    # tails stored by requests that did not load from the CPU tier
+    ("_build_partial_tail_store_jobs", "if self._max_eagle_proof_margin and not req_status.loaded_from_offload:",
+     "if False:"),
+], ids=["no-margin-key", "one-block-search", "store-unloaded"])
+def test_planted_eagle_partial_tail_faults_are_flagged(tail_cases, name, old, new):
+    """Each fault planted in vLLM's own source is flagged on the 8 cases (~12 s each at CI=true)."""
+    require_vllm()
+    with planted_edit(offloading_scheduler_class(), name, old, new):
+        finding = _tail_finding(tail_cases)
+    assert finding is not None and "EAGLE partial-tail" in finding and "differ" in finding, finding
+
+
+@pytest.mark.vllm
+def test_a_reference_ignoring_the_proof_margin_is_caught(tail_cases, monkeypatch):
+    """The fault planted in the reference instead (its drafter tails keyed at the boundary) makes the
+    same comparison fail against the clean vLLM (~12 s at CI=true)."""
+    require_vllm()
+    from kvref.impl.reference.offload.partial_tails import PartialTails
+
+    monkeypatch.setattr(PartialTails, "_partial_tail_key_tokens", lambda self, c, boundary: boundary)
+    finding = _tail_finding(tail_cases)
+    assert finding is not None and "EAGLE partial-tail" in finding and "differ" in finding, finding

@@ -185,7 +185,7 @@ def test_a_divergence_in_the_pinned_child_fails_conform_offload(monkeypatch):
     from kvref.models.offload.world_common import OffloadInvariantError
     from kvref.report import FAILED, PASSED, CheckResult
 
-    def diverge(seed, n):
+    def diverge(seed, n, n_eagle=0):
         raise OffloadInvariantError("partial-tail trace 0 op 4: the step outputs differ")
 
     def not_reached(*_args, **_kwargs):

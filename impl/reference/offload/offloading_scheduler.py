@@ -24,7 +24,8 @@ Modelled subset (0.33.0 semantics): full-attention (incl. MLA), sliding-window (
 Mamba "align" groups with their boundary-state stores (:mod:`.boundary_stores`),
 ``tokens_per_hash == tokens_per_block``, or finer hashes on full attention + Mamba "align" pools with
 one block a chunk, where vLLM's partial tails (states inside a block) are stored, looked up and
-loaded (:mod:`.partial_tails`), CHUNK_LEVEL policy, GPU prefix caching on, no EAGLE, synchronous
+loaded (:mod:`.partial_tails`, EAGLE drafter groups there at their proof margin), CHUNK_LEVEL policy,
+GPU prefix caching on, EAGLE/MTP drafter groups (``eagle_groups``), synchronous
 loads (:mod:`.sync_loads`), vLLM's ``prefix_cache_retention_interval`` (sliding-window stores
 masked to the retained tails, :func:`swa_store_mask`). A request's
 ``kv_transfer_params`` give its load tier filter (no effect on the CPU tier) and its
@@ -142,6 +143,9 @@ class _ReqState:
     load_key_ranges: list[tuple[int, int]] = field(default_factory=list)
     # the hash boundary inside a block the last lookup hit (.partial_tails), consumed by the load
     partial_tail_boundary: int | None = None
+    # a lookup of it loaded from the offload tier (vLLM ``loaded_from_offload``): with an EAGLE proof
+    # margin only such a request stores its partial tail (.partial_tails)
+    loaded_from_offload: bool = False
 
 
 @dataclass
@@ -254,8 +258,9 @@ class OffloadingConnectorScheduler(PartialTails):
             ``is_eagle_group``): their trailing hit chunk is popped in the lookup, their last
             offloadable chunk is not stored while the request decodes (a rejected draft may rewrite
             it; stored once the request finished, #52735), and a sliding-window one keeps the
-            EAGLE store mask. Full-attention, sliding-window and chunked-local groups only, and no
-            partial tails (their EAGLE proof margins are not modelled).
+            EAGLE store mask. Full-attention, sliding-window and chunked-local groups only; on a
+            partial-tail pool a drafter group's tail is keyed at its EAGLE proof margin past the
+            boundary (:mod:`.partial_tails`).
     """
 
     def __init__(self, specs: Sequence[KVCacheSpec], manager: CPUOffloadingManager, tokens_per_hash: int,
@@ -292,9 +297,6 @@ class OffloadingConnectorScheduler(PartialTails):
         self.tokens_per_hash = tokens_per_hash
         self.blocks_per_chunk = blocks_per_chunk
         self._init_partial_tails()
-        if self.supports_partial_tail and any(c.is_eagle_group for c in cfgs):
-            raise InvalidFieldError("eagle_groups", eagle_groups, "() on a pool with partial tails (their EAGLE proof "
-                                                                  "margins are not modelled)")
         if any(c.tokens_per_block != tokens_per_hash for c in cfgs) and not self.supports_partial_tail:
             raise InvalidFieldError("tokens_per_hash", tokens_per_hash,
                                     "every group's block_size, unless the pool has partial tails (full attention + "
@@ -484,6 +486,7 @@ class OffloadingConnectorScheduler(PartialTails):
         if num_external_tokens == 0:
             return
         st = self._status(req)
+        st.loaded_from_offload = True
         local = st.num_locally_computed_tokens
         cached = local + num_external_tokens
         sync = req.request_id in self._sync.reserved
@@ -769,7 +772,7 @@ class OffloadingConnectorScheduler(PartialTails):
         for bid in self._batch_allocated:  # a fenced source was re-allocated: wait for its copy
             self._batch_jobs_to_flush.update(self._block_id_to_pending_jobs.get(bid, ()))
         stores = self._build_aligned_boundary_store_jobs(step.boundary_state_offloads)
-        stores.update(self._build_partial_tail_store_jobs(step.boundary_state_offloads))
+        stores.update(self._build_partial_tail_store_jobs(step.boundary_state_offloads, step.num_scheduled_tokens))
         stores.update(self._build_store_jobs(step))
         meta = OffloadingMeta(self._batch_load_jobs, stores, frozenset(self._batch_jobs_to_flush))
         for rid in step.finished_req_ids:

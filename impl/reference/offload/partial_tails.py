@@ -15,8 +15,19 @@ the boundary (not yet full). Every key is the request's hash ending at the bound
 
 Only where one boundary identifies every group's source (``supports_partial_tail``): one block per
 offload chunk, one block size for all groups, some Mamba "align" group wider than a hash, every group
-full attention or Mamba "align", no decode context parallelism. No EAGLE groups here (their proof
-margins move the keys past the boundary).
+full attention or Mamba "align", no decode context parallelism.
+
+EAGLE/MTP drafter groups (vLLM ``_eagle_proof_margins``, ``_partial_tail_key_tokens``): the GPU cache
+matches a drafter group a *proof margin* past a hit and drops it (``eagle_proof_margin``: one hash
+where hits are fine-grained - always so on these pools, whose groups are full attention and Mamba
+"align" - else one block), so the connector keys a drafter group's partial-tail block by the hash
+ending ``boundary + margin`` (the tail's own proof), the other groups' by the boundary's. With a
+margin the lookup searches two blocks past the complete hit (the complete lookup popped the
+drafter's last chunk, and a tail carrying its proof may lie in the block after it: the bridge chunk
+is then loaded too), and no boundary whose proof hash the request has not got yet
+(``len(block_hashes) * tokens_per_hash - margin``); a tail is stored only by a request that loaded
+from the offload tier (one that did not keeps its EAGLE tail in the GPU prefix cache) and only if
+this step computes the prompt tokens up to its proof (the hand-off is not offered again).
 
 Lookup: after the complete-chunk lookup, boundaries from the largest allowed down to just past the
 complete hit are tried, each needing a HIT for every group's key at that boundary. A boundary in the
@@ -35,6 +46,7 @@ step, the attention block is still written past the boundary but never before it
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +85,17 @@ class PartialTails:
             and any(c.requires_cow_source and c.tokens_per_block > self.tokens_per_hash for c in groups)
             and all(c.window is None or c.requires_cow_source for c in groups))
         self.partial_tail_block_size = groups[0].tokens_per_block if self.supports_partial_tail else 0
+        # vLLM ``_eagle_proof_margins``: per drafter group (not a COW source) of a partial-tail pool;
+        # its hits are fine-grained (every group full attention or Mamba "align", one Mamba block
+        # wider than a hash: vLLM's ``cache_hit_alignment_tokens`` is the hash size)
+        self.eagle_proof_margins = {
+            c.group_idx: _eagle_proof_margin(self.partial_tail_block_size, self.tokens_per_hash, True)
+            for c in groups if self.supports_partial_tail and c.is_eagle_group and not c.requires_cow_source}
+        self.max_eagle_proof_margin = max(self.eagle_proof_margins.values(), default=0)
+        # what the partial tails did, for coverage summaries (vLLM keeps no such counts; never
+        # compared): tail hits, those loading the bridge chunk too, stores, and stores skipped for
+        # the EAGLE margin (request not loaded from the offload tier / proof not computed yet)
+        self.partial_tail_counts: Counter = Counter()
 
     def _lookup_with_partial_tail(self, st: _ReqState, complete_hit: int | None,
                                   hit_ends: Sequence[int]) -> int | None:
@@ -85,7 +108,12 @@ class PartialTails:
         local = st.num_locally_computed_tokens
         complete_boundary = local + complete_hit
         tph, bs = self.tokens_per_hash, self.partial_tail_block_size
-        max_boundary = min(st.req.num_prompt_tokens - 1, complete_boundary + bs - 1)
+        margin = self.max_eagle_proof_margin
+        # with a drafter group the complete lookup popped its last chunk: a tail carrying its own
+        # proof may lie in the block after it, so two blocks are searched
+        max_boundary = min(st.req.num_prompt_tokens - 1, complete_boundary + (2 if margin else 1) * bs - 1)
+        if margin:  # the proof key needs a hash of this request past the boundary
+            max_boundary = min(max_boundary, len(self.block_hasher(st.req)) * tph - margin)
         if st.max_load_tokens is not None:
             max_boundary = min(max_boundary, local + st.max_load_tokens)
         max_boundary = round_down(max_boundary, tph)
@@ -93,7 +121,8 @@ class PartialTails:
             return complete_hit
         # A boundary past the complete hit's block also loads that block's chunk (the "bridge").
         # Without EAGLE proof margins a hit ends at most a block minus a hash past a chunk-aligned
-        # complete boundary, so this is reached only from an unaligned local hit.
+        # complete boundary, so this is reached only from an unaligned local hit; with them it is
+        # the common case (the drafter's popped chunk is the bridge).
         bridge_chunk_idx = complete_boundary // bs
         bridge_boundary = (bridge_chunk_idx + 1) * bs
         unconfirmed: list[tuple[GroupOffloadConfig, OffloadKey]] = []
@@ -121,6 +150,8 @@ class PartialTails:
                     for c, key in unconfirmed:
                         self.events_tracker.record_lookup(key, self._snapshot(st, c, bridge_chunk_idx))
                 st.partial_tail_boundary = boundary
+                self.partial_tail_counts["tail_hits"] += 1
+                self.partial_tail_counts["bridge_hits"] += loads_bridge
                 return boundary - local
             pending |= boundary_pending
         if pending and complete_hit == 0:
@@ -147,19 +178,29 @@ class PartialTails:
         return True, False
 
     def _partial_tail_key(self, st: _ReqState, c: GroupOffloadConfig, boundary: int) -> OffloadKey:
-        """Group ``c``'s key of ``st``'s partial tail at ``boundary`` (no EAGLE proof margin)."""
-        return make_boundary_key(self.block_hasher(st.req), c.group_idx, boundary, self.tokens_per_hash, st.ctx)
+        """Group ``c``'s key of ``st``'s partial tail at ``boundary``: the hash ending at the
+        boundary, a drafter group's at its proof past it (vLLM ``_partial_tail_key_tokens``)."""
+        return make_boundary_key(self.block_hasher(st.req), c.group_idx, self._partial_tail_key_tokens(c, boundary),
+                                 self.tokens_per_hash, st.ctx)
+
+    def _partial_tail_key_tokens(self, c: GroupOffloadConfig, boundary: int) -> int:
+        """The token position whose hash keys group ``c``'s partial-tail block at ``boundary``."""
+        return boundary + self.eagle_proof_margins.get(c.group_idx, 0)
 
     def _partial_snapshot(self, st: _ReqState, c: GroupOffloadConfig, boundary: int):
         t = self.events_tracker
         if not t.enabled:
             return None
         return t.snapshot_partial_tail(self.block_hasher(st.req), st.req.all_token_ids, c.group_idx,
-                                       c.window is not None, c.tokens_per_chunk, self.tokens_per_hash, boundary)
+                                       c.window is not None, c.tokens_per_chunk, self.tokens_per_hash,
+                                       self._partial_tail_key_tokens(c, boundary))
 
-    def _build_partial_tail_store_jobs(self, handoffs: Handoffs) -> dict[int, TransferJob]:
+    def _build_partial_tail_store_jobs(self, handoffs: Handoffs,
+                                       num_scheduled_tokens: dict[str, int]) -> dict[int, TransferJob]:
         """One store job per request with a hand-off off the block grid (vLLM's loop in
-        ``_build_partial_tail_store_jobs``), job ids after the aligned boundary stores'."""
+        ``_build_partial_tail_store_jobs``), job ids after the aligned boundary stores'.
+        ``num_scheduled_tokens``: this step's tokens per request (a drafter's proof must be computed
+        by the end of the step)."""
         out: dict[int, TransferJob] = {}
         if not self.supports_partial_tail:
             return out
@@ -173,6 +214,9 @@ class PartialTails:
             if st is None:
                 raise OffloadStateError(f"boundary_state_offloads: a partial tail of request {rid!r}, which the "
                                         "connector does not track")
+            if self.max_eagle_proof_margin and not st.loaded_from_offload:
+                self.partial_tail_counts["unloaded_skips"] += 1
+                continue  # it keeps its EAGLE tail in the GPU prefix cache (vLLM skips the store)
             boundaries = {b for _, _, b in entries}
             if len(boundaries) != 1:
                 raise OffloadStateError(f"boundary_state_offloads: request {rid!r} hands over partial tails at "
@@ -187,6 +231,9 @@ class PartialTails:
             if boundary > max_boundary:
                 # past the request's max_offload_tokens: not stored (vLLM 0.33.0 asserts here and the
                 # engine dies; docs/differences.md)
+                continue
+            if self.max_eagle_proof_margin and not self._proof_computed(st, boundary, num_scheduled_tokens):
+                self.partial_tail_counts["proof_skips"] += 1
                 continue
             cow_blocks = {g: bid for g, bid, _ in entries}
             if not cow_groups <= cow_blocks.keys():
@@ -214,4 +261,21 @@ class PartialTails:
             sources = [block_ids[by_key[key]] for key in res.keys_to_store]
             job, transfer = self._register_store_job(st, res, sources)  # its sources fenced from creation
             out[job] = transfer
+            self.partial_tail_counts["tail_stores"] += 1
         return out
+
+    def _proof_computed(self, st: _ReqState, boundary: int, num_scheduled_tokens: dict[str, int]) -> bool:
+        """Whether the drafter's proof of a tail at ``boundary`` is computed by the end of this step
+        (vLLM: the COW hand-off arrives on the step that computes the prompt past the boundary and
+        is not offered again; workers store after this step's forward, so this step's prompt tokens
+        count)."""
+        req = st.req
+        after = min(req.num_computed_tokens + num_scheduled_tokens.get(req.request_id, 0), req.num_prompt_tokens)
+        return boundary + self.max_eagle_proof_margin <= after
+
+
+def _eagle_proof_margin(block_size: int, tokens_per_hash: int, fine_grained_lookup: bool) -> int:
+    """Tokens the GPU cache matches an EAGLE group past a hit before dropping them (vLLM 0.33.0
+    ``kv_cache_utils.eagle_proof_margin``): one hash where lookups are fine-grained and blocks wider
+    than a hash, else one block."""
+    return tokens_per_hash if fine_grained_lookup and block_size > tokens_per_hash else block_size
