@@ -398,8 +398,10 @@ def _request_unmodelled(request, existing: bool, s=None) -> list[str]:
     # prompt embeddings are recorded (add.embeds: a digest per row, format 6) and replayed (#28)
     if getattr(request, "prompt_embeds", None) is None and request.prompt_token_ids is None:
         found.append("prompt_embeds")  # no token ids and no embeddings: nothing to replay
-    if getattr(request, "kv_transfer_params", None):
-        found.append("kv_transfer")
+    # kv_transfer_params (a P/D split's do_remote_prefill / do_remote_decode, the remote engine's
+    # address) are read by the KV connector, whose answers the trace holds (format 4); vLLM's
+    # scheduler itself reads only do_remote_prefill (a fetch stage from arrival, recorded as
+    # add.remote): replayed (#28)
     # repetition detection, min_tokens and the EOS id are recorded (add.rep/min/eos, format 5) and
     # replayed through the reference's check_stop (#28)
     return found
@@ -750,7 +752,7 @@ class _Recorder:
         extra = _request_unmodelled(request, existing, self)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), _stop_json(sp, anon),
                 "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
@@ -759,6 +761,9 @@ class _Recorder:
                 # a streaming-input session's turn (format 6, #28): vLLM's Request.resumable; an add
                 # with a live session's id is its next input, or (not resumable) its end
                 ',"resumable":true' if getattr(request, "resumable", False) else "",
+                # the decode side of a P/D split (kv_transfer_params.do_remote_prefill, #28)
+                ',"remote":true' if (getattr(request, "kv_transfer_params", None) or {}).get("do_remote_prefill")
+                else "",
                 _features_json(request, anon), _embeds_json(request, anon),
                 ',"x":' + _dumps(extra) if extra else ""))
 

@@ -136,9 +136,6 @@ class TraceConnector(SchedulerConnector):
         self._async: dict[str, bool] = {}  # the last lookup's async flag per request
         #: (request id, external tokens) of the admissions after a lookup, since the last take
         self.admissions: list[tuple[str, int]] = []
-        #: requests the reference skipped after asking the connector (no answer yet, an async load
-        #: started): vLLM's ``deferred_waiting`` gains them (its waiting count leaves them out)
-        self.skipped: list[str] = []
         self.num_answers = 0
 
     # ---- the replay's side ----------------------------------------------------------------------
@@ -185,8 +182,6 @@ class TraceConnector(SchedulerConnector):
                                     f"{num_computed_tokens}", e[1:3], [request_id, num_computed_tokens])
         self._looked_up.add(request_id)
         self._async[request_id] = bool(e[4])
-        if e[3] is None:
-            self.skipped.append(request_id)
         return e[3], e[4]
 
     def update_state_after_alloc(self, request_id: str, block_ids: BlockIdsT, num_external_tokens: int) -> None:
@@ -199,8 +194,7 @@ class TraceConnector(SchedulerConnector):
         if request_id in self._looked_up:
             self._looked_up.discard(request_id)
             self.admissions.append((request_id, num_external_tokens))
-            if self._async.pop(request_id, False) and num_external_tokens > 0:
-                self.skipped.append(request_id)
+            self._async.pop(request_id, None)
 
     def build_connector_meta(self, scheduled_ids, finished_ids) -> None:
         pass

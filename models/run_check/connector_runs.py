@@ -64,7 +64,7 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
 
 def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 30,
                           setups=None, strict: bool = True, anonymize: bool = False,
-                          pause: bool = False) -> list[RecordedRun]:
+                          pause: bool = False, lifecycle: bool = False, hisparse: bool = False) -> list[RecordedRun]:
     """Record ``examples`` generated connector runs of vLLM's scheduler into ``directory``.
 
     Raises the machine's failure (an AssertionError naming it) when vLLM's run itself broke an
@@ -75,7 +75,12 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
     (:func:`~kvref.models.machines.scheduler_pause._connector_pause_machine`: pause states drawn
     while requests run or wait holding KV blocks, PAUSED_NEW while loads are in flight), so the
     traces carry ``pause`` records beside the connector's answers (#28); not with ``setups`` (that
-    machine draws the connector machine's own setups).
+    machine draws the connector machine's own setups). ``lifecycle``: the lifecycle machine's
+    arrivals and setups (:mod:`~kvref.models.machines.scheduler_lifecycle`: async consumers, stats
+    on, the decode side of a P/D split -- one arrival in three carries ``kv_transfer_params``
+    ``do_remote_prefill`` -- and the engine's shutdown); not with ``setups`` or ``pause``;
+    ``hisparse`` (with ``lifecycle``): a HiSparse host pool, whose deferred async loads check-run
+    does not replay (the recorder names them; the run properties hold).
     """
     from kvref.models.machines.scheduler import run_lockstep_machine
     from kvref.models.machines.scheduler_connector import ConnectorLockstep, connector_machine
@@ -106,7 +111,21 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                 raise
 
     factories = {"vllm": _recording_factory(holder, directory, runs, anonymize)}
-    if pause:
+    if lifecycle and (pause or setups is not None):
+        from kvref.spec.errors import InvalidFieldError
+
+        raise InvalidFieldError("lifecycle", lifecycle, "False with pause=True or setups (the lifecycle machine "
+                                "draws its own setups)")
+    if lifecycle:
+        from kvref.models.machines.scheduler_lifecycle import LifecycleLockstep, lifecycle_machine
+
+        # the recording driver with the lifecycle's worker outcomes and the engine's shutdown (not
+        # its polled counts: make_stats() would reset the counters the recorder reads)
+        recorded = type("RecordedLifecycle", (Recorded,), {
+            "outcomes": LifecycleLockstep.outcomes, "shutdown": LifecycleLockstep.shutdown,
+            "_reference_state": LifecycleLockstep._reference_state})  # None: vLLM is the only target
+        machine = lifecycle_machine(factories, driver_class=recorded, hisparse=bool(hisparse))
+    elif pause:
         from kvref.models.machines.scheduler_pause import PauseDriving, _connector_pause_machine
 
         if setups is not None:

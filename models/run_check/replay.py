@@ -134,6 +134,8 @@ def _request(rec: dict) -> Request:
                    **stop,
                    skip_reading_prefix_cache=rec.get("skip_read") is True, mm_features=mm,
                    resumable=rec.get("resumable") is True,
+                   # kv_transfer_params.do_remote_prefill (#28): the decode side of a P/D split
+                   do_remote_prefill=rec.get("remote") is True,
                    # prompt embeddings (format 6): a digest per row stands for the row
                    prompt_embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") else None,
                    lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
@@ -171,8 +173,6 @@ class LockstepReplay:
         self._tally = PrefixCacheTally(bool(setup.pool is not None and setup.pool.enable_caching))
         self._num_blocks = setup.pool.num_blocks if setup.pool is not None else 0
         self._reset_replayed = False  # a replayed reset's preemptions are the reference's too
-        #: vLLM's deferred_waiting on connector runs: skipped waiting requests, until scheduled
-        self._deferred: set[str] = set()
         #: vLLM's connector_prefix_cache_stats since the last update (connector runs)
         self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
 
@@ -423,9 +423,6 @@ class LockstepReplay:
         record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
         if self.connector is not None:
             self._record_connector_admissions(out, record)
-            self._deferred.update(self.connector.skipped)
-            self.connector.skipped.clear()
-            self._deferred.difference_update(s.request_id for s in out.scheduled)
             self.steps_compared += 1
             return
         for s in out.scheduled:
@@ -540,9 +537,13 @@ class LockstepReplay:
         sched = self.scheduler
         wait = len(sched.waiting)
         if self.connector is not None:  # vLLM: waiting + kv_holding_waiting - deferred_waiting
+            # the reference's own deferred_waiting (what its make_stats reports): the replay kept a
+            # set of its own from the connector's answers, which took a "not yet" answer to a
+            # request that skips the prefix cache for a skip (vLLM zeroes that answer first: a
+            # false divergence on 3 of 17 recorded lifecycle runs, session 19)
             holding = sched.connector_state.kv_holding_waiting
-            self._deferred.intersection_update(self._live)
-            skip = sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in self._deferred)
+            deferred = sched.connector_state.deferred_waiting
+            skip = sum(1 for q in (sched.waiting, holding) for r in q if r.request_id in deferred)
             wait += len(holding)
         else:  # vLLM's deferred_waiting: requests its waiting loop skipped (one LoRA adapter too many,
             # encoder limits that leave no token, stale async output, a session waiting for input)
