@@ -169,6 +169,10 @@ class Request:
     min_tokens: int = 0
     repetition_detection: RepetitionDetectionParams | None = None
     resumable: bool = False
+    #: SWA bounded replay (vLLM ``Request.replay_start``): where the last admission's replay of
+    #: its prefix hit starts (the worker has no window KV below it); set by the scheduler only
+    #: (:mod:`kvref.impl.reference.scheduler_prefix_replay`)
+    replay_start: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

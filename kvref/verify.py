@@ -480,6 +480,11 @@ SCHEDULER_RUNS = (
            "scheduler traces on Mamba-align pools",
            "; {traces} on Mamba-align pools ({mamba_clipped_chunks} chunks clipped to state boundaries, "
            "{prefix_hits} prefix hits)"),
+    # DeepSeek-V4.1 SWA bounded replay: FA + a replay window group, hits dropped or rewound by the window
+    SubRun("kvref.models.machines.scheduler_prefix_replay:run_prefix_replay_machine", (5, 30),
+           "scheduler traces on bounded-replay pools",
+           "; {traces} on bounded-replay pools ({replay_admissions} admissions rewound by the window, "
+           "{replay_hits_dropped} hits within it dropped)"),
     # pause states and the counts the engine polls
     SubRun("kvref.models.machines.scheduler_pause:run_pause_machine", (6, 40),
            "scheduler traces with pause states",

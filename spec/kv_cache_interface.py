@@ -111,6 +111,13 @@ class KVCacheSpec:
         """Width of the worker-side block table row (not memory accounting)."""
         return cdiv(max_len, self.block_size)
 
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Trailing hit tokens a prefix hit recomputes to rebuild this group's KV (vLLM 0.33.0
+        ``KVCacheSpec.prefix_replay_tokens``): 0 except for a bounded-replay sliding window
+        (:class:`SlidingWindowMLASpec`), whose window is recomputed after every hit."""
+        return 0
+
     def admission_cap(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
         """The per-request block cap vLLM's manager for this spec admits against, or None (no cap).
 
@@ -380,6 +387,71 @@ class SlidingWindowSpec(AttentionSpec):
         _check_specs("specs", specs, mapping=True)
         return all(isinstance(s, SlidingWindowSpec) and s.sliding_window == self.sliding_window
                    for s in specs.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """A sliding window stored in MLA format (one latent vector per token, ``head_size_v = 0``;
+    vLLM 0.33.0 ``SlidingWindowMLASpec``, run by the ``SlidingWindowManager``).
+
+    ``bounded_replay`` (DeepSeek-V4.1 "SWA bounded replay"): the group's blocks are per-request
+    scratch, never shared through the prefix cache (``prefix_cacheable`` is False: no hit lookup,
+    no caching, no hashes); after a prefix hit the scheduler recomputes the hit's last
+    ``sliding_window`` tokens (``prefix_replay_tokens``) to rebuild the window's KV, and drops hits
+    no longer than the window (see :mod:`kvref.impl.reference.scheduler_prefix_replay`).
+    ``alignment`` pads the page up to a multiple, as for :class:`MLAAttentionSpec`.
+    """
+
+    head_size_v: int | None = 0
+    cache_dtype_str: str | None = None
+    alignment: int | None = None
+    bounded_replay: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        _check_bool(owner, "bounded_replay", self.bounded_replay)
+        check_int(f"{owner}.alignment", self.alignment, minimum=1, allow_none=True)
+        if self.alignment is not None:
+            padded = round_up(self.unpadded_page_size_bytes, self.alignment)
+            if padded != self.unpadded_page_size_bytes:
+                object.__setattr__(self, "page_size_padded", padded)
+
+    @property
+    def prefix_cacheable(self) -> bool:  # type: ignore[override]
+        return not self.bounded_replay
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.sliding_window if self.bounded_replay else 0
+
+    @classmethod
+    def merge(cls, specs: "list[KVCacheSpec]") -> "KVCacheSpec":
+        """Merge sliding-window MLA layers (vLLM's ``SlidingWindowMLASpec.merge``): one cache dtype,
+        window, retained-token count and replay policy, and the same :class:`AttentionSpec`
+        fields; the merged spec keeps the first layer's page (padding included)."""
+        _check_specs("specs", specs, mapping=False)
+        if not all(isinstance(s, SlidingWindowMLASpec) for s in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be SlidingWindowMLASpec.")
+        for name in ("cache_dtype_str", "sliding_window", "extra_retained_tokens", "bounded_replay"):
+            if len({getattr(s, name) for s in specs}) != 1:
+                raise SpecMergeError("All attention layers in the same KV cache group must use the same "
+                                     f"quantization method, sliding window size, retained token count and "
+                                     f"replay policy ({name} differs).")
+        first = specs[0]
+        assert isinstance(first, SlidingWindowMLASpec)
+        merged = cls(**_attention_fields(first), sliding_window=first.sliding_window,  # type: ignore[call-arg]
+                     extra_retained_tokens=first.extra_retained_tokens, cache_dtype_str=first.cache_dtype_str,
+                     bounded_replay=first.bounded_replay)
+        _check_same_attention_fields(specs, merged)
+        return merged
+
+    def is_uniform_with_collection(self, specs: "dict[str, KVCacheSpec]") -> bool:
+        """Same token slots only with the same window and replay policy (a replay group's blocks
+        are not prefix-cached, a plain window's are)."""
+        _check_specs("specs", specs, mapping=True)
+        return all(isinstance(s, SlidingWindowMLASpec) and s.sliding_window == self.sliding_window
+                   and s.bounded_replay == self.bounded_replay for s in specs.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -709,6 +781,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def prefix_cacheable(self) -> bool:  # type: ignore[override]
         return all(s.prefix_cacheable for s in self.kv_cache_specs.values())
 
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return max(s.prefix_replay_tokens for s in self.kv_cache_specs.values())
+
     @staticmethod
     def is_uniform_type(specs: "dict[str, KVCacheSpec]") -> bool:
         """vLLM's ``is_uniform_type``: one block size, one ``dcp_sharded`` value, and the first
@@ -775,6 +851,7 @@ _UNIFORM_TYPE_BASE.update({
     SinkFullAttentionSpec: FullAttentionSpec,
     CircularBufferSpec: CircularBufferSpec,
     SlidingWindowSpec: SlidingWindowSpec,
+    SlidingWindowMLASpec: SlidingWindowMLASpec,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionSpec,
     MambaSpec: MambaSpec,
     CrossAttentionSpec: CrossAttentionSpec,

@@ -70,6 +70,7 @@ from . import scheduler_connector_stats as _conn_stats
 from .scheduler_spec_decode import SpecDecodeState
 from .scheduler_mamba_split import split_scheduled_chunk
 from .scheduler_prefill_lookahead import reserve_prefill_lookahead
+from . import scheduler_prefix_replay as _replay
 from .scheduler_cadence import PrefillCadence, adaptive_long_prefill_threshold
 from . import scheduler_encoder as _enc
 from . import scheduler_lora as _lora
@@ -181,6 +182,12 @@ class Scheduler:
         self._in_flight: dict[int, SchedulerOutput] = {}
         self.pause_state = PauseState.UNPAUSED  # vLLM ``Scheduler._pause_state``
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
+        # SWA bounded replay: the one replay window of the pool (:mod:`.scheduler_prefix_replay`)
+        self.prefix_replay_tokens = _replay.prefix_replay_tokens(pool)
+        if self.prefix_replay_tokens and connector is not None:
+            raise InvalidFieldError("connector", type(connector).__name__,
+                                    "None on a pool with a bounded-replay group (kvref models the replay of "
+                                    "local prefix hits only)")
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
         self.connector_state = _conn.make_state(connector, config, pool) if connector is not None else None
         # vLLM: an EAGLE-like drafter drops the trailing hit block (use_eagle_block_drop) unless
@@ -430,7 +437,7 @@ class Scheduler:
                           prefill_scheduled: bool = False, defer_prefills: bool = False) -> int:
         """Admit waiting requests in queue order until one does not fit (head-of-line, #39734)."""
         if self.connector_state is not None:
-            return _conn.schedule_waiting(self, token_budget, long_prefill, scheduled)
+            return _conn.schedule_waiting(self, token_budget, long_prefill, scheduled, prefill_scheduled)
         cfg = self.config
         kv = self.kv_cache_manager
         skipped: list[Request] = []
@@ -465,12 +472,20 @@ class Scheduler:
                 continue
 
             looked_up = request.num_computed_tokens == 0
+            num_replay = 0
             if looked_up:
                 hit_ids, num_hit = kv.get_computed_blocks(request)
+                if _replay.drop_short_hit(self.prefix_replay_tokens, num_hit):
+                    hit_ids, num_hit = None, 0  # SWA bounded replay: recomputed in full anyway
             else:  # a session resuming on the KV blocks it kept: no prefix-cache lookup
                 hit_ids, num_hit = None, request.num_computed_tokens
             if defer_prefills and num_hit < request.num_tokens - 1:
                 break  # prefill cadence: no prefill this step (scheduler_cadence)
+            hit_tokens = num_hit  # what allocate_slots adopts
+            if looked_up and self.prefix_replay_tokens:
+                replay = _replay.replay_admission(self.prefix_replay_tokens, num_hit)
+                request.replay_start = replay.replay_start
+                num_hit, num_replay = replay.num_computed_tokens, replay.num_replay_tokens
             num_new = request.num_tokens - num_hit
             padded = self.spec_decode.pad_new_decode(
                 num_new, num_hit, prefill_scheduled, any(v[1] == "running" for v in scheduled.values()),
@@ -499,7 +514,8 @@ class Scheduler:
                 continue
 
             blocks = kv.allocate_slots(
-                request, num_new, num_new_computed_tokens=num_hit if looked_up else 0, new_computed_block_ids=hit_ids,
+                request, _replay.slots_past_hit(num_new, num_replay),
+                num_new_computed_tokens=hit_tokens if looked_up else 0, new_computed_block_ids=hit_ids,
                 num_lookahead_tokens=cfg.num_lookahead_tokens, full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=0,
                 has_scheduled_reqs=bool(self.running))
             if blocks is None:
@@ -507,7 +523,7 @@ class Scheduler:
                     self.encoder.manager.free(request)  # the cache references its lookup took
                 break  # head-of-line: the requests behind it are not tried this step
             if self.records_prefix_cache_stats and looked_up:
-                _record_prefix_cache_stats(kv, request, num_hit)
+                _record_prefix_cache_stats(kv, request, hit_tokens)  # vLLM: the hit adopted, before the rewind
 
             queue.pop_request()
             self.cadence.note_admitted(request)

@@ -35,6 +35,7 @@ from kvref.spec.kv_cache_interface import (
     MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -91,6 +92,11 @@ def to_vllm_spec(spec: KVCacheSpec) -> Any:
     if isinstance(spec, FullAttentionSpec):
         return kci.FullAttentionSpec(**common, sliding_window=spec.sliding_window,
                                      attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, SlidingWindowMLASpec):  # DeepSeek-V4.1 SWA, bounded replay or not (#22)
+        return kci.SlidingWindowMLASpec(**common, sliding_window=spec.sliding_window,
+                                        extra_retained_tokens=spec.extra_retained_tokens,
+                                        cache_dtype_str=spec.cache_dtype_str, alignment=spec.alignment,
+                                        bounded_replay=spec.bounded_replay)
     if isinstance(spec, SlidingWindowSpec):
         return kci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window,
                                      extra_retained_tokens=spec.extra_retained_tokens)

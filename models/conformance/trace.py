@@ -137,7 +137,8 @@ _QUIET_DEFAULTS = frozenset({"mm", "lora", "embeds", "session_id", "skip_reading
 
 _SPEC_TYPES = {cls.__name__: cls for cls in (
     kci.FullAttentionSpec, kci.MLAAttentionSpec, kci.SlidingWindowSpec, kci.ChunkedLocalAttentionSpec,
-    kci.CrossAttentionSpec, kci.MambaSpec, kci.RSWASpec, kci.SinkFullAttentionSpec, kci.CircularBufferSpec)}
+    kci.CrossAttentionSpec, kci.MambaSpec, kci.RSWASpec, kci.SinkFullAttentionSpec, kci.CircularBufferSpec,
+    kci.SlidingWindowMLASpec)}
 
 
 def _path(path: object) -> Path:

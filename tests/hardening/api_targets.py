@@ -1231,6 +1231,24 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["SlidingWindowSpec.merge"] = (SlidingWindowSpec.merge, dict(specs=[SWA, SWA]))
     rswa = kci.RSWASpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", rswa_window=8)
     out["RSWASpec.merge"] = (kci.RSWASpec.merge, dict(specs=[rswa, rswa]))
+    # issue #22: DeepSeek-V4.1 SWA bounded replay
+    swa_mla = kci.SlidingWindowMLASpec(block_size=4, num_kv_heads=1, head_size=4, dtype="bfloat16", sliding_window=4,
+                                       bounded_replay=True)
+    out["SlidingWindowMLASpec"] = (kci.SlidingWindowMLASpec, dict(block_size=4, num_kv_heads=1, head_size=4,
+                                                                  dtype="bfloat16", sliding_window=4,
+                                                                  bounded_replay=True, alignment=16))
+    out["SlidingWindowMLASpec.merge"] = (kci.SlidingWindowMLASpec.merge, dict(specs=[swa_mla, swa_mla]))
+    out["SlidingWindowMLASpec.is_uniform_with_collection"] = (swa_mla.is_uniform_with_collection,
+                                                              dict(specs={"l0": swa_mla}))
+    from kvref.impl.reference import scheduler_prefix_replay as replay
+
+    out["ReplayAdmission"] = (replay.ReplayAdmission, dict(hit_tokens=8, hit_kept=True, num_computed_tokens=4,
+                                                           num_replay_tokens=4, replay_start=4))
+    out["drop_short_hit"] = (replay.drop_short_hit, dict(window=4, num_hit=3))
+    out["replay_admission"] = (replay.replay_admission, dict(window=4, num_hit=9))
+    out["slots_past_hit"] = (replay.slots_past_hit, dict(num_new_tokens=6, num_replay_tokens=4))
+    out["prefix_replay_tokens"] = (replay.prefix_replay_tokens, dict(pool=pool_config(groups=(
+        GROUP, KVCacheGroupSpec(("l1",), swa_mla)))))
     out["check_config"] = (pool_sizing.check_config, dict(config=eng))
     saved = conf_trace.Trace(pc).save(_scratch("t.json"))
     out["Trace.load"] = (conf_trace.Trace.load, dict(path=str(saved)))
