@@ -22,6 +22,13 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not run.ok:
         return CheckResult(name, FAILED, "KV-connector traces diverged from vLLM",
                            details=run.failure.splitlines()[:30], signature=run.signature)
+    # then speculative decoding beside the connector: padded admissions after an external hit,
+    # lookahead slots held back during an async load, one speculative step reserved beside it (#22)
+    spec = run_connector_machine(with_vllm=True, examples=ctx.examples(3, 40), shrink=ctx.shrink, seed=ctx.seed,
+                                 spec=True)
+    if not spec.ok:
+        return CheckResult(name, FAILED, "KV-connector traces with speculative decoding diverged from vLLM",
+                           details=spec.failure.splitlines()[:30], signature=spec.signature)
     # then pause states with a KV connector: PAUSED_NEW still admits KV-holding requests (#22)
     from kvref.models.machines.scheduler_pause import run_connector_pause_machine
 
@@ -62,7 +69,11 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
         return CheckResult(name, FAILED, "vLLM's MultiConnector (scheduler + worker roles) diverged from the reference",
                            details=str(exc).splitlines()[:30], signature=f"{name}: MultiConnector worker side")
     c = paused.coverage
-    return CheckResult(name, PASSED, run.summary + f"; {paused.traces} with pause states "
+    sc = spec.coverage
+    return CheckResult(name, PASSED, run.summary + f"; {spec.traces} with speculative decoding "
+                       f"({sc.get('loads_started_async', 0)} async loads, {sc.get('promoted_load_scheduled', 0)} "
+                       f"promoted, {sc.get('vllm_hang_spec_step_reservation', 0)} vLLM hangs on the speculative "
+                       f"step's reservation); {paused.traces} with pause states "
                        f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held); "
                        f"{life.traces} async-consumer lifecycles ({life.coverage.get('steps_with_deferred_frees', 0)} "
                        f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
@@ -73,5 +84,5 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
                        f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
-                       examined=run.traces + paused.traces + life.traces + deferred.traces + reload.traces
+                       examined=run.traces + spec.traces + paused.traces + life.traces + deferred.traces + reload.traces
                        + multi["traces"])

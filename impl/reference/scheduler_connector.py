@@ -364,9 +364,6 @@ class ConnectorState:
 def make_state(connector: ScriptedConnector, config, pool=None) -> ConnectorState:
     """The scheduler's connector state; refuses what kvref does not model with a connector (and,
     given the ``pool``, a connector without ``SupportsHMA`` on several KV cache groups)."""
-    if getattr(config, "num_speculative_tokens", 0):
-        raise InvalidFieldError("config.num_speculative_tokens", config.num_speculative_tokens,
-                                "0 with a KV connector (spec decoding with a connector is not modelled)")
     if not isinstance(connector, SchedulerConnector):
         raise InvalidFieldError("connector", connector, "a ScriptedConnector or MultiScriptedConnector")
     children = getattr(connector, "children", [connector])
@@ -429,13 +426,35 @@ def _block_ids(sched: "Scheduler", request_id: str) -> BlockIdsT:
     return tuple(tuple(g) for g in sched.kv_cache_manager.get_block_ids(request_id))
 
 
-def request_remaining_blocks(sched: "Scheduler", request: Request) -> int:
-    """vLLM ``_request_remaining_blocks``: blocks ``request`` still needs for its full sequence."""
+def _spec_decode_span(sched: "Scheduler") -> int:
+    """The tokens one speculative-decoding step adds past a sequence: the sampled token, the ``k``
+    drafts and the drafter's lookahead slots (vLLM ``1 + num_spec_tokens + num_lookahead_tokens``;
+    0 without drafting)."""
+    cfg = sched.config
+    k = cfg.num_speculative_tokens
+    return 1 + k + cfg.num_lookahead_tokens if k else 0
+
+
+def spec_decode_step_blocks(sched: "Scheduler") -> int:
+    """vLLM ``Scheduler._spec_decode_step_blocks``: the blocks one speculative-decoding step may add,
+    summed over the non-Mamba groups (Mamba managers count their speculative state blocks
+    themselves). An async load is admitted only beside them: it holds its blocks with no forward
+    progress, and its first decode step needs them."""
+    span = _spec_decode_span(sched)
+    return sum(-(-span // g.kv_cache_spec.block_size) for g in sched.pool.groups
+               if not isinstance(g.kv_cache_spec, MambaSpec)) if span else 0
+
+
+def request_remaining_blocks(sched: "Scheduler", request: Request, with_spec_step: bool = True) -> int:
+    """vLLM ``_request_remaining_blocks``: blocks ``request`` still needs for its full sequence and
+    to be promoted (with drafting, one speculative step past it; ``with_spec_step=False``: the
+    sequence alone)."""
     m = _manager(sched)
     full = min(request.num_tokens, sched.max_model_len)
     return m.coordinator.get_num_blocks_to_allocate(
-        request.request_id, full, m.empty_kv_cache_blocks.blocks, 0, request.num_computed_tokens,
-        request.num_computed_tokens, full, apply_admission_cap=True,
+        request.request_id, full + (_spec_decode_span(sched) if with_spec_step else 0),
+        m.empty_kv_cache_blocks.blocks, 0,
+        request.num_computed_tokens, request.num_computed_tokens, full, apply_admission_cap=True,
         prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
 
 
@@ -471,8 +490,12 @@ def _local_prefix_cache_hit(sched: "Scheduler", request: Request) -> tuple:
     return hit_ids, num_local, False
 
 
-def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, scheduled: dict) -> int:
-    """vLLM ``schedule()``'s waiting loop with a KV connector (see the module docstring)."""
+def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, scheduled: dict,
+                     prefill_scheduled: bool = False) -> int:
+    """vLLM ``schedule()``'s waiting loop with a KV connector (see the module docstring).
+
+    ``prefill_scheduled``: a running prefill chunk is in the batch (no speculative-decoding padding
+    of an admission, as without a connector)."""
     cfg = sched.config
     kv = sched.kv_cache_manager
     st = sched.connector_state
@@ -537,10 +560,19 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         else:
             num_computed = request.num_computed_tokens  # a promoted load
 
+        is_padded = False
         if load_async:
             num_new = 0
         else:
             num_new = request.num_tokens - num_computed
+            # speculative decoding: an admission with one token left is padded to 1 + k, as
+            # without a connector (num_computed counts the external hit too)
+            padded = sched.spec_decode.pad_new_decode(
+                num_new, num_computed, prefill_scheduled, any(v[1] == "running" for v in scheduled.values()),
+                token_budget, sched.max_model_len)
+            if padded is None:
+                break  # vLLM: "prefer to not schedule than schedule un-padded"
+            is_padded, num_new = padded != num_new, padded
             if 0 < long_prefill < num_new:
                 num_new = long_prefill
             if not cfg.enable_chunked_prefill and num_new > token_budget:
@@ -553,15 +585,21 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                                             num_external_computed_tokens=num_external)
             if num_new == 0:
                 break
+            if is_padded and num_new != padded:
+                num_new, is_padded = 1, False  # vLLM drops spec-decode padding the alignment clipped
             if sched.pool.num_prefill_lookahead > 1:  # multi-module MTP: requeued when cut to nothing
                 num_new = reserve_prefill_lookahead(sched.pool.num_prefill_lookahead, request, num_computed, num_new)
                 if num_new == 0:
                     skip(queue)
                     continue
 
-        reserved = inflight_prefill_reserved_blocks(sched) if load_async else 0
+        # an async load is admitted beside what in-flight prefills still need and one speculative
+        # step of its own; its lookahead slots are allocated once it runs (vLLM
+        # limit_lookahead_tokens: local and remote block counts must match during the load)
+        reserved = inflight_prefill_reserved_blocks(sched) + spec_decode_step_blocks(sched) if load_async else 0
         blocks = kv.allocate_slots(
             request, num_new, num_new_computed_tokens=num_local, new_computed_block_ids=hit_ids,
+            num_lookahead_tokens=0 if load_async else cfg.num_lookahead_tokens,
             num_external_computed_tokens=num_external, delay_cache_blocks=load_async,
             full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=reserved,
             has_scheduled_reqs=bool(sched.running))
@@ -598,6 +636,9 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         token_budget -= num_new
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        sched.spec_decode.note_scheduled(request, num_computed, num_new)
+        if is_padded:
+            sched.spec_decode.mark_padded(rid)
         set_kv_fetch_stage(st, rid, None)
         if num_computed + num_new < request.num_tokens:
             st.inflight_prefills[rid] = request
@@ -924,6 +965,9 @@ def free_request(sched: "Scheduler", request: Request, delay_free_blocks: bool =
     st = sched.connector_state
     st.inflight_prefills.pop(request.request_id, None)
     set_kv_fetch_stage(st, request.request_id, None)
+    # a finished request has no drafts, also while the connector keeps its blocks (speculative
+    # decoding beside a connector, session 19: its placeholder drafts outlived it)
+    sched.spec_decode.forget(request.request_id)
     m = _manager(sched)
     rid = request.request_id
     m.remove_skipped_blocks(rid, max(0, request.num_computed_tokens - request.num_in_flight_tokens),

@@ -25,7 +25,7 @@ must be equal.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hypothesis import strategies as st
@@ -66,14 +66,21 @@ OUTCOMES = ("wait", "wait", "ok", "ok", "failed", "invalid")
 @st.composite
 def connector_setups(draw, kinds=("full", "full", "full", "full+swa", "full+chunked", "full+mamba"),
                      large: bool = False, async_scheduling: bool | None = None,
-                     roles: tuple[str, ...] = (KV_CONSUMER, KV_PRODUCER), tight: bool | None = None):
+                     roles: tuple[str, ...] = (KV_CONSUMER, KV_PRODUCER), tight: bool | None = None,
+                     spec: bool = False):
     """``(PoolConfig, SchedulerConfig, ConnectorConfig)``: startup-consistent pools (mostly tight),
     sync or async scheduling (a consumer's block frees are then deferred to step fences);
     ``async_scheduling`` / ``roles`` / ``tight`` narrow the draw (scheduler_lifecycle.py; ``tight``
-    None: drawn)."""
+    None: drawn); ``spec``: speculative decoding on (n-gram or EAGLE-like drafting beside the
+    connector: padded admissions, lookahead slots, a speculative step reserved beside async loads)."""
     tight = draw(st.booleans()) if tight is None else tight
     pool, cfg = draw(scheduler_setups(consistent=True, kinds=kinds, tight=tight, large=large,
-                                      async_scheduling=async_scheduling))
+                                      async_scheduling=async_scheduling, spec=True if spec else False))
+    if spec and pool.num_hash_lookahead_tokens:
+        # vLLM: "KV connectors, including HiSparse's, keep the legacy hashes"
+        # (VllmConfig.num_hash_lookahead_tokens is 0 with a kv_transfer_config), so an EAGLE
+        # drafter drops the trailing hit block instead
+        pool = replace(pool, num_hash_lookahead_tokens=0, use_eagle=cfg.use_eagle)
     role = draw(st.sampled_from(roles))
     policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))
 
@@ -326,6 +333,26 @@ class ConnectorLockstep(Lockstep):
                 and head not in snap.block_ids
                 and (ref is None or head in ref.connector_state.inflight_prefills))
 
+    def _spec_step_reservation_hang(self, snap) -> bool:
+        """Nothing runs or is being transferred (under async scheduling an empty step stays in
+        flight); the head of the waiting queue was
+        last answered with an asynchronous load, and the free blocks hold its whole sequence but
+        not the speculative-decoding step vLLM reserves beside an async load
+        (``_spec_decode_step_blocks``): its admission is refused at every schedule(), for ever."""
+        if snap.running or self.pending_transfers() or not self.config.num_speculative_tokens:
+            return False
+        ref = next((t for t in self.targets.values() if getattr(t, "connector_state", None) is not None), None)
+        if ref is None or ref.connector_state.inflight_prefills or not len(ref.waiting):
+            return False
+        from kvref.impl.reference.scheduler_connector import request_remaining_blocks, spec_decode_step_blocks
+
+        head = ref.waiting.peek_request()
+        if not any((c.last_query.get(head.request_id) or (0, False))[1] for c in _children(ref.connector_state.connector)):
+            return False
+        free = snap.num_free_blocks
+        needed = request_remaining_blocks(ref, head, with_spec_step=False)
+        return needed <= free < needed + spec_decode_step_blocks(ref)
+
     def _holding_deadlock(self, snap) -> bool:
         """Nothing runs, is in flight or is being transferred, and every kv_holding_waiting request
         holds the blocks of a completed load: a schedule() with no arrivals changes nothing, for
@@ -365,6 +392,14 @@ class ConnectorLockstep(Lockstep):
                     # load failed, the request stays in _inflight_prefills without blocks, and
                     # its retried async load reserves its own remaining blocks against itself
                     CONNECTOR_COVERAGE["vllm_hang_self_reservation"] += 1
+                    self.known_hang = True
+                    return self.num_schedules - start
+                if self._spec_step_reservation_hang(snap):
+                    # vLLM 0.33.0 itself hangs here (docs/coverage.md, findings): with speculative
+                    # decoding an async load is admitted only beside one speculative step's blocks
+                    # (_spec_decode_step_blocks) on top of its own, which a pool that startup sized
+                    # for max_model_len need not hold; nothing else runs, so it waits for ever
+                    CONNECTOR_COVERAGE["vllm_hang_spec_step_reservation"] += 1
                     self.known_hang = True
                     return self.num_schedules - start
                 if self._holding_deadlock(snap):
@@ -489,8 +524,9 @@ class ConnectorRun(SchedulerRun):
 
 
 def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = False, shrink: bool = True,
-                          seed: int | None = None) -> ConnectorRun:
-    """Run the connector machine (reference alone, or lock-step with vLLM) outside pytest."""
+                          seed: int | None = None, spec: bool = False) -> ConnectorRun:
+    """Run the connector machine (reference alone, or lock-step with vLLM) outside pytest;
+    ``spec``: on setups with speculative decoding (:func:`connector_setups`)."""
     from .scheduler import run_lockstep_machine
 
     factories: dict[str, Callable] = {"ref": reference_factory}
@@ -503,7 +539,8 @@ def run_connector_machine(with_vllm: bool, examples: int, reproducible: bool = F
             super().__init__(*a, **k)
             drivers.append(self)
 
-    machine = connector_machine(factories, name="ConnectorRun")
+    machine = connector_machine(factories, setups=connector_setups(spec=True) if spec else None,
+                                name="ConnectorSpecRun" if spec else "ConnectorRun")
     machine.driver_class = Counting
 
     CONNECTOR_COVERAGE.clear()

@@ -614,9 +614,12 @@ class RunProperties:
         vLLM's ``_reserve_prefill_lookahead`` cuts a chunk that would end within
         ``num_prefill_lookahead`` tokens of the end (the MTP chain would fall back to sampled drafts
         and pollute its trailing modules' KV). Resumed requests are left out (their known tokens
-        include outputs an async trace may not show yet)."""
+        include outputs an async trace may not show yet), and so are requests that sampled already:
+        their known tokens run past the prompt (a connector load's invalid blocks set a decoding
+        request back to recompute from 0, and its chunk leaves the runway before its outputs'
+        end, not the prompt's: a false finding on a recorded connector run with MTP, session 19)."""
         left = r.prompt_len - computed - n
-        if not r.preempted and 0 < left < self.prefill_lookahead:
+        if not r.preempted and not r.num_out and 0 < left < self.prefill_lookahead:
             self._find("prefill_lookahead", line,
                        f"{rid}'s prefill chunk ({n} tokens from {computed}) ends {left} token(s) before the end "
                        f"of its {r.prompt_len}-token prompt, inside the multi-module MTP drafter's runway of "

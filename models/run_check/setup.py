@@ -177,9 +177,7 @@ def setup_from_header(header: dict) -> RunSetup:
     if header.get("connector") is not None:  # format 4: replayed from the recorded answers
         from .connector import connector_config
 
-        connector = connector_config(header["connector"])
-        if config is not None and config.num_speculative_tokens:
-            unmodelled.append("kv_connector with speculative decoding (the reference models neither together)")
+        connector = connector_config(header["connector"])  # with speculative decoding too (session 19)
     budget, max_loras, v2 = _multimodal_and_lora(s, connector is not None, unmodelled)
     return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s),
                     connector=connector, encoder_budget=budget, max_loras=max_loras, use_v2_model_runner=v2)
