@@ -1017,6 +1017,34 @@ _add(
 )
 
 
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V4.1 SWA bounded replay (v1/core/sched/scheduler.py _mark_prefix_replay and the dropped
+# short hits; the coordinator's and manager's opt-out of a non-prefix-cacheable group;
+# conform-scheduler's bounded-replay traces, models/machines/scheduler_prefix_replay.py, #22)
+
+_add(
+    fault("sched.replay_short_hit_kept", _SCHED,
+          "                        and 0 < num_computed_tokens <= self.prefix_replay_tokens\n",
+          "                        and 0 < num_computed_tokens < self.prefix_replay_tokens\n",
+          CLASSIC, "off by one: a prefix hit exactly as long as the replay window is kept (and then "
+                   "recomputed in full) instead of dropped", behaviour="prefix-replay"),
+    fault("sched.replay_window_short", _SCHED,
+          "        num_replay_tokens = min(self.prefix_replay_tokens, num_hit_tokens)\n",
+          "        num_replay_tokens = min(self.prefix_replay_tokens - 1, num_hit_tokens)\n",
+          CLASSIC, "off by one: a prefix hit is rewound by one token less than the window, so the window's "
+                   "first token keeps no sliding-window KV", behaviour="prefix-replay"),
+    fault("sched.replay_slots_for_replayed_tokens", _SCHED,
+          "                num_tokens_past_hit = max(num_new_tokens - num_replay_tokens, 0)\n",
+          "                num_tokens_past_hit = num_new_tokens\n",
+          CLASSIC, "wrong count: a replayed admission asks allocate_slots for the replayed tokens again, "
+                   "on top of the hit that already holds their slots", behaviour="prefix-replay"),
+    fault("coord.replay_group_in_hit_search", _COORD,
+          "            if not g.kv_cache_spec.prefix_cacheable:\n                continue\n",
+          "",
+          CLASSIC, "dropped guard: a group that opts out of prefix caching (a bounded-replay window) takes "
+                   "part in the hit search, where it never has a cached block", behaviour="prefix-replay"),
+)
+
 CI_SUBSET = (
     "pool.free_uncached_appended",
     "stm.pre40946_gate_uncapped",
