@@ -59,7 +59,9 @@ conservation checks read: ``sched.free`` / ``update.free`` / ``abort.free``: vLL
 step's preemptions (``kv``: a running request could not get blocks; ``reset_prefix_cache``);
 ``sched.loading``: requests waiting for a remote KV load (KV-connector runs); ``sched.refused``:
 requests ``allocate_slots`` refused during the call, on pools with a windowed group (it frees their
-skipped blocks before refusing); ``sched.spec``:
+skipped blocks before refusing); ``sched.replay``: ``{id: replay_start}`` of the step's new requests
+whose admission rewound a bounded-replay window (SWA bounded replay, #28; absent ids: 0);
+``sched.spec``:
 ``{id: draft ids}`` scheduled for verification (``-1``: placeholders) and ``sched.skip_drafts``
 (header ``spec``: ``num_speculative_tokens``, ``method``, ``num_lookahead_tokens``,
 ``can_skip_drafts``); ``update.stats``:
@@ -710,6 +712,9 @@ def validate_record(rec: Any, where: str) -> str:
         refused = rec.get("refused")
         if refused is not None and (not isinstance(refused, list) or not all(type(x) is str for x in refused)):
             raise _fail(where, "refused", refused, "a list of request ids allocate_slots refused this step")
+        replay = rec.get("replay")
+        if replay is not None and (not isinstance(replay, dict) or not all(_is_int(v) for v in replay.values())):
+            raise _fail(where, "replay", replay, "an object {new request id: replay_start (int >= 0)}")
         if "loading" in rec and not _is_int(rec["loading"]):
             raise _fail(where, "loading", rec["loading"], "an int >= 0 (requests waiting for a remote KV load)")
     if t == "update" and rec.get("stats") is not None:

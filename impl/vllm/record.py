@@ -113,7 +113,7 @@ def spec_record(spec) -> dict:
 
 
 _MODELLED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec",
-                   "MambaSpec")
+                   "MambaSpec", "SlidingWindowMLASpec")
 
 
 def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
@@ -149,7 +149,10 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # lookahead block hashes (an EAGLE-family drafter's hashes cover the tokens its KV at a block's
     # last position reads ahead) are replayed: the header's pool carries num_hash_lookahead_tokens,
     # the reference's manager hashes the same way (#28)
-    flag(getattr(s, "prefix_replay_tokens", 0), "prefix_replay")
+    # SWA bounded replay (DeepSeek-V4.1: a SlidingWindowMLASpec with bounded_replay) is replayed
+    # (#28, session 20): the header's group carries the spec, each new request's replay_start is
+    # recorded (the sched record's "replay"); beside a KV connector it is named
+    flag(getattr(s, "prefix_replay_tokens", 0) and conn is not None, "prefix_replay (with a KV connector)")
     # the adaptive long-prefill threshold, max_num_active_seqs and the local prefill cadence are
     # replayed (the header's scheduler section carries them; impl/reference/scheduler_cadence.py):
     # only the cadence beside a KV connector, which the reference scheduler refuses, is named (#28)
@@ -783,6 +786,15 @@ class _Recorder:
             extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
         extra += ',"free":%d' % self._kvref_free()
+        if getattr(self, "prefix_replay_tokens", 0):
+            # SWA bounded replay (#28): where each new request's replay starts (vLLM's
+            # NewRequestData.replay_start, which bounds the window's attention in the workers); 0s
+            # left out
+            replay = {nr.req_id: nr.replay_start for nr in so.scheduled_new_reqs if nr.replay_start}
+            if replay:
+                anon = self._kvref_anon
+                extra += ',"replay":' + _dumps({(anon.request_id(k) if anon is not None else k): int(v)
+                                                for k, v in replay.items()})
         pre = so.preempted_req_ids
         if pre:
             # why each request lost its blocks (issue #28): a prefix-cache reset preempted it, else the

@@ -43,6 +43,12 @@ FEATURE_FAULTS = {
     "reset-preempts-in-order": ("prefix-cache-reset", "reset_prefix_cache(reset_running_requests=True) preempts the "
                                                       "running requests first to last, so they come back in reverse "
                                                       "order (vLLM preempts last to first to keep FIFO)"),
+    # session 20 (#28): SWA bounded replay (DeepSeek-V4.1), which check-run now replays
+    "replay-start-at-hit": ("prefix-replay", "_mark_prefix_replay rewinds the computed tokens by the window but "
+                                             "records replay_start at the hit's end: the workers rebuild no "
+                                             "window KV (the scheduled tokens are unchanged)"),
+    "replay-window-short": ("prefix-replay", "_mark_prefix_replay replays one token less than the window: the "
+                                             "window's first token is never rebuilt"),
 }
 
 
@@ -126,6 +132,23 @@ def plant_feature_fault(name: str) -> Iterator[None]:
 
             Scheduler.reset_prefix_cache = reset_prefix_cache
             undo.append(lambda: setattr(Scheduler, "reset_prefix_cache", real))
+        elif name in ("replay-start-at-hit", "replay-window-short"):
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            real = Scheduler._mark_prefix_replay
+            at_hit = name == "replay-start-at-hit"
+
+            def mark_prefix_replay(self, request, num_hit_tokens, window_loaded):
+                n = real(self, request, num_hit_tokens, window_loaded)
+                if n and at_hit:
+                    request.replay_start = num_hit_tokens
+                elif n:
+                    n -= 1
+                    request.replay_start += 1
+                return n
+
+            Scheduler._mark_prefix_replay = mark_prefix_replay
+            undo.append(lambda: setattr(Scheduler, "_mark_prefix_replay", real))
         else:
             from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -51,7 +51,13 @@ SESSION_FEATURES = ("streaming-input", "prefix-cache-reset")
 #: (token ids all 0, the embeddings hashed into every block), rows derived from the drawn tokens so
 #: shared prefixes share them, one arrival in four with other rows for the same tokens (format 6)
 EMBEDS_FEATURES = ("prompt-embeds",)
-GENERATED += SESSION_FEATURES + EMBEDS_FEATURES
+#: and ``prefix-replay`` (session 20): the conform-scheduler bounded-replay machine's draws
+#: (:mod:`~kvref.models.machines.scheduler_prefix_replay`: full attention + a DeepSeek-V4.1
+#: ``SlidingWindowMLASpec`` with ``bounded_replay``, prefix caching on, shared prefixes and
+#: multi-turn follow-ups hitting shorter and longer than the window), which a session-19 recorder
+#: named ``prefix_replay``; the traces carry each new request's ``replay_start``
+REPLAY_FEATURES = ("prefix-replay",)
+GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -84,6 +90,21 @@ def _reset_setups():
     drawn = st.one_of(mamba, mamba, mamba, scheduler_setups(consistent=True), scheduler_setups(consistent=True),
                       scheduler_setups(policy=PRIORITY, tight=True)).filter(_cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
+
+
+def _replay_setups():
+    """The bounded-replay machine's pools (:func:`~kvref.models.machines.scheduler_prefix_replay.
+    prefix_replay_setups`), startup-consistent only: a server starts on no other (on a pool too
+    small for any request vLLM never schedules, a hang the starvation property rightly reports)."""
+    from hypothesis import strategies as st
+
+    from kvref.models.machines.scheduler import scheduler_setups
+    from kvref.models.machines.scheduler_cache_controls import _cacheable, _roomy
+    from kvref.models.machines.scheduler_prefix_replay import _replay_group
+
+    drawn = scheduler_setups(consistent=True, kinds=("full+swa",)).filter(_cacheable).map(
+        lambda setup: (replace(setup[0], groups=tuple(_replay_group(g) for g in setup[0].groups)), setup[1]))
+    return st.one_of(drawn.map(_roomy), drawn)
 
 
 def _reset_while_running():
@@ -159,6 +180,12 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
         return type("RecordedSessionRun", (SessionMachine,),
                     {"driver_class": Driver,
                      "factories": {"vllm": scheduler_recorder(env_holder, directory, runs, feature)}})
+    if feature == "prefix-replay":
+        from kvref.models.machines.scheduler import machine_with
+        from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep, CacheControlsMachine
+        base = machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature)},
+                            setups=_replay_setups(), name="RecordedPrefixReplayBase")
+        return type("RecordedPrefixReplayRun", (CacheControlsMachine, base), {"driver_class": CacheControlsLockstep})
     if feature == "prefix-cache-reset":
         from kvref.models.machines.scheduler import machine_with
         from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep, CacheControlsMachine
@@ -221,4 +248,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "SESSION_FEATURES", "record_feature_runs"]
+__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "REPLAY_FEATURES", "SESSION_FEATURES", "record_feature_runs"]

@@ -22,6 +22,20 @@ def usage(num_free: int, num_blocks: int) -> float:
     return 0.0 if total <= 0 else 1.0 - num_free / total
 
 
+def hit_before_replay(window: int, num_computed_tokens: int) -> int:
+    """The local prefix hit behind a fresh admission that starts at ``num_computed_tokens`` under
+    SWA bounded replay (a replay window of ``window`` tokens, 0: none; no KV connector): vLLM counts
+    the hit as found (``record_prefix_cache_stats(request, num_new_local_computed_tokens)`` runs on
+    the count ``_mark_prefix_replay`` did not rewind), and a kept hit is longer than the window, so
+    it is the start plus the window; a dropped hit (no longer than the window) counted 0 and the
+    request starts at 0 (#28, session 20)."""
+    from kvref.spec.errors import check_int
+
+    check_int("window", window, minimum=0)
+    check_int("num_computed_tokens", num_computed_tokens, minimum=0)
+    return num_computed_tokens + window if window and num_computed_tokens else num_computed_tokens
+
+
 class PrefixCacheTally:
     """Prefix-cache stats since the last ``update_from_output`` (vLLM ``PrefixCacheStats``)."""
 

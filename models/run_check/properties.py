@@ -67,7 +67,7 @@ from .held import Fences, defers_frees, is_parked, parked_key
 
 _PARKED_PREFIX = parked_key("", "")[:-1]  # "<prefix><kind>:<rid>": the part before the kind
 from .free_queue import FreeQueue
-from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
+from .metrics import PrefixCacheTally, compare_stats, hit_before_replay, usage, usage_differs
 from .stops import StopRules
 from .windows import group_rules
 
@@ -77,7 +77,8 @@ PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reu
                   "blocks within the pool", "blocks cover the step", "nothing scheduled against a pause",
                   "prefill chunks leave the MTP runway", "finishes follow the stop rules",
                   "nothing scheduled past a request's tokens", "admissions in waiting-queue order",
-                  "a reset succeeds exactly when no block is in use", "fresh blocks in free-queue order")
+                  "a reset succeeds exactly when no block is in use", "fresh blocks in free-queue order",
+                  "bounded replays start where the admission does")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -104,7 +105,8 @@ class Finding:
 
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
                   "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
-                  "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result", "free_order")
+                  "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result", "free_order",
+                  "replay_start")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -186,6 +188,10 @@ class RunProperties:
         self.v2_runner = bool((header.get("scheduler") or {}).get("use_v2_model_runner", False))
         #: lookahead block hashes: a block's hash covers this many tokens after it (#28)
         self.hash_lookahead = int(header["pool"].get("num_hash_lookahead_tokens", 0) or 0)
+        #: SWA bounded replay (DeepSeek-V4.1, #28): the replay window of a bounded-replay group (vLLM's
+        #: prefix_replay_tokens; 0: none): an admission after a hit starts this many tokens before it
+        self.replay_window = max((int(g["spec"].get("sliding_window") or 0) for g in header["pool"]["groups"]
+                                  if g["spec"].get("bounded_replay")), default=0)
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -732,8 +738,12 @@ class RunProperties:
                 r = self.reqs[rid] = _Req(arrival_step=step, prompt_len=0)
             if kind == "n" and self.v2_runner and r.preempted:
                 kind = "r"  # the V2 runner gets a resumed request as a new one
+            hit = computed  # the admission's prefix hit (past computed under a bounded replay)
             if kind != "c":
-                self._admit(line, rid, r, kind, computed)
+                hit = self._admit(line, rid, r, kind, computed)
+            # (a streaming session resuming on its kept blocks makes no lookup: vLLM keeps its old value)
+            if kind == "n" and self.replay_window and not self.connector and rid not in self.sessions:
+                self._replay_start(line, rid, computed, (rec.get("replay") or {}).get(rid, 0))
             elif self.exact and self._free_skipped(rid, r) and self.fq_unordered:
                 # freed before or after this step's preemptions: unknown
                 self._fq_off("skipped blocks freed in a step that preempted for KV space")
@@ -743,8 +753,8 @@ class RunProperties:
                 self.run_order[rid] = None  # vLLM appends an admitted request to running
             if blocks is not None:
                 if self.fq is not None:
-                    self._fq_allocate(line, rid, kind, computed, blocks)
-                self._allocate(line, rid, r, kind, computed, blocks)
+                    self._fq_allocate(line, rid, kind, hit, blocks)
+                self._allocate(line, rid, r, kind, hit, blocks)
             if self.prefill_lookahead > 1:
                 self._prefill_runway(line, rid, r, computed, n)
             if r.prompt_len and (rid not in self.sessions or rid in self.stops.reqs):
@@ -891,10 +901,11 @@ class RunProperties:
 
     def _fq_allocate(self, line: int, rid: str, kind: str, computed: int, blocks: list) -> None:
         """A row's allocation against vLLM's free queue: ``allocate_slots`` touches the hit blocks of
-        every group first, then takes each group's fresh blocks from the queue's head."""
+        every group first, then takes each group's fresh blocks from the queue's head (``computed``:
+        the admission's hit; a group vLLM never caches has no hit blocks)."""
         fq = self.fq
         groups = blocks[: self.num_groups]
-        hits = [computed // bs if kind != "c" else 0 for bs in self.group_bs]
+        hits = [computed // rule.block_size if kind != "c" and rule.cacheable else 0 for rule in self.rules]
         for g, ids in enumerate(groups):
             for b in ids[: hits[g]]:
                 if b:
@@ -1026,8 +1037,10 @@ class RunProperties:
                         "again is refused against its own reservation (docs/coverage.md)")
         return ""
 
-    def _admit(self, line: int, rid: str, r: _Req, kind: str, computed: int) -> None:
-        """A new or resumed request leaves the waiting queue with ``computed`` hit tokens."""
+    def _admit(self, line: int, rid: str, r: _Req, kind: str, computed: int) -> int:
+        """A new or resumed request leaves the waiting queue with ``computed`` hit tokens; returns
+        the prefix hit its blocks were adopted for (``computed``, or a window more where a bounded
+        replay rewound the hit: vLLM's ``allocate_slots`` adopts the whole hit)."""
         st = self.stats
         # a session resuming on the KV blocks it kept: vLLM makes no prefix-cache lookup (a session
         # the stop rules lost track of shows it by a second first admission with computed tokens)
@@ -1037,11 +1050,13 @@ class RunProperties:
         if r.first_step < 0:
             r.first_step = self.step
             self._note_wait(rid, self.step - r.arrival_step)
+        # SWA bounded replay: the admission starts a window before its hit; vLLM counts the hit
+        hit = computed if resumed_session else hit_before_replay(self.replay_window, computed)
         if resumed_session:
             st["session_resumes"] += 1
         elif kind == "n":
             st["new_prompt_tokens"] += r.prompt_len
-            st["hit_tokens"] += computed
+            st["hit_tokens"] += hit
             if computed:
                 st["prefix_hits"] += 1
         else:
@@ -1051,7 +1066,7 @@ class RunProperties:
         if not r.skip_read and not self.lookup_tally and not resumed_session:
             # vLLM counts a lookup as a preempted one by num_preemptions > 0, which a session keeps
             # across its turns (a later turn is admitted as new)
-            self.tally.admitted(kind == "r" or (rid in self.sessions and r.preempted), num_tokens, computed)
+            self.tally.admitted(kind == "r" or (rid in self.sessions and r.preempted), num_tokens, hit)
         if self.exact and r.tokens and computed > len(r.tokens) - 1:
             self._find("wrong_hit", line, f"{rid} is admitted with {computed} computed tokens of its {len(r.tokens)}: "
                        "a prefix-cache hit never covers the last token (its logits must be computed)")
@@ -1064,6 +1079,19 @@ class RunProperties:
         # a session resuming on its blocks may still have its stopped turn's steps in flight
         r.processed = min(r.processed, computed) if resumed_session else computed
         r.computed = computed
+        return hit
+
+    def _replay_start(self, line: int, rid: str, computed: int, replay_start: int) -> None:
+        """SWA bounded replay without a KV connector (#28, session 20): a new request's
+        ``replay_start`` (vLLM's ``NewRequestData.replay_start``, recorded as ``sched.replay``) is
+        where its computation starts: the hit less the window when a hit was kept, 0 when none was
+        (``_mark_prefix_replay``). Anything else makes the workers rebuild the wrong range of the
+        window's KV while the scheduled tokens look right."""
+        if replay_start != computed:
+            self._find("replay_start", line,
+                       f"{rid} is admitted at {computed} computed tokens with replay_start {replay_start}: a "
+                       f"bounded replay (window {self.replay_window}) starts where the admission's computation "
+                       "does (the hit less the window; 0 without a hit)")
 
     def _free_skipped(self, rid: str, r: _Req) -> int:
         """What ``remove_skipped_blocks`` frees at this request's allocation (settled tokens); the
@@ -1095,7 +1123,8 @@ class RunProperties:
                 break
             rule = self.rules[g]
             table = r.tables[g]
-            num_hits = computed // rule.block_size if kind != "c" else 0
+            # (a group vLLM never caches, a bounded-replay window, adopts no hit block)
+            num_hits = computed // rule.block_size if kind != "c" and rule.cacheable else 0
             # a connector's external tokens sit past the local hit in fresh blocks the load filled
             local = min(num_hits, self.local_hit.get(rid, computed) // rule.block_size) if self.connector else num_hits
             for b in ids:

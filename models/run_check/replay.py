@@ -39,7 +39,7 @@ from kvref.spec.errors import InvalidFieldError
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
 from .crash import Crash
-from .metrics import PrefixCacheTally, compare_stats, usage, usage_differs
+from .metrics import PrefixCacheTally, compare_stats, hit_before_replay, usage, usage_differs
 from .setup import RunSetup
 
 _KIND = {"new": "n", "resumed": "r", "running": "c"}
@@ -418,6 +418,8 @@ class LockstepReplay:
             return
         if not self._check_free(line, rec["step"], "schedule", rec):
             return
+        if getattr(self.scheduler, "prefix_replay_tokens", 0) and not self._check_replay(line, rec, want, got):
+            return
         live = self._live
         kv = self.scheduler.kv_cache_manager
         record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
@@ -425,15 +427,31 @@ class LockstepReplay:
             self._record_connector_admissions(out, record)
             self.steps_compared += 1
             return
+        window = getattr(self.scheduler, "prefix_replay_tokens", 0)
         for s in out.scheduled:
             if s.kind != "running" and s.request_id not in resuming:
                 # vLLM records at admission ("unscheduled lookups are not counted"); the reference
-                # scheduler does not call it itself, so the replay does, at the same point
+                # scheduler does not call it itself, so the replay does, at the same point, with
+                # the hit before a bounded replay rewound it (as vLLM counts it)
+                hit = hit_before_replay(window, s.num_computed_tokens)
                 if record is not None:
-                    record(live[s.request_id], s.num_computed_tokens)
+                    record(live[s.request_id], hit)
                 else:
-                    self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, s.num_computed_tokens)
+                    self._tally.admitted(s.kind == "resumed", live[s.request_id].num_tokens, hit)
         self.steps_compared += 1
+
+    def _check_replay(self, line: int, rec: dict, want: list, got: list) -> bool:
+        """SWA bounded replay (#28, session 20): each new request's ``replay_start`` as recorded
+        (vLLM's ``NewRequestData.replay_start``: where the workers rebuild the window's KV from,
+        so a wrong one corrupts attention while the scheduled tokens still agree); False on a
+        divergence."""
+        ours = {r[0]: self._live[r[0]].replay_start for r in got if r[1] == "n" and self._live[r[0]].replay_start}
+        theirs = {k: v for k, v in (rec.get("replay") or {}).items() if v}
+        if ours == theirs:
+            return True
+        self._diverge(Divergence(line, rec["step"], "schedule", "a different replay_start for a new request",
+                                 want, got, {"replay_start": theirs}, {"replay_start": ours}))
+        return False
 
     def _check_encoder(self, line: int, rec: dict) -> bool:
         """The step's encoder inputs, encoder-cache evictions and (V2 runner) the workers' item

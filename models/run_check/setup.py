@@ -76,6 +76,10 @@ def _spec(d: dict) -> ks.KVCacheSpec:
     if kind == "SlidingWindowSpec":
         return ks.SlidingWindowSpec(block_size=bs, sliding_window=d["sliding_window"],
                                     extra_retained_tokens=d.get("extra_retained_tokens", 0) or 0, **_ATTN)
+    if kind == "SlidingWindowMLASpec":  # DeepSeek-V4.1's window, with or without bounded replay (#28)
+        return ks.SlidingWindowMLASpec(block_size=bs, sliding_window=d["sliding_window"],
+                                       extra_retained_tokens=d.get("extra_retained_tokens", 0) or 0,
+                                       bounded_replay=bool(d.get("bounded_replay", False)), **_ATTN)
     if kind == "ChunkedLocalAttentionSpec":
         return ks.ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=d["attention_chunk_size"], **_ATTN)
     if kind == "MambaSpec":

@@ -12,7 +12,8 @@ reuse of a block that lies inside its holder's window (no blanket allowance; iss
 The rules, as vLLM 0.33.0 has them (``single_type_kv_cache_manager.py``):
 
 * full attention (and MLA): nothing is skipped;
-* sliding window: ``max(0, processed - sliding_window + 1 - extra_retained_tokens)`` tokens;
+* sliding window (and DeepSeek-V4.1's ``SlidingWindowMLASpec``, bounded replay or not):
+  ``max(0, processed - sliding_window + 1 - extra_retained_tokens)`` tokens;
 * chunked local: ``processed // attention_chunk_size * attention_chunk_size`` tokens;
 * Mamba: outside ``none`` mode vLLM keeps only the last state block(s) (``1 +
   num_speculative_blocks``); in ``none`` mode a request holds one block for its whole life.
@@ -44,6 +45,9 @@ class GroupRule:
     per_segment: int = 0
     need: int = 0  # ... the last ``need`` blocks of each segment (a hit's contiguous run)
     shift: int = 0  # ... counted from this block (1 with the EAGLE block drop: the peeked block)
+    #: False: vLLM never hashes this group's blocks (``prefix_cacheable`` False: a DeepSeek-V4.1
+    #: bounded-replay window, per-request scratch), so each freed block goes to the queue's front
+    cacheable: bool = True
 
     def caches(self, idx: int) -> bool:
         """Whether vLLM gives the full block at table position ``idx`` a prefix-cache hash
@@ -51,6 +55,8 @@ class GroupRule:
         a hit's run, where only each segment's last ``need`` blocks can serve a hit (vLLM 0.33.0
         ``SlidingWindowManager.reachable_block_mask``, dense retention). A block without a hash
         goes to the free queue's front when freed, one with a hash to its back."""
+        if not self.cacheable:
+            return False
         if not self.per_segment:
             return True
         return idx >= self.shift and (idx - self.shift) % self.per_segment >= self.per_segment - self.need
@@ -99,7 +105,12 @@ def group_rules(header: dict) -> list[GroupRule]:
         name = type(spec).__name__
         cap = spec.admission_cap(mift, mml) if name != "MambaSpec" else None
         bound = cap if cap is not None else -(-mml // spec.block_size)
-        if name == "SlidingWindowSpec":
+        if name == "SlidingWindowMLASpec" and not spec.prefix_cacheable:
+            # SWA bounded replay (#28, session 20): freed behind the window as a sliding window is
+            # (vLLM runs it with the SlidingWindowManager), never cached
+            rules.append(GroupRule("window", spec.block_size, spec.sliding_window, spec.extra_retained_tokens,
+                                   bound=bound, cacheable=False))
+        elif name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
             rules.append(GroupRule("window", spec.block_size, spec.sliding_window, spec.extra_retained_tokens,
                                    bound=bound, **_window_mask(pool, g, spec)))
         elif name == "ChunkedLocalAttentionSpec":
