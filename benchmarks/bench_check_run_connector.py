@@ -26,7 +26,7 @@ copy-on-write state blocks, divergent hybrid hits), ``unfenced-free`` beside the
 one run each per seed, with every demo fault (the drafter's ``short-lookahead`` and
 ``short-runway`` included).
 
-``--generator multimodal|lora|hash-lookahead|mamba-checkpoint|streaming-input|prefix-cache-reset|prompt-embeds``:
+``--generator multimodal|lora|hash-lookahead|mamba-checkpoint|streaming-input|prefix-cache-reset|prompt-embeds|prefix-replay``:
 generated runs of the feature
 (``models/run_check/feature_runs.py``: the conform-scheduler machines' draws) with the feature's own
 planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28).
@@ -101,10 +101,13 @@ def _recorder(generator: str):
 
 
 #: the feature generators (#28) and the fault planted in each one's path
-_FEATURES = {"streaming-input": "session-keeps-final-token", "prefix-cache-reset": "reset-preempts-in-order",
-             "prompt-embeds": "embeds-unhashed",  # session 16 (#28, format 6)
-             "multimodal": "encoder-never-hits", "lora": "lora-unhashed", "hash-lookahead": "hasher-no-lookahead",
-             "mamba-checkpoint": "checkpoint-ignored"}
+_FEATURES = {"streaming-input": ("session-keeps-final-token",), "prefix-cache-reset": ("reset-preempts-in-order",),
+             "prompt-embeds": ("embeds-unhashed",),  # session 16 (#28, format 6)
+             "multimodal": ("encoder-never-hits",), "lora": ("lora-unhashed",),
+             "hash-lookahead": ("hasher-no-lookahead",), "mamba-checkpoint": ("checkpoint-ignored",),
+             # session 20 (#28): SWA bounded replay
+             "prefix-replay": ("replay-start-at-hit", "replay-window-short")}
+_FEATURE_FAULTS = {f for faults in _FEATURES.values() for f in faults}
 
 
 def record(root: str, examples: int, seeds=(2,), generator: str = "connector", demo_faults: bool = True) -> None:
@@ -123,7 +126,7 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector", d
     extra = {"pause": ("pause-ignored", "pause-all-as-new"), "connector": ("unfenced-free",),
              "connector-align": ("unfenced-free",), "demo-mtp": (),
              "connector-pause": ("pause-ignored", "pause-all-as-new", "unfenced-free"),
-             **{g: (f,) for g, f in _FEATURES.items()}}[generator]
+             **_FEATURES}[generator]
     # the drafter faults need a drafter, which no generated run has
     drafter = ("short-lookahead", "short-runway")
     # EAGLE drafters in the hash-lookahead and mamba-checkpoint draws: short-lookahead applies there
@@ -134,7 +137,7 @@ def record(root: str, examples: int, seeds=(2,), generator: str = "connector", d
         runs = []
         for seed in seeds:
             d = os.path.join(root, fault, str(seed))
-            if fault in _FEATURES.values():
+            if fault in _FEATURE_FAULTS:
                 from kvref.impl.vllm.record_faults import plant_feature_fault
 
                 with plant_feature_fault(fault):
@@ -199,6 +202,11 @@ def as_before(root: str, out: str) -> None:
             names.append("hash_lookahead_tokens")
         if h["pool"].get("mamba_shared_prefix_checkpoint"):
             names.append("mamba_shared_prefix_checkpoint")
+        for i, g in enumerate(h["pool"]["groups"]):  # session 19's recorder (#28): SWA bounded replay
+            if g["spec"]["type"] == "SlidingWindowMLASpec":
+                names.append(f"kv_cache_spec:SlidingWindowMLASpec (group {i})")
+                if g["spec"].get("bounded_replay") and "prefix_replay" not in names:
+                    names.append("prefix_replay")
         body = [_as_before_line(line) for line in body]
         with gzip.open(q, "wt") as f:
             f.write(json.dumps(h) + "\n")
@@ -220,6 +228,10 @@ def _as_before_line(line: str) -> str:
             rec["x"] = ["encoder_inputs"]
         rec.pop("efree", None)
         rec.pop("eupd", None)
+        return json.dumps(rec) + "\n"
+    if line.startswith('{"t":"sched"') and '"replay":' in line:  # session 19's recorder wrote no replay_start
+        rec = json.loads(line)
+        rec.pop("replay")
         return json.dumps(rec) + "\n"
     if line.startswith('{"t":"update"') and '"skip":' in line:
         rec = json.loads(line)

@@ -133,7 +133,11 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # one and a hit with no external tokens behind it is reconciled (#28: generated align
     # connector runs agree step by step)
     conn = getattr(s, "connector", None)
-    flag(getattr(s, "defer_async_loads", False), "deferred_async_loads")
+    # HiSparse's deferred async loads are replayed (#28, session 20): the header's connector says
+    # whether the pool has a HiSparse host pool (vLLM's defer_async_loads follows from it and the
+    # deferred frees); a scheduler that defers without one is named
+    flag(getattr(s, "defer_async_loads", False)
+         and getattr(s.kv_cache_config, "hisparse_host_num_blocks", None) is None, "deferred_async_loads")
     flag(getattr(s, "aux_output_connector", None) is not None, "aux_output_connector")
     flag(getattr(s, "ec_connector", None) is not None, "ec_connector")
     spec = getattr(vc, "speculative_config", None)

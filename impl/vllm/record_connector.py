@@ -41,6 +41,9 @@ def connector_header(scheduler) -> dict:
     return {"kv_role": str(ktc.kv_role), "kv_load_failure_policy": str(ktc.kv_load_failure_policy),
             "requires_kv_delivery": bool(getattr(scheduler, "requires_kv_delivery", False)),
             "divergent_local_hybrid_hits": bool(getattr(conn, "supports_divergent_local_hybrid_hits", False)),
+            # a HiSparse host pool: with deferred frees, vLLM defers async loads behind the steps in
+            # flight too (defer_async_loads); replayed since session 20 (#28)
+            "hisparse_host_pool": getattr(scheduler.kv_cache_config, "hisparse_host_num_blocks", None) is not None,
             "classes": [type(conn).__name__] + [type(c).__name__ for c in kids]}
 
 
@@ -106,7 +109,9 @@ class ConnectorTap:
                 finally:
                     tap._finishing = False
                     kids, tap._kids = tap._kids, None
-                tap.log.append(["f", tap.rename(request.request_id), _groups(block_ids), bool(delay),
+                # (an empty block_ids is a non-HMA connector's single group, request_finished(request, []))
+                tap.log.append(["f", tap.rename(request.request_id), _groups(block_ids) if len(block_ids) else [[]],
+                                bool(delay),
                                 sorted(params) if isinstance(params, dict) else None, kids])
                 return delay, params
             return request_finished

@@ -175,6 +175,9 @@ class LockstepReplay:
         self._reset_replayed = False  # a replayed reset's preemptions are the reference's too
         #: vLLM's connector_prefix_cache_stats since the last update (connector runs)
         self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
+        #: deferred async loads whose admission was recorded: request id -> (fence, external
+        #: tokens, queries, hits), the reference's entry
+        self._deferred_noted: dict[str, tuple] = {}
 
     def _stop(self, line: int, why: str) -> None:
         self.following = False
@@ -484,15 +487,35 @@ class LockstepReplay:
             local = max(0, computed.get(rid, r.num_computed_tokens) - n_ext)
             if record is not None:
                 record(r, local)
-            # vLLM's connector_prefix_cache_stats: the tokens past the local hit, and the external
-            # hit, at admission (a lookup that queried nothing is not counted)
+            self._connector_stats(r, local, n_ext)
+        # HiSparse's deferred async loads (#28, session 20): admitted now, their local hit recorded
+        # now, but the connector hears of them (and its stats count them) only when their fence
+        # passes, in a later update_from_output (_drain_deferred_loads)
+        deferred = self._deferred_loads()
+        for rid, entry in deferred.items():
+            r = self._live.get(rid)
+            if rid not in self._deferred_noted and r is not None and record is not None:
+                record(r, max(0, r.num_computed_tokens - entry[1]))
+        self._deferred_noted = dict(deferred)
+
+    def _deferred_loads(self) -> dict:
+        """The reference's deferred async loads (request id -> (fence, external tokens, queries,
+        hits)); {} where it defers none."""
+        st = getattr(self.scheduler, "connector_state", None)
+        return st.deferred_loads if st is not None and st.defer_async_loads else {}
+
+    def _connector_stats(self, r: Request, local: int, n_ext: int, queries: int | None = None) -> None:
+        """vLLM's connector_prefix_cache_stats: the tokens past the local hit (``queries``), and the
+        external hit, when the connector hears of the load (a lookup that queried nothing is not
+        counted)."""
+        if queries is None:
             queries = r.num_tokens - local
-            if queries:
-                pre = "p" if r.num_preemptions > 0 else ""
-                cs = self._conn_stats
-                cs[f"c{pre}req"] += 1
-                cs[f"c{pre}q"] += queries
-                cs[f"c{pre}h"] += n_ext
+        if queries:
+            pre = "p" if r.num_preemptions > 0 else ""
+            cs = self._conn_stats
+            cs[f"c{pre}req"] += 1
+            cs[f"c{pre}q"] += queries
+            cs[f"c{pre}h"] += n_ext
 
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
@@ -520,6 +543,15 @@ class LockstepReplay:
             if hint_owner is not None:
                 hint_owner.finish_order_hint = None
         live = self._live
+        if self.connector is not None and self._deferred_noted:
+            # deferred loads the update drained (still live, no longer deferred): the connector's
+            # stats count them now, with what their admission asked (the local hit was recorded then)
+            still = self._deferred_loads()
+            for rid, (_fence, _n_ext, queries, hits) in self._deferred_noted.items():
+                r = live.get(rid)
+                if rid not in still and r is not None:
+                    self._connector_stats(r, 0, hits, queries)
+            self._deferred_noted = {rid: e for rid, e in self._deferred_noted.items() if rid in still}
         ref_fin = {}
         # with a connector a request may finish unscheduled (a failed load under "fail"); without
         # one, a request the encoder-cache mismatch rejected (it scheduled nothing: vLLM finishes it
