@@ -78,7 +78,7 @@ PROPERTY_NAMES = ("no crash", "no starvation", "blocks conserved", "no block reu
                   "prefill chunks leave the MTP runway", "finishes follow the stop rules",
                   "nothing scheduled past a request's tokens", "admissions in waiting-queue order",
                   "a reset succeeds exactly when no block is in use", "fresh blocks in free-queue order",
-                  "bounded replays start where the admission does")
+                  "bounded replays start where the admission does", "HiSparse loads wait for their fence")
 #: header features under which the block bookkeeping is not exact (blocks held outside requests, or
 #: computed tokens rolled back): conservation, admission and hit content are then not checked
 _INEXACT = ("kv_connector", "ec_connector", "spec_decode", "lookahead_tokens", "prefill_lookahead",
@@ -106,7 +106,7 @@ class Finding:
 PROPERTY_KINDS = ("crash", "starvation", "conservation", "reused_while_needed", "wrong_hit", "admission_bound",
                   "metrics", "block_out_of_pool", "table_too_long", "table_too_short", "scheduled_while_paused",
                   "prefill_lookahead", "stop_rule", "past_tokens", "admission_order", "reset_result", "free_order",
-                  "replay_start")
+                  "replay_start", "load_fence")
 
 
 def _num_tokens_b64(text: str) -> int:
@@ -171,8 +171,9 @@ class RunProperties:
         # HiSparse's deferred async loads, replayed since session 20 (the header's connector says
         # hisparse_host_pool), still hide blocks and lookups from the trace until their fence
         # passes: the properties treat them as before, when the recorder named them
-        if (defers_frees(header) and (header.get("connector") or {}).get("hisparse_host_pool")
-                and "deferred_async_loads" not in unmodelled):
+        #: vLLM's defer_async_loads (a HiSparse host pool beside deferred frees)
+        self.defers_loads = bool(defers_frees(header) and (header.get("connector") or {}).get("hisparse_host_pool"))
+        if self.defers_loads and "deferred_async_loads" not in unmodelled:
             unmodelled.append("deferred_async_loads")
         # a format-4 connector run keeps the block checks on: its answers say which blocks the
         # connector holds past their request (delayed frees, async loads) and the step fences say
@@ -340,6 +341,8 @@ class RunProperties:
         t = rec["t"]
         if self.connector and "kv" in rec:
             self._connector_answers(rec)
+            if self.defers_loads and t == "sched":
+                self._load_fences(line, rec)
         if t == "sched":
             self.stops.sched(rec)
             self._sched(line, rec)
@@ -585,6 +588,29 @@ class RunProperties:
                         self.content.pop(b, None)
                         self._check_reuse(line, rid, g, idx, b)
                     self.owners.setdefault(b, {})[(rid, g)] = idx
+
+    def _load_fences(self, line: int, rec: dict) -> None:
+        """HiSparse keeps reading a released page until the pool reuses it, so with a step in flight
+        (a non-empty step scheduled and not yet processed) vLLM 0.33.0 defers an async load it
+        admits (``defer_async_loads``): the connector hears of it (``update_state_after_alloc``) only
+        in the update that processed that step. Handed over in the same ``schedule()`` that looked
+        it up while a step was in flight, the load may overwrite a page a running step still reads
+        (#28, session 20: the fault check-run replays and the properties now see too)."""
+        fences = self.fences
+        if fences.sched_seq <= fences.processed_seq:
+            return
+        loads = set()
+        for e in rec.get("kv") or ():
+            if e[0] == "m" and e[3] and e[4]:  # an async load of external tokens
+                loads.add(e[1])
+            elif e[0] == "a" and e[1] in loads:
+                loads.discard(e[1])
+                if not e[3]:  # the admission took no external token (vLLM dropped the load): nothing to defer
+                    continue
+                self._find("load_fence", line,
+                           f"{e[1]}'s async load is handed to the connector in the schedule() that admitted it "
+                           f"while {fences.sched_seq - fences.processed_seq} step(s) are in flight: with a HiSparse "
+                           "host pool vLLM defers it until that step was processed (defer_async_loads)")
 
     def _connector_answers(self, rec: dict) -> None:
         """A record's connector log (format 4): delayed frees, the local hit each lookup saw, and

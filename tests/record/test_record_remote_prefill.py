@@ -118,8 +118,12 @@ def test_hisparse_deferred_loads_are_replayed(hisparse_runs):
 
 def test_a_hisparse_load_started_before_its_fence_is_flagged(hisparse_runs):
     """No false green: the same draws on a vLLM that starts every async load at once (the page a
-    step in flight still reads may be overwritten) diverge where a load should have waited."""
+    step in flight still reads may be overwritten) diverge where a load should have waited, and the
+    run properties alone (``--properties-only``, what another vLLM version gets) say so too."""
     _, faulty = hisparse_runs
     flagged = [run for run in faulty if not run.known_hang and not run.lost_update
                and check_trace(run.path).divergence is not None]
     assert len(flagged) >= 2, [r.path for r in faulty]
+    for run in flagged:
+        kinds = {f.kind for f in check_trace(run.path, properties_only=True).findings}
+        assert "load_fence" in kinds, (run.path, kinds)
