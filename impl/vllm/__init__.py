@@ -10,7 +10,9 @@ the one loader (:func:`.loader.load_vllm`) where it can. Classes that subclass v
 schedulers of :mod:`.record`, the out-of-tree tier of :mod:`.tiering_tiers`) are built when first
 asked for, by the module's ``__getattr__`` (how vLLM resolves ``--scheduler-cls`` and a tier's
 ``module_path``). ``tests/impl/vllm/test_lazy_imports.py`` imports every module with vLLM made
-unimportable. vLLM's own objects are built from kvref's specs by one converter (:mod:`.specs`).
+unimportable. vLLM's own objects are built from kvref's specs by one converter (:mod:`.specs`),
+and vLLM's ``Request`` and ``SamplingParams`` from kvref's request data by one door
+(:mod:`.vrequest`, #26; ``tests/impl/vllm/test_vrequest.py`` fails if another module builds one).
 
 kvref models vLLM 0.33.0. Any other installed version — a fork, a nightly, an editable checkout
 reporting ``0.33.1.dev12+gdeadbee`` — is driven all the same: where it behaves differently the

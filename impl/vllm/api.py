@@ -87,8 +87,12 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.utils.torch_utils", "STR_DTYPE_TO_TORCH_DTYPE"),
     ),
     "request": (
+        # every keyword kvref.impl.vllm.vrequest (the one door to vLLM's Request, #26) passes
         _b(_REQ, "Request", "request_id", "prompt_token_ids", "sampling_params", "pooling_params",
-           "arrival_time", "cache_salt", "priority", "block_hasher"),
+           "arrival_time", "cache_salt", "priority", "block_hasher", "mm_features", "resumable", "prompt_embeds",
+           "lora_request", "session_id"),
+        _b("vllm.sampling_params", "SamplingParams.__init__", "max_tokens", "stop_token_ids", "ignore_eos",
+           "min_tokens", "repetition_detection", "skip_reading_prefix_cache", "extra_args", "prompt_logprobs"),
         _b(_REQ, "Request.append_output_token_ids"),
         _b(_REQ, "RequestStatus"),
         _b("vllm.sampling_params", "SamplingParams"),

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvref.impl.vllm.loader import load_vllm
 from kvref.impl.vllm.specs import to_vllm_spec
+from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
 from kvref.impl.hisparse_calls import HiSparseManagerCalls
 from kvref.spec.errors import InvalidFieldError
 from kvref.spec.hisparse import HiSparsePoolConfig
@@ -96,11 +97,10 @@ class VllmHiSparsePool(HiSparseManagerCalls):
     def _request(self, request_id: str, prompt: list[int]) -> Any:
         req = self.requests.get(request_id)
         if req is None or list(req.prompt_token_ids) != list(prompt):
-            v = self._v
-            req = self.requests[request_id] = v["VRequest"](
-                request_id=request_id, prompt_token_ids=list(prompt), sampling_params=v["SamplingParams"](max_tokens=1),
-                pooling_params=None, block_hasher=self._hasher)
-            req.status = v["VStatus"].RUNNING
+            req = self.requests[request_id] = vllm_request(request_id, list(prompt),
+                                                           vllm_sampling_params(max_tokens=1),
+                                                           block_hasher=self._hasher)
+            req.status = self._v["VStatus"].RUNNING
         return req
 
     def block_hashes(self, request_id: str, prompt: list[int]) -> list:

@@ -23,6 +23,7 @@ from kvref.impl.vllm.allocation_watch import AllocationWatch
 from kvref.impl.vllm.loader import load_vllm
 from kvref.impl.vllm.specs import build_kv_cache_manager, kv_cache_manager_kwargs, to_vllm_kv_cache_config
 from kvref.impl.vllm.specs import to_vllm_spec  # noqa: F401 - re-exported for older callers
+from kvref.impl.vllm.vrequest import KV_MANAGER_CARRY, vllm_request_from
 
 _STATUS = {
     RequestStatus.WAITING: "WAITING",
@@ -129,7 +130,9 @@ class VllmKVCacheManager:
     # -- request mirroring -------------------------------------------------------------------
 
     def _mirror(self, request: Request) -> Any:
-        """The vLLM ``Request`` for ``request``, brought up to date with its tokens and progress."""
+        """The vLLM ``Request`` for ``request``, brought up to date with its tokens and progress
+        (built by :func:`.vrequest.vllm_request_from` with :data:`.vrequest.KV_MANAGER_CARRY`, again
+        whenever a field it hashes or reports changes)."""
         if not isinstance(request, Request):
             raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
         v = load_vllm()
@@ -140,22 +143,7 @@ class VllmKVCacheManager:
                request.kv_cache_report_mode)
         vreq = self._mirrors.get(request.request_id)
         if vreq is None or self._mirror_keys.get(request.request_id) != key:
-            vreq = v["VRequest"](
-                request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=v["SamplingParams"](
-                    max_tokens=request.max_tokens, skip_reading_prefix_cache=request.skip_reading_prefix_cache,
-                    extra_args={"kv_cache_report_mode": "full"} if request.kv_cache_report_mode == "full" else None),
-                pooling_params=None, arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                priority=request.priority, block_hasher=self._hasher,
-                prompt_embeds=_embeds_tensor(request.prompt_embeds),
-                mm_features=[v["MultiModalFeatureSpec"](
-                    data=None, modality=f.modality, identifier=f.identifier,
-                    mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
-                    for f in request.mm_features] or None,
-                lora_request=None if request.lora_request is None else v["LoRARequest"](
-                    lora_name=request.lora_request.lora_name, lora_int_id=request.lora_request.lora_int_id,
-                    lora_path=request.lora_request.lora_path),
-                session_id=request.session_id)
+            vreq = vllm_request_from(request, carry=KV_MANAGER_CARRY, block_hasher=self._hasher)
             self._mirrors[request.request_id] = vreq
             self._mirror_keys[request.request_id] = key
         have = len(vreq.output_token_ids)
@@ -399,16 +387,6 @@ def _stats_plain(stats: Any) -> dict[str, Any] | None:
             "preempted_requests": stats.preempted_requests, "preempted_queries": stats.preempted_queries,
             "preempted_hits": stats.preempted_hits,
             "hits_by_source": {getattr(k, "value", k): n for k, n in stats.hits_by_source.items()}}
-
-
-def _embeds_tensor(rows: tuple[bytes, ...] | None) -> Any:
-    """The prompt embeddings as a tensor whose raw bytes are the rows (float32 where the row
-    length allows, else uint8): vLLM hashes exactly those bytes per block (``tensor_data``)."""
-    if rows is None:
-        return None
-    torch = load_vllm()["torch"]
-    data = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(len(rows), len(rows[0]))
-    return data.view(torch.float32) if len(rows[0]) % 4 == 0 else data
 
 
 def make_vllm_manager(pool_config: PoolConfig) -> VllmKVCacheManager:

@@ -91,12 +91,11 @@ class VllmEngine(ReferenceEngine):
     _hasher: Callable
 
     def make_request(self, rid, prompt, max_tokens, prompt_logprobs=False):
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request as VRequest
+        from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
 
-        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0 if prompt_logprobs else None)
-        return VRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
-                        block_hasher=self._hasher)
+        return vllm_request(rid, list(prompt), vllm_sampling_params(max_tokens=max_tokens,
+                                                                    prompt_logprobs=prompt_logprobs),
+                            block_hasher=self._hasher)
 
     def append_token(self, req, tok):
         req.append_output_token_ids(tok)

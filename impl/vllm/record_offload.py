@@ -52,6 +52,7 @@ def record_offloading_run(path: str | os.PathLike, seed: int = 0, steps: int = 1
 
     from kvref.impl.vllm.record import recorded_vllm_scheduler
     from kvref.impl.vllm.scheduler import VllmEnv
+    from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
 
     pool, cfg = _setup()(async_scheduling)
     env = env or VllmEnv()
@@ -84,10 +85,9 @@ def record_offloading_run(path: str | os.PathLike, seed: int = 0, steps: int = 1
             if step < steps - 40 and rng.random() < 0.45:
                 prompt = rng.choice(prefixes) + tuple(rng.randrange(1, 900) for _ in range(rng.randint(1, 40)))
                 # one request in six skips the prefix cache (prompt logprobs): vLLM ignores both hits
-                sp = v["SamplingParams"](max_tokens=rng.randint(1, 12), ignore_eos=True,
-                                         skip_reading_prefix_cache=rng.random() < 1 / 6)
-                req = v["VRequest"](request_id=f"r{n}", prompt_token_ids=list(prompt), sampling_params=sp,
-                                    pooling_params=None, arrival_time=float(n), block_hasher=driver._hasher)
+                sp = vllm_sampling_params(max_tokens=rng.randint(1, 12), ignore_eos=True,
+                                          skip_reading_prefix_cache=rng.random() < 1 / 6)
+                req = vllm_request(f"r{n}", list(prompt), sp, arrival_time=float(n), block_hasher=driver._hasher)
                 n += 1
                 s.add_request(req)
             if rng.random() < 0.03 and s.requests:

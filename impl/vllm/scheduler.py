@@ -34,10 +34,11 @@ from kvref.impl.scheduler_types import (
 )
 from kvref.impl.request import Request
 from kvref.impl.vllm.allocation_watch import AllocationWatch
-from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager, _embeds_tensor
+from kvref.impl.vllm.kv_cache_manager import VllmKVCacheManager
 from kvref.impl.vllm.loader import load_vllm
 from kvref.impl.vllm.scratch import tiny_llama_dir
 from kvref.impl.vllm.specs import to_vllm_kv_cache_config, to_vllm_spec
+from kvref.impl.vllm.vrequest import SCHEDULER_CARRY, vllm_request_from
 from kvref.spec import kv_cache_interface as ks
 from kvref.spec.errors import InvalidFieldError
 
@@ -342,42 +343,14 @@ class VllmScheduler:
 
     # ---- calls -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        v = self._v
-        sp = self._sampling_params(request)
-        mm = [v["MultiModalFeatureSpec"](
-            data=self._mm_data, modality=f.modality, identifier=f.identifier,
-            mm_position=v["PlaceholderRange"](offset=f.mm_position.offset, length=f.mm_position.length))
-            for f in request.mm_features] or None
-        vr = v["VRequest"](request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                           sampling_params=sp, pooling_params=None, arrival_time=request.arrival_time,
-                           cache_salt=request.cache_salt, priority=request.priority,
-                           block_hasher=self._hasher if self.pool.enable_caching else None, mm_features=mm,
-                           resumable=request.resumable, prompt_embeds=_embeds_tensor(request.prompt_embeds),
-                           lora_request=None if request.lora_request is None else v["LoRARequest"](
-                               lora_name=request.lora_request.lora_name,
-                               lora_int_id=request.lora_request.lora_int_id,
-                               lora_path=request.lora_request.lora_path))
+        """vLLM's ``Scheduler.add_request`` with the request as the engine's input processor builds
+        it (:func:`.vrequest.vllm_request_from` with :data:`.vrequest.SCHEDULER_CARRY`: the stop
+        rules, EOS by ``update_from_generation_config``); block hashes only with prefix caching."""
+        vr = vllm_request_from(request, carry=SCHEDULER_CARRY, mm_data=self._mm_data,
+                               block_hasher=self._hasher if self.pool.enable_caching else None)
         if request.request_id not in self.scheduler.requests:  # an update keeps the session's own request
             self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
-
-    def _sampling_params(self, request: Request) -> Any:
-        """vLLM ``SamplingParams`` for ``request``'s stop rules: an EOS token is set the way the
-        engine's input processor sets it (``update_from_generation_config``; without one,
-        ``ignore_eos``), ``min_tokens`` and ``repetition_detection`` as the API passes them."""
-        from vllm.sampling_params import RepetitionDetectionParams
-
-        rd = request.repetition_detection
-        sp = self._v["SamplingParams"](
-            max_tokens=request.max_tokens, stop_token_ids=list(request.stop_token_ids),
-            ignore_eos=request.eos_token_id is None, min_tokens=request.min_tokens,
-            repetition_detection=None if rd is None else RepetitionDetectionParams(
-                max_pattern_size=rd.max_pattern_size, min_pattern_size=rd.min_pattern_size, min_count=rd.min_count),
-            skip_reading_prefix_cache=request.skip_reading_prefix_cache,
-            extra_args={"kv_transfer_params": {"do_remote_prefill": True}} if request.do_remote_prefill else None)
-        if request.eos_token_id is not None:
-            sp.update_from_generation_config({}, request.eos_token_id)
-        return sp
 
     def schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()

@@ -15,6 +15,7 @@ from collections import deque
 from typing import Iterable, Iterator
 
 from kvref.impl.request import Request
+from kvref.impl.vllm.vrequest import QUEUE_CARRY, vllm_request_from
 
 
 class VllmWaitingQueue:
@@ -35,12 +36,7 @@ class VllmWaitingQueue:
     def _twin(self, request: Request):
         vr = self._twins.get(id(request))
         if vr is None:
-            from vllm.sampling_params import SamplingParams
-            from vllm.v1.request import Request as VRequest
-
-            vr = VRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                          sampling_params=SamplingParams(max_tokens=max(1, request.max_tokens)), pooling_params=None,
-                          arrival_time=request.arrival_time, priority=request.priority)
+            vr = vllm_request_from(request, carry=QUEUE_CARRY, max_tokens=max(1, request.max_tokens))
             self._twins[id(request)] = vr
             self._back[id(vr)] = request
         return vr

@@ -16,15 +16,14 @@ from kvref.impl.request import Request
 from kvref.spec.errors import InvalidFieldError
 
 from .scheduler import VllmScheduler
+from .vrequest import vllm_request, vllm_sampling_params
 
 
 def _vrequest(vs: VllmScheduler, request_id: str, prompt: list[int], max_tokens: int, arrival_time: float,
               resumable: bool) -> Any:
-    v = vs._v
-    sp = v["SamplingParams"](max_tokens=max_tokens, ignore_eos=True)
-    return v["VRequest"](request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                         pooling_params=None, arrival_time=arrival_time, resumable=resumable,
-                         block_hasher=vs._hasher if vs.pool.enable_caching else None)
+    return vllm_request(request_id, list(prompt), vllm_sampling_params(max_tokens=max_tokens, ignore_eos=True),
+                        arrival_time=arrival_time, resumable=resumable,
+                        block_hasher=vs._hasher if vs.pool.enable_caching else None)
 
 
 def add_session(vs: VllmScheduler, request: Request) -> None:

@@ -240,13 +240,13 @@ def role_answers(conn: Any, role: str, cfg: Any) -> dict[str, Any]:
         return {"aligned_num_cpu_blocks": conn.get_aligned_num_cpu_blocks(),
                 "worker_finished": conn.get_finished({"kvref-role"}), "worker_meta": conn.build_connector_worker_meta()}
     from kvref.impl.reference.offload.simple_cpu_offload_scheduler import SimpleOffloadStep
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request as VRequest
+
+    from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
 
     hasher, _, mgr = vllm_kv_cache_manager(cfg)
-    req = VRequest(request_id="kvref-role", prompt_token_ids=list(range(2 * cfg.block_size + 1)),
-                   sampling_params=SamplingParams(max_tokens=2), pooling_params=None, block_hasher=hasher)
+    req = vllm_request("kvref-role", list(range(2 * cfg.block_size + 1)), vllm_sampling_params(max_tokens=2),
+                       block_hasher=hasher)
     m = conn.build_connector_meta(vllm_scheduler_output(SimpleOffloadStep()))
     return {"match": tuple(conn.get_num_new_matched_tokens(req, 0)),
             "alloc": conn.update_state_after_alloc(req, mgr.empty_kv_cache_blocks, 0),

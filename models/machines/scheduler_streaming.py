@@ -77,6 +77,7 @@ def run_history(vs: Any, ops: list[tuple], prompt: tuple[int, ...] = (1, 2, 3)) 
     """Drive one session through ``ops`` on ``vs`` (a VllmScheduler) and on kvref's rules; raise
     AssertionError at the first observable that differs."""
     from kvref.impl.vllm import scheduler_streaming as vss
+    from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
 
     sched, v = vs.scheduler, vs._v
     req = Request("s", list(prompt), max_tokens=4)
@@ -132,9 +133,8 @@ def run_history(vs: Any, ops: list[tuple], prompt: tuple[int, ...] = (1, 2, 3)) 
         if live:
             state.check_invariants({"s"})
             vr = sched.requests["s"]
-            fresh = v["VRequest"](request_id="fresh", prompt_token_ids=list(vr.all_token_ids),
-                                  sampling_params=v["SamplingParams"](max_tokens=1), pooling_params=None,
-                                  block_hasher=vs._hasher)
+            fresh = vllm_request("fresh", list(vr.all_token_ids), vllm_sampling_params(max_tokens=1),
+                                 block_hasher=vs._hasher)
             assert list(vr.block_hashes) == list(fresh.block_hashes), \
                 f"op {n} {op[0]}: the session's block hashes are not those of its tokens (stale block hashes)"
 
