@@ -80,12 +80,12 @@ def test_the_reference_kv_cache_manager_builds_hisparse_pools_like_vllm(num_bloc
     from kvref.impl.vllm.loader import load_vllm
 
     load_vllm()  # NONE_HASH
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request as VRequest, RequestStatus as VStatus
+    from vllm.v1.request import RequestStatus as VStatus
 
     from kvref.impl.reference.kv_cache_manager import KVCacheManager
+    from kvref.impl.vllm.vrequest import vllm_request_from
 
     ref = KVCacheManager(_pool_config(num_blocks, host_blocks, caching))
     ref_coord = ref.coordinator.hisparse_coordinator
@@ -97,8 +97,7 @@ def test_the_reference_kv_cache_manager_builds_hisparse_pools_like_vllm(num_bloc
         prompt = [t if idx < 2 or t < lengths[idx] // 2 else 1000 + t for t in range(lengths[idx])]
         if rid not in live:
             req = Request(rid, prompt, max_tokens=1)
-            vreq = VRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
-                            pooling_params=None, block_hasher=hasher)
+            vreq = vllm_request_from(req, carry=frozenset(), block_hasher=hasher)
             hits, num_hit, _ = ref.get_computed_blocks(req)
             vhits, vnum_hit, _ = vm.get_computed_blocks(vreq)
             assert (num_hit, hits.get_block_ids()) == (vnum_hit, vhits.get_block_ids()), f"step {n}: hit"

@@ -117,10 +117,10 @@ class _PoolPair:
 
     def vreq(self, req: Request):
         if req.request_id not in self.vreqs:
-            self.vreqs[req.request_id] = self.v["VRequest"](
-                request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
-                sampling_params=self.v["SamplingParams"](max_tokens=4), pooling_params=None,
-                cache_salt=req.cache_salt, block_hasher=self.vhasher)
+            from kvref.impl.vllm.vrequest import vllm_request_from
+
+            self.vreqs[req.request_id] = vllm_request_from(req, carry=frozenset({"cache_salt"}),
+                                                           block_hasher=self.vhasher, max_tokens=4)
         return self.vreqs[req.request_id]
 
     def new(self, n: int) -> list[int]:
