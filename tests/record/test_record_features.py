@@ -33,7 +33,7 @@ from kvref.models.run_check.feature_runs import FEATURES, record_feature_runs
 
 from kvref import cli
 from kvref.impl.vllm.record_faults import FEATURE_FAULTS
-from tests.record.traces import pristine_and_faulty_runs, read_lines
+from tests.record.traces import assert_agrees_and_holds, pristine_and_faulty_runs, read_lines
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -85,11 +85,7 @@ def test_feature_runs_are_replayed_step_by_step(recorded, feature, tmp_path, cap
             assert cli.main(["check-run", str(run.path), "--out", str(tmp_path / "cx")]) == 0
             out = capsys.readouterr().out
             assert f"reference: agrees on all {r.summary['steps']} steps" in out and "verdict: agrees" in out, out
-        assert r.followed and r.verdict == "agrees", (run.path, r.stopped_because, r.findings[:2],
-                                                      r.divergence and r.divergence.table())
-        assert r.steps_compared == r.summary["steps"]
-        p = check_trace(run.path, properties_only=True)
-        assert p.verdict == "properties hold", (run.path, p.findings[:3])
+        assert_agrees_and_holds(run.path, r)
         followed += 1
         shows.update(_shows(run.path))
         pool, sched = header["pool"], header["scheduler"]

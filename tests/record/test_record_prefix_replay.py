@@ -24,7 +24,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import record_feature_runs
 
 from kvref.impl.vllm.record_faults import plant_feature_fault
-from tests.record.traces import read_lines
+from tests.record.traces import assert_agrees_and_holds, read_lines
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -60,11 +60,7 @@ def test_bounded_replay_runs_are_replayed_step_by_step(recorded):
         r = check_trace(run.path, check_invariants_every=1)
         if r.empty:
             continue
-        assert r.followed and r.verdict == "agrees", (run.path, r.stopped_because, r.findings[:2],
-                                                      r.divergence and r.divergence.table())
-        assert r.steps_compared == r.summary["steps"]
-        p = check_trace(run.path, properties_only=True)
-        assert p.verdict == "properties hold", (run.path, p.findings[:3])
+        assert_agrees_and_holds(run.path, r)
         followed += 1
         replays += _replays(run.path)
     # admissions rewound by the window (replay_start > 0) are in the traces, not only misses

@@ -108,6 +108,19 @@ __all__ = ["add", "full_setup", "header_for", "hybrid_setup", "read_lines", "rew
            "without", "write_trace"]
 
 
+def assert_agrees_and_holds(path, result) -> None:
+    """A recorded run ``check_trace`` followed to the end, agreeing at every step, whose run
+    properties hold on their own too (``--properties-only``)."""
+    from kvref.models.run_check import check_trace
+
+    r = result
+    assert r.followed and r.verdict == "agrees", (path, r.stopped_because, r.findings[:2],
+                                                  r.divergence and r.divergence.table())
+    assert r.steps_compared == r.summary["steps"]
+    p = check_trace(path, properties_only=True)
+    assert p.verdict == "properties hold", (path, p.findings[:3])
+
+
 def pristine_and_faulty_runs(tmp_path_factory, draws: dict, faults: dict, steps: int):
     """A module fixture's getter: feature -> (its pristine recorded runs, the same draws recorded on a
     vLLM with the feature's fault planted), recorded once per feature. ``draws``: feature -> (seed,
