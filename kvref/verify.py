@@ -485,6 +485,11 @@ SCHEDULER_RUNS = (
            "scheduler traces on bounded-replay pools",
            "; {traces} on bounded-replay pools ({replay_admissions} admissions rewound by the window, "
            "{replay_hits_dropped} hits within it dropped)"),
+    # R-SWA pools (gap blocks freed between prompt and decode window) and full attention + a ring
+    SubRun("kvref.models.machines.scheduler_layouts:run_layouts_machine", (8, 30),
+           "scheduler traces on R-SWA and ring pools",
+           "; {traces} on R-SWA and ring pools ({rswa_gap_blocks_freed} gap blocks freed, "
+           "{ring_blocks_claimed} rings claimed)"),
     # pause states and the counts the engine polls
     SubRun("kvref.models.machines.scheduler_pause:run_pause_machine", (6, 40),
            "scheduler traces with pause states",

@@ -51,9 +51,11 @@ from kvref.impl.scheduler_types import (
 from kvref.impl.request import Request
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 
@@ -104,6 +106,13 @@ SPEC_GROUP_KINDS = GROUP_KINDS + ("full+swa+swa", "full+swa+swa")
 #: FA + Mamba "align" with prefix caching: vLLM's scheduler clips chunks to Mamba state boundaries
 #: (``_mamba_block_aligned_split``), the reference's scheduler_mamba_split does the same (issue #23)
 MAMBA_ALIGN_KINDS = ("full+mamba_align", "full+mamba_fine")
+#: the layouts of vLLM 0.33.0's other full-attention managers (#22/#28; drawn by
+#: :mod:`kvref.models.machines.scheduler_layouts` only): every layer R-SWA (Unlimited-OCR's
+#: ``RSWAAttention``: the gap between prompt and decode window freed) and full attention beside a
+#: compressor's ring (DeepSeek-V4.1 / GLM-5-next ``CircularBufferSpec``: one block per request, a
+#: ring that divides the attention block, never cached). No sink pools: vLLM 0.33.0 cannot build
+#: ``SinkFullAttentionManager`` behind its coordinator (docs/differences.md)
+LAYOUT_KINDS = ("rswa", "full+circular")
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,12 @@ def pool_groups(draw, kinds=GROUP_KINDS, max_model_len: int = 64, block_sizes=(2
     """
     bs = draw(st.sampled_from(block_sizes))
     kind = draw(st.sampled_from(kinds))
+    if kind == "rswa":  # the window of generated tokens: up to two blocks (outputs are short: gaps form)
+        return bs, (KVCacheGroupSpec(("rswa",), _attn(RSWASpec, bs, rswa_window=draw(st.integers(1, 2 * bs)))),)
     groups = [KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, bs))]
+    if kind == "full+circular":  # vLLM's GLM-5-next asserts the ring divides the attention block
+        ring = draw(st.sampled_from([d for d in (1, 2, 4, 8) if bs % d == 0]))
+        groups.append(KVCacheGroupSpec(("ring",), _attn(CircularBufferSpec, ring, head_size_v=0)))
     if kind in ("full+swa", "full+swa+swa"):
         window = draw(st.integers(1, 4 * bs))
         groups.append(KVCacheGroupSpec(("swa",), _attn(SlidingWindowSpec, bs, sliding_window=window)))
