@@ -29,6 +29,15 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not spec.ok:
         return CheckResult(name, FAILED, "KV-connector traces with speculative decoding diverged from vLLM",
                            details=spec.failure.splitlines()[:30], signature=spec.signature)
+    # then DeepSeek-V4.1 SWA bounded replay beside the connector: loads without the window cut to
+    # whole blocks, short hits dropped, longer ones rewound (after an async load lands too), loads
+    # carrying the window (a P/D transfer's get_loaded_kv_cache_group_ids) taken whole (#22)
+    from kvref.models.machines.scheduler_replay_connector import run_replay_connector_machine
+
+    replay = run_replay_connector_machine(ctx.examples(12, 60), shrink=ctx.shrink, seed=ctx.seed)
+    if not replay.ok:
+        return CheckResult(name, FAILED, "KV-connector traces on bounded-replay pools diverged from vLLM",
+                           details=replay.failure.splitlines()[:30], signature=replay.signature)
     # then pause states with a KV connector: PAUSED_NEW still admits KV-holding requests (#22)
     from kvref.models.machines.scheduler_pause import run_connector_pause_machine
 
@@ -70,10 +79,14 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                            details=str(exc).splitlines()[:30], signature=f"{name}: MultiConnector worker side")
     c = paused.coverage
     sc = spec.coverage
+    rc = replay.coverage
     return CheckResult(name, PASSED, run.summary + f"; {spec.traces} with speculative decoding "
                        f"({sc.get('loads_started_async', 0)} async loads, {sc.get('promoted_load_scheduled', 0)} "
                        f"promoted, {sc.get('vllm_hang_spec_step_reservation', 0)} vLLM hangs on the speculative "
-                       f"step's reservation); {paused.traces} with pause states "
+                       f"step's reservation); {replay.traces} on bounded-replay pools "
+                       f"({rc.get('replay_external_hits_cut', 0)} external hits cut to whole blocks, "
+                       f"{rc.get('replay_window_loaded', 0)} loads carrying the window, "
+                       f"{rc.get('replay_after_async_load', 0)} replays after an async load); {paused.traces} with pause states "
                        f"({c.get('paused_new_admitted', 0)} KV-holding admissions while new ones were held); "
                        f"{life.traces} async-consumer lifecycles ({life.coverage.get('steps_with_deferred_frees', 0)} "
                        f"steps with deferred frees, {life.coverage.get('kv_fetch_in_progress', 0)} polls with loads "
@@ -84,5 +97,5 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
                        f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
-                       examined=run.traces + spec.traces + paused.traces + life.traces + deferred.traces + reload.traces
+                       examined=run.traces + spec.traces + replay.traces + paused.traces + life.traces + deferred.traces + reload.traces
                        + multi["traces"])

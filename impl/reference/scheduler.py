@@ -182,12 +182,9 @@ class Scheduler:
         self._in_flight: dict[int, SchedulerOutput] = {}
         self.pause_state = PauseState.UNPAUSED  # vLLM ``Scheduler._pause_state``
         self._published_kv_events: list[list[dict]] = []  # batches not yet taken by the caller
-        # SWA bounded replay: the one replay window of the pool (:mod:`.scheduler_prefix_replay`)
+        # SWA bounded replay: the one replay window of the pool (:mod:`.scheduler_prefix_replay`;
+        # beside a KV connector, :mod:`.scheduler_connector`)
         self.prefix_replay_tokens = _replay.prefix_replay_tokens(pool)
-        if self.prefix_replay_tokens and connector is not None:
-            raise InvalidFieldError("connector", type(connector).__name__,
-                                    "None on a pool with a bounded-replay group (kvref models the replay of "
-                                    "local prefix hits only)")
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
         self.connector_state = _conn.make_state(connector, config, pool) if connector is not None else None
         # vLLM: an EAGLE-like drafter drops the trailing hit block (use_eagle_block_drop) unless

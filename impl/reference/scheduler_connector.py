@@ -36,8 +36,13 @@ names its vLLM counterpart):
   handed to the connector at once: it waits in ``deferred_loads`` until that step was processed
   (``_drain_deferred_loads``), and an abort before then frees its blocks at once (no load started).
 
+* on a pool with a DeepSeek-V4.1 bounded-replay window (:mod:`.scheduler_prefix_replay`) an
+  external hit whose load does not carry the window (``get_loaded_kv_cache_group_ids``) is cut to
+  whole blocks, a hit no longer than the window is dropped, a longer one is rewound by the window
+  (at admission, or once an async load landed), and a load that carries it replays nothing.
+
 Not modelled: partial-tail
-offloads (Mamba align mode), DSV4 sliding-window replay, the aux-output and encoder connectors,
+offloads (Mamba align mode), the aux-output and encoder connectors,
 connector stats. The connector itself is :class:`ScriptedConnector`: a deterministic stand-in
 whose answers the trace chooses, run unchanged inside vLLM by
 :mod:`kvref.impl.vllm.connector`.
@@ -53,6 +58,7 @@ from kvref.impl.request import Request, RequestStatus
 from kvref.spec.errors import InvalidFieldError, check_choice, check_int
 from kvref.spec.kv_cache_interface import MambaSpec
 
+from . import scheduler_prefix_replay as _replay
 from .scheduler_mamba_split import split_scheduled_chunk, store_shared_prefix_boundary
 from .scheduler_prefill_lookahead import reserve_prefill_lookahead
 from .scheduler_connector_stats import (
@@ -145,6 +151,11 @@ class ExternalHit:
         persistent: the store keeps its copy after a load (an offload tier, not a one-shot P/D
             transfer): a preempted request finds it again and reloads it; such a store matches
             at most up to the last prompt token.
+        loads_all_groups: the load restores every KV-transfer group, as a P/D transfer of the
+            request's own blocks does (vLLM's NIXL / Mooncake connectors answer
+            ``get_loaded_kv_cache_group_ids`` with ``transfer_group_ids``); False: the
+            prefix-cacheable groups only (``KVConnectorBase_V1``'s default: a hash-addressed store
+            holds no sliding window). Only a bounded-replay pool's scheduler acts on it.
     """
 
     num_tokens: int = 0
@@ -152,11 +163,12 @@ class ExternalHit:
     num_pending_lookups: int = 0
     delay_free: bool = False
     persistent: bool = False
+    loads_all_groups: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_tokens", self.num_tokens, minimum=0)
         check_int("num_pending_lookups", self.num_pending_lookups, minimum=0)
-        for name in ("load_async", "delay_free", "persistent"):
+        for name in ("load_async", "delay_free", "persistent", "loads_all_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidFieldError(name, getattr(self, name), "True or False")
 
@@ -272,6 +284,21 @@ class ScriptedConnector(SchedulerConnector):
         available = min(available, num_tokens if whole else num_tokens - 1)
         ext = max(0, available - num_computed_tokens)
         return ext, hit.load_async and ext > 0
+
+    def get_loaded_kv_cache_group_ids(self, request_id: str, transfer_group_ids: tuple[int, ...],
+                                      prefix_cacheable_group_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The KV cache groups this connector's load for ``request_id`` restores (vLLM asks it after
+        a positive ``get_num_new_matched_tokens``): the transfer groups for a hit that
+        ``loads_all_groups``, else the prefix-cacheable ones. A query without effect, not logged in
+        :attr:`calls` (vLLM also asks it for every async load's zeroing, which kvref's connector
+        runs do not compare); its answer shows in the replay it decides (computed tokens,
+        ``replay_start``, block tables)."""
+        for name, ids in (("transfer_group_ids", transfer_group_ids),
+                          ("prefix_cacheable_group_ids", prefix_cacheable_group_ids)):
+            if not isinstance(ids, tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise InvalidFieldError(name, ids, "a tuple of KV cache group indices")
+        hit = self.hits.get(request_id, ExternalHit())
+        return transfer_group_ids if hit.loads_all_groups else prefix_cacheable_group_ids
 
     def update_state_after_alloc(self, request_id: str, block_ids: BlockIdsT, num_external_tokens: int) -> None:
         self.calls.append(("update_state_after_alloc", request_id, block_ids, num_external_tokens))
@@ -490,6 +517,21 @@ def _local_prefix_cache_hit(sched: "Scheduler", request: Request) -> tuple:
     return hit_ids, num_local, False
 
 
+def load_restores_replay_window(sched: "Scheduler", request_id: str) -> bool:
+    """vLLM ``_load_restores_replay_window``: the connector's load for ``request_id`` restores every
+    bounded-replay group. The connector is asked only on a pool with such a group; kvref's pools
+    transfer every group (vLLM's ``KVCacheGroupSpec.enable_kv_transfer`` defaults to True), so the
+    transfer groups are all of them and the prefix-cacheable ones those whose spec caches."""
+    groups = sched.pool.groups
+    replay_ids = tuple(i for i, g in enumerate(groups) if g.kv_cache_spec.prefix_replay_tokens > 0)
+    if not replay_ids:
+        return False
+    loaded = sched.connector_state.connector.get_loaded_kv_cache_group_ids(
+        request_id, tuple(range(len(groups))),
+        tuple(i for i, g in enumerate(groups) if g.kv_cache_spec.prefix_cacheable))
+    return _replay.load_restores_window(replay_ids, tuple(loaded))
+
+
 def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, scheduled: dict,
                      prefill_scheduled: bool = False) -> int:
     """vLLM ``schedule()``'s waiting loop with a KV connector (see the module docstring).
@@ -529,7 +571,11 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         load_async = False
         hit_ids = None
         num_local = 0
-        if request.num_computed_tokens == 0:
+        window = sched.prefix_replay_tokens
+        window_loaded = False
+        looked_up = request.num_computed_tokens == 0
+        queries = 0
+        if looked_up:
             hit_ids, num_local, hit_diverged = _local_prefix_cache_hit(sched, request)
             block_size = sched.pool.scheduler_block_size
             partial_tail = num_local % block_size
@@ -540,6 +586,10 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
             if ext is None:
                 skip(queue)  # the connector cannot answer yet
                 continue
+            if window:
+                # SWA bounded replay: a load without the window is cut to whole blocks
+                ext, load_async = _replay.trim_external_hit(
+                    block_size, ext, load_async, bool(ext) and load_restores_replay_window(sched, rid))
             if partial_tail and ext > partial_tail:
                 # a strictly longer remote hit supersedes the local sub-block tail
                 hit_ids = _truncate(hit_ids, aligned, sched)
@@ -556,14 +606,24 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                 store_shared_prefix_boundary(sched, request)
             num_computed = num_local + num_external
             assert num_computed <= request.num_tokens
+            queries = request.num_tokens - num_local  # vLLM: connector queries, counted before a drop
+            # SWA bounded replay: a load that carries the window is taken as is; any other hit no
+            # longer than the window would be recomputed in full, so it is dropped (load included)
+            window_loaded = bool(num_external) and load_restores_replay_window(sched, rid)
+            if not window_loaded and _replay.drop_short_hit(window, num_computed):
+                hit_ids, num_local, num_external, num_computed, load_async = None, 0, 0, 0, False
             set_kv_fetch_stage(st, rid, KV_FETCH_WAITING_TO_START if load_async else None)
         else:
             num_computed = request.num_computed_tokens  # a promoted load
 
         is_padded = False
+        num_replay = 0  # an async load replays once it landed (update_waiting_for_remote_kv)
         if load_async:
             num_new = 0
         else:
+            if looked_up and window:
+                num_replay, request.replay_start = _replay.mark_prefix_replay(window, num_computed, window_loaded)
+                num_computed -= num_replay
             num_new = request.num_tokens - num_computed
             # speculative decoding: an admission with one token left is padded to 1 + k, as
             # without a connector (num_computed counts the external hit too)
@@ -598,14 +658,14 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         # limit_lookahead_tokens: local and remote block counts must match during the load)
         reserved = inflight_prefill_reserved_blocks(sched) + spec_decode_step_blocks(sched) if load_async else 0
         blocks = kv.allocate_slots(
-            request, num_new, num_new_computed_tokens=num_local, new_computed_block_ids=hit_ids,
+            request, _replay.slots_past_hit(num_new, num_replay), num_new_computed_tokens=num_local,
+            new_computed_block_ids=hit_ids,
             num_lookahead_tokens=0 if load_async else cfg.num_lookahead_tokens,
             num_external_computed_tokens=num_external, delay_cache_blocks=load_async,
             full_sequence_must_fit=cfg.scheduler_reserve_full_isl, reserved_blocks=reserved,
             has_scheduled_reqs=bool(sched.running))
         if blocks is None:
             break  # head-of-line, as without a connector
-        queries = request.num_tokens - num_local if hit_ids is not None else 0  # vLLM: connector queries
         # HiSparse: a step in flight may still read the pages this load would write; the connector
         # hears of the load (and the stats record it) once that step was processed
         defer_load = load_async and st.defer_async_loads and st.sched_step_seq > st.processed_step_seq
@@ -615,7 +675,7 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         else:
             conn.update_state_after_alloc(rid, _block_ids(sched, rid), num_external)
         record = getattr(kv, "record_prefix_cache_stats", None) if sched.records_prefix_cache_stats else None
-        if hit_ids is not None and record is not None:  # a fresh local lookup, recorded at admission as vLLM does
+        if looked_up and record is not None:  # a fresh local lookup, recorded at admission as vLLM does
             record(request, num_local)
         if queries and not defer_load:
             record_connector_prefix_cache_stats(st, request, queries, num_external)
@@ -654,7 +714,8 @@ def update_waiting_for_remote_kv(sched: "Scheduler", request: Request) -> None:
     st = sched.connector_state
     kv = sched.kv_cache_manager
     rid = request.request_id
-    if rid in st.failed_recving_kv_req_ids:
+    load_failed = rid in st.failed_recving_kv_req_ids
+    if load_failed:
         if request.num_computed_tokens:
             kv.cache_blocks(request, request.num_computed_tokens)  # the valid prefix
         else:
@@ -662,7 +723,16 @@ def update_waiting_for_remote_kv(sched: "Scheduler", request: Request) -> None:
         st.failed_recving_kv_req_ids.remove(rid)
     else:
         kv.cache_blocks(request, request.num_computed_tokens)
-    if request.num_computed_tokens == request.num_tokens:
+    # SWA bounded replay: the tail of a load without the window (or of a failed one, which may have
+    # lost it) is recomputed, the last token included; else a whole-prompt load recomputes that one
+    num_replay = 0
+    if sched.prefix_replay_tokens:
+        num_replay, request.replay_start = _replay.mark_prefix_replay(
+            sched.prefix_replay_tokens, request.num_computed_tokens,
+            not load_failed and load_restores_replay_window(sched, rid))
+    if num_replay > 0:
+        request.num_computed_tokens -= num_replay
+    elif request.num_computed_tokens == request.num_tokens:
         request.num_computed_tokens = request.num_tokens - 1  # recompute the last token to sample
     st.finished_recving_kv_req_ids.remove(rid)
     st.loading.discard(rid)

@@ -7,6 +7,7 @@ The rules, as ``kv_connector/v1/multi_connector.py`` applies them on the schedul
   whole answer ``None`` (children after it are not asked); the *first* child with a positive hit
   is chosen to load the request, the others' hits are ignored;
 * allocation: the chosen child gets the external tokens, every other child the same blocks with 0;
+* ``get_loaded_kv_cache_group_ids``: the chosen child's answer;
 * ``on_new_request``, ``build_connector_meta``, ``update_connector_output``: every child;
 * ``request_finished``: every child; the blocks stay while *any* child still sends them;
 * ``has_pending_block_frees``: any child (stops at the first that says True);
@@ -84,6 +85,13 @@ class MultiScriptedConnector(SchedulerConnector):
                 self.requests_to_connector[request_id] = i
                 answer = (toks, load_async)
         return answer
+
+    def get_loaded_kv_cache_group_ids(self, request_id: str, transfer_group_ids: tuple[int, ...],
+                                      prefix_cacheable_group_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """vLLM ``MultiConnector.get_loaded_kv_cache_group_ids``: the answer of the child chosen to
+        load the request (a request no child chose is a ``KeyError``, as in vLLM)."""
+        child = self.children[self.requests_to_connector[request_id]]
+        return child.get_loaded_kv_cache_group_ids(request_id, transfer_group_ids, prefix_cacheable_group_ids)
 
     def update_state_after_alloc(self, request_id: str, block_ids: BlockIdsT, num_external_tokens: int) -> None:
         chosen = self.requests_to_connector.get(request_id, -1)

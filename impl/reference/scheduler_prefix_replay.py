@@ -15,9 +15,18 @@ scheduler does this on every fresh admission (a waiting request whose prefix-cac
   (``max(num_new_tokens - num_replay_tokens, 0)``: a chunk ending inside the replayed range needs
   no new slot).
 
-A KV connector's hit (vLLM trims external hits to whole blocks unless the load restores every
-replay group, ``_load_restores_replay_window``) is not modelled: the reference scheduler refuses a
-connector on a pool with a replay group (docs/differences.md).
+Beside a KV connector (:mod:`.scheduler_connector`, vLLM's waiting loop and
+``_update_waiting_for_remote_kv``) the connector's answer to ``get_loaded_kv_cache_group_ids``
+decides whether a load carries the window (``_load_restores_replay_window``: every replay group is
+among the loaded ones -- a P/D transfer of the request's own blocks; a hash-addressed store, the
+connector default, loads the prefix-cacheable groups only, never the window):
+
+* a load that does not carry it has its external tokens cut to whole blocks (an async load left
+  with none is no load), and the hit (local + external) is dropped when no longer than the window
+  and rewound by the window otherwise -- at admission for a sync load, after it landed for an async
+  one (with no drop there: the admission already dropped the short ones);
+* a load that carries it is taken whole and replays nothing (``replay_start = 0``);
+* a failed async load replays its (valid) remainder as a load without the window.
 """
 
 from __future__ import annotations
@@ -85,6 +94,48 @@ def replay_admission(window: int, num_hit: int) -> ReplayAdmission:
     num_replay = min(window, num_hit) if window else 0
     return ReplayAdmission(hit_tokens=num_hit, hit_kept=kept, num_computed_tokens=num_hit - num_replay,
                            num_replay_tokens=num_replay, replay_start=num_hit - num_replay)
+
+
+def mark_prefix_replay(window: int, num_hit: int, window_loaded: bool) -> tuple[int, int]:
+    """vLLM ``Scheduler._mark_prefix_replay``: ``(num_replay_tokens, replay_start)`` of a hit of
+    ``num_hit`` tokens under a replay window ``window > 0``: nothing when the hit's KV load carried
+    the window (``replay_start = 0``), else the hit's last ``min(window, num_hit)`` tokens, replayed
+    from ``num_hit - num_replay``. No drop here: the caller drops short hits at admission."""
+    check_int("window", window, minimum=1)
+    check_int("num_hit", num_hit, minimum=0)
+    if not isinstance(window_loaded, bool):
+        raise InvalidFieldError("window_loaded", window_loaded, "True or False")
+    if window_loaded:
+        return 0, 0
+    num_replay = min(window, num_hit)
+    return num_replay, num_hit - num_replay
+
+
+def load_restores_window(replay_group_ids: tuple[int, ...], loaded_group_ids: tuple[int, ...]) -> bool:
+    """vLLM ``Scheduler._load_restores_replay_window``: a pool with replay groups, every one of them
+    among the groups the connector's load restores (``get_loaded_kv_cache_group_ids``)."""
+    for name, ids in (("replay_group_ids", replay_group_ids), ("loaded_group_ids", loaded_group_ids)):
+        if not isinstance(ids, tuple):
+            raise InvalidFieldError(name, ids, "a tuple of KV cache group indices")
+        for i in ids:
+            check_int(f"{name}[i]", i, minimum=0)
+    return bool(replay_group_ids) and set(replay_group_ids) <= set(loaded_group_ids)
+
+
+def trim_external_hit(block_size: int, num_external: int, load_async: bool, window_loaded: bool) -> tuple[int, bool]:
+    """vLLM's waiting loop with a replay window: an external hit whose load does not carry the
+    window is cut to whole blocks (the replay starts in the block holding the hit's first replayed
+    token; a hit ending one token short of a block would let the sliding-window group retire that
+    block), and an async load left with no token is no load. Returns ``(num_external, load_async)``."""
+    check_int("block_size", block_size, minimum=1)
+    check_int("num_external", num_external, minimum=0)
+    for name, value in (("load_async", load_async), ("window_loaded", window_loaded)):
+        if not isinstance(value, bool):
+            raise InvalidFieldError(name, value, "True or False")
+    if window_loaded and num_external:
+        return num_external, load_async
+    num_external -= num_external % block_size
+    return num_external, load_async and num_external > 0
 
 
 def slots_past_hit(num_new_tokens: int, num_replay_tokens: int) -> int:

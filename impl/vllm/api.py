@@ -290,6 +290,11 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "reset_connector"),
         # a HiSparse host pool defers async loads (defer_async_loads, _drain_deferred_loads, #22)
         _b(_KCI, "KVCacheConfig", "hisparse_host_num_blocks"),
+        # SWA bounded replay beside a connector: the groups a load restores (#22, session 20)
+        _b("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1.get_loaded_kv_cache_group_ids",
+           "request"),
+        _b(_KCI, "KVCacheConfig.transfer_group_ids"),
+        _b(_KCI, "KVCacheConfig.prefix_cacheable_group_ids"),
     ),
     # vLLM's MultiConnector in both roles over kvref's scripted children (kvref.impl.vllm.multi_connector_worker)
     "multi-connector-worker": (

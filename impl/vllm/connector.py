@@ -110,6 +110,13 @@ def _make_class():
             return self.script.get_num_new_matched_tokens(request.request_id, request.num_tokens,
                                                           num_computed_tokens)
 
+        def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+            # the script picks between vLLM's two answers: a P/D transfer's transfer groups, or the
+            # base default's prefix-cacheable groups (a hash-addressed store holds no window)
+            cfg = self._kv_cache_config
+            return self.script.get_loaded_kv_cache_group_ids(request.request_id, tuple(cfg.transfer_group_ids),
+                                                             tuple(cfg.prefix_cacheable_group_ids))
+
         def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
             self.script.update_state_after_alloc(request.request_id, _block_ids(blocks.get_block_ids()),
                                                  num_external_tokens)

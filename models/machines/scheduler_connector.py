@@ -106,12 +106,16 @@ def _children(c) -> list[ScriptedConnector]:
 
 
 @st.composite
-def external_hits(draw, prompt_len: int) -> ExternalHit:
+def external_hits(draw, prompt_len: int, all_groups: bool = False) -> ExternalHit:
+    """What the store holds for a prompt of ``prompt_len`` tokens; ``all_groups``: also draw whether
+    its load restores every group (``ExternalHit.loads_all_groups``, a P/D transfer: only a
+    bounded-replay pool's scheduler acts on it; not drawn otherwise, so other runs keep their draws)."""
     kind = draw(st.sampled_from(("none", "prefix", "prefix", "whole", "whole")))
     n = {"none": 0, "whole": prompt_len}.get(kind) or draw(st.integers(1, prompt_len))
     return ExternalHit(num_tokens=n, load_async=draw(st.booleans()),
                        num_pending_lookups=draw(st.sampled_from((0, 0, 0, 1, 2))),
-                       delay_free=draw(st.sampled_from((False, False, True))))
+                       delay_free=draw(st.sampled_from((False, False, True))),
+                       loads_all_groups=draw(st.booleans()) if all_groups else False)
 
 
 class ConnectorLockstep(Lockstep):

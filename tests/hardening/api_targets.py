@@ -1247,6 +1247,10 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     out["drop_short_hit"] = (replay.drop_short_hit, dict(window=4, num_hit=3))
     out["replay_admission"] = (replay.replay_admission, dict(window=4, num_hit=9))
     out["slots_past_hit"] = (replay.slots_past_hit, dict(num_new_tokens=6, num_replay_tokens=4))
+    out["mark_prefix_replay"] = (replay.mark_prefix_replay, dict(window=4, num_hit=9, window_loaded=False))
+    out["load_restores_window"] = (replay.load_restores_window, dict(replay_group_ids=(1,), loaded_group_ids=(0, 1)))
+    out["trim_external_hit"] = (replay.trim_external_hit, dict(block_size=4, num_external=9, load_async=True,
+                                                               window_loaded=False))
     out["prefix_replay_tokens"] = (replay.prefix_replay_tokens, dict(pool=pool_config(groups=(
         GROUP, KVCacheGroupSpec(("l1",), swa_mla)))))
     out["check_config"] = (pool_sizing.check_config, dict(config=eng))

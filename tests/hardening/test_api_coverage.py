@@ -280,11 +280,13 @@ EXCLUDED: dict[str, str] = {
     **_each(f"{_REF}.scheduler_connector", "ScriptedConnector.build_connector_meta "
             "ScriptedConnector.get_num_new_matched_tokens ScriptedConnector.on_new_request "
             "ScriptedConnector.request_finished ScriptedConnector.update_connector_output "
-            "ScriptedConnector.update_state_after_alloc", CONNECTOR_API),
+            "ScriptedConnector.update_state_after_alloc ScriptedConnector.get_loaded_kv_cache_group_ids",
+            CONNECTOR_API),
     **_each(f"{_REF}.scheduler_connector_multi", "MultiScriptedConnector.build_connector_meta "
             "MultiScriptedConnector.get_num_new_matched_tokens MultiScriptedConnector.on_new_request "
             "MultiScriptedConnector.request_finished MultiScriptedConnector.update_connector_output "
-            "MultiScriptedConnector.update_state_after_alloc", CONNECTOR_API),
+            "MultiScriptedConnector.update_state_after_alloc MultiScriptedConnector.get_loaded_kv_cache_group_ids",
+            CONNECTOR_API),
     **_each(f"{_REF}.kv_events", "AllBlocksCleared BlockRemoved BlockStored event_to_plain "
             "kv_cache_spec_sliding_window", RECORD),
     **_each(f"{_REF}.offload.cache_policy", "CachePolicy CachePolicy.evict CachePolicy.get CachePolicy.insert "

@@ -1045,6 +1045,29 @@ _add(
                    "part in the hit search, where it never has a cached block", behaviour="prefix-replay"),
 )
 
+# SWA bounded replay beside a KV connector (v1/core/sched/scheduler.py: the waiting loop's cut of
+# an external hit to whole blocks, _mark_prefix_replay's window_loaded, _update_waiting_for_remote_kv's
+# rewind; conform-connector's bounded-replay traces, models/machines/scheduler_replay_connector.py, #22)
+
+_add(
+    fault("sched.replay_external_partial_block_kept", _SCHED,
+          "                            ext_tokens -= ext_tokens % self.block_size\n",
+          "                            ext_tokens -= 0\n",
+          CLASSIC, "dropped update: an external hit whose load does not carry the replay window keeps its "
+                   "partial last block (the sliding-window group may retire the block the replay starts in)",
+          behaviour="prefix-replay"),
+    fault("sched.replay_window_loaded_ignored", _SCHED,
+          "        if window_loaded:\n            request.replay_start = 0\n            return 0\n",
+          "",
+          CLASSIC, "dropped guard: a hit whose KV load carried the window (a P/D transfer of every group) is "
+                   "rewound and recomputed all the same", behaviour="prefix-replay"),
+    fault("sched.replay_async_load_not_rewound", _SCHED,
+          "            request.num_computed_tokens -= num_replay_tokens\n",
+          "            request.num_computed_tokens -= 0\n",
+          CLASSIC, "dropped update: a landed async load without the window records its replay but is not "
+                   "rewound, so the window's tokens never get their sliding-window KV", behaviour="prefix-replay"),
+)
+
 CI_SUBSET = (
     "pool.free_uncached_appended",
     "stm.pre40946_gate_uncapped",

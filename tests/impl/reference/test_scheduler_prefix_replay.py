@@ -1,6 +1,7 @@
 """SWA bounded replay in the reference scheduler (DeepSeek-V4.1; vLLM 0.33.0 ``Scheduler``
-``_mark_prefix_replay`` and the dropped short hits, issue #22): the pure rules, and a follow-up
-turn admitted on a full-attention + bounded-replay pool."""
+``_mark_prefix_replay`` and the dropped short hits, issue #22): the pure rules, a follow-up turn
+admitted on a full-attention + bounded-replay pool, and a KV connector's hit on one (cut to whole
+blocks, dropped or rewound unless the load carries the window)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import pytest
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
+from kvref.impl.reference.scheduler_connector import ExternalHit
 from kvref.impl.reference.scheduler_prefix_replay import (
     drop_short_hit,
+    load_restores_window,
+    mark_prefix_replay,
     prefix_replay_tokens,
     replay_admission,
     slots_past_hit,
+    trim_external_hit,
 )
 from kvref.impl.request import Request
 from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
@@ -90,9 +95,73 @@ def test_without_bounded_replay_the_window_is_prefix_cached():
     assert _follow_up(6, bounded_replay=False) == (4, 16, 0)
 
 
-def test_a_connector_on_a_replay_pool_is_refused():
-    from kvref.impl.reference.scheduler_connector import ScriptedConnector
+@pytest.mark.parametrize("window, hit, loaded, want", [
+    (6, 16, False, (6, 10)),   # rewound by the window, replayed from hit - window
+    (6, 4, False, (4, 0)),     # after an async load there is no drop: the whole hit is replayed
+    (6, 16, True, (0, 0)),     # the load carried the window: nothing replayed, replay_start 0
+    (6, 0, False, (0, 0)),
+])
+def test_mark_prefix_replay(window, hit, loaded, want):
+    assert mark_prefix_replay(window, hit, loaded) == want
 
-    with pytest.raises(InvalidFieldError, match="connector"):
-        Scheduler(_pool(6), SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2),
-                  connector=ScriptedConnector())
+
+def test_a_load_restores_the_window_only_with_every_replay_group():
+    assert load_restores_window((1,), (0, 1))
+    assert not load_restores_window((1,), (0,))        # a hash-addressed store: prefix-cacheable groups only
+    assert not load_restores_window((1, 2), (0, 1))
+    assert not load_restores_window((), (0, 1))         # no replay group: nothing to restore
+
+
+@pytest.mark.parametrize("ext, is_async, loaded, want", [
+    (9, True, False, (8, True)),    # cut to whole blocks of 4
+    (3, True, False, (0, False)),   # nothing left: no async load
+    (9, True, True, (9, True)),     # the load carries the window: as it is
+    (0, False, True, (0, False)),
+])
+def test_an_external_hit_without_the_window_is_cut_to_whole_blocks(ext, is_async, loaded, want):
+    assert trim_external_hit(4, ext, is_async, loaded) == want
+
+
+def test_the_replay_rules_refuse_bad_input():
+    with pytest.raises(InvalidFieldError, match="window"):
+        mark_prefix_replay(0, 4, False)
+    with pytest.raises(InvalidFieldError, match="window_loaded"):
+        mark_prefix_replay(4, 4, 1)
+    with pytest.raises(InvalidFieldError, match="loaded_group_ids"):
+        load_restores_window((1,), [0, 1])
+    with pytest.raises(InvalidFieldError, match="num_external"):
+        trim_external_hit(4, -1, False, False)
+
+
+def _connector_turn(hit, window: int = 6) -> tuple[int, int, int, list]:
+    """A 16-token prompt (plus one more token) whose store holds ``hit``: after the first schedule
+    (and, for an async load, its landing and the next schedule), the first admitted step's
+    (scheduled tokens, computed tokens, replay_start) and the connector's allocations."""
+    from kvref.impl.reference.scheduler_connector import ExternalHit, KVConnectorOutput, ScriptedConnector
+
+    conn = ScriptedConnector()
+    s = Scheduler(_pool(window), SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2), connector=conn)
+    conn.set_hit("a", hit)
+    s.add_request(Request("a", list(range(17)), max_tokens=2))
+    out = s.schedule()
+    if hit.load_async and "a" in conn.pending_loads:
+        assert not out.scheduled
+        s.update_from_output(out, ModelOutput({}), KVConnectorOutput(finished_recving=("a",)))
+        out = s.schedule()
+    (a,) = out.scheduled
+    allocs = [c[3] for c in conn.calls if c[0] == "update_state_after_alloc"]
+    return a.num_scheduled_tokens, a.num_computed_tokens, s.requests["a"].replay_start, allocs
+
+
+@pytest.mark.parametrize("hit, want", [
+    # a hash-addressed store (no window): 15 external tokens cut to 12, rewound by the window
+    (ExternalHit(num_tokens=15), (11, 6, 6, [12])),
+    (ExternalHit(num_tokens=15, load_async=True), (11, 6, 6, [12, 0])),  # replayed once landed
+    # a P/D transfer carrying the window: taken whole, nothing replayed
+    (ExternalHit(num_tokens=15, loads_all_groups=True), (2, 15, 0, [15])),
+    (ExternalHit(num_tokens=17, load_async=True, loads_all_groups=True), (1, 16, 0, [17, 0])),
+    # no longer than the window once cut: dropped, the load with it
+    (ExternalHit(num_tokens=7, load_async=True), (17, 0, 0, [0])),
+])
+def test_a_connector_hit_on_a_replay_pool(hit, want):
+    assert _connector_turn(hit) == want
