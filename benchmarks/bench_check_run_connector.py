@@ -106,7 +106,9 @@ _FEATURES = {"streaming-input": ("session-keeps-final-token",), "prefix-cache-re
              "multimodal": ("encoder-never-hits",), "lora": ("lora-unhashed",),
              "hash-lookahead": ("hasher-no-lookahead",), "mamba-checkpoint": ("checkpoint-ignored",),
              # session 20 (#28): SWA bounded replay
-             "prefix-replay": ("replay-start-at-hit", "replay-window-short")}
+             "prefix-replay": ("replay-start-at-hit", "replay-window-short"),
+             # session 20 (#28): R-SWA and circular-buffer pools
+             "rswa": ("rswa-gap-kept", "rswa-window-short"), "circular-buffer": ("ring-grows",)}
 _FEATURE_FAULTS = {f for faults in _FEATURES.values() for f in faults}
 
 

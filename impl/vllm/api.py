@@ -475,6 +475,9 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"),
         _b("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager"),
         _b("vllm.v1.core.single_type_kv_cache_manager", "ChunkedLocalAttentionManager"),
+        # check-run's R-SWA and ring faults (record_faults.py, #28 session 20)
+        _b("vllm.v1.core.single_type_kv_cache_manager", "RSWAManager"),
+        _b("vllm.v1.core.single_type_kv_cache_manager", "CircularBufferManager"),
     ),
     "model-config": (
         _b("vllm.config.model", "_get_and_verify_max_len"),

@@ -1,7 +1,8 @@
 """Faults planted in vLLM's own code, in-process, in the paths check-run replays since #28 for
 multimodal requests, LoRA, lookahead block hashes, the Mamba shared-prefix checkpoint, the stop
 conditions (``check_stop``: EOS, stop ids, ``min_tokens``, repetition detection), streaming-input
-sessions and ``reset_prefix_cache`` through the scheduler.
+sessions, ``reset_prefix_cache`` through the scheduler, SWA bounded replay, R-SWA and the circular
+buffer.
 
 Each is a plausible regression of that path, planted before a run is recorded (the scheduler then
 binds the faulty code as if vLLM shipped it) and undone afterwards; the planted-fault tests and the
@@ -49,6 +50,13 @@ FEATURE_FAULTS = {
                                              "window KV (the scheduled tokens are unchanged)"),
     "replay-window-short": ("prefix-replay", "_mark_prefix_replay replays one token less than the window: the "
                                              "window's first token is never rebuilt"),
+    # session 20 (#28): R-SWA and the circular buffer, which check-run now replays
+    "rswa-gap-kept": ("rswa", "RSWAManager.remove_skipped_blocks ignores the prompt length (frees as full "
+                              "attention: nothing), so a decoding request's gap blocks are never freed"),
+    "rswa-window-short": ("rswa", "RSWAManager keeps a window one token short: the block holding the window's "
+                                  "first token is freed while the next token still attends to it"),
+    "ring-grows": ("circular-buffer", "CircularBufferManager claims another ring block at every allocation "
+                                      "instead of one for the request's life"),
 }
 
 
@@ -149,6 +157,37 @@ def plant_feature_fault(name: str) -> Iterator[None]:
 
             Scheduler._mark_prefix_replay = mark_prefix_replay
             undo.append(lambda: setattr(Scheduler, "_mark_prefix_replay", real))
+        elif name in ("rswa-gap-kept", "rswa-window-short"):
+            from vllm.v1.core.single_type_kv_cache_manager import RSWAManager
+
+            real = RSWAManager.remove_skipped_blocks
+            kept = name == "rswa-gap-kept"
+
+            def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
+                if kept:
+                    return real(self, request_id, processed_computed_tokens, None)
+                return real(self, request_id, processed_computed_tokens + 1, num_prompt_tokens)
+
+            RSWAManager.remove_skipped_blocks = remove_skipped_blocks
+            undo.append(lambda: setattr(RSWAManager, "remove_skipped_blocks", real))
+        elif name == "ring-grows":
+            from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager
+
+            real_count = CircularBufferManager.get_num_blocks_to_allocate
+            real_new = CircularBufferManager.allocate_new_blocks
+
+            def get_num_blocks_to_allocate(self, request_id, *args, **kwargs):
+                return 1
+
+            def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+                blocks = self.block_pool.get_new_blocks(1)
+                self.req_to_blocks[request_id].extend(blocks)
+                return blocks
+
+            CircularBufferManager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+            CircularBufferManager.allocate_new_blocks = allocate_new_blocks
+            undo.append(lambda: setattr(CircularBufferManager, "get_num_blocks_to_allocate", real_count))
+            undo.append(lambda: setattr(CircularBufferManager, "allocate_new_blocks", real_new))
         else:
             from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -57,7 +57,14 @@ EMBEDS_FEATURES = ("prompt-embeds",)
 #: multi-turn follow-ups hitting shorter and longer than the window), which a session-19 recorder
 #: named ``prefix_replay``; the traces carry each new request's ``replay_start``
 REPLAY_FEATURES = ("prefix-replay",)
-GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES
+#: and the full-attention layouts a session-19 recorder named ``kv_cache_spec:<Name>`` (session 20,
+#: #28): ``rswa``, pools of one R-SWA group (Unlimited-OCR: the gap between prompt and decode window
+#: freed), and ``circular-buffer``, full attention beside a ``CircularBufferSpec`` ring (DeepSeek-V4.1
+#: / GLM-5-next compressors: one block per request, never cached); the conform-scheduler layouts
+#: machine's draws (:mod:`~kvref.models.machines.scheduler_layouts`: cache controls, follow-ups,
+#: resets and long-decoding arrivals), startup-consistent, without speculative decoding
+LAYOUT_FEATURES = ("rswa", "circular-buffer")
+GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES + LAYOUT_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -105,6 +112,18 @@ def _replay_setups():
     drawn = scheduler_setups(consistent=True, kinds=("full+swa",)).filter(_cacheable).map(
         lambda setup: (replace(setup[0], groups=tuple(_replay_group(g) for g in setup[0].groups)), setup[1]))
     return st.one_of(drawn.map(_roomy), drawn)
+
+
+def _layout_setups(feature: str):
+    """Startup-consistent R-SWA or full + ring pools, as drawn (mostly tight) or roomy (finished
+    turns stay cached for their follow-ups)."""
+    from hypothesis import strategies as st
+
+    from kvref.models.machines.scheduler import scheduler_setups
+    from kvref.models.machines.scheduler_cache_controls import _roomy
+
+    drawn = scheduler_setups(consistent=True, kinds=("rswa",) if feature == "rswa" else ("full+circular",))
+    return st.one_of(drawn, drawn.map(_roomy))
 
 
 def _reset_while_running():
@@ -186,6 +205,13 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
         base = machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature)},
                             setups=_replay_setups(), name="RecordedPrefixReplayBase")
         return type("RecordedPrefixReplayRun", (CacheControlsMachine, base), {"driver_class": CacheControlsLockstep})
+    if feature in LAYOUT_FEATURES:
+        from kvref.models.machines.scheduler import machine_with
+        from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep
+        from kvref.models.machines.scheduler_layouts import LayoutsMachine
+        base = machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature)},
+                            setups=_layout_setups(feature), name="RecordedLayoutBase")
+        return type("RecordedLayoutRun", (LayoutsMachine, base), {"driver_class": CacheControlsLockstep})
     if feature == "prefix-cache-reset":
         from kvref.models.machines.scheduler import machine_with
         from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep, CacheControlsMachine
@@ -248,4 +274,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "REPLAY_FEATURES", "SESSION_FEATURES", "record_feature_runs"]
+__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "LAYOUT_FEATURES", "REPLAY_FEATURES", "SESSION_FEATURES", "record_feature_runs"]

@@ -219,7 +219,7 @@ class RunProperties:
             (f"vLLM {(header.get('producer') or {}).get('vllm')} (the queue's policy is {MODELLED_VLLM_VERSION}'s)",
              not same_vllm), ("block checks off", not self.exact), ("kv_connector", self.connector),
             ("lookahead hashes", bool(self.hash_lookahead)), ("speculative decoding", bool(self.num_spec)),
-            ("a Mamba group", any(r.kind not in ("full", "chunk", "window") for r in self.rules)),
+            ("a Mamba group", any(r.kind not in ("full", "chunk", "window", "rswa", "ring") for r in self.rules)),
             ("a sliding-window group whose cached blocks the trace does not say (recorded since session 18)",
              any(r.kind == "window" and "cache_hit_alignment_tokens" not in g
                  for r, g in zip(self.rules, pool["groups"]))
@@ -1125,16 +1125,20 @@ class RunProperties:
                        f"bounded replay (window {self.replay_window}) starts where the admission's computation "
                        "does (the hit less the window; 0 without a hit)")
 
-    def _free_skipped(self, rid: str, r: _Req) -> int:
+    def _free_skipped(self, rid: str, r: _Req, admission: bool = False) -> int:
         """What ``remove_skipped_blocks`` frees at this request's allocation (settled tokens); the
-        number of blocks it let go of. vLLM frees them per group, the last skipped one first."""
+        number of blocks it let go of. vLLM frees them per group, the last skipped one first.
+        ``admission``: after an admission's hit was added, where only groups whose hit vLLM pads
+        with nulls count (an R-SWA hit inside the gap stays until the next allocation)."""
         n = 0
         for g, rule in enumerate(self.rules):
-            if g >= len(r.tables) or not rule.frees_exactly:
+            if g >= len(r.tables) or not rule.frees_exactly or (admission and rule.kind == "rswa"):
                 continue
             table = r.tables[g]
             freed = []
-            for idx in range(min(rule.skipped_blocks(r.processed), len(table))):
+            for idx in rule.skipped_range(r.processed, r.prompt_len):
+                if idx >= len(table):
+                    break
                 b = table[idx]
                 if b:
                     self._drop_owner(b, rid, g)
@@ -1184,7 +1188,7 @@ class RunProperties:
                            f"max_model_len={self.max_model_len} needs at most {self.max_table[g] - 1} (with its "
                            "speculative state blocks)")
         if kind != "c" and self.exact:
-            if self._free_skipped(rid, r):  # a hit's blocks behind the window are freed at admission
+            if self._free_skipped(rid, r, admission=True):  # a hit's blocks behind the window are freed at admission
                 # (vLLM pads those with nulls: never seen in a vLLM trace)
                 self._fq_off("a hit's skipped blocks freed at admission")
 
@@ -1196,7 +1200,7 @@ class RunProperties:
             other = self.reqs.get(orid)
             rule = self.rules[og]
             if other is not None and og < len(other.tables) and (
-                    oidx < rule.needed_from(other.processed, len(other.tables[og]))
+                    not rule.needs(oidx, other.processed, len(other.tables[og]), other.prompt_len)
                     # a Mamba "align" request's own state block moving to a later slot of its table:
                     # vLLM's MambaManager hands its speculative state blocks on as the request
                     # advances (EAGLE on Mamba align pools, #28)

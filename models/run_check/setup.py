@@ -80,6 +80,11 @@ def _spec(d: dict) -> ks.KVCacheSpec:
         return ks.SlidingWindowMLASpec(block_size=bs, sliding_window=d["sliding_window"],
                                        extra_retained_tokens=d.get("extra_retained_tokens", 0) or 0,
                                        bounded_replay=bool(d.get("bounded_replay", False)), **_ATTN)
+    if kind == "RSWASpec":  # Unlimited-OCR's R-SWA (#28): full attention whose decode gap is freed
+        return ks.RSWASpec(block_size=bs, rswa_window=d["rswa_window"], sliding_window=d.get("sliding_window"),
+                           attention_chunk_size=d.get("attention_chunk_size"), **_ATTN)
+    if kind == "CircularBufferSpec":  # a compressor's ring (#28): one block per request, never cached
+        return ks.CircularBufferSpec(block_size=bs, **_ATTN)
     if kind == "ChunkedLocalAttentionSpec":
         return ks.ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=d["attention_chunk_size"], **_ATTN)
     if kind == "MambaSpec":

@@ -16,7 +16,15 @@ The rules, as vLLM 0.33.0 has them (``single_type_kv_cache_manager.py``):
   ``max(0, processed - sliding_window + 1 - extra_retained_tokens)`` tokens;
 * chunked local: ``processed // attention_chunk_size * attention_chunk_size`` tokens;
 * Mamba: outside ``none`` mode vLLM keeps only the last state block(s) (``1 +
-  num_speculative_blocks``); in ``none`` mode a request holds one block for its whole life.
+  num_speculative_blocks``); in ``none`` mode a request holds one block for its whole life;
+* R-SWA (``RSWASpec``, Unlimited-OCR): not a leading run but the *gap* between the prompt and the
+  window of the last ``rswa_window`` generated tokens, table positions ``[cdiv(P, block_size),
+  max(P, processed - rswa_window) // block_size)`` with ``P`` the request's prompt length
+  (``RSWAManager.remove_skipped_blocks``, given ``num_prompt_tokens`` by ``allocate_slots``). Hits
+  and caching are full attention's; a resumed request's hit blocks inside its gap are freed at its
+  next allocation, not at admission (``remove_skipped_blocks`` runs before the hit is added);
+* circular buffer (``CircularBufferSpec``, DeepSeek-V4.1 / GLM-5-next rings): one block per
+  request for its whole life, never hashed, never hit, nothing skipped.
 
 The startup bound a request's held blocks never exceed is the spec's ``admission_cap`` (vLLM
 #40946's ``max_admission_blocks_per_request`` for windowed specs), else ``cdiv(max_model_len,
@@ -34,7 +42,7 @@ from kvref.spec.errors import KVRefError
 class GroupRule:
     """One KV cache group's block rules, read from its recorded spec."""
 
-    kind: str  # "full", "window", "chunk", "mamba", "unknown"
+    kind: str  # "full", "window", "chunk", "mamba", "rswa", "ring", "unknown"
     block_size: int
     window: int = 0  # sliding window (tokens) or attention chunk size
     extra: int = 0  # extra_retained_tokens
@@ -69,21 +77,38 @@ class GroupRule:
             return (processed // self.window * self.window) // self.block_size
         return 0
 
+    def skipped_range(self, processed: int, prompt_len: int) -> range:
+        """The table positions vLLM frees at an allocation once ``processed`` tokens are settled:
+        the leading :meth:`skipped_blocks`, or an R-SWA group's gap after a ``prompt_len``-token
+        prompt (empty while the prompt is unknown: a trace that starts mid-run)."""
+        if self.kind == "rswa":
+            if prompt_len <= 0:
+                return range(0)
+            return range(-(-prompt_len // self.block_size), max(prompt_len, processed - self.window) // self.block_size)
+        return range(self.skipped_blocks(processed))
+
     def needed_from(self, processed: int, table_len: int) -> int:
         """The first table position the holder still needs (positions before it may be freed)."""
         if self.kind == "mamba" and self.keep_last:
             return max(0, table_len - self.keep_last)
         return self.skipped_blocks(processed)
 
+    def needs(self, idx: int, processed: int, table_len: int, prompt_len: int) -> bool:
+        """Whether the holder still needs table position ``idx`` (:meth:`needed_from`; an R-SWA
+        group needs every position outside its gap)."""
+        if self.kind == "rswa":
+            return idx not in self.skipped_range(processed, prompt_len)
+        return idx >= self.needed_from(processed, table_len)
+
     @property
     def frees_exactly(self) -> bool:
-        """Whether :meth:`skipped_blocks` is exactly what vLLM frees at an allocation."""
-        return self.kind in ("full", "window", "chunk") or (self.kind == "mamba" and not self.keep_last)
+        """Whether :meth:`skipped_range` is exactly what vLLM frees at an allocation."""
+        return self.kind in ("full", "window", "chunk", "rswa", "ring") or (self.kind == "mamba" and not self.keep_last)
 
     @property
     def holds_tokens(self) -> bool:
         """Whether a block holds the KV of a fixed token range (prefix-cache content is checkable)."""
-        return self.kind in ("full", "window", "chunk")
+        return self.kind in ("full", "window", "chunk", "rswa")
 
 
 def group_rules(header: dict) -> list[GroupRule]:
@@ -115,6 +140,10 @@ def group_rules(header: dict) -> list[GroupRule]:
                                    bound=bound, **_window_mask(pool, g, spec)))
         elif name == "ChunkedLocalAttentionSpec":
             rules.append(GroupRule("chunk", spec.block_size, spec.attention_chunk_size, bound=bound))
+        elif name == "RSWASpec":  # full attention's hits, caching and sizing; the gap freed
+            rules.append(GroupRule("rswa", spec.block_size, spec.rswa_window, bound=bound))
+        elif name == "CircularBufferSpec":  # one ring block per request, never cached
+            rules.append(GroupRule("ring", spec.block_size, bound=1, cacheable=False))
         elif name == "MambaSpec":
             keep = 0 if spec.mamba_cache_mode == "none" else 1 + spec.num_speculative_blocks
             rules.append(GroupRule("mamba", spec.block_size, keep_last=keep))
