@@ -1066,6 +1066,18 @@ _add(
           "            request.num_computed_tokens -= 0\n",
           CLASSIC, "dropped update: a landed async load without the window records its replay but is not "
                    "rewound, so the window's tokens never get their sliding-window KV", behaviour="prefix-replay"),
+    fault("sched.replay_window_check_inverted", _SCHED,
+          "        ).issubset(self.connector.get_loaded_kv_cache_group_ids(request))\n",
+          "        ).isdisjoint(self.connector.get_loaded_kv_cache_group_ids(request))\n",
+          CLASSIC, "wrong set test: a load counts as carrying the window when it restores none of the replay "
+                   "groups (a hash-addressed store's hit is taken whole, a P/D transfer's replayed)",
+          behaviour="prefix-replay"),
+    fault("sched.replay_window_loaded_without_external", _SCHED,
+          "                    ) and self._load_restores_replay_window(request)\n",
+          "                    ) or self._load_restores_replay_window(request)\n",
+          CLASSIC, "wrong operator: a hit with no external tokens counts as carrying the window whenever the "
+                   "connector would restore it, so a local hit is neither dropped nor replayed",
+          behaviour="prefix-replay"),
 )
 
 CI_SUBSET = (
