@@ -26,7 +26,7 @@ copy-on-write state blocks, divergent hybrid hits), ``unfenced-free`` beside the
 one run each per seed, with every demo fault (the drafter's ``short-lookahead`` and
 ``short-runway`` included).
 
-``--generator multimodal|lora|hash-lookahead|mamba-checkpoint|streaming-input|prefix-cache-reset|prompt-embeds|prefix-replay``:
+``--generator multimodal|lora|hash-lookahead|mamba-checkpoint|streaming-input|prefix-cache-reset|prompt-embeds|prefix-replay|rswa|circular-buffer``:
 generated runs of the feature
 (``models/run_check/feature_runs.py``: the conform-scheduler machines' draws) with the feature's own
 planted fault (``kvref/impl/vllm/record_faults.py``) beside the demo faults (#28).
