@@ -490,6 +490,12 @@ SCHEDULER_RUNS = (
            "scheduler traces on R-SWA and ring pools",
            "; {traces} on R-SWA and ring pools ({rswa_gap_blocks_freed} gap blocks freed, "
            "{ring_blocks_claimed} rings claimed)"),
+    # vLLM's aux-output (routed-experts) connector: hits capped at retained / GPU-cached blocks,
+    # retention at preemption and finish, LRU release, reset, worker metadata
+    SubRun("kvref.models.machines.scheduler_aux_output:run_aux_output_machine", (3, 20),
+           "scheduler traces with the aux-output connector",
+           "; {traces} with the aux-output connector ({aux_retained_hashes} hashes retained, "
+           "{aux_released_hashes} released)"),
     # pause states and the counts the engine polls
     SubRun("kvref.models.machines.scheduler_pause:run_pause_machine", (6, 40),
            "scheduler traces with pause states",

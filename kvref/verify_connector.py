@@ -65,6 +65,14 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
     if not reload.ok:
         return CheckResult(name, FAILED, "KV-connector traces with preempted requests reloading their KV diverged "
                            "from vLLM", details=reload.failure.splitlines()[:30], signature=reload.signature)
+    # then vLLM's aux-output (routed-experts) connector beside it: external hits kept only when
+    # block-aligned within the retained / GPU-cached blocks, async loads held against release (#22)
+    from kvref.models.machines.scheduler_aux_output import run_aux_output_connector_machine
+
+    aux = run_aux_output_connector_machine(ctx.examples(3, 20), shrink=ctx.shrink, seed=ctx.seed)
+    if not aux.ok:
+        return CheckResult(name, FAILED, "KV-connector traces with the aux-output connector diverged from vLLM",
+                           details=aux.failure.splitlines()[:30], signature=aux.signature)
     # then vLLM's MultiConnector on the worker side too: metadata, hooks, merged results, ranks (#22)
     from kvref.models.machines.multi_connector_worker import (
         MultiWorkerDivergence,
@@ -94,8 +102,11 @@ def check_connector_conformance(ctx: VerifyContext) -> CheckResult:
                        f"({deferred.coverage.get('deferred_loads_started', 0)} started after their fence); "
                        f"{reload.traces} with preempted requests' KV stored "
                        f"({reload.coverage.get('preempted_stored', 0)} stored for reload); "
+                       f"{aux.traces} with the aux-output connector ({aux.coverage.get('aux_external_kept', 0)} "
+                       f"external hits kept, {aux.coverage.get('aux_external_dropped', 0)} dropped); "
                        f"{multi['traces']} MultiConnector scheduler+worker traces ({multi['calls']} steps' calls, "
                        f"{multi['extra_saves']} extra async saves, {multi['sends_finished']} sends finished, "
                        f"{multi['logged']} stats intervals logged, {multi['prom_observed']} metrics observations)",
                        examined=run.traces + spec.traces + replay.traces + paused.traces + life.traces + deferred.traces + reload.traces
+                       + aux.traces
                        + multi["traces"])

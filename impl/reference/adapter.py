@@ -29,8 +29,10 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def _ids(self, blocks: KVCacheBlocks) -> BlockIds:
         return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
-    def get_computed_blocks(self, request: Request) -> tuple[BlockIds, int]:
-        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None) -> tuple[BlockIds, int]:
+        """The local hit; ``max_cache_hit_length`` caps it (vLLM's scheduler passes the aux-output
+        connector's ``max_cache_hit``; None: ``num_tokens - 1``)."""
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request, max_cache_hit_length)
         return self._ids(blocks), num_hit
 
     def rejects_prefix_cache_retention_interval(self, retention_interval: object) -> bool:
@@ -216,8 +218,10 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
             blocks = self.manager.empty_kv_cache_blocks
         return self._ids(self.manager.truncate_computed_blocks(blocks, num_computed_tokens))
 
-    def get_computed_blocks_for_connector(self, request: Request) -> tuple[BlockIds, int, int, bool]:
-        blocks, num_hit, boundary, diverged = self.manager.get_computed_blocks_for_connector(request)
+    def get_computed_blocks_for_connector(self, request: Request, max_cache_hit_length: int | None = None
+                                          ) -> tuple[BlockIds, int, int, bool]:
+        blocks, num_hit, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            request, max_cache_hit_length)
         return self._ids(blocks), num_hit, boundary, diverged
 
     def free_holding_view(self, request: Request) -> BlockIds:

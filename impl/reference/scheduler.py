@@ -76,6 +76,7 @@ from . import scheduler_encoder as _enc
 from . import scheduler_lora as _lora
 from .scheduler_stop import stop_reason
 from . import scheduler_sessions as _sess
+from . import scheduler_aux_output as _aux
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -153,7 +154,8 @@ class Scheduler:
                  connector: _conn.ScriptedConnector | None = None,
                  record_prefix_cache_stats: bool = False,
                  encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None,
-                 use_v2_model_runner: bool = False, include_finished_set: bool = False) -> None:
+                 use_v2_model_runner: bool = False, include_finished_set: bool = False,
+                 aux_output: bool = False) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -221,6 +223,12 @@ class Scheduler:
         #: recording process's string-hash order, which the replaying process cannot reproduce;
         #: None: this process's own set order (what vLLM does beside it, in conformance)
         self.finish_order_hint: tuple[str, ...] | None = None
+        if not isinstance(aux_output, bool):
+            raise InvalidFieldError("aux_output", aux_output, "True or False")
+        #: vLLM's aux-output (routed-experts) connector when ``aux_output_config.enabled``: caps
+        #: prefix hits at the blocks whose routing it can serve (:mod:`.scheduler_aux_output`)
+        self.aux_output = _aux.AuxOutputControl(self.kv_cache_manager, pool, connector is not None) \
+            if aux_output else None
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -423,6 +431,9 @@ class Scheduler:
             skip_drafts=not spec.drafts_needed)
         if self.connector_state is not None:
             _conn.after_schedule(self, out)  # build_connector_meta
+        if self.aux_output is not None:  # vLLM: the aux-output metadata, before _update_after_schedule
+            self.aux_output.build_connector_meta([(s.request_id, s.num_scheduled_tokens) for s in out.scheduled],
+                                                 self.requests)
         out = self._update_after_schedule(out)
         if self.connector_state is not None:
             _conn.after_update_after_schedule(self, out)
@@ -471,7 +482,8 @@ class Scheduler:
             looked_up = request.num_computed_tokens == 0
             num_replay = 0
             if looked_up:
-                hit_ids, num_hit = kv.get_computed_blocks(request)
+                hit_ids, num_hit = kv.get_computed_blocks(request) if self.aux_output is None else \
+                    kv.get_computed_blocks(request, self.aux_output.max_cache_hit(request))  # vLLM max_cache_hit_length
                 if _replay.drop_short_hit(self.prefix_replay_tokens, num_hit):
                     hit_ids, num_hit = None, 0  # SWA bounded replay: recomputed in full anyway
             else:  # a session resuming on the KV blocks it kept: no prefix-cache lookup
@@ -568,6 +580,8 @@ class Scheduler:
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
         """Recompute preemption: free all blocks, forget progress, back to the waiting queue's head."""
         assert request.status == RequestStatus.RUNNING
+        if self.aux_output is not None:
+            self.aux_output.request_finished(request)  # vLLM: retained before the blocks are freed
         if self.connector_state is not None:
             _conn.free_request_blocks(self, request)  # deferred while a step may still write them
         else:
@@ -748,6 +762,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.status == RequestStatus.FINISHED
+        if self.aux_output is not None and self.connector_state is None:  # (with one: _conn.free_request)
+            self.aux_output.request_finished(request)  # vLLM: first thing _free_request does
         self.spec_decode.freed(request.request_id)
         if self.connector_state is not None:
             return _conn.free_request(self, request)
@@ -847,7 +863,10 @@ class Scheduler:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM ``Scheduler.reset_prefix_cache`` (see :func:`.scheduler_connector.reset_prefix_cache`)."""
-        return _conn.reset_prefix_cache(self, reset_running_requests, reset_connector)
+        ok = _conn.reset_prefix_cache(self, reset_running_requests, reset_connector)
+        if ok and self.aux_output is not None:
+            self.aux_output.reset()  # vLLM: a new aux-output generation after a successful reset
+        return ok
 
     def snapshot(self, all_requests: Iterable[Request] = ()) -> SchedulerSnapshot:
         """Observable state; ``all_requests`` adds finished requests the caller still holds."""
@@ -874,6 +893,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Queues disjoint and consistent with request states, plus the KV cache manager's rules
         (docs/invariants.md)."""
+        if self.aux_output is not None:
+            self.aux_output.check_invariants(self.requests)
         if self.connector_state is not None:
             return _conn.check_invariants(self)
         holding = list(self.sessions.kv_holding_waiting)

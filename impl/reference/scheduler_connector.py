@@ -499,7 +499,7 @@ def _truncate(hit_ids, num_tokens: int, sched: "Scheduler"):
     return tuple(out)
 
 
-def _local_prefix_cache_hit(sched: "Scheduler", request: Request) -> tuple:
+def _local_prefix_cache_hit(sched: "Scheduler", request: Request, max_cache_hit_length: int | None = None) -> tuple:
     """vLLM ``_get_local_prefix_cache_hit``: ``(hit block ids, local hit tokens, hit_diverged)``.
 
     A connector that supports divergent local hybrid hits is asked with the full-attention hit
@@ -509,10 +509,12 @@ def _local_prefix_cache_hit(sched: "Scheduler", request: Request) -> tuple:
     kv = sched.kv_cache_manager
     lookup = getattr(kv, "get_computed_blocks_for_connector", None)
     if sched.connector_state.config.divergent_local_hybrid_hits and lookup is not None:
-        hit_ids, num_local, boundary, diverged = lookup(request)
+        hit_ids, num_local, boundary, diverged = lookup(request) if max_cache_hit_length is None else \
+            lookup(request, max_cache_hit_length)  # the aux-output connector's max_cache_hit
         request.shared_prefix_boundary = boundary
         return hit_ids, num_local, diverged
-    hit_ids, num_local = kv.get_computed_blocks(request)
+    hit_ids, num_local = kv.get_computed_blocks(request) if max_cache_hit_length is None else \
+        kv.get_computed_blocks(request, max_cache_hit_length)
     store_shared_prefix_boundary(sched, request)  # vLLM keeps the look-up's junction (Mamba "align")
     return hit_ids, num_local, False
 
@@ -576,7 +578,9 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
         looked_up = request.num_computed_tokens == 0
         queries = 0
         if looked_up:
-            hit_ids, num_local, hit_diverged = _local_prefix_cache_hit(sched, request)
+            aux = sched.aux_output  # vLLM: the aux-output connector caps the local look-up
+            max_hit = aux.max_cache_hit(request) if aux is not None else None
+            hit_ids, num_local, hit_diverged = _local_prefix_cache_hit(sched, request, max_hit)
             block_size = sched.pool.scheduler_block_size
             partial_tail = num_local % block_size
             aligned = num_local - partial_tail
@@ -599,10 +603,14 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
                 load_async = False
             else:
                 num_external = ext
+            if aux is not None:  # vLLM cap_external_hit: block-aligned and within max_cache_hit, or none
+                num_external = aux.cap_external_hit(request, num_local, num_external)
+                load_async = load_async and num_external > 0
             if hit_diverged and num_external == 0:
                 # no external tokens back the deeper full-attention hit: its Mamba state is missing,
                 # so vLLM reconciles to the hit every group agrees on
-                hit_ids, num_local = kv.get_computed_blocks(request)
+                hit_ids, num_local = kv.get_computed_blocks(request) if max_hit is None else \
+                    kv.get_computed_blocks(request, max_hit)
                 store_shared_prefix_boundary(sched, request)
             num_computed = num_local + num_external
             assert num_computed <= request.num_tokens
@@ -682,6 +690,8 @@ def schedule_waiting(sched: "Scheduler", token_budget: int, long_prefill: int, s
 
         if load_async:
             st.loading.add(rid)
+            if sched.aux_output is not None:
+                sched.aux_output.request_loading(request, num_computed)  # held against release
             request.num_computed_tokens = num_computed
             st.inflight_prefills[rid] = request
             set_kv_fetch_stage(st, rid, KV_FETCH_IN_PROGRESS)
@@ -1032,6 +1042,8 @@ def free_request(sched: "Scheduler", request: Request, delay_free_blocks: bool =
     """vLLM ``_free_request`` with ``_connector_finished``: the connector sees the block table
     clipped to the computed tokens (after out-of-window blocks were dropped) and may keep the
     blocks (``delay_free``); they are freed on ``finished_sending``."""
+    if sched.aux_output is not None:
+        sched.aux_output.request_finished(request)  # vLLM: first thing _free_request does
     st = sched.connector_state
     st.inflight_prefills.pop(request.request_id, None)
     set_kv_fetch_stage(st, request.request_id, None)

@@ -207,6 +207,15 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b("vllm.config", "ObservabilityConfig", "per_request_spec_decode_metrics"),
         # --kv-cache-metrics on the scheduler (models/machines/scheduler_kv_metrics.py, #22)
         _b("vllm.config", "ObservabilityConfig", "kv_cache_metrics", "kv_cache_metrics_sample"),
+        # the aux-output (routed-experts) connector in the scheduler (models/machines/scheduler_aux_output.py,
+        # #22): its config, the worker rows the fake model hands it, its metadata and the LRU it keeps
+        _b("vllm.config", "AuxOutputConfig", "enable_return_routed_experts"),
+        _b("vllm.config", "VllmConfig", "aux_output_config"),
+        _b("vllm.distributed.aux_output_connector.connector", "AuxRequestOutput", "token_start", "rows"),
+        _b("vllm.distributed.aux_output_connector.connector", "AuxOutputConnectorMetadata", "generation", "requests",
+           "block_hashes", "finished_requests", "retained_block_hashes", "released_block_hashes"),
+        _b("vllm.distributed.aux_output_connector.connector", "AuxOutputSchedulerConnector", "kv_cache_manager",
+           "kv_connector"),
         _b("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "num_spec_tokens", "histogram", "num_draft_tokens",
            "per_step_accepted", "per_step_drafted"),
         # the waiting queues alone (models/machines/scheduler_queue.py, #22)

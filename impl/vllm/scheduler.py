@@ -54,6 +54,37 @@ _REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINI
            "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition"}
 
 
+def tiny_moe_dir() -> str:
+    """A fresh model directory holding only the ``config.json`` of a tiny Mixtral (the tiny Llama's
+    shapes, 4 local experts, 2 per token): an MoE model, which vLLM's aux-output connector requires
+    (``ModelConfig.is_moe``); no weights are read."""
+    import json
+    import os
+
+    from .scratch import scratch_dir
+
+    path = scratch_dir("tiny_moe_")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+                   "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 16,
+                   "torch_dtype": "float16", "num_local_experts": 4, "num_experts_per_tok": 2}, f)
+    return path
+
+
+def _plain_aux_metadata(meta) -> dict:
+    """vLLM's ``AuxOutputConnectorMetadata`` as plain values (the reference's form: packed hashes as
+    tuples of hashes)."""
+    def hashes(packed):
+        return () if packed is None else tuple(packed)
+
+    return {"generation": meta.generation, "requests": dict(meta.requests),
+            "block_hashes": {r: hashes(p) for r, p in meta.block_hashes.items()},
+            "finished_requests": tuple(meta.finished_requests),
+            "retained_block_hashes": hashes(meta.retained_block_hashes),
+            "released_block_hashes": hashes(meta.released_block_hashes)}
+
+
 def _spec_metrics(m: Any) -> RequestSpecDecodeMetrics:
     """kvref's value of vLLM's ``RequestSpecDecodeMetrics``."""
     return RequestSpecDecodeMetrics(tuple(m.histogram), m.num_draft_tokens, tuple(m.per_step_accepted),
@@ -64,19 +95,47 @@ class VllmEnv:
     """One ``VllmConfig`` per process, re-targeted for each scheduler (building one costs seconds).
 
     Only one scheduler built from an env may be in use at a time: the config is mutated in place.
+
+    ``aux_output``: ``--enable-return-routed-experts`` (vLLM's aux-output connector in the
+    scheduler). vLLM accepts it only for an MoE model on the V2 model runner with prefix caching
+    (``VllmConfig._verify_aux_output_compatibility``), so this env is built on a tiny Mixtral
+    (4 experts, 2 per token) with ``VLLM_USE_V2_MODEL_RUNNER=1`` set while the config is checked:
+    the legal setup, validated by vLLM itself. The scheduler's own V2 flag is set per scheduler
+    (``VllmScheduler(use_v2_model_runner=...)``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, aux_output: bool = False) -> None:
+        if not isinstance(aux_output, bool):
+            raise InvalidFieldError("aux_output", aux_output, "True or False")
         v = load_vllm()
         v["init_none_hash"](v["sha256"])
-        d = tiny_llama_dir(num_hidden_layers=2, max_position_embeddings=1 << 16)
+        self.aux_output = aux_output
+        d = tiny_moe_dir() if aux_output else tiny_llama_dir(num_hidden_layers=2, max_position_embeddings=1 << 16)
         mc = v["ModelConfig"](model=d, tokenizer=d, skip_tokenizer_init=True, max_model_len=4096,
                               dtype="float16")
-        self.vllm_config = v["VllmConfig"](
-            model_config=mc, cache_config=v["CacheConfig"](block_size=16, enable_prefix_caching=True),
-            scheduler_config=v["VSchedulerConfig"](max_num_batched_tokens=4096, max_num_seqs=8,
-                                                   max_model_len=4096, is_encoder_decoder=False,
-                                                   enable_chunked_prefill=True))
+        extra: dict[str, Any] = {}
+        if aux_output:
+            from vllm.config import AuxOutputConfig
+
+            extra["aux_output_config"] = AuxOutputConfig(enable_return_routed_experts=True)
+        import os
+
+        saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if aux_output:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        try:
+            self.vllm_config = v["VllmConfig"](
+                model_config=mc, cache_config=v["CacheConfig"](block_size=16, enable_prefix_caching=True),
+                scheduler_config=v["VSchedulerConfig"](max_num_batched_tokens=4096, max_num_seqs=8,
+                                                       max_model_len=4096, is_encoder_decoder=False,
+                                                       enable_chunked_prefill=True), **extra)
+        finally:
+            if aux_output:
+                if saved is None:
+                    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+                else:
+                    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+        assert self.vllm_config.aux_output_config.enabled == aux_output
 
     def configure(self, pool: PoolConfig, config: SchedulerConfig) -> Any:
         vc = self.vllm_config
@@ -301,6 +360,7 @@ class VllmScheduler:
         self.config = config
         self._reqs: dict[str, Any] = {}  # every request ever added (finished ones too)
         self._outputs: dict[int, Any] = {}  # id(SchedulerOutput) -> vLLM SchedulerOutput
+        self.last_aux_metadata: dict | None = None  # the aux-output connector's last step metadata
 
     def _set_encoder_budget(self, budget) -> None:
         """A multimodal model's encoder limits on the text model's scheduler (the tiny Llama has
@@ -376,6 +436,9 @@ class VllmScheduler:
             "free_encoder_mm_hashes": tuple(so.free_encoder_mm_hashes),
             "encoder_input_updates": {r: {i: "release" if d is None else "install" for i, d in u.items()}
                                       for r, u in (so.encoder_input_updates or {}).items()}}
+        meta = getattr(so, "aux_output_connector_metadata", None)
+        if meta is not None:
+            self.last_aux_metadata = _plain_aux_metadata(meta)
         out = SchedulerOutput(scheduled=tuple(sched), preempted_req_ids=frozenset(so.preempted_req_ids),
                               finished_req_ids=frozenset(so.finished_req_ids), skip_drafts=bool(so.skip_drafts))
         self._outputs[id(out)] = (out, so)
@@ -395,6 +458,8 @@ class VllmScheduler:
             from .connector import to_vllm_output
 
             mro.kv_connector_output = to_vllm_output(kv_connector_output)
+        if self.scheduler.aux_output_connector is not None:
+            mro.aux_output_connector_output = self._aux_rows(rids)
         outputs = self.scheduler.update_from_output(so, mro)
         # the per-request spec-decode metrics vLLM reports with each finishing output
         self._finished_spec_metrics = {o.request_id: _spec_metrics(o.spec_decode_metrics)
@@ -414,6 +479,30 @@ class VllmScheduler:
         self._spec_decoding_stats = None if sd is None else SpecDecodingStats(
             sd.num_spec_tokens, sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
             tuple(sd.num_accepted_tokens_per_pos), tuple(sd.num_draft_tokens_per_pos))
+
+    def _aux_rows(self, rids) -> dict:
+        """The worker's routed-experts rows for a step (``aux_output_connector_output``): for each
+        scheduled request, rows from position 0 past every token the update can accept (its tokens,
+        one sampled and the drafts: ``take_output`` keeps the first ``num_tokens - 1``). The rows'
+        content is never read by the scheduler."""
+        import numpy as np
+
+        from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+        extra = 1 + self.config.num_speculative_tokens
+        return {r: AuxRequestOutput(0, np.zeros((self._reqs[r].num_tokens + extra, 1), dtype=np.int16))
+                for r in rids}
+
+    def aux_output_view(self) -> dict | None:
+        """vLLM's aux-output connector as the reference's
+        :meth:`~kvref.impl.reference.scheduler_aux_output.AuxOutputControl.view` shows it: the
+        retained blocks in LRU order (``_kv_cached``), the held loads, the generation and the last
+        step's metadata; None without the connector."""
+        aux = self.scheduler.aux_output_connector
+        if aux is None:
+            return None
+        return {"retained": tuple(aux._kv_cached), "loading": {r: frozenset(b) for r, b in aux._loading.items()},
+                "generation": aux._generation, "metadata": self.last_aux_metadata}
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """vLLM's ``Scheduler.update_draft_token_ids`` (what the engine core calls after a

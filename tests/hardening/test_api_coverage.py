@@ -172,6 +172,12 @@ EXCLUDED: dict[str, str] = {
             "record_connector_prefix_cache_stats set_kv_fetch_stage",
             "the reference Scheduler's make_stats bookkeeping with a KV connector (issue #22), called with its "
             "own ConnectorState; reached through Scheduler.make_stats"),
+    **_each(f"{_REF}.scheduler_aux_output", "AuxOutputControl AuxOutputControl.build_connector_meta "
+            "AuxOutputControl.cap_external_hit AuxOutputControl.check_invariants AuxOutputControl.max_cache_hit "
+            "AuxOutputControl.request_finished AuxOutputControl.request_loading full_attention_group_id",
+            "the reference Scheduler's aux-output connector (vLLM's AuxOutputSchedulerConnector, issue #22), "
+            "built and called by the Scheduler with its own manager and checked requests; reached (and fuzzed) "
+            "through Scheduler(aux_output=True)"),
     **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
     # HiSparse (issue #23): the managers are HiSparsePool's building blocks; the pool is the conformance
     # harness's reference side, driven by kvref.models.machines.hisparse_pool with generated valid calls
