@@ -83,7 +83,8 @@ load async, kids]`` (``get_num_new_matched_tokens``; ``kids``: each ``MultiConne
 tokens, kids]`` (``update_state_after_alloc``; ``kids``: the external tokens each child was given),
 ``["f", id, block ids per group, delay free, params keys, kids]`` (``request_finished``; ``kids``:
 each child's delay), ``["p", answer]`` (``has_pending_block_frees``), ``["r", answer]``
-(``reset_cache``). ``update.kvo``: the worker's ``KVConnectorOutput`` as vLLM iterated it — ``s``
+(``reset_cache``), ``["w", id, group ids]`` (``get_loaded_kv_cache_group_ids`` as SWA bounded
+replay asks it: whether a load carries the replay window, session 20). ``update.kvo``: the worker's ``KVConnectorOutput`` as vLLM iterated it — ``s``
 finished_sending, ``r`` finished_recving, ``f`` failed_recving (ids), ``i`` invalid_block_ids;
 ``reset.connector``: whether the connector's cache was reset too.
 
@@ -149,7 +150,7 @@ STATS_KEYS = ("usage", "req", "q", "h", "preq", "pq", "ph", "run", "wait",
               "creq", "cq", "ch", "cpreq", "cpq", "cph", "creset")
 #: the connector calls a ``kv`` entry may name (version 4): lookup, allocation, finish, pending
 #: frees, cache reset
-KV_CALLS = ("m", "a", "f", "p", "r")
+KV_CALLS = ("m", "a", "f", "p", "r", "w")
 #: vLLM's ``KVTransferConfig.kv_role`` values
 CONNECTOR_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 #: the keys of an ``update`` record's ``kvo`` (the worker's KVConnectorOutput)
@@ -533,6 +534,8 @@ def _kv_entry_ok(e: Any) -> bool:
     kind = e[0]
     if kind in ("p", "r"):
         return len(e) == 2 and e[1] in (True, False, None)
+    if kind == "w":  # SWA bounded replay beside a connector: the groups the load restores (session 20)
+        return len(e) == 3 and type(e[1]) is str and isinstance(e[2], list) and all(_is_int(g) for g in e[2])
     if len(e) < 4 or type(e[1]) is not str:
         return False
     kids = e[5] if kind in ("m", "f") and len(e) > 5 else e[4] if kind == "a" and len(e) > 4 else None
@@ -556,7 +559,7 @@ def _validate_kv(kv: Any, where: str) -> None:
         if not _kv_entry_ok(e):
             raise _fail(where, f"kv[{i}]", e, '["m", id, asked, tokens|null, async, kids?], ["a", id, block ids per '
                         'group, tokens, kids?], ["f", id, block ids per group, delay, params keys?, kids?], ["p", '
-                        'bool] or ["r", bool|null]')
+                        'bool], ["r", bool|null] or ["w", id, group ids]')
 
 
 def validate_record(rec: Any, where: str) -> str:

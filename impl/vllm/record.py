@@ -158,8 +158,8 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # the reference's manager hashes the same way (#28)
     # SWA bounded replay (DeepSeek-V4.1: a SlidingWindowMLASpec with bounded_replay) is replayed
     # (#28, session 20): the header's group carries the spec, each new request's replay_start is
-    # recorded (the sched record's "replay"); beside a KV connector it is named
-    flag(getattr(s, "prefix_replay_tokens", 0) and conn is not None, "prefix_replay (with a KV connector)")
+    # recorded (the sched record's "replay"), and beside a KV connector whether each load carries
+    # the window (the connector log's "w" entries, _load_restores_replay_window below)
     # the adaptive long-prefill threshold, max_num_active_seqs and the local prefill cadence are
     # replayed (the header's scheduler section carries them; impl/reference/scheduler_cadence.py):
     # only the cadence beside a KV connector, which the reference scheduler refuses, is named (#28)
@@ -540,6 +540,22 @@ class _Recorder:
     _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
     _kvref_fast = False  # the fast path's conditions hold (see the class docstring)
     _kvref_tap: ConnectorTap | None = None  # the connector's answers (KV-connector runs)
+
+    def _load_restores_replay_window(self, request) -> bool:
+        """vLLM 0.33.0's SWA bounded replay beside a KV connector asks the connector which groups
+        its load for ``request`` restores (``get_loaded_kv_cache_group_ids``) to decide whether the
+        load carries the replay window. Inside this call the tap logs the connector's answer as
+        ``["w", id, group ids]``, in call order, so the replay hands the reference the same groups
+        and the reference decides for itself (#28, session 20); vLLM's other call of that method
+        (the groups an async load need not zero) decides nothing the trace compares."""
+        tap = self._kvref_tap
+        if tap is None:
+            return super()._load_restores_replay_window(request)  # type: ignore[misc]
+        tap.window_query = True
+        try:
+            return super()._load_restores_replay_window(request)  # type: ignore[misc]
+        finally:
+            tap.window_query = False
 
     def _kvref_start(self, is_async_class: bool) -> None:
         path, anonymize = record_settings(self.vllm_config)

@@ -12,6 +12,8 @@ and the connector's run unchanged) and logs, in call order, each question and an
 * ``request_finished`` / ``request_finished_all_groups`` -> ``["f", id, block ids per group, delay,
   kv_transfer_params keys or None, kids]``
 * ``has_pending_block_frees`` -> ``["p", answer]``; ``reset_cache`` -> ``["r", answer]``
+* ``get_loaded_kv_cache_group_ids`` asked by vLLM's ``_load_restores_replay_window`` (SWA bounded
+  replay, session 20) -> ``["w", id, group ids]``
 
 ``kids`` holds, for vLLM's ``MultiConnector``, what each child answered or was given (the replay
 checks the composition rules against them), else None. The recorder attaches the log to the record
@@ -64,6 +66,8 @@ class ConnectorTap:
         self.children = list(getattr(connector, "_connectors", None) or [])
         self._kids: list | None = None  # the children's answers during one top-level call
         self._finishing = False  # inside a wrapped request_finished* (one may call the other)
+        #: inside vLLM's _load_restores_replay_window: get_loaded_kv_cache_group_ids is logged (session 20)
+        self.window_query = False
         self._wrap_top()
         for child in self.children:
             self._wrap_child(child)
@@ -126,6 +130,14 @@ class ConnectorTap:
         _install(c, get_num_new_matched_tokens, update_state_after_alloc, finished)
         c.has_pending_block_frees = answer("p", c.has_pending_block_frees)
         c.reset_cache = answer("r", c.reset_cache)
+        loaded = getattr(c, "get_loaded_kv_cache_group_ids", None)
+        if loaded is not None:
+            def get_loaded_kv_cache_group_ids(request):
+                out = loaded(request)
+                if tap.window_query:
+                    tap.log.append(["w", tap.rename(request.request_id), sorted(int(g) for g in out)])
+                return out
+            c.get_loaded_kv_cache_group_ids = get_loaded_kv_cache_group_ids
 
     def _wrap_child(self, child) -> None:
         """A ``MultiConnector`` child: its answers go to the top-level entry's ``kids``."""

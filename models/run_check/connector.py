@@ -31,7 +31,7 @@ from kvref.impl.reference.scheduler_connector import (
 from kvref.spec.errors import InvalidFieldError
 
 _NAMES = {"m": "get_num_new_matched_tokens", "a": "update_state_after_alloc", "f": "request_finished",
-          "p": "has_pending_block_frees", "r": "reset_cache"}
+          "p": "has_pending_block_frees", "r": "reset_cache", "w": "get_loaded_kv_cache_group_ids"}
 
 
 class ConnectorMismatch(Exception):
@@ -209,6 +209,18 @@ class TraceConnector(SchedulerConnector):
             raise ConnectorMismatch(f"request_finished during {self._where}: vLLM handed the connector "
                                     f"{e[1:3]!r}, the reference {ref!r} (request, block ids per group)", e[1:3], ref)
         return e[3]
+
+    def get_loaded_kv_cache_group_ids(self, request_id: str, transfer_group_ids: tuple[int, ...],
+                                      prefix_cacheable_group_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """SWA bounded replay beside a connector (#28, session 20): the groups the connector said its
+        load for ``request_id`` restores when vLLM's ``_load_restores_replay_window`` asked (a
+        ``["w", id, group ids]`` entry); the reference decides from them whether the load carries
+        the window."""
+        e = self._next("w", [request_id])
+        if e[1] != request_id:
+            raise ConnectorMismatch(f"during {self._where} the reference asks which groups {request_id!r}'s load "
+                                    f"restores, vLLM asked it for {e[1]!r}", e[:3], ["w", request_id])
+        return tuple(e[2])
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         pass

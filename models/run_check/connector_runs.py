@@ -64,7 +64,8 @@ def _recording_factory(env_holder: dict, directory: Path, runs: list[RecordedRun
 
 def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int = 0, steps: int = 30,
                           setups=None, strict: bool = True, anonymize: bool = False,
-                          pause: bool = False, lifecycle: bool = False, hisparse: bool = False) -> list[RecordedRun]:
+                          pause: bool = False, lifecycle: bool = False, hisparse: bool = False,
+                          replay: bool = False) -> list[RecordedRun]:
     """Record ``examples`` generated connector runs of vLLM's scheduler into ``directory``.
 
     Raises the machine's failure (an AssertionError naming it) when vLLM's run itself broke an
@@ -80,7 +81,11 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
     on, the decode side of a P/D split -- one arrival in three carries ``kv_transfer_params``
     ``do_remote_prefill`` -- and the engine's shutdown); not with ``setups`` or ``pause``;
     ``hisparse`` (with ``lifecycle``): a HiSparse host pool, whose deferred async loads check-run
-    does not replay (the recorder names them; the run properties hold).
+    does not replay (the recorder names them; the run properties hold). ``replay``: the
+    bounded-replay connector machine's draws (:mod:`~kvref.models.machines.scheduler_replay_connector`:
+    FA + a DeepSeek-V4.1 ``SlidingWindowMLASpec(bounded_replay=True)`` group, loads with and without
+    the window), whose traces carry each load's ``["w", id, carries the window]`` (session 20); not
+    with ``setups``, ``pause`` or ``lifecycle``.
     """
     from kvref.models.machines.scheduler import run_lockstep_machine
     from kvref.models.machines.scheduler_connector import ConnectorLockstep, connector_machine
@@ -111,6 +116,11 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                 raise
 
     factories = {"vllm": _recording_factory(holder, directory, runs, anonymize)}
+    if replay and (pause or lifecycle or setups is not None):
+        from kvref.spec.errors import InvalidFieldError
+
+        raise InvalidFieldError("replay", replay, "False with pause, lifecycle or setups (the bounded-replay "
+                                "connector machine draws its own setups)")
     if lifecycle and (pause or setups is not None):
         from kvref.spec.errors import InvalidFieldError
 
@@ -141,6 +151,13 @@ def record_connector_runs(directory: str | os.PathLike, examples: int, seed: int
                 Recorded.compare(self, what)
 
         machine = _connector_pause_machine(factories, RecordedPause)
+    elif replay:
+        from kvref.models.machines.scheduler_replay_connector import ReplayConnectorMachine, replay_connector_setups
+
+        base = connector_machine(factories, setups=replay_connector_setups(), name="RecordedReplayConnectorBase")
+        # failed: ReplayConnectorMachine's teardown reads it (a divergence leaves the targets alone)
+        machine = type("RecordedReplayConnectorRun", (ReplayConnectorMachine, base),
+                       {"driver_class": type("RecordedReplay", (Recorded,), {"failed": False})})
     else:
         machine = connector_machine(factories, setups=setups, name="RecordedConnectorRun")
         machine.driver_class = Recorded

@@ -143,6 +143,9 @@ class _Req:
     #: prompt embeddings (format 6): one digest per prompt position, None without (their rows
     #: enter vLLM's block hashes: equal tokens with other embeddings are other content)
     embeds: tuple | None = None
+    #: an async load's end (its local hit + external tokens): vLLM caches the loaded blocks when the
+    #: load lands, before a bounded replay rewinds the request's computed tokens (session 20)
+    load_upto: int = 0
     #: per group: table positions whose block vLLM has given a block hash (the free queue's view)
     hashed_upto: list = field(default_factory=list)
 
@@ -199,6 +202,7 @@ class RunProperties:
         #: prefix_replay_tokens; 0: none): an admission after a hit starts this many tokens before it
         self.replay_window = max((int(g["spec"].get("sliding_window") or 0) for g in header["pool"]["groups"]
                                   if g["spec"].get("bounded_replay")), default=0)
+        self.replay_groups = [i for i, g in enumerate(header["pool"]["groups"]) if g["spec"].get("bounded_replay")]
         self.inexact = [u for u in unmodelled if u.startswith(_INEXACT)]
         # exact bookkeeping: every group's frees are known (Mamba outside "none" mode frees old
         # state blocks by rules the trace does not show)
@@ -576,6 +580,7 @@ class RunProperties:
             r.tables = [[] for _ in range(self.num_groups)]
             r.filled = [0] * self.num_groups
             r.async_held = True
+            r.load_upto = self.local_hit.get(rid, 0) + int(e[3] or 0)
             for g, ids in enumerate(e[2][: self.num_groups]):
                 local = self.local_hit.get(rid, 0) // self.group_bs[g]
                 table = r.tables[g]
@@ -617,7 +622,11 @@ class RunProperties:
         the prefix-cache stats of each admission that followed a lookup."""
         asked: dict[str, int] = {}
         admitted_at: dict[str, int] | None = None  # computed tokens of the step's admissions
+        carried: dict[str, bool] = {}  # SWA bounded replay: whether each load carries the window
         for e in rec.get("kv") or ():
+            if e[0] == "w":  # the groups the load restores: all the replay groups, or not the window
+                carried[e[1]] = bool(self.replay_groups) and set(self.replay_groups) <= set(e[2])
+                continue
             if e[0] == "a":
                 self.failed_whole.discard(e[1])  # admitted (or loading) again: not the hang's state
             if e[0] == "a" and self.lookup_tally and e[1] in asked:
@@ -627,8 +636,9 @@ class RunProperties:
                     if admitted_at is None:
                         admitted_at = ({row[0]: row[3] for row in sched_rows(rec) if row[1] != "c"}
                                        if rec["t"] == "sched" else {})
+                    window = 0 if carried.get(e[1], False) else self.replay_window
                     self.tally.admitted(r.preempted, num_tokens,
-                                        self._admitted_local_hit(e, asked.pop(e[1]), admitted_at))
+                                        self._admitted_local_hit(e, asked.pop(e[1]), admitted_at, window))
                 continue
             if e[0] == "m":
                 asked[e[1]] = int(e[2] or 0)
@@ -664,16 +674,18 @@ class RunProperties:
                        f"{self.prefill_lookahead} (vLLM's _reserve_prefill_lookahead never ends a chunk there)")
 
     @staticmethod
-    def _admitted_local_hit(alloc: list, asked: int, admitted_at: dict[str, int]) -> int:
+    def _admitted_local_hit(alloc: list, asked: int, admitted_at: dict[str, int], window: int = 0) -> int:
         """The local hit vLLM records at an admission (``record_prefix_cache_stats(request,
         num_new_local_computed_tokens)``): for a request scheduled in the step, its computed tokens
         less the connector's external ones, since the block-aligned hit it asked the connector
         with is not always the one it kept -- a sub-block local tail the remote hit does not exceed
         stays, and a divergent hybrid hit with no external tokens behind it is reconciled to the
         hit every group agrees on (generated Mamba "align" connector runs, #28); an asynchronous
-        load (not scheduled) keeps the hit it asked with."""
+        load (not scheduled) keeps the hit it asked with. Under SWA bounded replay (``window``: the
+        replay window, 0 where the load carried it) a scheduled admission starts a window before
+        the hit vLLM counted (session 20)."""
         computed = admitted_at.get(alloc[1])
-        return asked if computed is None else computed - int(alloc[3] or 0)
+        return asked if computed is None else hit_before_replay(window, computed) - int(alloc[3] or 0)
 
     def _finish(self, rid: str, reason: str) -> None:
         r = self.reqs.get(rid)
@@ -1258,10 +1270,11 @@ class RunProperties:
     def _register(self, rid: str, r: _Req) -> None:
         """Full blocks whose tokens are all known and computed now hold those tokens (vLLM caches
         them at allocation, up to ``min(computed, num_tokens)``)."""
+        load_upto, r.load_upto = r.load_upto, 0  # a landed load's blocks: once, at its promotion
         if not self.exact or not r.tables:
             return
         # a lookahead hash needs the tokens past the block: a block is cached once they are known
-        upto_tokens = min(r.computed, len(r.tokens) - self.hash_lookahead)
+        upto_tokens = min(max(r.computed, load_upto), len(r.tokens) - self.hash_lookahead)
         for g, rule in enumerate(self.rules):
             if not rule.holds_tokens:
                 continue
@@ -1405,6 +1418,8 @@ class RunProperties:
                 continue
             if rid in failed or (invalid and r.tables and r.tables[0] and r.tables[0][0] in invalid):
                 self.load_zeroed.add(rid)
+            if rid in failed or (invalid and any(b in invalid for t in r.tables for b in t)):
+                r.load_upto = 0  # only the valid prefix is cached: what the request computes from
 
     def _stale_in_flight(self, rid: str) -> None:
         """``rid`` was preempted with steps in flight (async scheduling): their output is stale

@@ -165,7 +165,11 @@ class LockstepReplay:
         self.steps_compared = 0
         #: the replay's KV connector (format-4 connector runs): answers from the trace
         self.connector = TraceConnector(setup.connector) if self.following and setup.connector is not None else None
-        self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector, **setup.scheduler_kwargs())
+        # on a connector run the reference records its prefix-cache and connector stats itself, where
+        # vLLM does (at admission, before a bounded replay rewinds the hit; a deferred HiSparse load's
+        # connector stats when the update hands it over): compared with vLLM by the lifecycle machine
+        self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector,
+                                    record_prefix_cache_stats=self.connector is not None, **setup.scheduler_kwargs())
                           if self.following else None)
         self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
         self._live: dict[str, Request] = {}
@@ -173,11 +177,6 @@ class LockstepReplay:
         self._tally = PrefixCacheTally(bool(setup.pool is not None and setup.pool.enable_caching))
         self._num_blocks = setup.pool.num_blocks if setup.pool is not None else 0
         self._reset_replayed = False  # a replayed reset's preemptions are the reference's too
-        #: vLLM's connector_prefix_cache_stats since the last update (connector runs)
-        self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
-        #: deferred async loads whose admission was recorded: request id -> (fence, external
-        #: tokens, queries, hits), the reference's entry
-        self._deferred_noted: dict[str, tuple] = {}
 
     def _stop(self, line: int, why: str) -> None:
         self.following = False
@@ -280,9 +279,6 @@ class LockstepReplay:
                                      reference_extra={"result": got[0]}))
             return
         self._reset_replayed = True
-        # vLLM marks the connector's stats reset when its cache reset did not answer False
-        if rec.get("connector") and any(e[0] == "r" and e[1] is not False for e in rec.get("kv") or ()):
-            self._conn_stats["creset"] = 1
         self._check_free(line, -1, "reset_prefix_cache", rec)
 
     def _ref_free(self) -> int:
@@ -426,8 +422,8 @@ class LockstepReplay:
         live = self._live
         kv = self.scheduler.kv_cache_manager
         record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
-        if self.connector is not None:
-            self._record_connector_admissions(out, record)
+        if self.connector is not None:  # the reference recorded its admissions' stats itself
+            self.connector.take_admissions()
             self.steps_compared += 1
             return
         window = getattr(self.scheduler, "prefix_replay_tokens", 0)
@@ -475,47 +471,13 @@ class LockstepReplay:
                                  {k: want[k] for k in keys}, {k: ref[k] for k in keys}))
         return False
 
-    def _record_connector_admissions(self, out: SchedulerOutput, record) -> None:
-        """vLLM records a lookup's local hit at admission, which with a connector is the allocation
-        after a lookup (an async load is admitted without being scheduled; a promoted load was looked
-        up before): the local hit is the computed tokens less the external ones."""
-        computed = {s.request_id: s.num_computed_tokens for s in out.scheduled}
-        for rid, n_ext in self.connector.take_admissions():
-            r = self._live.get(rid)
-            if r is None:
-                continue
-            local = max(0, computed.get(rid, r.num_computed_tokens) - n_ext)
-            if record is not None:
-                record(r, local)
-            self._connector_stats(r, local, n_ext)
-        # HiSparse's deferred async loads (#28, session 20): admitted now, their local hit recorded
-        # now, but the connector hears of them (and its stats count them) only when their fence
-        # passes, in a later update_from_output (_drain_deferred_loads)
-        deferred = self._deferred_loads()
-        for rid, entry in deferred.items():
-            r = self._live.get(rid)
-            if rid not in self._deferred_noted and r is not None and record is not None:
-                record(r, max(0, r.num_computed_tokens - entry[1]))
-        self._deferred_noted = dict(deferred)
-
-    def _deferred_loads(self) -> dict:
-        """The reference's deferred async loads (request id -> (fence, external tokens, queries,
-        hits)); {} where it defers none."""
-        st = getattr(self.scheduler, "connector_state", None)
-        return st.deferred_loads if st is not None and st.defer_async_loads else {}
-
-    def _connector_stats(self, r: Request, local: int, n_ext: int, queries: int | None = None) -> None:
-        """vLLM's connector_prefix_cache_stats: the tokens past the local hit (``queries``), and the
-        external hit, when the connector hears of the load (a lookup that queried nothing is not
-        counted)."""
-        if queries is None:
-            queries = r.num_tokens - local
-        if queries:
-            pre = "p" if r.num_preemptions > 0 else ""
-            cs = self._conn_stats
-            cs[f"c{pre}req"] += 1
-            cs[f"c{pre}q"] += queries
-            cs[f"c{pre}h"] += n_ext
+    def _connector_stats(self) -> dict:
+        """The reference's ``connector_prefix_cache_stats`` of the update just replayed (vLLM's
+        make_stats at the end of update_from_output), under the trace's ``stats`` keys."""
+        cs = self.scheduler.connector_state.output_connector_prefix_cache_stats or {}
+        return {"creq": cs.get("requests", 0), "cq": cs.get("queries", 0), "ch": cs.get("hits", 0),
+                "cpreq": cs.get("preempted_requests", 0), "cpq": cs.get("preempted_queries", 0),
+                "cph": cs.get("preempted_hits", 0), "creset": int(bool(cs.get("reset", False)))}
 
     def _update(self, line: int, rec: dict) -> None:
         step = rec["step"]
@@ -543,15 +505,6 @@ class LockstepReplay:
             if hint_owner is not None:
                 hint_owner.finish_order_hint = None
         live = self._live
-        if self.connector is not None and self._deferred_noted:
-            # deferred loads the update drained (still live, no longer deferred): the connector's
-            # stats count them now, with what their admission asked (the local hit was recorded then)
-            still = self._deferred_loads()
-            for rid, (_fence, _n_ext, queries, hits) in self._deferred_noted.items():
-                r = live.get(rid)
-                if rid not in still and r is not None:
-                    self._connector_stats(r, 0, hits, queries)
-            self._deferred_noted = {rid: e for rid, e in self._deferred_noted.items() if rid in still}
         ref_fin = {}
         # with a connector a request may finish unscheduled (a failed load under "fail"); without
         # one, a request the encoder-cache mismatch rejected (it scheduled nothing: vLLM finishes it
@@ -605,8 +558,7 @@ class LockstepReplay:
                         skip=skip)
         keys = ("req", "q", "h", "preq", "pq", "ph", "run", "wait", "skip")
         if self.connector is not None:
-            expected.update(self._conn_stats)
-            self._conn_stats = dict.fromkeys(_CONN_STATS, 0)
+            expected.update(self._connector_stats())
             keys += _CONN_STATS
         bad = compare_stats(stats, expected, keys)
         if "usage" in stats and usage_differs(stats["usage"], expected["usage"]):
