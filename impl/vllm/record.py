@@ -141,7 +141,11 @@ def _setup_unmodelled(s: Scheduler, is_async_class: bool) -> list[str]:
     # deferred frees); a scheduler that defers without one is named
     flag(getattr(s, "defer_async_loads", False)
          and getattr(s.kv_cache_config, "hisparse_host_num_blocks", None) is None, "deferred_async_loads")
-    flag(getattr(s, "aux_output_connector", None) is not None, "aux_output_connector")
+    # vLLM's aux-output (routed-experts) connector is replayed without a KV connector (#28, session
+    # 20: the header's scheduler.aux_output, impl/reference/scheduler_aux_output.py); beside one the
+    # reference's connector path does not model the V2 runner's output shape it requires
+    flag(getattr(s, "aux_output_connector", None) is not None and conn is not None,
+         "aux_output_connector (with a KV connector)")
     flag(getattr(s, "ec_connector", None) is not None, "ec_connector")
     spec = getattr(vc, "speculative_config", None)
     method = _MODELLED_SPEC_METHODS.get(str(getattr(spec, "method", ""))) if spec is not None else None
@@ -255,6 +259,9 @@ def build_header(s: Scheduler, anonymize: bool, is_async_class: bool) -> dict:
             # (resumed requests sent as new ones, the encoder-input updates)
             "use_v2_model_runner": bool(getattr(s, "use_v2_model_runner", False)),
             "max_loras": _max_loras(s),
+            # vLLM's aux-output (routed-experts, R3) connector: caps prefix hits at the blocks whose
+            # routing it can serve (replayed, session 20)
+            "aux_output": getattr(s, "aux_output_connector", None) is not None,
             "encoder": _encoder_header(s),
         },
         "unmodelled": _setup_unmodelled(s, is_async_class),
@@ -399,6 +406,11 @@ def _request_unmodelled(request, existing: bool, s=None) -> list[str]:
             found.append(why)
     if request.pooling_params is not None:
         found.append("pooling")
+    # a routed-experts prompt start other than 0 (the aux-output connector's routing rows start
+    # there): the reference keeps vLLM's default (docs/differences.md)
+    if s is not None and getattr(s, "aux_output_connector", None) is not None and sp is not None \
+            and getattr(sp, "routed_experts_prompt_start", 0):
+        found.append("routed_experts_prompt_start")
     if getattr(request, "use_structured_output", False):
         found.append("structured_output")
     # multimodal items and LoRA adapters are recorded (add.mm, add.lora) and replayed (#28); an item

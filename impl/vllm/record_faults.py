@@ -57,6 +57,9 @@ FEATURE_FAULTS = {
                                   "first token is freed while the next token still attends to it"),
     "ring-grows": ("circular-buffer", "CircularBufferManager claims another ring block at every allocation "
                                       "instead of one for the request's life"),
+    # session 20 (#28): the aux-output (routed-experts) connector, which check-run now replays
+    "aux-cap-retained-only": ("aux-output", "the aux-output connector's max_cache_hit counts only the blocks it "
+                                           "retained, not those still cached on the GPU: prefix hits cut short"),
 }
 
 
@@ -140,6 +143,21 @@ def plant_feature_fault(name: str) -> Iterator[None]:
 
             Scheduler.reset_prefix_cache = reset_prefix_cache
             undo.append(lambda: setattr(Scheduler, "reset_prefix_cache", real))
+        elif name == "aux-cap-retained-only":
+            from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+            real = AuxOutputSchedulerConnector.max_cache_hit
+
+            def max_cache_hit(self, request):
+                num_blocks = 0
+                for block, _keys in self._kv_blocks(request.block_hashes):
+                    if block not in self._kv_cached:
+                        break
+                    num_blocks += 1
+                return min(num_blocks * self._block_size, request.num_tokens - 1)
+
+            AuxOutputSchedulerConnector.max_cache_hit = max_cache_hit
+            undo.append(lambda: setattr(AuxOutputSchedulerConnector, "max_cache_hit", real))
         elif name in ("replay-start-at-hit", "replay-window-short"):
             from vllm.v1.core.sched.scheduler import Scheduler
 

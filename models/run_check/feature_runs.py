@@ -64,7 +64,13 @@ REPLAY_FEATURES = ("prefix-replay",)
 #: machine's draws (:mod:`~kvref.models.machines.scheduler_layouts`: cache controls, follow-ups,
 #: resets and long-decoding arrivals), startup-consistent, without speculative decoding
 LAYOUT_FEATURES = ("rswa", "circular-buffer")
-GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES + LAYOUT_FEATURES
+#: and ``aux-output`` (session 20): the aux-output machine's draws
+#: (:class:`~kvref.models.machines.scheduler_aux_output.AuxOutputMachine`: vLLM's routed-experts
+#: connector on, as ``--enable-return-routed-experts`` runs it: a MoE model on the V2 runner; repeats
+#: of earlier prompts), startup-consistent pools, which a session-19 recorder named
+#: ``aux_output_connector``
+AUX_FEATURES = ("aux-output",)
+GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES + LAYOUT_FEATURES + AUX_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -123,6 +129,19 @@ def _layout_setups(feature: str):
     from kvref.models.machines.scheduler_cache_controls import _roomy
 
     drawn = scheduler_setups(consistent=True, kinds=("rswa",) if feature == "rswa" else ("full+circular",))
+    return st.one_of(drawn, drawn.map(_roomy))
+
+
+def _aux_setups():
+    """The aux-output machine's pools (prefix caching on, as drawn or roomy), startup-consistent
+    only (a server starts on no other)."""
+    from hypothesis import strategies as st
+
+    from kvref.models.machines.scheduler import scheduler_setups
+    from kvref.models.machines.scheduler_cache_controls import _cacheable, _roomy
+
+    drawn = st.one_of(scheduler_setups(consistent=True), scheduler_setups(consistent=True, tight=True)).filter(
+        _cacheable)
     return st.one_of(drawn, drawn.map(_roomy))
 
 
@@ -199,6 +218,17 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
         return type("RecordedSessionRun", (SessionMachine,),
                     {"driver_class": Driver,
                      "factories": {"vllm": scheduler_recorder(env_holder, directory, runs, feature)}})
+    if feature == "aux-output":
+        from kvref.impl.vllm.scheduler import VllmEnv
+        from kvref.models.machines.scheduler import machine_with
+        from kvref.models.machines.scheduler_aux_output import AuxOutputMachine
+        from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep
+
+        if env_holder.get("env") is None:
+            env_holder["env"] = VllmEnv(aux_output=True)  # a tiny MoE model: vLLM's requirement
+        base = machine_with({"vllm": scheduler_recorder(env_holder, directory, runs, feature, use_v2_model_runner=True)},
+                            setups=_aux_setups(), name="RecordedAuxOutputBase")
+        return type("RecordedAuxOutputRun", (AuxOutputMachine, base), {"driver_class": CacheControlsLockstep})
     if feature == "prefix-replay":
         from kvref.models.machines.scheduler import machine_with
         from kvref.models.machines.scheduler_cache_controls import CacheControlsLockstep, CacheControlsMachine
@@ -274,4 +304,5 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
     return runs
 
 
-__all__ = ["EMBEDS_FEATURES", "FEATURES", "GENERATED", "LAYOUT_FEATURES", "REPLAY_FEATURES", "SESSION_FEATURES", "record_feature_runs"]
+__all__ = ["AUX_FEATURES", "EMBEDS_FEATURES", "FEATURES", "GENERATED", "LAYOUT_FEATURES", "REPLAY_FEATURES",
+           "SESSION_FEATURES", "record_feature_runs"]

@@ -45,6 +45,8 @@ class RunSetup:
     encoder_budget: EncoderBudget | None = None
     max_loras: int | None = None
     use_v2_model_runner: bool = False
+    #: vLLM's aux-output (routed-experts) connector was on (header ``scheduler.aux_output``, session 20)
+    aux_output: bool = False
 
     def scheduler_kwargs(self) -> dict:
         """The reference ``Scheduler``'s arguments beside the pool and config."""
@@ -55,6 +57,8 @@ class RunSetup:
             out["max_loras"] = self.max_loras
         if self.use_v2_model_runner:
             out["use_v2_model_runner"] = True
+        if self.aux_output:
+            out["aux_output"] = True
         return out
 
     @property
@@ -189,7 +193,8 @@ def setup_from_header(header: dict) -> RunSetup:
         connector = connector_config(header["connector"])  # with speculative decoding too (session 19)
     budget, max_loras, v2 = _multimodal_and_lora(s, connector is not None, unmodelled)
     return RunSetup(pool=pool, config=config, unmodelled=unmodelled, vllm_version=version, scheduler=dict(s),
-                    connector=connector, encoder_budget=budget, max_loras=max_loras, use_v2_model_runner=v2)
+                    connector=connector, encoder_budget=budget, max_loras=max_loras, use_v2_model_runner=v2,
+                    aux_output=bool(s.get("aux_output", False)))
 
 
 def _multimodal_and_lora(s: dict, has_connector: bool, unmodelled: list[str]):
@@ -213,4 +218,9 @@ def _multimodal_and_lora(s: dict, has_connector: bool, unmodelled: list[str]):
     if has_connector and max_loras is not None:
         unmodelled.append("lora (with a KV connector)")
         max_loras = None
-    return budget, max_loras, bool(s.get("use_v2_model_runner", False))
+    v2 = bool(s.get("use_v2_model_runner", False))
+    if has_connector and v2:
+        # the reference's connector path sends a resumed request as a resumed one (the V1 runner's
+        # output shape); vLLM's V2 runner gets it as a new one (docs/differences.md, session 20)
+        unmodelled.append("use_v2_model_runner (with a KV connector)")
+    return budget, max_loras, v2
