@@ -17,7 +17,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import record_feature_runs
 
 from kvref.impl.vllm.record_faults import plant_feature_fault
-from tests.record.traces import assert_agrees_and_holds, read_lines
+from tests.record.traces import followed_runs
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -37,16 +37,12 @@ def recorded(tmp_path_factory):
 
 def test_aux_output_runs_are_replayed_step_by_step(recorded):
     pristine, _ = recorded
-    followed = 0
-    for run in pristine:
-        header = read_lines(run.path)[0]
+
+    def header_check(header):
         assert header["unmodelled"] == [] and header["scheduler"]["aux_output"] is True, header["unmodelled"]
         assert header["scheduler"]["use_v2_model_runner"] is True
-        r = check_trace(run.path, check_invariants_every=1)
-        if r.empty:
-            continue
-        assert_agrees_and_holds(run.path, r)
-        followed += 1
+
+    followed = len(followed_runs(pristine, header_check))
     assert followed >= 5, followed
 
 

@@ -24,7 +24,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import record_feature_runs
 
 from kvref.impl.vllm.record_faults import plant_feature_fault
-from tests.record.traces import assert_agrees_and_holds, read_lines
+from tests.record.traces import flagged_runs, followed_runs
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -50,16 +50,11 @@ def recorded(tmp_path_factory):
 
 @pytest.mark.parametrize("feature,spec", [("rswa", "RSWASpec"), ("circular-buffer", "CircularBufferSpec")])
 def test_layout_runs_are_replayed_step_by_step(recorded, feature, spec):
-    followed = 0
-    for run in recorded[feature]:
-        header = read_lines(run.path)[0]
+    def header_check(header):
         assert header["unmodelled"] == [], header["unmodelled"]
         assert any(g["spec"]["type"] == spec for g in header["pool"]["groups"]), header["pool"]["groups"]
-        r = check_trace(run.path, check_invariants_every=1)
-        if r.empty:
-            continue
-        assert_agrees_and_holds(run.path, r)
-        followed += 1
+
+    followed = len(followed_runs(recorded[feature], header_check))
     assert followed >= 5, followed
 
 
@@ -67,16 +62,7 @@ def test_layout_runs_are_replayed_step_by_step(recorded, feature, spec):
 def test_a_planted_manager_fault_is_flagged_by_the_replay_and_the_properties(recorded, fault):
     """No false green, with or without the reference: every run the fault reached diverges, and
     ``--properties-only`` (what a user on another vLLM version runs) flags each of them too."""
-    flagged = props = 0
-    for run in recorded[fault]:
-        r = check_trace(run.path)
-        if r.empty or r.verdict == "agrees":
-            continue
-        flagged += 1
-        assert r.divergence is not None, (run.path, r.findings[:2])
-        p = check_trace(run.path, properties_only=True)
-        props += p.verdict != "properties hold"
-        assert {f.kind for f in p.findings} & FAULTS[fault][1], p.findings[:3]
+    flagged, props = flagged_runs(recorded[fault], kinds=FAULTS[fault][1])
     assert flagged >= 3 and props == flagged, (flagged, props)
 
 

@@ -24,7 +24,7 @@ from kvref.models.run_check import check_trace
 from kvref.models.run_check.feature_runs import record_feature_runs
 
 from kvref.impl.vllm.record_faults import plant_feature_fault
-from tests.record.traces import assert_agrees_and_holds, read_lines
+from tests.record.traces import flagged_runs, followed_runs, read_lines
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -51,39 +51,26 @@ def _replays(path) -> int:
 
 
 def test_bounded_replay_runs_are_replayed_step_by_step(recorded):
-    followed = replays = 0
-    for run in recorded["pristine"]:
-        header = read_lines(run.path)[0]
+    def header_check(header):
         assert header["unmodelled"] == [], header["unmodelled"]
         specs = [g["spec"] for g in header["pool"]["groups"]]
         assert any(s["type"] == "SlidingWindowMLASpec" and s["bounded_replay"] for s in specs), specs
-        r = check_trace(run.path, check_invariants_every=1)
-        if r.empty:
-            continue
-        assert_agrees_and_holds(run.path, r)
-        followed += 1
-        replays += _replays(run.path)
+
+    followed = followed_runs(recorded["pristine"], header_check)
+    replays = sum(_replays(run.path) for run in followed)
     # admissions rewound by the window (replay_start > 0) are in the traces, not only misses
-    assert followed >= 5 and replays >= 5, (followed, replays)
+    assert len(followed) >= 5 and replays >= 5, (len(followed), replays)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_wrong_replay_is_flagged_by_the_replay_and_the_properties(recorded, fault):
     """No false green, with or without the reference: every run the fault reached diverges, and
     ``--properties-only`` (what a user on another vLLM version runs) flags each of them too."""
-    flagged = props = 0
-    for run in recorded[fault]:
-        r = check_trace(run.path)
-        if r.empty or r.verdict == "agrees":
-            continue
-        flagged += 1
-        assert r.divergence is not None, (run.path, r.findings[:2])
+    def on_divergence(d):
         if fault == "replay-start-at-hit":  # the scheduled tokens are vLLM's own: only replay_start differs
-            assert "replay_start" in r.divergence.message, r.divergence.table()
-        p = check_trace(run.path, properties_only=True)
-        props += p.verdict != "properties hold"
-        kinds = {f.kind for f in p.findings}
-        assert kinds & {"replay_start", "metrics"}, p.findings[:3]
+            assert "replay_start" in d.message, d.table()
+
+    flagged, props = flagged_runs(recorded[fault], kinds={"replay_start", "metrics"}, on_divergence=on_divergence)
     assert flagged >= 3 and props == flagged, (flagged, props)
 
 

@@ -121,6 +121,47 @@ def assert_agrees_and_holds(path, result) -> None:
     assert p.verdict == "properties hold", (path, p.findings[:3])
 
 
+def followed_runs(runs, header_check=None) -> list:
+    """The non-empty ones of ``runs`` (recorded pristine), each asserted followed to the end,
+    agreeing at every step (the checker's own invariants asserted after every record) and holding
+    every property alone; ``header_check(header)`` asserts what each header must say."""
+    from kvref.models.run_check import check_trace
+
+    out = []
+    for run in runs:
+        if header_check is not None:
+            header_check(read_lines(run.path)[0])
+        r = check_trace(run.path, check_invariants_every=1)
+        if r.empty:
+            continue
+        assert_agrees_and_holds(run.path, r)
+        out.append(run)
+    return out
+
+
+def flagged_runs(runs, kinds=frozenset(), on_divergence=None) -> tuple[int, int]:
+    """Over ``runs`` recorded from a vLLM with a fault planted: ``(flagged, flagged by the properties
+    too)``. Every run check-run flags must diverge (not only a property); ``on_divergence(d)``
+    asserts more about each divergence; with ``kinds``, ``--properties-only`` must report one of
+    those property kinds on every flagged run it flags."""
+    from kvref.models.run_check import check_trace
+
+    flagged = props = 0
+    for run in runs:
+        r = check_trace(run.path)
+        if r.empty or r.verdict == "agrees":
+            continue
+        flagged += 1
+        assert r.divergence is not None, (run.path, r.findings[:2])
+        if on_divergence is not None:
+            on_divergence(r.divergence)
+        p = check_trace(run.path, properties_only=True)
+        props += p.verdict != "properties hold"
+        if kinds:
+            assert {f.kind for f in p.findings} & set(kinds), p.findings[:3]
+    return flagged, props
+
+
 def pristine_and_faulty_runs(tmp_path_factory, draws: dict, faults: dict, steps: int):
     """A module fixture's getter: feature -> (its pristine recorded runs, the same draws recorded on a
     vLLM with the feature's fault planted), recorded once per feature. ``draws``: feature -> (seed,
