@@ -68,6 +68,20 @@ def prefix_replay_setups():
     return st.one_of(drawn.map(_roomy), drawn)
 
 
+def compare_replay_starts(driver) -> None:
+    """After a schedule: every live reference request's ``replay_start`` (vLLM's
+    ``Request.replay_start``, which the workers read to bound the window's attention) equals
+    vLLM's; a divergence otherwise. Nothing to compare without both targets."""
+    vllm = driver.targets.get("vllm")
+    if vllm is None or "ref" not in driver.targets:
+        return
+    theirs = vllm.scheduler.requests
+    for rid, r in driver.requests["ref"].items():
+        if rid in theirs and theirs[rid].replay_start != r.replay_start:
+            _diverge(f"after schedule (step {driver.num_steps}): {rid}.replay_start: ref {r.replay_start} "
+                     f"!= vllm {theirs[rid].replay_start}", signature("replay_start differs"))
+
+
 class PrefixReplayLockstep(CacheControlsLockstep):
     """:class:`CacheControlsLockstep` that also compares ``replay_start`` (vLLM's
     ``Request.replay_start``, which the workers read to bound the window's attention) of every live
@@ -75,14 +89,7 @@ class PrefixReplayLockstep(CacheControlsLockstep):
 
     def schedule(self):
         out = super().schedule()
-        ref = self.targets.get("ref")
-        vllm = self.targets.get("vllm")
-        if ref is not None and vllm is not None:
-            theirs = vllm.scheduler.requests
-            for rid, r in self.requests["ref"].items():
-                if rid in theirs and theirs[rid].replay_start != r.replay_start:
-                    _diverge(f"after schedule (step {self.num_steps}): {rid}.replay_start: ref {r.replay_start} "
-                             f"!= vllm {theirs[rid].replay_start}", signature("replay_start differs"))
+        compare_replay_starts(self)
         return out
 
 

@@ -29,7 +29,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvref.impl.reference.scheduler_connector import ExternalHit
 from kvref.models.machines.counted_lockstep import run_counted
-from kvref.models.machines.scheduler import COVERAGE, _diverge, request_specs, run_lockstep_machine, signature
+from kvref.models.machines.scheduler import COVERAGE, request_specs, run_lockstep_machine
 from kvref.models.machines.scheduler_connector import (
     CONNECTOR_COVERAGE,
     MAX_REQUESTS,
@@ -42,7 +42,7 @@ from kvref.models.machines.scheduler_connector import (
     reference_factory,
     vllm_factory,
 )
-from kvref.models.machines.scheduler_prefix_replay import _replay_group
+from kvref.models.machines.scheduler_prefix_replay import _replay_group, compare_replay_starts
 
 #: what the reference's replay did beside the connector, summed over a run
 REPLAY_CONNECTOR_COVERAGE: Counter = Counter()
@@ -93,13 +93,7 @@ class ReplayConnectorLockstep(ConnectorLockstep):
 
     def _schedule_and_compare_replay(self):
         out = super().schedule()
-        vllm = self.targets.get("vllm")
-        if vllm is not None and "ref" in self.targets:
-            theirs = vllm.scheduler.requests
-            for rid, r in self.requests["ref"].items():
-                if rid in theirs and theirs[rid].replay_start != r.replay_start:
-                    _diverge(f"after schedule (step {self.num_steps}): {rid}.replay_start: ref {r.replay_start} "
-                             f"!= vllm {theirs[rid].replay_start}", signature("replay_start differs"))
+        compare_replay_starts(self)
         return out
 
 
