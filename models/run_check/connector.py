@@ -132,11 +132,6 @@ class TraceConnector(SchedulerConnector):
         self._script: list[list] = []
         self._pos = 0
         self._where = ""
-        #: requests looked up during the current call (their allocation is an admission with a lookup)
-        self._looked_up: set[str] = set()
-        self._async: dict[str, bool] = {}  # the last lookup's async flag per request
-        #: (request id, external tokens) of the admissions after a lookup, since the last take
-        self.admissions: list[tuple[str, int]] = []
         self.num_answers = 0
 
     # ---- the replay's side ----------------------------------------------------------------------
@@ -145,7 +140,6 @@ class TraceConnector(SchedulerConnector):
         self._script = list(entries or ())
         self._pos = 0
         self._where = where
-        self._looked_up.clear()
 
     def leftover(self) -> None:
         """Raise if vLLM asked more than the reference did during the call."""
@@ -153,10 +147,6 @@ class TraceConnector(SchedulerConnector):
             e = self._script[self._pos]
             raise ConnectorMismatch(f"vLLM asked its connector {_NAMES[e[0]]} for {e[1]!r} during {self._where}; "
                                     "the reference did not", e[:4], None)
-
-    def take_admissions(self) -> list[tuple[str, int]]:
-        out, self.admissions = self.admissions, []
-        return out
 
     def _next(self, kind: str, asked: list) -> list:
         if self._pos >= len(self._script):
@@ -181,8 +171,6 @@ class TraceConnector(SchedulerConnector):
             raise ConnectorMismatch(f"get_num_new_matched_tokens during {self._where}: vLLM asked for {e[1]!r} "
                                     f"with a local hit of {e[2]} tokens, the reference for {request_id!r} with "
                                     f"{num_computed_tokens}", e[1:3], [request_id, num_computed_tokens])
-        self._looked_up.add(request_id)
-        self._async[request_id] = bool(e[4])
         return e[3], e[4]
 
     def update_state_after_alloc(self, request_id: str, block_ids: BlockIdsT, num_external_tokens: int) -> None:
@@ -192,10 +180,6 @@ class TraceConnector(SchedulerConnector):
             raise ConnectorMismatch(f"update_state_after_alloc during {self._where}: vLLM gave the connector "
                                     f"{e[1:4]!r}, the reference {ref!r} (request, block ids per group, external "
                                     "tokens)", e[1:4], ref)
-        if request_id in self._looked_up:
-            self._looked_up.discard(request_id)
-            self.admissions.append((request_id, num_external_tokens))
-            self._async.pop(request_id, None)
 
     def build_connector_meta(self, scheduled_ids, finished_ids) -> None:
         pass
@@ -234,7 +218,6 @@ class TraceConnector(SchedulerConnector):
     def check_invariants(self) -> None:
         assert 0 <= self._pos <= len(self._script), "answered past the recorded list"
         assert all(e[0] in _NAMES for e in self._script), "an unknown connector call in the script"
-        assert set(self._async) >= self._looked_up, "a lookup without its async flag"
 
 
 def multi_violation(e: list) -> str | None:

@@ -423,7 +423,6 @@ class LockstepReplay:
         kv = self.scheduler.kv_cache_manager
         record = getattr(kv, "record_prefix_cache_stats", None)  # the reference's own stats (issue #23)
         if self.connector is not None:  # the reference recorded its admissions' stats itself
-            self.connector.take_admissions()
             self.steps_compared += 1
             return
         window = getattr(self.scheduler, "prefix_replay_tokens", 0)
