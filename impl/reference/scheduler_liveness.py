@@ -48,8 +48,12 @@ startup count. A pool sized exactly for one ``max_model_len`` request then never
 request whose own earlier (preempted) blocks are cached with such a tail: it waits at the head of
 the queue forever with the whole pool free, on vLLM as on the reference
 (``test_partial_hit_copy_on_write_hangs_a_startup_consistent_pool``).
-:func:`liveness_guaranteed` is the precondition of the drain bound: startup-consistent plus one
-free block per group that can take a partial hit.
+A Mamba "align" split whose prefill cap (``max_num_scheduled_tokens``) is larger than the step's
+input budget breaks "the first claimant progresses" (docs/proofs.md Findings 4): a block between the
+two is never reached by one chunk and every chunk is floored back to its start
+(:func:`align_split_stalls`). :func:`liveness_guaranteed` is the precondition of the drain bound:
+startup-consistent, no such stall, plus one free block per group that can take a partial hit
+(:func:`liveness_hazard` names which one is missing).
 
 The bounds count ``schedule()`` calls of an engine that schedules whenever a batch slot is free
 and otherwise settles the oldest batch (vLLM's ``step_with_batch_queue``), plus the pipeline
@@ -127,12 +131,63 @@ def partial_hit_groups(pool: PoolConfig) -> int:
                if g.kv_cache_spec.prefix_cacheable and g.kv_cache_spec.block_size > pool.hash_block_size)
 
 
+def _align_block_size(pool: PoolConfig) -> int | None:
+    """The block size vLLM's Mamba "align" split rounds chunks to (the first Mamba group's, as
+    ``scheduler_mamba_split``), or None without an align-mode Mamba group."""
+    mamba = [spec for spec in (getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec) for g in pool.groups)
+             if isinstance(spec, MambaSpec)]
+    if not any(spec.mamba_cache_mode == "align" for spec in mamba):
+        return None
+    return mamba[0].block_size
+
+
+def _align_prefill_cap(config: SchedulerConfig) -> int:
+    """vLLM's ``max_prefill_tokens`` in ``_mamba_block_aligned_split``: ``max_num_scheduled_tokens``
+    (not the input budget), capped by ``long_prefill_token_threshold``."""
+    cap = config.scheduled_tokens_cap
+    return min(cap, config.long_prefill_token_threshold) if config.long_prefill_token_threshold > 0 else cap
+
+
+def align_split_stalls(pool: PoolConfig, config: SchedulerConfig) -> bool:
+    """True when vLLM's Mamba "align" split can cut every prefill chunk to zero tokens (docs/proofs.md
+    Findings 4).
+
+    The split floors a non-final chunk to a block boundary whenever the block fits
+    ``max_prefill_tokens``, which vLLM takes from ``max_num_scheduled_tokens``; the chunk itself is
+    bounded by the step budget, the smaller of that and ``max_num_batched_tokens``. With
+    ``--max-num-scheduled-tokens`` above ``--max-num-batched-tokens`` and the Mamba block between
+    them, a chunk of at most ``max_num_batched_tokens`` tokens never reaches the next boundary and is
+    floored back to its start: a prompt longer than the input budget waits at the head of the queue
+    forever with the whole pool free (vLLM 0.33.0 accepts the config at startup). Found by the
+    Mamba-align scheduler machine's liveness check (CI, 2026-11-28)."""
+    _check_setup(pool, config)
+    block = _align_block_size(pool)
+    budget = config.step_token_budget
+    if config.long_prefill_token_threshold > 0:
+        budget = min(budget, config.long_prefill_token_threshold)
+    return block is not None and budget < block <= _align_prefill_cap(config) and pool.max_model_len > budget
+
+
+def liveness_hazard(pool: PoolConfig, config: SchedulerConfig) -> str | None:
+    """Why :func:`drain_bound` may not hold for this setup, or None when it does.
+
+    * ``"startup-inconsistent"``: vLLM's startup would refuse the pool (:func:`startup_consistent`);
+    * ``"align-split-stall"``: :func:`align_split_stalls` (Findings 4);
+    * ``"partial-hit-tail"``: a group that can take a partial prefix hit has no block beyond the
+      startup count for the copy-on-write tail the gate counts on top of the touched hits
+      (Findings 3; vLLM 0.33.0 hangs without it)."""
+    if not startup_consistent(pool, config):
+        return "startup-inconsistent"
+    if align_split_stalls(pool, config):
+        return "align-split-stall"
+    if max_blocks_per_request(pool, config) + partial_hit_groups(pool) > pool.num_blocks - 1:
+        return "partial-hit-tail"
+    return None
+
+
 def liveness_guaranteed(pool: PoolConfig, config: SchedulerConfig) -> bool:
-    """True when :func:`drain_bound` holds: :func:`startup_consistent` and, for every group that
-    can take a partial prefix hit, one block beyond the startup count (the copy-on-write tail the
-    gate counts on top of the touched hits; vLLM 0.33.0 hangs without it)."""
-    return startup_consistent(pool, config) and \
-        max_blocks_per_request(pool, config) + partial_hit_groups(pool) <= pool.num_blocks - 1
+    """True when :func:`drain_bound` holds: no :func:`liveness_hazard`."""
+    return liveness_hazard(pool, config) is None
 
 
 def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> int:
@@ -144,7 +199,16 @@ def steps_alone(request: Request, pool: PoolConfig, config: SchedulerConfig) -> 
     if config.long_prefill_token_threshold > 0:
         c = min(c, config.long_prefill_token_threshold)
     length = min(request.num_prompt_tokens + request.max_tokens, pool.max_model_len)
-    return cdiv(length, c) + request.max_tokens + (2 if config.async_scheduling else 0)
+    prefill = cdiv(length, c)
+    block = _align_block_size(pool)
+    if block is not None and c >= 1:
+        # Mamba "align": a non-final chunk is floored to whole blocks when a block fits the prefill
+        # cap, else it advances sub-block and stops at the next boundary (cdiv(block, c) steps per
+        # block); the checkpoint, prompt-tail and shared-prefix stops cut at most one chunk each,
+        # and each may leave the next chunk starting mid-block (one more)
+        per_step = (c // block) * block if block <= _align_prefill_cap(config) else 0
+        prefill = (cdiv(length, per_step) if per_step else cdiv(length, block) * cdiv(block, c)) + 8
+    return prefill + request.max_tokens + (2 if config.async_scheduling else 0)
 
 
 def drain_bound(requests: Iterable[Request], pool: PoolConfig, config: SchedulerConfig) -> int:

@@ -246,6 +246,42 @@ def test_partial_hit_copy_on_write_hangs_a_startup_consistent_pool(vllm_env, is_
     assert not liveness_guaranteed(pool, cfg) and liveness_guaranteed(_fa_mamba_fine_pool(13, cfg), cfg)
 
 
+@pytest.mark.parametrize("scheduled_cap", [None, 2, 8, 16])
+def test_align_split_capped_above_the_input_budget_hangs_vllm(vllm_env, scheduled_cap):
+    """Found by the Mamba-align scheduler machine's liveness check (CI, 2026-11-28), reproduced on
+    vLLM 0.33.0 (docs/proofs.md Findings 4). vLLM's align split floors a non-final chunk to a block
+    boundary when the block fits ``max_num_scheduled_tokens``, but the chunk is bounded by
+    ``max_num_batched_tokens`` too: with the scheduled cap at 8 or more, an input budget of 4 and
+    8-token Mamba blocks, the 5-token prompt's 4-token chunk is floored to 0 every step and the
+    request waits forever with the pool free. Without the larger cap (or with a smaller one) the
+    chunk advances sub-block and the same trace drains."""
+    from kvref.impl.reference.scheduler_liveness import align_split_stalls, liveness_hazard
+
+    cfg = SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=1, max_num_scheduled_tokens=scheduled_cap)
+    fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype="float16"))
+    mamba = KVCacheGroupSpec(("mamba",), MambaSpec(block_size=8, shapes=((2, 8),), dtypes=("float16",),
+                                                   mamba_cache_mode="align"))
+    pool = PoolConfig(num_blocks=11, groups=(fa, mamba), max_model_len=61, scheduler_block_size=8, hash_block_size=8,
+                      max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=True)
+    d = Lockstep(pool, cfg, _targets(vllm_env, shim=False))
+    d.add(RequestSpec("r0", (24, 48, 26, 2, 16), max_tokens=1, priority=0, arrival_time=0.0))
+    for _ in range(12):
+        if not (d.unfinished() or d.num_in_flight()):
+            break
+        d.engine_step()  # every target compared after every call
+    snap = d.snapshots()["vllm"]
+    stalls = scheduled_cap is not None and scheduled_cap >= 8
+    assert startup_consistent(pool, cfg)
+    assert align_split_stalls(pool, cfg) is stalls
+    if stalls:
+        assert liveness_hazard(pool, cfg) == "align-split-stall"
+        assert (snap.waiting, snap.running, snap.num_free_blocks) == (("r0",), (), 10)
+        assert snap.requests["r0"].num_computed_tokens == 0
+    else:
+        assert liveness_guaranteed(pool, cfg)
+        assert snap.requests["r0"].status == "finished"
+
+
 
 def _prefix_hit_trace(vllm_env) -> dict[str, int]:
     """Two requests with the same 12-token prompt on an FA + SWA pool of 4-token blocks (hash blocks

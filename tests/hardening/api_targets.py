@@ -1127,6 +1127,8 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "max_blocks_per_request": (scheduler_liveness.max_blocks_per_request, dict(pool=pc, config=sc)),
         "startup_consistent": (scheduler_liveness.startup_consistent, dict(pool=pc, config=sc)),
         "liveness_guaranteed": (scheduler_liveness.liveness_guaranteed, dict(pool=pc, config=sc)),
+        "liveness_hazard": (scheduler_liveness.liveness_hazard, dict(pool=pc, config=sc)),
+        "align_split_stalls": (scheduler_liveness.align_split_stalls, dict(pool=pc, config=sc)),
         "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
         "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler import Scheduler
-from kvref.impl.reference.scheduler_liveness import (drain_bound, liveness_guaranteed, partial_hit_groups,
-                                                     startup_consistent)
+from kvref.impl.reference.scheduler_liveness import (align_split_stalls, drain_bound, liveness_guaranteed,
+                                                     liveness_hazard, partial_hit_groups, startup_consistent,
+                                                     steps_alone)
 from kvref.impl.scheduler_types import ModelOutput, SchedulerConfig
 from kvref.impl.request import Request, RequestStatus
 from kvref.models.machines.scheduler import FakeModel, Lockstep, RequestSpec
@@ -276,6 +277,34 @@ def test_liveness_needs_a_copy_on_write_block_per_group_that_can_take_a_partial_
     assert startup_consistent(pool(17, 2), cfg) and not liveness_guaranteed(pool(17, 2), cfg)
     assert liveness_guaranteed(pool(18, 2), cfg)
     assert partial_hit_groups(pool(17, 2, caching=False)) == 0 and liveness_guaranteed(pool(17, 2, False), cfg)
+
+
+def test_an_align_split_capped_above_the_input_budget_is_no_liveness_guarantee():
+    """docs/proofs.md Findings 4: vLLM floors a non-final align chunk to a block when the block
+    fits max_num_scheduled_tokens (and long_prefill_token_threshold), though the chunk is bounded
+    by max_num_batched_tokens too; a block between the two budgets stalls every chunk."""
+    fa = KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=8, dtype="float16"))
+
+    def pool(mode="align", mamba_bs=8):
+        mamba = KVCacheGroupSpec(("m",), MambaSpec(block_size=mamba_bs, shapes=((2, 8),), dtypes=("float16",),
+                                                   mamba_cache_mode=mode))
+        return PoolConfig(num_blocks=64, groups=(fa, mamba), max_model_len=61, scheduler_block_size=8,
+                          hash_block_size=8, max_in_flight_tokens=4, enable_caching=True)
+
+    def cfg(cap, threshold=0):
+        return SchedulerConfig(max_num_batched_tokens=4, max_num_scheduled_tokens=cap,
+                               long_prefill_token_threshold=threshold)
+
+    assert align_split_stalls(pool(), cfg(8)) and liveness_hazard(pool(), cfg(8)) == "align-split-stall"
+    assert align_split_stalls(pool(), cfg(100)) and not liveness_guaranteed(pool(), cfg(100))
+    for ok in (cfg(None), cfg(7), cfg(2), cfg(8, threshold=6)):  # the block never fits the prefill cap
+        assert not align_split_stalls(pool(), ok) and liveness_guaranteed(pool(), ok)
+    assert align_split_stalls(pool(), cfg(8, threshold=8))  # the threshold reaches the block: floored
+    assert not align_split_stalls(pool(mode="none"), cfg(8))  # no split outside align
+    # the drain bound counts the sub-block advance: cdiv(8, 4) steps per 8-token block
+    assert steps_alone(Request("r", list(range(20)), max_tokens=1), pool(), cfg(None)) == 3 * 2 + 8 + 1
+    wide = SchedulerConfig(max_num_batched_tokens=20)  # floored to 16-token chunks
+    assert steps_alone(Request("r", list(range(40)), max_tokens=1), pool(), wide) == 3 + 8 + 1
 
 
 # ---- bad input -----------------------------------------------------------------------------------
