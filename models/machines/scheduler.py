@@ -48,6 +48,8 @@ from kvref.impl.scheduler_types import (
     SchedulerOutput,
 )
 from kvref.impl.request import Request
+from kvref.models.strategies.pools import pool_through_plan
+from kvref.spec.config import EngineConfig
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -277,12 +279,31 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
         num_blocks = need + (0 if storm else draw(st.sampled_from(slack)))
     else:
         num_blocks = draw(st.integers(max(2, len(groups) + 1), max(2, len(groups) + 1, need - 1)))
-    pool = PoolConfig.off_plan("tight and startup-inconsistent pools (head-of-line hangs) startup never sizes",
-                               num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
-                      hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=caching,
-                      watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
-                      num_hash_lookahead_tokens=hash_lookahead, num_prefill_lookahead=prefill_lookahead)
+    pool = _setup_pool(dict(num_blocks=num_blocks, groups=groups, max_model_len=max_model_len, scheduler_block_size=bs,
+                            hash_block_size=hash_bs, max_in_flight_tokens=cfg.max_in_flight_tokens,
+                            enable_caching=caching),
+                       cfg, dict(watermark=watermark, use_eagle=cfg.use_eagle and not hash_lookahead,
+                                 num_hash_lookahead_tokens=hash_lookahead, num_prefill_lookahead=prefill_lookahead))
     return pool, with_scheduled_tokens_cap(cfg, max_model_len + bs)
+
+
+def _setup_pool(fields: dict, cfg: SchedulerConfig, settings: dict) -> PoolConfig:
+    """A drawn scheduler pool through the one road (#26, :func:`~kvref.models.strategies.pools.pool_through_plan`):
+    the engine arguments a user would give vLLM for it (the step budget, the batches in flight,
+    prefix caching, the Mamba mode, ``num_gpu_blocks_override`` the drawn block count) are planned,
+    and where startup builds exactly the drawn pool the scheduler runs on the plan's pool. Tight
+    pools, pools a block short and hand-set hash sizes stay off-plan, saying why."""
+    groups = fields["groups"]
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if isinstance(g.kv_cache_spec, MambaSpec)}
+    hybrid_hashing = len(groups) > 1 and fields["enable_caching"]
+    engine = EngineConfig(block_size=fields["scheduler_block_size"], max_model_len=fields["max_model_len"],
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                          max_concurrent_batches=cfg.max_concurrent_batches,
+                          num_gpu_blocks_override=fields["num_blocks"], enable_prefix_caching=fields["enable_caching"],
+                          mamba_cache_mode=modes.pop() if modes else "none",
+                          prefix_match_unit=fields["hash_block_size"] if hybrid_hashing else None)
+    return pool_through_plan(fields, engine, [], "scheduler setups aim at pools startup refuses or builds otherwise",
+                             settings)
 
 
 def with_scheduled_tokens_cap(cfg: SchedulerConfig, salt: int) -> SchedulerConfig:

@@ -163,22 +163,40 @@ def _pool(fields: dict, engine: EngineConfig, off_plan: list[str]) -> PoolConfig
         off_plan.append("no scheduler behind it (max_in_flight_tokens None: a whole request in flight)")
     if fields["prefix_cache_retention_interval"] is not None:
         off_plan.append("sparse prefix-cache retention, which kvref's plan does not carry")
+    engine = dataclasses.replace(engine, max_model_len=fields["max_model_len"],
+                                 max_num_batched_tokens=fields["max_in_flight_tokens"] or 1,
+                                 num_gpu_blocks_override=fields["num_blocks"])
+    planned = ("num_blocks", "groups", "max_model_len", "scheduler_block_size", "hash_block_size",
+               "max_in_flight_tokens", "enable_caching")
+    return pool_through_plan({k: fields[k] for k in planned}, engine, off_plan,
+                             "generated pools aim at admission edges startup never sizes",
+                             {k: v for k, v in fields.items() if k not in planned})
+
+
+def pool_through_plan(fields: dict, engine: EngineConfig, off_plan: list[str], why: str,
+                      settings: dict | None = None) -> PoolConfig:
+    """The one road from a drawn pool to a :class:`PoolConfig` (#26), for every generator.
+
+    ``fields`` are the pool fields a startup plan decides (``PoolConfig.from_plan``'s), ``engine``
+    the engine arguments a user would give vLLM for them (``num_gpu_blocks_override`` the drawn
+    block count), ``settings`` the scheduler-side fields no plan carries (watermark, EAGLE, hash
+    lookahead, retention). When ``off_plan`` names no reason and :func:`plan_kv_cache` builds
+    exactly ``fields``, the pool is the plan's (``origin == "plan"``: startup and the runtime
+    agree by construction); otherwise it comes through :meth:`PoolConfig.off_plan`, whose origin
+    says ``why`` and each reason. Nothing is drawn here: either door gives the same pool."""
+    settings = dict(settings or {})
     if not off_plan:
-        engine = dataclasses.replace(engine, max_model_len=fields["max_model_len"],
-                                     max_num_batched_tokens=fields["max_in_flight_tokens"],
-                                     num_gpu_blocks_override=fields["num_blocks"])
         try:
             plan = plan_kv_cache({g.layer_names[0]: g.kv_cache_spec for g in fields["groups"]}, engine, 0)
         except KVRefError as exc:  # mostly: a pool below one max_model_len request (aimed at on purpose)
             off_plan.append(f"startup refuses it ({type(exc).__name__})")
         else:
-            pool = PoolConfig.from_plan(plan, watermark=fields["watermark"], use_eagle=fields["use_eagle"])
+            pool = dataclasses.replace(PoolConfig.from_plan(plan), **settings)
             differ = sorted(k for k, v in fields.items() if getattr(pool, k) != v)
             if not differ:
                 return pool
             off_plan.append(f"startup would build other {', '.join(differ)} (page sizes unified or padded)")
-    return PoolConfig.off_plan("generated pools aim at admission edges startup never sizes: " + "; ".join(off_plan),
-                               **fields)
+    return PoolConfig.off_plan(f"{why}: " + "; ".join(off_plan), **fields, **settings)
 
 
 #: small vocabulary so unrelated prompts still collide on short blocks now and then
