@@ -115,6 +115,11 @@ class Request:
         repetition_detection: a :class:`RepetitionDetectionParams` (reason ``"repetition"``), or None.
         resumable: a streaming-input session (vLLM ``Request.resumable``): a stopped turn keeps the
             request and its KV blocks for the next input chunk (:mod:`kvref.impl.reference.scheduler_sessions`).
+        use_structured_output: the request's sampling is constrained by a grammar (JSON mode, a
+            regex, ...; vLLM derives ``Request.use_structured_output`` from
+            ``SamplingParams.structured_outputs``): it waits for its grammar before it is scheduled,
+            its drafts and sampled tokens are checked against it
+            (:mod:`kvref.impl.reference.scheduler_structured_output`).
 
     Scheduler-owned progress (vLLM ``Request`` fields of the same names):
         num_output_placeholders: async scheduling: tokens sampled by in-flight steps, not yet known.
@@ -169,6 +174,7 @@ class Request:
     min_tokens: int = 0
     repetition_detection: RepetitionDetectionParams | None = None
     resumable: bool = False
+    use_structured_output: bool = False
     #: SWA bounded replay (vLLM ``Request.replay_start``): where the last admission's replay of
     #: its prefix hit starts (the worker has no window KV below it); set by the scheduler only
     #: (:mod:`kvref.impl.reference.scheduler_prefix_replay`)
@@ -203,6 +209,8 @@ class Request:
                                     "None or a RepetitionDetectionParams")
         if not isinstance(self.resumable, bool):
             raise InvalidFieldError("resumable", self.resumable, "True or False")
+        if not isinstance(self.use_structured_output, bool):
+            raise InvalidFieldError("use_structured_output", self.use_structured_output, "True or False")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidFieldError("cache_salt", self.cache_salt, "None or a str")
         self._check_hash_inputs()

@@ -309,3 +309,6 @@ class SchedulerSnapshot:
     #: waiting requests that hold KV blocks (KV-connector loads), drained before ``waiting``
     #: (vLLM ``Scheduler.kv_holding_waiting``)
     kv_holding_waiting: tuple[str, ...] = ()
+    #: structured-output requests whose grammar is not ready (vLLM status
+    #: ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``; their status reads ``waiting``), sorted
+    waiting_for_grammar: tuple[str, ...] = ()

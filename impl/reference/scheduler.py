@@ -30,8 +30,13 @@ LoRA's ``max_loras`` admission rule lives in :mod:`kvref.impl.reference.schedule
 Streaming-input sessions (``resumable`` requests: updates, stopped turns kept with their KV blocks
 in ``kv_holding_waiting``) live in :mod:`kvref.impl.reference.scheduler_sessions`.
 
-Not modelled: structured output, a KV connector's deferred frees under
-async scheduling, pipeline parallelism, DP prefill throttling.
+Structured output (a request waiting for its grammar, a failed grammar finishing it, drafts cut to
+what the grammar accepts, sampled tokens it rejects) lives in
+:mod:`kvref.impl.reference.scheduler_structured_output` (without a KV connector; the grammar's answers
+come from a :class:`~kvref.impl.reference.scheduler_structured_output.GrammarOracle`).
+
+Not modelled: a KV connector's deferred frees under async scheduling, pipeline parallelism, DP
+prefill throttling, the grammar bitmask (outside the KV cache).
 
 The scheduling rules, in the order ``schedule()`` applies them:
 
@@ -77,6 +82,7 @@ from . import scheduler_lora as _lora
 from .scheduler_stop import stop_reason
 from . import scheduler_sessions as _sess
 from . import scheduler_aux_output as _aux
+from . import scheduler_structured_output as _so
 from kvref.impl.scheduler_types import (
     PRIORITY,
     DraftTokenIds,
@@ -147,6 +153,9 @@ class Scheduler:
         include_finished_set: each ``update_from_output`` reports the requests freed since the
             previous one (vLLM's ``EngineCoreOutputs.finished_requests``, which the engine core
             asks for with several data-parallel engines): :attr:`finished_requests`.
+        grammar_oracle: the answers about structured-output requests' grammars
+            (:class:`~kvref.impl.reference.scheduler_structured_output.GrammarOracle`); None: a
+            request with ``use_structured_output`` is refused.
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig,
@@ -155,7 +164,7 @@ class Scheduler:
                  record_prefix_cache_stats: bool = False,
                  encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None,
                  use_v2_model_runner: bool = False, include_finished_set: bool = False,
-                 aux_output: bool = False) -> None:
+                 aux_output: bool = False, grammar_oracle: _so.GrammarOracle | None = None) -> None:
         if not isinstance(pool, PoolConfig):
             raise InvalidFieldError("pool", pool, "a PoolConfig")
         if not isinstance(config, SchedulerConfig):
@@ -229,6 +238,11 @@ class Scheduler:
         #: prefix hits at the blocks whose routing it can serve (:mod:`.scheduler_aux_output`)
         self.aux_output = _aux.AuxOutputControl(self.kv_cache_manager, pool, connector is not None) \
             if aux_output else None
+        if grammar_oracle is not None and connector is not None:
+            raise InvalidFieldError("grammar_oracle", grammar_oracle,
+                                    "None with a KV connector (kvref models structured output without one)")
+        #: structured output: requests waiting for their grammar, compile errors (:mod:`.scheduler_structured_output`)
+        self.structured = _so.StructuredOutputState(grammar_oracle)
 
     # ---- arrivals and aborts --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -257,6 +271,10 @@ class Scheduler:
         if request.mm_features and self.connector_state is not None:
             raise InvalidFieldError("request.mm_features", len(request.mm_features),
                                     "none with a KV connector (kvref models encoder inputs without one)")
+        if request.use_structured_output and request.resumable:
+            raise InvalidFieldError("request.use_structured_output", True,
+                                    "False for a resumable request (kvref models structured output without sessions)")
+        self.structured.add(request)  # with structured output: waits for its grammar (refused without an oracle)
         _sess.check_new_session(self, request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -470,6 +488,9 @@ class Scheduler:
             if self.sessions.waiting_for_input(request):
                 skip(queue)  # vLLM _handle_blocked_waiting_request: WAITING_FOR_STREAMING_REQ
                 continue
+            if not self.structured.ready_to_schedule(request):
+                skip(queue)  # vLLM _handle_blocked_waiting_request: WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                continue
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # Async: output of its pre-preemption steps is still in flight; resuming now could
                 # resample a position that output later fills. Skip it (it does not block).
@@ -654,12 +675,16 @@ class Scheduler:
                 continue
             status_before = request.status
             had_placeholders = request.num_output_placeholders > 0
+            num_before = request.num_output_tokens
             is_stopped = self._append_output(request, new_ids, stale)
             if (not stale and status_before == RequestStatus.RUNNING
                     and (had_placeholders or self.config.num_speculative_tokens > 0)):
                 # Async: the sampled token is known now, so its full block can be cached.
                 _cache_blocks(self.kv_cache_manager, request,
                               request.num_computed_tokens - request.num_in_flight_tokens)
+            if not self.structured.accepts(request, request.output_token_ids[num_before:]):
+                # vLLM: "grammar rejected tokens ... Terminating request": FINISHED_ERROR, not resumable
+                request.status, request.finish_reason, is_stopped = RequestStatus.FINISHED, "error", True
             if is_stopped and not _sess.handle_stopped(self, request):
                 continuing.append((request, status_before))  # a session: kept, with its blocks
             elif is_stopped:
@@ -687,10 +712,11 @@ class Scheduler:
         walks them (a set of their ids), or in :attr:`finish_order_hint`'s when a replay gives one
         (the free order decides which free blocks later allocations get). None with a KV
         connector: the reference refuses multimodal requests then."""
+        grammar_errors = self.structured.take_compile_errors()  # vLLM grammar_compile_error_reqs
         mismatched = self.encoder.encoder_cache_mismatch_reqs
-        if not mismatched:
+        if not mismatched and not grammar_errors:
             return
-        error_req_ids: set[str] = set()
+        error_req_ids: set[str] = set(grammar_errors)
         error_req_ids.update(mismatched)
         mismatched.clear()
         ids = tuple(set(error_req_ids))
@@ -740,12 +766,15 @@ class Scheduler:
         :meth:`SpecDecodeState.invalid_in_output`); only the step's stats change."""
         if id(output) not in self._in_flight:
             raise InvalidFieldError("output", output, "a SchedulerOutput this scheduler returned, not yet updated")
+        draft_token_ids = self.structured.filter_drafts(self.requests, draft_token_ids, self.spec_decode.k,
+                                                        output.scheduled_spec_decode_tokens)
         self._num_invalid_spec_tokens[id(output)] = self.spec_decode.invalid_in_output(
             self.requests, draft_token_ids, output.scheduled_spec_decode_tokens)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Drafts the runner proposed after the last step (synchronous scheduling; see
         :meth:`SpecDecodeState.update_draft_token_ids`)."""
+        draft_token_ids = self.structured.filter_drafts(self.requests, draft_token_ids, self.spec_decode.k)
         self.spec_decode.update_draft_token_ids(self.requests, draft_token_ids)
 
     @property
@@ -765,6 +794,7 @@ class Scheduler:
         if self.aux_output is not None and self.connector_state is None:  # (with one: _conn.free_request)
             self.aux_output.request_finished(request)  # vLLM: first thing _free_request does
         self.spec_decode.freed(request.request_id)
+        self.structured.forget(request.request_id)
         if self.connector_state is not None:
             return _conn.free_request(self, request)
         self.spec_decode.forget(request.request_id)
@@ -887,7 +917,8 @@ class Scheduler:
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             free_block_queue=(self.kv_cache_manager.free_block_queue()
                               if hasattr(self.kv_cache_manager, "free_block_queue") else None),
-            kv_holding_waiting=tuple(r.request_id for r in self.sessions.kv_holding_waiting))
+            kv_holding_waiting=tuple(r.request_id for r in self.sessions.kv_holding_waiting),
+            waiting_for_grammar=tuple(sorted(self.structured.waiting_for_grammar)))
         return snap if self.connector_state is None else _conn.snapshot(self, snap)
 
     def check_invariants(self) -> None:
@@ -904,6 +935,7 @@ class Scheduler:
         self.sessions.check_invariants(self.requests)
         ids_w = {r.request_id for r in waiting}
         ids_r = [r.request_id for r in self.running]
+        self.structured.check_invariants(self.requests, ids_w)
         assert len(ids_r) == len(set(ids_r)), "Q1: request running twice"
         assert not ids_w & set(ids_r), "Q1: request both waiting and running"
         assert ids_w | set(ids_r) == set(self.requests), "Q1: live request in no queue (or a queued dead one)"

@@ -178,6 +178,20 @@ EXCLUDED: dict[str, str] = {
             "the reference Scheduler's aux-output connector (vLLM's AuxOutputSchedulerConnector, issue #22), "
             "built and called by the Scheduler with its own manager and checked requests; reached (and fuzzed) "
             "through Scheduler(aux_output=True)"),
+    **_each(f"{_REF}.scheduler_structured_output", "StructuredOutputState StructuredOutputState.accepts "
+            "StructuredOutputState.add StructuredOutputState.check_invariants StructuredOutputState.filter_drafts "
+            "StructuredOutputState.forget StructuredOutputState.ready_to_schedule StructuredOutputState.validate "
+            "strip_padding GrammarOracle GrammarOracle.accept_tokens GrammarOracle.grammar_state "
+            "GrammarOracle.validate_tokens",
+            "the reference Scheduler's structured-output hooks (vLLM's grammar checks, issues #22/#28), built and "
+            "called by the Scheduler with its own checked requests; the oracle is a Protocol (no behaviour); "
+            "reached (and refused bad input) through Scheduler(grammar_oracle=...) / add_request"),
+    **_each(f"{_REF}.scheduler_structured_output", "ScriptedGrammarOracle ScriptedGrammarOracle.accept_tokens "
+            "ScriptedGrammarOracle.grammar_state ScriptedGrammarOracle.limit_drafts "
+            "ScriptedGrammarOracle.reject_sampled ScriptedGrammarOracle.set_state "
+            "ScriptedGrammarOracle.validate_tokens",
+            "the state machines' scripted grammar answers (a test double both schedulers ask); its setters refuse "
+            "bad input by field (tests/impl/reference/test_scheduler_structured_output.py)"),
     **_each(f"{_REF}.sink_full_attention_manager", "SinkFullAttentionManager", INTERNAL),
     # HiSparse (issue #23): the managers are HiSparsePool's building blocks; the pool is the conformance
     # harness's reference side, driven by kvref.models.machines.hisparse_pool with generated valid calls
