@@ -523,6 +523,11 @@ SCHEDULER_RUNS = (
            "scheduler traces with stop rules",
            "; {traces} with stop rules ({stop_eos} EOS, {finished_repetition} repetition finishes, "
            "{repetition_held_by_min_tokens} held by min_tokens)"),
+    # structured output: requests waiting for their grammar, compile errors, drafts cut, tokens rejected
+    SubRun("kvref.models.machines.scheduler_structured_output:run_structured_output_machine", (6, 30),
+           "scheduler traces with structured output",
+           "; {traces} with structured output ({so_admitted_past_pending_grammar} admitted past a compiling grammar, "
+           "{so_failed_grammar_finished} grammars failed, {so_rejected_sampled} sampled tokens rejected)"),
     # streaming-input sessions inside whole steps: stopped turns keep their KV in kv_holding_waiting
     SubRun("kvref.models.machines.scheduler_sessions:run_session_machine", (10, 40),
            "scheduler traces with streaming sessions",

@@ -218,6 +218,13 @@ AREAS: dict[str, tuple[Binding, ...]] = {
            "kv_connector"),
         _b("vllm.v1.metrics.stats", "RequestSpecDecodeMetrics", "num_spec_tokens", "histogram", "num_draft_tokens",
            "per_step_accepted", "per_step_drafted"),
+        # structured output (models/machines/scheduler_structured_output.py, #22/#28): JSON mode makes vLLM's
+        # Request derive use_structured_output; the scripted grammar replaces its StructuredOutputRequest
+        _b("vllm.sampling_params", "SamplingParams.__init__", "structured_outputs"),
+        _b("vllm.sampling_params", "StructuredOutputsParams", "json_object"),
+        _b("vllm.v1.structured_output.request", "StructuredOutputRequest", "params"),
+        _b("vllm.v1.structured_output.utils", "strip_speculative_padding"),
+        _b(_REQ, "RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"),
         # the waiting queues alone (models/machines/scheduler_queue.py, #22)
         _b("vllm.v1.core.sched.request_queue", "SchedulingPolicy"),
         _b("vllm.v1.core.sched.request_queue", "create_request_queue"),

@@ -246,7 +246,8 @@ def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = T
     * Q1: ``running`` and the waiting queues hold each request once, are disjoint, and only
       requests of ``requests``; at most ``max_num_seqs`` run;
     * Q2: statuses match the queue: running requests are RUNNING; waiting ones WAITING, PREEMPTED
-      or WAITING_FOR_REMOTE_KVS (the connector's in-flight loads);
+      or WAITING_FOR_REMOTE_KVS (the connector's in-flight loads), WAITING_FOR_STREAMING_REQ or
+      WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR;
     * Q3: a request waiting without KV (not in ``kv_holding_waiting``, not loading) holds no
       blocks, and a preempted one has ``num_computed_tokens == 0`` (``_preempt_request`` resets
       it: its KV is gone, so it must recompute from the start);
@@ -275,7 +276,7 @@ def check_scheduler(sched: Any, *, max_num_seqs: int | None = None, kv: bool = T
         if r.status != VS.RUNNING:
             _fail("Q2", f"{r.request_id!r} is in running with status {r.status.name}")
     waiting_ok = {VS.WAITING, VS.PREEMPTED, VS.WAITING_FOR_REMOTE_KVS}
-    for extra in ("WAITING_FOR_FSM", "WAITING_FOR_STREAMING_REQ"):
+    for extra in ("WAITING_FOR_FSM", "WAITING_FOR_STREAMING_REQ", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"):
         if hasattr(VS, extra):
             waiting_ok.add(getattr(VS, extra))
     for r in waiting:

@@ -49,6 +49,8 @@ _STATUS = {
     "FINISHED_ERROR": "finished",  # a KV load failed under kv_load_failure_policy="fail"
     "FINISHED_REPETITION": "finished",  # check_stop's repetition detection
     "WAITING_FOR_STREAMING_REQ": "waiting",  # a session waiting for input (kvref: WAITING + SessionState)
+    # a structured-output request whose grammar is not ready (kvref: WAITING + snapshot.waiting_for_grammar)
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "waiting",
 }
 _REASON = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
            "FINISHED_ERROR": "error", "FINISHED_REPETITION": "repetition"}
@@ -243,12 +245,17 @@ class VllmScheduler:
             LMs: drafts and in-flight placeholders cut to a request's canvas width, by default
             the served ``num_speculative_tokens``); for requests without the diffusion
             ``extra_args`` they must behave as the plain schedulers (docs/differences.md).
+        grammar_oracle: a :class:`~kvref.impl.reference.scheduler_structured_output.GrammarOracle`:
+            the scheduler's ``structured_output_manager`` and its structured-output requests'
+            grammars answer from it (:mod:`.structured_output`); None: vLLM's own manager, and a
+            request with ``use_structured_output`` is refused (nothing would compile its grammar).
     """
 
     def __init__(self, pool: PoolConfig, config: SchedulerConfig, env: VllmEnv | None = None,
                  scheduler_cls: str | None = None, connector=None, diffusion: bool = False,
                  encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False,
-                 include_finished_set: bool = False, kv_cache_metrics_sample: float | None = None) -> None:
+                 include_finished_set: bool = False, kv_cache_metrics_sample: float | None = None,
+                 grammar_oracle=None) -> None:
         if pool.max_in_flight_tokens != config.max_in_flight_tokens:
             raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
                                     f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
@@ -320,9 +327,18 @@ class VllmScheduler:
                     or not 0 < kv_cache_metrics_sample <= 1:
                 raise InvalidFieldError("kv_cache_metrics_sample", kv_cache_metrics_sample, "None or a number in (0, 1]")
             obs.kv_cache_metrics, obs.kv_cache_metrics_sample = True, float(kv_cache_metrics_sample)
+        if grammar_oracle is not None and connector is not None:
+            raise InvalidFieldError("grammar_oracle", grammar_oracle, "None with a KV connector")
+        self.grammar_oracle = grammar_oracle
+        if grammar_oracle is not None:
+            from .structured_output import ScriptedStructuredOutputManager
+
+            so_manager = ScriptedStructuredOutputManager(grammar_oracle)
+        else:
+            so_manager = v["StructuredOutputManager"](vc)
         try:
             self.scheduler = cls(vllm_config=vc, kv_cache_config=kv_cfg,
-                                 structured_output_manager=v["StructuredOutputManager"](vc),
+                                 structured_output_manager=so_manager,
                                  block_size=pool.scheduler_block_size, hash_block_size=hash_block_size,
                                  **extra)
         finally:
@@ -406,8 +422,15 @@ class VllmScheduler:
         """vLLM's ``Scheduler.add_request`` with the request as the engine's input processor builds
         it (:func:`.vrequest.vllm_request_from` with :data:`.vrequest.SCHEDULER_CARRY`: the stop
         rules, EOS by ``update_from_generation_config``); block hashes only with prefix caching."""
+        if request.use_structured_output and self.grammar_oracle is None:
+            raise InvalidFieldError("request.use_structured_output", True,
+                                    "False unless the scheduler has a grammar_oracle")
         vr = vllm_request_from(request, carry=SCHEDULER_CARRY, mm_data=self._mm_data,
                                block_hasher=self._hasher if self.pool.enable_caching else None)
+        if request.use_structured_output:  # the grammar answers from the oracle
+            from .structured_output import scripted_structured_output_request
+
+            scripted_structured_output_request(vr, self.grammar_oracle)
         if request.request_id not in self.scheduler.requests:  # an update keeps the session's own request
             self._reqs[request.request_id] = vr
         self.scheduler.add_request(vr)
@@ -623,7 +646,10 @@ class VllmScheduler:
                                  requests=states, block_ids=blocks,
                                  num_free_blocks=kv.block_pool.get_num_free_blocks(),
                                  free_block_queue=_free_queue(kv),
-                                 kv_holding_waiting=tuple(r.request_id for r in s.kv_holding_waiting))
+                                 kv_holding_waiting=tuple(r.request_id for r in s.kv_holding_waiting),
+                                 waiting_for_grammar=tuple(sorted(
+                                     rid for rid, r in s.requests.items()
+                                     if r.status.name == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.get_num_unfinished_requests())

@@ -33,7 +33,8 @@ from kvref.spec.errors import InvalidFieldError, check_int
 #: and ``repetition_detection`` together, as vLLM's ``check_stop`` reads them
 CARRIABLE = frozenset({
     "stop_rules", "skip_reading_prefix_cache", "do_remote_prefill", "kv_cache_report_mode", "arrival_time",
-    "priority", "cache_salt", "mm_features", "lora_request", "prompt_embeds", "session_id", "resumable"})
+    "priority", "cache_salt", "mm_features", "lora_request", "prompt_embeds", "session_id", "resumable",
+    "use_structured_output"})
 
 #: :class:`kvref.impl.vllm.scheduler.VllmScheduler`: everything vLLM's ``Scheduler`` reads, as
 #: the engine's input processor builds it; kvref's scheduler machines set no session id and keep
@@ -41,8 +42,8 @@ CARRIABLE = frozenset({
 SCHEDULER_CARRY = CARRIABLE - {"session_id", "kv_cache_report_mode"}
 #: :class:`kvref.impl.vllm.kv_cache_manager.VllmKVCacheManager`'s mirror: what vLLM's
 #: ``KVCacheManager`` reads (hash inputs, event fields, the cache-read and report switches); no
-#: stop rules (a manager never stops a request), no remote prefill, never resumable
-KV_MANAGER_CARRY = CARRIABLE - {"stop_rules", "do_remote_prefill", "resumable"}
+#: stop rules (a manager never stops a request), no remote prefill, never resumable, no grammar
+KV_MANAGER_CARRY = CARRIABLE - {"stop_rules", "do_remote_prefill", "resumable", "use_structured_output"}
 #: :class:`kvref.impl.vllm.scheduler_queue.VllmWaitingQueue`: what vLLM's queue order reads
 #: (``Request.__lt__``: priority, then arrival time)
 QUEUE_CARRY = frozenset({"arrival_time", "priority"})
@@ -52,7 +53,8 @@ def vllm_sampling_params(*, max_tokens: int, stop_token_ids: tuple[int, ...] | l
                          eos_token_id: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                          repetition_detection: RepetitionDetectionParams | None = None,
                          skip_reading_prefix_cache: bool | None = None, do_remote_prefill: bool = False,
-                         kv_cache_report_mode: str = "incremental", prompt_logprobs: bool = False) -> Any:
+                         kv_cache_report_mode: str = "incremental", prompt_logprobs: bool = False,
+                         structured_output: bool = False) -> Any:
     """vLLM ``SamplingParams`` with these stop rules and KV switches (vLLM's defaults elsewhere).
 
     ``eos_token_id`` is set as vLLM's input processor sets a model's EOS
@@ -64,13 +66,16 @@ def vllm_sampling_params(*, max_tokens: int, stop_token_ids: tuple[int, ...] | l
     reads to announce a hit's blocks); ``prompt_logprobs=True`` asks for prompt logprobs (0: the
     sampled token's). ``skip_reading_prefix_cache=None`` leaves it to vLLM's own rule (skip exactly
     when prompt logprobs are asked for: their computation needs the whole prompt run).
+    ``structured_output=True`` asks for JSON mode (``structured_outputs=StructuredOutputsParams(
+    json_object=True)``): vLLM's ``Request`` then derives ``use_structured_output`` and starts in
+    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``.
     """
     check_int("max_tokens", max_tokens, minimum=1)  # vLLM's SamplingParams refuses < 1 too
     stop = _token_ids("stop_token_ids", stop_token_ids)
     if eos_token_id is not None:
         check_int("eos_token_id", eos_token_id, minimum=0)
     for name, flag in (("ignore_eos", ignore_eos), ("do_remote_prefill", do_remote_prefill),
-                       ("prompt_logprobs", prompt_logprobs)):
+                       ("prompt_logprobs", prompt_logprobs), ("structured_output", structured_output)):
         if not isinstance(flag, bool):
             raise InvalidFieldError(name, flag, "True or False")
     if skip_reading_prefix_cache is not None and not isinstance(skip_reading_prefix_cache, bool):
@@ -86,6 +91,7 @@ def vllm_sampling_params(*, max_tokens: int, stop_token_ids: tuple[int, ...] | l
     if kv_cache_report_mode not in ("incremental", "full"):
         raise InvalidFieldError("kv_cache_report_mode", kv_cache_report_mode, "'incremental' or 'full'")
     from vllm.sampling_params import RepetitionDetectionParams as VRepetitionDetectionParams, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     extra: dict[str, Any] = {}
     if do_remote_prefill:
@@ -98,7 +104,8 @@ def vllm_sampling_params(*, max_tokens: int, stop_token_ids: tuple[int, ...] | l
         repetition_detection=None if rd is None else VRepetitionDetectionParams(
             max_pattern_size=rd.max_pattern_size, min_pattern_size=rd.min_pattern_size, min_count=rd.min_count),
         skip_reading_prefix_cache=skip_reading_prefix_cache, extra_args=extra or None,
-        prompt_logprobs=0 if prompt_logprobs else None)
+        prompt_logprobs=0 if prompt_logprobs else None,
+        structured_outputs=StructuredOutputsParams(json_object=True) if structured_output else None)
     if eos_token_id is not None:
         sp.update_from_generation_config({}, eos_token_id)
     return sp
@@ -197,7 +204,8 @@ def vllm_request_from(request: Request, *, carry: frozenset[str], block_hasher: 
         repetition_detection=request.repetition_detection if stop else None,
         skip_reading_prefix_cache=field("skip_reading_prefix_cache"),
         do_remote_prefill=field("do_remote_prefill", False),
-        kv_cache_report_mode=field("kv_cache_report_mode", "incremental"))
+        kv_cache_report_mode=field("kv_cache_report_mode", "incremental"),
+        structured_output=field("use_structured_output", False))
     return vllm_request(request.request_id, request.prompt_token_ids, sp, arrival_time=field("arrival_time"),
                         priority=field("priority", 0), cache_salt=field("cache_salt"), block_hasher=block_hasher,
                         mm_features=field("mm_features", ()), mm_data=mm_data, lora_request=field("lora_request"),

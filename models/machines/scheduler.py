@@ -398,7 +398,8 @@ def _diverge(message: str, signature: str) -> None:
 
 def _differing_fields(a, b) -> str:
     """The snapshot fields that differ, by name (``requests.status``-style for per-request state)."""
-    names = [f for f in ("waiting", "running", "num_free_blocks", "free_block_queue") if getattr(a, f) != getattr(b, f)]
+    names = [f for f in ("waiting", "running", "num_free_blocks", "free_block_queue", "waiting_for_grammar")
+             if getattr(a, f) != getattr(b, f)]
     fields = sorted({k for rid in set(a.requests) | set(b.requests)
                      if a.requests.get(rid) != b.requests.get(rid)
                      for k in _state_fields(a.requests.get(rid), b.requests.get(rid))})
@@ -682,7 +683,7 @@ def _fmt(o: SchedulerOutput) -> str:
 
 def _diff(a, b) -> str:
     lines = []
-    for f in ("waiting", "running", "num_free_blocks", "free_block_queue"):
+    for f in ("waiting", "running", "num_free_blocks", "free_block_queue", "waiting_for_grammar"):
         if getattr(a, f) != getattr(b, f):
             lines.append(f"  {f}: {getattr(a, f)} != {getattr(b, f)}")
     for rid in sorted(set(a.requests) | set(b.requests)):

@@ -987,6 +987,23 @@ def by_id() -> dict[str, SourceFault]:
 #: the CI subset (tests/models/test_vllm_mutants_campaign.py): faults each killed within seconds at
 #: the fast profile by a different check, and two neutrals that must pass every check
 # --------------------------------------------------------------------------------------------
+# structured output (v1/core/sched/scheduler.py _handle_blocked_waiting_request; conform-scheduler's
+# structured-output traces, models/machines/scheduler_structured_output.py, #22/#28)
+
+_add(
+    fault("sched.grammar_pending_scheduled", _SCHED,
+          "            if not struct_output_req or struct_output_req.grammar is None:\n                return False\n",
+          "            if not struct_output_req or struct_output_req.grammar is None:\n                return True\n",
+          CLASSIC, "wrong return: a request whose grammar still compiles is scheduled (it takes KV blocks "
+                   "and runs unconstrained) instead of being skipped", behaviour="structured-output"),
+    fault("sched.grammar_error_not_recorded", _SCHED,
+          "                self.grammar_compile_error_reqs[request.request_id] = RequestError(\n",
+          "                _unrecorded = RequestError(\n",
+          CLASSIC, "dropped update: a grammar that failed to compile is not recorded, so the request is "
+                   "never finished and stays skipped in the waiting queue forever", behaviour="structured-output"),
+)
+
+
 # deferred async loads under HiSparse (v1/core/sched/scheduler.py defer_async_loads,
 # _drain_deferred_loads; conform-connector's lifecycle traces with a HiSparse host pool, #22). The
 # drain's stop at a later fence is not planted: with two batches in flight at most one fence is
