@@ -22,8 +22,10 @@ import warnings
 NOISY_LOGGERS = ("vllm", "transformers", "torch", "triton", "xgrammar", "filelock", "urllib3", "huggingface_hub",
                  "nixl")
 #: vLLM ERROR lines that report what kvref's checks plant on purpose (a connector's failed KV load
-#: under ``failure_policy=fail``: conform-connector fails loads by design), not a problem of the run
-PLANTED_ERRORS = ("Failing %d request(s) due to KV load failure",)
+#: under ``failure_policy=fail``: conform-connector fails loads by design; a scripted grammar that
+#: rejects a request's sampled tokens: conform-scheduler's structured-output traces), not a
+#: problem of the run
+PLANTED_ERRORS = ("Failing %d request(s) due to KV load failure", "Unexpected: grammar rejected tokens")
 #: modules whose Python warnings are hidden by default
 _NOISY_MODULES = r"(vllm|torch|transformers|triton|xgrammar|huggingface_hub)(\..*)?$"
 

@@ -48,6 +48,7 @@ def test_quiet_hides_nixl_info_and_planted_load_failures_but_not_other_errors(re
 
     assert not sched.filter(record("Failing %d request(s) due to KV load failure "
                                    "(failure_policy=fail, %d tokens affected). Request IDs: %s"))
+    assert not sched.filter(record("Unexpected: grammar rejected tokens %s for request %s. Terminating request."))
     assert sched.filter(record("Cannot get %d free blocks %s"))  # any other error still shows
     quiet_third_party(verbose=False)
     assert len(sched.filters) == len(set(map(type, sched.filters)))  # called twice: one filter
