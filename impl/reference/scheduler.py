@@ -278,6 +278,10 @@ class Scheduler:
         _sess.check_new_session(self, request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if request.use_structured_output:
+            # vLLM _enqueue_waiting_request: a blocked status (waiting for its grammar) is deferred from
+            # arrival (deferred_waiting: num_skipped_waiting_reqs, the prefill cadence's capacity test)
+            self.cadence.note_skipped(request)
         self.spec_decode.add(request.request_id)
         if request.resumable:
             _sess.add_session(self, request)

@@ -18,7 +18,7 @@ still compiling is made ready and liveness is drained as in the main machine.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from hypothesis import strategies as st
@@ -34,6 +34,7 @@ from kvref.models.machines.scheduler import (
     RequestSpec,
     SchedulerMachine,
     SchedulerRun,
+    _diverge,
     machine_with,
     request_specs,
     run_lockstep_machine,
@@ -62,9 +63,23 @@ class StructuredOutputLockstep(Lockstep):
 
     def __init__(self, pool, config, factories: dict[str, Callable], kv_events: bool = True) -> None:
         self.oracle = ScriptedGrammarOracle()
-        super().__init__(pool, config, {name: (lambda p, c, f=f: f(p, c, self.oracle)) for name, f in factories.items()},
+        # log_stats: make_stats compared (a request waiting for its grammar is deferred from arrival:
+        # vLLM's num_skipped_waiting_reqs counts it)
+        super().__init__(replace(pool, log_stats=True),
+                         config, {name: (lambda p, c, f=f: f(p, c, self.oracle)) for name, f in factories.items()},
                          kv_events)
         self.structured_ids: list[str] = []
+
+    def compare(self, what: str) -> None:
+        super().compare(what)
+        stats = {name: t.make_stats() for name, t in self.targets.items()}
+        (n0, s0), *rest = stats.items()
+        for name, st_ in rest:
+            if st_ != s0:
+                keys = sorted(k for k in s0 if s0.get(k) != (st_ or {}).get(k))
+                _diverge(f"after {what} (step {self.num_steps}): make_stats {', '.join(keys)} differ\n"
+                         f"  {n0}: {s0}\n  {name}: {st_}", f"after {what}: make_stats {', '.join(keys)} differ")
+        SO_COVERAGE["so_deferred_counted"] += bool(s0 and s0.get("num_skipped_waiting_reqs"))
 
     def add(self, spec: RequestSpec) -> None:
         if getattr(spec, "use_structured_output", False):
@@ -156,7 +171,7 @@ def run_structured_output_machine(examples: int, reproducible: bool = False, shr
     env = VllmEnv()
     factories: dict[str, Callable] = {
         "vllm": lambda p, c, o: VllmScheduler(p, c, env, grammar_oracle=o),
-        "ref": lambda p, c, o: Scheduler(p, c, grammar_oracle=o)}
+        "ref": lambda p, c, o: Scheduler(p, c, grammar_oracle=o, record_prefix_cache_stats=True)}
     base = machine_with(factories, setups=scheduler_setups(spec=None), name="StructuredOutputBase", spec=True)
     return SchedulerRun(**run_counted(
         lambda counting: type("StructuredOutputRun", (StructuredOutputMachine, base), {"driver_class": counting}),

@@ -44,6 +44,22 @@ def test_planted_fault_keeps_refused_drafts_diverges(monkeypatch):
     assert not run.ok and run.signature is not None
 
 
+def test_planted_fault_not_deferred_at_arrival_diverges(monkeypatch):
+    """A reference that counts a request waiting for its grammar as deferred only once the waiting
+    loop skipped it (vLLM defers it at arrival): the metrics' skipped and waiting counts differ."""
+    from kvref.impl.reference.scheduler import Scheduler
+
+    add = Scheduler.add_request
+
+    def add_request(self, request):
+        add(self, request)
+        self.cadence.skipped_ids.discard(request.request_id)
+
+    monkeypatch.setattr(Scheduler, "add_request", add_request)
+    run = run_structured_output_machine(EXAMPLES, seed=SEED, shrink=False)
+    assert not run.ok and "make_stats" in (run.signature or ""), run.failure
+
+
 def test_planted_vllm_fault_ignores_rejected_tokens_diverges(monkeypatch):
     """vLLM itself ignoring the grammar's rejection (the request runs on, its blocks kept)."""
     from kvref.impl.vllm.structured_output import ScriptedStructuredOutputManager
@@ -54,7 +70,8 @@ def test_planted_vllm_fault_ignores_rejected_tokens_diverges(monkeypatch):
 
 
 
-@pytest.mark.parametrize("fault_id", ("sched.grammar_pending_scheduled", "sched.grammar_error_not_recorded"))
+@pytest.mark.parametrize("fault_id", ("sched.grammar_pending_scheduled", "sched.grammar_error_not_recorded",
+                                      "sched.grammar_rejection_ignored"))
 def test_planted_vllm_source_fault_is_a_divergence(fault_id):
     """The catalogue's structured-output faults in vLLM's own scheduler source (kvref's mutant
     campaign plants them the same way)."""

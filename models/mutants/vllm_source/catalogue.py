@@ -1001,6 +1001,12 @@ _add(
           "                _unrecorded = RequestError(\n",
           CLASSIC, "dropped update: a grammar that failed to compile is not recorded, so the request is "
                    "never finished and stays skipped in the waiting queue forever", behaviour="structured-output"),
+    fault("sched.grammar_rejection_ignored", _SCHED,
+          "                request.status = RequestStatus.FINISHED_ERROR\n                request.resumable = False\n"
+          "                stopped = True\n",
+          "                pass\n",
+          CLASSIC, "dropped update: sampled tokens the grammar rejects are kept and the request runs on "
+                   "(holding its KV blocks) instead of finishing as an error", behaviour="structured-output"),
 )
 
 

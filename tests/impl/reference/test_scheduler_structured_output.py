@@ -14,11 +14,11 @@ from kvref.spec.errors import InvalidFieldError
 from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 
-def _sched(cfg: SchedulerConfig | None = None, oracle=None) -> Scheduler:
+def _sched(cfg: SchedulerConfig | None = None, oracle=None, log_stats: bool = False) -> Scheduler:
     cfg = cfg or SchedulerConfig()
     pool = PoolConfig(num_blocks=40, groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=8, dtype="float16")),), max_model_len=64, scheduler_block_size=4,
-        hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens)
+        hash_block_size=4, max_in_flight_tokens=cfg.max_in_flight_tokens, log_stats=log_stats)
     return Scheduler(pool, cfg, grammar_oracle=oracle if oracle is not None else ScriptedGrammarOracle())
 
 
@@ -41,6 +41,16 @@ def test_pending_grammar_is_skipped_without_blocking_the_queue_then_admitted():
     out = _step(s)
     assert {x.request_id: x.kind for x in out.scheduled}["a"] == "new"
     assert s.snapshot().waiting_for_grammar == ()
+
+
+def test_a_request_waiting_for_its_grammar_counts_as_deferred_from_arrival():
+    """vLLM's _enqueue_waiting_request puts a blocked status in deferred_waiting at arrival: the
+    metrics count it skipped before any step (generated runs' replays found this)."""
+    s = _sched(log_stats=True)
+    s.add_request(Request("a", [1, 2, 3], use_structured_output=True))
+    s.add_request(Request("b", [1, 2, 3]))
+    stats = s.make_stats()
+    assert stats["num_skipped_waiting_reqs"] == 1 and stats["num_waiting_reqs"] == 1
 
 
 def test_failed_grammar_finishes_as_error_in_the_next_update_without_blocks():
