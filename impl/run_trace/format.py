@@ -1,4 +1,4 @@
-"""The run-trace format, version 6: what each line holds, and how a reader checks it.
+"""The run-trace format, version 7: what each line holds, and how a reader checks it.
 
 One header line, then one JSON object per line, each with a type ``"t"``:
 
@@ -16,7 +16,8 @@ One header line, then one JSON object per line, each with a type ``"t"``:
            for a request with prompt embeddings: base64 of an 8-byte BLAKE2b digest of each prompt
            position's embedding row (keyed under the run's anonymizer key when anonymized), which
            the block hashes take as the rows (equal rows, equal digests); ``prompt`` then holds
-           vLLM's token ids for those positions (0 where the embedding stands in).
+           vLLM's token ids for those positions (0 where the embedding stands in). Version 7
+           adds ``so`` (true: the request uses structured output, vLLM's ``use_structured_output``).
 ``abort``  ``finish_requests`` from outside the scheduler (client abort): ``ids`` it finished,
            ``status`` (vLLM's ``RequestStatus`` name).
 ``sched``  one ``schedule()``: ``step`` (0, 1, ... per schedule call); ``ids`` and ``n``: the
@@ -103,6 +104,14 @@ records with the session's id) and prompt embeddings (``add.embeds``), which a v
 named ``streaming_input`` / ``prompt_embeds`` on the arrival: a version-5 trace reads unchanged
 (``stats.skip`` included) and stops its replay at such an arrival as before; a version-5 reader refuses a version-6 trace by its header (it would replay a session's
 turn as a plain request).
+7 (issue #28) records structured output: ``add.so`` and, on the ``sched``, ``update``, ``drafts``
+and ``error`` records, ``gr``: the answers vLLM's scheduler got from the requests' grammars during
+the call, in call order (``["g", id, "pending" | "ready" | "error"]`` for a request waiting for its
+grammar, ``["v", id, drafts kept]`` from ``validate_tokens``, ``["x", id, accepted]`` from
+``accept_tokens``; :mod:`kvref.impl.vllm.record_grammar`). A version-6 recorder named
+``structured_output`` on the arrival: a version-6 trace reads unchanged and stops its replay there as
+before; a version-6 reader refuses a version-7 trace by its header (it would replay a
+structured-output request as an unconstrained one).
 
 Optional record types (:data:`OPTIONAL_RECORD_TYPES`, e.g. ``kv_events`` from the KV-events
 recorder) carry extra information a reader may skip; any other unknown type is an error, so a
@@ -137,7 +146,7 @@ from typing import Any
 from kvref.spec.errors import InvalidFieldError, check_int
 
 FORMAT = "kvref-run-trace"
-VERSION = 6
+VERSION = 7
 RECORD_TYPES = ("add", "abort", "sched", "update", "end", "error", "reset", "drafts", "pause")
 #: the calls an ``error`` record may name
 ERROR_CALLS = ("schedule", "update_from_output", "add_request", "finish_requests")
@@ -695,9 +704,11 @@ def validate_record(rec: Any, where: str) -> str:
     elif t == "drafts":
         ids = _str_list(where, rec, "ids")
         toks = rec.get("tokens")
+        # -1 pads a draft slot an n-gram drafter left empty (vLLM's ngram_gpu; the scheduler keeps it)
         if not isinstance(toks, list) or len(toks) != len(ids) or not all(
-                isinstance(d, list) and all(_is_int(x) for x in d) for d in toks):
-            raise _fail(where, "tokens", toks, f"{len(ids)} lists of draft token ids (int >= 0), one per id")
+                isinstance(d, list) and all(_is_int(x, -1) for x in d) for d in toks):
+            raise _fail(where, "tokens", toks, f"{len(ids)} lists of draft token ids (int >= 0, or -1 padding), "
+                        "one per id")
     elif t in OPTIONAL_RECORD_TYPES:
         pass
     else:

@@ -63,6 +63,7 @@ from kvref.impl.run_trace.format import (
 )
 from kvref.impl.run_trace.writer import TraceWriter, _dumps
 from kvref.impl.vllm.record_connector import ConnectorTap, connector_header
+from kvref.impl.vllm.record_grammar import WAITING_FOR_GRAMMAR, GrammarTap
 from kvref.spec.errors import InvalidFieldError
 
 if TYPE_CHECKING:  # vLLM is imported when a recording class is first asked for (see __getattr__)
@@ -411,8 +412,14 @@ def _request_unmodelled(request, existing: bool, s=None) -> list[str]:
     if s is not None and getattr(s, "aux_output_connector", None) is not None and sp is not None \
             and getattr(sp, "routed_experts_prompt_start", 0):
         found.append("routed_experts_prompt_start")
+    # structured output is recorded (add.so, the grammar's answers in each record's "gr" list,
+    # record_grammar.py, format 7) and replayed (#28); the reference models it without a KV connector
+    # and without streaming sessions
     if getattr(request, "use_structured_output", False):
-        found.append("structured_output")
+        if s is not None and getattr(s, "connector", None) is not None:
+            found.append("structured_output (with a KV connector)")
+        elif getattr(request, "resumable", False) or existing:
+            found.append("structured_output (streaming session)")
     # multimodal items and LoRA adapters are recorded (add.mm, add.lora) and replayed (#28); an item
     # whose placeholder tokens are not all embeddings (an is_embed mask) is not modelled
     if any(getattr(f.mm_position, "is_embed", None) is not None for f in getattr(request, "mm_features", None) or ()):
@@ -552,6 +559,34 @@ class _Recorder:
     _kvref_fin: list | None = None  # finishes seen by _free_request during update_from_output
     _kvref_fast = False  # the fast path's conditions hold (see the class docstring)
     _kvref_tap: ConnectorTap | None = None  # the connector's answers (KV-connector runs)
+    _kvref_grammar: GrammarTap | None = None  # the structured-output grammars' answers (format 7)
+
+    def _handle_blocked_waiting_request(self, request) -> bool:
+        """vLLM's check of a blocked waiting request; for one waiting for its grammar the answer it
+        saw is logged (``["g", id, state]``, :mod:`.record_grammar`)."""
+        waited = request.status.name == WAITING_FOR_GRAMMAR
+        went_on = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+        if waited and self._kvref_grammar is not None:
+            self._kvref_grammar.checked(self, request, went_on)
+        return went_on
+
+    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
+        """Not recorded (an async step's drafts): its grammar checks are not logged either."""
+        tap = self._kvref_grammar
+        if tap is None:
+            return super().update_draft_token_ids_in_output(draft_token_ids, scheduler_output)  # type: ignore[misc]
+        tap.in_output = True
+        try:
+            return super().update_draft_token_ids_in_output(draft_token_ids, scheduler_output)  # type: ignore[misc]
+        finally:
+            tap.in_output = False
+
+    def _kvref_so(self) -> str:
+        """``,"gr":[...]``: the grammar answers since the last record, or ""."""
+        tap = self._kvref_grammar
+        if tap is None or not tap.log:
+            return ""
+        return ',"gr":' + _dumps(tap.take())
 
     def _load_restores_replay_window(self, request) -> bool:
         """vLLM 0.33.0's SWA bounded replay beside a KV connector asks the connector which groups
@@ -585,6 +620,9 @@ class _Recorder:
         if self._kvref_connector:  # its answers go to the records (format 4: the replay needs them)
             anon = self._kvref_anon
             self._kvref_tap = ConnectorTap(self.connector, anon.request_id if anon is not None else None)
+        if getattr(self, "structured_output_manager", None) is not None:  # structured output (format 7)
+            anon = self._kvref_anon
+            self._kvref_grammar = GrammarTap(self, anon.request_id if anon is not None else None)
         self._kvref_stats = bool(getattr(self, "log_stats", False))
         self._kvref_refused: list[str] = []  # running requests allocate_slots refused this step
         if _has_windowed_group(self):
@@ -619,6 +657,8 @@ class _Recorder:
         rec.update(inputs)
         if self._kvref_tap is not None:
             rec["kv"] = self._kvref_tap.take()
+        if self._kvref_grammar is not None and self._kvref_grammar.log:
+            rec["gr"] = self._kvref_grammar.take()
         try:
             w.write(rec)
             w.flush()
@@ -725,7 +765,10 @@ class _Recorder:
         if anon is not None:
             ids = [anon.request_id(i) for i in ids]
             toks = [anon.tokens(d) for d in toks]
-        self._kvref_writer.write({"t": "drafts", "ids": ids, "tokens": toks})
+        rec = {"t": "drafts", "ids": ids, "tokens": toks}
+        if self._kvref_grammar is not None and self._kvref_grammar.log:
+            rec["gr"] = self._kvref_grammar.take()  # the drafts each grammar kept (format 7)
+        self._kvref_writer.write(rec)
         return out
 
     def set_pause_state(self, pause_state) -> None:
@@ -790,7 +833,7 @@ class _Recorder:
         extra = _request_unmodelled(request, existing, self)
         arrival = float(request.arrival_time)
         return (
-            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s%s%s}' % (
+            '{"t":"add","id":%s,"prompt":"%s","max_tokens":%d,"stop":%s%s,"salt":%s,"priority":%d,"arrival":%s%s%s%s%s%s%s%s}' % (
                 rid_json, _u32(prompt), request.max_tokens, _ints(stop), _stop_json(sp, anon),
                 "null" if salt is None else _dumps(salt),
                 request.priority, repr(arrival) if isfinite(arrival) else _dumps(arrival),
@@ -803,6 +846,8 @@ class _Recorder:
                 ',"remote":true' if (getattr(request, "kv_transfer_params", None) or {}).get("do_remote_prefill")
                 else "",
                 _features_json(request, anon), _embeds_json(request, anon),
+                # structured output (format 7, #28): the grammar's answers are in the records' "gr"
+                ',"so":true' if getattr(request, "use_structured_output", False) else "",
                 ',"x":' + _dumps(extra) if extra else ""))
 
     def _kvref_on_schedule(self, so, throttle: bool) -> None:
@@ -821,6 +866,7 @@ class _Recorder:
             extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
         extra += ',"free":%d' % self._kvref_free()
+        extra += self._kvref_so()  # the grammars' answers in this step's waiting loop (format 7)
         if getattr(self, "prefix_replay_tokens", 0):
             # SWA bounded replay (#28): where each new request's replay starts (vLLM's
             # NewRequestData.replay_start, which bounds the window's attention in the workers); 0s
@@ -943,7 +989,7 @@ class _Recorder:
 
     def _kvref_on_update(self, head: str, finished: list) -> None:
         out = self._kvref_out
-        tail = ',"free":%d%s}' % (self._kvref_free(), _stats_json(out) if out else "")
+        tail = ',"free":%d%s%s}' % (self._kvref_free(), _stats_json(out) if out else "", self._kvref_so())
         tap = self._kvref_tap
         if tap is not None:
             tail = self._kvref_kvo + ',"kv":' + _dumps(tap.take()) + tail
@@ -1098,7 +1144,7 @@ __all__ = ["ENV_ANONYMIZE", "ENV_PATH", "RecordingAsyncScheduler", "RecordingSch
 
 def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = None, log_stats: bool = True,
                             connector=None, encoder_budget=None, max_loras: int | None = None,
-                            use_v2_model_runner: bool = False):
+                            use_v2_model_runner: bool = False, grammar_oracle=None):
     """A :class:`~kvref.impl.vllm.scheduler.VllmScheduler` whose vLLM scheduler is built from a
     ``scheduler_cls`` string exactly as vLLM's engine core builds it (``SchedulerConfig.
     get_scheduler_cls()``, then the engine core's constructor arguments); default: the recording
@@ -1112,6 +1158,9 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
     ``use_v2_model_runner``: a multimodal model's encoder limits, LoRA, the V2 model runner, set on
     vLLM's scheduler as a server's engine has them when the recorder writes its header;
     ``pool.enable_mamba_shared_prefix_checkpoint`` goes to vLLM's ``CacheConfig`` (#28).
+    ``grammar_oracle``: a scripted :class:`~kvref.impl.reference.scheduler_structured_output.GrammarOracle`
+    that vLLM's structured-output manager and grammars answer from (:mod:`.structured_output`); the
+    recorder then records their answers (format 7).
     """
     if type(log_stats) is not bool:
         raise InvalidFieldError("log_stats", log_stats, "True or False")
@@ -1162,7 +1211,8 @@ def recorded_vllm_scheduler(pool, config, env=None, scheduler_cls: str | None = 
     _ENGINE_SETUP.append(setup)
     try:
         return _Driven(pool, config, env, scheduler_cls=scheduler_cls, connector=connector,
-                       encoder_budget=encoder_budget, max_loras=max_loras, use_v2_model_runner=use_v2_model_runner)
+                       encoder_budget=encoder_budget, max_loras=max_loras, use_v2_model_runner=use_v2_model_runner,
+                       grammar_oracle=grammar_oracle)
     finally:
         _ENGINE_ARGS.clear()
         _ENGINE_SETUP.clear()

@@ -70,7 +70,12 @@ LAYOUT_FEATURES = ("rswa", "circular-buffer")
 #: of earlier prompts), startup-consistent pools, which a session-19 recorder named
 #: ``aux_output_connector``
 AUX_FEATURES = ("aux-output",)
-GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES + LAYOUT_FEATURES + AUX_FEATURES
+#: and ``structured-output`` (format 7, #28): the conform-scheduler structured-output machine's draws
+#: (:class:`~kvref.models.machines.scheduler_structured_output.StructuredOutputMachine`: arrivals with
+#: structured output, grammars compiling or failing, drafts cut, sampled tokens rejected), vLLM's
+#: structured-output manager and grammars answering from the machine's scripted oracle
+SO_FEATURES = ("structured-output",)
+GENERATED += SESSION_FEATURES + EMBEDS_FEATURES + REPLAY_FEATURES + LAYOUT_FEATURES + AUX_FEATURES + SO_FEATURES
 
 
 def _hash_lookahead_setups():
@@ -218,6 +223,23 @@ def _machine(feature: str, env_holder: dict, directory: Path, runs: list[Recorde
         return type("RecordedSessionRun", (SessionMachine,),
                     {"driver_class": Driver,
                      "factories": {"vllm": scheduler_recorder(env_holder, directory, runs, feature)}})
+    if feature == "structured-output":
+        from kvref.models.machines.scheduler import Lockstep, machine_with, scheduler_setups
+        from kvref.models.machines.scheduler_structured_output import (StructuredOutputLockstep,
+                                                                       StructuredOutputMachine)
+
+        def factory(pool, config, oracle):  # vLLM's grammars answer from the driver's oracle
+            return scheduler_recorder(env_holder, directory, runs, feature, grammar_oracle=oracle)(pool, config)
+
+        class Driver(StructuredOutputLockstep):
+            def compare(self, what: str) -> None:
+                # not make_stats(): it would reset the counters the recorder reads from
+                # update_from_output's return value (the metrics endpoint's view)
+                Lockstep.compare(self, what)
+
+        base = machine_with({"vllm": factory}, setups=scheduler_setups(consistent=True, spec=None),
+                            name="RecordedStructuredOutputBase", spec=True)
+        return type("RecordedStructuredOutputRun", (StructuredOutputMachine, base), {"driver_class": Driver})
     if feature == "aux-output":
         from kvref.impl.vllm.scheduler import VllmEnv
         from kvref.models.machines.scheduler import machine_with
@@ -305,4 +327,4 @@ def record_feature_runs(directory: str | os.PathLike, feature: str, examples: in
 
 
 __all__ = ["AUX_FEATURES", "EMBEDS_FEATURES", "FEATURES", "GENERATED", "LAYOUT_FEATURES", "REPLAY_FEATURES",
-           "SESSION_FEATURES", "record_feature_runs"]
+           "SO_FEATURES", "SESSION_FEATURES", "record_feature_runs"]

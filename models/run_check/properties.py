@@ -143,6 +143,9 @@ class _Req:
     #: prompt embeddings (format 6): one digest per prompt position, None without (their rows
     #: enter vLLM's block hashes: equal tokens with other embeddings are other content)
     embeds: tuple | None = None
+    #: structured output (format 7, #28): the request has not been admitted yet, so it may still be
+    #: waiting for its grammar (vLLM's WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: skipped, not blocking)
+    grammar_wait: bool = False
     #: an async load's end (its local hit + external tokens): vLLM caches the loaded blocks when the
     #: load lands, before a bounded replay rewinds the request's computed tokens (session 20)
     load_upto: int = 0
@@ -401,7 +404,8 @@ class RunProperties:
                               salt=rec.get("salt"), skip_read=rec.get("skip_read") is True,
                               lora=(rec["lora"][0], rec["lora"][2]) if rec.get("lora") else None,
                               mm=tuple((e[0], e[1], e[2]) for e in rec.get("mm") or ()),
-                              embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") and self.exact else None)
+                              embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") and self.exact else None,
+                              grammar_wait=rec.get("so") is True)
         self.waiting[rid] = None
         self.queue.append(rid)
         if rec.get("x"):
@@ -791,6 +795,7 @@ class RunProperties:
             elif self.exact and self._free_skipped(rid, r) and self.fq_unordered:
                 # freed before or after this step's preemptions: unknown
                 self._fq_off("skipped blocks freed in a step that preempted for KV space")
+            r.grammar_wait = False  # admitted: its grammar was ready
             if not r.running:
                 r.running = True
                 self.running.add(rid)
@@ -846,6 +851,8 @@ class RunProperties:
             return "unknown"
         if rid in self.awaiting_input:
             return "waiting for streaming input"
+        if r.grammar_wait:
+            return "waiting for its grammar"
         if rid in self.exempt or r.lora or r.mm or self.prefill_lookahead:
             return "a skippable feature"
         if r.session_held or r.async_held:
@@ -1014,7 +1021,8 @@ class RunProperties:
                 waiting = {}
         if (not rows and waiting and not rec["pre"] and not loading and not blind and not asked_again
                 and not held_back and not self.paused
-                and not (self.exempt and any(r in self.exempt for r in waiting))):
+                and not (self.exempt and any(r in self.exempt for r in waiting))
+                and not any(self.reqs[r].grammar_wait for r in waiting if r in self.reqs)):
             self.idle_run += 1
             if self.idle_run >= self.starvation_steps and not self.idle_reported:
                 head = next(iter(waiting))

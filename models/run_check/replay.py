@@ -39,6 +39,7 @@ from kvref.spec.errors import InvalidFieldError
 
 from .connector import ConnectorMismatch, TraceConnector, kv_output, multi_violation
 from .crash import Crash
+from .grammar import GrammarMismatch, TraceGrammarOracle
 from .metrics import PrefixCacheTally, compare_stats, hit_before_replay, usage, usage_differs
 from .setup import RunSetup
 
@@ -138,7 +139,9 @@ def _request(rec: dict) -> Request:
                    do_remote_prefill=rec.get("remote") is True,
                    # prompt embeddings (format 6): a digest per row stands for the row
                    prompt_embeds=decode_embeds(rec["embeds"]) if rec.get("embeds") else None,
-                   lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])))
+                   lora_request=None if lora is None else LoRARequest(str(lora[0]), int(lora[1]), str(lora[2])),
+                   # structured output (format 7): the grammar's answers come from the records' "gr"
+                   use_structured_output=rec.get("so") is True)
 
 
 def recorded_encoder(rec: dict) -> dict:
@@ -168,8 +171,12 @@ class LockstepReplay:
         # on a connector run the reference records its prefix-cache and connector stats itself, where
         # vLLM does (at admission, before a bounded replay rewinds the hit; a deferred HiSparse load's
         # connector stats when the update hands it over): compared with vLLM by the lifecycle machine
+        #: the replay's grammar oracle (format 7): structured-output answers from the trace; the
+        #: reference models structured output without a KV connector (the recorder names it beside one)
+        self.grammar = TraceGrammarOracle() if self.following and self.connector is None else None
         self.scheduler = (Scheduler(setup.pool, setup.config, connector=self.connector,
-                                    record_prefix_cache_stats=self.connector is not None, **setup.scheduler_kwargs())
+                                    record_prefix_cache_stats=self.connector is not None,
+                                    grammar_oracle=self.grammar, **setup.scheduler_kwargs())
                           if self.following else None)
         self._in_flight: OrderedDict[int, SchedulerOutput] = OrderedDict()
         self._live: dict[str, Request] = {}
@@ -200,6 +207,22 @@ class LockstepReplay:
             return
         if self.connector is not None and not self._expect_kv(line, rec):
             return
+        if self.grammar is None:
+            self._feed(line, rec)
+            return
+        self.grammar.expect(rec.get("gr"), f"{_CALLS.get(t, t)} (trace line {line})")
+        try:
+            self._feed(line, rec)
+            if self.following:
+                self.grammar.leftover()
+        except GrammarMismatch as exc:
+            self._diverge(Divergence(line, rec.get("step", -1), _CALLS.get(t, t),
+                                     "the grammars were asked differently: " + exc.message,
+                                     recorded_extra={"grammar": exc.recorded},
+                                     reference_extra={"grammar": exc.reference}))
+
+    def _feed(self, line: int, rec: dict) -> None:
+        t = rec["t"]
         if t == "sched":
             self._schedule(line, rec)
         elif t == "update":
@@ -308,6 +331,8 @@ class LockstepReplay:
             return
         if self.connector is not None:
             self.connector.expect(rec.get("kv"), f"{call} (trace line {line}, the crashed call)")
+        if self.grammar is not None:
+            self.grammar.expect(rec.get("gr"), f"{call} (trace line {line}, the crashed call)")
         try:
             if call == "schedule":
                 out = self.scheduler.schedule()
@@ -337,6 +362,8 @@ class LockstepReplay:
                 crash.reference = f"finishes {sorted(r.request_id for r in done)} without raising"
         except ConnectorMismatch as exc:
             crash.reference = "not comparable: the connector was driven differently: " + exc.message
+        except GrammarMismatch as exc:
+            crash.reference = "not comparable: the grammars were asked differently: " + exc.message
         except Exception as exc:  # noqa: BLE001 - the reference raising is the answer
             crash.reference_raised = True
             crash.reference = f"raises too: {type(exc).__name__}: {exc}"

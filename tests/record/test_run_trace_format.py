@@ -194,7 +194,7 @@ def test_version_1_and_version_2_traces_read_back_to_the_same_steps(tmp_path):
     src = str(tmp_path / "src.kvtrace.gz")
     generate_trace(src, pool, cfg, steps=300, seed=3)
     lines = read_lines(src)
-    assert VERSION == 6 and lines[0]["version"] == 6
+    assert VERSION == 7 and lines[0]["version"] == 7
     v1 = tmp_path / "v1.kvtrace.gz"
     w = TraceWriter(str(v1), {**lines[0], "version": 1}, background=False)
     for rec in lines[1:-1]:

@@ -24,8 +24,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 V4_TRACES = sorted(glob.glob(os.path.join(DATA, "*.kvtrace.gz")))
 
 
-def test_the_writer_writes_version_6():
-    assert VERSION == 6
+def test_the_writer_writes_version_7():
+    assert VERSION == 7
 
 
 @pytest.mark.parametrize("path", V4_TRACES, ids=os.path.basename)
