@@ -515,6 +515,13 @@ def _encoder_json(so, anon) -> str:
 SKIP_DRAFTS = ',"skip_drafts":true'
 
 
+def _anon_drafts(anon, drafts) -> list[int]:
+    """Draft token ids through the anonymizer, the -1 of an empty or placeholder slot kept: the
+    ``drafts`` records and the ``sched`` records' ``spec`` must rename a draft alike (the replay
+    compares the drafts it schedules with ``spec``; an anonymized trace with drafts diverged there)."""
+    return [-1 if int(t) < 0 else anon.tokens([int(t)])[0] for t in drafts]
+
+
 def _stats_json(outputs) -> str:
     """``,"stats":{...}`` from the ``SchedulerStats`` ``update_from_output`` returned (what the
     metrics endpoint shows: KV cache usage, prefix-cache queries and hits), or "" when vLLM made
@@ -764,7 +771,7 @@ class _Recorder:
         toks = [[int(t) for t in d] for d in draft_token_ids.draft_token_ids]
         if anon is not None:
             ids = [anon.request_id(i) for i in ids]
-            toks = [anon.tokens(d) for d in toks]
+            toks = [_anon_drafts(anon, d) for d in toks]
         rec = {"t": "drafts", "ids": ids, "tokens": toks}
         if self._kvref_grammar is not None and self._kvref_grammar.log:
             rec["gr"] = self._kvref_grammar.take()  # the drafts each grammar kept (format 7)
@@ -861,7 +868,8 @@ class _Recorder:
         if spec:  # the drafts scheduled for verification (-1: placeholders), what the replay compares
             anon = self._kvref_anon
             extra += ',"spec":' + _dumps({(anon.request_id(k) if anon is not None else k):
-                                          [int(t) for t in v] for k, v in spec.items()})
+                                          [int(t) for t in v] if anon is None else _anon_drafts(anon, v)
+                                          for k, v in spec.items()})
         if getattr(so, "skip_drafts", False):
             extra += SKIP_DRAFTS
         # what the conservation and metrics checks read (format version 3, issue #28)
@@ -930,13 +938,17 @@ class _Recorder:
             ids, cids, resumed, pre, fin = ([a(i) for i in x] for x in (ids, cids, resumed, pre, fin))
             for e in new:
                 e[0] = a(e[0])
-            # the last time vLLM names a finished request (its _free_request added it to
+            # the last time vLLM's schedule names a finished request (its _free_request added it to
             # finished_req_ids): its anonymous id is not needed again — unless a KV connector still
-            # holds its blocks (vLLM keeps it in requests until the worker reports the transfer)
+            # holds its blocks (vLLM keeps it in requests until the worker reports the transfer), or a
+            # step still in flight names it: under async scheduling the update of the step scheduled
+            # before it finished comes after this schedule, so it is forgotten one schedule later
+            # (two steps in flight at most; forgetting at once renamed it in that update)
             held = self.requests
-            for i in so.finished_req_ids:
+            for i in self._kvref_forget_next:
                 if i not in held:
                     anon.forget(i)
+            self._kvref_forget_next = [i for i in so.finished_req_ids if i not in held]
         w = self._kvref_writer
         w.write_line('{"t":"sched","step":%d,"ids":%s,"n":"%s","new":%s,"cached":[%s,"%s",%s],"resumed":%s,'
                      '"pre":%s,"fin":%s%s}' % (step, _ids_json(ids), encode_tokens(counts), _dumps(new),
@@ -966,6 +978,7 @@ class _Recorder:
     _kvref_out = None  # what the update_from_output being recorded returned
 
     _kvref_kvo = ""  # the update being recorded: its KVConnectorOutput as JSON (connector runs)
+    _kvref_forget_next: list = []  # anonymized: finished ids to forget at the next schedule
     _kvref_transfer_ids: list = []  # set per scheduler in _kvref_start: ids a worker report named
 
     def _kvref_kvo_json(self, model_runner_output) -> str:
