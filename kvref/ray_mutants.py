@@ -137,12 +137,14 @@ def run_reference_mutants(mutants, checks: list[str] | None, budget: int, all_ch
 # kvref mutants --target vllm
 
 
-def fault_unit(fault_id: str | None, checks: tuple, profile: str, seed: int, timeout: float | None):
-    """On a worker: one source fault (None: the clean vLLM) through an overlay of the worker's vLLM."""
+def fault_unit(fault_id, checks: tuple, profile: str, seed: int, timeout: float | None):
+    """On a worker: one source fault (None: the clean vLLM) through an overlay of the worker's vLLM.
+    ``fault_id`` is a catalogue id, or the fault itself (a generated fault is in no catalogue, #22)."""
     from kvref.models.mutants.vllm_source.catalogue import FAULTS
     from kvref.vllm_campaign import installed_vllm_dir, run_fault
 
-    fault = None if fault_id is None else next(f for f in FAULTS if f.id == fault_id)
+    fault = fault_id if fault_id is None or not isinstance(fault_id, str) else \
+        next(f for f in FAULTS if f.id == fault_id)
     return run_fault(fault, checks, profile, seed, timeout, installed_vllm_dir())
 
 
@@ -162,7 +164,8 @@ def run_vllm_faults(faults, checks, profile: str, seed: int, timeout, progress=N
 
     def on_ray(batch: list, checks: tuple, on_result) -> list:
         by_key = {(None if f is None else f.id): f for f in batch}
-        run = run_units([Unit(key, fault_unit, (key, checks, profile, seed, timeout)) for key in by_key],
+        run = run_units([Unit(key, fault_unit, (by_key[key] if key and key.startswith("gen.") else key,
+                                                            checks, profile, seed, timeout)) for key in by_key],
                         on_done=lambda o: on_result(_fault_result(o, by_key[o.key])))
         if run.interrupted:
             raise KeyboardInterrupt

@@ -25,7 +25,9 @@ failure but a check errored — e.g. the edit broke an import; not a kill), ``ti
 *flagged* when it is killed; the campaign fails on any flagged neutral or on a recall of the bug
 faults (historic + classic) below the goal.
 
-Run it: ``kvref mutants --target vllm [--faults ID,...] [--class ...] [--profile ...]``.
+Run it: ``kvref mutants --target vllm [--faults ID,...] [--class ...] [--profile ...]``;
+``--generated N [--modules PATH,...]`` runs faults generated from vLLM's source instead
+(:func:`generated_faults`, class ``generated``: outside the recall goal, reported apart).
 Internally ``python -m kvref.vllm_campaign --probe ...`` is the subprocess entry point.
 """
 
@@ -45,7 +47,7 @@ from collections.abc import Callable, Iterable
 
 from kvref.checks import vllm_checks
 from kvref.models.mutants.vllm_source.overlay import (
-    CLASSES, NEUTRAL, SourceFault, build_overlay, file_sha256, installed_vllm_dir,
+    CLASSES, GENERATED, NEUTRAL, Edit, SourceFault, build_overlay, file_sha256, installed_vllm_dir,
 )
 from kvref.spec.errors import InvalidFieldError
 
@@ -82,7 +84,10 @@ class FaultResult:
         return {"id": f.id if f else "(clean)", "class": f.kind if f else "", "bug": f.bug if f else None,
                 "behaviour": f.behaviour if f else "", "file": f.path if f else "", "outcome": self.outcome,
                 "killed_by": self.killed_by, "seconds": round(self.seconds, 1), "live": self.live,
-                "checks": self.checks, "detail": self.detail[:300]}
+                "checks": self.checks, "detail": self.detail[:300],
+                # a generated fault is not in the catalogue: its row carries what rebuilds it
+                **({"description": f.description, "edits": [[e.old, e.new] for e in f.edits]}
+                   if f and f.kind == GENERATED else {})}
 
 
 @dataclass
@@ -129,6 +134,10 @@ class CampaignResult:
         text = (f"vLLM source faults, profile {self.profile}, seed {self.seed}: historic {pct(['historic'])}, "
                 f"classic {pct(['classic'])}, all bug faults {pct(['historic', 'classic'])} killed; "
                 f"neutral refactors flagged {len(self.false_positives)}/{len(neutral)}; {self.seconds:.0f} s")
+        generated = self.of(GENERATED)
+        if generated:
+            text += (f"; generated: {sum(r.outcome == KILLED for r in generated)} killed of {len(generated)} "
+                     "(survivors may be equivalent mutants)")
         if self.dropped_checks:
             text += "; checks failing on the clean vLLM (left out): " + ", ".join(self.dropped_checks)
         return text
@@ -139,6 +148,7 @@ class CampaignResult:
                 "recall": {k: self.recall(k) for k in CLASSES if k != NEUTRAL},
                 "false_positives": [r.fault.id for r in self.false_positives],
                 "survivors": [r.fault.id for r in self.survivors],
+                "generated_survivors": [r.fault.id for r in self.of(GENERATED) if r.outcome != KILLED],
                 "dropped_checks": self.dropped_checks,
                 "baseline": self.baseline.to_row() if self.baseline else None,
                 "faults": [r.to_row() for r in self.results]}
@@ -149,6 +159,9 @@ class CampaignResult:
         by_id = {f.id: f for f in faults}
         rows = []
         for row in d["faults"]:
+            if row["id"] not in by_id and row.get("class") == GENERATED and row.get("edits"):
+                by_id[row["id"]] = SourceFault(row["id"], row["file"], tuple(Edit(o, n) for o, n in row["edits"]),
+                                               GENERATED, row.get("description") or "", behaviour="generated")
             if row["id"] not in by_id:
                 raise InvalidFieldError("fault id", row["id"], "an id of the vLLM fault catalogue")
             rows.append(FaultResult(by_id[row["id"]], row["outcome"], row["seconds"], row.get("killed_by"),
@@ -167,6 +180,12 @@ class CampaignResult:
             lines.append(f"| {name} | {len(rs)} | {k} | {100 * k / len(rs):.1f} % | "
                          f"{sum(r.outcome == SURVIVED for r in rs)} | "
                          f"{sum(r.outcome in (ERROR, NOT_LIVE, TIMEOUT) for r in rs)} |" if rs else f"| {name} | 0 | | | | |")
+        generated = self.of(GENERATED)
+        if generated:
+            k = sum(r.outcome == KILLED for r in generated)
+            lines.append(f"| generated (survivors may be equivalent) | {len(generated)} | {k} | "
+                         f"{100 * k / len(generated):.1f} % | {sum(r.outcome == SURVIVED for r in generated)} | "
+                         f"{sum(r.outcome in (ERROR, NOT_LIVE, TIMEOUT) for r in generated)} |")
         neutral = self.of(NEUTRAL)
         lines.append(f"| neutral (must pass) | {len(neutral)} | flagged: {len(self.false_positives)} | | "
                      f"passed: {sum(r.outcome == SURVIVED for r in neutral)} | "
@@ -322,6 +341,53 @@ def _result_from_report(fault, ov, rep: dict, seconds: float) -> FaultResult:
         return FaultResult(fault, ERROR, seconds, None, checks, secs, live=live,
                            detail=f"{errored[0]['name']}: {errored[0].get('summary', '')}")
     return FaultResult(fault, SURVIVED, seconds, None, checks, secs, live=live)
+
+
+# --------------------------------------------------------------------------------------------
+# generated faults (issue #22): the unbiased sample
+
+
+def generated_faults(n: int, seed: int = 0, modules: Iterable[str] | None = None) -> list[SourceFault]:
+    """``n`` faults generated from the installed vLLM's KV-cache modules
+    (:func:`kvref.models.mutants.vllm_source.generated.generate`): the modules of
+    ``kvref/data/reach_modules.toml`` (or ``modules``, paths relative to the vllm package such as
+    ``v1/core/block_pool.py``, each one of them), minus what ``kvref/data/reach_exclusions.toml``
+    excludes. Same vLLM files and seed, same faults."""
+    from kvref.models.mutants.vllm_source.generated import generate
+    from kvref.reach_exclusions import collapse
+    from kvref.reach_modules import resolve_modules
+
+    listed = resolve_modules()
+    by_rel = {rel[len("vllm/"):]: path for rel, path in listed.by_rel().items()}
+    if modules is None:
+        chosen = sorted(by_rel)
+    else:
+        chosen = list(dict.fromkeys(modules))
+        for m in chosen:
+            if m not in by_rel:
+                raise InvalidFieldError("--modules", m, "files of kvref's vLLM KV-cache module list, relative "
+                                        "to the vllm package (e.g. v1/core/block_pool.py; kvref/data/"
+                                        "reach_modules.toml)")
+    sources = {}
+    for m in chosen:
+        with open(by_rel[m], encoding="utf-8") as fh:
+            sources[m] = fh.read()
+    return generate(sources, n, seed, module_exclusions(), collapse, listed=by_rel)
+
+
+def module_exclusions() -> dict:
+    """The reviewed exclusion file (``kvref/data/reach_exclusions.toml``) per module, keyed by the
+    path relative to the vllm package, as the generator takes it (entries of one module merged)."""
+    from kvref.models.mutants.vllm_source.generated import ModuleExclusions
+    from kvref.reach_exclusions import load_exclusions
+
+    excl: dict[str, ModuleExclusions] = {}
+    for e in load_exclusions():
+        path = e.module[len("vllm/"):]
+        old = excl.get(path, ModuleExclusions())
+        excl[path] = ModuleExclusions(old.whole_module or e.whole_module, old.functions | set(e.functions),
+                                      old.blocks | set(e.blocks))
+    return excl
 
 
 # --------------------------------------------------------------------------------------------

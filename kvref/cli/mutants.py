@@ -11,7 +11,10 @@ the default is the whole catalogue. See docs/mutants.md.
 KV-cache code (applied to an overlay copy, never to the installed files), each run through
 ``kvref verify --against vllm`` on the vLLM-facing checks; it reports which check caught each
 fault and how fast, and exits 1 when the recall of the bug faults is below the goal (95 %, or
-``--min-rate``) or a neutral refactor is flagged. See docs/vllm_mutants.md.
+``--min-rate``) or a neutral refactor is flagged. ``--generated N`` runs N faults generated
+mechanically from vLLM's KV-cache modules instead of the catalogue (mutation operators at sites
+sampled by ``--seed``, optionally only in ``--modules``): an unbiased sample, reported apart from
+the recall goal because a survivor may be an equivalent mutant (#22). See docs/vllm_mutants.md.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ def add_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     g.add_argument("--fault-timeout", type=float, default=None, metavar="S",
                    help="wall-clock limit per fault (default 300 s fast, 900 ci, 3600 nightly)")
     g.add_argument("--from-json", metavar="FILE", help="render a saved --json result instead of running")
+    g.add_argument("--generated", type=int, default=None, metavar="N",
+                   help="run N faults generated mechanically from vLLM's KV-cache modules (mutation operators "
+                        "at sites sampled by --seed, class 'generated'; #22) instead of the catalogue")
+    g.add_argument("--modules", metavar="PATH,...",
+                   help="with --generated: sample only these modules (relative to the vllm package, e.g. "
+                        "v1/core/block_pool.py; default: every module of kvref/data/reach_modules.toml)")
     from kvref.ray_runner import add_argument as add_ray_argument
 
     add_ray_argument(p)  # --ray [ADDRESS]: mutants / faults as Ray units (#27, docs/ray.md)
@@ -65,6 +74,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if not math.isfinite(args.min_rate) or not 0.0 <= args.min_rate <= 1.0:
         raise InvalidFieldError("--min-rate", args.min_rate, "a kill rate in [0, 1]")
     check_seconds("--fault-timeout", getattr(args, "fault_timeout", None))
+    for flag, value in (("--generated", getattr(args, "generated", None)), ("--modules", getattr(args, "modules", None))):
+        if value is not None and args.target != "vllm":  # faults generated from vLLM's source, #22
+            raise InvalidFieldError(flag, value, "used with --target vllm")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +190,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             raise InvalidFieldError("--from-json", args.from_json, "a saved --json result (a JSON object at top "
                                                                    f"level, not {type(data).__name__})")
         try:
-            res = CampaignResult.from_dict(data, FAULTS)
+            res = CampaignResult.from_dict(data, FAULTS)  # generated faults: rebuilt from their rows
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # a field of the wrong shape
             raise InvalidFieldError("--from-json", args.from_json,
                                     f"a saved --json result ({type(exc).__name__}: {exc})") from None
@@ -197,7 +209,17 @@ def run_vllm(args: argparse.Namespace) -> int:
             raise InvalidFieldError(flag, value, "one or more comma-separated names (kvref mutants --target vllm --list)")
         return items
 
-    faults = select_faults(FAULTS, split("--faults", args.faults), split("--class", args.fault_class))
+    if args.modules is not None and args.generated is None:
+        raise InvalidFieldError("--modules", args.modules, "used with --generated N")
+    pool = list(FAULTS)
+    if args.generated is not None:  # #22: the unbiased sample; --seed picks it (and seeds verify)
+        from kvref.cli.arguments import check_count
+        from kvref.vllm_campaign import generated_faults
+
+        check_count("--generated", args.generated, minimum=1, maximum=10_000, why="generated faults")
+        generated = generated_faults(args.generated, args.seed, split("--modules", args.modules))
+        pool = generated if args.faults is None and args.fault_class is None else pool + generated
+    faults = select_faults(pool, split("--faults", args.faults), split("--class", args.fault_class))
     if args.list:
         if args.json:
             print(json.dumps([{"id": f.id, "kind": f.kind, "path": f.path, "description": f.description,

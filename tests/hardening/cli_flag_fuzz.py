@@ -66,6 +66,8 @@ OPTION_BASES: dict[tuple[str, str], list[str]] = {
     ("mutants", "--fault-timeout"): ["mutants", "--target", "vllm", "--list"],
     ("mutants", "--profile"): ["mutants", "--target", "vllm", "--list"],
     ("mutants", "--seed"): ["mutants", "--target", "vllm", "--list"],
+    ("mutants", "--generated"): ["mutants", "--target", "vllm", "--list"],
+    ("mutants", "--modules"): ["mutants", "--target", "vllm", "--generated", "2", "--list"],
 }
 #: flags whose value the base already sets: the fuzzed one replaces it
 _VALUED_BASE_FLAGS = {"--only", "--available-memory", "--timeout", "--scope", "--max-seconds", "--kinds",

@@ -41,7 +41,10 @@ from kvref.spec.errors import InvalidFieldError, KVRefError
 HISTORIC = "historic"
 CLASSIC = "classic"
 NEUTRAL = "neutral"
-CLASSES = (HISTORIC, CLASSIC, NEUTRAL)
+#: generated mechanically from vLLM's source (:mod:`.generated`), not chosen by anyone: the recall
+#: goal is over historic + classic only; a generated survivor may be an equivalent mutant
+GENERATED = "generated"
+CLASSES = (HISTORIC, CLASSIC, NEUTRAL, GENERATED)
 
 
 class FaultDoesNotApplyError(KVRefError):
@@ -75,7 +78,8 @@ class SourceFault:
         edits: the exact text edits, applied in order (most faults have one).
         kind: :data:`HISTORIC` (pre-fix logic of a merged vLLM fix; ``bug`` names it),
             :data:`CLASSIC` (off-by-one, wrong comparison, dropped call, swapped order …) or
-            :data:`NEUTRAL` (a refactor that must *not* be flagged).
+            :data:`NEUTRAL` (a refactor that must *not* be flagged) or :data:`GENERATED` (a mutation
+            operator applied to a sampled site, :mod:`.generated`).
         description: what the edit does to behaviour, in words.
         bug: the vLLM issue / PR numbers for historic faults.
         behaviour: the class of behaviour it lives in (``admission``, ``prefix-cache``, ``free-order``,
