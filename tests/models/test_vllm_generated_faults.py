@@ -238,3 +238,30 @@ def test_saved_result_with_generated_rows_renders(vllm_dir, tmp_path, capsys):
     assert [r.fault for r in again.results] == [a, b]
     assert cli.main(["mutants", "--target", "vllm", "--from-json", str(saved), "--markdown"]) == 0
     assert "| generated (survivors may be equivalent) | 2 | 1 |" in capsys.readouterr().out
+
+
+def test_ray_units_carry_a_generated_fault_itself(vllm_dir, monkeypatch):
+    """``--ray``: a generated fault is in no catalogue, so its unit ships the fault (not its id)
+    and the worker runs exactly that edit; the Ray pool is faked, the units run here."""
+    from kvref import ray_mutants, vllm_campaign
+    from kvref.ray_runner import RunOutcome, UnitOutcome
+    from kvref.vllm_campaign import SURVIVED, FaultResult, generated_faults
+
+    ran = []
+
+    def fake_run_fault(fault, checks, profile, seed, timeout, vllm_dir=None):
+        ran.append(fault)
+        return FaultResult(fault, SURVIVED, 0.0, checks={c: "passed" for c in checks})
+
+    def fake_run_units(units, on_done=None, max_retries=1, modules=None):
+        outs = [UnitOutcome(u.key, value=u.fn(*u.args)) for u in units]
+        for o in outs:
+            on_done(o)
+        return RunOutcome(outs)
+
+    monkeypatch.setattr(vllm_campaign, "run_fault", fake_run_fault)
+    monkeypatch.setattr(ray_mutants, "run_units", fake_run_units)
+    [fault] = generated_faults(1, seed=3, modules=[_POOL])
+    res = ray_mutants.run_vllm_faults([fault], ("conform-kv-manager",), "fast", 0, None)
+    assert ran == [None, fault], "the clean vLLM, then the generated fault itself"
+    assert [r.fault for r in res.results] == [fault] and res.results[0].outcome == SURVIVED
