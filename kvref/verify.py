@@ -687,7 +687,11 @@ def run_check(check, ctx, baseline, collect: bool = False) -> CheckResult:
         with accepted.accepting(baseline.signatures_for(check.name), collect), bounded_shrinking(budget) as log:
             result = check.run(ctx)
     except Exception as exc:  # a check that crashes is reported, the others still run
-        result = CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
+        from .vllm_crash import crash_result
+
+        # vLLM's own code raising under a vLLM-facing check is a finding, not a kvref error
+        result = (crash_result(check.name, exc) if getattr(check, "vllm", False) else None) or \
+            CheckResult(check.name, ERROR, f"{type(exc).__name__}: {exc}")
         log = None
     result.seconds = time.perf_counter() - t0
     if result.status == PASSED and result.examined == 0:  # it ran but looked at nothing (issue #25)

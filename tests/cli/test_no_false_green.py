@@ -80,3 +80,36 @@ def test_crosshair_with_no_condition_is_not_passed():
 
     check = verify.Check("crosshair", "", lambda ctx: verify._crosshair_result(SimpleNamespace(conditions=[])))
     assert verify.run_check(check, verify.VerifyContext(), Baseline()).status == ERROR
+
+
+def test_a_vllm_facing_check_that_vllm_crashes_is_a_finding_not_an_error():
+    """Session 21's generated vLLM faults: a fault that made vLLM's own allocation raise (``Cannot
+    get N free blocks``) under conform-kv-manager read as *error*, a kvref problem, and the vLLM
+    campaign did not count it as detected. vLLM's code raising under a vLLM-facing check is *failed*,
+    naming the vLLM frame; kvref's own crash, or one outside a vLLM-facing check, stays *error*."""
+    import pytest
+
+    from kvref.report import FAILED
+    from tests.vllm_env import require_vllm
+
+    require_vllm()
+    from vllm.v1.core.block_pool import BlockPool
+
+    def drive(ctx):
+        pool = BlockPool(num_gpu_blocks=4, enable_caching=False, hash_block_size=16)
+        pool.get_new_blocks(10)  # vLLM: ValueError("Cannot get 10 free blocks from the pool")
+        return CheckResult("drives-vllm", PASSED, "never reached", examined=1)
+
+    def own_bug(ctx):
+        raise KeyError("kvref's own")
+
+    crashed = verify.run_check(verify.Check("drives-vllm", "", drive, vllm=True), verify.VerifyContext(), Baseline())
+    assert crashed.status == FAILED and crashed.failing, crashed
+    assert "vllm/v1/core/block_pool.py" in crashed.summary and "get_new_blocks" in crashed.summary
+    assert crashed.signature == "vllm raised ValueError in get_new_blocks"
+    not_facing = verify.run_check(verify.Check("drives-vllm", "", drive), verify.VerifyContext(), Baseline())
+    assert not_facing.status == ERROR
+    mine = verify.run_check(verify.Check("own", "", own_bug, vllm=True), verify.VerifyContext(), Baseline())
+    assert mine.status == ERROR and "KeyError" in mine.summary
+    with pytest.raises(ValueError):
+        drive(None)
