@@ -23,9 +23,20 @@ from .report import FAILED, CheckResult
 
 
 def _vllm_dirs() -> tuple[str, ...]:
+    """The imported ``vllm`` package's directories, as given and with links resolved: the vLLM
+    source campaign imports vLLM from an overlay whose unchanged files are links to the
+    installation, so a frame's file may be named either way."""
     module = sys.modules.get("vllm")
     paths = getattr(module, "__path__", None) if module is not None else None
-    return tuple(os.path.realpath(p) + os.sep for p in (paths or ()))
+    return tuple(dict.fromkeys(d + os.sep for p in (paths or ()) for d in (os.path.abspath(p), os.path.realpath(p))))
+
+
+def _relative(filename: str, dirs: tuple[str, ...]) -> str | None:
+    for path in (os.path.abspath(filename), os.path.realpath(filename)):
+        for d in dirs:
+            if path.startswith(d):
+                return path[len(d):]
+    return None
 
 
 def vllm_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -38,11 +49,8 @@ def vllm_frame(exc: BaseException) -> traceback.FrameSummary | None:
     if not frames:
         return None
     last = frames[-1]
-    path = os.path.realpath(last.filename)
-    for d in dirs:
-        if path.startswith(d):
-            return traceback.FrameSummary("vllm/" + path[len(d):], last.lineno, last.name, line=last.line)
-    return None
+    rel = _relative(last.filename, dirs)
+    return None if rel is None else traceback.FrameSummary("vllm/" + rel, last.lineno, last.name, line=last.line)
 
 
 def crash_result(check_name: str, exc: BaseException) -> CheckResult | None:
@@ -53,8 +61,7 @@ def crash_result(check_name: str, exc: BaseException) -> CheckResult | None:
         return None
     where = f"{frame.filename}:{frame.lineno} in {frame.name}"
     dirs = _vllm_dirs()
-    inside = [f for f in traceback.extract_tb(exc.__traceback__)
-              if any(os.path.realpath(f.filename).startswith(d) for d in dirs)]
+    inside = [f for f in traceback.extract_tb(exc.__traceback__) if _relative(f.filename, dirs) is not None]
     details = [f"vLLM raised {type(exc).__name__}: {exc}", f"  at {where}"] + \
               [f"  vLLM frame: {os.path.basename(f.filename)}:{f.lineno} {f.name}: {(f.line or '').strip()}"
                for f in inside[-6:]]

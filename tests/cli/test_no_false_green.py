@@ -113,3 +113,35 @@ def test_a_vllm_facing_check_that_vllm_crashes_is_a_finding_not_an_error():
     assert mine.status == ERROR and "KeyError" in mine.summary
     with pytest.raises(ValueError):
         drive(None)
+
+
+def test_a_vllm_frame_is_found_through_the_campaign_s_overlay_links(tmp_path, monkeypatch):
+    """The vLLM source campaign imports vLLM from an overlay whose unchanged files are links into
+    the installation: a frame names the link, whose target lies outside the overlay (the first
+    version resolved links and missed every vLLM crash in an unchanged file)."""
+    import sys
+    import types
+
+    from kvref.vllm_crash import vllm_frame
+
+    installed, overlay = tmp_path / "site" / "vllm", tmp_path / "overlay" / "vllm"
+    (installed / "v1").mkdir(parents=True)
+    (overlay / "v1").mkdir(parents=True)
+    (installed / "v1" / "pool.py").write_text("def take():\n    raise ValueError('Cannot get 2 free blocks')\n")
+    (overlay / "v1" / "pool.py").symlink_to(installed / "v1" / "pool.py")
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__path__=[str(overlay)]))
+    for name in (overlay / "v1" / "pool.py",):
+        scope: dict = {}
+        exec(compile((installed / "v1" / "pool.py").read_text(), str(name), "exec"), scope)
+        try:
+            scope["take"]()
+        except ValueError as exc:
+            frame = vllm_frame(exc)
+        assert frame is not None and frame.filename == "vllm/v1/pool.py" and frame.name == "take", (name, frame)
+    outside = tmp_path / "kvref_code.py"
+    scope = {}
+    exec(compile("def f():\n    raise KeyError(1)\n", str(outside), "exec"), scope)
+    try:
+        scope["f"]()
+    except KeyError as exc:
+        assert vllm_frame(exc) is None
