@@ -161,6 +161,89 @@ class SchedulerConfig:
 
         return max_in_flight_tokens(self.max_num_batched_tokens, self.max_concurrent_batches)
 
+    def engine_settings(self) -> dict:
+        """The :class:`~kvref.spec.config.EngineConfig` fields this scheduler config decides
+        (``max_num_batched_tokens``, ``max_num_seqs``, ``max_concurrent_batches``): vLLM keeps them in
+        its ``SchedulerConfig`` and its startup sizing reads them, so every road from a scheduler to
+        a startup plan takes them from here, never field by field (#26: four copies of this mapping
+        had grown in the liveness oracle, the machines' pool road, the demo and its planner)."""
+        return dict(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                    max_concurrent_batches=self.max_concurrent_batches)
+
+
+def engine_config_for(config: SchedulerConfig, *, groups, max_model_len: int, scheduler_block_size: int,
+                      hash_block_size: int, enable_caching: bool, num_blocks: int | None = None):
+    """The :class:`~kvref.spec.config.EngineConfig` a user gives vLLM for a pool with these fields
+    under ``config``: the one mapping from a runtime pool back to startup's arguments (#26).
+
+    The scheduler's settings come from :meth:`SchedulerConfig.engine_settings`; the pool gives
+    ``block_size`` (its ``scheduler_block_size``), ``max_model_len``, prefix caching, the Mamba
+    cache mode of its Mamba groups (vLLM has one per engine) and, for a hybrid pool with caching,
+    its ``hash_block_size`` as the explicit hash unit (``prefix_match_unit``); ``num_blocks`` (with
+    the null block) becomes ``num_gpu_blocks_override``. :func:`~kvref.spec.planning.plan_kv_cache`
+    on the result plans the pool startup would build for it, and the startup bounds
+    (``max_memory_usage_blocks``) read the same values the scheduler runs with.
+    """
+    from kvref.spec.config import EngineConfig
+    from kvref.spec.kv_cache_interface import MambaSpec
+
+    from kvref.spec.kv_cache_interface import KVCacheGroupSpec
+
+    if not isinstance(config, SchedulerConfig):
+        raise InvalidFieldError("config", config, "a SchedulerConfig")
+    if not isinstance(groups, (list, tuple)) or not groups \
+            or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+        raise InvalidFieldError("groups", groups, "a non-empty tuple of KVCacheGroupSpec")
+    for name, value in (("max_model_len", max_model_len), ("scheduler_block_size", scheduler_block_size),
+                        ("hash_block_size", hash_block_size)):
+        check_int(name, value, minimum=1)
+    check_int("num_blocks", num_blocks, minimum=1, allow_none=True)
+    if not isinstance(enable_caching, bool):
+        raise InvalidFieldError("enable_caching", enable_caching, "True or False")
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if isinstance(g.kv_cache_spec, MambaSpec)}
+    hybrid_hashing = len(groups) > 1 and enable_caching
+    return EngineConfig(block_size=scheduler_block_size, max_model_len=max_model_len,
+                        num_gpu_blocks_override=num_blocks, enable_prefix_caching=enable_caching,
+                        mamba_cache_mode=modes.pop() if modes else "none",
+                        prefix_match_unit=hash_block_size if hybrid_hashing else None, **config.engine_settings())
+
+
+def check_scheduler_pool(pool: object, config: object) -> None:
+    """The rules that tie a pool to the scheduler driving it, checked once for every scheduler
+    (the reference's and vLLM's adapter: #26, each rule checked once; they used to check different
+    subsets, so a pool one accepted the other ran silently).
+
+    * ``pool.max_in_flight_tokens == config.max_in_flight_tokens``: vLLM's scheduler hands its
+      ``KVCacheManager`` ``VllmConfig.max_in_flight_tokens``; another value would size the
+      sliding-window admission caps for a different pipeline depth (vLLM #39734 / #35541).
+    * ``config.long_prefill_token_threshold <= pool.max_model_len`` (a chunk cap above every
+      request is a config error, not a cap).
+    * ``pool.use_eagle`` says what the drafter does: an EAGLE-like drafter drops the trailing hit
+      block (vLLM's ``use_eagle_block_drop``) unless its block hashes cover the lookahead tokens
+      (``num_hash_lookahead_tokens > 0``), and without one nothing is dropped.
+
+    Raises:
+        InvalidFieldError: naming the field of the first rule broken.
+    """
+    from kvref.impl.interface import PoolConfig
+
+    if not isinstance(pool, PoolConfig):
+        raise InvalidFieldError("pool", pool, "a PoolConfig")
+    if not isinstance(config, SchedulerConfig):
+        raise InvalidFieldError("config", config, "a SchedulerConfig")
+    if pool.max_in_flight_tokens != config.max_in_flight_tokens:
+        raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
+                                f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
+    if config.long_prefill_token_threshold > pool.max_model_len:
+        raise InvalidFieldError("long_prefill_token_threshold", config.long_prefill_token_threshold,
+                                f"at most max_model_len={pool.max_model_len}")
+    if config.use_eagle and not pool.num_hash_lookahead_tokens and not pool.use_eagle:
+        raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
+                                "True for an EAGLE-like drafter (or num_hash_lookahead_tokens > 0)")
+    if pool.use_eagle and not config.use_eagle:
+        raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
+                                "False without an EAGLE-like drafter (speculative_method='eagle')")
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:

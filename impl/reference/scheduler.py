@@ -85,6 +85,7 @@ from . import scheduler_aux_output as _aux
 from . import scheduler_structured_output as _so
 from kvref.impl.scheduler_types import (
     PRIORITY,
+    check_scheduler_pool,
     DraftTokenIds,
     ModelOutput,
     RequestSpecDecodeMetrics,
@@ -165,16 +166,7 @@ class Scheduler:
                  encoder_budget: _enc.EncoderBudget | None = None, max_loras: int | None = None,
                  use_v2_model_runner: bool = False, include_finished_set: bool = False,
                  aux_output: bool = False, grammar_oracle: _so.GrammarOracle | None = None) -> None:
-        if not isinstance(pool, PoolConfig):
-            raise InvalidFieldError("pool", pool, "a PoolConfig")
-        if not isinstance(config, SchedulerConfig):
-            raise InvalidFieldError("config", config, "a SchedulerConfig")
-        if pool.max_in_flight_tokens != config.max_in_flight_tokens:
-            raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
-                                    f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
-        if config.long_prefill_token_threshold > pool.max_model_len:
-            raise InvalidFieldError("long_prefill_token_threshold", config.long_prefill_token_threshold,
-                                    f"at most max_model_len={pool.max_model_len}")
+        check_scheduler_pool(pool, config)  # the pool <-> scheduler rules, shared with vLLM's adapter
         if not isinstance(record_prefix_cache_stats, bool):
             raise InvalidFieldError("record_prefix_cache_stats", record_prefix_cache_stats, "True or False")
         self.pool = pool
@@ -198,14 +190,6 @@ class Scheduler:
         self.prefix_replay_tokens = _replay.prefix_replay_tokens(pool)
         # KV connector flows (vLLM's connector paths): :mod:`.scheduler_connector`
         self.connector_state = _conn.make_state(connector, config, pool) if connector is not None else None
-        # vLLM: an EAGLE-like drafter drops the trailing hit block (use_eagle_block_drop) unless
-        # its block hashes cover the lookahead token instead (num_hash_lookahead_tokens)
-        if config.use_eagle and not pool.num_hash_lookahead_tokens and not pool.use_eagle:
-            raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
-                                    "True for an EAGLE-like drafter (or num_hash_lookahead_tokens > 0)")
-        if pool.use_eagle and not config.use_eagle:
-            raise InvalidFieldError("pool.use_eagle", pool.use_eagle,
-                                    "False without an EAGLE-like drafter (speculative_method='eagle')")
         self.spec_decode = SpecDecodeState(config)
         if connector is not None and config.prefill_schedule_interval > 1:
             raise InvalidFieldError("config.prefill_schedule_interval", config.prefill_schedule_interval,

@@ -66,11 +66,10 @@ from collections.abc import Iterable
 
 from kvref.impl.interface import PoolConfig
 from kvref.impl.request import Request
-from kvref.spec.config import EngineConfig
 from kvref.spec.kv_cache_interface import MambaSpec
 from kvref.spec.mathutil import cdiv
 
-from kvref.impl.scheduler_types import PRIORITY, SchedulerConfig
+from kvref.impl.scheduler_types import PRIORITY, SchedulerConfig, engine_config_for
 from kvref.spec.errors import InvalidFieldError
 
 
@@ -86,13 +85,9 @@ def max_blocks_per_request(pool: PoolConfig, config: SchedulerConfig) -> int:
     (``max_memory_usage_blocks``, with the sliding-window/chunked caps of
     ``max_admission_blocks_per_request`` at ``max_in_flight_tokens``)."""
     _check_setup(pool, config)
-    modes = {g.kv_cache_spec.mamba_cache_mode for g in pool.groups if isinstance(g.kv_cache_spec, MambaSpec)}
-    engine = EngineConfig(block_size=pool.scheduler_block_size, max_model_len=pool.max_model_len,
-                          max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs,
-                          max_concurrent_batches=config.max_concurrent_batches,
-                          enable_prefix_caching=pool.enable_caching,
-                          mamba_cache_mode=modes.pop() if modes else "none")
+    engine = engine_config_for(config, groups=pool.groups, max_model_len=pool.max_model_len,
+                               scheduler_block_size=pool.scheduler_block_size,
+                               hash_block_size=pool.hash_block_size, enable_caching=pool.enable_caching)
     return sum(g.kv_cache_spec.max_memory_usage_blocks(engine, pool.max_model_len) for g in pool.groups)
 
 

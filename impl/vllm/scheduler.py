@@ -22,6 +22,7 @@ from typing import Any
 from kvref.impl.interface import BlockIds, PoolConfig
 from kvref.impl.scheduler_types import (
     PRIORITY,
+    check_scheduler_pool,
     DraftTokenIds,
     ModelOutput,
     RequestSpecDecodeMetrics,
@@ -256,9 +257,7 @@ class VllmScheduler:
                  encoder_budget=None, max_loras: int | None = None, use_v2_model_runner: bool = False,
                  include_finished_set: bool = False, kv_cache_metrics_sample: float | None = None,
                  grammar_oracle=None) -> None:
-        if pool.max_in_flight_tokens != config.max_in_flight_tokens:
-            raise InvalidFieldError("pool.max_in_flight_tokens", pool.max_in_flight_tokens,
-                                    f"config.max_in_flight_tokens={config.max_in_flight_tokens}")
+        check_scheduler_pool(pool, config)  # the pool <-> scheduler rules, shared with the reference
         v = self._v = load_vllm()
         self.env = env or VllmEnv()
         vc = self.env.configure(pool, config)

@@ -46,10 +46,10 @@ from kvref.impl.scheduler_types import (
     ModelOutput,
     SchedulerConfig,
     SchedulerOutput,
+    engine_config_for,
 )
 from kvref.impl.request import Request
 from kvref.models.strategies.pools import pool_through_plan
-from kvref.spec.config import EngineConfig
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -293,15 +293,8 @@ def _setup_pool(fields: dict, cfg: SchedulerConfig, settings: dict) -> PoolConfi
     prefix caching, the Mamba mode, ``num_gpu_blocks_override`` the drawn block count) are planned,
     and where startup builds exactly the drawn pool the scheduler runs on the plan's pool. Tight
     pools, pools a block short and hand-set hash sizes stay off-plan, saying why."""
-    groups = fields["groups"]
-    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if isinstance(g.kv_cache_spec, MambaSpec)}
-    hybrid_hashing = len(groups) > 1 and fields["enable_caching"]
-    engine = EngineConfig(block_size=fields["scheduler_block_size"], max_model_len=fields["max_model_len"],
-                          max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                          max_concurrent_batches=cfg.max_concurrent_batches,
-                          num_gpu_blocks_override=fields["num_blocks"], enable_prefix_caching=fields["enable_caching"],
-                          mamba_cache_mode=modes.pop() if modes else "none",
-                          prefix_match_unit=fields["hash_block_size"] if hybrid_hashing else None)
+    engine = engine_config_for(cfg, **{k: fields[k] for k in (
+        "groups", "max_model_len", "scheduler_block_size", "hash_block_size", "enable_caching", "num_blocks")})
     return pool_through_plan(fields, engine, [], "scheduler setups aim at pools startup refuses or builds otherwise",
                              settings)
 

@@ -115,9 +115,8 @@ def plan_pool(workload: Workload, async_scheduling: bool) -> tuple[PoolConfig, S
 
     def plan(n: int):
         return plan_kv_cache(layers, EngineConfig(
-            block_size=workload.block_size, max_model_len=workload.max_model_len,
-            max_num_batched_tokens=workload.budget, max_num_seqs=workload.max_num_seqs,
-            max_concurrent_batches=cfg.max_concurrent_batches, num_gpu_blocks_override=n), 0)
+            block_size=workload.block_size, max_model_len=workload.max_model_len, num_gpu_blocks_override=n,
+            **cfg.engine_settings()), 0)
 
     lo, hi = 2, 4096
     while lo < hi:  # smallest n startup accepts

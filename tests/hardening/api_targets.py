@@ -8,6 +8,7 @@ and its invariants holding after a rejected call.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 from collections.abc import Callable
@@ -959,7 +960,7 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     from kvref.impl.request import Request
     from kvref.impl.run_trace import format as run_format
     from kvref.impl.run_trace.writer import compression_for
-    from kvref.impl.scheduler_types import SchedulerConfig
+    from kvref.impl.scheduler_types import SchedulerConfig, check_scheduler_pool, engine_config_for
     from kvref.models.conformance import trace as conf_trace
     from kvref.spec import (
         block_sizes,
@@ -1131,6 +1132,13 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "align_split_stalls": (scheduler_liveness.align_split_stalls, dict(pool=pc, config=sc)),
         "partial_hit_groups": (scheduler_liveness.partial_hit_groups, dict(pool=pc)),
         "steps_alone": (scheduler_liveness.steps_alone, dict(request=req, pool=pc, config=sc)),
+        # #26: the one pool <-> scheduler rule set and the one road back to startup's arguments
+        "check_scheduler_pool": (check_scheduler_pool, dict(pool=dataclasses.replace(pc, max_in_flight_tokens=16),
+                                                            config=sc)),
+        "engine_config_for": (engine_config_for, dict(config=sc, groups=pc.groups, max_model_len=pc.max_model_len,
+                                                      scheduler_block_size=pc.scheduler_block_size,
+                                                      hash_block_size=pc.hash_block_size, enable_caching=True,
+                                                      num_blocks=pc.num_blocks)),
         "as_pause_state": (as_pause_state, dict(value=2)),  # issue #22: the scheduler's pause states
         "kvcr_config_error": (kvcr_config_error, dict(  # issue #22: KVCR tier configs vLLM refuses
             cfg={"type": "kvcr", "control_ports": [5555], "router_capabilities": ["router_hint"],
