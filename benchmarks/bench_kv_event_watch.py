@@ -32,11 +32,13 @@ def payloads(num_batches: int) -> list[bytes]:
     from kvref.impl.reference.kv_cache_manager import KVCacheManager
     from kvref.impl.reference.kv_events import event_to_plain
     from kvref.impl.request import Request
-    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from kvref.spec import EngineConfig, plan_kv_cache
+    from kvref.spec.kv_cache_interface import FullAttentionSpec
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
-    cfg = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=64, groups=(KVCacheGroupSpec(("l",), spec),), max_model_len=4096,
-                     scheduler_block_size=16, hash_block_size=16, enable_kv_cache_events=True)
+    # one layer planned as startup plans it, with a fixed block count (--num-gpu-blocks-override)
+    plan = plan_kv_cache({"l": spec}, EngineConfig(block_size=16, max_model_len=512, num_gpu_blocks_override=64), 0)
+    cfg = PoolConfig.from_plan(plan, enable_kv_cache_events=True)
     mgr = KVCacheManager(cfg)
     enc = msgspec.msgpack.Encoder()
     out = []

@@ -25,7 +25,8 @@ from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.block_pool import BlockPool
 from kvref.impl.reference.kv_cache_manager import KVCacheManager
 from kvref.impl.request import Request
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.spec import EngineConfig, plan_kv_cache
+from kvref.spec.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 OPS_PER_POOL_ITER = 7  # get_new_blocks, cache_full_blocks, free_blocks, get_cached_block, touch, free, evict
 
@@ -68,8 +69,9 @@ class ManagerWorkload:
     def __init__(self, num_blocks: int) -> None:
         full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
         swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=32)
-        cfg = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=num_blocks, groups=(KVCacheGroupSpec(("f",), full), KVCacheGroupSpec(("s",), swa)),
-                         max_model_len=8192, scheduler_block_size=16, hash_block_size=16)
+        # planned as startup plans it, the block count fixed (--num-gpu-blocks-override)
+        engine = EngineConfig(block_size=16, max_model_len=8192, num_gpu_blocks_override=num_blocks)
+        cfg = PoolConfig.from_plan(plan_kv_cache({"f": full, "s": swa}, engine, 0))
         self.mgr = KVCacheManager(cfg)
         self.rng = random.Random(0)
         self.i = 0

@@ -59,14 +59,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _llama_like():
     from kvref.impl.interface import PoolConfig
     from kvref.impl.scheduler_types import SchedulerConfig
-    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from kvref.spec import EngineConfig, plan_kv_cache
+    from kvref.spec.kv_cache_interface import FullAttentionSpec
 
     def setup(is_async: bool):
         cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, async_scheduling=is_async)
-        groups = (KVCacheGroupSpec(tuple(f"layer{i}" for i in range(32)),
-                                   FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")),)
-        pool = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=8192, groups=groups, max_model_len=4096, scheduler_block_size=16,
-                          hash_block_size=16, max_in_flight_tokens=cfg.max_in_flight_tokens)
+        # a Llama-like model's 32 layers, planned as vLLM's startup plans them under this scheduler
+        # (a fixed pool: what --num-gpu-blocks-override gives)
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
+        engine = EngineConfig(block_size=16, max_model_len=4096, num_gpu_blocks_override=8192, **cfg.engine_settings())
+        pool = PoolConfig.from_plan(plan_kv_cache({f"layer{i}": spec for i in range(32)}, engine, 0))
         return pool, cfg
     return setup
 
@@ -88,7 +90,9 @@ def _serve(driver, workload, steps: int, is_async: bool, max_live: int = 160) ->
 
     v = driver._v
     s = driver.scheduler
-    VRequest, SamplingParams, MRO = v["VRequest"], v["SamplingParams"], v["ModelRunnerOutput"]
+    from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
+
+    MRO = v["ModelRunnerOutput"]
     hasher = driver._hasher
     rng = random.Random(1)
     pending = deque(workload)
@@ -104,9 +108,8 @@ def _serve(driver, workload, steps: int, is_async: bool, max_live: int = 160) ->
     while done < steps:
         while pending and len(s.running) + len(s.waiting) < max_live:
             rid, prompt, max_tokens = pending.popleft()
-            req = VRequest(request_id=rid, prompt_token_ids=prompt,
-                           sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           pooling_params=None, arrival_time=time.time(), block_hasher=hasher)
+            req = vllm_request(rid, prompt, vllm_sampling_params(max_tokens=max_tokens, ignore_eos=True),
+                               arrival_time=time.time(), block_hasher=hasher)
             t = perf()
             s.add_request(req)
             t_calls += perf() - t
@@ -181,7 +184,9 @@ def _lockstep(drivers: list, workload, steps: int, is_async: bool, max_live: int
     from collections import deque
 
     v = drivers[0]._v
-    VRequest, SamplingParams, MRO = v["VRequest"], v["SamplingParams"], v["ModelRunnerOutput"]
+    from kvref.impl.vllm.vrequest import vllm_request, vllm_sampling_params
+
+    MRO = v["ModelRunnerOutput"]
     scheds = [d.scheduler for d in drivers]
     hashers = [d._hasher for d in drivers]
     k = len(scheds)
@@ -199,9 +204,8 @@ def _lockstep(drivers: list, workload, steps: int, is_async: bool, max_live: int
         while pending and len(s0.running) + len(s0.waiting) < max_live:
             rid, prompt, max_tokens = pending.popleft()
             for i in order:
-                req = VRequest(request_id=rid, prompt_token_ids=list(prompt),
-                               sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                               pooling_params=None, arrival_time=time.time(), block_hasher=hashers[i])
+                req = vllm_request(rid, list(prompt), vllm_sampling_params(max_tokens=max_tokens, ignore_eos=True),
+                                   arrival_time=time.time(), block_hasher=hashers[i])
                 t = perf()
                 scheds[i].add_request(req)
                 t_calls[i] += perf() - t
@@ -342,18 +346,15 @@ def overhead(steps: int, repeats: int, baseline: str | None = None) -> list[dict
 def _check_setup():
     from kvref.impl.interface import PoolConfig
     from kvref.impl.scheduler_types import SchedulerConfig
-    from kvref.spec.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+    from kvref.spec import EngineConfig, plan_kv_cache
+    from kvref.spec.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     attn = dict(num_kv_heads=1, head_size=8, dtype="float16")
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, async_scheduling=True)
-    groups = (KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=8, **attn)),
-              KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=8, sliding_window=32, **attn)))
-    pool = PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=96, groups=groups, max_model_len=256, scheduler_block_size=8, hash_block_size=8,
-                      max_in_flight_tokens=cfg.max_in_flight_tokens)
+    layers = {"full": FullAttentionSpec(block_size=8, **attn),
+              "swa": SlidingWindowSpec(block_size=8, sliding_window=32, **attn)}
+    engine = EngineConfig(block_size=8, max_model_len=256, num_gpu_blocks_override=96, **cfg.engine_settings())
+    pool = PoolConfig.from_plan(plan_kv_cache(layers, engine, 0))  # the pool startup plans for it
     return pool, cfg
 
 

@@ -21,17 +21,19 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from kvref.impl.interface import PoolConfig  # noqa: E402
 from kvref.impl.request import Request, RequestStatus  # noqa: E402
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
+from kvref.spec import EngineConfig, plan_kv_cache  # noqa: E402
+from kvref.spec.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 BS = 16
 
 
 def config(num_blocks: int) -> PoolConfig:
     kw = dict(block_size=BS, num_kv_heads=8, head_size=128, dtype="bfloat16")
-    return PoolConfig.off_plan("a benchmark pool of a fixed size", num_blocks=num_blocks,
-                      groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(**kw)),
-                              KVCacheGroupSpec(("swa",), SlidingWindowSpec(sliding_window=128, **kw))),
-                      max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS, max_in_flight_tokens=512)
+    # planned as startup plans it for a 512-token step, the block count fixed (--num-gpu-blocks-override)
+    engine = EngineConfig(block_size=BS, max_model_len=4096, max_num_batched_tokens=512,
+                          num_gpu_blocks_override=num_blocks)
+    layers = {"full": FullAttentionSpec(**kw), "swa": SlidingWindowSpec(sliding_window=128, **kw)}
+    return PoolConfig.from_plan(plan_kv_cache(layers, engine, 0))
 
 
 def prompt(i: int) -> list[int]:
