@@ -80,7 +80,8 @@ def _pool(workload: str):
     if workload == "hybrid-swa":
         groups.append(KVCacheGroupSpec(("swa",), SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=4,
                                                                    dtype="float32", sliding_window=8)))
-    return PoolConfig.off_plan("a small demo pool, so a short workload evicts and publishes BlockRemoved",
+    return PoolConfig.off_plan("a small demo pool, so a short workload evicts and publishes BlockRemoved; "
+                               "below one 64-token request, which startup would refuse",
                                num_blocks=10 if workload == "prefix-sharing" else 16, groups=tuple(groups),
                                max_model_len=64, scheduler_block_size=4, hash_block_size=4,
                                max_in_flight_tokens=32, enable_kv_cache_events=True)

@@ -27,15 +27,16 @@ from kvref.spec.errors import InvalidFieldError
 def _setup():
     from kvref.impl.interface import PoolConfig
     from kvref.impl.scheduler_types import SchedulerConfig
-    from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from kvref.spec import EngineConfig, plan_kv_cache
+    from kvref.spec.kv_cache_interface import FullAttentionSpec
 
     def build(async_scheduling: bool):
         cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, async_scheduling=async_scheduling)
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
-        pool = PoolConfig.off_plan("a small GPU pool that cannot keep the shared prefixes: the CPU tier must",
-                                   num_blocks=24, groups=(KVCacheGroupSpec(("full",), spec),), max_model_len=256,
-                                   scheduler_block_size=16, hash_block_size=16,
-                                   max_in_flight_tokens=cfg.max_in_flight_tokens)
+        # a small GPU pool that cannot keep the shared prefixes (the CPU tier must), planned as
+        # startup plans it with --num-gpu-blocks-override 24
+        engine = EngineConfig(block_size=16, max_model_len=256, num_gpu_blocks_override=24, **cfg.engine_settings())
+        pool = PoolConfig.from_plan(plan_kv_cache({"full": spec}, engine, 0))
         return pool, cfg
 
     return build

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 from kvref.impl.interface import PoolConfig
 from kvref.impl.reference.scheduler_connector import FAIL, RECOMPUTE, ConnectorConfig, ExternalHit, KVConnectorOutput
 from kvref.impl.scheduler_types import SchedulerConfig
-from kvref.spec.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from kvref.spec import EngineConfig, plan_kv_cache
+from kvref.spec.kv_cache_interface import FullAttentionSpec
 
 from .scheduler import RequestSpec, SchedulerRun, run_generated_histories
 
@@ -52,14 +53,12 @@ def load_failure_cases(draw):
     is_async = draw(st.booleans())
     cfg = SchedulerConfig(max_num_batched_tokens=draw(st.sampled_from((32, 64))), max_num_seqs=4,
                           async_scheduling=is_async)
-    pool = PoolConfig.off_plan(
-        "a hand-sized roomy pool: room for four max-length requests, so only the planted load failures "
-        "decide what is recomputed",
-        num_blocks=4 * (MAX_MODEL_LEN // bs) + 4,
-        groups=(KVCacheGroupSpec(("full",), FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8,
-                                                              dtype="float16")),),
-        max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs, hash_block_size=bs,
-        max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=True)
+    # a roomy pool, planned as startup plans it (--num-gpu-blocks-override: room for four
+    # max-length requests), so only the planted load failures decide what is recomputed
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype="float16")
+    engine = EngineConfig(block_size=bs, max_model_len=MAX_MODEL_LEN,
+                          num_gpu_blocks_override=4 * (MAX_MODEL_LEN // bs) + 4, **cfg.engine_settings())
+    pool = PoolConfig.from_plan(plan_kv_cache({"full": spec}, engine, 0))
     policy = draw(st.sampled_from((RECOMPUTE, RECOMPUTE, FAIL)))
     prompts = [tuple(range(100 * (i + 1), 100 * (i + 1) + draw(st.integers(2 * bs, 5 * bs))))
                for i in range(draw(st.integers(1, 2)))]

@@ -149,7 +149,8 @@ def streaming_scheduler_factory():
 
     env = VllmEnv()
     cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)
-    pool = PoolConfig.off_plan("one streaming session", num_blocks=32,
+    pool = PoolConfig.off_plan("one streaming session: 31 usable blocks, fewer than a 256-token request needs "
+                               "(startup would refuse the pool); the session never grows that long", num_blocks=32,
                                groups=(KVCacheGroupSpec(("full",), _attn(FullAttentionSpec, 2)),), max_model_len=256,
                                scheduler_block_size=2, hash_block_size=2,
                                max_in_flight_tokens=cfg.max_in_flight_tokens, enable_caching=True)
