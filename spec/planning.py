@@ -31,6 +31,7 @@ from .config import EngineConfig
 from .errors import InvalidFieldError, check_int
 from .grouping import check_exact_partition, validate_layers
 from .kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
+from .kv_cache_tensors import KVCacheTensor, check_kv_cache_tensors, kv_cache_tensors
 from .pool_sizing import (
     auto_fit_max_model_len,
     check_enough_kv_cache_memory,
@@ -140,6 +141,12 @@ class KVCachePlan:
     def admission_caps(self) -> tuple[int | None, ...]:
         return tuple(g.admission_cap for g in self.group_plans)
 
+    @property
+    def kv_cache_tensors(self) -> tuple[KVCacheTensor, ...]:
+        """The worker's ``KVCacheConfig.kv_cache_tensors``: where each layer's bytes live in the
+        allocation (:mod:`kvref.spec.kv_cache_tensors`, #22)."""
+        return kv_cache_tensors(self.groups, self.num_blocks, self.kv_cache_layout)
+
     def pool_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kvref.impl.interface.PoolConfig`` for this plan."""
         return dict(num_blocks=self.num_blocks, groups=self.scheduler_groups, max_model_len=self.max_model_len,
@@ -164,6 +171,7 @@ class KVCachePlan:
             if gp.admission_cap is not None and gp.kv_cache_spec is gp.scheduler_spec:
                 # S1: sizing charges exactly the runtime cap
                 assert gp.admission_cap == gp.blocks_per_request
+        check_kv_cache_tensors(self.groups, self.num_blocks, self.kv_cache_layout, self.kv_cache_tensors)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready) for ``kvref size --json``."""

@@ -241,6 +241,8 @@ AREAS: dict[str, tuple[Binding, ...]] = {
         _b(_UTILS, "resolve_kv_cache_block_sizes"),
         _b(_UTILS, "resolve_cache_hit_alignment_tokens"),
         _b(_UTILS, "resolve_dcp_kv_cache_spec"),
+        # the planned tensors, compared field by field with kvref.spec.kv_cache_tensors (#22)
+        _b(_KCI, "KVCacheTensor", "size", "layers", "layer_stride", "block_stride", "offset", "host_resident"),
         # the packing chunk size and hidden-state block size, compared over their whole domain (#22)
         _b("vllm.v1.core.kv_cache_planning", "_approximate_gcd", "lower_bound"),
         _b("vllm.v1.core.kv_cache_planning", "_largest_divisor_at_most"),

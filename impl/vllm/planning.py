@@ -162,7 +162,9 @@ class VllmPlanner:
             kv_cache_size_tokens=vc.cache_config.kv_cache_size_tokens,
             # the token span of each group's block under DCP (what a token-keyed connector stores)
             dcp_specs=[None if _padded(g.kv_cache_spec) else utils.resolve_dcp_kv_cache_spec(g.kv_cache_spec, dcp)
-                       for g in worker.kv_cache_groups]))
+                       for g in worker.kv_cache_groups],
+            # where each layer's bytes live in the worker's allocation (#22: gen.kv_cache_planning.706.inc)
+            kv_cache_tensors=vllm_kv_cache_tensors(worker)))
 
     def check_per_layer(self, layers: dict[str, KVCacheSpec], config: EngineConfig, available_memory: int,
                         kv_cache_layout: str = "LBNHC") -> Outcome:
@@ -253,7 +255,53 @@ def kvref_outcome(planner: VllmPlanner, layers, config, available_memory, kv_cac
         kv_cache_size_tokens=plan.kv_cache_size_tokens,
         dcp_specs=[None if _padded(g.kv_cache_spec) else
                    planner.to_vllm(resolve_dcp_kv_cache_spec(g.kv_cache_spec, config.dcp_world_size))
-                   for g in plan.groups]))
+                   for g in plan.groups],
+        kv_cache_tensors=plan.kv_cache_tensors))
+
+
+def vllm_kv_cache_tensors(kv_cache_config: Any) -> tuple[Any, ...]:
+    """vLLM's planned ``KVCacheConfig.kv_cache_tensors`` as kvref's
+    :class:`~kvref.spec.kv_cache_tensors.KVCacheTensor` (same fields, layer names as a tuple)."""
+    from kvref.spec.kv_cache_tensors import KVCacheTensor
+
+    return tuple(KVCacheTensor(t.size, tuple(t.layers), t.layer_stride, t.block_stride, t.offset, t.host_resident)
+                 for t in kv_cache_config.kv_cache_tensors)
+
+
+def tensor_divergence(ours: Any, theirs: Any) -> str | None:
+    """None when both plans place the KV bytes alike, else the first difference, naming the tensor's
+    index, field and layers (``kv_cache_tensors[2].offset: kvref 0 != vLLM 1 (layers ...)``): a
+    misplaced view reads another layer's KV, which no block count shows."""
+    from dataclasses import fields
+
+    from kvref.spec.kv_cache_tensors import KVCacheTensor
+
+    ours, theirs = tuple(ours), tuple(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        for f in fields(KVCacheTensor):
+            got, want = getattr(a, f.name), getattr(b, f.name)
+            if got != want:
+                return f"kv_cache_tensors[{i}].{f.name}: kvref {got!r} != vLLM {want!r} (layers {list(b.layers)})"
+    if len(ours) != len(theirs):
+        return (f"kv_cache_tensors: kvref plans {len(ours)} tensors, vLLM {len(theirs)} "
+                f"(layers: kvref {[list(t.layers) for t in ours]}, vLLM {[list(t.layers) for t in theirs]})")
+    return None
+
+
+def outcome_divergence(ours: Outcome, theirs: Outcome) -> str | None:
+    """None when kvref's and vLLM's outcomes agree (verdict, reason, estimated length, then every
+    field vLLM's side reports), else the first difference in one line; tensors by index and field."""
+    if ours.key() != theirs.key():
+        return f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}"
+    for name, want in theirs.fields.items():
+        got = ours.fields.get(name)
+        if name == "kv_cache_tensors":
+            diff = tensor_divergence(got, want)
+            if diff:
+                return diff
+        elif got != want:
+            return f"{name}: kvref {got!r} != vLLM {want!r}"
+    return None
 
 
 def vllm_approximate_gcd(values: list[int], **kwargs: Any) -> int:

@@ -1413,6 +1413,14 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
                                                                          host_num_blocks=20, host_blocks=4))
     out["hisparse_steady_state_concurrency"] = (ph.hisparse_steady_state_concurrency, dict(
         num_blocks=10, admission_blocks=3, steady_blocks=2, host_num_blocks=20, host_blocks=4))
+    # the planned KV tensors' layout: strides, offsets (#22)
+    from kvref.spec import kv_cache_tensors as kt
+
+    out["page_shape"] = (kt.page_shape, dict(spec=FULL))
+    out["layout_strides"] = (kt.layout_strides, dict(spec=FULL, num_blocks=4, num_layers=2, kv_cache_layout="BLHNC",
+                                                     block_stride=64))
+    out["kv_cache_tensors"] = (kt.kv_cache_tensors, dict(groups=[GROUP, KVCacheGroupSpec(("l1",), SWA)],
+                                                         num_blocks=4, kv_cache_layout="LBNHC"))
     # pipeline/tensor-parallel planning over several workers (#22)
     from kvref.spec import planning_parallel as pp
 

@@ -338,6 +338,9 @@ EXCLUDED: dict[str, str] = {
             "KVCacheSpec.max_num_blocks_per_req", ABSTRACT + " (every concrete spec overrides this method)"),
     **_each("kvref.spec.planning", "GroupPlan KVCachePlan", RECORD),
     **_each("kvref.spec.planning_hisparse", "HiSparsePlan HiSparseTensor", RECORD),
+    "kvref.spec.kv_cache_tensors.KVCacheTensor": RECORD,
+    "kvref.spec.kv_cache_tensors.check_kv_cache_tensors": "an invariant checker (KVCachePlan.check_invariants): "
+                                                          "asserts by design",
     **_each("kvref.spec.planning_parallel", "ParallelKVCachePlan WorkerPlan", RECORD),
     **_each("kvref.impl.run_trace.format", "block_table cached_block_ids encode_lengths int_column sched_record "
             "sched_rows update_sampled", CODEC),
