@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from kvref.spec import EngineConfig, KVCacheSpec
 
-from .planning import Outcome, VllmPlanner, _kvref_attempt
+from .planning import Outcome, VllmPlanner, _kvref_attempt, vllm_kv_cache_tensors
 
 
 def _strip_tp_shards(kci: Any, spec: Any) -> Any:
@@ -76,6 +76,8 @@ def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpe
             worker_bytes_per_block=[planning._pool_bytes_per_block(vc, c.kv_cache_groups) if c.kv_cache_groups else 0
                                     for c in cfgs],
             tensor_bytes=[sorted({t.size for t in c.kv_cache_tensors}) for c in cfgs],
+            # every worker's tensors, re-planned at the common block count (#22)
+            kv_cache_tensors=[vllm_kv_cache_tensors(c) for c in cfgs],
             kv_tp_replicas=[c.kv_tp_replicas for c in cfgs])
         if sched.kv_cache_groups:  # an attention-free model schedules nothing (EngineCore skips capacity)
             participating = [g.kv_cache_spec.block_size for g in sched.kv_cache_groups
@@ -114,6 +116,7 @@ def plan_workers(planner: VllmPlanner, workers: Sequence[Mapping[str, KVCacheSpe
 def kvref_workers_outcome(planner: VllmPlanner, workers, config, available_memory, kv_cache_layout: str = "LBNHC",
                           tensor_parallel_size: int = 1, max_tp_shards=None, draft_layers=None) -> Outcome:
     """kvref's :func:`~kvref.spec.planning_parallel.plan_kv_cache_workers` in the same normalised form."""
+    from kvref.spec.kv_cache_tensors import kv_cache_tensors
     from kvref.spec.planning_parallel import plan_kv_cache_workers
 
     plan, refused = _kvref_attempt(plan_kv_cache_workers, workers, config, available_memory,
@@ -134,6 +137,7 @@ def kvref_workers_outcome(planner: VllmPlanner, workers, config, available_memor
         worker_groups=[groups(w.groups) for w in plan.workers],
         worker_bytes_per_block=[w.bytes_per_block for w in plan.workers],
         tensor_bytes=[[w.tensor_bytes] if w.groups else [] for w in plan.workers],
+        kv_cache_tensors=[kv_cache_tensors(w.groups, plan.num_blocks, kv_cache_layout) for w in plan.workers],
         kv_tp_replicas=[w.kv_tp_replicas for w in plan.workers])
     if plan.scheduler_groups:
         fields.update(scheduler_groups=groups(plan.scheduler_groups), scheduler_block_size=plan.scheduler_block_size,

@@ -5,7 +5,8 @@ Generated pipeline-parallel splits (1-4 stages, each reported by 1-8 TP ranks), 
 around each worker's own boundary, overrides, auto-fit, ``max_tp_shards``, EAGLE drafter layers,
 attention-free models and a layer reported differently by two workers. Every observable is compared: the global groups,
 each worker's projected groups, bytes per block, block count (the smallest worker's for all),
-KV cache tensor sizes and ``kv_tp_replicas``, ``max_model_len`` after auto-fit, the scheduler's
+KV cache tensors (sizes, layers, strides and offsets, re-planned at the common block count) and
+``kv_tp_replicas``, ``max_model_len`` after auto-fit, the scheduler's
 groups, block sizes, alignment and capacity; or the verdict (which rule refuses, with vLLM's
 estimated maximum length). Run inside ``conform-planning``.
 """
@@ -31,6 +32,13 @@ def agree_parallel(planner: Any, case: ParallelPlanCase, seen: set[str] | None =
     assert ours.key() == theirs.key(), f"accept/reject: kvref {ours.key()} vs vLLM {theirs.key()}\n{case}"
     assert set(ours.fields) == set(theirs.fields), (sorted(ours.fields), sorted(theirs.fields), case)
     for name, want in theirs.fields.items():
+        if name == "kv_cache_tensors":  # per worker, by tensor index and field (#22)
+            from kvref.impl.vllm.planning import tensor_divergence
+
+            assert len(ours.fields[name]) == len(want), (name, case)
+            for worker, (got, expected) in enumerate(zip(ours.fields[name], want)):
+                diff = tensor_divergence(got, expected)
+                assert diff is None, f"worker {worker}: {diff}\n{case}"
         assert ours.fields[name] == want, f"{name}: kvref {ours.fields[name]!r} != vLLM {want!r}\n{case}"
     if case.shape == "free":  # vLLM's public per-layer check has nothing to check either
         from kvref.impl.vllm.planning import kvref_per_layer_outcome
