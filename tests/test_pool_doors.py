@@ -75,3 +75,28 @@ def test_off_plan_names_its_reason_and_checks_fields_like_any_pool():
 def test_from_plan_rejects_what_is_not_a_plan():
     with pytest.raises(InvalidFieldError, match="plan"):
         PoolConfig.from_plan({"num_blocks": 3})
+
+
+def _off_plan_files() -> set[str]:
+    found = set()
+    for d in SOURCE_DIRS:
+        for path in sorted((ROOT / d).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "off_plan"
+                   and ast.unparse(n.func.value) == "PoolConfig" for n in ast.walk(tree)):
+                found.add(rel)
+    return found
+
+
+def test_every_off_plan_door_is_listed_with_its_reason_in_docs():
+    """docs/pools.md lists every file that builds a pool off-plan and why: a new off-plan pool is
+    a decision a reader should see, and a listed file that now plans its pool is stale."""
+    import re
+
+    listed = set(re.findall(r"^\| `([^`]+\.py)` \|", (ROOT / "docs" / "pools.md").read_text(encoding="utf-8"),
+                            flags=re.M))
+    found = _off_plan_files()
+    assert "models/strategies/pools.py" in found  # the scan sees the door's callers at all
+    assert found - listed == set(), f"off_plan pools not listed in docs/pools.md: {sorted(found - listed)}"
+    assert listed - found == set(), f"docs/pools.md lists files with no off_plan pool: {sorted(listed - found)}"
