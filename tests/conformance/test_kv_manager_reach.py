@@ -32,21 +32,22 @@ def _counting(monkeypatch, cls, name: str) -> list[int]:
     return calls
 
 
-def _run(**kwargs):
+def _run(out_dir, **kwargs):
+    """The seeded run; a failing trace goes to ``out_dir`` (the test's tmp_path: run_machine takes
+    the folder, no environment variable is swapped, #26)."""
     from kvref.models.machines.kv_cache_manager import run_machine
 
     return run_machine(("reference", "vllm"), _EXAMPLES, seed=_SEED, shrink=False, group_sets=("fa", "fa+swa"),
-                       **kwargs)
+                       out_dir=str(out_dir), **kwargs)
 
 
 def test_generated_follow_ups_announce_full_mode_hits(monkeypatch, tmp_path):
     """The generated traces reach vLLM's announcement of a reused prefix and agree on it."""
     require_vllm()
-    monkeypatch.setenv("KVREF_TRACE_DIR", str(tmp_path))
     from vllm.v1.core.block_pool import BlockPool
 
     calls = _counting(monkeypatch, BlockPool, "emit_cached_block_events")
-    run = _run()
+    run = _run(tmp_path)
     assert run.ok, run.failure
     assert calls[0] > 0
 
@@ -54,7 +55,6 @@ def test_generated_follow_ups_announce_full_mode_hits(monkeypatch, tmp_path):
 def test_a_dropped_hit_announcement_is_caught(monkeypatch, tmp_path):
     """vLLM announcing a full-mode hit without its last block (a planted fault) diverges."""
     require_vllm()
-    monkeypatch.setenv("KVREF_TRACE_DIR", str(tmp_path))
     from vllm.v1.core.block_pool import BlockPool
 
     orig = BlockPool.emit_cached_block_events
@@ -63,6 +63,7 @@ def test_a_dropped_hit_announcement_is_caught(monkeypatch, tmp_path):
         return orig(self, request, num_cached_blocks - 1, block_size, kv_cache_group_id)
 
     monkeypatch.setattr(BlockPool, "emit_cached_block_events", short)
-    run = _run()
+    run = _run(tmp_path)
     assert not run.ok
     assert "event" in run.failure.lower()
+    assert run.trace_path is not None and run.trace_path.startswith(str(tmp_path))  # kept where asked
