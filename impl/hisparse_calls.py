@@ -191,11 +191,16 @@ class HiSparseWholeManagerCalls:
     #: the side's request status for ``"WAITING"``, ``"RUNNING"`` and ``"FINISHED"``
     _status: Any
 
-    def manager_hit(self, request_id: str, prompt: list[int]) -> tuple[int, list[list[int]]]:
-        """``get_computed_blocks`` for a new request: (hit tokens, block ids per group)."""
+    def manager_hit(self, request_id: str, prompt: list[int],
+                    report_mode: str = "incremental") -> tuple[int, list[list[int]]]:
+        """``get_computed_blocks`` for a new request: (hit tokens, block ids per group). With KV
+        cache events on and ``report_mode="full"`` (``kv_cache_report_mode``) the manager also
+        announces the hit's blocks in ``BlockStored`` events, the host source's as medium CPU."""
         if request_id in self.requests:
             raise InvalidFieldError("request_id", request_id, "a request not admitted yet")
-        req = self._request(request_id, prompt)
+        if report_mode not in ("incremental", "full"):
+            raise InvalidFieldError("report_mode", report_mode, "'incremental' or 'full'")
+        req = self._request(request_id, prompt, report_mode)
         req.status = self._status("WAITING")
         blocks, num_hit, _ = self._mgr.get_computed_blocks(req)
         self._whole_hits[request_id] = (blocks, num_hit)

@@ -58,7 +58,9 @@ class HiSparseHotManager(HiSparseGpuGroup):
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
         assert not new_computed_blocks, "a HiSparse hot group never hits"
-        self.req_to_blocks.setdefault(request_id, [])
+        # no table yet (vLLM's HiSparseHotManager makes one only with the region, in
+        # allocate_new_blocks): a new request whose hit is on the host source alone (the GPU groups
+        # hit 0 tokens) comes here with an empty hit and stays cold, without a table (#22)
         self.num_cached_block[request_id] = 0
         if num_local_computed_tokens > 0 or not self.has_resident_groups:
             self.require_hot(request_id)

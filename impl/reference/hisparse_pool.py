@@ -108,11 +108,13 @@ class HiSparsePool(HiSparseManagerCalls):
             out.append(None if block is None else block.block_id)
         return out
 
-    def _request(self, request_id: str, prompt: list[int]) -> Request:
+    def _request(self, request_id: str, prompt: list[int], report_mode: str = "incremental") -> Request:
+        """The request of ``request_id`` on ``prompt``, made anew when the prompt or the KV-event
+        ``report_mode`` (``kv_cache_report_mode``: ``"full"`` announces a prefix hit's blocks) changed."""
         req = self.requests.get(request_id)
-        if req is None or req.prompt_token_ids != list(prompt):
+        if req is None or req.prompt_token_ids != list(prompt) or req.kv_cache_report_mode != report_mode:
             req = self.requests[request_id] = Request(request_id, list(prompt), max_tokens=1,
-                                                      status=RequestStatus.RUNNING)
+                                                      status=RequestStatus.RUNNING, kv_cache_report_mode=report_mode)
         return req
 
     def block_hashes(self, request_id: str, prompt: list[int]) -> list:

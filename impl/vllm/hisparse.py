@@ -24,9 +24,13 @@ from kvref.spec.kv_cache_interface import FullAttentionSpec
 class VllmHiSparsePool(HiSparseManagerCalls):
     kind = "vllm"
 
-    def __init__(self, config: HiSparsePoolConfig) -> None:
+    def __init__(self, config: HiSparsePoolConfig, enable_kv_cache_events: bool = False) -> None:
+        """``enable_kv_cache_events``: vLLM's ``KVCacheManager`` queues KV cache events (the host
+        pool's, medium CPU, in the device pool's queue: ``SharedEventQueueBlockPool``)."""
         if not isinstance(config, HiSparsePoolConfig):
             raise InvalidFieldError("config", config, "a kvref.spec.hisparse.HiSparsePoolConfig")
+        if not isinstance(enable_kv_cache_events, bool):
+            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events, "True or False")
         v = load_vllm()
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
@@ -44,7 +48,7 @@ class VllmHiSparsePool(HiSparseManagerCalls):
                                   kv_cache_tensors=[], kv_cache_groups=groups)
         self._mgr = KVCacheManager(kv_config, max_model_len=config.max_model_len,
                                    max_in_flight_tokens=config.max_in_flight_tokens,
-                                   enable_caching=config.enable_caching,
+                                   enable_caching=config.enable_caching, enable_kv_cache_events=enable_kv_cache_events,
                                    hash_block_size=config.block_size, scheduler_block_size=config.block_size)
         self.coordinator = get_hisparse_coordinator(self._mgr)
         self.managers: tuple[Any, ...] = tuple(self._mgr.coordinator.single_type_managers)
@@ -53,6 +57,10 @@ class VllmHiSparsePool(HiSparseManagerCalls):
         self._hits = {}
         self._v = v
         self._hasher = v["get_request_block_hasher"](config.block_size, v["sha256"]) if config.enable_caching else None
+        # NONE_HASH is process-global in vLLM and another adapter may have re-seeded it: seed it for
+        # sha256 as the reference does and remember it (``_request`` re-seeds if it changed since)
+        v["init_none_hash"](v["sha256"])
+        self._none_hash = v["utils"].NONE_HASH
         #: vLLM ``Request`` objects prefix caching hashes and publishes, by id
         self.requests: dict[str, Any] = {}
 
@@ -94,12 +102,20 @@ class VllmHiSparsePool(HiSparseManagerCalls):
             out.append(None if block is None else block.block_id)
         return out
 
-    def _request(self, request_id: str, prompt: list[int]) -> Any:
+    def _request(self, request_id: str, prompt: list[int], report_mode: str = "incremental") -> Any:
+        """vLLM's request of ``request_id`` on ``prompt``, made anew when the prompt or the KV-event
+        ``report_mode`` changed (``extra_args["kv_cache_report_mode"]``, what ``get_computed_blocks``
+        reads)."""
         req = self.requests.get(request_id)
-        if req is None or list(req.prompt_token_ids) != list(prompt):
-            req = self.requests[request_id] = vllm_request(request_id, list(prompt),
-                                                           vllm_sampling_params(max_tokens=1),
-                                                           block_hasher=self._hasher)
+        if (req is None or list(req.prompt_token_ids) != list(prompt)
+                or getattr(req, "kv_cache_report_mode", "incremental") != report_mode):
+            if self._hasher is not None and self._v["utils"].NONE_HASH != self._none_hash:
+                # NONE_HASH is process-global in vLLM: another adapter may have re-seeded it since;
+                # the hashes (published in KV events) must be the ones the reference computes
+                self._v["init_none_hash"](self._v["sha256"])
+            req = self.requests[request_id] = vllm_request(
+                request_id, list(prompt), vllm_sampling_params(max_tokens=1, kv_cache_report_mode=report_mode),
+                block_hasher=self._hasher)
             req.status = self._v["VStatus"].RUNNING
         return req
 

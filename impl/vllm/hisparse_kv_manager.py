@@ -21,9 +21,17 @@ class VllmHiSparseKVCacheManager(HiSparseWholeManagerCalls, VllmHiSparsePool):
     """The pool of :class:`VllmHiSparsePool`, driven through its ``KVCacheManager`` (the calls:
     :class:`~kvref.impl.hisparse_calls.HiSparseWholeManagerCalls`)."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, enable_kv_cache_events: bool = False) -> None:
+        super().__init__(config, enable_kv_cache_events=enable_kv_cache_events)
         self._whole_hits: dict[str, Any] = {}
+
+    def take_kv_events(self) -> list[dict[str, Any]]:
+        """vLLM's ``KVCacheManager.take_events()`` as plain dicts (:mod:`kvref.impl.vllm.kv_events`):
+        the device pool's queue, which the host pool (``SharedEventQueueBlockPool``, medium CPU)
+        shares; [] with events off."""
+        from kvref.impl.vllm.kv_events import vllm_event_to_plain
+
+        return [vllm_event_to_plain(e) for e in self._mgr.take_events()]
 
     def _status(self, name: str) -> Any:
         statuses = self._v["VStatus"]
