@@ -15,7 +15,8 @@ from kvref.spec.kv_cache_interface import MambaSpec
 from kvref.spec.prefix_cache_retention import validate_prefix_cache_retention_interval
 
 from .block_hash import get_block_hash
-from .kv_cache_manager import KVCacheBlocks, KVCacheManager, _check_request_id
+from .kv_cache_manager import KVCacheBlocks, KVCacheManager
+from .kv_cache_manager_checks import check_request, check_request_id
 from .kv_events import event_to_plain
 
 
@@ -103,7 +104,7 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
         """vLLM's ``KVCacheManager.cache_blocks`` (publish full blocks up to a token count): what
         the scheduler calls when an async KV load completes (``_update_waiting_for_remote_kv``)."""
         m = self.manager
-        m._check_request(request)
+        check_request(request)
         check_int("num_computed_tokens", num_computed_tokens, minimum=0)
         for gid, stm in enumerate(m.coordinator.single_type_managers):
             allocated = len(stm.req_to_blocks.get(request.request_id, ())) * stm.block_size
@@ -166,7 +167,7 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
 
     def forget(self, request_id: str) -> None:
         """The reference drops a request's hashes when its blocks are freed; nothing else to drop."""
-        _check_request_id(request_id)
+        check_request_id(request_id)
         if self.manager.hasher is not None:
             self.manager.hasher.forget(request_id)
 
@@ -227,7 +228,7 @@ class ReferenceKVCacheManager(KVCacheManagerLike):
     def free_holding_view(self, request: Request) -> BlockIds:
         """``free`` while holding the ``get_blocks`` result taken just before it (a connector's
         view): returns the ids that view shows after the free (vLLM: still the table order)."""
-        self.manager._check_request(request)
+        check_request(request)
         view = self.manager.get_blocks(request.request_id)
         self.manager.free(request)
         return self._ids(view)

@@ -3,6 +3,12 @@
 Mirrors vLLM 0.33.0's ``BlockPool`` (``vllm/v1/core/block_pool.py``). One pool is shared by all
 KV-cache groups of a model, so a block id belongs to one group's table at a time.
 
+Two layers (kvref issue #26, "a thin core"): :class:`BlockPoolCore` is the plain pool, trusting its
+arguments as vLLM's does; the KV cache managers call it directly with their own tables' blocks.
+:class:`BlockPool` is what everyone constructs: each public method checks its arguments once
+(:mod:`.block_pool_checks`, ``InvalidFieldError`` naming the field, nothing changed) and then runs
+the core's. Every method without arguments to check is the core's.
+
 The rules that decide block ids, and so must match vLLM exactly:
 
 * Block 0 is the null block, taken out of the free queue at construction and never returned.
@@ -36,10 +42,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvref.impl.interface import MAX_NUM_BLOCKS
 from kvref.impl.request import Request
-from kvref.spec.errors import InvalidFieldError, check_int
+from kvref.spec.errors import check_int
 
+from . import block_pool_checks as checks
 from .block_hash import (
     BlockHash,
     BlockHashWithGroupId,
@@ -63,29 +69,7 @@ from .kv_events import (
     use_int_block_hashes,
 )
 
-
 _GROUP_SUFFIXES = tuple(i.to_bytes(4, "big") for i in range(64))
-
-
-#: KV cache group ids are 4-byte big-endian suffixes of every prefix-cache key
-MAX_GROUP_ID = (1 << 32) - 1
-
-
-def _check_group_id(field: str, value: object) -> None:
-    if type(value) is not int or not 0 <= value <= MAX_GROUP_ID:
-        raise InvalidFieldError(field, value, f"a KV cache group id (an int in [0, {MAX_GROUP_ID}])")
-
-
-def _as_list(field: str, value: object, what: str) -> list:
-    """``value`` as a list, or InvalidFieldError (``list(5)`` raised TypeError from inside the pool)."""
-    if isinstance(value, list):
-        return value
-    if isinstance(value, (str, bytes, dict)) or value is None:
-        raise InvalidFieldError(field, value, what)
-    try:
-        return list(value)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidFieldError(field, value, what) from None
 
 
 def group_suffix(group_id: int) -> bytes:
@@ -93,8 +77,9 @@ def group_suffix(group_id: int) -> bytes:
     return _GROUP_SUFFIXES[group_id] if 0 <= group_id < 64 else group_id.to_bytes(4, "big")
 
 
-class BlockPool:
-    """All blocks of one pool.
+class BlockPoolCore:
+    """All blocks of one pool, with vLLM's operations and no argument checks (see the module
+    docstring; construct :class:`BlockPool`).
 
     Args:
         num_gpu_blocks: blocks in the pool, including the null block 0 (so at least 1).
@@ -113,20 +98,6 @@ class BlockPool:
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, medium: str = MEDIUM_GPU,
                  int_block_hashes: bool | None = None, num_hash_lookahead_tokens: int = 0) -> None:
-        check_int("num_gpu_blocks", num_gpu_blocks, minimum=1)
-        if num_gpu_blocks > MAX_NUM_BLOCKS:
-            raise InvalidFieldError("num_gpu_blocks", num_gpu_blocks,
-                                    f"an int in [1, {MAX_NUM_BLOCKS}] (one Python object per block)")
-        check_int("hash_block_size", hash_block_size, minimum=1)
-        if not isinstance(enable_caching, bool):
-            raise InvalidFieldError("enable_caching", enable_caching, "True or False")
-        if not isinstance(enable_kv_cache_events, bool):
-            raise InvalidFieldError("enable_kv_cache_events", enable_kv_cache_events, "True or False")
-        if not isinstance(medium, str):
-            raise InvalidFieldError("medium", medium, "a str such as 'GPU'")
-        if int_block_hashes is not None and not isinstance(int_block_hashes, bool):
-            raise InvalidFieldError("int_block_hashes", int_block_hashes, "None, True or False")
-        check_int("num_hash_lookahead_tokens", num_hash_lookahead_tokens, minimum=0)
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
         self.medium = medium
@@ -142,6 +113,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         #: block_id -> secondary keys of a block that already has a primary key
         self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+        # vLLM: block 0 stands for every skipped slot (outside a window); it is never handed out
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         #: block residency metrics (vLLM ``--kv-cache-metrics``): a
@@ -152,24 +124,19 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash,
                          kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """One cached block per group for ``block_hash``, or None if any group misses."""
-        if not isinstance(block_hash, bytes):
-            raise InvalidFieldError("block_hash", block_hash, "a block hash (bytes)")
-        if not isinstance(kv_cache_group_ids, (list, tuple)):
-            raise InvalidFieldError("kv_cache_group_ids", kv_cache_group_ids, "a list of KV cache group ids")
-        for gid in kv_cache_group_ids:
-            _check_group_id("kv_cache_group_ids[i]", gid)
+        """One cached block per group for ``block_hash``, or None if any group misses (vLLM: a
+        hit must hold in every group of the spec, or it is no hit)."""
         get = self.cached_block_hash_to_block.get_one_block
         if len(kv_cache_group_ids) == 1:  # the common case, without the loop
             block = get(block_hash + group_suffix(kv_cache_group_ids[0]))
             return None if block is None else [block]
-        found: list[KVCacheBlock] = []
+        cached_blocks: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             block = get(block_hash + group_suffix(group_id))
             if block is None:
                 return None
-            found.append(block)
-        return found
+            cached_blocks.append(block)
+        return cached_blocks
 
     def get_num_free_blocks(self) -> int:
         """Free-queue length; includes cached blocks that are eviction candidates."""
@@ -184,7 +151,6 @@ class BlockPool:
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         """Whether the sole owner may overwrite it (not null, one reference, not cached)."""
-        self._check_own((block,), "block")
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     # ------------------------------------------------------------------ allocation
@@ -195,16 +161,16 @@ class BlockPool:
         Raises:
             NotEnoughFreeBlocksError: fewer free blocks than asked (nothing is taken).
         """
-        check_int("num_blocks", num_blocks, minimum=0)
         num_free = self.free_block_queue.num_free_blocks
         if num_blocks > num_free:
             raise NotEnoughFreeBlocksError(num_blocks, num_free)
-        taken = self.free_block_queue.popleft_n(num_blocks)
+        # the front is the eviction end: scratch freed last (LIFO), then cached blocks, least recent first
+        ret = self.free_block_queue.popleft_n(num_blocks)
         metrics = self.metrics_collector
-        for block in taken:
+        for block in ret:
             if metrics is not None and self.enable_caching:  # vLLM: every reused block "evicted", hashed or not
                 metrics.on_block_evicted(block.block_id)
-            if block._block_hash is not None:
+            if block._block_hash is not None:  # a cached block is evicted only now, when reused
                 removed = self._remove_cached_block_hashes(block)
                 if self.enable_kv_cache_events:
                     self._emit_block_removed_events(removed)
@@ -212,27 +178,21 @@ class BlockPool:
             block.ref_cnt = 1
             if metrics is not None:
                 metrics.on_block_allocated(block.block_id)
-        return taken
+        return ret
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take one more reference to each block (a prefix-cache hit); 0 -> 1 leaves the queue."""
-        blocks = blocks if isinstance(blocks, (list, tuple)) else _as_list("blocks", blocks, "blocks of this pool")
-        self._check_own(blocks, "blocks")
-        self._touch(blocks)
-
-    def _touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``touch`` without the ownership check, for the managers' own table blocks."""
         remove = self.free_block_queue.remove
         for block in blocks:
-            if block.is_null:
+            if block.is_null:  # vLLM: shared by every skipped slot, its count is never kept
                 continue
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0:  # an eviction candidate in the free queue: no longer one
                 remove(block)
             block.ref_cnt += 1
             if self.metrics_collector is not None:
                 self.metrics_collector.on_block_accessed(block.block_id)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go back to the free queue.
 
         ``ordered_blocks`` is in eviction priority (first = evicted first). Uncached blocks are
@@ -240,49 +200,28 @@ class BlockPool:
         Null blocks are skipped.
 
         Raises:
-            BlockRefCountError: a block is not in use (double free); nothing is changed.
+            BlockRefCountError: a block is not in use (double free); nothing is changed. (vLLM
+                does not look; the count would go negative. This is what catches a double free.)
         """
-        blocks = _as_list("ordered_blocks", ordered_blocks, "blocks of this pool")
-        self._check_own(blocks, "ordered_blocks")
-        self._free_blocks(blocks)
-
-    def _free_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """``free_blocks`` without the ownership check, for the managers' own table blocks (the
-        reference-count check stays: it is what catches a double free)."""
-        evict_first: list[KVCacheBlock] = []
-        evict_last: list[KVCacheBlock] = []
+        blocks_to_evict_first: list[KVCacheBlock] = []
+        blocks_to_evict_last: list[KVCacheBlock] = []
         caching = self.enable_caching
-        for idx, block in enumerate(blocks):
-            if block.is_null:
+        for idx, block in enumerate(ordered_blocks):
+            if block.is_null:  # vLLM: never pooled; its ref_cnt is not maintained
                 continue
             if block.ref_cnt <= 0:
-                self._undo_decrements(blocks, idx)
+                for done in ordered_blocks[:idx]:  # undo, so a double free changes nothing
+                    if not done.is_null:
+                        done.ref_cnt += 1
                 raise BlockRefCountError(block.block_id, block.ref_cnt)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block._block_hash is None or not caching:
-                    evict_first.append(block)
+                    blocks_to_evict_first.append(block)  # vLLM: LIFO reuse of uncached blocks (GPU locality)
                 else:
-                    evict_last.append(block)
-        self.free_block_queue.prepend_n(evict_first)
-        self.free_block_queue.append_n(evict_last)
-
-    @staticmethod
-    def _undo_decrements(blocks: list[KVCacheBlock], upto: int) -> None:
-        for block in blocks[:upto]:
-            if not block.is_null:
-                block.ref_cnt += 1
-
-    def _check_own(self, blocks: Sequence[KVCacheBlock], field: str) -> None:
-        """Every element must be one of this pool's block objects (O(1) each)."""
-        pool_blocks = self.blocks
-        for block in blocks:
-            try:
-                ok = pool_blocks[block.block_id] is block
-            except (AttributeError, IndexError, TypeError):
-                ok = False
-            if not ok:
-                raise InvalidFieldError(field, block, "blocks of this pool")
+                    blocks_to_evict_last.append(block)  # vLLM: FIFO reuse of cached blocks (LRU eviction)
+        self.free_block_queue.prepend_n(blocks_to_evict_first)
+        self.free_block_queue.append_n(blocks_to_evict_last)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -310,74 +249,35 @@ class BlockPool:
         With events on, one ``BlockStored`` follows for the whole range — even when every block
         in it was skipped (then with no hashes), as vLLM 0.33.0 does.
         """
-        check_int("num_cached_blocks", num_cached_blocks, minimum=0)
-        check_int("num_full_blocks", num_full_blocks, minimum=0)
         if num_cached_blocks >= num_full_blocks:
             return
         events = self.enable_kv_cache_events
-        if events and not isinstance(request, Request):
-            raise InvalidFieldError("request", request,
-                                    "the Request whose blocks are cached (BlockStored events carry its tokens)")
-        self._check_cache_range(block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
-                                kv_cache_group_id, block_mask)
-        hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        block_hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
         suffix = group_suffix(kv_cache_group_id)
         stored: list[int] = []  # indexes of the blocks that got a key (for the event)
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+        for i, blk in enumerate(new_full_blocks, num_cached_blocks):
+            # vLLM: the null block is never cached; a masked block could never serve a hit
+            if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             num_hash_tokens = (i + 1) * block_size
-            if block._block_hash is not None:
-                assert block._block_hash_num_tokens is not None \
-                    and block._block_hash_num_tokens < num_hash_tokens, \
-                    f"block {block.block_id} is already cached for {block._block_hash_num_tokens} tokens"
-                removed = self._remove_cached_block_hashes(block)
+            if blk._block_hash is not None:  # a partial (fine-grained) entry promoted to the full block
+                assert blk._block_hash_num_tokens is not None and blk._block_hash_num_tokens < num_hash_tokens, \
+                    f"block {blk.block_id} is already cached for {blk._block_hash_num_tokens} tokens"
+                removed = self._remove_cached_block_hashes(blk)
                 if events:
                     self._emit_block_removed_events(removed)
-            self._insert_block_hash(hashes[i] + suffix, block, num_hash_tokens)
+            self._insert_block_hash(block_hashes[i] + suffix, blk, num_hash_tokens)
             if events:
                 stored.append(i)
         if events:
             assert request is not None
             ext = self._external_hash
-            parent = ext(hashes[num_cached_blocks - 1]) if num_cached_blocks else None
+            parent_block_hash = ext(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
             self.kv_event_queue.append(self._block_stored(
-                request, [ext(hashes[i]) for i in stored], parent, num_cached_blocks * block_size,
-                num_full_blocks * block_size, block_size, kv_cache_group_id,
+                request, [ext(block_hashes[i]) for i in stored], parent_block_hash,
+                num_cached_blocks * block_size, num_full_blocks * block_size, block_size, kv_cache_group_id,
                 [i * block_size for i in stored]))
-
-    def _check_cache_range(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
-                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
-                           kv_cache_group_id: int, block_mask: Sequence[bool] | None) -> None:
-        """Everything ``cache_full_blocks`` relies on, checked before the first key is inserted (a
-        call with too few blocks or hashes used to publish the first ones and then raise)."""
-        hbs = self.hash_block_size
-        check_int("block_size", block_size, minimum=1)
-        if block_size % hbs:
-            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
-        _check_group_id("kv_cache_group_id", kv_cache_group_id)
-        if not isinstance(blocks, (list, tuple)) or len(blocks) < num_full_blocks:
-            raise InvalidFieldError("blocks", blocks, f"the request's block table, at least num_full_blocks="
-                                                      f"{num_full_blocks} blocks of this pool")
-        if not isinstance(block_hashes, (list, tuple)) or len(block_hashes) * hbs < num_full_blocks * block_size:
-            raise InvalidFieldError("block_hashes", block_hashes, f"at least {num_full_blocks * block_size // hbs} "
-                                                                  "block hashes (bytes) covering the range")
-        if block_mask is not None and (not isinstance(block_mask, (list, tuple))
-                                       or len(block_mask) < num_full_blocks - num_cached_blocks):
-            raise InvalidFieldError("block_mask", block_mask, f"None or {num_full_blocks - num_cached_blocks} bools")
-        span = blocks[num_cached_blocks:num_full_blocks]
-        self._check_own(span, "blocks")
-        for i, block in enumerate(span, num_cached_blocks):
-            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                continue  # skipped by the caching loop too
-            if not isinstance(block_hashes[(i + 1) * block_size // hbs - 1], bytes):
-                raise InvalidFieldError(f"block_hashes[{(i + 1) * block_size // hbs - 1}]",
-                                        block_hashes[(i + 1) * block_size // hbs - 1], "bytes")
-            if block._block_hash is not None and (
-                    block._block_hash_num_tokens is None or block._block_hash_num_tokens >= (i + 1) * block_size):
-                raise InvalidFieldError(f"blocks[{i}]", block.block_id, f"a block not yet cached for "
-                                        f"{(i + 1) * block_size} tokens (it is: already published)")
 
     def _external_hash(self, block_hash: BlockHash) -> int | bytes:
         return to_external_block_hash(block_hash, self.int_block_hashes)
@@ -416,23 +316,10 @@ class BlockPool:
         a prefix from block 0, so there is no parent."""
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
-        if not isinstance(request, Request):
-            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
-        hbs = self.hash_block_size
-        check_int("num_cached_blocks", num_cached_blocks, minimum=0)
-        check_int("block_size", block_size, minimum=1)
-        if block_size % hbs:
-            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
-        _check_group_id("kv_cache_group_id", kv_cache_group_id)
-        need = num_cached_blocks * block_size // hbs
-        if (not isinstance(block_hashes, (list, tuple)) or len(block_hashes) < need
-                or not all(isinstance(h, bytes) for h in block_hashes[:need])):
-            raise InvalidFieldError("block_hashes", block_hashes, f"at least {need} block hashes (bytes) "
-                                                                  "covering the hit")
-        hashes = resolve_block_hashes(block_hashes, hbs, block_size)
+        block_hashes = resolve_block_hashes(block_hashes, self.hash_block_size, block_size)
         ext = self._external_hash
         self.kv_event_queue.append(self._block_stored(
-            request, [ext(hashes[i]) for i in range(num_cached_blocks)], None, 0,
+            request, [ext(block_hashes[i]) for i in range(num_cached_blocks)], None, 0,
             num_cached_blocks * block_size, block_size, kv_cache_group_id,
             [i * block_size for i in range(num_cached_blocks)]))
 
@@ -456,28 +343,13 @@ class BlockPool:
         by a one-hash ``BlockStored`` covering the last ``hash_block_size`` tokens before
         ``num_tokens``; an entry the block already had is not announced again.
         """
-        self._check_own([block], "block")
-        if block.is_null:
+        if block.is_null:  # vLLM: the null block is never cached
             return None
         events = self.enable_kv_cache_events
-        if events and not isinstance(request, Request):
-            raise InvalidFieldError("request", request,
-                                    "the Request whose block is cached (BlockStored events carry its tokens)")
         hbs = self.hash_block_size
-        check_int("block_size", block_size, minimum=1)
-        if block_size % hbs:
-            raise InvalidFieldError("block_size", block_size, f"a multiple of hash_block_size={hbs}")
-        _check_group_id("kv_cache_group_id", kv_cache_group_id)
-        if not isinstance(block_hashes, (list, tuple)):
-            raise InvalidFieldError("block_hashes", block_hashes, "the request's block hashes (a list of bytes)")
-        check_int("num_tokens", num_tokens, minimum=hbs)
         num_hash_blocks = num_tokens // hbs
-        if num_tokens % hbs or num_hash_blocks > len(block_hashes):
-            raise InvalidFieldError("num_tokens", num_tokens, f"a multiple of hash_block_size={hbs} covered by "
-                                                              f"the {len(block_hashes)} block hashes")
-        if not isinstance(block_hashes[num_hash_blocks - 1], bytes):
-            raise InvalidFieldError(f"block_hashes[{num_hash_blocks - 1}]", block_hashes[num_hash_blocks - 1], "bytes")
-        key = block_hashes[num_hash_blocks - 1] + kv_cache_group_id.to_bytes(4, "big")
+        block_hash = block_hashes[num_hash_blocks - 1]
+        key = block_hash + kv_cache_group_id.to_bytes(4, "big")
         already_cached = block._block_hash == key or \
             self.cached_block_hash_to_block.contain(key, block.block_id)
         if replace_existing_hashes:
@@ -488,6 +360,7 @@ class BlockPool:
         elif (not already_cached and block._block_hash is not None
               and block._block_hash_num_tokens is not None
               and block._block_hash_num_tokens < num_tokens):
+            # keyed for a shorter prefix: the longer one replaces it (a hit wants the longest)
             removed = self._remove_cached_block_hashes(block)
             if events:
                 self._emit_block_removed_events(removed)
@@ -497,18 +370,14 @@ class BlockPool:
             start = (num_hash_blocks - 1) * hbs
             parent = block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
             self.kv_event_queue.append(self._block_stored(
-                request, [self._external_hash(block_hashes[num_hash_blocks - 1])],
+                request, [self._external_hash(block_hash)],
                 None if parent is None else self._external_hash(parent), start, num_tokens,
                 num_tokens - start, kv_cache_group_id, [start]))
         return key
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        """Re-point ``src_block``'s cache entries to ``dst_block`` (Mamba copy-on-write)."""
-        self._check_own((src_block, dst_block), "block")
-        if dst_block.is_null or dst_block.block_hash is not None \
-                or dst_block.block_id in self.cached_block_hashes_by_block:
-            raise InvalidFieldError("dst_block", dst_block.block_id, "a block of this pool that is not null "
-                                                                     "and not cached")
+        """Re-point ``src_block``'s cache entries to ``dst_block`` (Mamba copy-on-write); the
+        destination is neither null nor cached."""
         if src_block is dst_block:
             return
         num_tokens = src_block.block_hash_num_tokens
@@ -553,19 +422,16 @@ class BlockPool:
 
         Blocks in use stay allocated; free ones stay where they are in the queue, now uncached.
         """
-        ids = _as_list("block_ids", block_ids, "block ids (ints)")
-        for bid in ids:
-            if type(bid) is not int or not 0 <= bid < self.num_gpu_blocks:
-                raise InvalidFieldError("block_ids", bid, f"block ids in [0, {self.num_gpu_blocks})")
-        for bid in ids:
+        for block_id in block_ids:
             if self.metrics_collector is not None:
-                self.metrics_collector.on_block_evicted(bid)
-            removed = self._remove_cached_block_hashes(self.blocks[bid])
+                self.metrics_collector.on_block_evicted(block_id)
+            removed = self._remove_cached_block_hashes(self.blocks[block_id])
             if self.enable_kv_cache_events:
                 self._emit_block_removed_events(removed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, but only when no block is in use (else return False)."""
+        # vLLM refuses while any block is referenced: a running request would lose its hits' keys
         if self.num_gpu_blocks - self.get_num_free_blocks() != 1:  # the null block is always "used"
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
@@ -645,3 +511,67 @@ class BlockPool:
             num_expected += len(keys)
         assert num_keys == num_expected, f"I6: {num_keys} index keys but the blocks carry {num_expected}"
         assert self.enable_kv_cache_events or not self.kv_event_queue, "I11: events queued with events off"
+
+
+class BlockPool(BlockPoolCore):
+    """The block pool everyone constructs: each public method checks its arguments once
+    (:mod:`.block_pool_checks`; ``InvalidFieldError`` naming the field, nothing changed) and runs
+    :class:`BlockPoolCore`'s. Arguments are as there."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, medium: str = MEDIUM_GPU,
+                 int_block_hashes: bool | None = None, num_hash_lookahead_tokens: int = 0) -> None:
+        checks.check_pool_args(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events, medium,
+                               int_block_hashes, num_hash_lookahead_tokens)
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events, medium,
+                         int_block_hashes, num_hash_lookahead_tokens)
+
+    def get_cached_block(self, block_hash: BlockHash,
+                         kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        checks.check_get_cached_block(block_hash, kv_cache_group_ids)
+        return super().get_cached_block(block_hash, kv_cache_group_ids)
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        checks.check_own(self, (block,), "block")
+        return super().is_block_writable(block)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        check_int("num_blocks", num_blocks, minimum=0)
+        return super().get_new_blocks(num_blocks)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:  # type: ignore[override]
+        super().touch(checks.own_blocks(self, blocks, "blocks"))
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:  # type: ignore[override]
+        super().free_blocks(checks.own_blocks(self, ordered_blocks, "ordered_blocks"))
+
+    def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          kv_cache_group_id: int, block_mask: Sequence[bool] | None = None,
+                          request: Request | None = None) -> None:
+        checks.check_cache_full_blocks(self, block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                       kv_cache_group_id, block_mask, request)
+        super().cache_full_blocks(block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                  kv_cache_group_id, block_mask, request)
+
+    def emit_cached_block_events(self, request: Request, block_hashes: Sequence[BlockHash],
+                                 num_cached_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+        checks.check_emit_cached_block_events(self, request, block_hashes, num_cached_blocks, block_size,
+                                              kv_cache_group_id)
+        super().emit_cached_block_events(request, block_hashes, num_cached_blocks, block_size, kv_cache_group_id)
+
+    def cache_partial_block(self, block_hashes: Sequence[BlockHash], block: KVCacheBlock,
+                            num_tokens: int, kv_cache_group_id: int, block_size: int,
+                            replace_existing_hashes: bool = False,
+                            request: Request | None = None) -> BlockHashWithGroupId | None:
+        checks.check_cache_partial_block(self, block_hashes, block, num_tokens, kv_cache_group_id, block_size,
+                                         request)
+        return super().cache_partial_block(block_hashes, block, num_tokens, kv_cache_group_id, block_size,
+                                           replace_existing_hashes, request)
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        checks.check_move_block_hashes(self, src_block, dst_block)
+        super().move_block_hashes(src_block, dst_block)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        super().evict_blocks(checks.check_block_ids(self, block_ids))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheSpec
 
 from .block_hash import BlockHash, resolve_block_hashes
-from .block_pool import BlockPool
+from .block_pool import BlockPool, BlockPoolCore
 from .kv_cache_block import KVCacheBlock
 from .single_type_manager import SingleTypeKVCacheManager
 
@@ -41,9 +41,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         window_start_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
         null = block_pool.null_block
         computed = tuple([null] * window_start_block for _ in kv_cache_group_ids)
-        get_cached = block_pool.get_cached_block
+        get_cached = BlockPoolCore.get_cached_block  # our own hashes: the plain lookup
         for i in range(window_start_block, max_num_blocks):
-            hit = get_cached(hashes[i], kv_cache_group_ids)
+            hit = get_cached(block_pool, hashes[i], kv_cache_group_ids)
             if not hit:
                 break
             for blocks, block in zip(computed, hit):

@@ -16,7 +16,7 @@ from kvref.spec.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttenti
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash, BlockHashListWithBlockSize
-from .block_pool import BlockPool, group_suffix
+from .block_pool import BlockPool, BlockPoolCore, group_suffix
 from .kv_cache_block import KVCacheBlock
 from .single_type_manager import SingleTypeKVCacheManager
 
@@ -44,7 +44,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # fine-grained alignment == hash_block_size; ``block_hashes`` are the fine hashes
             coarse = BlockHashListWithBlockSize(block_hashes, alignment_tokens, block_size)
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        get_cached = block_pool.get_cached_block
+        get_cached = BlockPoolCore.get_cached_block  # our own hashes: the plain lookup
         if len(kv_cache_group_ids) == 1:
             # one group: probe the index directly (same result, no per-block list)
             get_one = block_pool.cached_block_hash_to_block.get_one_block
@@ -57,7 +57,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 blocks.append(block)
         else:
             for block_hash in islice(coarse, max_length // block_size):
-                hit = get_cached(block_hash, kv_cache_group_ids)
+                hit = get_cached(block_pool, block_hash, kv_cache_group_ids)
                 if not hit:
                     break
                 for blocks, block in zip(computed, hit):
@@ -68,7 +68,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             first = len(computed[0]) * scale
             last = min(first + scale - 1, max_length // alignment_tokens, len(block_hashes))
             for fine_idx in range(last - 1, first - 1, -1):
-                hit = get_cached(block_hashes[fine_idx], kv_cache_group_ids)
+                hit = get_cached(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
                 if not hit:
                     continue
                 for blocks, block in zip(computed, hit):
@@ -103,5 +103,5 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_idx = boundary // self.block_size
         if block_idx >= len(table):
             return
-        self.block_pool.cache_partial_block(block_hashes, table[block_idx], boundary,
+        BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, table[block_idx], boundary,
                                             self.kv_cache_group_id, self.block_size, request=request)

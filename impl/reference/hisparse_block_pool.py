@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from kvref.spec.errors import InvalidFieldError
 
 from .block_pool import BlockPool
+from .block_pool_checks import check_own
 from .kv_cache_block import KVCacheBlock
 
 ReuseWatcher = Callable[[KVCacheBlock], None]
@@ -56,7 +57,7 @@ class ReuseWatchingBlockPool(BlockPool):
         if not callable(on_reuse):
             raise InvalidFieldError("on_reuse", on_reuse, "a callable taking the reused block")
         blocks = list(blocks)
-        self._check_own(blocks, "blocks")
+        check_own(self, blocks, "blocks")
         for block in blocks:
             if block.is_null or block.ref_cnt <= 0:
                 raise InvalidFieldError("blocks", block.block_id, "referenced, non-null blocks of this pool")

@@ -28,6 +28,7 @@ from kvref.spec.errors import InvalidFieldError, check_int
 from kvref.spec.hisparse import needs_hot_transition, transition_watermark
 from kvref.spec.mathutil import cdiv
 
+from .block_pool import BlockPoolCore
 from .hisparse_block_pool import ReuseWatchingBlockPool
 from .hisparse_hot_manager import HiSparseHotManager
 from .hisparse_publication import HiSparsePublication
@@ -256,9 +257,9 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
         if any(b is None for b in blocks):
             return False
         # both endpoints stay referenced until every worker has run the transfer
-        self.host_manager.block_pool._touch([host_block])
+        BlockPoolCore.touch(self.host_manager.block_pool, [host_block])
         for m, block in zip(self.resident_managers, blocks):
-            m.block_pool._touch([block])
+            BlockPoolCore.touch(m.block_pool, [block])
         spill_id, self.next_spill_id = self.next_spill_id, self.next_spill_id + 1
         self.pending_spills[spill_id] = PendingSpill(spill_id, (request_id, page_idx), state, host_block,
                                                      tuple(blocks), restore=restore)
@@ -297,7 +298,7 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
             if pending.enqueue_applied or not self._all_workers_done(pending):
                 continue
             for m, block in zip(self.resident_managers, pending.resident_blocks):
-                m.block_pool._free_blocks([block])
+                BlockPoolCore.free_blocks(m.block_pool, [block])
             pending.enqueue_applied = True
 
     def _complete_host_writes(self) -> None:
@@ -323,7 +324,7 @@ class HiSparseCoordinator(HiSparsePublication, HiSparseWorkerViews):
                 if not pending.restore:
                     state.valid_pages.add(page_idx)
                 self._publish_detached_blocks(state)
-            self.host_manager.block_pool._free_blocks([pending.host_block])
+            BlockPoolCore.free_blocks(self.host_manager.block_pool, [pending.host_block])
         for request_id in completed_request_ids:
             state = self.request_states[request_id]
             while state.ready_prefix_pages in state.valid_pages:

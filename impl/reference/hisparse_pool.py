@@ -24,6 +24,7 @@ from kvref.spec.mathutil import round_down
 from kvref.spec.prefix_cache_retention import replay_boundaries
 
 from .block_hash import RequestBlockHasher, sha256
+from .block_pool import BlockPoolCore
 from .hisparse_block_pool import ReuseWatchingBlockPool
 from .hisparse_coordinator import HiSparseCoordinator
 from .hisparse_invariants import check_hisparse_ref_counts
@@ -94,7 +95,7 @@ class HiSparsePool(HiSparseManagerCalls):
             block = m.get_resident_page(donor_id, donor_page)
             ok = block is not None and m.adopt_resident_page(request_id, page, block)
             if ok:
-                m.block_pool._touch([block])
+                BlockPoolCore.touch(m.block_pool, [block])
             out.append(ok)
         return out
 
@@ -104,7 +105,7 @@ class HiSparsePool(HiSparseManagerCalls):
         for m in self.resident_managers:
             block = m.drop_resident_page(request_id, page)
             if block is not None:
-                m.block_pool._free_blocks([block])
+                BlockPoolCore.free_blocks(m.block_pool, [block])
             out.append(None if block is None else block.block_id)
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .block_hash import BlockHashWithGroupId
+from .block_pool import BlockPoolCore
 from .hisparse_state import HiSparseRequestState, KVCacheBlockCopy, PendingPublication
 from .kv_cache_block import KVCacheBlock
 
@@ -67,7 +68,7 @@ class HiSparsePublication:
             pub.detached_blocks = self.host_manager.req_to_blocks[request_id][:pub.num_pages]
             pub.num_cached_blocks = self.host_manager.num_cached_block.get(request_id, 0)
             # completed pages need leases too: an allocation may evict them before the rest finish
-            self.host_manager.block_pool._touch(pub.detached_blocks)
+            BlockPoolCore.touch(self.host_manager.block_pool, pub.detached_blocks)
         else:
             state.publication = None
 
@@ -79,10 +80,10 @@ class HiSparsePublication:
             state.ready_prefix_pages += 1
         host = self.host_manager
         # only sealed pages with completed copies outlive the request, cancellation included
-        host.block_pool.cache_full_blocks(pub.block_hashes, pub.detached_blocks, pub.num_cached_blocks,
-                                          min(state.ready_prefix_pages, pub.num_pages), host.block_size,
-                                          host.kv_cache_group_id, request=pub.request)
-        host.block_pool._free_blocks(pub.detached_blocks[::-1])
+        BlockPoolCore.cache_full_blocks(host.block_pool, pub.block_hashes, pub.detached_blocks,
+                                        pub.num_cached_blocks, min(state.ready_prefix_pages, pub.num_pages),
+                                        host.block_size, host.kv_cache_group_id, request=pub.request)
+        BlockPoolCore.free_blocks(host.block_pool, pub.detached_blocks[::-1])
         state.publication = None
 
     # ------------------------------------------------------------------ GPU copies
@@ -100,7 +101,7 @@ class HiSparsePublication:
                 continue
             for m, block in zip(self.resident_managers, blocks):
                 if m.adopt_resident_page(request_id, host_idx, block):
-                    m.block_pool._touch([block])
+                    BlockPoolCore.touch(m.block_pool, [block])
                     state.pinned_clean.add(host_idx)
                     if host_idx < state.synced_pages:
                         state.stale_pages.add(host_idx)
@@ -159,7 +160,7 @@ class HiSparsePublication:
             if pair is not None:
                 blocks.extend(pair)
         if blocks:
-            self.host_manager.block_pool._free_blocks(blocks[::-1])
+            BlockPoolCore.free_blocks(self.host_manager.block_pool, blocks[::-1])
 
     def get_host_block_pool(self):
         return self.host_manager.block_pool

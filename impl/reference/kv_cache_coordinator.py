@@ -57,7 +57,7 @@ from kvref.spec.mathutil import cdiv, round_down
 from kvref.spec.prefix_cache_retention import replay_boundaries
 
 from .block_hash import BlockHash
-from .block_pool import BlockPool
+from .block_pool import BlockPool, BlockPoolCore
 from .chunked_local_manager import ChunkedLocalAttentionManager
 from .circular_buffer_manager import CircularBufferManager
 from .cross_attention_manager import CrossAttentionManager
@@ -378,8 +378,9 @@ class KVCacheCoordinator:
         announces the blocks the hit holds (docs/differences.md, issue #23)."""
         for group_id, blocks in enumerate(computed_blocks):
             if blocks:
-                self.single_type_managers[group_id].block_pool.emit_cached_block_events(
-                    request, block_hashes, len(blocks), self.single_type_managers[group_id].block_size, group_id)
+                manager = self.single_type_managers[group_id]
+                BlockPoolCore.emit_cached_block_events(manager.block_pool, request, block_hashes, len(blocks),
+                                                       manager.block_size, group_id)
 
     def reset_prefix_cache(self) -> bool:
         """Reset each manager's pool once (the HiSparse host source has its own)."""
@@ -555,7 +556,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         looks one block further and drops it, at most once per candidate length (vLLM #32802)."""
         num_groups = len(self.kv_cache_groups)
         hit_length = max_cache_hit_length
-        longest = 0
+        longest_hit_length = 0  # the longest single-group hit: a shared prefix one group lacks
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         hit_by_group = [0] * num_groups
         simple = self._simple_hybrid
@@ -563,32 +564,32 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         max_hash_tokens = len(block_hashes) * self.hash_block_size
         alignment = self._cache_hit_alignment_tokens
         while True:
-            curr = hit_length
+            curr_hit_length = hit_length
             for idx, group in enumerate(self.attention_groups):
                 first = group.group_ids[0]
                 if group.is_full_attention and blocks_by_group[first] is not None:
-                    curr = min(curr, hit_by_group[first])
+                    curr_hit_length = min(curr_hit_length, hit_by_group[first])
                     continue
                 drop_eagle = group.use_eagle and idx not in eagle_verified
-                max_length = curr
+                max_length = curr_hit_length
                 if drop_eagle and not group.is_mamba:
-                    max_length = self._eagle_lookup_length(group, curr, max_hash_tokens)
+                    max_length = self._eagle_lookup_length(group, curr_hit_length, max_hash_tokens)
                 blocks, new_hit = group.manager_cls.find_longest_cache_hit(
                     block_hashes, max_length, group.group_ids, self.single_type_managers[first].block_pool,
                     group.spec, drop_eagle, alignment,
                     **group.cp_kwargs)
                 if drop_eagle:
                     eagle_verified.add(idx)
-                elif new_hit < curr:
+                elif new_hit < curr_hit_length:
                     eagle_verified.clear()
-                curr = new_hit
+                curr_hit_length = new_hit
                 for gid, group_blocks in zip(group.group_ids, blocks):
                     blocks_by_group[gid] = group_blocks
                     hit_by_group[gid] = new_hit
-                longest = max(longest, curr)
-            if curr >= hit_length:
+                longest_hit_length = max(longest_hit_length, curr_hit_length)
+            if curr_hit_length >= hit_length:
                 break
-            hit_length = curr
+            hit_length = curr_hit_length
             if simple:
                 break
         for group in self.attention_groups:
@@ -602,7 +603,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del blocks_by_group[gid][num_blocks:]
                     hit_by_group[gid] = hit_length
         blocks_out = tuple(b if b is not None else [] for b in blocks_by_group)
-        return blocks_out, hit_length, longest - hit_length
+        num_uncached_common_prefix_tokens = longest_hit_length - hit_length
+        return blocks_out, hit_length, num_uncached_common_prefix_tokens
 
     def find_longest_cache_hit_per_group(self, block_hashes: Sequence[BlockHash],
                                          max_cache_hit_length: int) -> tuple[HitBlocks, tuple[int, ...]]:

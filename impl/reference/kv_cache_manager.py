@@ -38,18 +38,19 @@ from kvref.spec.kv_cache_interface import (
 )
 
 from .block_hash import BlockHash, RequestBlockHasher, get_hash_fn_by_name
-from .errors import UnknownRequestError
 from .hisparse_invariants import check_hisparse_ref_counts
 from .kv_cache_block import KVCacheBlock
 from .kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
+from .kv_cache_manager_checks import (
+    check_allocate_slots,
+    check_group_ids,
+    check_kv_cache_blocks,
+    check_request,
+    check_request_id,
+)
 from .kv_events import BlockStored, KVCacheEvent, kv_cache_spec_kind, kv_cache_spec_sliding_window
 from .mamba_manager import MambaManager
 from .prefix_cache_stats import PrefixCacheStats
-
-
-_COUNT_FIELDS = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
-                 "num_external_computed_tokens", "num_encoder_tokens", "reserved_blocks",
-                 "request.num_computed_tokens", "request.num_in_flight_tokens")
 
 
 def _is_mamba(spec: object) -> bool:
@@ -57,11 +58,6 @@ def _is_mamba(spec: object) -> bool:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return any(isinstance(s, MambaSpec) for s in spec.kv_cache_specs.values())
     return isinstance(spec, MambaSpec)
-
-
-def _check_request_id(request_id: object) -> None:
-    if not isinstance(request_id, str):
-        raise InvalidFieldError("request_id", request_id, "a request id (str)")
 
 
 class KVCacheBlocks:
@@ -147,13 +143,13 @@ class KVCacheManager:
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
         """Whether a local prefix-cache lookup may run for ``request``."""
-        self._check_request(request)
+        check_request(request)
         return self.enable_caching and not request.skip_reading_prefix_cache
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """Count an admitted request's lookup (not one that skipped it); a request preempted
         before counts under the ``preempted_*`` fields."""
-        self._check_request(request)
+        check_request(request)
         check_int("num_hits", num_hits, minimum=0)
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
@@ -162,18 +158,13 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's chained block hashes (vLLM ``request.block_hashes``); [] without caching."""
-        self._check_request(request)
+        check_request(request)
         return [] if self.hasher is None else self.hasher.block_hashes(request)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap blocks per group (what ``get_computed_blocks`` returns): one sequence of this
         pool's blocks per KV cache group; ``allocate_slots`` checks that they are a real hit."""
-        n = self.num_kv_cache_groups
-        if not isinstance(blocks, (tuple, list)) or len(blocks) != n \
-                or not all(isinstance(g, (tuple, list)) for g in blocks):
-            raise InvalidFieldError("blocks", blocks, f"{n} lists of blocks, one per KV cache group")
-        for group in blocks:
-            self.block_pool._check_own(group, "blocks")
+        check_kv_cache_blocks(self, blocks)
         return self._wrap(blocks)
 
     def _wrap(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
@@ -186,7 +177,7 @@ class KVCacheManager:
         The hit never covers the last token (its logits must be computed): the cap defaults to
         ``num_tokens - 1``. Nothing is touched: hits stay evictable until ``allocate_slots``.
         """
-        self._check_request(request)
+        check_request(request)
         check_int("max_cache_hit_length", max_cache_hit_length, minimum=0, allow_none=True)
         if self.hasher is None or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
@@ -195,16 +186,19 @@ class KVCacheManager:
         # a hit never exceeds the hashed tokens: a larger cap means the same (and would overflow islice)
         max_cache_hit_length = min(max_cache_hit_length, request.num_tokens)
         block_hashes = self.hasher.block_hashes(request)
-        blocks, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
-            block_hashes, max_cache_hit_length)
+        computed_blocks, num_new_computed_tokens, num_uncached_common_prefix_tokens = \
+            self.coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)
         # vLLM reads the report mode from SamplingParams.extra_args; kvref's Request carries it
-        if num_hit > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
-            self.coordinator.emit_cached_block_events(request, block_hashes, blocks)
-        boundary = num_hit + num_uncached if num_uncached else 0
-        return self._wrap(blocks), num_hit, boundary
+        if num_new_computed_tokens > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
+            self.coordinator.emit_cached_block_events(request, block_hashes, computed_blocks)
+        # the junction to pin: where the lagging sparse-retention group stops plus the shared prefix
+        # it has not cached (vLLM's shared_prefix_boundary, Marconi-style)
+        shared_prefix_boundary = (num_new_computed_tokens + num_uncached_common_prefix_tokens
+                                  if num_uncached_common_prefix_tokens else 0)
+        return self._wrap(computed_blocks), num_new_computed_tokens, shared_prefix_boundary
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        _check_request_id(request_id)
+        check_request_id(request_id)
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -221,7 +215,7 @@ class KVCacheManager:
         KV connector saves or sends. Token-indexed attention groups are cut to
         ``cdiv(n, block_size)`` blocks (the spec's own block size); Mamba, cross-attention and
         encoder-only groups are not token-indexed and keep their whole table."""
-        _check_request_id(request_id)
+        check_request_id(request_id)
         check_int("num_computed_tokens", num_computed_tokens, minimum=0)
         out: list[list[int]] = []
         for group, ids in zip(self.config.groups, self.get_block_ids(request_id)):
@@ -236,7 +230,7 @@ class KVCacheManager:
     def estimate_cached_tokens(self, request: Request) -> int:
         """The prefix every cacheable group of the request has published: per group the longest
         prefix one of its blocks is cached for, the minimum over groups (0 if none)."""
-        self._check_request(request)
+        check_request(request)
         cached: int | None = None
         for group, blocks in zip(self.config.groups, self.coordinator.get_blocks(request.request_id)):
             spec = group.kv_cache_spec
@@ -286,7 +280,7 @@ class KVCacheManager:
         flagging when a lagging group hit less; if some group hit *deeper* than full attention
         (its full-attention tail was evicted), the reconciled ``get_computed_blocks`` answer is
         used. Any other pool: ``get_computed_blocks`` and False."""
-        self._check_request(request)
+        check_request(request)
         check_int("max_cache_hit_length", max_cache_hit_length, minimum=0, allow_none=True)
         fa_group_id = self._full_attention_group_id()
         if fa_group_id is None or not any(_is_mamba(g.kv_cache_spec) for g in self.config.groups):
@@ -331,156 +325,70 @@ class KVCacheManager:
         asynchronous KV load writes (their external blocks are not recorded for zeroing). Returns
         the newly allocated blocks.
         """
-        self._check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids)
-        hits = self._validate_allocate(request, num_new_tokens, num_new_computed_tokens,
-                                       new_computed_blocks, num_lookahead_tokens,
-                                       num_external_computed_tokens, num_encoder_tokens, reserved_blocks)
+        check_group_ids("skip_zeroing_group_ids", skip_zeroing_group_ids, self.num_kv_cache_groups)
+        new_computed_block_list = check_allocate_slots(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, num_encoder_tokens, reserved_blocks)
         coordinator = self.coordinator
         rid = request.request_id
-        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
-        watermark = 0
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(num_local_computed_tokens + num_external_computed_tokens, self.max_model_len)
+        # vLLM: the watermark holds back only requests that are not running yet, and only when
+        # others are scheduled (a lone request may use every block)
+        watermark_blocks = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            watermark = self.watermark_blocks
+            watermark_blocks = self.watermark_blocks
         num_tokens = request.num_tokens
         prefill_end = max(request.num_prompt_tokens, num_tokens - 1)
-        free_blocks = self.block_pool.get_num_free_blocks
 
-        if full_sequence_must_fit:
+        if full_sequence_must_fit:  # admission: the whole request must fit (vLLM #40946 / #39734)
             full_num_tokens = min(num_tokens, self.max_model_len)
-            need = coordinator.get_num_blocks_to_allocate(
-                rid, full_num_tokens, hits, num_encoder_tokens, total_computed, num_local_computed,
-                full_num_tokens, apply_admission_cap=True, prefill_end=prefill_end)
-            if need + watermark > free_blocks():
+            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+                rid, full_num_tokens, new_computed_block_list, num_encoder_tokens, total_computed_tokens,
+                num_local_computed_tokens, full_num_tokens, apply_admission_cap=True, prefill_end=prefill_end)
+            if num_blocks_to_allocate + watermark_blocks > self.block_pool.get_num_free_blocks():
                 return None
 
-        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         # Free out-of-window blocks first (fewer evictions), on the processed basis: steps in
         # flight still read below the optimistic boundary.
-        coordinator.remove_skipped_blocks(rid, max(0, total_computed - request.num_in_flight_tokens),
+        coordinator.remove_skipped_blocks(rid, max(0, total_computed_tokens - request.num_in_flight_tokens),
                                           request.num_prompt_tokens)
-        need = coordinator.get_num_blocks_to_allocate(
-            rid, num_tokens_need_slot, hits, num_encoder_tokens,
-            num_local_computed + num_external_computed_tokens, num_local_computed,
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_need_slot, new_computed_block_list, num_encoder_tokens,
+            num_local_computed_tokens + num_external_computed_tokens, num_local_computed_tokens,
             num_tokens_main_model, prefill_end=prefill_end)
-        if need + watermark > free_blocks() - reserved_blocks:
-            return None
+        available_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks
+        if num_blocks_to_allocate + watermark_blocks > available_blocks:
+            return None  # nothing touched or allocated: running out is an answer, not an error
 
-        if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
-            coordinator.allocate_new_computed_blocks(rid, hits, num_local_computed,
+        if new_computed_block_list is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(rid, new_computed_block_list, num_local_computed_tokens,
                                                      num_external_computed_tokens,
                                                      skip_zeroing_group_ids=tuple(skip_zeroing_group_ids))
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot, num_tokens_main_model,
                                                      num_encoder_tokens)
-        if delay_cache_blocks or self.hasher is None:
+        if delay_cache_blocks or self.hasher is None:  # an async KV load publishes once it lands
             return self._wrap(new_blocks)
-        coordinator.cache_blocks(request, self.hasher.block_hashes(request),
-                                 min(total_computed + num_new_tokens, num_tokens))
+        # vLLM: never publish draft tokens (capped at the request's verified tokens)
+        num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, num_tokens)
+        coordinator.cache_blocks(request, self.hasher.block_hashes(request), num_tokens_to_cache)
         return self._wrap(new_blocks)
-
-    def _check_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise InvalidFieldError("request", request, "a kvref.impl.request.Request")
-
-    def _validate_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-                           new_computed_blocks: KVCacheBlocks | None, num_lookahead_tokens: int,
-                           num_external_computed_tokens: int, num_encoder_tokens: int,
-                           reserved_blocks: int) -> tuple[Sequence[KVCacheBlock], ...]:
-        """Check every argument before anything changes; return the hits per group."""
-        self._check_request(request)
-        values = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
-                  num_external_computed_tokens, num_encoder_tokens, reserved_blocks,
-                  request.num_computed_tokens, request.num_in_flight_tokens)
-        if set(map(type, values)) != {int} or min(values) < 0:  # C-level fast path; then name it
-            for name, value in zip(_COUNT_FIELDS, values):
-                check_int(name, value, minimum=0)
-        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
-            raise InvalidFieldError("num_new_tokens", 0, "> 0 when there are no computed tokens to adopt")
-        if request.num_tokens > self.max_model_len:
-            raise InvalidFieldError("request.num_tokens", request.num_tokens,
-                                    f"at most max_model_len={self.max_model_len}")
-        total = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
-            + num_new_tokens
-        if total > self.max_model_len:
-            raise InvalidFieldError("num_new_tokens", num_new_tokens,
-                                    f"at most max_model_len={self.max_model_len} tokens in all "
-                                    f"(computed + new computed + external + new = {total})")
-        rid = request.request_id
-        if request.num_computed_tokens > 0 and self.num_kv_cache_groups and not any(
-                rid in m.req_to_blocks for m in self.coordinator.single_type_managers):
-            raise UnknownRequestError(rid, f"claims num_computed_tokens={request.num_computed_tokens} "
-                                           "but holds no blocks (freed, or never allocated)")
-        if new_computed_blocks is None or (isinstance(new_computed_blocks, KVCacheBlocks)
-                                           and not any(new_computed_blocks.blocks)):
-            if num_new_computed_tokens:  # a prefix hit brings its blocks: tokens without blocks are fake
-                raise InvalidFieldError("num_new_computed_tokens", num_new_computed_tokens,
-                                        "0 when new_computed_blocks is None or empty")
-            return self.empty_kv_cache_blocks.blocks
-        if not isinstance(new_computed_blocks, KVCacheBlocks) or \
-                len(new_computed_blocks.blocks) != self.num_kv_cache_groups:
-            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
-                                    f"None or KVCacheBlocks with {self.num_kv_cache_groups} groups")
-        if not any(new_computed_blocks.blocks):
-            return self.empty_kv_cache_blocks.blocks
-        if self.coordinator.is_running(rid):
-            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
-                                    f"empty: request {rid!r} is already running (no new hits)")
-        if not self.enable_caching:
-            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
-                                    "None or empty when prefix caching is disabled")
-        if request.num_computed_tokens:
-            raise InvalidFieldError("new_computed_blocks", new_computed_blocks,
-                                    "empty for a request with computed tokens (hits start at token 0)")
-        # A hit of n tokens holds cdiv(n, block_size) entries in every cacheable group; it ends on a
-        # block boundary unless fine-grained hits let it end on a hash boundary inside the block.
-        unit = self.block_pool.hash_block_size if self.coordinator.enable_partial_hash_hits else None
-        hits = list(new_computed_blocks.blocks)
-        for g, (group, spec, manager) in enumerate(zip(new_computed_blocks.blocks, self.coordinator.specs,
-                                                        self.coordinator.single_type_managers)):
-            block_size = manager.block_size  # block_size × DCP for a DCP-sharded group
-            expected = -(-num_new_computed_tokens // block_size) if spec.prefix_cacheable else 0
-            retained = getattr(manager, "retains_longer_hit", False)
-            if retained and len(group) > expected:
-                # the HiSparse host source keeps a longer hit: vLLM keeps the part the local and
-                # external hits reuse (KVCacheManager.allocate_slots, retained_hit_group_ids)
-                group = hits[g] = group[:-(-(num_new_computed_tokens + num_external_computed_tokens) // block_size)]
-            # a divergent hybrid hit (get_computed_blocks_for_connector) may leave a group lagging
-            # behind the full-attention hit; vLLM takes it only with external tokens behind it
-            lagging = num_external_computed_tokens > 0 and len(group) < expected
-            wrong_length = len(group) < expected or (len(group) > expected and not retained)
-            if (wrong_length and not lagging) or (expected and num_new_computed_tokens % (unit or block_size)):
-                raise InvalidFieldError(
-                    "num_new_computed_tokens", num_new_computed_tokens,
-                    f"a hit length matching new_computed_blocks (group {g} has {len(group)} blocks "
-                    f"of {block_size} tokens)")
-            manager.block_pool._check_own(group, "new_computed_blocks")
-            # What find_longest_cache_hit returns: cached blocks; null only as the placeholder of a
-            # skipped position, which full attention never has (an unpublished or null "hit" shares
-            # nothing real; chunked-local hits may be all null, vLLM counts them as computed).
-            for b in group:
-                if b._block_hash is None and (not b.is_null or isinstance(spec, FullAttentionSpec)):
-                    break
-            else:
-                continue
-            raise InvalidFieldError(f"new_computed_blocks[{g}]", [b.block_id for b in group],
-                                    "cached blocks of this pool (a prefix-cache hit; null only where a "
-                                    "windowed group skips a block)")
-        return tuple(hits)
 
     # ------------------------------------------------------------------ freeing and the rest
 
     def free(self, request: Request) -> None:
         """Free the request's blocks (tail first, so tails are evicted first). Freeing a request
         that holds nothing is a no-op, as in vLLM (a request may be aborted before allocation)."""
-        self._check_request(request)
+        check_request(request)
         self.coordinator.free(request.request_id)
         if self.hasher is not None:
             self.hasher.forget(request.request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        _check_request_id(request_id)
+        check_request_id(request_id)
         check_int("processed_computed_tokens", processed_computed_tokens, minimum=0)
         check_int("num_prompt_tokens", num_prompt_tokens, minimum=0, allow_none=True)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
@@ -499,7 +407,7 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's tables and return its blocks in allocation order, not yet freed:
         the caller frees them later, in reverse (a KV connector still reading them)."""
-        self._check_request(request)
+        check_request(request)
         blocks = self.coordinator.pop_blocks_for_free(request.request_id)
         if self.hasher is not None:
             self.hasher.forget(request.request_id)
@@ -534,7 +442,7 @@ class KVCacheManager:
         """A finishing KV producer's partial tails to offload: ``(group id, block id, boundary)``
         per Mamba "align" group whose request stopped exactly at its boundary with nothing in
         flight (vLLM calls it before freeing a producer's request)."""
-        self._check_request(request)
+        check_request(request)
         offloads = []
         for manager in self.coordinator.single_type_managers:
             finalized = manager.finalize_partial_tail_offload(
@@ -558,12 +466,6 @@ class KVCacheManager:
         """Whether the worker zeroes new blocks (Mamba layers or mixed cache precisions)."""
         return self.coordinator.needs_kv_cache_zeroing
 
-    def _check_group_ids(self, name: str, group_ids: object) -> None:
-        if not isinstance(group_ids, (tuple, list)) or any(
-                type(g) is not int or not 0 <= g < self.num_kv_cache_groups for g in group_ids):
-            raise InvalidFieldError(name, group_ids,
-                                    f"a tuple of group ids in [0, {self.num_kv_cache_groups})")
-
     def take_new_block_ids(self) -> list[int]:
         """Drain the block ids recorded for zeroing since the last call, group by group (what the
         scheduler sends as ``new_block_ids_to_zero`` when ``needs_kv_cache_zeroing``)."""
@@ -581,7 +483,7 @@ class KVCacheManager:
                 group's block size (zeroing a partly valid block would wipe its valid prefix; vLLM
                 asserts it), or the request holds no blocks. Nothing is recorded then.
         """
-        _check_request_id(request_id)
+        check_request_id(request_id)
         check_int("start_token", start_token, minimum=0)
         recording = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
         for m in recording:

@@ -51,7 +51,7 @@ from kvref.spec.kv_cache_interface import (
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash, resolve_block_hashes
-from .block_pool import BlockPool
+from .block_pool import BlockPool, BlockPoolCore
 from .kv_cache_block import KVCacheBlock
 from .single_type_manager import SingleTypeKVCacheManager
 
@@ -113,7 +113,7 @@ class MambaManager(SingleTypeKVCacheManager):
             # the raw (hash_block_size == alignment) hashes
             scale = block_size // alignment_tokens
             for fine_idx in range(min(max_length // alignment_tokens, len(block_hashes)) - 1, -1, -1):
-                hit = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
+                hit = BlockPoolCore.get_cached_block(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
                 if not hit:
                     continue
                 block_idx = fine_idx // scale
@@ -124,7 +124,7 @@ class MambaManager(SingleTypeKVCacheManager):
             return computed, 0
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         for i in range(max_length // block_size - 1, -1, -1):
-            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            hit = BlockPoolCore.get_cached_block(block_pool, hashes[i], kv_cache_group_ids)
             if not hit:
                 continue
             if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
@@ -262,7 +262,7 @@ class MambaManager(SingleTypeKVCacheManager):
         until the copy ran; a hit on the moved entry waits a step (it is filled by this step)."""
         table = self.req_to_blocks[request_id]
         assert table[block_idx] is source
-        self.block_pool.move_block_hashes(source, cow)
+        BlockPoolCore.move_block_hashes(self.block_pool, source, cow)
         self._pending_cow_copies.append((source, cow))
         source.ref_cnt += 1
         producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
@@ -277,7 +277,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def _relocate_speculative_block(self, table: list[KVCacheBlock], block_idx: int) -> None:
         """Move an exclusively owned, unhashed speculative block to the end of the table."""
         block = table[block_idx]
-        assert self.block_pool.is_block_writable(block), "speculative blocks must be private"
+        assert BlockPoolCore.is_block_writable(self.block_pool, block), "speculative blocks must be private"
         table.append(block)
         table[block_idx] = self._null_block
 
@@ -299,7 +299,7 @@ class MambaManager(SingleTypeKVCacheManager):
             freed.append(table[i])
             table[i] = self._null_block
         if freed:
-            self.block_pool._free_blocks(freed)
+            BlockPoolCore.free_blocks(self.block_pool, freed)
         self._num_retired_blocks[request_id] = last_block
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -312,7 +312,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if idx is not None and idx < cdiv(processed_computed_tokens, self.block_size) - 1:
             table = self.req_to_blocks.setdefault(request_id, [])
             if table[idx] is not self._null_block:
-                self.block_pool._free_blocks([table[idx]])
+                BlockPoolCore.free_blocks(self.block_pool, [table[idx]])
                 table[idx] = self._null_block
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
@@ -437,7 +437,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 return None
             if block.block_hash_num_tokens == position:
                 return None
-            return self.block_pool.cache_partial_block(block_hashes, block, position, self.kv_cache_group_id,
+            return BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, block, position, self.kv_cache_group_id,
                                                        self.block_size, replace_existing_hashes=True,
                                                        request=request)
         hbs = self.block_pool.hash_block_size
@@ -456,7 +456,7 @@ class MambaManager(SingleTypeKVCacheManager):
         # already keyed here by a hit or an earlier step: re-keying would defer every sibling
         if source.is_null or source.block_hash_num_tokens == num_tokens:
             return None
-        key = self.block_pool.cache_partial_block(block_hashes, source, num_tokens, self.kv_cache_group_id,
+        key = BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, source, num_tokens, self.kv_cache_group_id,
                                                   self.block_size, request=request)
         if key is not None and num_tokens % self.block_size:
             # the next forward overwrites this state: the coming copy-on-write preserves it

@@ -23,7 +23,7 @@ from kvref.spec.kv_zeroing import records_new_block_ids
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash
-from .block_pool import BlockPool
+from .block_pool import BlockPool, BlockPoolCore
 from .kv_cache_block import KVCacheBlock
 from kvref.impl.request import Request
 
@@ -174,7 +174,7 @@ class SingleTypeKVCacheManager:
         num_skipped_blocks = self.get_num_skipped_tokens(num_total) // self.block_size
         hits = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks > 0 else new_computed_blocks
         if self.enable_caching:
-            self.block_pool._touch(hits)
+            BlockPoolCore.touch(self.block_pool, hits)  # hits checked by KVCacheManager
         else:
             assert not hits, "prefix-cache hits with caching disabled"
         if num_skipped_blocks > 0:
@@ -311,9 +311,9 @@ class SingleTypeKVCacheManager:
                                          self.kv_cache_spec, self.use_eagle, retention_interval,
                                          self._reachable_boundaries(request, replay_boundaries),
                                          dcp_world_size=self.dcp_world_size)
-        self.block_pool.cache_full_blocks(block_hashes, self.req_to_blocks.setdefault(rid, []),
-                                          num_cached, num_full, self.block_size,
-                                          self.kv_cache_group_id, mask, request=request)
+        BlockPoolCore.cache_full_blocks(self.block_pool, block_hashes, self.req_to_blocks.setdefault(rid, []),
+                                        num_cached, num_full, self.block_size, self.kv_cache_group_id, mask,
+                                        request=request)
         self.num_cached_block[rid] = num_full
 
     @classmethod
@@ -345,7 +345,7 @@ class SingleTypeKVCacheManager:
         iterates ``reversed()`` (issue #23's first difference)."""
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
-            self.block_pool._free_blocks(blocks[::-1])
+            BlockPoolCore.free_blocks(self.block_pool, blocks[::-1])
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Null out and free ``table[first_block:last_block]``, walking down from the top and
@@ -362,7 +362,7 @@ class SingleTypeKVCacheManager:
             freed.append(table[i])
             table[i] = null
         if freed:
-            self.block_pool._free_blocks(freed)
+            BlockPoolCore.free_blocks(self.block_pool, freed)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:

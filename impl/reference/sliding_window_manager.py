@@ -20,7 +20,7 @@ from kvref.spec.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 from kvref.spec.mathutil import cdiv
 
 from .block_hash import BlockHash, resolve_block_hashes
-from .block_pool import BlockPool
+from .block_pool import BlockPool, BlockPoolCore
 from .kv_cache_block import KVCacheBlock
 from .single_type_manager import SingleTypeKVCacheManager
 
@@ -53,11 +53,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         max_num_blocks = max_length // block_size
         null = block_pool.null_block
         computed = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
-        get_cached = block_pool.get_cached_block
+        get_cached = BlockPoolCore.get_cached_block  # our own hashes: the plain lookup
         run = 0
         found = False
         for i in range(max_num_blocks - 1, -1, -1):
-            hit = get_cached(hashes[i], kv_cache_group_ids)
+            hit = get_cached(block_pool, hashes[i], kv_cache_group_ids)
             if not hit:
                 run = 0
                 continue

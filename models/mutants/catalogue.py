@@ -83,47 +83,47 @@ def _full_floor(original):
 
 # =========================================================================== block pool
 
-_POOL = f"{_R}.block_pool:BlockPool"
+_POOL = f"{_R}.block_pool:BlockPoolCore"
 
 
-@mutant("pool.touch_no_ref", f"{_POOL}._touch",
+@mutant("pool.touch_no_ref", f"{_POOL}.touch",
         "touch takes a hit out of the free queue but forgets to count the reference")
 def _touch_no_ref(original):
-    def _touch(self, blocks):
+    def touch(self, blocks):
         for block in blocks:
             if not block.is_null and block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
-    return _touch
+    return touch
 
 
-@mutant("pool.touch_no_remove", f"{_POOL}._touch",
+@mutant("pool.touch_no_remove", f"{_POOL}.touch",
         "touch counts the reference but leaves an evictable hit in the free queue")
 def _touch_no_remove(original):
-    def _touch(self, blocks):
+    def touch(self, blocks):
         for block in blocks:
             if not block.is_null:
                 block.ref_cnt += 1
-    return _touch
+    return touch
 
 
-@mutant("pool.touch_counts_null", f"{_POOL}._touch",
+@mutant("pool.touch_counts_null", f"{_POOL}.touch",
         "touch does not skip the null block (its ref count starts moving)")
 def _touch_null(original):
-    def _touch(self, blocks):
+    def touch(self, blocks):
         blocks = list(blocks)
         for block in blocks:
             if block.is_null:
                 block.ref_cnt += 1
         original(self, blocks)
-    return _touch
+    return touch
 
 
-@mutant("pool.free_append_all", f"{_POOL}._free_blocks",
+@mutant("pool.free_append_all", f"{_POOL}.free_blocks",
         "free appends every released block at the back, cached or not (vLLM before the "
         "prepend-uncached change; scratch blocks are no longer reused first)", kind=HISTORIC,
         vllm_bug="free-queue order before 0.33 (uncached blocks were appended)")
 def _free_append_all(original):
-    def _free_blocks(self, blocks):
+    def free_blocks(self, blocks):
         released = []
         for block in blocks:
             if block.is_null:
@@ -132,13 +132,13 @@ def _free_append_all(original):
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_block_queue.append_n(released)
-    return _free_blocks
+    return free_blocks
 
 
-@mutant("pool.free_prepend_reversed", f"{_POOL}._free_blocks",
+@mutant("pool.free_prepend_reversed", f"{_POOL}.free_blocks",
         "uncached released blocks are prepended in reverse order")
 def _free_prepend_reversed(original):
-    def _free_blocks(self, blocks):
+    def free_blocks(self, blocks):
         front, back = [], []
         for block in blocks:
             if block.is_null:
@@ -148,13 +148,13 @@ def _free_prepend_reversed(original):
                 (front if block.block_hash is None else back).append(block)
         self.free_block_queue.prepend_n(front[::-1])
         self.free_block_queue.append_n(back)
-    return _free_blocks
+    return free_blocks
 
 
-@mutant("pool.free_cached_to_front", f"{_POOL}._free_blocks",
+@mutant("pool.free_cached_to_front", f"{_POOL}.free_blocks",
         "cached released blocks go to the front: the prefix cache evicts what it just kept (MRU)")
 def _free_cached_front(original):
-    def _free_blocks(self, blocks):
+    def free_blocks(self, blocks):
         released = []
         for block in blocks:
             if block.is_null:
@@ -163,19 +163,19 @@ def _free_cached_front(original):
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_block_queue.prepend_n(released)
-    return _free_blocks
+    return free_blocks
 
 
-@mutant("pool.free_no_null_skip", f"{_POOL}._free_blocks",
+@mutant("pool.free_no_null_skip", f"{_POOL}.free_blocks",
         "free does not skip the null block")
 def _free_null(original):
-    def _free_blocks(self, blocks):
+    def free_blocks(self, blocks):
         blocks = list(blocks)
         for block in blocks:
             if block.is_null:
                 block.ref_cnt -= 1
         original(self, [b for b in blocks if not b.is_null])
-    return _free_blocks
+    return free_blocks
 
 
 @mutant("pool.alloc_no_evict", f"{_POOL}.get_new_blocks",

@@ -22,6 +22,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvref.impl.interface import PoolConfig, make_manager
 from kvref.impl.reference import block_hash as bh
+from kvref.impl.reference.block_pool import BlockPoolCore
 from kvref.impl.reference.single_type_manager import SingleTypeKVCacheManager
 from kvref.impl.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
 from kvref.models.conformance.differential import Divergence, Harness
@@ -174,7 +175,7 @@ def test_free_reversing_in_place_is_caught(vllm_adapter, monkeypatch):
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
             blocks.reverse()
-            self.block_pool._free_blocks(blocks)
+            BlockPoolCore.free_blocks(self.block_pool, blocks)
 
     monkeypatch.setattr(SingleTypeKVCacheManager, "free", old_free)
     h = Harness(_pool(block_size=4, swa=True), ["reference", "vllm"])

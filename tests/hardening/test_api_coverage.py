@@ -278,6 +278,22 @@ EXCLUDED: dict[str, str] = {
         "hands a request's blocks to the caller (a KV connector still reading them), who frees them later: "
         "reference counts exceed table slots until then, by design (vLLM's method of the same name)"),
     f"{_REF}.block_pool.group_suffix": HOT,
+    # issue #26: the plain core under the checked BlockPool, and the checks themselves
+    **_each(f"{_REF}.block_pool", "BlockPoolCore BlockPoolCore.cache_full_blocks BlockPoolCore.cache_partial_block "
+            "BlockPoolCore.emit_cached_block_events BlockPoolCore.evict_blocks BlockPoolCore.free_blocks "
+            "BlockPoolCore.get_cached_block BlockPoolCore.get_new_blocks BlockPoolCore.is_block_writable "
+            "BlockPoolCore.move_block_hashes BlockPoolCore.touch",
+            "the plain core of BlockPool, trusting its arguments as vLLM's BlockPool does: the KV cache managers "
+            "call it with their own tables' blocks; everyone constructs BlockPool, whose same methods check "
+            "first and are fuzzed"),
+    **_each(f"{_REF}.block_pool_checks", "as_list check_block_ids check_cache_full_blocks check_cache_partial_block "
+            "check_emit_cached_block_events check_get_cached_block check_group_id check_move_block_hashes check_own "
+            "check_pool_args own_blocks",
+            "an argument check of a BlockPool entry, called by that entry with its own pool; fuzzed through it"),
+    **_each(f"{_REF}.kv_cache_manager_checks", "check_allocate_slots check_group_ids check_kv_cache_blocks "
+            "check_request check_request_id",
+            "an argument check of a KVCacheManager / reference adapter entry, called by that entry with its own "
+            "manager; fuzzed through it"),
     **_each("kvref.spec.mathutil", "cdiv round_down round_up", HOT),
     **_each("kvref.spec.pool_sizing", "no_memory_error too_long_error",
             "vLLM's startup error texts, built (not raised) by the memory checks from the values they have "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvref.spec.mathutil as mathutil
-from kvref.impl.reference.block_pool import BlockPool
+from kvref.impl.reference.block_pool import BlockPool, BlockPoolCore
 from kvref.models.mutants.mutant import Catalogue, Mutant
 from kvref.checks import MUTANT_CAMPAIGN, run_mutant_campaign
 from kvref.models.mutants.catalogue import CATALOGUE, CI_SUBSET, HISTORIC, all_mutants
@@ -52,15 +52,15 @@ def test_every_catalogued_mutant_resolves_and_takes_the_originals_optional_argum
 
 
 def test_method_patch_is_applied_and_restored():
-    original = BlockPool._touch
+    original = BlockPoolCore.touch
     pool = BlockPool(4, True, 2)
     with CATALOGUE["pool.touch_no_ref"].applied():
-        assert BlockPool._touch is not original
+        assert BlockPoolCore.touch is not original
         (b,) = pool.get_new_blocks(1)
         pool.free_blocks([b])
         pool.touch([b])
         assert b.ref_cnt == 0  # the fault: the reference is not counted
-    assert BlockPool._touch is original
+    assert BlockPoolCore.touch is original
 
 
 def test_module_function_patch_reaches_by_name_imports():
@@ -74,11 +74,11 @@ def test_module_function_patch_reaches_by_name_imports():
 
 
 def test_patch_is_restored_when_the_body_raises():
-    original = BlockPool._free_blocks
+    original = BlockPoolCore.free_blocks
     with pytest.raises(RuntimeError):
         with CATALOGUE["pool.free_append_all"].applied():
             raise RuntimeError("check crashed")
-    assert BlockPool._free_blocks is original
+    assert BlockPoolCore.free_blocks is original
 
 
 def test_missing_target_is_unavailable_and_names_are_unique():
