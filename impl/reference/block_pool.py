@@ -552,7 +552,7 @@ class BlockPool(BlockPoolCore):
         checks.check_cache_full_blocks(self, block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
                                        kv_cache_group_id, block_mask, request)
         super().cache_full_blocks(block_hashes, blocks, num_cached_blocks, num_full_blocks, block_size,
-                                  kv_cache_group_id, block_mask, request)
+                                  kv_cache_group_id, block_mask, request=request)
 
     def emit_cached_block_events(self, request: Request, block_hashes: Sequence[BlockHash],
                                  num_cached_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
@@ -567,7 +567,7 @@ class BlockPool(BlockPoolCore):
         checks.check_cache_partial_block(self, block_hashes, block, num_tokens, kv_cache_group_id, block_size,
                                          request)
         return super().cache_partial_block(block_hashes, block, num_tokens, kv_cache_group_id, block_size,
-                                           replace_existing_hashes, request)
+                                           replace_existing_hashes=replace_existing_hashes, request=request)
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         checks.check_move_block_hashes(self, src_block, dst_block)
