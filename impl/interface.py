@@ -12,6 +12,7 @@ convert at this boundary, so comparisons never depend on object identity.
 from __future__ import annotations
 
 import importlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -132,6 +133,61 @@ class PoolConfig:
         if "origin" in fields:
             raise InvalidFieldError("origin", fields["origin"], "not given: off_plan sets it from why")
         return cls(**fields, origin=f"off-plan: {why.strip()}")
+
+    @classmethod
+    def through_plan(cls, fields: dict, engine, why: str, reasons: tuple[str, ...] | list[str] = (),
+                     settings: dict | None = None) -> "PoolConfig":
+        """The plan's pool when startup builds exactly ``fields``, else the off-plan door saying why:
+        the one road for every generator and scope that draws a pool (#26).
+
+        ``fields`` are the pool fields a startup plan decides (``num_blocks`` incl. the null block,
+        ``groups``, ``max_model_len``, ``scheduler_block_size``, ``hash_block_size``,
+        ``max_in_flight_tokens``, ``enable_caching``), ``engine`` the ``EngineConfig`` a user would
+        give vLLM for them (``num_gpu_blocks_override`` the block count:
+        :func:`kvref.impl.scheduler_types.engine_config_for`), ``settings`` the scheduler-side
+        fields no plan carries (watermark, EAGLE, hash lookahead, retention). With no ``reasons``
+        given and :func:`~kvref.spec.planning.plan_kv_cache` building exactly ``fields``, the
+        result is the plan's (``origin == "plan"``: startup and the runtime agree by
+        construction); otherwise it is :meth:`off_plan` with ``why`` and each reason (the plan's
+        refusal, or the fields startup would build otherwise). Either door gives the same fields.
+
+        Raises:
+            InvalidFieldError: ``fields``/``settings`` not a dict, ``engine`` not an
+                ``EngineConfig``, ``reasons`` not strings, or a field invalid.
+        """
+        from kvref.spec.config import EngineConfig
+        from kvref.spec.errors import KVRefError
+        from kvref.spec.planning import plan_kv_cache
+
+        if not isinstance(why, str) or not why.strip():
+            raise InvalidFieldError("why", why, "a non-empty string saying why a pool would be off-plan")
+        if not isinstance(fields, dict) or "groups" not in fields:
+            raise InvalidFieldError("fields", fields, "a dict of PoolConfig fields with groups")
+        if not isinstance(engine, EngineConfig):
+            raise InvalidFieldError("engine", engine, "an EngineConfig")
+        if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
+            raise InvalidFieldError("reasons", reasons, "a list of strings")
+        if settings is not None and not isinstance(settings, dict):
+            raise InvalidFieldError("settings", settings, "None or a dict of PoolConfig fields")
+        settings = dict(settings or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"origin"}
+        for name, given in (("fields", fields), ("settings", settings)):
+            if not set(given) <= known:
+                raise InvalidFieldError(name, sorted(set(given) - known), f"PoolConfig field names ({sorted(known)})")
+        reasons = list(reasons)
+        groups = fields["groups"]
+        if not reasons and isinstance(groups, (list, tuple)) and all(isinstance(g, KVCacheGroupSpec) for g in groups):
+            try:
+                plan = plan_kv_cache({g.layer_names[0]: g.kv_cache_spec for g in groups}, engine, 0)
+            except KVRefError as exc:  # mostly: a pool below one max_model_len request (aimed at on purpose)
+                reasons.append(f"startup refuses it ({type(exc).__name__})")
+            else:
+                pool = dataclasses.replace(cls.from_plan(plan), **settings)
+                differ = sorted(k for k, v in fields.items() if getattr(pool, k) != v)
+                if not differ:
+                    return pool
+                reasons.append(f"startup would build other {', '.join(differ)} (page sizes unified or padded)")
+        return cls.off_plan(f"{why}: " + "; ".join(reasons) if reasons else why, **fields, **settings)
 
     @property
     def effective_max_in_flight_tokens(self) -> int:

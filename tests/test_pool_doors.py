@@ -97,6 +97,35 @@ def test_every_off_plan_door_is_listed_with_its_reason_in_docs():
     listed = set(re.findall(r"^\| `([^`]+\.py)` \|", (ROOT / "docs" / "pools.md").read_text(encoding="utf-8"),
                             flags=re.M))
     found = _off_plan_files()
-    assert "models/strategies/pools.py" in found  # the scan sees the door's callers at all
+    assert "models/explorer/kv.py" in found  # the scan sees the door's callers at all
     assert found - listed == set(), f"off_plan pools not listed in docs/pools.md: {sorted(found - listed)}"
     assert listed - found == set(), f"docs/pools.md lists files with no off_plan pool: {sorted(listed - found)}"
+
+
+def test_through_plan_is_the_plan_s_pool_where_startup_builds_the_fields_and_says_why_elsewhere():
+    from kvref.impl.scheduler_types import SchedulerConfig, engine_config_for
+
+    plan = _plan()
+    cfg = SchedulerConfig(max_num_batched_tokens=plan.max_in_flight_tokens, max_num_seqs=4)
+    fields = dict(num_blocks=plan.num_blocks, groups=plan.scheduler_groups, max_model_len=plan.max_model_len,
+                  scheduler_block_size=plan.scheduler_block_size, hash_block_size=plan.hash_block_size,
+                  max_in_flight_tokens=plan.max_in_flight_tokens, enable_caching=True)
+    engine = engine_config_for(cfg, **{k: v for k, v in fields.items() if k != "max_in_flight_tokens"})
+    pool = PoolConfig.through_plan(fields, engine, "a test", settings=dict(watermark=0.1))
+    assert (pool.origin, pool.watermark) == ("plan", 0.1)
+    assert pool == PoolConfig.off_plan("same", **fields, watermark=0.1)
+    # a block short of one max-length request: startup refuses, the same fields come off-plan
+    short = dict(fields, num_blocks=3)
+    refused = PoolConfig.through_plan(short, engine_config_for(cfg, **{k: v for k, v in short.items()
+                                                                      if k != "max_in_flight_tokens"}), "a test")
+    assert refused.origin == "off-plan: a test: startup refuses it (InsufficientKVCacheError)"
+    assert refused.num_blocks == 3
+    # fields startup would build otherwise (another in-flight budget) are named
+    other = PoolConfig.through_plan(dict(fields, max_in_flight_tokens=1), engine, "a test")
+    assert other.origin == "off-plan: a test: startup would build other max_in_flight_tokens (page sizes unified or padded)"
+    # a reason given up front skips the plan
+    assert PoolConfig.through_plan(fields, engine, "a test", ["hand-set"]).origin == "off-plan: a test: hand-set"
+    for bad in (dict(fields=[], engine=engine), dict(fields=fields, engine=None),
+                dict(fields=fields, engine=engine, reasons="x"), dict(fields=fields, engine=engine, settings=[])):
+        with pytest.raises(InvalidFieldError):
+            PoolConfig.through_plan(why="a test", **bad)

@@ -176,24 +176,33 @@ class Scope:
         return tuple(groups)
 
     def startup_num_blocks(self) -> int:
-        """Blocks startup sizing gives for one request of ``max_model_len`` (+ the null block)."""
-        from kvref.spec.mathutil import cdiv
+        """Blocks startup sizing gives for one request of ``max_model_len`` (+ the null block): the
+        liveness oracle's one reading of startup's per-request bound (``max_memory_usage_blocks``
+        through :func:`~kvref.impl.scheduler_types.engine_config_for`), not a formula of its own."""
+        from kvref.impl.interface import PoolConfig
+        from kvref.impl.reference.scheduler_liveness import max_blocks_per_request
 
-        n = 1
-        for g in self.groups():
-            spec = g.kv_cache_spec
-            cap = spec.admission_cap(self.max_in_flight_tokens, self.max_model_len)
-            n += cap if cap is not None else cdiv(self.max_model_len, spec.block_size)
-        return n
+        probe = PoolConfig.off_plan("a one-block probe that only asks the per-request bound",
+                                    **self._plan_fields(num_blocks=1))
+        return 1 + max_blocks_per_request(probe, self.scheduler_config())
+
+    def _plan_fields(self, num_blocks: int) -> dict:
+        return dict(num_blocks=num_blocks, groups=self.groups(), max_model_len=self.max_model_len,
+                    scheduler_block_size=self.block_size, hash_block_size=self.block_size,
+                    max_in_flight_tokens=self.max_in_flight_tokens, enable_caching=self.enable_caching)
 
     def pool_config(self):
+        """The scope's pool: the plan's where startup builds exactly this pool for the scope's
+        engine arguments (the default scopes: the pool startup sizing gives), else off-plan with
+        why (a hand-set block count below one request, as ``undersized``)."""
         from kvref.impl.interface import PoolConfig
+        from kvref.impl.scheduler_types import engine_config_for
 
-        return PoolConfig.off_plan("an explorer scope: tiny hand-sized pools keep exhaustive search finite",
-                                  num_blocks=self.num_blocks or self.startup_num_blocks(), groups=self.groups(),
-                          max_model_len=self.max_model_len, scheduler_block_size=self.block_size,
-                          hash_block_size=self.block_size, max_in_flight_tokens=self.max_in_flight_tokens,
-                          enable_caching=self.enable_caching)
+        fields = self._plan_fields(self.num_blocks or self.startup_num_blocks())
+        engine = engine_config_for(self.scheduler_config(), **{k: v for k, v in fields.items()
+                                                              if k != "max_in_flight_tokens"})
+        return PoolConfig.through_plan(fields, engine, "an explorer scope: tiny hand-sized pools keep "
+                                                       "exhaustive search finite")
 
     def scheduler_config(self):
         from kvref.impl.scheduler_types import SchedulerConfig

@@ -49,7 +49,6 @@ from kvref.impl.scheduler_types import (
     engine_config_for,
 )
 from kvref.impl.request import Request
-from kvref.models.strategies.pools import pool_through_plan
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -288,15 +287,15 @@ def scheduler_setups(draw, consistent: bool | None = None, kinds=GROUP_KINDS, as
 
 
 def _setup_pool(fields: dict, cfg: SchedulerConfig, settings: dict) -> PoolConfig:
-    """A drawn scheduler pool through the one road (#26, :func:`~kvref.models.strategies.pools.pool_through_plan`):
+    """A drawn scheduler pool through the one road (#26, :meth:`PoolConfig.through_plan`):
     the engine arguments a user would give vLLM for it (the step budget, the batches in flight,
     prefix caching, the Mamba mode, ``num_gpu_blocks_override`` the drawn block count) are planned,
     and where startup builds exactly the drawn pool the scheduler runs on the plan's pool. Tight
     pools, pools a block short and hand-set hash sizes stay off-plan, saying why."""
     engine = engine_config_for(cfg, **{k: fields[k] for k in (
         "groups", "max_model_len", "scheduler_block_size", "hash_block_size", "enable_caching", "num_blocks")})
-    return pool_through_plan(fields, engine, [], "scheduler setups aim at pools startup refuses or builds otherwise",
-                             settings)
+    return PoolConfig.through_plan(fields, engine, "scheduler setups aim at pools startup refuses or builds otherwise",
+                                   settings=settings)
 
 
 def with_scheduled_tokens_cap(cfg: SchedulerConfig, salt: int) -> SchedulerConfig:

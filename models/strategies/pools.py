@@ -17,8 +17,8 @@ one uncached ring block per request).
 The scheduler and hash block sizes are the ones startup resolves for the drawn groups
 (:func:`kvref.spec.resolve_kv_cache_block_sizes`, what :func:`~kvref.spec.plan_kv_cache` calls),
 and a pool that startup would build exactly as drawn comes through :func:`plan_kv_cache` and
-:meth:`PoolConfig.from_plan`; every other one comes through :meth:`PoolConfig.off_plan`, naming what
-startup would not do (#26: the strategy took an lcm of its own and sometimes doubled it unsaid).
+:meth:`PoolConfig.from_plan`; every other one comes through :meth:`PoolConfig.off_plan`, naming
+what startup would not do (both by :meth:`PoolConfig.through_plan`) (#26: the strategy took an lcm of its own and sometimes doubled it unsaid).
 The draws are the same either way, so the machines exercise the same pools.
 """
 
@@ -30,7 +30,7 @@ import random
 from hypothesis import strategies as st
 
 from kvref.impl.interface import PoolConfig
-from kvref.spec import EngineConfig, KVRefError, plan_kv_cache, resolve_kv_cache_block_sizes
+from kvref.spec import EngineConfig, resolve_kv_cache_block_sizes
 from kvref.spec.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -168,35 +168,9 @@ def _pool(fields: dict, engine: EngineConfig, off_plan: list[str]) -> PoolConfig
                                  num_gpu_blocks_override=fields["num_blocks"])
     planned = ("num_blocks", "groups", "max_model_len", "scheduler_block_size", "hash_block_size",
                "max_in_flight_tokens", "enable_caching")
-    return pool_through_plan({k: fields[k] for k in planned}, engine, off_plan,
-                             "generated pools aim at admission edges startup never sizes",
-                             {k: v for k, v in fields.items() if k not in planned})
-
-
-def pool_through_plan(fields: dict, engine: EngineConfig, off_plan: list[str], why: str,
-                      settings: dict | None = None) -> PoolConfig:
-    """The one road from a drawn pool to a :class:`PoolConfig` (#26), for every generator.
-
-    ``fields`` are the pool fields a startup plan decides (``PoolConfig.from_plan``'s), ``engine``
-    the engine arguments a user would give vLLM for them (``num_gpu_blocks_override`` the drawn
-    block count), ``settings`` the scheduler-side fields no plan carries (watermark, EAGLE, hash
-    lookahead, retention). When ``off_plan`` names no reason and :func:`plan_kv_cache` builds
-    exactly ``fields``, the pool is the plan's (``origin == "plan"``: startup and the runtime
-    agree by construction); otherwise it comes through :meth:`PoolConfig.off_plan`, whose origin
-    says ``why`` and each reason. Nothing is drawn here: either door gives the same pool."""
-    settings = dict(settings or {})
-    if not off_plan:
-        try:
-            plan = plan_kv_cache({g.layer_names[0]: g.kv_cache_spec for g in fields["groups"]}, engine, 0)
-        except KVRefError as exc:  # mostly: a pool below one max_model_len request (aimed at on purpose)
-            off_plan.append(f"startup refuses it ({type(exc).__name__})")
-        else:
-            pool = dataclasses.replace(PoolConfig.from_plan(plan), **settings)
-            differ = sorted(k for k, v in fields.items() if getattr(pool, k) != v)
-            if not differ:
-                return pool
-            off_plan.append(f"startup would build other {', '.join(differ)} (page sizes unified or padded)")
-    return PoolConfig.off_plan(f"{why}: " + "; ".join(off_plan), **fields, **settings)
+    return PoolConfig.through_plan({k: fields[k] for k in planned}, engine,
+                                   "generated pools aim at admission edges startup never sizes", off_plan,
+                                   {k: v for k, v in fields.items() if k not in planned})
 
 
 #: small vocabulary so unrelated prompts still collide on short blocks now and then

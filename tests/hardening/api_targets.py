@@ -1058,6 +1058,9 @@ def functions() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         "PoolConfig.off_plan": (interface.PoolConfig.off_plan, dict(
             why="a fuzzed pool", num_blocks=9, groups=groups, max_model_len=32, scheduler_block_size=4,
             hash_block_size=4)),
+        "PoolConfig.through_plan": (interface.PoolConfig.through_plan, dict(
+            fields=dict(num_blocks=9, groups=groups, max_model_len=32, scheduler_block_size=4, hash_block_size=4),
+            engine=eng, why="a fuzzed pool", reasons=[], settings=None)),
         "scheduler_view": (planning.scheduler_view, dict(groups=groups)),
         # spec: block-outermost layouts and packed grouping (#22)
         "planning_packed.check_layout": (planning_packed.check_layout, dict(layout="BLHNC")),
