@@ -103,5 +103,5 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_idx = boundary // self.block_size
         if block_idx >= len(table):
             return
-        BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, table[block_idx], boundary,
+        self.block_pool.cache_partial_block(block_hashes, table[block_idx], boundary,
                                             self.kv_cache_group_id, self.block_size, request=request)

@@ -80,9 +80,9 @@ class HiSparsePublication:
             state.ready_prefix_pages += 1
         host = self.host_manager
         # only sealed pages with completed copies outlive the request, cancellation included
-        BlockPoolCore.cache_full_blocks(host.block_pool, pub.block_hashes, pub.detached_blocks,
-                                        pub.num_cached_blocks, min(state.ready_prefix_pages, pub.num_pages),
-                                        host.block_size, host.kv_cache_group_id, request=pub.request)
+        host.block_pool.cache_full_blocks(pub.block_hashes, pub.detached_blocks,
+                                          pub.num_cached_blocks, min(state.ready_prefix_pages, pub.num_pages),
+                                          host.block_size, host.kv_cache_group_id, request=pub.request)
         BlockPoolCore.free_blocks(host.block_pool, pub.detached_blocks[::-1])
         state.publication = None
 

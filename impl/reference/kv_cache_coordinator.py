@@ -57,7 +57,7 @@ from kvref.spec.mathutil import cdiv, round_down
 from kvref.spec.prefix_cache_retention import replay_boundaries
 
 from .block_hash import BlockHash
-from .block_pool import BlockPool, BlockPoolCore
+from .block_pool import BlockPool
 from .chunked_local_manager import ChunkedLocalAttentionManager
 from .circular_buffer_manager import CircularBufferManager
 from .cross_attention_manager import CrossAttentionManager
@@ -379,8 +379,8 @@ class KVCacheCoordinator:
         for group_id, blocks in enumerate(computed_blocks):
             if blocks:
                 manager = self.single_type_managers[group_id]
-                BlockPoolCore.emit_cached_block_events(manager.block_pool, request, block_hashes, len(blocks),
-                                                       manager.block_size, group_id)
+                manager.block_pool.emit_cached_block_events(request, block_hashes, len(blocks),
+                                                            manager.block_size, group_id)
 
     def reset_prefix_cache(self) -> bool:
         """Reset each manager's pool once (the HiSparse host source has its own)."""

@@ -113,7 +113,7 @@ class MambaManager(SingleTypeKVCacheManager):
             # the raw (hash_block_size == alignment) hashes
             scale = block_size // alignment_tokens
             for fine_idx in range(min(max_length // alignment_tokens, len(block_hashes)) - 1, -1, -1):
-                hit = BlockPoolCore.get_cached_block(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
+                hit = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
                 if not hit:
                     continue
                 block_idx = fine_idx // scale
@@ -124,7 +124,7 @@ class MambaManager(SingleTypeKVCacheManager):
             return computed, 0
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         for i in range(max_length // block_size - 1, -1, -1):
-            hit = BlockPoolCore.get_cached_block(block_pool, hashes[i], kv_cache_group_ids)
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
             if not hit:
                 continue
             if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
@@ -262,7 +262,7 @@ class MambaManager(SingleTypeKVCacheManager):
         until the copy ran; a hit on the moved entry waits a step (it is filled by this step)."""
         table = self.req_to_blocks[request_id]
         assert table[block_idx] is source
-        BlockPoolCore.move_block_hashes(self.block_pool, source, cow)
+        self.block_pool.move_block_hashes(source, cow)
         self._pending_cow_copies.append((source, cow))
         source.ref_cnt += 1
         producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
@@ -277,7 +277,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def _relocate_speculative_block(self, table: list[KVCacheBlock], block_idx: int) -> None:
         """Move an exclusively owned, unhashed speculative block to the end of the table."""
         block = table[block_idx]
-        assert BlockPoolCore.is_block_writable(self.block_pool, block), "speculative blocks must be private"
+        assert self.block_pool.is_block_writable(block), "speculative blocks must be private"
         table.append(block)
         table[block_idx] = self._null_block
 
@@ -437,7 +437,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 return None
             if block.block_hash_num_tokens == position:
                 return None
-            return BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, block, position, self.kv_cache_group_id,
+            return self.block_pool.cache_partial_block(block_hashes, block, position, self.kv_cache_group_id,
                                                        self.block_size, replace_existing_hashes=True,
                                                        request=request)
         hbs = self.block_pool.hash_block_size
@@ -456,7 +456,7 @@ class MambaManager(SingleTypeKVCacheManager):
         # already keyed here by a hit or an earlier step: re-keying would defer every sibling
         if source.is_null or source.block_hash_num_tokens == num_tokens:
             return None
-        key = BlockPoolCore.cache_partial_block(self.block_pool, block_hashes, source, num_tokens, self.kv_cache_group_id,
+        key = self.block_pool.cache_partial_block(block_hashes, source, num_tokens, self.kv_cache_group_id,
                                                   self.block_size, request=request)
         if key is not None and num_tokens % self.block_size:
             # the next forward overwrites this state: the coming copy-on-write preserves it

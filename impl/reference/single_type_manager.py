@@ -311,9 +311,9 @@ class SingleTypeKVCacheManager:
                                          self.kv_cache_spec, self.use_eagle, retention_interval,
                                          self._reachable_boundaries(request, replay_boundaries),
                                          dcp_world_size=self.dcp_world_size)
-        BlockPoolCore.cache_full_blocks(self.block_pool, block_hashes, self.req_to_blocks.setdefault(rid, []),
-                                        num_cached, num_full, self.block_size, self.kv_cache_group_id, mask,
-                                        request=request)
+        self.block_pool.cache_full_blocks(block_hashes, self.req_to_blocks.setdefault(rid, []),
+                                          num_cached, num_full, self.block_size, self.kv_cache_group_id, mask,
+                                          request=request)
         self.num_cached_block[rid] = num_full
 
     @classmethod
